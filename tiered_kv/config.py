@@ -1,0 +1,171 @@
+"""One validated configuration for the whole hierarchy, in human units.
+
+Parsed in every process that builds a spec (scheduler and workers) from the same
+dict, e.g. vLLM's ``kv_connector_extra_config``. No I/O except the checks that a
+path and a size make sense on this machine, which happen when a tier opens, not here.
+
+Every error names the key, the bad value and what is expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid."""
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Bytes from an int or a string such as ``"64GiB"``, ``"1.5 TB"``, ``"512MiB"``.
+
+    Raises ``ConfigError`` naming ``key`` for anything else, including sizes <= 0.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size such as 64GiB or a byte count, got {value!r}")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _SIZE_UNITS:
+            raise ConfigError(
+                f"{key}: cannot parse size {value!r}; expected a number with an optional unit "
+                f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '64GiB'"
+            )
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ConfigError(f"{key}: expected a size such as 64GiB or a byte count, got {value!r}")
+    if n <= 0:
+        raise ConfigError(f"{key}: size must be positive, got {value!r}")
+    return n
+
+
+def format_size(n: int) -> str:
+    """``1073741824`` -> ``"1.00 GiB"``."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _parse_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _parse_choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ConfigError(f"{key}: expected one of {', '.join(choices)}; got {value!r}")
+
+
+def _parse_positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"{key}: expected a positive integer, got {value!r}") from None
+    if n <= 0:
+        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+    return n
+
+
+WRITE_POLICIES = ("write_through", "write_back")
+IO_BACKENDS = ("auto", "kvikio", "posix")
+EVICTION_POLICIES = ("lru",)
+CHECKSUMS = ("xxh3_64", "crc32c")
+
+
+@dataclass(frozen=True)
+class TieredConfig:
+    """Validated settings of the hierarchy. Build it with ``TieredConfig.from_dict``.
+
+    Sizes are bytes. ``disk_path=None`` disables the disk tier.
+    """
+
+    cpu_bytes: int = 4 * 1024**3
+    disk_path: str | None = None
+    disk_bytes: int = 64 * 1024**3
+    write_policy: str = "write_through"
+    promote_on_hit: bool = True
+    io_backend: str = "auto"
+    eviction_policy: str = "lru"
+    checksum: str = "xxh3_64"
+    io_threads: int = 4
+    #: Blocks allowed to wait for a disk write (write-through and spills); the excess is
+    #: dropped and counted instead of stalling the engine.
+    max_pending_disk_writes: int = 1024
+    #: Offloaded block size in tokens (a multiple of the engine's GPU block size).
+    block_size: int | None = None
+    model_id: str = "unknown"
+    model_revision: str = "main"
+    hash_algorithm: str = "sha256"
+    hash_seed: str = ""
+    #: Extra keys an engine adapter passes through untouched (e.g. vLLM's spec_name).
+    passthrough: Mapping[str, Any] = field(default_factory=dict)
+
+    _PARSERS = {
+        "cpu_bytes": parse_size,
+        "disk_path": lambda v, k: None if v in (None, "") else str(v),
+        "disk_bytes": parse_size,
+        "write_policy": lambda v, k: _parse_choice(v, k, WRITE_POLICIES),
+        "promote_on_hit": _parse_bool,
+        "io_backend": lambda v, k: _parse_choice(v, k, IO_BACKENDS),
+        "eviction_policy": lambda v, k: _parse_choice(v, k, EVICTION_POLICIES),
+        "checksum": lambda v, k: _parse_choice(v, k, CHECKSUMS),
+        "io_threads": _parse_positive_int,
+        "max_pending_disk_writes": _parse_positive_int,
+        "block_size": lambda v, k: None if v is None else _parse_positive_int(v, k),
+        "model_id": lambda v, k: str(v),
+        "model_revision": lambda v, k: str(v),
+        "hash_algorithm": lambda v, k: str(v),
+        "hash_seed": lambda v, k: str(v),
+    }
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name != "passthrough")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None = None,
+                  passthrough_keys: tuple[str, ...] = ()) -> "TieredConfig":
+        """Validate ``raw``. Keys in ``passthrough_keys`` are kept unparsed; any other
+        unknown key raises ``ConfigError`` naming it (with the closest known key)."""
+        raw = dict(raw or {})
+        known = cls.keys()
+        values: dict[str, Any] = {}
+        passthrough: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in passthrough_keys:
+                passthrough[key] = value
+                continue
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"unknown config key {key!r}{hint} Known keys: {', '.join(known)}"
+                )
+            values[key] = cls._PARSERS[key](value, key)
+        return cls(**values, passthrough=passthrough)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.keys()}

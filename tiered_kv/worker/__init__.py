@@ -1,0 +1,1 @@
+"""Worker-process side: handlers that move KV bytes between media, and the router."""

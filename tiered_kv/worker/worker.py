@@ -1,0 +1,163 @@
+"""Worker-side contract and router: handlers move bytes, the worker routes jobs to them.
+
+Runs in each worker (model-runner) process, one per GPU. A handler owns one
+(src medium, dst medium) direction and does that direction's I/O (CUDA copies, disk
+reads/writes) asynchronously; the only thing that flows back to the scheduler is a
+job's completion, ``(job_id, success)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+from tiered_kv.abstract import LoadStoreSpec
+
+logger = logging.getLogger(__name__)
+
+#: ``(src_spec, dst_spec)`` of one transfer.
+TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
+
+
+class TransferResult(NamedTuple):
+    """A finished job: its id and whether every byte of it was transferred correctly."""
+
+    job_id: int
+    success: bool
+
+
+class OffloadingHandler(ABC):
+    """Moves KV data in one direction, asynchronously. Worker process.
+
+    Contract: ``transfer_async`` never waits for the data to move; each submitted job
+    is reported exactly once by ``get_finished`` (after it completes or fails);
+    ``wait`` blocks until the given jobs complete (they are still reported by the next
+    ``get_finished``).
+    """
+
+    @abstractmethod
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Start transferring ``spec``'s blocks; return True if the job was accepted."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Return jobs finished since the last call. Never blocks."""
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until every job in ``job_ids`` has finished (unknown ids are ignored)."""
+
+    def shutdown(self) -> None:
+        """Release resources; in-flight jobs are finished or abandoned, never left hanging."""
+        return
+
+
+class HandlerRegistrationError(ValueError):
+    """A (src, dst) medium pair was registered twice."""
+
+
+class UnregisteredTransferError(LookupError):
+    """A transfer named a (src, dst) medium pair with no handler."""
+
+
+class OffloadingWorker:
+    """Routes each transfer to the handler registered for ``(src.medium(), dst.medium())``.
+
+    A handler that raises while accepting a job does not crash the worker: the job is
+    logged and reported as failed by the next ``get_finished``.
+    """
+
+    def __init__(self) -> None:
+        self.handlers: set[OffloadingHandler] = set()
+        self.transfer_type_to_handler: dict[tuple[str, str], OffloadingHandler] = {}
+        self._failed_on_submit: list[TransferResult] = []
+        self._job_handler: dict[int, OffloadingHandler] = {}
+
+    def register_handler(
+        self,
+        src_cls: type[LoadStoreSpec],
+        dst_cls: type[LoadStoreSpec],
+        handler: OffloadingHandler,
+    ) -> None:
+        """Route transfers from ``src_cls``'s medium to ``dst_cls``'s medium to ``handler``.
+
+        Raises ``HandlerRegistrationError`` if that pair already has a handler.
+        """
+        pair = (src_cls.medium(), dst_cls.medium())
+        existing = self.transfer_type_to_handler.get(pair)
+        if existing is not None:
+            raise HandlerRegistrationError(
+                f"a handler for transfers {pair[0]} -> {pair[1]} is already registered "
+                f"({type(existing).__name__}); register each (src, dst) medium pair once"
+            )
+        self.transfer_type_to_handler[pair] = handler
+        self.handlers.add(handler)
+
+    def handler_for(self, spec: TransferSpec) -> OffloadingHandler:
+        """The handler registered for ``spec``'s medium pair; raises
+        ``UnregisteredTransferError`` naming the pair and the registered ones."""
+        src, dst = spec
+        pair = (src.medium(), dst.medium())
+        handler = self.transfer_type_to_handler.get(pair)
+        if handler is None:
+            known = ", ".join(f"{s} -> {d}" for s, d in sorted(self.transfer_type_to_handler)) or "none"
+            raise UnregisteredTransferError(
+                f"no handler registered for transfers {pair[0]} -> {pair[1]} "
+                f"(registered: {known})"
+            )
+        return handler
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Submit a job to its handler. Returns whether it was accepted; a job that was
+        not accepted (handler refused or raised) is reported failed by ``get_finished``.
+
+        Raises ``UnregisteredTransferError`` for a medium pair with no handler: that is
+        a wiring bug, not a runtime fault.
+        """
+        handler = self.handler_for(spec)
+        try:
+            accepted = handler.transfer_async(job_id, spec)
+        except Exception:
+            logger.exception("handler %s raised while submitting job %d; reporting it failed",
+                             type(handler).__name__, job_id)
+            accepted = False
+        if accepted:
+            self._job_handler[job_id] = handler
+        else:
+            self._failed_on_submit.append(TransferResult(job_id, False))
+        return accepted
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call, from every handler. Never blocks."""
+        finished = self._failed_on_submit
+        self._failed_on_submit = []
+        for handler in self.handlers:
+            try:
+                results = handler.get_finished()
+            except Exception:
+                logger.exception("handler %s raised in get_finished; failing its jobs",
+                                 type(handler).__name__)
+                results = [TransferResult(j, False) for j, h in self._job_handler.items()
+                           if h is handler]
+            finished.extend(results)
+        for result in finished:
+            self._job_handler.pop(result.job_id, None)
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs have finished, on whichever handlers run them."""
+        by_handler: dict[OffloadingHandler, set[int]] = {}
+        for job_id in job_ids:
+            handler = self._job_handler.get(job_id)
+            if handler is not None:
+                by_handler.setdefault(handler, set()).add(job_id)
+        for handler, ids in by_handler.items():
+            handler.wait(ids)
+
+    def shutdown(self) -> None:
+        for handler in self.handlers:
+            try:
+                handler.shutdown()
+            except Exception:
+                logger.exception("handler %s raised in shutdown", type(handler).__name__)
