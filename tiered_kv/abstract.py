@@ -80,8 +80,12 @@ class OffloadingManager(ABC):
         becomes the most recent). Unknown blocks are ignored."""
         return
 
-    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Unpin blocks pinned by ``prepare_load`` (once per ``prepare_load``)."""
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Unpin blocks pinned by ``prepare_load`` (once per ``prepare_load``).
+
+        ``success`` (an extension of the seed API) says whether the load job succeeded;
+        a manager that also lands loaded blocks in a faster tier (promotion) must not
+        make them loadable there after a failed load."""
         return
 
     @abstractmethod

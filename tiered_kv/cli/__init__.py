@@ -16,6 +16,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+@app.callback()
+def _root() -> None:
+    """Multi-tier KV-cache for LLM inference."""
+    # A callback keeps ``app`` a command group: with a single registered command typer
+    # would otherwise run it as the root and reject its name as an extra argument.
+
+
 # Modules that add commands to ``app`` when imported. A missing one is skipped so a
 # partially installed tree still offers the commands it has.
 _COMMAND_MODULES = ("demo", "inspect", "config_cmd", "warmup")

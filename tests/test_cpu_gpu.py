@@ -1,0 +1,240 @@
+"""GPU <-> CPU handlers: byte-exact round trips in both layouts, block_size_factor and
+skip_count, ordering, failures; the `gpu` tests drive real CUDA streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_layout, random_tensors
+from tiered_kv.host_memory import HostKVCache, expand_block_ids
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.worker.cpu_gpu import (
+    LOAD_PRIORITY, STORE_PRIORITY, CpuGpuOffloadingHandlers, SingleDirectionOffloadingHandler,
+    contiguous_runs,
+)
+from tiered_kv.worker.worker import OffloadingWorker, TransferResult
+
+
+def kernel(t: torch.Tensor, kv_first: bool, k: int) -> bytes:
+    """Bytes of kernel block ``k`` of one layer tensor."""
+    block = t[:, k] if kv_first else t[k]
+    return block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def setup(kv_first, factor, slots=6, gpu_blocks=24, device="cpu", seed=0):
+    layout = make_layout(kv_first, num_gpu_blocks=gpu_blocks, block_size_factor=factor)
+    gpu = random_tensors(layout, seed=seed, device=device)
+    host = HostKVCache(layout, slots)
+    for t in host.tensors:
+        t.zero_()
+    return layout, gpu, host, CpuGpuOffloadingHandlers(gpu, host)
+
+
+def run(handler, job_id, spec):
+    assert handler.transfer_async(job_id, spec)
+    handler.wait({job_id})
+    assert handler.get_finished() == [TransferResult(job_id, True)]
+
+
+def test_contiguous_runs():
+    assert contiguous_runs(np.array([], dtype=np.int64)) == []
+    assert contiguous_runs(np.array([3, 4, 5, 9, 10, 12])) == [(0, 3, 3), (3, 5, 9), (5, 6, 12)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device):
+    layout, gpu, host, handlers = setup(kv_first, factor, device=device)
+    n = 4
+    src_gpu = np.array([17, 2, 9, 11, 20, 0, 5, 6, 13, 1, 22, 3][: n * factor])
+    slots = np.array([4, 1, 2, 5])
+    run(handlers.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(src_gpu), CPULoadStoreSpec(slots)))
+    # Each slot holds its GPU blocks, in order.
+    cpu_kernels = expand_block_ids(slots, factor)
+    for g, c in zip(src_gpu, cpu_kernels):
+        for t_gpu, t_cpu in zip(gpu, host.tensors):
+            assert kernel(t_cpu, kv_first, c) == kernel(t_gpu, kv_first, g)
+    # Load into other GPU blocks; the rest of the device cache is untouched.
+    originals = [t.clone() for t in gpu]
+    dst_gpu = np.array([23, 8, 7, 4, 10, 12, 14, 15, 16, 18, 19, 21][: n * factor])
+    run(handlers.cpu_to_gpu_handler, 2, (CPULoadStoreSpec(slots), GPULoadStoreSpec(dst_gpu)))
+    for g_src, g_dst in zip(src_gpu, dst_gpu):
+        for t, orig in zip(gpu, originals):
+            assert kernel(t, kv_first, g_dst) == kernel(orig, kv_first, g_src)
+    untouched = sorted(set(range(24)) - set(dst_gpu.tolist()))
+    for t, orig in zip(gpu, originals):
+        for g in untouched:
+            assert kernel(t, kv_first, g) == kernel(orig, kv_first, g)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_skip_count_leaves_partial_first_block(kv_first, device):
+    factor = 4
+    layout, gpu, host, handlers = setup(kv_first, factor, device=device)
+    slots = np.array([3, 0])
+    src_gpu = np.array([9, 10, 11, 12, 13])           # 8 kernel blocks minus 3 skipped
+    run(handlers.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(src_gpu, skip_count=3), CPULoadStoreSpec(slots)))
+    cpu_kernels = expand_block_ids(slots, factor)     # [12..15, 0..3]
+    for t_gpu, t_cpu in zip(gpu, host.tensors):
+        for c in cpu_kernels[:3]:
+            assert set(kernel(t_cpu, kv_first, c)) == {0}, "skipped kernel blocks stay as they were"
+        for g, c in zip(src_gpu, cpu_kernels[3:]):
+            assert kernel(t_cpu, kv_first, c) == kernel(t_gpu, kv_first, g)
+    before = [t.clone() for t in gpu]
+    dst_gpu = np.array([1, 2, 3, 4, 5])
+    run(handlers.cpu_to_gpu_handler, 2, (CPULoadStoreSpec(slots), GPULoadStoreSpec(dst_gpu, skip_count=3)))
+    for t, t_before in zip(gpu, before):
+        for g_src, g_dst in zip(src_gpu, dst_gpu):
+            assert kernel(t, kv_first, g_dst) == kernel(t_before, kv_first, g_src)
+        assert kernel(t, kv_first, 0) == kernel(t_before, kv_first, 0)
+
+
+def test_jobs_complete_and_report_in_submission_order(kv_first):
+    layout, gpu, host, handlers = setup(kv_first, 1)
+    store = handlers.gpu_to_cpu_handler
+    # The same slot written by successive jobs from different GPU blocks: the last
+    # submitted must win, and every job is reported once, in order.
+    for job in range(10):
+        assert store.transfer_async(job, (GPULoadStoreSpec([job]), CPULoadStoreSpec([0])))
+    results = store.get_finished()
+    assert results == [TransferResult(j, True) for j in range(10)]
+    assert store.get_finished() == []
+    for t_gpu, t_cpu in zip(gpu, host.tensors):
+        assert kernel(t_cpu, kv_first, 0) == kernel(t_gpu, kv_first, 9)
+
+
+def test_wait_does_not_swallow_results():
+    _, _, _, handlers = setup(False, 1)
+    h = handlers.gpu_to_cpu_handler
+    h.transfer_async(7, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([0, 1])))
+    h.wait({7, 12345})
+    assert h.get_finished() == [TransferResult(7, True)]
+
+
+def test_bad_specs_raise_and_copy_nothing():
+    layout, gpu, host, handlers = setup(True, 2, slots=4)
+    store = handlers.gpu_to_cpu_handler
+    with pytest.raises(ValueError, match="covers 3 kernel blocks"):
+        store.transfer_async(1, (GPULoadStoreSpec([1, 2, 3]), CPULoadStoreSpec([0])))
+    with pytest.raises(ValueError, match="destination kernel block ids span"):
+        store.transfer_async(2, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([4])))
+    with pytest.raises(ValueError, match="source kernel block ids span"):
+        store.transfer_async(3, (GPULoadStoreSpec([1, 24]), CPULoadStoreSpec([0])))
+    with pytest.raises(ValueError, match="skip_count"):
+        store.transfer_async(4, (GPULoadStoreSpec([1], skip_count=2), CPULoadStoreSpec([0])))
+    assert store.get_finished() == []
+    assert all(int(t.abs().sum()) == 0 for t in host.tensors)
+
+
+def test_handler_rejects_mismatched_tensors():
+    layout = make_layout(False, num_gpu_blocks=8)
+    gpu = random_tensors(layout)
+    other = random_tensors(make_layout(False, num_gpu_blocks=8, head_dim=4))
+    with pytest.raises(ValueError, match="same block shape"):
+        SingleDirectionOffloadingHandler(gpu, other, [False] * 3, 1, 1, 0)
+    with pytest.raises(ValueError, match="one src tensor"):
+        SingleDirectionOffloadingHandler(gpu, gpu[:2], [False] * 3, 1, 1, 0)
+
+
+def test_copy_failure_is_a_failed_job_not_a_crash(monkeypatch):
+    _, gpu, host, handlers = setup(False, 1)
+    store = handlers.gpu_to_cpu_handler
+    worker = OffloadingWorker()
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, store)
+    worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler)
+
+    def broken_copy(*args):
+        raise RuntimeError("injected copy failure")
+
+    assert worker.transfer_async(1, (GPULoadStoreSpec([1]), CPULoadStoreSpec([0])))
+    monkeypatch.setattr(store, "_copy", broken_copy)
+    assert worker.transfer_async(2, (GPULoadStoreSpec([2]), CPULoadStoreSpec([1])))
+    monkeypatch.undo()
+    assert worker.transfer_async(3, (CPULoadStoreSpec([0]), GPULoadStoreSpec([5])))
+    results = sorted(worker.get_finished())
+    assert results == [TransferResult(1, True), TransferResult(2, False), TransferResult(3, True)]
+    for t in gpu:
+        assert kernel(t, False, 5) == kernel(t, False, 1)
+
+
+def test_streams_priorities_loads_before_stores():
+    assert LOAD_PRIORITY < STORE_PRIORITY
+
+
+@pytest.mark.gpu
+def test_cuda_streams_events_and_pinned_host(kv_first):
+    layout, gpu, host, handlers = setup(kv_first, 2, slots=64, gpu_blocks=256, device="cuda")
+    assert host.pinned
+    store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+    assert store._stream.stream.priority > load._stream.stream.priority
+    # Many jobs: they complete in order; get_finished never blocks and reports each once.
+    rng = np.random.default_rng(0)
+    jobs = {}
+    for job in range(32):
+        slots = rng.choice(64, size=2, replace=False)
+        gpu_ids = rng.choice(256, size=4, replace=False)
+        jobs[job] = (gpu_ids, slots)
+        assert store.transfer_async(job, (GPULoadStoreSpec(gpu_ids), CPULoadStoreSpec(slots)))
+    seen = []
+    while len(seen) < 32:
+        got = store.get_finished()
+        assert [r.job_id for r in got] == list(range(len(seen), len(seen) + len(got)))
+        seen.extend(got)
+    assert all(r.success for r in seen)
+    # Last writer per slot wins (submission order).
+    last = {}
+    for job, (gpu_ids, slots) in jobs.items():
+        for i, s in enumerate(slots):
+            last[int(s)] = gpu_ids[2 * i: 2 * i + 2]
+    for s, gpu_ids in last.items():
+        for t_gpu, t_cpu in zip(gpu, host.tensors):
+            for k, g in enumerate(gpu_ids):
+                assert kernel(t_cpu, kv_first, 2 * s + k) == kernel(t_gpu, kv_first, int(g))
+    # And back, into a fresh region, with wait().
+    slots = np.array(sorted(last)[:8])
+    dst = np.arange(100, 116)
+    load.transfer_async(99, (CPULoadStoreSpec(slots), GPULoadStoreSpec(dst)))
+    load.wait({99})
+    assert load.get_finished() == [TransferResult(99, True)]
+    torch.cuda.synchronize()
+    for i, s in enumerate(slots):
+        for t_gpu, t_cpu in zip(gpu, host.tensors):
+            for k in range(2):
+                assert kernel(t_gpu, kv_first, int(dst[2 * i + k])) == kernel(t_cpu, kv_first, 2 * int(s) + k)
+
+
+@pytest.mark.gpu
+def test_cuda_store_waits_for_compute_stream():
+    layout, gpu, host, handlers = setup(False, 1, slots=4, gpu_blocks=8, device="cuda")
+    # A slow kernel on the compute stream writes block 3; the store must see its result.
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):
+        big = big @ big / 4096
+    gpu[0][3].fill_(7)
+    handlers.gpu_to_cpu_handler.transfer_async(1, (GPULoadStoreSpec([3]), CPULoadStoreSpec([0])))
+    handlers.gpu_to_cpu_handler.wait({1})
+    assert (host.tensors[0][0] == 7).all()
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_gpu_cpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_bench_refuses_cleanly_without_cuda(capsys):
+    assert _bench_module().main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_smoke_run_checks_its_own_copies(capsys):
+    assert _bench_module().main(["--smoke", "--block-mb", "1", "--layout", "kv-after",
+                                 "--blocks-per-job", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU->CPU" in out and "both" in out and "ratio" in out

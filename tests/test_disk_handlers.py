@@ -1,0 +1,254 @@
+"""Disk handlers: every (src, dst) pair round-trips through the disk; failures are
+reported as failed jobs, never raised; staging memory stays bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_tensors
+from disk_fixtures import FaultyBackend, block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.host_memory import HostKVCache, expand_block_ids
+from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
+from tiered_kv.worker.worker import OffloadingWorker
+
+SLOTS = 32
+
+
+def kv_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def kernel_blocks(tensors, layout, kernel_ids):
+    """Per layer, the bytes of the given kernel blocks (to compare two caches)."""
+    out = []
+    for t, layer in zip(tensors, layout.layers):
+        dim = 1 if layer.kv_before_num_blocks else 0
+        out.append(kv_bytes(t.index_select(dim, torch.as_tensor(np.asarray(kernel_ids), dtype=torch.long))))
+    return out
+
+
+def assert_same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def finish(handler, job_ids):
+    handler.wait(set(job_ids))
+    return {r.job_id: r.success for r in handler.get_finished()}
+
+
+def open_store(tmp_path, layout, backend="posix"):
+    return DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                          io_backend=backend)
+
+
+def host_cache(layout, slots, seed):
+    host = HostKVCache(layout, slots, pin=False)
+    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=slots * layout.block_size_factor, seed=seed)):
+        t.copy_(r)
+    return host
+
+
+def disk_spec(slots, prefix="b"):
+    return DiskLoadStoreSpec(slots, [block_hash(f"{prefix}{s}") for s in slots])
+
+
+def test_cpu_disk_cpu_round_trip(tmp_path, kv_first, factor):
+    layout = small_layout(kv_first, factor=factor)
+    store = open_store(tmp_path, layout)
+    src, dst = host_cache(layout, 8, seed=1), host_cache(layout, 8, seed=2)
+    h = CpuDiskHandler(store, 0, src, layout, staging_bytes=3 * store.slot_size)  # forces several chunks
+    h2 = CpuDiskHandler(store, 0, dst, layout)
+    try:
+        disk = disk_spec([5, 6, 7, 0, 11, 12, 13])
+        assert h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2, 3, 4, 5, 6]), disk))
+        assert finish(h, [1]) == {1: True}
+        assert h2.transfer_async(2, (disk, CPULoadStoreSpec([7, 6, 5, 4, 3, 2, 1])))
+        assert finish(h2, [2]) == {2: True}
+        f = layout.block_size_factor
+        assert_same(kernel_blocks(src.tensors, layout, expand_block_ids(range(7), f)),
+                    kernel_blocks(dst.tensors, layout, expand_block_ids([7, 6, 5, 4, 3, 2, 1], f)))
+        stats = {**h.stats.snapshot(), **{k: v for k, v in h2.stats.snapshot().items() if k == "disk_to_cpu"}}
+        assert stats["cpu_to_disk"].bytes == 7 * layout.bytes_per_block and stats["cpu_to_disk"].seconds > 0
+        assert stats["disk_to_cpu"].blocks == 7 and stats["disk_to_cpu"].failed_jobs == 0
+    finally:
+        h.shutdown(), h2.shutdown(), store.close()
+
+
+def test_gpu_pairs_via_the_cpu_fallback_and_cross_pairs(tmp_path, kv_first, factor):
+    """GPU->DISK, DISK->GPU (with CPU tensors standing in for the device), and the mixed
+    CPU->DISK->GPU / GPU->DISK->CPU routes through one OffloadingWorker."""
+    layout = small_layout(kv_first, factor=factor)
+    f = layout.block_size_factor
+    store = open_store(tmp_path, layout)
+    gpu = random_tensors(layout, seed=3)  # 32 kernel blocks
+    host = host_cache(layout, 8, seed=4)
+    worker = OffloadingWorker()
+    cpu_h = CpuDiskHandler(store, 0, host, layout)
+    gpu_h = GpuDiskHandler(store, 0, gpu, layout)
+    worker.register_handler(CPULoadStoreSpec, DiskLoadStoreSpec, cpu_h)
+    worker.register_handler(DiskLoadStoreSpec, CPULoadStoreSpec, cpu_h)
+    worker.register_handler(GPULoadStoreSpec, DiskLoadStoreSpec, gpu_h)
+    worker.register_handler(DiskLoadStoreSpec, GPULoadStoreSpec, gpu_h)
+    try:
+        n = 3
+        src_gpu = expand_block_ids([1, 4, 6], f) if f > 1 else np.array([3, 17, 9])
+        d1 = disk_spec([0, 1, 2], "g")
+        assert worker.transfer_async(1, (GPULoadStoreSpec(src_gpu), d1))
+        # GPU -> DISK -> CPU
+        worker.wait({1})
+        assert worker.transfer_async(2, (d1, CPULoadStoreSpec([5, 6, 7])))
+        worker.wait({2})
+        # CPU -> DISK -> GPU
+        d2 = disk_spec([10, 11, 12], "c")
+        assert worker.transfer_async(3, (CPULoadStoreSpec([0, 1, 2]), d2))
+        worker.wait({3})
+        dst_gpu = np.arange(32 - n * f, 32)
+        assert worker.transfer_async(4, (d2, GPULoadStoreSpec(dst_gpu)))
+        worker.wait({4})
+        # DISK -> GPU again, of the GPU-stored blocks, into other GPU blocks.
+        dst2 = np.array([0, 1, 2, 6, 7, 8, 9, 10, 11])[:n * f]  # clear of src_gpu and dst_gpu
+        assert worker.transfer_async(5, (d1, GPULoadStoreSpec(dst2)))
+        worker.wait({5})
+        results = {r.job_id: r.success for r in worker.get_finished()}
+        assert results == {1: True, 2: True, 3: True, 4: True, 5: True}
+        assert_same(kernel_blocks(gpu, layout, src_gpu), kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)))
+        assert_same(kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)), kernel_blocks(gpu, layout, dst_gpu))
+        assert_same(kernel_blocks(gpu, layout, src_gpu), kernel_blocks(gpu, layout, dst2))
+        assert set(gpu_h.stats.snapshot()) == {"gpu_to_disk", "disk_to_gpu"}
+        assert gpu_h.stats.snapshot()["disk_to_gpu"].jobs == 2
+    finally:
+        worker.shutdown()
+        store.close()
+
+
+def test_gpu_load_honours_skip_count(tmp_path):
+    layout = small_layout(True, factor=3)
+    store = open_store(tmp_path, layout)
+    gpu = random_tensors(layout, seed=5)
+    before = [t.clone() for t in gpu]
+    h = GpuDiskHandler(store, 0, gpu, layout)
+    try:
+        d = disk_spec([0, 1], "s")
+        assert h.transfer_async(1, (GPULoadStoreSpec(np.arange(0, 6)), d))
+        assert finish(h, [1]) == {1: True}
+        # Load the two blocks minus the first 2 kernel blocks into kernel blocks 20..23.
+        assert h.transfer_async(2, (d, GPULoadStoreSpec(np.arange(20, 24), skip_count=2)))
+        assert finish(h, [2]) == {2: True}
+        assert_same(kernel_blocks(gpu, layout, [2, 3, 4, 5]), kernel_blocks(gpu, layout, [20, 21, 22, 23]))
+        assert_same(kernel_blocks(gpu, layout, [18, 19]), kernel_blocks(before, layout, [18, 19]))
+        # A store cannot start mid-block, and lengths must add up: rejected, not raised.
+        assert not h.transfer_async(3, (GPULoadStoreSpec(np.arange(4), skip_count=2), d))
+        assert not h.transfer_async(4, (d, GPULoadStoreSpec(np.arange(5))))
+    finally:
+        h.shutdown(), store.close()
+
+
+def test_unsupported_pairs_and_bad_specs_are_rejected(tmp_path):
+    layout = small_layout()
+    store = open_store(tmp_path, layout)
+    h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=0), layout)
+    try:
+        assert not h.transfer_async(1, (CPULoadStoreSpec([0]), CPULoadStoreSpec([1])))
+        assert not h.transfer_async(2, (CPULoadStoreSpec([0, 1]), disk_spec([3])))
+        assert h.get_finished() == []
+        with pytest.raises(ValueError, match="bytes"):
+            CpuDiskHandler(store, 0, host_cache(small_layout(factor=2), 4, 0), small_layout(factor=2))
+        with pytest.raises(ValueError, match="rank 1"):
+            CpuDiskHandler(store, 1, host_cache(layout, 4, 0), layout)
+    finally:
+        h.shutdown(), store.close()
+
+
+@pytest.mark.faults
+def test_corrupt_block_fails_the_load_job(tmp_path):
+    layout = small_layout()
+    store = open_store(tmp_path, layout)
+    src, dst = host_cache(layout, 4, seed=6), host_cache(layout, 4, seed=7)
+    h = CpuDiskHandler(store, 0, src, layout)
+    h2 = CpuDiskHandler(store, 0, dst, layout)
+    try:
+        d = disk_spec([0, 1, 2])
+        h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2]), d))
+        assert finish(h, [1]) == {1: True}
+        flip_byte(store.namespace.slab_path(0), 2 * store.slot_size + 17)
+        h2.transfer_async(2, (d, CPULoadStoreSpec([0, 1, 2])))
+        assert finish(h2, [2]) == {2: False}
+        assert store.stats.checksum_failures == 1 and h2.stats.snapshot()["disk_to_cpu"].failed_jobs == 1
+        assert store.entry(d.block_hashes[2]) is None
+        h2.transfer_async(3, (DiskLoadStoreSpec([0, 1], d.block_hashes[:2]), CPULoadStoreSpec([0, 1])))
+        assert finish(h2, [3]) == {3: True}, "the intact blocks still load"
+    finally:
+        h.shutdown(), h2.shutdown(), store.close()
+
+
+@pytest.mark.faults
+def test_disk_full_fails_the_job_without_raising(tmp_path):
+    layout = small_layout()
+    backend = FaultyBackend(write_budget=0)
+    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                           io_backend=backend)
+    h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=0), layout)
+    try:
+        assert h.transfer_async(1, (CPULoadStoreSpec([0, 1]), disk_spec([0, 1])))
+        assert finish(h, [1]) == {1: False}
+        assert store.stats.enospc == 1 and h.stats.snapshot()["cpu_to_disk"].failed_jobs == 1
+    finally:
+        h.shutdown(), store.close(), backend.shutdown()
+
+
+class SlowBackend(FaultyBackend):
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def pwrite(self, f, buf, offset):
+        self.gate.wait(10)
+        return super().pwrite(f, buf, offset)
+
+
+def test_transfer_async_never_blocks_and_staging_is_bounded(tmp_path):
+    layout = small_layout()
+    backend = SlowBackend()
+    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                           io_backend=backend)
+    host = host_cache(layout, 16, seed=8)
+    h = CpuDiskHandler(store, 0, host, layout, staging_bytes=2 * store.slot_size, job_threads=2)
+    try:
+        t0 = time.perf_counter()
+        for j in range(6):  # 6 jobs of 5 blocks each through 2 buffers of 2 rows
+            assert h.transfer_async(j, (CPULoadStoreSpec(range(j, j + 5)), disk_spec(range(j * 5, j * 5 + 5), f"j{j}-")))
+        assert time.perf_counter() - t0 < 0.5, "transfer_async must only queue"
+        assert h.get_finished() == []
+        backend.gate.set()
+        assert finish(h, range(6)) == {j: True for j in range(6)}
+        assert h._staging._made <= 2
+    finally:
+        backend.gate.set()
+        h.shutdown(), store.close(), backend.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first):
+    """Real device tensors: GDS where KvikIO has it, else the pinned bounce buffer."""
+    layout = small_layout(kv_first, factor=2)
+    store = open_store(tmp_path, layout, backend="auto")
+    gpu = random_tensors(layout, seed=9, device="cuda")
+    h = GpuDiskHandler(store, 0, gpu, layout)
+    try:
+        d = disk_spec([3, 4, 9])
+        src = expand_block_ids([1, 5, 7], 2)
+        assert h.transfer_async(1, (GPULoadStoreSpec(src), d))
+        assert finish(h, [1]) == {1: True}
+        dst = expand_block_ids([10, 11, 12], 2)
+        assert h.transfer_async(2, (d, GPULoadStoreSpec(dst)))
+        assert finish(h, [2]) == {2: True}
+        assert_same(kernel_blocks(gpu, layout, src), kernel_blocks(gpu, layout, dst))
+    finally:
+        h.shutdown(), store.close()

@@ -1,0 +1,219 @@
+"""DiskOffloadingManager: seed semantics, LRU with pins, refresh from workers' log,
+index persistence of evictions, restart."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
+from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.mediums import DISK, DiskLoadStoreSpec
+
+CAP = 6
+H = [block_hash(i) for i in range(20)]
+
+
+@pytest.fixture
+def layout():
+    return small_layout()
+
+
+@pytest.fixture
+def tier(tmp_path, layout):
+    """A manager and a store on one cache directory (as a scheduler and a worker)."""
+    fp = fingerprint(layout)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e")
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
+                       engine_id="e")
+    yield m, s
+    s.close()
+    m.shutdown()
+
+
+def store_blocks(m, s, hashes, layout, ok=True):
+    out = m.prepare_store(hashes)
+    assert out is not None
+    spec = out.store_spec
+    if out.block_hashes_to_store:
+        res = s.write_blocks(0, spec.block_hashes, spec.block_ids.tolist(),
+                             content_rows(spec.block_hashes, 0, layout, s.slot_size))
+        assert all(res)
+    m.complete_store(out.block_hashes_to_store, success=ok)
+    return out
+
+
+def test_store_lookup_load_cycle(tier, layout):
+    m, s = tier
+    assert m.lookup(H[:3]) == 0
+    out = m.prepare_store(H[:3])
+    assert out.block_hashes_to_store == H[:3] and out.block_hashes_evicted == []
+    assert isinstance(out.store_spec, DiskLoadStoreSpec) and out.store_spec.block_hashes == H[:3]
+    assert len(set(out.store_spec.block_ids.tolist())) == 3
+    assert m.lookup(H[:3]) == 0 and m.is_pending(H[0]), "a block being stored is not loadable"
+    m.complete_store(H[:3])
+    assert m.lookup(H[:3] + [H[9]] + H[3:4]) == 3
+    spec = m.prepare_load(H[1:3])
+    assert spec.block_hashes == H[1:3] and spec.block_ids.tolist() == out.store_spec.block_ids.tolist()[1:3]
+    with pytest.raises(KeyError, match=H[9].hex()):
+        m.prepare_load([H[9]])
+    m.complete_load(H[1:3])
+    again = m.prepare_store(H[:4])
+    assert again.block_hashes_to_store == [H[3]], "already offloaded blocks are not stored again"
+    ev = list(m.take_events())
+    assert [(e.medium, e.removed, e.block_hashes) for e in ev] == [(DISK, False, H[:3])]
+    assert ev[0].block_size == layout.offloaded_block_size
+
+
+def test_lru_eviction_skips_pinned_and_requested_blocks(tier, layout):
+    m, s = tier
+    store_blocks(m, s, H[:CAP], layout)
+    m.touch([H[0]])  # H0 becomes most recent: H1 is now the LRU
+    m.prepare_load([H[1]])  # pinned: cannot be evicted
+    out = m.prepare_store([H[2], H[10], H[11]])  # H2 is requested: protected
+    assert out.block_hashes_to_store == [H[10], H[11]]
+    assert out.block_hashes_evicted == [H[3], H[4]]
+    assert not m.is_loadable(H[3]) and m.is_loadable(H[1]) and m.is_loadable(H[2])
+    assert m.stats.evictions == 2
+    assert [e.removed for e in m.take_events()][-1] is True
+
+
+def test_prepare_store_returns_none_and_changes_nothing_when_full(tier, layout):
+    m, s = tier
+    store_blocks(m, s, H[:CAP], layout)
+    m.prepare_load(H[:CAP - 1])
+    before = list(m.iter_evictable())
+    assert before == [H[CAP - 1]]
+    assert m.prepare_store(H[10:12]) is None
+    assert list(m.iter_evictable()) == before and m.stats.store_rejections == 1
+    m.complete_load(H[:CAP - 1])
+    assert m.prepare_store(H[10:12]) is not None
+
+
+def test_failed_store_frees_its_slots(tier, layout):
+    m, s = tier
+    out = m.prepare_store(H[:CAP])
+    m.complete_store(H[:CAP], success=False)
+    assert m.num_free_slots() == CAP and m.lookup(H[:1]) == 0 and m.stats.store_failures == CAP
+    assert m.prepare_store(H[10:10 + CAP]) is not None and out is not None
+
+
+def test_refresh_makes_blocks_durable_from_the_workers_log(tmp_path, layout):
+    fp = fingerprint(layout, tp_size=2)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e")
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
+                       engine_id="e")
+    try:
+        out = m.prepare_store(H[:2])
+        slots = out.store_spec.block_ids.tolist()
+        s.write_blocks(0, H[:2], slots, content_rows(H[:2], 0, layout, s.slot_size))
+        assert not m.refresh() and m.lookup(H[:2]) == 0, "one rank of two is not enough"
+        s.write_blocks(1, H[:1], slots[:1], content_rows(H[:1], 1, layout, s.slot_size))
+        r = m.refresh()
+        assert r.durable == [H[0]] and m.lookup(H[:2]) == 1
+        assert m.refresh().durable == [], "refresh is idempotent"
+        m.complete_store(H[:2])  # the job completion arrives later: same outcome, once
+        assert m.stats.stores == 2 and m.lookup(H[:2]) == 2
+    finally:
+        s.close()
+        m.shutdown()
+
+
+def test_refresh_drops_corrupt_blocks_and_marks_failed_stores(tier, layout):
+    m, s = tier
+    store_blocks(m, s, H[:2], layout)
+    spec = m.prepare_load([H[0]])
+    # The worker finds H0 corrupt while it is pinned by this load.
+    s.index.drop_corrupt(0, [(H[0], int(spec.block_ids[0]))])
+    r = m.refresh()
+    assert r.corrupt == [H[0]] and not m.is_loadable(H[0]) and m.stats.checksum_failures == 1
+    free = m.num_free_slots()
+    m.complete_load([H[0]])
+    assert m.num_free_slots() == free + 1, "its slot is freed once the load lets go"
+    # A worker logs a failed store: the block never becomes loadable, even on success.
+    out = m.prepare_store([H[5]])
+    s.index.log_failed(0, [H[5]], out.store_spec.block_ids.tolist())
+    assert m.refresh().failed == [H[5]]
+    m.complete_store([H[5]], success=True)
+    assert not m.is_loadable(H[5]) and m.stats.store_failures == 1
+
+
+def test_remove_and_iter_evictable(tier, layout):
+    m, s = tier
+    store_blocks(m, s, H[:3], layout)
+    assert list(m.iter_evictable()) == H[:3]
+    m.prepare_load([H[0]])
+    assert not m.remove(H[0]), "a pinned block stays"
+    assert m.remove(H[1]) and not m.is_loadable(H[1]) and not m.remove(H[1])
+    assert list(m.iter_evictable()) == [H[2]]
+
+
+def test_evictions_reach_the_index_but_a_restore_survives(tier, layout):
+    m, s = tier
+    store_blocks(m, s, H[:CAP], layout)
+    out = m.prepare_store([H[10]])
+    victim = out.block_hashes_evicted[0]
+    assert victim == H[0]
+    m.complete_store([H[10]], success=False)
+    # H0 comes back at once, possibly into its old slot, before the flusher ran.
+    again = store_blocks(m, s, [H[0]], layout)
+    assert again.block_hashes_to_store == [H[0]]
+    assert m.flush()
+    e = s.entry(H[0])
+    assert e is not None and e.slot == int(again.store_spec.block_ids[0])
+    # A plain eviction does reach the index.
+    out = m.prepare_store([H[11]])
+    gone = out.block_hashes_evicted[0]
+    assert m.flush() and s.entry(gone) is None
+
+
+def test_touch_and_hits_reach_the_index(tier, layout):
+    m, s = tier
+    store_blocks(m, s, H[:2], layout)
+    t0 = s.entry(H[0]).last_access
+    time.sleep(0.01)
+    m.touch([H[0]])
+    m.prepare_load([H[0]])
+    m.complete_load([H[0]])
+    assert m.flush()
+    e = s.entry(H[0])
+    assert e.last_access > t0 and e.hits == 1
+
+
+def test_restart_keeps_durable_blocks_in_lru_order(tmp_path, layout):
+    fp = fingerprint(layout)
+    nbytes = disk_bytes_for(layout, CAP)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e")
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+    store_blocks(m, s, H[:4], layout)
+    time.sleep(0.01)
+    m.touch([H[0]])  # recency now: H1 H2 H3 H0
+    pending = m.prepare_store([H[7]])  # never completed: not durable
+    assert pending is not None
+    s.close()
+    m.shutdown()
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2")
+    try:
+        assert [m.is_loadable(h) for h in H[:4]] == [True] * 4 and not m.is_loadable(H[7])
+        assert list(m.iter_evictable()) == [H[1], H[2], H[3], H[0]]
+        m.touch([H[2]])  # a cold block touched after restart becomes the most recent
+        out = m.prepare_store(H[10:13])
+        assert out.block_hashes_evicted == [H[1]]
+        assert list(m.iter_evictable())[-1] == H[12] or m.is_pending(H[12])
+    finally:
+        m.shutdown()
+
+
+def test_manager_rejects_a_capacity_below_one_block(tmp_path, layout):
+    with pytest.raises(ValueError, match="holds no block"):
+        DiskOffloadingManager(tmp_path, fingerprint(layout), layout, disk_bytes=100)
+
+
+def test_shutdown_is_idempotent_and_releases_the_lock(tmp_path, layout):
+    fp = fingerprint(layout)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP))
+    m.shutdown()
+    m.shutdown()
+    DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP)).shutdown()

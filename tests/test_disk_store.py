@@ -1,0 +1,286 @@
+"""DiskStore: the crash-safe write protocol, verified reads, corruption, full disks,
+backends."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from disk_fixtures import (
+    FaultyBackend, block_content, block_hash, content_rows, disk_bytes_for, fingerprint, flip_byte,
+    small_layout,
+)
+from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED
+from tiered_kv.disk.io_backends import (
+    BackendUnavailableError, KvikIOBackend, PosixBackend, aligned_empty, select_backend,
+)
+from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.store import DiskStore, checksum_function
+
+SLOTS = 16
+
+
+def open_store(path, layout, tp_size=1, **kw):
+    kw.setdefault("io_backend", "posix")
+    return DiskStore.open(path, fingerprint(layout, tp_size=tp_size), layout,
+                          disk_bytes=disk_bytes_for(layout, SLOTS), **kw)
+
+
+def read_back(store, rank, hashes, slots):
+    out = aligned_empty(len(hashes) * store.slot_size).view(len(hashes), store.slot_size)
+    ok = store.read_blocks(rank, hashes, slots, out)
+    return ok, [bytes(out[i, :store.block_bytes].numpy()) for i in range(len(hashes))]
+
+
+@pytest.fixture
+def layout():
+    return small_layout(factor=2, head_dim=48)  # 9 KiB blocks in 12 KiB slots: padded, several pages
+
+
+def test_round_trip_and_direct_io(tmp_path, layout):
+    store = open_store(tmp_path, layout)
+    try:
+        assert store.slot_size % 4096 == 0 and store.slot_size >= layout.bytes_per_block
+        hashes = [block_hash(i) for i in range(6)]
+        slots = [0, 1, 2, 7, 9, 10]  # two coalesced runs and a single
+        assert store.write_blocks(0, hashes, slots, content_rows(hashes, 0, layout, store.slot_size)) == [True] * 6
+        ok, data = read_back(store, 0, hashes, slots)
+        assert ok == [True] * 6
+        assert data == [block_content(h, 0, layout.bytes_per_block) for h in hashes]
+        assert store._files[0].direct, "ext4 takes O_DIRECT; the store must use it"
+        s = store.stats
+        assert (s.stores, s.loads, s.bytes_written) == (6, 6, 6 * layout.bytes_per_block)
+        # Unaligned / unpadded input (e.g. from a tool) is bounced, not refused.
+        plain = torch.frombuffer(bytearray(block_content(hashes[0], 0, layout.bytes_per_block)),
+                                 dtype=torch.uint8).view(1, -1)
+        assert store.write_blocks(0, [hashes[0]], [3], plain) == [True]
+        assert store.read_block(0, hashes[0]) == block_content(hashes[0], 0, layout.bytes_per_block)
+    finally:
+        store.close()
+
+
+def test_wrong_slot_or_missing_block_is_not_served(tmp_path, layout):
+    store = open_store(tmp_path, layout)
+    try:
+        h = [block_hash("x")]
+        store.write_blocks(0, h, [4], content_rows(h, 0, layout, store.slot_size))
+        ok, _ = read_back(store, 0, h, [5])  # the index says slot 4
+        assert ok == [False]
+        ok, _ = read_back(store, 0, [block_hash("never")], [6])
+        assert ok == [False] and store.stats.missing_entries == 2
+    finally:
+        store.close()
+
+
+@pytest.mark.faults
+def test_flipped_byte_is_detected_dropped_and_counted(tmp_path, layout):
+    store = open_store(tmp_path, layout)
+    try:
+        hashes = [block_hash(i) for i in range(3)]
+        store.write_blocks(0, hashes, [0, 1, 2], content_rows(hashes, 0, layout, store.slot_size))
+        flip_byte(store.namespace.slab_path(0), 1 * store.slot_size + layout.bytes_per_block - 1)
+        ok, data = read_back(store, 0, hashes, [0, 1, 2])
+        assert ok == [True, False, True]
+        assert data[0] == block_content(hashes[0], 0, layout.bytes_per_block)
+        assert store.stats.checksum_failures == 1
+        assert store.entry(hashes[1]) is None, "a corrupt block must leave the index"
+        assert [(r.status, r.block_hash) for r in store.index.read_log(0)][-1] == (LOG_CORRUPT, hashes[1])
+        assert store.read_block(0, hashes[1]) is None  # never returned, not even later
+    finally:
+        store.close()
+
+
+@pytest.mark.faults
+def test_flipped_byte_in_padding_is_harmless(tmp_path, layout):
+    store = open_store(tmp_path, layout)
+    try:
+        h = [block_hash(0)]
+        store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size))
+        assert store.slot_size > layout.bytes_per_block
+        flip_byte(store.namespace.slab_path(0), store.slot_size - 1)
+        assert read_back(store, 0, h, [0])[0] == [True]
+    finally:
+        store.close()
+
+
+def test_block_is_loadable_only_when_every_rank_committed(tmp_path, layout):
+    fp = fingerprint(layout, tp_size=2)
+    store = open_store(tmp_path, layout, tp_size=2)
+    hashes = [block_hash(i) for i in range(4)]
+    store.write_blocks(0, hashes, [0, 1, 2, 3], content_rows(hashes, 0, layout, store.slot_size))
+    store.write_blocks(1, hashes[:2], [0, 1], content_rows(hashes[:2], 1, layout, store.slot_size))
+    store.close()
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, SLOTS))
+    try:
+        assert [m.is_loadable(h) for h in hashes] == [True, True, False, False]
+        assert m.stats.reclaimed_at_open == 2 and m.num_free_slots() == SLOTS - 2
+        assert m.flush()
+        assert m.index.get(hashes[2]) is None, "partial entries are reclaimed on open"
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.faults
+def test_enospc_on_write_fails_the_store_counted_without_raising(tmp_path, layout):
+    fp = fingerprint(layout)
+    backend = FaultyBackend(write_budget=3 * 12288 + 1)  # room for the first job only
+    store = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend)
+    try:
+        first = [block_hash(i) for i in range(3)]
+        assert store.write_blocks(0, first, [0, 1, 2], content_rows(first, 0, layout, store.slot_size)) == [True] * 3
+        more = [block_hash(i) for i in range(3, 6)]
+        assert store.write_blocks(0, more, [3, 4, 5], content_rows(more, 0, layout, store.slot_size)) == [False] * 3
+        assert store.stats.store_failures == 3 and store.stats.enospc == 1
+        assert [r.status for r in store.index.read_log(0)][-3:] == [LOG_FAILED] * 3
+        assert all(store.entry(h) is None for h in more)
+        # Nothing durable was lost.
+        assert read_back(store, 0, first, [0, 1, 2])[0] == [True] * 3
+    finally:
+        store.close()
+        backend.shutdown()
+
+
+@pytest.mark.faults
+def test_failed_fsync_or_read_fails_the_job(tmp_path, layout):
+    backend = FaultyBackend()
+    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                           io_backend=backend)
+    try:
+        h = [block_hash(1)]
+        backend.fail_sync = errno.EIO
+        assert store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size)) == [False]
+        assert store.entry(h[0]) is None
+        backend.fail_sync = None
+        assert store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size)) == [True]
+        backend.fail_read = errno.EIO
+        assert read_back(store, 0, h, [0])[0] == [False]
+        assert store.entry(h[0]) is not None, "an I/O error is not corruption: keep the block"
+    finally:
+        store.close()
+        backend.shutdown()
+
+
+@pytest.mark.faults
+def test_full_filesystem_turns_into_failed_counted_stores(tmp_path, layout):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        fp = fingerprint(layout)
+        nbytes = disk_bytes_for(layout, 8)  # 8 x 12 KiB slots preallocated
+        m = DiskOffloadingManager(mnt, fp, layout, disk_bytes=nbytes)
+        store = DiskStore.open(mnt, fp, layout, disk_bytes=nbytes, io_backend="posix")
+        first = [block_hash(i) for i in range(2)]
+        assert store.write_blocks(0, first, [0, 1], content_rows(first, 0, layout, store.slot_size)) == [True] * 2
+        # Something else fills the filesystem; the index cannot grow any more.
+        with open(mnt / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        failures = 0
+        for k in range(40):  # enough new entries to need new index pages
+            hs = [block_hash(f"more-{k}-{i}") for i in range(6)]
+            ok = store.write_blocks(0, hs, list(range(2, 8)), content_rows(hs, 0, layout, store.slot_size))
+            failures += ok.count(False)
+        assert failures > 0 and store.stats.store_failures == failures
+        assert read_back(store, 0, first, [0, 1])[0] == [True, True]
+        (mnt / "filler").unlink()
+        hs = [block_hash("after")]
+        assert store.write_blocks(0, hs, [2], content_rows(hs, 0, layout, store.slot_size)) == [True]
+        store.close()
+        m.shutdown()
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_crc32c_checksum(tmp_path, layout):
+    pytest.importorskip("crc32c")
+    store = open_store(tmp_path, layout, checksum="crc32c")
+    try:
+        assert store.checksum_name == "crc32c"
+        h = [block_hash(0)]
+        store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size))
+        want = checksum_function("crc32c")(block_content(h[0], 0, layout.bytes_per_block))
+        assert store.entry(h[0]).checksums == (want,)
+        assert store.read_block(0, h[0]) is not None
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="xxh3_64 or crc32c"):
+        checksum_function("md5")
+
+
+def test_auto_backend_chooses_posix_and_says_why(tmp_path, caplog, monkeypatch):
+    reason = KvikIOBackend.probe(tmp_path)
+    if reason is None:
+        pytest.skip("KvikIO really works here")
+    with caplog.at_level(logging.INFO, logger="tiered_kv.disk.io_backends"):
+        backend = select_backend("auto", tmp_path)
+    try:
+        assert isinstance(backend, PosixBackend)
+        assert any("posix" in r.message and "KvikIO not usable" in r.message for r in caplog.records)
+    finally:
+        backend.shutdown()
+    with pytest.raises(BackendUnavailableError, match="io_backend=kvikio cannot run here"):
+        select_backend("kvikio", tmp_path)
+    with pytest.raises(ValueError, match="auto, kvikio, posix"):
+        select_backend("spdk", tmp_path)
+
+
+def test_buffered_fallback_where_o_direct_is_refused(tmp_path, layout, monkeypatch):
+    import tiered_kv.disk.io_backends as iob
+
+    monkeypatch.setattr(iob, "_probe_direct", lambda path, flags: "Invalid argument")
+    store = open_store(tmp_path, layout)
+    try:
+        h = [block_hash(0)]
+        assert store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size)) == [True]
+        assert not store._files[0].direct
+        assert store.read_block(0, h[0]) == block_content(h[0], 0, layout.bytes_per_block)
+    finally:
+        store.close()
+
+
+@pytest.mark.gpu
+def test_kvikio_gds_round_trip_from_device_memory(tmp_path, layout):
+    if KvikIOBackend.probe(tmp_path) is not None:
+        pytest.skip(f"KvikIO unusable: {KvikIOBackend.probe(tmp_path)}")
+    store = open_store(tmp_path, layout, io_backend="kvikio")
+    try:
+        hashes = [block_hash(i) for i in range(4)]
+        host = content_rows(hashes, 0, layout, store.slot_size)
+        dev = host.cuda()
+        batch = store.begin_write(0, hashes, [0, 1, 2, 3])
+        batch.submit(0, dev, host)
+        assert batch.finish() == [True] * 4
+        out = torch.zeros_like(dev)
+        mirror = torch.zeros_like(host)
+        rb = store.begin_read(0, hashes, [0, 1, 2, 3])
+        rb.submit(0, out, mirror)
+        assert rb.finish() == [True] * 4
+        assert torch.equal(out.cpu()[:, :layout.bytes_per_block], host[:, :layout.bytes_per_block])
+    finally:
+        store.close()
+
+
+def test_store_rejects_bad_input_clearly(tmp_path, layout):
+    store = open_store(tmp_path, layout)
+    try:
+        with pytest.raises(ValueError, match="one slot per hash"):
+            store.begin_write(0, [block_hash(0)], [0, 1])
+        with pytest.raises(ValueError, match=r"uint8 tensor of shape \(N, >= "):
+            store.write_blocks(0, [block_hash(0)], [0], torch.zeros(1, 10, dtype=torch.uint8))
+        bad = store.write_blocks(0, [block_hash(0)], [SLOTS + 5],
+                                 content_rows([block_hash(0)], 0, layout, store.slot_size))
+        assert bad == [False], "a slot past the namespace fails the block, it does not raise"
+    finally:
+        store.close()

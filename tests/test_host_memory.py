@@ -1,0 +1,170 @@
+"""Host KV memory, expand_block_ids and the block byte codec (pack/unpack)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_layout, random_tensors
+from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Compare KV by bytes: random bytes read as float16 include NaNs."""
+    return t.contiguous().view(torch.uint8)
+
+
+def reference_block_bytes(tensors, layout, kernel_ids) -> bytes:
+    """The documented byte order of one offloaded block, built block by block."""
+    parts = []
+    for tensor, layer in zip(tensors, layout.layers):
+        if layer.kv_before_num_blocks:
+            for kv in (0, 1):
+                for k in kernel_ids:
+                    parts.append(tensor[kv, k].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+        else:
+            for k in kernel_ids:
+                parts.append(tensor[k].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    return b"".join(parts)
+
+
+def test_expand_block_ids_seed_semantics():
+    assert expand_block_ids([0, 1, 3], 4).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]
+    assert expand_block_ids([2, 5], 3, skip_count=2).tolist() == [8, 15, 16, 17]
+    assert expand_block_ids([7, 2], 1).tolist() == [7, 2]
+    assert expand_block_ids([], 4).tolist() == []
+    with pytest.raises(ValueError, match="skip_count"):
+        expand_block_ids([1], 2, skip_count=2)
+
+
+def test_pack_matches_documented_byte_order(kv_first, factor):
+    layout = make_layout(kv_first, num_gpu_blocks=24, block_size_factor=factor)
+    tensors = random_tensors(layout)
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(24)[: 2 * factor].reshape(2, factor).astype(np.int64)
+    stride = layout.bytes_per_block + 100
+    out = torch.full((2, stride), 0xAB, dtype=torch.uint8)
+    pack_blocks(tensors, layout, ids, out)
+    for row in range(2):
+        want = reference_block_bytes(tensors, layout, ids[row])
+        assert out[row, : layout.bytes_per_block].numpy().tobytes() == want
+        assert (out[row, layout.bytes_per_block:] == 0xAB).all(), "padding must be left alone"
+
+
+def test_pack_unpack_round_trip_to_other_ids(kv_first, factor):
+    layout = make_layout(kv_first, num_gpu_blocks=24, block_size_factor=factor)
+    src_tensors = random_tensors(layout, seed=2)
+    dst_tensors = [torch.zeros_like(t) for t in src_tensors]
+    n = 24 // factor
+    src_ids = np.random.default_rng(3).permutation(24).reshape(n, factor)
+    dst_ids = np.random.default_rng(4).permutation(24).reshape(n, factor)
+    buf = torch.empty((n, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(src_tensors, layout, src_ids, buf)
+    unpack_blocks(buf, dst_tensors, layout, dst_ids)
+    for s, d, layer in zip(src_tensors, dst_tensors, layout.layers):
+        dim = 1 if layer.kv_before_num_blocks else 0
+        assert torch.equal(as_bytes(d.index_select(dim, torch.from_numpy(dst_ids.reshape(-1)))),
+                           as_bytes(s.index_select(dim, torch.from_numpy(src_ids.reshape(-1)))))
+
+
+def test_skip_entries_leave_bytes_and_blocks_untouched(kv_first):
+    layout = make_layout(kv_first, num_gpu_blocks=12, block_size_factor=3)
+    src = random_tensors(layout, seed=5)
+    ids = np.array([[-1, 4, 7], [1, 2, 3]], dtype=np.int64)
+    out = torch.zeros((2, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(src, layout, ids, out)
+    full = torch.zeros_like(out)
+    pack_blocks(src, layout, np.array([[0, 4, 7], [1, 2, 3]]), full)
+    # Exactly the bytes of the skipped kernel block (kernel 0 of row 0) stay zero.
+    marker = [torch.zeros_like(t) for t in src]
+    for t, l in zip(marker, layout.layers):
+        t.view(torch.uint8).select(1 if l.kv_before_num_blocks else 0, 0).fill_(0xFF)
+    mask = torch.zeros((1, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(marker, layout, np.array([[0, 4, 7]]), mask)
+    skipped = mask[0] == 0xFF
+    assert int(skipped.sum()) == layout.bytes_per_block // 3
+    assert (out[0][skipped] == 0).all()
+    assert torch.equal(out[0][~skipped], full[0][~skipped])
+    assert torch.equal(out[1], full[1])
+
+    dst = [torch.zeros_like(t) for t in src]
+    sentinel_dim = [1 if l.kv_before_num_blocks else 0 for l in layout.layers]
+    for t, dim in zip(dst, sentinel_dim):
+        t.select(dim, 9).fill_(7)
+    unpack_blocks(full, dst, layout, np.array([[-1, 4, 7], [1, 2, 3]]))
+    for s, t, dim in zip(src, dst, sentinel_dim):
+        assert (t.select(dim, 9) == 7).all()          # untouched block keeps its content
+        assert (t.select(dim, 0) == 0).all()          # the skipped position was not written
+        assert torch.equal(as_bytes(t.select(dim, 4)), as_bytes(s.select(dim, 4)))
+        assert torch.equal(as_bytes(t.select(dim, 2)), as_bytes(s.select(dim, 2)))
+
+
+def test_codec_rejects_bad_arguments():
+    layout = make_layout(False, num_gpu_blocks=8, block_size_factor=2)
+    tensors = random_tensors(layout)
+    out = torch.empty((1, layout.bytes_per_block), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="block_size_factor=2"):
+        pack_blocks(tensors, layout, np.array([[1, 2, 3]]), out)
+    with pytest.raises(ValueError, match="out of range"):
+        pack_blocks(tensors, layout, np.array([[1, 8]]), out)
+    with pytest.raises(ValueError, match="smaller than one block"):
+        pack_blocks(tensors, layout, np.array([[1, 2]]), out[:, :-1])
+    with pytest.raises(ValueError, match="uint8"):
+        pack_blocks(tensors, layout, np.array([[1, 2]]), out.view(torch.int16))
+    with pytest.raises(ValueError, match="layer tensors"):
+        unpack_blocks(out, tensors[:1], layout, np.array([[1, 2]]))
+    with pytest.raises(ValueError, match="contiguous"):
+        pack_blocks([t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in tensors], layout, np.array([[1, 2]]), out)
+
+
+def test_host_cache_shapes_and_codec_on_host(kv_first, factor):
+    layout = make_layout(kv_first, num_gpu_blocks=16, block_size_factor=factor)
+    slots = HostKVCache.slots_for_bytes(layout, 5 * layout.bytes_per_block + 1)
+    assert slots == 5
+    host = HostKVCache.from_bytes(layout, 5 * layout.bytes_per_block)
+    assert host.num_slots == 5
+    assert host.nbytes == 5 * layout.bytes_per_block
+    assert host.pinned == torch.cuda.is_available()
+    for t, layer in zip(host.tensors, layout.layers):
+        nb = 5 * factor
+        assert tuple(t.shape) == ((2, nb) if kv_first else (nb,)) + tuple(layer.block_shape)
+    assert host.kernel_ids([2, 0]).tolist() == expand_block_ids([2, 0], factor).reshape(-1, factor).tolist()
+    # The codec works on host tensors (the disk tier writes from them).
+    src = random_tensors(layout, num_blocks=5 * factor, seed=9)
+    for h, s in zip(host.tensors, src):
+        h.copy_(s)
+    buf = torch.empty((2, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(host.tensors, layout, host.kernel_ids([3, 1]), buf)
+    assert buf[0].numpy().tobytes() == reference_block_bytes(src, layout, host.kernel_ids([3])[0])
+
+
+def test_slots_for_bytes_rejects_too_small():
+    layout = make_layout(True)
+    with pytest.raises(ValueError, match="holds no block"):
+        HostKVCache.slots_for_bytes(layout, layout.bytes_per_block - 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_fallback_to_pageable_memory_is_logged_once(caplog, monkeypatch):
+    import tiered_kv.device as device
+    monkeypatch.setattr(device, "_logged_fallbacks", set())
+    caplog.set_level("INFO", logger="tiered_kv.device")
+    layout = make_layout(True)
+    first, second = HostKVCache(layout, 2), HostKVCache(layout, 3)
+    assert not first.pinned and not second.pinned
+    assert len([r for r in caplog.records if "pageable" in r.message]) == 1
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        HostKVCache(layout, 1, pin=True)
+    assert device.can_pin_memory() is False
+
+
+def test_resolve_device():
+    from tiered_kv.device import resolve_device
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="not available"):
+            resolve_device("cuda")

@@ -1,0 +1,81 @@
+"""The composite manager's bookkeeping with the CPU tier alone (no disk tier)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.mediums import CPULoadStoreSpec
+from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiered.specs import TieredStoreSpec
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def stored(manager, hashes):
+    out = manager.prepare_store(hashes)
+    assert out is not None
+    manager.complete_store(out.block_hashes_to_store)
+    return out
+
+
+def test_store_then_lookup_and_load_from_cpu():
+    m = TieredOffloadingManager(CPUOffloadingManager(4, block_size=16))
+    out = stored(m, [h(1), h(2)])
+    assert isinstance(out.store_spec, TieredStoreSpec)
+    assert out.store_spec.spills == [] and out.store_spec.write_through == []
+    assert m.lookup([h(1), h(2), h(3)]) == 2
+    spec = m.prepare_load([h(1), h(2)])
+    assert isinstance(spec, CPULoadStoreSpec) and len(spec.block_ids) == 2
+    m.complete_load([h(1), h(2)])
+    assert m.stats.tiers["cpu"]["hits"] == 2
+
+
+def test_without_disk_lru_victims_leave_the_hierarchy():
+    m = TieredOffloadingManager(CPUOffloadingManager(2, block_size=16))
+    stored(m, [h(1), h(2)])
+    m.touch([h(1)])  # h(2) is now least recent
+    out = stored(m, [h(3)])
+    assert out.block_hashes_evicted == [h(2)]
+    assert m.lookup([h(1)]) == 1 and m.lookup([h(2)]) == 0
+    assert m.stats.tiers["cpu"]["drops"] == 1
+
+
+def test_pinned_blocks_are_never_victims_and_full_pinned_tier_refuses():
+    m = TieredOffloadingManager(CPUOffloadingManager(2, block_size=16))
+    stored(m, [h(1), h(2)])
+    m.prepare_load([h(1), h(2)])
+    assert m.prepare_store([h(3)]) is None
+    assert m.lookup([h(1), h(2)]) == 2  # nothing changed
+    m.complete_load([h(1)])
+    out = stored(m, [h(3)])
+    assert out.block_hashes_evicted == [h(1)]
+
+
+def test_failed_store_frees_slots_and_blocks_are_not_loadable():
+    m = TieredOffloadingManager(CPUOffloadingManager(2, block_size=16))
+    out = m.prepare_store([h(1), h(2)])
+    assert m.lookup([h(1)]) == 0  # pending is not loadable
+    m.complete_store(out.block_hashes_to_store, success=False)
+    assert m.lookup([h(1)]) == 0
+    assert m.cpu.num_free_slots() == 2
+
+
+def test_prepare_load_of_unknown_block_names_it():
+    m = TieredOffloadingManager(CPUOffloadingManager(2, block_size=16))
+    with pytest.raises(KeyError, match=h(7).hex()[:16]):
+        m.prepare_load([h(7)])
+
+
+def test_already_offloaded_blocks_are_not_stored_again():
+    m = TieredOffloadingManager(CPUOffloadingManager(4, block_size=16))
+    stored(m, [h(1)])
+    out = m.prepare_store([h(1), h(2), h(2)])
+    assert out.block_hashes_to_store == [h(2)]
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="write_policy"):
+        TieredOffloadingManager(CPUOffloadingManager(2, block_size=16), write_policy="sometimes")

@@ -1,0 +1,268 @@
+"""LRU manager of the pinned-CPU tier: which block sits in which CPU slot.
+
+Scheduler process; pure bookkeeping, no I/O and no locks (the scheduler calls it from
+one thread). The bytes live in the workers' ``HostKVCache``; this class only hands out
+slot ids in ``CPULoadStoreSpec``s.
+
+A block is in one of two states: *pending* (reserved by ``prepare_store``/``allocate``,
+bytes still in flight, not loadable) or *loadable*. A loadable block carries a read
+ref-count (``prepare_load``/``pin``); only loadable blocks with ref-count 0 are
+evictable, so a slot is never reused while a transfer still reads or writes it.
+Recency is the order of an ``OrderedDict`` (front = least recent); eviction takes the
+first evictable block from the front.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+
+from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiered_kv.mediums import CPU, CPULoadStoreSpec
+
+
+class _Entry:
+    __slots__ = ("slot", "ref_cnt", "ready")
+
+    def __init__(self, slot: int):
+        self.slot = slot
+        self.ref_cnt = 0
+        self.ready = False
+
+
+def _short(block_hash: BlockHash) -> str:
+    return block_hash.hex()[:16] if isinstance(block_hash, (bytes, bytearray)) else repr(block_hash)
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """LRU ``OffloadingManager`` over ``num_slots`` CPU slots.
+
+    ``block_size`` (tokens per offloaded block) only labels events. With
+    ``enable_events`` every state change a consumer can see (stored, evicted,
+    removed) is reported with medium ``"CPU"`` by ``take_events``.
+
+    Beyond the seed API, the composite manager uses ``num_slots``, ``num_free_slots``,
+    ``iter_evictable``, ``remove``, ``slot_of``, ``is_loadable``, ``in``, ``pin``/
+    ``unpin`` and ``allocate``.
+    """
+
+    def __init__(self, num_slots: int, block_size: int, enable_events: bool = True):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self._num_slots = num_slots
+        self.block_size = block_size
+        self._blocks: OrderedDict[BlockHash, _Entry] = OrderedDict()
+        # Popped from the end: slots are first handed out in ascending order, which
+        # gives the GPU<->CPU copies long contiguous runs.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._num_evictable = 0
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+
+    # ---- capacity and introspection ----
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    def num_free_slots(self) -> int:
+        """Slots holding no block (neither pending nor loadable)."""
+        return len(self._free)
+
+    def num_evictable(self) -> int:
+        """Loadable blocks with no reader: what ``allocate`` may evict."""
+        return self._num_evictable
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        """True for pending and loadable blocks."""
+        return block_hash in self._blocks
+
+    def slot_of(self, block_hash: BlockHash) -> int | None:
+        """The slot of a pending or loadable block, else None."""
+        entry = self._blocks.get(block_hash)
+        return None if entry is None else entry.slot
+
+    def is_loadable(self, block_hash: BlockHash) -> bool:
+        entry = self._blocks.get(block_hash)
+        return entry is not None and entry.ready
+
+    def iter_evictable(self) -> Iterator[BlockHash]:
+        """Unpinned loadable blocks, least recent first. Lazy: do not change the
+        manager while iterating (collect what you need first)."""
+        for block_hash, entry in self._blocks.items():
+            if entry.ready and entry.ref_cnt == 0:
+                yield block_hash
+
+    # ---- seed API ----
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
+        blocks = self._blocks
+        hits = 0
+        for block_hash in block_hashes:
+            entry = blocks.get(block_hash)
+            if entry is None or not entry.ready:
+                break
+            hits += 1
+        return hits
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
+        entries = self._pin_entries(block_hashes)
+        return CPULoadStoreSpec([entry.slot for entry in entries])
+
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
+        blocks = self._blocks
+        for block_hash in block_hashes:
+            if block_hash in blocks:
+                blocks.move_to_end(block_hash)
+
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        self.unpin(block_hashes)
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        blocks = self._blocks
+        new: list[BlockHash] = []
+        seen: set[BlockHash] = set()
+        for block_hash in block_hashes:
+            if block_hash not in blocks and block_hash not in seen:
+                seen.add(block_hash)
+                new.append(block_hash)
+        evicted: list[BlockHash] = []
+        slots = self._allocate(new, evicted)
+        if slots is None:
+            return None
+        return PrepareStoreOutput(new, CPULoadStoreSpec(slots), evicted)
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Pending blocks among ``block_hashes`` become loadable (``success``) or are
+        freed and forgotten. Blocks that are not pending are left alone."""
+        blocks = self._blocks
+        done: list[BlockHash] = []
+        for block_hash in block_hashes:
+            entry = blocks.get(block_hash)
+            if entry is None or entry.ready:
+                continue
+            if success:
+                entry.ready = True
+                if entry.ref_cnt == 0:
+                    self._num_evictable += 1
+            else:
+                del blocks[block_hash]
+                self._free.append(entry.slot)
+            done.append(block_hash)
+        if success and done:
+            self._emit(done, removed=False)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    # ---- extensions for the composite manager ----
+
+    def pin(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Add one reader to each (loadable) block, protecting it from eviction until
+        ``unpin``. All or nothing: raises ``KeyError`` naming a block that is not
+        loadable, changing nothing."""
+        self._pin_entries(block_hashes)
+
+    def unpin(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Drop one reader from each block. All or nothing: raises ``ValueError``
+        naming a block that is unknown or has no reader, changing nothing."""
+        blocks = self._blocks
+        released: list[_Entry] = []
+        for block_hash in block_hashes:
+            entry = blocks.get(block_hash)
+            if entry is None or entry.ref_cnt <= 0:
+                for done in released:  # roll back: all or nothing
+                    done.ref_cnt += 1
+                    if done.ref_cnt == 1:
+                        self._num_evictable -= 1
+                raise ValueError(f"unpin/complete_load of block {_short(block_hash)} that "
+                                 f"is not pinned (unknown, or more releases than pins)")
+            entry.ref_cnt -= 1
+            if entry.ref_cnt == 0:
+                self._num_evictable += 1
+            released.append(entry)
+
+    def allocate(self, block_hashes: list[BlockHash],
+                 evicted: list[BlockHash] | None = None) -> list[int] | None:
+        """Reserve one slot per hash in ``block_hashes`` (distinct, none already here),
+        evicting least-recent unpinned blocks as needed. The new blocks are pending
+        and most recent. Returns their slots in order, or None, changing nothing, when
+        free plus evictable slots are too few. Evicted hashes are appended to
+        ``evicted`` and reported in a removed event."""
+        block_hashes = list(block_hashes)
+        blocks = self._blocks
+        for block_hash in block_hashes:
+            if block_hash in blocks:
+                raise ValueError(f"allocate: block {_short(block_hash)} is already in the CPU tier")
+        if len(set(block_hashes)) != len(block_hashes):
+            raise ValueError("allocate: block_hashes contains duplicates")
+        return self._allocate(block_hashes, evicted)
+
+    def _allocate(self, block_hashes: list[BlockHash],
+                  evicted: list[BlockHash] | None) -> list[int] | None:
+        """``allocate`` for hashes known to be new and distinct."""
+        need = len(block_hashes) - len(self._free)
+        if need > self._num_evictable:
+            return None
+        blocks = self._blocks
+        if need > 0:
+            victims = []
+            for block_hash, entry in blocks.items():
+                if entry.ready and entry.ref_cnt == 0:
+                    victims.append(block_hash)
+                    if len(victims) == need:
+                        break
+            for block_hash in victims:
+                self._free.append(blocks.pop(block_hash).slot)
+            self._num_evictable -= len(victims)
+            if evicted is not None:
+                evicted.extend(victims)
+            self._emit(victims, removed=True)
+        free = self._free
+        slots = []
+        for block_hash in block_hashes:
+            slot = free.pop()
+            blocks[block_hash] = _Entry(slot)
+            slots.append(slot)
+        return slots
+
+    def remove(self, block_hash: BlockHash) -> int:
+        """Drop an unpinned loadable block, report it removed, and return its (now
+        free) slot. Raises ``KeyError`` if the block is not loadable, ``ValueError``
+        if it is pinned."""
+        entry = self._blocks.get(block_hash)
+        if entry is None or not entry.ready:
+            raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
+        if entry.ref_cnt:
+            raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
+                             f"{entry.ref_cnt} reader(s)")
+        del self._blocks[block_hash]
+        self._num_evictable -= 1
+        self._free.append(entry.slot)
+        self._emit([block_hash], removed=True)
+        return entry.slot
+
+    # ---- internals ----
+
+    def _pin_entries(self, block_hashes: Iterable[BlockHash]) -> list[_Entry]:
+        blocks = self._blocks
+        entries = []
+        for block_hash in block_hashes:
+            entry = blocks.get(block_hash)
+            if entry is None or not entry.ready:
+                raise KeyError(f"block {_short(block_hash)} is not loadable in the CPU tier")
+            entries.append(entry)
+        for entry in entries:
+            if entry.ref_cnt == 0:
+                self._num_evictable -= 1
+            entry.ref_cnt += 1
+        return entries
+
+    def _emit(self, block_hashes: list[BlockHash], removed: bool) -> None:
+        if self._events is not None and block_hashes:
+            self._events.append(OffloadingEvent(block_hashes, self.block_size, CPU, removed))

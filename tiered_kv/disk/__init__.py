@@ -1,0 +1,34 @@
+"""The disk tier: a persistent, checksummed block store on local NVMe.
+
+Module map (which process runs what):
+
+- ``fingerprint``: the namespace key (all processes; no I/O).
+- ``namespace``: a cache directory's namespaces, manifests, slab preallocation and the
+  writer lock (scheduler and workers at startup; inspector read-only).
+- ``index``: the LMDB index shared by an engine's processes.
+- ``io_backends``: POSIX (O_DIRECT) and KvikIO (GDS) block I/O (workers).
+- ``store``: ``DiskStore``, one process's block reads/writes with the crash-safe
+  commit protocol (workers, tools, inspector).
+- ``manager``: ``DiskOffloadingManager``, slots, LRU and ref-counts (scheduler; never
+  blocks on I/O).
+
+The handlers that move blocks between KV tensors and the disk are in
+``tiered_kv.worker.disk``.
+"""
+
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.disk.io_backends import (
+    BackendUnavailableError, IOBackend, KvikIOBackend, PosixBackend, aligned_empty, select_backend,
+)
+from tiered_kv.disk.manager import DiskManagerStats, DiskOffloadingManager, RefreshResult
+from tiered_kv.disk.namespace import (
+    CacheLockedError, FingerprintMismatchError, Namespace, NamespaceError, list_namespaces, slot_size_for,
+)
+from tiered_kv.disk.store import DiskStore, DiskStoreStats
+
+__all__ = [
+    "BackendUnavailableError", "CacheLockedError", "DiskManagerStats", "DiskOffloadingManager",
+    "DiskStore", "DiskStoreStats", "Fingerprint", "FingerprintMismatchError", "IOBackend",
+    "KvikIOBackend", "Namespace", "NamespaceError", "PosixBackend", "RefreshResult", "aligned_empty",
+    "list_namespaces", "select_backend", "slot_size_for",
+]

@@ -1,0 +1,113 @@
+"""The disk cache's namespace key: everything that changes the bytes of a stored block.
+
+Pure data, no I/O; built in every process (scheduler and workers) from the same config
+and KV layout, so all of them agree on the namespace directory. Two engines whose
+fingerprints differ in any field never share blocks: they use different namespaces, and
+opening a namespace whose manifest records another fingerprint fails naming each field
+that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from tiered_kv.kv_layout import KVCacheLayout
+
+#: Hex digits of the namespace id (a prefix of the fingerprint's SHA-256).
+NAMESPACE_ID_LEN = 16
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of a disk-cache namespace.
+
+    ``block_size`` is tokens per offloaded block; ``layer_geometry`` is
+    ``((layer name, block shape), ...)`` in layout order; ``kv_layout`` says per layer
+    whether the KV dimension comes before num_blocks (``"kv_first"``) or not
+    (``"blocks_first"``). ``tp_size`` is the tensor-parallel width: each rank stores its
+    own shard of every block, and a block is complete only with all of them.
+    """
+
+    model_id: str
+    model_revision: str
+    dtype: str
+    block_size: int
+    gpu_block_size: int
+    layer_geometry: tuple[tuple[str, tuple[int, ...]], ...]
+    kv_layout: tuple[str, ...]
+    tp_size: int
+    hash_algorithm: str
+    hash_seed: str
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.tp_size > 64:
+            raise ValueError(f"tp_size must be in 1..64 (one bit per rank in the index), got {self.tp_size}")
+        if self.block_size < 1 or self.gpu_block_size < 1 or self.block_size % self.gpu_block_size:
+            raise ValueError(f"block_size ({self.block_size} tokens) must be a positive multiple of "
+                             f"gpu_block_size ({self.gpu_block_size} tokens)")
+
+    @classmethod
+    def from_layout(cls, layout: KVCacheLayout, *, model_id: str, model_revision: str = "main",
+                    tp_size: int = 1, hash_algorithm: str = "sha256", hash_seed: str = "") -> "Fingerprint":
+        """The fingerprint of one rank's ``layout`` (all ranks of a TP group share it)."""
+        return cls(
+            model_id=str(model_id),
+            model_revision=str(model_revision),
+            dtype=str(layout.dtype).removeprefix("torch."),
+            block_size=layout.offloaded_block_size,
+            gpu_block_size=layout.gpu_block_size,
+            layer_geometry=tuple((l.name, tuple(int(d) for d in l.block_shape)) for l in layout.layers),
+            kv_layout=tuple("kv_first" if l.kv_before_num_blocks else "blocks_first" for l in layout.layers),
+            tp_size=int(tp_size),
+            hash_algorithm=str(hash_algorithm),
+            hash_seed=str(hash_seed),
+        )
+
+    @classmethod
+    def from_config(cls, config: Any, layout: KVCacheLayout, tp_size: int = 1) -> "Fingerprint":
+        """From a ``TieredConfig`` (model_id, model_revision, hash_algorithm, hash_seed)."""
+        return cls.from_layout(layout, model_id=config.model_id, model_revision=config.model_revision,
+                               tp_size=tp_size, hash_algorithm=config.hash_algorithm,
+                               hash_seed=config.hash_seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields (tuples become lists)."""
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Fingerprint":
+        """Inverse of ``to_dict``. Raises ``ValueError`` naming missing or unknown fields."""
+        names = {f.name for f in fields(cls)}
+        missing, unknown = names - set(data), set(data) - names
+        if missing or unknown:
+            raise ValueError(f"fingerprint record has missing fields {sorted(missing)} "
+                             f"and unknown fields {sorted(unknown)}")
+        d = dict(data)
+        d["layer_geometry"] = tuple((str(n), tuple(int(x) for x in s)) for n, s in d["layer_geometry"])
+        d["kv_layout"] = tuple(d["kv_layout"])
+        return cls(**d)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def namespace_id(self) -> str:
+        """Short hex digest naming this fingerprint's directory in a cache dir."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:NAMESPACE_ID_LEN]
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        """One line per differing field: ``"dtype: 'float16' here, 'bfloat16' in the cache"``."""
+        out = []
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                out.append(f"{f.name}: {_short(mine)} here, {_short(theirs)} in the cache")
+        return out
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,520 @@
+"""The disk tier's LMDB index: which block is in which slot, durable on which ranks.
+
+One LMDB environment per namespace (``<namespace>/index.lmdb``), shared by every process
+of an engine and by the read-only inspector. LMDB allows one open environment per
+path per process, so ``DiskIndex`` objects share environments through a per-process
+registry. Sub-databases:
+
+- ``blocks``: block hash -> ``slot, size, hits, store_time, last_access, ranks bitmask,
+  checksum per rank, hash`` (little-endian; see ``entry_dtype``). The hash is repeated in
+  the value so a restart decodes every entry from one pass over the values with numpy.
+- ``slots``: slot (big-endian u64) -> the hash last committed there, so a writer can
+  clear the slot's previous owner before overwriting it.
+- ``log``: big-endian u64 sequence -> ``status, rank, slot, hash``: what workers did
+  (stored ok / store failed / found corrupt), read by the scheduler's manager.
+- ``meta``: the log sequence counter.
+
+Who writes what: workers commit ``blocks``/``slots``/``log`` in synced transactions, one
+per job, and only after the block bytes are durable (``store.py``); the manager's
+background flusher commits evictions, access times and log trimming in batches. Readers
+never block writers (MVCC). ``MDB_MAP_RESIZED`` in a reader is handled by adopting the
+new map size and retrying; a writer grows the map on ``MapFullError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import lmdb
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Log record statuses.
+LOG_OK, LOG_FAILED, LOG_CORRUPT = 0, 1, 2
+LOG_STATUS_NAMES = {LOG_OK: "ok", LOG_FAILED: "failed", LOG_CORRUPT: "corrupt"}
+
+_HEADER = struct.Struct("<qIIddQ")  # slot, size, hits, store_time, last_access, ranks
+_LOG = struct.Struct("<BIq")  # status, rank, slot (+ hash bytes)
+_SEQ = struct.Struct(">Q")
+_SLOT = struct.Struct(">Q")
+_LOG_SEQ_KEY = b"log_seq"
+_MIN_MAP_SIZE = 256 << 20
+
+
+def entry_dtype(tp_size: int, hash_len: int) -> np.dtype:
+    """numpy layout of a ``blocks`` value for ``tp_size`` ranks and ``hash_len``-byte
+    hashes (packed, little-endian). ``hash`` compares like the bytes (fixed length)."""
+    return np.dtype([("slot", "<i8"), ("size", "<u4"), ("hits", "<u4"), ("store_time", "<f8"),
+                     ("last_access", "<f8"), ("ranks", "<u8"), ("checksums", "<u8", (tp_size,)),
+                     ("hash", f"S{hash_len}")])
+
+
+class Entry(NamedTuple):
+    """One block's index record. ``ranks`` has bit r set once rank r's bytes are durable
+    and ``checksums[r]`` recorded."""
+
+    slot: int
+    size: int
+    hits: int
+    store_time: float
+    last_access: float
+    ranks: int
+    checksums: tuple[int, ...]
+
+    def has_rank(self, rank: int) -> bool:
+        return bool(self.ranks >> rank & 1)
+
+
+class LogRecord(NamedTuple):
+    seq: int
+    status: int
+    rank: int
+    slot: int
+    block_hash: bytes
+
+
+@dataclass
+class IndexSnapshot:
+    """All ``blocks`` entries at one instant (see ``DiskIndex.load_all``).
+
+    ``entries`` is a structured array (``entry_dtype``) of the entries whose hash has the
+    most common length, sorted by hash; ``odd`` holds the rest as ``(hash, Entry)``.
+    ``log_seq`` is the last log record the snapshot reflects.
+    """
+
+    entries: np.ndarray
+    odd: list[tuple[bytes, Entry]]
+    log_seq: int
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.odd)
+
+    def hash_at(self, i: int) -> bytes:
+        """The exact bytes of ``entries[i]``'s hash (numpy's ``S`` drops trailing NULs)."""
+        return self.entries[i:i + 1]["hash"].view(np.uint8).tobytes()
+
+
+class _SharedEnv:
+    """One process's handle on an LMDB environment, shared by every ``DiskIndex`` on it.
+
+    Transactions go through ``run`` so the map can be resized safely: LMDB requires no
+    active transaction in the process while ``set_mapsize`` runs.
+    """
+
+    def __init__(self, path: Path, readonly: bool, map_size: int):
+        self.path = path
+        self.readonly = readonly
+        self.refs = 0
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+        self.env = self._open(path, readonly, map_size)
+        self.dbs: dict[str, Any] = {}
+        for name in ("blocks", "slots", "log", "meta"):
+            try:
+                self.dbs[name] = self.env.open_db(name.encode(), create=not readonly)
+            except lmdb.NotFoundError:
+                self.dbs[name] = None  # a read-only open of an index never written to
+
+    @staticmethod
+    def _open(path: Path, readonly: bool, map_size: int) -> lmdb.Environment:
+        kwargs = dict(subdir=True, max_dbs=8, readonly=readonly, create=not readonly,
+                      readahead=False, meminit=False, max_readers=1022)
+        if readonly:
+            try:
+                env = lmdb.open(str(path), lock=True, **kwargs)
+            except lmdb.Error as e:
+                # The lock file is not writable (e.g. a read-only mount): read without the
+                # reader table, which is only safe while no engine writes.
+                logger.warning("opening %s read-only without locking (%s); results may be "
+                               "inconsistent if an engine is writing", path, e)
+                env = lmdb.open(str(path), lock=False, **kwargs)
+        else:
+            env = lmdb.open(str(path), map_size=map_size, **kwargs)
+            env.reader_check()  # clear reader slots of processes that died (kill -9)
+        return env
+
+    def run(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
+        """Run ``fn(txn)`` in a transaction (committed if ``write``), retrying after
+        adopting a grown map (``MDB_MAP_RESIZED``) or growing a full one (writers)."""
+        while True:
+            self._enter()
+            try:
+                with self.env.begin(write=write) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                grow = False
+            except lmdb.MapFullError:
+                if not write:
+                    raise
+                grow = True
+            finally:
+                self._exit()
+            self._resize(grow)
+
+    def _enter(self) -> None:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+
+    def _exit(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._active == 0:
+                self._cond.notify_all()
+
+    def _resize(self, grow: bool) -> None:
+        with self._cond:
+            if self._resizing:  # another thread is on it; wait and retry with its result
+                while self._resizing:
+                    self._cond.wait()
+                return
+            self._resizing = True  # new transactions wait from here on
+            while self._active:
+                self._cond.wait()
+        try:
+            if grow:
+                new = self.env.info()["map_size"] * 2
+                logger.info("LMDB index %s is full; growing the map to %d MiB", self.path, new >> 20)
+                self.env.set_mapsize(new)
+            else:
+                self.env.set_mapsize(0)  # adopt the size another process grew it to
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+_registry: dict[str, _SharedEnv] = {}
+_registry_lock = threading.Lock()
+
+
+def _acquire_env(path: Path, readonly: bool, map_size: int) -> _SharedEnv:
+    key = os.path.realpath(path)
+    with _registry_lock:
+        shared = _registry.get(key)
+        if shared is not None and shared.readonly and not readonly:
+            raise RuntimeError(f"LMDB index {path} is already open read-only in this process; "
+                               f"close the read-only handles before opening it for writing")
+        if shared is None:
+            if readonly and not (Path(path) / "data.mdb").exists():
+                raise FileNotFoundError(f"no LMDB index at {path}")
+            shared = _SharedEnv(Path(path), readonly, map_size)
+            _registry[key] = shared
+        shared.refs += 1
+        return shared
+
+
+def _release_env(shared: _SharedEnv) -> None:
+    with _registry_lock:
+        shared.refs -= 1
+        if shared.refs == 0:
+            _registry.pop(os.path.realpath(shared.path), None)
+            shared.env.close()
+
+
+class DiskIndex:
+    """Typed access to one namespace's index. Thread-safe; cheap to create per user.
+
+    ``tp_size`` fixes the entry length. Every write method commits one transaction
+    (synced: the environment is opened with LMDB's default durable commits).
+    """
+
+    def __init__(self, path: str | os.PathLike, tp_size: int, *, readonly: bool = False,
+                 expected_entries: int = 0):
+        self.path = Path(path)
+        self.tp_size = tp_size
+        self._entry = struct.Struct(_HEADER.format + f"{tp_size}Q")
+        # Map size is virtual address space, not disk: reserve plenty so growth is rare.
+        map_size = max(_MIN_MAP_SIZE, expected_entries * 1024)
+        self._shared = _acquire_env(self.path, readonly, map_size)
+        self._closed = False
+
+    @property
+    def readonly(self) -> bool:
+        return self._shared.readonly
+
+    def close(self) -> None:
+        """Release this handle (the environment closes with its last handle). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _release_env(self._shared)
+
+    def _db(self, name: str):
+        return self._shared.dbs[name]
+
+    # ------------------------------------------------------------ codec
+
+    def encode(self, block_hash: bytes, e: Entry) -> bytes:
+        return self._entry.pack(e.slot, e.size, e.hits, e.store_time, e.last_access, e.ranks,
+                                *e.checksums) + block_hash
+
+    def decode(self, block_hash: bytes, raw: bytes) -> Entry | None:
+        """None for a value that does not fit (another tp_size, or damage)."""
+        if len(raw) != self._entry.size + len(block_hash) or raw[self._entry.size:] != block_hash:
+            return None
+        v = self._entry.unpack_from(raw)
+        return Entry(v[0], v[1], v[2], v[3], v[4], v[5], tuple(v[6:]))
+
+    def _slot_of(self, raw: bytes | None) -> int | None:
+        if raw is None or len(raw) < self._entry.size:
+            return None
+        return _HEADER.unpack_from(raw)[0]
+
+    # ------------------------------------------------------------ reads
+
+    def get(self, block_hash: bytes) -> Entry | None:
+        if self._db("blocks") is None:
+            return None
+        raw = self._shared.run(lambda txn: txn.get(block_hash, db=self._db("blocks")))
+        return None if raw is None else self.decode(block_hash, raw)
+
+    def get_many(self, hashes: Sequence[bytes]) -> list[Entry | None]:
+        """Entries of ``hashes`` from one consistent snapshot."""
+        if self._db("blocks") is None:
+            return [None] * len(hashes)
+
+        def read(txn):
+            db = self._db("blocks")
+            return [txn.get(h, db=db) for h in hashes]
+
+        return [None if r is None else self.decode(h, r) for h, r in zip(hashes, self._shared.run(read))]
+
+    def load_all(self) -> IndexSnapshot:
+        """Every entry plus the log position, from one snapshot: one pass over the values
+        decoded with numpy, no per-entry Python objects in the common case (all hashes
+        of one length). Entries that do not decode are logged and left out."""
+        if self._db("blocks") is None:
+            return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), [], 0)
+
+        def read(txn):
+            vals = list(txn.cursor(db=self._db("blocks")).iternext(keys=False, values=True))
+            return vals, self._log_seq(txn)
+
+        vals, seq = self._shared.run(read)
+        base = self._entry.size
+        if not vals:
+            return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), [], seq)
+        blob = b"".join(vals)
+        hash_len = len(vals[0]) - base
+        if hash_len > 0 and len(blob) == len(vals) * (base + hash_len):
+            return IndexSnapshot(np.frombuffer(blob, dtype=entry_dtype(self.tp_size, hash_len)), [], seq)
+        # Mixed hash lengths: bulk-decode the most common length, the rest one by one.
+        lengths = np.fromiter((len(v) for v in vals), dtype=np.int64, count=len(vals))
+        common = int(np.bincount(lengths).argmax())
+        main = [v for v, n in zip(vals, lengths) if n == common]
+        odd = []
+        for v, n in zip(vals, lengths):
+            if n != common:
+                h = bytes(v[base:])
+                e = self.decode(h, v) if n > base else None
+                if e is None:
+                    logger.warning("index %s: ignoring an entry of %d bytes that does not decode "
+                                   "for tp_size %d", self.path, n, self.tp_size)
+                else:
+                    odd.append((h, e))
+        if common <= base:
+            return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), odd, seq)
+        arr = np.frombuffer(b"".join(main), dtype=entry_dtype(self.tp_size, common - base))
+        return IndexSnapshot(arr, odd, seq)
+
+    def read_log(self, after_seq: int, limit: int = 100_000) -> list[LogRecord]:
+        """Log records with sequence > ``after_seq``, oldest first."""
+        if self._db("log") is None:
+            return []
+
+        def read(txn):
+            cur = txn.cursor(db=self._db("log"))
+            out = []
+            if not cur.set_range(_SEQ.pack(after_seq + 1)):
+                return out
+            for k, v in cur.iternext(keys=True, values=True):
+                status, rank, slot = _LOG.unpack_from(v)
+                out.append(LogRecord(_SEQ.unpack(k)[0], status, rank, slot, bytes(v[_LOG.size:])))
+                if len(out) >= limit:
+                    break
+            return out
+
+        return self._shared.run(read)
+
+    def log_seq(self) -> int:
+        if self._db("meta") is None:
+            return 0
+        return self._shared.run(self._log_seq)
+
+    def _log_seq(self, txn) -> int:
+        raw = txn.get(_LOG_SEQ_KEY, db=self._db("meta")) if self._db("meta") is not None else None
+        return _SEQ.unpack(raw)[0] if raw else 0
+
+    def count(self) -> int:
+        if self._db("blocks") is None:
+            return 0
+        return self._shared.run(lambda txn: txn.stat(self._db("blocks"))["entries"])
+
+    # ------------------------------------------------------------ worker writes
+
+    def needs_clearing(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> bool:
+        """Whether ``clear_for_overwrite`` would change anything (a cheap read, so the
+        common case of freshly freed slots costs no synced transaction)."""
+        def read(txn):
+            blocks, slot_db = self._db("blocks"), self._db("slots")
+            for h, s in zip(hashes, slots):
+                owner = txn.get(_SLOT.pack(s), db=slot_db)
+                if owner is not None and owner != h and self._slot_of(txn.get(owner, db=blocks)) == s:
+                    return True
+                raw = txn.get(h, db=blocks)
+                if raw is not None:
+                    e = self.decode(h, raw)
+                    if e is None or e.slot != s or e.has_rank(rank):
+                        return True
+            return False
+
+        return self._shared.run(read)
+
+    def clear_for_overwrite(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Step 1 of a store: make sure no entry lets rank ``rank``'s copy of a target slot
+        be loaded while it is overwritten. Deletes entries of other blocks in the target
+        slots and stale entries of the target blocks in other slots, and clears
+        ``rank``'s bit of target blocks already recorded in their target slot. One synced
+        transaction."""
+        def write(txn):
+            blocks, slot_db = self._db("blocks"), self._db("slots")
+            for h, s in zip(hashes, slots):
+                sk = _SLOT.pack(s)
+                owner = txn.get(sk, db=slot_db)
+                if owner is not None and owner != h:
+                    self._delete_if_slot(txn, owner, s)
+                    txn.delete(sk, db=slot_db)
+                raw = txn.get(h, db=blocks)
+                if raw is None:
+                    continue
+                e = self.decode(h, raw)
+                if e is None or e.slot != s:
+                    txn.delete(h, db=blocks)
+                elif e.has_rank(rank):
+                    sums = list(e.checksums)
+                    sums[rank] = 0
+                    txn.put(h, self.encode(h, e._replace(ranks=e.ranks & ~(1 << rank),
+                                                      checksums=tuple(sums))), db=blocks)
+
+        self._shared.run(write, write=True)
+
+    def commit_stored(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
+                      sizes: Sequence[int], checksums: Sequence[int | None]) -> None:
+        """Step 3 of a store, after the bytes are durable: for each block whose checksum
+        is not None set rank ``rank``'s bit and checksum (creating the entry) and the slot
+        owner, and log ``ok``; log ``failed`` for the others. One synced transaction."""
+        now = time.time()
+
+        def write(txn):
+            blocks, slot_db = self._db("blocks"), self._db("slots")
+            records = []
+            for i, (h, s, size, csum) in enumerate(zip(hashes, slots, sizes, checksums)):
+                if csum is None:
+                    records.append((LOG_FAILED, rank, s, h))
+                    continue
+                sk = _SLOT.pack(s)
+                owner = txn.get(sk, db=slot_db)
+                if owner is not None and owner != h:
+                    self._delete_if_slot(txn, owner, s)
+                raw = txn.get(h, db=blocks)
+                e = None if raw is None else self.decode(h, raw)
+                if e is None or e.slot != s or e.size != size:
+                    # A job's blocks keep their order in the LRU after a restart.
+                    t = now + i * 1e-6
+                    e = Entry(s, size, 0, t, t, 0, (0,) * self.tp_size)
+                sums = list(e.checksums)
+                sums[rank] = csum
+                txn.put(h, self.encode(h, e._replace(ranks=e.ranks | 1 << rank, checksums=tuple(sums))),
+                        db=blocks)
+                txn.put(sk, h, db=slot_db)
+                records.append((LOG_OK, rank, s, h))
+            self._append_log(txn, records)
+
+        self._shared.run(write, write=True)
+
+    def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Record failed stores (best effort: errors are logged, not raised)."""
+        try:
+            self._shared.run(lambda txn: self._append_log(
+                txn, [(LOG_FAILED, rank, s, h) for h, s in zip(hashes, slots)]), write=True)
+        except lmdb.Error as e:
+            logger.error("index %s: cannot log %d failed stores: %s", self.path, len(hashes), e)
+
+    def drop_corrupt(self, rank: int, items: Sequence[tuple[bytes, int]]) -> None:
+        """Delete the entries of blocks found corrupt (only if still in that slot) and log
+        ``corrupt`` records, so they are never served again."""
+        def write(txn):
+            for h, s in items:
+                self._delete_if_slot(txn, h, s)
+            self._append_log(txn, [(LOG_CORRUPT, rank, s, h) for h, s in items])
+
+        self._shared.run(write, write=True)
+
+    # ------------------------------------------------------------ manager writes
+
+    def apply_batch(self, deletions: Sequence[tuple[bytes, int]],
+                    touches: dict[bytes, tuple[float, int]], trim_log_upto: int,
+                    still_held: Callable[[Iterable[tuple[bytes, int]]], set[tuple[bytes, int]]]
+                    | None = None) -> int:
+        """The manager's batched update, one transaction: delete ``(hash, slot)`` entries
+        that still point at that slot (except those ``still_held`` reports, evaluated
+        inside the transaction so a block re-stored meanwhile survives), update
+        ``hash -> (last_access, extra hits)``, and drop log records up to
+        ``trim_log_upto``. Returns the number of entries deleted."""
+        def write(txn):
+            held = still_held(deletions) if still_held is not None and deletions else set()
+            deleted = 0
+            for h, s in deletions:
+                if (h, s) not in held and self._delete_if_slot(txn, h, s):
+                    deleted += 1
+            blocks = self._db("blocks")
+            for h, (t, hits) in touches.items():
+                raw = txn.get(h, db=blocks)
+                e = None if raw is None else self.decode(h, raw)
+                if e is not None:
+                    txn.put(h, self.encode(h, e._replace(last_access=max(e.last_access, t),
+                                                      hits=min(e.hits + hits, 0xFFFFFFFF))), db=blocks)
+            if trim_log_upto > 0:
+                cur = txn.cursor(db=self._db("log"))
+                if cur.first():
+                    while cur.key() and _SEQ.unpack(cur.key())[0] <= trim_log_upto:
+                        if not cur.delete():
+                            break
+            return deleted
+
+        return self._shared.run(write, write=True)
+
+    # ------------------------------------------------------------ helpers
+
+    def _delete_if_slot(self, txn, h: bytes, slot: int) -> bool:
+        blocks = self._db("blocks")
+        if self._slot_of(txn.get(h, db=blocks)) != slot:
+            return False
+        txn.delete(h, db=blocks)
+        sk = _SLOT.pack(slot)
+        if txn.get(sk, db=self._db("slots")) == h:
+            txn.delete(sk, db=self._db("slots"))
+        return True
+
+    def _append_log(self, txn, records: Sequence[tuple[int, int, int, bytes]]) -> None:
+        if not records:
+            return
+        seq = self._log_seq(txn)
+        log = self._db("log")
+        for status, rank, slot, h in records:
+            seq += 1
+            txn.put(_SEQ.pack(seq), _LOG.pack(status, rank, slot) + h, db=log, append=True)
+        txn.put(_LOG_SEQ_KEY, _SEQ.pack(seq), db=self._db("meta"))

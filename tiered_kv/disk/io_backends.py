@@ -1,0 +1,304 @@
+"""Block I/O backends of the disk tier: POSIX (O_DIRECT or buffered) and KvikIO (GDS).
+
+Worker processes only (and tools that read the cache). Each backend reads and writes
+whole, 4 KiB-aligned slot ranges of a slab file at explicit offsets, makes them durable
+with ``sync``, and runs I/O on its own thread pool (``submit``), so the handler thread
+that packs the next chunk never waits on the disk.
+
+- ``PosixBackend``: ``os.preadv``/``os.pwritev`` (which release the GIL) on a thread pool.
+  Files are opened with ``O_DIRECT`` when a probe shows the filesystem accepts it
+  (buffers, offsets and lengths are 4 KiB-aligned: see ``aligned_empty``); otherwise
+  buffered. ``sync`` is ``fdatasync`` either way (O_DIRECT bypasses the page cache but
+  not the device's write cache, and converting preallocated extents is metadata).
+- ``KvikIOBackend``: ``kvikio.CuFile`` pread/pwrite, GPUDirect Storage straight to and
+  from device memory where the driver supports it, KvikIO's compat mode otherwise.
+  KvikIO imports without a GPU but fails on the first I/O without ``libcuda``, so
+  ``KvikIOBackend.probe`` does a real 4 KiB write and read before it is chosen.
+
+``select_backend("auto" | "kvikio" | "posix", ...)`` picks one and logs which and why.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+BACKENDS = ("auto", "kvikio", "posix")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested I/O backend cannot run on this machine (the message says why)."""
+
+
+def aligned_empty(nbytes: int, pin: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` whose first byte is 4 KiB-aligned.
+
+    Host memory (pinned when ``pin``) or device memory; over-allocates by one page and
+    slices, so it works for any allocator.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
+    else:
+        base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    offset = (-base.data_ptr()) % ALIGN
+    return base[offset:offset + nbytes]
+
+
+def is_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGN == 0
+
+
+def host_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (shares memory)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"expected a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+@dataclass
+class BackendFile:
+    """An open slab file. ``direct`` says whether I/O bypasses the page cache."""
+
+    path: Path
+    fd: int
+    direct: bool
+    handle: Any = None  # backend-specific (a kvikio.CuFile)
+
+
+class IOBackend(ABC):
+    """Reads and writes byte ranges of slab files; thread-safe.
+
+    ``pread``/``pwrite`` move exactly ``buf``'s bytes at ``offset`` or raise ``OSError``
+    (a short transfer is an error: ``EIO`` at end of file). ``buf`` is a contiguous
+    uint8 tensor; host memory always works, device memory only where
+    ``device_buffers`` is True.
+    """
+
+    name: str = "?"
+    #: Whether pread/pwrite accept CUDA tensors.
+    device_buffers: bool = False
+    #: Whether device buffers go straight to the disk (GPUDirect Storage).
+    gds: bool = False
+
+    def __init__(self, threads: int = 4):
+        if threads < 1:
+            raise ValueError(f"io threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"tkv-{self.name}-io")
+
+    @abstractmethod
+    def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
+        """Open an existing slab file for block I/O."""
+
+    @abstractmethod
+    def pread(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
+        """Fill ``buf`` from ``offset``."""
+
+    @abstractmethod
+    def pwrite(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
+        """Write all of ``buf`` at ``offset`` (not yet durable: see ``sync``)."""
+
+    def sync(self, f: BackendFile) -> None:
+        """Make every completed write to ``f`` durable (``fdatasync``)."""
+        os.fdatasync(f.fd)
+
+    def close_file(self, f: BackendFile) -> None:
+        os.close(f.fd)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on this backend's I/O thread pool."""
+        return self._pool.submit(fn, *args)
+
+    def describe(self) -> str:
+        return self.name
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class PosixBackend(IOBackend):
+    """``preadv``/``pwritev`` on a thread pool; O_DIRECT where the filesystem takes it."""
+
+    name = "posix"
+
+    def __init__(self, threads: int = 4, direct: bool = True):
+        super().__init__(threads)
+        self.want_direct = direct
+
+    def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
+        path = Path(path)
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+        if self.want_direct and hasattr(os, "O_DIRECT"):
+            reason = _probe_direct(path, flags)
+            if reason is None:
+                return BackendFile(path, os.open(path, flags | os.O_DIRECT), True)
+            _log_once(f"{path.parent}: O_DIRECT unavailable ({reason}); using buffered I/O + fdatasync")
+        return BackendFile(path, os.open(path, flags), False)
+
+    def pread(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
+        view = host_view(buf)
+        done = 0
+        while done < len(view):
+            n = os.preadv(f.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read from {f.path} at offset {offset + done} "
+                                         f"(end of file?)")
+            done += n
+
+    def pwrite(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
+        view = host_view(buf)
+        done = 0
+        while done < len(view):
+            n = os.pwritev(f.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write to {f.path} at offset {offset + done}")
+            done += n
+
+    def describe(self) -> str:
+        return f"posix ({self.threads} threads, O_DIRECT {'requested' if self.want_direct else 'off'})"
+
+
+class KvikIOBackend(IOBackend):
+    """``kvikio.CuFile`` reads and writes; GDS for device buffers where available."""
+
+    name = "kvikio"
+    device_buffers = True
+
+    def __init__(self, threads: int = 4):
+        import kvikio  # noqa: F401  (probe() has shown it works)
+
+        super().__init__(threads)
+        self._kvikio = kvikio
+        self.gds = not _kvikio_compat_mode(kvikio)
+
+    @staticmethod
+    def probe(directory: str | os.PathLike) -> str | None:
+        """None if KvikIO can really read and write here, else why not."""
+        try:
+            import kvikio
+        except Exception as e:  # ImportError, or a broken install raising anything
+            return f"import kvikio failed: {e}"
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvikio-probe-") as tmp:
+                data = np.arange(ALIGN, dtype=np.uint8)
+                back = np.zeros(ALIGN, dtype=np.uint8)
+                f = kvikio.CuFile(tmp.name, "r+")
+                try:
+                    f.pwrite(data, ALIGN, 0).get()
+                    f.pread(back, ALIGN, 0).get()
+                finally:
+                    f.close()
+                if not np.array_equal(data, back):
+                    return "a KvikIO probe write did not read back the same bytes"
+        except Exception as e:
+            return f"a KvikIO probe read/write failed: {type(e).__name__}: {e}"
+        return None
+
+    def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
+        path = Path(path)
+        handle = self._kvikio.CuFile(str(path), "r" if readonly else "r+")
+        # A plain descriptor for fdatasync (KvikIO has no sync call).
+        fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
+        return BackendFile(path, fd, True, handle)
+
+    def _buffer(self, buf: torch.Tensor) -> Any:
+        return buf if buf.device.type == "cuda" else buf.numpy()
+
+    def pread(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
+        n = f.handle.pread(self._buffer(buf), buf.numel(), offset).get()
+        if n != buf.numel():
+            raise OSError(errno.EIO, f"short read from {f.path} at offset {offset}: {n} of {buf.numel()}")
+
+    def pwrite(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
+        n = f.handle.pwrite(self._buffer(buf), buf.numel(), offset).get()
+        if n != buf.numel():
+            raise OSError(errno.EIO, f"short write to {f.path} at offset {offset}: {n} of {buf.numel()}")
+
+    def close_file(self, f: BackendFile) -> None:
+        try:
+            f.handle.close()
+        finally:
+            os.close(f.fd)
+
+    def describe(self) -> str:
+        return f"kvikio ({'GDS' if self.gds else 'compat mode'}, {self.threads} threads)"
+
+
+def select_backend(kind: str, directory: str | os.PathLike, threads: int = 4) -> IOBackend:
+    """Build the backend ``kind`` names (``auto``, ``kvikio`` or ``posix``) for files in
+    ``directory``. ``auto`` takes KvikIO only if its probe succeeds. Logs the choice and
+    why; raises ``BackendUnavailableError`` when ``kvikio`` is asked for and cannot run,
+    ``ValueError`` for an unknown kind."""
+    if kind not in BACKENDS:
+        raise ValueError(f"io_backend: expected one of {', '.join(BACKENDS)}; got {kind!r}")
+    if kind == "posix":
+        logger.info("disk I/O backend: posix (configured)")
+        return PosixBackend(threads)
+    reason = KvikIOBackend.probe(directory)
+    if reason is None:
+        backend = KvikIOBackend(threads)
+        logger.info("disk I/O backend: %s (%s)", backend.describe(),
+                    "configured" if kind == "kvikio" else "auto: KvikIO probe succeeded")
+        return backend
+    if kind == "kvikio":
+        raise BackendUnavailableError(f"io_backend=kvikio cannot run here: {reason}. Install "
+                                      f"tiered-kv[cu12] or [cu13] on a machine with a CUDA driver, "
+                                      f"or use io_backend=posix/auto")
+    logger.info("disk I/O backend: posix (auto: KvikIO not usable: %s)", reason)
+    return PosixBackend(threads)
+
+
+def _kvikio_compat_mode(kvikio: Any) -> bool:
+    """Whether KvikIO falls back to POSIX I/O (no GDS); the API moved between releases."""
+    defaults = kvikio.defaults
+    for name in ("is_compat_mode_preferred", "compat_mode"):
+        fn = getattr(defaults, name, None)
+        if fn is not None:
+            try:
+                value = fn()
+            except Exception:
+                continue
+            return bool(value) if not hasattr(value, "name") else value.name != "OFF"
+    return True
+
+
+def _probe_direct(path: Path, flags: int) -> str | None:
+    """None if ``path`` accepts an aligned O_DIRECT read, else why not."""
+    try:
+        fd = os.open(path, flags | os.O_DIRECT)
+    except OSError as e:
+        return e.strerror
+    try:
+        if os.fstat(fd).st_size >= ALIGN:
+            buf = aligned_empty(ALIGN)
+            os.preadv(fd, [host_view(buf)], 0)
+    except OSError as e:
+        return e.strerror
+    finally:
+        os.close(fd)
+    return None
+
+
+_logged: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.info("%s", msg)

@@ -1,0 +1,589 @@
+"""The disk tier's manager: which blocks are on disk, in which slot, and what to evict.
+
+Scheduler process. It never reads or writes block data, never fsyncs and never runs
+a write transaction on the caller's thread:
+
+- At startup it opens (or creates) the namespace, takes the writer lock, preallocates
+  the slab files and loads the LMDB index in one read pass (numpy, no per-entry
+  objects: 1M blocks open in well under a second). A block is loadable when every TP
+  rank has committed it; partial entries left by a crash are dropped and their slots
+  reused.
+- ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
+  load nor being stored) and hands workers a ``DiskLoadStoreSpec``. Workers write the
+  bytes, make them durable, and only then commit the index entry (``store.py``).
+- A block becomes loadable on ``complete_store(success=True)`` (every rank's job
+  finished) or earlier, when ``refresh()`` finds every rank's ``ok`` record in the
+  index's log. ``refresh()`` (also run by ``take_events``) drops blocks whose stores
+  failed or that a worker found corrupt.
+- Evictions, access times and log trimming reach the index through a background
+  flusher thread that batches them into one transaction every few milliseconds. An
+  eviction's delete only applies if the entry still points at the evicted slot and
+  the manager has not meanwhile stored the block there again (checked inside the
+  flusher's transaction), so a re-store always survives. Losing queued updates in a
+  crash is harmless: workers clear a slot's old entry (synced) before overwriting it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK, DiskIndex, IndexSnapshot
+from tiered_kv.disk.namespace import Namespace, WriterLock, explain_other_namespaces, slot_size_for
+from tiered_kv.kv_layout import KVCacheLayout
+from tiered_kv.mediums import DISK, DiskLoadStoreSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DiskManagerStats:
+    """Counters of the disk manager (monotonic)."""
+
+    stores: int = 0
+    store_failures: int = 0
+    store_rejections: int = 0  # prepare_store returned None: no room
+    loads: int = 0
+    checksum_failures: int = 0  # blocks workers found corrupt or missing
+    evictions: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    reclaimed_at_open: int = 0  # partial or invalid entries dropped at startup
+    index_flushes: int = 0
+    index_flush_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class RefreshResult:
+    """What ``refresh()`` changed: blocks that became loadable, pending blocks whose store
+    failed on some rank, and loadable blocks dropped as corrupt."""
+
+    durable: list[BlockHash]
+    failed: list[BlockHash]
+    corrupt: list[BlockHash]
+
+    def __bool__(self) -> bool:
+        return bool(self.durable or self.failed or self.corrupt)
+
+
+class _Pending:
+    __slots__ = ("slot", "ranks", "failed")
+
+    def __init__(self, slot: int):
+        self.slot = slot
+        self.ranks = 0
+        self.failed = False
+
+
+class _BlockTable:
+    """Loadable blocks in LRU order.
+
+    Blocks found at startup form a "cold" generation kept in numpy arrays (hashes sorted,
+    slots, LRU order by the index's last access), so opening a large cache creates no
+    per-block objects. A cold block that is touched moves to the "hot" OrderedDict; every
+    hot block was used after startup, hence is more recent than every cold one, so the
+    LRU order is: cold (by last access), then hot.
+    """
+
+    def __init__(self) -> None:
+        self.hot: OrderedDict[bytes, int] = OrderedDict()
+        self._keys = np.zeros((0, 1), dtype=np.uint8)  # (n, L) sorted rows
+        self._prefix: list[int] = []  # first 8 bytes as big-endian ints: same order as the rows
+        self._key_len = 0
+        self._slots = np.zeros(0, dtype=np.int64)
+        self._alive = np.zeros(0, dtype=bool)
+        self._lru = np.zeros(0, dtype=np.int64)  # cold indices, least recent first
+        self._cursor = 0  # _lru[:_cursor] are all dead
+        self._cold_count = 0
+
+    def load_cold(self, keys: np.ndarray, slots: np.ndarray, last_access: np.ndarray) -> None:
+        """Install startup blocks: ``keys`` uint8 ``(n, L)`` rows in ascending byte order."""
+        n, length = keys.shape
+        self._keys, self._key_len = keys, length
+        head = np.zeros((n, 8), dtype=np.uint8)
+        head[:, :min(8, length)] = keys[:, :8]
+        self._prefix = head.view(">u8").reshape(n).tolist()  # bisect on a list beats numpy per call
+        self._slots = slots.astype(np.int64, copy=False)
+        self._alive = np.ones(n, dtype=bool)
+        self._lru = np.argsort(last_access)
+        self._cursor = 0
+        self._cold_count = n
+
+    def _cold_index(self, h: bytes) -> int:
+        if not self._cold_count or len(h) != self._key_len:
+            return -1
+        q = int.from_bytes(h[:8].ljust(8, b"\0"), "big")
+        i = bisect.bisect_left(self._prefix, q)
+        while i < len(self._prefix) and self._prefix[i] == q:
+            if self._keys[i].tobytes() == h:
+                return i if self._alive[i] else -1
+            i += 1
+        return -1
+
+    def _cold_key(self, i: int) -> bytes:
+        return self._keys[i].tobytes()
+
+    def __len__(self) -> int:
+        return len(self.hot) + self._cold_count
+
+    def __contains__(self, h: bytes) -> bool:
+        return self.get(h) is not None
+
+    def get(self, h: bytes) -> int | None:
+        slot = self.hot.get(h)
+        if slot is not None:
+            return slot
+        i = self._cold_index(h)
+        return int(self._slots[i]) if i >= 0 else None
+
+    def add(self, h: bytes, slot: int) -> None:
+        """Insert as most recently used."""
+        self.hot[h] = slot
+        self.hot.move_to_end(h)
+
+    def touch(self, h: bytes) -> bool:
+        if h in self.hot:
+            self.hot.move_to_end(h)
+            return True
+        i = self._cold_index(h)
+        if i < 0:
+            return False
+        self._kill(i)
+        self.hot[h] = int(self._slots[i])
+        return True
+
+    def remove(self, h: bytes) -> int | None:
+        slot = self.hot.pop(h, None)
+        if slot is not None:
+            return slot
+        i = self._cold_index(h)
+        if i < 0:
+            return None
+        self._kill(i)
+        return int(self._slots[i])
+
+    def _kill(self, i: int) -> None:
+        self._alive[i] = False
+        self._cold_count -= 1
+
+    def iter_lru(self) -> Iterator[tuple[bytes, int]]:
+        """``(hash, slot)`` from least to most recently used. Do not mutate meanwhile."""
+        while self._cursor < len(self._lru) and not self._alive[self._lru[self._cursor]]:
+            self._cursor += 1
+        if self._cold_count:
+            for i in self._lru[self._cursor:]:
+                if self._alive[i]:
+                    yield self._cold_key(int(i)), int(self._slots[i])
+        yield from self.hot.items()
+
+
+class DiskOffloadingManager(OffloadingManager):
+    """LRU manager of the disk tier's slots (scheduler process; see module docstring).
+
+    ``disk_bytes`` bounds the tier: ``disk_bytes // slot_size`` slots per rank.
+    ``engine_id`` names the engine in the writer lock; its workers pass the same id.
+    """
+
+    medium = DISK
+
+    def __init__(self, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
+                 disk_bytes: int, checksum: str = "xxh3_64", engine_id: str | None = None,
+                 enable_events: bool = True, flush_interval: float = 0.005):
+        self.block_bytes = layout.bytes_per_block
+        self.slot_size = slot_size_for(self.block_bytes)
+        capacity = disk_bytes // self.slot_size
+        if capacity < 1:
+            raise ValueError(f"disk_bytes={disk_bytes} holds no block; one disk slot is "
+                             f"{self.slot_size} bytes")
+        self.engine_id = engine_id or uuid.uuid4().hex
+        self.block_size = layout.offloaded_block_size
+        self.tp_size = fingerprint.tp_size
+        self._full_mask = (1 << self.tp_size) - 1
+        self.stats = DiskManagerStats()
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._flush_interval = flush_interval
+
+        self.namespace = Namespace.open(cache_dir, fingerprint, layout, num_slots=capacity, checksum=checksum)
+        if self.namespace.manifest.checksum != checksum:
+            logger.warning("disk cache %s uses checksum %s (set when it was created); ignoring "
+                           "checksum=%s", self.namespace.path, self.namespace.manifest.checksum, checksum)
+        self._lock_file = WriterLock.acquire(self.namespace, self.engine_id)
+        try:
+            self.namespace.grow(capacity)
+            self.capacity = capacity
+            for rank in range(self.tp_size):
+                self.namespace.allocate_slab(rank)
+            self.index = DiskIndex(self.namespace.index_path, self.tp_size, expected_entries=capacity)
+        except BaseException:
+            self._lock_file.release()
+            raise
+
+        self._lock = threading.Lock()
+        self._table = _BlockTable()
+        self._pending: dict[bytes, _Pending] = {}
+        self._pins: dict[bytes, int] = {}
+        self._doomed: dict[bytes, int] = {}  # corrupt but still pinned by a load: hash -> slot
+        self._free: list[int] = []
+        # Index updates waiting for the flusher.
+        self._deletions: list[tuple[bytes, int]] = []
+        self._touches: dict[bytes, tuple[float, int]] = {}
+        self._trim_upto = 0
+        self._log_seen = 0
+        t0 = time.perf_counter()
+        self._load(self.index.load_all())
+        logger.info("disk tier %s: %d loadable blocks, %d free of %d slots (%d B each), opened in "
+                    "%.3f s", self.namespace.path, len(self._table), len(self._free), capacity,
+                    self.slot_size, time.perf_counter() - t0)
+        if not len(self._table):
+            for line in explain_other_namespaces(cache_dir, fingerprint):
+                logger.info("not serving disk cache namespace %s", line)
+
+        self._wake = threading.Event()
+        self._stop = False
+        self._flush_cond = threading.Condition()
+        self._flush_requested = 0
+        self._flush_done = 0
+        self._flusher = threading.Thread(target=self._flush_loop, name="tkv-disk-index-flusher", daemon=True)
+        self._flusher.start()
+        self._wake.set()  # reclaim and log trimming from the startup snapshot
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config, layout: KVCacheLayout, tp_size: int = 1,
+                    engine_id: str | None = None) -> "DiskOffloadingManager":
+        """From a ``TieredConfig`` with ``disk_path`` set."""
+        if not config.disk_path:
+            raise ValueError("disk_path is not set; the disk tier is disabled")
+        return cls(config.disk_path, Fingerprint.from_config(config, layout, tp_size), layout,
+                   disk_bytes=config.disk_bytes, checksum=config.checksum, engine_id=engine_id)
+
+    # ------------------------------------------------------------ startup
+
+    def _load(self, snap: IndexSnapshot) -> None:
+        """Adopt the index: complete entries in range become loadable, the rest is reclaimed."""
+        e = snap.entries
+        ok = ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask)) \
+            & (e["size"] == self.block_bytes) & (e["slot"] >= 0) & (e["slot"] < self.capacity)
+        # Two entries in one slot cannot both be valid; keep the newest (defensive).
+        good = np.flatnonzero(ok)
+        if len(good) and np.bincount(e["slot"][good], minlength=1).max() > 1:
+            order = good[np.lexsort((-e["store_time"][good], e["slot"][good]))]
+            first = np.ones(len(order), dtype=bool)
+            first[1:] = e["slot"][order][1:] != e["slot"][order][:-1]
+            ok[:] = False
+            ok[order[first]] = True
+        drop = np.flatnonzero(~ok)
+        for i in drop:
+            self._deletions.append((snap.hash_at(int(i)), int(e["slot"][i])))
+        keep = np.flatnonzero(ok)
+        used = np.zeros(self.capacity, dtype=bool)
+        if len(keep):
+            # load_all returns entries in LMDB key order, i.e. ascending bytes.
+            keys = np.ascontiguousarray(e["hash"][keep]).view(np.uint8).reshape(len(keep), -1)
+            self._table.load_cold(keys, e["slot"][keep], e["last_access"][keep])
+            used[e["slot"][keep]] = True
+        for h, entry in sorted(snap.odd, key=lambda he: he[1].last_access):
+            if (entry.ranks & self._full_mask == self._full_mask and entry.size == self.block_bytes
+                    and 0 <= entry.slot < self.capacity and not used[entry.slot]):
+                self._table.add(h, entry.slot)
+                used[entry.slot] = True
+            else:
+                self._deletions.append((h, entry.slot))
+        self.stats.reclaimed_at_open = len(self._deletions)
+        if self._deletions:
+            logger.info("disk tier: reclaiming %d partial or invalid index entries", len(self._deletions))
+        self._free = np.flatnonzero(~used)[::-1].tolist()  # pop() hands out low slots first
+        self._log_seen = self._trim_upto = snap.log_seq
+
+    # ------------------------------------------------------------ seed API
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
+        n = 0
+        with self._lock:
+            for h in block_hashes:
+                if self._table.get(h) is None:
+                    break
+                n += 1
+        return n
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> DiskLoadStoreSpec:
+        hashes = list(block_hashes)
+        now = time.time()
+        with self._lock:
+            slots = []
+            for h in hashes:
+                slot = self._table.get(h)
+                if slot is None:
+                    raise KeyError(f"block {h.hex()} is not loadable from the disk tier")
+                slots.append(slot)
+            for h in hashes:
+                self._pins[h] = self._pins.get(h, 0) + 1
+                t, hits = self._touches.get(h, (now, 0))
+                self._touches[h] = (now, hits + 1)
+            self.stats.loads += len(hashes)
+            self.stats.bytes_loaded += len(hashes) * self.block_bytes
+        self._wake.set()
+        return DiskLoadStoreSpec(slots, hashes)
+
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
+        now = time.time()
+        with self._lock:
+            for h in block_hashes:
+                if self._table.touch(h):
+                    t, hits = self._touches.get(h, (now, 0))
+                    self._touches[h] = (now, hits)
+
+    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+        with self._lock:
+            for h in block_hashes:
+                n = self._pins.get(h, 0)
+                if n <= 1:
+                    self._pins.pop(h, None)
+                    slot = self._doomed.pop(h, None)
+                    if slot is not None:
+                        self._release_slot(h, slot)
+                else:
+                    self._pins[h] = n - 1
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        hashes = list(block_hashes)
+        with self._lock:
+            to_store, seen = [], set()
+            for h in hashes:
+                if h in seen:
+                    continue
+                seen.add(h)
+                if h in self._pending or h in self._doomed or self._table.get(h) is not None:
+                    continue
+                to_store.append(h)
+            need = len(to_store) - len(self._free)
+            victims: list[tuple[bytes, int]] = []
+            if need > 0:
+                for h, slot in self._table.iter_lru():
+                    if h in seen or h in self._pins:
+                        continue
+                    victims.append((h, slot))
+                    if len(victims) == need:
+                        break
+                if len(victims) < need:
+                    self.stats.store_rejections += 1
+                    return None
+            evicted = []
+            for h, slot in victims:
+                self._table.remove(h)
+                self._release_slot(h, slot)
+                evicted.append(h)
+            self.stats.evictions += len(evicted)
+            slots = [self._free.pop() for _ in to_store]
+            for h, slot in zip(to_store, slots):
+                self._pending[h] = _Pending(slot)
+            if evicted:
+                self._event(evicted, removed=True)
+        if evicted:
+            self._wake.set()
+        return PrepareStoreOutput(to_store, DiskLoadStoreSpec(slots, to_store), evicted)
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        stored = []
+        with self._lock:
+            for h in block_hashes:
+                p = self._pending.pop(h, None)
+                if p is None:
+                    continue
+                if success and not p.failed:
+                    self._make_loadable(h, p.slot)
+                    stored.append(h)
+                else:
+                    self.stats.store_failures += 1
+                    self._release_slot(h, p.slot)
+            if stored:
+                self._event(stored, removed=False)
+        self._wake.set()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events since the last call (runs ``refresh()`` first)."""
+        self.refresh()
+        with self._lock:
+            if not self._events:
+                return []
+            events, self._events = self._events, []
+            return events
+
+    def shutdown(self) -> None:
+        """Flush pending index updates, stop the flusher, close the index, drop the lock."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        with self._flush_cond:
+            self._stop = True
+        self._wake.set()
+        self._flusher.join(timeout=30)
+        self.index.close()
+        self._lock_file.release()
+
+    # ------------------------------------------------------------ extras
+
+    def refresh(self) -> RefreshResult:
+        """Apply what workers logged since the last call: pending blocks committed by
+        every rank become loadable; pending blocks that failed on a rank are marked
+        failed (freed by their ``complete_store``); loadable blocks found corrupt are
+        dropped. Idempotent; an MVCC read, never waits for writers."""
+        records = self.index.read_log(self._log_seen)
+        result = RefreshResult([], [], [])
+        if not records:
+            return result
+        with self._lock:
+            for rec in records:
+                if rec.seq <= self._log_seen:
+                    continue
+                h = rec.block_hash
+                if rec.status == LOG_OK:
+                    p = self._pending.get(h)
+                    if p is not None and p.slot == rec.slot and not p.failed:
+                        p.ranks |= 1 << rec.rank
+                        if p.ranks & self._full_mask == self._full_mask:
+                            del self._pending[h]
+                            self._make_loadable(h, p.slot)
+                            result.durable.append(h)
+                elif rec.status == LOG_FAILED:
+                    p = self._pending.get(h)
+                    if p is not None and p.slot == rec.slot and not p.failed:
+                        p.failed = True
+                        result.failed.append(h)
+                elif rec.status == LOG_CORRUPT:
+                    if self._table.get(h) == rec.slot:
+                        self._table.remove(h)
+                        self.stats.checksum_failures += 1
+                        result.corrupt.append(h)
+                        if h in self._pins:
+                            self._doomed[h] = rec.slot
+                        else:
+                            self._release_slot(h, rec.slot)
+            self._log_seen = self._trim_upto = records[-1].seq
+            if result.durable:
+                self._event(result.durable, removed=False)
+            if result.corrupt:
+                self._event(result.corrupt, removed=True)
+        self._wake.set()
+        return result
+
+    def is_loadable(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return self._table.get(block_hash) is not None
+
+    def is_pending(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._pending
+
+    def num_free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def __len__(self) -> int:
+        """Loadable blocks."""
+        with self._lock:
+            return len(self._table)
+
+    def iter_evictable(self) -> Iterator[BlockHash]:
+        """Loadable, unpinned blocks from least to most recently used (a snapshot)."""
+        with self._lock:
+            out = [h for h, _ in self._table.iter_lru() if h not in self._pins]
+        return iter(out)
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        """Drop a loadable, unpinned block (freeing its slot). False if it is unknown,
+        pinned by a load, or still being stored."""
+        with self._lock:
+            if block_hash in self._pins:
+                return False
+            slot = self._table.remove(block_hash)
+            if slot is None:
+                return False
+            self._release_slot(block_hash, slot)
+            self._event([block_hash], removed=True)
+        self._wake.set()
+        return True
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Block until the index reflects every update queued so far (tests, tools,
+        shutdown). True if it did within ``timeout``."""
+        with self._flush_cond:
+            self._flush_requested += 1
+            target = self._flush_requested
+        self._wake.set()
+        with self._flush_cond:
+            return self._flush_cond.wait_for(lambda: self._flush_done >= target or self._stop, timeout)
+
+    # ------------------------------------------------------------ internals (lock held)
+
+    def _make_loadable(self, h: bytes, slot: int) -> None:
+        self._table.add(h, slot)
+        self.stats.stores += 1
+        self.stats.bytes_stored += self.block_bytes
+
+    def _release_slot(self, h: bytes, slot: int) -> None:
+        self._free.append(slot)
+        self._deletions.append((h, slot))
+
+    def _event(self, hashes: list[bytes], removed: bool) -> None:
+        if self._events is not None:
+            self._events.append(OffloadingEvent(list(hashes), self.block_size, DISK, removed))
+
+    def _held(self, h: bytes, slot: int) -> bool:
+        if self._table.get(h) == slot or self._doomed.get(h) == slot:
+            return True
+        p = self._pending.get(h)
+        return p is not None and p.slot == slot
+
+    # ------------------------------------------------------------ flusher thread
+
+    def _still_held(self, items: Iterable[tuple[bytes, int]]) -> set[tuple[bytes, int]]:
+        with self._lock:
+            return {(h, s) for h, s in items if self._held(h, s)}
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()  # before reading the requests, so a later one wakes us again
+            with self._flush_cond:
+                stop = self._stop
+                requested = self._flush_requested
+            if not stop:
+                time.sleep(self._flush_interval)  # let updates accumulate into one transaction
+            with self._lock:
+                deletions, self._deletions = self._deletions, []
+                touches, self._touches = self._touches, {}
+                trim = self._trim_upto
+            if deletions or touches or trim:
+                try:
+                    self.index.apply_batch(deletions, touches, trim, self._still_held)
+                    self.stats.index_flushes += 1
+                    with self._lock:
+                        if self._trim_upto == trim:
+                            self._trim_upto = 0
+                except Exception:
+                    self.stats.index_flush_errors += 1
+                    logger.exception("disk index flush of %d deletions, %d touches failed; they are "
+                                     "dropped (the index stays safe: workers clear stale entries "
+                                     "before overwriting a slot)", len(deletions), len(touches))
+            with self._flush_cond:
+                self._flush_done = max(self._flush_done, requested)
+                self._flush_cond.notify_all()
+                if stop:
+                    return
+
+

@@ -1,0 +1,488 @@
+"""One process's access to a disk-cache namespace: slab files, index and I/O backend.
+
+Used in worker processes by the disk handlers (one ``DiskStore`` per process, any
+number of TP ranks), and read-only by the inspector. Every call here blocks on disk
+I/O, so it never runs on a scheduler thread.
+
+A store of one job's blocks on rank R (``begin_write`` ... ``finish``, or
+``write_blocks``):
+
+1. one synced index transaction clears any entry that would let R's copy of a target
+   slot be loaded while it is overwritten (skipped when a cheap read shows none);
+2. the bytes are written (coalesced runs of consecutive slots, in parallel on the
+   backend's pool) and made durable with one ``fdatasync`` per job;
+3. checksums (xxh3-64 or crc32c of each block's bytes) and R's presence bit are set in
+   one synced transaction that also appends an ``ok`` log record per block. A block is
+   loadable only once every rank's bit is set, i.e. every rank's bytes are durable.
+
+Any failure (ENOSPC, EIO, an index error) turns the affected blocks into ``failed`` log
+records and a False result, counted in ``stats``; nothing raises out of a batch. A load
+(``begin_read`` ... ``finish``, or ``read_blocks``) verifies every block against the
+checksum recorded for its rank; a mismatch or a missing entry fails that block,
+deletes its entry and appends a ``corrupt`` record, so it is never served again.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, fields
+
+import lmdb
+import torch
+
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot
+from tiered_kv.disk.io_backends import (
+    BackendFile, IOBackend, PosixBackend, aligned_empty, host_view, is_aligned, select_backend,
+)
+from tiered_kv.disk.namespace import Namespace, check_worker_access, list_namespaces, slot_size_for
+from tiered_kv.kv_layout import KVCacheLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DiskStore", "DiskStoreStats", "WriteBatch", "ReadBatch", "checksum_function",
+           "list_namespaces"]
+
+#: Largest single read/write: runs of consecutive slots are coalesced up to this.
+MAX_IO_BYTES = 2 << 20
+
+
+def checksum_function(name: str) -> Callable[[memoryview], int]:
+    """The 64-bit checksum ``name`` (``xxh3_64`` or ``crc32c``) over a byte view."""
+    if name == "xxh3_64":
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest
+    if name == "crc32c":
+        try:
+            import crc32c
+        except ImportError:
+            raise RuntimeError("checksum crc32c needs the 'crc32c' package (pip install crc32c), "
+                               "or use checksum xxh3_64") from None
+        return crc32c.crc32c
+    raise ValueError(f"checksum: expected xxh3_64 or crc32c, got {name!r}")
+
+
+@dataclass
+class DiskStoreStats:
+    """Counters of one process's store (monotonic; read them, do not reset)."""
+
+    stores: int = 0
+    store_failures: int = 0
+    enospc: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    checksum_failures: int = 0
+    missing_entries: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class DiskStore:
+    """A namespace opened by one process for block I/O (or read-only for inspection).
+
+    Thread-safe. ``write_blocks``/``read_blocks`` are the synchronous API; handlers use
+    ``begin_write``/``begin_read`` to overlap packing with I/O.
+    """
+
+    def __init__(self, namespace: Namespace, backend: IOBackend, *, readonly: bool = False,
+                 engine_id: str | None = None, owns_backend: bool = True):
+        self.namespace = namespace
+        self.backend = backend
+        self.readonly = readonly
+        self._owns_backend = owns_backend
+        m = namespace.manifest
+        self.block_bytes = m.block_bytes
+        self.slot_size = m.slot_size
+        self.tp_size = namespace.tp_size
+        self.checksum_name = m.checksum
+        self.checksum = checksum_function(m.checksum)
+        if not readonly:
+            check_worker_access(namespace, engine_id)
+        self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
+                               expected_entries=m.num_slots)
+        self.stats = DiskStoreStats()
+        self._stats_lock = threading.Lock()
+        self._files: dict[int, BackendFile] = {}
+        self._allocated: dict[int, int] = {}  # rank -> slots preallocated in its slab
+        self._files_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def open(cls, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
+             disk_bytes: int, checksum: str = "xxh3_64", io_backend: str | IOBackend = "auto",
+             io_threads: int = 4, engine_id: str | None = None) -> "DiskStore":
+        """Open (creating if absent) ``fingerprint``'s namespace for writing.
+
+        ``disk_bytes`` sizes a new namespace. Raises ``FingerprintMismatchError``,
+        ``NamespaceError``, ``CacheLockedError`` (another engine writes there) or
+        ``BackendUnavailableError``."""
+        checksum_function(checksum)  # fail early on a bad name or missing package
+        ns = Namespace.open(cache_dir, fingerprint, layout,
+                            num_slots=max(1, disk_bytes // slot_size_for(layout.bytes_per_block)),
+                            checksum=checksum)
+        backend = (io_backend if isinstance(io_backend, IOBackend)
+                   else select_backend(io_backend, ns.path, io_threads))
+        return cls(ns, backend, engine_id=engine_id, owns_backend=not isinstance(io_backend, IOBackend))
+
+    @classmethod
+    def open_readonly(cls, namespace_dir: str | os.PathLike, io_threads: int = 2) -> "DiskStore":
+        """Open an existing namespace directory without taking any lock (inspector).
+        Works while an engine writes; uses POSIX I/O."""
+        return cls(Namespace.open_path(namespace_dir), PosixBackend(io_threads), readonly=True)
+
+    def close(self) -> None:
+        """Close files and the index handle (and the backend if this store made it)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._files_lock:
+            for f in self._files.values():
+                try:
+                    self.backend.close_file(f)
+                except OSError:
+                    logger.exception("closing %s", f.path)
+            self._files.clear()
+        if self._owns_backend:
+            self.backend.shutdown()
+        self.index.close()
+
+    # ------------------------------------------------------------ inspection
+
+    def snapshot(self) -> IndexSnapshot:
+        """Every index entry (see ``DiskIndex.load_all``)."""
+        return self.index.load_all()
+
+    def entry(self, block_hash: bytes) -> Entry | None:
+        return self.index.get(block_hash)
+
+    def read_block(self, rank: int, block_hash: bytes) -> bytes | None:
+        """The verified bytes of one block on ``rank``, or None (missing or corrupt)."""
+        e = self.index.get(block_hash)
+        if e is None:
+            return None
+        buf = aligned_empty(self.slot_size).view(1, self.slot_size)
+        ok = self.read_blocks(rank, [block_hash], [e.slot], buf)
+        return bytes(host_view(buf[0, :self.block_bytes])) if ok[0] else None
+
+    # ------------------------------------------------------------ block I/O
+
+    def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
+                     data: torch.Tensor) -> list[bool]:
+        """Store ``data[i, :block_bytes]`` as block ``hashes[i]`` in slot ``slots[i]`` of
+        rank ``rank``; returns per-block success. ``data`` is uint8 ``(N, >= block_bytes)``;
+        it is copied to an aligned buffer first unless it already is one
+        (``(N, slot_size)``, 4 KiB-aligned)."""
+        batch = self.begin_write(rank, hashes, slots)
+        batch.submit(0, data)
+        return batch.finish()
+
+    def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
+                    out: torch.Tensor) -> list[bool]:
+        """Load blocks into ``out[i, :block_bytes]`` (uint8 ``(N, >= block_bytes)``),
+        verifying each; returns per-block success (False: missing or corrupt)."""
+        batch = self.begin_read(rank, hashes, slots)
+        batch.submit(0, out)
+        return batch.finish()
+
+    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "WriteBatch":
+        """Start storing one job's blocks (runs step 1 on the calling thread)."""
+        return WriteBatch(self, rank, list(hashes), [int(s) for s in slots])
+
+    def begin_read(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "ReadBatch":
+        """Start loading one job's blocks (reads their index entries)."""
+        return ReadBatch(self, rank, list(hashes), [int(s) for s in slots])
+
+    # ------------------------------------------------------------ internals
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def _file(self, rank: int, max_slot: int) -> BackendFile:
+        """Rank ``rank``'s slab, opened (and preallocated) up to ``max_slot``."""
+        with self._files_lock:
+            if self._closed:
+                raise RuntimeError("disk store is closed")
+            if not self.readonly and self._allocated.get(rank, 0) <= max_slot:
+                if self.namespace.manifest.num_slots <= max_slot:
+                    self.namespace.reload()
+                if self.namespace.manifest.num_slots <= max_slot:
+                    raise ValueError(f"slot {max_slot} is out of range: the namespace has "
+                                     f"{self.namespace.manifest.num_slots} slots")
+                self.namespace.allocate_slab(rank)
+                self._allocated[rank] = self.namespace.manifest.num_slots
+            f = self._files.get(rank)
+            if f is None:
+                f = self.backend.open(self.namespace.slab_path(rank), readonly=self.readonly)
+                self._files[rank] = f
+            return f
+
+    def _io_buffer(self, f: BackendFile, rows: torch.Tensor) -> torch.Tensor | None:
+        """``rows`` itself when it can go to the backend as is, else None (bounce it)."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] < self.block_bytes:
+            raise ValueError(f"block data must be a uint8 tensor of shape (N, >= {self.block_bytes}); "
+                             f"got {rows.dtype} {tuple(rows.shape)}")
+        if rows.device.type != "cpu" and not self.backend.device_buffers:
+            return None
+        if rows.shape[1] != self.slot_size or not rows.is_contiguous():
+            return None
+        if f.direct and not is_aligned(rows):
+            return None
+        return rows
+
+
+def _runs(slots: Sequence[int], start: int, count: int, per_run: int) -> list[tuple[int, int]]:
+    """``(first, n)`` runs of blocks ``start .. start+count-1`` whose slots are
+    consecutive, each at most ``per_run`` blocks."""
+    out = []
+    i, end = start, start + count
+    while i < end:
+        j = i + 1
+        while j < end and j - i < per_run and slots[j] == slots[j - 1] + 1:
+            j += 1
+        out.append((i, j - i))
+        i = j
+    return out
+
+
+class WriteBatch:
+    """One job's store on one rank. ``submit`` chunks of packed rows (any order, each
+    block once), then ``finish`` once. Thread-safe for one producer."""
+
+    def __init__(self, store: DiskStore, rank: int, hashes: list[bytes], slots: list[int]):
+        if len(hashes) != len(slots):
+            raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots; expected one slot per hash")
+        if store.readonly:
+            raise RuntimeError("the disk store was opened read-only")
+        self.store, self.rank, self.hashes, self.slots = store, rank, hashes, slots
+        self.checksums: list[int | None] = [None] * len(hashes)
+        self._futures: list[Future] = []
+        self._error: str | None = None
+        self._enospc = False
+        self._t0 = time.perf_counter()
+        try:
+            self._file = store._file(rank, max(slots)) if slots else None
+            if slots and store.index.needs_clearing(rank, hashes, slots):
+                store.index.clear_for_overwrite(rank, hashes, slots)
+        except (OSError, lmdb.Error, ValueError, RuntimeError) as e:
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        if self._error is None:
+            self._error = f"{type(e).__name__}: {e}"
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            self._enospc = True
+
+    def submit(self, start: int, rows: torch.Tensor, host_rows: torch.Tensor | None = None) -> Future | None:
+        """Write blocks ``start .. start+len(rows)-1`` from ``rows`` (uint8
+        ``(n, >= block_bytes)``). ``host_rows``: a host copy of device ``rows`` for the
+        checksum. Returns a future that completes when ``rows`` may be reused (None if
+        the batch already failed)."""
+        if self._error is not None or len(rows) == 0:
+            return None
+        store = self.store
+        buf = store._io_buffer(self._file, rows)
+        if buf is None:  # wrong stride, misaligned or device memory: bounce through host
+            buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
+            buf[:, :store.block_bytes].copy_(rows[:, :store.block_bytes])
+            host_rows = None
+        sums = buf if host_rows is None else host_rows
+        if sums.device.type != "cpu":
+            raise ValueError("device rows need host_rows for their checksums")
+        per_run = max(1, MAX_IO_BYTES // store.slot_size)
+        runs = _runs(self.slots, start, len(rows), per_run)
+        # Writes first, checksums as separate tasks behind them: the device gets the
+        # whole queue depth while the checksums fill the gaps.
+        futs = [store.backend.submit(self._write_run, first, buf[first - start:first - start + n])
+                for first, n in runs]
+        futs += [store.backend.submit(self._checksum_run, first, n, sums[first - start:first - start + n])
+                 for first, n in runs]
+        self._futures.extend(futs)
+        return _all_of(futs)
+
+    def _write_run(self, first: int, buf: torch.Tensor) -> None:
+        try:
+            self.store.backend.pwrite(self._file, buf.reshape(-1), self.slots[first] * self.store.slot_size)
+        except Exception as e:  # an I/O thread must not lose an error: finish() reports it
+            self._fail(e)
+
+    def _checksum_run(self, first: int, n: int, sums: torch.Tensor) -> None:
+        store = self.store
+        try:
+            for i in range(n):
+                self.checksums[first + i] = store.checksum(host_view(sums[i, :store.block_bytes]))
+        except Exception as e:
+            self._fail(e)
+
+    def wait_idle(self) -> None:
+        """Wait until no submitted write still uses its rows (errors are kept for ``finish``)."""
+        for f in self._futures:
+            f.exception()
+
+    def finish(self) -> list[bool]:
+        """Wait for the writes, make them durable, commit the index; per-block success."""
+        store = self.store
+        for f in self._futures:
+            f.result()
+        if self._error is None and any(c is not None for c in self.checksums):
+            try:
+                store.backend.sync(self._file)
+            except OSError as e:
+                self._fail(e)
+        if self._error is not None:
+            self.checksums = [None] * len(self.hashes)
+        ok = [c is not None for c in self.checksums]
+        if self.hashes:
+            try:
+                store.index.commit_stored(self.rank, self.hashes, self.slots,
+                                          [store.block_bytes] * len(self.hashes), self.checksums)
+            except lmdb.Error as e:
+                self._error = self._error or f"index commit failed: {e}"
+                self._enospc = self._enospc or "No space" in str(e)
+                ok = [False] * len(self.hashes)
+                store.index.log_failed(self.rank, self.hashes, self.slots)
+        n_ok = sum(ok)
+        if n_ok < len(ok):
+            logger.warning("disk store of %d blocks on rank %d: %d failed (%s)", len(ok), self.rank,
+                           len(ok) - n_ok, self._error or "unknown error")
+        store._count(stores=n_ok, store_failures=len(ok) - n_ok, enospc=int(self._enospc),
+                     bytes_written=n_ok * store.block_bytes)
+        self.seconds = time.perf_counter() - self._t0
+        return ok
+
+
+class ReadBatch:
+    """One job's load on one rank. ``submit`` chunks of destination rows, then
+    ``finish`` once. Each block is verified against the checksum recorded for this
+    rank; blocks without a usable entry are not read at all."""
+
+    def __init__(self, store: DiskStore, rank: int, hashes: list[bytes], slots: list[int]):
+        if len(hashes) != len(slots):
+            raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots; expected one slot per hash")
+        self.store, self.rank, self.hashes, self.slots = store, rank, hashes, slots
+        self.ok = [False] * len(hashes)
+        self._corrupt: list[int] = []
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self.expected: list[int | None] = [None] * len(hashes)
+        self._error: str | None = None
+        try:
+            self._file = store._file(rank, max(slots)) if slots else None
+            for i, e in enumerate(store.index.get_many(hashes)):
+                if (e is not None and e.slot == slots[i] and e.has_rank(rank)
+                        and e.size == store.block_bytes):
+                    self.expected[i] = e.checksums[rank]
+        except (OSError, lmdb.Error, ValueError, RuntimeError) as e:
+            self._error = f"{type(e).__name__}: {e}"
+        self._missing = [i for i, c in enumerate(self.expected) if c is None] if self._error is None else []
+
+    def submit(self, start: int, rows: torch.Tensor, host_rows: torch.Tensor | None = None) -> Future | None:
+        """Read blocks ``start .. start+len(rows)-1`` into ``rows``. For device ``rows``,
+        ``host_rows`` receives a host copy to verify. The future's result is True when
+        every block of the chunk was read and verified."""
+        if self._error is not None or len(rows) == 0:
+            return None
+        store = self.store
+        buf = store._io_buffer(self._file, rows)
+        bounce = buf is None
+        if bounce:
+            buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
+            host_rows = None
+        per_run = max(1, MAX_IO_BYTES // store.slot_size)
+        futs = []
+        for first, n in _runs(self.slots, start, len(rows), per_run):
+            # Only read runs of blocks that have an entry to verify against.
+            if all(self.expected[first + i] is None for i in range(n)):
+                continue
+            lo = first - start
+            futs.append(store.backend.submit(
+                self._read_run, first, n, buf[lo:lo + n], None if host_rows is None else host_rows[lo:lo + n],
+                rows[lo:lo + n] if bounce else None))
+        self._futures.extend(futs)
+        return _all_of(futs, lambda: all(self.ok[start:start + len(rows)]))
+
+    def _read_run(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
+                  dest: torch.Tensor | None) -> None:
+        store = self.store
+        try:
+            store.backend.pread(self._file, buf.reshape(-1), self.slots[first] * store.slot_size)
+            if host_rows is not None:
+                host_rows.copy_(buf)
+            view_rows = buf if host_rows is None else host_rows
+            for i in range(n):
+                want = self.expected[first + i]
+                if want is None:
+                    continue
+                if store.checksum(host_view(view_rows[i, :store.block_bytes])) == want:
+                    self.ok[first + i] = True
+                else:
+                    with self._lock:
+                        self._corrupt.append(first + i)
+            if dest is not None:
+                dest[:, :store.block_bytes].copy_(buf[:, :store.block_bytes])
+        except Exception as e:  # an I/O thread must not lose an error: finish() reports it
+            with self._lock:
+                self._error = self._error or f"{type(e).__name__}: {e}"
+
+    def wait_idle(self) -> None:
+        """Wait until no submitted read still fills its rows."""
+        for f in self._futures:
+            f.exception()
+
+    def finish(self) -> list[bool]:
+        """Wait for the reads; drop and log blocks that were corrupt or missing."""
+        store = self.store
+        for f in self._futures:
+            f.result()
+        bad = sorted(set(self._corrupt) | set(self._missing))
+        if bad:
+            for i in self._corrupt:
+                logger.error("disk block %s (rank %d, slot %d) failed its checksum; dropping it",
+                             self.hashes[i].hex()[:16], self.rank, self.slots[i])
+            try:
+                store.index.drop_corrupt(self.rank, [(self.hashes[i], self.slots[i]) for i in bad])
+            except lmdb.Error as e:
+                logger.error("could not drop %d corrupt blocks from the index: %s", len(bad), e)
+        if self._error is not None:
+            logger.warning("disk load of %d blocks on rank %d failed: %s", len(self.ok), self.rank, self._error)
+            self.ok = [False] * len(self.ok)
+        n_ok = sum(self.ok)
+        store._count(loads=n_ok, load_failures=len(self.ok) - n_ok,
+                     checksum_failures=len(self._corrupt), missing_entries=len(self._missing),
+                     bytes_read=n_ok * store.block_bytes)
+        self.seconds = time.perf_counter() - self._t0
+        return list(self.ok)
+
+
+def _all_of(futs: list[Future], result: Callable[[], object] | None = None) -> Future:
+    """A future done when all of ``futs`` are (with ``result()`` as its value)."""
+    out: Future = Future()
+    remaining = [len(futs)]
+    lock = threading.Lock()
+
+    def done(_f: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            out.set_result(result() if result else None)
+
+    if not futs:
+        out.set_result(result() if result else None)
+    for f in futs:
+        f.add_done_callback(done)
+    return out

@@ -1,0 +1,233 @@
+"""Host (CPU-tier) KV memory and the block byte codec shared by the tiers.
+
+Worker process. ``HostKVCache`` allocates, per layer, a host tensor shaped like the
+device layer but with ``num_blocks = num_slots * block_size_factor`` (CPU slot ``s`` is
+kernel blocks ``s*f .. s*f+f-1``, the seed's ``expand_block_ids`` semantics), pinned
+when CUDA is present and pageable otherwise (logged once, see ``tiered_kv.device``).
+
+``pack_blocks`` / ``unpack_blocks`` turn offloaded blocks into flat bytes and back, so
+the disk tier can write whole blocks from any per-layer tensors (device or host). Byte
+order of one offloaded block: layers in layout order; within a layer whose KV
+dimension comes before num_blocks, ``[K of kernel blocks 0..f-1][V of kernel blocks
+0..f-1]``, otherwise kernel blocks ``0..f-1`` each whole. Both loop over layers only.
+
+No file I/O here; only memory allocation and tensor copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tiered_kv.device import empty_host
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+
+
+def expand_block_ids(block_ids: Sequence[int] | np.ndarray, block_size_factor: int,
+                     skip_count: int = 0) -> np.ndarray:
+    """Kernel (GPU-sized) block ids of offloaded blocks made of ``block_size_factor``
+    kernel blocks each, with the first ``skip_count`` kernel ids dropped.
+
+    ``[0, 1, 3]`` with factor 4 -> ``[0..3, 4..7, 12..15]``. Returns int64.
+    Raises ``ValueError`` unless ``0 <= skip_count < block_size_factor``.
+    """
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if block_size_factor < 1:
+        raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
+    if not 0 <= skip_count < block_size_factor:
+        raise ValueError(f"skip_count must be in [0, {block_size_factor}), got {skip_count}")
+    if block_size_factor == 1:
+        return ids.copy()
+    kernel = (ids[:, None] * block_size_factor + np.arange(block_size_factor, dtype=np.int64)).reshape(-1)
+    return kernel[skip_count:]
+
+
+def kv_planes(tensor: torch.Tensor, kv_before_num_blocks: bool) -> list[torch.Tensor]:
+    """``tensor``'s kernel blocks as 2-D uint8 views ``(num_blocks, B)`` sharing its
+    memory: ``[K, V]`` when the KV dimension comes first (B = bytes of one kernel block
+    of K), else one plane (B = bytes of one whole kernel block). Every row is contiguous,
+    so per-plane ``index_select``/``index_copy_`` move whole blocks. Raises
+    ``ValueError`` if ``tensor`` is not contiguous or not ``(2, num_blocks, ...)`` when
+    the KV dimension comes first."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"KV tensor must be contiguous (shape {tuple(tensor.shape)}, "
+                         f"stride {tensor.stride()})")
+    if kv_before_num_blocks:
+        if tensor.dim() < 2 or tensor.shape[0] != 2:
+            raise ValueError(f"KV tensor with the KV dimension first must have shape "
+                             f"(2, num_blocks, ...); got {tuple(tensor.shape)}")
+        both = tensor.reshape(2, tensor.shape[1], -1).view(torch.uint8)
+        return [both[0], both[1]]
+    return [tensor.reshape(tensor.shape[0], -1).view(torch.uint8)]
+
+
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (2-D uint8, contiguous rows) viewed as the widest integer type its row
+    length and alignment allow. Element-wise kernels such as CPU ``index_copy_`` run
+    several times faster on 8-byte words than on bytes."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rows.shape[-1] % size == 0 and rows.storage_offset() % size == 0 \
+                and all(st % size == 0 for st in rows.stride()[:-1]):
+            return rows.view(dtype)
+    return rows
+
+
+def scatter_rows(plane: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``plane[index[i]] = rows[i]`` for 2-D uint8 ``plane`` and ``rows`` (same row
+    length; ``rows`` on any device, copied to ``plane``'s if needed)."""
+    rows = rows.to(plane.device).contiguous()
+    words_plane, words_rows = as_words(plane), as_words(rows)
+    if words_plane.dtype != words_rows.dtype:
+        words_plane, words_rows = plane, rows
+    words_plane.index_copy_(0, index, words_rows)
+
+
+def _layer_planes(tensor: torch.Tensor, layer: LayerLayout) -> list[torch.Tensor]:
+    if tuple(tensor.shape[2 if layer.kv_before_num_blocks else 1:]) != tuple(layer.block_shape):
+        raise ValueError(f"layer {layer.name!r}: tensor shape {tuple(tensor.shape)} does not "
+                         f"match the layout's block shape {layer.block_shape}")
+    try:
+        return kv_planes(tensor, layer.kv_before_num_blocks)
+    except ValueError as exc:
+        raise ValueError(f"layer {layer.name!r}: {exc}") from None
+
+
+def _check_codec_args(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
+                      block_ids: np.ndarray, buf: torch.Tensor, name: str) -> np.ndarray:
+    if len(tensors) != len(layout.layers):
+        raise ValueError(f"expected {len(layout.layers)} layer tensors (one per layout layer), "
+                         f"got {len(tensors)}")
+    ids = np.asarray(block_ids, dtype=np.int64)
+    f = layout.block_size_factor
+    if ids.ndim != 2 or ids.shape[1] != f:
+        raise ValueError(f"block_ids must have shape (N, block_size_factor={f}); got {ids.shape}")
+    if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[0] != ids.shape[0]:
+        raise ValueError(f"{name} must be a uint8 tensor of shape ({ids.shape[0]}, stride); got "
+                         f"{buf.dtype} {tuple(buf.shape)}")
+    if buf.shape[1] < layout.bytes_per_block:
+        raise ValueError(f"{name} stride {buf.shape[1]} is smaller than one block "
+                         f"({layout.bytes_per_block} bytes)")
+    if ids.size:
+        nb = tensors[0].shape[1 if layout.layers[0].kv_before_num_blocks else 0]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -1 or hi >= nb:
+            raise ValueError(f"block_ids out of range: found {lo}..{hi}, expected -1 (skip) "
+                             f"or 0..{nb - 1}")
+    return ids
+
+
+class _Index:
+    """One index tensor per device, made on first use."""
+
+    def __init__(self, ids: np.ndarray):
+        self._ids = ids
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        index = self._by_device.get(device)
+        if index is None:
+            index = self._by_device[device] = torch.from_numpy(self._ids).to(device)
+        return index
+
+
+def pack_blocks(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
+                block_ids: np.ndarray, out: torch.Tensor) -> None:
+    """Copy N offloaded blocks from per-layer ``tensors`` into ``out`` (uint8, shape
+    ``(N, stride)``, ``stride >= layout.bytes_per_block``), one row per block.
+
+    ``block_ids`` is int64 ``(N, block_size_factor)`` of kernel block ids; -1 skips that
+    kernel block (its bytes in ``out`` are left as they were). Bytes past
+    ``bytes_per_block`` in each row are not touched. Raises ``ValueError`` for shapes,
+    dtypes or ids that do not fit.
+    """
+    ids = _check_codec_args(tensors, layout, block_ids, out, "out")
+    n, f = ids.shape
+    if n == 0:
+        return
+    flat = ids.reshape(-1)
+    skip = flat < 0
+    any_skip = bool(skip.any())
+    index = _Index(np.where(skip, 0, flat))
+    keep = torch.from_numpy(~skip.reshape(n, f)).to(out.device) if any_skip else None
+    offset = 0
+    for tensor, layer in zip(tensors, layout.layers):
+        for plane in _layer_planes(tensor, layer):
+            kernel_bytes = plane.shape[1]
+            gathered = plane.index_select(0, index.on(plane.device)).view(n, f, kernel_bytes)
+            dst = out[:, offset:offset + f * kernel_bytes].view(n, f, kernel_bytes)
+            if keep is None:
+                dst.copy_(gathered)
+            else:
+                dst[keep] = gathered.to(out.device)[keep]
+            offset += f * kernel_bytes
+
+
+def unpack_blocks(src: torch.Tensor, tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
+                  block_ids: np.ndarray) -> None:
+    """Inverse of ``pack_blocks``: write N blocks from ``src`` (uint8 ``(N, stride)``)
+    into per-layer ``tensors`` at the kernel block ids ``block_ids`` (int64
+    ``(N, block_size_factor)``; -1 leaves that kernel block untouched). Raises
+    ``ValueError`` for shapes, dtypes or ids that do not fit."""
+    ids = _check_codec_args(tensors, layout, block_ids, src, "src")
+    n, f = ids.shape
+    if n == 0:
+        return
+    flat = ids.reshape(-1)
+    kept = flat >= 0
+    all_kept = bool(kept.all())
+    index = _Index(flat if all_kept else flat[kept])
+    keep = None if all_kept else torch.from_numpy(kept).to(src.device)
+    offset = 0
+    for tensor, layer in zip(tensors, layout.layers):
+        for plane in _layer_planes(tensor, layer):
+            kernel_bytes = plane.shape[1]
+            rows = src[:, offset:offset + f * kernel_bytes].reshape(n * f, kernel_bytes)
+            scatter_rows(plane, index.on(plane.device), rows if keep is None else rows[keep])
+            offset += f * kernel_bytes
+
+
+class HostKVCache:
+    """Per-layer host tensors holding ``num_slots`` offloaded blocks of ``layout``.
+
+    ``tensors[i]`` matches ``layout.layers[i]`` with ``num_blocks = num_slots *
+    block_size_factor``; slot ``s`` is kernel blocks ``s*f .. s*f+f-1``. Memory is
+    pinned when CUDA is present (``pin=None``), else pageable (logged once).
+    Contents start uninitialised.
+    """
+
+    def __init__(self, layout: KVCacheLayout, num_slots: int, pin: bool | None = None):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        kernel_blocks = num_slots * layout.block_size_factor
+        self.tensors: list[torch.Tensor] = []
+        for layer in layout.layers:
+            lead = (2, kernel_blocks) if layer.kv_before_num_blocks else (kernel_blocks,)
+            self.tensors.append(empty_host(lead + tuple(layer.block_shape), layout.dtype, pin))
+        self.pinned = self.tensors[0].is_pinned()
+
+    @staticmethod
+    def slots_for_bytes(layout: KVCacheLayout, cpu_bytes: int) -> int:
+        """How many offloaded blocks fit in ``cpu_bytes``; raises ``ValueError`` if not one."""
+        slots = cpu_bytes // layout.bytes_per_block
+        if slots < 1:
+            raise ValueError(f"cpu_bytes={cpu_bytes} holds no block; one offloaded block is "
+                             f"{layout.bytes_per_block} bytes")
+        return slots
+
+    @classmethod
+    def from_bytes(cls, layout: KVCacheLayout, cpu_bytes: int, pin: bool | None = None) -> "HostKVCache":
+        """As many slots as fit in ``cpu_bytes``."""
+        return cls(layout, cls.slots_for_bytes(layout, cpu_bytes), pin)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def kernel_ids(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``(N, block_size_factor)`` kernel ids of ``slots``, the codec's ``block_ids``."""
+        f = self.layout.block_size_factor
+        return expand_block_ids(slots, f).reshape(-1, f)

@@ -1,0 +1,2 @@
+"""Adapters that plug the hierarchy into inference engines. Each needs its engine
+installed; importing ``tiered_kv`` itself never does."""

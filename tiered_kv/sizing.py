@@ -1,0 +1,217 @@
+"""KV-cache sizing arithmetic: bytes per token from a model's geometry, blocks per tier.
+
+Pure arithmetic plus reading one HF ``config.json``; no other I/O. Used by the
+``tiered-kv config`` command and by the tables in configs/README.md.
+
+Conventions (the ones the tiers use):
+- A full-attention layer stores K and V: ``2 * kv_heads * head_dim`` elements per token.
+- Tensor parallelism splits KV heads across ranks; when TP exceeds the KV-head count
+  every rank keeps one (replicated) head, as vLLM does.
+- ``cpu_bytes`` and ``disk_bytes`` are budgets **per TP rank**: every worker process
+  holds its own shard of every offloaded block in host memory and in its own disk
+  files, and the scheduler counts slots once for all ranks. A node therefore spends
+  ``tp * cpu_bytes`` of RAM and ``tp * disk_bytes`` of disk.
+- A CPU slot holds exactly one offloaded block; a disk slot is the block rounded up to
+  4 KiB (O_DIRECT alignment).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiered_kv.config import ConfigError
+
+#: Bytes per element of the KV-cache dtypes vLLM offers (``--kv-cache-dtype`` and
+#: model dtypes), under the spellings HF configs and vLLM use.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "float16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "bf16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+
+#: Disk slots are padded to this many bytes (the disk tier's O_DIRECT alignment).
+DISK_ALIGNMENT = 4096
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (e.g. ``"bfloat16"`` -> 2, ``"torch.float16"`` -> 2)."""
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"dtype: unknown KV-cache dtype {dtype!r}; expected one of "
+                          f"{', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[key]
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The KV-relevant shape of a decoder model (whole model, before any TP split)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.num_layers, "num_layers")
+        _positive_int(self.num_kv_heads, "num_kv_heads")
+        _positive_int(self.head_dim, "head_dim")
+        dtype_bytes(self.dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    def kv_heads_per_rank(self, tp: int = 1) -> int:
+        """KV heads one TP rank stores. TP must divide the KV heads or be a multiple of
+        them (vLLM's rule); beyond the head count, heads are replicated."""
+        _positive_int(tp, "tp")
+        if tp <= self.num_kv_heads:
+            if self.num_kv_heads % tp:
+                raise ConfigError(f"tp: {tp} does not divide the model's {self.num_kv_heads} "
+                                  f"KV heads; use a divisor of {self.num_kv_heads}")
+            return self.num_kv_heads // tp
+        if tp % self.num_kv_heads:
+            raise ConfigError(f"tp: {tp} is larger than the model's {self.num_kv_heads} KV "
+                              f"heads but not a multiple of it")
+        return 1
+
+    def kv_bytes_per_token(self, tp: int = 1) -> int:
+        """KV bytes one token occupies on one TP rank (all layers, K and V)."""
+        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | Path,
+                       dtype: str | None = None) -> "ModelGeometry":
+        """Geometry from an HF ``config.json`` (a path to it or to its directory, or the
+        parsed dict). Handles Llama, Mistral, Qwen2/2.5/3 and other GQA decoders, and
+        multimodal wrappers that nest the decoder in ``text_config``. ``head_dim``
+        defaults to ``hidden_size / num_attention_heads``; ``num_key_value_heads`` to
+        ``num_attention_heads`` (plain multi-head attention). ``dtype`` overrides the
+        config's ``torch_dtype`` (the KV-cache dtype, e.g. ``fp8``)."""
+        source = "config"
+        if not isinstance(config, Mapping):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            source = str(path)
+            try:
+                config = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"model config: {path} does not exist; expected an HF "
+                                  f"config.json or the directory holding one") from None
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"model config: {path} is not valid JSON ({exc})") from None
+            if not isinstance(config, Mapping):
+                raise ConfigError(f"model config: {path} holds a JSON "
+                                  f"{type(config).__name__}, expected an object")
+        raw: Mapping[str, Any] = config
+        if "num_hidden_layers" not in raw and isinstance(raw.get("text_config"), Mapping):
+            raw = raw["text_config"]
+        if "kv_lora_rank" in raw:
+            raise ConfigError(f"{source}: multi-head latent attention (kv_lora_rank) stores "
+                              f"a compressed KV; this calculator covers K/V-per-head models only")
+
+        def need(key: str) -> Any:
+            if raw.get(key) is None:
+                raise ConfigError(f"{source}: missing {key!r}; cannot size the KV cache")
+            return raw[key]
+
+        num_layers = _positive_int(need("num_hidden_layers"), f"{source}: num_hidden_layers")
+        num_heads = _positive_int(need("num_attention_heads"), f"{source}: num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads")
+        kv_heads = num_heads if kv_heads is None else _positive_int(
+            kv_heads, f"{source}: num_key_value_heads")
+        head_dim = raw.get("head_dim")
+        if head_dim is None:
+            hidden = _positive_int(need("hidden_size"), f"{source}: hidden_size")
+            if hidden % num_heads:
+                raise ConfigError(f"{source}: hidden_size {hidden} is not a multiple of "
+                                  f"num_attention_heads {num_heads} and head_dim is absent")
+            head_dim = hidden // num_heads
+        head_dim = _positive_int(head_dim, f"{source}: head_dim")
+        model_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or config.get(
+            "torch_dtype") or "bfloat16"
+        name = str(config.get("_name_or_path") or raw.get("model_type") or "")
+        return cls(num_layers, kv_heads, head_dim, str(model_dtype), name)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """How a model's KV blocks fit the CPU and disk budgets of one TP rank."""
+
+    geometry: ModelGeometry
+    tp: int
+    block_size: int
+    cpu_bytes: int
+    disk_bytes: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per rank."""
+        return self.geometry.kv_bytes_per_token(self.tp)
+
+    @property
+    def block_bytes(self) -> int:
+        """One offloaded block on one rank."""
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def disk_slot_bytes(self) -> int:
+        """One disk slot: the block padded to the disk alignment."""
+        return -(-self.block_bytes // DISK_ALIGNMENT) * DISK_ALIGNMENT
+
+    @property
+    def cpu_blocks(self) -> int:
+        return self.cpu_bytes // self.block_bytes
+
+    @property
+    def disk_blocks(self) -> int:
+        return self.disk_bytes // self.disk_slot_bytes
+
+    @property
+    def cpu_tokens(self) -> int:
+        return self.cpu_blocks * self.block_size
+
+    @property
+    def disk_tokens(self) -> int:
+        return self.disk_blocks * self.block_size
+
+
+def plan_tiers(geometry: ModelGeometry, *, tp: int = 1, block_size: int = 16,
+               cpu_bytes: int, disk_bytes: int = 0, gpu_block_size: int = 16) -> TierPlan:
+    """Check the inputs and size both tiers (``disk_bytes=0``: no disk tier).
+
+    ``block_size`` is the offloaded block in tokens and must be a multiple of the
+    engine's ``gpu_block_size``. A tier budget that cannot hold a single block is an
+    error, since the tier would be useless.
+    """
+    _positive_int(block_size, "block_size")
+    _positive_int(gpu_block_size, "gpu_block_size")
+    if block_size % gpu_block_size:
+        raise ConfigError(f"block_size: {block_size} tokens is not a multiple of the GPU "
+                          f"block size {gpu_block_size}; use a multiple such as "
+                          f"{-(-block_size // gpu_block_size) * gpu_block_size}")
+    geometry.kv_heads_per_rank(tp)  # validates tp
+    if isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int) or disk_bytes < 0:
+        raise ConfigError(f"disk_bytes: expected a byte count >= 0, got {disk_bytes!r}")
+    plan = TierPlan(geometry, tp, block_size, _positive_int(cpu_bytes, "cpu_bytes"), disk_bytes)
+    if plan.cpu_blocks == 0:
+        raise ConfigError(f"cpu_bytes: {cpu_bytes} bytes hold no block; one {block_size}-token "
+                          f"block is {plan.block_bytes} bytes per rank")
+    if disk_bytes and plan.disk_blocks == 0:
+        raise ConfigError(f"disk_bytes: {disk_bytes} bytes hold no block; one disk slot is "
+                          f"{plan.disk_slot_bytes} bytes per rank")
+    return plan

@@ -1,0 +1,382 @@
+"""Worker-side handlers that carry out the composite manager's plans.
+
+Runs in each worker process (one per TP rank). Three pieces:
+
+- ``DiskStager``: copies CPU slots into staging buffers (memcpy, on a thread) and then
+  writes them to this rank's slab on the disk I/O pool. A disk write never reads a CPU
+  slot after staging, so the manager may reuse the slot as soon as the store job that
+  carried the write is reported; the block becomes loadable from disk when this rank's
+  index commit (after the data is durable) is seen by the manager. Staging memory is
+  bounded; a write that finds none is dropped, recorded as failed in the index log and
+  counted.
+- ``TieredStoreHandler`` (GPU -> CPU): stages spill victims out of their slots, then runs
+  the GPU -> CPU copy into those slots, then stages write-through copies. The job is
+  reported when the GPU copy and the staging copies are done; the disk writes are not
+  waited for, so GPU blocks are never held on disk I/O.
+- ``TieredLoadHandler`` (CPU -> GPU and TIERED -> GPU): splits a load by tier; CPU blocks
+  go on the CUDA-stream path, disk blocks straight to the GPU (GDS or bounce buffer), or
+  disk -> CPU slot (checksum verified) -> GPU when promoted. One result per job: success
+  only if every part succeeded.
+
+Each parent job is a set of branches, each a sequence of steps (a sub-job on an inner
+handler, or a future from a thread pool); polling advances them without blocking.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from functools import partial
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from tiered_kv.disk.io_backends import aligned_empty
+from tiered_kv.host_memory import HostKVCache, pack_blocks
+from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.specs import DiskWrite, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+
+logger = logging.getLogger(__name__)
+
+# Sub-job ids on inner handlers live far above any engine job id.
+_SUB_JOB_IDS = itertools.count(1 << 48)
+
+
+class DiskStager:
+    """Stage CPU slots into aligned buffers and write them to disk for one rank.
+
+    ``store`` is this process's ``DiskStore``; ``capacity_blocks`` bounds staging memory
+    (blocks waiting for their disk write on this rank).
+    """
+
+    def __init__(self, host: HostKVCache, store, rank: int, capacity_blocks: int,
+                 stats: TieredStats, io_threads: int = 2):
+        self.host = host
+        self.store = store
+        self.rank = rank
+        self.stats = stats
+        self.slot_size = store.slot_size
+        self._budget = capacity_blocks
+        self._cached: list[torch.Tensor] = []  # free staging buffers, reused by size
+        self._allocated_rows = 0
+        self._lock = threading.Lock()
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-stage")
+        self._writers = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered-kv-diskwrite")
+        self._inflight: set[Future] = set()
+
+    def _take_buffer(self, rows: int) -> torch.Tensor | None:
+        with self._lock:
+            fitting = [i for i, b in enumerate(self._cached) if b.shape[0] >= rows]
+            if fitting:
+                # Tensors compare element-wise, so pick by position, never by value.
+                return self._cached.pop(min(fitting, key=lambda i: self._cached[i].shape[0]))
+            while self._cached and self._allocated_rows + rows > self._budget:
+                self._allocated_rows -= self._cached.pop().shape[0]
+            if self._allocated_rows + rows > self._budget:
+                return None
+            self._allocated_rows += rows
+        return aligned_empty(rows * self.slot_size).view(rows, self.slot_size)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._cached.append(buf)
+
+    def stage(self, writes: Sequence[DiskWrite]) -> Future:
+        """Start copying ``writes``' CPU slots out; the returned future is done once the
+        slots may be overwritten (copied, or dropped for lack of staging memory). The
+        disk write itself continues in the background."""
+        return self._packer.submit(self._stage, list(writes))
+
+    def _stage(self, writes: list[DiskWrite]) -> None:
+        hashes = [w.block_hash for w in writes]
+        disk_slots = [w.disk_slot for w in writes]
+        buf = self._take_buffer(len(writes))
+        if buf is None:
+            logger.warning("disk staging full: dropping %d disk writes on rank %d", len(writes), self.rank)
+            self.stats.count("disk", "drops", len(writes))
+            self._record_failed(hashes, disk_slots)
+            return
+        rows = buf[: len(writes)]
+        try:
+            kernel_ids = self.host.kernel_ids([w.cpu_slot for w in writes])
+            pack_blocks(self.host.tensors, self.host.layout, kernel_ids, rows)
+        except Exception:
+            logger.exception("staging %d disk writes failed on rank %d; dropping them", len(writes), self.rank)
+            self._give_back(buf)
+            self.stats.count("disk", "drops", len(writes))
+            self._record_failed(hashes, disk_slots)
+            return
+        future = self._writers.submit(self._write, hashes, disk_slots, rows, buf)
+        with self._lock:
+            self._inflight.add(future)
+        future.add_done_callback(self._forget)
+
+    def _record_failed(self, hashes: list, disk_slots: list) -> None:
+        """Tell the manager (through the index log) that these writes will not happen."""
+        try:
+            self.store.index.log_failed(self.rank, hashes, disk_slots)
+        except Exception:
+            logger.exception("could not record %d dropped disk writes in the index", len(hashes))
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._inflight.discard(future)
+
+    def _write(self, hashes, disk_slots, rows, buf) -> None:
+        start = time.perf_counter()
+        try:
+            ok = all(self.store.write_blocks(self.rank, hashes, disk_slots, rows))
+        except Exception:  # write_blocks reports faults itself; this is a last resort
+            logger.exception("disk write of %d blocks failed on rank %d", len(hashes), self.rank)
+            ok = False
+        finally:
+            self._give_back(buf)
+        self.stats.record_transfer("cpu_to_disk", len(hashes) * self.host.layout.bytes_per_block,
+                                   time.perf_counter() - start, success=bool(ok))
+        if not ok:
+            self.stats.count("disk", "failed_stores", len(hashes))
+
+    def drain(self) -> None:
+        """Block until every staged write has reached the disk (or failed)."""
+        self._packer.submit(lambda: None).result()
+        while True:
+            with self._lock:
+                pending = list(self._inflight)
+            if not pending:
+                return
+            for future in pending:
+                future.result()
+
+    def shutdown(self) -> None:
+        self.drain()
+        self._packer.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+
+
+class _Step:
+    """One awaited thing of a job: a sub-job on an inner handler or a thread future."""
+
+    __slots__ = ("handler", "sub_id", "future", "kind", "nbytes", "started")
+
+    def __init__(self, kind: str, nbytes: int, handler: OffloadingHandler | None = None,
+                 sub_id: int | None = None, future: Future | None = None):
+        self.kind, self.nbytes = kind, nbytes
+        self.handler, self.sub_id, self.future = handler, sub_id, future
+        self.started = time.perf_counter()
+
+
+class _Job:
+    __slots__ = ("job_id", "branches", "current", "ok")
+
+    def __init__(self, job_id: int, branches: list[deque[Callable[[], _Step | None]]]):
+        self.job_id = job_id
+        self.branches = branches
+        self.current: list[_Step | None] = [None] * len(branches)
+        self.ok = True
+
+
+class _PipelineHandler(OffloadingHandler):
+    """Runs each job as branches of sequential steps over inner handlers and futures."""
+
+    def __init__(self, stats: TieredStats, inner: Sequence[OffloadingHandler]):
+        self.stats = stats
+        self._inner = list(dict.fromkeys(h for h in inner if h is not None))
+        self._jobs: dict[int, _Job] = {}
+        self._order: list[int] = []
+        self._inner_done: dict[int, bool] = {}
+        self._finished: list[TransferResult] = []
+
+    def _submit_inner(self, handler: OffloadingHandler, kind: str, nbytes: int, spec: TransferSpec) -> _Step:
+        sub_id = next(_SUB_JOB_IDS)
+        step = _Step(kind, nbytes, handler=handler, sub_id=sub_id)
+        try:
+            accepted = handler.transfer_async(sub_id, spec)
+        except Exception:
+            logger.exception("%s raised submitting a %s transfer", type(handler).__name__, kind)
+            accepted = False
+        if not accepted:
+            self._inner_done[sub_id] = False
+        return step
+
+    def _start(self, job_id: int, branches: list[deque]) -> bool:
+        job = _Job(job_id, branches)
+        self._jobs[job_id] = job
+        self._order.append(job_id)
+        self._advance(job)
+        return True
+
+    def _collect_inner(self) -> None:
+        for handler in self._inner:
+            for result in handler.get_finished():
+                self._inner_done[result.job_id] = result.success
+
+    def _step_result(self, step: _Step) -> bool | None:
+        """True/False once the step finished, None while it runs."""
+        if step.future is not None:
+            if not step.future.done():
+                return None
+            return step.future.exception() is None and step.future.result() is not False
+        return self._inner_done.pop(step.sub_id, None)
+
+    def _advance(self, job: _Job) -> None:
+        for i, branch in enumerate(job.branches):
+            while True:
+                step = job.current[i]
+                if step is not None:
+                    result = self._step_result(step)
+                    if result is None:
+                        break
+                    if step.future is not None and step.future.exception() is not None:
+                        logger.error("job %d: %s step raised", job.job_id, step.kind,
+                                     exc_info=step.future.exception())
+                    if step.kind:
+                        self.stats.record_transfer(step.kind, step.nbytes,
+                                                   time.perf_counter() - step.started, result)
+                    job.ok &= result
+                    job.current[i] = None
+                    if not result:
+                        branch.clear()  # later steps of a failed branch would act on bad data
+                if not branch:
+                    break
+                job.current[i] = branch.popleft()()
+
+    def _poll(self) -> None:
+        self._collect_inner()
+        still = []
+        for job_id in self._order:
+            job = self._jobs[job_id]
+            self._advance(job)
+            if all(s is None for s in job.current) and not any(job.branches):
+                del self._jobs[job_id]
+                self._finished.append(TransferResult(job_id, job.ok))
+            else:
+                still.append(job_id)
+        self._order = still
+
+    def get_finished(self) -> list[TransferResult]:
+        self._poll()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        while True:
+            self._poll()
+            waiting = [self._jobs[j] for j in job_ids if j in self._jobs]
+            if not waiting:
+                return
+            for step in (s for job in waiting for s in job.current if s is not None):
+                if step.future is not None:
+                    step.future.exception()  # blocks until done
+                elif step.sub_id not in self._inner_done:
+                    step.handler.wait({step.sub_id})
+                break
+
+    def shutdown(self) -> None:
+        self.wait(set(self._jobs))
+
+
+class TieredStoreHandler(_PipelineHandler):
+    """GPU -> CPU stores carrying spills and write-through copies (see module docstring)."""
+
+    def __init__(self, gpu_to_cpu: OffloadingHandler, layout_bytes_per_block: int,
+                 stager: DiskStager | None, stats: TieredStats):
+        super().__init__(stats, [gpu_to_cpu])
+        self.gpu_to_cpu = gpu_to_cpu
+        self.bytes_per_block = layout_bytes_per_block
+        self.stager = stager
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        src, dst = spec
+        spills = getattr(dst, "spills", [])
+        write_through = getattr(dst, "write_through", [])
+        steps: deque = deque()
+        if spills and self.stager is not None:
+            steps.append(partial(self._stage_step, spills))
+        plain_dst = CPULoadStoreSpec(dst.block_ids)
+        steps.append(partial(self._submit_inner, self.gpu_to_cpu, "gpu_to_cpu",
+                             len(dst.block_ids) * self.bytes_per_block, (src, plain_dst)))
+        if write_through and self.stager is not None:
+            steps.append(partial(self._stage_step, write_through))
+        return self._start(job_id, [steps])
+
+    def _stage_step(self, writes: list[DiskWrite]) -> _Step:
+        return _Step("", 0, future=self.stager.stage(writes))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.gpu_to_cpu.shutdown()
+        if self.stager is not None:
+            self.stager.shutdown()
+
+
+class TieredLoadHandler(_PipelineHandler):
+    """Loads to GPU from CPU, disk, or both (see module docstring)."""
+
+    def __init__(self, cpu_to_gpu: OffloadingHandler, bytes_per_block: int, block_size_factor: int,
+                 disk_to_gpu: OffloadingHandler | None, disk_to_cpu: OffloadingHandler | None,
+                 stats: TieredStats):
+        super().__init__(stats, [cpu_to_gpu, disk_to_gpu, disk_to_cpu])
+        self.cpu_to_gpu = cpu_to_gpu
+        self.disk_to_gpu = disk_to_gpu
+        self.disk_to_cpu = disk_to_cpu
+        self.bytes_per_block = bytes_per_block
+        self.factor = block_size_factor
+
+    def _gpu_rows(self, gpu: GPULoadStoreSpec, num_blocks: int) -> np.ndarray:
+        """``(N, factor)`` GPU kernel ids per offloaded block, -1 for skipped ones."""
+        ids = np.concatenate([np.full(gpu.skip_count, -1, dtype=np.int64), gpu.block_ids])
+        if len(ids) != num_blocks * self.factor:
+            raise ValueError(f"GPU spec has {len(gpu.block_ids)} block ids (skip {gpu.skip_count}); "
+                             f"expected {num_blocks * self.factor} for {num_blocks} offloaded blocks")
+        return ids.reshape(num_blocks, self.factor)
+
+    @staticmethod
+    def _gpu_spec(rows: np.ndarray) -> GPULoadStoreSpec:
+        flat = rows.reshape(-1)
+        skip = int((flat < 0).sum())
+        return GPULoadStoreSpec(flat[skip:], skip_count=skip)
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        src, dst = spec
+        submit = self._submit_inner  # steps are built now, run later: bind their arguments
+        if not isinstance(src, TieredLoadSpec):
+            n = len(src.block_ids) * self.bytes_per_block
+            return self._start(job_id, [deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, (src, dst))])])
+        rows = self._gpu_rows(dst, len(src))
+        bpb = self.bytes_per_block
+        hashes = np.array(src.block_hashes, dtype=object)
+        from_cpu = src.cpu_slots >= 0
+        promoted = (~from_cpu) & (src.promote_slots >= 0) & (self.disk_to_cpu is not None)
+        direct = (~from_cpu) & ~promoted
+        branches = []
+        if from_cpu.any():
+            cpu_src = CPULoadStoreSpec(src.cpu_slots[from_cpu])
+            branches.append(deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", len(cpu_src) * bpb,
+                                           (cpu_src, self._gpu_spec(rows[from_cpu])))]))
+        if direct.any():
+            if self.disk_to_gpu is None:
+                raise ValueError("load spec names disk blocks but no disk tier is configured")
+            disk_src = DiskLoadStoreSpec(src.disk_slots[direct], list(hashes[direct]))
+            branches.append(deque([partial(submit, self.disk_to_gpu, "disk_to_gpu", len(disk_src) * bpb,
+                                           (disk_src, self._gpu_spec(rows[direct])))]))
+        if promoted.any():
+            disk_src = DiskLoadStoreSpec(src.disk_slots[promoted], list(hashes[promoted]))
+            cpu_slots = CPULoadStoreSpec(src.promote_slots[promoted])
+            n = len(disk_src) * bpb
+            branches.append(deque([
+                partial(submit, self.disk_to_cpu, "disk_to_cpu", n, (disk_src, cpu_slots)),
+                partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, (cpu_slots, self._gpu_spec(rows[promoted]))),
+            ]))
+        return self._start(job_id, branches)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for handler in self._inner:
+            handler.shutdown()

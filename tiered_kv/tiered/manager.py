@@ -1,0 +1,328 @@
+"""TieredOffloadingManager: the CPU tier over the disk tier, as one OffloadingManager.
+
+Runs in the scheduler process. Never does block I/O, fsync or a synced index write on
+the caller's thread: it only decides, and hands the worker specs that say what to copy.
+
+How data moves, and who learns what when:
+
+- **Store**: blocks land in CPU slots (GPU -> CPU job). The job completes when its GPU
+  copy does (GPU blocks are never held on disk I/O); ``complete_store`` makes them
+  loadable from CPU.
+- **Cascade**: when CPU is full, LRU victims make room. A victim that is already durable
+  on disk, or already on its way there, is just dropped from CPU. Any other victim is
+  *spilled*: the store spec that reuses its slot carries a ``DiskWrite``, and the worker
+  copies the slot into a staging buffer before the GPU copy overwrites it (a slot is
+  never overwritten while something still reads it). With ``write_through`` every stored
+  block is also queued for disk once it is in CPU.
+- **Disk durability** is learned from the shared disk index, not from jobs: workers
+  commit a block's index entry only after its bytes are durable on their rank, and the
+  disk manager's ``refresh()`` reads those commits. Until then a block is *pending* on
+  disk: not loadable from there.
+- **Back-pressure**: at most ``max_pending_disk_writes`` blocks may be waiting for a disk
+  write. Past that, write-through copies are skipped and spill victims leave the
+  hierarchy; both are counted as drops. The engine never waits for the disk.
+- **Load**: blocks come from CPU where they are, else from disk (a ``TieredLoadSpec``).
+  With ``promote_on_hit`` a disk block is also brought into a CPU slot that can be had
+  without a spill and without touching blocks pinned by loads; the slot becomes loadable
+  when the last load of that block completes successfully.
+- ``block_hashes_evicted`` lists only blocks that left the whole hierarchy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+
+from tiered_kv.abstract import (BlockHash, LoadStoreSpec, OffloadingEvent, OffloadingManager,
+                                PrepareStoreOutput)
+from tiered_kv.config import WRITE_POLICIES
+from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.mediums import CPULoadStoreSpec
+from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.specs import DiskWrite, TieredLoadSpec, TieredStoreSpec
+
+logger = logging.getLogger(__name__)
+
+
+class TieredOffloadingManager(OffloadingManager):
+    """Composite of a ``CPUOffloadingManager`` and (optionally) a disk tier manager.
+
+    ``disk`` must offer the seed API plus ``is_loadable``, ``is_pending`` and ``refresh``
+    (see ``tiered_kv.disk.manager.DiskOffloadingManager``). Without it this is the CPU
+    tier with the same cascade bookkeeping (victims simply leave).
+    """
+
+    def __init__(self, cpu: CPUOffloadingManager, disk=None, *, write_policy: str = "write_through",
+                 promote_on_hit: bool = True, max_pending_disk_writes: int = 256,
+                 stats: TieredStats | None = None):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
+        if max_pending_disk_writes < 1:
+            raise ValueError(f"max_pending_disk_writes must be >= 1, got {max_pending_disk_writes}")
+        self.cpu = cpu
+        self.disk = disk
+        self.write_policy = write_policy
+        self.promote_on_hit = promote_on_hit
+        self.max_pending_disk_writes = max_pending_disk_writes
+        self.stats = stats if stats is not None else TieredStats()
+        # Blocks with a disk write this manager asked for and whose outcome is unknown.
+        self._disk_pending: set[BlockHash] = set()
+        # Blocks of an in-flight store that carry a write-through disk slot.
+        self._write_through: set[BlockHash] = set()
+        # Outstanding loads per block, by tier. For one block they are all CPU or all disk:
+        # a CPU-resident block is pinned there, and a promotion completes only once no disk
+        # load of the block is outstanding.
+        self._cpu_loads: Counter[BlockHash] = Counter()
+        self._disk_loads: Counter[BlockHash] = Counter()
+        # Promotions in flight: block -> whether every load of it has succeeded so far.
+        self._promoting: dict[BlockHash, bool] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    def _on_disk(self, block_hash: BlockHash) -> bool:
+        return self.disk is not None and self.disk.is_loadable(block_hash)
+
+    def _refresh_disk(self) -> None:
+        """Fold in disk-write outcomes the workers have committed to the index."""
+        if self.disk is None or not self._disk_pending:
+            return
+        self.disk.refresh()
+        self._disk_pending = {h for h in self._disk_pending if self.disk.is_pending(h)}
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
+        hits = 0
+        refreshed = False
+        for block_hash in block_hashes:
+            if self.cpu.is_loadable(block_hash) or self._on_disk(block_hash):
+                hits += 1
+                continue
+            if not refreshed and block_hash in self._disk_pending:
+                refreshed = True
+                self._refresh_disk()
+                if self._on_disk(block_hash):
+                    hits += 1
+                    continue
+            break
+        self.stats.count("cpu", "lookups")
+        return hits
+
+    def hit_medium(self, block_hash: BlockHash) -> str | None:
+        """Which tier would serve ``block_hash`` now: ``"CPU"``, ``"DISK"`` or None."""
+        if self.cpu.is_loadable(block_hash):
+            return "CPU"
+        if self._on_disk(block_hash):
+            return "DISK"
+        return None
+
+    # ------------------------------------------------------------------ loads
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
+        block_hashes = list(block_hashes)
+        sources = [self.hit_medium(h) for h in block_hashes]
+        for block_hash, source in zip(block_hashes, sources):
+            if source is None:
+                raise KeyError(f"block {block_hash.hex()[:16]} is not offloaded; "
+                               f"prepare_load needs blocks that lookup() reported")
+        cpu_hashes = [h for h, s in zip(block_hashes, sources) if s == "CPU"]
+        self.cpu.pin(cpu_hashes)
+        self._cpu_loads.update(cpu_hashes)
+        self.stats.count("cpu", "hits", len(cpu_hashes))
+        if len(cpu_hashes) == len(block_hashes):
+            return CPULoadStoreSpec([self.cpu.slot_of(h) for h in block_hashes])
+
+        disk_hashes = [h for h, s in zip(block_hashes, sources) if s == "DISK"]
+        disk_spec = self.disk.prepare_load(disk_hashes)
+        disk_slot = dict(zip(disk_hashes, disk_spec.block_ids.tolist()))
+        self._disk_loads.update(disk_hashes)
+        self.stats.count("disk", "hits", len(disk_hashes))
+        promote_slot = self._start_promotions(disk_hashes) if self.promote_on_hit else {}
+        return TieredLoadSpec(
+            cpu_slots=[self.cpu.slot_of(h) if s == "CPU" else -1 for h, s in zip(block_hashes, sources)],
+            disk_slots=[disk_slot.get(h, -1) for h in block_hashes],
+            promote_slots=[promote_slot.get(h, -1) for h in block_hashes],
+            block_hashes=block_hashes,
+        )
+
+    def _start_promotions(self, disk_hashes: list[BlockHash]) -> dict[BlockHash, int]:
+        """Reserve CPU slots for disk blocks being loaded, using only free slots and
+        victims that are durable on disk (no spill, no pinned block)."""
+        wanted = list(dict.fromkeys(h for h in disk_hashes
+                                    if h not in self.cpu and h not in self._promoting))
+        if not wanted:
+            return {}
+        wanted = wanted[: self.cpu.num_free_slots() + self._droppable_count(len(wanted))]
+        self._make_room(len(wanted), allow_spill=False)
+        slots = self.cpu.allocate(wanted)
+        if slots is None:  # the CPU tier is busy with pinned blocks: load without promotion
+            return {}
+        for block_hash in wanted:
+            self._promoting[block_hash] = True
+        self.stats.count("cpu", "promotions", len(wanted))
+        return dict(zip(wanted, slots))
+
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Unpin blocks of a finished load. ``success=False`` (an extension of the seed
+        API) says the load job failed, so promotions it carried are abandoned."""
+        for block_hash in block_hashes:
+            if self._cpu_loads[block_hash] > 0:
+                self._cpu_loads[block_hash] -= 1
+                if not self._cpu_loads[block_hash]:
+                    del self._cpu_loads[block_hash]
+                self.cpu.complete_load([block_hash])
+            elif self._disk_loads[block_hash] > 0:
+                self._disk_loads[block_hash] -= 1
+                self.disk.complete_load([block_hash])
+                if not success:
+                    self.stats.count("disk", "failed_loads")
+                if block_hash in self._promoting:
+                    self._promoting[block_hash] &= success
+                if not self._disk_loads[block_hash]:
+                    del self._disk_loads[block_hash]
+                    if block_hash in self._promoting:
+                        self.cpu.complete_store([block_hash], success=self._promoting.pop(block_hash))
+        if not success:
+            # A failed disk read may mean a corrupt block that the worker dropped from the index.
+            if self.disk is not None:
+                self.disk.refresh()
+
+    # ------------------------------------------------------------------ stores
+
+    def _droppable_count(self, limit: int) -> int:
+        """How many of the next LRU CPU victims could go without a spill (durable on
+        disk or already queued there), up to ``limit``."""
+        n = 0
+        for victim in self.cpu.iter_evictable():
+            if n >= limit or not (self._on_disk(victim) or victim in self._disk_pending):
+                break
+            n += 1
+        return n
+
+    def _make_room(self, needed: int, allow_spill: bool) -> tuple[list[DiskWrite], list[BlockHash]] | None:
+        """Free ``needed`` CPU slots by cascading LRU victims. Returns the spills to carry
+        and the blocks that left the hierarchy, or None (changing nothing) if there are
+        not enough unpinned victims."""
+        shortfall = needed - self.cpu.num_free_slots()
+        if shortfall <= 0:
+            return [], []
+        victims = []
+        for victim in self.cpu.iter_evictable():
+            victims.append(victim)
+            if len(victims) == shortfall:
+                break
+        if len(victims) < shortfall:
+            return None
+        spills: list[DiskWrite] = []
+        evicted: list[BlockHash] = []
+        for victim in victims:
+            if self._on_disk(victim) or victim in self._disk_pending:
+                self.cpu.remove(victim)
+                self.stats.count("cpu", "evictions")
+                continue
+            disk_slot = None
+            if allow_spill and self.disk is not None and len(self._disk_pending) < self.max_pending_disk_writes:
+                out = self.disk.prepare_store([victim])
+                if out is not None and out.block_hashes_to_store:
+                    disk_slot = int(out.store_spec.block_ids[0])
+                    evicted.extend(h for h in out.block_hashes_evicted if h not in self.cpu)
+                    self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
+            cpu_slot = self.cpu.remove(victim)
+            self.stats.count("cpu", "evictions")
+            if disk_slot is None:
+                evicted.append(victim)
+                self.stats.count("cpu", "drops")
+            else:
+                spills.append(DiskWrite(cpu_slot, disk_slot, victim))
+                self._disk_pending.add(victim)
+                self.stats.count("cpu", "spills")
+        return spills, evicted
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        self._refresh_disk()
+        to_store = [h for h in dict.fromkeys(block_hashes)
+                    if h not in self.cpu and not self._on_disk(h) and h not in self._disk_pending]
+        if not to_store:
+            return PrepareStoreOutput([], TieredStoreSpec([]), [])
+        room = self._make_room(len(to_store), allow_spill=True)
+        if room is None:
+            return None
+        spills, evicted = room
+        slots = self.cpu.allocate(to_store)
+        if slots is None:  # cannot happen after _make_room; keep the contract anyway
+            raise RuntimeError("CPU tier refused an allocation it had room for")
+        write_through = self._plan_write_through(to_store, slots, evicted)
+        self.stats.count("cpu", "stores", len(to_store))
+        return PrepareStoreOutput(
+            block_hashes_to_store=to_store,
+            store_spec=TieredStoreSpec(slots, spills=spills, write_through=write_through),
+            block_hashes_evicted=evicted,
+        )
+
+    def _plan_write_through(self, to_store: list[BlockHash], cpu_slots: list[int],
+                            evicted: list[BlockHash]) -> list[DiskWrite]:
+        if self.write_policy != "write_through" or self.disk is None:
+            return []
+        budget = self.max_pending_disk_writes - len(self._disk_pending)
+        candidates = to_store[:max(budget, 0)]
+        skipped = len(to_store) - len(candidates)
+        out = self.disk.prepare_store(candidates) if candidates else None
+        if out is None:
+            skipped = len(to_store)
+            writes = []
+        else:
+            disk_slot = dict(zip(out.block_hashes_to_store, out.store_spec.block_ids.tolist()))
+            cpu_slot = dict(zip(to_store, cpu_slots))
+            writes = [DiskWrite(cpu_slot[h], disk_slot[h], h) for h in out.block_hashes_to_store]
+            # Disk evictions here only remove blocks that are no longer in CPU either.
+            evicted.extend(h for h in out.block_hashes_evicted if h not in self.cpu)
+            self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
+        if skipped:
+            self.stats.count("disk", "drops", skipped)
+        for write in writes:
+            self._disk_pending.add(write.block_hash)
+            self._write_through.add(write.block_hash)
+        self.stats.count("disk", "stores", len(writes))
+        return writes
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        block_hashes = list(block_hashes)
+        self.cpu.complete_store(block_hashes, success)
+        if not success:
+            self.stats.count("cpu", "failed_stores", len(block_hashes))
+        abandoned = [h for h in block_hashes if h in self._write_through]
+        self._write_through.difference_update(abandoned)
+        if not success and abandoned:
+            # The worker never had the bytes to write: release the reserved disk slots.
+            self.disk.complete_store(abandoned, success=False)
+            self._disk_pending.difference_update(abandoned)
+
+    # ------------------------------------------------------------------ misc
+
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
+        block_hashes = list(block_hashes)
+        self.cpu.touch(block_hashes)
+        if self.disk is not None:
+            self.disk.touch(block_hashes)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._refresh_disk()
+        events = list(self.cpu.take_events())
+        if self.disk is not None:
+            events.extend(self.disk.take_events())
+        return events
+
+    def pending_disk_writes(self) -> int:
+        """Blocks queued for a disk write whose outcome the index has not shown yet."""
+        self._refresh_disk()
+        return len(self._disk_pending)
+
+    def used_blocks(self) -> dict[str, int]:
+        used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}
+        if self.disk is not None:
+            used["disk"] = self.disk.num_slots - self.disk.num_free_slots()
+        return used
+
+    def shutdown(self) -> None:
+        if self.disk is not None:
+            self.disk.shutdown()
+        self.cpu.shutdown()

@@ -1,0 +1,240 @@
+"""GPU <-> pinned-CPU handlers: the core copy path of the hierarchy.
+
+Worker process. Each direction has its own handler and its own CUDA stream; loads
+(CPU->GPU) run on a higher-priority stream than stores (GPU->CPU) because a load
+stalls a request while a store only frees GPU memory later. Jobs of one handler run
+on its one stream, so they execute and complete in submission order; each job ends
+with a CUDA event that ``get_finished`` polls (never blocking) and ``wait``
+synchronizes on. Both streams first wait for the compute stream, so a store reads KV
+only after the kernels that wrote it, and a load does not overwrite blocks that
+earlier kernels still read.
+
+Copies are batched per layer (per K/V plane when the KV dimension comes first, so
+every block is a contiguous row). A store gathers the job's blocks of a plane on the
+device with one ``index_select`` and copies that staging tensor to the host slots
+one *contiguous run* of slots at a time (``non_blocking`` into pinned memory); a load
+copies host runs into a device staging tensor and scatters it with one
+``index_copy_``. The CPU manager hands out slots in ascending order, so runs are long
+and the Python work per job is a loop over planes times runs, never over blocks.
+
+Without CUDA the same code runs, synchronously inside ``transfer_async``, with CPU
+tensors standing in for the device cache (the side named by the ``GPULoadStoreSpec``)
+and completion is immediate. Planes are viewed as 8-byte words: CPU ``index_copy_``
+is element-wise, several times slower on bytes. No file I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from tiered_kv.device import COMPLETED, TransferStream
+from tiered_kv.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
+from tiered_kv.mediums import GPULoadStoreSpec
+from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+
+logger = logging.getLogger(__name__)
+
+#: CUDA stream priorities (lower is more urgent): loads ahead of stores.
+LOAD_PRIORITY = -1
+STORE_PRIORITY = 1
+
+
+def contiguous_runs(sorted_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(start, end, first_id)`` for each run of consecutive ids in ``sorted_ids``:
+    positions ``start:end`` hold ids ``first_id .. first_id + end - start - 1``."""
+    if len(sorted_ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(sorted_ids)]))
+    return list(zip(starts.tolist(), ends.tolist(), sorted_ids[starts].tolist()))
+
+
+class SingleDirectionOffloadingHandler(OffloadingHandler):
+    """Copies kernel blocks from ``src_tensors`` to ``dst_tensors`` (same layers, same
+    order), one direction, jobs in submission order.
+
+    A spec's block ids address blocks of ``*_block_size_factor`` kernel blocks on that
+    side (GPU: 1, CPU: the offloaded block factor). A ``GPULoadStoreSpec.skip_count``
+    drops that many leading kernel blocks from the first block on the side whose
+    factor is larger. At most one side may live on a CUDA device; ``priority`` is
+    that device's stream priority (lower is more urgent).
+
+    A spec that does not fit (counts differ, ids out of range) raises ``ValueError``
+    and nothing is copied. A copy that fails after acceptance is logged and the job
+    is reported failed, in order, by ``get_finished``.
+    """
+
+    def __init__(self, src_tensors: Sequence[torch.Tensor], dst_tensors: Sequence[torch.Tensor],
+                 kv_dim_before_num_blocks: Sequence[bool], src_block_size_factor: int,
+                 dst_block_size_factor: int, priority: int):
+        if not (len(src_tensors) == len(dst_tensors) == len(kv_dim_before_num_blocks)) or not src_tensors:
+            raise ValueError(f"need one src tensor, dst tensor and kv flag per layer; got "
+                             f"{len(src_tensors)}, {len(dst_tensors)}, {len(kv_dim_before_num_blocks)}")
+        # Every layer as 1 or 2 planes of whole kernel-block rows, viewed as wide words:
+        # all copies below are row gathers/scatters along dim 0.
+        self._src: list[torch.Tensor] = []
+        self._dst: list[torch.Tensor] = []
+        for i, (s, d, kv) in enumerate(zip(src_tensors, dst_tensors, kv_dim_before_num_blocks)):
+            src_planes, dst_planes = kv_planes(s, bool(kv)), kv_planes(d, bool(kv))
+            if src_planes[0].shape[1] != dst_planes[0].shape[1]:
+                raise ValueError(f"layer {i}: src kernel block is {src_planes[0].shape[1]} bytes but "
+                                 f"dst is {dst_planes[0].shape[1]}; the tensors must have the same "
+                                 f"block shape and dtype")
+            for sp, dp in zip(src_planes, dst_planes):
+                sw, dw = as_words(sp), as_words(dp)
+                if sw.dtype != dw.dtype:
+                    sw, dw = sp, dp
+                self._src.append(sw)
+                self._dst.append(dw)
+        self.src_block_size_factor = src_block_size_factor
+        self.dst_block_size_factor = dst_block_size_factor
+        self._src_kernel_blocks = self._src[0].shape[0]
+        self._dst_kernel_blocks = self._dst[0].shape[0]
+        src_cuda = self._src[0].device.type == "cuda"
+        dst_cuda = self._dst[0].device.type == "cuda"
+        if src_cuda and dst_cuda:
+            raise ValueError("both sides are CUDA tensors; this handler copies between a device and host")
+        self._device = self._src[0].device if src_cuda else self._dst[0].device if dst_cuda else None
+        self._async = self._device is not None
+        self._stream = TransferStream(self._device or torch.device("cpu"), priority)
+        self._jobs: deque = deque()  # (job_id, event, success), submission order
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        src_spec, dst_spec = spec
+        skip = next((s.skip_count for s in spec if isinstance(s, GPULoadStoreSpec)), 0)
+        if skip and self.src_block_size_factor == self.dst_block_size_factor:
+            raise ValueError(f"job {job_id}: skip_count={skip} needs one side with a larger "
+                             f"block_size_factor")
+        src_larger = self.src_block_size_factor > self.dst_block_size_factor
+        src_ids = self._kernel_ids(src_spec.block_ids, self.src_block_size_factor, skip if src_larger else 0)
+        dst_ids = self._kernel_ids(dst_spec.block_ids, self.dst_block_size_factor, 0 if src_larger else skip)
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"job {job_id}: source {type(src_spec).__name__} covers {len(src_ids)} "
+                             f"kernel blocks but destination {type(dst_spec).__name__} covers "
+                             f"{len(dst_ids)} (skip_count={skip})")
+        self._check_range(src_ids, self._src_kernel_blocks, "source", job_id)
+        self._check_range(dst_ids, self._dst_kernel_blocks, "destination", job_id)
+        success = True
+        try:
+            # Before entering the scope: inside it, "current stream" is our own stream.
+            self._stream.wait_for_compute()
+            with self._stream.scope():
+                self._copy(src_ids, dst_ids, device_is_src=not isinstance(dst_spec, GPULoadStoreSpec))
+        except Exception:
+            logger.exception("transfer job %d failed while copying; reporting it failed", job_id)
+            success = False
+        try:
+            # Also after a failure: report it only once the stream is past what was queued.
+            event = self._stream.record_event()
+        except Exception:
+            logger.exception("could not record completion of job %d", job_id)
+            event, success = COMPLETED, False
+        self._jobs.append((job_id, event, success))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        finished = []
+        jobs = self._jobs
+        while jobs:
+            job_id, event, success = jobs[0]
+            try:
+                if not event.query():
+                    break
+            except Exception:
+                logger.exception("transfer job %d failed on the device", job_id)
+                success = False
+            jobs.popleft()
+            finished.append(TransferResult(job_id, success))
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        last = None
+        for job_id, event, _ in self._jobs:
+            if job_id in job_ids:
+                last = event
+        if last is not None:
+            try:
+                last.synchronize()  # one stream: earlier jobs are done too
+            except Exception:
+                logger.exception("waiting for transfer jobs failed; get_finished reports them")
+
+    def shutdown(self) -> None:
+        self._stream.synchronize()
+
+    # ---- internals ----
+
+    @staticmethod
+    def _kernel_ids(block_ids: np.ndarray, factor: int, skip: int) -> np.ndarray:
+        if factor == 1:
+            return block_ids
+        return expand_block_ids(block_ids, factor, skip)
+
+    @staticmethod
+    def _check_range(ids: np.ndarray, limit: int, side: str, job_id: int) -> None:
+        # Checked on the host: an out-of-range index on CUDA poisons the whole context.
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise ValueError(f"job {job_id}: {side} kernel block ids span {int(ids.min())}.."
+                             f"{int(ids.max())}; expected 0..{limit - 1}")
+
+    def _copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
+        if len(src_ids):
+            if device_is_src:
+                self._gather_then_copy_runs(src_ids, dst_ids)
+            else:
+                self._copy_runs_then_scatter(src_ids, dst_ids)
+
+    def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        """Device -> host: one gather per plane, then one copy per run of host slots."""
+        order = np.argsort(dst_ids, kind="stable")
+        runs = contiguous_runs(dst_ids[order])
+        src_idx = torch.from_numpy(src_ids[order]).to(self._src[0].device, non_blocking=True)
+        for src, dst in zip(self._src, self._dst):
+            staging = src.index_select(0, src_idx)
+            for start, end, first in runs:
+                dst[first:first + end - start].copy_(staging[start:end], non_blocking=self._async)
+
+    def _copy_runs_then_scatter(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        """Host -> device: one copy per run of host slots into staging, one scatter per plane."""
+        order = np.argsort(src_ids, kind="stable")
+        runs = contiguous_runs(src_ids[order])
+        device = self._dst[0].device
+        dst_idx = torch.from_numpy(dst_ids[order]).to(device, non_blocking=True)
+        for src, dst in zip(self._src, self._dst):
+            staging = torch.empty((len(src_ids), src.shape[1]), dtype=src.dtype, device=device)
+            for start, end, first in runs:
+                staging[start:end].copy_(src[first:first + end - start], non_blocking=self._async)
+            dst.index_copy_(0, dst_idx, staging)
+
+
+class CpuGpuOffloadingHandlers:
+    """The two handlers between a device KV cache and a ``HostKVCache``.
+
+    ``gpu_caches``: the device's per-layer KV tensors, as layer name -> tensor (looked up
+    by ``host.layout``'s layer names) or a sequence in layout order; CPU tensors stand
+    in for a device without CUDA. ``gpu_to_cpu_handler`` serves
+    ``(GPULoadStoreSpec, CPULoadStoreSpec)`` jobs, ``cpu_to_gpu_handler`` the reverse.
+    """
+
+    def __init__(self, gpu_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                 host: HostKVCache):
+        layout = host.layout
+        if isinstance(gpu_caches, Mapping):
+            missing = [l.name for l in layout.layers if l.name not in gpu_caches]
+            if missing:
+                raise ValueError(f"gpu_caches lacks layers {missing}; it has {sorted(gpu_caches)}")
+            gpu_tensors = [gpu_caches[l.name] for l in layout.layers]
+        else:
+            gpu_tensors = list(gpu_caches)
+        kv_first = [l.kv_before_num_blocks for l in layout.layers]
+        factor = layout.block_size_factor
+        self.host = host
+        self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
+            gpu_tensors, host.tensors, kv_first, 1, factor, priority=STORE_PRIORITY)
+        self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
+            host.tensors, gpu_tensors, kv_first, factor, 1, priority=LOAD_PRIORITY)

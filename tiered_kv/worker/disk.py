@@ -1,0 +1,349 @@
+"""Disk transfer handlers: CPU <-> DISK and GPU <-> DISK. Worker process, one per TP rank.
+
+Each handler owns a ``DiskStore`` view of rank ``rank``'s slab and moves whole offloaded
+blocks between KV tensors and disk slots:
+
+- ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): packs CPU-tier
+  slots into an aligned staging buffer (``pack_blocks``) and writes it, or reads into
+  the staging buffer, verifies and unpacks (``unpack_blocks``) into CPU-tier slots.
+- ``GpuDiskHandler`` (``GPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): with KvikIO and
+  GPUDirect Storage, blocks are packed/unpacked on the device in a device staging
+  buffer that goes straight to/from the disk (a pinned mirror only feeds the
+  checksum); otherwise they pass through a pinned host bounce buffer. Honours
+  ``GPULoadStoreSpec.skip_count`` on loads.
+
+Jobs run on the handler's job threads (``transfer_async`` only queues them and never
+blocks); each job takes one staging buffer from a fixed pool (a job that finds none
+waits in the queue, so memory stays bounded), splits it in two halves and packs one
+half while the other is written (or unpacks one while the other is read). Durability,
+checksums and the index commit are the store's (``tiered_kv.disk.store``); a job
+succeeds only if every block of it did. ``stats`` keeps bytes and seconds per transfer
+type (``cpu_to_disk``, ``disk_to_cpu``, ``gpu_to_disk``, ``disk_to_gpu``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tiered_kv.abstract import LoadStoreSpec
+from tiered_kv.device import TransferStream, can_pin_memory
+from tiered_kv.disk.io_backends import aligned_empty
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.kv_layout import KVCacheLayout
+from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+@dataclass
+class TransferTypeStats:
+    """Totals of one transfer type. ``bytes`` counts blocks moved successfully."""
+
+    jobs: int = 0
+    failed_jobs: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class DiskTransferStats:
+    """Per-transfer-type totals of a handler (thread-safe)."""
+
+    def __init__(self, kinds: Sequence[str]):
+        self._lock = threading.Lock()
+        self._by_kind = {k: TransferTypeStats() for k in kinds}
+
+    def record(self, kind: str, ok: bool, blocks: int, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            s = self._by_kind[kind]
+            s.jobs += 1
+            s.failed_jobs += 0 if ok else 1
+            s.blocks += blocks if ok else 0
+            s.bytes += nbytes if ok else 0
+            s.seconds += seconds
+
+    def snapshot(self) -> dict[str, TransferTypeStats]:
+        with self._lock:
+            return {k: TransferTypeStats(**vars(v)) for k, v in self._by_kind.items()}
+
+
+class _Staging:
+    """One staging buffer: ``rows`` (R, slot_size) where the I/O happens, and for device
+    rows a pinned host ``mirror`` for checksums."""
+
+    def __init__(self, rows: torch.Tensor, mirror: torch.Tensor | None):
+        self.rows = rows
+        self.mirror = mirror
+
+
+class _StagingPool:
+    """At most ``count`` staging buffers, allocated on first use; ``acquire`` blocks."""
+
+    def __init__(self, count: int, rows: int, slot_size: int, pin: bool, device: torch.device | None):
+        self._free: queue.Queue[_Staging] = queue.Queue()
+        self._made = 0
+        self._count = count
+        self._lock = threading.Lock()
+        self._shape = (rows, slot_size)
+        self._pin = pin
+        self._device = device
+
+    def acquire(self) -> _Staging:
+        with self._lock:
+            if self._free.empty() and self._made < self._count:
+                self._made += 1
+                return self._make()
+        return self._free.get()
+
+    def release(self, buf: _Staging) -> None:
+        self._free.put(buf)
+
+    def _make(self) -> _Staging:
+        n = self._shape[0] * self._shape[1]
+        if self._device is not None:
+            rows = aligned_empty(n, device=self._device).view(self._shape)
+            return _Staging(rows, aligned_empty(n, pin=self._pin).view(self._shape))
+        return _Staging(aligned_empty(n, pin=self._pin).view(self._shape), None)
+
+
+class _DiskHandler(OffloadingHandler):
+    """Shared machinery of the disk handlers: job threads, staging, pipelined store/load."""
+
+    #: (store kind, load kind) names for stats.
+    kinds: tuple[str, str] = ("", "")
+    other_spec: type[LoadStoreSpec] = LoadStoreSpec
+
+    def __init__(self, store: DiskStore, rank: int, tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
+                 *, staging_bytes: int = DEFAULT_STAGING_BYTES, job_threads: int = 2,
+                 staging_device: torch.device | None = None, owns_store: bool = False):
+        if store.block_bytes != layout.bytes_per_block:
+            raise ValueError(f"the disk namespace stores {store.block_bytes}-byte blocks but the layout's "
+                             f"blocks are {layout.bytes_per_block} bytes")
+        if not 0 <= rank < store.tp_size:
+            raise ValueError(f"rank {rank} is out of range for the namespace's tp_size {store.tp_size}")
+        self.store, self.rank, self.layout = store, rank, layout
+        self.tensors = list(tensors)
+        self.stats = DiskTransferStats(self.kinds)
+        self._owns_store = owns_store
+        rows = max(2, staging_bytes // store.slot_size)
+        pin = can_pin_memory()
+        self._staging = _StagingPool(job_threads, rows, store.slot_size, pin, staging_device)
+        self._jobs = ThreadPoolExecutor(job_threads, thread_name_prefix=f"tkv-{type(self).__name__}")
+        self._cond = threading.Condition()
+        self._finished: list[TransferResult] = []
+        self._inflight: set[int] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------ OffloadingHandler
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        src, dst = spec
+        try:
+            if isinstance(src, self.other_spec) and isinstance(dst, DiskLoadStoreSpec):
+                kind, ids, disk = self.kinds[0], self._kernel_ids(src, len(dst), store=True), dst
+            elif isinstance(src, DiskLoadStoreSpec) and isinstance(dst, self.other_spec):
+                kind, ids, disk = self.kinds[1], self._kernel_ids(dst, len(src), store=False), src
+            else:
+                raise ValueError(f"{type(self).__name__} cannot transfer {type(src).__name__} -> "
+                                 f"{type(dst).__name__}")
+        except ValueError as e:
+            logger.error("rejecting disk job %d: %s", job_id, e)
+            return False
+        with self._cond:
+            if self._closed:
+                return False
+            self._inflight.add(job_id)
+        self._jobs.submit(self._run, job_id, kind, ids, list(disk.block_hashes), disk.block_ids.tolist())
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._cond:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not (self._inflight & set(job_ids)))
+
+    def shutdown(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._jobs.shutdown(wait=True)
+        if self._owns_store:
+            self.store.close()
+
+    # ------------------------------------------------------------ jobs
+
+    def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
+        """``(n, block_size_factor)`` kernel ids of ``spec`` (-1 = skip)."""
+        raise NotImplementedError
+
+    def _run(self, job_id: int, kind: str, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if kind == self.kinds[0]:
+                ok = self._store_job(ids, hashes, slots)
+            else:
+                ok = self._load_job(ids, hashes, slots)
+        except Exception:
+            logger.exception("disk job %d (%s, %d blocks) failed", job_id, kind, len(hashes))
+            ok = False
+        self.stats.record(kind, ok, len(hashes), len(hashes) * self.layout.bytes_per_block,
+                          time.perf_counter() - t0)
+        with self._cond:
+            self._inflight.discard(job_id)
+            self._finished.append(TransferResult(job_id, ok))
+            self._cond.notify_all()
+
+    def _chunks(self, n: int, half: int) -> list[tuple[int, int]]:
+        return [(a, min(n, a + half)) for a in range(0, n, half)]
+
+    def _store_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> bool:
+        batch = self.store.begin_write(self.rank, hashes, slots)
+        stg = self._staging.acquire()
+        try:
+            half = stg.rows.shape[0] // 2
+            busy: list[Future | None] = [None, None]
+            for k, (a, b) in enumerate(self._chunks(len(hashes), half)):
+                h = k % 2
+                if busy[h] is not None:
+                    busy[h].result()
+                rows = stg.rows[h * half:h * half + (b - a)]
+                mirror = None if stg.mirror is None else stg.mirror[h * half:h * half + (b - a)]
+                self._pack(ids[a:b], rows, mirror)
+                busy[h] = batch.submit(a, rows, mirror)
+                if busy[h] is None:  # the batch failed; stop producing
+                    break
+            return all(batch.finish())
+        finally:
+            batch.wait_idle()  # no write may still read the staging buffer we hand back
+            self._staging.release(stg)
+
+    def _load_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> bool:
+        batch = self.store.begin_read(self.rank, hashes, slots)
+        stg = self._staging.acquire()
+        try:
+            half = stg.rows.shape[0] // 2
+            chunks = self._chunks(len(hashes), half)
+            busy: list[Future | None] = [None, None]
+
+            def submit(k: int) -> None:
+                a, b = chunks[k]
+                h = k % 2
+                mirror = None if stg.mirror is None else stg.mirror[h * half:h * half + (b - a)]
+                busy[h] = batch.submit(a, stg.rows[h * half:h * half + (b - a)], mirror)
+
+            for k in range(min(2, len(chunks))):
+                submit(k)
+            good = True
+            for k, (a, b) in enumerate(chunks):
+                fut = busy[k % 2]
+                if fut is None or not fut.result():
+                    good = False  # a block is missing or corrupt: the job fails, stop early
+                    break
+                self._unpack(stg.rows[(k % 2) * half:(k % 2) * half + (b - a)], ids[a:b])
+                if k + 2 < len(chunks):
+                    submit(k + 2)
+            ok = batch.finish()  # waits for everything still in flight
+            return good and all(ok)
+        finally:
+            batch.wait_idle()  # no read may still fill the staging buffer we hand back
+            self._staging.release(stg)
+
+    def _pack(self, ids: np.ndarray, rows: torch.Tensor, mirror: torch.Tensor | None) -> None:
+        pack_blocks(self.tensors, self.layout, ids, rows)
+        if mirror is not None:
+            mirror.copy_(rows)
+
+    def _unpack(self, rows: torch.Tensor, ids: np.ndarray) -> None:
+        unpack_blocks(rows, self.tensors, self.layout, ids)
+
+
+class CpuDiskHandler(_DiskHandler):
+    """CPU-tier slots <-> disk slots (CPU->DISK and DISK->CPU). Register it for both
+    pairs: ``worker.register_handler(CPULoadStoreSpec, DiskLoadStoreSpec, h)`` and
+    ``worker.register_handler(DiskLoadStoreSpec, CPULoadStoreSpec, h)``.
+
+    ``host`` is the CPU tier's ``HostKVCache`` (or its per-layer tensors)."""
+
+    kinds = ("cpu_to_disk", "disk_to_cpu")
+    other_spec = CPULoadStoreSpec
+
+    def __init__(self, store: DiskStore, rank: int, host: HostKVCache | Sequence[torch.Tensor],
+                 layout: KVCacheLayout, **kwargs):
+        tensors = host.tensors if isinstance(host, HostKVCache) else host
+        super().__init__(store, rank, tensors, layout, **kwargs)
+
+    def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
+        if len(spec) != n:
+            raise ValueError(f"{len(spec)} CPU slots but {n} disk slots; expected one per block")
+        f = self.layout.block_size_factor
+        return expand_block_ids(spec.block_ids, f).reshape(-1, f)
+
+
+class GpuDiskHandler(_DiskHandler):
+    """Device KV cache <-> disk slots (GPU->DISK and DISK->GPU), through GDS when the
+    store's backend has it for these tensors, else a pinned bounce buffer. With CPU
+    tensors (no CUDA) it runs the same bounce path, which is how it is tested on CPU."""
+
+    kinds = ("gpu_to_disk", "disk_to_gpu")
+    other_spec = GPULoadStoreSpec
+
+    def __init__(self, store: DiskStore, rank: int, gpu_tensors: Sequence[torch.Tensor],
+                 layout: KVCacheLayout, **kwargs):
+        device = gpu_tensors[0].device if gpu_tensors else torch.device("cpu")
+        self.gds = device.type == "cuda" and store.backend.gds
+        super().__init__(store, rank, gpu_tensors, layout,
+                         staging_device=device if self.gds else None, **kwargs)
+        self._stream = TransferStream(device) if device.type == "cuda" else None
+
+    def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
+        assert isinstance(spec, GPULoadStoreSpec)
+        f = self.layout.block_size_factor
+        skip = spec.skip_count
+        if store and skip:
+            raise ValueError(f"a GPU->DISK store cannot start mid-block (skip_count={skip}); "
+                             f"only whole blocks are stored")
+        if not 0 <= skip < f or len(spec) + skip != n * f:
+            raise ValueError(f"GPU spec has {len(spec)} block ids with skip_count {skip}; {n} disk "
+                             f"blocks of {f} GPU blocks need {n * f} - skip_count ids")
+        ids = np.full(n * f, -1, dtype=np.int64)
+        ids[skip:] = spec.block_ids
+        return ids.reshape(n, f)
+
+    def _pack(self, ids: np.ndarray, rows: torch.Tensor, mirror: torch.Tensor | None) -> None:
+        if self._stream is None:
+            return super()._pack(ids, rows, mirror)
+        self._stream.wait_for_compute()  # the KV must be written before we copy it out
+        with self._stream.scope():
+            super()._pack(ids, rows, mirror)
+        self._stream.synchronize()
+
+    def _unpack(self, rows: torch.Tensor, ids: np.ndarray) -> None:
+        if self._stream is None:
+            return super()._unpack(rows, ids)
+        with self._stream.scope():
+            super()._unpack(rows, ids)
+        self._stream.synchronize()  # the load is done only when the KV is in place
+
+
+__all__ = ["CpuDiskHandler", "GpuDiskHandler", "DiskTransferStats", "TransferTypeStats"]

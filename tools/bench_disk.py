@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Disk tier throughput vs the raw device, measured in the same run, interleaved.
+
+For each block size (0.5, 2 and 8 MiB by default) and each round: the three writes
+(raw, store, handler store), then the three reads (raw, load, handler load), their order
+rotated every round. "Store"/"load" is the
+disk tier's I/O path: ``DiskStore`` jobs of pre-packed blocks (O_DIRECT or KvikIO,
+checksums, one fdatasync and up to two synced index commits per job; loads read and
+verify). "Handler" is the whole worker path: a ``CpuDiskHandler`` that also packs the
+blocks from a host KV cache (and unpacks them on load). "Raw" is ``fio --direct=1``
+when fio is installed, else a plain O_DIRECT loop: the same block size, the same number
+of I/O threads, sequential offsets in a preallocated file next to the cache, and one
+fdatasync at the end of the writes. Ratios are tier / raw over all rounds.
+
+    python tools/bench_disk.py [--dir PATH] [--sizes 0.5,2,8] [--total-mib 512] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiered_kv.disk.fingerprint import Fingerprint  # noqa: E402
+from tiered_kv.disk.io_backends import aligned_empty, host_view  # noqa: E402
+from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
+from tiered_kv.disk.store import DiskStore  # noqa: E402
+from tiered_kv.host_memory import HostKVCache  # noqa: E402
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout  # noqa: E402
+from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec  # noqa: E402
+from tiered_kv.worker.disk import CpuDiskHandler  # noqa: E402
+
+MiB = 1 << 20
+
+
+def model_layout(block_bytes: int) -> KVCacheLayout:
+    """A Llama-8B-like geometry (32 layers, 8 KV heads, head dim 128, fp16: 128 KiB per
+    token) with 4-token GPU blocks, grouped into offloaded blocks of ``block_bytes``."""
+    per_gpu_block = 32 * 2 * 4 * 8 * 128 * 2
+    factor = max(1, block_bytes // per_gpu_block)
+    layers = tuple(LayerLayout(f"model.layers.{i}.self_attn", (2, 4 * factor * 2, 4, 8, 128), True)
+                   for i in range(32))
+    return KVCacheLayout(layers, torch.float16, 4, factor)
+
+
+class RawLoop:
+    """O_DIRECT pwrite/pread of ``bs``-byte buffers at sequential offsets on ``threads``."""
+
+    def __init__(self, path: Path, total: int, bs: int, threads: int):
+        self.path, self.total, self.bs, self.threads = path, total, bs, threads
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.posix_fallocate(fd, 0, total)
+        os.close(fd)
+        self.bufs = [aligned_empty(bs) for _ in range(threads)]
+        for b in self.bufs:
+            b.copy_(torch.randint(0, 256, (bs,), dtype=torch.uint8))
+
+    def run(self, write: bool) -> float:
+        fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+        views = [host_view(b) for b in self.bufs]
+        n = self.total // self.bs
+
+        def one(i: int) -> None:
+            v = views[i % self.threads]
+            if write:
+                os.pwritev(fd, [v], i * self.bs)
+            else:
+                os.preadv(fd, [v], i * self.bs)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.threads) as ex:
+            list(ex.map(one, range(n)))
+        if write:
+            os.fdatasync(fd)
+        dt = time.perf_counter() - t0
+        os.close(fd)
+        return n * self.bs / dt
+
+
+class Fio:
+    """fio --direct=1 with the same block size and thread count."""
+
+    def __init__(self, path: Path, total: int, bs: int, threads: int):
+        self.path, self.total, self.bs, self.threads = path, total, bs, threads
+
+    def run(self, write: bool) -> float:
+        per_job = self.total // self.threads // self.bs * self.bs
+        cmd = ["fio", "--name=raw", f"--filename={self.path}", "--direct=1", "--ioengine=psync",
+               f"--rw={'write' if write else 'read'}", f"--bs={self.bs}", f"--numjobs={self.threads}",
+               f"--size={per_job}", f"--offset_increment={per_job}", "--group_reporting",
+               "--end_fsync=1" if write else "--end_fsync=0", "--output-format=json"]
+        out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        return float(out["jobs"][0]["write" if write else "read"]["bw_bytes"])
+
+
+class StoreBench:
+    """Store ``total`` bytes of pre-packed blocks through ``DiskStore`` (checksums, O_DIRECT,
+    fdatasync and index commits per job), ``job_threads`` jobs at a time, then load and
+    verify them: the disk tier's own I/O path, without the CPU tier's pack/unpack."""
+
+    def __init__(self, store: DiskStore, block_bytes: int, n: int, per_job: int, job_threads: int):
+        self.store, self.n, self.per_job, self.block_bytes = store, n, per_job, block_bytes
+        self.pool = ThreadPoolExecutor(job_threads)
+        self.bufs = [aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)
+                     for _ in range(job_threads)]
+        for b in self.bufs:
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
+        self.hashes = [b"S" + i.to_bytes(8, "big") + os.urandom(23) for i in range(n)]
+
+    def run(self, write: bool) -> float:
+        fn = self.store.write_blocks if write else self.store.read_blocks
+        t0 = time.perf_counter()
+        futs = [self.pool.submit(fn, 0, self.hashes[a:a + self.per_job],
+                                 list(range(self.n + a, self.n + min(self.n, a + self.per_job))),
+                                 self.bufs[k % len(self.bufs)][:min(self.per_job, self.n - a)])
+                for k, a in enumerate(range(0, self.n, self.per_job))]
+        ok = [all(f.result()) for f in futs]
+        dt = time.perf_counter() - t0
+        if not all(ok):
+            raise RuntimeError(f"{ok.count(False)} store jobs failed")
+        return self.n * self.block_bytes / dt
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class TierBench:
+    """Store ``total`` bytes of blocks through a CpuDiskHandler, then load them back."""
+
+    def __init__(self, root: Path, block_bytes: int, total: int, job_bytes: int, backend: str,
+                 io_threads: int, job_threads: int):
+        self.layout = model_layout(block_bytes)
+        self.slot = slot_size_for(self.layout.bytes_per_block)
+        self.n = max(1, total // self.layout.bytes_per_block)
+        self.per_job = max(1, job_bytes // self.layout.bytes_per_block)
+        fp = Fingerprint.from_layout(self.layout, model_id="bench")
+        # Twice n slots: the handler uses 0..n-1, StoreBench n..2n-1.
+        self.store = DiskStore.open(root, fp, self.layout, disk_bytes=2 * self.n * self.slot,
+                                    io_backend=backend, io_threads=io_threads)
+        host_slots = min(self.n, 2 * job_threads * self.per_job)
+        self.host = HostKVCache(self.layout, host_slots)
+        for t in self.host.tensors:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+        self.handler = CpuDiskHandler(self.store, 0, self.host, self.layout, job_threads=job_threads,
+                                      staging_bytes=max(2 * self.slot, job_bytes))
+        self.hashes = [i.to_bytes(8, "big") + os.urandom(24) for i in range(self.n)]
+        self.job = 0
+
+    def _jobs(self):
+        for a in range(0, self.n, self.per_job):
+            b = min(self.n, a + self.per_job)
+            host = [(a + i) % self.host.num_slots for i in range(b - a)]
+            yield CPULoadStoreSpec(host), DiskLoadStoreSpec(list(range(a, b)), self.hashes[a:b])
+
+    def run(self, write: bool) -> float:
+        ids = []
+        t0 = time.perf_counter()
+        for cpu, disk in self._jobs():
+            self.job += 1
+            ids.append(self.job)
+            self.handler.transfer_async(self.job, (cpu, disk) if write else (disk, cpu))
+        self.handler.wait(set(ids))
+        dt = time.perf_counter() - t0
+        results = self.handler.get_finished()
+        if not all(r.success for r in results):
+            raise RuntimeError(f"{sum(not r.success for r in results)} tier jobs failed")
+        return self.n * self.layout.bytes_per_block / dt
+
+    def close(self) -> None:
+        self.handler.shutdown()
+        self.store.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, default=None,
+                   help="directory on the disk under test (default: a temporary one under the current directory)")
+    p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
+    p.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement (default 512 MiB)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
+    p.add_argument("--job-mib", type=int, default=32, help="bytes per tier job (default 32 MiB)")
+    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--job-threads", type=int, default=4, help="jobs in flight (default 4)")
+    p.add_argument("--backend", default="auto", choices=("auto", "posix", "kvikio"))
+    p.add_argument("--raw", default="auto", choices=("auto", "fio", "loop"))
+    p.add_argument("--plot", type=Path, default=None, help="also write a bar chart (PNG) here")
+    args = p.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix=".bench-disk-", dir=args.dir or Path.cwd()))
+    use_fio = args.raw == "fio" or (args.raw == "auto" and shutil.which("fio") is not None)
+    total = args.total_mib * MiB
+    print(f"# bench_disk  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
+          f"dir={root}")
+    print(f"# raw = {'fio --direct=1 --ioengine=psync' if use_fio else 'O_DIRECT pwritev/preadv loop'}, "
+          f"{args.io_threads} threads; tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
+          f"{args.job_threads} job threads, {args.io_threads} I/O threads; {args.total_mib} MiB per "
+          f"measurement, {args.rounds} rounds")
+    rows = []
+    try:
+        for size in (float(s) for s in args.sizes.split(",")):
+            bs = int(size * MiB)
+            tier = TierBench(root / f"cache-{size}", bs, total, args.job_mib * MiB, args.backend,
+                             args.io_threads, args.job_threads)
+            raw_bs = tier.slot
+            raw_cls = Fio if use_fio else RawLoop
+            raw = raw_cls(root / f"raw-{size}.bin", tier.n * raw_bs, raw_bs, args.io_threads)
+            store = StoreBench(tier.store, tier.layout.bytes_per_block, tier.n, tier.per_job, args.job_threads)
+            res = {k: [] for k in ("raw_w", "store_w", "tier_w", "raw_r", "store_r", "tier_r")}
+            benches = (("raw", raw), ("store", store), ("tier", tier))
+            for r in range(args.rounds):
+                # Rotate the order each round so no path always runs right after another.
+                order = benches[r % 3:] + benches[:r % 3]
+                for write in (True, False):
+                    for name, bench in order:
+                        res[f"{name}_{'w' if write else 'r'}"].append(bench.run(write))
+            backend = tier.store.backend.describe()
+            direct = tier.store._files[0].direct
+            store.close()
+            tier.close()
+            # Harmonic mean = total bytes / total time over the rounds.
+            agg = {k: len(v) / sum(1 / x for x in v) / 1e9 for k, v in res.items()}
+            rows.append((size, agg, res))
+            print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, per-round GB/s "
+                  + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items()))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print()
+    print("GB/s; store = DiskStore (checksum + O_DIRECT + fdatasync + index commit per job); "
+          "handler = CpuDiskHandler (store + pack/unpack from the host KV cache)")
+    print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | "
+          f"{'raw read':>8} {'load':>6} {'ratio':>5} {'handler':>7} {'ratio':>5}")
+    for size, agg, _ in rows:
+        print(f"{size:>5} MiB | {agg['raw_w']:>9.2f} {agg['store_w']:>6.2f} {agg['store_w'] / agg['raw_w']:>5.2f} "
+              f"{agg['tier_w']:>7.2f} {agg['tier_w'] / agg['raw_w']:>5.2f} | {agg['raw_r']:>8.2f} "
+              f"{agg['store_r']:>6.2f} {agg['store_r'] / agg['raw_r']:>5.2f} {agg['tier_r']:>7.2f} "
+              f"{agg['tier_r'] / agg['raw_r']:>5.2f}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        x = np.arange(len(rows))
+        series = (("raw_w", "raw write"), ("store_w", "store"), ("tier_w", "handler store"),
+                  ("raw_r", "raw read"), ("store_r", "load"), ("tier_r", "handler load"))
+        for i, (key, label) in enumerate(series):
+            ax.bar(x + (i - 2.5) * 0.13, [agg[key] for _, agg, _ in rows], 0.13, label=label)
+        ax.set_xticks(x, [f"{s} MiB" for s, _, _ in rows])
+        ax.set_ylabel("GB/s")
+        ax.set_title("disk tier vs raw device (same run, interleaved)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
