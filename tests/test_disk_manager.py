@@ -217,3 +217,35 @@ def test_shutdown_is_idempotent_and_releases_the_lock(tmp_path, layout):
     m.shutdown()
     m.shutdown()
     DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP)).shutdown()
+
+
+def test_scheduler_calls_never_write_the_index_themselves(tier, layout):
+    """Property 6: evictions, touches and trims reach LMDB from the flusher thread only."""
+    import threading
+
+    m, s = tier
+    writes_on = []
+    run = m.index._shared.run
+
+    def spy(fn, write=False):
+        if write:
+            writes_on.append(threading.current_thread().name)
+        return run(fn, write)
+
+    m.index._shared.run = spy
+    try:
+        store_blocks(m, s, H[:CAP], layout)  # the worker-side writes here go through `s`
+        writes_on.clear()
+        caller = threading.current_thread().name
+        m.touch(H[:2])
+        m.prepare_load(H[:2])
+        m.complete_load(H[:2])
+        m.prepare_store(H[10:13])  # evicts three
+        m.complete_store(H[10:13], success=False)
+        m.remove(H[5])
+        m.take_events()
+        assert caller not in writes_on
+        assert m.flush()
+        assert writes_on and set(writes_on) == {"tkv-disk-index-flusher"}
+    finally:
+        m.index._shared.run = run

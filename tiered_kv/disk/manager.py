@@ -222,16 +222,31 @@ class DiskOffloadingManager(OffloadingManager):
             logger.warning("disk cache %s uses checksum %s (set when it was created); ignoring "
                            "checksum=%s", self.namespace.path, self.namespace.manifest.checksum, checksum)
         self._lock_file = WriterLock.acquire(self.namespace, self.engine_id)
+        self.index: DiskIndex | None = None
         try:
-            self.namespace.grow(capacity)
-            self.capacity = capacity
-            for rank in range(self.tp_size):
-                self.namespace.allocate_slab(rank)
-            self.index = DiskIndex(self.namespace.index_path, self.tp_size, expected_entries=capacity)
+            self._open(cache_dir, fingerprint, capacity)
         except BaseException:
+            if self.index is not None:
+                self.index.close()
             self._lock_file.release()
             raise
+        self._wake = threading.Event()
+        self._stop = False
+        self._flush_cond = threading.Condition()
+        self._flush_requested = 0
+        self._flush_done = 0
+        self._flusher = threading.Thread(target=self._flush_loop, name="tkv-disk-index-flusher", daemon=True)
+        self._flusher.start()
+        self._wake.set()  # reclaim and log trimming from the startup snapshot
+        self._closed = False
 
+    def _open(self, cache_dir: str | os.PathLike, fingerprint: Fingerprint, capacity: int) -> None:
+        """Preallocate the slabs and adopt the index (with the writer lock held)."""
+        self.namespace.grow(capacity)
+        self.capacity = capacity
+        for rank in range(self.tp_size):
+            self.namespace.allocate_slab(rank)
+        self.index = DiskIndex(self.namespace.index_path, self.tp_size, expected_entries=capacity)
         self._lock = threading.Lock()
         self._table = _BlockTable()
         self._pending: dict[bytes, _Pending] = {}
@@ -251,16 +266,6 @@ class DiskOffloadingManager(OffloadingManager):
         if not len(self._table):
             for line in explain_other_namespaces(cache_dir, fingerprint):
                 logger.info("not serving disk cache namespace %s", line)
-
-        self._wake = threading.Event()
-        self._stop = False
-        self._flush_cond = threading.Condition()
-        self._flush_requested = 0
-        self._flush_done = 0
-        self._flusher = threading.Thread(target=self._flush_loop, name="tkv-disk-index-flusher", daemon=True)
-        self._flusher.start()
-        self._wake.set()  # reclaim and log trimming from the startup snapshot
-        self._closed = False
 
     @classmethod
     def from_config(cls, config, layout: KVCacheLayout, tp_size: int = 1,
