@@ -235,17 +235,24 @@ class CPUOffloadingManager(OffloadingManager):
         """Drop an unpinned loadable block, report it removed, and return its (now
         free) slot. Raises ``KeyError`` if the block is not loadable, ``ValueError``
         if it is pinned."""
-        entry = self._blocks.get(block_hash)
-        if entry is None or not entry.ready:
-            raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
-        if entry.ref_cnt:
-            raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
-                             f"{entry.ref_cnt} reader(s)")
-        del self._blocks[block_hash]
-        self._num_evictable -= 1
-        self._free.append(entry.slot)
-        self._emit([block_hash], removed=True)
-        return entry.slot
+        return self.remove_many([block_hash])[0]
+
+    def remove_many(self, block_hashes: list[BlockHash]) -> list[int]:
+        """``remove`` for several blocks, reported in one event. All or nothing: raises
+        (changing nothing) if any block is not loadable or is pinned."""
+        blocks = self._blocks
+        for block_hash in block_hashes:
+            entry = blocks.get(block_hash)
+            if entry is None or not entry.ready:
+                raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
+            if entry.ref_cnt:
+                raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
+                                 f"{entry.ref_cnt} reader(s)")
+        slots = [blocks.pop(block_hash).slot for block_hash in block_hashes]
+        self._num_evictable -= len(slots)
+        self._free.extend(slots)
+        self._emit(list(block_hashes), removed=True)
+        return slots
 
     # ---- internals ----
 

@@ -490,6 +490,17 @@ class DiskOffloadingManager(OffloadingManager):
         with self._lock:
             return self._table.get(block_hash) is not None
 
+    def loadable_among(self, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+        """The subset of ``block_hashes`` that is loadable now (one lock round trip)."""
+        with self._lock:
+            get = self._table.get
+            return {h for h in block_hashes if get(h) is not None}
+
+    def is_pinned(self, block_hash: BlockHash) -> bool:
+        """Whether a load holds ``block_hash`` (it cannot be evicted until complete_load)."""
+        with self._lock:
+            return self._pins.get(block_hash, 0) > 0
+
     def is_pending(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._pending

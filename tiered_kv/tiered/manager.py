@@ -214,33 +214,43 @@ class TieredOffloadingManager(OffloadingManager):
             return None
         spills: list[DiskWrite] = []
         evicted: list[BlockHash] = []
+        safe: list[BlockHash] = []  # already durable on disk, or on their way there
+        to_spill: list[BlockHash] = []
+        on_disk = self.disk.loadable_among(victims) if self.disk is not None else ()
         for victim in victims:
-            if self._on_disk(victim) or victim in self._disk_pending:
-                self.cpu.remove(victim)
-                self.stats.count("cpu", "evictions")
-                continue
-            disk_slot = None
-            if allow_spill and self.disk is not None and len(self._disk_pending) < self.max_pending_disk_writes:
-                out = self.disk.prepare_store([victim])
-                if out is not None and out.block_hashes_to_store:
-                    disk_slot = int(out.store_spec.block_ids[0])
-                    evicted.extend(h for h in out.block_hashes_evicted if h not in self.cpu)
-                    self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
-            cpu_slot = self.cpu.remove(victim)
-            self.stats.count("cpu", "evictions")
-            if disk_slot is None:
-                evicted.append(victim)
-                self.stats.count("cpu", "drops")
+            if victim in on_disk or victim in self._disk_pending:
+                safe.append(victim)
+            elif allow_spill and self.disk is not None:
+                to_spill.append(victim)
             else:
-                spills.append(DiskWrite(cpu_slot, disk_slot, victim))
-                self._disk_pending.add(victim)
-                self.stats.count("cpu", "spills")
+                evicted.append(victim)
+        self.cpu.remove_many(safe + evicted)
+        self.stats.count("cpu", "evictions", len(victims))
+        if to_spill:
+            budget = max(self.max_pending_disk_writes - len(self._disk_pending), 0)
+            out = self.disk.prepare_store(to_spill[:budget]) if budget else None
+            disk_slot = {}
+            if out is not None:
+                disk_slot = dict(zip(out.block_hashes_to_store, out.store_spec.block_ids.tolist()))
+                evicted.extend(h for h in out.block_hashes_evicted if h not in self.cpu)
+                self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
+            for victim, cpu_slot in zip(to_spill, self.cpu.remove_many(to_spill)):
+                slot = disk_slot.get(victim)
+                if slot is None:
+                    evicted.append(victim)
+                else:
+                    spills.append(DiskWrite(cpu_slot, slot, victim))
+                    self._disk_pending.add(victim)
+            self.stats.count("cpu", "spills", len(spills))
+        self.stats.count("cpu", "drops", len(evicted))
         return spills, evicted
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         self._refresh_disk()
-        to_store = [h for h in dict.fromkeys(block_hashes)
-                    if h not in self.cpu and not self._on_disk(h) and h not in self._disk_pending]
+        cpu, pending = self.cpu, self._disk_pending
+        candidates = [h for h in dict.fromkeys(block_hashes) if h not in cpu and h not in pending]
+        on_disk = self.disk.loadable_among(candidates) if self.disk is not None and candidates else ()
+        to_store = [h for h in candidates if h not in on_disk]
         if not to_store:
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
         room = self._make_room(len(to_store), allow_spill=True)
@@ -319,7 +329,7 @@ class TieredOffloadingManager(OffloadingManager):
     def used_blocks(self) -> dict[str, int]:
         used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}
         if self.disk is not None:
-            used["disk"] = self.disk.num_slots - self.disk.num_free_slots()
+            used["disk"] = self.disk.capacity - self.disk.num_free_slots()
         return used
 
     def shutdown(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -13,8 +13,7 @@ from tiered_kv.mediums import CPULoadStoreSpec
 TIERED = "TIERED"
 
 
-@dataclass(frozen=True)
-class DiskWrite:
+class DiskWrite(NamedTuple):
     """Copy CPU slot ``cpu_slot`` (block ``block_hash``) to disk slot ``disk_slot``."""
 
     cpu_slot: int

@@ -1,0 +1,216 @@
+"""Stateful property test of the whole hierarchy (composite manager + real handlers,
+real CPU tensors, real slab files and LMDB index) against a simple reference model.
+
+Hypothesis drives random interleavings of store / complete_store (random success) /
+lookup + load / complete_load / touch / disk flush, with jobs left in flight across
+steps. After every step it checks: neither tier exceeds its capacity; blocks pinned by
+an in-flight load stay where the load reads them; no store is handed a CPU slot that an
+in-flight load reads; every block ``lookup`` claims is delivered byte-exact by the load
+that follows; and the stored/removed events, replayed, equal each tier's contents.
+
+CI runs ``TIERED_KV_STATEFUL_EXAMPLES`` sequences (2,000 by default).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tiered_kv.driver import DeviceKVCache, block_content
+from tiered_kv.host_memory import expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.mediums import GPULoadStoreSpec
+from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.specs import TieredLoadSpec
+
+UNIVERSE = [i.to_bytes(8, "big") for i in range(8)]
+CPU_SLOTS = 3
+DISK_SLOTS = 6
+EXAMPLES = int(os.environ.get("TIERED_KV_STATEFUL_EXAMPLES", "2000"))
+
+hash_lists = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4)
+
+
+class Hierarchy(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.tmp = tempfile.mkdtemp(prefix="tkv-stateful-")
+        self.device = DeviceKVCache(num_layers=2, num_gpu_blocks=96, gpu_block_size=4, num_kv_heads=1,
+                                    head_dim=8, device="cpu")
+        layout = self.device.layout
+        self.bpb = layout.bytes_per_block
+        self.write_policy = "write_through"
+        self.spec = TieredOffloadingSpec(
+            {"cpu_bytes": CPU_SLOTS * self.bpb, "disk_path": self.tmp, "disk_bytes": DISK_SLOTS * 4096,
+             "max_pending_disk_writes": 4, "model_id": "stateful"}, layout.gpu_block_size, layout)
+        self.worker = self.spec.build_worker(self.device.kv_caches, True)
+        self.manager = self.spec.get_manager()
+        self.free_groups = list(range(self.device.num_groups))
+        self.next_job = 0
+        self.stores: list[tuple[int, list[bytes], list[int]]] = []
+        self.loads: list[tuple[int, list[bytes], list[int], object]] = []
+        self.events = {"CPU": set(), "DISK": set()}
+
+    def teardown(self):
+        self.worker.shutdown()
+        self.manager.shutdown()
+        if self.spec.store is not None:
+            self.spec.store.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # ---- helpers
+
+    def _groups(self, n):
+        groups, self.free_groups = self.free_groups[:n], self.free_groups[n:]
+        assert len(groups) == n, "test device cache too small"
+        return groups
+
+    def _gpu_spec(self, groups):
+        return GPULoadStoreSpec(expand_block_ids(groups, self.device.layout.block_size_factor))
+
+    def _submit(self, spec):
+        job = self.next_job
+        self.next_job += 1
+        self.worker.transfer_async(job, spec)
+        return job
+
+    def _result(self, job):
+        self.worker.wait({job})
+        self.results = getattr(self, "results", {})
+        for r in self.worker.get_finished():
+            self.results[r.job_id] = r.success
+        return self.results.pop(job)
+
+    def _pinned_cpu_slots(self):
+        slots = set()
+        for _, _, _, spec in self.loads:
+            if isinstance(spec, TieredLoadSpec):
+                slots.update(int(s) for s in spec.cpu_slots if s >= 0)
+                slots.update(int(s) for s in spec.promote_slots if s >= 0)
+            else:
+                slots.update(int(s) for s in spec.block_ids)
+        return slots
+
+    # ---- rules
+
+    @rule(hashes=hash_lists)
+    def store(self, hashes):
+        out = self.manager.prepare_store(hashes)
+        if out is None or not out.block_hashes_to_store:
+            return
+        to_store = list(out.block_hashes_to_store)
+        assert set(to_store) <= set(hashes)
+        if out.store_spec.spills:
+            event("store with spills")
+        if out.block_hashes_evicted:
+            event("store evicting from the hierarchy")
+        reused = {int(s) for s in out.store_spec.block_ids} & self._pinned_cpu_slots()
+        assert not reused, f"store handed out CPU slots {reused} that in-flight loads read"
+        groups = self._groups(len(to_store))
+        f = self.device.layout.block_size_factor
+        unpack_blocks(block_content(to_store, self.bpb), self.device.tensors, self.device.layout,
+                      expand_block_ids(groups, f).reshape(-1, f))
+        job = self._submit((self._gpu_spec(groups), out.store_spec))
+        self.stores.append((job, to_store, groups))
+
+    @precondition(lambda self: self.stores)
+    @rule(success=st.booleans(), newest=st.booleans())
+    def finish_store(self, success, newest):
+        job, hashes, groups = self.stores.pop(-1 if newest else 0)
+        ok = self._result(job)
+        self.manager.complete_store(hashes, success=success and ok)
+        self.free_groups.extend(groups)
+
+    @rule(hashes=hash_lists)
+    def load(self, hashes):
+        n = self.manager.lookup(hashes)
+        if not n:
+            return
+        hits = list(dict.fromkeys(hashes[:n]))
+        if len(hits) != n:
+            return  # a request never names one block twice
+        spec = self.manager.prepare_load(hits)
+        event(f"load from {type(spec).__name__}")
+        groups = self._groups(n)
+        job = self._submit((spec, self._gpu_spec(groups)))
+        self.loads.append((job, hits, groups, spec))
+
+    @precondition(lambda self: self.loads)
+    @rule(newest=st.booleans())
+    def finish_load(self, newest):
+        job, hashes, groups, _ = self.loads.pop(-1 if newest else 0)
+        ok = self._result(job)
+        assert ok, "a load of blocks lookup() reported failed"
+        f = self.device.layout.block_size_factor
+        got = torch.empty((len(hashes), self.bpb), dtype=torch.uint8)
+        pack_blocks(self.device.tensors, self.device.layout, expand_block_ids(groups, f).reshape(-1, f), got)
+        want = block_content(hashes, self.bpb)
+        bad = [h.hex() for h, row_ok in zip(hashes, (got == want).all(dim=1).tolist()) if not row_ok]
+        assert not bad, f"loaded blocks {bad} differ from what was stored"
+        self.manager.complete_load(hashes, success=ok)
+        self.free_groups.extend(groups)
+
+    @rule(hashes=hash_lists)
+    def touch(self, hashes):
+        self.manager.touch(hashes)
+
+    @rule()
+    def flush_disk(self):
+        """Let background disk writes land, as time passing would."""
+        for handler in self.worker.handlers:
+            stager = getattr(handler, "stager", None)
+            if stager is not None:
+                stager.drain()
+        self.manager.disk.refresh()
+
+    # ---- invariants
+
+    @invariant()
+    def capacity_is_respected(self):
+        cpu = self.manager.cpu
+        assert len(cpu) <= cpu.num_slots == CPU_SLOTS
+        assert self.manager.disk.capacity - self.manager.disk.num_free_slots() <= DISK_SLOTS
+
+    @invariant()
+    def pinned_blocks_stay_where_loads_read_them(self):
+        for _, hashes, _, spec in self.loads:
+            if isinstance(spec, TieredLoadSpec):
+                for h, cpu_slot, disk_slot in zip(spec.block_hashes, spec.cpu_slots, spec.disk_slots):
+                    if cpu_slot >= 0:
+                        assert self.manager.cpu.slot_of(h) == cpu_slot
+                    else:
+                        assert self.manager.disk.is_loadable(h) or self.manager.disk.is_pinned(h)
+            else:
+                assert [self.manager.cpu.slot_of(h) for h in hashes] == spec.block_ids.tolist()
+
+    @invariant()
+    def events_agree_with_state(self):
+        for event in self.manager.take_events():
+            target = self.events[event.medium]
+            if event.removed:
+                assert set(event.block_hashes) <= target, "removed a block that was never stored"
+                target.difference_update(event.block_hashes)
+            else:
+                target.update(event.block_hashes)
+        assert self.events["CPU"] == {h for h in UNIVERSE if self.manager.cpu.is_loadable(h)}
+        assert self.events["DISK"] == {h for h in UNIVERSE if self.manager.disk.is_loadable(h)}
+
+
+class WriteBackHierarchy(Hierarchy):
+    def __init__(self):
+        super().__init__()
+        self.manager.write_policy = "write_back"
+
+
+_settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
+                     suppress_health_check=list(HealthCheck), derandomize=True)
+TestHierarchyWriteThrough = Hierarchy.TestCase
+TestHierarchyWriteThrough.settings = _settings
+TestHierarchyWriteBack = WriteBackHierarchy.TestCase
+TestHierarchyWriteBack.settings = settings(_settings, max_examples=max(EXAMPLES // 4, 50))
