@@ -171,8 +171,10 @@ def make_vllm_config(
 
 
 def make_kv_cache_config(vllm_config: VllmConfig, num_gpu_blocks: int) -> KVCacheConfig:
-    """One full-attention group over every layer, ``num_gpu_blocks`` blocks, each layer
-    in its own allocation (the layout vLLM gives a plain decoder on one GPU)."""
+    """One full-attention group over every layer, ``num_gpu_blocks`` blocks, layers
+    outermost in one backing allocation (the layout vLLM 0.33's planner gives a plain
+    decoder on one GPU: ``KVCacheTensor.size`` is the whole allocation, so
+    ``worker_kv_bytes_per_block`` is every layer's page)."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
     spec = FullAttentionSpec(
@@ -184,9 +186,8 @@ def make_kv_cache_config(vllm_config: VllmConfig, num_gpu_blocks: int) -> KVCach
     layer_names = [f"model.layers.{i}.self_attn.attn"
                    for i in range(model_config.get_num_layers(parallel_config))]
     page = spec.page_size_bytes
-    tensors = [KVCacheTensor(size=page * num_gpu_blocks, layers=[name],
-                             layer_stride=page * num_gpu_blocks, block_stride=page)
-               for name in layer_names]
+    tensors = [KVCacheTensor(size=page * num_gpu_blocks * len(layer_names), layers=layer_names,
+                             layer_stride=page * num_gpu_blocks, block_stride=page)]
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
     return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
                          kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])

@@ -1,0 +1,230 @@
+"""``summary``: one record per namespace of a disk cache, and ``ls``: its entries.
+
+Operator's process, read-only: reads manifests, one index snapshot per namespace, the
+lock record, and the slab files' sizes; probes (reads) one 4 KiB page of a slab to
+tell whether O_DIRECT works there. Everything else is numpy over the snapshot, so a
+namespace of a million blocks is summarised or listed in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tiered_kv.disk.io_backends import PosixBackend
+from tiered_kv.disk.namespace import Namespace, current_holder
+from tiered_kv.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
+
+logger = logging.getLogger(__name__)
+
+
+def io_backend_info(ns: Namespace) -> dict[str, Any]:
+    """How block I/O would run on this namespace's files: whether the first slab takes
+    O_DIRECT (probed by a read) and whether KvikIO is installed (the engine probes GDS
+    itself at start-up; the inspector never writes, so it does not)."""
+    slab = ns.slab_path(0)
+    direct: bool | None = None
+    if slab.exists():
+        backend = PosixBackend(1)
+        try:
+            f = backend.open(slab, readonly=True)
+            direct = f.direct
+            backend.close_file(f)
+        except OSError as e:
+            logger.debug("cannot open %s: %s", slab, e)
+        finally:
+            backend.shutdown()
+    return {"posix_direct": direct, "kvikio_installed": importlib.util.find_spec("kvikio") is not None}
+
+
+def describe_io(info: dict[str, Any]) -> str:
+    direct = {True: "posix, O_DIRECT", False: "posix, buffered (no O_DIRECT here)",
+              None: "posix (no slab yet)"}[info["posix_direct"]]
+    kvikio = "KvikIO installed (GDS probed by the engine)" if info["kvikio_installed"] else "KvikIO not installed"
+    return f"{direct}; {kvikio}"
+
+
+def _time_range(values: np.ndarray) -> tuple[float | None, float | None]:
+    if not len(values):
+        return None, None
+    return float(values.min()), float(values.max())
+
+
+def summarize_namespace(ns: Namespace, table: EntryTable | None = None) -> dict[str, Any]:
+    """The namespace's fingerprint, occupancy, ages, hits, I/O and health as a JSON-able
+    dict. ``health.status`` is ``ok``, ``warning`` or ``error``; ``health.problems``
+    says what is wrong, one line each."""
+    m = ns.manifest
+    fp = ns.fingerprint
+    tp = ns.tp_size
+    problems: list[tuple[str, str]] = []  # (severity, text)
+    try:
+        table = table if table is not None else read_entries(ns)
+    except InspectError as e:
+        problems.append(("error", str(e)))
+        table = EntryTable.empty(tp)
+    holder = current_holder(ns)
+
+    complete = table.complete
+    in_range = (table.slot >= 0) & (table.slot < m.num_slots)
+    valid = complete & in_range & (table.size == m.block_bytes)
+    invalid = int((complete & ~valid).sum())
+    incomplete = int((~complete).sum())
+    slots = table.slot[valid]
+    duplicates = int(len(slots) - len(np.unique(slots)))
+    blocks = int(valid.sum())
+    if invalid:
+        problems.append(("error", f"{invalid} entries point outside the slab or have the wrong size "
+                                  f"(never served; `verify --repair` drops them)"))
+    if duplicates:
+        problems.append(("error", f"{duplicates} entries share a slot with another entry"))
+    if incomplete:
+        why = ("in flight or left by a crash" if holder is not None
+               else "left by an interrupted store; not loadable, reclaimed at the next engine start "
+                    "or by `verify --repair`")
+        problems.append(("warning", f"{incomplete} incomplete entries ({why})"))
+    slab_bytes = 0
+    for rank in range(tp):
+        path = ns.slab_path(rank)
+        if not path.exists():
+            if blocks or incomplete:
+                problems.append(("error", f"{path.name} is missing but the index has entries"))
+            continue
+        st = path.stat()
+        slab_bytes += st.st_blocks * 512
+        on_rank = ((table.ranks >> np.uint64(rank)) & np.uint64(1)) == 1
+        needed = (int(table.slot[on_rank].max(initial=-1)) + 1) * m.slot_size
+        if st.st_size < needed:
+            problems.append(("error", f"{path.name} is {st.st_size} bytes, shorter than its entries "
+                                      f"need ({needed})"))
+    if ns.path.name != m.namespace_id or fp.namespace_id != m.namespace_id:
+        problems.append(("warning", f"directory {ns.path.name} does not match its fingerprint's "
+                                    f"namespace id {fp.namespace_id}"))
+
+    oldest, newest = _time_range(table.store_time[valid])
+    least, most = _time_range(table.last_access[valid])
+    hits = table.hits[valid]
+    status = "error" if any(s == "error" for s, _ in problems) else (
+        "warning" if problems else "ok")
+    return {
+        "namespace": ns.path.name,
+        "path": str(ns.path),
+        "fingerprint": fp.to_dict(),
+        "layers": len(fp.layer_geometry),
+        "block_tokens": fp.block_size,
+        "block_bytes": m.block_bytes,
+        "slot_bytes": m.slot_size,
+        "checksum": m.checksum,
+        "created": m.created,
+        "blocks": blocks,
+        "incomplete_entries": incomplete,
+        "invalid_entries": invalid,
+        "num_slots": m.num_slots,
+        "fill": blocks / m.num_slots if m.num_slots else 0.0,
+        "used_bytes": blocks * m.slot_size * tp,
+        "capacity_bytes": m.num_slots * m.slot_size * tp,
+        "slab_bytes_on_disk": slab_bytes,
+        "oldest_stored": oldest,
+        "newest_stored": newest,
+        "least_recent_access": least,
+        "most_recent_access": most,
+        "hits_total": int(hits.sum()),
+        "hits_max": int(hits.max(initial=0)),
+        "blocks_with_hits": int((hits > 0).sum()),
+        "io_backend": io_backend_info(ns),
+        "engine": holder,
+        "health": {"status": status, "problems": [text for _, text in problems]},
+    }
+
+
+def summarize_cache(cache: CacheDir) -> dict[str, Any]:
+    """``summarize_namespace`` for each namespace, plus cache-level problems."""
+    problems = [f"{path.name}: {why}" for path, why in cache.unreadable]
+    problems += [f"{p.name}: leftover of an interrupted namespace creation or clear (safe to delete "
+                 f"while no engine starts)" for p in cache.leftovers]
+    return {"path": str(cache.path), "generated": time.time(),
+            "namespaces": [summarize_namespace(ns) for ns in cache.namespaces],
+            "problems": problems}
+
+
+# ---------------------------------------------------------------- ls
+
+SORT_KEYS = ("last-access", "stored", "hits", "slot", "hash")
+STATES = ("all", "complete", "incomplete")
+
+
+@dataclass
+class ListFilter:
+    """Which entries ``list_entries`` returns and in what order. Ages are seconds before
+    ``now`` (by last access); ``limit`` 0 means all. Sorting is descending (most recent,
+    most hits, highest slot first) unless ``ascending``; ``hash`` sorts ascending unless
+    ``ascending`` is False explicitly."""
+
+    state: str = "all"
+    hash_prefix: str | None = None
+    min_hits: int = 0
+    older_than: float | None = None
+    newer_than: float | None = None
+    sort: str = "last-access"
+    ascending: bool | None = None
+    limit: int = 50
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise InspectError(f"--state: expected one of {', '.join(STATES)}, got {self.state!r}")
+        if self.sort not in SORT_KEYS:
+            raise InspectError(f"--sort: expected one of {', '.join(SORT_KEYS)}, got {self.sort!r}")
+        if self.limit < 0:
+            raise InspectError(f"--limit: expected 0 (all) or a positive count, got {self.limit}")
+
+
+def list_entries(ns: Namespace, flt: ListFilter, table: EntryTable | None = None,
+                 now: float | None = None) -> dict[str, Any]:
+    """Entries of ``ns`` matching ``flt``, sorted, as JSON-able rows, with the counts
+    before and after filtering."""
+    now = time.time() if now is None else now
+    table = table if table is not None else read_entries(ns)
+    mask = np.ones(len(table), dtype=bool)
+    if flt.state != "all":
+        mask &= table.complete if flt.state == "complete" else ~table.complete
+    if flt.hash_prefix:
+        mask &= table.hash_prefix_mask(flt.hash_prefix)
+    if flt.min_hits:
+        mask &= table.hits >= flt.min_hits
+    if flt.older_than is not None:
+        mask &= table.last_access < now - flt.older_than
+    if flt.newer_than is not None:
+        mask &= table.last_access >= now - flt.newer_than
+    rows = np.flatnonzero(mask)
+    ascending = flt.ascending if flt.ascending is not None else flt.sort == "hash"
+    if flt.sort == "hash":
+        order = sorted(rows.tolist(), key=table.hash, reverse=not ascending) \
+            if len(table._snapshot.odd) else (rows if ascending else rows[::-1])  # snapshot is hash-sorted
+        rows = np.asarray(order, dtype=np.int64)
+    else:
+        column = {"last-access": table.last_access, "stored": table.store_time, "hits": table.hits,
+                  "slot": table.slot}[flt.sort][rows]
+        order = np.argsort(column, kind="stable")
+        rows = rows[order if ascending else order[::-1]]
+    shown = rows if flt.limit == 0 else rows[:flt.limit]
+    present = table.rank_counts()
+    entries = []
+    for i in shown.tolist():
+        mask_bits = int(table.ranks[i])
+        entries.append({
+            "hash": table.hash(i).hex(),
+            "slot": int(table.slot[i]),
+            "size": int(table.size[i]),
+            "ranks": [r for r in range(table.tp_size) if mask_bits >> r & 1],
+            "complete": bool(present[i] == table.tp_size),
+            "stored": float(table.store_time[i]),
+            "last_access": float(table.last_access[i]),
+            "hits": int(table.hits[i]),
+        })
+    return {"namespace": ns.path.name, "tp_size": table.tp_size, "total": len(table),
+            "matching": int(len(rows)), "entries": entries}

@@ -1,0 +1,549 @@
+"""Our disk tier as a secondary tier under vLLM's own ``TieringOffloadingSpec``.
+
+For users who already run vLLM 0.33's native CPU offloading: one more entry in
+``kv_connector_extra_config`` puts a persistent, checksummed, capacity-bounded disk tier
+below vLLM's CPU tier::
+
+    "spec_name": "TieringOffloadingSpec",
+    "cpu_bytes_to_use": 68719476736,
+    "secondary_tiers": [{"type": "TieredDiskTier",
+                         "module_path": "tiered_kv.integrations.vllm.secondary_tier",
+                         "disk_path": "/mnt/nvme/tiered-kv", "disk_bytes": "1TiB"}]
+
+Process and I/O: everything here runs in vLLM's **scheduler process**. vLLM calls the
+tier under its manager lock and expects every call to return at once, so the calls
+only do bookkeeping in memory (``DiskOffloadingManager``: slots, LRU, pins) and queue
+jobs; the block I/O (``DiskStore``: O_DIRECT writes, ``fdatasync``, the synced LMDB
+commit, verified reads) runs on this tier's job threads and the store's I/O threads,
+straight from and into vLLM's CPU tier through ``primary_kv_view`` (chunk ``c`` is row
+``c``, bytes ``[c * stride, (c + 1) * stride)``). Finished jobs are handed back by
+``get_finished_jobs``. Opening the tier (namespace, writer lock, slab preallocation,
+one read pass over the index) happens once, at start-up.
+
+What a chunk is on disk: one whole primary row, every TP rank's shard and the row's
+padding included, stored as one disk block of ``stride`` bytes (``stride`` is a
+multiple of 4 KiB, so a row goes to and from the slab with no copy). The disk tier's
+``KVCacheLayout`` is therefore one pseudo-layer ``vllm_cpu_chunk`` of ``stride`` bytes,
+dtype uint8, one offloaded block per chunk, and the namespace is written as TP size 1
+(one writer). Because those bytes mean nothing without the engine geometry that
+produced them, the ``Fingerprint`` is built here from vLLM's ``OffloadingConfig``: the
+model name (or ``model_id``), vLLM's KV dtype, tokens per chunk and per GPU block, the
+row stride, per-worker block bytes and chunk factor plus each KV group's geometry
+(``layer_geometry``), and vLLM's row format - TP/PP/PCP/DCP sizes, world size,
+replicated or canonical layout, KV-cache layout - in ``kv_layout``. Any change to these
+opens another namespace; a cache is never served to an engine that would read it
+differently. The disk key of a chunk is vLLM's whole ``OffloadKey`` (block hash +
+KV-group index).
+
+Faults never reach vLLM: a chunk that fails its checksum or cannot be read fails its
+promotion (vLLM frees the CPU slot and the request recomputes it) and is dropped from
+the disk tier, so the next lookup is a miss; a write that fails (a full disk, EIO)
+fails its store job and the chunk is not kept; a store that finds no free slot (all
+pinned) or more than ``max_pending_disk_writes`` chunks already waiting is refused.
+Each case is logged and counted (``stats``, and the ``tiered_kv_disk_tier_*`` metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    ConfigInfo,
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from tiered_kv.config import ConfigError, TieredConfig, format_size
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TieredDiskTier", "DiskTierStats", "parse_tier_config", "chunk_fingerprint",
+           "chunk_layout", "VLLM_TIER_KEYS"]
+
+#: Keys of a ``secondary_tiers`` entry that belong to vLLM (its factory reads them).
+VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
+
+#: Our own keys that mean nothing under vLLM's tiering spec, and what to do instead.
+_NOT_FOR_A_SECONDARY_TIER = {
+    "cpu_bytes": "the CPU tier is vLLM's here; size it with cpu_bytes_to_use in "
+                 "kv_connector_extra_config",
+    "write_policy": "vLLM copies every chunk that reaches its CPU tier to every secondary "
+                    "tier (write-through); there is no other policy",
+    "promote_on_hit": "vLLM always promotes a secondary-tier hit into its CPU tier",
+    "block_size": "the chunk size is vLLM's; set block_size in kv_connector_extra_config, "
+                  "not inside the tier entry",
+}
+
+#: Job threads per direction: two, so one job's fdatasync and index commit overlap the
+#: next job's writes; loads have their own so a promotion never queues behind stores.
+_JOB_THREADS = 2
+
+_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+
+
+def parse_tier_config(raw: Mapping[str, Any]) -> TieredConfig:
+    """Validate one ``secondary_tiers`` entry (with or without vLLM's ``type`` and
+    ``module_path``). Our keys use human units as in ``TieredConfig``; vLLM's keys
+    (``VLLM_TIER_KEYS``) pass through. Raises ``ConfigError`` naming an unknown key, a
+    bad value, a key that has no meaning here, or a missing ``disk_path``."""
+    cfg = TieredConfig.from_dict(raw, passthrough_keys=VLLM_TIER_KEYS)
+    for key, why in _NOT_FOR_A_SECONDARY_TIER.items():
+        if key in raw:
+            raise ConfigError(f"{key}: not a setting of the TieredDiskTier secondary tier: {why}")
+    if not cfg.disk_path:
+        raise ConfigError("disk_path: required; the directory (on local NVMe) that holds the "
+                          "disk tier, e.g. \"disk_path\": \"/mnt/nvme/tiered-kv\"")
+    return cfg
+
+
+def _parse_locality(value: Any) -> Locality | None:
+    if value is None:
+        return None
+    try:
+        return Locality(str(value).upper())
+    except ValueError:
+        raise ConfigError(f"locality: expected LOCAL or REMOTE, got {value!r}") from None
+
+
+def chunk_layout(tokens_per_chunk: int, stride: int) -> KVCacheLayout:
+    """The disk tier's view of one vLLM chunk: a single uint8 pseudo-layer of ``stride``
+    bytes, one offloaded block of ``tokens_per_chunk`` tokens."""
+    return KVCacheLayout((LayerLayout("vllm_cpu_chunk", (1, stride), False),), torch.uint8,
+                         gpu_block_size=tokens_per_chunk, block_size_factor=1)
+
+
+def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig, *,
+                      replicated_layout: bool = False, model_id: str | None = None,
+                      hash_algorithm: str | None = None) -> Fingerprint:
+    """The namespace key of vLLM CPU-tier rows of ``stride`` bytes (module docstring).
+    ``model_id``/``hash_algorithm`` override ``cfg``'s (callers resolve the defaults)."""
+    p = config.parallel
+    groups = config.groups
+    tokens_per_block = max((g.tokens_per_block for g in groups), default=config.cache.tokens_per_hash)
+    geometry = (("vllm_cpu_chunk", (int(stride), int(config.worker_kv_bytes_per_block),
+                                    int(config.cache.blocks_per_chunk))),)
+    geometry += tuple((f"kv_group{g.group_id}", (int(g.tokens_per_block), len(g.layer_names),
+                                                 int(g.sliding_window_size_in_chunks or 0)))
+                      for g in groups)
+    row_format = (f"tp={p.tp_size}", f"pp={p.pp_size}", f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
+                  f"world={p.world_size}", f"replicated={bool(replicated_layout)}",
+                  f"canonical={bool(config.canonical_layout)}",
+                  f"kv_cache_layout={config.kv_cache_layout}")
+    return Fingerprint(
+        model_id=str(model_id if model_id is not None else cfg.model_id),
+        model_revision=cfg.model_revision,
+        dtype=str(config.model.dtype),
+        block_size=tokens_per_block * config.cache.blocks_per_chunk,
+        gpu_block_size=tokens_per_block,
+        layer_geometry=geometry,
+        kv_layout=row_format,
+        tp_size=1,
+        hash_algorithm=str(hash_algorithm if hash_algorithm is not None else cfg.hash_algorithm),
+        hash_seed=cfg.hash_seed,
+    )
+
+
+def _vllm_hash_algorithm() -> str | None:
+    """vLLM's ``--prefix-caching-hash-algo`` when a vLLM config is current (scheduler
+    start-up), else None."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    cache = getattr(vllm_config, "cache_config", None)
+    algo = getattr(cache, "prefix_caching_hash_algo", None)
+    return str(algo) if algo else None
+
+
+def _resolve_hash_algorithm(raw: Mapping[str, Any], cfg: TieredConfig) -> str:
+    engine_algo = _vllm_hash_algorithm()
+    if "hash_algorithm" not in raw:
+        algo = engine_algo or cfg.hash_algorithm
+    elif engine_algo is not None and engine_algo != cfg.hash_algorithm:
+        raise ConfigError(f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
+                          f"--prefix-caching-hash-algo {engine_algo!r}; drop the key or make "
+                          f"them equal")
+    else:
+        algo = cfg.hash_algorithm
+    if algo in _NON_CRYPTO_HASHES and os.getenv("PYTHONHASHSEED") is None:
+        logger.warning("prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
+                       "unset): chunks written to the disk tier will never hit after a restart; "
+                       "set PYTHONHASHSEED or use sha256", algo)
+    return algo
+
+
+def _primary_rows(flat_view: memoryview, stride: int) -> torch.Tensor:
+    """A flat byte view as a uint8 tensor of rows ``(num_chunks, stride)`` sharing its
+    memory."""
+    flat = np.frombuffer(flat_view, dtype=np.uint8)
+    return torch.from_numpy(flat[: len(flat) // stride * stride].reshape(-1, stride))
+
+
+def _row_runs(chunk_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(index in the job, first chunk id, count)`` for each run of consecutive ids."""
+    if len(chunk_ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(chunk_ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(chunk_ids)]))
+    return [(int(s), int(chunk_ids[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+@dataclass
+class DiskTierStats:
+    """Counters of one tier (monotonic, in chunks unless named otherwise)."""
+
+    stored: int = 0  # written, durable and indexed
+    store_failed: int = 0  # the write failed (full disk, EIO, index error): not kept
+    store_skipped: int = 0  # refused: no free slot, or too many writes already waiting
+    evicted: int = 0  # LRU victims to make room
+    promoted: int = 0  # read, verified and copied into vLLM's CPU tier
+    promotion_failed: int = 0  # missing, unreadable or corrupt: dropped, recomputed by vLLM
+    corrupt: int = 0  # of which failed their checksum (the store's count)
+    failed_store_jobs: int = 0
+    failed_promotion_jobs: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: Prometheus name and help of each counter reported to vLLM.
+_COUNTERS = {
+    "stored": ("tiered_kv_disk_tier_stored_chunks",
+               "Chunks written to the disk tier, durable and indexed."),
+    "store_failed": ("tiered_kv_disk_tier_store_failed_chunks",
+                     "Chunks whose disk write failed (full disk, I/O error); not kept."),
+    "store_skipped": ("tiered_kv_disk_tier_store_skipped_chunks",
+                      "Chunks not written: no free disk slot, or too many writes waiting."),
+    "evicted": ("tiered_kv_disk_tier_evicted_chunks",
+                "Chunks evicted (LRU) from the disk tier to make room."),
+    "promoted": ("tiered_kv_disk_tier_promoted_chunks",
+                 "Chunks read, verified and copied into vLLM's CPU tier."),
+    "promotion_failed": ("tiered_kv_disk_tier_promotion_failed_chunks",
+                         "Chunks that could not be promoted (missing, unreadable or corrupt); "
+                         "dropped from the disk tier."),
+    "corrupt": ("tiered_kv_disk_tier_corrupt_chunks",
+                "Chunks that failed their checksum on read; dropped from the disk tier."),
+}
+_USED_GAUGE = "tiered_kv_disk_tier_used_chunks"
+
+
+@dataclass(frozen=True)
+class DiskTierInfo(ConfigInfo):
+    """Static facts of one tier on ``vllm:kv_offload_config_info``."""
+
+    disk_path: str
+    disk_namespace: str
+    disk_capacity_chunks: int
+    disk_chunk_bytes: int
+    disk_io_backend: str
+    disk_checksum: str
+
+
+@dataclass
+class _Job:
+    """One store or promotion job. ``keys``/``slots``/``chunk_ids`` are the chunks that
+    go to disk I/O; ``ok`` is filled by the job thread (one flag per key)."""
+
+    job_id: int
+    is_load: bool
+    keys: list[bytes]
+    slots: list[int] = field(default_factory=list)
+    chunk_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    refused: list[bytes] = field(default_factory=list)  # never went to I/O: counted as failed
+    ok: list[bool] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class TieredDiskTier(SecondaryTierManager):
+    """A ``SecondaryTierManager`` backed by the tiered-kv disk tier (module docstring).
+
+    Constructed by vLLM's ``SecondaryTierFactory`` from one ``secondary_tiers`` entry;
+    ``tier_config`` holds the entry's remaining keys (see ``parse_tier_config``). Every
+    method is non-blocking except ``drain_jobs`` and ``shutdown``, which wait for the
+    jobs in flight as vLLM requires. ``disk_manager``, ``store`` and ``stats`` are
+    public for tools and tests.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview,
+                 tier_type: str, backpressure_detector: "BackpressureDetector | None" = None,
+                 **tier_config: Any):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.config = cfg = parse_tier_config(tier_config)
+        self.locality = _parse_locality(tier_config.get("locality"))
+        vconf = offloading_spec.config
+        stride = self.block_size_bytes
+        self._primary_bytes = primary_kv_view.cast("B")
+        self._primary: torch.Tensor | None = _primary_rows(self._primary_bytes, stride)
+        self.fingerprint = chunk_fingerprint(
+            vconf, stride, cfg, replicated_layout=getattr(offloading_spec, "replicated_layout", False),
+            model_id=cfg.model_id if "model_id" in tier_config else vconf.model.name,
+            hash_algorithm=_resolve_hash_algorithm(tier_config, cfg))
+        layout = chunk_layout(self.fingerprint.block_size, stride)
+        # The primary rows are host memory: GPUDirect Storage has nothing to offer here.
+        backend = "posix" if cfg.io_backend == "auto" else cfg.io_backend
+        self.disk_manager = DiskOffloadingManager(
+            cfg.disk_path, self.fingerprint, layout, disk_bytes=cfg.disk_bytes,
+            checksum=cfg.checksum, engine_id=vconf.engine_id, enable_events=False)
+        try:
+            self.store = DiskStore.open(cfg.disk_path, self.fingerprint, layout,
+                                        disk_bytes=cfg.disk_bytes, checksum=cfg.checksum,
+                                        io_backend=backend, io_threads=cfg.io_threads,
+                                        engine_id=vconf.engine_id)
+        except BaseException:
+            self.disk_manager.shutdown()
+            raise
+        self.stats = DiskTierStats()
+        self._reported = DiskTierStats()
+        self._store_pool = ThreadPoolExecutor(_JOB_THREADS, thread_name_prefix="tkv-vllm-disk-store")
+        self._load_pool = ThreadPoolExecutor(_JOB_THREADS, thread_name_prefix="tkv-vllm-disk-load")
+        # Job threads append, the scheduler thread pops: deque ends are thread-safe.
+        self._finished: deque[_Job] = deque()
+        self._idle = threading.Condition()
+        self._in_flight = 0
+        self._writes_waiting = 0  # chunks in store jobs not yet collected (scheduler thread)
+        self._closed = False
+        self._info = DiskTierInfo(
+            disk_path=str(cfg.disk_path), disk_namespace=self.fingerprint.namespace_id,
+            disk_capacity_chunks=self.disk_manager.capacity, disk_chunk_bytes=stride,
+            disk_io_backend=self.store.backend.describe(), disk_checksum=self.store.checksum_name)
+        logger.info("vLLM secondary tier %s: %s, namespace %s, %d of %d chunks of %s loadable, "
+                    "I/O %s", tier_type, cfg.disk_path, self.fingerprint.namespace_id,
+                    len(self.disk_manager), self.disk_manager.capacity, format_size(stride),
+                    self.store.backend.describe())
+
+    # ------------------------------------------------------------ lookups
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT when the chunk is durable and indexed, else MISS (a chunk still being
+        written is still pinned in vLLM's CPU tier, which answers first)."""
+        return LookupResult.HIT if self.disk_manager.is_loadable(bytes(key)) else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    # ------------------------------------------------------------ stores (cascades)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Queue a write of the job's primary rows. Chunks already on disk are skipped
+        (and marked recently used); the rest get slots (evicting LRU chunks) unless the
+        tier is full of pinned chunks or too many writes already wait."""
+        keys = [bytes(k) for k in job_metadata.keys]
+        chunk_of = dict(zip(keys, np.asarray(job_metadata.chunk_ids, dtype=np.int64).tolist()))
+        dm = self.disk_manager
+        present = {k for k in keys if dm.is_loadable(k)}
+        if present:
+            dm.touch(present)
+        new = [k for k in keys if k not in present and not dm.is_pending(k)]
+        job = _Job(job_metadata.job_id, is_load=False, keys=[])
+        if not new:
+            self._finished.append(job)
+            return
+        if self._writes_waiting + len(new) > self.config.max_pending_disk_writes:
+            logger.warning("disk tier: %d chunks already wait for disk writes (max_pending_disk_"
+                           "writes=%d); not storing %d more", self._writes_waiting,
+                           self.config.max_pending_disk_writes, len(new))
+            job.refused = new
+            self._finished.append(job)
+            return
+        out = dm.prepare_store(new)
+        if out is None:
+            logger.warning("disk tier: no free slot for %d chunks (every chunk is pinned by a "
+                           "promotion); not storing them", len(new))
+            job.refused = new
+            self._finished.append(job)
+            return
+        self.stats.evicted += len(out.block_hashes_evicted)
+        job.keys = list(out.block_hashes_to_store)
+        job.slots = [int(s) for s in out.store_spec.block_ids]
+        job.chunk_ids = np.array([chunk_of[k] for k in job.keys], dtype=np.int64)
+        self._writes_waiting += len(job.keys)
+        self._start(self._store_pool, self._write, job)
+
+    def _write(self, job: _Job) -> list[bool]:
+        batch = self.store.begin_write(0, job.keys, job.slots)
+        for start, first, n in _row_runs(job.chunk_ids):
+            batch.submit(start, self._primary[first:first + n])
+        return batch.finish()
+
+    # ------------------------------------------------------------ loads (promotions)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """Queue a verified read of the job's chunks into its primary rows. A chunk no
+        longer on disk fails at once."""
+        keys = [bytes(k) for k in job_metadata.keys]
+        chunk_ids = np.asarray(job_metadata.chunk_ids, dtype=np.int64)
+        dm = self.disk_manager
+        found = np.array([dm.is_loadable(k) for k in keys], dtype=bool)
+        job = _Job(job_metadata.job_id, is_load=True,
+                   keys=[k for k, f in zip(keys, found) if f], chunk_ids=chunk_ids[found],
+                   refused=[k for k, f in zip(keys, found) if not f])
+        if not job.keys:
+            self._finished.append(job)
+            return
+        dm.touch(job.keys)
+        job.slots = [int(s) for s in dm.prepare_load(job.keys).block_ids]  # pins them
+        self._start(self._load_pool, self._read, job)
+
+    def _read(self, job: _Job) -> list[bool]:
+        batch = self.store.begin_read(0, job.keys, job.slots)
+        for start, first, n in _row_runs(job.chunk_ids):
+            batch.submit(start, self._primary[first:first + n])
+        return batch.finish()
+
+    # ------------------------------------------------------------ job threads
+
+    def _start(self, pool: ThreadPoolExecutor, io, job: _Job) -> None:
+        with self._idle:
+            self._in_flight += 1
+        pool.submit(self._run, io, job)
+
+    def _run(self, io, job: _Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            job.ok = io(job)
+        except Exception:  # a lost job would pin vLLM's CPU rows forever: fail it instead
+            logger.exception("disk tier %s job %d failed", "load" if job.is_load else "store",
+                             job.job_id)
+            job.ok = [False] * len(job.keys)
+        job.seconds = time.perf_counter() - t0
+        self._finished.append(job)
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Results of the jobs finished since the last call; applies them to the disk
+        manager first (stored chunks become loadable, failed ones are dropped)."""
+        results = []
+        while self._finished:
+            job = self._finished.popleft()
+            results.append(self._finish_load(job) if job.is_load else self._finish_store(job))
+        if results:
+            # Consume the index log the jobs appended to (it is trimmed behind us).
+            self.disk_manager.refresh()
+            self.stats.corrupt = self.store.stats.checksum_failures
+        return results
+
+    def _finish_store(self, job: _Job) -> JobResult:
+        dm = self.disk_manager
+        done = [k for k, ok in zip(job.keys, job.ok) if ok]
+        failed = [k for k, ok in zip(job.keys, job.ok) if not ok]
+        if done:
+            dm.complete_store(done, success=True)
+        if failed:
+            dm.complete_store(failed, success=False)
+        self._writes_waiting -= len(job.keys)
+        s = self.stats
+        s.stored += len(done)
+        s.store_failed += len(failed)
+        s.store_skipped += len(job.refused)
+        success = not failed and not job.refused
+        s.failed_store_jobs += not success
+        return JobResult(job.job_id, success, transfer_time=job.seconds,
+                         transfer_bytes=len(done) * self.block_size_bytes)
+
+    def _finish_load(self, job: _Job) -> JobResult:
+        dm = self.disk_manager
+        done = [k for k, ok in zip(job.keys, job.ok) if ok]
+        failed = [k for k, ok in zip(job.keys, job.ok) if not ok]
+        if job.keys:
+            dm.complete_load(job.keys)
+        # A chunk that cannot be promoted (corrupt or unreadable) must turn into a miss,
+        # or vLLM would retry its promotion forever.
+        for k in failed:
+            dm.remove(k)
+        s = self.stats
+        s.promoted += len(done)
+        s.promotion_failed += len(failed) + len(job.refused)
+        success = not failed and not job.refused
+        s.failed_promotion_jobs += not success
+        return JobResult(job.job_id, success,
+                         successful_keys=[OffloadKey(k) for k in done] if done and not success else None,
+                         transfer_time=job.seconds, transfer_bytes=len(done) * self.block_size_bytes)
+
+    def has_pending_work(self) -> bool:
+        with self._idle:
+            return self._in_flight > 0 or bool(self._finished)
+
+    def drain_jobs(self) -> None:
+        """Wait until no job touches the primary rows (results stay queued)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0)
+
+    def shutdown(self) -> None:
+        """Finish the jobs in flight, then close the store and the disk manager (index
+        flushed, writer lock released). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.drain_jobs()
+        self._store_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        # Drop our exports of vLLM's shared region, or vLLM could not unmap it.
+        self._primary = None
+        try:
+            self._primary_bytes.release()
+        except BufferError:
+            logger.warning("disk tier: a view of vLLM's CPU tier is still referenced")
+        try:
+            self.store.close()
+        finally:
+            self.disk_manager.shutdown()
+
+    # ------------------------------------------------------------ metrics
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {
+            name: OffloadingCounterMetadata(documentation=doc) for name, doc in _COUNTERS.values()}
+        defs[_USED_GAUGE] = OffloadingGaugeMetadata(documentation="Chunks held by the disk tier.")
+        return defs
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Counter increments since the last call, and the chunks held now."""
+        out = OffloadingConnectorStats()
+        for attr, (name, _) in _COUNTERS.items():
+            delta = getattr(self.stats, attr) - getattr(self._reported, attr)
+            if delta:
+                out.increase_counter(name, delta)
+        self._reported = DiskTierStats(**self.stats.as_dict())
+        out.set_gauge(_USED_GAUGE, len(self.disk_manager))
+        return out
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return DiskTierInfo.config_info_keys()
+
+    def config_info(self) -> ConfigInfoMapping:
+        return self._info.as_config_info()
