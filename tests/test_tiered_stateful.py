@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -37,6 +38,23 @@ EXAMPLES = int(os.environ.get("TIERED_KV_STATEFUL_EXAMPLES", "2000"))
 hash_lists = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4)
 
 
+class InlineExecutor:
+    """Runs each task on the caller's thread. Hypothesis replays a sequence and needs it to
+    behave the same each time, so the disk stager's background threads are made
+    synchronous here; background timing itself is exercised by the other tests."""
+
+    def submit(self, fn, *args, **kwargs):
+        future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # delivered through the future, as a pool would
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait=True):
+        return None
+
+
 class Hierarchy(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -50,6 +68,10 @@ class Hierarchy(RuleBasedStateMachine):
             {"cpu_bytes": CPU_SLOTS * self.bpb, "disk_path": self.tmp, "disk_bytes": DISK_SLOTS * 4096,
              "max_pending_disk_writes": 4, "model_id": "stateful"}, layout.gpu_block_size, layout)
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
+        for handler in self.worker.handlers:
+            stager = getattr(handler, "stager", None)
+            if stager is not None:
+                stager._packer = stager._writers = InlineExecutor()
         self.manager = self.spec.get_manager()
         self.free_groups = list(range(self.device.num_groups))
         self.next_job = 0

@@ -89,6 +89,12 @@ def _parse_positive_int(value: Any, key: str) -> int:
     return n
 
 
+#: Keys of vLLM's ``kv_connector_extra_config`` that vLLM itself reads (its spec factory,
+#: ``OffloadingSpec`` and the OffloadingConnector); our vLLM spec passes them through.
+#: ``block_size`` is not among them: it means the same to both and is ours to validate.
+VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "blocks_per_chunk", "offload_prompt_only",
+                         "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes")
+
 WRITE_POLICIES = ("write_through", "write_back")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 EVICTION_POLICIES = ("lru",)

@@ -501,6 +501,11 @@ class DiskOffloadingManager(OffloadingManager):
         with self._lock:
             return self._pins.get(block_hash, 0) > 0
 
+    def slot_of(self, block_hash: BlockHash) -> int | None:
+        """The slot of a loadable block, else None."""
+        with self._lock:
+            return self._table.get(block_hash)
+
     def is_pending(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._pending

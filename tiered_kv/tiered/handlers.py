@@ -343,12 +343,25 @@ class TieredLoadHandler(_PipelineHandler):
         skip = int((flat < 0).sum())
         return GPULoadStoreSpec(flat[skip:], skip_count=skip)
 
+    # The three hooks below are where the GPU side of a job is expressed. An engine
+    # adapter whose GPU specs are not "leading skip only" (vLLM 0.33 also truncates the
+    # last block of a load) overrides them and gives kernel-level inner handlers.
+
+    def _cpu_to_gpu_spec(self, cpu_slots: np.ndarray, rows: np.ndarray) -> TransferSpec:
+        """The ``cpu_to_gpu`` job copying offloaded blocks in ``cpu_slots`` to GPU ``rows``."""
+        return CPULoadStoreSpec(cpu_slots), self._gpu_spec(rows)
+
+    def _disk_gpu_spec(self, rows: np.ndarray) -> GPULoadStoreSpec:
+        """The GPU side of a ``disk_to_gpu`` job writing GPU ``rows``."""
+        return self._gpu_spec(rows)
+
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src, dst = spec
         submit = self._submit_inner  # steps are built now, run later: bind their arguments
         if not isinstance(src, TieredLoadSpec):
             n = len(src.block_ids) * self.bytes_per_block
-            return self._start(job_id, [deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, (src, dst))])])
+            inner = self._cpu_to_gpu_spec(src.block_ids, self._gpu_rows(dst, len(src.block_ids)))
+            return self._start(job_id, [deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, inner)])])
         rows = self._gpu_rows(dst, len(src))
         bpb = self.bytes_per_block
         hashes = np.array(src.block_hashes, dtype=object)
@@ -357,22 +370,21 @@ class TieredLoadHandler(_PipelineHandler):
         direct = (~from_cpu) & ~promoted
         branches = []
         if from_cpu.any():
-            cpu_src = CPULoadStoreSpec(src.cpu_slots[from_cpu])
-            branches.append(deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", len(cpu_src) * bpb,
-                                           (cpu_src, self._gpu_spec(rows[from_cpu])))]))
+            branches.append(deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", int(from_cpu.sum()) * bpb,
+                                           self._cpu_to_gpu_spec(src.cpu_slots[from_cpu], rows[from_cpu]))]))
         if direct.any():
             if self.disk_to_gpu is None:
                 raise ValueError("load spec names disk blocks but no disk tier is configured")
             disk_src = DiskLoadStoreSpec(src.disk_slots[direct], list(hashes[direct]))
             branches.append(deque([partial(submit, self.disk_to_gpu, "disk_to_gpu", len(disk_src) * bpb,
-                                           (disk_src, self._gpu_spec(rows[direct])))]))
+                                           (disk_src, self._disk_gpu_spec(rows[direct])))]))
         if promoted.any():
             disk_src = DiskLoadStoreSpec(src.disk_slots[promoted], list(hashes[promoted]))
-            cpu_slots = CPULoadStoreSpec(src.promote_slots[promoted])
+            slots = src.promote_slots[promoted]
             n = len(disk_src) * bpb
             branches.append(deque([
-                partial(submit, self.disk_to_cpu, "disk_to_cpu", n, (disk_src, cpu_slots)),
-                partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, (cpu_slots, self._gpu_spec(rows[promoted]))),
+                partial(submit, self.disk_to_cpu, "disk_to_cpu", n, (disk_src, CPULoadStoreSpec(slots))),
+                partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, self._cpu_to_gpu_spec(slots, rows[promoted])),
             ]))
         return self._start(job_id, branches)
 

@@ -89,7 +89,9 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             gpu_tensors = [kv_caches[l.name] for l in layout.layers]
             disk_to_gpu = GpuDiskHandler(self.store, self.rank, gpu_tensors, layout)
             disk_to_cpu = CpuDiskHandler(self.store, self.rank, self.host, layout)
-            stager = DiskStager(self.host, self.store, self.rank, self.config.max_pending_disk_writes,
+            # Twice the manager's bound: a buffer returns a moment after the manager may
+            # already have seen its block's index commit and queued the next write.
+            stager = DiskStager(self.host, self.store, self.rank, 2 * self.config.max_pending_disk_writes,
                                 self.stats, io_threads=self.config.io_threads)
         store = TieredStoreHandler(cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block, stager, self.stats)
         load = TieredLoadHandler(cpu_gpu.cpu_to_gpu_handler, layout.bytes_per_block, layout.block_size_factor,

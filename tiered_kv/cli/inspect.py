@@ -1,0 +1,393 @@
+"""``tiered-kv inspect``: look inside a disk cache, check it, trim it, measure its device.
+
+Operator's process; the library is ``tiered_kv.inspect``. ``summary``, ``ls`` and
+``verify`` are read-only and work while an engine has the cache open; ``verify
+--repair``, ``evict`` and ``clear`` take the writer lock and are refused while an
+engine holds it; ``bench`` works in a scratch directory it removes. Every command
+prints Rich tables, or JSON on stdout with ``--json``; progress bars go to stderr
+(terminals only). Failures print one ``error: ...`` line on stderr and exit 2 (in
+JSON mode stdout also gets ``{"error": ...}``); ``verify`` exits 1 when it finds
+corruption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any, NoReturn, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tiered_kv.cli import app
+from tiered_kv.config import ConfigError, format_size, parse_size
+from tiered_kv.disk.namespace import NamespaceError
+from tiered_kv.inspect import (
+    InspectError, ListFilter, clear, evict, list_entries, open_cache, run_bench, summarize_cache,
+    verify_namespace,
+)
+from tiered_kv.inspect.summary import SORT_KEYS, STATES, describe_io
+from tiered_kv.inspect.verify import bytes_to_verify
+
+inspect_app = typer.Typer(
+    name="inspect",
+    help="Inspect a disk cache: summary, ls, verify, evict, clear, bench. Add --json for scripts.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(inspect_app, name="inspect")
+
+EXIT_CORRUPT = 1
+EXIT_ERROR = 2
+
+_JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
+_NAMESPACE = typer.Option(None, "--namespace", "-n", help="Only namespaces whose id starts with this.")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_AGE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_age(text: str, option: str) -> float:
+    """Seconds from ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"2w"`` or a bare number of
+    seconds. Raises ``InspectError`` naming ``option`` otherwise."""
+    m = _AGE_RE.match(text)
+    if not m:
+        raise InspectError(f"{option}: cannot parse age {text!r}; expected a number with an optional "
+                           f"unit s, m, h, d or w, e.g. 7d")
+    return float(m.group(1)) * _AGE_UNITS[m.group(2) or "s"]
+
+
+# ---------------------------------------------------------------- plumbing
+
+
+def _fail(message: str, json_out: bool, code: int = EXIT_ERROR) -> NoReturn:
+    message = " ".join(str(message).split())  # one line
+    if json_out:
+        typer.echo(json.dumps({"error": message}))
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _errors(json_out: bool) -> Iterator[None]:
+    """Turn every failure into one ``error:`` line and a non-zero exit (no traceback;
+    ``TIERED_KV_DEBUG=1`` re-raises unexpected errors)."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except (InspectError, NamespaceError, ConfigError) as e:
+        _fail(str(e), json_out)
+    except KeyboardInterrupt:
+        _fail("interrupted", json_out, 130)
+    except Exception as e:
+        if os.environ.get("TIERED_KV_DEBUG"):
+            raise
+        _fail(f"{type(e).__name__}: {e}", json_out)
+
+
+@contextlib.contextmanager
+def _progress(json_out: bool, description: str, total: int | None = None) -> Iterator[Any]:
+    """A byte progress bar on stderr (terminals only, never with ``--json``). Yields an
+    object with ``advance(n)`` and ``set_total(n)``."""
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                   console=console, transient=True, disable=json_out or not console.is_terminal)
+
+    class Handle:
+        def __init__(self) -> None:
+            self.task = bar.add_task(description, total=total)
+
+        def advance(self, n: int) -> None:
+            bar.advance(self.task, n)
+
+        def set_total(self, n: int) -> None:
+            bar.update(self.task, total=n, completed=0)
+
+    with bar:
+        yield Handle()
+
+
+def _emit(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _ts(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _ago(t: float | None, now: float) -> str:
+    if t is None:
+        return "-"
+    s = max(0.0, now - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.1f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _compact_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n}B"
+
+
+def _holder(h: dict[str, Any] | None) -> str:
+    if h is None:
+        return "none (closed)"
+    if not h:
+        return "an engine is starting"
+    return (f"pid {h.get('pid', '?')} on {h.get('host', '?')} (engine {h.get('engine_id', '?')}, "
+            f"since {_ts(h.get('started'))})")
+
+
+# ---------------------------------------------------------------- summary
+
+
+@inspect_app.command()
+def summary(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+            namespace: Optional[str] = _NAMESPACE, json_out: bool = _JSON) -> None:
+    """Each namespace: fingerprint, blocks, bytes used and capacity, ages, hits, I/O, health."""
+    with _errors(json_out):
+        data = summarize_cache(open_cache(path, namespace))
+    if json_out:
+        _emit(data)
+        return
+    console = Console()
+    now = data["generated"]
+    console.print(f"disk cache {data['path']}: {len(data['namespaces'])} namespace(s)", soft_wrap=True)
+    for ns in data["namespaces"]:
+        fp = ns["fingerprint"]
+        t = Table(title=f"namespace {ns['namespace']}", show_header=False, title_justify="left")
+        t.add_column("field", style="bold")
+        t.add_column("value")
+        t.add_row("model", f"{fp['model_id']} @ {fp['model_revision']}")
+        shapes = sorted({tuple(s) for _, s in fp["layer_geometry"]})
+        t.add_row("KV", f"{fp['dtype']}, {ns['layers']} layers, block shape "
+                        f"{' / '.join(str(s) for s in shapes)}, {', '.join(sorted(set(fp['kv_layout'])))}")
+        t.add_row("block", f"{fp['block_size']} tokens ({fp['block_size'] // fp['gpu_block_size']} GPU "
+                           f"block(s) of {fp['gpu_block_size']}), {format_size(ns['block_bytes'])} per rank")
+        t.add_row("TP", str(fp["tp_size"]))
+        t.add_row("prefix hash", f"{fp['hash_algorithm']}, seed {fp['hash_seed']!r}")
+        t.add_row("blocks", f"{ns['blocks']:,} of {ns['num_slots']:,} slots ({ns['fill']:.1%})"
+                  + (f", {ns['incomplete_entries']:,} incomplete" if ns["incomplete_entries"] else ""))
+        t.add_row("used / capacity", f"{format_size(ns['used_bytes'])} / {format_size(ns['capacity_bytes'])} "
+                                     f"(slabs on disk: {format_size(ns['slab_bytes_on_disk'])})")
+        t.add_row("stored", f"oldest {_ts(ns['oldest_stored'])}, newest {_ts(ns['newest_stored'])}")
+        t.add_row("last access", f"{_ago(ns['least_recent_access'], now)} .. {_ago(ns['most_recent_access'], now)}")
+        t.add_row("hits", f"{ns['hits_total']:,} total, {ns['blocks_with_hits']:,} blocks hit, max {ns['hits_max']:,}")
+        t.add_row("checksum", ns["checksum"])
+        t.add_row("I/O", describe_io(ns["io_backend"]))
+        t.add_row("engine", _holder(ns["engine"]))
+        health = ns["health"]
+        colour = {"ok": "green", "warning": "yellow", "error": "red"}[health["status"]]
+        t.add_row("health", f"[{colour}]{health['status']}[/]" + "".join(f"\n- {p}" for p in health["problems"]))
+        console.print(t)
+    for p in data["problems"]:
+        console.print(f"[yellow]warning:[/] {p}", soft_wrap=True)
+    if not data["namespaces"] and not data["problems"]:
+        console.print("empty cache: no namespaces yet (an engine creates one on first start)")
+
+
+# ---------------------------------------------------------------- ls
+
+
+@inspect_app.command("ls")
+def ls(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+       namespace: Optional[str] = _NAMESPACE,
+       state: str = typer.Option("all", "--state", help=f"{', '.join(STATES)}: complete = every TP rank committed."),
+       hash_prefix: Optional[str] = typer.Option(None, "--hash", help="Only hashes starting with this hex prefix."),
+       min_hits: int = typer.Option(0, "--min-hits", min=0, help="Only entries hit at least this often."),
+       older_than: Optional[str] = typer.Option(None, "--older-than", help="Last access before this age, e.g. 7d."),
+       newer_than: Optional[str] = typer.Option(None, "--newer-than", help="Last access within this age, e.g. 1h."),
+       sort: str = typer.Option("last-access", "--sort", help=f"{', '.join(SORT_KEYS)}."),
+       ascending: Optional[bool] = typer.Option(None, "--asc/--desc",
+                                                help="Order (default: descending; ascending for hash)."),
+       limit: int = typer.Option(50, "--limit", min=0, help="Rows per namespace; 0 = all."),
+       json_out: bool = _JSON) -> None:
+    """Entries: hash prefix, slot, size, ranks present, stored and last-access times, hits."""
+    with _errors(json_out):
+        flt = ListFilter(state=state, hash_prefix=hash_prefix, min_hits=min_hits,
+                         older_than=None if older_than is None else parse_age(older_than, "--older-than"),
+                         newer_than=None if newer_than is None else parse_age(newer_than, "--newer-than"),
+                         sort=sort, ascending=ascending, limit=limit)
+        cache = open_cache(path, namespace)
+        now = time.time()
+        listings = [list_entries(ns, flt, now=now) for ns in cache.namespaces]
+    if json_out:
+        _emit({"path": str(cache.path), "namespaces": listings})
+        return
+    console = Console()
+    if not listings:
+        console.print(f"{cache.path}: no namespaces, no entries")
+    for lst in listings:
+        t = Table(box=box.SIMPLE_HEAD, title=f"namespace {lst['namespace']}: {len(lst['entries']):,} shown, {lst['matching']:,} "
+                        f"matching, {lst['total']:,} entries", title_justify="left")
+        for col in ("hash", "slot", "size", "ranks", "stored", "last access", "hits"):
+            t.add_column(col, justify="right" if col in ("slot", "size", "hits") else "left", no_wrap=True)
+        for e in lst["entries"]:
+            ranks = f"{len(e['ranks'])}/{lst['tp_size']}"
+            t.add_row(e["hash"][:12], str(e["slot"]), _compact_size(e["size"]),
+                      ranks if e["complete"] else f"[yellow]{ranks}[/]",
+                      time.strftime("%m-%d %H:%M:%S", time.localtime(e["stored"])), _ago(e["last_access"], now),
+                      str(e["hits"]))
+        console.print(t)
+
+
+# ---------------------------------------------------------------- verify
+
+
+@inspect_app.command()
+def verify(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+           namespace: Optional[str] = _NAMESPACE,
+           repair: bool = typer.Option(False, "--repair", help="Drop corrupt, invalid and incomplete entries "
+                                                               "(needs the cache closed)."),
+           threads: int = typer.Option(4, "--threads", min=1, help="Parallel reads."),
+           json_out: bool = _JSON) -> None:
+    """Re-read every block and check its checksum; exit 1 if any block is corrupt."""
+    results = []
+    with _errors(json_out):
+        cache = open_cache(path, namespace)
+        for ns in cache.namespaces:
+            with _progress(json_out, f"verifying {ns.path.name}") as bar:
+                results.append(verify_namespace(
+                    ns, repair=repair, threads=threads, progress=bar.advance,
+                    on_table=lambda table, ns=ns, bar=bar: bar.set_total(bytes_to_verify(ns, table))))
+    corrupt = sum(r.corrupt_blocks for r in results)
+    if json_out:
+        _emit({"path": str(cache.path), "corrupt_blocks": corrupt, "namespaces": [r.to_dict() for r in results]})
+    else:
+        _print_verify(results, repair, cache.path)
+    if corrupt:
+        raise typer.Exit(EXIT_CORRUPT)
+
+
+def _print_verify(results, repair: bool, path) -> None:
+    console = Console()
+    if not results:
+        console.print(f"{path}: no namespaces, nothing to verify")
+    for r in results:
+        rate = r.bytes_read / r.seconds / 1e9 if r.seconds else 0.0
+        verdict = "[red]CORRUPT[/]" if r.corrupt else "[green]OK[/]"
+        console.print(f"namespace {r.namespace}: {r.blocks:,} blocks, {r.copies_checked:,} copies checked "
+                      f"({format_size(r.bytes_read)} in {r.seconds:.2f} s, {rate:.2f} GB/s): {verdict}",
+                      soft_wrap=True)
+        if r.corrupt:
+            t = Table(title=f"{r.corrupt_blocks} corrupt block(s)", title_justify="left")
+            for col in ("hash", "slot", "rank", "problem"):
+                t.add_column(col)
+            for c in r.corrupt[:50]:
+                t.add_row(c["hash"][:16], str(c["slot"]), "-" if c["rank"] is None else str(c["rank"]), c["reason"])
+            console.print(t)
+        if r.incomplete:
+            console.print(f"[yellow]{len(r.incomplete):,} incomplete entries[/] (some TP rank never committed: "
+                          f"an interrupted store; never served)", soft_wrap=True)
+        if r.changed:
+            console.print(f"{r.changed} suspect block(s) changed while reading (the engine evicted or "
+                          f"rewrote them): not corrupt", soft_wrap=True)
+        if repair:
+            console.print(f"repaired: dropped {r.repaired:,} entries")
+        elif r.corrupt or r.incomplete:
+            console.print("run again with --repair (engine stopped) to drop them")
+
+
+# ---------------------------------------------------------------- evict / clear
+
+
+@inspect_app.command("evict")
+def evict_cmd(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+              to_size: Optional[str] = typer.Option(None, "--to-size",
+                                                    help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."),
+              older_than: Optional[str] = typer.Option(None, "--older-than",
+                                                       help="Evict blocks not accessed within this age, e.g. 7d."),
+              namespace: Optional[str] = _NAMESPACE, json_out: bool = _JSON) -> None:
+    """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed."""
+    with _errors(json_out):
+        if to_size is None and older_than is None:
+            raise InspectError("evict needs --to-size SIZE or --older-than AGE")
+        size = None if to_size is None else (0 if to_size.strip() == "0" else parse_size(to_size, "--to-size"))
+        age = None if older_than is None else parse_age(older_than, "--older-than")
+        cache = open_cache(path, namespace)
+        with _progress(json_out, "evicting") as bar:
+            result = evict(cache, to_size=size, older_than=age, progress=bar.advance)
+    if json_out:
+        _emit(result.to_dict())
+        return
+    t = Table(title=f"evicted {result.evicted:,} block(s), freed {format_size(result.freed_bytes)}",
+              title_justify="left")
+    for col in ("namespace", "evicted", "freed", "used before", "used after"):
+        t.add_column(col, justify="left" if col == "namespace" else "right")
+    for ns_id, v in result.namespaces.items():
+        t.add_row(ns_id, f"{v['evicted']:,}", format_size(v["freed_bytes"]), format_size(v["used_before"]),
+                  format_size(v["used_after"]))
+    Console().print(t)
+
+
+@inspect_app.command("clear")
+def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+              namespace: Optional[str] = _NAMESPACE,
+              yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+              json_out: bool = _JSON) -> None:
+    """Delete namespaces (blocks, index, slab files); the cache must be closed."""
+    with _errors(json_out):
+        cache = open_cache(path, namespace)
+        if not cache.namespaces:
+            result = {"removed": [], "freed_bytes": 0}
+        else:
+            ids = ", ".join(ns.path.name for ns in cache.namespaces)
+            if not yes:
+                if not sys.stdin.isatty():
+                    raise InspectError(f"clear would delete namespace(s) {ids}; pass --yes to confirm")
+                if not typer.confirm(f"delete namespace(s) {ids} in {cache.path}?"):
+                    raise InspectError("not confirmed; nothing deleted")
+            result = clear(cache)
+    if json_out:
+        _emit(result)
+        return
+    Console().print(f"removed {len(result['removed'])} namespace(s) "
+                    f"({', '.join(result['removed']) or 'none'}), freed {format_size(result['freed_bytes'])}",
+                    soft_wrap=True)
+
+
+# ---------------------------------------------------------------- bench
+
+
+@inspect_app.command()
+def bench(path: str = typer.Argument(..., help="Cache directory (a scratch directory is made inside it)."),
+          size: str = typer.Option("1GiB", "--size", help="Bytes written and read per pass."),
+          block_size: str = typer.Option("2MiB", "--block-size", help="Bytes per tier block (a 4 KiB multiple)."),
+          rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds."),
+          threads: int = typer.Option(4, "--threads", min=1, help="I/O threads (tier and raw)."),
+          backend: str = typer.Option("auto", "--backend", help="auto, kvikio or posix."),
+          json_out: bool = _JSON) -> None:
+    """Tier store/load GB/s on the cache's device beside a raw O_DIRECT baseline, interleaved."""
+    with _errors(json_out):
+        total = parse_size(size, "--size")
+        block = parse_size(block_size, "--block-size")
+        with _progress(json_out, "benchmarking", total=4 * rounds * (total // block) * block) as bar:
+            result = run_bench(path, total_bytes=total, block_bytes=block, rounds=rounds, threads=threads,
+                               backend=backend, progress=bar.advance)
+    if json_out:
+        _emit(result.to_dict())
+        return
+    t = Table(title=f"disk tier vs raw device: {result.path}", title_justify="left")
+    t.add_column("pass")
+    for r in range(rounds):
+        t.add_column(f"round {r + 1} GB/s", justify="right")
+    t.add_column("median GB/s", justify="right")
+    for kind in ("raw_write", "tier_write", "raw_read", "tier_read"):
+        t.add_row(kind.replace("_", " "), *(f"{v:.2f}" for v in result.gbps[kind]), f"{result.median(kind):.2f}")
+    console = Console()
+    console.print(t)
+    console.print(f"tier / raw: write {result.ratio('write'):.0%}, read {result.ratio('read'):.0%}  "
+                  f"({format_size(result.total_bytes)} per pass, {format_size(result.block_bytes)} blocks, "
+                  f"{result.threads} threads; tier I/O: {result.backend}; raw: {result.raw_mode})", soft_wrap=True)

@@ -1,0 +1,346 @@
+"""vLLM 0.33's ``OffloadingManager`` over our composite manager. Scheduler process.
+
+vLLM asks per key (``lookup(key, req_context) -> LookupResult``) and passes
+``OffloadKey``s everywhere; we use the key bytes as our ``BlockHash`` and delegate the
+bookkeeping to ``TieredOffloadingManager`` (CPU tier over the disk tier). What this
+adapter adds is what vLLM's contract demands and ours did not:
+
+- **A HIT must not fail.** vLLM's worker connector asserts that every load succeeded,
+  so a chunk is a HIT only when every byte of it is known good: a chunk loadable in the
+  CPU tier, or a disk chunk whose bytes on every rank were just read back and checked
+  against their recorded checksums (``DiskVerifier``, on its own threads). Until then
+  ``lookup`` answers HIT_PENDING (the request waits a step; ``has_pending_work`` keeps
+  an idle engine stepping). A chunk that fails verification is dropped from the disk
+  tier and is a MISS: vLLM recomputes it. A verification counts for one load
+  (``prepare_load`` consumes it), and only for the slot it read.
+- **A failed worker job must not make garbage loadable.** vLLM always calls
+  ``complete_store``/``complete_load`` with success. Our worker reports every job done
+  and marks the CPU slots of a job that failed in the shared ``SlotHealth`` map before
+  reporting; here the marks of the slots a job wrote are read, and those chunks are
+  completed as failed (freed, their disk writes abandoned, a promotion not kept).
+- ``touch`` is never called by vLLM 0.33, so recency is updated in ``prepare_load``
+  and ``prepare_store`` (the chunks a request offers are its own prefix; touching them
+  first also keeps them from being this call's eviction victims).
+- After ``reset_cache`` vLLM discards the jobs in flight (no ``complete_*`` follows);
+  their chunks are released in ``on_reset_flushed``, once workers no longer write them.
+- Stats: ``get_stats`` turns our ``TieredStats`` counters (deltas since the last call)
+  and tier occupancy into vLLM's ``OffloadingConnectorStats``; the metric names are
+  declared by the spec's ``build_metric_definitions``.
+
+``lock`` stays vLLM's no-op default: every call runs on the caller's thread; the
+verifier threads only read the disk and hand results over through a queue, and the
+disk manager's index flusher has its own internal lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.integrations.vllm.common import (
+    DISK_VERIFICATIONS, PENDING_DISK_WRITES, TIER_BLOCKS, TIER_CAPACITY_BLOCKS, TIER_USED_BLOCKS,
+    WORKER_JOB_FAILURES, TieredJobSpec, TieredOffloadingInfo,
+)
+from tiered_kv.integrations.vllm.health import SlotHealth
+from tiered_kv.integrations.vllm.verify import DiskVerifier
+from tiered_kv.metrics import TieredStats
+from tiered_kv.mediums import CPU, DISK
+from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiered.specs import TieredLoadSpec
+
+if TYPE_CHECKING:
+    from tiered_kv.integrations.vllm.spec import TieredOffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+#: Verified-but-not-yet-loaded chunks remembered at most (oldest forgotten first).
+MAX_VERIFIED = 65536
+
+_MEDIUMS = {CPU: Medium.CPU, DISK: Medium.STORAGE}
+
+
+def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
+    """The scheduler side of ``spec``: CPU tier, disk tier (namespace opened, writer lock
+    taken, index loaded), verifier and slot-health map."""
+    cfg, geometry = spec.tiered_config, spec.geometry
+    events = spec.kv_events_config.enable_kv_cache_events
+    stats = TieredStats()
+    cpu = CPUOffloadingManager(geometry.num_cpu_slots, geometry.tokens_per_chunk, enable_events=events)
+    disk = verifier = None
+    if cfg.disk_path:
+        from tiered_kv.disk.io_backends import PosixBackend
+        from tiered_kv.disk.manager import DiskOffloadingManager
+        from tiered_kv.disk.store import DiskStore
+
+        disk = DiskOffloadingManager(cfg.disk_path, geometry.fingerprint, geometry.scheduler_layout(),
+                                     disk_bytes=cfg.disk_bytes, checksum=cfg.checksum,
+                                     engine_id=spec.config.engine_id, enable_events=events)
+        try:
+            store = DiskStore(disk.namespace, PosixBackend(cfg.io_threads), engine_id=spec.config.engine_id)
+        except BaseException:
+            disk.shutdown()
+            raise
+        verifier = DiskVerifier(store, geometry.world_size, threads=cfg.io_threads)
+    composite = TieredOffloadingManager(cpu, disk, write_policy=cfg.write_policy,
+                                        promote_on_hit=cfg.promote_on_hit,
+                                        max_pending_disk_writes=cfg.max_pending_disk_writes, stats=stats)
+    health = SlotHealth.for_engine(spec.config.engine_id, geometry.num_cpu_slots)
+    return TieredVllmManager(composite, health=health, verifier=verifier, info=spec.config_info())
+
+
+class TieredVllmManager(OffloadingManager):
+    """vLLM's manager interface over ``TieredOffloadingManager`` (module docstring)."""
+
+    def __init__(self, composite: TieredOffloadingManager, *, health: SlotHealth,
+                 verifier: DiskVerifier | None = None, info: TieredOffloadingInfo | None = None):
+        self.composite = composite
+        self.health = health
+        self.verifier = verifier
+        self.stats = composite.stats
+        self._info = info
+        # Disk chunks: being verified, and verified (key -> the slot that was read).
+        self._verifying: dict[bytes, int] = {}
+        self._verified: OrderedDict[bytes, int] = OrderedDict()
+        # Disk chunks that failed verification but could not be dropped yet (pinned).
+        self._unservable: dict[bytes, int] = {}
+        self._verification_counts: Counter[str] = Counter()
+        # Per (request, key) of a load in flight: where it comes from, and the CPU slot a
+        # promotion writes.
+        self._sources: dict[tuple[str, bytes], CacheHitSource] = {}
+        self._promote_slots: dict[tuple[str, bytes], int] = {}
+        # Jobs in flight, so a cache reset can release them (vLLM drops their completions).
+        self._open_loads: Counter[bytes] = Counter()
+        self._open_stores: Counter[bytes] = Counter()
+        self._abandoned_loads: Counter[bytes] = Counter()
+        self._abandoned_stores: Counter[bytes] = Counter()
+        self._failure_counts: Counter[str] = Counter()
+        self._reported: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------------ lookups
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._collect_verifications()
+        medium = self.composite.hit_medium(key)
+        if medium == CPU:
+            return LookupResult.HIT
+        if medium == DISK:
+            return self._disk_lookup(key)
+        if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
+            return LookupResult.HIT_PENDING
+        return LookupResult.MISS
+
+    def _disk_lookup(self, key: bytes) -> LookupResult:
+        slot = self.composite.disk.slot_of(key)
+        if slot is None or self._unservable.get(key) == slot:
+            return LookupResult.MISS
+        if self._verified.get(key) == slot:
+            return LookupResult.HIT
+        if self._verifying.get(key) != slot:
+            self._verifying[key] = slot
+            self.verifier.submit(key, slot)
+        return LookupResult.HIT_PENDING
+
+    def _collect_verifications(self) -> None:
+        if self.verifier is None:
+            return
+        for key, slot, ok in self.verifier.results():
+            if self._verifying.get(key) == slot:
+                del self._verifying[key]
+            self._verification_counts["ok" if ok else "failed"] += 1
+            if ok:
+                self._verified[key] = slot
+                self._verified.move_to_end(key)
+                while len(self._verified) > MAX_VERIFIED:
+                    self._verified.popitem(last=False)
+            else:
+                self._verified.pop(key, None)
+                self.stats.count("disk", "checksum_failures")
+                self._drop_from_disk(key, slot)
+
+    def _drop_from_disk(self, key: bytes, slot: int) -> None:
+        """Make a chunk that failed verification a miss: the read path already dropped a
+        corrupt one from the index (``refresh`` applies that); anything else (an I/O
+        error) is removed here. A chunk pinned by a load in flight stays unservable."""
+        disk = self.composite.disk
+        disk.refresh()
+        if disk.slot_of(key) == slot and not disk.remove(key):
+            self._unservable[key] = slot
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        source = self._sources.get((req_context.req_id, key))
+        if source is not None:
+            return source
+        return CacheHitSource.HOST if self.composite.hit_medium(key) == CPU else CacheHitSource.DISK
+
+    # ------------------------------------------------------------------ loads
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TieredJobSpec:
+        keys = list(keys)
+        req_id = req_context.req_id
+        for key in keys:
+            from_cpu = self.composite.hit_medium(key) == CPU
+            self._sources[(req_id, key)] = CacheHitSource.HOST if from_cpu else CacheHitSource.DISK
+            if not from_cpu:
+                self._verified.pop(key, None)  # one verification, one load
+        self.composite.touch(keys)
+        spec = self.composite.prepare_load(keys)
+        if isinstance(spec, TieredLoadSpec):
+            for key, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
+                if slot >= 0:
+                    self._promote_slots[(req_id, key)] = slot
+        self._open_loads.update(keys)
+        return TieredJobSpec(spec)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        keys = list(keys)
+        req_id = req_context.req_id
+        promoted = {key: self._promote_slots.pop((req_id, key)) for key in keys
+                    if (req_id, key) in self._promote_slots}
+        bad_slots = self.health.take_bad(promoted.values())
+        failed = {key for key, slot in promoted.items() if slot in bad_slots}
+        if failed:
+            logger.error("request %s: the promotion of %d disk chunks into the CPU tier failed in a "
+                         "worker; the chunks are not kept in CPU", req_id, len(failed))
+            self._failure_counts["promotion"] += 1
+            self.composite.complete_load(list(failed), success=False)
+        self.composite.complete_load([key for key in keys if key not in failed])
+        for key in keys:
+            self._sources.pop((req_id, key), None)
+        self._open_loads.subtract(keys)
+        self._open_loads += Counter()  # drop zero counts
+
+    # ------------------------------------------------------------------ stores
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        self.composite.touch(keys)
+        out = self.composite.prepare_store(keys)
+        if out is None:
+            return None
+        self._open_stores.update(out.block_hashes_to_store)
+        return PrepareStoreOutput(keys_to_store=list(out.block_hashes_to_store),
+                                  store_spec=TieredJobSpec(out.store_spec),
+                                  evicted_keys=list(out.block_hashes_evicted))
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        keys = list(keys)
+        slots = {key: self.composite.cpu.slot_of(key) for key in keys}
+        bad_slots = self.health.take_bad(s for s in slots.values() if s is not None)
+        failed = {key for key in keys if slots[key] in bad_slots}
+        if failed:
+            logger.error("request %s: a worker failed to store %d chunks; they are dropped",
+                         req_context.req_id, len(failed))
+            self._failure_counts["store"] += 1
+            self.composite.complete_store(list(failed), success=False)
+        self.composite.complete_store([key for key in keys if key not in failed], success)
+        self._open_stores.subtract(keys)
+        self._open_stores += Counter()
+
+    # ------------------------------------------------------------------ steps, events, stats
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._collect_verifications()
+        self.composite.pending_disk_writes()  # folds in disk writes the workers committed
+
+    def has_pending_work(self) -> bool:
+        return self.verifier is not None and self.verifier.busy()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        out = []
+        for event in self.composite.take_events():
+            on_disk = event.medium == DISK
+            out.append(OffloadingEvent(
+                keys=list(event.block_hashes), medium=_MEDIUMS[event.medium], removed=event.removed,
+                ownership="tiered_kv.disk" if on_disk else None,
+                removal_expected=on_disk and not event.removed))
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        stats = OffloadingConnectorStats()
+        for tier, counters in self.stats.as_dict()["tiers"].items():
+            for event, value in counters.items():
+                self._increase(stats, TIER_BLOCKS, (tier, event), value)
+        for outcome, value in self._verification_counts.items():
+            self._increase(stats, DISK_VERIFICATIONS, (outcome,), value)
+        for kind, value in self._failure_counts.items():
+            self._increase(stats, WORKER_JOB_FAILURES, (kind,), value)
+        for tier, used in self.composite.used_blocks().items():
+            stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
+        stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))
+        if self.composite.disk is not None:
+            stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.disk.num_slots, ("disk",))
+        stats.set_gauge(PENDING_DISK_WRITES, self.composite.pending_disk_writes())
+        return stats
+
+    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...],
+                  total: int) -> None:
+        """Report the increase of a monotonic ``total`` since the last report."""
+        key = (name, ",".join(labels))
+        delta = total - self._reported.get(key, 0)
+        if delta > 0:
+            stats.increase_counter(name, delta, labels)
+            self._reported[key] = total
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._info.as_config_info() if self._info is not None else {}]
+
+    # ------------------------------------------------------------------ reset, shutdown
+
+    def reset_cache(self) -> None:
+        """Drop every chunk of every tier (the disk tier too: a reset means the cached KV
+        may no longer be valid, e.g. new weights). Chunks of jobs in flight are released
+        in ``on_reset_flushed``."""
+        self._abandoned_loads += self._open_loads
+        self._abandoned_stores += self._open_stores
+        self._open_loads.clear()
+        self._open_stores.clear()
+        self._promote_slots.clear()
+        self._sources.clear()
+        self._verified.clear()
+        self._evict_all()
+
+    def on_reset_flushed(self) -> None:
+        loads, self._abandoned_loads = self._abandoned_loads, Counter()
+        stores, self._abandoned_stores = self._abandoned_stores, Counter()
+        if loads:
+            self.composite.complete_load(list(loads.elements()), success=False)
+        if stores:
+            self.composite.complete_store(list(stores), success=False)
+        self.health.clear()
+        self._evict_all()
+
+    def _evict_all(self) -> None:
+        cpu, disk = self.composite.cpu, self.composite.disk
+        for key in list(cpu.iter_evictable()):
+            cpu.remove(key)
+        if disk is not None:
+            for key in list(disk.iter_evictable()):
+                disk.remove(key)
+
+    def shutdown(self) -> None:
+        if self.verifier is not None:
+            self.verifier.shutdown()
+        self.composite.shutdown()
+        self.health.close(unlink=True)

@@ -1,0 +1,266 @@
+"""One replay configuration, built and run end to end through the engine driver.
+
+Runs in one process (scheduler and worker roles, as ``tiered-kv demo`` does). The
+configurations compared by ``tools/replay.py``, all under the same trace, the same
+device KV cache and, where they have one, the same CPU RAM:
+
+- ``no-offload``: the device prefix cache alone (a manager that holds nothing);
+- ``cpu``: our composite manager over the CPU tier alone;
+- ``cpu+disk``: the CPU tier over the disk tier (write-through, promote on hit);
+  block I/O to files under the run's disk directory;
+- ``vllm-cpu``: vLLM 0.33's own CPU LRU manager (``replay_vllm``), bytes moved by our
+  CPU handlers.
+
+The manager and the worker are wrapped in timing proxies, so each engine step (one
+request) splits into scheduler-side time (manager calls), worker time (submitting,
+polling and waiting for transfers) and the rest (the driver's stand-in for the model:
+generating and verifying block bytes).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tiered_kv.abstract import BlockHash, OffloadingManager, PrepareStoreOutput
+from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
+from tiered_kv.mediums import CPULoadStoreSpec
+from tiered_kv.metrics import TRANSFER_TYPES, TieredStats
+from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.worker.worker import OffloadingWorker
+from tiered_kv.workloads import Workload
+
+CONFIGS = ("no-offload", "cpu", "cpu+disk", "vllm-cpu")
+MANAGER_CALLS = ("lookup", "hit_medium", "prepare_load", "complete_load", "prepare_store",
+                 "complete_store", "touch", "take_events")
+WORKER_CALLS = ("transfer_async", "get_finished", "wait")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The replay's KV cache: ``num_layers`` layers of ``num_kv_heads`` x ``head_dim``
+    fp16, GPU blocks of ``gpu_block_size`` tokens, ``block_size_factor`` of them per
+    offloaded block, ``device_groups`` offloaded-block-sized groups on the device."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    gpu_block_size: int
+    block_size_factor: int
+    device_groups: int
+    kv_first: bool = True
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.gpu_block_size * self.block_size_factor
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.tokens_per_block
+
+    def device_cache(self, device: str) -> DeviceKVCache:
+        return DeviceKVCache(num_layers=self.num_layers,
+                             num_gpu_blocks=self.device_groups * self.block_size_factor,
+                             gpu_block_size=self.gpu_block_size, num_kv_heads=self.num_kv_heads,
+                             head_dim=self.head_dim, dtype=self.dtype, kv_before_num_blocks=self.kv_first,
+                             block_size_factor=self.block_size_factor, device=device)
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} head dim, "
+                f"{str(self.dtype).removeprefix('torch.')}, {'kv-first' if self.kv_first else 'kv-after'}, "
+                f"{self.tokens_per_block}-token blocks of {self.bytes_per_block / 2**20:.3g} MiB "
+                f"({self.block_size_factor} GPU block(s) of {self.gpu_block_size} tokens)")
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Capacities in offloaded blocks; ``disk_dir`` is where ``cpu+disk`` puts its
+    namespace (a fresh temporary directory under it per run)."""
+
+    cpu_slots: int
+    disk_slots: int
+    disk_dir: Path
+    io_threads: int = 4
+
+
+class _TimedCalls:
+    """Forwards attribute access to ``inner``; the names in ``timed`` are wrapped so each
+    call's wall time (including consuming a returned generator) is added to a per-name
+    total and to the current step. Names ``inner`` lacks stay missing (AttributeError),
+    so ``getattr(proxy, name, None)`` probes behave as on ``inner``."""
+
+    def __init__(self, inner, timed: Iterable[str]):
+        self._inner = inner
+        self._timed = frozenset(timed)
+        self.calls: dict[str, list] = {}  # name -> [calls, seconds]
+        self.step_seconds = 0.0
+
+    def __getattr__(self, name: str):
+        target = getattr(self._inner, name)
+        if name not in self._timed:
+            return target
+        totals = self.calls.setdefault(name, [0, 0.0])
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                out = target(*args, **kwargs)
+                if name == "take_events":
+                    out = list(out)
+                return out
+            finally:
+                dt = time.perf_counter() - t0
+                totals[0] += 1
+                totals[1] += dt
+                self.step_seconds += dt
+
+        self.__dict__[name] = timed  # later lookups skip __getattr__
+        return timed
+
+    def take_step(self) -> float:
+        """Seconds spent in timed calls since the last ``take_step``."""
+        s, self.step_seconds = self.step_seconds, 0.0
+        return s
+
+
+class NullManager(OffloadingManager):
+    """Offloads nothing: every lookup misses and every store is declined as done."""
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
+        return 0
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]):
+        raise KeyError("NullManager holds no block")
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput:
+        return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+
+
+@dataclass
+class Step:
+    """One engine step (one request): seconds by role and blocks by where they came from."""
+
+    seconds: float
+    manager_seconds: float
+    worker_seconds: float
+    blocks: int
+    device: int
+    cpu: int
+    disk: int
+    computed: int
+
+
+@dataclass
+class RunResult:
+    """What one configuration did on one trace."""
+
+    config: str
+    report: DriverReport
+    steps: list[Step]
+    manager_calls: dict[str, list]
+    worker_calls: dict[str, list]
+    transfers: dict[str, dict] = field(default_factory=dict)  # TieredStats.as_dict()["transfers"]
+    tiers: dict[str, dict] = field(default_factory=dict)  # TieredStats.as_dict()["tiers"]
+    cpu_slots: int = 0
+    disk_slots: int = 0
+    io: str = ""
+    flush_seconds: float = 0.0  # worker shutdown: disk writes still queued at the end
+
+    @property
+    def manager_seconds(self) -> float:
+        return sum(s for _, s in self.manager_calls.values())
+
+    def blocks_from(self, source: str) -> int:
+        """Blocks served per source: ``GPU`` (device prefix cache), ``CPU``, ``DISK``, or
+        ``computed``; they add up to the blocks requested."""
+        r = self.report
+        if source == "GPU":
+            return r.device_hits
+        if source == "computed":
+            return r.computed
+        return r.hits_by_medium.get(source, 0)
+
+
+def _build(config: str, geometry: Geometry, tiers: Tiers, device: str,
+           work_dir: Path) -> tuple[EngineDriver, TieredOffloadingSpec | None, Callable[[], None]]:
+    """The driver for ``config`` and its spec (None for ``no-offload``), plus a closer."""
+    dev = geometry.device_cache(device)
+    if config == "no-offload":
+        driver = EngineDriver(NullManager(), OffloadingWorker(), dev)
+        return driver, None, lambda: None
+    bpb = geometry.bytes_per_block
+    raw = {"cpu_bytes": tiers.cpu_slots * bpb, "block_size": geometry.tokens_per_block,
+           "model_id": "tiered-kv-replay", "write_policy": "write_through", "promote_on_hit": True,
+           "io_threads": tiers.io_threads}
+    if config == "cpu+disk":
+        raw["disk_path"] = str(work_dir)
+        raw["disk_bytes"] = tiers.disk_slots * (-(-bpb // 4096) * 4096)
+    spec = TieredOffloadingSpec(raw, gpu_block_size=geometry.gpu_block_size)
+    worker = spec.build_worker(dev.kv_caches, dev.kv_before_num_blocks)
+    if config == "vllm-cpu":
+        from replay_vllm import VllmCpuManagerAdapter
+        manager = VllmCpuManagerAdapter(spec.num_cpu_slots, geometry.tokens_per_block)
+    elif config in ("cpu", "cpu+disk"):
+        manager = spec.get_manager()
+    else:
+        raise ValueError(f"unknown configuration {config!r}; expected one of {', '.join(CONFIGS)}")
+
+    def close() -> None:
+        manager.shutdown()
+        if spec.store is not None:
+            spec.store.close()
+
+    return EngineDriver(manager, worker, dev), spec, close
+
+
+def run_config(config: str, workload: Workload, geometry: Geometry, tiers: Tiers,
+               device: str = "cpu") -> RunResult:
+    """Replay ``workload`` through ``config``; every loaded block is verified by the driver."""
+    tiers.disk_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="replay-", dir=tiers.disk_dir))
+    try:
+        driver, spec, close = _build(config, geometry, tiers, device, work_dir)
+        manager = _TimedCalls(driver.manager, MANAGER_CALLS)
+        worker = _TimedCalls(driver.worker, WORKER_CALLS)
+        driver.manager, driver.worker = manager, worker
+        report = driver.report
+        steps = []
+        start = time.perf_counter()
+        for block_hashes in workload.requests:
+            before = (report.device_hits, dict(report.hits_by_medium), report.computed)
+            t0 = time.perf_counter()
+            driver.run_request(block_hashes)
+            dt = time.perf_counter() - t0
+            hits = report.hits_by_medium
+            steps.append(Step(dt, manager.take_step(), worker.take_step(), len(block_hashes),
+                              report.device_hits - before[0],
+                              hits.get("CPU", 0) - before[1].get("CPU", 0),
+                              hits.get("DISK", 0) - before[1].get("DISK", 0),
+                              report.computed - before[2]))
+        driver.drain()
+        report.wall_seconds = time.perf_counter() - start
+        t0 = time.perf_counter()
+        worker._inner.shutdown()
+        flush = time.perf_counter() - t0
+        close()
+        stats = spec.stats.as_dict() if spec is not None else TieredStats().as_dict()
+        io = spec.store.backend.describe() if spec is not None and spec.store is not None else ""
+        return RunResult(config, report, steps, manager.calls, worker.calls,
+                         transfers={k: stats["transfers"][k] for k in TRANSFER_TYPES},
+                         tiers=stats["tiers"],
+                         cpu_slots=spec.num_cpu_slots if spec is not None else 0,
+                         disk_slots=tiers.disk_slots if config == "cpu+disk" else 0,
+                         io=io, flush_seconds=flush)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
