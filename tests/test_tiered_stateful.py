@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tiered_kv.driver import DeviceKVCache, block_content
 from tiered_kv.host_memory import expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.mediums import GPULoadStoreSpec
+from tiered_kv.tiered.handlers import DiskStager
 from tiered_kv.tiered.spec import TieredOffloadingSpec
 from tiered_kv.tiered.specs import TieredLoadSpec
 
@@ -36,23 +36,6 @@ DISK_SLOTS = 6
 EXAMPLES = int(os.environ.get("TIERED_KV_STATEFUL_EXAMPLES", "2000"))
 
 hash_lists = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4)
-
-
-class InlineExecutor:
-    """Runs each task on the caller's thread. Hypothesis replays a sequence and needs it to
-    behave the same each time, so the disk stager's background threads are made
-    synchronous here; background timing itself is exercised by the other tests."""
-
-    def submit(self, fn, *args, **kwargs):
-        future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # delivered through the future, as a pool would
-            future.set_exception(exc)
-        return future
-
-    def shutdown(self, wait=True):
-        return None
 
 
 class Hierarchy(RuleBasedStateMachine):
@@ -68,10 +51,14 @@ class Hierarchy(RuleBasedStateMachine):
             {"cpu_bytes": CPU_SLOTS * self.bpb, "disk_path": self.tmp, "disk_bytes": DISK_SLOTS * 4096,
              "max_pending_disk_writes": 4, "model_id": "stateful"}, layout.gpu_block_size, layout)
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
+        # Hypothesis replays a sequence and needs it to behave the same each time, so
+        # disk writes happen on the caller's thread here; background timing is exercised
+        # by the other tests.
         for handler in self.worker.handlers:
-            stager = getattr(handler, "stager", None)
-            if stager is not None:
-                stager._packer = stager._writers = InlineExecutor()
+            if getattr(handler, "stager", None) is not None:
+                handler.stager.shutdown()
+                handler.stager = DiskStager(self.spec.host, self.spec.store, 0, 8, self.spec.stats,
+                                            synchronous=True)
         self.manager = self.spec.get_manager()
         self.free_groups = list(range(self.device.num_groups))
         self.next_job = 0

@@ -192,8 +192,8 @@ class RunResult:
         return r.hits_by_medium.get(source, 0)
 
 
-def _build(config: str, geometry: Geometry, tiers: Tiers, device: str,
-           work_dir: Path) -> tuple[EngineDriver, TieredOffloadingSpec | None, Callable[[], None]]:
+def _build(config: str, geometry: Geometry, tiers: Tiers, device: str, work_dir: Path,
+           promote_on_hit: bool) -> tuple[EngineDriver, TieredOffloadingSpec | None, Callable[[], None]]:
     """The driver for ``config`` and its spec (None for ``no-offload``), plus a closer."""
     dev = geometry.device_cache(device)
     if config == "no-offload":
@@ -201,7 +201,7 @@ def _build(config: str, geometry: Geometry, tiers: Tiers, device: str,
         return driver, None, lambda: None
     bpb = geometry.bytes_per_block
     raw = {"cpu_bytes": tiers.cpu_slots * bpb, "block_size": geometry.tokens_per_block,
-           "model_id": "tiered-kv-replay", "write_policy": "write_through", "promote_on_hit": True,
+           "model_id": "tiered-kv-replay", "write_policy": "write_through", "promote_on_hit": promote_on_hit,
            "io_threads": tiers.io_threads}
     if config == "cpu+disk":
         raw["disk_path"] = str(work_dir)
@@ -225,12 +225,13 @@ def _build(config: str, geometry: Geometry, tiers: Tiers, device: str,
 
 
 def run_config(config: str, workload: Workload, geometry: Geometry, tiers: Tiers,
-               device: str = "cpu") -> RunResult:
-    """Replay ``workload`` through ``config``; every loaded block is verified by the driver."""
+               device: str = "cpu", promote_on_hit: bool = True) -> RunResult:
+    """Replay ``workload`` through ``config``; every loaded block is verified by the driver.
+    ``promote_on_hit=False`` sends ``cpu+disk``'s disk hits straight to the device."""
     tiers.disk_dir.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="replay-", dir=tiers.disk_dir))
     try:
-        driver, spec, close = _build(config, geometry, tiers, device, work_dir)
+        driver, spec, close = _build(config, geometry, tiers, device, work_dir, promote_on_hit)
         manager = _TimedCalls(driver.manager, MANAGER_CALLS)
         worker = _TimedCalls(driver.worker, WORKER_CALLS)
         driver.manager, driver.worker = manager, worker
@@ -251,11 +252,11 @@ def run_config(config: str, workload: Workload, geometry: Geometry, tiers: Tiers
         driver.drain()
         report.wall_seconds = time.perf_counter() - start
         t0 = time.perf_counter()
-        worker._inner.shutdown()
+        driver.worker.shutdown()
         flush = time.perf_counter() - t0
+        io = spec.store.backend.describe() if spec is not None and spec.store is not None else ""
         close()
         stats = spec.stats.as_dict() if spec is not None else TieredStats().as_dict()
-        io = spec.store.backend.describe() if spec is not None and spec.store is not None else ""
         return RunResult(config, report, steps, manager.calls, worker.calls,
                          transfers={k: stats["transfers"][k] for k in TRANSFER_TYPES},
                          tiers=stats["tiers"],

@@ -12,24 +12,20 @@ corruption.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import re
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import DownloadColumn
 from rich.table import Table
 
 from tiered_kv.cli import app
-from tiered_kv.config import ConfigError, format_size, parse_size
-from tiered_kv.disk.namespace import NamespaceError
+from tiered_kv.cli.output import emit_json, errors, progress_bar, timestamp
+from tiered_kv.config import format_size, parse_size
 from tiered_kv.inspect import (
     InspectError, ListFilter, clear, evict, list_entries, open_cache, run_bench, summarize_cache,
     verify_namespace,
@@ -47,7 +43,6 @@ inspect_app = typer.Typer(
 app.add_typer(inspect_app, name="inspect")
 
 EXIT_CORRUPT = 1
-EXIT_ERROR = 2
 
 _JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
 _NAMESPACE = typer.Option(None, "--namespace", "-n", help="Only namespaces whose id starts with this.")
@@ -65,63 +60,15 @@ def parse_age(text: str, option: str) -> float:
     return float(m.group(1)) * _AGE_UNITS[m.group(2) or "s"]
 
 
-# ---------------------------------------------------------------- plumbing
+# ---------------------------------------------------------------- helpers
 
 
-def _fail(message: str, json_out: bool, code: int = EXIT_ERROR) -> NoReturn:
-    message = " ".join(str(message).split())  # one line
-    if json_out:
-        typer.echo(json.dumps({"error": message}))
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+def _errors(json_out: bool):
+    return errors(json_out, (InspectError,))
 
 
-@contextlib.contextmanager
-def _errors(json_out: bool) -> Iterator[None]:
-    """Turn every failure into one ``error:`` line and a non-zero exit (no traceback;
-    ``TIERED_KV_DEBUG=1`` re-raises unexpected errors)."""
-    try:
-        yield
-    except typer.Exit:
-        raise
-    except (InspectError, NamespaceError, ConfigError) as e:
-        _fail(str(e), json_out)
-    except KeyboardInterrupt:
-        _fail("interrupted", json_out, 130)
-    except Exception as e:
-        if os.environ.get("TIERED_KV_DEBUG"):
-            raise
-        _fail(f"{type(e).__name__}: {e}", json_out)
-
-
-@contextlib.contextmanager
-def _progress(json_out: bool, description: str, total: int | None = None) -> Iterator[Any]:
-    """A byte progress bar on stderr (terminals only, never with ``--json``). Yields an
-    object with ``advance(n)`` and ``set_total(n)``."""
-    console = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                   console=console, transient=True, disable=json_out or not console.is_terminal)
-
-    class Handle:
-        def __init__(self) -> None:
-            self.task = bar.add_task(description, total=total)
-
-        def advance(self, n: int) -> None:
-            bar.advance(self.task, n)
-
-        def set_total(self, n: int) -> None:
-            bar.update(self.task, total=n, completed=0)
-
-    with bar:
-        yield Handle()
-
-
-def _emit(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2, sort_keys=True))
-
-
-def _ts(t: float | None) -> str:
-    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+def _bytes_bar(json_out: bool, description: str, total: int | None = None):
+    return progress_bar(json_out, description, total, DownloadColumn())
 
 
 def _ago(t: float | None, now: float) -> str:
@@ -147,7 +94,7 @@ def _holder(h: dict[str, Any] | None) -> str:
     if not h:
         return "an engine is starting"
     return (f"pid {h.get('pid', '?')} on {h.get('host', '?')} (engine {h.get('engine_id', '?')}, "
-            f"since {_ts(h.get('started'))})")
+            f"since {timestamp(h.get('started'))})")
 
 
 # ---------------------------------------------------------------- summary
@@ -160,7 +107,7 @@ def summary(path: str = typer.Argument(..., help="Cache directory (or one namesp
     with _errors(json_out):
         data = summarize_cache(open_cache(path, namespace))
     if json_out:
-        _emit(data)
+        emit_json(data)
         return
     console = Console()
     now = data["generated"]
@@ -182,7 +129,7 @@ def summary(path: str = typer.Argument(..., help="Cache directory (or one namesp
                   + (f", {ns['incomplete_entries']:,} incomplete" if ns["incomplete_entries"] else ""))
         t.add_row("used / capacity", f"{format_size(ns['used_bytes'])} / {format_size(ns['capacity_bytes'])} "
                                      f"(slabs on disk: {format_size(ns['slab_bytes_on_disk'])})")
-        t.add_row("stored", f"oldest {_ts(ns['oldest_stored'])}, newest {_ts(ns['newest_stored'])}")
+        t.add_row("stored", f"oldest {timestamp(ns['oldest_stored'])}, newest {timestamp(ns['newest_stored'])}")
         t.add_row("last access", f"{_ago(ns['least_recent_access'], now)} .. {_ago(ns['most_recent_access'], now)}")
         t.add_row("hits", f"{ns['hits_total']:,} total, {ns['blocks_with_hits']:,} blocks hit, max {ns['hits_max']:,}")
         t.add_row("checksum", ns["checksum"])
@@ -224,7 +171,7 @@ def ls(path: str = typer.Argument(..., help="Cache directory (or one namespace d
         now = time.time()
         listings = [list_entries(ns, flt, now=now) for ns in cache.namespaces]
     if json_out:
-        _emit({"path": str(cache.path), "namespaces": listings})
+        emit_json({"path": str(cache.path), "namespaces": listings})
         return
     console = Console()
     if not listings:
@@ -258,13 +205,13 @@ def verify(path: str = typer.Argument(..., help="Cache directory (or one namespa
     with _errors(json_out):
         cache = open_cache(path, namespace)
         for ns in cache.namespaces:
-            with _progress(json_out, f"verifying {ns.path.name}") as bar:
+            with _bytes_bar(json_out, f"verifying {ns.path.name}") as bar:
                 results.append(verify_namespace(
                     ns, repair=repair, threads=threads, progress=bar.advance,
                     on_table=lambda table, ns=ns, bar=bar: bar.set_total(bytes_to_verify(ns, table))))
     corrupt = sum(r.corrupt_blocks for r in results)
     if json_out:
-        _emit({"path": str(cache.path), "corrupt_blocks": corrupt, "namespaces": [r.to_dict() for r in results]})
+        emit_json({"path": str(cache.path), "corrupt_blocks": corrupt, "namespaces": [r.to_dict() for r in results]})
     else:
         _print_verify(results, repair, cache.path)
     if corrupt:
@@ -317,10 +264,10 @@ def evict_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
         size = None if to_size is None else (0 if to_size.strip() == "0" else parse_size(to_size, "--to-size"))
         age = None if older_than is None else parse_age(older_than, "--older-than")
         cache = open_cache(path, namespace)
-        with _progress(json_out, "evicting") as bar:
+        with progress_bar(json_out, "evicting") as bar:
             result = evict(cache, to_size=size, older_than=age, progress=bar.advance)
     if json_out:
-        _emit(result.to_dict())
+        emit_json(result.to_dict())
         return
     t = Table(title=f"evicted {result.evicted:,} block(s), freed {format_size(result.freed_bytes)}",
               title_justify="left")
@@ -351,7 +298,7 @@ def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
                     raise InspectError("not confirmed; nothing deleted")
             result = clear(cache)
     if json_out:
-        _emit(result)
+        emit_json(result)
         return
     Console().print(f"removed {len(result['removed'])} namespace(s) "
                     f"({', '.join(result['removed']) or 'none'}), freed {format_size(result['freed_bytes'])}",
@@ -373,11 +320,11 @@ def bench(path: str = typer.Argument(..., help="Cache directory (a scratch direc
     with _errors(json_out):
         total = parse_size(size, "--size")
         block = parse_size(block_size, "--block-size")
-        with _progress(json_out, "benchmarking", total=4 * rounds * (total // block) * block) as bar:
+        with _bytes_bar(json_out, "benchmarking", total=4 * rounds * (total // block) * block) as bar:
             result = run_bench(path, total_bytes=total, block_bytes=block, rounds=rounds, threads=threads,
                                backend=backend, progress=bar.advance)
     if json_out:
-        _emit(result.to_dict())
+        emit_json(result.to_dict())
         return
     t = Table(title=f"disk tier vs raw device: {result.path}", title_justify="left")
     t.add_column("pass")

@@ -19,5 +19,5 @@ from tiered_kv.inspect.verify import VerifyResult, verify_namespace
 __all__ = [
     "BenchResult", "CacheDir", "EntryTable", "EvictResult", "InspectError", "ListFilter", "clear",
     "evict", "list_entries", "open_cache", "read_entries", "run_bench", "summarize_cache",
-    "summarize_namespace", "verify_namespace",
+    "summarize_namespace", "VerifyResult", "verify_namespace",
 ]

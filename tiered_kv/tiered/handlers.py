@@ -31,6 +31,7 @@ import time
 from collections import deque
 from functools import partial
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -49,27 +50,47 @@ logger = logging.getLogger(__name__)
 _SUB_JOB_IDS = itertools.count(1 << 48)
 
 
+class _Staged(NamedTuple):
+    """Packed blocks waiting for the disk writer."""
+
+    hashes: list
+    disk_slots: list
+    rows: torch.Tensor
+    buf: torch.Tensor
+
+
 class DiskStager:
     """Stage CPU slots into aligned buffers and write them to disk for one rank.
 
     ``store`` is this process's ``DiskStore``; ``capacity_blocks`` bounds staging memory
-    (blocks waiting for their disk write on this rank).
+    (blocks waiting for their disk write on this rank). One writer thread group-commits
+    whatever is staged when it wakes: one write batch, one ``fdatasync`` and one index
+    commit for many store jobs, so small jobs do not each pay a synced transaction.
+    ``synchronous=True`` stages and writes on the caller's thread instead (a replay that
+    must behave the same every time, as a property test needs).
     """
 
     def __init__(self, host: HostKVCache, store, rank: int, capacity_blocks: int,
-                 stats: TieredStats, io_threads: int = 2):
+                 stats: TieredStats, synchronous: bool = False):
         self.host = host
         self.store = store
         self.rank = rank
         self.stats = stats
         self.slot_size = store.slot_size
+        self.synchronous = synchronous
         self._budget = capacity_blocks
         self._cached: list[torch.Tensor] = []  # free staging buffers, reused by size
         self._allocated_rows = 0
         self._lock = threading.Lock()
-        self._packer = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-stage")
-        self._writers = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered-kv-diskwrite")
-        self._inflight: set[Future] = set()
+        self._queue: deque[_Staged] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._writing = False
+        self._closed = False
+        self._packer = None if synchronous else ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-stage")
+        self._writer = None
+        if not synchronous:
+            self._writer = threading.Thread(target=self._write_loop, name="tiered-kv-diskwrite", daemon=True)
+            self._writer.start()
 
     def _take_buffer(self, rows: int) -> torch.Tensor | None:
         with self._lock:
@@ -84,14 +105,14 @@ class DiskStager:
             self._allocated_rows += rows
         return aligned_empty(rows * self.slot_size).view(rows, self.slot_size)
 
-    def _give_back(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._cached.append(buf)
-
     def stage(self, writes: Sequence[DiskWrite]) -> Future:
         """Start copying ``writes``' CPU slots out; the returned future is done once the
         slots may be overwritten (copied, or dropped for lack of staging memory). The
         disk write itself continues in the background."""
+        if self._packer is None:
+            future: Future = Future()
+            future.set_result(self._stage(list(writes)))
+            return future
         return self._packer.submit(self._stage, list(writes))
 
     def _stage(self, writes: list[DiskWrite]) -> None:
@@ -109,14 +130,18 @@ class DiskStager:
             pack_blocks(self.host.tensors, self.host.layout, kernel_ids, rows)
         except Exception:
             logger.exception("staging %d disk writes failed on rank %d; dropping them", len(writes), self.rank)
-            self._give_back(buf)
+            with self._lock:
+                self._cached.append(buf)
             self.stats.count("disk", "drops", len(writes))
             self._record_failed(hashes, disk_slots)
             return
-        future = self._writers.submit(self._write, hashes, disk_slots, rows, buf)
-        with self._lock:
-            self._inflight.add(future)
-        future.add_done_callback(self._forget)
+        staged = _Staged(hashes, disk_slots, rows, buf)
+        if self.synchronous:
+            self._write([staged])
+            return
+        with self._wake:
+            self._queue.append(staged)
+            self._wake.notify()
 
     def _record_failed(self, hashes: list, disk_slots: list) -> None:
         """Tell the manager (through the index log) that these writes will not happen."""
@@ -125,39 +150,63 @@ class DiskStager:
         except Exception:
             logger.exception("could not record %d dropped disk writes in the index", len(hashes))
 
-    def _forget(self, future: Future) -> None:
-        with self._lock:
-            self._inflight.discard(future)
+    def _write_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                batch = list(self._queue)
+                self._queue.clear()
+                self._writing = True
+            try:
+                self._write(batch)
+            finally:
+                with self._wake:
+                    self._writing = False
+                    self._wake.notify_all()
 
-    def _write(self, hashes, disk_slots, rows, buf) -> None:
+    def _write(self, staged: list[_Staged]) -> None:
+        """One group commit: every staged batch in one write batch of this rank."""
+        hashes = [h for s in staged for h in s.hashes]
         start = time.perf_counter()
         try:
-            ok = all(self.store.write_blocks(self.rank, hashes, disk_slots, rows))
-        except Exception:  # write_blocks reports faults itself; this is a last resort
+            batch = self.store.begin_write(self.rank, hashes, [d for s in staged for d in s.disk_slots])
+            first = 0
+            for s in staged:
+                batch.submit(first, s.rows)
+                first += len(s.hashes)
+            ok = all(batch.finish())
+        except Exception:  # the store reports faults itself; this is a last resort
             logger.exception("disk write of %d blocks failed on rank %d", len(hashes), self.rank)
+            self._record_failed(hashes, [d for s in staged for d in s.disk_slots])
             ok = False
         finally:
-            self._give_back(buf)
+            with self._lock:
+                self._cached.extend(s.buf for s in staged)
         self.stats.record_transfer("cpu_to_disk", len(hashes) * self.host.layout.bytes_per_block,
-                                   time.perf_counter() - start, success=bool(ok))
+                                   time.perf_counter() - start, success=ok)
         if not ok:
             self.stats.count("disk", "failed_stores", len(hashes))
 
     def drain(self) -> None:
         """Block until every staged write has reached the disk (or failed)."""
-        self._packer.submit(lambda: None).result()
-        while True:
-            with self._lock:
-                pending = list(self._inflight)
-            if not pending:
-                return
-            for future in pending:
-                future.result()
+        if self._packer is not None:
+            self._packer.submit(lambda: None).result()
+        with self._wake:
+            while self._queue or self._writing:
+                self._wake.wait()
 
     def shutdown(self) -> None:
         self.drain()
-        self._packer.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        if self._packer is not None:
+            self._packer.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.join()
 
 
 class _Step:

@@ -92,7 +92,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             # Twice the manager's bound: a buffer returns a moment after the manager may
             # already have seen its block's index commit and queued the next write.
             stager = DiskStager(self.host, self.store, self.rank, 2 * self.config.max_pending_disk_writes,
-                                self.stats, io_threads=self.config.io_threads)
+                                self.stats)
         store = TieredStoreHandler(cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block, stager, self.stats)
         load = TieredLoadHandler(cpu_gpu.cpu_to_gpu_handler, layout.bytes_per_block, layout.block_size_factor,
                                  disk_to_gpu, disk_to_cpu, self.stats)

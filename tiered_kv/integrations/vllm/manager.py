@@ -141,6 +141,7 @@ class TieredVllmManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._collect_verifications()
+        self.stats.count("cpu", "lookups")
         medium = self.composite.hit_medium(key)
         if medium == CPU:
             return LookupResult.HIT
@@ -290,7 +291,7 @@ class TieredVllmManager(OffloadingManager):
             stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
         stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))
         if self.composite.disk is not None:
-            stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.disk.num_slots, ("disk",))
+            stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.disk.capacity, ("disk",))
         stats.set_gauge(PENDING_DISK_WRITES, self.composite.pending_disk_writes())
         return stats
 

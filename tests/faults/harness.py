@@ -1,0 +1,397 @@
+"""Shared machinery of the fault suite and of ``tools/fault_report.py``.
+
+Runs in the test (parent) process. Builds the whole hierarchy (``TieredOffloadingSpec``
++ ``EngineDriver``, CPU tensors standing in for the GPU) on small layouts, verifies a
+cache directory block by block, and runs kill -9 trials of ``storm_child`` (forked from
+a fork server that has torch imported, so a trial costs milliseconds, not an import).
+
+Every offloaded block's bytes are ``tiered_kv.driver.block_content(hash)``, so a block
+read back from any tier can be checked against what it must be.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tiered_kv.disk.index import IndexSnapshot
+from tiered_kv.disk.namespace import MANIFEST
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.driver import DeviceKVCache, EngineDriver, block_content
+from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.workloads import prefix_hashes
+
+GPU_BLOCK_SIZE = 16
+
+
+# ---------------------------------------------------------------- the hierarchy
+
+
+def device(num_gpu_blocks: int = 8) -> DeviceKVCache:
+    """A small "GPU" KV cache on CPU tensors: 2 layers, 16 KiB per block."""
+    return DeviceKVCache(num_layers=2, num_gpu_blocks=num_gpu_blocks, gpu_block_size=GPU_BLOCK_SIZE,
+                         num_kv_heads=4, head_dim=32, device="cpu")
+
+
+def config(cache_dir: str | os.PathLike | None, bytes_per_block: int, cpu_blocks: int = 8,
+           disk_blocks: int = 40, **extra) -> dict:
+    """A config dict for the hierarchy sized in blocks."""
+    out = {"cpu_bytes": cpu_blocks * bytes_per_block, "disk_bytes": disk_blocks * bytes_per_block,
+           "io_backend": "posix", "io_threads": 2, "model_id": "fault-suite", "max_pending_disk_writes": 16}
+    if cache_dir is not None:
+        out["disk_path"] = str(cache_dir)
+    out.update(extra)
+    return out
+
+
+class Hierarchy:
+    """One engine's hierarchy in this process: ``spec`` and ``driver`` (manager + worker)."""
+
+    def __init__(self, cache_dir, cpu_blocks: int = 8, disk_blocks: int = 40, engine_id: str | None = None,
+                 **extra):
+        self.device = device()
+        layout = self.device.layout
+        self.spec = TieredOffloadingSpec(config(cache_dir, layout.bytes_per_block, cpu_blocks, disk_blocks,
+                                                **extra), GPU_BLOCK_SIZE, layout, engine_id=engine_id)
+        self.driver = EngineDriver.from_spec(self.spec, self.device)
+        self.closed = False
+
+    @property
+    def manager(self):
+        return self.driver.manager
+
+    @property
+    def disk(self):
+        return self.driver.manager.disk
+
+    @property
+    def stager(self):
+        return next(h.stager for h in self.driver.worker.handlers if getattr(h, "stager", None) is not None)
+
+    def run(self, requests):
+        return self.driver.run(requests)
+
+    def settle(self) -> int:
+        """Finish jobs and let queued disk writes land; returns blocks still pending on disk."""
+        self.driver.drain()
+        self.stager.drain()
+        return self.manager.pending_disk_writes()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.driver.worker.shutdown()
+        self.driver.manager.shutdown()
+        if self.spec.store is not None:
+            self.spec.store.close()
+
+
+def documents(num_docs: int, blocks_per_doc: int, seed: int = 0) -> list[list[bytes]]:
+    """Independent prefix chains (each one request)."""
+    rng = np.random.default_rng(seed)
+    return [prefix_hashes(rng.integers(0, 50_000, size=(blocks_per_doc, GPU_BLOCK_SIZE)))
+            for _ in range(num_docs)]
+
+
+def expected_bytes(block_hash: bytes, nbytes: int) -> bytes:
+    return block_content([block_hash], nbytes)[0].numpy().tobytes()
+
+
+def namespace_dirs(cache_dir: str | os.PathLike) -> list[Path]:
+    root = Path(cache_dir)
+    return sorted(p.parent for p in root.glob(f"*/{MANIFEST}")) if root.is_dir() else []
+
+
+# ---------------------------------------------------------------- verification
+
+
+@dataclass
+class VerifyResult:
+    """What a block-by-block check of a cache directory found. ``corrupt``: complete
+    entries whose bytes fail their checksum (or cannot be read); ``wrong``: entries
+    whose bytes pass the checksum but are not the block's bytes (a stale or
+    misdirected block: the worst case); ``incomplete``: entries missing a rank."""
+
+    namespaces: int = 0
+    entries: int = 0
+    verified: int = 0
+    incomplete: int = 0
+    corrupt: list[bytes] = field(default_factory=list)
+    wrong: list[bytes] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.corrupt or self.wrong or self.errors)
+
+
+def snapshot_hashes(snap: IndexSnapshot) -> list[tuple[bytes, int]]:
+    """``(hash, ranks bitmask)`` of every entry of a snapshot."""
+    out = [(snap.hash_at(i), int(snap.entries["ranks"][i])) for i in range(len(snap.entries))]
+    out += [(h, e.ranks) for h, e in snap.odd]
+    return out
+
+
+def verify_cache(cache_dir: str | os.PathLike, check_content: bool = True) -> VerifyResult:
+    """Read every complete block of every namespace read-only (no lock, nothing
+    written) and check it against its checksum and, with ``check_content``, against
+    ``block_content``. An index that cannot be opened is an error, not an exception."""
+    res = VerifyResult()
+    for ns_dir in namespace_dirs(cache_dir):
+        res.namespaces += 1
+        try:
+            store = DiskStore.open_readonly(ns_dir)
+        except Exception as e:  # the point is to report, whatever is wrong
+            res.errors.append(f"{ns_dir.name}: {type(e).__name__}: {e}")
+            continue
+        try:
+            full = (1 << store.tp_size) - 1
+            for h, ranks in snapshot_hashes(store.snapshot()):
+                res.entries += 1
+                if ranks & full != full:
+                    res.incomplete += 1
+                    continue
+                want = expected_bytes(h, store.block_bytes) if check_content else None
+                for rank in range(store.tp_size):
+                    data = store.read_block(rank, h)
+                    if data is None:
+                        res.corrupt.append(h)
+                        break
+                    if want is not None and data != want:
+                        res.wrong.append(h)
+                        break
+                else:
+                    res.verified += 1
+        except Exception as e:
+            res.errors.append(f"{ns_dir.name}: {type(e).__name__}: {e}")
+        finally:
+            store.close()
+    return res
+
+
+def inspect_cli_available() -> bool:
+    return importlib.util.find_spec("tiered_kv.cli.inspect") is not None
+
+
+def inspect_verify(cache_dir: str | os.PathLike) -> tuple[int, str] | None:
+    """``tiered-kv inspect verify CACHE_DIR`` in process: (exit code, output), or None
+    while the inspector has no ``verify`` command."""
+    if not inspect_cli_available():
+        return None
+    from typer.testing import CliRunner
+
+    from tiered_kv.cli import _load_commands, app
+
+    _load_commands()
+    result = CliRunner().invoke(app, ["inspect", "verify", str(cache_dir)])
+    if result.exit_code == 2 and "No such command" in result.output:
+        return None
+    return result.exit_code, result.output
+
+
+# ---------------------------------------------------------------- crash trials
+
+
+@dataclass
+class JournalState:
+    """What the crash children's journal says must be on disk."""
+
+    acked: set[bytes] = field(default_factory=set)  # durable-acknowledged, not evicted since
+    open_bracket: int = 0  # blocks asked of a disk prepare_store the kill interrupted (0: none)
+    mismatches: int = 0  # wrong blocks the children's engines were served
+    requests: int = 0
+    acked_total: int = 0
+    ready: bool = False
+
+
+def read_journal(path: str | os.PathLike) -> JournalState:
+    """Replay the journal (see ``storm_child``). Across children it is one history."""
+    st = JournalState()
+    base_mismatches = 0
+    with open(path) as f:
+        for line in f.read().splitlines():
+            tag, _, arg = line.partition(" ")
+            if tag == "S":
+                st.ready = False
+                st.open_bracket = 0
+                base_mismatches = st.mismatches
+            elif tag == "R":
+                st.ready = True
+            elif tag == "B":
+                st.open_bracket = int(arg)
+            elif tag == "P":
+                st.open_bracket = 0
+            elif tag == "E":
+                st.acked.discard(bytes.fromhex(arg))
+            elif tag == "D":
+                h = bytes.fromhex(arg)
+                if h not in st.acked:
+                    st.acked.add(h)
+                    st.acked_total += 1
+            elif tag == "M":
+                st.mismatches = base_mismatches + int(arg)
+            elif tag == "Q":
+                st.requests += int(arg)
+    return st
+
+
+@dataclass
+class CrashTrial:
+    """One kill -9 trial and what the check after it found."""
+
+    trial: int
+    policy: str
+    phase: str  # "startup" or "storm": when the kill landed
+    delay: float
+    acked: int  # blocks the journal says must have survived
+    lost: list[bytes]
+    tolerated: int  # missing blocks an interrupted eviction may explain
+    verify: VerifyResult
+    cli: tuple[int, str] | None
+    loadable_after_reopen: int
+
+
+@dataclass
+class CrashSummary:
+    trials: list[CrashTrial] = field(default_factory=list)
+    requests: int = 0
+    acked_total: int = 0
+    wrong_served: int = 0
+
+    @property
+    def blocks_lost(self) -> int:
+        return sum(len(t.lost) for t in self.trials)
+
+    @property
+    def wrong_on_disk(self) -> int:
+        return sum(len(t.verify.wrong) for t in self.trials)
+
+    @property
+    def corrupt_on_disk(self) -> int:
+        return sum(len(t.verify.corrupt) for t in self.trials)
+
+    @property
+    def blocks_checked(self) -> int:
+        return sum(t.verify.verified for t in self.trials)
+
+
+_CTX = None
+
+
+def fork_context():
+    """A fork server with torch and the hierarchy imported once; each child forks from it."""
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "tiered_kv.tiered.spec", "tiered_kv.driver",
+                                     "tiered_kv.disk.manager", "faults.storm_child"])
+    return _CTX
+
+
+def _wait_for(journal: Path, start: int, tag: str, proc, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(journal) as f:
+            f.seek(start)
+            if f"{tag}\n" in f.read():
+                return True
+        if not proc.is_alive():
+            return False
+        time.sleep(0.002)
+    return False
+
+
+class CrashRunner:
+    """Runs kill -9 trials on one cache directory, each child picking up what the
+    previous one left. Trial ``i`` uses seed ``seed + i``; policies alternate between
+    write-through and write-back; about one kill in six lands during start-up (opening
+    the namespace, reclaiming, preallocating), the rest during the storm."""
+
+    STARTUP_SHARE = 1 / 6
+    MAX_STORM_DELAY = 0.6
+
+    def __init__(self, workdir: str | os.PathLike, seed: int):
+        self.workdir = Path(workdir)
+        self.cache = self.workdir / "cache"
+        self.journal = self.workdir / "journal"
+        self.journal.touch()
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.summary = CrashSummary()
+
+    def run(self, trials: int) -> CrashSummary:
+        for i in range(trials):
+            self.trial(i)
+        st = read_journal(self.journal)
+        self.summary.requests, self.summary.acked_total = st.requests, st.acked_total
+        self.summary.wrong_served = st.mismatches
+        return self.summary
+
+    def trial(self, i: int) -> CrashTrial:
+        from faults import storm_child
+
+        policy = ("write_through", "write_back")[i % 2]
+        start = self.journal.stat().st_size
+        proc = fork_context().Process(target=storm_child.run,
+                                      args=(str(self.cache), str(self.journal), self.seed + i, policy))
+        proc.start()
+        startup = self.rng.random() < self.STARTUP_SHARE
+        if startup:
+            if not _wait_for(self.journal, start, "S", proc, 60):
+                raise AssertionError(self._child_failure(proc, "never started"))
+            delay = self.rng.uniform(0.0, 0.08)
+        else:
+            if not _wait_for(self.journal, start, "R", proc, 60):
+                raise AssertionError(self._child_failure(proc, "never became ready"))
+            delay = self.rng.uniform(0.0, self.MAX_STORM_DELAY)
+        time.sleep(delay)
+        if not proc.is_alive():
+            raise AssertionError(self._child_failure(proc, "exited before the kill"))
+        os.kill(proc.pid, 9)
+        proc.join(30)
+        if proc.exitcode != -9:
+            raise AssertionError(self._child_failure(proc, f"ended with {proc.exitcode}, not by the kill"))
+        result = self._check(i, policy, "startup" if startup else "storm", delay)
+        self.summary.trials.append(result)
+        return result
+
+    def _child_failure(self, proc, what: str) -> str:
+        err = Path(f"{self.journal}.err")
+        detail = err.read_text() if err.exists() else "(no traceback)"
+        if proc.is_alive():
+            os.kill(proc.pid, 9)
+            proc.join(10)
+        return f"crash child {what}: {detail}"
+
+    def _check(self, i: int, policy: str, phase: str, delay: float) -> CrashTrial:
+        """Verify the cache exactly as the kill left it, then reopen it as an engine
+        would and check every acknowledged block is loadable."""
+        st = read_journal(self.journal)
+        verify = verify_cache(self.cache)
+        cli = inspect_verify(self.cache) if namespace_dirs(self.cache) else None
+        loadable: set[bytes] = set()
+        if namespace_dirs(self.cache):
+            h = Hierarchy(self.cache, engine_id=f"check-{i}")
+            try:
+                loadable = h.disk.loadable_among(st.acked) if st.acked else set()
+                n_loadable = len(h.disk)
+            finally:
+                h.close()
+        else:
+            n_loadable = 0
+        missing = sorted(st.acked - loadable)
+        tolerated = min(len(missing), st.open_bracket)
+        lost = missing[tolerated:]
+        # Blocks an interrupted eviction took are evicted as far as later trials go.
+        with open(self.journal, "a") as f:
+            for h in missing:
+                f.write(f"E {h.hex()}\n")
+        return CrashTrial(i, policy, phase, delay, len(st.acked), lost, tolerated, verify, cli, n_loadable)

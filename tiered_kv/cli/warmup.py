@@ -1,0 +1,121 @@
+"""``tiered-kv warmup``: fill the disk tier offline from a JSONL file of prompts.
+
+Operator's process, with the server stopped (the run holds the cache's writer lock).
+Library: ``tiered_kv.warmup``. Checks the hash settings, the config and the prompts
+before loading the model, shows a progress bar over prompts (terminals only), and ends
+with a summary table, or JSON with ``--json``. Exits 2 with one ``error:`` line when it
+cannot run, 1 when some blocks could not be stored, 130 when interrupted (blocks
+written so far are kept; a rerun resumes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tiered_kv.cli import app
+from tiered_kv.cli.output import emit_json, errors, progress_bar
+from tiered_kv.config import format_size
+from tiered_kv.hashing import HashSettingsError, resolve_seed
+from tiered_kv.warmup import (
+    BLOCK_LAYOUTS, HFEngine, WarmupError, WarmupReport, chunk_tokens_for, load_config, read_extra_config,
+    read_prompts, require_vllm_engine, run_vllm_warmup, tokenize, warmup,
+)
+
+ENGINES = ("hf", "vllm")
+
+
+@app.command("warmup")
+def warmup_cmd(
+    prompts: Path = typer.Argument(..., help="JSONL: {\"token_ids\": [...]} or {\"text\": \"...\"} per line."),
+    model: str = typer.Option(..., "--model", help="Model directory (or hub id available offline)."),
+    config: Path = typer.Option(..., "--config", help="The server's config: vLLM --kv-transfer-config JSON "
+                                                      "or its kv_connector_extra_config."),
+    engine: str = typer.Option("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
+    gpu_block_size: int = typer.Option(16, "--gpu-block-size", help="The server's --block-size (tokens)."),
+    tp_size: int = typer.Option(1, "--tp-size", help="The server's tensor-parallel size."),
+    layout: str = typer.Option("kv-first", "--layout", help=f"Block layout: {', '.join(sorted(BLOCK_LAYOUTS))}."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
+                                            help="Local tokenizer directory for text prompts (default: --model)."),
+    dtype: str = typer.Option("auto", "--dtype", help="hf: auto, float32, float16 or bfloat16."),
+    device: str = typer.Option("auto", "--device", help="hf: auto, cpu or cuda."),
+    disk_path: Optional[str] = typer.Option(None, "--disk-path", help="Override the config's disk_path."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Compute the KV of every full block of every prompt and write it to the disk tier, so
+    the server's first requests hit. Resumable: blocks already on disk are skipped."""
+    with errors(json_out, (WarmupError, HashSettingsError)):
+        if engine not in ENGINES:
+            raise WarmupError(f"--engine: expected hf or vllm, got {engine!r}")
+        if engine == "vllm":
+            require_vllm_engine()
+        cfg = load_config(config)
+        if disk_path:
+            cfg = dataclasses.replace(cfg, disk_path=disk_path)
+        resolve_seed(cfg.hash_algorithm, cfg.hash_seed)  # fail before any heavy work
+        chunk_tokens_for(cfg, gpu_block_size)
+        items = read_prompts(prompts)
+        tok = None
+        if any(p.token_ids is None for p in items):
+            tok = _load_tokenizer(tokenizer or model)
+        token_ids = tokenize(items, tok)
+        if engine == "vllm":
+            extra = read_extra_config(config)
+            if disk_path:
+                extra["disk_path"] = disk_path
+            n = run_vllm_warmup(token_ids, model, extra, gpu_block_size=gpu_block_size, tp_size=tp_size)
+            if json_out:
+                emit_json({"engine": "vllm", "prompts": n})
+            else:
+                Console().print(f"vllm engine: prefilled {n} prompts through the connector")
+            return
+        hf = HFEngine.from_pretrained(model, dtype=dtype, device=device)
+        with progress_bar(json_out, "warming", len(token_ids)) as bar:
+            report = warmup(token_ids, hf, cfg, gpu_block_size=gpu_block_size, tp_size=tp_size, layout=layout,
+                            progress=lambda i, r: bar.advance(1))
+    if json_out:
+        emit_json(report.to_dict())
+    else:
+        _print(report, hf, gpu_block_size)
+    if report.blocks_failed or report.blocks_rejected:
+        raise typer.Exit(1)
+
+
+def _load_tokenizer(path: str):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise WarmupError(f"cannot load a tokenizer from {path!r} for the text prompts: "
+                          f"{str(e).splitlines()[0]}") from None
+
+
+def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
+    t = Table(title="tiered-kv warmup", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    g = hf.geometry
+    t.add_row("namespace", r.namespace)
+    t.add_row("model KV", f"{g.num_layers} layers, {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype}; "
+                          f"layout {r.layout}, GPU block {gpu_block_size} tokens")
+    t.add_row("prompts", f"{r.prompts} ({r.prompts_skipped} already complete, {r.prompts_too_short} shorter "
+                         f"than one block)")
+    t.add_row("blocks", f"{r.blocks} distinct: {r.blocks_written} written, {r.blocks_present} already on disk"
+              + (f", {r.blocks_failed} failed" if r.blocks_failed else "")
+              + (f", {r.blocks_rejected} rejected (no room)" if r.blocks_rejected else ""))
+    if r.blocks_evicted:
+        t.add_row("evicted", f"{r.blocks_evicted} older blocks made room (the cache is smaller than the warm set)")
+    rate = r.bytes_written / r.seconds / 1e6 if r.seconds else 0.0
+    t.add_row("bytes written", f"{format_size(r.bytes_written)} ({rate:.1f} MB/s)")
+    t.add_row("tokens computed", f"{r.tokens_computed:,}")
+    t.add_row("time", f"{r.seconds:.2f} s")
+    Console().print(t)
+    if r.blocks_failed or r.blocks_rejected:
+        typer.echo("warning: some blocks were not stored (see the log); a rerun retries them", err=True)
+

@@ -1,0 +1,289 @@
+"""vLLM 0.33's ``OffloadingWorker`` over our tiered handlers. Worker process, one per rank.
+
+What vLLM hands over: ``CanonicalKVCaches``, a list of int8 tensors of shape
+``(num_gpu_blocks, page_size_bytes)`` (layers that alias the same memory share one).
+Each becomes one "layer" of our ``KVCacheLayout`` (block shape ``(page_size_bytes,)``,
+KV not before num_blocks), so the block codec, the host tier and the disk slots work
+unchanged; a chunk holds every tensor's pages of its ``blocks_per_chunk`` GPU blocks
+(with several KV groups, the pages of tensors a group does not use travel too: wasted
+bytes, never wrong ones). The layout's bytes per chunk must equal what vLLM told the
+scheduler (``worker_kv_bytes_per_block * blocks_per_chunk``), or the tiers would be
+sized for another chunk: checked here, before anything is allocated.
+
+Jobs: ``submit_store(job, GPU spec, TieredJobSpec(TieredStoreSpec))`` and
+``submit_load(job, TieredJobSpec(CPU or TieredLoadSpec), GPU spec)``. vLLM's GPU spec
+lists GPU block ids group by group; within a group the ids fill the chunks' GPU-block
+positions in order, starting ``block_indices[g] % blocks_per_chunk`` positions into the
+first chunk, and may stop short of the end of the last one. We turn that into one row
+of ``blocks_per_chunk`` GPU block ids per chunk (-1 = position not transferred) and run
+the composite's handlers at GPU-block granularity: GPU <-> CPU copies name GPU blocks on
+both sides (CPU position ``slot * blocks_per_chunk + j``), the disk handlers take the
+rows. I/O: GPU <-> host copies (CUDA streams; synchronous on CPU), disk reads and
+writes for this rank's slab on the disk handlers' and stager's threads.
+
+Failures never reach vLLM, whose worker connector asserts that every job succeeded:
+every job is reported done. A job that failed inside (logged, counted) marks the CPU
+slots it was writing in the shared ``SlotHealth`` map *before* it is reported, and the
+scheduler then completes those chunks as failed, so garbage never becomes loadable
+(stores) or stays in the CPU tier (promotions). What cannot be undone is a *load* whose
+bytes did not all arrive: the request runs with those GPU blocks unfilled. The manager
+makes that as unlikely as we know how: only CPU-resident chunks and disk chunks
+verified on every rank moments before are reported as hits, and the disk read is
+checked again here, so it takes a read that fails after a successful one (a dying
+disk) - which is logged as an error naming the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.base import GPULoadStoreSpec as VllmGPUSpec
+from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
+from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
+
+from tiered_kv.config import ConfigError
+from tiered_kv.host_memory import HostKVCache
+from tiered_kv.integrations.vllm.common import TieredJobSpec
+from tiered_kv.integrations.vllm.health import SlotHealth
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
+from tiered_kv.tiered.specs import TieredLoadSpec, TieredStoreSpec
+from tiered_kv.worker.cpu_gpu import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
+from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
+from tiered_kv.worker.worker import TransferResult, TransferSpec
+
+if TYPE_CHECKING:
+    from tiered_kv.integrations.vllm.spec import TieredOffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+
+def gpu_rows(spec: VllmGPUSpec, blocks_per_chunk: int, num_chunks: int) -> np.ndarray:
+    """vLLM's GPU spec as ``(num_chunks, blocks_per_chunk)`` GPU block ids, -1 where a
+    chunk's GPU-block position is not transferred (see the module docstring). Raises
+    ``ValueError`` when the spec does not cover exactly ``num_chunks`` chunks."""
+    f = blocks_per_chunk
+    ids = np.asarray(spec.block_ids, dtype=np.int64)
+    parts, start = [], 0
+    for size, first in zip(spec.group_sizes, spec.block_indices):
+        size = int(size)
+        if size == 0:
+            continue
+        skip = int(first) % f
+        flat = np.full(-(-(skip + size) // f) * f, -1, dtype=np.int64)
+        flat[skip:skip + size] = ids[start:start + size]
+        parts.append(flat.reshape(-1, f))
+        start += size
+    rows = np.concatenate(parts) if parts else np.zeros((0, f), dtype=np.int64)
+    if start != len(ids) or len(rows) != num_chunks:
+        raise ValueError(f"GPU spec with {len(ids)} block ids in groups {list(spec.group_sizes)} "
+                         f"starting at {list(spec.block_indices)} covers {len(rows)} chunks of {f} "
+                         f"blocks; the offloading spec has {num_chunks}")
+    return rows
+
+
+def chunk_positions(slots: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
+    """``(N, blocks_per_chunk)`` host positions of CPU ``slots`` at GPU-block granularity."""
+    f = blocks_per_chunk
+    return np.asarray(slots, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
+
+
+class GPURowsSpec(GPULoadStoreSpec):
+    """GPU blocks given per chunk: ``rows`` ``(N, blocks_per_chunk)``, -1 = not transferred."""
+
+    def __init__(self, rows: np.ndarray):
+        super().__init__(rows[rows >= 0])
+        self.rows = rows
+
+
+class _RowsGpuDiskHandler(GpuDiskHandler):
+    """``GpuDiskHandler`` that also takes ``GPURowsSpec`` (positions missing anywhere)."""
+
+    def _kernel_ids(self, spec, n: int, store: bool) -> np.ndarray:
+        if isinstance(spec, GPURowsSpec):
+            if spec.rows.shape != (n, self.layout.block_size_factor):
+                raise ValueError(f"GPU rows {spec.rows.shape} do not match {n} disk blocks")
+            return spec.rows
+        return super()._kernel_ids(spec, n, store)
+
+
+class _ChunkRowsLoadHandler(TieredLoadHandler):
+    """``TieredLoadHandler`` whose GPU side is ``GPURowsSpec`` and whose CPU <-> GPU copies
+    run at GPU-block granularity (both handler factors 1)."""
+
+    def _gpu_rows(self, gpu, num_blocks: int) -> np.ndarray:
+        if not isinstance(gpu, GPURowsSpec) or gpu.rows.shape != (num_blocks, self.factor):
+            raise ValueError(f"expected GPU rows for {num_blocks} chunks of {self.factor} blocks")
+        return gpu.rows
+
+    def _cpu_to_gpu_spec(self, cpu_slots: np.ndarray, rows: np.ndarray) -> TransferSpec:
+        keep = rows >= 0
+        return (CPULoadStoreSpec(chunk_positions(cpu_slots, self.factor)[keep]),
+                GPULoadStoreSpec(rows[keep]))
+
+    def _disk_gpu_spec(self, rows: np.ndarray) -> GPULoadStoreSpec:
+        return GPURowsSpec(rows)
+
+
+def canonical_layout(kv_caches: CanonicalKVCaches, tokens_per_block: int,
+                     blocks_per_chunk: int) -> KVCacheLayout:
+    """Our layout of vLLM's canonical tensors (one layer each); raises ``ConfigError``
+    for tensors our copies cannot address."""
+    layers = []
+    for i, t in enumerate(kv_caches.tensors):
+        tensor = t.tensor
+        if tensor.dtype != torch.int8 or tensor.dim() != 2 or not tensor.is_contiguous():
+            raise ConfigError(f"vLLM KV tensor {i}: expected a contiguous int8 (num_blocks, page) view, "
+                              f"got {tensor.dtype} shape {tuple(tensor.shape)} stride {tensor.stride()}; "
+                              f"this KV-cache layout is not supported by TieredOffloadingSpec")
+        layers.append(LayerLayout(f"vllm_kv_tensor{i}", tuple(tensor.shape), False))
+    return KVCacheLayout(tuple(layers), torch.int8, tokens_per_block, blocks_per_chunk)
+
+
+@dataclass
+class _Job:
+    """What a job in flight needs when it ends: the CPU slots it writes and its size."""
+
+    slots: np.ndarray
+    nbytes: int
+    kind: str
+    started: float
+
+
+class TieredVllmWorker(OffloadingWorker):
+    """The worker side of ``TieredOffloadingSpec`` (module docstring)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, spec: "TieredOffloadingSpec"):
+        g, cfg = spec.geometry, spec.tiered_config
+        self.factor = g.blocks_per_chunk
+        self.layout = canonical_layout(kv_caches, g.tokens_per_block, g.blocks_per_chunk)
+        if self.layout.bytes_per_block != g.bytes_per_chunk:
+            raise ConfigError(
+                f"vLLM's KV tensors hold {self.layout.bytes_per_block // self.factor} bytes per GPU block "
+                f"on rank {g.rank}, but vLLM told the scheduler {g.worker_bytes_per_block} "
+                f"(worker_kv_bytes_per_block); the tiers would be sized for another chunk, so this "
+                f"KV-cache layout is not supported by TieredOffloadingSpec")
+        self.kernel_bytes = g.worker_bytes_per_block
+        self.rank = g.rank
+        self.stats = TieredStats()
+        gpu = [t.tensor for t in kv_caches.tensors]
+        self.host = HostKVCache(self.layout, g.num_cpu_slots)
+        flags = [False] * len(gpu)
+        gpu_to_cpu = SingleDirectionOffloadingHandler(gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY)
+        cpu_to_gpu = SingleDirectionOffloadingHandler(self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY)
+        self.disk_store = stager = disk_to_gpu = disk_to_cpu = None
+        if cfg.disk_path:
+            from tiered_kv.disk.store import DiskStore
+
+            self.disk_store = DiskStore.open(
+                cfg.disk_path, g.fingerprint, self.layout, disk_bytes=cfg.disk_bytes,
+                checksum=cfg.checksum, io_backend=cfg.io_backend, io_threads=cfg.io_threads,
+                engine_id=spec.config.engine_id)
+            disk_to_gpu = _RowsGpuDiskHandler(self.disk_store, g.rank, gpu, self.layout)
+            disk_to_cpu = CpuDiskHandler(self.disk_store, g.rank, self.host, self.layout)
+            # Staging for twice the manager's bound of pending writes: a buffer returns a
+            # moment after the manager may have seen its chunk's index commit.
+            stager = DiskStager(self.host, self.disk_store, g.rank, 2 * cfg.max_pending_disk_writes,
+                                self.stats)
+        self.store_handler = TieredStoreHandler(gpu_to_cpu, self.kernel_bytes, stager, self.stats)
+        self.load_handler = _ChunkRowsLoadHandler(cpu_to_gpu, g.bytes_per_chunk, self.factor,
+                                                  disk_to_gpu, disk_to_cpu, self.stats)
+        self.health = SlotHealth.for_engine(spec.config.engine_id, g.num_cpu_slots)
+        self._jobs: dict[int, _Job] = {}
+        self._failed_on_submit: list[int] = []
+
+    # ------------------------------------------------------------------ submit
+
+    def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: VllmLoadStoreSpec) -> bool:
+        store = _inner(dst_spec, TieredStoreSpec)
+        slots = store.block_ids
+        try:
+            rows = gpu_rows(src_spec, self.factor, len(slots))
+            keep = rows >= 0
+            dst = TieredStoreSpec(chunk_positions(slots, self.factor)[keep], spills=store.spills,
+                                  write_through=store.write_through)
+            self._track(job_id, "store", slots, int(keep.sum()))
+            accepted = self.store_handler.transfer_async(job_id, (GPULoadStoreSpec(rows[keep]), dst))
+        except Exception:
+            logger.exception("rank %d: store job %d could not be submitted", self.rank, job_id)
+            accepted = False
+        if not accepted:
+            self._track(job_id, "store", slots, 0)
+            self._failed_on_submit.append(job_id)
+        return True  # vLLM asserts acceptance; a refusal is handled as a failed job
+
+    def submit_load(self, job_id: int, src_spec: VllmLoadStoreSpec, dst_spec: VllmGPUSpec,
+                    expedited: bool = False) -> bool:
+        src = _inner(src_spec, (CPULoadStoreSpec, TieredLoadSpec))
+        promoted = (src.promote_slots[src.promote_slots >= 0] if isinstance(src, TieredLoadSpec)
+                    else np.zeros(0, dtype=np.int64))
+        try:
+            num_chunks = len(src) if isinstance(src, TieredLoadSpec) else len(src.block_ids)
+            rows = gpu_rows(dst_spec, self.factor, num_chunks)
+            self._track(job_id, "load", promoted, int((rows >= 0).sum()))
+            accepted = self.load_handler.transfer_async(job_id, (src, GPURowsSpec(rows)))
+        except Exception:
+            logger.exception("rank %d: load job %d could not be submitted", self.rank, job_id)
+            accepted = False
+        if not accepted:
+            self._track(job_id, "load", promoted, 0)
+            self._failed_on_submit.append(job_id)
+        return True
+
+    def _track(self, job_id: int, kind: str, slots: np.ndarray, gpu_blocks: int) -> None:
+        self._jobs[job_id] = _Job(np.asarray(slots, dtype=np.int64), gpu_blocks * self.kernel_bytes,
+                                  kind, time.perf_counter())
+
+    # ------------------------------------------------------------------ completion
+
+    def get_finished(self) -> list[VllmTransferResult]:
+        results = [TransferResult(j, False) for j in self._failed_on_submit]
+        self._failed_on_submit = []
+        results += self.store_handler.get_finished() + self.load_handler.get_finished()
+        out = []
+        now = time.perf_counter()
+        for job_id, success in results:
+            job = self._jobs.pop(job_id)
+            if not success:
+                self._fail(job_id, job)
+            out.append(VllmTransferResult(job_id, True, job.nbytes, now - job.started))
+        return out
+
+    def _fail(self, job_id: int, job: _Job) -> None:
+        """Keep a failed job's CPU slots from being served (see the module docstring)."""
+        self.health.mark_bad(job.slots)
+        self.stats.count("cpu", "failed_stores" if job.kind == "store" else "failed_loads")
+        if job.kind == "store":
+            logger.error("rank %d: store job %d failed; reported done to vLLM, its %d chunks are "
+                         "dropped by the scheduler", self.rank, job_id, len(job.slots))
+        else:
+            logger.error("rank %d: load job %d failed after its chunks were verified; reported done "
+                         "to vLLM (which cannot take a failure), so the request may run on "
+                         "incomplete KV for those chunks", self.rank, job_id)
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.store_handler.wait(job_ids)
+        self.load_handler.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.store_handler.shutdown()
+        self.load_handler.shutdown()
+        if self.disk_store is not None:
+            self.disk_store.close()
+        self.health.close()
+
+
+def _inner(spec: VllmLoadStoreSpec, expected):
+    """Our spec inside vLLM's; a foreign spec is a wiring error (another manager's)."""
+    if not isinstance(spec, TieredJobSpec) or not isinstance(spec.inner, expected):
+        raise TypeError(f"TieredOffloadingSpec's worker got {spec!r}; expected a TieredJobSpec "
+                        f"from its own manager")
+    return spec.inner

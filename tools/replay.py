@@ -1,0 +1,392 @@
+#!/usr/bin/env python
+"""Replay workload shapes through the whole hierarchy, beside the alternatives.
+
+Generates (``--workload chat|rag|mixed``) or reads (``--trace FILE``) a request stream
+and replays it with the engine driver, moving and verifying real bytes, through each
+configuration in one run, with the same trace, device KV cache and CPU RAM:
+``no-offload`` (device prefix cache only), ``cpu`` (our CPU tier), ``cpu+disk`` (CPU
+tier over the disk tier) and ``vllm-cpu`` (vLLM 0.33's own CPU offloading manager,
+where vLLM is installed). Tier sizes are fractions of the working set (the distinct
+blocks of the trace), so the disk tier matters. It prints:
+
+- token hit rate per tier (device prefix cache = GPU, CPU, DISK, computed; they add
+  up to 100%), mismatched blocks (must be 0);
+- an estimated TTFT and its saving against ``no-offload`` from a stated prefill-cost
+  model (``replay_model.py``; every figure is an option);
+- scheduler-side time per step (manager calls, timed by a proxy) beside worker time;
+- bytes and GB/s per transfer type beside this machine's raw limits, measured in the
+  same run (``replay_raw.py``).
+
+With ``--plots DIR`` it also sweeps the disk size and the working-set size and writes
+``replay_hit_rate_vs_disk.png``, ``replay_gbps_per_transfer.png`` and
+``replay_cost_vs_working_set.png``. ``--markdown FILE`` writes every table as markdown.
+
+    python tools/replay.py --workload chat --quick              # < 1 min on 2 cores
+    python tools/replay.py --workload chat --plots docs/img --markdown out.md
+    python tools/replay.py --gpu ...                             # needs CUDA
+
+Runs scheduler and worker roles in this one process; the disk tier lives in a fresh
+temporary directory under ``--disk-dir`` per run, removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import replay_raw  # noqa: E402
+from replay_model import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_MODEL, DEFAULT_PREFILL_TPS, SOURCE,  # noqa: E402
+                          PrefillModel, parse_load_gbps)
+from replay_stack import CONFIGS, Geometry, RunResult, Tiers, run_config  # noqa: E402
+from replay_vllm import vllm_import_error  # noqa: E402
+from replay_workloads import FULL, QUICK, WORKLOADS, Shape, generate, read_trace, write_trace  # noqa: E402
+
+FULL_GEOMETRY = dict(num_layers=8, num_kv_heads=8, head_dim=128, gpu_block_size=16, block_size_factor=1)
+QUICK_GEOMETRY = dict(num_layers=4, num_kv_heads=4, head_dim=64, gpu_block_size=16, block_size_factor=1)
+TRANSFER_TYPES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "disk_to_gpu")
+SOURCES = ("GPU", "CPU", "DISK", "computed")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=WORKLOADS, default="chat", help="generated workload preset")
+    p.add_argument("--trace", type=Path, help="read requests from a JSON-lines trace instead (see replay_workloads.py)")
+    p.add_argument("--save-trace", type=Path, help="write the replayed requests as a block-hash trace")
+    p.add_argument("--quick", action="store_true", help="small blocks and a short trace (a smoke run)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the preset's request/document counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated subset of {','.join(CONFIGS)} (plus cpu+disk-direct: no promotion)")
+    p.add_argument("--cpu-fraction", type=float, default=0.25, help="CPU tier = this x the working set")
+    p.add_argument("--disk-fraction", type=float, default=1.25, help="disk tier = this x the working set")
+    p.add_argument("--device-fraction", type=float, default=1 / 16,
+                   help="device prefix cache = this x the working set (at least 2 x the longest request)")
+    p.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()),
+                   help="where the disk tier and the raw disk baseline put their (temporary) files")
+    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--model-name", default=DEFAULT_MODEL)
+    p.add_argument("--prefill-tps", type=float, default=DEFAULT_PREFILL_TPS, help="prefill tokens/s of the model")
+    p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN)
+    p.add_argument("--load-gbps", default="CPU=50,DISK=6", help="assumed load GB/s per tier into the GPU")
+    p.add_argument("--plots", type=Path, help="sweep disk and working-set sizes and write PNGs here")
+    p.add_argument("--disk-sweep", default="0.125,0.25,0.5,0.75,1.0,1.25",
+                   help="disk sizes for --plots, as fractions of the working set")
+    p.add_argument("--ws-sweep", default="0.25,0.5,1,2,3", help="workload scales for --plots (fixed tier sizes)")
+    p.add_argument("--markdown", type=Path, help="also write the tables as markdown to this file")
+    p.add_argument("--json", type=Path, help="write the raw results as JSON")
+    p.add_argument("--gpu", action="store_true", help="the device KV cache on CUDA, raw limits of the GPU host")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    known = CONFIGS + ("cpu+disk-direct",)
+    for c in args.configs:
+        if c not in known:
+            p.error(f"--configs: unknown configuration {c!r}; expected some of {', '.join(known)}")
+    for name in ("cpu_fraction", "disk_fraction", "device_fraction", "scale"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    try:
+        args.model = PrefillModel(args.model_name, args.prefill_tps, args.kv_bytes_per_token,
+                                  parse_load_gbps(args.load_gbps))
+        args.disk_sweep = [float(x) for x in args.disk_sweep.split(",")]
+        args.ws_sweep = [float(x) for x in args.ws_sweep.split(",")]
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+# ---------------------------------------------------------------- tables
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(headers), sep, *map(line, cells)])
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+class Summary:
+    """The numbers of one ``RunResult`` under the prefill model."""
+
+    def __init__(self, r: RunResult, model: PrefillModel, tokens_per_block: int):
+        self.r = r
+        blocks = r.report.blocks_requested
+        self.share = {s: r.blocks_from(s) / blocks for s in SOURCES}
+        t = tokens_per_block
+        self.ttft = [model.ttft(s.computed * t, {"CPU": s.cpu * t, "DISK": s.disk * t}) for s in r.steps]
+        self.mean_ttft = statistics.fmean(self.ttft)
+        sched = sorted(s.manager_seconds for s in r.steps)
+        self.sched_mean = statistics.fmean(sched)
+        self.sched_p99 = sched[min(len(sched) - 1, int(0.99 * len(sched)))]
+        self.sched_per_block = sum(sched) / blocks
+        self.worker_mean = statistics.fmean(s.worker_seconds for s in r.steps)
+        self.step_mean = statistics.fmean(s.seconds for s in r.steps)
+        self.bytes_moved = sum(t["bytes"] for t in r.transfers.values())
+
+    @property
+    def hit_rate(self) -> float:
+        return 1 - self.share["computed"]
+
+
+def comparison_table(sums: dict[str, Summary]) -> str:
+    base = sums.get("no-offload")
+    rows = []
+    for name, s in sums.items():
+        saving = "-" if base is None or name == "no-offload" else pct(1 - s.mean_ttft / base.mean_ttft)
+        rows.append([name, *(pct(s.share[k]) for k in SOURCES), pct(s.hit_rate), s.r.report.mismatches,
+                     f"{s.mean_ttft * 1e3:.2f}", saving, f"{s.sched_mean * 1e6:.0f}", f"{s.sched_p99 * 1e6:.0f}",
+                     f"{s.sched_per_block * 1e6:.2f}", f"{s.worker_mean * 1e3:.2f}", f"{s.step_mean * 1e3:.2f}",
+                     f"{s.bytes_moved / 2**20:.0f}", f"{s.r.report.wall_seconds:.1f}"])
+    return md_table(["config", "GPU", "CPU", "DISK", "computed", "hit rate", "mismatches", "TTFT ms (est.)",
+                     "TTFT saving", "sched us/step", "sched p99 us", "sched us/block", "worker ms/step",
+                     "step ms", "MiB moved", "wall s"], rows)
+
+
+def raw_reference(raw: dict, transfer: str) -> tuple[str, float] | None:
+    """The raw limit to set a transfer type beside: (label, GB/s)."""
+    if "pinned" in raw:
+        ref = {"gpu_to_cpu": ("pinned D2H", raw["pinned"]["D2H"]), "cpu_to_gpu": ("pinned H2D", raw["pinned"]["H2D"]),
+               "disk_to_gpu": ("KvikIO read", raw["kvikio_read"])}.get(transfer)
+        if ref and isinstance(ref[1], float):
+            return ref
+    return {"gpu_to_cpu": ("host copy", raw["host_copy"]), "cpu_to_gpu": ("host copy", raw["host_copy"]),
+            "cpu_to_disk": ("O_DIRECT write", raw["disk"]["write"]),
+            "disk_to_cpu": ("O_DIRECT read", raw["disk"]["read"]),
+            "disk_to_gpu": ("O_DIRECT read", raw["disk"]["read"])}.get(transfer)
+
+
+def transfer_table(results: dict[str, RunResult], raw: dict) -> str:
+    rows = []
+    for name, r in results.items():
+        for t in TRANSFER_TYPES:
+            c = r.transfers.get(t)
+            if not c or not c["jobs"]:
+                continue
+            ref = raw_reference(raw, t)
+            ratio = f"{c['gbps'] / ref[1]:.2f}" if ref and ref[1] > 0 else "-"
+            rows.append([name, t, c["jobs"], c["failed_jobs"], f"{c['bytes'] / 2**20:.1f}", f"{c['seconds']:.3f}",
+                         f"{c['gbps']:.2f}", f"{ref[0]} {ref[1]:.2f}" if ref else "-", ratio])
+    return md_table(["config", "transfer", "jobs", "failed", "MiB", "handler s", "GB/s", "raw GB/s", "ratio"], rows)
+
+
+def scheduler_table(results: dict[str, RunResult]) -> str:
+    calls = sorted({c for r in results.values() for c in r.manager_calls})
+    rows = []
+    for name, r in results.items():
+        cells = []
+        for c in calls:
+            n, s = r.manager_calls.get(c, (0, 0.0))
+            cells.append(f"{s / n * 1e6:.1f}" if n else "-")
+        rows.append([name, *cells, f"{r.manager_seconds * 1e3:.1f}"])
+    return md_table(["config (us per call)", *calls, "total ms"], rows)
+
+
+# ---------------------------------------------------------------- runs
+
+def geometry_for(args, shape: Shape) -> Geometry:
+    base = QUICK_GEOMETRY if args.quick else FULL_GEOMETRY
+    groups = max(2 * shape.longest, round(args.device_fraction * shape.working_set))
+    return Geometry(**base, device_groups=groups)
+
+
+def tiers_for(args, working_set: int, disk_fraction: float | None = None) -> Tiers:
+    f = args.disk_fraction if disk_fraction is None else disk_fraction
+    return Tiers(cpu_slots=max(1, round(args.cpu_fraction * working_set)), disk_slots=max(1, round(f * working_set)),
+                 disk_dir=args.disk_dir, io_threads=args.io_threads)
+
+
+def measure_raw(args, geometry: Geometry) -> dict:
+    size = (64 if args.quick else 256) << 20
+    raw = {"host_copy": replay_raw.host_copy_gbps(size),
+           "disk": replay_raw.disk_gbps(args.disk_dir, size, geometry.bytes_per_block, args.io_threads)}
+    if args.gpu:
+        raw["pinned"] = replay_raw.pinned_copy_gbps(size)
+        raw["kvikio_read"] = replay_raw.kvikio_read_gbps(args.disk_dir, size)
+    return raw
+
+
+def run_all(configs, workload, geometry, tiers, device, log) -> dict[str, RunResult]:
+    results = {}
+    for name in configs:
+        t0 = time.perf_counter()
+        if name == "cpu+disk-direct":
+            r = run_config("cpu+disk", workload, geometry, tiers, device, promote_on_hit=False)
+            r.config = name
+        else:
+            r = run_config(name, workload, geometry, tiers, device)
+        results[name] = r
+        log(f"  {name}: {time.perf_counter() - t0:.1f} s")
+    return results
+
+
+def machine() -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}, {gpu}, torch {torch.__version__}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.gpu and not torch.cuda.is_available():
+        print("error: --gpu needs a CUDA device, and torch.cuda.is_available() is False on this machine "
+              f"(torch {torch.__version__}). Run without --gpu for the CPU replay.", file=sys.stderr)
+        return 2
+    device = "cuda" if args.gpu else "cpu"
+    if device == "cpu":
+        # Jobs here are small: OpenMP threads gain nothing, and on 2 cores their
+        # barriers stall whole steps (as tiered-kv demo found).
+        torch.set_num_threads(1)
+    preset = QUICK if args.quick else FULL
+    tpb = (QUICK_GEOMETRY if args.quick else FULL_GEOMETRY)["gpu_block_size"]
+    workload = read_trace(args.trace, tpb) if args.trace else generate(args.workload, preset, tpb, args.scale, args.seed)
+    if args.save_trace:
+        write_trace(workload, args.save_trace)
+    shape = Shape.of(workload, tpb)
+    geometry = geometry_for(args, shape)
+    tiers = tiers_for(args, shape.working_set)
+    configs = list(args.configs)
+    if args.gpu and "cpu+disk-direct" not in configs:
+        configs.append("cpu+disk-direct")  # disk hits straight to the GPU: the DISK->GPU number
+    notes = []
+    if "vllm-cpu" in configs and (why := vllm_import_error()) is not None:
+        configs.remove("vllm-cpu")
+        notes.append(f"vllm-cpu skipped: vLLM's CPU offloading manager cannot be imported ({why})")
+
+    bpb = geometry.bytes_per_block
+    command = "python tools/replay.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    header = [
+        f"command: {command}",
+        f"date: {datetime.date.today().isoformat()}; machine: {machine()}",
+        f"workload: {workload.name}: {shape.describe(bpb)}",
+        f"KV layout: {geometry.describe()}",
+        f"device prefix cache: {geometry.device_groups} blocks ({geometry.device_groups / shape.working_set:.3f} x working set)",
+        f"CPU tier: {tiers.cpu_slots} blocks = {tiers.cpu_slots * bpb / 2**20:.0f} MiB "
+        f"({tiers.cpu_slots / shape.working_set:.2f} x working set; same RAM for cpu, cpu+disk and vllm-cpu)",
+        f"disk tier: {tiers.disk_slots} blocks = {tiers.disk_slots * bpb / 2**20:.0f} MiB "
+        f"({tiers.disk_slots / shape.working_set:.2f} x working set), write-through, promote on hit, under {args.disk_dir}",
+        f"prefill-cost model: {args.model.describe()}",
+        f"  source: {SOURCE}",
+    ]
+    log("\n".join(header))
+    raw = measure_raw(args, geometry)
+    log("replaying:")
+    results = run_all(configs, workload, geometry, tiers, device, log)
+    io = next((r.io for r in results.values() if r.io), "")
+    sums = {name: Summary(r, args.model, tpb) for name, r in results.items()}
+    raw_line = (f"raw limits (same run): host copy {raw['host_copy']:.2f} GB/s, O_DIRECT write "
+                f"{raw['disk']['write']:.2f} / read {raw['disk']['read']:.2f} GB/s")
+    if "pinned" in raw:
+        kv = raw["kvikio_read"]
+        raw_line += (f", pinned cudaMemcpyAsync H2D {raw['pinned']['H2D']:.2f} / D2H {raw['pinned']['D2H']:.2f} GB/s, "
+                     f"KvikIO read {kv:.2f} GB/s" if isinstance(kv, float) else f", {kv}")
+    sections = [
+        ("Setup", "\n".join(header + [f"disk I/O: {io or '-'}", raw_line, *notes])),
+        ("Token hit rate per tier, estimated TTFT, time per step",
+         comparison_table(sums) + "\n\nGPU/CPU/DISK/computed: share of requested tokens served by the device prefix "
+         "cache, each tier, or computed (they add up to 100%). TTFT: mean over requests under the prefill-cost "
+         "model; saving against no-offload. sched: manager calls per step (one request); worker: submitting, "
+         "polling and waiting for transfers."),
+        ("Transfers (handler wall time per job, summed; raw limits measured in the same run)",
+         transfer_table(results, raw)),
+        ("Scheduler-side cost per manager call", scheduler_table(results)),
+    ]
+    sweeps = {}
+    if args.plots:
+        sweeps = run_sweeps(args, workload, geometry, tiers, device, results, log)
+        sections += sweep_sections(sweeps, args.model, tpb, sums)
+        import replay_plots
+        args.plots.mkdir(parents=True, exist_ok=True)
+        written = replay_plots.write_all(args.plots, sweeps, results, raw, args.model, tpb, shape, geometry, tiers,
+                                         workload.name)
+        sections.append(("Plots", "\n".join(str(p) for p in written)))
+    text = "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
+    print(text)
+    mismatches = sum(r.report.mismatches for r in results.values())
+    failed = sum(r.report.failed_jobs for r in results.values())
+    print(f"\nmismatches: {mismatches}  failed jobs: {failed}  total time: {time.perf_counter() - started:.1f} s")
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(to_json(results, sweeps, raw, shape, geometry, tiers, args), indent=1))
+    return 1 if mismatches else 0
+
+
+# ---------------------------------------------------------------- sweeps
+
+def run_sweeps(args, workload, geometry, tiers, device, results, log) -> dict:
+    """Disk size (cpu+disk only) on this trace; working-set size (every config) with
+    the tier sizes fixed at this trace's."""
+    out = {"disk": [], "working_set": []}
+    log("disk-size sweep (cpu+disk):")
+    for f in args.disk_sweep:
+        t = tiers_for(args, Shape.of(workload, geometry.tokens_per_block).working_set, f)
+        r = run_config("cpu+disk", workload, geometry, t, device)
+        out["disk"].append((f, r))
+        log(f"  disk {f:g} x working set: {r.report.wall_seconds:.1f} s")
+    if args.trace:
+        log("working-set sweep skipped: it needs a generated workload")
+        return out
+    log("working-set sweep:")
+    configs = [c for c in results if c != "cpu+disk-direct"]
+    for scale in args.ws_sweep:
+        w = generate(args.workload, QUICK if args.quick else FULL, geometry.tokens_per_block, args.scale * scale, args.seed)
+        shape = Shape.of(w, geometry.tokens_per_block)
+        g = replace(geometry, device_groups=max(geometry.device_groups, 2 * shape.longest))
+        point = run_all(configs, w, g, tiers, device, lambda m: None)
+        out["working_set"].append((shape.working_set, point))
+        log(f"  scale {scale:g}: working set {shape.working_set} blocks")
+    return out
+
+
+def sweep_sections(sweeps, model, tpb, sums) -> list[tuple[str, str]]:
+    rows = []
+    for f, r in sweeps["disk"]:
+        s = Summary(r, model, tpb)
+        rows.append([f"{f:g}", r.disk_slots, *(pct(s.share[k]) for k in SOURCES), pct(s.hit_rate),
+                     f"{s.mean_ttft * 1e3:.2f}", r.report.mismatches])
+    disk = md_table(["disk / working set", "disk blocks", "GPU", "CPU", "DISK", "computed", "hit rate", "TTFT ms",
+                     "mismatches"], rows)
+    rows = []
+    for ws, point in sweeps["working_set"]:
+        for name, r in point.items():
+            s = Summary(r, model, tpb)
+            rows.append([ws, name, pct(s.hit_rate), f"{s.mean_ttft * 1e3:.2f}", f"{s.sched_mean * 1e6:.0f}",
+                         f"{s.sched_per_block * 1e6:.2f}", r.report.mismatches])
+    ws = md_table(["working set (blocks)", "config", "hit rate", "TTFT ms", "sched us/step", "sched us/block",
+                   "mismatches"], rows)
+    return [("Hit rate against disk size (cpu+disk)", disk), ("Cost against working-set size", ws)]
+
+
+def to_json(results, sweeps, raw, shape, geometry, tiers, args) -> dict:
+    def one(r: RunResult) -> dict:
+        rep = asdict(r.report)
+        return {"config": r.config, "report": rep, "manager_calls": r.manager_calls, "worker_calls": r.worker_calls,
+                "transfers": r.transfers, "tiers": r.tiers, "cpu_slots": r.cpu_slots, "disk_slots": r.disk_slots,
+                "steps": [asdict(s) for s in r.steps]}
+    return {"shape": asdict(shape), "geometry": {**asdict(geometry), "dtype": str(geometry.dtype)},
+            "tiers": {**asdict(tiers), "disk_dir": str(tiers.disk_dir)}, "raw": raw,
+            "model": asdict(args.model), "results": {k: one(r) for k, r in results.items()},
+            "disk_sweep": [(f, one(r)) for f, r in sweeps.get("disk", [])],
+            "working_set_sweep": [(ws, {k: one(r) for k, r in p.items()}) for ws, p in sweeps.get("working_set", [])]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Workloads for ``tools/replay.py``: generated presets, or a trace read from a file.
+
+Pure computation plus reading/writing one JSON-lines trace file. Every request is the
+prefix-hash chain of its full blocks (``tiered_kv.workloads``), so shared prefixes
+(system prompts, chat histories, documents) share hashes.
+
+Presets (``scale`` multiplies their request and document counts, so the working set
+grows with it while each request keeps its shape):
+
+- ``chat``: multi-turn conversations with growing histories over 4 shared system
+  prompts (Zipf-popular); a turn adds the previous answer and the next message.
+- ``rag``: one of many documents, Zipf(1.1)-popular, then a fresh question.
+- ``mixed``: the chat and RAG streams interleaved at random, half each.
+
+Trace format, one request per line: ``{"token_ids": [...]}`` (hashed into full blocks
+of the replay's block size; a trailing partial block is not offloadable and is
+dropped) or ``{"block_hashes": ["<hex>", ...]}`` (what ``--save-trace`` writes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tiered_kv.workloads import ChatWorkloadSpec, Workload, chat_workload, prefix_hashes, shared_prefix_workload
+
+WORKLOADS = ("chat", "rag", "mixed")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of the generated workloads, in blocks (tokens = blocks x block size)."""
+
+    chat_requests: int
+    system_prompt_blocks: int
+    first_message_blocks: tuple[int, int]
+    turn_blocks: tuple[int, int]
+    max_turns: int
+    rag_requests: int
+    rag_documents: int
+    document_blocks: int
+    question_blocks: tuple[int, int]
+
+
+FULL = Preset(chat_requests=500, system_prompt_blocks=16, first_message_blocks=(2, 6), turn_blocks=(2, 6),
+              max_turns=8, rag_requests=500, rag_documents=120, document_blocks=24, question_blocks=(1, 3))
+QUICK = Preset(chat_requests=160, system_prompt_blocks=8, first_message_blocks=(1, 4), turn_blocks=(1, 4),
+               max_turns=6, rag_requests=160, rag_documents=40, document_blocks=12, question_blocks=(1, 2))
+
+
+def generate(kind: str, preset: Preset, tokens_per_block: int, scale: float = 1.0, seed: int = 0) -> Workload:
+    """The ``kind`` workload (see the module docstring) at ``scale``."""
+    if kind not in WORKLOADS:
+        raise ValueError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+
+    def chat(n: int) -> Workload:
+        return chat_workload(ChatWorkloadSpec(
+            num_requests=max(1, round(n)), num_system_prompts=4,
+            system_prompt_blocks=preset.system_prompt_blocks, first_message_blocks=preset.first_message_blocks,
+            turn_blocks=preset.turn_blocks, max_turns=preset.max_turns, new_conversation_prob=0.3,
+            tokens_per_block=tokens_per_block, seed=seed))
+
+    def rag(n: int, docs: int) -> Workload:
+        return shared_prefix_workload(max(1, round(n)), max(1, round(docs)), preset.document_blocks,
+                                      preset.question_blocks, zipf_s=1.1, tokens_per_block=tokens_per_block,
+                                      seed=seed + 1)
+
+    if kind == "chat":
+        w = chat(preset.chat_requests * scale)
+        return Workload(f"chat x{scale:g}", w.requests)
+    if kind == "rag":
+        w = rag(preset.rag_requests * scale, preset.rag_documents * scale)
+        return Workload(f"rag x{scale:g}", w.requests)
+    a = chat(preset.chat_requests * scale / 2).requests
+    b = rag(preset.rag_requests * scale / 2, preset.rag_documents * scale / 2).requests
+    order = np.random.default_rng(seed + 2).permutation(len(a) + len(b))
+    both = a + b
+    return Workload(f"mixed x{scale:g}", [both[i] for i in order])
+
+
+def read_trace(path: Path, tokens_per_block: int) -> Workload:
+    """Requests from a JSON-lines trace (format in the module docstring)."""
+    requests = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if "block_hashes" in row:
+                    requests.append([bytes.fromhex(h) for h in row["block_hashes"]])
+                elif "token_ids" in row:
+                    tokens = np.asarray(row["token_ids"], dtype=np.int64)
+                    n = len(tokens) // tokens_per_block
+                    requests.append(prefix_hashes(tokens[: n * tokens_per_block].reshape(n, tokens_per_block)))
+                else:
+                    raise ValueError("expected a 'token_ids' or a 'block_hashes' key")
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise ValueError(f"{path}:{lineno}: bad trace line ({exc}); expected "
+                                 '{"token_ids": [ints]} or {"block_hashes": ["hex", ...]}') from None
+    requests = [r for r in requests if r]
+    if not requests:
+        raise ValueError(f"{path}: no request with at least one full {tokens_per_block}-token block")
+    return Workload(f"trace {Path(path).name}", requests)
+
+
+def write_trace(workload: Workload, path: Path) -> None:
+    """Write ``workload`` in the ``block_hashes`` trace format."""
+    with open(path, "w", encoding="utf-8") as f:
+        for request in workload.requests:
+            f.write(json.dumps({"block_hashes": [h.hex() for h in request]}) + "\n")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of a workload: requests, blocks and tokens requested, working set (distinct
+    blocks) and the longest request, in blocks."""
+
+    requests: int
+    blocks: int
+    working_set: int
+    longest: int
+    tokens_per_block: int
+
+    @classmethod
+    def of(cls, workload: Workload, tokens_per_block: int) -> "Shape":
+        return cls(len(workload.requests), workload.num_blocks, workload.num_unique_blocks,
+                   max(len(r) for r in workload.requests), tokens_per_block)
+
+    def describe(self, bytes_per_block: int) -> str:
+        t = self.tokens_per_block
+        return (f"{self.requests} requests, {self.blocks} blocks = {self.blocks * t:,} tokens requested; "
+                f"working set {self.working_set} blocks = {self.working_set * t:,} tokens = "
+                f"{self.working_set * bytes_per_block / 2**30:.2f} GiB; longest request {self.longest} blocks")
