@@ -11,10 +11,13 @@ read back from any tier can be checked against what it must be.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import multiprocessing
 import os
 import random
+import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered_kv.disk.index import IndexSnapshot
+from tiered_kv.disk.io_backends import PosixBackend
 from tiered_kv.disk.namespace import MANIFEST
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.driver import DeviceKVCache, EngineDriver, block_content
@@ -92,6 +96,86 @@ class Hierarchy:
         self.driver.manager.shutdown()
         if self.spec.store is not None:
             self.spec.store.close()
+
+
+class InjectingBackend(PosixBackend):
+    """POSIX I/O that fails on demand: set ``fail_write`` / ``fail_read`` / ``fail_sync``
+    to an errno (e.g. ``errno.ENOSPC``, ``errno.EIO``) and every such call raises it, or
+    ``None`` to let calls through. ``injected`` counts the faults raised, by call."""
+
+    def __init__(self, threads: int = 2):
+        super().__init__(threads)
+        self.fail_write: int | None = None
+        self.fail_read: int | None = None
+        self.fail_sync: int | None = None
+        self.injected = {"write": 0, "read": 0, "sync": 0}
+        self._lock = threading.Lock()
+
+    def _maybe_fail(self, call: str, err: int | None) -> None:
+        if err is not None:
+            with self._lock:
+                self.injected[call] += 1
+            raise OSError(err, os.strerror(err))
+
+    def pwrite(self, f, buf, offset):
+        self._maybe_fail("write", self.fail_write)
+        return super().pwrite(f, buf, offset)
+
+    def pread(self, f, buf, offset):
+        self._maybe_fail("read", self.fail_read)
+        return super().pread(f, buf, offset)
+
+    def sync(self, f):
+        self._maybe_fail("sync", self.fail_sync)
+        return super().sync(f)
+
+
+def inject_backend(h: "Hierarchy", backend: InjectingBackend) -> None:
+    """Put ``backend`` under the worker's disk store (before its first block I/O: slab
+    files are opened lazily, through whichever backend the store has then)."""
+    store = h.spec.store
+    assert not store._files, "inject the backend before the store opened any slab"
+    original, store.backend = store.backend, backend
+    original.shutdown()
+
+
+class TmpfsMount:
+    """A small tmpfs mounted for one test (root only): a real filesystem that fills up.
+    ``mount()`` returns False where mounting is not allowed."""
+
+    def __init__(self, path: Path, size_bytes: int):
+        self.path, self.size = Path(path), size_bytes
+        self.mounted = False
+
+    def mount(self) -> bool:
+        self.path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
+                           capture_output=True)
+        self.mounted = r.returncode == 0
+        return self.mounted
+
+    def fill(self, leave: int = 0) -> Path:
+        """Write a filler file until at most ``leave`` bytes are free; returns it."""
+        filler = self.path / "filler"
+        chunk = b"\0" * (64 << 10)
+        with open(filler, "ab") as f:
+            try:
+                while os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize > leave + len(chunk):
+                    f.write(chunk)
+                    f.flush()
+                if leave == 0:
+                    while True:
+                        f.write(chunk[:4096])
+                        f.flush()
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+        return filler
+
+    def unmount(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+            self.mounted = False
 
 
 def documents(num_docs: int, blocks_per_doc: int, seed: int = 0) -> list[list[bytes]]:
