@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import subprocess
 
@@ -179,6 +180,11 @@ def test_full_filesystem_turns_into_failed_counted_stores(tmp_path, layout):
         store = DiskStore.open(mnt, fp, layout, disk_bytes=nbytes, io_backend="posix")
         first = [block_hash(i) for i in range(2)]
         assert store.write_blocks(0, first, [0, 1], content_rows(first, 0, layout, store.slot_size)) == [True] * 2
+        # The manager reserved room for the index to grow into; give it back (truncating
+        # to the same size frees preallocated blocks past the end) to reach the case
+        # where an index commit itself hits ENOSPC.
+        data = m.namespace.index_path / "data.mdb"
+        os.truncate(data, data.stat().st_size)
         # Something else fills the filesystem; the index cannot grow any more.
         with open(mnt / "filler", "wb") as f:
             try:

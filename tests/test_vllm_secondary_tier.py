@@ -11,10 +11,14 @@ produced.
 from __future__ import annotations
 
 import errno
+import gc
+import json
 import os
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
@@ -27,6 +31,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult, OffloadingWorker, ReqContext, TransferResult, make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
@@ -43,11 +49,26 @@ BLOCK = 16  # GPU block size in tokens
 CHUNK = 4096
 TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
 PROBE = ReqContext(req_id="probe")
+SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "vllm-tiering-disk.json"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return vh.write_model_config(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(autouse=True)
+def _vllm_can_unmap_its_cpu_region(caplog):
+    """The tier must drop its views of vLLM's shared CPU region on shutdown (and on a
+    failed start-up), or vLLM cannot unmap it. The cycle collector is off meanwhile, so
+    a view kept alive only by a reference cycle shows up every time."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+    leaks = [r.getMessage() for r in caplog.get_records("call") if "still exported" in r.getMessage()]
+    assert not leaks, leaks
 
 
 class ShmHostWorker(OffloadingWorker):
@@ -385,33 +406,105 @@ def test_a_full_disk_fails_the_store_job_and_is_counted(model_dir, tmp_path):
         h.shutdown()
 
 
-def test_calls_never_wait_for_the_disk(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16))
+def test_an_unreadable_chunk_becomes_a_miss_instead_of_a_retry_loop(model_dir, tmp_path):
+    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=2, disk_chunks=16))
+    try:
+        tier = _tier(h)
+        a = _prompt(15, 2 * BLOCK + 1)
+        _serve(h, a)
+        _evict_from_primary(h, a, _prompt(16, 2 * BLOCK + 1))
+        backend = tier.store.backend
+        real_pread = backend.pread
+
+        def eio(*args):  # fault injection: the device fails reads
+            raise OSError(errno.EIO, "Input/output error")
+
+        backend.pread = eio
+        h.reset_gpu_prefix_cache()
+        req_id = h.add_request(a)
+        _run(h)  # a chunk kept after a failed read would be promoted again and again
+        assert h.prefix_hits[req_id].external == 0
+        assert tier.stats.promotion_failed == 2 and tier.stats.corrupt == 0
+        assert tier.stats.failed_promotion_jobs == 1
+        backend.pread = real_pread
+    finally:
+        h.shutdown()
+
+
+def test_calls_never_wait_for_the_disk_and_a_backlog_is_bounded(model_dir, tmp_path):
+    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=8, disk_chunks=16,
+                                 max_pending_disk_writes=2))
+    release = threading.Event()
     try:
         tier = _tier(h)
         backend = tier.store.backend
         real_pwrite = backend.pwrite
-        release = threading.Event()
 
         def stalled(*args):  # fault injection: a disk that does not answer
             release.wait(60)
             return real_pwrite(*args)
 
         backend.pwrite = stalled
-        a = _prompt(14, 2 * BLOCK + 1)
-        req_id = h.add_request(a)
+        a, b = _prompt(17, 2 * BLOCK + 1), _prompt(18, 2 * BLOCK + 1)
         t0 = time.monotonic()
-        for _ in range(10):  # the request finishes and its cascade is stuck on the disk
-            h.step()
+        for prompt in (a, b):
+            req_id = h.add_request(prompt)
+            for _ in range(10):  # the request finishes; its cascade waits on the disk
+                h.step()
+            assert req_id not in h.scheduler.requests
         assert time.monotonic() - t0 < 5
-        assert req_id not in h.scheduler.requests and not h.scheduler.has_unfinished_requests()
+        assert not h.scheduler.has_unfinished_requests()
         assert tier.has_pending_work() and h.connector.has_pending_push_work()
         assert _tier_lookup(h, _keys(a)[0]) is LookupResult.MISS  # not visible before durable
+        # a's two chunks fill the backlog (max_pending_disk_writes=2): b's are refused.
+        assert tier.stats.store_skipped == 2 and tier.stats.failed_store_jobs == 1
         release.set()
         _run(h)
         assert [_tier_lookup(h, k) for k in _keys(a)] == [LookupResult.HIT] * 2
+        assert [_tier_lookup(h, k) for k in _keys(b)] == [LookupResult.MISS] * 2
+        assert h.stats()["tiered_kv_disk_tier_store_skipped_chunks"] == 2
     finally:
         release.set()
+        h.shutdown()
+
+
+def test_store_jobs_that_queue_up_share_one_sync_and_commit(model_dir, tmp_path):
+    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=8, disk_chunks=16))
+    release = threading.Event()
+    rows = None
+    try:
+        tier = _tier(h)
+        rows = np.asarray(h.manager.primary_tier.get_kv_memoryview())
+        rows[:4] = np.random.default_rng(0).integers(0, 256, rows[:4].shape, dtype=np.uint8)
+        backend = tier.store.backend
+        real_pwrite, real_sync = backend.pwrite, backend.sync
+        syncs = []
+
+        def stalled(*args):  # fault injection: a slow disk, so jobs queue up behind it
+            release.wait(60)
+            return real_pwrite(*args)
+
+        backend.pwrite = stalled
+        backend.sync = lambda f: (syncs.append(f), real_sync(f))
+        keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
+        # Driven directly (not through vLLM's manager, which must not see these jobs).
+        with h.manager.lock:
+            for i, key in enumerate(keys):
+                tier.submit_store(TransferJob(10_000 + i, [key], np.array([i], dtype=np.int32),
+                                              False, PROBE))
+            release.set()
+            tier.drain_jobs()
+            results = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert sorted(results) == [10_000, 10_001, 10_002, 10_003]
+        assert all(r.success and r.transfer_bytes == CHUNK for r in results.values())
+        # Both store threads were stuck on their first job; the other two went as one group.
+        assert len(syncs) < len(keys)
+        for i, key in enumerate(keys):
+            assert _tier_lookup(h, key) is LookupResult.HIT
+            assert tier.store.read_block(0, key) == rows[i].tobytes()
+    finally:
+        release.set()
+        rows = None  # our own view of vLLM's region, or vLLM could not unmap it
         h.shutdown()
 
 
@@ -439,3 +532,28 @@ def test_bad_tier_config_fails_vllm_start_up_naming_the_key(model_dir, tmp_path)
     extra = _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, hash_algorithm="xxhash")
     with pytest.raises(ConfigError, match=r"hash_algorithm: 'xxhash' does not match .*'sha256'"):
         _build(model_dir, extra)
+
+
+def test_the_shipped_config_runs_under_vllm(model_dir, tmp_path):
+    cfg = json.loads(SHIPPED_CONFIG.read_text())
+    assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert int(extra["cpu_bytes_to_use"]) == 64 * 1024**3  # vLLM applies int() to it
+    (entry,) = extra["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(entry) is TieredDiskTier
+    assert parse_tier_config(entry).disk_bytes == 1024**4
+    # The frontend process only asks the classes what they will report.
+    assert "tiered_kv_disk_tier_corrupt_chunks" in TieringOffloadingSpec.build_metric_definitions(extra)
+    assert "disk_namespace" in TieringOffloadingSpec.config_info_keys(extra)
+    # The same config, pointed at a test directory and sized for a test, runs as is.
+    extra = json.loads(json.dumps(extra))
+    extra["cpu_bytes_to_use"] = 4 * CHUNK
+    extra["secondary_tiers"][0].update(disk_path=str(tmp_path / "cache"), disk_bytes="64KiB")
+    h = _build(model_dir, extra)
+    try:
+        a = _prompt(19, 2 * BLOCK + 1)
+        _serve(h, a)
+        assert [_tier_lookup(h, k) for k in _keys(a)] == [LookupResult.HIT] * 2
+    finally:
+        h.shutdown()

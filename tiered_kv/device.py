@@ -5,7 +5,7 @@ helpers hand out real CUDA streams and events; on a CPU-only machine they degrad
 stand-ins that run work synchronously, so the same handler code runs everywhere.
 ``torch.Tensor.pin_memory`` raises on CPU-only torch, hence the probe: callers ask
 ``can_pin_memory()`` instead of trying. Each fallback is logged once per process.
-No I/O beyond allocating memory.
+No I/O beyond allocating memory and reading the memory limit (``/proc``-style files).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -62,6 +63,20 @@ def empty_host(shape: Sequence[int], dtype: torch.dtype, pin: bool | None = None
     elif pin and not can_pin_memory():
         raise RuntimeError("pinned host memory was requested but CUDA is not available")
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
+
+
+def host_memory_limit() -> int:
+    """Bytes of memory this process may use: physical RAM, or the cgroup's memory limit
+    (a container's) when that is lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
 
 
 def resolve_device(name: str) -> torch.device:

@@ -4,6 +4,9 @@ Worker process. ``HostKVCache`` allocates, per layer, a host tensor shaped like 
 device layer but with ``num_blocks = num_slots * block_size_factor`` (CPU slot ``s`` is
 kernel blocks ``s*f .. s*f+f-1``, the seed's ``expand_block_ids`` semantics), pinned
 when CUDA is present and pageable otherwise (logged once, see ``tiered_kv.device``).
+A tier larger than the memory the process may use (RAM or the cgroup limit) is refused
+before anything is allocated; a pinned allocation that fails (locked-memory limits)
+falls back to pageable memory with a warning saying what to change.
 
 ``pack_blocks`` / ``unpack_blocks`` turn offloaded blocks into flat bytes and back, so
 the disk tier can write whole blocks from any per-layer tensors (device or host). Byte
@@ -11,18 +14,23 @@ order of one offloaded block: layers in layout order; within a layer whose KV
 dimension comes before num_blocks, ``[K of kernel blocks 0..f-1][V of kernel blocks
 0..f-1]``, otherwise kernel blocks ``0..f-1`` each whole. Both loop over layers only.
 
-No file I/O here; only memory allocation and tensor copies.
+No file I/O here; only memory allocation, tensor copies and reading the memory limit.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from tiered_kv.device import empty_host
+from tiered_kv import device as machine  # module, so tests can stand in for its probes
+from tiered_kv.config import ConfigError, format_size
+from tiered_kv.device import empty_host, host_memory_limit
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+
+logger = logging.getLogger(__name__)
 
 
 def expand_block_ids(block_ids: Sequence[int] | np.ndarray, block_size_factor: int,
@@ -193,7 +201,10 @@ class HostKVCache:
 
     ``tensors[i]`` matches ``layout.layers[i]`` with ``num_blocks = num_slots *
     block_size_factor``; slot ``s`` is kernel blocks ``s*f .. s*f+f-1``. Memory is
-    pinned when CUDA is present (``pin=None``), else pageable (logged once).
+    pinned when CUDA is present (``pin=None``), else pageable (logged once); if pinning
+    fails it is pageable too, with a warning. ``pin=True`` or ``False`` demands that kind
+    and raises ``RuntimeError`` (with what to change) when it cannot be had. Raises
+    ``ConfigError`` naming cpu_bytes when the tier exceeds ``host_memory_limit()``.
     Contents start uninitialised.
     """
 
@@ -202,12 +213,39 @@ class HostKVCache:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.layout = layout
         self.num_slots = num_slots
-        kernel_blocks = num_slots * layout.block_size_factor
-        self.tensors: list[torch.Tensor] = []
-        for layer in layout.layers:
-            lead = (2, kernel_blocks) if layer.kv_before_num_blocks else (kernel_blocks,)
-            self.tensors.append(empty_host(lead + tuple(layer.block_shape), layout.dtype, pin))
+        nbytes = num_slots * layout.bytes_per_block
+        limit = host_memory_limit()
+        if nbytes > limit:
+            raise ConfigError(f"cpu_bytes: the CPU tier needs {format_size(nbytes)} ({num_slots} blocks of "
+                              f"{layout.bytes_per_block} B) but this machine lets this process use "
+                              f"{format_size(limit)} of memory; lower cpu_bytes")
+        pinning = pin if pin is not None else machine.can_pin_memory()
+        try:
+            self.tensors = self._allocate(pin)
+        except RuntimeError as e:
+            if pin is not None or not pinning:  # that kind was demanded, or nothing was pinned
+                raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of "
+                                   f"{'pinned' if pinning else 'pageable'} memory ({e}); lower cpu_bytes"
+                                   + (", or raise the locked-memory limit (ulimit -l, docker "
+                                      "--ulimit memlock=-1)" if pinning else "")) from e
+            logger.warning("pinning the CPU tier's %s failed (%s); using pageable memory, so GPU<->CPU "
+                           "copies are slower and synchronous. Lower cpu_bytes or raise the locked-memory "
+                           "limit (ulimit -l, docker --ulimit memlock=-1) to get pinned memory back",
+                           format_size(nbytes), e)
+            try:
+                self.tensors = self._allocate(False)
+            except RuntimeError as e2:
+                raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of host memory "
+                                   f"({e2}); lower cpu_bytes") from e2
         self.pinned = self.tensors[0].is_pinned()
+
+    def _allocate(self, pin: bool | None) -> list[torch.Tensor]:
+        kernel_blocks = self.num_slots * self.layout.block_size_factor
+        tensors = []
+        for layer in self.layout.layers:
+            lead = (2, kernel_blocks) if layer.kv_before_num_blocks else (kernel_blocks,)
+            tensors.append(empty_host(lead + tuple(layer.block_shape), self.layout.dtype, pin))
+        return tensors
 
     @staticmethod
     def slots_for_bytes(layout: KVCacheLayout, cpu_bytes: int) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import os
 import time
 from abc import ABC, abstractmethod
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.manager import DiskOffloadingManager
@@ -53,11 +52,6 @@ from tiered_kv.host_memory import pack_blocks
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.sizing import ModelGeometry
 
-logger = logging.getLogger(__name__)
-
-#: Keys vLLM's connector reads from kv_connector_extra_config; kept, not validated, here.
-VLLM_EXTRA_KEYS = ("spec_name", "spec_module_path", "blocks_per_chunk", "offload_prompt_only",
-                   "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes")
 #: Blocks written per store job (bounds the staging buffer to about this many bytes).
 JOB_BYTES = 64 << 20
 
@@ -90,7 +84,7 @@ def read_extra_config(path: str | os.PathLike) -> dict[str, Any]:
 def load_config(path: str | os.PathLike) -> TieredConfig:
     """The server's validated config from ``path`` (see ``read_extra_config``)."""
     try:
-        return TieredConfig.from_dict(read_extra_config(path), passthrough_keys=VLLM_EXTRA_KEYS)
+        return TieredConfig.from_dict(read_extra_config(path), passthrough_keys=VLLM_PASSTHROUGH_KEYS)
     except ConfigError as e:
         raise WarmupError(f"config {path}: {e}") from None
 
@@ -157,6 +151,14 @@ def tokenize(prompts: Sequence[Prompt], tokenizer: Any | None) -> list[list[int]
 # ---------------------------------------------------------------- KV engine
 
 
+def import_transformers() -> Any:
+    """The ``transformers`` module, or ``WarmupError`` saying how to install it."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as e:
+        raise WarmupError(f"the hf engine needs transformers ({e}); pip install 'tiered-kv[warmup]'") from None
+
+
 def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (key, value) of a transformers cache, across its API generations."""
     if hasattr(cache, "layers"):
@@ -183,25 +185,20 @@ class HFEngine:
     def from_pretrained(cls, model: str, dtype: str = "auto", device: str = "auto") -> "HFEngine":
         """Load ``model`` (a local directory or a hub id available offline) with
         ``dtype`` (``auto`` = the checkpoint's) on ``device`` (``auto``, ``cpu``, ``cuda``)."""
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        transformers = import_transformers()
+        transformers.utils.logging.disable_progress_bar()
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                            ("cpu" if device == "auto" else device))
         torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype, None)
         if torch_dtype is None or (dtype != "auto" and not isinstance(torch_dtype, torch.dtype)):
             raise WarmupError(f"--dtype: expected auto, float32, float16 or bfloat16, got {dtype!r}")
         try:
-            m = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+            m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         except OSError as e:
             raise WarmupError(f"cannot load model {model!r}: {e}".splitlines()[0]) from None
         return cls(m.to(dev), dev)
 
     def kv(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        bad = [t for t in token_ids if t >= self.vocab_size]
-        if bad:
-            raise WarmupError(f"token id {bad[0]} is outside the model's vocabulary ({self.vocab_size} tokens)")
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             cache = self.model(input_ids=ids, use_cache=True).past_key_values
@@ -242,11 +239,8 @@ class LayoutRequest:
 
 
 class BlockLayout(ABC):
-    """How warm-up blocks are laid out and keyed for one kind of serving engine.
-
-    ``kv_layout`` is one rank's KV-cache layout (the same for every rank), which fixes
-    the namespace fingerprint and the block bytes.
-    """
+    """How warm-up blocks are laid out, keyed and namespaced for one kind of serving
+    engine: what its scheduler would open the disk tier with and its workers write."""
 
     def __init__(self, request: LayoutRequest):
         self.request = request
@@ -254,7 +248,13 @@ class BlockLayout(ABC):
     @property
     @abstractmethod
     def kv_layout(self) -> KVCacheLayout:
-        """One rank's layout of the serving engine's KV cache."""
+        """One rank's layout of the serving engine's KV cache (the same on every rank);
+        fixes the block bytes."""
+
+    def fingerprint(self, config: TieredConfig) -> Fingerprint:
+        """The namespace the serving engine computes for ``config`` (by default the one
+        ``tiered_kv``'s own specs compute from the layout)."""
+        return Fingerprint.from_config(config, self.kv_layout, self.request.tp_size)
 
     @abstractmethod
     def keys(self, block_hashes: Sequence[bytes]) -> list[bytes]:
@@ -364,6 +364,10 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
     """
     if not config.disk_path:
         raise WarmupError("the config has no disk_path: there is no disk tier to warm")
+    for n, tokens in enumerate(prompts, 1):
+        if len(tokens) and max(tokens) >= engine.vocab_size:
+            raise WarmupError(f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary "
+                              f"({engine.vocab_size} tokens)")
     if layout not in BLOCK_LAYOUTS:
         raise WarmupError(f"--layout: expected one of {', '.join(sorted(BLOCK_LAYOUTS))}, got {layout!r}")
     chunk_tokens = chunk_tokens_for(config, gpu_block_size)
@@ -376,7 +380,7 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
     blocks = BLOCK_LAYOUTS[layout](LayoutRequest(engine.geometry, engine.dtype, gpu_block_size,
                                                  chunk_tokens // gpu_block_size, tp_size))
     kv_layout = blocks.kv_layout
-    fp = Fingerprint.from_config(config, kv_layout, tp_size)
+    fp = blocks.fingerprint(config)
     engine_id = f"tiered-kv-warmup-{os.getpid()}"
     t0 = time.perf_counter()
     report = WarmupReport(namespace=str(Path(config.disk_path) / fp.namespace_id), layout=layout)
@@ -394,8 +398,7 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
             if progress is not None:
                 progress(i, report)
     finally:
-        manager.flush()
-        manager.shutdown()
+        manager.shutdown()  # flushes the index updates it still holds
         if store is not None:
             store.close()
         report.seconds = time.perf_counter() - t0

@@ -83,9 +83,9 @@ def parse_args(argv):
     p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN)
     p.add_argument("--load-gbps", default="CPU=50,DISK=6", help="assumed load GB/s per tier into the GPU")
     p.add_argument("--plots", type=Path, help="sweep disk and working-set sizes and write PNGs here")
-    p.add_argument("--disk-sweep", default="0.125,0.25,0.5,0.75,1.0,1.25",
+    p.add_argument("--disk-sweep", default="0.125,0.25,0.5,0.75,1.25",
                    help="disk sizes for --plots, as fractions of the working set")
-    p.add_argument("--ws-sweep", default="0.25,0.5,1,2,3", help="workload scales for --plots (fixed tier sizes)")
+    p.add_argument("--ws-sweep", default="0.5,1,2", help="workload scales for --plots (fixed tier sizes)")
     p.add_argument("--markdown", type=Path, help="also write the tables as markdown to this file")
     p.add_argument("--json", type=Path, help="write the raw results as JSON")
     p.add_argument("--gpu", action="store_true", help="the device KV cache on CUDA, raw limits of the GPU host")
@@ -118,6 +118,11 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join([line(headers), sep, *map(line, cells)])
 
 
+def quantile(samples, q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -132,9 +137,8 @@ class Summary:
         t = tokens_per_block
         self.ttft = [model.ttft(s.computed * t, {"CPU": s.cpu * t, "DISK": s.disk * t}) for s in r.steps]
         self.mean_ttft = statistics.fmean(self.ttft)
-        sched = sorted(s.manager_seconds for s in r.steps)
-        self.sched_mean = statistics.fmean(sched)
-        self.sched_p99 = sched[min(len(sched) - 1, int(0.99 * len(sched)))]
+        sched = [s.manager_seconds for s in r.steps]
+        self.sched_p50, self.sched_p99 = quantile(sched, 0.5), quantile(sched, 0.99)
         self.sched_per_block = sum(sched) / blocks
         self.worker_mean = statistics.fmean(s.worker_seconds for s in r.steps)
         self.step_mean = statistics.fmean(s.seconds for s in r.steps)
@@ -151,11 +155,11 @@ def comparison_table(sums: dict[str, Summary]) -> str:
     for name, s in sums.items():
         saving = "-" if base is None or name == "no-offload" else pct(1 - s.mean_ttft / base.mean_ttft)
         rows.append([name, *(pct(s.share[k]) for k in SOURCES), pct(s.hit_rate), s.r.report.mismatches,
-                     f"{s.mean_ttft * 1e3:.2f}", saving, f"{s.sched_mean * 1e6:.0f}", f"{s.sched_p99 * 1e6:.0f}",
+                     f"{s.mean_ttft * 1e3:.2f}", saving, f"{s.sched_p50 * 1e6:.0f}", f"{s.sched_p99 * 1e6:.0f}",
                      f"{s.sched_per_block * 1e6:.2f}", f"{s.worker_mean * 1e3:.2f}", f"{s.step_mean * 1e3:.2f}",
                      f"{s.bytes_moved / 2**20:.0f}", f"{s.r.report.wall_seconds:.1f}"])
     return md_table(["config", "GPU", "CPU", "DISK", "computed", "hit rate", "mismatches", "TTFT ms (est.)",
-                     "TTFT saving", "sched us/step", "sched p99 us", "sched us/block", "worker ms/step",
+                     "TTFT saving", "sched p50 us/step", "sched p99 us/step", "sched us/block", "worker ms/step",
                      "step ms", "MiB moved", "wall s"], rows)
 
 
@@ -192,10 +196,10 @@ def scheduler_table(results: dict[str, RunResult]) -> str:
     for name, r in results.items():
         cells = []
         for c in calls:
-            n, s = r.manager_calls.get(c, (0, 0.0))
-            cells.append(f"{s / n * 1e6:.1f}" if n else "-")
+            v = r.manager_calls.get(c)
+            cells.append(f"{quantile(v, 0.5) * 1e6:.1f} / {quantile(v, 0.99) * 1e6:.0f}" if v else "-")
         rows.append([name, *cells, f"{r.manager_seconds * 1e3:.1f}"])
-    return md_table(["config (us per call)", *calls, "total ms"], rows)
+    return md_table(["config (p50 / p99 us per call)", *calls, "total ms"], rows)
 
 
 # ---------------------------------------------------------------- runs
@@ -241,9 +245,37 @@ def machine() -> str:
     return f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}, {gpu}, torch {torch.__version__}"
 
 
+def setup_lines(args, command, workload, shape, geometry, tiers) -> list[str]:
+    bpb = geometry.bytes_per_block
+    ws = shape.working_set
+    return [
+        f"command: `{command}`",
+        f"date: {datetime.date.today().isoformat()}; machine: {machine()}",
+        f"workload: {workload.name}: {shape.describe(bpb)}",
+        f"KV layout: {geometry.describe()}",
+        f"device prefix cache: {geometry.device_groups} blocks ({geometry.device_groups / ws:.3f} x working set)",
+        f"CPU tier: {tiers.cpu_slots} blocks = {tiers.cpu_slots * bpb / 2**20:.0f} MiB "
+        f"({tiers.cpu_slots / ws:.2f} x working set; the same RAM for cpu, cpu+disk and vllm-cpu)",
+        f"disk tier: {tiers.disk_slots} blocks = {tiers.disk_slots * bpb / 2**20:.0f} MiB "
+        f"({tiers.disk_slots / ws:.2f} x working set), write-through, promote on hit, under {args.disk_dir}",
+        f"prefill-cost model: {args.model.describe()}",
+        f"model source: {SOURCE}",
+    ]
+
+
+def raw_line(raw: dict) -> str:
+    line = (f"raw limits (same run): host copy {raw['host_copy']:.2f} GB/s, O_DIRECT write "
+            f"{raw['disk']['write']:.2f} / read {raw['disk']['read']:.2f} GB/s")
+    if "pinned" in raw:
+        line += f", pinned cudaMemcpyAsync H2D {raw['pinned']['H2D']:.2f} / D2H {raw['pinned']['D2H']:.2f} GB/s"
+        kv = raw["kvikio_read"]
+        line += f", KvikIO read {kv:.2f} GB/s" if isinstance(kv, float) else f", {kv}"
+    return line
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    started = time.perf_counter()
+    started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.gpu and not torch.cuda.is_available():
         print("error: --gpu needs a CUDA device, and torch.cuda.is_available() is False on this machine "
@@ -254,9 +286,9 @@ def main(argv=None) -> int:
         # Jobs here are small: OpenMP threads gain nothing, and on 2 cores their
         # barriers stall whole steps (as tiered-kv demo found).
         torch.set_num_threads(1)
-    preset = QUICK if args.quick else FULL
     tpb = (QUICK_GEOMETRY if args.quick else FULL_GEOMETRY)["gpu_block_size"]
-    workload = read_trace(args.trace, tpb) if args.trace else generate(args.workload, preset, tpb, args.scale, args.seed)
+    workload = (read_trace(args.trace, tpb) if args.trace
+                else generate(args.workload, QUICK if args.quick else FULL, tpb, args.scale, args.seed))
     if args.save_trace:
         write_trace(workload, args.save_trace)
     shape = Shape.of(workload, tpb)
@@ -266,44 +298,29 @@ def main(argv=None) -> int:
     if args.gpu and "cpu+disk-direct" not in configs:
         configs.append("cpu+disk-direct")  # disk hits straight to the GPU: the DISK->GPU number
     notes = []
-    if "vllm-cpu" in configs and (why := vllm_import_error()) is not None:
-        configs.remove("vllm-cpu")
-        notes.append(f"vllm-cpu skipped: vLLM's CPU offloading manager cannot be imported ({why})")
+    if "vllm-cpu" in configs:
+        t0 = time.perf_counter()
+        if (why := vllm_import_error()) is not None:
+            configs.remove("vllm-cpu")
+            notes.append(f"vllm-cpu skipped: vLLM's CPU offloading manager cannot be imported ({why})")
+        else:
+            notes.append(f"importing vLLM's CPU offloading manager took {time.perf_counter() - t0:.1f} s")
 
-    bpb = geometry.bytes_per_block
     command = "python tools/replay.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    header = [
-        f"command: {command}",
-        f"date: {datetime.date.today().isoformat()}; machine: {machine()}",
-        f"workload: {workload.name}: {shape.describe(bpb)}",
-        f"KV layout: {geometry.describe()}",
-        f"device prefix cache: {geometry.device_groups} blocks ({geometry.device_groups / shape.working_set:.3f} x working set)",
-        f"CPU tier: {tiers.cpu_slots} blocks = {tiers.cpu_slots * bpb / 2**20:.0f} MiB "
-        f"({tiers.cpu_slots / shape.working_set:.2f} x working set; same RAM for cpu, cpu+disk and vllm-cpu)",
-        f"disk tier: {tiers.disk_slots} blocks = {tiers.disk_slots * bpb / 2**20:.0f} MiB "
-        f"({tiers.disk_slots / shape.working_set:.2f} x working set), write-through, promote on hit, under {args.disk_dir}",
-        f"prefill-cost model: {args.model.describe()}",
-        f"  source: {SOURCE}",
-    ]
-    log("\n".join(header))
+    setup = setup_lines(args, command, workload, shape, geometry, tiers)
+    log("\n".join(setup))
     raw = measure_raw(args, geometry)
     log("replaying:")
     results = run_all(configs, workload, geometry, tiers, device, log)
-    io = next((r.io for r in results.values() if r.io), "")
     sums = {name: Summary(r, args.model, tpb) for name, r in results.items()}
-    raw_line = (f"raw limits (same run): host copy {raw['host_copy']:.2f} GB/s, O_DIRECT write "
-                f"{raw['disk']['write']:.2f} / read {raw['disk']['read']:.2f} GB/s")
-    if "pinned" in raw:
-        kv = raw["kvikio_read"]
-        raw_line += (f", pinned cudaMemcpyAsync H2D {raw['pinned']['H2D']:.2f} / D2H {raw['pinned']['D2H']:.2f} GB/s, "
-                     f"KvikIO read {kv:.2f} GB/s" if isinstance(kv, float) else f", {kv}")
+    setup += [f"disk I/O: {next((r.io for r in results.values() if r.io), '-')}", raw_line(raw), *notes]
     sections = [
-        ("Setup", "\n".join(header + [f"disk I/O: {io or '-'}", raw_line, *notes])),
         ("Token hit rate per tier, estimated TTFT, time per step",
          comparison_table(sums) + "\n\nGPU/CPU/DISK/computed: share of requested tokens served by the device prefix "
          "cache, each tier, or computed (they add up to 100%). TTFT: mean over requests under the prefill-cost "
          "model; saving against no-offload. sched: manager calls per step (one request); worker: submitting, "
-         "polling and waiting for transfers."),
+         "polling and waiting for transfers; step: the whole step, including the driver generating and "
+         "verifying block bytes."),
         ("Transfers (handler wall time per job, summed; raw limits measured in the same run)",
          transfer_table(results, raw)),
         ("Scheduler-side cost per manager call", scheduler_table(results)),
@@ -311,16 +328,18 @@ def main(argv=None) -> int:
     sweeps = {}
     if args.plots:
         sweeps = run_sweeps(args, workload, geometry, tiers, device, results, log)
-        sections += sweep_sections(sweeps, args.model, tpb, sums)
-        import replay_plots
-        args.plots.mkdir(parents=True, exist_ok=True)
-        written = replay_plots.write_all(args.plots, sweeps, results, raw, args.model, tpb, shape, geometry, tiers,
-                                         workload.name)
-        sections.append(("Plots", "\n".join(str(p) for p in written)))
-    text = "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
+        sections += sweep_sections(sweeps, args.model, tpb)
+        sections.append(("Plots", "\n".join(f"- {p}" for p in write_plots(args, sweeps, results, raw, workload,
+                                                                             shape, geometry, tiers))))
+    setup.append(f"load average (1 min) at start / end: {load_at_start:.1f} / {os.getloadavg()[0]:.1f} "
+                 "(other work on this machine slows every configuration)")
+    sections.insert(0, ("Setup", "\n".join(f"- {line}" for line in setup)))
+    text = "\n\n".join(f"### {title}\n\n{body}" for title, body in sections)
     print(text)
-    mismatches = sum(r.report.mismatches for r in results.values())
-    failed = sum(r.report.failed_jobs for r in results.values())
+    every = [*results.values(), *(r for _, r in sweeps.get("disk", [])),
+             *(r for _, p in sweeps.get("working_set", []) for r in p.values())]
+    mismatches = sum(r.report.mismatches for r in every)
+    failed = sum(r.report.failed_jobs for r in every)
     print(f"\nmismatches: {mismatches}  failed jobs: {failed}  total time: {time.perf_counter() - started:.1f} s")
     if args.markdown:
         args.markdown.write_text(text + "\n")
@@ -329,34 +348,52 @@ def main(argv=None) -> int:
     return 1 if mismatches else 0
 
 
+def write_plots(args, sweeps, results, raw, workload, shape, geometry, tiers) -> list[Path]:
+    import replay_plots  # matplotlib only when plotting
+
+    args.plots.mkdir(parents=True, exist_ok=True)
+    kind = args.trace.stem if args.trace else args.workload
+    title = (f"{workload.name}, {geometry.bytes_per_block / 2**20:g} MiB blocks, "
+             f"{datetime.date.today().isoformat()}, {os.cpu_count()} CPUs, {'GPU' if args.gpu else 'no GPU'}")
+    return replay_plots.write_all(args.plots, sweeps, results, raw, raw_reference, args.model,
+                                  geometry.tokens_per_block, shape, tiers, kind, title)
+
+
 # ---------------------------------------------------------------- sweeps
 
 def run_sweeps(args, workload, geometry, tiers, device, results, log) -> dict:
-    """Disk size (cpu+disk only) on this trace; working-set size (every config) with
-    the tier sizes fixed at this trace's."""
+    """Disk size (cpu+disk only) on this trace; working-set size (every config but
+    cpu+disk-direct) with the tier sizes fixed at this trace's. Points equal to the main
+    run reuse its results."""
     out = {"disk": [], "working_set": []}
+    working_set = Shape.of(workload, geometry.tokens_per_block).working_set
     log("disk-size sweep (cpu+disk):")
-    for f in args.disk_sweep:
-        t = tiers_for(args, Shape.of(workload, geometry.tokens_per_block).working_set, f)
-        r = run_config("cpu+disk", workload, geometry, t, device)
+    for f in sorted(set(args.disk_sweep)):
+        if f == args.disk_fraction and "cpu+disk" in results:
+            r = results["cpu+disk"]
+        else:
+            r = run_config("cpu+disk", workload, geometry, tiers_for(args, working_set, f), device)
+            log(f"  disk {f:g} x working set: {r.report.wall_seconds:.1f} s")
         out["disk"].append((f, r))
-        log(f"  disk {f:g} x working set: {r.report.wall_seconds:.1f} s")
     if args.trace:
         log("working-set sweep skipped: it needs a generated workload")
         return out
-    log("working-set sweep:")
+    log("working-set sweep (tier sizes fixed):")
     configs = [c for c in results if c != "cpu+disk-direct"]
-    for scale in args.ws_sweep:
-        w = generate(args.workload, QUICK if args.quick else FULL, geometry.tokens_per_block, args.scale * scale, args.seed)
+    for scale in sorted(set(args.ws_sweep)):
+        if scale == 1:
+            out["working_set"].append((working_set, {c: results[c] for c in configs}))
+            continue
+        w = generate(args.workload, QUICK if args.quick else FULL, geometry.tokens_per_block, args.scale * scale,
+                     args.seed)
         shape = Shape.of(w, geometry.tokens_per_block)
         g = replace(geometry, device_groups=max(geometry.device_groups, 2 * shape.longest))
-        point = run_all(configs, w, g, tiers, device, lambda m: None)
-        out["working_set"].append((shape.working_set, point))
+        out["working_set"].append((shape.working_set, run_all(configs, w, g, tiers, device, log)))
         log(f"  scale {scale:g}: working set {shape.working_set} blocks")
     return out
 
 
-def sweep_sections(sweeps, model, tpb, sums) -> list[tuple[str, str]]:
+def sweep_sections(sweeps, model, tpb) -> list[tuple[str, str]]:
     rows = []
     for f, r in sweeps["disk"]:
         s = Summary(r, model, tpb)
@@ -368,17 +405,22 @@ def sweep_sections(sweeps, model, tpb, sums) -> list[tuple[str, str]]:
     for ws, point in sweeps["working_set"]:
         for name, r in point.items():
             s = Summary(r, model, tpb)
-            rows.append([ws, name, pct(s.hit_rate), f"{s.mean_ttft * 1e3:.2f}", f"{s.sched_mean * 1e6:.0f}",
+            rows.append([ws, name, pct(s.hit_rate), f"{s.mean_ttft * 1e3:.2f}", f"{s.sched_p50 * 1e6:.0f}",
                          f"{s.sched_per_block * 1e6:.2f}", r.report.mismatches])
-    ws = md_table(["working set (blocks)", "config", "hit rate", "TTFT ms", "sched us/step", "sched us/block",
+    ws = md_table(["working set (blocks)", "config", "hit rate", "TTFT ms", "sched p50 us/step", "sched us/block",
                    "mismatches"], rows)
     return [("Hit rate against disk size (cpu+disk)", disk), ("Cost against working-set size", ws)]
 
 
 def to_json(results, sweeps, raw, shape, geometry, tiers, args) -> dict:
+    def calls(c: dict[str, list[float]]) -> dict:
+        return {k: {"calls": len(v), "seconds": sum(v), "p50_s": quantile(v, 0.5), "p99_s": quantile(v, 0.99)}
+                for k, v in c.items()}
+
     def one(r: RunResult) -> dict:
         rep = asdict(r.report)
-        return {"config": r.config, "report": rep, "manager_calls": r.manager_calls, "worker_calls": r.worker_calls,
+        return {"config": r.config, "report": rep, "manager_calls": calls(r.manager_calls),
+                "worker_calls": calls(r.worker_calls),
                 "transfers": r.transfers, "tiers": r.tiers, "cpu_slots": r.cpu_slots, "disk_slots": r.disk_slots,
                 "steps": [asdict(s) for s in r.steps]}
     return {"shape": asdict(shape), "geometry": {**asdict(geometry), "dtype": str(geometry.dtype)},

@@ -103,14 +103,14 @@ class _TimedCalls:
     def __init__(self, inner, timed: Iterable[str]):
         self._inner = inner
         self._timed = frozenset(timed)
-        self.calls: dict[str, list] = {}  # name -> [calls, seconds]
+        self.calls: dict[str, list[float]] = {}  # name -> seconds of each call
         self.step_seconds = 0.0
 
     def __getattr__(self, name: str):
         target = getattr(self._inner, name)
         if name not in self._timed:
             return target
-        totals = self.calls.setdefault(name, [0, 0.0])
+        samples = self.calls.setdefault(name, [])
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -121,8 +121,7 @@ class _TimedCalls:
                 return out
             finally:
                 dt = time.perf_counter() - t0
-                totals[0] += 1
-                totals[1] += dt
+                samples.append(dt)
                 self.step_seconds += dt
 
         self.__dict__[name] = timed  # later lookups skip __getattr__
@@ -168,8 +167,8 @@ class RunResult:
     config: str
     report: DriverReport
     steps: list[Step]
-    manager_calls: dict[str, list]
-    worker_calls: dict[str, list]
+    manager_calls: dict[str, list[float]]  # call name -> seconds of each call
+    worker_calls: dict[str, list[float]]
     transfers: dict[str, dict] = field(default_factory=dict)  # TieredStats.as_dict()["transfers"]
     tiers: dict[str, dict] = field(default_factory=dict)  # TieredStats.as_dict()["tiers"]
     cpu_slots: int = 0
@@ -179,7 +178,7 @@ class RunResult:
 
     @property
     def manager_seconds(self) -> float:
-        return sum(s for _, s in self.manager_calls.values())
+        return sum(map(sum, self.manager_calls.values()))
 
     def blocks_from(self, source: str) -> int:
         """Blocks served per source: ``GPU`` (device prefix cache), ``CPU``, ``DISK``, or

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tiered_kv.disk.index import IndexSnapshot
 from tiered_kv.disk.io_backends import PosixBackend
@@ -38,10 +39,10 @@ GPU_BLOCK_SIZE = 16
 # ---------------------------------------------------------------- the hierarchy
 
 
-def device(num_gpu_blocks: int = 8) -> DeviceKVCache:
-    """A small "GPU" KV cache on CPU tensors: 2 layers, 16 KiB per block."""
+def device(num_gpu_blocks: int = 8, dtype: torch.dtype = torch.float16) -> DeviceKVCache:
+    """A small "GPU" KV cache on CPU tensors: 2 layers, 16 KiB per block (at 2 bytes)."""
     return DeviceKVCache(num_layers=2, num_gpu_blocks=num_gpu_blocks, gpu_block_size=GPU_BLOCK_SIZE,
-                         num_kv_heads=4, head_dim=32, device="cpu")
+                         num_kv_heads=4, head_dim=32, dtype=dtype, device="cpu")
 
 
 def config(cache_dir: str | os.PathLike | None, bytes_per_block: int, cpu_blocks: int = 8,
@@ -56,14 +57,16 @@ def config(cache_dir: str | os.PathLike | None, bytes_per_block: int, cpu_blocks
 
 
 class Hierarchy:
-    """One engine's hierarchy in this process: ``spec`` and ``driver`` (manager + worker)."""
+    """One engine's hierarchy in this process: ``spec`` and ``driver`` (manager + worker).
+    ``extra`` are config keys; ``tp_size`` > 1 makes this process rank 0 of a TP group."""
 
     def __init__(self, cache_dir, cpu_blocks: int = 8, disk_blocks: int = 40, engine_id: str | None = None,
-                 **extra):
-        self.device = device()
+                 dtype: torch.dtype = torch.float16, tp_size: int = 1, **extra):
+        self.device = device(dtype=dtype)
         layout = self.device.layout
         self.spec = TieredOffloadingSpec(config(cache_dir, layout.bytes_per_block, cpu_blocks, disk_blocks,
-                                                **extra), GPU_BLOCK_SIZE, layout, engine_id=engine_id)
+                                                **extra), GPU_BLOCK_SIZE, layout, engine_id=engine_id,
+                                         tp_size=tp_size)
         self.driver = EngineDriver.from_spec(self.spec, self.device)
         self.closed = False
 
@@ -157,25 +160,51 @@ class TmpfsMount:
     def fill(self, leave: int = 0) -> Path:
         """Write a filler file until at most ``leave`` bytes are free; returns it."""
         filler = self.path / "filler"
-        chunk = b"\0" * (64 << 10)
-        with open(filler, "ab") as f:
-            try:
-                while os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize > leave + len(chunk):
-                    f.write(chunk)
-                    f.flush()
-                if leave == 0:
-                    while True:
-                        f.write(chunk[:4096])
-                        f.flush()
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            for chunk in (b"\0" * (64 << 10), b"\0" * 4096):
+                while True:
+                    st = os.statvfs(self.path)
+                    if st.f_bavail * st.f_frsize < leave + len(chunk):
+                        break
+                    try:
+                        os.write(fd, chunk)
+                    except OSError as e:
+                        if e.errno != errno.ENOSPC:
+                            raise
+                        break
+        finally:
+            os.close(fd)
         return filler
 
     def unmount(self) -> None:
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.path)], check=False)
             self.mounted = False
+
+
+def open_engine_elsewhere(cache_dir, timeout: float = 60.0) -> str:
+    """Start an engine on ``cache_dir`` in another process and close it again; returns
+    ``"ok"`` or ``"<ExceptionType>: <message>"`` (what that engine's startup raised)."""
+    ctx = fork_context()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_open_and_report, args=(str(cache_dir), child))
+    proc.start()
+    child.close()
+    if not parent.poll(timeout):
+        proc.kill()
+        raise AssertionError("the other engine neither started nor failed")
+    out = parent.recv()
+    proc.join(timeout)
+    return out
+
+
+def _open_and_report(cache_dir: str, conn) -> None:
+    try:
+        Hierarchy(cache_dir, engine_id=f"elsewhere-{os.getpid()}").close()
+        conn.send("ok")
+    except Exception as e:
+        conn.send(f"{type(e).__name__}: {e}")
 
 
 def documents(num_docs: int, blocks_per_doc: int, seed: int = 0) -> list[list[bytes]]:

@@ -23,8 +23,8 @@ from tiered_kv.cli.output import emit_json, errors, progress_bar
 from tiered_kv.config import format_size
 from tiered_kv.hashing import HashSettingsError, resolve_seed
 from tiered_kv.warmup import (
-    BLOCK_LAYOUTS, HFEngine, WarmupError, WarmupReport, chunk_tokens_for, load_config, read_extra_config,
-    read_prompts, require_vllm_engine, run_vllm_warmup, tokenize, warmup,
+    BLOCK_LAYOUTS, HFEngine, WarmupError, WarmupReport, chunk_tokens_for, import_transformers, load_config,
+    read_extra_config, read_prompts, require_vllm_engine, run_vllm_warmup, tokenize, warmup,
 )
 
 ENGINES = ("hf", "vllm")
@@ -47,8 +47,10 @@ def warmup_cmd(
     disk_path: Optional[str] = typer.Option(None, "--disk-path", help="Override the config's disk_path."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    """Compute the KV of every full block of every prompt and write it to the disk tier, so
-    the server's first requests hit. Resumable: blocks already on disk are skipped."""
+    """Write the KV of every full block of every prompt to the disk tier (resumable).
+
+    The server's first requests for these prompts then hit. Blocks already on disk are
+    skipped, so a rerun picks up where an interrupted one stopped."""
     with errors(json_out, (WarmupError, HashSettingsError)):
         if engine not in ENGINES:
             raise WarmupError(f"--engine: expected hf or vllm, got {engine!r}")
@@ -87,10 +89,9 @@ def warmup_cmd(
 
 
 def _load_tokenizer(path: str):
+    transformers = import_transformers()
     try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
+        return transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise WarmupError(f"cannot load a tokenizer from {path!r} for the text prompts: "
                           f"{str(e).splitlines()[0]}") from None

@@ -19,12 +19,23 @@ per job, and only after the block bytes are durable (``store.py``); the manager'
 background flusher commits evictions, access times and log trimming in batches. Readers
 never block writers (MVCC). ``MDB_MAP_RESIZED`` in a reader is handled by adopting the
 new map size and retrying; a writer grows the map on ``MapFullError``.
+
+A damaged index is detected when it is opened: a ``data.mdb`` shorter than its own meta
+page says (a truncated file, which would otherwise kill the process with SIGBUS on the
+first page read), one LMDB cannot open, or, for writers, a walk over every key that
+hits a bad page. It raises ``IndexCorruptError``; writers opened with ``repair=True``
+(the engine's scheduler and workers) instead move it aside to ``index.lmdb.corrupt``
+and start an empty index, logging why: the blocks it described are recomputed, and
+no block is ever served from an index that cannot be read.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
+import shutil
 import struct
 import threading
 import time
@@ -50,6 +61,20 @@ _SEQ = struct.Struct(">Q")
 _SLOT = struct.Struct(">Q")
 _LOG_SEQ_KEY = b"log_seq"
 _MIN_MAP_SIZE = 256 << 20
+_DB_NAMES = ("blocks", "slots", "log", "meta")
+#: LMDB errors that mean the file's contents are damaged, not that the environment
+#: (permissions, space, locks) is wrong.
+_CORRUPTION = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
+               lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+QUARANTINE_SUFFIX = ".corrupt"
+
+
+class IndexCorruptError(RuntimeError):
+    """The index at ``path`` cannot be read as an index (``reason`` says why)."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"disk index {path} is damaged: {reason}")
 
 
 def entry_dtype(tp_size: int, hash_len: int) -> np.dtype:
@@ -121,28 +146,57 @@ class _SharedEnv:
         self._resizing = False
         self.env = self._open(path, readonly, map_size)
         self.dbs: dict[str, Any] = {}
-        for name in ("blocks", "slots", "log", "meta"):
-            try:
-                self.dbs[name] = self.env.open_db(name.encode(), create=not readonly)
-            except lmdb.NotFoundError:
-                self.dbs[name] = None  # a read-only open of an index never written to
+        try:
+            for name in _DB_NAMES:
+                try:
+                    self.dbs[name] = self.env.open_db(name.encode(), create=not readonly)
+                except lmdb.NotFoundError:
+                    self.dbs[name] = None  # a read-only open of an index never written to
+            if not readonly:
+                self._walk()
+        except _CORRUPTION as e:
+            self.env.close()
+            raise IndexCorruptError(path, f"{type(e).__name__}: {e}") from e
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _walk(self) -> None:
+        """Touch every page of every database (keys only): a damaged page raises here,
+        at open, instead of in the middle of serving."""
+        with self.env.begin() as txn:
+            for db in self.dbs.values():
+                if db is not None:
+                    for _ in txn.cursor(db=db).iternext(keys=True, values=False):
+                        pass
 
     @staticmethod
     def _open(path: Path, readonly: bool, map_size: int) -> lmdb.Environment:
         kwargs = dict(subdir=True, max_dbs=8, readonly=readonly, create=not readonly,
                       readahead=False, meminit=False, max_readers=1022)
-        if readonly:
-            try:
-                env = lmdb.open(str(path), lock=True, **kwargs)
-            except lmdb.Error as e:
-                # The lock file is not writable (e.g. a read-only mount): read without the
-                # reader table, which is only safe while no engine writes.
-                logger.warning("opening %s read-only without locking (%s); results may be "
-                               "inconsistent if an engine is writing", path, e)
-                env = lmdb.open(str(path), lock=False, **kwargs)
-        else:
-            env = lmdb.open(str(path), map_size=map_size, **kwargs)
-            env.reader_check()  # clear reader slots of processes that died (kill -9)
+        try:
+            if readonly:
+                try:
+                    env = lmdb.open(str(path), lock=True, **kwargs)
+                except _CORRUPTION:
+                    raise
+                except lmdb.Error as e:
+                    # The lock file is not writable (e.g. a read-only mount): read without
+                    # the reader table, which is only safe while no engine writes.
+                    logger.warning("opening %s read-only without locking (%s); results may be "
+                                   "inconsistent if an engine is writing", path, e)
+                    env = lmdb.open(str(path), lock=False, **kwargs)
+            else:
+                env = lmdb.open(str(path), map_size=map_size, **kwargs)
+        except _CORRUPTION as e:
+            raise IndexCorruptError(path, f"{type(e).__name__}: {e}") from e
+        try:
+            _check_not_truncated(env, path)
+            if not readonly:
+                env.reader_check()  # clear reader slots of processes that died (kill -9)
+        except BaseException:
+            env.close()
+            raise
         return env
 
     def run(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
@@ -197,11 +251,24 @@ class _SharedEnv:
                 self._cond.notify_all()
 
 
+def _check_not_truncated(env: lmdb.Environment, path: Path) -> None:
+    """Raise ``IndexCorruptError`` if ``data.mdb`` ends before the last page its meta
+    page records. Both numbers come from the meta pages and ``stat``, never from the
+    map: reading a page past the end of the file is SIGBUS. (A writer extends the file
+    before it publishes a meta page naming the new pages, so a live index never fails.)"""
+    pages = env.info()["last_pgno"] + 1
+    need = pages * env.stat()["psize"]
+    size = os.stat(Path(path) / "data.mdb").st_size
+    if size < need:
+        raise IndexCorruptError(path, f"data.mdb is truncated: {size} bytes, but its {pages} pages "
+                                      f"need {need}")
+
+
 _registry: dict[str, _SharedEnv] = {}
 _registry_lock = threading.Lock()
 
 
-def _acquire_env(path: Path, readonly: bool, map_size: int) -> _SharedEnv:
+def _acquire_env(path: Path, readonly: bool, map_size: int, repair: bool = False) -> _SharedEnv:
     key = os.path.realpath(path)
     with _registry_lock:
         shared = _registry.get(key)
@@ -211,10 +278,51 @@ def _acquire_env(path: Path, readonly: bool, map_size: int) -> _SharedEnv:
         if shared is None:
             if readonly and not (Path(path) / "data.mdb").exists():
                 raise FileNotFoundError(f"no LMDB index at {path}")
-            shared = _SharedEnv(Path(path), readonly, map_size)
+            seen = _inode(path)
+            try:
+                shared = _SharedEnv(Path(path), readonly, map_size)
+            except IndexCorruptError as e:
+                if readonly or not repair:
+                    raise
+                shared = _rebuild(Path(path), map_size, e, seen)
             _registry[key] = shared
         shared.refs += 1
         return shared
+
+
+def _inode(path: str | os.PathLike) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _rebuild(path: Path, map_size: int, damage: IndexCorruptError, seen: int | None) -> _SharedEnv:
+    """Move the damaged index (directory inode ``seen``) aside and open an empty one in
+    its place. Serialised between processes by a lock file next to it; a process that
+    finds the index already replaced (by a peer that saw the same damage) opens the
+    replacement instead."""
+    fd = os.open(path.parent / f".{path.name}.repair", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _inode(path) == seen:
+            aside = path.with_name(path.name + QUARANTINE_SUFFIX)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(path, aside)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            logger.error("%s; moved it to %s and starting with an empty index (the blocks it "
+                         "described will be recomputed)", damage, aside)
+        return _SharedEnv(path, False, map_size)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return _SharedEnv(path, False, map_size)  # a peer moved it and has not recreated yet
+        raise
+    finally:
+        os.close(fd)
 
 
 def _release_env(shared: _SharedEnv) -> None:
@@ -229,17 +337,19 @@ class DiskIndex:
     """Typed access to one namespace's index. Thread-safe; cheap to create per user.
 
     ``tp_size`` fixes the entry length. Every write method commits one transaction
-    (synced: the environment is opened with LMDB's default durable commits).
+    (synced: the environment is opened with LMDB's default durable commits). A damaged
+    index raises ``IndexCorruptError``, or with ``repair`` (writers only) is replaced by
+    an empty one (see the module docstring).
     """
 
     def __init__(self, path: str | os.PathLike, tp_size: int, *, readonly: bool = False,
-                 expected_entries: int = 0):
+                 expected_entries: int = 0, repair: bool = False):
         self.path = Path(path)
         self.tp_size = tp_size
         self._entry = struct.Struct(_HEADER.format + f"{tp_size}Q")
         # Map size is virtual address space, not disk: reserve plenty so growth is rare.
         map_size = max(_MIN_MAP_SIZE, expected_entries * 1024)
-        self._shared = _acquire_env(self.path, readonly, map_size)
+        self._shared = _acquire_env(self.path, readonly, map_size, repair)
         self._closed = False
 
     @property

@@ -4,17 +4,22 @@ Scheduler process. It never reads or writes block data, never fsyncs and never r
 a write transaction on the caller's thread:
 
 - At startup it opens (or creates) the namespace, takes the writer lock, preallocates
-  the slab files and loads the LMDB index in one read pass (numpy, no per-entry
+  the slab files and disk space for the index to grow into (so a disk that fills up
+  later fails neither block writes nor the index commits that record them), and loads
+  the LMDB index in one read pass (numpy, no per-entry
   objects: 1M blocks open in well under a second). A block is loadable when every TP
-  rank has committed it; partial entries left by a crash are dropped and their slots
-  reused.
+  rank has committed it; partial entries left by a crash, and entries past the end of
+  a slab found truncated or missing, are dropped and their slots reused. A damaged
+  index is moved aside and replaced by an empty one (``index.py``), never served.
 - ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
   load nor being stored) and hands workers a ``DiskLoadStoreSpec``. Workers write the
   bytes, make them durable, and only then commit the index entry (``store.py``).
 - A block becomes loadable on ``complete_store(success=True)`` (every rank's job
   finished) or earlier, when ``refresh()`` finds every rank's ``ok`` record in the
-  index's log. ``refresh()`` (also run by ``take_events``) drops blocks whose stores
-  failed or that a worker found corrupt.
+  index's log. ``refresh()`` (also run by ``take_events``) drops blocks that a worker
+  found corrupt, and frees the slot of a pending block whose store failed on some rank
+  once every rank has logged its outcome (no write to the slot is left in flight), so
+  a failed write frees its slot even when no job reports it (composite spills).
 - Evictions, access times and log trimming reach the index through a background
   flusher thread that batches them into one transaction every few milliseconds. An
   eviction's delete only applies if the entry still points at the evicted slot and
@@ -35,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 
+import lmdb
 import numpy as np
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -62,6 +68,7 @@ class DiskManagerStats:
     reclaimed_at_open: int = 0  # partial or invalid entries dropped at startup
     index_flushes: int = 0
     index_flush_errors: int = 0
+    index_read_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -81,11 +88,12 @@ class RefreshResult:
 
 
 class _Pending:
-    __slots__ = ("slot", "ranks", "failed")
+    __slots__ = ("slot", "ranks", "reported", "failed")
 
     def __init__(self, slot: int):
         self.slot = slot
-        self.ranks = 0
+        self.ranks = 0  # ranks whose bytes are durable
+        self.reported = 0  # ranks that logged an outcome (ok or failed): done with the slot
         self.failed = False
 
 
@@ -244,9 +252,13 @@ class DiskOffloadingManager(OffloadingManager):
         """Preallocate the slabs and adopt the index (with the writer lock held)."""
         self.namespace.grow(capacity)
         self.capacity = capacity
+        # Measured before preallocation restores the length: an entry past the end of
+        # its slab (truncated or deleted) has lost its bytes.
+        intact = min(self._slab_slots(rank) for rank in range(self.tp_size))
         for rank in range(self.tp_size):
             self.namespace.allocate_slab(rank)
-        self.index = DiskIndex(self.namespace.index_path, self.tp_size, expected_entries=capacity)
+        self.index = DiskIndex(self.namespace.index_path, self.tp_size, expected_entries=capacity, repair=True)
+        self.namespace.reserve_index()
         self._lock = threading.Lock()
         self._table = _BlockTable()
         self._pending: dict[bytes, _Pending] = {}
@@ -259,13 +271,13 @@ class DiskOffloadingManager(OffloadingManager):
         self._trim_upto = 0
         self._log_seen = 0
         t0 = time.perf_counter()
-        self._load(self.index.load_all())
+        self._load(self.index.load_all(), intact)
         logger.info("disk tier %s: %d loadable blocks, %d free of %d slots (%d B each), opened in "
                     "%.3f s", self.namespace.path, len(self._table), len(self._free), capacity,
                     self.slot_size, time.perf_counter() - t0)
         if not len(self._table):
             for line in explain_other_namespaces(cache_dir, fingerprint):
-                logger.info("not serving disk cache namespace %s", line)
+                logger.warning("not serving disk cache namespace %s", line)
 
     @classmethod
     def from_config(cls, config, layout: KVCacheLayout, tp_size: int = 1,
@@ -278,11 +290,28 @@ class DiskOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------ startup
 
-    def _load(self, snap: IndexSnapshot) -> None:
-        """Adopt the index: complete entries in range become loadable, the rest is reclaimed."""
+    def _slab_slots(self, rank: int) -> int:
+        """Whole slots rank ``rank``'s slab file holds now (0 if it is missing)."""
+        try:
+            return os.stat(self.namespace.slab_path(rank)).st_size // self.slot_size
+        except FileNotFoundError:
+            return 0
+
+    def _load(self, snap: IndexSnapshot, intact_slots: int) -> None:
+        """Adopt the index: complete entries in range become loadable, the rest is
+        reclaimed. Slots at or past ``intact_slots`` lie beyond the end of some rank's
+        slab as found at startup: their entries are dropped, with a warning."""
         e = snap.entries
-        ok = ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask)) \
-            & (e["size"] == self.block_bytes) & (e["slot"] >= 0) & (e["slot"] < self.capacity)
+        limit = min(self.capacity, intact_slots)
+        complete = ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask)) \
+            & (e["size"] == self.block_bytes) & (e["slot"] >= 0)
+        lost = int((complete & (e["slot"] >= limit) & (e["slot"] < self.capacity)).sum())
+        lost += sum(1 for _, entry in snap.odd if limit <= entry.slot < self.capacity)
+        if lost:
+            logger.warning("disk tier %s: a slab is missing or truncated (only %d of %d slots on every "
+                           "rank); dropping the %d blocks stored past its end", self.namespace.path,
+                           limit, self.capacity, lost)
+        ok = complete & (e["slot"] < limit)
         # Two entries in one slot cannot both be valid; keep the newest (defensive).
         good = np.flatnonzero(ok)
         if len(good) and np.bincount(e["slot"][good], minlength=1).max() > 1:
@@ -303,7 +332,7 @@ class DiskOffloadingManager(OffloadingManager):
             used[e["slot"][keep]] = True
         for h, entry in sorted(snap.odd, key=lambda he: he[1].last_access):
             if (entry.ranks & self._full_mask == self._full_mask and entry.size == self.block_bytes
-                    and 0 <= entry.slot < self.capacity and not used[entry.slot]):
+                    and 0 <= entry.slot < limit and not used[entry.slot]):
                 self._table.add(h, entry.slot)
                 used[entry.slot] = True
             else:
@@ -445,10 +474,16 @@ class DiskOffloadingManager(OffloadingManager):
     def refresh(self) -> RefreshResult:
         """Apply what workers logged since the last call: pending blocks committed by
         every rank become loadable; pending blocks that failed on a rank are marked
-        failed (freed by their ``complete_store``); loadable blocks found corrupt are
-        dropped. Idempotent; an MVCC read, never waits for writers."""
-        records = self.index.read_log(self._log_seen)
+        failed, and freed once every rank has logged (or by their ``complete_store``);
+        loadable blocks found corrupt are dropped. Idempotent; an MVCC read, never
+        waits for writers."""
         result = RefreshResult([], [], [])
+        try:
+            records = self.index.read_log(self._log_seen)
+        except lmdb.Error as e:  # a damaged index must not reach the engine; stores stay pending
+            self.stats.index_read_errors += 1
+            logger.error("reading the disk index log failed: %s", e)
+            return result
         if not records:
             return result
         with self._lock:
@@ -456,19 +491,27 @@ class DiskOffloadingManager(OffloadingManager):
                 if rec.seq <= self._log_seen:
                     continue
                 h = rec.block_hash
-                if rec.status == LOG_OK:
+                if rec.status in (LOG_OK, LOG_FAILED):
                     p = self._pending.get(h)
-                    if p is not None and p.slot == rec.slot and not p.failed:
+                    if p is None or p.slot != rec.slot:
+                        continue
+                    p.reported |= 1 << rec.rank
+                    if rec.status == LOG_OK and not p.failed:
                         p.ranks |= 1 << rec.rank
                         if p.ranks & self._full_mask == self._full_mask:
                             del self._pending[h]
                             self._make_loadable(h, p.slot)
                             result.durable.append(h)
-                elif rec.status == LOG_FAILED:
-                    p = self._pending.get(h)
-                    if p is not None and p.slot == rec.slot and not p.failed:
+                    elif rec.status == LOG_FAILED and not p.failed:
                         p.failed = True
                         result.failed.append(h)
+                    if p.failed and p.reported & self._full_mask == self._full_mask:
+                        # No rank still writes the slot: free it now. A store planned
+                        # without a job (the composite's spills and write-through) gets
+                        # no complete_store to do it.
+                        del self._pending[h]
+                        self.stats.store_failures += 1
+                        self._release_slot(h, p.slot)
                 elif rec.status == LOG_CORRUPT:
                     if self._table.get(h) == rec.slot:
                         self._table.remove(h)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.config import format_size
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.kv_layout import KVCacheLayout
 
@@ -42,7 +43,13 @@ FORMAT_VERSION = 1
 SLOT_ALIGN = 4096
 MANIFEST = "manifest.json"
 INDEX_DIR = "index.lmdb"
+INDEX_DATA = "data.mdb"
 LOCK = "lock"
+#: Disk space set aside for the index: its high-water mark measured about 450 B per slot
+#: at TP 1 under churn; this is twice that, plus a little per rank's checksum.
+INDEX_RESERVE_MIN = 256 << 10
+INDEX_RESERVE_PER_SLOT = 1024
+INDEX_RESERVE_PER_RANK_SLOT = 128
 
 
 class NamespaceError(RuntimeError):
@@ -70,6 +77,11 @@ class CacheLockedError(NamespaceError):
             f"disk cache {path} is already open for writing by pid {h.get('pid', '?')} on host "
             f"{h.get('host', '?')} (engine {h.get('engine_id', '?')}, since {since}); stop that "
             f"engine, point this one at another disk_path, or open the cache read-only")
+
+
+def index_reserve_bytes(num_slots: int, tp_size: int) -> int:
+    """Disk space reserved for a namespace's index (see ``Namespace.reserve_index``)."""
+    return INDEX_RESERVE_MIN + num_slots * (INDEX_RESERVE_PER_SLOT + INDEX_RESERVE_PER_RANK_SLOT * tp_size)
 
 
 def slot_size_for(block_bytes: int) -> int:
@@ -191,8 +203,10 @@ class Namespace:
         return self.manifest
 
     def grow(self, num_slots: int) -> None:
-        """Raise the manifest's ``num_slots`` (only the writer-lock holder calls this)."""
+        """Raise the manifest's ``num_slots`` (only the writer-lock holder calls this).
+        Raises ``NamespaceError`` first if the filesystem cannot hold the larger size."""
         if num_slots > self.manifest.num_slots:
+            _check_free_space(self.path, num_slots, self.manifest.slot_size, self.tp_size, self)
             logger.info("disk namespace %s: growing from %d to %d slots", self.path,
                         self.manifest.num_slots, num_slots)
             self.manifest.num_slots = num_slots
@@ -230,6 +244,47 @@ class Namespace:
         finally:
             os.close(fd)
         return path
+
+
+    def reserve_index(self) -> None:
+        """Set aside disk space for the index to grow into (``fallocate`` that keeps the
+        file size LMDB reads), so that a filesystem filling up later cannot fail the
+        index commits that record stores and their failures. Raises ``NamespaceError``
+        when the space is not there; skipped where the filesystem cannot preallocate."""
+        want = index_reserve_bytes(self.manifest.num_slots, self.tp_size)
+        path = self.index_path / INDEX_DATA
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if _allocated_bytes(fd) >= want:
+                return
+            _fallocate(fd, want, keep_size=True)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                logger.warning("%s: the filesystem cannot preallocate (%s); a full disk may fail "
+                               "index commits", path, e.strerror)
+            elif e.errno == errno.ENOSPC:
+                raise NamespaceError(f"cannot reserve {format_size(want)} for the index {path}: only "
+                                     f"{format_size(shutil.disk_usage(self.path).free)} free; lower "
+                                     f"disk_bytes or free space") from e
+            else:
+                raise NamespaceError(f"cannot reserve space for the index {path}: {e}") from e
+        finally:
+            os.close(fd)
+
+    def allocated_bytes(self) -> int:
+        """Disk space this namespace's slabs and index hold now, counted up to what
+        ``allocate_slab`` and ``reserve_index`` would claim."""
+        m = self.manifest
+        slab = m.num_slots * m.slot_size
+        paths = [(self.path / f"rank{r}.slab", slab) for r in range(self.tp_size)]
+        paths.append((self.index_path / INDEX_DATA, index_reserve_bytes(m.num_slots, self.tp_size)))
+        total = 0
+        for path, cap in paths:
+            try:
+                total += min(os.stat(path).st_blocks * 512, cap)
+            except FileNotFoundError:
+                pass
+        return total
 
 
 def list_namespaces(cache_dir: str | os.PathLike) -> list[Namespace]:
@@ -371,10 +426,30 @@ def _prepare_cache_dir(cache_dir: str | os.PathLike, create: bool) -> Path:
     return root
 
 
+def _check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int,
+                      ns: Namespace | None = None) -> None:
+    """Raise ``NamespaceError`` unless the filesystem of ``where`` has room for a
+    namespace of ``num_slots`` (every rank's slab plus the index reserve), counting what
+    ``ns`` (an existing namespace) already holds. Checked before a manifest records the
+    size, so a size that does not fit never sticks to the cache directory."""
+    slabs = tp_size * num_slots * slot_size
+    need = slabs + index_reserve_bytes(num_slots, tp_size)
+    held = ns.allocated_bytes() if ns is not None else 0
+    free = shutil.disk_usage(where).free
+    if need - held > free:
+        raise NamespaceError(
+            f"disk_bytes: {format_size(num_slots * slot_size)} per rank ({num_slots} slots of {slot_size} B) "
+            f"x {tp_size} rank(s) plus {format_size(need - slabs)} for the index needs "
+            f"{format_size(need - held)} more on the filesystem of {where}, but only {free} bytes are "
+            f"free ({format_size(free)}; {format_size(held)} already held by this namespace); "
+            f"lower disk_bytes or free space")
+
+
 def _create(root: Path, ns_dir: Path, fp: Fingerprint, layout: KVCacheLayout, num_slots: int,
             checksum: str) -> None:
     if num_slots < 1:
         raise NamespaceError(f"a namespace needs at least one slot, got num_slots={num_slots}")
+    _check_free_space(root, num_slots, slot_size_for(layout.bytes_per_block), fp.tp_size)
     tmp = root / f".tmp-{ns_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
@@ -415,9 +490,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
 
 
-def _fallocate(fd: int, size: int) -> None:
-    """Allocate blocks for bytes [0, size) and extend the file (mode 0). Raises OSError."""
-    if _libc.fallocate(fd, 0, 0, size) != 0:
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _fallocate(fd: int, size: int, keep_size: bool = False) -> None:
+    """Allocate blocks for bytes [0, size) and extend the file (mode 0), or leave its
+    size alone (``keep_size``). Raises OSError."""
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE if keep_size else 0, 0, size) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 

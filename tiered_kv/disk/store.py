@@ -109,7 +109,7 @@ class DiskStore:
         if not readonly:
             check_worker_access(namespace, engine_id)
         self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
-                               expected_entries=m.num_slots)
+                               expected_entries=m.num_slots, repair=not readonly)
         self.stats = DiskStoreStats()
         self._stats_lock = threading.Lock()
         self._files: dict[int, BackendFile] = {}
@@ -413,7 +413,8 @@ class ReadBatch:
                 self._read_run, first, n, buf[lo:lo + n], None if host_rows is None else host_rows[lo:lo + n],
                 rows[lo:lo + n] if bounce else None))
         self._futures.extend(futs)
-        return _all_of(futs, lambda: all(self.ok[start:start + len(rows)]))
+        end = start + len(rows)  # not ``rows``: the callback cycle would keep the caller's memory alive
+        return _all_of(futs, lambda: all(self.ok[start:end]))
 
     def _read_run(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
                   dest: torch.Tensor | None) -> None:

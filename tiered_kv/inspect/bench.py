@@ -72,10 +72,11 @@ def _bench_layout(block_bytes: int) -> KVCacheLayout:
 
 
 class _RawFile:
-    """A preallocated scratch file read and written in ``MAX_IO_BYTES`` requests from
-    one shared aligned buffer (its contents do not matter to the timing)."""
+    """A preallocated scratch file read and written in ``MAX_IO_BYTES`` requests, cycling
+    through a buffer of ``buffer_bytes`` (as large as a tier job's, so both touch as much
+    memory; its contents do not matter to the timing)."""
 
-    def __init__(self, path: Path, size: int, threads: int):
+    def __init__(self, path: Path, size: int, threads: int, buffer_bytes: int):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -83,7 +84,8 @@ class _RawFile:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        self.buf = aligned_empty(MAX_IO_BYTES)
+        self.pieces = max(1, buffer_bytes // MAX_IO_BYTES)
+        self.buf = aligned_empty(self.pieces * MAX_IO_BYTES)
         self.buf.copy_(torch.randint(0, 256, self.buf.shape, dtype=torch.uint8))
         self.mode = "O_DIRECT"
         try:
@@ -97,13 +99,15 @@ class _RawFile:
     def run(self, write: bool) -> None:
         view = host_view(self.buf)
 
-        def one(off: int) -> None:
-            chunk = view[:min(len(view), self.size - off)]
+        def one(i: int) -> None:
+            off = i * MAX_IO_BYTES
+            lo = (i % self.pieces) * MAX_IO_BYTES
+            chunk = view[lo:lo + min(MAX_IO_BYTES, self.size - off)]
             n = os.pwritev(self.fd, [chunk], off) if write else os.preadv(self.fd, [chunk], off)
             if n != len(chunk):
                 raise OSError(f"short {'write' if write else 'read'} at offset {off}")
 
-        list(self._pool.map(one, range(0, self.size, len(view))))
+        list(self._pool.map(one, range(-(-self.size // MAX_IO_BYTES))))
         if write:
             os.fdatasync(self.fd)
 
@@ -146,8 +150,8 @@ def run_bench(path: str | os.PathLike, *, total_bytes: int = 1 << 30, block_byte
         store = DiskStore.open(scratch, fp, layout, disk_bytes=total, io_backend=backend,
                                io_threads=threads, engine_id="tiered-kv-bench")
         store.namespace.allocate_slab(0)
-        raw = _RawFile(scratch / "raw.bin", total, threads)
         per_job = max(1, min(n_blocks, job_bytes // store.slot_size))
+        raw = _RawFile(scratch / "raw.bin", total, threads, per_job * store.slot_size)
         data = aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)
         data.copy_(torch.randint(0, 256, data.shape, dtype=torch.uint8))
         back = aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)

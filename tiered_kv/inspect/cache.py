@@ -16,8 +16,13 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot, entry_dtype
+from tiered_kv.disk.index import DiskIndex, IndexSnapshot, entry_dtype
 from tiered_kv.disk.namespace import MANIFEST, Namespace, NamespaceError
+
+
+#: Hidden directories that interrupted operations leave in a cache directory: a namespace
+#: creation (``.tmp-``), a ``clear`` (``.trash-``) and a ``bench`` (``.tiered-kv-bench-``).
+LEFTOVER_PREFIXES = (".tmp-", ".trash-", ".tiered-kv-bench-")
 
 
 class InspectError(RuntimeError):
@@ -27,8 +32,8 @@ class InspectError(RuntimeError):
 @dataclass
 class CacheDir:
     """A cache directory: its readable namespaces, the namespace-like directories that
-    cannot be read (with why), and leftovers of interrupted operations (``.tmp-*``
-    from a namespace creation, ``.trash-*`` from a clear)."""
+    cannot be read (with why), and leftovers of interrupted operations
+    (``LEFTOVER_PREFIXES``)."""
 
     path: Path
     namespaces: list[Namespace] = field(default_factory=list)
@@ -58,7 +63,7 @@ def open_cache(path: str | os.PathLike, namespace: str | None = None) -> CacheDi
             raise InspectError(f"cannot list {root}: {e.strerror}") from None
         others = 0
         for child in children:
-            if child.name.startswith((".tmp-", ".trash-")) and child.is_dir():
+            if child.name.startswith(LEFTOVER_PREFIXES) and child.is_dir():
                 cache.leftovers.append(child)
             elif child.is_dir() and (child / MANIFEST).exists():
                 try:
@@ -107,7 +112,6 @@ class EntryTable:
     ranks: np.ndarray  # uint64 bitmask
     checksums: np.ndarray  # uint64 (n, tp_size)
     tp_size: int
-    log_seq: int
     _snapshot: IndexSnapshot
 
     @classmethod
@@ -122,7 +126,7 @@ class EntryTable:
                                np.array([x.checksums for x in odd], dtype=np.uint64).reshape(-1, tp_size)])
         return cls(col("slot", np.int64), col("size", np.int64), col("hits", np.int64),
                    col("store_time", np.float64), col("last_access", np.float64),
-                   col("ranks", np.uint64), sums, tp_size, snap.log_seq, snap)
+                   col("ranks", np.uint64), sums, tp_size, snap)
 
     @classmethod
     def empty(cls, tp_size: int) -> "EntryTable":
@@ -131,15 +135,16 @@ class EntryTable:
     def __len__(self) -> int:
         return len(self.slot)
 
+    @property
+    def in_hash_order(self) -> bool:
+        """Whether rows are sorted by hash (the index's key order; true unless the index
+        holds hashes of several lengths)."""
+        return not self._snapshot.odd
+
     def hash(self, i: int) -> bytes:
         """The block hash of row ``i``."""
         n = len(self._snapshot.entries)
         return self._snapshot.hash_at(i) if i < n else self._snapshot.odd[i - n][0]
-
-    def entry(self, i: int) -> Entry:
-        return Entry(int(self.slot[i]), int(self.size[i]), int(self.hits[i]), float(self.store_time[i]),
-                     float(self.last_access[i]), int(self.ranks[i]),
-                     tuple(int(c) for c in self.checksums[i]))
 
     @property
     def complete(self) -> np.ndarray:

@@ -9,7 +9,6 @@ namespace of a million blocks is summarised or listed in about a second.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,31 +19,34 @@ from tiered_kv.disk.io_backends import PosixBackend
 from tiered_kv.disk.namespace import Namespace, current_holder
 from tiered_kv.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
 
-logger = logging.getLogger(__name__)
-
 
 def io_backend_info(ns: Namespace) -> dict[str, Any]:
     """How block I/O would run on this namespace's files: whether the first slab takes
-    O_DIRECT (probed by a read) and whether KvikIO is installed (the engine probes GDS
-    itself at start-up; the inspector never writes, so it does not)."""
+    O_DIRECT (probed by a read; None when there is no readable slab, with ``slab_error``
+    saying why) and whether KvikIO is installed (the engine probes GDS itself at
+    start-up; the inspector never writes, so it does not)."""
     slab = ns.slab_path(0)
     direct: bool | None = None
-    if slab.exists():
+    error = None if slab.exists() else "no slab yet"
+    if error is None:
         backend = PosixBackend(1)
         try:
             f = backend.open(slab, readonly=True)
             direct = f.direct
             backend.close_file(f)
         except OSError as e:
-            logger.debug("cannot open %s: %s", slab, e)
+            error = f"cannot open {slab.name}: {e.strerror}"
         finally:
             backend.shutdown()
-    return {"posix_direct": direct, "kvikio_installed": importlib.util.find_spec("kvikio") is not None}
+    return {"posix_direct": direct, "slab_error": error,
+            "kvikio_installed": importlib.util.find_spec("kvikio") is not None}
 
 
 def describe_io(info: dict[str, Any]) -> str:
-    direct = {True: "posix, O_DIRECT", False: "posix, buffered (no O_DIRECT here)",
-              None: "posix (no slab yet)"}[info["posix_direct"]]
+    if info["posix_direct"] is None:
+        direct = f"posix ({info['slab_error']})"
+    else:
+        direct = "posix, O_DIRECT" if info["posix_direct"] else "posix, buffered (no O_DIRECT here)"
     kvikio = "KvikIO installed (GDS probed by the engine)" if info["kvikio_installed"] else "KvikIO not installed"
     return f"{direct}; {kvikio}"
 
@@ -76,7 +78,7 @@ def summarize_namespace(ns: Namespace, table: EntryTable | None = None) -> dict[
     invalid = int((complete & ~valid).sum())
     incomplete = int((~complete).sum())
     slots = table.slot[valid]
-    duplicates = int(len(slots) - len(np.unique(slots)))
+    duplicates = int(len(slots) - np.count_nonzero(np.bincount(slots, minlength=1)))
     blocks = int(valid.sum())
     if invalid:
         problems.append(("error", f"{invalid} entries point outside the slab or have the wrong size "
@@ -145,7 +147,7 @@ def summarize_namespace(ns: Namespace, table: EntryTable | None = None) -> dict[
 def summarize_cache(cache: CacheDir) -> dict[str, Any]:
     """``summarize_namespace`` for each namespace, plus cache-level problems."""
     problems = [f"{path.name}: {why}" for path, why in cache.unreadable]
-    problems += [f"{p.name}: leftover of an interrupted namespace creation or clear (safe to delete "
+    problems += [f"{p.name}: left by an interrupted namespace creation, clear or bench (safe to delete "
                  f"while no engine starts)" for p in cache.leftovers]
     return {"path": str(cache.path), "generated": time.time(),
             "namespaces": [summarize_namespace(ns) for ns in cache.namespaces],
@@ -203,9 +205,10 @@ def list_entries(ns: Namespace, flt: ListFilter, table: EntryTable | None = None
     rows = np.flatnonzero(mask)
     ascending = flt.ascending if flt.ascending is not None else flt.sort == "hash"
     if flt.sort == "hash":
-        order = sorted(rows.tolist(), key=table.hash, reverse=not ascending) \
-            if len(table._snapshot.odd) else (rows if ascending else rows[::-1])  # snapshot is hash-sorted
-        rows = np.asarray(order, dtype=np.int64)
+        if table.in_hash_order:
+            rows = rows if ascending else rows[::-1]
+        else:
+            rows = np.asarray(sorted(rows.tolist(), key=table.hash, reverse=not ascending), dtype=np.int64)
     else:
         column = {"last-access": table.last_access, "stored": table.store_time, "hits": table.hits,
                   "slot": table.slot}[flt.sort][rows]

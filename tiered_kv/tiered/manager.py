@@ -326,6 +326,11 @@ class TieredOffloadingManager(OffloadingManager):
         self._refresh_disk()
         return len(self._disk_pending)
 
+    def pending_disk_blocks(self) -> set[BlockHash]:
+        """The blocks counted by ``pending_disk_writes`` (a copy)."""
+        self._refresh_disk()
+        return set(self._disk_pending)
+
     def used_blocks(self) -> dict[str, int]:
         used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}
         if self.disk is not None:

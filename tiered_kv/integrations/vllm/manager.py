@@ -103,6 +103,7 @@ def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
                                         promote_on_hit=cfg.promote_on_hit,
                                         max_pending_disk_writes=cfg.max_pending_disk_writes, stats=stats)
     health = SlotHealth.for_engine(spec.config.engine_id, geometry.num_cpu_slots)
+    health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
     return TieredVllmManager(composite, health=health, verifier=verifier, info=spec.config_info())
 
 
@@ -133,6 +134,8 @@ class TieredVllmManager(OffloadingManager):
         self._abandoned_stores: Counter[bytes] = Counter()
         self._failure_counts: Counter[str] = Counter()
         self._reported: dict[tuple[str, str], int] = {}
+        # Disk writes queued before a cache reset: dropped when they land, never served.
+        self._stale_writes: set[bytes] = set()
 
     # ------------------------------------------------------------------ lookups
 
@@ -152,9 +155,16 @@ class TieredVllmManager(OffloadingManager):
         return LookupResult.MISS
 
     def _disk_lookup(self, key: bytes) -> LookupResult:
-        slot = self.composite.disk.slot_of(key)
-        if slot is None or self._unservable.get(key) == slot:
+        disk = self.composite.disk
+        slot = disk.slot_of(key)
+        if slot is None or key in self._stale_writes:
             return LookupResult.MISS
+        if key in self._unservable:
+            if self._unservable[key] == slot and not disk.remove(key):
+                return LookupResult.MISS  # still pinned by the load that was in flight
+            del self._unservable[key]
+            if disk.slot_of(key) is None:
+                return LookupResult.MISS
         if self._verified.get(key) == slot:
             return LookupResult.HIT
         if self._verifying.get(key) != slot:
@@ -187,6 +197,9 @@ class TieredVllmManager(OffloadingManager):
         disk.refresh()
         if disk.slot_of(key) == slot and not disk.remove(key):
             self._unservable[key] = slot
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.composite.touch(list(keys))
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         source = self._sources.get((req_context.req_id, key))
@@ -264,6 +277,18 @@ class TieredVllmManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._collect_verifications()
         self.composite.pending_disk_writes()  # folds in disk writes the workers committed
+        if self._stale_writes:
+            self._drop_stale_writes()
+
+    def _drop_stale_writes(self) -> None:
+        """Drop the disk writes of before a reset as they land (removing one pinned by a
+        load is retried next step)."""
+        disk, pending = self.composite.disk, self.composite.pending_disk_blocks()
+        for key in list(self._stale_writes):
+            if key in pending:
+                continue
+            if disk.slot_of(key) is None or disk.remove(key):
+                self._stale_writes.discard(key)
 
     def has_pending_work(self) -> bool:
         return self.verifier is not None and self.verifier.busy()
@@ -320,6 +345,8 @@ class TieredVllmManager(OffloadingManager):
         self._promote_slots.clear()
         self._sources.clear()
         self._verified.clear()
+        if self.composite.disk is not None:
+            self._stale_writes |= self.composite.pending_disk_blocks()
         self._evict_all()
 
     def on_reset_flushed(self) -> None:

@@ -16,9 +16,11 @@ only do bookkeeping in memory (``DiskOffloadingManager``: slots, LRU, pins) and 
 jobs; the block I/O (``DiskStore``: O_DIRECT writes, ``fdatasync``, the synced LMDB
 commit, verified reads) runs on this tier's job threads and the store's I/O threads,
 straight from and into vLLM's CPU tier through ``primary_kv_view`` (chunk ``c`` is row
-``c``, bytes ``[c * stride, (c + 1) * stride)``). Finished jobs are handed back by
-``get_finished_jobs``. Opening the tier (namespace, writer lock, slab preallocation,
-one read pass over the index) happens once, at start-up.
+``c``, bytes ``[c * stride, (c + 1) * stride)``). Store jobs that queue up while the
+store threads are busy are written as one group: one ``fdatasync`` and one index commit
+for all of them (vLLM submits one small cascade per request per step). Finished jobs
+are handed back by ``get_finished_jobs``. Opening the tier (namespace, writer lock, slab
+preallocation, one read pass over the index) happens once, at start-up.
 
 What a chunk is on disk: one whole primary row, every TP rank's shard and the row's
 padding included, stored as one disk block of ``stride`` bytes (``stride`` is a
@@ -103,9 +105,14 @@ _NOT_FOR_A_SECONDARY_TIER = {
                   "not inside the tier entry",
 }
 
-#: Job threads per direction: two, so one job's fdatasync and index commit overlap the
-#: next job's writes; loads have their own so a promotion never queues behind stores.
-_JOB_THREADS = 2
+#: Store threads: two, so one group's fdatasync and index commit overlap the next
+#: group's writes. Load threads: their own (a promotion never queues behind stores), and
+#: more of them, since a promotion job is often a single chunk and has no sync to wait on.
+_STORE_THREADS = 2
+_LOAD_THREADS = 4
+#: Store jobs that queued up while the store threads were busy are written as one group,
+#: up to this many bytes: one fdatasync and one index commit for all of them.
+_GROUP_BYTES = 64 << 20
 
 _NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
@@ -143,9 +150,9 @@ def chunk_layout(tokens_per_chunk: int, stride: int) -> KVCacheLayout:
 
 def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig, *,
                       replicated_layout: bool = False, model_id: str | None = None,
-                      hash_algorithm: str | None = None) -> Fingerprint:
+                      hash_seed: str | None = None) -> Fingerprint:
     """The namespace key of vLLM CPU-tier rows of ``stride`` bytes (module docstring).
-    ``model_id``/``hash_algorithm`` override ``cfg``'s (callers resolve the defaults)."""
+    ``model_id``/``hash_seed`` override ``cfg``'s (callers resolve the defaults)."""
     p = config.parallel
     groups = config.groups
     tokens_per_block = max((g.tokens_per_block for g in groups), default=config.cache.tokens_per_hash)
@@ -167,37 +174,33 @@ def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig
         layer_geometry=geometry,
         kv_layout=row_format,
         tp_size=1,
-        hash_algorithm=str(hash_algorithm if hash_algorithm is not None else cfg.hash_algorithm),
-        hash_seed=cfg.hash_seed,
+        hash_algorithm=cfg.hash_algorithm,
+        hash_seed=str(hash_seed if hash_seed is not None else cfg.hash_seed),
     )
 
 
 def _vllm_hash_algorithm() -> str | None:
-    """vLLM's ``--prefix-caching-hash-algo`` when a vLLM config is current (scheduler
-    start-up), else None."""
+    """vLLM's ``--prefix-caching-hash-algo`` when a vLLM config is current, else None."""
     from vllm.config import get_current_vllm_config_or_none
 
-    vllm_config = get_current_vllm_config_or_none()
-    cache = getattr(vllm_config, "cache_config", None)
+    cache = getattr(get_current_vllm_config_or_none(), "cache_config", None)
     algo = getattr(cache, "prefix_caching_hash_algo", None)
     return str(algo) if algo else None
 
 
-def _resolve_hash_algorithm(raw: Mapping[str, Any], cfg: TieredConfig) -> str:
+def _check_hash_algorithm(cfg: TieredConfig) -> None:
+    """``hash_algorithm`` is part of the namespace, so it is never guessed (the same
+    engine must compute the same namespace on every start); it must match vLLM's where
+    vLLM's config is visible."""
     engine_algo = _vllm_hash_algorithm()
-    if "hash_algorithm" not in raw:
-        algo = engine_algo or cfg.hash_algorithm
-    elif engine_algo is not None and engine_algo != cfg.hash_algorithm:
+    if engine_algo is not None and engine_algo != cfg.hash_algorithm:
         raise ConfigError(f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
-                          f"--prefix-caching-hash-algo {engine_algo!r}; drop the key or make "
-                          f"them equal")
-    else:
-        algo = cfg.hash_algorithm
-    if algo in _NON_CRYPTO_HASHES and os.getenv("PYTHONHASHSEED") is None:
+                          f"--prefix-caching-hash-algo {engine_algo!r}; set \"hash_algorithm\": "
+                          f"\"{engine_algo}\" in the tier entry")
+    if cfg.hash_algorithm in _NON_CRYPTO_HASHES and not os.getenv("PYTHONHASHSEED"):
         logger.warning("prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
                        "unset): chunks written to the disk tier will never hit after a restart; "
-                       "set PYTHONHASHSEED or use sha256", algo)
-    return algo
+                       "set PYTHONHASHSEED or use sha256", cfg.hash_algorithm)
 
 
 def _primary_rows(flat_view: memoryview, stride: int) -> torch.Tensor:
@@ -300,15 +303,15 @@ class TieredDiskTier(SecondaryTierManager):
                  **tier_config: Any):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = cfg = parse_tier_config(tier_config)
+        _check_hash_algorithm(cfg)
         self.locality = _parse_locality(tier_config.get("locality"))
         vconf = offloading_spec.config
         stride = self.block_size_bytes
-        self._primary_bytes = primary_kv_view.cast("B")
-        self._primary: torch.Tensor | None = _primary_rows(self._primary_bytes, stride)
         self.fingerprint = chunk_fingerprint(
             vconf, stride, cfg, replicated_layout=getattr(offloading_spec, "replicated_layout", False),
             model_id=cfg.model_id if "model_id" in tier_config else vconf.model.name,
-            hash_algorithm=_resolve_hash_algorithm(tier_config, cfg))
+            # vLLM seeds its prefix hashes with PYTHONHASHSEED when it is set.
+            hash_seed=cfg.hash_seed if "hash_seed" in tier_config else os.getenv("PYTHONHASHSEED", ""))
         layout = chunk_layout(self.fingerprint.block_size, stride)
         # The primary rows are host memory: GPUDirect Storage has nothing to offer here.
         backend = "posix" if cfg.io_backend == "auto" else cfg.io_backend
@@ -323,12 +326,17 @@ class TieredDiskTier(SecondaryTierManager):
         except BaseException:
             self.disk_manager.shutdown()
             raise
+        # Views of vLLM's region only once nothing can fail: a failed start-up must not
+        # leave an export behind (vLLM could not unmap the region).
+        self._primary_bytes = primary_kv_view.cast("B")
+        self._primary: torch.Tensor | None = _primary_rows(self._primary_bytes, stride)
         self.stats = DiskTierStats()
         self._reported = DiskTierStats()
-        self._store_pool = ThreadPoolExecutor(_JOB_THREADS, thread_name_prefix="tkv-vllm-disk-store")
-        self._load_pool = ThreadPoolExecutor(_JOB_THREADS, thread_name_prefix="tkv-vllm-disk-load")
+        self._store_pool = ThreadPoolExecutor(_STORE_THREADS, thread_name_prefix="tkv-vllm-disk-store")
+        self._load_pool = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="tkv-vllm-disk-load")
         # Job threads append, the scheduler thread pops: deque ends are thread-safe.
         self._finished: deque[_Job] = deque()
+        self._store_queue: deque[_Job] = deque()  # guarded by _idle
         self._idle = threading.Condition()
         self._in_flight = 0
         self._writes_waiting = 0  # chunks in store jobs not yet collected (scheduler thread)
@@ -388,12 +396,43 @@ class TieredDiskTier(SecondaryTierManager):
         job.slots = [int(s) for s in out.store_spec.block_ids]
         job.chunk_ids = np.array([chunk_of[k] for k in job.keys], dtype=np.int64)
         self._writes_waiting += len(job.keys)
-        self._start(self._store_pool, self._write, job)
+        with self._idle:
+            self._in_flight += 1
+            self._store_queue.append(job)
+        self._store_pool.submit(self._write_queued)
 
-    def _write(self, job: _Job) -> list[bool]:
-        batch = self.store.begin_write(0, job.keys, job.slots)
-        for start, first, n in _row_runs(job.chunk_ids):
-            batch.submit(start, self._primary[first:first + n])
+    def _write_queued(self) -> None:
+        """Store-thread task: write the queued store jobs as one group (none left: a
+        task before this one took them)."""
+        group: list[_Job] = []
+        limit = max(1, _GROUP_BYTES // self.block_size_bytes)  # chunks
+        with self._idle:
+            while self._store_queue and (
+                    not group or sum(len(j.keys) for j in group) + len(self._store_queue[0].keys) <= limit):
+                group.append(self._store_queue.popleft())
+        if not group:
+            return
+        t0 = time.perf_counter()
+        try:
+            ok = self._write(group)
+        except Exception:  # a lost job would pin vLLM's CPU rows forever: fail it instead
+            logger.exception("disk tier store of jobs %s failed", [j.job_id for j in group])
+            ok = [False] * sum(len(j.keys) for j in group)
+        seconds = time.perf_counter() - t0
+        i = 0
+        for job in group:
+            job.ok, job.seconds = ok[i:i + len(job.keys)], seconds
+            i += len(job.keys)
+        self._done(group)
+
+    def _write(self, group: list[_Job]) -> list[bool]:
+        batch = self.store.begin_write(0, [k for j in group for k in j.keys],
+                                       [s for j in group for s in j.slots])
+        offset = 0
+        for job in group:
+            for start, first, n in _row_runs(job.chunk_ids):
+                batch.submit(offset + start, self._primary[first:first + n])
+            offset += len(job.keys)
         return batch.finish()
 
     # ------------------------------------------------------------ loads (promotions)
@@ -413,33 +452,30 @@ class TieredDiskTier(SecondaryTierManager):
             return
         dm.touch(job.keys)
         job.slots = [int(s) for s in dm.prepare_load(job.keys).block_ids]  # pins them
-        self._start(self._load_pool, self._read, job)
-
-    def _read(self, job: _Job) -> list[bool]:
-        batch = self.store.begin_read(0, job.keys, job.slots)
-        for start, first, n in _row_runs(job.chunk_ids):
-            batch.submit(start, self._primary[first:first + n])
-        return batch.finish()
-
-    # ------------------------------------------------------------ job threads
-
-    def _start(self, pool: ThreadPoolExecutor, io, job: _Job) -> None:
         with self._idle:
             self._in_flight += 1
-        pool.submit(self._run, io, job)
+        self._load_pool.submit(self._read_job, job)
 
-    def _run(self, io, job: _Job) -> None:
+    def _read_job(self, job: _Job) -> None:
+        """Load-thread task: read and verify one promotion's chunks into its rows."""
         t0 = time.perf_counter()
         try:
-            job.ok = io(job)
-        except Exception:  # a lost job would pin vLLM's CPU rows forever: fail it instead
-            logger.exception("disk tier %s job %d failed", "load" if job.is_load else "store",
-                             job.job_id)
+            batch = self.store.begin_read(0, job.keys, job.slots)
+            for start, first, n in _row_runs(job.chunk_ids):
+                batch.submit(start, self._primary[first:first + n])
+            job.ok = batch.finish()
+        except Exception:  # a lost job would leave vLLM's CPU slots reserved forever
+            logger.exception("disk tier promotion job %d failed", job.job_id)
             job.ok = [False] * len(job.keys)
         job.seconds = time.perf_counter() - t0
-        self._finished.append(job)
+        self._done([job])
+
+    # ------------------------------------------------------------ results
+
+    def _done(self, jobs: list[_Job]) -> None:
+        self._finished.extend(jobs)
         with self._idle:
-            self._in_flight -= 1
+            self._in_flight -= len(jobs)
             self._idle.notify_all()
 
     def get_finished_jobs(self) -> Iterable[JobResult]:

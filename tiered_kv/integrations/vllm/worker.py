@@ -251,7 +251,9 @@ class TieredVllmWorker(OffloadingWorker):
         out = []
         now = time.perf_counter()
         for job_id, success in results:
-            job = self._jobs.pop(job_id)
+            job = self._jobs.pop(job_id, None)
+            if job is None:  # refused at submission and reported then: report it once
+                continue
             if not success:
                 self._fail(job_id, job)
             out.append(VllmTransferResult(job_id, True, job.nbytes, now - job.started))
@@ -265,9 +267,11 @@ class TieredVllmWorker(OffloadingWorker):
             logger.error("rank %d: store job %d failed; reported done to vLLM, its %d chunks are "
                          "dropped by the scheduler", self.rank, job_id, len(job.slots))
         else:
-            logger.error("rank %d: load job %d failed after its chunks were verified; reported done "
-                         "to vLLM (which cannot take a failure), so the request may run on "
-                         "incomplete KV for those chunks", self.rank, job_id)
+            logger.error("rank %d: load job %d failed (its promoted chunks are dropped by the "
+                         "scheduler); vLLM cannot take a failure, so it is reported done and the "
+                         "request may run on incomplete KV for these chunks. Every chunk was "
+                         "CPU-resident or read and verified on every rank just before: a disk or "
+                         "device is failing", self.rank, job_id)
 
     def wait(self, job_ids: set[int]) -> None:
         self.store_handler.wait(job_ids)
