@@ -155,6 +155,7 @@ def test_reopen_of_a_large_index_serves_every_block_without_reading_slabs(tmp_pa
     fp = fingerprint(layout)
     n = 200_000
     ns = Namespace.open(tmp_path, fp, layout, num_slots=n)
+    ns.allocate_slab(0)  # preallocated, never written: reopening must not look inside
     idx = DiskIndex(ns.index_path, 1, expected_entries=n)
     hashes = fill_index(idx, n, layout.bytes_per_block)
     idx.close()

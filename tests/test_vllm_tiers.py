@@ -244,8 +244,8 @@ def test_a_disk_chunk_corrupted_after_store_is_a_miss_and_recomputed(model_dir, 
         assert all(h.kv_matches(req_id)), "the recomputed KV must be right"
         assert "failed its checksum" in caplog.text
         _settle(h)
-        disk = h.manager.composite.disk
-        assert not disk.is_loadable(keys[1]) and disk.index.get(keys[1]) is None
+        # Dropped from the disk tier (the recomputed chunk may since have been stored again).
+        assert h.manager.composite.disk.stats.checksum_failures == 1
         assert h.manager._verification_counts["failed"] == 1
         # The engine runs on, and the recomputed chunks are offloaded again.
         assert _serve(h, _prompt(6, 2 * BLOCK + 1)).num_prompt_tokens == 2 * BLOCK + 1

@@ -56,6 +56,7 @@ def main() -> int:
     for n in args.blocks:
         with tempfile.TemporaryDirectory(prefix="bench-reopen-") as tmp:
             ns = Namespace.open(tmp, fp, LAYOUT, num_slots=n)
+            ns.allocate_slab(0)
             idx = DiskIndex(ns.index_path, 1, expected_entries=n)
             fill(idx, n)
             idx.close()
