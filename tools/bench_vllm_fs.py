@@ -360,7 +360,7 @@ def main() -> None:
     except Exception as e:  # ImportError, or a missing CUDA library behind it
         fs_io = f"pure Python (vllm.fs_io_C not importable: {str(e).splitlines()[0]})"
     print(f"# bench_vllm_fs  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
-          f"dir {root} ({shutil.disk_usage(root).free / 2**30:.0f} GiB free)")
+          f"load average {os.getloadavg()[0]:.2f}  dir {root} ({shutil.disk_usage(root).free / 2**30:.0f} GiB free)")
     job_sizes = [int(x) for x in args.job_chunks.split(",")]
     print(f"# chunk {spec.kv_bytes_per_chunk // MiB} MiB (Llama-3.1-8B, 16 tokens), {args.total_mib} MiB per "
           f"round, jobs of {args.job_chunks} chunks, {args.rounds} rounds; vLLM fs I/O path: {fs_io}")
@@ -381,6 +381,7 @@ def main() -> None:
         full_disk(args, spec)
         print()
         flipped_byte(args, spec, root)
+        print(f"# load average at the end {os.getloadavg()[0]:.2f}")
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -18,8 +18,9 @@ blocks of the trace), so the disk tier matters. It prints:
   same run (``replay_raw.py``).
 
 With ``--plots DIR`` it also sweeps the disk size and the working-set size and writes
-``replay_hit_rate_vs_disk.png``, ``replay_gbps_per_transfer.png`` and
-``replay_cost_vs_working_set.png``. ``--markdown FILE`` writes every table as markdown.
+``replay_<workload>_hit_rate_vs_disk.png``, ``replay_<workload>_gbps_per_transfer.png`` and
+``replay_<workload>_cost_vs_working_set.png``. ``--markdown FILE`` writes every table as
+markdown, ``--json FILE`` the raw results (per request, per call).
 
     python tools/replay.py --workload chat --quick              # < 1 min on 2 cores
     python tools/replay.py --workload chat --plots docs/img --markdown out.md

@@ -24,10 +24,6 @@ import torch
 from bench_disk import RawLoop
 
 
-def _median(samples: list[float]) -> float:
-    return statistics.median(samples)
-
-
 def host_copy_gbps(nbytes: int, repeats: int = 3) -> float:
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -37,7 +33,7 @@ def host_copy_gbps(nbytes: int, repeats: int = 3) -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
-    return nbytes / _median(times) / 1e9
+    return nbytes / statistics.median(times) / 1e9
 
 
 def disk_gbps(directory: Path, nbytes: int, block_bytes: int, threads: int) -> dict[str, float]:
@@ -69,7 +65,7 @@ def pinned_copy_gbps(nbytes: int, repeats: int = 3) -> dict[str, float]:
                 end.record(stream)
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
-        out[name] = nbytes / _median(times[1:]) / 1e9  # the first copy warms up
+        out[name] = nbytes / statistics.median(times[1:]) / 1e9  # the first copy warms up
     return out
 
 
@@ -96,7 +92,7 @@ def kvikio_read_gbps(directory: Path, nbytes: int, repeats: int = 3) -> float | 
                 t0 = time.perf_counter()
                 f.pread(dev, nbytes, 0).get()
                 times.append(time.perf_counter() - t0)
-        return nbytes / _median(times[1:]) / 1e9
+        return nbytes / statistics.median(times[1:]) / 1e9
     except Exception as exc:  # a GPU host without cuFile support: say so, keep the run
         return f"kvikio read failed ({type(exc).__name__}: {exc})"
     finally:

@@ -96,8 +96,8 @@ class Tiers:
 
 class _TimedCalls:
     """Forwards attribute access to ``inner``; the names in ``timed`` are wrapped so each
-    call's wall time (including consuming a returned generator) is added to a per-name
-    total and to the current step. Names ``inner`` lacks stay missing (AttributeError),
+    call's wall time (including consuming a returned generator) is recorded per name
+    (``calls``) and added to the current step. Names ``inner`` lacks stay missing (AttributeError),
     so ``getattr(proxy, name, None)`` probes behave as on ``inner``."""
 
     def __init__(self, inner, timed: Iterable[str]):
@@ -174,7 +174,6 @@ class RunResult:
     cpu_slots: int = 0
     disk_slots: int = 0
     io: str = ""
-    flush_seconds: float = 0.0  # worker shutdown: disk writes still queued at the end
 
     @property
     def manager_seconds(self) -> float:
@@ -236,31 +235,31 @@ def run_config(config: str, workload: Workload, geometry: Geometry, tiers: Tiers
         driver.manager, driver.worker = manager, worker
         report = driver.report
         steps = []
-        start = time.perf_counter()
-        for block_hashes in workload.requests:
-            before = (report.device_hits, dict(report.hits_by_medium), report.computed)
-            t0 = time.perf_counter()
-            driver.run_request(block_hashes)
-            dt = time.perf_counter() - t0
-            hits = report.hits_by_medium
-            steps.append(Step(dt, manager.take_step(), worker.take_step(), len(block_hashes),
-                              report.device_hits - before[0],
-                              hits.get("CPU", 0) - before[1].get("CPU", 0),
-                              hits.get("DISK", 0) - before[1].get("DISK", 0),
-                              report.computed - before[2]))
-        driver.drain()
-        report.wall_seconds = time.perf_counter() - start
-        t0 = time.perf_counter()
-        driver.worker.shutdown()
-        flush = time.perf_counter() - t0
-        io = spec.store.backend.describe() if spec is not None and spec.store is not None else ""
-        close()
+        try:
+            start = time.perf_counter()
+            for block_hashes in workload.requests:
+                before = (report.device_hits, dict(report.hits_by_medium), report.computed)
+                t0 = time.perf_counter()
+                driver.run_request(block_hashes)
+                dt = time.perf_counter() - t0
+                hits = report.hits_by_medium
+                steps.append(Step(dt, manager.take_step(), worker.take_step(), len(block_hashes),
+                                  report.device_hits - before[0],
+                                  hits.get("CPU", 0) - before[1].get("CPU", 0),
+                                  hits.get("DISK", 0) - before[1].get("DISK", 0),
+                                  report.computed - before[2]))
+            driver.drain()
+            report.wall_seconds = time.perf_counter() - start
+        finally:
+            worker.shutdown()  # finishes the disk writes still queued, so their bytes count
+            io = spec.store.backend.describe() if spec is not None and spec.store is not None else ""
+            close()
         stats = spec.stats.as_dict() if spec is not None else TieredStats().as_dict()
         return RunResult(config, report, steps, manager.calls, worker.calls,
                          transfers={k: stats["transfers"][k] for k in TRANSFER_TYPES},
                          tiers=stats["tiers"],
                          cpu_slots=spec.num_cpu_slots if spec is not None else 0,
                          disk_slots=tiers.disk_slots if config == "cpu+disk" else 0,
-                         io=io, flush_seconds=flush)
+                         io=io)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

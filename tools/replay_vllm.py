@@ -44,7 +44,6 @@ class VllmCpuManagerAdapter(OffloadingManager):
 
         self._base = base
         self.block_size = block_size
-        self.num_slots = num_slots
         self.inner = CPUOffloadingManager(num_chunks=num_slots, cache_policy="lru", enable_events=True)
         self._ids = itertools.count()
         self._ctx = None

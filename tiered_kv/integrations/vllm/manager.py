@@ -21,8 +21,10 @@ adapter adds is what vLLM's contract demands and ours did not:
 - ``touch`` is never called by vLLM 0.33, so recency is updated in ``prepare_load``
   and ``prepare_store`` (the chunks a request offers are its own prefix; touching them
   first also keeps them from being this call's eviction victims).
-- After ``reset_cache`` vLLM discards the jobs in flight (no ``complete_*`` follows);
-  their chunks are released in ``on_reset_flushed``, once workers no longer write them.
+- ``reset_cache`` empties every tier, the disk included (a reset may mean new weights).
+  vLLM then discards the jobs in flight (no ``complete_*`` follows): their chunks are
+  released in ``on_reset_flushed``, once workers no longer write them; disk writes
+  queued before the reset are dropped as they land and never served.
 - Stats: ``get_stats`` turns our ``TieredStats`` counters (deltas since the last call)
   and tier occupancy into vLLM's ``OffloadingConnectorStats``; the metric names are
   declared by the spec's ``build_metric_definitions``.
