@@ -70,14 +70,16 @@ def test_lru_eviction_follows_touch_order():
     mgr = CPUOffloadingManager(4, 16, enable_events=True)
     stored(mgr, 1, 2, 3, 4)
     mgr.take_events()
-    mgr.touch(hs(2, 1))          # recency now (old -> new): 3, 4, 2, 1
+    # One store's blocks go in head-most-recent: 4, 3, 2, 1 (old -> new). Touching
+    # makes the first touched the most recent: 4, 3, 1, 2.
+    mgr.touch(hs(2, 1))
     mgr.touch(hs(99))            # unknown: ignored
     out = mgr.prepare_store(hs(5, 6))
-    assert out.block_hashes_evicted == hs(3, 4)
+    assert out.block_hashes_evicted == hs(4, 3)
     assert mgr.lookup(hs(1)) == 1 and mgr.lookup(hs(2)) == 1
     assert mgr.lookup(hs(3)) == 0 and mgr.lookup(hs(4)) == 0
     (removed,) = mgr.take_events()
-    assert removed.removed and removed.medium == CPU and removed.block_hashes == hs(3, 4)
+    assert removed.removed and removed.medium == CPU and removed.block_hashes == hs(4, 3)
     # The evicted slots are the ones handed to the new blocks.
     assert sorted(out.store_spec.block_ids.tolist()) == sorted(
         [s for s in range(4) if s not in (mgr.slot_of(h(1)), mgr.slot_of(h(2)))])
@@ -89,8 +91,8 @@ def test_pinned_and_pending_blocks_are_never_evicted():
     mgr.prepare_load(hs(1))               # pinned by a load
     mgr.prepare_load(hs(1))               # twice
     assert mgr.prepare_store(hs(4)) is not None   # 4 takes the free slot, stays pending
-    out = mgr.prepare_store(hs(5, 6))     # only 2 and 3 are evictable
-    assert out.block_hashes_evicted == hs(2, 3)
+    out = mgr.prepare_store(hs(5, 6))     # only 2 and 3 are evictable (3 older: stored tail-first)
+    assert out.block_hashes_evicted == hs(3, 2)
     assert mgr.is_loadable(h(1)) and h(4) in mgr
     # Now everything is pinned or pending: nothing can be evicted.
     before = snapshot(mgr)
@@ -111,7 +113,7 @@ def test_prepare_store_none_when_request_exceeds_evictable():
     assert snapshot(mgr) == before
     assert mgr.take_events()[-1].removed is False      # only the earlier stored event
     out = mgr.prepare_store(hs(3, 4, 5))
-    assert out.block_hashes_evicted == hs(1, 2)
+    assert out.block_hashes_evicted == hs(2, 1)   # one store's tail is older than its head
 
 
 def test_complete_store_failure_frees_only_pending_blocks():
@@ -164,7 +166,7 @@ def test_extension_api_for_the_composite():
     mgr.take_events()
     mgr.touch(hs(1))
     mgr.pin(hs(3))
-    assert list(mgr.iter_evictable()) == hs(2, 4, 1)
+    assert list(mgr.iter_evictable()) == hs(4, 2, 1)   # stored tail-first; 1 touched; 3 pinned
     slot = mgr.slot_of(h(2))
     assert mgr.remove(h(2)) == slot
     assert h(2) not in mgr and mgr.slot_of(h(2)) is None and mgr.num_free_slots() == 2
@@ -213,7 +215,7 @@ class ReferenceLRU:
         for k in victims:
             self.order.remove(k)
             del self.ref[k], self.ready[k]
-        for k in new:
+        for k in reversed(new):  # head-most-recent
             self.order.append(k)
             self.ref[k], self.ready[k] = 0, False
         return new, victims
@@ -264,7 +266,7 @@ def test_random_operations_match_reference_model(seed):
                 ref.ref[k] -= 1
         else:
             mgr.touch(keys)
-            for k in keys:
+            for k in reversed(keys):  # the first touched ends most recent
                 if k in ref.ready:
                     ref.order.remove(k)
                     ref.order.append(k)

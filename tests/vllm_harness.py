@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -392,14 +393,23 @@ class VllmHarness:
         self.steps.append(record)
         return record
 
-    def run(self, max_steps: int = 200) -> list[StepRecord]:
-        """Step until no request is left and the connector has nothing in flight."""
+    def run(self, max_steps: int = 200, timeout: float = 60.0) -> list[StepRecord]:
+        """Step until no request is left and the connector has nothing in flight.
+
+        Work that finishes on background threads (disk verification, disk writes) is
+        given wall time too: after ``max_steps`` steps it keeps stepping, yielding the
+        CPU between steps, until ``timeout`` seconds have passed, as a real engine's
+        idle loop would on a busy machine."""
         records = []
-        for _ in range(max_steps):
+        deadline = time.monotonic() + timeout
+        while True:
             if not self.scheduler.has_requests() and not self.connector.has_pending_push_work():
                 return records
+            if len(records) >= max_steps:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"engine still busy after {len(records)} steps and {timeout} s")
+                time.sleep(0.005)
             records.append(self.step())
-        raise AssertionError(f"engine still busy after {max_steps} steps")
 
     def serve(self, prompt_token_ids: list[int], max_tokens: int = 1) -> PrefixHit:
         """Run one request to completion (and its stores to the end); its prefix hit."""

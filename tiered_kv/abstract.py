@@ -76,8 +76,9 @@ class OffloadingManager(ABC):
         not loadable."""
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Mark the blocks as most recently used, in the given order (the last one
-        becomes the most recent). Unknown blocks are ignored."""
+        """Mark the blocks as most recently used, the first one most recent of all: a
+        request's head is what later prefix hits need, and its tail is useless without
+        it (vLLM's LRU orders them the same way). Unknown blocks are ignored."""
         return
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:

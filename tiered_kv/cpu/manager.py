@@ -113,7 +113,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks
-        for block_hash in block_hashes:
+        for block_hash in reversed(list(block_hashes)):  # the first ends most recent
             if block_hash in blocks:
                 blocks.move_to_end(block_hash)
 
@@ -224,11 +224,11 @@ class CPUOffloadingManager(OffloadingManager):
                 evicted.extend(victims)
             self._emit(victims, removed=True)
         free = self._free
-        slots = []
-        for block_hash in block_hashes:
-            slot = free.pop()
+        slots = [free.pop() for _ in block_hashes]
+        # Inserted tail first, so a request's head ends most recent: it is what later
+        # prefix hits need, and the tail is useless without it.
+        for block_hash, slot in zip(reversed(block_hashes), reversed(slots)):
             blocks[block_hash] = _Entry(slot)
-            slots.append(slot)
         return slots
 
     def remove(self, block_hash: BlockHash) -> int:

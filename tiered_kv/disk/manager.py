@@ -376,7 +376,7 @@ class DiskOffloadingManager(OffloadingManager):
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         now = time.time()
         with self._lock:
-            for h in block_hashes:
+            for h in reversed(list(block_hashes)):  # the first ends most recent
                 if self._table.touch(h):
                     t, hits = self._touches.get(h, (now, 0))
                     self._touches[h] = (now, hits)
