@@ -63,13 +63,19 @@ class CPUOffloadingSpec(OffloadingSpec):
         kv_caches: Mapping[str, torch.Tensor],
         kv_before_num_blocks: bool | Mapping[str, bool] = False,
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        handlers = self._cpu_gpu_handlers(kv_caches, kv_before_num_blocks)
+        yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
+
+    def _cpu_gpu_handlers(self, kv_caches: Mapping[str, torch.Tensor],
+                          kv_before_num_blocks: bool | Mapping[str, bool]) -> CpuGpuOffloadingHandlers:
+        """Learn the layout from the device tensors, allocate the host tier, and build
+        the two CUDA-stream handlers between them (worker process)."""
         layout = KVCacheLayout.from_tensors(kv_caches, self.gpu_block_size, self.block_size_factor,
                                             kv_before_num_blocks)
         self._set_layout(layout)
         self.host = HostKVCache(layout, self.num_cpu_slots)
-        handlers = CpuGpuOffloadingHandlers(kv_caches, self.host)
-        yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
-        yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
+        return CpuGpuOffloadingHandlers(kv_caches, self.host)
 
     def _set_layout(self, layout: KVCacheLayout) -> None:
         if layout.block_size_factor != self.block_size_factor:

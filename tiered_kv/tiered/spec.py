@@ -19,14 +19,12 @@ from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
-from tiered_kv.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.specs import TieredLoadSpec
-from tiered_kv.worker.cpu_gpu import CpuGpuOffloadingHandlers
 from tiered_kv.worker.worker import OffloadingHandler
 
 
@@ -73,11 +71,8 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         kv_caches: Mapping[str, torch.Tensor],
         kv_before_num_blocks: bool | Mapping[str, bool] = False,
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
-        layout = KVCacheLayout.from_tensors(kv_caches, self.gpu_block_size, self.block_size_factor,
-                                            kv_before_num_blocks)
-        self._set_layout(layout)
-        self.host = HostKVCache(layout, self.num_cpu_slots)
-        cpu_gpu = CpuGpuOffloadingHandlers(kv_caches, self.host)
+        cpu_gpu = self._cpu_gpu_handlers(kv_caches, kv_before_num_blocks)
+        layout = self.layout
         stager = disk_to_gpu = disk_to_cpu = None
         if self.config.disk_path:
             from tiered_kv.disk.store import DiskStore
