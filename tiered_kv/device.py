@@ -5,7 +5,7 @@ helpers hand out real CUDA streams and events; on a CPU-only machine they degrad
 stand-ins that run work synchronously, so the same handler code runs everywhere.
 ``torch.Tensor.pin_memory`` raises on CPU-only torch, hence the probe: callers ask
 ``can_pin_memory()`` instead of trying. Each fallback is logged once per process.
-No I/O beyond allocating memory and reading the memory limit (``/proc``-style files).
+No I/O beyond allocating memory and reading the cgroup's memory limit.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def host_memory_limit() -> int:
     limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
-            text = open(path).read().strip()
+            with open(path) as f:
+                text = f.read().strip()
         except OSError:
             continue
         if text.isdigit():

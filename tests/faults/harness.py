@@ -45,13 +45,12 @@ def device(num_gpu_blocks: int = 8, dtype: torch.dtype = torch.float16) -> Devic
                          num_kv_heads=4, head_dim=32, dtype=dtype, device="cpu")
 
 
-def config(cache_dir: str | os.PathLike | None, bytes_per_block: int, cpu_blocks: int = 8,
+def config(cache_dir: str | os.PathLike, bytes_per_block: int, cpu_blocks: int = 8,
            disk_blocks: int = 40, **extra) -> dict:
-    """A config dict for the hierarchy sized in blocks."""
-    out = {"cpu_bytes": cpu_blocks * bytes_per_block, "disk_bytes": disk_blocks * bytes_per_block,
-           "io_backend": "posix", "io_threads": 2, "model_id": "fault-suite", "max_pending_disk_writes": 16}
-    if cache_dir is not None:
-        out["disk_path"] = str(cache_dir)
+    """A config dict for the hierarchy sized in blocks (``extra`` keys override)."""
+    out = {"cpu_bytes": cpu_blocks * bytes_per_block, "disk_path": str(cache_dir),
+           "disk_bytes": disk_blocks * bytes_per_block, "io_backend": "posix", "io_threads": 2,
+           "model_id": "fault-suite", "max_pending_disk_writes": 16}
     out.update(extra)
     return out
 
@@ -223,6 +222,99 @@ def namespace_dirs(cache_dir: str | os.PathLike) -> list[Path]:
     return sorted(p.parent for p in root.glob(f"*/{MANIFEST}")) if root.is_dir() else []
 
 
+# ---------------------------------------------------------------- damage
+
+
+def geometry(cache_dir) -> tuple[int, int]:
+    """(slot size, block bytes) of the cache's (first) namespace."""
+    store = DiskStore.open_readonly(namespace_dirs(cache_dir)[0])
+    store.close()
+    return store.slot_size, store.block_bytes
+
+
+def slots_of(cache_dir) -> dict[bytes, int]:
+    """block hash -> slot of every entry of the cache's (first) namespace."""
+    store = DiskStore.open_readonly(namespace_dirs(cache_dir)[0])
+    try:
+        return {h: store.entry(h).slot for h, _ in snapshot_hashes(store.snapshot())}
+    finally:
+        store.close()
+
+
+def flip_slab_bits(cache_dir, rng: random.Random, blocks: int = 6) -> set[bytes]:
+    """Invert one random bit inside each of ``blocks`` random stored blocks."""
+    where = slots_of(cache_dir)
+    slot_size, block_bytes = geometry(cache_dir)
+    victims = set(rng.sample(sorted(where), min(blocks, len(where))))
+    with open(namespace_dirs(cache_dir)[0] / "rank0.slab", "r+b") as f:
+        for h in sorted(victims):
+            off = where[h] * slot_size + rng.randrange(block_bytes)
+            f.seek(off)
+            byte = f.read(1)
+            f.seek(off)
+            f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+        os.fsync(f.fileno())
+    return victims
+
+
+def truncate_slab(cache_dir, rng: random.Random, keep_slots: int | None = None) -> set[bytes]:
+    """Cut rank 0's slab after ``keep_slots`` slots (random when None)."""
+    where = slots_of(cache_dir)
+    slot_size, _ = geometry(cache_dir)
+    if keep_slots is None:
+        keep_slots = rng.randrange(max(where.values()) + 1)
+    os.truncate(namespace_dirs(cache_dir)[0] / "rank0.slab", keep_slots * slot_size)
+    return {h for h, s in where.items() if s >= keep_slots}
+
+
+def delete_slab(cache_dir, rng: random.Random) -> set[bytes]:
+    where = slots_of(cache_dir)
+    (namespace_dirs(cache_dir)[0] / "rank0.slab").unlink()
+    return set(where)
+
+
+def _index_data(cache_dir) -> Path:
+    return namespace_dirs(cache_dir)[0] / "index.lmdb" / "data.mdb"
+
+
+def garbage_index(cache_dir, rng: random.Random) -> set[bytes]:
+    """Overwrite the whole index file with random bytes."""
+    where = slots_of(cache_dir)
+    path = _index_data(cache_dir)
+    path.write_bytes(rng.randbytes(path.stat().st_size))
+    return set(where)
+
+
+def garbage_index_pages(cache_dir, rng: random.Random) -> set[bytes]:
+    """Keep the two meta pages (LMDB opens the file) and fill the tree with junk."""
+    where = slots_of(cache_dir)
+    path = _index_data(cache_dir)
+    with open(path, "r+b") as f:
+        f.seek(2 * 4096)
+        f.write(rng.randbytes(path.stat().st_size - 2 * 4096))
+    return set(where)
+
+
+def truncate_index(cache_dir, rng: random.Random) -> set[bytes]:
+    """Cut the index file at a random page boundary short of its end (never to zero)."""
+    where = slots_of(cache_dir)
+    path = _index_data(cache_dir)
+    pages = path.stat().st_size // 4096
+    os.truncate(path, 4096 * rng.randrange(1, pages))
+    return set(where)
+
+
+#: Damage to a closed cache: name -> function(cache_dir, rng) -> blocks it destroyed.
+DAMAGE = {
+    "slab bit flips": flip_slab_bits,
+    "truncated slab": truncate_slab,
+    "deleted slab": delete_slab,
+    "garbage index": garbage_index,
+    "garbage index pages": garbage_index_pages,
+    "truncated index": truncate_index,
+}
+
+
 # ---------------------------------------------------------------- verification
 
 
@@ -372,30 +464,6 @@ class CrashTrial:
     loadable_after_reopen: int
 
 
-@dataclass
-class CrashSummary:
-    trials: list[CrashTrial] = field(default_factory=list)
-    requests: int = 0
-    acked_total: int = 0
-    wrong_served: int = 0
-
-    @property
-    def blocks_lost(self) -> int:
-        return sum(len(t.lost) for t in self.trials)
-
-    @property
-    def wrong_on_disk(self) -> int:
-        return sum(len(t.verify.wrong) for t in self.trials)
-
-    @property
-    def corrupt_on_disk(self) -> int:
-        return sum(len(t.verify.corrupt) for t in self.trials)
-
-    @property
-    def blocks_checked(self) -> int:
-        return sum(t.verify.verified for t in self.trials)
-
-
 _CTX = None
 
 
@@ -433,20 +501,13 @@ class CrashRunner:
 
     def __init__(self, workdir: str | os.PathLike, seed: int):
         self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.cache = self.workdir / "cache"
         self.journal = self.workdir / "journal"
         self.journal.touch()
         self.seed = seed
         self.rng = random.Random(seed)
-        self.summary = CrashSummary()
-
-    def run(self, trials: int) -> CrashSummary:
-        for i in range(trials):
-            self.trial(i)
-        st = read_journal(self.journal)
-        self.summary.requests, self.summary.acked_total = st.requests, st.acked_total
-        self.summary.wrong_served = st.mismatches
-        return self.summary
+        self.trials: list[CrashTrial] = []
 
     def trial(self, i: int) -> CrashTrial:
         from faults import storm_child
@@ -473,7 +534,7 @@ class CrashRunner:
         if proc.exitcode != -9:
             raise AssertionError(self._child_failure(proc, f"ended with {proc.exitcode}, not by the kill"))
         result = self._check(i, policy, "startup" if startup else "storm", delay)
-        self.summary.trials.append(result)
+        self.trials.append(result)
         return result
 
     def _child_failure(self, proc, what: str) -> str:

@@ -7,16 +7,17 @@ wrong byte is served, and the disk tier works again afterwards."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 
 import pytest
 
-from faults.harness import Hierarchy, documents, inspect_verify, namespace_dirs, snapshot_hashes, verify_cache
+from faults.harness import (
+    Hierarchy, delete_slab, documents, flip_slab_bits, garbage_index, garbage_index_pages, inspect_verify,
+    namespace_dirs, truncate_index, truncate_slab, verify_cache,
+)
 from tiered_kv.disk.index import QUARANTINE_SUFFIX
-from tiered_kv.disk.store import DiskStore
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
 DOCS = documents(8, 4, seed=11)  # 32 blocks; the disk tier (64) keeps them all
 BLOCKS = [b for d in DOCS for b in d]
@@ -33,22 +34,6 @@ def cache(tmp_path):
     h.close()
     assert verify_cache(tmp_path).ok
     return tmp_path
-
-
-def geometry(cache_dir) -> tuple[int, int]:
-    """(slot size, block bytes) of the (single) namespace."""
-    store = DiskStore.open_readonly(namespace_dirs(cache_dir)[0])
-    store.close()
-    return store.slot_size, store.block_bytes
-
-
-def entries(cache_dir) -> dict[bytes, int]:
-    """block hash -> slot, of the (single) namespace."""
-    store = DiskStore.open_readonly(namespace_dirs(cache_dir)[0])
-    try:
-        return {h: store.entry(h).slot for h, _ in snapshot_hashes(store.snapshot())}
-    finally:
-        store.close()
 
 
 def assert_inspector_flags(cache_dir, what: str) -> None:
@@ -79,41 +64,36 @@ def assert_healed(h: Hierarchy, cache_dir) -> None:
         assert cli[0] == 0, cli[1]
 
 
-def test_flipped_bytes_in_a_slab_fail_those_loads_only(cache):
-    where = entries(cache)
-    ns = namespace_dirs(cache)[0]
-    slot_size, block_bytes = geometry(cache)
-    rng = random.Random(5)
-    victims = rng.sample(sorted(where), 6)
-    with open(ns / "rank0.slab", "r+b") as f:
-        for h in victims:
-            off = where[h] * slot_size + rng.randrange(block_bytes)
-            f.seek(off)
-            byte = f.read(1)
-            f.seek(off)
-            f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
-        os.fsync(f.fileno())
+def test_flipped_bits_in_a_slab_fail_those_loads_only(cache):
+    victims = flip_slab_bits(cache, random.Random(5), blocks=6)
 
     before = verify_cache(cache)
-    assert set(before.corrupt) == set(victims) and not before.wrong
-    assert_inspector_flags(cache, "flipped bytes")
+    assert set(before.corrupt) == victims and not before.wrong
+    assert_inspector_flags(cache, "flipped bits")
 
     h, report = serve_everything(cache)
     assert h.spec.store.stats.checksum_failures == len(victims)
     assert h.disk.stats.checksum_failures == len(victims)
     assert report.recomputed_after_failed_load >= len(victims)
     assert report.hits_by_medium.get("DISK", 0) >= len(BLOCKS) - 4 * len(victims)
+    assert h.disk.loadable_among(set(BLOCKS) - victims) == set(BLOCKS) - victims, "intact blocks were dropped"
+    assert_healed(h, cache)
+
+
+def test_flipped_bits_under_a_running_engine_are_caught_on_load(cache):
+    h = Hierarchy(cache, cpu_blocks=8, disk_blocks=64)
+    victims = flip_slab_bits(cache, random.Random(6), blocks=4)  # O_DIRECT reads see the new bytes
+    report = h.run(DOCS)
+    assert report.mismatches == 0
+    assert h.disk.stats.checksum_failures == len(victims)
     assert_healed(h, cache)
 
 
 @pytest.mark.parametrize("keep_slots", [10, 0], ids=["truncated", "emptied"])
 def test_a_truncated_slab_drops_the_blocks_past_its_end_at_startup(cache, keep_slots, caplog):
-    where = entries(cache)
-    ns = namespace_dirs(cache)[0]
-    slot_size, _ = geometry(cache)
-    os.truncate(ns / "rank0.slab", keep_slots * slot_size)
-    gone = {h for h, s in where.items() if s >= keep_slots}
+    gone = truncate_slab(cache, random.Random(7), keep_slots)
     assert gone
+    intact = set(BLOCKS) - gone
 
     before = verify_cache(cache)
     assert set(before.corrupt) == gone
@@ -123,7 +103,7 @@ def test_a_truncated_slab_drops_the_blocks_past_its_end_at_startup(cache, keep_s
         h = Hierarchy(cache, cpu_blocks=8, disk_blocks=64)
     assert "missing or truncated" in caplog.text
     assert not h.disk.loadable_among(gone), "blocks past the end of the slab are still offered"
-    assert h.disk.loadable_among(set(where) - gone) == set(where) - gone
+    assert h.disk.loadable_among(intact) == intact
     report = h.run(DOCS)
     assert report.mismatches == 0 and h.spec.store.stats.checksum_failures == 0
     assert_healed(h, cache)
@@ -131,7 +111,7 @@ def test_a_truncated_slab_drops_the_blocks_past_its_end_at_startup(cache, keep_s
 
 def test_a_deleted_slab_empties_the_tier_and_is_recreated(cache, caplog):
     ns = namespace_dirs(cache)[0]
-    (ns / "rank0.slab").unlink()
+    delete_slab(cache, random.Random(8))
     before = verify_cache(cache)
     assert len(before.corrupt) + len(before.errors) > 0
     assert_inspector_flags(cache, "a deleted slab")
@@ -144,30 +124,11 @@ def test_a_deleted_slab_empties_the_tier_and_is_recreated(cache, caplog):
     assert_healed(h, cache)
 
 
-def _garbage(path):
-    size = path.stat().st_size
-    path.write_bytes(random.Random(1).randbytes(size))
-
-
-def _garbage_after_meta(path):
-    with open(path, "r+b") as f:  # meta pages intact: LMDB opens it, the tree is junk
-        f.seek(2 * 4096)
-        f.write(random.Random(2).randbytes(path.stat().st_size - 2 * 4096))
-
-
-def _truncated_half(path):
-    os.truncate(path, path.stat().st_size // 2)
-
-
-def _truncated_to_a_page(path):
-    os.truncate(path, 4096)
-
-
-@pytest.mark.parametrize("damage", [_garbage, _garbage_after_meta, _truncated_half, _truncated_to_a_page],
-                         ids=["garbage", "garbage-pages", "truncated-half", "truncated-one-page"])
+@pytest.mark.parametrize("damage", [garbage_index, garbage_index_pages, truncate_index],
+                         ids=["garbage", "garbage-pages", "truncated"])
 def test_a_damaged_index_is_set_aside_and_rebuilt_empty(cache, damage, caplog):
     ns = namespace_dirs(cache)[0]
-    damage(ns / "index.lmdb" / "data.mdb")
+    damage(cache, random.Random(9))
 
     before = verify_cache(cache)
     assert before.errors or before.corrupt, "the check did not notice the damaged index"

@@ -13,7 +13,7 @@ from tiered_kv.disk.namespace import NamespaceError
 
 from faults.harness import Hierarchy, InjectingBackend, TmpfsMount, documents, inject_backend, verify_cache
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
 
 def all_blocks(docs) -> list[bytes]:

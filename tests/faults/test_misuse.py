@@ -23,7 +23,7 @@ from tiered_kv.device import host_memory_limit
 from tiered_kv.disk.namespace import CacheLockedError, FingerprintMismatchError, Manifest, NamespaceError
 from tiered_kv.tiered.spec import TieredOffloadingSpec
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
 DOCS = documents(4, 4, seed=21)
 BLOCKS = {b for d in DOCS for b in d}

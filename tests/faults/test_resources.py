@@ -18,7 +18,7 @@ from faults.harness import Hierarchy, device, documents, namespace_dirs, verify_
 from tiered_kv.disk.namespace import Namespace, current_holder
 from tiered_kv.host_memory import HostKVCache
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
 DOCS = documents(16, 4, seed=31)
 

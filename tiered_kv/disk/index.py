@@ -22,11 +22,12 @@ new map size and retrying; a writer grows the map on ``MapFullError``.
 
 A damaged index is detected when it is opened: a ``data.mdb`` shorter than its own meta
 page says (a truncated file, which would otherwise kill the process with SIGBUS on the
-first page read), one LMDB cannot open, or, for writers, a walk over every key that
-hits a bad page. It raises ``IndexCorruptError``; writers opened with ``repair=True``
+first page read), one LMDB cannot open, or, for writers, a walk over every page that
+hits a bad one. It raises ``IndexCorruptError``; writers opened with ``repair=True``
 (the engine's scheduler and workers) instead move it aside to ``index.lmdb.corrupt``
 and start an empty index, logging why: the blocks it described are recomputed, and
-no block is ever served from an index that cannot be read.
+no block is ever served from an index that cannot be read. (An empty ``data.mdb`` is
+only logged: LMDB starts it afresh.)
 """
 
 from __future__ import annotations
@@ -162,18 +163,25 @@ class _SharedEnv:
             raise
 
     def _walk(self) -> None:
-        """Touch every page of every database (keys only): a damaged page raises here,
-        at open, instead of in the middle of serving."""
-        with self.env.begin() as txn:
-            for db in self.dbs.values():
-                if db is not None:
-                    for _ in txn.cursor(db=db).iternext(keys=True, values=False):
-                        pass
+        """Read every page of every database, so a damaged page raises here, at open,
+        instead of in the middle of serving. LMDB's compacting copy walks the trees in
+        C (about 30 ms per million entries, a Python cursor loop takes 200); the copy
+        itself goes to /dev/null."""
+        fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            self.env.copyfd(fd, compact=True)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _open(path: Path, readonly: bool, map_size: int) -> lmdb.Environment:
         kwargs = dict(subdir=True, max_dbs=8, readonly=readonly, create=not readonly,
                       readahead=False, meminit=False, max_readers=1022)
+        data = Path(path) / "data.mdb"
+        if data.exists() and data.stat().st_size == 0:
+            # LMDB starts such a file afresh. Not an error: a peer creating the index
+            # this instant shows the same (LMDB's own lock orders the two).
+            logger.warning("disk index %s: data.mdb is empty (truncated?); it starts empty", path)
         try:
             if readonly:
                 try:

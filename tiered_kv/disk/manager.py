@@ -6,11 +6,11 @@ a write transaction on the caller's thread:
 - At startup it opens (or creates) the namespace, takes the writer lock, preallocates
   the slab files and disk space for the index to grow into (so a disk that fills up
   later fails neither block writes nor the index commits that record them), and loads
-  the LMDB index in one read pass (numpy, no per-entry
-  objects: 1M blocks open in well under a second). A block is loadable when every TP
-  rank has committed it; partial entries left by a crash, and entries past the end of
-  a slab found truncated or missing, are dropped and their slots reused. A damaged
-  index is moved aside and replaced by an empty one (``index.py``), never served.
+  the LMDB index in one read pass (numpy, no per-entry objects: 1M blocks open in well
+  under a second). A block is loadable when every TP rank has committed it; partial
+  entries left by a crash, and entries past the end of a slab found truncated or
+  missing, are dropped and their slots reused. A damaged index is moved aside and
+  replaced by an empty one (``index.py``), never served.
 - ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
   load nor being stored) and hands workers a ``DiskLoadStoreSpec``. Workers write the
   bytes, make them durable, and only then commit the index entry (``store.py``).

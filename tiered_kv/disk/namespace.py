@@ -9,9 +9,11 @@ Layout of ``<cache_dir>/<namespace_id>/``::
                     JSON {pid, host, started, engine_id} naming the holder
 
 Which process does what: the scheduler (manager) creates or opens the namespace and
-holds the writer lock for the engine's lifetime; each worker opens it and preallocates
-its own rank's slab (``fallocate``, metadata only on ext4/xfs); the inspector opens it
-read-only and takes no lock. Creating a namespace is race-free between the scheduler and
+holds the writer lock for the engine's lifetime, preallocates every rank's slab and
+reserves room for the index to grow into; each worker opens it and preallocates its own
+rank's slab (``fallocate``, metadata only on ext4/xfs); the inspector opens it
+read-only and takes no lock. Creating or growing a namespace first checks that its
+filesystem has the room, so a size that does not fit is never recorded. Creating a namespace is race-free between the scheduler and
 workers starting at the same time: the directory is built under a temporary name and
 renamed into place, so a namespace directory always has a complete manifest.
 """
@@ -244,7 +246,6 @@ class Namespace:
         finally:
             os.close(fd)
         return path
-
 
     def reserve_index(self) -> None:
         """Set aside disk space for the index to grow into (``fallocate`` that keeps the

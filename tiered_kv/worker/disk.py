@@ -94,7 +94,12 @@ class _Staging:
 
 
 class _StagingPool:
-    """At most ``count`` staging buffers, allocated on first use; ``acquire`` blocks."""
+    """At most ``count`` staging buffers, allocated on first use; ``acquire`` blocks.
+
+    Pinned host memory that cannot be had (locked-memory limits) is replaced by pageable
+    memory, with a warning; an allocation that fails altogether raises in the job that
+    asked and leaves the pool able to try again, so no job waits for a buffer that was
+    never made."""
 
     def __init__(self, count: int, rows: int, slot_size: int, pin: bool, device: torch.device | None):
         self._free: queue.Queue[_Staging] = queue.Queue()
@@ -106,11 +111,22 @@ class _StagingPool:
         self._device = device
 
     def acquire(self) -> _Staging:
-        with self._lock:
-            if self._free.empty() and self._made < self._count:
-                self._made += 1
-                return self._make()
-        return self._free.get()
+        while True:
+            with self._lock:
+                make = self._free.empty() and self._made < self._count
+                if make:
+                    self._made += 1
+            if make:
+                try:
+                    return self._make()
+                except BaseException:
+                    with self._lock:
+                        self._made -= 1
+                    raise
+            try:  # a bounded wait: a peer's failed allocation frees a place to make one
+                return self._free.get(timeout=0.05)
+            except queue.Empty:
+                continue
 
     def release(self, buf: _Staging) -> None:
         self._free.put(buf)
@@ -119,8 +135,19 @@ class _StagingPool:
         n = self._shape[0] * self._shape[1]
         if self._device is not None:
             rows = aligned_empty(n, device=self._device).view(self._shape)
-            return _Staging(rows, aligned_empty(n, pin=self._pin).view(self._shape))
-        return _Staging(aligned_empty(n, pin=self._pin).view(self._shape), None)
+            return _Staging(rows, self._host(n).view(self._shape))
+        return _Staging(self._host(n).view(self._shape), None)
+
+    def _host(self, n: int) -> torch.Tensor:
+        if self._pin:
+            try:
+                return aligned_empty(n, pin=True)
+            except RuntimeError as e:
+                self._pin = False
+                logger.warning("pinning a %d-byte disk staging buffer failed (%s); using pageable memory, "
+                               "so device copies are slower. Raise the locked-memory limit (ulimit -l, "
+                               "docker --ulimit memlock=-1) to get pinned staging back", n, e)
+        return aligned_empty(n)
 
 
 class _DiskHandler(OffloadingHandler):
