@@ -74,7 +74,7 @@ def test_cpu_disk_cpu_round_trip(tmp_path, kv_first, factor):
         f = layout.block_size_factor
         assert_same(kernel_blocks(src.tensors, layout, expand_block_ids(range(7), f)),
                     kernel_blocks(dst.tensors, layout, expand_block_ids([7, 6, 5, 4, 3, 2, 1], f)))
-        stats = {**h.stats.snapshot(), **{k: v for k, v in h2.stats.snapshot().items() if k == "disk_to_cpu"}}
+        stats = {"cpu_to_disk": h.stats.transfers["cpu_to_disk"], "disk_to_cpu": h2.stats.transfers["disk_to_cpu"]}
         assert stats["cpu_to_disk"].bytes == 7 * layout.bytes_per_block and stats["cpu_to_disk"].seconds > 0
         assert stats["disk_to_cpu"].blocks == 7 and stats["disk_to_cpu"].failed_jobs == 0
     finally:
@@ -121,8 +121,8 @@ def test_gpu_pairs_via_the_cpu_fallback_and_cross_pairs(tmp_path, kv_first, fact
         assert_same(kernel_blocks(gpu, layout, src_gpu), kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)))
         assert_same(kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)), kernel_blocks(gpu, layout, dst_gpu))
         assert_same(kernel_blocks(gpu, layout, src_gpu), kernel_blocks(gpu, layout, dst2))
-        assert set(gpu_h.stats.snapshot()) == {"gpu_to_disk", "disk_to_gpu"}
-        assert gpu_h.stats.snapshot()["disk_to_gpu"].jobs == 2
+        assert {k for k, t in gpu_h.stats.transfers.items() if t.jobs} == {"gpu_to_disk", "disk_to_gpu"}
+        assert gpu_h.stats.transfers["disk_to_gpu"].jobs == 2
     finally:
         worker.shutdown()
         store.close()
@@ -180,7 +180,7 @@ def test_corrupt_block_fails_the_load_job(tmp_path):
         flip_byte(store.namespace.slab_path(0), 2 * store.slot_size + 17)
         h2.transfer_async(2, (d, CPULoadStoreSpec([0, 1, 2])))
         assert finish(h2, [2]) == {2: False}
-        assert store.stats.checksum_failures == 1 and h2.stats.snapshot()["disk_to_cpu"].failed_jobs == 1
+        assert store.stats.checksum_failures == 1 and h2.stats.transfers["disk_to_cpu"].failed_jobs == 1
         assert store.entry(d.block_hashes[2]) is None
         h2.transfer_async(3, (DiskLoadStoreSpec([0, 1], d.block_hashes[:2]), CPULoadStoreSpec([0, 1])))
         assert finish(h2, [3]) == {3: True}, "the intact blocks still load"
@@ -198,7 +198,7 @@ def test_disk_full_fails_the_job_without_raising(tmp_path):
     try:
         assert h.transfer_async(1, (CPULoadStoreSpec([0, 1]), disk_spec([0, 1])))
         assert finish(h, [1]) == {1: False}
-        assert store.stats.enospc == 1 and h.stats.snapshot()["cpu_to_disk"].failed_jobs == 1
+        assert store.stats.enospc == 1 and h.stats.transfers["cpu_to_disk"].failed_jobs == 1
     finally:
         h.shutdown(), store.close(), backend.shutdown()
 

@@ -19,8 +19,8 @@ def test_stats_record_and_merge():
     a.merge(b)
     snap = a.as_dict()
     assert snap["tiers"]["cpu"]["hits"] == 3
-    assert snap["transfers"]["gpu_to_cpu"] == {"bytes": 1500, "seconds": 1.0, "jobs": 2, "failed_jobs": 0,
-                                               "gbps": 1500 / 1.0 / 1e9}
+    assert snap["transfers"]["gpu_to_cpu"] == {"bytes": 1500, "blocks": 0, "seconds": 1.0, "jobs": 2,
+                                               "failed_jobs": 0, "gbps": 1500 / 1.0 / 1e9}
     assert snap["transfers"]["disk_to_cpu"]["failed_jobs"] == 1 and snap["transfers"]["disk_to_cpu"]["bytes"] == 0
 
 

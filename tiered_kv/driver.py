@@ -28,6 +28,7 @@ from tiered_kv.device import resolve_device
 from tiered_kv.host_memory import expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import GPULoadStoreSpec
+from tiered_kv.metrics import TransferCounter
 from tiered_kv.spec import OffloadingSpec
 from tiered_kv.worker.worker import OffloadingWorker
 from tiered_kv.workloads import Workload
@@ -86,22 +87,6 @@ class DeviceKVCache:
 
 
 @dataclass
-class DirectionStats:
-    """Transfers of one direction (e.g. ``"CPU->GPU"``). ``seconds`` counts the time at
-    least one job of this direction was in flight, so overlap is not double-counted."""
-
-    jobs: int = 0
-    failed_jobs: int = 0
-    blocks: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
 class DriverReport:
     """What a run did. Block counts are offloaded blocks.
 
@@ -127,7 +112,9 @@ class DriverReport:
     stores_rejected: int = 0
     blocks_stored: int = 0
     failed_jobs: int = 0
-    transfers: dict[str, DirectionStats] = field(default_factory=dict)
+    # Per direction (e.g. ``"CPU->GPU"``); ``seconds`` is the time at least one job of the
+    # direction was in flight, so overlapping jobs are not double-counted.
+    transfers: dict[str, TransferCounter] = field(default_factory=dict)
     events: dict[str, int] = field(default_factory=dict)
     wall_seconds: float = 0.0
 
@@ -387,7 +374,7 @@ class EngineDriver:
         direction = f"{spec[0].medium()}->{spec[1].medium()}"
         job_id = self._next_job
         self._next_job += 1
-        self.report.transfers.setdefault(direction, DirectionStats()).jobs += 1
+        self.report.transfers.setdefault(direction, TransferCounter()).jobs += 1
         if not self._in_flight.get(direction):
             self._busy_since[direction] = time.perf_counter()
         self._in_flight[direction] = self._in_flight.get(direction, 0) + 1

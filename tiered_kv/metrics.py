@@ -21,12 +21,14 @@ TIER_COUNTERS = ("lookups", "hits", "stores", "evictions", "spills", "drops", "c
 
 @dataclass
 class TransferCounter:
-    """Bytes, seconds and job count of one transfer type."""
+    """Jobs, blocks, bytes and seconds of one transfer type (blocks and bytes count
+    successful jobs only)."""
 
     bytes: int = 0
     seconds: float = 0.0
     jobs: int = 0
     failed_jobs: int = 0
+    blocks: int = 0
 
     @property
     def gbps(self) -> float:
@@ -50,12 +52,13 @@ class TieredStats:
                 self.tiers[tier][counter] += n
 
     def record_transfer(self, transfer_type: str, num_bytes: int, seconds: float,
-                        success: bool = True) -> None:
+                        success: bool = True, blocks: int = 0) -> None:
         with self._lock:
             t = self.transfers[transfer_type]
             t.jobs += 1
             if success:
                 t.bytes += num_bytes
+                t.blocks += blocks
                 t.seconds += seconds
             else:
                 t.failed_jobs += 1
@@ -69,6 +72,7 @@ class TieredStats:
             for name, t in other.transfers.items():
                 mine = self.transfers[name]
                 mine.bytes += t.bytes
+                mine.blocks += t.blocks
                 mine.seconds += t.seconds
                 mine.jobs += t.jobs
                 mine.failed_jobs += t.failed_jobs
@@ -77,7 +81,7 @@ class TieredStats:
         with self._lock:
             return {
                 "tiers": {k: dict(v) for k, v in self.tiers.items()},
-                "transfers": {k: {"bytes": v.bytes, "seconds": v.seconds, "jobs": v.jobs,
+                "transfers": {k: {"bytes": v.bytes, "blocks": v.blocks, "seconds": v.seconds, "jobs": v.jobs,
                                   "failed_jobs": v.failed_jobs, "gbps": v.gbps}
                               for k, v in self.transfers.items()},
             }

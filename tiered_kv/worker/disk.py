@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,47 +40,12 @@ from tiered_kv.disk.store import DiskStore
 from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.metrics import TieredStats
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 64 << 20
-
-
-@dataclass
-class TransferTypeStats:
-    """Totals of one transfer type. ``bytes`` counts blocks moved successfully."""
-
-    jobs: int = 0
-    failed_jobs: int = 0
-    blocks: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-
-class DiskTransferStats:
-    """Per-transfer-type totals of a handler (thread-safe)."""
-
-    def __init__(self, kinds: Sequence[str]):
-        self._lock = threading.Lock()
-        self._by_kind = {k: TransferTypeStats() for k in kinds}
-
-    def record(self, kind: str, ok: bool, blocks: int, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            s = self._by_kind[kind]
-            s.jobs += 1
-            s.failed_jobs += 0 if ok else 1
-            s.blocks += blocks if ok else 0
-            s.bytes += nbytes if ok else 0
-            s.seconds += seconds
-
-    def snapshot(self) -> dict[str, TransferTypeStats]:
-        with self._lock:
-            return {k: TransferTypeStats(**vars(v)) for k, v in self._by_kind.items()}
 
 
 class _Staging:
@@ -167,7 +131,7 @@ class _DiskHandler(OffloadingHandler):
             raise ValueError(f"rank {rank} is out of range for the namespace's tp_size {store.tp_size}")
         self.store, self.rank, self.layout = store, rank, layout
         self.tensors = list(tensors)
-        self.stats = DiskTransferStats(self.kinds)
+        self.stats = TieredStats()  # this handler's transfers, by type (``kinds``)
         self._owns_store = owns_store
         rows = max(2, staging_bytes // store.slot_size)
         pin = can_pin_memory()
@@ -234,8 +198,8 @@ class _DiskHandler(OffloadingHandler):
         except Exception:
             logger.exception("disk job %d (%s, %d blocks) failed", job_id, kind, len(hashes))
             ok = False
-        self.stats.record(kind, ok, len(hashes), len(hashes) * self.layout.bytes_per_block,
-                          time.perf_counter() - t0)
+        self.stats.record_transfer(kind, len(hashes) * self.layout.bytes_per_block, time.perf_counter() - t0,
+                                   success=ok, blocks=len(hashes))
         with self._cond:
             self._inflight.discard(job_id)
             self._finished.append(TransferResult(job_id, ok))
@@ -373,4 +337,4 @@ class GpuDiskHandler(_DiskHandler):
         self._stream.synchronize()  # the load is done only when the KV is in place
 
 
-__all__ = ["CpuDiskHandler", "GpuDiskHandler", "DiskTransferStats", "TransferTypeStats"]
+__all__ = ["CpuDiskHandler", "GpuDiskHandler"]
