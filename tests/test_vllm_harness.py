@@ -17,7 +17,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
 
 import torch  # noqa: E402
 import vllm_harness as vh  # noqa: E402
-from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult  # noqa: E402
+from vllm.v1.kv_offload.base import TransferResult  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
@@ -124,7 +124,7 @@ def test_stats_flow_through_vllms_prometheus_side(model_dir):
         h.shutdown()
 
 
-class HostWorker(OffloadingWorker):
+class HostWorker(vh.ChunkCopyWorker):
     """Copies bytes synchronously between the CPU "GPU" tensors and a host pool (vLLM's
     own worker needs CUDA). Chunk c of canonical tensor t is row c of host[t]; GPU block
     j of a chunk sits at byte offset j * page in that row."""
@@ -133,42 +133,9 @@ class HostWorker(OffloadingWorker):
         self.gpu = [t.tensor for t in kv_caches.tensors]
         self.page = [t.page_size_bytes for t in kv_caches.tensors]
         self.bpc = blocks_per_chunk
-        self.host = [torch.zeros((num_chunks, p * blocks_per_chunk), dtype=torch.int8)
-                     for p in self.page]
+        self.host = self.rows = [torch.zeros((num_chunks, p * blocks_per_chunk), dtype=torch.int8)
+                                 for p in self.page]
         self.done: list[TransferResult] = []
-
-    def _copy(self, gpu_spec, chunk_ids: np.ndarray, to_host: bool) -> None:
-        start = 0
-        for size, first_logical in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
-            ids = gpu_spec.block_ids[start:start + size]
-            start += size
-            for i, block in enumerate(ids):
-                logical = first_logical + i
-                chunk = chunk_ids[logical // self.bpc - first_logical // self.bpc]
-                sub = logical % self.bpc
-                for gpu, host, page in zip(self.gpu, self.host, self.page):
-                    cell = host[chunk, sub * page:(sub + 1) * page]
-                    if to_host:
-                        cell.copy_(gpu[block])
-                    else:
-                        gpu[block].copy_(cell)
-
-    def submit_store(self, job_id, src_spec, dst_spec):
-        self._copy(src_spec, dst_spec.block_ids, to_host=True)
-        self.done.append(TransferResult(job_id, True))
-        return True
-
-    def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
-        self._copy(dst_spec, src_spec.block_ids, to_host=False)
-        self.done.append(TransferResult(job_id, True))
-        return True
-
-    def get_finished(self):
-        done, self.done = self.done, []
-        return done
-
-    def wait(self, job_ids):
-        return None
 
 
 class HostWorkerCPUSpec(CPUOffloadingSpec):

@@ -28,7 +28,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
 import torch  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
-    LookupResult, OffloadingWorker, ReqContext, TransferResult, make_offload_key,
+    LookupResult, ReqContext, TransferResult, make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
@@ -71,7 +71,7 @@ def _vllm_can_unmap_its_cpu_region(caplog):
     assert not leaks, leaks
 
 
-class ShmHostWorker(OffloadingWorker):
+class ShmHostWorker(vh.ChunkCopyWorker):
     """Synchronous byte copies between the CPU "GPU" tensors and vLLM's shared CPU region
     (the rows the scheduler-side tiers see through ``primary_kv_view``). Uses vLLM's own
     per-worker row views, so the row layout is the one vLLM's CPU worker uses."""
@@ -86,38 +86,9 @@ class ShmHostWorker(OffloadingWorker):
         self.rows = [self.region.create_next_worker_view(p * self.bpc) for p in self.page]
         self.done: list[TransferResult] = []
 
-    def _copy(self, gpu_spec, chunk_ids, to_host: bool) -> None:
-        start = 0
-        for size, first_logical in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
-            ids = gpu_spec.block_ids[start:start + size]
-            start += size
-            for i, block in enumerate(ids):
-                logical = first_logical + i
-                chunk = chunk_ids[logical // self.bpc - first_logical // self.bpc]
-                sub = logical % self.bpc
-                for gpu, rows, page in zip(self.gpu, self.rows, self.page):
-                    cell = rows[chunk, sub * page:(sub + 1) * page]
-                    if to_host:
-                        cell.copy_(gpu[block])
-                    else:
-                        gpu[block].copy_(cell)
-
-    def submit_store(self, job_id, src_spec, dst_spec):
-        self._copy(src_spec, dst_spec.chunk_ids, to_host=True)
-        self.done.append(TransferResult(job_id, True))
-        return True
-
-    def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
-        self._copy(dst_spec, src_spec.chunk_ids, to_host=False)
-        self.done.append(TransferResult(job_id, True))
-        return True
-
-    def get_finished(self):
-        done, self.done = self.done, []
-        return done
-
-    def wait(self, job_ids):
-        return None
+    @staticmethod
+    def chunk_ids(spec):
+        return spec.chunk_ids
 
     def shutdown(self):
         self.rows.clear()

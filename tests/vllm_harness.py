@@ -78,7 +78,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec
+from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadingWorker, TransferResult
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -542,3 +542,54 @@ def hash_blocks(token_ids: list[int], block_size: int,
                       sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
                       block_hasher=get_request_block_hasher(block_size, hash_fn))
     return [bytes(h) for h in request.block_hashes]
+
+
+class ChunkCopyWorker(OffloadingWorker):
+    """A vLLM worker that copies bytes synchronously between CPU tensors standing in for
+    the GPU (``gpu``, one per canonical tensor, ``page`` bytes per block) and host rows
+    (``rows``: row c of ``rows[t]`` is chunk c of tensor t; GPU block j of a chunk sits at
+    byte offset j * page), for tests of offloading managers without CUDA (vLLM's own
+    worker needs it). Subclasses set those attributes and ``bpc`` (blocks per chunk);
+    ``chunk_ids(spec)`` says where a medium's spec keeps its chunk ids."""
+
+    gpu: list[torch.Tensor]
+    page: list[int]
+    rows: list[torch.Tensor]
+    bpc: int
+
+    @staticmethod
+    def chunk_ids(spec):
+        return spec.block_ids
+
+    def _copy(self, gpu_spec, chunk_ids, to_host: bool) -> None:
+        start = 0
+        for size, first_logical in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
+            ids = gpu_spec.block_ids[start:start + size]
+            start += size
+            for i, block in enumerate(ids):
+                logical = first_logical + i
+                chunk = chunk_ids[logical // self.bpc - first_logical // self.bpc]
+                sub = logical % self.bpc
+                for gpu, rows, page in zip(self.gpu, self.rows, self.page):
+                    cell = rows[chunk, sub * page:(sub + 1) * page]
+                    if to_host:
+                        cell.copy_(gpu[block])
+                    else:
+                        gpu[block].copy_(cell)
+
+    def submit_store(self, job_id, src_spec, dst_spec):
+        self._copy(src_spec, self.chunk_ids(dst_spec), to_host=True)
+        self.done.append(TransferResult(job_id, True))
+        return True
+
+    def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
+        self._copy(dst_spec, self.chunk_ids(src_spec), to_host=False)
+        self.done.append(TransferResult(job_id, True))
+        return True
+
+    def get_finished(self):
+        done, self.done = self.done, []
+        return done
+
+    def wait(self, job_ids):
+        return None
