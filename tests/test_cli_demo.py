@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,9 +40,13 @@ def test_second_demo_run_is_served_from_the_first_runs_disk_blocks(tmp_path):
     second = runner.invoke(app, args)
     assert second.exit_code == 0, second.output
     assert "mismatches: 0" in second.output
-    # Nothing is computed the second time: every block asked of the tiers comes back.
     assert _disk_hits(second.output) > _disk_hits(first.output)
-    assert "disk_to_cpu" in second.output and "gpu_to_cpu" not in second.output
+    assert "disk_to_cpu" in second.output
+    # Every block the first run offloaded comes back from disk. A block is recomputed (and
+    # stored) the second time only if the first run's store of it was refused: a 16-slot CPU
+    # tier can be full of still-in-flight stores, and prepare_store then says None.
+    if re.search(r"stores rejected: 0\b", first.output):
+        assert "gpu_to_cpu" not in second.output
 
 
 def test_demo_rejects_bad_options():
