@@ -195,3 +195,14 @@ def crash_workload(cache_dir: str, journal: str, seed: int) -> None:
         if rng.random() < 0.3:
             mgr.touch(rng.sample(universe, 3))
         mgr.take_events()
+
+
+def forkserver_context():
+    """A fork-server context that has imported torch and the disk tier once, so each crash
+    trial forks a ready child quickly."""
+    import multiprocessing
+
+    c = multiprocessing.get_context("forkserver")
+    c.set_forkserver_preload(["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store",
+                              "tiered_kv.worker.disk"])
+    return c

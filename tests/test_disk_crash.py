@@ -3,7 +3,6 @@ store completed before the kill (and was not evicted since) is still there."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import time
@@ -20,11 +19,7 @@ SEED = 20261122
 
 @pytest.fixture(scope="module")
 def ctx():
-    # A fork server imports torch and the package once; each trial forks a ready child.
-    c = multiprocessing.get_context("forkserver")
-    c.set_forkserver_preload(["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store",
-                              "tiered_kv.worker.disk"])
-    return c
+    return fx.forkserver_context()
 
 
 def expected_blocks(journal: str) -> tuple[set[bytes], bool]:

@@ -6,7 +6,6 @@ A crash never leaves a corrupt committed copy; incomplete entries are reported a
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -113,10 +112,7 @@ def test_a_writer_killed_between_ranks_leaves_incomplete_entries_that_repair_dro
 
 @pytest.fixture(scope="module")
 def ctx():
-    c = multiprocessing.get_context("forkserver")
-    c.set_forkserver_preload(["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store",
-                              "tiered_kv.worker.disk"])
-    return c
+    return fx.forkserver_context()
 
 
 @pytest.mark.faults

@@ -258,7 +258,18 @@ def _runs(slots: Sequence[int], start: int, count: int, per_run: int) -> list[tu
     return out
 
 
-class WriteBatch:
+class _Batch:
+    """What write and read batches share: the I/O futures submitted so far."""
+
+    _futures: list[Future]
+
+    def wait_idle(self) -> None:
+        """Wait until no submitted I/O still uses its rows (errors are kept for ``finish``)."""
+        for f in self._futures:
+            f.exception()
+
+
+class WriteBatch(_Batch):
     """One job's store on one rank. ``submit`` chunks of packed rows (any order, each
     block once), then ``finish`` once. Thread-safe for one producer."""
 
@@ -327,11 +338,6 @@ class WriteBatch:
         except Exception as e:
             self._fail(e)
 
-    def wait_idle(self) -> None:
-        """Wait until no submitted write still uses its rows (errors are kept for ``finish``)."""
-        for f in self._futures:
-            f.exception()
-
     def finish(self) -> list[bool]:
         """Wait for the writes, make them durable, commit the index; per-block success."""
         store = self.store
@@ -364,7 +370,7 @@ class WriteBatch:
         return ok
 
 
-class ReadBatch:
+class ReadBatch(_Batch):
     """One job's load on one rank. ``submit`` chunks of destination rows, then
     ``finish`` once. Each block is verified against the checksum recorded for this
     rank; blocks without a usable entry are not read at all."""
@@ -438,11 +444,6 @@ class ReadBatch:
         except Exception as e:  # an I/O thread must not lose an error: finish() reports it
             with self._lock:
                 self._error = self._error or f"{type(e).__name__}: {e}"
-
-    def wait_idle(self) -> None:
-        """Wait until no submitted read still fills its rows."""
-        for f in self._futures:
-            f.exception()
 
     def finish(self) -> list[bool]:
         """Wait for the reads; drop and log blocks that were corrupt or missing."""
