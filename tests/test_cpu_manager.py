@@ -26,7 +26,7 @@ def stored(mgr: CPUOffloadingManager, *ids: int) -> None:
 
 
 def snapshot(mgr: CPUOffloadingManager):
-    return ([(k, e.slot, e.ref_cnt, e.ready) for k, e in mgr._blocks.items()],
+    return ([(k, slot, mgr._readers.get(k, 0), k not in mgr._pending) for k, slot in mgr._blocks.items()],
             sorted(mgr._free), mgr.num_evictable())
 
 

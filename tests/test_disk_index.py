@@ -165,3 +165,22 @@ def test_reopen_of_a_large_index_serves_every_block_without_reading_slabs(tmp_pa
         assert m.lookup(hashes[::10_000]) == len(hashes[::10_000])
     finally:
         m.shutdown()
+
+
+@pytest.mark.parametrize("odd_first", [True, False])
+def test_load_all_decodes_every_entry_of_mixed_lengths_and_skips_damaged_ones(idx, odd_first):
+    """One value length is streamed straight into an array; another length anywhere
+    (first or later in key order) must neither be padded/cut into that array nor lost."""
+    long_hashes = [block_hash(i) for i in range(50)]  # 32 bytes
+    short = (b"\x00" if odd_first else b"\xff") + b"short-hash-16B!"  # sorts first / last
+    idx.commit_stored(0, long_hashes, list(range(50)), [100] * 50, list(range(1, 51)))
+    idx.commit_stored(0, [short], [60], [100], [7])
+    damaged = b"\x80damaged"
+    idx._shared.run(lambda txn: txn.put(damaged, b"\x01\x02\x03", db=idx._db("blocks")), write=True)
+    snap = idx.load_all()
+    assert len(snap) == 51
+    assert sorted(snap.hash_at(i) for i in range(len(snap.entries))) == sorted(long_hashes)
+    assert snap.entries["slot"].tolist() == [long_hashes.index(snap.hash_at(i)) for i in range(50)]
+    assert snap.entries["checksums"][:, 0].tolist() == [long_hashes.index(snap.hash_at(i)) + 1 for i in range(50)]
+    assert [(h, e.slot, e.checksums[0]) for h, e in snap.odd] == [(short, 60, 7)]
+    assert snap.log_seq == 51

@@ -8,7 +8,11 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import lmdb
 import pytest
 import torch
 
@@ -16,7 +20,7 @@ from disk_fixtures import (
     FaultyBackend, block_content, block_hash, content_rows, disk_bytes_for, fingerprint, flip_byte,
     small_layout,
 )
-from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED
+from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK
 from tiered_kv.disk.io_backends import (
     BackendUnavailableError, KvikIOBackend, PosixBackend, aligned_empty, select_backend,
 )
@@ -288,5 +292,186 @@ def test_store_rejects_bad_input_clearly(tmp_path, layout):
         bad = store.write_blocks(0, [block_hash(0)], [SLOTS + 5],
                                  content_rows([block_hash(0)], 0, layout, store.slot_size))
         assert bad == [False], "a slot past the namespace fails the block, it does not raise"
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- group commit
+
+
+class OrderCheckingBackend(PosixBackend):
+    """A real POSIX backend that checks the store's ordering at each step: when a
+    block's bytes are written its slot is not loadable from the index, and when the
+    slab is synced no block of the jobs being synced is committed yet. ``gate``, when
+    set, holds the next ``fdatasync`` until it is released, so jobs queue up behind it."""
+
+    def __init__(self, threads: int = 2):
+        super().__init__(threads)
+        self.store: DiskStore | None = None
+        self.slot_of: dict[int, bytes] = {}  # slot -> hash being written there
+        self.pending: set[bytes] = set()  # written, not yet synced
+        self.violations: list[str] = []
+        self.syncs = 0
+        self.gate: threading.Event | None = None
+        self.waiting = threading.Event()
+        self.fail_offsets: set[int] = set()
+
+    def pwrite(self, f, buf, offset):
+        slot = offset // self.store.slot_size
+        if offset in self.fail_offsets:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        h = self.slot_of.get(slot)
+        e = None if h is None else self.store.index.get(h)
+        if e is not None and e.slot == slot and e.has_rank(0):
+            self.violations.append(f"slot {slot} overwritten while its block was loadable")
+        super().pwrite(f, buf, offset)
+        if h is not None:
+            self.pending.add(h)
+
+    def sync(self, f):
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            self.waiting.set()
+            gate.wait(30)
+        for h in list(self.pending):
+            if self.store.index.get(h) is not None and self.store.index.get(h).has_rank(0):
+                self.violations.append(f"block {h.hex()[:8]} committed before its bytes were synced")
+        self.pending.clear()
+        self.syncs += 1
+        super().sync(f)
+
+
+def _ordered_store(tmp_path, layout, slots=SLOTS):
+    backend = OrderCheckingBackend()
+    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, slots),
+                           io_backend=backend)
+    backend.store = store
+    return store, backend
+
+
+def _jobs(n_jobs, per_job, tag="j"):
+    return [([block_hash(f"{tag}{j}-{i}") for i in range(per_job)], list(range(j * per_job, (j + 1) * per_job)))
+            for j in range(n_jobs)]
+
+
+def _queue_behind_held_sync(store, backend, layout, jobs, submit_rows=None):
+    """Run ``jobs[0]`` with its fdatasync held, write the other jobs meanwhile, let
+    them all queue their commits, then release; returns every job's result."""
+    for hashes, slots in jobs:
+        backend.slot_of.update(zip(slots, hashes))
+    rows = [content_rows(h, 0, layout, store.slot_size) for h, _ in jobs]
+    gate = threading.Event()
+    backend.gate = gate
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        first = ex.submit(store.write_blocks, 0, jobs[0][0], jobs[0][1], rows[0])
+        assert backend.waiting.wait(30), "the first job never reached its fdatasync"
+        batches = [store.begin_write(0, h, s) for h, s in jobs[1:]]
+        for b, r in zip(batches, rows[1:]):
+            b.submit(0, r)
+            b.wait_idle()
+        rest = [ex.submit(b.finish) for b in batches]
+        while len(store._committer._queue) < len(batches):  # every commit queued behind the held one
+            time.sleep(0.01)
+        gate.set()
+        return [first.result()] + [f.result() for f in rest]
+
+
+def test_concurrent_jobs_share_one_sync_and_commit_every_block(tmp_path, layout):
+    store, backend = _ordered_store(tmp_path, layout)
+    try:
+        jobs = _jobs(5, 3)
+        results = _queue_behind_held_sync(store, backend, layout, jobs)
+        assert results == [[True] * 3] * 5
+        assert backend.syncs == 2, f"the four queued jobs must share one fdatasync; saw {backend.syncs} syncs"
+        assert backend.violations == []
+        every = [h for hs, _ in jobs for h in hs]
+        ok, data = read_back(store, 0, every, [s for _, ss in jobs for s in ss])
+        assert ok == [True] * 15
+        assert data == [block_content(h, 0, layout.bytes_per_block) for h in every]
+        assert sorted(r.block_hash for r in store.index.read_log(0) if r.status == LOG_OK) == sorted(every)
+        assert store.stats.stores == 15 and store.stats.store_failures == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.faults
+def test_a_failed_job_in_a_group_fails_alone(tmp_path, layout):
+    store, backend = _ordered_store(tmp_path, layout)
+    try:
+        jobs = _jobs(3, 3)
+        backend.fail_offsets = {jobs[1][1][0] * store.slot_size}  # job 1's (coalesced) write: EIO
+        results = _queue_behind_held_sync(store, backend, layout, jobs)
+        assert results == [[True] * 3, [False] * 3, [True] * 3]
+        assert backend.violations == []
+        assert all(store.entry(h) is None for h in jobs[1][0]), "no block of the failed job is loadable"
+        assert read_back(store, 0, jobs[2][0], jobs[2][1])[0] == [True] * 3
+        log = store.index.read_log(0)
+        assert sorted(r.block_hash for r in log if r.status == LOG_FAILED) == sorted(jobs[1][0])
+        assert store.stats.store_failures == 3 and store.stats.stores == 6
+    finally:
+        store.close()
+
+
+@pytest.mark.faults
+def test_an_index_commit_that_fails_for_one_job_is_retried_alone(tmp_path, layout, monkeypatch):
+    store, backend = _ordered_store(tmp_path, layout)
+    try:
+        jobs = _jobs(3, 2)
+        poison = jobs[2][0][0]
+        commit_group = store.index.commit_group
+
+        def refuse_poison(stored, clears):  # fault injection: this job's transaction cannot commit
+            if any(poison in job.hashes for job in stored):
+                raise lmdb.BadValsizeError("injected")
+            return commit_group(stored, clears)
+
+        monkeypatch.setattr(store.index, "commit_group", refuse_poison)
+        results = _queue_behind_held_sync(store, backend, layout, jobs)
+        assert results == [[True] * 2, [True] * 2, [False] * 2]
+        assert read_back(store, 0, jobs[1][0], jobs[1][1])[0] == [True] * 2
+        assert all(store.entry(h) is None for h in jobs[2][0])
+        assert [r.status for r in store.index.read_log(0) if r.block_hash in jobs[2][0]] == [LOG_FAILED] * 2
+        assert store.stats.store_failures == 2
+    finally:
+        store.close()
+
+
+@pytest.mark.faults
+def test_a_failed_group_sync_fails_every_job_synced_in_it(tmp_path, layout):
+    backend = FaultyBackend()
+    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                           io_backend=backend)
+    try:
+        jobs = _jobs(3, 2)
+        backend.fail_sync = errno.EIO
+        with ThreadPoolExecutor(3) as ex:
+            results = list(ex.map(lambda j: store.write_blocks(0, j[0], j[1],
+                                                               content_rows(j[0], 0, layout, store.slot_size)), jobs))
+        assert results == [[False] * 2] * 3
+        assert all(store.entry(h) is None for hs, _ in jobs for h in hs)
+        assert store.stats.store_failures == 6
+        backend.fail_sync = None
+        assert store.write_blocks(0, jobs[0][0], jobs[0][1], content_rows(jobs[0][0], 0, layout, store.slot_size)) \
+            == [True] * 2
+    finally:
+        store.close()
+        backend.shutdown()
+
+
+def test_restoring_a_loadable_block_clears_it_before_overwriting(tmp_path, layout):
+    store, backend = _ordered_store(tmp_path, layout)
+    try:
+        jobs = _jobs(2, 3)
+        for hashes, slots in jobs:
+            backend.slot_of.update(zip(slots, hashes))
+        for hashes, slots in jobs * 2:  # the second pass overwrites loadable blocks in place
+            assert store.write_blocks(0, hashes, slots, content_rows(hashes, 0, layout, store.slot_size)) == [True] * 3
+        # Another block into a slot that holds a loadable one: the old owner goes first.
+        new = [block_hash("newcomer")]
+        backend.slot_of[jobs[0][1][0]] = jobs[0][0][0]
+        assert store.write_blocks(0, new, [jobs[0][1][0]], content_rows(new, 0, layout, store.slot_size)) == [True]
+        assert backend.violations == []
+        assert store.entry(jobs[0][0][0]) is None
+        assert read_back(store, 0, new + jobs[1][0], [jobs[0][1][0]] + jobs[1][1])[0] == [True] * 4
     finally:
         store.close()

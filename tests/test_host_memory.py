@@ -168,3 +168,33 @@ def test_resolve_device():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="not available"):
             resolve_device("cuda")
+
+
+def test_whole_slot_and_arbitrary_ids_give_the_same_bytes_through_padded_rows(kv_first, factor):
+    """CPU-tier slots (aligned groups of kernel blocks) move as whole rows straight
+    between the tensors and the packed buffer; other ids take the general path. Both
+    must give the documented bytes, read from and write to padded rows only up to
+    bytes_per_block, and leave every other block alone."""
+    layout = make_layout(kv_first, num_gpu_blocks=8 * factor, block_size_factor=factor)
+    src = random_tensors(layout, seed=11)
+    stride = layout.bytes_per_block + 4096
+    slots = [5, 0, 6]
+    aligned = expand_block_ids(slots, factor).reshape(-1, factor)
+    shifted = aligned + 1 if factor > 1 else aligned[::-1].copy()  # misaligned runs (or reordered)
+    for ids in (aligned, shifted):
+        out = torch.full((3, stride), 0xCD, dtype=torch.uint8)
+        pack_blocks(src, layout, ids, out)
+        for row in range(3):
+            assert out[row, :layout.bytes_per_block].numpy().tobytes() == reference_block_bytes(src, layout, ids[row])
+        assert (out[:, layout.bytes_per_block:] == 0xCD).all(), "padding must be left alone"
+
+        dst = [torch.zeros_like(t) for t in src]
+        unpack_blocks(out, dst, layout, ids)
+        dims = [1 if l.kv_before_num_blocks else 0 for l in layout.layers]
+        written = set(ids.reshape(-1).tolist())
+        for s, d, dim in zip(src, dst, dims):
+            for k in range(8 * factor):
+                if k in written:
+                    assert torch.equal(as_bytes(d.select(dim, k)), as_bytes(s.select(dim, k)))
+                else:
+                    assert (as_bytes(d.select(dim, k)) == 0).all(), f"kernel block {k} must stay untouched"

@@ -25,7 +25,7 @@ def test_store_then_lookup_and_load_from_cpu():
     m = TieredOffloadingManager(CPUOffloadingManager(4, block_size=16))
     out = stored(m, [h(1), h(2)])
     assert isinstance(out.store_spec, TieredStoreSpec)
-    assert out.store_spec.spills == [] and out.store_spec.write_through == []
+    assert len(out.store_spec.spills) == 0 and len(out.store_spec.write_through) == 0
     assert m.lookup([h(1), h(2), h(3)]) == 2
     spec = m.prepare_load([h(1), h(2)])
     assert isinstance(spec, CPULoadStoreSpec) and len(spec.block_ids) == 2

@@ -52,14 +52,16 @@ class Hierarchy(RuleBasedStateMachine):
              "max_pending_disk_writes": 4, "model_id": "stateful"}, layout.gpu_block_size, layout)
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
         # Hypothesis replays a sequence and needs it to behave the same each time, so
-        # disk writes happen on the caller's thread here; background timing is exercised
-        # by the other tests.
+        # disk writes happen on the caller's thread here, and the disk manager learns of
+        # them only when the composite refreshes; background timing is exercised by the
+        # other tests.
         for handler in self.worker.handlers:
             if getattr(handler, "stager", None) is not None:
                 handler.stager.shutdown()
                 handler.stager = DiskStager(self.spec.host, self.spec.store, 0, 8, self.spec.stats,
                                             synchronous=True)
         self.manager = self.spec.get_manager()
+        self.manager.disk.poll_interval = None  # refreshes only where the manager asks for them
         self.free_groups = list(range(self.device.num_groups))
         self.next_job = 0
         self.stores: list[tuple[int, list[bytes], list[int]]] = []

@@ -84,8 +84,10 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 
 def scatter_rows(plane: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     """``plane[index[i]] = rows[i]`` for 2-D uint8 ``plane`` and ``rows`` (same row
-    length; ``rows`` on any device, copied to ``plane``'s if needed)."""
-    rows = rows.to(plane.device).contiguous()
+    length; ``rows`` on any device, copied to ``plane``'s if needed). Rows of a strided
+    view (e.g. a column range of a staging buffer) are read in place, not copied first."""
+    if rows.device != plane.device or rows.stride(-1) != 1:
+        rows = rows.to(plane.device).contiguous()
     words_plane, words_rows = as_words(plane), as_words(rows)
     if words_plane.dtype != words_rows.dtype:
         words_plane, words_rows = plane, rows
@@ -126,6 +128,28 @@ def _check_codec_args(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
     return ids
 
 
+def _whole_groups(ids: np.ndarray, tensors: Sequence[torch.Tensor], layout: KVCacheLayout) -> np.ndarray | None:
+    """For ``ids`` whose every row is one aligned group of kernel blocks
+    (``g*f .. g*f+f-1``, no skips; always so for CPU-tier slots), the group numbers
+    ``g``, else None. Then each plane can be viewed as ``(num_blocks/f, f*B)`` and a
+    block moves as one row straight between that view and the packed buffer, with no
+    temporary in between."""
+    f = layout.block_size_factor
+    first = ids[:, 0]
+    if (first < 0).any() or (first % f).any():
+        return None
+    if f > 1 and not (ids == first[:, None] + np.arange(f, dtype=np.int64)).all():
+        return None
+    if any(t.shape[1 if layer.kv_before_num_blocks else 0] % f for t, layer in zip(tensors, layout.layers)):
+        return None
+    return first // f
+
+
+def _same_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    wa, wb = as_words(a), as_words(b)
+    return (wa, wb) if wa.dtype == wb.dtype else (a, b)
+
+
 class _Index:
     """One index tensor per device, made on first use."""
 
@@ -154,6 +178,17 @@ def pack_blocks(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
     n, f = ids.shape
     if n == 0:
         return
+    groups = _whole_groups(ids, tensors, layout)
+    if groups is not None and all(t.device == out.device for t in tensors):
+        index = _Index(groups)
+        offset = 0
+        for tensor, layer in zip(tensors, layout.layers):
+            for plane in _layer_planes(tensor, layer):
+                width = f * plane.shape[1]
+                src, dst = _same_words(plane.view(plane.shape[0] // f, width), out[:, offset:offset + width])
+                torch.index_select(src, 0, index.on(out.device), out=dst)  # gathers into the strided rows
+                offset += width
+        return
     flat = ids.reshape(-1)
     skip = flat < 0
     any_skip = bool(skip.any())
@@ -181,6 +216,17 @@ def unpack_blocks(src: torch.Tensor, tensors: Sequence[torch.Tensor], layout: KV
     ids = _check_codec_args(tensors, layout, block_ids, src, "src")
     n, f = ids.shape
     if n == 0:
+        return
+    groups = _whole_groups(ids, tensors, layout)
+    if groups is not None:
+        index = _Index(groups)
+        offset = 0
+        for tensor, layer in zip(tensors, layout.layers):
+            for plane in _layer_planes(tensor, layer):
+                width = f * plane.shape[1]
+                scatter_rows(plane.view(plane.shape[0] // f, width), index.on(plane.device),
+                             src[:, offset:offset + width])
+                offset += width
         return
     flat = ids.reshape(-1)
     kept = flat >= 0

@@ -3,14 +3,25 @@
 
 For each block size (0.5, 2 and 8 MiB by default) and each round: the three writes
 (raw, store, handler store), then the three reads (raw, load, handler load), their order
-rotated every round. "Store"/"load" is the
-disk tier's I/O path: ``DiskStore`` jobs of pre-packed blocks (O_DIRECT or KvikIO,
-checksums, one fdatasync and up to two synced index commits per job; loads read and
-verify). "Handler" is the whole worker path: a ``CpuDiskHandler`` that also packs the
-blocks from a host KV cache (and unpacks them on load). "Raw" is ``fio --direct=1``
-when fio is installed, else a plain O_DIRECT loop: the same block size, the same number
-of I/O threads, sequential offsets in a preallocated file next to the cache, and one
-fdatasync at the end of the writes. Ratios are tier / raw over all rounds.
+rotated every round (the disk drifts minute to minute). Every path moves the same
+bytes per measurement with the same number of I/O threads:
+
+- raw: ``fio --direct=1`` when fio is installed, else a plain O_DIRECT loop: one
+  ``pwritev``/``preadv`` of one slot (the block rounded up to 4 KiB) at a time on each
+  of the I/O threads, sequential offsets in a preallocated file next to the cache, and
+  one ``fdatasync`` at the end of the writes (the least syncing any durable write can do).
+- store / load: the disk tier's I/O path, ``DiskStore`` jobs of pre-packed blocks,
+  ``--job-threads`` jobs at a time: xxh3-64 checksums of every block (on the store's
+  checksum threads), O_DIRECT writes of coalesced runs on the I/O threads, then per
+  group of jobs that finish together one ``fdatasync`` and one synced LMDB commit;
+  every round re-stores the same blocks into the same slots, so every job also pays
+  the synced index transaction that makes a slot unloadable before it is overwritten
+  (the case of a full cache reusing evicted slots). Loads read and verify every block.
+- handler: the whole worker path, a ``CpuDiskHandler`` that also packs the blocks from
+  a host KV cache into its staging buffers (and unpacks them on load).
+
+Ratios are tier / raw over all rounds (bytes / time summed). The process CPU time of
+each path (all threads, user + system) is printed beside it, in seconds per GB moved.
 
     python tools/bench_disk.py [--dir PATH] [--sizes 0.5,2,8] [--total-mib 512] [--rounds 3]
 """
@@ -21,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -44,6 +56,12 @@ from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec  # noqa: E402
 from tiered_kv.worker.disk import CpuDiskHandler  # noqa: E402
 
 MiB = 1 << 20
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far (all threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def model_layout(block_bytes: int) -> KVCacheLayout:
@@ -108,7 +126,7 @@ class Fio:
 
 class StoreBench:
     """Store ``total`` bytes of pre-packed blocks through ``DiskStore`` (checksums, O_DIRECT,
-    fdatasync and index commits per job), ``job_threads`` jobs at a time, then load and
+    fdatasync and synced index commits), ``job_threads`` jobs at a time, then load and
     verify them: the disk tier's own I/O path, without the CPU tier's pack/unpack."""
 
     def __init__(self, store: DiskStore, block_bytes: int, n: int, per_job: int, job_threads: int):
@@ -219,19 +237,25 @@ def main() -> None:
             raw = raw_cls(root / f"raw-{size}.bin", tier.n * raw_bs, raw_bs, args.io_threads)
             store = StoreBench(tier.store, tier.layout.bytes_per_block, tier.n, tier.per_job, args.job_threads)
             res = {k: [] for k in ("raw_w", "store_w", "tier_w", "raw_r", "store_r", "tier_r")}
+            cpu = {k: 0.0 for k in res}
             benches = (("raw", raw), ("store", store), ("tier", tier))
             for r in range(args.rounds):
                 # Rotate the order each round so no path always runs right after another.
                 order = benches[r % 3:] + benches[:r % 3]
                 for write in (True, False):
                     for name, bench in order:
-                        res[f"{name}_{'w' if write else 'r'}"].append(bench.run(write))
+                        key = f"{name}_{'w' if write else 'r'}"
+                        c0 = cpu_seconds()
+                        res[key].append(bench.run(write))
+                        cpu[key] += cpu_seconds() - c0
             backend = tier.store.backend.describe()
             direct = tier.store._files[0].direct
             store.close()
             tier.close()
             # Harmonic mean = total bytes / total time over the rounds.
             agg = {k: len(v) / sum(1 / x for x in v) / 1e9 for k, v in res.items()}
+            moved = args.rounds * tier.n * tier.layout.bytes_per_block / 1e9
+            agg.update({f"cpu_{k}": v / moved for k, v in cpu.items()})
             rows.append((size, agg, res))
             print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, per-round GB/s "
                   + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items()))
@@ -239,8 +263,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     print()
-    print("GB/s; store = DiskStore (checksum + O_DIRECT + fdatasync + index commit per job); "
-          "handler = CpuDiskHandler (store + pack/unpack from the host KV cache)")
+    print("GB/s; store = DiskStore (checksum + O_DIRECT + fdatasync + synced index commits, shared by "
+          "jobs that finish together); handler = CpuDiskHandler (store + pack/unpack from the host KV cache)")
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | "
           f"{'raw read':>8} {'load':>6} {'ratio':>5} {'handler':>7} {'ratio':>5}")
     for size, agg, _ in rows:
@@ -248,6 +272,12 @@ def main() -> None:
               f"{agg['tier_w']:>7.2f} {agg['tier_w'] / agg['raw_w']:>5.2f} | {agg['raw_r']:>8.2f} "
               f"{agg['store_r']:>6.2f} {agg['store_r'] / agg['raw_r']:>5.2f} {agg['tier_r']:>7.2f} "
               f"{agg['tier_r'] / agg['raw_r']:>5.2f}")
+    print()
+    print("CPU seconds per GB moved (this process, all threads, user + system)")
+    print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} {'handler':>7}")
+    for size, agg, _ in rows:
+        print(f"{size:>5} MiB | {agg['cpu_raw_w']:>9.3f} {agg['cpu_store_w']:>6.3f} {agg['cpu_tier_w']:>7.3f} | "
+              f"{agg['cpu_raw_r']:>8.3f} {agg['cpu_store_r']:>6.3f} {agg['cpu_tier_r']:>7.3f}")
     if args.plot:
         import matplotlib
 

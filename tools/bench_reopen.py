@@ -12,6 +12,7 @@ index-based restart pays).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     fp = Fingerprint.from_layout(LAYOUT, model_id="bench-reopen")
+    print(f"# load average (1 min) at start: {os.getloadavg()[0]:.2f}")
     print(f"{'blocks':>9} {'lmdb scan s':>12} {'reopen s (best)':>16} {'reopen s (worst)':>17} {'loadable':>9}")
     for n in args.blocks:
         with tempfile.TemporaryDirectory(prefix="bench-reopen-") as tmp:
@@ -75,6 +77,7 @@ def main() -> int:
                 m.shutdown()
             assert scanned == loadable
             print(f"{n:>9} {scan:>12.3f} {min(times):>16.3f} {max(times):>17.3f} {loadable:>9}")
+    print(f"# load average (1 min) at end: {os.getloadavg()[0]:.2f}")
     return 0
 
 

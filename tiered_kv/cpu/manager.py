@@ -10,24 +10,21 @@ ref-count (``prepare_load``/``pin``); only loadable blocks with ref-count 0 are
 evictable, so a slot is never reused while a transfer still reads or writes it.
 Recency is the order of an ``OrderedDict`` (front = least recent); eviction takes the
 first evictable block from the front.
+
+The state is kept in containers of hashes and ints only (``hash -> slot``, the set of
+pending hashes, ``hash -> readers`` for pinned blocks), never one object per block:
+a tier of a million blocks adds nothing for Python's cyclic garbage collector to walk,
+so the scheduler thread sees no collection pauses that grow with the tier.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
+from itertools import filterfalse
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
-
-
-class _Entry:
-    __slots__ = ("slot", "ref_cnt", "ready")
-
-    def __init__(self, slot: int):
-        self.slot = slot
-        self.ref_cnt = 0
-        self.ready = False
 
 
 def _short(block_hash: BlockHash) -> str:
@@ -51,7 +48,9 @@ class CPUOffloadingManager(OffloadingManager):
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self._num_slots = num_slots
         self.block_size = block_size
-        self._blocks: OrderedDict[BlockHash, _Entry] = OrderedDict()
+        self._blocks: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> slot, LRU first
+        self._pending: set[BlockHash] = set()  # reserved, bytes in flight: not loadable
+        self._readers: dict[BlockHash, int] = {}  # loadable blocks pinned by loads
         # Popped from the end: slots are first handed out in ascending order, which
         # gives the GPU<->CPU copies long contiguous runs.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -79,37 +78,41 @@ class CPUOffloadingManager(OffloadingManager):
         """True for pending and loadable blocks."""
         return block_hash in self._blocks
 
+    def missing_among(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
+        """The members of ``block_hashes`` that are neither pending nor loadable here."""
+        return list(filterfalse(self._blocks.__contains__, block_hashes))
+
     def slot_of(self, block_hash: BlockHash) -> int | None:
         """The slot of a pending or loadable block, else None."""
-        entry = self._blocks.get(block_hash)
-        return None if entry is None else entry.slot
+        return self._blocks.get(block_hash)
 
     def is_loadable(self, block_hash: BlockHash) -> bool:
-        entry = self._blocks.get(block_hash)
-        return entry is not None and entry.ready
+        return block_hash in self._blocks and block_hash not in self._pending
 
     def iter_evictable(self) -> Iterator[BlockHash]:
         """Unpinned loadable blocks, least recent first. Lazy: do not change the
         manager while iterating (collect what you need first)."""
-        for block_hash, entry in self._blocks.items():
-            if entry.ready and entry.ref_cnt == 0:
-                yield block_hash
+        if not self._pending and not self._readers:
+            return iter(self._blocks)
+        excluded = self._pending.union(self._readers)
+        return filterfalse(excluded.__contains__, self._blocks)
 
     # ---- seed API ----
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
-        blocks = self._blocks
+        blocks, pending = self._blocks, self._pending
         hits = 0
         for block_hash in block_hashes:
-            entry = blocks.get(block_hash)
-            if entry is None or not entry.ready:
+            if block_hash not in blocks or block_hash in pending:
                 break
             hits += 1
         return hits
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
-        entries = self._pin_entries(block_hashes)
-        return CPULoadStoreSpec([entry.slot for entry in entries])
+        block_hashes = list(block_hashes)
+        self.pin(block_hashes)
+        blocks = self._blocks
+        return CPULoadStoreSpec([blocks[block_hash] for block_hash in block_hashes])
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks
@@ -137,20 +140,16 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Pending blocks among ``block_hashes`` become loadable (``success``) or are
         freed and forgotten. Blocks that are not pending are left alone."""
-        blocks = self._blocks
-        done: list[BlockHash] = []
-        for block_hash in block_hashes:
-            entry = blocks.get(block_hash)
-            if entry is None or entry.ready:
-                continue
-            if success:
-                entry.ready = True
-                if entry.ref_cnt == 0:
-                    self._num_evictable += 1
-            else:
-                del blocks[block_hash]
-                self._free.append(entry.slot)
-            done.append(block_hash)
+        pending = self._pending
+        done = [block_hash for block_hash in dict.fromkeys(block_hashes) if block_hash in pending]
+        pending.difference_update(done)
+        if success:
+            # Pending blocks have no readers: each one becomes evictable.
+            self._num_evictable += len(done)
+        else:
+            blocks, free = self._blocks, self._free
+            for block_hash in done:
+                free.append(blocks.pop(block_hash))
         if success and done:
             self._emit(done, removed=False)
 
@@ -166,26 +165,34 @@ class CPUOffloadingManager(OffloadingManager):
         """Add one reader to each (loadable) block, protecting it from eviction until
         ``unpin``. All or nothing: raises ``KeyError`` naming a block that is not
         loadable, changing nothing."""
-        self._pin_entries(block_hashes)
+        blocks, pending, readers = self._blocks, self._pending, self._readers
+        block_hashes = list(block_hashes)
+        for block_hash in block_hashes:
+            if block_hash not in blocks or block_hash in pending:
+                raise KeyError(f"block {_short(block_hash)} is not loadable in the CPU tier")
+        for block_hash in block_hashes:
+            n = readers.get(block_hash, 0)
+            if n == 0:
+                self._num_evictable -= 1
+            readers[block_hash] = n + 1
 
     def unpin(self, block_hashes: Iterable[BlockHash]) -> None:
         """Drop one reader from each block. All or nothing: raises ``ValueError``
         naming a block that is unknown or has no reader, changing nothing."""
-        blocks = self._blocks
-        released: list[_Entry] = []
-        for block_hash in block_hashes:
-            entry = blocks.get(block_hash)
-            if entry is None or entry.ref_cnt <= 0:
-                for done in released:  # roll back: all or nothing
-                    done.ref_cnt += 1
-                    if done.ref_cnt == 1:
-                        self._num_evictable -= 1
+        block_hashes = list(block_hashes)
+        readers = self._readers
+        needed = Counter(block_hashes)
+        for block_hash, n in needed.items():
+            if readers.get(block_hash, 0) < n:
                 raise ValueError(f"unpin/complete_load of block {_short(block_hash)} that "
                                  f"is not pinned (unknown, or more releases than pins)")
-            entry.ref_cnt -= 1
-            if entry.ref_cnt == 0:
+        for block_hash, n in needed.items():
+            left = readers[block_hash] - n
+            if left:
+                readers[block_hash] = left
+            else:
+                del readers[block_hash]
                 self._num_evictable += 1
-            released.append(entry)
 
     def allocate(self, block_hashes: list[BlockHash],
                  evicted: list[BlockHash] | None = None) -> list[int] | None:
@@ -196,9 +203,9 @@ class CPUOffloadingManager(OffloadingManager):
         ``evicted`` and reported in a removed event."""
         block_hashes = list(block_hashes)
         blocks = self._blocks
-        for block_hash in block_hashes:
-            if block_hash in blocks:
-                raise ValueError(f"allocate: block {_short(block_hash)} is already in the CPU tier")
+        if not blocks.keys().isdisjoint(block_hashes):
+            block_hash = next(h for h in block_hashes if h in blocks)
+            raise ValueError(f"allocate: block {_short(block_hash)} is already in the CPU tier")
         if len(set(block_hashes)) != len(block_hashes):
             raise ValueError("allocate: block_hashes contains duplicates")
         return self._allocate(block_hashes, evicted)
@@ -209,26 +216,25 @@ class CPUOffloadingManager(OffloadingManager):
         need = len(block_hashes) - len(self._free)
         if need > self._num_evictable:
             return None
-        blocks = self._blocks
+        blocks, free = self._blocks, self._free
         if need > 0:
             victims = []
-            for block_hash, entry in blocks.items():
-                if entry.ready and entry.ref_cnt == 0:
-                    victims.append(block_hash)
-                    if len(victims) == need:
-                        break
+            for block_hash in self.iter_evictable():
+                victims.append(block_hash)
+                if len(victims) == need:
+                    break
             for block_hash in victims:
-                self._free.append(blocks.pop(block_hash).slot)
+                free.append(blocks.pop(block_hash))
             self._num_evictable -= len(victims)
             if evicted is not None:
                 evicted.extend(victims)
             self._emit(victims, removed=True)
-        free = self._free
-        slots = [free.pop() for _ in block_hashes]
+        slots = free[len(free) - len(block_hashes):][::-1]
+        del free[len(free) - len(block_hashes):]
         # Inserted tail first, so a request's head ends most recent: it is what later
         # prefix hits need, and the tail is useless without it.
-        for block_hash, slot in zip(reversed(block_hashes), reversed(slots)):
-            blocks[block_hash] = _Entry(slot)
+        blocks.update(zip(reversed(block_hashes), reversed(slots)))
+        self._pending.update(block_hashes)
         return slots
 
     def remove(self, block_hash: BlockHash) -> int:
@@ -240,35 +246,22 @@ class CPUOffloadingManager(OffloadingManager):
     def remove_many(self, block_hashes: list[BlockHash]) -> list[int]:
         """``remove`` for several blocks, reported in one event. All or nothing: raises
         (changing nothing) if any block is not loadable or is pinned."""
-        blocks = self._blocks
-        for block_hash in block_hashes:
-            entry = blocks.get(block_hash)
-            if entry is None or not entry.ready:
-                raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
-            if entry.ref_cnt:
-                raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
-                                 f"{entry.ref_cnt} reader(s)")
-        slots = [blocks.pop(block_hash).slot for block_hash in block_hashes]
+        blocks, pending, readers = self._blocks, self._pending, self._readers
+        wanted = set(block_hashes)
+        if not (blocks.keys() >= wanted and pending.isdisjoint(wanted) and readers.keys().isdisjoint(wanted)):
+            for block_hash in block_hashes:
+                if block_hash not in blocks or block_hash in pending:
+                    raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
+                if block_hash in readers:
+                    raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
+                                     f"{readers[block_hash]} reader(s)")
+        slots = [blocks.pop(block_hash) for block_hash in block_hashes]
         self._num_evictable -= len(slots)
         self._free.extend(slots)
         self._emit(list(block_hashes), removed=True)
         return slots
 
     # ---- internals ----
-
-    def _pin_entries(self, block_hashes: Iterable[BlockHash]) -> list[_Entry]:
-        blocks = self._blocks
-        entries = []
-        for block_hash in block_hashes:
-            entry = blocks.get(block_hash)
-            if entry is None or not entry.ready:
-                raise KeyError(f"block {_short(block_hash)} is not loadable in the CPU tier")
-            entries.append(entry)
-        for entry in entries:
-            if entry.ref_cnt == 0:
-                self._num_evictable -= 1
-            entry.ref_cnt += 1
-        return entries
 
     def _emit(self, block_hashes: list[BlockHash], removed: bool) -> None:
         if self._events is not None and block_hashes:

@@ -14,8 +14,9 @@ registry. Sub-databases:
   (stored ok / store failed / found corrupt), read by the scheduler's manager.
 - ``meta``: the log sequence counter.
 
-Who writes what: workers commit ``blocks``/``slots``/``log`` in synced transactions, one
-per job, and only after the block bytes are durable (``store.py``); the manager's
+Who writes what: workers commit ``blocks``/``slots``/``log`` in synced transactions (one
+per group of jobs that finish together, ``commit_group``), and only after the block bytes
+are durable (``store.py``); the manager's
 background flusher commits evictions, access times and log trimming in batches. Readers
 never block writers (MVCC). ``MDB_MAP_RESIZED`` in a reader is handled by adopting the
 new map size and retrying; a writer grows the map on ``MapFullError``.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import shutil
@@ -70,6 +72,10 @@ _CORRUPTION = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, l
 QUARANTINE_SUFFIX = ".corrupt"
 
 
+class _OddLength(Exception):
+    """A ``blocks`` value whose length differs from the first one's (``load_all``)."""
+
+
 class IndexCorruptError(RuntimeError):
     """The index at ``path`` cannot be read as an index (``reason`` says why)."""
 
@@ -102,12 +108,45 @@ class Entry(NamedTuple):
         return bool(self.ranks >> rank & 1)
 
 
+class StoredBlocks(NamedTuple):
+    """One job's outcome on one rank for ``commit_group``: a checksum per block, None
+    for a block whose store failed (logged ``failed``, not made loadable)."""
+
+    rank: int
+    hashes: Sequence[bytes]
+    slots: Sequence[int]
+    sizes: Sequence[int]
+    checksums: Sequence[int | None]
+
+
+def _log_dtype(hash_len: int) -> np.dtype:
+    """A log value (``_LOG`` then the hash) as a packed numpy record."""
+    return np.dtype([("status", "u1"), ("rank", "<u4"), ("slot", "<i8"), ("hash", f"V{hash_len}")])
+
+
 class LogRecord(NamedTuple):
     seq: int
     status: int
     rank: int
     slot: int
     block_hash: bytes
+
+
+class LogColumns(NamedTuple):
+    """Log records as parallel lists (``seq`` ascending)."""
+
+    seq: list[int]
+    status: list[int]
+    rank: list[int]
+    slot: list[int]
+    block_hash: list[bytes]
+
+    @classmethod
+    def empty(cls) -> "LogColumns":
+        return cls([], [], [], [], [])
+
+    def records(self) -> list[LogRecord]:
+        return [LogRecord(*r) for r in zip(*self)]
 
 
 @dataclass
@@ -417,18 +456,38 @@ class DiskIndex:
         if self._db("blocks") is None:
             return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), [], 0)
 
-        def read(txn):
-            vals = list(txn.cursor(db=self._db("blocks")).iternext(keys=False, values=True))
-            return vals, self._log_seq(txn)
-
-        vals, seq = self._shared.run(read)
         base = self._entry.size
+
+        def read(txn):
+            # Common case: every value has the first one's length. Stream them straight
+            # into one array (no list of a million bytes objects, no join); the length
+            # check matters because numpy would silently pad or cut a value of another
+            # length. Any other length falls back to the general path below.
+            db = self._db("blocks")
+            cur = txn.cursor(db=db)
+            if cur.first() and len(cur.value()) > base:
+                size = len(cur.value())
+
+                def exact(values):
+                    for v in values:
+                        if len(v) != size:
+                            raise _OddLength
+                        yield v
+
+                try:
+                    arr = np.fromiter(exact(cur.iternext(keys=False, values=True)), dtype=f"V{size}",
+                                      count=txn.stat(db)["entries"])
+                    return arr.view(entry_dtype(self.tp_size, size - base)), None, self._log_seq(txn)
+                except _OddLength:
+                    pass
+            vals = list(txn.cursor(db=db).iternext(keys=False, values=True))
+            return None, vals, self._log_seq(txn)
+
+        arr, vals, seq = self._shared.run(read)
+        if arr is not None:
+            return IndexSnapshot(arr, [], seq)
         if not vals:
             return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), [], seq)
-        blob = b"".join(vals)
-        hash_len = len(vals[0]) - base
-        if hash_len > 0 and len(blob) == len(vals) * (base + hash_len):
-            return IndexSnapshot(np.frombuffer(blob, dtype=entry_dtype(self.tp_size, hash_len)), [], seq)
         # Mixed hash lengths: bulk-decode the most common length, the rest one by one.
         lengths = np.fromiter((len(v) for v in vals), dtype=np.int64, count=len(vals))
         common = int(np.bincount(lengths).argmax())
@@ -450,22 +509,32 @@ class DiskIndex:
 
     def read_log(self, after_seq: int, limit: int = 100_000) -> list[LogRecord]:
         """Log records with sequence > ``after_seq``, oldest first."""
+        return self.read_log_columns(after_seq, limit).records()
+
+    def read_log_columns(self, after_seq: int, limit: int = 100_000) -> "LogColumns":
+        """``read_log`` as columns (what the scheduler's manager reads every step:
+        decoded with numpy, not one record at a time)."""
         if self._db("log") is None:
-            return []
+            return LogColumns.empty()
 
         def read(txn):
             cur = txn.cursor(db=self._db("log"))
-            out = []
             if not cur.set_range(_SEQ.pack(after_seq + 1)):
-                return out
-            for k, v in cur.iternext(keys=True, values=True):
-                status, rank, slot = _LOG.unpack_from(v)
-                out.append(LogRecord(_SEQ.unpack(k)[0], status, rank, slot, bytes(v[_LOG.size:])))
-                if len(out) >= limit:
-                    break
-            return out
+                return []
+            return list(itertools.islice(cur.iternext(keys=True, values=True), limit))
 
-        return self._shared.run(read)
+        items = self._shared.run(read)
+        if not items:
+            return LogColumns.empty()
+        keys, values = zip(*items)
+        seqs = np.frombuffer(b"".join(keys), dtype=">u8").tolist()
+        width = len(values[0])
+        if all(len(v) == width for v in values):
+            rows = np.frombuffer(b"".join(values), dtype=_log_dtype(width - _LOG.size))
+            status, rank, slot = rows["status"].tolist(), rows["rank"].tolist(), rows["slot"].tolist()
+        else:  # hashes of different lengths (never within one engine's namespace)
+            status, rank, slot = (list(c) for c in zip(*(_LOG.unpack_from(v) for v in values)))
+        return LogColumns(seqs, status, rank, slot, [v[_LOG.size:] for v in values])
 
     def log_seq(self) -> int:
         if self._db("meta") is None:
@@ -507,61 +576,81 @@ class DiskIndex:
         slots and stale entries of the target blocks in other slots, and clears
         ``rank``'s bit of target blocks already recorded in their target slot. One synced
         transaction."""
-        def write(txn):
-            blocks, slot_db = self._db("blocks"), self._db("slots")
-            for h, s in zip(hashes, slots):
-                sk = _SLOT.pack(s)
-                owner = txn.get(sk, db=slot_db)
-                if owner is not None and owner != h:
-                    self._delete_if_slot(txn, owner, s)
-                    txn.delete(sk, db=slot_db)
-                raw = txn.get(h, db=blocks)
-                if raw is None:
-                    continue
-                e = self.decode(h, raw)
-                if e is None or e.slot != s:
-                    txn.delete(h, db=blocks)
-                elif e.has_rank(rank):
-                    sums = list(e.checksums)
-                    sums[rank] = 0
-                    txn.put(h, self.encode(h, e._replace(ranks=e.ranks & ~(1 << rank),
-                                                      checksums=tuple(sums))), db=blocks)
-
-        self._shared.run(write, write=True)
+        self.commit_group([], [(rank, hashes, slots)])
 
     def commit_stored(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
                       sizes: Sequence[int], checksums: Sequence[int | None]) -> None:
         """Step 3 of a store, after the bytes are durable: for each block whose checksum
         is not None set rank ``rank``'s bit and checksum (creating the entry) and the slot
         owner, and log ``ok``; log ``failed`` for the others. One synced transaction."""
+        self.commit_group([StoredBlocks(rank, hashes, slots, sizes, checksums)], [])
+
+    def commit_group(self, stored: Sequence["StoredBlocks"],
+                     clears: Sequence[tuple[int, Sequence[bytes], Sequence[int]]]) -> None:
+        """Several jobs' index writes in one synced transaction (group commit): first
+        ``commit_stored`` for each of ``stored`` (their bytes must already be durable),
+        then ``clear_for_overwrite`` for each ``(rank, hashes, slots)`` of ``clears``
+        (the caller overwrites those slots only after this returns). Clearing last
+        means a slot that is both committed and cleared here ends up not loadable, the
+        safe side. Log records keep the order of ``stored``."""
         now = time.time()
 
         def write(txn):
-            blocks, slot_db = self._db("blocks"), self._db("slots")
-            records = []
-            for i, (h, s, size, csum) in enumerate(zip(hashes, slots, sizes, checksums)):
-                if csum is None:
-                    records.append((LOG_FAILED, rank, s, h))
-                    continue
-                sk = _SLOT.pack(s)
-                owner = txn.get(sk, db=slot_db)
-                if owner is not None and owner != h:
-                    self._delete_if_slot(txn, owner, s)
-                raw = txn.get(h, db=blocks)
-                e = None if raw is None else self.decode(h, raw)
-                if e is None or e.slot != s or e.size != size:
-                    # A job's blocks keep their order in the LRU after a restart.
-                    t = now + i * 1e-6
-                    e = Entry(s, size, 0, t, t, 0, (0,) * self.tp_size)
-                sums = list(e.checksums)
-                sums[rank] = csum
-                txn.put(h, self.encode(h, e._replace(ranks=e.ranks | 1 << rank, checksums=tuple(sums))),
-                        db=blocks)
-                txn.put(sk, h, db=slot_db)
-                records.append((LOG_OK, rank, s, h))
+            records: list[tuple[int, int, int, bytes]] = []
+            order = 0  # a job's blocks keep their order in the LRU after a restart
+            for job in stored:
+                order = self._put_stored(txn, job, now, order, records)
+            for rank, hashes, slots in clears:
+                self._clear(txn, rank, hashes, slots)
             self._append_log(txn, records)
 
         self._shared.run(write, write=True)
+
+    def _put_stored(self, txn, job: "StoredBlocks", now: float, order: int,
+                    records: list[tuple[int, int, int, bytes]]) -> int:
+        blocks, slot_db = self._db("blocks"), self._db("slots")
+        rank = job.rank
+        for h, s, size, csum in zip(job.hashes, job.slots, job.sizes, job.checksums):
+            if csum is None:
+                records.append((LOG_FAILED, rank, s, h))
+                continue
+            sk = _SLOT.pack(s)
+            owner = txn.get(sk, db=slot_db)
+            if owner is not None and owner != h:
+                self._delete_if_slot(txn, owner, s)
+            raw = txn.get(h, db=blocks)
+            e = None if raw is None else self.decode(h, raw)
+            if e is None or e.slot != s or e.size != size:
+                t = now + order * 1e-6
+                order += 1
+                e = Entry(s, size, 0, t, t, 0, (0,) * self.tp_size)
+            sums = list(e.checksums)
+            sums[rank] = csum
+            txn.put(h, self.encode(h, e._replace(ranks=e.ranks | 1 << rank, checksums=tuple(sums))),
+                    db=blocks)
+            txn.put(sk, h, db=slot_db)
+            records.append((LOG_OK, rank, s, h))
+        return order
+
+    def _clear(self, txn, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        blocks, slot_db = self._db("blocks"), self._db("slots")
+        for h, s in zip(hashes, slots):
+            sk = _SLOT.pack(s)
+            owner = txn.get(sk, db=slot_db)
+            if owner is not None and owner != h:
+                self._delete_if_slot(txn, owner, s)
+                txn.delete(sk, db=slot_db)
+            raw = txn.get(h, db=blocks)
+            if raw is None:
+                continue
+            e = self.decode(h, raw)
+            if e is None or e.slot != s:
+                txn.delete(h, db=blocks)
+            elif e.has_rank(rank):
+                sums = list(e.checksums)
+                sums[rank] = 0
+                txn.put(h, self.encode(h, e._replace(ranks=e.ranks & ~(1 << rank),
+                                                  checksums=tuple(sums))), db=blocks)
 
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         """Record failed stores (best effort: errors are logged, not raised)."""

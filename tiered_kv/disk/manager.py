@@ -20,8 +20,11 @@ a write transaction on the caller's thread:
   found corrupt, and frees the slot of a pending block whose store failed on some rank
   once every rank has logged its outcome (no write to the slot is left in flight), so
   a failed write frees its slot even when no job reports it (composite spills).
-- Evictions, access times and log trimming reach the index through a background
-  flusher thread that batches them into one transaction every few milliseconds. An
+- A background flusher thread runs ``refresh()`` every ``poll_interval`` while blocks
+  are pending (a read transaction, applied 64 records per lock hold), so the
+  scheduler's own calls rarely find log records left to read. The same thread writes
+  evictions, access times and log trimming to the index, batched into one
+  transaction every few milliseconds. An
   eviction's delete only applies if the entry still points at the evicted slot and
   the manager has not meanwhile stored the block there again (checked inside the
   flusher's transaction), so a re-store always survives. Losing queued updates in a
@@ -38,7 +41,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from itertools import filterfalse
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import lmdb
 import numpy as np
@@ -51,6 +56,9 @@ from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
 logger = logging.getLogger(__name__)
+
+#: Log records the flusher applies per lock hold.
+_REFRESH_CHUNK = 64
 
 
 @dataclass
@@ -82,19 +90,21 @@ class RefreshResult:
     durable: list[BlockHash]
     failed: list[BlockHash]
     corrupt: list[BlockHash]
+    more: bool = False  # stopped at its record limit: call again
 
     def __bool__(self) -> bool:
         return bool(self.durable or self.failed or self.corrupt)
 
 
-class _Pending:
-    __slots__ = ("slot", "ranks", "reported", "failed")
+class _Progress(NamedTuple):
+    """What the log said so far about a pending block (absent until its first record)."""
 
-    def __init__(self, slot: int):
-        self.slot = slot
-        self.ranks = 0  # ranks whose bytes are durable
-        self.reported = 0  # ranks that logged an outcome (ok or failed): done with the slot
-        self.failed = False
+    ranks: int  # bitmask of ranks whose bytes are durable
+    reported: int  # ranks that logged an outcome (ok or failed): done with the slot
+    failed: bool
+
+
+_NO_PROGRESS = _Progress(0, 0, False)
 
 
 class _BlockTable:
@@ -122,9 +132,13 @@ class _BlockTable:
         """Install startup blocks: ``keys`` uint8 ``(n, L)`` rows in ascending byte order."""
         n, length = keys.shape
         self._keys, self._key_len = keys, length
-        head = np.zeros((n, 8), dtype=np.uint8)
-        head[:, :min(8, length)] = keys[:, :8]
-        self._prefix = head.view(">u8").reshape(n).tolist()  # bisect on a list beats numpy per call
+        if length >= 8:
+            head = np.ascontiguousarray(keys[:, :8])
+        else:
+            head = np.zeros((n, 8), dtype=np.uint8)
+            head[:, :length] = keys
+        # bisect on a list beats numpy per call; native ints convert faster than big-endian
+        self._prefix = head.view(">u8").reshape(n).astype(np.uint64).tolist()
         self._slots = slots.astype(np.int64, copy=False)
         self._alive = np.ones(n, dtype=bool)
         self._lru = np.argsort(last_access)
@@ -151,6 +165,13 @@ class _BlockTable:
     def __contains__(self, h: bytes) -> bool:
         return self.get(h) is not None
 
+    def among(self, hashes: Iterable[bytes]) -> set[bytes]:
+        """The members of ``hashes`` that are in the table."""
+        if not self._cold_count:
+            return set(filter(self.hot.__contains__, hashes))
+        hot = self.hot
+        return {h for h in hashes if h in hot or self._cold_index(h) >= 0}
+
     def get(self, h: bytes) -> int | None:
         slot = self.hot.get(h)
         if slot is not None:
@@ -162,6 +183,13 @@ class _BlockTable:
         """Insert as most recently used."""
         self.hot[h] = slot
         self.hot.move_to_end(h)
+
+    def add_many(self, blocks: Iterable[tuple[bytes, int]]) -> None:
+        """``add`` each ``(hash, slot)`` in turn."""
+        hot = self.hot
+        for h, slot in blocks:
+            hot[h] = slot
+            hot.move_to_end(h)
 
     def touch(self, h: bytes) -> bool:
         if h in self.hot:
@@ -210,7 +238,8 @@ class DiskOffloadingManager(OffloadingManager):
 
     def __init__(self, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
                  disk_bytes: int, checksum: str = "xxh3_64", engine_id: str | None = None,
-                 enable_events: bool = True, flush_interval: float = 0.005):
+                 enable_events: bool = True, flush_interval: float = 0.005,
+                 poll_interval: float | None = 0.002):
         self.block_bytes = layout.bytes_per_block
         self.slot_size = slot_size_for(self.block_bytes)
         capacity = disk_bytes // self.slot_size
@@ -224,6 +253,9 @@ class DiskOffloadingManager(OffloadingManager):
         self.stats = DiskManagerStats()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._flush_interval = flush_interval
+        #: Seconds between the flusher's reads of the workers' log while blocks are
+        #: pending; None leaves every refresh to the caller (deterministic replays).
+        self.poll_interval = poll_interval
 
         self.namespace = Namespace.open(cache_dir, fingerprint, layout, num_slots=capacity, checksum=checksum)
         if self.namespace.manifest.checksum != checksum:
@@ -261,7 +293,8 @@ class DiskOffloadingManager(OffloadingManager):
         self.namespace.reserve_index()
         self._lock = threading.Lock()
         self._table = _BlockTable()
-        self._pending: dict[bytes, _Pending] = {}
+        self._pending: dict[bytes, int] = {}  # being stored: hash -> slot
+        self._progress: dict[bytes, _Progress] = {}  # pending blocks some rank has logged
         self._pins: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}  # corrupt but still pinned by a load: hash -> slot
         self._free: list[int] = []
@@ -323,13 +356,15 @@ class DiskOffloadingManager(OffloadingManager):
         drop = np.flatnonzero(~ok)
         for i in drop:
             self._deletions.append((snap.hash_at(int(i)), int(e["slot"][i])))
-        keep = np.flatnonzero(ok)
+        # Usually every entry is kept: take whole columns rather than gathering them.
+        kept = e if not len(drop) else e[ok]
         used = np.zeros(self.capacity, dtype=bool)
-        if len(keep):
+        if len(kept):
             # load_all returns entries in LMDB key order, i.e. ascending bytes.
-            keys = np.ascontiguousarray(e["hash"][keep]).view(np.uint8).reshape(len(keep), -1)
-            self._table.load_cold(keys, e["slot"][keep], e["last_access"][keep])
-            used[e["slot"][keep]] = True
+            keys = np.ascontiguousarray(kept["hash"]).view(np.uint8).reshape(len(kept), -1)
+            slots = np.ascontiguousarray(kept["slot"])
+            self._table.load_cold(keys, slots, kept["last_access"])
+            used[slots] = True
         for h, entry in sorted(snap.odd, key=lambda he: he[1].last_access):
             if (entry.ranks & self._full_mask == self._full_mask and entry.size == self.block_bytes
                     and 0 <= entry.slot < limit and not used[entry.slot]):
@@ -394,17 +429,15 @@ class DiskOffloadingManager(OffloadingManager):
                     self._pins[h] = n - 1
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        hashes = list(block_hashes)
+        seen = dict.fromkeys(block_hashes)
         with self._lock:
-            to_store, seen = [], set()
-            for h in hashes:
-                if h in seen:
-                    continue
-                seen.add(h)
-                if h in self._pending or h in self._doomed or self._table.get(h) is not None:
-                    continue
-                to_store.append(h)
-            need = len(to_store) - len(self._free)
+            # Neither loadable, nor being stored, nor corrupt and still read.
+            held = self._table.among(seen)
+            held.update(filter(self._pending.__contains__, seen))
+            held.update(filter(self._doomed.__contains__, seen))
+            to_store = list(filterfalse(held.__contains__, seen))
+            free = self._free
+            need = len(to_store) - len(free)
             victims: list[tuple[bytes, int]] = []
             if need > 0:
                 for h, slot in self._table.iter_lru():
@@ -416,15 +449,16 @@ class DiskOffloadingManager(OffloadingManager):
                 if len(victims) < need:
                     self.stats.store_rejections += 1
                     return None
-            evicted = []
-            for h, slot in victims:
+            evicted = [h for h, _ in victims]
+            for h in evicted:
                 self._table.remove(h)
-                self._release_slot(h, slot)
-                evicted.append(h)
+            self._free.extend(slot for _, slot in victims)
+            self._deletions.extend(victims)
             self.stats.evictions += len(evicted)
-            slots = [self._free.pop() for _ in to_store]
-            for h, slot in zip(to_store, slots):
-                self._pending[h] = _Pending(slot)
+            keep = len(free) - len(to_store)
+            slots = free[keep:][::-1]  # the order pop() would give: low slots first
+            del free[keep:]
+            self._pending.update(zip(to_store, slots))
             if evicted:
                 self._event(evicted, removed=True)
         if evicted:
@@ -435,17 +469,17 @@ class DiskOffloadingManager(OffloadingManager):
         stored = []
         with self._lock:
             for h in block_hashes:
-                p = self._pending.pop(h, None)
-                if p is None:
+                slot = self._pending.pop(h, None)
+                if slot is None:
                     continue
-                if success and not p.failed:
-                    self._make_loadable(h, p.slot)
-                    stored.append(h)
+                if success and not self._progress.pop(h, _NO_PROGRESS).failed:
+                    stored.append((h, slot))
                 else:
                     self.stats.store_failures += 1
-                    self._release_slot(h, p.slot)
+                    self._release_slot(h, slot)
+            self._make_loadable(stored)
             if stored:
-                self._event(stored, removed=False)
+                self._event([h for h, _ in stored], removed=False)
         self._wake.set()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -471,57 +505,67 @@ class DiskOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------ extras
 
-    def refresh(self) -> RefreshResult:
-        """Apply what workers logged since the last call: pending blocks committed by
-        every rank become loadable; pending blocks that failed on a rank are marked
+    def refresh(self, max_records: int = 1 << 30) -> RefreshResult:
+        """Apply what workers logged since the last call (at most ``max_records`` log
+        records; ``result.more`` says whether some are left): pending blocks committed
+        by every rank become loadable; pending blocks that failed on a rank are marked
         failed, and freed once every rank has logged (or by their ``complete_store``);
         loadable blocks found corrupt are dropped. Idempotent; an MVCC read, never
-        waits for writers."""
+        waits for writers. The flusher thread also runs it while blocks are pending."""
         result = RefreshResult([], [], [])
         try:
-            records = self.index.read_log(self._log_seen)
+            log = self.index.read_log_columns(self._log_seen, max_records)
         except lmdb.Error as e:  # a damaged index must not reach the engine; stores stay pending
             self.stats.index_read_errors += 1
             logger.error("reading the disk index log failed: %s", e)
             return result
-        if not records:
-            return result
+        full = self._full_mask
+        pending, progress, durable = self._pending, self._progress, []
         with self._lock:
-            for rec in records:
-                if rec.seq <= self._log_seen:
-                    continue
-                h = rec.block_hash
-                if rec.status in (LOG_OK, LOG_FAILED):
-                    p = self._pending.get(h)
-                    if p is None or p.slot != rec.slot:
-                        continue
-                    p.reported |= 1 << rec.rank
-                    if rec.status == LOG_OK and not p.failed:
-                        p.ranks |= 1 << rec.rank
-                        if p.ranks & self._full_mask == self._full_mask:
-                            del self._pending[h]
-                            self._make_loadable(h, p.slot)
-                            result.durable.append(h)
-                    elif rec.status == LOG_FAILED and not p.failed:
-                        p.failed = True
-                        result.failed.append(h)
-                    if p.failed and p.reported & self._full_mask == self._full_mask:
-                        # No rank still writes the slot: free it now. A store planned
-                        # without a job (the composite's spills and write-through) gets
-                        # no complete_store to do it.
-                        del self._pending[h]
-                        self.stats.store_failures += 1
-                        self._release_slot(h, p.slot)
-                elif rec.status == LOG_CORRUPT:
-                    if self._table.get(h) == rec.slot:
+            first = bisect.bisect_right(log.seq, self._log_seen)  # another thread may have read some
+            if first == len(log.seq):
+                return result
+            for h, status, rank, slot in zip(log.block_hash[first:], log.status[first:],
+                                             log.rank[first:], log.slot[first:]):
+                if status == LOG_CORRUPT:
+                    if self._table.get(h) == slot:
                         self._table.remove(h)
                         self.stats.checksum_failures += 1
                         result.corrupt.append(h)
                         if h in self._pins:
-                            self._doomed[h] = rec.slot
+                            self._doomed[h] = slot
                         else:
-                            self._release_slot(h, rec.slot)
-            self._log_seen = self._trim_upto = records[-1].seq
+                            self._release_slot(h, slot)
+                    continue
+                if pending.get(h) != slot:
+                    continue
+                ranks, reported, failed = progress.get(h, _NO_PROGRESS)
+                bit = 1 << rank
+                reported |= bit
+                if status == LOG_OK and not failed:
+                    ranks |= bit
+                    if ranks & full == full:
+                        del pending[h]
+                        progress.pop(h, None)
+                        durable.append((h, slot))
+                        continue
+                elif status == LOG_FAILED and not failed:
+                    failed = True
+                    result.failed.append(h)
+                if failed and reported & full == full:
+                    # No rank still writes the slot: free it now. A store planned
+                    # without a job (the composite's spills and write-through) gets
+                    # no complete_store to do it.
+                    del pending[h]
+                    progress.pop(h, None)
+                    self.stats.store_failures += 1
+                    self._release_slot(h, slot)
+                else:
+                    progress[h] = _Progress(ranks, reported, failed)
+            self._log_seen = self._trim_upto = log.seq[-1]
+            result.more = len(log.seq) == max_records
+            self._make_loadable(durable)
+            result.durable = [h for h, _ in durable]
             if result.durable:
                 self._event(result.durable, removed=False)
             if result.corrupt:
@@ -536,8 +580,7 @@ class DiskOffloadingManager(OffloadingManager):
     def loadable_among(self, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
         """The subset of ``block_hashes`` that is loadable now (one lock round trip)."""
         with self._lock:
-            get = self._table.get
-            return {h for h in block_hashes if get(h) is not None}
+            return self._table.among(block_hashes)
 
     def is_pinned(self, block_hash: BlockHash) -> bool:
         """Whether a load holds ``block_hash`` (it cannot be evicted until complete_load)."""
@@ -552,6 +595,24 @@ class DiskOffloadingManager(OffloadingManager):
     def is_pending(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._pending
+
+    def num_pending(self) -> int:
+        """Blocks being stored: slots reserved, not yet durable on every rank nor failed."""
+        return len(self._pending)
+
+    def pending_blocks(self) -> set[BlockHash]:
+        """The blocks counted by ``num_pending`` (a copy)."""
+        with self._lock:
+            return set(self._pending)
+
+    def loadable_or_pending_among(self, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+        """The subset of ``block_hashes`` that is loadable or being stored (one lock
+        round trip): blocks that need no new disk write."""
+        block_hashes = list(block_hashes)
+        with self._lock:
+            held = self._table.among(block_hashes)
+            held.update(filter(self._pending.__contains__, block_hashes))
+            return held
 
     def num_free_slots(self) -> int:
         with self._lock:
@@ -594,10 +655,11 @@ class DiskOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------ internals (lock held)
 
-    def _make_loadable(self, h: bytes, slot: int) -> None:
-        self._table.add(h, slot)
-        self.stats.stores += 1
-        self.stats.bytes_stored += self.block_bytes
+    def _make_loadable(self, blocks: list[tuple[bytes, int]]) -> None:
+        """``(hash, slot)`` pairs become loadable, most recent last."""
+        self._table.add_many(blocks)
+        self.stats.stores += len(blocks)
+        self.stats.bytes_stored += len(blocks) * self.block_bytes
 
     def _release_slot(self, h: bytes, slot: int) -> None:
         self._free.append(slot)
@@ -610,8 +672,7 @@ class DiskOffloadingManager(OffloadingManager):
     def _held(self, h: bytes, slot: int) -> bool:
         if self._table.get(h) == slot or self._doomed.get(h) == slot:
             return True
-        p = self._pending.get(h)
-        return p is not None and p.slot == slot
+        return self._pending.get(h) == slot
 
     # ------------------------------------------------------------ flusher thread
 
@@ -621,12 +682,16 @@ class DiskOffloadingManager(OffloadingManager):
 
     def _flush_loop(self) -> None:
         while True:
-            self._wake.wait()
+            with self._lock:
+                polling = self.poll_interval is not None and bool(self._pending)
+            woke = self._wake.wait(self.poll_interval if polling else None)
             self._wake.clear()  # before reading the requests, so a later one wakes us again
             with self._flush_cond:
                 stop = self._stop
                 requested = self._flush_requested
-            if not stop:
+            if polling:
+                self._refresh_in_chunks()
+            if woke and not stop:
                 time.sleep(self._flush_interval)  # let updates accumulate into one transaction
             with self._lock:
                 deletions, self._deletions = self._deletions, []
@@ -650,4 +715,11 @@ class DiskOffloadingManager(OffloadingManager):
                 if stop:
                     return
 
-
+    def _refresh_in_chunks(self) -> None:
+        """Learn the workers' outcomes off the scheduler thread, in short lock holds:
+        the scheduler's own calls then find them applied instead of reading the log."""
+        try:
+            while self.refresh(_REFRESH_CHUNK).more:
+                time.sleep(0)  # let the scheduler thread in between chunks
+        except Exception:  # the flusher must survive; the scheduler's own refresh still works
+            logger.exception("background refresh of the disk index log failed")

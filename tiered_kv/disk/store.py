@@ -7,13 +7,22 @@ I/O, so it never runs on a scheduler thread.
 A store of one job's blocks on rank R (``begin_write`` ... ``finish``, or
 ``write_blocks``):
 
-1. one synced index transaction clears any entry that would let R's copy of a target
+1. a synced index transaction clears any entry that would let R's copy of a target
    slot be loaded while it is overwritten (skipped when a cheap read shows none);
 2. the bytes are written (coalesced runs of consecutive slots, in parallel on the
-   backend's pool) and made durable with one ``fdatasync`` per job;
+   backend's pool) and made durable with ``fdatasync``;
 3. checksums (xxh3-64 or crc32c of each block's bytes) and R's presence bit are set in
-   one synced transaction that also appends an ``ok`` log record per block. A block is
+   a synced transaction that also appends an ``ok`` log record per block. A block is
    loadable only once every rank's bit is set, i.e. every rank's bytes are durable.
+
+Steps 1 and 3 go through a group commit (``_GroupCommitter``): jobs of this process
+that reach them while another group is being committed queue up, and the first to find
+the committer idle commits everything queued at once: one ``fdatasync`` per slab that a
+queued step 3 wrote to (every queued job's writes completed before it queued, so that
+one call covers them all), then one synced LMDB transaction with every queued step 3
+and step 1. A job leaves step 1 only once its clear is durable, and its step 3 is
+committed only after the ``fdatasync`` of its own slab succeeded, so the ordering above
+holds per job exactly as without grouping; the grouping only shares the syncs.
 
 Any failure (ENOSPC, EIO, an index error) turns the affected blocks into ``failed`` log
 records and a False result, counted in ``stats``; nothing raises out of a batch. A load
@@ -30,14 +39,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import lmdb
 import torch
 
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot
+from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot, StoredBlocks
 from tiered_kv.disk.io_backends import (
     BackendFile, IOBackend, PosixBackend, aligned_empty, host_view, is_aligned, select_backend,
 )
@@ -115,6 +124,11 @@ class DiskStore:
         self._files: dict[int, BackendFile] = {}
         self._allocated: dict[int, int] = {}  # rank -> slots preallocated in its slab
         self._files_lock = threading.Lock()
+        self._committer = _GroupCommitter(self)
+        # Checksums run on their own threads: on the backend's pool each one would hold
+        # an I/O thread and cut the queue depth the device sees (threads start lazily).
+        self._hash_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
+                                             thread_name_prefix="tkv-disk-checksum")
         self._closed = False
 
     # ------------------------------------------------------------ construction
@@ -147,6 +161,8 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
+        self._committer.close()  # commits what is queued, with the slabs still open
+        self._hash_pool.shutdown(wait=True)
         with self._files_lock:
             for f in self._files.values():
                 try:
@@ -284,10 +300,12 @@ class WriteBatch(_Batch):
         self._error: str | None = None
         self._enospc = False
         self._t0 = time.perf_counter()
+        self._file: BackendFile | None = None
+        self._clearing: _IndexWrite | None = None  # step 1, committed before the first write
         try:
             self._file = store._file(rank, max(slots)) if slots else None
             if slots and store.index.needs_clearing(rank, hashes, slots):
-                store.index.clear_for_overwrite(rank, hashes, slots)
+                self._clearing = store._committer.clear(rank, hashes, slots)
         except (OSError, lmdb.Error, ValueError, RuntimeError) as e:
             self._fail(e)
 
@@ -302,6 +320,10 @@ class WriteBatch(_Batch):
         ``(n, >= block_bytes)``). ``host_rows``: a host copy of device ``rows`` for the
         checksum. Returns a future that completes when ``rows`` may be reused (None if
         the batch already failed)."""
+        if self._clearing is not None:
+            if self._clearing.wait().error is not None:
+                self._fail(self._clearing.error)
+            self._clearing = None
         if self._error is not None or len(rows) == 0:
             return None
         store = self.store
@@ -315,11 +337,11 @@ class WriteBatch(_Batch):
             raise ValueError("device rows need host_rows for their checksums")
         per_run = max(1, MAX_IO_BYTES // store.slot_size)
         runs = _runs(self.slots, start, len(rows), per_run)
-        # Writes first, checksums as separate tasks behind them: the device gets the
-        # whole queue depth while the checksums fill the gaps.
+        # Writes on the backend's pool, checksums on the store's CPU threads: the device
+        # keeps the whole queue depth while the checksums run beside it.
         futs = [store.backend.submit(self._write_run, first, buf[first - start:first - start + n])
                 for first, n in runs]
-        futs += [store.backend.submit(self._checksum_run, first, n, sums[first - start:first - start + n])
+        futs += [store._hash_pool.submit(self._checksum_run, first, n, sums[first - start:first - start + n])
                  for first, n in runs]
         self._futures.extend(futs)
         return _all_of(futs)
@@ -339,27 +361,22 @@ class WriteBatch(_Batch):
             self._fail(e)
 
     def finish(self) -> list[bool]:
-        """Wait for the writes, make them durable, commit the index; per-block success."""
+        """Wait for the writes, make them durable, commit the index (both shared with
+        concurrent jobs, see the module docstring); per-block success."""
         store = self.store
         for f in self._futures:
             f.result()
-        if self._error is None and any(c is not None for c in self.checksums):
-            try:
-                store.backend.sync(self._file)
-            except OSError as e:
-                self._fail(e)
+        if self._clearing is not None and self._clearing.wait().error is not None:
+            self._fail(self._clearing.error)  # nothing was submitted; the slots must not be committed
         if self._error is not None:
             self.checksums = [None] * len(self.hashes)
-        ok = [c is not None for c in self.checksums]
+        ok = [False] * len(self.hashes)
         if self.hashes:
-            try:
-                store.index.commit_stored(self.rank, self.hashes, self.slots,
-                                          [store.block_bytes] * len(self.hashes), self.checksums)
-            except lmdb.Error as e:
-                self._error = self._error or f"index commit failed: {e}"
-                self._enospc = self._enospc or "No space" in str(e)
-                ok = [False] * len(self.hashes)
-                store.index.log_failed(self.rank, self.hashes, self.slots)
+            req = store._committer.commit(self.rank, self._file, self.hashes, self.slots, self.checksums).wait()
+            if req.error is not None:
+                self._fail(req.error)
+            self.checksums = list(req.checksums)
+            ok = [req.committed and c is not None for c in self.checksums]
         n_ok = sum(ok)
         if n_ok < len(ok):
             logger.warning("disk store of %d blocks on rank %d: %d failed (%s)", len(ok), self.rank,
@@ -368,6 +385,144 @@ class WriteBatch(_Batch):
                      bytes_written=n_ok * store.block_bytes)
         self.seconds = time.perf_counter() - self._t0
         return ok
+
+
+class _IndexWrite:
+    """One job's queued index write: its step 1 (``clear``) or its step 3. The committer
+    sets ``checksums`` entries to None for blocks that did not become durable,
+    ``committed`` once the transaction holding it committed, and ``error``; ``wait``
+    returns once all of that is settled."""
+
+    __slots__ = ("clear", "rank", "file", "hashes", "slots", "checksums", "committed", "error", "_done")
+
+    def __init__(self, clear: bool, rank: int, file: BackendFile | None, hashes: list[bytes],
+                 slots: list[int], checksums: list[int | None] | None = None):
+        self.clear, self.rank, self.file, self.hashes, self.slots = clear, rank, file, hashes, slots
+        self.checksums = list(checksums) if checksums is not None else []
+        self.committed = False
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def wait(self) -> "_IndexWrite":
+        self._done.wait()
+        return self
+
+    def stored(self, size: int) -> StoredBlocks:
+        return StoredBlocks(self.rank, self.hashes, self.slots, [size] * len(self.hashes), self.checksums)
+
+    def durable_writes(self) -> bool:
+        return not self.clear and any(c is not None for c in self.checksums)
+
+
+class _GroupCommitter:
+    """Group commit of one store's index writes, all ranks (see the module docstring).
+
+    ``clear`` and ``commit`` queue a write and return it at once; its owner ``wait``s
+    before relying on it. One committer thread (started on first use) takes everything
+    queued while it was busy as the next group: it syncs and commits the group and
+    wakes the owners. A clear therefore runs while its job packs its first rows, and
+    jobs that finish together share one ``fdatasync`` and one transaction. Failures stay
+    per job: a failed ``fdatasync`` fails the commits of that slab only, and a
+    transaction that fails is retried job by job, so one job's bad write can neither
+    fail nor commit another's.
+    """
+
+    def __init__(self, store: DiskStore):
+        self._store = store
+        self._cond = threading.Condition()
+        self._queue: list[_IndexWrite] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def clear(self, rank: int, hashes: list[bytes], slots: list[int]) -> _IndexWrite:
+        """Queue step 1 for one job. Its slots may be overwritten only once ``wait()``
+        returned with no ``error``."""
+        return self._enqueue(_IndexWrite(True, rank, None, hashes, slots))
+
+    def commit(self, rank: int, file: BackendFile | None, hashes: list[bytes], slots: list[int],
+               checksums: list[int | None]) -> _IndexWrite:
+        """Queue step 3 for one job (blocks with a None checksum are logged failed)."""
+        return self._enqueue(_IndexWrite(False, rank, file, hashes, slots, checksums))
+
+    def close(self) -> None:
+        """Commit what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _enqueue(self, req: _IndexWrite) -> _IndexWrite:
+        with self._cond:
+            if self._closed:
+                req.error = RuntimeError("disk store is closed")
+                req.checksums = [None] * len(req.checksums)
+                req._done.set()
+                return req
+            self._queue.append(req)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="tkv-disk-commit", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return req
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                group, self._queue = self._queue, []
+            try:
+                self._lead(group)
+            finally:
+                for r in group:
+                    r._done.set()
+
+    def _lead(self, group: list[_IndexWrite]) -> None:
+        store = self._store
+        try:
+            # Durability first: one fdatasync per slab covers every queued job's writes.
+            files: dict[int, list[_IndexWrite]] = {}
+            for r in group:
+                if r.durable_writes():
+                    files.setdefault(id(r.file), []).append(r)
+            for reqs in files.values():
+                try:
+                    store.backend.sync(reqs[0].file)
+                except OSError as e:
+                    for r in reqs:
+                        r.error = e
+                        r.checksums = [None] * len(r.hashes)
+            self._transact(group)
+        except Exception as e:  # never leave a waiting job without an outcome
+            logger.exception("disk index group commit failed")
+            for r in group:
+                if not r.committed:
+                    r.error = r.error or e
+                    r.checksums = [None] * len(r.checksums)
+
+    def _transact(self, group: list[_IndexWrite]) -> None:
+        store = self._store
+        try:
+            store.index.commit_group([r.stored(store.block_bytes) for r in group if not r.clear],
+                                     [(r.rank, r.hashes, r.slots) for r in group if r.clear])
+        except lmdb.Error as e:
+            if len(group) > 1:  # find the job(s) that cannot commit; the others still do
+                for r in group:
+                    self._transact([r])
+                return
+            r = group[0]
+            r.error = r.error or (OSError(errno.ENOSPC, f"index commit failed: {e}") if "No space" in str(e)
+                                  else RuntimeError(f"index commit failed: {e}"))
+            if not r.clear:
+                r.checksums = [None] * len(r.hashes)
+                store.index.log_failed(r.rank, r.hashes, r.slots)
+            return
+        for r in group:
+            r.committed = True
 
 
 class ReadBatch(_Batch):

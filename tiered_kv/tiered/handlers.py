@@ -41,7 +41,7 @@ from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.host_memory import HostKVCache, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.specs import DiskWrite, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.specs import DiskWrites, TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
@@ -105,19 +105,19 @@ class DiskStager:
             self._allocated_rows += rows
         return aligned_empty(rows * self.slot_size).view(rows, self.slot_size)
 
-    def stage(self, writes: Sequence[DiskWrite]) -> Future:
+    def stage(self, writes: DiskWrites) -> Future:
         """Start copying ``writes``' CPU slots out; the returned future is done once the
         slots may be overwritten (copied, or dropped for lack of staging memory). The
         disk write itself continues in the background."""
         if self._packer is None:
             future: Future = Future()
-            future.set_result(self._stage(list(writes)))
+            future.set_result(self._stage(writes))
             return future
-        return self._packer.submit(self._stage, list(writes))
+        return self._packer.submit(self._stage, writes)
 
-    def _stage(self, writes: list[DiskWrite]) -> None:
-        hashes = [w.block_hash for w in writes]
-        disk_slots = [w.disk_slot for w in writes]
+    def _stage(self, writes: DiskWrites) -> None:
+        hashes = writes.block_hashes
+        disk_slots = writes.disk_slots.tolist()
         buf = self._take_buffer(len(writes))
         if buf is None:
             logger.warning("disk staging full: dropping %d disk writes on rank %d", len(writes), self.rank)
@@ -126,7 +126,7 @@ class DiskStager:
             return
         rows = buf[: len(writes)]
         try:
-            kernel_ids = self.host.kernel_ids([w.cpu_slot for w in writes])
+            kernel_ids = self.host.kernel_ids(writes.cpu_slots)
             pack_blocks(self.host.tensors, self.host.layout, kernel_ids, rows)
         except Exception:
             logger.exception("staging %d disk writes failed on rank %d; dropping them", len(writes), self.rank)
@@ -355,7 +355,7 @@ class TieredStoreHandler(_PipelineHandler):
             steps.append(partial(self._stage_step, write_through))
         return self._start(job_id, [steps])
 
-    def _stage_step(self, writes: list[DiskWrite]) -> _Step:
+    def _stage_step(self, writes: DiskWrites) -> _Step:
         return _Step("", 0, future=self.stager.stage(writes))
 
     def shutdown(self) -> None:

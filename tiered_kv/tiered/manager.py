@@ -10,14 +10,16 @@ How data moves, and who learns what when:
   loadable from CPU.
 - **Cascade**: when CPU is full, LRU victims make room. A victim that is already durable
   on disk, or already on its way there, is just dropped from CPU. Any other victim is
-  *spilled*: the store spec that reuses its slot carries a ``DiskWrite``, and the worker
+  *spilled*: the store spec that reuses its slot lists it in ``spills``, and the worker
   copies the slot into a staging buffer before the GPU copy overwrites it (a slot is
   never overwritten while something still reads it). With ``write_through`` every stored
   block is also queued for disk once it is in CPU.
 - **Disk durability** is learned from the shared disk index, not from jobs: workers
   commit a block's index entry only after its bytes are durable on their rank, and the
-  disk manager's ``refresh()`` reads those commits. Until then a block is *pending* on
-  disk: not loadable from there.
+  disk manager's ``refresh()`` reads those commits: its flusher thread does so in the
+  background while writes are pending, and a lookup that meets a pending block, or a
+  store whose back-pressure bound would bite, does so at once. Until then a block is
+  *pending* on disk: not loadable from there, but as good as durable for the cascade.
 - **Back-pressure**: at most ``max_pending_disk_writes`` blocks may be waiting for a disk
   write. Past that, write-through copies are skipped and spill victims leave the
   hierarchy; both are counted as drops. The engine never waits for the disk.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from itertools import filterfalse, islice
 
 from tiered_kv.abstract import (BlockHash, LoadStoreSpec, OffloadingEvent, OffloadingManager,
                                 PrepareStoreOutput)
@@ -40,7 +43,7 @@ from tiered_kv.config import WRITE_POLICIES
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.specs import DiskWrite, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.specs import DiskWrites, TieredLoadSpec, TieredStoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,8 @@ logger = logging.getLogger(__name__)
 class TieredOffloadingManager(OffloadingManager):
     """Composite of a ``CPUOffloadingManager`` and (optionally) a disk tier manager.
 
-    ``disk`` must offer the seed API plus ``is_loadable``, ``is_pending`` and ``refresh``
+    ``disk`` must offer the seed API plus ``is_loadable``, ``is_pending``,
+    ``loadable_or_pending_among``, ``num_pending``, ``pending_blocks`` and ``refresh``
     (see ``tiered_kv.disk.manager.DiskOffloadingManager``). Without it this is the CPU
     tier with the same cascade bookkeeping (victims simply leave).
     """
@@ -66,8 +70,6 @@ class TieredOffloadingManager(OffloadingManager):
         self.promote_on_hit = promote_on_hit
         self.max_pending_disk_writes = max_pending_disk_writes
         self.stats = stats if stats is not None else TieredStats()
-        # Blocks with a disk write this manager asked for and whose outcome is unknown.
-        self._disk_pending: set[BlockHash] = set()
         # Blocks of an in-flight store that carry a write-through disk slot.
         self._write_through: set[BlockHash] = set()
         # Outstanding loads per block, by tier. For one block they are all CPU or all disk:
@@ -85,10 +87,16 @@ class TieredOffloadingManager(OffloadingManager):
 
     def _refresh_disk(self) -> None:
         """Fold in disk-write outcomes the workers have committed to the index."""
-        if self.disk is None or not self._disk_pending:
-            return
-        self.disk.refresh()
-        self._disk_pending = {h for h in self._disk_pending if self.disk.is_pending(h)}
+        if self.disk is not None and self.disk.num_pending():
+            self.disk.refresh()
+
+    def _disk_budget(self, wanted: int) -> int:
+        """How many of ``wanted`` more blocks may wait for a disk write now. Reads the
+        workers' outcomes first when the bound would bite, so no block is dropped for
+        news not yet read."""
+        if self.disk.num_pending() + wanted > self.max_pending_disk_writes:
+            self._refresh_disk()
+        return min(wanted, max(self.max_pending_disk_writes - self.disk.num_pending(), 0))
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
         hits = 0
@@ -97,7 +105,7 @@ class TieredOffloadingManager(OffloadingManager):
             if self.cpu.is_loadable(block_hash) or self._on_disk(block_hash):
                 hits += 1
                 continue
-            if not refreshed and block_hash in self._disk_pending:
+            if not refreshed and self.disk is not None and self.disk.is_pending(block_hash):
                 refreshed = True
                 self._refresh_disk()
                 if self._on_disk(block_hash):
@@ -191,66 +199,53 @@ class TieredOffloadingManager(OffloadingManager):
     def _droppable_count(self, limit: int) -> int:
         """How many of the next LRU CPU victims could go without a spill (durable on
         disk or already queued there), up to ``limit``."""
-        n = 0
-        for victim in self.cpu.iter_evictable():
-            if n >= limit or not (self._on_disk(victim) or victim in self._disk_pending):
-                break
-            n += 1
-        return n
+        victims = list(islice(self.cpu.iter_evictable(), limit))
+        safe = self.disk.loadable_or_pending_among(victims)
+        return next((i for i, victim in enumerate(victims) if victim not in safe), len(victims))
 
-    def _make_room(self, needed: int, allow_spill: bool) -> tuple[list[DiskWrite], list[BlockHash]] | None:
+    def _make_room(self, needed: int, allow_spill: bool) -> tuple[DiskWrites, list[BlockHash]] | None:
         """Free ``needed`` CPU slots by cascading LRU victims. Returns the spills to carry
         and the blocks that left the hierarchy, or None (changing nothing) if there are
         not enough unpinned victims."""
         shortfall = needed - self.cpu.num_free_slots()
         if shortfall <= 0:
-            return [], []
-        victims = []
-        for victim in self.cpu.iter_evictable():
-            victims.append(victim)
-            if len(victims) == shortfall:
-                break
+            return DiskWrites(), []
+        victims = list(islice(self.cpu.iter_evictable(), shortfall))
         if len(victims) < shortfall:
             return None
-        spills: list[DiskWrite] = []
-        evicted: list[BlockHash] = []
-        safe: list[BlockHash] = []  # already durable on disk, or on their way there
-        to_spill: list[BlockHash] = []
-        on_disk = self.disk.loadable_among(victims) if self.disk is not None else ()
-        for victim in victims:
-            if victim in on_disk or victim in self._disk_pending:
-                safe.append(victim)
-            elif allow_spill and self.disk is not None:
-                to_spill.append(victim)
-            else:
-                evicted.append(victim)
-        self.cpu.remove_many(safe + evicted)
+        cpu_slot = dict(zip(victims, self.cpu.remove_many(victims)))
         self.stats.count("cpu", "evictions", len(victims))
-        if to_spill:
-            budget = max(self.max_pending_disk_writes - len(self._disk_pending), 0)
-            out = self.disk.prepare_store(to_spill[:budget]) if budget else None
-            disk_slot = {}
-            if out is not None:
-                disk_slot = dict(zip(out.block_hashes_to_store, out.store_spec.block_ids.tolist()))
-                evicted.extend(h for h in out.block_hashes_evicted if h not in self.cpu)
-                self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
-            for victim, cpu_slot in zip(to_spill, self.cpu.remove_many(to_spill)):
-                slot = disk_slot.get(victim)
-                if slot is None:
-                    evicted.append(victim)
-                else:
-                    spills.append(DiskWrite(cpu_slot, slot, victim))
-                    self._disk_pending.add(victim)
-            self.stats.count("cpu", "spills", len(spills))
+        spills = DiskWrites()
+        if self.disk is None:
+            self.stats.count("cpu", "drops", len(victims))
+            return spills, victims
+        # Victims already durable on disk, or on their way there, are simply gone from CPU.
+        unsafe = list(filterfalse(self.disk.loadable_or_pending_among(victims).__contains__, victims))
+        if not unsafe:
+            return spills, []
+        budget = self._disk_budget(len(unsafe)) if allow_spill else 0
+        out = self.disk.prepare_store(unsafe[:budget]) if budget else None
+        evicted = unsafe
+        if out is not None:
+            spilled = out.block_hashes_to_store
+            spills = DiskWrites(list(map(cpu_slot.__getitem__, spilled)), out.store_spec.block_ids, spilled)
+            if len(spilled) < len(unsafe):
+                spilled_set = set(spilled)
+                evicted = [h for h in unsafe if h not in spilled_set]
+            else:
+                evicted = []
+            evicted.extend(self.cpu.missing_among(out.block_hashes_evicted))
+            self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
+        self.stats.count("cpu", "spills", len(spills))
         self.stats.count("cpu", "drops", len(evicted))
         return spills, evicted
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        self._refresh_disk()
-        cpu, pending = self.cpu, self._disk_pending
-        candidates = [h for h in dict.fromkeys(block_hashes) if h not in cpu and h not in pending]
-        on_disk = self.disk.loadable_among(candidates) if self.disk is not None and candidates else ()
-        to_store = [h for h in candidates if h not in on_disk]
+        candidates = self.cpu.missing_among(dict.fromkeys(block_hashes))
+        if self.disk is not None and candidates:
+            held = self.disk.loadable_or_pending_among(candidates)
+            candidates = list(filterfalse(held.__contains__, candidates))
+        to_store = candidates
         if not to_store:
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
         room = self._make_room(len(to_store), allow_spill=True)
@@ -269,28 +264,25 @@ class TieredOffloadingManager(OffloadingManager):
         )
 
     def _plan_write_through(self, to_store: list[BlockHash], cpu_slots: list[int],
-                            evicted: list[BlockHash]) -> list[DiskWrite]:
+                            evicted: list[BlockHash]) -> DiskWrites:
         if self.write_policy != "write_through" or self.disk is None:
-            return []
-        budget = self.max_pending_disk_writes - len(self._disk_pending)
-        candidates = to_store[:max(budget, 0)]
+            return DiskWrites()
+        candidates = to_store[:self._disk_budget(len(to_store))]
         skipped = len(to_store) - len(candidates)
         out = self.disk.prepare_store(candidates) if candidates else None
         if out is None:
             skipped = len(to_store)
-            writes = []
+            writes = DiskWrites()
         else:
-            disk_slot = dict(zip(out.block_hashes_to_store, out.store_spec.block_ids.tolist()))
             cpu_slot = dict(zip(to_store, cpu_slots))
-            writes = [DiskWrite(cpu_slot[h], disk_slot[h], h) for h in out.block_hashes_to_store]
+            writes = DiskWrites(list(map(cpu_slot.__getitem__, out.block_hashes_to_store)),
+                                out.store_spec.block_ids, out.block_hashes_to_store)
             # Disk evictions here only remove blocks that are no longer in CPU either.
-            evicted.extend(h for h in out.block_hashes_evicted if h not in self.cpu)
+            evicted.extend(self.cpu.missing_among(out.block_hashes_evicted))
             self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
         if skipped:
             self.stats.count("disk", "drops", skipped)
-        for write in writes:
-            self._disk_pending.add(write.block_hash)
-            self._write_through.add(write.block_hash)
+        self._write_through.update(writes.block_hashes)
         self.stats.count("disk", "stores", len(writes))
         return writes
 
@@ -304,7 +296,6 @@ class TieredOffloadingManager(OffloadingManager):
         if not success and abandoned:
             # The worker never had the bytes to write: release the reserved disk slots.
             self.disk.complete_store(abandoned, success=False)
-            self._disk_pending.difference_update(abandoned)
 
     # ------------------------------------------------------------------ misc
 
@@ -324,12 +315,12 @@ class TieredOffloadingManager(OffloadingManager):
     def pending_disk_writes(self) -> int:
         """Blocks queued for a disk write whose outcome the index has not shown yet."""
         self._refresh_disk()
-        return len(self._disk_pending)
+        return self.disk.num_pending() if self.disk is not None else 0
 
     def pending_disk_blocks(self) -> set[BlockHash]:
         """The blocks counted by ``pending_disk_writes`` (a copy)."""
         self._refresh_disk()
-        return set(self._disk_pending)
+        return self.disk.pending_blocks() if self.disk is not None else set()
 
     def used_blocks(self) -> dict[str, int]:
         used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}

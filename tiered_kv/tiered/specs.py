@@ -21,6 +21,41 @@ class DiskWrite(NamedTuple):
     block_hash: BlockHash
 
 
+class DiskWrites:
+    """Disk writes as parallel columns: block ``block_hashes[i]`` goes from CPU slot
+    ``cpu_slots[i]`` to disk slot ``disk_slots[i]``. Columns, not one object per block:
+    a cascading store plans hundreds of them on the scheduler's thread. Iterating
+    yields ``DiskWrite`` tuples."""
+
+    __slots__ = ("cpu_slots", "disk_slots", "block_hashes")
+
+    def __init__(self, cpu_slots: Sequence[int] | np.ndarray = (), disk_slots: Sequence[int] | np.ndarray = (),
+                 block_hashes: Sequence[BlockHash] = ()):
+        self.cpu_slots = np.asarray(cpu_slots, dtype=np.int64)
+        self.disk_slots = np.asarray(disk_slots, dtype=np.int64)
+        self.block_hashes = list(block_hashes)
+        if not len(self.cpu_slots) == len(self.disk_slots) == len(self.block_hashes):
+            raise ValueError(f"DiskWrites: {len(self.cpu_slots)} cpu_slots, {len(self.disk_slots)} "
+                             f"disk_slots and {len(self.block_hashes)} block_hashes; expected one of each per block")
+
+    @classmethod
+    def of(cls, writes: "DiskWrites | Sequence[DiskWrite]") -> "DiskWrites":
+        """``writes`` as columns (a ``DiskWrites`` is returned as is)."""
+        if isinstance(writes, DiskWrites):
+            return writes
+        writes = list(writes)
+        return cls([w.cpu_slot for w in writes], [w.disk_slot for w in writes], [w.block_hash for w in writes])
+
+    def __len__(self) -> int:
+        return len(self.block_hashes)
+
+    def __iter__(self):
+        return map(DiskWrite._make, zip(self.cpu_slots.tolist(), self.disk_slots.tolist(), self.block_hashes))
+
+    def __repr__(self) -> str:
+        return f"DiskWrites({list(self)!r})"
+
+
 class TieredStoreSpec(CPULoadStoreSpec):
     """Where a GPU -> CPU store lands, plus the disk writes it carries.
 
@@ -32,10 +67,11 @@ class TieredStoreSpec(CPULoadStoreSpec):
     """
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray,
-                 spills: Sequence[DiskWrite] = (), write_through: Sequence[DiskWrite] = ()):
+                 spills: DiskWrites | Sequence[DiskWrite] = (),
+                 write_through: DiskWrites | Sequence[DiskWrite] = ()):
         super().__init__(block_ids)
-        self.spills = list(spills)
-        self.write_through = list(write_through)
+        self.spills = DiskWrites.of(spills)
+        self.write_through = DiskWrites.of(write_through)
 
     def __repr__(self) -> str:
         return (f"TieredStoreSpec({self.block_ids.tolist()}, spills={len(self.spills)}, "
