@@ -105,6 +105,26 @@ def test_pinned_and_pending_blocks_are_never_evicted():
     assert out.block_hashes_evicted == hs(1)
 
 
+def test_evict_takes_lru_evictable_blocks_and_frees_their_slots():
+    mgr = CPUOffloadingManager(5, 16)
+    for i in (1, 2, 3, 4):
+        stored(mgr, i)                    # LRU order 1, 2, 3, 4
+    mgr.take_events()
+    slot_of = {i: mgr.slot_of(h(i)) for i in (1, 2, 3, 4)}
+    victims, slots = mgr.evict(2)         # nothing pinned or pending: straight from the LRU end
+    assert victims == hs(1, 2) and slots == [slot_of[1], slot_of[2]]
+    assert mgr.num_free_slots() == 3 and h(1) not in mgr and h(2) not in mgr
+    (event,) = mgr.take_events()
+    assert event.removed and event.block_hashes == hs(1, 2)
+    mgr.prepare_load(hs(3))               # pinned
+    assert mgr.prepare_store(hs(5)) is not None   # pending
+    before = snapshot(mgr)
+    assert mgr.evict(2) is None, "only block 4 is evictable"
+    assert snapshot(mgr) == before, "evict -> None changes nothing"
+    assert mgr.evict(1) == (hs(4), [slot_of[4]])
+    assert mgr.num_evictable() == 0
+
+
 def test_prepare_store_none_when_request_exceeds_evictable():
     mgr = CPUOffloadingManager(3, 16)
     stored(mgr, 1, 2)

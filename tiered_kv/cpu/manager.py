@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
-from itertools import filterfalse
+from itertools import filterfalse, islice
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
@@ -194,21 +194,42 @@ class CPUOffloadingManager(OffloadingManager):
                 del readers[block_hash]
                 self._num_evictable += 1
 
-    def allocate(self, block_hashes: list[BlockHash],
-                 evicted: list[BlockHash] | None = None) -> list[int] | None:
+    def allocate(self, block_hashes: list[BlockHash], evicted: list[BlockHash] | None = None, *,
+                 checked: bool = True) -> list[int] | None:
         """Reserve one slot per hash in ``block_hashes`` (distinct, none already here),
         evicting least-recent unpinned blocks as needed. The new blocks are pending
         and most recent. Returns their slots in order, or None, changing nothing, when
         free plus evictable slots are too few. Evicted hashes are appended to
-        ``evicted`` and reported in a removed event."""
+        ``evicted`` and reported in a removed event. ``checked=False`` skips verifying
+        that the hashes are distinct and absent, for a caller that just established it
+        (``missing_among`` on a deduplicated list)."""
         block_hashes = list(block_hashes)
-        blocks = self._blocks
-        if not blocks.keys().isdisjoint(block_hashes):
-            block_hash = next(h for h in block_hashes if h in blocks)
-            raise ValueError(f"allocate: block {_short(block_hash)} is already in the CPU tier")
-        if len(set(block_hashes)) != len(block_hashes):
-            raise ValueError("allocate: block_hashes contains duplicates")
+        if checked:
+            blocks = self._blocks
+            if not blocks.keys().isdisjoint(block_hashes):
+                block_hash = next(h for h in block_hashes if h in blocks)
+                raise ValueError(f"allocate: block {_short(block_hash)} is already in the CPU tier")
+            if len(set(block_hashes)) != len(block_hashes):
+                raise ValueError("allocate: block_hashes contains duplicates")
         return self._allocate(block_hashes, evicted)
+
+    def evict(self, n: int) -> tuple[list[BlockHash], list[int]] | None:
+        """Drop the ``n`` least recent evictable blocks, report them removed, and return
+        them with their (now free) slots; None, changing nothing, if fewer than ``n``
+        are evictable."""
+        if n > self._num_evictable:
+            return None
+        blocks = self._blocks
+        if self._pending or self._readers:
+            victims = list(islice(self.iter_evictable(), n))
+            slots = list(map(blocks.pop, victims))
+        else:  # every block is evictable: pop from the LRU end in one pass
+            popped = [blocks.popitem(last=False) for _ in range(n)]
+            victims, slots = [h for h, _ in popped], [slot for _, slot in popped]
+        self._num_evictable -= n
+        self._free.extend(slots)
+        self._emit(victims, removed=True)
+        return victims, slots
 
     def _allocate(self, block_hashes: list[BlockHash],
                   evicted: list[BlockHash] | None) -> list[int] | None:
@@ -218,17 +239,9 @@ class CPUOffloadingManager(OffloadingManager):
             return None
         blocks, free = self._blocks, self._free
         if need > 0:
-            victims = []
-            for block_hash in self.iter_evictable():
-                victims.append(block_hash)
-                if len(victims) == need:
-                    break
-            for block_hash in victims:
-                free.append(blocks.pop(block_hash))
-            self._num_evictable -= len(victims)
+            victims, _ = self.evict(need)
             if evicted is not None:
                 evicted.extend(victims)
-            self._emit(victims, removed=True)
         slots = free[len(free) - len(block_hashes):][::-1]
         del free[len(free) - len(block_hashes):]
         # Inserted tail first, so a request's head ends most recent: it is what later

@@ -570,18 +570,35 @@ class ReadBatch(_Batch):
             if all(self.expected[first + i] is None for i in range(n)):
                 continue
             lo = first - start
-            futs.append(store.backend.submit(
-                self._read_run, first, n, buf[lo:lo + n], None if host_rows is None else host_rows[lo:lo + n],
-                rows[lo:lo + n] if bounce else None))
+            done: Future = Future()
+            store.backend.submit(self._read_run, first, n, buf[lo:lo + n],
+                                 None if host_rows is None else host_rows[lo:lo + n],
+                                 rows[lo:lo + n] if bounce else None, done)
+            futs.append(done)
         self._futures.extend(futs)
         end = start + len(rows)  # not ``rows``: the callback cycle would keep the caller's memory alive
         return _all_of(futs, lambda: all(self.ok[start:end]))
 
     def _read_run(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
-                  dest: torch.Tensor | None) -> None:
+                  dest: torch.Tensor | None, done: Future) -> None:
+        """Read a run on an I/O thread, then hand its verification to the checksum
+        threads, so the I/O thread goes straight back to the device."""
+        try:
+            self.store.backend.pread(self._file, buf.reshape(-1), self.slots[first] * self.store.slot_size)
+        except Exception as e:  # an I/O thread must not lose an error: finish() reports it
+            self._record_error(e)
+            done.set_result(None)
+            return
+        try:
+            self.store._hash_pool.submit(self._verify_run, first, n, buf, host_rows, dest, done)
+        except RuntimeError as e:  # the store was closed meanwhile
+            self._record_error(e)
+            done.set_result(None)
+
+    def _verify_run(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
+                    dest: torch.Tensor | None, done: Future) -> None:
         store = self.store
         try:
-            store.backend.pread(self._file, buf.reshape(-1), self.slots[first] * store.slot_size)
             if host_rows is not None:
                 host_rows.copy_(buf)
             view_rows = buf if host_rows is None else host_rows
@@ -596,9 +613,14 @@ class ReadBatch(_Batch):
                         self._corrupt.append(first + i)
             if dest is not None:
                 dest[:, :store.block_bytes].copy_(buf[:, :store.block_bytes])
-        except Exception as e:  # an I/O thread must not lose an error: finish() reports it
-            with self._lock:
-                self._error = self._error or f"{type(e).__name__}: {e}"
+        except Exception as e:
+            self._record_error(e)
+        finally:
+            done.set_result(None)
+
+    def _record_error(self, e: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or f"{type(e).__name__}: {e}"
 
     def finish(self) -> list[bool]:
         """Wait for the reads; drop and log blocks that were corrupt or missing."""

@@ -210,10 +210,11 @@ class TieredOffloadingManager(OffloadingManager):
         shortfall = needed - self.cpu.num_free_slots()
         if shortfall <= 0:
             return DiskWrites(), []
-        victims = list(islice(self.cpu.iter_evictable(), shortfall))
-        if len(victims) < shortfall:
+        evicted_from_cpu = self.cpu.evict(shortfall)
+        if evicted_from_cpu is None:
             return None
-        cpu_slot = dict(zip(victims, self.cpu.remove_many(victims)))
+        victims, slots = evicted_from_cpu
+        cpu_slot = dict(zip(victims, slots))
         self.stats.count("cpu", "evictions", len(victims))
         spills = DiskWrites()
         if self.disk is None:
@@ -252,7 +253,7 @@ class TieredOffloadingManager(OffloadingManager):
         if room is None:
             return None
         spills, evicted = room
-        slots = self.cpu.allocate(to_store)
+        slots = self.cpu.allocate(to_store, checked=False)  # distinct, and missing from CPU
         if slots is None:  # cannot happen after _make_room; keep the contract anyway
             raise RuntimeError("CPU tier refused an allocation it had room for")
         write_through = self._plan_write_through(to_store, slots, evicted)
