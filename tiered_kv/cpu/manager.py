@@ -39,8 +39,8 @@ class CPUOffloadingManager(OffloadingManager):
     removed) is reported with medium ``"CPU"`` by ``take_events``.
 
     Beyond the seed API, the composite manager uses ``num_slots``, ``num_free_slots``,
-    ``iter_evictable``, ``remove``, ``slot_of``, ``is_loadable``, ``in``, ``pin``/
-    ``unpin`` and ``allocate``.
+    ``iter_evictable``, ``evict``, ``missing_among``, ``remove``, ``slot_of``,
+    ``is_loadable``, ``in``, ``pin``/``unpin`` and ``allocate``.
     """
 
     def __init__(self, num_slots: int, block_size: int, enable_events: bool = True):
@@ -254,25 +254,16 @@ class CPUOffloadingManager(OffloadingManager):
         """Drop an unpinned loadable block, report it removed, and return its (now
         free) slot. Raises ``KeyError`` if the block is not loadable, ``ValueError``
         if it is pinned."""
-        return self.remove_many([block_hash])[0]
-
-    def remove_many(self, block_hashes: list[BlockHash]) -> list[int]:
-        """``remove`` for several blocks, reported in one event. All or nothing: raises
-        (changing nothing) if any block is not loadable or is pinned."""
-        blocks, pending, readers = self._blocks, self._pending, self._readers
-        wanted = set(block_hashes)
-        if not (blocks.keys() >= wanted and pending.isdisjoint(wanted) and readers.keys().isdisjoint(wanted)):
-            for block_hash in block_hashes:
-                if block_hash not in blocks or block_hash in pending:
-                    raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
-                if block_hash in readers:
-                    raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
-                                     f"{readers[block_hash]} reader(s)")
-        slots = [blocks.pop(block_hash) for block_hash in block_hashes]
-        self._num_evictable -= len(slots)
-        self._free.extend(slots)
-        self._emit(list(block_hashes), removed=True)
-        return slots
+        if block_hash not in self._blocks or block_hash in self._pending:
+            raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
+        if block_hash in self._readers:
+            raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
+                             f"{self._readers[block_hash]} reader(s)")
+        slot = self._blocks.pop(block_hash)
+        self._num_evictable -= 1
+        self._free.append(slot)
+        self._emit([block_hash], removed=True)
+        return slot
 
     # ---- internals ----
 

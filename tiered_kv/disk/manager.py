@@ -41,8 +41,8 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from itertools import filterfalse
 from dataclasses import dataclass, fields
+from itertools import filterfalse
 from typing import NamedTuple
 
 import lmdb
