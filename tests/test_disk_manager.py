@@ -25,7 +25,9 @@ def layout():
 def tier(tmp_path, layout):
     """A manager and a store on one cache directory (as a scheduler and a worker)."""
     fp = fingerprint(layout)
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e")
+    # No background refresh: these tests call refresh() themselves and check what it returns.
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
+                              poll_interval=None)
     s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
                        engine_id="e")
     yield m, s
@@ -102,7 +104,8 @@ def test_failed_store_frees_its_slots(tier, layout):
 
 def test_refresh_makes_blocks_durable_from_the_workers_log(tmp_path, layout):
     fp = fingerprint(layout, tp_size=2)
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e")
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
+                              poll_interval=None)
     s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
                        engine_id="e")
     try:
@@ -116,6 +119,42 @@ def test_refresh_makes_blocks_durable_from_the_workers_log(tmp_path, layout):
         assert m.refresh().durable == [], "refresh is idempotent"
         m.complete_store(H[:2])  # the job completion arrives later: same outcome, once
         assert m.stats.stores == 2 and m.lookup(H[:2]) == 2
+    finally:
+        s.close()
+        m.shutdown()
+
+
+def test_refresh_reads_at_most_max_records_and_says_when_more_are_left(tier, layout):
+    m, s = tier
+    out = m.prepare_store(H[:5])
+    s.write_blocks(0, H[:5], out.store_spec.block_ids.tolist(), content_rows(H[:5], 0, layout, s.slot_size))
+    first, second, third = m.refresh(2), m.refresh(2), m.refresh(2)
+    assert (first.durable, first.more) == (H[:2], True)
+    assert (second.durable, second.more) == (H[2:4], True)
+    assert (third.durable, third.more) == (H[4:5], False)
+    assert m.lookup(H[:5]) == 5 and m.num_pending() == 0
+
+
+def test_flusher_learns_worker_commits_in_the_background(tmp_path, layout):
+    """With polling on, blocks a worker committed become loadable with no call from the
+    scheduler at all, in chunks (more records than one chunk), and the log is trimmed."""
+    fp = fingerprint(layout)
+    n = 150  # more than two of the flusher's 64-record chunks
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), engine_id="e",
+                              poll_interval=0.001)
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), io_backend="posix",
+                       engine_id="e")
+    hashes = [block_hash(100 + i) for i in range(n)]
+    try:
+        out = m.prepare_store(hashes)
+        assert m.num_pending() == n
+        s.write_blocks(0, hashes, out.store_spec.block_ids.tolist(), content_rows(hashes, 0, layout, s.slot_size))
+        deadline = time.monotonic() + 30
+        while m.num_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.num_pending() == 0 and all(m.is_loadable(h) for h in hashes)
+        assert m.stats.stores == n and not m.refresh(), "nothing left for the scheduler to read"
+        assert m.flush() and s.index.read_log(0) == [], "the flusher trimmed what it applied"
     finally:
         s.close()
         m.shutdown()

@@ -7,7 +7,7 @@ import pytest
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPULoadStoreSpec
 from tiered_kv.tiered.manager import TieredOffloadingManager
-from tiered_kv.tiered.specs import TieredStoreSpec
+from tiered_kv.tiered.specs import DiskWrite, DiskWrites, TieredStoreSpec
 
 
 def h(i: int) -> bytes:
@@ -79,3 +79,17 @@ def test_already_offloaded_blocks_are_not_stored_again():
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="write_policy"):
         TieredOffloadingManager(CPUOffloadingManager(2, block_size=16), write_policy="sometimes")
+
+
+def test_disk_writes_are_columns_that_iterate_as_tuples_and_pickle():
+    import pickle
+
+    writes = DiskWrites([3, 4], [10, 11], [h(1), h(2)])
+    assert list(writes) == [DiskWrite(3, 10, h(1)), DiskWrite(4, 11, h(2))] and len(writes) == 2
+    assert DiskWrites.of(writes) is writes
+    again = DiskWrites.of(list(writes))
+    assert again.cpu_slots.tolist() == [3, 4] and again.disk_slots.tolist() == [10, 11]
+    spec = pickle.loads(pickle.dumps(TieredStoreSpec([0, 1], spills=writes)))  # scheduler -> worker
+    assert list(spec.spills) == list(writes) and len(spec.write_through) == 0
+    with pytest.raises(ValueError, match="2 cpu_slots, 1 disk_slots and 2 block_hashes"):
+        DiskWrites([3, 4], [10], [h(1), h(2)])
