@@ -213,8 +213,7 @@ class TieredOffloadingManager(OffloadingManager):
         evicted_from_cpu = self.cpu.evict(shortfall)
         if evicted_from_cpu is None:
             return None
-        victims, slots = evicted_from_cpu
-        cpu_slot = dict(zip(victims, slots))
+        victims, cpu_slots = evicted_from_cpu
         self.stats.count("cpu", "evictions", len(victims))
         spills = DiskWrites()
         if self.disk is None:
@@ -229,6 +228,7 @@ class TieredOffloadingManager(OffloadingManager):
         evicted = unsafe
         if out is not None:
             spilled = out.block_hashes_to_store
+            cpu_slot = dict(zip(victims, cpu_slots))
             spills = DiskWrites(list(map(cpu_slot.__getitem__, spilled)), out.store_spec.block_ids, spilled)
             if len(spilled) < len(unsafe):
                 spilled_set = set(spilled)
@@ -242,11 +242,10 @@ class TieredOffloadingManager(OffloadingManager):
         return spills, evicted
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        candidates = self.cpu.missing_among(dict.fromkeys(block_hashes))
-        if self.disk is not None and candidates:
-            held = self.disk.loadable_or_pending_among(candidates)
-            candidates = list(filterfalse(held.__contains__, candidates))
-        to_store = candidates
+        to_store = self.cpu.missing_among(dict.fromkeys(block_hashes))
+        if self.disk is not None and to_store:
+            held = self.disk.loadable_or_pending_among(to_store)
+            to_store = list(filterfalse(held.__contains__, to_store))
         if not to_store:
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
         room = self._make_room(len(to_store), allow_spill=True)
