@@ -88,9 +88,7 @@ def scatter_rows(plane: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -
     view (e.g. a column range of a staging buffer) are read in place, not copied first."""
     if rows.device != plane.device or rows.stride(-1) != 1:
         rows = rows.to(plane.device).contiguous()
-    words_plane, words_rows = as_words(plane), as_words(rows)
-    if words_plane.dtype != words_rows.dtype:
-        words_plane, words_rows = plane, rows
+    words_plane, words_rows = _same_words(plane, rows)
     words_plane.index_copy_(0, index, words_rows)
 
 
@@ -146,6 +144,7 @@ def _whole_groups(ids: np.ndarray, tensors: Sequence[torch.Tensor], layout: KVCa
 
 
 def _same_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` as the same word type (both ``as_words``, else both bytes)."""
     wa, wb = as_words(a), as_words(b)
     return (wa, wb) if wa.dtype == wb.dtype else (a, b)
 

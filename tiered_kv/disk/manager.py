@@ -179,13 +179,8 @@ class _BlockTable:
         i = self._cold_index(h)
         return int(self._slots[i]) if i >= 0 else None
 
-    def add(self, h: bytes, slot: int) -> None:
-        """Insert as most recently used."""
-        self.hot[h] = slot
-        self.hot.move_to_end(h)
-
     def add_many(self, blocks: Iterable[tuple[bytes, int]]) -> None:
-        """``add`` each ``(hash, slot)`` in turn."""
+        """Insert each ``(hash, slot)`` in turn as the most recently used."""
         hot = self.hot
         for h, slot in blocks:
             hot[h] = slot
@@ -368,7 +363,7 @@ class DiskOffloadingManager(OffloadingManager):
         for h, entry in sorted(snap.odd, key=lambda he: he[1].last_access):
             if (entry.ranks & self._full_mask == self._full_mask and entry.size == self.block_bytes
                     and 0 <= entry.slot < limit and not used[entry.slot]):
-                self._table.add(h, entry.slot)
+                self._table.add_many([(h, entry.slot)])
                 used[entry.slot] = True
             else:
                 self._deletions.append((h, entry.slot))
