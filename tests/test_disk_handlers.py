@@ -234,6 +234,59 @@ def test_transfer_async_never_blocks_and_staging_is_bounded(tmp_path):
         h.shutdown(), store.close(), backend.shutdown()
 
 
+class HeldSyncBackend(FaultyBackend):
+    """Holds the first ``fdatasync`` until ``release`` is set; counts writes meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.holding, self.release = threading.Event(), threading.Event()
+        self.writes_while_held = 0
+
+    def pwrite(self, f, buf, offset):
+        if self.holding.is_set() and not self.release.is_set():
+            self.writes_while_held += 1
+        return super().pwrite(f, buf, offset)
+
+    def sync(self, f):
+        if not self.holding.is_set():
+            self.holding.set()
+            self.release.wait(10)
+        return super().sync(f)
+
+
+def test_a_store_job_thread_moves_on_while_its_commit_waits(tmp_path):
+    layout = small_layout()
+    backend = HeldSyncBackend()
+    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                           io_backend=backend)
+    host = host_cache(layout, 16, seed=9)
+    h = CpuDiskHandler(store, 0, host, layout, job_threads=1)
+    try:
+        assert h.transfer_async(0, (CPULoadStoreSpec(range(0, 4)), disk_spec(range(0, 4), "a")))
+        assert backend.holding.wait(10), "the first job's commit never synced"
+        assert h.transfer_async(1, (CPULoadStoreSpec(range(4, 8)), disk_spec(range(4, 8), "b")))
+        deadline = time.monotonic() + 10
+        while backend.writes_while_held == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The only job thread wrote job 1 while job 0 still waited for its fdatasync.
+        assert backend.writes_while_held > 0
+        assert h.get_finished() == []
+        backend.release.set()
+        assert finish(h, [0, 1]) == {0: True, 1: True}
+        back = host_cache(layout, 16, seed=10)
+        loader = CpuDiskHandler(store, 0, back, layout)
+        both = DiskLoadStoreSpec(range(8), disk_spec(range(0, 4), "a").block_hashes
+                                 + disk_spec(range(4, 8), "b").block_hashes)
+        assert loader.transfer_async(2, (both, CPULoadStoreSpec(range(8))))
+        assert finish(loader, [2]) == {2: True}
+        loader.shutdown()
+        every = expand_block_ids(range(8), layout.block_size_factor)
+        assert_same(kernel_blocks(host.tensors, layout, every), kernel_blocks(back.tensors, layout, every))
+    finally:
+        backend.release.set()
+        h.shutdown(), store.close(), backend.shutdown()
+
+
 @pytest.mark.gpu
 def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first):
     """Real device tensors: GDS where KvikIO has it, else the pinned bounce buffer."""

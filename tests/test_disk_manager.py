@@ -288,3 +288,37 @@ def test_scheduler_calls_never_write_the_index_themselves(tier, layout):
         assert writes_on and set(writes_on) == {"tkv-disk-index-flusher"}
     finally:
         m.index._shared.run = run
+
+
+@pytest.mark.parametrize("pin", [False, True])
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_fresh_prepare_store_plans_exactly_like_a_checked_one(tmp_path, layout, pin, restart):
+    """``fresh=True`` (the composite's spills) skips re-checking the hashes, and evicts
+    from the LRU end in one pass when it can; the plan must be the same as without it."""
+    fp, nbytes = fingerprint(layout), disk_bytes_for(layout, CAP)
+    plans = []
+    for fresh in (False, True):
+        d = tmp_path / str(fresh)
+        m = DiskOffloadingManager(d, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
+        s = DiskStore.open(d, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+        store_blocks(m, s, H[:CAP], layout)
+        m.touch([H[0]])  # H1 becomes the LRU
+        if restart:  # blocks come back cold, from the index
+            s.close()
+            m.shutdown()
+            m = DiskOffloadingManager(d, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
+            s = DiskStore.open(d, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+        try:
+            if pin:
+                m.prepare_load([H[1]])
+            out = m.prepare_store(H[10:12], fresh=fresh)
+            before = list(m.iter_evictable())
+            too_many = m.prepare_store([block_hash(100 + i) for i in range(CAP)], fresh=fresh)
+            assert too_many is None and list(m.iter_evictable()) == before, "a refused store changes nothing"
+            plans.append((out.block_hashes_to_store, out.block_hashes_evicted, out.store_spec.block_ids.tolist(),
+                          before, [m.is_pending(h) for h in H[10:12]], m.stats.evictions))
+        finally:
+            s.close()
+            m.shutdown()
+    assert plans[0] == plans[1]
+    assert plans[1][1] == ([H[2], H[3]] if pin else [H[1], H[2]])

@@ -394,6 +394,37 @@ def test_concurrent_jobs_share_one_sync_and_commit_every_block(tmp_path, layout)
         store.close()
 
 
+def test_finish_async_frees_the_caller_while_its_commit_waits(tmp_path, layout):
+    store, backend = _ordered_store(tmp_path, layout)
+    try:
+        jobs = _jobs(2, 3)
+        for hashes, slots in jobs:
+            backend.slot_of.update(zip(slots, hashes))
+        rows = [content_rows(h, 0, layout, store.slot_size) for h, _ in jobs]
+        backend.gate = gate = threading.Event()
+        batches, done = [], []
+        for (hashes, slots), r in zip(jobs, rows):
+            batch = store.begin_write(0, hashes, slots)
+            batch.submit(0, r)
+            batch.wait_idle()
+            batches.append(batch)
+            done.append(batch.finish_async())  # returns at once
+            if len(done) == 1:
+                assert backend.waiting.wait(30), "the first job never reached its fdatasync"
+        # The second job wrote while the first one's commit was held; neither is settled.
+        assert not done[0].done() and not done[1].done()
+        assert store.entry(jobs[0][0][0]) is None
+        gate.set()
+        assert [d.result(30) for d in done] == [[True] * 3, [True] * 3]
+        assert backend.violations == []
+        every = [h for hs, _ in jobs for h in hs]
+        ok, data = read_back(store, 0, every, [s for _, ss in jobs for s in ss])
+        assert ok == [True] * 6
+        assert data == [block_content(h, 0, layout.bytes_per_block) for h in every]
+    finally:
+        store.close()
+
+
 @pytest.mark.faults
 def test_a_failed_job_in_a_group_fails_alone(tmp_path, layout):
     store, backend = _ordered_store(tmp_path, layout)

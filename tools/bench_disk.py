@@ -13,7 +13,8 @@ bytes per measurement with the same number of I/O threads:
 - store / load: the disk tier's I/O path, ``DiskStore`` jobs of pre-packed blocks,
   ``--job-threads`` jobs at a time: xxh3-64 checksums of every block (on the store's
   checksum threads), O_DIRECT writes of coalesced runs on the I/O threads, then per
-  group of jobs that finish together one ``fdatasync`` and one synced LMDB commit;
+  group of jobs that finish together one ``fdatasync`` and one synced LMDB commit
+  (a job thread takes its next job once its writes are done, as in the handlers);
   every round re-stores the same blocks into the same slots, so every job also pays
   the synced index transaction that makes a slot unloadable before it is overwritten
   (the case of a full cache reusing evicted slots). Loads read and verify every block.
@@ -139,17 +140,25 @@ class StoreBench:
         self.hashes = [b"S" + i.to_bytes(8, "big") + os.urandom(23) for i in range(n)]
 
     def run(self, write: bool) -> float:
-        fn = self.store.write_blocks if write else self.store.read_blocks
         t0 = time.perf_counter()
-        futs = [self.pool.submit(fn, 0, self.hashes[a:a + self.per_job],
+        futs = [self.pool.submit(self._write if write else self.store.read_blocks, 0,
+                                 self.hashes[a:a + self.per_job],
                                  list(range(self.n + a, self.n + min(self.n, a + self.per_job))),
                                  self.bufs[k % len(self.bufs)][:min(self.per_job, self.n - a)])
                 for k, a in enumerate(range(0, self.n, self.per_job))]
-        ok = [all(f.result()) for f in futs]
+        # A store's job thread is free once its writes are done (as in the handlers);
+        # its outcome comes with the group commit.
+        ok = [all(f.result().result() if write else f.result()) for f in futs]
         dt = time.perf_counter() - t0
         if not all(ok):
             raise RuntimeError(f"{ok.count(False)} store jobs failed")
         return self.n * self.block_bytes / dt
+
+    def _write(self, rank: int, hashes: list[bytes], slots: list[int], rows: torch.Tensor):
+        batch = self.store.begin_write(rank, hashes, slots)
+        batch.submit(0, rows)
+        batch.wait_idle()
+        return batch.finish_async()
 
     def close(self) -> None:
         self.pool.shutdown()

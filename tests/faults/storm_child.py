@@ -78,10 +78,10 @@ def _storm(cache_dir: str, seed: int, policy: str, j: _Journal) -> None:
     disk = h.disk
     inner_prepare_store = disk.prepare_store
 
-    def journaled_prepare_store(block_hashes):
+    def journaled_prepare_store(block_hashes, **kwargs):
         block_hashes = list(block_hashes)
         j.note(f"B {len(block_hashes)}")
-        out = inner_prepare_store(block_hashes)
+        out = inner_prepare_store(block_hashes, **kwargs)
         for evicted in out.block_hashes_evicted if out is not None else ():
             j.note(f"E {evicted.hex()}")
         j.note("P")

@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import filterfalse
 from typing import NamedTuple
@@ -210,6 +210,24 @@ class _BlockTable:
     def _kill(self, i: int) -> None:
         self._alive[i] = False
         self._cold_count -= 1
+
+    def evict_lru(self, n: int, *keep: Container[bytes]) -> list[tuple[bytes, int]] | None:
+        """Remove and return the ``n`` least recently used ``(hash, slot)`` whose hash is
+        in none of ``keep``; None, changing nothing, if there are fewer."""
+        hot = self.hot
+        if not self._cold_count and not any(keep) and n <= len(hot):
+            return [hot.popitem(last=False) for _ in range(n)]  # one pass from the LRU end
+        victims = []
+        for h, slot in self.iter_lru():
+            if not any(h in k for k in keep):
+                victims.append((h, slot))
+                if len(victims) == n:
+                    break
+        if len(victims) < n:
+            return None
+        for h, _ in victims:
+            self.remove(h)
+        return victims
 
     def iter_lru(self) -> Iterator[tuple[bytes, int]]:
         """``(hash, slot)`` from least to most recently used. Do not mutate meanwhile."""
@@ -423,30 +441,32 @@ class DiskOffloadingManager(OffloadingManager):
                 else:
                     self._pins[h] = n - 1
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        seen = dict.fromkeys(block_hashes)
+    def prepare_store(self, block_hashes: Iterable[BlockHash], *, fresh: bool = False) -> PrepareStoreOutput | None:
+        """The seed's ``prepare_store``. ``fresh=True`` is the caller's word that the
+        hashes are distinct and none is loadable or pending here (it just asked
+        ``loadable_or_pending_among``; only this thread makes blocks pending), which
+        skips re-checking them."""
         with self._lock:
-            # Neither loadable, nor being stored, nor corrupt and still read.
-            held = self._table.among(seen)
-            held.update(filter(self._pending.__contains__, seen))
-            held.update(filter(self._doomed.__contains__, seen))
-            to_store = list(filterfalse(held.__contains__, seen))
+            if fresh:
+                seen = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+                to_store = list(filterfalse(self._doomed.__contains__, seen)) if self._doomed else seen
+            else:
+                # Neither loadable, nor being stored, nor corrupt and still read.
+                seen = dict.fromkeys(block_hashes)
+                held = self._table.among(seen)
+                held.update(filter(self._pending.__contains__, seen))
+                held.update(filter(self._doomed.__contains__, seen))
+                to_store = list(filterfalse(held.__contains__, seen))
             free = self._free
             need = len(to_store) - len(free)
             victims: list[tuple[bytes, int]] = []
             if need > 0:
-                for h, slot in self._table.iter_lru():
-                    if h in seen or h in self._pins:
-                        continue
-                    victims.append((h, slot))
-                    if len(victims) == need:
-                        break
-                if len(victims) < need:
+                # A fresh block is not in the table, so it cannot be a victim.
+                victims = self._table.evict_lru(need, self._pins, *(() if fresh else (seen,)))
+                if victims is None:
                     self.stats.store_rejections += 1
                     return None
             evicted = [h for h, _ in victims]
-            for h in evicted:
-                self._table.remove(h)
             self._free.extend(slot for _, slot in victims)
             self._deletions.extend(victims)
             self.stats.evictions += len(evicted)

@@ -308,6 +308,7 @@ class WriteBatch(_Batch):
                 self._clearing = store._committer.clear(rank, hashes, slots)
         except (OSError, lmdb.Error, ValueError, RuntimeError) as e:
             self._fail(e)
+        self._cleared = self._clearing is None
 
     def _fail(self, e: BaseException) -> None:
         if self._error is None:
@@ -320,10 +321,8 @@ class WriteBatch(_Batch):
         ``(n, >= block_bytes)``). ``host_rows``: a host copy of device ``rows`` for the
         checksum. Returns a future that completes when ``rows`` may be reused (None if
         the batch already failed)."""
-        if self._clearing is not None:
-            if self._clearing.wait().error is not None:
-                self._fail(self._clearing.error)
-            self._clearing = None
+        if not self._cleared:
+            self._settle_clearing(self._clearing.wait())
         if self._error is not None or len(rows) == 0:
             return None
         store = self.store
@@ -360,23 +359,58 @@ class WriteBatch(_Batch):
         except Exception as e:
             self._fail(e)
 
+    def abandon(self, e: BaseException) -> None:
+        """Fail the batch (its producer hit ``e``); ``finish`` then logs every block failed."""
+        self._fail(e)
+
     def finish(self) -> list[bool]:
         """Wait for the writes, make them durable, commit the index (both shared with
         concurrent jobs, see the module docstring); per-block success."""
-        store = self.store
-        for f in self._futures:
-            f.result()
-        if self._clearing is not None and self._clearing.wait().error is not None:
-            self._fail(self._clearing.error)  # nothing was submitted; the slots must not be committed
-        if self._error is not None:
-            self.checksums = [None] * len(self.hashes)
-        ok = [False] * len(self.hashes)
-        if self.hashes:
-            req = store._committer.commit(self.rank, self._file, self.hashes, self.slots, self.checksums).wait()
+        return self.finish_async().result()
+
+    def finish_async(self) -> "Future[list[bool]]":
+        """``finish`` without waiting: the returned future gets the per-block success
+        once the writes are durable and committed (or failed). The caller's thread is
+        free for its next job meanwhile; call it once every chunk was submitted."""
+        out: Future = Future()
+        waits = list(self._futures)
+        if self._clearing is not None:
+            waits.append(self._clearing.done)
+        _all_of(waits).add_done_callback(lambda _: self._commit(out))
+        return out
+
+    def _settle_clearing(self, clearing: "_IndexWrite") -> None:
+        self._cleared = True
+        if clearing.error is not None:
+            self._fail(clearing.error)  # its slots must be neither written nor committed
+
+    def _commit(self, out: Future) -> None:
+        """Queue step 3 (all writes are done); ``out`` gets the outcome from the committer."""
+        try:
+            if not self._cleared:
+                self._settle_clearing(self._clearing)
+            if self._error is not None or self._file is None:
+                self.checksums = [None] * len(self.hashes)
+            if not self.hashes:
+                out.set_result(self._settle([]))
+                return
+            req = self.store._committer.commit(self.rank, self._file, self.hashes, self.slots, self.checksums)
+            req.done.add_done_callback(lambda _: self._resolve(out, req))
+        except BaseException as e:  # the caller must always get an outcome
+            out.set_exception(e)
+
+    def _resolve(self, out: Future, req: "_IndexWrite") -> None:
+        try:
             if req.error is not None:
                 self._fail(req.error)
             self.checksums = list(req.checksums)
-            ok = [req.committed and c is not None for c in self.checksums]
+            out.set_result(self._settle([req.committed and c is not None for c in self.checksums]))
+        except BaseException as e:
+            out.set_exception(e)
+
+    def _settle(self, ok: list[bool]) -> list[bool]:
+        """Log and count the outcome."""
+        store = self.store
         n_ok = sum(ok)
         if n_ok < len(ok):
             logger.warning("disk store of %d blocks on rank %d: %d failed (%s)", len(ok), self.rank,
@@ -393,7 +427,7 @@ class _IndexWrite:
     ``committed`` once the transaction holding it committed, and ``error``; ``wait``
     returns once all of that is settled."""
 
-    __slots__ = ("clear", "rank", "file", "hashes", "slots", "checksums", "committed", "error", "_done")
+    __slots__ = ("clear", "rank", "file", "hashes", "slots", "checksums", "committed", "error", "done")
 
     def __init__(self, clear: bool, rank: int, file: BackendFile | None, hashes: list[bytes],
                  slots: list[int], checksums: list[int | None] | None = None):
@@ -401,11 +435,10 @@ class _IndexWrite:
         self.checksums = list(checksums) if checksums is not None else []
         self.committed = False
         self.error: BaseException | None = None
-        self._done = threading.Event()
+        self.done: Future = Future()  # result: this write, once settled
 
     def wait(self) -> "_IndexWrite":
-        self._done.wait()
-        return self
+        return self.done.result()
 
     def stored(self, size: int) -> StoredBlocks:
         return StoredBlocks(self.rank, self.hashes, self.slots, [size] * len(self.hashes), self.checksums)
@@ -458,7 +491,7 @@ class _GroupCommitter:
             if self._closed:
                 req.error = RuntimeError("disk store is closed")
                 req.checksums = [None] * len(req.checksums)
-                req._done.set()
+                req.done.set_result(req)
                 return req
             self._queue.append(req)
             if self._thread is None:
@@ -479,7 +512,7 @@ class _GroupCommitter:
                 self._lead(group)
             finally:
                 for r in group:
-                    r._done.set()
+                    r.done.set_result(r)
 
     def _lead(self, group: list[_IndexWrite]) -> None:
         store = self._store

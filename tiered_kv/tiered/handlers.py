@@ -63,9 +63,9 @@ class DiskStager:
     """Stage CPU slots into aligned buffers and write them to disk for one rank.
 
     ``store`` is this process's ``DiskStore``; ``capacity_blocks`` bounds staging memory
-    (blocks waiting for their disk write on this rank). One writer thread group-commits
-    whatever is staged when it wakes: one write batch, one ``fdatasync`` and one index
-    commit for many store jobs, so small jobs do not each pay a synced transaction.
+    (blocks waiting for their disk write on this rank). One writer thread writes
+    whatever is staged when it wakes as one write batch, so many store jobs share one
+    ``fdatasync`` and one index commit, and goes on with the next while it commits.
     ``synchronous=True`` stages and writes on the caller's thread instead (a replay that
     must behave the same every time, as a property test needs).
     """
@@ -85,6 +85,7 @@ class DiskStager:
         self._queue: deque[_Staged] = deque()
         self._wake = threading.Condition(self._lock)
         self._writing = False
+        self._committing = 0  # write batches whose commit is still in flight
         self._closed = False
         self._packer = None if synchronous else ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-stage")
         self._writer = None
@@ -168,34 +169,59 @@ class DiskStager:
                     self._wake.notify_all()
 
     def _write(self, staged: list[_Staged]) -> None:
-        """One group commit: every staged batch in one write batch of this rank."""
+        """One write batch for every staged job. The writer moves on once the writes are
+        done (the buffers are free again); the batch's ``fdatasync`` and index commit
+        then overlap the next batch's writes, and settle its outcome."""
         hashes = [h for s in staged for h in s.hashes]
+        disk_slots = [d for s in staged for d in s.disk_slots]
         start = time.perf_counter()
         try:
-            batch = self.store.begin_write(self.rank, hashes, [d for s in staged for d in s.disk_slots])
+            batch = self.store.begin_write(self.rank, hashes, disk_slots)
+        except Exception:  # the store reports faults itself; this is a last resort
+            logger.exception("disk write of %d blocks failed on rank %d", len(hashes), self.rank)
+            self._record_failed(hashes, disk_slots)
+            self._release(staged)
+            self._committed(len(hashes), start, None)
+            return
+        try:
             first = 0
             for s in staged:
                 batch.submit(first, s.rows)
                 first += len(s.hashes)
-            ok = all(batch.finish())
-        except Exception:  # the store reports faults itself; this is a last resort
+        except Exception as e:
             logger.exception("disk write of %d blocks failed on rank %d", len(hashes), self.rank)
-            self._record_failed(hashes, [d for s in staged for d in s.disk_slots])
-            ok = False
+            batch.abandon(e)
         finally:
-            with self._lock:
-                self._cached.extend(s.buf for s in staged)
-        self.stats.record_transfer("cpu_to_disk", len(hashes) * self.host.layout.bytes_per_block,
+            batch.wait_idle()
+            self._release(staged)
+        with self._lock:
+            self._committing += 1
+        done = batch.finish_async()
+        done.add_done_callback(lambda f: self._committed(len(hashes), start, f))
+        if self.synchronous:
+            done.result()
+
+    def _release(self, staged: list[_Staged]) -> None:
+        with self._lock:
+            self._cached.extend(s.buf for s in staged)
+
+    def _committed(self, n: int, start: float, done: Future | None) -> None:
+        ok = done is not None and done.exception() is None and all(done.result())
+        self.stats.record_transfer("cpu_to_disk", n * self.host.layout.bytes_per_block,
                                    time.perf_counter() - start, success=ok)
         if not ok:
-            self.stats.count("disk", "failed_stores", len(hashes))
+            self.stats.count("disk", "failed_stores", n)
+        if done is not None:
+            with self._wake:
+                self._committing -= 1
+                self._wake.notify_all()
 
     def drain(self) -> None:
         """Block until every staged write has reached the disk (or failed)."""
         if self._packer is not None:
             self._packer.submit(lambda: None).result()
         with self._wake:
-            while self._queue or self._writing:
+            while self._queue or self._writing or self._committing:
                 self._wake.wait()
 
     def shutdown(self) -> None:

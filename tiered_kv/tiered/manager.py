@@ -224,12 +224,16 @@ class TieredOffloadingManager(OffloadingManager):
         if not unsafe:
             return spills, []
         budget = self._disk_budget(len(unsafe)) if allow_spill else 0
-        out = self.disk.prepare_store(unsafe[:budget]) if budget else None
+        out = self.disk.prepare_store(unsafe[:budget], fresh=True) if budget else None
         evicted = unsafe
         if out is not None:
             spilled = out.block_hashes_to_store
-            cpu_slot = dict(zip(victims, cpu_slots))
-            spills = DiskWrites(list(map(cpu_slot.__getitem__, spilled)), out.store_spec.block_ids, spilled)
+            if spilled == victims:  # write_back's usual case: every victim spills
+                spill_slots = cpu_slots
+            else:
+                cpu_slot = dict(zip(victims, cpu_slots))
+                spill_slots = list(map(cpu_slot.__getitem__, spilled))
+            spills = DiskWrites(spill_slots, out.store_spec.block_ids, spilled)
             if len(spilled) < len(unsafe):
                 spilled_set = set(spilled)
                 evicted = [h for h in unsafe if h not in spilled_set]
@@ -269,7 +273,7 @@ class TieredOffloadingManager(OffloadingManager):
             return DiskWrites()
         candidates = to_store[:self._disk_budget(len(to_store))]
         skipped = len(to_store) - len(candidates)
-        out = self.disk.prepare_store(candidates) if candidates else None
+        out = self.disk.prepare_store(candidates, fresh=True) if candidates else None
         if out is None:
             skipped = len(to_store)
             writes = DiskWrites()

@@ -16,8 +16,10 @@ Jobs run on the handler's job threads (``transfer_async`` only queues them and n
 blocks); each job takes one staging buffer from a fixed pool (a job that finds none
 waits in the queue, so memory stays bounded), splits it in two halves and packs one
 half while the other is written (or unpacks one while the other is read). Durability,
-checksums and the index commit are the store's (``tiered_kv.disk.store``); a job
-succeeds only if every block of it did. ``stats`` keeps bytes and seconds per transfer
+checksums and the index commit are the store's (``tiered_kv.disk.store``); a store
+job's thread moves on to the next job once its writes are done, and the job is
+reported when the (group) commit settles it. A job succeeds only if every block of it
+did. ``stats`` keeps bytes and seconds per transfer
 type (``cpu_to_disk``, ``disk_to_cpu``, ``gpu_to_disk``, ``disk_to_gpu``).
 """
 
@@ -179,6 +181,8 @@ class _DiskHandler(OffloadingHandler):
                 return
             self._closed = True
         self._jobs.shutdown(wait=True)
+        with self._cond:  # stores whose commit is still queued
+            self._cond.wait_for(lambda: not self._inflight)
         if self._owns_store:
             self.store.close()
 
@@ -190,16 +194,26 @@ class _DiskHandler(OffloadingHandler):
 
     def _run(self, job_id: int, kind: str, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> None:
         t0 = time.perf_counter()
+        done: Future = Future()
         try:
             if kind == self.kinds[0]:
-                ok = self._store_job(ids, hashes, slots)
+                # The thread is free once the writes are done; the outcome comes with the
+                # (group) commit, so commits overlap the next jobs' writes.
+                done = self._store_job(ids, hashes, slots)
             else:
-                ok = self._load_job(ids, hashes, slots)
+                done.set_result([self._load_job(ids, hashes, slots)])
+        except Exception as e:
+            done.set_exception(e)
+        done.add_done_callback(lambda f: self._report(job_id, kind, len(hashes), t0, f))
+
+    def _report(self, job_id: int, kind: str, n: int, t0: float, done: Future) -> None:
+        try:
+            ok = all(done.result())
         except Exception:
-            logger.exception("disk job %d (%s, %d blocks) failed", job_id, kind, len(hashes))
+            logger.exception("disk job %d (%s, %d blocks) failed", job_id, kind, n)
             ok = False
-        self.stats.record_transfer(kind, len(hashes) * self.layout.bytes_per_block, time.perf_counter() - t0,
-                                   success=ok, blocks=len(hashes))
+        self.stats.record_transfer(kind, n * self.layout.bytes_per_block, time.perf_counter() - t0,
+                                   success=ok, blocks=n)
         with self._cond:
             self._inflight.discard(job_id)
             self._finished.append(TransferResult(job_id, ok))
@@ -208,26 +222,31 @@ class _DiskHandler(OffloadingHandler):
     def _chunks(self, n: int, half: int) -> list[tuple[int, int]]:
         return [(a, min(n, a + half)) for a in range(0, n, half)]
 
-    def _store_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> bool:
+    def _store_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> Future:
+        """Pack and write on this thread; the per-block outcome comes in the returned future."""
         batch = self.store.begin_write(self.rank, hashes, slots)
-        stg = self._staging.acquire()
         try:
-            half = stg.rows.shape[0] // 2
-            busy: list[Future | None] = [None, None]
-            for k, (a, b) in enumerate(self._chunks(len(hashes), half)):
-                h = k % 2
-                if busy[h] is not None:
-                    busy[h].result()
-                rows = stg.rows[h * half:h * half + (b - a)]
-                mirror = None if stg.mirror is None else stg.mirror[h * half:h * half + (b - a)]
-                self._pack(ids[a:b], rows, mirror)
-                busy[h] = batch.submit(a, rows, mirror)
-                if busy[h] is None:  # the batch failed; stop producing
-                    break
-            return all(batch.finish())
-        finally:
-            batch.wait_idle()  # no write may still read the staging buffer we hand back
-            self._staging.release(stg)
+            stg = self._staging.acquire()
+            try:
+                half = stg.rows.shape[0] // 2
+                busy: list[Future | None] = [None, None]
+                for k, (a, b) in enumerate(self._chunks(len(hashes), half)):
+                    h = k % 2
+                    if busy[h] is not None:
+                        busy[h].result()
+                    rows = stg.rows[h * half:h * half + (b - a)]
+                    mirror = None if stg.mirror is None else stg.mirror[h * half:h * half + (b - a)]
+                    self._pack(ids[a:b], rows, mirror)
+                    busy[h] = batch.submit(a, rows, mirror)
+                    if busy[h] is None:  # the batch failed; stop producing
+                        break
+            finally:
+                batch.wait_idle()  # no write may still read the staging buffer we hand back
+                self._staging.release(stg)
+        except Exception as e:  # the blocks are then logged failed by the commit
+            logger.exception("staging a disk store of %d blocks failed", len(hashes))
+            batch.abandon(e)
+        return batch.finish_async()
 
     def _load_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> bool:
         batch = self.store.begin_read(self.rank, hashes, slots)
