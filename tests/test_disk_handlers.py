@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_tensors
+from conftest import make_layout, random_tensors
 from disk_fixtures import FaultyBackend, block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.host_memory import HostKVCache, expand_block_ids
@@ -186,6 +186,43 @@ def test_corrupt_block_fails_the_load_job(tmp_path):
         assert finish(h2, [3]) == {3: True}, "the intact blocks still load"
     finally:
         h.shutdown(), h2.shutdown(), store.close()
+
+
+@pytest.mark.parametrize("kv_first", [True, False], ids=["kv-first", "kv-after"])
+def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_path, kv_first):
+    # Every plane of a slot is 32 KiB: page-aligned pieces, large enough for vectored I/O.
+    layout = make_layout(kv_first, block_size_factor=2, heads=16 if kv_first else 8, head_dim=128)
+    store = open_store(tmp_path, layout)
+    src, dst = host_cache(layout, 8, seed=11), host_cache(layout, 8, seed=12)
+    direct = CpuDiskHandler(store, 0, src, layout)
+    staged = CpuDiskHandler(store, 0, dst, layout)
+    staged._views = None  # the pack/unpack path, to cross-check the byte order and checksums
+    f = layout.block_size_factor
+    try:
+        assert direct._views is not None, "page-aligned CPU-tier slots must take the vectored path"
+        written = disk_spec([3, 4, 5, 9, 10, 11], "v")  # two runs of consecutive slots
+        assert direct.transfer_async(1, (CPULoadStoreSpec(range(6)), written))
+        assert finish(direct, [1]) == {1: True}
+        assert staged.transfer_async(2, (written, CPULoadStoreSpec([7, 6, 5, 4, 3, 2])))
+        assert finish(staged, [2]) == {2: True}
+        assert_same(kernel_blocks(src.tensors, layout, expand_block_ids(range(6), f)),
+                    kernel_blocks(dst.tensors, layout, expand_block_ids([7, 6, 5, 4, 3, 2], f)))
+        packed = disk_spec([20, 21], "p")
+        assert staged.transfer_async(3, (CPULoadStoreSpec([0, 1]), packed))
+        assert finish(staged, [3]) == {3: True}
+        assert direct.transfer_async(4, (packed, CPULoadStoreSpec([6, 7])))
+        assert finish(direct, [4]) == {4: True}
+        assert_same(kernel_blocks(dst.tensors, layout, expand_block_ids([0, 1], f)),
+                    kernel_blocks(src.tensors, layout, expand_block_ids([6, 7], f)))
+        # A flipped byte is caught on the vectored path too, and the block is dropped.
+        flip_byte(store.namespace.slab_path(0), 10 * store.slot_size + 5000)
+        assert direct.transfer_async(5, (DiskLoadStoreSpec([9, 10], written.block_hashes[3:5]),
+                                         CPULoadStoreSpec([0, 1])))
+        assert finish(direct, [5]) == {5: False}
+        assert store.stats.checksum_failures == 1 and store.entry(written.block_hashes[4]) is None
+        assert store.entry(written.block_hashes[3]) is not None
+    finally:
+        direct.shutdown(), staged.shutdown(), store.close()
 
 
 @pytest.mark.faults

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import make_layout, random_tensors
-from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.host_memory import HostKVCache, SlotViews, expand_block_ids, pack_blocks, unpack_blocks
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -198,3 +198,23 @@ def test_whole_slot_and_arbitrary_ids_give_the_same_bytes_through_padded_rows(kv
                     assert torch.equal(as_bytes(d.select(dim, k)), as_bytes(s.select(dim, k)))
                 else:
                     assert (as_bytes(d.select(dim, k)) == 0).all(), f"kernel block {k} must stay untouched"
+
+
+@pytest.mark.parametrize("kv_first", [True, False])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_slot_views_are_the_packed_bytes_in_place(kv_first, factor):
+    layout = make_layout(kv_first, block_size_factor=factor, head_dim=16)
+    host = HostKVCache(layout, 5, pin=False)
+    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=5 * factor, seed=3)):
+        t.copy_(r)
+    views = SlotViews(host.tensors, layout)
+    assert views.slot_bytes == layout.bytes_per_block
+    out = torch.empty((2, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(host.tensors, layout, host.kernel_ids([4, 1]), out)
+    for row, slot in zip(out, [4, 1]):
+        assert b"".join(bytes(p) for p in views.pieces(slot)) == bytes(row.numpy())
+    views.pieces(2)[0][:4] = b"\x01\x02\x03\x04"  # the views write through to the tier
+    out2 = torch.empty((1, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(host.tensors, layout, host.kernel_ids([2]), out2)
+    assert bytes(out2[0, :4].numpy()) == b"\x01\x02\x03\x04"
+    assert all(t.data_ptr() % 4096 == 0 for t in host.tensors), "host tensors start page-aligned"

@@ -241,6 +241,47 @@ def unpack_blocks(src: torch.Tensor, tensors: Sequence[torch.Tensor], layout: KV
             offset += f * kernel_bytes
 
 
+class SlotViews:
+    """Each CPU slot's bytes where they lie in the host tensors, for vectored disk I/O
+    without a staging copy: one contiguous piece per plane (layers in layout order, K
+    before V), which is ``pack_blocks``' byte order. Raises ``ValueError`` for tensors
+    that are not contiguous host tensors of ``layout``."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: KVCacheLayout):
+        if len(tensors) != len(layout.layers):
+            raise ValueError(f"expected {len(layout.layers)} layer tensors, got {len(tensors)}")
+        f = layout.block_size_factor
+        self._rows: list[np.ndarray] = []  # per plane: (num_slots, f * B) bytes
+        for tensor, layer in zip(tensors, layout.layers):
+            if tensor.device.type != "cpu":
+                raise ValueError(f"layer {layer.name!r}: slot views need host tensors, got {tensor.device}")
+            for plane in _layer_planes(tensor, layer):
+                if plane.shape[0] % f:
+                    raise ValueError(f"layer {layer.name!r}: {plane.shape[0]} kernel blocks are not whole "
+                                     f"slots of {f}")
+                self._rows.append(plane.reshape(plane.shape[0] // f, f * plane.shape[1]).numpy())
+
+    @property
+    def pieces_per_slot(self) -> int:
+        return len(self._rows)
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(r.shape[1] for r in self._rows)
+
+    @property
+    def smallest_piece(self) -> int:
+        return min(r.shape[1] for r in self._rows)
+
+    def aligned(self, alignment: int) -> bool:
+        """Whether every piece starts, and every piece's length is, a multiple of ``alignment``."""
+        return all(r.ctypes.data % alignment == 0 and r.strides[0] % alignment == 0 for r in self._rows)
+
+    def pieces(self, slot: int) -> list[memoryview]:
+        """Writable views of slot ``slot``'s bytes, in block byte order."""
+        return [memoryview(r[slot]) for r in self._rows]
+
+
 class HostKVCache:
     """Per-layer host tensors holding ``num_slots`` offloaded blocks of ``layout``.
 

@@ -25,7 +25,7 @@ import logging
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +113,17 @@ class IOBackend(ABC):
     def pwrite(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
         """Write all of ``buf`` at ``offset`` (not yet durable: see ``sync``)."""
 
+    #: Whether ``preadv``/``pwritev`` (many host buffers, one file range) are offered.
+    vectored = False
+
+    def preadv(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
+        """Fill host ``views`` in turn from ``offset`` (only where ``vectored``)."""
+        raise NotImplementedError(f"{self.name} has no vectored I/O")
+
+    def pwritev(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
+        """Write host ``views`` one after the other at ``offset`` (only where ``vectored``)."""
+        raise NotImplementedError(f"{self.name} has no vectored I/O")
+
     def sync(self, f: BackendFile) -> None:
         """Make every completed write to ``f`` durable (``fdatasync``)."""
         os.fdatasync(f.fd)
@@ -129,6 +140,23 @@ class IOBackend(ABC):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _all_of_range(call: Callable[[int, list, int], int], f: BackendFile, views: Sequence[memoryview],
+                  offset: int, short: str) -> None:
+    """``call`` (``os.preadv``/``os.pwritev``) until every byte of ``views`` is moved."""
+    views = list(views)
+    first = done = 0
+    while first < len(views):
+        n = call(f.fd, views[first:] if first else views, offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, short.format(path=f.path, at=offset + done))
+        done += n
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]
 
 
 class PosixBackend(IOBackend):
@@ -150,24 +178,19 @@ class PosixBackend(IOBackend):
             _log_once(f"{path.parent}: O_DIRECT unavailable ({reason}); using buffered I/O + fdatasync")
         return BackendFile(path, os.open(path, flags), False)
 
+    vectored = True
+
     def pread(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
-        view = host_view(buf)
-        done = 0
-        while done < len(view):
-            n = os.preadv(f.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short read from {f.path} at offset {offset + done} "
-                                         f"(end of file?)")
-            done += n
+        self.preadv(f, [host_view(buf)], offset)
 
     def pwrite(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
-        view = host_view(buf)
-        done = 0
-        while done < len(view):
-            n = os.pwritev(f.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short write to {f.path} at offset {offset + done}")
-            done += n
+        self.pwritev(f, [host_view(buf)], offset)
+
+    def preadv(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
+        _all_of_range(os.preadv, f, views, offset, "short read from {path} at offset {at} (end of file?)")
+
+    def pwritev(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
+        _all_of_range(os.pwritev, f, views, offset, "short write to {path} at offset {at}")
 
     def describe(self) -> str:
         return f"posix ({self.threads} threads, O_DIRECT {'requested' if self.want_direct else 'off'})"

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from functools import partial
 
 import lmdb
 import torch
@@ -48,9 +49,10 @@ import torch
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot, StoredBlocks
 from tiered_kv.disk.io_backends import (
-    BackendFile, IOBackend, PosixBackend, aligned_empty, host_view, is_aligned, select_backend,
+    ALIGN, BackendFile, IOBackend, PosixBackend, aligned_empty, host_view, is_aligned, select_backend,
 )
 from tiered_kv.disk.namespace import Namespace, check_worker_access, list_namespaces, slot_size_for
+from tiered_kv.host_memory import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,11 @@ __all__ = ["DiskStore", "DiskStoreStats", "WriteBatch", "ReadBatch", "checksum_f
 
 #: Largest single read/write: runs of consecutive slots are coalesced up to this.
 MAX_IO_BYTES = 2 << 20
+#: Smallest piece worth a vectored transfer: with 8 KiB pieces (64 per 0.5 MiB block)
+#: the device moved less than through one staging copy (docs/benchmarks.md).
+MIN_VIEW_PIECE = 32 << 10
+#: Most buffers in one vectored call (the system's IOV_MAX).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def checksum_function(name: str) -> Callable[[memoryview], int]:
@@ -76,6 +83,29 @@ def checksum_function(name: str) -> Callable[[memoryview], int]:
                                "or use checksum xxh3_64") from None
         return crc32c.crc32c
     raise ValueError(f"checksum: expected xxh3_64 or crc32c, got {name!r}")
+
+
+def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]:
+    """``checksum_function(name)`` of several byte views one after the other, without
+    joining them (a block read or written in place, piece by piece)."""
+    one = checksum_function(name)
+    if name == "xxh3_64":
+        import xxhash
+
+        def digest(pieces: Sequence[memoryview]) -> int:
+            if len(pieces) == 1:
+                return one(pieces[0])
+            h = xxhash.xxh3_64()
+            for piece in pieces:
+                h.update(piece)
+            return h.intdigest()
+    else:  # crc32c continues from a previous value
+        def digest(pieces: Sequence[memoryview]) -> int:
+            value = 0
+            for piece in pieces:
+                value = one(piece, value)
+            return value
+    return digest
 
 
 @dataclass
@@ -114,7 +144,7 @@ class DiskStore:
         self.slot_size = m.slot_size
         self.tp_size = namespace.tp_size
         self.checksum_name = m.checksum
-        self.checksum = checksum_function(m.checksum)
+        self.digest = pieces_checksum_function(m.checksum)
         if not readonly:
             check_worker_access(namespace, engine_id)
         self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
@@ -220,7 +250,40 @@ class DiskStore:
         """Start loading one job's blocks (reads their index entries)."""
         return ReadBatch(self, rank, list(hashes), [int(s) for s in slots])
 
+    def takes_views(self, views: SlotViews) -> bool:
+        """Whether ``WriteBatch.submit_views``/``ReadBatch.submit_views`` should move
+        ``views``' slots straight to and from disk: a backend with vectored I/O, and
+        pieces few enough for one call, aligned for O_DIRECT (so a block fills its slot
+        exactly: there is no padding to write) and at least ``MIN_VIEW_PIECE`` each."""
+        return (self.backend.vectored and views.pieces_per_slot <= IOV_MAX and views.aligned(ALIGN)
+                and views.slot_bytes == self.slot_size and views.smallest_piece >= MIN_VIEW_PIECE)
+
     # ------------------------------------------------------------ internals
+
+    def _view_runs(self, slots: Sequence[int], start: int, blocks: Sequence[Sequence[memoryview]]
+                   ) -> list[tuple[int, int]]:
+        """``_runs`` for blocks given as views (each vectored call within ``IOV_MAX``)."""
+        for pieces in blocks:
+            if sum(map(len, pieces)) != self.block_bytes:
+                raise ValueError(f"a block's views hold {sum(map(len, pieces))} bytes; expected "
+                                 f"{self.block_bytes}")
+        per_run = max(1, min(MAX_IO_BYTES // self.slot_size, IOV_MAX // max(1, len(blocks[0]) if blocks else 1)))
+        return _runs(slots, start, len(blocks), per_run)
+
+    def _view_io(self, call: Callable[[BackendFile, list[memoryview], int], None], f: BackendFile,
+                 run: Sequence[Sequence[memoryview]], offset: int) -> None:
+        """``call`` (the backend's ``preadv``/``pwritev``) over the views of ``run`` (blocks
+        in consecutive slots from ``offset``), in calls of at most ``MAX_IO_BYTES`` where
+        pieces allow: the I/O size the device sees on the row path too."""
+        iovecs = [v for pieces in run for v in pieces]
+        first, size = 0, 0
+        for i, v in enumerate(iovecs):
+            if size and size + len(v) > MAX_IO_BYTES:
+                call(f, iovecs[first:i], offset)
+                offset += size
+                first, size = i, 0
+            size += len(v)
+        call(f, iovecs[first:], offset)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -321,9 +384,7 @@ class WriteBatch(_Batch):
         ``(n, >= block_bytes)``). ``host_rows``: a host copy of device ``rows`` for the
         checksum. Returns a future that completes when ``rows`` may be reused (None if
         the batch already failed)."""
-        if not self._cleared:
-            self._settle_clearing(self._clearing.wait())
-        if self._error is not None or len(rows) == 0:
+        if not self._may_write(len(rows)):
             return None
         store = self.store
         buf = store._io_buffer(self._file, rows)
@@ -345,6 +406,42 @@ class WriteBatch(_Batch):
         self._futures.extend(futs)
         return _all_of(futs)
 
+    def submit_views(self, start: int, blocks: Sequence[Sequence[memoryview]]) -> Future | None:
+        """Write blocks ``start .. start+len(blocks)-1``, each given as host byte views
+        of ``block_bytes`` in all (``SlotViews.pieces``), straight from that memory
+        (only where ``store.takes_views``). Returns a future that completes when the
+        views may change again (None if the batch already failed)."""
+        if not self._may_write(len(blocks)):
+            return None
+        store = self.store
+        futs = []
+        for first, n in store._view_runs(self.slots, start, blocks):
+            run = blocks[first - start:first - start + n]
+            futs.append(store.backend.submit(self._write_views, first, run))
+            futs.append(store._hash_pool.submit(self._checksum_views, first, run))
+        self._futures.extend(futs)
+        return _all_of(futs)
+
+    def _may_write(self, n: int) -> bool:
+        """Before a chunk of ``n`` blocks: wait for step 1 (the first time); whether to go on."""
+        if not self._cleared:
+            self._settle_clearing(self._clearing.wait())
+        return self._error is None and n > 0
+
+    def _write_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
+        store = self.store
+        try:
+            store._view_io(store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size)
+        except Exception as e:  # an I/O thread must not lose an error: finish() reports it
+            self._fail(e)
+
+    def _checksum_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
+        try:
+            for i, pieces in enumerate(run):
+                self.checksums[first + i] = self.store.digest(pieces)
+        except Exception as e:
+            self._fail(e)
+
     def _write_run(self, first: int, buf: torch.Tensor) -> None:
         try:
             self.store.backend.pwrite(self._file, buf.reshape(-1), self.slots[first] * self.store.slot_size)
@@ -355,7 +452,7 @@ class WriteBatch(_Batch):
         store = self.store
         try:
             for i in range(n):
-                self.checksums[first + i] = store.checksum(host_view(sums[i, :store.block_bytes]))
+                self.checksums[first + i] = store.digest([host_view(sums[i, :store.block_bytes])])
         except Exception as e:
             self._fail(e)
 
@@ -604,52 +701,86 @@ class ReadBatch(_Batch):
                 continue
             lo = first - start
             done: Future = Future()
-            store.backend.submit(self._read_run, first, n, buf[lo:lo + n],
-                                 None if host_rows is None else host_rows[lo:lo + n],
-                                 rows[lo:lo + n] if bounce else None, done)
+            read = partial(store.backend.pread, self._file, buf[lo:lo + n].reshape(-1),
+                           self.slots[first] * store.slot_size)
+            verify = partial(self._verify_rows, first, n, buf[lo:lo + n],
+                             None if host_rows is None else host_rows[lo:lo + n],
+                             rows[lo:lo + n] if bounce else None)
+            store.backend.submit(self._read_then_verify, read, verify, done)
             futs.append(done)
         self._futures.extend(futs)
         end = start + len(rows)  # not ``rows``: the callback cycle would keep the caller's memory alive
         return _all_of(futs, lambda: all(self.ok[start:end]))
 
-    def _read_run(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
-                  dest: torch.Tensor | None, done: Future) -> None:
-        """Read a run on an I/O thread, then hand its verification to the checksum
-        threads, so the I/O thread goes straight back to the device."""
+    def submit_views(self, start: int, blocks: Sequence[Sequence[memoryview]]) -> Future | None:
+        """Read blocks ``start .. start+len(blocks)-1`` straight into host byte views,
+        each block's of ``block_bytes`` in all (``SlotViews.pieces``; only where
+        ``store.takes_views``). The future's result is True when every block of the
+        chunk was read and verified; a block that fails leaves its views overwritten."""
+        if self._error is not None or not blocks:
+            return None
+        store = self.store
+        futs = []
+        for first, n in store._view_runs(self.slots, start, blocks):
+            if all(self.expected[first + i] is None for i in range(n)):
+                continue
+            run = blocks[first - start:first - start + n]
+            done: Future = Future()
+            read = partial(store._view_io, store.backend.preadv, self._file, run, self.slots[first] * store.slot_size)
+            store.backend.submit(self._read_then_verify, read, partial(self._verify_views, first, run), done)
+            futs.append(done)
+        self._futures.extend(futs)
+        end = start + len(blocks)
+        return _all_of(futs, lambda: all(self.ok[start:end]))
+
+    def _read_then_verify(self, read: Callable[[], None], verify: Callable[[], None], done: Future) -> None:
+        """``read()`` on an I/O thread, then hand ``verify()`` to the checksum threads,
+        so the I/O thread goes straight back to the device. ``done`` gets None after."""
         try:
-            self.store.backend.pread(self._file, buf.reshape(-1), self.slots[first] * self.store.slot_size)
+            read()
         except Exception as e:  # an I/O thread must not lose an error: finish() reports it
             self._record_error(e)
             done.set_result(None)
             return
         try:
-            self.store._hash_pool.submit(self._verify_run, first, n, buf, host_rows, dest, done)
+            self.store._hash_pool.submit(self._verified, verify, done)
         except RuntimeError as e:  # the store was closed meanwhile
             self._record_error(e)
             done.set_result(None)
 
-    def _verify_run(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
-                    dest: torch.Tensor | None, done: Future) -> None:
-        store = self.store
+    def _verified(self, verify: Callable[[], None], done: Future) -> None:
         try:
-            if host_rows is not None:
-                host_rows.copy_(buf)
-            view_rows = buf if host_rows is None else host_rows
-            for i in range(n):
-                want = self.expected[first + i]
-                if want is None:
-                    continue
-                if store.checksum(host_view(view_rows[i, :store.block_bytes])) == want:
-                    self.ok[first + i] = True
-                else:
-                    with self._lock:
-                        self._corrupt.append(first + i)
-            if dest is not None:
-                dest[:, :store.block_bytes].copy_(buf[:, :store.block_bytes])
+            verify()
         except Exception as e:
             self._record_error(e)
         finally:
             done.set_result(None)
+
+    def _verify_rows(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
+                     dest: torch.Tensor | None) -> None:
+        block_bytes = self.store.block_bytes
+        if host_rows is not None:
+            host_rows.copy_(buf)
+        view_rows = buf if host_rows is None else host_rows
+        for i in range(n):
+            self._check(first + i, [host_view(view_rows[i, :block_bytes])])
+        if dest is not None:
+            dest[:, :block_bytes].copy_(buf[:, :block_bytes])
+
+    def _verify_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
+        for i, pieces in enumerate(run):
+            self._check(first + i, pieces)
+
+    def _check(self, i: int, pieces: Sequence[memoryview]) -> None:
+        """Block ``i`` is good if its bytes (``pieces``) match the recorded checksum."""
+        want = self.expected[i]
+        if want is None:
+            return
+        if self.store.digest(pieces) == want:
+            self.ok[i] = True
+        else:
+            with self._lock:
+                self._corrupt.append(i)
 
     def _record_error(self, e: BaseException) -> None:
         with self._lock:

@@ -3,9 +3,12 @@
 Each handler owns a ``DiskStore`` view of rank ``rank``'s slab and moves whole offloaded
 blocks between KV tensors and disk slots:
 
-- ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): packs CPU-tier
-  slots into an aligned staging buffer (``pack_blocks``) and writes it, or reads into
-  the staging buffer, verifies and unpacks (``unpack_blocks``) into CPU-tier slots.
+- ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): with a backend
+  that has vectored I/O and slots whose pieces are page-aligned (the usual case), reads
+  and writes each block straight from/into the CPU tier's memory, one buffer per layer
+  plane (``SlotViews``), and checksums it in place. Otherwise it packs CPU-tier slots
+  into an aligned staging buffer (``pack_blocks``) and writes that, or reads into the
+  staging buffer, verifies and unpacks (``unpack_blocks``) into CPU-tier slots.
 - ``GpuDiskHandler`` (``GPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): with KvikIO and
   GPUDirect Storage, blocks are packed/unpacked on the device in a device staging
   buffer that goes straight to/from the disk (a pinned mirror only feeds the
@@ -39,7 +42,7 @@ from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.device import TransferStream, can_pin_memory
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.host_memory import HostKVCache, SlotViews, expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
@@ -302,6 +305,32 @@ class CpuDiskHandler(_DiskHandler):
                  layout: KVCacheLayout, **kwargs):
         tensors = host.tensors if isinstance(host, HostKVCache) else host
         super().__init__(store, rank, tensors, layout, **kwargs)
+        views = SlotViews(self.tensors, layout)
+        # Without a copy where the store can: vectored I/O straight from/to the slots.
+        self._views = views if store.takes_views(views) else None
+
+    def _store_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> Future:
+        if self._views is None:
+            return super()._store_job(ids, hashes, slots)
+        batch = self.store.begin_write(self.rank, hashes, slots)
+        try:
+            batch.submit_views(0, [self._views.pieces(s) for s in self._cpu_slots(ids)])
+        except Exception as e:  # the blocks are then logged failed by the commit
+            logger.exception("writing a disk store of %d blocks failed", len(hashes))
+            batch.abandon(e)
+        # No staging to give back: the job thread is free at once, and the slots are not
+        # reused before the job is reported.
+        return batch.finish_async()
+
+    def _load_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> bool:
+        if self._views is None:
+            return super()._load_job(ids, hashes, slots)
+        batch = self.store.begin_read(self.rank, hashes, slots)
+        batch.submit_views(0, [self._views.pieces(s) for s in self._cpu_slots(ids)])
+        return all(batch.finish())
+
+    def _cpu_slots(self, ids: np.ndarray) -> list[int]:
+        return (ids[:, 0] // self.layout.block_size_factor).tolist()
 
     def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
         if len(spec) != n:
