@@ -18,8 +18,11 @@ bytes per measurement with the same number of I/O threads:
   every round re-stores the same blocks into the same slots, so every job also pays
   the synced index transaction that makes a slot unloadable before it is overwritten
   (the case of a full cache reusing evicted slots). Loads read and verify every block.
-- handler: the whole worker path, a ``CpuDiskHandler`` that also packs the blocks from
-  a host KV cache into its staging buffers (and unpacks them on load).
+- handler: the whole worker path, a ``CpuDiskHandler`` moving blocks between a host KV
+  cache and the disk: with vectored I/O straight from/into the cache's memory where each
+  block's pieces (one per layer plane) are page-aligned and at least 32 KiB (2 and 8 MiB
+  here), else packed into staging buffers (and unpacked on load). Each size's line says
+  which ("views" or "staged").
 
 Ratios are tier / raw over all rounds (bytes / time summed). The process CPU time of
 each path (all threads, user + system) is printed beside it, in seconds per GB moved.
@@ -259,6 +262,7 @@ def main() -> None:
                         cpu[key] += cpu_seconds() - c0
             backend = tier.store.backend.describe()
             direct = tier.store._files[0].direct
+            path = "views" if tier.handler._views is not None else "staged"
             store.close()
             tier.close()
             # Harmonic mean = total bytes / total time over the rounds.
@@ -266,14 +270,14 @@ def main() -> None:
             moved = args.rounds * tier.n * tier.layout.bytes_per_block / 1e9
             agg.update({f"cpu_{k}": v / moved for k, v in cpu.items()})
             rows.append((size, agg, res))
-            print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, per-round GB/s "
+            print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, handler {path}, per-round GB/s "
                   + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     print()
     print("GB/s; store = DiskStore (checksum + O_DIRECT + fdatasync + synced index commits, shared by "
-          "jobs that finish together); handler = CpuDiskHandler (store + pack/unpack from the host KV cache)")
+          "jobs that finish together); handler = CpuDiskHandler (from/to a host KV cache: views or staged, see above)")
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | "
           f"{'raw read':>8} {'load':>6} {'ratio':>5} {'handler':>7} {'ratio':>5}")
     for size, agg, _ in rows:
