@@ -512,7 +512,7 @@ def test_restoring_a_loadable_block_clears_it_before_overwriting(tmp_path, layou
 def test_vectored_io_carries_on_after_short_transfers(tmp_path):
     """A short preadv/pwritev (which O_DIRECT on a real disk does not produce on demand)
     is continued from where it stopped, across and inside buffers."""
-    from tiered_kv.disk.io_backends import BackendFile, _all_of_range
+    from tiered_kv.disk.io_backends import BackendFile, _move_all
 
     target = bytearray(64)
 
@@ -527,8 +527,8 @@ def test_vectored_io_carries_on_after_short_transfers(tmp_path):
         return moved
 
     views = [memoryview(bytes(range(i * 7, i * 7 + 7))) for i in range(3)]
-    _all_of_range(at_most_5, BackendFile(tmp_path / "x", -1, False), views, 10, "short at {at}")
+    _move_all(at_most_5, BackendFile(tmp_path / "x", -1, False), views, 10, "short at {at}")
     assert bytes(target[10:31]) == bytes(range(21))
     with pytest.raises(OSError, match="short at 12"):
-        _all_of_range(lambda fd, v, off: 2 if off == 10 else 0, BackendFile(tmp_path / "x", -1, False),
+        _move_all(lambda fd, v, off: 2 if off == 10 else 0, BackendFile(tmp_path / "x", -1, False),
                       views, 10, "short at {at}")

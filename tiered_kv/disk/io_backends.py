@@ -142,7 +142,7 @@ class IOBackend(ABC):
         self._pool.shutdown(wait=True)
 
 
-def _all_of_range(call: Callable[[int, list, int], int], f: BackendFile, views: Sequence[memoryview],
+def _move_all(call: Callable[[int, list, int], int], f: BackendFile, views: Sequence[memoryview],
                   offset: int, short: str) -> None:
     """``call`` (``os.preadv``/``os.pwritev``) until every byte of ``views`` is moved."""
     views = list(views)
@@ -187,10 +187,10 @@ class PosixBackend(IOBackend):
         self.pwritev(f, [host_view(buf)], offset)
 
     def preadv(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
-        _all_of_range(os.preadv, f, views, offset, "short read from {path} at offset {at} (end of file?)")
+        _move_all(os.preadv, f, views, offset, "short read from {path} at offset {at} (end of file?)")
 
     def pwritev(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
-        _all_of_range(os.pwritev, f, views, offset, "short write to {path} at offset {at}")
+        _move_all(os.pwritev, f, views, offset, "short write to {path} at offset {at}")
 
     def describe(self) -> str:
         return f"posix ({self.threads} threads, O_DIRECT {'requested' if self.want_direct else 'off'})"

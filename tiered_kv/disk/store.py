@@ -10,7 +10,9 @@ A store of one job's blocks on rank R (``begin_write`` ... ``finish``, or
 1. a synced index transaction clears any entry that would let R's copy of a target
    slot be loaded while it is overwritten (skipped when a cheap read shows none);
 2. the bytes are written (coalesced runs of consecutive slots, in parallel on the
-   backend's pool) and made durable with ``fdatasync``;
+   backend's pool) and made durable with ``fdatasync``. They come as packed rows
+   (``submit``) or, from the CPU tier, as views of each block's pieces where they lie
+   (``submit_views``: vectored I/O, no copy; checksums computed piece by piece);
 3. checksums (xxh3-64 or crc32c of each block's bytes) and R's presence bit are set in
    a synced transaction that also appends an ``ok`` log record per block. A block is
    loadable only once every rank's bit is set, i.e. every rank's bytes are durable.
@@ -65,8 +67,6 @@ MAX_IO_BYTES = 2 << 20
 #: Smallest piece worth a vectored transfer: with 8 KiB pieces (64 per 0.5 MiB block)
 #: the device moved less than through one staging copy (docs/benchmarks.md).
 MIN_VIEW_PIECE = 32 << 10
-#: Most buffers in one vectored call (the system's IOV_MAX).
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def checksum_function(name: str) -> Callable[[memoryview], int]:
@@ -253,22 +253,22 @@ class DiskStore:
     def takes_views(self, views: SlotViews) -> bool:
         """Whether ``WriteBatch.submit_views``/``ReadBatch.submit_views`` should move
         ``views``' slots straight to and from disk: a backend with vectored I/O, and
-        pieces few enough for one call, aligned for O_DIRECT (so a block fills its slot
-        exactly: there is no padding to write) and at least ``MIN_VIEW_PIECE`` each."""
-        return (self.backend.vectored and views.pieces_per_slot <= IOV_MAX and views.aligned(ALIGN)
-                and views.slot_bytes == self.slot_size and views.smallest_piece >= MIN_VIEW_PIECE)
+        pieces aligned for O_DIRECT (so a block fills its slot exactly: there is no
+        padding to write) and of at least ``MIN_VIEW_PIECE`` each (so a call of at most
+        ``MAX_IO_BYTES`` has at most 64 buffers, far below any IOV_MAX)."""
+        return (self.backend.vectored and views.aligned(ALIGN) and views.slot_bytes == self.slot_size
+                and views.smallest_piece >= MIN_VIEW_PIECE)
 
     # ------------------------------------------------------------ internals
 
     def _view_runs(self, slots: Sequence[int], start: int, blocks: Sequence[Sequence[memoryview]]
                    ) -> list[tuple[int, int]]:
-        """``_runs`` for blocks given as views (each vectored call within ``IOV_MAX``)."""
+        """``_runs`` for blocks given as views, after checking each block's size."""
         for pieces in blocks:
             if sum(map(len, pieces)) != self.block_bytes:
                 raise ValueError(f"a block's views hold {sum(map(len, pieces))} bytes; expected "
                                  f"{self.block_bytes}")
-        per_run = max(1, min(MAX_IO_BYTES // self.slot_size, IOV_MAX // max(1, len(blocks[0]) if blocks else 1)))
-        return _runs(slots, start, len(blocks), per_run)
+        return _runs(slots, start, len(blocks), max(1, MAX_IO_BYTES // self.slot_size))
 
     def _view_io(self, call: Callable[[BackendFile, list[memoryview], int], None], f: BackendFile,
                  run: Sequence[Sequence[memoryview]], offset: int) -> None:
