@@ -89,17 +89,18 @@ class FaultyBackend(PosixBackend):
         self.fail_read: int | None = None
         self._used = 0
 
-    def pwrite(self, f, buf, offset):
+    # Every read and write, from rows or from views, ends in preadv/pwritev.
+    def pwritev(self, f, views, offset):
         if self.write_budget is not None:
-            self._used += buf.numel()
+            self._used += sum(len(v) for v in views)
             if self._used > self.write_budget:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return super().pwrite(f, buf, offset)
+        return super().pwritev(f, views, offset)
 
-    def pread(self, f, buf, offset):
+    def preadv(self, f, views, offset):
         if self.fail_read is not None:
             raise OSError(self.fail_read, os.strerror(self.fail_read))
-        return super().pread(f, buf, offset)
+        return super().preadv(f, views, offset)
 
     def sync(self, f):
         if self.fail_sync is not None:

@@ -3,6 +3,7 @@ reported as failed jobs, never raised; staging memory stays bounded."""
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 
@@ -12,6 +13,7 @@ import torch
 
 from conftest import make_layout, random_tensors
 from disk_fixtures import FaultyBackend, block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
+from tiered_kv.disk.namespace import slot_size_for
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
@@ -223,6 +225,35 @@ def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_pa
         assert store.entry(written.block_hashes[3]) is not None
     finally:
         direct.shutdown(), staged.shutdown(), store.close()
+
+
+@pytest.mark.faults
+def test_vectored_jobs_fail_alone_on_a_full_disk_and_on_read_errors(tmp_path):
+    layout = make_layout(True, block_size_factor=2, heads=16, head_dim=128)
+    backend = FaultyBackend(write_budget=3 * slot_size_for(layout.bytes_per_block))
+    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                           io_backend=backend)
+    host = host_cache(layout, 8, seed=13)
+    h = CpuDiskHandler(store, 0, host, layout)
+    try:
+        assert h._views is not None
+        fits, too_big = disk_spec([0, 1, 2], "fit"), disk_spec([4, 5, 6], "big")
+        assert h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2]), fits))
+        assert finish(h, [1]) == {1: True}
+        assert h.transfer_async(2, (CPULoadStoreSpec([3, 4, 5]), too_big))
+        assert finish(h, [2]) == {2: False}, "ENOSPC fails the job, nothing raises"
+        assert store.stats.enospc == 1 and all(store.entry(b) is None for b in too_big.block_hashes)
+        backend.fail_read = errno.EIO
+        assert h.transfer_async(3, (fits, CPULoadStoreSpec([5, 6, 7])))
+        assert finish(h, [3]) == {3: False}
+        backend.fail_read = None
+        assert h.transfer_async(4, (fits, CPULoadStoreSpec([5, 6, 7])))
+        assert finish(h, [4]) == {4: True}, "the blocks written before are intact"
+        f = layout.block_size_factor
+        assert_same(kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)),
+                    kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)))
+    finally:
+        h.shutdown(), store.close(), backend.shutdown()
 
 
 @pytest.mark.faults

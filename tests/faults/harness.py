@@ -119,13 +119,14 @@ class InjectingBackend(PosixBackend):
                 self.injected[call] += 1
             raise OSError(err, os.strerror(err))
 
-    def pwrite(self, f, buf, offset):
+    # Every read and write, from rows or from views, ends in preadv/pwritev.
+    def pwritev(self, f, views, offset):
         self._maybe_fail("write", self.fail_write)
-        return super().pwrite(f, buf, offset)
+        return super().pwritev(f, views, offset)
 
-    def pread(self, f, buf, offset):
+    def preadv(self, f, views, offset):
         self._maybe_fail("read", self.fail_read)
-        return super().pread(f, buf, offset)
+        return super().preadv(f, views, offset)
 
     def sync(self, f):
         self._maybe_fail("sync", self.fail_sync)

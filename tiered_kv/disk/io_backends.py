@@ -113,16 +113,15 @@ class IOBackend(ABC):
     def pwrite(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
         """Write all of ``buf`` at ``offset`` (not yet durable: see ``sync``)."""
 
-    #: Whether ``preadv``/``pwritev`` (many host buffers, one file range) are offered.
-    vectored = False
-
     def preadv(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
-        """Fill host ``views`` in turn from ``offset`` (only where ``vectored``)."""
-        raise NotImplementedError(f"{self.name} has no vectored I/O")
+        """Fill host ``views`` in turn from ``offset`` (vectored I/O on the file's POSIX
+        descriptor, O_DIRECT where the filesystem takes it; every backend has one)."""
+        _move_all(os.preadv, f, views, offset, "short read from {path} at offset {at} (end of file?)")
 
     def pwritev(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
-        """Write host ``views`` one after the other at ``offset`` (only where ``vectored``)."""
-        raise NotImplementedError(f"{self.name} has no vectored I/O")
+        """Write host ``views`` one after the other at ``offset`` (see ``preadv``; not yet
+        durable: see ``sync``)."""
+        _move_all(os.pwritev, f, views, offset, "short write to {path} at offset {at}")
 
     def sync(self, f: BackendFile) -> None:
         """Make every completed write to ``f`` durable (``fdatasync``)."""
@@ -170,27 +169,14 @@ class PosixBackend(IOBackend):
 
     def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
         path = Path(path)
-        flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
-        if self.want_direct and hasattr(os, "O_DIRECT"):
-            reason = _probe_direct(path, flags)
-            if reason is None:
-                return BackendFile(path, os.open(path, flags | os.O_DIRECT), True)
-            _log_once(f"{path.parent}: O_DIRECT unavailable ({reason}); using buffered I/O + fdatasync")
-        return BackendFile(path, os.open(path, flags), False)
-
-    vectored = True
+        fd, direct = _open_fd(path, readonly, self.want_direct)
+        return BackendFile(path, fd, direct)
 
     def pread(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
         self.preadv(f, [host_view(buf)], offset)
 
     def pwrite(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
         self.pwritev(f, [host_view(buf)], offset)
-
-    def preadv(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
-        _move_all(os.preadv, f, views, offset, "short read from {path} at offset {at} (end of file?)")
-
-    def pwritev(self, f: BackendFile, views: Sequence[memoryview], offset: int) -> None:
-        _move_all(os.pwritev, f, views, offset, "short write to {path} at offset {at}")
 
     def describe(self) -> str:
         return f"posix ({self.threads} threads, O_DIRECT {'requested' if self.want_direct else 'off'})"
@@ -236,8 +222,8 @@ class KvikIOBackend(IOBackend):
     def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
         path = Path(path)
         handle = self._kvikio.CuFile(str(path), "r" if readonly else "r+")
-        # A plain descriptor for fdatasync (KvikIO has no sync call).
-        fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
+        # A plain descriptor for fdatasync (KvikIO has no sync call) and vectored host I/O.
+        fd, _ = _open_fd(path, readonly, want_direct=True)
         return BackendFile(path, fd, True, handle)
 
     def _buffer(self, buf: torch.Tensor) -> Any:
@@ -299,6 +285,18 @@ def _kvikio_compat_mode(kvikio: Any) -> bool:
                 continue
             return bool(value) if not hasattr(value, "name") else value.name != "OFF"
     return True
+
+
+def _open_fd(path: Path, readonly: bool, want_direct: bool) -> tuple[int, bool]:
+    """A descriptor of ``path``, with O_DIRECT when wanted and the filesystem takes it;
+    and whether it has it."""
+    flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+    if want_direct and hasattr(os, "O_DIRECT"):
+        reason = _probe_direct(path, flags)
+        if reason is None:
+            return os.open(path, flags | os.O_DIRECT), True
+        _log_once(f"{path.parent}: O_DIRECT unavailable ({reason}); using buffered I/O + fdatasync")
+    return os.open(path, flags), False
 
 
 def _probe_direct(path: Path, flags: int) -> str | None:

@@ -252,11 +252,11 @@ class DiskStore:
 
     def takes_views(self, views: SlotViews) -> bool:
         """Whether ``WriteBatch.submit_views``/``ReadBatch.submit_views`` should move
-        ``views``' slots straight to and from disk: a backend with vectored I/O, and
-        pieces aligned for O_DIRECT (so a block fills its slot exactly: there is no
+        ``views``' slots straight to and from disk (vectored I/O, any backend): pieces
+        aligned for O_DIRECT (so a block fills its slot exactly: there is no
         padding to write) and of at least ``MIN_VIEW_PIECE`` each (so a call of at most
         ``MAX_IO_BYTES`` has at most 64 buffers, far below any IOV_MAX)."""
-        return (self.backend.vectored and views.aligned(ALIGN) and views.slot_bytes == self.slot_size
+        return (views.aligned(ALIGN) and views.slot_bytes == self.slot_size
                 and views.smallest_piece >= MIN_VIEW_PIECE)
 
     # ------------------------------------------------------------ internals

@@ -3,8 +3,8 @@
 Each handler owns a ``DiskStore`` view of rank ``rank``'s slab and moves whole offloaded
 blocks between KV tensors and disk slots:
 
-- ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): with a backend
-  that has vectored I/O and slots whose pieces are page-aligned (the usual case), reads
+- ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): where each
+  slot's pieces are page-aligned and at least 32 KiB (the usual case), it reads
   and writes each block straight from/into the CPU tier's memory, one buffer per layer
   plane (``SlotViews``), and checksums it in place. Otherwise it packs CPU-tier slots
   into an aligned staging buffer (``pack_blocks``) and writes that, or reads into the
