@@ -231,8 +231,7 @@ def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_pa
 def test_vectored_jobs_fail_alone_on_a_full_disk_and_on_read_errors(tmp_path):
     layout = make_layout(True, block_size_factor=2, heads=16, head_dim=128)
     backend = FaultyBackend(write_budget=3 * slot_size_for(layout.bytes_per_block))
-    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                           io_backend=backend)
+    store = open_store(tmp_path, layout, backend)
     host = host_cache(layout, 8, seed=13)
     h = CpuDiskHandler(store, 0, host, layout)
     try:
@@ -260,8 +259,7 @@ def test_vectored_jobs_fail_alone_on_a_full_disk_and_on_read_errors(tmp_path):
 def test_disk_full_fails_the_job_without_raising(tmp_path):
     layout = small_layout()
     backend = FaultyBackend(write_budget=0)
-    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                           io_backend=backend)
+    store = open_store(tmp_path, layout, backend)
     h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=0), layout)
     try:
         assert h.transfer_async(1, (CPULoadStoreSpec([0, 1]), disk_spec([0, 1])))
@@ -284,8 +282,7 @@ class SlowBackend(FaultyBackend):
 def test_transfer_async_never_blocks_and_staging_is_bounded(tmp_path):
     layout = small_layout()
     backend = SlowBackend()
-    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                           io_backend=backend)
+    store = open_store(tmp_path, layout, backend)
     host = host_cache(layout, 16, seed=8)
     h = CpuDiskHandler(store, 0, host, layout, staging_bytes=2 * store.slot_size, job_threads=2)
     try:
@@ -325,8 +322,7 @@ class HeldSyncBackend(FaultyBackend):
 def test_a_store_job_thread_moves_on_while_its_commit_waits(tmp_path):
     layout = small_layout()
     backend = HeldSyncBackend()
-    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                           io_backend=backend)
+    store = open_store(tmp_path, layout, backend)
     host = host_cache(layout, 16, seed=9)
     h = CpuDiskHandler(store, 0, host, layout, job_threads=1)
     try:

@@ -316,6 +316,11 @@ class OrderCheckingBackend(PosixBackend):
         self.waiting = threading.Event()
         self.fail_offsets: set[int] = set()
 
+    def watch(self, jobs) -> None:
+        """Check the ordering for ``jobs``' blocks: ``[(hashes, slots), ...]``."""
+        for hashes, slots in jobs:
+            self.slot_of.update(zip(slots, hashes))
+
     def pwrite(self, f, buf, offset):
         slot = offset // self.store.slot_size
         if offset in self.fail_offsets:
@@ -357,8 +362,7 @@ def _jobs(n_jobs, per_job, tag="j"):
 def _queue_behind_held_sync(store, backend, layout, jobs, submit_rows=None):
     """Run ``jobs[0]`` with its fdatasync held, write the other jobs meanwhile, let
     them all queue their commits, then release; returns every job's result."""
-    for hashes, slots in jobs:
-        backend.slot_of.update(zip(slots, hashes))
+    backend.watch(jobs)
     rows = [content_rows(h, 0, layout, store.slot_size) for h, _ in jobs]
     gate = threading.Event()
     backend.gate = gate
@@ -398,8 +402,7 @@ def test_finish_async_frees_the_caller_while_its_commit_waits(tmp_path, layout):
     store, backend = _ordered_store(tmp_path, layout)
     try:
         jobs = _jobs(2, 3)
-        for hashes, slots in jobs:
-            backend.slot_of.update(zip(slots, hashes))
+        backend.watch(jobs)
         rows = [content_rows(h, 0, layout, store.slot_size) for h, _ in jobs]
         backend.gate = gate = threading.Event()
         batches, done = [], []
@@ -493,8 +496,7 @@ def test_restoring_a_loadable_block_clears_it_before_overwriting(tmp_path, layou
     store, backend = _ordered_store(tmp_path, layout)
     try:
         jobs = _jobs(2, 3)
-        for hashes, slots in jobs:
-            backend.slot_of.update(zip(slots, hashes))
+        backend.watch(jobs)
         for hashes, slots in jobs * 2:  # the second pass overwrites loadable blocks in place
             assert store.write_blocks(0, hashes, slots, content_rows(hashes, 0, layout, store.slot_size)) == [True] * 3
         # Another block into a slot that holds a loadable one: the old owner goes first.

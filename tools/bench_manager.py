@@ -67,7 +67,9 @@ def bench_ours(manager, n: int) -> dict[str, float]:
     return out
 
 
-def bench_vllm(n: int) -> dict[str, float] | None:
+def vllm_manager(n: int):
+    """vLLM's CPU LRU manager of ``n`` blocks with one request context, and its key
+    maker; None when vLLM is not installed."""
     try:
         from vllm.v1.kv_offload.base import ReqContext, make_offload_key
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmCPU
@@ -76,6 +78,14 @@ def bench_vllm(n: int) -> dict[str, float] | None:
     manager = VllmCPU(num_chunks=n, cache_policy="lru")
     ctx = ReqContext(req_id="bench")
     manager.on_new_request(ctx)
+    return manager, ctx, make_offload_key
+
+
+def bench_vllm(n: int) -> dict[str, float] | None:
+    vllm = vllm_manager(n)
+    if vllm is None:
+        return None
+    manager, ctx, make_offload_key = vllm
     keys = [make_offload_key(h, 0) for h in hashes(n)]
     b = batches_of(keys)
     out = {"prepare_store": timed(lambda k: manager.prepare_store(k, ctx), b),
@@ -89,14 +99,10 @@ def vllm_evicting_latency(n: int, calls: int) -> list[float] | None:
     """Per-call seconds of a 256-block prepare_store on vLLM's CPU manager when it is full:
     it evicts 256 LRU blocks (and, having no lower tier, drops them). The same-run
     reference for ``cascade_latency``."""
-    try:
-        from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmCPU
-    except Exception:
+    vllm = vllm_manager(n)
+    if vllm is None:
         return None
-    manager = VllmCPU(num_chunks=n, cache_policy="lru")
-    ctx = ReqContext(req_id="bench")
-    manager.on_new_request(ctx)
+    manager, ctx, make_offload_key = vllm
     for batch in batches_of([make_offload_key(h, 0) for h in hashes(n)]):
         manager.prepare_store(batch, ctx)
         manager.complete_store(batch, ctx)
