@@ -322,3 +322,28 @@ def test_a_fresh_prepare_store_plans_exactly_like_a_checked_one(tmp_path, layout
             m.shutdown()
     assert plans[0] == plans[1]
     assert plans[1][1] == ([H[2], H[3]] if pin else [H[1], H[2]])
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_absent_among_keeps_order_and_skips_loadable_and_pending_blocks(tmp_path, layout, restart):
+    """What the composite asks before planning disk writes: in the order given, the
+    blocks that are neither loadable (hot or, after a restart, cold) nor pending."""
+    fp, nbytes = fingerprint(layout), disk_bytes_for(layout, CAP)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+    try:
+        store_blocks(m, s, H[:3], layout)
+        if restart:
+            s.close()
+            m.shutdown()
+            m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
+            s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+        assert m.prepare_store([H[5]]) is not None  # pending, never completed
+        asked = [H[6], H[0], H[5], H[4], H[2], H[6], H[1]]
+        assert m.absent_among(asked) == [H[6], H[4], H[6]]
+        assert m.absent_among(iter([H[4], H[1]])) == [H[4]], "any iterable"
+        m.remove(H[1])
+        assert m.absent_among([H[1], H[0]]) == [H[1]]
+    finally:
+        s.close()
+        m.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -95,7 +96,7 @@ class KVCacheLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def offloaded_block_size(self) -> int:
@@ -106,7 +107,7 @@ class KVCacheLayout:
         """Bytes of one offloaded block in one layer."""
         return layer.elements_per_gpu_block * self.block_size_factor * self.element_size
 
-    @property
+    @cached_property  # read per job on the workers' hot paths
     def bytes_per_block(self) -> int:
         """Bytes of one offloaded block across all layers (this rank only, unpadded)."""
         return sum(self.layer_bytes_per_block(layer) for layer in self.layers)

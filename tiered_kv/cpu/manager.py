@@ -223,9 +223,9 @@ class CPUOffloadingManager(OffloadingManager):
         if self._pending or self._readers:
             victims = list(islice(self.iter_evictable(), n))
             slots = list(map(blocks.pop, victims))
-        else:  # every block is evictable: pop from the LRU end in one pass
-            popped = [blocks.popitem(last=False) for _ in range(n)]
-            victims, slots = [h for h, _ in popped], [slot for _, slot in popped]
+        else:  # every block is evictable: the first n (cheaper than n popitem calls)
+            victims = list(islice(blocks, n))
+            slots = list(map(blocks.pop, victims))
         self._num_evictable -= n
         self._free.extend(slots)
         self._emit(victims, removed=True)

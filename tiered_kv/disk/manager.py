@@ -42,7 +42,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, fields
-from itertools import filterfalse
+from itertools import filterfalse, islice
 from typing import NamedTuple
 
 import lmdb
@@ -172,6 +172,13 @@ class _BlockTable:
         hot = self.hot
         return {h for h in hashes if h in hot or self._cold_index(h) >= 0}
 
+    def absent_among(self, hashes: Iterable[bytes], also: Container[bytes]) -> list[bytes]:
+        """The members of ``hashes``, in order, in neither the table nor ``also``."""
+        hot = self.hot
+        if self._cold_count:
+            return [h for h in hashes if h not in hot and h not in also and self._cold_index(h) < 0]
+        return [h for h in hashes if h not in hot and h not in also]
+
     def get(self, h: bytes) -> int | None:
         slot = self.hot.get(h)
         if slot is not None:
@@ -211,23 +218,26 @@ class _BlockTable:
         self._alive[i] = False
         self._cold_count -= 1
 
-    def evict_lru(self, n: int, *keep: Container[bytes]) -> list[tuple[bytes, int]] | None:
-        """Remove and return the ``n`` least recently used ``(hash, slot)`` whose hash is
-        in none of ``keep``; None, changing nothing, if there are fewer."""
+    def evict_lru(self, n: int, *keep: Container[bytes]) -> tuple[list[bytes], list[int]] | None:
+        """Remove the ``n`` least recently used blocks whose hash is in none of ``keep``
+        and return their hashes and slots; None, changing nothing, if there are fewer."""
         hot = self.hot
         if not self._cold_count and not any(keep) and n <= len(hot):
-            return [hot.popitem(last=False) for _ in range(n)]  # one pass from the LRU end
-        victims = []
+            # The first n of the hot generation (cheaper than n popitem calls).
+            victims = list(islice(hot, n))
+            return victims, list(map(hot.pop, victims))
+        victims, slots = [], []
         for h, slot in self.iter_lru():
             if not any(h in k for k in keep):
-                victims.append((h, slot))
+                victims.append(h)
+                slots.append(slot)
                 if len(victims) == n:
                     break
         if len(victims) < n:
             return None
-        for h, _ in victims:
+        for h in victims:
             self.remove(h)
-        return victims
+        return victims, slots
 
     def iter_lru(self) -> Iterator[tuple[bytes, int]]:
         """``(hash, slot)`` from least to most recently used. Do not mutate meanwhile."""
@@ -444,31 +454,28 @@ class DiskOffloadingManager(OffloadingManager):
     def prepare_store(self, block_hashes: Iterable[BlockHash], *, fresh: bool = False) -> PrepareStoreOutput | None:
         """The seed's ``prepare_store``. ``fresh=True`` is the caller's word that the
         hashes are distinct and none is loadable or pending here (it just asked
-        ``loadable_or_pending_among``; only this thread makes blocks pending), which
-        skips re-checking them."""
+        ``absent_among``; only this thread makes blocks pending), which skips
+        re-checking them."""
         with self._lock:
             if fresh:
-                seen = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-                to_store = list(filterfalse(self._doomed.__contains__, seen)) if self._doomed else seen
-            else:
-                # Neither loadable, nor being stored, nor corrupt and still read.
+                to_store = seen = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+            else:  # distinct, neither loadable nor being stored
                 seen = dict.fromkeys(block_hashes)
-                held = self._table.among(seen)
-                held.update(filter(self._pending.__contains__, seen))
-                held.update(filter(self._doomed.__contains__, seen))
-                to_store = list(filterfalse(held.__contains__, seen))
+                to_store = self._table.absent_among(seen, self._pending)
+            if self._doomed:  # corrupt and still read: the slot is not free yet
+                to_store = list(filterfalse(self._doomed.__contains__, to_store))
             free = self._free
             need = len(to_store) - len(free)
-            victims: list[tuple[bytes, int]] = []
+            evicted: list[bytes] = []
             if need > 0:
                 # A fresh block is not in the table, so it cannot be a victim.
                 victims = self._table.evict_lru(need, self._pins, *(() if fresh else (seen,)))
                 if victims is None:
                     self.stats.store_rejections += 1
                     return None
-            evicted = [h for h, _ in victims]
-            self._free.extend(slot for _, slot in victims)
-            self._deletions.extend(victims)
+                evicted, freed = victims
+                free.extend(freed)
+                self._deletions.extend(zip(evicted, freed))
             self.stats.evictions += len(evicted)
             keep = len(free) - len(to_store)
             slots = free[keep:][::-1]  # the order pop() would give: low slots first
@@ -620,14 +627,11 @@ class DiskOffloadingManager(OffloadingManager):
         with self._lock:
             return set(self._pending)
 
-    def loadable_or_pending_among(self, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
-        """The subset of ``block_hashes`` that is loadable or being stored (one lock
-        round trip): blocks that need no new disk write."""
-        block_hashes = list(block_hashes)
+    def absent_among(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
+        """The members of ``block_hashes``, in order, that are neither loadable nor being
+        stored (one lock round trip): the blocks a disk write would add."""
         with self._lock:
-            held = self._table.among(block_hashes)
-            held.update(filter(self._pending.__contains__, block_hashes))
-            return held
+            return self._table.absent_among(block_hashes, self._pending)
 
     def num_free_slots(self) -> int:
         with self._lock:

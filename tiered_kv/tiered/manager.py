@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable
-from itertools import filterfalse, islice
+from itertools import islice
 
 from tiered_kv.abstract import (BlockHash, LoadStoreSpec, OffloadingEvent, OffloadingManager,
                                 PrepareStoreOutput)
@@ -52,7 +52,7 @@ class TieredOffloadingManager(OffloadingManager):
     """Composite of a ``CPUOffloadingManager`` and (optionally) a disk tier manager.
 
     ``disk`` must offer the seed API plus ``is_loadable``, ``is_pending``,
-    ``loadable_or_pending_among``, ``num_pending``, ``pending_blocks`` and ``refresh``
+    ``absent_among``, ``num_pending``, ``pending_blocks`` and ``refresh``
     (see ``tiered_kv.disk.manager.DiskOffloadingManager``). Without it this is the CPU
     tier with the same cascade bookkeeping (victims simply leave).
     """
@@ -200,8 +200,8 @@ class TieredOffloadingManager(OffloadingManager):
         """How many of the next LRU CPU victims could go without a spill (durable on
         disk or already queued there), up to ``limit``."""
         victims = list(islice(self.cpu.iter_evictable(), limit))
-        safe = self.disk.loadable_or_pending_among(victims)
-        return next((i for i, victim in enumerate(victims) if victim not in safe), len(victims))
+        unsafe = set(self.disk.absent_among(victims))
+        return next((i for i, victim in enumerate(victims) if victim in unsafe), len(victims))
 
     def _make_room(self, needed: int, allow_spill: bool) -> tuple[DiskWrites, list[BlockHash]] | None:
         """Free ``needed`` CPU slots by cascading LRU victims. Returns the spills to carry
@@ -220,7 +220,7 @@ class TieredOffloadingManager(OffloadingManager):
             self.stats.count("cpu", "drops", len(victims))
             return spills, victims
         # Victims already durable on disk, or on their way there, are simply gone from CPU.
-        unsafe = list(filterfalse(self.disk.loadable_or_pending_among(victims).__contains__, victims))
+        unsafe = self.disk.absent_among(victims)
         if not unsafe:
             return spills, []
         budget = self._disk_budget(len(unsafe)) if allow_spill else 0
@@ -248,8 +248,7 @@ class TieredOffloadingManager(OffloadingManager):
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         to_store = self.cpu.missing_among(dict.fromkeys(block_hashes))
         if self.disk is not None and to_store:
-            held = self.disk.loadable_or_pending_among(to_store)
-            to_store = list(filterfalse(held.__contains__, to_store))
+            to_store = self.disk.absent_among(to_store)
         if not to_store:
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
         room = self._make_room(len(to_store), allow_spill=True)
