@@ -26,7 +26,7 @@ def stored(mgr: CPUOffloadingManager, *ids: int) -> None:
 
 
 def snapshot(mgr: CPUOffloadingManager):
-    return ([(k, slot, mgr._readers.get(k, 0), k not in mgr._pending) for k, slot in mgr._blocks.items()],
+    return ([(k, mgr.slot_of(k), mgr._readers.get(k, 0), k not in mgr._pending) for k in mgr.iter_lru()],
             sorted(mgr._free), mgr.num_evictable())
 
 
@@ -284,6 +284,12 @@ def test_random_operations_match_reference_model(seed):
             mgr.complete_load(batch)
             for k in batch:
                 ref.ref[k] -= 1
+        elif op < 0.9 and ref.evictable():
+            k = rnd.choice(ref.evictable())
+            slot = mgr.slot_of(k)
+            assert mgr.remove(k) == slot and slot in mgr._free
+            ref.order.remove(k)
+            del ref.ref[k], ref.ready[k]
         else:
             mgr.touch(keys)
             for k in reversed(keys):  # the first touched ends most recent
@@ -295,6 +301,7 @@ def test_random_operations_match_reference_model(seed):
         assert len(set(slots)) == len(slots)
         assert set(slots).isdisjoint(mgr._free)
         assert len(slots) + mgr.num_free_slots() == 12
+        assert list(mgr.iter_lru()) == ref.order, "pending and pinned blocks keep their recency too"
         assert list(mgr.iter_evictable()) == ref.evictable()
         assert mgr.num_evictable() == len(ref.evictable())
 
