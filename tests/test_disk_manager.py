@@ -3,12 +3,14 @@ index persistence of evictions, restart."""
 
 from __future__ import annotations
 
+import random
 import time
 
+import numpy as np
 import pytest
 
 from disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
-from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.manager import DiskOffloadingManager, _BlockTable
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
@@ -347,3 +349,56 @@ def test_absent_among_keeps_order_and_skips_loadable_and_pending_blocks(tmp_path
     finally:
         s.close()
         m.shutdown()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_table_keeps_lru_order_under_random_churn(seed):
+    """The disk tier's table (cold generation from startup, hot one after) against a
+    plain list in LRU order: inserts, touches, removals and evictions that skip kept
+    blocks, many times over every slot."""
+    rnd = random.Random(seed)
+    cap = 12
+    table = _BlockTable()
+    made = iter(range(1 << 30))
+
+    def new_hash() -> bytes:
+        return next(made).to_bytes(8, "big")
+
+    cold = [(new_hash(), slot) for slot in rnd.sample(range(cap), rnd.randint(0, cap))]
+    access = rnd.sample(range(1000), len(cold))
+    if cold:
+        table.load_cold(np.frombuffer(b"".join(h for h, _ in cold), dtype=np.uint8).reshape(len(cold), 8),
+                        np.array([slot for _, slot in cold]), np.array(access))
+    ref = [hs for _, hs in sorted(zip(access, cold))]  # least recent first
+    free = sorted(set(range(cap)) - {slot for _, slot in cold})
+    for _ in range(300):
+        op = rnd.random()
+        if op < 0.35 and free:
+            block = (new_hash(), free.pop(rnd.randrange(len(free))))
+            table.add_many([block])
+            ref.append(block)
+        elif op < 0.5:
+            known = rnd.random() < 0.8 and ref
+            h = rnd.choice(ref)[0] if known else new_hash()
+            assert table.touch(h) == bool(known)
+            if known:
+                i = next(i for i, (k, _) in enumerate(ref) if k == h)
+                ref.append(ref.pop(i))
+        elif op < 0.65 and ref:
+            h, slot = ref.pop(rnd.randrange(len(ref)))
+            assert table.remove(h) == slot and table.remove(h) is None
+            free.append(slot)
+        else:
+            keep = {h for h, _ in ref if rnd.random() < 0.2}
+            n = rnd.randint(1, 4)
+            want = [b for b in ref if b[0] not in keep][:n]
+            got = table.evict_lru(n, keep)
+            if len(want) < n:
+                assert got is None
+            else:
+                assert got == ([h for h, _ in want], [slot for _, slot in want])
+                ref = [b for b in ref if b not in want]
+                free.extend(slot for _, slot in want)
+        assert list(table.iter_lru()) == ref
+        assert len(table) == len(ref)
+        assert all(table.get(h) == slot for h, slot in ref)
