@@ -232,23 +232,19 @@ class CPUOffloadingManager(OffloadingManager):
         are evictable."""
         if n > self._num_evictable:
             return None
-        slot_by_hash, hash_by_slot = self._slot_by_hash, self._hash_by_slot
         if self._pending or self._readers:
             victims = list(islice(self.iter_evictable(), n))
-            slots = list(map(slot_by_hash.pop, victims))
-            to_front = self._order.move_to_end
-            for slot in slots:
-                to_front(slot, last=False)
+            slots = list(map(self._release, victims))
         else:  # every block is evictable: the n slots right after the free ones
-            f = len(self._free)
-            slots = list(islice(self._order, f, f + n))  # already where free slots go
+            slot_by_hash, hash_by_slot, free = self._slot_by_hash, self._hash_by_slot, self._free
+            slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
             victims = list(map(hash_by_slot.__getitem__, slots))
             for block_hash in victims:
                 del slot_by_hash[block_hash]
-        for slot in slots:
-            hash_by_slot[slot] = None
+            for slot in slots:
+                hash_by_slot[slot] = None
+            free.extend(slots)
         self._num_evictable -= n
-        self._free.extend(slots)
         self._emit(victims, removed=True)
         return victims, slots
 
