@@ -12,7 +12,8 @@ per-block cost (ns) of lookup, prepare_store, complete_store and touch for:
 And the latency distribution of a 256-block ``prepare_store`` that cascades (a full CPU
 tier; every call spills 256 blocks to the disk tier, and once the disk is full evicts
 256 there too), p50/p99 in microseconds, beside vLLM's manager evicting 256 blocks from
-a full tier in the same run.
+a full tier in the same run. Both latency loops run with the heap built before them
+frozen (``gc.freeze``), as vLLM's EngineCore runs after startup.
 
     python tools/bench_manager.py                 # 10k, 100k, 1M blocks
     python tools/bench_manager.py --sizes 10000   # quicker
