@@ -98,3 +98,58 @@ def test_back_pressure_drops_disk_writes_instead_of_stalling(tmp_path):
     assert report.mismatches == 0 and report.stores_rejected == 0
     assert spec.stats.tiers["disk"]["drops"] > 0
     close(driver, spec)
+
+
+@pytest.mark.parametrize("disk_still_has_it", [True, False])
+def test_write_back_spills_a_promoted_block_only_if_the_disk_lost_it(tmp_path, disk_still_has_it):
+    """With write_back the composite skips the disk lookup for CPU victims that never came
+    from disk. A promoted block did: evicted from CPU while still on disk it is simply
+    dropped there (stored once, no slot leaked); once the disk has lost it, it is spilled."""
+    from disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
+    from tiered_kv.cpu.manager import CPUOffloadingManager
+    from tiered_kv.disk.manager import DiskOffloadingManager
+    from tiered_kv.disk.store import DiskStore
+    from tiered_kv.tiered.manager import TieredOffloadingManager
+
+    layout = small_layout()
+    fp, nbytes = fingerprint(layout), disk_bytes_for(layout, 8)
+    disk = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
+    store = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+    m = TieredOffloadingManager(CPUOffloadingManager(3, 16), disk, write_policy="write_back")
+    A, B, C, D, E, F = (block_hash(i) for i in range(6))
+
+    def stored(hashes, success=True):
+        out = m.prepare_store(hashes)
+        m.complete_store(out.block_hashes_to_store, success=success)
+        spills = out.store_spec.spills
+        if len(spills):  # the worker writes them; the index commit makes them durable
+            assert all(store.write_blocks(0, spills.block_hashes, spills.disk_slots.tolist(),
+                                          content_rows(spills.block_hashes, 0, layout, store.slot_size)))
+        m.pending_disk_writes()  # folds in the commits
+        return out
+
+    try:
+        for block in (A, B, C):  # one by one: A ends least recent
+            stored([block])
+        assert stored([D]).store_spec.spills.block_hashes == [A]
+        assert stored([E], success=False).store_spec.spills.block_hashes == [B]  # E's slot is free again
+        spec = m.prepare_load([A])  # from disk, promoted into the free slot
+        assert spec.promote_slots.tolist() != [-1]
+        m.complete_load([A])
+        assert m.hit_medium(A) == "CPU" and disk.is_loadable(A)
+        if not disk_still_has_it:
+            assert disk.remove(A)
+        m.touch([C, D])  # A is now the least recent CPU block
+        free_before = disk.num_free_slots()
+        out = stored([F])
+        assert m.cpu.slot_of(A) is None
+        if disk_still_has_it:
+            assert len(out.store_spec.spills) == 0 and out.block_hashes_evicted == []
+            assert disk.is_loadable(A) and disk.num_free_slots() == free_before
+        else:
+            assert out.store_spec.spills.block_hashes == [A] and out.block_hashes_evicted == []
+            assert disk.is_loadable(A) and disk.num_free_slots() == free_before - 1
+        assert m.lookup([A]) == 1
+    finally:
+        store.close()
+        m.shutdown()

@@ -39,6 +39,8 @@ hash_lists = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4)
 
 
 class Hierarchy(RuleBasedStateMachine):
+    write_policy = "write_through"
+
     def __init__(self):
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="tkv-stateful-")
@@ -46,10 +48,10 @@ class Hierarchy(RuleBasedStateMachine):
                                     head_dim=8, device="cpu")
         layout = self.device.layout
         self.bpb = layout.bytes_per_block
-        self.write_policy = "write_through"
         self.spec = TieredOffloadingSpec(
             {"cpu_bytes": CPU_SLOTS * self.bpb, "disk_path": self.tmp, "disk_bytes": DISK_SLOTS * 4096,
-             "max_pending_disk_writes": 4, "model_id": "stateful"}, layout.gpu_block_size, layout)
+             "max_pending_disk_writes": 4, "model_id": "stateful", "write_policy": self.write_policy},
+            layout.gpu_block_size, layout)
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
         # Hypothesis replays a sequence and needs it to behave the same each time, so
         # disk writes happen on the caller's thread here, and the disk manager learns of
@@ -186,7 +188,11 @@ class Hierarchy(RuleBasedStateMachine):
     def capacity_is_respected(self):
         cpu = self.manager.cpu
         assert len(cpu) <= cpu.num_slots == CPU_SLOTS
-        assert self.manager.disk.capacity - self.manager.disk.num_free_slots() <= DISK_SLOTS
+        disk = self.manager.disk
+        used = disk.capacity - disk.num_free_slots()
+        assert used <= DISK_SLOTS
+        # Every used slot holds a loadable, pending or corrupt-but-read block: none leaks.
+        assert used == len(disk) + disk.num_pending() + len(disk._doomed)
 
     @invariant()
     def pinned_blocks_stay_where_loads_read_them(self):
@@ -214,9 +220,7 @@ class Hierarchy(RuleBasedStateMachine):
 
 
 class WriteBackHierarchy(Hierarchy):
-    def __init__(self):
-        super().__init__()
-        self.manager.write_policy = "write_back"
+    write_policy = "write_back"
 
 
 _settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,

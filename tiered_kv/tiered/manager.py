@@ -66,7 +66,7 @@ class TieredOffloadingManager(OffloadingManager):
             raise ValueError(f"max_pending_disk_writes must be >= 1, got {max_pending_disk_writes}")
         self.cpu = cpu
         self.disk = disk
-        self.write_policy = write_policy
+        self._write_policy = write_policy
         self.promote_on_hit = promote_on_hit
         self.max_pending_disk_writes = max_pending_disk_writes
         self.stats = stats if stats is not None else TieredStats()
@@ -79,6 +79,15 @@ class TieredOffloadingManager(OffloadingManager):
         self._disk_loads: Counter[BlockHash] = Counter()
         # Promotions in flight: block -> whether every load of it has succeeded so far.
         self._promoting: dict[BlockHash, bool] = {}
+        # With write_back, the CPU blocks that may also be on disk: the promoted ones. Only
+        # a spill writes a block to disk then, and a spilled block leaves CPU; so any other
+        # CPU block is known to be absent there, and evicting it needs no disk lookup.
+        self._from_disk: set[BlockHash] = set()
+
+    @property
+    def write_policy(self) -> str:
+        """``write_through`` or ``write_back``, fixed at construction."""
+        return self._write_policy
 
     # ------------------------------------------------------------------ queries
 
@@ -166,6 +175,8 @@ class TieredOffloadingManager(OffloadingManager):
             return {}
         for block_hash in wanted:
             self._promoting[block_hash] = True
+        if self.write_policy == "write_back":
+            self._from_disk.update(wanted)
         self.stats.count("cpu", "promotions", len(wanted))
         return dict(zip(wanted, slots))
 
@@ -188,7 +199,10 @@ class TieredOffloadingManager(OffloadingManager):
                 if not self._disk_loads[block_hash]:
                     del self._disk_loads[block_hash]
                     if block_hash in self._promoting:
-                        self.cpu.complete_store([block_hash], success=self._promoting.pop(block_hash))
+                        promoted = self._promoting.pop(block_hash)
+                        self.cpu.complete_store([block_hash], success=promoted)
+                        if not promoted:
+                            self._from_disk.discard(block_hash)
         if not success:
             # A failed disk read may mean a corrupt block that the worker dropped from the index.
             if self.disk is not None:
@@ -200,7 +214,7 @@ class TieredOffloadingManager(OffloadingManager):
         """How many of the next LRU CPU victims could go without a spill (durable on
         disk or already queued there), up to ``limit``."""
         victims = list(islice(self.cpu.iter_evictable(), limit))
-        unsafe = set(self.disk.absent_among(victims))
+        unsafe = set(self._absent_from_disk(victims))
         return next((i for i, victim in enumerate(victims) if victim in unsafe), len(victims))
 
     def _make_room(self, needed: int, allow_spill: bool) -> tuple[DiskWrites, list[BlockHash]] | None:
@@ -220,7 +234,9 @@ class TieredOffloadingManager(OffloadingManager):
             self.stats.count("cpu", "drops", len(victims))
             return spills, victims
         # Victims already durable on disk, or on their way there, are simply gone from CPU.
-        unsafe = self.disk.absent_among(victims)
+        unsafe = self._absent_from_disk(victims)
+        if self._from_disk:
+            self._from_disk.difference_update(victims)
         if not unsafe:
             return spills, []
         budget = self._disk_budget(len(unsafe)) if allow_spill else 0
@@ -244,6 +260,17 @@ class TieredOffloadingManager(OffloadingManager):
         self.stats.count("cpu", "spills", len(spills))
         self.stats.count("cpu", "drops", len(evicted))
         return spills, evicted
+
+    def _absent_from_disk(self, cpu_blocks: list[BlockHash]) -> list[BlockHash]:
+        """The members of ``cpu_blocks`` (in CPU now) that are neither loadable nor
+        pending on disk, in order: the ones an eviction must spill."""
+        if self.write_policy != "write_back":
+            return self.disk.absent_among(cpu_blocks)
+        maybe = self._from_disk.intersection(cpu_blocks) if self._from_disk else ()
+        if not maybe:
+            return list(cpu_blocks)
+        absent = set(self.disk.absent_among(maybe))
+        return [h for h in cpu_blocks if h not in maybe or h in absent]
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         to_store = self.cpu.missing_among(dict.fromkeys(block_hashes))
