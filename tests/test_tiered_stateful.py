@@ -17,7 +17,6 @@ import os
 import shutil
 import tempfile
 
-import numpy as np
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st

@@ -29,8 +29,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.index import DiskIndex
