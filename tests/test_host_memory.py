@@ -159,6 +159,52 @@ def test_fallback_to_pageable_memory_is_logged_once(caplog, monkeypatch):
     assert device.can_pin_memory() is False
 
 
+def anon_huge_pages_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address`` (smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text[text.find("[") + 1:text.find("]")]
+
+
+def test_pageable_buffers_are_aligned_and_large_ones_get_huge_pages():
+    from tiered_kv.device import HUGE_PAGE, empty_pageable
+    small = empty_pageable(12345)
+    assert small.numel() == 12345 and small.data_ptr() % 4096 == 0
+    big = empty_pageable(3 * HUGE_PAGE + 4096)
+    assert big.numel() == 3 * HUGE_PAGE + 4096 and big.dtype == torch.uint8
+    assert big.data_ptr() % HUGE_PAGE == 0
+    big.fill_(7)  # first touch: the kernel backs the advised range now
+    assert int(big[-1]) == 7 and int(big.sum()) == 7 * big.numel()
+    if thp_mode() == "never":
+        pytest.skip("transparent huge pages are off on this machine")
+    assert anon_huge_pages_kib(big.data_ptr()) >= 2048, "an advised 2 MiB-aligned range got no huge page"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the pageable CPU tier")
+def test_pageable_host_cache_layers_start_on_huge_page_boundaries():
+    from tiered_kv.device import HUGE_PAGE
+    layout = make_layout(True)
+    host = HostKVCache(layout, len(layout.layers) * HUGE_PAGE // layout.bytes_per_block + 1)
+    large = [t for t in host.tensors if t.numel() * t.element_size() >= HUGE_PAGE]
+    assert large, "the cache was sized for layer tensors of at least 2 MiB"
+    assert all(t.data_ptr() % HUGE_PAGE == 0 for t in large)
+
+
 def test_resolve_device():
     from tiered_kv.device import resolve_device
     assert resolve_device("cpu").type == "cpu"

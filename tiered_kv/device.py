@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import math
+import mmap
 import os
 from collections.abc import Iterator, Sequence
 
@@ -51,6 +52,37 @@ def can_pin_memory() -> bool:
 
 #: Alignment of ``empty_host`` tensors (a page: what O_DIRECT needs).
 HOST_ALIGN = 4096
+#: Pageable host buffers of at least this size are aligned to it and advised onto
+#: transparent huge pages (see ``empty_pageable``).
+HUGE_PAGE = 2 << 20
+
+
+def empty_pageable(nbytes: int) -> torch.Tensor:
+    """An uninitialised pageable uint8 host tensor of ``nbytes``, 4 KiB-aligned, for a
+    long-lived buffer (the CPU tier, staging pools).
+
+    From ``HUGE_PAGE`` bytes on it is a private anonymous mapping of its own, starting on
+    a 2 MiB boundary and advised for transparent huge pages (``MADV_HUGEPAGE``; the
+    kernel's THP setting has the last word). A disk transfer from such memory pins one
+    page per 2 MiB instead of 512 and reaches the device in fewer, larger requests
+    (docs/benchmarks.md, "Huge pages"). Its pages are faulted in, zeroed, on first
+    touch, so short-lived buffers are better taken from ``torch.empty``.
+    """
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8)
+        start = (-base.data_ptr()) % HOST_ALIGN
+        return base[start:start + nbytes]
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:  # what torch.empty raises when memory cannot be had
+        raise RuntimeError(f"cannot map {nbytes} bytes of host memory: {e}") from e
+    base = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` mapped while used
+    start = (-base.data_ptr()) % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as e:  # a kernel without THP: ordinary pages
+        log_fallback_once(f"transparent huge pages are unavailable ({e}); host buffers use 4 KiB pages")
+    return base[start:start + nbytes]
 
 
 def empty_host(shape: Sequence[int], dtype: torch.dtype, pin: bool | None = None) -> torch.Tensor:
@@ -70,9 +102,13 @@ def empty_host(shape: Sequence[int], dtype: torch.dtype, pin: bool | None = None
         raise RuntimeError("pinned host memory was requested but CUDA is not available")
     # Page-aligned, so rows of it can go to the disk with O_DIRECT without a copy.
     nbytes = math.prod(shape) * dtype.itemsize
-    base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=pin)
-    start = (-base.data_ptr()) % HOST_ALIGN
-    return base[start:start + nbytes].view(dtype).view(tuple(shape))
+    if pin:
+        base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=True)
+        start = (-base.data_ptr()) % HOST_ALIGN
+        flat = base[start:start + nbytes]
+    else:
+        flat = empty_pageable(nbytes)
+    return flat.view(dtype).view(tuple(shape))
 
 
 def host_memory_limit() -> int:

@@ -24,6 +24,10 @@ bytes per measurement with the same number of I/O threads:
   here), else packed into staging buffers (and unpacked on load). Each size's line says
   which ("views" or "staged").
 
+Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
+staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
+advised onto transparent huge pages; the header prints the kernel's THP mode.
+
 Ratios are tier / raw over all rounds (bytes / time summed). The process CPU time of
 each path (all threads, user + system) is printed beside it, in seconds per GB moved.
 
@@ -51,7 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.disk.fingerprint import Fingerprint  # noqa: E402
-from tiered_kv.disk.io_backends import aligned_empty, host_view  # noqa: E402
+from tiered_kv.device import empty_pageable  # noqa: E402
+from tiered_kv.disk.io_backends import host_view  # noqa: E402
 from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
 from tiered_kv.disk.store import DiskStore  # noqa: E402
 from tiered_kv.host_memory import HostKVCache  # noqa: E402
@@ -66,6 +71,15 @@ def cpu_seconds() -> float:
     """User + system CPU time of this process so far (all threads)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page setting (the bracketed word), or "n/a"."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "n/a"
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
 def model_layout(block_bytes: int) -> KVCacheLayout:
@@ -86,7 +100,7 @@ class RawLoop:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         os.posix_fallocate(fd, 0, total)
         os.close(fd)
-        self.bufs = [aligned_empty(bs) for _ in range(threads)]
+        self.bufs = [empty_pageable(bs) for _ in range(threads)]
         for b in self.bufs:
             b.copy_(torch.randint(0, 256, (bs,), dtype=torch.uint8))
 
@@ -136,7 +150,7 @@ class StoreBench:
     def __init__(self, store: DiskStore, block_bytes: int, n: int, per_job: int, job_threads: int):
         self.store, self.n, self.per_job, self.block_bytes = store, n, per_job, block_bytes
         self.pool = ThreadPoolExecutor(job_threads)
-        self.bufs = [aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)
+        self.bufs = [empty_pageable(per_job * store.slot_size).view(per_job, store.slot_size)
                      for _ in range(job_threads)]
         for b in self.bufs:
             b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
@@ -237,7 +251,7 @@ def main() -> None:
     print(f"# raw = {'fio --direct=1 --ioengine=psync' if use_fio else 'O_DIRECT pwritev/preadv loop'}, "
           f"{args.io_threads} threads; tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
           f"{args.job_threads} job threads, {args.io_threads} I/O threads; {args.total_mib} MiB per "
-          f"measurement, {args.rounds} rounds")
+          f"measurement, {args.rounds} rounds; THP {thp_mode()}")
     rows = []
     try:
         for size in (float(s) for s in args.sizes.split(",")):

@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tiered_kv.disk.io_backends import aligned_empty
+from tiered_kv.device import empty_pageable
 from tiered_kv.host_memory import HostKVCache, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
@@ -104,7 +104,7 @@ class DiskStager:
             if self._allocated_rows + rows > self._budget:
                 return None
             self._allocated_rows += rows
-        return aligned_empty(rows * self.slot_size).view(rows, self.slot_size)
+        return empty_pageable(rows * self.slot_size).view(rows, self.slot_size)
 
     def stage(self, writes: DiskWrites) -> Future:
         """Start copying ``writes``' CPU slots out; the returned future is done once the

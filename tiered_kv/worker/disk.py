@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import LoadStoreSpec
-from tiered_kv.device import TransferStream, can_pin_memory
+from tiered_kv.device import TransferStream, can_pin_memory, empty_pageable
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.host_memory import HostKVCache, SlotViews, expand_block_ids, pack_blocks, unpack_blocks
@@ -116,7 +116,7 @@ class _StagingPool:
                 logger.warning("pinning a %d-byte disk staging buffer failed (%s); using pageable memory, "
                                "so device copies are slower. Raise the locked-memory limit (ulimit -l, "
                                "docker --ulimit memlock=-1) to get pinned staging back", n, e)
-        return aligned_empty(n)
+        return empty_pageable(n)
 
 
 class _DiskHandler(OffloadingHandler):
