@@ -137,6 +137,37 @@ def test_refresh_reads_at_most_max_records_and_says_when_more_are_left(tier, lay
     assert m.lookup(H[:5]) == 5 and m.num_pending() == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
+    """``refresh``'s shortcut for one rank and only ``ok`` records against the general
+    loop, on the same records: good, stale slot, not pending, repeated."""
+    from tiered_kv.disk.index import LOG_OK
+    from tiered_kv.disk.manager import RefreshResult
+    m, _ = tier
+    rnd = random.Random(seed)
+    out = m.prepare_store(H[:CAP])
+    waiting = dict(zip(out.block_hashes_to_store, out.store_spec.block_ids.tolist()))
+    records = []
+    for _ in range(12):
+        h = rnd.choice(H[:CAP + 3])
+        slot = waiting.get(h, rnd.randrange(CAP))
+        records.append((h, slot if rnd.random() < 0.7 else (slot + 1) % CAP))
+    hashes, slots = [h for h, _ in records], [slot for _, slot in records]
+    with m._lock:
+        before = dict(m._pending)
+        fast = m._apply_good_writes(hashes, slots)
+        after_fast, m._pending = dict(m._pending), dict(before)
+        general = m._apply_log(hashes, [LOG_OK] * len(records), [0] * len(records), slots,
+                               RefreshResult([], [], []))
+        assert not m._progress
+    assert fast == general and after_fast == m._pending
+    expected = []
+    for h, slot in records:
+        if before.get(h) == slot and (h, slot) not in expected:
+            expected.append((h, slot))
+    assert fast == expected, "each waiting block becomes durable once, at its first good record"
+
+
 def test_flusher_learns_worker_commits_in_the_background(tmp_path, layout):
     """With polling on, blocks a worker committed become loadable with no call from the
     scheduler at all, in chunks (more records than one chunk), and the log is trimmed."""
@@ -371,12 +402,20 @@ def test_block_table_keeps_lru_order_under_random_churn(seed):
                         np.array([slot for _, slot in cold]), np.array(access))
     ref = [hs for _, hs in sorted(zip(access, cold))]  # least recent first
     free = sorted(set(range(cap)) - {slot for _, slot in cold})
+    hot = set()  # blocks added or touched since startup
     for _ in range(300):
         op = rnd.random()
         if op < 0.35 and free:
-            block = (new_hash(), free.pop(rnd.randrange(len(free))))
-            table.add_many([block])
-            ref.append(block)
+            batch = [(new_hash(), free.pop(rnd.randrange(len(free)))) for _ in range(rnd.randint(1, min(3, len(free))))]
+            again = [b for b in ref if b[0] in hot]
+            if again and rnd.random() < 0.3:  # a block already in the hot generation, again
+                batch.insert(rnd.randrange(len(batch) + 1), rnd.choice(again))
+            table.add_many(batch)
+            for block in batch:
+                if block in ref:
+                    ref.remove(block)
+                ref.append(block)
+                hot.add(block[0])
         elif op < 0.5:
             known = rnd.random() < 0.8 and ref
             h = rnd.choice(ref)[0] if known else new_hash()
@@ -384,6 +423,7 @@ def test_block_table_keeps_lru_order_under_random_churn(seed):
             if known:
                 i = next(i for i, (k, _) in enumerate(ref) if k == h)
                 ref.append(ref.pop(i))
+                hot.add(h)
         elif op < 0.65 and ref:
             h, slot = ref.pop(rnd.randrange(len(ref)))
             assert table.remove(h) == slot and table.remove(h) is None

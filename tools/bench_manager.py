@@ -15,6 +15,10 @@ tier; every call spills 256 blocks to the disk tier, and once the disk is full e
 a full tier in the same run. Both latency loops run with the heap built before them
 frozen (``gc.freeze``), as vLLM's EngineCore runs after startup.
 
+And what the disk tier's flusher thread does per 256 stored blocks in the scheduler
+process: ``refresh()`` reading 256 workers' commits from the index log and making the
+blocks loadable, beside reading those log records alone in the same run (median of 200).
+
     python tools/bench_manager.py                 # 10k, 100k, 1M blocks
     python tools/bench_manager.py --sizes 10000   # quicker
 """
@@ -173,6 +177,29 @@ def cascade_latency(n: int, tmp: str, calls: int) -> list[float]:
     return lat
 
 
+def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
+    """Median seconds of reading 256 fresh log records, and of ``refresh()`` folding
+    them in, with a disk tier of ``n`` blocks half full (no flusher thread: the calls are
+    the same, without a second thread in the timing)."""
+    disk = DiskOffloadingManager(tmp, Fingerprint.from_layout(LAYOUT, model_id="bench-manager"), LAYOUT,
+                                 disk_bytes=n * 4096, poll_interval=None)
+    worker_index = DiskIndex(disk.namespace.index_path, 1)
+    read, fold = [], []
+    for i in range(n // 2 // BATCH + rounds):
+        batch = hashes(BATCH, i * BATCH)
+        slots = disk.prepare_store(batch, fresh=True).store_spec.block_ids.tolist()
+        worker_index.commit_stored(0, batch, slots, [disk.block_bytes] * BATCH, [0] * BATCH)
+        t0 = time.perf_counter()
+        disk.index.read_log_columns(disk._log_seen, BATCH)
+        t1 = time.perf_counter()
+        assert len(disk.refresh().durable) == BATCH
+        read.append(t1 - t0)
+        fold.append(time.perf_counter() - t1)
+    worker_index.close()
+    disk.shutdown()
+    return statistics.median(read[-rounds:]), statistics.median(fold[-rounds:])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
@@ -212,6 +239,14 @@ def main() -> int:
             print(f"{n:>10} {'vllm-cpu':>10} {percentiles(vllm_lat)}")
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
             print(f"{n:>10} {'tiered':>10} {percentiles(cascade_latency(n, tmp, args.cascade_calls))}")
+    print()
+    print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), "
+          f"median us")
+    print(f"{'disk blocks':>11} {'log read':>9} {'refresh':>9}")
+    for n in args.sizes:
+        with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
+            read, fold = refresh_cost(n, tmp)
+        print(f"{n:>11} {read * 1e6:>9.0f} {fold * 1e6:>9.0f}")
     return 0
 
 

@@ -528,12 +528,12 @@ class DiskIndex:
             return LogColumns.empty()
         keys, values = zip(*items)
         seqs = np.frombuffer(b"".join(keys), dtype=">u8").tolist()
-        width = len(values[0])
-        if all(len(v) == width for v in values):
-            rows = np.frombuffer(b"".join(values), dtype=_log_dtype(width - _LOG.size))
-            status, rank, slot = rows["status"].tolist(), rows["rank"].tolist(), rows["slot"].tolist()
-        else:  # hashes of different lengths (never within one engine's namespace)
-            status, rank, slot = (list(c) for c in zip(*(_LOG.unpack_from(v) for v in values)))
+        if len(set(map(len, values))) == 1:
+            rows = np.frombuffer(b"".join(values), dtype=_log_dtype(len(values[0]) - _LOG.size))
+            return LogColumns(seqs, rows["status"].tolist(), rows["rank"].tolist(), rows["slot"].tolist(),
+                              rows["hash"].tolist())
+        # hashes of different lengths (never within one engine's namespace)
+        status, rank, slot = (list(c) for c in zip(*(_LOG.unpack_from(v) for v in values)))
         return LogColumns(seqs, status, rank, slot, [v[_LOG.size:] for v in values])
 
     def log_seq(self) -> int:

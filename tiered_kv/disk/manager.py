@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from itertools import filterfalse, islice
 from typing import NamedTuple
@@ -186,12 +186,14 @@ class _BlockTable:
         i = self._cold_index(h)
         return int(self._slots[i]) if i >= 0 else None
 
-    def add_many(self, blocks: Iterable[tuple[bytes, int]]) -> None:
+    def add_many(self, blocks: Sequence[tuple[bytes, int]]) -> None:
         """Insert each ``(hash, slot)`` in turn as the most recently used."""
         hot = self.hot
-        for h, slot in blocks:
-            hot[h] = slot
-            hot.move_to_end(h)
+        before = len(hot)
+        hot.update(blocks)  # new keys go to the end in order: the usual case, in one C call
+        if len(hot) - before != len(blocks):  # some were there already: move each in turn
+            for h, _ in blocks:
+                hot.move_to_end(h)
 
     def touch(self, h: bytes) -> bool:
         if h in self.hot:
@@ -541,49 +543,15 @@ class DiskOffloadingManager(OffloadingManager):
             self.stats.index_read_errors += 1
             logger.error("reading the disk index log failed: %s", e)
             return result
-        full = self._full_mask
-        pending, progress, durable = self._pending, self._progress, []
         with self._lock:
             first = bisect.bisect_right(log.seq, self._log_seen)  # another thread may have read some
             if first == len(log.seq):
                 return result
-            for h, status, rank, slot in zip(log.block_hash[first:], log.status[first:],
-                                             log.rank[first:], log.slot[first:]):
-                if status == LOG_CORRUPT:
-                    if self._table.get(h) == slot:
-                        self._table.remove(h)
-                        self.stats.checksum_failures += 1
-                        result.corrupt.append(h)
-                        if h in self._pins:
-                            self._doomed[h] = slot
-                        else:
-                            self._release_slot(h, slot)
-                    continue
-                if pending.get(h) != slot:
-                    continue
-                ranks, reported, failed = progress.get(h, _NO_PROGRESS)
-                bit = 1 << rank
-                reported |= bit
-                if status == LOG_OK and not failed:
-                    ranks |= bit
-                    if ranks & full == full:
-                        del pending[h]
-                        progress.pop(h, None)
-                        durable.append((h, slot))
-                        continue
-                elif status == LOG_FAILED and not failed:
-                    failed = True
-                    result.failed.append(h)
-                if failed and reported & full == full:
-                    # No rank still writes the slot: free it now. A store planned
-                    # without a job (the composite's spills and write-through) gets
-                    # no complete_store to do it.
-                    del pending[h]
-                    progress.pop(h, None)
-                    self.stats.store_failures += 1
-                    self._release_slot(h, slot)
-                else:
-                    progress[h] = _Progress(ranks, reported, failed)
+            hashes, statuses, slots = log.block_hash[first:], log.status[first:], log.slot[first:]
+            if self._full_mask == 1 and not self._progress and statuses.count(LOG_OK) == len(statuses):
+                durable = self._apply_good_writes(hashes, slots)
+            else:
+                durable = self._apply_log(hashes, statuses, log.rank[first:], slots, result)
             self._log_seen = self._trim_upto = log.seq[-1]
             result.more = len(log.seq) == max_records
             self._make_loadable(durable)
@@ -673,6 +641,62 @@ class DiskOffloadingManager(OffloadingManager):
             return self._flush_cond.wait_for(lambda: self._flush_done >= target or self._stop, timeout)
 
     # ------------------------------------------------------------ internals (lock held)
+
+    def _apply_good_writes(self, hashes: list[bytes], slots: list[int]) -> list[tuple[bytes, int]]:
+        """``_apply_log`` for the usual case, one rank and only ``ok`` records, with a
+        fraction of its per-record work: a record makes its block durable if the block
+        still waits for that slot."""
+        pending, durable = self._pending, []
+        get = pending.get
+        for h, slot in zip(hashes, slots):
+            if get(h) == slot:
+                del pending[h]
+                durable.append((h, slot))
+        return durable
+
+    def _apply_log(self, hashes: list[bytes], statuses: list[int], record_ranks: list[int],
+                   slots: list[int], result: RefreshResult) -> list[tuple[bytes, int]]:
+        """Fold log records into the pending and loadable state (see ``refresh``); returns
+        the ``(hash, slot)`` pairs that became durable on every rank, in log order."""
+        full = self._full_mask
+        pending, progress, durable = self._pending, self._progress, []
+        for h, status, rank, slot in zip(hashes, statuses, record_ranks, slots):
+            if status == LOG_CORRUPT:
+                if self._table.get(h) == slot:
+                    self._table.remove(h)
+                    self.stats.checksum_failures += 1
+                    result.corrupt.append(h)
+                    if h in self._pins:
+                        self._doomed[h] = slot
+                    else:
+                        self._release_slot(h, slot)
+                continue
+            if pending.get(h) != slot:
+                continue
+            ranks, reported, failed = progress.get(h, _NO_PROGRESS)
+            bit = 1 << rank
+            reported |= bit
+            if status == LOG_OK and not failed:
+                ranks |= bit
+                if ranks & full == full:
+                    del pending[h]
+                    progress.pop(h, None)
+                    durable.append((h, slot))
+                    continue
+            elif status == LOG_FAILED and not failed:
+                failed = True
+                result.failed.append(h)
+            if failed and reported & full == full:
+                # No rank still writes the slot: free it now. A store planned
+                # without a job (the composite's spills and write-through) gets
+                # no complete_store to do it.
+                del pending[h]
+                progress.pop(h, None)
+                self.stats.store_failures += 1
+                self._release_slot(h, slot)
+            else:
+                progress[h] = _Progress(ranks, reported, failed)
+        return durable
 
     def _make_loadable(self, blocks: list[tuple[bytes, int]]) -> None:
         """``(hash, slot)`` pairs become loadable, most recent last."""
