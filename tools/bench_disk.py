@@ -26,7 +26,8 @@ bytes per measurement with the same number of I/O threads:
 
 Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
-advised onto transparent huge pages; the header prints the kernel's THP mode.
+advised onto transparent huge pages (``--small-pages``: ordinary pages, to compare);
+the header prints the kernel's THP mode.
 
 Ratios are tier / raw over all rounds (bytes / time summed). The process CPU time of
 each path (all threads, user + system) is printed beside it, in seconds per GB moved.
@@ -55,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.disk.fingerprint import Fingerprint  # noqa: E402
+from tiered_kv import device  # noqa: E402
 from tiered_kv.device import empty_pageable  # noqa: E402
 from tiered_kv.disk.io_backends import host_view  # noqa: E402
 from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
@@ -241,7 +243,11 @@ def main() -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "posix", "kvikio"))
     p.add_argument("--raw", default="auto", choices=("auto", "fio", "loop"))
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart (PNG) here")
+    p.add_argument("--small-pages", action="store_true",
+                   help="host buffers on ordinary 4 KiB pages, not advised onto huge pages (to compare)")
     args = p.parse_args()
+    if args.small_pages:
+        device.HUGE_PAGE = 1 << 62  # no buffer is that large: empty_pageable takes torch.empty
 
     root = Path(tempfile.mkdtemp(prefix=".bench-disk-", dir=args.dir or Path.cwd()))
     use_fio = args.raw == "fio" or (args.raw == "auto" and shutil.which("fio") is not None)
@@ -251,7 +257,8 @@ def main() -> None:
     print(f"# raw = {'fio --direct=1 --ioengine=psync' if use_fio else 'O_DIRECT pwritev/preadv loop'}, "
           f"{args.io_threads} threads; tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
           f"{args.job_threads} job threads, {args.io_threads} I/O threads; {args.total_mib} MiB per "
-          f"measurement, {args.rounds} rounds; THP {thp_mode()}")
+          f"measurement, {args.rounds} rounds; THP {thp_mode()}"
+          f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}")
     rows = []
     try:
         for size in (float(s) for s in args.sizes.split(",")):
