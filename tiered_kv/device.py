@@ -57,6 +57,12 @@ HOST_ALIGN = 4096
 HUGE_PAGE = 2 << 20
 
 
+def _page_aligned(nbytes: int, pin: bool) -> torch.Tensor:
+    base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    start = (-base.data_ptr()) % HOST_ALIGN
+    return base[start:start + nbytes]
+
+
 def empty_pageable(nbytes: int) -> torch.Tensor:
     """An uninitialised pageable uint8 host tensor of ``nbytes``, 4 KiB-aligned, for a
     long-lived buffer (the CPU tier, staging pools).
@@ -69,9 +75,7 @@ def empty_pageable(nbytes: int) -> torch.Tensor:
     touch, so short-lived buffers are better taken from ``torch.empty``.
     """
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8)
-        start = (-base.data_ptr()) % HOST_ALIGN
-        return base[start:start + nbytes]
+        return _page_aligned(nbytes, pin=False)
     try:
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:  # what torch.empty raises when memory cannot be had
@@ -102,12 +106,7 @@ def empty_host(shape: Sequence[int], dtype: torch.dtype, pin: bool | None = None
         raise RuntimeError("pinned host memory was requested but CUDA is not available")
     # Page-aligned, so rows of it can go to the disk with O_DIRECT without a copy.
     nbytes = math.prod(shape) * dtype.itemsize
-    if pin:
-        base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=True)
-        start = (-base.data_ptr()) % HOST_ALIGN
-        flat = base[start:start + nbytes]
-    else:
-        flat = empty_pageable(nbytes)
+    flat = _page_aligned(nbytes, pin=True) if pin else empty_pageable(nbytes)
     return flat.view(dtype).view(tuple(shape))
 
 
