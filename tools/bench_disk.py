@@ -29,7 +29,8 @@ staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-align
 advised onto transparent huge pages (``--small-pages``: ordinary pages, to compare);
 the header prints the kernel's THP mode.
 
-Ratios are tier / raw over all rounds (bytes / time summed). The process CPU time of
+Ratios are tier / raw over all rounds (bytes / time summed); a second table gives the
+per-round ratios (each path against the raw loop of the same round), median and range. The process CPU time of
 each path (all threads, user + system) is printed beside it, in seconds per GB moved.
 
     python tools/bench_disk.py [--dir PATH] [--sizes 0.5,2,8] [--total-mib 512] [--rounds 3]
@@ -73,6 +74,12 @@ def cpu_seconds() -> float:
     """User + system CPU time of this process so far (all threads)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def per_round(tier: list[float], raw: list[float]) -> str:
+    """Median and range of the per-round ratios ``tier[i] / raw[i]``."""
+    ratios = sorted(t / r for t, r in zip(tier, raw))
+    return f"{float(np.median(ratios)):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
 
 
 def thp_mode() -> str:
@@ -306,6 +313,14 @@ def main() -> None:
               f"{agg['tier_w']:>7.2f} {agg['tier_w'] / agg['raw_w']:>5.2f} | {agg['raw_r']:>8.2f} "
               f"{agg['store_r']:>6.2f} {agg['store_r'] / agg['raw_r']:>5.2f} {agg['tier_r']:>7.2f} "
               f"{agg['tier_r'] / agg['raw_r']:>5.2f}")
+    print()
+    print("Per-round ratios (each path against the raw loop of its own round, seconds apart): "
+          "median [min-max]; a wide range is the disk drifting")
+    print(f"{'block':>9} | {'store write':>17} {'handler write':>17} | {'load':>17} {'handler read':>17}")
+    for size, _, res in rows:
+        cells = [per_round(res[tier], res[raw]) for tier, raw in
+                 (("store_w", "raw_w"), ("tier_w", "raw_w"), ("store_r", "raw_r"), ("tier_r", "raw_r"))]
+        print(f"{size:>5} MiB | {cells[0]:>17} {cells[1]:>17} | {cells[2]:>17} {cells[3]:>17}")
     print()
     print("CPU seconds per GB moved (this process, all threads, user + system)")
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} {'handler':>7}")
