@@ -30,8 +30,9 @@ advised onto transparent huge pages (``--small-pages``: ordinary pages, to compa
 the header prints the kernel's THP mode.
 
 Ratios are tier / raw over all rounds (bytes / time summed); a second table gives the
-per-round ratios (each path against the raw loop of the same round), median and range. The process CPU time of
-each path (all threads, user + system) is printed beside it, in seconds per GB moved.
+per-round ratios (each path against the raw loop of the same round), median and range.
+The process CPU time of each path (all threads, user + system) is printed last, in
+seconds per GB moved.
 
     python tools/bench_disk.py [--dir PATH] [--sizes 0.5,2,8] [--total-mib 512] [--rounds 3]
 """
