@@ -12,7 +12,8 @@ per-block cost (ns) of lookup, prepare_store, complete_store and touch for:
 And the latency distribution of a 256-block ``prepare_store`` that cascades (a full CPU
 tier; every call spills 256 blocks to the disk tier, and once the disk is full evicts
 256 there too), p50/p99 in microseconds, beside vLLM's manager evicting 256 blocks from
-a full tier in the same run. Both latency loops run with the heap built before them
+a full tier in the same run. In both, each call's store completes after the next call,
+so one store is always in flight (pending, not evictable), as in an engine. Both latency loops run with the heap built before them
 frozen (``gc.freeze``), as vLLM's EngineCore runs after startup.
 
 And what the disk tier's flusher thread does per 256 stored blocks in the scheduler
@@ -103,8 +104,8 @@ def bench_vllm(n: int) -> dict[str, float] | None:
 
 def vllm_evicting_latency(n: int, calls: int) -> list[float] | None:
     """Per-call seconds of a 256-block prepare_store on vLLM's CPU manager when it is full:
-    it evicts 256 LRU blocks (and, having no lower tier, drops them). The same-run
-    reference for ``cascade_latency``."""
+    it evicts 256 LRU blocks (and, having no lower tier, drops them). Each store
+    completes after the next call, as in ``cascade_latency``, its same-run reference."""
     vllm = vllm_manager(n)
     if vllm is None:
         return None
@@ -112,7 +113,7 @@ def vllm_evicting_latency(n: int, calls: int) -> list[float] | None:
     for batch in batches_of([make_offload_key(h, 0) for h in hashes(n)]):
         manager.prepare_store(batch, ctx)
         manager.complete_store(batch, ctx)
-    lat = []
+    lat, in_flight = [], []
     with serving_heap():
         for i in range(calls):
             batch = [make_offload_key(h, 0) for h in hashes(BATCH, n + i * BATCH)]
@@ -120,7 +121,8 @@ def vllm_evicting_latency(n: int, calls: int) -> list[float] | None:
             out = manager.prepare_store(batch, ctx)
             lat.append(time.perf_counter() - t0)
             assert out is not None
-            manager.complete_store(batch, ctx)
+            manager.complete_store(in_flight, ctx)  # the previous call's store, one call late
+            in_flight = batch
     return lat
 
 
@@ -152,7 +154,9 @@ def cascade_latency(n: int, tmp: str, calls: int) -> list[float]:
     """Per-call seconds of a 256-block prepare_store on a full CPU tier (write_back: every
     call spills 256 blocks). The disk tier holds ``n + calls * 128`` blocks, so the
     second half of the calls also evicts 256 disk blocks each. Between calls, untimed,
-    the GPU copies complete and a worker commits the spilled blocks to the disk index
+    the previous call's GPU copies complete (so one store is always in flight, as in an
+    engine whose workers report a step later) and a worker commits the spilled blocks to
+    the disk index
     (synced, as after their bytes are durable; no bytes are written): the next call's
     refresh reads those records, as it does in an engine."""
     disk = disk_manager(tmp, n + calls * BATCH // 2)
@@ -161,7 +165,7 @@ def cascade_latency(n: int, tmp: str, calls: int) -> list[float]:
                                       max_pending_disk_writes=4 * BATCH)
     for batch in batches_of(hashes(n)):
         manager.complete_store(manager.prepare_store(batch).block_hashes_to_store)
-    lat = []
+    lat, in_flight = [], []
     with serving_heap():
         for i in range(calls):
             batch = hashes(BATCH, n + i * BATCH)
@@ -170,7 +174,8 @@ def cascade_latency(n: int, tmp: str, calls: int) -> list[float]:
             lat.append(time.perf_counter() - t0)
             spills = out.store_spec.spills
             assert len(spills) == BATCH, f"call {i}: {len(spills)} spills"
-            manager.complete_store(out.block_hashes_to_store)
+            manager.complete_store(in_flight)  # the previous call's store, one call late
+            in_flight = out.block_hashes_to_store
             worker_index.commit_stored(0, spills.block_hashes, spills.disk_slots.tolist(),
                                        [disk.block_bytes] * len(spills), [0] * len(spills))
     worker_index.close()

@@ -232,18 +232,21 @@ class CPUOffloadingManager(OffloadingManager):
         are evictable."""
         if n > self._num_evictable:
             return None
-        if self._pending or self._readers:
-            victims = list(islice(self.iter_evictable(), n))
-            slots = list(map(self._release, victims))
-        else:  # every block is evictable: the n slots right after the free ones
-            slot_by_hash, hash_by_slot, free = self._slot_by_hash, self._hash_by_slot, self._free
-            slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
-            victims = list(map(hash_by_slot.__getitem__, slots))
+        slot_by_hash, hash_by_slot, free = self._slot_by_hash, self._hash_by_slot, self._free
+        pending, readers = self._pending, self._readers
+        # Usually the n slots right after the free ones: in-flight stores are the most
+        # recent blocks, and pinned ones were just looked up.
+        slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
+        victims = list(map(hash_by_slot.__getitem__, slots))
+        if (not pending or pending.isdisjoint(victims)) and (not readers or readers.keys().isdisjoint(victims)):
             for block_hash in victims:
                 del slot_by_hash[block_hash]
             for slot in slots:
                 hash_by_slot[slot] = None
             free.extend(slots)
+        else:
+            victims = list(islice(self.iter_evictable(), n))
+            slots = list(map(self._release, victims))
         self._num_evictable -= n
         self._emit(victims, removed=True)
         return victims, slots
