@@ -224,10 +224,12 @@ class _BlockTable:
         """Remove the ``n`` least recently used blocks whose hash is in none of ``keep``
         and return their hashes and slots; None, changing nothing, if there are fewer."""
         hot = self.hot
-        if not self._cold_count and not any(keep) and n <= len(hot):
-            # The first n of the hot generation (cheaper than n popitem calls).
+        if not self._cold_count and n <= len(hot):
+            # Usually the first n of the hot generation (cheaper than n popitem calls):
+            # the blocks being read were just looked up.
             victims = list(islice(hot, n))
-            return victims, list(map(hot.pop, victims))
+            if not any(k and any(map(k.__contains__, victims)) for k in keep):
+                return victims, list(map(hot.pop, victims))
         victims, slots = [], []
         for h, slot in self.iter_lru():
             if not any(h in k for k in keep):
