@@ -238,7 +238,8 @@ class CPUOffloadingManager(OffloadingManager):
         # recent blocks, and pinned ones were just looked up.
         slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
         victims = list(map(hash_by_slot.__getitem__, slots))
-        if (not pending or pending.isdisjoint(victims)) and (not readers or readers.keys().isdisjoint(victims)):
+        if ((not pending or pending.isdisjoint(victims))
+                and (not readers or readers.keys().isdisjoint(victims))):
             for block_hash in victims:
                 del slot_by_hash[block_hash]
             for slot in slots:
