@@ -4,6 +4,7 @@ index persistence of evictions, restart."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import numpy as np
@@ -188,6 +189,31 @@ def test_flusher_learns_worker_commits_in_the_background(tmp_path, layout):
         assert m.num_pending() == 0 and all(m.is_loadable(h) for h in hashes)
         assert m.stats.stores == n and not m.refresh(), "nothing left for the scheduler to read"
         assert m.flush() and s.index.read_log(0) == [], "the flusher trimmed what it applied"
+    finally:
+        s.close()
+        m.shutdown()
+
+
+def test_take_events_leaves_the_log_to_the_polling_flusher(tmp_path, layout):
+    """vLLM asks for events every step: with polling on, that reads no index on the
+    caller's thread, and the stored events still come, from the flusher's refresh."""
+    fp = fingerprint(layout)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
+                              poll_interval=0.001)
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
+                       engine_id="e")
+    readers = []
+    read_log = m.index.read_log_columns
+    m.index.read_log_columns = lambda *a: (readers.append(threading.current_thread()), read_log(*a))[1]
+    try:
+        out = m.prepare_store(H[:2])
+        s.write_blocks(0, H[:2], out.store_spec.block_ids.tolist(), content_rows(H[:2], 0, layout, s.slot_size))
+        stored, deadline = [], time.monotonic() + 30
+        while not stored and time.monotonic() < deadline:
+            stored = [e for e in m.take_events() if not e.removed]
+            time.sleep(0.001)
+        assert [(e.medium, e.block_hashes) for e in stored] == [(DISK, H[:2])]
+        assert readers and threading.current_thread() not in readers
     finally:
         s.close()
         m.shutdown()

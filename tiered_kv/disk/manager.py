@@ -16,10 +16,10 @@ a write transaction on the caller's thread:
   bytes, make them durable, and only then commit the index entry (``store.py``).
 - A block becomes loadable on ``complete_store(success=True)`` (every rank's job
   finished) or earlier, when ``refresh()`` finds every rank's ``ok`` record in the
-  index's log. ``refresh()`` (also run by ``take_events``) drops blocks that a worker
-  found corrupt, and frees the slot of a pending block whose store failed on some rank
-  once every rank has logged its outcome (no write to the slot is left in flight), so
-  a failed write frees its slot even when no job reports it (composite spills).
+  index's log. ``refresh()`` drops blocks that a worker found corrupt, and frees the
+  slot of a pending block whose store failed on some rank once every rank has logged
+  its outcome (no write to the slot is left in flight), so a failed write frees its
+  slot even when no job reports it (composite spills).
 - A background flusher thread runs ``refresh()`` every ``poll_interval`` while blocks
   are pending (a read transaction, applied 64 records per lock hold), so the
   scheduler's own calls rarely find log records left to read. The same thread writes
@@ -509,8 +509,11 @@ class DiskOffloadingManager(OffloadingManager):
         self._wake.set()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Events since the last call (runs ``refresh()`` first)."""
-        self.refresh()
+        """Events since the last call. Runs ``refresh()`` first unless the flusher thread
+        polls the log (``poll_interval``): then the events of blocks that became durable
+        are at most a poll old, and the caller (vLLM asks every step) reads no index."""
+        if self.poll_interval is None:
+            self.refresh()
         with self._lock:
             if not self._events:
                 return []

@@ -336,7 +336,6 @@ class TieredOffloadingManager(OffloadingManager):
             self.disk.touch(block_hashes)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        self._refresh_disk()
         events = list(self.cpu.take_events())
         if self.disk is not None:
             events.extend(self.disk.take_events())
