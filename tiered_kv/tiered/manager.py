@@ -183,15 +183,16 @@ class TieredOffloadingManager(OffloadingManager):
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Unpin blocks of a finished load. ``success=False`` (an extension of the seed
         API) says the load job failed, so promotions it carried are abandoned."""
+        cpu_done, disk_done = [], []
         for block_hash in block_hashes:
             if self._cpu_loads[block_hash] > 0:
                 self._cpu_loads[block_hash] -= 1
                 if not self._cpu_loads[block_hash]:
                     del self._cpu_loads[block_hash]
-                self.cpu.complete_load([block_hash])
+                cpu_done.append(block_hash)
             elif self._disk_loads[block_hash] > 0:
                 self._disk_loads[block_hash] -= 1
-                self.disk.complete_load([block_hash])
+                disk_done.append(block_hash)
                 if not success:
                     self.stats.count("disk", "failed_loads")
                 if block_hash in self._promoting:
@@ -203,6 +204,10 @@ class TieredOffloadingManager(OffloadingManager):
                         self.cpu.complete_store([block_hash], success=promoted)
                         if not promoted:
                             self._from_disk.discard(block_hash)
+        if cpu_done:
+            self.cpu.complete_load(cpu_done)
+        if disk_done:
+            self.disk.complete_load(disk_done)
         if not success:
             # A failed disk read may mean a corrupt block that the worker dropped from the index.
             if self.disk is not None:
