@@ -57,8 +57,18 @@ HOST_ALIGN = 4096
 HUGE_PAGE = 2 << 20
 
 
-def _page_aligned(nbytes: int, pin: bool) -> torch.Tensor:
-    base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=pin)
+def aligned_empty(nbytes: int, pin: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` whose first byte is 4 KiB-aligned
+    (``HOST_ALIGN``, what O_DIRECT needs).
+
+    Host memory (pinned when ``pin``) or device memory; over-allocates by one page and
+    slices, so it works for any allocator.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, device=device)
+    else:
+        base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = (-base.data_ptr()) % HOST_ALIGN
     return base[start:start + nbytes]
 
@@ -72,10 +82,10 @@ def empty_pageable(nbytes: int) -> torch.Tensor:
     kernel's THP setting has the last word). A disk transfer from such memory pins one
     page per 2 MiB instead of 512 and reaches the device in fewer, larger requests
     (docs/benchmarks.md, "Huge pages"). Its pages are faulted in, zeroed, on first
-    touch, so short-lived buffers are better taken from ``torch.empty``.
+    touch, so short-lived buffers are better taken from ``aligned_empty``.
     """
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return _page_aligned(nbytes, pin=False)
+        return aligned_empty(nbytes)
     try:
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:  # what torch.empty raises when memory cannot be had
@@ -106,7 +116,7 @@ def empty_host(shape: Sequence[int], dtype: torch.dtype, pin: bool | None = None
         raise RuntimeError("pinned host memory was requested but CUDA is not available")
     # Page-aligned, so rows of it can go to the disk with O_DIRECT without a copy.
     nbytes = math.prod(shape) * dtype.itemsize
-    flat = _page_aligned(nbytes, pin=True) if pin else empty_pageable(nbytes)
+    flat = aligned_empty(nbytes, pin=True) if pin else empty_pageable(nbytes)
     return flat.view(dtype).view(tuple(shape))
 
 

@@ -34,29 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_kv.device import HOST_ALIGN, aligned_empty
+
 logger = logging.getLogger(__name__)
 
-ALIGN = 4096
+ALIGN = HOST_ALIGN  # buffers, offsets and lengths of O_DIRECT I/O
 BACKENDS = ("auto", "kvikio", "posix")
 
 
 class BackendUnavailableError(RuntimeError):
     """The requested I/O backend cannot run on this machine (the message says why)."""
-
-
-def aligned_empty(nbytes: int, pin: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
-    """An uninitialised uint8 tensor of ``nbytes`` whose first byte is 4 KiB-aligned.
-
-    Host memory (pinned when ``pin``) or device memory; over-allocates by one page and
-    slices, so it works for any allocator.
-    """
-    device = torch.device(device)
-    if device.type != "cpu":
-        base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
-    else:
-        base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    offset = (-base.data_ptr()) % ALIGN
-    return base[offset:offset + nbytes]
 
 
 def is_aligned(t: torch.Tensor) -> bool:
