@@ -17,14 +17,56 @@ CPU = "CPU"
 DISK = "DISK"
 
 
+def int64_ids(ids: list[int] | np.ndarray) -> np.ndarray:
+    """``ids`` as a flat int64 array."""
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+class Int64Column:
+    """An attribute of ids that holds a given ``list`` (flat, of ints) as is and turns it
+    into a flat int64 array when first read, usually in the worker. Managers build specs
+    on the scheduler's hot path, where converting a few hundred ints costs as much as a
+    tier's whole bookkeeping for them. Other values are converted when set."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        ids = getattr(obj, self._slot)
+        if isinstance(ids, list):
+            ids = int64_ids(ids)
+            setattr(obj, self._slot, ids)
+        return ids
+
+    def __set__(self, obj, ids: Sequence[int] | np.ndarray) -> None:
+        setattr(obj, self._slot, list(ids) if isinstance(ids, list) else int64_ids(ids))
+
+    def as_list(self, obj) -> list[int]:
+        """The ids of ``obj`` as a list, without making the array."""
+        ids = getattr(obj, self._slot)
+        return ids if isinstance(ids, list) else ids.tolist()
+
+    def count(self, obj) -> int:
+        return len(getattr(obj, self._slot))
+
+
 class BlockIDsLoadStoreSpec(LoadStoreSpec):
-    """Blocks addressed by integer ids: GPU block ids, CPU slot ids or disk slot ids."""
+    """Blocks addressed by integer ids: GPU block ids, CPU slot ids or disk slot ids
+    (``block_ids``: an int64 array; see ``Int64Column`` for lists)."""
+
+    block_ids = Int64Column()
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray):
-        self.block_ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        self.block_ids = block_ids
+
+    def id_list(self) -> list[int]:
+        """``block_ids`` as a list of ints (cheap on the scheduler side)."""
+        return BlockIDsLoadStoreSpec.block_ids.as_list(self)
 
     def __len__(self) -> int:
-        return len(self.block_ids)
+        return BlockIDsLoadStoreSpec.block_ids.count(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids.tolist()})"
@@ -62,9 +104,9 @@ class DiskLoadStoreSpec(BlockIDsLoadStoreSpec):
     def __init__(self, block_ids: Sequence[int] | np.ndarray, block_hashes: Sequence[BlockHash]):
         super().__init__(block_ids)
         self.block_hashes = list(block_hashes)
-        if len(self.block_hashes) != len(self.block_ids):
+        if len(self.block_hashes) != len(self):
             raise ValueError(
-                f"DiskLoadStoreSpec: {len(self.block_ids)} slots but "
+                f"DiskLoadStoreSpec: {len(self)} slots but "
                 f"{len(self.block_hashes)} block hashes; expected one hash per slot"
             )
 

@@ -443,7 +443,7 @@ def _store_chunks(chunks: list[int], keys: list[bytes], kv, blocks: BlockLayout,
         return
     index_of = {keys[c]: c for c in chunks}
     todo_chunks = [index_of[k] for k in todo]
-    slots = list(out.store_spec.block_ids)
+    slots = out.store_spec.id_list()
     rows = aligned_empty(len(todo) * slot_size).view(len(todo), slot_size)
     rows.zero_()
     ok = np.ones(len(todo), dtype=bool)

@@ -40,6 +40,8 @@ seconds per GB moved.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -49,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,6 +84,41 @@ def per_round(tier: list[float], raw: list[float]) -> str:
     """Median and range of the per-round ratios ``tier[i] / raw[i]``."""
     ratios = sorted(t / r for t, r in zip(tier, raw))
     return f"{float(np.median(ratios)):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+
+
+class GcPauses:
+    """Milliseconds the cyclic garbage collector ran (holding the GIL, so no I/O thread
+    can start its next call meanwhile), per path (``key``)."""
+
+    def __init__(self) -> None:
+        self.key = ""
+        self.ms: dict[str, float] = defaultdict(float)
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms[self.key] += (time.perf_counter() - self._t0) * 1e3
+
+
+@contextlib.contextmanager
+def worker_heap(frozen: bool):
+    """Run the measurements in a worker process's heap: frozen after setup (``gc.freeze``),
+    as vLLM's GPU worker freezes it after warm-up (``freeze_gc_heap``), so a full
+    collection does not walk torch's and the model's objects; ``frozen=False`` leaves
+    it live. Yields the ``GcPauses`` it records."""
+    pauses = GcPauses()
+    if frozen:
+        gc.collect()
+        gc.freeze()
+    gc.callbacks.append(pauses)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(pauses)
+        if frozen:
+            gc.unfreeze()
 
 
 def thp_mode() -> str:
@@ -251,6 +289,9 @@ def main() -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "posix", "kvikio"))
     p.add_argument("--raw", default="auto", choices=("auto", "fio", "loop"))
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart (PNG) here")
+    p.add_argument("--live-heap", action="store_true",
+                   help="do not freeze the heap built at setup (vLLM's workers freeze it after warm-up), "
+                        "so full garbage collections walk it all")
     p.add_argument("--small-pages", action="store_true",
                    help="host buffers on ordinary 4 KiB pages, not advised onto huge pages (to compare)")
     args = p.parse_args()
@@ -265,7 +306,8 @@ def main() -> None:
     print(f"# raw = {'fio --direct=1 --ioengine=psync' if use_fio else 'O_DIRECT pwritev/preadv loop'}, "
           f"{args.io_threads} threads; tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
           f"{args.job_threads} job threads, {args.io_threads} I/O threads; {args.total_mib} MiB per "
-          f"measurement, {args.rounds} rounds; THP {thp_mode()}"
+          f"measurement, {args.rounds} rounds; THP {thp_mode()}; heap "
+          f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
           f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}")
     rows = []
     try:
@@ -280,15 +322,17 @@ def main() -> None:
             res = {k: [] for k in ("raw_w", "store_w", "tier_w", "raw_r", "store_r", "tier_r")}
             cpu = {k: 0.0 for k in res}
             benches = (("raw", raw), ("store", store), ("tier", tier))
-            for r in range(args.rounds):
-                # Rotate the order each round so no path always runs right after another.
-                order = benches[r % 3:] + benches[:r % 3]
-                for write in (True, False):
-                    for name, bench in order:
-                        key = f"{name}_{'w' if write else 'r'}"
-                        c0 = cpu_seconds()
-                        res[key].append(bench.run(write))
-                        cpu[key] += cpu_seconds() - c0
+            with worker_heap(frozen=not args.live_heap) as gc_pauses:
+                for r in range(args.rounds):
+                    # Rotate the order each round so no path always runs right after another.
+                    order = benches[r % 3:] + benches[:r % 3]
+                    for write in (True, False):
+                        for name, bench in order:
+                            key = f"{name}_{'w' if write else 'r'}"
+                            c0 = cpu_seconds()
+                            gc_pauses.key = key
+                            res[key].append(bench.run(write))
+                            cpu[key] += cpu_seconds() - c0
             backend = tier.store.backend.describe()
             direct = tier.store._files[0].direct
             path = "views" if tier.handler._views is not None else "staged"
@@ -300,7 +344,9 @@ def main() -> None:
             agg.update({f"cpu_{k}": v / moved for k, v in cpu.items()})
             rows.append((size, agg, res))
             print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, handler {path}, per-round GB/s "
-                  + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items()))
+                  + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items())
+                  + "; garbage-collector pauses, ms: "
+                  + ", ".join(f"{k}={gc_pauses.ms[k]:.0f}" for k in res))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -10,11 +10,14 @@ per-block cost (ns) of lookup, prepare_store, complete_store and touch for:
   placement and index bookkeeping only: no bytes move, so this is the scheduler's cost).
 
 And the latency distribution of a 256-block ``prepare_store`` that cascades (a full CPU
-tier; every call spills 256 blocks to the disk tier, and once the disk is full evicts
-256 there too), p50/p99 in microseconds, beside vLLM's manager evicting 256 blocks from
-a full tier in the same run. In both, each call's store completes after the next call,
-so one store is always in flight (pending, not evictable), as in an engine. Both latency loops run with the heap built before them
-frozen (``gc.freeze``), as vLLM's EngineCore runs after startup.
+tier; every call spills 256 blocks to the disk tier, and in the second half of the
+calls, the disk being full, evicts 256 there too), p50/p99 in microseconds, beside
+vLLM's manager evicting 256 blocks from a full tier in the same run, and beside plain
+interpreter work of the same median length timed between the calls (the machine's own
+jitter). In both managers, each call's store completes after the next call, so one
+store is always in flight (pending, not evictable), as in an engine. Both latency loops
+run with the heap built before them frozen (``gc.freeze``), as vLLM's EngineCore runs
+after startup.
 
 And what the disk tier's flusher thread does per 256 stored blocks in the scheduler
 process: ``refresh()`` reading 256 workers' commits from the index log and making the
@@ -150,22 +153,44 @@ def disk_manager(tmp: str, n: int) -> DiskOffloadingManager:
     return DiskOffloadingManager(tmp, fp, LAYOUT, disk_bytes=n * 4096)
 
 
-def cascade_latency(n: int, tmp: str, calls: int) -> list[float]:
+def busy_loop(iterations: int) -> None:
+    """Plain interpreter work: what the machine's own jitter does to a call of this length."""
+    x = 0
+    for i in range(iterations):
+        x += i
+
+
+def iterations_for(seconds: float) -> int:
+    """``busy_loop`` iterations that take about ``seconds`` here (median of 21 tries)."""
+    probe = 20_000
+    tries = []
+    for _ in range(21):
+        t0 = time.perf_counter()
+        busy_loop(probe)
+        tries.append(time.perf_counter() - t0)
+    return max(1, round(probe * seconds / statistics.median(tries)))
+
+
+def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[float]]:
     """Per-call seconds of a 256-block prepare_store on a full CPU tier (write_back: every
-    call spills 256 blocks). The disk tier holds ``n + calls * 128`` blocks, so the
-    second half of the calls also evicts 256 disk blocks each. Between calls, untimed,
-    the previous call's GPU copies complete (so one store is always in flight, as in an
+    call spills 256 blocks). The disk tier starts empty and holds ``calls * 128``
+    blocks, so the first half of the calls fills it and the second half also evicts 256
+    disk blocks each (the steady state of a full hierarchy). Between calls, untimed, the
+    previous call's GPU copies complete (so one store is always in flight, as in an
     engine whose workers report a step later) and a worker commits the spilled blocks to
-    the disk index
-    (synced, as after their bytes are durable; no bytes are written): the next call's
-    refresh reads those records, as it does in an engine."""
-    disk = disk_manager(tmp, n + calls * BATCH // 2)
+    the disk index (synced, as after their bytes are durable; no bytes are written): the
+    next call's refresh reads those records, as it does in an engine.
+
+    Also returns the machine's noise floor, interleaved: after each of the last
+    ``calls - 50`` calls, the seconds of a ``busy_loop`` sized to the median of the
+    first 50."""
+    disk = disk_manager(tmp, calls * BATCH // 2)
     worker_index = DiskIndex(disk.namespace.index_path, 1)
     manager = TieredOffloadingManager(CPUOffloadingManager(n, 16), disk, write_policy="write_back",
                                       max_pending_disk_writes=4 * BATCH)
     for batch in batches_of(hashes(n)):
         manager.complete_store(manager.prepare_store(batch).block_hashes_to_store)
-    lat, in_flight = [], []
+    lat, floor, in_flight, busy = [], [], [], 0
     with serving_heap():
         for i in range(calls):
             batch = hashes(BATCH, n + i * BATCH)
@@ -178,9 +203,15 @@ def cascade_latency(n: int, tmp: str, calls: int) -> list[float]:
             in_flight = out.block_hashes_to_store
             worker_index.commit_stored(0, spills.block_hashes, spills.disk_slots.tolist(),
                                        [disk.block_bytes] * len(spills), [0] * len(spills))
+            if i == 49:
+                busy = iterations_for(statistics.median(lat))
+            if busy:
+                t0 = time.perf_counter()
+                busy_loop(busy)
+                floor.append(time.perf_counter() - t0)
     worker_index.close()
     manager.shutdown()
-    return lat
+    return lat, floor
 
 
 def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
@@ -242,14 +273,21 @@ def main() -> int:
     print()
     print(f"{BATCH}-block prepare_store on a full CPU tier, {args.cascade_calls} calls: tiered = the "
           f"composite, every call spilling {BATCH} blocks to disk (write_back); vllm-cpu = vLLM's "
-          f"manager evicting {BATCH} blocks (no lower tier)")
+          f"manager evicting {BATCH} blocks (no lower tier). Tiered rows: all calls, the first half "
+          f"(the disk tier filling), the second half (the disk full, evicting {BATCH} blocks per call "
+          f"too); py loop = plain interpreter work sized to the tiered median, timed after each call "
+          f"(this machine's own jitter)")
     print(f"{'CPU blocks':>10} {'manager':>10} {'p50 us':>9} {'p99 us':>9} {'max us':>9}")
     for n in args.sizes:
         vllm_lat = vllm_evicting_latency(n, args.cascade_calls)
         if vllm_lat:
             print(f"{n:>10} {'vllm-cpu':>10} {percentiles(vllm_lat)}")
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
-            print(f"{n:>10} {'tiered':>10} {percentiles(cascade_latency(n, tmp, args.cascade_calls))}")
+            lat, floor = cascade_latency(n, tmp, args.cascade_calls)
+        half = len(lat) // 2
+        for name, part in (("tiered", lat), ("filling", lat[:half]), ("disk full", lat[half:]),
+                           ("py loop", floor)):
+            print(f"{n:>10} {name:>10} {percentiles(part)}")
     print()
     print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), "
           f"median us")

@@ -150,7 +150,7 @@ class TieredOffloadingManager(OffloadingManager):
 
         disk_hashes = [h for h, s in zip(block_hashes, sources) if s == "DISK"]
         disk_spec = self.disk.prepare_load(disk_hashes)
-        disk_slot = dict(zip(disk_hashes, disk_spec.block_ids.tolist()))
+        disk_slot = dict(zip(disk_hashes, disk_spec.id_list()))
         self._disk_loads.update(disk_hashes)
         self.stats.count("disk", "hits", len(disk_hashes))
         promote_slot = self._start_promotions(disk_hashes) if self.promote_on_hit else {}
@@ -254,17 +254,28 @@ class TieredOffloadingManager(OffloadingManager):
             else:
                 cpu_slot = dict(zip(victims, cpu_slots))
                 spill_slots = list(map(cpu_slot.__getitem__, spilled))
-            spills = DiskWrites(spill_slots, out.store_spec.block_ids, spilled)
+            spills = DiskWrites(spill_slots, out.store_spec.id_list(), spilled)
             if len(spilled) < len(unsafe):
                 spilled_set = set(spilled)
                 evicted = [h for h in unsafe if h not in spilled_set]
             else:
                 evicted = []
-            evicted.extend(self.cpu.missing_among(out.block_hashes_evicted))
+            evicted.extend(self._gone_from_cpu(out.block_hashes_evicted))
             self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
         self.stats.count("cpu", "spills", len(spills))
         self.stats.count("cpu", "drops", len(evicted))
         return spills, evicted
+
+    def _gone_from_cpu(self, disk_evicted: list[BlockHash]) -> list[BlockHash]:
+        """The members of ``disk_evicted`` that are not in CPU either: they left the
+        hierarchy. With write_back only promoted blocks can be in both tiers, so the
+        others need no CPU lookup."""
+        if self.write_policy != "write_back":
+            return self.cpu.missing_among(disk_evicted)
+        both = self._from_disk
+        if not both:
+            return list(disk_evicted)
+        return [h for h in disk_evicted if h not in both or h not in self.cpu]
 
     def _absent_from_disk(self, cpu_blocks: list[BlockHash]) -> list[BlockHash]:
         """The members of ``cpu_blocks`` (in CPU now) that are neither loadable nor
@@ -311,9 +322,9 @@ class TieredOffloadingManager(OffloadingManager):
         else:
             cpu_slot = dict(zip(to_store, cpu_slots))
             writes = DiskWrites(list(map(cpu_slot.__getitem__, out.block_hashes_to_store)),
-                                out.store_spec.block_ids, out.block_hashes_to_store)
+                                out.store_spec.id_list(), out.block_hashes_to_store)
             # Disk evictions here only remove blocks that are no longer in CPU either.
-            evicted.extend(self.cpu.missing_among(out.block_hashes_evicted))
+            evicted.extend(self._gone_from_cpu(out.block_hashes_evicted))
             self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
         if skipped:
             self.stats.count("disk", "drops", skipped)

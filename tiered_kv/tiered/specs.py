@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tiered_kv.abstract import BlockHash, LoadStoreSpec
-from tiered_kv.mediums import CPULoadStoreSpec
+from tiered_kv.mediums import CPULoadStoreSpec, Int64Column
 
 TIERED = "TIERED"
 
@@ -24,19 +24,23 @@ class DiskWrite(NamedTuple):
 class DiskWrites:
     """Disk writes as parallel columns: block ``block_hashes[i]`` goes from CPU slot
     ``cpu_slots[i]`` to disk slot ``disk_slots[i]``. Columns, not one object per block:
-    a cascading store plans hundreds of them on the scheduler's thread. Iterating
-    yields ``DiskWrite`` tuples."""
+    a cascading store plans hundreds of them on the scheduler's thread (and slot lists
+    become arrays only when first read: ``Int64Column``). Iterating yields ``DiskWrite``
+    tuples."""
 
-    __slots__ = ("cpu_slots", "disk_slots", "block_hashes")
+    __slots__ = ("_cpu_slots", "_disk_slots", "block_hashes")
+    cpu_slots = Int64Column()
+    disk_slots = Int64Column()
 
     def __init__(self, cpu_slots: Sequence[int] | np.ndarray = (), disk_slots: Sequence[int] | np.ndarray = (),
                  block_hashes: Sequence[BlockHash] = ()):
-        self.cpu_slots = np.asarray(cpu_slots, dtype=np.int64)
-        self.disk_slots = np.asarray(disk_slots, dtype=np.int64)
+        self.cpu_slots = cpu_slots
+        self.disk_slots = disk_slots
         self.block_hashes = list(block_hashes)
-        if not len(self.cpu_slots) == len(self.disk_slots) == len(self.block_hashes):
-            raise ValueError(f"DiskWrites: {len(self.cpu_slots)} cpu_slots, {len(self.disk_slots)} "
-                             f"disk_slots and {len(self.block_hashes)} block_hashes; expected one of each per block")
+        if not (DiskWrites.cpu_slots.count(self) == DiskWrites.disk_slots.count(self) == len(self.block_hashes)):
+            raise ValueError(f"DiskWrites: {DiskWrites.cpu_slots.count(self)} cpu_slots, "
+                             f"{DiskWrites.disk_slots.count(self)} disk_slots and {len(self.block_hashes)} "
+                             f"block_hashes; expected one of each per block")
 
     @classmethod
     def of(cls, writes: "DiskWrites | Sequence[DiskWrite]") -> "DiskWrites":
@@ -86,14 +90,19 @@ class TieredLoadSpec(LoadStoreSpec):
     also lands in that CPU slot (read disk -> CPU, checksum verified, then CPU -> GPU).
     """
 
+    cpu_slots = Int64Column()
+    disk_slots = Int64Column()
+    promote_slots = Int64Column()
+
     def __init__(self, cpu_slots: Sequence[int], disk_slots: Sequence[int],
                  promote_slots: Sequence[int], block_hashes: Sequence[BlockHash]):
-        self.cpu_slots = np.asarray(cpu_slots, dtype=np.int64)
-        self.disk_slots = np.asarray(disk_slots, dtype=np.int64)
-        self.promote_slots = np.asarray(promote_slots, dtype=np.int64)
+        self.cpu_slots = cpu_slots
+        self.disk_slots = disk_slots
+        self.promote_slots = promote_slots
         self.block_hashes = list(block_hashes)
         n = len(self.block_hashes)
-        if not (len(self.cpu_slots) == len(self.disk_slots) == len(self.promote_slots) == n):
+        cls = TieredLoadSpec
+        if not (cls.cpu_slots.count(self) == cls.disk_slots.count(self) == cls.promote_slots.count(self) == n):
             raise ValueError("TieredLoadSpec: cpu_slots, disk_slots, promote_slots and "
                              "block_hashes must all have one entry per block")
 

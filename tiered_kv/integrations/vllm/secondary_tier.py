@@ -393,7 +393,7 @@ class TieredDiskTier(SecondaryTierManager):
             return
         self.stats.evicted += len(out.block_hashes_evicted)
         job.keys = list(out.block_hashes_to_store)
-        job.slots = [int(s) for s in out.store_spec.block_ids]
+        job.slots = out.store_spec.id_list()
         job.chunk_ids = np.array([chunk_of[k] for k in job.keys], dtype=np.int64)
         self._writes_waiting += len(job.keys)
         with self._idle:
@@ -451,7 +451,7 @@ class TieredDiskTier(SecondaryTierManager):
             self._finished.append(job)
             return
         dm.touch(job.keys)
-        job.slots = [int(s) for s in dm.prepare_load(job.keys).block_ids]  # pins them
+        job.slots = dm.prepare_load(job.keys).id_list()  # pins them
         with self._idle:
             self._in_flight += 1
         self._load_pool.submit(self._read_job, job)
