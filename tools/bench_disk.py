@@ -27,7 +27,9 @@ bytes per measurement with the same number of I/O threads:
 Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
 advised onto transparent huge pages (``--small-pages``: ordinary pages, to compare);
-the header prints the kernel's THP mode.
+the header prints the kernel's THP mode. The heap built at setup is frozen, as a vLLM
+worker's is after warm-up (``--live-heap``: not); ``--busy-thread`` adds a thread running
+plain Python beside every path, as an engine worker's own Python would.
 
 Ratios are tier / raw over all rounds (bytes / time summed); a second table gives the
 per-round ratios (each path against the raw loop of the same round), median and range.
@@ -50,6 +52,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +122,28 @@ def worker_heap(frozen: bool):
         gc.callbacks.remove(pauses)
         if frozen:
             gc.unfreeze()
+
+
+@contextlib.contextmanager
+def busy_thread(on: bool):
+    """While the block runs, a thread of this process runs plain Python (when ``on``)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i
+
+    thread = threading.Thread(target=spin, daemon=True) if on else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
 
 
 def thp_mode() -> str:
@@ -287,6 +312,9 @@ def main() -> None:
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--job-threads", type=int, default=4, help="jobs in flight (default 4)")
     p.add_argument("--backend", default="auto", choices=("auto", "posix", "kvikio"))
+    p.add_argument("--busy-thread", action="store_true",
+                   help="run plain Python on one more thread of this process throughout, as an engine "
+                        "worker's own Python would (every path, the raw loop included)")
     p.add_argument("--raw", default="auto", choices=("auto", "fio", "loop"))
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart (PNG) here")
     p.add_argument("--live-heap", action="store_true",
@@ -308,6 +336,7 @@ def main() -> None:
           f"{args.job_threads} job threads, {args.io_threads} I/O threads; {args.total_mib} MiB per "
           f"measurement, {args.rounds} rounds; THP {thp_mode()}; heap "
           f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
+          f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
           f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}")
     rows = []
     try:
@@ -322,7 +351,7 @@ def main() -> None:
             res = {k: [] for k in ("raw_w", "store_w", "tier_w", "raw_r", "store_r", "tier_r")}
             cpu = {k: 0.0 for k in res}
             benches = (("raw", raw), ("store", store), ("tier", tier))
-            with worker_heap(frozen=not args.live_heap) as gc_pauses:
+            with worker_heap(frozen=not args.live_heap) as gc_pauses, busy_thread(args.busy_thread):
                 for r in range(args.rounds):
                     # Rotate the order each round so no path always runs right after another.
                     order = benches[r % 3:] + benches[:r % 3]
