@@ -124,18 +124,19 @@ def worker_heap(frozen: bool):
             gc.unfreeze()
 
 
+def spin(stop) -> None:
+    """Plain Python until ``stop`` (a threading or multiprocessing ``Event``) is set."""
+    x = 0
+    while not stop.is_set():
+        for i in range(1000):
+            x += i
+
+
 @contextlib.contextmanager
 def busy_thread(on: bool):
     """While the block runs, a thread of this process runs plain Python (when ``on``)."""
     stop = threading.Event()
-
-    def spin() -> None:
-        x = 0
-        while not stop.is_set():
-            for i in range(1000):
-                x += i
-
-    thread = threading.Thread(target=spin, daemon=True) if on else None
+    thread = threading.Thread(target=spin, args=(stop,), daemon=True) if on else None
     if thread is not None:
         thread.start()
     try:

@@ -20,25 +20,13 @@ import multiprocessing as mp
 import os
 import platform
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_disk import RawLoop
+from bench_disk import RawLoop, busy_thread, spin
 
 MiB = 1 << 20
-
-
-def spin(stop: Callable[[], bool]) -> None:
-    x = 0
-    while not stop():
-        for i in range(1000):
-            x += i
-
-
-def spin_until_set(event) -> None:
-    spin(event.is_set)
 
 
 def beside(kind: str, run: Callable[[], float]) -> float:
@@ -46,20 +34,18 @@ def beside(kind: str, run: Callable[[], float]) -> float:
     if kind == "alone":
         return run()
     if kind == "thread":
-        done = False
-        other = threading.Thread(target=spin, args=(lambda: done,))
-    else:
-        event = mp.get_context("spawn").Event()
-        other = mp.get_context("spawn").Process(target=spin_until_set, args=(event,))
+        with busy_thread(True):
+            time.sleep(0.2)  # the spinner is running before the I/O starts
+            return run()
+    spawn = mp.get_context("spawn")
+    stop = spawn.Event()
+    other = spawn.Process(target=spin, args=(stop,))
     other.start()
-    time.sleep(0.2)  # the spinner is running before the I/O starts
+    time.sleep(0.2)
     try:
         return run()
     finally:
-        if kind == "thread":
-            done = True
-        else:
-            event.set()
+        stop.set()
         other.join()
 
 
