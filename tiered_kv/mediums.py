@@ -43,14 +43,6 @@ class Int64Column:
     def __set__(self, obj, ids: Sequence[int] | np.ndarray) -> None:
         setattr(obj, self._slot, list(ids) if isinstance(ids, list) else int64_ids(ids))
 
-    def as_list(self, obj) -> list[int]:
-        """The ids of ``obj`` as a list, without making the array."""
-        ids = getattr(obj, self._slot)
-        return ids if isinstance(ids, list) else ids.tolist()
-
-    def count(self, obj) -> int:
-        return len(getattr(obj, self._slot))
-
 
 class BlockIDsLoadStoreSpec(LoadStoreSpec):
     """Blocks addressed by integer ids: GPU block ids, CPU slot ids or disk slot ids
@@ -62,11 +54,13 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
         self.block_ids = block_ids
 
     def id_list(self) -> list[int]:
-        """``block_ids`` as a list of ints (cheap on the scheduler side)."""
-        return BlockIDsLoadStoreSpec.block_ids.as_list(self)
+        """``block_ids`` as a list of ints, without making the array (the spec's own
+        list while it has one: read it, do not change it)."""
+        ids = self._block_ids
+        return ids if isinstance(ids, list) else ids.tolist()
 
     def __len__(self) -> int:
-        return BlockIDsLoadStoreSpec.block_ids.count(self)
+        return len(self._block_ids)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids.tolist()})"

@@ -37,10 +37,9 @@ class DiskWrites:
         self.cpu_slots = cpu_slots
         self.disk_slots = disk_slots
         self.block_hashes = list(block_hashes)
-        if not (DiskWrites.cpu_slots.count(self) == DiskWrites.disk_slots.count(self) == len(self.block_hashes)):
-            raise ValueError(f"DiskWrites: {DiskWrites.cpu_slots.count(self)} cpu_slots, "
-                             f"{DiskWrites.disk_slots.count(self)} disk_slots and {len(self.block_hashes)} "
-                             f"block_hashes; expected one of each per block")
+        if not len(self._cpu_slots) == len(self._disk_slots) == len(self.block_hashes):
+            raise ValueError(f"DiskWrites: {len(self._cpu_slots)} cpu_slots, {len(self._disk_slots)} "
+                             f"disk_slots and {len(self.block_hashes)} block_hashes; expected one of each per block")
 
     @classmethod
     def of(cls, writes: "DiskWrites | Sequence[DiskWrite]") -> "DiskWrites":
@@ -101,8 +100,7 @@ class TieredLoadSpec(LoadStoreSpec):
         self.promote_slots = promote_slots
         self.block_hashes = list(block_hashes)
         n = len(self.block_hashes)
-        cls = TieredLoadSpec
-        if not (cls.cpu_slots.count(self) == cls.disk_slots.count(self) == cls.promote_slots.count(self) == n):
+        if not (len(self._cpu_slots) == len(self._disk_slots) == len(self._promote_slots) == n):
             raise ValueError("TieredLoadSpec: cpu_slots, disk_slots, promote_slots and "
                              "block_hashes must all have one entry per block")
 
