@@ -37,7 +37,8 @@ def test_second_demo_run_is_served_from_the_first_runs_disk_blocks(tmp_path):
     args = ["demo", "--requests", "80", "--cpu-bytes", "2MiB", "--device", "cpu", "--cache-dir", str(tmp_path)]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
-    second = runner.invoke(app, args)
+    second = runner.invoke(app, args + ["--disk-io", "process"])  # either kind reads the same cache
+    assert "in a helper process" in second.output
     assert second.exit_code == 0, second.output
     assert "mismatches: 0" in second.output
     assert _disk_hits(second.output) > _disk_hits(first.output)
@@ -54,6 +55,8 @@ def test_demo_rejects_bad_options():
     assert result.exit_code != 0 and "kv-first or kv-after" in result.output
     result = runner.invoke(app, ["demo", "--cpu-bytes", "lots"])
     assert result.exit_code == 2 and "cannot parse size 'lots'" in result.output
+    result = runner.invoke(app, ["demo", "--disk-io", "fork", "--cache-dir", "/nonexistent/x"])
+    assert result.exit_code == 2 and "disk_io" in result.output and "fork" in result.output
 
 
 def test_demo_exits_nonzero_on_mismatch(monkeypatch):

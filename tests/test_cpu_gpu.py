@@ -23,10 +23,10 @@ def kernel(t: torch.Tensor, kv_first: bool, k: int) -> bytes:
     return block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def setup(kv_first, factor, slots=6, gpu_blocks=24, device="cpu", seed=0):
+def setup(kv_first, factor, slots=6, gpu_blocks=24, device="cpu", seed=0, shared=False):
     layout = make_layout(kv_first, num_gpu_blocks=gpu_blocks, block_size_factor=factor)
     gpu = random_tensors(layout, seed=seed, device=device)
-    host = HostKVCache(layout, slots)
+    host = HostKVCache(layout, slots, shared=shared)
     for t in host.tensors:
         t.zero_()
     return layout, gpu, host, CpuGpuOffloadingHandlers(gpu, host)
@@ -43,9 +43,11 @@ def test_contiguous_runs():
     assert contiguous_runs(np.array([3, 4, 5, 9, 10, 12])) == [(0, 3, 3), (3, 5, 9), (5, 6, 12)]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])  # shared: disk_io process
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device):
-    layout, gpu, host, handlers = setup(kv_first, factor, device=device)
+def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device, shared):
+    layout, gpu, host, handlers = setup(kv_first, factor, device=device, shared=shared)
+    assert host.shared == shared and host.pinned == (device == "cuda")
     n = 4
     src_gpu = np.array([17, 2, 9, 11, 20, 0, 5, 6, 13, 1, 22, 3][: n * factor])
     slots = np.array([4, 1, 2, 5])

@@ -352,10 +352,17 @@ def test_a_store_job_thread_moves_on_while_its_commit_waits(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first):
-    """Real device tensors: GDS where KvikIO has it, else the pinned bounce buffer."""
+@pytest.mark.parametrize("disk_io", ["thread", "process"])
+def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first, disk_io):
+    """Real device tensors: GDS where KvikIO has it, else the pinned bounce buffer (always
+    with the I/O process, whose bounce buffer is pinned shared memory)."""
     layout = small_layout(kv_first, factor=2)
-    store = open_store(tmp_path, layout, backend="auto")
+    if disk_io == "process":
+        from tiered_kv.disk.io_process import DiskIOProcess
+        store = DiskIOProcess.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                                   io_backend="auto")
+    else:
+        store = open_store(tmp_path, layout, backend="auto")
     gpu = random_tensors(layout, seed=9, device="cuda")
     h = GpuDiskHandler(store, 0, gpu, layout)
     try:

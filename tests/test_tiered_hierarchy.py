@@ -41,13 +41,15 @@ def documents(num_docs: int, blocks_per_doc: int, seed: int = 0):
     return [prefix_hashes(rng.integers(0, 50_000, size=(blocks_per_doc, 16))) for _ in range(num_docs)]
 
 
+@pytest.mark.parametrize("disk_io", ["thread", "process"])
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-def test_working_set_5x_cpu_and_half_of_disk_hits_on_every_repeat(tmp_path, write_policy):
+def test_working_set_5x_cpu_and_half_of_disk_hits_on_every_repeat(tmp_path, write_policy, disk_io):
     device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
                            device="cpu")
     working_set = 5 * CPU_SLOTS
     disk_bytes = 2 * working_set * 4096  # the working set is half the disk tier
-    spec, driver = build(tmp_path, device, disk_bytes=disk_bytes, write_policy=write_policy)
+    spec, driver = build(tmp_path, device, disk_bytes=disk_bytes, write_policy=write_policy, disk_io=disk_io)
+    assert spec.host.shared == (disk_io == "process")
     docs = documents(num_docs=working_set // 8, blocks_per_doc=8)
     assert sum(map(len, docs)) == working_set
 
@@ -70,18 +72,19 @@ def test_working_set_5x_cpu_and_half_of_disk_hits_on_every_repeat(tmp_path, writ
     close(driver, spec)
 
 
-def test_disk_blocks_survive_a_restart_and_stale_cpu_state_does_not(tmp_path):
+@pytest.mark.parametrize("disk_io", ["thread", "process"])
+def test_disk_blocks_survive_a_restart_and_stale_cpu_state_does_not(tmp_path, disk_io):
     device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
                            device="cpu")
     docs = documents(num_docs=6, blocks_per_doc=8, seed=1)
-    spec, driver = build(tmp_path, device, disk_bytes="4MiB")
+    spec, driver = build(tmp_path, device, disk_bytes="4MiB", disk_io=disk_io)
     driver.run(docs)
     settle(driver, spec)
     close(driver, spec)
 
     device2 = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
                             device="cpu")
-    spec2, driver2 = build(tmp_path, device2, disk_bytes="4MiB")
+    spec2, driver2 = build(tmp_path, device2, disk_bytes="4MiB", disk_io=disk_io)
     report = driver2.run(docs)
     assert report.mismatches == 0
     assert report.computed == 0, "a restarted hierarchy recomputed blocks that were durable on disk"

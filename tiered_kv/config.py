@@ -97,6 +97,7 @@ VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "blocks_per_chunk", "o
 
 WRITE_POLICIES = ("write_through", "write_back")
 IO_BACKENDS = ("auto", "kvikio", "posix")
+DISK_IO = ("thread", "process")
 EVICTION_POLICIES = ("lru",)
 CHECKSUMS = ("xxh3_64", "crc32c")
 
@@ -117,6 +118,10 @@ class TieredConfig:
     eviction_policy: str = "lru"
     checksum: str = "xxh3_64"
     io_threads: int = 4
+    #: Where a worker's disk I/O runs: ``thread`` (threads of the worker process) or
+    #: ``process`` (a helper process per worker, off the worker's GIL; the CPU tier is
+    #: then shared memory). See ``tiered_kv.disk.io_process``.
+    disk_io: str = "thread"
     #: Blocks allowed to wait for a disk write (write-through and spills); the excess is
     #: dropped and counted instead of stalling the engine.
     max_pending_disk_writes: int = 1024
@@ -139,6 +144,7 @@ class TieredConfig:
         "eviction_policy": lambda v, k: _parse_choice(v, k, EVICTION_POLICIES),
         "checksum": lambda v, k: _parse_choice(v, k, CHECKSUMS),
         "io_threads": _parse_positive_int,
+        "disk_io": lambda v, k: _parse_choice(v, k, DISK_IO),
         "max_pending_disk_writes": _parse_positive_int,
         "block_size": lambda v, k: None if v is None else _parse_positive_int(v, k),
         "model_id": lambda v, k: str(v),

@@ -20,6 +20,7 @@ No file I/O here; only memory allocation, tensor copies and reading the memory l
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ from tiered_kv import device as machine  # module, so tests can stand in for its
 from tiered_kv.config import ConfigError, format_size
 from tiered_kv.device import empty_host, host_memory_limit
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.shared_memory import empty_shared
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +263,19 @@ class SlotViews:
                                      f"slots of {f}")
                 self._rows.append(plane.reshape(plane.shape[0] // f, f * plane.shape[1]).numpy())
 
+    @classmethod
+    def from_rows(cls, rows: Sequence[np.ndarray]) -> "SlotViews":
+        """Views over ``rows`` (per plane: ``(num_slots, piece_bytes)`` uint8 arrays, in
+        block byte order), e.g. the same host cache mapped by another process."""
+        views = cls.__new__(cls)
+        views._rows = list(rows)
+        return views
+
+    @property
+    def rows(self) -> list[np.ndarray]:
+        """Per plane, every slot's piece: ``(num_slots, piece_bytes)`` uint8."""
+        return list(self._rows)
+
     @property
     def pieces_per_slot(self) -> int:
         return len(self._rows)
@@ -289,12 +304,14 @@ class HostKVCache:
     block_size_factor``; slot ``s`` is kernel blocks ``s*f .. s*f+f-1``. Memory is
     pinned when CUDA is present (``pin=None``), else pageable (logged once); if pinning
     fails it is pageable too, with a warning. ``pin=True`` or ``False`` demands that kind
-    and raises ``RuntimeError`` (with what to change) when it cannot be had. Raises
+    and raises ``RuntimeError`` (with what to change) when it cannot be had.
+    ``shared=True`` puts it in shared memory (``tiered_kv.shared_memory``; pinned by
+    registering it with CUDA) so a disk I/O process can reach the slots. Raises
     ``ConfigError`` naming cpu_bytes when the tier exceeds ``host_memory_limit()``.
     Contents start uninitialised.
     """
 
-    def __init__(self, layout: KVCacheLayout, num_slots: int, pin: bool | None = None):
+    def __init__(self, layout: KVCacheLayout, num_slots: int, pin: bool | None = None, shared: bool = False):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.layout = layout
@@ -306,6 +323,7 @@ class HostKVCache:
                               f"{layout.bytes_per_block} B) but this machine lets this process use "
                               f"{format_size(limit)} of memory; lower cpu_bytes")
         pinning = pin if pin is not None else machine.can_pin_memory()
+        self.shared = shared
         try:
             self.tensors = self._allocate(pin)
         except RuntimeError as e:
@@ -330,7 +348,13 @@ class HostKVCache:
         tensors = []
         for layer in self.layout.layers:
             lead = (2, kernel_blocks) if layer.kv_before_num_blocks else (kernel_blocks,)
-            tensors.append(empty_host(lead + tuple(layer.block_shape), self.layout.dtype, pin))
+            shape = lead + tuple(layer.block_shape)
+            if self.shared:
+                nbytes = math.prod(shape) * self.layout.dtype.itemsize
+                pinned = pin if pin is not None else machine.can_pin_memory()
+                tensors.append(empty_shared(nbytes, pin=pinned).view(self.layout.dtype).view(shape))
+            else:
+                tensors.append(empty_host(shape, self.layout.dtype, pin))
         return tensors
 
     @staticmethod
@@ -343,9 +367,10 @@ class HostKVCache:
         return slots
 
     @classmethod
-    def from_bytes(cls, layout: KVCacheLayout, cpu_bytes: int, pin: bool | None = None) -> "HostKVCache":
+    def from_bytes(cls, layout: KVCacheLayout, cpu_bytes: int, pin: bool | None = None,
+                   shared: bool = False) -> "HostKVCache":
         """As many slots as fit in ``cpu_bytes``."""
-        return cls(layout, cls.slots_for_bytes(layout, cpu_bytes), pin)
+        return cls(layout, cls.slots_for_bytes(layout, cpu_bytes), pin, shared)
 
     @property
     def nbytes(self) -> int:

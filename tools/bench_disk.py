@@ -68,6 +68,7 @@ from tiered_kv import device  # noqa: E402
 from tiered_kv.device import empty_pageable  # noqa: E402
 from tiered_kv.disk.io_backends import host_view  # noqa: E402
 from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
+from tiered_kv.disk.io_process import DiskIOProcess  # noqa: E402
 from tiered_kv.disk.store import DiskStore  # noqa: E402
 from tiered_kv.host_memory import HostKVCache  # noqa: E402
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout  # noqa: E402
@@ -77,10 +78,15 @@ from tiered_kv.worker.disk import CpuDiskHandler  # noqa: E402
 MiB = 1 << 20
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process so far (all threads)."""
+def cpu_seconds(helper_pid: int | None = None) -> float:
+    """User + system CPU time of this process so far (all threads), plus that of the
+    disk I/O process ``helper_pid`` (``--disk-io process``)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    total = r.ru_utime + r.ru_stime
+    if helper_pid is not None:
+        fields = Path(f"/proc/{helper_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def per_round(tier: list[float], raw: list[float]) -> str:
@@ -124,23 +130,28 @@ def worker_heap(frozen: bool):
             gc.unfreeze()
 
 
-def spin(stop) -> None:
-    """Plain Python until ``stop`` (a threading or multiprocessing ``Event``) is set."""
+def spin(stop, progress: list[int] | None = None) -> None:
+    """Plain Python until ``stop`` (a threading or multiprocessing ``Event``) is set;
+    ``progress[0]`` counts its loops of 1000 additions."""
     x = 0
     while not stop.is_set():
         for i in range(1000):
             x += i
+        if progress is not None:
+            progress[0] += 1
 
 
 @contextlib.contextmanager
 def busy_thread(on: bool):
-    """While the block runs, a thread of this process runs plain Python (when ``on``)."""
+    """While the block runs, a thread of this process runs plain Python (when ``on``).
+    Yields its progress counter (``spin``)."""
     stop = threading.Event()
-    thread = threading.Thread(target=spin, args=(stop,), daemon=True) if on else None
+    progress = [0]
+    thread = threading.Thread(target=spin, args=(stop, progress), daemon=True) if on else None
     if thread is not None:
         thread.start()
     try:
-        yield
+        yield progress
     finally:
         stop.set()
         if thread is not None:
@@ -221,10 +232,10 @@ class StoreBench:
     fdatasync and synced index commits), ``job_threads`` jobs at a time, then load and
     verify them: the disk tier's own I/O path, without the CPU tier's pack/unpack."""
 
-    def __init__(self, store: DiskStore, block_bytes: int, n: int, per_job: int, job_threads: int):
+    def __init__(self, store: DiskStore | DiskIOProcess, block_bytes: int, n: int, per_job: int, job_threads: int):
         self.store, self.n, self.per_job, self.block_bytes = store, n, per_job, block_bytes
         self.pool = ThreadPoolExecutor(job_threads)
-        self.bufs = [empty_pageable(per_job * store.slot_size).view(per_job, store.slot_size)
+        self.bufs = [store.host_buffer(per_job * store.slot_size).view(per_job, store.slot_size)
                      for _ in range(job_threads)]
         for b in self.bufs:
             b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
@@ -259,17 +270,18 @@ class TierBench:
     """Store ``total`` bytes of blocks through a CpuDiskHandler, then load them back."""
 
     def __init__(self, root: Path, block_bytes: int, total: int, job_bytes: int, backend: str,
-                 io_threads: int, job_threads: int):
+                 io_threads: int, job_threads: int, disk_io: str = "thread"):
         self.layout = model_layout(block_bytes)
         self.slot = slot_size_for(self.layout.bytes_per_block)
         self.n = max(1, total // self.layout.bytes_per_block)
         self.per_job = max(1, job_bytes // self.layout.bytes_per_block)
         fp = Fingerprint.from_layout(self.layout, model_id="bench")
         # Twice n slots: the handler uses 0..n-1, StoreBench n..2n-1.
-        self.store = DiskStore.open(root, fp, self.layout, disk_bytes=2 * self.n * self.slot,
-                                    io_backend=backend, io_threads=io_threads)
+        opener = DiskIOProcess.open if disk_io == "process" else DiskStore.open
+        self.store = opener(root, fp, self.layout, disk_bytes=2 * self.n * self.slot,
+                            io_backend=backend, io_threads=io_threads)
         host_slots = min(self.n, 2 * job_threads * self.per_job)
-        self.host = HostKVCache(self.layout, host_slots)
+        self.host = HostKVCache(self.layout, host_slots, shared=disk_io == "process")
         for t in self.host.tensors:
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
         self.handler = CpuDiskHandler(self.store, 0, self.host, self.layout, job_threads=job_threads,
@@ -316,6 +328,9 @@ def main() -> None:
     p.add_argument("--busy-thread", action="store_true",
                    help="run plain Python on one more thread of this process throughout, as an engine "
                         "worker's own Python would (every path, the raw loop included)")
+    p.add_argument("--disk-io", default="thread", choices=("thread", "process"),
+                   help="where the store and handler paths run their disk I/O: threads of this process "
+                        "(default) or a helper process (tiered_kv.disk.io_process)")
     p.add_argument("--raw", default="auto", choices=("auto", "fio", "loop"))
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart (PNG) here")
     p.add_argument("--live-heap", action="store_true",
@@ -338,33 +353,38 @@ def main() -> None:
           f"measurement, {args.rounds} rounds; THP {thp_mode()}; heap "
           f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
           f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
+          f"; disk I/O in {'a helper process' if args.disk_io == 'process' else 'threads of this process'}"
           f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}")
     rows = []
     try:
         for size in (float(s) for s in args.sizes.split(",")):
             bs = int(size * MiB)
             tier = TierBench(root / f"cache-{size}", bs, total, args.job_mib * MiB, args.backend,
-                             args.io_threads, args.job_threads)
+                             args.io_threads, args.job_threads, args.disk_io)
             raw_bs = tier.slot
             raw_cls = Fio if use_fio else RawLoop
             raw = raw_cls(root / f"raw-{size}.bin", tier.n * raw_bs, raw_bs, args.io_threads)
             store = StoreBench(tier.store, tier.layout.bytes_per_block, tier.n, tier.per_job, args.job_threads)
             res = {k: [] for k in ("raw_w", "store_w", "tier_w", "raw_r", "store_r", "tier_r")}
             cpu = {k: 0.0 for k in res}
+            spins = {k: [0, 0.0] for k in res}  # busy thread: loops, seconds
             benches = (("raw", raw), ("store", store), ("tier", tier))
-            with worker_heap(frozen=not args.live_heap) as gc_pauses, busy_thread(args.busy_thread):
+            helper = tier.store.pid if isinstance(tier.store, DiskIOProcess) else None
+            with worker_heap(frozen=not args.live_heap) as gc_pauses, busy_thread(args.busy_thread) as progress:
                 for r in range(args.rounds):
                     # Rotate the order each round so no path always runs right after another.
                     order = benches[r % 3:] + benches[:r % 3]
                     for write in (True, False):
                         for name, bench in order:
                             key = f"{name}_{'w' if write else 'r'}"
-                            c0 = cpu_seconds()
+                            c0, s0, t0 = cpu_seconds(helper), progress[0], time.perf_counter()
                             gc_pauses.key = key
                             res[key].append(bench.run(write))
-                            cpu[key] += cpu_seconds() - c0
+                            cpu[key] += cpu_seconds(helper) - c0
+                            spins[key][0] += progress[0] - s0
+                            spins[key][1] += time.perf_counter() - t0
             backend = tier.store.backend.describe()
-            direct = tier.store._files[0].direct
+            direct = tier.store._files[0].direct if isinstance(tier.store, DiskStore) else "(in the helper)"
             path = "views" if tier.handler._views is not None else "staged"
             store.close()
             tier.close()
@@ -372,6 +392,7 @@ def main() -> None:
             agg = {k: len(v) / sum(1 / x for x in v) / 1e9 for k, v in res.items()}
             moved = args.rounds * tier.n * tier.layout.bytes_per_block / 1e9
             agg.update({f"cpu_{k}": v / moved for k, v in cpu.items()})
+            agg.update({f"spin_{k}": loops * 1000 / seconds / 1e6 for k, (loops, seconds) in spins.items()})
             rows.append((size, agg, res))
             print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, handler {path}, per-round GB/s "
                   + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items())
@@ -399,11 +420,21 @@ def main() -> None:
                  (("store_w", "raw_w"), ("tier_w", "raw_w"), ("store_r", "raw_r"), ("tier_r", "raw_r"))]
         print(f"{size:>5} MiB | {cells[0]:>17} {cells[1]:>17} | {cells[2]:>17} {cells[3]:>17}")
     print()
-    print("CPU seconds per GB moved (this process, all threads, user + system)")
+    print("CPU seconds per GB moved (this process, all threads, user + system; with --disk-io process "
+          "the I/O process's too)")
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} {'handler':>7}")
     for size, agg, _ in rows:
         print(f"{size:>5} MiB | {agg['cpu_raw_w']:>9.3f} {agg['cpu_store_w']:>6.3f} {agg['cpu_tier_w']:>7.3f} | "
               f"{agg['cpu_raw_r']:>8.3f} {agg['cpu_store_r']:>6.3f} {agg['cpu_tier_r']:>7.3f}")
+    if args.busy_thread:
+        print()
+        print("The busy thread's own progress beside each path (million additions per second): "
+              "what an engine's Python keeps while the disk tier works")
+        print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} "
+              f"{'handler':>7}")
+        for size, agg, _ in rows:
+            print(f"{size:>5} MiB | {agg['spin_raw_w']:>9.1f} {agg['spin_store_w']:>6.1f} {agg['spin_tier_w']:>7.1f} | "
+                  f"{agg['spin_raw_r']:>8.1f} {agg['spin_store_r']:>6.1f} {agg['spin_tier_r']:>7.1f}")
     if args.plot:
         import matplotlib
 

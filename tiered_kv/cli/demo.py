@@ -42,6 +42,7 @@ def demo(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the 'GPU' KV cache lives."),
     layout: str = typer.Option("kv-first", "--layout", help="kv-first: (2, num_blocks, ...); kv-after: (num_blocks, 2, ...)."),
     block_size_factor: int = typer.Option(1, "--block-size-factor", min=1, help="GPU blocks per offloaded block."),
+    disk_io: str = typer.Option("thread", "--disk-io", help="thread or process: where the disk I/O runs."),
 ) -> None:
     """Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per
     tier, bytes and GB/s per transfer type.
@@ -60,7 +61,7 @@ def demo(
                             block_size_factor=block_size_factor, device=device)
         config = {"cpu_bytes": cpu_bytes, "block_size": GPU_BLOCK_SIZE * block_size_factor,
                   "disk_bytes": disk_bytes, "write_policy": write_policy,
-                  "promote_on_hit": promote_on_hit, "model_id": "tiered-kv-demo"}
+                  "promote_on_hit": promote_on_hit, "disk_io": disk_io, "model_id": "tiered-kv-demo"}
         if cache_dir is not None:
             config["disk_path"] = str(cache_dir)
         spec = TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK_SIZE)

@@ -74,8 +74,12 @@ class CPUOffloadingSpec(OffloadingSpec):
         layout = KVCacheLayout.from_tensors(kv_caches, self.gpu_block_size, self.block_size_factor,
                                             kv_before_num_blocks)
         self._set_layout(layout)
-        self.host = HostKVCache(layout, self.num_cpu_slots)
+        self.host = HostKVCache(layout, self.num_cpu_slots, shared=self._host_shared())
         return CpuGpuOffloadingHandlers(kv_caches, self.host)
+
+    def _host_shared(self) -> bool:
+        """Whether the CPU tier must be shared memory (another process reaches it)."""
+        return False
 
     def _set_layout(self, layout: KVCacheLayout) -> None:
         if layout.block_size_factor != self.block_size_factor:

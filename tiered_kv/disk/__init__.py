@@ -9,6 +9,8 @@ Module map (which process runs what):
 - ``io_backends``: POSIX (O_DIRECT) and KvikIO (GDS) block I/O (workers).
 - ``store``: ``DiskStore``, one process's block reads/writes with the crash-safe
   commit protocol (workers, tools, inspector).
+- ``io_process``: ``DiskIOProcess``, a worker's ``DiskStore`` run in a helper process of
+  its own (``disk_io: process``), reading and writing the worker's shared host memory.
 - ``manager``: ``DiskOffloadingManager``, slots, LRU and ref-counts (scheduler; never
   blocks on I/O).
 

@@ -1,7 +1,8 @@
 """One process's access to a disk-cache namespace: slab files, index and I/O backend.
 
 Used in worker processes by the disk handlers (one ``DiskStore`` per process, any
-number of TP ranks), and read-only by the inspector. Every call here blocks on disk
+number of TP ranks), in a worker's disk I/O process instead (``io_process.py``, with
+``disk_io: process``), and read-only by the inspector. Every call here blocks on disk
 I/O, so it never runs on a scheduler thread.
 
 A store of one job's blocks on rank R (``begin_write`` ... ``finish``, or
@@ -48,6 +49,7 @@ from functools import partial
 import lmdb
 import torch
 
+from tiered_kv.device import empty_pageable
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot, StoredBlocks
 from tiered_kv.disk.io_backends import (
@@ -256,8 +258,17 @@ class DiskStore:
         aligned for O_DIRECT (so a block fills its slot exactly: there is no
         padding to write) and of at least ``MIN_VIEW_PIECE`` each (so a call of at most
         ``MAX_IO_BYTES`` has at most 64 buffers, far below any IOV_MAX)."""
-        return (views.aligned(ALIGN) and views.slot_bytes == self.slot_size
-                and views.smallest_piece >= MIN_VIEW_PIECE)
+        return views_fit(views, self.slot_size)
+
+    def host_buffer(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        """A long-lived host buffer of ``nbytes`` (uint8, page-aligned; page-locked when
+        ``pin``) that this store's batches take as rows: staging for the handlers."""
+        return aligned_empty(nbytes, pin=True) if pin else empty_pageable(nbytes)
+
+    def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Record in the index log that these writes on ``rank`` will not happen (so the
+        manager frees their slots)."""
+        self.index.log_failed(rank, hashes, slots)
 
     # ------------------------------------------------------------ internals
 
@@ -323,6 +334,11 @@ class DiskStore:
         return rows
 
 
+def views_fit(views: SlotViews, slot_size: int) -> bool:
+    """``DiskStore.takes_views`` for a store of ``slot_size``-byte slots."""
+    return views.aligned(ALIGN) and views.slot_bytes == slot_size and views.smallest_piece >= MIN_VIEW_PIECE
+
+
 def _runs(slots: Sequence[int], start: int, count: int, per_run: int) -> list[tuple[int, int]]:
     """``(first, n)`` runs of blocks ``start .. start+count-1`` whose slots are
     consecutive, each at most ``per_run`` blocks."""
@@ -346,6 +362,11 @@ class _Batch:
         """Wait until no submitted I/O still uses its rows (errors are kept for ``finish``)."""
         for f in self._futures:
             f.exception()
+
+    def submit_slots(self, start: int, views: SlotViews, slots: Sequence[int]) -> Future | None:
+        """``submit_views`` of CPU-tier slots ``slots`` (blocks ``start ..``), given as
+        the host cache's ``views``."""
+        return self.submit_views(start, [views.pieces(s) for s in slots])  # type: ignore[attr-defined]
 
 
 class WriteBatch(_Batch):

@@ -37,7 +37,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tiered_kv.device import empty_pageable
 from tiered_kv.host_memory import HostKVCache, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
@@ -104,7 +103,7 @@ class DiskStager:
             if self._allocated_rows + rows > self._budget:
                 return None
             self._allocated_rows += rows
-        return empty_pageable(rows * self.slot_size).view(rows, self.slot_size)
+        return self.store.host_buffer(rows * self.slot_size).view(rows, self.slot_size)
 
     def stage(self, writes: DiskWrites) -> Future:
         """Start copying ``writes``' CPU slots out; the returned future is done once the
@@ -147,7 +146,7 @@ class DiskStager:
     def _record_failed(self, hashes: list, disk_slots: list) -> None:
         """Tell the manager (through the index log) that these writes will not happen."""
         try:
-            self.store.index.log_failed(self.rank, hashes, disk_slots)
+            self.store.log_failed(self.rank, hashes, disk_slots)
         except Exception:
             logger.exception("could not record %d dropped disk writes in the index", len(hashes))
 

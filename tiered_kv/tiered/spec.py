@@ -66,6 +66,9 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             cpu, disk, write_policy=self.config.write_policy, promote_on_hit=self.config.promote_on_hit,
             max_pending_disk_writes=self.config.max_pending_disk_writes, stats=self.stats)
 
+    def _host_shared(self) -> bool:
+        return bool(self.config.disk_path) and self.config.disk_io == "process"
+
     def get_handlers(
         self,
         kv_caches: Mapping[str, torch.Tensor],
@@ -75,12 +78,9 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         layout = self.layout
         stager = disk_to_gpu = disk_to_cpu = None
         if self.config.disk_path:
-            from tiered_kv.disk.store import DiskStore
+            from tiered_kv.disk.io_process import open_worker_store
             from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
-            self.store = DiskStore.open(
-                self.config.disk_path, self._fingerprint(), layout, disk_bytes=self.config.disk_bytes,
-                checksum=self.config.checksum, io_backend=self.config.io_backend,
-                io_threads=self.config.io_threads, engine_id=self.engine_id)
+            self.store = open_worker_store(self.config, self._fingerprint(), layout, self.engine_id)
             gpu_tensors = [kv_caches[l.name] for l in layout.layers]
             disk_to_gpu = GpuDiskHandler(self.store, self.rank, gpu_tensors, layout)
             disk_to_cpu = CpuDiskHandler(self.store, self.rank, self.host, layout)

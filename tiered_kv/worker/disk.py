@@ -32,14 +32,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from tiered_kv.abstract import LoadStoreSpec
-from tiered_kv.device import TransferStream, can_pin_memory, empty_pageable
+from tiered_kv.device import TransferStream, can_pin_memory
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.host_memory import HostKVCache, SlotViews, expand_block_ids, pack_blocks, unpack_blocks
@@ -70,7 +70,9 @@ class _StagingPool:
     asked and leaves the pool able to try again, so no job waits for a buffer that was
     never made."""
 
-    def __init__(self, count: int, rows: int, slot_size: int, pin: bool, device: torch.device | None):
+    def __init__(self, count: int, rows: int, slot_size: int, pin: bool, device: torch.device | None,
+                 host_buffer: Callable[[int, bool], torch.Tensor]):
+        self._host_buffer = host_buffer  # the store's kind of host memory
         self._free: queue.Queue[_Staging] = queue.Queue()
         self._made = 0
         self._count = count
@@ -110,13 +112,13 @@ class _StagingPool:
     def _host(self, n: int) -> torch.Tensor:
         if self._pin:
             try:
-                return aligned_empty(n, pin=True)
+                return self._host_buffer(n, True)
             except RuntimeError as e:
                 self._pin = False
                 logger.warning("pinning a %d-byte disk staging buffer failed (%s); using pageable memory, "
                                "so device copies are slower. Raise the locked-memory limit (ulimit -l, "
                                "docker --ulimit memlock=-1) to get pinned staging back", n, e)
-        return empty_pageable(n)
+        return self._host_buffer(n, False)
 
 
 class _DiskHandler(OffloadingHandler):
@@ -140,7 +142,7 @@ class _DiskHandler(OffloadingHandler):
         self._owns_store = owns_store
         rows = max(2, staging_bytes // store.slot_size)
         pin = can_pin_memory()
-        self._staging = _StagingPool(job_threads, rows, store.slot_size, pin, staging_device)
+        self._staging = _StagingPool(job_threads, rows, store.slot_size, pin, staging_device, store.host_buffer)
         self._jobs = ThreadPoolExecutor(job_threads, thread_name_prefix=f"tkv-{type(self).__name__}")
         self._cond = threading.Condition()
         self._finished: list[TransferResult] = []
@@ -314,7 +316,7 @@ class CpuDiskHandler(_DiskHandler):
             return super()._store_job(ids, hashes, slots)
         batch = self.store.begin_write(self.rank, hashes, slots)
         try:
-            batch.submit_views(0, [self._views.pieces(s) for s in self._cpu_slots(ids)])
+            batch.submit_slots(0, self._views, self._cpu_slots(ids))
         except Exception as e:  # the blocks are then logged failed by the commit
             logger.exception("writing a disk store of %d blocks failed", len(hashes))
             batch.abandon(e)
@@ -326,7 +328,7 @@ class CpuDiskHandler(_DiskHandler):
         if self._views is None:
             return super()._load_job(ids, hashes, slots)
         batch = self.store.begin_read(self.rank, hashes, slots)
-        batch.submit_views(0, [self._views.pieces(s) for s in self._cpu_slots(ids)])
+        batch.submit_slots(0, self._views, self._cpu_slots(ids))
         return all(batch.finish())
 
     def _cpu_slots(self, ids: np.ndarray) -> list[int]:

@@ -175,18 +175,16 @@ class TieredVllmWorker(OffloadingWorker):
         self.rank = g.rank
         self.stats = TieredStats()
         gpu = [t.tensor for t in kv_caches.tensors]
-        self.host = HostKVCache(self.layout, g.num_cpu_slots)
+        self.host = HostKVCache(self.layout, g.num_cpu_slots,
+                                shared=bool(cfg.disk_path) and cfg.disk_io == "process")
         flags = [False] * len(gpu)
         gpu_to_cpu = SingleDirectionOffloadingHandler(gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY)
         cpu_to_gpu = SingleDirectionOffloadingHandler(self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY)
         self.disk_store = stager = disk_to_gpu = disk_to_cpu = None
         if cfg.disk_path:
-            from tiered_kv.disk.store import DiskStore
+            from tiered_kv.disk.io_process import open_worker_store
 
-            self.disk_store = DiskStore.open(
-                cfg.disk_path, g.fingerprint, self.layout, disk_bytes=cfg.disk_bytes,
-                checksum=cfg.checksum, io_backend=cfg.io_backend, io_threads=cfg.io_threads,
-                engine_id=spec.config.engine_id)
+            self.disk_store = open_worker_store(cfg, g.fingerprint, self.layout, spec.config.engine_id)
             disk_to_gpu = _RowsGpuDiskHandler(self.disk_store, g.rank, gpu, self.layout)
             disk_to_cpu = CpuDiskHandler(self.disk_store, g.rank, self.host, self.layout)
             # Staging for twice the manager's bound of pending writes: a buffer returns a

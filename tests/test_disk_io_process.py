@@ -1,0 +1,208 @@
+"""The disk store in a helper process (``disk_io: process``): the handlers move the same
+bytes as in-process, checksums and the index behave the same, buffers it cannot reach
+are refused, and the death of either process fails only what was in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_layout, random_tensors
+from disk_fixtures import block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
+from tiered_kv.disk.io_process import DiskIOProcess
+from tiered_kv.disk.namespace import slot_size_for
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.host_memory import HostKVCache, expand_block_ids
+from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
+from tiered_kv.shared_memory import empty_shared, locate
+from tiered_kv.worker.disk import CpuDiskHandler
+
+SLOTS = 32
+
+
+def view_layout():
+    """Pieces of 32 KiB (4 GPU blocks of 8 KiB per plane): the handlers move them in place."""
+    return make_layout(True, num_gpu_blocks=64, block_size_factor=4, num_layers=2, gpu_block_size=4,
+                       heads=8, head_dim=128)
+
+
+def open_process(tmp_path, layout, **kwargs):
+    return DiskIOProcess.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
+                              io_backend="posix", **kwargs)
+
+
+def host_cache(layout, slots, seed, shared=True):
+    host = HostKVCache(layout, slots, pin=False, shared=shared)
+    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=slots * layout.block_size_factor, seed=seed)):
+        t.copy_(r)
+    return host
+
+
+def handlers(tmp_path, layout, slots, shared=True, **kwargs):
+    """An I/O process, two host caches of ``slots`` (random, different) and a handler on
+    each: ``h`` (built with ``kwargs``) stores from ``src``, ``h2`` loads into ``dst``."""
+    proc = open_process(tmp_path, layout)
+    src, dst = host_cache(layout, slots, seed=1, shared=shared), host_cache(layout, slots, seed=2, shared=shared)
+    return proc, src, dst, CpuDiskHandler(proc, 0, src, layout, **kwargs), CpuDiskHandler(proc, 0, dst, layout)
+
+
+def slot_bytes(host, layout, slots):
+    f = layout.block_size_factor
+    ids = torch.as_tensor(expand_block_ids(slots, f))
+    return [t.index_select(1 if l.kv_before_num_blocks else 0, ids).contiguous().view(torch.uint8)
+            for t, l in zip(host.tensors, layout.layers)]
+
+
+def run(handler, job_id, spec):
+    assert handler.transfer_async(job_id, spec)
+    handler.wait({job_id})
+    return {r.job_id: r.success for r in handler.get_finished()}[job_id]
+
+
+def disk_spec(slots, prefix="b"):
+    return DiskLoadStoreSpec(slots, [block_hash(f"{prefix}{s}") for s in slots])
+
+
+def test_shared_memory_is_located_and_private_memory_is_not():
+    t = empty_shared(1 << 20)
+    region, offset = locate(t[4096:].data_ptr(), 4096)
+    assert offset == 4096 and region.nbytes == 1 << 20
+    assert locate(t.data_ptr() + (1 << 20) - 10, 20) is None, "bytes past the region's end"
+    assert locate(torch.empty(4096, dtype=torch.uint8).data_ptr(), 1) is None
+
+
+@pytest.mark.parametrize("shape", ["views", "staged", "staged-private-host"])
+def test_cpu_disk_round_trip_through_the_io_process(tmp_path, shape):
+    layout = view_layout() if shape == "views" else small_layout(factor=2)
+    proc, src, dst, h, h2 = handlers(tmp_path, layout, 8, shared=shape != "staged-private-host",
+                                     staging_bytes=3 * slot_size_for(layout.bytes_per_block))  # several chunks
+    try:
+        assert (h._views is not None) == (shape == "views")
+        disk = disk_spec([5, 6, 7, 0, 11, 12, 13])
+        assert run(h, 1, (CPULoadStoreSpec([0, 1, 2, 3, 4, 5, 6]), disk))
+        assert run(h2, 2, (disk, CPULoadStoreSpec([7, 6, 5, 4, 3, 2, 1])))
+        for a, b in zip(slot_bytes(src, layout, range(7)), slot_bytes(dst, layout, [7, 6, 5, 4, 3, 2, 1])):
+            assert torch.equal(a, b)
+        assert proc.stats.stores == 7 and proc.stats.loads == 7
+    finally:
+        h.shutdown(), h2.shutdown(), proc.close()
+    # What the I/O process committed is what an in-process store reads back, verified.
+    store = DiskStore.open_readonly(proc.namespace_path)
+    try:
+        packed = store.read_block(0, disk.block_hashes[0])
+        assert packed is not None and len(packed) == layout.bytes_per_block
+    finally:
+        store.close()
+
+
+def test_a_flipped_byte_fails_the_load_in_the_io_process(tmp_path):
+    layout = small_layout()
+    proc, _, _, h, h2 = handlers(tmp_path, layout, 4)
+    try:
+        d = disk_spec([0, 1, 2])
+        assert run(h, 1, (CPULoadStoreSpec([0, 1, 2]), d))
+        flip_byte(_slab(proc), 2 * proc.slot_size + 17)
+        assert not run(h2, 2, (d, CPULoadStoreSpec([0, 1, 2])))
+        assert proc.stats.checksum_failures == 1
+        assert run(h2, 3, (DiskLoadStoreSpec([0, 1], d.block_hashes[:2]), CPULoadStoreSpec([0, 1])))
+    finally:
+        h.shutdown(), h2.shutdown(), proc.close()
+
+
+def _slab(proc) -> Path:
+    store = DiskStore.open_readonly(proc.namespace_path)
+    try:
+        return store.namespace.slab_path(0)
+    finally:
+        store.close()
+
+
+def test_private_buffers_are_refused_and_fail_only_their_batch(tmp_path):
+    layout = small_layout()
+    proc = open_process(tmp_path, layout)
+    try:
+        hashes = [block_hash(i) for i in range(2)]
+        private = torch.zeros(2, proc.slot_size, dtype=torch.uint8)
+        batch = proc.begin_write(0, hashes, [0, 1])
+        with pytest.raises(ValueError, match="not in shared memory"):
+            batch.submit(0, private)
+        assert batch.finish() == [False, False]
+        rows = proc.host_buffer(2 * proc.slot_size).view(2, proc.slot_size)
+        rows.fill_(7)
+        assert proc.write_blocks(0, hashes, [0, 1], rows) == [True, True]
+        back = proc.host_buffer(2 * proc.slot_size).view(2, proc.slot_size)
+        assert proc.read_blocks(0, hashes, [0, 1], back) == [True, True] and torch.equal(back, rows)
+    finally:
+        proc.close()
+
+
+def test_an_error_opening_the_store_is_raised_in_the_worker(tmp_path):
+    layout = small_layout()
+    with pytest.raises(ValueError, match="checksum"):
+        open_process(tmp_path, layout, checksum="md5")
+
+
+def test_a_killed_io_process_fails_its_jobs_and_the_next_job_starts_a_new_one(tmp_path):
+    layout = view_layout()
+    proc, src, dst, h, h2 = handlers(tmp_path, layout, 16)
+    try:
+        first = proc._child
+        d = disk_spec(list(range(16)))
+        assert h.transfer_async(1, (CPULoadStoreSpec(list(range(16))), d))
+        os.kill(first.proc.pid, signal.SIGKILL)
+        h.wait({1})  # settles (either way) instead of hanging
+        [result] = h.get_finished()
+        deadline = time.monotonic() + 30
+        while first.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not first.alive
+        # A new process serves the next jobs; whatever of job 1 it finds is intact.
+        assert run(h2, 2, (disk_spec([20], "x"), CPULoadStoreSpec([0]))) is False  # never stored
+        assert proc.restarts == 1 and proc._child is not first
+        loaded = run(h2, 3, (d, CPULoadStoreSpec(list(range(16)))))
+        if result.success:
+            assert loaded
+        if loaded:
+            for a, b in zip(slot_bytes(src, layout, range(16)), slot_bytes(dst, layout, range(16))):
+                assert torch.equal(a, b)
+        assert run(h, 4, (CPULoadStoreSpec([0, 1]), disk_spec([30, 31], "y")))
+    finally:
+        h.shutdown(), h2.shutdown(), proc.close()
+
+
+def test_the_io_process_exits_when_its_worker_dies(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path[:0] = {[str(Path(__file__).parent), *sys.path]!r}
+        from disk_fixtures import disk_bytes_for, fingerprint, small_layout
+        from tiered_kv.disk.io_process import DiskIOProcess
+from tiered_kv.disk.namespace import slot_size_for
+        layout = small_layout()
+        proc = DiskIOProcess.open({str(tmp_path)!r}, fingerprint(layout), layout,
+                                  disk_bytes=disk_bytes_for(layout, 8), io_backend="posix")
+        print(proc._child.proc.pid, flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid), "the I/O process outlived its worker"
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")

@@ -1,0 +1,613 @@
+"""A worker's disk I/O in a helper process of its own, off the worker's GIL.
+
+``DiskIOProcess`` is a ``DiskStore`` for the disk handlers (``begin_write``,
+``begin_read``, batches with ``submit``/``submit_slots``/``finish_async``...) whose
+store really runs in a child process that it starts: the O_DIRECT reads and writes,
+the checksums, the ``fdatasync`` and the synced index commits all happen there, so the
+worker's own Python (its model runner) neither waits for them nor is slowed by them.
+In the worker, a batch costs a few small messages; in one process, every I/O, checksum
+and commit step needs the worker's GIL back (docs/benchmarks.md: a busy thread halves
+the disk I/O of its process, and the disk pipeline halves that thread).
+
+Which process does what:
+
+- Worker (``DiskIOProcess``, ``_RemoteBatch``): sends each batch's calls over a Unix
+  socket, in order, and resolves futures from the replies. Block bytes never cross the
+  socket: every buffer a batch names (the CPU tier, the staging buffers) must be
+  shared memory (``tiered_kv.shared_memory``; ``host_buffer`` allocates it), and
+  travels as ``(region, offset, shape, strides)``. A region's memfd is sent once, over
+  a second socket, before the first message that names it.
+- I/O process (``_Server``, ``python -m tiered_kv.disk.io_process``): opens the
+  namespace with ``DiskStore.open`` (same arguments, same checks and errors) and runs
+  each batch's calls in order on a thread pool, against the same shared memory. What
+  is durable when, and the order of data, ``fdatasync`` and index commits, are exactly
+  the store's (``store.py``): this module only moves where it runs.
+
+Faults: if the I/O process dies (killed, out of memory), every batch in flight fails
+(writes: every block logged failed or never committed, so never loadable; reads:
+failed, so the engine recomputes), it is logged and counted in ``process_failures``,
+and the next batch starts a new process. A worker that dies closes the socket; the I/O
+process then commits what it has queued and exits. The I/O process ignores SIGINT, so
+a Ctrl-C meant for the engine does not cut its commits short.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiered_kv.disk.store import DiskStore, DiskStoreStats, views_fit
+from tiered_kv.host_memory import SlotViews
+from tiered_kv.shared_memory import MappedRegions, empty_shared, locate, region_fd
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DiskIOProcess", "open_worker_store"]
+
+#: Seconds to wait for the I/O process to open the store, and to close it.
+START_TIMEOUT = 120.0
+CLOSE_TIMEOUT = 60.0
+#: After a start that failed, batches fail at once for this long before the next try.
+RESTART_BACKOFF = 5.0
+#: Threads of the I/O process running batch calls (each batch's calls run in order).
+SERVER_THREADS = 8
+
+_Ref = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # region, offset, shape, byte strides
+
+
+def open_worker_store(config, fingerprint, layout, engine_id: str | None) -> "DiskStore | DiskIOProcess":
+    """A worker's store for ``config`` (a ``TieredConfig``): a ``DiskStore`` in this
+    process (``disk_io: thread``) or a ``DiskIOProcess`` (``disk_io: process``)."""
+    opener = DiskIOProcess.open if config.disk_io == "process" else DiskStore.open
+    return opener(config.disk_path, fingerprint, layout, disk_bytes=config.disk_bytes,
+                  checksum=config.checksum, io_backend=config.io_backend, io_threads=config.io_threads,
+                  engine_id=engine_id)
+
+
+class _RemoteBackend:
+    """What the handlers read of ``store.backend``: buffers are host memory only."""
+
+    gds = False
+    device_buffers = False
+
+    def __init__(self, description: str):
+        self._description = description
+
+    def describe(self) -> str:
+        return f"{self._description}, in a helper process"
+
+
+class _Child:
+    """One I/O process and its two sockets."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Connection, fds: socket.socket, generation: int):
+        self.proc, self.conn, self.fds, self.generation = proc, conn, fds, generation
+        self.regions: set[int] = set()  # shared regions sent to it
+        self.views: dict[int, int] = {}  # id(SlotViews) -> id sent to it
+        self.alive = True
+
+
+class DiskIOProcess:
+    """A ``DiskStore`` (for the disk handlers) running in a child process; see the
+    module docstring. Thread-safe. Open it with ``DiskIOProcess.open``."""
+
+    def __init__(self, open_kwargs: dict[str, Any]):
+        self._open_kwargs = open_kwargs
+        self._lock = threading.Lock()  # the child, and sends on its sockets
+        self._pending_lock = threading.Lock()  # never held while sending: the reply reader takes it
+        self._pending: dict[int, tuple[Future, Any, int]] = {}  # token -> (future, value on death, generation)
+        self._tokens = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._generations = itertools.count(1)
+        self._views_keep: dict[int, SlotViews] = {}  # keeps registered views (and their ids) alive
+        self._child: _Child | None = None
+        self._failed_start_at = 0.0
+        self._closed = False
+        #: Calls failed because the I/O process died or could not start (logged).
+        self.process_failures = 0
+        self.restarts = 0
+        info = self._start()
+        self.slot_size: int = info["slot_size"]
+        self.block_bytes: int = info["block_bytes"]
+        self.tp_size: int = info["tp_size"]
+        self.checksum_name: str = info["checksum_name"]
+        self.namespace_path: str = info["namespace_path"]
+        self.backend = _RemoteBackend(info["backend"])
+
+    @property
+    def pid(self) -> int | None:
+        """The running I/O process's pid (None when there is none)."""
+        child = self._child
+        return child.proc.pid if child is not None and child.alive else None
+
+    @classmethod
+    def open(cls, cache_dir: str | os.PathLike, fingerprint, layout, *, disk_bytes: int,
+             checksum: str = "xxh3_64", io_backend: str = "auto", io_threads: int = 4,
+             engine_id: str | None = None) -> "DiskIOProcess":
+        """``DiskStore.open`` in a new I/O process (same arguments, same errors, raised
+        here). ``io_backend`` must be a name: a backend object cannot cross processes."""
+        if not isinstance(io_backend, str):
+            raise TypeError(f"io_backend: expected a backend name for the I/O process, got {io_backend!r}")
+        return cls(dict(cache_dir=os.fspath(cache_dir), fingerprint=fingerprint, layout=layout,
+                        disk_bytes=disk_bytes, checksum=checksum, io_backend=io_backend,
+                        io_threads=io_threads, engine_id=engine_id))
+
+    # ------------------------------------------------------------ process
+
+    def _start(self) -> dict[str, Any]:
+        """Start an I/O process and open the store there; returns what it reported."""
+        ours, theirs = socket.socketpair()
+        our_fds, their_fds = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tiered_kv.disk.io_process", str(theirs.fileno()), str(their_fds.fileno())],
+                pass_fds=(theirs.fileno(), their_fds.fileno()), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+            their_fds.close()
+        conn = Connection(ours.detach())
+        try:
+            conn.send(("open", self._open_kwargs))
+            if not conn.poll(START_TIMEOUT):
+                raise RuntimeError(f"the disk I/O process did not open the store in {START_TIMEOUT:.0f} s")
+            kind, payload = conn.recv()
+        except (EOFError, OSError, RuntimeError) as e:
+            conn.close()
+            our_fds.close()
+            proc.kill()
+            proc.wait()
+            if isinstance(e, RuntimeError):
+                raise
+            raise RuntimeError(f"the disk I/O process exited while opening the store "
+                               f"(exit code {proc.returncode})") from e
+        if kind == "error":
+            conn.close()
+            our_fds.close()
+            proc.wait()
+            raise payload
+        child = _Child(proc, conn, our_fds, next(self._generations))
+        self._child = child
+        threading.Thread(target=self._read_replies, args=(child,), name="tkv-diskio-replies",
+                         daemon=True).start()
+        logger.info("disk I/O process %d serves %s (%s)", proc.pid, payload["namespace_path"], payload["backend"])
+        return payload
+
+    def _live_child(self) -> _Child | None:
+        """The running I/O process, started again if it died (under ``_lock``); None
+        while a failed start is backing off."""
+        child = self._child
+        if child is not None and child.alive:
+            return child
+        if self._closed or time.monotonic() - self._failed_start_at < RESTART_BACKOFF:
+            return None
+        try:
+            self._start()
+        except Exception:
+            logger.exception("restarting the disk I/O process failed; disk transfers fail for %.0f s",
+                             RESTART_BACKOFF)
+            self._failed_start_at = time.monotonic()
+            return None
+        self.restarts += 1
+        return self._child
+
+    def _read_replies(self, child: _Child) -> None:
+        while True:
+            try:
+                token, ok, value = child.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._pending_lock:
+                entry = self._pending.pop(token, None)
+            if entry is None:
+                continue
+            if ok:
+                entry[0].set_result(value)
+            else:
+                entry[0].set_exception(value)
+        self._lost(child)
+
+    def _lost(self, child: _Child) -> None:
+        """The I/O process is gone: fail what it had in flight."""
+        with self._lock:
+            child.alive = False
+            closing = self._closed
+            with self._pending_lock:
+                dead = [t for t, e in self._pending.items() if e[2] == child.generation]
+                dead = [self._pending.pop(t) for t in dead]
+            if not closing:
+                self.process_failures += len(dead)
+        child.conn.close()
+        child.fds.close()
+        code = child.proc.wait()
+        if not closing:
+            logger.error("the disk I/O process %d exited (code %s) with %d calls in flight; they fail, "
+                         "and the next disk transfer starts a new one", child.proc.pid, code, len(dead))
+        for future, on_death, _ in dead:
+            future.set_result(on_death)
+
+    def _call(self, message: tuple, on_death: Any, child: _Child | None = None,
+              refs: Callable[[_Child], tuple] = lambda c: ()) -> Future:
+        """Send ``message`` (its token is added after the name, ``refs(child)`` at the
+        end) to ``child`` (default: the running process, started if needed); the future
+        gets the reply, or ``on_death`` if the process is gone before replying."""
+        future: Future = Future()
+        with self._lock:
+            child = child if child is not None else self._live_child()
+            if child is None or not child.alive:
+                self.process_failures += 1
+                future.set_result(on_death)
+                return future
+            token = next(self._tokens)
+            try:  # may send regions and views first; ValueError (not shared memory) propagates
+                message = (message[0], token) + message[1:] + refs(child)
+            except OSError:
+                future.set_result(on_death)
+                return future
+            with self._pending_lock:
+                self._pending[token] = (future, on_death, child.generation)
+            if not self._send(child, message):
+                with self._pending_lock:
+                    self._pending.pop(token, None)
+                future.set_result(on_death)
+        return future
+
+    def _send(self, child: _Child, message: tuple) -> bool:
+        """Send on ``child``'s socket (under ``_lock``); False if it is gone."""
+        try:
+            child.conn.send(message)
+            return True
+        except (OSError, ValueError):  # ValueError: the connection was closed
+            return False
+
+    def _share(self, child: _Child, region_id: int, nbytes: int) -> None:
+        """Send region ``region_id`` to ``child`` unless it has it (under ``_lock``)."""
+        if region_id in child.regions:
+            return
+        socket.send_fds(child.fds, [b"r"], [region_fd(region_id)])
+        child.conn.send(("region", region_id, nbytes))
+        child.regions.add(region_id)
+
+    def _ref(self, child: _Child, t: torch.Tensor | np.ndarray) -> _Ref:
+        """How ``child`` finds ``t``'s bytes (under ``_lock``). Raises ``ValueError``
+        unless it is a uint8 host array or tensor in one shared region."""
+        a = t.numpy() if isinstance(t, torch.Tensor) else t
+        if a.dtype != np.uint8 or (isinstance(t, torch.Tensor) and t.device.type != "cpu"):
+            raise ValueError(f"the disk I/O process needs uint8 host buffers; got {a.dtype}")
+        span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.strides)) if a.size else 0
+        found = locate(a.ctypes.data, span)
+        if found is None:
+            raise ValueError("a buffer handed to the disk I/O process is not in shared memory; "
+                             "allocate it with store.host_buffer (or a HostKVCache with shared=True)")
+        region, offset = found
+        self._share(child, region.id, region.nbytes)
+        return region.id, offset, tuple(a.shape), tuple(a.strides)
+
+    def _views_id(self, child: _Child, views: SlotViews) -> int:
+        """The id under which ``child`` knows ``views`` (sent on first use; under ``_lock``)."""
+        vid = child.views.get(id(views))
+        if vid is None:
+            vid = len(child.views) + 1
+            refs = [self._ref(child, rows) for rows in views.rows]
+            child.conn.send(("views", vid, refs))
+            child.views[id(views)] = vid
+            self._views_keep[id(views)] = views
+        return vid
+
+    # ------------------------------------------------------------ DiskStore API
+
+    def takes_views(self, views: SlotViews) -> bool:
+        """As ``DiskStore.takes_views``, and only for views of shared memory."""
+        return views_fit(views, self.slot_size) and all(
+            locate(r.ctypes.data, r.strides[0] * (r.shape[0] - 1) + r.shape[1]) is not None for r in views.rows)
+
+    def host_buffer(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        """Shared host memory (page-locked when ``pin``) that the I/O process can reach."""
+        return empty_shared(nbytes, pin=pin)
+
+    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "_RemoteBatch":
+        return _RemoteBatch(self, "write", rank, list(hashes), [int(s) for s in slots])
+
+    def begin_read(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "_RemoteBatch":
+        return _RemoteBatch(self, "read", rank, list(hashes), [int(s) for s in slots])
+
+    def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
+                     data: torch.Tensor) -> list[bool]:
+        batch = self.begin_write(rank, hashes, slots)
+        batch.submit(0, data)
+        return batch.finish()
+
+    def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
+                    out: torch.Tensor) -> list[bool]:
+        batch = self.begin_read(rank, hashes, slots)
+        batch.submit(0, out)
+        return batch.finish()
+
+    def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """As ``DiskStore.log_failed``; raises ``RuntimeError`` if the I/O process is gone."""
+        if not self._call(("log_failed", rank, list(hashes), [int(s) for s in slots]), False).result():
+            raise RuntimeError(f"the disk I/O process could not log {len(hashes)} failed writes")
+
+    @property
+    def stats(self) -> DiskStoreStats:
+        """The I/O process's store counters (zeros while it is not running)."""
+        counts = self._call(("stats",), None).result(timeout=CLOSE_TIMEOUT)
+        return DiskStoreStats(**counts) if counts else DiskStoreStats()
+
+    def close(self) -> None:
+        """Commit what is queued, stop the I/O process and wait for it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            child = self._child
+        if child is None or not child.alive:
+            return
+        done = self._call(("close",), None, child)
+        try:
+            done.result(timeout=CLOSE_TIMEOUT)
+        except TimeoutError:
+            logger.error("the disk I/O process %d did not close in %.0f s; killing it", child.proc.pid,
+                         CLOSE_TIMEOUT)
+            child.proc.kill()
+        child.proc.wait()
+
+
+class _RemoteBatch:
+    """A ``WriteBatch`` or ``ReadBatch`` whose calls run in the I/O process, in order."""
+
+    def __init__(self, proc: DiskIOProcess, kind: str, rank: int, hashes: list[bytes], slots: list[int]):
+        if len(hashes) != len(slots):
+            raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots; expected one slot per hash")
+        self._proc, self._kind, self._n = proc, kind, len(hashes)
+        self._futures: list[Future] = []
+        self._id = next(proc._batch_ids)
+        with proc._lock:
+            child = proc._live_child()
+            if child is not None and not proc._send(child, ("begin", self._id, kind, rank, hashes, slots)):
+                child = None
+            if child is None:
+                proc.process_failures += 1
+        self._child = child
+
+    def _do(self, name: str, args: tuple, on_death: Any, refs: Callable[[_Child], tuple] = lambda c: ()) -> Future:
+        """Run ``name`` on this batch in the I/O process; ``refs`` adds arguments that
+        need the child (buffer references)."""
+        if self._child is None:
+            future: Future = Future()
+            future.set_result(on_death)
+            return future
+        return self._proc._call((name, self._id) + args, on_death, self._child, refs)
+
+    def submit(self, start: int, rows: torch.Tensor, host_rows: torch.Tensor | None = None) -> Future:
+        """As ``WriteBatch.submit`` / ``ReadBatch.submit`` (host rows in shared memory)."""
+        if host_rows is not None:
+            raise ValueError("the disk I/O process takes host rows only (no host_rows mirror)")
+        fut = self._refusing(lambda: self._do("submit", (start,), False, lambda c: (self._proc._ref(c, rows),)))
+        self._futures.append(fut)
+        return fut
+
+    def submit_slots(self, start: int, views: SlotViews, slots: Sequence[int]) -> Future:
+        """As ``WriteBatch.submit_slots`` / ``ReadBatch.submit_slots``."""
+        fut = self._refusing(lambda: self._do("submit_slots", (start, [int(s) for s in slots]), False,
+                                              lambda c: (self._proc._views_id(c, views),)))
+        self._futures.append(fut)
+        return fut
+
+    def _refusing(self, submit: Callable[[], Future]) -> Future:
+        """``submit()``; a buffer the I/O process cannot reach fails the whole batch
+        (as an abandoned one) before the ``ValueError`` goes to the caller."""
+        try:
+            return submit()
+        except ValueError as e:
+            self.abandon(e)
+            raise
+
+    def wait_idle(self) -> None:
+        for f in self._futures:
+            f.exception()
+
+    def abandon(self, e: BaseException) -> None:
+        self._do("abandon", (f"{type(e).__name__}: {e}",), None)
+
+    def finish_async(self) -> "Future[list[bool]]":
+        return self._do("finish", (), [False] * self._n)
+
+    def finish(self) -> list[bool]:
+        return self.finish_async().result()
+
+
+# ---------------------------------------------------------------- the I/O process
+
+
+class _Server:
+    """The I/O process: one ``DiskStore``, batch calls run in order per batch."""
+
+    def __init__(self, conn: Connection, fds: socket.socket):
+        self.conn, self.fds = conn, fds
+        self.store: DiskStore | None = None
+        self.regions = MappedRegions()
+        self.views: dict[int, SlotViews] = {}
+        self.batches: dict[int, _SerialCalls] = {}
+        self.pool = ThreadPoolExecutor(SERVER_THREADS, thread_name_prefix="tkv-diskio")
+        self._send_lock = threading.Lock()
+
+    def reply(self, token: int, ok: bool, value: Any) -> None:
+        if not ok:
+            value = _portable(value)
+        with self._send_lock:
+            try:
+                self.conn.send((token, ok, value))
+            except (OSError, ValueError):
+                pass  # the worker is gone; nothing to tell
+
+    def run(self) -> None:
+        kind, kwargs = self.conn.recv()
+        try:
+            self.store = DiskStore.open(**kwargs)
+        except Exception as e:
+            self.conn.send(("error", _portable(e)))
+            return
+        s = self.store
+        self.conn.send(("ready", dict(slot_size=s.slot_size, block_bytes=s.block_bytes, tp_size=s.tp_size,
+                                      checksum_name=s.checksum_name, backend=s.backend.describe(),
+                                      namespace_path=str(s.namespace.path))))
+        close_token = None
+        try:
+            while close_token is None:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    break
+                close_token = self.dispatch(message)
+        finally:
+            self.pool.shutdown(wait=True)
+            self.store.close()
+            self.regions.close()
+            if close_token is not None:
+                self.reply(close_token, True, None)
+
+    def dispatch(self, m: tuple) -> int | None:
+        """Handle one message; after ``close``, returns its token."""
+        name = m[0]
+        if name == "region":
+            _, fds, _, _ = socket.recv_fds(self.fds, 1, 1)
+            self.regions.add(m[1], fds[0], m[2])
+        elif name == "views":
+            self.views[m[1]] = SlotViews.from_rows([self.regions.array(*ref) for ref in m[2]])
+        elif name == "begin":
+            _, bid, kind, rank, hashes, slots = m
+            calls = self.batches[bid] = _SerialCalls(self.pool)
+            begin = self.store.begin_write if kind == "write" else self.store.begin_read
+            calls.post(lambda: calls.start(begin, rank, hashes, slots))
+        elif name in ("submit", "submit_slots", "abandon", "finish"):
+            token, bid = m[1], m[2]
+            calls = self.batches[bid] if name != "finish" else self.batches.pop(bid)
+            call = getattr(self, "_" + name)
+            calls.post(lambda: self._run_call(token, lambda: call(token, calls.batch, *m[3:])))
+        elif name == "log_failed":
+            token = m[1]
+            self.pool.submit(self._guarded, token, lambda: self.store.log_failed(*m[2:]) or True)
+        elif name == "stats":
+            self.reply(m[1], True, self.store.stats.as_dict())
+        elif name == "close":
+            return m[1]
+        else:
+            raise ValueError(f"unknown message {name!r}")
+        return None
+
+    def _run_call(self, token: int, call: Callable[[], None]) -> None:
+        """``call()``, which replies itself; if it raises, reply with the error."""
+        try:
+            call()
+        except Exception as e:
+            self.reply(token, False, e)
+
+    def _guarded(self, token: int, call: Callable[[], Any]) -> None:
+        try:
+            value = call()
+        except Exception as e:
+            self.reply(token, False, e)
+        else:
+            self.reply(token, True, value)
+
+    def _when_done(self, token: int, future: Future | None, value: Callable[[Future], Any]) -> None:
+        if future is None:  # a failed batch accepts no more I/O
+            self.reply(token, True, False)
+            return
+        future.add_done_callback(lambda f: self._guarded(token, lambda: value(f)))
+
+    def _submit(self, token: int, batch, start: int, ref: _Ref) -> None:
+        future = batch.submit(start, self.regions.tensor(*ref))
+        self._when_done(token, future, lambda f: True if batch_is_write(batch) else bool(f.result()))
+
+    def _submit_slots(self, token: int, batch, start: int, slots: list[int], vid: int) -> None:
+        future = batch.submit_slots(start, self.views[vid], slots)
+        self._when_done(token, future, lambda f: True if batch_is_write(batch) else bool(f.result()))
+
+    def _abandon(self, token: int, batch, message: str) -> None:
+        batch.abandon(RuntimeError(message))
+        self.reply(token, True, None)
+
+    def _finish(self, token: int, batch) -> None:
+        if batch_is_write(batch):
+            self._when_done(token, batch.finish_async(), lambda f: f.result())
+        else:
+            self._guarded(token, batch.finish)
+
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if it survives pickling both ways, else a ``RuntimeError`` saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def batch_is_write(batch) -> bool:
+    return hasattr(batch, "finish_async")
+
+
+class _SerialCalls:
+    """One batch's calls, run in the order posted, one at a time, on a shared pool."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self._pool = pool
+        self._queue: deque[Callable[[], None]] = deque()
+        self._lock = threading.Lock()
+        self._running = False
+        self.batch = None
+
+    def start(self, begin: Callable, *args) -> None:
+        self.batch = begin(*args)
+
+    def post(self, call: Callable[[], None]) -> None:
+        with self._lock:
+            self._queue.append(call)
+            if self._running:
+                return
+            self._running = True
+        self._pool.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                call = self._queue.popleft()
+            try:
+                call()
+            except Exception:
+                logger.exception("a disk I/O process call failed")
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"tiered-kv disk I/O process {os.getpid()}: %(levelname)s %(name)s: %(message)s")
+    conn = Connection(int(argv[1]))
+    fds = socket.socket(fileno=int(argv[2]))
+    _Server(conn, fds).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,150 @@
+"""Host memory that the disk I/O process can reach: shared regions, named by number.
+
+A worker that runs its disk I/O in a helper process (``tiered_kv.disk.io_process``)
+allocates the buffers that helper reads and writes, the CPU tier and the disk staging
+buffers, with ``empty_shared``: each is a memfd (anonymous shared memory, no file on any
+filesystem) mapped ``MAP_SHARED``. ``locate`` turns an address in this process into
+``(region, offset)``, the form in which a buffer crosses to the helper, which maps the
+same memfd once (``MappedRegions``) and from then on reads and writes those bytes in
+place: no copy, only the address travels.
+
+Worker processes call ``empty_shared``/``locate``; the I/O process calls
+``MappedRegions``. No I/O beyond mapping memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import mmap
+import os
+import threading
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tiered_kv.device import HUGE_PAGE, log_fallback_once
+
+__all__ = ["SharedRegion", "empty_shared", "locate", "region_fd", "MappedRegions"]
+
+
+class SharedRegion(NamedTuple):
+    """One memfd mapping of this process."""
+
+    id: int
+    fd: int
+    address: int
+    nbytes: int
+
+
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_starts: list[int] = []  # sorted addresses of live regions
+_regions: dict[int, SharedRegion] = {}  # address -> region
+
+
+def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` in a new shared region (page-aligned,
+    advised for huge pages where the kernel gives them to shared memory).
+
+    ``pin=True`` page-locks it for CUDA copies (``cudaHostRegister``) and raises
+    ``RuntimeError`` when that fails. The region is unmapped and forgotten when the
+    last tensor viewing it is freed."""
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+    try:
+        fd = os.memfd_create("tiered-kv", os.MFD_CLOEXEC)
+    except (AttributeError, OSError) as e:
+        raise RuntimeError(f"shared host memory needs memfd_create (Linux): {e}") from e
+    try:
+        os.ftruncate(fd, nbytes)
+        region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        os.close(fd)
+        raise RuntimeError(f"cannot map {nbytes} bytes of shared host memory: {e}") from e
+    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as e:
+            log_fallback_once(f"shared host memory cannot use huge pages ({e})")
+    tensor = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` mapped while used
+    address = tensor.data_ptr()
+    if pin:
+        _register_with_cuda(address, nbytes)
+    entry = SharedRegion(next(_ids), fd, address, nbytes)
+    with _lock:
+        bisect.insort(_starts, address)
+        _regions[address] = entry
+    weakref.finalize(region, _forget, entry, pin)
+    return tensor
+
+
+def _register_with_cuda(address: int, nbytes: int) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("pinned shared memory was requested but CUDA is not available")
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared memory failed (error {int(err)})")
+
+
+def _forget(entry: SharedRegion, pinned: bool) -> None:
+    with _lock:
+        if _regions.get(entry.address) is entry:
+            del _regions[entry.address]
+            _starts.pop(bisect.bisect_left(_starts, entry.address))
+    if pinned:
+        torch.cuda.cudart().cudaHostUnregister(entry.address)
+    os.close(entry.fd)
+
+
+def locate(address: int, nbytes: int) -> tuple[SharedRegion, int] | None:
+    """The region holding ``[address, address + nbytes)`` and the offset there, or None
+    when those bytes are not (wholly) in one shared region of this process."""
+    with _lock:
+        i = bisect.bisect_right(_starts, address) - 1
+        if i < 0:
+            return None
+        region = _regions[_starts[i]]
+    offset = address - region.address
+    return (region, offset) if offset + nbytes <= region.nbytes else None
+
+
+def region_fd(region_id: int) -> int:
+    """The memfd of live region ``region_id`` (to pass to the I/O process)."""
+    with _lock:
+        for region in _regions.values():
+            if region.id == region_id:
+                return region.fd
+    raise KeyError(f"no live shared region {region_id}")
+
+
+class MappedRegions:
+    """The I/O process's side: regions received as file descriptors, mapped once each.
+    Not thread-safe for ``add``; ``array`` may run on any thread once added."""
+
+    def __init__(self) -> None:
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def add(self, region_id: int, fd: int, nbytes: int) -> None:
+        """Map region ``region_id`` from ``fd`` (which this call closes)."""
+        try:
+            self._maps[region_id] = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def array(self, region_id: int, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+        """Bytes of a region as a uint8 array (``strides`` in bytes), sharing its memory.
+        Raises ``ValueError`` when they fall outside it."""
+        region = self._maps.get(region_id)
+        if region is None:
+            raise ValueError(f"shared region {region_id} was never sent to this process")
+        return np.ndarray(shape, dtype=np.uint8, buffer=region, offset=offset, strides=strides)
+
+    def tensor(self, region_id: int, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+        return torch.from_numpy(self.array(region_id, offset, shape, strides))
+
+    def close(self) -> None:
+        self._maps.clear()  # unmapped once no array views them
