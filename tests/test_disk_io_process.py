@@ -4,6 +4,7 @@ are refused, and the death of either process fails only what was in flight."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from conftest import make_layout, random_tensors
 from disk_fixtures import block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
 from tiered_kv.disk.io_process import DiskIOProcess
 from tiered_kv.disk.namespace import slot_size_for
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.store import DiskStore, views_fit
 from tiered_kv.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
 from tiered_kv.shared_memory import empty_shared, locate
@@ -79,13 +80,17 @@ def test_shared_memory_is_located_and_private_memory_is_not():
     assert locate(torch.empty(4096, dtype=torch.uint8).data_ptr(), 1) is None
 
 
-@pytest.mark.parametrize("shape", ["views", "staged", "staged-private-host"])
-def test_cpu_disk_round_trip_through_the_io_process(tmp_path, shape):
-    layout = view_layout() if shape == "views" else small_layout(factor=2)
-    proc, src, dst, h, h2 = handlers(tmp_path, layout, 8, shared=shape != "staged-private-host",
+@pytest.mark.parametrize("path", ["vectored", "packed", "staged-private-host"])
+def test_cpu_disk_round_trip_through_the_io_process(tmp_path, path):
+    """Large pieces move as they lie, small ones are packed by the I/O process, and a CPU
+    tier it cannot reach (private memory) goes through the worker's staging buffers."""
+    layout = view_layout() if path == "vectored" else small_layout(factor=2)
+    shared = path != "staged-private-host"
+    proc, src, dst, h, h2 = handlers(tmp_path, layout, 8, shared=shared,
                                      staging_bytes=3 * slot_size_for(layout.bytes_per_block))  # several chunks
     try:
-        assert (h._views is not None) == (shape == "views")
+        assert (h._views is not None) == shared
+        assert shared is False or views_fit(h._views, proc.slot_size) == (path == "vectored")
         disk = disk_spec([5, 6, 7, 0, 11, 12, 13])
         assert run(h, 1, (CPULoadStoreSpec([0, 1, 2, 3, 4, 5, 6]), disk))
         assert run(h2, 2, (disk, CPULoadStoreSpec([7, 6, 5, 4, 3, 2, 1])))
@@ -184,11 +189,10 @@ def test_the_io_process_exits_when_its_worker_dies(tmp_path):
         sys.path[:0] = {[str(Path(__file__).parent), *sys.path]!r}
         from disk_fixtures import disk_bytes_for, fingerprint, small_layout
         from tiered_kv.disk.io_process import DiskIOProcess
-from tiered_kv.disk.namespace import slot_size_for
         layout = small_layout()
         proc = DiskIOProcess.open({str(tmp_path)!r}, fingerprint(layout), layout,
                                   disk_bytes=disk_bytes_for(layout, 8), io_backend="posix")
-        print(proc._child.proc.pid, flush=True)
+        print(proc.pid, flush=True)
         os._exit(0)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -206,3 +210,24 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_buffers_freed_in_the_worker_are_unmapped_in_the_io_process(tmp_path):
+    layout = small_layout()
+    proc = open_process(tmp_path, layout)
+
+    def mapped() -> int:
+        return sum("memfd:tiered-kv" in line for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines())
+
+    try:
+        hashes = [block_hash(i) for i in range(2)]
+        for value in range(6):  # a staging buffer per round, as a stager's come and go
+            rows = proc.host_buffer(2 * proc.slot_size).view(2, proc.slot_size)
+            rows.fill_(value)
+            assert proc.write_blocks(0, hashes, [0, 1], rows) == [True, True]
+            del rows
+            gc.collect()
+        proc.stats  # a round trip: the forgets sent before it have been handled
+        assert mapped() <= 2, "regions the worker freed are still mapped in the I/O process"
+    finally:
+        proc.close()

@@ -264,3 +264,28 @@ def test_slot_views_are_the_packed_bytes_in_place(kv_first, factor):
     pack_blocks(host.tensors, layout, host.kernel_ids([2]), out2)
     assert bytes(out2[0, :4].numpy()) == b"\x01\x02\x03\x04"
     assert all(t.data_ptr() % 4096 == 0 for t in host.tensors), "host tensors start page-aligned"
+
+
+@pytest.mark.parametrize("kv_first", [True, False])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_slot_views_pack_and_unpack_as_the_codec_does(kv_first, factor):
+    layout = make_layout(kv_first, block_size_factor=factor, head_dim=16)
+    host = HostKVCache(layout, 5, pin=False)
+    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=5 * factor, seed=4)):
+        t.copy_(r)
+    views = SlotViews(host.tensors, layout)
+    padded = layout.bytes_per_block + 4096  # rows of a disk slot: padding past the block
+    ours, codec = (torch.zeros((3, padded), dtype=torch.uint8) for _ in range(2))
+    views.pack([3, 0, 4], ours)
+    pack_blocks(host.tensors, layout, host.kernel_ids([3, 0, 4]), codec)
+    assert torch.equal(ours, codec) and not ours[:, layout.bytes_per_block:].any()
+    other = HostKVCache(layout, 5, pin=False)
+    for t in other.tensors:
+        t.zero_()
+    SlotViews(other.tensors, layout).unpack(ours, [1, 2, 0])
+    back = torch.zeros_like(ours)
+    pack_blocks(other.tensors, layout, other.kernel_ids([1, 2, 0]), back)
+    assert torch.equal(back, codec)
+    untouched = torch.zeros((2, padded), dtype=torch.uint8)
+    pack_blocks(other.tensors, layout, other.kernel_ids([3, 4]), untouched)
+    assert not untouched.any(), "slots not named were written"

@@ -296,6 +296,29 @@ class SlotViews:
         """Writable views of slot ``slot``'s bytes, in block byte order."""
         return [memoryview(r[slot]) for r in self._rows]
 
+    def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
+        """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
+        slot_bytes)``), one block per row in block byte order: what ``pack_blocks``
+        makes of those slots, gathered plane by plane. For a few blocks at a time (one
+        disk run): numpy's per-call cost is a fraction of torch's at this size."""
+        index = np.asarray(slots, dtype=np.int64)
+        dst = out.numpy()
+        offset = 0
+        for rows in self._rows:
+            width = rows.shape[1]
+            np.take(rows, index, axis=0, out=dst[:, offset:offset + width])
+            offset += width
+
+    def unpack(self, src: torch.Tensor, slots: Sequence[int]) -> None:
+        """Inverse of ``pack``: write the rows of ``src`` into slots ``slots``."""
+        index = np.asarray(slots, dtype=np.int64)
+        packed = src.numpy()
+        offset = 0
+        for rows in self._rows:
+            width = rows.shape[1]
+            rows[index] = packed[:, offset:offset + width]
+            offset += width
+
 
 class HostKVCache:
     """Per-layer host tensors holding ``num_slots`` offloaded blocks of ``layout``.

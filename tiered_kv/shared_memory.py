@@ -27,7 +27,7 @@ import torch
 
 from tiered_kv.device import HUGE_PAGE, log_fallback_once
 
-__all__ = ["SharedRegion", "empty_shared", "locate", "region_fd", "MappedRegions"]
+__all__ = ["SharedRegion", "empty_shared", "locate", "region_fd", "on_free", "MappedRegions"]
 
 
 class SharedRegion(NamedTuple):
@@ -43,6 +43,7 @@ _ids = itertools.count(1)
 _lock = threading.Lock()
 _starts: list[int] = []  # sorted addresses of live regions
 _regions: dict[int, SharedRegion] = {}  # address -> region
+_free_listeners: list[weakref.WeakMethod] = []
 
 
 def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -89,14 +90,27 @@ def _register_with_cuda(address: int, nbytes: int) -> None:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared memory failed (error {int(err)})")
 
 
+def on_free(method) -> None:
+    """Call the bound ``method(region_id)`` whenever a shared region is freed (from the
+    thread that dropped its last tensor, maybe inside a lock of the caller's: it must
+    only record the id). Held weakly."""
+    with _lock:
+        _free_listeners.append(weakref.WeakMethod(method))
+
+
 def _forget(entry: SharedRegion, pinned: bool) -> None:
     with _lock:
         if _regions.get(entry.address) is entry:
             del _regions[entry.address]
             _starts.pop(bisect.bisect_left(_starts, entry.address))
+        listeners = [m() for m in _free_listeners]
+        _free_listeners[:] = [m for m, alive in zip(_free_listeners, listeners) if alive is not None]
     if pinned:
         torch.cuda.cudart().cudaHostUnregister(entry.address)
     os.close(entry.fd)
+    for listener in listeners:
+        if listener is not None:
+            listener(entry.id)
 
 
 def locate(address: int, nbytes: int) -> tuple[SharedRegion, int] | None:
@@ -127,6 +141,9 @@ class MappedRegions:
     def __init__(self) -> None:
         self._maps: dict[int, mmap.mmap] = {}
 
+    def __len__(self) -> int:
+        return len(self._maps)
+
     def add(self, region_id: int, fd: int, nbytes: int) -> None:
         """Map region ``region_id`` from ``fd`` (which this call closes)."""
         try:
@@ -134,6 +151,11 @@ class MappedRegions:
                                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+
+    def remove(self, region_id: int) -> None:
+        """Forget region ``region_id`` (the worker freed it): unmapped once no array
+        made from it is left."""
+        self._maps.pop(region_id, None)
 
     def array(self, region_id: int, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
         """Bytes of a region as a uint8 array (``strides`` in bytes), sharing its memory.

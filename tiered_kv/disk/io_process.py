@@ -52,9 +52,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.disk.store import DiskStore, DiskStoreStats, views_fit
+from tiered_kv.disk.store import DiskStore, DiskStoreStats
 from tiered_kv.host_memory import SlotViews
-from tiered_kv.shared_memory import MappedRegions, empty_shared, locate, region_fd
+from tiered_kv.shared_memory import MappedRegions, empty_shared, locate, on_free, region_fd
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class DiskIOProcess:
         self._batch_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._views_keep: dict[int, SlotViews] = {}  # keeps registered views (and their ids) alive
+        self._freed: deque[int] = deque()  # regions freed here, to be unmapped there
+        on_free(self._region_freed)
         self._child: _Child | None = None
         self._failed_start_at = 0.0
         self._closed = False
@@ -255,6 +257,7 @@ class DiskIOProcess:
                 future.set_result(on_death)
                 return future
             token = next(self._tokens)
+            self._send_freed(child)
             try:  # may send regions and views first; ValueError (not shared memory) propagates
                 message = (message[0], token) + message[1:] + refs(child)
             except OSError:
@@ -276,6 +279,18 @@ class DiskIOProcess:
         except (OSError, ValueError):  # ValueError: the connection was closed
             return False
 
+    def _region_freed(self, region_id: int) -> None:
+        self._freed.append(region_id)  # no lock: this may run inside any of ours
+
+    def _send_freed(self, child: _Child) -> None:
+        """Let ``child`` unmap the regions freed here that it has (under ``_lock``), so
+        staging buffers that come and go do not pile up there."""
+        while self._freed:
+            region_id = self._freed.popleft()
+            if region_id in child.regions:
+                child.regions.discard(region_id)
+                self._send(child, ("forget", region_id))
+
     def _share(self, child: _Child, region_id: int, nbytes: int) -> None:
         """Send region ``region_id`` to ``child`` unless it has it (under ``_lock``)."""
         if region_id in child.regions:
@@ -287,11 +302,12 @@ class DiskIOProcess:
     def _ref(self, child: _Child, t: torch.Tensor | np.ndarray) -> _Ref:
         """How ``child`` finds ``t``'s bytes (under ``_lock``). Raises ``ValueError``
         unless it is a uint8 host array or tensor in one shared region."""
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise ValueError(f"the disk I/O process needs host buffers; got one on {t.device}")
         a = t.numpy() if isinstance(t, torch.Tensor) else t
-        if a.dtype != np.uint8 or (isinstance(t, torch.Tensor) and t.device.type != "cpu"):
-            raise ValueError(f"the disk I/O process needs uint8 host buffers; got {a.dtype}")
-        span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.strides)) if a.size else 0
-        found = locate(a.ctypes.data, span)
+        if a.dtype != np.uint8:
+            raise ValueError(f"the disk I/O process needs uint8 buffers; got {a.dtype}")
+        found = _located(a)
         if found is None:
             raise ValueError("a buffer handed to the disk I/O process is not in shared memory; "
                              "allocate it with store.host_buffer (or a HostKVCache with shared=True)")
@@ -312,10 +328,9 @@ class DiskIOProcess:
 
     # ------------------------------------------------------------ DiskStore API
 
-    def takes_views(self, views: SlotViews) -> bool:
-        """As ``DiskStore.takes_views``, and only for views of shared memory."""
-        return views_fit(views, self.slot_size) and all(
-            locate(r.ctypes.data, r.strides[0] * (r.shape[0] - 1) + r.shape[1]) is not None for r in views.rows)
+    def takes_slots(self, views: SlotViews) -> bool:
+        """As ``DiskStore.takes_slots``, and only for views of shared memory."""
+        return views.slot_bytes == self.block_bytes and all(_located(rows) is not None for rows in views.rows)
 
     def host_buffer(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         """Shared host memory (page-locked when ``pin``) that the I/O process can reach."""
@@ -367,6 +382,12 @@ class DiskIOProcess:
                          CLOSE_TIMEOUT)
             child.proc.kill()
         child.proc.wait()
+
+
+def _located(a: np.ndarray):
+    """``locate`` of every byte ``a`` spans (its strides included)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.strides)) if a.size else 0
+    return locate(a.ctypes.data, span)
 
 
 class _RemoteBatch:
@@ -489,6 +510,8 @@ class _Server:
         if name == "region":
             _, fds, _, _ = socket.recv_fds(self.fds, 1, 1)
             self.regions.add(m[1], fds[0], m[2])
+        elif name == "forget":
+            self.regions.remove(m[1])
         elif name == "views":
             self.views[m[1]] = SlotViews.from_rows([self.regions.array(*ref) for ref in m[2]])
         elif name == "begin":

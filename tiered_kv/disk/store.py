@@ -66,6 +66,10 @@ __all__ = ["DiskStore", "DiskStoreStats", "WriteBatch", "ReadBatch", "checksum_f
 
 #: Largest single read/write: runs of consecutive slots are coalesced up to this.
 MAX_IO_BYTES = 2 << 20
+#: Slots whose pieces are too small to move in place are packed this many bytes at a
+#: time, into at most ``PACK_BUFFERS`` buffers per store.
+PACK_CHUNK_BYTES = 8 << 20
+PACK_BUFFERS = 8
 #: Smallest piece worth a vectored transfer: with 8 KiB pieces (64 per 0.5 MiB block)
 #: the device moved less than through one staging copy (docs/benchmarks.md).
 MIN_VIEW_PIECE = 32 << 10
@@ -161,6 +165,9 @@ class DiskStore:
         # an I/O thread and cut the queue depth the device sees (threads start lazily).
         self._hash_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
                                              thread_name_prefix="tkv-disk-checksum")
+        self._pack_buffers: list[torch.Tensor] = []  # free pack buffers (``submit_slots``)
+        self._pack_made = 0
+        self._pack_free = threading.Condition()
         self._closed = False
 
     # ------------------------------------------------------------ construction
@@ -252,13 +259,10 @@ class DiskStore:
         """Start loading one job's blocks (reads their index entries)."""
         return ReadBatch(self, rank, list(hashes), [int(s) for s in slots])
 
-    def takes_views(self, views: SlotViews) -> bool:
-        """Whether ``WriteBatch.submit_views``/``ReadBatch.submit_views`` should move
-        ``views``' slots straight to and from disk (vectored I/O, any backend): pieces
-        aligned for O_DIRECT (so a block fills its slot exactly: there is no
-        padding to write) and of at least ``MIN_VIEW_PIECE`` each (so a call of at most
-        ``MAX_IO_BYTES`` has at most 64 buffers, far below any IOV_MAX)."""
-        return views_fit(views, self.slot_size)
+    def takes_slots(self, views: SlotViews) -> bool:
+        """Whether batches' ``submit_slots`` move ``views``' slots: host views of one
+        of this store's blocks per slot."""
+        return views.slot_bytes == self.block_bytes
 
     def host_buffer(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         """A long-lived host buffer of ``nbytes`` (uint8, page-aligned; page-locked when
@@ -271,6 +275,28 @@ class DiskStore:
         self.index.log_failed(rank, hashes, slots)
 
     # ------------------------------------------------------------ internals
+
+    def _take_pack_buffer(self) -> torch.Tensor:
+        """A free ``(chunk, slot_size)`` pack buffer; waits while ``PACK_BUFFERS`` are in use."""
+        with self._pack_free:
+            while not self._pack_buffers and self._pack_made >= PACK_BUFFERS:
+                self._pack_free.wait()
+            if self._pack_buffers:
+                return self._pack_buffers.pop()
+            self._pack_made += 1
+        per_chunk = max(1, PACK_CHUNK_BYTES // self.slot_size)
+        try:
+            return self.host_buffer(per_chunk * self.slot_size).view(per_chunk, self.slot_size)
+        except BaseException:
+            with self._pack_free:
+                self._pack_made -= 1
+                self._pack_free.notify()
+            raise
+
+    def _give_pack_buffer(self, buf: torch.Tensor) -> None:
+        with self._pack_free:
+            self._pack_buffers.append(buf)
+            self._pack_free.notify()
 
     def _view_runs(self, slots: Sequence[int], start: int, blocks: Sequence[Sequence[memoryview]]
                    ) -> list[tuple[int, int]]:
@@ -335,7 +361,11 @@ class DiskStore:
 
 
 def views_fit(views: SlotViews, slot_size: int) -> bool:
-    """``DiskStore.takes_views`` for a store of ``slot_size``-byte slots."""
+    """Whether ``views``' slots move straight to and from ``slot_size``-byte disk slots
+    (vectored I/O, any backend): pieces aligned for O_DIRECT (so a block fills its slot
+    exactly: there is no padding to write) and of at least ``MIN_VIEW_PIECE`` each (so a
+    call of at most ``MAX_IO_BYTES`` has at most 64 buffers, far below any IOV_MAX;
+    smaller pieces moved slower than packed runs, docs/benchmarks.md)."""
     return views.aligned(ALIGN) and views.slot_bytes == slot_size and views.smallest_piece >= MIN_VIEW_PIECE
 
 
@@ -364,9 +394,28 @@ class _Batch:
             f.exception()
 
     def submit_slots(self, start: int, views: SlotViews, slots: Sequence[int]) -> Future | None:
-        """``submit_views`` of CPU-tier slots ``slots`` (blocks ``start ..``), given as
-        the host cache's ``views``."""
-        return self.submit_views(start, [views.pieces(s) for s in slots])  # type: ignore[attr-defined]
+        """Move CPU-tier slots ``slots`` (blocks ``start ..``, the host cache's
+        ``views``): straight from/to their pieces (``submit_views``) where those fit
+        vectored O_DIRECT I/O (``views_fit``), else through the store's pack buffers,
+        ``PACK_CHUNK_BYTES`` at a time: packed on this thread while the chunk before is
+        written (or read, verified, then unpacked). Returns what ``submit_views`` does."""
+        if views_fit(views, self.store.slot_size):
+            return self.submit_views(start, [views.pieces(s) for s in slots])  # type: ignore[attr-defined]
+        slots = [int(s) for s in slots]
+        per_chunk = max(1, PACK_CHUNK_BYTES // self.store.slot_size)
+        futs = []
+        for a in range(0, len(slots), per_chunk):
+            fut = self._submit_packed(start + a, views, slots[a:a + per_chunk])
+            if fut is None:
+                break
+            futs.append(fut)
+        return self._all_done(futs, start, start + len(slots))
+
+    def _submit_packed(self, first: int, views: SlotViews, cpu_slots: list[int]) -> Future | None:
+        raise NotImplementedError
+
+    def _all_done(self, futs: list[Future], start: int, end: int) -> Future:
+        return _all_of(futs)
 
 
 class WriteBatch(_Batch):
@@ -430,7 +479,7 @@ class WriteBatch(_Batch):
     def submit_views(self, start: int, blocks: Sequence[Sequence[memoryview]]) -> Future | None:
         """Write blocks ``start .. start+len(blocks)-1``, each given as host byte views
         of ``block_bytes`` in all (``SlotViews.pieces``), straight from that memory
-        (only where ``store.takes_views``). Returns a future that completes when the
+        (only where ``views_fit``). Returns a future that completes when the
         views may change again (None if the batch already failed)."""
         if not self._may_write(len(blocks)):
             return None
@@ -448,6 +497,22 @@ class WriteBatch(_Batch):
         if not self._cleared:
             self._settle_clearing(self._clearing.wait())
         return self._error is None and n > 0
+
+    def _submit_packed(self, first: int, views: SlotViews, cpu_slots: list[int]) -> Future | None:
+        store = self.store
+        buf = store._take_pack_buffer()
+        try:
+            rows = buf[:len(cpu_slots)]
+            views.pack(cpu_slots, rows)
+            fut = self.submit(first, rows)
+        except BaseException:
+            store._give_pack_buffer(buf)
+            raise
+        if fut is None:
+            store._give_pack_buffer(buf)
+        else:
+            fut.add_done_callback(lambda _: store._give_pack_buffer(buf))
+        return fut
 
     def _write_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
         store = self.store
@@ -736,7 +801,7 @@ class ReadBatch(_Batch):
     def submit_views(self, start: int, blocks: Sequence[Sequence[memoryview]]) -> Future | None:
         """Read blocks ``start .. start+len(blocks)-1`` straight into host byte views,
         each block's of ``block_bytes`` in all (``SlotViews.pieces``; only where
-        ``store.takes_views``). The future's result is True when every block of the
+        ``views_fit``). The future's result is True when every block of the
         chunk was read and verified; a block that fails leaves its views overwritten."""
         if self._error is not None or not blocks:
             return None
@@ -753,6 +818,36 @@ class ReadBatch(_Batch):
         self._futures.extend(futs)
         end = start + len(blocks)
         return _all_of(futs, lambda: all(self.ok[start:end]))
+
+    def _all_done(self, futs: list[Future], start: int, end: int) -> Future:
+        return _all_of(futs, lambda: all(self.ok[start:end]))
+
+    def _submit_packed(self, first: int, views: SlotViews, cpu_slots: list[int]) -> Future | None:
+        store = self.store
+        buf = store._take_pack_buffer()
+        rows = buf[:len(cpu_slots)]
+        try:
+            read = self.submit(first, rows)
+        except BaseException:
+            store._give_pack_buffer(buf)
+            raise
+        if read is None:
+            store._give_pack_buffer(buf)
+            return None
+        out: Future = Future()
+
+        def unpack(_read: Future) -> None:
+            try:  # every block, good or not: a failed block fails its job anyway
+                views.unpack(rows, cpu_slots)
+            except Exception as e:
+                self._record_error(e)
+            finally:
+                store._give_pack_buffer(buf)
+                out.set_result(None)
+
+        read.add_done_callback(unpack)
+        self._futures.append(out)  # ``finish`` returns only once the slots hold the bytes
+        return out
 
     def _read_then_verify(self, read: Callable[[], None], verify: Callable[[], None], done: Future) -> None:
         """``read()`` on an I/O thread, then hand ``verify()`` to the checksum threads,

@@ -3,12 +3,14 @@
 Each handler owns a ``DiskStore`` view of rank ``rank``'s slab and moves whole offloaded
 blocks between KV tensors and disk slots:
 
-- ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): where each
-  slot's pieces are page-aligned and at least 32 KiB (the usual case), it reads
-  and writes each block straight from/into the CPU tier's memory, one buffer per layer
-  plane (``SlotViews``), and checksums it in place. Otherwise it packs CPU-tier slots
-  into an aligned staging buffer (``pack_blocks``) and writes that, or reads into the
-  staging buffer, verifies and unpacks (``unpack_blocks``) into CPU-tier slots.
+- ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): hands the store
+  the CPU tier's slots as they lie (``SlotViews``, ``submit_slots``). Where each slot's
+  pieces are page-aligned and at least 32 KiB (the usual case), the store reads and
+  writes each block straight from/into that memory, one buffer per layer plane, and
+  checksums it in place; otherwise its I/O threads pack each run of blocks into a
+  buffer of their own (checksummed while in cache) and write that, or read, verify and
+  unpack. (A CPU tier the store cannot reach, private memory beside a disk I/O process,
+  goes through the staging path below instead.)
 - ``GpuDiskHandler`` (``GPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): with KvikIO and
   GPUDirect Storage, blocks are packed/unpacked on the device in a device staging
   buffer that goes straight to/from the disk (a pinned mirror only feeds the
@@ -308,8 +310,7 @@ class CpuDiskHandler(_DiskHandler):
         tensors = host.tensors if isinstance(host, HostKVCache) else host
         super().__init__(store, rank, tensors, layout, **kwargs)
         views = SlotViews(self.tensors, layout)
-        # Without a copy where the store can: vectored I/O straight from/to the slots.
-        self._views = views if store.takes_views(views) else None
+        self._views = views if store.takes_slots(views) else None  # else: staged
 
     def _store_job(self, ids: np.ndarray, hashes: list[bytes], slots: list[int]) -> Future:
         if self._views is None:
