@@ -411,7 +411,42 @@ class _Batch:
             futs.append(fut)
         return self._all_done(futs, start, start + len(slots))
 
+    #: True for writes (pack, then write), False for reads (read, then unpack).
+    _writes: bool
+
     def _submit_packed(self, first: int, views: SlotViews, cpu_slots: list[int]) -> Future | None:
+        """One chunk of ``submit_slots`` through a pack buffer, which goes back to the
+        store's pool once the chunk is written (or read and unpacked)."""
+        store = self.store
+        buf = store._take_pack_buffer()
+        rows = buf[:len(cpu_slots)]
+        try:
+            if self._writes:
+                views.pack(cpu_slots, rows)
+            io = self.submit(first, rows)  # type: ignore[attr-defined]
+        except BaseException:
+            store._give_pack_buffer(buf)
+            raise
+        if io is None:
+            store._give_pack_buffer(buf)
+            return None
+        out: Future = Future()
+
+        def settle(_io: Future) -> None:
+            try:  # every block, good or not: a failed block fails its job anyway
+                if not self._writes:
+                    views.unpack(rows, cpu_slots)
+            except Exception as e:
+                self._record_error(e)
+            finally:
+                store._give_pack_buffer(buf)
+                out.set_result(None)
+
+        io.add_done_callback(settle)
+        self._futures.append(out)  # ``finish`` returns only once the slots hold the bytes
+        return out
+
+    def _record_error(self, e: BaseException) -> None:
         raise NotImplementedError
 
     def _all_done(self, futs: list[Future], start: int, end: int) -> Future:
@@ -421,6 +456,8 @@ class _Batch:
 class WriteBatch(_Batch):
     """One job's store on one rank. ``submit`` chunks of packed rows (any order, each
     block once), then ``finish`` once. Thread-safe for one producer."""
+
+    _writes = True
 
     def __init__(self, store: DiskStore, rank: int, hashes: list[bytes], slots: list[int]):
         if len(hashes) != len(slots):
@@ -498,22 +535,6 @@ class WriteBatch(_Batch):
             self._settle_clearing(self._clearing.wait())
         return self._error is None and n > 0
 
-    def _submit_packed(self, first: int, views: SlotViews, cpu_slots: list[int]) -> Future | None:
-        store = self.store
-        buf = store._take_pack_buffer()
-        try:
-            rows = buf[:len(cpu_slots)]
-            views.pack(cpu_slots, rows)
-            fut = self.submit(first, rows)
-        except BaseException:
-            store._give_pack_buffer(buf)
-            raise
-        if fut is None:
-            store._give_pack_buffer(buf)
-        else:
-            fut.add_done_callback(lambda _: store._give_pack_buffer(buf))
-        return fut
-
     def _write_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
         store = self.store
         try:
@@ -545,6 +566,8 @@ class WriteBatch(_Batch):
     def abandon(self, e: BaseException) -> None:
         """Fail the batch (its producer hit ``e``); ``finish`` then logs every block failed."""
         self._fail(e)
+
+    _record_error = _fail
 
     def finish(self) -> list[bool]:
         """Wait for the writes, make them durable, commit the index (both shared with
@@ -746,6 +769,8 @@ class ReadBatch(_Batch):
     ``finish`` once. Each block is verified against the checksum recorded for this
     rank; blocks without a usable entry are not read at all."""
 
+    _writes = False
+
     def __init__(self, store: DiskStore, rank: int, hashes: list[bytes], slots: list[int]):
         if len(hashes) != len(slots):
             raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots; expected one slot per hash")
@@ -821,33 +846,6 @@ class ReadBatch(_Batch):
 
     def _all_done(self, futs: list[Future], start: int, end: int) -> Future:
         return _all_of(futs, lambda: all(self.ok[start:end]))
-
-    def _submit_packed(self, first: int, views: SlotViews, cpu_slots: list[int]) -> Future | None:
-        store = self.store
-        buf = store._take_pack_buffer()
-        rows = buf[:len(cpu_slots)]
-        try:
-            read = self.submit(first, rows)
-        except BaseException:
-            store._give_pack_buffer(buf)
-            raise
-        if read is None:
-            store._give_pack_buffer(buf)
-            return None
-        out: Future = Future()
-
-        def unpack(_read: Future) -> None:
-            try:  # every block, good or not: a failed block fails its job anyway
-                views.unpack(rows, cpu_slots)
-            except Exception as e:
-                self._record_error(e)
-            finally:
-                store._give_pack_buffer(buf)
-                out.set_result(None)
-
-        read.add_done_callback(unpack)
-        self._futures.append(out)  # ``finish`` returns only once the slots hold the bytes
-        return out
 
     def _read_then_verify(self, read: Callable[[], None], verify: Callable[[], None], done: Future) -> None:
         """``read()`` on an I/O thread, then hand ``verify()`` to the checksum threads,
