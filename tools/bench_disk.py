@@ -21,8 +21,10 @@ bytes per measurement with the same number of I/O threads:
 - handler: the whole worker path, a ``CpuDiskHandler`` moving blocks between a host KV
   cache and the disk: with vectored I/O straight from/into the cache's memory where each
   block's pieces (one per layer plane) are page-aligned and at least 32 KiB (2 and 8 MiB
-  here), else packed into staging buffers (and unpacked on load). Each size's line says
-  which ("views" or "staged").
+  here), else packed by the store into its pack buffers, 8 MiB at a time (and unpacked
+  on load). Each size's line says which ("vectored" or "packed"). With ``--disk-io
+  process`` both run in the store's helper process (``tiered_kv.disk.io_process``), on
+  a host cache in shared memory.
 
 Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
@@ -69,7 +71,7 @@ from tiered_kv.device import empty_pageable  # noqa: E402
 from tiered_kv.disk.io_backends import host_view  # noqa: E402
 from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
 from tiered_kv.disk.io_process import DiskIOProcess  # noqa: E402
-from tiered_kv.disk.store import DiskStore  # noqa: E402
+from tiered_kv.disk.store import DiskStore, views_fit  # noqa: E402
 from tiered_kv.host_memory import HostKVCache  # noqa: E402
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout  # noqa: E402
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec  # noqa: E402
@@ -385,7 +387,9 @@ def main() -> None:
                             spins[key][1] += time.perf_counter() - t0
             backend = tier.store.backend.describe()
             direct = tier.store._files[0].direct if isinstance(tier.store, DiskStore) else "(in the helper)"
-            path = "views" if tier.handler._views is not None else "staged"
+            views = tier.handler._views
+            path = ("staged" if views is None else
+                    "vectored" if views_fit(views, tier.store.slot_size) else "packed")
             store.close()
             tier.close()
             # Harmonic mean = total bytes / total time over the rounds.
@@ -403,7 +407,7 @@ def main() -> None:
 
     print()
     print("GB/s; store = DiskStore (checksum + O_DIRECT + fdatasync + synced index commits, shared by "
-          "jobs that finish together); handler = CpuDiskHandler (from/to a host KV cache: views or staged, see above)")
+          "jobs that finish together); handler = CpuDiskHandler (from/to a host KV cache: vectored or packed, see above)")
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | "
           f"{'raw read':>8} {'load':>6} {'ratio':>5} {'handler':>7} {'ratio':>5}")
     for size, agg, _ in rows:
