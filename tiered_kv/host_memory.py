@@ -299,8 +299,8 @@ class SlotViews:
     def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
         slot_bytes)``), one block per row in block byte order: what ``pack_blocks``
-        makes of those slots, gathered plane by plane. For a few blocks at a time (one
-        disk run): numpy's per-call cost is a fraction of torch's at this size."""
+        makes of those slots, gathered plane by plane (numpy: at a few MiB per call its
+        per-call cost is a fraction of torch's, docs/benchmarks.md)."""
         index = np.asarray(slots, dtype=np.int64)
         dst = out.numpy()
         offset = 0

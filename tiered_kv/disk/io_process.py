@@ -69,6 +69,7 @@ RESTART_BACKOFF = 5.0
 SERVER_THREADS = 8
 
 _Ref = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # region, offset, shape, byte strides
+_DIED = object()  # what a call returns when the I/O process is gone before it replied
 
 
 def open_worker_store(config, fingerprint, layout, engine_id: str | None) -> "DiskStore | DiskIOProcess":
@@ -396,7 +397,8 @@ class _RemoteBatch:
     def __init__(self, proc: DiskIOProcess, kind: str, rank: int, hashes: list[bytes], slots: list[int]):
         if len(hashes) != len(slots):
             raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots; expected one slot per hash")
-        self._proc, self._kind, self._n = proc, kind, len(hashes)
+        self._proc, self._kind = proc, kind
+        self._rank, self._hashes, self._slots = rank, hashes, slots
         self._futures: list[Future] = []
         self._id = next(proc._batch_ids)
         with proc._lock:
@@ -448,7 +450,27 @@ class _RemoteBatch:
         self._do("abandon", (f"{type(e).__name__}: {e}",), None)
 
     def finish_async(self) -> "Future[list[bool]]":
-        return self._do("finish", (), [False] * self._n)
+        out: Future = Future()
+
+        def settle(finished: Future) -> None:
+            value = finished.result()
+            if value is _DIED:
+                if self._kind == "write":
+                    self._log_lost_writes()
+                value = [False] * len(self._hashes)
+            out.set_result(value)
+
+        self._do("finish", (), _DIED).add_done_callback(settle)
+        return out
+
+    def _log_lost_writes(self) -> None:
+        """The I/O process died before settling this batch's writes: log them failed
+        through the next one, so the manager frees their slots (a block whose ``ok``
+        was logged before the death stays: the manager ignores a later ``failed``)."""
+        try:
+            self._proc.log_failed(self._rank, self._hashes, self._slots)
+        except Exception:
+            logger.exception("could not log %d lost disk writes as failed", len(self._hashes))
 
     def finish(self) -> list[bool]:
         return self.finish_async().result()

@@ -7,10 +7,11 @@ blocks between KV tensors and disk slots:
   the CPU tier's slots as they lie (``SlotViews``, ``submit_slots``). Where each slot's
   pieces are page-aligned and at least 32 KiB (the usual case), the store reads and
   writes each block straight from/into that memory, one buffer per layer plane, and
-  checksums it in place; otherwise its I/O threads pack each run of blocks into a
-  buffer of their own (checksummed while in cache) and write that, or read, verify and
-  unpack. (A CPU tier the store cannot reach, private memory beside a disk I/O process,
-  goes through the staging path below instead.)
+  checksums it in place; otherwise the store packs them, 8 MiB at a time, into pack
+  buffers of its own and writes those, or reads, verifies and unpacks. Either way this
+  happens where the store runs: in a disk I/O process with ``disk_io: process``. (A CPU
+  tier the store cannot reach, private memory beside a disk I/O process, goes through
+  the staging path below instead.)
 - ``GpuDiskHandler`` (``GPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): with KvikIO and
   GPUDirect Storage, blocks are packed/unpacked on the device in a device staging
   buffer that goes straight to/from the disk (a pinned mirror only feeds the
