@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -190,20 +189,20 @@ def test_a_killed_io_process_fails_its_jobs_and_the_next_job_starts_a_new_one(tm
         h.shutdown(), h2.shutdown(), proc.close()
 
 
+def _open_and_die(cache_dir: str) -> None:
+    """Run in a child: start an I/O process, print its pid, exit without closing it."""
+    layout = small_layout()
+    proc = DiskIOProcess.open(cache_dir, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, 8),
+                              io_backend="posix")
+    print(proc.pid, flush=True)
+    os._exit(0)
+
+
 def test_the_io_process_exits_when_its_worker_dies(tmp_path):
-    script = textwrap.dedent(f"""
-        import os, sys
-        sys.path[:0] = {[str(Path(__file__).parent), *sys.path]!r}
-        from disk_fixtures import disk_bytes_for, fingerprint, small_layout
-        from tiered_kv.disk.index import LOG_FAILED
-from tiered_kv.disk.io_process import DiskIOProcess
-        layout = small_layout()
-        proc = DiskIOProcess.open({str(tmp_path)!r}, fingerprint(layout), layout,
-                                  disk_bytes=disk_bytes_for(layout, 8), io_backend="posix")
-        print(proc.pid, flush=True)
-        os._exit(0)
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    here = str(Path(__file__).parent)
+    code = (f"import sys; sys.path[:0] = {[here, *sys.path]!r}; "
+            f"import test_disk_io_process as t; t._open_and_die({str(tmp_path)!r})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 60

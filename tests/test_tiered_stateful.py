@@ -8,7 +8,9 @@ an in-flight load stay where the load reads them; no store is handed a CPU slot 
 in-flight load reads; every block ``lookup`` claims is delivered byte-exact by the load
 that follows; and the stored/removed events, replayed, equal each tier's contents.
 
-CI runs ``TIERED_KV_STATEFUL_EXAMPLES`` sequences (2,000 by default).
+CI runs ``TIERED_KV_STATEFUL_EXAMPLES`` sequences (2,000 by default), a quarter of that
+with write-back, and a hundredth (at least 10) with the disk store in a helper process
+(``disk_io: process``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ hash_lists = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4)
 
 class Hierarchy(RuleBasedStateMachine):
     write_policy = "write_through"
+    disk_io = "thread"
 
     def __init__(self):
         super().__init__()
@@ -49,7 +52,8 @@ class Hierarchy(RuleBasedStateMachine):
         self.bpb = layout.bytes_per_block
         self.spec = TieredOffloadingSpec(
             {"cpu_bytes": CPU_SLOTS * self.bpb, "disk_path": self.tmp, "disk_bytes": DISK_SLOTS * 4096,
-             "max_pending_disk_writes": 4, "model_id": "stateful", "write_policy": self.write_policy},
+             "max_pending_disk_writes": 4, "model_id": "stateful", "write_policy": self.write_policy,
+             "disk_io": self.disk_io},
             layout.gpu_block_size, layout)
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
         # Hypothesis replays a sequence and needs it to behave the same each time, so
@@ -222,9 +226,18 @@ class WriteBackHierarchy(Hierarchy):
     write_policy = "write_back"
 
 
+class ProcessIOHierarchy(WriteBackHierarchy):
+    """Write-back (spills and promotions) with the disk store in a helper process: each
+    sequence starts one, so fewer sequences."""
+
+    disk_io = "process"
+
+
 _settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
                      suppress_health_check=list(HealthCheck), derandomize=True)
 TestHierarchyWriteThrough = Hierarchy.TestCase
 TestHierarchyWriteThrough.settings = _settings
 TestHierarchyWriteBack = WriteBackHierarchy.TestCase
 TestHierarchyWriteBack.settings = settings(_settings, max_examples=max(EXAMPLES // 4, 50))
+TestHierarchyDiskIOProcess = ProcessIOHierarchy.TestCase
+TestHierarchyDiskIOProcess.settings = settings(_settings, max_examples=max(EXAMPLES // 100, 10))
