@@ -179,9 +179,13 @@ def test_worker_moves_partial_first_and_last_chunks_exactly(model_dir):
 # ------------------------------------------------------------------ disk tier
 
 
-def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, tmp_path):
-    h = _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk")
+@pytest.mark.parametrize("disk_io", ["thread", "process"])
+def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, tmp_path, disk_io):
+    h = _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk", disk_io=disk_io)
     try:
+        worker = h.worker_spec._worker
+        assert type(worker.disk_store).__name__ == ("DiskIOProcess" if disk_io == "process" else "DiskStore")
+        assert worker.host.shared == (disk_io == "process")
         a, b = _prompt(2, 2 * BLOCK + 1), _prompt(3, 2 * BLOCK + 1)
         _serve(h, a)
         _durable(h)
