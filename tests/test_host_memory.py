@@ -246,14 +246,19 @@ def test_whole_slot_and_arbitrary_ids_give_the_same_bytes_through_padded_rows(kv
                     assert (as_bytes(d.select(dim, k)) == 0).all(), f"kernel block {k} must stay untouched"
 
 
+def random_slots(kv_first: bool, factor: int, seed: int):
+    """A layout with 16-wide heads and a 5-slot host cache of random bytes, and its views."""
+    layout = make_layout(kv_first, block_size_factor=factor, head_dim=16)
+    host = HostKVCache(layout, 5, pin=False)
+    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=5 * factor, seed=seed)):
+        t.copy_(r)
+    return layout, host, SlotViews(host.tensors, layout)
+
+
 @pytest.mark.parametrize("kv_first", [True, False])
 @pytest.mark.parametrize("factor", [1, 2])
 def test_slot_views_are_the_packed_bytes_in_place(kv_first, factor):
-    layout = make_layout(kv_first, block_size_factor=factor, head_dim=16)
-    host = HostKVCache(layout, 5, pin=False)
-    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=5 * factor, seed=3)):
-        t.copy_(r)
-    views = SlotViews(host.tensors, layout)
+    layout, host, views = random_slots(kv_first, factor, seed=3)
     assert views.slot_bytes == layout.bytes_per_block
     out = torch.empty((2, layout.bytes_per_block), dtype=torch.uint8)
     pack_blocks(host.tensors, layout, host.kernel_ids([4, 1]), out)
@@ -269,11 +274,7 @@ def test_slot_views_are_the_packed_bytes_in_place(kv_first, factor):
 @pytest.mark.parametrize("kv_first", [True, False])
 @pytest.mark.parametrize("factor", [1, 2])
 def test_slot_views_pack_and_unpack_as_the_codec_does(kv_first, factor):
-    layout = make_layout(kv_first, block_size_factor=factor, head_dim=16)
-    host = HostKVCache(layout, 5, pin=False)
-    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=5 * factor, seed=4)):
-        t.copy_(r)
-    views = SlotViews(host.tensors, layout)
+    layout, host, views = random_slots(kv_first, factor, seed=4)
     padded = layout.bytes_per_block + 4096  # rows of a disk slot: padding past the block
     ours, codec = (torch.zeros((3, padded), dtype=torch.uint8) for _ in range(2))
     views.pack([3, 0, 4], ours)
