@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.disk.store import DiskStore, DiskStoreStats
+from tiered_kv.disk.store import DiskStore, DiskStoreStats, WriteBatch
 from tiered_kv.host_memory import SlotViews
 from tiered_kv.shared_memory import MappedRegions, empty_shared, locate, on_free, region_fd
 
@@ -501,7 +501,7 @@ class _Server:
                 pass  # the worker is gone; nothing to tell
 
     def run(self) -> None:
-        kind, kwargs = self.conn.recv()
+        _, kwargs = self.conn.recv()  # ("open", DiskStore.open's keyword arguments)
         try:
             self.store = DiskStore.open(**kwargs)
         except Exception as e:
@@ -579,22 +579,28 @@ class _Server:
         future.add_done_callback(lambda f: self._guarded(token, lambda: value(f)))
 
     def _submit(self, token: int, batch, start: int, ref: _Ref) -> None:
-        future = batch.submit(start, self.regions.tensor(*ref))
-        self._when_done(token, future, lambda f: True if batch_is_write(batch) else bool(f.result()))
+        self._when_done(token, batch.submit(start, self.regions.tensor(*ref)), _chunk_reply(batch))
 
     def _submit_slots(self, token: int, batch, start: int, slots: list[int], vid: int) -> None:
-        future = batch.submit_slots(start, self.views[vid], slots)
-        self._when_done(token, future, lambda f: True if batch_is_write(batch) else bool(f.result()))
+        self._when_done(token, batch.submit_slots(start, self.views[vid], slots), _chunk_reply(batch))
 
     def _abandon(self, token: int, batch, message: str) -> None:
         batch.abandon(RuntimeError(message))
         self.reply(token, True, None)
 
     def _finish(self, token: int, batch) -> None:
-        if batch_is_write(batch):
+        if isinstance(batch, WriteBatch):
             self._when_done(token, batch.finish_async(), lambda f: f.result())
         else:
             self._guarded(token, batch.finish)
+
+
+def _chunk_reply(batch) -> Callable[[Future], bool]:
+    """What a submitted chunk's reply says: for a write, True (its buffers are free
+    again); for a read, whether every block of it was read and verified."""
+    if isinstance(batch, WriteBatch):
+        return lambda _done: True
+    return lambda done: bool(done.result())
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -604,10 +610,6 @@ def _portable(e: BaseException) -> BaseException:
         return e
     except Exception:
         return RuntimeError(f"{type(e).__name__}: {e}")
-
-
-def batch_is_write(batch) -> bool:
-    return hasattr(batch, "finish_async")
 
 
 class _SerialCalls:
