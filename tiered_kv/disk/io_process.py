@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.disk.store import DiskStore, DiskStoreStats, WriteBatch
+from tiered_kv.disk.store import BlockIO, DiskStore, DiskStoreStats, WriteBatch
 from tiered_kv.host_memory import SlotViews
 from tiered_kv.shared_memory import MappedRegions, empty_shared, locate, on_free, region_fd
 
@@ -104,9 +104,10 @@ class _Child:
         self.alive = True
 
 
-class DiskIOProcess:
+class DiskIOProcess(BlockIO):
     """A ``DiskStore`` (for the disk handlers) running in a child process; see the
-    module docstring. Thread-safe. Open it with ``DiskIOProcess.open``."""
+    module docstring. Thread-safe. Open it with ``DiskIOProcess.open``. Its
+    ``write_blocks``/``read_blocks`` need rows in shared memory (``host_buffer``)."""
 
     def __init__(self, open_kwargs: dict[str, Any]):
         self._open_kwargs = open_kwargs
@@ -342,18 +343,6 @@ class DiskIOProcess:
 
     def begin_read(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "_RemoteBatch":
         return _RemoteBatch(self, "read", rank, list(hashes), [int(s) for s in slots])
-
-    def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
-                     data: torch.Tensor) -> list[bool]:
-        batch = self.begin_write(rank, hashes, slots)
-        batch.submit(0, data)
-        return batch.finish()
-
-    def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
-                    out: torch.Tensor) -> list[bool]:
-        batch = self.begin_read(rank, hashes, slots)
-        batch.submit(0, out)
-        return batch.finish()
 
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         """As ``DiskStore.log_failed``; raises ``RuntimeError`` if the I/O process is gone."""

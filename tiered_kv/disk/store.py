@@ -132,7 +132,29 @@ class DiskStoreStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class DiskStore:
+class BlockIO:
+    """The synchronous block API, over a store's ``begin_write``/``begin_read``."""
+
+    def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
+                     data: torch.Tensor) -> list[bool]:
+        """Store ``data[i, :block_bytes]`` as block ``hashes[i]`` in slot ``slots[i]`` of
+        rank ``rank``; returns per-block success. ``data`` is uint8 ``(N, >= block_bytes)``;
+        it is copied to an aligned buffer first unless it already is one
+        (``(N, slot_size)``, 4 KiB-aligned)."""
+        batch = self.begin_write(rank, hashes, slots)  # type: ignore[attr-defined]
+        batch.submit(0, data)
+        return batch.finish()
+
+    def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
+                    out: torch.Tensor) -> list[bool]:
+        """Load blocks into ``out[i, :block_bytes]`` (uint8 ``(N, >= block_bytes)``),
+        verifying each; returns per-block success (False: missing or corrupt)."""
+        batch = self.begin_read(rank, hashes, slots)  # type: ignore[attr-defined]
+        batch.submit(0, out)
+        return batch.finish()
+
+
+class DiskStore(BlockIO):
     """A namespace opened by one process for block I/O (or read-only for inspection).
 
     Thread-safe. ``write_blocks``/``read_blocks`` are the synchronous API; handlers use
@@ -232,24 +254,6 @@ class DiskStore:
         return bytes(host_view(buf[0, :self.block_bytes])) if ok[0] else None
 
     # ------------------------------------------------------------ block I/O
-
-    def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
-                     data: torch.Tensor) -> list[bool]:
-        """Store ``data[i, :block_bytes]`` as block ``hashes[i]`` in slot ``slots[i]`` of
-        rank ``rank``; returns per-block success. ``data`` is uint8 ``(N, >= block_bytes)``;
-        it is copied to an aligned buffer first unless it already is one
-        (``(N, slot_size)``, 4 KiB-aligned)."""
-        batch = self.begin_write(rank, hashes, slots)
-        batch.submit(0, data)
-        return batch.finish()
-
-    def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
-                    out: torch.Tensor) -> list[bool]:
-        """Load blocks into ``out[i, :block_bytes]`` (uint8 ``(N, >= block_bytes)``),
-        verifying each; returns per-block success (False: missing or corrupt)."""
-        batch = self.begin_read(rank, hashes, slots)
-        batch.submit(0, out)
-        return batch.finish()
 
     def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "WriteBatch":
         """Start storing one job's blocks (runs step 1 on the calling thread)."""
