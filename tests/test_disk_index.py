@@ -41,6 +41,21 @@ def test_commit_sets_rank_bits_and_checksums_per_rank(idx):
     assert [r.seq for r in idx.read_log(3)] == [4, 5]
 
 
+def test_log_reads_resume_inside_a_transaction_s_records_and_honour_limits(idx):
+    hashes = [block_hash(f"h{i}") for i in range(10)]
+    idx.commit_stored(0, hashes[:6], list(range(6)), [100] * 6, list(range(1, 7)))  # seqs 1-6, one value
+    idx.commit_stored(0, hashes[6:], list(range(6, 10)), [100] * 4, list(range(7, 11)))  # seqs 7-10
+    short = b"short"  # another hash length: its own value in the same transaction
+    idx.log_failed(1, [hashes[0], short, hashes[1]], [20, 21, 22])  # seqs 11-13
+    every = idx.read_log(0)
+    assert [r.seq for r in every] == list(range(1, 14))
+    assert [r.block_hash for r in every] == hashes + [hashes[0], short, hashes[1]]
+    assert [r.slot for r in every] == list(range(10)) + [20, 21, 22]
+    # Resuming inside a value skips what was read; a limit cuts inside a value.
+    for after, limit in [(3, 2), (3, 5), (5, 100), (9, 3), (10, 2), (11, 2), (13, 5)]:
+        assert idx.read_log_columns(after, limit).records() == every[after:after + limit], (after, limit)
+
+
 def test_clear_for_overwrite_rules(idx):
     idx.commit_stored(0, [A], [1], [100], [11])
     idx.commit_stored(1, [A], [1], [100], [21])

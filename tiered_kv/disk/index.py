@@ -10,8 +10,11 @@ registry. Sub-databases:
   the value so a restart decodes every entry from one pass over the values with numpy.
 - ``slots``: slot (big-endian u64) -> the hash last committed there, so a writer can
   clear the slot's previous owner before overwriting it.
-- ``log``: big-endian u64 sequence -> ``status, rank, slot, hash``: what workers did
-  (stored ok / store failed / found corrupt), read by the scheduler's manager.
+- ``log``: what workers did (stored ok / store failed / found corrupt), read by the
+  scheduler's manager. Each record has a sequence number; one value holds the records
+  one transaction appended, keyed by the big-endian u64 sequence of its last record:
+  a u16 hash length, then ``status, rank, slot, hash`` per record (so the manager reads
+  a few hundred records with one cursor step and one numpy decode).
 - ``meta``: the log sequence counter.
 
 Who writes what: workers commit ``blocks``/``slots``/``log`` in synced transactions (one
@@ -33,6 +36,7 @@ only logged: LMDB starts it afresh.)
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import itertools
@@ -59,7 +63,8 @@ LOG_OK, LOG_FAILED, LOG_CORRUPT = 0, 1, 2
 LOG_STATUS_NAMES = {LOG_OK: "ok", LOG_FAILED: "failed", LOG_CORRUPT: "corrupt"}
 
 _HEADER = struct.Struct("<qIIddQ")  # slot, size, hits, store_time, last_access, ranks
-_LOG = struct.Struct("<BIq")  # status, rank, slot (+ hash bytes)
+_LOG = struct.Struct("<BIq")  # one log record: status, rank, slot (+ hash bytes)
+_LOG_HEADER = struct.Struct("<H")  # a log value: the hash length of its records, then the records
 _SEQ = struct.Struct(">Q")
 _SLOT = struct.Struct(">Q")
 _LOG_SEQ_KEY = b"log_seq"
@@ -120,8 +125,14 @@ class StoredBlocks(NamedTuple):
 
 
 def _log_dtype(hash_len: int) -> np.dtype:
-    """A log value (``_LOG`` then the hash) as a packed numpy record."""
+    """A log record (``_LOG`` then the hash) as a packed numpy record."""
     return np.dtype([("status", "u1"), ("rank", "<u4"), ("slot", "<i8"), ("hash", f"V{hash_len}")])
+
+
+def _log_rows(value: bytes) -> np.ndarray:
+    """The records of a log value, as ``_log_dtype`` rows."""
+    (hash_len,) = _LOG_HEADER.unpack_from(value)
+    return np.frombuffer(value, dtype=_log_dtype(hash_len), offset=_LOG_HEADER.size)
 
 
 class LogRecord(NamedTuple):
@@ -521,20 +532,29 @@ class DiskIndex:
             cur = txn.cursor(db=self._db("log"))
             if not cur.set_range(_SEQ.pack(after_seq + 1)):
                 return []
-            return list(itertools.islice(cur.iternext(keys=True, values=True), limit))
+            values, fresh = [], 0
+            for key, value in cur.iternext(keys=True, values=True):
+                last, rows = _SEQ.unpack(key)[0], _log_rows(value)
+                values.append((last, rows))
+                fresh += min(len(rows), last - after_seq)
+                if fresh >= limit:
+                    break
+            return values
 
-        items = self._shared.run(read)
-        if not items:
+        values = self._shared.run(read)
+        if not values:
             return LogColumns.empty()
-        keys, values = zip(*items)
-        seqs = np.frombuffer(b"".join(keys), dtype=">u8").tolist()
-        if len(set(map(len, values))) == 1:
-            rows = np.frombuffer(b"".join(values), dtype=_log_dtype(len(values[0]) - _LOG.size))
+        seqs = list(itertools.chain.from_iterable(range(last - len(rows) + 1, last + 1) for last, rows in values))
+        skip = bisect.bisect_right(seqs, after_seq)  # the first value may hold records already read
+        seqs = seqs[skip:skip + limit]
+        if len({rows.dtype for _, rows in values}) == 1:
+            rows = np.concatenate([rows for _, rows in values])[skip:skip + len(seqs)]
             return LogColumns(seqs, rows["status"].tolist(), rows["rank"].tolist(), rows["slot"].tolist(),
                               rows["hash"].tolist())
         # hashes of different lengths (never within one engine's namespace)
-        status, rank, slot = (list(c) for c in zip(*(_LOG.unpack_from(v) for v in values)))
-        return LogColumns(seqs, status, rank, slot, [v[_LOG.size:] for v in values])
+        columns = [list(itertools.chain.from_iterable(rows[name].tolist() for _, rows in values))
+                   [skip:skip + len(seqs)] for name in ("status", "rank", "slot", "hash")]
+        return LogColumns(seqs, *columns)
 
     def log_seq(self) -> int:
         if self._db("meta") is None:
@@ -717,11 +737,15 @@ class DiskIndex:
         return True
 
     def _append_log(self, txn, records: Sequence[tuple[int, int, int, bytes]]) -> None:
+        """Append ``records`` as one log value (one per run of equal hash lengths)."""
         if not records:
             return
         seq = self._log_seq(txn)
         log = self._db("log")
-        for status, rank, slot, h in records:
-            seq += 1
-            txn.put(_SEQ.pack(seq), _LOG.pack(status, rank, slot) + h, db=log, append=True)
+        for hash_len, run in itertools.groupby(records, key=lambda r: len(r[3])):
+            parts = [_LOG_HEADER.pack(hash_len)]
+            for status, rank, slot, h in run:
+                parts += (_LOG.pack(status, rank, slot), h)
+            seq += (len(parts) - 1) // 2
+            txn.put(_SEQ.pack(seq), b"".join(parts), db=log, append=True)
         txn.put(_LOG_SEQ_KEY, _SEQ.pack(seq), db=self._db("meta"))
