@@ -248,7 +248,7 @@ def test_remove_and_iter_evictable(tier, layout):
     assert list(m.iter_evictable()) == [H[2]]
 
 
-def test_evictions_reach_the_index_but_a_restore_survives(tier, layout):
+def test_an_evicted_entry_stays_until_its_slot_is_rewritten_and_a_restore_survives(tier, layout):
     m, s = tier
     store_blocks(m, s, H[:CAP], layout)
     out = m.prepare_store([H[10]])
@@ -261,10 +261,36 @@ def test_evictions_reach_the_index_but_a_restore_survives(tier, layout):
     assert m.flush()
     e = s.entry(H[0])
     assert e is not None and e.slot == int(again.store_spec.block_ids[0])
-    # A plain eviction does reach the index.
+    # A plain eviction leaves the entry of the intact block in the index (a restart
+    # could serve it) until the worker that reuses the slot clears it.
     out = m.prepare_store([H[11]])
-    gone = out.block_hashes_evicted[0]
-    assert m.flush() and s.entry(gone) is None
+    gone, slot = out.block_hashes_evicted[0], int(out.store_spec.block_ids[0])
+    assert m.flush() and s.entry(gone).slot == slot and not m.is_loadable(gone)
+    assert all(s.write_blocks(0, [H[11]], [slot], content_rows([H[11]], 0, layout, s.slot_size)))
+    assert s.entry(gone) is None and s.entry(H[11]).slot == slot
+    m.complete_store([H[11]])
+    assert m.is_loadable(H[11])
+
+
+def test_an_evicted_block_whose_slot_was_not_rewritten_is_served_after_a_restart(tmp_path, layout):
+    fp, nbytes = fingerprint(layout), disk_bytes_for(layout, CAP)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e")
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+    store_blocks(m, s, H[:CAP], layout)
+    out = m.prepare_store([H[10]])  # evicts H0; its store never runs
+    assert out.block_hashes_evicted == [H[0]]
+    m.complete_store([H[10]], success=False)
+    s.close()
+    m.shutdown()
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2")
+    s = DiskStore.open_readonly(m.namespace.path)
+    try:
+        assert m.lookup(H[:CAP]) == CAP and not m.is_loadable(H[10])
+        want = content_rows([H[0]], 0, layout, s.slot_size)[0, :s.block_bytes]
+        assert s.read_block(0, H[0]) == bytes(want.numpy())
+    finally:
+        s.close()
+        m.shutdown()
 
 
 def test_touch_and_hits_reach_the_index(tier, layout):

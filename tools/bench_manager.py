@@ -26,6 +26,7 @@ same run (medians of 200).
 
     python tools/bench_manager.py                 # 10k, 100k, 1M blocks
     python tools/bench_manager.py --sizes 10000   # quicker
+    python tools/bench_manager.py --events        # KV-cache events on, in every manager
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.tiered.manager import TieredOffloadingManager
 
 BATCH = 256  # blocks per call, like a long prompt's chunk
+#: KV-cache events on in every manager (``--events``). Off by default, as in vLLM (its
+#: ``--kv-events-config`` is off unless asked for); when on, the latency loops drain them
+#: after each call, untimed, as the engine does every step.
+EVENTS = False
 LAYOUT = KVCacheLayout((LayerLayout("kv", (1, 2048), False),), __import__("torch").uint8, 16)
 
 
@@ -85,7 +90,7 @@ def vllm_manager(n: int):
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmCPU
     except Exception:
         return None
-    manager = VllmCPU(num_chunks=n, cache_policy="lru")
+    manager = VllmCPU(num_chunks=n, cache_policy="lru", enable_events=EVENTS)
     ctx = ReqContext(req_id="bench")
     manager.on_new_request(ctx)
     return manager, ctx, make_offload_key
@@ -126,6 +131,8 @@ def vllm_evicting_latency(n: int, calls: int) -> list[float] | None:
             assert out is not None
             manager.complete_store(in_flight, ctx)  # the previous call's store, one call late
             in_flight = batch
+            if EVENTS:
+                manager.take_events()
     return lat
 
 
@@ -150,7 +157,11 @@ def percentiles(lat: list[float]) -> str:
 
 def disk_manager(tmp: str, n: int) -> DiskOffloadingManager:
     fp = Fingerprint.from_layout(LAYOUT, model_id="bench-manager")
-    return DiskOffloadingManager(tmp, fp, LAYOUT, disk_bytes=n * 4096)
+    return DiskOffloadingManager(tmp, fp, LAYOUT, disk_bytes=n * 4096, enable_events=EVENTS)
+
+
+def cpu_manager(n: int) -> CPUOffloadingManager:
+    return CPUOffloadingManager(n, 16, enable_events=EVENTS)
 
 
 def busy_loop(iterations: int) -> None:
@@ -171,7 +182,12 @@ def iterations_for(seconds: float) -> int:
     return max(1, round(probe * seconds / statistics.median(tries)))
 
 
-def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[float]]:
+def thread_cpu(thread) -> float:
+    """CPU seconds ``thread`` has used so far."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[float], list[float]]:
     """Per-call seconds of a 256-block prepare_store on a full CPU tier (write_back: every
     call spills 256 blocks). The disk tier starts empty and holds ``calls * 128``
     blocks, so the first half of the calls fills it and the second half also evicts 256
@@ -183,16 +199,21 @@ def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[flo
 
     Also returns the machine's noise floor, interleaved: after each of the last
     ``calls - 50`` calls, the seconds of a ``busy_loop`` sized to the median of the
-    first 50."""
+    first 50; and the CPU seconds per call of the disk tier's flusher thread (reading
+    the workers' log records, index writes), over each half of the calls: background
+    work of the scheduler process, which shares its GIL."""
     disk = disk_manager(tmp, calls * BATCH // 2)
     worker_index = DiskIndex(disk.namespace.index_path, 1)
-    manager = TieredOffloadingManager(CPUOffloadingManager(n, 16), disk, write_policy="write_back",
+    manager = TieredOffloadingManager(cpu_manager(n), disk, write_policy="write_back",
                                       max_pending_disk_writes=4 * BATCH)
     for batch in batches_of(hashes(n)):
         manager.complete_store(manager.prepare_store(batch).block_hashes_to_store)
     lat, floor, in_flight, busy = [], [], [], 0
+    flusher = [thread_cpu(disk._flusher)]
     with serving_heap():
         for i in range(calls):
+            if i == calls // 2:
+                flusher.append(thread_cpu(disk._flusher))
             batch = hashes(BATCH, n + i * BATCH)
             t0 = time.perf_counter()
             out = manager.prepare_store(batch)
@@ -201,6 +222,8 @@ def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[flo
             assert len(spills) == BATCH, f"call {i}: {len(spills)} spills"
             manager.complete_store(in_flight)  # the previous call's store, one call late
             in_flight = out.block_hashes_to_store
+            if EVENTS:
+                manager.take_events()
             worker_index.commit_stored(0, spills.block_hashes, spills.disk_slots.tolist(),
                                        [disk.block_bytes] * len(spills), [0] * len(spills))
             if i == 49:
@@ -209,9 +232,12 @@ def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[flo
                 t0 = time.perf_counter()
                 busy_loop(busy)
                 floor.append(time.perf_counter() - t0)
+    disk.flush()
+    flusher.append(thread_cpu(disk._flusher))
     worker_index.close()
     manager.shutdown()
-    return lat, floor
+    half = [calls // 2, calls - calls // 2]
+    return lat, floor, [(b - a) / k for a, b, k in zip(flusher, flusher[1:], half)]
 
 
 def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
@@ -220,7 +246,7 @@ def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
     alternate rounds, with a disk tier of ``n`` blocks half full. The flusher thread only
     applies index writes here, and is idle while a call is timed."""
     disk = DiskOffloadingManager(tmp, Fingerprint.from_layout(LAYOUT, model_id="bench-manager"), LAYOUT,
-                                 disk_bytes=n * 4096, poll_interval=None)
+                                 disk_bytes=n * 4096, poll_interval=None, enable_events=EVENTS)
     worker_index = DiskIndex(disk.namespace.index_path, 1)
     read, whole = [], []
     fill = n // 2 // BATCH
@@ -246,7 +272,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--cascade-calls", type=int, default=1000)
+    ap.add_argument("--events", action="store_true",
+                    help="KV-cache events on in every manager (drained after each latency-loop call)")
     args = ap.parse_args()
+    global EVENTS
+    EVENTS = args.events
     ops = ("lookup", "prepare_store", "complete_store", "touch")
     print(f"per-block cost in ns ({BATCH}-block calls); ratio = tiered / vllm-cpu")
     header = f"{'blocks':>9} {'manager':>16} " + " ".join(f"{o:>15}" for o in ops)
@@ -257,9 +287,9 @@ def main() -> int:
         vllm = bench_vllm(n)
         if vllm:
             rows["vllm-cpu"] = vllm
-        rows["tiered-cpu"] = bench_ours(TieredOffloadingManager(CPUOffloadingManager(n, 16)), n)
+        rows["tiered-cpu"] = bench_ours(TieredOffloadingManager(cpu_manager(n)), n)
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
-            m = TieredOffloadingManager(CPUOffloadingManager(n, 16), disk_manager(tmp, 2 * n))
+            m = TieredOffloadingManager(cpu_manager(n), disk_manager(tmp, 2 * n))
             rows["tiered-cpu+disk"] = bench_ours(m, n)
             m.shutdown()
         for name, r in rows.items():
@@ -277,17 +307,19 @@ def main() -> int:
           f"(the disk tier filling), the second half (the disk full, evicting {BATCH} blocks per call "
           f"too); py loop = plain interpreter work sized to the tiered median, timed after each call "
           f"(this machine's own jitter)")
-    print(f"{'CPU blocks':>10} {'manager':>10} {'p50 us':>9} {'p99 us':>9} {'max us':>9}")
+    print(f"{'CPU blocks':>10} {'manager':>10} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'flusher us':>13}"
+          f"  (flusher = CPU per call of the disk tier's background thread)")
     for n in args.sizes:
         vllm_lat = vllm_evicting_latency(n, args.cascade_calls)
         if vllm_lat:
             print(f"{n:>10} {'vllm-cpu':>10} {percentiles(vllm_lat)}")
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
-            lat, floor = cascade_latency(n, tmp, args.cascade_calls)
+            lat, floor, flusher = cascade_latency(n, tmp, args.cascade_calls)
         half = len(lat) // 2
-        for name, part in (("tiered", lat), ("filling", lat[:half]), ("disk full", lat[half:]),
-                           ("py loop", floor)):
-            print(f"{n:>10} {name:>10} {percentiles(part)}")
+        for name, part, background in (("tiered", lat, ""), ("filling", lat[:half], flusher[0]),
+                                       ("disk full", lat[half:], flusher[1]), ("py loop", floor, "")):
+            cpu = f"{background * 1e6:13.0f}" if background != "" else ""
+            print(f"{n:>10} {name:>10} {percentiles(part)}{cpu}")
     print()
     print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), "
           f"median us")

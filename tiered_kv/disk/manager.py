@@ -20,15 +20,21 @@ a write transaction on the caller's thread:
   slot of a pending block whose store failed on some rank once every rank has logged
   its outcome (no write to the slot is left in flight), so a failed write frees its
   slot even when no job reports it (composite spills).
+- An evicted block's index entry stays until a worker reuses its slot: workers clear a
+  slot's old entry (synced) before overwriting it, so until then the entry describes
+  intact, checksummed bytes, and after a restart such a block is simply loadable again.
+  Deleting entries at eviction would cost the scheduler process several LMDB calls
+  per evicted block (docs/benchmarks.md) for nothing the workers do not already do.
 - A background flusher thread runs ``refresh()`` every ``poll_interval`` while blocks
   are pending (a read transaction, applied 64 records per lock hold), so the
   scheduler's own calls rarely find log records left to read. The same thread writes
-  evictions, access times and log trimming to the index, batched into one
-  transaction every few milliseconds. An
-  eviction's delete only applies if the entry still points at the evicted slot and
-  the manager has not meanwhile stored the block there again (checked inside the
-  flusher's transaction), so a re-store always survives. Losing queued updates in a
-  crash is harmless: workers clear a slot's old entry (synced) before overwriting it.
+  access times, log trimming and the deletion of entries that must not come back
+  (removed or corrupt blocks, failed stores, partial entries found at startup) to the
+  index, batched into one transaction every few milliseconds. A delete only applies if
+  the entry still points at that slot and the manager has not meanwhile stored the
+  block there again (checked inside the flusher's transaction), so a re-store always
+  survives. Losing queued updates in a crash never makes a torn block loadable: whoever
+  overwrites a slot clears its entry first.
 """
 
 from __future__ import annotations
@@ -50,14 +56,15 @@ import numpy as np
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK, DiskIndex, IndexSnapshot
+from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK, DiskIndex, IndexSnapshot, LogColumns
 from tiered_kv.disk.namespace import Namespace, WriterLock, explain_other_namespaces, slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
 logger = logging.getLogger(__name__)
 
-#: Log records the flusher applies per lock hold.
+#: Log records the flusher reads at a time, and applies per lock hold.
+_REFRESH_READ = 4096
 _REFRESH_CHUNK = 64
 
 
@@ -478,8 +485,7 @@ class DiskOffloadingManager(OffloadingManager):
                     self.stats.store_rejections += 1
                     return None
                 evicted, freed = victims
-                free.extend(freed)
-                self._deletions.extend(zip(evicted, freed))
+                free.extend(freed)  # their entries stay in the index (module docstring)
             self.stats.evictions += len(evicted)
             keep = len(free) - len(to_store)
             slots = free[keep:][::-1]  # the order pop() would give: low slots first
@@ -487,8 +493,6 @@ class DiskOffloadingManager(OffloadingManager):
             self._pending.update(zip(to_store, slots))
             if evicted:
                 self._event(evicted, removed=True)
-        if evicted:
-            self._wake.set()
         return PrepareStoreOutput(to_store, DiskLoadStoreSpec(slots, to_store), evicted)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
@@ -534,13 +538,15 @@ class DiskOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------ extras
 
-    def refresh(self, max_records: int = 1 << 30) -> RefreshResult:
+    def refresh(self, max_records: int = 1 << 30, records_per_hold: int | None = None) -> RefreshResult:
         """Apply what workers logged since the last call (at most ``max_records`` log
         records; ``result.more`` says whether some are left): pending blocks committed
         by every rank become loadable; pending blocks that failed on a rank are marked
         failed, and freed once every rank has logged (or by their ``complete_store``);
         loadable blocks found corrupt are dropped. Idempotent; an MVCC read, never
-        waits for writers. The flusher thread also runs it while blocks are pending."""
+        waits for writers. The flusher thread also runs it while blocks are pending,
+        applying at most ``records_per_hold`` records per hold of the manager's lock
+        (None: all in one)."""
         result = RefreshResult([], [], [])
         try:
             log = self.index.read_log_columns(self._log_seen, max_records)
@@ -548,24 +554,16 @@ class DiskOffloadingManager(OffloadingManager):
             self.stats.index_read_errors += 1
             logger.error("reading the disk index log failed: %s", e)
             return result
-        with self._lock:
-            first = bisect.bisect_right(log.seq, self._log_seen)  # another thread may have read some
-            if first == len(log.seq):
-                return result
-            hashes, statuses, slots = log.block_hash[first:], log.status[first:], log.slot[first:]
-            if self._full_mask == 1 and not self._progress and statuses.count(LOG_OK) == len(statuses):
-                durable = self._apply_good_writes(hashes, slots)
-            else:
-                durable = self._apply_log(hashes, statuses, log.rank[first:], slots, result)
-            self._log_seen = self._trim_upto = log.seq[-1]
+        step = max(1, records_per_hold or len(log.seq))
+        applied = False
+        for start in range(0, len(log.seq), step):
+            if start:
+                time.sleep(0)  # let the scheduler thread in between lock holds
+            with self._lock:
+                applied |= self._apply_records(log, start, start + step, result)
+        if applied:
             result.more = len(log.seq) == max_records
-            self._make_loadable(durable)
-            result.durable = [h for h, _ in durable]
-            if result.durable:
-                self._event(result.durable, removed=False)
-            if result.corrupt:
-                self._event(result.corrupt, removed=True)
-        self._wake.set()
+            self._wake.set()
         return result
 
     def is_loadable(self, block_hash: BlockHash) -> bool:
@@ -646,6 +644,29 @@ class DiskOffloadingManager(OffloadingManager):
             return self._flush_cond.wait_for(lambda: self._flush_done >= target or self._stop, timeout)
 
     # ------------------------------------------------------------ internals (lock held)
+
+    def _apply_records(self, log: LogColumns, start: int, end: int, result: RefreshResult) -> bool:
+        """Fold records ``start:end`` of ``log`` that no call applied yet into the state
+        and ``result``; whether there were any."""
+        end = min(end, len(log.seq))
+        first = start + bisect.bisect_right(log.seq[start:end], self._log_seen)  # another thread may have read some
+        if first == end:
+            return False
+        hashes, statuses, slots = log.block_hash[first:end], log.status[first:end], log.slot[first:end]
+        corrupt_before = len(result.corrupt)
+        if self._full_mask == 1 and not self._progress and statuses.count(LOG_OK) == len(statuses):
+            durable = self._apply_good_writes(hashes, slots)
+        else:
+            durable = self._apply_log(hashes, statuses, log.rank[first:end], slots, result)
+        self._log_seen = self._trim_upto = log.seq[end - 1]
+        self._make_loadable(durable)
+        became_loadable = [h for h, _ in durable]
+        result.durable.extend(became_loadable)
+        if became_loadable:
+            self._event(became_loadable, removed=False)
+        if len(result.corrupt) > corrupt_before:
+            self._event(result.corrupt[corrupt_before:], removed=True)
+        return True
 
     def _apply_good_writes(self, hashes: list[bytes], slots: list[int]) -> list[tuple[bytes, int]]:
         """``_apply_log`` for the usual case, one rank and only ``ok`` records, with a
@@ -767,7 +788,7 @@ class DiskOffloadingManager(OffloadingManager):
         """Learn the workers' outcomes off the scheduler thread, in short lock holds:
         the scheduler's own calls then find them applied instead of reading the log."""
         try:
-            while self.refresh(_REFRESH_CHUNK).more:
-                time.sleep(0)  # let the scheduler thread in between chunks
+            while self.refresh(_REFRESH_READ, _REFRESH_CHUNK).more:
+                time.sleep(0)
         except Exception:  # the flusher must survive; the scheduler's own refresh still works
             logger.exception("background refresh of the disk index log failed")
