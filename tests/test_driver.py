@@ -152,6 +152,17 @@ def test_device_prefix_cache_frees_replaced_groups():
     assert sorted([*pool.cached.values(), *pool.free]) == [0, 1, 2]
 
 
+def test_device_prefix_cache_waits_for_a_store_rather_than_evicting_past_it():
+    from tiered_kv.driver import _DevicePrefixCache
+    pool = _DevicePrefixCache(2)
+    (a, b) = pool.allocate(2)
+    pool.insert([b"A", b"B"], [a, b])
+    pool.hold([a])  # A, the least recent, has a store in flight
+    assert pool.allocate(1) is None and list(pool.cached) == [b"A", b"B"], "B was evicted in A's place"
+    assert pool.allocate(1, own={a}) == [b], "the running request's own group is skipped, not waited for"
+    assert list(pool.cached) == [b"A"]
+
+
 def test_workload_generators_share_prefixes_and_are_reproducible():
     w = default_workload(200, seed=5)
     assert w.requests == default_workload(200, seed=5).requests

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -162,17 +162,23 @@ class _DevicePrefixCache:
                     self.orphans.remove(g)
                     self.free.append(g)
 
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` groups, evicting least-recent idle cached blocks; None if impossible
-        (then nothing changes)."""
+    def allocate(self, n: int, own: Container[int] = ()) -> list[int] | None:
+        """``n`` groups, evicting the least-recent cached blocks other than the running
+        request's ``own`` groups; None (changing nothing) if one of those victims is
+        held by an unfinished store, or there are too few. The caller then waits for
+        the stores and asks again, so which blocks stay cached never depends on how
+        fast stores finish (every configuration of a replay sees the same device hits)."""
         need = n - len(self.free)
         victims = []
         if need > 0:
             for block_hash, g in self.cached.items():
-                if g not in self.busy:
-                    victims.append(block_hash)
-                    if len(victims) == need:
-                        break
+                if g in own:
+                    continue
+                if g in self.busy:
+                    return None
+                victims.append(block_hash)
+                if len(victims) == need:
+                    break
             if len(victims) < need:
                 return None
         for block_hash in victims:
@@ -260,7 +266,7 @@ class EngineDriver:
         device_groups = [pool.cached[h] for h in block_hashes[:n_device]]
         pool.hold(device_groups)
         rest = block_hashes[n_device:]
-        groups = self._allocate_groups(len(rest))
+        groups = self._allocate_groups(len(rest), set(device_groups))
         pool.hold(groups)
         try:
             report.blocks_looked_up += len(rest)
@@ -299,11 +305,11 @@ class EngineDriver:
 
     # ---- steps ----
 
-    def _allocate_groups(self, n: int) -> list[int]:
-        groups = self._pool.allocate(n)
+    def _allocate_groups(self, n: int, own: set[int]) -> list[int]:
+        groups = self._pool.allocate(n, own)
         if groups is None:  # device blocks are held by unfinished stores
             self.drain()
-            groups = self._pool.allocate(n)
+            groups = self._pool.allocate(n, own)
         if groups is None:
             raise ValueError(f"a request needs {n} device blocks but the device cache has only "
                              f"{self._pool.num_groups}; use a larger device cache or shorter requests")
