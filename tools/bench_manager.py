@@ -316,9 +316,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
             lat, floor, flusher = cascade_latency(n, tmp, args.cascade_calls)
         half = len(lat) // 2
-        for name, part, background in (("tiered", lat, ""), ("filling", lat[:half], flusher[0]),
-                                       ("disk full", lat[half:], flusher[1]), ("py loop", floor, "")):
-            cpu = f"{background * 1e6:13.0f}" if background != "" else ""
+        for name, part, background in (("tiered", lat, None), ("filling", lat[:half], flusher[0]),
+                                       ("disk full", lat[half:], flusher[1]), ("py loop", floor, None)):
+            cpu = "" if background is None else f"{background * 1e6:13.0f}"
             print(f"{n:>10} {name:>10} {percentiles(part)}{cpu}")
     print()
     print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), "
