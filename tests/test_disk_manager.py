@@ -206,6 +206,7 @@ def test_take_events_leaves_the_log_to_the_polling_flusher(tmp_path, layout):
     read_log = m.index.read_log_columns
     m.index.read_log_columns = lambda *a: (readers.append(threading.current_thread()), read_log(*a))[1]
     try:
+        assert m.flush()  # the flusher has nothing pending: it sleeps until woken
         out = m.prepare_store(H[:2])
         s.write_blocks(0, H[:2], out.store_spec.block_ids.tolist(), content_rows(H[:2], 0, layout, s.slot_size))
         stored, deadline = [], time.monotonic() + 30

@@ -490,9 +490,12 @@ class DiskOffloadingManager(OffloadingManager):
             keep = len(free) - len(to_store)
             slots = free[keep:][::-1]  # the order pop() would give: low slots first
             del free[keep:]
+            idle = not self._pending  # then the flusher is not polling the log
             self._pending.update(zip(to_store, slots))
             if evicted:
                 self._event(evicted, removed=True)
+        if idle and to_store:
+            self._wake.set()
         return PrepareStoreOutput(to_store, DiskLoadStoreSpec(slots, to_store), evicted)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
