@@ -274,9 +274,9 @@ class SlowBackend(FaultyBackend):
         super().__init__()
         self.gate = threading.Event()
 
-    def pwrite(self, f, buf, offset):
+    def pwritev(self, f, views, offset):
         self.gate.wait(10)
-        return super().pwrite(f, buf, offset)
+        return super().pwritev(f, views, offset)
 
 
 def test_transfer_async_never_blocks_and_staging_is_bounded(tmp_path):
@@ -307,10 +307,10 @@ class HeldSyncBackend(FaultyBackend):
         self.holding, self.release = threading.Event(), threading.Event()
         self.writes_while_held = 0
 
-    def pwrite(self, f, buf, offset):
+    def pwritev(self, f, views, offset):
         if self.holding.is_set() and not self.release.is_set():
             self.writes_while_held += 1
-        return super().pwrite(f, buf, offset)
+        return super().pwritev(f, views, offset)
 
     def sync(self, f):
         if not self.holding.is_set():

@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import partial
@@ -387,9 +387,26 @@ def _runs(slots: Sequence[int], start: int, count: int, per_run: int) -> list[tu
     return out
 
 
-class _Batch:
-    """What write and read batches share: the I/O futures submitted so far."""
+def _block_views(rows: torch.Tensor, block_bytes: int) -> list[list[memoryview]]:
+    """The first ``block_bytes`` of each row of ``rows`` (a contiguous host uint8
+    ``(n, stride)`` tensor), as one-piece blocks for ``_checksum_views``/``_verify``.
 
+    The batches hand their worker threads byte views made on the submitting thread, never
+    tensors: every torch call releases the GIL and takes it back, and taking it back
+    waits behind any thread running Python, up to the interpreter's 5 ms switch interval
+    (a tensor slice cost 0.2-0.6 ms, not 5 us, beside one busy thread; docs/benchmarks.md).
+    """
+    view, stride = host_view(rows), rows.shape[1]
+    return [[view[i:i + block_bytes]] for i in range(0, len(rows) * stride, stride)]
+
+
+class _Batch:
+    """What write and read batches share: their store, rank file and slots, and the
+    I/O futures submitted so far."""
+
+    store: DiskStore
+    slots: list[int]
+    _file: BackendFile | None
     _futures: list[Future]
 
     def wait_idle(self) -> None:
@@ -414,6 +431,25 @@ class _Batch:
                 break
             futs.append(fut)
         return self._all_done(futs, start, start + len(slots))
+
+    def _row_runs(self, start: int, buf: torch.Tensor, sums: torch.Tensor,
+                  tensor_io: Callable[[BackendFile, torch.Tensor, int], None],
+                  view_io: Callable[[BackendFile, list[memoryview], int], None]
+                  ) -> Iterator[tuple[int, int, int, Callable[[], None], list[list[memoryview]]]]:
+        """The runs of consecutive slots among blocks ``start ..`` held in the rows of
+        ``buf``, as ``(first block, first row, n, io, blocks)``: ``io()`` moves the run
+        (``view_io`` on a byte view of host rows, ``tensor_io`` on device rows) and
+        ``blocks`` are its blocks' views in ``sums`` (host rows holding the same bytes)."""
+        if sums.device.type != "cpu":
+            raise ValueError("device rows need host rows for their checksums")
+        slot, f = self.store.slot_size, self._file
+        blocks = _block_views(sums, self.store.block_bytes)
+        data = host_view(buf) if buf.device.type == "cpu" else None
+        for first, n in _runs(self.slots, start, len(buf), max(1, MAX_IO_BYTES // slot)):
+            lo, offset = first - start, self.slots[first] * slot
+            io = (partial(tensor_io, f, buf[lo:lo + n].reshape(-1), offset) if data is None
+                  else partial(view_io, f, [data[lo * slot:(lo + n) * slot]], offset))
+            yield first, lo, n, io, blocks[lo:lo + n]
 
     #: True for writes (pack, then write), False for reads (read, then unpack).
     _writes: bool
@@ -503,17 +539,13 @@ class WriteBatch(_Batch):
             buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
             buf[:, :store.block_bytes].copy_(rows[:, :store.block_bytes])
             host_rows = None
-        sums = buf if host_rows is None else host_rows
-        if sums.device.type != "cpu":
-            raise ValueError("device rows need host_rows for their checksums")
-        per_run = max(1, MAX_IO_BYTES // store.slot_size)
-        runs = _runs(self.slots, start, len(rows), per_run)
+        futs = []
         # Writes on the backend's pool, checksums on the store's CPU threads: the device
         # keeps the whole queue depth while the checksums run beside it.
-        futs = [store.backend.submit(self._write_run, first, buf[first - start:first - start + n])
-                for first, n in runs]
-        futs += [store._hash_pool.submit(self._checksum_run, first, n, sums[first - start:first - start + n])
-                 for first, n in runs]
+        sums = buf if host_rows is None else host_rows
+        for first, _, _, write, blocks in self._row_runs(start, buf, sums, store.backend.pwrite, store.backend.pwritev):
+            futs.append(store.backend.submit(self._write, write))
+            futs.append(store._hash_pool.submit(self._checksum_views, first, blocks))
         self._futures.extend(futs)
         return _all_of(futs)
 
@@ -528,7 +560,8 @@ class WriteBatch(_Batch):
         futs = []
         for first, n in store._view_runs(self.slots, start, blocks):
             run = blocks[first - start:first - start + n]
-            futs.append(store.backend.submit(self._write_views, first, run))
+            write = partial(store._view_io, store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size)
+            futs.append(store.backend.submit(self._write, write))
             futs.append(store._hash_pool.submit(self._checksum_views, first, run))
         self._futures.extend(futs)
         return _all_of(futs)
@@ -539,10 +572,9 @@ class WriteBatch(_Batch):
             self._settle_clearing(self._clearing.wait())
         return self._error is None and n > 0
 
-    def _write_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
-        store = self.store
+    def _write(self, write: Callable[[], None]) -> None:
         try:
-            store._view_io(store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size)
+            write()
         except Exception as e:  # an I/O thread must not lose an error: finish() reports it
             self._fail(e)
 
@@ -550,20 +582,6 @@ class WriteBatch(_Batch):
         try:
             for i, pieces in enumerate(run):
                 self.checksums[first + i] = self.store.digest(pieces)
-        except Exception as e:
-            self._fail(e)
-
-    def _write_run(self, first: int, buf: torch.Tensor) -> None:
-        try:
-            self.store.backend.pwrite(self._file, buf.reshape(-1), self.slots[first] * self.store.slot_size)
-        except Exception as e:  # an I/O thread must not lose an error: finish() reports it
-            self._fail(e)
-
-    def _checksum_run(self, first: int, n: int, sums: torch.Tensor) -> None:
-        store = self.store
-        try:
-            for i in range(n):
-                self.checksums[first + i] = store.digest([host_view(sums[i, :store.block_bytes])])
         except Exception as e:
             self._fail(e)
 
@@ -808,19 +826,17 @@ class ReadBatch(_Batch):
         if bounce:
             buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
             host_rows = None
-        per_run = max(1, MAX_IO_BYTES // store.slot_size)
         futs = []
-        for first, n in _runs(self.slots, start, len(rows), per_run):
+        sums = buf if host_rows is None else host_rows
+        for first, lo, n, read, blocks in self._row_runs(start, buf, sums, store.backend.pread, store.backend.preadv):
             # Only read runs of blocks that have an entry to verify against.
             if all(self.expected[first + i] is None for i in range(n)):
                 continue
-            lo = first - start
+            mirror = None if host_rows is None else partial(host_rows[lo:lo + n].copy_, buf[lo:lo + n])
+            unbounce = (partial(rows[lo:lo + n, :store.block_bytes].copy_, buf[lo:lo + n, :store.block_bytes])
+                        if bounce else None)
             done: Future = Future()
-            read = partial(store.backend.pread, self._file, buf[lo:lo + n].reshape(-1),
-                           self.slots[first] * store.slot_size)
-            verify = partial(self._verify_rows, first, n, buf[lo:lo + n],
-                             None if host_rows is None else host_rows[lo:lo + n],
-                             rows[lo:lo + n] if bounce else None)
+            verify = partial(self._verify, first, blocks, mirror, unbounce)
             store.backend.submit(self._read_then_verify, read, verify, done)
             futs.append(done)
         self._futures.extend(futs)
@@ -842,7 +858,7 @@ class ReadBatch(_Batch):
             run = blocks[first - start:first - start + n]
             done: Future = Future()
             read = partial(store._view_io, store.backend.preadv, self._file, run, self.slots[first] * store.slot_size)
-            store.backend.submit(self._read_then_verify, read, partial(self._verify_views, first, run), done)
+            store.backend.submit(self._read_then_verify, read, partial(self._verify, first, run), done)
             futs.append(done)
         self._futures.extend(futs)
         end = start + len(blocks)
@@ -874,20 +890,17 @@ class ReadBatch(_Batch):
         finally:
             done.set_result(None)
 
-    def _verify_rows(self, first: int, n: int, buf: torch.Tensor, host_rows: torch.Tensor | None,
-                     dest: torch.Tensor | None) -> None:
-        block_bytes = self.store.block_bytes
-        if host_rows is not None:
-            host_rows.copy_(buf)
-        view_rows = buf if host_rows is None else host_rows
-        for i in range(n):
-            self._check(first + i, [host_view(view_rows[i, :block_bytes])])
-        if dest is not None:
-            dest[:, :block_bytes].copy_(buf[:, :block_bytes])
-
-    def _verify_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
+    def _verify(self, first: int, run: Sequence[Sequence[memoryview]], before: Callable[[], object] | None = None,
+                after: Callable[[], object] | None = None) -> None:
+        """Check blocks ``first ..`` (``run``: each block's views), after ``before`` (the
+        copy of device rows into the host rows those views show) and then ``after``
+        (the copy out of a bounce buffer)."""
+        if before is not None:
+            before()
         for i, pieces in enumerate(run):
             self._check(first + i, pieces)
+        if after is not None:
+            after()
 
     def _check(self, i: int, pieces: Sequence[memoryview]) -> None:
         """Block ``i`` is good if its bytes (``pieces``) match the recorded checksum."""
