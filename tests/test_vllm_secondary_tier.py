@@ -355,12 +355,12 @@ def test_a_full_disk_fails_the_store_job_and_is_counted(model_dir, tmp_path):
     try:
         tier = _tier(h)
         backend = tier.store.backend
-        real_pwrite = backend.pwrite
+        real_pwritev = backend.pwritev
 
         def enospc(*args):  # fault injection: the device is full
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        backend.pwrite = enospc
+        backend.pwritev = enospc
         a = _prompt(12, 2 * BLOCK + 1)
         _serve(h, a)  # no exception reaches vLLM
         assert tier.stats.store_failed == 2 and tier.stats.failed_store_jobs == 1
@@ -369,7 +369,7 @@ def test_a_full_disk_fails_the_store_job_and_is_counted(model_dir, tmp_path):
         assert tier.disk_manager.num_free_slots() == 16  # the slots came back
         assert h.stats()["tiered_kv_disk_tier_store_failed_chunks"] == 2
 
-        backend.pwrite = real_pwrite  # space again: the tier carries on
+        backend.pwritev = real_pwritev  # space again: the tier carries on
         b = _prompt(13, 2 * BLOCK + 1)
         _serve(h, b)
         assert [_tier_lookup(h, k) for k in _keys(b)] == [LookupResult.HIT] * 2
@@ -385,19 +385,19 @@ def test_an_unreadable_chunk_becomes_a_miss_instead_of_a_retry_loop(model_dir, t
         _serve(h, a)
         _evict_from_primary(h, a, _prompt(16, 2 * BLOCK + 1))
         backend = tier.store.backend
-        real_pread = backend.pread
+        real_preadv = backend.preadv
 
         def eio(*args):  # fault injection: the device fails reads
             raise OSError(errno.EIO, "Input/output error")
 
-        backend.pread = eio
+        backend.preadv = eio
         h.reset_gpu_prefix_cache()
         req_id = h.add_request(a)
         _run(h)  # a chunk kept after a failed read would be promoted again and again
         assert h.prefix_hits[req_id].external == 0
         assert tier.stats.promotion_failed == 2 and tier.stats.corrupt == 0
         assert tier.stats.failed_promotion_jobs == 1
-        backend.pread = real_pread
+        backend.preadv = real_preadv
     finally:
         h.shutdown()
 
@@ -409,13 +409,13 @@ def test_calls_never_wait_for_the_disk_and_a_backlog_is_bounded(model_dir, tmp_p
     try:
         tier = _tier(h)
         backend = tier.store.backend
-        real_pwrite = backend.pwrite
+        real_pwritev = backend.pwritev
 
         def stalled(*args):  # fault injection: a disk that does not answer
             release.wait(60)
-            return real_pwrite(*args)
+            return real_pwritev(*args)
 
-        backend.pwrite = stalled
+        backend.pwritev = stalled
         a, b = _prompt(17, 2 * BLOCK + 1), _prompt(18, 2 * BLOCK + 1)
         t0 = time.monotonic()
         for prompt in (a, b):
@@ -448,14 +448,14 @@ def test_store_jobs_that_queue_up_share_one_sync_and_commit(model_dir, tmp_path)
         rows = np.asarray(h.manager.primary_tier.get_kv_memoryview())
         rows[:4] = np.random.default_rng(0).integers(0, 256, rows[:4].shape, dtype=np.uint8)
         backend = tier.store.backend
-        real_pwrite, real_sync = backend.pwrite, backend.sync
+        real_pwritev, real_sync = backend.pwritev, backend.sync
         syncs = []
 
         def stalled(*args):  # fault injection: a slow disk, so jobs queue up behind it
             release.wait(60)
-            return real_pwrite(*args)
+            return real_pwritev(*args)
 
-        backend.pwrite = stalled
+        backend.pwritev = stalled
         backend.sync = lambda f: (syncs.append(f), real_sync(f))
         keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
         # Driven directly (not through vLLM's manager, which must not see these jobs).
