@@ -277,8 +277,10 @@ class TieredVllmManager(OffloadingManager):
     # ------------------------------------------------------------------ steps, events, stats
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # Disk writes the workers committed are folded in by the disk manager's flusher
+        # thread (it polls the index log while writes are pending), not here: reading
+        # the log on the scheduler thread would lengthen every step that has some.
         self._collect_verifications()
-        self.composite.pending_disk_writes()  # folds in disk writes the workers committed
         if self._stale_writes:
             self._drop_stale_writes()
 
@@ -317,9 +319,11 @@ class TieredVllmManager(OffloadingManager):
         for tier, used in self.composite.used_blocks().items():
             stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
         stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))
-        if self.composite.disk is not None:
-            stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.disk.capacity, ("disk",))
-        stats.set_gauge(PENDING_DISK_WRITES, self.composite.pending_disk_writes())
+        disk = self.composite.disk
+        if disk is not None:
+            stats.set_gauge(TIER_CAPACITY_BLOCKS, disk.capacity, ("disk",))
+        # Read, not refreshed: at most a flusher poll old.
+        stats.set_gauge(PENDING_DISK_WRITES, disk.num_pending() if disk is not None else 0)
         return stats
 
     def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...],
