@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The CUDA checks, ready for a machine with a GPU and no network (the lent H100/H200).
+#
+# Here, with network (once): fetch the wheels that machine lacks into .whl/ (ignored by
+# git through .git/info/exclude). Its image has Python 3.12, torch 2.11+cu130, CuPy,
+# cuda-toolkit with cuFile, pytest, hypothesis, xxhash, typer, rich, prometheus-client
+# and matplotlib; it lacks lmdb, crc32c and KvikIO:
+#
+#     bash tools/gpu_session.sh fetch
+#
+# There, from the repository root, with .whl carried along (each step fits one 10-minute
+# command; logs and tables go to $OUT, else /tmp/gpu-session):
+#
+#     bash tools/gpu_session.sh tests     # the `gpu` tests, then the whole suite (vLLM's skip)
+#     bash tools/gpu_session.sh bench     # GPU<->CPU handlers, then the disk tier through KvikIO
+#     bash tools/gpu_session.sh replay    # the whole hierarchy with the device cache on CUDA
+#
+# Record what they print in docs/benchmarks.md ("GPU: replay on an H100/H200", "Disk tier").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step=${1:-}
+out=${OUT:-/tmp/gpu-session}
+py=${PYTHON:-python3}
+
+fetch() {
+    exclude=$(git rev-parse --git-path info/exclude)
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+    mkdir -p .whl
+    "$py" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+        -d .whl 'lmdb==3.0.0' 'crc32c==2.9.post0' 'kvikio-cu13==26.10.0' 'libkvikio-cu13==26.10.0' \
+        'rapids-logger==0.3.0'
+    ls -l .whl
+}
+
+install() {
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONUNBUFFERED=1
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+    "$py" - <<'EOF' | tee -a "$out/device.txt"
+import torch
+from tiered_kv.disk.io_backends import KvikIOBackend
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+print("kvikio probe:", KvikIOBackend.probe(".") or "ok")
+EOF
+}
+
+case "$step" in
+    fetch) fetch ;;
+    tests)
+        install
+        failed=0  # run both even if the first fails: the second says what else broke
+        "$py" -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.txt" || failed=1
+        "$py" -m pytest -q -p no:cacheprovider 2>&1 | tee "$out/pytest-all.txt" || failed=1
+        exit $failed
+        ;;
+    bench)
+        install
+        "$py" tools/bench_gpu_cpu.py 2>&1 | tee "$out/bench_gpu_cpu.txt"
+        "$py" tools/bench_disk.py --backend kvikio --rounds 3 --plot "$out/bench_disk.png" 2>&1 \
+            | tee "$out/bench_disk_kvikio.txt"
+        ;;
+    replay)
+        install
+        "$py" tools/replay.py --workload chat --gpu --markdown "$out/replay_gpu.md" 2>&1 \
+            | tee "$out/replay_gpu.txt"
+        ;;
+    *)
+        echo "usage: bash tools/gpu_session.sh fetch|tests|bench|replay" >&2
+        exit 2
+        ;;
+esac
