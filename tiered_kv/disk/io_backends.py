@@ -15,6 +15,11 @@ that packs the next chunk never waits on the disk.
   KvikIO imports without a GPU but fails on the first I/O without ``libcuda``, so
   ``KvikIOBackend.probe`` does a real 4 KiB write and read before it is chosen.
 
+Every backend also has ``preadv``/``pwritev`` of host byte views on the file's POSIX
+descriptor; the disk store moves all host memory that way (the views are made by the
+thread that submits, so I/O threads touch no tensors), and only device rows through
+``pread``/``pwrite``.
+
 ``select_backend("auto" | "kvikio" | "posix", ...)`` picks one and logs which and why.
 """
 
