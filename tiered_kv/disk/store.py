@@ -394,7 +394,7 @@ def _block_views(rows: torch.Tensor, block_bytes: int) -> list[list[memoryview]]
     The batches hand their worker threads byte views made on the submitting thread, never
     tensors: every torch call releases the GIL and takes it back, and taking it back
     waits behind any thread running Python, up to the interpreter's 5 ms switch interval
-    (a tensor slice cost 0.2-0.6 ms, not 5 us, beside one busy thread; docs/benchmarks.md).
+    (a 3 us ``reshape`` took 1.4 ms beside one busy thread: tools/bench_gil_handoff.py).
     """
     view, stride = host_view(rows), rows.shape[1]
     return [[view[i:i + block_bytes]] for i in range(0, len(rows) * stride, stride)]

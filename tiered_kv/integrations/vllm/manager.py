@@ -27,7 +27,9 @@ adapter adds is what vLLM's contract demands and ours did not:
   queued before the reset are dropped as they land and never served.
 - Stats: ``get_stats`` turns our ``TieredStats`` counters (deltas since the last call)
   and tier occupancy into vLLM's ``OffloadingConnectorStats``; the metric names are
-  declared by the spec's ``build_metric_definitions``.
+  declared by the spec's ``build_metric_definitions``. Neither it nor
+  ``on_schedule_end`` reads the disk index: the disk manager's flusher thread folds in
+  the writes workers committed, within a poll (2 ms) while some are pending.
 
 ``lock`` stays vLLM's no-op default: every call runs on the caller's thread; the
 verifier threads only read the disk and hand results over through a queue, and the
