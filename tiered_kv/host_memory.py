@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -313,13 +314,15 @@ class SlotViews:
         5 ms switch interval to take it back, once per copy (64 copies per chunk of 0.5
         MiB blocks). The disk I/O threads of an engine worker run beside such a thread;
         there, unpacking 0.5 MiB blocks this way made the handler's reads 5 times faster
-        (docs/benchmarks.md). Idle, the two cost about the same."""
+        (docs/benchmarks.md). Idle, the two cost about the same at 8 KiB pieces; each copy
+        costs about a microsecond of Python, so with pieces of 1-2 KiB (small models,
+        high TP) numpy's one copy per plane would be cheaper idle."""
         if packed.dim() != 2 or packed.shape[0] != len(slots) or packed.shape[1] < self.slot_bytes:
             raise ValueError(f"packed rows must be a ({len(slots)}, >= {self.slot_bytes}) tensor; "
                              f"got {tuple(packed.shape)}")
         flat = memoryview(packed.numpy()).cast("B")
         stride, offset = packed.shape[1], 0
-        for view, row_stride, width in self._plane_views():
+        for view, row_stride, width in self._plane_views:
             for i, slot in enumerate(slots):
                 at, here = i * stride + offset, int(slot) * row_stride
                 if into_rows:
@@ -328,17 +331,14 @@ class SlotViews:
                     view[here:here + width] = flat[at:at + width]
             offset += width
 
+    @cached_property
     def _plane_views(self) -> list[tuple[memoryview, int, int]]:
         """Per plane: one byte view from its first slot's piece to its last's, the
         distance between two slots' pieces in it, and a piece's length."""
-        views = self.__dict__.get("_views")
-        if views is None:
-            views = self._views = [
-                (memoryview(np.lib.stride_tricks.as_strided(
+        return [(memoryview(np.lib.stride_tricks.as_strided(
                     rows, shape=((rows.shape[0] - 1) * rows.strides[0] + rows.shape[1],), strides=(1,))),
                  rows.strides[0], rows.shape[1])
                 for rows in self._rows]
-        return views
 
 
 class HostKVCache:
