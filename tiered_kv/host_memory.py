@@ -314,9 +314,10 @@ class SlotViews:
         5 ms switch interval to take it back, once per copy (64 copies per chunk of 0.5
         MiB blocks). The disk I/O threads of an engine worker run beside such a thread;
         there, unpacking 0.5 MiB blocks this way made the handler's reads 5 times faster
-        (docs/benchmarks.md). Idle, the two cost about the same at 8 KiB pieces; each copy
-        costs about a microsecond of Python, so with pieces of 1-2 KiB (small models,
-        high TP) numpy's one copy per plane would be cheaper idle."""
+        (docs/benchmarks.md). Each copy costs about a microsecond of Python, so alone,
+        numpy's one copy per plane is cheaper: packing 8 MiB took 1.3 times as long this
+        way with 8 KiB pieces and 2.5 times with 1 KiB pieces (small models, high TP);
+        beside a busy thread it took a thirteenth of numpy's time or less."""
         if packed.dim() != 2 or packed.shape[0] != len(slots) or packed.shape[1] < self.slot_bytes:
             raise ValueError(f"packed rows must be a ({len(slots)}, >= {self.slot_bytes}) tensor; "
                              f"got {tuple(packed.shape)}")
