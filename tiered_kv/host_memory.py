@@ -300,37 +300,45 @@ class SlotViews:
     def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
         slot_bytes)``), one block per row in block byte order: what ``pack_blocks``
-        makes of those slots, one piece at a time (see ``_copy_pieces``)."""
-        self._copy_pieces(slots, out, into_rows=True)
+        makes of those slots, gathered plane by plane with numpy. Its copies give the GIL
+        up, so job threads pack in parallel; see ``unpack`` for why the other direction
+        copies piece by piece instead."""
+        self._check_packed(slots, out)
+        index, runs = _slot_runs(slots)
+        dst = out.numpy()
+        offset = 0
+        for rows in self._rows:
+            width = rows.shape[1]
+            columns = dst[:, offset:offset + width]
+            if runs is None:
+                np.take(rows, index, axis=0, out=columns)
+            else:
+                for first, end, slot in runs:
+                    columns[first:end] = rows[slot:slot + end - first]
+            offset += width
 
     def unpack(self, src: torch.Tensor, slots: Sequence[int]) -> None:
-        """Inverse of ``pack``: write the rows of ``src`` into slots ``slots``."""
-        self._copy_pieces(slots, src, into_rows=False)
+        """Inverse of ``pack``: write the rows of ``src`` into slots ``slots``, piece by
+        piece, as memoryview slice assignments. These keep the GIL. A numpy copy gives it
+        up, and beside a thread running Python it waits up to the 5 ms switch interval to
+        take it back, once per copy: 64 per chunk of 0.5 MiB blocks. Unpacking runs on the
+        disk threads of an engine worker, beside such a thread; there, this made the
+        handler's 0.5 MiB reads 5 times faster. Packing gained little that way and lost
+        when idle, as do small pieces here: each copy costs about a microsecond of Python
+        (docs/benchmarks.md)."""
+        self._check_packed(slots, src)
+        flat = memoryview(src.numpy()).cast("B")
+        stride, offset = src.shape[1], 0
+        for view, row_stride, width in self._plane_views:
+            for i, slot in enumerate(slots):
+                here, at = int(slot) * row_stride, i * stride + offset
+                view[here:here + width] = flat[at:at + width]
+            offset += width
 
-    def _copy_pieces(self, slots: Sequence[int], packed: torch.Tensor, into_rows: bool) -> None:
-        """Copy each piece of ``slots`` into (``into_rows``) or out of its place in the
-        rows of ``packed``, as memoryview slice assignments. These keep the GIL. A numpy
-        or torch copy gives it up, and beside a thread running Python it waits up to the
-        5 ms switch interval to take it back, once per copy (64 copies per chunk of 0.5
-        MiB blocks). The disk I/O threads of an engine worker run beside such a thread;
-        there, unpacking 0.5 MiB blocks this way made the handler's reads 5 times faster
-        (docs/benchmarks.md). Each copy costs about a microsecond of Python, so alone,
-        numpy's one copy per plane is cheaper: packing 8 MiB took 1.3 times as long this
-        way with 8 KiB pieces and 2.5 times with 1 KiB pieces (small models, high TP);
-        beside a busy thread it took a thirteenth of numpy's time or less."""
+    def _check_packed(self, slots: Sequence[int], packed: torch.Tensor) -> None:
         if packed.dim() != 2 or packed.shape[0] != len(slots) or packed.shape[1] < self.slot_bytes:
             raise ValueError(f"packed rows must be a ({len(slots)}, >= {self.slot_bytes}) tensor; "
                              f"got {tuple(packed.shape)}")
-        flat = memoryview(packed.numpy()).cast("B")
-        stride, offset = packed.shape[1], 0
-        for view, row_stride, width in self._plane_views:
-            for i, slot in enumerate(slots):
-                at, here = i * stride + offset, int(slot) * row_stride
-                if into_rows:
-                    flat[at:at + width] = view[here:here + width]
-                else:
-                    view[here:here + width] = flat[at:at + width]
-            offset += width
 
     @cached_property
     def _plane_views(self) -> list[tuple[memoryview, int, int]]:
@@ -340,6 +348,22 @@ class SlotViews:
                     rows, shape=((rows.shape[0] - 1) * rows.strides[0] + rows.shape[1],), strides=(1,))),
                  rows.strides[0], rows.shape[1])
                 for rows in self._rows]
+
+
+def _slot_runs(slots: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, int]] | None]:
+    """``slots`` as an int64 array, and its runs of consecutive slots as ``(first row,
+    end row, first slot)``; None when the runs average under two slots. ``pack`` copies
+    a run with one slice assignment: ``np.take`` into the strided columns of a packed
+    buffer gathers into a temporary array and copies that again (its ``out`` must be
+    contiguous), which cost the 0.5 MiB handler writes a third of their CPU
+    (docs/benchmarks.md), but it beats a copy per slot."""
+    index = np.asarray(slots, dtype=np.int64).reshape(-1)
+    starts = np.flatnonzero(np.diff(index) != 1) + 1
+    if 2 * (len(starts) + 1) > len(index):
+        return index, None
+    firsts = [0, *starts.tolist()]
+    ends = [*firsts[1:], len(index)]
+    return index, list(zip(firsts, ends, index[firsts].tolist()))
 
 
 class HostKVCache:
