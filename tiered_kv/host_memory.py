@@ -328,10 +328,10 @@ class SlotViews:
         (docs/benchmarks.md)."""
         self._check_packed(slots, src)
         flat = memoryview(src.numpy()).cast("B")
-        stride, offset = src.shape[1], 0
+        slots, stride, offset = [int(s) for s in slots], src.shape[1], 0
         for view, row_stride, width in self._plane_views:
             for i, slot in enumerate(slots):
-                here, at = int(slot) * row_stride, i * stride + offset
+                here, at = slot * row_stride, i * stride + offset
                 view[here:here + width] = flat[at:at + width]
             offset += width
 
