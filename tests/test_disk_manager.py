@@ -294,6 +294,36 @@ def test_an_evicted_block_whose_slot_was_not_rewritten_is_served_after_a_restart
         m.shutdown()
 
 
+def test_two_entries_in_one_slot_keep_only_the_newer_after_a_restart(tmp_path, layout):
+    """A damaged index can hold two complete entries naming one slot (the index's own
+    writes never leave that): the reopen serves only the newer one and reclaims the
+    other's entry, which never comes back."""
+    fp, nbytes = fingerprint(layout), disk_bytes_for(layout, CAP)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e")
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+    store_blocks(m, s, H[:3], layout)
+    m.shutdown()
+    newer = s.entry(H[1])
+    older = newer._replace(store_time=newer.store_time - 60)
+    # H[0]'s entry now names H[1]'s slot too, stored earlier.
+    s.index._shared.run(lambda txn: txn.put(H[0], s.index.encode(H[0], older), db=s.index._db("blocks")),
+                        write=True)
+    s.close()
+    for engine in ("e2", "e3"):
+        m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id=engine)
+        try:
+            assert [m.is_loadable(h) for h in H[:3]] == [False, True, True]
+            assert m.slot_of(H[1]) == newer.slot and m.num_free_slots() == CAP - 2
+            assert m.flush()
+        finally:
+            m.shutdown()
+    s = DiskStore.open_readonly(m.namespace.path)
+    try:
+        assert s.entry(H[0]) is None and s.entry(H[1]) == newer
+    finally:
+        s.close()
+
+
 def test_touch_and_hits_reach_the_index(tier, layout):
     m, s = tier
     store_blocks(m, s, H[:2], layout)

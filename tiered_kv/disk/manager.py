@@ -6,10 +6,11 @@ a write transaction on the caller's thread:
 - At startup it opens (or creates) the namespace, takes the writer lock, preallocates
   the slab files and disk space for the index to grow into (so a disk that fills up
   later fails neither block writes nor the index commits that record them), and loads
-  the LMDB index in one read pass (numpy, no per-entry objects: 1M blocks open in well
-  under a second). A block is loadable when every TP rank has committed it; partial
-  entries left by a crash, and entries past the end of a slab found truncated or
-  missing, are dropped and their slots reused. A damaged index is moved aside and
+  the LMDB index in one read pass (numpy, no per-entry objects: 1M blocks open in
+  under a second; the LRU order of what it found is sorted on a short-lived thread
+  meanwhile, and the first eviction from it waits for that). A block is loadable when
+  every TP rank has committed it; partial entries left by a crash, and entries past
+  the end of a slab found truncated or missing, are dropped and their slots reused. A damaged index is moved aside and
   replaced by an empty one (``index.py``), never served.
 - ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
   load nor being stored) and hands workers a ``DiskLoadStoreSpec``. Workers write the
@@ -46,7 +47,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from itertools import filterfalse, islice
 from typing import NamedTuple
@@ -114,6 +116,14 @@ class _Progress(NamedTuple):
 _NO_PROGRESS = _Progress(0, 0, False)
 
 
+def _run_into(future: Future, fn: Callable, *args) -> None:
+    """``fn(*args)``'s result or exception, into ``future`` (the body of a one-off thread)."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+
+
 class _BlockTable:
     """Loadable blocks in LRU order.
 
@@ -121,7 +131,9 @@ class _BlockTable:
     slots, LRU order by the index's last access), so opening a large cache creates no
     per-block objects. A cold block that is touched moves to the "hot" OrderedDict; every
     hot block was used after startup, hence is more recent than every cold one, so the
-    LRU order is: cold (by last access), then hot.
+    LRU order is: cold (by last access), then hot. The cold LRU order is sorted on a
+    thread of its own (numpy sorts without the GIL), so a restart does not wait for it:
+    only the first eviction from the cold generation does, if it comes that soon.
     """
 
     def __init__(self) -> None:
@@ -131,6 +143,7 @@ class _BlockTable:
         self._key_len = 0
         self._slots = np.zeros(0, dtype=np.int64)
         self._alive = np.zeros(0, dtype=bool)
+        self._lru_sort: Future | None = None  # sorts the cold LRU order: the next _lru
         self._lru = np.zeros(0, dtype=np.int64)  # cold indices, least recent first
         self._cursor = 0  # _lru[:_cursor] are all dead
         self._cold_count = 0
@@ -148,7 +161,9 @@ class _BlockTable:
         self._prefix = head.view(">u8").reshape(n).astype(np.uint64).tolist()
         self._slots = slots.astype(np.int64, copy=False)
         self._alive = np.ones(n, dtype=bool)
-        self._lru = np.argsort(last_access)
+        self._lru_sort = Future()
+        threading.Thread(target=_run_into, args=(self._lru_sort, np.argsort, last_access),
+                         name="tkv-disk-lru-order", daemon=True).start()
         self._cursor = 0
         self._cold_count = n
 
@@ -250,8 +265,14 @@ class _BlockTable:
             self.remove(h)
         return victims, slots
 
+    def wait_sorted(self) -> None:
+        """Wait for the cold LRU order (shutdown: leave no thread behind)."""
+        if self._lru_sort is not None:
+            self._lru, self._lru_sort = self._lru_sort.result(), None
+
     def iter_lru(self) -> Iterator[tuple[bytes, int]]:
         """``(hash, slot)`` from least to most recently used. Do not mutate meanwhile."""
+        self.wait_sorted()
         while self._cursor < len(self._lru) and not self._alive[self._lru[self._cursor]]:
             self._cursor += 1
         if self._cold_count:
@@ -370,35 +391,37 @@ class DiskOffloadingManager(OffloadingManager):
         slab as found at startup: their entries are dropped, with a warning."""
         e = snap.entries
         limit = min(self.capacity, intact_slots)
+        # Each field of the record array is a strided view: read the slots once.
+        slot = np.ascontiguousarray(e["slot"])
         complete = ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask)) \
-            & (e["size"] == self.block_bytes) & (e["slot"] >= 0)
-        lost = int((complete & (e["slot"] >= limit) & (e["slot"] < self.capacity)).sum())
+            & (e["size"] == self.block_bytes) & (slot >= 0)
+        lost = int((complete & (slot >= limit) & (slot < self.capacity)).sum()) if limit < self.capacity else 0
         lost += sum(1 for _, entry in snap.odd if limit <= entry.slot < self.capacity)
         if lost:
             logger.warning("disk tier %s: a slab is missing or truncated (only %d of %d slots on every "
                            "rank); dropping the %d blocks stored past its end", self.namespace.path,
                            limit, self.capacity, lost)
-        ok = complete & (e["slot"] < limit)
-        # Two entries in one slot cannot both be valid; keep the newest (defensive).
+        ok = complete & (slot < limit)
         good = np.flatnonzero(ok)
-        if len(good) and np.bincount(e["slot"][good], minlength=1).max() > 1:
-            order = good[np.lexsort((-e["store_time"][good], e["slot"][good]))]
+        used = np.zeros(self.capacity, dtype=bool)
+        used[slot[good]] = True
+        if np.count_nonzero(used) < len(good):
+            # Two entries in one slot cannot both be valid; keep the newest (defensive).
+            # The set of used slots stays the same.
+            order = good[np.lexsort((-e["store_time"][good], slot[good]))]
             first = np.ones(len(order), dtype=bool)
-            first[1:] = e["slot"][order][1:] != e["slot"][order][:-1]
+            first[1:] = slot[order][1:] != slot[order][:-1]
             ok[:] = False
             ok[order[first]] = True
         drop = np.flatnonzero(~ok)
         for i in drop:
-            self._deletions.append((snap.hash_at(int(i)), int(e["slot"][i])))
-        # Usually every entry is kept: take whole columns rather than gathering them.
-        kept = e if not len(drop) else e[ok]
-        used = np.zeros(self.capacity, dtype=bool)
-        if len(kept):
+            self._deletions.append((snap.hash_at(int(i)), int(slot[i])))
+        if len(good):
+            # Usually every entry is kept: take whole columns rather than gathering them.
+            kept, slots = (e, slot) if not len(drop) else (e[ok], slot[ok])
             # load_all returns entries in LMDB key order, i.e. ascending bytes.
             keys = np.ascontiguousarray(kept["hash"]).view(np.uint8).reshape(len(kept), -1)
-            slots = np.ascontiguousarray(kept["slot"])
             self._table.load_cold(keys, slots, kept["last_access"])
-            used[slots] = True
         for h, entry in sorted(snap.odd, key=lambda he: he[1].last_access):
             if (entry.ranks & self._full_mask == self._full_mask and entry.size == self.block_bytes
                     and 0 <= entry.slot < limit and not used[entry.slot]):
@@ -536,6 +559,7 @@ class DiskOffloadingManager(OffloadingManager):
             self._stop = True
         self._wake.set()
         self._flusher.join(timeout=30)
+        self._table.wait_sorted()
         self.index.close()
         self._lock_file.release()
 
