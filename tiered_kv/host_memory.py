@@ -294,8 +294,9 @@ class SlotViews:
         return all(r.ctypes.data % alignment == 0 and r.strides[0] % alignment == 0 for r in self._rows)
 
     def pieces(self, slot: int) -> list[memoryview]:
-        """Writable views of slot ``slot``'s bytes, in block byte order."""
-        return [memoryview(r[slot]) for r in self._rows]
+        """Writable views of slot ``slot``'s bytes, in block byte order (slices of the
+        planes' byte views: no numpy object per piece, a third of the cost)."""
+        return [view[slot * stride:slot * stride + width] for view, stride, width in self._plane_views]
 
     def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
