@@ -10,8 +10,9 @@ a write transaction on the caller's thread:
   under a second; the LRU order of what it found is sorted on a short-lived thread
   meanwhile, and the first eviction from it waits for that). A block is loadable when
   every TP rank has committed it; partial entries left by a crash, and entries past
-  the end of a slab found truncated or missing, are dropped and their slots reused. A damaged index is moved aside and
-  replaced by an empty one (``index.py``), never served.
+  the end of a slab found truncated or missing, are dropped and their slots reused. A
+  damaged index is moved aside and replaced by an empty one (``index.py``), never
+  served.
 - ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
   load nor being stored) and hands workers a ``DiskLoadStoreSpec``. Workers write the
   bytes, make them durable, and only then commit the index entry (``store.py``).
@@ -395,7 +396,9 @@ class DiskOffloadingManager(OffloadingManager):
         slot = np.ascontiguousarray(e["slot"])
         complete = ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask)) \
             & (e["size"] == self.block_bytes) & (slot >= 0)
-        lost = int((complete & (slot >= limit) & (slot < self.capacity)).sum()) if limit < self.capacity else 0
+        lost = 0
+        if limit < self.capacity:
+            lost = int((complete & (slot >= limit) & (slot < self.capacity)).sum())
         lost += sum(1 for _, entry in snap.odd if limit <= entry.slot < self.capacity)
         if lost:
             logger.warning("disk tier %s: a slab is missing or truncated (only %d of %d slots on every "
