@@ -3,6 +3,8 @@ skip_count, ordering, failures; the `gpu` tests drive real CUDA streams."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -104,6 +106,21 @@ def test_jobs_complete_and_report_in_submission_order(kv_first):
     assert store.get_finished() == []
     for t_gpu, t_cpu in zip(gpu, host.tensors):
         assert kernel(t_cpu, kv_first, 0) == kernel(t_gpu, kv_first, 9)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_job_reports_its_copy_time_not_the_time_until_it_was_polled(device):
+    """An engine polls once per step: what it learns of a job's time must be the copy's."""
+    poll_delay = 0.3
+    _, _, _, handlers = setup(False, 2, slots=6, device=device)
+    for handler, spec in ((handlers.gpu_to_cpu_handler, (GPULoadStoreSpec(list(range(8))), CPULoadStoreSpec([0, 1, 2, 3]))),
+                          (handlers.cpu_to_gpu_handler, (CPULoadStoreSpec([3, 2, 1, 0]), GPULoadStoreSpec(list(range(8, 16)))))):
+        assert handler.transfer_async(5, spec)
+        handler.wait({5})
+        time.sleep(poll_delay)
+        (result,) = handler.get_finished()
+        assert result.success and result.seconds is not None
+        assert 0 < result.seconds < poll_delay
 
 
 def test_wait_does_not_swallow_results():

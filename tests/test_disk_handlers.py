@@ -83,6 +83,25 @@ def test_cpu_disk_cpu_round_trip(tmp_path, kv_first, factor):
         h.shutdown(), h2.shutdown(), store.close()
 
 
+def test_a_disk_job_reports_its_own_time_not_the_time_until_it_was_polled(tmp_path):
+    poll_delay = 0.3
+    layout = small_layout(False)
+    store = open_store(tmp_path, layout)
+    h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=1), layout)
+    try:
+        disk = disk_spec([0, 1, 2])
+        for job_id, spec, kind in ((1, (CPULoadStoreSpec([0, 1, 2]), disk), "cpu_to_disk"),
+                                   (2, (disk, CPULoadStoreSpec([3, 2, 1])), "disk_to_cpu")):
+            assert h.transfer_async(job_id, spec)
+            h.wait({job_id})
+            time.sleep(poll_delay)
+            (result,) = h.get_finished()
+            assert result.success and 0 < result.seconds < poll_delay
+            assert result.seconds == h.stats.transfers[kind].seconds  # the one job of its kind
+    finally:
+        h.shutdown(), store.close()
+
+
 def test_gpu_pairs_via_the_cpu_fallback_and_cross_pairs(tmp_path, kv_first, factor):
     """GPU->DISK, DISK->GPU (with CPU tensors standing in for the device), and the mixed
     CPU->DISK->GPU / GPU->DISK->CPU routes through one OffloadingWorker."""

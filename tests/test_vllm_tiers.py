@@ -176,6 +176,37 @@ def test_worker_moves_partial_first_and_last_chunks_exactly(model_dir):
         h.shutdown()
 
 
+def test_transfer_times_are_the_jobs_own_not_the_time_until_vllm_polled(model_dir, tmp_path):
+    """vLLM polls once per engine step and turns ``transfer_time`` into its
+    ``vllm:kv_offload_total_time`` metric: a step-long wait must not count as transfer."""
+    poll_delay = 0.3
+    h = _build(model_dir, disk=tmp_path / "disk")
+    try:
+        worker = h.worker_spec.get_worker(None)
+        manager, ctx = h.manager, ReqContext(req_id="timed")
+        keys = [bytes([i]) * 32 + bytes(4) for i in range(3)]
+        store_spec = manager.prepare_store(keys, ctx).store_spec
+        worker.submit_store(1, GPULoadStoreSpec(list(range(3)), [3], [0]), store_spec)
+        worker.wait({1})
+        time.sleep(poll_delay)
+        (stored,) = worker.get_finished()
+        manager.complete_store(keys, ctx)
+        worker.submit_load(2, manager.prepare_load(keys, ctx), GPULoadStoreSpec(list(range(8, 11)), [3], [0]))
+        worker.wait({2})
+        time.sleep(poll_delay)
+        (loaded,) = worker.get_finished()
+        manager.complete_load(keys, ctx)
+        for result in (stored, loaded):
+            assert result.success and result.transfer_size == 3 * GPU_BLOCK_BYTES
+            assert 0 < result.transfer_time < poll_delay
+        for kind in ("gpu_to_cpu", "cpu_to_gpu"):
+            moved = worker.stats.transfers[kind]
+            assert moved.jobs == 1 and moved.bytes == 3 * GPU_BLOCK_BYTES
+            assert 0 < moved.seconds < poll_delay
+    finally:
+        h.shutdown()
+
+
 # ------------------------------------------------------------------ disk tier
 
 

@@ -16,6 +16,7 @@ import logging
 import math
 import mmap
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -166,13 +167,29 @@ class CompletedEvent:
 COMPLETED = CompletedEvent()
 
 
+class HostTimingEvent(CompletedEvent):
+    """A completed event that remembers when it was recorded: the CPU stand-in for a
+    CUDA event with timing, for work that runs synchronously on the host."""
+
+    __slots__ = ("recorded_at",)
+
+    def __init__(self) -> None:
+        self.recorded_at = time.perf_counter()
+
+    def elapsed_time(self, end: "HostTimingEvent") -> float:
+        """Milliseconds from this event to ``end``, as ``torch.cuda.Event.elapsed_time``."""
+        return (end.recorded_at - self.recorded_at) * 1e3
+
+
 class TransferStream:
     """An ordered queue of copies on ``device``: a CUDA stream with ``priority`` (lower
     is more urgent), or, for a CPU device, immediate execution.
 
     ``scope()`` makes the stream current for the enclosed work; ``record_event()``
     returns an object with ``query()`` (never blocks) and ``synchronize()`` (blocks)
-    that completes once all work enqueued so far has run.
+    that completes once all work enqueued so far has run. ``record_event(timing=True)``
+    also has ``elapsed_time(end)``: milliseconds between two such events, as the device
+    ran the work between them.
     """
 
     def __init__(self, device: torch.device, priority: int = 0):
@@ -194,10 +211,10 @@ class TransferStream:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def record_event(self):
+    def record_event(self, timing: bool = False):
         if self.stream is None:
-            return COMPLETED
-        event = torch.cuda.Event()
+            return HostTimingEvent() if timing else COMPLETED
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(self.stream)
         return event
 

@@ -395,7 +395,8 @@ class EngineDriver:
 
     def _settle(self, results) -> None:
         now = time.perf_counter()
-        for job_id, success in results:
+        for result in results:
+            job_id, success = result.job_id, result.success
             job = self._jobs.pop(job_id, None)
             if job is None:
                 continue

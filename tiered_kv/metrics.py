@@ -38,7 +38,10 @@ class TransferCounter:
 @dataclass
 class TieredStats:
     """Thread-safe counters. ``tiers[tier][counter]`` counts blocks; ``transfers[type]``
-    counts bytes and seconds (summed job wall time, so concurrent jobs overlap)."""
+    counts bytes and seconds: each job's transfer time as its handler measures it, from
+    when it starts moving data to when its last byte lands (CUDA events for device
+    copies), never the wait until the engine polls it; summed over jobs, so concurrent
+    jobs overlap and ``gbps`` is the rate of one job, as in vLLM's metrics."""
 
     tiers: dict[str, dict[str, int]] = field(
         default_factory=lambda: {t: dict.fromkeys(TIER_COUNTERS, 0) for t in TIERS})

@@ -235,25 +235,37 @@ class DiskStager:
 
 
 class _Step:
-    """One awaited thing of a job: a sub-job on an inner handler or a thread future."""
+    """One awaited thing of a job: a sub-job on an inner handler or a thread future.
+    A future's end is stamped when it completes, so its time excludes the wait for
+    the next poll, as an inner handler's own measure does."""
 
-    __slots__ = ("handler", "sub_id", "future", "kind", "nbytes", "started")
+    __slots__ = ("handler", "sub_id", "future", "kind", "nbytes", "started", "ended")
 
     def __init__(self, kind: str, nbytes: int, handler: OffloadingHandler | None = None,
                  sub_id: int | None = None, future: Future | None = None):
         self.kind, self.nbytes = kind, nbytes
         self.handler, self.sub_id, self.future = handler, sub_id, future
         self.started = time.perf_counter()
+        self.ended: float | None = None
+        if future is not None:
+            future.add_done_callback(self._stamp)
+
+    def _stamp(self, _future: Future) -> None:
+        self.ended = time.perf_counter()
 
 
 class _Job:
-    __slots__ = ("job_id", "branches", "current", "ok")
+    """A parent job. ``seconds[i]``: the summed transfer time of branch ``i``'s
+    finished steps; the job's time is the longest branch's (branches overlap)."""
+
+    __slots__ = ("job_id", "branches", "current", "ok", "seconds")
 
     def __init__(self, job_id: int, branches: list[deque[Callable[[], _Step | None]]]):
         self.job_id = job_id
         self.branches = branches
         self.current: list[_Step | None] = [None] * len(branches)
         self.ok = True
+        self.seconds = [0.0] * len(branches)
 
 
 class _PipelineHandler(OffloadingHandler):
@@ -264,7 +276,7 @@ class _PipelineHandler(OffloadingHandler):
         self._inner = list(dict.fromkeys(h for h in inner if h is not None))
         self._jobs: dict[int, _Job] = {}
         self._order: list[int] = []
-        self._inner_done: dict[int, bool] = {}
+        self._inner_done: dict[int, TransferResult] = {}
         self._finished: list[TransferResult] = []
 
     def _submit_inner(self, handler: OffloadingHandler, kind: str, nbytes: int, spec: TransferSpec) -> _Step:
@@ -276,7 +288,7 @@ class _PipelineHandler(OffloadingHandler):
             logger.exception("%s raised submitting a %s transfer", type(handler).__name__, kind)
             accepted = False
         if not accepted:
-            self._inner_done[sub_id] = False
+            self._inner_done[sub_id] = TransferResult(sub_id, False)
         return step
 
     def _start(self, job_id: int, branches: list[deque]) -> bool:
@@ -289,31 +301,38 @@ class _PipelineHandler(OffloadingHandler):
     def _collect_inner(self) -> None:
         for handler in self._inner:
             for result in handler.get_finished():
-                self._inner_done[result.job_id] = result.success
+                self._inner_done[result.job_id] = result
 
-    def _step_result(self, step: _Step) -> bool | None:
-        """True/False once the step finished, None while it runs."""
+    def _step_result(self, step: _Step) -> tuple[bool, float] | None:
+        """``(success, seconds)`` once the step finished, None while it runs. The
+        seconds are the inner handler's own measure where it has one."""
         if step.future is not None:
-            if not step.future.done():
+            if not step.future.done() or step.ended is None:
                 return None
-            return step.future.exception() is None and step.future.result() is not False
-        return self._inner_done.pop(step.sub_id, None)
+            ok = step.future.exception() is None and step.future.result() is not False
+            return ok, step.ended - step.started
+        result = self._inner_done.pop(step.sub_id, None)
+        if result is None:
+            return None
+        seconds = result.seconds if result.seconds is not None else time.perf_counter() - step.started
+        return result.success, seconds
 
     def _advance(self, job: _Job) -> None:
         for i, branch in enumerate(job.branches):
             while True:
                 step = job.current[i]
                 if step is not None:
-                    result = self._step_result(step)
-                    if result is None:
+                    outcome = self._step_result(step)
+                    if outcome is None:
                         break
+                    result, seconds = outcome
                     if step.future is not None and step.future.exception() is not None:
                         logger.error("job %d: %s step raised", job.job_id, step.kind,
                                      exc_info=step.future.exception())
                     if step.kind:
-                        self.stats.record_transfer(step.kind, step.nbytes,
-                                                   time.perf_counter() - step.started, result)
+                        self.stats.record_transfer(step.kind, step.nbytes, seconds, result)
                     job.ok &= result
+                    job.seconds[i] += seconds
                     job.current[i] = None
                     if not result:
                         branch.clear()  # later steps of a failed branch would act on bad data
@@ -329,7 +348,7 @@ class _PipelineHandler(OffloadingHandler):
             self._advance(job)
             if all(s is None for s in job.current) and not any(job.branches):
                 del self._jobs[job_id]
-                self._finished.append(TransferResult(job_id, job.ok))
+                self._finished.append(TransferResult(job_id, job.ok, max(job.seconds) if job.ok else None))
             else:
                 still.append(job_id)
         self._order = still

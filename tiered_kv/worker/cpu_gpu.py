@@ -103,7 +103,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._device = self._src[0].device if src_cuda else self._dst[0].device if dst_cuda else None
         self._async = self._device is not None
         self._stream = TransferStream(self._device or torch.device("cpu"), priority)
-        self._jobs: deque = deque()  # (job_id, event, success), submission order
+        self._jobs: deque = deque()  # (job_id, started, event, success), submission order
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src_spec, dst_spec = spec
@@ -120,10 +120,12 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                              f"{len(dst_ids)} (skip_count={skip})")
         self._check_range(src_ids, self._src_kernel_blocks, "source", job_id)
         self._check_range(dst_ids, self._dst_kernel_blocks, "destination", job_id)
-        success = True
+        success, started = True, None
         try:
             # Before entering the scope: inside it, "current stream" is our own stream.
             self._stream.wait_for_compute()
+            # Once the compute it waits for is done: the copies' own time, as the device ran them.
+            started = self._stream.record_event(timing=True)
             with self._stream.scope():
                 self._copy(src_ids, dst_ids, device_is_src=not isinstance(dst_spec, GPULoadStoreSpec))
         except Exception:
@@ -131,18 +133,18 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             success = False
         try:
             # Also after a failure: report it only once the stream is past what was queued.
-            event = self._stream.record_event()
+            event = self._stream.record_event(timing=started is not None)
         except Exception:
             logger.exception("could not record completion of job %d", job_id)
             event, success = COMPLETED, False
-        self._jobs.append((job_id, event, success))
+        self._jobs.append((job_id, started, event, success))
         return True
 
     def get_finished(self) -> list[TransferResult]:
         finished = []
         jobs = self._jobs
         while jobs:
-            job_id, event, success = jobs[0]
+            job_id, started, event, success = jobs[0]
             try:
                 if not event.query():
                     break
@@ -150,12 +152,18 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 logger.exception("transfer job %d failed on the device", job_id)
                 success = False
             jobs.popleft()
-            finished.append(TransferResult(job_id, success))
+            seconds = None
+            if success and started is not None:
+                try:
+                    seconds = started.elapsed_time(event) / 1e3
+                except Exception:  # the copy is done; only its timing is lost
+                    logger.warning("no transfer time for job %d", job_id, exc_info=True)
+            finished.append(TransferResult(job_id, success, seconds))
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
         last = None
-        for job_id, event, _ in self._jobs:
+        for job_id, _, event, _ in self._jobs:
             if job_id in job_ids:
                 last = event
         if last is not None:

@@ -220,11 +220,11 @@ class _DiskHandler(OffloadingHandler):
         except Exception:
             logger.exception("disk job %d (%s, %d blocks) failed", job_id, kind, n)
             ok = False
-        self.stats.record_transfer(kind, n * self.layout.bytes_per_block, time.perf_counter() - t0,
-                                   success=ok, blocks=n)
+        seconds = time.perf_counter() - t0
+        self.stats.record_transfer(kind, n * self.layout.bytes_per_block, seconds, success=ok, blocks=n)
         with self._cond:
             self._inflight.discard(job_id)
-            self._finished.append(TransferResult(job_id, ok))
+            self._finished.append(TransferResult(job_id, ok, seconds if ok else None))
             self._cond.notify_all()
 
     def _chunks(self, n: int, half: int) -> list[tuple[int, int]]:

@@ -3,14 +3,14 @@
 Runs in each worker (model-runner) process, one per GPU. A handler owns one
 (src medium, dst medium) direction and does that direction's I/O (CUDA copies, disk
 reads/writes) asynchronously; the only thing that flows back to the scheduler is a
-job's completion, ``(job_id, success)``.
+job's completion: its id, whether it succeeded, and how long its transfer took.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 from tiered_kv.abstract import LoadStoreSpec
 
@@ -20,11 +20,19 @@ logger = logging.getLogger(__name__)
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
 
 
-class TransferResult(NamedTuple):
-    """A finished job: its id and whether every byte of it was transferred correctly."""
+@dataclass(frozen=True, order=True, slots=True)
+class TransferResult:
+    """A finished job: its id and whether every byte of it was transferred correctly.
+
+    ``seconds``: how long the transfer took, measured by the handler from when the job
+    started moving data to when its last byte landed (CUDA events on a stream), not
+    until some caller polled ``get_finished``; None for a failed job. Results compare
+    by id and success only.
+    """
 
     job_id: int
     success: bool
+    seconds: float | None = field(default=None, compare=False)
 
 
 class OffloadingHandler(ABC):

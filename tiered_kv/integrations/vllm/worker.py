@@ -248,13 +248,15 @@ class TieredVllmWorker(OffloadingWorker):
         results += self.store_handler.get_finished() + self.load_handler.get_finished()
         out = []
         now = time.perf_counter()
-        for job_id, success in results:
-            job = self._jobs.pop(job_id, None)
+        for result in results:
+            job = self._jobs.pop(result.job_id, None)
             if job is None:  # refused at submission and reported then: report it once
                 continue
-            if not success:
-                self._fail(job_id, job)
-            out.append(VllmTransferResult(job_id, True, job.nbytes, now - job.started))
+            if not result.success:
+                self._fail(result.job_id, job)
+            # The handlers' own measure: a copy's time, not the time until vLLM polled.
+            seconds = result.seconds if result.seconds is not None else now - job.started
+            out.append(VllmTransferResult(result.job_id, True, job.nbytes, seconds))
         return out
 
     def _fail(self, job_id: int, job: _Job) -> None:
