@@ -103,34 +103,51 @@ def test_back_pressure_drops_disk_writes_instead_of_stalling(tmp_path):
     close(driver, spec)
 
 
-@pytest.mark.parametrize("disk_still_has_it", [True, False])
-def test_write_back_spills_a_promoted_block_only_if_the_disk_lost_it(tmp_path, disk_still_has_it):
-    """With write_back the composite skips the disk lookup for CPU victims that never came
-    from disk. A promoted block did: evicted from CPU while still on disk it is simply
-    dropped there (stored once, no slot leaked); once the disk has lost it, it is spilled."""
-    from disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
-    from tiered_kv.cpu.manager import CPUOffloadingManager
-    from tiered_kv.disk.manager import DiskOffloadingManager
-    from tiered_kv.disk.store import DiskStore
-    from tiered_kv.tiered.manager import TieredOffloadingManager
+class WriteBackHierarchy:
+    """The composite over a 3-slot CPU tier and an 8-slot disk tier (write_back), driven
+    by hand: ``stored`` plays the workers, writing each spill with a real ``DiskStore``."""
 
-    layout = small_layout()
-    fp, nbytes = fingerprint(layout), disk_bytes_for(layout, 8)
-    disk = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
-    store = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
-    m = TieredOffloadingManager(CPUOffloadingManager(3, 16), disk, write_policy="write_back")
-    A, B, C, D, E, F = (block_hash(i) for i in range(6))
+    def __init__(self, tmp_path):
+        from disk_fixtures import disk_bytes_for, fingerprint, small_layout
+        from tiered_kv.cpu.manager import CPUOffloadingManager
+        from tiered_kv.disk.manager import DiskOffloadingManager
+        from tiered_kv.disk.store import DiskStore
+        from tiered_kv.tiered.manager import TieredOffloadingManager
 
-    def stored(hashes, success=True):
+        self.layout = layout = small_layout()
+        fp, nbytes = fingerprint(layout), disk_bytes_for(layout, 8)
+        self.disk = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e",
+                                          poll_interval=None)
+        self.store = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+        self.manager = TieredOffloadingManager(CPUOffloadingManager(3, 16), self.disk, write_policy="write_back")
+
+    def stored(self, hashes, success=True):
+        from disk_fixtures import content_rows
+        m, store = self.manager, self.store
         out = m.prepare_store(hashes)
         m.complete_store(out.block_hashes_to_store, success=success)
         spills = out.store_spec.spills
         if len(spills):  # the worker writes them; the index commit makes them durable
             assert all(store.write_blocks(0, spills.block_hashes, spills.disk_slots.tolist(),
-                                          content_rows(spills.block_hashes, 0, layout, store.slot_size)))
+                                          content_rows(spills.block_hashes, 0, self.layout, store.slot_size)))
         m.pending_disk_writes()  # folds in the commits
         return out
 
+    def close(self):
+        self.store.close()
+        self.manager.shutdown()
+
+
+@pytest.mark.parametrize("disk_still_has_it", [True, False])
+def test_write_back_spills_a_promoted_block_only_if_the_disk_lost_it(tmp_path, disk_still_has_it):
+    """With write_back the composite skips the disk lookup for CPU victims that never came
+    from disk. A promoted block did: evicted from CPU while still on disk it is simply
+    dropped there (stored once, no slot leaked); once the disk has lost it, it is spilled."""
+    from disk_fixtures import block_hash
+
+    h = WriteBackHierarchy(tmp_path)
+    m, disk, stored = h.manager, h.disk, h.stored
+    A, B, C, D, E, F = (block_hash(i) for i in range(6))
     try:
         for block in (A, B, C):  # one by one: A ends least recent
             stored([block])
@@ -154,5 +171,47 @@ def test_write_back_spills_a_promoted_block_only_if_the_disk_lost_it(tmp_path, d
             assert disk.is_loadable(A) and disk.num_free_slots() == free_before - 1
         assert m.lookup([A]) == 1
     finally:
-        store.close()
-        m.shutdown()
+        h.close()
+
+
+def test_lookup_counts_the_blocks_it_asks_each_tier_about(tmp_path):
+    from disk_fixtures import block_hash
+
+    h = WriteBackHierarchy(tmp_path)
+    m = h.manager
+    A, B, C, D, E = (block_hash(i) for i in range(5))
+    try:
+        for block in (A, B, C, D):  # D evicts A, which spills to disk
+            h.stored([block])
+        assert m.hit_medium(A) == "DISK" and m.hit_medium(B) == "CPU"
+        tiers = m.stats.tiers
+        assert m.lookup([B, A, E, C]) == 2  # B in CPU, A on disk, E nowhere: the run stops
+        assert (tiers["cpu"]["lookups"], tiers["disk"]["lookups"]) == (3, 2)
+        assert m.lookup([B, C, D]) == 3  # all in CPU: the disk tier is not asked
+        assert (tiers["cpu"]["lookups"], tiers["disk"]["lookups"]) == (6, 2)
+    finally:
+        h.close()
+
+
+def test_a_disk_block_a_worker_finds_corrupt_is_counted_once_and_dropped(tmp_path):
+    from disk_fixtures import block_hash, flip_byte
+    from tiered_kv.disk.io_backends import aligned_empty
+
+    h = WriteBackHierarchy(tmp_path)
+    m, store = h.manager, h.store
+    A, B, C, D = (block_hash(i) for i in range(4))
+    try:
+        for block in (A, B, C, D):  # A spills to disk
+            h.stored([block])
+        slot = store.entry(A).slot
+        flip_byte(store.namespace.slab_path(0), slot * store.slot_size + 7)
+        spec = m.prepare_load([A])
+        rows = aligned_empty(store.slot_size).view(1, store.slot_size)
+        assert store.read_blocks(0, [A], spec.disk_slots.tolist(), rows) == [False]  # the worker's read
+        m.complete_load([A], success=False)
+        assert m.stats.tiers["disk"]["checksum_failures"] == 1
+        assert m.hit_medium(A) is None and m.lookup([A]) == 0
+        m.disk.refresh()  # the record is not counted twice
+        assert m.stats.tiers["disk"]["checksum_failures"] == 1 == m.disk.stats.checksum_failures
+    finally:
+        h.close()

@@ -288,6 +288,9 @@ class DiskOffloadingManager(OffloadingManager):
 
     ``disk_bytes`` bounds the tier: ``disk_bytes // slot_size`` slots per rank.
     ``engine_id`` names the engine in the writer lock; its workers pass the same id.
+    ``on_corrupt``, if set, is called with the blocks each ``refresh()`` dropped because a
+    worker found them corrupt (each block once, counted in ``stats.checksum_failures``
+    too), on whichever thread ran the refresh: the flusher or the caller's.
     """
 
     medium = DISK
@@ -307,6 +310,7 @@ class DiskOffloadingManager(OffloadingManager):
         self.tp_size = fingerprint.tp_size
         self._full_mask = (1 << self.tp_size) - 1
         self.stats = DiskManagerStats()
+        self.on_corrupt: Callable[[list[BlockHash]], None] | None = None
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._flush_interval = flush_interval
         #: Seconds between the flusher's reads of the workers' log while blocks are
@@ -594,6 +598,8 @@ class DiskOffloadingManager(OffloadingManager):
         if applied:
             result.more = len(log.seq) == max_records
             self._wake.set()
+        if result.corrupt and self.on_corrupt is not None:
+            self.on_corrupt(result.corrupt)
         return result
 
     def is_loadable(self, block_hash: BlockHash) -> bool:

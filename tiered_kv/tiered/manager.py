@@ -52,9 +52,14 @@ class TieredOffloadingManager(OffloadingManager):
     """Composite of a ``CPUOffloadingManager`` and (optionally) a disk tier manager.
 
     ``disk`` must offer the seed API plus ``is_loadable``, ``is_pending``,
-    ``absent_among``, ``num_pending``, ``pending_blocks`` and ``refresh``
-    (see ``tiered_kv.disk.manager.DiskOffloadingManager``). Without it this is the CPU
-    tier with the same cascade bookkeeping (victims simply leave).
+    ``absent_among``, ``num_pending``, ``pending_blocks``, ``refresh`` and
+    ``on_corrupt`` (see ``tiered_kv.disk.manager.DiskOffloadingManager``). Without it
+    this is the CPU tier with the same cascade bookkeeping (victims simply leave).
+
+    ``stats`` counts blocks per tier: ``lookups`` the blocks ``lookup`` asked each tier
+    about (the disk tier is asked about those CPU does not hold), ``hits`` the blocks
+    ``prepare_load`` took from it, ``checksum_failures`` the disk blocks workers found
+    corrupt (learned from the disk tier's index), and the rest as named.
     """
 
     def __init__(self, cpu: CPUOffloadingManager, disk=None, *, write_policy: str = "write_through",
@@ -83,6 +88,8 @@ class TieredOffloadingManager(OffloadingManager):
         # a spill writes a block to disk then, and a spilled block leaves CPU; so any other
         # CPU block is known to be absent there, and evicting it needs no disk lookup.
         self._from_disk: set[BlockHash] = set()
+        if disk is not None:
+            disk.on_corrupt = self._count_corrupt
 
     @property
     def write_policy(self) -> str:
@@ -107,21 +114,31 @@ class TieredOffloadingManager(OffloadingManager):
             self._refresh_disk()
         return min(wanted, max(self.max_pending_disk_writes - self.disk.num_pending(), 0))
 
+    def _count_corrupt(self, block_hashes: list[BlockHash]) -> None:
+        self.stats.count("disk", "checksum_failures", len(block_hashes))
+
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
-        hits = 0
-        refreshed = False
+        hits = asked_disk = 0
+        missed = refreshed = False
         for block_hash in block_hashes:
-            if self.cpu.is_loadable(block_hash) or self._on_disk(block_hash):
+            if self.cpu.is_loadable(block_hash):
                 hits += 1
                 continue
-            if not refreshed and self.disk is not None and self.disk.is_pending(block_hash):
-                refreshed = True
-                self._refresh_disk()
-                if self._on_disk(block_hash):
+            if self.disk is not None:
+                asked_disk += 1
+                if self.disk.is_loadable(block_hash):
                     hits += 1
                     continue
+                if not refreshed and self.disk.is_pending(block_hash):
+                    refreshed = True
+                    self._refresh_disk()
+                    if self.disk.is_loadable(block_hash):
+                        hits += 1
+                        continue
+            missed = True
             break
-        self.stats.count("cpu", "lookups")
+        self.stats.count("cpu", "lookups", hits + missed)
+        self.stats.count("disk", "lookups", asked_disk)
         return hits
 
     def hit_medium(self, block_hash: BlockHash) -> str | None:

@@ -152,6 +152,8 @@ class TieredVllmManager(OffloadingManager):
         medium = self.composite.hit_medium(key)
         if medium == CPU:
             return LookupResult.HIT
+        if self.composite.disk is not None:
+            self.stats.count("disk", "lookups")
         if medium == DISK:
             return self._disk_lookup(key)
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
@@ -189,8 +191,9 @@ class TieredVllmManager(OffloadingManager):
                 while len(self._verified) > MAX_VERIFIED:
                     self._verified.popitem(last=False)
             else:
+                # A checksum failure is counted by the composite when the refresh in
+                # _drop_from_disk applies the verifier's "corrupt" log record.
                 self._verified.pop(key, None)
-                self.stats.count("disk", "checksum_failures")
                 self._drop_from_disk(key, slot)
 
     def _drop_from_disk(self, key: bytes, slot: int) -> None:
