@@ -58,8 +58,9 @@ class TieredOffloadingManager(OffloadingManager):
 
     ``stats`` counts blocks per tier: ``lookups`` the blocks ``lookup`` asked each tier
     about (the disk tier is asked about those CPU does not hold), ``hits`` the blocks
-    ``prepare_load`` took from it, ``checksum_failures`` the disk blocks workers found
-    corrupt (learned from the disk tier's index), and the rest as named.
+    ``prepare_load`` took from it, ``stores`` the blocks placed in it (for the disk
+    tier: write-through copies and spills), ``checksum_failures`` the disk blocks
+    workers found corrupt (learned from the disk tier's index), and the rest as named.
     """
 
     def __init__(self, cpu: CPUOffloadingManager, disk=None, *, write_policy: str = "write_through",
@@ -280,6 +281,7 @@ class TieredOffloadingManager(OffloadingManager):
             evicted.extend(self._gone_from_cpu(out.block_hashes_evicted))
             self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
         self.stats.count("cpu", "spills", len(spills))
+        self.stats.count("disk", "stores", len(spills))
         self.stats.count("cpu", "drops", len(evicted))
         return spills, evicted
 
