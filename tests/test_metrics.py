@@ -38,6 +38,13 @@ def test_prometheus_metrics_follow_a_real_run(tmp_path):
     stored = spec.stats.transfers["gpu_to_cpu"].bytes
     assert stored > 0
     assert f'vllm:kv_offload_total_bytes_total{{transfer_type="gpu_to_cpu"}} {float(stored)}' in text
+    # vLLM 0.33's flat names: stores out of and loads into GPU memory, whichever tier.
+    loaded = spec.stats.transfers["cpu_to_gpu"].bytes + spec.stats.transfers["disk_to_gpu"].bytes
+    assert loaded > 0
+    assert f"vllm:kv_offload_store_bytes_total {float(stored)}" in text
+    assert f"vllm:kv_offload_load_bytes_total {float(loaded)}" in text
+    load_seconds = spec.stats.transfers["cpu_to_gpu"].seconds + spec.stats.transfers["disk_to_gpu"].seconds
+    assert f"vllm:kv_offload_load_time_total {load_seconds!r}" in text
     assert 'tiered_kv_tier_blocks_total{event="evictions",tier="cpu"}' in text
     assert 'tiered_kv_tier_used_blocks{tier="cpu"} 32.0' in text
     # A second update adds only the increase: totals equal the stats, not twice them.

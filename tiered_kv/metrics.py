@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 TRANSFER_TYPES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "disk_to_gpu", "gpu_to_disk")
+#: The transfer types into and out of GPU memory: vLLM's "load" and "store".
+GPU_LOADS = ("cpu_to_gpu", "disk_to_gpu")
+GPU_STORES = ("gpu_to_cpu", "gpu_to_disk")
 TIERS = ("cpu", "disk")
 TIER_COUNTERS = ("lookups", "hits", "stores", "evictions", "spills", "drops", "checksum_failures",
                  "failed_loads", "failed_stores", "promotions")
@@ -95,11 +98,22 @@ class PrometheusMetrics:
 
     ``update(stats)`` sets each metric to the snapshot's value (counters are exported as
     monotonically increasing totals: only the increase since the last update is added).
+    vLLM 0.33's names: ``vllm:kv_offload_{load,store}_{bytes,time}`` (into and out of
+    GPU memory, whatever the tier) and its older ``vllm:kv_offload_total_{bytes,time}``
+    per ``transfer_type`` (all six of ours); then the project's own ``tiered_kv_*``.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self.gpu_bytes = {
+            "load": Counter("vllm:kv_offload_load_bytes", "Bytes loaded from offload storage to GPU", registry=r),
+            "store": Counter("vllm:kv_offload_store_bytes", "Bytes stored from GPU to offload storage", registry=r)}
+        self.gpu_time = {
+            "load": Counter("vllm:kv_offload_load_time", "Seconds of loads from offload storage to GPU",
+                            registry=r),
+            "store": Counter("vllm:kv_offload_store_time", "Seconds of stores from GPU to offload storage",
+                             registry=r)}
         self.bytes = Counter("vllm:kv_offload_total_bytes", "Bytes moved by KV offloading",
                              ["transfer_type"], registry=r)
         self.time = Counter("vllm:kv_offload_total_time", "Seconds spent in KV offloading transfers",
@@ -115,12 +129,16 @@ class PrometheusMetrics:
         key = (id(counter), labels)
         delta = value - self._last.get(key, 0)
         if delta > 0:
-            counter.labels(*labels).inc(delta)
+            (counter.labels(*labels) if labels else counter).inc(delta)
             self._last[key] = value
 
     def update(self, stats: TieredStats, used_blocks: dict[str, int] | None = None) -> None:
         snap = stats.as_dict()
-        for name, t in snap["transfers"].items():
+        transfers = snap["transfers"]
+        for direction, types in (("load", GPU_LOADS), ("store", GPU_STORES)):
+            self._advance(self.gpu_bytes[direction], (), sum(transfers[t]["bytes"] for t in types))
+            self._advance(self.gpu_time[direction], (), sum(transfers[t]["seconds"] for t in types))
+        for name, t in transfers.items():
             self._advance(self.bytes, (name,), t["bytes"])
             self._advance(self.time, (name,), t["seconds"])
             self._advance(self.jobs, (name, "ok"), t["jobs"] - t["failed_jobs"])
