@@ -124,7 +124,7 @@ def _print(console: Console, report: DriverReport, workload, dev: DeviceKVCache,
         per_tier.add_row(medium, str(n), f"{rate:.1%}")
     console.print(per_tier)
 
-    moved = Table(title="transfers by type (seconds: summed per-job transfer time; GB/s: per job)")
+    moved = Table(title="transfers by type (seconds summed over jobs; GB/s per job)")
     for col in ("transfer type", "jobs", "failed", "bytes", "seconds", "GB/s"):
         moved.add_column(col, justify="right")
     for name in TRANSFER_TYPES:
