@@ -230,7 +230,10 @@ def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, t
         h.reset_gpu_prefix_cache()
         _zero_gpu(h)
         start = len(h.steps)
+        tiers = composite.stats.tiers
+        disk_lookups = tiers["disk"]["lookups"]
         req_id = _admit(h, a)
+        assert tiers["disk"]["lookups"] >= disk_lookups + 2  # both chunks were asked of the disk
         load_steps = [i for i, r in enumerate(h.steps[start:]) if req_id in r.load_jobs.values()]
         assert load_steps and load_steps[0] >= 1, "a disk hit must be verified before it is a HIT"
         assert h.prefix_hits[req_id].external == 2 * BLOCK
@@ -240,9 +243,10 @@ def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, t
         # Promoted on the way: the next request for a is served from the CPU tier.
         assert all(composite.cpu.is_loadable(k) for k in keys)
         h.reset_gpu_prefix_cache()
-        before = composite.stats.tiers["cpu"]["hits"]
+        before, disk_lookups = tiers["cpu"]["hits"], tiers["disk"]["lookups"]
         assert _serve(h, a).external == 2 * BLOCK
-        assert composite.stats.tiers["cpu"]["hits"] == before + 2
+        assert tiers["cpu"]["hits"] == before + 2
+        assert tiers["disk"]["lookups"] == disk_lookups  # CPU had both: the disk was not asked
     finally:
         h.shutdown()
 

@@ -152,12 +152,13 @@ class TieredVllmManager(OffloadingManager):
         medium = self.composite.hit_medium(key)
         if medium == CPU:
             return LookupResult.HIT
-        if self.composite.disk is not None:
-            self.stats.count("disk", "lookups")
         if medium == DISK:
+            self.stats.count("disk", "lookups")
             return self._disk_lookup(key)
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
             return LookupResult.HIT_PENDING
+        if self.composite.disk is not None:
+            self.stats.count("disk", "lookups")  # asked, and it does not have it either
         return LookupResult.MISS
 
     def _disk_lookup(self, key: bytes) -> LookupResult:
