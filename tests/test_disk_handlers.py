@@ -84,7 +84,7 @@ def test_cpu_disk_cpu_round_trip(tmp_path, kv_first, factor):
 
 
 def test_a_disk_job_reports_its_own_time_not_the_time_until_it_was_polled(tmp_path):
-    poll_delay = 0.3
+    poll_delay = 1.0  # well above a job's own time even with a slow fdatasync
     layout = small_layout(False)
     store = open_store(tmp_path, layout)
     h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=1), layout)

@@ -193,7 +193,7 @@ def test_lookup_counts_the_blocks_it_asks_each_tier_about(tmp_path):
         h.close()
 
 
-def test_a_disk_block_a_worker_finds_corrupt_is_counted_once_and_dropped(tmp_path):
+def test_corrupt_disk_blocks_and_failed_loads_are_counted_per_tier(tmp_path):
     from disk_fixtures import block_hash, flip_byte
     from tiered_kv.disk.io_backends import aligned_empty
 
@@ -210,6 +210,10 @@ def test_a_disk_block_a_worker_finds_corrupt_is_counted_once_and_dropped(tmp_pat
         assert store.read_blocks(0, [A], spec.disk_slots.tolist(), rows) == [False]  # the worker's read
         m.complete_load([A], success=False)
         assert m.stats.tiers["disk"]["checksum_failures"] == 1
+        assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 0)
+        m.prepare_load([B, C])  # a CPU load whose job fails: no disk block was involved
+        m.complete_load([B, C], success=False)
+        assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 2)
         assert m.hit_medium(A) is None and m.lookup([A]) == 0
         m.disk.refresh()  # the record is not counted twice
         assert m.stats.tiers["disk"]["checksum_failures"] == 1 == m.disk.stats.checksum_failures

@@ -59,8 +59,9 @@ class TieredOffloadingManager(OffloadingManager):
     ``stats`` counts blocks per tier: ``lookups`` the blocks ``lookup`` asked each tier
     about (the disk tier is asked about those CPU does not hold), ``hits`` the blocks
     ``prepare_load`` took from it, ``stores`` the blocks placed in it (for the disk
-    tier: write-through copies and spills), ``checksum_failures`` the disk blocks
-    workers found corrupt (learned from the disk tier's index), and the rest as named.
+    tier: write-through copies and spills), ``failed_loads`` its blocks in load jobs that
+    failed (a job fails as a whole), ``checksum_failures`` the disk blocks workers found
+    corrupt (learned from the disk tier's index), and the rest as named.
     """
 
     def __init__(self, cpu: CPUOffloadingManager, disk=None, *, write_policy: str = "write_through",
@@ -211,8 +212,6 @@ class TieredOffloadingManager(OffloadingManager):
             elif self._disk_loads[block_hash] > 0:
                 self._disk_loads[block_hash] -= 1
                 disk_done.append(block_hash)
-                if not success:
-                    self.stats.count("disk", "failed_loads")
                 if block_hash in self._promoting:
                     self._promoting[block_hash] &= success
                 if not self._disk_loads[block_hash]:
@@ -227,6 +226,8 @@ class TieredOffloadingManager(OffloadingManager):
         if disk_done:
             self.disk.complete_load(disk_done)
         if not success:
+            self.stats.count("cpu", "failed_loads", len(cpu_done))
+            self.stats.count("disk", "failed_loads", len(disk_done))
             # A failed disk read may mean a corrupt block that the worker dropped from the index.
             if self.disk is not None:
                 self.disk.refresh()
