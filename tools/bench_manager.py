@@ -11,10 +11,11 @@ per-block cost (ns) of lookup, prepare_store, complete_store and touch for:
 
 And the latency distribution of a 256-block ``prepare_store`` that cascades (a full CPU
 tier; every call spills 256 blocks to the disk tier, and in the second half of the
-calls, the disk being full, evicts 256 there too), p50/p99 in microseconds, beside
-vLLM's manager evicting 256 blocks from a full tier in the same run, and beside plain
-interpreter work of the same median length timed between the calls (the machine's own
-jitter). In both managers, each call's store completes after the next call, so one
+calls, the disk being full, evicts 256 there too; and again on a disk tier that a
+restart found full, where every call evicts 256 of those blocks), p50/p99 in
+microseconds, beside vLLM's manager evicting 256 blocks from a full tier in the same
+run, and beside plain interpreter work of the same median length timed between the
+calls (the machine's own jitter). In both managers, each call's store completes after the next call, so one
 store is always in flight (pending, not evictable), as in an engine. Both latency loops
 run with the heap built before them frozen (``gc.freeze``), as vLLM's EngineCore runs
 after startup.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import statistics
 import sys
 import tempfile
@@ -187,11 +189,29 @@ def thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[float], list[float]]:
+def fill_disk_tier(tmp: str, n: int) -> None:
+    """Leave a disk tier of ``n`` blocks, all durable, in ``tmp``: what a restart finds.
+    Their hashes are digests, like an engine's block hashes."""
+    disk = disk_manager(tmp, n)
+    worker_index = DiskIndex(disk.namespace.index_path, 1)
+    for start in range(0, n, 4096):
+        batch = [hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32).digest()
+                 for i in range(start, min(n, start + 4096))]
+        slots = disk.prepare_store(batch, fresh=True).store_spec.block_ids.tolist()
+        worker_index.commit_stored(0, batch, slots, [disk.block_bytes] * len(batch), [0] * len(batch))
+    worker_index.close()
+    disk.shutdown()
+
+
+def cascade_latency(n: int, tmp: str, calls: int, restarted: bool = False
+                    ) -> tuple[list[float], list[float], list[float]]:
     """Per-call seconds of a 256-block prepare_store on a full CPU tier (write_back: every
     call spills 256 blocks). The disk tier starts empty and holds ``calls * 128``
     blocks, so the first half of the calls fills it and the second half also evicts 256
-    disk blocks each (the steady state of a full hierarchy). Between calls, untimed, the
+    disk blocks each (the steady state of a full hierarchy). ``restarted``: the disk
+    tier holds ``calls * 256`` blocks and starts full, opened from the index of an
+    earlier run (``fill_disk_tier``), so every call evicts 256 blocks that the restart
+    found, the state of the first hours after a restart. Between calls, untimed, the
     previous call's GPU copies complete (so one store is always in flight, as in an
     engine whose workers report a step later) and a worker commits the spilled blocks to
     the disk index (synced, as after their bytes are durable; no bytes are written): the
@@ -202,7 +222,10 @@ def cascade_latency(n: int, tmp: str, calls: int) -> tuple[list[float], list[flo
     first 50; and the CPU seconds per call of the disk tier's flusher thread (reading
     the workers' log records, index writes), over each half of the calls: background
     work of the scheduler process, which shares its GIL."""
-    disk = disk_manager(tmp, calls * BATCH // 2)
+    disk_blocks = calls * BATCH if restarted else calls * BATCH // 2
+    if restarted:
+        fill_disk_tier(tmp, disk_blocks)
+    disk = disk_manager(tmp, disk_blocks)
     worker_index = DiskIndex(disk.namespace.index_path, 1)
     manager = TieredOffloadingManager(cpu_manager(n), disk, write_policy="write_back",
                                       max_pending_disk_writes=4 * BATCH)
@@ -305,7 +328,8 @@ def main() -> int:
           f"composite, every call spilling {BATCH} blocks to disk (write_back); vllm-cpu = vLLM's "
           f"manager evicting {BATCH} blocks (no lower tier). Tiered rows: all calls, the first half "
           f"(the disk tier filling), the second half (the disk full, evicting {BATCH} blocks per call "
-          f"too); py loop = plain interpreter work sized to the tiered median, timed after each call "
+          f"too); restarted = a second run whose disk tier starts full, opened from an earlier run's index, "
+          f"so every call evicts {BATCH} of the blocks the restart found; py loop = plain interpreter work sized to the tiered median, timed after each call "
           f"(this machine's own jitter)")
     print(f"{'CPU blocks':>10} {'manager':>10} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'flusher us':>13}"
           f"  (flusher = CPU per call of the disk tier's background thread)")
@@ -316,8 +340,12 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
             lat, floor, flusher = cascade_latency(n, tmp, args.cascade_calls)
         half = len(lat) // 2
+        with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
+            restarted, _, restarted_flusher = cascade_latency(n, tmp, args.cascade_calls, restarted=True)
         for name, part, background in (("tiered", lat, None), ("filling", lat[:half], flusher[0]),
-                                       ("disk full", lat[half:], flusher[1]), ("py loop", floor, None)):
+                                       ("disk full", lat[half:], flusher[1]),
+                                       ("restarted", restarted, sum(restarted_flusher) / 2),
+                                       ("py loop", floor, None)):
             cpu = "" if background is None else f"{background * 1e6:13.0f}"
             print(f"{n:>10} {name:>10} {percentiles(part)}{cpu}")
     print()

@@ -172,12 +172,18 @@ class _BlockTable:
         if not self._cold_count or len(h) != self._key_len:
             return -1
         q = int.from_bytes(h[:8].ljust(8, b"\0"), "big")
-        i = bisect.bisect_left(self._prefix, q)
-        while i < len(self._prefix) and self._prefix[i] == q:
-            if self._keys[i].tobytes() == h:
-                return i if self._alive[i] else -1
-            i += 1
-        return -1
+        prefix = self._prefix
+        i = bisect.bisect_left(prefix, q)
+        if i == len(prefix) or prefix[i] != q:
+            return -1
+        if self._cold_key(i) != h:
+            # Keys sharing their first 8 bytes (never for digests, but for keys such as
+            # counters): bisect the whole keys of that run, never walk it.
+            end = bisect.bisect_right(prefix, q, i)
+            i += bisect.bisect_left(range(i, end), h, key=self._cold_key)
+            if i == end or self._cold_key(i) != h:
+                return -1
+        return i if self._alive[i] else -1
 
     def _cold_key(self, i: int) -> bytes:
         return self._keys[i].tobytes()
@@ -247,24 +253,61 @@ class _BlockTable:
         """Remove the ``n`` least recently used blocks whose hash is in none of ``keep``
         and return their hashes and slots; None, changing nothing, if there are fewer."""
         hot = self.hot
+        keep = tuple(k for k in keep if k)
         if not self._cold_count and n <= len(hot):
             # Usually the first n of the hot generation (cheaper than n popitem calls):
             # the blocks being read were just looked up.
             victims = list(islice(hot, n))
-            if not any(k and any(map(k.__contains__, victims)) for k in keep):
+            if not any(any(map(k.__contains__, victims)) for k in keep):
                 return victims, list(map(hot.pop, victims))
-        victims, slots = [], []
-        for h, slot in self.iter_lru():
-            if not any(h in k for k in keep):
-                victims.append(h)
-                slots.append(slot)
-                if len(victims) == n:
-                    break
+        cold, victims = self._cold_victims(n, keep)
         if len(victims) < n:
-            return None
-        for h in victims:
-            self.remove(h)
+            for h in hot:
+                if not any(h in k for k in keep):
+                    victims.append(h)
+                    if len(victims) == n:
+                        break
+            if len(victims) < n:
+                return None
+        slots = self._slots[cold].tolist()
+        if cold:
+            self._alive[cold] = False
+            self._cold_count -= len(cold)
+        slots.extend(map(hot.pop, victims[len(cold):]))
         return victims, slots
+
+    def _cold_victims(self, n: int, keep: tuple[Container[bytes], ...]) -> tuple[list[int], list[bytes]]:
+        """Up to ``n`` live cold blocks in LRU order whose hash is in none of ``keep``: their
+        indices and hashes (changing nothing). Reads the LRU order a window at a time
+        with numpy: after a restart every eviction comes from here, for a while."""
+        if not self._cold_count:
+            return [], []
+        self.wait_sorted()
+        lru, alive, length = self._lru, self._alive, self._key_len
+        # Skip the dead head of the order (evicted or touched blocks) once, vectorized.
+        while self._cursor < len(lru):
+            window = alive[lru[self._cursor:self._cursor + 4096]]
+            if window.any():
+                self._cursor += int(window.argmax())
+                break
+            self._cursor += len(window)
+        indices: list[int] = []
+        hashes: list[bytes] = []
+        pos = self._cursor
+        while len(indices) < n and pos < len(lru):
+            window = lru[pos:pos + max(2 * n, 1024)]
+            pos += len(window)
+            live = window[alive[window]]
+            rows = self._keys[live].tobytes()
+            for j, i in enumerate(live.tolist()):
+                h = rows[j * length:(j + 1) * length]
+                if keep and any(h in k for k in keep):
+                    continue
+                indices.append(i)
+                hashes.append(h)
+                if len(indices) == n:
+                    break
+        return indices, hashes
 
     def wait_sorted(self) -> None:
         """Wait for the cold LRU order (shutdown: leave no thread behind)."""
