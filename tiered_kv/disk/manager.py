@@ -140,7 +140,10 @@ class _BlockTable:
     def __init__(self) -> None:
         self.hot: OrderedDict[bytes, int] = OrderedDict()
         self._keys = np.zeros((0, 1), dtype=np.uint8)  # (n, L) sorted rows
-        self._prefix: list[int] = []  # first 8 bytes as big-endian ints: same order as the rows
+        # First 8 bytes of each row as a big-endian int, in row order: a list for bisect
+        # (one key) and an array for searchsorted (a batch).
+        self._prefix: list[int] = []
+        self._prefix_array = np.zeros(0, dtype=np.uint64)
         self._key_len = 0
         self._slots = np.zeros(0, dtype=np.int64)
         self._alive = np.zeros(0, dtype=bool)
@@ -159,7 +162,8 @@ class _BlockTable:
             head = np.zeros((n, 8), dtype=np.uint8)
             head[:, :length] = keys
         # bisect on a list beats numpy per call; native ints convert faster than big-endian
-        self._prefix = head.view(">u8").reshape(n).astype(np.uint64).tolist()
+        self._prefix_array = head.view(">u8").reshape(n).astype(np.uint64)
+        self._prefix = self._prefix_array.tolist()
         self._slots = slots.astype(np.int64, copy=False)
         self._alive = np.ones(n, dtype=bool)
         self._lru_sort = Future()
@@ -204,9 +208,24 @@ class _BlockTable:
     def absent_among(self, hashes: Iterable[bytes], also: Container[bytes]) -> list[bytes]:
         """The members of ``hashes``, in order, in neither the table nor ``also``."""
         hot = self.hot
-        if self._cold_count:
-            return [h for h in hashes if h not in hot and h not in also and self._cold_index(h) < 0]
-        return [h for h in hashes if h not in hot and h not in also]
+        absent = [h for h in hashes if h not in hot and h not in also]
+        if self._cold_count and absent:
+            maybe = self._maybe_cold(absent)
+            absent = [h for h, m in zip(absent, maybe) if not m or self._cold_index(h) < 0]
+        return absent
+
+    def _maybe_cold(self, hashes: list[bytes]) -> list[bool]:
+        """For each of ``hashes``, whether its first 8 bytes start some cold key: a
+        batch prefilter for ``_cold_index`` (one searchsorted for all, where a bisect
+        each costs a few microseconds; a new block's hash never matches)."""
+        length = self._key_len
+        if length < 8 or any(len(h) != length for h in hashes):
+            return [True] * len(hashes)
+        rows = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(hashes), length)
+        q = np.ascontiguousarray(rows[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
+        prefixes = self._prefix_array
+        pos = np.minimum(np.searchsorted(prefixes, q), len(prefixes) - 1)
+        return (prefixes[pos] == q).tolist()
 
     def get(self, h: bytes) -> int | None:
         slot = self.hot.get(h)
@@ -298,10 +317,15 @@ class _BlockTable:
             window = lru[pos:pos + max(2 * n, 1024)]
             pos += len(window)
             live = window[alive[window]]
+            if not keep:  # the usual case: every live block qualifies, take what is missing
+                live = live[:n - len(indices)]
+                rows = self._keys[live].tobytes()
+                indices.extend(live.tolist())
+                hashes.extend([rows[j:j + length] for j in range(0, len(rows), length)])
+                continue
             rows = self._keys[live].tobytes()
-            for j, i in enumerate(live.tolist()):
-                h = rows[j * length:(j + 1) * length]
-                if keep and any(h in k for k in keep):
+            for i, h in zip(live.tolist(), (rows[j:j + length] for j in range(0, len(rows), length))):
+                if any(h in k for k in keep):
                     continue
                 indices.append(i)
                 hashes.append(h)
