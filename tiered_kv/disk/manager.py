@@ -135,6 +135,10 @@ class _BlockTable:
     LRU order is: cold (by last access), then hot. The cold LRU order is sorted on a
     thread of its own (numpy sorts without the GIL), so a restart does not wait for it:
     only the first eviction from the cold generation does, if it comes that soon.
+    After a restart of a full tier every eviction comes from the cold generation, and
+    every new block's hash is looked up there: evictions read the LRU order a window at
+    a time with numpy, and a batch of lookups is prefiltered by key prefix with one
+    ``searchsorted`` (docs/benchmarks.md, "restarted").
     """
 
     def __init__(self) -> None:
