@@ -15,10 +15,10 @@ calls, the disk being full, evicts 256 there too; and again on a disk tier that 
 restart found full, where every call evicts 256 of those blocks), p50/p99 in
 microseconds, beside vLLM's manager evicting 256 blocks from a full tier in the same
 run, and beside plain interpreter work of the same median length timed between the
-calls (the machine's own jitter). In both managers, each call's store completes after the next call, so one
-store is always in flight (pending, not evictable), as in an engine. Both latency loops
-run with the heap built before them frozen (``gc.freeze``), as vLLM's EngineCore runs
-after startup.
+calls (the machine's own jitter). In both managers, each call's store completes after
+the next call, so one store is always in flight (pending, not evictable), as in an
+engine. Both latency loops run with the heap built before them frozen (``gc.freeze``),
+as vLLM's EngineCore runs after startup.
 
 And what the disk tier's flusher thread does per 256 stored blocks in the scheduler
 process: ``refresh()`` reading 256 workers' commits from the index log and making the

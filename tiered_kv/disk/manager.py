@@ -221,7 +221,7 @@ class _BlockTable:
     def _maybe_cold(self, hashes: list[bytes]) -> list[bool]:
         """For each of ``hashes``, whether its first 8 bytes start some cold key: a
         batch prefilter for ``_cold_index`` (one searchsorted for all, where a bisect
-        each costs a few microseconds; a new block's hash never matches)."""
+        each costs a few microseconds; a new digest almost never passes it)."""
         length = self._key_len
         if length < 8 or any(len(h) != length for h in hashes):
             return [True] * len(hashes)
