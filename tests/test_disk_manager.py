@@ -3,6 +3,7 @@ index persistence of evictions, restart."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 import time
@@ -470,8 +471,8 @@ def test_absent_among_keeps_order_and_skips_loadable_and_pending_blocks(tmp_path
 def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes):
     """The disk tier's table (cold generation from startup, hot one after) against a
     plain list in LRU order: inserts, touches, removals and evictions that skip kept
-    blocks, many times over every slot. ``counters``: 16-byte keys whose first 8 bytes
-    repeat in runs of three, as keys that are not digests may."""
+    blocks, many times over every slot. ``digests``: sha256 keys; ``counters``: 16-byte
+    keys whose first 8 bytes repeat in runs of three, as keys that are not digests may."""
     rnd = random.Random(seed)
     cap = 12
     table = _BlockTable()
@@ -479,13 +480,16 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes):
 
     def new_hash() -> bytes:
         i = next(made)
-        return (i // 3).to_bytes(8, "big") + i.to_bytes(8, "big") if shared_prefixes else i.to_bytes(8, "big")
+        if shared_prefixes:
+            return (i // 3).to_bytes(8, "big") + i.to_bytes(8, "big")
+        return hashlib.sha256(i.to_bytes(8, "big")).digest()
 
     cold = [(new_hash(), slot) for slot in rnd.sample(range(cap), rnd.randint(0, cap))]
     access = rnd.sample(range(1000), len(cold))
     if cold:
-        rows = np.frombuffer(b"".join(h for h, _ in cold), dtype=np.uint8).reshape(len(cold), -1)
-        table.load_cold(rows, np.array([slot for _, slot in cold]), np.array(access))
+        by_key = sorted(zip(cold, access))  # the index hands them over in key order
+        rows = np.frombuffer(b"".join(h for (h, _), _ in by_key), dtype=np.uint8).reshape(len(cold), -1)
+        table.load_cold(rows, np.array([slot for (_, slot), _ in by_key]), np.array([a for _, a in by_key]))
     ref = [hs for _, hs in sorted(zip(access, cold))]  # least recent first
     free = sorted(set(range(cap)) - {slot for _, slot in cold})
     hot = set()  # blocks added or touched since startup
@@ -528,3 +532,6 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes):
         assert list(table.iter_lru()) == ref
         assert len(table) == len(ref)
         assert all(table.get(h) == slot for h, slot in ref)
+        probe = rnd.sample([h for h, _ in ref], min(3, len(ref))) + [new_hash(), new_hash()]
+        rnd.shuffle(probe)
+        assert table.absent_among(probe, ()) == [h for h in probe if all(h != k for k, _ in ref)]
