@@ -305,15 +305,8 @@ class _BlockTable:
         with numpy: after a restart every eviction comes from here, for a while."""
         if not self._cold_count:
             return [], []
-        self.wait_sorted()
+        self._skip_dead()
         lru, alive, length = self._lru, self._alive, self._key_len
-        # Skip the dead head of the order (evicted or touched blocks) once, vectorized.
-        while self._cursor < len(lru):
-            window = alive[lru[self._cursor:self._cursor + 4096]]
-            if window.any():
-                self._cursor += int(window.argmax())
-                break
-            self._cursor += len(window)
         indices: list[int] = []
         hashes: list[bytes] = []
         pos = self._cursor
@@ -342,11 +335,21 @@ class _BlockTable:
         if self._lru_sort is not None:
             self._lru, self._lru_sort = self._lru_sort.result(), None
 
+    def _skip_dead(self) -> None:
+        """Wait for the cold LRU order, then move ``_cursor`` past its dead head (evicted
+        or touched blocks), a window at a time."""
+        self.wait_sorted()
+        lru, alive = self._lru, self._alive
+        while self._cursor < len(lru):
+            window = alive[lru[self._cursor:self._cursor + 4096]]
+            if window.any():
+                self._cursor += int(window.argmax())
+                return
+            self._cursor += len(window)
+
     def iter_lru(self) -> Iterator[tuple[bytes, int]]:
         """``(hash, slot)`` from least to most recently used. Do not mutate meanwhile."""
-        self.wait_sorted()
-        while self._cursor < len(self._lru) and not self._alive[self._lru[self._cursor]]:
-            self._cursor += 1
+        self._skip_dead()
         if self._cold_count:
             for i in self._lru[self._cursor:]:
                 if self._alive[i]:
