@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ from tiered_kv.disk.io_backends import (
     BackendUnavailableError, KvikIOBackend, PosixBackend, aligned_empty, select_backend,
 )
 from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore, checksum_function
+from tiered_kv.disk.store import DiskStore, checksum_function, pieces_checksum_function
 
 SLOTS = 16
 
@@ -257,6 +258,22 @@ def test_crc32c_checksum(tmp_path, layout):
         store.close()
     with pytest.raises(ValueError, match="xxh3_64 or crc32c"):
         checksum_function("md5")
+
+
+@pytest.mark.parametrize("name", ["xxh3_64", "crc32c"])
+def test_a_block_hashed_piece_by_piece_gets_the_checksum_of_its_bytes(name):
+    """The vectored paths hash a block's pieces where they lie; the packed paths hash
+    the same bytes in one buffer. Both must record the same checksum."""
+    if name == "crc32c":
+        pytest.importorskip("crc32c")
+    data = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8)
+    view = memoryview(data)
+    cuts = [0, 1, 4096, 40_000, 1 << 20, (1 << 20) + 3, 3 << 20]
+    pieces = [view[a:b] for a, b in zip(cuts, cuts[1:])]
+    digest = pieces_checksum_function(name)
+    assert digest(pieces) == checksum_function(name)(view)
+    assert digest([view]) == checksum_function(name)(view)
+    assert digest(pieces[:-1]) != checksum_function(name)(view)
 
 
 def test_auto_backend_chooses_posix_and_says_why(tmp_path, caplog, monkeypatch):

@@ -11,7 +11,7 @@ bytes per measurement with the same number of I/O threads:
   of the I/O threads, sequential offsets in a preallocated file next to the cache, and
   one ``fdatasync`` at the end of the writes (the least syncing any durable write can do).
 - store / load: the disk tier's I/O path, ``DiskStore`` jobs of pre-packed blocks,
-  ``--job-threads`` jobs at a time: xxh3-64 checksums of every block (on the store's
+  ``--job-threads`` jobs at a time: checksums of every block (``--checksum``, on the store's
   checksum threads), O_DIRECT writes of coalesced runs on the I/O threads, then per
   group of jobs that finish together one ``fdatasync`` and one synced LMDB commit
   (a job thread takes its next job once its writes are done, as in the handlers);
@@ -65,6 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tiered_kv.config import CHECKSUMS  # noqa: E402
 from tiered_kv.disk.fingerprint import Fingerprint  # noqa: E402
 from tiered_kv import device  # noqa: E402
 from tiered_kv.device import empty_pageable  # noqa: E402
@@ -272,7 +273,7 @@ class TierBench:
     """Store ``total`` bytes of blocks through a CpuDiskHandler, then load them back."""
 
     def __init__(self, root: Path, block_bytes: int, total: int, job_bytes: int, backend: str,
-                 io_threads: int, job_threads: int, disk_io: str = "thread"):
+                 io_threads: int, job_threads: int, disk_io: str = "thread", checksum: str = "xxh3_64"):
         self.layout = model_layout(block_bytes)
         self.slot = slot_size_for(self.layout.bytes_per_block)
         self.n = max(1, total // self.layout.bytes_per_block)
@@ -281,7 +282,7 @@ class TierBench:
         # Twice n slots: the handler uses 0..n-1, StoreBench n..2n-1.
         opener = DiskIOProcess.open if disk_io == "process" else DiskStore.open
         self.store = opener(root, fp, self.layout, disk_bytes=2 * self.n * self.slot,
-                            io_backend=backend, io_threads=io_threads)
+                            checksum=checksum, io_backend=backend, io_threads=io_threads)
         host_slots = min(self.n, 2 * job_threads * self.per_job)
         self.host = HostKVCache(self.layout, host_slots, shared=disk_io == "process")
         for t in self.host.tensors:
@@ -334,6 +335,8 @@ def main() -> None:
                    help="where the store and handler paths run their disk I/O: threads of this process "
                         "(default) or a helper process (tiered_kv.disk.io_process)")
     p.add_argument("--raw", default="auto", choices=("auto", "fio", "loop"))
+    p.add_argument("--checksum", default="xxh3_64", choices=CHECKSUMS,
+                   help="the tier's block checksum (default xxh3_64, the tier's default)")
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart (PNG) here")
     p.add_argument("--live-heap", action="store_true",
                    help="do not freeze the heap built at setup (vLLM's workers freeze it after warm-up), "
@@ -351,7 +354,8 @@ def main() -> None:
           f"dir={root}")
     print(f"# raw = {'fio --direct=1 --ioengine=psync' if use_fio else 'O_DIRECT pwritev/preadv loop'}, "
           f"{args.io_threads} threads; tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
-          f"{args.job_threads} job threads, {args.io_threads} I/O threads; {args.total_mib} MiB per "
+          f"{args.job_threads} job threads, {args.io_threads} I/O threads, {args.checksum} checksums; "
+          f"{args.total_mib} MiB per "
           f"measurement, {args.rounds} rounds; THP {thp_mode()}; heap "
           f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
           f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
@@ -362,7 +366,7 @@ def main() -> None:
         for size in (float(s) for s in args.sizes.split(",")):
             bs = int(size * MiB)
             tier = TierBench(root / f"cache-{size}", bs, total, args.job_mib * MiB, args.backend,
-                             args.io_threads, args.job_threads, args.disk_io)
+                             args.io_threads, args.job_threads, args.disk_io, args.checksum)
             raw_bs = tier.slot
             raw_cls = Fio if use_fio else RawLoop
             raw = raw_cls(root / f"raw-{size}.bin", tier.n * raw_bs, raw_bs, args.io_threads)

@@ -93,7 +93,8 @@ def checksum_function(name: str) -> Callable[[memoryview], int]:
 
 def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]:
     """``checksum_function(name)`` of several byte views one after the other, without
-    joining them (a block read or written in place, piece by piece)."""
+    joining them (a block read or written in place, piece by piece). Both hash small
+    pieces holding the GIL (see ``_KEEP_GIL``)."""
     one = checksum_function(name)
     if name == "xxh3_64":
         import xxhash
@@ -109,9 +110,18 @@ def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]
         def digest(pieces: Sequence[memoryview]) -> int:
             value = 0
             for piece in pieces:
-                value = one(piece, value)
+                value = one(piece, value, _KEEP_GIL)
             return value
     return digest
+
+
+#: crc32c's ``gil_release_mode`` that hashes holding the GIL. Its default lets go of the
+#: GIL for every buffer from 32 KiB, so a block hashed piece by piece (64 pieces of 32
+#: KiB at 2 MiB) took and gave back the GIL 64 times, and beside a busy Python thread
+#: (an engine worker's own) each time waited its turn: 2 MiB handler writes fell to 0.07
+#: of the raw device, against 0.84 holding it as xxhash does for pieces under ~100 KiB
+#: (docs/benchmarks.md, twelfth session).
+_KEEP_GIL = 0
 
 
 @dataclass
