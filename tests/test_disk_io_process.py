@@ -81,6 +81,45 @@ def test_shared_memory_is_located_and_private_memory_is_not():
     assert locate(torch.empty(4096, dtype=torch.uint8).data_ptr(), 1) is None
 
 
+_FREED_INSIDE_A_LOCKED_SECTION = """
+import gc
+import weakref
+from tiered_kv import shared_memory
+
+class Listener:
+    def freed(self, region_id):
+        self.region_id = region_id
+
+class CollectingWeakMethod(weakref.WeakMethod):
+    # The collector may run at any allocation; here it surely runs at this one, which
+    # on_free makes while holding the module's lock.
+    def __new__(cls, method, callback=None):
+        gc.collect()
+        return super().__new__(cls, method, callback)
+
+first, second = Listener(), Listener()
+shared_memory.on_free(first.freed)
+cycle = [shared_memory.empty_shared(1 << 16)]
+cycle.append(cycle)  # freed only by the collector
+region = shared_memory.locate(cycle[0].data_ptr(), 1)[0]
+del cycle
+weakref.WeakMethod = CollectingWeakMethod
+shared_memory.on_free(second.freed)
+assert shared_memory.locate(region.address, 1) is None
+assert first.region_id == region.id
+print("ok")
+"""
+
+
+def test_a_region_freed_by_the_collector_inside_the_modules_own_lock_is_forgotten():
+    """The collector may free a shared region (run its finalizer) at any allocation,
+    also while this thread holds the module's lock: that must neither deadlock nor lose
+    the region's bookkeeping. In a child process, so a deadlock fails the test."""
+    out = subprocess.run([sys.executable, "-c", _FREED_INSIDE_A_LOCKED_SECTION],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 @pytest.mark.parametrize("path", ["vectored", "packed", "staged-private-host"])
 def test_cpu_disk_round_trip_through_the_io_process(tmp_path, path):
     """Large pieces move as they lie, small ones are packed by the I/O process, and a CPU

@@ -466,15 +466,17 @@ def test_absent_among_keeps_order_and_skips_loadable_and_pending_blocks(tmp_path
         m.shutdown()
 
 
+@pytest.mark.parametrize("cap, most", [(12, 4), (3000, 400)], ids=["small", "large"])
 @pytest.mark.parametrize("shared_prefixes", [False, True], ids=["digests", "counters"])
 @pytest.mark.parametrize("seed", range(6))
-def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes):
+def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes, cap, most):
     """The disk tier's table (cold generation from startup, hot one after) against a
-    plain list in LRU order: inserts, touches, removals and evictions that skip kept
-    blocks, many times over every slot. ``digests``: sha256 keys; ``counters``: 16-byte
-    keys whose first 8 bytes repeat in runs of three, as keys that are not digests may."""
+    plain list in LRU order: inserts, touches, removals and evictions (of up to ``most``
+    blocks) that skip kept blocks, many times over every slot. ``digests``: sha256 keys;
+    ``counters``: 16-byte keys whose first 8 bytes repeat in runs of three, as keys that
+    are not digests may. ``large``: the cold generation is read many windows at a time,
+    with dead blocks (touched, removed) scattered through it."""
     rnd = random.Random(seed)
-    cap = 12
     table = _BlockTable()
     made = iter(range(1 << 30))
 
@@ -485,53 +487,53 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes):
         return hashlib.sha256(i.to_bytes(8, "big")).digest()
 
     cold = [(new_hash(), slot) for slot in rnd.sample(range(cap), rnd.randint(0, cap))]
-    access = rnd.sample(range(1000), len(cold))
+    access = rnd.sample(range(10 * cap), len(cold))
     if cold:
         by_key = sorted(zip(cold, access))  # the index hands them over in key order
         rows = np.frombuffer(b"".join(h for (h, _), _ in by_key), dtype=np.uint8).reshape(len(cold), -1)
         table.load_cold(rows, np.array([slot for (_, slot), _ in by_key]), np.array([a for _, a in by_key]))
-    ref = [hs for _, hs in sorted(zip(access, cold))]  # least recent first
+    ref = dict(hs for _, hs in sorted(zip(access, cold)))  # hash -> slot, least recent first
     free = sorted(set(range(cap)) - {slot for _, slot in cold})
     hot = set()  # blocks added or touched since startup
     for _ in range(300):
         op = rnd.random()
         if op < 0.35 and free:
-            batch = [(new_hash(), free.pop(rnd.randrange(len(free)))) for _ in range(rnd.randint(1, min(3, len(free))))]
-            again = [b for b in ref if b[0] in hot]
+            batch = [(new_hash(), free.pop(rnd.randrange(len(free)))) for _ in range(rnd.randint(1, min(most, len(free))))]
+            again = [(h, slot) for h, slot in ref.items() if h in hot]
             if again and rnd.random() < 0.3:  # a block already in the hot generation, again
                 batch.insert(rnd.randrange(len(batch) + 1), rnd.choice(again))
             table.add_many(batch)
-            for block in batch:
-                if block in ref:
-                    ref.remove(block)
-                ref.append(block)
-                hot.add(block[0])
+            for h, slot in batch:
+                ref.pop(h, None)
+                ref[h] = slot
+                hot.add(h)
         elif op < 0.5:
             known = rnd.random() < 0.8 and ref
-            h = rnd.choice(ref)[0] if known else new_hash()
+            h = rnd.choice(list(ref)) if known else new_hash()
             assert table.touch(h) == bool(known)
             if known:
-                i = next(i for i, (k, _) in enumerate(ref) if k == h)
-                ref.append(ref.pop(i))
+                ref[h] = ref.pop(h)
                 hot.add(h)
         elif op < 0.65 and ref:
-            h, slot = ref.pop(rnd.randrange(len(ref)))
+            h = rnd.choice(list(ref))
+            slot = ref.pop(h)
             assert table.remove(h) == slot and table.remove(h) is None
             free.append(slot)
         else:
-            keep = {h for h, _ in ref if rnd.random() < 0.2}
-            n = rnd.randint(1, 4)
-            want = [b for b in ref if b[0] not in keep][:n]
+            keep = {h for h in ref if rnd.random() < 0.2} if rnd.random() < 0.7 else set()
+            n = rnd.randint(1, most)
+            want = [(h, slot) for h, slot in ref.items() if h not in keep][:n]
             got = table.evict_lru(n, keep)
             if len(want) < n:
                 assert got is None
             else:
                 assert got == ([h for h, _ in want], [slot for _, slot in want])
-                ref = [b for b in ref if b not in want]
-                free.extend(slot for _, slot in want)
-        assert list(table.iter_lru()) == ref
+                for h, slot in want:
+                    del ref[h]
+                    free.append(slot)
+        assert list(table.iter_lru()) == list(ref.items())
         assert len(table) == len(ref)
-        assert all(table.get(h) == slot for h, slot in ref)
-        probe = rnd.sample([h for h, _ in ref], min(3, len(ref))) + [new_hash(), new_hash()]
+        assert all(table.get(h) == slot for h, slot in rnd.sample(list(ref.items()), min(50, len(ref))))
+        probe = rnd.sample(list(ref), min(3, len(ref))) + [new_hash(), new_hash()]
         rnd.shuffle(probe)
-        assert table.absent_among(probe, ()) == [h for h in probe if all(h != k for k, _ in ref)]
+        assert table.absent_among(probe, ()) == [h for h in probe if h not in ref]

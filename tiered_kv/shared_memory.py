@@ -40,7 +40,9 @@ class SharedRegion(NamedTuple):
 
 
 _ids = itertools.count(1)
-_lock = threading.Lock()
+# Reentrant: the collector may free a region, and so run its finalizer (_forget), at any
+# allocation, also one made while this thread holds the lock.
+_lock = threading.RLock()
 _starts: list[int] = []  # sorted addresses of live regions
 _regions: dict[int, SharedRegion] = {}  # address -> region
 _free_listeners: list[weakref.WeakMethod] = []
@@ -103,8 +105,9 @@ def _forget(entry: SharedRegion, pinned: bool) -> None:
         if _regions.get(entry.address) is entry:
             del _regions[entry.address]
             _starts.pop(bisect.bisect_left(_starts, entry.address))
-        listeners = [m() for m in _free_listeners]
-        _free_listeners[:] = [m for m, alive in zip(_free_listeners, listeners) if alive is not None]
+        registered = _free_listeners[:]  # a nested _forget may prune the list meanwhile
+        listeners = [m() for m in registered]
+        _free_listeners[:] = [m for m, alive in zip(registered, listeners) if alive is not None]
     if pinned:
         torch.cuda.cudart().cudaHostUnregister(entry.address)
     os.close(entry.fd)

@@ -283,7 +283,7 @@ class _BlockTable:
             victims = list(islice(hot, n))
             if not any(any(map(k.__contains__, victims)) for k in keep):
                 return victims, list(map(hot.pop, victims))
-        cold, victims = self._cold_victims(n, keep)
+        cold, victims, dead_upto = self._cold_victims(n, keep)
         if len(victims) < n:
             for h in hot:
                 if not any(h in k for k in keep):
@@ -296,39 +296,50 @@ class _BlockTable:
         if cold:
             self._alive[cold] = False
             self._cold_count -= len(cold)
+            self._cursor = dead_upto
         slots.extend(map(hot.pop, victims[len(cold):]))
         return victims, slots
 
-    def _cold_victims(self, n: int, keep: tuple[Container[bytes], ...]) -> tuple[list[int], list[bytes]]:
+    def _cold_victims(self, n: int, keep: tuple[Container[bytes], ...]
+                      ) -> tuple[list[int], list[bytes], int]:
         """Up to ``n`` live cold blocks in LRU order whose hash is in none of ``keep``: their
-        indices and hashes (changing nothing). Reads the LRU order a window at a time
-        with numpy: after a restart every eviction comes from here, for a while."""
+        indices and hashes (changing nothing), and the LRU position before which every
+        cold block is dead once they are (where ``_cursor`` may go then). Reads the LRU
+        order a window at a time with numpy: after a restart every eviction comes from
+        here, for a while."""
         if not self._cold_count:
-            return [], []
-        self._skip_dead()
+            return [], [], self._cursor
+        if keep:
+            self._skip_dead()
+        else:  # the windows below pass dead blocks as they go, and move the cursor past them
+            self.wait_sorted()
         lru, alive, length = self._lru, self._alive, self._key_len
         indices: list[int] = []
         hashes: list[bytes] = []
-        pos = self._cursor
+        pos = dead_upto = self._cursor
         while len(indices) < n and pos < len(lru):
-            window = lru[pos:pos + max(2 * n, 1024)]
-            pos += len(window)
-            live = window[alive[window]]
+            window = lru[pos:pos + n + n // 4 + 64]  # from _cursor the cold blocks are mostly live
             if not keep:  # the usual case: every live block qualifies, take what is missing
-                live = live[:n - len(indices)]
-                rows = self._keys[live].tobytes()
-                indices.extend(live.tolist())
+                live = np.flatnonzero(alive[window])
+                taken = live[:n - len(indices)]
+                # All dead then up to the last one taken, or through the window if it had no more.
+                dead_upto = pos + (int(taken[-1]) + 1 if len(taken) < len(live) else len(window))
+                taken = window[taken]
+                rows = self._keys[taken].tobytes()
+                indices.extend(taken.tolist())
                 hashes.extend([rows[j:j + length] for j in range(0, len(rows), length)])
-                continue
-            rows = self._keys[live].tobytes()
-            for i, h in zip(live.tolist(), (rows[j:j + length] for j in range(0, len(rows), length))):
-                if any(h in k for k in keep):
-                    continue
-                indices.append(i)
-                hashes.append(h)
-                if len(indices) == n:
-                    break
-        return indices, hashes
+            else:
+                live = window[alive[window]]
+                rows = self._keys[live].tobytes()
+                for i, h in zip(live.tolist(), (rows[j:j + length] for j in range(0, len(rows), length))):
+                    if any(h in k for k in keep):
+                        continue
+                    indices.append(i)
+                    hashes.append(h)
+                    if len(indices) == n:
+                        break
+            pos += len(window)
+        return indices, hashes, dead_upto
 
     def wait_sorted(self) -> None:
         """Wait for the cold LRU order (shutdown: leave no thread behind)."""
@@ -340,12 +351,14 @@ class _BlockTable:
         or touched blocks), a window at a time."""
         self.wait_sorted()
         lru, alive = self._lru, self._alive
+        step = 64  # growing: the dead head is usually the last eviction's few hundred
         while self._cursor < len(lru):
-            window = alive[lru[self._cursor:self._cursor + 4096]]
+            window = alive[lru[self._cursor:self._cursor + step]]
             if window.any():
                 self._cursor += int(window.argmax())
                 return
             self._cursor += len(window)
+            step = min(4 * step, 4096)
 
     def iter_lru(self) -> Iterator[tuple[bytes, int]]:
         """``(hash, slot)`` from least to most recently used. Do not mutate meanwhile."""
