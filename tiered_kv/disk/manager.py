@@ -321,10 +321,10 @@ class _BlockTable:
             window = lru[pos:pos + n + n // 4 + 64]  # from _cursor the cold blocks are mostly live
             if not keep:  # the usual case: every live block qualifies, take what is missing
                 live = np.flatnonzero(alive[window])
-                taken = live[:n - len(indices)]
+                wanted = live[:n - len(indices)]
                 # All dead then up to the last one taken, or through the window if it had no more.
-                dead_upto = pos + (int(taken[-1]) + 1 if len(taken) < len(live) else len(window))
-                taken = window[taken]
+                dead_upto = pos + (int(wanted[-1]) + 1 if len(wanted) < len(live) else len(window))
+                taken = window[wanted]
                 rows = self._keys[taken].tobytes()
                 indices.extend(taken.tolist())
                 hashes.extend([rows[j:j + length] for j in range(0, len(rows), length)])

@@ -119,8 +119,8 @@ def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]
 #: GIL for every buffer from 32 KiB, so a block hashed piece by piece (64 pieces of 32
 #: KiB at 2 MiB) took and gave back the GIL 64 times, and beside a busy Python thread
 #: (an engine worker's own) each time waited its turn: 2 MiB handler writes fell to 0.07
-#: of the raw device, against 0.84 holding it as xxhash does for pieces under ~100 KiB
-#: (docs/benchmarks.md, twelfth session).
+#: of the raw device, against 1.01 holding it (and 0.80-0.84 with xxhash, which keeps it
+#: for pieces under ~100 KiB; docs/benchmarks.md, twelfth session).
 _KEEP_GIL = 0
 
 
