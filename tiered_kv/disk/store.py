@@ -14,7 +14,7 @@ A store of one job's blocks on rank R (``begin_write`` ... ``finish``, or
    backend's pool) and made durable with ``fdatasync``. They come as packed rows
    (``submit``) or, from the CPU tier, as views of each block's pieces where they lie
    (``submit_views``: vectored I/O, no copy; checksums computed piece by piece, by
-   the I/O thread that wrote the block);
+   the I/O thread that wrote the block when one call wrote it);
 3. checksums (xxh3-64 or crc32c of each block's bytes) and R's presence bit are set in
    a synced transaction that also appends an ``ok`` log record per block. A block is
    loadable only once every rank's bit is set, i.e. every rank's bytes are durable.
@@ -196,8 +196,8 @@ class DiskStore(BlockIO):
         self._committer = _GroupCommitter(self)
         # Checksums of whole rows run on their own threads: on the backend's pool each one
         # would hold an I/O thread and cut the queue depth the device sees (threads start
-        # lazily). Blocks written piece by piece are hashed on the I/O thread that wrote
-        # them (``WriteBatch._write_then_checksum`` says why).
+        # lazily). Blocks written piece by piece in one call are hashed on the I/O thread
+        # that wrote them (``WriteBatch._write_then_checksum`` says why).
         self._hash_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
                                              thread_name_prefix="tkv-disk-checksum")
         self._pack_buffers: list[torch.Tensor] = []  # free pack buffers (``submit_slots``)
@@ -574,18 +574,24 @@ class WriteBatch(_Batch):
         for first, n in store._view_runs(self.slots, start, blocks):
             run = blocks[first - start:first - start + n]
             write = partial(store._view_io, store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size)
-            futs.append(store.backend.submit(self._write_then_checksum, write, first, run))
+            if n * store.slot_size <= MAX_IO_BYTES:  # one call: hash on its I/O thread
+                futs.append(store.backend.submit(self._write_then_checksum, write, first, run))
+            else:
+                futs.append(store.backend.submit(self._write, write))
+                futs.append(store._hash_pool.submit(self._checksum_views, first, run))
         self._futures.extend(futs)
         return _all_of(futs)
 
     def _write_then_checksum(self, write: Callable[[], None], first: int, run: Sequence[Sequence[memoryview]]) -> None:
-        """Write a run of blocks from where they lie, then hash them on the same I/O
-        thread. Piece by piece the hash keeps the GIL (``_KEEP_GIL``): on a checksum
-        thread with a queue of blocks it kept it for up to the switch interval, and the
-        I/O threads back from their writes waited that long to issue the next one (2 MiB
-        handler writes at 0.66-0.67 of raw, against 0.82-0.83 hashing here; the same
-        beside a busy thread; docs/benchmarks.md, twelfth session). Here each hold ends
-        at this thread's next write."""
+        """Write a run of blocks from where they lie in one call, then hash them on the
+        same I/O thread. Piece by piece the hash keeps the GIL (``_KEEP_GIL``): on a
+        checksum thread with a queue of blocks it kept it for up to the switch interval,
+        and the I/O threads back from their writes waited that long to issue the next
+        one. 2 MiB handler writes ran at 0.66-0.67 of raw that way, against 0.82-0.83
+        hashing here (the same beside a busy thread). Blocks larger than one call (8 MiB:
+        four) are still hashed on the checksum threads: hashed here, after the last of
+        their calls, they wrote at 0.86-0.87 against 0.89-0.97 (docs/benchmarks.md,
+        twelfth session)."""
         self._write(write)
         self._checksum_views(first, run)
 
