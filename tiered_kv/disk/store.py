@@ -14,7 +14,7 @@ A store of one job's blocks on rank R (``begin_write`` ... ``finish``, or
    backend's pool) and made durable with ``fdatasync``. They come as packed rows
    (``submit``) or, from the CPU tier, as views of each block's pieces where they lie
    (``submit_views``: vectored I/O, no copy; checksums computed piece by piece, by
-   the I/O thread that wrote the block when one call wrote it);
+   the I/O thread that wrote the block);
 3. checksums (xxh3-64 or crc32c of each block's bytes) and R's presence bit are set in
    a synced transaction that also appends an ``ok`` log record per block. A block is
    loadable only once every rank's bit is set, i.e. every rank's bytes are durable.
@@ -105,7 +105,11 @@ def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]
                 return one(pieces[0])
             h = xxhash.xxh3_64()
             for piece in pieces:
-                h.update(piece)
+                if len(piece) <= _HELD_UPDATE:
+                    h.update(piece)
+                else:
+                    for at in range(0, len(piece), _HELD_UPDATE):
+                        h.update(piece[at:at + _HELD_UPDATE])
             return h.intdigest()
     else:  # crc32c continues from a previous value
         def digest(pieces: Sequence[memoryview]) -> int:
@@ -123,6 +127,11 @@ def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]
 #: of the raw device, against 1.01 holding it (and 0.80-0.84 with xxhash, which keeps it
 #: for pieces under ~100 KiB; docs/benchmarks.md, twelfth session).
 _KEEP_GIL = 0
+#: The largest update xxhash makes holding the GIL (it lets go above 64 KiB): larger
+#: pieces (128 KiB at 8 MiB blocks) are fed in parts of this size, or a busy thread takes
+#: the GIL at every piece, as with crc32c above (8 MiB handler writes and reads at 0.05
+#: of raw beside one; docs/benchmarks.md, twelfth session).
+_HELD_UPDATE = 32 << 10
 
 
 @dataclass
@@ -196,8 +205,8 @@ class DiskStore(BlockIO):
         self._committer = _GroupCommitter(self)
         # Checksums of whole rows run on their own threads: on the backend's pool each one
         # would hold an I/O thread and cut the queue depth the device sees (threads start
-        # lazily). Blocks written piece by piece in one call are hashed on the I/O thread
-        # that wrote them (``WriteBatch._write_then_checksum`` says why).
+        # lazily). Blocks written piece by piece are hashed on the I/O thread that wrote
+        # them (``WriteBatch._write_then_checksum`` says why).
         self._hash_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
                                              thread_name_prefix="tkv-disk-checksum")
         self._pack_buffers: list[torch.Tensor] = []  # free pack buffers (``submit_slots``)
@@ -574,24 +583,19 @@ class WriteBatch(_Batch):
         for first, n in store._view_runs(self.slots, start, blocks):
             run = blocks[first - start:first - start + n]
             write = partial(store._view_io, store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size)
-            if n * store.slot_size <= MAX_IO_BYTES:  # one call: hash on its I/O thread
-                futs.append(store.backend.submit(self._write_then_checksum, write, first, run))
-            else:
-                futs.append(store.backend.submit(self._write, write))
-                futs.append(store._hash_pool.submit(self._checksum_views, first, run))
+            futs.append(store.backend.submit(self._write_then_checksum, write, first, run))
         self._futures.extend(futs)
         return _all_of(futs)
 
     def _write_then_checksum(self, write: Callable[[], None], first: int, run: Sequence[Sequence[memoryview]]) -> None:
-        """Write a run of blocks from where they lie in one call, then hash them on the
-        same I/O thread. Piece by piece the hash keeps the GIL (``_KEEP_GIL``): on a
-        checksum thread with a queue of blocks it kept it for up to the switch interval,
-        and the I/O threads back from their writes waited that long to issue the next
-        one. 2 MiB handler writes ran at 0.66-0.67 of raw that way, against 0.82-0.83
-        hashing here (the same beside a busy thread). Blocks larger than one call (8 MiB:
-        four) are still hashed on the checksum threads: hashed here, after the last of
-        their calls, they wrote at 0.86-0.87 against 0.89-0.97 (docs/benchmarks.md,
-        twelfth session)."""
+        """Write a run of blocks from where they lie, then hash them on the same I/O
+        thread. Piece by piece the hash keeps the GIL (``_KEEP_GIL``, ``_HELD_UPDATE``):
+        on a checksum thread with a queue of blocks it kept it for up to the switch
+        interval, and the I/O threads back from their writes waited that long to issue
+        the next one. Idle, 2 MiB handler writes ran at 0.66-0.67 of raw that way and
+        8 MiB ones at 0.75-0.76, against 0.82-0.83 and 0.81-0.83 hashing here; beside a
+        busy thread the two were alike (docs/benchmarks.md, twelfth session). Here each
+        hold ends at this thread's next write."""
         self._write(write)
         self._checksum_views(first, run)
 
