@@ -125,12 +125,12 @@ def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]
 #: KiB at 2 MiB) took and gave back the GIL 64 times, and beside a busy Python thread
 #: (an engine worker's own) each time waited its turn: 2 MiB handler writes fell to 0.07
 #: of the raw device, against 1.01 holding it (and 0.80-0.84 with xxhash, which keeps it
-#: for pieces under ~100 KiB; docs/benchmarks.md, twelfth session).
+#: for updates up to 64 KiB; docs/benchmarks.md, twelfth session).
 _KEEP_GIL = 0
-#: The largest update xxhash makes holding the GIL (it lets go above 64 KiB): larger
-#: pieces (128 KiB at 8 MiB blocks) are fed in parts of this size, or a busy thread takes
-#: the GIL at every piece, as with crc32c above (8 MiB handler writes and reads at 0.05
-#: of raw beside one; docs/benchmarks.md, twelfth session).
+#: Pieces larger than this go to xxhash in parts of this size. xxhash lets go of the GIL
+#: for an update over 64 KiB, so with pieces of 128 KiB (8 MiB blocks) a busy thread
+#: took the GIL at every piece, as with crc32c above: 8 MiB handler writes and reads ran
+#: at 0.05 of raw beside one (docs/benchmarks.md, twelfth session).
 _HELD_UPDATE = 32 << 10
 
 
