@@ -94,8 +94,9 @@ def checksum_function(name: str) -> Callable[[memoryview], int]:
 
 def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]:
     """``checksum_function(name)`` of several byte views one after the other, without
-    joining them (a block read or written in place, piece by piece). Both hash small
-    pieces holding the GIL (see ``_KEEP_GIL``)."""
+    joining them (a block read or written in place, piece by piece). Several pieces are
+    hashed holding the GIL, whatever their size (``_KEEP_GIL``, ``_HELD_UPDATE``); a
+    block in one buffer may let go of it once."""
     one = checksum_function(name)
     if name == "xxh3_64":
         import xxhash
