@@ -195,6 +195,35 @@ def test_flusher_learns_worker_commits_in_the_background(tmp_path, layout):
         m.shutdown()
 
 
+def test_the_flusher_keeps_polling_while_index_updates_wait_for_their_write(tmp_path, layout):
+    """Stores keep waking the flusher, and each wake-up starts ``flush_interval`` of
+    updates accumulating; the log must still be read every ``poll_interval`` meanwhile,
+    or a burst of stores fills the composite's bound on pending writes and the
+    scheduler's own call reads the log."""
+    fp = fingerprint(layout)
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
+                              poll_interval=0.001, flush_interval=60.0)
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
+                       engine_id="e")
+    try:
+        assert m.flush()
+        flushes = m.stats.index_flushes
+        first = m.prepare_store(H[:1])
+        s.write_blocks(0, H[:1], first.store_spec.block_ids.tolist(), content_rows(H[:1], 0, layout, s.slot_size))
+        m.complete_store(H[:1])  # a wake-up: the updates it queued are due in a minute
+        out = m.prepare_store(H[1:3])
+        s.write_blocks(0, H[1:3], out.store_spec.block_ids.tolist(), content_rows(H[1:3], 0, layout, s.slot_size))
+        deadline = time.monotonic() + 30
+        while m.num_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.num_pending() == 0 and m.is_loadable(H[1]) and m.is_loadable(H[2])
+        assert m.stats.index_flushes == flushes, "the updates still wait for their interval"
+        assert m.flush() and m.stats.index_flushes == flushes + 1, "a flush writes them at once"
+    finally:
+        s.close()
+        m.shutdown()
+
+
 def test_take_events_leaves_the_log_to_the_polling_flusher(tmp_path, layout):
     """vLLM asks for events every step: with polling on, that reads no index on the
     caller's thread, and the stored events still come, from the flusher's refresh."""

@@ -873,39 +873,60 @@ class DiskOffloadingManager(OffloadingManager):
             return {(h, s) for h, s in items if self._held(h, s)}
 
     def _flush_loop(self) -> None:
+        """Poll the log every ``poll_interval`` while blocks are pending, and write the
+        updates queued since a wake-up ``flush_interval`` after it, in one transaction
+        (at once for ``flush`` and ``shutdown``). The two clocks are separate: when the
+        poll waited for the write interval, a burst of stores filled the composite's
+        bound on pending disk writes between polls, and the scheduler's own call then
+        read the log itself (a 256-block ``prepare_store`` took 1 ms instead of 0.35;
+        docs/benchmarks.md, thirteenth session)."""
+        write_at: float | None = None  # when the queued updates are due
         while True:
             with self._lock:
                 polling = self.poll_interval is not None and bool(self._pending)
-            woke = self._wake.wait(self.poll_interval if polling else None)
+            timeout = self.poll_interval if polling else None
+            if write_at is not None:
+                due = max(0.0, write_at - time.monotonic())
+                timeout = due if timeout is None else min(timeout, due)
+            woke = self._wake.wait(timeout)
             self._wake.clear()  # before reading the requests, so a later one wakes us again
             with self._flush_cond:
                 stop = self._stop
                 requested = self._flush_requested
             if polling:
                 self._refresh_in_chunks()
-            if woke and not stop:
-                time.sleep(self._flush_interval)  # let updates accumulate into one transaction
-            with self._lock:
-                deletions, self._deletions = self._deletions, []
-                touches, self._touches = self._touches, {}
-                trim = self._trim_upto
-            if deletions or touches or trim:
-                try:
-                    self.index.apply_batch(deletions, touches, trim, self._still_held)
-                    self.stats.index_flushes += 1
-                    with self._lock:
-                        if self._trim_upto == trim:
-                            self._trim_upto = 0
-                except Exception:
-                    self.stats.index_flush_errors += 1
-                    logger.exception("disk index flush of %d deletions, %d touches failed; they are "
-                                     "dropped (the index stays safe: workers clear stale entries "
-                                     "before overwriting a slot)", len(deletions), len(touches))
+            if woke and write_at is None:
+                write_at = time.monotonic() + self._flush_interval  # let updates accumulate
+            if not (stop or requested > self._flush_done
+                    or (write_at is not None and time.monotonic() >= write_at)):
+                continue
+            write_at = None
+            self._write_updates()
             with self._flush_cond:
                 self._flush_done = max(self._flush_done, requested)
                 self._flush_cond.notify_all()
                 if stop:
                     return
+
+    def _write_updates(self) -> None:
+        """Write the queued access times, deletions and log trimming to the index."""
+        with self._lock:
+            deletions, self._deletions = self._deletions, []
+            touches, self._touches = self._touches, {}
+            trim = self._trim_upto
+        if not (deletions or touches or trim):
+            return
+        try:
+            self.index.apply_batch(deletions, touches, trim, self._still_held)
+            self.stats.index_flushes += 1
+            with self._lock:
+                if self._trim_upto == trim:
+                    self._trim_upto = 0
+        except Exception:
+            self.stats.index_flush_errors += 1
+            logger.exception("disk index flush of %d deletions, %d touches failed; they are "
+                             "dropped (the index stays safe: workers clear stale entries "
+                             "before overwriting a slot)", len(deletions), len(touches))
 
     def _refresh_in_chunks(self) -> None:
         """Learn the workers' outcomes off the scheduler thread, in short lock holds:
