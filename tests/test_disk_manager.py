@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
-from tiered_kv.disk.manager import DiskOffloadingManager, _BlockTable
+from tiered_kv.disk.manager import (_BUCKETS_PER_KEY, DiskOffloadingManager, _BlockTable, _bucket_bits,
+                                    _in_buckets)
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
@@ -566,3 +567,14 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes, c
         probe = rnd.sample(list(ref), min(3, len(ref))) + [new_hash(), new_hash()]
         rnd.shuffle(probe)
         assert table.absent_among(probe, ()) == [h for h in probe if h not in ref]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 70000])
+def test_the_cold_prefix_buckets_pass_every_member_and_few_others(n):
+    """``_BlockTable``'s prefilter may let a new key through, never stop a cold one."""
+    rng = np.random.default_rng(n)
+    prefixes = np.sort(rng.integers(0, 1 << 63, n, dtype=np.uint64) << np.uint64(1) | np.uint64(n % 2))
+    buckets, shift = _bucket_bits(prefixes)
+    assert _in_buckets(buckets, shift, prefixes).all()
+    others = rng.integers(0, 1 << 63, 20000, dtype=np.uint64) << np.uint64(1)
+    assert _in_buckets(buckets, shift, others).mean() <= 2 / _BUCKETS_PER_KEY

@@ -125,6 +125,33 @@ def _run_into(future: Future, fn: Callable, *args) -> None:
         future.set_exception(e)
 
 
+#: Prefix buckets per cold key in ``_BlockTable``'s prefilter (a bit each): about one
+#: new key in this many passes it.
+_BUCKETS_PER_KEY = 16
+
+
+def _bucket_bits(prefixes: np.ndarray) -> tuple[np.ndarray, np.uint64]:
+    """A bitmap over the top bits of sorted uint64 ``prefixes``, at least
+    ``_BUCKETS_PER_KEY`` buckets per prefix, with a bit set for each bucket holding one;
+    and the shift that takes a prefix to its bucket."""
+    bits = min(63, max(3, (len(prefixes) * _BUCKETS_PER_KEY - 1).bit_length()))
+    shift = np.uint64(64 - bits)
+    buckets = np.zeros(1 << (bits - 3), dtype=np.uint8)
+    if len(prefixes):
+        bucket = prefixes >> shift  # sorted, so each byte's bits are one run
+        byte = bucket >> np.uint64(3)
+        bit = np.left_shift(1, (bucket & np.uint64(7)).astype(np.uint8), dtype=np.uint8)
+        starts = np.flatnonzero(np.concatenate(([True], byte[1:] != byte[:-1])))
+        buckets[byte[starts]] = np.bitwise_or.reduceat(bit, starts)
+    return buckets, shift
+
+
+def _in_buckets(buckets: np.ndarray, shift: np.uint64, prefixes: np.ndarray) -> np.ndarray:
+    """Whether each of uint64 ``prefixes`` falls in a bucket that ``_bucket_bits`` set."""
+    bucket = prefixes >> shift
+    return ((buckets[bucket >> np.uint64(3)] >> (bucket & np.uint64(7)).astype(np.uint8)) & 1).astype(bool)
+
+
 class _BlockTable:
     """Loadable blocks in LRU order.
 
@@ -148,6 +175,10 @@ class _BlockTable:
         # (one key) and an array for searchsorted (a batch).
         self._prefix: list[int] = []
         self._prefix_array = np.zeros(0, dtype=np.uint64)
+        # A bit per bucket of prefixes (their top bits), set where some cold key falls:
+        # most keys a batch asks about are new, and one bit each rules them out.
+        self._buckets = np.zeros(1, dtype=np.uint8)
+        self._bucket_shift = np.uint64(63)
         self._key_len = 0
         self._slots = np.zeros(0, dtype=np.int64)
         self._alive = np.zeros(0, dtype=bool)
@@ -168,6 +199,7 @@ class _BlockTable:
         # bisect on a list beats numpy per call; native ints convert faster than big-endian
         self._prefix_array = head.view(">u8").reshape(n).astype(np.uint64)
         self._prefix = self._prefix_array.tolist()
+        self._buckets, self._bucket_shift = _bucket_bits(self._prefix_array)
         self._slots = slots.astype(np.int64, copy=False)
         self._alive = np.ones(n, dtype=bool)
         self._lru_sort = Future()
@@ -220,16 +252,25 @@ class _BlockTable:
 
     def _maybe_cold(self, hashes: list[bytes]) -> list[bool]:
         """For each of ``hashes``, whether its first 8 bytes start some cold key: a
-        batch prefilter for ``_cold_index`` (one searchsorted for all, where a bisect
-        each costs a few microseconds; a new digest almost never passes it)."""
+        batch prefilter for ``_cold_index``, where a bisect each costs a few
+        microseconds. A new digest almost never passes it: its prefix bucket's bit
+        rules out all but about one in 16 with one memory access, and a search of
+        the sorted prefixes the rest. Searching them all for every key took 290-400
+        us per 256 digests between a scheduler's other work, which leaves the 2 MiB
+        of prefixes of 256k blocks out of the CPU caches; 200-270 us this way
+        (docs/benchmarks.md, thirteenth session)."""
         length = self._key_len
         if length < 8 or any(len(h) != length for h in hashes):
             return [True] * len(hashes)
         rows = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(hashes), length)
         q = np.ascontiguousarray(rows[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
-        prefixes = self._prefix_array
-        pos = np.minimum(np.searchsorted(prefixes, q), len(prefixes) - 1)
-        return (prefixes[pos] == q).tolist()
+        maybe = _in_buckets(self._buckets, self._bucket_shift, q)
+        ask = np.flatnonzero(maybe)
+        if len(ask):
+            prefixes = self._prefix_array
+            pos = np.minimum(np.searchsorted(prefixes, q[ask]), len(prefixes) - 1)
+            maybe[ask] = prefixes[pos] == q[ask]
+        return maybe.tolist()
 
     def get(self, h: bytes) -> int | None:
         slot = self.hot.get(h)
