@@ -193,9 +193,10 @@ def model_layout(block_bytes: int) -> KVCacheLayout:
 class RawLoop:
     """O_DIRECT pwrite/pread of ``bs``-byte blocks at sequential offsets on ``threads``,
     block ``i`` from/into window ``i % windows`` of one buffer of ``windows`` blocks
-    (``windows=threads``: each thread's few reused megabytes, as fio's)."""
+    (by default ``threads``: each thread's few reused megabytes, as fio's)."""
 
-    def __init__(self, path: Path, total: int, bs: int, threads: int, windows: int):
+    def __init__(self, path: Path, total: int, bs: int, threads: int, windows: int | None = None):
+        windows = windows or threads
         self.path, self.total, self.bs, self.threads = path, total, bs, threads
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         os.posix_fallocate(fd, 0, total)
@@ -385,7 +386,7 @@ def main() -> None:
             raw_bs, raw_file = tier.slot, root / f"raw-{size}.bin"
             raw = RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads, windows=tier.host.num_slots)
             hot = (Fio(raw_file, tier.n * raw_bs, raw_bs, args.io_threads) if use_fio else
-                   RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads, windows=args.io_threads))
+                   RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads))
             store = StoreBench(tier.store, tier.layout.bytes_per_block, tier.n, tier.per_job, args.job_threads)
             benches = (("raw", raw), ("hot", hot), ("store", store), ("tier", tier))
             res = {f"{name}_{d}": [] for d in "wr" for name, _ in benches}
