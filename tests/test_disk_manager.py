@@ -392,6 +392,35 @@ def test_restart_keeps_durable_blocks_in_lru_order(tmp_path, layout):
         m.shutdown()
 
 
+def test_after_a_restart_the_startup_blocks_warm_up_in_the_background_in_lru_order(tmp_path, layout):
+    """The blocks a restart found leave the table's cold generation on a thread of
+    their own, a chunk per lock hold; the LRU order and every lookup stay the same."""
+    fp = fingerprint(layout)
+    n = 700  # more than two chunks
+    nbytes = disk_bytes_for(layout, n)
+    hashes = [block_hash(1000 + i) for i in range(n)]
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e")
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+    for a in range(0, n, 100):
+        store_blocks(m, s, hashes[a:a + 100], layout)
+    for h in hashes[:5]:  # one at a time: a restart orders blocks by their last access
+        time.sleep(0.002)
+        m.touch([h])
+    order = list(m.iter_evictable())
+    s.close()
+    m.shutdown()
+    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2")
+    try:
+        m._warmer.join(timeout=30)
+        assert not m._warmer.is_alive() and m._table._cold_count == 0
+        assert list(m.iter_evictable()) == order
+        assert m.absent_among(hashes[::7] + [block_hash(5)]) == [block_hash(5)]
+        out = m.prepare_store([block_hash(i) for i in range(3)])
+        assert out.block_hashes_evicted == order[:3]
+    finally:
+        m.shutdown()
+
+
 def test_manager_rejects_a_capacity_below_one_block(tmp_path, layout):
     with pytest.raises(ValueError, match="holds no block"):
         DiskOffloadingManager(tmp_path, fingerprint(layout), layout, disk_bytes=100)
@@ -505,7 +534,8 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes, c
     blocks) that skip kept blocks, many times over every slot. ``digests``: sha256 keys;
     ``counters``: 16-byte keys whose first 8 bytes repeat in runs of three, as keys that
     are not digests may. ``large``: the cold generation is read many windows at a time,
-    with dead blocks (touched, removed) scattered through it."""
+    with dead blocks (touched, removed) scattered through it. ``warm_up`` moves cold
+    blocks to the hot generation now and then, which must change nothing a caller sees."""
     rnd = random.Random(seed)
     table = _BlockTable()
     made = iter(range(1 << 30))
@@ -549,6 +579,10 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes, c
             slot = ref.pop(h)
             assert table.remove(h) == slot and table.remove(h) is None
             free.append(slot)
+        elif op < 0.72:  # blocks move out of the cold generation; nothing else may change
+            left = table.warm_up(rnd.randint(1, most))
+            hot.update(h for h in ref if table._cold_index(h) < 0)
+            assert left == any(h not in hot for h in ref)
         else:
             keep = {h for h in ref if rnd.random() < 0.2} if rnd.random() < 0.7 else set()
             n = rnd.randint(1, most)

@@ -8,7 +8,8 @@ a write transaction on the caller's thread:
   later fails neither block writes nor the index commits that record them), and loads
   the LMDB index in one read pass (numpy, no per-entry objects: 1M blocks open in
   under a second; the LRU order of what it found is sorted on a short-lived thread
-  meanwhile, and the first eviction from it waits for that). A block is loadable when
+  meanwhile, and the first eviction from it waits for that; then another thread moves
+  those blocks into the table's ordinary dict, a chunk per lock hold). A block is loadable when
   every TP rank has committed it; partial entries left by a crash, and entries past
   the end of a slab found truncated or missing, are dropped and their slots reused. A
   damaged index is moved aside and replaced by an empty one (``index.py``), never
@@ -69,6 +70,8 @@ logger = logging.getLogger(__name__)
 #: Log records the flusher reads at a time, and applies per lock hold.
 _REFRESH_READ = 4096
 _REFRESH_CHUNK = 64
+#: Blocks moved from the startup ("cold") generation of the table per lock hold.
+_WARM_UP_CHUNK = 256
 
 
 @dataclass
@@ -162,14 +165,19 @@ class _BlockTable:
     LRU order is: cold (by last access), then hot. The cold LRU order is sorted on a
     thread of its own (numpy sorts without the GIL), so a restart does not wait for it:
     only the first eviction from the cold generation does, if it comes that soon.
-    After a restart of a full tier every eviction comes from the cold generation, and
-    every new block's hash is looked up there: evictions read the LRU order a window at
-    a time with numpy, and a batch of lookups is prefiltered by key prefix with one
-    ``searchsorted`` (docs/benchmarks.md, "restarted").
+    While cold blocks remain, evictions read the LRU order a window at a time with
+    numpy, and a batch of lookups is prefiltered by key prefix (a bitmap, then
+    ``searchsorted``); still about twice a hot table's cost per call, so the manager
+    empties the cold generation into the hot one in the background (``warm_up``, a
+    second or so per million blocks; docs/benchmarks.md, "restarted").
     """
 
     def __init__(self) -> None:
         self.hot: OrderedDict[bytes, int] = OrderedDict()
+        self._forget_cold()
+
+    def _forget_cold(self) -> None:
+        """An empty cold generation (at first, and once ``warm_up`` emptied it)."""
         self._keys = np.zeros((0, 1), dtype=np.uint8)  # (n, L) sorted rows
         # First 8 bytes of each row as a big-endian int, in row order: a list for bisect
         # (one key) and an array for searchsorted (a batch).
@@ -387,6 +395,40 @@ class _BlockTable:
         if self._lru_sort is not None:
             self._lru, self._lru_sort = self._lru_sort.result(), None
 
+    def sorted_soon(self) -> None:
+        """Wait until ``wait_sorted`` will not (from any thread; changes nothing)."""
+        pending = self._lru_sort
+        if pending is not None:
+            pending.exception()
+
+    def warm_up(self, n: int) -> bool:
+        """Move up to ``n`` of the most recent cold blocks to the hot generation, in
+        front of every hot block (they are older), so the LRU order stays as it was.
+        The cold generation makes a restart instant, but every lookup of a new hash
+        and every eviction costs more there (docs/benchmarks.md, "restarted"); once
+        it is empty the table is as if it had never restarted. Returns whether cold
+        blocks remain."""
+        if self._cold_count:
+            self.wait_sorted()
+            lru, hot = self._lru, self.hot
+            start = max(self._cursor, len(lru) - n)
+            tail = lru[start:]
+            live = tail[self._alive[tail]][::-1]  # most recent first: each goes to the front
+            rows, length = self._keys[live].tobytes(), self._key_len
+            for at, slot in zip(range(0, len(rows), length), self._slots[live].tolist()):
+                h = rows[at:at + length]
+                hot[h] = slot
+                hot.move_to_end(h, last=False)
+            self._alive[live] = False
+            self._cold_count -= len(live)
+            self._lru = lru[:start]  # what is left of the cold order
+        if self._cold_count:
+            return True
+        if len(self._keys):
+            self.wait_sorted()  # leave no sorting thread behind
+            self._forget_cold()
+        return False
+
     def _skip_dead(self) -> None:
         """Wait for the cold LRU order, then move ``_cursor`` past its dead head (evicted
         or touched blocks), a window at a time."""
@@ -467,6 +509,8 @@ class DiskOffloadingManager(OffloadingManager):
         self._flusher.start()
         self._wake.set()  # reclaim and log trimming from the startup snapshot
         self._closed = False
+        self._warmer = threading.Thread(target=self._warm_table, name="tkv-disk-table-warmup", daemon=True)
+        self._warmer.start()
 
     def _open(self, cache_dir: str | os.PathLike, fingerprint: Fingerprint, capacity: int) -> None:
         """Preallocate the slabs and adopt the index (with the writer lock held)."""
@@ -694,6 +738,7 @@ class DiskOffloadingManager(OffloadingManager):
             self._stop = True
         self._wake.set()
         self._flusher.join(timeout=30)
+        self._warmer.join(timeout=30)
         self._table.wait_sorted()
         self.index.close()
         self._lock_file.release()
@@ -968,6 +1013,16 @@ class DiskOffloadingManager(OffloadingManager):
             logger.exception("disk index flush of %d deletions, %d touches failed; they are "
                              "dropped (the index stays safe: workers clear stale entries "
                              "before overwriting a slot)", len(deletions), len(touches))
+
+    def _warm_table(self) -> None:
+        """Empty the table's cold generation (``_BlockTable.warm_up``) a chunk per hold
+        of the lock, so the scheduler's calls wait at most one chunk."""
+        self._table.sorted_soon()  # not under the lock: the first chunk would wait for it
+        while not self._closed:
+            with self._lock:
+                if not self._table.warm_up(_WARM_UP_CHUNK):
+                    return
+            time.sleep(0)  # let the scheduler thread in between lock holds
 
     def _refresh_in_chunks(self) -> None:
         """Learn the workers' outcomes off the scheduler thread, in short lock holds:
