@@ -369,7 +369,8 @@ def main() -> None:
           f"dir={root}")
     print(f"# raw = O_DIRECT pwritev/preadv loop over a buffer the size of the handler's host KV cache, "
           f"{args.io_threads} threads; raw into reused buffers = "
-          f"{'fio --direct=1 --ioengine=psync' if use_fio else 'the same loop, one block buffer per thread'}; tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
+          f"{'fio --direct=1 --ioengine=psync' if use_fio else 'the same loop, one block buffer per thread'}; "
+          f"tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
           f"{args.job_threads} job threads, {args.io_threads} I/O threads, {args.checksum} checksums; "
           f"{args.total_mib} MiB per "
           f"measurement, {args.rounds} rounds; THP {thp_mode()}; heap "
