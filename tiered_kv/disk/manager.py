@@ -263,10 +263,10 @@ class _BlockTable:
         batch prefilter for ``_cold_index``, where a bisect each costs a few
         microseconds. A new digest almost never passes it: its prefix bucket's bit
         rules out all but about one in 16 with one memory access, and a search of
-        the sorted prefixes the rest. Searching them all for every key took 290-400
-        us per 256 digests between a scheduler's other work, which leaves the 2 MiB
-        of prefixes of 256k blocks out of the CPU caches; 200-270 us this way
-        (docs/benchmarks.md, thirteenth session)."""
+        the sorted prefixes the rest. With a search for every key, ``absent_among``
+        of 256 new digests took 345-420 us in a cascade after a restart (between the
+        scheduler's other work, the 2 MiB of prefixes of 256k blocks fall out of the
+        CPU caches); 250-270 us this way (docs/benchmarks.md, thirteenth session)."""
         length = self._key_len
         if length < 8 or any(len(h) != length for h in hashes):
             return [True] * len(hashes)
@@ -960,8 +960,8 @@ class DiskOffloadingManager(OffloadingManager):
 
     def _flush_loop(self) -> None:
         """Poll the log every ``poll_interval`` while blocks are pending, and write the
-        updates queued since a wake-up ``flush_interval`` after it, in one transaction
-        (at once for ``flush`` and ``shutdown``). The two clocks are separate: when the
+        updates queued since a wake-up (or a poll) ``flush_interval`` after it, in one
+        transaction (at once for ``flush`` and ``shutdown``). The two clocks are separate: when the
         poll waited for the write interval, a burst of stores filled the composite's
         bound on pending disk writes between polls, and the scheduler's own call then
         read the log itself (a 256-block ``prepare_store`` took 1 ms instead of 0.35;
@@ -981,7 +981,7 @@ class DiskOffloadingManager(OffloadingManager):
                 requested = self._flush_requested
             if polling:
                 self._refresh_in_chunks()
-            if woke and write_at is None:
+            if write_at is None and (woke or polling):  # touches queue without waking us
                 write_at = time.monotonic() + self._flush_interval  # let updates accumulate
             if not (stop or requested > self._flush_done
                     or (write_at is not None and time.monotonic() >= write_at)):
