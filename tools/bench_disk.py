@@ -67,6 +67,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -206,16 +207,18 @@ class RawLoop:
         self.windows = windows
 
     def run(self, write: bool) -> float:
+        """Bytes per second, every block from/into its window."""
+        view, bs, windows = host_view(self.buf), self.bs, self.windows
+        return self.run_iovecs(lambda i: [view[i % windows * bs:(i % windows + 1) * bs]], write)
+
+    def run_iovecs(self, iovec: Callable[[int], list[memoryview]], write: bool) -> float:
+        """Bytes per second, block ``i`` from/into the buffers ``iovec(i)``."""
         fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-        view, bs = host_view(self.buf), self.bs
-        n = self.total // bs
+        call = os.pwritev if write else os.preadv
+        n = self.total // self.bs
 
         def one(i: int) -> None:
-            at = i % self.windows * bs
-            if write:
-                os.pwritev(fd, [view[at:at + bs]], i * bs)
-            else:
-                os.preadv(fd, [view[at:at + bs]], i * bs)
+            call(fd, iovec(i), i * self.bs)
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(self.threads) as ex:
@@ -224,7 +227,7 @@ class RawLoop:
             os.fdatasync(fd)
         dt = time.perf_counter() - t0
         os.close(fd)
-        return n * bs / dt
+        return n * self.bs / dt
 
 
 class Fio:

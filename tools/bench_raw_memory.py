@@ -23,44 +23,12 @@ import os
 import platform
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from tiered_kv.device import empty_pageable
+from bench_disk import MiB, RawLoop
 from tiered_kv.disk.io_backends import host_view
-
-MiB = 1 << 20
-
-
-class Loop:
-    """One file of ``total`` bytes moved in ``bs``-byte blocks on ``threads`` threads."""
-
-    def __init__(self, path: Path, total: int, bs: int, threads: int):
-        self.path, self.total, self.bs, self.threads = path, total, bs, threads
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        os.posix_fallocate(fd, 0, total)
-        os.close(fd)
-
-    def run(self, iovec, write: bool) -> float:
-        """GB/s of moving every block, block ``i`` from/into ``iovec(i)``."""
-        fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-        call = os.pwritev if write else os.preadv
-        n = self.total // self.bs
-
-        def one(i: int) -> None:
-            call(fd, iovec(i), i * self.bs)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(self.threads) as ex:
-            list(ex.map(one, range(n)))
-        if write:
-            os.fdatasync(fd)
-        dt = time.perf_counter() - t0
-        os.close(fd)
-        return n * self.bs / dt / 1e9
 
 
 def contiguous(view: memoryview, bs: int, windows: int):
@@ -101,21 +69,20 @@ def main() -> None:
             reused = args.threads * bs
             footprints = sorted({reused} | {max(reused, int(f) * MiB // bs * bs)
                                              for f in args.footprints_mib.split(",")})
-            loop = Loop(root / f"raw-{size}.bin", args.total_mib * MiB // bs * bs, bs, args.threads)
-            buf = empty_pageable(footprints[-1])
-            buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8))
-            view = host_view(buf)
+            loop = RawLoop(root / f"raw-{size}.bin", args.total_mib * MiB // bs * bs, bs, args.threads,
+                           windows=footprints[-1] // bs)
+            view = host_view(loop.buf)
             paths = [(f"{f // MiB} MiB" + (" reused" if f == reused else ""), contiguous(view, bs, f // bs))
                      for f in footprints]
             if bs % (args.pieces * 4096) == 0:
                 paths.append(("scattered", planes(view, bs, footprints[-1] // bs, args.pieces)))
             res = {(name, w): [] for name, _ in paths for w in (True, False)}
-            loop.run(paths[0][1], True)  # the file's blocks exist before the first read
+            loop.run(write=True)  # the file's blocks exist before the first read
             for r in range(args.rounds):
                 order = paths[r % len(paths):] + paths[:r % len(paths)]
                 for write in (True, False):
                     for name, iovec in order:
-                        res[(name, write)].append(loop.run(iovec, write))
+                        res[(name, write)].append(loop.run_iovecs(iovec, write) / 1e9)
             print(f"\n{size} MiB blocks")
             print(f"{'buffer':>16} | {'write':>17} | {'read':>17}")
             for name, _ in paths:
