@@ -191,6 +191,11 @@ def model_layout(block_bytes: int) -> KVCacheLayout:
     return KVCacheLayout(layers, torch.float16, 4, factor)
 
 
+def windows_iovec(view: memoryview, bs: int, windows: int) -> Callable[[int], list[memoryview]]:
+    """Block ``i``'s buffer: window ``i % windows`` of ``bs`` bytes in ``view``."""
+    return lambda i: [view[i % windows * bs:(i % windows + 1) * bs]]
+
+
 class RawLoop:
     """O_DIRECT pwrite/pread of ``bs``-byte blocks at sequential offsets on ``threads``,
     block ``i`` from/into window ``i % windows`` of one buffer of ``windows`` blocks
@@ -208,8 +213,7 @@ class RawLoop:
 
     def run(self, write: bool) -> float:
         """Bytes per second, every block from/into its window."""
-        view, bs, windows = host_view(self.buf), self.bs, self.windows
-        return self.run_iovecs(lambda i: [view[i % windows * bs:(i % windows + 1) * bs]], write)
+        return self.run_iovecs(windows_iovec(host_view(self.buf), self.bs, self.windows), write)
 
     def run_iovecs(self, iovec: Callable[[int], list[memoryview]], write: bool) -> float:
         """Bytes per second, block ``i`` from/into the buffers ``iovec(i)``."""

@@ -27,12 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_disk import MiB, RawLoop
+from bench_disk import MiB, RawLoop, windows_iovec
 from tiered_kv.disk.io_backends import host_view
-
-
-def contiguous(view: memoryview, bs: int, windows: int):
-    return lambda i: [view[i % windows * bs:(i % windows + 1) * bs]]
 
 
 def planes(view: memoryview, bs: int, windows: int, pieces: int):
@@ -72,7 +68,7 @@ def main() -> None:
             loop = RawLoop(root / f"raw-{size}.bin", args.total_mib * MiB // bs * bs, bs, args.threads,
                            windows=footprints[-1] // bs)
             view = host_view(loop.buf)
-            paths = [(f"{f // MiB} MiB" + (" reused" if f == reused else ""), contiguous(view, bs, f // bs))
+            paths = [(f"{f // MiB} MiB" + (" reused" if f == reused else ""), windows_iovec(view, bs, f // bs))
                      for f in footprints]
             if bs % (args.pieces * 4096) == 0:
                 paths.append(("scattered", planes(view, bs, footprints[-1] // bs, args.pieces)))
