@@ -45,8 +45,9 @@ plain Python beside every path, as an engine worker's own Python would.
 Ratios are tier / raw over all rounds (bytes / time summed); two more tables give the
 per-round ratios (each path against the raw loop of the same round, then against the
 raw run into reused buffers), median and range.
-The process CPU time of each path (all threads, user + system) is printed last, in
-seconds per GB moved.
+The process CPU time of each path (all threads, user + system) is printed next, in
+seconds per GB moved; with ``--trace``, last, how many ``preadv``/``pwritev`` calls
+each path kept in flight on average and how long one took (``IOTrace``).
 
     python tools/bench_disk.py [--dir PATH] [--sizes 0.5,2,8] [--total-mib 512] [--rounds 3]
 """
@@ -123,6 +124,52 @@ class GcPauses:
             self._t0 = time.perf_counter()
         else:
             self.ms[self.key] += (time.perf_counter() - self._t0) * 1e3
+
+
+class IOTrace:
+    """``--trace``: every ``os.preadv``/``os.pwritev`` call of this process timed while a
+    path runs (the raw loops' threads and the tier's I/O threads alike), to tell the two
+    ways a path can lose against raw apart: fewer calls in flight on average (the time
+    between a thread's calls: checksums and waits for the GIL) or slower calls (what the
+    device makes of the buffers: how scattered, where in memory)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # busy s, wall s, calls
+        self._busy = [0.0, 0]
+        self._lock = threading.Lock()
+
+    def _timed(self, call: Callable) -> Callable:
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self._busy[0] += dt
+                    self._busy[1] += 1
+        return timed
+
+    @contextlib.contextmanager
+    def measuring(self, key: str):
+        """Time the calls made until the block ends, as path ``key``'s."""
+        real = os.preadv, os.pwritev
+        self._busy = [0.0, 0]
+        os.preadv, os.pwritev = (self._timed(c) for c in real)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            os.preadv, os.pwritev = real
+            cell = self.calls[key]
+            cell[0] += self._busy[0]
+            cell[1] += time.perf_counter() - t0
+            cell[2] += self._busy[1]
+
+    def cell(self, key: str) -> str:
+        """Mean calls in flight x mean milliseconds per call."""
+        busy, wall, n = self.calls[key]
+        return f"{busy / wall:.2f} x {busy / max(1, n) * 1e3:5.2f}"
 
 
 @contextlib.contextmanager
@@ -363,9 +410,14 @@ def main() -> None:
     p.add_argument("--live-heap", action="store_true",
                    help="do not freeze the heap built at setup (vLLM's workers freeze it after warm-up), "
                         "so full garbage collections walk it all")
+    p.add_argument("--trace", action="store_true",
+                   help="time every preadv/pwritev call and print, per path, the calls in flight on average "
+                        "and the time per call (not with --disk-io process, whose calls run in the helper)")
     p.add_argument("--small-pages", action="store_true",
                    help="host buffers on ordinary 4 KiB pages, not advised onto huge pages (to compare)")
     args = p.parse_args()
+    if args.trace and args.disk_io == "process":
+        p.error("--trace times this process's calls; with --disk-io process they run in the helper process")
     if args.small_pages:
         device.HUGE_PAGE = 1 << 62  # no buffer is that large: empty_pageable takes torch.empty
 
@@ -401,6 +453,7 @@ def main() -> None:
             cpu = {k: 0.0 for k in res}
             spins = {k: [0, 0.0] for k in res}  # busy thread: loops, seconds
             helper = tier.store.pid if isinstance(tier.store, DiskIOProcess) else None
+            trace = IOTrace() if args.trace else None
             with worker_heap(frozen=not args.live_heap) as gc_pauses, busy_thread(args.busy_thread) as progress:
                 for r in range(args.rounds):
                     # Rotate the order each round so no path always runs right after another.
@@ -410,7 +463,8 @@ def main() -> None:
                             key = f"{name}_{'w' if write else 'r'}"
                             c0, s0, t0 = cpu_seconds(helper), progress[0], time.perf_counter()
                             gc_pauses.key = key
-                            res[key].append(bench.run(write))
+                            with trace.measuring(key) if trace else contextlib.nullcontext():
+                                res[key].append(bench.run(write))
                             cpu[key] += cpu_seconds(helper) - c0
                             spins[key][0] += progress[0] - s0
                             spins[key][1] += time.perf_counter() - t0
@@ -426,7 +480,7 @@ def main() -> None:
             moved = args.rounds * tier.n * tier.layout.bytes_per_block / 1e9
             agg.update({f"cpu_{k}": v / moved for k, v in cpu.items()})
             agg.update({f"spin_{k}": loops * 1000 / seconds / 1e6 for k, (loops, seconds) in spins.items()})
-            rows.append((size, agg, res))
+            rows.append((size, agg, res, trace))
             print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, handler {path}, per-round GB/s "
                   + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items())
                   + "; garbage-collector pauses, ms: "
@@ -439,7 +493,7 @@ def main() -> None:
           "jobs that finish together); handler = CpuDiskHandler (from/to a host KV cache: vectored or packed, see above)")
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | "
           f"{'raw read':>8} {'load':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | {'raw, reused buffers':>19}")
-    for size, agg, _ in rows:
+    for size, agg, _, _ in rows:
         print(f"{size:>5} MiB | {agg['raw_w']:>9.2f} {agg['store_w']:>6.2f} {agg['store_w'] / agg['raw_w']:>5.2f} "
               f"{agg['tier_w']:>7.2f} {agg['tier_w'] / agg['raw_w']:>5.2f} | {agg['raw_r']:>8.2f} "
               f"{agg['store_r']:>6.2f} {agg['store_r'] / agg['raw_r']:>5.2f} {agg['tier_r']:>7.2f} "
@@ -450,7 +504,7 @@ def main() -> None:
         print(f"Per-round ratios (each path against {against}): median [min-max]; a wide range is the "
               "disk drifting")
         print(f"{'block':>9} | {'store write':>17} {'handler write':>17} | {'load':>17} {'handler read':>17}")
-        for size, _, res in rows:
+        for size, _, res, _ in rows:
             cells = [per_round(res[f"{tier}_{d}"], res[f"{raw}_{d}"])
                      for tier, d in (("store", "w"), ("tier", "w"), ("store", "r"), ("tier", "r"))]
             print(f"{size:>5} MiB | {cells[0]:>17} {cells[1]:>17} | {cells[2]:>17} {cells[3]:>17}")
@@ -458,7 +512,7 @@ def main() -> None:
     print("CPU seconds per GB moved (this process, all threads, user + system; with --disk-io process "
           "the I/O process's too)")
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} {'handler':>7}")
-    for size, agg, _ in rows:
+    for size, agg, _, _ in rows:
         print(f"{size:>5} MiB | {agg['cpu_raw_w']:>9.3f} {agg['cpu_store_w']:>6.3f} {agg['cpu_tier_w']:>7.3f} | "
               f"{agg['cpu_raw_r']:>8.3f} {agg['cpu_store_r']:>6.3f} {agg['cpu_tier_r']:>7.3f}")
     if args.busy_thread:
@@ -467,9 +521,18 @@ def main() -> None:
               "what an engine's Python keeps while the disk tier works")
         print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} "
               f"{'handler':>7}")
-        for size, agg, _ in rows:
+        for size, agg, _, _ in rows:
             print(f"{size:>5} MiB | {agg['spin_raw_w']:>9.1f} {agg['spin_store_w']:>6.1f} {agg['spin_tier_w']:>7.1f} | "
                   f"{agg['spin_raw_r']:>8.1f} {agg['spin_store_r']:>6.1f} {agg['spin_tier_r']:>7.1f}")
+    if args.trace:
+        print()
+        print("preadv/pwritev calls: mean calls in flight x mean ms per call (--trace); raw keeps every I/O thread "
+              "in a call, a path that keeps fewer spends time between calls, one with slower calls loses in the device")
+        print(f"{'block':>9} | {'raw write':>13} {'store':>13} {'handler':>13} | {'raw read':>13} {'load':>13} "
+              f"{'handler':>13}")
+        for size, _, _, trace in rows:
+            print(f"{size:>5} MiB | " + " | ".join(" ".join(f"{trace.cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier"))
+                                          for d in "wr"))
     if args.plot:
         import matplotlib
 
@@ -481,8 +544,8 @@ def main() -> None:
         series = (("raw_w", "raw write"), ("store_w", "store"), ("tier_w", "handler store"),
                   ("raw_r", "raw read"), ("store_r", "load"), ("tier_r", "handler load"))
         for i, (key, label) in enumerate(series):
-            ax.bar(x + (i - 2.5) * 0.13, [agg[key] for _, agg, _ in rows], 0.13, label=label)
-        ax.set_xticks(x, [f"{s} MiB" for s, _, _ in rows])
+            ax.bar(x + (i - 2.5) * 0.13, [agg[key] for _, agg, _, _ in rows], 0.13, label=label)
+        ax.set_xticks(x, [f"{s} MiB" for s, _, _, _ in rows])
         ax.set_ylabel("GB/s")
         ax.set_title("disk tier vs raw device (same run, interleaved)")
         ax.legend(fontsize=8)
