@@ -301,21 +301,31 @@ class SlotViews:
     def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
         slot_bytes)``), one block per row in block byte order: what ``pack_blocks``
-        makes of those slots, gathered plane by plane with numpy. Its copies give the GIL
-        up, so job threads pack in parallel; see ``unpack`` for why the other direction
-        copies piece by piece instead."""
+        makes of those slots. Runs of consecutive slots are copied plane by plane in one
+        ``torch._foreach_copy_`` call, which gives the GIL up once. A numpy copy per
+        plane gave it up 64 times per chunk of 0.5 MiB blocks, and beside a busy Python
+        thread each time waited up to the 5 ms switch interval to take it back: there,
+        0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.60-0.61 this way
+        (idle, alike; docs/benchmarks.md, fourteenth session). Scattered slots are
+        gathered with numpy, a plane at a time (``_slot_runs`` says why). See
+        ``unpack`` for why the other direction copies piece by piece instead."""
         self._check_packed(slots, out)
         index, runs = _slot_runs(slots)
+        if runs is not None:
+            outs, ins, offset = [], [], 0
+            for plane in self._planes:
+                width = plane.shape[1]
+                for first, end, slot in runs:
+                    outs.append(out[first:end, offset:offset + width])
+                    ins.append(plane[slot:slot + end - first])
+                offset += width
+            torch._foreach_copy_(outs, ins)
+            return
         dst = out.numpy()
         offset = 0
         for rows in self._rows:
             width = rows.shape[1]
-            columns = dst[:, offset:offset + width]
-            if runs is None:
-                np.take(rows, index, axis=0, out=columns)
-            else:
-                for first, end, slot in runs:
-                    columns[first:end] = rows[slot:slot + end - first]
+            np.take(rows, index, axis=0, out=dst[:, offset:offset + width])
             offset += width
 
     def unpack(self, src: torch.Tensor, slots: Sequence[int]) -> None:
@@ -342,6 +352,11 @@ class SlotViews:
                              f"got {tuple(packed.shape)}")
 
     @cached_property
+    def _planes(self) -> list[torch.Tensor]:
+        """The planes' rows as tensors (sharing their memory)."""
+        return [torch.from_numpy(rows) for rows in self._rows]
+
+    @cached_property
     def _plane_views(self) -> list[tuple[memoryview, int, int]]:
         """Per plane: one byte view from its first slot's piece to its last's, the
         distance between two slots' pieces in it, and a piece's length."""
@@ -354,7 +369,7 @@ class SlotViews:
 def _slot_runs(slots: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, int]] | None]:
     """``slots`` as an int64 array, and its runs of consecutive slots as ``(first row,
     end row, first slot)``; None when the runs average under two slots. ``pack`` copies
-    a run with one slice assignment: ``np.take`` into the strided columns of a packed
+    a run with one copy per plane: ``np.take`` into the strided columns of a packed
     buffer gathers into a temporary array and copies that again (its ``out`` must be
     contiguous), which cost the 0.5 MiB handler writes a third of their CPU
     (docs/benchmarks.md), but it beats a copy per slot."""
