@@ -305,8 +305,8 @@ class SlotViews:
         ``torch._foreach_copy_`` call, which gives the GIL up once. A numpy copy per
         plane gave it up 64 times per chunk of 0.5 MiB blocks, and beside a busy Python
         thread each time waited up to the 5 ms switch interval to take it back: there,
-        0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.60-0.61 this way
-        (idle, alike; docs/benchmarks.md, fourteenth session). Scattered slots are
+        0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.79 this way (idle,
+        alike; docs/benchmarks.md, fourteenth session). Scattered slots are
         gathered with numpy, a plane at a time (``_slot_runs`` says why). See
         ``unpack`` for why the other direction copies piece by piece instead."""
         self._check_packed(slots, out)
