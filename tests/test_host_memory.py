@@ -303,3 +303,26 @@ def test_slot_views_pack_matches_the_codec_for_runs_and_scattered_slots(slots, p
     assert torch.equal(ours, codec)
     with pytest.raises(ValueError, match=rf"\({len(slots)}, >= {layout.bytes_per_block}\)"):
         views.pack(slots, ours[:, :layout.bytes_per_block - 1])
+
+
+@pytest.mark.parametrize("pad", [0, 4096, 3], ids=["rows", "padded-rows", "odd-rows"])
+@pytest.mark.parametrize("kv_first", [True, False], ids=["kv-first", "kv-after"])
+def test_scattered_slots_of_alike_layers_pack_a_block_at_a_time_as_the_codec_does(kv_first, pad):
+    # With 16 slots every layer fills whole pages of the cache's one allocation, so the
+    # planes lie at equal distances and scattered slots are copied a block at a time
+    # (``_blocks``). With 5, a layer's K and V planes lie closer than one layer's V and
+    # the next layer's K (a page apart), and each plane is gathered on its own. Rows of
+    # an odd length take that way too.
+    layout = make_layout(kv_first, block_size_factor=2)
+    host = HostKVCache(layout, 16, pin=False)
+    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=16 * 2, seed=8)):
+        t.copy_(r)
+    views = SlotViews(host.tensors, layout)
+    assert views._blocks is not None
+    if kv_first:
+        assert SlotViews(HostKVCache(layout, 5, pin=False).tensors, layout)._blocks is None
+    slots = [9, 2, 15, 0, 7]
+    ours, codec = (torch.zeros((len(slots), layout.bytes_per_block + pad), dtype=torch.uint8) for _ in range(2))
+    views.pack(slots, ours)
+    pack_blocks(host.tensors, layout, host.kernel_ids(slots), codec)
+    assert torch.equal(ours, codec)

@@ -1,7 +1,7 @@
 """Host (CPU-tier) KV memory and the block byte codec shared by the tiers.
 
-Worker process. ``HostKVCache`` allocates, per layer, a host tensor shaped like the
-device layer but with ``num_blocks = num_slots * block_size_factor`` (CPU slot ``s`` is
+Worker process. ``HostKVCache`` allocates, per layer, a host tensor (all in one
+allocation) shaped like the device layer but with ``num_blocks = num_slots * block_size_factor`` (CPU slot ``s`` is
 kernel blocks ``s*f .. s*f+f-1``, the seed's ``expand_block_ids`` semantics), pinned
 when CUDA is present and pageable otherwise (logged once, see ``tiered_kv.device``).
 A tier larger than the memory the process may use (RAM or the cgroup limit) is refused
@@ -29,7 +29,7 @@ import torch
 
 from tiered_kv import device as machine  # module, so tests can stand in for its probes
 from tiered_kv.config import ConfigError, format_size
-from tiered_kv.device import empty_host, host_memory_limit
+from tiered_kv.device import HOST_ALIGN, HUGE_PAGE, empty_host, host_memory_limit
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.shared_memory import empty_shared
 
@@ -301,18 +301,20 @@ class SlotViews:
     def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
         slot_bytes)``), one block per row in block byte order: what ``pack_blocks``
-        makes of those slots. Runs of consecutive slots are copied plane by plane in one
-        ``torch._foreach_copy_`` call, which gives the GIL up once. A numpy copy per
-        plane gave it up 64 times per chunk of 0.5 MiB blocks, and beside a busy Python
-        thread each time waited up to the 5 ms switch interval to take it back: there,
-        0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.79 this way (idle,
-        alike; docs/benchmarks.md, fourteenth session). Scattered slots are
-        gathered with numpy, a plane at a time (``_slot_runs`` says why). See
-        ``unpack`` for why the other direction copies piece by piece instead."""
+        makes of those slots, in one ``torch._foreach_copy_`` call of 8-byte words where
+        the memory allows, which gives the GIL up once: runs of consecutive slots a plane
+        at a time, scattered slots a block at a time (``_blocks``). A numpy copy per
+        plane gave the GIL up 64 times per chunk of 0.5 MiB blocks, and beside a busy
+        Python thread each time waited up to the 5 ms switch interval to take it back:
+        there, 0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.79 this way,
+        and idle as fast; from scattered slots 0.19 and 0.63 idle that way
+        (docs/benchmarks.md, fourteenth session). See ``unpack`` for why the other
+        direction copies piece by piece instead."""
         self._check_packed(slots, out)
         index, runs = _slot_runs(slots)
+        rows, word = out.numpy(), self._planes[0].element_size()
         if runs is not None:
-            planes, dst = self._planes, _numpy_words(out.numpy(), self._planes[0].element_size())
+            planes, dst = self._planes, _numpy_words(rows, word)
             if dst is None:  # rows of another alignment: move bytes
                 planes, dst = self._byte_planes, out
             outs, ins, offset = [], [], 0
@@ -324,11 +326,24 @@ class SlotViews:
                 offset += width
             torch._foreach_copy_(outs, ins)
             return
-        dst = out.numpy()
+        blocks = self._blocks
+        if blocks is not None:
+            count, width = blocks.shape[1], blocks.shape[2] * word
+            dst = _numpy_words(np.lib.stride_tricks.as_strided(
+                rows, shape=(len(index), count, width), strides=(rows.strides[0], width, 1)), word)
+            if dst is not None:
+                step = max(1, _SERIAL_COPY_WORDS // blocks.shape[2])  # planes per copy
+                outs, ins = [], []
+                for i, slot in enumerate(index.tolist()):
+                    for p in range(0, count, step):
+                        outs.append(dst[i, p:p + step])
+                        ins.append(blocks[slot, p:p + step])
+                torch._foreach_copy_(outs, ins)
+                return
         offset = 0
-        for rows in self._rows:
-            width = rows.shape[1]
-            np.take(rows, index, axis=0, out=dst[:, offset:offset + width])
+        for plane in self._rows:
+            width = plane.shape[1]
+            np.take(plane, index, axis=0, out=rows[:, offset:offset + width])
             offset += width
 
     def unpack(self, src: torch.Tensor, slots: Sequence[int]) -> None:
@@ -371,6 +386,23 @@ class SlotViews:
         return words
 
     @cached_property
+    def _blocks(self) -> torch.Tensor | None:
+        """Every plane at once, ``(num_slots, planes, piece)`` in ``_planes``' words, so
+        that ``[s]`` is slot ``s``'s block: where the planes have one shape and lie at
+        equal distances in one allocation (``HostKVCache``'s, when its layers are
+        alike). None otherwise."""
+        first = self._rows[0]
+        if any(r.shape != first.shape or r.strides != first.strides for r in self._rows):
+            return None
+        gaps = {b.ctypes.data - a.ctypes.data for a, b in zip(self._rows, self._rows[1:])} or {first.shape[1]}
+        gap = gaps.pop()
+        if gaps or gap < first.shape[1]:
+            return None
+        every = np.lib.stride_tricks.as_strided(first, shape=(first.shape[0], len(self._rows), first.shape[1]),
+                                                strides=(first.strides[0], gap, 1))
+        return _numpy_words(every, self._planes[0].element_size())
+
+    @cached_property
     def _plane_views(self) -> list[tuple[memoryview, int, int]]:
         """Per plane: one byte view from its first slot's piece to its last's, the
         distance between two slots' pieces in it, and a piece's length."""
@@ -380,15 +412,20 @@ class SlotViews:
                 for rows in self._rows]
 
 
-def _numpy_words(rows: np.ndarray, size: int) -> torch.Tensor | None:
-    """``rows`` (2-D uint8, contiguous rows) as a tensor of ``size``-byte integers
-    sharing its memory, or None where its row length or stride is no multiple of
-    ``size``. Made through numpy: a torch ``view`` gives up the GIL."""
+#: Largest copy torch runs on the calling thread (its grain size, in elements): a larger
+#: one is split across the intra-op threads, at more CPU for no gain here.
+_SERIAL_COPY_WORDS = 32768
+
+
+def _numpy_words(a: np.ndarray, size: int) -> torch.Tensor | None:
+    """``a`` (uint8, its last axis contiguous) as a tensor of ``size``-byte integers
+    sharing its memory, or None where its last axis, an outer stride or its address is
+    no multiple of ``size``. Made through numpy: a torch ``view`` gives up the GIL."""
     if size == 1:
-        return torch.from_numpy(rows)
-    if rows.shape[1] % size or rows.strides[0] % size or rows.ctypes.data % size:
+        return torch.from_numpy(a)
+    if a.shape[-1] % size or any(st % size for st in a.strides[:-1]) or a.ctypes.data % size:
         return None
-    return torch.from_numpy(rows.view(np.dtype(f"i{size}")))
+    return torch.from_numpy(a.view(np.dtype(f"i{size}")))
 
 
 def _slot_runs(slots: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, int]] | None]:
@@ -454,18 +491,24 @@ class HostKVCache:
         self.pinned = self.tensors[0].is_pinned()
 
     def _allocate(self, pin: bool | None) -> list[torch.Tensor]:
+        """The layers' tensors, back to back in one allocation, each starting on a page
+        (on a 2 MiB huge page from 2 MiB on: ``empty_pageable``). Where the layers are
+        alike, their planes then lie at equal distances, and ``SlotViews`` gathers any
+        slots from all of them in one call."""
         kernel_blocks = self.num_slots * self.layout.block_size_factor
-        tensors = []
-        for layer in self.layout.layers:
-            lead = (2, kernel_blocks) if layer.kv_before_num_blocks else (kernel_blocks,)
-            shape = lead + tuple(layer.block_shape)
-            if self.shared:
-                nbytes = math.prod(shape) * self.layout.dtype.itemsize
-                pinned = pin if pin is not None else machine.can_pin_memory()
-                tensors.append(empty_shared(nbytes, pin=pinned).view(self.layout.dtype).view(shape))
-            else:
-                tensors.append(empty_host(shape, self.layout.dtype, pin))
-        return tensors
+        shapes = [((2, kernel_blocks) if layer.kv_before_num_blocks else (kernel_blocks,)) + tuple(layer.block_shape)
+                  for layer in self.layout.layers]
+        sizes = [math.prod(shape) * self.layout.dtype.itemsize for shape in shapes]
+        starts = [0]
+        for size in sizes:
+            align = HUGE_PAGE if size >= HUGE_PAGE else HOST_ALIGN
+            starts.append(starts[-1] + -(-size // align) * align)
+        if self.shared:
+            flat = empty_shared(starts[-1], pin=pin if pin is not None else machine.can_pin_memory())
+        else:
+            flat = empty_host((starts[-1],), torch.uint8, pin)
+        return [flat[start:start + size].view(self.layout.dtype).view(shape)
+                for start, size, shape in zip(starts, sizes, shapes)]
 
     @staticmethod
     def slots_for_bytes(layout: KVCacheLayout, cpu_bytes: int) -> int:
