@@ -31,9 +31,11 @@ bytes per measurement with the same number of I/O threads:
   cache and the disk: with vectored I/O straight from/into the cache's memory where each
   block's pieces (one per layer plane) are page-aligned and at least 32 KiB (2 and 8 MiB
   here), else packed by the store into its pack buffers, 8 MiB at a time (and unpacked
-  on load). Each size's line says which ("vectored" or "packed"). With ``--disk-io
-  process`` both run in the store's helper process (``tiered_kv.disk.io_process``), on
-  a host cache in shared memory.
+  on load). Each size's line says which ("vectored" or "packed"). A job's blocks come
+  from consecutive CPU slots, or, with ``--scattered-slots``, from slots in a shuffled
+  order, as from a CPU tier whose LRU has churned. With ``--disk-io process`` both run
+  in the store's helper process (``tiered_kv.disk.io_process``), on a host cache in
+  shared memory.
 
 Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
@@ -340,7 +342,8 @@ class TierBench:
     """Store ``total`` bytes of blocks through a CpuDiskHandler, then load them back."""
 
     def __init__(self, root: Path, block_bytes: int, total: int, job_bytes: int, backend: str,
-                 io_threads: int, job_threads: int, disk_io: str = "thread", checksum: str = "xxh3_64"):
+                 io_threads: int, job_threads: int, disk_io: str = "thread", checksum: str = "xxh3_64",
+                 scattered: bool = False):
         self.layout = model_layout(block_bytes)
         self.slot = slot_size_for(self.layout.bytes_per_block)
         self.n = max(1, total // self.layout.bytes_per_block)
@@ -358,11 +361,18 @@ class TierBench:
                                       staging_bytes=max(2 * self.slot, job_bytes))
         self.hashes = [i.to_bytes(8, "big") + os.urandom(24) for i in range(self.n)]
         self.job = 0
+        # Job i's blocks come from CPU slots i*per_job.. (runs of consecutive slots), or with
+        # ``scattered`` from those places of one fixed shuffle of the slots, as in a CPU
+        # tier whose LRU has churned.
+        order = np.arange(self.host.num_slots)
+        if scattered:
+            np.random.default_rng(0).shuffle(order)
+        self.host_order = order.tolist()
 
     def _jobs(self):
         for a in range(0, self.n, self.per_job):
             b = min(self.n, a + self.per_job)
-            host = [(a + i) % self.host.num_slots for i in range(b - a)]
+            host = [self.host_order[(a + i) % self.host.num_slots] for i in range(b - a)]
             yield CPULoadStoreSpec(host), DiskLoadStoreSpec(list(range(a, b)), self.hashes[a:b])
 
     def run(self, write: bool) -> float:
@@ -410,6 +420,9 @@ def main() -> None:
     p.add_argument("--live-heap", action="store_true",
                    help="do not freeze the heap built at setup (vLLM's workers freeze it after warm-up), "
                         "so full garbage collections walk it all")
+    p.add_argument("--scattered-slots", action="store_true",
+                   help="the handler's jobs take their blocks from CPU slots in a shuffled order, as from a "
+                        "CPU tier whose LRU has churned (default: runs of consecutive slots)")
     p.add_argument("--trace", action="store_true",
                    help="time every preadv/pwritev call and print, per path, the calls in flight on average "
                         "and the time per call (not with --disk-io process, whose calls run in the helper)")
@@ -436,13 +449,15 @@ def main() -> None:
           f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
           f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
           f"; disk I/O in {'a helper process' if args.disk_io == 'process' else 'threads of this process'}"
-          f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}")
+          f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}"
+          f"; handler jobs from {'shuffled' if args.scattered_slots else 'consecutive'} CPU slots")
     rows = []
     try:
         for size in (float(s) for s in args.sizes.split(",")):
             bs = int(size * MiB)
             tier = TierBench(root / f"cache-{size}", bs, total, args.job_mib * MiB, args.backend,
-                             args.io_threads, args.job_threads, args.disk_io, args.checksum)
+                             args.io_threads, args.job_threads, args.disk_io, args.checksum,
+                             args.scattered_slots)
             raw_bs, raw_file = tier.slot, root / f"raw-{size}.bin"
             raw = RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads, windows=tier.host.num_slots)
             hot = (Fio(raw_file, tier.n * raw_bs, raw_bs, args.io_threads) if use_fio else
