@@ -307,9 +307,9 @@ class SlotViews:
         plane gave the GIL up 64 times per chunk of 0.5 MiB blocks, and beside a busy
         Python thread each time waited up to the 5 ms switch interval to take it back:
         there, 0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.79 this way,
-        and idle as fast; from scattered slots 0.19 and 0.63 idle that way
-        (docs/benchmarks.md, fourteenth session). See ``unpack`` for why the other
-        direction copies piece by piece instead."""
+        and idle as fast; from scattered slots 0.19 that way (0.63 idle), 0.71 this way
+        (0.82 idle; docs/benchmarks.md, fourteenth session). See ``unpack`` for why the
+        other direction copies piece by piece instead."""
         self._check_packed(slots, out)
         index, runs = _slot_runs(slots)
         rows, word = out.numpy(), self._planes[0].element_size()
