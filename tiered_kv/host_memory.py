@@ -1,12 +1,13 @@
 """Host (CPU-tier) KV memory and the block byte codec shared by the tiers.
 
 Worker process. ``HostKVCache`` allocates, per layer, a host tensor (all in one
-allocation) shaped like the device layer but with ``num_blocks = num_slots * block_size_factor`` (CPU slot ``s`` is
-kernel blocks ``s*f .. s*f+f-1``, the seed's ``expand_block_ids`` semantics), pinned
-when CUDA is present and pageable otherwise (logged once, see ``tiered_kv.device``).
-A tier larger than the memory the process may use (RAM or the cgroup limit) is refused
-before anything is allocated; a pinned allocation that fails (locked-memory limits)
-falls back to pageable memory with a warning saying what to change.
+allocation) shaped like the device layer but with ``num_blocks = num_slots *
+block_size_factor`` (CPU slot ``s`` is kernel blocks ``s*f .. s*f+f-1``, the seed's
+``expand_block_ids`` semantics), pinned when CUDA is present and pageable otherwise
+(logged once, see ``tiered_kv.device``). A tier larger than the memory the process may
+use (RAM or the cgroup limit) is refused before anything is allocated; a pinned
+allocation that fails (locked-memory limits) falls back to pageable memory with a
+warning saying what to change.
 
 ``pack_blocks`` / ``unpack_blocks`` turn offloaded blocks into flat bytes and back, so
 the disk tier can write whole blocks from any per-layer tensors (device or host). Byte
@@ -430,11 +431,10 @@ def _numpy_words(a: np.ndarray, size: int) -> torch.Tensor | None:
 
 def _slot_runs(slots: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, int]] | None]:
     """``slots`` as an int64 array, and its runs of consecutive slots as ``(first row,
-    end row, first slot)``; None when the runs average under two slots. ``pack`` copies
-    a run with one copy per plane: ``np.take`` into the strided columns of a packed
-    buffer gathers into a temporary array and copies that again (its ``out`` must be
-    contiguous), which cost the 0.5 MiB handler writes a third of their CPU
-    (docs/benchmarks.md), but it beats a copy per slot."""
+    end row, first slot)``; None when the runs average under two slots, and ``pack``
+    copies slot by slot (or, where the planes are not evenly spaced, gathers each plane
+    with ``np.take``: into the strided columns of a packed buffer that gathers into a
+    temporary array and copies it again, its ``out`` must be contiguous)."""
     index = np.asarray(slots, dtype=np.int64).reshape(-1)
     starts = np.flatnonzero(np.diff(index) != 1) + 1
     if 2 * (len(starts) + 1) > len(index):
