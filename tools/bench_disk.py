@@ -546,8 +546,8 @@ def main() -> None:
         print(f"{'block':>9} | {'raw write':>13} {'store':>13} {'handler':>13} | {'raw read':>13} {'load':>13} "
               f"{'handler':>13}")
         for size, _, _, trace in rows:
-            print(f"{size:>5} MiB | " + " | ".join(" ".join(f"{trace.cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier"))
-                                          for d in "wr"))
+            cells = [" ".join(f"{trace.cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier")) for d in "wr"]
+            print(f"{size:>5} MiB | " + " | ".join(cells))
     if args.plot:
         import matplotlib
 
