@@ -33,7 +33,8 @@ def kernel_blocks(tensors, layout, kernel_ids):
     out = []
     for t, layer in zip(tensors, layout.layers):
         dim = 1 if layer.kv_before_num_blocks else 0
-        out.append(kv_bytes(t.index_select(dim, torch.as_tensor(np.asarray(kernel_ids), dtype=torch.long))))
+        index = torch.as_tensor(np.asarray(kernel_ids), dtype=torch.long, device=t.device)
+        out.append(kv_bytes(t.index_select(dim, index)))
     return out
 
 

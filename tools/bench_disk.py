@@ -434,6 +434,8 @@ def main() -> None:
     if args.small_pages:
         device.HUGE_PAGE = 1 << 62  # no buffer is that large: empty_pageable takes torch.empty
 
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=".bench-disk-", dir=args.dir or Path.cwd()))
     use_fio = args.raw == "fio" or (args.raw == "auto" and shutil.which("fio") is not None)
     total = args.total_mib * MiB

@@ -26,6 +26,7 @@ thread that submits, so I/O threads touch no tensors), and only device rows thro
 from __future__ import annotations
 
 import errno
+import importlib
 import logging
 import os
 import tempfile
@@ -185,7 +186,7 @@ class KvikIOBackend(IOBackend):
 
         super().__init__(threads)
         self._kvikio = kvikio
-        self.gds = not _kvikio_compat_mode(kvikio)
+        self.gds = not _kvikio_compat_mode()
 
     @staticmethod
     def probe(directory: str | os.PathLike) -> str | None:
@@ -265,9 +266,10 @@ def select_backend(kind: str, directory: str | os.PathLike, threads: int = 4) ->
     return PosixBackend(threads)
 
 
-def _kvikio_compat_mode(kvikio: Any) -> bool:
+def _kvikio_compat_mode() -> bool:
     """Whether KvikIO falls back to POSIX I/O (no GDS); the API moved between releases."""
-    defaults = kvikio.defaults
+    # A submodule that ``import kvikio`` does not load in every release (26.10 does not).
+    defaults = importlib.import_module("kvikio.defaults")
     for name in ("is_compat_mode_preferred", "compat_mode"):
         fn = getattr(defaults, name, None)
         if fn is not None:
