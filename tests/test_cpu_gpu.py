@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import make_layout, random_tensors
+from tiered_kv.device import can_pin_memory
 from tiered_kv.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.worker.cpu_gpu import (
@@ -49,7 +50,8 @@ def test_contiguous_runs():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device, shared):
     layout, gpu, host, handlers = setup(kv_first, factor, device=device, shared=shared)
-    assert host.shared == shared and host.pinned == (device == "cuda")
+    # On a CUDA machine the CPU tier is pinned whichever side stands in for the device.
+    assert host.shared == shared and host.pinned == can_pin_memory()
     n = 4
     src_gpu = np.array([17, 2, 9, 11, 20, 0, 5, 6, 13, 1, 22, 3][: n * factor])
     slots = np.array([4, 1, 2, 5])
@@ -257,3 +259,61 @@ def test_bench_smoke_run_checks_its_own_copies(capsys):
                                  "--blocks-per-job", "4"]) == 0
     out = capsys.readouterr().out
     assert "GPU->CPU" in out and "both" in out and "ratio" in out
+
+
+def test_copy_kernels_need_a_device_that_maps_the_host_tier():
+    layout, gpu, host, handlers = setup(True, 1)
+    assert not handlers.gpu_to_cpu_handler.copy_kernels and not handlers.cpu_to_gpu_handler.copy_kernels
+    with pytest.raises(ValueError, match="copy_kernels=True"):
+        CpuGpuOffloadingHandlers(gpu, host, copy_kernels=True)
+
+
+def _device_cache(layout, one_allocation: bool, seed: int) -> list[torch.Tensor]:
+    """The layout's tensors on CUDA: back to back in one allocation (planes stack), or
+    each on its own with odd gaps between (planes do not)."""
+    data = random_tensors(layout, seed=seed)
+    nbytes = [t.numel() * t.element_size() for t in data]
+    if one_allocation:
+        flat = torch.empty(sum(nbytes), dtype=torch.uint8, device="cuda")
+        starts = np.cumsum([0, *nbytes[:-1]])
+        views = [flat[s:s + n] for s, n in zip(starts.tolist(), nbytes)]
+    else:
+        # Allocations of growing size: the gaps between the layers differ.
+        views = [torch.empty(n + 4096 * (i + 1), dtype=torch.uint8, device="cuda")[:n]
+                 for i, n in enumerate(nbytes)]
+    out = [v.view(t.dtype).view(t.shape) for v, t in zip(views, data)]
+    for o, t in zip(out, data):
+        o.copy_(t)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_allocation", [True, False], ids=["one-allocation", "per-layer"])
+def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, one_allocation):
+    layout = make_layout(kv_first, num_gpu_blocks=48, block_size_factor=factor)
+    caches = {}
+    for kernels in (True, False):
+        gpu = _device_cache(layout, one_allocation, seed=3)
+        host = HostKVCache(layout, 12)
+        for t in host.tensors:
+            t.zero_()
+        handlers = CpuGpuOffloadingHandlers(gpu, host, copy_kernels=kernels)
+        store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+        assert store.copy_kernels == load.copy_kernels == kernels
+        if kernels:
+            planes = len(layout.layers) * (2 if kv_first else 1)
+            assert sum(g[0].shape[0] for g in store._groups) == planes  # every plane, once
+            assert len(store._groups) <= 2 if one_allocation else len(store._groups) == planes
+        rng = np.random.default_rng(7)
+        job = 0
+        for slots in ([2, 3, 4, 5], [9, 1, 6, 0], [11, 10]):  # one run, scattered, one run reversed
+            gpu_ids = rng.choice(48, size=len(slots) * factor, replace=False)
+            job += 1
+            run(store, job, (GPULoadStoreSpec(gpu_ids), CPULoadStoreSpec(np.array(slots))))
+            job += 1
+            dst = rng.choice(48, size=len(slots) * factor, replace=False)
+            run(load, job, (CPULoadStoreSpec(np.array(slots)), GPULoadStoreSpec(dst)))
+        torch.cuda.synchronize()
+        caches[kernels] = ([t.cpu() for t in gpu], [t.clone() for t in host.tensors])
+    for a, b in zip(caches[True][0] + caches[True][1], caches[False][0] + caches[False][1]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

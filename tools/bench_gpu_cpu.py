@@ -4,7 +4,8 @@
 For each offloaded block size (default 0.5, 1 and 2 MB: 32 layers x 8 KV heads x 128
 head dim, bf16, 4/8/16 tokens per block) it moves ``--total-mb`` of blocks through
 ``CpuGpuOffloadingHandlers`` in jobs of ``--blocks-per-job`` blocks (random device
-blocks, consecutive CPU slots as the LRU manager hands them out): GPU->CPU,
+blocks, consecutive CPU slots as the LRU manager hands them out), once with copy
+kernels over the mapped host tier and once with DMA copies: GPU->CPU,
 CPU->GPU and both at once; and, in the same run, the same number of bytes as one
 ``cudaMemcpyAsync`` between one device buffer and one pinned host buffer (per
 direction and both directions at once on two streams). Prints GB/s and the ratio.
@@ -75,7 +76,7 @@ def median_gbps(clock: Clock, fn, nbytes: int, repeats: int) -> float:
     return statistics.median(nbytes / clock.time(fn) / 1e9 for _ in range(repeats))
 
 
-def bench_handlers(block_mb: float, args, device: str, clock: Clock) -> dict[str, float]:
+def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernels: bool) -> dict[str, float]:
     layers, heads, head_dim = (SMOKE_LAYERS, SMOKE_HEADS, SMOKE_HEAD_DIM) if args.smoke else (LAYERS, HEADS, HEAD_DIM)
     token_bytes = layers * 2 * heads * head_dim * torch.empty((), dtype=DTYPE).element_size()
     tokens = round(block_mb * 2**20 / token_bytes)
@@ -91,7 +92,7 @@ def bench_handlers(block_mb: float, args, device: str, clock: Clock) -> dict[str
     for i, t in enumerate(dev.tensors):
         t.normal_(mean=float(i))
     host = HostKVCache(dev.layout, n_blocks)
-    handlers = CpuGpuOffloadingHandlers(dev.kv_caches, host)
+    handlers = CpuGpuOffloadingHandlers(dev.kv_caches, host, copy_kernels=copy_kernels)
     store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
     rng = np.random.default_rng(0)
     gpu_ids = rng.permutation(n_blocks).reshape(n_jobs, args.blocks_per_job)
@@ -132,7 +133,8 @@ def bench_handlers(block_mb: float, args, device: str, clock: Clock) -> dict[str
         raise SystemExit("stored bytes differ from the device blocks: the handler is broken")
     store.shutdown()
     load.shutdown()
-    return {"blocks": n_blocks, "block_bytes": block_bytes, "total": total, **out}
+    groups = len(store._groups) if copy_kernels else 0
+    return {"blocks": n_blocks, "block_bytes": block_bytes, "total": total, "groups": groups, **out}
 
 
 def bench_memcpy(nbytes: int, device: str, clock: Clock, repeats: int) -> dict[str, float]:
@@ -178,18 +180,28 @@ def main(argv=None) -> int:
     console.print(f"{datetime.datetime.now().isoformat(timespec='seconds')}  {name}  torch {torch.__version__}"
                   f"  layout {args.layout}  {args.blocks_per_job} blocks/job  {args.total_mb} MiB per cell")
     console.print("command: " + " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]))
-    table = Table(title="handlers vs one large pinned cudaMemcpyAsync (GB/s, median)")
-    for col in ("block", "direction", "handlers", "memcpy", "ratio"):
+    table = Table(title="handlers (copy kernels; DMA copies) vs one large pinned cudaMemcpyAsync (GB/s, median)")
+    for col in ("block", "direction", "kernels", "DMA", "memcpy", "ratio", "DMA ratio"):
         table.add_column(col, justify="right")
+    groups = {}
     for block_mb in args.block_mb:
-        h = bench_handlers(block_mb, args, device, clock)
-        m = bench_memcpy(h["total"], device, clock, args.repeats)
+        # Kernels only where the host tier can be mapped (CUDA); DMA is the only path on CPU.
+        k = bench_handlers(block_mb, args, device, clock, copy_kernels=True) if cuda else None
+        d = bench_handlers(block_mb, args, device, clock, copy_kernels=False)
+        m = bench_memcpy(d["total"], device, clock, args.repeats)
+        if k is not None:
+            groups[f"{d['block_bytes'] / 2**20:.3g} MiB"] = k["groups"]
         for direction in ("GPU->CPU", "CPU->GPU", "both"):
-            table.add_row(f"{h['block_bytes'] / 2**20:.3g} MiB", direction, f"{h[direction]:.2f}",
-                          f"{m[direction]:.2f}", f"{h[direction] / m[direction]:.2f}")
+            kernels = f"{k[direction]:.2f}" if k else "-"
+            ratio = f"{k[direction] / m[direction]:.2f}" if k else "-"
+            table.add_row(f"{d['block_bytes'] / 2**20:.3g} MiB", direction, kernels, f"{d[direction]:.2f}",
+                          f"{m[direction]:.2f}", ratio, f"{d[direction] / m[direction]:.2f}")
         if cuda:
             torch.cuda.empty_cache()
     console.print(table)
+    if groups:
+        console.print("kernel launches per job (groups of planes that stack on both sides): "
+                      + ", ".join(f"{b}: {g}" for b, g in groups.items()))
     return 0
 
 

@@ -9,13 +9,21 @@ synchronizes on. Both streams first wait for the compute stream, so a store read
 only after the kernels that wrote it, and a load does not overwrite blocks that
 earlier kernels still read.
 
-Copies are batched per layer (per K/V plane when the KV dimension comes first, so
-every block is a contiguous row). A store gathers the job's blocks of a plane on the
-device with one ``index_select`` and copies that staging tensor to the host slots
-one *contiguous run* of slots at a time (``non_blocking`` into pinned memory); a load
-copies host runs into a device staging tensor and scatters it with one
-``index_copy_``. The CPU manager hands out slots in ascending order, so runs are long
-and the Python work per job is a loop over planes times runs, never over blocks.
+Every layer is one plane of whole kernel-block rows, or two (K and V) when the KV
+dimension comes first. On CUDA with a pinned CPU tier the copies are kernels that
+read and write the host memory in place (``tiered_kv.zero_copy``). Planes that lie at
+equal distances on both sides are stacked, so a job is one ``index_select`` (store)
+or ``index_copy_`` (load) per group of planes: one group in all where the layers are
+alike and back to back, and at worst one per plane. The job's host slots are a slice
+when they form one run, as the CPU manager hands them out, else an index.
+
+Otherwise (pageable host memory, or a device whose driver cannot map it) copies are
+DMA, per plane: a store gathers the job's blocks of a plane on the device with one
+``index_select`` and copies that staging tensor to the host slots one *contiguous
+run* of slots at a time (``non_blocking`` into pinned memory); a load copies host runs
+into a device staging tensor and scatters it with one ``index_copy_``. That costs the
+CPU about 25 us per plane and run, which bounds small blocks (docs/benchmarks.md,
+"GPU <-> CPU").
 
 Without CUDA the same code runs, synchronously inside ``transfer_async``, with CPU
 tensors standing in for the device cache (the side named by the ``GPULoadStoreSpec``)
@@ -36,6 +44,7 @@ from tiered_kv.device import COMPLETED, TransferStream
 from tiered_kv.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from tiered_kv.zero_copy import on_device, stacked
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +77,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     A spec that does not fit (counts differ, ids out of range) raises ``ValueError``
     and nothing is copied. A copy that fails after acceptance is logged and the job
     is reported failed, in order, by ``get_finished``.
+
+    ``copy_kernels``: move bytes with kernels over the mapped host memory (True; raises
+    ``ValueError`` where that cannot be had), with DMA copies (False), or with kernels
+    where possible (None). ``self.copy_kernels`` says which.
     """
 
     def __init__(self, src_tensors: Sequence[torch.Tensor], dst_tensors: Sequence[torch.Tensor],
                  kv_dim_before_num_blocks: Sequence[bool], src_block_size_factor: int,
-                 dst_block_size_factor: int, priority: int):
+                 dst_block_size_factor: int, priority: int, copy_kernels: bool | None = None):
         if not (len(src_tensors) == len(dst_tensors) == len(kv_dim_before_num_blocks)) or not src_tensors:
             raise ValueError(f"need one src tensor, dst tensor and kv flag per layer; got "
                              f"{len(src_tensors)}, {len(dst_tensors)}, {len(kv_dim_before_num_blocks)}")
@@ -104,6 +117,10 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._async = self._device is not None
         self._stream = TransferStream(self._device or torch.device("cpu"), priority)
         self._jobs: deque = deque()  # (job_id, started, event, success), submission order
+        self._groups = self._kernel_groups(kv_dim_before_num_blocks, src_cuda) if copy_kernels is not False else None
+        if copy_kernels and self._groups is None:
+            raise ValueError("copy_kernels=True needs a CUDA device and a pinned host side it can map")
+        self.copy_kernels = self._groups is not None
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src_spec, dst_spec = spec
@@ -190,12 +207,59 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             raise ValueError(f"job {job_id}: {side} kernel block ids span {int(ids.min())}.."
                              f"{int(ids.max())}; expected 0..{limit - 1}")
 
+    def _kernel_groups(self, kv_dim_before_num_blocks: Sequence[bool],
+                       device_is_src: bool) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """``(device planes, host planes)`` as 3-D tensors ``(planes, kernel blocks,
+        row)`` on the device, together covering every plane once, or None when the
+        host side cannot be mapped. All planes in one group if they stack on both sides,
+        else the k-th plane of every layer (K, V), else one group per plane."""
+        if self._device is None:
+            return None
+        device_planes, host_planes = (self._src, self._dst) if device_is_src else (self._dst, self._src)
+        mapped = [on_device(p, self._device) for p in host_planes]
+        if any(m is None for m in mapped):
+            return None
+        candidates = [range(len(mapped))]
+        if all(kv_dim_before_num_blocks):  # K planes apart from V planes
+            candidates += [range(0, len(mapped), 2), range(1, len(mapped), 2)]
+        groups, covered = [], set()
+        for members in candidates:
+            if covered.intersection(members):
+                continue
+            pair = (stacked([device_planes[i] for i in members]), stacked([mapped[i] for i in members]))
+            if pair[0] is not None and pair[1] is not None:
+                groups.append(pair)
+                covered.update(members)
+        groups += [(device_planes[i].unsqueeze(0), mapped[i].unsqueeze(0))
+                   for i in range(len(mapped)) if i not in covered]
+        return groups
+
     def _copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
-        if len(src_ids):
+        if len(src_ids) and self._groups is not None:
+            self._copy_with_kernels(src_ids, dst_ids, device_is_src)
+        elif len(src_ids):
             if device_is_src:
                 self._gather_then_copy_runs(src_ids, dst_ids)
             else:
                 self._copy_runs_then_scatter(src_ids, dst_ids)
+
+    def _copy_with_kernels(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
+        """One kernel per group of planes (two when the host slots are not one run)."""
+        device_ids, host_ids = (src_ids, dst_ids) if device_is_src else (dst_ids, src_ids)
+        order = np.argsort(host_ids, kind="stable")
+        host_sorted = host_ids[order]
+        one_run = bool(np.all(np.diff(host_sorted) == 1))
+        device_idx = torch.from_numpy(device_ids[order]).to(self._device, non_blocking=True)
+        host_idx = None if one_run else torch.from_numpy(host_sorted).to(self._device, non_blocking=True)
+        first, n = int(host_sorted[0]), len(host_sorted)
+        for device_planes, host_planes in self._groups:
+            if device_is_src and one_run:
+                torch.index_select(device_planes, 1, device_idx, out=host_planes[:, first:first + n])
+            elif device_is_src:
+                host_planes.index_copy_(1, host_idx, device_planes.index_select(1, device_idx))
+            else:
+                rows = host_planes[:, first:first + n] if one_run else host_planes.index_select(1, host_idx)
+                device_planes.index_copy_(1, device_idx, rows)
 
     def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Device -> host: one gather per plane, then one copy per run of host slots."""
@@ -230,7 +294,7 @@ class CpuGpuOffloadingHandlers:
     """
 
     def __init__(self, gpu_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                 host: HostKVCache):
+                 host: HostKVCache, copy_kernels: bool | None = None):
         layout = host.layout
         if isinstance(gpu_caches, Mapping):
             missing = [l.name for l in layout.layers if l.name not in gpu_caches]
@@ -243,6 +307,6 @@ class CpuGpuOffloadingHandlers:
         factor = layout.block_size_factor
         self.host = host
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
-            gpu_tensors, host.tensors, kv_first, 1, factor, priority=STORE_PRIORITY)
+            gpu_tensors, host.tensors, kv_first, 1, factor, priority=STORE_PRIORITY, copy_kernels=copy_kernels)
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
-            host.tensors, gpu_tensors, kv_first, factor, 1, priority=LOAD_PRIORITY)
+            host.tensors, gpu_tensors, kv_first, factor, 1, priority=LOAD_PRIORITY, copy_kernels=copy_kernels)
