@@ -268,32 +268,27 @@ def test_copy_kernels_need_a_device_that_maps_the_host_tier():
         CpuGpuOffloadingHandlers(gpu, host, copy_kernels=True)
 
 
-def _device_cache(layout, one_allocation: bool, seed: int) -> list[torch.Tensor]:
-    """The layout's tensors on CUDA: back to back in one allocation (planes stack), or
-    each on its own with odd gaps between (planes do not)."""
+def _device_cache(layout, gap: int, seed: int) -> list[torch.Tensor]:
+    """The layout's tensors on CUDA, in one allocation with ``gap`` bytes between
+    layers (as separately allocated layers may lie)."""
     data = random_tensors(layout, seed=seed)
     nbytes = [t.numel() * t.element_size() for t in data]
-    if one_allocation:
-        flat = torch.empty(sum(nbytes), dtype=torch.uint8, device="cuda")
-        starts = np.cumsum([0, *nbytes[:-1]])
-        views = [flat[s:s + n] for s, n in zip(starts.tolist(), nbytes)]
-    else:
-        # Allocations of growing size: the gaps between the layers differ.
-        views = [torch.empty(n + 4096 * (i + 1), dtype=torch.uint8, device="cuda")[:n]
-                 for i, n in enumerate(nbytes)]
-    out = [v.view(t.dtype).view(t.shape) for v, t in zip(views, data)]
+    flat = torch.empty(sum(nbytes) + gap * len(data), dtype=torch.uint8, device="cuda")
+    starts = np.cumsum([0, *[n + gap for n in nbytes[:-1]]])
+    out = [flat[s:s + n].view(t.dtype).view(t.shape) for s, n, t in zip(starts.tolist(), nbytes, data)]
     for o, t in zip(out, data):
         o.copy_(t)
     return out
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_allocation", [True, False], ids=["one-allocation", "per-layer"])
-def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, one_allocation):
-    layout = make_layout(kv_first, num_gpu_blocks=48, block_size_factor=factor)
+@pytest.mark.parametrize("gap", [0, 512], ids=["back-to-back", "gaps"])
+def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, gap):
+    # Kernel block rows of 1536 B (kv-first) or 3072 B: a 512 B gap breaks them up.
+    layout = make_layout(kv_first, num_gpu_blocks=48, block_size_factor=factor, heads=3, head_dim=64)
     caches = {}
     for kernels in (True, False):
-        gpu = _device_cache(layout, one_allocation, seed=3)
+        gpu = _device_cache(layout, gap, seed=3)
         host = HostKVCache(layout, 12)
         for t in host.tensors:
             t.zero_()
@@ -301,9 +296,12 @@ def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, one_al
         store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
         assert store.copy_kernels == load.copy_kernels == kernels
         if kernels:
-            planes = len(layout.layers) * (2 if kv_first else 1)
-            assert sum(g[0].shape[0] for g in store._groups) == planes  # every plane, once
-            assert len(store._groups) <= 2 if one_allocation else len(store._groups) == planes
+            device_rows, host_rows = store._rows
+            # Layers back to back are sliced in whole blocks; the gaps need 512 B slices.
+            row = 1536 if kv_first else 3072
+            assert device_rows.slice_bytes == (512 if gap else row)
+            assert host_rows.slice_bytes == row
+            assert host_rows.rows_per_block == 1
         rng = np.random.default_rng(7)
         job = 0
         for slots in ([2, 3, 4, 5], [9, 1, 6, 0], [11, 10]):  # one run, scattered, one run reversed

@@ -1,34 +1,42 @@
-"""Page-locked host memory seen as CUDA tensors, so kernels move KV across the bus.
+"""KV planes seen as rows of one CUDA tensor, so a kernel moves a whole job across the bus.
 
 Worker process. A pinned host buffer is mapped into the GPU's address space (unified
-virtual addressing), so a CUDA kernel can read and write it in place. ``on_device``
-wraps such a buffer, and ``stacked`` wraps equally spaced planes of one tier as one
-3-D tensor. A whole transfer job then runs as one ``index_select`` or ``index_copy_``
-over every layer (``tiered_kv.worker.cpu_gpu``), rather than one DMA copy per layer
-and per run of slots. On an H100 that took 0.5 MiB blocks from 10 to 50 GB/s, and the
-CPU time from 1.8 ms to 20 us per 32-block job (docs/benchmarks.md, "GPU <-> CPU").
+virtual addressing), so a CUDA kernel can read and write it in place. ``PlaneRows``
+spans every plane of one side of a transfer (the device's layers, or the host tier's)
+with one 2-D tensor whose rows are equal slices of the address range from the first
+plane to the end of the last. Any set of blocks of every plane is then a list of row
+numbers, and a job of the GPU <-> CPU handlers (``tiered_kv.worker.cpu_gpu``) is two
+kernels: an ``index_select`` from one side into a staging tensor on the device and an
+``index_copy_`` into the other. Before, it was a DMA copy per layer and per run of
+slots. On an H100 that took 0.5 MiB blocks from 7 to about 50 GB/s, and the CPU time
+per 32-block job from 1.8 ms to tens of us (docs/benchmarks.md, "GPU <-> CPU").
+
+The spanning tensor covers whatever lies between the planes too (other allocations),
+but only row numbers inside the planes are ever formed. Its rows are the largest
+slice that divides the block row and every plane's distance from the first, so planes
+anywhere (vLLM allocates each layer on its own) still work; the row numbers grow when
+the slices are small.
 
 The tensors are made through ``__cuda_array_interface__``, which takes a device
 address and a layout: no copy, no allocation. The device address of a host page comes
-from the driver (``cuPointerGetAttribute``), and is usually the host address itself.
-Where the driver has none (the memory is not pinned, or it has no CUDA mapping),
-``on_device`` returns None and callers keep their DMA path. No I/O.
+from the driver (``cuPointerGetAttribute``) and is usually the host address itself.
+Where the driver has none (the memory is not pinned, or no CUDA driver),
+``PlaneRows.of`` returns None and callers keep their DMA path. No I/O.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
+import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
 
 #: ``CU_POINTER_ATTRIBUTE_DEVICE_POINTER`` of the CUDA driver API.
 _DEVICE_POINTER_ATTRIBUTE = 3
-#: Array-interface type strings of the integer types that KV rows are copied as.
+#: Array-interface type strings of the integer types rows are moved as, widest first.
 _TYPESTRS = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
 
 
@@ -56,49 +64,69 @@ class _ArrayInterface:
     """What ``torch.as_tensor`` reads to alias memory it did not allocate; it keeps this
     object, and so ``owner``, alive as long as the tensor."""
 
-    def __init__(self, address: int, shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype,
-                 owner: object):
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "strides": tuple(s * dtype.itemsize for s in strides),
-            "typestr": _TYPESTRS[dtype], "data": (address, False), "version": 3}
+    def __init__(self, address: int, shape: Sequence[int], dtype: torch.dtype, owner: object):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": _TYPESTRS[dtype],
+                                         "data": (address, False), "version": 3, "strides": None}
         self.owner = owner
 
 
-def _alias(address: int, shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype,
-           device: torch.device, owner: object) -> torch.Tensor:
-    with torch.cuda.device(device):
-        return torch.as_tensor(_ArrayInterface(address, shape, strides, dtype, owner), device=device)
+def _word_dtype(nbytes: int) -> torch.dtype:
+    return next(d for d in _TYPESTRS if nbytes % d.itemsize == 0)
 
 
-def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A tensor on CUDA ``device`` over the same bytes as pinned CPU tensor ``host``
-    (same shape and strides; an integer dtype of ``_TYPESTRS``), or None when the
-    device cannot address that memory. Writes through either are seen by the other
-    once the kernel that made them is done."""
-    if host.device.type != "cpu" or host.dtype not in _TYPESTRS or not host.is_pinned():
-        return None
-    address = device_address(host.data_ptr())
-    if address is None:
-        return None
-    return _alias(address, host.shape, host.stride(), host.dtype, device, host)
+class PlaneRows:
+    """The planes of one side of a transfer as rows of one CUDA tensor.
 
+    Build with ``of``. ``rows`` is a 2-D CUDA tensor of ``word_dtype`` whose row
+    ``plane_start[p] + block * rows_per_block + j`` is the ``j``-th slice of ``block``
+    in plane ``p``, in the widest words that divide a slice. ``index(block_ids)`` lists those rows for every plane, plane by
+    plane and block by block: gathering them and scattering the result with another
+    side's ``index`` of other blocks moves those blocks' bytes across.
+    """
 
-def stacked(planes: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """``planes`` (CUDA tensors alike in shape, strides and dtype) as one tensor with a
-    leading plane dimension, when each starts the same distance after the one before;
-    else None. Element ``[p, ...]`` is ``planes[p][...]``: the planes keep their memory,
-    and the result keeps them alive."""
-    first = planes[0]
-    if len(planes) < 2 or first.device.type != "cuda" or first.dtype not in _TYPESTRS:
-        return None
-    if any(p.shape != first.shape or p.stride() != first.stride() or p.dtype != first.dtype
-           or p.device != first.device for p in planes):
-        return None
-    gap_bytes = planes[1].data_ptr() - first.data_ptr()
-    extent_bytes = first.shape[0] * first.stride(0) * first.element_size()
-    if gap_bytes < extent_bytes or gap_bytes % first.element_size():  # overlapping, or misaligned
-        return None
-    if any(b.data_ptr() - a.data_ptr() != gap_bytes for a, b in zip(planes, planes[1:])):
-        return None
-    return _alias(first.data_ptr(), (len(planes), *first.shape), (gap_bytes // first.element_size(), *first.stride()),
-                  first.dtype, first.device, list(planes))
+    def __init__(self, rows: torch.Tensor, plane_start: np.ndarray, rows_per_block: int):
+        self.rows = rows
+        self.plane_start = plane_start
+        self.rows_per_block = rows_per_block
+
+    @classmethod
+    def of(cls, planes: Sequence[torch.Tensor], device: torch.device) -> "PlaneRows | None":
+        """``planes``: 2-D tensors of contiguous block rows, all of one row length, on
+        CUDA ``device`` or in pinned host memory mapped for it. None when a host plane
+        is not mapped, or the planes are mapped at different offsets from their host
+        addresses (several registrations that the device sees apart)."""
+        block_bytes = planes[0].shape[1] * planes[0].element_size()
+        host = planes[0].device.type == "cpu"
+        starts, shift = [], None
+        for p in planes:
+            if p.shape[1] * p.element_size() != block_bytes or not p.is_contiguous():
+                raise ValueError("planes must be contiguous rows of one length")
+            address = p.data_ptr()
+            if host:
+                mapped = device_address(address)
+                if mapped is None or (shift is not None and mapped - address != shift):
+                    return None
+                shift = mapped - address
+            starts.append(address)
+        first = min(starts)
+        ends = max(s + p.shape[0] * block_bytes for s, p in zip(starts, planes))
+        offsets = [s - first for s in starts]
+        slice_bytes = math.gcd(block_bytes, *offsets)
+        dtype = _word_dtype(slice_bytes)
+        words = slice_bytes // dtype.itemsize
+        with torch.cuda.device(device):
+            rows = torch.as_tensor(_ArrayInterface(first + (shift or 0), ((ends - first) // slice_bytes, words),
+                                                   dtype, list(planes)), device=device)
+        return cls(rows, np.array(offsets, dtype=np.int64) // slice_bytes, block_bytes // slice_bytes)
+
+    @property
+    def slice_bytes(self) -> int:
+        return self.rows.shape[1] * self.rows.element_size()
+
+    def index(self, block_ids: np.ndarray) -> np.ndarray:
+        """Row numbers of blocks ``block_ids`` of every plane (plane-major, then block,
+        then slice)."""
+        firsts = self.plane_start[:, None] + np.asarray(block_ids, dtype=np.int64)[None, :] * self.rows_per_block
+        if self.rows_per_block == 1:
+            return firsts.ravel()
+        return (firsts[:, :, None] + np.arange(self.rows_per_block)).ravel()

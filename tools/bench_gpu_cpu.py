@@ -133,8 +133,8 @@ def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernel
         raise SystemExit("stored bytes differ from the device blocks: the handler is broken")
     store.shutdown()
     load.shutdown()
-    groups = len(store._groups) if copy_kernels else 0
-    return {"blocks": n_blocks, "block_bytes": block_bytes, "total": total, "groups": groups, **out}
+    slices = [rows.slice_bytes for rows in store._rows] if copy_kernels else None
+    return {"blocks": n_blocks, "block_bytes": block_bytes, "total": total, "slices": slices, **out}
 
 
 def bench_memcpy(nbytes: int, device: str, clock: Clock, repeats: int) -> dict[str, float]:
@@ -183,14 +183,14 @@ def main(argv=None) -> int:
     table = Table(title="handlers (copy kernels; DMA copies) vs one large pinned cudaMemcpyAsync (GB/s, median)")
     for col in ("block", "direction", "kernels", "DMA", "memcpy", "ratio", "DMA ratio"):
         table.add_column(col, justify="right")
-    groups = {}
+    slices = {}
     for block_mb in args.block_mb:
         # Kernels only where the host tier can be mapped (CUDA); DMA is the only path on CPU.
         k = bench_handlers(block_mb, args, device, clock, copy_kernels=True) if cuda else None
         d = bench_handlers(block_mb, args, device, clock, copy_kernels=False)
         m = bench_memcpy(d["total"], device, clock, args.repeats)
         if k is not None:
-            groups[f"{d['block_bytes'] / 2**20:.3g} MiB"] = k["groups"]
+            slices[f"{d['block_bytes'] / 2**20:.3g} MiB"] = k["slices"]
         for direction in ("GPU->CPU", "CPU->GPU", "both"):
             kernels = f"{k[direction]:.2f}" if k else "-"
             ratio = f"{k[direction] / m[direction]:.2f}" if k else "-"
@@ -199,9 +199,9 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     console.print(table)
-    if groups:
-        console.print("kernel launches per job (groups of planes that stack on both sides): "
-                      + ", ".join(f"{b}: {g}" for b, g in groups.items()))
+    if slices:
+        console.print("copy kernels move each block as slices of (device, host) bytes: "
+                      + ", ".join(f"{b}: {d}, {h}" for b, (d, h) in slices.items()))
     return 0
 
 

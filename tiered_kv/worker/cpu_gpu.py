@@ -11,11 +11,10 @@ earlier kernels still read.
 
 Every layer is one plane of whole kernel-block rows, or two (K and V) when the KV
 dimension comes first. On CUDA with a pinned CPU tier the copies are kernels that
-read and write the host memory in place (``tiered_kv.zero_copy``). Planes that lie at
-equal distances on both sides are stacked, so a job is one ``index_select`` (store)
-or ``index_copy_`` (load) per group of planes: one group in all where the layers are
-alike and back to back, and at worst one per plane. The job's host slots are a slice
-when they form one run, as the CPU manager hands them out, else an index.
+read and write the host memory in place: each side's planes are rows of one tensor
+(``tiered_kv.zero_copy.PlaneRows``), so a job is one ``index_select`` of every plane's
+blocks into a staging tensor on the device and one ``index_copy_`` out of it,
+however many layers and wherever they lie.
 
 Otherwise (pageable host memory, or a device whose driver cannot map it) copies are
 DMA, per plane: a store gathers the job's blocks of a plane on the device with one
@@ -44,7 +43,7 @@ from tiered_kv.device import COMPLETED, TransferStream
 from tiered_kv.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
-from tiered_kv.zero_copy import on_device, stacked
+from tiered_kv.zero_copy import PlaneRows
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +116,11 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._async = self._device is not None
         self._stream = TransferStream(self._device or torch.device("cpu"), priority)
         self._jobs: deque = deque()  # (job_id, started, event, success), submission order
-        self._groups = self._kernel_groups(kv_dim_before_num_blocks, src_cuda) if copy_kernels is not False else None
-        if copy_kernels and self._groups is None:
+        # (device side, host side), or None: DMA copies.
+        self._rows = self._plane_rows(src_cuda) if copy_kernels is not False else None
+        if copy_kernels and self._rows is None:
             raise ValueError("copy_kernels=True needs a CUDA device and a pinned host side it can map")
-        self.copy_kernels = self._groups is not None
+        self.copy_kernels = self._rows is not None
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src_spec, dst_spec = spec
@@ -207,35 +207,16 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             raise ValueError(f"job {job_id}: {side} kernel block ids span {int(ids.min())}.."
                              f"{int(ids.max())}; expected 0..{limit - 1}")
 
-    def _kernel_groups(self, kv_dim_before_num_blocks: Sequence[bool],
-                       device_is_src: bool) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """``(device planes, host planes)`` as 3-D tensors ``(planes, kernel blocks,
-        row)`` on the device, together covering every plane once, or None when the
-        host side cannot be mapped. All planes in one group if they stack on both sides,
-        else the k-th plane of every layer (K, V), else one group per plane."""
+    def _plane_rows(self, device_is_src: bool) -> tuple[PlaneRows, PlaneRows] | None:
         if self._device is None:
             return None
         device_planes, host_planes = (self._src, self._dst) if device_is_src else (self._dst, self._src)
-        mapped = [on_device(p, self._device) for p in host_planes]
-        if any(m is None for m in mapped):
-            return None
-        candidates = [range(len(mapped))]
-        if all(kv_dim_before_num_blocks):  # K planes apart from V planes
-            candidates += [range(0, len(mapped), 2), range(1, len(mapped), 2)]
-        groups, covered = [], set()
-        for members in candidates:
-            if covered.intersection(members):
-                continue
-            pair = (stacked([device_planes[i] for i in members]), stacked([mapped[i] for i in members]))
-            if pair[0] is not None and pair[1] is not None:
-                groups.append(pair)
-                covered.update(members)
-        groups += [(device_planes[i].unsqueeze(0), mapped[i].unsqueeze(0))
-                   for i in range(len(mapped)) if i not in covered]
-        return groups
+        device_rows = PlaneRows.of(device_planes, self._device)
+        host_rows = PlaneRows.of(host_planes, self._device)
+        return None if device_rows is None or host_rows is None else (device_rows, host_rows)
 
     def _copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
-        if len(src_ids) and self._groups is not None:
+        if len(src_ids) and self._rows is not None:
             self._copy_with_kernels(src_ids, dst_ids, device_is_src)
         elif len(src_ids):
             if device_is_src:
@@ -244,22 +225,13 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 self._copy_runs_then_scatter(src_ids, dst_ids)
 
     def _copy_with_kernels(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
-        """One kernel per group of planes (two when the host slots are not one run)."""
-        device_ids, host_ids = (src_ids, dst_ids) if device_is_src else (dst_ids, src_ids)
-        order = np.argsort(host_ids, kind="stable")
-        host_sorted = host_ids[order]
-        one_run = bool(np.all(np.diff(host_sorted) == 1))
-        device_idx = torch.from_numpy(device_ids[order]).to(self._device, non_blocking=True)
-        host_idx = None if one_run else torch.from_numpy(host_sorted).to(self._device, non_blocking=True)
-        first, n = int(host_sorted[0]), len(host_sorted)
-        for device_planes, host_planes in self._groups:
-            if device_is_src and one_run:
-                torch.index_select(device_planes, 1, device_idx, out=host_planes[:, first:first + n])
-            elif device_is_src:
-                host_planes.index_copy_(1, host_idx, device_planes.index_select(1, device_idx))
-            else:
-                rows = host_planes[:, first:first + n] if one_run else host_planes.index_select(1, host_idx)
-                device_planes.index_copy_(1, device_idx, rows)
+        """Every plane's blocks at once: a gather into device staging, a scatter out."""
+        src, dst = self._rows if device_is_src else self._rows[::-1]
+        src_index, dst_index = src.index(src_ids), dst.index(dst_ids)
+        both = torch.from_numpy(np.concatenate([src_index, dst_index])).to(self._device, non_blocking=True)
+        staging = src.rows.index_select(0, both[:len(src_index)])
+        # The two sides may slice a block differently: same bytes, other row shape.
+        dst.rows.index_copy_(0, both[len(src_index):], staging.view(dst.rows.dtype).view(-1, dst.rows.shape[1]))
 
     def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Device -> host: one gather per plane, then one copy per run of host slots."""
