@@ -81,6 +81,35 @@ def test_shared_memory_is_located_and_private_memory_is_not():
     assert locate(torch.empty(4096, dtype=torch.uint8).data_ptr(), 1) is None
 
 
+def test_a_shared_region_is_forgotten_unmapped_and_closed_with_its_last_view():
+    from tiered_kv import shared_memory
+
+    class Listener:
+        def freed(self, region_id):
+            self.freed_ids.append((region_id, locate(address, 1), mapped(address)))
+
+    def mapped(address):
+        with open("/proc/self/maps") as f:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
+        return any(lo <= address < hi for lo, hi in spans)
+
+    listener = Listener()
+    listener.freed_ids = []
+    shared_memory.on_free(listener.freed)
+    t = empty_shared(3 << 20)
+    address = t.data_ptr()
+    region = locate(address, 1)[0]
+    assert os.fstat(region.fd).st_size == 3 << 20
+    piece = t[1 << 20:]
+    del t
+    gc.collect()
+    assert locate(address, 1) == (region, 0) and not listener.freed_ids, "freed with a view left"
+    del piece
+    assert listener.freed_ids == [(region.id, None, False)], "told before being forgotten and unmapped"
+    with pytest.raises(OSError):
+        os.fstat(region.fd)
+
+
 _FREED_INSIDE_A_LOCKED_SECTION = """
 import gc
 import weakref

@@ -205,6 +205,202 @@ def test_pageable_host_cache_layers_start_on_huge_page_boundaries():
     assert all(t.data_ptr() % HUGE_PAGE == 0 for t in large)
 
 
+def mapping_holding(address: int) -> tuple[int, int] | None:
+    """The ``(start, end)`` of the mapping of this process that holds ``address``, if any."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return lo, hi
+    return None
+
+
+def smaps_kib(address: int, field: str) -> int | None:
+    """``field`` (e.g. ``Rss``) of the mapping holding ``address``, in KiB; None when
+    this kernel's smaps does not say."""
+    try:
+        return _smaps_kib(address, field)
+    except (OSError, AssertionError):
+        return None
+
+
+def _smaps_kib(address: int, field: str) -> int:
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == field + ":":
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {address:#x}")
+
+
+@pytest.mark.parametrize("nbytes", [12345, 3 * (2 << 20) + 4096], ids=["small", "huge-paged"])
+def test_a_mapped_buffer_is_released_while_mapped_then_unmapped_when_its_last_view_dies(nbytes):
+    """The lifetime machinery of ``empty_pinned`` (and of large ``empty_pageable``
+    buffers), with a recorder where CUDA would register and unregister the pages: the
+    release hook sees the bytes still mapped, once, after the last view (a slice here)
+    is gone, and the mapping is gone after it."""
+    import gc
+
+    from tiered_kv.device import HUGE_PAGE, _empty_mapped
+    mapped, released = [], []
+    buf = _empty_mapped(nbytes, on_map=lambda address, n: mapped.append((address, n)),
+                        on_release=lambda address: released.append((address, mapping_holding(address))))
+    address = buf.data_ptr()
+    assert mapped == [(address, nbytes)] and buf.numel() == nbytes
+    assert buf.untyped_storage().data_ptr() == address and buf.untyped_storage().nbytes() == nbytes, \
+        "is_pinned() asks about the storage's first byte: it must be the first one registered"
+    assert address % (HUGE_PAGE if nbytes >= HUGE_PAGE else 4096) == 0
+    buf.fill_(3)
+    piece = buf[4096:8192].view(torch.int32)
+    del buf
+    gc.collect()
+    assert released == [] and mapping_holding(address) is not None
+    assert int(piece.view(torch.uint8).sum()) == 3 * 4096, "a slice keeps the bytes mapped"
+    del piece
+    assert len(released) == 1 and released[0][0] == address
+    assert released[0][1] is not None, "released after the bytes were unmapped"
+    assert mapping_holding(address) is None, "the mapping outlived its last view"
+
+
+def test_a_mapped_buffer_whose_registration_fails_is_unmapped_and_never_released():
+    from tiered_kv.device import HUGE_PAGE, _empty_mapped
+    addresses, released = [], []
+
+    def refuse(address, nbytes):
+        addresses.append(address)
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        _empty_mapped(2 * HUGE_PAGE, on_map=refuse, on_release=released.append)
+    assert len(addresses) == 1 and mapping_holding(addresses[0]) is None and released == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_pinned_buffers_without_cuda_are_refused_clearly():
+    from tiered_kv.device import cuda_host_register, empty_pinned
+    with pytest.raises(RuntimeError, match=r"pinned host memory \(4096 bytes\) .*CUDA is not available"):
+        empty_pinned(4096)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        cuda_host_register(0, 4096)
+    with pytest.raises(ValueError, match="nbytes"):
+        empty_pinned(0)
+
+
+def host_allocator_bytes() -> int | None:
+    """Bytes torch's caching host allocator holds (the key's name varies by version;
+    before its first allocation it reports nothing)."""
+    stats = torch.cuda.host_memory_stats()
+    if not stats:
+        return 0
+    for key in ("allocated_bytes.current", "allocated_bytes.all.current"):
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
+@pytest.mark.gpu
+def test_empty_pinned_locks_exactly_the_size_asked_outside_torchs_allocator():
+    from tiered_kv.device import HUGE_PAGE, empty_pinned
+    nbytes = (3 << 30) + 4096  # torch would lock 4 GiB for this
+    before = host_allocator_bytes()
+    buf = empty_pinned(nbytes)
+    assert buf.is_pinned() and buf.numel() == nbytes and buf.data_ptr() % HUGE_PAGE == 0
+    if before is not None:
+        assert host_allocator_bytes() == before, "taken from torch's caching host allocator"
+    rss = smaps_kib(buf.data_ptr(), "Rss")
+    if rss is not None:  # registering faults every page in, and only those
+        assert nbytes <= rss * 1024 <= nbytes + HUGE_PAGE, rss
+
+
+@pytest.mark.gpu
+def test_a_pinned_host_cache_just_over_a_power_of_two_is_not_rounded_up():
+    layout = make_layout(True)
+    before = host_allocator_bytes()
+    host = HostKVCache(layout, (1 << 30) // layout.bytes_per_block + 1, pin=True)
+    assert host.pinned and all(t.is_pinned() for t in host.tensors)
+    assert host.nbytes > 1 << 30
+    if before is not None:
+        assert host_allocator_bytes() == before, "taken from torch's caching host allocator"
+    mapped = smaps_kib(host.tensors[0].data_ptr(), "Rss")
+    if mapped is not None:
+        assert mapped * 1024 < (1 << 30) + 64 * (2 << 20), f"{mapped} KiB locked for {host.nbytes} bytes"
+
+
+@pytest.mark.gpu
+def test_non_blocking_copies_through_a_pinned_buffer_are_exact():
+    from tiered_kv.device import empty_pinned
+    nbytes = (64 << 20) + 4096 + 3
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    back = torch.zeros_like(src)
+    host = empty_pinned(nbytes)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        host.copy_(src, non_blocking=True)
+        back.copy_(host, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(back, src)
+    assert torch.equal(host[:1 << 20], src[:1 << 20].cpu())
+
+
+@pytest.mark.gpu
+def test_a_refused_registration_leaves_no_cuda_error_behind():
+    from tiered_kv.device import HUGE_PAGE, cuda_host_register, empty_pinned
+    buf = empty_pinned(HUGE_PAGE)
+    with pytest.raises(RuntimeError, match=rf"cudaHostRegister of {HUGE_PAGE} bytes .*failed \(CUDA error \d+"):
+        cuda_host_register(buf.data_ptr(), HUGE_PAGE)  # registered already
+    # A kernel launch raises the thread's last CUDA error, were one left standing.
+    assert float(torch.ones(4, device="cuda").mul(2).sum()) == 8.0
+    assert buf.is_pinned()
+
+
+def unregistrations(monkeypatch, module) -> list[bool]:
+    """Spy on ``module.cuda_host_unregister`` (the real one still runs): its results."""
+    real, results = module.cuda_host_unregister, []
+
+    def unregister(address):
+        results.append(real(address))
+        return results[-1]
+
+    monkeypatch.setattr(module, "cuda_host_unregister", unregister)
+    return results
+
+
+@pytest.mark.gpu
+def test_freed_pinned_buffers_are_unregistered_without_error(monkeypatch, caplog):
+    import tiered_kv.device as device
+    results = unregistrations(monkeypatch, device)
+    caplog.set_level("ERROR")
+    for _ in range(5):
+        buf = device.empty_pinned(1 << 30)
+        buf[::4096] = 1
+        address = buf.data_ptr()
+        del buf
+        assert mapping_holding(address) is None
+    assert results == [True] * 5
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+@pytest.mark.gpu
+def test_freed_pinned_shared_regions_are_unregistered_without_error(monkeypatch, caplog):
+    from tiered_kv import shared_memory
+    results = unregistrations(monkeypatch, shared_memory)
+    caplog.set_level("ERROR")
+    for _ in range(3):
+        buf = shared_memory.empty_shared((256 << 20) + 4096, pin=True)
+        assert buf.is_pinned()
+        buf.copy_(torch.ones(buf.numel(), dtype=torch.uint8, device="cuda"))
+        address = buf.data_ptr()
+        del buf
+        assert shared_memory.locate(address, 1) is None and mapping_holding(address) is None
+    assert results == [True] * 3
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_resolve_device():
     from tiered_kv.device import resolve_device
     assert resolve_device("cpu").type == "cpu"

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tiered_kv.device import HUGE_PAGE, log_fallback_once
+from tiered_kv.device import HUGE_PAGE, cuda_host_register, cuda_host_unregister, log_fallback_once
 
 __all__ = ["SharedRegion", "empty_shared", "locate", "region_fd", "on_free", "MappedRegions"]
 
@@ -52,9 +52,10 @@ def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
     """An uninitialised uint8 tensor of ``nbytes`` in a new shared region (page-aligned,
     advised for huge pages where the kernel gives them to shared memory).
 
-    ``pin=True`` page-locks it for CUDA copies (``cudaHostRegister``) and raises
-    ``RuntimeError`` when that fails. The region is unmapped and forgotten when the
-    last tensor viewing it is freed."""
+    ``pin=True`` page-locks it for CUDA copies (``cuda_host_register``: exactly
+    ``nbytes``, where torch's pinned allocations are rounded up to a power of two) and
+    raises ``RuntimeError`` when that fails. When the last tensor viewing the region is
+    freed it is unlocked, unmapped and forgotten, in that order."""
     if nbytes < 1:
         raise ValueError(f"nbytes must be >= 1, got {nbytes}")
     try:
@@ -72,24 +73,28 @@ def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
             region.madvise(mmap.MADV_HUGEPAGE)
         except OSError as e:
             log_fallback_once(f"shared host memory cannot use huge pages ({e})")
-    tensor = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` mapped while used
+    # Tensors hold a memoryview and its finalizer the mmap, so the finalizer runs while
+    # the region is still mapped: freeing the mmap itself would unmap it before its weak
+    # references are told, and CUDA must forget the pages before they go.
+    view = memoryview(region)
+    tensor = torch.frombuffer(view, dtype=torch.uint8)
     address = tensor.data_ptr()
     if pin:
-        _register_with_cuda(address, nbytes)
+        try:
+            cuda_host_register(address, nbytes)
+        except RuntimeError:
+            del tensor
+            view.release()
+            region.close()
+            os.close(fd)
+            raise
     entry = SharedRegion(next(_ids), fd, address, nbytes)
     with _lock:
         bisect.insort(_starts, address)
         _regions[address] = entry
-    weakref.finalize(region, _forget, entry, pin)
+    # Not at exit: tensors still alive then may still be in use by daemon threads.
+    weakref.finalize(view, _forget, entry, pin, region).atexit = False
     return tensor
-
-
-def _register_with_cuda(address: int, nbytes: int) -> None:
-    if not torch.cuda.is_available():
-        raise RuntimeError("pinned shared memory was requested but CUDA is not available")
-    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared memory failed (error {int(err)})")
 
 
 def on_free(method) -> None:
@@ -100,7 +105,7 @@ def on_free(method) -> None:
         _free_listeners.append(weakref.WeakMethod(method))
 
 
-def _forget(entry: SharedRegion, pinned: bool) -> None:
+def _forget(entry: SharedRegion, pinned: bool, region: mmap.mmap) -> None:
     with _lock:
         if _regions.get(entry.address) is entry:
             del _regions[entry.address]
@@ -109,7 +114,8 @@ def _forget(entry: SharedRegion, pinned: bool) -> None:
         listeners = [m() for m in registered]
         _free_listeners[:] = [m for m, alive in zip(registered, listeners) if alive is not None]
     if pinned:
-        torch.cuda.cudart().cudaHostUnregister(entry.address)
+        cuda_host_unregister(entry.address)  # logs, never raises: this is a finalizer
+    region.close()
     os.close(entry.fd)
     for listener in listeners:
         if listener is not None:

@@ -1,6 +1,6 @@
 """Resources: pinned memory that cannot be had, and shutdown with transfers in flight.
 
-Pinning needs CUDA, so the refusal is injected here (``torch.empty(pin_memory=True)``
+Pinning needs CUDA, so the refusal is injected here (``device.cuda_host_register``
 raising as it does when the driver cannot lock the pages); the fallback itself is real.
 """
 
@@ -11,7 +11,6 @@ import os
 import threading
 
 import pytest
-import torch
 
 import tiered_kv.device
 from faults.harness import Hierarchy, device, documents, namespace_dirs, verify_cache
@@ -26,17 +25,14 @@ DOCS = documents(16, 4, seed=31)
 @pytest.fixture
 def pinning_refused(monkeypatch):
     """CUDA present (as far as the probe goes) but every pinned allocation refused."""
-    real_empty = torch.empty
     refused = []
 
-    def empty(*args, pin_memory=False, **kwargs):
-        if pin_memory:
-            refused.append(args)
-            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc: locked-memory limit reached)")
-        return real_empty(*args, **kwargs)
+    def register(address, nbytes):
+        refused.append(nbytes)
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (CUDA error 2)")
 
     monkeypatch.setattr(tiered_kv.device, "can_pin_memory", lambda: True)
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(tiered_kv.device, "cuda_host_register", register)
     return refused
 
 

@@ -50,7 +50,7 @@ from functools import partial
 import lmdb
 import torch
 
-from tiered_kv.device import empty_pageable
+from tiered_kv.device import empty_pageable, empty_pinned
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot, StoredBlocks
 from tiered_kv.disk.io_backends import (
@@ -297,7 +297,7 @@ class DiskStore(BlockIO):
     def host_buffer(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         """A long-lived host buffer of ``nbytes`` (uint8, page-aligned; page-locked when
         ``pin``) that this store's batches take as rows: staging for the handlers."""
-        return aligned_empty(nbytes, pin=True) if pin else empty_pageable(nbytes)
+        return empty_pinned(nbytes) if pin else empty_pageable(nbytes)
 
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         """Record in the index log that these writes on ``rank`` will not happen (so the
