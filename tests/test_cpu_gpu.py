@@ -261,10 +261,20 @@ def test_bench_smoke_run_checks_its_own_copies(capsys):
     assert "GPU->CPU" in out and "both" in out and "ratio" in out
 
 
+def test_plane_rows_list_every_planes_blocks_plane_by_plane():
+    from tiered_kv.zero_copy import PlaneRows
+
+    # Two planes 10 slices apart, blocks of 2 slices each.
+    rows = PlaneRows(torch.empty(0), plane_start=np.array([0, 10]), rows_per_block=2)
+    assert rows.index(np.array([1, 3])).tolist() == [2, 3, 6, 7, 12, 13, 16, 17]
+    whole = PlaneRows(torch.empty(0), plane_start=np.array([4, 0]), rows_per_block=1)
+    assert whole.index(np.array([2, 0])).tolist() == [6, 4, 2, 0]
+
+
 def test_copy_kernels_need_a_device_that_maps_the_host_tier():
     layout, gpu, host, handlers = setup(True, 1)
     assert not handlers.gpu_to_cpu_handler.copy_kernels and not handlers.cpu_to_gpu_handler.copy_kernels
-    with pytest.raises(ValueError, match="copy_kernels=True"):
+    with pytest.raises(ValueError, match="copy_kernels=True, config gpu_copy: kernels"):
         CpuGpuOffloadingHandlers(gpu, host, copy_kernels=True)
 
 

@@ -336,3 +336,25 @@ def test_spec_sizes_the_tier_and_builds_both_directions():
     with pytest.raises(ConfigError, match="do not match"):
         other = make_layout(True, block_size_factor=2, head_dim=4)
         CPUOffloadingSpec(config, 4, layout=other).build_worker(tensors, True)
+
+
+def test_gpu_copy_picks_the_handlers_copy_path():
+    from conftest import make_layout, random_tensors
+    from tiered_kv.config import ConfigError
+    from tiered_kv.cpu.spec import CPUOffloadingSpec
+    from tiered_kv.device import cuda_available
+
+    layout = make_layout(True)
+    config = {"cpu_bytes": 4 * layout.bytes_per_block}
+    device = "cuda" if cuda_available() else "cpu"
+    tensors = dict(zip((l.name for l in layout.layers), random_tensors(layout, device=device)))
+    with pytest.raises(ConfigError, match="gpu_copy: expected one of"):
+        CPUOffloadingSpec({**config, "gpu_copy": "dmaa"}, gpu_block_size=4)
+    for choice, kernels in (("auto", cuda_available()), ("dma", False)):
+        pairs = list(CPUOffloadingSpec({**config, "gpu_copy": choice}, gpu_block_size=4)
+                     .get_handlers(tensors, kv_before_num_blocks=True))
+        assert all(h.copy_kernels == kernels for *_, h in pairs), choice
+    if not cuda_available():  # nothing on this machine can map the host tier for a device
+        with pytest.raises(ValueError, match="config gpu_copy: kernels.*use gpu_copy auto or dma"):
+            list(CPUOffloadingSpec({**config, "gpu_copy": "kernels"}, gpu_block_size=4)
+                 .get_handlers(tensors, kv_before_num_blocks=True))

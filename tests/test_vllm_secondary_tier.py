@@ -492,6 +492,8 @@ def test_tier_config_is_validated_in_human_units(tmp_path):
         parse_tier_config({"disk_path": str(tmp_path), "disk_bytes": "12 parsecs"})
     with pytest.raises(ConfigError, match=r"cpu_bytes: .*cpu_bytes_to_use"):
         parse_tier_config({"disk_path": str(tmp_path), "cpu_bytes": "1GiB"})
+    with pytest.raises(ConfigError, match=r"gpu_copy: .*vLLM's own handlers"):
+        parse_tier_config({"disk_path": str(tmp_path), "gpu_copy": "dma"})
     with pytest.raises(ConfigError, match=r"disk_path: required"):
         parse_tier_config({"disk_bytes": "1GiB"})
 

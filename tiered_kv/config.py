@@ -98,6 +98,7 @@ VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "blocks_per_chunk", "o
 WRITE_POLICIES = ("write_through", "write_back")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 DISK_IO = ("thread", "process")
+GPU_COPIES = ("auto", "kernels", "dma")
 EVICTION_POLICIES = ("lru",)
 CHECKSUMS = ("xxh3_64", "crc32c")
 
@@ -122,6 +123,11 @@ class TieredConfig:
     #: ``process`` (a helper process per worker, off the worker's GIL; the CPU tier is
     #: then shared memory). See ``tiered_kv.disk.io_process``.
     disk_io: str = "thread"
+    #: How GPU <-> CPU jobs move bytes: ``kernels`` (copy kernels over the mapped pinned
+    #: tier, two per job), ``dma`` (copy engines, one copy per layer and run of slots),
+    #: or ``auto`` (kernels where the device can map the tier). See
+    #: ``tiered_kv.worker.cpu_gpu``.
+    gpu_copy: str = "auto"
     #: Blocks allowed to wait for a disk write (write-through and spills); the excess is
     #: dropped and counted instead of stalling the engine.
     max_pending_disk_writes: int = 1024
@@ -145,6 +151,7 @@ class TieredConfig:
         "checksum": lambda v, k: _parse_choice(v, k, CHECKSUMS),
         "io_threads": _parse_positive_int,
         "disk_io": lambda v, k: _parse_choice(v, k, DISK_IO),
+        "gpu_copy": lambda v, k: _parse_choice(v, k, GPU_COPIES),
         "max_pending_disk_writes": _parse_positive_int,
         "block_size": lambda v, k: None if v is None else _parse_positive_int(v, k),
         "model_id": lambda v, k: str(v),
@@ -178,6 +185,11 @@ class TieredConfig:
                 )
             values[key] = cls._PARSERS[key](value, key)
         return cls(**values, passthrough=passthrough)
+
+    @property
+    def copy_kernels(self) -> bool | None:
+        """``gpu_copy`` as the GPU <-> CPU handlers take it: True, False, or None (auto)."""
+        return {"auto": None, "kernels": True, "dma": False}[self.gpu_copy]
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}

@@ -75,7 +75,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                                             kv_before_num_blocks)
         self._set_layout(layout)
         self.host = HostKVCache(layout, self.num_cpu_slots, shared=self._host_shared())
-        return CpuGpuOffloadingHandlers(kv_caches, self.host)
+        return CpuGpuOffloadingHandlers(kv_caches, self.host, copy_kernels=self.config.copy_kernels)
 
     def _host_shared(self) -> bool:
         """Whether the CPU tier must be shared memory (another process reaches it)."""

@@ -119,7 +119,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         # (device side, host side), or None: DMA copies.
         self._rows = self._plane_rows(src_cuda) if copy_kernels is not False else None
         if copy_kernels and self._rows is None:
-            raise ValueError("copy_kernels=True needs a CUDA device and a pinned host side it can map")
+            raise ValueError("copy kernels (copy_kernels=True, config gpu_copy: kernels) need a CUDA device "
+                             "and a pinned CPU tier it can map; use gpu_copy auto or dma")
         self.copy_kernels = self._rows is not None
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:

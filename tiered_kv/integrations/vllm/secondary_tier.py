@@ -103,6 +103,7 @@ _NOT_FOR_A_SECONDARY_TIER = {
     "promote_on_hit": "vLLM always promotes a secondary-tier hit into its CPU tier",
     "block_size": "the chunk size is vLLM's; set block_size in kv_connector_extra_config, "
                   "not inside the tier entry",
+    "gpu_copy": "vLLM's own handlers move bytes between the GPU and its CPU tier here",
 }
 
 #: Store threads: two, so one group's fdatasync and index commit overlap the next

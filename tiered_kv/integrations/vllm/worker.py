@@ -178,8 +178,10 @@ class TieredVllmWorker(OffloadingWorker):
         self.host = HostKVCache(self.layout, g.num_cpu_slots,
                                 shared=bool(cfg.disk_path) and cfg.disk_io == "process")
         flags = [False] * len(gpu)
-        gpu_to_cpu = SingleDirectionOffloadingHandler(gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY)
-        cpu_to_gpu = SingleDirectionOffloadingHandler(self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY)
+        gpu_to_cpu = SingleDirectionOffloadingHandler(gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY,
+                                                      copy_kernels=cfg.copy_kernels)
+        cpu_to_gpu = SingleDirectionOffloadingHandler(self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY,
+                                                      copy_kernels=cfg.copy_kernels)
         self.disk_store = stager = disk_to_gpu = disk_to_cpu = None
         if cfg.disk_path:
             from tiered_kv.disk.io_process import open_worker_store
