@@ -15,7 +15,8 @@
 #     bash tools/gpu_session.sh bench     # GPU<->CPU handlers, then the disk tier through KvikIO
 #     bash tools/gpu_session.sh replay    # the whole hierarchy with the device cache on CUDA
 #
-# Record what they print in docs/benchmarks.md ("GPU: replay on an H100/H200", "Disk tier").
+# Record what they print in docs/benchmarks.md ("GPU <-> CPU", "Disk tier"). The project
+# is on PYTHONPATH, not installed, so test_console_script_runs_the_demo fails there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
