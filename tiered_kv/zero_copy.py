@@ -8,8 +8,8 @@ plane to the end of the last. Any set of blocks of every plane is then a list of
 numbers, and a job of the GPU <-> CPU handlers (``tiered_kv.worker.cpu_gpu``) is two
 kernels: an ``index_select`` from one side into a staging tensor on the device and an
 ``index_copy_`` into the other. Before, it was a DMA copy per layer and per run of
-slots. On an H100 that took 0.5 MiB blocks from 7 to about 50 GB/s, and the CPU time
-per 32-block job from 1.8 ms to tens of us (docs/benchmarks.md, "GPU <-> CPU").
+slots, 1.8 ms of CPU per 32-block job. On an H100 that took 0.5 MiB blocks from 8-12
+GB/s to 29-46, and 2 MiB blocks from 23-32 to 47-50 (docs/benchmarks.md, "GPU <-> CPU").
 
 The spanning tensor covers whatever lies between the planes too (other allocations),
 but only row numbers inside the planes are ever formed. Its rows are the largest
@@ -77,11 +77,12 @@ def _word_dtype(nbytes: int) -> torch.dtype:
 class PlaneRows:
     """The planes of one side of a transfer as rows of one CUDA tensor.
 
-    Build with ``of``. ``rows`` is a 2-D CUDA tensor of ``word_dtype`` whose row
-    ``plane_start[p] + block * rows_per_block + j`` is the ``j``-th slice of ``block``
-    in plane ``p``, in the widest words that divide a slice. ``index(block_ids)`` lists those rows for every plane, plane by
-    plane and block by block: gathering them and scattering the result with another
-    side's ``index`` of other blocks moves those blocks' bytes across.
+    Build with ``of``. ``rows`` is a 2-D CUDA tensor (of the widest integer words that
+    divide a slice) whose row ``plane_start[p] + block * rows_per_block + j`` is the
+    ``j``-th slice of ``block`` in plane ``p``. ``index(block_ids)`` lists those rows
+    for every plane, plane by plane and block by block: gathering them and scattering
+    the result with another side's ``index`` of other blocks moves those blocks' bytes
+    across.
     """
 
     def __init__(self, rows: torch.Tensor, plane_start: np.ndarray, rows_per_block: int):
