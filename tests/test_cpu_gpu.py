@@ -271,6 +271,31 @@ def test_plane_rows_list_every_planes_blocks_plane_by_plane():
     assert whole.index(np.array([2, 0])).tolist() == [6, 4, 2, 0]
 
 
+def test_copy_blocks_moves_every_planes_blocks_in_parts():
+    from tiered_kv.zero_copy import PlaneRows, copy_blocks
+
+    # CPU tensors stand in for the device's: the same two kernels run on them.
+    rng = np.random.default_rng(1)
+    planes, blocks, block = 3, 10, 96
+    gap = blocks * block + 32  # source planes 32 bytes apart: 32-byte slices, three per block
+    src_mem = torch.from_numpy(rng.integers(0, 2**62, size=planes * gap // 8, dtype=np.int64))
+    src = PlaneRows(src_mem.view(-1, 4), plane_start=np.arange(planes) * gap // 32, rows_per_block=3)
+    dst_mem = torch.zeros(planes * blocks * block // 8, dtype=torch.int64)
+    dst = PlaneRows(dst_mem.view(-1, 12), plane_start=np.arange(planes) * blocks, rows_per_block=1)
+    assert src.block_bytes == dst.block_bytes == planes * block
+    src_ids, dst_ids = np.array([7, 0, 3, 9, 4]), np.array([1, 2, 8, 0, 5])
+    copy_blocks(src, dst, src_ids, dst_ids, max_staging_bytes=2 * src.block_bytes)  # three parts
+    src_bytes, dst_bytes = src_mem.numpy().view(np.uint8), dst_mem.numpy().view(np.uint8)
+    for p in range(planes):
+        for b in range(blocks):
+            got = dst_bytes[(p * blocks + b) * block:(p * blocks + b + 1) * block]
+            if b in dst_ids:
+                s = src_ids[list(dst_ids).index(b)]
+                assert np.array_equal(got, src_bytes[p * gap + s * block:p * gap + (s + 1) * block])
+            else:
+                assert not got.any(), "a block no job named was written"
+
+
 def test_copy_kernels_need_a_device_that_maps_the_host_tier():
     layout, gpu, host, handlers = setup(True, 1)
     assert not handlers.gpu_to_cpu_handler.copy_kernels and not handlers.cpu_to_gpu_handler.copy_kernels

@@ -121,6 +121,11 @@ class PlaneRows:
         return cls(rows, np.array(offsets, dtype=np.int64) // slice_bytes, block_bytes // slice_bytes)
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in all planes together."""
+        return len(self.plane_start) * self.rows_per_block * self.slice_bytes
+
+    @property
     def slice_bytes(self) -> int:
         return self.rows.shape[1] * self.rows.element_size()
 
@@ -131,3 +136,26 @@ class PlaneRows:
         if self.rows_per_block == 1:
             return firsts.ravel()
         return (firsts[:, :, None] + np.arange(self.rows_per_block)).ravel()
+
+
+#: Most device memory a copy takes for staging; larger jobs move in parts of this size.
+#: vLLM leaves little device memory beside its KV cache, and a job can be thousands of
+#: blocks (a long prompt's prefix).
+MAX_STAGING_BYTES = 64 << 20
+
+
+def copy_blocks(src: PlaneRows, dst: PlaneRows, src_ids: np.ndarray, dst_ids: np.ndarray,
+                max_staging_bytes: int = MAX_STAGING_BYTES) -> None:
+    """Copy block ``src_ids[i]`` of every plane of ``src`` to block ``dst_ids[i]`` of
+    ``dst`` (the same planes in the same order), on the current stream: per part of at
+    most ``max_staging_bytes``, a gather into staging on ``src.rows``' device (CUDA, or
+    CPU in tests) and a scatter into ``dst``."""
+    device = src.rows.device
+    per_part = max(1, max_staging_bytes // src.block_bytes)
+    for start in range(0, len(src_ids), per_part):
+        src_index = src.index(src_ids[start:start + per_part])
+        dst_index = dst.index(dst_ids[start:start + per_part])
+        both = torch.from_numpy(np.concatenate([src_index, dst_index])).to(device, non_blocking=True)
+        staging = src.rows.index_select(0, both[:len(src_index)])
+        # The two sides may slice a block differently: the same bytes in rows of another shape.
+        dst.rows.index_copy_(0, both[len(src_index):], staging.view(dst.rows.dtype).view(-1, dst.rows.shape[1]))

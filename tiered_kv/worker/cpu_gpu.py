@@ -14,7 +14,7 @@ dimension comes first. On CUDA with a pinned CPU tier the copies are kernels tha
 read and write the host memory in place: each side's planes are rows of one tensor
 (``tiered_kv.zero_copy.PlaneRows``), so a job is one ``index_select`` of every plane's
 blocks into a staging tensor on the device and one ``index_copy_`` out of it,
-however many layers and wherever they lie.
+however many layers and wherever they lie (a pair per 64 MiB of a larger job).
 
 Otherwise (pageable host memory, or a device whose driver cannot map it) copies are
 DMA, per plane: a store gathers the job's blocks of a plane on the device with one
@@ -43,7 +43,7 @@ from tiered_kv.device import COMPLETED, TransferStream
 from tiered_kv.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
-from tiered_kv.zero_copy import PlaneRows
+from tiered_kv.zero_copy import PlaneRows, copy_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -218,21 +218,16 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
 
     def _copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
         if len(src_ids) and self._rows is not None:
-            self._copy_with_kernels(src_ids, dst_ids, device_is_src)
+            device_rows, host_rows = self._rows
+            if device_is_src:
+                copy_blocks(device_rows, host_rows, src_ids, dst_ids)
+            else:
+                copy_blocks(host_rows, device_rows, src_ids, dst_ids)
         elif len(src_ids):
             if device_is_src:
                 self._gather_then_copy_runs(src_ids, dst_ids)
             else:
                 self._copy_runs_then_scatter(src_ids, dst_ids)
-
-    def _copy_with_kernels(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
-        """Every plane's blocks at once: a gather into device staging, a scatter out."""
-        src, dst = self._rows if device_is_src else self._rows[::-1]
-        src_index, dst_index = src.index(src_ids), dst.index(dst_ids)
-        both = torch.from_numpy(np.concatenate([src_index, dst_index])).to(self._device, non_blocking=True)
-        staging = src.rows.index_select(0, both[:len(src_index)])
-        # The two sides may slice a block differently: same bytes, other row shape.
-        dst.rows.index_copy_(0, both[len(src_index):], staging.view(dst.rows.dtype).view(-1, dst.rows.shape[1]))
 
     def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Device -> host: one gather per plane, then one copy per run of host slots."""
