@@ -161,16 +161,7 @@ def test_fallback_to_pageable_memory_is_logged_once(caplog, monkeypatch):
 
 def anon_huge_pages_kib(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds ``address`` (smaps)."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return _smaps_kib(address, "AnonHugePages")
 
 
 def thp_mode() -> str:
