@@ -331,7 +331,7 @@ def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, gap):
         store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
         assert store.copy_kernels == load.copy_kernels == kernels
         if kernels:
-            device_rows, host_rows = store._rows
+            device_rows, host_rows = store.plane_rows
             # Layers back to back are sliced in whole blocks; the gaps need 512 B slices.
             row = 1536 if kv_first else 3072
             assert device_rows.slice_bytes == (512 if gap else row)

@@ -133,7 +133,7 @@ def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernel
         raise SystemExit("stored bytes differ from the device blocks: the handler is broken")
     store.shutdown()
     load.shutdown()
-    slices = [rows.slice_bytes for rows in store._rows] if copy_kernels else None
+    slices = [rows.slice_bytes for rows in store.plane_rows] if copy_kernels else None
     return {"blocks": n_blocks, "block_bytes": block_bytes, "total": total, "slices": slices, **out}
 
 

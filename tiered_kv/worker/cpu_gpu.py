@@ -116,12 +116,12 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._async = self._device is not None
         self._stream = TransferStream(self._device or torch.device("cpu"), priority)
         self._jobs: deque = deque()  # (job_id, started, event, success), submission order
-        # (device side, host side), or None: DMA copies.
-        self._rows = self._plane_rows(src_cuda) if copy_kernels is not False else None
-        if copy_kernels and self._rows is None:
+        #: ``(device side, host side)`` when copying with kernels, else None (DMA copies).
+        self.plane_rows = self._plane_rows(src_cuda) if copy_kernels is not False else None
+        if copy_kernels and self.plane_rows is None:
             raise ValueError("copy kernels (copy_kernels=True, config gpu_copy: kernels) need a CUDA device "
                              "and a pinned CPU tier it can map; use gpu_copy auto or dma")
-        self.copy_kernels = self._rows is not None
+        self.copy_kernels = self.plane_rows is not None
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src_spec, dst_spec = spec
@@ -217,8 +217,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         return None if device_rows is None or host_rows is None else (device_rows, host_rows)
 
     def _copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
-        if len(src_ids) and self._rows is not None:
-            device_rows, host_rows = self._rows
+        if len(src_ids) and self.plane_rows is not None:
+            device_rows, host_rows = self.plane_rows
             if device_is_src:
                 copy_blocks(device_rows, host_rows, src_ids, dst_ids)
             else:
