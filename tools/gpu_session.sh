@@ -14,6 +14,9 @@
 #     bash tools/gpu_session.sh tests     # the `gpu` tests, then the whole suite (vLLM's skip)
 #     bash tools/gpu_session.sh bench     # GPU<->CPU handlers, then the disk tier through KvikIO
 #     bash tools/gpu_session.sh replay    # the whole hierarchy with the device cache on CUDA
+#     bash tools/gpu_session.sh all       # the gpu tests, both benches and the replay in one
+#                                         # command under 10 minutes (each machine start costs
+#                                         # a minute or two of the session's device time)
 #
 # Record what they print in docs/benchmarks.md ("GPU <-> CPU", "Disk tier"). The project
 # is on PYTHONPATH, not installed, so test_console_script_runs_the_demo fails there.
@@ -65,13 +68,24 @@ case "$step" in
         "$py" tools/bench_disk.py --backend kvikio --rounds 3 --plot "$out/bench_disk.png" 2>&1 \
             | tee "$out/bench_disk_kvikio.txt"
         ;;
+    all)
+        install
+        failed=0  # each step under its own limit, so that one that hangs leaves time for the rest
+        timeout -s INT 120 "$py" -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.txt" || failed=1
+        timeout -s INT 150 "$py" tools/bench_gpu_cpu.py 2>&1 | tee "$out/bench_gpu_cpu.txt" || failed=1
+        timeout -s INT 180 "$py" tools/bench_disk.py --backend kvikio --rounds 1 --dir /tmp/bench-disk \
+            --plot "$out/bench_disk.png" 2>&1 | tee "$out/bench_disk_kvikio.txt" || failed=1
+        timeout -s INT 90 "$py" tools/replay.py --workload chat --gpu --markdown "$out/replay_gpu.md" 2>&1 \
+            | tee "$out/replay_gpu.txt" || failed=1
+        exit $failed
+        ;;
     replay)
         install
         "$py" tools/replay.py --workload chat --gpu --markdown "$out/replay_gpu.md" 2>&1 \
             | tee "$out/replay_gpu.txt"
         ;;
     *)
-        echo "usage: bash tools/gpu_session.sh fetch|tests|bench|replay" >&2
+        echo "usage: bash tools/gpu_session.sh fetch|tests|bench|replay|all" >&2
         exit 2
         ;;
 esac
