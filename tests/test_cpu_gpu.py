@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_layout, random_tensors
 from tiered_kv.device import can_pin_memory
-from tiered_kv.host_memory import HostKVCache, expand_block_ids
+from tiered_kv.host_memory import HostKVCache, expand_block_ids, kv_planes, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.worker.cpu_gpu import (
     LOAD_PRIORITY, STORE_PRIORITY, CpuGpuOffloadingHandlers, SingleDirectionOffloadingHandler,
@@ -265,10 +265,13 @@ def test_plane_rows_list_every_planes_blocks_plane_by_plane():
     from tiered_kv.zero_copy import PlaneRows
 
     # Two planes 10 slices apart, blocks of 2 slices each.
-    rows = PlaneRows(torch.empty(0), plane_start=np.array([0, 10]), rows_per_block=2)
+    rows = PlaneRows(torch.empty(0), plane_start=np.array([0, 10]), plane_step=np.array([2, 2]), rows_per_block=2)
     assert rows.index(np.array([1, 3])).tolist() == [2, 3, 6, 7, 12, 13, 16, 17]
-    whole = PlaneRows(torch.empty(0), plane_start=np.array([4, 0]), rows_per_block=1)
+    whole = PlaneRows(torch.empty(0), plane_start=np.array([4, 0]), plane_step=np.array([1, 1]), rows_per_block=1)
     assert whole.index(np.array([2, 0])).tolist() == [6, 4, 2, 0]
+    # Strided planes (a block-major tier): plane 1 starts a block into plane 0's rows of 3.
+    strided = PlaneRows(torch.empty(0), plane_start=np.array([0, 1]), plane_step=np.array([3, 3]), rows_per_block=1)
+    assert strided.index(np.array([2, 0])).tolist() == [6, 0, 7, 1]
 
 
 def test_copy_blocks_moves_every_planes_blocks_in_parts():
@@ -279,9 +282,11 @@ def test_copy_blocks_moves_every_planes_blocks_in_parts():
     planes, blocks, block = 3, 10, 96
     gap = blocks * block + 32  # source planes 32 bytes apart: 32-byte slices, three per block
     src_mem = torch.from_numpy(rng.integers(0, 2**62, size=planes * gap // 8, dtype=np.int64))
-    src = PlaneRows(src_mem.view(-1, 4), plane_start=np.arange(planes) * gap // 32, rows_per_block=3)
+    src = PlaneRows(src_mem.view(-1, 4), plane_start=np.arange(planes) * gap // 32,
+                    plane_step=np.full(planes, 3), rows_per_block=3)
     dst_mem = torch.zeros(planes * blocks * block // 8, dtype=torch.int64)
-    dst = PlaneRows(dst_mem.view(-1, 12), plane_start=np.arange(planes) * blocks, rows_per_block=1)
+    dst = PlaneRows(dst_mem.view(-1, 12), plane_start=np.arange(planes) * blocks,
+                    plane_step=np.ones(planes, dtype=np.int64), rows_per_block=1)
     assert src.block_bytes == dst.block_bytes == planes * block
     src_ids, dst_ids = np.array([7, 0, 3, 9, 4]), np.array([1, 2, 8, 0, 5])
     copy_blocks(src, dst, src_ids, dst_ids, max_staging_bytes=2 * src.block_bytes)  # three parts
@@ -294,6 +299,40 @@ def test_copy_blocks_moves_every_planes_blocks_in_parts():
                 assert np.array_equal(got, src_bytes[p * gap + s * block:p * gap + (s + 1) * block])
             else:
                 assert not got.any(), "a block no job named was written"
+
+
+def test_plane_rows_of_a_block_major_tier_copy_what_the_dma_path_copies(kv_first, factor):
+    """The copy kernels' view of the CPU tier (its planes strided, one kernel block of
+    every layer apart), built over host memory: the same two kernels move, per job,
+    the bytes the DMA path moves."""
+    from tiered_kv.zero_copy import PlaneRows, copy_blocks
+
+    layout, gpu, host, handlers = setup(kv_first, factor)
+    store = handlers.gpu_to_cpu_handler
+    assert len(store._dst_groups) == 1, "the DMA path moves a run of slots of every plane at once"
+    assert len(store._src_groups) == len(store._src), "separate layers' planes move one at a time"
+    device_rows = PlaneRows.of(store._src, torch.device("cpu"))
+    host_rows = PlaneRows.of(store._dst, torch.device("cpu"))
+    assert device_rows is None, "the stand-in device's layers are separate allocations"
+    assert host_rows.plane_step[0] * host_rows.slice_bytes == layout.bytes_per_block // factor
+    assert len(set(host_rows.plane_step.tolist())) == 1 and host_rows.rows_per_block == 1
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in gpu])  # the layers in one allocation
+    sizes = [t.numel() * t.element_size() for t in gpu]
+    one = [flat[a:a + n].view(t.dtype).view(t.shape) for a, n, t in zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, gpu)]
+    device_rows = PlaneRows.of([p for t, l in zip(one, layout.layers) for p in kv_planes(t, l.kv_before_num_blocks)],
+                               torch.device("cpu"))
+    gpu_ids = np.random.default_rng(5).choice(layout.num_gpu_blocks, size=3 * factor, replace=False)
+    slots = np.array([4, 1, 2])
+    copy_blocks(device_rows, host_rows, gpu_ids, expand_block_ids(slots, factor))
+    want = torch.empty((3, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(gpu, layout, gpu_ids.reshape(3, factor), want)
+    assert torch.equal(host.slot_rows[slots], want)
+    back = torch.zeros_like(flat)
+    zeroed = PlaneRows(back.view(device_rows.rows.dtype).view(device_rows.rows.shape), device_rows.plane_start,
+                       device_rows.plane_step, device_rows.rows_per_block)
+    copy_blocks(host_rows, zeroed, expand_block_ids(slots, factor), gpu_ids)
+    assert torch.equal(back.view(-1, device_rows.slice_bytes)[device_rows.index(gpu_ids)],
+                       flat.view(-1, device_rows.slice_bytes)[device_rows.index(gpu_ids)])
 
 
 def test_copy_kernels_need_a_device_that_maps_the_host_tier():

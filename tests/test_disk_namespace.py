@@ -92,6 +92,23 @@ def test_other_fingerprint_is_never_served_and_names_the_field(tmp_path):
     assert any("hash_seed" in line for line in explain_other_namespaces(tmp_path, fingerprint(layout, hash_seed="7")))
 
 
+def test_a_cache_in_the_old_block_order_is_never_served(tmp_path):
+    """Before ``block_order``, a block of several GPU blocks was stored layer by layer;
+    such a cache (a manifest without the field) is refused, naming it. With one GPU
+    block per block the order never changed: the record and the namespace id do not
+    mention it."""
+    assert "block_order" not in fingerprint(small_layout()).to_dict()
+    layout = small_layout(factor=2)
+    new = fingerprint(layout)
+    assert new.block_order == "kernel_blocks"
+    ns = Namespace.open(tmp_path, new, layout, num_slots=4)
+    manifest = json.loads((ns.path / "manifest.json").read_text())
+    del manifest["fingerprint"]["block_order"]
+    (ns.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FingerprintMismatchError, match="block_order: 'kernel_blocks' here, None in the cache"):
+        Namespace.open(tmp_path, new, layout, num_slots=4)
+
+
 def test_bad_paths_give_clear_errors(tmp_path):
     layout = small_layout()
     fp = fingerprint(layout)

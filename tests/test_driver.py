@@ -69,8 +69,7 @@ def test_verification_catches_corrupted_host_memory():
     workload = shared_prefix_workload(40, num_prefixes=3, prefix_blocks=4, suffix_blocks=(1, 2), seed=1)
     driver.run(workload.requests[:20])
     assert driver.report.mismatches == 0
-    for t in spec.host.tensors:          # a bit flip in every CPU slot
-        t.view(torch.uint8).reshape(-1)[::997] ^= 1
+    spec.host.slot_rows.view(-1)[::997] ^= 1  # a bit flip in every CPU slot
     # Evict the device copies so the next requests must load from the CPU tier.
     for i in range(30):
         driver.run_request([bytes([i]) * 16])

@@ -16,16 +16,13 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def reference_block_bytes(tensors, layout, kernel_ids) -> bytes:
-    """The documented byte order of one offloaded block, built block by block."""
+    """The documented byte order of one offloaded block, built piece by piece: kernel
+    blocks in turn, each one's layers in layout order, K before V."""
     parts = []
-    for tensor, layer in zip(tensors, layout.layers):
-        if layer.kv_before_num_blocks:
-            for kv in (0, 1):
-                for k in kernel_ids:
-                    parts.append(tensor[kv, k].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
-        else:
-            for k in kernel_ids:
-                parts.append(tensor[k].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    for k in kernel_ids:
+        for tensor, layer in zip(tensors, layout.layers):
+            for plane in (tensor[0, k], tensor[1, k]) if layer.kv_before_num_blocks else (tensor[k],):
+                parts.append(plane.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
     return b"".join(parts)
 
 
@@ -186,14 +183,30 @@ def test_pageable_buffers_are_aligned_and_large_ones_get_huge_pages():
     assert anon_huge_pages_kib(big.data_ptr()) >= 2048, "an advised 2 MiB-aligned range got no huge page"
 
 
+def test_the_host_cache_is_block_major_each_slot_its_packed_block(kv_first, factor):
+    """A slot's row of the tier's one allocation is exactly what the codec packs from the
+    layer views for that slot, and the disk tier sees it as one piece."""
+    layout = make_layout(kv_first, block_size_factor=factor, head_dim=16)
+    host = HostKVCache(layout, 6, pin=False)
+    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=6 * factor, seed=12)):
+        t.copy_(r)
+        assert tuple(t.shape) == tuple(r.shape) and torch.equal(as_bytes(t), as_bytes(r))
+    assert tuple(host.slot_rows.shape) == (6, layout.bytes_per_block)
+    assert host.slot_rows.is_contiguous() and host.nbytes == 6 * layout.bytes_per_block
+    packed = torch.empty((6, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(host.tensors, layout, host.kernel_ids(range(6)), packed)
+    assert torch.equal(packed, host.slot_rows)
+    views = SlotViews(host.tensors, layout)
+    assert views.pieces_per_slot == 1
+    assert bytes(views.pieces(4)[0]) == bytes(host.slot_rows[4].numpy())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the pageable CPU tier")
-def test_pageable_host_cache_layers_start_on_huge_page_boundaries():
+def test_a_large_pageable_host_cache_starts_on_a_huge_page():
     from tiered_kv.device import HUGE_PAGE
     layout = make_layout(True)
-    host = HostKVCache(layout, len(layout.layers) * HUGE_PAGE // layout.bytes_per_block + 1)
-    large = [t for t in host.tensors if t.numel() * t.element_size() >= HUGE_PAGE]
-    assert large, "the cache was sized for layer tensors of at least 2 MiB"
-    assert all(t.data_ptr() % HUGE_PAGE == 0 for t in large)
+    host = HostKVCache(layout, HUGE_PAGE // layout.bytes_per_block + 1)
+    assert host.slot_rows.data_ptr() % HUGE_PAGE == 0
 
 
 def mapping_holding(address: int) -> tuple[int, int] | None:
@@ -455,7 +468,7 @@ def test_slot_views_are_the_packed_bytes_in_place(kv_first, factor):
     out2 = torch.empty((1, layout.bytes_per_block), dtype=torch.uint8)
     pack_blocks(host.tensors, layout, host.kernel_ids([2]), out2)
     assert bytes(out2[0, :4].numpy()) == b"\x01\x02\x03\x04"
-    assert all(t.data_ptr() % 4096 == 0 for t in host.tensors), "host tensors start page-aligned"
+    assert host.slot_rows.data_ptr() % 4096 == 0, "the tier starts page-aligned"
 
 
 @pytest.mark.parametrize("kv_first", [True, False])
@@ -479,6 +492,21 @@ def test_slot_views_pack_and_unpack_as_the_codec_does(kv_first, factor):
     assert not untouched.any(), "slots not named were written"
 
 
+@pytest.mark.parametrize("factor", [1, 2])
+def test_slot_views_of_per_layer_tensors_are_the_packed_bytes(kv_first, factor):
+    layout = make_layout(kv_first, block_size_factor=factor, head_dim=16)
+    tensors = per_layer_tensors(layout, 4 * factor)
+    for t, r in zip(tensors, random_tensors(layout, num_blocks=4 * factor, seed=13)):
+        t.copy_(r)
+    views = SlotViews(tensors, layout)
+    planes = sum(2 if layer.kv_before_num_blocks else 1 for layer in layout.layers)
+    assert views.pieces_per_slot == planes * factor  # per plane and kernel block: none lie end to end
+    packed = torch.empty((4, layout.bytes_per_block), dtype=torch.uint8)
+    pack_blocks(tensors, layout, expand_block_ids(range(4), factor).reshape(-1, factor), packed)
+    for slot in range(4):
+        assert b"".join(bytes(p) for p in views.pieces(slot)) == bytes(packed[slot].numpy())
+
+
 @pytest.mark.parametrize("pad", [0, 3], ids=["word-rows", "odd-rows"])
 @pytest.mark.parametrize("slots", [[1, 2, 3, 0], [0, 1, 2, 3, 4], [4, 0, 1]])
 def test_slot_views_pack_matches_the_codec_for_runs_and_scattered_slots(slots, pad):
@@ -492,6 +520,18 @@ def test_slot_views_pack_matches_the_codec_for_runs_and_scattered_slots(slots, p
         views.pack(slots, ours[:, :layout.bytes_per_block - 1])
 
 
+def per_layer_tensors(layout, num_slots: int) -> list[torch.Tensor]:
+    """Host tensors as an engine may hand them over: each layer a contiguous tensor,
+    back to back in one allocation, each starting on a page."""
+    shapes = [((2, num_slots) if layer.kv_before_num_blocks else (num_slots,)) + tuple(layer.block_shape)
+              for layer in layout.layers]
+    sizes = [int(np.prod(shape)) * layout.element_size for shape in shapes]
+    starts = np.concatenate(([0], np.cumsum([-(-size // 4096) * 4096 for size in sizes])))
+    flat = torch.empty(int(starts[-1]), dtype=torch.uint8)
+    return [flat[start:start + size].view(layout.dtype).view(shape)
+            for start, size, shape in zip(starts.tolist(), sizes, shapes)]
+
+
 @pytest.mark.parametrize("pad", [0, 4096, 3], ids=["rows", "padded-rows", "odd-rows"])
 @pytest.mark.parametrize("kv_first", [True, False], ids=["kv-first", "kv-after"])
 def test_scattered_slots_of_alike_layers_pack_a_block_at_a_time_as_the_codec_does(kv_first, pad):
@@ -500,16 +540,16 @@ def test_scattered_slots_of_alike_layers_pack_a_block_at_a_time_as_the_codec_doe
     # (``_blocks``). With 5, a layer's K and V planes lie closer than one layer's V and
     # the next layer's K (a page apart), and each plane is gathered on its own. Rows of
     # an odd length take that way too.
-    layout = make_layout(kv_first, block_size_factor=2)
-    host = HostKVCache(layout, 16, pin=False)
-    for t, r in zip(host.tensors, random_tensors(layout, num_blocks=16 * 2, seed=8)):
+    layout = make_layout(kv_first, block_size_factor=1)
+    tensors = per_layer_tensors(layout, 16)
+    for t, r in zip(tensors, random_tensors(layout, num_blocks=16, seed=8)):
         t.copy_(r)
-    views = SlotViews(host.tensors, layout)
+    views = SlotViews(tensors, layout)
     assert views._blocks is not None
     if kv_first:
-        assert SlotViews(HostKVCache(layout, 5, pin=False).tensors, layout)._blocks is None
+        assert SlotViews(per_layer_tensors(layout, 5), layout)._blocks is None
     slots = [9, 2, 15, 0, 7]
     ours, codec = (torch.zeros((len(slots), layout.bytes_per_block + pad), dtype=torch.uint8) for _ in range(2))
     views.pack(slots, ours)
-    pack_blocks(host.tensors, layout, host.kernel_ids(slots), codec)
+    pack_blocks(tensors, layout, np.array(slots).reshape(-1, 1), codec)
     assert torch.equal(ours, codec)

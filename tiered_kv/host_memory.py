@@ -1,19 +1,23 @@
 """Host (CPU-tier) KV memory and the block byte codec shared by the tiers.
 
-Worker process. ``HostKVCache`` allocates, per layer, a host tensor (all in one
-allocation) shaped like the device layer but with ``num_blocks = num_slots *
-block_size_factor`` (CPU slot ``s`` is kernel blocks ``s*f .. s*f+f-1``, the seed's
-``expand_block_ids`` semantics), pinned when CUDA is present and pageable otherwise
-(logged once, see ``tiered_kv.device``). A tier larger than the memory the process may
-use (RAM or the cgroup limit) is refused before anything is allocated; a pinned
-allocation that fails (locked-memory limits) falls back to pageable memory with a
-warning saying what to change.
+Worker process. ``HostKVCache`` holds ``num_slots`` offloaded blocks *block-major*:
+one allocation of ``num_slots`` rows, each slot's row its block's bytes in the codec's
+byte order, so a slot is one contiguous piece of memory that the disk tier writes and
+reads as it lies. Each layer is still seen as a tensor shaped like the device layer
+(``num_blocks = num_slots * block_size_factor``; CPU slot ``s`` is kernel blocks
+``s*f .. s*f+f-1``, the seed's ``expand_block_ids`` semantics): a strided view whose
+kernel-block rows lie one kernel block of all layers apart. The memory is pinned when
+CUDA is present and pageable otherwise (logged once, see ``tiered_kv.device``). A tier
+larger than the memory the process may use (RAM or the cgroup limit) is refused before
+anything is allocated; a pinned allocation that fails (locked-memory limits) falls back
+to pageable memory with a warning saying what to change.
 
 ``pack_blocks`` / ``unpack_blocks`` turn offloaded blocks into flat bytes and back, so
 the disk tier can write whole blocks from any per-layer tensors (device or host). Byte
-order of one offloaded block: layers in layout order; within a layer whose KV
-dimension comes before num_blocks, ``[K of kernel blocks 0..f-1][V of kernel blocks
-0..f-1]``, otherwise kernel blocks ``0..f-1`` each whole. Both loop over layers only.
+order of one offloaded block: its kernel blocks ``0..f-1`` one after the other; within
+a kernel block, layers in layout order, and within a layer whose KV dimension comes
+before num_blocks, K then V. With one kernel block per offloaded block (``f = 1``, the
+default) that is layers in layout order, K before V. Both loop over layers only.
 
 No file I/O here; only memory allocation, tensor copies and reading the memory limit.
 """
@@ -60,19 +64,22 @@ def kv_planes(tensor: torch.Tensor, kv_before_num_blocks: bool) -> list[torch.Te
     """``tensor``'s kernel blocks as 2-D uint8 views ``(num_blocks, B)`` sharing its
     memory: ``[K, V]`` when the KV dimension comes first (B = bytes of one kernel block
     of K), else one plane (B = bytes of one whole kernel block). Every row is contiguous,
-    so per-plane ``index_select``/``index_copy_`` move whole blocks. Raises
-    ``ValueError`` if ``tensor`` is not contiguous or not ``(2, num_blocks, ...)`` when
-    the KV dimension comes first."""
-    if not tensor.is_contiguous():
-        raise ValueError(f"KV tensor must be contiguous (shape {tuple(tensor.shape)}, "
-                         f"stride {tensor.stride()})")
-    if kv_before_num_blocks:
-        if tensor.dim() < 2 or tensor.shape[0] != 2:
-            raise ValueError(f"KV tensor with the KV dimension first must have shape "
-                             f"(2, num_blocks, ...); got {tuple(tensor.shape)}")
-        both = tensor.reshape(2, tensor.shape[1], -1).view(torch.uint8)
-        return [both[0], both[1]]
-    return [tensor.reshape(tensor.shape[0], -1).view(torch.uint8)]
+    so per-plane ``index_select``/``index_copy_`` move whole blocks; rows may lie any
+    distance apart (a block-major ``HostKVCache``'s layers are strided views). Raises
+    ``ValueError`` if a kernel block of ``tensor`` is not contiguous, or ``tensor`` is
+    not ``(2, num_blocks, ...)`` when the KV dimension comes first."""
+    if kv_before_num_blocks and (tensor.dim() < 2 or tensor.shape[0] != 2):
+        raise ValueError(f"KV tensor with the KV dimension first must have shape "
+                         f"(2, num_blocks, ...); got {tuple(tensor.shape)}")
+    try:
+        rows = tensor.view(2, tensor.shape[1], -1) if kv_before_num_blocks else tensor.view(tensor.shape[0], -1)
+        rows = rows.view(torch.uint8)
+        if rows.stride(-1) == 1 or rows.shape[-1] == 1:
+            return [rows[0], rows[1]] if kv_before_num_blocks else [rows]
+    except RuntimeError:
+        pass
+    raise ValueError(f"each kernel block of a KV tensor must be contiguous (shape "
+                     f"{tuple(tensor.shape)}, stride {tensor.stride()})")
 
 
 def as_words(rows: torch.Tensor) -> torch.Tensor:
@@ -87,9 +94,10 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def scatter_rows(plane: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """``plane[index[i]] = rows[i]`` for 2-D uint8 ``plane`` and ``rows`` (same row
-    length; ``rows`` on any device, copied to ``plane``'s if needed). Rows of a strided
-    view (e.g. a column range of a staging buffer) are read in place, not copied first."""
+    """``plane[index[i]] = rows[i]`` for uint8 ``plane`` and ``rows`` of the same shape
+    past dim 0 (``rows`` on any device, copied to ``plane``'s if needed). Rows of a
+    strided view (e.g. a column range of a staging buffer) are read in place, not
+    copied first."""
     if rows.device != plane.device or rows.stride(-1) != 1:
         rows = rows.to(plane.device).contiguous()
     words_plane, words_rows = _same_words(plane, rows)
@@ -133,9 +141,9 @@ def _check_codec_args(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
 def _whole_groups(ids: np.ndarray, tensors: Sequence[torch.Tensor], layout: KVCacheLayout) -> np.ndarray | None:
     """For ``ids`` whose every row is one aligned group of kernel blocks
     (``g*f .. g*f+f-1``, no skips; always so for CPU-tier slots), the group numbers
-    ``g``, else None. Then each plane can be viewed as ``(num_blocks/f, f*B)`` and a
-    block moves as one row straight between that view and the packed buffer, with no
-    temporary in between."""
+    ``g``, else None. Then each plane can be viewed as ``(num_blocks/f, f, B)`` and a
+    block's kernel blocks move in one row straight between that view and the packed
+    buffer, with no temporary in between."""
     f = layout.block_size_factor
     first = ids[:, 0]
     if (first < 0).any() or (first % f).any():
@@ -145,6 +153,20 @@ def _whole_groups(ids: np.ndarray, tensors: Sequence[torch.Tensor], layout: KVCa
     if any(t.shape[1 if layer.kv_before_num_blocks else 0] % f for t, layer in zip(tensors, layout.layers)):
         return None
     return first // f
+
+
+def _block_planes(tensors: Sequence[torch.Tensor], layout: KVCacheLayout, packed: torch.Tensor):
+    """Per plane of every layer (layout order, K before V): the plane ``(num_blocks, B)``
+    and its bytes in every packed row, ``(N, f, B)``: kernel block ``j``'s copy of the
+    plane, at the plane's offset within a kernel block's bytes (the codec's byte order)."""
+    n, f = packed.shape[0], layout.block_size_factor
+    kernel_rows = packed[:, :layout.bytes_per_block].view(n, f, layout.bytes_per_block // f)
+    offset = 0
+    for tensor, layer in zip(tensors, layout.layers):
+        for plane in _layer_planes(tensor, layer):
+            width = plane.shape[1]
+            yield plane, kernel_rows[:, :, offset:offset + width]
+            offset += width
 
 
 def _same_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +192,8 @@ class _Index:
 def pack_blocks(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
                 block_ids: np.ndarray, out: torch.Tensor) -> None:
     """Copy N offloaded blocks from per-layer ``tensors`` into ``out`` (uint8, shape
-    ``(N, stride)``, ``stride >= layout.bytes_per_block``), one row per block.
+    ``(N, stride)``, ``stride >= layout.bytes_per_block``), one row per block, in the
+    module's byte order.
 
     ``block_ids`` is int64 ``(N, block_size_factor)`` of kernel block ids; -1 skips that
     kernel block (its bytes in ``out`` are left as they were). Bytes past
@@ -184,30 +207,21 @@ def pack_blocks(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
     groups = _whole_groups(ids, tensors, layout)
     if groups is not None and all(t.device == out.device for t in tensors):
         index = _Index(groups)
-        offset = 0
-        for tensor, layer in zip(tensors, layout.layers):
-            for plane in _layer_planes(tensor, layer):
-                width = f * plane.shape[1]
-                src, dst = _same_words(plane.view(plane.shape[0] // f, width), out[:, offset:offset + width])
-                torch.index_select(src, 0, index.on(out.device), out=dst)  # gathers into the strided rows
-                offset += width
+        for plane, dst in _block_planes(tensors, layout, out):
+            src, dst = _same_words(plane.view(plane.shape[0] // f, f, plane.shape[1]), dst)
+            torch.index_select(src, 0, index.on(out.device), out=dst)  # gathers into the strided rows
         return
     flat = ids.reshape(-1)
     skip = flat < 0
     any_skip = bool(skip.any())
     index = _Index(np.where(skip, 0, flat))
     keep = torch.from_numpy(~skip.reshape(n, f)).to(out.device) if any_skip else None
-    offset = 0
-    for tensor, layer in zip(tensors, layout.layers):
-        for plane in _layer_planes(tensor, layer):
-            kernel_bytes = plane.shape[1]
-            gathered = plane.index_select(0, index.on(plane.device)).view(n, f, kernel_bytes)
-            dst = out[:, offset:offset + f * kernel_bytes].view(n, f, kernel_bytes)
-            if keep is None:
-                dst.copy_(gathered)
-            else:
-                dst[keep] = gathered.to(out.device)[keep]
-            offset += f * kernel_bytes
+    for plane, dst in _block_planes(tensors, layout, out):
+        gathered = plane.index_select(0, index.on(plane.device)).view(n, f, plane.shape[1])
+        if keep is None:
+            dst.copy_(gathered)
+        else:
+            dst[keep] = gathered.to(out.device)[keep]
 
 
 def unpack_blocks(src: torch.Tensor, tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
@@ -223,39 +237,32 @@ def unpack_blocks(src: torch.Tensor, tensors: Sequence[torch.Tensor], layout: KV
     groups = _whole_groups(ids, tensors, layout)
     if groups is not None:
         index = _Index(groups)
-        offset = 0
-        for tensor, layer in zip(tensors, layout.layers):
-            for plane in _layer_planes(tensor, layer):
-                width = f * plane.shape[1]
-                scatter_rows(plane.view(plane.shape[0] // f, width), index.on(plane.device),
-                             src[:, offset:offset + width])
-                offset += width
+        for plane, rows in _block_planes(tensors, layout, src):
+            scatter_rows(plane.view(plane.shape[0] // f, f, plane.shape[1]), index.on(plane.device), rows)
         return
     flat = ids.reshape(-1)
     kept = flat >= 0
     all_kept = bool(kept.all())
     index = _Index(flat if all_kept else flat[kept])
     keep = None if all_kept else torch.from_numpy(kept).to(src.device)
-    offset = 0
-    for tensor, layer in zip(tensors, layout.layers):
-        for plane in _layer_planes(tensor, layer):
-            kernel_bytes = plane.shape[1]
-            rows = src[:, offset:offset + f * kernel_bytes].reshape(n * f, kernel_bytes)
-            scatter_rows(plane, index.on(plane.device), rows if keep is None else rows[keep])
-            offset += f * kernel_bytes
+    for plane, rows in _block_planes(tensors, layout, src):
+        rows = rows.reshape(n * f, plane.shape[1])
+        scatter_rows(plane, index.on(plane.device), rows if keep is None else rows[keep])
 
 
 class SlotViews:
     """Each CPU slot's bytes where they lie in the host tensors, for vectored disk I/O
-    without a staging copy: one contiguous piece per plane (layers in layout order, K
-    before V), which is ``pack_blocks``' byte order. Raises ``ValueError`` for tensors
-    that are not contiguous host tensors of ``layout``."""
+    without a staging copy: its pieces in ``pack_blocks``' byte order (per kernel block,
+    one piece per plane), pieces that lie end to end in memory joined. A block-major
+    ``HostKVCache``'s slot is then one piece; per-layer tensors give one piece per plane
+    (per plane and kernel block when ``block_size_factor > 1``). Raises ``ValueError``
+    for tensors that are not host tensors of ``layout`` with contiguous kernel blocks."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: KVCacheLayout):
         if len(tensors) != len(layout.layers):
             raise ValueError(f"expected {len(layout.layers)} layer tensors, got {len(tensors)}")
         f = layout.block_size_factor
-        self._rows: list[np.ndarray] = []  # per plane: (num_slots, f * B) bytes
+        planes: list[np.ndarray] = []  # (num_kernel_blocks, B) bytes
         for tensor, layer in zip(tensors, layout.layers):
             if tensor.device.type != "cpu":
                 raise ValueError(f"layer {layer.name!r}: slot views need host tensors, got {tensor.device}")
@@ -263,11 +270,13 @@ class SlotViews:
                 if plane.shape[0] % f:
                     raise ValueError(f"layer {layer.name!r}: {plane.shape[0]} kernel blocks are not whole "
                                      f"slots of {f}")
-                self._rows.append(plane.reshape(plane.shape[0] // f, f * plane.shape[1]).numpy())
+                planes.append(plane.numpy())
+        self._keep = planes  # the memory of joined pieces, which as_strided does not hold
+        self._rows = _joined([plane[j::f] for j in range(f) for plane in planes])
 
     @classmethod
     def from_rows(cls, rows: Sequence[np.ndarray]) -> "SlotViews":
-        """Views over ``rows`` (per plane: ``(num_slots, piece_bytes)`` uint8 arrays, in
+        """Views over ``rows`` (per piece: ``(num_slots, piece_bytes)`` uint8 arrays, in
         block byte order), e.g. the same host cache mapped by another process."""
         views = cls.__new__(cls)
         views._rows = list(rows)
@@ -275,7 +284,7 @@ class SlotViews:
 
     @property
     def rows(self) -> list[np.ndarray]:
-        """Per plane, every slot's piece: ``(num_slots, piece_bytes)`` uint8."""
+        """Per piece, every slot's: ``(num_slots, piece_bytes)`` uint8."""
         return list(self._rows)
 
     @property
@@ -296,16 +305,17 @@ class SlotViews:
 
     def pieces(self, slot: int) -> list[memoryview]:
         """Writable views of slot ``slot``'s bytes, in block byte order (slices of the
-        planes' byte views: no numpy object per piece, under half the cost)."""
-        return [view[slot * stride:slot * stride + width] for view, stride, width in self._plane_views]
+        pieces' byte views: no numpy object per piece, under half the cost)."""
+        return [view[slot * stride:slot * stride + width] for view, stride, width in self._piece_views]
 
     def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
         slot_bytes)``), one block per row in block byte order: what ``pack_blocks``
         makes of those slots, in one ``torch._foreach_copy_`` call of 8-byte words where
-        the memory allows, which gives the GIL up once: runs of consecutive slots a plane
+        the memory allows, which gives the GIL up once: runs of consecutive slots a piece
         at a time, scattered slots a block at a time (``_blocks``). A numpy copy per
-        plane gave the GIL up 64 times per chunk of 0.5 MiB blocks, and beside a busy
+        piece gave the GIL up 64 times per chunk of 0.5 MiB blocks (a per-layer tier's
+        64 planes), and beside a busy
         Python thread each time waited up to the 5 ms switch interval to take it back:
         there, 0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.79 this way,
         and idle as fast; from scattered slots 0.19 that way (0.63 idle), 0.71 this way
@@ -313,17 +323,17 @@ class SlotViews:
         other direction copies piece by piece instead."""
         self._check_packed(slots, out)
         index, runs = _slot_runs(slots)
-        rows, word = out.numpy(), self._planes[0].element_size()
+        rows, word = out.numpy(), self._words[0].element_size()
         if runs is not None:
-            planes, dst = self._planes, _numpy_words(rows, word)
+            pieces, dst = self._words, _numpy_words(rows, word)
             if dst is None:  # rows of another alignment: move bytes
-                planes, dst = self._byte_planes, out
+                pieces, dst = self._byte_pieces, out
             outs, ins, offset = [], [], 0
-            for plane in planes:
-                width = plane.shape[1]
+            for piece in pieces:
+                width = piece.shape[1]
                 for first, end, slot in runs:
                     outs.append(dst[first:end, offset:offset + width])
-                    ins.append(plane[slot:slot + end - first])
+                    ins.append(piece[slot:slot + end - first])
                 offset += width
             torch._foreach_copy_(outs, ins)
             return
@@ -333,7 +343,7 @@ class SlotViews:
             dst = _numpy_words(np.lib.stride_tricks.as_strided(
                 rows, shape=(len(index), count, width), strides=(rows.strides[0], width, 1)), word)
             if dst is not None:
-                step = max(1, _SERIAL_COPY_WORDS // blocks.shape[2])  # planes per copy
+                step = max(1, _SERIAL_COPY_WORDS // blocks.shape[2])  # pieces per copy
                 outs, ins = [], []
                 for i, slot in enumerate(index.tolist()):
                     for p in range(0, count, step):
@@ -342,16 +352,16 @@ class SlotViews:
                 torch._foreach_copy_(outs, ins)
                 return
         offset = 0
-        for plane in self._rows:
-            width = plane.shape[1]
-            np.take(plane, index, axis=0, out=rows[:, offset:offset + width])
+        for piece in self._rows:
+            width = piece.shape[1]
+            np.take(piece, index, axis=0, out=rows[:, offset:offset + width])
             offset += width
 
     def unpack(self, src: torch.Tensor, slots: Sequence[int]) -> None:
         """Inverse of ``pack``: write the rows of ``src`` into slots ``slots``, piece by
         piece, as memoryview slice assignments. These keep the GIL. A numpy copy gives it
         up, and beside a thread running Python it waits up to the 5 ms switch interval to
-        take it back, once per copy: 64 per chunk of 0.5 MiB blocks. Unpacking runs on the
+        take it back, once per copy: 64 per chunk of 0.5 MiB blocks of a per-layer tier. Unpacking runs on the
         disk threads of an engine worker, beside such a thread; there, this made the
         handler's 0.5 MiB reads 5 times faster. Packing gained little that way and lost
         when idle, as do small pieces here: each copy costs about a microsecond of Python
@@ -359,7 +369,7 @@ class SlotViews:
         self._check_packed(slots, src)
         flat = memoryview(src.numpy()).cast("B")
         slots, stride, offset = [int(s) for s in slots], src.shape[1], 0
-        for view, row_stride, width in self._plane_views:
+        for view, row_stride, width in self._piece_views:
             for i, slot in enumerate(slots):
                 here, at = slot * row_stride, i * stride + offset
                 view[here:here + width] = flat[at:at + width]
@@ -371,27 +381,27 @@ class SlotViews:
                              f"got {tuple(packed.shape)}")
 
     @cached_property
-    def _byte_planes(self) -> list[torch.Tensor]:
-        """The planes' rows as uint8 tensors (sharing their memory)."""
+    def _byte_pieces(self) -> list[torch.Tensor]:
+        """The pieces' rows as uint8 tensors (sharing their memory)."""
         return [torch.from_numpy(rows) for rows in self._rows]
 
     @cached_property
-    def _planes(self) -> list[torch.Tensor]:
-        """``_byte_planes`` as 8-byte words where every plane allows it. A CPU copy of a
+    def _words(self) -> list[torch.Tensor]:
+        """``_byte_pieces`` as 8-byte words where every piece allows it. A CPU copy of a
         run of 16 slots' pieces is then 16384 elements, under torch's grain size, so it
         runs on the calling thread: as bytes it was split across the intra-op threads,
         at twice the CPU."""
         words = [_numpy_words(rows, 8) for rows in self._rows]
         if any(w is None for w in words):
-            return self._byte_planes
+            return self._byte_pieces
         return words
 
     @cached_property
     def _blocks(self) -> torch.Tensor | None:
-        """Every plane at once, ``(num_slots, planes, piece)`` in ``_planes``' words, so
-        that ``[s]`` is slot ``s``'s block: where the planes have one shape and lie at
-        equal distances in one allocation (``HostKVCache``'s, when its layers are
-        alike). None otherwise."""
+        """Every piece at once, ``(num_slots, pieces, piece)`` in ``_words``' words, so
+        that ``[s]`` is slot ``s``'s block: where the pieces have one shape and lie at
+        equal distances in one allocation (a block-major ``HostKVCache``'s one piece, or
+        per-layer tensors of alike layers back to back). None otherwise."""
         first = self._rows[0]
         if any(r.shape != first.shape or r.strides != first.strides for r in self._rows):
             return None
@@ -401,11 +411,11 @@ class SlotViews:
             return None
         every = np.lib.stride_tricks.as_strided(first, shape=(first.shape[0], len(self._rows), first.shape[1]),
                                                 strides=(first.strides[0], gap, 1))
-        return _numpy_words(every, self._planes[0].element_size())
+        return _numpy_words(every, self._words[0].element_size())
 
     @cached_property
-    def _plane_views(self) -> list[tuple[memoryview, int, int]]:
-        """Per plane: one byte view from its first slot's piece to its last's, the
+    def _piece_views(self) -> list[tuple[memoryview, int, int]]:
+        """Per piece: one byte view from its first slot's piece to its last's, the
         distance between two slots' pieces in it, and a piece's length."""
         return [(memoryview(np.lib.stride_tricks.as_strided(
                     rows, shape=((rows.shape[0] - 1) * rows.strides[0] + rows.shape[1],), strides=(1,))),
@@ -429,6 +439,21 @@ def _numpy_words(a: np.ndarray, size: int) -> torch.Tensor | None:
     return torch.from_numpy(a.view(np.dtype(f"i{size}")))
 
 
+def _joined(pieces: list[np.ndarray]) -> list[np.ndarray]:
+    """``pieces`` (each ``(num_slots, width)``, rows a fixed distance apart), with every
+    run of pieces that lie end to end in memory, at one distance between slots, made
+    one wider piece."""
+    out = [pieces[0]]
+    for piece in pieces[1:]:
+        last = out[-1]
+        if piece.strides[0] == last.strides[0] and piece.ctypes.data == last.ctypes.data + last.shape[1]:
+            out[-1] = np.lib.stride_tricks.as_strided(last, shape=(last.shape[0], last.shape[1] + piece.shape[1]),
+                                                      strides=last.strides)
+        else:
+            out.append(piece)
+    return out
+
+
 def _slot_runs(slots: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, int]] | None]:
     """``slots`` as an int64 array, and its runs of consecutive slots as ``(first row,
     end row, first slot)``; None when the runs average under two slots, and ``pack``
@@ -444,18 +469,46 @@ def _slot_runs(slots: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, i
     return index, list(zip(firsts, ends, index[firsts].tolist()))
 
 
-class HostKVCache:
-    """Per-layer host tensors holding ``num_slots`` offloaded blocks of ``layout``.
+def layer_views(flat: torch.Tensor, layout: KVCacheLayout, num_kernel_blocks: int) -> list[torch.Tensor]:
+    """Per layer of ``layout``, a view of ``flat`` (uint8, ``num_kernel_blocks`` kernel
+    blocks in the codec's byte order, one after the other) shaped like the device
+    layer with ``num_kernel_blocks`` blocks: kernel block rows ``bytes_per_block / f``
+    bytes apart, K and V (when the KV dimension comes first) one plane apart."""
+    kernel_bytes = layout.bytes_per_block // layout.block_size_factor
+    size = layout.element_size
+    if kernel_bytes % size or flat.data_ptr() % size:
+        raise ValueError(f"kernel blocks of {kernel_bytes} bytes at {flat.data_ptr():#x} are not whole "
+                         f"{layout.dtype} elements")
+    elements = flat.view(layout.dtype)
+    views, offset = [], 0
+    for layer in layout.layers:
+        block = math.prod(layer.block_shape)
+        inner = [math.prod(layer.block_shape[i + 1:]) for i in range(len(layer.block_shape))]
+        if layer.kv_before_num_blocks:
+            shape, stride = (2, num_kernel_blocks, *layer.block_shape), (block, kernel_bytes // size, *inner)
+        else:
+            shape, stride = (num_kernel_blocks, *layer.block_shape), (kernel_bytes // size, *inner)
+        views.append(elements.as_strided(shape, stride, elements.storage_offset() + offset))
+        offset += layer.elements_per_gpu_block
+    return views
 
-    ``tensors[i]`` matches ``layout.layers[i]`` with ``num_blocks = num_slots *
-    block_size_factor``; slot ``s`` is kernel blocks ``s*f .. s*f+f-1``. Memory is
-    pinned when CUDA is present (``pin=None``), else pageable (logged once); if pinning
-    fails it is pageable too, with a warning. ``pin=True`` or ``False`` demands that kind
-    and raises ``RuntimeError`` (with what to change) when it cannot be had.
-    ``shared=True`` puts it in shared memory (``tiered_kv.shared_memory``; pinned by
-    registering it with CUDA) so a disk I/O process can reach the slots. Raises
-    ``ConfigError`` naming cpu_bytes when the tier exceeds ``host_memory_limit()``.
-    Contents start uninitialised.
+
+class HostKVCache:
+    """``num_slots`` offloaded blocks of ``layout`` in host memory, block-major.
+
+    ``slot_rows`` is the whole tier, ``(num_slots, bytes_per_block)`` uint8: row ``s``
+    is slot ``s``'s block in the codec's byte order (``pack_blocks``), so one slot is
+    one contiguous piece. ``tensors[i]`` is a view of layer ``layout.layers[i]`` shaped
+    like the device layer with ``num_blocks = num_slots * block_size_factor``; slot
+    ``s`` is kernel blocks ``s*f .. s*f+f-1``, and consecutive kernel blocks of a layer
+    lie ``bytes_per_block / f`` bytes apart. Memory is pinned when CUDA is present
+    (``pin=None``), else pageable (logged once); if pinning fails it is pageable too,
+    with a warning. ``pin=True`` or ``False`` demands that kind and raises
+    ``RuntimeError`` (with what to change) when it cannot be had. ``shared=True`` puts
+    it in shared memory (``tiered_kv.shared_memory``; pinned by registering it with
+    CUDA) so a disk I/O process can reach the slots. Raises ``ConfigError`` naming
+    cpu_bytes when the tier exceeds ``host_memory_limit()``. Contents start
+    uninitialised.
     """
 
     def __init__(self, layout: KVCacheLayout, num_slots: int, pin: bool | None = None, shared: bool = False):
@@ -491,24 +544,16 @@ class HostKVCache:
         self.pinned = self.tensors[0].is_pinned()
 
     def _allocate(self, pin: bool | None) -> list[torch.Tensor]:
-        """The layers' tensors, back to back in one allocation, each starting on a page
-        (on a 2 MiB huge page from 2 MiB on: ``empty_pageable``). Where the layers are
-        alike, their planes then lie at equal distances, and ``SlotViews`` gathers any
-        slots from all of them in one call."""
-        kernel_blocks = self.num_slots * self.layout.block_size_factor
-        shapes = [((2, kernel_blocks) if layer.kv_before_num_blocks else (kernel_blocks,)) + tuple(layer.block_shape)
-                  for layer in self.layout.layers]
-        sizes = [math.prod(shape) * self.layout.dtype.itemsize for shape in shapes]
-        starts = [0]
-        for size in sizes:
-            align = HUGE_PAGE if size >= HUGE_PAGE else HOST_ALIGN
-            starts.append(starts[-1] + -(-size // align) * align)
+        """The tier's one allocation (starting on a page, or on a 2 MiB huge page from
+        2 MiB on: ``empty_pageable``) as ``slot_rows``, and the layers' views of it."""
+        layout = self.layout
         if self.shared:
-            flat = empty_shared(starts[-1], pin=pin if pin is not None else machine.can_pin_memory())
+            flat = empty_shared(self.num_slots * layout.bytes_per_block,
+                                pin=pin if pin is not None else machine.can_pin_memory())
         else:
-            flat = empty_host((starts[-1],), torch.uint8, pin)
-        return [flat[start:start + size].view(self.layout.dtype).view(shape)
-                for start, size, shape in zip(starts, sizes, shapes)]
+            flat = empty_host((self.num_slots * layout.bytes_per_block,), torch.uint8, pin)
+        self.slot_rows = flat.view(self.num_slots, layout.bytes_per_block)
+        return layer_views(flat, layout, self.num_slots * layout.block_size_factor)
 
     @staticmethod
     def slots_for_bytes(layout: KVCacheLayout, cpu_bytes: int) -> int:
@@ -527,7 +572,7 @@ class HostKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return self.slot_rows.numel()
 
     def kernel_ids(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
         """``(N, block_size_factor)`` kernel ids of ``slots``, the codec's ``block_ids``."""

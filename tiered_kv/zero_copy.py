@@ -75,50 +75,60 @@ def _word_dtype(nbytes: int) -> torch.dtype:
 
 
 class PlaneRows:
-    """The planes of one side of a transfer as rows of one CUDA tensor.
+    """The planes of one side of a transfer as rows of one tensor (CUDA, or a host view
+    in tests).
 
-    Build with ``of``. ``rows`` is a 2-D CUDA tensor (of the widest integer words that
-    divide a slice) whose row ``plane_start[p] + block * rows_per_block + j`` is the
-    ``j``-th slice of ``block`` in plane ``p``. ``index(block_ids)`` lists those rows
-    for every plane, plane by plane and block by block: gathering them and scattering
-    the result with another side's ``index`` of other blocks moves those blocks' bytes
-    across.
+    Build with ``of``. ``rows`` is a 2-D tensor (of the widest integer words that
+    divide a slice) whose row ``plane_start[p] + block * plane_step[p] + j`` is the
+    ``j``-th slice of ``block`` in plane ``p``, for ``j < rows_per_block``.
+    ``index(block_ids)`` lists those rows for every plane, plane by plane and block by
+    block: gathering them and scattering the result with another side's ``index`` of
+    other blocks moves those blocks' bytes across.
     """
 
-    def __init__(self, rows: torch.Tensor, plane_start: np.ndarray, rows_per_block: int):
+    def __init__(self, rows: torch.Tensor, plane_start: np.ndarray, plane_step: np.ndarray, rows_per_block: int):
         self.rows = rows
         self.plane_start = plane_start
+        self.plane_step = plane_step
         self.rows_per_block = rows_per_block
 
     @classmethod
     def of(cls, planes: Sequence[torch.Tensor], device: torch.device) -> "PlaneRows | None":
-        """``planes``: 2-D tensors of contiguous block rows, all of one row length, on
-        CUDA ``device`` or in pinned host memory mapped for it. None when a host plane
-        is not mapped, or the planes are mapped at different offsets from their host
-        addresses (several registrations that the device sees apart)."""
+        """``planes``: 2-D tensors of contiguous block rows, all of one row length, any
+        distance apart (a block-major host tier's planes are strided), on CUDA
+        ``device`` or in pinned host memory mapped for it. None when a host plane is not
+        mapped, or the planes are mapped at different offsets from their host addresses
+        (several registrations that the device sees apart). With ``device`` the CPU, the
+        rows are a view of host planes that share one storage (None where they do not)."""
         block_bytes = planes[0].shape[1] * planes[0].element_size()
-        host = planes[0].device.type == "cpu"
-        starts, shift = [], None
+        mapped_host = planes[0].device.type == "cpu" and device.type == "cuda"
+        starts, steps, shift = [], [], None
         for p in planes:
-            if p.shape[1] * p.element_size() != block_bytes or not p.is_contiguous():
-                raise ValueError("planes must be contiguous rows of one length")
+            if p.shape[1] * p.element_size() != block_bytes or p.stride(1) != 1:
+                raise ValueError("planes must be rows of one length, each contiguous")
             address = p.data_ptr()
-            if host:
+            if mapped_host:
                 mapped = device_address(address)
                 if mapped is None or (shift is not None and mapped - address != shift):
                     return None
                 shift = mapped - address
             starts.append(address)
+            steps.append(p.stride(0) * p.element_size())
         first = min(starts)
-        ends = max(s + p.shape[0] * block_bytes for s, p in zip(starts, planes))
+        end = max(s + (p.shape[0] - 1) * step + block_bytes for s, step, p in zip(starts, steps, planes))
         offsets = [s - first for s in starts]
-        slice_bytes = math.gcd(block_bytes, *offsets)
+        slice_bytes = math.gcd(block_bytes, *offsets, *steps)
         dtype = _word_dtype(slice_bytes)
-        words = slice_bytes // dtype.itemsize
-        with torch.cuda.device(device):
-            rows = torch.as_tensor(_ArrayInterface(first + (shift or 0), ((ends - first) // slice_bytes, words),
-                                                   dtype, list(planes)), device=device)
-        return cls(rows, np.array(offsets, dtype=np.int64) // slice_bytes, block_bytes // slice_bytes)
+        shape = ((end - first) // slice_bytes, slice_bytes // dtype.itemsize)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                rows = torch.as_tensor(_ArrayInterface(first + (shift or 0), shape, dtype, list(planes)), device=device)
+        else:
+            rows = _host_rows(planes, first, shape, dtype)
+            if rows is None:
+                return None
+        return cls(rows, np.array(offsets, dtype=np.int64) // slice_bytes,
+                   np.array(steps, dtype=np.int64) // slice_bytes, block_bytes // slice_bytes)
 
     @property
     def block_bytes(self) -> int:
@@ -132,10 +142,22 @@ class PlaneRows:
     def index(self, block_ids: np.ndarray) -> np.ndarray:
         """Row numbers of blocks ``block_ids`` of every plane (plane-major, then block,
         then slice)."""
-        firsts = self.plane_start[:, None] + np.asarray(block_ids, dtype=np.int64)[None, :] * self.rows_per_block
+        firsts = self.plane_start[:, None] + np.asarray(block_ids, dtype=np.int64)[None, :] * self.plane_step[:, None]
         if self.rows_per_block == 1:
             return firsts.ravel()
         return (firsts[:, :, None] + np.arange(self.rows_per_block)).ravel()
+
+
+def _host_rows(planes: Sequence[torch.Tensor], first: int, shape: tuple[int, int],
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """A host view of ``shape`` words of ``dtype`` from address ``first``, over the one
+    storage every plane lies in; None where they lie in several."""
+    storage = planes[0].untyped_storage()
+    if any(p.untyped_storage().data_ptr() != storage.data_ptr() for p in planes):
+        return None
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    start = first - storage.data_ptr()
+    return whole[start:start + shape[0] * shape[1] * dtype.itemsize].view(dtype).view(shape)
 
 
 #: Most device memory a copy takes for staging; larger jobs move in parts of this size.

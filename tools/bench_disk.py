@@ -28,16 +28,14 @@ bytes per measurement with the same number of I/O threads:
   the synced index transaction that makes a slot unloadable before it is overwritten
   (the case of a full cache reusing evicted slots). Loads read and verify every block.
 - handler: the whole worker path, a ``CpuDiskHandler`` moving blocks between a host KV
-  cache and the disk: with vectored I/O straight from/into the cache's memory where each
-  block's pieces (one per layer plane) are page-aligned and at least 32 KiB (2 and 8 MiB
-  here), else packed by the store into its pack buffers, 8 MiB at a time (and unpacked
-  on load). Each size's line says which ("vectored" or "packed"). A job's blocks come
-  from consecutive CPU slots, or, with ``--scattered-slots``, from slots in a shuffled
-  order, as from a CPU tier whose LRU has churned. ``--one-plane`` gives the host KV cache
-  the same bytes as a single plane, so each slot's block is contiguous (what a
-  block-major CPU tier would hand the handler). With ``--disk-io process`` both run
-  in the store's helper process (``tiered_kv.disk.io_process``), on a host cache in
-  shared memory.
+  cache (``HostKVCache``, block-major: each slot's block one contiguous piece) and the
+  disk: with vectored I/O straight from/into the cache's memory where each block's
+  pieces are page-aligned and at least 32 KiB (every size here), else packed by the
+  store into its pack buffers, 8 MiB at a time (and unpacked on load). Each size's line
+  says which ("vectored" or "packed"). A job's blocks come from consecutive CPU slots,
+  or, with ``--scattered-slots``, from slots in a shuffled order, as from a CPU tier
+  whose LRU has churned. With ``--disk-io process`` both run in the store's helper
+  process (``tiered_kv.disk.io_process``), on a host cache in shared memory.
 
 Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
@@ -232,16 +230,11 @@ def thp_mode() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
-def model_layout(block_bytes: int, one_plane: bool = False) -> KVCacheLayout:
+def model_layout(block_bytes: int) -> KVCacheLayout:
     """A Llama-8B-like geometry (32 layers, 8 KV heads, head dim 128, fp16: 128 KiB per
-    token) with 4-token GPU blocks, grouped into offloaded blocks of ``block_bytes``.
-    ``one_plane``: the same bytes per block as a single layer, so that each CPU slot's
-    block is contiguous, as a block-major CPU tier would hold it."""
+    token) with 4-token GPU blocks, grouped into offloaded blocks of ``block_bytes``."""
     per_gpu_block = 32 * 2 * 4 * 8 * 128 * 2
     factor = max(1, block_bytes // per_gpu_block)
-    if one_plane:
-        return KVCacheLayout((LayerLayout("model.kv", (4 * factor * 2, 4, 32 * 2 * 8, 128), False),),
-                             torch.float16, 4, factor)
     layers = tuple(LayerLayout(f"model.layers.{i}.self_attn", (2, 4 * factor * 2, 4, 8, 128), True)
                    for i in range(32))
     return KVCacheLayout(layers, torch.float16, 4, factor)
@@ -350,8 +343,8 @@ class TierBench:
 
     def __init__(self, root: Path, block_bytes: int, total: int, job_bytes: int, backend: str,
                  io_threads: int, job_threads: int, disk_io: str = "thread", checksum: str = "xxh3_64",
-                 scattered: bool = False, one_plane: bool = False):
-        self.layout = model_layout(block_bytes, one_plane)
+                 scattered: bool = False):
+        self.layout = model_layout(block_bytes)
         self.slot = slot_size_for(self.layout.bytes_per_block)
         self.n = max(1, total // self.layout.bytes_per_block)
         self.per_job = max(1, job_bytes // self.layout.bytes_per_block)
@@ -362,8 +355,7 @@ class TierBench:
                             checksum=checksum, io_backend=backend, io_threads=io_threads)
         host_slots = min(self.n, 2 * job_threads * self.per_job)
         self.host = HostKVCache(self.layout, host_slots, shared=disk_io == "process")
-        for t in self.host.tensors:
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+        self.host.slot_rows.copy_(torch.randint(0, 256, self.host.slot_rows.shape, dtype=torch.uint8))
         self.handler = CpuDiskHandler(self.store, 0, self.host, self.layout, job_threads=job_threads,
                                       staging_bytes=max(2 * self.slot, job_bytes))
         self.hashes = [i.to_bytes(8, "big") + os.urandom(24) for i in range(self.n)]
@@ -430,9 +422,6 @@ def main() -> None:
     p.add_argument("--scattered-slots", action="store_true",
                    help="the handler's jobs take their blocks from CPU slots in a shuffled order, as from a "
                         "CPU tier whose LRU has churned (default: runs of consecutive slots)")
-    p.add_argument("--one-plane", action="store_true",
-                   help="the host KV cache as one plane per block, each CPU slot's block contiguous (what a "
-                        "block-major CPU tier would hand the handler), not 64 per-layer planes")
     p.add_argument("--trace", action="store_true",
                    help="time every preadv/pwritev call and print, per path, the calls in flight on average "
                         "and the time per call (not with --disk-io process, whose calls run in the helper)")
@@ -462,15 +451,14 @@ def main() -> None:
           f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
           f"; disk I/O in {'a helper process' if args.disk_io == 'process' else 'threads of this process'}"
           f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}"
-          f"; handler jobs from {'shuffled' if args.scattered_slots else 'consecutive'} CPU slots"
-          f"{', one plane per block (--one-plane)' if args.one_plane else ''}")
+          f"; handler jobs from {'shuffled' if args.scattered_slots else 'consecutive'} CPU slots")
     rows = []
     try:
         for size in (float(s) for s in args.sizes.split(",")):
             bs = int(size * MiB)
             tier = TierBench(root / f"cache-{size}", bs, total, args.job_mib * MiB, args.backend,
                              args.io_threads, args.job_threads, args.disk_io, args.checksum,
-                             args.scattered_slots, args.one_plane)
+                             args.scattered_slots)
             raw_bs, raw_file = tier.slot, root / f"raw-{size}.bin"
             raw = RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads, windows=tier.host.num_slots)
             hot = (Fio(raw_file, tier.n * raw_bs, raw_bs, args.io_threads) if use_fio else

@@ -29,6 +29,14 @@ class Fingerprint:
     whether the KV dimension comes before num_blocks (``"kv_first"``) or not
     (``"blocks_first"``). ``tp_size`` is the tensor-parallel width: each rank stores its
     own shard of every block, and a block is complete only with all of them.
+
+    ``block_order`` names the byte order of a stored block where it has a choice, with
+    more than one GPU block per offloaded block: ``"kernel_blocks"``, GPU blocks one
+    after the other, each with all its layers (``tiered_kv.host_memory``). Caches
+    written before it existed had each layer's GPU blocks together; they have no
+    ``block_order`` and are not served. With one GPU block per block there is one
+    order, the field is None and left out of the record, and the namespace is what it
+    always was.
     """
 
     model_id: str
@@ -41,6 +49,7 @@ class Fingerprint:
     tp_size: int
     hash_algorithm: str
     hash_seed: str
+    block_order: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.tp_size > 64:
@@ -64,6 +73,7 @@ class Fingerprint:
             tp_size=int(tp_size),
             hash_algorithm=str(hash_algorithm),
             hash_seed=str(hash_seed),
+            block_order="kernel_blocks" if layout.block_size_factor > 1 else None,
         )
 
     @classmethod
@@ -74,14 +84,15 @@ class Fingerprint:
                                hash_seed=config.hash_seed)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able fields (tuples become lists)."""
-        return json.loads(json.dumps(asdict(self)))
+        """JSON-able fields (tuples become lists); optional fields that are None are left out."""
+        return {k: v for k, v in json.loads(json.dumps(asdict(self))).items()
+                if not (v is None and k in _OPTIONAL)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Fingerprint":
         """Inverse of ``to_dict``. Raises ``ValueError`` naming missing or unknown fields."""
         names = {f.name for f in fields(cls)}
-        missing, unknown = names - set(data), set(data) - names
+        missing, unknown = names - set(data) - _OPTIONAL, set(data) - names
         if missing or unknown:
             raise ValueError(f"fingerprint record has missing fields {sorted(missing)} "
                              f"and unknown fields {sorted(unknown)}")
@@ -106,6 +117,10 @@ class Fingerprint:
             if mine != theirs:
                 out.append(f"{f.name}: {_short(mine)} here, {_short(theirs)} in the cache")
         return out
+
+
+#: Fields a record may lack (None then): added after caches were written without them.
+_OPTIONAL = frozenset({"block_order"})
 
 
 def _short(value: Any, limit: int = 120) -> str:

@@ -17,11 +17,14 @@ blocks into a staging tensor on the device and one ``index_copy_`` out of it,
 however many layers and wherever they lie (a pair per 64 MiB of a larger job).
 
 Otherwise (pageable host memory, or a device whose driver cannot map it) copies are
-DMA, per plane: a store gathers the job's blocks of a plane on the device with one
-``index_select`` and copies that staging tensor to the host slots one *contiguous
-run* of slots at a time (``non_blocking`` into pinned memory); a load copies host runs
-into a device staging tensor and scatters it with one ``index_copy_``. That costs the
-CPU about 25 us per plane and run, which bounds small blocks (docs/benchmarks.md,
+DMA. A store gathers the job's blocks of every plane on the device (an
+``index_select`` per plane) into a staging tensor laid out as the host tier's rows,
+each kernel block's row holding every plane (``HostKVCache`` is block-major), and
+copies it to the host slots one *contiguous run* of slots at a time (``non_blocking``
+into pinned memory); a load copies host runs into a device staging tensor and
+scatters each plane's columns with one ``index_copy_``. Host tensors laid out per layer
+(``row_groups`` finds no shared rows) are copied the same way a plane at a time, at
+about 25 us of CPU per plane and run, which bounds small blocks (docs/benchmarks.md,
 "GPU <-> CPU").
 
 Without CUDA the same code runs, synchronously inside ``transfer_async``, with CPU
@@ -104,6 +107,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                     sw, dw = sp, dp
                 self._src.append(sw)
                 self._dst.append(dw)
+        self._src_groups, self._dst_groups = row_groups(self._src), row_groups(self._dst)
         self.src_block_size_factor = src_block_size_factor
         self.dst_block_size_factor = dst_block_size_factor
         self._src_kernel_blocks = self._src[0].shape[0]
@@ -230,26 +234,53 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 self._copy_runs_then_scatter(src_ids, dst_ids)
 
     def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-        """Device -> host: one gather per plane, then one copy per run of host slots."""
+        """Device -> host: per group of host rows, one gather per plane into staging laid
+        out as those rows, then one copy per run of host slots."""
         order = np.argsort(dst_ids, kind="stable")
         runs = contiguous_runs(dst_ids[order])
         src_idx = torch.from_numpy(src_ids[order]).to(self._src[0].device, non_blocking=True)
-        for src, dst in zip(self._src, self._dst):
-            staging = src.index_select(0, src_idx)
+        for host_rows, members in self._dst_groups:
+            staging = torch.empty((len(src_ids), host_rows.shape[1]), dtype=host_rows.dtype, device=self._device)
+            for plane, columns in members:
+                torch.index_select(self._src[plane], 0, src_idx, out=staging[:, columns])
             for start, end, first in runs:
-                dst[first:first + end - start].copy_(staging[start:end], non_blocking=self._async)
+                host_rows[first:first + end - start].copy_(staging[start:end], non_blocking=self._async)
 
     def _copy_runs_then_scatter(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-        """Host -> device: one copy per run of host slots into staging, one scatter per plane."""
+        """Host -> device: per group of host rows, one copy per run of host slots into
+        staging, then one scatter per plane."""
         order = np.argsort(src_ids, kind="stable")
         runs = contiguous_runs(src_ids[order])
         device = self._dst[0].device
         dst_idx = torch.from_numpy(dst_ids[order]).to(device, non_blocking=True)
-        for src, dst in zip(self._src, self._dst):
-            staging = torch.empty((len(src_ids), src.shape[1]), dtype=src.dtype, device=device)
+        for host_rows, members in self._src_groups:
+            staging = torch.empty((len(src_ids), host_rows.shape[1]), dtype=host_rows.dtype, device=device)
             for start, end, first in runs:
-                staging[start:end].copy_(src[first:first + end - start], non_blocking=self._async)
-            dst.index_copy_(0, dst_idx, staging)
+                staging[start:end].copy_(host_rows[first:first + end - start], non_blocking=self._async)
+            for plane, columns in members:
+                self._dst[plane].index_copy_(0, dst_idx, staging[:, columns])
+
+
+def row_groups(planes: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[tuple[int, slice]]]]:
+    """``planes`` (2-D, contiguous rows, one dtype) as ``(rows, [(plane, columns),
+    ...])``: where every plane's row ``k`` is a column range of row ``k`` of one matrix
+    that they tile exactly (a block-major CPU tier: each kernel block's row holds every
+    plane), that matrix and each plane's columns; else each plane alone. A DMA copy then
+    moves a run of slots of every plane at once."""
+    alone = [(plane, [(i, slice(0, plane.shape[1]))]) for i, plane in enumerate(planes)]
+    if len(planes) < 2 or len({(p.dtype, p.shape[0], p.stride(0)) for p in planes}) != 1:
+        return alone
+    order = sorted(range(len(planes)), key=lambda i: planes[i].data_ptr())
+    first, size = planes[order[0]], planes[0].element_size()
+    offset, members = 0, []
+    for i in order:
+        if (planes[i].data_ptr() - first.data_ptr()) // size != offset:
+            return alone
+        members.append((i, slice(offset, offset + planes[i].shape[1])))
+        offset += planes[i].shape[1]
+    if offset != first.stride(0):
+        return alone
+    return [(first.as_strided((first.shape[0], offset), (offset, 1)), sorted(members))]
 
 
 class CpuGpuOffloadingHandlers:
