@@ -469,25 +469,22 @@ def _slot_runs(slots: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, i
     return index, list(zip(firsts, ends, index[firsts].tolist()))
 
 
-def layer_views(flat: torch.Tensor, layout: KVCacheLayout, num_kernel_blocks: int) -> list[torch.Tensor]:
-    """Per layer of ``layout``, a view of ``flat`` (uint8, ``num_kernel_blocks`` kernel
-    blocks in the codec's byte order, one after the other) shaped like the device
-    layer with ``num_kernel_blocks`` blocks: kernel block rows ``bytes_per_block / f``
-    bytes apart, K and V (when the KV dimension comes first) one plane apart."""
-    kernel_bytes = layout.bytes_per_block // layout.block_size_factor
-    size = layout.element_size
-    if kernel_bytes % size or flat.data_ptr() % size:
-        raise ValueError(f"kernel blocks of {kernel_bytes} bytes at {flat.data_ptr():#x} are not whole "
-                         f"{layout.dtype} elements")
-    elements = flat.view(layout.dtype)
+def _layer_views(slot_rows: torch.Tensor, layout: KVCacheLayout) -> list[torch.Tensor]:
+    """Per layer of ``layout``, a view of ``slot_rows`` (uint8, one offloaded block per
+    row in the codec's byte order) shaped like the device layer with ``block_size_factor``
+    kernel blocks per row: kernel block rows ``bytes_per_block / f`` bytes apart, K and V
+    (when the KV dimension comes first) one plane apart."""
+    num_kernel_blocks = slot_rows.shape[0] * layout.block_size_factor
+    kernel_elements = layout.bytes_per_block // layout.block_size_factor // layout.element_size
+    elements = slot_rows.view(-1).view(layout.dtype)
     views, offset = [], 0
     for layer in layout.layers:
         block = math.prod(layer.block_shape)
         inner = [math.prod(layer.block_shape[i + 1:]) for i in range(len(layer.block_shape))]
         if layer.kv_before_num_blocks:
-            shape, stride = (2, num_kernel_blocks, *layer.block_shape), (block, kernel_bytes // size, *inner)
+            shape, stride = (2, num_kernel_blocks, *layer.block_shape), (block, kernel_elements, *inner)
         else:
-            shape, stride = (num_kernel_blocks, *layer.block_shape), (kernel_bytes // size, *inner)
+            shape, stride = (num_kernel_blocks, *layer.block_shape), (kernel_elements, *inner)
         views.append(elements.as_strided(shape, stride, elements.storage_offset() + offset))
         offset += layer.elements_per_gpu_block
     return views
@@ -525,7 +522,7 @@ class HostKVCache:
         pinning = pin if pin is not None else machine.can_pin_memory()
         self.shared = shared
         try:
-            self.tensors = self._allocate(pin)
+            self.slot_rows = self._allocate(pin)
         except RuntimeError as e:
             if pin is not None or not pinning:  # that kind was demanded, or nothing was pinned
                 raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of "
@@ -537,23 +534,22 @@ class HostKVCache:
                            "limit (ulimit -l, docker --ulimit memlock=-1) to get pinned memory back",
                            format_size(nbytes), e)
             try:
-                self.tensors = self._allocate(False)
+                self.slot_rows = self._allocate(False)
             except RuntimeError as e2:
                 raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of host memory "
                                    f"({e2}); lower cpu_bytes") from e2
-        self.pinned = self.tensors[0].is_pinned()
+        self.tensors = _layer_views(self.slot_rows, layout)
+        self.pinned = self.slot_rows.is_pinned()
 
-    def _allocate(self, pin: bool | None) -> list[torch.Tensor]:
-        """The tier's one allocation (starting on a page, or on a 2 MiB huge page from
-        2 MiB on: ``empty_pageable``) as ``slot_rows``, and the layers' views of it."""
-        layout = self.layout
+    def _allocate(self, pin: bool | None) -> torch.Tensor:
+        """The tier's one allocation as slot rows, starting on a page (on a 2 MiB huge
+        page from 2 MiB on: ``empty_pageable``)."""
+        nbytes = self.num_slots * self.layout.bytes_per_block
         if self.shared:
-            flat = empty_shared(self.num_slots * layout.bytes_per_block,
-                                pin=pin if pin is not None else machine.can_pin_memory())
+            flat = empty_shared(nbytes, pin=pin if pin is not None else machine.can_pin_memory())
         else:
-            flat = empty_host((self.num_slots * layout.bytes_per_block,), torch.uint8, pin)
-        self.slot_rows = flat.view(self.num_slots, layout.bytes_per_block)
-        return layer_views(flat, layout, self.num_slots * layout.block_size_factor)
+            flat = empty_host((nbytes,), torch.uint8, pin)
+        return flat.view(self.num_slots, self.layout.bytes_per_block)
 
     @staticmethod
     def slots_for_bytes(layout: KVCacheLayout, cpu_bytes: int) -> int:
