@@ -95,17 +95,17 @@ def checksum_function(name: str) -> Callable[[memoryview], int]:
     raise ValueError(f"checksum: expected xxh3_64 or crc32c, got {name!r}")
 
 
-def pieces_checksum_function(name: str) -> Callable[[Sequence[memoryview]], int]:
+def pieces_checksum_function(name: str, hold_gil: bool = False) -> Callable[[Sequence[memoryview]], int]:
     """``checksum_function(name)`` of several byte views one after the other, without
     joining them (a block read or written in place, piece by piece). Several pieces are
     hashed holding the GIL, whatever their size (``_KEEP_GIL``, ``_HELD_UPDATE``); a
-    block in one buffer may let go of it once."""
+    block in one buffer may let go of it once, unless ``hold_gil``."""
     one = checksum_function(name)
     if name == "xxh3_64":
         import xxhash
 
         def digest(pieces: Sequence[memoryview]) -> int:
-            if len(pieces) == 1:
+            if len(pieces) == 1 and not hold_gil:
                 return one(pieces[0])
             h = xxhash.xxh3_64()
             for piece in pieces:
@@ -197,6 +197,8 @@ class DiskStore(BlockIO):
         self.tp_size = namespace.tp_size
         self.checksum_name = m.checksum
         self.digest = pieces_checksum_function(m.checksum)
+        #: For blocks hashed between two writes of an I/O thread (``_write_then_checksum``).
+        self.held_digest = pieces_checksum_function(m.checksum, hold_gil=True)
         if not readonly:
             check_worker_access(namespace, engine_id)
         self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
@@ -569,7 +571,7 @@ class WriteBatch(_Batch):
         sums = buf if host_rows is None else host_rows
         for first, _, _, write, blocks in self._row_runs(start, buf, sums, store.backend.pwrite, store.backend.pwritev):
             futs.append(store.backend.submit(self._write, write))
-            futs.append(store._hash_pool.submit(self._checksum_views, first, blocks))
+            futs.append(store._hash_pool.submit(self._checksum_views, first, blocks, store.digest))
         self._futures.extend(futs)
         return _all_of(futs)
 
@@ -597,9 +599,13 @@ class WriteBatch(_Batch):
         the next one. Idle, 2 MiB handler writes ran at 0.66-0.67 of raw that way and
         8 MiB ones at 0.75-0.76, against 0.82-0.83 and 0.81-0.83 hashing here; beside a
         busy thread the two were alike (docs/benchmarks.md, twelfth session). Here each
-        hold ends at this thread's next write."""
+        hold ends at this thread's next write. A block in one piece (the block-major CPU
+        tier's) is hashed that way too (``held_digest``): letting go of the GIL once per
+        block, beside a busy thread, held 2 and 8 MiB handler writes to 0.65-0.70 and
+        0.75-0.83 of raw, against 0.86-0.88 and 0.89-0.93 (idle alike; docs/benchmarks.md,
+        sixteenth session)."""
         self._write(write)
-        self._checksum_views(first, run)
+        self._checksum_views(first, run, self.store.held_digest)
 
     def _may_write(self, n: int) -> bool:
         """Before a chunk of ``n`` blocks: wait for step 1 (the first time); whether to go on."""
@@ -613,10 +619,11 @@ class WriteBatch(_Batch):
         except Exception as e:  # an I/O thread must not lose an error: finish() reports it
             self._fail(e)
 
-    def _checksum_views(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
+    def _checksum_views(self, first: int, run: Sequence[Sequence[memoryview]],
+                        digest: Callable[[Sequence[memoryview]], int]) -> None:
         try:
             for i, pieces in enumerate(run):
-                self.checksums[first + i] = self.store.digest(pieces)
+                self.checksums[first + i] = digest(pieces)
         except Exception as e:
             self._fail(e)
 
