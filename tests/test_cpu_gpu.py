@@ -13,6 +13,7 @@ from conftest import make_layout, random_tensors
 from tiered_kv.device import can_pin_memory
 from tiered_kv.host_memory import HostKVCache, expand_block_ids, kv_planes, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.worker import cpu_gpu
 from tiered_kv.worker.cpu_gpu import (
     LOAD_PRIORITY, STORE_PRIORITY, CpuGpuOffloadingHandlers, SingleDirectionOffloadingHandler,
     contiguous_runs,
@@ -46,9 +47,13 @@ def test_contiguous_runs():
     assert contiguous_runs(np.array([3, 4, 5, 9, 10, 12])) == [(0, 3, 3), (3, 5, 9), (5, 6, 12)]
 
 
+@pytest.mark.parametrize("staging", ["whole", "parts"])  # parts: a job staged 3 kernel blocks at a time
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])  # shared: disk_io process
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device, shared):
+def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device, shared, staging, monkeypatch):
+    if staging == "parts":
+        layout = make_layout(kv_first, block_size_factor=factor)
+        monkeypatch.setattr(cpu_gpu, "MAX_STAGING_BYTES", 3 * layout.bytes_per_block // factor)
     layout, gpu, host, handlers = setup(kv_first, factor, device=device, shared=shared)
     # On a CUDA machine the CPU tier is pinned whichever side stands in for the device.
     assert host.shared == shared and host.pinned == can_pin_memory()

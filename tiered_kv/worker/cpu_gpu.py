@@ -46,7 +46,7 @@ from tiered_kv.device import COMPLETED, TransferStream
 from tiered_kv.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
-from tiered_kv.zero_copy import PlaneRows, copy_blocks
+from tiered_kv.zero_copy import MAX_STAGING_BYTES, PlaneRows, copy_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -234,31 +234,40 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 self._copy_runs_then_scatter(src_ids, dst_ids)
 
     def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-        """Device -> host: per group of host rows, one gather per plane into staging laid
-        out as those rows, then one copy per run of host slots."""
+        """Device -> host: per group of host rows and part of the job, one gather per
+        plane into staging laid out as those rows, then one copy per run of host slots."""
         order = np.argsort(dst_ids, kind="stable")
-        runs = contiguous_runs(dst_ids[order])
+        dst_sorted = dst_ids[order]
         src_idx = torch.from_numpy(src_ids[order]).to(self._src[0].device, non_blocking=True)
         for host_rows, members in self._dst_groups:
-            staging = torch.empty((len(src_ids), host_rows.shape[1]), dtype=host_rows.dtype, device=self._device)
-            for plane, columns in members:
-                torch.index_select(self._src[plane], 0, src_idx, out=staging[:, columns])
-            for start, end, first in runs:
-                host_rows[first:first + end - start].copy_(staging[start:end], non_blocking=self._async)
+            for part in _parts(len(order), host_rows):
+                staging = torch.empty((part.stop - part.start, host_rows.shape[1]), dtype=host_rows.dtype, device=self._device)
+                for plane, columns in members:
+                    torch.index_select(self._src[plane], 0, src_idx[part], out=staging[:, columns])
+                for start, end, first in contiguous_runs(dst_sorted[part]):
+                    host_rows[first:first + end - start].copy_(staging[start:end], non_blocking=self._async)
 
     def _copy_runs_then_scatter(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-        """Host -> device: per group of host rows, one copy per run of host slots into
-        staging, then one scatter per plane."""
+        """Host -> device: per group of host rows and part of the job, one copy per run
+        of host slots into staging, then one scatter per plane."""
         order = np.argsort(src_ids, kind="stable")
-        runs = contiguous_runs(src_ids[order])
+        src_sorted = src_ids[order]
         device = self._dst[0].device
         dst_idx = torch.from_numpy(dst_ids[order]).to(device, non_blocking=True)
         for host_rows, members in self._src_groups:
-            staging = torch.empty((len(src_ids), host_rows.shape[1]), dtype=host_rows.dtype, device=device)
-            for start, end, first in runs:
-                staging[start:end].copy_(host_rows[first:first + end - start], non_blocking=self._async)
-            for plane, columns in members:
-                self._dst[plane].index_copy_(0, dst_idx, staging[:, columns])
+            for part in _parts(len(order), host_rows):
+                staging = torch.empty((part.stop - part.start, host_rows.shape[1]), dtype=host_rows.dtype, device=device)
+                for start, end, first in contiguous_runs(src_sorted[part]):
+                    staging[start:end].copy_(host_rows[first:first + end - start], non_blocking=self._async)
+                for plane, columns in members:
+                    self._dst[plane].index_copy_(0, dst_idx[part], staging[:, columns])
+
+
+def _parts(n: int, host_rows: torch.Tensor) -> list[slice]:
+    """Positions ``0..n-1`` of a job in parts whose staging (rows like ``host_rows``)
+    takes at most ``MAX_STAGING_BYTES`` of device memory."""
+    per_part = max(1, MAX_STAGING_BYTES // (host_rows.shape[1] * host_rows.element_size()))
+    return [slice(a, min(n, a + per_part)) for a in range(0, n, per_part)]
 
 
 def row_groups(planes: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[tuple[int, slice]]]]:
