@@ -95,17 +95,17 @@ def checksum_function(name: str) -> Callable[[memoryview], int]:
     raise ValueError(f"checksum: expected xxh3_64 or crc32c, got {name!r}")
 
 
-def pieces_checksum_function(name: str, hold_gil: bool = False) -> Callable[[Sequence[memoryview]], int]:
+def pieces_checksum_function(name: str, hold_gil_up_to: int = 0) -> Callable[[Sequence[memoryview]], int]:
     """``checksum_function(name)`` of several byte views one after the other, without
     joining them (a block read or written in place, piece by piece). Several pieces are
     hashed holding the GIL, whatever their size (``_KEEP_GIL``, ``_HELD_UPDATE``); a
-    block in one buffer may let go of it once, unless ``hold_gil``."""
+    block in one buffer of more than ``hold_gil_up_to`` bytes may let go of it once."""
     one = checksum_function(name)
     if name == "xxh3_64":
         import xxhash
 
         def digest(pieces: Sequence[memoryview]) -> int:
-            if len(pieces) == 1 and not hold_gil:
+            if len(pieces) == 1 and len(pieces[0]) > hold_gil_up_to:
                 return one(pieces[0])
             h = xxhash.xxh3_64()
             for piece in pieces:
@@ -136,6 +136,13 @@ _KEEP_GIL = 0
 #: took the GIL at every piece, as with crc32c above: 8 MiB handler writes and reads ran
 #: at 0.05 of raw beside one (docs/benchmarks.md, twelfth session).
 _HELD_UPDATE = 32 << 10
+#: A block in one piece written from where it lies (a block-major CPU tier's slot) is
+#: hashed in held parts up to this size, and in one call that lets go of the GIL once
+#: above it. Beside a busy Python thread, letting go held 2 MiB handler writes to
+#: 0.65-0.70 of raw, against 0.86-0.93 holding (idle alike). At 8 MiB holding cost idle
+#: writes (0.82-0.84 against 0.89-0.93) and beside a busy thread the runs disagreed
+#: (docs/benchmarks.md, sixteenth session).
+_HOLD_ONE_PIECE_UP_TO = 4 << 20
 
 
 @dataclass
@@ -198,7 +205,7 @@ class DiskStore(BlockIO):
         self.checksum_name = m.checksum
         self.digest = pieces_checksum_function(m.checksum)
         #: For blocks hashed between two writes of an I/O thread (``_write_then_checksum``).
-        self.held_digest = pieces_checksum_function(m.checksum, hold_gil=True)
+        self.held_digest = pieces_checksum_function(m.checksum, hold_gil_up_to=_HOLD_ONE_PIECE_UP_TO)
         if not readonly:
             check_worker_access(namespace, engine_id)
         self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
@@ -600,10 +607,7 @@ class WriteBatch(_Batch):
         8 MiB ones at 0.75-0.76, against 0.82-0.83 and 0.81-0.83 hashing here; beside a
         busy thread the two were alike (docs/benchmarks.md, twelfth session). Here each
         hold ends at this thread's next write. A block in one piece (the block-major CPU
-        tier's) is hashed that way too (``held_digest``): letting go of the GIL once per
-        block, beside a busy thread, held 2 and 8 MiB handler writes to 0.65-0.70 and
-        0.75-0.83 of raw, against 0.86-0.88 and 0.89-0.93 (idle alike; docs/benchmarks.md,
-        sixteenth session)."""
+        tier's) is hashed that way too up to ``_HOLD_ONE_PIECE_UP_TO`` (``held_digest``)."""
         self._write(write)
         self._checksum_views(first, run, self.store.held_digest)
 
