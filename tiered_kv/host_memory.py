@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import cached_property
 
 import numpy as np
@@ -155,7 +155,8 @@ def _whole_groups(ids: np.ndarray, tensors: Sequence[torch.Tensor], layout: KVCa
     return first // f
 
 
-def _block_planes(tensors: Sequence[torch.Tensor], layout: KVCacheLayout, packed: torch.Tensor):
+def _block_planes(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
+                  packed: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per plane of every layer (layout order, K before V): the plane ``(num_blocks, B)``
     and its bytes in every packed row, ``(N, f, B)``: kernel block ``j``'s copy of the
     plane, at the plane's offset within a kernel block's bytes (the codec's byte order)."""

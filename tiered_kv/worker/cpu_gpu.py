@@ -241,7 +241,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         src_idx = torch.from_numpy(src_ids[order]).to(self._src[0].device, non_blocking=True)
         for host_rows, members in self._dst_groups:
             for part in _parts(len(order), host_rows):
-                staging = torch.empty((part.stop - part.start, host_rows.shape[1]), dtype=host_rows.dtype, device=self._device)
+                staging = _staging(part, host_rows, self._device)
                 for plane, columns in members:
                     torch.index_select(self._src[plane], 0, src_idx[part], out=staging[:, columns])
                 for start, end, first in contiguous_runs(dst_sorted[part]):
@@ -256,7 +256,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         dst_idx = torch.from_numpy(dst_ids[order]).to(device, non_blocking=True)
         for host_rows, members in self._src_groups:
             for part in _parts(len(order), host_rows):
-                staging = torch.empty((part.stop - part.start, host_rows.shape[1]), dtype=host_rows.dtype, device=device)
+                staging = _staging(part, host_rows, device)
                 for start, end, first in contiguous_runs(src_sorted[part]):
                     staging[start:end].copy_(host_rows[first:first + end - start], non_blocking=self._async)
                 for plane, columns in members:
@@ -268,6 +268,11 @@ def _parts(n: int, host_rows: torch.Tensor) -> list[slice]:
     takes at most ``MAX_STAGING_BYTES`` of device memory."""
     per_part = max(1, MAX_STAGING_BYTES // (host_rows.shape[1] * host_rows.element_size()))
     return [slice(a, min(n, a + per_part)) for a in range(0, n, per_part)]
+
+
+def _staging(part: slice, host_rows: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """Uninitialised rows like ``host_rows``' on ``device``, one per position of ``part``."""
+    return torch.empty((part.stop - part.start, host_rows.shape[1]), dtype=host_rows.dtype, device=device)
 
 
 def row_groups(planes: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[tuple[int, slice]]]]:
