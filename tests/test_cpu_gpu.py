@@ -306,10 +306,10 @@ def test_copy_blocks_moves_every_planes_blocks_in_parts():
                 assert not got.any(), "a block no job named was written"
 
 
-def test_plane_rows_of_a_block_major_tier_copy_what_the_dma_path_copies(kv_first, factor):
+def test_plane_rows_of_a_block_major_tier_move_blocks_to_and_from_their_slot_rows(kv_first, factor):
     """The copy kernels' view of the CPU tier (its planes strided, one kernel block of
-    every layer apart), built over host memory: the same two kernels move, per job,
-    the bytes the DMA path moves."""
+    every layer apart), built over host memory: the same two kernels put each block in
+    its slot's row in the codec's byte order, and bring it back."""
     from tiered_kv.zero_copy import PlaneRows, copy_blocks
 
     layout, gpu, host, handlers = setup(kv_first, factor)
@@ -336,8 +336,11 @@ def test_plane_rows_of_a_block_major_tier_copy_what_the_dma_path_copies(kv_first
     zeroed = PlaneRows(back.view(device_rows.rows.dtype).view(device_rows.rows.shape), device_rows.plane_start,
                        device_rows.plane_step, device_rows.rows_per_block)
     copy_blocks(host_rows, zeroed, expand_block_ids(slots, factor), gpu_ids)
-    assert torch.equal(back.view(-1, device_rows.slice_bytes)[device_rows.index(gpu_ids)],
-                       flat.view(-1, device_rows.slice_bytes)[device_rows.index(gpu_ids)])
+    moved = torch.from_numpy(device_rows.index(gpu_ids))
+    back_rows, flat_rows = back.view(-1, device_rows.slice_bytes), flat.view(-1, device_rows.slice_bytes)
+    assert torch.equal(back_rows[moved], flat_rows[moved])
+    back_rows[moved] = 0
+    assert not back.any(), "rows of blocks no job named were written"
 
 
 def test_copy_kernels_need_a_device_that_maps_the_host_tier():
