@@ -323,7 +323,8 @@ def test_plane_rows_of_a_block_major_tier_move_blocks_to_and_from_their_slot_row
     assert len(set(host_rows.plane_step.tolist())) == 1 and host_rows.rows_per_block == 1
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in gpu])  # the layers in one allocation
     sizes = [t.numel() * t.element_size() for t in gpu]
-    one = [flat[a:a + n].view(t.dtype).view(t.shape) for a, n, t in zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, gpu)]
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    one = [flat[a:a + n].view(t.dtype).view(t.shape) for a, n, t in zip(starts, sizes, gpu)]
     device_rows = PlaneRows.of([p for t, l in zip(one, layout.layers) for p in kv_planes(t, l.kv_before_num_blocks)],
                                torch.device("cpu"))
     gpu_ids = np.random.default_rng(5).choice(layout.num_gpu_blocks, size=3 * factor, replace=False)

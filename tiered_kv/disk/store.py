@@ -140,7 +140,7 @@ _HELD_UPDATE = 32 << 10
 #: hashed in held parts up to this size, and in one call that lets go of the GIL once
 #: above it. Beside a busy Python thread, letting go held 2 MiB handler writes to
 #: 0.65-0.70 of raw, against 0.86-0.93 holding (idle alike). At 8 MiB holding cost idle
-#: writes (0.82-0.84 against 0.89-0.93) and beside a busy thread the runs disagreed
+#: writes (0.80-0.86 against 0.85-0.93) and beside a busy thread the runs disagreed
 #: (docs/benchmarks.md, sixteenth session).
 _HOLD_ONE_PIECE_UP_TO = 4 << 20
 
@@ -205,7 +205,7 @@ class DiskStore(BlockIO):
         self.checksum_name = m.checksum
         self.digest = pieces_checksum_function(m.checksum)
         #: For blocks hashed between two writes of an I/O thread (``_write_then_checksum``).
-        self.held_digest = pieces_checksum_function(m.checksum, hold_gil_up_to=_HOLD_ONE_PIECE_UP_TO)
+        self.digest_after_write = pieces_checksum_function(m.checksum, hold_gil_up_to=_HOLD_ONE_PIECE_UP_TO)
         if not readonly:
             check_worker_access(namespace, engine_id)
         self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
@@ -607,9 +607,9 @@ class WriteBatch(_Batch):
         8 MiB ones at 0.75-0.76, against 0.82-0.83 and 0.81-0.83 hashing here; beside a
         busy thread the two were alike (docs/benchmarks.md, twelfth session). Here each
         hold ends at this thread's next write. A block in one piece (the block-major CPU
-        tier's) is hashed that way too up to ``_HOLD_ONE_PIECE_UP_TO`` (``held_digest``)."""
+        tier's) is hashed that way too up to ``_HOLD_ONE_PIECE_UP_TO`` (``digest_after_write``)."""
         self._write(write)
-        self._checksum_views(first, run, self.store.held_digest)
+        self._checksum_views(first, run, self.store.digest_after_write)
 
     def _may_write(self, n: int) -> bool:
         """Before a chunk of ``n`` blocks: wait for step 1 (the first time); whether to go on."""

@@ -7,8 +7,8 @@ blocks between KV tensors and disk slots:
   the CPU tier's slots as they lie (``SlotViews``, ``submit_slots``). Where each slot's
   pieces are page-aligned and at least 32 KiB (the usual case: the tier is block-major,
   a slot one piece), the store reads and writes each block straight from/into that
-  memory and checksums it in place; otherwise the store packs them, 8 MiB at a time, into pack
-  buffers of its own and writes those, or reads, verifies and unpacks. Either way this
+  memory and checksums it in place; otherwise the store packs them, 8 MiB at a time,
+  into pack buffers of its own and writes those, or reads, verifies and unpacks. Either way this
   happens where the store runs: in a disk I/O process with ``disk_io: process``. (A CPU
   tier the store cannot reach, private memory beside a disk I/O process, goes through
   the staging path below instead.)
