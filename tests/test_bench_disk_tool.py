@@ -19,16 +19,25 @@ def test_a_small_traced_run_prints_every_table_and_plausible_call_counts(tmp_pat
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for heading in ("GB/s; store = DiskStore", "Per-round ratios", "CPU seconds per GB moved",
-                    "preadv/pwritev calls: mean calls in flight"):
+                    "preadv/pwritev calls: mean calls in flight", "Milliseconds before the first call"):
         assert heading in text
-    trace = text.split("preadv/pwritev calls")[1]
-    rows = [line for line in trace.splitlines() if re.match(r"\s+[\d.]+ MiB \|", line)]
-    assert len(rows) == 2
-    for row in rows:
+    calls, edges = text.split("preadv/pwritev calls")[1].split("Milliseconds before the first call")
+
+    def rows(table: str) -> list[str]:
+        found = [line for line in table.splitlines() if re.match(r"\s+[\d.]+ MiB \|", line)]
+        assert len(found) == 2
+        return found
+
+    for row in rows(calls):
         cells = re.findall(r"([\d.]+) x\s+([\d.]+)", row)
         assert len(cells) == 6  # raw, store, handler; writes then reads
         for in_flight, ms in cells:
             assert 0 < float(in_flight) <= 3.05 and float(ms) > 0
+    for row in rows(edges):
+        cells = re.findall(r"(-?[\d.]+) \+\s+(-?[\d.]+)", row)
+        assert len(cells) == 6
+        for before, after in cells:  # each path's own calls lie within its measurement
+            assert 0 <= float(before) < 5000 and 0 <= float(after) < 5000
     assert not list(tmp_path.iterdir()), "the tool removes its scratch directory"
 
 

@@ -26,7 +26,7 @@ from tiered_kv.disk.io_backends import (
     BackendUnavailableError, KvikIOBackend, PosixBackend, aligned_empty, select_backend,
 )
 from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore, checksum_function, pieces_checksum_function
+from tiered_kv.disk.store import DiskStore, RunChecksums, checksum_function
 
 SLOTS = 16
 
@@ -263,18 +263,21 @@ def test_crc32c_checksum(tmp_path, layout):
 @pytest.mark.parametrize("name", ["xxh3_64", "crc32c"])
 def test_a_block_hashed_piece_by_piece_gets_the_checksum_of_its_bytes(name):
     """The vectored paths hash a block's pieces where they lie; the packed paths hash
-    the same bytes in one buffer. Both must record the same checksum."""
+    the same bytes in one buffer. Both must record the same checksum, whichever way
+    ``RunChecksums`` hashes a block (holding the GIL, or in one call above 2 MiB)."""
     if name == "crc32c":
         pytest.importorskip("crc32c")
     data = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8)
     view = memoryview(data)
     cuts = [0, 1, 4096, 40_000, 1 << 20, (1 << 20) + 3, 3 << 20]
     pieces = [view[a:b] for a, b in zip(cuts, cuts[1:])]
-    for hold_gil_up_to in (0, 4 << 20):  # one 3 MiB piece: in one call, or in held parts
-        digest = pieces_checksum_function(name, hold_gil_up_to)
-        assert digest(pieces) == checksum_function(name)(view)
-        assert digest([view]) == checksum_function(name)(view)
-        assert digest(pieces[:-1]) != checksum_function(name)(view)
+    small = [view[:1 << 20]], [view[1 << 20:(1 << 20) + 3]]
+    want = checksum_function(name)
+    run_checksums = RunChecksums(name)
+    assert run_checksums([pieces, [view], *small, pieces[:-1]]) == [
+        want(view), want(view), want(small[0][0]), want(small[1][0]), want(view[:cuts[-2]])]
+    assert want(view[:cuts[-2]]) != want(view)
+    assert run_checksums([]) == []
 
 
 def test_auto_backend_chooses_posix_and_says_why(tmp_path, caplog, monkeypatch):

@@ -49,7 +49,8 @@ per-round ratios (each path against the raw loop of the same round, then against
 raw run into reused buffers), median and range.
 The process CPU time of each path (all threads, user + system) is printed next, in
 seconds per GB moved; with ``--trace``, last, how many ``preadv``/``pwritev`` calls
-each path kept in flight on average and how long one took (``IOTrace``).
+each path kept in flight on average and how long one took, and how long it ran
+before its first call and after its last (``IOTrace``).
 
     python tools/bench_disk.py [--dir PATH] [--sizes 0.5,2,8] [--total-mib 512] [--rounds 3]
 """
@@ -60,6 +61,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import platform
 import resource
@@ -137,7 +139,11 @@ class IOTrace:
 
     def __init__(self) -> None:
         self.calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # busy s, wall s, calls
+        #: Per path: seconds before its first call began and after its last call ended,
+        #: summed over measurements, and how many measurements.
+        self.edges: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
         self._busy = [0.0, 0]
+        self._span = [math.inf, 0.0]  # first call's start, last call's end
         self._lock = threading.Lock()
 
     def _timed(self, call: Callable) -> Callable:
@@ -146,32 +152,45 @@ class IOTrace:
             try:
                 return call(*args)
             finally:
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
                 with self._lock:
-                    self._busy[0] += dt
+                    self._busy[0] += t1 - t0
                     self._busy[1] += 1
+                    self._span[0] = min(self._span[0], t0)
+                    self._span[1] = max(self._span[1], t1)
         return timed
 
     @contextlib.contextmanager
     def measuring(self, key: str):
         """Time the calls made until the block ends, as path ``key``'s."""
         real = os.preadv, os.pwritev
-        self._busy = [0.0, 0]
+        self._busy, self._span = [0.0, 0], [math.inf, 0.0]
         os.preadv, os.pwritev = (self._timed(c) for c in real)
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            t1 = time.perf_counter()
             os.preadv, os.pwritev = real
             cell = self.calls[key]
             cell[0] += self._busy[0]
-            cell[1] += time.perf_counter() - t0
+            cell[1] += t1 - t0
             cell[2] += self._busy[1]
+            if self._busy[1]:
+                edges = self.edges[key]
+                edges[0] += self._span[0] - t0
+                edges[1] += t1 - self._span[1]
+                edges[2] += 1
 
     def cell(self, key: str) -> str:
         """Mean calls in flight x mean milliseconds per call."""
         busy, wall, n = self.calls[key]
         return f"{busy / wall:.2f} x {busy / max(1, n) * 1e3:5.2f}"
+
+    def edges_cell(self, key: str) -> str:
+        """Mean milliseconds before the first call and after the last, per measurement."""
+        before, after, n = self.edges[key]
+        return f"{before / max(1, n) * 1e3:5.1f} + {after / max(1, n) * 1e3:5.1f}"
 
 
 @contextlib.contextmanager
@@ -548,6 +567,16 @@ def main() -> None:
               f"{'handler':>13}")
         for size, _, _, trace in rows:
             cells = [" ".join(f"{trace.cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier")) for d in "wr"]
+            print(f"{size:>5} MiB | " + " | ".join(cells))
+        print()
+        print("Milliseconds before the first call and after the last one ended, per measurement (--trace): what "
+              "a path pays once per measurement (a store's first synced index clear, its last fdatasync and "
+              "commit), beside the raw loop's final fdatasync")
+        print(f"{'block':>9} | {'raw write':>13} {'store':>13} {'handler':>13} | {'raw read':>13} {'load':>13} "
+              f"{'handler':>13}")
+        for size, _, _, trace in rows:
+            cells = [" ".join(f"{trace.edges_cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier"))
+                     for d in "wr"]
             print(f"{size:>5} MiB | " + " | ".join(cells))
     if args.plot:
         import matplotlib

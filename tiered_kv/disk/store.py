@@ -13,8 +13,8 @@ A store of one job's blocks on rank R (``begin_write`` ... ``finish``, or
 2. the bytes are written (coalesced runs of consecutive slots, in parallel on the
    backend's pool) and made durable with ``fdatasync``. They come as packed rows
    (``submit``) or, from the CPU tier, as views of each block's pieces where they lie
-   (``submit_views``: vectored I/O, no copy; checksums computed piece by piece, by
-   the I/O thread that wrote the block);
+   (``submit_views``: vectored I/O, no copy). Either way the store's checksum
+   threads hash each run of blocks beside its write (``RunChecksums``);
 3. checksums (xxh3-64 or crc32c of each block's bytes) and R's presence bit are set in
    a synced transaction that also appends an ``ok`` log record per block. A block is
    loadable only once every rank's bit is set, i.e. every rank's bytes are durable.
@@ -62,7 +62,7 @@ from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskStore", "DiskStoreStats", "WriteBatch", "ReadBatch", "checksum_function",
+__all__ = ["DiskStore", "DiskStoreStats", "WriteBatch", "ReadBatch", "RunChecksums", "checksum_function",
            "list_namespaces"]
 
 #: Runs of consecutive slots are coalesced into reads/writes of up to this many bytes
@@ -95,54 +95,69 @@ def checksum_function(name: str) -> Callable[[memoryview], int]:
     raise ValueError(f"checksum: expected xxh3_64 or crc32c, got {name!r}")
 
 
-def pieces_checksum_function(name: str, hold_gil_up_to: int = 0) -> Callable[[Sequence[memoryview]], int]:
-    """``checksum_function(name)`` of several byte views one after the other, without
-    joining them (a block read or written in place, piece by piece). Several pieces are
-    hashed holding the GIL, whatever their size (``_KEEP_GIL``, ``_HELD_UPDATE``); a
-    block in one buffer of more than ``hold_gil_up_to`` bytes may let go of it once."""
-    one = checksum_function(name)
-    if name == "xxh3_64":
-        import xxhash
+class RunChecksums:
+    """The checksums (``checksum_function(name)``) of runs of blocks, each block given as
+    byte views hashed where they lie (``SlotViews.pieces``, or one view of a packed row).
+    Called on the store's checksum threads, for the blocks a write has just sent or a
+    read has just filled, beside the I/O threads and any Python thread of the engine.
 
-        def digest(pieces: Sequence[memoryview]) -> int:
-            if len(pieces) == 1 and len(pieces[0]) > hold_gil_up_to:
-                return one(pieces[0])
-            h = xxhash.xxh3_64()
-            for piece in pieces:
-                if len(piece) <= _HELD_UPDATE:
-                    h.update(piece)
-                else:
+    It lets go of the GIL about once per ``_HOLD_GIL_FOR`` bytes hashed: a one-piece
+    block of at least that in the hashing call itself (xxhash and crc32c let go of it
+    there), everything else holding the GIL, letting go once (``time.sleep(0)``) when
+    that much was hashed and at the end of each run. Each letting go has its price:
+    taking the GIL back waits behind a busy Python thread for up to the interpreter's
+    switch interval, so hashing 0.5 MiB blocks one call each, or a block piece by piece
+    each piece letting go, starved the checksums beside one (docs/benchmarks.md,
+    twelfth and seventeenth sessions). Never letting go costs the other way: an I/O
+    thread back from its call waits for the GIL until the holder lets go, so a checksum
+    thread that held it from one queued block to the next kept the I/O threads from
+    their next calls for up to the switch interval (handler writes at 0.66 of raw)."""
+
+    def __init__(self, name: str):
+        self.one_call = checksum_function(name)
+        if name == "xxh3_64":
+            import xxhash
+
+            def held(pieces: Sequence[memoryview]) -> int:
+                h = xxhash.xxh3_64()
+                for piece in pieces:
                     for at in range(0, len(piece), _HELD_UPDATE):
                         h.update(piece[at:at + _HELD_UPDATE])
-            return h.intdigest()
-    else:  # crc32c continues from a previous value
-        def digest(pieces: Sequence[memoryview]) -> int:
-            value = 0
-            for piece in pieces:
-                value = one(piece, value, _KEEP_GIL)
-            return value
-    return digest
+                return h.intdigest()
+        else:  # crc32c continues from a previous value
+            def held(pieces: Sequence[memoryview]) -> int:
+                value = 0
+                for piece in pieces:
+                    value = self.one_call(piece, value, _KEEP_GIL)
+                return value
+        self.held = held
+
+    def __call__(self, run: Sequence[Sequence[memoryview]]) -> list[int]:
+        out = []
+        held_bytes = 0  # hashed holding the GIL since it last let go
+        for pieces in run:
+            if len(pieces) == 1 and len(pieces[0]) >= _HOLD_GIL_FOR:
+                out.append(self.one_call(pieces[0]))
+                continue
+            out.append(self.held(pieces))
+            held_bytes += sum(map(len, pieces))
+            if held_bytes >= _HOLD_GIL_FOR:
+                time.sleep(0)  # lets go of the GIL (and takes it back)
+                held_bytes = 0
+        if held_bytes:
+            time.sleep(0)
+        return out
 
 
-#: crc32c's ``gil_release_mode`` that hashes holding the GIL. Its default lets go of the
-#: GIL for every buffer from 32 KiB, so a block hashed piece by piece (64 pieces of 32
-#: KiB at 2 MiB) took and gave back the GIL 64 times, and beside a busy Python thread
-#: (an engine worker's own) each time waited its turn: 2 MiB handler writes fell to 0.07
-#: of the raw device, against 1.01 holding it (and 0.80-0.84 with xxhash, which keeps it
-#: for updates up to 64 KiB; docs/benchmarks.md, twelfth session).
+#: crc32c's ``gil_release_mode`` that hashes holding the GIL (its default lets go of it
+#: for every buffer from 32 KiB).
 _KEEP_GIL = 0
-#: Pieces larger than this go to xxhash in parts of this size. xxhash lets go of the GIL
-#: for an update over 64 KiB, so with pieces of 128 KiB (8 MiB blocks) a busy thread
-#: took the GIL at every piece, as with crc32c above: 8 MiB handler writes and reads ran
-#: at 0.05 of raw beside one (docs/benchmarks.md, twelfth session).
+#: Held hashing gives xxhash at most this much at a time: it lets go of the GIL for an
+#: update over 64 KiB.
 _HELD_UPDATE = 32 << 10
-#: A block in one piece written from where it lies (a block-major CPU tier's slot) is
-#: hashed in held parts up to this size, and in one call that lets go of the GIL once
-#: above it. Beside a busy Python thread, letting go held 2 MiB handler writes to
-#: 0.65-0.70 of raw, against 0.86-0.93 holding (idle alike). At 8 MiB holding cost idle
-#: writes (0.80-0.86 against 0.85-0.93) and beside a busy thread the runs disagreed
-#: (docs/benchmarks.md, sixteenth session).
-_HOLD_ONE_PIECE_UP_TO = 4 << 20
+#: ``RunChecksums`` lets go of the GIL about once per this many bytes hashed: the most
+#: one I/O call moves (``MAX_IO_BYTES``), so about once per call.
+_HOLD_GIL_FOR = 2 << 20
 
 
 @dataclass
@@ -203,9 +218,7 @@ class DiskStore(BlockIO):
         self.slot_size = m.slot_size
         self.tp_size = namespace.tp_size
         self.checksum_name = m.checksum
-        self.digest = pieces_checksum_function(m.checksum)
-        #: For blocks hashed between two writes of an I/O thread (``_write_then_checksum``).
-        self.digest_after_write = pieces_checksum_function(m.checksum, hold_gil_up_to=_HOLD_ONE_PIECE_UP_TO)
+        self.run_checksums = RunChecksums(m.checksum)
         if not readonly:
             check_worker_access(namespace, engine_id)
         self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
@@ -216,10 +229,8 @@ class DiskStore(BlockIO):
         self._allocated: dict[int, int] = {}  # rank -> slots preallocated in its slab
         self._files_lock = threading.Lock()
         self._committer = _GroupCommitter(self)
-        # Checksums of whole rows run on their own threads: on the backend's pool each one
-        # would hold an I/O thread and cut the queue depth the device sees (threads start
-        # lazily). Blocks written piece by piece are hashed on the I/O thread that wrote
-        # them (``WriteBatch._write_then_checksum`` says why).
+        # Checksums run on their own threads: on the backend's pool each one would hold
+        # an I/O thread and cut the queue depth the device sees (threads start lazily).
         self._hash_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
                                              thread_name_prefix="tkv-disk-checksum")
         self._pack_buffers: list[torch.Tensor] = []  # free pack buffers (``submit_slots``)
@@ -422,7 +433,7 @@ def _runs(slots: Sequence[int], start: int, count: int, per_run: int) -> list[tu
 
 def _block_views(rows: torch.Tensor, block_bytes: int) -> list[list[memoryview]]:
     """The first ``block_bytes`` of each row of ``rows`` (a contiguous host uint8
-    ``(n, stride)`` tensor), as one-piece blocks for ``_checksum_views``/``_verify``.
+    ``(n, stride)`` tensor), as one-piece blocks for ``_checksum_run``/``_verify``.
 
     The batches hand their worker threads byte views made on the submitting thread, never
     tensors: every torch call releases the GIL and takes it back, and taking it back
@@ -578,7 +589,7 @@ class WriteBatch(_Batch):
         sums = buf if host_rows is None else host_rows
         for first, _, _, write, blocks in self._row_runs(start, buf, sums, store.backend.pwrite, store.backend.pwritev):
             futs.append(store.backend.submit(self._write, write))
-            futs.append(store._hash_pool.submit(self._checksum_views, first, blocks, store.digest))
+            futs.append(store._hash_pool.submit(self._checksum_run, first, blocks))
         self._futures.extend(futs)
         return _all_of(futs)
 
@@ -594,22 +605,10 @@ class WriteBatch(_Batch):
         for first, n in store._view_runs(self.slots, start, blocks):
             run = blocks[first - start:first - start + n]
             write = partial(store._view_io, store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size)
-            futs.append(store.backend.submit(self._write_then_checksum, write, first, run))
+            futs.append(store.backend.submit(self._write, write))
+            futs.append(store._hash_pool.submit(self._checksum_run, first, run))
         self._futures.extend(futs)
         return _all_of(futs)
-
-    def _write_then_checksum(self, write: Callable[[], None], first: int, run: Sequence[Sequence[memoryview]]) -> None:
-        """Write a run of blocks from where they lie, then hash them on the same I/O
-        thread. Piece by piece the hash keeps the GIL (``_KEEP_GIL``, ``_HELD_UPDATE``):
-        on a checksum thread with a queue of blocks it kept it for up to the switch
-        interval, and the I/O threads back from their writes waited that long to issue
-        the next one. Idle, 2 MiB handler writes ran at 0.66-0.67 of raw that way and
-        8 MiB ones at 0.75-0.76, against 0.82-0.83 and 0.81-0.83 hashing here; beside a
-        busy thread the two were alike (docs/benchmarks.md, twelfth session). Here each
-        hold ends at this thread's next write. A block in one piece (the block-major CPU
-        tier's) is hashed that way too up to ``_HOLD_ONE_PIECE_UP_TO`` (``digest_after_write``)."""
-        self._write(write)
-        self._checksum_views(first, run, self.store.digest_after_write)
 
     def _may_write(self, n: int) -> bool:
         """Before a chunk of ``n`` blocks: wait for step 1 (the first time); whether to go on."""
@@ -623,11 +622,10 @@ class WriteBatch(_Batch):
         except Exception as e:  # an I/O thread must not lose an error: finish() reports it
             self._fail(e)
 
-    def _checksum_views(self, first: int, run: Sequence[Sequence[memoryview]],
-                        digest: Callable[[Sequence[memoryview]], int]) -> None:
+    def _checksum_run(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
+        """Record the checksums of blocks ``first ..`` (``run``: each block's views)."""
         try:
-            for i, pieces in enumerate(run):
-                self.checksums[first + i] = digest(pieces)
+            self.checksums[first:first + len(run)] = self.store.run_checksums(run)
         except Exception as e:
             self._fail(e)
 
@@ -943,21 +941,18 @@ class ReadBatch(_Batch):
         (the copy out of a bounce buffer)."""
         if before is not None:
             before()
-        for i, pieces in enumerate(run):
-            self._check(first + i, pieces)
+        # A block is good if its bytes match the checksum recorded for it; blocks with no
+        # usable entry were not read (``_missing``).
+        wanted = [first + i for i in range(len(run)) if self.expected[first + i] is not None]
+        got = self.store.run_checksums([run[i - first] for i in wanted])
+        for i, checksum in zip(wanted, got):
+            if checksum == self.expected[i]:
+                self.ok[i] = True
+            else:
+                with self._lock:
+                    self._corrupt.append(i)
         if after is not None:
             after()
-
-    def _check(self, i: int, pieces: Sequence[memoryview]) -> None:
-        """Block ``i`` is good if its bytes (``pieces``) match the recorded checksum."""
-        want = self.expected[i]
-        if want is None:
-            return
-        if self.store.digest(pieces) == want:
-            self.ok[i] = True
-        else:
-            with self._lock:
-                self._corrupt.append(i)
 
     def _record_error(self, e: BaseException) -> None:
         with self._lock:
