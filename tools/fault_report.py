@@ -111,7 +111,14 @@ def crash(work: Path, trials: int, seed: int) -> Row:
         row.at_risk += t.acked
         row.lost += len(t.lost)
         row.wrong += len(t.verify.wrong)
-        clean += t.verify.ok and t.verify.incomplete == 0 and (t.cli is None or t.cli[0] == 0)
+        if t.verify.ok and t.verify.incomplete == 0 and (t.cli is None or t.cli[0] == 0):
+            clean += 1
+        else:  # say what was wrong, so that a rare failure can be chased from the report alone
+            v = t.verify
+            cli = "" if t.cli is None else f", inspect verify exit {t.cli[0]}: {t.cli[1].strip()[-600:]!r}"
+            row.notes.append(f"trial {i} ({t.policy}, {t.phase}, kill after {t.delay:.3f} s) left a cache that "
+                             f"failed verification: {len(v.corrupt)} corrupt, {len(v.wrong)} wrong, "
+                             f"{v.incomplete} incomplete, errors {v.errors}{cli}")
     state = read_journal(runner.journal)
     row.wrong += state.mismatches
     row.notes.append(f"{phases['storm']} kills mid-storm, {phases['startup']} during start-up; the cache as each "
