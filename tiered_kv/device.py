@@ -30,11 +30,11 @@ logger = logging.getLogger(__name__)
 _logged_fallbacks: set[str] = set()
 
 
-def log_fallback_once(what: str) -> None:
-    """Log ``what`` (a fallback this process takes) at INFO, the first time only."""
+def log_fallback_once(what: str, level: int = logging.INFO) -> None:
+    """Log ``what`` (a fallback this process takes) at ``level``, the first time only."""
     if what not in _logged_fallbacks:
         _logged_fallbacks.add(what)
-        logger.info("%s", what)
+        logger.log(level, "%s", what)
 
 
 @functools.cache
@@ -54,6 +54,24 @@ def can_pin_memory() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+#: The kernel's transparent huge page settings for private anonymous memory and for
+#: shared memory (``empty_shared``'s memfds); ``kernel_huge_pages`` reads them.
+THP_SETTINGS = {"private": "/sys/kernel/mm/transparent_hugepage/enabled",
+                "shared": "/sys/kernel/mm/transparent_hugepage/shmem_enabled"}
+
+
+def kernel_huge_pages(memory: str = "private") -> str:
+    """The kernel's transparent huge page setting for ``memory`` ("private" or
+    "shared"): the bracketed word of its sysfs file (``always``, ``madvise``, ``advise``,
+    ``never``...), or "n/a" where there is none."""
+    try:
+        with open(THP_SETTINGS[memory]) as f:
+            text = f.read()
+    except OSError:
+        return "n/a"
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
 #: Alignment of ``empty_host`` tensors (a page: what O_DIRECT needs).

@@ -9,13 +9,15 @@ same memfd once (``MappedRegions``) and from then on reads and writes those byte
 place: no copy, only the address travels.
 
 Worker processes call ``empty_shared``/``locate``; the I/O process calls
-``MappedRegions``. No I/O beyond mapping memory.
+``MappedRegions``. No I/O beyond mapping memory (and reading the kernel's huge page
+setting for shared memory).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -25,7 +27,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tiered_kv.device import HUGE_PAGE, cuda_host_register, cuda_host_unregister, log_fallback_once
+from tiered_kv.device import (
+    HUGE_PAGE, THP_SETTINGS, cuda_host_register, cuda_host_unregister, kernel_huge_pages, log_fallback_once,
+)
 
 __all__ = ["SharedRegion", "empty_shared", "locate", "region_fd", "on_free", "MappedRegions"]
 
@@ -48,6 +52,25 @@ _regions: dict[int, SharedRegion] = {}  # address -> region
 _free_listeners: list[weakref.WeakMethod] = []
 
 
+def _advise_huge_pages(region: mmap.mmap) -> None:
+    """Ask for huge pages for a shared region, and warn once where the kernel's setting
+    for shared memory gives it none. On 4 KiB pages a disk transfer pins 512 pages per
+    2 MiB: with ``disk_io: process``, 8 MiB handler transfers ran at 0.65-0.74 of the raw
+    device and the store path's at 0.49-0.67, against 0.89-1.05 and 0.93-1.06 with
+    ``shmem_enabled`` set to ``advise`` (docs/benchmarks.md, seventeenth session)."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as e:
+            log_fallback_once(f"shared host memory cannot use huge pages ({e})")
+    setting = kernel_huge_pages("shared")
+    if setting in ("never", "deny"):
+        log_fallback_once(f"shared host memory gets no huge pages here (the kernel's shmem_enabled is {setting!r}), "
+                          f"so disk I/O to and from it (the CPU tier and staging buffers with disk_io: process) "
+                          f"runs at about half to three quarters of the device's speed. To give it huge "
+                          f"pages: echo advise > {THP_SETTINGS['shared']}", logging.WARNING)
+
+
 def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
     """An uninitialised uint8 tensor of ``nbytes`` in a new shared region (page-aligned,
     advised for huge pages where the kernel gives them to shared memory).
@@ -68,11 +91,8 @@ def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
     except OSError as e:
         os.close(fd)
         raise RuntimeError(f"cannot map {nbytes} bytes of shared host memory: {e}") from e
-    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError as e:
-            log_fallback_once(f"shared host memory cannot use huge pages ({e})")
+    if nbytes >= HUGE_PAGE:
+        _advise_huge_pages(region)
     # Tensors hold a memoryview and its finalizer the mmap, so the finalizer runs while
     # the region is still mapped: freeing the mmap itself would unmap it before its weak
     # references are told, and CUDA must forget the pages before they go.

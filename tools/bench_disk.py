@@ -40,7 +40,9 @@ bytes per measurement with the same number of I/O threads:
 Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
 advised onto transparent huge pages (``--small-pages``: ordinary pages, to compare);
-the header prints the kernel's THP mode. The heap built at setup is frozen, as a vLLM
+the header prints the kernel's THP modes for private and for shared memory (with
+``--disk-io process`` the buffers are shared memory, on huge pages only where the second
+allows). The heap built at setup is frozen, as a vLLM
 worker's is after warm-up (``--live-heap``: not); ``--busy-thread`` adds a thread running
 plain Python beside every path, as an engine worker's own Python would.
 
@@ -84,7 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiered_kv.config import CHECKSUMS  # noqa: E402
 from tiered_kv.disk.fingerprint import Fingerprint  # noqa: E402
 from tiered_kv import device  # noqa: E402
-from tiered_kv.device import empty_pageable  # noqa: E402
+from tiered_kv.device import empty_pageable, kernel_huge_pages  # noqa: E402
 from tiered_kv.disk.io_backends import host_view  # noqa: E402
 from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
 from tiered_kv.disk.io_process import DiskIOProcess  # noqa: E402
@@ -238,15 +240,6 @@ def busy_thread(on: bool):
         stop.set()
         if thread is not None:
             thread.join()
-
-
-def thp_mode() -> str:
-    """The kernel's transparent huge page setting (the bracketed word), or "n/a"."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "n/a"
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
 def model_layout(block_bytes: int) -> KVCacheLayout:
@@ -465,7 +458,8 @@ def main() -> None:
           f"tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
           f"{args.job_threads} job threads, {args.io_threads} I/O threads, {args.checksum} checksums; "
           f"{args.total_mib} MiB per "
-          f"measurement, {args.rounds} rounds; THP {thp_mode()}; heap "
+          f"measurement, {args.rounds} rounds; THP {kernel_huge_pages('private')} "
+          f"(shared memory: {kernel_huge_pages('shared')}); heap "
           f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
           f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
           f"; disk I/O in {'a helper process' if args.disk_io == 'process' else 'threads of this process'}"

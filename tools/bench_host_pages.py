@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_disk import MiB, RawLoop, TierBench, cpu_seconds, thp_mode  # noqa: E402
+from bench_disk import MiB, RawLoop, TierBench, cpu_seconds  # noqa: E402
 from tiered_kv import device  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
     args = p.parse_args()
     total = args.total_mib * MiB
-    print(f"# bench_host_pages  {time.strftime('%Y-%m-%d %H:%M')}  THP {thp_mode()}  {args.rounds} rounds, "
+    print(f"# bench_host_pages  {time.strftime('%Y-%m-%d %H:%M')}  THP {device.kernel_huge_pages()}  {args.rounds} rounds, "
           f"{args.total_mib} MiB per measurement, 4 I/O threads")
     print(f"{'block':>9} {'dir':>5} {'path':>14} {'pages':>5} | {'GB/s':>5} {'/raw 4k':>7} {'/raw thp':>8} | "
           f"{'CPU s/GB':>8}")
