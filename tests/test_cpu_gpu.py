@@ -398,3 +398,26 @@ def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, gap):
         caches[kernels] = ([t.cpu() for t in gpu], [t.clone() for t in host.tensors])
     for a, b in zip(caches[True][0] + caches[True][1], caches[False][0] + caches[False][1]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_row_groups_join_only_planes_that_tile_one_matrix():
+    """A DMA copy moves every plane of a run of slots at once only where the planes are
+    column ranges of one row-major matrix that they cover exactly (a block-major tier)."""
+    rows = torch.arange(5 * 12, dtype=torch.int64).view(5, 12)
+    planes = [rows[:, 8:12], rows[:, 0:4], rows[:, 4:8]]  # not in address order
+    [(matrix, members)] = cpu_gpu.row_groups(planes)
+    assert matrix.data_ptr() == rows.data_ptr() and matrix.shape == rows.shape and torch.equal(matrix, rows)
+    assert members == [(0, slice(8, 12)), (1, slice(0, 4)), (2, slice(4, 8))]
+    for i, columns in members:
+        assert torch.equal(matrix[:, columns], planes[i])
+
+    def alone(ps):
+        groups = cpu_gpu.row_groups(ps)
+        return len(groups) == len(ps) and all(g[0] is p for g, p in zip(groups, ps))
+
+    assert alone([rows[:, 0:4], rows[:, 8:12]])  # a gap between them
+    assert alone([rows[:, 0:4], rows[:, 4:8]])  # rows longer than the planes together
+    assert alone([torch.zeros(5, 4, dtype=torch.int64), torch.zeros(5, 4, dtype=torch.int64)])  # apart
+    wide = torch.arange(12 * 10, dtype=torch.int64).view(12, 10).t()  # columns, not rows, contiguous
+    assert alone([wide[:, 0:6], wide[:, 6:12]])
+    assert alone([rows[:, 0:4]])

@@ -282,13 +282,15 @@ def row_groups(planes: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[
     plane), that matrix and each plane's columns; else each plane alone. A DMA copy then
     moves a run of slots of every plane at once."""
     alone = [(plane, [(i, slice(0, plane.shape[1]))]) for i, plane in enumerate(planes)]
-    if len(planes) < 2 or len({(p.dtype, p.shape[0], p.stride(0)) for p in planes}) != 1:
+    if len(planes) < 2 or len({(p.dtype, p.shape[0], p.stride(0), p.stride(1)) for p in planes}) != 1:
         return alone
     order = sorted(range(len(planes)), key=lambda i: planes[i].data_ptr())
     first, size = planes[order[0]], planes[0].element_size()
+    if first.stride(1) != 1:
+        return alone
     offset, members = 0, []
     for i in order:
-        if (planes[i].data_ptr() - first.data_ptr()) // size != offset:
+        if planes[i].data_ptr() - first.data_ptr() != offset * size:
             return alone
         members.append((i, slice(offset, offset + planes[i].shape[1])))
         offset += planes[i].shape[1]
