@@ -41,10 +41,10 @@ Every path's host buffers (the raw loop's, the store's rows, the host KV cache, 
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
 advised onto transparent huge pages (``--small-pages``: ordinary pages, to compare);
 the header prints the kernel's THP modes for private and for shared memory (with
-``--disk-io process`` the buffers are shared memory, on huge pages only where the second
-allows). The heap built at setup is frozen, as a vLLM
-worker's is after warm-up (``--live-heap``: not); ``--busy-thread`` adds a thread running
-plain Python beside every path, as an engine worker's own Python would.
+``--disk-io process`` the buffers are shared memory, on huge pages only where the
+second allows). The heap built at setup is frozen, as a vLLM worker's is after warm-up
+(``--live-heap``: not); ``--busy-thread`` adds a thread running plain Python beside
+every path, as an engine worker's own Python would.
 
 Ratios are tier / raw over all rounds (bytes / time summed); two more tables give the
 per-round ratios (each path against the raw loop of the same round, then against the

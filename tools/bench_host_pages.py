@@ -59,8 +59,8 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
     args = p.parse_args()
     total = args.total_mib * MiB
-    print(f"# bench_host_pages  {time.strftime('%Y-%m-%d %H:%M')}  THP {device.kernel_huge_pages()}  {args.rounds} rounds, "
-          f"{args.total_mib} MiB per measurement, 4 I/O threads")
+    print(f"# bench_host_pages  {time.strftime('%Y-%m-%d %H:%M')}  THP {device.kernel_huge_pages()}  "
+          f"{args.rounds} rounds, {args.total_mib} MiB per measurement, 4 I/O threads")
     print(f"{'block':>9} {'dir':>5} {'path':>14} {'pages':>5} | {'GB/s':>5} {'/raw 4k':>7} {'/raw thp':>8} | "
           f"{'CPU s/GB':>8}")
     for size in (float(s) for s in args.sizes.split(",")):
