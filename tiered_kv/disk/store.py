@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import partial
@@ -156,8 +156,8 @@ _KEEP_GIL = 0
 #: update over 64 KiB.
 _HELD_UPDATE = 32 << 10
 #: ``RunChecksums`` lets go of the GIL about once per this many bytes hashed: the most
-#: one I/O call moves (``MAX_IO_BYTES``), so about once per call.
-_HOLD_GIL_FOR = 2 << 20
+#: one I/O call moves, so about once per call.
+_HOLD_GIL_FOR = MAX_IO_BYTES
 
 
 @dataclass
@@ -583,15 +583,9 @@ class WriteBatch(_Batch):
             buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
             buf[:, :store.block_bytes].copy_(rows[:, :store.block_bytes])
             host_rows = None
-        futs = []
-        # Writes on the backend's pool, checksums on the store's CPU threads: the device
-        # keeps the whole queue depth while the checksums run beside it.
         sums = buf if host_rows is None else host_rows
-        for first, _, _, write, blocks in self._row_runs(start, buf, sums, store.backend.pwrite, store.backend.pwritev):
-            futs.append(store.backend.submit(self._write, write))
-            futs.append(store._hash_pool.submit(self._checksum_run, first, blocks))
-        self._futures.extend(futs)
-        return _all_of(futs)
+        runs = self._row_runs(start, buf, sums, store.backend.pwrite, store.backend.pwritev)
+        return self._write_runs((first, write, blocks) for first, _, _, write, blocks in runs)
 
     def submit_views(self, start: int, blocks: Sequence[Sequence[memoryview]]) -> Future | None:
         """Write blocks ``start .. start+len(blocks)-1``, each given as host byte views
@@ -601,10 +595,23 @@ class WriteBatch(_Batch):
         if not self._may_write(len(blocks)):
             return None
         store = self.store
+
+        def runs():
+            for first, n in store._view_runs(self.slots, start, blocks):
+                run = blocks[first - start:first - start + n]
+                yield first, partial(store._view_io, store.backend.pwritev, self._file, run,
+                                     self.slots[first] * store.slot_size), run
+
+        return self._write_runs(runs())
+
+    def _write_runs(self, runs: Iterable[tuple[int, Callable[[], None], Sequence[Sequence[memoryview]]]]) -> Future:
+        """For each ``(first block, write, its blocks' views)``: the write on the
+        backend's pool and the run's checksums on the store's checksum threads, so the
+        device keeps the whole queue depth while the checksums run beside it. Returns
+        a future done once both are, for every run."""
+        store = self.store
         futs = []
-        for first, n in store._view_runs(self.slots, start, blocks):
-            run = blocks[first - start:first - start + n]
-            write = partial(store._view_io, store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size)
+        for first, write, run in runs:
             futs.append(store.backend.submit(self._write, write))
             futs.append(store._hash_pool.submit(self._checksum_run, first, run))
         self._futures.extend(futs)
