@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# The CUDA checks, ready for a machine with a GPU and no network (the lent H100/H200).
+# The CUDA checks (the `gpu` tests, the GPU benchmarks, the replay on CUDA), ready for a
+# GPU machine without network access.
 #
-# Here, with network (once): fetch the wheels that machine lacks into .whl/ (ignored by
-# git through .git/info/exclude). Its image has Python 3.12, torch 2.11+cu130, CuPy,
-# cuda-toolkit with cuFile, pytest, hypothesis, xxhash, typer, rich, prometheus-client
-# and matplotlib; it lacks lmdb, crc32c and KvikIO:
+# On a machine with network (once): fetch the wheels a typical GPU image lacks into .whl/
+# (ignored by git through .git/info/exclude). The image this targets has Python 3.12,
+# torch 2.11+cu130, CuPy, cuda-toolkit with cuFile, pytest, hypothesis, xxhash, typer,
+# rich, prometheus-client and matplotlib; it lacks lmdb, crc32c and KvikIO:
 #
-#     bash tools/gpu_session.sh fetch
+#     bash tools/cuda_checks.sh fetch
 #
-# There, from the repository root, with .whl carried along (each step fits one 10-minute
-# command; logs and tables go to $OUT, else /tmp/gpu-session):
+# On the GPU machine, from the repository root, with .whl carried along (each step fits
+# in 10 minutes; logs and tables go to $OUT, else /tmp/cuda-checks):
 #
-#     bash tools/gpu_session.sh tests     # the `gpu` tests, then the whole suite (vLLM's skip)
-#     bash tools/gpu_session.sh bench     # GPU<->CPU handlers, then the disk tier through KvikIO
-#     bash tools/gpu_session.sh replay    # the whole hierarchy with the device cache on CUDA
-#     bash tools/gpu_session.sh all       # the gpu tests, both benches and the replay in one
-#                                         # command under 10 minutes (each machine start costs
-#                                         # a minute or two of the session's device time)
+#     bash tools/cuda_checks.sh tests     # the `gpu` tests, then the whole suite (vLLM's skip)
+#     bash tools/cuda_checks.sh bench     # GPU<->CPU handlers, then the disk tier through KvikIO
+#     bash tools/cuda_checks.sh replay    # the whole hierarchy with the device cache on CUDA
+#     bash tools/cuda_checks.sh all       # the gpu tests, both benches and the replay in one
+#                                         # command under 10 minutes, each step time-limited
 #
 # Record what they print in docs/benchmarks.md ("GPU <-> CPU", "Disk tier"). The project
 # is on PYTHONPATH, not installed, so test_console_script_runs_the_demo fails there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
-out=${OUT:-/tmp/gpu-session}
+out=${OUT:-/tmp/cuda-checks}
 py=${PYTHON:-python3}
 
 fetch() {
@@ -85,7 +85,7 @@ case "$step" in
             | tee "$out/replay_gpu.txt"
         ;;
     *)
-        echo "usage: bash tools/gpu_session.sh fetch|tests|bench|replay|all" >&2
+        echo "usage: bash tools/cuda_checks.sh fetch|tests|bench|replay|all" >&2
         exit 2
         ;;
 esac
