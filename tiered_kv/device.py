@@ -101,8 +101,9 @@ def empty_pageable(nbytes: int) -> torch.Tensor:
     a 2 MiB boundary and advised for transparent huge pages (``MADV_HUGEPAGE``; the
     kernel's THP setting has the last word). A disk transfer from such memory pins one
     page per 2 MiB instead of 512 and reaches the device in fewer, larger requests
-    (docs/benchmarks.md, "Huge pages"). Its pages are faulted in, zeroed, on first
-    touch, so short-lived buffers are better taken from ``aligned_empty``.
+    (docs/benchmarks.md, "Disk tier", host buffers on huge pages). Its pages are
+    faulted in, zeroed, on first touch, so short-lived buffers are better taken from
+    ``aligned_empty``.
     """
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return aligned_empty(nbytes)

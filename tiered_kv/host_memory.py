@@ -317,10 +317,9 @@ class SlotViews:
         at a time, scattered slots a block at a time (``_blocks``). A numpy copy per
         piece gave the GIL up 64 times per chunk of 0.5 MiB blocks (a per-layer tier's
         64 planes), and beside a busy
-        Python thread each time waited up to the 5 ms switch interval to take it back:
-        there, 0.5 MiB handler writes ran at 0.39-0.42 of raw that way, 0.79 this way,
-        and idle as fast; from scattered slots 0.19 that way (0.63 idle), 0.71 this way
-        (0.82 idle; docs/benchmarks.md, fourteenth session). See ``unpack`` for why the
+        Python thread each time waited up to the 5 ms switch interval to take it back,
+        which slowed small-block handler writes several times over there, from runs
+        of slots and from scattered ones alike. See ``unpack`` for why the
         other direction copies piece by piece instead."""
         self._check_packed(slots, out)
         index, runs = _slot_runs(slots)
@@ -363,10 +362,10 @@ class SlotViews:
         piece, as memoryview slice assignments. These keep the GIL. A numpy copy gives it
         up, and beside a thread running Python it waits up to the 5 ms switch interval to
         take it back, once per copy: 64 per chunk of 0.5 MiB blocks of a per-layer tier. Unpacking runs on the
-        disk threads of an engine worker, beside such a thread; there, this made the
-        handler's 0.5 MiB reads 5 times faster. Packing gained little that way and lost
+        disk threads of an engine worker, beside such a thread, where the handoffs
+        dominated small-block reads. Packing gained little that way and lost
         when idle, as do small pieces here: each copy costs about a microsecond of Python
-        (docs/benchmarks.md)."""
+        (docs/benchmarks.md, "Disk tier", the GIL handoff)."""
         self._check_packed(slots, src)
         flat = memoryview(src.numpy()).cast("B")
         slots, stride, offset = [int(s) for s in slots], src.shape[1], 0

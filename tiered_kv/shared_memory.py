@@ -55,9 +55,9 @@ _free_listeners: list[weakref.WeakMethod] = []
 def _advise_huge_pages(region: mmap.mmap) -> None:
     """Ask for huge pages for a shared region, and warn once where the kernel's setting
     for shared memory gives it none. On 4 KiB pages a disk transfer pins 512 pages per
-    2 MiB: with ``disk_io: process``, 8 MiB handler transfers ran at 0.65-0.74 of the raw
-    device and the store path's at 0.49-0.67, against 0.89-1.05 and 0.93-1.06 with
-    ``shmem_enabled`` set to ``advise`` (docs/benchmarks.md, seventeenth session)."""
+    2 MiB, which holds ``disk_io: process`` well under the raw device's speed; with
+    ``shmem_enabled`` set to ``advise`` it is not (docs/benchmarks.md, "Disk tier",
+    shared memory on huge pages)."""
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             region.madvise(mmap.MADV_HUGEPAGE)

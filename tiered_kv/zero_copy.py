@@ -7,9 +7,9 @@ with one 2-D tensor whose rows are equal slices of the address range from the fi
 plane to the end of the last. Any set of blocks of every plane is then a list of row
 numbers, and a job of the GPU <-> CPU handlers (``tiered_kv.worker.cpu_gpu``) is two
 kernels: an ``index_select`` from one side into a staging tensor on the device and an
-``index_copy_`` into the other. Before, it was a DMA copy per layer and per run of
-slots, 1.8 ms of CPU per 32-block job. On an H100 that took 0.5 MiB blocks from 8-12
-GB/s to 29-46, and 2 MiB blocks from 23-32 to 47-50 (docs/benchmarks.md, "GPU <-> CPU").
+``index_copy_`` into the other. A DMA copy per layer and per run of slots costs CPU
+time per call to issue, which bounds small blocks; two kernels per job do not
+(docs/benchmarks.md, "GPU <-> CPU").
 
 The spanning tensor covers whatever lies between the planes too (other allocations),
 but only row numbers inside the planes are ever formed. Its rows are the largest

@@ -14,9 +14,9 @@ bytes per measurement with the same number of I/O threads:
   same memory footprint as the tier's own I/O.
 - raw, reused buffers: the device as fio measures it (``fio --direct=1`` when fio is
   installed, else the loop above with one block-sized buffer per I/O thread, reused
-  for every block). On the development VMs a virtio disk reads about 30% faster into
-  a few reused megabytes than into a KV cache's worth of memory (2.9 against 2.2 GB/s
-  at 2 MiB: docs/benchmarks.md, thirteenth session), a speed no cache that loads
+  for every block). On the development VMs a virtio disk reads faster into a few
+  reused megabytes than into a KV cache's worth of memory (docs/benchmarks.md, "Disk
+  tier"; ``tools/bench_raw_memory.py`` measures it), a speed no cache that loads
   distinct blocks into distinct memory can have; it is printed, with the tier's ratios
   against it, but the targets' ratios are against the raw loop above.
 - store / load: the disk tier's I/O path, ``DiskStore`` jobs of pre-packed blocks,

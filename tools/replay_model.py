@@ -15,7 +15,7 @@ Default model (every number is a command-line option of ``tools/replay.py``):
   sparsity"). Prefill costs about 2 FLOP per parameter per token (8.03 B parameters;
   attention's extra FLOPs ignored at these lengths), so at an ASSUMED 50% model FLOPs
   utilisation: 0.5 x 989e12 / (2 x 8.03e9) = 30,800 tokens/s.
-- load bandwidths, ASSUMED until the GPU session measures them: CPU -> GPU 50 GB/s
+- load bandwidths, ASSUMED until measured on the serving machine: CPU -> GPU 50 GB/s
   (about 80% of PCIe 5.0 x16's 63 GB/s per direction), DISK -> GPU 6 GB/s (one PCIe 4.0
   NVMe drive, about 7 GB/s sequential read on its datasheet).
 

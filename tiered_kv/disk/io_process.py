@@ -6,8 +6,9 @@ store really runs in a child process that it starts: the O_DIRECT reads and writ
 the checksums, the ``fdatasync`` and the synced index commits all happen there, so the
 worker's own Python (its model runner) neither waits for them nor is slowed by them.
 In the worker, a batch costs a few small messages; in one process, every I/O, checksum
-and commit step needs the worker's GIL back (docs/benchmarks.md: a busy thread halves
-the disk I/O of its process, and the disk pipeline halves that thread).
+and commit step needs the worker's GIL back, so a busy thread and the disk pipeline
+slow each other down (docs/benchmarks.md, "Disk tier", thread vs process beside a busy
+thread).
 
 Which process does what:
 

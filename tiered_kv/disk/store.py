@@ -75,7 +75,7 @@ IOV_MAX = os.sysconf("SC_IOV_MAX")
 PACK_CHUNK_BYTES = 8 << 20
 PACK_BUFFERS = 8
 #: Smallest piece worth a vectored transfer: with 8 KiB pieces (64 per 0.5 MiB block)
-#: the device moved less than through one staging copy (docs/benchmarks.md).
+#: the device moved less than through one staging copy.
 MIN_VIEW_PIECE = 32 << 10
 
 
@@ -108,10 +108,10 @@ class RunChecksums:
     taking the GIL back waits behind a busy Python thread for up to the interpreter's
     switch interval, so hashing 0.5 MiB blocks one call each, or a block piece by piece
     each piece letting go, starved the checksums beside one (docs/benchmarks.md,
-    twelfth and seventeenth sessions). Never letting go costs the other way: an I/O
+    "Disk tier"). Never letting go costs the other way: an I/O
     thread back from its call waits for the GIL until the holder lets go, so a checksum
     thread that held it from one queued block to the next kept the I/O threads from
-    their next calls for up to the switch interval (handler writes at 0.66 of raw)."""
+    their next calls for up to the switch interval."""
 
     def __init__(self, name: str):
         self.one_call = checksum_function(name)
@@ -362,8 +362,8 @@ class DiskStore(BlockIO):
         """``call`` (the backend's ``preadv``/``pwritev``) over the views of ``run`` (blocks
         in consecutive slots from ``offset``): one call, as on the row path, unless it
         has more than ``IOV_MAX`` views. A block larger than ``MAX_IO_BYTES`` is not split
-        either: 8 MiB handler writes issued as four 2 MiB calls ran at 0.90-0.97 of raw,
-        against 0.99-1.06 in one (docs/benchmarks.md, fourteenth session)."""
+        either: four 2 MiB calls one after another on one I/O thread keep a quarter of
+        the bytes in flight that one call does."""
         iovecs = [v for pieces in run for v in pieces]
         for first in range(0, len(iovecs), IOV_MAX):
             views = iovecs[first:first + IOV_MAX]
@@ -413,7 +413,7 @@ def views_fit(views: SlotViews, slot_size: int) -> bool:
     (vectored I/O, any backend): pieces aligned for O_DIRECT (so a block fills its slot
     exactly: there is no padding to write) and of at least ``MIN_VIEW_PIECE`` each (so a
     block's call has few buffers: 64 at 2 MiB; smaller pieces moved slower than packed
-    runs, docs/benchmarks.md)."""
+    runs)."""
     return views.aligned(ALIGN) and views.slot_bytes == slot_size and views.smallest_piece >= MIN_VIEW_PIECE
 
 
