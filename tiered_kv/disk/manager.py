@@ -27,7 +27,7 @@ a write transaction on the caller's thread:
   slot's old entry (synced) before overwriting it, so until then the entry describes
   intact, checksummed bytes, and after a restart such a block is simply loadable again.
   Deleting entries at eviction would cost the scheduler process several LMDB calls
-  per evicted block (docs/benchmarks.md) for nothing the workers do not already do.
+  per evicted block for nothing the workers do not already do.
 - A background flusher thread runs ``refresh()`` every ``poll_interval`` while blocks
   are pending (a read transaction, applied 64 records per lock hold), so the
   scheduler's own calls rarely find log records left to read. The same thread writes
@@ -169,7 +169,7 @@ class _BlockTable:
     numpy, and a batch of lookups is prefiltered by key prefix (a bitmap, then
     ``searchsorted``); still about twice a hot table's cost per call, so the manager
     empties the cold generation into the hot one in the background (``warm_up``, a
-    second or so per million blocks; docs/benchmarks.md, "restarted").
+    second or so per million blocks; docs/benchmarks.md, "Scheduler cost").
     """
 
     def __init__(self) -> None:
@@ -263,10 +263,9 @@ class _BlockTable:
         batch prefilter for ``_cold_index``, where a bisect each costs a few
         microseconds. A new digest almost never passes it: its prefix bucket's bit
         rules out all but about one in 16 with one memory access, and a search of
-        the sorted prefixes the rest. With a search for every key, ``absent_among``
-        of 256 new digests took 345-420 us in a cascade after a restart (between the
+        the sorted prefixes the rest. A search for every key costs more: between the
         scheduler's other work, the 2 MiB of prefixes of 256k blocks fall out of the
-        CPU caches); 250-270 us this way (docs/benchmarks.md, thirteenth session)."""
+        CPU caches (docs/benchmarks.md, "Scheduler cost", the restarted cascade)."""
         length = self._key_len
         if length < 8 or any(len(h) != length for h in hashes):
             return [True] * len(hashes)
@@ -405,7 +404,7 @@ class _BlockTable:
         """Move up to ``n`` of the most recent cold blocks to the hot generation, in
         front of every hot block (they are older), so the LRU order stays as it was.
         The cold generation makes a restart instant, but every lookup of a new hash
-        and every eviction costs more there (docs/benchmarks.md, "restarted"); once
+        and every eviction costs more there (docs/benchmarks.md, "Scheduler cost"); once
         it is empty the table is as if it had never restarted. Returns whether cold
         blocks remain."""
         if self._cold_count:
@@ -964,8 +963,8 @@ class DiskOffloadingManager(OffloadingManager):
         transaction (at once for ``flush`` and ``shutdown``). The two clocks are separate: when the
         poll waited for the write interval, a burst of stores filled the composite's
         bound on pending disk writes between polls, and the scheduler's own call then
-        read the log itself (a 256-block ``prepare_store`` took 1 ms instead of 0.35;
-        docs/benchmarks.md, thirteenth session)."""
+        read the log itself, which made its cascading calls slow (docs/benchmarks.md,
+        "Scheduler cost")."""
         write_at: float | None = None  # when the queued updates are due
         while True:
             with self._lock:
