@@ -7,10 +7,16 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_REQS := requirements-vllm-nodeps.txt requirements-vllm.txt
 # WITH_VLLM=0 skips installing vLLM; the `vllm`-marked tests then skip themselves.
 WITH_VLLM ?= 1
-TEST_DEPS := $(STAMP) $(if $(filter 1,$(WITH_VLLM)),$(VLLM_STAMP))
+# Ceph RGW, the real S3 server of the shared-tier tests (tools/rgw_server.sh): installed
+# from Debian's packages when missing and make runs as root with apt-get; elsewhere those
+# tests skip, saying how to get it. WITH_RGW=0 skips the install.
+WITH_RGW ?= 1
+RGW_STAMP := $(VENV)/.rgw-installed
+RGW_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
+TEST_DEPS := $(STAMP) $(if $(filter 1,$(WITH_VLLM)),$(VLLM_STAMP)) $(if $(filter 1,$(WITH_RGW)),$(RGW_STAMP))
 DEMO_DIR ?= .tiered-kv-demo
 
-.PHONY: demo test test-faults venv clean
+.PHONY: demo test test-faults venv clean rgw
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +38,24 @@ $(VLLM_STAMP): $(STAMP) $(VLLM_REQS)
 		sys.exit(0 if torch.__version__ == want else f'vLLM install changed torch to {torch.__version__}, expected {want}')"
 	$(PY) -c "import vllm.v1.kv_offload.base, vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
 	touch $(VLLM_STAMP)
+
+# Touched only once the daemons are there, so a machine that could not install them
+# checks again next time (a few `command -v`), and one that has them never re-runs apt.
+$(RGW_STAMP):
+	@mkdir -p $(VENV); if command -v radosgw >/dev/null && command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null \
+		&& command -v ceph >/dev/null; then \
+		touch $@; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing Ceph RGW for the shared-tier tests: $(RGW_PACKAGES)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		if apt-get install -y -q --no-install-recommends $(RGW_PACKAGES) >/dev/null \
+			|| { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(RGW_PACKAGES) >/dev/null; }; \
+		then touch $@; else echo "make: could not install $(RGW_PACKAGES); the shared-tier tests will skip"; fi; \
+	else \
+		echo "make: Ceph RGW ($(RGW_PACKAGES)) is not installed and needs root with apt-get; the shared-tier tests will skip"; \
+	fi
+
+rgw: $(RGW_STAMP)
 
 venv: $(TEST_DEPS)
 

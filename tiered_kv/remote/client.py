@@ -1,0 +1,235 @@
+"""The object-store client of the shared tier: S3 requests through obstore.
+
+Runs in whichever process opened the tier (the scheduler for membership probes, each
+worker for block uploads and downloads); every call is one blocking HTTP request (with
+at most ``RemoteConfig.retries`` more after a transient failure), made from the store's
+thread pool. obstore (Rust's object_store) lets go of the GIL for the whole request and
+moved 0.5 MiB blocks at about twice boto3's rate on a 2-core machine, where boto3's
+Python-side signing and parsing competed with the server for the cores
+(docs/benchmarks.md, ``tools/bench_remote.py``).
+
+Errors come out as three kinds: ``Unavailable`` (network, timeout, 5xx such as 503
+SlowDown: a miss or a dropped upload for the caller), ``AccessDenied`` and
+``BucketMissing`` (the configuration is wrong: a start-up error). A missing object is
+not an error (``get`` gives None, ``exists`` False); neither is a write-once put that
+finds the object there (``put_new`` gives False).
+
+Credentials come from botocore's standard chain (environment, shared credentials and
+config files with ``profile`` or AWS_PROFILE, container and instance roles), handed to
+obstore through a callback it calls again before they expire. They are never logged,
+never put into a message, and never kept in the config.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+try:
+    from collections.abc import Buffer  # Python 3.12+
+except ImportError:  # pragma: no cover - older Pythons
+    Buffer = bytes | bytearray | memoryview  # type: ignore[misc]
+
+from tiered_kv.remote.config import RemoteConfig
+
+_INSTALL_HINT = "the shared tier needs obstore and botocore: pip install 'tiered-kv[s3]'"
+_CODE_RE = re.compile(r"<Code>([A-Za-z0-9]+)</Code>")
+_STATUS_RE = re.compile(r"status code: (\d{3} [A-Za-z ]+)")
+#: How long obstore may keep a set of credentials before asking the chain again
+#: (botocore refreshes expiring role credentials itself when asked).
+_CREDENTIALS_TTL = datetime.timedelta(minutes=10)
+
+
+class RemoteError(RuntimeError):
+    """A failed request to the object store."""
+
+
+class Unavailable(RemoteError):
+    """The store did not answer in time, or answered with a transient failure."""
+
+
+class AccessDenied(RemoteError):
+    """The store refused the credentials or the operation (HTTP 403)."""
+
+
+class BucketMissing(RemoteError):
+    """The bucket does not exist at the endpoint."""
+
+
+class RemoteSetupError(RuntimeError):
+    """The shared tier cannot start: credentials, bucket or library missing or wrong."""
+
+
+class ObjectClient(Protocol):
+    """What the store needs of an object store (one blocking request per call)."""
+
+    def put_new(self, key: str, parts: Sequence[Buffer]) -> bool:
+        """Write the concatenation of ``parts`` as one object unless ``key`` exists
+        (``If-None-Match: *``); True if written, False if it was there."""
+
+    def get(self, key: str) -> Buffer | None:
+        """The whole object, or None when there is none."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """``(key, size)`` of every object under ``prefix``."""
+
+    def close(self) -> None: ...
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A short reason: the S3 error code or HTTP status where the message has one."""
+    text = str(exc)
+    if m := _CODE_RE.search(text):
+        return m.group(1)
+    if m := _STATUS_RE.search(text):
+        return m.group(1).strip()
+    # obstore: "Generic S3 error: Error performing PUT <url> in 2.0s - HTTP error: <cause>"
+    return _first_line(exc, 1000).rsplit(" - ", 1)[-1][:160]
+
+
+class AwsCredentials:
+    """obstore's credential callback over botocore's standard chain."""
+
+    def __init__(self, config: RemoteConfig):
+        try:
+            import botocore.exceptions
+            import botocore.session
+        except ImportError:
+            raise RemoteSetupError(_INSTALL_HINT) from None
+        try:
+            session = botocore.session.Session(profile=config.profile)
+            resolved = session.get_credentials()
+        except botocore.exceptions.ProfileNotFound:
+            raise RemoteSetupError(f"AWS profile {config.profile!r} not found (in ~/.aws/config or "
+                                   f"~/.aws/credentials) for {config.where()}") from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise RemoteSetupError(f"cannot resolve AWS credentials for {config.where()}: "
+                                   f"{type(exc).__name__}") from None
+        if resolved is None:
+            raise RemoteSetupError(
+                f"no AWS credentials found for {config.where()}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (or the config's profile) with ~/.aws/credentials")
+        self._resolved = resolved
+        self.method = getattr(resolved, "method", "unknown")  # e.g. "env", "shared-credentials-file"
+
+    def __call__(self) -> dict[str, Any]:
+        frozen = self._resolved.get_frozen_credentials()
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
+                "token": frozen.token,
+                "expires_at": datetime.datetime.now(datetime.timezone.utc) + _CREDENTIALS_TTL}
+
+    def __repr__(self) -> str:  # never the keys
+        return f"AwsCredentials(method={self.method!r})"
+
+
+class S3Client:
+    """``ObjectClient`` over obstore's ``S3Store`` for ``config``'s bucket.
+
+    Path-style requests to a custom endpoint (Ceph RGW, MinIO and the like),
+    virtual-hosted ones to AWS. Idle connections kept: ``max_connections``; the store's
+    thread pool keeps the number of requests in flight at that bound too.
+    """
+
+    def __init__(self, config: RemoteConfig, credentials: AwsCredentials | None = None):
+        try:
+            import obstore
+            import obstore.exceptions
+            from obstore.store import S3Store
+        except ImportError:
+            raise RemoteSetupError(_INSTALL_HINT) from None
+        self._obstore = obstore
+        self._exc = obstore.exceptions
+        self.config = config
+        self.credentials = credentials or AwsCredentials(config)
+        timeout = datetime.timedelta(seconds=config.request_timeout)
+        options: dict[str, Any] = {
+            "timeout": timeout,
+            "connect_timeout": datetime.timedelta(seconds=min(config.connect_timeout, config.request_timeout)),
+            "pool_max_idle_per_host": str(config.max_connections),
+            "pool_idle_timeout": datetime.timedelta(seconds=30),
+            "user_agent": "tiered-kv",
+        }
+        s3: dict[str, Any] = {"region": config.region}
+        if config.endpoint is not None:
+            s3["endpoint"] = config.endpoint
+            s3["virtual_hosted_style_request"] = False
+            options["allow_http"] = config.endpoint.startswith("http://")
+        else:
+            s3["virtual_hosted_style_request"] = True
+        retry = {"max_retries": config.retries, "retry_timeout": timeout,
+                 "backoff": {"init_backoff": datetime.timedelta(milliseconds=50),
+                             "max_backoff": datetime.timedelta(milliseconds=500), "base": 2}}
+        self.raw = S3Store(config.bucket, config=s3, client_options=options, retry_config=retry,
+                           credential_provider=self.credentials)
+
+    def _error(self, exc: Exception) -> RemoteError:
+        reason = describe_failure(exc)
+        if isinstance(exc, (self._exc.PermissionDeniedError, self._exc.UnauthenticatedError)):
+            return AccessDenied(reason)
+        if "NoSuchBucket" in str(exc):
+            return BucketMissing(reason)
+        return Unavailable(reason)
+
+    def put_new(self, key: str, parts: Sequence[Buffer]) -> bool:
+        try:
+            self._obstore.put(self.raw, key, list(parts), mode="create", use_multipart=False)
+        except self._exc.AlreadyExistsError:
+            return False
+        except Exception as exc:  # everything else is classified; nothing escapes as is
+            raise self._error(exc) from None
+        return True
+
+    def get(self, key: str) -> Buffer | None:
+        try:
+            return self._obstore.get(self.raw, key).bytes()
+        except FileNotFoundError as exc:
+            if "NoSuchBucket" in str(exc):
+                raise BucketMissing("NoSuchBucket") from None
+            return None
+        except Exception as exc:
+            raise self._error(exc) from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._obstore.head(self.raw, key)
+        except FileNotFoundError:
+            return False  # HEAD has no body: a missing bucket reads as a missing object
+        except Exception as exc:
+            raise self._error(exc) from None
+        return True
+
+    def delete(self, key: str) -> None:
+        try:
+            self._obstore.delete(self.raw, key)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise self._error(exc) from None
+
+    def list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        try:
+            for batch in self._obstore.list(self.raw, prefix=prefix):
+                for meta in batch:
+                    yield meta["path"], int(meta["size"])
+        except Exception as exc:
+            raise self._error(exc) from None
+
+    def close(self) -> None:
+        """Nothing to release: obstore drops its connections with the store object."""
+
+    def __enter__(self) -> "S3Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

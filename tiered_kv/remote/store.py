@@ -1,0 +1,483 @@
+"""The shared tier's block store: futures over verified, write-once S3 objects.
+
+Runs in each worker process (uploads of its rank's block bytes, downloads into its CPU
+slots) and in the scheduler process (batched membership probes for ``membership``).
+All object-store I/O happens on the store's own thread pool of ``max_connections``
+threads, one blocking request each, so the caller never waits on the network: every
+call validates its arguments, queues the requests and returns a
+``concurrent.futures.Future`` at once.
+
+What durable means here: a block's object is in the bucket once its PUT returned
+(``PutOutcome.STORED``) or a write-once PUT found it there (``PRESENT``). Objects are
+written by one PUT with ``If-None-Match: *``: never partly visible, never replaced, so
+two nodes storing the same block race harmlessly. A reader learns of other nodes'
+blocks only through the bucket (``exists``, ``get_blocks``); no other channel exists.
+
+Faults never raise out of ``put_blocks`` / ``get_blocks`` / ``exists``: a server that
+is down, slow (each request is bounded by ``request_timeout``, plus ``retries``),
+throttling (503 SlowDown) or refusing turns into ``FAILED`` uploads, misses and
+unknown membership, logged (rate-limited) and counted in ``stats()``. After
+``failure_threshold`` consecutive transient failures the store stops sending for
+``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses). A block
+whose object fails any check of ``object_format`` (foreign fingerprint, other block,
+other size, damaged bytes) is a counted miss and no byte of it reaches the caller's
+buffer; an object whose checksum fails is deleted, so that it can be stored again.
+Wrong credentials or a missing bucket are a ``RemoteSetupError`` from the
+constructor's start-up check, naming the endpoint and the bucket.
+
+Memory: uploads hold at most ``max_pending_upload_bytes`` of accepted blocks (a block
+past the bound is ``DROPPED`` at once), plus one object body per connection; downloads
+write into the caller's buffers, with one object body per connection in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tiered_kv.abstract import BlockHash
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.remote.client import (AccessDenied, BucketMissing, Buffer, ObjectClient, RemoteError,
+                                     RemoteSetupError, S3Client, Unavailable)
+from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.remote.object_format import (FORMAT_VERSION, REJECT_REASONS, Rejected, block_key,
+                                            encode_header, fingerprint_digest, manifest_key,
+                                            namespace_prefix, pieces_checksum, verified_payload)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: A block's bytes: one contiguous buffer, or its pieces in order (e.g. a CPU slot's
+#: ``SlotViews.pieces``), which are sent and filled where they lie.
+BlockBytes = Buffer | Sequence[Buffer]
+#: ``(block hash, TP rank, bytes)`` for ``put_blocks``.
+PutItem = tuple[BlockHash, int, BlockBytes]
+#: ``(block hash, TP rank, writable bytes of exactly the block's size)`` for ``get_blocks``.
+GetItem = tuple[BlockHash, int, BlockBytes]
+
+
+class PutOutcome(str, enum.Enum):
+    """What became of one block handed to ``put_blocks``."""
+
+    STORED = "stored"    # this PUT wrote the object
+    PRESENT = "present"  # the object was there already (write-once: left as it was)
+    DROPPED = "dropped"  # not sent: the pending-upload bound was reached, or the server is unavailable
+    FAILED = "failed"    # sent, and the request failed (timeout, 5xx, refused)
+
+    @property
+    def durable(self) -> bool:
+        return self in (PutOutcome.STORED, PutOutcome.PRESENT)
+
+
+@dataclass
+class RemoteStats:
+    """Counters of one store since it opened."""
+
+    puts_stored: int = 0
+    puts_present: int = 0
+    puts_dropped: int = 0
+    puts_failed: int = 0
+    put_bytes: int = 0
+    gets_hit: int = 0
+    gets_absent: int = 0
+    gets_failed: int = 0
+    gets_skipped: int = 0
+    get_bytes: int = 0
+    #: Objects refused by a check, by reason (``object_format.REJECT_REASONS``).
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
+    #: Objects deleted after their checksum failed.
+    damaged_deleted: int = 0
+    probes: int = 0
+    probes_failed: int = 0
+    #: Times the store stopped sending after consecutive failures.
+    unavailable_periods: int = 0
+
+    @property
+    def gets_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+
+class _Health:
+    """Consecutive transient failures; past the threshold, requests pause for a cooldown."""
+
+    def __init__(self, threshold: int, cooldown: float, on_open: Callable[[int], None]):
+        self._threshold, self._cooldown, self._on_open = threshold, cooldown, on_open
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until = 0.0
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    def success(self) -> None:
+        self._failures = 0
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._failures >= self._threshold and self.available():
+                self._open_until = time.monotonic() + self._cooldown
+                failures, self._failures = self._failures, 0
+                self._on_open(failures)
+
+
+class _FaultLog:
+    """Logs the first fault of each kind in full, then one summary per ``every`` seconds."""
+
+    def __init__(self, every: float = 60.0):
+        self._every = every
+        self._lock = threading.Lock()
+        self._state: dict[str, list[float]] = {}  # kind -> [next log time, suppressed count]
+
+    def __call__(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            state = self._state.get(kind)
+            if state is None:
+                self._state[kind] = [now + self._every, 0]
+                suppressed = -1
+            elif now >= state[0]:
+                suppressed, state[0], state[1] = int(state[1]), now + self._every, 0
+            else:
+                state[1] += 1
+                return
+        more = "" if suppressed < 0 else f" ({suppressed} more since the last report)"
+        logger.warning("shared tier: %s: %s%s", kind, message, more)
+
+
+def _gather(futures: list[Future], combine: Callable[[list[Any]], T] = list) -> Future:
+    """One future for a batch: ``combine`` of the results, in order, once all are done."""
+    out: Future = Future()
+    if not futures:
+        out.set_result(combine([]))
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                out.set_result(combine([f.result() for f in futures]))
+            except BaseException as exc:  # a bug in a task: surfaces on the batch future
+                out.set_exception(exc)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+def _done(value: T) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _byte_views(data: Any, what: str, writable: bool) -> list[memoryview]:
+    """Flat byte views of a buffer, or of each buffer of a list or tuple of pieces."""
+    pieces = data if isinstance(data, (list, tuple)) else [data]
+    views = []
+    for buf in pieces:
+        try:
+            view = memoryview(buf)
+        except TypeError:
+            raise TypeError(f"{what}: expected a bytes-like object (bytes, bytearray, memoryview, numpy "
+                            f"array) or a list of them, got {type(buf).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError(f"{what}: the buffer must be C-contiguous")
+        if writable and view.readonly:
+            raise ValueError(f"{what}: the buffer is read-only; get_blocks writes into it")
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    if not views:
+        raise ValueError(f"{what}: no bytes (an empty list of pieces)")
+    return views
+
+
+class RemoteStore:
+    """Blocks of one namespace (``fingerprint``) in ``config``'s bucket. A context manager.
+
+    ``client`` replaces the S3 client (an ``ObjectClient``); ``check=False`` skips the
+    start-up check (for tools that only read).
+    """
+
+    def __init__(self, config: RemoteConfig, fingerprint: Fingerprint, *, client: ObjectClient | None = None,
+                 check: bool = True):
+        self.config = config
+        self.fingerprint = fingerprint
+        self.tp_size = fingerprint.tp_size
+        self.namespace = namespace_prefix(config.prefix, fingerprint)
+        self._digest = fingerprint_digest(fingerprint)
+        self._checksum = pieces_checksum(config.checksum)
+        self._client = client if client is not None else S3Client(config)
+        self._lock = threading.Lock()
+        self._stats = RemoteStats()
+        self._pending_bytes = 0
+        self._closed = False
+        self._log = _FaultLog()
+        self._health = _Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
+        self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="tkv-remote")
+        self.reachable = True
+        if check:
+            try:
+                self.reachable = self.check()
+            except BaseException:
+                self.close()
+                raise
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def manifest(self) -> bytes:
+        """The namespace's ``fingerprint.json``: format version and fingerprint."""
+        return json.dumps({"format": FORMAT_VERSION, "fingerprint": self.fingerprint.to_dict()},
+                          sort_keys=True, separators=(",", ":")).encode()
+
+    def check(self) -> bool:
+        """Write (once) and read back the namespace manifest. True when it worked, False
+        when the server did not answer (logged: serving goes on, with misses); raises
+        ``RemoteSetupError`` naming endpoint and bucket when the credentials are refused
+        or the bucket does not exist."""
+        where = f"bucket {self.config.bucket!r} at {self.config.endpoint or 'AWS S3'}"
+        key = manifest_key(self.config.prefix, self.fingerprint)
+        try:
+            self._client.put_new(key, [self.manifest()])
+            stored = self._client.get(key)
+        except AccessDenied as exc:
+            raise RemoteSetupError(f"shared tier: {where} refused the credentials or the request ({exc}); "
+                                   "check AWS_ACCESS_KEY_ID / AWS_PROFILE and the bucket's policy") from None
+        except BucketMissing:
+            raise RemoteSetupError(f"shared tier: {where} does not exist; create it (e.g. aws s3 mb "
+                                   f"s3://{self.config.bucket} --endpoint-url URL) or fix 'bucket'") from None
+        except RemoteError as exc:
+            logger.warning("shared tier: %s did not answer the start-up check (%s); serving goes on, "
+                           "with misses until it answers", where, exc)
+            return False
+        if stored is not None and bytes(stored) != self.manifest():
+            raise RemoteSetupError(f"shared tier: {key} in {where} holds another fingerprint's manifest; "
+                                   "use another prefix")
+        return True
+
+    # -- writes -----------------------------------------------------------------------
+
+    def put_blocks(self, blocks: Sequence[PutItem], *, copy: bool = False) -> "Future[list[PutOutcome]]":
+        """Upload each ``(block hash, rank, bytes)``; one ``PutOutcome`` per block, in order.
+
+        The caller keeps the bytes unchanged until the future is done, unless ``copy``
+        (then they are copied now, and count against the pending-upload bound until sent).
+        """
+        items = [self._put_item(i, b) for i, b in enumerate(blocks)]
+        with self._lock:
+            self._check_open()
+        futures = []
+        for block_hash, rank, views in items:
+            size = sum(len(v) for v in views)
+            with self._lock:
+                # One block larger than the bound still goes when nothing else is pending.
+                admit = self._pending_bytes + size <= self.config.max_pending_upload_bytes or not self._pending_bytes
+                if admit and self._health.available():
+                    self._pending_bytes += size
+                else:
+                    self._stats.puts_dropped += 1
+                    futures.append(_done(PutOutcome.DROPPED))
+                    continue
+            if copy:
+                views = [memoryview(b"".join(views))]
+            futures.append(self._pool.submit(self._put_one, block_hash, rank, views, size))
+        return _gather(futures)
+
+    def _put_item(self, i: int, block: Any) -> tuple[bytes, int, list[memoryview]]:
+        try:
+            block_hash, rank, data = block
+        except (TypeError, ValueError):
+            raise TypeError(f"put_blocks[{i}]: expected (block_hash, rank, bytes), got {block!r:.80}") from None
+        return self._key_parts(i, "put_blocks", block_hash, rank) + (_byte_views(data, f"put_blocks[{i}]", False),)
+
+    def _key_parts(self, i: int, call: str, block_hash: Any, rank: Any) -> tuple[bytes, int]:
+        if not isinstance(block_hash, (bytes, bytearray)) or not block_hash:
+            raise TypeError(f"{call}[{i}]: block hash must be non-empty bytes, got {block_hash!r:.80}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+            raise ValueError(f"{call}[{i}]: rank must be in 0..{self.tp_size - 1} (tp_size {self.tp_size}), "
+                             f"got {rank!r}")
+        return bytes(block_hash), rank
+
+    def _put_one(self, block_hash: bytes, rank: int, views: list[memoryview], size: int) -> PutOutcome:
+        try:
+            if not self._health.available():
+                with self._lock:
+                    self._stats.puts_dropped += 1
+                return PutOutcome.DROPPED
+            header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
+            created = self._client.put_new(block_key(self.namespace, block_hash, rank), [header, *views])
+            self._health.success()
+            with self._lock:
+                if created:
+                    self._stats.puts_stored += 1
+                    self._stats.put_bytes += size
+                else:
+                    self._stats.puts_present += 1
+            return PutOutcome.STORED if created else PutOutcome.PRESENT
+        except Exception as exc:
+            self._request_failed(exc, "upload failed")
+            with self._lock:
+                self._stats.puts_failed += 1
+            return PutOutcome.FAILED
+        finally:
+            with self._lock:
+                self._pending_bytes -= size
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get_blocks(self, blocks: Sequence[GetItem]) -> "Future[list[bool]]":
+        """Download each ``(block hash, rank, buffer or pieces)`` into its bytes, whose
+        size is the block's. One bool per block: True when they now hold the verified
+        bytes; on False they were not written."""
+        items = []
+        for i, block in enumerate(blocks):
+            try:
+                block_hash, rank, buf = block
+            except (TypeError, ValueError):
+                raise TypeError(f"get_blocks[{i}]: expected (block_hash, rank, buffer), got {block!r:.80}") from None
+            items.append(self._key_parts(i, "get_blocks", block_hash, rank)
+                         + (_byte_views(buf, f"get_blocks[{i}]", True),))
+        with self._lock:
+            self._check_open()
+        return _gather([self._pool.submit(self._get_one, *item) for item in items])
+
+    def _get_one(self, block_hash: bytes, rank: int, dest: list[memoryview]) -> bool:
+        if not self._health.available():
+            with self._lock:
+                self._stats.gets_skipped += 1
+            return False
+        key = block_key(self.namespace, block_hash, rank)
+        size = sum(len(d) for d in dest)
+        try:
+            data = self._client.get(key)
+            self._health.success()
+            if data is None:
+                with self._lock:
+                    self._stats.gets_absent += 1
+                return False
+            payload = verified_payload(memoryview(data), fingerprint=self._digest, block_hash=block_hash,
+                                       rank=rank, size=size)
+            at = 0
+            for d in dest:
+                d[:] = payload[at:at + len(d)]
+                at += len(d)
+        except Rejected as rejected:
+            self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
+            with self._lock:
+                self._stats.rejected[rejected.reason] += 1
+            if rejected.reason == "checksum":
+                self._delete_damaged(key)
+            return False
+        except Exception as exc:
+            self._request_failed(exc, "download failed")
+            with self._lock:
+                self._stats.gets_failed += 1
+            return False
+        with self._lock:
+            self._stats.gets_hit += 1
+            self._stats.get_bytes += size
+        return True
+
+    def _delete_damaged(self, key: str) -> None:
+        """Damaged bytes would stay a miss for every node (writes are write-once): delete
+        them so the next node that computes the block stores it again."""
+        try:
+            self._client.delete(key)
+        except Exception as exc:
+            self._log("deleting a damaged object failed", f"{key}: {exc}")
+            return
+        with self._lock:
+            self._stats.damaged_deleted += 1
+
+    # -- membership -------------------------------------------------------------------
+
+    def exists(self, block_hashes: Sequence[BlockHash], ranks: Sequence[int] | None = None
+               ) -> "Future[list[bool | None]]":
+        """Whether the bucket holds each block: True when every rank's object is there
+        (``ranks``: all of the fingerprint's by default), False when one is missing,
+        None when the server did not say. One request per block and rank (HEAD)."""
+        ranks = list(range(self.tp_size)) if ranks is None else list(ranks)
+        keyed = [self._key_parts(i, "exists", h, r) for i, h in enumerate(block_hashes) for r in ranks]
+        with self._lock:
+            self._check_open()
+        probes = [self._pool.submit(self._exists_one, h, r) for h, r in keyed]
+        per_block = [_gather(probes[i:i + len(ranks)], _all_present) for i in range(0, len(probes), len(ranks))]
+        return _gather(per_block)
+
+    def _exists_one(self, block_hash: bytes, rank: int) -> bool | None:
+        if not self._health.available():
+            with self._lock:
+                self._stats.probes_failed += 1
+            return None
+        try:
+            found = self._client.exists(block_key(self.namespace, block_hash, rank))
+            self._health.success()
+        except Exception as exc:
+            self._request_failed(exc, "existence probe failed")
+            with self._lock:
+                self._stats.probes_failed += 1
+            return None
+        with self._lock:
+            self._stats.probes += 1
+        return found
+
+    # -- faults, stats, life cycle -----------------------------------------------------
+
+    def _request_failed(self, exc: Exception, what: str) -> None:
+        if isinstance(exc, Unavailable):
+            self._health.failure()
+            self._log(what, f"{self.config.where()}: {exc}")
+        elif isinstance(exc, (AccessDenied, BucketMissing)):
+            self._log(what, f"{self.config.where()}: {type(exc).__name__} ({exc})")
+        else:  # not a request failure: a bug, logged with its traceback
+            logger.exception("shared tier: %s", what)
+
+    def _went_unavailable(self, failures: int) -> None:
+        with self._lock:
+            self._stats.unavailable_periods += 1
+        logger.warning("shared tier: %s failed %d requests in a row; not sending for %.1fs",
+                       self.config.where(), failures, self.config.unavailable_cooldown)
+
+    def stats(self) -> RemoteStats:
+        """A copy of the counters."""
+        with self._lock:
+            s = self._stats
+            return RemoteStats(**{**s.__dict__, "rejected": dict(s.rejected)})
+
+    @property
+    def pending_upload_bytes(self) -> int:
+        return self._pending_bytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RemoteStore is closed")
+
+    def close(self, wait: bool = True) -> None:
+        """Stop accepting calls; with ``wait``, let queued requests finish (each bounded
+        by the request timeout, or answered at once while the server is unavailable)."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=wait)
+        self._client.close()
+
+    def __enter__(self) -> "RemoteStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _all_present(answers: list[bool | None]) -> bool | None:
+    if any(a is False for a in answers):
+        return False
+    return None if any(a is None for a in answers) else True
