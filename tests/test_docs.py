@@ -219,7 +219,6 @@ NARRATION = [
     ("a work period on some hardware", rf"\b{_HW}\s+{_S}s?\b"),
     ("hardware on loan", rf"\b{_LENT}\s+(?:[\w/]+\s+){{0,2}}?{_HW}\b|\b{_HW}\s+(?:\w+\s+){{0,2}}?{_LENT}\b"),
     ("a work period", r"\bworking\s+" + "peri" + r"ods?\b"),
-    ("a day of work", r"\b(?:yester" + r"day|to" + r"day's|last\s+(?:week|night))\b"),
 ]
 _NARRATION = [(label, re.compile(pattern, re.I)) for label, pattern in NARRATION]
 
@@ -335,6 +334,7 @@ def test_the_narration_patterns_catch(text):
     "boto3." + _S[0].upper() + _S[1:] + "()",
     "a silent failure is equivalent to a miss",
     "datetime.date.today().isoformat()",
+    "every block was used within the last week",
 ])
 def test_the_narration_patterns_let_pass(text):
     assert not narration_in(text), narration_in(text)
