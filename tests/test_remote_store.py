@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from s3_server import skip_module_without_rgw
+from s3_server import FaultProxy, skip_module_without_rgw
 
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.remote import MembershipCache, MembershipProber, PutOutcome, RemoteConfig, RemoteStore
@@ -208,17 +208,21 @@ def test_a_buffer_of_another_size_is_a_miss(store):
     assert store.exists([h]).result(WAIT) == [True]  # a caller's mistake deletes nothing
 
 
-def test_uploads_past_the_pending_bound_are_dropped_not_queued(remote_settings):
-    config = RemoteConfig.from_dict({**remote_settings, "max_pending_upload_bytes": "300000B",
-                                     "max_connections": 1})
-    with RemoteStore(config, FP) as store:
-        items = blocks(10, size=100_000)
-        outcomes = store.put_blocks(items).result(WAIT)
-        assert outcomes[:3] == [PutOutcome.STORED] * 3
-        assert outcomes.count(PutOutcome.DROPPED) >= 1
-        assert outcomes.count(PutOutcome.STORED) + outcomes.count(PutOutcome.DROPPED) == 10
-        assert store.stats().puts_dropped == outcomes.count(PutOutcome.DROPPED)
-        assert store.pending_upload_bytes == 0
+def test_uploads_past_the_pending_bound_are_dropped_not_queued(rgw_server, remote_settings):
+    """Behind a server that never answers, three blocks fill the bound; the other seven
+    are dropped at once rather than queued behind them."""
+    with FaultProxy(rgw_server.endpoint.removeprefix("http://")) as proxy:
+        config = RemoteConfig.from_dict({**remote_settings, "endpoint": proxy.endpoint,
+                                         "max_pending_upload_bytes": "300000B", "request_timeout": "3s",
+                                         "retries": 0, "failure_threshold": 100})
+        with RemoteStore(config, FP) as store:
+            proxy.set_mode("stall")
+            future = store.put_blocks(blocks(10, size=100_000))
+            assert store.pending_upload_bytes == 300_000
+            assert future.result(WAIT) == [PutOutcome.FAILED] * 3 + [PutOutcome.DROPPED] * 7
+            s = store.stats()
+            assert (s.puts_failed, s.puts_dropped) == (3, 7)
+            assert store.pending_upload_bytes == 0
 
 
 def test_membership_prober_fills_the_cache_without_blocking(config):

@@ -137,7 +137,8 @@ class RemoteConfig:
     #: Whole-request bound (connect, send, receive) for one attempt: what a slow server
     #: can cost a load before it becomes a miss.
     request_timeout: float = 2.0
-    #: Extra attempts after a transient failure (5xx such as 503 SlowDown, reset).
+    #: Extra attempts after a transient failure (5xx such as 503 SlowDown, reset), begun
+    #: only within ``request_timeout`` of the first: a request ends within twice that.
     retries: int = 1
     checksum: str = "xxh3_64"
     #: How long a "not in the bucket" answer is trusted: another node may upload it.

@@ -25,6 +25,9 @@ buffer; an object whose checksum fails is deleted, so that it can be stored agai
 Wrong credentials or a missing bucket are a ``RemoteSetupError`` from the
 constructor's start-up check, naming the endpoint and the bucket.
 
+A store is opened in the process that uses it, after any fork (obstore's runtime
+and connections do not survive one), e.g. by each worker from the shared config.
+
 Memory: uploads hold at most ``max_pending_upload_bytes`` of accepted blocks (a block
 past the bound is ``DROPPED`` at once), plus one object body per connection; downloads
 write into the caller's buffers, with one object body per connection in flight.
@@ -407,6 +410,8 @@ class RemoteStore:
         (``ranks``: all of the fingerprint's by default), False when one is missing,
         None when the server did not say. One request per block and rank (HEAD)."""
         ranks = list(range(self.tp_size)) if ranks is None else list(ranks)
+        if not ranks:
+            raise ValueError("exists: ranks must name at least one rank (None means all of them)")
         keyed = [self._key_parts(i, "exists", h, r) for i, h in enumerate(block_hashes) for r in ranks]
         with self._lock:
             self._check_open()
