@@ -63,9 +63,9 @@ def test_manual_geometry_table_shows_the_arithmetic():
 def test_output_file_matches_stdout(tmp_path):
     target = tmp_path / "kv.json"
     cfg = _json("--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--dtype", "float16",
-                "--cpu-bytes", "1MiB", "-o", str(target))
+                "--cpu-bytes", "1MiB", "--model-id", "tiny", "-o", str(target))
     assert json.loads(target.read_text()) == cfg
-    assert cfg["kv_connector_extra_config"]["model_id"] == "unknown"
+    assert cfg["kv_connector_extra_config"]["model_id"] == "tiny"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -140,14 +140,16 @@ def make_vllm_config(
     max_num_seqs: int = 16,
     prefix_caching_hash_algo: str = "sha256",
     engine_id: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """A CPU ``VllmConfig`` whose kv-transfer config selects the OffloadingConnector
     with ``extra_config`` as ``kv_connector_extra_config``. Prefix caching and chunked
-    prefill are on, as in a default vLLM server."""
+    prefill are on, as in a default vLLM server. ``model_kwargs`` go to ``ModelConfig``
+    (vLLM's ``--revision``, ``--quantization``...)."""
     return VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir), skip_tokenizer_init=True, seed=0,
-            max_model_len=max_model_len,
+            max_model_len=max_model_len, **(model_kwargs or {}),
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,

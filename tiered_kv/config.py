@@ -135,6 +135,9 @@ class TieredConfig:
     block_size: int | None = None
     model_id: str = "unknown"
     model_revision: str = "main"
+    #: The model's directory: its weights digest goes into the disk namespace
+    #: (``tiered_kv.model_identity``). Under vLLM, the directory vLLM loads is used.
+    model_path: str | None = None
     hash_algorithm: str = "sha256"
     hash_seed: str = ""
     #: Extra keys an engine adapter passes through untouched (e.g. vLLM's spec_name).
@@ -156,6 +159,7 @@ class TieredConfig:
         "block_size": lambda v, k: None if v is None else _parse_positive_int(v, k),
         "model_id": lambda v, k: str(v),
         "model_revision": lambda v, k: str(v),
+        "model_path": lambda v, k: None if v in (None, "") else str(v),
         "hash_algorithm": lambda v, k: str(v),
         "hash_seed": lambda v, k: str(v),
     }

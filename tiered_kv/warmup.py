@@ -20,6 +20,14 @@ key. ``kv-first`` is the engine-agnostic layout of ``tiered_kv`` (``DeviceKVCach
 tensors named ``layer.<i>``). Other layouts (vLLM's) register with
 ``register_block_layout``.
 
+Which namespace: the one the serving engine computes from the same config
+(``BlockLayout.fingerprint``), so the model's identity comes from the config:
+``model_id`` (required: a warm-up never writes as "unknown"), ``model_revision`` and,
+where the config names a ``model_path``, that directory's weights digest
+(``tiered_kv.model_identity``). ``check_identity`` refuses, before the model is
+loaded, a ``--model`` whose digest is not the one the config's ``model_path`` gives:
+the server would never read those blocks, and must never read them as its own model's.
+
 KV engines: ``HFEngine`` (transformers, CPU or GPU) computes post-RoPE K/V with the
 model's own forward pass. ``run_vllm_warmup`` instead drives vLLM's offline ``LLM``
 with our connector, which stores blocks exactly as the server would; it needs CUDA and
@@ -50,6 +58,7 @@ from tiered_kv.disk.store import DiskStore
 from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
 from tiered_kv.host_memory import pack_blocks
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.model_identity import read_config_file, resolve_model_dir, weights_digest
 from tiered_kv.sizing import ModelGeometry
 
 #: Blocks written per store job (bounds the staging buffer to about this many bytes).
@@ -67,18 +76,10 @@ def read_extra_config(path: str | os.PathLike) -> dict[str, Any]:
     """The connector's extra config from a JSON file holding either vLLM's whole
     ``--kv-transfer-config`` (its ``kv_connector_extra_config`` is taken) or that
     extra config alone."""
-    p = Path(path)
     try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise WarmupError(f"config {p} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise WarmupError(f"config {p}: not readable JSON ({e})") from None
-    if isinstance(raw, Mapping) and isinstance(raw.get("kv_connector_extra_config"), Mapping):
-        raw = raw["kv_connector_extra_config"]
-    if not isinstance(raw, Mapping):
-        raise WarmupError(f"config {p}: expected a JSON object, got {type(raw).__name__}")
-    return dict(raw)
+        return read_config_file(path)
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
 
 
 def load_config(path: str | os.PathLike) -> TieredConfig:
@@ -173,8 +174,11 @@ class HFEngine:
     caches them). ``kv(token_ids)`` returns per layer ``(K, V)``, each
     ``(num_kv_heads, len(token_ids), head_dim)`` on the CPU, in the model's dtype."""
 
-    def __init__(self, model: torch.nn.Module, device: str | torch.device | None = None):
+    def __init__(self, model: torch.nn.Module, device: str | torch.device | None = None,
+                 model_path: str | None = None):
         self.model = model.eval()
+        #: The directory the weights were loaded from (None: unknown, not checked).
+        self.model_path = model_path
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.config.vocab_size)
@@ -196,7 +200,8 @@ class HFEngine:
             m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         except OSError as e:
             raise WarmupError(f"cannot load model {model!r}: {e}".splitlines()[0]) from None
-        return cls(m.to(dev), dev)
+        found = resolve_model_dir(model)
+        return cls(m.to(dev), dev, model_path=None if found is None else str(found))
 
     def kv(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
@@ -309,6 +314,44 @@ def register_block_layout(name: str, factory: Callable[[LayoutRequest], BlockLay
     BLOCK_LAYOUTS[name] = factory
 
 
+# ---------------------------------------------------------------- identity
+
+
+@dataclass(frozen=True)
+class WarmupIdentity:
+    """Which model the warmed blocks are filed under: the config's ``model_id`` and
+    ``model_revision``, and ``weights_digest``, the digest of the config's
+    ``model_path`` (None: the config names none, so the namespace does not cover the
+    weights). ``model_digest``: the digest of the model warmed (None: unknown)."""
+
+    model_id: str
+    model_revision: str
+    weights_digest: str | None
+    model_digest: str | None
+
+
+def check_identity(config: TieredConfig, model_path: str | None) -> WarmupIdentity:
+    """Refuse to warm a namespace a server with ``config`` would not read, or would
+    read as another model's: a config without ``model_id``, or a ``model_path`` whose
+    weights digest is not that of ``model_path`` (the ``--model`` directory; None skips
+    that check). Reads both directories' digests (bounded, ``model_identity``). Raises
+    ``WarmupError`` naming the field."""
+    if config.model_id == "unknown":
+        raise WarmupError("model_id: the config sets none, so the blocks would be filed under \"unknown\", "
+                          "a name no vLLM server reads (it uses its --model) and every model of this geometry "
+                          "shares; add \"model_id\": \"<model>\" to the config (vLLM's --model is the usual value)")
+    try:
+        server = weights_digest(config.model_path).digest if config.model_path else None
+        mine = weights_digest(model_path, key="--model").digest if model_path else None
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
+    if server is not None and mine is not None and server != mine:
+        raise WarmupError(f"weights_digest: the config's model_path {config.model_path!r} has weights digest "
+                          f"{server} but --model {model_path!r} has {mine}, so a server with this config would "
+                          f"not read these blocks; warm up with the model the config names, or fix model_path")
+    return WarmupIdentity(config.model_id, config.model_revision, server, mine)
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -320,6 +363,11 @@ class WarmupReport:
     cache dropped to make room."""
 
     namespace: str = ""
+    namespace_id: str = ""
+    model_id: str = ""
+    model_revision: str = ""
+    #: The weights digest the namespace records; None: the config has no model_path.
+    weights_digest: str | None = None
     layout: str = ""
     prompts: int = 0
     prompts_skipped: int = 0
@@ -361,9 +409,11 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
     ``os.environ``). ``progress(i, report)`` is called after prompt ``i``. Raises
     ``WarmupError`` for unusable settings, ``HashSettingsError`` when the hashes would
     not be stable across processes, ``CacheLockedError`` when a server holds the cache.
+    The model's identity is checked first (``check_identity``).
     """
     if not config.disk_path:
         raise WarmupError("the config has no disk_path: there is no disk tier to warm")
+    check_identity(config, getattr(engine, "model_path", None))
     for n, tokens in enumerate(prompts, 1):
         if len(tokens) and max(tokens) >= engine.vocab_size:
             raise WarmupError(f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary "
@@ -380,10 +430,15 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
     blocks = BLOCK_LAYOUTS[layout](LayoutRequest(engine.geometry, engine.dtype, gpu_block_size,
                                                  chunk_tokens // gpu_block_size, tp_size))
     kv_layout = blocks.kv_layout
-    fp = blocks.fingerprint(config)
+    try:
+        fp = blocks.fingerprint(config)
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
     engine_id = f"tiered-kv-warmup-{os.getpid()}"
     t0 = time.perf_counter()
-    report = WarmupReport(namespace=str(Path(config.disk_path) / fp.namespace_id), layout=layout)
+    report = WarmupReport(namespace=str(Path(config.disk_path) / fp.namespace_id), namespace_id=fp.namespace_id,
+                          model_id=fp.model_id, model_revision=fp.model_revision,
+                          weights_digest=fp.weights_digest, layout=layout)
     manager = DiskOffloadingManager(config.disk_path, fp, kv_layout, disk_bytes=config.disk_bytes,
                                     checksum=config.checksum, engine_id=engine_id, enable_events=False)
     store = None

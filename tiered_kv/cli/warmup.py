@@ -1,9 +1,11 @@
 """``tiered-kv warmup``: fill the disk tier offline from a JSONL file of prompts.
 
 Operator's process, with the server stopped (the run holds the cache's writer lock).
-Library: ``tiered_kv.warmup``. Checks the hash settings, the config and the prompts
-before loading the model, shows a progress bar over prompts (terminals only), and ends
-with a summary table, or JSON with ``--json``. Exits 2 with one ``error:`` line when it
+Library: ``tiered_kv.warmup``. Checks the hash settings, the config, the model's identity
+(``model_id`` set; ``--model`` has the weights digest of the config's ``model_path``) and
+the prompts before loading the model, shows a progress bar over prompts (terminals
+only), and ends with a summary table naming the namespace and the identity it records,
+or JSON with ``--json``. Exits 2 with one ``error:`` line when it
 cannot run, 1 when some blocks could not be stored, 130 when interrupted (blocks
 written so far are kept; a rerun resumes).
 """
@@ -22,9 +24,10 @@ from tiered_kv.cli import app
 from tiered_kv.cli.output import emit_json, errors, progress_bar
 from tiered_kv.config import format_size
 from tiered_kv.hashing import HashSettingsError, resolve_seed
+from tiered_kv.model_identity import resolve_model_dir
 from tiered_kv.warmup import (
-    BLOCK_LAYOUTS, HFEngine, WarmupError, WarmupReport, chunk_tokens_for, import_transformers, load_config,
-    read_extra_config, read_prompts, require_vllm_engine, run_vllm_warmup, tokenize, warmup,
+    BLOCK_LAYOUTS, HFEngine, WarmupError, WarmupReport, check_identity, chunk_tokens_for, import_transformers,
+    load_config, read_extra_config, read_prompts, require_vllm_engine, run_vllm_warmup, tokenize, warmup,
 )
 
 ENGINES = ("hf", "vllm")
@@ -61,6 +64,9 @@ def warmup_cmd(
             cfg = dataclasses.replace(cfg, disk_path=disk_path)
         resolve_seed(cfg.hash_algorithm, cfg.hash_seed)  # fail before any heavy work
         chunk_tokens_for(cfg, gpu_block_size)
+        if engine == "hf":
+            local = resolve_model_dir(model)
+            check_identity(cfg, None if local is None else str(local))
         items = read_prompts(prompts)
         tok = None
         if any(p.token_ids is None for p in items):
@@ -84,6 +90,10 @@ def warmup_cmd(
         emit_json(report.to_dict())
     else:
         _print(report, hf, gpu_block_size)
+    if report.weights_digest is None:
+        typer.echo("warning: the config has no model_path, so the namespace does not cover the model's weights: "
+                   "a server with other weights under the same model_id would read these blocks; add "
+                   f"\"model_path\": \"{hf.model_path or model}\" to the config", err=True)
     if report.blocks_failed or report.blocks_rejected:
         raise typer.Exit(1)
 
@@ -103,6 +113,8 @@ def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
     t.add_column("value")
     g = hf.geometry
     t.add_row("namespace", r.namespace)
+    t.add_row("model", f"{r.model_id} @ {r.model_revision}; weights "
+                       + (r.weights_digest or "not covered (no model_path in the config)"))
     t.add_row("model KV", f"{g.num_layers} layers, {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype}; "
                           f"layout {r.layout}, GPU block {gpu_block_size} tokens")
     t.add_row("prompts", f"{r.prompts} ({r.prompts_skipped} already complete, {r.prompts_too_short} shorter "

@@ -1,10 +1,16 @@
 """The disk cache's namespace key: everything that changes the bytes of a stored block.
 
-Pure data, no I/O; built in every process (scheduler and workers) from the same config
-and KV layout, so all of them agree on the namespace directory. Two engines whose
-fingerprints differ in any field never share blocks: they use different namespaces, and
-opening a namespace whose manifest records another fingerprint fails naming each field
-that differs.
+Built in every process (scheduler and workers) from the same config and KV layout, so
+all of them agree on the namespace directory. Plain data; the one I/O is
+``from_config`` with a ``model_path`` set, which reads the model directory's weights
+digest (``tiered_kv.model_identity``: a bounded sample of each file). Two engines whose fingerprints differ in any field never share blocks: they
+use different namespaces, and opening a namespace whose manifest records another
+fingerprint fails naming each field that differs.
+
+Which model the blocks belong to is four fields: ``model_id``, ``model_revision``,
+``weights_digest`` (config and sampled weights of the model directory) and
+``model_settings`` (engine settings that change the model's activations, e.g. vLLM's
+``--quantization``); ``docs/identity.md`` says what each covers.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ class Fingerprint:
     ``block_order`` and are not served. With one GPU block per block there is one
     order, the field is None and left out of the record, and the namespace is what it
     always was.
+
+    ``weights_digest`` is ``model_identity.weights_digest`` of the model directory, None
+    where no directory is known (then the record leaves it out). ``model_settings`` are
+    ``"name=value"`` strings of the serving engine's settings that change the KV beyond
+    the weights (vLLM's revision, quantization, tokenizer...), None where the engine has
+    none to give. Records written before these fields existed lack them: read back as
+    None, so such a namespace differs from every one that has them.
     """
 
     model_id: str
@@ -50,6 +63,8 @@ class Fingerprint:
     hash_algorithm: str
     hash_seed: str
     block_order: str | None = None
+    weights_digest: str | None = None
+    model_settings: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.tp_size > 64:
@@ -60,7 +75,9 @@ class Fingerprint:
 
     @classmethod
     def from_layout(cls, layout: KVCacheLayout, *, model_id: str, model_revision: str = "main",
-                    tp_size: int = 1, hash_algorithm: str = "sha256", hash_seed: str = "") -> "Fingerprint":
+                    tp_size: int = 1, hash_algorithm: str = "sha256", hash_seed: str = "",
+                    weights_digest: str | None = None,
+                    model_settings: tuple[str, ...] | None = None) -> "Fingerprint":
         """The fingerprint of one rank's ``layout`` (all ranks of a TP group share it)."""
         return cls(
             model_id=str(model_id),
@@ -74,14 +91,24 @@ class Fingerprint:
             hash_algorithm=str(hash_algorithm),
             hash_seed=str(hash_seed),
             block_order="kernel_blocks" if layout.block_size_factor > 1 else None,
+            weights_digest=weights_digest,
+            model_settings=None if model_settings is None else tuple(str(x) for x in model_settings),
         )
 
     @classmethod
     def from_config(cls, config: Any, layout: KVCacheLayout, tp_size: int = 1) -> "Fingerprint":
-        """From a ``TieredConfig`` (model_id, model_revision, hash_algorithm, hash_seed)."""
+        """From a ``TieredConfig`` (model_id, model_revision, hash_algorithm, hash_seed,
+        and the weights digest of model_path when it is set: reads that directory).
+        Raises ``ConfigError`` naming model_path when it is not a model directory."""
+        model_path = getattr(config, "model_path", None)
+        digest = None
+        if model_path:
+            from tiered_kv.model_identity import weights_digest
+
+            digest = weights_digest(model_path).digest
         return cls.from_layout(layout, model_id=config.model_id, model_revision=config.model_revision,
                                tp_size=tp_size, hash_algorithm=config.hash_algorithm,
-                               hash_seed=config.hash_seed)
+                               hash_seed=config.hash_seed, weights_digest=digest)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able fields (tuples become lists); optional fields that are None are left out."""
@@ -99,6 +126,8 @@ class Fingerprint:
         d = dict(data)
         d["layer_geometry"] = tuple((str(n), tuple(int(x) for x in s)) for n, s in d["layer_geometry"])
         d["kv_layout"] = tuple(d["kv_layout"])
+        if d.get("model_settings") is not None:
+            d["model_settings"] = tuple(str(x) for x in d["model_settings"])
         return cls(**d)
 
     def canonical_json(self) -> str:
@@ -110,9 +139,10 @@ class Fingerprint:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:NAMESPACE_ID_LEN]
 
     def differences(self, other: "Fingerprint") -> list[str]:
-        """One line per differing field: ``"dtype: 'float16' here, 'bfloat16' in the cache"``."""
+        """One line per differing field, identity fields first:
+        ``"dtype: 'float16' here, 'bfloat16' in the cache"`` (``None``: not recorded)."""
         out = []
-        for f in fields(self):
+        for f in sorted(fields(self), key=lambda f: f.name not in IDENTITY_FIELDS):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
                 out.append(f"{f.name}: {_short(mine)} here, {_short(theirs)} in the cache")
@@ -120,7 +150,9 @@ class Fingerprint:
 
 
 #: Fields a record may lack (None then): added after caches were written without them.
-_OPTIONAL = frozenset({"block_order"})
+_OPTIONAL = frozenset({"block_order", "weights_digest", "model_settings"})
+#: The fields that say which model the blocks belong to.
+IDENTITY_FIELDS = ("model_id", "model_revision", "weights_digest", "model_settings")
 
 
 def _short(value: Any, limit: int = 120) -> str:

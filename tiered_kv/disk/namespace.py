@@ -305,8 +305,9 @@ def list_namespaces(cache_dir: str | os.PathLike) -> list[Namespace]:
 
 
 def explain_other_namespaces(cache_dir: str | os.PathLike, fingerprint: Fingerprint) -> list[str]:
-    """For each other namespace of the same model in ``cache_dir``, why it is not served
-    (its differing fields). Used to log why a restart does not find an old cache."""
+    """For each other namespace in ``cache_dir`` of the same model id, weights or layer
+    geometry, why it is not served: every differing field, ``model_id`` and
+    ``weights_digest`` included. Used to log why a restart does not find an old cache."""
     lines = []
     for ns in list_namespaces(cache_dir):
         if ns.path.name == fingerprint.namespace_id:
@@ -315,7 +316,8 @@ def explain_other_namespaces(cache_dir: str | os.PathLike, fingerprint: Fingerpr
             theirs = ns.fingerprint
         except (ValueError, TypeError):
             continue
-        if theirs.model_id == fingerprint.model_id:
+        if (theirs.model_id == fingerprint.model_id or theirs.layer_geometry == fingerprint.layer_geometry
+                or (theirs.weights_digest is not None and theirs.weights_digest == fingerprint.weights_digest)):
             lines.append(f"{ns.path.name}: " + "; ".join(fingerprint.differences(theirs)))
     return lines
 

@@ -4,6 +4,11 @@ Operator's process, read-only: reads manifests, one index snapshot per namespace
 lock record, and the slab files' sizes; probes (reads) one 4 KiB page of a slab to
 tell whether O_DIRECT works there. Everything else is numpy over the snapshot, so a
 namespace of a million blocks is summarised or listed in about a second.
+
+``mark_read_by`` says, for a server config, whether a server with it would read each
+namespace (the fields it pins, ``model_identity.pinned_fields``: model id, revision,
+weights digest of its model directory, hash settings, block size); computing the
+weights digest reads a bounded sample of that model directory.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from tiered_kv.config import ConfigError
 from tiered_kv.disk.io_backends import PosixBackend
 from tiered_kv.disk.namespace import Namespace, current_holder
 from tiered_kv.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
+from tiered_kv.model_identity import pinned_fields, read_config_file, unread_fields
 
 
 def io_backend_info(ns: Namespace) -> dict[str, Any]:
@@ -152,6 +159,46 @@ def summarize_cache(cache: CacheDir) -> dict[str, Any]:
     return {"path": str(cache.path), "generated": time.time(),
             "namespaces": [summarize_namespace(ns) for ns in cache.namespaces],
             "problems": problems}
+
+
+# ---------------------------------------------------------------- which config reads what
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A server's config file and the fingerprint fields it pins (``pinned_fields``)."""
+
+    path: str
+    pinned: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str, model: str | None = None) -> "ServerConfig":
+        """Read ``path`` (vLLM's ``--kv-transfer-config`` JSON or its extra config);
+        ``model``: the server's ``--model`` where the config sets no model_id or
+        model_path. Raises ``InspectError`` naming the file and the problem."""
+        try:
+            return cls(str(path), pinned_fields(read_config_file(path), model=model))
+        except ConfigError as e:
+            raise InspectError(f"--config {path}: {e}") from None
+
+    def differences(self, fingerprint: dict[str, Any]) -> list[str]:
+        """Why a server with this config would not read a namespace of ``fingerprint``
+        (empty: it would, given an engine of the namespace's geometry)."""
+        return unread_fields(fingerprint, self.pinned)
+
+
+def mark_read_by(data: dict[str, Any], configs: list[ServerConfig]) -> None:
+    """Add ``read_by`` to each namespace of ``summarize_cache``'s ``data``: per config,
+    ``{"config", "reads", "differences"}``."""
+    for ns in data["namespaces"]:
+        ns["read_by"] = [{"config": c.path, "reads": not (d := c.differences(ns["fingerprint"])),
+                          "differences": d} for c in configs]
+
+
+def unread_namespaces(cache: CacheDir, configs: list[ServerConfig]) -> list[Namespace]:
+    """The namespaces of ``cache`` that no server with any of ``configs`` would read."""
+    return [ns for ns in cache.namespaces
+            if all(c.differences(ns.manifest.fingerprint) for c in configs)]
 
 
 # ---------------------------------------------------------------- ls

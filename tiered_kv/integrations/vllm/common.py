@@ -1,11 +1,23 @@
 """What the scheduler-side and worker-side halves of the vLLM adapter share: the spec that
-carries our plans inside vLLM's job metadata, the metric names, and the config-info
-labels. Plain data, no I/O; imported in the scheduler, the workers and vLLM's API
-server (which only reads the metric definitions)."""
+carries our plans inside vLLM's job metadata, the metric names, the config-info labels,
+and the model identity that goes into the disk namespace.
+
+Imported in the scheduler, the workers and vLLM's API server (which only reads the
+metric definitions). No I/O except ``vllm_model_identity``, which reads the weights
+digest of the model directory vLLM loads (``tiered_kv.model_identity``: a bounded
+sample of each file) in the scheduler and in every worker, each arriving at the same
+identity from the same vLLM config and files.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     ConfigInfo,
@@ -16,7 +28,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
 
 from tiered_kv.abstract import LoadStoreSpec
+from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.metrics import TIER_COUNTERS, TIERS
+from tiered_kv.model_identity import resolve_model_dir, weights_digest
+
+logger = logging.getLogger(__name__)
 
 
 class TieredJobSpec(VllmLoadStoreSpec):
@@ -82,3 +98,106 @@ class TieredOffloadingInfo(ConfigInfo):
     tiered_write_policy: str
     tiered_tokens_per_chunk: int
     tiered_bytes_per_chunk_per_rank: int
+
+
+# ---------------------------------------------------------------- model identity
+
+
+def find_vllm_config(max_depth: int = 32) -> Any | None:
+    """The engine's ``VllmConfig``, or None where there is none (a spec built by hand).
+
+    vLLM hands an offloading spec only its ``OffloadingConfig``, which names the model but
+    not its revision, tokenizer or quantization. Workers build the spec with the engine's
+    config current (``set_current_vllm_config``); the scheduler's EngineCore does not, so
+    there the config is taken from the caller that is building the connector (a local
+    named ``vllm_config`` of type ``VllmConfig`` up the stack: OffloadingConnector's
+    constructor in vLLM 0.33). Both sides thus read the same config."""
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
+
+    current = get_current_vllm_config_or_none()
+    if current is not None:
+        return current
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        found = frame.f_locals.get("vllm_config")
+        if isinstance(found, VllmConfig):
+            return found
+        frame = frame.f_back
+    return None
+
+
+@dataclass(frozen=True)
+class VllmModelIdentity:
+    """The fingerprint fields that say which model an engine's KV comes from (see
+    ``tiered_kv.disk.fingerprint``), and the directory whose weights were digested."""
+
+    model_id: str
+    model_revision: str
+    weights_digest: str | None
+    model_settings: tuple[str, ...] | None
+    model_dir: str | None
+
+
+def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
+    """vLLM's settings that change the KV of given token ids beyond the weights and the
+    KV dtype (the fingerprint's ``dtype`` is vLLM's KV-cache dtype): the model's code
+    revision, dtype and quantization method, config overrides, layers kept out of a
+    quantized KV cache, and the tokenizer where it is not the model's own."""
+    mc = vllm_config.model_config
+    out = [f"code_revision={mc.code_revision or 'none'}",
+           f"model_dtype={str(mc.dtype).removeprefix('torch.')}",
+           f"quantization={mc.quantization or 'none'}"]
+    overrides = mc.hf_overrides
+    if callable(overrides):
+        out.append(f"hf_overrides={getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}")
+    elif overrides:
+        text = json.dumps(overrides, sort_keys=True, default=str)
+        out.append(f"hf_overrides={hashlib.sha256(text.encode()).hexdigest()[:16]}")
+    cache = vllm_config.cache_config
+    skip = getattr(cache, "kv_cache_dtype_skip_layers", None)
+    if skip:
+        out.append(f"kv_cache_dtype_skip_layers={','.join(map(str, skip))}")
+    if mc.tokenizer and mc.tokenizer != mc.model:
+        out.append(f"tokenizer={mc.tokenizer}")
+    if mc.tokenizer_revision and mc.tokenizer_revision != mc.revision:
+        out.append(f"tokenizer_revision={mc.tokenizer_revision}")
+    return tuple(out)
+
+
+def vllm_model_identity(model_name: str, cfg: TieredConfig, extra: Mapping[str, Any],
+                        vllm_config: Any | None = None) -> VllmModelIdentity:
+    """Which model the engine serves, as the disk namespace records it.
+
+    ``model_id``: the config's where it sets one, else vLLM's ``--model``.
+    ``model_revision``: vLLM's ``--revision``, else the config's ``model_revision``.
+    ``weights_digest``: of the directory vLLM loads (``--model`` itself, or its snapshot
+    in the HF cache at ``--revision`` under ``--download-dir``); a ``model_path`` in the
+    config must have the same digest, and stands in where vLLM's directory is not on
+    this machine. ``model_settings``: ``vllm_model_settings``. ``vllm_config``: default
+    ``find_vllm_config()``. Raises ``ConfigError`` naming model_path."""
+    vc = vllm_config if vllm_config is not None else find_vllm_config()
+    mc = getattr(vc, "model_config", None)
+    model = str(getattr(mc, "model", None) or model_name)
+    revision = getattr(mc, "revision", None) or cfg.model_revision
+    model_id = cfg.model_id if "model_id" in extra else model_name
+    download_dir = getattr(getattr(vc, "load_config", None), "download_dir", None)
+    found = resolve_model_dir(model, getattr(mc, "revision", None), download_dir)
+    digest = where = None
+    if found is not None:
+        digest, where = weights_digest(found, key="--model").digest, str(found)
+    if cfg.model_path:
+        given = weights_digest(cfg.model_path)
+        if digest is not None and given.digest != digest:
+            raise ConfigError(f"model_path: {cfg.model_path!r} has weights digest {given.digest}, but the "
+                              f"model vLLM loads ({where}) has {digest}; remove model_path (vLLM's own "
+                              f"model directory is used) or point it at a copy of that model")
+        if digest is None:
+            digest, where = given.digest, given.path
+    if digest is None:
+        logger.warning("the disk namespace does not cover the model's weights: %r is not a local directory "
+                       "and not in the Hugging Face cache here; set model_path in kv_connector_extra_config "
+                       "to a local copy of the model", model)
+    settings = vllm_model_settings(vc) if mc is not None else None
+    return VllmModelIdentity(str(model_id), str(revision), digest, settings, where)

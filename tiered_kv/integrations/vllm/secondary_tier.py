@@ -79,6 +79,7 @@ from tiered_kv.config import ConfigError, TieredConfig, format_size
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.store import DiskStore
+from tiered_kv.integrations.vllm.common import vllm_model_identity
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 if TYPE_CHECKING:
@@ -151,9 +152,11 @@ def chunk_layout(tokens_per_chunk: int, stride: int) -> KVCacheLayout:
 
 def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig, *,
                       replicated_layout: bool = False, model_id: str | None = None,
-                      hash_seed: str | None = None) -> Fingerprint:
+                      hash_seed: str | None = None, identity: Any = None) -> Fingerprint:
     """The namespace key of vLLM CPU-tier rows of ``stride`` bytes (module docstring).
-    ``model_id``/``hash_seed`` override ``cfg``'s (callers resolve the defaults)."""
+    ``model_id``/``hash_seed`` override ``cfg``'s (callers resolve the defaults);
+    ``identity`` (``common.VllmModelIdentity``) gives the model's revision, weights
+    digest and settings."""
     p = config.parallel
     groups = config.groups
     tokens_per_block = max((g.tokens_per_block for g in groups), default=config.cache.tokens_per_hash)
@@ -168,7 +171,7 @@ def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig
                   f"kv_cache_layout={config.kv_cache_layout}")
     return Fingerprint(
         model_id=str(model_id if model_id is not None else cfg.model_id),
-        model_revision=cfg.model_revision,
+        model_revision=identity.model_revision if identity is not None else cfg.model_revision,
         dtype=str(config.model.dtype),
         block_size=tokens_per_block * config.cache.blocks_per_chunk,
         gpu_block_size=tokens_per_block,
@@ -177,6 +180,8 @@ def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig
         tp_size=1,
         hash_algorithm=cfg.hash_algorithm,
         hash_seed=str(hash_seed if hash_seed is not None else cfg.hash_seed),
+        weights_digest=identity.weights_digest if identity is not None else None,
+        model_settings=identity.model_settings if identity is not None else None,
     )
 
 
@@ -308,9 +313,10 @@ class TieredDiskTier(SecondaryTierManager):
         self.locality = _parse_locality(tier_config.get("locality"))
         vconf = offloading_spec.config
         stride = self.block_size_bytes
+        identity = vllm_model_identity(vconf.model.name, cfg, tier_config)
         self.fingerprint = chunk_fingerprint(
             vconf, stride, cfg, replicated_layout=getattr(offloading_spec, "replicated_layout", False),
-            model_id=cfg.model_id if "model_id" in tier_config else vconf.model.name,
+            model_id=identity.model_id, identity=identity,
             # vLLM seeds its prefix hashes with PYTHONHASHSEED when it is set.
             hash_seed=cfg.hash_seed if "hash_seed" in tier_config else os.getenv("PYTHONHASHSEED", ""))
         layout = chunk_layout(self.fingerprint.block_size, stride)

@@ -4,8 +4,10 @@ out-of-tree offloading spec.
 vLLM builds the spec from ``kv_connector_extra_config`` in every process of an engine:
 the scheduler (``get_manager``), each worker (``get_worker``) and the API server (which
 only calls the classmethods, for the metric definitions). Construction parses and
-validates the config and does arithmetic, no I/O, so a bad key or value fails every
-process at start-up with a message naming it.
+validates the config and does arithmetic; its one I/O is reading the weights digest of
+the model directory vLLM loads (a bounded sample of each file, ``common.
+vllm_model_identity``). A bad key or value fails every process at start-up with a
+message naming it.
 
 How vLLM's units map onto ours (same in every process, derived from ``OffloadingConfig``
 alone, so the scheduler and the workers agree without talking):
@@ -20,10 +22,13 @@ alone, so the scheduler and the workers agree without talking):
 - ``cpu_bytes`` and ``disk_bytes`` are **per rank** (every worker keeps its own shard of
   every chunk in its own host memory and disk slab); the slot counts follow from the
   bytes per chunk and are the same on every rank.
-- the disk namespace fingerprint is built from the model name (or ``model_id``), vLLM's
-  KV dtype, tokens per block and per chunk, the per-rank bytes per GPU block, each KV
-  group's geometry, vLLM's parallel layout and KV-cache layout, the world size (one
-  shard per rank) and the prefix-hash algorithm and seed.
+- the disk namespace fingerprint is built from the model's identity (``model_id`` or
+  vLLM's ``--model``; vLLM's ``--revision`` or ``model_revision``; the weights digest of
+  the directory vLLM loads; vLLM's code revision, model dtype, quantization, config
+  overrides and tokenizer: ``common.vllm_model_identity``), vLLM's KV-cache dtype,
+  tokens per block and per chunk, the per-rank bytes per GPU block, each KV group's
+  geometry, vLLM's parallel layout and KV-cache layout, the world size (one shard per
+  rank) and the prefix-hash algorithm and seed.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.namespace import slot_size_for
-from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, metric_definitions
+from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, metric_definitions, vllm_model_identity
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 logger = logging.getLogger(__name__)
@@ -206,13 +211,14 @@ def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str
     if p.data_parallel_size > 1:
         # Each DP replica is its own engine and writer: give it its own namespace.
         layout += (f"dp_replica={p.data_parallel_index}/{p.data_parallel_size}",)
-    model_id = cfg.model_id if "model_id" in extra else config.model.name
+    ident = vllm_model_identity(config.model.name, cfg, extra)
     seed = cfg.hash_seed if "hash_seed" in extra else os.environ.get("PYTHONHASHSEED", "")
     tokens_per_block = config.groups[0].tokens_per_block
-    return Fingerprint(model_id=str(model_id), model_revision=cfg.model_revision,
+    return Fingerprint(model_id=ident.model_id, model_revision=ident.model_revision,
                        dtype=str(config.model.dtype), block_size=tokens_per_block * bpc,
                        gpu_block_size=tokens_per_block, layer_geometry=geometry, kv_layout=layout,
-                       tp_size=p.world_size, hash_algorithm=cfg.hash_algorithm, hash_seed=seed)
+                       tp_size=p.world_size, hash_algorithm=cfg.hash_algorithm, hash_seed=seed,
+                       weights_digest=ident.weights_digest, model_settings=ident.model_settings)
 
 
 class TieredOffloadingSpec(OffloadingSpec):
@@ -238,6 +244,11 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.tiered_config = parse_extra_config(self.extra_config)
         _check_hash_algorithm(self.tiered_config)
         self.geometry = VllmGeometry.from_config(config, self.tiered_config, self.extra_config)
+        if self.tiered_config.disk_path:
+            fp = self.geometry.fingerprint
+            logger.info("disk namespace %s: model %s @ %s, weights %s, settings %s", fp.namespace_id,
+                        fp.model_id, fp.model_revision, fp.weights_digest or "not covered",
+                        ", ".join(fp.model_settings or ()) or "none")
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
