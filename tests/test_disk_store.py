@@ -300,7 +300,7 @@ def test_auto_backend_chooses_posix_and_says_why(tmp_path, caplog, monkeypatch):
 def test_buffered_fallback_where_o_direct_is_refused(tmp_path, layout, monkeypatch):
     import tiered_kv.disk.io_backends as iob
 
-    monkeypatch.setattr(iob, "_probe_direct", lambda path, flags: "Invalid argument")
+    monkeypatch.setattr(iob, "_set_direct", lambda fd: "Invalid argument")
     store = open_store(tmp_path, layout)
     try:
         h = [block_hash(0)]

@@ -523,7 +523,7 @@ class HostKVCache:
         self.shared = shared
         try:
             self.slot_rows = self._allocate(pin)
-        except RuntimeError as e:
+        except (RuntimeError, MemoryError) as e:
             if pin is not None or not pinning:  # that kind was demanded, or nothing was pinned
                 raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of "
                                    f"{'pinned' if pinning else 'pageable'} memory ({e}); lower cpu_bytes"
@@ -535,7 +535,7 @@ class HostKVCache:
                            format_size(nbytes), e)
             try:
                 self.slot_rows = self._allocate(False)
-            except RuntimeError as e2:
+            except (RuntimeError, MemoryError) as e2:
                 raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of host memory "
                                    f"({e2}); lower cpu_bytes") from e2
         self.tensors = _layer_views(self.slot_rows, layout)
@@ -553,11 +553,18 @@ class HostKVCache:
 
     @staticmethod
     def slots_for_bytes(layout: KVCacheLayout, cpu_bytes: int) -> int:
-        """How many offloaded blocks fit in ``cpu_bytes``; raises ``ValueError`` if not one."""
+        """How many offloaded blocks fit in ``cpu_bytes``; raises ``ValueError`` if not
+        one, or if they need more memory than this process may use (``host_memory_limit``):
+        checked before the scheduler sizes anything by it, so a size that cannot be
+        allocated is an error naming cpu_bytes, not a ``MemoryError``."""
         slots = cpu_bytes // layout.bytes_per_block
         if slots < 1:
             raise ValueError(f"cpu_bytes={cpu_bytes} holds no block; one offloaded block is "
                              f"{layout.bytes_per_block} bytes")
+        limit = host_memory_limit()
+        if slots * layout.bytes_per_block > limit:
+            raise ValueError(f"{format_size(cpu_bytes)} is more memory than this machine lets this process use "
+                             f"({format_size(limit)}); lower cpu_bytes")
         return slots
 
     @classmethod

@@ -11,6 +11,11 @@ place: no copy, only the address travels.
 Worker processes call ``empty_shared``/``locate``; the I/O process calls
 ``MappedRegions``. No I/O beyond mapping memory (and reading the kernel's huge page
 setting for shared memory).
+
+The regions hold KV bytes, which encode users' prompts. A memfd has no name in any
+directory, so nothing can be planted in its place or open it by name; its mode is
+still set to ``0600`` (the kernel makes it ``0777``), so that reaching it through
+``/proc/<pid>/fd`` takes its owner's rights as well as the right to inspect that process.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
     except (AttributeError, OSError) as e:
         raise RuntimeError(f"shared host memory needs memfd_create (Linux): {e}") from e
     try:
+        os.fchmod(fd, 0o600)  # KV bytes: its owner's only, also through /proc/<pid>/fd
         os.ftruncate(fd, nbytes)
         region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:

@@ -3,13 +3,16 @@
 
     python tools/fault_report.py                          # 200 kill -9 trials, 5 rounds of the rest
     python tools/fault_report.py --crash-trials 50 --rounds 2 --seed 7
+    python tools/fault_report.py --crash-only --crash-trials 500 --tp 1 2 --disk-io thread process
 
 Runs the fault suite's scenarios (tests/faults/harness.py) on the whole hierarchy
 (TieredOffloadingSpec + EngineDriver, CPU tensors standing in for the GPU, POSIX I/O):
 
-- kill -9 of an engine in the middle of a store / evict / load storm, one cache for all
-  trials (each child reopens what the last one left); after each kill the cache is
-  verified as left, then reopened, and every block acknowledged durable must be there;
+- kill -9 of an engine in the middle of a store / evict / load storm, one cache per TP
+  size for all its trials (each child reopens what the last one left), cycling through
+  write policies and ``disk_io`` modes; after each kill the cache is verified as left,
+  then reopened, and every block acknowledged durable must be there (a trial that fails
+  names what failed, and the caches are kept);
 - damage to a closed cache (bit flips in a slab, a truncated or deleted slab, a garbage,
   half-garbage or truncated index), then a restart that requests every block;
 - I/O faults injected under a running engine (ENOSPC / EIO on slab writes, EIO on fsync,
@@ -38,9 +41,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from faults.harness import (  # noqa: E402  (after the path)
-    DAMAGE, CrashRunner, Hierarchy, InjectingBackend, TmpfsMount, documents, inject_backend, namespace_dirs,
-    read_journal, verify_cache,
+from faults.crash import CrashRunner, read_journal  # noqa: E402  (after the path)
+from faults.harness import (  # noqa: E402
+    DAMAGE, Hierarchy, InjectingBackend, TmpfsMount, documents, inject_backend, namespace_dirs, verify_cache,
 )
 from tiered_kv.disk.index import QUARANTINE_SUFFIX  # noqa: E402
 
@@ -93,17 +96,21 @@ def fill(cache: Path, seed: int) -> list[list[bytes]]:
     return docs
 
 
-def crash(work: Path, trials: int, seed: int) -> Row:
-    row = Row("kill -9 during a store / evict / load storm", detected=None)
-    runner = CrashRunner(work / "crash", seed)
+def crash(work: Path, trials: int, seed: int, tp_size: int = 1, disk_io: tuple[str, ...] = ("thread",)) -> Row:
+    modes = "/".join(disk_io)
+    row = Row(f"kill -9 during a store / evict / load storm (TP {tp_size}, disk_io {modes})", detected=None)
+    runner = CrashRunner(work / f"crash-tp{tp_size}", seed, tp_size=tp_size, disk_io=disk_io)
     phases = {"startup": 0, "storm": 0}
     clean = 0
+    by_mode: dict[tuple[str, str], list[int]] = {}  # (policy, disk_io) -> [trials, clean]
+    row_incomplete = 0
     for i in range(trials):
+        policy, io = runner.mode(i)
         try:
             t = runner.trial(i)
         except AssertionError as e:  # the child died of an exception, not of the kill
             row.escaped += 1
-            row.notes.append(f"trial {i}: {e}")
+            row.notes.append(f"trial {i} ({policy}, disk_io {io}): {e}")
             continue
         row.trials += 1
         row.injected += 1
@@ -111,22 +118,36 @@ def crash(work: Path, trials: int, seed: int) -> Row:
         row.at_risk += t.acked
         row.lost += len(t.lost)
         row.wrong += len(t.verify.wrong)
-        if t.verify.ok and t.verify.incomplete == 0 and (t.cli is None or t.cli[0] == 0):
+        counts = by_mode.setdefault((policy, io), [0, 0])
+        counts[0] += 1
+        # At TP 1 a block commits in one transaction; at TP 2 each rank commits its own
+        # copy, so a kill between them leaves an incomplete entry (never served).
+        incomplete_ok = tp_size > 1 or t.verify.incomplete == 0
+        row_incomplete += t.verify.incomplete
+        if t.verify.ok and incomplete_ok and (t.cli is None or t.cli[0] == 0):
             clean += 1
+            counts[1] += 1
         else:  # say what was wrong, so that a rare failure can be chased from the report alone
             v = t.verify
             cli = "" if t.cli is None else f", inspect verify exit {t.cli[0]}: {t.cli[1].strip()[-600:]!r}"
-            row.notes.append(f"trial {i} ({t.policy}, {t.phase}, kill after {t.delay:.3f} s) left a cache that "
-                             f"failed verification: {len(v.corrupt)} corrupt, {len(v.wrong)} wrong, "
-                             f"{v.incomplete} incomplete, errors {v.errors}{cli}")
+            kept = runner.workdir / f"failed-trial-{i}"
+            shutil.rmtree(kept, ignore_errors=True)
+            os.rename(runner.as_killed, kept)
+            row.notes.append(f"trial {i} ({t.policy}, disk_io {io}, TP {tp_size}, {t.phase}, kill after "
+                             f"{t.delay:.3f} s) left a cache that failed verification: {len(v.corrupt)} corrupt "
+                             f"{[h.hex()[:12] for h in v.corrupt[:8]]}, {len(v.wrong)} wrong "
+                             f"{[h.hex()[:12] for h in v.wrong[:8]]}, {v.incomplete} incomplete, errors "
+                             f"{v.errors}{cli}; the cache as the kill left it, and the journal, are in {kept}")
     state = read_journal(runner.journal)
     row.wrong += state.mismatches
+    per_mode = ", ".join(f"{p} + {io}: {c}/{n}" for (p, io), (n, c) in sorted(by_mode.items()))
     row.notes.append(f"{phases['storm']} kills mid-storm, {phases['startup']} during start-up; the cache as each "
                      f"kill left it passed verification (tiered-kv inspect verify and a byte-exact check) "
-                     f"{clean}/{row.trials} times; {state.requests} requests, {state.acked_total} blocks "
-                     f"acknowledged durable, {sum(t.verify.verified for t in runner.trials)} blocks read back byte-exact; "
-                     f"{sum(t.tolerated for t in runner.trials)} blocks taken by an eviction the kill "
-                     f"interrupted (not counted as lost)")
+                     f"{clean}/{row.trials} times ({per_mode}); {state.requests} requests, {state.acked_total} "
+                     f"blocks acknowledged durable, {sum(t.verify.verified for t in runner.trials)} blocks read "
+                     f"back byte-exact; {sum(t.tolerated for t in runner.trials)} blocks taken by an eviction "
+                     f"the kill interrupted (not counted as lost); {row_incomplete} incomplete entries left by "
+                     f"kills between ranks' commits (never served)")
     if clean < row.trials:
         row.escaped += row.trials - clean  # a damaged cache after a kill is a failure too
     return row
@@ -274,6 +295,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="trials per corruption and I/O fault kind")
     ap.add_argument("--seed", type=int, default=20261123)
     ap.add_argument("--workdir", type=Path, default=None, help="where caches go (default: a temporary dir)")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1],
+                    help="TP sizes of the kill -9 trials (each gets --crash-trials trials on a cache of its own)")
+    ap.add_argument("--disk-io", nargs="+", default=["thread"], choices=["thread", "process"],
+                    help="disk_io modes the kill -9 trials cycle through")
+    ap.add_argument("--crash-only", action="store_true", help="run only the kill -9 trials")
     args = ap.parse_args()
     # Faults are logged by design; keep them for the trials' own checks, off the console.
     quiet = logging.getLogger("tiered_kv")
@@ -282,14 +308,16 @@ def main() -> int:
     quiet.addHandler(logging.NullHandler())
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tiered-kv-faults-"))
     t0 = time.time()
-    rows = [crash(work, args.crash_trials, args.seed)]
-    rows += [corruption(work, kind, args.rounds, args.seed) for kind in DAMAGE]
-    rows += [io_fault(work, kind, args.rounds, args.seed) for kind in IO_FAULTS]
-    rows.append(full_filesystem(work, min(args.rounds, 2), args.seed))
-    if args.workdir is None:
+    rows = [crash(work, args.crash_trials, args.seed, tp, tuple(args.disk_io)) for tp in args.tp]
+    if not args.crash_only:
+        rows += [corruption(work, kind, args.rounds, args.seed) for kind in DAMAGE]
+        rows += [io_fault(work, kind, args.rounds, args.seed) for kind in IO_FAULTS]
+        rows.append(full_filesystem(work, min(args.rounds, 2), args.seed))
+    if args.workdir is None and all(r.clean for r in rows):
         shutil.rmtree(work, ignore_errors=True)
-    print(f"command: python tools/fault_report.py --crash-trials {args.crash_trials} --rounds {args.rounds} "
-          f"--seed {args.seed}")
+    elif args.workdir is None:
+        print(f"caches kept for inspection in {work}")
+    print("command: python tools/fault_report.py " + " ".join(sys.argv[1:]))
     print(f"date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {platform.node()}, {os.cpu_count()} cores, "
           f"{platform.platform()}; {time.time() - t0:.0f} s\n")
     print(table(rows))

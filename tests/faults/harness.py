@@ -18,7 +18,6 @@ import os
 import random
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +47,8 @@ def device(num_gpu_blocks: int = 8, dtype: torch.dtype = torch.float16) -> Devic
 def config(cache_dir: str | os.PathLike, bytes_per_block: int, cpu_blocks: int = 8,
            disk_blocks: int = 40, **extra) -> dict:
     """A config dict for the hierarchy sized in blocks (``extra`` keys override)."""
-    out = {"cpu_bytes": cpu_blocks * bytes_per_block, "disk_path": str(cache_dir),
-           "disk_bytes": disk_blocks * bytes_per_block, "io_backend": "posix", "io_threads": 2,
+    out = {"cpu_bytes": f"{cpu_blocks * bytes_per_block}B", "disk_path": str(cache_dir),
+           "disk_bytes": f"{disk_blocks * bytes_per_block}B", "io_backend": "posix", "io_threads": 2,
            "model_id": "fault-suite", "max_pending_disk_writes": 16}
     out.update(extra)
     return out
@@ -57,16 +56,26 @@ def config(cache_dir: str | os.PathLike, bytes_per_block: int, cpu_blocks: int =
 
 class Hierarchy:
     """One engine's hierarchy in this process: ``spec`` and ``driver`` (manager + worker).
-    ``extra`` are config keys; ``tp_size`` > 1 makes this process rank 0 of a TP group."""
+    ``extra`` are config keys; ``tp_size`` > 1 makes this process rank 0 of a TP group,
+    or, with ``all_ranks``, every rank of it (``ranks.RanksDriver``; ``spec`` is rank 0's)."""
 
     def __init__(self, cache_dir, cpu_blocks: int = 8, disk_blocks: int = 40, engine_id: str | None = None,
-                 dtype: torch.dtype = torch.float16, tp_size: int = 1, **extra):
+                 dtype: torch.dtype = torch.float16, tp_size: int = 1, all_ranks: bool = False, **extra):
         self.device = device(dtype=dtype)
         layout = self.device.layout
-        self.spec = TieredOffloadingSpec(config(cache_dir, layout.bytes_per_block, cpu_blocks, disk_blocks,
-                                                **extra), GPU_BLOCK_SIZE, layout, engine_id=engine_id,
-                                         tp_size=tp_size)
-        self.driver = EngineDriver.from_spec(self.spec, self.device)
+        cfg = config(cache_dir, layout.bytes_per_block, cpu_blocks, disk_blocks, **extra)
+        self.spec = TieredOffloadingSpec(cfg, GPU_BLOCK_SIZE, layout, engine_id=engine_id, tp_size=tp_size)
+        self.specs = [self.spec]
+        if all_ranks and tp_size > 1:
+            from faults.ranks import RanksDriver, RankWorkers
+
+            devices = [self.device] + [device(dtype=dtype) for _ in range(1, tp_size)]
+            self.specs += [TieredOffloadingSpec(cfg, GPU_BLOCK_SIZE, layout, engine_id=self.spec.engine_id,
+                                                rank=r, tp_size=tp_size) for r in range(1, tp_size)]
+            workers = [s.build_worker(d.kv_caches, d.kv_before_num_blocks) for s, d in zip(self.specs, devices)]
+            self.driver = RanksDriver(self.spec.get_manager(), RankWorkers(workers), devices)
+        else:
+            self.driver = EngineDriver.from_spec(self.spec, self.device)
         self.closed = False
 
     @property
@@ -87,7 +96,9 @@ class Hierarchy:
     def settle(self) -> int:
         """Finish jobs and let queued disk writes land; returns blocks still pending on disk."""
         self.driver.drain()
-        self.stager.drain()
+        for h in self.driver.worker.handlers:
+            if getattr(h, "stager", None) is not None:
+                h.stager.drain()
         return self.manager.pending_disk_writes()
 
     def close(self) -> None:
@@ -96,8 +107,9 @@ class Hierarchy:
         self.closed = True
         self.driver.worker.shutdown()
         self.driver.manager.shutdown()
-        if self.spec.store is not None:
-            self.spec.store.close()
+        for spec in self.specs:
+            if spec.store is not None:
+                spec.store.close()
 
 
 class InjectingBackend(PosixBackend):
@@ -403,66 +415,7 @@ def inspect_verify(cache_dir: str | os.PathLike) -> tuple[int, str] | None:
     return result.exit_code, result.output
 
 
-# ---------------------------------------------------------------- crash trials
-
-
-@dataclass
-class JournalState:
-    """What the crash children's journal says must be on disk."""
-
-    acked: set[bytes] = field(default_factory=set)  # durable-acknowledged, not evicted since
-    open_bracket: int = 0  # blocks asked of a disk prepare_store the kill interrupted (0: none)
-    mismatches: int = 0  # wrong blocks the children's engines were served
-    requests: int = 0
-    acked_total: int = 0
-    ready: bool = False
-
-
-def read_journal(path: str | os.PathLike) -> JournalState:
-    """Replay the journal (see ``storm_child``). Across children it is one history."""
-    st = JournalState()
-    base_mismatches = 0
-    with open(path) as f:
-        for line in f.read().splitlines():
-            tag, _, arg = line.partition(" ")
-            if tag == "S":
-                st.ready = False
-                st.open_bracket = 0
-                base_mismatches = st.mismatches
-            elif tag == "R":
-                st.ready = True
-            elif tag == "B":
-                st.open_bracket = int(arg)
-            elif tag == "P":
-                st.open_bracket = 0
-            elif tag == "E":
-                st.acked.discard(bytes.fromhex(arg))
-            elif tag == "D":
-                h = bytes.fromhex(arg)
-                if h not in st.acked:
-                    st.acked.add(h)
-                    st.acked_total += 1
-            elif tag == "M":
-                st.mismatches = base_mismatches + int(arg)
-            elif tag == "Q":
-                st.requests += int(arg)
-    return st
-
-
-@dataclass
-class CrashTrial:
-    """One kill -9 trial and what the check after it found."""
-
-    trial: int
-    policy: str
-    phase: str  # "startup" or "storm": when the kill landed
-    delay: float
-    acked: int  # blocks the journal says must have survived
-    lost: list[bytes]
-    tolerated: int  # missing blocks an interrupted eviction may explain
-    verify: VerifyResult
-    cli: tuple[int, str] | None
-    loadable_after_reopen: int
+# ---------------------------------------------------------------- processes
 
 
 _CTX = None
@@ -476,97 +429,3 @@ def fork_context():
         _CTX.set_forkserver_preload(["torch", "tiered_kv.tiered.spec", "tiered_kv.driver",
                                      "tiered_kv.disk.manager", "faults.storm_child"])
     return _CTX
-
-
-def _wait_for(journal: Path, start: int, tag: str, proc, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(journal) as f:
-            f.seek(start)
-            if f"{tag}\n" in f.read():
-                return True
-        if not proc.is_alive():
-            return False
-        time.sleep(0.002)
-    return False
-
-
-class CrashRunner:
-    """Runs kill -9 trials on one cache directory, each child picking up what the
-    previous one left. Trial ``i`` uses seed ``seed + i``; policies alternate between
-    write-through and write-back; about one kill in six lands during start-up (opening
-    the namespace, reclaiming, preallocating), the rest during the storm."""
-
-    STARTUP_SHARE = 1 / 6
-    MAX_STORM_DELAY = 0.6
-
-    def __init__(self, workdir: str | os.PathLike, seed: int):
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.cache = self.workdir / "cache"
-        self.journal = self.workdir / "journal"
-        self.journal.touch()
-        self.seed = seed
-        self.rng = random.Random(seed)
-        self.trials: list[CrashTrial] = []
-
-    def trial(self, i: int) -> CrashTrial:
-        from faults import storm_child
-
-        policy = ("write_through", "write_back")[i % 2]
-        start = self.journal.stat().st_size
-        proc = fork_context().Process(target=storm_child.run,
-                                      args=(str(self.cache), str(self.journal), self.seed + i, policy))
-        proc.start()
-        startup = self.rng.random() < self.STARTUP_SHARE
-        if startup:
-            if not _wait_for(self.journal, start, "S", proc, 60):
-                raise AssertionError(self._child_failure(proc, "never started"))
-            delay = self.rng.uniform(0.0, 0.08)
-        else:
-            if not _wait_for(self.journal, start, "R", proc, 60):
-                raise AssertionError(self._child_failure(proc, "never became ready"))
-            delay = self.rng.uniform(0.0, self.MAX_STORM_DELAY)
-        time.sleep(delay)
-        if not proc.is_alive():
-            raise AssertionError(self._child_failure(proc, "exited before the kill"))
-        os.kill(proc.pid, 9)
-        proc.join(30)
-        if proc.exitcode != -9:
-            raise AssertionError(self._child_failure(proc, f"ended with {proc.exitcode}, not by the kill"))
-        result = self._check(i, policy, "startup" if startup else "storm", delay)
-        self.trials.append(result)
-        return result
-
-    def _child_failure(self, proc, what: str) -> str:
-        err = Path(f"{self.journal}.err")
-        detail = err.read_text() if err.exists() else "(no traceback)"
-        if proc.is_alive():
-            os.kill(proc.pid, 9)
-            proc.join(10)
-        return f"crash child {what}: {detail}"
-
-    def _check(self, i: int, policy: str, phase: str, delay: float) -> CrashTrial:
-        """Verify the cache exactly as the kill left it, then reopen it as an engine
-        would and check every acknowledged block is loadable."""
-        st = read_journal(self.journal)
-        verify = verify_cache(self.cache)
-        cli = inspect_verify(self.cache) if namespace_dirs(self.cache) else None
-        loadable: set[bytes] = set()
-        if namespace_dirs(self.cache):
-            h = Hierarchy(self.cache, engine_id=f"check-{i}")
-            try:
-                loadable = h.disk.loadable_among(st.acked) if st.acked else set()
-                n_loadable = len(h.disk)
-            finally:
-                h.close()
-        else:
-            n_loadable = 0
-        missing = sorted(st.acked - loadable)
-        tolerated = min(len(missing), st.open_bracket)
-        lost = missing[tolerated:]
-        # Blocks an interrupted eviction took are evicted as far as later trials go.
-        with open(self.journal, "a") as f:
-            for h in missing:
-                f.write(f"E {h.hex()}\n")
-        return CrashTrial(i, policy, phase, delay, len(st.acked), lost, tolerated, verify, cli, n_loadable)

@@ -1,8 +1,10 @@
 """The crash-trial child: the whole hierarchy under a store / evict / load storm, until
 SIGKILLed.
 
-Runs in a child process forked by ``harness.CrashRunner``. It builds the same
-hierarchy as ``harness.Hierarchy`` on ``cache_dir`` (opening what earlier children left),
+Runs in a child process forked by ``crash.CrashRunner``, at the head of its own process
+group (with ``disk_io: process`` each rank's disk I/O process is in it too). It builds
+the same hierarchy as ``harness.Hierarchy`` on ``cache_dir``, every TP rank of it
+(opening what earlier children left),
 then replays requests over a fixed universe of prefix chains that is several times the
 CPU tier and larger than the disk tier, so blocks are stored, spilled or written
 through, evicted from both tiers, loaded back from disk and promoted, all the time.
@@ -54,18 +56,19 @@ class _Journal:
         os.fsync(self.fd)
 
 
-def run(cache_dir: str, journal: str, seed: int, policy: str) -> None:
+def run(cache_dir: str, journal: str, seed: int, policy: str, disk_io: str = "thread", tp_size: int = 1) -> None:
+    os.setpgid(0, 0)  # its disk I/O processes join this group, so the parent can wait for them
     j = _Journal(journal)
     j.note("S")
     try:
-        _storm(cache_dir, seed, policy, j)
+        _storm(cache_dir, seed, policy, disk_io, tp_size, j)
     except BaseException:
         with open(journal + ".err", "w") as f:
             f.write(traceback.format_exc())
         os._exit(3)
 
 
-def _storm(cache_dir: str, seed: int, policy: str, j: _Journal) -> None:
+def _storm(cache_dir: str, seed: int, policy: str, disk_io: str, tp_size: int, j: _Journal) -> None:
     import random
 
     import numpy as np
@@ -74,7 +77,8 @@ def _storm(cache_dir: str, seed: int, policy: str, j: _Journal) -> None:
     from faults.harness import Hierarchy
 
     torch.set_num_threads(1)
-    h = Hierarchy(cache_dir, write_policy=policy, engine_id=f"storm-{seed}")
+    h = Hierarchy(cache_dir, write_policy=policy, engine_id=f"storm-{seed}", disk_io=disk_io, tp_size=tp_size,
+                  all_ranks=True)
     disk = h.disk
     inner_prepare_store = disk.prepare_store
 

@@ -24,39 +24,35 @@ background flusher commits evictions, access times and log trimming in batches. 
 never block writers (MVCC). ``MDB_MAP_RESIZED`` in a reader is handled by adopting the
 new map size and retrying; a writer grows the map on ``MapFullError``.
 
-A damaged index is detected when it is opened: a ``data.mdb`` shorter than its own meta
-page says (a truncated file, which would otherwise kill the process with SIGBUS on the
-first page read), one LMDB cannot open, or, for writers, a walk over every page that
-hits a bad one. It raises ``IndexCorruptError``; writers opened with ``repair=True``
-(the engine's scheduler and workers) instead move it aside to ``index.lmdb.corrupt``
-and start an empty index, logging why: the blocks it described are recomputed, and
-no block is ever served from an index that cannot be read. (An empty ``data.mdb`` is
-only logged: LMDB starts it afresh.)
+Opening the environment (``index_env``): its files are checked and opened through the
+namespace directory's descriptor, and a damaged index is found at open (a page walk for
+writers) and moved aside by the engine's writers, which start an empty one; no block is
+ever served from an index that cannot be read.
 """
 
 from __future__ import annotations
 
 import bisect
-import errno
-import fcntl
 import itertools
 import logging
+import math
 import os
-import shutil
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple
 
 import lmdb
 import numpy as np
 
+from tiered_kv.disk.index_env import QUARANTINE_SUFFIX, IndexCorruptError, acquire_env, release_env
+
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+__all__ = ["DiskIndex", "Entry", "IndexCorruptError", "IndexSnapshot", "LogColumns", "LogRecord", "QUARANTINE_SUFFIX",
+           "StoredBlocks", "entry_dtype", "LOG_OK", "LOG_FAILED", "LOG_CORRUPT", "LOG_STATUS_NAMES"]
 
 #: Log record statuses.
 LOG_OK, LOG_FAILED, LOG_CORRUPT = 0, 1, 2
@@ -69,24 +65,11 @@ _SEQ = struct.Struct(">Q")
 _SLOT = struct.Struct(">Q")
 _LOG_SEQ_KEY = b"log_seq"
 _MIN_MAP_SIZE = 256 << 20
-_DB_NAMES = ("blocks", "slots", "log", "meta")
-#: LMDB errors that mean the file's contents are damaged, not that the environment
-#: (permissions, space, locks) is wrong.
-_CORRUPTION = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
-               lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadValsizeError)
-QUARANTINE_SUFFIX = ".corrupt"
+_MAX_TIME = 1e11
 
 
 class _OddLength(Exception):
     """A ``blocks`` value whose length differs from the first one's (``load_all``)."""
-
-
-class IndexCorruptError(RuntimeError):
-    """The index at ``path`` cannot be read as an index (``reason`` says why)."""
-
-    def __init__(self, path: Path, reason: str):
-        self.path, self.reason = path, reason
-        super().__init__(f"disk index {path} is damaged: {reason}")
 
 
 def entry_dtype(tp_size: int, hash_len: int) -> np.dtype:
@@ -129,10 +112,38 @@ def _log_dtype(hash_len: int) -> np.dtype:
     return np.dtype([("status", "u1"), ("rank", "<u4"), ("slot", "<i8"), ("hash", f"V{hash_len}")])
 
 
-def _log_rows(value: bytes) -> np.ndarray:
-    """The records of a log value, as ``_log_dtype`` rows."""
+def _log_rows(value: bytes, tp_size: int | None = None) -> np.ndarray | None:
+    """The records of a log value, as ``_log_dtype`` rows; None for a value that is not
+    one (damage), and without records of statuses or ranks (below ``tp_size``) that
+    cannot be."""
+    if len(value) < _LOG_HEADER.size:
+        return None
     (hash_len,) = _LOG_HEADER.unpack_from(value)
-    return np.frombuffer(value, dtype=_log_dtype(hash_len), offset=_LOG_HEADER.size)
+    dtype = _log_dtype(hash_len)
+    if not hash_len or (len(value) - _LOG_HEADER.size) % dtype.itemsize or len(value) == _LOG_HEADER.size:
+        return None
+    rows = np.frombuffer(value, dtype=dtype, offset=_LOG_HEADER.size)
+    if tp_size is not None:
+        sane = (rows["status"] <= LOG_CORRUPT) & (rows["rank"] < tp_size) & (rows["slot"] >= 0)
+        if not sane.all():
+            return None
+    return rows
+
+
+def _sane_time(t: float) -> float:
+    """A stored or access time as read from the index: 0 where damage left no time at
+    all (not finite, negative, or past the year 5000)."""
+    return t if math.isfinite(t) and 0.0 <= t < _MAX_TIME else 0.0
+
+
+def _sane_times(arr: np.ndarray) -> np.ndarray:
+    """``_sane_time`` over the entries of ``arr`` (writable), in place."""
+    for name in ("store_time", "last_access"):
+        col = arr[name]
+        bad = ~((col >= 0.0) & (col < _MAX_TIME))  # NaN compares false
+        if bad.any():
+            col[bad] = 0.0
+    return arr
 
 
 class LogRecord(NamedTuple):
@@ -181,216 +192,6 @@ class IndexSnapshot:
         return self.entries[i:i + 1]["hash"].view(np.uint8).tobytes()
 
 
-class _SharedEnv:
-    """One process's handle on an LMDB environment, shared by every ``DiskIndex`` on it.
-
-    Transactions go through ``run`` so the map can be resized safely: LMDB requires no
-    active transaction in the process while ``set_mapsize`` runs.
-    """
-
-    def __init__(self, path: Path, readonly: bool, map_size: int):
-        self.path = path
-        self.readonly = readonly
-        self.refs = 0
-        self._cond = threading.Condition()
-        self._active = 0
-        self._resizing = False
-        self.env = self._open(path, readonly, map_size)
-        self.dbs: dict[str, Any] = {}
-        try:
-            for name in _DB_NAMES:
-                try:
-                    self.dbs[name] = self.env.open_db(name.encode(), create=not readonly)
-                except lmdb.NotFoundError:
-                    self.dbs[name] = None  # a read-only open of an index never written to
-            if not readonly:
-                self._walk()
-        except _CORRUPTION as e:
-            self.env.close()
-            raise IndexCorruptError(path, f"{type(e).__name__}: {e}") from e
-        except BaseException:
-            self.env.close()
-            raise
-
-    def _walk(self) -> None:
-        """Read every page of every database, so a damaged page raises here, at open,
-        instead of in the middle of serving. LMDB's compacting copy walks the trees in
-        C (about 30 ms per million entries, a Python cursor loop takes 200); the copy
-        itself goes to /dev/null."""
-        fd = os.open(os.devnull, os.O_WRONLY)
-        try:
-            self.env.copyfd(fd, compact=True)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _open(path: Path, readonly: bool, map_size: int) -> lmdb.Environment:
-        kwargs = dict(subdir=True, max_dbs=8, readonly=readonly, create=not readonly,
-                      readahead=False, meminit=False, max_readers=1022)
-        data = Path(path) / "data.mdb"
-        if data.exists() and data.stat().st_size == 0:
-            # LMDB starts such a file afresh. Not an error: a peer creating the index
-            # this instant shows the same (LMDB's own lock orders the two).
-            logger.warning("disk index %s: data.mdb is empty (truncated?); it starts empty", path)
-        try:
-            if readonly:
-                try:
-                    env = lmdb.open(str(path), lock=True, **kwargs)
-                except _CORRUPTION:
-                    raise
-                except lmdb.Error as e:
-                    # The lock file is not writable (e.g. a read-only mount): read without
-                    # the reader table, which is only safe while no engine writes.
-                    logger.warning("opening %s read-only without locking (%s); results may be "
-                                   "inconsistent if an engine is writing", path, e)
-                    env = lmdb.open(str(path), lock=False, **kwargs)
-            else:
-                env = lmdb.open(str(path), map_size=map_size, **kwargs)
-        except _CORRUPTION as e:
-            raise IndexCorruptError(path, f"{type(e).__name__}: {e}") from e
-        try:
-            _check_not_truncated(env, path)
-            if not readonly:
-                env.reader_check()  # clear reader slots of processes that died (kill -9)
-        except BaseException:
-            env.close()
-            raise
-        return env
-
-    def run(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
-        """Run ``fn(txn)`` in a transaction (committed if ``write``), retrying after
-        adopting a grown map (``MDB_MAP_RESIZED``) or growing a full one (writers)."""
-        while True:
-            self._enter()
-            try:
-                with self.env.begin(write=write) as txn:
-                    return fn(txn)
-            except lmdb.MapResizedError:
-                grow = False
-            except lmdb.MapFullError:
-                if not write:
-                    raise
-                grow = True
-            finally:
-                self._exit()
-            self._resize(grow)
-
-    def _enter(self) -> None:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._active += 1
-
-    def _exit(self) -> None:
-        with self._cond:
-            self._active -= 1
-            if self._active == 0:
-                self._cond.notify_all()
-
-    def _resize(self, grow: bool) -> None:
-        with self._cond:
-            if self._resizing:  # another thread is on it; wait and retry with its result
-                while self._resizing:
-                    self._cond.wait()
-                return
-            self._resizing = True  # new transactions wait from here on
-            while self._active:
-                self._cond.wait()
-        try:
-            if grow:
-                new = self.env.info()["map_size"] * 2
-                logger.info("LMDB index %s is full; growing the map to %d MiB", self.path, new >> 20)
-                self.env.set_mapsize(new)
-            else:
-                self.env.set_mapsize(0)  # adopt the size another process grew it to
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
-
-
-def _check_not_truncated(env: lmdb.Environment, path: Path) -> None:
-    """Raise ``IndexCorruptError`` if ``data.mdb`` ends before the last page its meta
-    page records. Both numbers come from the meta pages and ``stat``, never from the
-    map: reading a page past the end of the file is SIGBUS. (A writer extends the file
-    before it publishes a meta page naming the new pages, so a live index never fails.)"""
-    pages = env.info()["last_pgno"] + 1
-    need = pages * env.stat()["psize"]
-    size = os.stat(Path(path) / "data.mdb").st_size
-    if size < need:
-        raise IndexCorruptError(path, f"data.mdb is truncated: {size} bytes, but its {pages} pages "
-                                      f"need {need}")
-
-
-_registry: dict[str, _SharedEnv] = {}
-_registry_lock = threading.Lock()
-
-
-def _acquire_env(path: Path, readonly: bool, map_size: int, repair: bool = False) -> _SharedEnv:
-    key = os.path.realpath(path)
-    with _registry_lock:
-        shared = _registry.get(key)
-        if shared is not None and shared.readonly and not readonly:
-            raise RuntimeError(f"LMDB index {path} is already open read-only in this process; "
-                               f"close the read-only handles before opening it for writing")
-        if shared is None:
-            if readonly and not (Path(path) / "data.mdb").exists():
-                raise FileNotFoundError(f"no LMDB index at {path}")
-            seen = _inode(path)
-            try:
-                shared = _SharedEnv(Path(path), readonly, map_size)
-            except IndexCorruptError as e:
-                if readonly or not repair:
-                    raise
-                shared = _rebuild(Path(path), map_size, e, seen)
-            _registry[key] = shared
-        shared.refs += 1
-        return shared
-
-
-def _inode(path: str | os.PathLike) -> int | None:
-    try:
-        return os.stat(path).st_ino
-    except FileNotFoundError:
-        return None
-
-
-def _rebuild(path: Path, map_size: int, damage: IndexCorruptError, seen: int | None) -> _SharedEnv:
-    """Move the damaged index (directory inode ``seen``) aside and open an empty one in
-    its place. Serialised between processes by a lock file next to it; a process that
-    finds the index already replaced (by a peer that saw the same damage) opens the
-    replacement instead."""
-    fd = os.open(path.parent / f".{path.name}.repair", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if _inode(path) == seen:
-            aside = path.with_name(path.name + QUARANTINE_SUFFIX)
-            shutil.rmtree(aside, ignore_errors=True)
-            os.rename(path, aside)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            logger.error("%s; moved it to %s and starting with an empty index (the blocks it "
-                         "described will be recomputed)", damage, aside)
-        return _SharedEnv(path, False, map_size)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            return _SharedEnv(path, False, map_size)  # a peer moved it and has not recreated yet
-        raise
-    finally:
-        os.close(fd)
-
-
-def _release_env(shared: _SharedEnv) -> None:
-    with _registry_lock:
-        shared.refs -= 1
-        if shared.refs == 0:
-            _registry.pop(os.path.realpath(shared.path), None)
-            shared.env.close()
-
-
 class DiskIndex:
     """Typed access to one namespace's index. Thread-safe; cheap to create per user.
 
@@ -401,13 +202,14 @@ class DiskIndex:
     """
 
     def __init__(self, path: str | os.PathLike, tp_size: int, *, readonly: bool = False,
-                 expected_entries: int = 0, repair: bool = False):
+                 expected_entries: int = 0, repair: bool = False, dir_fd: int | None = None,
+                 owner: int | None = None):
         self.path = Path(path)
         self.tp_size = tp_size
         self._entry = struct.Struct(_HEADER.format + f"{tp_size}Q")
         # Map size is virtual address space, not disk: reserve plenty so growth is rare.
         map_size = max(_MIN_MAP_SIZE, expected_entries * 1024)
-        self._shared = _acquire_env(self.path, readonly, map_size, repair)
+        self._shared = acquire_env(self.path, readonly, map_size, repair, dir_fd, owner)
         self._closed = False
 
     @property
@@ -418,10 +220,15 @@ class DiskIndex:
         """Release this handle (the environment closes with its last handle). Idempotent."""
         if not self._closed:
             self._closed = True
-            _release_env(self._shared)
+            release_env(self._shared)
 
     def _db(self, name: str):
         return self._shared.dbs[name]
+
+    def check_pages(self) -> None:
+        """Walk every page of the index (``index_env``; writers do at open). Raises
+        ``IndexCorruptError`` naming the damage."""
+        self._shared.check_pages()
 
     # ------------------------------------------------------------ codec
 
@@ -434,7 +241,7 @@ class DiskIndex:
         if len(raw) != self._entry.size + len(block_hash) or raw[self._entry.size:] != block_hash:
             return None
         v = self._entry.unpack_from(raw)
-        return Entry(v[0], v[1], v[2], v[3], v[4], v[5], tuple(v[6:]))
+        return Entry(v[0], v[1], v[2], _sane_time(v[3]), _sane_time(v[4]), v[5], tuple(v[6:]))
 
     def _slot_of(self, raw: bytes | None) -> int | None:
         if raw is None or len(raw) < self._entry.size:
@@ -496,7 +303,7 @@ class DiskIndex:
 
         arr, vals, seq = self._shared.run(read)
         if arr is not None:
-            return IndexSnapshot(arr, [], seq)
+            return IndexSnapshot(_sane_times(arr), [], seq)
         if not vals:
             return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), [], seq)
         # Mixed hash lengths: bulk-decode the most common length, the rest one by one.
@@ -515,8 +322,8 @@ class DiskIndex:
                     odd.append((h, e))
         if common <= base:
             return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), odd, seq)
-        arr = np.frombuffer(b"".join(main), dtype=entry_dtype(self.tp_size, common - base))
-        return IndexSnapshot(arr, odd, seq)
+        arr = np.frombuffer(bytearray(b"".join(main)), dtype=entry_dtype(self.tp_size, common - base))
+        return IndexSnapshot(_sane_times(arr), odd, seq)
 
     def read_log(self, after_seq: int, limit: int = 100_000) -> list[LogRecord]:
         """Log records with sequence > ``after_seq``, oldest first."""
@@ -534,7 +341,12 @@ class DiskIndex:
                 return []
             values, fresh = [], 0
             for key, value in cur.iternext(keys=True, values=True):
-                last, rows = _SEQ.unpack(key)[0], _log_rows(value)
+                rows = _log_rows(value, self.tp_size) if len(key) == _SEQ.size else None
+                if rows is None:
+                    logger.error("index %s: a damaged log value (key %s, %d bytes) is skipped", self.path,
+                                 key.hex(), len(value))
+                    continue
+                last = _SEQ.unpack(key)[0]
                 values.append((last, rows))
                 fresh += min(len(rows), last - after_seq)
                 if fresh >= limit:
@@ -563,6 +375,9 @@ class DiskIndex:
 
     def _log_seq(self, txn) -> int:
         raw = txn.get(_LOG_SEQ_KEY, db=self._db("meta")) if self._db("meta") is not None else None
+        if raw is not None and len(raw) != _SEQ.size:  # damaged: the log's last key says it too
+            cur = txn.cursor(db=self._db("log"))
+            raw = cur.key() if cur.last() and len(cur.key()) == _SEQ.size else None
         return _SEQ.unpack(raw)[0] if raw else 0
 
     def count(self) -> int:

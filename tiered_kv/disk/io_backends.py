@@ -26,6 +26,7 @@ thread that submits, so I/O threads touch no tensors), and only device rows thro
 from __future__ import annotations
 
 import errno
+import fcntl
 import importlib
 import logging
 import os
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from tiered_kv.device import HOST_ALIGN, aligned_empty
+from tiered_kv.disk.safe_open import fd_path, open_file
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +97,11 @@ class IOBackend(ABC):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"tkv-{self.name}-io")
 
     @abstractmethod
-    def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
-        """Open an existing slab file for block I/O."""
+    def open(self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None,
+             owner: int | None = None) -> BackendFile:
+        """Open an existing slab file for block I/O: ``path``'s name in the directory open
+        as ``dir_fd`` when given (``safe_open``: a regular file of uid ``owner``, no link
+        followed, no FIFO opened)."""
 
     @abstractmethod
     def pread(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
@@ -160,9 +165,10 @@ class PosixBackend(IOBackend):
         super().__init__(threads)
         self.want_direct = direct
 
-    def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
+    def open(self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None,
+             owner: int | None = None) -> BackendFile:
         path = Path(path)
-        fd, direct = _open_fd(path, readonly, self.want_direct)
+        fd, direct = _open_fd(path, readonly, self.want_direct, dir_fd, owner)
         return BackendFile(path, fd, direct)
 
     def pread(self, f: BackendFile, buf: torch.Tensor, offset: int) -> None:
@@ -212,11 +218,17 @@ class KvikIOBackend(IOBackend):
             return f"a KvikIO probe read/write failed: {type(e).__name__}: {e}"
         return None
 
-    def open(self, path: str | os.PathLike, readonly: bool = False) -> BackendFile:
+    def open(self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None,
+             owner: int | None = None) -> BackendFile:
         path = Path(path)
-        handle = self._kvikio.CuFile(str(path), "r" if readonly else "r+")
-        # A plain descriptor for fdatasync (KvikIO has no sync call) and vectored host I/O.
-        fd, _ = _open_fd(path, readonly, want_direct=True)
+        # A plain descriptor for fdatasync (KvikIO has no sync call) and vectored host I/O;
+        # KvikIO opens the same file through it.
+        fd, _ = _open_fd(path, readonly, True, dir_fd, owner)
+        try:
+            handle = self._kvikio.CuFile(fd_path(fd) or str(path), "r" if readonly else "r+")
+        except BaseException:
+            os.close(fd)
+            raise
         return BackendFile(path, fd, True, handle)
 
     def _buffer(self, buf: torch.Tensor) -> Any:
@@ -281,32 +293,32 @@ def _kvikio_compat_mode() -> bool:
     return True
 
 
-def _open_fd(path: Path, readonly: bool, want_direct: bool) -> tuple[int, bool]:
-    """A descriptor of ``path``, with O_DIRECT when wanted and the filesystem takes it;
-    and whether it has it."""
-    flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+def _open_fd(path: Path, readonly: bool, want_direct: bool, dir_fd: int | None = None,
+             owner: int | None = None) -> tuple[int, bool]:
+    """A descriptor of ``path`` (``safe_open.open_file``; its name in ``dir_fd`` when
+    given), with O_DIRECT when wanted and the filesystem takes it; and whether it has it."""
+    fd = open_file(path.name if dir_fd is not None else path, os.O_RDONLY if readonly else os.O_RDWR,
+                   path=path, dir_fd=dir_fd, owner=owner, fix_mode=not readonly)
     if want_direct and hasattr(os, "O_DIRECT"):
-        reason = _probe_direct(path, flags)
+        reason = _set_direct(fd)
         if reason is None:
-            return os.open(path, flags | os.O_DIRECT), True
+            return fd, True
         _log_once(f"{path.parent}: O_DIRECT unavailable ({reason}); using buffered I/O + fdatasync")
-    return os.open(path, flags), False
+    return fd, False
 
 
-def _probe_direct(path: Path, flags: int) -> str | None:
-    """None if ``path`` accepts an aligned O_DIRECT read, else why not."""
+def _set_direct(fd: int) -> str | None:
+    """Turn on O_DIRECT for ``fd`` if an aligned O_DIRECT read works there (None), else
+    leave it off and say why not."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        fd = os.open(path, flags | os.O_DIRECT)
-    except OSError as e:
-        return e.strerror
-    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
         if os.fstat(fd).st_size >= ALIGN:
             buf = aligned_empty(ALIGN)
             os.preadv(fd, [host_view(buf)], 0)
     except OSError as e:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
         return e.strerror
-    finally:
-        os.close(fd)
     return None
 
 

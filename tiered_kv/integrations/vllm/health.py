@@ -7,25 +7,36 @@ CPU slot that a failed job was writing (a GPU -> CPU store, or the disk -> CPU h
 a promotion) from ever being served.
 
 The channel is one byte per CPU slot in a small file that the scheduler process and
-every worker process of one engine map shared (``/dev/shm`` where it exists, the
-temporary directory otherwise; named after vLLM's engine id, which is unique per engine
-and data-parallel replica). A worker sets a slot's byte *before* it reports the job, so
-by the time all workers have reported and vLLM calls ``complete_*``, the scheduler sees
-it; the scheduler reads and clears the bytes of exactly the slots that job wrote (a slot
-is written by one job at a time, so nothing else races on it). Any rank failing marks
-the slot for all ranks.
+every worker process of one engine map shared. A worker sets a slot's byte *before* it
+reports the job, so by the time all workers have reported and vLLM calls
+``complete_*``, the scheduler sees it; the scheduler reads and clears the bytes of
+exactly the slots that job wrote (a slot is written by one job at a time, so nothing
+else races on it). Any rank failing marks the slot for all ranks.
+
+Where it lives, and why no one else can touch it: in ``tiered-kv-<uid>/``, a directory
+of this user's (``0700``) in ``/dev/shm`` (the temporary directory where there is none),
+named after a digest of vLLM's engine id, which is unique per engine and data-parallel
+replica (a random UUID unless configured). The first process of the engine creates it
+(``O_CREAT | O_EXCL | O_NOFOLLOW``, ``0600``); the others open it without following a
+link and only if it is a regular file of this user's with mode ``0600``. A directory of
+that name that is not this user's own, or not ``0700``, is refused: another user could
+otherwise plant the file (and forge or clear failure marks) or a link. I/O: that
+directory and file, mapped with ``mmap``.
 
 Limits: the processes must share a host (as vLLM's own CPU offloading region does).
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
-import re
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from tiered_kv.disk.safe_open import CacheEntryError, open_dir, open_file
 
 
 def _shared_dir() -> Path:
@@ -33,11 +44,18 @@ def _shared_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def private_dir() -> Path:
+    """This user's directory for slot-health files (created ``0700``; module docstring)."""
+    return _shared_dir() / f"tiered-kv-{os.geteuid()}"
+
+
 class SlotHealth:
     """One byte per CPU slot, shared by the processes of one engine (module docstring).
 
     ``num_slots`` must be the same in every process. Opening creates the file if needed
-    and never clears it, so the processes may start in any order.
+    and never clears it, so the processes may start in any order. Raises
+    ``RuntimeError`` (a ``CacheEntryError``) when the file or its directory is not this
+    user's own.
     """
 
     def __init__(self, path: str | os.PathLike, num_slots: int):
@@ -45,7 +63,14 @@ class SlotHealth:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.path = Path(path)
         self.num_slots = num_slots
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            parent = _open_private_dir(self.path.parent)
+            try:
+                fd = _open_private(self.path, parent)
+            finally:
+                os.close(parent)
+        except CacheEntryError as e:
+            raise CacheEntryError(e.path, e.what, e.expected, _ADVICE) from None
         try:
             if os.fstat(fd).st_size < num_slots:
                 os.ftruncate(fd, num_slots)
@@ -56,8 +81,8 @@ class SlotHealth:
     @classmethod
     def for_engine(cls, engine_id: str, num_slots: int) -> "SlotHealth":
         """The health map of engine ``engine_id`` (same file in every process)."""
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:128]
-        return cls(_shared_dir() / f"tiered-kv-{safe}-cpu-slot-health", num_slots)
+        digest = hashlib.sha256(engine_id.encode()).hexdigest()[:32]
+        return cls(private_dir() / f"{digest}.cpu-slot-health", num_slots)
 
     def mark_bad(self, slots: Iterable[int]) -> None:
         """Record that the last write of each slot failed on this process's rank."""
@@ -84,3 +109,38 @@ class SlotHealth:
             self._map.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+
+
+_ADVICE = "Remove it: it holds nothing an engine needs once no engine of this user runs"
+
+
+def _open_private_dir(path: Path) -> int:
+    """The directory ``path`` (created ``0700`` if missing), not following a link; it
+    must be this user's, with no access for anyone else."""
+    top = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = open_dir(path.name, path=path, dir_fd=top, create=True, fix_mode=False)
+    finally:
+        os.close(top)
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if mode & 0o077:
+        os.close(fd)
+        raise CacheEntryError(path, f"a directory with mode {mode:o}", "a directory (mode 700)")
+    return fd
+
+
+def _open_private(path: Path, parent: int) -> int:
+    """``path`` (its name in ``parent``, a private directory) created ``0600`` with
+    ``O_EXCL | O_NOFOLLOW``, or, made by another process of this engine, opened if it
+    is a regular file of this user's with mode ``0600``."""
+    try:
+        return open_file(path.name, os.O_RDWR, path=path, dir_fd=parent, create=True, exclusive=True)
+    except CacheEntryError:
+        if not stat.S_ISREG(os.lstat(path.name, dir_fd=parent).st_mode):
+            raise
+    fd = open_file(path.name, os.O_RDWR, path=path, dir_fd=parent, fix_mode=False)
+    if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        os.close(fd)
+        raise CacheEntryError(path, f"a file with mode {mode:o}", "a file (mode 600)")
+    return fd
