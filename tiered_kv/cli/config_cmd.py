@@ -1,9 +1,14 @@
 """``tiered-kv config``: size the tiers for a model and print vLLM's kv-transfer-config.
 
 Reads one HF ``config.json`` when ``--model-config`` is given, and writes the JSON to
-``--output`` when asked; no other I/O. The printed JSON is what ``vllm serve
---kv-transfer-config`` takes; its ``kv_connector_extra_config`` is validated with
-``TieredConfig.from_dict`` before it is printed, so every key is one the spec accepts.
+``--output`` when asked. Where ``--model-config`` names a model directory with weight
+files, it also reads that directory's weights digest (``tiered_kv.model_identity``: a
+bounded sample of each file) and records the directory as ``model_path``. The printed
+JSON is what ``vllm serve --kv-transfer-config`` takes; its ``kv_connector_extra_config``
+is validated with ``TieredConfig.from_dict`` before it is printed, so every key is one
+the spec accepts. ``model_id`` is ``--model-id``, else the model's name, else its
+directory, never a silent "unknown"; with a disk tier the table ends with the identity
+the namespace records and its id.
 """
 
 from __future__ import annotations
@@ -104,9 +109,12 @@ def config(
     try:
         plan, model_name = _plan(model_config, layers, kv_heads, head_dim, dtype, tp, cpu_bytes,
                                  disk_bytes, disk_path, block_size, gpu_block_size)
+        directory = None if model_config is None else str(
+            model_config.parent if model_config.name == "config.json" else model_config)
         kv_config = build_kv_transfer_config(plan, cpu_bytes=cpu_bytes, disk_path=disk_path,
                                              disk_bytes=disk_bytes,
-                                             model_id=model_id or model_name or "unknown")
+                                             model_id=_model_id(model_id, model_config, directory))
+        identity = _add_model_path(kv_config, model_config)
     except ConfigError as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
@@ -121,6 +129,8 @@ def config(
     console.print(f"vllm serve <model> --tensor-parallel-size {tp} --block-size {gpu_block_size} "
                   f"--kv-transfer-config '{json.dumps(kv_config)}'", highlight=False,
                   soft_wrap=True)
+    if disk_path:
+        _print_identity(console, kv_config, identity, plan, gpu_block_size)
 
 
 def _plan(model_config: Optional[Path], layers: Optional[int], kv_heads: Optional[int],
@@ -148,3 +158,73 @@ def _plan(model_config: Optional[Path], layers: Optional[int], kv_heads: Optiona
                       cpu_bytes=parse_size(cpu_bytes, "--cpu-bytes"),
                       disk_bytes=parse_size(disk_bytes, "--disk-bytes") if disk_bytes else 0)
     return plan, geometry.name
+
+
+# ---------------------------------------------------------------- identity
+
+
+def _model_id(given: Optional[str], source: Any, directory: Optional[str]) -> str:
+    """The model id the config records: ``--model-id``, else the model config's
+    ``_name_or_path``, else the model directory; never a silent "unknown"."""
+    if given:
+        return given
+    name = None
+    if isinstance(source, dict):
+        name = source.get("_name_or_path")
+    elif source is not None:
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            name = json.loads(path.read_text()).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            name = None
+    if name:
+        return str(name)
+    if directory:
+        return str(Path(directory).absolute())
+    raise ConfigError("--model-id: required without --model-config or --preset: the disk cache namespace "
+                      "records which model its blocks belong to (vLLM's --model is the usual value)")
+
+
+def _add_model_path(kv_config: dict[str, Any], source: Any):
+    """Where ``--model-config`` names a model directory holding weight files, record it as
+    ``model_path`` (its weights digest goes into the namespace) and return its digest."""
+    from tiered_kv.model_identity import WEIGHT_SUFFIXES, weights_digest
+
+    if source is None or isinstance(source, dict):
+        return None
+    directory = Path(source)
+    directory = directory.parent if directory.name == "config.json" else directory
+    if not directory.is_dir() or not any(p.name.endswith(WEIGHT_SUFFIXES) for p in directory.iterdir()):
+        return None
+    digest = weights_digest(directory, key="--model-config")
+    kv_config["kv_connector_extra_config"]["model_path"] = digest.path
+    return digest
+
+
+def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: TierPlan,
+                    gpu_block_size: int) -> None:
+    """The identity the namespace records, and the namespace id tiered-kv's own spec
+    and ``tiered-kv warmup`` compute for this config (vLLM adds its own layout)."""
+    import torch
+
+    from tiered_kv.config import VLLM_PASSTHROUGH_KEYS
+    from tiered_kv.warmup import KvFirstLayout, LayoutRequest
+
+    extra = kv_config["kv_connector_extra_config"]
+    cfg = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
+    weights = (digest.describe() if digest is not None else
+               "not covered by this config (no model directory with weights); under vLLM the namespace "
+               "covers the directory vLLM loads")
+    console.print(f"namespace identity: model_id {cfg.model_id!r} @ {cfg.model_revision}; weights {weights}",
+                  highlight=False, soft_wrap=True)
+    dtype = getattr(torch, plan.geometry.dtype, None)
+    if isinstance(dtype, torch.dtype) and not getattr(plan.geometry, "mla", False):
+        request = LayoutRequest(plan.geometry, dtype, gpu_block_size, plan.block_size // gpu_block_size, plan.tp)
+        fp = KvFirstLayout(request).fingerprint(cfg)
+        console.print(f"namespace {fp.namespace_id}: what tiered-kv's own spec and `tiered-kv warmup "
+                      f"--gpu-block-size {gpu_block_size} --tp-size {plan.tp}` read and write with this config",
+                      highlight=False, soft_wrap=True)
+    console.print("under vLLM the namespace also records vLLM's KV-cache layout, --revision, quantization and "
+                  "tokenizer; the server logs its id at start-up (\"disk namespace <id>: model ...\")",
+                  highlight=False, soft_wrap=True)

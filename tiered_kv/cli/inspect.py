@@ -46,6 +46,10 @@ EXIT_CORRUPT = 1
 
 _JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
 _NAMESPACE = typer.Option(None, "--namespace", "-n", help="Only namespaces whose id starts with this.")
+_READ_BY_CONFIG = typer.Option(None, "--config", help="A server's config (vLLM --kv-transfer-config JSON or its "
+                                                     "extra config; repeatable): say whether it reads each namespace.")
+_SERVER_MODEL = typer.Option(None, "--model", help="The server's --model (directory or hub id in the local HF cache), "
+                                                   "for a config without model_id or model_path.")
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _AGE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
 
@@ -102,10 +106,17 @@ def _holder(h: dict[str, Any] | None) -> str:
 
 @inspect_app.command()
 def summary(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
-            namespace: Optional[str] = _NAMESPACE, json_out: bool = _JSON) -> None:
-    """Each namespace: fingerprint, blocks, bytes used and capacity, ages, hits, I/O, health."""
+            namespace: Optional[str] = _NAMESPACE,
+            config: Optional[list[str]] = _READ_BY_CONFIG, model: Optional[str] = _SERVER_MODEL,
+            json_out: bool = _JSON) -> None:
+    """Each namespace: fingerprint, blocks, bytes used and capacity, ages, hits, I/O, health;
+    with --config, whether a server with that config would read it."""
     with _errors(json_out):
+        from tiered_kv.inspect.summary import ServerConfig, mark_read_by
+
         data = summarize_cache(open_cache(path, namespace))
+        if config:
+            mark_read_by(data, [ServerConfig.load(c, model) for c in config])
     if json_out:
         emit_json(data)
         return
@@ -118,6 +129,12 @@ def summary(path: str = typer.Argument(..., help="Cache directory (or one namesp
         t.add_column("field", style="bold")
         t.add_column("value")
         t.add_row("model", f"{fp['model_id']} @ {fp['model_revision']}")
+        t.add_row("weights", fp.get("weights_digest") or "not recorded (the namespace does not cover the weights)")
+        if fp.get("model_settings"):
+            t.add_row("settings", ", ".join(fp["model_settings"]))
+        for r in ns.get("read_by", ()):
+            t.add_row("read by", f"{r['config']}: " + ("[green]yes[/] (given an engine of this geometry)"
+                                                       if r["reads"] else "[yellow]no[/]: " + "; ".join(r["differences"])))
         shapes = sorted({tuple(s) for _, s in fp["layer_geometry"]})
         t.add_row("KV", f"{fp['dtype']}, {ns['layers']} layers, block shape "
                         f"{' / '.join(str(s) for s in shapes)}, {', '.join(sorted(set(fp['kv_layout'])))}")
@@ -282,11 +299,19 @@ def evict_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
 @inspect_app.command("clear")
 def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
               namespace: Optional[str] = _NAMESPACE,
+              unread_by: Optional[list[str]] = typer.Option(
+                  None, "--unread-by", help="Only namespaces that no server with any of these configs "
+                                            "would read (repeatable; see summary --config)."),
+              model: Optional[str] = _SERVER_MODEL,
               yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
               json_out: bool = _JSON) -> None:
     """Delete namespaces (blocks, index, slab files); the cache must be closed."""
     with _errors(json_out):
         cache = open_cache(path, namespace)
+        if unread_by:
+            from tiered_kv.inspect.summary import ServerConfig, unread_namespaces
+
+            cache.namespaces = unread_namespaces(cache, [ServerConfig.load(c, model) for c in unread_by])
         if not cache.namespaces:
             result = {"removed": [], "freed_bytes": 0}
         else:
