@@ -313,13 +313,13 @@ def test_spec_sizes_the_tier_and_builds_both_directions():
     from tiered_kv.worker.cpu_gpu import SingleDirectionOffloadingHandler
 
     layout = make_layout(True, block_size_factor=2)
-    config = {"cpu_bytes": 10 * layout.bytes_per_block + 5, "block_size": 8}
+    config = {"cpu_bytes": f"{10 * layout.bytes_per_block + 5}B", "block_size": 8}
     with pytest.raises(ConfigError, match="needs the KV layout"):
         CPUOffloadingSpec(config, gpu_block_size=4).get_manager()
     with pytest.raises(ConfigError, match="block_size_factor 2 does not match the config's 1"):
         CPUOffloadingSpec({"cpu_bytes": "1MiB"}, gpu_block_size=4, layout=layout)
     with pytest.raises(ConfigError, match="cpu_bytes: .* holds no block"):
-        CPUOffloadingSpec({"cpu_bytes": 10, "block_size": 8}, 4, layout=layout).get_manager()
+        CPUOffloadingSpec({"cpu_bytes": "10B", "block_size": 8}, 4, layout=layout).get_manager()
 
     scheduler_spec = CPUOffloadingSpec(config, gpu_block_size=4, layout=layout)
     mgr = scheduler_spec.get_manager()
@@ -345,7 +345,7 @@ def test_gpu_copy_picks_the_handlers_copy_path():
     from tiered_kv.device import cuda_available
 
     layout = make_layout(True)
-    config = {"cpu_bytes": 4 * layout.bytes_per_block}
+    config = {"cpu_bytes": f"{4 * layout.bytes_per_block}B"}
     device = "cuda" if cuda_available() else "cpu"
     tensors = dict(zip((l.name for l in layout.layers), random_tensors(layout, device=device)))
     with pytest.raises(ConfigError, match="gpu_copy: expected one of"):

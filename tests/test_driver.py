@@ -22,7 +22,7 @@ def small_device(kv_first=True, factor=1, groups=32):
 
 
 def driver_for(dev, cpu_blocks):
-    spec = CPUOffloadingSpec({"cpu_bytes": cpu_blocks * dev.layout.bytes_per_block,
+    spec = CPUOffloadingSpec({"cpu_bytes": f"{cpu_blocks * dev.layout.bytes_per_block}B",
                               "block_size": dev.layout.offloaded_block_size}, gpu_block_size=4)
     return EngineDriver.from_spec(spec, dev), spec
 

@@ -41,7 +41,7 @@ def test_prometheus_metrics_follow_a_real_run(tmp_path):
     device = DeviceKVCache(num_layers=2, num_gpu_blocks=64, gpu_block_size=16, num_kv_heads=2, head_dim=16,
                            device="cpu")
     layout = device.layout
-    spec = TieredOffloadingSpec({"cpu_bytes": 32 * layout.bytes_per_block, "disk_path": str(tmp_path),
+    spec = TieredOffloadingSpec({"cpu_bytes": f"{32 * layout.bytes_per_block}B", "disk_path": str(tmp_path),
                                  "disk_bytes": "4MiB", "model_id": "metrics"}, layout.gpu_block_size, layout)
     driver = EngineDriver.from_spec(spec, device)
     driver.run(default_workload(40, seed=3))

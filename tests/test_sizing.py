@@ -117,7 +117,7 @@ def test_plan_rejects_useless_or_inconsistent_budgets():
     ({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512,
       "num_key_value_heads": 0}, "num_key_value_heads: expected a positive integer, got 0"),
     ({"num_hidden_layers": 61, "num_attention_heads": 128, "hidden_size": 7168,
-      "kv_lora_rank": 512}, "multi-head latent attention"),
+      "kv_lora_rank": 512}, "missing 'qk_rope_head_dim'"),  # an MLA latent needs both parts
     ({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512,
       "torch_dtype": "float64"}, "unknown KV-cache dtype 'float64'"),
 ])

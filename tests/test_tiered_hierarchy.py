@@ -15,7 +15,7 @@ CPU_SLOTS = 16
 
 def build(tmp_path, device, **config):
     layout = device.layout
-    base = {"cpu_bytes": CPU_SLOTS * layout.bytes_per_block, "disk_path": str(tmp_path),
+    base = {"cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B", "disk_path": str(tmp_path),
             "model_id": "hierarchy-test"}
     spec = TieredOffloadingSpec({**base, **config}, layout.gpu_block_size, layout)
     return spec, EngineDriver.from_spec(spec, device)
@@ -47,7 +47,7 @@ def test_working_set_5x_cpu_and_half_of_disk_hits_on_every_repeat(tmp_path, writ
     device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
                            device="cpu")
     working_set = 5 * CPU_SLOTS
-    disk_bytes = 2 * working_set * 4096  # the working set is half the disk tier
+    disk_bytes = f"{2 * working_set * 4096}B"  # the working set is half the disk tier
     spec, driver = build(tmp_path, device, disk_bytes=disk_bytes, write_policy=write_policy, disk_io=disk_io)
     assert spec.host.shared == (disk_io == "process")
     docs = documents(num_docs=working_set // 8, blocks_per_doc=8)

@@ -114,7 +114,7 @@ def _key(i: int) -> bytes:
 
 @pytest.fixture
 def engine(tmp_path):
-    e = Engine({"cpu_bytes": 2 * sum(PAGES), "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"})
+    e = Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"})
     yield e
     e.close()
 
@@ -164,7 +164,7 @@ def test_a_chunk_corrupt_on_one_rank_only_is_a_miss(engine):
 
 def test_a_chunk_is_not_served_from_disk_until_every_rank_wrote_it(tmp_path):
     """A write-through that only one rank completed leaves the chunk unloadable."""
-    engine = Engine({"cpu_bytes": 2 * sum(PAGES), "disk_path": str(tmp_path / "disk"),
+    engine = Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"),
                      "disk_bytes": "1MiB"})
     try:
         _fill(engine, 3)
@@ -185,7 +185,7 @@ def test_a_chunk_is_not_served_from_disk_until_every_rank_wrote_it(tmp_path):
 
 
 def test_kv_events_name_the_tier(tmp_path):
-    engine = Engine({"cpu_bytes": 2 * sum(PAGES), "disk_path": str(tmp_path / "disk"),
+    engine = Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"),
                      "disk_bytes": "1MiB"}, events=True)
     try:
         _fill(engine, 4)

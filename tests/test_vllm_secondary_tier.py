@@ -495,6 +495,8 @@ def test_tier_config_is_validated_in_human_units(tmp_path):
     with pytest.raises(ConfigError, match=r"gpu_copy: .*vLLM's own handlers"):
         parse_tier_config({"disk_path": str(tmp_path), "gpu_copy": "dma"})
     with pytest.raises(ConfigError, match=r"disk_path: required"):
+        parse_tier_config({"io_backend": "posix"})
+    with pytest.raises(ConfigError, match=r"disk_bytes: set without disk_path"):
         parse_tier_config({"disk_bytes": "1GiB"})
 
 

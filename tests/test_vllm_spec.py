@@ -135,9 +135,11 @@ def test_each_config_file_serves_through_vllm_with_its_keys(path, model_dir, tmp
 _BAD_CONFIGS = [
     ({"cpu_byte": "1MiB"}, r"unknown config key 'cpu_byte'; did you mean 'cpu_bytes'\?"),
     ({"cpu_bytes": "64 gigs"}, r"cpu_bytes: cannot parse size '64 gigs'.*e\.g\. '64GiB'"),
-    ({"cpu_bytes": 100}, r"cpu_bytes: 100 B per rank holds no chunk; one chunk is 4\.00 KiB"),
+    ({"cpu_bytes": "100B"}, r"cpu_bytes: 100 B per rank holds no chunk; one chunk is 4\.00 KiB"),
+    ({"cpu_bytes": 64}, r"cpu_bytes: 64 has no unit, so it would mean 64 bytes.*'64B' if you mean bytes"),
+    ({"cpu_bytes": "8GiB", "disk_bytes": "1TiB"}, r"disk_bytes: set without disk_path"),
     ({"disk_path": "DISK", "disk_bytes": "1TB!"}, r"disk_bytes: cannot parse size '1TB!'"),
-    ({"disk_path": "DISK", "disk_bytes": 1000}, r"disk_bytes: 1000 B per rank holds no chunk"),
+    ({"disk_path": "DISK", "disk_bytes": "1000B"}, r"disk_bytes: 1000 B per rank holds no chunk"),
     ({"write_policy": "sometimes"}, r"write_policy: expected one of write_through, write_back; got 'sometimes'"),
     ({"promote_on_hit": "maybe"}, r"promote_on_hit: expected true or false, got 'maybe'"),
     ({"io_backend": "gds"}, r"io_backend: expected one of auto, kvikio, posix; got 'gds'"),

@@ -43,9 +43,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _build(model_dir, *, chunk_tokens: int = BLOCK, cpu_chunks: int = 16, disk=None, **extra):
     chunk = GPU_BLOCK_BYTES * chunk_tokens // BLOCK
-    config = {**SPEC, "cpu_bytes": cpu_chunks * chunk, "block_size": chunk_tokens, **extra}
+    config = {**SPEC, "cpu_bytes": f"{cpu_chunks * chunk}B", "block_size": chunk_tokens, **extra}
     if disk is not None:
-        config.update(disk_path=str(disk), disk_bytes=64 * 4096 * max(1, chunk // 4096))
+        config.update(disk_path=str(disk), disk_bytes=f"{64 * 4096 * max(1, chunk // 4096)}B")
     return vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real")
 
 

@@ -7,6 +7,9 @@ Conventions (the ones the tiers use):
 - A full-attention layer stores K and V: ``2 * kv_heads * head_dim`` elements per token.
 - Tensor parallelism splits KV heads across ranks; when TP exceeds the KV-head count
   every rank keeps one (replicated) head, as vLLM does.
+- A multi-head latent attention layer (DeepSeek-V2/V3) stores one compressed latent per
+  token, ``kv_lora_rank + qk_rope_head_dim`` elements, and every TP rank keeps all of it
+  (vLLM's MLA cache is one "head" of that size, not split by TP).
 - ``cpu_bytes`` and ``disk_bytes`` are budgets **per TP rank**: every worker process
   holds its own shard of every offloaded block in host memory and in its own disk
   files, and the scheduler counts slots once for all ranks. A node therefore spends
@@ -63,12 +66,17 @@ class ModelGeometry:
     head_dim: int
     dtype: str = "bfloat16"
     name: str = ""
+    #: Multi-head latent attention: one latent of ``head_dim`` elements per token and
+    #: layer (``num_kv_heads`` is 1), the same on every TP rank.
+    mla: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self.num_layers, "num_layers")
         _positive_int(self.num_kv_heads, "num_kv_heads")
         _positive_int(self.head_dim, "head_dim")
         dtype_bytes(self.dtype)
+        if self.mla and self.num_kv_heads != 1:
+            raise ConfigError(f"num_kv_heads: an MLA model stores one latent per token, got {self.num_kv_heads}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -76,8 +84,11 @@ class ModelGeometry:
 
     def kv_heads_per_rank(self, tp: int = 1) -> int:
         """KV heads one TP rank stores. TP must divide the KV heads or be a multiple of
-        them (vLLM's rule); beyond the head count, heads are replicated."""
+        them (vLLM's rule); beyond the head count, heads are replicated. An MLA latent is
+        kept whole on every rank."""
         _positive_int(tp, "tp")
+        if self.mla:
+            return 1
         if tp <= self.num_kv_heads:
             if self.num_kv_heads % tp:
                 raise ConfigError(f"tp: {tp} does not divide the model's {self.num_kv_heads} "
@@ -89,8 +100,23 @@ class ModelGeometry:
         return 1
 
     def kv_bytes_per_token(self, tp: int = 1) -> int:
-        """KV bytes one token occupies on one TP rank (all layers, K and V)."""
-        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+        """KV bytes one token occupies on one TP rank (all layers; K and V, or the MLA latent)."""
+        planes = 1 if self.mla else 2
+        return planes * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+
+    def describe(self, tp: int = 1) -> str:
+        """The geometry in words, e.g. ``32 layers, 8 KV heads (2 per rank), head_dim 128, bfloat16``."""
+        if self.mla:
+            return (f"{self.num_layers} layers, MLA latent of {self.head_dim} (the same on every rank), "
+                    f"{self.dtype}")
+        return (f"{self.num_layers} layers, {self.num_kv_heads} KV heads ({self.kv_heads_per_rank(tp)} per rank), "
+                f"head_dim {self.head_dim}, {self.dtype}")
+
+    def arithmetic(self, tp: int = 1) -> str:
+        """How ``kv_bytes_per_token(tp)`` is computed, e.g. ``2 x 32 x 8 x 128 x 2 B``."""
+        if self.mla:
+            return f"{self.num_layers} x {self.head_dim} x {self.dtype_bytes} B"
+        return f"2 x {self.num_layers} x {self.kv_heads_per_rank(tp)} x {self.head_dim} x {self.dtype_bytes} B"
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | Path,
@@ -100,7 +126,9 @@ class ModelGeometry:
         multimodal wrappers that nest the decoder in ``text_config``. ``head_dim``
         defaults to ``hidden_size / num_attention_heads``; ``num_key_value_heads`` to
         ``num_attention_heads`` (plain multi-head attention). ``dtype`` overrides the
-        config's ``torch_dtype`` (the KV-cache dtype, e.g. ``fp8``)."""
+        config's ``torch_dtype`` (the KV-cache dtype, e.g. ``fp8``). A config with
+        ``kv_lora_rank`` (DeepSeek-V2/V3) is an MLA model: its latent is ``kv_lora_rank +
+        qk_rope_head_dim`` elements per token and layer."""
         source = "config"
         if not isinstance(config, Mapping):
             path = Path(config)
@@ -120,16 +148,19 @@ class ModelGeometry:
         raw: Mapping[str, Any] = config
         if "num_hidden_layers" not in raw and isinstance(raw.get("text_config"), Mapping):
             raw = raw["text_config"]
-        if "kv_lora_rank" in raw:
-            raise ConfigError(f"{source}: multi-head latent attention (kv_lora_rank) stores "
-                              f"a compressed KV; this calculator covers K/V-per-head models only")
-
         def need(key: str) -> Any:
             if raw.get(key) is None:
                 raise ConfigError(f"{source}: missing {key!r}; cannot size the KV cache")
             return raw[key]
 
         num_layers = _positive_int(need("num_hidden_layers"), f"{source}: num_hidden_layers")
+        model_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or config.get(
+            "torch_dtype") or "bfloat16"
+        name = str(config.get("_name_or_path") or raw.get("model_type") or "")
+        if raw.get("kv_lora_rank") is not None:
+            rank = _positive_int(raw["kv_lora_rank"], f"{source}: kv_lora_rank")
+            rope = _positive_int(need("qk_rope_head_dim"), f"{source}: qk_rope_head_dim")
+            return cls(num_layers, 1, rank + rope, str(model_dtype), name, mla=True)
         num_heads = _positive_int(need("num_attention_heads"), f"{source}: num_attention_heads")
         kv_heads = raw.get("num_key_value_heads")
         kv_heads = num_heads if kv_heads is None else _positive_int(
@@ -142,9 +173,6 @@ class ModelGeometry:
                                   f"num_attention_heads {num_heads} and head_dim is absent")
             head_dim = hidden // num_heads
         head_dim = _positive_int(head_dim, f"{source}: head_dim")
-        model_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or config.get(
-            "torch_dtype") or "bfloat16"
-        name = str(config.get("_name_or_path") or raw.get("model_type") or "")
         return cls(num_layers, kv_heads, head_dim, str(model_dtype), name)
 
 

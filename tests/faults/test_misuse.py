@@ -160,7 +160,7 @@ def test_cpu_bytes_beyond_this_machines_memory_is_refused_before_allocating(tmp_
 
 def test_disk_bytes_too_small_for_one_block_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match="disk_bytes=1024 holds no block"):
-        Hierarchy(tmp_path, disk_bytes=1024)
+        Hierarchy(tmp_path, disk_bytes="1024B")
 
 
 def test_disk_bytes_beyond_the_free_space_is_refused_and_does_not_stick(tmp_path):

@@ -1,44 +1,122 @@
 """The ``tiered-kv`` command line. Each sub-command lives in its own module here and
-registers itself on ``app``; this module only assembles them."""
+registers itself on ``app``; this module only assembles them.
+
+Operator's process; no I/O here. A command's module is imported only when that command
+runs (or its help is asked for): the heavy libraries some of them need (torch, numpy,
+LMDB, vLLM) would otherwise cost every ``--help``, ``--version`` and shell completion
+seconds. The top-level listing and name completion use ``COMMANDS`` below instead.
+"""
 
 from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
+
+#: Sub-command name -> (module under ``tiered_kv.cli``, one-line help shown in the
+#: top-level listing before the module is loaded). The one-liners must match the
+#: commands' own first help lines (tests/test_cli_startup.py checks).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("demo", "Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per "
+                     "tier, bytes and GB/s per transfer type."),
+    "inspect": ("inspect", "Inspect a disk cache: summary, ls, verify, evict, clear, bench. Add --json "
+                           "for scripts."),
+    "config": ("config_cmd", "Size the CPU and disk tiers for a model and print the --kv-transfer-config "
+                             "JSON."),
+    "warmup": ("warmup", "Write the KV of every full block of every prompt to the disk tier (resumable)."),
+    "doctor": ("doctor", "Check this host for the tiered KV cache: memory locking, huge pages, the disk "
+                         "tier's directory, CUDA, GDS, vLLM and hash settings."),
+}
+
+
+class LazyGroup(TyperGroup):
+    """The root group: lists every command of ``COMMANDS`` and imports a command's module
+    only when that command is resolved (to run it, show its help or complete its
+    options)."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return list(dict.fromkeys([*COMMANDS, *self.commands]))
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        cmd = self.commands.get(cmd_name)
+        if cmd is None and cmd_name in COMMANDS:
+            # A stand-in carrying the one-line help, for the listing and name completion.
+            return TyperCommand(cmd_name, help=COMMANDS[cmd_name][1])
+        return cmd
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        if args and args[0] in COMMANDS and args[0] not in self.commands:
+            loaded = _load_command(args[0])
+            if loaded is not None:
+                self.commands[args[0]] = loaded
+        return super().resolve_command(ctx, args)
+
 
 app = typer.Typer(
     name="tiered-kv",
-    help="Multi-tier KV-cache for LLM inference: demo, inspect the disk cache, warm it up, make configs.",
+    cls=LazyGroup,
+    help="Multi-tier KV-cache for LLM inference: demo, inspect the disk cache, warm it up, make configs, "
+         "check a host.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tiered-kv")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        from tiered_kv import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"tiered-kv {_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
+                                                 help="Print the version and exit.")) -> None:
     """Multi-tier KV-cache for LLM inference."""
     # A callback keeps ``app`` a command group: with a single registered command typer
     # would otherwise run it as the root and reject its name as an extra argument.
 
 
-# Modules that add commands to ``app`` when imported. A missing one is skipped so a
-# partially installed tree still offers the commands it has.
-_COMMAND_MODULES = ("demo", "inspect", "config_cmd", "warmup")
+def _import(name: str) -> bool:
+    """Import the module of command ``name``; False when it is not installed (a
+    partially installed tree still offers the commands it has)."""
+    module = f"{__name__}.{COMMANDS[name][0]}"
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        return False
+    return True
+
+
+def _load_command(name: str) -> Any:
+    """The click command ``name`` as its module registers it on ``app``, or None."""
+    if not _import(name):
+        return None
+    return typer.main.get_group(app).commands.get(name)
 
 
 def _load_commands() -> None:
-    for name in _COMMAND_MODULES:
-        try:
-            importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
+    """Import every command module (tests and tools that want ``app`` complete)."""
+    for name in COMMANDS:
+        _import(name)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _load_commands()
     app()

@@ -24,6 +24,8 @@ from rich.table import Table
 
 from tiered_kv.cli import app
 from tiered_kv.config import ConfigError, TieredConfig, format_size, parse_size
+from tiered_kv.doctor import tier_size_warnings
+from tiered_kv.presets import PRESETS, preset_source
 from tiered_kv.sizing import ModelGeometry, TierPlan, plan_tiers
 
 SPEC_NAME = "TieredOffloadingSpec"
@@ -66,11 +68,8 @@ def arithmetic_table(plan: TierPlan) -> Table:
     table.add_column("quantity")
     table.add_column("arithmetic")
     table.add_column("value", justify="right")
-    table.add_row("geometry", f"{g.num_layers} layers, {g.num_kv_heads} KV heads "
-                              f"({heads} per rank), head_dim {g.head_dim}, {g.dtype}", "")
-    table.add_row("KV bytes / token / rank",
-                  f"2 x {g.num_layers} x {heads} x {g.head_dim} x {g.dtype_bytes} B",
-                  f"{plan.kv_bytes_per_token:,} B")
+    table.add_row("geometry", g.describe(tp), "")
+    table.add_row("KV bytes / token / rank", g.arithmetic(tp), f"{plan.kv_bytes_per_token:,} B")
     table.add_row("block / rank", f"{plan.block_size} tokens x {plan.kv_bytes_per_token:,} B",
                   f"{plan.block_bytes:,} B ({format_size(plan.block_bytes)})")
     table.add_row("CPU tier / rank", f"{plan.cpu_bytes:,} B / {plan.block_bytes:,} B",
@@ -90,6 +89,7 @@ def arithmetic_table(plan: TierPlan) -> Table:
 @app.command("config")
 def config(
     model_config: Optional[Path] = typer.Option(None, "--model-config", help="HF config.json (or its directory) to read the geometry from."),
+    preset: Optional[str] = typer.Option(None, "--preset", help=f"A built-in model geometry: {', '.join(PRESETS)}."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Decoder layers (without --model-config)."),
     kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads of the whole model (without --model-config)."),
     head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension (without --model-config)."),
@@ -107,17 +107,18 @@ def config(
     """Size the CPU and disk tiers for a model and print the --kv-transfer-config JSON."""
     console = Console()
     try:
-        plan, model_name = _plan(model_config, layers, kv_heads, head_dim, dtype, tp, cpu_bytes,
+        source, serve_model = preset_source(preset, model_config)
+        plan, model_name = _plan(source, layers, kv_heads, head_dim, dtype, tp, cpu_bytes,
                                  disk_bytes, disk_path, block_size, gpu_block_size)
-        directory = None if model_config is None else str(
-            model_config.parent if model_config.name == "config.json" else model_config)
         kv_config = build_kv_transfer_config(plan, cpu_bytes=cpu_bytes, disk_path=disk_path,
                                              disk_bytes=disk_bytes,
-                                             model_id=_model_id(model_id, model_config, directory))
-        identity = _add_model_path(kv_config, model_config)
+                                             model_id=_model_id(model_id, source, serve_model))
+        identity = _add_model_path(kv_config, source)
     except ConfigError as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    for warning in tier_size_warnings(plan.cpu_bytes, plan.disk_bytes, disk_path, tp):
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
     text = json.dumps(kv_config, indent=2)
     if output is not None:
         output.write_text(text + "\n")
@@ -126,7 +127,8 @@ def config(
         return
     console.print(arithmetic_table(plan))
     console.print_json(text)
-    console.print(f"vllm serve <model> --tensor-parallel-size {tp} --block-size {gpu_block_size} "
+    serve_model = serve_model or kv_config["kv_connector_extra_config"].get("model_id") or "<model>"
+    console.print(f"vllm serve {serve_model} --tensor-parallel-size {tp} --block-size {gpu_block_size} "
                   f"--kv-transfer-config '{json.dumps(kv_config)}'", highlight=False,
                   soft_wrap=True)
     if disk_path:

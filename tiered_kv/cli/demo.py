@@ -60,10 +60,10 @@ def demo(
                             kv_before_num_blocks=layout == "kv-first",
                             block_size_factor=block_size_factor, device=device)
         config = {"cpu_bytes": cpu_bytes, "block_size": GPU_BLOCK_SIZE * block_size_factor,
-                  "disk_bytes": disk_bytes, "write_policy": write_policy,
+                  "write_policy": write_policy,
                   "promote_on_hit": promote_on_hit, "disk_io": disk_io, "model_id": "tiered-kv-demo"}
         if cache_dir is not None:
-            config["disk_path"] = str(cache_dir)
+            config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)
         spec = TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK_SIZE)
         driver = EngineDriver.from_spec(spec, dev)
     except (ConfigError, NamespaceError, OSError, RuntimeError) as exc:

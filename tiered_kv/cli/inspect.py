@@ -3,11 +3,12 @@
 Operator's process; the library is ``tiered_kv.inspect``. ``summary``, ``ls`` and
 ``verify`` are read-only and work while an engine has the cache open; ``verify
 --repair``, ``evict`` and ``clear`` take the writer lock and are refused while an
-engine holds it; ``bench`` works in a scratch directory it removes. Every command
-prints Rich tables, or JSON on stdout with ``--json``; progress bars go to stderr
-(terminals only). Failures print one ``error: ...`` line on stderr and exit 2 (in
-JSON mode stdout also gets ``{"error": ...}``); ``verify`` exits 1 when it finds
-corruption.
+engine holds it (with ``--dry-run``, ``evict`` and ``clear`` only read and report);
+``bench`` works in a scratch directory it removes. Every command prints Rich tables, or
+JSON on stdout with ``--json`` (the envelope of ``tiered_kv.cli.output``); progress bars
+go to stderr (terminals only). Failures print one ``error: ...`` line on stderr and exit
+2 (in JSON mode stdout also gets the envelope with ``error``); ``verify`` exits 1 when it
+finds corruption, and ``verify --repair`` exits 0 once the repaired cache verifies clean.
 """
 
 from __future__ import annotations
@@ -20,18 +21,14 @@ from typing import Any, Optional
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import DownloadColumn
 from rich.table import Table
 
 from tiered_kv.cli import app
-from tiered_kv.cli.output import emit_json, errors, progress_bar, timestamp
-from tiered_kv.config import format_size, parse_size
-from tiered_kv.inspect import (
-    InspectError, ListFilter, clear, evict, list_entries, open_cache, run_bench, summarize_cache,
-    verify_namespace,
-)
-from tiered_kv.inspect.summary import SORT_KEYS, STATES, describe_io
-from tiered_kv.inspect.verify import bytes_to_verify
+from tiered_kv.cli.output import emit_json, errors, progress_bar, short_hash, timestamp, with_iso_times
+from tiered_kv.config import ConfigError, format_size, parse_size
+
+# The inspector's library (tiered_kv.inspect) is imported inside each command: it pulls
+# in torch, numpy and LMDB, which ``tiered-kv inspect --help`` should not wait for.
 
 inspect_app = typer.Typer(
     name="inspect",
@@ -50,28 +47,46 @@ _READ_BY_CONFIG = typer.Option(None, "--config", help="A server's config (vLLM -
                                                      "extra config; repeatable): say whether it reads each namespace.")
 _SERVER_MODEL = typer.Option(None, "--model", help="The server's --model (directory or hub id in the local HF cache), "
                                                    "for a config without model_id or model_path.")
+_DRY_RUN = typer.Option(False, "--dry-run", help="Report what would go, change nothing (needs no lock).")
+#: ``ls`` choices as its help shows them (the library's ``SORT_KEYS`` and ``STATES``
+#: validate; a test keeps the two in step).
+SORT_HELP = "last-access, stored, hits, slot, hash"
+STATE_HELP = "all, complete, incomplete"
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_AGE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
+_AGE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+#: Timestamp fields of the JSON documents (seconds since the epoch in the library,
+#: ISO 8601 on the way out).
+_NS_TIMES = ("created", "oldest_stored", "newest_stored", "least_recent_access", "most_recent_access")
+_ENTRY_TIMES = ("stored", "last_access")
 
 
 def parse_age(text: str, option: str) -> float:
-    """Seconds from ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"2w"`` or a bare number of
-    seconds. Raises ``InspectError`` naming ``option`` otherwise."""
+    """Seconds from ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"`` or ``"2w"``. A number without a
+    unit is refused (is ``7`` seconds or days?), except 0. Raises ``ConfigError`` naming
+    ``option`` otherwise."""
     m = _AGE_RE.match(text)
-    if not m:
-        raise InspectError(f"{option}: cannot parse age {text!r}; expected a number with an optional "
-                           f"unit s, m, h, d or w, e.g. 7d")
-    return float(m.group(1)) * _AGE_UNITS[m.group(2) or "s"]
+    if not m or m.group(2).lower() not in ("", *_AGE_UNITS):
+        raise ConfigError(f"{option}: cannot parse age {text!r}; expected a number with a unit s, m, h, "
+                          f"d or w, e.g. 7d")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and value != 0:
+        raise ConfigError(f"{option}: {text!r} has no unit; write {m.group(1)}d for days, {m.group(1)}h "
+                          f"for hours, {m.group(1)}m for minutes or {m.group(1)}s for seconds")
+    return value * _AGE_UNITS[unit or "s"]
 
 
 # ---------------------------------------------------------------- helpers
 
 
 def _errors(json_out: bool):
+    from tiered_kv.inspect import InspectError
+
     return errors(json_out, (InspectError,))
 
 
 def _bytes_bar(json_out: bool, description: str, total: int | None = None):
+    from rich.progress import DownloadColumn
+
     return progress_bar(json_out, description, total, DownloadColumn())
 
 
@@ -101,6 +116,13 @@ def _holder(h: dict[str, Any] | None) -> str:
             f"since {timestamp(h.get('started'))})")
 
 
+def _ns_json(ns: dict[str, Any]) -> dict[str, Any]:
+    out = with_iso_times(ns, _NS_TIMES)
+    if out.get("engine"):
+        out["engine"] = with_iso_times(out["engine"], ("started",))
+    return out
+
+
 # ---------------------------------------------------------------- summary
 
 
@@ -112,13 +134,16 @@ def summary(path: str = typer.Argument(..., help="Cache directory (or one namesp
     """Each namespace: fingerprint, blocks, bytes used and capacity, ages, hits, I/O, health;
     with --config, whether a server with that config would read it."""
     with _errors(json_out):
-        from tiered_kv.inspect.summary import ServerConfig, mark_read_by
+        from tiered_kv.inspect import open_cache, summarize_cache
+        from tiered_kv.inspect.summary import ServerConfig, describe_io, mark_read_by
 
         data = summarize_cache(open_cache(path, namespace))
         if config:
             mark_read_by(data, [ServerConfig.load(c, model) for c in config])
     if json_out:
-        emit_json(data)
+        out = {k: v for k, v in data.items() if k != "generated"}
+        out["namespaces"] = [_ns_json(ns) for ns in data["namespaces"]]
+        emit_json(out)
         return
     console = Console()
     now = data["generated"]
@@ -168,18 +193,20 @@ def summary(path: str = typer.Argument(..., help="Cache directory (or one namesp
 @inspect_app.command("ls")
 def ls(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
        namespace: Optional[str] = _NAMESPACE,
-       state: str = typer.Option("all", "--state", help=f"{', '.join(STATES)}: complete = every TP rank committed."),
+       state: str = typer.Option("all", "--state", help=f"{STATE_HELP}: complete = every TP rank committed."),
        hash_prefix: Optional[str] = typer.Option(None, "--hash", help="Only hashes starting with this hex prefix."),
        min_hits: int = typer.Option(0, "--min-hits", min=0, help="Only entries hit at least this often."),
        older_than: Optional[str] = typer.Option(None, "--older-than", help="Last access before this age, e.g. 7d."),
        newer_than: Optional[str] = typer.Option(None, "--newer-than", help="Last access within this age, e.g. 1h."),
-       sort: str = typer.Option("last-access", "--sort", help=f"{', '.join(SORT_KEYS)}."),
+       sort: str = typer.Option("last-access", "--sort", help=f"{SORT_HELP}."),
        ascending: Optional[bool] = typer.Option(None, "--asc/--desc",
                                                 help="Order (default: descending; ascending for hash)."),
        limit: int = typer.Option(50, "--limit", min=0, help="Rows per namespace; 0 = all."),
        json_out: bool = _JSON) -> None:
     """Entries: hash prefix, slot, size, ranks present, stored and last-access times, hits."""
     with _errors(json_out):
+        from tiered_kv.inspect import ListFilter, list_entries, open_cache
+
         flt = ListFilter(state=state, hash_prefix=hash_prefix, min_hits=min_hits,
                          older_than=None if older_than is None else parse_age(older_than, "--older-than"),
                          newer_than=None if newer_than is None else parse_age(newer_than, "--newer-than"),
@@ -188,7 +215,8 @@ def ls(path: str = typer.Argument(..., help="Cache directory (or one namespace d
         now = time.time()
         listings = [list_entries(ns, flt, now=now) for ns in cache.namespaces]
     if json_out:
-        emit_json({"path": str(cache.path), "namespaces": listings})
+        emit_json({"path": str(cache.path), "namespaces": [
+            {**lst, "entries": [with_iso_times(e, _ENTRY_TIMES) for e in lst["entries"]]} for lst in listings]})
         return
     console = Console()
     if not listings:
@@ -200,7 +228,7 @@ def ls(path: str = typer.Argument(..., help="Cache directory (or one namespace d
             t.add_column(col, justify="right" if col in ("slot", "size", "hits") else "left", no_wrap=True)
         for e in lst["entries"]:
             ranks = f"{len(e['ranks'])}/{lst['tp_size']}"
-            t.add_row(e["hash"][:12], str(e["slot"]), _compact_size(e["size"]),
+            t.add_row(short_hash(e["hash"]), str(e["slot"]), _compact_size(e["size"]),
                       ranks if e["complete"] else f"[yellow]{ranks}[/]",
                       time.strftime("%m-%d %H:%M:%S", time.localtime(e["stored"])), _ago(e["last_access"], now),
                       str(e["hits"]))
@@ -217,29 +245,67 @@ def verify(path: str = typer.Argument(..., help="Cache directory (or one namespa
                                                                "(needs the cache closed)."),
            threads: int = typer.Option(4, "--threads", min=1, help="Parallel reads."),
            json_out: bool = _JSON) -> None:
-    """Re-read every block and check its checksum; exit 1 if any block is corrupt."""
-    results = []
+    """Re-read every block and check its checksum; exit 1 if any block is corrupt (with
+    --repair: unless the repair dropped them all and the cache now verifies clean)."""
+    results, clean = [], []
     with _errors(json_out):
+        from tiered_kv.inspect import open_cache, verify_namespace
+        from tiered_kv.inspect.verify import bytes_to_verify
+
         cache = open_cache(path, namespace)
         for ns in cache.namespaces:
             with _bytes_bar(json_out, f"verifying {ns.path.name}") as bar:
                 results.append(verify_namespace(
                     ns, repair=repair, threads=threads, progress=bar.advance,
                     on_table=lambda table, ns=ns, bar=bar: bar.set_total(bytes_to_verify(ns, table))))
+            if repair:
+                clean.append(_clean_after_repair(ns, results[-1]))
     corrupt = sum(r.corrupt_blocks for r in results)
+    failed = bool(corrupt) and not (repair and all(clean))
     if json_out:
-        emit_json({"path": str(cache.path), "corrupt_blocks": corrupt, "namespaces": [r.to_dict() for r in results]})
+        namespaces = [r.to_dict() for r in results]
+        if repair:
+            for d, ok in zip(namespaces, clean):
+                d["clean_after_repair"] = ok
+        emit_json({"path": str(cache.path), "corrupt_blocks": corrupt, "repair": repair,
+                   "clean": not failed if repair else not corrupt, "namespaces": namespaces})
     else:
-        _print_verify(results, repair, cache.path)
-    if corrupt:
+        _print_verify(results, repair, cache.path, clean)
+    if failed:
         raise typer.Exit(EXIT_CORRUPT)
 
 
-def _print_verify(results, repair: bool, path) -> None:
+def _clean_after_repair(ns, result) -> bool:
+    """Whether ``ns``, just repaired, now verifies clean: every entry complete and in
+    range, and none of the corrupt blocks left in the index. (Every other block was
+    read and matched its checksum under the same writer lock, so that is all a second
+    full pass could find.)"""
+    from tiered_kv.disk.index import DiskIndex
+    from tiered_kv.inspect import read_entries
+
+    table = read_entries(ns)
+    m = ns.manifest
+    in_range = (table.slot >= 0) & (table.slot < m.num_slots) & (table.size == m.block_bytes)
+    if not bool(table.complete.all()) or not bool(in_range.all()):
+        return False
+    bad = sorted({bytes.fromhex(c["hash"]) for c in result.corrupt})
+    if not bad:
+        return True
+    try:
+        index = DiskIndex(ns.index_path, ns.tp_size, readonly=True)
+    except FileNotFoundError:
+        return True
+    try:
+        return all(entry is None for entry in index.get_many(bad))
+    finally:
+        index.close()
+
+
+def _print_verify(results, repair: bool, path, clean: list[bool]) -> None:
     console = Console()
     if not results:
         console.print(f"{path}: no namespaces, nothing to verify")
-    for r in results:
+    for k, r in enumerate(results):
         rate = r.bytes_read / r.seconds / 1e9 if r.seconds else 0.0
         verdict = "[red]CORRUPT[/]" if r.corrupt else "[green]OK[/]"
         console.print(f"namespace {r.namespace}: {r.blocks:,} blocks, {r.copies_checked:,} copies checked "
@@ -250,7 +316,7 @@ def _print_verify(results, repair: bool, path) -> None:
             for col in ("hash", "slot", "rank", "problem"):
                 t.add_column(col)
             for c in r.corrupt[:50]:
-                t.add_row(c["hash"][:16], str(c["slot"]), "-" if c["rank"] is None else str(c["rank"]), c["reason"])
+                t.add_row(short_hash(c["hash"]), str(c["slot"]), "-" if c["rank"] is None else str(c["rank"]), c["reason"])
             console.print(t)
         if r.incomplete:
             console.print(f"[yellow]{len(r.incomplete):,} incomplete entries[/] (some TP rank never committed: "
@@ -259,7 +325,8 @@ def _print_verify(results, repair: bool, path) -> None:
             console.print(f"{r.changed} suspect block(s) changed while reading (the engine evicted or "
                           f"rewrote them): not corrupt", soft_wrap=True)
         if repair:
-            console.print(f"repaired: dropped {r.repaired:,} entries")
+            verdict = "[green]now verifies clean[/]" if clean[k] else "[red]still not clean[/]"
+            console.print(f"repaired: dropped {r.repaired:,} entries; {verdict}")
         elif r.corrupt or r.incomplete:
             console.print("run again with --repair (engine stopped) to drop them")
 
@@ -272,23 +339,30 @@ def evict_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
               to_size: Optional[str] = typer.Option(None, "--to-size",
                                                     help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."),
               older_than: Optional[str] = typer.Option(None, "--older-than",
-                                                       help="Evict blocks not accessed within this age, e.g. 7d."),
-              namespace: Optional[str] = _NAMESPACE, json_out: bool = _JSON) -> None:
+                                                       help="Evict blocks not accessed within this age, e.g. 7d "
+                                                            "(a unit is required: s, m, h, d, w)."),
+              namespace: Optional[str] = _NAMESPACE, dry_run: bool = _DRY_RUN, json_out: bool = _JSON) -> None:
     """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed."""
     with _errors(json_out):
+        from tiered_kv.inspect import InspectError, evict, open_cache
+
         if to_size is None and older_than is None:
             raise InspectError("evict needs --to-size SIZE or --older-than AGE")
         size = None if to_size is None else (0 if to_size.strip() == "0" else parse_size(to_size, "--to-size"))
         age = None if older_than is None else parse_age(older_than, "--older-than")
         cache = open_cache(path, namespace)
-        with progress_bar(json_out, "evicting") as bar:
-            result = evict(cache, to_size=size, older_than=age, progress=bar.advance)
+        with progress_bar(json_out or dry_run, "evicting") as bar:
+            result = evict(cache, to_size=size, older_than=age, progress=bar.advance, dry_run=dry_run)
     if json_out:
-        emit_json(result.to_dict())
+        emit_json({"path": str(cache.path), "dry_run": dry_run, "evicted": result.evicted,
+                   "freed_bytes": result.freed_bytes,
+                   "namespaces": [{"namespace": ns_id, **v} for ns_id, v in result.namespaces.items()]})
         return
-    t = Table(title=f"evicted {result.evicted:,} block(s), freed {format_size(result.freed_bytes)}",
+    verb = "would evict" if dry_run else "evicted"
+    t = Table(title=f"{verb} {result.evicted:,} block(s), {'would free' if dry_run else 'freed'} "
+                    f"{format_size(result.freed_bytes)}" + (" (dry run: nothing changed)" if dry_run else ""),
               title_justify="left")
-    for col in ("namespace", "evicted", "freed", "used before", "used after"):
+    for col in ("namespace", verb, "freed", "used before", "used after"):
         t.add_column(col, justify="left" if col == "namespace" else "right")
     for ns_id, v in result.namespaces.items():
         t.add_row(ns_id, f"{v['evicted']:,}", format_size(v["freed_bytes"]), format_size(v["used_before"]),
@@ -304,9 +378,11 @@ def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
                                             "would read (repeatable; see summary --config)."),
               model: Optional[str] = _SERVER_MODEL,
               yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-              json_out: bool = _JSON) -> None:
+              dry_run: bool = _DRY_RUN, json_out: bool = _JSON) -> None:
     """Delete namespaces (blocks, index, slab files); the cache must be closed."""
     with _errors(json_out):
+        from tiered_kv.inspect import InspectError, clear, open_cache
+
         cache = open_cache(path, namespace)
         if unread_by:
             from tiered_kv.inspect.summary import ServerConfig, unread_namespaces
@@ -314,6 +390,8 @@ def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
             cache.namespaces = unread_namespaces(cache, [ServerConfig.load(c, model) for c in unread_by])
         if not cache.namespaces:
             result = {"removed": [], "freed_bytes": 0}
+        elif dry_run:
+            result = clear(cache, dry_run=True)
         else:
             ids = ", ".join(ns.path.name for ns in cache.namespaces)
             if not yes:
@@ -323,10 +401,13 @@ def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
                     raise InspectError("not confirmed; nothing deleted")
             result = clear(cache)
     if json_out:
-        emit_json(result)
+        emit_json({"path": str(cache.path), "dry_run": dry_run, **result,
+                   "namespaces": [{"namespace": ns_id} for ns_id in result["removed"]]})
         return
-    Console().print(f"removed {len(result['removed'])} namespace(s) "
-                    f"({', '.join(result['removed']) or 'none'}), freed {format_size(result['freed_bytes'])}",
+    verb = "would remove" if dry_run else "removed"
+    Console().print(f"{verb} {len(result['removed'])} namespace(s) "
+                    f"({', '.join(result['removed']) or 'none'}), {'would free' if dry_run else 'freed'} "
+                    f"{format_size(result['freed_bytes'])}" + (" (dry run: nothing deleted)" if dry_run else ""),
                     soft_wrap=True)
 
 
@@ -343,6 +424,8 @@ def bench(path: str = typer.Argument(..., help="Cache directory (a scratch direc
           json_out: bool = _JSON) -> None:
     """Tier store/load GB/s on the cache's device beside a raw O_DIRECT baseline, interleaved."""
     with _errors(json_out):
+        from tiered_kv.inspect import run_bench
+
         total = parse_size(size, "--size")
         block = parse_size(block_size, "--block-size")
         with _bytes_bar(json_out, "benchmarking", total=4 * rounds * (total // block) * block) as bar:
@@ -362,4 +445,5 @@ def bench(path: str = typer.Argument(..., help="Cache directory (a scratch direc
     console.print(t)
     console.print(f"tier / raw: write {result.ratio('write'):.0%}, read {result.ratio('read'):.0%}  "
                   f"({format_size(result.total_bytes)} per pass, {format_size(result.block_bytes)} blocks, "
-                  f"{result.threads} threads; tier I/O: {result.backend}; raw: {result.raw_mode})", soft_wrap=True)
+                  f"{result.threads} threads; tier I/O: {result.backend['description']}; raw: {result.raw_mode})",
+                  soft_wrap=True)

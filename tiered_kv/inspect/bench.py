@@ -42,15 +42,22 @@ KINDS = ("raw_write", "tier_write", "raw_read", "tier_read")
 
 @dataclass
 class BenchResult:
-    """GB/s per round for each of ``KINDS``, and the setup they were measured with."""
+    """GB/s per round for each of ``KINDS``, and the setup they were measured with.
+    ``backend``: the tier's I/O backend as ``backend_fields`` describes it; ``raw_direct``:
+    whether the raw baseline (and so the tier's POSIX descriptors, on the same file
+    system) got O_DIRECT."""
 
     path: str
-    backend: str
-    raw_mode: str
+    backend: dict[str, Any]
+    raw_direct: bool
     total_bytes: int
     block_bytes: int
     threads: int
     gbps: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})
+
+    @property
+    def raw_mode(self) -> str:
+        return "O_DIRECT" if self.raw_direct else "buffered (the file system refuses O_DIRECT)"
 
     def median(self, kind: str) -> float:
         return statistics.median(self.gbps[kind]) if self.gbps[kind] else 0.0
@@ -61,10 +68,19 @@ class BenchResult:
         return self.median(f"tier_{op}") / raw if raw else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "backend": self.backend, "raw_mode": self.raw_mode,
+        return {"path": self.path, "backend": self.backend, "raw": {"o_direct": self.raw_direct},
                 "total_bytes": self.total_bytes, "block_bytes": self.block_bytes, "threads": self.threads,
                 "gbps": self.gbps, "median_gbps": {k: self.median(k) for k in KINDS},
                 "write_ratio": self.ratio("write"), "read_ratio": self.ratio("read")}
+
+
+def backend_fields(backend: Any, o_direct: bool) -> dict[str, Any]:
+    """An I/O backend as JSON fields: ``name`` (posix or kvikio), ``threads``, ``gds``
+    (device buffers go straight to the disk), ``o_direct`` (host I/O bypasses the page
+    cache) and a one-line ``description``."""
+    return {"name": backend.name, "threads": backend.threads, "gds": bool(backend.gds),
+            "o_direct": bool(o_direct and getattr(backend, "want_direct", True)),
+            "description": backend.describe()}
 
 
 def _bench_layout(block_bytes: int) -> KVCacheLayout:
@@ -87,12 +103,12 @@ class _RawFile:
         self.pieces = max(1, buffer_bytes // MAX_IO_BYTES)
         self.buf = aligned_empty(self.pieces * MAX_IO_BYTES)
         self.buf.copy_(torch.randint(0, 256, self.buf.shape, dtype=torch.uint8))
-        self.mode = "O_DIRECT"
+        self.direct = True
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_DIRECT)
         except (OSError, AttributeError):
             self.fd = os.open(path, os.O_RDWR)
-            self.mode = "buffered (the file system refuses O_DIRECT)"
+            self.direct = False
         self.size = size
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tkv-bench-raw")
 
@@ -155,7 +171,8 @@ def run_bench(path: str | os.PathLike, *, total_bytes: int = 1 << 30, block_byte
         data = aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)
         data.copy_(torch.randint(0, 256, data.shape, dtype=torch.uint8))
         back = aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)
-        result = BenchResult(str(root), store.backend.describe(), raw.mode, total, block_bytes, threads)
+        result = BenchResult(str(root), backend_fields(store.backend, raw.direct), raw.direct, total,
+                             block_bytes, threads)
 
         def timed(kind: str, fn: Callable[[], None]) -> None:
             t0 = time.perf_counter()

@@ -100,12 +100,14 @@ class EvictResult:
 
 
 def evict(cache: CacheDir, *, to_size: int | None = None, older_than: float | None = None,
-          now: float | None = None, progress: Callable[[int], None] | None = None) -> EvictResult:
+          now: float | None = None, progress: Callable[[int], None] | None = None,
+          dry_run: bool = False) -> EvictResult:
     """Drop blocks from ``cache``'s namespaces: every entry last accessed more than
     ``older_than`` seconds ago, then least recently used complete blocks across all the
     namespaces until their used bytes (slot bytes x TP ranks per block) are at most
     ``to_size``. Raises ``InspectError`` if an engine holds any of them, or if neither
-    bound is given."""
+    bound is given. ``dry_run`` reports what would go from a read-only snapshot, taking
+    no lock and changing nothing."""
     if to_size is None and older_than is None:
         raise InspectError("evict needs --to-size SIZE or --older-than AGE")
     if to_size is not None and to_size < 0:
@@ -114,19 +116,20 @@ def evict(cache: CacheDir, *, to_size: int | None = None, older_than: float | No
         raise InspectError(f"--older-than must be >= 0, got {older_than}")
     now = time.time() if now is None else now
     result = EvictResult()
-    with exclusive(cache.namespaces, "evict"):
+    with contextlib.nullcontext() if dry_run else exclusive(cache.namespaces, "evict"):
         indexes: list[DiskIndex | None] = []
         try:
             tables: list[EntryTable] = []
             for ns in cache.namespaces:
-                index = open_index_for_writing(ns)
+                index = None if dry_run else open_index_for_writing(ns)
                 indexes.append(index)
-                tables.append(read_entries(ns, index) if index is not None else EntryTable.empty(ns.tp_size))
+                tables.append(read_entries(ns, index) if index is not None or dry_run
+                              else EntryTable.empty(ns.tp_size))
             victims = _choose_victims(cache.namespaces, tables, to_size, older_than, now)
             for ns, table, index, rows in zip(cache.namespaces, tables, indexes, victims):
                 per_block = ns.manifest.slot_size * ns.tp_size
                 used = int(table.complete.sum()) * per_block
-                deleted = 0
+                deleted = len(rows) if dry_run else 0
                 if index is not None and len(rows):
                     deleted = delete_entries(index, [(table.hash(i), int(table.slot[i])) for i in rows.tolist()],
                                              progress)
@@ -171,16 +174,19 @@ def _choose_victims(namespaces: Sequence[Namespace], tables: Sequence[EntryTable
 # ---------------------------------------------------------------- clear
 
 
-def clear(cache: CacheDir) -> dict[str, Any]:
+def clear(cache: CacheDir, dry_run: bool = False) -> dict[str, Any]:
     """Delete ``cache``'s namespaces (manifest, index and slabs) under their writer
     locks; returns ``{"removed": [ids], "freed_bytes": n}``. Each namespace directory is
     first renamed out of the way, so an engine starting meanwhile creates a fresh one
     instead of opening a half-deleted one. Raises ``InspectError`` if an engine holds
-    any of them (then nothing is deleted)."""
+    any of them (then nothing is deleted). ``dry_run`` only counts, without the locks."""
     removed, freed = [], 0
-    with exclusive(cache.namespaces, "clear"):
+    with contextlib.nullcontext() if dry_run else exclusive(cache.namespaces, "clear"):
         for ns in cache.namespaces:
             freed += sum(p.stat().st_blocks * 512 for p in ns.path.rglob("*") if p.is_file())
+            if dry_run:
+                removed.append(ns.path.name)
+                continue
             trash = ns.path.parent / f".trash-{ns.path.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             try:
                 os.rename(ns.path, trash)
