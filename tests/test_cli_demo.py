@@ -62,7 +62,8 @@ def test_demo_rejects_bad_options():
 def test_demo_exits_nonzero_on_mismatch(monkeypatch):
     # Fault injection: the verifier reports the first loaded block of each load as bad.
     monkeypatch.setattr(EngineDriver, "_verify", lambda self, hashes, groups: [0])
-    result = runner.invoke(app, ["demo", "--requests", "40", "--device", "cpu"])
+    # A CPU tier larger than the workload's distinct blocks: every block asked of it hits.
+    result = runner.invoke(app, ["demo", "--requests", "40", "--device", "cpu", "--cpu-bytes", "16MiB"])
     assert result.exit_code == 1
     assert "FAIL" in result.output
 

@@ -228,16 +228,20 @@ class ReferenceLRU:
             if k not in self.ready and k not in new:
                 new.append(k)
         need = len(new) - (self.n - len(self.order))
-        ev = self.evictable()
+        ev = [k for k in self.evictable() if k not in keys]  # never the call's own blocks
         if need > len(ev):
             return None
         victims = ev[:max(need, 0)]
         for k in victims:
             self.order.remove(k)
             del self.ref[k], self.ready[k]
-        for k in reversed(new):  # head-most-recent
+        for k in reversed(new):
             self.order.append(k)
             self.ref[k], self.ready[k] = 0, False
+        if len(new) < len(dict.fromkeys(keys)):  # the whole request ranks most recent, head first
+            for k in reversed(list(dict.fromkeys(keys))):
+                self.order.remove(k)
+                self.order.append(k)
         return new, victims
 
 

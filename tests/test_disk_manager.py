@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
-from tiered_kv.disk.manager import (_BUCKETS_PER_KEY, DiskOffloadingManager, _BlockTable, _bucket_bits,
-                                    _in_buckets)
+from tiered_kv.disk.block_table import _BUCKETS_PER_KEY, BlockTable, _bucket_bits, _in_buckets
+from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
@@ -537,7 +537,7 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes, c
     with dead blocks (touched, removed) scattered through it. ``warm_up`` moves cold
     blocks to the hot generation now and then, which must change nothing a caller sees."""
     rnd = random.Random(seed)
-    table = _BlockTable()
+    table = BlockTable()
     made = iter(range(1 << 30))
 
     def new_hash() -> bytes:
@@ -605,7 +605,7 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes, c
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1000, 70000])
 def test_the_cold_prefix_buckets_pass_every_member_and_few_others(n):
-    """``_BlockTable``'s prefilter may let a new key through, never stop a cold one."""
+    """``BlockTable``'s prefilter may let a new key through, never stop a cold one."""
     rng = np.random.default_rng(n)
     prefixes = np.sort(rng.integers(0, 1 << 63, n, dtype=np.uint64) << np.uint64(1) | np.uint64(n % 2))
     buckets, shift = _bucket_bits(prefixes)

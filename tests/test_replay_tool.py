@@ -44,12 +44,13 @@ def test_quick_chat_prints_the_comparison_table(quick_run):
     header = next(line for line in table.splitlines() if line.startswith("|"))
     for col in ("GPU", "CPU", "DISK", "computed", "mismatches", "TTFT saving", "sched p50 us/step"):
         assert col in header
-    configs = ["no-offload", "cpu", "cpu+disk"] + ([] if VLLM_MISSING else ["vllm-cpu"])
+    configs = ["no-offload", "cpu", "cpu+disk"] + ([] if VLLM_MISSING else ["vllm-cpu"]) + ["cpu-arc"] \
+        + ([] if VLLM_MISSING else ["vllm-cpu-arc"])
     assert list(data["results"]) == configs
     for name in configs:
         assert any(line.split("|")[1].strip() == name for line in table.splitlines() if line.startswith("|"))
     if VLLM_MISSING:
-        assert "vllm-cpu skipped" in text
+        assert "vllm-cpu, vllm-cpu-arc skipped" in text
     assert "mismatches: 0  failed jobs: 0" in text
     for transfer in ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu"):
         assert transfer in text.split("## Transfers")[1]

@@ -9,12 +9,14 @@ in-flight load reads; every block ``lookup`` claims is delivered byte-exact by t
 that follows; and the stored/removed events, replayed, equal each tier's contents.
 
 CI runs ``TIERED_KV_STATEFUL_EXAMPLES`` sequences (2,000 by default), a quarter of that
-with write-back, and a hundredth (at least 10) with the disk store in a helper process
-(``disk_io: process``).
+with write-back, a tenth (at least 50) over three tiers (CPU, disk, and a second disk
+tier on another directory, composed through the public interfaces), and a hundredth
+(at least 10) with the disk store in a helper process (``disk_io: process``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -24,6 +26,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tiered_kv.disk.tier import DiskTier
 from tiered_kv.driver import DeviceKVCache, block_content
 from tiered_kv.host_memory import expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.mediums import GPULoadStoreSpec
@@ -42,6 +45,8 @@ hash_lists = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4)
 class Hierarchy(RuleBasedStateMachine):
     write_policy = "write_through"
     disk_io = "thread"
+    #: Lower tiers below CPU: the config's disk tier, plus a second disk tier if 2.
+    num_lower = 1
 
     def __init__(self):
         super().__init__()
@@ -50,34 +55,44 @@ class Hierarchy(RuleBasedStateMachine):
                                     head_dim=8, device="cpu")
         layout = self.device.layout
         self.bpb = layout.bytes_per_block
-        self.spec = TieredOffloadingSpec(
-            {"cpu_bytes": CPU_SLOTS * self.bpb, "disk_path": self.tmp, "disk_bytes": DISK_SLOTS * 4096,
-             "max_pending_disk_writes": 4, "model_id": "stateful", "write_policy": self.write_policy,
-             "disk_io": self.disk_io},
-            layout.gpu_block_size, layout)
+        config = {"cpu_bytes": f"{CPU_SLOTS * self.bpb}B", "disk_path": os.path.join(self.tmp, "disk"),
+                  "disk_bytes": f"{DISK_SLOTS * 4096}B", "max_pending_disk_writes": 4, "model_id": "stateful",
+                  "write_policy": self.write_policy, "disk_io": self.disk_io}
+        self.spec = TieredOffloadingSpec(config, layout.gpu_block_size, layout)
+        if self.num_lower == 2:
+            # A second disk tier, composed through the public interfaces: the spec's
+            # own tier settings on another directory, with a name of its own.
+            first = self.spec.lower_tiers[0]
+            second = DiskTier(dataclasses.replace(first.config, disk_path=os.path.join(self.tmp, "disk2")),
+                              first.fingerprint, layout, self.spec.engine_id, name="disk2", medium="DISK2")
+            self.spec = TieredOffloadingSpec(config, layout.gpu_block_size, layout,
+                                             engine_id=self.spec.engine_id, lower_tiers=[second])
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
         # Hypothesis replays a sequence and needs it to behave the same each time, so
-        # disk writes happen on the caller's thread here, and the disk manager learns of
+        # disk writes happen on the caller's thread here, and the disk managers learn of
         # them only when the composite refreshes; background timing is exercised by the
         # other tests.
         for handler in self.worker.handlers:
-            if getattr(handler, "stager", None) is not None:
-                handler.stager.shutdown()
-                handler.stager = DiskStager(self.spec.host, self.spec.store, 0, 8, self.spec.stats,
-                                            synchronous=True)
+            for i, stager in enumerate(getattr(handler, "stagers", ())):
+                if stager is not None:
+                    stager.shutdown()
+                    tier = self.spec.lower_tiers[i]
+                    handler.stagers[i] = DiskStager(self.spec.host, tier.store, 0, 8, self.spec.stats,
+                                                    synchronous=True, tier_name=tier.name)
         self.manager = self.spec.get_manager()
-        self.manager.disk.poll_interval = None  # refreshes only where the manager asks for them
+        assert len(self.manager.lower) == self.num_lower
+        for tier in self.manager.lower:
+            tier.poll_interval = None  # refreshes only where the manager asks for them
         self.free_groups = list(range(self.device.num_groups))
         self.next_job = 0
         self.stores: list[tuple[int, list[bytes], list[int]]] = []
         self.loads: list[tuple[int, list[bytes], list[int], object]] = []
-        self.events = {"CPU": set(), "DISK": set()}
+        self.events = {"CPU": set(), **{tier.medium: set() for tier in self.manager.lower}}
 
     def teardown(self):
         self.worker.shutdown()
         self.manager.shutdown()
-        if self.spec.store is not None:
-            self.spec.store.close()
+        self.spec.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     # ---- helpers
@@ -122,8 +137,10 @@ class Hierarchy(RuleBasedStateMachine):
             return
         to_store = list(out.block_hashes_to_store)
         assert set(to_store) <= set(hashes)
-        if out.store_spec.spills:
-            event("store with spills")
+        assert not set(out.block_hashes_evicted) & set(hashes), "a store evicted its own blocks"
+        for i, spills in enumerate(out.store_spec.tier_spills):
+            if spills:
+                event(f"store with spills into lower tier {i}")
         if out.block_hashes_evicted:
             event("store evicting from the hierarchy")
         reused = {int(s) for s in out.store_spec.block_ids} & self._pinned_cpu_slots()
@@ -180,10 +197,11 @@ class Hierarchy(RuleBasedStateMachine):
     def flush_disk(self):
         """Let background disk writes land, as time passing would."""
         for handler in self.worker.handlers:
-            stager = getattr(handler, "stager", None)
-            if stager is not None:
-                stager.drain()
-        self.manager.disk.refresh()
+            for stager in getattr(handler, "stagers", ()):
+                if stager is not None:
+                    stager.drain()
+        for tier in self.manager.lower:
+            tier.refresh()
 
     # ---- invariants
 
@@ -191,21 +209,22 @@ class Hierarchy(RuleBasedStateMachine):
     def capacity_is_respected(self):
         cpu = self.manager.cpu
         assert len(cpu) <= cpu.num_slots == CPU_SLOTS
-        disk = self.manager.disk
-        used = disk.capacity - disk.num_free_slots()
-        assert used <= DISK_SLOTS
-        # Every used slot holds a loadable, pending or corrupt-but-read block: none leaks.
-        assert used == len(disk) + disk.num_pending() + len(disk._doomed)
+        for disk in self.manager.lower:
+            used = disk.capacity - disk.num_free_slots()
+            assert used <= DISK_SLOTS
+            # Every used slot holds a loadable, pending or corrupt-but-read block: none leaks.
+            assert used == len(disk) + disk.num_pending() + len(disk._doomed)
 
     @invariant()
     def pinned_blocks_stay_where_loads_read_them(self):
         for _, hashes, _, spec in self.loads:
             if isinstance(spec, TieredLoadSpec):
-                for h, cpu_slot, disk_slot in zip(spec.block_hashes, spec.cpu_slots, spec.disk_slots):
+                for h, cpu_slot, tier in zip(spec.block_hashes, spec.cpu_slots, spec.lower_tiers.tolist()):
                     if cpu_slot >= 0:
                         assert self.manager.cpu.slot_of(h) == cpu_slot
                     else:
-                        assert self.manager.disk.is_loadable(h) or self.manager.disk.is_pinned(h)
+                        lower = self.manager.lower[tier]
+                        assert lower.is_loadable(h) or lower.is_pinned(h)
             else:
                 assert [self.manager.cpu.slot_of(h) for h in hashes] == spec.block_ids.tolist()
 
@@ -219,10 +238,22 @@ class Hierarchy(RuleBasedStateMachine):
             else:
                 target.update(event.block_hashes)
         assert self.events["CPU"] == {h for h in UNIVERSE if self.manager.cpu.is_loadable(h)}
-        assert self.events["DISK"] == {h for h in UNIVERSE if self.manager.disk.is_loadable(h)}
+        for tier in self.manager.lower:
+            assert self.events[tier.medium] == {h for h in UNIVERSE if tier.is_loadable(h)}
 
 
 class WriteBackHierarchy(Hierarchy):
+    write_policy = "write_back"
+
+
+class ThreeTierHierarchy(Hierarchy):
+    """CPU, disk and a second disk tier: blocks spill into, and load and promote from,
+    whichever lower tier holds them."""
+
+    num_lower = 2
+
+
+class ThreeTierWriteBackHierarchy(ThreeTierHierarchy):
     write_policy = "write_back"
 
 
@@ -239,5 +270,9 @@ TestHierarchyWriteThrough = Hierarchy.TestCase
 TestHierarchyWriteThrough.settings = _settings
 TestHierarchyWriteBack = WriteBackHierarchy.TestCase
 TestHierarchyWriteBack.settings = settings(_settings, max_examples=max(EXAMPLES // 4, 50))
+TestHierarchyThreeTiers = ThreeTierHierarchy.TestCase
+TestHierarchyThreeTiers.settings = settings(_settings, max_examples=max(EXAMPLES // 10, 50))
+TestHierarchyThreeTiersWriteBack = ThreeTierWriteBackHierarchy.TestCase
+TestHierarchyThreeTiersWriteBack.settings = settings(_settings, max_examples=max(EXAMPLES // 10, 50))
 TestHierarchyDiskIOProcess = ProcessIOHierarchy.TestCase
 TestHierarchyDiskIOProcess.settings = settings(_settings, max_examples=max(EXAMPLES // 100, 10))

@@ -13,13 +13,22 @@ The primitives (kept from vLLM's kv_offload seed API):
 - ``prepare_store()``: choose where new blocks go (evicting if needed) or return None.
 - ``complete_store()``: make stored blocks loadable, or free them on failure.
 - ``take_events()``: stored/removed notifications, each naming its medium.
+
+``LowerTier`` is what the composite manager (``tiered_kv.tiered.manager``) needs of
+each tier below the CPU tier.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from tiered_kv.worker.worker import OffloadingHandler
 
 #: A block's identity: the engine's prefix hash of the block's tokens. Bytes, because
 #: the disk tier persists it as an LMDB key (at most 511 bytes).
@@ -107,3 +116,107 @@ class OffloadingManager(ABC):
     def shutdown(self) -> None:
         """Release resources (threads, files, index handles). Idempotent."""
         return
+
+
+@runtime_checkable
+class LowerTier(Protocol):
+    """What the composite manager needs of a tier below the first (CPU) one: the disk
+    tier, a second disk tier, later a shared tier. Scheduler process; every call is
+    bookkeeping (the tier's bytes move in the workers), and none may block on I/O.
+
+    A block in a lower tier is *pending* (reserved by ``prepare_store``, bytes on their
+    way: not loadable, but as good as present for the cascade) or *loadable*. Pending
+    blocks become loadable when the workers' writes are durable, which the tier learns
+    on its own (``refresh``), or by ``complete_store``.
+    """
+
+    #: The tier's name in stats and transfer types (``"disk"``: ``cpu_to_disk``, ...).
+    name: str
+    #: The medium its events and ``hit_medium`` name (``"DISK"``).
+    medium: str
+    #: Called with the blocks a refresh dropped because a worker found them corrupt.
+    on_corrupt: Callable[[list[BlockHash]], None] | None
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the tier holds at most."""
+
+    def num_free_slots(self) -> int:
+        """Slots neither loadable nor pending."""
+
+    def is_loadable(self, block_hash: BlockHash) -> bool:
+        """Whether a load may read the block from this tier now."""
+
+    def is_pending(self, block_hash: BlockHash) -> bool:
+        """Whether a write of the block into this tier is on its way."""
+
+    def slot_of(self, block_hash: BlockHash) -> int | None:
+        """The slot of a loadable block, else None."""
+
+    def absent_among(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
+        """The members of ``block_hashes`` neither loadable nor pending here, in order."""
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash], *, fresh: bool = False,
+                      protected: Container[BlockHash] = ()) -> PrepareStoreOutput | None:
+        """Reserve slots (pending) for the absent ones among ``block_hashes``, evicting
+        neither those nor ``protected``; None, changing nothing, when room cannot be
+        made. ``fresh``: the caller knows the hashes are distinct and absent."""
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Pending blocks become loadable (``success``) or are released."""
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
+        """Pin loadable blocks against eviction; where to read them (slots)."""
+
+    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Unpin blocks pinned by ``prepare_load``."""
+
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
+        """A use, in request order: the first ends most recent."""
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        """Drop a loadable unpinned block; False if it is pinned."""
+
+    def iter_evictable(self) -> Iterator[BlockHash]:
+        """Loadable unpinned blocks in eviction order."""
+
+    def num_pending(self) -> int:
+        """Blocks whose write the tier has not seen land yet."""
+
+    def pending_blocks(self) -> set[BlockHash]:
+        """Those blocks (a copy)."""
+
+    def refresh(self) -> object:
+        """Fold in the outcomes of writes the workers finished."""
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Stored/removed events since the last call, with this tier's medium."""
+
+    def shutdown(self) -> None:
+        """Release the tier's threads and handles. Idempotent."""
+
+
+class Stager(Protocol):
+    """Worker side of a lower tier's writes: copies CPU slots out (so the slots may be
+    reused at once) and writes them into the tier in the background, where each
+    block's durability is recorded for the scheduler's ``LowerTier`` to learn."""
+
+    def stage(self, writes: Any) -> "Future[None]":
+        """Start copying ``writes``' CPU slots out (a ``DiskWrites``); the future is done
+        once those slots may be overwritten."""
+
+    def drain(self) -> None:
+        """Block until every staged write has landed (or failed)."""
+
+    def shutdown(self) -> None:
+        """Drain, then stop the stager's threads."""
+
+
+class LowerTierWorker(NamedTuple):
+    """What a lower tier gives the composite's handlers in a worker process: its stager,
+    and its handlers for reads into the GPU and into CPU slots (None where a tier has
+    no such path)."""
+
+    stager: Stager | None
+    to_gpu: "OffloadingHandler | None"
+    to_cpu: "OffloadingHandler | None"

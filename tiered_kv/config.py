@@ -165,10 +165,20 @@ WRITE_POLICIES = ("write_through", "write_back")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 DISK_IO = ("thread", "process")
 GPU_COPIES = ("auto", "kernels", "dma")
-EVICTION_POLICIES = ("lru",)
+EVICTION_POLICIES = ("lru", "arc")
+#: The disk tier's order is kept in its index (last access per block): LRU only.
+DISK_EVICTION_POLICIES = ("lru",)
 CHECKSUMS = ("xxh3_64", "crc32c")
 #: vLLM's ``--prefix-caching-hash-algo`` values (``tiered_kv.hashing`` computes them all).
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def _parse_disk_eviction_policy(value: Any, key: str) -> str:
+    if value == "arc":
+        raise ConfigError(f"{key}: the disk tier evicts in LRU order only (its index keeps each "
+                          f"block's last access), got 'arc'; ARC is for the CPU tier: "
+                          f"set eviction_policy: arc")
+    return _parse_choice(value, key, DISK_EVICTION_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,9 @@ class TieredConfig:
     write_policy: str = "write_through"
     promote_on_hit: bool = True
     io_backend: str = "auto"
+    #: The CPU tier's eviction order (``tiered_kv.cpu``: lru or arc).
     eviction_policy: str = "lru"
+    disk_eviction_policy: str = "lru"
     checksum: str = "xxh3_64"
     io_threads: int = 4
     #: Where a worker's disk I/O runs: ``thread`` (threads of the worker process) or
@@ -219,6 +231,7 @@ class TieredConfig:
         "promote_on_hit": _parse_bool,
         "io_backend": lambda v, k: _parse_choice(v, k, IO_BACKENDS),
         "eviction_policy": lambda v, k: _parse_choice(v, k, EVICTION_POLICIES),
+        "disk_eviction_policy": _parse_disk_eviction_policy,
         "checksum": lambda v, k: _parse_choice(v, k, CHECKSUMS),
         "io_threads": _parse_positive_int,
         "disk_io": lambda v, k: _parse_choice(v, k, DISK_IO),

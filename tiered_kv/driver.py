@@ -30,7 +30,7 @@ from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.metrics import TransferCounter
 from tiered_kv.spec import OffloadingSpec
-from tiered_kv.worker.worker import OffloadingWorker
+from tiered_kv.worker.worker import OffloadingWorker, TransferResult
 from tiered_kv.workloads import Workload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -375,8 +375,8 @@ class EngineDriver:
         self._submit("store", (GPULoadStoreSpec(self._kernel_ids(groups)), out.store_spec), to_store, groups)
 
     def _submit(self, kind: str, spec, block_hashes: list[BlockHash], groups: list[int]) -> int:
-        """Submit a job and start its direction's clock. A refused job is reported
-        failed by the next ``get_finished`` and settled there like any failure."""
+        """Submit a job and start its direction's clock. A job the worker refused was
+        never submitted (the seed's contract): it is settled as failed here."""
         direction = f"{spec[0].medium()}->{spec[1].medium()}"
         job_id = self._next_job
         self._next_job += 1
@@ -386,11 +386,13 @@ class EngineDriver:
         self._in_flight[direction] = self._in_flight.get(direction, 0) + 1
         self._jobs[job_id] = _Job(kind, direction, block_hashes, groups)
         try:
-            self.worker.transfer_async(job_id, spec)
+            accepted = self.worker.transfer_async(job_id, spec)
         except Exception:  # wiring bug (no handler for the pair): nothing was submitted
             del self._jobs[job_id]
             self._in_flight[direction] -= 1
             raise
+        if not accepted:  # never submitted, so never reported: settle it as failed now
+            self._settle([TransferResult(job_id, False)])
         return job_id
 
     def _settle(self, results) -> None:

@@ -53,14 +53,24 @@ class TieredStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, tier: str, counter: str, n: int = 1) -> None:
+        """Add ``n`` to ``tier``'s ``counter`` (a tier named here for the first time, such
+        as a second disk tier, starts with every counter at 0)."""
         if n:
             with self._lock:
-                self.tiers[tier][counter] += n
+                self._tier(tier)[counter] += n
+
+    def _tier(self, tier: str) -> dict[str, int]:
+        counters = self.tiers.get(tier)
+        if counters is None:
+            counters = self.tiers[tier] = dict.fromkeys(TIER_COUNTERS, 0)
+        return counters
 
     def record_transfer(self, transfer_type: str, num_bytes: int, seconds: float,
                         success: bool = True, blocks: int = 0) -> None:
         with self._lock:
-            t = self.transfers[transfer_type]
+            t = self.transfers.get(transfer_type)
+            if t is None:  # a lower tier's own types, e.g. cpu_to_disk2
+                t = self.transfers[transfer_type] = TransferCounter()
             t.jobs += 1
             if success:
                 t.bytes += num_bytes
@@ -73,10 +83,11 @@ class TieredStats:
         """Add ``other``'s counters into these (e.g. a worker's into the manager's view)."""
         with self._lock:
             for tier, counters in other.tiers.items():
+                mine_tier = self._tier(tier)
                 for name, value in counters.items():
-                    self.tiers[tier][name] += value
+                    mine_tier[name] += value
             for name, t in other.transfers.items():
-                mine = self.transfers[name]
+                mine = self.transfers.setdefault(name, TransferCounter())
                 mine.bytes += t.bytes
                 mine.blocks += t.blocks
                 mine.seconds += t.seconds

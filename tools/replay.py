@@ -256,7 +256,7 @@ def setup_lines(args, command, workload, shape, geometry, tiers) -> list[str]:
         f"KV layout: {geometry.describe()}",
         f"device prefix cache: {geometry.device_groups} blocks ({geometry.device_groups / ws:.3f} x working set)",
         f"CPU tier: {tiers.cpu_slots} blocks = {tiers.cpu_slots * bpb / 2**20:.0f} MiB "
-        f"({tiers.cpu_slots / ws:.2f} x working set; the same RAM for cpu, cpu+disk and vllm-cpu)",
+        f"({tiers.cpu_slots / ws:.2f} x working set; the same RAM for every configuration with a CPU tier)",
         f"disk tier: {tiers.disk_slots} blocks = {tiers.disk_slots * bpb / 2**20:.0f} MiB "
         f"({tiers.disk_slots / ws:.2f} x working set), write-through, promote on hit, under {args.disk_dir}",
         f"prefill-cost model: {args.model.describe()}",
@@ -299,11 +299,14 @@ def main(argv=None) -> int:
     if args.gpu and "cpu+disk-direct" not in configs:
         configs.append("cpu+disk-direct")  # disk hits straight to the GPU: the DISK->GPU number
     notes = []
-    if "vllm-cpu" in configs:
+    vllm_configs = [c for c in configs if c.startswith("vllm-")]
+    if vllm_configs:
         t0 = time.perf_counter()
         if (why := vllm_import_error()) is not None:
-            configs.remove("vllm-cpu")
-            notes.append(f"vllm-cpu skipped: vLLM's CPU offloading manager cannot be imported ({why})")
+            for c in vllm_configs:
+                configs.remove(c)
+            notes.append(f"{', '.join(vllm_configs)} skipped: vLLM's CPU offloading manager cannot be "
+                         f"imported ({why})")
         else:
             notes.append(f"importing vLLM's CPU offloading manager took {time.perf_counter() - t0:.1f} s")
 

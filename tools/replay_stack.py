@@ -9,7 +9,9 @@ device KV cache and, where they have one, the same CPU RAM:
 - ``cpu+disk``: the CPU tier over the disk tier (write-through, promote on hit);
   block I/O to files under the run's disk directory;
 - ``vllm-cpu``: vLLM 0.33's own CPU LRU manager (``replay_vllm``), bytes moved by our
-  CPU handlers.
+  CPU handlers;
+- ``cpu-arc`` and ``vllm-cpu-arc``: ``cpu`` and ``vllm-cpu`` with ARC for eviction
+  policy (``eviction_policy: arc``; vLLM's ``cache_policy: arc``).
 
 The manager and the worker are wrapped in timing proxies, so each engine step (one
 request) splits into scheduler-side time (manager calls), worker time (submitting,
@@ -36,7 +38,7 @@ from tiered_kv.tiered.spec import TieredOffloadingSpec
 from tiered_kv.worker.worker import OffloadingWorker
 from tiered_kv.workloads import Workload
 
-CONFIGS = ("no-offload", "cpu", "cpu+disk", "vllm-cpu")
+CONFIGS = ("no-offload", "cpu", "cpu+disk", "vllm-cpu", "cpu-arc", "vllm-cpu-arc")
 MANAGER_CALLS = ("lookup", "hit_medium", "prepare_load", "complete_load", "prepare_store",
                  "complete_store", "touch", "take_events")
 WORKER_CALLS = ("transfer_async", "get_finished", "wait")
@@ -198,18 +200,21 @@ def _build(config: str, geometry: Geometry, tiers: Tiers, device: str, work_dir:
         driver = EngineDriver(NullManager(), OffloadingWorker(), dev)
         return driver, None, lambda: None
     bpb = geometry.bytes_per_block
-    raw = {"cpu_bytes": tiers.cpu_slots * bpb, "block_size": geometry.tokens_per_block,
+    raw = {"cpu_bytes": f"{tiers.cpu_slots * bpb}B", "block_size": geometry.tokens_per_block,
            "model_id": "tiered-kv-replay", "write_policy": "write_through", "promote_on_hit": promote_on_hit,
            "io_threads": tiers.io_threads}
+    if config == "cpu-arc":
+        raw["eviction_policy"] = "arc"
     if config == "cpu+disk":
         raw["disk_path"] = str(work_dir)
-        raw["disk_bytes"] = tiers.disk_slots * (-(-bpb // 4096) * 4096)
+        raw["disk_bytes"] = f"{tiers.disk_slots * (-(-bpb // 4096) * 4096)}B"
     spec = TieredOffloadingSpec(raw, gpu_block_size=geometry.gpu_block_size)
     worker = spec.build_worker(dev.kv_caches, dev.kv_before_num_blocks)
-    if config == "vllm-cpu":
+    if config in ("vllm-cpu", "vllm-cpu-arc"):
         from replay_vllm import VllmCpuManagerAdapter
-        manager = VllmCpuManagerAdapter(spec.num_cpu_slots, geometry.tokens_per_block)
-    elif config in ("cpu", "cpu+disk"):
+        manager = VllmCpuManagerAdapter(spec.num_cpu_slots, geometry.tokens_per_block,
+                                        policy="arc" if config.endswith("-arc") else "lru")
+    elif config in ("cpu", "cpu+disk", "cpu-arc"):
         manager = spec.get_manager()
     else:
         raise ValueError(f"unknown configuration {config!r}; expected one of {', '.join(CONFIGS)}")

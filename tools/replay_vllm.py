@@ -34,17 +34,17 @@ def vllm_import_error() -> str | None:
 
 
 class VllmCpuManagerAdapter(OffloadingManager):
-    """vLLM's ``CPUOffloadingManager`` (LRU, ``num_slots`` chunks of one offloaded block
-    each) presented with the seed API. ``block_size`` is the offloaded block in tokens
-    (labels events and gives key positions)."""
+    """vLLM's ``CPUOffloadingManager`` (``policy`` lru or arc, ``num_slots`` chunks of one
+    offloaded block each) presented with the seed API. ``block_size`` is the offloaded
+    block in tokens (labels events and gives key positions)."""
 
-    def __init__(self, num_slots: int, block_size: int):
+    def __init__(self, num_slots: int, block_size: int, policy: str = "lru"):
         from vllm.v1.kv_offload import base
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
         self._base = base
         self.block_size = block_size
-        self.inner = CPUOffloadingManager(num_chunks=num_slots, cache_policy="lru", enable_events=True)
+        self.inner = CPUOffloadingManager(num_chunks=num_slots, cache_policy=policy, enable_events=True)
         self._ids = itertools.count()
         self._ctx = None
         # complete_store arrives after its request finished; vLLM ignores its context.

@@ -1,5 +1,32 @@
-"""The pinned-CPU tier: an LRU manager (scheduler process) and its spec."""
+"""The pinned-CPU tier: its managers (scheduler process) and its spec.
 
+Eviction policies of the CPU tier (``eviction_policy``):
+
+============  ==========================================================================
+``lru``       least recently used first (``CPUOffloadingManager``); the default
+``arc``       adaptive replacement: recency and reuse frequency balanced by ghost hits
+              (``ARCOffloadingManager``)
+============  ==========================================================================
+
+Both never evict the blocks offered to the ``prepare_store`` call that needs room, and
+rank a stored request's head most recent.
+"""
+
+from tiered_kv.cpu.arc import ARCOffloadingManager
 from tiered_kv.cpu.manager import CPUOffloadingManager
 
-__all__ = ["CPUOffloadingManager"]
+_POLICIES = {"lru": CPUOffloadingManager, "arc": ARCOffloadingManager}
+
+
+def cpu_tier_manager(eviction_policy: str, num_slots: int, block_size: int,
+                     enable_events: bool = True) -> CPUOffloadingManager:
+    """The CPU tier's manager for ``eviction_policy`` (``lru`` or ``arc``)."""
+    try:
+        cls = _POLICIES[eviction_policy]
+    except KeyError:
+        raise ValueError(f"eviction_policy: expected one of {', '.join(_POLICIES)}, "
+                         f"got {eviction_policy!r}") from None
+    return cls(num_slots, block_size, enable_events=enable_events)
+
+
+__all__ = ["ARCOffloadingManager", "CPUOffloadingManager", "cpu_tier_manager"]

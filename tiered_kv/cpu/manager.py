@@ -10,7 +10,14 @@ ref-count (``prepare_load``/``pin``); only loadable blocks with ref-count 0 are
 evictable, so a slot is never reused while a transfer still reads or writes it.
 Recency is the order of an ``OrderedDict`` of *slots* (free slots first, then the
 others from least to most recent); eviction takes the first evictable block after the
-free slots. It is keyed by slot, not by hash, so its key set never changes: a dict
+free slots. ``ARCOffloadingManager`` (``tiered_kv.cpu.arc``) keeps another order behind
+the same hooks (``_order_*``, ``_take_victims``).
+
+Two rules of vLLM's contract shape ``prepare_store``: the blocks offered to one call
+are never its eviction victims (evicting one would leave a hole in the request's chain,
+with the blocks behind it unreachable by any prefix lookup; the call returns None
+instead), and afterwards the request's blocks are the most recent ones, its head
+(first block) most recent of all, since a prefix hit needs the head. It is keyed by slot, not by hash, so its key set never changes: a dict
 whose keys churn (256 out, 256 in per store) rebuilds itself every ``2 x capacity /
 256`` calls or so, and an ``OrderedDict`` rebuild is the slow kind (23 ms at 100k
 entries, 212 ms at 1M on the benchmark VM). Only the plain ``hash -> slot`` dict
@@ -26,7 +33,7 @@ the tier.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from itertools import filterfalse, islice
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -103,12 +110,12 @@ class CPUOffloadingManager(OffloadingManager):
         manager while iterating."""
         return map(self._hash_by_slot.__getitem__, islice(self._order, len(self._free), None))
 
-    def iter_evictable(self) -> Iterator[BlockHash]:
-        """Unpinned loadable blocks, least recent first. Lazy: do not change the
-        manager while iterating (collect what you need first)."""
-        if not self._pending and not self._readers:
+    def iter_evictable(self, protected: Collection[BlockHash] = ()) -> Iterator[BlockHash]:
+        """Unpinned loadable blocks not in ``protected``, in eviction order. Lazy: do
+        not change the manager while iterating (collect what you need first)."""
+        if not self._pending and not self._readers and not protected:
             return self.iter_lru()
-        excluded = self._pending.union(self._readers)
+        excluded = self._pending.union(self._readers, protected)
         return filterfalse(excluded.__contains__, self.iter_lru())
 
     # ---- seed API ----
@@ -128,27 +135,25 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(list(map(self._slot_by_hash.__getitem__, block_hashes)))
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
-        slot_by_hash, to_end = self._slot_by_hash, self._order.move_to_end
-        for block_hash in reversed(list(block_hashes)):  # the first ends most recent
-            slot = slot_by_hash.get(block_hash)
-            if slot is not None:
-                to_end(slot)
+        """A use of ``block_hashes`` (in request order): the first ends most recent."""
+        self._order_touch(self._present_slots(block_hashes))
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         self.unpin(block_hashes)
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        """The seed's ``prepare_store``: none of ``block_hashes`` is evicted to make room
+        (None, changing nothing, when room cannot be made otherwise); afterwards the
+        offered blocks rank most recent, the first of them most recent of all."""
+        offered = list(dict.fromkeys(block_hashes))
         blocks = self._slot_by_hash
-        new: list[BlockHash] = []
-        seen: set[BlockHash] = set()
-        for block_hash in block_hashes:
-            if block_hash not in blocks and block_hash not in seen:
-                seen.add(block_hash)
-                new.append(block_hash)
+        new = list(filterfalse(blocks.__contains__, offered))
         evicted: list[BlockHash] = []
-        slots = self._allocate(new, evicted)
+        slots = self._allocate(new, evicted, protected=offered)
         if slots is None:
             return None
+        if len(new) < len(offered):
+            self.rank_request(offered)
         return PrepareStoreOutput(new, CPULoadStoreSpec(slots), evicted)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
@@ -207,15 +212,22 @@ class CPUOffloadingManager(OffloadingManager):
                 del readers[block_hash]
                 self._num_evictable += 1
 
+    def rank_request(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Rank a stored request's blocks (in request order) most recent, the first
+        most recent of all, without counting it as a use (ARC keeps them where they
+        are in its lists)."""
+        self._order_refresh(self._present_slots(block_hashes))
+
     def allocate(self, block_hashes: list[BlockHash], evicted: list[BlockHash] | None = None, *,
-                 checked: bool = True) -> list[int] | None:
+                 checked: bool = True, protected: Collection[BlockHash] = ()) -> list[int] | None:
         """Reserve one slot per hash in ``block_hashes`` (distinct, none already here),
-        evicting least-recent unpinned blocks as needed. The new blocks are pending
-        and most recent. Returns their slots in order, or None, changing nothing, when
-        free plus evictable slots are too few. Evicted hashes are appended to
-        ``evicted`` and reported in a removed event. ``checked=False`` skips verifying
-        that the hashes are distinct and absent, for a caller that just established it
-        (``missing_among`` on a deduplicated list)."""
+        evicting unpinned blocks not in ``protected`` in eviction order as needed. The
+        new blocks are pending and most recent, the first most recent of all. Returns
+        their slots in order, or None, changing nothing, when free plus evictable
+        slots are too few. Evicted hashes are appended to ``evicted`` and reported in a
+        removed event. ``checked=False`` skips verifying that the hashes are distinct
+        and absent, for a caller that just established it (``missing_among`` on a
+        deduplicated list)."""
         block_hashes = list(block_hashes)
         if checked:
             blocks = self._slot_by_hash
@@ -224,54 +236,41 @@ class CPUOffloadingManager(OffloadingManager):
                 raise ValueError(f"allocate: block {_short(block_hash)} is already in the CPU tier")
             if len(set(block_hashes)) != len(block_hashes):
                 raise ValueError("allocate: block_hashes contains duplicates")
-        return self._allocate(block_hashes, evicted)
+        return self._allocate(block_hashes, evicted, protected=protected)
 
-    def evict(self, n: int) -> tuple[list[BlockHash], list[int]] | None:
-        """Drop the ``n`` least recent evictable blocks, report them removed, and return
-        them with their (now free) slots; None, changing nothing, if fewer than ``n``
-        are evictable."""
+    def evict(self, n: int, protected: Collection[BlockHash] = ()) -> tuple[list[BlockHash], list[int]] | None:
+        """Drop ``n`` evictable blocks not in ``protected``, in eviction order (least
+        recent first), report them removed, and return them with their (now free)
+        slots; None, changing nothing, if fewer than ``n`` qualify."""
         if n > self._num_evictable:
             return None
-        slot_by_hash, hash_by_slot, free = self._slot_by_hash, self._hash_by_slot, self._free
-        pending, readers = self._pending, self._readers
-        # Usually the n slots right after the free ones: in-flight stores are the most
-        # recent blocks, and pinned ones were just looked up.
-        slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
-        victims = list(map(hash_by_slot.__getitem__, slots))
-        if ((not pending or pending.isdisjoint(victims))
-                and (not readers or readers.keys().isdisjoint(victims))):
-            for block_hash in victims:
-                del slot_by_hash[block_hash]
-            for slot in slots:
-                hash_by_slot[slot] = None
-            free.extend(slots)
-        else:
-            victims = list(islice(self.iter_evictable(), n))
-            slots = list(map(self._release, victims))
+        taken = self._take_victims(n, protected)
+        if taken is None:
+            return None
         self._num_evictable -= n
-        self._emit(victims, removed=True)
-        return victims, slots
+        self._emit(taken[0], removed=True)
+        return taken
 
-    def _allocate(self, block_hashes: list[BlockHash],
-                  evicted: list[BlockHash] | None) -> list[int] | None:
+    def _allocate(self, block_hashes: list[BlockHash], evicted: list[BlockHash] | None,
+                  protected: Collection[BlockHash] = ()) -> list[int] | None:
         """``allocate`` for hashes known to be new and distinct."""
         need = len(block_hashes) - len(self._free)
         if need > self._num_evictable:
             return None
-        free, hash_by_slot, to_end = self._free, self._hash_by_slot, self._order.move_to_end
+        free, hash_by_slot = self._free, self._hash_by_slot
         if need > 0:
-            victims, _ = self.evict(need)
+            taken = self.evict(need, protected)
+            if taken is None:
+                return None
             if evicted is not None:
-                evicted.extend(victims)
+                evicted.extend(taken[0])
         slots = free[len(free) - len(block_hashes):][::-1]
         del free[len(free) - len(block_hashes):]
         self._slot_by_hash.update(zip(block_hashes, slots))
-        # Tail first, so a request's head ends most recent: it is what later prefix hits
-        # need, and the tail is useless without it.
-        for block_hash, slot in zip(reversed(block_hashes), reversed(slots)):
+        for block_hash, slot in zip(block_hashes, slots):
             hash_by_slot[slot] = block_hash
-            to_end(slot)
         self._pending.update(block_hashes)
+        self._order_insert(block_hashes, slots)
         return slots
 
     def remove(self, block_hash: BlockHash) -> int:
@@ -290,13 +289,64 @@ class CPUOffloadingManager(OffloadingManager):
 
     # ---- internals ----
 
+    def _present_slots(self, block_hashes: Iterable[BlockHash]) -> list[int]:
+        get = self._slot_by_hash.get
+        return [slot for slot in map(get, block_hashes) if slot is not None]
+
     def _release(self, block_hash: BlockHash) -> int:
-        """Forget ``block_hash`` and free its slot (moved among the free ones, in front)."""
+        """Forget ``block_hash`` and free its slot."""
         slot = self._slot_by_hash.pop(block_hash)
         self._hash_by_slot[slot] = None
-        self._order.move_to_end(slot, last=False)
+        self._order_release(slot)
         self._free.append(slot)
         return slot
+
+    # ---- the eviction order (LRU here; ARC overrides these) ----
+
+    def _order_insert(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
+        """New blocks (in request order) enter as the most recent, the first most recent
+        of all: it is what later prefix hits need, and the tail is useless without it."""
+        to_end = self._order.move_to_end
+        for slot in reversed(slots):
+            to_end(slot)
+
+    def _order_touch(self, slots: list[int]) -> None:
+        """A use of the blocks in ``slots`` (request order): the first ends most recent."""
+        to_end = self._order.move_to_end
+        for slot in reversed(slots):
+            to_end(slot)
+
+    _order_refresh = _order_touch  # for LRU, ranking a request is a use
+
+    def _order_release(self, slot: int) -> None:
+        """``slot`` was freed (not evicted): it joins the free ones, in front."""
+        self._order.move_to_end(slot, last=False)
+
+    def _take_victims(self, n: int, protected: Collection[BlockHash]
+                      ) -> tuple[list[BlockHash], list[int]] | None:
+        """Free the first ``n`` evictable blocks not in ``protected`` in eviction order
+        (the caller checked that ``n`` are evictable): their hashes and slots, or None,
+        changing nothing, when ``protected`` leaves fewer than ``n``."""
+        slot_by_hash, hash_by_slot, free = self._slot_by_hash, self._hash_by_slot, self._free
+        pending, readers = self._pending, self._readers
+        # Usually the n slots right after the free ones: in-flight stores are the most
+        # recent blocks, pinned ones were just looked up, and a request's own blocks
+        # were ranked most recent when it was stored.
+        slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
+        victims = list(map(hash_by_slot.__getitem__, slots))
+        if ((not pending or pending.isdisjoint(victims))
+                and (not readers or readers.keys().isdisjoint(victims))
+                and (not protected or set(protected).isdisjoint(victims))):
+            for block_hash in victims:
+                del slot_by_hash[block_hash]
+            for slot in slots:
+                hash_by_slot[slot] = None
+            free.extend(slots)
+            return victims, slots
+        victims = list(islice(self.iter_evictable(protected), n))
+        if len(victims) < n:
+            return None
+        return victims, list(map(self._release, victims))
 
     def _emit(self, block_hashes: list[BlockHash], removed: bool) -> None:
         if self._events is not None and block_hashes:

@@ -16,7 +16,7 @@ import torch
 
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.cpu import CPUOffloadingManager, cpu_tier_manager
 from tiered_kv.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
@@ -55,8 +55,8 @@ class CPUOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"cpu_bytes: {exc}") from None
 
     def get_manager(self) -> CPUOffloadingManager:
-        return CPUOffloadingManager(self.num_cpu_slots, self.offloaded_block_size,
-                                    enable_events=self.enable_events)
+        return cpu_tier_manager(self.config.eviction_policy, self.num_cpu_slots,
+                                self.offloaded_block_size, enable_events=self.enable_events)
 
     def get_handlers(
         self,

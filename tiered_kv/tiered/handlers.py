@@ -40,7 +40,7 @@ import torch
 from tiered_kv.host_memory import HostKVCache, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.specs import DiskWrites, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.specs import DiskWrites, TieredLoadSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,10 @@ class DiskStager:
     """
 
     def __init__(self, host: HostKVCache, store, rank: int, capacity_blocks: int,
-                 stats: TieredStats, synchronous: bool = False):
+                 stats: TieredStats, synchronous: bool = False, tier_name: str = "disk"):
         self.host = host
+        #: The lower tier this stager writes: names its stats and transfer type.
+        self.tier_name = tier_name
         self.store = store
         self.rank = rank
         self.stats = stats
@@ -120,8 +122,9 @@ class DiskStager:
         disk_slots = writes.disk_slots.tolist()
         buf = self._take_buffer(len(writes))
         if buf is None:
-            logger.warning("disk staging full: dropping %d disk writes on rank %d", len(writes), self.rank)
-            self.stats.count("disk", "drops", len(writes))
+            logger.warning("%s staging full: dropping %d writes on rank %d", self.tier_name, len(writes),
+                           self.rank)
+            self.stats.count(self.tier_name, "drops", len(writes))
             self._record_failed(hashes, disk_slots)
             return
         rows = buf[: len(writes)]
@@ -132,7 +135,7 @@ class DiskStager:
             logger.exception("staging %d disk writes failed on rank %d; dropping them", len(writes), self.rank)
             with self._lock:
                 self._cached.append(buf)
-            self.stats.count("disk", "drops", len(writes))
+            self.stats.count(self.tier_name, "drops", len(writes))
             self._record_failed(hashes, disk_slots)
             return
         staged = _Staged(hashes, disk_slots, rows, buf)
@@ -206,10 +209,10 @@ class DiskStager:
 
     def _committed(self, n: int, start: float, done: Future | None) -> None:
         ok = done is not None and done.exception() is None and all(done.result())
-        self.stats.record_transfer("cpu_to_disk", n * self.host.layout.bytes_per_block,
+        self.stats.record_transfer(f"cpu_to_{self.tier_name}", n * self.host.layout.bytes_per_block,
                                    time.perf_counter() - start, success=ok)
         if not ok:
-            self.stats.count("disk", "failed_stores", n)
+            self.stats.count(self.tier_name, "failed_stores", n)
         if done is not None:
             with self._wake:
                 self._committing -= 1
@@ -258,7 +261,7 @@ class _Job:
     """A parent job. ``seconds[i]``: the summed transfer time of branch ``i``'s
     finished steps; the job's time is the longest branch's (branches overlap)."""
 
-    __slots__ = ("job_id", "branches", "current", "ok", "seconds")
+    __slots__ = ("job_id", "branches", "current", "ok", "seconds", "nbytes")
 
     def __init__(self, job_id: int, branches: list[deque[Callable[[], _Step | None]]]):
         self.job_id = job_id
@@ -266,6 +269,7 @@ class _Job:
         self.current: list[_Step | None] = [None] * len(branches)
         self.ok = True
         self.seconds = [0.0] * len(branches)
+        self.nbytes = 0  # moved by its finished steps
 
 
 class _PipelineHandler(OffloadingHandler):
@@ -333,6 +337,7 @@ class _PipelineHandler(OffloadingHandler):
                         self.stats.record_transfer(step.kind, step.nbytes, seconds, result)
                     job.ok &= result
                     job.seconds[i] += seconds
+                    job.nbytes += step.nbytes if result else 0
                     job.current[i] = None
                     if not result:
                         branch.clear()  # later steps of a failed branch would act on bad data
@@ -348,7 +353,8 @@ class _PipelineHandler(OffloadingHandler):
             self._advance(job)
             if all(s is None for s in job.current) and not any(job.branches):
                 del self._jobs[job_id]
-                self._finished.append(TransferResult(job_id, job.ok, max(job.seconds) if job.ok else None))
+                self._finished.append(TransferResult(job_id, job.ok, max(job.seconds) if job.ok else None,
+                                                     job.nbytes if job.ok else None))
             else:
                 still.append(job_id)
         self._order = still
@@ -375,52 +381,88 @@ class _PipelineHandler(OffloadingHandler):
         self.wait(set(self._jobs))
 
 
+def _per_tier(handlers) -> list:
+    """One handler (or None) for the first lower tier, or a sequence of them per tier."""
+    return list(handlers) if isinstance(handlers, (list, tuple)) else [handlers]
+
+
 class TieredStoreHandler(_PipelineHandler):
-    """GPU -> CPU stores carrying spills and write-through copies (see module docstring)."""
+    """GPU -> CPU stores carrying spills and write-through copies (see module docstring).
+
+    ``stagers``: one ``DiskStager`` per lower tier, in tier order (one alone is the first
+    tier's; None where a tier has none in this process)."""
 
     def __init__(self, gpu_to_cpu: OffloadingHandler, layout_bytes_per_block: int,
-                 stager: DiskStager | None, stats: TieredStats):
+                 stagers: DiskStager | Sequence[DiskStager | None] | None, stats: TieredStats):
         super().__init__(stats, [gpu_to_cpu])
         self.gpu_to_cpu = gpu_to_cpu
         self.bytes_per_block = layout_bytes_per_block
-        self.stager = stager
+        self.stagers = _per_tier(stagers)
+
+    @property
+    def stager(self) -> DiskStager | None:
+        """The first lower tier's stager."""
+        return self.stagers[0]
+
+    @stager.setter
+    def stager(self, stager: DiskStager | None) -> None:
+        self.stagers[0] = stager
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src, dst = spec
-        spills = getattr(dst, "spills", [])
-        write_through = getattr(dst, "write_through", [])
+        spills = getattr(dst, "tier_spills", ())
+        write_through = getattr(dst, "tier_write_through", ())
         steps: deque = deque()
-        if spills and self.stager is not None:
-            steps.append(partial(self._stage_step, spills))
+        for stager, writes in zip(self.stagers, spills):
+            if writes and stager is not None:
+                steps.append(partial(self._stage_step, stager, writes))
         plain_dst = CPULoadStoreSpec(dst.block_ids)
         steps.append(partial(self._submit_inner, self.gpu_to_cpu, "gpu_to_cpu",
                              len(dst.block_ids) * self.bytes_per_block, (src, plain_dst)))
-        if write_through and self.stager is not None:
-            steps.append(partial(self._stage_step, write_through))
+        for stager, writes in zip(self.stagers, write_through):
+            if writes and stager is not None:
+                steps.append(partial(self._stage_step, stager, writes))
         return self._start(job_id, [steps])
 
-    def _stage_step(self, writes: DiskWrites) -> _Step:
-        return _Step("", 0, future=self.stager.stage(writes))
+    @staticmethod
+    def _stage_step(stager: DiskStager, writes: DiskWrites) -> _Step:
+        return _Step("", 0, future=stager.stage(writes))
 
     def shutdown(self) -> None:
         super().shutdown()
         self.gpu_to_cpu.shutdown()
-        if self.stager is not None:
-            self.stager.shutdown()
+        for stager in self.stagers:
+            if stager is not None:
+                stager.shutdown()
 
 
 class TieredLoadHandler(_PipelineHandler):
-    """Loads to GPU from CPU, disk, or both (see module docstring)."""
+    """Loads to GPU from CPU, the lower tiers, or several (see module docstring).
+
+    ``disk_to_gpu`` and ``disk_to_cpu``: the first lower tier's handlers, or a sequence
+    of them per lower tier (None where a tier has no such path); ``tier_names`` name
+    the lower tiers' transfer types (``disk``: ``disk_to_gpu``, ``disk_to_cpu``)."""
 
     def __init__(self, cpu_to_gpu: OffloadingHandler, bytes_per_block: int, block_size_factor: int,
-                 disk_to_gpu: OffloadingHandler | None, disk_to_cpu: OffloadingHandler | None,
-                 stats: TieredStats):
-        super().__init__(stats, [cpu_to_gpu, disk_to_gpu, disk_to_cpu])
+                 disk_to_gpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
+                 disk_to_cpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
+                 stats: TieredStats, tier_names: Sequence[str] = ("disk",)):
+        self.to_gpu, self.to_cpu = _per_tier(disk_to_gpu), _per_tier(disk_to_cpu)
+        super().__init__(stats, [cpu_to_gpu, *self.to_gpu, *self.to_cpu])
         self.cpu_to_gpu = cpu_to_gpu
-        self.disk_to_gpu = disk_to_gpu
-        self.disk_to_cpu = disk_to_cpu
+        self.tier_names = list(tier_names)
         self.bytes_per_block = bytes_per_block
         self.factor = block_size_factor
+
+    @property
+    def disk_to_gpu(self) -> OffloadingHandler | None:
+        """The first lower tier's handler straight to the GPU."""
+        return self.to_gpu[0]
+
+    @property
+    def disk_to_cpu(self) -> OffloadingHandler | None:
+        """The first lower tier's handler into CPU slots."""
+        return self.to_cpu[0]
 
     def _gpu_rows(self, gpu: GPULoadStoreSpec, num_blocks: int) -> np.ndarray:
         """``(N, factor)`` GPU kernel ids per offloaded block, -1 for skipped ones."""
@@ -459,26 +501,34 @@ class TieredLoadHandler(_PipelineHandler):
         bpb = self.bytes_per_block
         hashes = np.array(src.block_hashes, dtype=object)
         from_cpu = src.cpu_slots >= 0
-        promoted = (~from_cpu) & (src.promote_slots >= 0) & (self.disk_to_cpu is not None)
-        direct = (~from_cpu) & ~promoted
         branches = []
         if from_cpu.any():
             branches.append(deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", int(from_cpu.sum()) * bpb,
                                            self._cpu_to_gpu_spec(src.cpu_slots[from_cpu], rows[from_cpu]))]))
-        if direct.any():
-            if self.disk_to_gpu is None:
-                raise ValueError("load spec names disk blocks but no disk tier is configured")
-            disk_src = DiskLoadStoreSpec(src.disk_slots[direct], list(hashes[direct]))
-            branches.append(deque([partial(submit, self.disk_to_gpu, "disk_to_gpu", len(disk_src) * bpb,
-                                           (disk_src, self._disk_gpu_spec(rows[direct])))]))
-        if promoted.any():
-            disk_src = DiskLoadStoreSpec(src.disk_slots[promoted], list(hashes[promoted]))
-            slots = src.promote_slots[promoted]
-            n = len(disk_src) * bpb
-            branches.append(deque([
-                partial(submit, self.disk_to_cpu, "disk_to_cpu", n, (disk_src, CPULoadStoreSpec(slots))),
-                partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, self._cpu_to_gpu_spec(slots, rows[promoted])),
-            ]))
+        for t in np.unique(src.lower_tiers[~from_cpu]).tolist():
+            if t >= len(self.to_gpu):
+                raise ValueError(f"load spec names blocks of lower tier {t} but this worker has "
+                                 f"{len(self.to_gpu)} lower tier(s)")
+            to_gpu, to_cpu, name = self.to_gpu[t], self.to_cpu[t], self.tier_names[t]
+            here = (~from_cpu) & (src.lower_tiers == t)
+            promoted = here & (src.promote_slots >= 0) & (to_cpu is not None)
+            direct = here & ~promoted
+            if direct.any():
+                if to_gpu is None:
+                    raise ValueError(f"load spec names {name} blocks for the GPU but the {name} tier "
+                                     f"has no path there")
+                tier_src = DiskLoadStoreSpec(src.disk_slots[direct], list(hashes[direct]))
+                branches.append(deque([partial(submit, to_gpu, f"{name}_to_gpu", len(tier_src) * bpb,
+                                               (tier_src, self._disk_gpu_spec(rows[direct])))]))
+            if promoted.any():
+                tier_src = DiskLoadStoreSpec(src.disk_slots[promoted], list(hashes[promoted]))
+                slots = src.promote_slots[promoted]
+                n = len(tier_src) * bpb
+                branches.append(deque([
+                    partial(submit, to_cpu, f"{name}_to_cpu", n, (tier_src, CPULoadStoreSpec(slots))),
+                    partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n,
+                            self._cpu_to_gpu_spec(slots, rows[promoted])),
+                ]))
         return self._start(job_id, branches)
 
     def shutdown(self) -> None:

@@ -1,47 +1,57 @@
-"""TieredOffloadingManager: the CPU tier over the disk tier, as one OffloadingManager.
+"""TieredOffloadingManager: an ordered list of tiers, fastest first, as one OffloadingManager.
 
 Runs in the scheduler process. Never does block I/O, fsync or a synced index write on
 the caller's thread: it only decides, and hands the worker specs that say what to copy.
 
-How data moves, and who learns what when:
+The first tier is the CPU tier (``CPUOffloadingManager``): every block enters the
+hierarchy there, from the GPU, and every lower tier (``LowerTier``: the disk tier, a
+second disk tier, later a shared tier) is written from CPU slots. CPU only, CPU + disk
+and CPU + disk + more are the same code. How data moves, and who learns what when:
 
 - **Store**: blocks land in CPU slots (GPU -> CPU job). The job completes when its GPU
-  copy does (GPU blocks are never held on disk I/O); ``complete_store`` makes them
-  loadable from CPU.
-- **Cascade**: when CPU is full, LRU victims make room. A victim that is already durable
-  on disk, or already on its way there, is just dropped from CPU. Any other victim is
-  *spilled*: the store spec that reuses its slot lists it in ``spills``, and the worker
-  copies the slot into a staging buffer before the GPU copy overwrites it (a slot is
-  never overwritten while something still reads it). With ``write_through`` every stored
-  block is also queued for disk once it is in CPU.
-- **Disk durability** is learned from the shared disk index, not from jobs: workers
-  commit a block's index entry only after its bytes are durable on their rank, and the
-  disk manager's ``refresh()`` reads those commits: its flusher thread does so in the
-  background while writes are pending, and a lookup that meets a pending block, or a
-  store whose back-pressure bound would bite, does so at once. Until then a block is
-  *pending* on disk: not loadable from there, but as good as durable for the cascade.
-- **Back-pressure**: at most ``max_pending_disk_writes`` blocks may be waiting for a disk
-  write. Past that, write-through copies are skipped and spill victims leave the
-  hierarchy; both are counted as drops. The engine never waits for the disk.
-- **Load**: blocks come from CPU where they are, else from disk (a ``TieredLoadSpec``).
-  With ``promote_on_hit`` a disk block is also brought into a CPU slot that can be had
-  without a spill and without touching blocks pinned by loads; the slot becomes loadable
-  when the last load of that block completes successfully.
+  copy does (GPU blocks are never held on lower-tier I/O); ``complete_store`` makes
+  them loadable from CPU. A ``write_through`` lower tier also gets every stored block,
+  copied from its CPU slot once it is there.
+- **Cascade**: when CPU is full, its victims make room. A victim that some lower tier
+  holds (durable, or on its way) is just dropped from CPU. A victim is *spilled* into
+  every lower tier that lacks it (the policy of a ``write_back`` tier, and for a
+  ``write_through`` one the write it missed): the store spec that reuses its slot lists
+  it, and the worker copies the slot into a staging buffer before the GPU copy
+  overwrites it (a slot is never overwritten while something still reads it). A lower
+  tier's own victims leave the hierarchy unless CPU or another lower tier holds them.
+- **Durability** of a lower tier's blocks is learned from that tier (the disk tier:
+  its shared index, which workers commit to only after a block's bytes are durable on
+  their rank), not from jobs. Until then a block is *pending* there: not loadable from
+  it, but as good as present for the cascade.
+- **Back-pressure**: at most ``max_pending_disk_writes`` blocks may wait for a write
+  into each lower tier. Past that, write-through copies are skipped and spill victims
+  leave the hierarchy; both are counted as drops. The engine never waits for a tier.
+- **Load**: each block comes from the fastest tier that holds it (a ``TieredLoadSpec``
+  when any is below CPU). With ``promote_on_hit`` a lower-tier block is also brought
+  into a CPU slot that can be had without a spill and without touching blocks pinned
+  by loads; the slot becomes loadable when the last load of that block completes
+  successfully.
 - ``block_hashes_evicted`` lists only blocks that left the whole hierarchy.
+- **A store never evicts its own request** (vLLM's contract): the blocks offered to one
+  ``prepare_store`` are no victim in any tier, neither of the CPU cascade nor of the
+  lower-tier slots its spills and write-through copies take; where room cannot be made
+  otherwise the call returns None and changes nothing. Promotions likewise never evict
+  the blocks their load pins. Afterwards the request's CPU blocks rank most recent,
+  its head most recent of all.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import islice
 
-from tiered_kv.abstract import (BlockHash, LoadStoreSpec, OffloadingEvent, OffloadingManager,
+from tiered_kv.abstract import (BlockHash, LoadStoreSpec, LowerTier, OffloadingEvent, OffloadingManager,
                                 PrepareStoreOutput)
 from tiered_kv.config import WRITE_POLICIES
 from tiered_kv.cpu.manager import CPUOffloadingManager
-from tiered_kv.mediums import CPULoadStoreSpec
+from tiered_kv.mediums import CPU, CPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.specs import DiskWrites, TieredLoadSpec, TieredStoreSpec
 
@@ -49,279 +59,345 @@ logger = logging.getLogger(__name__)
 
 
 class TieredOffloadingManager(OffloadingManager):
-    """Composite of a ``CPUOffloadingManager`` and (optionally) a disk tier manager.
+    """Composite of a ``CPUOffloadingManager`` and the lower tiers below it, in order.
 
-    ``disk`` must offer the seed API plus ``is_loadable``, ``is_pending``,
-    ``absent_among``, ``num_pending``, ``pending_blocks``, ``refresh`` and
-    ``on_corrupt`` (see ``tiered_kv.disk.manager.DiskOffloadingManager``). Without it
-    this is the CPU tier with the same cascade bookkeeping (victims simply leave).
+    ``lower``: one ``LowerTier``, a sequence of them (fastest first), or None for the
+    CPU tier alone with the same cascade bookkeeping (victims simply leave).
+    ``write_policy``: one policy for every lower tier, or one per tier.
 
-    ``stats`` counts blocks per tier: ``lookups`` the blocks ``lookup`` asked each tier
-    about (the disk tier is asked about those CPU does not hold), ``hits`` the blocks
-    ``prepare_load`` took from it, ``stores`` the blocks placed in it (for the disk
-    tier: write-through copies and spills), ``failed_loads`` its blocks in load jobs that
-    failed (a job fails as a whole), ``checksum_failures`` the disk blocks workers found
-    corrupt (learned from the disk tier's index), and the rest as named.
+    ``stats`` counts blocks per tier (by tier name: ``cpu``, ``disk``, ...): ``lookups``
+    the blocks ``lookup`` asked each tier about (a lower tier is asked about those the
+    tiers above do not hold), ``hits`` the blocks ``prepare_load`` took from it,
+    ``stores`` the blocks placed in it (for a lower tier: write-through copies and
+    spills), ``failed_loads`` its blocks in load jobs that failed (a job fails as a
+    whole), ``checksum_failures`` the blocks workers found corrupt (learned from the
+    tier), and the rest as named.
     """
 
-    def __init__(self, cpu: CPUOffloadingManager, disk=None, *, write_policy: str = "write_through",
-                 promote_on_hit: bool = True, max_pending_disk_writes: int = 256,
-                 stats: TieredStats | None = None):
-        if write_policy not in WRITE_POLICIES:
+    def __init__(self, cpu: CPUOffloadingManager, lower: LowerTier | Sequence[LowerTier] | None = None, *,
+                 write_policy: str | Sequence[str] = "write_through", promote_on_hit: bool = True,
+                 max_pending_disk_writes: int = 1024, stats: TieredStats | None = None):
+        tiers = [] if lower is None else [lower] if not isinstance(lower, Sequence) else list(lower)
+        policies = [write_policy] * len(tiers) if isinstance(write_policy, str) else list(write_policy)
+        if isinstance(write_policy, str) and write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
+        if len(policies) != len(tiers) or any(p not in WRITE_POLICIES for p in policies):
+            raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)} per lower tier "
+                             f"({len(tiers)}), got {write_policy!r}")
         if max_pending_disk_writes < 1:
             raise ValueError(f"max_pending_disk_writes must be >= 1, got {max_pending_disk_writes}")
+        names = [t.name for t in tiers]
+        if len(set(names + [CPU.lower()])) != len(names) + 1:
+            raise ValueError(f"every tier needs its own name; got cpu, {', '.join(names)}")
         self.cpu = cpu
-        self.disk = disk
-        self._write_policy = write_policy
+        self.lower = tiers
+        self.write_policies = tuple(policies)
         self.promote_on_hit = promote_on_hit
         self.max_pending_disk_writes = max_pending_disk_writes
         self.stats = stats if stats is not None else TieredStats()
-        # Blocks of an in-flight store that carry a write-through disk slot.
-        self._write_through: set[BlockHash] = set()
-        # Outstanding loads per block, by tier. For one block they are all CPU or all disk:
-        # a CPU-resident block is pinned there, and a promotion completes only once no disk
-        # load of the block is outstanding.
+        # Per lower tier: blocks of an in-flight store that carry a write-through slot there.
+        self._write_through: list[set[BlockHash]] = [set() for _ in tiers]
+        # Outstanding loads per block: from CPU, and from each lower tier. For one block
+        # they all come from one tier: a CPU-resident block is pinned there, and a
+        # promotion completes only once no lower-tier load of the block is outstanding.
         self._cpu_loads: Counter[BlockHash] = Counter()
-        self._disk_loads: Counter[BlockHash] = Counter()
+        self._lower_loads: list[Counter[BlockHash]] = [Counter() for _ in tiers]
         # Promotions in flight: block -> whether every load of it has succeeded so far.
         self._promoting: dict[BlockHash, bool] = {}
-        # With write_back, the CPU blocks that may also be on disk: the promoted ones. Only
-        # a spill writes a block to disk then, and a spilled block leaves CPU; so any other
-        # CPU block is known to be absent there, and evicting it needs no disk lookup.
-        self._from_disk: set[BlockHash] = set()
-        if disk is not None:
-            disk.on_corrupt = self._count_corrupt
+        # Where no lower tier is write-through, the CPU blocks that may also be in one:
+        # the promoted ones. Only a spill writes a block down then, and a spilled block
+        # leaves CPU; so any other CPU block is absent below, and evicting it needs no
+        # lower-tier lookup.
+        self._write_back_only = bool(tiers) and all(p == "write_back" for p in policies)
+        self._from_lower: set[BlockHash] = set()
+        for tier in tiers:
+            tier.on_corrupt = lambda hashes, name=tier.name: self.stats.count(name, "checksum_failures",
+                                                                              len(hashes))
+
+    @property
+    def disk(self) -> LowerTier | None:
+        """The first lower tier (the disk tier in the usual stack), or None."""
+        return self.lower[0] if self.lower else None
 
     @property
     def write_policy(self) -> str:
-        """``write_through`` or ``write_back``, fixed at construction."""
-        return self._write_policy
+        """The first lower tier's policy (``write_through`` where there is none)."""
+        return self.write_policies[0] if self.lower else "write_through"
 
     # ------------------------------------------------------------------ queries
 
-    def _on_disk(self, block_hash: BlockHash) -> bool:
-        return self.disk is not None and self.disk.is_loadable(block_hash)
+    def _refresh_lower(self) -> None:
+        """Fold in lower-tier write outcomes the workers have committed."""
+        for tier in self.lower:
+            if tier.num_pending():
+                tier.refresh()
 
-    def _refresh_disk(self) -> None:
-        """Fold in disk-write outcomes the workers have committed to the index."""
-        if self.disk is not None and self.disk.num_pending():
-            self.disk.refresh()
-
-    def _disk_budget(self, wanted: int) -> int:
-        """How many of ``wanted`` more blocks may wait for a disk write now. Reads the
-        workers' outcomes first when the bound would bite, so no block is dropped for
-        news not yet read."""
-        if self.disk.num_pending() + wanted > self.max_pending_disk_writes:
-            self._refresh_disk()
-        return min(wanted, max(self.max_pending_disk_writes - self.disk.num_pending(), 0))
-
-    def _count_corrupt(self, block_hashes: list[BlockHash]) -> None:
-        self.stats.count("disk", "checksum_failures", len(block_hashes))
+    def _budget(self, tier: LowerTier, wanted: int) -> int:
+        """How many of ``wanted`` more blocks may wait for a write into ``tier`` now.
+        Reads the workers' outcomes first when the bound would bite, so no block is
+        dropped for news not yet read."""
+        if tier.num_pending() + wanted > self.max_pending_disk_writes:
+            tier.refresh()
+        return min(wanted, max(self.max_pending_disk_writes - tier.num_pending(), 0))
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
-        hits = asked_disk = 0
-        missed = refreshed = False
+        hits = 0
+        missed = False
+        asked = [0] * len(self.lower)
+        refreshed = [False] * len(self.lower)
         for block_hash in block_hashes:
             if self.cpu.is_loadable(block_hash):
                 hits += 1
                 continue
-            if self.disk is not None:
-                asked_disk += 1
-                if self.disk.is_loadable(block_hash):
-                    hits += 1
-                    continue
-                if not refreshed and self.disk.is_pending(block_hash):
-                    refreshed = True
-                    self._refresh_disk()
-                    if self.disk.is_loadable(block_hash):
-                        hits += 1
-                        continue
-            missed = True
-            break
+            found = False
+            for i, tier in enumerate(self.lower):
+                asked[i] += 1
+                if tier.is_loadable(block_hash):
+                    found = True
+                    break
+                if not refreshed[i] and tier.is_pending(block_hash):
+                    refreshed[i] = True
+                    tier.refresh()
+                    if tier.is_loadable(block_hash):
+                        found = True
+                        break
+            if not found:
+                missed = True
+                break
+            hits += 1
         self.stats.count("cpu", "lookups", hits + missed)
-        self.stats.count("disk", "lookups", asked_disk)
+        for tier, n in zip(self.lower, asked):
+            self.stats.count(tier.name, "lookups", n)
         return hits
 
-    def hit_medium(self, block_hash: BlockHash) -> str | None:
-        """Which tier would serve ``block_hash`` now: ``"CPU"``, ``"DISK"`` or None."""
-        if self.cpu.is_loadable(block_hash):
-            return "CPU"
-        if self._on_disk(block_hash):
-            return "DISK"
+    def _holder(self, block_hash: BlockHash) -> int | None:
+        """The index of the fastest lower tier that can serve ``block_hash``, or None."""
+        for i, tier in enumerate(self.lower):
+            if tier.is_loadable(block_hash):
+                return i
         return None
+
+    def hit_medium(self, block_hash: BlockHash) -> str | None:
+        """Which tier would serve ``block_hash`` now: ``"CPU"``, a lower tier's medium
+        (``"DISK"``), or None."""
+        if self.cpu.is_loadable(block_hash):
+            return CPU
+        i = self._holder(block_hash)
+        return None if i is None else self.lower[i].medium
 
     # ------------------------------------------------------------------ loads
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         block_hashes = list(block_hashes)
-        sources = [self.hit_medium(h) for h in block_hashes]
+        sources = [-1 if self.cpu.is_loadable(h) else self._holder(h) for h in block_hashes]
         for block_hash, source in zip(block_hashes, sources):
             if source is None:
                 raise KeyError(f"block {block_hash.hex()[:16]} is not offloaded; "
                                f"prepare_load needs blocks that lookup() reported")
-        cpu_hashes = [h for h, s in zip(block_hashes, sources) if s == "CPU"]
+        cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
         self._cpu_loads.update(cpu_hashes)
         self.stats.count("cpu", "hits", len(cpu_hashes))
         if len(cpu_hashes) == len(block_hashes):
             return CPULoadStoreSpec([self.cpu.slot_of(h) for h in block_hashes])
 
-        disk_hashes = [h for h, s in zip(block_hashes, sources) if s == "DISK"]
-        disk_spec = self.disk.prepare_load(disk_hashes)
-        disk_slot = dict(zip(disk_hashes, disk_spec.id_list()))
-        self._disk_loads.update(disk_hashes)
-        self.stats.count("disk", "hits", len(disk_hashes))
-        promote_slot = self._start_promotions(disk_hashes) if self.promote_on_hit else {}
+        lower_slot: dict[BlockHash, int] = {}
+        lower_hashes: list[BlockHash] = []
+        for i, tier in enumerate(self.lower):
+            hashes = [h for h, s in zip(block_hashes, sources) if s == i]
+            if not hashes:
+                continue
+            spec = tier.prepare_load(hashes)
+            lower_slot.update(zip(hashes, spec.id_list()))
+            self._lower_loads[i].update(hashes)
+            self.stats.count(tier.name, "hits", len(hashes))
+            lower_hashes.extend(hashes)
+        promote_slot = self._start_promotions(lower_hashes) if self.promote_on_hit else {}
         return TieredLoadSpec(
-            cpu_slots=[self.cpu.slot_of(h) if s == "CPU" else -1 for h, s in zip(block_hashes, sources)],
-            disk_slots=[disk_slot.get(h, -1) for h in block_hashes],
+            cpu_slots=[self.cpu.slot_of(h) if s < 0 else -1 for h, s in zip(block_hashes, sources)],
+            disk_slots=[lower_slot.get(h, -1) for h in block_hashes],
             promote_slots=[promote_slot.get(h, -1) for h in block_hashes],
             block_hashes=block_hashes,
+            lower_tiers=[max(s, 0) for s in sources],
         )
 
-    def _start_promotions(self, disk_hashes: list[BlockHash]) -> dict[BlockHash, int]:
-        """Reserve CPU slots for disk blocks being loaded, using only free slots and
-        victims that are durable on disk (no spill, no pinned block)."""
-        wanted = list(dict.fromkeys(h for h in disk_hashes
+    def _start_promotions(self, lower_hashes: list[BlockHash]) -> dict[BlockHash, int]:
+        """Reserve CPU slots for lower-tier blocks being loaded, using only free slots and
+        victims that a lower tier holds (no spill, no pinned block)."""
+        wanted = list(dict.fromkeys(h for h in lower_hashes
                                     if h not in self.cpu and h not in self._promoting))
         if not wanted:
             return {}
-        wanted = wanted[: self.cpu.num_free_slots() + self._droppable_count(len(wanted))]
-        self._make_room(len(wanted), allow_spill=False)
-        slots = self.cpu.allocate(wanted)
+        protected = set(lower_hashes)
+        wanted = wanted[: self.cpu.num_free_slots() + self._droppable_count(len(wanted), protected)]
+        self._make_room(len(wanted), allow_spill=False, protected=protected)
+        slots = self.cpu.allocate(wanted, protected=protected)
         if slots is None:  # the CPU tier is busy with pinned blocks: load without promotion
             return {}
         for block_hash in wanted:
             self._promoting[block_hash] = True
-        if self.write_policy == "write_back":
-            self._from_disk.update(wanted)
+        if self._write_back_only:
+            self._from_lower.update(wanted)
         self.stats.count("cpu", "promotions", len(wanted))
         return dict(zip(wanted, slots))
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Unpin blocks of a finished load. ``success=False`` (an extension of the seed
         API) says the load job failed, so promotions it carried are abandoned."""
-        cpu_done, disk_done = [], []
+        cpu_done: list[BlockHash] = []
+        lower_done: list[list[BlockHash]] = [[] for _ in self.lower]
         for block_hash in block_hashes:
             if self._cpu_loads[block_hash] > 0:
                 self._cpu_loads[block_hash] -= 1
                 if not self._cpu_loads[block_hash]:
                     del self._cpu_loads[block_hash]
                 cpu_done.append(block_hash)
-            elif self._disk_loads[block_hash] > 0:
-                self._disk_loads[block_hash] -= 1
-                disk_done.append(block_hash)
-                if block_hash in self._promoting:
-                    self._promoting[block_hash] &= success
-                if not self._disk_loads[block_hash]:
-                    del self._disk_loads[block_hash]
+                continue
+            for loads, done in zip(self._lower_loads, lower_done):
+                if loads[block_hash] > 0:
+                    loads[block_hash] -= 1
+                    done.append(block_hash)
                     if block_hash in self._promoting:
-                        promoted = self._promoting.pop(block_hash)
-                        self.cpu.complete_store([block_hash], success=promoted)
-                        if not promoted:
-                            self._from_disk.discard(block_hash)
+                        self._promoting[block_hash] &= success
+                    if not loads[block_hash]:
+                        del loads[block_hash]
+                        if block_hash in self._promoting:
+                            promoted = self._promoting.pop(block_hash)
+                            self.cpu.complete_store([block_hash], success=promoted)
+                            if not promoted:
+                                self._from_lower.discard(block_hash)
+                    break
         if cpu_done:
             self.cpu.complete_load(cpu_done)
-        if disk_done:
-            self.disk.complete_load(disk_done)
+        for tier, done in zip(self.lower, lower_done):
+            if done:
+                tier.complete_load(done)
         if not success:
             self.stats.count("cpu", "failed_loads", len(cpu_done))
-            self.stats.count("disk", "failed_loads", len(disk_done))
-            # A failed disk read may mean a corrupt block that the worker dropped from the index.
-            if self.disk is not None:
-                self.disk.refresh()
+            for tier, done in zip(self.lower, lower_done):
+                self.stats.count(tier.name, "failed_loads", len(done))
+                if done:
+                    # A failed read may mean a corrupt block the worker dropped from the index.
+                    tier.refresh()
 
     # ------------------------------------------------------------------ stores
 
-    def _droppable_count(self, limit: int) -> int:
-        """How many of the next LRU CPU victims could go without a spill (durable on
-        disk or already queued there), up to ``limit``."""
-        victims = list(islice(self.cpu.iter_evictable(), limit))
-        unsafe = set(self._absent_from_disk(victims))
+    def _droppable_count(self, limit: int, protected: set[BlockHash]) -> int:
+        """How many of the next CPU victims (none in ``protected``) could go without a
+        spill (a lower tier holds them or is getting them), up to ``limit``."""
+        victims = list(islice(self.cpu.iter_evictable(protected), limit))
+        unsafe = set(self._in_no_lower_tier(victims))
         return next((i for i, victim in enumerate(victims) if victim in unsafe), len(victims))
 
-    def _make_room(self, needed: int, allow_spill: bool) -> tuple[DiskWrites, list[BlockHash]] | None:
-        """Free ``needed`` CPU slots by cascading LRU victims. Returns the spills to carry
-        and the blocks that left the hierarchy, or None (changing nothing) if there are
-        not enough unpinned victims."""
+    def _in_no_lower_tier(self, cpu_blocks: list[BlockHash]) -> list[BlockHash]:
+        """The members of ``cpu_blocks`` that no lower tier holds or is getting."""
+        absent = cpu_blocks
+        for i in range(len(self.lower)):
+            if not absent:
+                break
+            absent = self._absent_from(i, absent)
+        return list(absent)
+
+    def _absent_from(self, i: int, cpu_blocks: list[BlockHash]) -> list[BlockHash]:
+        """The members of ``cpu_blocks`` (in CPU now) that are neither loadable nor
+        pending in lower tier ``i``, in order."""
+        if not self._write_back_only:
+            return self.lower[i].absent_among(cpu_blocks)
+        maybe = self._from_lower.intersection(cpu_blocks) if self._from_lower else ()
+        if not maybe:
+            return list(cpu_blocks)
+        absent = set(self.lower[i].absent_among(maybe))
+        return [h for h in cpu_blocks if h not in maybe or h in absent]
+
+    def _left_hierarchy(self, evicted_from: int, hashes: list[BlockHash]) -> list[BlockHash]:
+        """The members of ``hashes`` (just evicted from lower tier ``evicted_from``) that
+        neither CPU nor another lower tier holds: they left the hierarchy."""
+        if not hashes:
+            return []
+        if self._write_back_only and not self._from_lower:
+            gone = list(hashes)  # no CPU block is also below: these are not in CPU
+        else:
+            gone = self.cpu.missing_among(hashes)
+        for i, tier in enumerate(self.lower):
+            if i != evicted_from and gone:
+                gone = tier.absent_among(gone)
+        return gone
+
+    def _make_room(self, needed: int, allow_spill: bool, protected: set[BlockHash]
+                   ) -> tuple[list[DiskWrites], list[BlockHash]] | None:
+        """Free ``needed`` CPU slots by cascading victims, none of them in ``protected``
+        (nor evicted from a lower tier to take a spill). Returns the spills to carry, per
+        lower tier, and the blocks that left the hierarchy, or None (changing nothing)
+        if there are not enough unpinned victims."""
+        spills = [DiskWrites() for _ in self.lower]
         shortfall = needed - self.cpu.num_free_slots()
         if shortfall <= 0:
-            return DiskWrites(), []
-        evicted_from_cpu = self.cpu.evict(shortfall)
+            return spills, []
+        evicted_from_cpu = self.cpu.evict(shortfall, protected)
         if evicted_from_cpu is None:
             return None
         victims, cpu_slots = evicted_from_cpu
         self.stats.count("cpu", "evictions", len(victims))
-        spills = DiskWrites()
-        if self.disk is None:
+        if not self.lower:
             self.stats.count("cpu", "drops", len(victims))
             return spills, victims
-        # Victims already durable on disk, or on their way there, are simply gone from CPU.
-        unsafe = self._absent_from_disk(victims)
-        if self._from_disk:
-            self._from_disk.difference_update(victims)
-        if not unsafe:
-            return spills, []
-        budget = self._disk_budget(len(unsafe)) if allow_spill else 0
-        out = self.disk.prepare_store(unsafe[:budget], fresh=True) if budget else None
-        evicted = unsafe
-        if out is not None:
+        held: set[BlockHash] = set()  # victims some lower tier holds or now gets
+        gone: list[BlockHash] = []
+        cpu_slot = None
+        for i, tier in enumerate(self.lower):
+            unsafe = self._absent_from(i, victims)
+            if len(unsafe) < len(victims):
+                if len(held) < len(victims):
+                    unsafe_set = set(unsafe)
+                    held.update(h for h in victims if h not in unsafe_set)
+            if not unsafe:
+                continue
+            budget = self._budget(tier, len(unsafe)) if allow_spill else 0
+            out = tier.prepare_store(unsafe[:budget], fresh=True, protected=protected) if budget else None
+            if out is None:
+                continue
             spilled = out.block_hashes_to_store
             if spilled == victims:  # write_back's usual case: every victim spills
                 spill_slots = cpu_slots
             else:
-                cpu_slot = dict(zip(victims, cpu_slots))
+                if cpu_slot is None:
+                    cpu_slot = dict(zip(victims, cpu_slots))
                 spill_slots = list(map(cpu_slot.__getitem__, spilled))
-            spills = DiskWrites(spill_slots, out.store_spec.id_list(), spilled)
-            if len(spilled) < len(unsafe):
-                spilled_set = set(spilled)
-                evicted = [h for h in unsafe if h not in spilled_set]
-            else:
-                evicted = []
-            evicted.extend(self._gone_from_cpu(out.block_hashes_evicted))
-            self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
-        self.stats.count("cpu", "spills", len(spills))
-        self.stats.count("disk", "stores", len(spills))
+            spills[i] = DiskWrites(spill_slots, out.store_spec.id_list(), spilled)
+            held.update(spilled)
+            gone.extend(self._left_hierarchy(i, out.block_hashes_evicted))
+            self.stats.count(tier.name, "evictions", len(out.block_hashes_evicted))
+            self.stats.count(tier.name, "stores", len(spilled))
+            self.stats.count("cpu", "spills", len(spilled))
+        if self._from_lower:
+            self._from_lower.difference_update(victims)
+        evicted = [h for h in victims if h not in held] if len(held) < len(victims) else []
         self.stats.count("cpu", "drops", len(evicted))
+        evicted.extend(gone)
         return spills, evicted
 
-    def _gone_from_cpu(self, disk_evicted: list[BlockHash]) -> list[BlockHash]:
-        """The members of ``disk_evicted`` that are not in CPU either: they left the
-        hierarchy. With write_back only promoted blocks can be in both tiers, so the
-        others need no CPU lookup."""
-        if self.write_policy != "write_back":
-            return self.cpu.missing_among(disk_evicted)
-        both = self._from_disk
-        if not both:
-            return list(disk_evicted)
-        return [h for h in disk_evicted if h not in both or h not in self.cpu]
-
-    def _absent_from_disk(self, cpu_blocks: list[BlockHash]) -> list[BlockHash]:
-        """The members of ``cpu_blocks`` (in CPU now) that are neither loadable nor
-        pending on disk, in order: the ones an eviction must spill."""
-        if self.write_policy != "write_back":
-            return self.disk.absent_among(cpu_blocks)
-        maybe = self._from_disk.intersection(cpu_blocks) if self._from_disk else ()
-        if not maybe:
-            return list(cpu_blocks)
-        absent = set(self.disk.absent_among(maybe))
-        return [h for h in cpu_blocks if h not in maybe or h in absent]
-
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        to_store = self.cpu.missing_among(dict.fromkeys(block_hashes))
-        if self.disk is not None and to_store:
-            to_store = self.disk.absent_among(to_store)
+        offered = list(dict.fromkeys(block_hashes))
+        to_store = self.cpu.missing_among(offered)
+        for tier in self.lower:
+            if not to_store:
+                break
+            to_store = tier.absent_among(to_store)
         if not to_store:
+            self.cpu.rank_request(offered)
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
-        room = self._make_room(len(to_store), allow_spill=True)
+        protected = set(offered)
+        room = self._make_room(len(to_store), allow_spill=True, protected=protected)
         if room is None:
             return None
         spills, evicted = room
         slots = self.cpu.allocate(to_store, checked=False)  # distinct, and missing from CPU
         if slots is None:  # cannot happen after _make_room; keep the contract anyway
             raise RuntimeError("CPU tier refused an allocation it had room for")
-        write_through = self._plan_write_through(to_store, slots, evicted)
+        if len(to_store) < len(offered):
+            self.cpu.rank_request(offered)
+        write_through = [self._plan_write_through(i, to_store, slots, evicted, protected)
+                         for i in range(len(self.lower))]
         self.stats.count("cpu", "stores", len(to_store))
         return PrepareStoreOutput(
             block_hashes_to_store=to_store,
@@ -329,13 +405,14 @@ class TieredOffloadingManager(OffloadingManager):
             block_hashes_evicted=evicted,
         )
 
-    def _plan_write_through(self, to_store: list[BlockHash], cpu_slots: list[int],
-                            evicted: list[BlockHash]) -> DiskWrites:
-        if self.write_policy != "write_through" or self.disk is None:
+    def _plan_write_through(self, i: int, to_store: list[BlockHash], cpu_slots: list[int],
+                            evicted: list[BlockHash], protected: set[BlockHash]) -> DiskWrites:
+        if self.write_policies[i] != "write_through":
             return DiskWrites()
-        candidates = to_store[:self._disk_budget(len(to_store))]
+        tier = self.lower[i]
+        candidates = to_store[:self._budget(tier, len(to_store))]
         skipped = len(to_store) - len(candidates)
-        out = self.disk.prepare_store(candidates, fresh=True) if candidates else None
+        out = tier.prepare_store(candidates, fresh=True, protected=protected) if candidates else None
         if out is None:
             skipped = len(to_store)
             writes = DiskWrites()
@@ -343,13 +420,13 @@ class TieredOffloadingManager(OffloadingManager):
             cpu_slot = dict(zip(to_store, cpu_slots))
             writes = DiskWrites(list(map(cpu_slot.__getitem__, out.block_hashes_to_store)),
                                 out.store_spec.id_list(), out.block_hashes_to_store)
-            # Disk evictions here only remove blocks that are no longer in CPU either.
-            evicted.extend(self._gone_from_cpu(out.block_hashes_evicted))
-            self.stats.count("disk", "evictions", len(out.block_hashes_evicted))
+            # Evictions here only remove blocks no other tier holds.
+            evicted.extend(self._left_hierarchy(i, out.block_hashes_evicted))
+            self.stats.count(tier.name, "evictions", len(out.block_hashes_evicted))
         if skipped:
-            self.stats.count("disk", "drops", skipped)
-        self._write_through.update(writes.block_hashes)
-        self.stats.count("disk", "stores", len(writes))
+            self.stats.count(tier.name, "drops", skipped)
+        self._write_through[i].update(writes.block_hashes)
+        self.stats.count(tier.name, "stores", len(writes))
         return writes
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
@@ -357,43 +434,46 @@ class TieredOffloadingManager(OffloadingManager):
         self.cpu.complete_store(block_hashes, success)
         if not success:
             self.stats.count("cpu", "failed_stores", len(block_hashes))
-        abandoned = [h for h in block_hashes if h in self._write_through]
-        self._write_through.difference_update(abandoned)
-        if not success and abandoned:
-            # The worker never had the bytes to write: release the reserved disk slots.
-            self.disk.complete_store(abandoned, success=False)
+        for tier, pending in zip(self.lower, self._write_through):
+            if not pending:
+                continue
+            abandoned = [h for h in block_hashes if h in pending]
+            pending.difference_update(abandoned)
+            if not success and abandoned:
+                # The worker never had the bytes to write: release the reserved slots.
+                tier.complete_store(abandoned, success=False)
 
     # ------------------------------------------------------------------ misc
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         block_hashes = list(block_hashes)
         self.cpu.touch(block_hashes)
-        if self.disk is not None:
-            self.disk.touch(block_hashes)
+        for tier in self.lower:
+            tier.touch(block_hashes)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = list(self.cpu.take_events())
-        if self.disk is not None:
-            events.extend(self.disk.take_events())
+        for tier in self.lower:
+            events.extend(tier.take_events())
         return events
 
     def pending_disk_writes(self) -> int:
-        """Blocks queued for a disk write whose outcome the index has not shown yet."""
-        self._refresh_disk()
-        return self.disk.num_pending() if self.disk is not None else 0
+        """Blocks queued for a lower-tier write whose outcome the tier has not shown yet."""
+        self._refresh_lower()
+        return sum(tier.num_pending() for tier in self.lower)
 
     def pending_disk_blocks(self) -> set[BlockHash]:
         """The blocks counted by ``pending_disk_writes`` (a copy)."""
-        self._refresh_disk()
-        return self.disk.pending_blocks() if self.disk is not None else set()
+        self._refresh_lower()
+        return set().union(*(tier.pending_blocks() for tier in self.lower))
 
     def used_blocks(self) -> dict[str, int]:
         used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}
-        if self.disk is not None:
-            used["disk"] = self.disk.capacity - self.disk.num_free_slots()
+        for tier in self.lower:
+            used[tier.name] = tier.capacity - tier.num_free_slots()
         return used
 
     def shutdown(self) -> None:
-        if self.disk is not None:
-            self.disk.shutdown()
+        for tier in self.lower:
+            tier.shutdown()
         self.cpu.shutdown()

@@ -1,28 +1,32 @@
-"""TieredOffloadingSpec: the three-tier hierarchy GPU <-> CPU <-> disk from one config.
+"""TieredOffloadingSpec: the hierarchy GPU <-> CPU <-> lower tiers from one config.
 
 Constructed in every process from the same config, ``engine_id``, rank and TP size.
-``get_manager`` (scheduler process) opens the disk namespace, takes its writer lock and
-loads its index; ``get_handlers`` (worker process) allocates the host tensors, opens the
-same namespace for this rank's block I/O and yields the handlers. Without ``disk_path``
-it is the CPU tier alone with the composite's bookkeeping.
+The lower tiers are an ordered list of tier specs (``DiskTier``: the config's disk tier
+where ``disk_path`` is set, then any given in ``lower_tiers``). ``get_manager``
+(scheduler process) has each build its manager (the disk tier opens its namespace,
+takes its writer lock and loads its index); ``get_handlers`` (worker process)
+allocates the host tensors, has each open its worker side (this rank's block I/O) and
+yields the composite's handlers. Without lower tiers it is the CPU tier alone with the
+composite's bookkeeping.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
+from tiered_kv.disk.tier import DiskTier
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
+from tiered_kv.tiered.handlers import TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.specs import TieredLoadSpec
 from tiered_kv.worker.worker import OffloadingHandler
@@ -34,37 +38,63 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
     ``rank``/``tp_size``: this process's tensor-parallel rank and the TP size (part of
     the disk fingerprint). ``engine_id``: shared by the scheduler and its workers so the
     workers may write while the scheduler holds the cache's writer lock.
+    ``lower_tiers``: more tier specs below the config's disk tier, fastest first, each
+    with its own name (e.g. a second ``DiskTier`` on another directory).
     ``stats`` is shared by the manager and the handlers built by this spec.
     """
 
     def __init__(self, config: TieredConfig | Mapping[str, Any], gpu_block_size: int,
                  layout: KVCacheLayout | None = None, *, rank: int = 0, tp_size: int = 1,
-                 engine_id: str | None = None, enable_events: bool = True):
+                 engine_id: str | None = None, enable_events: bool = True,
+                 lower_tiers: Sequence[DiskTier] = ()):
         super().__init__(config, gpu_block_size, layout, enable_events)
         if tp_size < 1 or not 0 <= rank < tp_size:
             raise ConfigError(f"rank {rank} / tp_size {tp_size}: expected 0 <= rank < tp_size")
         self.rank, self.tp_size = rank, tp_size
         self.engine_id = engine_id or uuid.uuid4().hex
         self.stats = TieredStats()
-        self.store = None  # this worker's DiskStore, once get_handlers ran
+        self._extra_tiers = list(lower_tiers)
+        self._lower: list[DiskTier] | None = None
 
     def _fingerprint(self):
         from tiered_kv.disk.fingerprint import Fingerprint
         return Fingerprint.from_config(self.config, self.layout, self.tp_size)
 
+    @property
+    def lower_tiers(self) -> list[DiskTier]:
+        """The lower tiers' specs, fastest first (built once the KV layout is known)."""
+        if self._lower is None:
+            own = []
+            if self.config.disk_path:
+                own.append(DiskTier(self.config, self._fingerprint(), self.layout, self.engine_id,
+                                    rank=self.rank, enable_events=self.enable_events))
+            self._lower = own + self._extra_tiers
+        return self._lower
+
+    @property
+    def store(self):
+        """This worker's store of the first lower tier, once ``get_handlers`` ran."""
+        return self.lower_tiers[0].store if self.lower_tiers else None
+
     def get_manager(self) -> TieredOffloadingManager:
-        cpu = CPUOffloadingManager(self.num_cpu_slots, self.offloaded_block_size,
-                                   enable_events=self.enable_events)
-        disk = None
-        if self.config.disk_path:
-            from tiered_kv.disk.manager import DiskOffloadingManager
-            disk = DiskOffloadingManager(
-                self.config.disk_path, self._fingerprint(), self.layout,
-                disk_bytes=self.config.disk_bytes, checksum=self.config.checksum,
-                engine_id=self.engine_id, enable_events=self.enable_events)
+        cpu = cpu_tier_manager(self.config.eviction_policy, self.num_cpu_slots,
+                               self.offloaded_block_size, enable_events=self.enable_events)
+        lower = []
+        try:
+            for tier in self.lower_tiers:
+                lower.append(tier.get_manager())
+        except BaseException:
+            for manager in lower:
+                manager.shutdown()
+            raise
         return TieredOffloadingManager(
-            cpu, disk, write_policy=self.config.write_policy, promote_on_hit=self.config.promote_on_hit,
+            cpu, lower, write_policy=self.config.write_policy, promote_on_hit=self.config.promote_on_hit,
             max_pending_disk_writes=self.config.max_pending_disk_writes, stats=self.stats)
+
+    def close(self) -> None:
+        """Close the workers' lower-tier stores opened by ``get_handlers``."""
+        for tier in self.lower_tiers:
+            tier.close()
 
     def _host_shared(self) -> bool:
         return bool(self.config.disk_path) and self.config.disk_io == "process"
@@ -76,21 +106,12 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         cpu_gpu = self._cpu_gpu_handlers(kv_caches, kv_before_num_blocks)
         layout = self.layout
-        stager = disk_to_gpu = disk_to_cpu = None
-        if self.config.disk_path:
-            from tiered_kv.disk.io_process import open_worker_store
-            from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
-            self.store = open_worker_store(self.config, self._fingerprint(), layout, self.engine_id)
-            gpu_tensors = [kv_caches[l.name] for l in layout.layers]
-            disk_to_gpu = GpuDiskHandler(self.store, self.rank, gpu_tensors, layout)
-            disk_to_cpu = CpuDiskHandler(self.store, self.rank, self.host, layout)
-            # Twice the manager's bound: a buffer returns a moment after the manager may
-            # already have seen its block's index commit and queued the next write.
-            stager = DiskStager(self.host, self.store, self.rank, 2 * self.config.max_pending_disk_writes,
-                                self.stats)
-        store = TieredStoreHandler(cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block, stager, self.stats)
+        workers = [tier.get_worker(self.host, kv_caches, self.stats) for tier in self.lower_tiers]
+        store = TieredStoreHandler(cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block,
+                                   [w.stager for w in workers] or None, self.stats)
         load = TieredLoadHandler(cpu_gpu.cpu_to_gpu_handler, layout.bytes_per_block, layout.block_size_factor,
-                                 disk_to_gpu, disk_to_cpu, self.stats)
+                                 [w.to_gpu for w in workers] or None, [w.to_cpu for w in workers] or None,
+                                 self.stats, tier_names=[t.name for t in self.lower_tiers] or ("disk",))
         yield GPULoadStoreSpec, CPULoadStoreSpec, store
         yield CPULoadStoreSpec, GPULoadStoreSpec, load
         yield TieredLoadSpec, GPULoadStoreSpec, load

@@ -59,50 +59,77 @@ class DiskWrites:
         return f"DiskWrites({list(self)!r})"
 
 
-class TieredStoreSpec(CPULoadStoreSpec):
-    """Where a GPU -> CPU store lands, plus the disk writes it carries.
+def _per_tier(writes) -> tuple[DiskWrites, ...]:
+    """Writes per lower tier: one ``DiskWrites`` (or a list of ``DiskWrite``) is the first
+    lower tier's; a tuple or list of ``DiskWrites`` is one per tier, in tier order."""
+    if isinstance(writes, DiskWrites):
+        return (writes,)
+    writes = list(writes)
+    if writes and all(isinstance(w, DiskWrites) for w in writes):
+        return tuple(writes)
+    return (DiskWrites.of(writes),)
 
-    ``spills``: CPU slots whose previous block must be copied out (staged for its disk
-    write) *before* this store overwrites them. ``write_through``: blocks of this store
-    to write to disk once they are in CPU. The store job completes when its GPU copy and
-    the staging copies are done; disk writes finish later and are learned through the
-    disk index, never by holding the job.
+
+class TieredStoreSpec(CPULoadStoreSpec):
+    """Where a GPU -> CPU store lands, plus the lower-tier writes it carries.
+
+    ``spills[t]``: CPU slots whose previous block must be copied out (staged for its
+    write into lower tier ``t``) *before* this store overwrites them.
+    ``write_through[t]``: blocks of this store to write into lower tier ``t`` once they
+    are in CPU. The store job completes when its GPU copy and the staging copies are
+    done; the writes finish later and are learned through each tier's index, never by
+    holding the job. ``spills`` and ``write_through`` alone are tier 0's writes.
     """
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray,
-                 spills: DiskWrites | Sequence[DiskWrite] = (),
-                 write_through: DiskWrites | Sequence[DiskWrite] = ()):
+                 spills: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = (),
+                 write_through: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = ()):
         super().__init__(block_ids)
-        self.spills = DiskWrites.of(spills)
-        self.write_through = DiskWrites.of(write_through)
+        self.tier_spills = _per_tier(spills)
+        self.tier_write_through = _per_tier(write_through)
+
+    @property
+    def spills(self) -> DiskWrites:
+        """The first lower tier's spills."""
+        return self.tier_spills[0] if self.tier_spills else DiskWrites()
+
+    @property
+    def write_through(self) -> DiskWrites:
+        """The first lower tier's write-through copies."""
+        return self.tier_write_through[0] if self.tier_write_through else DiskWrites()
 
     def __repr__(self) -> str:
-        return (f"TieredStoreSpec({self.block_ids.tolist()}, spills={len(self.spills)}, "
-                f"write_through={len(self.write_through)})")
+        return (f"TieredStoreSpec({self.block_ids.tolist()}, spills={[len(w) for w in self.tier_spills]}, "
+                f"write_through={[len(w) for w in self.tier_write_through]})")
 
 
 class TieredLoadSpec(LoadStoreSpec):
     """A load whose blocks come from more than one tier, in block order.
 
     Per block i: ``cpu_slots[i] >= 0`` when it is read from CPU; otherwise it is read from
-    ``disk_slots[i]`` (block ``block_hashes[i]``) and, when ``promote_slots[i] >= 0``,
-    also lands in that CPU slot (read disk -> CPU, checksum verified, then CPU -> GPU).
+    slot ``disk_slots[i]`` of lower tier ``lower_tiers[i]`` (0: the first tier below CPU;
+    all 0 when not given) and, when ``promote_slots[i] >= 0``, also lands in that CPU
+    slot (read tier -> CPU, checksum verified, then CPU -> GPU).
     """
 
     cpu_slots = Int64Column()
     disk_slots = Int64Column()
     promote_slots = Int64Column()
+    lower_tiers = Int64Column()
 
     def __init__(self, cpu_slots: Sequence[int], disk_slots: Sequence[int],
-                 promote_slots: Sequence[int], block_hashes: Sequence[BlockHash]):
+                 promote_slots: Sequence[int], block_hashes: Sequence[BlockHash],
+                 lower_tiers: Sequence[int] | None = None):
         self.cpu_slots = cpu_slots
         self.disk_slots = disk_slots
         self.promote_slots = promote_slots
         self.block_hashes = list(block_hashes)
         n = len(self.block_hashes)
-        if not (len(self._cpu_slots) == len(self._disk_slots) == len(self._promote_slots) == n):
-            raise ValueError("TieredLoadSpec: cpu_slots, disk_slots, promote_slots and "
-                             "block_hashes must all have one entry per block")
+        self.lower_tiers = [0] * n if lower_tiers is None else lower_tiers
+        if not (len(self._cpu_slots) == len(self._disk_slots) == len(self._promote_slots)
+                == len(self._lower_tiers) == n):
+            raise ValueError("TieredLoadSpec: cpu_slots, disk_slots, promote_slots, lower_tiers "
+                             "and block_hashes must all have one entry per block")
 
     @staticmethod
     def medium() -> str:

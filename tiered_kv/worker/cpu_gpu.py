@@ -111,6 +111,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self.src_block_size_factor = src_block_size_factor
         self.dst_block_size_factor = dst_block_size_factor
         self._src_kernel_blocks = self._src[0].shape[0]
+        #: Bytes of one kernel block over every layer and plane.
+        self._kernel_block_bytes = sum(t.shape[1] * t.element_size() for t in self._src)
         self._dst_kernel_blocks = self._dst[0].shape[0]
         src_cuda = self._src[0].device.type == "cuda"
         dst_cuda = self._dst[0].device.type == "cuda"
@@ -119,7 +121,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._device = self._src[0].device if src_cuda else self._dst[0].device if dst_cuda else None
         self._async = self._device is not None
         self._stream = TransferStream(self._device or torch.device("cpu"), priority)
-        self._jobs: deque = deque()  # (job_id, started, event, success), submission order
+        self._jobs: deque = deque()  # (job_id, started, event, success, bytes), submission order
         #: ``(device side, host side)`` when copying with kernels, else None (DMA copies).
         self.plane_rows = self._plane_rows(src_cuda) if copy_kernels is not False else None
         if copy_kernels and self.plane_rows is None:
@@ -159,14 +161,14 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         except Exception:
             logger.exception("could not record completion of job %d", job_id)
             event, success = COMPLETED, False
-        self._jobs.append((job_id, started, event, success))
+        self._jobs.append((job_id, started, event, success, len(src_ids) * self._kernel_block_bytes))
         return True
 
     def get_finished(self) -> list[TransferResult]:
         finished = []
         jobs = self._jobs
         while jobs:
-            job_id, started, event, success = jobs[0]
+            job_id, started, event, success, nbytes = jobs[0]
             try:
                 if not event.query():
                     break
@@ -180,12 +182,12 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                     seconds = started.elapsed_time(event) / 1e3
                 except Exception:  # the copy is done; only its timing is lost
                     logger.warning("no transfer time for job %d", job_id, exc_info=True)
-            finished.append(TransferResult(job_id, success, seconds))
+            finished.append(TransferResult(job_id, success, seconds, nbytes if success else None))
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
         last = None
-        for job_id, _, event, _ in self._jobs:
+        for job_id, _, event, _, _ in self._jobs:
             if job_id in job_ids:
                 last = event
         if last is not None:

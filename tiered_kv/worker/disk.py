@@ -224,7 +224,8 @@ class _DiskHandler(OffloadingHandler):
         self.stats.record_transfer(kind, n * self.layout.bytes_per_block, seconds, success=ok, blocks=n)
         with self._cond:
             self._inflight.discard(job_id)
-            self._finished.append(TransferResult(job_id, ok, seconds if ok else None))
+            nbytes = n * self.layout.bytes_per_block
+            self._finished.append(TransferResult(job_id, ok, seconds if ok else None, nbytes if ok else None))
             self._cond.notify_all()
 
     def _chunks(self, n: int, half: int) -> list[tuple[int, int]]:

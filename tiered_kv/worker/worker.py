@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiered_kv.abstract import LoadStoreSpec
 
@@ -26,13 +26,18 @@ class TransferResult:
 
     ``seconds``: how long the transfer took, measured by the handler from when the job
     started moving data to when its last byte landed (CUDA events on a stream), not
-    until some caller polled ``get_finished``; None for a failed job. Results compare
-    by id and success only.
+    until some caller polled ``get_finished``; None for a failed job.
+    ``transfer_size``: the bytes the job moved (None for a failed job), and
+    ``transfer_type``: its ``(src medium, dst medium)``, as vLLM 0.33's results carry
+    them; set by the handler, or by ``OffloadingWorker`` from the job's spec. Results
+    compare by id and success only.
     """
 
     job_id: int
     success: bool
     seconds: float | None = field(default=None, compare=False)
+    transfer_size: int | None = field(default=None, compare=False)
+    transfer_type: tuple[str, str] | None = field(default=None, compare=False)
 
 
 class OffloadingHandler(ABC):
@@ -72,15 +77,16 @@ class UnregisteredTransferError(LookupError):
 class OffloadingWorker:
     """Routes each transfer to the handler registered for ``(src.medium(), dst.medium())``.
 
-    A handler that raises while accepting a job does not crash the worker: the job is
-    logged and reported as failed by the next ``get_finished``.
+    As the seed specifies, a job that ``transfer_async`` did not accept (the handler
+    refused it, or raised, which is logged and does not crash the worker) was never
+    submitted: ``get_finished`` never reports it, and the caller settles it at once.
     """
 
     def __init__(self) -> None:
         self.handlers: set[OffloadingHandler] = set()
         self.transfer_type_to_handler: dict[tuple[str, str], OffloadingHandler] = {}
-        self._failed_on_submit: list[TransferResult] = []
         self._job_handler: dict[int, OffloadingHandler] = {}
+        self._job_type: dict[int, tuple[str, str]] = {}
 
     def register_handler(
         self,
@@ -118,7 +124,8 @@ class OffloadingWorker:
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         """Submit a job to its handler. Returns whether it was accepted; a job that was
-        not accepted (handler refused or raised) is reported failed by ``get_finished``.
+        not accepted (handler refused or raised) was never submitted and is never
+        reported by ``get_finished``.
 
         Raises ``UnregisteredTransferError`` for a medium pair with no handler: that is
         a wiring bug, not a runtime fault.
@@ -127,19 +134,18 @@ class OffloadingWorker:
         try:
             accepted = handler.transfer_async(job_id, spec)
         except Exception:
-            logger.exception("handler %s raised while submitting job %d; reporting it failed",
+            logger.exception("handler %s raised while submitting job %d; it was not submitted",
                              type(handler).__name__, job_id)
             accepted = False
         if accepted:
             self._job_handler[job_id] = handler
-        else:
-            self._failed_on_submit.append(TransferResult(job_id, False))
-        return accepted
+            self._job_type[job_id] = (spec[0].medium(), spec[1].medium())
+        return bool(accepted)
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs finished since the last call, from every handler. Never blocks."""
-        finished = self._failed_on_submit
-        self._failed_on_submit = []
+        """Jobs finished since the last call, from every handler, each with its transfer
+        type. Never blocks."""
+        finished: list[TransferResult] = []
         for handler in self.handlers:
             try:
                 results = handler.get_finished()
@@ -149,9 +155,14 @@ class OffloadingWorker:
                 results = [TransferResult(j, False) for j, h in self._job_handler.items()
                            if h is handler]
             finished.extend(results)
+        out = []
         for result in finished:
             self._job_handler.pop(result.job_id, None)
-        return finished
+            transfer_type = self._job_type.pop(result.job_id, None)
+            if result.transfer_type is None and transfer_type is not None:
+                result = replace(result, transfer_type=transfer_type)
+            out.append(result)
+        return out
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs have finished, on whichever handlers run them."""

@@ -18,9 +18,10 @@ adapter adds is what vLLM's contract demands and ours did not:
   and marks the CPU slots of a job that failed in the shared ``SlotHealth`` map before
   reporting; here the marks of the slots a job wrote are read, and those chunks are
   completed as failed (freed, their disk writes abandoned, a promotion not kept).
-- ``touch`` is never called by vLLM 0.33, so recency is updated in ``prepare_load``
-  and ``prepare_store`` (the chunks a request offers are its own prefix; touching them
-  first also keeps them from being this call's eviction victims).
+- ``touch`` is never called by vLLM 0.33, so a use is recorded in ``prepare_load``;
+  ``prepare_store`` leaves recency to the composite, which never evicts the chunks a
+  call offers and ranks the request most recent, head first (a store is not a reuse:
+  under ARC it keeps a chunk in T1).
 - ``reset_cache`` empties every tier, the disk included (a reset may mean new weights).
   vLLM then discards the jobs in flight (no ``complete_*`` follows): their chunks are
   released in ``on_reset_flushed``, once workers no longer write them; disk writes
@@ -58,7 +59,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.integrations.vllm.common import (
     DISK_VERIFICATIONS, PENDING_DISK_WRITES, TIER_BLOCKS, TIER_CAPACITY_BLOCKS, TIER_USED_BLOCKS,
     WORKER_JOB_FAILURES, TieredJobSpec, TieredOffloadingInfo,
@@ -87,7 +88,8 @@ def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
     cfg, geometry = spec.tiered_config, spec.geometry
     events = spec.kv_events_config.enable_kv_cache_events
     stats = TieredStats()
-    cpu = CPUOffloadingManager(geometry.num_cpu_slots, geometry.tokens_per_chunk, enable_events=events)
+    cpu = cpu_tier_manager(cfg.eviction_policy, geometry.num_cpu_slots, geometry.tokens_per_chunk,
+                           enable_events=events)
     disk = verifier = None
     if cfg.disk_path:
         from tiered_kv.disk.io_backends import PosixBackend
@@ -256,7 +258,6 @@ class TieredVllmManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        self.composite.touch(keys)
         out = self.composite.prepare_store(keys)
         if out is None:
             return None

@@ -371,14 +371,15 @@ class TieredDiskTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Queue a write of the job's primary rows. Chunks already on disk are skipped
-        (and marked recently used); the rest get slots (evicting LRU chunks) unless the
-        tier is full of pinned chunks or too many writes already wait."""
+        (and marked recently used); the rest get slots (evicting LRU chunks, never one of
+        this job's) unless the tier is full of pinned chunks or too many writes already
+        wait."""
         keys = [bytes(k) for k in job_metadata.keys]
         chunk_of = dict(zip(keys, np.asarray(job_metadata.chunk_ids, dtype=np.int64).tolist()))
         dm = self.disk_manager
         present = {k for k in keys if dm.is_loadable(k)}
         if present:
-            dm.touch(present)
+            dm.touch([k for k in keys if k in present])  # in request order: the head ends most recent
         new = [k for k in keys if k not in present and not dm.is_pending(k)]
         job = _Job(job_metadata.job_id, is_load=False, keys=[])
         if not new:
@@ -391,7 +392,7 @@ class TieredDiskTier(SecondaryTierManager):
             job.refused = new
             self._finished.append(job)
             return
-        out = dm.prepare_store(new)
+        out = dm.prepare_store(new, protected=present)  # never evict this job's own chunks
         if out is None:
             logger.warning("disk tier: no free slot for %d chunks (every chunk is pinned by a "
                            "promotion); not storing them", len(new))

@@ -66,7 +66,7 @@ _OTHER_SPECS_KEYS = {
     "secondary_tiers": "that is the key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec "
                        "has its own disk tier: set disk_path and disk_bytes",
     "cache_policy_module_path": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec's "
-                                "eviction order is eviction_policy (lru)",
+                                "eviction order is eviction_policy (lru or arc)",
     "store_threshold": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec stores "
                        "every chunk vLLM offers",
     "max_tracker_size": "that is a key of vLLM's CPUOffloadingSpec",

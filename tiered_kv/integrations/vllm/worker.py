@@ -208,8 +208,8 @@ class TieredVllmWorker(OffloadingWorker):
         try:
             rows = gpu_rows(src_spec, self.factor, len(slots))
             keep = rows >= 0
-            dst = TieredStoreSpec(chunk_positions(slots, self.factor)[keep], spills=store.spills,
-                                  write_through=store.write_through)
+            dst = TieredStoreSpec(chunk_positions(slots, self.factor)[keep], spills=store.tier_spills,
+                                  write_through=store.tier_write_through)
             self._track(job_id, "store", slots, int(keep.sum()))
             accepted = self.store_handler.transfer_async(job_id, (GPULoadStoreSpec(rows[keep]), dst))
         except Exception:

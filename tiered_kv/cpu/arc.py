@@ -1,0 +1,140 @@
+"""ARC (adaptive replacement) order for the CPU tier: ``eviction_policy: arc``.
+
+Scheduler process; pure bookkeeping, no I/O. The same manager as
+``CPUOffloadingManager`` (slots, pending and pinned blocks, the ``prepare_store``
+rules), with another eviction order behind its ``_order_*`` hooks:
+
+- T1 holds blocks used once since they entered (stored, or promoted from disk), T2
+  blocks used again (a load, or a ``touch`` after their bytes landed). Each is kept
+  least recent first, by slot.
+- B1 and B2 remember the hashes of blocks evicted from T1 and T2 (at most
+  ``num_slots`` each). Storing a block again that B1 remembers says recency was
+  undervalued: the target size of T1 grows; one that B2 remembers shrinks it.
+- Eviction takes from T1 while T1 is at or above its target, else from T2, and from
+  whichever list still has an evictable block when the preferred one has none.
+
+vLLM 0.33's CPU manager offers the same policy under the same name; a request's head
+ranks most recent within its list, as in LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
+
+from tiered_kv.abstract import BlockHash
+from tiered_kv.cpu.manager import CPUOffloadingManager
+
+
+class ARCOffloadingManager(CPUOffloadingManager):
+    """``CPUOffloadingManager`` with ARC's eviction order (module docstring)."""
+
+    def __init__(self, num_slots: int, block_size: int, enable_events: bool = True):
+        super().__init__(num_slots, block_size, enable_events)
+        self._t1: OrderedDict[int, None] = OrderedDict()
+        self._t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[BlockHash, None] = OrderedDict()
+        self._b2: OrderedDict[BlockHash, None] = OrderedDict()
+        self.target_t1 = 0.0
+
+    def iter_lru(self) -> Iterator[BlockHash]:
+        """Pending and loadable blocks in the order ARC would evict them (if none were
+        pinned). Lazy: do not change the manager while iterating."""
+        return map(self._hash_by_slot.__getitem__, self._arc_order(()))
+
+    def iter_evictable(self, protected: Collection[BlockHash] = ()) -> Iterator[BlockHash]:
+        excluded = self._pending.union(self._readers, protected)
+        return map(self._hash_by_slot.__getitem__, self._arc_order(excluded))
+
+    def _arc_order(self, excluded: Collection[BlockHash]) -> Iterator[int]:
+        """Slots in eviction order, skipping blocks in ``excluded``."""
+        hash_by_slot = self._hash_by_slot
+        t1 = (s for s in self._t1 if hash_by_slot[s] not in excluded)
+        t2 = (s for s in self._t2 if hash_by_slot[s] not in excluded)
+        t1_size = len(self._t1)
+        while True:
+            slot = None
+            if t1_size >= int(self.target_t1):
+                slot = next(t1, None)
+                if slot is not None:
+                    t1_size -= 1
+            if slot is None:
+                slot = next(t2, None)
+            if slot is None:
+                slot = next(t1, None)
+                if slot is None:
+                    return
+                t1_size -= 1
+            yield slot
+
+    # ---- the hooks ----
+
+    def _order_insert(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
+        for block_hash in reversed(block_hashes):
+            self._ghost_hit(block_hash)
+            self._b1.pop(block_hash, None)
+            self._b2.pop(block_hash, None)
+        t1 = self._t1
+        for slot in reversed(slots):
+            t1[slot] = None
+
+    def _order_touch(self, slots: list[int]) -> None:
+        t1, t2, hash_by_slot, pending = self._t1, self._t2, self._hash_by_slot, self._pending
+        for slot in reversed(slots):
+            if slot in t1 and hash_by_slot[slot] not in pending:
+                del t1[slot]
+                t2[slot] = None
+            elif slot in t2:
+                t2.move_to_end(slot)
+            else:  # a block still being stored was not used twice
+                t1.move_to_end(slot)
+
+    def touch(self, block_hashes) -> None:
+        block_hashes = list(block_hashes)
+        for block_hash in reversed(block_hashes):
+            if block_hash not in self._slot_by_hash:
+                self._ghost_hit(block_hash)
+        super().touch(block_hashes)
+
+    def _order_refresh(self, slots: list[int]) -> None:
+        t1, t2 = self._t1, self._t2
+        for slot in reversed(slots):
+            (t1 if slot in t1 else t2).move_to_end(slot)
+
+    def _order_release(self, slot: int) -> None:
+        if self._t1.pop(slot, 0) is None:
+            return
+        self._t2.pop(slot, None)
+
+    def _take_victims(self, n: int, protected: Collection[BlockHash]
+                      ) -> tuple[list[BlockHash], list[int]] | None:
+        excluded = self._pending.union(self._readers, protected)
+        slots = []
+        for slot in self._arc_order(excluded):
+            slots.append(slot)
+            if len(slots) == n:
+                break
+        else:
+            return None
+        victims = [self._hash_by_slot[s] for s in slots]
+        for block_hash, slot in zip(victims, slots):
+            ghosts = self._b1 if self._t1.pop(slot, 0) is None else self._b2
+            self._t2.pop(slot, None)
+            ghosts[block_hash] = None
+            del self._slot_by_hash[block_hash]
+            self._hash_by_slot[slot] = None
+            self._free.append(slot)
+        for ghosts in (self._b1, self._b2):
+            for _ in range(len(ghosts) - self._num_slots):
+                ghosts.popitem(last=False)
+        return victims, slots
+
+    def _ghost_hit(self, block_hash: BlockHash) -> None:
+        """Adapt T1's target to a block that ARC evicted and is wanted again."""
+        b1, b2 = self._b1, self._b2
+        if block_hash in b1:
+            self.target_t1 = min(self.target_t1 + max(1.0, len(b2) / len(b1)), self._num_slots)
+            b1.move_to_end(block_hash)
+        elif block_hash in b2:
+            self.target_t1 = max(self.target_t1 - max(1.0, len(b1) / len(b2)), 0.0)
+            b2.move_to_end(block_hash)
