@@ -184,9 +184,9 @@ class _Walk:
         first = np.repeat(np.cumsum(count) - count, count)
         slot = np.arange(int(count.sum()), dtype=np.int64) - first
         off = self._u16(page_of, HEADER + 2 * slot)
-        if ((off < np.repeat(upper, count)) | (off > self.psize - NODE)).any():
-            raise LmdbDamage(f"{what}: a node of page {page_of[(off < np.repeat(upper, count)) | (off > self.psize - NODE)][0]} "
-                             f"lies outside its page's node area")
+        outside = (off < np.repeat(upper, count)) | (off > self.psize - NODE)
+        if outside.any():
+            raise LmdbDamage(f"{what}: a node of page {page_of[outside][0]} lies outside its page's node area")
         lo_hi = self._u16(page_of, off) | (self._u16(page_of, off + 2) << 16)
         return page_of, off, lo_hi, self._u16(page_of, off + 4), self._u16(page_of, off + 6)
 

@@ -1,8 +1,9 @@
 """One fingerprint's directory in a disk cache: manifest, slab files and writer lock.
 
-Layout of ``<cache_dir>/<namespace_id>/``::
+Layout of ``<cache_dir>/<namespace_id>/`` (directories ``0700``, files ``0600``)::
 
     manifest.json   fingerprint, layout, block/slot sizes, slot count, checksum, format
+                    (``manifest.py``: read as untrusted input, every field checked)
     index.lmdb/     the LMDB index (see ``index.py``)
     rank<R>.slab    TP rank R's block data: slot s at byte s * slot_size (preallocated)
     lock            writer lock: flock held by the engine's scheduler process, with
@@ -13,49 +14,69 @@ holds the writer lock for the engine's lifetime, preallocates every rank's slab 
 reserves room for the index to grow into; each worker opens it and preallocates its own
 rank's slab (``fallocate``, metadata only on ext4/xfs); the inspector opens it
 read-only and takes no lock. Creating or growing a namespace first checks that its
-filesystem has the room, so a size that does not fit is never recorded. Creating a namespace is race-free between the scheduler and
-workers starting at the same time: the directory is built under a temporary name and
-renamed into place, so a namespace directory always has a complete manifest.
+filesystem has the room, so a size that does not fit is never recorded. Creating a
+namespace is race-free between the scheduler and workers starting at the same time: the
+directory is built under a temporary name and renamed into place, so a namespace
+directory always has a complete manifest. A start refused before the namespace existed
+leaves no directory behind.
+
+A ``Namespace`` holds the namespace directory's descriptor, and every entry in it is
+opened relative to that descriptor through ``safe_open`` (no symbolic link followed, no
+FIFO opened, nothing of another user's used; start-up checks every entry first). Each
+engine process (scheduler, worker, disk I/O process) also holds a shared ``flock`` on
+that directory while it has the namespace open, so the inspector's destructive
+commands, which take it exclusively after the writer lock, cannot run while any of them
+has it open, including the moment between a worker opening it and its scheduler taking
+the writer lock. ``close()`` releases both the descriptor and that claim.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
-import json
 import logging
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import format_size
+from tiered_kv.disk.errors import DiskSizeError, NamespaceError
 from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.disk.locks import LOCK, CacheLockedError, WriterLock, check_worker_access, current_holder, read_holder
+from tiered_kv.disk.manifest import (
+    FORMAT_VERSION, MANIFEST, SLOT_ALIGN, Manifest, ManifestError, slot_size_for,
+)
+from tiered_kv.disk.safe_open import ANY_OWNER, CacheEntryError, check_entry, open_dir, open_file
 from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-#: Slot alignment: O_DIRECT and GDS need 4 KiB-aligned offsets, lengths and buffers.
-SLOT_ALIGN = 4096
-MANIFEST = "manifest.json"
+__all__ = [
+    "FORMAT_VERSION", "MANIFEST", "SLOT_ALIGN", "CacheEntryError", "CacheLockedError", "DiskSizeError",
+    "FingerprintMismatchError",
+    "Manifest", "ManifestError", "Namespace", "NamespaceError", "WriterLock", "check_worker_access",
+    "current_holder", "explain_other_namespaces", "list_namespaces", "read_holder", "slot_size_for",
+]
+
 INDEX_DIR = "index.lmdb"
 INDEX_DATA = "data.mdb"
-LOCK = "lock"
+INDEX_LOCK = "lock.mdb"
 #: Disk space set aside for the index: its high-water mark measured about 450 B per slot
 #: at TP 1 under churn; this is twice that, plus a little per rank's checksum.
 INDEX_RESERVE_MIN = 256 << 10
 INDEX_RESERVE_PER_SLOT = 1024
 INDEX_RESERVE_PER_RANK_SLOT = 128
-
-
-class NamespaceError(RuntimeError):
-    """A disk-cache namespace cannot be created or opened (the message says why)."""
+#: Seconds an engine process waits for an inspector command that holds the namespace.
+SHARED_LOCK_TIMEOUT = 2.0
 
 
 class FingerprintMismatchError(NamespaceError):
@@ -68,92 +89,92 @@ class FingerprintMismatchError(NamespaceError):
             f"differing fields: " + "; ".join(diffs))
 
 
-class CacheLockedError(NamespaceError):
-    """Another engine holds the namespace's writer lock; ``holder`` is its lock record."""
-
-    def __init__(self, path: Path, holder: dict[str, Any] | None):
-        self.holder = holder or {}
-        h = self.holder
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["started"])) if "started" in h else "?"
-        super().__init__(
-            f"disk cache {path} is already open for writing by pid {h.get('pid', '?')} on host "
-            f"{h.get('host', '?')} (engine {h.get('engine_id', '?')}, since {since}); stop that "
-            f"engine, point this one at another disk_path, or open the cache read-only")
-
-
 def index_reserve_bytes(num_slots: int, tp_size: int) -> int:
     """Disk space reserved for a namespace's index (see ``Namespace.reserve_index``)."""
     return INDEX_RESERVE_MIN + num_slots * (INDEX_RESERVE_PER_SLOT + INDEX_RESERVE_PER_RANK_SLOT * tp_size)
 
 
-def slot_size_for(block_bytes: int) -> int:
-    """Bytes of one disk slot: the block rounded up to ``SLOT_ALIGN``."""
-    if block_bytes < 1:
-        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-    return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
-
-
-@dataclass
-class Manifest:
-    """Contents of ``manifest.json``. ``num_slots`` may grow (never shrinks) when an
-    engine reopens the namespace with a larger ``disk_bytes``."""
-
-    namespace_id: str
-    fingerprint: dict[str, Any]
-    layout: dict[str, Any]
-    block_bytes: int
-    slot_size: int
-    num_slots: int
-    checksum: str
-    created: float
-    format_version: int = FORMAT_VERSION
-    created_by: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def read(cls, ns_dir: Path) -> "Manifest":
-        path = ns_dir / MANIFEST
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise NamespaceError(f"{ns_dir} is not a disk cache namespace: {MANIFEST} is missing") from None
-        except (OSError, ValueError) as e:
-            raise NamespaceError(f"cannot read {path}: {e}") from e
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise NamespaceError(f"{path}: format_version {version!r} is not supported "
-                                 f"(this build reads version {FORMAT_VERSION})")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise NamespaceError(f"{path}: malformed manifest ({e})") from e
-
-    def write_atomic(self, ns_dir: Path) -> None:
-        tmp = ns_dir / f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w") as f:
-            f.write(self.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, ns_dir / MANIFEST)
-        _fsync_dir(ns_dir)
-
-
 class Namespace:
-    """An opened namespace directory: its manifest and paths. Holds no file handles."""
+    """An opened namespace directory: its manifest, paths and descriptor (``fd``).
 
-    def __init__(self, path: Path, manifest: Manifest):
+    ``owner`` is the uid every entry must belong to: this process's for an engine,
+    the directory's own for the inspector's read-only opens. ``writer`` opens (the
+    engine's) hold the shared directory lock, and tighten looser permission bits.
+    """
+
+    def __init__(self, path: Path, manifest: Manifest | None, fd: int, owner: int, writer: bool):
         self.path = path
         self.manifest = manifest
+        self.fd = fd
+        self.owner = owner
+        self.writer = writer
+        #: Whether this process created the namespace in this open (see ``discard_new``).
+        self.created = False
+        self._created_dirs: list[Path] = []  # cache directories made for it, outermost last
+        self._users = 1
+        self._taken: list | None = None
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def retain(self) -> "Namespace":
+        """Count one more user of this handle; each user calls ``close`` once."""
+        self._users += 1
+        return self
+
+    def close(self) -> None:
+        """Drop one user; the last closes the directory's descriptor, and with it this
+        process's claim on the namespace (also when the handle is garbage collected)."""
+        self._users -= 1
+        if self._users <= 0:
+            self._close()
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator["Namespace"]:
+        """An engine's start-up on this handle: if the block fails, the index handles and
+        the writer lock it took through this namespace are closed, and the namespace is
+        removed if this open created it (``discard_new``)."""
+        self._taken = []
+        try:
+            yield self
+        except BaseException:
+            for thing in reversed(self._taken):
+                try:
+                    thing.release() if isinstance(thing, WriterLock) else thing.close()
+                except Exception:
+                    logger.exception("closing %s after a refused start", self.path)
+            self.discard_new()
+            raise
+        finally:
+            self._taken = None
+
+    def taken(self, thing: Any) -> Any:
+        """Note an index handle or lock taken through this namespace (see ``starting``)."""
+        if self._taken is not None:
+            self._taken.append(thing)
+        return thing
+
+    @contextlib.contextmanager
+    def handover(self) -> Iterator["Namespace"]:
+        """For an opener handing this handle to a new owner (which ``retain``s it) in the
+        ``with`` block: afterwards the opener's use ends; if the block fails, a namespace
+        this open created is removed (``discard_new``) and the handle closed."""
+        try:
+            yield self
+        except BaseException:
+            self.discard_new()
+            raise
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._close.alive
 
     @property
     def fingerprint(self) -> Fingerprint:
-        return Fingerprint.from_dict(self.manifest.fingerprint)
+        return self.manifest.parsed_fingerprint
 
     @property
     def tp_size(self) -> int:
-        return int(self.manifest.fingerprint["tp_size"])
+        return self.fingerprint.tp_size
 
     @property
     def index_path(self) -> Path:
@@ -168,40 +189,164 @@ class Namespace:
             raise ValueError(f"rank {rank} is out of range for tp_size {self.tp_size}")
         return self.path / f"rank{rank}.slab"
 
+    # ------------------------------------------------------------ opening
+
     @classmethod
     def open(cls, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
-             num_slots: int, checksum: str = "xxh3_64", create: bool = True) -> "Namespace":
-        """Open ``fingerprint``'s namespace in ``cache_dir``, creating both if absent.
-
-        ``num_slots`` is used when creating; an existing namespace keeps its own (see
-        ``grow``). Raises ``FingerprintMismatchError`` if the directory's manifest records
-        another fingerprint, ``NamespaceError`` for an unusable path.
-        """
-        root = _prepare_cache_dir(cache_dir, create)
-        ns_dir = root / fingerprint.namespace_id
-        if not ns_dir.exists():
-            if not create:
-                raise NamespaceError(f"no namespace {fingerprint.namespace_id} in {root}")
-            _create(root, ns_dir, fingerprint, layout, num_slots, checksum)
-        ns = cls(ns_dir, Manifest.read(ns_dir))
-        theirs = Fingerprint.from_dict(ns.manifest.fingerprint)
-        diffs = fingerprint.differences(theirs)
-        if diffs:
-            raise FingerprintMismatchError(ns_dir, diffs)
-        if ns.manifest.block_bytes != layout.bytes_per_block:
-            raise FingerprintMismatchError(ns_dir, [
-                f"block_bytes: {layout.bytes_per_block} here, {ns.manifest.block_bytes} in the cache"])
-        return ns
+             num_slots: int | None = None, disk_bytes: int | None = None, checksum: str = "xxh3_64",
+             create: bool = True) -> "Namespace":
+        """Open ``fingerprint``'s namespace in ``cache_dir`` for an engine process,
+        creating both if absent (``num_slots``, or as many as ``disk_bytes`` holds, then
+        sizes it; an existing namespace keeps its own, see ``grow``). Raises
+        ``DiskSizeError`` when ``disk_bytes`` holds no slot, ``FingerprintMismatchError`` if its manifest
+        records another fingerprint, ``CacheEntryError`` for an entry that is not the
+        cache's own, ``ManifestError`` for a damaged manifest, ``CacheLockedError`` while
+        an inspector command changes it, ``NamespaceError`` for an unusable path."""
+        if disk_bytes is not None:
+            num_slots = disk_bytes // slot_size_for(layout.bytes_per_block)
+            if num_slots < 1:
+                raise DiskSizeError(f"disk_bytes={disk_bytes} holds no block; one disk slot is "
+                                    f"{slot_size_for(layout.bytes_per_block)} bytes")
+        root, root_fd, made = _prepare_cache_dir(cache_dir, create)
+        name = fingerprint.namespace_id
+        ns_dir = root / name
+        owner = os.geteuid()
+        try:
+            created = False
+            for _ in range(8):
+                try:
+                    fd = open_dir(name, path=ns_dir, dir_fd=root_fd, owner=owner)
+                except FileNotFoundError:
+                    if not create:
+                        raise NamespaceError(f"no namespace {name} in {root}") from None
+                    created = _create(root, root_fd, name, fingerprint, layout, num_slots, checksum)
+                    continue
+                except OSError as e:
+                    raise NamespaceError(f"cannot open {ns_dir}: {e.strerror}") from None
+                ns = cls(ns_dir, None, fd, owner, writer=True)
+                try:
+                    ns._hold_shared()
+                    if not _still_at(root_fd, name, fd):
+                        ns.close()  # removed by `inspect clear` meanwhile: start afresh
+                        continue
+                    ns._load_checked()
+                    ns._check_serves(fingerprint, layout)
+                except BaseException:
+                    ns.close()
+                    raise
+                ns.created, ns._created_dirs = created, made
+                return ns
+            raise NamespaceError(f"{ns_dir} kept disappearing while it was being opened")
+        except BaseException:
+            _remove_empty(made)
+            raise
+        finally:
+            os.close(root_fd)
 
     @classmethod
     def open_path(cls, ns_dir: str | os.PathLike) -> "Namespace":
-        """Open an existing namespace directory as it is (inspector; no fingerprint check)."""
+        """Open an existing namespace directory as it is, read-only (inspector; no
+        fingerprint check, no lock, nothing written). Its entries must belong to
+        whoever owns the directory. Raises ``NamespaceError`` (and its kinds)."""
         p = Path(ns_dir)
-        return cls(p, Manifest.read(p))
+        try:
+            parent = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise NamespaceError(f"cannot open {p.parent}: {e.strerror}") from None
+        try:
+            fd = open_dir(p.name, path=p, dir_fd=parent, owner=ANY_OWNER, fix_mode=False)
+        except FileNotFoundError:
+            raise NamespaceError(f"{p} does not exist") from None
+        except OSError as e:
+            raise NamespaceError(f"cannot open {p}: {e.strerror}") from None
+        finally:
+            os.close(parent)
+        ns = cls(p, None, fd, os.fstat(fd).st_uid, writer=False)
+        try:
+            ns._load_checked()
+        except BaseException:
+            ns.close()
+            raise
+        return ns
+
+    def _load_checked(self) -> None:
+        self.manifest = Manifest.read(self.path, self.fd, owner=self.owner, fix_mode=self.writer)
+        self.check_entries()
+        m = self.manifest
+        st = os.fstatvfs(self.fd)
+        fs_bytes = st.f_blocks * st.f_frsize
+        if m.num_slots * m.slot_size > fs_bytes:
+            raise ManifestError(self.path / MANIFEST, "num_slots",
+                                f"{m.num_slots} slots of {m.slot_size} B ({format_size(m.num_slots * m.slot_size)} "
+                                f"per rank) cannot be on a filesystem of {format_size(fs_bytes)}")
+
+    def _check_serves(self, fingerprint: Fingerprint, layout: KVCacheLayout) -> None:
+        """Raise unless this namespace holds ``fingerprint``'s blocks as ``layout`` lays
+        them out (the engine's own view of what the manifest must say)."""
+        m = self.manifest
+        diffs = fingerprint.differences(self.fingerprint)
+        if diffs:
+            raise FingerprintMismatchError(self.path, diffs)
+        if m.block_bytes != layout.bytes_per_block:
+            raise FingerprintMismatchError(self.path, [
+                f"block_bytes: {layout.bytes_per_block} here, {m.block_bytes} in the cache"])
+        if m.namespace_id != self.path.name:
+            raise ManifestError(self.path / MANIFEST, "namespace_id",
+                                f"{m.namespace_id!r} does not name its directory {self.path.name!r}")
+
+    def check_entries(self) -> None:
+        """Raise ``CacheEntryError`` if any entry the cache opens (lock, index, slabs)
+        is there but is not a regular file (or directory) of ``owner``: checked at
+        start-up, so one error names it before anything is read or written."""
+        for name in (LOCK, *(f"rank{r}.slab" for r in range(self.tp_size)), f".{INDEX_DIR}.repair"):
+            check_entry(name, dir_fd=self.fd, path=self.path / name, owner=self.owner)
+        if check_entry(INDEX_DIR, dir_fd=self.fd, path=self.index_path, directory=True, owner=self.owner) is None:
+            return
+        ifd = open_dir(INDEX_DIR, path=self.index_path, dir_fd=self.fd, owner=self.owner, fix_mode=self.writer)
+        try:
+            for name in (INDEX_DATA, INDEX_LOCK):
+                check_entry(name, dir_fd=ifd, path=self.index_path / name, owner=self.owner)
+        finally:
+            os.close(ifd)
+
+    def _hold_shared(self, timeout: float = SHARED_LOCK_TIMEOUT) -> None:
+        """Take the shared directory lock (module docstring), waiting ``timeout`` for an
+        inspector command that holds it exclusively; then ``CacheLockedError``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CacheLockedError(self.path, read_holder(self)) from None
+                time.sleep(0.02)
+
+    def lock_exclusive(self) -> bool:
+        """Try to hold the directory lock exclusively (the inspector's destructive
+        commands, after the writer lock): False while any engine process has the
+        namespace open."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def open_index(self, **kwargs: Any):
+        """This namespace's ``DiskIndex`` (``kwargs``: its options), its files checked and
+        opened through this directory's descriptor."""
+        from tiered_kv.disk.index import DiskIndex
+
+        return self.taken(DiskIndex(self.index_path, self.tp_size, dir_fd=self.fd, owner=self.owner, **kwargs))
+
+    def open_entry(self, name: str, flags: int, create: bool = False) -> int:
+        """A descriptor of the file ``name`` in this directory (``safe_open.open_file``)."""
+        return open_file(name, flags, path=self.path / name, dir_fd=self.fd, owner=self.owner, create=create,
+                         fix_mode=self.writer)
 
     def reload(self) -> Manifest:
         """Re-read the manifest (another process may have grown ``num_slots``)."""
-        self.manifest = Manifest.read(self.path)
+        self.manifest = Manifest.read(self.path, self.fd, owner=self.owner, fix_mode=self.writer)
         return self.manifest
 
     def grow(self, num_slots: int) -> None:
@@ -212,7 +357,7 @@ class Namespace:
             logger.info("disk namespace %s: growing from %d to %d slots", self.path,
                         self.manifest.num_slots, num_slots)
             self.manifest.num_slots = num_slots
-            self.manifest.write_atomic(self.path)
+            self.manifest.write_atomic(self.path, self.fd)
 
     def allocate_slab(self, rank: int) -> Path:
         """Create rank ``rank``'s slab if missing and preallocate ``num_slots`` slots.
@@ -223,7 +368,10 @@ class Namespace:
         """
         path = self.slab_path(rank)
         size = self.manifest.num_slots * self.manifest.slot_size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = self.open_entry(path.name, os.O_RDWR, create=True)
+        except OSError as e:
+            raise NamespaceError(f"cannot open {path}: {e.strerror}") from None
         try:
             if os.fstat(fd).st_size >= size and _allocated_bytes(fd) >= size:
                 return path
@@ -254,7 +402,11 @@ class Namespace:
         when the space is not there; skipped where the filesystem cannot preallocate."""
         want = index_reserve_bytes(self.manifest.num_slots, self.tp_size)
         path = self.index_path / INDEX_DATA
-        fd = os.open(path, os.O_RDWR)
+        ifd = open_dir(INDEX_DIR, path=self.index_path, dir_fd=self.fd, owner=self.owner)
+        try:
+            fd = open_file(INDEX_DATA, os.O_RDWR, path=path, dir_fd=ifd, owner=self.owner)
+        finally:
+            os.close(ifd)
         try:
             if _allocated_bytes(fd) >= want:
                 return
@@ -277,25 +429,45 @@ class Namespace:
         ``allocate_slab`` and ``reserve_index`` would claim."""
         m = self.manifest
         slab = m.num_slots * m.slot_size
-        paths = [(self.path / f"rank{r}.slab", slab) for r in range(self.tp_size)]
-        paths.append((self.index_path / INDEX_DATA, index_reserve_bytes(m.num_slots, self.tp_size)))
+        paths = [(f"rank{r}.slab", slab) for r in range(self.tp_size)]
+        paths.append((f"{INDEX_DIR}/{INDEX_DATA}", index_reserve_bytes(m.num_slots, self.tp_size)))
         total = 0
-        for path, cap in paths:
+        for name, cap in paths:
             try:
-                total += min(os.stat(path).st_blocks * 512, cap)
-            except FileNotFoundError:
-                pass
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += min(st.st_blocks * 512, cap)
         return total
+
+    def discard_new(self) -> None:
+        """After a refused start: remove the namespace if this open created it and no
+        other process has it open (it holds nothing yet), and the cache directories
+        made for it if they are empty. Best effort, logged; closes the namespace."""
+        try:
+            if self.created and not self.closed and self.lock_exclusive() and _still_at_path(self):
+                root = self.path.parent
+                trash = root / f".trash-{self.path.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+                os.rename(self.path, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+                logger.info("removed %s, created by this refused start", self.path)
+                _remove_empty(self._created_dirs)
+        except OSError as e:
+            logger.warning("could not remove %s after a refused start: %s", self.path, e)
+        finally:
+            self._close()
 
 
 def list_namespaces(cache_dir: str | os.PathLike) -> list[Namespace]:
-    """Every readable namespace in ``cache_dir`` (unreadable ones are logged and skipped)."""
+    """Every readable namespace in ``cache_dir``, opened read-only (unreadable ones, and
+    entries that are not directories of their own, are logged and skipped)."""
     root = Path(cache_dir)
     out = []
     if not root.is_dir():
         return out
     for child in sorted(root.iterdir()):
-        if child.name.startswith(".") or not child.is_dir():
+        if child.name.startswith(".") or child.is_symlink() or not child.is_dir():
             continue
         try:
             out.append(Namespace.open_path(child))
@@ -322,111 +494,68 @@ def explain_other_namespaces(cache_dir: str | os.PathLike, fingerprint: Fingerpr
     return lines
 
 
-class WriterLock:
-    """The engine's exclusive claim on a namespace: an ``flock`` on ``lock`` plus a JSON
-    record of the holder. Released by ``release()`` or by the kernel when the holder dies
-    (a ``kill -9`` leaves no stale lock)."""
-
-    def __init__(self, path: Path, fd: int, record: dict[str, Any]):
-        self.path = path
-        self._fd: int | None = fd
-        self.record = record
-
-    @classmethod
-    def acquire(cls, ns: Namespace, engine_id: str, timeout: float = 1.0) -> "WriterLock":
-        """Take the lock or raise ``CacheLockedError`` naming the holder. Retries for
-        ``timeout`` seconds because workers probe the lock for an instant."""
-        path = ns.lock_path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = read_holder(ns)
-                    os.close(fd)
-                    raise CacheLockedError(ns.path, holder) from None
-                time.sleep(0.02)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                  "engine_id": engine_id}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        return cls(path, fd, record)
-
-    def release(self) -> None:
-        """Drop the lock (idempotent). The record is cleared so readers see no holder."""
-        if self._fd is None:
-            return
-        try:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self._fd)
-            self._fd = None
-
-
-def read_holder(ns: Namespace) -> dict[str, Any] | None:
-    """The lock record of the current holder, or None if the record is empty/unreadable."""
-    try:
-        text = ns.lock_path.read_text()
-        return json.loads(text) if text.strip() else None
-    except (OSError, ValueError):
-        return None
-
-
-def current_holder(ns: Namespace) -> dict[str, Any] | None:
-    """The holder's record if some process holds the writer lock now, else None.
-    (Probes with a non-blocking flock that is dropped at once.)"""
-    try:
-        fd = os.open(ns.lock_path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return read_holder(ns) or {}
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def check_worker_access(ns: Namespace, engine_id: str | None) -> None:
-    """Let a worker write only if no engine holds the namespace, or the holder is its own
-    engine: same ``engine_id``, or (without an id) the holder is this process or its parent.
-    Raises ``CacheLockedError`` otherwise."""
-    holder = current_holder(ns)
-    if holder is None:
-        return
-    if engine_id is not None and holder.get("engine_id") == engine_id:
-        return
-    if engine_id is None and holder.get("pid") in (os.getpid(), os.getppid()):
-        return
-    if not holder:
-        return  # holder still writing its record; it is the engine that just started
-    raise CacheLockedError(ns.path, holder)
-
-
 # ---------------------------------------------------------------- helpers
 
 
-def _prepare_cache_dir(cache_dir: str | os.PathLike, create: bool) -> Path:
+def _prepare_cache_dir(cache_dir: str | os.PathLike, create: bool) -> tuple[Path, int, list[Path]]:
+    """``cache_dir`` (followed like any path: the operator chose it), its descriptor, and
+    the directories made for it (``0700``; innermost first) when it did not exist."""
     root = Path(cache_dir).expanduser()
+    made: list[Path] = []
     if root.exists() and not root.is_dir():
         raise NamespaceError(f"disk_path {root} exists and is not a directory")
     if not root.exists():
         if not create:
             raise NamespaceError(f"disk_path {root} does not exist")
+        missing = [p for p in (root, *root.parents) if not p.exists()]
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            for p in reversed(missing):
+                os.mkdir(p, 0o700)
+                made.insert(0, p)
+        except FileExistsError:
+            pass  # made meanwhile by a peer of this engine
         except OSError as e:
+            _remove_empty(made)
             raise NamespaceError(f"cannot create disk_path {root}: {e.strerror}") from e
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        _remove_empty(made)
+        raise NamespaceError(f"cannot open disk_path {root}: {e.strerror}") from e
     if create and not os.access(root, os.W_OK | os.X_OK):
+        os.close(fd)
         raise NamespaceError(f"disk_path {root} is not writable by this process (uid {os.getuid()})")
-    return root
+    return root, fd, made
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the directories in ``dirs`` (innermost first) that are empty."""
+    for p in dirs:
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
+
+
+def _still_at(root_fd: int, name: str, fd: int) -> bool:
+    """Whether ``name`` in ``root_fd`` is still the directory open as ``fd``."""
+    try:
+        here = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    st = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _still_at_path(ns: Namespace) -> bool:
+    try:
+        root_fd = os.open(ns.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return _still_at(root_fd, ns.path.name, ns.fd)
+    finally:
+        os.close(root_fd)
 
 
 def _check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int,
@@ -448,45 +577,44 @@ def _check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int,
             f"lower disk_bytes or free space")
 
 
-def _create(root: Path, ns_dir: Path, fp: Fingerprint, layout: KVCacheLayout, num_slots: int,
-            checksum: str) -> None:
-    if num_slots < 1:
-        raise NamespaceError(f"a namespace needs at least one slot, got num_slots={num_slots}")
+def _create(root: Path, root_fd: int, name: str, fp: Fingerprint, layout: KVCacheLayout, num_slots: int,
+            checksum: str) -> bool:
+    """Build namespace ``name`` under a temporary name and rename it into place; False
+    when a peer's got there first (theirs is used)."""
+    if num_slots is None or num_slots < 1:
+        raise DiskSizeError(f"a namespace needs at least one slot of {slot_size_for(layout.bytes_per_block)} "
+                            f"bytes, got num_slots={num_slots}")
     _check_free_space(root, num_slots, slot_size_for(layout.bytes_per_block), fp.tp_size)
-    tmp = root / f".tmp-{ns_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    made = False
     try:
-        tmp.mkdir()
-        manifest = Manifest(
-            namespace_id=ns_dir.name, fingerprint=fp.to_dict(),
-            layout={**layout.describe(), "bytes_per_block": layout.bytes_per_block},
-            block_bytes=layout.bytes_per_block, slot_size=slot_size_for(layout.bytes_per_block),
-            num_slots=int(num_slots), checksum=checksum, created=time.time(),
-            created_by={"pid": os.getpid(), "host": socket.gethostname()})
-        manifest.write_atomic(tmp)
-        (tmp / LOCK).touch()
+        os.mkdir(tmp, 0o700, dir_fd=root_fd)
+        made = True
+        tfd = open_dir(tmp, path=root / tmp, dir_fd=root_fd)
         try:
-            os.rename(tmp, ns_dir)
+            manifest = Manifest.new(name, fp, {**layout.describe(), "bytes_per_block": layout.bytes_per_block},
+                                    layout.bytes_per_block, num_slots, checksum,
+                                    {"pid": os.getpid(), "host": socket.gethostname()})
+            manifest.write_atomic(root / tmp, tfd)
+            os.close(open_file(LOCK, os.O_WRONLY, path=root / tmp / LOCK, dir_fd=tfd, create=True, exclusive=True))
+        finally:
+            os.close(tfd)
+        try:
+            os.rename(tmp, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
         except OSError as e:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
-            # Another process created it first; use theirs.
-        else:
-            _fsync_dir(root)
-            logger.info("created disk cache namespace %s (%d slots of %d bytes)", ns_dir,
-                        num_slots, manifest.slot_size)
+            return False  # another process created it first; use theirs
+        made = False
+        os.fsync(root_fd)
+        logger.info("created disk cache namespace %s (%d slots of %d bytes)", root / name, num_slots,
+                    manifest.slot_size)
+        return True
     except OSError as e:
         raise NamespaceError(f"cannot create namespace in {root}: {e}") from e
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        if made:
+            shutil.rmtree(tmp, dir_fd=root_fd, ignore_errors=True)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

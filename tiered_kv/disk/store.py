@@ -52,11 +52,11 @@ import torch
 
 from tiered_kv.device import empty_pageable, empty_pinned
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex, Entry, IndexSnapshot, StoredBlocks
+from tiered_kv.disk.index import Entry, IndexSnapshot, StoredBlocks
 from tiered_kv.disk.io_backends import (
     ALIGN, BackendFile, IOBackend, PosixBackend, aligned_empty, host_view, is_aligned, select_backend,
 )
-from tiered_kv.disk.namespace import Namespace, check_worker_access, list_namespaces, slot_size_for
+from tiered_kv.disk.namespace import Namespace, check_worker_access, list_namespaces
 from tiered_kv.host_memory import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
 
@@ -209,7 +209,7 @@ class DiskStore(BlockIO):
 
     def __init__(self, namespace: Namespace, backend: IOBackend, *, readonly: bool = False,
                  engine_id: str | None = None, owns_backend: bool = True):
-        self.namespace = namespace
+        self.namespace = namespace.retain()  # closed by ``close``
         self.backend = backend
         self.readonly = readonly
         self._owns_backend = owns_backend
@@ -221,8 +221,8 @@ class DiskStore(BlockIO):
         self.run_checksums = RunChecksums(m.checksum)
         if not readonly:
             check_worker_access(namespace, engine_id)
-        self.index = DiskIndex(namespace.index_path, self.tp_size, readonly=readonly,
-                               expected_entries=m.num_slots, repair=not readonly)
+        self.index = namespace.open_index(readonly=readonly, expected_entries=m.num_slots,
+                                          repair=not readonly)
         self.stats = DiskStoreStats()
         self._stats_lock = threading.Lock()
         self._files: dict[int, BackendFile] = {}
@@ -244,24 +244,21 @@ class DiskStore(BlockIO):
     def open(cls, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
              disk_bytes: int, checksum: str = "xxh3_64", io_backend: str | IOBackend = "auto",
              io_threads: int = 4, engine_id: str | None = None) -> "DiskStore":
-        """Open (creating if absent) ``fingerprint``'s namespace for writing.
-
-        ``disk_bytes`` sizes a new namespace. Raises ``FingerprintMismatchError``,
-        ``NamespaceError``, ``CacheLockedError`` (another engine writes there) or
-        ``BackendUnavailableError``."""
+        """Open (creating if absent) ``fingerprint``'s namespace for writing; ``disk_bytes``
+        sizes a new one. Raises ``FingerprintMismatchError``, ``NamespaceError``,
+        ``CacheLockedError`` (another engine writes there) or ``BackendUnavailableError``."""
         checksum_function(checksum)  # fail early on a bad name or missing package
-        ns = Namespace.open(cache_dir, fingerprint, layout,
-                            num_slots=max(1, disk_bytes // slot_size_for(layout.bytes_per_block)),
-                            checksum=checksum)
-        backend = (io_backend if isinstance(io_backend, IOBackend)
-                   else select_backend(io_backend, ns.path, io_threads))
-        return cls(ns, backend, engine_id=engine_id, owns_backend=not isinstance(io_backend, IOBackend))
+        with Namespace.open(cache_dir, fingerprint, layout, disk_bytes=disk_bytes, checksum=checksum).handover() as ns:
+            backend = io_backend if isinstance(io_backend, IOBackend) else select_backend(io_backend, ns.path,
+                                                                                           io_threads)
+            return cls(ns, backend, engine_id=engine_id, owns_backend=not isinstance(io_backend, IOBackend))
 
     @classmethod
     def open_readonly(cls, namespace_dir: str | os.PathLike, io_threads: int = 2) -> "DiskStore":
         """Open an existing namespace directory without taking any lock (inspector).
         Works while an engine writes; uses POSIX I/O."""
-        return cls(Namespace.open_path(namespace_dir), PosixBackend(io_threads), readonly=True)
+        with Namespace.open_path(namespace_dir).handover() as ns:
+            return cls(ns, PosixBackend(io_threads), readonly=True)
 
     def close(self) -> None:
         """Close files and the index handle (and the backend if this store made it)."""
@@ -280,6 +277,7 @@ class DiskStore(BlockIO):
         if self._owns_backend:
             self.backend.shutdown()
         self.index.close()
+        self.namespace.close()
 
     # ------------------------------------------------------------ inspection
 
@@ -390,7 +388,8 @@ class DiskStore(BlockIO):
                 self._allocated[rank] = self.namespace.manifest.num_slots
             f = self._files.get(rank)
             if f is None:
-                f = self.backend.open(self.namespace.slab_path(rank), readonly=self.readonly)
+                ns = self.namespace
+                f = self.backend.open(ns.slab_path(rank), self.readonly, ns.fd, ns.owner)
                 self._files[rank] = f
             return f
 

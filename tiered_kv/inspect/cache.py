@@ -2,27 +2,34 @@
 
 Runs in the operator's process (``tiered-kv inspect``). Takes no lock and writes
 nothing: namespaces are opened from their manifests and each index is read from one
-LMDB MVCC snapshot, so this works on a cache an engine has open, on one left by a
-crash, and on an empty directory. Anything that is not a cache is reported as an
-``InspectError`` with a one-line reason.
+LMDB MVCC snapshot after a walk over its pages, so this works on a cache an engine has
+open, on one left by a crash, and on an empty directory. Anything that is not a cache is
+reported as an ``InspectError`` with a one-line reason; so is a damaged index, with the
+command that repairs it. An entry that is not the cache's own (a symbolic link, a FIFO,
+another user's file: ``safe_open``) stops every command with a ``CacheEntryError``
+naming it: nothing is read or written through it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
 import numpy as np
 
-from tiered_kv.disk.index import DiskIndex, IndexSnapshot, entry_dtype
-from tiered_kv.disk.namespace import MANIFEST, Namespace, NamespaceError
+from tiered_kv.disk.index import DiskIndex, IndexCorruptError, IndexSnapshot, entry_dtype
+from tiered_kv.disk.fingerprint import NAMESPACE_ID_LEN
+from tiered_kv.disk.namespace import MANIFEST, CacheEntryError, Namespace, NamespaceError
+from tiered_kv.disk.safe_open import describe
 
 
 #: Hidden directories that interrupted operations leave in a cache directory: a namespace
 #: creation (``.tmp-``), a ``clear`` (``.trash-``) and a ``bench`` (``.tiered-kv-bench-``).
 LEFTOVER_PREFIXES = (".tmp-", ".trash-", ".tiered-kv-bench-")
+_NAMESPACE_NAME = re.compile(f"[0-9a-f]{{{NAMESPACE_ID_LEN}}}")
 
 
 class InspectError(RuntimeError):
@@ -54,7 +61,7 @@ def open_cache(path: str | os.PathLike, namespace: str | None = None) -> CacheDi
     if not root.is_dir():
         raise InspectError(f"{root} is a file, not a disk cache directory")
     cache = CacheDir(root)
-    if (root / MANIFEST).exists():
+    if os.path.lexists(root / MANIFEST):
         cache.namespaces.append(_open_namespace(root))
     else:
         try:
@@ -65,11 +72,14 @@ def open_cache(path: str | os.PathLike, namespace: str | None = None) -> CacheDi
         for child in children:
             if child.name.startswith(LEFTOVER_PREFIXES) and child.is_dir():
                 cache.leftovers.append(child)
-            elif child.is_dir() and (child / MANIFEST).exists():
+            elif child.is_dir() and os.path.lexists(child / MANIFEST):
                 try:
                     cache.namespaces.append(_open_namespace(child))
                 except InspectError as e:
                     cache.unreadable.append((child, str(e)))
+            elif _NAMESPACE_NAME.fullmatch(child.name) and (child.is_symlink() or not child.is_dir()):
+                # Named like a namespace but not a directory: planted, never read through.
+                raise CacheEntryError(child, describe(child), "a directory")
             elif not child.name.startswith("."):
                 others += 1
         if others and not cache.namespaces and not cache.unreadable:
@@ -86,14 +96,14 @@ def open_cache(path: str | os.PathLike, namespace: str | None = None) -> CacheDi
 
 
 def _open_namespace(ns_dir: Path) -> Namespace:
+    """``ns_dir`` opened read-only (its manifest checked field by field). Raises
+    ``InspectError``, or ``CacheEntryError`` for an entry that is not the cache's own."""
     try:
-        ns = Namespace.open_path(ns_dir)
-        ns.fingerprint  # noqa: B018  (validates the recorded fingerprint)
+        return Namespace.open_path(ns_dir)
+    except CacheEntryError:
+        raise
     except NamespaceError as e:
         raise InspectError(str(e)) from None
-    except (ValueError, TypeError, KeyError) as e:
-        raise InspectError(f"{ns_dir / MANIFEST}: malformed fingerprint ({e})") from None
-    return ns
 
 
 @dataclass
@@ -192,13 +202,17 @@ def read_entries(ns: Namespace, index: DiskIndex | None = None) -> EntryTable:
     try:
         if own:
             try:
-                index = DiskIndex(ns.index_path, ns.tp_size, readonly=True)
+                index = ns.open_index(readonly=True)
             except FileNotFoundError:
                 return EntryTable.empty(ns.tp_size)
         try:
+            index.check_pages()
             return EntryTable.from_snapshot(index.load_all(), ns.tp_size)
         finally:
             if own:
                 index.close()
+    except IndexCorruptError as e:
+        raise InspectError(f"{e}; `tiered-kv inspect verify --repair {ns.path}` (with the engine stopped) "
+                           f"moves it aside and starts the namespace empty") from None
     except lmdb.Error as e:
         raise InspectError(f"cannot read the index of {ns.path}: {e}") from None

@@ -2,18 +2,23 @@
 edits of ``verify --repair``.
 
 Operator's process. Each operation first takes the writer lock of every namespace it
-touches (the lock an engine's scheduler holds for its whole life), so it runs only
-while no engine has the cache open, and an engine that starts meanwhile is refused
-until it is done. Index edits are ordinary LMDB write transactions (synced); an evicted
-entry's slot is free for the next engine, but the slab files keep their preallocated
-size: ``clear`` is what returns disk space, by deleting whole namespaces.
+touches (the lock an engine's scheduler holds for its whole life), then the namespace
+directory's lock exclusively (every engine process holds it shared while it has the
+namespace open, workers included: ``namespace``), so it runs only while no engine
+process has the cache open, even one still starting, and an engine that starts
+meanwhile is refused until it is done. Index edits are ordinary LMDB write
+transactions (synced); an evicted entry's slot is free for the next engine, but the
+slab files keep their preallocated size: ``clear`` is what returns disk space, by
+deleting whole namespaces.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.index import DiskIndex, IndexCorruptError
 from tiered_kv.disk.namespace import CacheLockedError, Namespace, WriterLock
 from tiered_kv.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
 
@@ -39,9 +44,11 @@ def _holder_text(holder: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def exclusive(namespaces: Sequence[Namespace], action: str) -> Iterator[None]:
-    """Hold the writer lock of every namespace in ``namespaces`` (all or none).
-    Raises ``InspectError`` naming the holder when an engine has one open."""
+    """Hold the writer lock and the directory lock of every namespace in
+    ``namespaces`` (all or none). Raises ``InspectError`` naming the holder when an
+    engine has one open, or saying that an engine process is starting on it."""
     locks: list[WriterLock] = []
+    held: list[Namespace] = []
     try:
         for ns in namespaces:
             try:
@@ -50,18 +57,31 @@ def exclusive(namespaces: Sequence[Namespace], action: str) -> Iterator[None]:
                 raise InspectError(f"refusing to {action}: namespace {ns.path.name} is open by an engine, "
                                    f"{_holder_text(e.holder)}; stop it first (read-only commands work "
                                    f"while it runs)") from None
+            if not ns.lock_exclusive():
+                raise InspectError(f"refusing to {action}: namespace {ns.path.name} is open by an engine process "
+                                   f"that holds no writer lock (a worker, or an engine starting up); stop it "
+                                   f"first (read-only commands work while it runs)")
+            held.append(ns)
         yield
     finally:
+        for ns in held:
+            fcntl.flock(ns.fd, fcntl.LOCK_UN)
         for lock in locks:
             lock.release()
 
 
-def open_index_for_writing(ns: Namespace) -> DiskIndex | None:
-    """``ns``'s index opened for writing, or None when it was never created. Call only
-    while holding ``ns``'s writer lock."""
+def open_index_for_writing(ns: Namespace, repair: bool = False) -> DiskIndex | None:
+    """``ns``'s index opened for writing (its pages walked), or None when it was never
+    created. Call only while holding ``ns``'s locks (``exclusive``). A damaged index is
+    an ``InspectError`` naming the repair command, or with ``repair`` is moved aside to
+    ``index.lmdb.corrupt`` and replaced by an empty one (as an engine's start does)."""
     if not (ns.index_path / "data.mdb").exists():
         return None
-    return DiskIndex(ns.index_path, ns.tp_size, expected_entries=ns.manifest.num_slots)
+    try:
+        return ns.open_index(expected_entries=ns.manifest.num_slots, repair=repair)
+    except IndexCorruptError as e:
+        raise InspectError(f"{e}; `tiered-kv inspect verify --repair {ns.path}` moves it aside and starts the "
+                           f"namespace empty") from None
 
 
 def delete_entries(index: DiskIndex, items: Sequence[tuple[bytes, int]],
@@ -183,7 +203,7 @@ def clear(cache: CacheDir, dry_run: bool = False) -> dict[str, Any]:
     removed, freed = [], 0
     with contextlib.nullcontext() if dry_run else exclusive(cache.namespaces, "clear"):
         for ns in cache.namespaces:
-            freed += sum(p.stat().st_blocks * 512 for p in ns.path.rglob("*") if p.is_file())
+            freed += sum(st.st_blocks * 512 for st in map(os.lstat, ns.path.rglob("*")) if stat.S_ISREG(st.st_mode))
             if dry_run:
                 removed.append(ns.path.name)
                 continue

@@ -38,7 +38,7 @@ def io_backend_info(ns: Namespace) -> dict[str, Any]:
     if error is None:
         backend = PosixBackend(1)
         try:
-            f = backend.open(slab, readonly=True)
+            f = backend.open(slab, True, ns.fd, ns.owner)
             direct = f.direct
             backend.close_file(f)
         except OSError as e:

@@ -7,7 +7,10 @@ Without ``repair`` nothing is written, and it may run while an engine uses the c
 a block that looks corrupt is re-checked against the index afterwards, and if its
 entry changed meanwhile (the engine evicted or rewrote it) it is counted as
 ``changed``, not corrupt. With ``repair`` it holds the writer lock (no engine may run)
-and deletes the entries of corrupt, invalid and incomplete blocks.
+and deletes the entries of corrupt, invalid and incomplete blocks; an index whose pages
+are damaged is moved aside to ``index.lmdb.corrupt`` and replaced by an empty one
+(``index_damage`` says why), so the namespace then verifies clean. Slab files are
+opened through the namespace directory's descriptor (``safe_open``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.index import DiskIndex, IndexCorruptError
 from tiered_kv.disk.io_backends import BackendFile, PosixBackend, aligned_empty, host_view
 from tiered_kv.disk.namespace import Namespace
 from tiered_kv.disk.store import checksum_function
@@ -48,6 +51,7 @@ class VerifyResult:
     changed: int = 0
     repaired: int = 0
     seconds: float = 0.0
+    index_damage: str | None = None  # why ``repair`` replaced a damaged index, if it did
 
     @property
     def corrupt_blocks(self) -> int:
@@ -57,7 +61,7 @@ class VerifyResult:
         return {"namespace": self.namespace, "blocks": self.blocks, "copies_checked": self.copies_checked,
                 "bytes_read": self.bytes_read, "corrupt_blocks": self.corrupt_blocks, "corrupt": self.corrupt,
                 "incomplete": self.incomplete, "changed": self.changed, "repaired": self.repaired,
-                "seconds": self.seconds}
+                "index_damage": self.index_damage, "seconds": self.seconds}
 
 
 def bytes_to_verify(ns: Namespace, table: EntryTable) -> int:
@@ -75,9 +79,11 @@ def verify_namespace(ns: Namespace, *, repair: bool = False, threads: int = 4,
     if not repair:
         return _verify(ns, None, threads, progress, on_table)
     with exclusive([ns], "repair"):
-        index = open_index_for_writing(ns)
+        damage = index_damage(ns)
+        index = open_index_for_writing(ns, repair=True)
         try:
             result = _verify(ns, index, threads, progress, on_table)
+            result.index_damage = damage
             if index is not None:
                 items = {(bytes.fromhex(c["hash"]), c["slot"]) for c in result.corrupt}
                 items |= {(bytes.fromhex(c["hash"]), c["slot"]) for c in result.incomplete}
@@ -86,6 +92,23 @@ def verify_namespace(ns: Namespace, *, repair: bool = False, threads: int = 4,
         finally:
             if index is not None:
                 index.close()
+
+
+def index_damage(ns: Namespace) -> str | None:
+    """Why ``ns``'s index is damaged (its page walk, read-only), or None."""
+    try:
+        index = ns.open_index(readonly=True)
+    except FileNotFoundError:
+        return None
+    except IndexCorruptError as e:
+        return e.reason
+    try:
+        index.check_pages()
+    except IndexCorruptError as e:
+        return e.reason
+    finally:
+        index.close()
+    return None
 
 
 def _verify(ns: Namespace, index: DiskIndex | None, threads: int, progress, on_table) -> VerifyResult:
@@ -136,7 +159,7 @@ def _verify_rank(ns: Namespace, rank: int, table: EntryTable, rows: np.ndarray, 
         return []
     path = ns.slab_path(rank)
     try:
-        f = backend.open(path, readonly=True)
+        f = backend.open(path, True, ns.fd, ns.owner)
     except OSError as e:
         return [(int(i), rank, f"{path.name} cannot be opened: {e.strerror}") for i in rows]
     per_read = max(1, READ_BYTES // m.slot_size)
@@ -195,7 +218,7 @@ def _settle_suspects(ns: Namespace, table: EntryTable, suspects: list[tuple[int,
     current = None
     if not locked:
         hashes = [table.hash(i) for i, _, _ in suspects]
-        index = DiskIndex(ns.index_path, ns.tp_size, readonly=True)
+        index = ns.open_index(readonly=True)
         try:
             current = index.get_many(hashes)
         finally:
