@@ -84,7 +84,7 @@ def rgw_server(tmp_path_factory) -> RGWServer:
         pytest.skip(reason)
     scratch = tmp_path_factory.mktemp("rgw")
     done = subprocess.run(["bash", str(SCRIPT), "start", str(scratch)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "RGW_OWNER_PID": str(os.getpid())})
     if done.returncode:
         subprocess.run(["bash", str(SCRIPT), "stop", str(scratch)], capture_output=True, timeout=60)
         pytest.fail(f"could not start Ceph RGW: {done.stderr.strip()[-2000:]}", pytrace=False)

@@ -161,3 +161,18 @@ def test_credentials_from_a_named_profile(remote_settings, monkeypatch, tmp_path
         assert "fleet" not in repr(store._client.credentials) and SECRET_KEY not in repr(store._client.credentials)
         items = blocks(1)
         assert store.put_blocks(items).result(WAIT) == [PutOutcome.STORED]
+
+
+def test_a_namespace_recording_another_fingerprint_is_refused_at_start_up(remote_settings):
+    import obstore
+
+    from tiered_kv.remote.object_format import manifest_key
+
+    config = RemoteConfig.from_dict(remote_settings)
+    with RemoteStore(config, FP) as store:
+        assert store.reachable
+        key = manifest_key(config.prefix, FP)
+        obstore.put(store._client.raw, key, b'{"format":1,"fingerprint":{"model_id":"someone/else"}}',
+                    mode="overwrite")
+    with pytest.raises(RemoteSetupError, match="records another fingerprint than this node's"):
+        RemoteStore(config, FP)

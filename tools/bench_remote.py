@@ -51,7 +51,7 @@ KEYS = {"AWS_ACCESS_KEY_ID": "tieredkvtest", "AWS_SECRET_ACCESS_KEY": "tieredkvt
 def own_server(memstore_bytes: int):
     """A throwaway Ceph RGW (tools/rgw_server.sh) for the run; yields its endpoint."""
     with tempfile.TemporaryDirectory(prefix="bench-rgw-") as scratch:
-        env = {**os.environ, "RGW_MEMSTORE_BYTES": str(memstore_bytes)}
+        env = {**os.environ, "RGW_MEMSTORE_BYTES": str(memstore_bytes), "RGW_OWNER_PID": str(os.getpid())}
         started = time.perf_counter()
         done = subprocess.run(["bash", str(SCRIPT), "start", scratch], capture_output=True, text=True, env=env)
         if done.returncode:

@@ -14,7 +14,9 @@
 # with a user that has fixed keys:
 #   RGW_ACCESS_KEY (default tieredkvtest), RGW_SECRET_KEY (default tieredkvtestsecret).
 # RGW_MEMSTORE_BYTES bounds the OSD's memory (default 2 GiB); RGW_START_TIMEOUT is how
-# long start waits for radosgw to answer (default 90 s).
+# long start waits for radosgw to answer (default 90 s). With RGW_OWNER_PID set, a
+# watcher stops the cluster once that process is gone (a test run killed before its
+# clean-up leaves no daemons behind).
 # Needs the Debian packages ceph-mon ceph-osd radosgw ceph-common (`make rgw`).
 set -euo pipefail
 
@@ -88,6 +90,11 @@ status)
   ;;
 kill-rgw)
   stop_daemon client.rgw.x KILL
+  exit 0
+  ;;
+watch)  # internal: watch OWNER_PID ($3) and stop the cluster when it is gone
+  while [[ -f $dir/run/mon.a.pid ]] && kill -0 "${3:?}" 2>/dev/null; do sleep 2; done
+  stop
   exit 0
   ;;
 start-rgw)
@@ -174,4 +181,7 @@ wait_answers
 timeout 60 radosgw-admin -c "$conf" -n client.rgw.x user create --uid=tieredkv --display-name=tieredkv \
   --access-key="$access_key" --secret-key="$secret_key" >"$dir/log/user.out" 2>&1
 trap - ERR
+if [[ -n ${RGW_OWNER_PID:-} ]]; then
+  setsid bash "$0" watch "$dir" "$RGW_OWNER_PID" </dev/null >/dev/null 2>&1 &
+fi
 echo "endpoint=http://127.0.0.1:$rgw_port"

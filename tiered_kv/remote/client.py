@@ -58,6 +58,14 @@ class BucketMissing(RemoteError):
     """The bucket does not exist at the endpoint."""
 
 
+class WrongSize(RemoteError):
+    """The object is not the size asked for (its body was not read)."""
+
+    def __init__(self, size: int, expected: int):
+        super().__init__(f"object of {size} bytes, expected {expected}")
+        self.size = size
+
+
 class RemoteSetupError(RuntimeError):
     """The shared tier cannot start: credentials, bucket or library missing or wrong."""
 
@@ -69,8 +77,9 @@ class ObjectClient(Protocol):
         """Write the concatenation of ``parts`` as one object unless ``key`` exists
         (``If-None-Match: *``); True if written, False if it was there."""
 
-    def get(self, key: str) -> Buffer | None:
-        """The whole object, or None when there is none."""
+    def get(self, key: str, size: int | None = None) -> Buffer | None:
+        """The whole object, or None when there is none; ``WrongSize`` without reading
+        it when ``size`` is given and the object has another."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -190,9 +199,14 @@ class S3Client:
             raise self._error(exc) from None
         return True
 
-    def get(self, key: str) -> Buffer | None:
+    def get(self, key: str, size: int | None = None) -> Buffer | None:
         try:
-            return self._obstore.get(self.raw, key).bytes()
+            result = self._obstore.get(self.raw, key)
+            if size is not None and (actual := int(result.meta["size"])) != size:
+                raise WrongSize(actual, size)
+            return result.bytes()
+        except WrongSize:
+            raise
         except FileNotFoundError as exc:
             if "NoSuchBucket" in str(exc):
                 raise BucketMissing("NoSuchBucket") from None

@@ -66,7 +66,8 @@ class Rejected(Exception):
 
 #: ``format``: not an object of this format (magic, version, lengths);
 #: ``foreign``: another fingerprint's object; ``mismatch``: another block or rank;
-#: ``size``: a payload of another size than the reader's buffer; ``checksum``: damaged.
+#: ``size``: an object or payload of another size than the reader's buffer implies
+#: (such an object is not even downloaded); ``checksum``: damaged bytes.
 REJECT_REASONS = ("format", "foreign", "mismatch", "size", "checksum")
 
 

@@ -48,9 +48,9 @@ from typing import Any, TypeVar
 from tiered_kv.abstract import BlockHash
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.remote.client import (AccessDenied, BucketMissing, Buffer, ObjectClient, RemoteError,
-                                     RemoteSetupError, S3Client, Unavailable)
+                                     RemoteSetupError, S3Client, Unavailable, WrongSize)
 from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.remote.object_format import (FORMAT_VERSION, REJECT_REASONS, Rejected, block_key,
+from tiered_kv.remote.object_format import (FIXED_HEADER_BYTES, FORMAT_VERSION, REJECT_REASONS, Rejected, block_key,
                                             encode_header, fingerprint_digest, manifest_key,
                                             namespace_prefix, pieces_checksum, verified_payload)
 
@@ -263,9 +263,9 @@ class RemoteStore:
             logger.warning("shared tier: %s did not answer the start-up check (%s); serving goes on, "
                            "with misses until it answers", where, exc)
             return False
-        if stored is not None and bytes(stored) != self.manifest():
-            raise RemoteSetupError(f"shared tier: {key} in {where} holds another fingerprint's manifest; "
-                                   "use another prefix")
+        if stored is not None and _manifest_fingerprint(bytes(stored)) != self.fingerprint.to_dict():
+            raise RemoteSetupError(f"shared tier: {key} in {where} records another fingerprint than this "
+                                   "node's under the same namespace id; use another prefix")
         return True
 
     # -- writes -----------------------------------------------------------------------
@@ -362,7 +362,11 @@ class RemoteStore:
         key = block_key(self.namespace, block_hash, rank)
         size = sum(len(d) for d in dest)
         try:
-            data = self._client.get(key)
+            try:
+                data = self._client.get(key, FIXED_HEADER_BYTES + len(block_hash) + size)
+            except WrongSize as wrong:  # never downloaded: the object cannot be this block
+                self._health.success()
+                raise Rejected("size", str(wrong)) from None
             self._health.success()
             if data is None:
                 with self._lock:
@@ -480,6 +484,13 @@ class RemoteStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _manifest_fingerprint(data: bytes) -> Any:
+    try:
+        return json.loads(data)["fingerprint"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _all_present(answers: list[bool | None]) -> bool | None:
