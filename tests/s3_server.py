@@ -223,7 +223,7 @@ class FaultProxy:
         _close(self._listener)
         self.set_mode("pass")
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self
 
     def __exit__(self, *exc) -> None:

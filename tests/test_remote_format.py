@@ -14,9 +14,18 @@ from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.store import checksum_function
 from tiered_kv.remote.config import RemoteConfig, parse_duration
 from tiered_kv.remote.membership import Membership, MembershipCache
-from tiered_kv.remote.object_format import (FIXED_HEADER_BYTES, BlockHeader, Rejected, block_key,
-                                            encode_header, fingerprint_digest, manifest_key,
-                                            namespace_prefix, pieces_checksum, verified_payload)
+from tiered_kv.remote.object_format import (
+    FIXED_HEADER_BYTES,
+    BlockHeader,
+    Rejected,
+    block_key,
+    encode_header,
+    fingerprint_digest,
+    manifest_key,
+    namespace_prefix,
+    pieces_checksum,
+    verified_payload,
+)
 
 FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1,
                  "sha256", "")

@@ -6,13 +6,20 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+from itertools import pairwise
 
 import numpy as np
 import pytest
 from s3_server import FaultProxy, skip_module_without_rgw
 
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.remote import MembershipCache, MembershipProber, PutOutcome, RemoteConfig, RemoteStore
+from tiered_kv.remote import (
+    MembershipCache,
+    MembershipProber,
+    PutOutcome,
+    RemoteConfig,
+    RemoteStore,
+)
 from tiered_kv.remote.object_format import block_key
 
 skip_module_without_rgw()
@@ -81,12 +88,12 @@ def test_a_block_in_pieces_goes_and_comes_back_where_it_lies(store):
     """A CPU slot in several pieces (per-layer tensors) needs no packing either way."""
     (h, r, data), = blocks(1, size=96 << 10)
     cuts = [0, 1000, 40_000, 40_000, len(data)]
-    pieces = [memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:])]
+    pieces = [memoryview(data)[a:b] for a, b in pairwise(cuts)]
     assert store.put_blocks([(h, r, pieces)]).result(WAIT) == [PutOutcome.STORED]
     hits, (whole,) = read_back(store, [(h, r, data)])
     assert hits == [True] and whole == data
     out = bytearray(len(data))
-    parts = [memoryview(out)[a:b] for a, b in zip(cuts, cuts[1:])]
+    parts = [memoryview(out)[a:b] for a, b in pairwise(cuts)]
     assert store.get_blocks([(h, r, parts)]).result(WAIT) == [True]
     assert out == data
 

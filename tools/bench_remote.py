@@ -143,7 +143,7 @@ class Paths:
         self.store.close()
         self.pool.shutdown()
 
-    def __enter__(self) -> "Paths":
+    def __enter__(self) -> Paths:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,9 +16,19 @@ Needs the ``s3`` extra (``pip install 'tiered-kv[s3]'``): importing this package
 not, opening a store does.
 """
 
-from tiered_kv.remote.client import AccessDenied, BucketMissing, RemoteSetupError, Unavailable
+from tiered_kv.remote.client import (
+    AccessDenied,
+    BucketMissing,
+    RemoteSetupError,
+    Unavailable,
+)
 from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.remote.membership import Membership, MembershipCache, MembershipProber, RemoteLookup
+from tiered_kv.remote.membership import (
+    Membership,
+    MembershipCache,
+    MembershipProber,
+    RemoteLookup,
+)
 from tiered_kv.remote.object_format import Rejected
 from tiered_kv.remote.store import PutOutcome, RemoteStats, RemoteStore
 

@@ -242,7 +242,7 @@ class S3Client:
     def close(self) -> None:
         """Nothing to release: obstore drops its connections with the store object."""
 
-    def __enter__(self) -> "S3Client":
+    def __enter__(self) -> S3Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from tiered_kv.config import CHECKSUMS, ConfigError, parse_size
@@ -82,7 +82,7 @@ def _endpoint(value: Any, key: str) -> str | None:
         raise ConfigError(f"{key}: expected scheme://host[:port] only (the bucket and prefix have their "
                           f"own keys), got {value!r}")
     try:
-        parts.port
+        _ = parts.port  # parsed on access: a bad port raises here
     except ValueError:
         raise ConfigError(f"{key}: bad port in {value!r}") from None
     return f"{parts.scheme}://{parts.netloc}"
@@ -150,7 +150,7 @@ class RemoteConfig:
     failure_threshold: int = 8
     unavailable_cooldown: float = 5.0
 
-    _PARSERS = {
+    _PARSERS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         "bucket": _bucket,
         "endpoint": _endpoint,
         "prefix": _prefix,
@@ -174,7 +174,7 @@ class RemoteConfig:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], *, key_prefix: str = "") -> "RemoteConfig":
+    def from_dict(cls, raw: Mapping[str, Any], *, key_prefix: str = "") -> RemoteConfig:
         """Validate ``raw``. Unknown keys raise ``ConfigError`` naming the closest known
         key; ``key_prefix`` (e.g. ``"remote."``) is put before key names in messages."""
         if not isinstance(raw, Mapping):

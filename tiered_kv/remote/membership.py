@@ -113,7 +113,7 @@ class RemoteLookup(NamedTuple):
 class ExistenceProbe(Protocol):
     """What the prober needs of a store (``RemoteStore.exists``)."""
 
-    def exists(self, block_hashes: Sequence[BlockHash]) -> "Future[list[bool | None]]": ...
+    def exists(self, block_hashes: Sequence[BlockHash]) -> Future[list[bool | None]]: ...
 
 
 class MembershipProber:

@@ -124,7 +124,7 @@ class BlockHeader:
                            self.checksum, self.payload_len) + bytes(self.block_hash)
 
     @classmethod
-    def unpack(cls, data: memoryview) -> "BlockHeader":
+    def unpack(cls, data: memoryview) -> BlockHeader:
         """The header at the start of ``data``; ``Rejected("format")`` if there is none."""
         if len(data) < FIXED_HEADER_BYTES:
             raise Rejected("format", f"object of {len(data)} bytes is shorter than a header")

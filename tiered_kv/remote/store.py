@@ -47,12 +47,31 @@ from typing import Any, TypeVar
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.remote.client import (AccessDenied, BucketMissing, Buffer, ObjectClient, RemoteError,
-                                     RemoteSetupError, S3Client, Unavailable, WrongSize)
+from tiered_kv.remote.client import (
+    AccessDenied,
+    BucketMissing,
+    Buffer,
+    ObjectClient,
+    RemoteError,
+    RemoteSetupError,
+    S3Client,
+    Unavailable,
+    WrongSize,
+)
 from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.remote.object_format import (FIXED_HEADER_BYTES, FORMAT_VERSION, REJECT_REASONS, Rejected, block_key,
-                                            encode_header, fingerprint_digest, manifest_key,
-                                            namespace_prefix, pieces_checksum, verified_payload)
+from tiered_kv.remote.object_format import (
+    FIXED_HEADER_BYTES,
+    FORMAT_VERSION,
+    REJECT_REASONS,
+    Rejected,
+    block_key,
+    encode_header,
+    fingerprint_digest,
+    manifest_key,
+    namespace_prefix,
+    pieces_checksum,
+    verified_payload,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +289,7 @@ class RemoteStore:
 
     # -- writes -----------------------------------------------------------------------
 
-    def put_blocks(self, blocks: Sequence[PutItem], *, copy: bool = False) -> "Future[list[PutOutcome]]":
+    def put_blocks(self, blocks: Sequence[PutItem], *, copy: bool = False) -> Future[list[PutOutcome]]:
         """Upload each ``(block hash, rank, bytes)``; one ``PutOutcome`` per block, in order.
 
         The caller keeps the bytes unchanged until the future is done, unless ``copy``
@@ -338,7 +357,7 @@ class RemoteStore:
 
     # -- reads ------------------------------------------------------------------------
 
-    def get_blocks(self, blocks: Sequence[GetItem]) -> "Future[list[bool]]":
+    def get_blocks(self, blocks: Sequence[GetItem]) -> Future[list[bool]]:
         """Download each ``(block hash, rank, buffer or pieces)`` into its bytes, whose
         size is the block's. One bool per block: True when they now hold the verified
         bytes; on False they were not written."""
@@ -409,7 +428,7 @@ class RemoteStore:
     # -- membership -------------------------------------------------------------------
 
     def exists(self, block_hashes: Sequence[BlockHash], ranks: Sequence[int] | None = None
-               ) -> "Future[list[bool | None]]":
+               ) -> Future[list[bool | None]]:
         """Whether the bucket holds each block: True when every rank's object is there
         (``ranks``: all of the fingerprint's by default), False when one is missing,
         None when the server did not say. One request per block and rank (HEAD)."""
@@ -479,7 +498,7 @@ class RemoteStore:
         self._pool.shutdown(wait=wait)
         self._client.close()
 
-    def __enter__(self) -> "RemoteStore":
+    def __enter__(self) -> RemoteStore:
         return self
 
     def __exit__(self, *exc) -> None:
