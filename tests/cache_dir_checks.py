@@ -37,7 +37,8 @@ DOCS = documents(4, 4, seed=3)
 
 
 def quiet() -> None:
-    """Faults are logged by design; keep them off the output the tests read."""
+    """Faults are logged by design; keep them off the output the tests read (child
+    processes only: it changes this process's logging for good)."""
     log = logging.getLogger("tiered_kv")
     log.setLevel(logging.CRITICAL)
     log.propagate = False

@@ -32,7 +32,6 @@ CASE_TIMEOUT = 420
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
-    cd.quiet()
     cache = tmp_path_factory.mktemp("template") / "cache"
     cd.build_cache(cache)
     return cache

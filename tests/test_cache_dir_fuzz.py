@@ -43,7 +43,6 @@ HOSTILE = [None, True, False, 0, -1, 1, 3, 2 ** 63, 10 ** 15, 1.5, -0.0, 1e308, 
 @pytest.fixture(scope="module")
 def engine_args(tmp_path_factory):
     """A template cache full of known blocks, and what an engine opens it with."""
-    cd.quiet()
     cache = tmp_path_factory.mktemp("fuzz") / "cache"
     cd.build_cache(cache)
     layout = device().layout

@@ -29,7 +29,6 @@ from tiered_kv.disk.store import DiskStore
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
-    cd.quiet()
     cache = tmp_path_factory.mktemp("startup") / "cache"
     cd.build_cache(cache)
     return cache
@@ -188,7 +187,6 @@ def test_damage_met_while_running_is_marked_and_the_next_start_moves_the_index_a
     with pytest.raises(IndexCorruptError, match="met damage in it while it ran"):
         DiskIndex(ns_dir(cache) / "index.lmdb", 1, expected_entries=64)
     with caplog.at_level(logging.ERROR, logger="tiered_kv"):
-        logging.getLogger("tiered_kv").propagate = True
         assert cd.start_engine(cache) == ("ok", "")
     assert (ns_dir(cache) / f"index.lmdb{QUARANTINE_SUFFIX}" / DAMAGE_MARK).exists()
     assert any("moved it to" in r.getMessage() for r in caplog.records)
