@@ -220,7 +220,8 @@ def _check_type(annotation: str, name: str, value: Any) -> str | None:
     if name == "layer_geometry":
         ok = isinstance(value, list) and value and all(
             isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], list)
-            and all(_is_int(d) and 0 < d < _MAX_DIM for d in x[1]) for x in value)
+            # >= 0: vLLM's KV-group entries record "no sliding window" as 0.
+            and all(_is_int(d) and 0 <= d < _MAX_DIM for d in x[1]) for x in value)
         return None if ok else "a list of [layer name, [block shape]]"
     if base == "str":
         return None if isinstance(value, str) else "a string"
