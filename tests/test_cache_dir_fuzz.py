@@ -216,6 +216,8 @@ def test_mutated_manifests_and_index_pages_give_errors_or_right_blocks(engine_ar
         cache, _ = _fresh(template, tmp_path / "engine", *state, link_slabs=False)
         outcomes[kind][start_and_serve(cache, fp, layout, hashes)] += 1
 
+    print(f"fuzz: {MUTATIONS} mutations, engine {outcomes}, inspector exit codes "
+          f"{ {cmd: np.bincount(seen, minlength=3).tolist() for cmd, seen in codes.items()} }")
     # The mutations meant something: manifests were refused and served, damaged index
     # pages were found and replaced (and some flips, in unused bytes, were harmless),
     # every command both succeeded and refused, and an untouched copy serves every block.
