@@ -63,6 +63,7 @@ demo: $(STAMP)
 	$(VENV)/bin/tiered-kv demo --cache-dir $(DEMO_DIR)
 
 test: $(TEST_DEPS)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 clean:

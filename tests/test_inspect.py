@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from datetime import datetime
 from pathlib import Path
 

@@ -230,13 +230,13 @@ class Hierarchy(RuleBasedStateMachine):
 
     @invariant()
     def events_agree_with_state(self):
-        for event in self.manager.take_events():
-            target = self.events[event.medium]
-            if event.removed:
-                assert set(event.block_hashes) <= target, "removed a block that was never stored"
-                target.difference_update(event.block_hashes)
+        for ev in self.manager.take_events():
+            target = self.events[ev.medium]
+            if ev.removed:
+                assert set(ev.block_hashes) <= target, "removed a block that was never stored"
+                target.difference_update(ev.block_hashes)
             else:
-                target.update(event.block_hashes)
+                target.update(ev.block_hashes)
         assert self.events["CPU"] == {h for h in UNIVERSE if self.manager.cpu.is_loadable(h)}
         for tier in self.manager.lower:
             assert self.events[tier.medium] == {h for h in UNIVERSE if tier.is_loadable(h)}

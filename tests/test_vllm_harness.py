@@ -8,7 +8,6 @@ prefix is served from the offloading tier after the GPU prefix cache is dropped,
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",

@@ -25,7 +25,6 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
                     reason="vLLM is not installed (make venv installs it)",
                     exc_type=ImportError)
 
-import torch  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult, ReqContext, TransferResult, make_offload_key,

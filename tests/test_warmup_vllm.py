@@ -18,7 +18,7 @@ from tiered_kv.warmup import KvFirstLayout, LayoutRequest, load_config, warmup
 @pytest.mark.vllm
 @pytest.mark.parametrize("algo,seed,factor", [("sha256", None, 1), ("sha256_cbor", None, 2),
                                               ("xxhash", "99", 1), ("xxhash_cbor", "99", 2)])
-def test_written_keys_equal_vllms_block_hashes(engine, tmp_path, monkeypatch, algo, seed, factor):
+def test_written_keys_equal_vllms_block_hashes(engine, tmp_path, monkeypatch, algo, seed, factor):  # noqa: F811
     import vllm_harness
 
     if seed is None:

@@ -34,7 +34,7 @@ import torch
 
 from tiered_kv import device as machine  # module, so tests can stand in for its probes
 from tiered_kv.config import ConfigError, format_size
-from tiered_kv.device import HOST_ALIGN, HUGE_PAGE, empty_host, host_memory_limit
+from tiered_kv.device import empty_host, host_memory_limit
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.shared_memory import empty_shared
 

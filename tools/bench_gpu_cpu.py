@@ -157,7 +157,8 @@ def bench_memcpy(nbytes: int, device: str, clock: Clock, repeats: int) -> dict[s
         "both": median_gbps(clock, lambda: (copy(host_bufs[0], dev_bufs[0], streams[0]),
                                             copy(dev_bufs[1], host_bufs[1], streams[1])), 2 * nbytes, repeats),
     }
-    del dev_bufs, host_bufs
+    dev_bufs.clear()  # free the buffers before the cache is emptied
+    host_bufs.clear()
     if cuda:
         torch.cuda.empty_cache()
     return out

@@ -63,7 +63,6 @@ def build_kv_transfer_config(plan: TierPlan, *, cpu_bytes: str, disk_path: Optio
 def arithmetic_table(plan: TierPlan) -> Table:
     """The sizing arithmetic, one row per step, per TP rank unless marked."""
     g, tp = plan.geometry, plan.tp
-    heads = g.kv_heads_per_rank(tp)
     table = Table(title=f"KV sizing: {g.name or 'model'} (TP={tp})", show_header=True)
     table.add_column("quantity")
     table.add_column("arithmetic")
