@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from s3_server import skip_module_without_rgw
+from s3_server import FaultProxy, skip_module_without_rgw
 
 skip_module_without_rgw()
 
@@ -120,6 +120,27 @@ def test_server_killed_mid_run_costs_misses_never_a_crash_or_stall(tmp_path, rgw
         assert node.remote.num_pending() == 0
     finally:
         node.close()
+
+
+def test_uploads_past_the_bound_are_dropped_and_counted_never_waited_for(tmp_path, rgw_server, remote_settings):
+    with FaultProxy(rgw_server.endpoint.removeprefix("http://")) as proxy:
+        settings = {**remote_settings, "endpoint": proxy.endpoint, "max_pending_upload_bytes": "8KiB",
+                    "request_timeout": "3s", "retries": 0, "failure_threshold": 1000}
+        node = build(tmp_path / "cache", settings)
+        try:
+            proxy.set_mode("stall")  # uploads and probes are never answered
+            report = node.run(requests(0, 3))  # the first request's upload holds the bound
+        finally:
+            proxy.set_mode("pass")
+            node.close()
+    n = BLOCKS_PER_REQUEST
+    assert report.computed == 3 * n and report.mismatches == 0
+    tier_stats = node.spec.stats.tiers["remote"]
+    # The next two requests' uploads are dropped, not queued (and the store's own bound of
+    # the same size lets one block of the first through, which times out).
+    assert tier_stats["drops"] >= 2 * n and tier_stats["failed_stores"] >= 1
+    assert tier_stats["drops"] + tier_stats["failed_stores"] == 3 * n
+    assert node.remote.counters["released"] == 3 * n and node.remote.counters["confirmed"] == 0
 
 
 def test_remote_tier_from_config_names_the_bad_key(tmp_path, remote_settings):
