@@ -409,8 +409,8 @@ class DiskIndex:
         """Step 1 of a store: make sure no entry lets rank ``rank``'s copy of a target slot
         be loaded while it is overwritten. Deletes entries of other blocks in the target
         slots and stale entries of the target blocks in other slots, and clears
-        ``rank``'s bit of target blocks already recorded in their target slot. One synced
-        transaction."""
+        ``rank``'s bit of target blocks already recorded in their target slot (deleting
+        the entry when no rank's bit is left). One synced transaction."""
         self.commit_group([], [(rank, hashes, slots)])
 
     def commit_stored(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
@@ -482,10 +482,15 @@ class DiskIndex:
             if e is None or e.slot != s:
                 txn.delete(h, db=blocks)
             elif e.has_rank(rank):
+                ranks = e.ranks & ~(1 << rank) & ((1 << self.tp_size) - 1)
+                if not ranks:
+                    # No rank's copy left: an entry no one committed would be a partial
+                    # entry at TP 1, where a block commits in one transaction.
+                    self._delete_if_slot(txn, h, s)
+                    continue
                 sums = list(e.checksums)
                 sums[rank] = 0
-                txn.put(h, self.encode(h, e._replace(ranks=e.ranks & ~(1 << rank),
-                                                  checksums=tuple(sums))), db=blocks)
+                txn.put(h, self.encode(h, e._replace(ranks=ranks, checksums=tuple(sums))), db=blocks)
 
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         """Record failed stores (best effort: errors are logged, not raised)."""
