@@ -10,7 +10,6 @@ entry left with no rank is deleted instead. Real store, real LMDB, a real SIGKIL
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap

@@ -4,8 +4,13 @@ Module map (which process runs what):
 
 - ``fingerprint``: the namespace key (all processes; no I/O).
 - ``namespace``: a cache directory's namespaces, manifests, slab preallocation and the
-  writer lock (scheduler and workers at startup; inspector read-only).
-- ``index``: the LMDB index shared by an engine's processes.
+  writer lock (scheduler and workers at startup; inspector read-only); ``namespace_dir``
+  makes a new one, ``manifest`` reads and checks ``manifest.json``, ``locks`` is the
+  writer lock, ``safe_open`` opens every cache entry (no link followed, no FIFO
+  opened, nothing of another user's; 0600 files, 0700 directories), ``errors`` holds
+  their start-up errors.
+- ``index``: the LMDB index shared by an engine's processes; ``index_env`` opens its
+  environment and finds a damaged one, with ``lmdb_check``'s page walk.
 - ``io_backends``: POSIX (O_DIRECT) and KvikIO (GDS) block I/O (workers).
 - ``store``: ``DiskStore``, one process's block reads/writes with the crash-safe
   commit protocol (workers, tools, inspector).

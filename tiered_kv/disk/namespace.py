@@ -27,7 +27,8 @@ engine process (scheduler, worker, disk I/O process) also holds a shared ``flock
 that directory while it has the namespace open, so the inspector's destructive
 commands, which take it exclusively after the writer lock, cannot run while any of them
 has it open, including the moment between a worker opening it and its scheduler taking
-the writer lock. ``close()`` releases both the descriptor and that claim.
+the writer lock. ``close()`` releases both the descriptor and that claim. Making a new
+namespace is ``namespace_dir``'s; the writer lock is ``locks``'.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import fcntl
 import logging
 import os
 import shutil
-import socket
 import stat
 import time
 import uuid
@@ -54,6 +54,9 @@ from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.locks import LOCK, CacheLockedError, WriterLock, check_worker_access, current_holder, read_holder
 from tiered_kv.disk.manifest import (
     FORMAT_VERSION, MANIFEST, SLOT_ALIGN, Manifest, ManifestError, slot_size_for,
+)
+from tiered_kv.disk.namespace_dir import (
+    check_free_space, create_namespace, index_reserve_bytes, prepare_cache_dir, remove_empty,
 )
 from tiered_kv.disk.safe_open import ANY_OWNER, CacheEntryError, check_entry, open_dir, open_file
 from tiered_kv.kv_layout import KVCacheLayout
@@ -70,11 +73,6 @@ __all__ = [
 INDEX_DIR = "index.lmdb"
 INDEX_DATA = "data.mdb"
 INDEX_LOCK = "lock.mdb"
-#: Disk space set aside for the index: its high-water mark measured about 450 B per slot
-#: at TP 1 under churn; this is twice that, plus a little per rank's checksum.
-INDEX_RESERVE_MIN = 256 << 10
-INDEX_RESERVE_PER_SLOT = 1024
-INDEX_RESERVE_PER_RANK_SLOT = 128
 #: Seconds an engine process waits for an inspector command that holds the namespace.
 SHARED_LOCK_TIMEOUT = 2.0
 
@@ -87,11 +85,6 @@ class FingerprintMismatchError(NamespaceError):
         super().__init__(
             f"disk cache namespace {path} holds blocks of another fingerprint and is not served; "
             f"differing fields: " + "; ".join(diffs))
-
-
-def index_reserve_bytes(num_slots: int, tp_size: int) -> int:
-    """Disk space reserved for a namespace's index (see ``Namespace.reserve_index``)."""
-    return INDEX_RESERVE_MIN + num_slots * (INDEX_RESERVE_PER_SLOT + INDEX_RESERVE_PER_RANK_SLOT * tp_size)
 
 
 class Namespace:
@@ -207,7 +200,7 @@ class Namespace:
             if num_slots < 1:
                 raise DiskSizeError(f"disk_bytes={disk_bytes} holds no block; one disk slot is "
                                     f"{slot_size_for(layout.bytes_per_block)} bytes")
-        root, root_fd, made = _prepare_cache_dir(cache_dir, create)
+        root, root_fd, made = prepare_cache_dir(cache_dir, create)
         name = fingerprint.namespace_id
         ns_dir = root / name
         owner = os.geteuid()
@@ -219,7 +212,7 @@ class Namespace:
                 except FileNotFoundError:
                     if not create:
                         raise NamespaceError(f"no namespace {name} in {root}") from None
-                    created = _create(root, root_fd, name, fingerprint, layout, num_slots, checksum)
+                    created = create_namespace(root, root_fd, name, fingerprint, layout, num_slots, checksum)
                     continue
                 except OSError as e:
                     raise NamespaceError(f"cannot open {ns_dir}: {e.strerror}") from None
@@ -238,7 +231,7 @@ class Namespace:
                 return ns
             raise NamespaceError(f"{ns_dir} kept disappearing while it was being opened")
         except BaseException:
-            _remove_empty(made)
+            remove_empty(made)
             raise
         finally:
             os.close(root_fd)
@@ -353,7 +346,7 @@ class Namespace:
         """Raise the manifest's ``num_slots`` (only the writer-lock holder calls this).
         Raises ``NamespaceError`` first if the filesystem cannot hold the larger size."""
         if num_slots > self.manifest.num_slots:
-            _check_free_space(self.path, num_slots, self.manifest.slot_size, self.tp_size, self)
+            check_free_space(self.path, num_slots, self.manifest.slot_size, self.tp_size, self)
             logger.info("disk namespace %s: growing from %d to %d slots", self.path,
                         self.manifest.num_slots, num_slots)
             self.manifest.num_slots = num_slots
@@ -452,7 +445,7 @@ class Namespace:
                 os.rename(self.path, trash)
                 shutil.rmtree(trash, ignore_errors=True)
                 logger.info("removed %s, created by this refused start", self.path)
-                _remove_empty(self._created_dirs)
+                remove_empty(self._created_dirs)
         except OSError as e:
             logger.warning("could not remove %s after a refused start: %s", self.path, e)
         finally:
@@ -497,46 +490,6 @@ def explain_other_namespaces(cache_dir: str | os.PathLike, fingerprint: Fingerpr
 # ---------------------------------------------------------------- helpers
 
 
-def _prepare_cache_dir(cache_dir: str | os.PathLike, create: bool) -> tuple[Path, int, list[Path]]:
-    """``cache_dir`` (followed like any path: the operator chose it), its descriptor, and
-    the directories made for it (``0700``; innermost first) when it did not exist."""
-    root = Path(cache_dir).expanduser()
-    made: list[Path] = []
-    if root.exists() and not root.is_dir():
-        raise NamespaceError(f"disk_path {root} exists and is not a directory")
-    if not root.exists():
-        if not create:
-            raise NamespaceError(f"disk_path {root} does not exist")
-        missing = [p for p in (root, *root.parents) if not p.exists()]
-        try:
-            for p in reversed(missing):
-                os.mkdir(p, 0o700)
-                made.insert(0, p)
-        except FileExistsError:
-            pass  # made meanwhile by a peer of this engine
-        except OSError as e:
-            _remove_empty(made)
-            raise NamespaceError(f"cannot create disk_path {root}: {e.strerror}") from e
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        _remove_empty(made)
-        raise NamespaceError(f"cannot open disk_path {root}: {e.strerror}") from e
-    if create and not os.access(root, os.W_OK | os.X_OK):
-        os.close(fd)
-        raise NamespaceError(f"disk_path {root} is not writable by this process (uid {os.getuid()})")
-    return root, fd, made
-
-
-def _remove_empty(dirs: list[Path]) -> None:
-    """Remove the directories in ``dirs`` (innermost first) that are empty."""
-    for p in dirs:
-        try:
-            os.rmdir(p)
-        except OSError:
-            return
-
-
 def _still_at(root_fd: int, name: str, fd: int) -> bool:
     """Whether ``name`` in ``root_fd`` is still the directory open as ``fd``."""
     try:
@@ -556,65 +509,6 @@ def _still_at_path(ns: Namespace) -> bool:
         return _still_at(root_fd, ns.path.name, ns.fd)
     finally:
         os.close(root_fd)
-
-
-def _check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int,
-                      ns: Namespace | None = None) -> None:
-    """Raise ``NamespaceError`` unless the filesystem of ``where`` has room for a
-    namespace of ``num_slots`` (every rank's slab plus the index reserve), counting what
-    ``ns`` (an existing namespace) already holds. Checked before a manifest records the
-    size, so a size that does not fit never sticks to the cache directory."""
-    slabs = tp_size * num_slots * slot_size
-    need = slabs + index_reserve_bytes(num_slots, tp_size)
-    held = ns.allocated_bytes() if ns is not None else 0
-    free = shutil.disk_usage(where).free
-    if need - held > free:
-        raise NamespaceError(
-            f"disk_bytes: {format_size(num_slots * slot_size)} per rank ({num_slots} slots of {slot_size} B) "
-            f"x {tp_size} rank(s) plus {format_size(need - slabs)} for the index needs "
-            f"{format_size(need - held)} more on the filesystem of {where}, but only {free} bytes are "
-            f"free ({format_size(free)}; {format_size(held)} already held by this namespace); "
-            f"lower disk_bytes or free space")
-
-
-def _create(root: Path, root_fd: int, name: str, fp: Fingerprint, layout: KVCacheLayout, num_slots: int,
-            checksum: str) -> bool:
-    """Build namespace ``name`` under a temporary name and rename it into place; False
-    when a peer's got there first (theirs is used)."""
-    if num_slots is None or num_slots < 1:
-        raise DiskSizeError(f"a namespace needs at least one slot of {slot_size_for(layout.bytes_per_block)} "
-                            f"bytes, got num_slots={num_slots}")
-    _check_free_space(root, num_slots, slot_size_for(layout.bytes_per_block), fp.tp_size)
-    tmp = f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    made = False
-    try:
-        os.mkdir(tmp, 0o700, dir_fd=root_fd)
-        made = True
-        tfd = open_dir(tmp, path=root / tmp, dir_fd=root_fd)
-        try:
-            manifest = Manifest.new(name, fp, {**layout.describe(), "bytes_per_block": layout.bytes_per_block},
-                                    layout.bytes_per_block, num_slots, checksum,
-                                    {"pid": os.getpid(), "host": socket.gethostname()})
-            manifest.write_atomic(root / tmp, tfd)
-            os.close(open_file(LOCK, os.O_WRONLY, path=root / tmp / LOCK, dir_fd=tfd, create=True, exclusive=True))
-        finally:
-            os.close(tfd)
-        try:
-            os.rename(tmp, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-        except OSError as e:
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            return False  # another process created it first; use theirs
-        made = False
-        os.fsync(root_fd)
-        logger.info("created disk cache namespace %s (%d slots of %d bytes)", root / name, num_slots,
-                    manifest.slot_size)
-        return True
-    except OSError as e:
-        raise NamespaceError(f"cannot create namespace in {root}: {e}") from e
-    finally:
-        if made:
-            shutil.rmtree(tmp, dir_fd=root_fd, ignore_errors=True)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
