@@ -187,8 +187,9 @@ class RemoteOffloadingManager:
         return PrepareStoreOutput(to_store, RemoteLoadStoreSpec([0] * len(to_store), to_store), [])
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        landed = [h for h in block_hashes if self._pending.pop(h, None) is not None and success]
-        self._probing.difference_update(landed)
+        settled = [h for h in block_hashes if self._pending.pop(h, None) is not None]
+        self._probing.difference_update(settled)
+        landed = settled if success else []
         if landed:
             self.cache.mark_present(landed)
             self._event(landed, removed=False)
@@ -209,7 +210,8 @@ class RemoteOffloadingManager:
                 self._pins[h] -= 1
                 if not self._pins[h]:
                     del self._pins[h]
-                self._loaded.add(h)
+                if len(self._loaded) < _MAX_ASKING:  # rechecked at the next refresh
+                    self._loaded.add(h)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         self.cache.states(list(block_hashes)[::-1])  # refreshes the cache's LRU order
