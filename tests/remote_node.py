@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
-from tiered_kv.remote.tier import RemoteOffloadingManager, RemoteTier, remote_tier_from_config
+from tiered_kv.remote.tier import RemoteOffloadingManager, RemoteTier
 from tiered_kv.tiered.spec import TieredOffloadingSpec
 
 GPU_BLOCK_SIZE = 16
@@ -89,12 +88,14 @@ def build(cache_dir: Path, remote: dict[str, Any], *, model_id: str = "org/model
     shared tier of ``remote`` settings under this node's fingerprint."""
     device = DeviceKVCache(num_layers=2, num_gpu_blocks=32, gpu_block_size=GPU_BLOCK_SIZE, num_kv_heads=2,
                            head_dim=32, dtype=getattr(torch, dtype), device="cpu")
+    # The shared tier from the config's ``remote`` key, as a user configures it.
     config = TieredConfig.from_dict({"cpu_bytes": cpu_bytes, "disk_path": str(cache_dir), "disk_bytes": disk_bytes,
-                                     "block_size": GPU_BLOCK_SIZE, "model_id": model_id, "hash_seed": hash_seed})
-    fingerprint = Fingerprint.from_config(config, device.layout, tp_size=1)
+                                     "block_size": GPU_BLOCK_SIZE, "model_id": model_id, "hash_seed": hash_seed,
+                                     "remote": remote})
     engine_id = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
-    tier = remote_tier_from_config(remote, fingerprint, device.layout, engine_id)
-    spec = TieredOffloadingSpec(config, GPU_BLOCK_SIZE, device.layout, engine_id=engine_id, lower_tiers=[tier])
+    spec = TieredOffloadingSpec(config, GPU_BLOCK_SIZE, device.layout, engine_id=engine_id)
+    tier = spec.lower_tiers[-1]
+    assert [t.name for t in spec.lower_tiers] == ["disk", "remote"]
     driver = (ExpectingDriver if expecting else EngineDriver).from_spec(spec, device)
     if expecting:
         driver.remote = driver.manager.lower[-1]

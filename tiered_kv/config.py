@@ -173,6 +173,12 @@ CHECKSUMS = ("xxh3_64", "crc32c")
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
+def _parse_remote(value: Any, key: str) -> Any:
+    from tiered_kv.remote.config import RemoteConfig  # imports this module: not at load time
+
+    return RemoteConfig.from_dict(value, key_prefix=f"{key}.")
+
+
 def _parse_disk_eviction_policy(value: Any, key: str) -> str:
     if value == "arc":
         raise ConfigError(f"{key}: the disk tier evicts in LRU order only (its index keeps each "
@@ -218,6 +224,10 @@ class TieredConfig:
     #: The model's directory: its weights digest goes into the disk namespace
     #: (``tiered_kv.model_identity``). Under vLLM, the directory vLLM loads is used.
     model_path: str | None = None
+    #: The shared tier below the disk tier (S3-compatible object storage): a mapping of
+    #: ``tiered_kv.remote.config.RemoteConfig`` settings (endpoint, bucket, prefix, ...),
+    #: validated into one; None for no shared tier.
+    remote: Any = None
     hash_algorithm: str = "sha256"
     hash_seed: str = ""
     #: Extra keys an engine adapter passes through untouched (e.g. vLLM's spec_name).
@@ -241,6 +251,7 @@ class TieredConfig:
         "model_id": _parse_text,
         "model_revision": _parse_text,
         "model_path": lambda v, k: None if v is None else _parse_text(v, k),
+        "remote": lambda v, k: None if v is None else _parse_remote(v, k),
         "hash_algorithm": lambda v, k: _parse_choice(v, k, HASH_ALGORITHMS),
         "hash_seed": lambda v, k: _parse_text(v, k, empty_ok=True, numbers_ok=True),
     }
@@ -281,4 +292,7 @@ class TieredConfig:
         return {"auto": None, "kernels": True, "dma": False}[self.gpu_copy]
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.keys()}
+        out = {k: getattr(self, k) for k in self.keys()}
+        if self.remote is not None:
+            out["remote"] = self.remote.to_dict()  # holds no credentials: safe to echo
+        return out

@@ -364,6 +364,12 @@ class RemoteTier:
     name: str = "remote"
     medium: str = REMOTE
 
+    @property
+    def write_policy(self) -> str:
+        """The composite's policy for this tier: ``write_through`` shares every block the
+        node stores; ``evictions`` (``write_back``) only what the CPU tier evicts."""
+        return "write_back" if self.remote.write_policy == "evictions" else "write_through"
+
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.fingerprint.tp_size:
             raise ValueError(f"rank {self.rank}: expected 0 <= rank < tp_size ({self.fingerprint.tp_size})")

@@ -68,6 +68,10 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             if self.config.disk_path:
                 own.append(DiskTier(self.config, self._fingerprint(), self.layout, self.engine_id,
                                     rank=self.rank, enable_events=self.enable_events))
+            if self.config.remote is not None:
+                from tiered_kv.remote.tier import remote_tier_from_config
+                own.append(remote_tier_from_config(self.config.remote, self._fingerprint(), self.layout,
+                                                   self.engine_id, self.rank, enable_events=self.enable_events))
             self._lower = own + self._extra_tiers
         return self._lower
 
@@ -88,7 +92,8 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
                 manager.shutdown()
             raise
         return TieredOffloadingManager(
-            cpu, lower, write_policy=self.config.write_policy, promote_on_hit=self.config.promote_on_hit,
+            cpu, lower, write_policy=[getattr(t, "write_policy", self.config.write_policy) for t in self.lower_tiers],
+            promote_on_hit=self.config.promote_on_hit,
             max_pending_disk_writes=self.config.max_pending_disk_writes, stats=self.stats)
 
     def close(self) -> None:

@@ -108,6 +108,9 @@ def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
     for key in ("spec_name", "spec_module_path"):
         if key in extra and not isinstance(extra[key], str):
             raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
+    if "remote" in extra:
+        raise ConfigError("remote: the shared tier runs under tiered-kv's own spec and engine driver "
+                          "so far, not yet under vLLM's connector; remove the key")
     return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
 
 
