@@ -17,7 +17,7 @@ from tiered_kv.cli import app
 from tiered_kv.config import TieredConfig
 
 runner = CliRunner()
-NAMES = {"memory", "memlock", "thp", "shmem_thp", "disk_path", "disk_space", "cuda", "io_path", "vllm", "hash"}
+NAMES = {"remote", "memory", "memlock", "thp", "shmem_thp", "disk_path", "disk_space", "cuda", "io_path", "vllm", "hash"}
 
 
 def cuda_visible() -> bool:
