@@ -312,9 +312,8 @@ def test_no_narration_of_how_the_project_was_made():
 
 @pytest.mark.parametrize("text", [
     "the " + _ORD[14] + " " + _S + " measured it",
-    "(" + _ORD[15] + " " + _S + ", no GPU " + _LENT + ")",
-    "On the " + _LENT + " H100/H200",
-    "no GPU was " + _LENT,
+    " ".join((_LENT, "H100")),
+    " ".join(("GPU", _LENT)),
     "the first GPU " + _S + " found it",
     "this " + _S + "'s code",
     "the " + _ORD[11] + " and " + _ORD[16] + " ones",
