@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import mmap
 import os
 import resource
@@ -84,21 +83,13 @@ class DoctorReport:
 def read_config(path: str | os.PathLike) -> TieredConfig:
     """The server's config from a JSON file holding vLLM's whole ``--kv-transfer-config``
     or its ``kv_connector_extra_config`` alone. Raises ``ConfigError`` naming the file."""
-    p = Path(path)
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config {p} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"config {p}: not readable JSON ({e})") from None
-    if isinstance(raw, Mapping) and isinstance(raw.get("kv_connector_extra_config"), Mapping):
-        raw = raw["kv_connector_extra_config"]
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"config {p}: expected a JSON object, got {type(raw).__name__}")
+    from tiered_kv.model_identity import read_config_file
+
+    raw = read_config_file(path)
     try:
         return TieredConfig.from_dict(raw, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
     except ConfigError as e:
-        raise ConfigError(f"config {p}: {e}") from None
+        raise ConfigError(f"config {Path(path)}: {e}") from None
 
 
 # ---------------------------------------------------------------- memory
