@@ -64,6 +64,7 @@ demo: $(STAMP)
 
 test: $(TEST_DEPS)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 clean:

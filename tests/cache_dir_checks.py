@@ -29,10 +29,14 @@ KINDS = ("link-to-file", "dangling-link", "link-to-dir", "fifo", "other-user")
 FILE_ENTRIES = ("manifest.json", "lock", "rank0.slab", "index.lmdb/data.mdb", "index.lmdb/lock.mdb")
 DIR_ENTRIES = ("index.lmdb", ".")  # "." is the namespace directory itself
 #: What the error must say for each kind.
-SAYS = {"link-to-file": "symbolic link to", "dangling-link": "dangling symbolic link",
-        "link-to-dir": "symbolic link to the directory", "fifo": "a FIFO", "other-user": f"uid {OTHER_UID}"}
-COMMANDS = (("summary",), ("ls",), ("verify",), ("verify", "--repair"), ("evict", "--to-size", "0"),
-            ("clear", "--yes"))
+SAYS = {
+    "link-to-file": "symbolic link to",
+    "dangling-link": "dangling symbolic link",
+    "link-to-dir": "symbolic link to the directory",
+    "fifo": "a FIFO",
+    "other-user": f"uid {OTHER_UID}",
+}
+COMMANDS = (("summary",), ("ls",), ("verify",), ("verify", "--repair"), ("evict", "--to-size", "0"), ("clear", "--yes"))
 DOCS = documents(4, 4, seed=3)
 
 
@@ -177,8 +181,8 @@ def damage_index(data: Path) -> None:
     from tiered_kv.disk.lmdb_check import read_meta
 
     raw = bytearray(data.read_bytes())
-    psize, _, _, main = read_meta(bytes(raw[:2 * 65536]))
-    raw[main.root * psize:(main.root + 1) * psize] = bytes(psize)
+    psize, _, _, main = read_meta(bytes(raw[: 2 * 65536]))
+    raw[main.root * psize : (main.root + 1) * psize] = bytes(psize)
     data.write_bytes(bytes(raw))
 
 

@@ -23,9 +23,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def make_layout(kv_before_num_blocks: bool, num_gpu_blocks: int = 32, block_size_factor: int = 1,
-                num_layers: int = 3, gpu_block_size: int = 4, heads: int = 2, head_dim: int = 8,
-                dtype: torch.dtype = torch.float16) -> KVCacheLayout:
+def make_layout(
+    kv_before_num_blocks: bool,
+    num_gpu_blocks: int = 32,
+    block_size_factor: int = 1,
+    num_layers: int = 3,
+    gpu_block_size: int = 4,
+    heads: int = 2,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.float16,
+) -> KVCacheLayout:
     """A small layout: per layer (2, nb, bs, heads, hd) or (nb, 2, bs, heads, hd)."""
     block = (gpu_block_size, heads, head_dim)
     shape = (2, num_gpu_blocks, *block) if kv_before_num_blocks else (num_gpu_blocks, 2, *block)
@@ -33,8 +40,9 @@ def make_layout(kv_before_num_blocks: bool, num_gpu_blocks: int = 32, block_size
     return KVCacheLayout(layers, dtype, gpu_block_size, block_size_factor)
 
 
-def random_tensors(layout: KVCacheLayout, num_blocks: int | None = None, seed: int = 0,
-                   device: str | torch.device = "cpu") -> list[torch.Tensor]:
+def random_tensors(
+    layout: KVCacheLayout, num_blocks: int | None = None, seed: int = 0, device: str | torch.device = "cpu"
+) -> list[torch.Tensor]:
     """Per-layer tensors of ``layout`` (optionally with another num_blocks) full of random bytes."""
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -42,8 +50,9 @@ def random_tensors(layout: KVCacheLayout, num_blocks: int | None = None, seed: i
         shape = list(layer.shape)
         if num_blocks is not None:
             shape[1 if layer.kv_before_num_blocks else 0] = num_blocks
-        raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * layout.element_size,),
-                            dtype=torch.uint8, generator=gen)
+        raw = torch.randint(
+            0, 256, (int(torch.tensor(shape).prod()) * layout.element_size,), dtype=torch.uint8, generator=gen
+        )
         out.append(raw.view(layout.dtype).reshape(shape).to(device))
     return out
 

@@ -20,15 +20,16 @@ from tiered_kv.disk.namespace import slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout
 
 
-def small_layout(kv_first: bool = True, factor: int = 1, num_gpu_blocks: int = 32,
-                 head_dim: int = 8, num_layers: int = 3) -> KVCacheLayout:
-    return make_layout(kv_first, num_gpu_blocks=num_gpu_blocks, block_size_factor=factor,
-                       head_dim=head_dim, num_layers=num_layers)
+def small_layout(
+    kv_first: bool = True, factor: int = 1, num_gpu_blocks: int = 32, head_dim: int = 8, num_layers: int = 3
+) -> KVCacheLayout:
+    return make_layout(
+        kv_first, num_gpu_blocks=num_gpu_blocks, block_size_factor=factor, head_dim=head_dim, num_layers=num_layers
+    )
 
 
 def fingerprint(layout: KVCacheLayout, tp_size: int = 1, **overrides) -> Fingerprint:
-    fields = dict(model_id="test/model", model_revision="r1", tp_size=tp_size,
-                  hash_algorithm="sha256", hash_seed="0")
+    fields = dict(model_id="test/model", model_revision="r1", tp_size=tp_size, hash_algorithm="sha256", hash_seed="0")
     fields.update(overrides)
     return Fingerprint.from_layout(layout, **fields)
 
@@ -52,8 +53,9 @@ def content_rows(hashes, rank: int, layout: KVCacheLayout, slot_size: int) -> to
     rows = aligned_empty(len(hashes) * slot_size).view(len(hashes), slot_size)
     rows.zero_()
     for i, h in enumerate(hashes):
-        rows[i, :layout.bytes_per_block] = torch.frombuffer(
-            bytearray(block_content(h, rank, layout.bytes_per_block)), dtype=torch.uint8)
+        rows[i, : layout.bytes_per_block] = torch.frombuffer(
+            bytearray(block_content(h, rank, layout.bytes_per_block)), dtype=torch.uint8
+        )
     return rows
 
 
@@ -72,8 +74,8 @@ def fill_index(index: DiskIndex, n: int, block_bytes: int, tp_size: int = 1, see
     arr["ranks"] = (1 << tp_size) - 1
     arr["hash"] = keys.view("S32").ravel()
     blob, kb, sz = arr.tobytes(), keys.tobytes(), arr.dtype.itemsize
-    hashes = [kb[i * 32:(i + 1) * 32] for i in range(m)]
-    items = [(hashes[i], blob[i * sz:(i + 1) * sz]) for i in range(m)]
+    hashes = [kb[i * 32 : (i + 1) * 32] for i in range(m)]
+    items = [(hashes[i], blob[i * sz : (i + 1) * sz]) for i in range(m)]
     index._shared.run(lambda txn: txn.cursor(db=index._db("blocks")).putmulti(items, append=True), write=True)
     return hashes
 
@@ -154,18 +156,21 @@ def crash_workload(cache_dir: str, journal: str, seed: int) -> None:
     def note(line: str) -> None:
         os.write(fd, (line + "\n").encode())
 
-    mgr = DiskOffloadingManager(cache_dir, fp, layout, disk_bytes=nbytes, engine_id="crash",
-                                flush_interval=0.001)
-    store = DiskStore.open(cache_dir, fp, layout, disk_bytes=nbytes, io_backend="posix",
-                           io_threads=2, engine_id="crash")
+    mgr = DiskOffloadingManager(cache_dir, fp, layout, disk_bytes=nbytes, engine_id="crash", flush_interval=0.001)
+    store = DiskStore.open(
+        cache_dir, fp, layout, disk_bytes=nbytes, io_backend="posix", io_threads=2, engine_id="crash"
+    )
     hosts = [HostKVCache(layout, 8, pin=False) for _ in range(CRASH_TP)]
-    handlers = [CpuDiskHandler(store, r, hosts[r], layout, staging_bytes=4 * store.slot_size,
-                               job_threads=1) for r in range(CRASH_TP)]
+    handlers = [
+        CpuDiskHandler(store, r, hosts[r], layout, staging_bytes=4 * store.slot_size, job_threads=1)
+        for r in range(CRASH_TP)
+    ]
     rng = random.Random(seed)
     universe = [block_hash(f"crash-{i}") for i in range(CRASH_UNIVERSE)]
     # Precomputed so the loop's time goes to I/O and index commits, where kills should land.
-    content = {r: dict(zip(universe, content_rows(universe, r, layout, layout.bytes_per_block)))
-               for r in range(CRASH_TP)}
+    content = {
+        r: dict(zip(universe, content_rows(universe, r, layout, layout.bytes_per_block))) for r in range(CRASH_TP)
+    }
     note("R")
     job = 0
     while True:
@@ -204,6 +209,7 @@ def forkserver_context():
     import multiprocessing
 
     c = multiprocessing.get_context("forkserver")
-    c.set_forkserver_preload(["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store",
-                              "tiered_kv.worker.disk"])
+    c.set_forkserver_preload(
+        ["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store", "tiered_kv.worker.disk"]
+    )
     return c

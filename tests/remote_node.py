@@ -30,8 +30,10 @@ BLOCKS_PER_REQUEST = 4
 
 def requests(first: int, count: int) -> list[list[bytes]]:
     """``count`` requests of distinct 4-block chains (the same bytes on every node)."""
-    return [[hashlib.sha256(f"request {r} block {i}".encode()).digest() for i in range(BLOCKS_PER_REQUEST)]
-            for r in range(first, first + count)]
+    return [
+        [hashlib.sha256(f"request {r} block {i}".encode()).digest() for i in range(BLOCKS_PER_REQUEST)]
+        for r in range(first, first + count)
+    ]
 
 
 class ExpectingDriver(EngineDriver):
@@ -44,7 +46,7 @@ class ExpectingDriver(EngineDriver):
 
     def run_request(self, block_hashes) -> None:
         block_hashes = list(block_hashes)
-        rest = block_hashes[self._pool.lookup(block_hashes):]
+        rest = block_hashes[self._pool.lookup(block_hashes) :]
         if rest and self.remote.expect(rest):
             self.remote.wait_probes(60)
         super().run_request(block_hashes)
@@ -81,17 +83,40 @@ class Node:
         self.spec.close()
 
 
-def build(cache_dir: Path, remote: dict[str, Any], *, model_id: str = "org/model", hash_seed: str = "",
-          dtype: str = "float16", cpu_bytes: str = "128KiB", disk_bytes: str = "128KiB",
-          expecting: bool = False) -> Node:
+def build(
+    cache_dir: Path,
+    remote: dict[str, Any],
+    *,
+    model_id: str = "org/model",
+    hash_seed: str = "",
+    dtype: str = "float16",
+    cpu_bytes: str = "128KiB",
+    disk_bytes: str = "128KiB",
+    expecting: bool = False,
+) -> Node:
     """A node: 32 device blocks of 8 KiB, CPU and disk tiers of 16 blocks each (write-through), and the
     shared tier of ``remote`` settings under this node's fingerprint."""
-    device = DeviceKVCache(num_layers=2, num_gpu_blocks=32, gpu_block_size=GPU_BLOCK_SIZE, num_kv_heads=2,
-                           head_dim=32, dtype=getattr(torch, dtype), device="cpu")
+    device = DeviceKVCache(
+        num_layers=2,
+        num_gpu_blocks=32,
+        gpu_block_size=GPU_BLOCK_SIZE,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=getattr(torch, dtype),
+        device="cpu",
+    )
     # The shared tier from the config's ``remote`` key, as a user configures it.
-    config = TieredConfig.from_dict({"cpu_bytes": cpu_bytes, "disk_path": str(cache_dir), "disk_bytes": disk_bytes,
-                                     "block_size": GPU_BLOCK_SIZE, "model_id": model_id, "hash_seed": hash_seed,
-                                     "remote": remote})
+    config = TieredConfig.from_dict(
+        {
+            "cpu_bytes": cpu_bytes,
+            "disk_path": str(cache_dir),
+            "disk_bytes": disk_bytes,
+            "block_size": GPU_BLOCK_SIZE,
+            "model_id": model_id,
+            "hash_seed": hash_seed,
+            "remote": remote,
+        }
+    )
     engine_id = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
     spec = TieredOffloadingSpec(config, GPU_BLOCK_SIZE, device.layout, engine_id=engine_id)
     tier = spec.lower_tiers[-1]
@@ -105,13 +130,20 @@ def build(cache_dir: Path, remote: dict[str, Any], *, model_id: str = "org/model
 def summary(node: Node, report: DriverReport) -> dict[str, Any]:
     worker = node.tier.store.stats()
     scheduler = node.remote.store.stats()
-    return {"hits_by_medium": report.hits_by_medium, "computed": report.computed,
-            "offload_hits": report.offload_hits, "mismatches": report.mismatches,
-            "recomputed_after_failed_load": report.recomputed_after_failed_load,
-            "gets_hit": worker.gets_hit, "gets_rejected": worker.gets_rejected,
-            "gets_absent": worker.gets_absent, "puts_stored": worker.puts_stored,
-            "probes": scheduler.probes, "remote": dict(node.remote.counters),
-            "namespace": node.remote.store.namespace}
+    return {
+        "hits_by_medium": report.hits_by_medium,
+        "computed": report.computed,
+        "offload_hits": report.offload_hits,
+        "mismatches": report.mismatches,
+        "recomputed_after_failed_load": report.recomputed_after_failed_load,
+        "gets_hit": worker.gets_hit,
+        "gets_rejected": worker.gets_rejected,
+        "gets_absent": worker.gets_absent,
+        "puts_stored": worker.puts_stored,
+        "probes": scheduler.probes,
+        "remote": dict(node.remote.counters),
+        "namespace": node.remote.store.namespace,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -119,9 +151,14 @@ def main(argv: list[str]) -> int:
     ``model_id``, ``hash_seed``, ``dtype``, ``expecting``."""
     settings = json.loads(argv[1])
     torch.set_num_threads(1)
-    node = build(Path(settings["cache_dir"]), settings["remote"], model_id=settings.get("model_id", "org/model"),
-                 hash_seed=settings.get("hash_seed", ""), dtype=settings.get("dtype", "float16"),
-                 expecting=settings.get("expecting", False))
+    node = build(
+        Path(settings["cache_dir"]),
+        settings["remote"],
+        model_id=settings.get("model_id", "org/model"),
+        hash_seed=settings.get("hash_seed", ""),
+        dtype=settings.get("dtype", "float16"),
+        expecting=settings.get("expecting", False),
+    )
     try:
         report = node.run(requests(settings["first"], settings["count"]))
         print(json.dumps(summary(node, report)))

@@ -34,8 +34,10 @@ def missing_reason() -> str | None:
     """Why the shared-tier tests cannot run here, or None."""
     absent = [t for t in CEPH_TOOLS if shutil.which(t) is None]
     if absent:
-        return ("needs Ceph RGW (" + ", ".join(absent) + " not found): `make rgw` as root installs "
-                "ceph-mon ceph-osd radosgw ceph-common")
+        return (
+            "needs Ceph RGW (" + ", ".join(absent) + " not found): `make rgw` as root installs "
+            "ceph-mon ceph-osd radosgw ceph-common"
+        )
     for module in ("obstore", "botocore"):
         try:
             __import__(module)
@@ -57,8 +59,9 @@ class RGWServer:
     endpoint: str
 
     def _script(self, command: str, timeout: float = 120) -> None:
-        done = subprocess.run(["bash", str(SCRIPT), command, str(self.dir)], capture_output=True, text=True,
-                              timeout=timeout)
+        done = subprocess.run(
+            ["bash", str(SCRIPT), command, str(self.dir)], capture_output=True, text=True, timeout=timeout
+        )
         if done.returncode:
             raise RuntimeError(f"rgw_server.sh {command} failed ({done.returncode}): {done.stderr.strip()}")
 
@@ -74,8 +77,12 @@ class RGWServer:
         import botocore.session
 
         return botocore.session.get_session().create_client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY)
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -83,8 +90,13 @@ def rgw_server(tmp_path_factory) -> RGWServer:
     if (reason := missing_reason()) is not None:
         pytest.skip(reason)
     scratch = tmp_path_factory.mktemp("rgw")
-    done = subprocess.run(["bash", str(SCRIPT), "start", str(scratch)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "RGW_OWNER_PID": str(os.getpid())})
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "start", str(scratch)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RGW_OWNER_PID": str(os.getpid())},
+    )
     if done.returncode:
         subprocess.run(["bash", str(SCRIPT), "stop", str(scratch)], capture_output=True, timeout=60)
         pytest.fail(f"could not start Ceph RGW: {done.stderr.strip()[-2000:]}", pytrace=False)
@@ -113,8 +125,13 @@ def s3_env(monkeypatch, tmp_path) -> None:
 @pytest.fixture
 def remote_settings(rgw_server, s3_env) -> dict:
     """Settings of a shared tier on the test server, under a prefix of its own."""
-    return {"endpoint": rgw_server.endpoint, "bucket": BUCKET, "prefix": f"t-{uuid.uuid4().hex[:12]}",
-            "request_timeout": "3s", "connect_timeout": "1s"}
+    return {
+        "endpoint": rgw_server.endpoint,
+        "bucket": BUCKET,
+        "prefix": f"t-{uuid.uuid4().hex[:12]}",
+        "request_timeout": "3s",
+        "connect_timeout": "1s",
+    }
 
 
 class FaultProxy:
@@ -199,14 +216,18 @@ class FaultProxy:
         return True
 
     def _slow_down(self, conn: socket.socket) -> None:
-        body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-                b"<Message>Please reduce your request rate.</Message></Error>")
+        body = (
+            b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>"
+        )
         try:
             while self._read_request(conn):
                 with self._lock:
                     self.requests_refused += 1
-                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                conn.sendall(
+                    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
         except OSError:
             pass
         _close(conn)

@@ -13,13 +13,38 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_disk.py"
 
 
 def test_a_small_traced_run_prints_every_table_and_plausible_call_counts(tmp_path):
-    out = subprocess.run([sys.executable, str(TOOL), "--dir", str(tmp_path), "--sizes", "0.5,2",
-                          "--total-mib", "16", "--job-mib", "4", "--rounds", "1", "--io-threads", "3",
-                          "--trace", "--scattered-slots"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--dir",
+            str(tmp_path),
+            "--sizes",
+            "0.5,2",
+            "--total-mib",
+            "16",
+            "--job-mib",
+            "4",
+            "--rounds",
+            "1",
+            "--io-threads",
+            "3",
+            "--trace",
+            "--scattered-slots",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for heading in ("GB/s; store = DiskStore", "Per-round ratios", "CPU seconds per GB moved",
-                    "preadv/pwritev calls: mean calls in flight", "Milliseconds before the first call"):
+    for heading in (
+        "GB/s; store = DiskStore",
+        "Per-round ratios",
+        "CPU seconds per GB moved",
+        "preadv/pwritev calls: mean calls in flight",
+        "Milliseconds before the first call",
+    ):
         assert heading in text
     calls, edges = text.split("preadv/pwritev calls")[1].split("Milliseconds before the first call")
 
@@ -44,8 +69,24 @@ def test_a_small_traced_run_prints_every_table_and_plausible_call_counts(tmp_pat
 def test_the_handler_writes_and_reads_small_blocks_in_place(tmp_path):
     # The CPU tier is block-major: a 0.5 MiB block is one page-aligned piece, moved
     # without packing (it was 64 pieces of 8 KiB, one per layer plane, and packed).
-    out = subprocess.run([sys.executable, str(TOOL), "--dir", str(tmp_path), "--sizes", "0.5",
-                          "--total-mib", "8", "--job-mib", "4", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--dir",
+            str(tmp_path),
+            "--sizes",
+            "0.5",
+            "--total-mib",
+            "8",
+            "--job-mib",
+            "4",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert "handler vectored" in out.stdout

@@ -23,8 +23,11 @@ import pytest
 
 import cache_dir_checks as cd
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(600),
-              pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root")]
+pytestmark = [
+    pytest.mark.faults,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root"),
+]
 
 TESTS = Path(__file__).resolve().parent
 CASE_TIMEOUT = 420
@@ -41,9 +44,13 @@ def run_cases(template: Path, work: Path, cases: list[tuple[str, str]]) -> list[
     """Run ``cases`` in a child process; fail naming the case that was running if it
     does not finish in time."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
-    proc = subprocess.Popen([sys.executable, str(TESTS / "cache_dir_checks.py"), str(template), str(work),
-                             json.dumps(cases)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "cache_dir_checks.py"), str(template), str(work), json.dumps(cases)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         out, err = proc.communicate(timeout=CASE_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -67,8 +74,9 @@ def check(result: dict) -> None:
         code, text = result[" ".join(cmd)]
         assert "Traceback" not in text, f"{where}: inspect {' '.join(cmd)} printed a traceback:\n{text}"
         assert code == 2 and "error:" in text, f"{where}: inspect {' '.join(cmd)} exited {code}:\n{text}"
-        assert planted in " ".join(text.split()) and says in " ".join(text.split()), \
+        assert planted in " ".join(text.split()) and says in " ".join(text.split()), (
             f"{where}: inspect {' '.join(cmd)} did not name the entry and what it is:\n{text}"
+        )
 
 
 def test_planted_files_stop_the_engine_and_every_inspector_command(template, tmp_path):
@@ -144,9 +152,14 @@ def test_the_slot_health_file_is_never_adopted_from_someone_else(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     got = dict(json.loads(run.stdout))
-    for name, says in (("link", "symbolic link to"), ("dangling", "dangling symbolic link"),
-                       ("dirlink", "symbolic link to the directory"), ("fifo", "a FIFO"),
-                       ("theirs", f"uid {cd.OTHER_UID}"), ("loose", "mode 644")):
+    for name, says in (
+        ("link", "symbolic link to"),
+        ("dangling", "dangling symbolic link"),
+        ("dirlink", "symbolic link to the directory"),
+        ("fifo", "a FIFO"),
+        ("theirs", f"uid {cd.OTHER_UID}"),
+        ("loose", "mode 644"),
+    ):
         assert got[name].startswith("CacheEntryError") and says in got[name], (name, got[name])
     assert got["fresh"] == "opened"
     assert stat.S_IMODE(os.stat(base / "fresh").st_mode) == 0o600

@@ -36,8 +36,32 @@ from tiered_kv.tiered.spec import TieredOffloadingSpec
 MUTATIONS = int(os.environ.get("TIERED_KV_FUZZ_MUTATIONS", "520"))
 SEED = 20261125
 DISK_BLOCKS = 32
-HOSTILE = [None, True, False, 0, -1, 1, 3, 2 ** 63, 10 ** 15, 1.5, -0.0, 1e308, "", "one", "big", "NaN",
-           "../../etc", "x" * 5000, [], {}, [1, 2], {"a": 1}, [[["deep"]]], "\u00e9\u4e2d"]
+HOSTILE = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    3,
+    2**63,
+    10**15,
+    1.5,
+    -0.0,
+    1e308,
+    "",
+    "one",
+    "big",
+    "NaN",
+    "../../etc",
+    "x" * 5000,
+    [],
+    {},
+    [1, 2],
+    {"a": 1},
+    [[["deep"]]],
+    "\u00e9\u4e2d",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +84,12 @@ def start_and_serve(cache: Path, fp, layout, hashes) -> str:
     store = manager = None
     try:
         try:
-            store = DiskStore.open(cache, fp, layout, disk_bytes=disk_bytes, io_backend="posix", io_threads=1,
-                                   engine_id="fuzz")
-            manager = DiskOffloadingManager(cache, fp, layout, disk_bytes=disk_bytes, engine_id="fuzz",
-                                            enable_events=False, poll_interval=None)
+            store = DiskStore.open(
+                cache, fp, layout, disk_bytes=disk_bytes, io_backend="posix", io_threads=1, engine_id="fuzz"
+            )
+            manager = DiskOffloadingManager(
+                cache, fp, layout, disk_bytes=disk_bytes, engine_id="fuzz", enable_events=False, poll_interval=None
+            )
         except (NamespaceError, ConfigError) as e:
             assert str(e).strip(), "an error without a message"
             return "refused"
@@ -76,8 +102,9 @@ def start_and_serve(cache: Path, fp, layout, hashes) -> str:
             manager.complete_load(held)
             for h, good, row in zip(held, ok, out):
                 if good:
-                    assert bytes(row[:store.block_bytes].numpy()) == expected_bytes(h, store.block_bytes), \
+                    assert bytes(row[: store.block_bytes].numpy()) == expected_bytes(h, store.block_bytes), (
                         f"block {h.hex()[:12]} was served with another block's bytes"
+                    )
         if aside is None and next(cache.glob(f"*/index.lmdb{QUARANTINE_SUFFIX}"), None) is not None:
             return "index replaced"
         return "ok"
@@ -121,15 +148,16 @@ def mutate_manifest(text: str, rng: random.Random) -> bytes:
             parent[path[-1]] = rng.choice(HOSTILE)
     elif how == 5:  # plausible but wrong numbers
         key = rng.choice(["num_slots", "slot_size", "block_bytes", "created", "format_version"])
-        doc[key] = rng.choice([doc[key] * 2, doc[key] // 2, doc[key] + 1, doc[key] - 4096, 0, -1, 10 ** 15])
+        doc[key] = rng.choice([doc[key] * 2, doc[key] // 2, doc[key] + 1, doc[key] - 4096, 0, -1, 10**15])
     elif how == 6:  # another engine's values
         choices = ["crc32c", "md5", "0" * 16, doc["namespace_id"][::-1]]
         doc[rng.choice(["checksum", "namespace_id"])] = rng.choice(choices)
         if rng.random() < 0.5:
             doc["fingerprint"][rng.choice(["tp_size", "dtype", "block_size"])] = rng.choice([2, "bfloat16", 32])
     elif how == 7:  # an unknown field, or a different document
-        return rng.choice([b"[]", b"null", b"1", b'"manifest"', b"", b"{", b"{}",
-                           json.dumps({**doc, "extra": 1}).encode()])
+        return rng.choice(
+            [b"[]", b"null", b"1", b'"manifest"', b"", b"{", b"{}", json.dumps({**doc, "extra": 1}).encode()]
+        )
     else:  # bytes flipped, cut, inserted, or numbers JSON does not have
         raw = bytearray(json.dumps(doc).encode())
         pick = rng.randrange(4)
@@ -138,7 +166,7 @@ def mutate_manifest(text: str, rng: random.Random) -> bytes:
                 i = rng.randrange(len(raw))
                 raw[i] ^= 1 << rng.randrange(8)
         elif pick == 1:
-            raw = raw[:rng.randrange(len(raw))]
+            raw = raw[: rng.randrange(len(raw))]
         elif pick == 2:
             i = rng.randrange(len(raw))
             raw[i:i] = rng.randbytes(rng.randint(1, 8))
@@ -165,16 +193,16 @@ def mutate_index(data: bytes, rng: random.Random) -> bytes:
             raw[i] ^= 1 << rng.randrange(8)
     elif how == 6:  # a page zeroed or filled with noise
         p = rng.randrange(pages)
-        raw[p * psize:(p + 1) * psize] = bytes(psize) if rng.random() < 0.5 else rng.randbytes(psize)
+        raw[p * psize : (p + 1) * psize] = bytes(psize) if rng.random() < 0.5 else rng.randbytes(psize)
     elif how == 7:  # one page copied over another
         a, b = rng.randrange(2, pages), rng.randrange(pages)
-        raw[b * psize:(b + 1) * psize] = raw[a * psize:(a + 1) * psize]
+        raw[b * psize : (b + 1) * psize] = raw[a * psize : (a + 1) * psize]
     elif how == 8:  # a node's bytes in a leaf page
         p = rng.randrange(2, pages)
         i = p * psize + rng.randrange(16, psize)
-        raw[i:i + 8] = rng.randbytes(8)
+        raw[i : i + 8] = rng.randbytes(8)
     else:  # cut at a page boundary
-        raw = raw[:rng.randrange(1, pages) * psize]
+        raw = raw[: rng.randrange(1, pages) * psize]
     return bytes(raw)
 
 
@@ -185,8 +213,13 @@ def _fresh(template: Path, work: Path, manifest: bytes, index: bytes, link_slabs
     """A copy of ``template`` at ``work`` with this manifest and index; its slabs are
     hard links where nothing will write them (the inspector's copy), else copies."""
     shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(template, work, copy_function=lambda src, dst: os.link(src, dst) if link_slabs and
-                    src.endswith(".slab") else shutil.copy2(src, dst))
+    shutil.copytree(
+        template,
+        work,
+        copy_function=lambda src, dst: (
+            os.link(src, dst) if link_slabs and src.endswith(".slab") else shutil.copy2(src, dst)
+        ),
+    )
     ns_dir = namespace_dirs(work)[0]
     (ns_dir / "manifest.json").write_bytes(manifest)
     (ns_dir / "index.lmdb" / "data.mdb").write_bytes(index)
@@ -201,13 +234,18 @@ def test_mutated_manifests_and_index_pages_give_errors_or_right_blocks(engine_ar
     ns_template = namespace_dirs(template)[0]
     manifest = (ns_template / "manifest.json").read_bytes()
     index = (ns_template / "index.lmdb" / "data.mdb").read_bytes()
-    outcomes = {"manifest": {"ok": 0, "refused": 0, "index replaced": 0},
-                "index": {"ok": 0, "refused": 0, "index replaced": 0}}
+    outcomes = {
+        "manifest": {"ok": 0, "refused": 0, "index replaced": 0},
+        "index": {"ok": 0, "refused": 0, "index replaced": 0},
+    }
     codes: dict[str, list[int]] = {}
     for i in range(MUTATIONS):
         kind = "manifest" if i % 2 == 0 else "index"
-        state = (mutate_manifest(manifest.decode(), rng), index) if kind == "manifest" else \
-            (manifest, mutate_index(index, rng))
+        state = (
+            (mutate_manifest(manifest.decode(), rng), index)
+            if kind == "manifest"
+            else (manifest, mutate_index(index, rng))
+        )
         cmd = cd.COMMANDS[(i // 2) % len(cd.COMMANDS)]
         _, ns_dir = _fresh(template, tmp_path / "inspect", *state, link_slabs=True)
         code = inspect_ok([cmd[0], str(ns_dir), *cmd[1:], *(["--json"] if i % 4 else [])])
@@ -216,8 +254,10 @@ def test_mutated_manifests_and_index_pages_give_errors_or_right_blocks(engine_ar
         cache, _ = _fresh(template, tmp_path / "engine", *state, link_slabs=False)
         outcomes[kind][start_and_serve(cache, fp, layout, hashes)] += 1
 
-    print(f"fuzz: {MUTATIONS} mutations, engine {outcomes}, inspector exit codes "
-          f"{ {cmd: np.bincount(seen, minlength=3).tolist() for cmd, seen in codes.items()} }")
+    print(
+        f"fuzz: {MUTATIONS} mutations, engine {outcomes}, inspector exit codes "
+        f"{ {cmd: np.bincount(seen, minlength=3).tolist() for cmd, seen in codes.items()} }"
+    )
     # The mutations meant something: manifests were refused and served, damaged index
     # pages were found and replaced (and some flips, in unused bytes, were harmless),
     # every command both succeeded and refused, and an untouched copy serves every block.

@@ -69,8 +69,14 @@ def test_everything_an_engine_and_the_inspector_make_is_owner_only_under_umask_0
     run_engine(cache, ("process", "thread"))
     found = modes(cache)
     ns = [p for p in found if p.count("/") == 0 and p != "."]
-    assert ns and {"lock", "manifest.json", "rank0.slab", "index.lmdb", "index.lmdb/data.mdb",
-                   "index.lmdb/lock.mdb"} <= {p.split("/", 1)[1] for p in found if "/" in p}
+    assert ns and {
+        "lock",
+        "manifest.json",
+        "rank0.slab",
+        "index.lmdb",
+        "index.lmdb/data.mdb",
+        "index.lmdb/lock.mdb",
+    } <= {p.split("/", 1)[1] for p in found if "/" in p}
     assert loose(found, cache) == [], "loose modes"
     # The directories made for disk_path itself are the engine's too.
     assert stat.S_IMODE(os.stat(tmp_path / "made").st_mode) == 0o700

@@ -55,21 +55,24 @@ def edit_manifest(cache: Path, change) -> Path:
 # ---------------------------------------------------------------- the manifest
 
 
-@pytest.mark.parametrize("field, value, says", [
-    ("fingerprint.tp_size", "one", "fingerprint.tp_size: expected an integer"),
-    ("slot_size", "big", "slot_size: expected"),
-    ("slot_size", 4096, "slot_size: expected"),  # smaller than a block: never a run of failing I/O
-    ("num_slots", 10 ** 15, "num_slots:"),
-    ("num_slots", True, "num_slots: expected"),
-    ("checksum", "md5", "checksum: expected one of xxh3_64, crc32c"),
-    ("created", None, "created: expected"),
-    ("block_bytes", -1, "block_bytes: expected"),
-    ("fingerprint.layer_geometry", [["layer.0", ["x"]]], "fingerprint.layer_geometry"),
-    ("fingerprint.model_id", None, "fingerprint.model_id: expected a value"),
-    ("fingerprint", [], "fingerprint: expected an object"),
-    ("namespace_id", "../elsewhere", "namespace_id: expected a directory name"),
-    ("format_version", 2, "format_version: 2 is not supported"),
-])
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("fingerprint.tp_size", "one", "fingerprint.tp_size: expected an integer"),
+        ("slot_size", "big", "slot_size: expected"),
+        ("slot_size", 4096, "slot_size: expected"),  # smaller than a block: never a run of failing I/O
+        ("num_slots", 10**15, "num_slots:"),
+        ("num_slots", True, "num_slots: expected"),
+        ("checksum", "md5", "checksum: expected one of xxh3_64, crc32c"),
+        ("created", None, "created: expected"),
+        ("block_bytes", -1, "block_bytes: expected"),
+        ("fingerprint.layer_geometry", [["layer.0", ["x"]]], "fingerprint.layer_geometry"),
+        ("fingerprint.model_id", None, "fingerprint.model_id: expected a value"),
+        ("fingerprint", [], "fingerprint: expected an object"),
+        ("namespace_id", "../elsewhere", "namespace_id: expected a directory name"),
+        ("format_version", 2, "format_version: 2 is not supported"),
+    ],
+)
 def test_a_bad_manifest_field_is_one_error_naming_the_field_and_the_file(cache, field, value, says):
     def change(doc):
         *parents, last = field.split(".")
@@ -90,12 +93,15 @@ def test_a_bad_manifest_field_is_one_error_naming_the_field_and_the_file(cache, 
     assert code == 2 and says in " ".join(text.split()) and "Traceback" not in text, text
 
 
-@pytest.mark.parametrize("text, says", [
-    ("[1, 2]", "expected a JSON object, got list"),
-    ('{"num_slots": NaN}', "cannot read it as JSON"),
-    ("", "cannot read it as JSON"),
-    (" " * (2 << 20), "longer than"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"num_slots": NaN}', "cannot read it as JSON"),
+        ("", "cannot read it as JSON"),
+        (" " * (2 << 20), "longer than"),
+    ],
+)
 def test_a_manifest_that_is_not_one_is_one_error(cache, text, says):
     path = ns_dir(cache) / "manifest.json"
     path.write_text(text)
@@ -150,14 +156,14 @@ def _first_leaf(data: Path) -> int:
 
     raw = data.read_bytes()
     _, _, _, main = read_meta(raw[:8192])
-    page = raw[main.root * 4096:(main.root + 1) * 4096]
+    page = raw[main.root * 4096 : (main.root + 1) * 4096]
     lower = struct.unpack_from("<H", page, 12)[0]
     for off in struct.unpack_from(f"<{(lower - 16) // 2}H", page, 16):
         _, _, flags, ksize = struct.unpack_from("<4H", page, off)
-        if page[off + 8:off + 8 + ksize] == b"blocks":
+        if page[off + 8 : off + 8 + ksize] == b"blocks":
             root = struct.unpack_from("<Q", page, off + 8 + ksize + 40)[0]
             while True:
-                p = raw[root * 4096:(root + 1) * 4096]
+                p = raw[root * 4096 : (root + 1) * 4096]
                 if struct.unpack_from("<H", p, 10)[0] & 0x02:
                     return root
                 off0 = struct.unpack_from("<H", p, 16)[0]
@@ -232,8 +238,9 @@ def _demo(cache_dir: Path, *args: str) -> tuple[int, str]:
 
     _load_commands()
     r = CliRunner().invoke(app, ["demo", "--cache-dir", str(cache_dir), "--requests", "2", *args])
-    return r.exit_code, r.output + ("" if r.exception is None or isinstance(r.exception, SystemExit)
-                                    else f"Traceback: {r.exception!r}")
+    return r.exit_code, r.output + (
+        "" if r.exception is None or isinstance(r.exception, SystemExit) else f"Traceback: {r.exception!r}"
+    )
 
 
 def test_a_refused_start_removes_the_namespace_it_created(tmp_path):

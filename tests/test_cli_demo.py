@@ -17,13 +17,27 @@ runner = CliRunner()
 
 
 def test_demo_reports_hits_and_transfers(tmp_path):
-    result = runner.invoke(app, ["demo", "--requests", "60", "--cpu-bytes", "64MiB", "--device", "cpu",
-                                 "--layout", "kv-after", "--block-size-factor", "2",
-                                 "--cache-dir", str(tmp_path)])
+    result = runner.invoke(
+        app,
+        [
+            "demo",
+            "--requests",
+            "60",
+            "--cpu-bytes",
+            "64MiB",
+            "--device",
+            "cpu",
+            "--layout",
+            "kv-after",
+            "--block-size-factor",
+            "2",
+            "--cache-dir",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = result.output
-    for text in ("60 requests", "kv-after", "hit rate: ", "cpu_to_gpu", "gpu_to_cpu", "GB/s",
-                 "mismatches: 0"):
+    for text in ("60 requests", "kv-after", "hit rate: ", "cpu_to_gpu", "gpu_to_cpu", "GB/s", "mismatches: 0"):
         assert text in out
     assert list(tmp_path.glob("*/manifest.json")), "the disk tier created no namespace in --cache-dir"
 
@@ -70,7 +84,8 @@ def test_demo_exits_nonzero_on_mismatch(monkeypatch):
 
 def test_console_script_runs_the_demo():
     script = Path(sys.executable).with_name("tiered-kv")
-    proc = subprocess.run([str(script), "demo", "--requests", "30", "--device", "cpu"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(script), "demo", "--requests", "30", "--device", "cpu"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "mismatches: 0" in proc.stdout

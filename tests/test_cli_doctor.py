@@ -17,7 +17,19 @@ from tiered_kv.cli import app
 from tiered_kv.config import TieredConfig
 
 runner = CliRunner()
-NAMES = {"remote", "memory", "memlock", "thp", "shmem_thp", "disk_path", "disk_space", "cuda", "io_path", "vllm", "hash"}
+NAMES = {
+    "remote",
+    "memory",
+    "memlock",
+    "thp",
+    "shmem_thp",
+    "disk_path",
+    "disk_space",
+    "cuda",
+    "io_path",
+    "vllm",
+    "hash",
+}
 
 
 def cuda_visible() -> bool:
@@ -37,10 +49,19 @@ def by_name(data: dict) -> dict[str, dict]:
 
 
 def write_config(path: Path, extra: dict) -> Path:
-    path.write_text(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                "kv_connector_extra_config": {"spec_name": "TieredOffloadingSpec",
-                                                              "spec_module_path": "tiered_kv.integrations.vllm",
-                                                              **extra}}))
+    path.write_text(
+        json.dumps(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieredOffloadingSpec",
+                    "spec_module_path": "tiered_kv.integrations.vllm",
+                    **extra,
+                },
+            }
+        )
+    )
     return path
 
 
@@ -72,8 +93,9 @@ def test_doctor_prints_one_line_per_check_with_the_fix():
 
 
 def test_a_disk_tier_that_does_not_fit_fails_with_exit_2(tmp_path):
-    cfg = write_config(tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path / "cache"),
-                                              "disk_bytes": "4096TiB"})
+    cfg = write_config(
+        tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path / "cache"), "disk_bytes": "4096TiB"}
+    )
     code, data = run_doctor("--config", str(cfg))
     space = by_name(data)["disk_space"]
     assert code == 2 and space["status"] == "fail" and "refuses to start" in space["message"]
@@ -85,8 +107,9 @@ def test_a_disk_tier_that_does_not_fit_fails_with_exit_2(tmp_path):
 def test_tp_multiplies_what_a_node_needs(tmp_path):
     free = dr.free_space(tmp_path)
     per_rank = max(1, free // 3 // (1 << 20))
-    cfg = write_config(tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path),
-                                              "disk_bytes": f"{per_rank}MiB"})
+    cfg = write_config(
+        tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path), "disk_bytes": f"{per_rank}MiB"}
+    )
     assert by_name(run_doctor("--config", str(cfg))[1])["disk_space"]["status"] == "ok"
     assert by_name(run_doctor("--config", str(cfg), "--tp", "8")[1])["disk_space"]["status"] == "fail"
 
@@ -140,14 +163,17 @@ def test_huge_page_settings():
     assert dr.thp_setting("private") in ("always", "madvise", "never", "n/a")
 
 
-@pytest.mark.parametrize("raw, env, status, words", [
-    ({}, {}, "ok", "vLLM's fixed seed"),
-    ({"hash_algorithm": "xxhash"}, {}, "warn", "no block on disk ever hits"),
-    ({"hash_algorithm": "xxhash"}, {"PYTHONHASHSEED": "0"}, "ok", "PYTHONHASHSEED=0"),
-    ({"hash_seed": "42"}, {"PYTHONHASHSEED": "7"}, "warn", "differs from PYTHONHASHSEED='7'"),
-    ({"hash_seed": "42"}, {}, "warn", "PYTHONHASHSEED is unset"),
-    ({"hash_seed": "42"}, {"PYTHONHASHSEED": "42"}, "ok", "PYTHONHASHSEED=42"),
-])
+@pytest.mark.parametrize(
+    "raw, env, status, words",
+    [
+        ({}, {}, "ok", "vLLM's fixed seed"),
+        ({"hash_algorithm": "xxhash"}, {}, "warn", "no block on disk ever hits"),
+        ({"hash_algorithm": "xxhash"}, {"PYTHONHASHSEED": "0"}, "ok", "PYTHONHASHSEED=0"),
+        ({"hash_seed": "42"}, {"PYTHONHASHSEED": "7"}, "warn", "differs from PYTHONHASHSEED='7'"),
+        ({"hash_seed": "42"}, {}, "warn", "PYTHONHASHSEED is unset"),
+        ({"hash_seed": "42"}, {"PYTHONHASHSEED": "42"}, "ok", "PYTHONHASHSEED=42"),
+    ],
+)
 def test_hash_seed_against_pythonhashseed(raw, env, status, words):
     c = dr.check_hash(TieredConfig.from_dict(raw), env)
     assert c.status == status and words in c.message
@@ -168,8 +194,9 @@ def test_io_path_and_vllm_lines(tmp_path):
 
 
 def test_no_probe_file_is_left_anywhere(tmp_path):
-    cfg = write_config(tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path / "c"),
-                                              "disk_bytes": "1GiB"})
+    cfg = write_config(
+        tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path / "c"), "disk_bytes": "1GiB"}
+    )
     (tmp_path / "c").mkdir()
     run_doctor("--config", str(cfg))
     assert os.listdir(tmp_path / "c") == []

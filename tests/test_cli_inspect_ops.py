@@ -27,8 +27,9 @@ ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("demo") / "cache"
-    result = runner.invoke(app, ["demo", "--requests", "40", "--device", "cpu", "--cache-dir", str(path),
-                                 "--disk-bytes", "8MiB"])
+    result = runner.invoke(
+        app, ["demo", "--requests", "40", "--device", "cpu", "--cache-dir", str(path), "--disk-bytes", "8MiB"]
+    )
     assert result.exit_code == 0, result.output
     return path
 
@@ -183,4 +184,4 @@ def test_tables_show_one_hash_prefix_length(cache):
     assert shown == {h[:HASH_PREFIX] for h in full}
     fx.flip_byte(ns.slab_path(0), int(table.slot[0]) * ns.manifest.slot_size)
     assert table.hash(0).hex()[:HASH_PREFIX] in run("verify", cache, code=1).stdout
-    assert table.hash(0).hex()[:HASH_PREFIX + 1] not in run("verify", cache, code=1).stdout
+    assert table.hash(0).hex()[: HASH_PREFIX + 1] not in run("verify", cache, code=1).stdout

@@ -35,14 +35,28 @@ print("PROBE", json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
 
 
 def probe(*args: str) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(args), json.dumps(HEAVY)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(args), json.dumps(HEAVY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("PROBE "))
-    return json.loads(line[len("PROBE "):]), proc.stdout
+    return json.loads(line[len("PROBE ") :]), proc.stdout
 
 
-@pytest.mark.parametrize("args", [("--help",), ("--version",), ("inspect", "--help"), ("inspect", "ls", "--help"),
-                                  ("doctor", "--help"), ("config", "--help")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--help",),
+        ("--version",),
+        ("inspect", "--help"),
+        ("inspect", "ls", "--help"),
+        ("doctor", "--help"),
+        ("config", "--help"),
+    ],
+)
 def test_help_and_version_import_nothing_heavy(args):
     result, out = probe(*args)
     assert result["code"] in (0, None) and result["heavy"] == []
@@ -87,8 +101,12 @@ def test_ls_help_names_the_librarys_choices():
 
 
 def _complete(words: str) -> list[str]:
-    env = {**os.environ, "_TIERED_KV_COMPLETE": "complete_bash", "COMP_WORDS": words,
-           "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))}
+    env = {
+        **os.environ,
+        "_TIERED_KV_COMPLETE": "complete_bash",
+        "COMP_WORDS": words,
+        "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1)),
+    }
     proc = subprocess.run([str(SCRIPT)], capture_output=True, text=True, env=env, timeout=120)
     return proc.stdout.split()
 

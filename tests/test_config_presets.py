@@ -25,15 +25,18 @@ def config(*args: str):
 
 # Bytes of KV per token on one rank at TP 1: 2 (K, V) x layers x KV heads x head_dim x 2 B
 # for the GQA models, layers x (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B for DeepSeek-V3.
-@pytest.mark.parametrize("name, per_token", [
-    ("llama-3.1-8b", 2 * 32 * 8 * 128 * 2),
-    ("llama-3.1-70b", 2 * 80 * 8 * 128 * 2),
-    ("llama-3.1-405b", 2 * 126 * 8 * 128 * 2),
-    ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),
-    ("qwen2.5-72b", 2 * 80 * 8 * 128 * 2),
-    ("mistral-7b", 2 * 32 * 8 * 128 * 2),
-    ("deepseek-v3", 61 * 576 * 2),
-])
+@pytest.mark.parametrize(
+    "name, per_token",
+    [
+        ("llama-3.1-8b", 2 * 32 * 8 * 128 * 2),
+        ("llama-3.1-70b", 2 * 80 * 8 * 128 * 2),
+        ("llama-3.1-405b", 2 * 126 * 8 * 128 * 2),
+        ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),
+        ("qwen2.5-72b", 2 * 80 * 8 * 128 * 2),
+        ("mistral-7b", 2 * 32 * 8 * 128 * 2),
+        ("deepseek-v3", 61 * 576 * 2),
+    ],
+)
 def test_presets_give_the_published_kv_size(name, per_token):
     assert PRESETS[name].geometry.kv_bytes_per_token(1) == per_token
 
@@ -74,9 +77,19 @@ def test_mla_preset_shows_the_latent_arithmetic():
 def test_a_local_config_json_by_path(tmp_path):
     model = tmp_path / "my-mla-model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "hidden_size": 2048,
-        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v2",
+                "num_hidden_layers": 27,
+                "num_attention_heads": 16,
+                "hidden_size": 2048,
+                "kv_lora_rank": 512,
+                "qk_rope_head_dim": 64,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     geometry = ModelGeometry.from_hf_config(model / "config.json")
     assert geometry.mla and geometry.kv_bytes_per_token() == 27 * 576 * 2
     for path in (model, model / "config.json"):
@@ -97,10 +110,19 @@ def test_sizes_beyond_this_host_warn(tmp_path):
     assert result.exit_code == 0, result.output
     assert "warning: the CPU tier takes TP 1 x" in result.stderr and "more than this host's" in result.stderr
     too_much_disk = f"{free_space(tmp_path) // (1 << 30) + 1}GiB"
-    result = config("--preset", "qwen2.5-7b", "--cpu-bytes", "1GiB", "--disk-path", str(tmp_path / "kv"),
-                    "--disk-bytes", too_much_disk)
+    result = config(
+        "--preset",
+        "qwen2.5-7b",
+        "--cpu-bytes",
+        "1GiB",
+        "--disk-path",
+        str(tmp_path / "kv"),
+        "--disk-bytes",
+        too_much_disk,
+    )
     assert result.exit_code == 0, result.output
     assert "warning: the disk tier takes" in result.stderr and str(tmp_path / "kv") in result.stderr
-    quiet = config("--preset", "qwen2.5-7b", "--cpu-bytes", "1GiB", "--disk-path", str(tmp_path / "kv"),
-                   "--disk-bytes", "1GiB")
+    quiet = config(
+        "--preset", "qwen2.5-7b", "--cpu-bytes", "1GiB", "--disk-path", str(tmp_path / "kv"), "--disk-bytes", "1GiB"
+    )
     assert "warning" not in quiet.stderr

@@ -15,7 +15,10 @@ from tiered_kv.host_memory import HostKVCache, expand_block_ids, kv_planes, pack
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.worker import cpu_gpu
 from tiered_kv.worker.cpu_gpu import (
-    LOAD_PRIORITY, STORE_PRIORITY, CpuGpuOffloadingHandlers, SingleDirectionOffloadingHandler,
+    LOAD_PRIORITY,
+    STORE_PRIORITY,
+    CpuGpuOffloadingHandlers,
+    SingleDirectionOffloadingHandler,
     contiguous_runs,
 )
 from tiered_kv.worker.worker import OffloadingWorker, TransferResult
@@ -84,9 +87,9 @@ def test_skip_count_leaves_partial_first_block(kv_first, device):
     factor = 4
     layout, gpu, host, handlers = setup(kv_first, factor, device=device)
     slots = np.array([3, 0])
-    src_gpu = np.array([9, 10, 11, 12, 13])           # 8 kernel blocks minus 3 skipped
+    src_gpu = np.array([9, 10, 11, 12, 13])  # 8 kernel blocks minus 3 skipped
     run(handlers.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(src_gpu, skip_count=3), CPULoadStoreSpec(slots)))
-    cpu_kernels = expand_block_ids(slots, factor)     # [12..15, 0..3]
+    cpu_kernels = expand_block_ids(slots, factor)  # [12..15, 0..3]
     for t_gpu, t_cpu in zip(gpu, host.tensors):
         for c in cpu_kernels[:3]:
             assert set(kernel(t_cpu, kv_first, c)) == {0}, "skipped kernel blocks stay as they were"
@@ -120,8 +123,10 @@ def test_a_job_reports_its_copy_time_not_the_time_until_it_was_polled(device):
     """An engine polls once per step: what it learns of a job's time must be the copy's."""
     poll_delay = 0.3
     _, _, _, handlers = setup(False, 2, slots=6, device=device)
-    for handler, spec in ((handlers.gpu_to_cpu_handler, (GPULoadStoreSpec(list(range(8))), CPULoadStoreSpec([0, 1, 2, 3]))),
-                          (handlers.cpu_to_gpu_handler, (CPULoadStoreSpec([3, 2, 1, 0]), GPULoadStoreSpec(list(range(8, 16)))))):
+    for handler, spec in (
+        (handlers.gpu_to_cpu_handler, (GPULoadStoreSpec(list(range(8))), CPULoadStoreSpec([0, 1, 2, 3]))),
+        (handlers.cpu_to_gpu_handler, (CPULoadStoreSpec([3, 2, 1, 0]), GPULoadStoreSpec(list(range(8, 16))))),
+    ):
         assert handler.transfer_async(5, spec)
         handler.wait({5})
         time.sleep(poll_delay)
@@ -212,7 +217,7 @@ def test_cuda_streams_events_and_pinned_host(kv_first):
     last = {}
     for job, (gpu_ids, slots) in jobs.items():
         for i, s in enumerate(slots):
-            last[int(s)] = gpu_ids[2 * i: 2 * i + 2]
+            last[int(s)] = gpu_ids[2 * i : 2 * i + 2]
     for s, gpu_ids in last.items():
         for t_gpu, t_cpu in zip(gpu, host.tensors):
             for k, g in enumerate(gpu_ids):
@@ -246,6 +251,7 @@ def test_cuda_store_waits_for_compute_stream():
 def _bench_module():
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[1] / "tools" / "bench_gpu_cpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu_cpu", path)
     module = importlib.util.module_from_spec(spec)
@@ -260,8 +266,7 @@ def test_bench_refuses_cleanly_without_cuda(capsys):
 
 
 def test_bench_smoke_run_checks_its_own_copies(capsys):
-    assert _bench_module().main(["--smoke", "--block-mb", "1", "--layout", "kv-after",
-                                 "--blocks-per-job", "4"]) == 0
+    assert _bench_module().main(["--smoke", "--block-mb", "1", "--layout", "kv-after", "--blocks-per-job", "4"]) == 0
     out = capsys.readouterr().out
     assert "GPU->CPU" in out and "both" in out and "ratio" in out
 
@@ -287,21 +292,26 @@ def test_copy_blocks_moves_every_planes_blocks_in_parts():
     planes, blocks, block = 3, 10, 96
     gap = blocks * block + 32  # source planes 32 bytes apart: 32-byte slices, three per block
     src_mem = torch.from_numpy(rng.integers(0, 2**62, size=planes * gap // 8, dtype=np.int64))
-    src = PlaneRows(src_mem.view(-1, 4), plane_start=np.arange(planes) * gap // 32,
-                    plane_step=np.full(planes, 3), rows_per_block=3)
+    src = PlaneRows(
+        src_mem.view(-1, 4), plane_start=np.arange(planes) * gap // 32, plane_step=np.full(planes, 3), rows_per_block=3
+    )
     dst_mem = torch.zeros(planes * blocks * block // 8, dtype=torch.int64)
-    dst = PlaneRows(dst_mem.view(-1, 12), plane_start=np.arange(planes) * blocks,
-                    plane_step=np.ones(planes, dtype=np.int64), rows_per_block=1)
+    dst = PlaneRows(
+        dst_mem.view(-1, 12),
+        plane_start=np.arange(planes) * blocks,
+        plane_step=np.ones(planes, dtype=np.int64),
+        rows_per_block=1,
+    )
     assert src.block_bytes == dst.block_bytes == planes * block
     src_ids, dst_ids = np.array([7, 0, 3, 9, 4]), np.array([1, 2, 8, 0, 5])
     copy_blocks(src, dst, src_ids, dst_ids, max_staging_bytes=2 * src.block_bytes)  # three parts
     src_bytes, dst_bytes = src_mem.numpy().view(np.uint8), dst_mem.numpy().view(np.uint8)
     for p in range(planes):
         for b in range(blocks):
-            got = dst_bytes[(p * blocks + b) * block:(p * blocks + b + 1) * block]
+            got = dst_bytes[(p * blocks + b) * block : (p * blocks + b + 1) * block]
             if b in dst_ids:
                 s = src_ids[list(dst_ids).index(b)]
-                assert np.array_equal(got, src_bytes[p * gap + s * block:p * gap + (s + 1) * block])
+                assert np.array_equal(got, src_bytes[p * gap + s * block : p * gap + (s + 1) * block])
             else:
                 assert not got.any(), "a block no job named was written"
 
@@ -324,9 +334,10 @@ def test_plane_rows_of_a_block_major_tier_move_blocks_to_and_from_their_slot_row
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in gpu])  # the layers in one allocation
     sizes = [t.numel() * t.element_size() for t in gpu]
     starts = np.cumsum([0, *sizes[:-1]]).tolist()
-    one = [flat[a:a + n].view(t.dtype).view(t.shape) for a, n, t in zip(starts, sizes, gpu)]
-    device_rows = PlaneRows.of([p for t, l in zip(one, layout.layers) for p in kv_planes(t, l.kv_before_num_blocks)],
-                               torch.device("cpu"))
+    one = [flat[a : a + n].view(t.dtype).view(t.shape) for a, n, t in zip(starts, sizes, gpu)]
+    device_rows = PlaneRows.of(
+        [p for t, l in zip(one, layout.layers) for p in kv_planes(t, l.kv_before_num_blocks)], torch.device("cpu")
+    )
     gpu_ids = np.random.default_rng(5).choice(layout.num_gpu_blocks, size=3 * factor, replace=False)
     slots = np.array([4, 1, 2])
     copy_blocks(device_rows, host_rows, gpu_ids, expand_block_ids(slots, factor))
@@ -334,8 +345,12 @@ def test_plane_rows_of_a_block_major_tier_move_blocks_to_and_from_their_slot_row
     pack_blocks(gpu, layout, gpu_ids.reshape(3, factor), want)
     assert torch.equal(host.slot_rows[slots], want)
     back = torch.zeros_like(flat)
-    zeroed = PlaneRows(back.view(device_rows.rows.dtype).view(device_rows.rows.shape), device_rows.plane_start,
-                       device_rows.plane_step, device_rows.rows_per_block)
+    zeroed = PlaneRows(
+        back.view(device_rows.rows.dtype).view(device_rows.rows.shape),
+        device_rows.plane_start,
+        device_rows.plane_step,
+        device_rows.rows_per_block,
+    )
     copy_blocks(host_rows, zeroed, expand_block_ids(slots, factor), gpu_ids)
     moved = torch.from_numpy(device_rows.index(gpu_ids))
     back_rows, flat_rows = back.view(-1, device_rows.slice_bytes), flat.view(-1, device_rows.slice_bytes)
@@ -358,7 +373,7 @@ def _device_cache(layout, gap: int, seed: int) -> list[torch.Tensor]:
     nbytes = [t.numel() * t.element_size() for t in data]
     flat = torch.empty(sum(nbytes) + gap * len(data), dtype=torch.uint8, device="cuda")
     starts = np.cumsum([0, *[n + gap for n in nbytes[:-1]]])
-    out = [flat[s:s + n].view(t.dtype).view(t.shape) for s, n, t in zip(starts.tolist(), nbytes, data)]
+    out = [flat[s : s + n].view(t.dtype).view(t.shape) for s, n, t in zip(starts.tolist(), nbytes, data)]
     for o, t in zip(out, data):
         o.copy_(t)
     return out

@@ -26,8 +26,11 @@ def stored(mgr: CPUOffloadingManager, *ids: int) -> None:
 
 
 def snapshot(mgr: CPUOffloadingManager):
-    return ([(k, mgr.slot_of(k), mgr._readers.get(k, 0), k not in mgr._pending) for k in mgr.iter_lru()],
-            sorted(mgr._free), mgr.num_evictable())
+    return (
+        [(k, mgr.slot_of(k), mgr._readers.get(k, 0), k not in mgr._pending) for k in mgr.iter_lru()],
+        sorted(mgr._free),
+        mgr.num_evictable(),
+    )
 
 
 def test_store_then_lookup_and_events():
@@ -60,7 +63,7 @@ def test_prepare_load_returns_slots_in_order_and_rejects_unloadable():
     assert spec.block_ids.tolist() == [slots[h(2)], slots[h(1)]]
     before = snapshot(mgr)
     with pytest.raises(KeyError, match=h(3).hex()):
-        mgr.prepare_load(hs(1, 3))   # 3 is still pending
+        mgr.prepare_load(hs(1, 3))  # 3 is still pending
     with pytest.raises(KeyError):
         mgr.prepare_load(hs(7))
     assert snapshot(mgr) == before, "a rejected prepare_load pins nothing"
@@ -73,7 +76,7 @@ def test_lru_eviction_follows_touch_order():
     # One store's blocks go in head-most-recent: 4, 3, 2, 1 (old -> new). Touching
     # makes the first touched the most recent: 4, 3, 1, 2.
     mgr.touch(hs(2, 1))
-    mgr.touch(hs(99))            # unknown: ignored
+    mgr.touch(hs(99))  # unknown: ignored
     out = mgr.prepare_store(hs(5, 6))
     assert out.block_hashes_evicted == hs(4, 3)
     assert mgr.lookup(hs(1)) == 1 and mgr.lookup(hs(2)) == 1
@@ -82,16 +85,17 @@ def test_lru_eviction_follows_touch_order():
     assert removed.removed and removed.medium == CPU and removed.block_hashes == hs(4, 3)
     # The evicted slots are the ones handed to the new blocks.
     assert sorted(out.store_spec.block_ids.tolist()) == sorted(
-        [s for s in range(4) if s not in (mgr.slot_of(h(1)), mgr.slot_of(h(2)))])
+        [s for s in range(4) if s not in (mgr.slot_of(h(1)), mgr.slot_of(h(2)))]
+    )
 
 
 def test_pinned_and_pending_blocks_are_never_evicted():
     mgr = CPUOffloadingManager(4, 16)
     stored(mgr, 1, 2, 3)
-    mgr.prepare_load(hs(1))               # pinned by a load
-    mgr.prepare_load(hs(1))               # twice
-    assert mgr.prepare_store(hs(4)) is not None   # 4 takes the free slot, stays pending
-    out = mgr.prepare_store(hs(5, 6))     # only 2 and 3 are evictable (3 older: stored tail-first)
+    mgr.prepare_load(hs(1))  # pinned by a load
+    mgr.prepare_load(hs(1))  # twice
+    assert mgr.prepare_store(hs(4)) is not None  # 4 takes the free slot, stays pending
+    out = mgr.prepare_store(hs(5, 6))  # only 2 and 3 are evictable (3 older: stored tail-first)
     assert out.block_hashes_evicted == hs(3, 2)
     assert mgr.is_loadable(h(1)) and h(4) in mgr
     # Now everything is pinned or pending: nothing can be evicted.
@@ -108,16 +112,16 @@ def test_pinned_and_pending_blocks_are_never_evicted():
 def test_evict_takes_lru_evictable_blocks_and_frees_their_slots():
     mgr = CPUOffloadingManager(5, 16)
     for i in (1, 2, 3, 4):
-        stored(mgr, i)                    # LRU order 1, 2, 3, 4
+        stored(mgr, i)  # LRU order 1, 2, 3, 4
     mgr.take_events()
     slot_of = {i: mgr.slot_of(h(i)) for i in (1, 2, 3, 4)}
-    victims, slots = mgr.evict(2)         # nothing pinned or pending: straight from the LRU end
+    victims, slots = mgr.evict(2)  # nothing pinned or pending: straight from the LRU end
     assert victims == hs(1, 2) and slots == [slot_of[1], slot_of[2]]
     assert mgr.num_free_slots() == 3 and h(1) not in mgr and h(2) not in mgr
     (event,) = mgr.take_events()
     assert event.removed and event.block_hashes == hs(1, 2)
-    mgr.prepare_load(hs(3))               # pinned
-    assert mgr.prepare_store(hs(5)) is not None   # pending
+    mgr.prepare_load(hs(3))  # pinned
+    assert mgr.prepare_store(hs(5)) is not None  # pending
     before = snapshot(mgr)
     assert mgr.evict(2) is None, "only block 4 is evictable"
     assert snapshot(mgr) == before, "evict -> None changes nothing"
@@ -129,11 +133,11 @@ def test_prepare_store_none_when_request_exceeds_evictable():
     mgr = CPUOffloadingManager(3, 16)
     stored(mgr, 1, 2)
     before = snapshot(mgr)
-    assert mgr.prepare_store(hs(3, 4, 5, 6)) is None   # 4 new > 3 slots
+    assert mgr.prepare_store(hs(3, 4, 5, 6)) is None  # 4 new > 3 slots
     assert snapshot(mgr) == before
-    assert mgr.take_events()[-1].removed is False      # only the earlier stored event
+    assert mgr.take_events()[-1].removed is False  # only the earlier stored event
     out = mgr.prepare_store(hs(3, 4, 5))
-    assert out.block_hashes_evicted == hs(2, 1)   # one store's tail is older than its head
+    assert out.block_hashes_evicted == hs(2, 1)  # one store's tail is older than its head
 
 
 def test_complete_store_failure_frees_only_pending_blocks():
@@ -142,7 +146,7 @@ def test_complete_store_failure_frees_only_pending_blocks():
     mgr.take_events()
     mgr.prepare_store(hs(2, 3))
     assert mgr.num_free_slots() == 1
-    mgr.complete_store(hs(1, 2, 3), success=False)   # 1 was already stored: untouched
+    mgr.complete_store(hs(1, 2, 3), success=False)  # 1 was already stored: untouched
     assert mgr.num_free_slots() == 3
     assert h(2) not in mgr and h(3) not in mgr
     assert mgr.lookup(hs(1)) == 1
@@ -186,7 +190,7 @@ def test_extension_api_for_the_composite():
     mgr.take_events()
     mgr.touch(hs(1))
     mgr.pin(hs(3))
-    assert list(mgr.iter_evictable()) == hs(4, 2, 1)   # stored tail-first; 1 touched; 3 pinned
+    assert list(mgr.iter_evictable()) == hs(4, 2, 1)  # stored tail-first; 1 touched; 3 pinned
     slot = mgr.slot_of(h(2))
     assert mgr.remove(h(2)) == slot
     assert h(2) not in mgr and mgr.slot_of(h(2)) is None and mgr.num_free_slots() == 2
@@ -198,13 +202,13 @@ def test_extension_api_for_the_composite():
         mgr.remove(h(2))
     evicted: list[bytes] = []
     slots = mgr.allocate(hs(10, 11, 12), evicted)
-    assert len(set(slots)) == 3 and evicted == hs(4)   # 2 free + LRU 4 (3 pinned, 1 touched)
+    assert len(set(slots)) == 3 and evicted == hs(4)  # 2 free + LRU 4 (3 pinned, 1 touched)
     assert h(10) in mgr and not mgr.is_loadable(h(10))
     with pytest.raises(ValueError, match="already"):
         mgr.allocate(hs(10))
     with pytest.raises(ValueError, match="duplicates"):
         mgr.allocate(hs(20, 20))
-    assert mgr.allocate(hs(20, 21)) is None          # only block 1 is evictable
+    assert mgr.allocate(hs(20, 21)) is None  # only block 1 is evictable
     mgr.unpin(hs(3))
     assert mgr.allocate(hs(20, 21), None) is not None
     assert mgr.lookup(hs(1)) == 0 and mgr.lookup(hs(3)) == 0
@@ -215,7 +219,7 @@ class ReferenceLRU:
 
     def __init__(self, n):
         self.n = n
-        self.order: list[bytes] = []     # least recent first
+        self.order: list[bytes] = []  # least recent first
         self.ref: dict[bytes, int] = {}
         self.ready: dict[bytes, bool] = {}
 
@@ -231,7 +235,7 @@ class ReferenceLRU:
         ev = [k for k in self.evictable() if k not in keys]  # never the call's own blocks
         if need > len(ev):
             return None
-        victims = ev[:max(need, 0)]
+        victims = ev[: max(need, 0)]
         for k in victims:
             self.order.remove(k)
             del self.ref[k], self.ready[k]
@@ -355,10 +359,16 @@ def test_gpu_copy_picks_the_handlers_copy_path():
     with pytest.raises(ConfigError, match="gpu_copy: expected one of"):
         CPUOffloadingSpec({**config, "gpu_copy": "dmaa"}, gpu_block_size=4)
     for choice, kernels in (("auto", cuda_available()), ("dma", False)):
-        pairs = list(CPUOffloadingSpec({**config, "gpu_copy": choice}, gpu_block_size=4)
-                     .get_handlers(tensors, kv_before_num_blocks=True))
+        pairs = list(
+            CPUOffloadingSpec({**config, "gpu_copy": choice}, gpu_block_size=4).get_handlers(
+                tensors, kv_before_num_blocks=True
+            )
+        )
         assert all(h.copy_kernels == kernels for *_, h in pairs), choice
     if not cuda_available():  # nothing on this machine can map the host tier for a device
         with pytest.raises(ValueError, match="config gpu_copy: kernels.*use gpu_copy auto or dma"):
-            list(CPUOffloadingSpec({**config, "gpu_copy": "kernels"}, gpu_block_size=4)
-                 .get_handlers(tensors, kv_before_num_blocks=True))
+            list(
+                CPUOffloadingSpec({**config, "gpu_copy": "kernels"}, gpu_block_size=4).get_handlers(
+                    tensors, kv_before_num_blocks=True
+                )
+            )

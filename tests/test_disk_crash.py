@@ -73,8 +73,7 @@ def test_kill_dash_nine_never_leaves_torn_or_lost_blocks(tmp_path, ctx):
 
         must_have, in_prepare = expected_blocks(journal)
         m = DiskOffloadingManager(cache, fp, layout, disk_bytes=nbytes, engine_id=f"check-{trial}")
-        store = DiskStore.open(cache, fp, layout, disk_bytes=nbytes, io_backend="posix",
-                               engine_id=f"check-{trial}")
+        store = DiskStore.open(cache, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id=f"check-{trial}")
         try:
             loadable = list(m.iter_evictable())
             if not in_prepare:
@@ -83,8 +82,9 @@ def test_kill_dash_nine_never_leaves_torn_or_lost_blocks(tmp_path, ctx):
             for h in loadable:
                 for rank in range(fx.CRASH_TP):
                     data = store.read_block(rank, h)
-                    assert data == fx.block_content(h, rank, layout.bytes_per_block), \
+                    assert data == fx.block_content(h, rank, layout.bytes_per_block), (
                         f"trial {trial}: block {h.hex()[:12]} rank {rank} is torn or wrong"
+                    )
                 checked += 1
             assert store.stats.checksum_failures == 0 and store.stats.missing_entries == 0
             # Reopen reclaimed every partial entry: the index now holds loadable blocks only.

@@ -48,8 +48,9 @@ def finish(handler, job_ids):
 
 
 def open_store(tmp_path, layout, backend="posix"):
-    return DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                          io_backend=backend)
+    return DiskStore.open(
+        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
+    )
 
 
 def host_cache(layout, slots, seed):
@@ -76,8 +77,10 @@ def test_cpu_disk_cpu_round_trip(tmp_path, kv_first, factor):
         assert h2.transfer_async(2, (disk, CPULoadStoreSpec([7, 6, 5, 4, 3, 2, 1])))
         assert finish(h2, [2]) == {2: True}
         f = layout.block_size_factor
-        assert_same(kernel_blocks(src.tensors, layout, expand_block_ids(range(7), f)),
-                    kernel_blocks(dst.tensors, layout, expand_block_ids([7, 6, 5, 4, 3, 2, 1], f)))
+        assert_same(
+            kernel_blocks(src.tensors, layout, expand_block_ids(range(7), f)),
+            kernel_blocks(dst.tensors, layout, expand_block_ids([7, 6, 5, 4, 3, 2, 1], f)),
+        )
         stats = {"cpu_to_disk": h.stats.transfers["cpu_to_disk"], "disk_to_cpu": h2.stats.transfers["disk_to_cpu"]}
         assert stats["cpu_to_disk"].bytes == 7 * layout.bytes_per_block and stats["cpu_to_disk"].seconds > 0
         assert stats["disk_to_cpu"].blocks == 7 and stats["disk_to_cpu"].failed_jobs == 0
@@ -92,8 +95,10 @@ def test_a_disk_job_reports_its_own_time_not_the_time_until_it_was_polled(tmp_pa
     h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=1), layout)
     try:
         disk = disk_spec([0, 1, 2])
-        for job_id, spec, kind in ((1, (CPULoadStoreSpec([0, 1, 2]), disk), "cpu_to_disk"),
-                                   (2, (disk, CPULoadStoreSpec([3, 2, 1])), "disk_to_cpu")):
+        for job_id, spec, kind in (
+            (1, (CPULoadStoreSpec([0, 1, 2]), disk), "cpu_to_disk"),
+            (2, (disk, CPULoadStoreSpec([3, 2, 1])), "disk_to_cpu"),
+        ):
             assert h.transfer_async(job_id, spec)
             h.wait({job_id})
             time.sleep(poll_delay)
@@ -136,13 +141,17 @@ def test_gpu_pairs_via_the_cpu_fallback_and_cross_pairs(tmp_path, kv_first, fact
         assert worker.transfer_async(4, (d2, GPULoadStoreSpec(dst_gpu)))
         worker.wait({4})
         # DISK -> GPU again, of the GPU-stored blocks, into other GPU blocks.
-        dst2 = np.array([0, 1, 2, 6, 7, 8, 9, 10, 11])[:n * f]  # clear of src_gpu and dst_gpu
+        dst2 = np.array([0, 1, 2, 6, 7, 8, 9, 10, 11])[: n * f]  # clear of src_gpu and dst_gpu
         assert worker.transfer_async(5, (d1, GPULoadStoreSpec(dst2)))
         worker.wait({5})
         results = {r.job_id: r.success for r in worker.get_finished()}
         assert results == {1: True, 2: True, 3: True, 4: True, 5: True}
-        assert_same(kernel_blocks(gpu, layout, src_gpu), kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)))
-        assert_same(kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)), kernel_blocks(gpu, layout, dst_gpu))
+        assert_same(
+            kernel_blocks(gpu, layout, src_gpu), kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f))
+        )
+        assert_same(
+            kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)), kernel_blocks(gpu, layout, dst_gpu)
+        )
         assert_same(kernel_blocks(gpu, layout, src_gpu), kernel_blocks(gpu, layout, dst2))
         assert {k for k, t in gpu_h.stats.transfers.items() if t.jobs} == {"gpu_to_disk", "disk_to_gpu"}
         assert gpu_h.stats.transfers["disk_to_gpu"].jobs == 2
@@ -213,8 +222,7 @@ def test_corrupt_block_fails_the_load_job(tmp_path):
 
 @pytest.mark.parametrize("iov_max", [None, 5], ids=["one-call-per-run", "iov-max-5"])
 @pytest.mark.parametrize("kv_first", [True, False], ids=["kv-first", "kv-after"])
-def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_path, kv_first, iov_max,
-                                                                         monkeypatch):
+def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_path, kv_first, iov_max, monkeypatch):
     # Every plane of a slot is 32 KiB: page-aligned pieces, large enough for vectored I/O.
     # With IOV_MAX at 5 a run's calls end mid-block, at any piece.
     if iov_max is not None:
@@ -233,19 +241,24 @@ def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_pa
         assert finish(direct, [1]) == {1: True}
         assert staged.transfer_async(2, (written, CPULoadStoreSpec([7, 6, 5, 4, 3, 2])))
         assert finish(staged, [2]) == {2: True}
-        assert_same(kernel_blocks(src.tensors, layout, expand_block_ids(range(6), f)),
-                    kernel_blocks(dst.tensors, layout, expand_block_ids([7, 6, 5, 4, 3, 2], f)))
+        assert_same(
+            kernel_blocks(src.tensors, layout, expand_block_ids(range(6), f)),
+            kernel_blocks(dst.tensors, layout, expand_block_ids([7, 6, 5, 4, 3, 2], f)),
+        )
         packed = disk_spec([20, 21], "p")
         assert staged.transfer_async(3, (CPULoadStoreSpec([0, 1]), packed))
         assert finish(staged, [3]) == {3: True}
         assert direct.transfer_async(4, (packed, CPULoadStoreSpec([6, 7])))
         assert finish(direct, [4]) == {4: True}
-        assert_same(kernel_blocks(dst.tensors, layout, expand_block_ids([0, 1], f)),
-                    kernel_blocks(src.tensors, layout, expand_block_ids([6, 7], f)))
+        assert_same(
+            kernel_blocks(dst.tensors, layout, expand_block_ids([0, 1], f)),
+            kernel_blocks(src.tensors, layout, expand_block_ids([6, 7], f)),
+        )
         # A flipped byte is caught on the vectored path too, and the block is dropped.
         flip_byte(store.namespace.slab_path(0), 10 * store.slot_size + 5000)
-        assert direct.transfer_async(5, (DiskLoadStoreSpec([9, 10], written.block_hashes[3:5]),
-                                         CPULoadStoreSpec([0, 1])))
+        assert direct.transfer_async(
+            5, (DiskLoadStoreSpec([9, 10], written.block_hashes[3:5]), CPULoadStoreSpec([0, 1]))
+        )
         assert finish(direct, [5]) == {5: False}
         assert store.stats.checksum_failures == 1 and store.entry(written.block_hashes[4]) is None
         assert store.entry(written.block_hashes[3]) is not None
@@ -275,8 +288,10 @@ def test_vectored_jobs_fail_alone_on_a_full_disk_and_on_read_errors(tmp_path):
         assert h.transfer_async(4, (fits, CPULoadStoreSpec([5, 6, 7])))
         assert finish(h, [4]) == {4: True}, "the blocks written before are intact"
         f = layout.block_size_factor
-        assert_same(kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)),
-                    kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)))
+        assert_same(
+            kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)),
+            kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)),
+        )
     finally:
         h.shutdown(), store.close(), backend.shutdown()
 
@@ -314,7 +329,9 @@ def test_transfer_async_never_blocks_and_staging_is_bounded(tmp_path):
     try:
         t0 = time.perf_counter()
         for j in range(6):  # 6 jobs of 5 blocks each through 2 buffers of 2 rows
-            assert h.transfer_async(j, (CPULoadStoreSpec(range(j, j + 5)), disk_spec(range(j * 5, j * 5 + 5), f"j{j}-")))
+            assert h.transfer_async(
+                j, (CPULoadStoreSpec(range(j, j + 5)), disk_spec(range(j * 5, j * 5 + 5), f"j{j}-"))
+            )
         assert time.perf_counter() - t0 < 0.5, "transfer_async must only queue"
         assert h.get_finished() == []
         backend.gate.set()
@@ -365,8 +382,9 @@ def test_a_store_job_thread_moves_on_while_its_commit_waits(tmp_path):
         assert finish(h, [0, 1]) == {0: True, 1: True}
         back = host_cache(layout, 16, seed=10)
         loader = CpuDiskHandler(store, 0, back, layout)
-        both = DiskLoadStoreSpec(range(8), disk_spec(range(0, 4), "a").block_hashes
-                                 + disk_spec(range(4, 8), "b").block_hashes)
+        both = DiskLoadStoreSpec(
+            range(8), disk_spec(range(0, 4), "a").block_hashes + disk_spec(range(4, 8), "b").block_hashes
+        )
         assert loader.transfer_async(2, (both, CPULoadStoreSpec(range(8))))
         assert finish(loader, [2]) == {2: True}
         loader.shutdown()
@@ -385,8 +403,10 @@ def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first, disk_io):
     layout = small_layout(kv_first, factor=2)
     if disk_io == "process":
         from tiered_kv.disk.io_process import DiskIOProcess
-        store = DiskIOProcess.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                                   io_backend="auto")
+
+        store = DiskIOProcess.open(
+            tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend="auto"
+        )
     else:
         store = open_store(tmp_path, layout, backend="auto")
     gpu = random_tensors(layout, seed=9, device="cuda")

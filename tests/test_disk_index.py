@@ -36,7 +36,12 @@ def test_commit_sets_rank_bits_and_checksums_per_rank(idx):
     assert idx.get(C) is None and idx.get(B).ranks == 0b11
     recs = idx.read_log(0)
     assert [(r.status, r.rank, r.slot, r.block_hash) for r in recs] == [
-        (LOG_OK, 0, 3, A), (LOG_OK, 0, 4, B), (LOG_OK, 1, 3, A), (LOG_OK, 1, 4, B), (LOG_FAILED, 1, 5, C)]
+        (LOG_OK, 0, 3, A),
+        (LOG_OK, 0, 4, B),
+        (LOG_OK, 1, 3, A),
+        (LOG_OK, 1, 4, B),
+        (LOG_FAILED, 1, 5, C),
+    ]
     assert [r.seq for r in recs] == [1, 2, 3, 4, 5] and idx.log_seq() == 5
     assert [r.seq for r in idx.read_log(3)] == [4, 5]
 
@@ -53,7 +58,7 @@ def test_log_reads_resume_inside_a_transaction_s_records_and_honour_limits(idx):
     assert [r.slot for r in every] == list(range(10)) + [20, 21, 22]
     # Resuming inside a value skips what was read; a limit cuts inside a value.
     for after, limit in [(3, 2), (3, 5), (5, 100), (9, 3), (10, 2), (11, 2), (13, 5)]:
-        assert idx.read_log_columns(after, limit).records() == every[after:after + limit], (after, limit)
+        assert idx.read_log_columns(after, limit).records() == every[after : after + limit], (after, limit)
 
 
 def test_clear_for_overwrite_rules(idx):

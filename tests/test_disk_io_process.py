@@ -32,13 +32,15 @@ SLOTS = 32
 
 def view_layout():
     """Pieces of 32 KiB (4 GPU blocks of 8 KiB per plane): the handlers move them in place."""
-    return make_layout(True, num_gpu_blocks=64, block_size_factor=4, num_layers=2, gpu_block_size=4,
-                       heads=8, head_dim=128)
+    return make_layout(
+        True, num_gpu_blocks=64, block_size_factor=4, num_layers=2, gpu_block_size=4, heads=8, head_dim=128
+    )
 
 
 def open_process(tmp_path, layout, **kwargs):
-    return DiskIOProcess.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                              io_backend="posix", **kwargs)
+    return DiskIOProcess.open(
+        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend="posix", **kwargs
+    )
 
 
 def host_cache(layout, slots, seed, shared=True):
@@ -59,8 +61,10 @@ def handlers(tmp_path, layout, slots, shared=True, **kwargs):
 def slot_bytes(host, layout, slots):
     f = layout.block_size_factor
     ids = torch.as_tensor(expand_block_ids(slots, f))
-    return [t.index_select(1 if l.kv_before_num_blocks else 0, ids).contiguous().view(torch.uint8)
-            for t, l in zip(host.tensors, layout.layers)]
+    return [
+        t.index_select(1 if l.kv_before_num_blocks else 0, ids).contiguous().view(torch.uint8)
+        for t, l in zip(host.tensors, layout.layers)
+    ]
 
 
 def run(handler, job_id, spec):
@@ -100,7 +104,7 @@ def test_a_shared_region_is_forgotten_unmapped_and_closed_with_its_last_view():
     address = t.data_ptr()
     region = locate(address, 1)[0]
     assert os.fstat(region.fd).st_size == 3 << 20
-    piece = t[1 << 20:]
+    piece = t[1 << 20 :]
     del t
     gc.collect()
     assert locate(address, 1) == (region, 0) and not listener.freed_ids, "freed with a view left"
@@ -144,8 +148,9 @@ def test_a_region_freed_by_the_collector_inside_the_modules_own_lock_is_forgotte
     """The collector may free a shared region (run its finalizer) at any allocation,
     also while this thread holds the module's lock: that must neither deadlock nor lose
     the region's bookkeeping. In a child process, so a deadlock fails the test."""
-    out = subprocess.run([sys.executable, "-c", _FREED_INSIDE_A_LOCKED_SECTION],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_INSIDE_A_LOCKED_SECTION], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -155,8 +160,9 @@ def test_cpu_disk_round_trip_through_the_io_process(tmp_path, path):
     tier it cannot reach (private memory) goes through the worker's staging buffers."""
     layout = view_layout() if path == "vectored" else small_layout(factor=2)
     shared = path != "staged-private-host"
-    proc, src, dst, h, h2 = handlers(tmp_path, layout, 8, shared=shared,
-                                     staging_bytes=3 * slot_size_for(layout.bytes_per_block))  # several chunks
+    proc, src, dst, h, h2 = handlers(
+        tmp_path, layout, 8, shared=shared, staging_bytes=3 * slot_size_for(layout.bytes_per_block)
+    )  # several chunks
     try:
         assert (h._views is not None) == shared
         assert shared is False or views_fit(h._views, proc.slot_size) == (path == "vectored")
@@ -260,16 +266,19 @@ def test_a_killed_io_process_fails_its_jobs_and_the_next_job_starts_a_new_one(tm
 def _open_and_die(cache_dir: str) -> None:
     """Run in a child: start an I/O process, print its pid, exit without closing it."""
     layout = small_layout()
-    proc = DiskIOProcess.open(cache_dir, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, 8),
-                              io_backend="posix")
+    proc = DiskIOProcess.open(
+        cache_dir, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, 8), io_backend="posix"
+    )
     print(proc.pid, flush=True)
     os._exit(0)
 
 
 def test_the_io_process_exits_when_its_worker_dies(tmp_path):
     here = str(Path(__file__).parent)
-    code = (f"import sys; sys.path[:0] = {[here, *sys.path]!r}; "
-            f"import test_disk_io_process as t; t._open_and_die({str(tmp_path)!r})")
+    code = (
+        f"import sys; sys.path[:0] = {[here, *sys.path]!r}; "
+        f"import test_disk_io_process as t; t._open_and_die({str(tmp_path)!r})"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[0])

@@ -31,10 +31,10 @@ def tier(tmp_path, layout):
     """A manager and a store on one cache directory (as a scheduler and a worker)."""
     fp = fingerprint(layout)
     # No background refresh: these tests call refresh() themselves and check what it returns.
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
-                              poll_interval=None)
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
-                       engine_id="e")
+    m = DiskOffloadingManager(
+        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=None
+    )
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
     yield m, s
     s.close()
     m.shutdown()
@@ -45,8 +45,9 @@ def store_blocks(m, s, hashes, layout, ok=True):
     assert out is not None
     spec = out.store_spec
     if out.block_hashes_to_store:
-        res = s.write_blocks(0, spec.block_hashes, spec.block_ids.tolist(),
-                             content_rows(spec.block_hashes, 0, layout, s.slot_size))
+        res = s.write_blocks(
+            0, spec.block_hashes, spec.block_ids.tolist(), content_rows(spec.block_hashes, 0, layout, s.slot_size)
+        )
         assert all(res)
     m.complete_store(out.block_hashes_to_store, success=ok)
     return out
@@ -90,12 +91,12 @@ def test_lru_eviction_skips_pinned_and_requested_blocks(tier, layout):
 def test_prepare_store_returns_none_and_changes_nothing_when_full(tier, layout):
     m, s = tier
     store_blocks(m, s, H[:CAP], layout)
-    m.prepare_load(H[:CAP - 1])
+    m.prepare_load(H[: CAP - 1])
     before = list(m.iter_evictable())
     assert before == [H[CAP - 1]]
     assert m.prepare_store(H[10:12]) is None
     assert list(m.iter_evictable()) == before and m.stats.store_rejections == 1
-    m.complete_load(H[:CAP - 1])
+    m.complete_load(H[: CAP - 1])
     assert m.prepare_store(H[10:12]) is not None
 
 
@@ -104,15 +105,15 @@ def test_failed_store_frees_its_slots(tier, layout):
     out = m.prepare_store(H[:CAP])
     m.complete_store(H[:CAP], success=False)
     assert m.num_free_slots() == CAP and m.lookup(H[:1]) == 0 and m.stats.store_failures == CAP
-    assert m.prepare_store(H[10:10 + CAP]) is not None and out is not None
+    assert m.prepare_store(H[10 : 10 + CAP]) is not None and out is not None
 
 
 def test_refresh_makes_blocks_durable_from_the_workers_log(tmp_path, layout):
     fp = fingerprint(layout, tp_size=2)
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
-                              poll_interval=None)
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
-                       engine_id="e")
+    m = DiskOffloadingManager(
+        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=None
+    )
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
     try:
         out = m.prepare_store(H[:2])
         slots = out.store_spec.block_ids.tolist()
@@ -146,13 +147,14 @@ def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
     loop, on the same records: good, stale slot, not pending, repeated."""
     from tiered_kv.disk.index import LOG_OK
     from tiered_kv.disk.manager import RefreshResult
+
     m, _ = tier
     rnd = random.Random(seed)
     out = m.prepare_store(H[:CAP])
     waiting = dict(zip(out.block_hashes_to_store, out.store_spec.block_ids.tolist()))
     records = []
     for _ in range(12):
-        h = rnd.choice(H[:CAP + 3])
+        h = rnd.choice(H[: CAP + 3])
         slot = waiting.get(h, rnd.randrange(CAP))
         records.append((h, slot if rnd.random() < 0.7 else (slot + 1) % CAP))
     hashes, slots = [h for h, _ in records], [slot for _, slot in records]
@@ -160,8 +162,7 @@ def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
         before = dict(m._pending)
         fast = m._apply_good_writes(hashes, slots)
         after_fast, m._pending = dict(m._pending), dict(before)
-        general = m._apply_log(hashes, [LOG_OK] * len(records), [0] * len(records), slots,
-                               RefreshResult([], [], []))
+        general = m._apply_log(hashes, [LOG_OK] * len(records), [0] * len(records), slots, RefreshResult([], [], []))
         assert not m._progress
     assert fast == general and after_fast == m._pending
     expected = []
@@ -176,10 +177,10 @@ def test_flusher_learns_worker_commits_in_the_background(tmp_path, layout):
     scheduler at all, in chunks (more records than one chunk), and the log is trimmed."""
     fp = fingerprint(layout)
     n = 150  # more than two of the flusher's 64-record chunks
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), engine_id="e",
-                              poll_interval=0.001)
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), io_backend="posix",
-                       engine_id="e")
+    m = DiskOffloadingManager(
+        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), engine_id="e", poll_interval=0.001
+    )
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), io_backend="posix", engine_id="e")
     hashes = [block_hash(100 + i) for i in range(n)]
     try:
         out = m.prepare_store(hashes)
@@ -202,10 +203,16 @@ def test_the_flusher_keeps_polling_while_index_updates_wait_for_their_write(tmp_
     or a burst of stores fills the composite's bound on pending writes and the
     scheduler's own call reads the log."""
     fp = fingerprint(layout)
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
-                              poll_interval=0.001, flush_interval=60.0)
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
-                       engine_id="e")
+    m = DiskOffloadingManager(
+        tmp_path,
+        fp,
+        layout,
+        disk_bytes=disk_bytes_for(layout, CAP),
+        engine_id="e",
+        poll_interval=0.001,
+        flush_interval=60.0,
+    )
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
     try:
         assert m.flush()
         flushes = m.stats.index_flushes
@@ -229,10 +236,10 @@ def test_take_events_leaves_the_log_to_the_polling_flusher(tmp_path, layout):
     """vLLM asks for events every step: with polling on, that reads no index on the
     caller's thread, and the stored events still come, from the flusher's refresh."""
     fp = fingerprint(layout)
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e",
-                              poll_interval=0.001)
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix",
-                       engine_id="e")
+    m = DiskOffloadingManager(
+        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=0.001
+    )
+    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
     readers = []
     read_log = m.index.read_log_columns
     m.index.read_log_columns = lambda *a: (readers.append(threading.current_thread()), read_log(*a))[1]
@@ -318,7 +325,7 @@ def test_an_evicted_block_whose_slot_was_not_rewritten_is_served_after_a_restart
     s = DiskStore.open_readonly(m.namespace.path)
     try:
         assert m.lookup(H[:CAP]) == CAP and not m.is_loadable(H[10])
-        want = content_rows([H[0]], 0, layout, s.slot_size)[0, :s.block_bytes]
+        want = content_rows([H[0]], 0, layout, s.slot_size)[0, : s.block_bytes]
         assert s.read_block(0, H[0]) == bytes(want.numpy())
     finally:
         s.close()
@@ -337,8 +344,7 @@ def test_two_entries_in_one_slot_keep_only_the_newer_after_a_restart(tmp_path, l
     newer = s.entry(H[1])
     older = newer._replace(store_time=newer.store_time - 60)
     # H[0]'s entry now names H[1]'s slot too, stored earlier.
-    s.index._shared.run(lambda txn: txn.put(H[0], s.index.encode(H[0], older), db=s.index._db("blocks")),
-                        write=True)
+    s.index._shared.run(lambda txn: txn.put(H[0], s.index.encode(H[0], older), db=s.index._db("blocks")), write=True)
     s.close()
     for engine in ("e2", "e3"):
         m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id=engine)
@@ -402,7 +408,7 @@ def test_after_a_restart_the_startup_blocks_warm_up_in_the_background_in_lru_ord
     m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e")
     s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
     for a in range(0, n, 100):
-        store_blocks(m, s, hashes[a:a + 100], layout)
+        store_blocks(m, s, hashes[a : a + 100], layout)
     for h in hashes[:5]:  # one at a time: a restart orders blocks by their last access
         time.sleep(0.002)
         m.touch([h])
@@ -491,8 +497,16 @@ def test_a_fresh_prepare_store_plans_exactly_like_a_checked_one(tmp_path, layout
             before = list(m.iter_evictable())
             too_many = m.prepare_store([block_hash(100 + i) for i in range(CAP)], fresh=fresh)
             assert too_many is None and list(m.iter_evictable()) == before, "a refused store changes nothing"
-            plans.append((out.block_hashes_to_store, out.block_hashes_evicted, out.store_spec.block_ids.tolist(),
-                          before, [m.is_pending(h) for h in H[10:12]], m.stats.evictions))
+            plans.append(
+                (
+                    out.block_hashes_to_store,
+                    out.block_hashes_evicted,
+                    out.store_spec.block_ids.tolist(),
+                    before,
+                    [m.is_pending(h) for h in H[10:12]],
+                    m.stats.evictions,
+                )
+            )
         finally:
             s.close()
             m.shutdown()
@@ -558,7 +572,9 @@ def test_block_table_keeps_lru_order_under_random_churn(seed, shared_prefixes, c
     for _ in range(300):
         op = rnd.random()
         if op < 0.35 and free:
-            batch = [(new_hash(), free.pop(rnd.randrange(len(free)))) for _ in range(rnd.randint(1, min(most, len(free))))]
+            batch = [
+                (new_hash(), free.pop(rnd.randrange(len(free)))) for _ in range(rnd.randint(1, min(most, len(free))))
+            ]
             again = [(h, slot) for h, slot in ref.items() if h in hot]
             if again and rnd.random() < 0.3:  # a block already in the hot generation, again
                 batch.insert(rnd.randrange(len(batch) + 1), rnd.choice(again))

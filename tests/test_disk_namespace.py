@@ -17,8 +17,15 @@ from disk_fixtures import disk_bytes_for, fingerprint, small_layout
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import (
-    CacheLockedError, FingerprintMismatchError, Namespace, NamespaceError, WriterLock,
-    check_worker_access, explain_other_namespaces, list_namespaces, slot_size_for,
+    CacheLockedError,
+    FingerprintMismatchError,
+    Namespace,
+    NamespaceError,
+    WriterLock,
+    check_worker_access,
+    explain_other_namespaces,
+    list_namespaces,
+    slot_size_for,
 )
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.kv_layout import KVCacheLayout
@@ -133,8 +140,7 @@ def _mount_tmpfs(path, size: str) -> bool:
     path.mkdir()
     if shutil.which("mount") is None:
         return False
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     return r.returncode == 0
 
 
@@ -155,7 +161,7 @@ def test_preallocation_beyond_free_space_is_a_clear_error(tmp_path):
 def _holder_script(cache_dir: str, engine_id: str) -> str:
     return textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
+        sys.path.insert(0, {os.path.join(REPO, "tests")!r})
         from disk_fixtures import small_layout, fingerprint, disk_bytes_for
         from tiered_kv.disk.manager import DiskOffloadingManager
         layout = small_layout()
@@ -171,13 +177,16 @@ def _holder_script(cache_dir: str, engine_id: str) -> str:
 def test_second_writer_is_refused_naming_the_holder(tmp_path):
     layout = small_layout()
     fp = fingerprint(layout)
-    proc = subprocess.Popen([sys.executable, "-c", _holder_script(str(tmp_path), "engine-A")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _holder_script(str(tmp_path), "engine-A")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         with pytest.raises(CacheLockedError) as ei:
-            DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, 8),
-                                  engine_id="engine-B")
+            DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, 8), engine_id="engine-B")
         msg = str(ei.value)
         assert f"pid {proc.pid}" in msg and socket.gethostname() in msg and "engine-A" in msg
         # A worker of another engine is refused too; one of the holder's engine may write.
@@ -199,8 +208,12 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path):
 def test_lock_is_released_by_a_killed_holder(tmp_path):
     layout = small_layout()
     fp = fingerprint(layout)
-    proc = subprocess.Popen([sys.executable, "-c", _holder_script(str(tmp_path), "engine-A")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _holder_script(str(tmp_path), "engine-A")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready"
     proc.kill()
     proc.wait(timeout=30)

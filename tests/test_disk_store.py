@@ -18,12 +18,22 @@ import pytest
 import torch
 
 from disk_fixtures import (
-    FaultyBackend, block_content, block_hash, content_rows, disk_bytes_for, fingerprint, flip_byte,
+    FaultyBackend,
+    block_content,
+    block_hash,
+    content_rows,
+    disk_bytes_for,
+    fingerprint,
+    flip_byte,
     small_layout,
 )
 from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK
 from tiered_kv.disk.io_backends import (
-    BackendUnavailableError, KvikIOBackend, PosixBackend, aligned_empty, select_backend,
+    BackendUnavailableError,
+    KvikIOBackend,
+    PosixBackend,
+    aligned_empty,
+    select_backend,
 )
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.store import DiskStore, RunChecksums, checksum_function
@@ -33,14 +43,15 @@ SLOTS = 16
 
 def open_store(path, layout, tp_size=1, **kw):
     kw.setdefault("io_backend", "posix")
-    return DiskStore.open(path, fingerprint(layout, tp_size=tp_size), layout,
-                          disk_bytes=disk_bytes_for(layout, SLOTS), **kw)
+    return DiskStore.open(
+        path, fingerprint(layout, tp_size=tp_size), layout, disk_bytes=disk_bytes_for(layout, SLOTS), **kw
+    )
 
 
 def read_back(store, rank, hashes, slots):
     out = aligned_empty(len(hashes) * store.slot_size).view(len(hashes), store.slot_size)
     ok = store.read_blocks(rank, hashes, slots, out)
-    return ok, [bytes(out[i, :store.block_bytes].numpy()) for i in range(len(hashes))]
+    return ok, [bytes(out[i, : store.block_bytes].numpy()) for i in range(len(hashes))]
 
 
 @pytest.fixture
@@ -62,8 +73,9 @@ def test_round_trip_and_direct_io(tmp_path, layout):
         s = store.stats
         assert (s.stores, s.loads, s.bytes_written) == (6, 6, 6 * layout.bytes_per_block)
         # Unaligned / unpadded input (e.g. from a tool) is bounced, not refused.
-        plain = torch.frombuffer(bytearray(block_content(hashes[0], 0, layout.bytes_per_block)),
-                                 dtype=torch.uint8).view(1, -1)
+        plain = torch.frombuffer(
+            bytearray(block_content(hashes[0], 0, layout.bytes_per_block)), dtype=torch.uint8
+        ).view(1, -1)
         assert store.write_blocks(0, [hashes[0]], [3], plain) == [True]
         assert store.read_block(0, hashes[0]) == block_content(hashes[0], 0, layout.bytes_per_block)
     finally:
@@ -184,8 +196,9 @@ def test_enospc_on_write_fails_the_store_counted_without_raising(tmp_path, layou
 @pytest.mark.faults
 def test_failed_fsync_or_read_fails_the_job(tmp_path, layout):
     backend = FaultyBackend()
-    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                           io_backend=backend)
+    store = DiskStore.open(
+        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
+    )
     try:
         h = [block_hash(1)]
         backend.fail_sync = errno.EIO
@@ -205,8 +218,11 @@ def test_failed_fsync_or_read_fails_the_job(tmp_path, layout):
 def test_full_filesystem_turns_into_failed_counted_stores(tmp_path, layout):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if shutil.which("mount") is None or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+    if (
+        shutil.which("mount") is None
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         fp = fingerprint(layout)
@@ -271,12 +287,17 @@ def test_a_block_hashed_piece_by_piece_gets_the_checksum_of_its_bytes(name):
     view = memoryview(data)
     cuts = [0, 1, 4096, 40_000, 1 << 20, (1 << 20) + 3, 3 << 20]
     pieces = [view[a:b] for a, b in zip(cuts, cuts[1:])]
-    small = [view[:1 << 20]], [view[1 << 20:(1 << 20) + 3]]
+    small = [view[: 1 << 20]], [view[1 << 20 : (1 << 20) + 3]]
     want = checksum_function(name)
     run_checksums = RunChecksums(name)
     assert run_checksums([pieces, [view], *small, pieces[:-1]]) == [
-        want(view), want(view), want(small[0][0]), want(small[1][0]), want(view[:cuts[-2]])]
-    assert want(view[:cuts[-2]]) != want(view)
+        want(view),
+        want(view),
+        want(small[0][0]),
+        want(small[1][0]),
+        want(view[: cuts[-2]]),
+    ]
+    assert want(view[: cuts[-2]]) != want(view)
     assert run_checksums([]) == []
 
 
@@ -328,7 +349,7 @@ def test_kvikio_gds_round_trip_from_device_memory(tmp_path, layout):
         rb = store.begin_read(0, hashes, [0, 1, 2, 3])
         rb.submit(0, out, mirror)
         assert rb.finish() == [True] * 4
-        assert torch.equal(out.cpu()[:, :layout.bytes_per_block], host[:, :layout.bytes_per_block])
+        assert torch.equal(out.cpu()[:, : layout.bytes_per_block], host[:, : layout.bytes_per_block])
     finally:
         store.close()
 
@@ -340,8 +361,9 @@ def test_store_rejects_bad_input_clearly(tmp_path, layout):
             store.begin_write(0, [block_hash(0)], [0, 1])
         with pytest.raises(ValueError, match=r"uint8 tensor of shape \(N, >= "):
             store.write_blocks(0, [block_hash(0)], [0], torch.zeros(1, 10, dtype=torch.uint8))
-        bad = store.write_blocks(0, [block_hash(0)], [SLOTS + 5],
-                                 content_rows([block_hash(0)], 0, layout, store.slot_size))
+        bad = store.write_blocks(
+            0, [block_hash(0)], [SLOTS + 5], content_rows([block_hash(0)], 0, layout, store.slot_size)
+        )
         assert bad == [False], "a slot past the namespace fails the block, it does not raise"
     finally:
         store.close()
@@ -399,15 +421,18 @@ class OrderCheckingBackend(PosixBackend):
 
 def _ordered_store(tmp_path, layout, slots=SLOTS):
     backend = OrderCheckingBackend()
-    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, slots),
-                           io_backend=backend)
+    store = DiskStore.open(
+        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, slots), io_backend=backend
+    )
     backend.store = store
     return store, backend
 
 
 def _jobs(n_jobs, per_job, tag="j"):
-    return [([block_hash(f"{tag}{j}-{i}") for i in range(per_job)], list(range(j * per_job, (j + 1) * per_job)))
-            for j in range(n_jobs)]
+    return [
+        ([block_hash(f"{tag}{j}-{i}") for i in range(per_job)], list(range(j * per_job, (j + 1) * per_job)))
+        for j in range(n_jobs)
+    ]
 
 
 def _queue_behind_held_sync(store, backend, layout, jobs, submit_rows=None):
@@ -524,20 +549,26 @@ def test_an_index_commit_that_fails_for_one_job_is_retried_alone(tmp_path, layou
 @pytest.mark.faults
 def test_a_failed_group_sync_fails_every_job_synced_in_it(tmp_path, layout):
     backend = FaultyBackend()
-    store = DiskStore.open(tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS),
-                           io_backend=backend)
+    store = DiskStore.open(
+        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
+    )
     try:
         jobs = _jobs(3, 2)
         backend.fail_sync = errno.EIO
         with ThreadPoolExecutor(3) as ex:
-            results = list(ex.map(lambda j: store.write_blocks(0, j[0], j[1],
-                                                               content_rows(j[0], 0, layout, store.slot_size)), jobs))
+            results = list(
+                ex.map(
+                    lambda j: store.write_blocks(0, j[0], j[1], content_rows(j[0], 0, layout, store.slot_size)), jobs
+                )
+            )
         assert results == [[False] * 2] * 3
         assert all(store.entry(h) is None for hs, _ in jobs for h in hs)
         assert store.stats.store_failures == 6
         backend.fail_sync = None
-        assert store.write_blocks(0, jobs[0][0], jobs[0][1], content_rows(jobs[0][0], 0, layout, store.slot_size)) \
+        assert (
+            store.write_blocks(0, jobs[0][0], jobs[0][1], content_rows(jobs[0][0], 0, layout, store.slot_size))
             == [True] * 2
+        )
     finally:
         store.close()
         backend.shutdown()
@@ -573,7 +604,7 @@ def test_vectored_io_carries_on_after_short_transfers(tmp_path):
         moved = 0
         for v in views:
             n = min(len(v), 5 - moved)
-            target[offset + moved:offset + moved + n] = v[:n]
+            target[offset + moved : offset + moved + n] = v[:n]
             moved += n
             if moved == 5:
                 break
@@ -583,5 +614,6 @@ def test_vectored_io_carries_on_after_short_transfers(tmp_path):
     _move_all(at_most_5, BackendFile(tmp_path / "x", -1, False), views, 10, "short at {at}")
     assert bytes(target[10:31]) == bytes(range(21))
     with pytest.raises(OSError, match="short at 12"):
-        _move_all(lambda fd, v, off: 2 if off == 10 else 0, BackendFile(tmp_path / "x", -1, False),
-                      views, 10, "short at {at}")
+        _move_all(
+            lambda fd, v, off: 2 if off == 10 else 0, BackendFile(tmp_path / "x", -1, False), views, 10, "short at {at}"
+        )

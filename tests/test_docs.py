@@ -186,8 +186,7 @@ def _cli() -> list[str]:
 @lru_cache(maxsize=None)
 def _help(path: tuple[str, ...]) -> tuple[int, str]:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
-    proc = subprocess.run([*_cli(), *path, "--help"], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=REPO)
+    proc = subprocess.run([*_cli(), *path, "--help"], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -202,8 +201,9 @@ def _documented_commands() -> dict[tuple[str, ...], set[str]]:
 # --- Narration ----------------------------------------------------------------------------
 
 _S = "sess" + "ion"
-_LATE_ORD = [root + "th" for root in
-             "eleven twelf thirteen fourteen fifteen sixteen seventeen eighteen nineteen twentie".split()]
+_LATE_ORD = [
+    root + "th" for root in "eleven twelf thirteen fourteen fifteen sixteen seventeen eighteen nineteen twentie".split()
+]
 _ORD = "first second third fourth fifth sixth seventh eighth ninth tenth".split() + _LATE_ORD
 _HW = r"(?:gpu|gpus|h100|h200|a100|b200|machine|hardware|device|card|accelerator)"
 _LENT = "le" + "nt"
@@ -211,11 +211,12 @@ _LENT = "le" + "nt"
 #: (what it catches, pattern). Each needs the context that makes it narration, so that
 #: "every fourth call", scope="session", "a chat session", "silent" and "equivalent" pass.
 NARRATION = [
-    ("a numbered work period",
-     rf"\b(?:{'|'.join(_ORD)}|\d+(?:st|nd|rd|th))\b(?:[\s-]+[\w']+){{0,2}}?[\s-]+{_S}s?\b"),
+    ("a numbered work period", rf"\b(?:{'|'.join(_ORD)}|\d+(?:st|nd|rd|th))\b(?:[\s-]+[\w']+){{0,2}}?[\s-]+{_S}s?\b"),
     ("a late ordinal", rf"\b(?:{'|'.join(_LATE_ORD)}|twenty-\w+?th|thirtie" + r"th)\b"),
-    ("a work period named by when it was",
-     rf"\b(?:this|that|next|previous|prior|last|earlier|later|same|current|whole)\s+(?:\w+\s+)?{_S}s?\b"),
+    (
+        "a work period named by when it was",
+        rf"\b(?:this|that|next|previous|prior|last|earlier|later|same|current|whole)\s+(?:\w+\s+)?{_S}s?\b",
+    ),
     ("a work period on some hardware", rf"\b{_HW}\s+{_S}s?\b"),
     ("hardware on loan", rf"\b{_LENT}\s+(?:[\w/]+\s+){{0,2}}?{_HW}\b|\b{_HW}\s+(?:\w+\s+){{0,2}}?{_LENT}\b"),
     ("a work period", r"\bworking\s+" + "peri" + r"ods?\b"),
@@ -248,6 +249,7 @@ def scanned_files(root: Path = REPO) -> list[Path]:
 
 # --- Tests ---------------------------------------------------------------------------------
 
+
 def test_relative_links_and_images_resolve():
     problems = [p for md in markdown_files(LINKED_DOCS) for p in broken_links(md)]
     assert not problems, "broken links:\n" + "\n".join(problems)
@@ -259,7 +261,8 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path):
     (tmp_path / "a.md").write_text(
         "See [b](docs/b.md#gpu---cpu-copies-gpu_copy) and ![plot](docs/missing.png),\n"
         "[c](docs/b.md#nowhere), [web](https://example.com/x) and `[code](not/checked.md)`.\n"
-        "```\n[fenced](not/checked/either.md)\n```\n")
+        "```\n[fenced](not/checked/either.md)\n```\n"
+    )
     problems = broken_links(tmp_path / "a.md", root=tmp_path)
     assert len(problems) == 2, problems
     assert "docs/missing.png" in problems[0] and "no such file" in problems[0]
@@ -281,8 +284,11 @@ def test_the_documents_show_tiered_kv_commands():
 def test_every_documented_command_exists_with_its_options(path):
     rc, out = _help(path)
     assert rc == 0, f"`tiered-kv {' '.join(path)} --help` exited {rc}:\n{out}"
-    missing = [opt for opt in sorted(_documented_commands()[path])
-               if not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", out)]
+    missing = [
+        opt
+        for opt in sorted(_documented_commands()[path])
+        if not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", out)
+    ]
     assert not missing, f"`tiered-kv {' '.join(path)}` has no option {missing}; its help:\n{out}"
 
 
@@ -295,11 +301,15 @@ def test_commands_are_read_from_prompts_shell_blocks_and_inline_code(tmp_path):
     md = tmp_path / "x.md"
     md.write_text(
         "Run `tiered-kv inspect ls PATH --limit 5`.\n\n"
-        "```text\n$ env -u PYTHONHASHSEED tiered-kv warmup p.jsonl --model M; echo \"exit $?\"\n"
+        '```text\n$ env -u PYTHONHASHSEED tiered-kv warmup p.jsonl --model M; echo "exit $?"\n'
         "                 tiered-kv demo\n```\n"
-        "```bash\ntiered-kv config --tp 4 \\\n  -o out.json | tee log\n# tiered-kv clear\n```\n")
+        "```bash\ntiered-kv config --tp 4 \\\n  -o out.json | tee log\n# tiered-kv clear\n```\n"
+    )
     assert sorted(tiered_kv_invocations(md)) == [
-        (("config",), ("--tp", "-o")), (("inspect", "ls"), ("--limit",)), (("warmup",), ("--model",))]
+        (("config",), ("--tp", "-o")),
+        (("inspect", "ls"), ("--limit",)),
+        (("warmup",), ("--model",)),
+    ]
 
 
 def test_no_narration_of_how_the_project_was_made():
@@ -310,30 +320,36 @@ def test_no_narration_of_how_the_project_was_made():
     assert not hits, "narration found (say versions, commits, dates, machines):\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("text", [
-    "the " + _ORD[14] + " " + _S + " measured it",
-    " ".join((_LENT, "H100")),
-    " ".join(("GPU", _LENT)),
-    "the first GPU " + _S + " found it",
-    "this " + _S + "'s code",
-    "the " + _ORD[11] + " and " + _ORD[16] + " ones",
-    "in the 12th " + _S,
-    "a GPU " + _S,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the " + _ORD[14] + " " + _S + " measured it",
+        " ".join((_LENT, "H100")),
+        " ".join(("GPU", _LENT)),
+        "the first GPU " + _S + " found it",
+        "this " + _S + "'s code",
+        "the " + _ORD[11] + " and " + _ORD[16] + " ones",
+        "in the 12th " + _S,
+        "a GPU " + _S,
+    ],
+)
 def test_the_narration_patterns_catch(text):
     assert narration_in(text), text
 
 
-@pytest.mark.parametrize("text", [
-    '@pytest.fixture(scope="' + _S + '")',
-    "every fourth call reads the log",
-    "the first call of a request",
-    "a second run, the third column",
-    "a chat " + _S + " of many turns",
-    "boto3." + _S[0].upper() + _S[1:] + "()",
-    "a silent failure is equivalent to a miss",
-    "datetime.date.today().isoformat()",
-    "every block was used within the last week",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '@pytest.fixture(scope="' + _S + '")',
+        "every fourth call reads the log",
+        "the first call of a request",
+        "a second run, the third column",
+        "a chat " + _S + " of many turns",
+        "boto3." + _S[0].upper() + _S[1:] + "()",
+        "a silent failure is equivalent to a miss",
+        "datetime.date.today().isoformat()",
+        "every block was used within the last week",
+    ],
+)
 def test_the_narration_patterns_let_pass(text):
     assert not narration_in(text), narration_in(text)

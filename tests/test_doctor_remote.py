@@ -30,8 +30,9 @@ def test_the_shared_tier_line(remote_settings, monkeypatch):
     assert ok.status == dr.OK and remote_settings["bucket"] in ok.message
     missing = _check({**remote_settings, "bucket": "no-such-bucket-here"})
     assert missing.status == dr.FAIL and "does not exist" in missing.message and "aws s3 mb" in missing.fix
-    down = _check({**remote_settings, "endpoint": f"http://127.0.0.1:{_closed_port()}", "request_timeout": "1s",
-                   "retries": 0})
+    down = _check(
+        {**remote_settings, "endpoint": f"http://127.0.0.1:{_closed_port()}", "request_timeout": "1s", "retries": 0}
+    )
     assert down.status == dr.WARN and "did not answer" in down.message
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
     refused = _check(remote_settings)

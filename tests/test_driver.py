@@ -17,13 +17,23 @@ from tiered_kv.workloads import ChatWorkloadSpec, chat_workload, default_workloa
 
 
 def small_device(kv_first=True, factor=1, groups=32):
-    return DeviceKVCache(num_layers=3, num_gpu_blocks=groups * factor, gpu_block_size=4, num_kv_heads=2,
-                         head_dim=8, kv_before_num_blocks=kv_first, block_size_factor=factor, device="cpu")
+    return DeviceKVCache(
+        num_layers=3,
+        num_gpu_blocks=groups * factor,
+        gpu_block_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        kv_before_num_blocks=kv_first,
+        block_size_factor=factor,
+        device="cpu",
+    )
 
 
 def driver_for(dev, cpu_blocks):
-    spec = CPUOffloadingSpec({"cpu_bytes": f"{cpu_blocks * dev.layout.bytes_per_block}B",
-                              "block_size": dev.layout.offloaded_block_size}, gpu_block_size=4)
+    spec = CPUOffloadingSpec(
+        {"cpu_bytes": f"{cpu_blocks * dev.layout.bytes_per_block}B", "block_size": dev.layout.offloaded_block_size},
+        gpu_block_size=4,
+    )
     return EngineDriver.from_spec(spec, dev), spec
 
 
@@ -85,6 +95,7 @@ class FailingLoads(CpuGpuOffloadingHandlers):
 
         def broken(*_):
             raise RuntimeError("injected load failure")
+
         self.cpu_to_gpu_handler._copy = broken
 
 
@@ -96,7 +107,7 @@ def test_failed_loads_are_recomputed_not_raised():
     worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler)
     worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler)
     manager = CPUOffloadingManager(100, dev.layout.offloaded_block_size)
-    driver = EngineDriver(manager, worker, dev)      # generic: any manager + worker
+    driver = EngineDriver(manager, worker, dev)  # generic: any manager + worker
     r = driver.run(default_workload(80, seed=2))
     assert r.recomputed_after_failed_load > 0 and r.offload_hits == 0
     assert r.transfers["CPU->GPU"].failed_jobs == r.transfers["CPU->GPU"].jobs == r.failed_jobs
@@ -113,6 +124,7 @@ def test_failed_stores_free_their_slots():
 
     def broken(*_):
         raise RuntimeError("injected store failure")
+
     store_handler._copy = broken
     r = driver.run(default_workload(30, seed=4))
     assert r.blocks_stored == 0 and r.offload_hits == 0
@@ -137,12 +149,13 @@ def test_request_longer_than_device_cache_is_a_clear_error():
 
 def test_device_prefix_cache_frees_replaced_groups():
     from tiered_kv.driver import _DevicePrefixCache
+
     pool = _DevicePrefixCache(3)
     (a, b) = pool.allocate(2)
     pool.insert([b"A", b"B"], [a, b])
-    pool.hold([b])                      # e.g. B's store is in flight
+    pool.hold([b])  # e.g. B's store is in flight
     (c,) = pool.allocate(1)
-    pool.insert([b"B"], [c])            # B recomputed into a new group
+    pool.insert([b"B"], [c])  # B recomputed into a new group
     assert pool.cached[b"B"] == c and b not in pool.free
     pool.release([b])
     assert b in pool.free and not pool.orphans
@@ -153,6 +166,7 @@ def test_device_prefix_cache_frees_replaced_groups():
 
 def test_device_prefix_cache_waits_for_a_store_rather_than_evicting_past_it():
     from tiered_kv.driver import _DevicePrefixCache
+
     pool = _DevicePrefixCache(2)
     (a, b) = pool.allocate(2)
     pool.insert([b"A", b"B"], [a, b])

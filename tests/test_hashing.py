@@ -12,14 +12,21 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tiered_kv.hashing import (
-    DEFAULT_SEED, HASH_ALGORITHMS, HashSettingsError, PrefixHasher, cbor_encode, chunk_keys, hash_function,
+    DEFAULT_SEED,
+    HASH_ALGORITHMS,
+    HashSettingsError,
+    PrefixHasher,
+    cbor_encode,
+    chunk_keys,
+    hash_function,
     resolve_seed,
 )
 
 ALGOS = list(HASH_ALGORITHMS)
 _atoms = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=64) | st.text(max_size=40)
-_values = st.recursive(_atoms, lambda inner: st.lists(inner, max_size=5).map(tuple) | st.lists(inner, max_size=5),
-                       max_leaves=30)
+_values = st.recursive(
+    _atoms, lambda inner: st.lists(inner, max_size=5).map(tuple) | st.lists(inner, max_size=5), max_leaves=30
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -112,7 +119,7 @@ def test_hashes_equal_vllms(algo, seed, monkeypatch):
     assert bytes(kv_cache_utils.NONE_HASH) == hash_function(algo)(resolve_seed(algo, ""))
     parent, theirs = None, []
     for start in range(0, len(tokens) - 15, 16):
-        parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[start:start + 16], None)
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[start : start + 16], None)
         theirs.append(bytes(parent))
     assert ours == theirs
     # And what vLLM's scheduler attaches to a request (its request block hasher).

@@ -49,7 +49,7 @@ def test_pack_matches_documented_byte_order(kv_first, factor):
     for row in range(2):
         want = reference_block_bytes(tensors, layout, ids[row])
         assert out[row, : layout.bytes_per_block].numpy().tobytes() == want
-        assert (out[row, layout.bytes_per_block:] == 0xAB).all(), "padding must be left alone"
+        assert (out[row, layout.bytes_per_block :] == 0xAB).all(), "padding must be left alone"
 
 
 def test_pack_unpack_round_trip_to_other_ids(kv_first, factor):
@@ -64,8 +64,10 @@ def test_pack_unpack_round_trip_to_other_ids(kv_first, factor):
     unpack_blocks(buf, dst_tensors, layout, dst_ids)
     for s, d, layer in zip(src_tensors, dst_tensors, layout.layers):
         dim = 1 if layer.kv_before_num_blocks else 0
-        assert torch.equal(as_bytes(d.index_select(dim, torch.from_numpy(dst_ids.reshape(-1)))),
-                           as_bytes(s.index_select(dim, torch.from_numpy(src_ids.reshape(-1)))))
+        assert torch.equal(
+            as_bytes(d.index_select(dim, torch.from_numpy(dst_ids.reshape(-1)))),
+            as_bytes(s.index_select(dim, torch.from_numpy(src_ids.reshape(-1)))),
+        )
 
 
 def test_skip_entries_leave_bytes_and_blocks_untouched(kv_first):
@@ -94,8 +96,8 @@ def test_skip_entries_leave_bytes_and_blocks_untouched(kv_first):
         t.select(dim, 9).fill_(7)
     unpack_blocks(full, dst, layout, np.array([[-1, 4, 7], [1, 2, 3]]))
     for s, t, dim in zip(src, dst, sentinel_dim):
-        assert (t.select(dim, 9) == 7).all()          # untouched block keeps its content
-        assert (t.select(dim, 0) == 0).all()          # the skipped position was not written
+        assert (t.select(dim, 9) == 7).all()  # untouched block keeps its content
+        assert (t.select(dim, 0) == 0).all()  # the skipped position was not written
         assert torch.equal(as_bytes(t.select(dim, 4)), as_bytes(s.select(dim, 4)))
         assert torch.equal(as_bytes(t.select(dim, 2)), as_bytes(s.select(dim, 2)))
 
@@ -115,7 +117,9 @@ def test_codec_rejects_bad_arguments():
     with pytest.raises(ValueError, match="layer tensors"):
         unpack_blocks(out, tensors[:1], layout, np.array([[1, 2]]))
     with pytest.raises(ValueError, match="contiguous"):
-        pack_blocks([t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in tensors], layout, np.array([[1, 2]]), out)
+        pack_blocks(
+            [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in tensors], layout, np.array([[1, 2]]), out
+        )
 
 
 def test_host_cache_shapes_and_codec_on_host(kv_first, factor):
@@ -148,6 +152,7 @@ def test_slots_for_bytes_rejects_too_small():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
 def test_fallback_to_pageable_memory_is_logged_once(caplog, monkeypatch):
     import tiered_kv.device as device
+
     monkeypatch.setattr(device, "_logged_fallbacks", set())
     caplog.set_level("INFO", logger="tiered_kv.device")
     layout = make_layout(True)
@@ -166,6 +171,7 @@ def anon_huge_pages_kib(address: int) -> int:
 
 def test_pageable_buffers_are_aligned_and_large_ones_get_huge_pages():
     from tiered_kv.device import HUGE_PAGE, empty_pageable
+
     small = empty_pageable(12345)
     assert small.numel() == 12345 and small.data_ptr() % 4096 == 0
     big = empty_pageable(3 * HUGE_PAGE + 4096)
@@ -183,6 +189,7 @@ def test_shared_buffers_get_huge_pages_where_the_kernel_gives_them():
     # pages disk I/O to and from them ran at half to three quarters of the device's speed.
     from tiered_kv.device import HUGE_PAGE
     from tiered_kv.shared_memory import empty_shared
+
     if kernel_huge_pages("shared") in ("never", "deny", "n/a"):
         pytest.skip("this kernel gives shared memory no huge pages (shmem_enabled)")
     big = empty_shared(3 * HUGE_PAGE)
@@ -193,6 +200,7 @@ def test_shared_buffers_get_huge_pages_where_the_kernel_gives_them():
 def test_shared_memory_on_small_pages_is_warned_once_with_the_fix(tmp_path, monkeypatch, caplog):
     from tiered_kv import device
     from tiered_kv.shared_memory import empty_shared
+
     setting = tmp_path / "shmem_enabled"
     monkeypatch.setitem(device.THP_SETTINGS, "shared", str(setting))
     monkeypatch.setattr(device, "_logged_fallbacks", set())
@@ -237,6 +245,7 @@ def test_the_host_cache_is_block_major_each_slot_its_packed_block(kv_first, fact
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the pageable CPU tier")
 def test_a_large_pageable_host_cache_starts_on_a_huge_page():
     from tiered_kv.device import HUGE_PAGE
+
     layout = make_layout(True)
     host = HostKVCache(layout, HUGE_PAGE // layout.bytes_per_block + 1)
     assert host.slot_rows.data_ptr() % HUGE_PAGE == 0
@@ -283,13 +292,18 @@ def test_a_mapped_buffer_is_released_while_mapped_then_unmapped_when_its_last_vi
     import gc
 
     from tiered_kv.device import HUGE_PAGE, _empty_mapped
+
     mapped, released = [], []
-    buf = _empty_mapped(nbytes, on_map=lambda address, n: mapped.append((address, n)),
-                        on_release=lambda address: released.append((address, mapping_holding(address))))
+    buf = _empty_mapped(
+        nbytes,
+        on_map=lambda address, n: mapped.append((address, n)),
+        on_release=lambda address: released.append((address, mapping_holding(address))),
+    )
     address = buf.data_ptr()
     assert mapped == [(address, nbytes)] and buf.numel() == nbytes
-    assert buf.untyped_storage().data_ptr() == address and buf.untyped_storage().nbytes() == nbytes, \
+    assert buf.untyped_storage().data_ptr() == address and buf.untyped_storage().nbytes() == nbytes, (
         "is_pinned() asks about the storage's first byte: it must be the first one registered"
+    )
     assert address % (HUGE_PAGE if nbytes >= HUGE_PAGE else 4096) == 0
     buf.fill_(3)
     piece = buf[4096:8192].view(torch.int32)
@@ -305,6 +319,7 @@ def test_a_mapped_buffer_is_released_while_mapped_then_unmapped_when_its_last_vi
 
 def test_a_mapped_buffer_whose_registration_fails_is_unmapped_and_never_released():
     from tiered_kv.device import HUGE_PAGE, _empty_mapped
+
     addresses, released = [], []
 
     def refuse(address, nbytes):
@@ -319,6 +334,7 @@ def test_a_mapped_buffer_whose_registration_fails_is_unmapped_and_never_released
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_pinned_buffers_without_cuda_are_refused_clearly():
     from tiered_kv.device import cuda_host_register, empty_pinned
+
     with pytest.raises(RuntimeError, match=r"pinned host memory \(4096 bytes\) .*CUDA is not available"):
         empty_pinned(4096)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
@@ -342,6 +358,7 @@ def host_allocator_bytes() -> int | None:
 @pytest.mark.gpu
 def test_empty_pinned_locks_exactly_the_size_asked_outside_torchs_allocator():
     from tiered_kv.device import HUGE_PAGE, empty_pinned
+
     nbytes = (3 << 30) + 4096  # torch would lock 4 GiB for this
     before = host_allocator_bytes()
     buf = empty_pinned(nbytes)
@@ -370,6 +387,7 @@ def test_a_pinned_host_cache_just_over_a_power_of_two_is_not_rounded_up():
 @pytest.mark.gpu
 def test_non_blocking_copies_through_a_pinned_buffer_are_exact():
     from tiered_kv.device import empty_pinned
+
     nbytes = (64 << 20) + 4096 + 3
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     back = torch.zeros_like(src)
@@ -381,12 +399,13 @@ def test_non_blocking_copies_through_a_pinned_buffer_are_exact():
         back.copy_(host, non_blocking=True)
     stream.synchronize()
     assert torch.equal(back, src)
-    assert torch.equal(host[:1 << 20], src[:1 << 20].cpu())
+    assert torch.equal(host[: 1 << 20], src[: 1 << 20].cpu())
 
 
 @pytest.mark.gpu
 def test_a_refused_registration_leaves_no_cuda_error_behind():
     from tiered_kv.device import HUGE_PAGE, cuda_host_register, empty_pinned
+
     buf = empty_pinned(HUGE_PAGE)
     with pytest.raises(RuntimeError, match=rf"cudaHostRegister of {HUGE_PAGE} bytes .*failed \(CUDA error \d+"):
         cuda_host_register(buf.data_ptr(), HUGE_PAGE)  # registered already
@@ -410,6 +429,7 @@ def unregistrations(monkeypatch, module) -> list[bool]:
 @pytest.mark.gpu
 def test_freed_pinned_buffers_are_unregistered_without_error(monkeypatch, caplog):
     import tiered_kv.device as device
+
     results = unregistrations(monkeypatch, device)
     caplog.set_level("ERROR")
     for _ in range(5):
@@ -425,6 +445,7 @@ def test_freed_pinned_buffers_are_unregistered_without_error(monkeypatch, caplog
 @pytest.mark.gpu
 def test_freed_pinned_shared_regions_are_unregistered_without_error(monkeypatch, caplog):
     from tiered_kv import shared_memory
+
     results = unregistrations(monkeypatch, shared_memory)
     caplog.set_level("ERROR")
     for _ in range(3):
@@ -440,6 +461,7 @@ def test_freed_pinned_shared_regions_are_unregistered_without_error(monkeypatch,
 
 def test_resolve_device():
     from tiered_kv.device import resolve_device
+
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="auto, cpu or cuda"):
@@ -464,8 +486,8 @@ def test_whole_slot_and_arbitrary_ids_give_the_same_bytes_through_padded_rows(kv
         out = torch.full((3, stride), 0xCD, dtype=torch.uint8)
         pack_blocks(src, layout, ids, out)
         for row in range(3):
-            assert out[row, :layout.bytes_per_block].numpy().tobytes() == reference_block_bytes(src, layout, ids[row])
-        assert (out[:, layout.bytes_per_block:] == 0xCD).all(), "padding must be left alone"
+            assert out[row, : layout.bytes_per_block].numpy().tobytes() == reference_block_bytes(src, layout, ids[row])
+        assert (out[:, layout.bytes_per_block :] == 0xCD).all(), "padding must be left alone"
 
         dst = [torch.zeros_like(t) for t in src]
         unpack_blocks(out, dst, layout, ids)
@@ -512,7 +534,7 @@ def test_slot_views_pack_and_unpack_as_the_codec_does(kv_first, factor):
     ours, codec = (torch.zeros((3, padded), dtype=torch.uint8) for _ in range(2))
     views.pack([3, 0, 4], ours)
     pack_blocks(host.tensors, layout, host.kernel_ids([3, 0, 4]), codec)
-    assert torch.equal(ours, codec) and not ours[:, layout.bytes_per_block:].any()
+    assert torch.equal(ours, codec) and not ours[:, layout.bytes_per_block :].any()
     other = HostKVCache(layout, 5, pin=False)
     for t in other.tensors:
         t.zero_()
@@ -550,19 +572,23 @@ def test_slot_views_pack_matches_the_codec_for_runs_and_scattered_slots(slots, p
     pack_blocks(host.tensors, layout, host.kernel_ids(slots), codec)
     assert torch.equal(ours, codec)
     with pytest.raises(ValueError, match=rf"\({len(slots)}, >= {layout.bytes_per_block}\)"):
-        views.pack(slots, ours[:, :layout.bytes_per_block - 1])
+        views.pack(slots, ours[:, : layout.bytes_per_block - 1])
 
 
 def per_layer_tensors(layout, num_slots: int) -> list[torch.Tensor]:
     """Host tensors as an engine may hand them over: each layer a contiguous tensor,
     back to back in one allocation, each starting on a page."""
-    shapes = [((2, num_slots) if layer.kv_before_num_blocks else (num_slots,)) + tuple(layer.block_shape)
-              for layer in layout.layers]
+    shapes = [
+        ((2, num_slots) if layer.kv_before_num_blocks else (num_slots,)) + tuple(layer.block_shape)
+        for layer in layout.layers
+    ]
     sizes = [int(np.prod(shape)) * layout.element_size for shape in shapes]
     starts = np.concatenate(([0], np.cumsum([-(-size // 4096) * 4096 for size in sizes])))
     flat = torch.empty(int(starts[-1]), dtype=torch.uint8)
-    return [flat[start:start + size].view(layout.dtype).view(shape)
-            for start, size, shape in zip(starts.tolist(), sizes, shapes)]
+    return [
+        flat[start : start + size].view(layout.dtype).view(shape)
+        for start, size, shape in zip(starts.tolist(), sizes, shapes)
+    ]
 
 
 @pytest.mark.parametrize("pad", [0, 4096, 3], ids=["rows", "padded-rows", "odd-rows"])

@@ -32,8 +32,15 @@ DISTINCT_BLOCKS = 6  # the two prompts share their first block
 
 def save_tiny_llama(path: Path, seed: int, **config) -> Path:
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                                   num_key_value_heads=HEADS, intermediate_size=128, vocab_size=1000, **config)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=HEADS,
+        intermediate_size=128,
+        vocab_size=1000,
+        **config,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -44,8 +51,14 @@ def model_dir(tmp_path) -> Path:
 
 
 def server_config(tmp_path: Path, model_dir: Path | None, **extra) -> TieredConfig:
-    raw = {"cpu_bytes": "1MiB", "disk_path": str(tmp_path / "cache"), "disk_bytes": "8MiB",
-           "block_size": GPU_BLOCK, "model_id": "tiny-llama", **extra}
+    raw = {
+        "cpu_bytes": "1MiB",
+        "disk_path": str(tmp_path / "cache"),
+        "disk_bytes": "8MiB",
+        "block_size": GPU_BLOCK,
+        "model_id": "tiny-llama",
+        **extra,
+    }
     if model_dir is not None:
         raw["model_path"] = str(model_dir)
     return TieredConfig.from_dict(raw)
@@ -66,8 +79,16 @@ def hits_in_a_fresh_hierarchy(config: TieredConfig) -> list[int]:
     from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
     from tiered_kv.tiered.spec import TieredOffloadingSpec
 
-    dev = DeviceKVCache(num_layers=LAYERS, num_gpu_blocks=16, gpu_block_size=GPU_BLOCK, num_kv_heads=HEADS,
-                        head_dim=HEAD_DIM, dtype=torch.float32, kv_before_num_blocks=True, device="cpu")
+    dev = DeviceKVCache(
+        num_layers=LAYERS,
+        num_gpu_blocks=16,
+        gpu_block_size=GPU_BLOCK,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+        kv_before_num_blocks=True,
+        device="cpu",
+    )
     spec = TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK)
     worker = spec.build_worker(dev.kv_caches, True)
     manager = spec.get_manager()
@@ -223,9 +244,13 @@ def test_warmup_refuses_a_model_the_config_does_not_name(model_dir, tmp_path):
     other = save_tiny_llama(tmp_path / "other", seed=3)
     with pytest.raises(WarmupError, match=r"^weights_digest: the config's model_path .* but --model .* has"):
         warm(other, server_config(tmp_path, model_dir))
-    with pytest.raises(WarmupError, match=r'^model_id: the config sets none'):
-        warm(model_dir, TieredConfig.from_dict({"disk_path": str(tmp_path / "cache"), "block_size": GPU_BLOCK,
-                                                "model_path": str(model_dir)}))
+    with pytest.raises(WarmupError, match=r"^model_id: the config sets none"):
+        warm(
+            model_dir,
+            TieredConfig.from_dict(
+                {"disk_path": str(tmp_path / "cache"), "block_size": GPU_BLOCK, "model_path": str(model_dir)}
+            ),
+        )
     assert not (tmp_path / "cache").exists(), "nothing is written before the identity is checked"
     # A copy of the same model elsewhere is the same model.
     import shutil
@@ -245,10 +270,14 @@ def test_warmup_cli_names_the_namespace_and_the_identity(model_dir, tmp_path):
 
     def run(extra: dict, model: Path, code: int, *args: str):
         config = tmp_path / "config.json"
-        config.write_text(json.dumps({"disk_path": str(tmp_path / "cache"), "disk_bytes": "8MiB",
-                                      "block_size": GPU_BLOCK, **extra}))
-        result = CliRunner().invoke(app, ["warmup", str(prompts), "--model", str(model), "--config", str(config),
-                                          "--device", "cpu", *args], env={"COLUMNS": "200"})
+        config.write_text(
+            json.dumps({"disk_path": str(tmp_path / "cache"), "disk_bytes": "8MiB", "block_size": GPU_BLOCK, **extra})
+        )
+        result = CliRunner().invoke(
+            app,
+            ["warmup", str(prompts), "--model", str(model), "--config", str(config), "--device", "cpu", *args],
+            env={"COLUMNS": "200"},
+        )
         assert result.exit_code == code, result.output
         return result
 
@@ -285,16 +314,16 @@ def _cli(*args: str, code: int = 0):
 
 
 def _write_config(path: Path, extra: dict) -> Path:
-    path.write_text(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                "kv_connector_extra_config": extra}))
+    path.write_text(
+        json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+    )
     return path
 
 
 def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, tmp_path):
     cache = tmp_path / "cache"
     base = {"disk_path": str(cache), "disk_bytes": "8MiB", "block_size": GPU_BLOCK}
-    current = _write_config(tmp_path / "current.json", {**base, "model_id": "tiny-llama",
-                                                         "model_path": str(model_dir)})
+    current = _write_config(tmp_path / "current.json", {**base, "model_id": "tiny-llama", "model_path": str(model_dir)})
     other = _write_config(tmp_path / "other.json", {**base, "model_id": "other", "model_path": str(model_dir)})
     old_digest = mi.weights_digest(model_dir).digest
     warm(model_dir, server_config(tmp_path, model_dir))  # the weights before the update
@@ -308,20 +337,23 @@ def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, t
     data = json.loads(_cli("inspect", "summary", str(cache), "--config", str(current), "--json").stdout)
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
     assert read[live] == {"config": str(current), "reads": True, "differences": []}
-    assert read[stale]["differences"] == [f"weights_digest: '{new_digest}' for the config, '{old_digest}' "
-                                          f"in the cache"]
+    assert read[stale]["differences"] == [f"weights_digest: '{new_digest}' for the config, '{old_digest}' in the cache"]
     assert read[others]["differences"] == ["model_id: 'tiny-llama' for the config, 'other' in the cache"]
     table = _cli("inspect", "summary", str(cache), "--config", str(current)).stdout
     assert old_digest in table and new_digest in table and "weights_digest: " in table
 
     # A vLLM config that names neither: --model stands for vLLM's --model.
     bare = _write_config(tmp_path / "bare.json", {**base, **{"spec_name": "TieredOffloadingSpec"}})
-    data = json.loads(_cli("inspect", "summary", str(cache), "--config", str(bare), "--model", str(model_dir),
-                           "--json").stdout)
+    data = json.loads(
+        _cli("inspect", "summary", str(cache), "--config", str(bare), "--model", str(model_dir), "--json").stdout
+    )
     assert all(any(d.startswith("model_id: ") for d in ns["read_by"][0]["differences"]) for ns in data["namespaces"])
 
-    cleared = json.loads(_cli("inspect", "clear", str(cache), "--unread-by", str(current), "--unread-by", str(other),
-                              "--yes", "--json").stdout)
+    cleared = json.loads(
+        _cli(
+            "inspect", "clear", str(cache), "--unread-by", str(current), "--unread-by", str(other), "--yes", "--json"
+        ).stdout
+    )
     assert cleared["removed"] == [stale]
     assert sorted(ns.path.name for ns in list_namespaces(cache)) == sorted([live, others])
     bad = _cli("inspect", "summary", str(cache), "--config", str(tmp_path / "nope.json"), code=2)
@@ -329,8 +361,21 @@ def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, t
 
 
 def test_config_command_takes_the_model_from_its_directory_and_prints_the_namespace(model_dir, tmp_path):
-    args = ("config", "--model-config", str(model_dir), "--cpu-bytes", "1MiB", "--disk-path", str(tmp_path / "cache"),
-            "--disk-bytes", "8MiB", "--block-size", str(GPU_BLOCK), "--gpu-block-size", str(GPU_BLOCK))
+    args = (
+        "config",
+        "--model-config",
+        str(model_dir),
+        "--cpu-bytes",
+        "1MiB",
+        "--disk-path",
+        str(tmp_path / "cache"),
+        "--disk-bytes",
+        "8MiB",
+        "--block-size",
+        str(GPU_BLOCK),
+        "--gpu-block-size",
+        str(GPU_BLOCK),
+    )
     extra = json.loads(_cli(*args, "--json").stdout)["kv_connector_extra_config"]
     assert extra["model_path"] == str(model_dir.absolute())
     assert extra["model_id"] not in ("", "unknown")
@@ -341,8 +386,19 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
     # The warm-up with that very file writes the namespace the command printed.
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": PROMPTS[0]}) + "\n")
-    report = json.loads(_cli("warmup", str(prompts), "--model", str(model_dir), "--config", str(tmp_path / "config.json"),
-                             "--device", "cpu", "--json").stdout)
+    report = json.loads(
+        _cli(
+            "warmup",
+            str(prompts),
+            "--model",
+            str(model_dir),
+            "--config",
+            str(tmp_path / "config.json"),
+            "--device",
+            "cpu",
+            "--json",
+        ).stdout
+    )
     assert report["namespace_id"] == printed and report["weights_digest"] == digest
     # No model at all: the id is required, never "unknown".
     err = _cli("config", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--cpu-bytes", "1MiB", code=2)

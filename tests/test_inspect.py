@@ -37,8 +37,16 @@ CONFIG = {"cpu_bytes": "256KiB", "disk_bytes": "4MiB", "block_size": GPU_BLOCK, 
 
 
 def device_cache() -> DeviceKVCache:
-    return DeviceKVCache(num_layers=2, num_gpu_blocks=64, gpu_block_size=GPU_BLOCK, num_kv_heads=2, head_dim=32,
-                         dtype=torch.float16, kv_before_num_blocks=True, device="cpu")
+    return DeviceKVCache(
+        num_layers=2,
+        num_gpu_blocks=64,
+        gpu_block_size=GPU_BLOCK,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=torch.float16,
+        kv_before_num_blocks=True,
+        device="cpu",
+    )
 
 
 def open_engine(cache_dir: Path) -> tuple[TieredOffloadingSpec, EngineDriver]:
@@ -117,7 +125,8 @@ def test_summary_describes_the_namespace_the_hierarchy_wrote(cache):
     (cache / ".tiered-kv-bench-123-abc").mkdir()
     assert run_json("summary", cache)["problems"] == [
         ".tiered-kv-bench-123-abc: left by an interrupted namespace creation, clear or bench (safe to delete "
-        "while no engine starts)"]
+        "while no engine starts)"
+    ]
 
 
 def test_ls_lists_filters_and_sorts_entries(cache):
@@ -194,8 +203,9 @@ def test_verify_reports_a_truncated_slab_as_unreadable(cache):
     table = read_entries(ns)
     top = int(table.slot.max())
     os.truncate(ns.slab_path(0), top * ns.manifest.slot_size)  # the last block's bytes are gone
-    assert any("shorter than its entries need" in p for p in
-               run_json("summary", cache)["namespaces"][0]["health"]["problems"])
+    assert any(
+        "shorter than its entries need" in p for p in run_json("summary", cache)["namespaces"][0]["health"]["problems"]
+    )
     data = run_json("verify", cache, code=1)
     reasons = {c["slot"]: c["reason"] for c in data["namespaces"][0]["corrupt"]}
     assert top in reasons and reasons[top].startswith("unreadable")
@@ -269,8 +279,7 @@ _ENGINE = textwrap.dedent("""
 
 def test_an_open_engine_allows_reads_and_refuses_changes(cache):
     script = _ENGINE.format(config={**CONFIG, "disk_path": str(cache)}, block=GPU_BLOCK)
-    proc = subprocess.Popen([sys.executable, "-c", script],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         n = len(read_entries(only_namespace(cache)))
@@ -280,8 +289,7 @@ def test_an_open_engine_allows_reads_and_refuses_changes(cache):
         assert f"pid {proc.pid}" in run("summary", cache).stdout
         assert run_json("ls", cache)["namespaces"][0]["total"] == n
         assert run_json("verify", cache)["corrupt_blocks"] == 0
-        for args in (("evict", cache, "--to-size", "1MiB"), ("clear", cache, "--yes"),
-                     ("verify", cache, "--repair")):
+        for args in (("evict", cache, "--to-size", "1MiB"), ("clear", cache, "--yes"), ("verify", cache, "--repair")):
             err = run(*args, code=2).stderr
             assert err.startswith("error: refusing to") and f"pid {proc.pid} on host {socket.gethostname()}" in err
             assert len(err.strip().splitlines()) == 1
@@ -329,8 +337,11 @@ def test_paths_that_are_not_caches_give_one_line_errors(tmp_path, command):
     bad_manifest = tmp_path / "ns" / "abc"
     bad_manifest.mkdir(parents=True)
     (bad_manifest / "manifest.json").write_text("{not json")
-    cases = {tmp_path / "missing": "does not exist", tmp_path / "notes.txt": "is a file",
-             tmp_path: "is not a tiered-kv disk cache"}
+    cases = {
+        tmp_path / "missing": "does not exist",
+        tmp_path / "notes.txt": "is a file",
+        tmp_path: "is not a tiered-kv disk cache",
+    }
     for path, words in cases.items():
         for extra in ((), ("--json",)):
             result = runner.invoke(app, ["inspect", command, str(path), *extra])
@@ -346,11 +357,14 @@ def test_paths_that_are_not_caches_give_one_line_errors(tmp_path, command):
 
 
 def test_bad_options_give_one_line_errors(cache):
-    for args, words in ((("ls", cache, "--sort", "size"), "--sort"), (("ls", cache, "--hash", "xyz"), "hexadecimal"),
-                        (("ls", cache, "--older-than", "soon"), "cannot parse age"),
-                        (("evict", cache), "--to-size SIZE or --older-than AGE"),
-                        (("evict", cache, "--to-size", "lots"), "cannot parse size"),
-                        (("summary", cache, "-n", "zzz"), "no namespace matching 'zzz'")):
+    for args, words in (
+        (("ls", cache, "--sort", "size"), "--sort"),
+        (("ls", cache, "--hash", "xyz"), "hexadecimal"),
+        (("ls", cache, "--older-than", "soon"), "cannot parse age"),
+        (("evict", cache), "--to-size SIZE or --older-than AGE"),
+        (("evict", cache, "--to-size", "lots"), "cannot parse size"),
+        (("summary", cache, "-n", "zzz"), "no namespace matching 'zzz'"),
+    ):
         err = run(*args, code=2).stderr
         assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1
 

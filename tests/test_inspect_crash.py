@@ -63,8 +63,12 @@ def inspect_json(*args, code: int = 0) -> dict:
 @pytest.mark.faults
 def test_a_writer_killed_between_ranks_leaves_incomplete_entries_that_repair_drops(tmp_path):
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER.format(tests=str(Path(__file__).parent), cache=str(cache))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER.format(tests=str(Path(__file__).parent), cache=str(cache))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     finally:
@@ -102,8 +106,9 @@ def test_a_writer_killed_between_ranks_leaves_incomplete_entries_that_repair_dro
     assert (clean["corrupt"], clean["incomplete"], clean["blocks"]) == ([], [], 5)
     assert inspect_json("summary", cache)["namespaces"][0]["health"] == {"status": "ok", "problems": []}
     layout = fx.crash_layout()
-    m = DiskOffloadingManager(cache, fx.fingerprint(layout, tp_size=2), layout,
-                              disk_bytes=fx.disk_bytes_for(layout, fx.CRASH_SLOTS))
+    m = DiskOffloadingManager(
+        cache, fx.fingerprint(layout, tp_size=2), layout, disk_bytes=fx.disk_bytes_for(layout, fx.CRASH_SLOTS)
+    )
     try:
         assert len(m) == 5 and m.stats.reclaimed_at_open == 0
     finally:

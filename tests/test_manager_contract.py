@@ -47,8 +47,9 @@ class Managers:
             m = TieredOffloadingManager(CPUOffloadingManager(slots, 16))
         else:
             policy = "arc" if "arc" in kind else "lru"
-            m = TieredOffloadingManager(cpu_tier_manager(policy, slots, 16), self._disk(disk_slots),
-                                        max_pending_disk_writes=64)
+            m = TieredOffloadingManager(
+                cpu_tier_manager(policy, slots, 16), self._disk(disk_slots), max_pending_disk_writes=64
+            )
         self._open.append(m)
         return m
 
@@ -56,8 +57,14 @@ class Managers:
         path = tempfile.mkdtemp(prefix="tkv-contract-")
         self._dirs.append(path)
         layout = small_layout()
-        return DiskOffloadingManager(path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, slots),
-                                     engine_id="contract", poll_interval=None)
+        return DiskOffloadingManager(
+            path,
+            fingerprint(layout),
+            layout,
+            disk_bytes=disk_bytes_for(layout, slots),
+            engine_id="contract",
+            poll_interval=None,
+        )
 
     def close(self) -> None:
         for m in self._open:
@@ -207,8 +214,9 @@ class ContractMachine(RuleBasedStateMachine):
     def _prepare(self, req):
         out = self.m.prepare_store(req)
         if out is not None:
-            assert not set(out.block_hashes_evicted) & set(req), \
+            assert not set(out.block_hashes_evicted) & set(req), (
                 f"prepare_store({req}) evicted its own {set(out.block_hashes_evicted) & set(req)}"
+            )
         return out
 
     @rule(req=requests)
@@ -253,8 +261,9 @@ class ContractMachine(RuleBasedStateMachine):
 
 def _machine(kind: str):
     cls = type(f"Contract_{kind.replace('-', '_')}", (ContractMachine,), {"kind": kind})
-    return settings(max_examples=60, stateful_step_count=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])(cls).TestCase
+    return settings(
+        max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )(cls).TestCase
 
 
 TestContractCpuLru = _machine("cpu-lru")
@@ -272,15 +281,21 @@ TestContractCompositeArcDisk = _machine("composite-arc-disk")
 def test_the_vllm_adapter_never_evicts_a_requests_own_chunks(tmp_path):
     """Through vLLM's own manager interface: every chunk but the request's own is pinned by
     another request's load, so the grown store is refused, never given a hole."""
-    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
-                        reason="vLLM is not installed (make venv installs it)", exc_type=ImportError)
+    pytest.importorskip(
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+        reason="vLLM is not installed (make venv installs it)",
+        exc_type=ImportError,
+    )
     import vllm_harness as vh
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
-    config = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm",
-              "cpu_bytes": f"{4 * 4096}B", "block_size": 16}
-    h = vh.VllmHarness.build(vh.write_model_config(tmp_path / "model"), config, num_gpu_blocks=64,
-                             worker="real")
+    config = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": "tiered_kv.integrations.vllm",
+        "cpu_bytes": f"{4 * 4096}B",
+        "block_size": 16,
+    }
+    h = vh.VllmHarness.build(vh.write_model_config(tmp_path / "model"), config, num_gpu_blocks=64, worker="real")
     try:
         m = h.manager
         key = {i: make_offload_key(str(i).encode().ljust(32, b"."), 0) for i in (1, 2, 3, 4, 5, 9)}

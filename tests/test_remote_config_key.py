@@ -21,12 +21,15 @@ def test_remote_settings_are_validated_and_echoed():
     assert TieredConfig.from_dict({}).remote is None
 
 
-@pytest.mark.parametrize("remote,message", [
-    ({**SETTINGS, "bukcet": "x"}, r"remote\.'bukcet'; did you mean remote\.'bucket'"),
-    ({"endpoint": "http://127.0.0.1:7480"}, r"remote\.bucket: required"),
-    ({**SETTINGS, "write_policy": "sometimes"}, r"remote\.write_policy"),
-    (5, r"remote: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "remote,message",
+    [
+        ({**SETTINGS, "bukcet": "x"}, r"remote\.'bukcet'; did you mean remote\.'bucket'"),
+        ({"endpoint": "http://127.0.0.1:7480"}, r"remote\.bucket: required"),
+        ({**SETTINGS, "write_policy": "sometimes"}, r"remote\.write_policy"),
+        (5, r"remote: expected a mapping"),
+    ],
+)
 def test_bad_remote_settings_name_the_key(remote, message):
     with pytest.raises(ConfigError, match=message):
         TieredConfig.from_dict({"remote": remote})
@@ -37,8 +40,9 @@ def test_the_remote_write_policy_is_the_composites_per_tier_policy():
     from tiered_kv.disk.fingerprint import Fingerprint
     from tiered_kv.driver import DeviceKVCache
 
-    layout = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=4, num_kv_heads=1, head_dim=8,
-                           device="cpu").layout
+    layout = DeviceKVCache(
+        num_layers=2, num_gpu_blocks=8, gpu_block_size=4, num_kv_heads=1, head_dim=8, device="cpu"
+    ).layout
     fingerprint = Fingerprint.from_layout(layout, model_id="m")
     assert remote_tier_from_config(SETTINGS, fingerprint, layout).write_policy == "write_back"
     through = {**SETTINGS, "write_policy": "write_through"}

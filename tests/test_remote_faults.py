@@ -23,8 +23,7 @@ pytestmark = pytest.mark.faults
 
 skip_module_without_rgw()
 
-FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1,
-                 "sha256", "")
+FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
 WAIT = 120  # a hang guard on futures, far beyond every configured timeout
 
 
@@ -38,8 +37,15 @@ def get(store: RemoteStore, items) -> list[bool]:
 
 
 def test_server_killed_mid_run_costs_misses_not_exceptions(rgw_server, remote_settings, caplog):
-    config = RemoteConfig.from_dict({**remote_settings, "request_timeout": "2s", "retries": 0,
-                                     "failure_threshold": 4, "unavailable_cooldown": "500ms"})
+    config = RemoteConfig.from_dict(
+        {
+            **remote_settings,
+            "request_timeout": "2s",
+            "retries": 0,
+            "failure_threshold": 4,
+            "unavailable_cooldown": "500ms",
+        }
+    )
     stored, later = blocks(8, seed=1), blocks(8, seed=2)
     with RemoteStore(config, FP) as store:
         assert store.put_blocks(stored).result(WAIT) == [PutOutcome.STORED] * 8
@@ -70,8 +76,9 @@ def test_throttling_503_costs_misses_and_recovers(rgw_server, remote_settings):
     target = rgw_server.endpoint.removeprefix("http://")
     items = blocks(6)
     with FaultProxy(target) as proxy:
-        config = RemoteConfig.from_dict({**remote_settings, "endpoint": proxy.endpoint, "retries": 1,
-                                         "failure_threshold": 1000})
+        config = RemoteConfig.from_dict(
+            {**remote_settings, "endpoint": proxy.endpoint, "retries": 1, "failure_threshold": 1000}
+        )
         with RemoteStore(config, FP) as store:
             assert store.put_blocks(items[:3]).result(WAIT) == [PutOutcome.STORED] * 3
             proxy.set_mode("503")
@@ -92,9 +99,17 @@ def test_a_silent_server_costs_at_most_the_timeout_then_answers_at_once(rgw_serv
     target = rgw_server.endpoint.removeprefix("http://")
     items = blocks(4)
     with FaultProxy(target) as proxy:
-        config = RemoteConfig.from_dict({**remote_settings, "endpoint": proxy.endpoint, "retries": 0,
-                                         "request_timeout": "300ms", "max_connections": 4,
-                                         "failure_threshold": 4, "unavailable_cooldown": "1h"})
+        config = RemoteConfig.from_dict(
+            {
+                **remote_settings,
+                "endpoint": proxy.endpoint,
+                "retries": 0,
+                "request_timeout": "300ms",
+                "max_connections": 4,
+                "failure_threshold": 4,
+                "unavailable_cooldown": "1h",
+            }
+        )
         with RemoteStore(config, FP) as store:
             store.put_blocks(items).result(WAIT)
             proxy.set_mode("stall")
@@ -172,7 +187,6 @@ def test_a_namespace_recording_another_fingerprint_is_refused_at_start_up(remote
     with RemoteStore(config, FP) as store:
         assert store.reachable
         key = manifest_key(config.prefix, FP)
-        obstore.put(store._client.raw, key, b'{"format":1,"fingerprint":{"model_id":"someone/else"}}',
-                    mode="overwrite")
+        obstore.put(store._client.raw, key, b'{"format":1,"fingerprint":{"model_id":"someone/else"}}', mode="overwrite")
     with pytest.raises(RemoteSetupError, match="records another fingerprint than this node's"):
         RemoteStore(config, FP)

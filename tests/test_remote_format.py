@@ -27,14 +27,20 @@ from tiered_kv.remote.object_format import (
     verified_payload,
 )
 
-FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1,
-                 "sha256", "")
+FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
 
 
 def test_config_defaults_and_units():
-    c = RemoteConfig.from_dict({"bucket": "kv-fleet", "endpoint": "http://127.0.0.1:7480/",
-                                "prefix": "/team/kv/", "request_timeout": "500ms",
-                                "max_pending_upload_bytes": "64MiB", "absent_ttl": "1m"})
+    c = RemoteConfig.from_dict(
+        {
+            "bucket": "kv-fleet",
+            "endpoint": "http://127.0.0.1:7480/",
+            "prefix": "/team/kv/",
+            "request_timeout": "500ms",
+            "max_pending_upload_bytes": "64MiB",
+            "absent_ttl": "1m",
+        }
+    )
     assert c.endpoint == "http://127.0.0.1:7480"
     assert c.prefix == "team/kv"
     assert c.request_timeout == 0.5
@@ -45,19 +51,22 @@ def test_config_defaults_and_units():
     assert RemoteConfig.from_dict({"bucket": "kv-fleet"}).where() == "s3://kv-fleet/tiered-kv at AWS S3 (us-east-1)"
 
 
-@pytest.mark.parametrize("raw, needle", [
-    ({}, "bucket: required"),
-    ({"bucket": "Bad_Bucket"}, "bucket: expected an S3 bucket name"),
-    ({"bucket": "kv-b", "endpoint": "ftp://host"}, "endpoint: expected an http:// or https:// URL"),
-    ({"bucket": "kv-b", "endpoint": "http://host:7480/kv-b"}, "bucket and prefix have their own keys"),
-    ({"bucket": "kv-b", "prefix": "a/../b"}, "prefix: expected a key prefix"),
-    ({"bucket": "kv-b", "request_timeout": "soon"}, "request_timeout: expected a duration"),
-    ({"bucket": "kv-b", "request_timeout": 0}, "request_timeout: duration must be positive"),
-    ({"bucket": "kv-b", "max_connections": 0}, "max_connections: expected an integer in 1..1024"),
-    ({"bucket": "kv-b", "write_policy": "always"}, "write_policy: expected one of write_through, evictions"),
-    ({"bucket": "kv-b", "checksum": "md5"}, "checksum: expected one of xxh3_64, crc32c"),
-    ({"bucket": "kv-b", "endpont": "http://h"}, "did you mean 'endpoint'"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({}, "bucket: required"),
+        ({"bucket": "Bad_Bucket"}, "bucket: expected an S3 bucket name"),
+        ({"bucket": "kv-b", "endpoint": "ftp://host"}, "endpoint: expected an http:// or https:// URL"),
+        ({"bucket": "kv-b", "endpoint": "http://host:7480/kv-b"}, "bucket and prefix have their own keys"),
+        ({"bucket": "kv-b", "prefix": "a/../b"}, "prefix: expected a key prefix"),
+        ({"bucket": "kv-b", "request_timeout": "soon"}, "request_timeout: expected a duration"),
+        ({"bucket": "kv-b", "request_timeout": 0}, "request_timeout: duration must be positive"),
+        ({"bucket": "kv-b", "max_connections": 0}, "max_connections: expected an integer in 1..1024"),
+        ({"bucket": "kv-b", "write_policy": "always"}, "write_policy: expected one of write_through, evictions"),
+        ({"bucket": "kv-b", "checksum": "md5"}, "checksum: expected one of xxh3_64, crc32c"),
+        ({"bucket": "kv-b", "endpont": "http://h"}, "did you mean 'endpoint'"),
+    ],
+)
 def test_config_errors_name_key_and_value(raw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         RemoteConfig.from_dict(raw)
@@ -93,8 +102,9 @@ def test_keys_are_namespaced_fanned_out_and_per_rank():
 
 
 def _object(payload: bytes, *, fp=FP, block_hash=b"h1", rank=0, checksum="xxh3_64") -> bytearray:
-    header = encode_header(fingerprint_digest(fp), block_hash, rank, [memoryview(payload)], checksum,
-                           pieces_checksum(checksum))
+    header = encode_header(
+        fingerprint_digest(fp), block_hash, rank, [memoryview(payload)], checksum, pieces_checksum(checksum)
+    )
     return bytearray(header + payload)
 
 
@@ -107,9 +117,14 @@ def test_checksum_over_pieces_is_the_checksum_of_their_concatenation(checksum):
 
 
 def _verify(obj, *, fp=FP, block_hash=b"h1", rank=0, size=None):
-    return verified_payload(memoryview(obj), fingerprint=fingerprint_digest(fp), block_hash=block_hash,
-                            rank=rank, size=len(obj) - FIXED_HEADER_BYTES - len(block_hash) if size is None
-                            else size, checksums=checksum_function)
+    return verified_payload(
+        memoryview(obj),
+        fingerprint=fingerprint_digest(fp),
+        block_hash=block_hash,
+        rank=rank,
+        size=len(obj) - FIXED_HEADER_BYTES - len(block_hash) if size is None else size,
+        checksums=checksum_function,
+    )
 
 
 @pytest.mark.parametrize("checksum", ["xxh3_64", "crc32c"])
@@ -118,7 +133,11 @@ def test_header_round_trip(checksum):
     obj = _object(payload, block_hash=b"\x00" * 32, rank=5, checksum=checksum)
     header = BlockHeader.unpack(memoryview(obj))
     assert (header.block_hash, header.rank, header.payload_len, header.checksum_name) == (
-        b"\x00" * 32, 5, len(payload), checksum)
+        b"\x00" * 32,
+        5,
+        len(payload),
+        checksum,
+    )
     assert header.fingerprint == fingerprint_digest(FP)
     assert bytes(_verify(obj, block_hash=b"\x00" * 32, rank=5)) == payload
 
@@ -157,8 +176,12 @@ def test_membership_cache_present_absent_ttl_and_bound():
     assert cache.state(b"a") is Membership.UNKNOWN
     cache.mark_present([b"a", b"b"])
     cache.mark_absent([b"c"])
-    assert cache.states([b"a", b"b", b"c", b"d"]) == [Membership.PRESENT, Membership.PRESENT,
-                                                      Membership.ABSENT, Membership.UNKNOWN]
+    assert cache.states([b"a", b"b", b"c", b"d"]) == [
+        Membership.PRESENT,
+        Membership.PRESENT,
+        Membership.ABSENT,
+        Membership.UNKNOWN,
+    ]
     now[0] += 5.0  # another node may have uploaded it by now
     assert cache.state(b"c") is Membership.UNKNOWN
     cache.mark_absent([b"a"])  # a download missed: no longer trusted present

@@ -24,8 +24,7 @@ from tiered_kv.remote.object_format import block_key
 
 skip_module_without_rgw()
 
-FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1,
-                 "sha256", "")
+FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
 WAIT = 120  # seconds: a hang guard on futures, far beyond any request timeout
 
 
@@ -67,7 +66,7 @@ def test_round_trip_is_byte_exact_and_write_once(store):
 
 
 def test_missing_block_is_a_miss_and_leaves_the_buffer_alone(store):
-    (h, r, data), = blocks(1)
+    ((h, r, data),) = blocks(1)
     buf = bytearray(b"\xaa" * len(data))
     assert store.get_blocks([(h, r, buf)]).result(WAIT) == [False]
     assert buf == b"\xaa" * len(data)
@@ -78,7 +77,9 @@ def test_missing_block_is_a_miss_and_leaves_the_buffer_alone(store):
 def test_buffers_of_any_contiguous_kind(store):
     arr = np.arange(4096, dtype=np.float16)
     assert store.put_blocks([(b"np", 0, arr), (b"mv", 0, memoryview(arr.tobytes()))]).result(WAIT) == [
-        PutOutcome.STORED, PutOutcome.STORED]
+        PutOutcome.STORED,
+        PutOutcome.STORED,
+    ]
     out = np.zeros_like(arr)
     assert store.get_blocks([(b"np", 0, out)]).result(WAIT) == [True]
     assert np.array_equal(out, arr)
@@ -86,7 +87,7 @@ def test_buffers_of_any_contiguous_kind(store):
 
 def test_a_block_in_pieces_goes_and_comes_back_where_it_lies(store):
     """A CPU slot in several pieces (per-layer tensors) needs no packing either way."""
-    (h, r, data), = blocks(1, size=96 << 10)
+    ((h, r, data),) = blocks(1, size=96 << 10)
     cuts = [0, 1000, 40_000, 40_000, len(data)]
     pieces = [memoryview(data)[a:b] for a, b in pairwise(cuts)]
     assert store.put_blocks([(h, r, pieces)]).result(WAIT) == [PutOutcome.STORED]
@@ -175,7 +176,7 @@ def test_a_foreign_object_under_our_key_is_refused_and_counted(config, rgw_serve
     import obstore
 
     other = dataclasses.replace(FP, dtype="bfloat16")
-    (h, r, data), = blocks(1)
+    ((h, r, data),) = blocks(1)
     with RemoteStore(config, other) as a, RemoteStore(config, FP) as b:
         a.put_blocks([(h, r, data)]).result(WAIT)
         raw = a._client.raw
@@ -189,7 +190,7 @@ def test_a_foreign_object_under_our_key_is_refused_and_counted(config, rgw_serve
 def test_a_damaged_object_is_a_counted_miss_and_is_stored_again(store):
     import obstore
 
-    (h, r, data), = blocks(1, size=100_000)
+    ((h, r, data),) = blocks(1, size=100_000)
     store.put_blocks([(h, r, data)]).result(WAIT)
     key = block_key(store.namespace, h, r)
     raw = store._client.raw
@@ -207,7 +208,7 @@ def test_a_damaged_object_is_a_counted_miss_and_is_stored_again(store):
 
 
 def test_a_buffer_of_another_size_is_a_miss(store):
-    (h, r, data), = blocks(1)
+    ((h, r, data),) = blocks(1)
     store.put_blocks([(h, r, data)]).result(WAIT)
     hits, (buf,) = read_back(store, [(h, r, data)], size=len(data) + 1)
     assert hits == [False] and not any(buf)
@@ -219,9 +220,16 @@ def test_uploads_past_the_pending_bound_are_dropped_not_queued(rgw_server, remot
     """Behind a server that never answers, three blocks fill the bound; the other seven
     are dropped at once rather than queued behind them."""
     with FaultProxy(rgw_server.endpoint.removeprefix("http://")) as proxy:
-        config = RemoteConfig.from_dict({**remote_settings, "endpoint": proxy.endpoint,
-                                         "max_pending_upload_bytes": "300000B", "request_timeout": "3s",
-                                         "retries": 0, "failure_threshold": 100})
+        config = RemoteConfig.from_dict(
+            {
+                **remote_settings,
+                "endpoint": proxy.endpoint,
+                "max_pending_upload_bytes": "300000B",
+                "request_timeout": "3s",
+                "retries": 0,
+                "failure_threshold": 100,
+            }
+        )
         with RemoteStore(config, FP) as store:
             proxy.set_mode("stall")
             future = store.put_blocks(blocks(10, size=100_000))

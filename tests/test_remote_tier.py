@@ -65,8 +65,13 @@ def test_blocks_evicted_from_cpu_and_disk_come_back_from_the_bucket(tmp_path, re
 
 
 def _run_node(settings: dict) -> dict:
-    done = subprocess.run([sys.executable, str(NODE), json.dumps(settings)], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ))
+    done = subprocess.run(
+        [sys.executable, str(NODE), json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -86,8 +91,14 @@ def test_two_nodes_share_one_bucket_and_other_fingerprints_never_read_it(tmp_pat
 
     # Nodes of another model, dtype or hash seed: the same block hashes, never served.
     for other in ({"model_id": "org/other-model"}, {"dtype": "bfloat16"}, {"hash_seed": "42"}):
-        c = _run_node({**common, "cache_dir": str(tmp_path / f"c-{len(other)}-{list(other.values())[0]}"),
-                       "expecting": True, **other})
+        c = _run_node(
+            {
+                **common,
+                "cache_dir": str(tmp_path / f"c-{len(other)}-{list(other.values())[0]}"),
+                "expecting": True,
+                **other,
+            }
+        )
         assert c["namespace"] != a["namespace"], other
         assert c["hits_by_medium"] == {} and c["computed"] == n, (other, c)
         assert c["gets_hit"] == 0 and c["gets_rejected"] == 0 and c["gets_absent"] == 0, (other, c)
@@ -95,8 +106,13 @@ def test_two_nodes_share_one_bucket_and_other_fingerprints_never_read_it(tmp_pat
 
 
 def test_server_killed_mid_run_costs_misses_never_a_crash_or_stall(tmp_path, rgw_server, remote_settings):
-    settings = {**remote_settings, "request_timeout": "1s", "retries": 0, "failure_threshold": 2,
-                "unavailable_cooldown": "30s"}
+    settings = {
+        **remote_settings,
+        "request_timeout": "1s",
+        "retries": 0,
+        "failure_threshold": 2,
+        "unavailable_cooldown": "30s",
+    }
     node = build(tmp_path / "cache", settings)
     try:
         node.run(requests(0, 12))  # the device keeps requests 4..11, CPU and disk fewer
@@ -124,8 +140,14 @@ def test_server_killed_mid_run_costs_misses_never_a_crash_or_stall(tmp_path, rgw
 
 def test_uploads_past_the_bound_are_dropped_and_counted_never_waited_for(tmp_path, rgw_server, remote_settings):
     with FaultProxy(rgw_server.endpoint.removeprefix("http://")) as proxy:
-        settings = {**remote_settings, "endpoint": proxy.endpoint, "max_pending_upload_bytes": "8KiB",
-                    "request_timeout": "3s", "retries": 0, "failure_threshold": 1000}
+        settings = {
+            **remote_settings,
+            "endpoint": proxy.endpoint,
+            "max_pending_upload_bytes": "8KiB",
+            "request_timeout": "3s",
+            "retries": 0,
+            "failure_threshold": 1000,
+        }
         node = build(tmp_path / "cache", settings)
         try:
             proxy.set_mode("stall")  # uploads and probes are never answered

@@ -44,8 +44,12 @@ def test_quick_chat_prints_the_comparison_table(quick_run):
     header = next(line for line in table.splitlines() if line.startswith("|"))
     for col in ("GPU", "CPU", "DISK", "computed", "mismatches", "TTFT saving", "sched p50 us/step"):
         assert col in header
-    configs = ["no-offload", "cpu", "cpu+disk"] + ([] if VLLM_MISSING else ["vllm-cpu"]) + ["cpu-arc"] \
+    configs = (
+        ["no-offload", "cpu", "cpu+disk"]
+        + ([] if VLLM_MISSING else ["vllm-cpu"])
+        + ["cpu-arc"]
         + ([] if VLLM_MISSING else ["vllm-cpu-arc"])
+    )
     assert list(data["results"]) == configs
     for name in configs:
         assert any(line.split("|")[1].strip() == name for line in table.splitlines() if line.startswith("|"))
@@ -84,7 +88,11 @@ def test_tiers_rank_as_expected_and_bytes_match_blocks(quick_run):
     assert all(t["bytes"] == 0 for t in res["no-offload"]["transfers"].values())
     assert "DISK" not in res["cpu"]["report"]["hits_by_medium"]
     assert res["cpu+disk"]["report"]["hits_by_medium"]["DISK"] > 0
-    assert res["cpu+disk"]["report"]["computed"] < res["cpu"]["report"]["computed"] < res["no-offload"]["report"]["computed"]
+    assert (
+        res["cpu+disk"]["report"]["computed"]
+        < res["cpu"]["report"]["computed"]
+        < res["no-offload"]["report"]["computed"]
+    )
     for name in ("cpu", "cpu+disk"):
         r = res[name]
         assert r["transfers"]["gpu_to_cpu"]["bytes"] == r["report"]["blocks_stored"] * bpb, name

@@ -15,8 +15,11 @@ CPU_SLOTS = 16
 
 def build(tmp_path, device, **config):
     layout = device.layout
-    base = {"cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B", "disk_path": str(tmp_path),
-            "model_id": "hierarchy-test"}
+    base = {
+        "cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B",
+        "disk_path": str(tmp_path),
+        "model_id": "hierarchy-test",
+    }
     spec = TieredOffloadingSpec({**base, **config}, layout.gpu_block_size, layout)
     return spec, EngineDriver.from_spec(spec, device)
 
@@ -44,8 +47,7 @@ def documents(num_docs: int, blocks_per_doc: int, seed: int = 0):
 @pytest.mark.parametrize("disk_io", ["thread", "process"])
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 def test_working_set_5x_cpu_and_half_of_disk_hits_on_every_repeat(tmp_path, write_policy, disk_io):
-    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
-                           device="cpu")
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
     working_set = 5 * CPU_SLOTS
     disk_bytes = f"{2 * working_set * 4096}B"  # the working set is half the disk tier
     spec, driver = build(tmp_path, device, disk_bytes=disk_bytes, write_policy=write_policy, disk_io=disk_io)
@@ -74,16 +76,16 @@ def test_working_set_5x_cpu_and_half_of_disk_hits_on_every_repeat(tmp_path, writ
 
 @pytest.mark.parametrize("disk_io", ["thread", "process"])
 def test_disk_blocks_survive_a_restart_and_stale_cpu_state_does_not(tmp_path, disk_io):
-    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
-                           device="cpu")
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
     docs = documents(num_docs=6, blocks_per_doc=8, seed=1)
     spec, driver = build(tmp_path, device, disk_bytes="4MiB", disk_io=disk_io)
     driver.run(docs)
     settle(driver, spec)
     close(driver, spec)
 
-    device2 = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
-                            device="cpu")
+    device2 = DeviceKVCache(
+        num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu"
+    )
     spec2, driver2 = build(tmp_path, device2, disk_bytes="4MiB", disk_io=disk_io)
     report = driver2.run(docs)
     assert report.mismatches == 0
@@ -93,8 +95,7 @@ def test_disk_blocks_survive_a_restart_and_stale_cpu_state_does_not(tmp_path, di
 
 
 def test_back_pressure_drops_disk_writes_instead_of_stalling(tmp_path):
-    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16,
-                           device="cpu")
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
     spec, driver = build(tmp_path, device, disk_bytes="4MiB", max_pending_disk_writes=1)
     docs = documents(num_docs=4, blocks_per_doc=8, seed=2)
     report = driver.run(docs)
@@ -116,20 +117,26 @@ class WriteBackHierarchy:
 
         self.layout = layout = small_layout()
         fp, nbytes = fingerprint(layout), disk_bytes_for(layout, 8)
-        self.disk = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e",
-                                          poll_interval=None)
+        self.disk = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
         self.store = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
         self.manager = TieredOffloadingManager(CPUOffloadingManager(3, 16), self.disk, write_policy="write_back")
 
     def stored(self, hashes, success=True):
         from disk_fixtures import content_rows
+
         m, store = self.manager, self.store
         out = m.prepare_store(hashes)
         m.complete_store(out.block_hashes_to_store, success=success)
         spills = out.store_spec.spills
         if len(spills):  # the worker writes them; the index commit makes them durable
-            assert all(store.write_blocks(0, spills.block_hashes, spills.disk_slots.tolist(),
-                                          content_rows(spills.block_hashes, 0, self.layout, store.slot_size)))
+            assert all(
+                store.write_blocks(
+                    0,
+                    spills.block_hashes,
+                    spills.disk_slots.tolist(),
+                    content_rows(spills.block_hashes, 0, self.layout, store.slot_size),
+                )
+            )
         m.pending_disk_writes()  # folds in the commits
         return out
 

@@ -51,22 +51,36 @@ class Hierarchy(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="tkv-stateful-")
-        self.device = DeviceKVCache(num_layers=2, num_gpu_blocks=96, gpu_block_size=4, num_kv_heads=1,
-                                    head_dim=8, device="cpu")
+        self.device = DeviceKVCache(
+            num_layers=2, num_gpu_blocks=96, gpu_block_size=4, num_kv_heads=1, head_dim=8, device="cpu"
+        )
         layout = self.device.layout
         self.bpb = layout.bytes_per_block
-        config = {"cpu_bytes": f"{CPU_SLOTS * self.bpb}B", "disk_path": os.path.join(self.tmp, "disk"),
-                  "disk_bytes": f"{DISK_SLOTS * 4096}B", "max_pending_disk_writes": 4, "model_id": "stateful",
-                  "write_policy": self.write_policy, "disk_io": self.disk_io}
+        config = {
+            "cpu_bytes": f"{CPU_SLOTS * self.bpb}B",
+            "disk_path": os.path.join(self.tmp, "disk"),
+            "disk_bytes": f"{DISK_SLOTS * 4096}B",
+            "max_pending_disk_writes": 4,
+            "model_id": "stateful",
+            "write_policy": self.write_policy,
+            "disk_io": self.disk_io,
+        }
         self.spec = TieredOffloadingSpec(config, layout.gpu_block_size, layout)
         if self.num_lower == 2:
             # A second disk tier, composed through the public interfaces: the spec's
             # own tier settings on another directory, with a name of its own.
             first = self.spec.lower_tiers[0]
-            second = DiskTier(dataclasses.replace(first.config, disk_path=os.path.join(self.tmp, "disk2")),
-                              first.fingerprint, layout, self.spec.engine_id, name="disk2", medium="DISK2")
-            self.spec = TieredOffloadingSpec(config, layout.gpu_block_size, layout,
-                                             engine_id=self.spec.engine_id, lower_tiers=[second])
+            second = DiskTier(
+                dataclasses.replace(first.config, disk_path=os.path.join(self.tmp, "disk2")),
+                first.fingerprint,
+                layout,
+                self.spec.engine_id,
+                name="disk2",
+                medium="DISK2",
+            )
+            self.spec = TieredOffloadingSpec(
+                config, layout.gpu_block_size, layout, engine_id=self.spec.engine_id, lower_tiers=[second]
+            )
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
         # Hypothesis replays a sequence and needs it to behave the same each time, so
         # disk writes happen on the caller's thread here, and the disk managers learn of
@@ -77,8 +91,9 @@ class Hierarchy(RuleBasedStateMachine):
                 if stager is not None:
                     stager.shutdown()
                     tier = self.spec.lower_tiers[i]
-                    handler.stagers[i] = DiskStager(self.spec.host, tier.store, 0, 8, self.spec.stats,
-                                                    synchronous=True, tier_name=tier.name)
+                    handler.stagers[i] = DiskStager(
+                        self.spec.host, tier.store, 0, 8, self.spec.stats, synchronous=True, tier_name=tier.name
+                    )
         self.manager = self.spec.get_manager()
         assert len(self.manager.lower) == self.num_lower
         for tier in self.manager.lower:
@@ -147,8 +162,12 @@ class Hierarchy(RuleBasedStateMachine):
         assert not reused, f"store handed out CPU slots {reused} that in-flight loads read"
         groups = self._groups(len(to_store))
         f = self.device.layout.block_size_factor
-        unpack_blocks(block_content(to_store, self.bpb), self.device.tensors, self.device.layout,
-                      expand_block_ids(groups, f).reshape(-1, f))
+        unpack_blocks(
+            block_content(to_store, self.bpb),
+            self.device.tensors,
+            self.device.layout,
+            expand_block_ids(groups, f).reshape(-1, f),
+        )
         job = self._submit((self._gpu_spec(groups), out.store_spec))
         self.stores.append((job, to_store, groups))
 
@@ -264,8 +283,13 @@ class ProcessIOHierarchy(WriteBackHierarchy):
     disk_io = "process"
 
 
-_settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
-                     suppress_health_check=list(HealthCheck), derandomize=True)
+_settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+)
 TestHierarchyWriteThrough = Hierarchy.TestCase
 TestHierarchyWriteThrough.settings = _settings
 TestHierarchyWriteBack = WriteBackHierarchy.TestCase

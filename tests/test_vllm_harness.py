@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
-                    reason="vLLM is not installed (make venv installs it)",
-                    exc_type=ImportError)
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM is not installed (make venv installs it)",
+    exc_type=ImportError,
+)
 
 import torch  # noqa: E402
 import vllm_harness as vh  # noqa: E402
@@ -44,8 +46,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def test_cpu_spec_stores_then_serves_a_prefix_from_the_cpu_tier(model_dir):
-    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(16, GPU_BLOCK_BYTES),
-                             num_gpu_blocks=32)
+    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(16, GPU_BLOCK_BYTES), num_gpu_blocks=32)
     try:
         assert isinstance(h.manager, CPUOffloadingManager)
         prompt = _prompt(1, 5 * BLOCK + 3)
@@ -100,8 +101,7 @@ def test_hash_blocks_are_the_hashes_the_scheduler_uses(model_dir):
 
 
 def test_stats_flow_through_vllms_prometheus_side(model_dir):
-    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(8, GPU_BLOCK_BYTES),
-                             num_gpu_blocks=32)
+    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(8, GPU_BLOCK_BYTES), num_gpu_blocks=32)
     try:
         h.serve(_prompt(7, 3 * BLOCK + 1))
         h.reset_gpu_prefix_cache()
@@ -113,12 +113,16 @@ def test_stats_flow_through_vllms_prometheus_side(model_dir):
         # the static facts the CPU manager reports once, as the config info series
         info = registry.get_sample_value(
             "vllm:kv_offload_config_info",
-            {"engine": "0", "cpu_num_chunks": "8", "cpu_blocks_per_chunk": "1",
-             "cpu_kv_cache_size_bytes": str(8 * GPU_BLOCK_BYTES),
-             "cpu_kv_cache_size_tokens": str(8 * 2048 // 128)})
+            {
+                "engine": "0",
+                "cpu_num_chunks": "8",
+                "cpu_blocks_per_chunk": "1",
+                "cpu_kv_cache_size_bytes": str(8 * GPU_BLOCK_BYTES),
+                "cpu_kv_cache_size_tokens": str(8 * 2048 // 128),
+            },
+        )
         assert info == 1.0
-        assert registry.get_sample_value("vllm:kv_offload_lookup_sync_delay_seconds_count",
-                                         {"engine": "0"}) >= 2
+        assert registry.get_sample_value("vllm:kv_offload_lookup_sync_delay_seconds_count", {"engine": "0"}) >= 2
     finally:
         h.shutdown()
 
@@ -132,8 +136,7 @@ class HostWorker(vh.ChunkCopyWorker):
         self.gpu = [t.tensor for t in kv_caches.tensors]
         self.page = [t.page_size_bytes for t in kv_caches.tensors]
         self.bpc = blocks_per_chunk
-        self.host = self.rows = [torch.zeros((num_chunks, p * blocks_per_chunk), dtype=torch.int8)
-                                 for p in self.page]
+        self.host = self.rows = [torch.zeros((num_chunks, p * blocks_per_chunk), dtype=torch.int8) for p in self.page]
         self.done: list[TransferResult] = []
 
 
@@ -146,9 +149,13 @@ class HostWorkerCPUSpec(CPUOffloadingSpec):
 
 @pytest.mark.parametrize("offloaded_block", [BLOCK, 2 * BLOCK], ids=["f1", "f2"])
 def test_real_worker_loads_back_the_stored_bytes(model_dir, offloaded_block):
-    extra = _cpu_spec_config(16, GPU_BLOCK_BYTES * offloaded_block // BLOCK,
-                             spec_name="HostWorkerCPUSpec", spec_module_path=__name__,
-                             block_size=offloaded_block)
+    extra = _cpu_spec_config(
+        16,
+        GPU_BLOCK_BYTES * offloaded_block // BLOCK,
+        spec_name="HostWorkerCPUSpec",
+        spec_module_path=__name__,
+        block_size=offloaded_block,
+    )
     h = vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32, worker="real")
     try:
         assert type(h.worker_spec).__name__ == "HostWorkerCPUSpec"
@@ -181,8 +188,9 @@ def test_tiering_spec_promotes_from_an_out_of_tree_secondary_tier(model_dir):
     extra = {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": 2 * GPU_BLOCK_BYTES,  # a primary of two chunks
-        "secondary_tiers": [{"type": "ExampleSecondaryTierManager",
-                             "module_path": "vllm.v1.kv_offload.tiering.example.manager"}],
+        "secondary_tiers": [
+            {"type": "ExampleSecondaryTierManager", "module_path": "vllm.v1.kv_offload.tiering.example.manager"}
+        ],
     }
     h = vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32)
     try:

@@ -17,11 +17,19 @@ pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed", e
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
-    CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec, LookupResult,
-    Medium, ReqContext,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    ReqContext,
 )
 from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
     OffloadingParallelConfig,
 )
 
@@ -37,10 +45,14 @@ WORLD = 2
 def _config(rank: int, engine_id: str, extra: dict, events: bool = False) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layers.0", "layers.1"), 0),),
-        worker_kv_bytes_per_block=sum(PAGES), enable_kv_cache_events=events, extra_config=extra,
-        engine_id=engine_id, model=OffloadingModelConfig("tp-test-model", "float16", 4096),
+        worker_kv_bytes_per_block=sum(PAGES),
+        enable_kv_cache_events=events,
+        extra_config=extra,
+        engine_id=engine_id,
+        model=OffloadingModelConfig("tp-test-model", "float16", 4096),
         cache=OffloadingCacheConfig(16, 1),
-        parallel=OffloadingParallelConfig(rank, WORLD, WORLD, 1, 1, 1, 0, 1, None, True))
+        parallel=OffloadingParallelConfig(rank, WORLD, WORLD, 1, 1, 1, 0, 1, None, True),
+    )
 
 
 class Engine:
@@ -53,8 +65,10 @@ class Engine:
         self.workers = []
         for rank in range(WORLD):
             tensors = [torch.zeros((NUM_GPU_BLOCKS, p), dtype=torch.int8) for p in PAGES]
-            caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, PAGES)],
-                                       [[CanonicalKVCacheRef(i, p) for i, p in enumerate(PAGES)]])
+            caches = CanonicalKVCaches(
+                [CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, PAGES)],
+                [[CanonicalKVCacheRef(i, p) for i, p in enumerate(PAGES)]],
+            )
             self.workers.append(TieredOffloadingSpec(_config(rank, engine_id, extra)).get_worker(caches))
             self.gpu.append(tensors)
         self.ctx = ReqContext(req_id="r")
@@ -128,8 +142,7 @@ def test_each_rank_keeps_its_own_shard_through_cpu_and_disk(engine, tmp_path):
     engine.durable()
     composite = engine.manager.composite
     assert not composite.cpu.is_loadable(_key(1)) and composite.disk.is_loadable(_key(1))
-    assert sorted(p.name for p in composite.disk.namespace.path.glob("rank*.slab")) == \
-        ["rank0.slab", "rank1.slab"]
+    assert sorted(p.name for p in composite.disk.namespace.path.glob("rank*.slab")) == ["rank0.slab", "rank1.slab"]
 
     assert engine.manager.lookup(_key(1), engine.ctx) is LookupResult.HIT_PENDING
     assert engine.lookup(_key(1)) is LookupResult.HIT and engine.lookup(_key(2)) is LookupResult.HIT
@@ -164,10 +177,10 @@ def test_a_chunk_corrupt_on_one_rank_only_is_a_miss(engine):
 
 def test_a_chunk_is_not_served_from_disk_until_every_rank_wrote_it(tmp_path):
     """A write-through that only one rank completed leaves the chunk unloadable."""
-    engine = Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"),
-                     "disk_bytes": "1MiB"})
+    engine = Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"})
     try:
         _fill(engine, 3)
+
         def lost(writes):  # rank 1 loses its disk writes (e.g. it dies before writing)
             done: Future = Future()
             done.set_result(None)
@@ -185,8 +198,9 @@ def test_a_chunk_is_not_served_from_disk_until_every_rank_wrote_it(tmp_path):
 
 
 def test_kv_events_name_the_tier(tmp_path):
-    engine = Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"),
-                     "disk_bytes": "1MiB"}, events=True)
+    engine = Engine(
+        {"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}, events=True
+    )
     try:
         _fill(engine, 4)
         engine.store([_key(1), _key(2)], [1, 2])
@@ -197,8 +211,7 @@ def test_kv_events_name_the_tier(tmp_path):
         seen = [(e.medium, e.removed, sorted(e.keys)) for e in engine.manager.take_events()]
         assert (Medium.CPU, False, [_key(1), _key(2)]) in seen
         assert (Medium.CPU, True, [_key(2)]) in seen
-        stored_on_disk = sorted(k for m, removed, keys in seen if m is Medium.STORAGE and not removed
-                                for k in keys)
+        stored_on_disk = sorted(k for m, removed, keys in seen if m is Medium.STORAGE and not removed for k in keys)
         assert stored_on_disk == [_key(1), _key(2), _key(3)]
         assert engine.manager.take_events() == []
     finally:

@@ -21,13 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
-                    reason="vLLM is not installed (make venv installs it)",
-                    exc_type=ImportError)
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM is not installed (make venv installs it)",
+    exc_type=ImportError,
+)
 
 import vllm_harness as vh  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
-    LookupResult, ReqContext, TransferResult, make_offload_key,
+    LookupResult,
+    ReqContext,
+    TransferResult,
+    make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
@@ -37,7 +42,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from tiered_kv.config import ConfigError  # noqa: E402
 from tiered_kv.integrations.vllm.secondary_tier import (  # noqa: E402
-    TieredDiskTier, parse_tier_config,
+    TieredDiskTier,
+    parse_tier_config,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -77,8 +83,12 @@ class ShmHostWorker(vh.ChunkCopyWorker):
 
     def __init__(self, kv_caches, spec: TieringOffloadingSpec):
         self.region = SharedOffloadRegion(
-            engine_id=spec.config.engine_id, num_chunks=spec.num_chunks, rank=0,
-            kv_bytes_per_chunk=spec.kv_bytes_per_chunk, cpu_page_size=spec.cpu_page_size_per_worker)
+            engine_id=spec.config.engine_id,
+            num_chunks=spec.num_chunks,
+            rank=0,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=spec.cpu_page_size_per_worker,
+        )
         self.bpc = spec.blocks_per_chunk
         self.gpu = [t.tensor for t in kv_caches.tensors]
         self.page = [t.page_size_bytes for t in kv_caches.tensors]
@@ -107,9 +117,15 @@ def _extra(disk_path, *, primary_chunks: int, disk_chunks: int, real: bool = Fal
     extra = {
         "spec_name": "ShmTieringSpec" if real else "TieringOffloadingSpec",
         "cpu_bytes_to_use": primary_chunks * CHUNK,
-        "secondary_tiers": [{"type": "TieredDiskTier", "module_path": TIER_MODULE,
-                             "disk_path": str(disk_path), "disk_bytes": f"{disk_chunks * 4}KiB",
-                             **tier}],
+        "secondary_tiers": [
+            {
+                "type": "TieredDiskTier",
+                "module_path": TIER_MODULE,
+                "disk_path": str(disk_path),
+                "disk_bytes": f"{disk_chunks * 4}KiB",
+                **tier,
+            }
+        ],
     }
     if real:
         extra["spec_module_path"] = __name__
@@ -193,13 +209,13 @@ def _wipe_gpu(h: vh.VllmHarness) -> None:
 def _evict_from_primary(h: vh.VllmHarness, prompt: list[int], *fillers: list[int]) -> None:
     for filler in fillers:
         _serve(h, filler)
-    assert all(_primary_lookup(h, k) is LookupResult.MISS for k in _keys(prompt)), \
+    assert all(_primary_lookup(h, k) is LookupResult.MISS for k in _keys(prompt)), (
         "the prompt is still in vLLM's CPU tier; the test would not reach the disk"
+    )
 
 
 def test_chunks_cascade_to_disk_and_a_cpu_miss_is_promoted_back(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True),
-               worker="real")
+    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True), worker="real")
     try:
         tier = _tier(h)
         a = _prompt(1, 3 * BLOCK + 1)
@@ -230,8 +246,7 @@ def test_chunks_cascade_to_disk_and_a_cpu_miss_is_promoted_back(model_dir, tmp_p
         assert stats["tiered_kv_disk_tier_stored_chunks"] >= 9
         assert stats["tiered_kv_disk_tier_promoted_chunks"] == 3
         registry = h.publish_metrics()  # every metric we report is declared to vLLM
-        assert registry.get_sample_value("tiered_kv_disk_tier_promoted_chunks_total",
-                                         {"engine": "0"}) == 3
+        assert registry.get_sample_value("tiered_kv_disk_tier_promoted_chunks_total", {"engine": "0"}) == 3
         info = h.manager.config_info()[1]
         assert info["disk_namespace"] == tier.fingerprint.namespace_id
         assert info["disk_capacity_chunks"] == 16 and info["disk_chunk_bytes"] == CHUNK
@@ -306,15 +321,15 @@ def test_another_chunk_geometry_gets_its_own_namespace(model_dir, tmp_path):
         tier = _tier(h)
         assert tier.fingerprint.namespace_id != first_ns
         assert len(tier.disk_manager) == 0
-        assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == \
-            sorted([first_ns, tier.fingerprint.namespace_id])
+        assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == sorted(
+            [first_ns, tier.fingerprint.namespace_id]
+        )
     finally:
         h.shutdown()
 
 
 def test_a_corrupted_chunk_becomes_a_miss_without_reaching_vllm(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True),
-               worker="real")
+    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True), worker="real")
     try:
         tier = _tier(h)
         a = _prompt(9, 3 * BLOCK + 1)
@@ -402,8 +417,7 @@ def test_an_unreadable_chunk_becomes_a_miss_instead_of_a_retry_loop(model_dir, t
 
 
 def test_calls_never_wait_for_the_disk_and_a_backlog_is_bounded(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=8, disk_chunks=16,
-                                 max_pending_disk_writes=2))
+    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=8, disk_chunks=16, max_pending_disk_writes=2))
     release = threading.Event()
     try:
         tier = _tier(h)
@@ -460,8 +474,7 @@ def test_store_jobs_that_queue_up_share_one_sync_and_commit(model_dir, tmp_path)
         # Driven directly (not through vLLM's manager, which must not see these jobs).
         with h.manager.lock:
             for i, key in enumerate(keys):
-                tier.submit_store(TransferJob(10_000 + i, [key], np.array([i], dtype=np.int32),
-                                              False, PROBE))
+                tier.submit_store(TransferJob(10_000 + i, [key], np.array([i], dtype=np.int32), False, PROBE))
             release.set()
             tier.drain_jobs()
             results = {r.job_id: r for r in tier.get_finished_jobs()}
@@ -479,10 +492,17 @@ def test_store_jobs_that_queue_up_share_one_sync_and_commit(model_dir, tmp_path)
 
 
 def test_tier_config_is_validated_in_human_units(tmp_path):
-    cfg = parse_tier_config({"type": "TieredDiskTier", "module_path": TIER_MODULE,
-                             "locality": "LOCAL", "disk_path": str(tmp_path),
-                             "disk_bytes": "2GiB", "io_backend": "posix",
-                             "max_pending_disk_writes": 64})
+    cfg = parse_tier_config(
+        {
+            "type": "TieredDiskTier",
+            "module_path": TIER_MODULE,
+            "locality": "LOCAL",
+            "disk_path": str(tmp_path),
+            "disk_bytes": "2GiB",
+            "io_backend": "posix",
+            "max_pending_disk_writes": 64,
+        }
+    )
     assert cfg.disk_bytes == 2 * 1024**3 and cfg.io_backend == "posix"
     assert cfg.max_pending_disk_writes == 64
     with pytest.raises(ConfigError, match=r"'disk_byte'.*did you mean 'disk_bytes'"):

@@ -14,9 +14,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 #: The files in configs/ that select our spec (others, e.g. for vLLM's tiering spec, are
 #: tested with that spec).
-CONFIG_FILES = [p for p in sorted((REPO / "configs").glob("*.json"))
-                if json.loads(p.read_text())["kv_connector_extra_config"].get("spec_name")
-                == "TieredOffloadingSpec"]
+CONFIG_FILES = [
+    p
+    for p in sorted((REPO / "configs").glob("*.json"))
+    if json.loads(p.read_text())["kv_connector_extra_config"].get("spec_name") == "TieredOffloadingSpec"
+]
 SPEC = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm"}
 
 
@@ -37,8 +39,7 @@ except ImportError as e:
 else:
     print("NO ERROR")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "IMPORT-ERROR: tiered_kv.integrations.vllm needs vLLM 0.33" in out.stdout
     assert "The rest of tiered_kv works without vLLM" in out.stdout
@@ -51,12 +52,17 @@ def test_configs_has_files_for_our_spec():
     assert len(CONFIG_FILES) >= 3, "configs/ lost its TieredOffloadingSpec files"
 
 
-def _factory_config(extra: dict, *, layers: int, kv_heads_per_rank: int, head_dim: int,
-                    world_size: int, tokens_per_block: int = 16):
+def _factory_config(
+    extra: dict, *, layers: int, kv_heads_per_rank: int, head_dim: int, world_size: int, tokens_per_block: int = 16
+):
     """The ``OffloadingConfig`` vLLM builds for a bf16 Llama-shaped model (rank 0)."""
-    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig,
-                                           OffloadingGroupConfig, OffloadingModelConfig,
-                                           OffloadingParallelConfig)
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
 
     bytes_per_token = 2 * layers * kv_heads_per_rank * head_dim * 2
     chunk_tokens = int(extra.get("block_size", tokens_per_block))
@@ -64,18 +70,20 @@ def _factory_config(extra: dict, *, layers: int, kv_heads_per_rank: int, head_di
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block, names, 0),),
         worker_kv_bytes_per_block=bytes_per_token * tokens_per_block,
-        enable_kv_cache_events=False, extra_config=extra, engine_id="factory-test",
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id="factory-test",
         model=OffloadingModelConfig(extra.get("model_id", "m"), "bfloat16", 131072),
         cache=OffloadingCacheConfig(tokens_per_block, chunk_tokens // tokens_per_block),
-        parallel=OffloadingParallelConfig(0, world_size, world_size, 1, 1, 1, 0, 1, None, True))
+        parallel=OffloadingParallelConfig(0, world_size, world_size, 1, 1, 1, 0, 1, None, True),
+    )
 
 
 # configs/README.md: geometry per file, and the CPU blocks per rank its table promises.
 _README = {
     "llama-3.1-8b-1xh100.json": (dict(layers=32, kv_heads_per_rank=8, head_dim=128, world_size=1), 32_768),
     "llama-3.1-70b-tp4.json": (dict(layers=80, kv_heads_per_rank=2, head_dim=128, world_size=4), 39_321),
-    "qwen2.5-7b-instruct-1m-tp4.json": (dict(layers=28, kv_heads_per_rank=1, head_dim=128, world_size=4),
-                                        74_898),
+    "qwen2.5-7b-instruct-1m-tp4.json": (dict(layers=28, kv_heads_per_rank=1, head_dim=128, world_size=4), 74_898),
 }
 
 
@@ -153,15 +161,19 @@ _BAD_CONFIGS = [
     ({"offload_prompt_only": "false"}, r"offload_prompt_only: expected true or false \(a JSON boolean\), got 'false'"),
     ({"canonical_layout": True}, r"canonical_layout: not supported by TieredOffloadingSpec"),
     ({"sync_load_budget_bytes": "1GiB"}, r"sync_load_budget_bytes: expected a byte count >= 0"),
-    ({"hash_algorithm": "xxhash"}, r"hash_algorithm: 'xxhash' does not match vLLM's --prefix-caching-hash-algo 'sha256'"),
+    (
+        {"hash_algorithm": "xxhash"},
+        r"hash_algorithm: 'xxhash' does not match vLLM's --prefix-caching-hash-algo 'sha256'",
+    ),
     ({"disk_path": "FILE"}, r"disk_path .* exists and is not a directory"),
 ]
 
 
 @vllm_only
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("bad,message", _BAD_CONFIGS, ids=[next(iter(b)) + "=" + str(list(b.values())[-1])
-                                                          for b, _ in _BAD_CONFIGS])
+@pytest.mark.parametrize(
+    "bad,message", _BAD_CONFIGS, ids=[next(iter(b)) + "=" + str(list(b.values())[-1]) for b, _ in _BAD_CONFIGS]
+)
 def test_a_bad_config_fails_vllm_start_up_naming_the_key(bad, message, model_dir, tmp_path):
     import vllm_harness as vh
 
@@ -179,7 +191,7 @@ def test_a_bad_config_fails_vllm_start_up_naming_the_key(bad, message, model_dir
 def _readme_serve_example() -> dict:
     text = (REPO / "README.md").read_text()
     start = text.index("--kv-transfer-config '") + len("--kv-transfer-config '")
-    return json.loads(text[start:text.index("'", start)])
+    return json.loads(text[start : text.index("'", start)])
 
 
 @vllm_only
@@ -199,6 +211,7 @@ def test_the_readme_vllm_serve_example_is_a_valid_config(tmp_path):
         assert f"`{key}`" in readme, f"README does not document {key}"
     extra["disk_path"] = str(tmp_path / "disk")
     spec = OffloadingSpecFactory.create_spec(
-        _factory_config(extra, layers=32, kv_heads_per_rank=8, head_dim=128, world_size=1))
+        _factory_config(extra, layers=32, kv_heads_per_rank=8, head_dim=128, world_size=1)
+    )
     assert spec.geometry.num_cpu_slots == 32_768
     assert spec.tiered_config.write_policy == "write_through" and spec.tiered_config.promote_on_hit

@@ -14,8 +14,11 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
-                    reason="vLLM is not installed (make venv installs it)", exc_type=ImportError)
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM is not installed (make venv installs it)",
+    exc_type=ImportError,
+)
 
 import torch  # noqa: E402
 import vllm_harness as vh  # noqa: E402
@@ -148,8 +151,9 @@ def test_worker_moves_partial_first_and_last_chunks_exactly(model_dir):
         manager, ctx = h.manager, ReqContext(req_id="direct")
         gen = torch.Generator().manual_seed(3)
         for t in h.kv_caches.values():
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
-                                                    generator=gen))
+            t.view(torch.uint8).copy_(
+                torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen)
+            )
         before = {n: t.clone() for n, t in h.kv_caches.items()}
         keys = [b"k" * 32 + bytes(4), b"q" * 32 + bytes(4)]
         out = manager.prepare_store(keys, ctx)
@@ -427,8 +431,7 @@ def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
         assert value("tiered_kv_tier_capacity_blocks", tier="cpu") == 2
         assert value("tiered_kv_tier_used_blocks", tier="disk") == 4
         assert value("vllm:kv_offload_load_bytes_total") == 2 * GPU_BLOCK_BYTES
-        info = [s for m in registry.collect() if m.name == "vllm:kv_offload_config_info"
-                for s in m.samples]
+        info = [s for m in registry.collect() if m.name == "vllm:kv_offload_config_info" for s in m.samples]
         assert info and info[0].labels["tiered_cpu_slots"] == "2"
         assert info[0].labels["tiered_disk_path"] == str(tmp_path / "disk")
     finally:

@@ -36,8 +36,14 @@ HEADS, HEAD_DIM, LAYERS = 2, 16, 2
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     torch.manual_seed(1234)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                                   num_key_value_heads=HEADS, intermediate_size=128, vocab_size=1000)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=HEADS,
+        intermediate_size=128,
+        vocab_size=1000,
+    )
     path = tmp_path_factory.mktemp("tiny-llama")
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -69,18 +75,33 @@ def write_inputs(tmp_path: Path, block_size: int = GPU_BLOCK, prompts=PROMPTS, *
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
     config = tmp_path / "kv-transfer-config.json"
-    config.write_text(json.dumps({
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"spec_name": "TieredOffloadingSpec",
-                                      "spec_module_path": "tiered_kv.integrations.vllm", "cpu_bytes": "1MiB",
-                                      "disk_path": str(tmp_path / "cache"), "disk_bytes": "8MiB",
-                                      "block_size": block_size, "model_id": "tiny-llama", **extra}}))
+    config.write_text(
+        json.dumps(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieredOffloadingSpec",
+                    "spec_module_path": "tiered_kv.integrations.vllm",
+                    "cpu_bytes": "1MiB",
+                    "disk_path": str(tmp_path / "cache"),
+                    "disk_bytes": "8MiB",
+                    "block_size": block_size,
+                    "model_id": "tiny-llama",
+                    **extra,
+                },
+            }
+        )
+    )
     return prompts_file, config
 
 
 def run_warmup(prompts_file: Path, config: Path, model_dir: Path, *extra: str, code: int = 0, env=None):
-    result = runner.invoke(app, ["warmup", str(prompts_file), "--model", str(model_dir), "--config", str(config),
-                                 "--device", "cpu", *extra], env=env)
+    result = runner.invoke(
+        app,
+        ["warmup", str(prompts_file), "--model", str(model_dir), "--config", str(config), "--device", "cpu", *extra],
+        env=env,
+    )
     assert result.exit_code == code, result.output
     assert "Traceback" not in result.output
     return result
@@ -139,8 +160,12 @@ _FRESH = textwrap.dedent("""
 
 def load_in_fresh_process(prompts_file: Path, configs: list[Path], tmp_path: Path) -> list[list[dict]]:
     out = tmp_path / "loaded.pt"
-    proc = subprocess.run([sys.executable, "-c", _FRESH, str(prompts_file), str(out), *map(str, configs)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH, str(prompts_file), str(out), *map(str, configs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return torch.load(out)
 
@@ -167,16 +192,21 @@ def test_a_fresh_process_hits_every_block_and_loads_the_models_kv(model_dir, eng
             for (k, v), layer in zip(model_kv(engine, tokens), got["kv"]):
                 # layer: (2, kernel blocks, block tokens, heads, dim) -> (heads, tokens, dim)
                 as_model = layer.reshape(2, n * chunk, HEADS, HEAD_DIM).permute(0, 2, 1, 3)
-                torch.testing.assert_close(as_model[0], k[:, :n * chunk])
-                torch.testing.assert_close(as_model[1], v[:, :n * chunk])
+                torch.testing.assert_close(as_model[0], k[:, : n * chunk])
+                torch.testing.assert_close(as_model[1], v[:, : n * chunk])
 
 
 def test_summary_table_and_resuming(model_dir, tmp_path):
     prompts_file, config = write_inputs(tmp_path)
     text = run_warmup(prompts_file, config, model_dir).stdout
     total = expected_blocks(PROMPTS, GPU_BLOCK)
-    for words in (f"{total} distinct: {total} written", "4 (0 already complete, 1 shorter", "bytes written",
-                  "tokens computed", "2 layers, 2 KV heads x 16, float32"):
+    for words in (
+        f"{total} distinct: {total} written",
+        "4 (0 already complete, 1 shorter",
+        "bytes written",
+        "tokens computed",
+        "2 layers, 2 KV heads x 16, float32",
+    ):
         assert words in text
 
     again = json.loads(run_warmup(prompts_file, config, model_dir, "--json").stdout)
@@ -217,12 +247,13 @@ def test_tensor_parallel_ranks_hold_their_heads(engine, tmp_path):
             for b, key in enumerate(keys):
                 raw = store.read_block(rank, key)
                 assert raw is not None
-                unpack_blocks(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(1, -1), tensors, layout,
-                              np.array([[b]]))
+                unpack_blocks(
+                    torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(1, -1), tensors, layout, np.array([[b]])
+                )
             for (k, v), t in zip(kv, tensors):  # t: (2, 4 blocks, 16, 1 head, dim)
                 got = t.reshape(2, 4 * GPU_BLOCK, 1, HEAD_DIM).permute(0, 2, 1, 3)
-                torch.testing.assert_close(got[0], k[rank:rank + 1])
-                torch.testing.assert_close(got[1], v[rank:rank + 1])
+                torch.testing.assert_close(got[0], k[rank : rank + 1])
+                torch.testing.assert_close(got[1], v[rank : rank + 1])
     finally:
         store.close()
 
@@ -230,8 +261,12 @@ def test_tensor_parallel_ranks_hold_their_heads(engine, tmp_path):
 def test_settings_that_cannot_work_fail_with_one_line(model_dir, tmp_path):
     prompts_file, config = write_inputs(tmp_path)
     cases = [
-        (write_inputs(tmp_path / "x", hash_algorithm="xxhash")[1], (), {"PYTHONHASHSEED": None},
-         "run the server with PYTHONHASHSEED=<value> and set hash_seed"),
+        (
+            write_inputs(tmp_path / "x", hash_algorithm="xxhash")[1],
+            (),
+            {"PYTHONHASHSEED": None},
+            "run the server with PYTHONHASHSEED=<value> and set hash_seed",
+        ),
         (config, ("--engine", "vllm"), None, "needs CUDA + vLLM"),
         (config, ("--engine", "jax"), None, "expected hf or vllm"),
         (config, ("--gpu-block-size", "12"), None, "not a multiple of --gpu-block-size 12"),
@@ -244,14 +279,20 @@ def test_settings_that_cannot_work_fail_with_one_line(model_dir, tmp_path):
         assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     # Settings the seed can be fixed with work for xxhash.
     xx = write_inputs(tmp_path / "xx", hash_algorithm="xxhash", hash_seed="42")[1]
-    assert json.loads(run_warmup(prompts_file, xx, model_dir, "--json",
-                                 env={"PYTHONHASHSEED": None}).stdout)["blocks_written"] > 0
+    assert (
+        json.loads(run_warmup(prompts_file, xx, model_dir, "--json", env={"PYTHONHASHSEED": None}).stdout)[
+            "blocks_written"
+        ]
+        > 0
+    )
 
     bad = tmp_path / "bad.jsonl"
-    for content, words in (('{"token_ids": [1, 2]}\n[1, -3]\n', "bad.jsonl:2: expected token ids"),
-                           ('{"tokens": [1]}\n', "expected a 'token_ids' or 'text' key"),
-                           ('{"text": "hello"}\n', "cannot load a tokenizer"),
-                           ('[5, 99999]\n', "token id 99999 is outside the model's vocabulary")):
+    for content, words in (
+        ('{"token_ids": [1, 2]}\n[1, -3]\n', "bad.jsonl:2: expected token ids"),
+        ('{"tokens": [1]}\n', "expected a 'token_ids' or 'text' key"),
+        ('{"text": "hello"}\n', "cannot load a tokenizer"),
+        ("[5, 99999]\n", "token id 99999 is outside the model's vocabulary"),
+    ):
         bad.write_text(content)
         result = run_warmup(bad, config, model_dir, code=2)
         assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -287,8 +328,9 @@ def test_text_prompts_go_through_the_tokenizer(model_dir, tmp_path):
     ids = [i + 1 for i in range(40)]
     prompts_file, config = write_inputs(tmp_path, prompts=[ids])
     prompts_file.write_text(json.dumps({"text": text}) + "\n")
-    report = json.loads(run_warmup(prompts_file, config, model_dir, "--tokenizer", str(tmp_path / "tok"),
-                                   "--json").stdout)
+    report = json.loads(
+        run_warmup(prompts_file, config, model_dir, "--tokenizer", str(tmp_path / "tok"), "--json").stdout
+    )
     assert report["blocks_written"] == 2
     # The same tokens given as ids are already there.
     prompts_file.write_text(json.dumps({"token_ids": ids}) + "\n")

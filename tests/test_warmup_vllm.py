@@ -16,8 +16,9 @@ from tiered_kv.warmup import KvFirstLayout, LayoutRequest, load_config, warmup
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("algo,seed,factor", [("sha256", None, 1), ("sha256_cbor", None, 2),
-                                              ("xxhash", "99", 1), ("xxhash_cbor", "99", 2)])
+@pytest.mark.parametrize(
+    "algo,seed,factor", [("sha256", None, 1), ("sha256_cbor", None, 2), ("xxhash", "99", 1), ("xxhash_cbor", "99", 2)]
+)
 def test_written_keys_equal_vllms_block_hashes(engine, tmp_path, monkeypatch, algo, seed, factor):  # noqa: F811
     import vllm_harness
 
@@ -36,8 +37,12 @@ def test_written_keys_equal_vllms_block_hashes(engine, tmp_path, monkeypatch, al
         theirs |= set(chunk_keys(vllm_harness.hash_blocks(tokens, GPU_BLOCK, algo), factor))
     assert written == theirs
     # The disk manager a server opens finds them under those keys.
-    m = DiskOffloadingManager(tmp_path / "cache", ns.fingerprint, KvFirstLayout(
-        LayoutRequest(engine.geometry, torch.float32, GPU_BLOCK, factor, 1)).kv_layout, disk_bytes=8 << 20)
+    m = DiskOffloadingManager(
+        tmp_path / "cache",
+        ns.fingerprint,
+        KvFirstLayout(LayoutRequest(engine.geometry, torch.float32, GPU_BLOCK, factor, 1)).kv_layout,
+        disk_bytes=8 << 20,
+    )
     try:
         assert all(m.is_loadable(k) for k in theirs)
     finally:

@@ -10,7 +10,10 @@ from tiered_kv.host_memory import HostKVCache
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.worker.cpu_gpu import CpuGpuOffloadingHandlers
 from tiered_kv.worker.worker import (
-    HandlerRegistrationError, OffloadingHandler, OffloadingWorker, TransferResult,
+    HandlerRegistrationError,
+    OffloadingHandler,
+    OffloadingWorker,
+    TransferResult,
     UnregisteredTransferError,
 )
 

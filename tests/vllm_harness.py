@@ -148,8 +148,11 @@ def make_vllm_config(
     (vLLM's ``--revision``, ``--quantization``...)."""
     return VllmConfig(
         model_config=ModelConfig(
-            model=str(model_dir), skip_tokenizer_init=True, seed=0,
-            max_model_len=max_model_len, **(model_kwargs or {}),
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            seed=0,
+            max_model_len=max_model_len,
+            **(model_kwargs or {}),
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -159,7 +162,9 @@ def make_vllm_config(
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(
-            block_size=block_size, cache_dtype="auto", enable_prefix_caching=True,
+            block_size=block_size,
+            cache_dtype="auto",
+            enable_prefix_caching=True,
             prefix_caching_hash_algo=prefix_caching_hash_algo,
         ),
         kv_transfer_config=KVTransferConfig(
@@ -186,14 +191,20 @@ def make_kv_cache_config(vllm_config: VllmConfig, num_gpu_blocks: int) -> KVCach
         head_size=model_config.get_head_size(),
         dtype=model_config.dtype,
     )
-    layer_names = [f"model.layers.{i}.self_attn.attn"
-                   for i in range(model_config.get_num_layers(parallel_config))]
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(model_config.get_num_layers(parallel_config))]
     page = spec.page_size_bytes
-    tensors = [KVCacheTensor(size=page * num_gpu_blocks * len(layer_names), layers=layer_names,
-                             layer_stride=page * num_gpu_blocks, block_stride=page)]
+    tensors = [
+        KVCacheTensor(
+            size=page * num_gpu_blocks * len(layer_names),
+            layers=layer_names,
+            layer_stride=page * num_gpu_blocks,
+            block_stride=page,
+        )
+    ]
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
-    return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
-                         kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+    return KVCacheConfig(
+        num_blocks=num_gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)]
+    )
 
 
 @dataclass
@@ -262,8 +273,7 @@ class VllmHarness:
         """
         if worker not in ("ack", "real"):
             raise ValueError(f"worker must be 'ack' or 'real', got {worker!r}")
-        vllm_config = make_vllm_config(model_dir, extra_config, block_size=block_size,
-                                       **config_kwargs)
+        vllm_config = make_vllm_config(model_dir, extra_config, block_size=block_size, **config_kwargs)
         kv_cache_config = make_kv_cache_config(vllm_config, num_gpu_blocks)
         with set_current_vllm_config(vllm_config):
             scheduler = Scheduler(
@@ -285,13 +295,16 @@ class VllmHarness:
         for name in group.layer_names:
             # vLLM 0.33's standard layout: num_blocks first, then heads, tokens, K|V.
             self.kv_caches[name] = torch.zeros(
-                (self.kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size,
-                 spec.head_size + spec.head_size_v),
+                (
+                    self.kv_cache_config.num_blocks,
+                    spec.num_kv_heads,
+                    spec.block_size,
+                    spec.head_size + spec.head_size_v,
+                ),
                 dtype=spec.dtype,
             )
         with set_current_vllm_config(self.vllm_config):
-            self.worker_connector = OffloadingConnector(
-                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.worker_connector = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             self.worker_connector.register_kv_caches(self.kv_caches)
 
     # -- what tests look at -----------------------------------------------------------
@@ -325,8 +338,7 @@ class VllmHarness:
 
     def gpu_block_bytes(self, block_id: int) -> bytes:
         """Every layer's bytes of one GPU block, in layer order (real mode)."""
-        return b"".join(t[block_id].contiguous().view(torch.uint8).numpy().tobytes()
-                        for t in self.kv_caches.values())
+        return b"".join(t[block_id].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv_caches.values())
 
     def expected_block_bytes(self, block_hash: bytes) -> bytes:
         """The bytes the fake forward pass writes for a full block with this hash."""
@@ -342,23 +354,30 @@ class VllmHarness:
         """Per full block of a running request: do its GPU bytes match its hash?"""
         request = self.scheduler.requests[req_id]
         ids = self.block_ids(req_id)
-        num_full = min(request.num_computed_tokens // self.block_size,
-                       len(request.block_hashes), len(ids))
-        return [self.gpu_block_bytes(ids[i]) == self.expected_block_bytes(
-                    bytes(request.block_hashes[i])) for i in range(num_full)]
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(ids))
+        return [
+            self.gpu_block_bytes(ids[i]) == self.expected_block_bytes(bytes(request.block_hashes[i]))
+            for i in range(num_full)
+        ]
 
     # -- driving ----------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], max_tokens: int = 1,
-                    req_id: str | None = None,
-                    kv_transfer_params: dict[str, Any] | None = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int = 1,
+        req_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> str:
         """Queue a request; it finishes after ``max_tokens`` sampled tokens."""
         req_id = req_id or f"req-{next(self._req_counter)}"
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                extra_args={"kv_transfer_params": kv_transfer_params}
-                                if kv_transfer_params else None)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+        )
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -387,8 +406,7 @@ class VllmHarness:
                 finished_req_ids=set(output.finished_req_ids),
                 finished_recving=set(kv_output.finished_recving or ()),
             )
-            outputs = self.scheduler.update_from_output(
-                output, self._model_output(output, kv_output))
+            outputs = self.scheduler.update_from_output(output, self._model_output(output, kv_output))
         for engine_output in outputs.values():
             if engine_output.scheduler_stats is not None:
                 record.kv_connector_stats = engine_output.scheduler_stats.kv_connector_stats
@@ -440,9 +458,10 @@ class VllmHarness:
         ``build_metric_definitions`` and asserts that every reported metric is among
         them) into ``registry`` (a fresh one by default); return the registry."""
         registry = registry or CollectorRegistry()
-        metric_types = {cls: functools.partial(cls, registry=registry)
-                        for cls in (prometheus_client.Gauge, prometheus_client.Counter,
-                                    prometheus_client.Histogram)}
+        metric_types = {
+            cls: functools.partial(cls, registry=registry)
+            for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)
+        }
         prom = OffloadPromMetrics(self.vllm_config, metric_types, ["engine"], {0: ["0"]})
         for record in self.steps:
             if record.kv_connector_stats is not None:
@@ -470,8 +489,8 @@ class VllmHarness:
             if req_id in self.prefix_hits or stats is None or not stats.num_prompt_tokens:
                 continue
             self.prefix_hits[req_id] = PrefixHit(
-                stats.num_prompt_tokens, stats.num_local_cached_tokens,
-                stats.num_external_cached_tokens)
+                stats.num_prompt_tokens, stats.num_local_cached_tokens, stats.num_external_cached_tokens
+            )
 
     def _ack_worker(self, meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
         worker_meta = OffloadingWorkerMetadata()
@@ -481,24 +500,22 @@ class VllmHarness:
         recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
         return KVConnectorOutput(
             finished_recving=recving or None,
-            kv_connector_worker_meta=worker_meta if worker_meta.completed_jobs else None)
+            kv_connector_worker_meta=worker_meta if worker_meta.completed_jobs else None,
+        )
 
-    def _run_real_worker(self, output: SchedulerOutput,
-                         meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
+    def _run_real_worker(self, output: SchedulerOutput, meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
         worker = self.worker_connector
         assert worker is not None
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
-        worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={},
-                                            slot_mapping={}))
+        worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
         self._fake_forward(output)
         if output.total_num_scheduled_tokens > 0:
             worker.wait_for_save()
         _, recving = worker.get_finished(output.finished_req_ids)
         worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
-        return KVConnectorOutput(finished_recving=recving or None,
-                                 kv_connector_worker_meta=worker_meta)
+        return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
 
     def _fake_forward(self, output: SchedulerOutput) -> None:
         # schedule() has already advanced num_computed_tokens past this step's tokens.
@@ -517,15 +534,13 @@ class VllmHarness:
             raw = tensor[block_id].view(torch.uint8)
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
-    def _model_output(self, output: SchedulerOutput,
-                      kv_output: KVConnectorOutput) -> ModelRunnerOutput:
+    def _model_output(self, output: SchedulerOutput, kv_output: KVConnectorOutput) -> ModelRunnerOutput:
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
             request = self.scheduler.requests[req_id]
             # Only a request with every token computed samples (not a prefill chunk).
-            sampled.append([SAMPLED_TOKEN_ID]
-                           if request.num_computed_tokens >= request.num_tokens else [])
+            sampled.append([SAMPLED_TOKEN_ID] if request.num_computed_tokens >= request.num_tokens else [])
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -534,15 +549,18 @@ class VllmHarness:
         )
 
 
-def hash_blocks(token_ids: list[int], block_size: int,
-                algo: str = "sha256") -> list[bytes]:
+def hash_blocks(token_ids: list[int], block_size: int, algo: str = "sha256") -> list[bytes]:
     """vLLM's prefix block hashes of ``token_ids`` (full blocks only), the values the
     connector turns into offload keys with ``make_offload_key(hash, group_idx)``."""
     hash_fn: Callable[[Any], bytes] = get_hash_fn_by_name(algo)
     init_none_hash(hash_fn)
-    request = Request(request_id="hash-probe", prompt_token_ids=list(token_ids),
-                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
-                      block_hasher=get_request_block_hasher(block_size, hash_fn))
+    request = Request(
+        request_id="hash-probe",
+        prompt_token_ids=list(token_ids),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, hash_fn),
+    )
     return [bytes(h) for h in request.block_hashes]
 
 
@@ -566,14 +584,14 @@ class ChunkCopyWorker(OffloadingWorker):
     def _copy(self, gpu_spec, chunk_ids, to_host: bool) -> None:
         start = 0
         for size, first_logical in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
-            ids = gpu_spec.block_ids[start:start + size]
+            ids = gpu_spec.block_ids[start : start + size]
             start += size
             for i, block in enumerate(ids):
                 logical = first_logical + i
                 chunk = chunk_ids[logical // self.bpc - first_logical // self.bpc]
                 sub = logical % self.bpc
                 for gpu, rows, page in zip(self.gpu, self.rows, self.page):
-                    cell = rows[chunk, sub * page:(sub + 1) * page]
+                    cell = rows[chunk, sub * page : (sub + 1) * page]
                     if to_host:
                         cell.copy_(gpu[block])
                     else:

@@ -156,8 +156,9 @@ class LowerTier(Protocol):
     def absent_among(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
         """The members of ``block_hashes`` neither loadable nor pending here, in order."""
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash], *, fresh: bool = False,
-                      protected: Container[BlockHash] = ()) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, block_hashes: Iterable[BlockHash], *, fresh: bool = False, protected: Container[BlockHash] = ()
+    ) -> PrepareStoreOutput | None:
         """Reserve slots (pending) for the absent ones among ``block_hashes``, evicting
         neither those nor ``protected``; None, changing nothing, when room cannot be
         made. ``fresh``: the caller knows the hashes are distinct and absent."""

@@ -18,10 +18,20 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -135,8 +145,7 @@ def _parse_text(value: Any, key: str, *, empty_ok: bool = False, numbers_ok: boo
         hint = "; omit the key to use the default" if value is None else ""
         raise ConfigError(f"{key}: expected {what}, got {show(value)}{hint}")
     if not empty_ok and not value.strip():
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}; omit the key to use "
-                          f"the default")
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}; omit the key to use the default")
     return value
 
 
@@ -148,8 +157,9 @@ def _parse_disk_path(value: Any, key: str) -> str | None:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a directory path (a string), got {show(value)}; omit the "
-                          f"key for no disk tier")
+        raise ConfigError(
+            f"{key}: expected a directory path (a string), got {show(value)}; omit the key for no disk tier"
+        )
     if "\0" in value:
         raise ConfigError(f"{key}: a path cannot contain a NUL character, got {value!r}")
     return value if value.strip() else None
@@ -158,8 +168,15 @@ def _parse_disk_path(value: Any, key: str) -> str | None:
 #: Keys of vLLM's ``kv_connector_extra_config`` that vLLM itself reads (its spec factory,
 #: ``OffloadingSpec`` and the OffloadingConnector); our vLLM spec passes them through.
 #: ``block_size`` is not among them: it means the same to both and is ours to validate.
-VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "blocks_per_chunk", "offload_prompt_only",
-                         "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes")
+VLLM_PASSTHROUGH_KEYS = (
+    "spec_name",
+    "spec_module_path",
+    "blocks_per_chunk",
+    "offload_prompt_only",
+    "self_describing_kv_events",
+    "canonical_layout",
+    "sync_load_budget_bytes",
+)
 
 WRITE_POLICIES = ("write_through", "write_back")
 IO_BACKENDS = ("auto", "kvikio", "posix")
@@ -181,9 +198,11 @@ def _parse_remote(value: Any, key: str) -> Any:
 
 def _parse_disk_eviction_policy(value: Any, key: str) -> str:
     if value == "arc":
-        raise ConfigError(f"{key}: the disk tier evicts in LRU order only (its index keeps each "
-                          f"block's last access), got 'arc'; ARC is for the CPU tier: "
-                          f"set eviction_policy: arc")
+        raise ConfigError(
+            f"{key}: the disk tier evicts in LRU order only (its index keeps each "
+            f"block's last access), got 'arc'; ARC is for the CPU tier: "
+            f"set eviction_policy: arc"
+        )
     return _parse_choice(value, key, DISK_EVICTION_POLICIES)
 
 
@@ -261,8 +280,7 @@ class TieredConfig:
         return tuple(f.name for f in fields(cls) if f.name != "passthrough")
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None = None,
-                  passthrough_keys: tuple[str, ...] = ()) -> "TieredConfig":
+    def from_dict(cls, raw: Mapping[str, Any] | None = None, passthrough_keys: tuple[str, ...] = ()) -> "TieredConfig":
         """Validate ``raw``. Keys in ``passthrough_keys`` are kept unparsed; any other
         unknown key raises ``ConfigError`` naming it (with the closest known key)."""
         raw = dict(raw or {})
@@ -276,14 +294,14 @@ class TieredConfig:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(
-                    f"unknown config key {key!r}{hint} Known keys: {', '.join(known)}"
-                )
+                raise ConfigError(f"unknown config key {key!r}{hint} Known keys: {', '.join(known)}")
             values[key] = cls._PARSERS[key](value, key)
         if "disk_bytes" in values and values.get("disk_path") is None:
-            raise ConfigError("disk_bytes: set without disk_path, so there would be no disk tier to "
-                              "size; add \"disk_path\": \"/mnt/nvme/tiered-kv\" (a directory on "
-                              "local NVMe) or remove disk_bytes")
+            raise ConfigError(
+                "disk_bytes: set without disk_path, so there would be no disk tier to "
+                'size; add "disk_path": "/mnt/nvme/tiered-kv" (a directory on '
+                "local NVMe) or remove disk_bytes"
+            )
         return cls(**values, passthrough=passthrough)
 
     @property

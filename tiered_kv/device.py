@@ -58,8 +58,10 @@ def can_pin_memory() -> bool:
 
 #: The kernel's transparent huge page settings for private anonymous memory and for
 #: shared memory (``empty_shared``'s memfds); ``kernel_huge_pages`` reads them.
-THP_SETTINGS = {"private": "/sys/kernel/mm/transparent_hugepage/enabled",
-                "shared": "/sys/kernel/mm/transparent_hugepage/shmem_enabled"}
+THP_SETTINGS = {
+    "private": "/sys/kernel/mm/transparent_hugepage/enabled",
+    "shared": "/sys/kernel/mm/transparent_hugepage/shmem_enabled",
+}
 
 
 def kernel_huge_pages(memory: str = "private") -> str:
@@ -71,7 +73,7 @@ def kernel_huge_pages(memory: str = "private") -> str:
             text = f.read()
     except OSError:
         return "n/a"
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
 
 
 #: Alignment of ``empty_host`` tensors (a page: what O_DIRECT needs).
@@ -90,7 +92,7 @@ def aligned_empty(nbytes: int, device: str | torch.device = "cpu") -> torch.Tens
     """
     base = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, device=device)
     start = (-base.data_ptr()) % HOST_ALIGN
-    return base[start:start + nbytes]
+    return base[start : start + nbytes]
 
 
 def empty_pageable(nbytes: int) -> torch.Tensor:
@@ -129,8 +131,9 @@ def empty_pinned(nbytes: int) -> torch.Tensor:
     return _empty_mapped(nbytes, on_map=cuda_host_register, on_release=cuda_host_unregister)
 
 
-def _empty_mapped(nbytes: int, on_map: Callable[[int, int], None] | None = None,
-                  on_release: Callable[[int], object] | None = None) -> torch.Tensor:
+def _empty_mapped(
+    nbytes: int, on_map: Callable[[int, int], None] | None = None, on_release: Callable[[int], object] | None = None
+) -> torch.Tensor:
     """``nbytes`` of a private anonymous mapping of their own, from 2 MiB on starting on a
     2 MiB boundary and advised for huge pages, as a uint8 tensor whose storage is exactly
     those bytes.
@@ -141,8 +144,7 @@ def _empty_mapped(nbytes: int, on_map: Callable[[int, int], None] | None = None,
     """
     huge = nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
     try:
-        region = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0),
-                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:  # what torch.empty raises when memory cannot be had
         raise RuntimeError(f"cannot map {nbytes} bytes of host memory: {e}") from e
     whole = memoryview(region)
@@ -151,7 +153,7 @@ def _empty_mapped(nbytes: int, on_map: Callable[[int, int], None] | None = None,
     # storage's first byte. And tensors hold this memoryview, not the mmap: freeing the
     # mmap unmaps it before its weak references are told, too late for ``on_release``.
     # The memoryview's finalizer holds the mmap instead, so it runs while still mapped.
-    view = whole[start:start + nbytes]
+    view = whole[start : start + nbytes]
     whole.release()
     tensor = torch.frombuffer(view, dtype=torch.uint8)
     address = tensor.data_ptr()
@@ -230,8 +232,10 @@ def _cuda_runtime() -> ctypes.CDLL | None:
             return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
             continue
-    log_fallback_once("the CUDA runtime library was not found; a refused cudaHostRegister may "
-                      "surface as an error of a later CUDA call")
+    log_fallback_once(
+        "the CUDA runtime library was not found; a refused cudaHostRegister may "
+        "surface as an error of a later CUDA call"
+    )
     return None
 
 
@@ -246,8 +250,7 @@ def empty_host(shape: Sequence[int], dtype: torch.dtype, pin: bool | None = None
     if pin is None:
         pin = can_pin_memory()
         if not pin:
-            log_fallback_once("no CUDA: host KV tensors use ordinary (pageable) memory, "
-                              "copies run synchronously")
+            log_fallback_once("no CUDA: host KV tensors use ordinary (pageable) memory, copies run synchronously")
     elif pin and not can_pin_memory():
         raise RuntimeError("pinned host memory was requested but CUDA is not available")
     # Page-aligned, so rows of it can go to the disk with O_DIRECT without a copy.
@@ -280,8 +283,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cpu")
     if name == "cuda":
         if not cuda_available():
-            raise RuntimeError("device 'cuda' was requested but CUDA is not available; "
-                               "use 'cpu' or 'auto'")
+            raise RuntimeError("device 'cuda' was requested but CUDA is not available; use 'cpu' or 'auto'")
         return torch.device("cuda")
     raise ValueError(f"device: expected auto, cpu or cuda; got {name!r}")
 

@@ -40,8 +40,7 @@ def block_content(block_hashes: Sequence[BlockHash], nbytes: int) -> torch.Tenso
     """The bytes every offloaded block must hold: ``(N, nbytes)`` uint8, a pure function
     of each hash (splitmix64 of the hash's seed and the word position), so they differ
     between blocks and between layers (layers occupy different positions)."""
-    seeds = np.fromiter((xxhash.xxh3_64_intdigest(h) for h in block_hashes), dtype=np.uint64,
-                        count=len(block_hashes))
+    seeds = np.fromiter((xxhash.xxh3_64_intdigest(h) for h in block_hashes), dtype=np.uint64, count=len(block_hashes))
     words = -(-nbytes // 8)
     x = seeds[:, None] + (np.arange(1, words + 1, dtype=np.uint64) * _GOLDEN)[None, :]
     x ^= x >> np.uint64(30)
@@ -59,13 +58,22 @@ class DeviceKVCache:
     ``head_dim`` each, in either layout; ``device`` is ``auto``, ``cpu`` or ``cuda``.
     """
 
-    def __init__(self, num_layers: int = 8, num_gpu_blocks: int = 64, gpu_block_size: int = 16,
-                 num_kv_heads: int = 4, head_dim: int = 64, dtype: torch.dtype = torch.float16,
-                 kv_before_num_blocks: bool = True, block_size_factor: int = 1,
-                 device: str = "auto"):
+    def __init__(
+        self,
+        num_layers: int = 8,
+        num_gpu_blocks: int = 64,
+        gpu_block_size: int = 16,
+        num_kv_heads: int = 4,
+        head_dim: int = 64,
+        dtype: torch.dtype = torch.float16,
+        kv_before_num_blocks: bool = True,
+        block_size_factor: int = 1,
+        device: str = "auto",
+    ):
         if num_gpu_blocks % block_size_factor:
-            raise ValueError(f"num_gpu_blocks ({num_gpu_blocks}) must be a multiple of "
-                             f"block_size_factor ({block_size_factor})")
+            raise ValueError(
+                f"num_gpu_blocks ({num_gpu_blocks}) must be a multiple of block_size_factor ({block_size_factor})"
+            )
         self.device = resolve_device(device)
         block = (gpu_block_size, num_kv_heads, head_dim)
         shape = (2, num_gpu_blocks, *block) if kv_before_num_blocks else (num_gpu_blocks, 2, *block)
@@ -73,8 +81,9 @@ class DeviceKVCache:
         self.kv_caches: dict[str, torch.Tensor] = {
             f"layer.{i}": torch.zeros(shape, dtype=dtype, device=self.device) for i in range(num_layers)
         }
-        self.layout = KVCacheLayout.from_tensors(self.kv_caches, gpu_block_size, block_size_factor,
-                                                 kv_before_num_blocks)
+        self.layout = KVCacheLayout.from_tensors(
+            self.kv_caches, gpu_block_size, block_size_factor, kv_before_num_blocks
+        )
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -235,8 +244,9 @@ class EngineDriver:
         """Build the worker over ``device``'s tensors (first: a spec may learn the
         layout from them), then the manager."""
         if spec.block_size_factor != device.layout.block_size_factor:
-            raise ValueError(f"spec block_size_factor {spec.block_size_factor} != device cache's "
-                             f"{device.layout.block_size_factor}")
+            raise ValueError(
+                f"spec block_size_factor {spec.block_size_factor} != device cache's {device.layout.block_size_factor}"
+            )
         worker = spec.build_worker(device.kv_caches, device.kv_before_num_blocks)
         return cls(spec.get_manager(), worker, device)
 
@@ -300,8 +310,10 @@ class EngineDriver:
             self.worker.wait(outstanding)
             self.poll()
             if set(self._jobs) == outstanding:
-                raise RuntimeError(f"jobs {sorted(outstanding)} were waited for but never reported "
-                                   f"finished; a handler breaks its contract")
+                raise RuntimeError(
+                    f"jobs {sorted(outstanding)} were waited for but never reported "
+                    f"finished; a handler breaks its contract"
+                )
 
     # ---- steps ----
 
@@ -311,8 +323,10 @@ class EngineDriver:
             self.drain()
             groups = self._pool.allocate(n, own)
         if groups is None:
-            raise ValueError(f"a request needs {n} device blocks but the device cache has only "
-                             f"{self._pool.num_groups}; use a larger device cache or shorter requests")
+            raise ValueError(
+                f"a request needs {n} device blocks but the device cache has only "
+                f"{self._pool.num_groups}; use a larger device cache or shorter requests"
+            )
         return groups
 
     def _kernel_ids(self, groups: Sequence[int]) -> np.ndarray:
@@ -328,8 +342,7 @@ class EngineDriver:
         media = media or [src_spec.medium()] * len(block_hashes)
         ok = False
         try:
-            job_id = self._submit("load", (src_spec, GPULoadStoreSpec(self._kernel_ids(groups))),
-                                  block_hashes, groups)
+            job_id = self._submit("load", (src_spec, GPULoadStoreSpec(self._kernel_ids(groups))), block_hashes, groups)
             self.worker.wait({job_id})
             self.poll()
             # Not reported after wait: the handler broke its contract; recompute.

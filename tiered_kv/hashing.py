@@ -116,8 +116,10 @@ def hash_function(algorithm: str) -> Callable[[Any], bytes]:
     try:
         serialise, digest = _ALGORITHMS[algorithm]
     except KeyError:
-        raise HashSettingsError(f"hash_algorithm: expected one of {', '.join(HASH_ALGORITHMS)} "
-                                f"(vLLM's --prefix-caching-hash-algo), got {algorithm!r}") from None
+        raise HashSettingsError(
+            f"hash_algorithm: expected one of {', '.join(HASH_ALGORITHMS)} "
+            f"(vLLM's --prefix-caching-hash-algo), got {algorithm!r}"
+        ) from None
     return lambda obj: digest(serialise(obj))
 
 
@@ -137,7 +139,8 @@ def resolve_seed(algorithm: str, configured: str = "", env: Mapping[str, str] | 
         if configured and configured != from_env:
             raise HashSettingsError(
                 f"hash_seed {configured!r} in the config differs from PYTHONHASHSEED={from_env!r} "
-                f"in this environment; set them to the same value the server uses")
+                f"in this environment; set them to the same value the server uses"
+            )
         return from_env
     if configured:
         return configured
@@ -146,7 +149,8 @@ def resolve_seed(algorithm: str, configured: str = "", env: Mapping[str, str] | 
             f"hash_algorithm {algorithm} is seeded randomly per process unless PYTHONHASHSEED is "
             f"set, so block hashes would never match the server's: run the server with "
             f"PYTHONHASHSEED=<value> and set hash_seed to the same <value> in the config "
-            f"(or use hash_algorithm sha256)")
+            f"(or use hash_algorithm sha256)"
+        )
     return DEFAULT_SEED
 
 
@@ -168,7 +172,7 @@ class PrefixHasher:
         out = []
         bs = self.block_size
         for start in range(0, len(tokens) - bs + 1, bs):
-            parent = self._hash((parent, tuple(tokens[start:start + bs]), None))
+            parent = self._hash((parent, tuple(tokens[start : start + bs]), None))
             out.append(parent)
         return out
 
@@ -178,4 +182,4 @@ def chunk_keys(block_hashes: Sequence[bytes], blocks_per_chunk: int, suffix: byt
     each full chunk's last block, plus ``suffix`` (e.g. vLLM's 4-byte KV-group index)."""
     if blocks_per_chunk < 1:
         raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-    return [bytes(h) + suffix for h in block_hashes[blocks_per_chunk - 1::blocks_per_chunk]]
+    return [bytes(h) + suffix for h in block_hashes[blocks_per_chunk - 1 :: blocks_per_chunk]]

@@ -41,8 +41,7 @@ from tiered_kv.shared_memory import empty_shared
 logger = logging.getLogger(__name__)
 
 
-def expand_block_ids(block_ids: Sequence[int] | np.ndarray, block_size_factor: int,
-                     skip_count: int = 0) -> np.ndarray:
+def expand_block_ids(block_ids: Sequence[int] | np.ndarray, block_size_factor: int, skip_count: int = 0) -> np.ndarray:
     """Kernel (GPU-sized) block ids of offloaded blocks made of ``block_size_factor``
     kernel blocks each, with the first ``skip_count`` kernel ids dropped.
 
@@ -69,8 +68,9 @@ def kv_planes(tensor: torch.Tensor, kv_before_num_blocks: bool) -> list[torch.Te
     ``ValueError`` if a kernel block of ``tensor`` is not contiguous, or ``tensor`` is
     not ``(2, num_blocks, ...)`` when the KV dimension comes first."""
     if kv_before_num_blocks and (tensor.dim() < 2 or tensor.shape[0] != 2):
-        raise ValueError(f"KV tensor with the KV dimension first must have shape "
-                         f"(2, num_blocks, ...); got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"KV tensor with the KV dimension first must have shape (2, num_blocks, ...); got {tuple(tensor.shape)}"
+        )
     try:
         rows = tensor.view(2, tensor.shape[1], -1) if kv_before_num_blocks else tensor.view(tensor.shape[0], -1)
         rows = rows.view(torch.uint8)
@@ -78,8 +78,9 @@ def kv_planes(tensor: torch.Tensor, kv_before_num_blocks: bool) -> list[torch.Te
             return [rows[0], rows[1]] if kv_before_num_blocks else [rows]
     except RuntimeError:
         pass
-    raise ValueError(f"each kernel block of a KV tensor must be contiguous (shape "
-                     f"{tuple(tensor.shape)}, stride {tensor.stride()})")
+    raise ValueError(
+        f"each kernel block of a KV tensor must be contiguous (shape {tuple(tensor.shape)}, stride {tensor.stride()})"
+    )
 
 
 def as_words(rows: torch.Tensor) -> torch.Tensor:
@@ -87,8 +88,11 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
     length and alignment allow. Element-wise kernels such as CPU ``index_copy_`` run
     several times faster on 8-byte words than on bytes."""
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if rows.shape[-1] % size == 0 and rows.storage_offset() % size == 0 \
-                and all(st % size == 0 for st in rows.stride()[:-1]):
+        if (
+            rows.shape[-1] % size == 0
+            and rows.storage_offset() % size == 0
+            and all(st % size == 0 for st in rows.stride()[:-1])
+        ):
             return rows.view(dtype)
     return rows
 
@@ -105,36 +109,37 @@ def scatter_rows(plane: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -
 
 
 def _layer_planes(tensor: torch.Tensor, layer: LayerLayout) -> list[torch.Tensor]:
-    if tuple(tensor.shape[2 if layer.kv_before_num_blocks else 1:]) != tuple(layer.block_shape):
-        raise ValueError(f"layer {layer.name!r}: tensor shape {tuple(tensor.shape)} does not "
-                         f"match the layout's block shape {layer.block_shape}")
+    if tuple(tensor.shape[2 if layer.kv_before_num_blocks else 1 :]) != tuple(layer.block_shape):
+        raise ValueError(
+            f"layer {layer.name!r}: tensor shape {tuple(tensor.shape)} does not "
+            f"match the layout's block shape {layer.block_shape}"
+        )
     try:
         return kv_planes(tensor, layer.kv_before_num_blocks)
     except ValueError as exc:
         raise ValueError(f"layer {layer.name!r}: {exc}") from None
 
 
-def _check_codec_args(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
-                      block_ids: np.ndarray, buf: torch.Tensor, name: str) -> np.ndarray:
+def _check_codec_args(
+    tensors: Sequence[torch.Tensor], layout: KVCacheLayout, block_ids: np.ndarray, buf: torch.Tensor, name: str
+) -> np.ndarray:
     if len(tensors) != len(layout.layers):
-        raise ValueError(f"expected {len(layout.layers)} layer tensors (one per layout layer), "
-                         f"got {len(tensors)}")
+        raise ValueError(f"expected {len(layout.layers)} layer tensors (one per layout layer), got {len(tensors)}")
     ids = np.asarray(block_ids, dtype=np.int64)
     f = layout.block_size_factor
     if ids.ndim != 2 or ids.shape[1] != f:
         raise ValueError(f"block_ids must have shape (N, block_size_factor={f}); got {ids.shape}")
     if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[0] != ids.shape[0]:
-        raise ValueError(f"{name} must be a uint8 tensor of shape ({ids.shape[0]}, stride); got "
-                         f"{buf.dtype} {tuple(buf.shape)}")
+        raise ValueError(
+            f"{name} must be a uint8 tensor of shape ({ids.shape[0]}, stride); got {buf.dtype} {tuple(buf.shape)}"
+        )
     if buf.shape[1] < layout.bytes_per_block:
-        raise ValueError(f"{name} stride {buf.shape[1]} is smaller than one block "
-                         f"({layout.bytes_per_block} bytes)")
+        raise ValueError(f"{name} stride {buf.shape[1]} is smaller than one block ({layout.bytes_per_block} bytes)")
     if ids.size:
         nb = tensors[0].shape[1 if layout.layers[0].kv_before_num_blocks else 0]
         lo, hi = int(ids.min()), int(ids.max())
         if lo < -1 or hi >= nb:
-            raise ValueError(f"block_ids out of range: found {lo}..{hi}, expected -1 (skip) "
-                             f"or 0..{nb - 1}")
+            raise ValueError(f"block_ids out of range: found {lo}..{hi}, expected -1 (skip) or 0..{nb - 1}")
     return ids
 
 
@@ -155,18 +160,19 @@ def _whole_groups(ids: np.ndarray, tensors: Sequence[torch.Tensor], layout: KVCa
     return first // f
 
 
-def _block_planes(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
-                  packed: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _block_planes(
+    tensors: Sequence[torch.Tensor], layout: KVCacheLayout, packed: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per plane of every layer (layout order, K before V): the plane ``(num_blocks, B)``
     and its bytes in every packed row, ``(N, f, B)``: kernel block ``j``'s copy of the
     plane, at the plane's offset within a kernel block's bytes (the codec's byte order)."""
     n, f = packed.shape[0], layout.block_size_factor
-    kernel_rows = packed[:, :layout.bytes_per_block].view(n, f, layout.bytes_per_block // f)
+    kernel_rows = packed[:, : layout.bytes_per_block].view(n, f, layout.bytes_per_block // f)
     offset = 0
     for tensor, layer in zip(tensors, layout.layers):
         for plane in _layer_planes(tensor, layer):
             width = plane.shape[1]
-            yield plane, kernel_rows[:, :, offset:offset + width]
+            yield plane, kernel_rows[:, :, offset : offset + width]
             offset += width
 
 
@@ -190,8 +196,9 @@ class _Index:
         return index
 
 
-def pack_blocks(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
-                block_ids: np.ndarray, out: torch.Tensor) -> None:
+def pack_blocks(
+    tensors: Sequence[torch.Tensor], layout: KVCacheLayout, block_ids: np.ndarray, out: torch.Tensor
+) -> None:
     """Copy N offloaded blocks from per-layer ``tensors`` into ``out`` (uint8, shape
     ``(N, stride)``, ``stride >= layout.bytes_per_block``), one row per block, in the
     module's byte order.
@@ -225,8 +232,9 @@ def pack_blocks(tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
             dst[keep] = gathered.to(out.device)[keep]
 
 
-def unpack_blocks(src: torch.Tensor, tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
-                  block_ids: np.ndarray) -> None:
+def unpack_blocks(
+    src: torch.Tensor, tensors: Sequence[torch.Tensor], layout: KVCacheLayout, block_ids: np.ndarray
+) -> None:
     """Inverse of ``pack_blocks``: write N blocks from ``src`` (uint8 ``(N, stride)``)
     into per-layer ``tensors`` at the kernel block ids ``block_ids`` (int64
     ``(N, block_size_factor)``; -1 leaves that kernel block untouched). Raises
@@ -269,8 +277,7 @@ class SlotViews:
                 raise ValueError(f"layer {layer.name!r}: slot views need host tensors, got {tensor.device}")
             for plane in _layer_planes(tensor, layer):
                 if plane.shape[0] % f:
-                    raise ValueError(f"layer {layer.name!r}: {plane.shape[0]} kernel blocks are not whole "
-                                     f"slots of {f}")
+                    raise ValueError(f"layer {layer.name!r}: {plane.shape[0]} kernel blocks are not whole slots of {f}")
                 planes.append(plane.numpy())
         self._keep = planes  # the memory of joined pieces, which as_strided does not hold
         self._rows = _joined([plane[j::f] for j in range(f) for plane in planes])
@@ -307,7 +314,7 @@ class SlotViews:
     def pieces(self, slot: int) -> list[memoryview]:
         """Writable views of slot ``slot``'s bytes, in block byte order (slices of the
         pieces' byte views: no numpy object per piece, under half the cost)."""
-        return [view[slot * stride:slot * stride + width] for view, stride, width in self._piece_views]
+        return [view[slot * stride : slot * stride + width] for view, stride, width in self._piece_views]
 
     def pack(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slots`` into the rows of ``out`` (uint8 ``(len(slots), >=
@@ -332,29 +339,33 @@ class SlotViews:
             for piece in pieces:
                 width = piece.shape[1]
                 for first, end, slot in runs:
-                    outs.append(dst[first:end, offset:offset + width])
-                    ins.append(piece[slot:slot + end - first])
+                    outs.append(dst[first:end, offset : offset + width])
+                    ins.append(piece[slot : slot + end - first])
                 offset += width
             torch._foreach_copy_(outs, ins)
             return
         blocks = self._blocks
         if blocks is not None:
             count, width = blocks.shape[1], blocks.shape[2] * word
-            dst = _numpy_words(np.lib.stride_tricks.as_strided(
-                rows, shape=(len(index), count, width), strides=(rows.strides[0], width, 1)), word)
+            dst = _numpy_words(
+                np.lib.stride_tricks.as_strided(
+                    rows, shape=(len(index), count, width), strides=(rows.strides[0], width, 1)
+                ),
+                word,
+            )
             if dst is not None:
                 step = max(1, _SERIAL_COPY_WORDS // blocks.shape[2])  # pieces per copy
                 outs, ins = [], []
                 for i, slot in enumerate(index.tolist()):
                     for p in range(0, count, step):
-                        outs.append(dst[i, p:p + step])
-                        ins.append(blocks[slot, p:p + step])
+                        outs.append(dst[i, p : p + step])
+                        ins.append(blocks[slot, p : p + step])
                 torch._foreach_copy_(outs, ins)
                 return
         offset = 0
         for piece in self._rows:
             width = piece.shape[1]
-            np.take(piece, index, axis=0, out=rows[:, offset:offset + width])
+            np.take(piece, index, axis=0, out=rows[:, offset : offset + width])
             offset += width
 
     def unpack(self, src: torch.Tensor, slots: Sequence[int]) -> None:
@@ -372,13 +383,14 @@ class SlotViews:
         for view, row_stride, width in self._piece_views:
             for i, slot in enumerate(slots):
                 here, at = slot * row_stride, i * stride + offset
-                view[here:here + width] = flat[at:at + width]
+                view[here : here + width] = flat[at : at + width]
             offset += width
 
     def _check_packed(self, slots: Sequence[int], packed: torch.Tensor) -> None:
         if packed.dim() != 2 or packed.shape[0] != len(slots) or packed.shape[1] < self.slot_bytes:
-            raise ValueError(f"packed rows must be a ({len(slots)}, >= {self.slot_bytes}) tensor; "
-                             f"got {tuple(packed.shape)}")
+            raise ValueError(
+                f"packed rows must be a ({len(slots)}, >= {self.slot_bytes}) tensor; got {tuple(packed.shape)}"
+            )
 
     @cached_property
     def _byte_pieces(self) -> list[torch.Tensor]:
@@ -409,18 +421,27 @@ class SlotViews:
         gap = gaps.pop()
         if gaps or gap < first.shape[1]:
             return None
-        every = np.lib.stride_tricks.as_strided(first, shape=(first.shape[0], len(self._rows), first.shape[1]),
-                                                strides=(first.strides[0], gap, 1))
+        every = np.lib.stride_tricks.as_strided(
+            first, shape=(first.shape[0], len(self._rows), first.shape[1]), strides=(first.strides[0], gap, 1)
+        )
         return _numpy_words(every, self._words[0].element_size())
 
     @cached_property
     def _piece_views(self) -> list[tuple[memoryview, int, int]]:
         """Per piece: one byte view from its first slot's piece to its last's, the
         distance between two slots' pieces in it, and a piece's length."""
-        return [(memoryview(np.lib.stride_tricks.as_strided(
-                    rows, shape=((rows.shape[0] - 1) * rows.strides[0] + rows.shape[1],), strides=(1,))),
-                 rows.strides[0], rows.shape[1])
-                for rows in self._rows]
+        return [
+            (
+                memoryview(
+                    np.lib.stride_tricks.as_strided(
+                        rows, shape=((rows.shape[0] - 1) * rows.strides[0] + rows.shape[1],), strides=(1,)
+                    )
+                ),
+                rows.strides[0],
+                rows.shape[1],
+            )
+            for rows in self._rows
+        ]
 
 
 #: Largest copy torch runs on the calling thread (its grain size, in elements): a larger
@@ -447,8 +468,9 @@ def _joined(pieces: list[np.ndarray]) -> list[np.ndarray]:
     for piece in pieces[1:]:
         last = out[-1]
         if piece.strides[0] == last.strides[0] and piece.ctypes.data == last.ctypes.data + last.shape[1]:
-            out[-1] = np.lib.stride_tricks.as_strided(last, shape=(last.shape[0], last.shape[1] + piece.shape[1]),
-                                                      strides=last.strides)
+            out[-1] = np.lib.stride_tricks.as_strided(
+                last, shape=(last.shape[0], last.shape[1] + piece.shape[1]), strides=last.strides
+            )
         else:
             out.append(piece)
     return out
@@ -480,7 +502,7 @@ def _layer_views(slot_rows: torch.Tensor, layout: KVCacheLayout) -> list[torch.T
     views, offset = [], 0
     for layer in layout.layers:
         block = math.prod(layer.block_shape)
-        inner = [math.prod(layer.block_shape[i + 1:]) for i in range(len(layer.block_shape))]
+        inner = [math.prod(layer.block_shape[i + 1 :]) for i in range(len(layer.block_shape))]
         if layer.kv_before_num_blocks:
             shape, stride = (2, num_kernel_blocks, *layer.block_shape), (block, kernel_elements, *inner)
         else:
@@ -516,28 +538,35 @@ class HostKVCache:
         nbytes = num_slots * layout.bytes_per_block
         limit = host_memory_limit()
         if nbytes > limit:
-            raise ConfigError(f"cpu_bytes: the CPU tier needs {format_size(nbytes)} ({num_slots} blocks of "
-                              f"{layout.bytes_per_block} B) but this machine lets this process use "
-                              f"{format_size(limit)} of memory; lower cpu_bytes")
+            raise ConfigError(
+                f"cpu_bytes: the CPU tier needs {format_size(nbytes)} ({num_slots} blocks of "
+                f"{layout.bytes_per_block} B) but this machine lets this process use "
+                f"{format_size(limit)} of memory; lower cpu_bytes"
+            )
         pinning = pin if pin is not None else machine.can_pin_memory()
         self.shared = shared
         try:
             self.slot_rows = self._allocate(pin)
         except (RuntimeError, MemoryError) as e:
             if pin is not None or not pinning:  # that kind was demanded, or nothing was pinned
-                raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of "
-                                   f"{'pinned' if pinning else 'pageable'} memory ({e}); lower cpu_bytes"
-                                   + (", or raise the locked-memory limit (ulimit -l, docker "
-                                      "--ulimit memlock=-1)" if pinning else "")) from e
-            logger.warning("pinning the CPU tier's %s failed (%s); using pageable memory, so GPU<->CPU "
-                           "copies are slower and synchronous. Lower cpu_bytes or raise the locked-memory "
-                           "limit (ulimit -l, docker --ulimit memlock=-1) to get pinned memory back",
-                           format_size(nbytes), e)
+                raise RuntimeError(
+                    f"cannot allocate the CPU tier's {format_size(nbytes)} of "
+                    f"{'pinned' if pinning else 'pageable'} memory ({e}); lower cpu_bytes"
+                    + (", or raise the locked-memory limit (ulimit -l, docker --ulimit memlock=-1)" if pinning else "")
+                ) from e
+            logger.warning(
+                "pinning the CPU tier's %s failed (%s); using pageable memory, so GPU<->CPU "
+                "copies are slower and synchronous. Lower cpu_bytes or raise the locked-memory "
+                "limit (ulimit -l, docker --ulimit memlock=-1) to get pinned memory back",
+                format_size(nbytes),
+                e,
+            )
             try:
                 self.slot_rows = self._allocate(False)
             except (RuntimeError, MemoryError) as e2:
-                raise RuntimeError(f"cannot allocate the CPU tier's {format_size(nbytes)} of host memory "
-                                   f"({e2}); lower cpu_bytes") from e2
+                raise RuntimeError(
+                    f"cannot allocate the CPU tier's {format_size(nbytes)} of host memory ({e2}); lower cpu_bytes"
+                ) from e2
         self.tensors = _layer_views(self.slot_rows, layout)
         self.pinned = self.slot_rows.is_pinned()
 
@@ -559,17 +588,21 @@ class HostKVCache:
         allocated is an error naming cpu_bytes, not a ``MemoryError``."""
         slots = cpu_bytes // layout.bytes_per_block
         if slots < 1:
-            raise ValueError(f"cpu_bytes={cpu_bytes} holds no block; one offloaded block is "
-                             f"{layout.bytes_per_block} bytes")
+            raise ValueError(
+                f"cpu_bytes={cpu_bytes} holds no block; one offloaded block is {layout.bytes_per_block} bytes"
+            )
         limit = host_memory_limit()
         if slots * layout.bytes_per_block > limit:
-            raise ValueError(f"{format_size(cpu_bytes)} is more memory than this machine lets this process use "
-                             f"({format_size(limit)}); lower cpu_bytes")
+            raise ValueError(
+                f"{format_size(cpu_bytes)} is more memory than this machine lets this process use "
+                f"({format_size(limit)}); lower cpu_bytes"
+            )
         return slots
 
     @classmethod
-    def from_bytes(cls, layout: KVCacheLayout, cpu_bytes: int, pin: bool | None = None,
-                   shared: bool = False) -> "HostKVCache":
+    def from_bytes(
+        cls, layout: KVCacheLayout, cpu_bytes: int, pin: bool | None = None, shared: bool = False
+    ) -> "HostKVCache":
         """As many slots as fit in ``cpu_bytes``."""
         return cls(layout, cls.slots_for_bytes(layout, cpu_bytes), pin, shared)
 

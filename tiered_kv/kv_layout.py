@@ -80,8 +80,9 @@ class KVCacheLayout:
             raise ValueError(f"all KV-cache layers must share one dtype; got {sorted(map(str, dtypes))}")
         layers = []
         for name, tensor in kv_caches.items():
-            flag = (kv_before_num_blocks[name] if isinstance(kv_before_num_blocks, Mapping)
-                    else bool(kv_before_num_blocks))
+            flag = (
+                kv_before_num_blocks[name] if isinstance(kv_before_num_blocks, Mapping) else bool(kv_before_num_blocks)
+            )
             if flag and tensor.shape[0] != 2:
                 raise ValueError(
                     f"layer {name!r} has shape {tuple(tensor.shape)}; with the KV dimension "
@@ -119,8 +120,7 @@ class KVCacheLayout:
             "gpu_block_size": self.gpu_block_size,
             "block_size_factor": self.block_size_factor,
             "layers": [
-                {"name": l.name, "block_shape": list(l.block_shape),
-                 "kv_before_num_blocks": l.kv_before_num_blocks}
+                {"name": l.name, "block_shape": list(l.block_shape), "kv_before_num_blocks": l.kv_before_num_blocks}
                 for l in self.layers
             ],
         }

@@ -18,8 +18,18 @@ TRANSFER_TYPES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "dis
 GPU_LOADS = ("cpu_to_gpu", "disk_to_gpu")
 GPU_STORES = ("gpu_to_cpu", "gpu_to_disk")
 TIERS = ("cpu", "disk")
-TIER_COUNTERS = ("lookups", "hits", "stores", "evictions", "spills", "drops", "checksum_failures",
-                 "failed_loads", "failed_stores", "promotions")
+TIER_COUNTERS = (
+    "lookups",
+    "hits",
+    "stores",
+    "evictions",
+    "spills",
+    "drops",
+    "checksum_failures",
+    "failed_loads",
+    "failed_stores",
+    "promotions",
+)
 
 
 @dataclass
@@ -47,9 +57,11 @@ class TieredStats:
     jobs overlap and ``gbps`` is the rate of one job, as in vLLM's metrics."""
 
     tiers: dict[str, dict[str, int]] = field(
-        default_factory=lambda: {t: dict.fromkeys(TIER_COUNTERS, 0) for t in TIERS})
+        default_factory=lambda: {t: dict.fromkeys(TIER_COUNTERS, 0) for t in TIERS}
+    )
     transfers: dict[str, TransferCounter] = field(
-        default_factory=lambda: {t: TransferCounter() for t in TRANSFER_TYPES})
+        default_factory=lambda: {t: TransferCounter() for t in TRANSFER_TYPES}
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, tier: str, counter: str, n: int = 1) -> None:
@@ -65,8 +77,9 @@ class TieredStats:
             counters = self.tiers[tier] = dict.fromkeys(TIER_COUNTERS, 0)
         return counters
 
-    def record_transfer(self, transfer_type: str, num_bytes: int, seconds: float,
-                        success: bool = True, blocks: int = 0) -> None:
+    def record_transfer(
+        self, transfer_type: str, num_bytes: int, seconds: float, success: bool = True, blocks: int = 0
+    ) -> None:
         with self._lock:
             t = self.transfers.get(transfer_type)
             if t is None:  # a lower tier's own types, e.g. cpu_to_disk2
@@ -98,9 +111,17 @@ class TieredStats:
         with self._lock:
             return {
                 "tiers": {k: dict(v) for k, v in self.tiers.items()},
-                "transfers": {k: {"bytes": v.bytes, "blocks": v.blocks, "seconds": v.seconds, "jobs": v.jobs,
-                                  "failed_jobs": v.failed_jobs, "gbps": v.gbps}
-                              for k, v in self.transfers.items()},
+                "transfers": {
+                    k: {
+                        "bytes": v.bytes,
+                        "blocks": v.blocks,
+                        "seconds": v.seconds,
+                        "jobs": v.jobs,
+                        "failed_jobs": v.failed_jobs,
+                        "gbps": v.gbps,
+                    }
+                    for k, v in self.transfers.items()
+                },
             }
 
 
@@ -119,20 +140,24 @@ class PrometheusMetrics:
         r = self.registry
         self.gpu_bytes = {
             "load": Counter("vllm:kv_offload_load_bytes", "Bytes loaded from offload storage to GPU", registry=r),
-            "store": Counter("vllm:kv_offload_store_bytes", "Bytes stored from GPU to offload storage", registry=r)}
+            "store": Counter("vllm:kv_offload_store_bytes", "Bytes stored from GPU to offload storage", registry=r),
+        }
         self.gpu_time = {
-            "load": Counter("vllm:kv_offload_load_time", "Seconds of loads from offload storage to GPU",
-                            registry=r),
-            "store": Counter("vllm:kv_offload_store_time", "Seconds of stores from GPU to offload storage",
-                             registry=r)}
-        self.bytes = Counter("vllm:kv_offload_total_bytes", "Bytes moved by KV offloading",
-                             ["transfer_type"], registry=r)
-        self.time = Counter("vllm:kv_offload_total_time", "Seconds spent in KV offloading transfers",
-                            ["transfer_type"], registry=r)
-        self.jobs = Counter("tiered_kv_transfer_jobs", "Transfer jobs finished",
-                            ["transfer_type", "outcome"], registry=r)
-        self.tier_events = Counter("tiered_kv_tier_blocks", "Blocks counted per tier and event",
-                                   ["tier", "event"], registry=r)
+            "load": Counter("vllm:kv_offload_load_time", "Seconds of loads from offload storage to GPU", registry=r),
+            "store": Counter("vllm:kv_offload_store_time", "Seconds of stores from GPU to offload storage", registry=r),
+        }
+        self.bytes = Counter(
+            "vllm:kv_offload_total_bytes", "Bytes moved by KV offloading", ["transfer_type"], registry=r
+        )
+        self.time = Counter(
+            "vllm:kv_offload_total_time", "Seconds spent in KV offloading transfers", ["transfer_type"], registry=r
+        )
+        self.jobs = Counter(
+            "tiered_kv_transfer_jobs", "Transfer jobs finished", ["transfer_type", "outcome"], registry=r
+        )
+        self.tier_events = Counter(
+            "tiered_kv_tier_blocks", "Blocks counted per tier and event", ["tier", "event"], registry=r
+        )
         self.occupancy = Gauge("tiered_kv_tier_used_blocks", "Blocks held per tier", ["tier"], registry=r)
         self._last: dict[tuple, float] = {}
 

@@ -46,8 +46,15 @@ import xxhash
 from tiered_kv.config import ConfigError
 
 #: Config files hashed whole (top level of the model directory), plus ``*.index.json``.
-CONFIG_FILES = ("config.json", "generation_config.json", "params.json", "quantize_config.json",
-                "quant_config.json", "quantization_config.json", "hf_quant_config.json")
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "params.json",
+    "quantize_config.json",
+    "quant_config.json",
+    "quantization_config.json",
+    "hf_quant_config.json",
+)
 #: Files that hold weights.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz")
 #: Chunks sampled per weight file, and their size.
@@ -91,8 +98,10 @@ class WeightsDigest:
     def describe(self) -> str:
         """One line: digest, what it covers, the snapshot commit."""
         snap = f", HF snapshot {self.snapshot[:12]}" if self.snapshot else ""
-        return (f"{self.digest} ({self.weight_files} weight file(s), {_gib(self.weight_bytes)}; "
-                f"{', '.join(self.config_files) or 'no config file'}{snap})")
+        return (
+            f"{self.digest} ({self.weight_files} weight file(s), {_gib(self.weight_bytes)}; "
+            f"{', '.join(self.config_files) or 'no config file'}{snap})"
+        )
 
 
 def _gib(n: int) -> str:
@@ -108,7 +117,9 @@ def hf_snapshot_commit(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _listing(root: Path, key: str) -> tuple[list[tuple[str, Path, os.stat_result]], list[tuple[str, Path, os.stat_result]]]:
+def _listing(
+    root: Path, key: str
+) -> tuple[list[tuple[str, Path, os.stat_result]], list[tuple[str, Path, os.stat_result]]]:
     """(config files, weight files), each sorted ``(relative path, path, stat)``."""
     configs, weights = [], []
     seen_dirs: set[str] = set()
@@ -140,13 +151,14 @@ def weights_digest(path: str | os.PathLike, key: str = "model_path") -> WeightsD
     root = Path(path).expanduser()
     if not root.is_dir():
         what = "does not exist" if not root.exists() else "is not a directory"
-        raise ConfigError(f"{key}: {str(path)!r} {what}; expected the model's directory "
-                          f"(config.json and weight files)")
+        raise ConfigError(f"{key}: {str(path)!r} {what}; expected the model's directory (config.json and weight files)")
     root = root.absolute()
     configs, weights = _listing(root, key)
     if not configs and not weights:
-        raise ConfigError(f"{key}: {str(root)!r} holds no config.json and no weight files "
-                          f"({', '.join(WEIGHT_SUFFIXES)}); expected the model's directory")
+        raise ConfigError(
+            f"{key}: {str(root)!r} holds no config.json and no weight files "
+            f"({', '.join(WEIGHT_SUFFIXES)}); expected the model's directory"
+        )
     h = xxhash.xxh3_128(_VERSION)
     nread = 0
     for rel, p, st in configs:
@@ -158,8 +170,15 @@ def weights_digest(path: str | os.PathLike, key: str = "model_path") -> WeightsD
     snapshot = hf_snapshot_commit(root)
     if snapshot:
         _field(h, b"snapshot", snapshot.encode())
-    return WeightsDigest(str(root), h.hexdigest(), tuple(rel for rel, _, _ in configs), len(weights),
-                         sum(st.st_size for _, _, st in weights), snapshot, nread)
+    return WeightsDigest(
+        str(root),
+        h.hexdigest(),
+        tuple(rel for rel, _, _ in configs),
+        len(weights),
+        sum(st.st_size for _, _, st in weights),
+        snapshot,
+        nread,
+    )
 
 
 def _field(h: Any, *parts: bytes) -> None:
@@ -281,8 +300,9 @@ def pinned_fields(extra: Mapping[str, Any], *, model: str | None = None) -> dict
     if where is None and model is not None:
         found = resolve_model_dir(model, cfg.model_revision if "model_revision" in extra else None)
         if found is None:
-            raise ConfigError(f"--model: {model!r} is neither a directory nor in the local Hugging Face "
-                              f"cache ({hf_hub_cache()})")
+            raise ConfigError(
+                f"--model: {model!r} is neither a directory nor in the local Hugging Face cache ({hf_hub_cache()})"
+            )
         where = str(found)
     if where is not None:
         out["weights_digest"] = weights_digest(where).digest

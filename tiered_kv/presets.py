@@ -32,25 +32,47 @@ class Preset:
 
 
 def _gqa(layers: int, heads: int, kv_heads: int, hidden: int, model_type: str) -> dict[str, Any]:
-    return {"model_type": model_type, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads, "hidden_size": hidden, "torch_dtype": "bfloat16"}
+    return {
+        "model_type": model_type,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_size": hidden,
+        "torch_dtype": "bfloat16",
+    }
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", _gqa(32, 32, 8, 4096, "llama")),
-    Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", _gqa(80, 64, 8, 8192, "llama")),
-    Preset("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", _gqa(126, 128, 8, 16384, "llama")),
-    Preset("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", _gqa(28, 28, 4, 3584, "qwen2")),
-    Preset("qwen2.5-72b", "Qwen/Qwen2.5-72B-Instruct", _gqa(80, 64, 8, 8192, "qwen2")),
-    Preset("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3",
-           {**_gqa(32, 32, 8, 4096, "mistral"), "head_dim": 128}),
-    # Multi-head latent attention: the cache holds kv_lora_rank + qk_rope_head_dim = 576
-    # elements per token and layer, whatever the 128 attention heads.
-    Preset("deepseek-v3", "deepseek-ai/DeepSeek-V3",
-           {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
-            "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-            "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16"}),
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", _gqa(32, 32, 8, 4096, "llama")),
+        Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", _gqa(80, 64, 8, 8192, "llama")),
+        Preset("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", _gqa(126, 128, 8, 16384, "llama")),
+        Preset("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", _gqa(28, 28, 4, 3584, "qwen2")),
+        Preset("qwen2.5-72b", "Qwen/Qwen2.5-72B-Instruct", _gqa(80, 64, 8, 8192, "qwen2")),
+        Preset(
+            "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", {**_gqa(32, 32, 8, 4096, "mistral"), "head_dim": 128}
+        ),
+        # Multi-head latent attention: the cache holds kv_lora_rank + qk_rope_head_dim = 576
+        # elements per token and layer, whatever the 128 attention heads.
+        Preset(
+            "deepseek-v3",
+            "deepseek-ai/DeepSeek-V3",
+            {
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 61,
+                "num_attention_heads": 128,
+                "num_key_value_heads": 128,
+                "hidden_size": 7168,
+                "kv_lora_rank": 512,
+                "qk_rope_head_dim": 64,
+                "qk_nope_head_dim": 128,
+                "v_head_dim": 128,
+                "torch_dtype": "bfloat16",
+            },
+        ),
+    )
+}
 
 
 def find_preset(name: str) -> Preset:
@@ -60,8 +82,10 @@ def find_preset(name: str) -> Preset:
     for preset in PRESETS.values():
         if key in (preset.name, preset.model.lower()):
             return preset
-    raise ConfigError(f"--preset: no preset {name!r}; expected one of {', '.join(PRESETS)} "
-                      f"(or pass --model-config PATH for any other model)")
+    raise ConfigError(
+        f"--preset: no preset {name!r}; expected one of {', '.join(PRESETS)} "
+        f"(or pass --model-config PATH for any other model)"
+    )
 
 
 def preset_source(preset: str | None, model_config: Path | None) -> tuple[Any, str | None]:

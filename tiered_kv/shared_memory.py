@@ -33,7 +33,12 @@ import numpy as np
 import torch
 
 from tiered_kv.device import (
-    HUGE_PAGE, THP_SETTINGS, cuda_host_register, cuda_host_unregister, kernel_huge_pages, log_fallback_once,
+    HUGE_PAGE,
+    THP_SETTINGS,
+    cuda_host_register,
+    cuda_host_unregister,
+    kernel_huge_pages,
+    log_fallback_once,
 )
 
 __all__ = ["SharedRegion", "empty_shared", "locate", "region_fd", "on_free", "MappedRegions"]
@@ -70,10 +75,13 @@ def _advise_huge_pages(region: mmap.mmap) -> None:
             log_fallback_once(f"shared host memory cannot use huge pages ({e})")
     setting = kernel_huge_pages("shared")
     if setting in ("never", "deny"):
-        log_fallback_once(f"shared host memory gets no huge pages here (the kernel's shmem_enabled is {setting!r}), "
-                          f"so disk I/O to and from it (the CPU tier and staging buffers with disk_io: process) "
-                          f"runs at about half to three quarters of the device's speed. To give it huge "
-                          f"pages: echo advise > {THP_SETTINGS['shared']}", logging.WARNING)
+        log_fallback_once(
+            f"shared host memory gets no huge pages here (the kernel's shmem_enabled is {setting!r}), "
+            f"so disk I/O to and from it (the CPU tier and staging buffers with disk_io: process) "
+            f"runs at about half to three quarters of the device's speed. To give it huge "
+            f"pages: echo advise > {THP_SETTINGS['shared']}",
+            logging.WARNING,
+        )
 
 
 def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -182,8 +190,7 @@ class MappedRegions:
     def add(self, region_id: int, fd: int, nbytes: int) -> None:
         """Map region ``region_id`` from ``fd`` (which this call closes)."""
         try:
-            self._maps[region_id] = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._maps[region_id] = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
 

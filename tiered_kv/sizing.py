@@ -31,11 +31,22 @@ from tiered_kv.config import ConfigError
 #: Bytes per element of the KV-cache dtypes vLLM offers (``--kv-cache-dtype`` and
 #: model dtypes), under the spellings HF configs and vLLM use.
 DTYPE_BYTES: dict[str, int] = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "float16": 2, "fp16": 2, "half": 2,
-    "bfloat16": 2, "bf16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "int8": 1, "uint8": 1,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
 }
 
 #: Disk slots are padded to this many bytes (the disk tier's O_DIRECT alignment).
@@ -46,8 +57,7 @@ def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (e.g. ``"bfloat16"`` -> 2, ``"torch.float16"`` -> 2)."""
     key = str(dtype).strip().lower().removeprefix("torch.")
     if key not in DTYPE_BYTES:
-        raise ConfigError(f"dtype: unknown KV-cache dtype {dtype!r}; expected one of "
-                          f"{', '.join(sorted(DTYPE_BYTES))}")
+        raise ConfigError(f"dtype: unknown KV-cache dtype {dtype!r}; expected one of {', '.join(sorted(DTYPE_BYTES))}")
     return DTYPE_BYTES[key]
 
 
@@ -91,12 +101,15 @@ class ModelGeometry:
             return 1
         if tp <= self.num_kv_heads:
             if self.num_kv_heads % tp:
-                raise ConfigError(f"tp: {tp} does not divide the model's {self.num_kv_heads} "
-                                  f"KV heads; use a divisor of {self.num_kv_heads}")
+                raise ConfigError(
+                    f"tp: {tp} does not divide the model's {self.num_kv_heads} "
+                    f"KV heads; use a divisor of {self.num_kv_heads}"
+                )
             return self.num_kv_heads // tp
         if tp % self.num_kv_heads:
-            raise ConfigError(f"tp: {tp} is larger than the model's {self.num_kv_heads} KV "
-                              f"heads but not a multiple of it")
+            raise ConfigError(
+                f"tp: {tp} is larger than the model's {self.num_kv_heads} KV heads but not a multiple of it"
+            )
         return 1
 
     def kv_bytes_per_token(self, tp: int = 1) -> int:
@@ -107,10 +120,11 @@ class ModelGeometry:
     def describe(self, tp: int = 1) -> str:
         """The geometry in words, e.g. ``32 layers, 8 KV heads (2 per rank), head_dim 128, bfloat16``."""
         if self.mla:
-            return (f"{self.num_layers} layers, MLA latent of {self.head_dim} (the same on every rank), "
-                    f"{self.dtype}")
-        return (f"{self.num_layers} layers, {self.num_kv_heads} KV heads ({self.kv_heads_per_rank(tp)} per rank), "
-                f"head_dim {self.head_dim}, {self.dtype}")
+            return f"{self.num_layers} layers, MLA latent of {self.head_dim} (the same on every rank), {self.dtype}"
+        return (
+            f"{self.num_layers} layers, {self.num_kv_heads} KV heads ({self.kv_heads_per_rank(tp)} per rank), "
+            f"head_dim {self.head_dim}, {self.dtype}"
+        )
 
     def arithmetic(self, tp: int = 1) -> str:
         """How ``kv_bytes_per_token(tp)`` is computed, e.g. ``2 x 32 x 8 x 128 x 2 B``."""
@@ -119,8 +133,7 @@ class ModelGeometry:
         return f"2 x {self.num_layers} x {self.kv_heads_per_rank(tp)} x {self.head_dim} x {self.dtype_bytes} B"
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | str | Path,
-                       dtype: str | None = None) -> "ModelGeometry":
+    def from_hf_config(cls, config: Mapping[str, Any] | str | Path, dtype: str | None = None) -> "ModelGeometry":
         """Geometry from an HF ``config.json`` (a path to it or to its directory, or the
         parsed dict). Handles Llama, Mistral, Qwen2/2.5/3 and other GQA decoders, and
         multimodal wrappers that nest the decoder in ``text_config``. ``head_dim``
@@ -138,24 +151,24 @@ class ModelGeometry:
             try:
                 config = json.loads(path.read_text())
             except FileNotFoundError:
-                raise ConfigError(f"model config: {path} does not exist; expected an HF "
-                                  f"config.json or the directory holding one") from None
+                raise ConfigError(
+                    f"model config: {path} does not exist; expected an HF config.json or the directory holding one"
+                ) from None
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"model config: {path} is not valid JSON ({exc})") from None
             if not isinstance(config, Mapping):
-                raise ConfigError(f"model config: {path} holds a JSON "
-                                  f"{type(config).__name__}, expected an object")
+                raise ConfigError(f"model config: {path} holds a JSON {type(config).__name__}, expected an object")
         raw: Mapping[str, Any] = config
         if "num_hidden_layers" not in raw and isinstance(raw.get("text_config"), Mapping):
             raw = raw["text_config"]
+
         def need(key: str) -> Any:
             if raw.get(key) is None:
                 raise ConfigError(f"{source}: missing {key!r}; cannot size the KV cache")
             return raw[key]
 
         num_layers = _positive_int(need("num_hidden_layers"), f"{source}: num_hidden_layers")
-        model_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or config.get(
-            "torch_dtype") or "bfloat16"
+        model_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or config.get("torch_dtype") or "bfloat16"
         name = str(config.get("_name_or_path") or raw.get("model_type") or "")
         if raw.get("kv_lora_rank") is not None:
             rank = _positive_int(raw["kv_lora_rank"], f"{source}: kv_lora_rank")
@@ -163,14 +176,15 @@ class ModelGeometry:
             return cls(num_layers, 1, rank + rope, str(model_dtype), name, mla=True)
         num_heads = _positive_int(need("num_attention_heads"), f"{source}: num_attention_heads")
         kv_heads = raw.get("num_key_value_heads")
-        kv_heads = num_heads if kv_heads is None else _positive_int(
-            kv_heads, f"{source}: num_key_value_heads")
+        kv_heads = num_heads if kv_heads is None else _positive_int(kv_heads, f"{source}: num_key_value_heads")
         head_dim = raw.get("head_dim")
         if head_dim is None:
             hidden = _positive_int(need("hidden_size"), f"{source}: hidden_size")
             if hidden % num_heads:
-                raise ConfigError(f"{source}: hidden_size {hidden} is not a multiple of "
-                                  f"num_attention_heads {num_heads} and head_dim is absent")
+                raise ConfigError(
+                    f"{source}: hidden_size {hidden} is not a multiple of "
+                    f"num_attention_heads {num_heads} and head_dim is absent"
+                )
             head_dim = hidden // num_heads
         head_dim = _positive_int(head_dim, f"{source}: head_dim")
         return cls(num_layers, kv_heads, head_dim, str(model_dtype), name)
@@ -218,8 +232,15 @@ class TierPlan:
         return self.disk_blocks * self.block_size
 
 
-def plan_tiers(geometry: ModelGeometry, *, tp: int = 1, block_size: int = 16,
-               cpu_bytes: int, disk_bytes: int = 0, gpu_block_size: int = 16) -> TierPlan:
+def plan_tiers(
+    geometry: ModelGeometry,
+    *,
+    tp: int = 1,
+    block_size: int = 16,
+    cpu_bytes: int,
+    disk_bytes: int = 0,
+    gpu_block_size: int = 16,
+) -> TierPlan:
     """Check the inputs and size both tiers (``disk_bytes=0``: no disk tier).
 
     ``block_size`` is the offloaded block in tokens and must be a multiple of the
@@ -229,17 +250,22 @@ def plan_tiers(geometry: ModelGeometry, *, tp: int = 1, block_size: int = 16,
     _positive_int(block_size, "block_size")
     _positive_int(gpu_block_size, "gpu_block_size")
     if block_size % gpu_block_size:
-        raise ConfigError(f"block_size: {block_size} tokens is not a multiple of the GPU "
-                          f"block size {gpu_block_size}; use a multiple such as "
-                          f"{-(-block_size // gpu_block_size) * gpu_block_size}")
+        raise ConfigError(
+            f"block_size: {block_size} tokens is not a multiple of the GPU "
+            f"block size {gpu_block_size}; use a multiple such as "
+            f"{-(-block_size // gpu_block_size) * gpu_block_size}"
+        )
     geometry.kv_heads_per_rank(tp)  # validates tp
     if isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int) or disk_bytes < 0:
         raise ConfigError(f"disk_bytes: expected a byte count >= 0, got {disk_bytes!r}")
     plan = TierPlan(geometry, tp, block_size, _positive_int(cpu_bytes, "cpu_bytes"), disk_bytes)
     if plan.cpu_blocks == 0:
-        raise ConfigError(f"cpu_bytes: {cpu_bytes} bytes hold no block; one {block_size}-token "
-                          f"block is {plan.block_bytes} bytes per rank")
+        raise ConfigError(
+            f"cpu_bytes: {cpu_bytes} bytes hold no block; one {block_size}-token "
+            f"block is {plan.block_bytes} bytes per rank"
+        )
     if disk_bytes and plan.disk_blocks == 0:
-        raise ConfigError(f"disk_bytes: {disk_bytes} bytes hold no block; one disk slot is "
-                          f"{plan.disk_slot_bytes} bytes per rank")
+        raise ConfigError(
+            f"disk_bytes: {disk_bytes} bytes hold no block; one disk slot is {plan.disk_slot_bytes} bytes per rank"
+        )
     return plan

@@ -126,8 +126,7 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
             item = ids if ids is not None else text
         if isinstance(item, str):
             out.append(Prompt(n, text=item))
-        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                            for t in item):
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in item):
             out.append(Prompt(n, token_ids=item))
         else:
             raise WarmupError(f"{p}:{n}: expected token ids (a list of non-negative integers) or text")
@@ -142,8 +141,9 @@ def tokenize(prompts: Sequence[Prompt], tokenizer: Any | None) -> list[list[int]
         if pr.token_ids is not None:
             out.append(pr.token_ids)
         elif tokenizer is None:
-            raise WarmupError(f"prompt on line {pr.line} is text; pass --tokenizer DIR (a local tokenizer) "
-                              f"or give token_ids")
+            raise WarmupError(
+                f"prompt on line {pr.line} is text; pass --tokenizer DIR (a local tokenizer) or give token_ids"
+            )
         else:
             out.append(list(tokenizer(pr.text)["input_ids"]))
     return out
@@ -174,16 +174,16 @@ class HFEngine:
     caches them). ``kv(token_ids)`` returns per layer ``(K, V)``, each
     ``(num_kv_heads, len(token_ids), head_dim)`` on the CPU, in the model's dtype."""
 
-    def __init__(self, model: torch.nn.Module, device: str | torch.device | None = None,
-                 model_path: str | None = None):
+    def __init__(self, model: torch.nn.Module, device: str | torch.device | None = None, model_path: str | None = None):
         self.model = model.eval()
         #: The directory the weights were loaded from (None: unknown, not checked).
         self.model_path = model_path
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.config.vocab_size)
-        self.geometry = ModelGeometry.from_hf_config(model.config.to_dict(),
-                                                     dtype=str(self.dtype).removeprefix("torch."))
+        self.geometry = ModelGeometry.from_hf_config(
+            model.config.to_dict(), dtype=str(self.dtype).removeprefix("torch.")
+        )
 
     @classmethod
     def from_pretrained(cls, model: str, dtype: str = "auto", device: str = "auto") -> "HFEngine":
@@ -191,8 +191,9 @@ class HFEngine:
         ``dtype`` (``auto`` = the checkpoint's) on ``device`` (``auto``, ``cpu``, ``cuda``)."""
         transformers = import_transformers()
         transformers.utils.logging.disable_progress_bar()
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if device == "auto" else device))
+        dev = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        )
         torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype, None)
         if torch_dtype is None or (dtype != "auto" and not isinstance(torch_dtype, torch.dtype)):
             raise WarmupError(f"--dtype: expected auto, float32, float16 or bfloat16, got {dtype!r}")
@@ -210,8 +211,10 @@ class HFEngine:
         out = []
         for i, (k, v) in enumerate(_layer_kv(cache)):
             if k.shape[2] != len(token_ids):
-                raise WarmupError(f"layer {i} cached {k.shape[2]} of {len(token_ids)} positions (sliding-window "
-                                  f"attention?); the hf engine needs full attention in every layer")
+                raise WarmupError(
+                    f"layer {i} cached {k.shape[2]} of {len(token_ids)} positions (sliding-window "
+                    f"attention?); the hf engine needs full attention in every layer"
+                )
             out.append((k[0].to("cpu"), v[0].to("cpu")))
         return out
 
@@ -266,8 +269,9 @@ class BlockLayout(ABC):
         """Disk keys of a prompt's full chunks from its per-GPU-block prefix hashes."""
 
     @abstractmethod
-    def pack(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, chunks: Sequence[int],
-             out: torch.Tensor) -> None:
+    def pack(
+        self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, chunks: Sequence[int], out: torch.Tensor
+    ) -> None:
         """Write rank ``rank``'s bytes of the prompt's chunks ``chunks`` (indices) into
         ``out[i, :bytes_per_block]`` (uint8 ``(len(chunks), stride)``); ``kv`` is the
         prompt's per-layer ``(K, V)``, each ``(num_kv_heads, tokens, head_dim)``."""
@@ -281,8 +285,7 @@ class KvFirstLayout(BlockLayout):
     @property
     def kv_layout(self) -> KVCacheLayout:
         r = self.request
-        shape = (2, r.block_size_factor, r.gpu_block_size, r.geometry.kv_heads_per_rank(r.tp_size),
-                 r.geometry.head_dim)
+        shape = (2, r.block_size_factor, r.gpu_block_size, r.geometry.kv_heads_per_rank(r.tp_size), r.geometry.head_dim)
         layers = tuple(LayerLayout(f"layer.{i}", shape, True) for i in range(r.geometry.num_layers))
         return KVCacheLayout(layers, r.dtype, r.gpu_block_size, r.block_size_factor)
 
@@ -297,8 +300,7 @@ class KvFirstLayout(BlockLayout):
         for k, v in kv:
             both = torch.stack([k.index_select(0, heads)[:, :ntok], v.index_select(0, heads)[:, :ntok]])
             # (2, heads, tokens, dim) -> (2, kernel blocks, block tokens, heads, dim)
-            both = both.permute(0, 2, 1, 3).reshape(2, ntok // r.gpu_block_size, r.gpu_block_size,
-                                                   len(heads), -1)
+            both = both.permute(0, 2, 1, 3).reshape(2, ntok // r.gpu_block_size, r.gpu_block_size, len(heads), -1)
             tensors.append(both.to(r.dtype).contiguous())
         f = r.block_size_factor
         ids = np.asarray(chunks, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
@@ -337,18 +339,22 @@ def check_identity(config: TieredConfig, model_path: str | None) -> WarmupIdenti
     that check). Reads both directories' digests (bounded, ``model_identity``). Raises
     ``WarmupError`` naming the field."""
     if config.model_id == "unknown":
-        raise WarmupError("model_id: the config sets none, so the blocks would be filed under \"unknown\", "
-                          "a name no vLLM server reads (it uses its --model) and every model of this geometry "
-                          "shares; add \"model_id\": \"<model>\" to the config (vLLM's --model is the usual value)")
+        raise WarmupError(
+            'model_id: the config sets none, so the blocks would be filed under "unknown", '
+            "a name no vLLM server reads (it uses its --model) and every model of this geometry "
+            'shares; add "model_id": "<model>" to the config (vLLM\'s --model is the usual value)'
+        )
     try:
         server = weights_digest(config.model_path).digest if config.model_path else None
         mine = weights_digest(model_path, key="--model").digest if model_path else None
     except ConfigError as e:
         raise WarmupError(str(e)) from None
     if server is not None and mine is not None and server != mine:
-        raise WarmupError(f"weights_digest: the config's model_path {config.model_path!r} has weights digest "
-                          f"{server} but --model {model_path!r} has {mine}, so a server with this config would "
-                          f"not read these blocks; warm up with the model the config names, or fix model_path")
+        raise WarmupError(
+            f"weights_digest: the config's model_path {config.model_path!r} has weights digest "
+            f"{server} but --model {model_path!r} has {mine}, so a server with this config would "
+            f"not read these blocks; warm up with the model the config names, or fix model_path"
+        )
     return WarmupIdentity(config.model_id, config.model_revision, server, mine)
 
 
@@ -398,10 +404,17 @@ def chunk_tokens_for(config: TieredConfig, gpu_block_size: int) -> int:
     return tokens
 
 
-def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredConfig, *,
-           gpu_block_size: int = 16, tp_size: int = 1, layout: str = "kv-first",
-           env: Mapping[str, str] | None = None,
-           progress: Callable[[int, WarmupReport], None] | None = None) -> WarmupReport:
+def warmup(
+    prompts: Sequence[Sequence[int]],
+    engine: HFEngine,
+    config: TieredConfig,
+    *,
+    gpu_block_size: int = 16,
+    tp_size: int = 1,
+    layout: str = "kv-first",
+    env: Mapping[str, str] | None = None,
+    progress: Callable[[int, WarmupReport], None] | None = None,
+) -> WarmupReport:
     """Write every full block of ``prompts`` (token ids) to ``config``'s disk tier.
 
     ``gpu_block_size``/``tp_size``: the serving engine's; ``layout``: a key of
@@ -416,8 +429,9 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
     check_identity(config, getattr(engine, "model_path", None))
     for n, tokens in enumerate(prompts, 1):
         if len(tokens) and max(tokens) >= engine.vocab_size:
-            raise WarmupError(f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary "
-                              f"({engine.vocab_size} tokens)")
+            raise WarmupError(
+                f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary ({engine.vocab_size} tokens)"
+            )
     if layout not in BLOCK_LAYOUTS:
         raise WarmupError(f"--layout: expected one of {', '.join(sorted(BLOCK_LAYOUTS))}, got {layout!r}")
     chunk_tokens = chunk_tokens_for(config, gpu_block_size)
@@ -425,10 +439,12 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
         engine.geometry.kv_heads_per_rank(tp_size)
     except ConfigError as e:
         raise WarmupError(str(e)) from None
-    hasher = PrefixHasher(config.hash_algorithm, resolve_seed(config.hash_algorithm, config.hash_seed, env),
-                          gpu_block_size)
-    blocks = BLOCK_LAYOUTS[layout](LayoutRequest(engine.geometry, engine.dtype, gpu_block_size,
-                                                 chunk_tokens // gpu_block_size, tp_size))
+    hasher = PrefixHasher(
+        config.hash_algorithm, resolve_seed(config.hash_algorithm, config.hash_seed, env), gpu_block_size
+    )
+    blocks = BLOCK_LAYOUTS[layout](
+        LayoutRequest(engine.geometry, engine.dtype, gpu_block_size, chunk_tokens // gpu_block_size, tp_size)
+    )
     kv_layout = blocks.kv_layout
     try:
         fp = blocks.fingerprint(config)
@@ -436,16 +452,35 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
         raise WarmupError(str(e)) from None
     engine_id = f"tiered-kv-warmup-{os.getpid()}"
     t0 = time.perf_counter()
-    report = WarmupReport(namespace=str(Path(config.disk_path) / fp.namespace_id), namespace_id=fp.namespace_id,
-                          model_id=fp.model_id, model_revision=fp.model_revision,
-                          weights_digest=fp.weights_digest, layout=layout)
-    manager = DiskOffloadingManager(config.disk_path, fp, kv_layout, disk_bytes=config.disk_bytes,
-                                    checksum=config.checksum, engine_id=engine_id, enable_events=False)
+    report = WarmupReport(
+        namespace=str(Path(config.disk_path) / fp.namespace_id),
+        namespace_id=fp.namespace_id,
+        model_id=fp.model_id,
+        model_revision=fp.model_revision,
+        weights_digest=fp.weights_digest,
+        layout=layout,
+    )
+    manager = DiskOffloadingManager(
+        config.disk_path,
+        fp,
+        kv_layout,
+        disk_bytes=config.disk_bytes,
+        checksum=config.checksum,
+        engine_id=engine_id,
+        enable_events=False,
+    )
     store = None
     try:
-        store = DiskStore.open(config.disk_path, fp, kv_layout, disk_bytes=config.disk_bytes,
-                               checksum=config.checksum, io_backend=config.io_backend,
-                               io_threads=config.io_threads, engine_id=engine_id)
+        store = DiskStore.open(
+            config.disk_path,
+            fp,
+            kv_layout,
+            disk_bytes=config.disk_bytes,
+            checksum=config.checksum,
+            io_backend=config.io_backend,
+            io_threads=config.io_threads,
+            engine_id=engine_id,
+        )
         seen: set[bytes] = set()
         for i, tokens in enumerate(prompts):
             _warm_prompt(list(tokens), engine, hasher, blocks, manager, store, seen, report)
@@ -460,9 +495,16 @@ def warmup(prompts: Sequence[Sequence[int]], engine: HFEngine, config: TieredCon
     return report
 
 
-def _warm_prompt(tokens: list[int], engine: HFEngine, hasher: PrefixHasher, blocks: BlockLayout,
-                 manager: DiskOffloadingManager, store: DiskStore, seen: set[bytes],
-                 report: WarmupReport) -> None:
+def _warm_prompt(
+    tokens: list[int],
+    engine: HFEngine,
+    hasher: PrefixHasher,
+    blocks: BlockLayout,
+    manager: DiskOffloadingManager,
+    store: DiskStore,
+    seen: set[bytes],
+    report: WarmupReport,
+) -> None:
     report.prompts += 1
     keys = blocks.keys(hasher.block_hashes(tokens))
     if not keys:
@@ -477,17 +519,24 @@ def _warm_prompt(tokens: list[int], engine: HFEngine, hasher: PrefixHasher, bloc
         report.prompts_skipped += 1
         return
     chunk_tokens = blocks.request.chunk_tokens
-    kv = engine.kv(tokens[:(missing[-1] + 1) * chunk_tokens])
+    kv = engine.kv(tokens[: (missing[-1] + 1) * chunk_tokens])
     report.tokens_computed += (missing[-1] + 1) * chunk_tokens
     slot_size = slot_size_for(blocks.kv_layout.bytes_per_block)
     per_job = max(1, JOB_BYTES // slot_size)
     for start in range(0, len(missing), per_job):
-        _store_chunks(missing[start:start + per_job], keys, kv, blocks, manager, store, slot_size, report)
+        _store_chunks(missing[start : start + per_job], keys, kv, blocks, manager, store, slot_size, report)
 
 
-def _store_chunks(chunks: list[int], keys: list[bytes], kv, blocks: BlockLayout,
-                  manager: DiskOffloadingManager, store: DiskStore, slot_size: int,
-                  report: WarmupReport) -> None:
+def _store_chunks(
+    chunks: list[int],
+    keys: list[bytes],
+    kv,
+    blocks: BlockLayout,
+    manager: DiskOffloadingManager,
+    store: DiskStore,
+    slot_size: int,
+    report: WarmupReport,
+) -> None:
     out = manager.prepare_store([keys[c] for c in chunks])
     if out is None:
         report.blocks_rejected += len(chunks)
@@ -521,16 +570,23 @@ def _store_chunks(chunks: list[int], keys: list[bytes], kv, blocks: BlockLayout,
 def require_vllm_engine() -> None:
     """Raise ``WarmupError`` unless a CUDA device is visible and vLLM imports."""
     if not torch.cuda.is_available():
-        raise WarmupError("the vllm engine needs CUDA + vLLM: no CUDA device is visible here "
-                          "(use --engine hf on this machine)")
+        raise WarmupError(
+            "the vllm engine needs CUDA + vLLM: no CUDA device is visible here (use --engine hf on this machine)"
+        )
     try:
         importlib.import_module("vllm")
     except Exception as e:
         raise WarmupError(f"the vllm engine needs CUDA + vLLM: cannot import vLLM ({e})") from None
 
 
-def run_vllm_warmup(prompts: Sequence[Sequence[int]], model: str, extra_config: Mapping[str, Any], *,
-                    gpu_block_size: int = 16, tp_size: int = 1) -> int:
+def run_vllm_warmup(
+    prompts: Sequence[Sequence[int]],
+    model: str,
+    extra_config: Mapping[str, Any],
+    *,
+    gpu_block_size: int = 16,
+    tp_size: int = 1,
+) -> int:
     """Prefill ``prompts`` with vLLM's offline ``LLM`` and our connector configured by
     ``extra_config`` (the server's store path, forced to write-through so every block
     reaches the disk), then shut the engine down. Returns the number of prompts run.
@@ -540,12 +596,21 @@ def run_vllm_warmup(prompts: Sequence[Sequence[int]], model: str, extra_config: 
     from vllm.inputs import TokensPrompt
 
     extra = {**extra_config, "write_policy": "write_through"}
-    llm = LLM(model=model, block_size=gpu_block_size, tensor_parallel_size=tp_size, enable_prefix_caching=True,
-              kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                  "kv_connector_extra_config": extra})
+    llm = LLM(
+        model=model,
+        block_size=gpu_block_size,
+        tensor_parallel_size=tp_size,
+        enable_prefix_caching=True,
+        kv_transfer_config={
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        },
+    )
     try:
-        llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in prompts],
-                     SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=list(t)) for t in prompts], SamplingParams(max_tokens=1), use_tqdm=False
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
     return len(prompts)

@@ -106,9 +106,15 @@ def chat_workload(spec: ChatWorkloadSpec) -> Workload:
     return Workload(f"chat(seed={spec.seed})", requests)
 
 
-def shared_prefix_workload(num_requests: int, num_prefixes: int, prefix_blocks: int,
-                           suffix_blocks: tuple[int, int], zipf_s: float = 1.1,
-                           tokens_per_block: int = 16, seed: int = 0) -> Workload:
+def shared_prefix_workload(
+    num_requests: int,
+    num_prefixes: int,
+    prefix_blocks: int,
+    suffix_blocks: tuple[int, int],
+    zipf_s: float = 1.1,
+    tokens_per_block: int = 16,
+    seed: int = 0,
+) -> Workload:
     """RAG-like: each request is one of ``num_prefixes`` shared documents, drawn with
     Zipf(``zipf_s``) popularity, followed by a fresh question of ``suffix_blocks``
     (inclusive range) blocks."""
@@ -118,8 +124,9 @@ def shared_prefix_workload(num_requests: int, num_prefixes: int, prefix_blocks: 
     if not 0 <= lo <= hi:
         raise ValueError(f"suffix_blocks must be (lo, hi) with 0 <= lo <= hi, got {suffix_blocks}")
     rng = np.random.default_rng(seed)
-    docs = [prefix_hashes(rng.integers(0, TOKEN_VOCAB, size=(prefix_blocks, tokens_per_block)))
-            for _ in range(num_prefixes)]
+    docs = [
+        prefix_hashes(rng.integers(0, TOKEN_VOCAB, size=(prefix_blocks, tokens_per_block))) for _ in range(num_prefixes)
+    ]
     weights = 1.0 / np.arange(1, num_prefixes + 1) ** zipf_s
     weights /= weights.sum()
     requests = []

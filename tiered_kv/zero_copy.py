@@ -55,8 +55,7 @@ def device_address(host_address: int) -> int | None:
     if driver is None:
         return None
     out = ctypes.c_uint64()
-    status = driver.cuPointerGetAttribute(ctypes.byref(out), _DEVICE_POINTER_ATTRIBUTE,
-                                          ctypes.c_uint64(host_address))
+    status = driver.cuPointerGetAttribute(ctypes.byref(out), _DEVICE_POINTER_ATTRIBUTE, ctypes.c_uint64(host_address))
     return out.value if status == 0 else None
 
 
@@ -65,8 +64,13 @@ class _ArrayInterface:
     object, and so ``owner``, alive as long as the tensor."""
 
     def __init__(self, address: int, shape: Sequence[int], dtype: torch.dtype, owner: object):
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": _TYPESTRS[dtype],
-                                         "data": (address, False), "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": _TYPESTRS[dtype],
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
         self.owner = owner
 
 
@@ -127,8 +131,12 @@ class PlaneRows:
             rows = _host_rows(planes, first, shape, dtype)
             if rows is None:
                 return None
-        return cls(rows, np.array(offsets, dtype=np.int64) // slice_bytes,
-                   np.array(steps, dtype=np.int64) // slice_bytes, block_bytes // slice_bytes)
+        return cls(
+            rows,
+            np.array(offsets, dtype=np.int64) // slice_bytes,
+            np.array(steps, dtype=np.int64) // slice_bytes,
+            block_bytes // slice_bytes,
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -148,8 +156,9 @@ class PlaneRows:
         return (firsts[:, :, None] + np.arange(self.rows_per_block)).ravel()
 
 
-def _host_rows(planes: Sequence[torch.Tensor], first: int, shape: tuple[int, int],
-               dtype: torch.dtype) -> torch.Tensor | None:
+def _host_rows(
+    planes: Sequence[torch.Tensor], first: int, shape: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor | None:
     """A host view of ``shape`` words of ``dtype`` from address ``first``, over the one
     storage every plane lies in; None where they lie in several."""
     storage = planes[0].untyped_storage()
@@ -157,7 +166,7 @@ def _host_rows(planes: Sequence[torch.Tensor], first: int, shape: tuple[int, int
         return None
     whole = torch.empty(0, dtype=torch.uint8).set_(storage)
     start = first - storage.data_ptr()
-    return whole[start:start + shape[0] * shape[1] * dtype.itemsize].view(dtype).view(shape)
+    return whole[start : start + shape[0] * shape[1] * dtype.itemsize].view(dtype).view(shape)
 
 
 #: Most device memory a copy takes for staging; larger jobs move in parts of this size.
@@ -166,8 +175,9 @@ def _host_rows(planes: Sequence[torch.Tensor], first: int, shape: tuple[int, int
 MAX_STAGING_BYTES = 64 << 20
 
 
-def copy_blocks(src: PlaneRows, dst: PlaneRows, src_ids: np.ndarray, dst_ids: np.ndarray,
-                max_staging_bytes: int = MAX_STAGING_BYTES) -> None:
+def copy_blocks(
+    src: PlaneRows, dst: PlaneRows, src_ids: np.ndarray, dst_ids: np.ndarray, max_staging_bytes: int = MAX_STAGING_BYTES
+) -> None:
     """Copy block ``src_ids[i]`` of every plane of ``src`` to block ``dst_ids[i]`` of
     ``dst`` (the same planes in the same order), on the current stream: per part of at
     most ``max_staging_bytes``, a gather into staging on ``src.rows``' device (CUDA, or
@@ -175,9 +185,9 @@ def copy_blocks(src: PlaneRows, dst: PlaneRows, src_ids: np.ndarray, dst_ids: np
     device = src.rows.device
     per_part = max(1, max_staging_bytes // src.block_bytes)
     for start in range(0, len(src_ids), per_part):
-        src_index = src.index(src_ids[start:start + per_part])
-        dst_index = dst.index(dst_ids[start:start + per_part])
+        src_index = src.index(src_ids[start : start + per_part])
+        dst_index = dst.index(dst_ids[start : start + per_part])
         both = torch.from_numpy(np.concatenate([src_index, dst_index])).to(device, non_blocking=True)
-        staging = src.rows.index_select(0, both[:len(src_index)])
+        staging = src.rows.index_select(0, both[: len(src_index)])
         # The two sides may slice a block differently: the same bytes in rows of another shape.
-        dst.rows.index_copy_(0, both[len(src_index):], staging.view(dst.rows.dtype).view(-1, dst.rows.shape[1]))
+        dst.rows.index_copy_(0, both[len(src_index) :], staging.view(dst.rows.dtype).view(-1, dst.rows.shape[1]))

@@ -160,6 +160,7 @@ class IOTrace:
                     self._busy[1] += 1
                     self._span[0] = min(self._span[0], t0)
                     self._span[1] = max(self._span[1], t1)
+
         return timed
 
     @contextlib.contextmanager
@@ -247,14 +248,13 @@ def model_layout(block_bytes: int) -> KVCacheLayout:
     token) with 4-token GPU blocks, grouped into offloaded blocks of ``block_bytes``."""
     per_gpu_block = 32 * 2 * 4 * 8 * 128 * 2
     factor = max(1, block_bytes // per_gpu_block)
-    layers = tuple(LayerLayout(f"model.layers.{i}.self_attn", (2, 4 * factor * 2, 4, 8, 128), True)
-                   for i in range(32))
+    layers = tuple(LayerLayout(f"model.layers.{i}.self_attn", (2, 4 * factor * 2, 4, 8, 128), True) for i in range(32))
     return KVCacheLayout(layers, torch.float16, 4, factor)
 
 
 def windows_iovec(view: memoryview, bs: int, windows: int) -> Callable[[int], list[memoryview]]:
     """Block ``i``'s buffer: window ``i % windows`` of ``bs`` bytes in ``view``."""
-    return lambda i: [view[i % windows * bs:(i % windows + 1) * bs]]
+    return lambda i: [view[i % windows * bs : (i % windows + 1) * bs]]
 
 
 class RawLoop:
@@ -303,10 +303,21 @@ class Fio:
 
     def run(self, write: bool) -> float:
         per_job = self.total // self.threads // self.bs * self.bs
-        cmd = ["fio", "--name=raw", f"--filename={self.path}", "--direct=1", "--ioengine=psync",
-               f"--rw={'write' if write else 'read'}", f"--bs={self.bs}", f"--numjobs={self.threads}",
-               f"--size={per_job}", f"--offset_increment={per_job}", "--group_reporting",
-               "--end_fsync=1" if write else "--end_fsync=0", "--output-format=json"]
+        cmd = [
+            "fio",
+            "--name=raw",
+            f"--filename={self.path}",
+            "--direct=1",
+            "--ioengine=psync",
+            f"--rw={'write' if write else 'read'}",
+            f"--bs={self.bs}",
+            f"--numjobs={self.threads}",
+            f"--size={per_job}",
+            f"--offset_increment={per_job}",
+            "--group_reporting",
+            "--end_fsync=1" if write else "--end_fsync=0",
+            "--output-format=json",
+        ]
         out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         return float(out["jobs"][0]["write" if write else "read"]["bw_bytes"])
 
@@ -319,19 +330,25 @@ class StoreBench:
     def __init__(self, store: DiskStore | DiskIOProcess, block_bytes: int, n: int, per_job: int, job_threads: int):
         self.store, self.n, self.per_job, self.block_bytes = store, n, per_job, block_bytes
         self.pool = ThreadPoolExecutor(job_threads)
-        self.bufs = [store.host_buffer(per_job * store.slot_size).view(per_job, store.slot_size)
-                     for _ in range(job_threads)]
+        self.bufs = [
+            store.host_buffer(per_job * store.slot_size).view(per_job, store.slot_size) for _ in range(job_threads)
+        ]
         for b in self.bufs:
             b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
         self.hashes = [b"S" + i.to_bytes(8, "big") + os.urandom(23) for i in range(n)]
 
     def run(self, write: bool) -> float:
         t0 = time.perf_counter()
-        futs = [self.pool.submit(self._write if write else self.store.read_blocks, 0,
-                                 self.hashes[a:a + self.per_job],
-                                 list(range(self.n + a, self.n + min(self.n, a + self.per_job))),
-                                 self.bufs[k % len(self.bufs)][:min(self.per_job, self.n - a)])
-                for k, a in enumerate(range(0, self.n, self.per_job))]
+        futs = [
+            self.pool.submit(
+                self._write if write else self.store.read_blocks,
+                0,
+                self.hashes[a : a + self.per_job],
+                list(range(self.n + a, self.n + min(self.n, a + self.per_job))),
+                self.bufs[k % len(self.bufs)][: min(self.per_job, self.n - a)],
+            )
+            for k, a in enumerate(range(0, self.n, self.per_job))
+        ]
         # A store's job thread is free once its writes are done (as in the handlers);
         # its outcome comes with the group commit.
         ok = [all(f.result().result() if write else f.result()) for f in futs]
@@ -353,9 +370,19 @@ class StoreBench:
 class TierBench:
     """Store ``total`` bytes of blocks through a CpuDiskHandler, then load them back."""
 
-    def __init__(self, root: Path, block_bytes: int, total: int, job_bytes: int, backend: str,
-                 io_threads: int, job_threads: int, disk_io: str = "thread", checksum: str = "xxh3_64",
-                 scattered: bool = False):
+    def __init__(
+        self,
+        root: Path,
+        block_bytes: int,
+        total: int,
+        job_bytes: int,
+        backend: str,
+        io_threads: int,
+        job_threads: int,
+        disk_io: str = "thread",
+        checksum: str = "xxh3_64",
+        scattered: bool = False,
+    ):
         self.layout = model_layout(block_bytes)
         self.slot = slot_size_for(self.layout.bytes_per_block)
         self.n = max(1, total // self.layout.bytes_per_block)
@@ -363,13 +390,21 @@ class TierBench:
         fp = Fingerprint.from_layout(self.layout, model_id="bench")
         # Twice n slots: the handler uses 0..n-1, StoreBench n..2n-1.
         opener = DiskIOProcess.open if disk_io == "process" else DiskStore.open
-        self.store = opener(root, fp, self.layout, disk_bytes=2 * self.n * self.slot,
-                            checksum=checksum, io_backend=backend, io_threads=io_threads)
+        self.store = opener(
+            root,
+            fp,
+            self.layout,
+            disk_bytes=2 * self.n * self.slot,
+            checksum=checksum,
+            io_backend=backend,
+            io_threads=io_threads,
+        )
         host_slots = min(self.n, 2 * job_threads * self.per_job)
         self.host = HostKVCache(self.layout, host_slots, shared=disk_io == "process")
         self.host.slot_rows.copy_(torch.randint(0, 256, self.host.slot_rows.shape, dtype=torch.uint8))
-        self.handler = CpuDiskHandler(self.store, 0, self.host, self.layout, job_threads=job_threads,
-                                      staging_bytes=max(2 * self.slot, job_bytes))
+        self.handler = CpuDiskHandler(
+            self.store, 0, self.host, self.layout, job_threads=job_threads, staging_bytes=max(2 * self.slot, job_bytes)
+        )
         self.hashes = [i.to_bytes(8, "big") + os.urandom(24) for i in range(self.n)]
         self.job = 0
         # Job i's blocks come from CPU slots i*per_job.. (runs of consecutive slots), or with
@@ -407,8 +442,12 @@ class TierBench:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", type=Path, default=None,
-                   help="directory on the disk under test (default: a temporary one under the current directory)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="directory on the disk under test (default: a temporary one under the current directory)",
+    )
     p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement (default 512 MiB)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
@@ -416,29 +455,55 @@ def main() -> None:
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--job-threads", type=int, default=4, help="jobs in flight (default 4)")
     p.add_argument("--backend", default="auto", choices=("auto", "posix", "kvikio"))
-    p.add_argument("--busy-thread", action="store_true",
-                   help="run plain Python on one more thread of this process throughout, as an engine "
-                        "worker's own Python would (every path, the raw loop included)")
-    p.add_argument("--disk-io", default="thread", choices=("thread", "process"),
-                   help="where the store and handler paths run their disk I/O: threads of this process "
-                        "(default) or a helper process (tiered_kv.disk.io_process)")
-    p.add_argument("--raw", default="auto", choices=("auto", "fio", "loop"),
-                   help="how the raw run into reused buffers is measured: fio (auto: where installed) "
-                        "or the O_DIRECT loop")
-    p.add_argument("--checksum", default="xxh3_64", choices=CHECKSUMS,
-                   help="the tier's block checksum (default xxh3_64, the tier's default)")
+    p.add_argument(
+        "--busy-thread",
+        action="store_true",
+        help="run plain Python on one more thread of this process throughout, as an engine "
+        "worker's own Python would (every path, the raw loop included)",
+    )
+    p.add_argument(
+        "--disk-io",
+        default="thread",
+        choices=("thread", "process"),
+        help="where the store and handler paths run their disk I/O: threads of this process "
+        "(default) or a helper process (tiered_kv.disk.io_process)",
+    )
+    p.add_argument(
+        "--raw",
+        default="auto",
+        choices=("auto", "fio", "loop"),
+        help="how the raw run into reused buffers is measured: fio (auto: where installed) or the O_DIRECT loop",
+    )
+    p.add_argument(
+        "--checksum",
+        default="xxh3_64",
+        choices=CHECKSUMS,
+        help="the tier's block checksum (default xxh3_64, the tier's default)",
+    )
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart (PNG) here")
-    p.add_argument("--live-heap", action="store_true",
-                   help="do not freeze the heap built at setup (vLLM's workers freeze it after warm-up), "
-                        "so full garbage collections walk it all")
-    p.add_argument("--scattered-slots", action="store_true",
-                   help="the handler's jobs take their blocks from CPU slots in a shuffled order, as from a "
-                        "CPU tier whose LRU has churned (default: runs of consecutive slots)")
-    p.add_argument("--trace", action="store_true",
-                   help="time every preadv/pwritev call and print, per path, the calls in flight on average "
-                        "and the time per call (not with --disk-io process, whose calls run in the helper)")
-    p.add_argument("--small-pages", action="store_true",
-                   help="host buffers on ordinary 4 KiB pages, not advised onto huge pages (to compare)")
+    p.add_argument(
+        "--live-heap",
+        action="store_true",
+        help="do not freeze the heap built at setup (vLLM's workers freeze it after warm-up), "
+        "so full garbage collections walk it all",
+    )
+    p.add_argument(
+        "--scattered-slots",
+        action="store_true",
+        help="the handler's jobs take their blocks from CPU slots in a shuffled order, as from a "
+        "CPU tier whose LRU has churned (default: runs of consecutive slots)",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="time every preadv/pwritev call and print, per path, the calls in flight on average "
+        "and the time per call (not with --disk-io process, whose calls run in the helper)",
+    )
+    p.add_argument(
+        "--small-pages",
+        action="store_true",
+        help="host buffers on ordinary 4 KiB pages, not advised onto huge pages (to compare)",
+    )
     args = p.parse_args()
     if args.trace and args.disk_io == "process":
         p.error("--trace times this process's calls; with --disk-io process they run in the helper process")
@@ -450,32 +515,45 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix=".bench-disk-", dir=args.dir or Path.cwd()))
     use_fio = args.raw == "fio" or (args.raw == "auto" and shutil.which("fio") is not None)
     total = args.total_mib * MiB
-    print(f"# bench_disk  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
-          f"dir={root}")
-    print(f"# raw = O_DIRECT pwritev/preadv loop over a buffer the size of the handler's host KV cache, "
-          f"{args.io_threads} threads; raw into reused buffers = "
-          f"{'fio --direct=1 --ioengine=psync' if use_fio else 'the same loop, one block buffer per thread'}; "
-          f"tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
-          f"{args.job_threads} job threads, {args.io_threads} I/O threads, {args.checksum} checksums; "
-          f"{args.total_mib} MiB per "
-          f"measurement, {args.rounds} rounds; THP {kernel_huge_pages('private')} "
-          f"(shared memory: {kernel_huge_pages('shared')}); heap "
-          f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
-          f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
-          f"; disk I/O in {'a helper process' if args.disk_io == 'process' else 'threads of this process'}"
-          f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}"
-          f"; handler jobs from {'shuffled' if args.scattered_slots else 'consecutive'} CPU slots")
+    print(f"# bench_disk  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  dir={root}")
+    print(
+        f"# raw = O_DIRECT pwritev/preadv loop over a buffer the size of the handler's host KV cache, "
+        f"{args.io_threads} threads; raw into reused buffers = "
+        f"{'fio --direct=1 --ioengine=psync' if use_fio else 'the same loop, one block buffer per thread'}; "
+        f"tier = CpuDiskHandler, {args.job_mib} MiB jobs, "
+        f"{args.job_threads} job threads, {args.io_threads} I/O threads, {args.checksum} checksums; "
+        f"{args.total_mib} MiB per "
+        f"measurement, {args.rounds} rounds; THP {kernel_huge_pages('private')} "
+        f"(shared memory: {kernel_huge_pages('shared')}); heap "
+        f"{'live (--live-heap)' if args.live_heap else 'frozen after setup, as in a vLLM worker'}"
+        f"{'; a busy Python thread beside every path (--busy-thread)' if args.busy_thread else ''}"
+        f"; disk I/O in {'a helper process' if args.disk_io == 'process' else 'threads of this process'}"
+        f"{', host buffers on 4 KiB pages (--small-pages)' if args.small_pages else ''}"
+        f"; handler jobs from {'shuffled' if args.scattered_slots else 'consecutive'} CPU slots"
+    )
     rows = []
     try:
         for size in (float(s) for s in args.sizes.split(",")):
             bs = int(size * MiB)
-            tier = TierBench(root / f"cache-{size}", bs, total, args.job_mib * MiB, args.backend,
-                             args.io_threads, args.job_threads, args.disk_io, args.checksum,
-                             args.scattered_slots)
+            tier = TierBench(
+                root / f"cache-{size}",
+                bs,
+                total,
+                args.job_mib * MiB,
+                args.backend,
+                args.io_threads,
+                args.job_threads,
+                args.disk_io,
+                args.checksum,
+                args.scattered_slots,
+            )
             raw_bs, raw_file = tier.slot, root / f"raw-{size}.bin"
             raw = RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads, windows=tier.host.num_slots)
-            hot = (Fio(raw_file, tier.n * raw_bs, raw_bs, args.io_threads) if use_fio else
-                   RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads))
+            hot = (
+                Fio(raw_file, tier.n * raw_bs, raw_bs, args.io_threads)
+                if use_fio
+                else RawLoop(raw_file, tier.n * raw_bs, raw_bs, args.io_threads)
+            )
             store = StoreBench(tier.store, tier.layout.bytes_per_block, tier.n, tier.per_job, args.job_threads)
             benches = (("raw", raw), ("hot", hot), ("store", store), ("tier", tier))
             res = {f"{name}_{d}": [] for d in "wr" for name, _ in benches}
@@ -486,7 +564,7 @@ def main() -> None:
             with worker_heap(frozen=not args.live_heap) as gc_pauses, busy_thread(args.busy_thread) as progress:
                 for r in range(args.rounds):
                     # Rotate the order each round so no path always runs right after another.
-                    order = benches[r % len(benches):] + benches[:r % len(benches)]
+                    order = benches[r % len(benches) :] + benches[: r % len(benches)]
                     for write in (True, False):
                         for name, bench in order:
                             key = f"{name}_{'w' if write else 'r'}"
@@ -500,8 +578,7 @@ def main() -> None:
             backend = tier.store.backend.describe()
             direct = tier.store._files[0].direct if isinstance(tier.store, DiskStore) else "(in the helper)"
             views = tier.handler._views
-            path = ("staged" if views is None else
-                    "vectored" if views_fit(views, tier.store.slot_size) else "packed")
+            path = "staged" if views is None else "vectored" if views_fit(views, tier.store.slot_size) else "packed"
             store.close()
             tier.close()
             # Harmonic mean = total bytes / total time over the rounds.
@@ -510,67 +587,96 @@ def main() -> None:
             agg.update({f"cpu_{k}": v / moved for k, v in cpu.items()})
             agg.update({f"spin_{k}": loops * 1000 / seconds / 1e6 for k, (loops, seconds) in spins.items()})
             rows.append((size, agg, res, trace))
-            print(f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, handler {path}, per-round GB/s "
-                  + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items())
-                  + "; garbage-collector pauses, ms: "
-                  + ", ".join(f"{k}={gc_pauses.ms[k]:.0f}" for k in res))
+            print(
+                f"# {size} MiB blocks: backend {backend}, O_DIRECT {direct}, handler {path}, per-round GB/s "
+                + ", ".join(f"{k}=[{' '.join(f'{x / 1e9:.2f}' for x in v)}]" for k, v in res.items())
+                + "; garbage-collector pauses, ms: "
+                + ", ".join(f"{k}={gc_pauses.ms[k]:.0f}" for k in res)
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     print()
-    print("GB/s; store = DiskStore (checksum + O_DIRECT + fdatasync + synced index commits, shared by "
-          "jobs that finish together); handler = CpuDiskHandler (from/to a host KV cache: vectored or packed, see above)")
-    print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | "
-          f"{'raw read':>8} {'load':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | {'raw, reused buffers':>19}")
+    print(
+        "GB/s; store = DiskStore (checksum + O_DIRECT + fdatasync + synced index commits, shared by "
+        "jobs that finish together); handler = CpuDiskHandler (from/to a host KV cache: vectored or packed, see above)"
+    )
+    print(
+        f"{'block':>9} | {'raw write':>9} {'store':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | "
+        f"{'raw read':>8} {'load':>6} {'ratio':>5} {'handler':>7} {'ratio':>5} | {'raw, reused buffers':>19}"
+    )
     for size, agg, _, _ in rows:
-        print(f"{size:>5} MiB | {agg['raw_w']:>9.2f} {agg['store_w']:>6.2f} {agg['store_w'] / agg['raw_w']:>5.2f} "
-              f"{agg['tier_w']:>7.2f} {agg['tier_w'] / agg['raw_w']:>5.2f} | {agg['raw_r']:>8.2f} "
-              f"{agg['store_r']:>6.2f} {agg['store_r'] / agg['raw_r']:>5.2f} {agg['tier_r']:>7.2f} "
-              f"{agg['tier_r'] / agg['raw_r']:>5.2f} | {agg['hot_w']:>7.2f} w {agg['hot_r']:>6.2f} r")
-    for raw, against in (("raw", "the raw loop of its own round, seconds apart"),
-                         ("hot", "the raw run into reused buffers of its own round")):
+        print(
+            f"{size:>5} MiB | {agg['raw_w']:>9.2f} {agg['store_w']:>6.2f} {agg['store_w'] / agg['raw_w']:>5.2f} "
+            f"{agg['tier_w']:>7.2f} {agg['tier_w'] / agg['raw_w']:>5.2f} | {agg['raw_r']:>8.2f} "
+            f"{agg['store_r']:>6.2f} {agg['store_r'] / agg['raw_r']:>5.2f} {agg['tier_r']:>7.2f} "
+            f"{agg['tier_r'] / agg['raw_r']:>5.2f} | {agg['hot_w']:>7.2f} w {agg['hot_r']:>6.2f} r"
+        )
+    for raw, against in (
+        ("raw", "the raw loop of its own round, seconds apart"),
+        ("hot", "the raw run into reused buffers of its own round"),
+    ):
         print()
-        print(f"Per-round ratios (each path against {against}): median [min-max]; a wide range is the "
-              "disk drifting")
+        print(f"Per-round ratios (each path against {against}): median [min-max]; a wide range is the disk drifting")
         print(f"{'block':>9} | {'store write':>17} {'handler write':>17} | {'load':>17} {'handler read':>17}")
         for size, _, res, _ in rows:
-            cells = [per_round(res[f"{tier}_{d}"], res[f"{raw}_{d}"])
-                     for tier, d in (("store", "w"), ("tier", "w"), ("store", "r"), ("tier", "r"))]
+            cells = [
+                per_round(res[f"{tier}_{d}"], res[f"{raw}_{d}"])
+                for tier, d in (("store", "w"), ("tier", "w"), ("store", "r"), ("tier", "r"))
+            ]
             print(f"{size:>5} MiB | {cells[0]:>17} {cells[1]:>17} | {cells[2]:>17} {cells[3]:>17}")
     print()
-    print("CPU seconds per GB moved (this process, all threads, user + system; with --disk-io process "
-          "the I/O process's too)")
+    print(
+        "CPU seconds per GB moved (this process, all threads, user + system; with --disk-io process "
+        "the I/O process's too)"
+    )
     print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} {'handler':>7}")
     for size, agg, _, _ in rows:
-        print(f"{size:>5} MiB | {agg['cpu_raw_w']:>9.3f} {agg['cpu_store_w']:>6.3f} {agg['cpu_tier_w']:>7.3f} | "
-              f"{agg['cpu_raw_r']:>8.3f} {agg['cpu_store_r']:>6.3f} {agg['cpu_tier_r']:>7.3f}")
+        print(
+            f"{size:>5} MiB | {agg['cpu_raw_w']:>9.3f} {agg['cpu_store_w']:>6.3f} {agg['cpu_tier_w']:>7.3f} | "
+            f"{agg['cpu_raw_r']:>8.3f} {agg['cpu_store_r']:>6.3f} {agg['cpu_tier_r']:>7.3f}"
+        )
     if args.busy_thread:
         print()
-        print("The busy thread's own progress beside each path (million additions per second): "
-              "what an engine's Python keeps while the disk tier works")
-        print(f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} "
-              f"{'handler':>7}")
+        print(
+            "The busy thread's own progress beside each path (million additions per second): "
+            "what an engine's Python keeps while the disk tier works"
+        )
+        print(
+            f"{'block':>9} | {'raw write':>9} {'store':>6} {'handler':>7} | {'raw read':>8} {'load':>6} {'handler':>7}"
+        )
         for size, agg, _, _ in rows:
-            print(f"{size:>5} MiB | {agg['spin_raw_w']:>9.1f} {agg['spin_store_w']:>6.1f} {agg['spin_tier_w']:>7.1f} | "
-                  f"{agg['spin_raw_r']:>8.1f} {agg['spin_store_r']:>6.1f} {agg['spin_tier_r']:>7.1f}")
+            print(
+                f"{size:>5} MiB | {agg['spin_raw_w']:>9.1f} {agg['spin_store_w']:>6.1f} {agg['spin_tier_w']:>7.1f} | "
+                f"{agg['spin_raw_r']:>8.1f} {agg['spin_store_r']:>6.1f} {agg['spin_tier_r']:>7.1f}"
+            )
     if args.trace:
         print()
-        print("preadv/pwritev calls: mean calls in flight x mean ms per call (--trace); raw keeps every I/O thread "
-              "in a call, a path that keeps fewer spends time between calls, one with slower calls loses in the device")
-        print(f"{'block':>9} | {'raw write':>13} {'store':>13} {'handler':>13} | {'raw read':>13} {'load':>13} "
-              f"{'handler':>13}")
+        print(
+            "preadv/pwritev calls: mean calls in flight x mean ms per call (--trace); raw keeps every I/O thread "
+            "in a call, a path that keeps fewer spends time between calls, one with slower calls loses in the device"
+        )
+        print(
+            f"{'block':>9} | {'raw write':>13} {'store':>13} {'handler':>13} | {'raw read':>13} {'load':>13} "
+            f"{'handler':>13}"
+        )
         for size, _, _, trace in rows:
             cells = [" ".join(f"{trace.cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier")) for d in "wr"]
             print(f"{size:>5} MiB | " + " | ".join(cells))
         print()
-        print("Milliseconds before the first call and after the last one ended, per measurement (--trace): what "
-              "a path pays once per measurement (a store's first synced index clear, its last fdatasync and "
-              "commit), beside the raw loop's final fdatasync")
-        print(f"{'block':>9} | {'raw write':>13} {'store':>13} {'handler':>13} | {'raw read':>13} {'load':>13} "
-              f"{'handler':>13}")
+        print(
+            "Milliseconds before the first call and after the last one ended, per measurement (--trace): what "
+            "a path pays once per measurement (a store's first synced index clear, its last fdatasync and "
+            "commit), beside the raw loop's final fdatasync"
+        )
+        print(
+            f"{'block':>9} | {'raw write':>13} {'store':>13} {'handler':>13} | {'raw read':>13} {'load':>13} "
+            f"{'handler':>13}"
+        )
         for size, _, _, trace in rows:
-            cells = [" ".join(f"{trace.edges_cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier"))
-                     for d in "wr"]
+            cells = [
+                " ".join(f"{trace.edges_cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier")) for d in "wr"
+            ]
             print(f"{size:>5} MiB | " + " | ".join(cells))
     if args.plot:
         import matplotlib
@@ -580,8 +686,14 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
         x = np.arange(len(rows))
-        series = (("raw_w", "raw write"), ("store_w", "store"), ("tier_w", "handler store"),
-                  ("raw_r", "raw read"), ("store_r", "load"), ("tier_r", "handler load"))
+        series = (
+            ("raw_w", "raw write"),
+            ("store_w", "store"),
+            ("tier_w", "handler store"),
+            ("raw_r", "raw read"),
+            ("store_r", "load"),
+            ("tier_r", "handler load"),
+        )
         for i, (key, label) in enumerate(series):
             ax.bar(x + (i - 2.5) * 0.13, [agg[key] for _, agg, _, _ in rows], 0.13, label=label)
         ax.set_xticks(x, [f"{s} MiB" for s, _, _, _ in rows])

@@ -70,14 +70,14 @@ def main() -> None:
         "torch: rows[2:5]": lambda: rows[2:5],
         "torch: rows.reshape(-1)": lambda: rows.reshape(-1),
         "host_view(rows[2])": lambda: host_view(rows[2]),
-        "memoryview slice": lambda: flat[2 << 20:5 << 20],
+        "memoryview slice": lambda: flat[2 << 20 : 5 << 20],
         "numpy slice": lambda: array[2:5],
-        "numpy copy, 16 x 8 KiB": lambda: packed[:, :8 << 10].__setitem__(slice(None), piece),
+        "numpy copy, 16 x 8 KiB": lambda: packed[:, : 8 << 10].__setitem__(slice(None), piece),
     }
     alone = {k: [] for k in calls}
     busy = {k: [] for k in calls}
     for r in range(args.rounds):
-        for beside in ((False, True) if r % 2 == 0 else (True, False)):
+        for beside in (False, True) if r % 2 == 0 else (True, False):
             for name, fn in calls.items():
                 if beside:
                     with Spinner():
@@ -85,9 +85,11 @@ def main() -> None:
                 else:
                     alone[name].append(per_call_us(fn, args.calls))
 
-    print(f"# bench_gil_handoff  {time.strftime('%Y-%m-%d %H:%M')}  python {sys.version.split()[0]}  "
-          f"torch {torch.__version__}  numpy {np.__version__}  switch interval "
-          f"{sys.getswitchinterval() * 1e3:.1f} ms  {args.calls} calls x {args.rounds} rounds")
+    print(
+        f"# bench_gil_handoff  {time.strftime('%Y-%m-%d %H:%M')}  python {sys.version.split()[0]}  "
+        f"torch {torch.__version__}  numpy {np.__version__}  switch interval "
+        f"{sys.getswitchinterval() * 1e3:.1f} ms  {args.calls} calls x {args.rounds} rounds"
+    )
     print(f"{'call':<26} | {'alone us':>9} | {'beside busy Python us':>21} | {'ratio':>7}")
     for name in calls:
         a, b = float(np.median(alone[name])), float(np.median(busy[name]))

@@ -63,18 +63,22 @@ def main() -> None:
         kinds = ("alone", "thread", "process")
         res: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):
-            for kind in kinds[r % 3:] + kinds[:r % 3]:
+            for kind in kinds[r % 3 :] + kinds[: r % 3]:
                 res[kind].append(beside(kind, lambda: raw.run(True)))
-    print(f"# bench_gil_io  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus; "
-          f"O_DIRECT writes of {args.block_mib} MiB on {args.threads} threads, {args.total_mib} MiB per pass, "
-          f"{args.rounds} rounds")
+    print(
+        f"# bench_gil_io  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus; "
+        f"O_DIRECT writes of {args.block_mib} MiB on {args.threads} threads, {args.total_mib} MiB per pass, "
+        f"{args.rounds} rounds"
+    )
     print(f"{'round':>5} {'alone GB/s':>11} {'+ thread':>9} {'ratio':>6} {'+ process':>10} {'ratio':>6}")
     for r in range(args.rounds):
         a, t, q = (res[k][r] / 1e9 for k in kinds)
         print(f"{r:>5} {a:>11.2f} {t:>9.2f} {t / a:>6.2f} {q:>10.2f} {q / a:>6.2f}")
     total = {k: len(v) / sum(1 / x for x in v) / 1e9 for k, v in res.items()}
-    print(f"{'all':>5} {total['alone']:>11.2f} {total['thread']:>9.2f} {total['thread'] / total['alone']:>6.2f} "
-          f"{total['process']:>10.2f} {total['process'] / total['alone']:>6.2f}")
+    print(
+        f"{'all':>5} {total['alone']:>11.2f} {total['thread']:>9.2f} {total['thread'] / total['alone']:>6.2f} "
+        f"{total['process']:>10.2f} {total['process'] / total['alone']:>6.2f}"
+    )
 
 
 if __name__ == "__main__":

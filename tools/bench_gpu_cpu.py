@@ -43,8 +43,13 @@ SMOKE_LAYERS, SMOKE_HEADS, SMOKE_HEAD_DIM = 2, 2, 16
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--block-mb", type=float, nargs="+", default=[0.5, 1.0, 2.0],
-                   help="offloaded block sizes in MiB (multiples of 1/8 MiB)")
+    p.add_argument(
+        "--block-mb",
+        type=float,
+        nargs="+",
+        default=[0.5, 1.0, 2.0],
+        help="offloaded block sizes in MiB (multiples of 1/8 MiB)",
+    )
     p.add_argument("--total-mb", type=int, default=2048, help="MiB moved per measurement and direction")
     p.add_argument("--blocks-per-job", type=int, default=32, help="blocks per transfer job")
     p.add_argument("--layout", choices=("kv-first", "kv-after"), default="kv-first")
@@ -86,9 +91,16 @@ def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernel
     n_blocks = max(args.blocks_per_job, args.total_mb * 2**20 // block_bytes)
     n_jobs = n_blocks // args.blocks_per_job
     n_blocks = n_jobs * args.blocks_per_job
-    dev = DeviceKVCache(num_layers=layers, num_gpu_blocks=n_blocks, gpu_block_size=tokens, num_kv_heads=heads,
-                        head_dim=head_dim, dtype=DTYPE, kv_before_num_blocks=args.layout == "kv-first",
-                        device=device)
+    dev = DeviceKVCache(
+        num_layers=layers,
+        num_gpu_blocks=n_blocks,
+        gpu_block_size=tokens,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=DTYPE,
+        kv_before_num_blocks=args.layout == "kv-first",
+        device=device,
+    )
     for i, t in enumerate(dev.tensors):
         t.normal_(mean=float(i))
     host = HostKVCache(dev.layout, n_blocks)
@@ -154,8 +166,12 @@ def bench_memcpy(nbytes: int, device: str, clock: Clock, repeats: int) -> dict[s
     out = {
         "GPU->CPU": median_gbps(clock, lambda: copy(host_bufs[0], dev_bufs[0], streams[0]), nbytes, repeats),
         "CPU->GPU": median_gbps(clock, lambda: copy(dev_bufs[0], host_bufs[0], streams[0]), nbytes, repeats),
-        "both": median_gbps(clock, lambda: (copy(host_bufs[0], dev_bufs[0], streams[0]),
-                                            copy(dev_bufs[1], host_bufs[1], streams[1])), 2 * nbytes, repeats),
+        "both": median_gbps(
+            clock,
+            lambda: (copy(host_bufs[0], dev_bufs[0], streams[0]), copy(dev_bufs[1], host_bufs[1], streams[1])),
+            2 * nbytes,
+            repeats,
+        ),
     }
     dev_bufs.clear()  # free the buffers before the cache is emptied
     host_bufs.clear()
@@ -168,8 +184,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
-        print("bench_gpu_cpu: needs a CUDA GPU, but torch.cuda.is_available() is False on this machine "
-              f"(torch {torch.__version__}); nothing was measured.", file=sys.stderr)
+        print(
+            "bench_gpu_cpu: needs a CUDA GPU, but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}); nothing was measured.",
+            file=sys.stderr,
+        )
         return 2
     if args.smoke:
         args.total_mb, args.repeats = min(args.total_mb, 8), 1
@@ -178,8 +197,10 @@ def main(argv=None) -> int:
     clock = Clock(cuda)
     console = Console()
     name = torch.cuda.get_device_name() if cuda else "CPU (smoke run: numbers are meaningless)"
-    console.print(f"{datetime.datetime.now().isoformat(timespec='seconds')}  {name}  torch {torch.__version__}"
-                  f"  layout {args.layout}  {args.blocks_per_job} blocks/job  {args.total_mb} MiB per cell")
+    console.print(
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}  {name}  torch {torch.__version__}"
+        f"  layout {args.layout}  {args.blocks_per_job} blocks/job  {args.total_mb} MiB per cell"
+    )
     console.print("command: " + " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]))
     table = Table(title="handlers (copy kernels; DMA copies) vs one large pinned cudaMemcpyAsync (GB/s, median)")
     for col in ("block", "direction", "kernels", "DMA", "memcpy", "ratio", "DMA ratio"):
@@ -195,14 +216,23 @@ def main(argv=None) -> int:
         for direction in ("GPU->CPU", "CPU->GPU", "both"):
             kernels = f"{k[direction]:.2f}" if k else "-"
             ratio = f"{k[direction] / m[direction]:.2f}" if k else "-"
-            table.add_row(f"{d['block_bytes'] / 2**20:.3g} MiB", direction, kernels, f"{d[direction]:.2f}",
-                          f"{m[direction]:.2f}", ratio, f"{d[direction] / m[direction]:.2f}")
+            table.add_row(
+                f"{d['block_bytes'] / 2**20:.3g} MiB",
+                direction,
+                kernels,
+                f"{d[direction]:.2f}",
+                f"{m[direction]:.2f}",
+                ratio,
+                f"{d[direction] / m[direction]:.2f}",
+            )
         if cuda:
             torch.cuda.empty_cache()
     console.print(table)
     if slices:
-        console.print("copy kernels move each block as slices of (device, host) bytes: "
-                      + ", ".join(f"{b}: {d}, {h}" for b, (d, h) in slices.items()))
+        console.print(
+            "copy kernels move each block as slices of (device, host) bytes: "
+            + ", ".join(f"{b}: {d}, {h}" for b, (d, h) in slices.items())
+        )
     return 0
 
 

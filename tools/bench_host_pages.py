@@ -59,24 +59,27 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
     args = p.parse_args()
     total = args.total_mib * MiB
-    print(f"# bench_host_pages  {time.strftime('%Y-%m-%d %H:%M')}  THP {device.kernel_huge_pages()}  "
-          f"{args.rounds} rounds, {args.total_mib} MiB per measurement, 4 I/O threads")
-    print(f"{'block':>9} {'dir':>5} {'path':>14} {'pages':>5} | {'GB/s':>5} {'/raw 4k':>7} {'/raw thp':>8} | "
-          f"{'CPU s/GB':>8}")
+    print(
+        f"# bench_host_pages  {time.strftime('%Y-%m-%d %H:%M')}  THP {device.kernel_huge_pages()}  "
+        f"{args.rounds} rounds, {args.total_mib} MiB per measurement, 4 I/O threads"
+    )
+    print(
+        f"{'block':>9} {'dir':>5} {'path':>14} {'pages':>5} | {'GB/s':>5} {'/raw 4k':>7} {'/raw thp':>8} | "
+        f"{'CPU s/GB':>8}"
+    )
     for size in (float(s) for s in args.sizes.split(",")):
         root = Path(tempfile.mkdtemp(prefix=".bench-pages-", dir=args.dir or Path.cwd()))
         try:
             tier_4k, raw_4k = build(root, int(size * MiB), total, small_pages=True)
             tier_thp, raw_thp = build(root, int(size * MiB), total, small_pages=False)
-            paths = {("raw", "4k"): raw_4k, ("raw", "thp"): raw_thp,
-                     ("tier", "4k"): tier_4k, ("tier", "thp"): tier_thp}
+            paths = {("raw", "4k"): raw_4k, ("raw", "thp"): raw_thp, ("tier", "4k"): tier_4k, ("tier", "thp"): tier_thp}
             kind = "views" if tier_4k.handler._views is not None else "staged"
             for write in (True, False):
                 speeds = {k: [] for k in paths}
                 cpu = dict.fromkeys(paths, 0.0)
                 for r in range(args.rounds):
                     keys = list(paths)
-                    for key in keys[r % 4:] + keys[:r % 4]:
+                    for key in keys[r % 4 :] + keys[: r % 4]:
                         c0 = cpu_seconds()
                         speeds[key].append(paths[key].run(write))
                         cpu[key] += cpu_seconds() - c0
@@ -85,9 +88,11 @@ def main() -> None:
                 for (path, pages), v in gbs.items():
                     label = f"{size} MiB" if (path, pages, write) == ("raw", "4k", True) else ""
                     name = "raw loop" if path == "raw" else f"handler {kind}"
-                    print(f"{label:>9} {'write' if write else 'read':>5} {name:>14} {pages:>5} | {v:>5.2f} "
-                          f"{v / gbs['raw', '4k']:>7.2f} {v / gbs['raw', 'thp']:>8.2f} | "
-                          f"{cpu[path, pages] / moved:>8.2f}")
+                    print(
+                        f"{label:>9} {'write' if write else 'read':>5} {name:>14} {pages:>5} | {v:>5.2f} "
+                        f"{v / gbs['raw', '4k']:>7.2f} {v / gbs['raw', 'thp']:>8.2f} | "
+                        f"{cpu[path, pages] / moved:>8.2f}"
+                    )
             tier_4k.close()
             tier_thp.close()
         finally:

@@ -61,8 +61,9 @@ def hashes(n: int, start: int = 0) -> list[bytes]:
     default in vLLM), and apart from the ``fill_disk_tier`` ones. Counters would flatter
     the disk tier after a restart, whose lookups by key prefix then all took one path
     through memory."""
-    return [hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32, person=b"bench").digest()
-            for i in range(start, start + n)]
+    return [
+        hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32, person=b"bench").digest() for i in range(start, start + n)
+    ]
 
 
 def timed(fn, batches) -> float:
@@ -74,7 +75,7 @@ def timed(fn, batches) -> float:
 
 
 def batches_of(keys: list, size: int = BATCH) -> list[list]:
-    return [keys[i:i + size] for i in range(0, len(keys), size)]
+    return [keys[i : i + size] for i in range(0, len(keys), size)]
 
 
 def bench_ours(manager, n: int) -> dict[str, float]:
@@ -110,10 +111,12 @@ def bench_vllm(n: int) -> dict[str, float] | None:
     manager, ctx, make_offload_key = vllm
     keys = [make_offload_key(h, 0) for h in hashes(n)]
     b = batches_of(keys)
-    out = {"prepare_store": timed(lambda k: manager.prepare_store(k, ctx), b),
-           "complete_store": timed(lambda k: manager.complete_store(k, ctx), b),
-           "lookup": timed(lambda k: [manager.lookup(key, ctx) for key in k], b),
-           "touch": timed(lambda k: manager.touch(k, ctx), b)}
+    out = {
+        "prepare_store": timed(lambda k: manager.prepare_store(k, ctx), b),
+        "complete_store": timed(lambda k: manager.complete_store(k, ctx), b),
+        "lookup": timed(lambda k: [manager.lookup(key, ctx) for key in k], b),
+        "touch": timed(lambda k: manager.touch(k, ctx), b),
+    }
     return out
 
 
@@ -200,16 +203,18 @@ def fill_disk_tier(tmp: str, n: int) -> None:
     disk = disk_manager(tmp, n)
     worker_index = DiskIndex(disk.namespace.index_path, 1)
     for start in range(0, n, 4096):
-        batch = [hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32).digest()
-                 for i in range(start, min(n, start + 4096))]
+        batch = [
+            hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32).digest() for i in range(start, min(n, start + 4096))
+        ]
         slots = disk.prepare_store(batch, fresh=True).store_spec.block_ids.tolist()
         worker_index.commit_stored(0, batch, slots, [disk.block_bytes] * len(batch), [0] * len(batch))
     worker_index.close()
     disk.shutdown()
 
 
-def cascade_latency(n: int, tmp: str, calls: int, restarted: bool = False
-                    ) -> tuple[list[float], list[float], list[float]]:
+def cascade_latency(
+    n: int, tmp: str, calls: int, restarted: bool = False
+) -> tuple[list[float], list[float], list[float]]:
     """Per-call seconds of a 256-block prepare_store on a full CPU tier (write_back: every
     call spills 256 blocks). The disk tier starts empty and holds ``calls * 128``
     blocks, so the first half of the calls fills it and the second half also evicts 256
@@ -232,8 +237,9 @@ def cascade_latency(n: int, tmp: str, calls: int, restarted: bool = False
         fill_disk_tier(tmp, disk_blocks)
     disk = disk_manager(tmp, disk_blocks)
     worker_index = DiskIndex(disk.namespace.index_path, 1)
-    manager = TieredOffloadingManager(cpu_manager(n), disk, write_policy="write_back",
-                                      max_pending_disk_writes=4 * BATCH)
+    manager = TieredOffloadingManager(
+        cpu_manager(n), disk, write_policy="write_back", max_pending_disk_writes=4 * BATCH
+    )
     for batch in batches_of(hashes(n)):
         manager.complete_store(manager.prepare_store(batch).block_hashes_to_store)
     lat, floor, in_flight, busy = [], [], [], 0
@@ -252,8 +258,9 @@ def cascade_latency(n: int, tmp: str, calls: int, restarted: bool = False
             in_flight = out.block_hashes_to_store
             if EVENTS:
                 manager.take_events()
-            worker_index.commit_stored(0, spills.block_hashes, spills.disk_slots.tolist(),
-                                       [disk.block_bytes] * len(spills), [0] * len(spills))
+            worker_index.commit_stored(
+                0, spills.block_hashes, spills.disk_slots.tolist(), [disk.block_bytes] * len(spills), [0] * len(spills)
+            )
             if i == 49:
                 busy = iterations_for(statistics.median(lat))
             if busy:
@@ -273,8 +280,14 @@ def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
     (which reads them and makes the blocks loadable), each timed on fresh records in
     alternate rounds, with a disk tier of ``n`` blocks half full. The flusher thread only
     applies index writes here, and is idle while a call is timed."""
-    disk = DiskOffloadingManager(tmp, Fingerprint.from_layout(LAYOUT, model_id="bench-manager"), LAYOUT,
-                                 disk_bytes=n * 4096, poll_interval=None, enable_events=EVENTS)
+    disk = DiskOffloadingManager(
+        tmp,
+        Fingerprint.from_layout(LAYOUT, model_id="bench-manager"),
+        LAYOUT,
+        disk_bytes=n * 4096,
+        poll_interval=None,
+        enable_events=EVENTS,
+    )
     worker_index = DiskIndex(disk.namespace.index_path, 1)
     read, whole = [], []
     fill = n // 2 // BATCH
@@ -300,8 +313,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--cascade-calls", type=int, default=1000)
-    ap.add_argument("--events", action="store_true",
-                    help="KV-cache events on in every manager (drained after each latency-loop call)")
+    ap.add_argument(
+        "--events",
+        action="store_true",
+        help="KV-cache events on in every manager (drained after each latency-loop call)",
+    )
     args = ap.parse_args()
     global EVENTS
     EVENTS = args.events
@@ -329,15 +345,19 @@ def main() -> int:
                 cells.append(f"{cell:>15}")
             print(f"{n:>9} {name:>16} " + " ".join(cells))
     print()
-    print(f"{BATCH}-block prepare_store on a full CPU tier, {args.cascade_calls} calls: tiered = the "
-          f"composite, every call spilling {BATCH} blocks to disk (write_back); vllm-cpu = vLLM's "
-          f"manager evicting {BATCH} blocks (no lower tier). Tiered rows: all calls, the first half "
-          f"(the disk tier filling), the second half (the disk full, evicting {BATCH} blocks per call "
-          f"too); restarted = a second run whose disk tier starts full, opened from an earlier run's index, "
-          f"so every call evicts {BATCH} of the blocks the restart found; py loop = plain interpreter work sized to the tiered median, timed after each call "
-          f"(this machine's own jitter)")
-    print(f"{'CPU blocks':>10} {'manager':>10} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'flusher us':>13}"
-          f"  (flusher = CPU per call of the disk tier's background thread)")
+    print(
+        f"{BATCH}-block prepare_store on a full CPU tier, {args.cascade_calls} calls: tiered = the "
+        f"composite, every call spilling {BATCH} blocks to disk (write_back); vllm-cpu = vLLM's "
+        f"manager evicting {BATCH} blocks (no lower tier). Tiered rows: all calls, the first half "
+        f"(the disk tier filling), the second half (the disk full, evicting {BATCH} blocks per call "
+        f"too); restarted = a second run whose disk tier starts full, opened from an earlier run's index, "
+        f"so every call evicts {BATCH} of the blocks the restart found; py loop = plain interpreter work sized to the tiered median, timed after each call "
+        f"(this machine's own jitter)"
+    )
+    print(
+        f"{'CPU blocks':>10} {'manager':>10} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'flusher us':>13}"
+        f"  (flusher = CPU per call of the disk tier's background thread)"
+    )
     for n in args.sizes:
         vllm_lat = vllm_evicting_latency(n, args.cascade_calls)
         if vllm_lat:
@@ -347,15 +367,17 @@ def main() -> int:
         half = len(lat) // 2
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
             restarted, _, restarted_flusher = cascade_latency(n, tmp, args.cascade_calls, restarted=True)
-        for name, part, background in (("tiered", lat, None), ("filling", lat[:half], flusher[0]),
-                                       ("disk full", lat[half:], flusher[1]),
-                                       ("restarted", restarted, sum(restarted_flusher) / 2),
-                                       ("py loop", floor, None)):
+        for name, part, background in (
+            ("tiered", lat, None),
+            ("filling", lat[:half], flusher[0]),
+            ("disk full", lat[half:], flusher[1]),
+            ("restarted", restarted, sum(restarted_flusher) / 2),
+            ("py loop", floor, None),
+        ):
             cpu = "" if background is None else f"{background * 1e6:13.0f}"
             print(f"{n:>10} {name:>10} {percentiles(part)}{cpu}")
     print()
-    print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), "
-          f"median us")
+    print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), median us")
     print(f"{'disk blocks':>11} {'log read':>9} {'refresh':>9}  (refresh = log read + making blocks loadable)")
     for n in args.sizes:
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:

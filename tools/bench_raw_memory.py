@@ -36,17 +36,25 @@ def planes(view: memoryview, bs: int, windows: int, pieces: int):
     the CPU tier's host KV cache."""
     piece = bs // pieces
     plane = windows * piece
-    return lambda i: [view[p * plane + i % windows * piece:p * plane + (i % windows + 1) * piece]
-                      for p in range(pieces)]
+    return lambda i: [
+        view[p * plane + i % windows * piece : p * plane + (i % windows + 1) * piece] for p in range(pieces)
+    ]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", type=Path, default=None,
-                   help="directory on the disk under test (default: a temporary one under the current directory)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="directory on the disk under test (default: a temporary one under the current directory)",
+    )
     p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
-    p.add_argument("--footprints-mib", default="8,16,32,64,256",
-                   help="buffer sizes in MiB, each at least one block per thread (default 8,16,32,64,256)")
+    p.add_argument(
+        "--footprints-mib",
+        default="8,16,32,64,256",
+        help="buffer sizes in MiB, each at least one block per thread (default 8,16,32,64,256)",
+    )
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement (default 512 MiB)")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--pieces", type=int, default=64, help="layer planes a scattered block is split over (default 64)")
@@ -54,28 +62,40 @@ def main() -> None:
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix=".bench-raw-memory-", dir=args.dir or Path.cwd()))
-    print(f"# bench_raw_memory  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
-          f"dir={root}; {args.threads} threads, {args.total_mib} MiB per measurement, {args.rounds} rounds, "
-          "buffers on transparent huge pages (empty_pageable)")
-    print("GB/s, median over the rounds [min-max]; 'reused' = one block buffer per thread, as fio's; "
-          f"'scattered' = the largest footprint, each block in {args.pieces} layer planes")
+    print(
+        f"# bench_raw_memory  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
+        f"dir={root}; {args.threads} threads, {args.total_mib} MiB per measurement, {args.rounds} rounds, "
+        "buffers on transparent huge pages (empty_pageable)"
+    )
+    print(
+        "GB/s, median over the rounds [min-max]; 'reused' = one block buffer per thread, as fio's; "
+        f"'scattered' = the largest footprint, each block in {args.pieces} layer planes"
+    )
     try:
         for size in (float(s) for s in args.sizes.split(",")):
             bs = int(size * MiB)
             reused = args.threads * bs
-            footprints = sorted({reused} | {max(reused, int(f) * MiB // bs * bs)
-                                             for f in args.footprints_mib.split(",")})
-            loop = RawLoop(root / f"raw-{size}.bin", args.total_mib * MiB // bs * bs, bs, args.threads,
-                           windows=footprints[-1] // bs)
+            footprints = sorted(
+                {reused} | {max(reused, int(f) * MiB // bs * bs) for f in args.footprints_mib.split(",")}
+            )
+            loop = RawLoop(
+                root / f"raw-{size}.bin",
+                args.total_mib * MiB // bs * bs,
+                bs,
+                args.threads,
+                windows=footprints[-1] // bs,
+            )
             view = host_view(loop.buf)
-            paths = [(f"{f // MiB} MiB" + (" reused" if f == reused else ""), windows_iovec(view, bs, f // bs))
-                     for f in footprints]
+            paths = [
+                (f"{f // MiB} MiB" + (" reused" if f == reused else ""), windows_iovec(view, bs, f // bs))
+                for f in footprints
+            ]
             if bs % (args.pieces * 4096) == 0:
                 paths.append(("scattered", planes(view, bs, footprints[-1] // bs, args.pieces)))
             res = {(name, w): [] for name, _ in paths for w in (True, False)}
             loop.run(write=True)  # the file's blocks exist before the first read
             for r in range(args.rounds):
-                order = paths[r % len(paths):] + paths[:r % len(paths)]
+                order = paths[r % len(paths) :] + paths[: r % len(paths)]
                 for write in (True, False):
                     for name, iovec in order:
                         res[(name, write)].append(loop.run_iovecs(iovec, write) / 1e9)

@@ -64,8 +64,9 @@ def own_server(memstore_bytes: int):
 
 
 def fingerprint(block_bytes: int) -> Fingerprint:
-    return Fingerprint("bench/model", "main", "uint8", 16, 16, (("kv", (block_bytes,)),), ("blocks_first",),
-                       1, "sha256", "")
+    return Fingerprint(
+        "bench/model", "main", "uint8", 16, 16, (("kv", (block_bytes,)),), ("blocks_first",), 1, "sha256", ""
+    )
 
 
 class Paths:
@@ -84,9 +85,12 @@ class Paths:
             import boto3
             from botocore.config import Config
 
-            self.boto = boto3.client("s3", endpoint_url=config.endpoint, region_name=config.region,
-                                     config=Config(max_pool_connections=connections,
-                                                   retries={"max_attempts": 1 + config.retries}))
+            self.boto = boto3.client(
+                "s3",
+                endpoint_url=config.endpoint,
+                region_name=config.region,
+                config=Config(max_pool_connections=connections, retries={"max_attempts": 1 + config.retries}),
+            )
 
     def names(self, wanted: list[str]) -> list[str]:
         return [n for n in wanted if n != "boto3" or self.boto is not None]
@@ -150,9 +154,15 @@ class Paths:
         self.close()
 
 
-def bench(config: RemoteConfig, sizes_mib: list[float], total_bytes: int, rounds: int, connections: int,
-          paths_wanted: list[str], log: Callable[[str], None]
-          ) -> dict[float, dict[str, tuple[list[float], list[float]]]]:
+def bench(
+    config: RemoteConfig,
+    sizes_mib: list[float],
+    total_bytes: int,
+    rounds: int,
+    connections: int,
+    paths_wanted: list[str],
+    log: Callable[[str], None],
+) -> dict[float, dict[str, tuple[list[float], list[float]]]]:
     results: dict[float, dict[str, tuple[list[float], list[float]]]] = {}
     rng = np.random.default_rng(0)
     for mib in sizes_mib:
@@ -165,13 +175,15 @@ def bench(config: RemoteConfig, sizes_mib: list[float], total_bytes: int, rounds
             per = {name: ([], []) for name in names}
             paths.run("obstore", payloads[:connections], buffers[:connections])  # warm connections
             for r in range(rounds):
-                order = names[r % len(names):] + names[: r % len(names)]
+                order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
                     tp, tg = paths.run(name, payloads, buffers)
                     per[name][0].append(size * n / tp / 1e9)
                     per[name][1].append(size * n / tg / 1e9)
-                    log(f"  {mib:g} MiB x {n}, round {r + 1}, {name:8s} put {per[name][0][-1]:.3f} "
-                        f"get {per[name][1][-1]:.3f} GB/s")
+                    log(
+                        f"  {mib:g} MiB x {n}, round {r + 1}, {name:8s} put {per[name][0][-1]:.3f} "
+                        f"get {per[name][1][-1]:.3f} GB/s"
+                    )
         results[mib] = per
     return results
 
@@ -179,15 +191,16 @@ def bench(config: RemoteConfig, sizes_mib: list[float], total_bytes: int, rounds
 def table(results: dict[float, dict[str, tuple[list[float], list[float]]]]) -> str:
     """Medians over rounds; the ratios are medians of each round's ratio to raw obstore
     (the two ran minutes apart at most, so a drifting machine moves both)."""
-    lines = ["| block | path | put GB/s | get GB/s | put / obstore | get / obstore |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| block | path | put GB/s | get GB/s | put / obstore | get / obstore |", "|---|---|---|---|---|---|"]
     for mib, per in results.items():
         base_puts, base_gets = per["obstore"]
         for name, (puts, gets) in per.items():
             rp = statistics.median(p / b for p, b in zip(puts, base_puts))
             rg = statistics.median(g / b for g, b in zip(gets, base_gets))
-            lines.append(f"| {mib:g} MiB | {name} | {statistics.median(puts):.3f} | {statistics.median(gets):.3f} "
-                         f"| {rp:.2f} | {rg:.2f} |")
+            lines.append(
+                f"| {mib:g} MiB | {name} | {statistics.median(puts):.3f} | {statistics.median(gets):.3f} "
+                f"| {rp:.2f} | {rg:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -208,13 +221,22 @@ def main() -> None:
     total = parse_size(args.total, "--total")
 
     def run(endpoint: str) -> None:
-        config = RemoteConfig.from_dict({"endpoint": endpoint, "bucket": args.bucket, "prefix": "bench",
-                                         "max_connections": args.connections, "request_timeout": "60s",
-                                         "max_pending_upload_bytes": "64GiB"})
-        print(f"# {config.where()}, {args.connections} connections, {args.rounds} rounds, "
-              f"{args.total} per path and round", flush=True)
-        results = bench(config, sizes, total, args.rounds, args.connections, wanted,
-                        lambda s: print(s, flush=True))
+        config = RemoteConfig.from_dict(
+            {
+                "endpoint": endpoint,
+                "bucket": args.bucket,
+                "prefix": "bench",
+                "max_connections": args.connections,
+                "request_timeout": "60s",
+                "max_pending_upload_bytes": "64GiB",
+            }
+        )
+        print(
+            f"# {config.where()}, {args.connections} connections, {args.rounds} rounds, "
+            f"{args.total} per path and round",
+            flush=True,
+        )
+        results = bench(config, sizes, total, args.rounds, args.connections, wanted, lambda s: print(s, flush=True))
         print()
         print(table(results))
 
@@ -228,7 +250,8 @@ def main() -> None:
         import botocore.session
 
         botocore.session.get_session().create_client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=args.bucket)
+            "s3", endpoint_url=endpoint, region_name="us-east-1"
+        ).create_bucket(Bucket=args.bucket)
         run(endpoint)
 
 

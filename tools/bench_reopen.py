@@ -43,7 +43,7 @@ def fill(index: DiskIndex, n: int) -> None:
     arr["ranks"] = 1
     arr["hash"] = keys.view("S32").ravel()
     blob, kb, sz = arr.tobytes(), keys.tobytes(), arr.dtype.itemsize
-    items = [(kb[i * 32:(i + 1) * 32], blob[i * sz:(i + 1) * sz]) for i in range(len(keys))]
+    items = [(kb[i * 32 : (i + 1) * 32], blob[i * sz : (i + 1) * sz]) for i in range(len(keys))]
     index._shared.run(lambda txn: txn.cursor(db=index._db("blocks")).putmulti(items, append=True), write=True)
 
 

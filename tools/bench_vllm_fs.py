@@ -50,7 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob  # noqa: E402
@@ -75,14 +78,25 @@ def llama8b_spec(num_rows: int) -> TieringOffloadingSpec:
     block_bytes = 32 * 2 * 8 * 128 * 2 * 16
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=layers, group_id=0),),
-        worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_rows * block_bytes},
         engine_id="bench-vllm-fs",
         model=OffloadingModelConfig(name="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
-                                          dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=0, is_parallelism_agnostic=False))
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=0,
+            is_parallelism_agnostic=False,
+        ),
+    )
     return TieringOffloadingSpec(config)
 
 
@@ -97,16 +111,16 @@ class Primary:
 
     def fill_random(self, first: int, n: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.rows[first:first + n] = torch.randint(0, 256, (n, self.stride), dtype=torch.uint8, generator=gen)
+        self.rows[first : first + n] = torch.randint(0, 256, (n, self.stride), dtype=torch.uint8, generator=gen)
 
 
-def make_tier(kind: str, spec: TieringOffloadingSpec, primary: Primary, path: Path,
-              disk_bytes: int | None = None) -> SecondaryTierManager:
+def make_tier(
+    kind: str, spec: TieringOffloadingSpec, primary: Primary, path: Path, disk_bytes: int | None = None
+) -> SecondaryTierManager:
     if kind == "fs":
         entry = {"type": "fs", "root_dir": str(path)}
     else:
-        entry = {"type": "TieredDiskTier", "module_path": TIER_MODULE, "disk_path": str(path),
-                 "disk_bytes": disk_bytes}
+        entry = {"type": "TieredDiskTier", "module_path": TIER_MODULE, "disk_path": str(path), "disk_bytes": disk_bytes}
     return SecondaryTierFactory.create_secondary_tier(entry, primary.view, spec)
 
 
@@ -116,9 +130,16 @@ def new_keys(n: int) -> list[bytes]:
 
 def jobs_for(keys: list[bytes], first_row: int, per_job: int, promotion: bool) -> list[TransferJob]:
     ctx = ReqContext(req_id="bench")
-    return [TransferJob(next(_job_ids), keys[i:i + per_job],
-                        np.arange(first_row + i, first_row + min(i + per_job, len(keys)), dtype=np.int32),
-                        promotion, ctx) for i in range(0, len(keys), per_job)]
+    return [
+        TransferJob(
+            next(_job_ids),
+            keys[i : i + per_job],
+            np.arange(first_row + i, first_row + min(i + per_job, len(keys)), dtype=np.int32),
+            promotion,
+            ctx,
+        )
+        for i in range(0, len(keys), per_job)
+    ]
 
 
 def run_jobs(tier: SecondaryTierManager, jobs: list[TransferJob]) -> tuple[float, dict]:
@@ -183,10 +204,11 @@ def throughput(args, spec, root: Path, per_job: int) -> dict[str, dict[str, floa
     dirs = {"ours": root / "ours", "fs": root / "fs"}
     for d in dirs.values():
         clear_dir(d)
-    tiers = {"ours": make_tier("ours", spec, primary, dirs["ours"], disk_bytes=2 * n * stride),
-             "fs": make_tier("fs", spec, primary, dirs["fs"])}
-    totals = {k: {"store_s": 0.0, "load_s": 0.0, "bytes": 0, "mismatched": 0, "failed_jobs": 0}
-              for k in tiers}
+    tiers = {
+        "ours": make_tier("ours", spec, primary, dirs["ours"], disk_bytes=2 * n * stride),
+        "fs": make_tier("fs", spec, primary, dirs["fs"]),
+    }
+    totals = {k: {"store_s": 0.0, "load_s": 0.0, "bytes": 0, "mismatched": 0, "failed_jobs": 0} for k in tiers}
     try:
         for rnd in range(args.rounds):
             order = ["ours", "fs"] if rnd % 2 == 0 else ["fs", "ours"]
@@ -205,10 +227,15 @@ def throughput(args, spec, root: Path, per_job: int) -> dict[str, dict[str, floa
                 totals[kind]["mismatched"] += int((~same).sum())
                 totals[kind]["bytes"] += n * stride
             clear_dir(dirs["fs"])  # fs never frees space on its own
-            print(f"# jobs of {per_job}, round {rnd + 1}: " + ", ".join(
-                f"{k} store {totals[k]['bytes'] / totals[k]['store_s'] / 1e9:.2f} / promote "
-                f"{totals[k]['bytes'] / totals[k]['load_s'] / 1e9:.2f} GB/s (cumulative)" for k in order),
-                flush=True)
+            print(
+                f"# jobs of {per_job}, round {rnd + 1}: "
+                + ", ".join(
+                    f"{k} store {totals[k]['bytes'] / totals[k]['store_s'] / 1e9:.2f} / promote "
+                    f"{totals[k]['bytes'] / totals[k]['load_s'] / 1e9:.2f} GB/s (cumulative)"
+                    for k in order
+                ),
+                flush=True,
+            )
     finally:
         for tier in tiers.values():
             tier.shutdown()
@@ -257,8 +284,10 @@ def full_disk(args, spec) -> None:
         primary = Primary(n, stride)
         primary.fill_random(0, n, seed=99)
         keys = new_keys(n)
-        print(f"full disk: {how}, {size / MiB:.0f} MiB; {n} chunks of {stride // MiB} MiB "
-              f"({n * stride / MiB:.0f} MiB) stored one job of {FULL_DISK_JOB} at a time")
+        print(
+            f"full disk: {how}, {size / MiB:.0f} MiB; {n} chunks of {stride // MiB} MiB "
+            f"({n * stride / MiB:.0f} MiB) stored one job of {FULL_DISK_JOB} at a time"
+        )
         for kind in ("ours", "fs"):
             clear_dir(mnt / kind)
             budget = (size // 2) // stride * stride
@@ -278,13 +307,15 @@ def full_disk(args, spec) -> None:
             first_fail = (jobs.index(next(j for j in jobs if j.job_id == failed[0])) + 1) if failed else None
             leftovers = sum(1 for f in (mnt / kind).rglob("*.tmp"))
             name = "TieredDiskTier" if kind == "ours" else "vLLM fs"
-            print(f"  {name}: {'disk_bytes ' + str(budget // MiB) + ' MiB, ' if kind == 'ours' else ''}"
-                  f"failed store jobs {len(failed)} of {len(jobs)}"
-                  f"{f' (from job {first_fail} on)' if failed else ''}; chunks found {sum(hits)} of {n} "
-                  f"(oldest half {sum(hits[:n // 2])}, newest half {sum(hits[n // 2:])}, "
-                  f"newest chunk {'found' if hits[-1] else 'MISSING'}); space used {du(mnt / kind) / MiB:.0f} "
-                  f"MiB, free {shutil.disk_usage(mnt).free / MiB:.0f} MiB"
-                  f"{f', {leftovers} .tmp files left' if leftovers else ''}")
+            print(
+                f"  {name}: {'disk_bytes ' + str(budget // MiB) + ' MiB, ' if kind == 'ours' else ''}"
+                f"failed store jobs {len(failed)} of {len(jobs)}"
+                f"{f' (from job {first_fail} on)' if failed else ''}; chunks found {sum(hits)} of {n} "
+                f"(oldest half {sum(hits[: n // 2])}, newest half {sum(hits[n // 2 :])}, "
+                f"newest chunk {'found' if hits[-1] else 'MISSING'}); space used {du(mnt / kind) / MiB:.0f} "
+                f"MiB, free {shutil.disk_usage(mnt).free / MiB:.0f} MiB"
+                f"{f', {leftovers} .tmp files left' if leftovers else ''}"
+            )
             clear_dir(mnt / kind)
         try:
             tier = make_tier("ours", spec, primary, mnt / "ours", disk_bytes=2 * size)
@@ -332,11 +363,13 @@ def flipped_byte(args, spec, root: Path) -> None:
         promoted = 4 if result.success else len(ok or ())
         name = "TieredDiskTier" if kind == "ours" else "vLLM fs"
         wrong = [i + 1 for i, s in enumerate(same) if not s and (result.success or keys[i] in (ok or ()))]
-        print(f"  {name}: promotion job {'succeeded' if result.success else 'failed'}, {promoted} of 4 chunks "
-              f"handed to the CPU tier, {len(wrong)} of them with wrong bytes"
-              f"{' (chunk ' + ', '.join(map(str, wrong)) + ': served to the GPU as is)' if wrong else ''}; "
-              f"lookup of chunk 2 afterwards: {after[1].name}"
-              + (f"; checksum failures counted: {tier.stats.corrupt}" if kind == "ours" else ""))
+        print(
+            f"  {name}: promotion job {'succeeded' if result.success else 'failed'}, {promoted} of 4 chunks "
+            f"handed to the CPU tier, {len(wrong)} of them with wrong bytes"
+            f"{' (chunk ' + ', '.join(map(str, wrong)) + ': served to the GPU as is)' if wrong else ''}; "
+            f"lookup of chunk 2 afterwards: {after[1].name}"
+            + (f"; checksum failures counted: {tier.stats.corrupt}" if kind == "ours" else "")
+        )
         clear_dir(root / kind)
 
 
@@ -356,27 +389,36 @@ def main() -> None:
     spec = llama8b_spec(num_rows=1)
     try:
         import vllm.fs_io_C  # noqa: F401
+
         fs_io = "C extension"
     except Exception as e:  # ImportError, or a missing CUDA library behind it
         fs_io = f"pure Python (vllm.fs_io_C not importable: {str(e).splitlines()[0]})"
-    print(f"# bench_vllm_fs  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
-          f"load average {os.getloadavg()[0]:.2f}  dir {root} ({shutil.disk_usage(root).free / 2**30:.0f} GiB free)")
+    print(
+        f"# bench_vllm_fs  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
+        f"load average {os.getloadavg()[0]:.2f}  dir {root} ({shutil.disk_usage(root).free / 2**30:.0f} GiB free)"
+    )
     job_sizes = [int(x) for x in args.job_chunks.split(",")]
-    print(f"# chunk {spec.kv_bytes_per_chunk // MiB} MiB (Llama-3.1-8B, 16 tokens), {args.total_mib} MiB per "
-          f"round, jobs of {args.job_chunks} chunks, {args.rounds} rounds; vLLM fs I/O path: {fs_io}")
+    print(
+        f"# chunk {spec.kv_bytes_per_chunk // MiB} MiB (Llama-3.1-8B, 16 tokens), {args.total_mib} MiB per "
+        f"round, jobs of {args.job_chunks} chunks, {args.rounds} rounds; vLLM fs I/O path: {fs_io}"
+    )
     try:
         results = {per_job: throughput(args, spec, root, per_job) for per_job in job_sizes}
         print()
-        print("| chunks per job | tier | store GB/s | promote GB/s | store vs fs | promote vs fs | "
-              "failed jobs | chunks promoted with wrong bytes |")
+        print(
+            "| chunks per job | tier | store GB/s | promote GB/s | store vs fs | promote vs fs | "
+            "failed jobs | chunks promoted with wrong bytes |"
+        )
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for per_job, totals in results.items():
             fs = totals["fs"]
             for kind, name in (("ours", "TieredDiskTier (ours)"), ("fs", "vLLM fs")):
                 t = totals[kind]
                 w, r = t["bytes"] / t["store_s"] / 1e9, t["bytes"] / t["load_s"] / 1e9
-                print(f"| {per_job} | {name} | {w:.2f} | {r:.2f} | {w / (fs['bytes'] / fs['store_s'] / 1e9):.2f} | "
-                      f"{r / (fs['bytes'] / fs['load_s'] / 1e9):.2f} | {t['failed_jobs']} | {t['mismatched']} |")
+                print(
+                    f"| {per_job} | {name} | {w:.2f} | {r:.2f} | {w / (fs['bytes'] / fs['store_s'] / 1e9):.2f} | "
+                    f"{r / (fs['bytes'] / fs['load_s'] / 1e9):.2f} | {t['failed_jobs']} | {t['mismatched']} |"
+                )
         print()
         full_disk(args, spec)
         print()

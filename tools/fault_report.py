@@ -43,7 +43,14 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from faults.crash import CrashRunner, read_journal  # noqa: E402  (after the path)
 from faults.harness import (  # noqa: E402
-    DAMAGE, Hierarchy, InjectingBackend, TmpfsMount, documents, inject_backend, namespace_dirs, verify_cache,
+    DAMAGE,
+    Hierarchy,
+    InjectingBackend,
+    TmpfsMount,
+    documents,
+    inject_backend,
+    namespace_dirs,
+    verify_cache,
 )
 from tiered_kv.disk.index import QUARANTINE_SUFFIX  # noqa: E402
 
@@ -133,21 +140,25 @@ def crash(work: Path, trials: int, seed: int, tp_size: int = 1, disk_io: tuple[s
             kept = runner.workdir / f"failed-trial-{i}"
             shutil.rmtree(kept, ignore_errors=True)
             os.rename(runner.as_killed, kept)
-            row.notes.append(f"trial {i} ({t.policy}, disk_io {io}, TP {tp_size}, {t.phase}, kill after "
-                             f"{t.delay:.3f} s) left a cache that failed verification: {len(v.corrupt)} corrupt "
-                             f"{[h.hex()[:12] for h in v.corrupt[:8]]}, {len(v.wrong)} wrong "
-                             f"{[h.hex()[:12] for h in v.wrong[:8]]}, {v.incomplete} incomplete, errors "
-                             f"{v.errors}{cli}; the cache as the kill left it, and the journal, are in {kept}")
+            row.notes.append(
+                f"trial {i} ({t.policy}, disk_io {io}, TP {tp_size}, {t.phase}, kill after "
+                f"{t.delay:.3f} s) left a cache that failed verification: {len(v.corrupt)} corrupt "
+                f"{[h.hex()[:12] for h in v.corrupt[:8]]}, {len(v.wrong)} wrong "
+                f"{[h.hex()[:12] for h in v.wrong[:8]]}, {v.incomplete} incomplete, errors "
+                f"{v.errors}{cli}; the cache as the kill left it, and the journal, are in {kept}"
+            )
     state = read_journal(runner.journal)
     row.wrong += state.mismatches
     per_mode = ", ".join(f"{p} + {io}: {c}/{n}" for (p, io), (n, c) in sorted(by_mode.items()))
-    row.notes.append(f"{phases['storm']} kills mid-storm, {phases['startup']} during start-up; the cache as each "
-                     f"kill left it passed verification (tiered-kv inspect verify and a byte-exact check) "
-                     f"{clean}/{row.trials} times ({per_mode}); {state.requests} requests, {state.acked_total} "
-                     f"blocks acknowledged durable, {sum(t.verify.verified for t in runner.trials)} blocks read "
-                     f"back byte-exact; {sum(t.tolerated for t in runner.trials)} blocks taken by an eviction "
-                     f"the kill interrupted (not counted as lost); {row_incomplete} incomplete entries left by "
-                     f"kills between ranks' commits (never served)")
+    row.notes.append(
+        f"{phases['storm']} kills mid-storm, {phases['startup']} during start-up; the cache as each "
+        f"kill left it passed verification (tiered-kv inspect verify and a byte-exact check) "
+        f"{clean}/{row.trials} times ({per_mode}); {state.requests} requests, {state.acked_total} "
+        f"blocks acknowledged durable, {sum(t.verify.verified for t in runner.trials)} blocks read "
+        f"back byte-exact; {sum(t.tolerated for t in runner.trials)} blocks taken by an eviction "
+        f"the kill interrupted (not counted as lost); {row_incomplete} incomplete entries left by "
+        f"kills between ranks' commits (never served)"
+    )
     if clean < row.trials:
         row.escaped += row.trials - clean  # a damaged cache after a kill is a failure too
     return row
@@ -173,9 +184,13 @@ def corruption(work: Path, kind: str, rounds: int, seed: int) -> Row:
             report = h.run(docs)
             h.settle()
             stats = h.disk.stats
-            engine_saw = (stats.checksum_failures >= len(destroyed) if kind == "slab bit flips"
-                          else tap.saw("missing or truncated") if "slab" in kind
-                          else (namespace_dirs(cache)[0] / ("index.lmdb" + QUARANTINE_SUFFIX)).is_dir())
+            engine_saw = (
+                stats.checksum_failures >= len(destroyed)
+                if kind == "slab bit flips"
+                else tap.saw("missing or truncated")
+                if "slab" in kind
+                else (namespace_dirs(cache)[0] / ("index.lmdb" + QUARANTINE_SUFFIX)).is_dir()
+            )
             row.wrong += report.mismatches
             row.lost += len((blocks - destroyed) - h.disk.loadable_among(blocks))
             h.close()
@@ -223,8 +238,9 @@ def io_fault(work: Path, kind: str, rounds: int, seed: int) -> Row:
             failed_ops += h.spec.store.stats.store_failures + h.spec.stats.tiers["disk"]["failed_loads"]
             recomputed += report.recomputed_after_failed_load
             row.wrong += report.mismatches
-            row.detected += (h.spec.store.stats.store_failures if call != "read"
-                             else h.spec.stats.tiers["disk"]["failed_loads"]) > 0
+            row.detected += (
+                h.spec.store.stats.store_failures if call != "read" else h.spec.stats.tiers["disk"]["failed_loads"]
+            ) > 0
             setattr(io, f"fail_{call}", None)
             later = documents(2, 4, seed=seed + 200 + r)
             for doc in later:
@@ -237,8 +253,10 @@ def io_fault(work: Path, kind: str, rounds: int, seed: int) -> Row:
         except Exception as e:
             row.escaped += 1
             row.notes.append(f"round {r}: {type(e).__name__}: {e}")
-    row.notes.append(f"{failed_ops} failed stores/loads counted, {recomputed} blocks recomputed after failed "
-                     f"loads, stores resumed in {resumed}/{row.trials} trials once the fault cleared")
+    row.notes.append(
+        f"{failed_ops} failed stores/loads counted, {recomputed} blocks recomputed after failed "
+        f"loads, stores resumed in {resumed}/{row.trials} trials once the fault cleared"
+    )
     return row
 
 
@@ -266,8 +284,10 @@ def full_filesystem(work: Path, rounds: int, seed: int) -> Row:
             row.lost += len(durable - h.disk.loadable_among(durable))
             new_blocks = {b for d in new for b in d}
             stored = len(h.disk.loadable_among(new_blocks))
-            row.notes.append(f"round {r}: {stored}/{len(new_blocks)} new blocks durable while the disk was full, "
-                             f"{h.spec.store.stats.store_failures} failed stores")
+            row.notes.append(
+                f"round {r}: {stored}/{len(new_blocks)} new blocks durable while the disk was full, "
+                f"{h.spec.store.stats.store_failures} failed stores"
+            )
             h.close()
             filler.unlink()
         except Exception as e:
@@ -279,13 +299,17 @@ def full_filesystem(work: Path, rounds: int, seed: int) -> Row:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| fault | trials | faults injected | durable blocks at risk | destroyed by the fault | "
-            "detected | intact blocks lost | wrong blocks served | exceptions to the engine |")
+    head = (
+        "| fault | trials | faults injected | durable blocks at risk | destroyed by the fault | "
+        "detected | intact blocks lost | wrong blocks served | exceptions to the engine |"
+    )
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         detected = "n/a" if r.detected is None else f"{r.detected}/{r.trials}"
-        lines.append(f"| {r.kind} | {r.trials} | {r.injected} | {r.at_risk} | {r.destroyed} | "
-                     f"{detected} | {r.lost} | {r.wrong} | {r.escaped} |")
+        lines.append(
+            f"| {r.kind} | {r.trials} | {r.injected} | {r.at_risk} | {r.destroyed} | "
+            f"{detected} | {r.lost} | {r.wrong} | {r.escaped} |"
+        )
     return "\n".join(lines)
 
 
@@ -295,10 +319,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="trials per corruption and I/O fault kind")
     ap.add_argument("--seed", type=int, default=20261123)
     ap.add_argument("--workdir", type=Path, default=None, help="where caches go (default: a temporary dir)")
-    ap.add_argument("--tp", type=int, nargs="+", default=[1],
-                    help="TP sizes of the kill -9 trials (each gets --crash-trials trials on a cache of its own)")
-    ap.add_argument("--disk-io", nargs="+", default=["thread"], choices=["thread", "process"],
-                    help="disk_io modes the kill -9 trials cycle through")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="TP sizes of the kill -9 trials (each gets --crash-trials trials on a cache of its own)",
+    )
+    ap.add_argument(
+        "--disk-io",
+        nargs="+",
+        default=["thread"],
+        choices=["thread", "process"],
+        help="disk_io modes the kill -9 trials cycle through",
+    )
     ap.add_argument("--crash-only", action="store_true", help="run only the kill -9 trials")
     args = ap.parse_args()
     # Faults are logged by design; keep them for the trials' own checks, off the console.
@@ -318,8 +352,10 @@ def main() -> int:
     elif args.workdir is None:
         print(f"caches kept for inspection in {work}")
     print("command: python tools/fault_report.py " + " ".join(sys.argv[1:]))
-    print(f"date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {platform.node()}, {os.cpu_count()} cores, "
-          f"{platform.platform()}; {time.time() - t0:.0f} s\n")
+    print(
+        f"date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {platform.node()}, {os.cpu_count()} cores, "
+        f"{platform.platform()}; {time.time() - t0:.0f} s\n"
+    )
     print(table(rows))
     print()
     for r in rows:

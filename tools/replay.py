@@ -50,8 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import replay_raw  # noqa: E402
-from replay_model import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_MODEL, DEFAULT_PREFILL_TPS, SOURCE,  # noqa: E402
-                          PrefillModel, parse_load_gbps)
+from replay_model import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_MODEL,
+    DEFAULT_PREFILL_TPS,
+    SOURCE,  # noqa: E402
+    PrefillModel,
+    parse_load_gbps,
+)
 from replay_stack import CONFIGS, Geometry, RunResult, Tiers, run_config  # noqa: E402
 from replay_vllm import vllm_import_error  # noqa: E402
 from replay_workloads import FULL, QUICK, WORKLOADS, Shape, generate, read_trace, write_trace  # noqa: E402
@@ -70,22 +76,36 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="small blocks and a short trace (a smoke run)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the preset's request/document counts")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated subset of {','.join(CONFIGS)} (plus cpu+disk-direct: no promotion)")
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated subset of {','.join(CONFIGS)} (plus cpu+disk-direct: no promotion)",
+    )
     p.add_argument("--cpu-fraction", type=float, default=0.25, help="CPU tier = this x the working set")
     p.add_argument("--disk-fraction", type=float, default=1.25, help="disk tier = this x the working set")
-    p.add_argument("--device-fraction", type=float, default=1 / 16,
-                   help="device prefix cache = this x the working set (at least 2 x the longest request)")
-    p.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()),
-                   help="where the disk tier and the raw disk baseline put their (temporary) files")
+    p.add_argument(
+        "--device-fraction",
+        type=float,
+        default=1 / 16,
+        help="device prefix cache = this x the working set (at least 2 x the longest request)",
+    )
+    p.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where the disk tier and the raw disk baseline put their (temporary) files",
+    )
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--model-name", default=DEFAULT_MODEL)
     p.add_argument("--prefill-tps", type=float, default=DEFAULT_PREFILL_TPS, help="prefill tokens/s of the model")
     p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN)
     p.add_argument("--load-gbps", default="CPU=50,DISK=6", help="assumed load GB/s per tier into the GPU")
     p.add_argument("--plots", type=Path, help="sweep disk and working-set sizes and write PNGs here")
-    p.add_argument("--disk-sweep", default="0.125,0.25,0.5,0.75,1.25",
-                   help="disk sizes for --plots, as fractions of the working set")
+    p.add_argument(
+        "--disk-sweep",
+        default="0.125,0.25,0.5,0.75,1.25",
+        help="disk sizes for --plots, as fractions of the working set",
+    )
     p.add_argument("--ws-sweep", default="0.5,1,2", help="workload scales for --plots (fixed tier sizes)")
     p.add_argument("--markdown", type=Path, help="also write the tables as markdown to this file")
     p.add_argument("--json", type=Path, help="write the raw results as JSON")
@@ -100,8 +120,9 @@ def parse_args(argv):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     try:
-        args.model = PrefillModel(args.model_name, args.prefill_tps, args.kv_bytes_per_token,
-                                  parse_load_gbps(args.load_gbps))
+        args.model = PrefillModel(
+            args.model_name, args.prefill_tps, args.kv_bytes_per_token, parse_load_gbps(args.load_gbps)
+        )
         args.disk_sweep = [float(x) for x in args.disk_sweep.split(",")]
         args.ws_sweep = [float(x) for x in args.ws_sweep.split(",")]
     except ValueError as exc:
@@ -110,6 +131,7 @@ def parse_args(argv):
 
 
 # ---------------------------------------------------------------- tables
+
 
 def md_table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(c) for c in r] for r in rows]
@@ -155,26 +177,63 @@ def comparison_table(sums: dict[str, Summary]) -> str:
     rows = []
     for name, s in sums.items():
         saving = "-" if base is None or name == "no-offload" else pct(1 - s.mean_ttft / base.mean_ttft)
-        rows.append([name, *(pct(s.share[k]) for k in SOURCES), pct(s.hit_rate), s.r.report.mismatches,
-                     f"{s.mean_ttft * 1e3:.2f}", saving, f"{s.sched_p50 * 1e6:.0f}", f"{s.sched_p99 * 1e6:.0f}",
-                     f"{s.sched_per_block * 1e6:.2f}", f"{s.worker_mean * 1e3:.2f}", f"{s.step_mean * 1e3:.2f}",
-                     f"{s.bytes_moved / 2**20:.0f}", f"{s.r.report.wall_seconds:.1f}"])
-    return md_table(["config", "GPU", "CPU", "DISK", "computed", "hit rate", "mismatches", "TTFT ms (est.)",
-                     "TTFT saving", "sched p50 us/step", "sched p99 us/step", "sched us/block", "worker ms/step",
-                     "step ms", "MiB moved", "wall s"], rows)
+        rows.append(
+            [
+                name,
+                *(pct(s.share[k]) for k in SOURCES),
+                pct(s.hit_rate),
+                s.r.report.mismatches,
+                f"{s.mean_ttft * 1e3:.2f}",
+                saving,
+                f"{s.sched_p50 * 1e6:.0f}",
+                f"{s.sched_p99 * 1e6:.0f}",
+                f"{s.sched_per_block * 1e6:.2f}",
+                f"{s.worker_mean * 1e3:.2f}",
+                f"{s.step_mean * 1e3:.2f}",
+                f"{s.bytes_moved / 2**20:.0f}",
+                f"{s.r.report.wall_seconds:.1f}",
+            ]
+        )
+    return md_table(
+        [
+            "config",
+            "GPU",
+            "CPU",
+            "DISK",
+            "computed",
+            "hit rate",
+            "mismatches",
+            "TTFT ms (est.)",
+            "TTFT saving",
+            "sched p50 us/step",
+            "sched p99 us/step",
+            "sched us/block",
+            "worker ms/step",
+            "step ms",
+            "MiB moved",
+            "wall s",
+        ],
+        rows,
+    )
 
 
 def raw_reference(raw: dict, transfer: str) -> tuple[str, float] | None:
     """The raw limit to set a transfer type beside: (label, GB/s)."""
     if "pinned" in raw:
-        ref = {"gpu_to_cpu": ("pinned D2H", raw["pinned"]["D2H"]), "cpu_to_gpu": ("pinned H2D", raw["pinned"]["H2D"]),
-               "disk_to_gpu": ("KvikIO read", raw["kvikio_read"])}.get(transfer)
+        ref = {
+            "gpu_to_cpu": ("pinned D2H", raw["pinned"]["D2H"]),
+            "cpu_to_gpu": ("pinned H2D", raw["pinned"]["H2D"]),
+            "disk_to_gpu": ("KvikIO read", raw["kvikio_read"]),
+        }.get(transfer)
         if ref and isinstance(ref[1], float):
             return ref
-    return {"gpu_to_cpu": ("host copy", raw["host_copy"]), "cpu_to_gpu": ("host copy", raw["host_copy"]),
-            "cpu_to_disk": ("O_DIRECT write", raw["disk"]["write"]),
-            "disk_to_cpu": ("O_DIRECT read", raw["disk"]["read"]),
-            "disk_to_gpu": ("O_DIRECT read", raw["disk"]["read"])}.get(transfer)
+    return {
+        "gpu_to_cpu": ("host copy", raw["host_copy"]),
+        "cpu_to_gpu": ("host copy", raw["host_copy"]),
+        "cpu_to_disk": ("O_DIRECT write", raw["disk"]["write"]),
+        "disk_to_cpu": ("O_DIRECT read", raw["disk"]["read"]),
+        "disk_to_gpu": ("O_DIRECT read", raw["disk"]["read"]),
+    }.get(transfer)
 
 
 def transfer_table(results: dict[str, RunResult], raw: dict) -> str:
@@ -186,8 +245,19 @@ def transfer_table(results: dict[str, RunResult], raw: dict) -> str:
                 continue
             ref = raw_reference(raw, t)
             ratio = f"{c['gbps'] / ref[1]:.2f}" if ref and ref[1] > 0 else "-"
-            rows.append([name, t, c["jobs"], c["failed_jobs"], f"{c['bytes'] / 2**20:.1f}", f"{c['seconds']:.3f}",
-                         f"{c['gbps']:.2f}", f"{ref[0]} {ref[1]:.2f}" if ref else "-", ratio])
+            rows.append(
+                [
+                    name,
+                    t,
+                    c["jobs"],
+                    c["failed_jobs"],
+                    f"{c['bytes'] / 2**20:.1f}",
+                    f"{c['seconds']:.3f}",
+                    f"{c['gbps']:.2f}",
+                    f"{ref[0]} {ref[1]:.2f}" if ref else "-",
+                    ratio,
+                ]
+            )
     return md_table(["config", "transfer", "jobs", "failed", "MiB", "handler s", "GB/s", "raw GB/s", "ratio"], rows)
 
 
@@ -205,6 +275,7 @@ def scheduler_table(results: dict[str, RunResult]) -> str:
 
 # ---------------------------------------------------------------- runs
 
+
 def geometry_for(args, shape: Shape) -> Geometry:
     base = QUICK_GEOMETRY if args.quick else FULL_GEOMETRY
     groups = max(2 * shape.longest, round(args.device_fraction * shape.working_set))
@@ -213,14 +284,20 @@ def geometry_for(args, shape: Shape) -> Geometry:
 
 def tiers_for(args, working_set: int, disk_fraction: float | None = None) -> Tiers:
     f = args.disk_fraction if disk_fraction is None else disk_fraction
-    return Tiers(cpu_slots=max(1, round(args.cpu_fraction * working_set)), disk_slots=max(1, round(f * working_set)),
-                 disk_dir=args.disk_dir, io_threads=args.io_threads)
+    return Tiers(
+        cpu_slots=max(1, round(args.cpu_fraction * working_set)),
+        disk_slots=max(1, round(f * working_set)),
+        disk_dir=args.disk_dir,
+        io_threads=args.io_threads,
+    )
 
 
 def measure_raw(args, geometry: Geometry) -> dict:
     size = (64 if args.quick else 256) << 20
-    raw = {"host_copy": replay_raw.host_copy_gbps(size),
-           "disk": replay_raw.disk_gbps(args.disk_dir, size, geometry.bytes_per_block, args.io_threads)}
+    raw = {
+        "host_copy": replay_raw.host_copy_gbps(size),
+        "disk": replay_raw.disk_gbps(args.disk_dir, size, geometry.bytes_per_block, args.io_threads),
+    }
     if args.gpu:
         raw["pinned"] = replay_raw.pinned_copy_gbps(size)
         raw["kvikio_read"] = replay_raw.kvikio_read_gbps(args.disk_dir, size)
@@ -265,8 +342,10 @@ def setup_lines(args, command, workload, shape, geometry, tiers) -> list[str]:
 
 
 def raw_line(raw: dict) -> str:
-    line = (f"raw limits (same run): host copy {raw['host_copy']:.2f} GB/s, O_DIRECT write "
-            f"{raw['disk']['write']:.2f} / read {raw['disk']['read']:.2f} GB/s")
+    line = (
+        f"raw limits (same run): host copy {raw['host_copy']:.2f} GB/s, O_DIRECT write "
+        f"{raw['disk']['write']:.2f} / read {raw['disk']['read']:.2f} GB/s"
+    )
     if "pinned" in raw:
         line += f", pinned cudaMemcpyAsync H2D {raw['pinned']['H2D']:.2f} / D2H {raw['pinned']['D2H']:.2f} GB/s"
         kv = raw["kvikio_read"]
@@ -279,8 +358,11 @@ def main(argv=None) -> int:
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.gpu and not torch.cuda.is_available():
-        print("error: --gpu needs a CUDA device, and torch.cuda.is_available() is False on this machine "
-              f"(torch {torch.__version__}). Run without --gpu for the CPU replay.", file=sys.stderr)
+        print(
+            "error: --gpu needs a CUDA device, and torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}). Run without --gpu for the CPU replay.",
+            file=sys.stderr,
+        )
         return 2
     device = "cuda" if args.gpu else "cpu"
     if device == "cpu":
@@ -288,8 +370,11 @@ def main(argv=None) -> int:
         # barriers stall whole steps (as tiered-kv demo found).
         torch.set_num_threads(1)
     tpb = (QUICK_GEOMETRY if args.quick else FULL_GEOMETRY)["gpu_block_size"]
-    workload = (read_trace(args.trace, tpb) if args.trace
-                else generate(args.workload, QUICK if args.quick else FULL, tpb, args.scale, args.seed))
+    workload = (
+        read_trace(args.trace, tpb)
+        if args.trace
+        else generate(args.workload, QUICK if args.quick else FULL, tpb, args.scale, args.seed)
+    )
     if args.save_trace:
         write_trace(workload, args.save_trace)
     shape = Shape.of(workload, tpb)
@@ -305,8 +390,7 @@ def main(argv=None) -> int:
         if (why := vllm_import_error()) is not None:
             for c in vllm_configs:
                 configs.remove(c)
-            notes.append(f"{', '.join(vllm_configs)} skipped: vLLM's CPU offloading manager cannot be "
-                         f"imported ({why})")
+            notes.append(f"{', '.join(vllm_configs)} skipped: vLLM's CPU offloading manager cannot be imported ({why})")
         else:
             notes.append(f"importing vLLM's CPU offloading manager took {time.perf_counter() - t0:.1f} s")
 
@@ -319,29 +403,42 @@ def main(argv=None) -> int:
     sums = {name: Summary(r, args.model, tpb) for name, r in results.items()}
     setup += [f"disk I/O: {next((r.io for r in results.values() if r.io), '-')}", raw_line(raw), *notes]
     sections = [
-        ("Token hit rate per tier, estimated TTFT, time per step",
-         comparison_table(sums) + "\n\nGPU/CPU/DISK/computed: share of requested tokens served by the device prefix "
-         "cache, each tier, or computed (they add up to 100%). TTFT: mean over requests under the prefill-cost "
-         "model; saving against no-offload. sched: manager calls per step (one request); worker: submitting, "
-         "polling and waiting for transfers; step: the whole step, including the driver generating and "
-         "verifying block bytes."),
-        ("Transfers (handler wall time per job, summed; raw limits measured in the same run)",
-         transfer_table(results, raw)),
+        (
+            "Token hit rate per tier, estimated TTFT, time per step",
+            comparison_table(sums) + "\n\nGPU/CPU/DISK/computed: share of requested tokens served by the device prefix "
+            "cache, each tier, or computed (they add up to 100%). TTFT: mean over requests under the prefill-cost "
+            "model; saving against no-offload. sched: manager calls per step (one request); worker: submitting, "
+            "polling and waiting for transfers; step: the whole step, including the driver generating and "
+            "verifying block bytes.",
+        ),
+        (
+            "Transfers (handler wall time per job, summed; raw limits measured in the same run)",
+            transfer_table(results, raw),
+        ),
         ("Scheduler-side cost per manager call", scheduler_table(results)),
     ]
     sweeps = {}
     if args.plots:
         sweeps = run_sweeps(args, workload, geometry, tiers, device, results, log)
         sections += sweep_sections(sweeps, args.model, tpb)
-        sections.append(("Plots", "\n".join(f"- {p}" for p in write_plots(args, sweeps, results, raw, workload,
-                                                                             shape, geometry, tiers))))
-    setup.append(f"load average (1 min) at start / end: {load_at_start:.1f} / {os.getloadavg()[0]:.1f} "
-                 "(other work on this machine slows every configuration)")
+        sections.append(
+            (
+                "Plots",
+                "\n".join(f"- {p}" for p in write_plots(args, sweeps, results, raw, workload, shape, geometry, tiers)),
+            )
+        )
+    setup.append(
+        f"load average (1 min) at start / end: {load_at_start:.1f} / {os.getloadavg()[0]:.1f} "
+        "(other work on this machine slows every configuration)"
+    )
     sections.insert(0, ("Setup", "\n".join(f"- {line}" for line in setup)))
     text = "\n\n".join(f"### {title}\n\n{body}" for title, body in sections)
     print(text)
-    every = [*results.values(), *(r for _, r in sweeps.get("disk", [])),
-             *(r for _, p in sweeps.get("working_set", []) for r in p.values())]
+    every = [
+        *results.values(),
+        *(r for _, r in sweeps.get("disk", [])),
+        *(r for _, p in sweeps.get("working_set", []) for r in p.values()),
+    ]
     mismatches = sum(r.report.mismatches for r in every)
     failed = sum(r.report.failed_jobs for r in every)
     print(f"\nmismatches: {mismatches}  failed jobs: {failed}  total time: {time.perf_counter() - started:.1f} s")
@@ -357,13 +454,27 @@ def write_plots(args, sweeps, results, raw, workload, shape, geometry, tiers) ->
 
     args.plots.mkdir(parents=True, exist_ok=True)
     kind = args.trace.stem if args.trace else args.workload
-    title = (f"{workload.name}, {geometry.bytes_per_block / 2**20:g} MiB blocks, "
-             f"{datetime.date.today().isoformat()}, {os.cpu_count()} CPUs, {'GPU' if args.gpu else 'no GPU'}")
-    return replay_plots.write_all(args.plots, sweeps, results, raw, raw_reference, args.model,
-                                  geometry.tokens_per_block, shape, tiers, kind, title)
+    title = (
+        f"{workload.name}, {geometry.bytes_per_block / 2**20:g} MiB blocks, "
+        f"{datetime.date.today().isoformat()}, {os.cpu_count()} CPUs, {'GPU' if args.gpu else 'no GPU'}"
+    )
+    return replay_plots.write_all(
+        args.plots,
+        sweeps,
+        results,
+        raw,
+        raw_reference,
+        args.model,
+        geometry.tokens_per_block,
+        shape,
+        tiers,
+        kind,
+        title,
+    )
 
 
 # ---------------------------------------------------------------- sweeps
+
 
 def run_sweeps(args, workload, geometry, tiers, device, results, log) -> dict:
     """Disk size (cpu+disk only) on this trace; working-set size (every config but
@@ -388,8 +499,9 @@ def run_sweeps(args, workload, geometry, tiers, device, results, log) -> dict:
         if scale == 1:
             out["working_set"].append((working_set, {c: results[c] for c in configs}))
             continue
-        w = generate(args.workload, QUICK if args.quick else FULL, geometry.tokens_per_block, args.scale * scale,
-                     args.seed)
+        w = generate(
+            args.workload, QUICK if args.quick else FULL, geometry.tokens_per_block, args.scale * scale, args.seed
+        )
         shape = Shape.of(w, geometry.tokens_per_block)
         g = replace(geometry, device_groups=max(geometry.device_groups, 2 * shape.longest))
         out["working_set"].append((shape.working_set, run_all(configs, w, g, tiers, device, log)))
@@ -401,37 +513,73 @@ def sweep_sections(sweeps, model, tpb) -> list[tuple[str, str]]:
     rows = []
     for f, r in sweeps["disk"]:
         s = Summary(r, model, tpb)
-        rows.append([f"{f:g}", r.disk_slots, *(pct(s.share[k]) for k in SOURCES), pct(s.hit_rate),
-                     f"{s.mean_ttft * 1e3:.2f}", r.report.mismatches])
-    disk = md_table(["disk / working set", "disk blocks", "GPU", "CPU", "DISK", "computed", "hit rate", "TTFT ms",
-                     "mismatches"], rows)
+        rows.append(
+            [
+                f"{f:g}",
+                r.disk_slots,
+                *(pct(s.share[k]) for k in SOURCES),
+                pct(s.hit_rate),
+                f"{s.mean_ttft * 1e3:.2f}",
+                r.report.mismatches,
+            ]
+        )
+    disk = md_table(
+        ["disk / working set", "disk blocks", "GPU", "CPU", "DISK", "computed", "hit rate", "TTFT ms", "mismatches"],
+        rows,
+    )
     rows = []
     for ws, point in sweeps["working_set"]:
         for name, r in point.items():
             s = Summary(r, model, tpb)
-            rows.append([ws, name, pct(s.hit_rate), f"{s.mean_ttft * 1e3:.2f}", f"{s.sched_p50 * 1e6:.0f}",
-                         f"{s.sched_per_block * 1e6:.2f}", r.report.mismatches])
-    ws = md_table(["working set (blocks)", "config", "hit rate", "TTFT ms", "sched p50 us/step", "sched us/block",
-                   "mismatches"], rows)
+            rows.append(
+                [
+                    ws,
+                    name,
+                    pct(s.hit_rate),
+                    f"{s.mean_ttft * 1e3:.2f}",
+                    f"{s.sched_p50 * 1e6:.0f}",
+                    f"{s.sched_per_block * 1e6:.2f}",
+                    r.report.mismatches,
+                ]
+            )
+    ws = md_table(
+        ["working set (blocks)", "config", "hit rate", "TTFT ms", "sched p50 us/step", "sched us/block", "mismatches"],
+        rows,
+    )
     return [("Hit rate against disk size (cpu+disk)", disk), ("Cost against working-set size", ws)]
 
 
 def to_json(results, sweeps, raw, shape, geometry, tiers, args) -> dict:
     def calls(c: dict[str, list[float]]) -> dict:
-        return {k: {"calls": len(v), "seconds": sum(v), "p50_s": quantile(v, 0.5), "p99_s": quantile(v, 0.99)}
-                for k, v in c.items()}
+        return {
+            k: {"calls": len(v), "seconds": sum(v), "p50_s": quantile(v, 0.5), "p99_s": quantile(v, 0.99)}
+            for k, v in c.items()
+        }
 
     def one(r: RunResult) -> dict:
         rep = asdict(r.report)
-        return {"config": r.config, "report": rep, "manager_calls": calls(r.manager_calls),
-                "worker_calls": calls(r.worker_calls),
-                "transfers": r.transfers, "tiers": r.tiers, "cpu_slots": r.cpu_slots, "disk_slots": r.disk_slots,
-                "steps": [asdict(s) for s in r.steps]}
-    return {"shape": asdict(shape), "geometry": {**asdict(geometry), "dtype": str(geometry.dtype)},
-            "tiers": {**asdict(tiers), "disk_dir": str(tiers.disk_dir)}, "raw": raw,
-            "model": asdict(args.model), "results": {k: one(r) for k, r in results.items()},
-            "disk_sweep": [(f, one(r)) for f, r in sweeps.get("disk", [])],
-            "working_set_sweep": [(ws, {k: one(r) for k, r in p.items()}) for ws, p in sweeps.get("working_set", [])]}
+        return {
+            "config": r.config,
+            "report": rep,
+            "manager_calls": calls(r.manager_calls),
+            "worker_calls": calls(r.worker_calls),
+            "transfers": r.transfers,
+            "tiers": r.tiers,
+            "cpu_slots": r.cpu_slots,
+            "disk_slots": r.disk_slots,
+            "steps": [asdict(s) for s in r.steps],
+        }
+
+    return {
+        "shape": asdict(shape),
+        "geometry": {**asdict(geometry), "dtype": str(geometry.dtype)},
+        "tiers": {**asdict(tiers), "disk_dir": str(tiers.disk_dir)},
+        "raw": raw,
+        "model": asdict(args.model),
+        "results": {k: one(r) for k, r in results.items()},
+        "disk_sweep": [(f, one(r)) for f, r in sweeps.get("disk", [])],
+        "working_set_sweep": [(ws, {k: one(r) for k, r in p.items()}) for ws, p in sweeps.get("working_set", [])],
+    }
 
 
 if __name__ == "__main__":

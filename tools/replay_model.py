@@ -31,9 +31,11 @@ DEFAULT_MODEL = "Llama-3.1-8B bf16 on 1x H100 SXM"
 DEFAULT_PREFILL_TPS = 30_800.0
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 DEFAULT_LOAD_GBPS = {"CPU": 50.0, "DISK": 6.0}
-SOURCE = ("prefill tokens/s = ASSUMED 50% MFU x 989 TFLOPS dense BF16 (NVIDIA H100 SXM datasheet) / "
-          "(2 x 8.03e9 FLOP/token); KV bytes/token from Llama-3.1-8B's config.json; "
-          "load GB/s ASSUMED (see tools/replay_model.py)")
+SOURCE = (
+    "prefill tokens/s = ASSUMED 50% MFU x 989 TFLOPS dense BF16 (NVIDIA H100 SXM datasheet) / "
+    "(2 x 8.03e9 FLOP/token); KV bytes/token from Llama-3.1-8B's config.json; "
+    "load GB/s ASSUMED (see tools/replay_model.py)"
+)
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,9 @@ class PrefillModel:
 
     def __post_init__(self) -> None:
         if self.prefill_tps <= 0 or self.kv_bytes_per_token <= 0:
-            raise ValueError(f"prefill_tps and kv_bytes_per_token must be > 0, got "
-                             f"{self.prefill_tps} and {self.kv_bytes_per_token}")
+            raise ValueError(
+                f"prefill_tps and kv_bytes_per_token must be > 0, got {self.prefill_tps} and {self.kv_bytes_per_token}"
+            )
         for tier in ("CPU", "DISK"):
             if self.load_gbps.get(tier, 0) <= 0:
                 raise ValueError(f"load_gbps needs a positive {tier} bandwidth, got {self.load_gbps}")
@@ -67,8 +70,10 @@ class PrefillModel:
 
     def describe(self) -> str:
         loads = ", ".join(f"{t}->GPU {g:g} GB/s" for t, g in self.load_gbps.items())
-        return (f"{self.name}: prefill {self.prefill_tps:,.0f} tokens/s, KV {self.kv_bytes_per_token:,} B/token, "
-                f"{loads}; loading pays off above {self.break_even_gbps:.1f} GB/s")
+        return (
+            f"{self.name}: prefill {self.prefill_tps:,.0f} tokens/s, KV {self.kv_bytes_per_token:,} B/token, "
+            f"{loads}; loading pays off above {self.break_even_gbps:.1f} GB/s"
+        )
 
 
 def parse_load_gbps(text: str) -> dict[str, float]:
@@ -83,7 +88,9 @@ def parse_load_gbps(text: str) -> dict[str, float]:
         except ValueError:
             gbps = -1.0
         if tier not in out or gbps <= 0:
-            raise ValueError(f"--load-gbps: bad part {part!r}; expected TIER=GB/s with TIER CPU or DISK "
-                             f"and a positive number, e.g. CPU=50,DISK=6")
+            raise ValueError(
+                f"--load-gbps: bad part {part!r}; expected TIER=GB/s with TIER CPU or DISK "
+                f"and a positive number, e.g. CPU=50,DISK=6"
+            )
         out[tier] = gbps
     return out

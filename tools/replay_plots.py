@@ -15,8 +15,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from replay_model import PrefillModel  # noqa: E402
 
-COLOURS = {"no-offload": "#7f7f7f", "cpu": "#1f77b4", "cpu+disk": "#d62728", "vllm-cpu": "#2ca02c",
-           "cpu+disk-direct": "#9467bd"}
+COLOURS = {
+    "no-offload": "#7f7f7f",
+    "cpu": "#1f77b4",
+    "cpu+disk": "#d62728",
+    "vllm-cpu": "#2ca02c",
+    "cpu+disk-direct": "#9467bd",
+}
 TIER_COLOURS = {"GPU": "#9ecae1", "CPU": "#1f77b4", "DISK": "#d62728"}
 TRANSFERS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "disk_to_gpu")
 
@@ -44,8 +49,10 @@ def hit_rate_vs_disk(path: Path, disk_points, results, shape, tiers, title: str)
         if name in results:
             hit = 100 * (1 - _share(results[name], "computed"))
             ax.axhline(hit, color=COLOURS[name], ls="--", lw=1.5, label=f"{name} (no disk): {hit:.1f}%")
-    ax.set_xlabel(f"disk tier size / working set ({shape.working_set} blocks); CPU tier fixed at "
-                  f"{tiers.cpu_slots / shape.working_set:.2f} x working set")
+    ax.set_xlabel(
+        f"disk tier size / working set ({shape.working_set} blocks); CPU tier fixed at "
+        f"{tiers.cpu_slots / shape.working_set:.2f} x working set"
+    )
     ax.set_ylabel("token hit rate (% of requested tokens)")
     ax.set_ylim(0, 100)
     ax.set_xlim(0, max(xs) * 1.02)
@@ -70,12 +77,20 @@ def gbps_per_transfer(path: Path, results, raw: dict, raw_reference, title: str)
         ref = raw_reference(raw, t)
         if ref:
             ax.hlines(ref[1], j - 0.45, j + 0.45, colors="k", linestyles="-", lw=2)
-            ax.annotate(f"raw {ref[0]}\n{ref[1]:.2f}", (j, ref[1]), textcoords="offset points", xytext=(0, 3),
-                        ha="center", fontsize=7)
+            ax.annotate(
+                f"raw {ref[0]}\n{ref[1]:.2f}",
+                (j, ref[1]),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=7,
+            )
     ax.set_xticks(range(len(types)), [t.replace("_to_", " -> ").upper() for t in types])
     ax.set_ylabel("GB/s (bytes / summed handler job time)")
-    top = max([results[n].transfers[t]["gbps"] for n in configs for t in types] +
-              [ref[1] for t in types if (ref := raw_reference(raw, t))])
+    top = max(
+        [results[n].transfers[t]["gbps"] for n in configs for t in types]
+        + [ref[1] for t in types if (ref := raw_reference(raw, t))]
+    )
     ax.set_ylim(0, top * 1.3)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
@@ -90,10 +105,12 @@ def cost_vs_working_set(path: Path, ws_points, model: PrefillModel, tpb: int, ti
     configs = list(ws_points[0][1]) if ws_points else []
     for name in configs:
         xs = [ws / tiers.cpu_slots for ws, _ in ws_points]
-        left.plot(xs, [_mean_ttft(p[name], model, tpb) * 1e3 for _, p in ws_points], "o-",
-                  color=COLOURS.get(name), label=name)
-        per_block = [sum(s.manager_seconds for s in p[name].steps) / p[name].report.blocks_requested * 1e6
-                     for _, p in ws_points]
+        left.plot(
+            xs, [_mean_ttft(p[name], model, tpb) * 1e3 for _, p in ws_points], "o-", color=COLOURS.get(name), label=name
+        )
+        per_block = [
+            sum(s.manager_seconds for s in p[name].steps) / p[name].report.blocks_requested * 1e6 for _, p in ws_points
+        ]
         right.plot(xs, per_block, "o-", color=COLOURS.get(name), label=name)
     left.set_xlabel("working set / CPU tier size")
     left.set_ylabel("estimated mean TTFT (ms)")
@@ -105,8 +122,7 @@ def cost_vs_working_set(path: Path, ws_points, model: PrefillModel, tpb: int, ti
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.axvline(1.0, color="k", lw=0.8, ls=":", label="working set = CPU tier")
-        ax.axvline(tiers.disk_slots / tiers.cpu_slots, color="#d62728", lw=0.8, ls=":",
-                   label="working set = disk tier")
+        ax.axvline(tiers.disk_slots / tiers.cpu_slots, color="#d62728", lw=0.8, ls=":", label="working set = disk tier")
     handles, labels = left.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(f"Cost against working-set size: {title}", fontsize=10)
@@ -115,11 +131,25 @@ def cost_vs_working_set(path: Path, ws_points, model: PrefillModel, tpb: int, ti
     plt.close(fig)
 
 
-def write_all(directory: Path, sweeps: dict, results, raw: dict, raw_reference, model: PrefillModel, tpb: int,
-              shape, tiers, kind: str, title: str) -> list[Path]:
+def write_all(
+    directory: Path,
+    sweeps: dict,
+    results,
+    raw: dict,
+    raw_reference,
+    model: PrefillModel,
+    tpb: int,
+    shape,
+    tiers,
+    kind: str,
+    title: str,
+) -> list[Path]:
     """Write the three PNGs; returns their paths."""
-    paths = [directory / f"replay_{kind}_hit_rate_vs_disk.png", directory / f"replay_{kind}_gbps_per_transfer.png",
-             directory / f"replay_{kind}_cost_vs_working_set.png"]
+    paths = [
+        directory / f"replay_{kind}_hit_rate_vs_disk.png",
+        directory / f"replay_{kind}_gbps_per_transfer.png",
+        directory / f"replay_{kind}_cost_vs_working_set.png",
+    ]
     hit_rate_vs_disk(paths[0], sweeps["disk"], results, shape, tiers, title)
     gbps_per_transfer(paths[1], results, raw, raw_reference, title)
     written = paths[:2]

@@ -39,8 +39,16 @@ from tiered_kv.worker.worker import OffloadingWorker
 from tiered_kv.workloads import Workload
 
 CONFIGS = ("no-offload", "cpu", "cpu+disk", "vllm-cpu", "cpu-arc", "vllm-cpu-arc")
-MANAGER_CALLS = ("lookup", "hit_medium", "prepare_load", "complete_load", "prepare_store",
-                 "complete_store", "touch", "take_events")
+MANAGER_CALLS = (
+    "lookup",
+    "hit_medium",
+    "prepare_load",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "touch",
+    "take_events",
+)
 WORKER_CALLS = ("transfer_async", "get_finished", "wait")
 
 
@@ -72,17 +80,25 @@ class Geometry:
         return self.bytes_per_token * self.tokens_per_block
 
     def device_cache(self, device: str) -> DeviceKVCache:
-        return DeviceKVCache(num_layers=self.num_layers,
-                             num_gpu_blocks=self.device_groups * self.block_size_factor,
-                             gpu_block_size=self.gpu_block_size, num_kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim, dtype=self.dtype, kv_before_num_blocks=self.kv_first,
-                             block_size_factor=self.block_size_factor, device=device)
+        return DeviceKVCache(
+            num_layers=self.num_layers,
+            num_gpu_blocks=self.device_groups * self.block_size_factor,
+            gpu_block_size=self.gpu_block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            kv_before_num_blocks=self.kv_first,
+            block_size_factor=self.block_size_factor,
+            device=device,
+        )
 
     def describe(self) -> str:
-        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} head dim, "
-                f"{str(self.dtype).removeprefix('torch.')}, {'kv-first' if self.kv_first else 'kv-after'}, "
-                f"{self.tokens_per_block}-token blocks of {self.bytes_per_block / 2**20:.3g} MiB "
-                f"({self.block_size_factor} GPU block(s) of {self.gpu_block_size} tokens)")
+        return (
+            f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} head dim, "
+            f"{str(self.dtype).removeprefix('torch.')}, {'kv-first' if self.kv_first else 'kv-after'}, "
+            f"{self.tokens_per_block}-token blocks of {self.bytes_per_block / 2**20:.3g} MiB "
+            f"({self.block_size_factor} GPU block(s) of {self.gpu_block_size} tokens)"
+        )
 
 
 @dataclass(frozen=True)
@@ -192,17 +208,23 @@ class RunResult:
         return r.hits_by_medium.get(source, 0)
 
 
-def _build(config: str, geometry: Geometry, tiers: Tiers, device: str, work_dir: Path,
-           promote_on_hit: bool) -> tuple[EngineDriver, TieredOffloadingSpec | None, Callable[[], None]]:
+def _build(
+    config: str, geometry: Geometry, tiers: Tiers, device: str, work_dir: Path, promote_on_hit: bool
+) -> tuple[EngineDriver, TieredOffloadingSpec | None, Callable[[], None]]:
     """The driver for ``config`` and its spec (None for ``no-offload``), plus a closer."""
     dev = geometry.device_cache(device)
     if config == "no-offload":
         driver = EngineDriver(NullManager(), OffloadingWorker(), dev)
         return driver, None, lambda: None
     bpb = geometry.bytes_per_block
-    raw = {"cpu_bytes": f"{tiers.cpu_slots * bpb}B", "block_size": geometry.tokens_per_block,
-           "model_id": "tiered-kv-replay", "write_policy": "write_through", "promote_on_hit": promote_on_hit,
-           "io_threads": tiers.io_threads}
+    raw = {
+        "cpu_bytes": f"{tiers.cpu_slots * bpb}B",
+        "block_size": geometry.tokens_per_block,
+        "model_id": "tiered-kv-replay",
+        "write_policy": "write_through",
+        "promote_on_hit": promote_on_hit,
+        "io_threads": tiers.io_threads,
+    }
     if config == "cpu-arc":
         raw["eviction_policy"] = "arc"
     if config == "cpu+disk":
@@ -212,8 +234,10 @@ def _build(config: str, geometry: Geometry, tiers: Tiers, device: str, work_dir:
     worker = spec.build_worker(dev.kv_caches, dev.kv_before_num_blocks)
     if config in ("vllm-cpu", "vllm-cpu-arc"):
         from replay_vllm import VllmCpuManagerAdapter
-        manager = VllmCpuManagerAdapter(spec.num_cpu_slots, geometry.tokens_per_block,
-                                        policy="arc" if config.endswith("-arc") else "lru")
+
+        manager = VllmCpuManagerAdapter(
+            spec.num_cpu_slots, geometry.tokens_per_block, policy="arc" if config.endswith("-arc") else "lru"
+        )
     elif config in ("cpu", "cpu+disk", "cpu-arc"):
         manager = spec.get_manager()
     else:
@@ -227,8 +251,9 @@ def _build(config: str, geometry: Geometry, tiers: Tiers, device: str, work_dir:
     return EngineDriver(manager, worker, dev), spec, close
 
 
-def run_config(config: str, workload: Workload, geometry: Geometry, tiers: Tiers,
-               device: str = "cpu", promote_on_hit: bool = True) -> RunResult:
+def run_config(
+    config: str, workload: Workload, geometry: Geometry, tiers: Tiers, device: str = "cpu", promote_on_hit: bool = True
+) -> RunResult:
     """Replay ``workload`` through ``config``; every loaded block is verified by the driver.
     ``promote_on_hit=False`` sends ``cpu+disk``'s disk hits straight to the device."""
     tiers.disk_dir.mkdir(parents=True, exist_ok=True)
@@ -248,11 +273,18 @@ def run_config(config: str, workload: Workload, geometry: Geometry, tiers: Tiers
                 driver.run_request(block_hashes)
                 dt = time.perf_counter() - t0
                 hits = report.hits_by_medium
-                steps.append(Step(dt, manager.take_step(), worker.take_step(), len(block_hashes),
-                                  report.device_hits - before[0],
-                                  hits.get("CPU", 0) - before[1].get("CPU", 0),
-                                  hits.get("DISK", 0) - before[1].get("DISK", 0),
-                                  report.computed - before[2]))
+                steps.append(
+                    Step(
+                        dt,
+                        manager.take_step(),
+                        worker.take_step(),
+                        len(block_hashes),
+                        report.device_hits - before[0],
+                        hits.get("CPU", 0) - before[1].get("CPU", 0),
+                        hits.get("DISK", 0) - before[1].get("DISK", 0),
+                        report.computed - before[2],
+                    )
+                )
             driver.drain()
             report.wall_seconds = time.perf_counter() - start
         finally:
@@ -260,11 +292,17 @@ def run_config(config: str, workload: Workload, geometry: Geometry, tiers: Tiers
             io = spec.store.backend.describe() if spec is not None and spec.store is not None else ""
             close()
         stats = spec.stats.as_dict() if spec is not None else TieredStats().as_dict()
-        return RunResult(config, report, steps, manager.calls, worker.calls,
-                         transfers={k: stats["transfers"][k] for k in TRANSFER_TYPES},
-                         tiers=stats["tiers"],
-                         cpu_slots=spec.num_cpu_slots if spec is not None else 0,
-                         disk_slots=tiers.disk_slots if config == "cpu+disk" else 0,
-                         io=io)
+        return RunResult(
+            config,
+            report,
+            steps,
+            manager.calls,
+            worker.calls,
+            transfers={k: stats["transfers"][k] for k in TRANSFER_TYPES},
+            tiers=stats["tiers"],
+            cpu_slots=spec.num_cpu_slots if spec is not None else 0,
+            disk_slots=tiers.disk_slots if config == "cpu+disk" else 0,
+            io=io,
+        )
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -91,8 +91,9 @@ class VllmCpuManagerAdapter(OffloadingManager):
         out = self.inner.prepare_store(keys, ctx)
         if out is None:
             return None
-        return PrepareStoreOutput(self._hashes(out.keys_to_store), CPULoadStoreSpec(out.store_spec.block_ids),
-                                  self._hashes(out.evicted_keys))
+        return PrepareStoreOutput(
+            self._hashes(out.keys_to_store), CPULoadStoreSpec(out.store_spec.block_ids), self._hashes(out.evicted_keys)
+        )
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         self.inner.complete_store(self._keys(block_hashes), self._store_ctx, success)
@@ -104,5 +105,6 @@ class VllmCpuManagerAdapter(OffloadingManager):
         self._ctx = None
 
     def take_events(self) -> list[OffloadingEvent]:
-        return [OffloadingEvent(self._hashes(e.keys), self.block_size, CPU, e.removed)
-                for e in self.inner.take_events()]
+        return [
+            OffloadingEvent(self._hashes(e.keys), self.block_size, CPU, e.removed) for e in self.inner.take_events()
+        ]

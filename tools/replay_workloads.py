@@ -45,10 +45,28 @@ class Preset:
     question_blocks: tuple[int, int]
 
 
-FULL = Preset(chat_requests=500, system_prompt_blocks=16, first_message_blocks=(2, 6), turn_blocks=(2, 6),
-              max_turns=8, rag_requests=500, rag_documents=120, document_blocks=24, question_blocks=(1, 3))
-QUICK = Preset(chat_requests=160, system_prompt_blocks=8, first_message_blocks=(1, 4), turn_blocks=(1, 4),
-               max_turns=6, rag_requests=160, rag_documents=40, document_blocks=12, question_blocks=(1, 2))
+FULL = Preset(
+    chat_requests=500,
+    system_prompt_blocks=16,
+    first_message_blocks=(2, 6),
+    turn_blocks=(2, 6),
+    max_turns=8,
+    rag_requests=500,
+    rag_documents=120,
+    document_blocks=24,
+    question_blocks=(1, 3),
+)
+QUICK = Preset(
+    chat_requests=160,
+    system_prompt_blocks=8,
+    first_message_blocks=(1, 4),
+    turn_blocks=(1, 4),
+    max_turns=6,
+    rag_requests=160,
+    rag_documents=40,
+    document_blocks=12,
+    question_blocks=(1, 2),
+)
 
 
 def generate(kind: str, preset: Preset, tokens_per_block: int, scale: float = 1.0, seed: int = 0) -> Workload:
@@ -59,16 +77,30 @@ def generate(kind: str, preset: Preset, tokens_per_block: int, scale: float = 1.
         raise ValueError(f"scale must be > 0, got {scale}")
 
     def chat(n: int) -> Workload:
-        return chat_workload(ChatWorkloadSpec(
-            num_requests=max(1, round(n)), num_system_prompts=4,
-            system_prompt_blocks=preset.system_prompt_blocks, first_message_blocks=preset.first_message_blocks,
-            turn_blocks=preset.turn_blocks, max_turns=preset.max_turns, new_conversation_prob=0.3,
-            tokens_per_block=tokens_per_block, seed=seed))
+        return chat_workload(
+            ChatWorkloadSpec(
+                num_requests=max(1, round(n)),
+                num_system_prompts=4,
+                system_prompt_blocks=preset.system_prompt_blocks,
+                first_message_blocks=preset.first_message_blocks,
+                turn_blocks=preset.turn_blocks,
+                max_turns=preset.max_turns,
+                new_conversation_prob=0.3,
+                tokens_per_block=tokens_per_block,
+                seed=seed,
+            )
+        )
 
     def rag(n: int, docs: int) -> Workload:
-        return shared_prefix_workload(max(1, round(n)), max(1, round(docs)), preset.document_blocks,
-                                      preset.question_blocks, zipf_s=1.1, tokens_per_block=tokens_per_block,
-                                      seed=seed + 1)
+        return shared_prefix_workload(
+            max(1, round(n)),
+            max(1, round(docs)),
+            preset.document_blocks,
+            preset.question_blocks,
+            zipf_s=1.1,
+            tokens_per_block=tokens_per_block,
+            seed=seed + 1,
+        )
 
     if kind == "chat":
         w = chat(preset.chat_requests * scale)
@@ -101,8 +133,10 @@ def read_trace(path: Path, tokens_per_block: int) -> Workload:
                 else:
                     raise ValueError("expected a 'token_ids' or a 'block_hashes' key")
             except (ValueError, TypeError, AttributeError) as exc:
-                raise ValueError(f"{path}:{lineno}: bad trace line ({exc}); expected "
-                                 '{"token_ids": [ints]} or {"block_hashes": ["hex", ...]}') from None
+                raise ValueError(
+                    f"{path}:{lineno}: bad trace line ({exc}); expected "
+                    '{"token_ids": [ints]} or {"block_hashes": ["hex", ...]}'
+                ) from None
     requests = [r for r in requests if r]
     if not requests:
         raise ValueError(f"{path}: no request with at least one full {tokens_per_block}-token block")
@@ -129,11 +163,18 @@ class Shape:
 
     @classmethod
     def of(cls, workload: Workload, tokens_per_block: int) -> "Shape":
-        return cls(len(workload.requests), workload.num_blocks, workload.num_unique_blocks,
-                   max(len(r) for r in workload.requests), tokens_per_block)
+        return cls(
+            len(workload.requests),
+            workload.num_blocks,
+            workload.num_unique_blocks,
+            max(len(r) for r in workload.requests),
+            tokens_per_block,
+        )
 
     def describe(self, bytes_per_block: int) -> str:
         t = self.tokens_per_block
-        return (f"{self.requests} requests, {self.blocks} blocks = {self.blocks * t:,} tokens requested; "
-                f"working set {self.working_set} blocks = {self.working_set * t:,} tokens = "
-                f"{self.working_set * bytes_per_block / 2**30:.2f} GiB; longest request {self.longest} blocks")
+        return (
+            f"{self.requests} requests, {self.blocks} blocks = {self.blocks * t:,} tokens requested; "
+            f"working set {self.working_set} blocks = {self.working_set * t:,} tokens = "
+            f"{self.working_set * bytes_per_block / 2**30:.2f} GiB; longest request {self.longest} blocks"
+        )

@@ -131,8 +131,9 @@ class CrashRunner:
     #: Seconds a helper I/O process may take to commit and exit after its worker died.
     HELPER_EXIT_TIMEOUT = 60.0
 
-    def __init__(self, workdir: str | os.PathLike, seed: int, *, tp_size: int = 1,
-                 disk_io: tuple[str, ...] = ("thread",)):
+    def __init__(
+        self, workdir: str | os.PathLike, seed: int, *, tp_size: int = 1, disk_io: tuple[str, ...] = ("thread",)
+    ):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.cache = self.workdir / "cache"
@@ -155,9 +156,10 @@ class CrashRunner:
 
         policy, disk_io = self.mode(i)
         start = self.journal.stat().st_size
-        proc = fork_context().Process(target=storm_child.run,
-                                      args=(str(self.cache), str(self.journal), self.seed + i, policy,
-                                            disk_io, self.tp_size))
+        proc = fork_context().Process(
+            target=storm_child.run,
+            args=(str(self.cache), str(self.journal), self.seed + i, policy, disk_io, self.tp_size),
+        )
         proc.start()
         startup = self.rng.random() < self.STARTUP_SHARE
         if startup:
@@ -176,8 +178,10 @@ class CrashRunner:
         if proc.exitcode != -9:
             raise AssertionError(self._child_failure(proc, f"ended with {proc.exitcode}, not by the kill"))
         if not wait_group_gone(proc.pid, self.HELPER_EXIT_TIMEOUT):
-            raise AssertionError(f"trial {i}: a disk I/O process of the killed engine was still running "
-                                 f"{self.HELPER_EXIT_TIMEOUT:.0f} s after the kill")
+            raise AssertionError(
+                f"trial {i}: a disk I/O process of the killed engine was still running "
+                f"{self.HELPER_EXIT_TIMEOUT:.0f} s after the kill"
+            )
         # The evidence, before the checks reopen (and so repair) the cache.
         shutil.rmtree(self.as_killed, ignore_errors=True)
         self.as_killed.mkdir()

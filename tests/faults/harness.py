@@ -40,16 +40,30 @@ GPU_BLOCK_SIZE = 16
 
 def device(num_gpu_blocks: int = 8, dtype: torch.dtype = torch.float16) -> DeviceKVCache:
     """A small "GPU" KV cache on CPU tensors: 2 layers, 16 KiB per block (at 2 bytes)."""
-    return DeviceKVCache(num_layers=2, num_gpu_blocks=num_gpu_blocks, gpu_block_size=GPU_BLOCK_SIZE,
-                         num_kv_heads=4, head_dim=32, dtype=dtype, device="cpu")
+    return DeviceKVCache(
+        num_layers=2,
+        num_gpu_blocks=num_gpu_blocks,
+        gpu_block_size=GPU_BLOCK_SIZE,
+        num_kv_heads=4,
+        head_dim=32,
+        dtype=dtype,
+        device="cpu",
+    )
 
 
-def config(cache_dir: str | os.PathLike, bytes_per_block: int, cpu_blocks: int = 8,
-           disk_blocks: int = 40, **extra) -> dict:
+def config(
+    cache_dir: str | os.PathLike, bytes_per_block: int, cpu_blocks: int = 8, disk_blocks: int = 40, **extra
+) -> dict:
     """A config dict for the hierarchy sized in blocks (``extra`` keys override)."""
-    out = {"cpu_bytes": f"{cpu_blocks * bytes_per_block}B", "disk_path": str(cache_dir),
-           "disk_bytes": f"{disk_blocks * bytes_per_block}B", "io_backend": "posix", "io_threads": 2,
-           "model_id": "fault-suite", "max_pending_disk_writes": 16}
+    out = {
+        "cpu_bytes": f"{cpu_blocks * bytes_per_block}B",
+        "disk_path": str(cache_dir),
+        "disk_bytes": f"{disk_blocks * bytes_per_block}B",
+        "io_backend": "posix",
+        "io_threads": 2,
+        "model_id": "fault-suite",
+        "max_pending_disk_writes": 16,
+    }
     out.update(extra)
     return out
 
@@ -59,8 +73,17 @@ class Hierarchy:
     ``extra`` are config keys; ``tp_size`` > 1 makes this process rank 0 of a TP group,
     or, with ``all_ranks``, every rank of it (``ranks.RanksDriver``; ``spec`` is rank 0's)."""
 
-    def __init__(self, cache_dir, cpu_blocks: int = 8, disk_blocks: int = 40, engine_id: str | None = None,
-                 dtype: torch.dtype = torch.float16, tp_size: int = 1, all_ranks: bool = False, **extra):
+    def __init__(
+        self,
+        cache_dir,
+        cpu_blocks: int = 8,
+        disk_blocks: int = 40,
+        engine_id: str | None = None,
+        dtype: torch.dtype = torch.float16,
+        tp_size: int = 1,
+        all_ranks: bool = False,
+        **extra,
+    ):
         self.device = device(dtype=dtype)
         layout = self.device.layout
         cfg = config(cache_dir, layout.bytes_per_block, cpu_blocks, disk_blocks, **extra)
@@ -70,8 +93,12 @@ class Hierarchy:
             from faults.ranks import RanksDriver, RankWorkers
 
             devices = [self.device] + [device(dtype=dtype) for _ in range(1, tp_size)]
-            self.specs += [TieredOffloadingSpec(cfg, GPU_BLOCK_SIZE, layout, engine_id=self.spec.engine_id,
-                                                rank=r, tp_size=tp_size) for r in range(1, tp_size)]
+            self.specs += [
+                TieredOffloadingSpec(
+                    cfg, GPU_BLOCK_SIZE, layout, engine_id=self.spec.engine_id, rank=r, tp_size=tp_size
+                )
+                for r in range(1, tp_size)
+            ]
             workers = [s.build_worker(d.kv_caches, d.kv_before_num_blocks) for s, d in zip(self.specs, devices)]
             self.driver = RanksDriver(self.spec.get_manager(), RankWorkers(workers), devices)
         else:
@@ -164,8 +191,9 @@ class TmpfsMount:
 
     def mount(self) -> bool:
         self.path.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
-                           capture_output=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)], capture_output=True
+        )
         self.mounted = r.returncode == 0
         return self.mounted
 
@@ -222,8 +250,7 @@ def _open_and_report(cache_dir: str, conn) -> None:
 def documents(num_docs: int, blocks_per_doc: int, seed: int = 0) -> list[list[bytes]]:
     """Independent prefix chains (each one request)."""
     rng = np.random.default_rng(seed)
-    return [prefix_hashes(rng.integers(0, 50_000, size=(blocks_per_doc, GPU_BLOCK_SIZE)))
-            for _ in range(num_docs)]
+    return [prefix_hashes(rng.integers(0, 50_000, size=(blocks_per_doc, GPU_BLOCK_SIZE))) for _ in range(num_docs)]
 
 
 def expected_bytes(block_hash: bytes, nbytes: int) -> bytes:
@@ -426,6 +453,7 @@ def fork_context():
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "tiered_kv.tiered.spec", "tiered_kv.driver",
-                                     "tiered_kv.disk.manager", "faults.storm_child"])
+        _CTX.set_forkserver_preload(
+            ["torch", "tiered_kv.tiered.spec", "tiered_kv.driver", "tiered_kv.disk.manager", "faults.storm_child"]
+        )
     return _CTX

@@ -77,8 +77,9 @@ def _storm(cache_dir: str, seed: int, policy: str, disk_io: str, tp_size: int, j
     from faults.harness import Hierarchy
 
     torch.set_num_threads(1)
-    h = Hierarchy(cache_dir, write_policy=policy, engine_id=f"storm-{seed}", disk_io=disk_io, tp_size=tp_size,
-                  all_ranks=True)
+    h = Hierarchy(
+        cache_dir, write_policy=policy, engine_id=f"storm-{seed}", disk_io=disk_io, tp_size=tp_size, all_ranks=True
+    )
     disk = h.disk
     inner_prepare_store = disk.prepare_store
 
@@ -121,4 +122,3 @@ def _storm(cache_dir: str, seed: int, policy: str, disk_io: str, tp_size: int, j
             j.note("Q 10")
         if rng.random() < 0.05:
             h.settle()  # now and then, let every queued write land (kills then hit a quiet disk)
-

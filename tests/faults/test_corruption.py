@@ -12,8 +12,17 @@ import random
 import pytest
 
 from faults.harness import (
-    Hierarchy, delete_slab, documents, flip_slab_bits, garbage_index, garbage_index_pages, inspect_verify,
-    namespace_dirs, truncate_index, truncate_slab, verify_cache,
+    Hierarchy,
+    delete_slab,
+    documents,
+    flip_slab_bits,
+    garbage_index,
+    garbage_index_pages,
+    inspect_verify,
+    namespace_dirs,
+    truncate_index,
+    truncate_slab,
+    verify_cache,
 )
 from tiered_kv.disk.index import QUARANTINE_SUFFIX
 
@@ -124,8 +133,9 @@ def test_a_deleted_slab_empties_the_tier_and_is_recreated(cache, caplog):
     assert_healed(h, cache)
 
 
-@pytest.mark.parametrize("damage", [garbage_index, garbage_index_pages, truncate_index],
-                         ids=["garbage", "garbage-pages", "truncated"])
+@pytest.mark.parametrize(
+    "damage", [garbage_index, garbage_index_pages, truncate_index], ids=["garbage", "garbage-pages", "truncated"]
+)
 def test_a_damaged_index_is_set_aside_and_rebuilt_empty(cache, damage, caplog):
     ns = namespace_dirs(cache)[0]
     damage(cache, random.Random(9))

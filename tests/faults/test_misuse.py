@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from faults.harness import (
-    GPU_BLOCK_SIZE, Hierarchy, config, device, documents, namespace_dirs, open_engine_elsewhere, verify_cache,
+    GPU_BLOCK_SIZE,
+    Hierarchy,
+    config,
+    device,
+    documents,
+    namespace_dirs,
+    open_engine_elsewhere,
+    verify_cache,
 )
 from tiered_kv.config import ConfigError, format_size
 from tiered_kv.device import host_memory_limit
@@ -57,10 +64,11 @@ def test_a_second_engine_on_the_same_cache_is_refused_naming_the_first(tmp_path)
     again.close()
 
 
-@pytest.mark.parametrize("change, field", [({"model_id": "another-model"}, None),
-                                           ({"dtype": torch.bfloat16}, "dtype"),
-                                           ({"tp_size": 2}, "tp_size")],
-                         ids=["model", "dtype", "tp"])
+@pytest.mark.parametrize(
+    "change, field",
+    [({"model_id": "another-model"}, None), ({"dtype": torch.bfloat16}, "dtype"), ({"tp_size": 2}, "tp_size")],
+    ids=["model", "dtype", "tp"],
+)
 def test_a_cache_of_another_model_dtype_or_tp_layout_is_never_served(tmp_path, change, field, caplog):
     fill(tmp_path)
     with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.manager"):
@@ -116,8 +124,10 @@ def _read_only_dir(tmp_path, populate: bool):
             fill(path)
         path.chmod(0o555)
         return path, lambda: path.chmod(0o755)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a read-only tmpfs here")
     if populate:
         fill(path)
@@ -135,10 +145,21 @@ def test_a_read_only_disk_path_is_a_clear_error(tmp_path, populate):
         undo()
 
 
-@pytest.mark.parametrize("key, value", [("cpu_bytes", 0), ("cpu_bytes", "-1GiB"), ("disk_bytes", 0),
-                                        ("disk_bytes", -5), ("cpu_bytes", "lots"), ("disk_bytes", "1 parsec"),
-                                        ("io_threads", 0), ("max_pending_disk_writes", -1),
-                                        ("write_policy", "sometimes"), ("io_backend", "carrier-pigeon")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("cpu_bytes", 0),
+        ("cpu_bytes", "-1GiB"),
+        ("disk_bytes", 0),
+        ("disk_bytes", -5),
+        ("cpu_bytes", "lots"),
+        ("disk_bytes", "1 parsec"),
+        ("io_threads", 0),
+        ("max_pending_disk_writes", -1),
+        ("write_policy", "sometimes"),
+        ("io_backend", "carrier-pigeon"),
+    ],
+)
 def test_bad_values_fail_at_startup_naming_the_key_and_the_value(tmp_path, key, value):
     with pytest.raises(ConfigError) as err:
         Hierarchy(tmp_path, **{key: value})

@@ -78,8 +78,11 @@ def _close_store_under_the_worker(h: Hierarchy) -> None:  # queued disk writes f
     h.driver.manager.shutdown()
 
 
-@pytest.mark.parametrize("close", [_close_worker_first, _close_manager_first, _close_store_under_the_worker],
-                         ids=["worker-first", "manager-first", "store-first"])
+@pytest.mark.parametrize(
+    "close",
+    [_close_worker_first, _close_manager_first, _close_store_under_the_worker],
+    ids=["worker-first", "manager-first", "store-first"],
+)
 def test_shutdown_with_transfers_in_flight_neither_hangs_nor_leaves_stray_files(tmp_path, close):
     before = _threads()
     h = Hierarchy(tmp_path, cpu_blocks=8, disk_blocks=64)

@@ -20,15 +20,19 @@ from typer.core import TyperCommand, TyperGroup
 #: top-level listing before the module is loaded). The one-liners must match the
 #: commands' own first help lines (tests/test_cli_startup.py checks).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("demo", "Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per "
-                     "tier, bytes and GB/s per transfer type."),
-    "inspect": ("inspect", "Inspect a disk cache: summary, ls, verify, evict, clear, bench. Add --json "
-                           "for scripts."),
-    "config": ("config_cmd", "Size the CPU and disk tiers for a model and print the --kv-transfer-config "
-                             "JSON."),
+    "demo": (
+        "demo",
+        "Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per "
+        "tier, bytes and GB/s per transfer type.",
+    ),
+    "inspect": ("inspect", "Inspect a disk cache: summary, ls, verify, evict, clear, bench. Add --json for scripts."),
+    "config": ("config_cmd", "Size the CPU and disk tiers for a model and print the --kv-transfer-config JSON."),
     "warmup": ("warmup", "Write the KV of every full block of every prompt to the disk tier (resumable)."),
-    "doctor": ("doctor", "Check this host for the tiered KV cache: memory locking, huge pages, the disk "
-                         "tier's directory, CUDA, GDS, vLLM and hash settings."),
+    "doctor": (
+        "doctor",
+        "Check this host for the tiered KV cache: memory locking, huge pages, the disk "
+        "tier's directory, CUDA, GDS, vLLM and hash settings.",
+    ),
 }
 
 
@@ -58,8 +62,7 @@ class LazyGroup(TyperGroup):
 app = typer.Typer(
     name="tiered-kv",
     cls=LazyGroup,
-    help="Multi-tier KV-cache for LLM inference: demo, inspect the disk cache, warm it up, make configs, "
-         "check a host.",
+    help="Multi-tier KV-cache for LLM inference: demo, inspect the disk cache, warm it up, make configs, check a host.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
@@ -84,8 +87,11 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
-                                                 help="Print the version and exit.")) -> None:
+def _root(
+    version: Optional[bool] = typer.Option(
+        None, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Multi-tier KV-cache for LLM inference."""
     # A callback keeps ``app`` a command group: with a single registered command typer
     # would otherwise run it as the root and reject its name as an extra argument.

@@ -41,8 +41,9 @@ def _size_value(text: str, key: str) -> int | str:
     return int(stripped) if stripped.isdigit() else stripped
 
 
-def build_kv_transfer_config(plan: TierPlan, *, cpu_bytes: str, disk_path: Optional[str],
-                             disk_bytes: Optional[str], model_id: str) -> dict[str, Any]:
+def build_kv_transfer_config(
+    plan: TierPlan, *, cpu_bytes: str, disk_path: Optional[str], disk_bytes: Optional[str], model_id: str
+) -> dict[str, Any]:
     """vLLM's kv-transfer-config dict for ``plan``; raises ``ConfigError`` if the
     extra config is not one ``TieredConfig`` accepts."""
     extra: dict[str, Any] = {
@@ -56,8 +57,7 @@ def build_kv_transfer_config(plan: TierPlan, *, cpu_bytes: str, disk_path: Optio
     extra["block_size"] = plan.block_size
     extra["model_id"] = model_id
     TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 def arithmetic_table(plan: TierPlan) -> Table:
@@ -69,37 +69,55 @@ def arithmetic_table(plan: TierPlan) -> Table:
     table.add_column("value", justify="right")
     table.add_row("geometry", g.describe(tp), "")
     table.add_row("KV bytes / token / rank", g.arithmetic(tp), f"{plan.kv_bytes_per_token:,} B")
-    table.add_row("block / rank", f"{plan.block_size} tokens x {plan.kv_bytes_per_token:,} B",
-                  f"{plan.block_bytes:,} B ({format_size(plan.block_bytes)})")
-    table.add_row("CPU tier / rank", f"{plan.cpu_bytes:,} B / {plan.block_bytes:,} B",
-                  f"{plan.cpu_blocks:,} blocks = {plan.cpu_tokens:,} tokens")
-    table.add_row("CPU tier RAM / node", f"TP {tp} x {format_size(plan.cpu_bytes)}",
-                  format_size(tp * plan.cpu_bytes))
+    table.add_row(
+        "block / rank",
+        f"{plan.block_size} tokens x {plan.kv_bytes_per_token:,} B",
+        f"{plan.block_bytes:,} B ({format_size(plan.block_bytes)})",
+    )
+    table.add_row(
+        "CPU tier / rank",
+        f"{plan.cpu_bytes:,} B / {plan.block_bytes:,} B",
+        f"{plan.cpu_blocks:,} blocks = {plan.cpu_tokens:,} tokens",
+    )
+    table.add_row("CPU tier RAM / node", f"TP {tp} x {format_size(plan.cpu_bytes)}", format_size(tp * plan.cpu_bytes))
     if plan.disk_bytes:
-        table.add_row("disk slot / rank", f"{plan.block_bytes:,} B rounded up to 4 KiB",
-                      f"{plan.disk_slot_bytes:,} B")
-        table.add_row("disk tier / rank", f"{plan.disk_bytes:,} B / {plan.disk_slot_bytes:,} B",
-                      f"{plan.disk_blocks:,} blocks = {plan.disk_tokens:,} tokens")
-        table.add_row("disk / node", f"TP {tp} x {format_size(plan.disk_bytes)}",
-                      format_size(tp * plan.disk_bytes))
+        table.add_row("disk slot / rank", f"{plan.block_bytes:,} B rounded up to 4 KiB", f"{plan.disk_slot_bytes:,} B")
+        table.add_row(
+            "disk tier / rank",
+            f"{plan.disk_bytes:,} B / {plan.disk_slot_bytes:,} B",
+            f"{plan.disk_blocks:,} blocks = {plan.disk_tokens:,} tokens",
+        )
+        table.add_row("disk / node", f"TP {tp} x {format_size(plan.disk_bytes)}", format_size(tp * plan.disk_bytes))
     return table
 
 
 @app.command("config")
 def config(
-    model_config: Optional[Path] = typer.Option(None, "--model-config", help="HF config.json (or its directory) to read the geometry from."),
+    model_config: Optional[Path] = typer.Option(
+        None, "--model-config", help="HF config.json (or its directory) to read the geometry from."
+    ),
     preset: Optional[str] = typer.Option(None, "--preset", help=f"A built-in model geometry: {', '.join(PRESETS)}."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Decoder layers (without --model-config)."),
-    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads of the whole model (without --model-config)."),
+    kv_heads: Optional[int] = typer.Option(
+        None, "--kv-heads", help="KV heads of the whole model (without --model-config)."
+    ),
     head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension (without --model-config)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="KV-cache dtype, e.g. bfloat16, float16, fp8. Default: the model's, else bfloat16."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="KV-cache dtype, e.g. bfloat16, float16, fp8. Default: the model's, else bfloat16."
+    ),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
     cpu_bytes: str = typer.Option("32GiB", "--cpu-bytes", help="CPU tier budget per TP rank, e.g. 64GiB."),
-    disk_bytes: Optional[str] = typer.Option(None, "--disk-bytes", help="Disk tier budget per TP rank, e.g. 1TiB (needs --disk-path)."),
+    disk_bytes: Optional[str] = typer.Option(
+        None, "--disk-bytes", help="Disk tier budget per TP rank, e.g. 1TiB (needs --disk-path)."
+    ),
     disk_path: Optional[str] = typer.Option(None, "--disk-path", help="Disk tier directory; omit for no disk tier."),
-    block_size: int = typer.Option(16, "--block-size", help="Offloaded block size in tokens (a multiple of --gpu-block-size)."),
+    block_size: int = typer.Option(
+        16, "--block-size", help="Offloaded block size in tokens (a multiple of --gpu-block-size)."
+    ),
     gpu_block_size: int = typer.Option(16, "--gpu-block-size", help="vLLM's --block-size (tokens per GPU block)."),
-    model_id: Optional[str] = typer.Option(None, "--model-id", help="Model id recorded in the disk-cache fingerprint. Default: from the model config."),
+    model_id: Optional[str] = typer.Option(
+        None, "--model-id", help="Model id recorded in the disk-cache fingerprint. Default: from the model config."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print only the JSON."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON to this file."),
 ) -> None:
@@ -107,11 +125,16 @@ def config(
     console = Console()
     try:
         source, serve_model = preset_source(preset, model_config)
-        plan, model_name = _plan(source, layers, kv_heads, head_dim, dtype, tp, cpu_bytes,
-                                 disk_bytes, disk_path, block_size, gpu_block_size)
-        kv_config = build_kv_transfer_config(plan, cpu_bytes=cpu_bytes, disk_path=disk_path,
-                                             disk_bytes=disk_bytes,
-                                             model_id=_model_id(model_id, source, serve_model))
+        plan, model_name = _plan(
+            source, layers, kv_heads, head_dim, dtype, tp, cpu_bytes, disk_bytes, disk_path, block_size, gpu_block_size
+        )
+        kv_config = build_kv_transfer_config(
+            plan,
+            cpu_bytes=cpu_bytes,
+            disk_path=disk_path,
+            disk_bytes=disk_bytes,
+            model_id=_model_id(model_id, source, serve_model),
+        )
         identity = _add_model_path(kv_config, source)
     except ConfigError as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
@@ -127,37 +150,52 @@ def config(
     console.print(arithmetic_table(plan))
     console.print_json(text)
     serve_model = serve_model or kv_config["kv_connector_extra_config"].get("model_id") or "<model>"
-    console.print(f"vllm serve {serve_model} --tensor-parallel-size {tp} --block-size {gpu_block_size} "
-                  f"--kv-transfer-config '{json.dumps(kv_config)}'", highlight=False,
-                  soft_wrap=True)
+    console.print(
+        f"vllm serve {serve_model} --tensor-parallel-size {tp} --block-size {gpu_block_size} "
+        f"--kv-transfer-config '{json.dumps(kv_config)}'",
+        highlight=False,
+        soft_wrap=True,
+    )
     if disk_path:
         _print_identity(console, kv_config, identity, plan, gpu_block_size)
 
 
-def _plan(model_config: Optional[Path], layers: Optional[int], kv_heads: Optional[int],
-          head_dim: Optional[int], dtype: Optional[str], tp: int, cpu_bytes: str,
-          disk_bytes: Optional[str], disk_path: Optional[str], block_size: int,
-          gpu_block_size: int) -> tuple[TierPlan, str]:
+def _plan(
+    model_config: Optional[Path],
+    layers: Optional[int],
+    kv_heads: Optional[int],
+    head_dim: Optional[int],
+    dtype: Optional[str],
+    tp: int,
+    cpu_bytes: str,
+    disk_bytes: Optional[str],
+    disk_path: Optional[str],
+    block_size: int,
+    gpu_block_size: int,
+) -> tuple[TierPlan, str]:
     manual = {"--layers": layers, "--kv-heads": kv_heads, "--head-dim": head_dim}
     if model_config is not None:
         given = [k for k, v in manual.items() if v is not None]
         if given:
-            raise ConfigError(f"{', '.join(given)}: give either --model-config or the "
-                              f"geometry options, not both")
+            raise ConfigError(f"{', '.join(given)}: give either --model-config or the geometry options, not both")
         geometry = ModelGeometry.from_hf_config(model_config, dtype=dtype)
     else:
         missing = [k for k, v in manual.items() if v is None]
         if missing:
-            raise ConfigError(f"{', '.join(missing)}: required without --model-config "
-                              f"(or pass --model-config PATH)")
+            raise ConfigError(f"{', '.join(missing)}: required without --model-config (or pass --model-config PATH)")
         geometry = ModelGeometry(layers, kv_heads, head_dim, dtype or "bfloat16")
     if disk_bytes is not None and not disk_path:
         raise ConfigError("--disk-bytes: needs --disk-path (where the disk tier lives)")
     if disk_path and disk_bytes is None:
         raise ConfigError("--disk-path: needs --disk-bytes (the disk tier budget per rank)")
-    plan = plan_tiers(geometry, tp=tp, block_size=block_size, gpu_block_size=gpu_block_size,
-                      cpu_bytes=parse_size(cpu_bytes, "--cpu-bytes"),
-                      disk_bytes=parse_size(disk_bytes, "--disk-bytes") if disk_bytes else 0)
+    plan = plan_tiers(
+        geometry,
+        tp=tp,
+        block_size=block_size,
+        gpu_block_size=gpu_block_size,
+        cpu_bytes=parse_size(cpu_bytes, "--cpu-bytes"),
+        disk_bytes=parse_size(disk_bytes, "--disk-bytes") if disk_bytes else 0,
+    )
     return plan, geometry.name
 
 
@@ -183,8 +221,10 @@ def _model_id(given: Optional[str], source: Any, directory: Optional[str]) -> st
         return str(name)
     if directory:
         return str(Path(directory).absolute())
-    raise ConfigError("--model-id: required without --model-config or --preset: the disk cache namespace "
-                      "records which model its blocks belong to (vLLM's --model is the usual value)")
+    raise ConfigError(
+        "--model-id: required without --model-config or --preset: the disk cache namespace "
+        "records which model its blocks belong to (vLLM's --model is the usual value)"
+    )
 
 
 def _add_model_path(kv_config: dict[str, Any], source: Any):
@@ -203,8 +243,7 @@ def _add_model_path(kv_config: dict[str, Any], source: Any):
     return digest
 
 
-def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: TierPlan,
-                    gpu_block_size: int) -> None:
+def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: TierPlan, gpu_block_size: int) -> None:
     """The identity the namespace records, and the namespace id tiered-kv's own spec
     and ``tiered-kv warmup`` compute for this config (vLLM adds its own layout)."""
     import torch
@@ -214,18 +253,30 @@ def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: T
 
     extra = kv_config["kv_connector_extra_config"]
     cfg = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
-    weights = (digest.describe() if digest is not None else
-               "not covered by this config (no model directory with weights); under vLLM the namespace "
-               "covers the directory vLLM loads")
-    console.print(f"namespace identity: model_id {cfg.model_id!r} @ {cfg.model_revision}; weights {weights}",
-                  highlight=False, soft_wrap=True)
+    weights = (
+        digest.describe()
+        if digest is not None
+        else "not covered by this config (no model directory with weights); under vLLM the namespace "
+        "covers the directory vLLM loads"
+    )
+    console.print(
+        f"namespace identity: model_id {cfg.model_id!r} @ {cfg.model_revision}; weights {weights}",
+        highlight=False,
+        soft_wrap=True,
+    )
     dtype = getattr(torch, plan.geometry.dtype, None)
     if isinstance(dtype, torch.dtype) and not getattr(plan.geometry, "mla", False):
         request = LayoutRequest(plan.geometry, dtype, gpu_block_size, plan.block_size // gpu_block_size, plan.tp)
         fp = KvFirstLayout(request).fingerprint(cfg)
-        console.print(f"namespace {fp.namespace_id}: what tiered-kv's own spec and `tiered-kv warmup "
-                      f"--gpu-block-size {gpu_block_size} --tp-size {plan.tp}` read and write with this config",
-                      highlight=False, soft_wrap=True)
-    console.print("under vLLM the namespace also records vLLM's KV-cache layout, --revision, quantization and "
-                  "tokenizer; the server logs its id at start-up (\"disk namespace <id>: model ...\")",
-                  highlight=False, soft_wrap=True)
+        console.print(
+            f"namespace {fp.namespace_id}: what tiered-kv's own spec and `tiered-kv warmup "
+            f"--gpu-block-size {gpu_block_size} --tp-size {plan.tp}` read and write with this config",
+            highlight=False,
+            soft_wrap=True,
+        )
+    console.print(
+        "under vLLM the namespace also records vLLM's KV-cache layout, --revision, quantization and "
+        'tokenizer; the server logs its id at start-up ("disk namespace <id>: model ...")',
+        highlight=False,
+        soft_wrap=True,
+    )

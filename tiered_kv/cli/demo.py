@@ -32,7 +32,9 @@ DEVICE_GROUPS = 64  # offloaded-block-sized groups the device cache holds
 
 @app.command()
 def demo(
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Disk-tier directory (created if absent); without it, GPU <-> CPU only."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Disk-tier directory (created if absent); without it, GPU <-> CPU only."
+    ),
     requests: int = typer.Option(300, "--requests", min=1, help="Requests to replay."),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
     cpu_bytes: str = typer.Option("8MiB", "--cpu-bytes", help="CPU tier size, e.g. 8MiB, 1GiB."),
@@ -40,7 +42,9 @@ def demo(
     write_policy: str = typer.Option("write_through", "--write-policy", help="write_through or write_back."),
     promote_on_hit: bool = typer.Option(True, "--promote/--no-promote", help="Bring disk hits back into the CPU tier."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the 'GPU' KV cache lives."),
-    layout: str = typer.Option("kv-first", "--layout", help="kv-first: (2, num_blocks, ...); kv-after: (num_blocks, 2, ...)."),
+    layout: str = typer.Option(
+        "kv-first", "--layout", help="kv-first: (2, num_blocks, ...); kv-after: (num_blocks, 2, ...)."
+    ),
     block_size_factor: int = typer.Option(1, "--block-size-factor", min=1, help="GPU blocks per offloaded block."),
     disk_io: str = typer.Option("thread", "--disk-io", help="thread or process: where the disk I/O runs."),
 ) -> None:
@@ -56,12 +60,21 @@ def demo(
         raise typer.BadParameter(f"expected auto, cpu or cuda, got {device!r}", param_hint="--device")
     try:
         parse_size(cpu_bytes, "--cpu-bytes")
-        dev = DeviceKVCache(num_gpu_blocks=DEVICE_GROUPS * block_size_factor, gpu_block_size=GPU_BLOCK_SIZE,
-                            kv_before_num_blocks=layout == "kv-first",
-                            block_size_factor=block_size_factor, device=device)
-        config = {"cpu_bytes": cpu_bytes, "block_size": GPU_BLOCK_SIZE * block_size_factor,
-                  "write_policy": write_policy,
-                  "promote_on_hit": promote_on_hit, "disk_io": disk_io, "model_id": "tiered-kv-demo"}
+        dev = DeviceKVCache(
+            num_gpu_blocks=DEVICE_GROUPS * block_size_factor,
+            gpu_block_size=GPU_BLOCK_SIZE,
+            kv_before_num_blocks=layout == "kv-first",
+            block_size_factor=block_size_factor,
+            device=device,
+        )
+        config = {
+            "cpu_bytes": cpu_bytes,
+            "block_size": GPU_BLOCK_SIZE * block_size_factor,
+            "write_policy": write_policy,
+            "promote_on_hit": promote_on_hit,
+            "disk_io": disk_io,
+            "model_id": "tiered-kv-demo",
+        }
         if cache_dir is not None:
             config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)
         spec = TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK_SIZE)
@@ -85,36 +98,59 @@ def demo(
         raise typer.Exit(1)
 
 
-def _print(console: Console, report: DriverReport, workload, dev: DeviceKVCache,
-           spec: TieredOffloadingSpec, cache_dir: Optional[Path]) -> None:
+def _print(
+    console: Console,
+    report: DriverReport,
+    workload,
+    dev: DeviceKVCache,
+    spec: TieredOffloadingSpec,
+    cache_dir: Optional[Path],
+) -> None:
     bpb = dev.layout.bytes_per_block
     setup = Table(title="tiered-kv demo", show_header=False)
-    setup.add_row("workload", f"{workload.name}: {len(workload.requests)} requests, "
-                              f"{workload.num_blocks} blocks ({workload.num_unique_blocks} distinct)")
+    setup.add_row(
+        "workload",
+        f"{workload.name}: {len(workload.requests)} requests, "
+        f"{workload.num_blocks} blocks ({workload.num_unique_blocks} distinct)",
+    )
     kind = "CUDA" if dev.device.type == "cuda" else "CPU tensors standing in for the GPU"
-    setup.add_row("device KV cache", f"{kind}; {len(dev.layout.layers)} layers, "
-                                     f"{'kv-first' if dev.kv_before_num_blocks else 'kv-after'}, "
-                                     f"{dev.num_groups} blocks of {format_size(bpb)}")
+    setup.add_row(
+        "device KV cache",
+        f"{kind}; {len(dev.layout.layers)} layers, "
+        f"{'kv-first' if dev.kv_before_num_blocks else 'kv-after'}, "
+        f"{dev.num_groups} blocks of {format_size(bpb)}",
+    )
     memory = "pinned" if spec.host is not None and spec.host.pinned else "pageable (no CUDA)"
     setup.add_row("CPU tier", f"{spec.num_cpu_slots} slots = {format_size(spec.num_cpu_slots * bpb)}, {memory}")
     if cache_dir:
-        setup.add_row("disk tier", f"{cache_dir}: {format_size(spec.config.disk_bytes)}, "
-                                   f"{spec.config.write_policy}, promote on hit: {spec.config.promote_on_hit}, "
-                                   f"I/O: {spec.store.backend.describe() if spec.store else '-'}")
+        setup.add_row(
+            "disk tier",
+            f"{cache_dir}: {format_size(spec.config.disk_bytes)}, "
+            f"{spec.config.write_policy}, promote on hit: {spec.config.promote_on_hit}, "
+            f"I/O: {spec.store.backend.describe() if spec.store else '-'}",
+        )
     else:
         setup.add_row("disk tier", "off (pass --cache-dir DIR)")
 
     console.print(setup)
     hits = Table(title="hits (offloaded blocks)")
-    for col in ("blocks", "device hits", "asked of tiers", "tier hits", "tier hit rate",
-                "total hit rate", "computed"):
+    for col in ("blocks", "device hits", "asked of tiers", "tier hits", "tier hit rate", "total hit rate", "computed"):
         hits.add_column(col, justify="right")
-    hits.add_row(str(report.blocks_requested), str(report.device_hits), str(report.blocks_looked_up),
-                 str(report.offload_hits), f"{report.offload_hit_rate:.1%}",
-                 f"{report.total_hit_rate:.1%}", str(report.computed))
+    hits.add_row(
+        str(report.blocks_requested),
+        str(report.device_hits),
+        str(report.blocks_looked_up),
+        str(report.offload_hits),
+        f"{report.offload_hit_rate:.1%}",
+        f"{report.total_hit_rate:.1%}",
+        str(report.computed),
+    )
     console.print(hits)
-    console.print(f"hit rate: {report.offload_hit_rate:.1%} of the blocks asked of the tiers, "
-                  f"{report.total_hit_rate:.1%} of all blocks (device + tiers)", soft_wrap=True)
+    console.print(
+        f"hit rate: {report.offload_hit_rate:.1%} of the blocks asked of the tiers, "
+        f"{report.total_hit_rate:.1%} of all blocks (device + tiers)",
+        soft_wrap=True,
+    )
     per_tier = Table(title="hit rate per tier (blocks asked of the tiers)")
     for col in ("tier", "hits", "hit rate"):
         per_tier.add_column(col, justify="right")
@@ -130,8 +166,9 @@ def _print(console: Console, report: DriverReport, workload, dev: DeviceKVCache,
     for name in TRANSFER_TYPES:
         t = spec.stats.transfers[name]
         if t.jobs:
-            moved.add_row(name, str(t.jobs), str(t.failed_jobs), format_size(t.bytes), f"{t.seconds:.3f}",
-                          f"{t.gbps:.2f}")
+            moved.add_row(
+                name, str(t.jobs), str(t.failed_jobs), format_size(t.bytes), f"{t.seconds:.3f}", f"{t.gbps:.2f}"
+            )
     console.print(moved)
     tiers = spec.stats.tiers
     console.print("CPU tier: " + ", ".join(f"{k} {v}" for k, v in tiers["cpu"].items() if v), soft_wrap=True)
@@ -139,7 +176,9 @@ def _print(console: Console, report: DriverReport, workload, dev: DeviceKVCache,
     events = ", ".join(f"{k} {v}" for k, v in sorted(report.events.items())) or "none"
     console.print(f"events: {events}")
     colour = "green" if report.mismatches == 0 else "red"
-    console.print(f"[{colour}]mismatches: {report.mismatches}[/]  failed jobs: {report.failed_jobs}  "
-                  f"recomputed after failed loads: {report.recomputed_after_failed_load}  "
-                  f"stores rejected: {report.stores_rejected}  wall: {report.wall_seconds:.2f} s",
-                  soft_wrap=True)
+    console.print(
+        f"[{colour}]mismatches: {report.mismatches}[/]  failed jobs: {report.failed_jobs}  "
+        f"recomputed after failed loads: {report.recomputed_after_failed_load}  "
+        f"stores rejected: {report.stores_rejected}  wall: {report.wall_seconds:.2f} s",
+        soft_wrap=True,
+    )

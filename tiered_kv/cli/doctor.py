@@ -23,8 +23,9 @@ _STYLE = {"ok": "green", "warn": "yellow", "fail": "red"}
 
 @app.command("doctor")
 def doctor(
-    config: Optional[Path] = typer.Option(None, "--config", help="The server's config: vLLM --kv-transfer-config "
-                                                                 "JSON or its kv_connector_extra_config."),
+    config: Optional[Path] = typer.Option(
+        None, "--config", help="The server's config: vLLM --kv-transfer-config JSON or its kv_connector_extra_config."
+    ),
     tp: int = typer.Option(1, "--tp", min=1, help="The server's tensor-parallel size (tier sizes are per rank)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of lines."),
 ) -> None:

@@ -43,10 +43,18 @@ EXIT_CORRUPT = 1
 
 _JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
 _NAMESPACE = typer.Option(None, "--namespace", "-n", help="Only namespaces whose id starts with this.")
-_READ_BY_CONFIG = typer.Option(None, "--config", help="A server's config (vLLM --kv-transfer-config JSON or its "
-                                                     "extra config; repeatable): say whether it reads each namespace.")
-_SERVER_MODEL = typer.Option(None, "--model", help="The server's --model (directory or hub id in the local HF cache), "
-                                                   "for a config without model_id or model_path.")
+_READ_BY_CONFIG = typer.Option(
+    None,
+    "--config",
+    help="A server's config (vLLM --kv-transfer-config JSON or its "
+    "extra config; repeatable): say whether it reads each namespace.",
+)
+_SERVER_MODEL = typer.Option(
+    None,
+    "--model",
+    help="The server's --model (directory or hub id in the local HF cache), "
+    "for a config without model_id or model_path.",
+)
 _DRY_RUN = typer.Option(False, "--dry-run", help="Report what would go, change nothing (needs no lock).")
 #: ``ls`` choices as its help shows them (the library's ``SORT_KEYS`` and ``STATES``
 #: validate; a test keeps the two in step).
@@ -66,12 +74,15 @@ def parse_age(text: str, option: str) -> float:
     ``option`` otherwise."""
     m = _AGE_RE.match(text)
     if not m or m.group(2).lower() not in ("", *_AGE_UNITS):
-        raise ConfigError(f"{option}: cannot parse age {text!r}; expected a number with a unit s, m, h, "
-                          f"d or w, e.g. 7d")
+        raise ConfigError(
+            f"{option}: cannot parse age {text!r}; expected a number with a unit s, m, h, d or w, e.g. 7d"
+        )
     value, unit = float(m.group(1)), m.group(2).lower()
     if not unit and value != 0:
-        raise ConfigError(f"{option}: {text!r} has no unit; write {m.group(1)}d for days, {m.group(1)}h "
-                          f"for hours, {m.group(1)}m for minutes or {m.group(1)}s for seconds")
+        raise ConfigError(
+            f"{option}: {text!r} has no unit; write {m.group(1)}d for days, {m.group(1)}h "
+            f"for hours, {m.group(1)}m for minutes or {m.group(1)}s for seconds"
+        )
     return value * _AGE_UNITS[unit or "s"]
 
 
@@ -112,8 +123,10 @@ def _holder(h: dict[str, Any] | None) -> str:
         return "none (closed)"
     if not h:
         return "an engine is starting"
-    return (f"pid {h.get('pid', '?')} on {h.get('host', '?')} (engine {h.get('engine_id', '?')}, "
-            f"since {timestamp(h.get('started'))})")
+    return (
+        f"pid {h.get('pid', '?')} on {h.get('host', '?')} (engine {h.get('engine_id', '?')}, "
+        f"since {timestamp(h.get('started'))})"
+    )
 
 
 def _ns_json(ns: dict[str, Any]) -> dict[str, Any]:
@@ -127,10 +140,13 @@ def _ns_json(ns: dict[str, Any]) -> dict[str, Any]:
 
 
 @inspect_app.command()
-def summary(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
-            namespace: Optional[str] = _NAMESPACE,
-            config: Optional[list[str]] = _READ_BY_CONFIG, model: Optional[str] = _SERVER_MODEL,
-            json_out: bool = _JSON) -> None:
+def summary(
+    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    namespace: Optional[str] = _NAMESPACE,
+    config: Optional[list[str]] = _READ_BY_CONFIG,
+    model: Optional[str] = _SERVER_MODEL,
+    json_out: bool = _JSON,
+) -> None:
     """Each namespace: fingerprint, blocks, bytes used and capacity, ages, hits, I/O, health;
     with --config, whether a server with that config would read it."""
     with _errors(json_out):
@@ -158,19 +174,38 @@ def summary(path: str = typer.Argument(..., help="Cache directory (or one namesp
         if fp.get("model_settings"):
             t.add_row("settings", ", ".join(fp["model_settings"]))
         for r in ns.get("read_by", ()):
-            t.add_row("read by", f"{r['config']}: " + ("[green]yes[/] (given an engine of this geometry)"
-                                                       if r["reads"] else "[yellow]no[/]: " + "; ".join(r["differences"])))
+            t.add_row(
+                "read by",
+                f"{r['config']}: "
+                + (
+                    "[green]yes[/] (given an engine of this geometry)"
+                    if r["reads"]
+                    else "[yellow]no[/]: " + "; ".join(r["differences"])
+                ),
+            )
         shapes = sorted({tuple(s) for _, s in fp["layer_geometry"]})
-        t.add_row("KV", f"{fp['dtype']}, {ns['layers']} layers, block shape "
-                        f"{' / '.join(str(s) for s in shapes)}, {', '.join(sorted(set(fp['kv_layout'])))}")
-        t.add_row("block", f"{fp['block_size']} tokens ({fp['block_size'] // fp['gpu_block_size']} GPU "
-                           f"block(s) of {fp['gpu_block_size']}), {format_size(ns['block_bytes'])} per rank")
+        t.add_row(
+            "KV",
+            f"{fp['dtype']}, {ns['layers']} layers, block shape "
+            f"{' / '.join(str(s) for s in shapes)}, {', '.join(sorted(set(fp['kv_layout'])))}",
+        )
+        t.add_row(
+            "block",
+            f"{fp['block_size']} tokens ({fp['block_size'] // fp['gpu_block_size']} GPU "
+            f"block(s) of {fp['gpu_block_size']}), {format_size(ns['block_bytes'])} per rank",
+        )
         t.add_row("TP", str(fp["tp_size"]))
         t.add_row("prefix hash", f"{fp['hash_algorithm']}, seed {fp['hash_seed']!r}")
-        t.add_row("blocks", f"{ns['blocks']:,} of {ns['num_slots']:,} slots ({ns['fill']:.1%})"
-                  + (f", {ns['incomplete_entries']:,} incomplete" if ns["incomplete_entries"] else ""))
-        t.add_row("used / capacity", f"{format_size(ns['used_bytes'])} / {format_size(ns['capacity_bytes'])} "
-                                     f"(slabs on disk: {format_size(ns['slab_bytes_on_disk'])})")
+        t.add_row(
+            "blocks",
+            f"{ns['blocks']:,} of {ns['num_slots']:,} slots ({ns['fill']:.1%})"
+            + (f", {ns['incomplete_entries']:,} incomplete" if ns["incomplete_entries"] else ""),
+        )
+        t.add_row(
+            "used / capacity",
+            f"{format_size(ns['used_bytes'])} / {format_size(ns['capacity_bytes'])} "
+            f"(slabs on disk: {format_size(ns['slab_bytes_on_disk'])})",
+        )
         t.add_row("stored", f"oldest {timestamp(ns['oldest_stored'])}, newest {timestamp(ns['newest_stored'])}")
         t.add_row("last access", f"{_ago(ns['least_recent_access'], now)} .. {_ago(ns['most_recent_access'], now)}")
         t.add_row("hits", f"{ns['hits_total']:,} total, {ns['blocks_with_hits']:,} blocks hit, max {ns['hits_max']:,}")
@@ -191,47 +226,71 @@ def summary(path: str = typer.Argument(..., help="Cache directory (or one namesp
 
 
 @inspect_app.command("ls")
-def ls(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
-       namespace: Optional[str] = _NAMESPACE,
-       state: str = typer.Option("all", "--state", help=f"{STATE_HELP}: complete = every TP rank committed."),
-       hash_prefix: Optional[str] = typer.Option(None, "--hash", help="Only hashes starting with this hex prefix."),
-       min_hits: int = typer.Option(0, "--min-hits", min=0, help="Only entries hit at least this often."),
-       older_than: Optional[str] = typer.Option(None, "--older-than", help="Last access before this age, e.g. 7d."),
-       newer_than: Optional[str] = typer.Option(None, "--newer-than", help="Last access within this age, e.g. 1h."),
-       sort: str = typer.Option("last-access", "--sort", help=f"{SORT_HELP}."),
-       ascending: Optional[bool] = typer.Option(None, "--asc/--desc",
-                                                help="Order (default: descending; ascending for hash)."),
-       limit: int = typer.Option(50, "--limit", min=0, help="Rows per namespace; 0 = all."),
-       json_out: bool = _JSON) -> None:
+def ls(
+    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    namespace: Optional[str] = _NAMESPACE,
+    state: str = typer.Option("all", "--state", help=f"{STATE_HELP}: complete = every TP rank committed."),
+    hash_prefix: Optional[str] = typer.Option(None, "--hash", help="Only hashes starting with this hex prefix."),
+    min_hits: int = typer.Option(0, "--min-hits", min=0, help="Only entries hit at least this often."),
+    older_than: Optional[str] = typer.Option(None, "--older-than", help="Last access before this age, e.g. 7d."),
+    newer_than: Optional[str] = typer.Option(None, "--newer-than", help="Last access within this age, e.g. 1h."),
+    sort: str = typer.Option("last-access", "--sort", help=f"{SORT_HELP}."),
+    ascending: Optional[bool] = typer.Option(
+        None, "--asc/--desc", help="Order (default: descending; ascending for hash)."
+    ),
+    limit: int = typer.Option(50, "--limit", min=0, help="Rows per namespace; 0 = all."),
+    json_out: bool = _JSON,
+) -> None:
     """Entries: hash prefix, slot, size, ranks present, stored and last-access times, hits."""
     with _errors(json_out):
         from tiered_kv.inspect import ListFilter, list_entries, open_cache
 
-        flt = ListFilter(state=state, hash_prefix=hash_prefix, min_hits=min_hits,
-                         older_than=None if older_than is None else parse_age(older_than, "--older-than"),
-                         newer_than=None if newer_than is None else parse_age(newer_than, "--newer-than"),
-                         sort=sort, ascending=ascending, limit=limit)
+        flt = ListFilter(
+            state=state,
+            hash_prefix=hash_prefix,
+            min_hits=min_hits,
+            older_than=None if older_than is None else parse_age(older_than, "--older-than"),
+            newer_than=None if newer_than is None else parse_age(newer_than, "--newer-than"),
+            sort=sort,
+            ascending=ascending,
+            limit=limit,
+        )
         cache = open_cache(path, namespace)
         now = time.time()
         listings = [list_entries(ns, flt, now=now) for ns in cache.namespaces]
     if json_out:
-        emit_json({"path": str(cache.path), "namespaces": [
-            {**lst, "entries": [with_iso_times(e, _ENTRY_TIMES) for e in lst["entries"]]} for lst in listings]})
+        emit_json(
+            {
+                "path": str(cache.path),
+                "namespaces": [
+                    {**lst, "entries": [with_iso_times(e, _ENTRY_TIMES) for e in lst["entries"]]} for lst in listings
+                ],
+            }
+        )
         return
     console = Console()
     if not listings:
         console.print(f"{cache.path}: no namespaces, no entries")
     for lst in listings:
-        t = Table(box=box.SIMPLE_HEAD, title=f"namespace {lst['namespace']}: {len(lst['entries']):,} shown, {lst['matching']:,} "
-                        f"matching, {lst['total']:,} entries", title_justify="left")
+        t = Table(
+            box=box.SIMPLE_HEAD,
+            title=f"namespace {lst['namespace']}: {len(lst['entries']):,} shown, {lst['matching']:,} "
+            f"matching, {lst['total']:,} entries",
+            title_justify="left",
+        )
         for col in ("hash", "slot", "size", "ranks", "stored", "last access", "hits"):
             t.add_column(col, justify="right" if col in ("slot", "size", "hits") else "left", no_wrap=True)
         for e in lst["entries"]:
             ranks = f"{len(e['ranks'])}/{lst['tp_size']}"
-            t.add_row(short_hash(e["hash"]), str(e["slot"]), _compact_size(e["size"]),
-                      ranks if e["complete"] else f"[yellow]{ranks}[/]",
-                      time.strftime("%m-%d %H:%M:%S", time.localtime(e["stored"])), _ago(e["last_access"], now),
-                      str(e["hits"]))
+            t.add_row(
+                short_hash(e["hash"]),
+                str(e["slot"]),
+                _compact_size(e["size"]),
+                ranks if e["complete"] else f"[yellow]{ranks}[/]",
+                time.strftime("%m-%d %H:%M:%S", time.localtime(e["stored"])),
+                _ago(e["last_access"], now),
+                str(e["hits"]),
+            )
         console.print(t)
 
 
@@ -239,12 +298,15 @@ def ls(path: str = typer.Argument(..., help="Cache directory (or one namespace d
 
 
 @inspect_app.command()
-def verify(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
-           namespace: Optional[str] = _NAMESPACE,
-           repair: bool = typer.Option(False, "--repair", help="Drop corrupt, invalid and incomplete entries "
-                                                               "(needs the cache closed)."),
-           threads: int = typer.Option(4, "--threads", min=1, help="Parallel reads."),
-           json_out: bool = _JSON) -> None:
+def verify(
+    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    namespace: Optional[str] = _NAMESPACE,
+    repair: bool = typer.Option(
+        False, "--repair", help="Drop corrupt, invalid and incomplete entries (needs the cache closed)."
+    ),
+    threads: int = typer.Option(4, "--threads", min=1, help="Parallel reads."),
+    json_out: bool = _JSON,
+) -> None:
     """Re-read every block and check its checksum; exit 1 if any block is corrupt (with
     --repair: unless the repair dropped them all and the cache now verifies clean)."""
     results, clean = [], []
@@ -255,9 +317,15 @@ def verify(path: str = typer.Argument(..., help="Cache directory (or one namespa
         cache = open_cache(path, namespace)
         for ns in cache.namespaces:
             with _bytes_bar(json_out, f"verifying {ns.path.name}") as bar:
-                results.append(verify_namespace(
-                    ns, repair=repair, threads=threads, progress=bar.advance,
-                    on_table=lambda table, ns=ns, bar=bar: bar.set_total(bytes_to_verify(ns, table))))
+                results.append(
+                    verify_namespace(
+                        ns,
+                        repair=repair,
+                        threads=threads,
+                        progress=bar.advance,
+                        on_table=lambda table, ns=ns, bar=bar: bar.set_total(bytes_to_verify(ns, table)),
+                    )
+                )
             if repair:
                 clean.append(_clean_after_repair(ns, results[-1]))
     corrupt = sum(r.corrupt_blocks for r in results)
@@ -267,8 +335,15 @@ def verify(path: str = typer.Argument(..., help="Cache directory (or one namespa
         if repair:
             for d, ok in zip(namespaces, clean):
                 d["clean_after_repair"] = ok
-        emit_json({"path": str(cache.path), "corrupt_blocks": corrupt, "repair": repair,
-                   "clean": not failed if repair else not corrupt, "namespaces": namespaces})
+        emit_json(
+            {
+                "path": str(cache.path),
+                "corrupt_blocks": corrupt,
+                "repair": repair,
+                "clean": not failed if repair else not corrupt,
+                "namespaces": namespaces,
+            }
+        )
     else:
         _print_verify(results, repair, cache.path, clean)
     if failed:
@@ -308,22 +383,31 @@ def _print_verify(results, repair: bool, path, clean: list[bool]) -> None:
     for k, r in enumerate(results):
         rate = r.bytes_read / r.seconds / 1e9 if r.seconds else 0.0
         verdict = "[red]CORRUPT[/]" if r.corrupt else "[green]OK[/]"
-        console.print(f"namespace {r.namespace}: {r.blocks:,} blocks, {r.copies_checked:,} copies checked "
-                      f"({format_size(r.bytes_read)} in {r.seconds:.2f} s, {rate:.2f} GB/s): {verdict}",
-                      soft_wrap=True)
+        console.print(
+            f"namespace {r.namespace}: {r.blocks:,} blocks, {r.copies_checked:,} copies checked "
+            f"({format_size(r.bytes_read)} in {r.seconds:.2f} s, {rate:.2f} GB/s): {verdict}",
+            soft_wrap=True,
+        )
         if r.corrupt:
             t = Table(title=f"{r.corrupt_blocks} corrupt block(s)", title_justify="left")
             for col in ("hash", "slot", "rank", "problem"):
                 t.add_column(col)
             for c in r.corrupt[:50]:
-                t.add_row(short_hash(c["hash"]), str(c["slot"]), "-" if c["rank"] is None else str(c["rank"]), c["reason"])
+                t.add_row(
+                    short_hash(c["hash"]), str(c["slot"]), "-" if c["rank"] is None else str(c["rank"]), c["reason"]
+                )
             console.print(t)
         if r.incomplete:
-            console.print(f"[yellow]{len(r.incomplete):,} incomplete entries[/] (some TP rank never committed: "
-                          f"an interrupted store; never served)", soft_wrap=True)
+            console.print(
+                f"[yellow]{len(r.incomplete):,} incomplete entries[/] (some TP rank never committed: "
+                f"an interrupted store; never served)",
+                soft_wrap=True,
+            )
         if r.changed:
-            console.print(f"{r.changed} suspect block(s) changed while reading (the engine evicted or "
-                          f"rewrote them): not corrupt", soft_wrap=True)
+            console.print(
+                f"{r.changed} suspect block(s) changed while reading (the engine evicted or rewrote them): not corrupt",
+                soft_wrap=True,
+            )
         if repair:
             verdict = "[green]now verifies clean[/]" if clean[k] else "[red]still not clean[/]"
             console.print(f"repaired: dropped {r.repaired:,} entries; {verdict}")
@@ -335,13 +419,20 @@ def _print_verify(results, repair: bool, path, clean: list[bool]) -> None:
 
 
 @inspect_app.command("evict")
-def evict_cmd(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
-              to_size: Optional[str] = typer.Option(None, "--to-size",
-                                                    help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."),
-              older_than: Optional[str] = typer.Option(None, "--older-than",
-                                                       help="Evict blocks not accessed within this age, e.g. 7d "
-                                                            "(a unit is required: s, m, h, d, w)."),
-              namespace: Optional[str] = _NAMESPACE, dry_run: bool = _DRY_RUN, json_out: bool = _JSON) -> None:
+def evict_cmd(
+    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    to_size: Optional[str] = typer.Option(
+        None, "--to-size", help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."
+    ),
+    older_than: Optional[str] = typer.Option(
+        None,
+        "--older-than",
+        help="Evict blocks not accessed within this age, e.g. 7d (a unit is required: s, m, h, d, w).",
+    ),
+    namespace: Optional[str] = _NAMESPACE,
+    dry_run: bool = _DRY_RUN,
+    json_out: bool = _JSON,
+) -> None:
     """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed."""
     with _errors(json_out):
         from tiered_kv.inspect import InspectError, evict, open_cache
@@ -354,31 +445,49 @@ def evict_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
         with progress_bar(json_out or dry_run, "evicting") as bar:
             result = evict(cache, to_size=size, older_than=age, progress=bar.advance, dry_run=dry_run)
     if json_out:
-        emit_json({"path": str(cache.path), "dry_run": dry_run, "evicted": result.evicted,
-                   "freed_bytes": result.freed_bytes,
-                   "namespaces": [{"namespace": ns_id, **v} for ns_id, v in result.namespaces.items()]})
+        emit_json(
+            {
+                "path": str(cache.path),
+                "dry_run": dry_run,
+                "evicted": result.evicted,
+                "freed_bytes": result.freed_bytes,
+                "namespaces": [{"namespace": ns_id, **v} for ns_id, v in result.namespaces.items()],
+            }
+        )
         return
     verb = "would evict" if dry_run else "evicted"
-    t = Table(title=f"{verb} {result.evicted:,} block(s), {'would free' if dry_run else 'freed'} "
-                    f"{format_size(result.freed_bytes)}" + (" (dry run: nothing changed)" if dry_run else ""),
-              title_justify="left")
+    t = Table(
+        title=f"{verb} {result.evicted:,} block(s), {'would free' if dry_run else 'freed'} "
+        f"{format_size(result.freed_bytes)}" + (" (dry run: nothing changed)" if dry_run else ""),
+        title_justify="left",
+    )
     for col in ("namespace", verb, "freed", "used before", "used after"):
         t.add_column(col, justify="left" if col == "namespace" else "right")
     for ns_id, v in result.namespaces.items():
-        t.add_row(ns_id, f"{v['evicted']:,}", format_size(v["freed_bytes"]), format_size(v["used_before"]),
-                  format_size(v["used_after"]))
+        t.add_row(
+            ns_id,
+            f"{v['evicted']:,}",
+            format_size(v["freed_bytes"]),
+            format_size(v["used_before"]),
+            format_size(v["used_after"]),
+        )
     Console().print(t)
 
 
 @inspect_app.command("clear")
-def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
-              namespace: Optional[str] = _NAMESPACE,
-              unread_by: Optional[list[str]] = typer.Option(
-                  None, "--unread-by", help="Only namespaces that no server with any of these configs "
-                                            "would read (repeatable; see summary --config)."),
-              model: Optional[str] = _SERVER_MODEL,
-              yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-              dry_run: bool = _DRY_RUN, json_out: bool = _JSON) -> None:
+def clear_cmd(
+    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    namespace: Optional[str] = _NAMESPACE,
+    unread_by: Optional[list[str]] = typer.Option(
+        None,
+        "--unread-by",
+        help="Only namespaces that no server with any of these configs would read (repeatable; see summary --config).",
+    ),
+    model: Optional[str] = _SERVER_MODEL,
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    dry_run: bool = _DRY_RUN,
+    json_out: bool = _JSON,
+) -> None:
     """Delete namespaces (blocks, index, slab files); the cache must be closed."""
     with _errors(json_out):
         from tiered_kv.inspect import InspectError, clear, open_cache
@@ -401,27 +510,37 @@ def clear_cmd(path: str = typer.Argument(..., help="Cache directory (or one name
                     raise InspectError("not confirmed; nothing deleted")
             result = clear(cache)
     if json_out:
-        emit_json({"path": str(cache.path), "dry_run": dry_run, **result,
-                   "namespaces": [{"namespace": ns_id} for ns_id in result["removed"]]})
+        emit_json(
+            {
+                "path": str(cache.path),
+                "dry_run": dry_run,
+                **result,
+                "namespaces": [{"namespace": ns_id} for ns_id in result["removed"]],
+            }
+        )
         return
     verb = "would remove" if dry_run else "removed"
-    Console().print(f"{verb} {len(result['removed'])} namespace(s) "
-                    f"({', '.join(result['removed']) or 'none'}), {'would free' if dry_run else 'freed'} "
-                    f"{format_size(result['freed_bytes'])}" + (" (dry run: nothing deleted)" if dry_run else ""),
-                    soft_wrap=True)
+    Console().print(
+        f"{verb} {len(result['removed'])} namespace(s) "
+        f"({', '.join(result['removed']) or 'none'}), {'would free' if dry_run else 'freed'} "
+        f"{format_size(result['freed_bytes'])}" + (" (dry run: nothing deleted)" if dry_run else ""),
+        soft_wrap=True,
+    )
 
 
 # ---------------------------------------------------------------- bench
 
 
 @inspect_app.command()
-def bench(path: str = typer.Argument(..., help="Cache directory (a scratch directory is made inside it)."),
-          size: str = typer.Option("1GiB", "--size", help="Bytes written and read per pass."),
-          block_size: str = typer.Option("2MiB", "--block-size", help="Bytes per tier block (a 4 KiB multiple)."),
-          rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds."),
-          threads: int = typer.Option(4, "--threads", min=1, help="I/O threads (tier and raw)."),
-          backend: str = typer.Option("auto", "--backend", help="auto, kvikio or posix."),
-          json_out: bool = _JSON) -> None:
+def bench(
+    path: str = typer.Argument(..., help="Cache directory (a scratch directory is made inside it)."),
+    size: str = typer.Option("1GiB", "--size", help="Bytes written and read per pass."),
+    block_size: str = typer.Option("2MiB", "--block-size", help="Bytes per tier block (a 4 KiB multiple)."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds."),
+    threads: int = typer.Option(4, "--threads", min=1, help="I/O threads (tier and raw)."),
+    backend: str = typer.Option("auto", "--backend", help="auto, kvikio or posix."),
+    json_out: bool = _JSON,
+) -> None:
     """Tier store/load GB/s on the cache's device beside a raw O_DIRECT baseline, interleaved."""
     with _errors(json_out):
         from tiered_kv.inspect import run_bench
@@ -429,8 +548,15 @@ def bench(path: str = typer.Argument(..., help="Cache directory (a scratch direc
         total = parse_size(size, "--size")
         block = parse_size(block_size, "--block-size")
         with _bytes_bar(json_out, "benchmarking", total=4 * rounds * (total // block) * block) as bar:
-            result = run_bench(path, total_bytes=total, block_bytes=block, rounds=rounds, threads=threads,
-                               backend=backend, progress=bar.advance)
+            result = run_bench(
+                path,
+                total_bytes=total,
+                block_bytes=block,
+                rounds=rounds,
+                threads=threads,
+                backend=backend,
+                progress=bar.advance,
+            )
     if json_out:
         emit_json(result.to_dict())
         return
@@ -443,7 +569,9 @@ def bench(path: str = typer.Argument(..., help="Cache directory (a scratch direc
         t.add_row(kind.replace("_", " "), *(f"{v:.2f}" for v in result.gbps[kind]), f"{result.median(kind):.2f}")
     console = Console()
     console.print(t)
-    console.print(f"tier / raw: write {result.ratio('write'):.0%}, read {result.ratio('read'):.0%}  "
-                  f"({format_size(result.total_bytes)} per pass, {format_size(result.block_bytes)} blocks, "
-                  f"{result.threads} threads; tier I/O: {result.backend['description']}; raw: {result.raw_mode})",
-                  soft_wrap=True)
+    console.print(
+        f"tier / raw: write {result.ratio('write'):.0%}, read {result.ratio('read'):.0%}  "
+        f"({format_size(result.total_bytes)} per pass, {format_size(result.block_bytes)} blocks, "
+        f"{result.threads} threads; tier I/O: {result.backend['description']}; raw: {result.raw_mode})",
+        soft_wrap=True,
+    )

@@ -79,8 +79,7 @@ def _schema() -> str:
 def envelope(data: Mapping[str, Any], path: Any = None) -> dict[str, Any]:
     """``data`` with the envelope's fields (see the module docstring). ``path`` defaults to
     ``data["path"]``."""
-    head = {"schema": _schema(), "schema_version": SCHEMA_VERSION,
-            "generated": iso_time(time.time()), "path": None}
+    head = {"schema": _schema(), "schema_version": SCHEMA_VERSION, "generated": iso_time(time.time()), "path": None}
     out = {**head, **data}
     if path is not None:
         out["path"] = str(path)
@@ -148,17 +147,22 @@ class ProgressBar:
 
 
 @contextlib.contextmanager
-def progress_bar(json_out: bool, description: str, total: float | None = None,
-                 *columns: Any) -> Iterator[ProgressBar]:
+def progress_bar(json_out: bool, description: str, total: float | None = None, *columns: Any) -> Iterator[ProgressBar]:
     """A transient progress bar on stderr (terminals only, never with ``--json``);
     ``columns`` default to a count of completed units."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), *(columns or (MofNCompleteColumn(),)),
-                   TimeRemainingColumn(), console=console, transient=True,
-                   disable=json_out or not console.is_terminal)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        *(columns or (MofNCompleteColumn(),)),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=json_out or not console.is_terminal,
+    )
     with bar:
         yield ProgressBar(bar, description, total)
 

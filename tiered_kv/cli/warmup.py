@@ -26,8 +26,20 @@ from tiered_kv.config import format_size
 from tiered_kv.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
 from tiered_kv.warmup import (
-    BLOCK_LAYOUTS, HFEngine, WarmupError, WarmupReport, check_identity, chunk_tokens_for, import_transformers,
-    load_config, read_extra_config, read_prompts, require_vllm_engine, run_vllm_warmup, tokenize, warmup,
+    BLOCK_LAYOUTS,
+    HFEngine,
+    WarmupError,
+    WarmupReport,
+    check_identity,
+    chunk_tokens_for,
+    import_transformers,
+    load_config,
+    read_extra_config,
+    read_prompts,
+    require_vllm_engine,
+    run_vllm_warmup,
+    tokenize,
+    warmup,
 )
 
 ENGINES = ("hf", "vllm")
@@ -35,16 +47,18 @@ ENGINES = ("hf", "vllm")
 
 @app.command("warmup")
 def warmup_cmd(
-    prompts: Path = typer.Argument(..., help="JSONL: {\"token_ids\": [...]} or {\"text\": \"...\"} per line."),
+    prompts: Path = typer.Argument(..., help='JSONL: {"token_ids": [...]} or {"text": "..."} per line.'),
     model: str = typer.Option(..., "--model", help="Model directory (or hub id available offline)."),
-    config: Path = typer.Option(..., "--config", help="The server's config: vLLM --kv-transfer-config JSON "
-                                                      "or its kv_connector_extra_config."),
+    config: Path = typer.Option(
+        ..., "--config", help="The server's config: vLLM --kv-transfer-config JSON or its kv_connector_extra_config."
+    ),
     engine: str = typer.Option("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
     gpu_block_size: int = typer.Option(16, "--gpu-block-size", help="The server's --block-size (tokens)."),
     tp_size: int = typer.Option(1, "--tp-size", help="The server's tensor-parallel size."),
     layout: str = typer.Option("kv-first", "--layout", help=f"Block layout: {', '.join(sorted(BLOCK_LAYOUTS))}."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
-                                            help="Local tokenizer directory for text prompts (default: --model)."),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", help="Local tokenizer directory for text prompts (default: --model)."
+    ),
     dtype: str = typer.Option("auto", "--dtype", help="hf: auto, float32, float16 or bfloat16."),
     device: str = typer.Option("auto", "--device", help="hf: auto, cpu or cuda."),
     disk_path: Optional[str] = typer.Option(None, "--disk-path", help="Override the config's disk_path."),
@@ -84,16 +98,26 @@ def warmup_cmd(
             return
         hf = HFEngine.from_pretrained(model, dtype=dtype, device=device)
         with progress_bar(json_out, "warming", len(token_ids)) as bar:
-            report = warmup(token_ids, hf, cfg, gpu_block_size=gpu_block_size, tp_size=tp_size, layout=layout,
-                            progress=lambda i, r: bar.advance(1))
+            report = warmup(
+                token_ids,
+                hf,
+                cfg,
+                gpu_block_size=gpu_block_size,
+                tp_size=tp_size,
+                layout=layout,
+                progress=lambda i, r: bar.advance(1),
+            )
     if json_out:
         emit_json(report.to_dict())
     else:
         _print(report, hf, gpu_block_size)
     if report.weights_digest is None:
-        typer.echo("warning: the config has no model_path, so the namespace does not cover the model's weights: "
-                   "a server with other weights under the same model_id would read these blocks; add "
-                   f"\"model_path\": \"{hf.model_path or model}\" to the config", err=True)
+        typer.echo(
+            "warning: the config has no model_path, so the namespace does not cover the model's weights: "
+            "a server with other weights under the same model_id would read these blocks; add "
+            f'"model_path": "{hf.model_path or model}" to the config',
+            err=True,
+        )
     if report.blocks_failed or report.blocks_rejected:
         raise typer.Exit(1)
 
@@ -103,8 +127,9 @@ def _load_tokenizer(path: str):
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise WarmupError(f"cannot load a tokenizer from {path!r} for the text prompts: "
-                          f"{str(e).splitlines()[0]}") from None
+        raise WarmupError(
+            f"cannot load a tokenizer from {path!r} for the text prompts: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
@@ -113,15 +138,25 @@ def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
     t.add_column("value")
     g = hf.geometry
     t.add_row("namespace", r.namespace)
-    t.add_row("model", f"{r.model_id} @ {r.model_revision}; weights "
-                       + (r.weights_digest or "not covered (no model_path in the config)"))
-    t.add_row("model KV", f"{g.num_layers} layers, {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype}; "
-                          f"layout {r.layout}, GPU block {gpu_block_size} tokens")
-    t.add_row("prompts", f"{r.prompts} ({r.prompts_skipped} already complete, {r.prompts_too_short} shorter "
-                         f"than one block)")
-    t.add_row("blocks", f"{r.blocks} distinct: {r.blocks_written} written, {r.blocks_present} already on disk"
-              + (f", {r.blocks_failed} failed" if r.blocks_failed else "")
-              + (f", {r.blocks_rejected} rejected (no room)" if r.blocks_rejected else ""))
+    t.add_row(
+        "model",
+        f"{r.model_id} @ {r.model_revision}; weights "
+        + (r.weights_digest or "not covered (no model_path in the config)"),
+    )
+    t.add_row(
+        "model KV",
+        f"{g.num_layers} layers, {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype}; "
+        f"layout {r.layout}, GPU block {gpu_block_size} tokens",
+    )
+    t.add_row(
+        "prompts", f"{r.prompts} ({r.prompts_skipped} already complete, {r.prompts_too_short} shorter than one block)"
+    )
+    t.add_row(
+        "blocks",
+        f"{r.blocks} distinct: {r.blocks_written} written, {r.blocks_present} already on disk"
+        + (f", {r.blocks_failed} failed" if r.blocks_failed else "")
+        + (f", {r.blocks_rejected} rejected (no room)" if r.blocks_rejected else ""),
+    )
     if r.blocks_evicted:
         t.add_row("evicted", f"{r.blocks_evicted} older blocks made room (the cache is smaller than the warm set)")
     rate = r.bytes_written / r.seconds / 1e6 if r.seconds else 0.0
@@ -131,4 +166,3 @@ def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
     Console().print(t)
     if r.blocks_failed or r.blocks_rejected:
         typer.echo("warning: some blocks were not stored (see the log); a rerun retries them", err=True)
-

@@ -18,14 +18,14 @@ from tiered_kv.cpu.manager import CPUOffloadingManager
 _POLICIES = {"lru": CPUOffloadingManager, "arc": ARCOffloadingManager}
 
 
-def cpu_tier_manager(eviction_policy: str, num_slots: int, block_size: int,
-                     enable_events: bool = True) -> CPUOffloadingManager:
+def cpu_tier_manager(
+    eviction_policy: str, num_slots: int, block_size: int, enable_events: bool = True
+) -> CPUOffloadingManager:
     """The CPU tier's manager for ``eviction_policy`` (``lru`` or ``arc``)."""
     try:
         cls = _POLICIES[eviction_policy]
     except KeyError:
-        raise ValueError(f"eviction_policy: expected one of {', '.join(_POLICIES)}, "
-                         f"got {eviction_policy!r}") from None
+        raise ValueError(f"eviction_policy: expected one of {', '.join(_POLICIES)}, got {eviction_policy!r}") from None
     return cls(num_slots, block_size, enable_events=enable_events)
 
 

@@ -106,8 +106,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
             return
         self._t2.pop(slot, None)
 
-    def _take_victims(self, n: int, protected: Collection[BlockHash]
-                      ) -> tuple[list[BlockHash], list[int]] | None:
+    def _take_victims(self, n: int, protected: Collection[BlockHash]) -> tuple[list[BlockHash], list[int]] | None:
         excluded = self._pending.union(self._readers, protected)
         slots = []
         for slot in self._arc_order(excluded):

@@ -202,8 +202,10 @@ class CPUOffloadingManager(OffloadingManager):
         needed = Counter(block_hashes)
         for block_hash, n in needed.items():
             if readers.get(block_hash, 0) < n:
-                raise ValueError(f"unpin/complete_load of block {_short(block_hash)} that "
-                                 f"is not pinned (unknown, or more releases than pins)")
+                raise ValueError(
+                    f"unpin/complete_load of block {_short(block_hash)} that "
+                    f"is not pinned (unknown, or more releases than pins)"
+                )
         for block_hash, n in needed.items():
             left = readers[block_hash] - n
             if left:
@@ -218,8 +220,14 @@ class CPUOffloadingManager(OffloadingManager):
         are in its lists)."""
         self._order_refresh(self._present_slots(block_hashes))
 
-    def allocate(self, block_hashes: list[BlockHash], evicted: list[BlockHash] | None = None, *,
-                 checked: bool = True, protected: Collection[BlockHash] = ()) -> list[int] | None:
+    def allocate(
+        self,
+        block_hashes: list[BlockHash],
+        evicted: list[BlockHash] | None = None,
+        *,
+        checked: bool = True,
+        protected: Collection[BlockHash] = (),
+    ) -> list[int] | None:
         """Reserve one slot per hash in ``block_hashes`` (distinct, none already here),
         evicting unpinned blocks not in ``protected`` in eviction order as needed. The
         new blocks are pending and most recent, the first most recent of all. Returns
@@ -251,8 +259,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._emit(taken[0], removed=True)
         return taken
 
-    def _allocate(self, block_hashes: list[BlockHash], evicted: list[BlockHash] | None,
-                  protected: Collection[BlockHash] = ()) -> list[int] | None:
+    def _allocate(
+        self, block_hashes: list[BlockHash], evicted: list[BlockHash] | None, protected: Collection[BlockHash] = ()
+    ) -> list[int] | None:
         """``allocate`` for hashes known to be new and distinct."""
         need = len(block_hashes) - len(self._free)
         if need > self._num_evictable:
@@ -264,8 +273,8 @@ class CPUOffloadingManager(OffloadingManager):
                 return None
             if evicted is not None:
                 evicted.extend(taken[0])
-        slots = free[len(free) - len(block_hashes):][::-1]
-        del free[len(free) - len(block_hashes):]
+        slots = free[len(free) - len(block_hashes) :][::-1]
+        del free[len(free) - len(block_hashes) :]
         self._slot_by_hash.update(zip(block_hashes, slots))
         for block_hash, slot in zip(block_hashes, slots):
             hash_by_slot[slot] = block_hash
@@ -280,8 +289,7 @@ class CPUOffloadingManager(OffloadingManager):
         if block_hash not in self._slot_by_hash or block_hash in self._pending:
             raise KeyError(f"remove: block {_short(block_hash)} is not loadable in the CPU tier")
         if block_hash in self._readers:
-            raise ValueError(f"remove: block {_short(block_hash)} is pinned by "
-                             f"{self._readers[block_hash]} reader(s)")
+            raise ValueError(f"remove: block {_short(block_hash)} is pinned by {self._readers[block_hash]} reader(s)")
         slot = self._release(block_hash)
         self._num_evictable -= 1
         self._emit([block_hash], removed=True)
@@ -322,8 +330,7 @@ class CPUOffloadingManager(OffloadingManager):
         """``slot`` was freed (not evicted): it joins the free ones, in front."""
         self._order.move_to_end(slot, last=False)
 
-    def _take_victims(self, n: int, protected: Collection[BlockHash]
-                      ) -> tuple[list[BlockHash], list[int]] | None:
+    def _take_victims(self, n: int, protected: Collection[BlockHash]) -> tuple[list[BlockHash], list[int]] | None:
         """Free the first ``n`` evictable blocks not in ``protected`` in eviction order
         (the caller checked that ``n`` are evictable): their hashes and slots, or None,
         changing nothing, when ``protected`` leaves fewer than ``n``."""
@@ -334,9 +341,11 @@ class CPUOffloadingManager(OffloadingManager):
         # were ranked most recent when it was stored.
         slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
         victims = list(map(hash_by_slot.__getitem__, slots))
-        if ((not pending or pending.isdisjoint(victims))
-                and (not readers or readers.keys().isdisjoint(victims))
-                and (not protected or set(protected).isdisjoint(victims))):
+        if (
+            (not pending or pending.isdisjoint(victims))
+            and (not readers or readers.keys().isdisjoint(victims))
+            and (not protected or set(protected).isdisjoint(victims))
+        ):
             for block_hash in victims:
                 del slot_by_hash[block_hash]
             for slot in slots:

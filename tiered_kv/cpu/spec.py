@@ -34,8 +34,13 @@ class CPUOffloadingSpec(OffloadingSpec):
     only after that. ``enable_events`` is passed to the manager.
     """
 
-    def __init__(self, config: TieredConfig | Mapping[str, Any], gpu_block_size: int,
-                 layout: KVCacheLayout | None = None, enable_events: bool = True):
+    def __init__(
+        self,
+        config: TieredConfig | Mapping[str, Any],
+        gpu_block_size: int,
+        layout: KVCacheLayout | None = None,
+        enable_events: bool = True,
+    ):
         super().__init__(config, gpu_block_size)
         self.enable_events = enable_events
         self.layout: KVCacheLayout | None = None
@@ -47,16 +52,18 @@ class CPUOffloadingSpec(OffloadingSpec):
     def num_cpu_slots(self) -> int:
         """Offloaded blocks that fit in ``config.cpu_bytes``."""
         if self.layout is None:
-            raise ConfigError("CPUOffloadingSpec needs the KV layout to size the CPU tier; pass "
-                              "layout=... or call get_handlers first")
+            raise ConfigError(
+                "CPUOffloadingSpec needs the KV layout to size the CPU tier; pass layout=... or call get_handlers first"
+            )
         try:
             return HostKVCache.slots_for_bytes(self.layout, self.config.cpu_bytes)
         except ValueError as exc:
             raise ConfigError(f"cpu_bytes: {exc}") from None
 
     def get_manager(self) -> CPUOffloadingManager:
-        return cpu_tier_manager(self.config.eviction_policy, self.num_cpu_slots,
-                                self.offloaded_block_size, enable_events=self.enable_events)
+        return cpu_tier_manager(
+            self.config.eviction_policy, self.num_cpu_slots, self.offloaded_block_size, enable_events=self.enable_events
+        )
 
     def get_handlers(
         self,
@@ -67,12 +74,14 @@ class CPUOffloadingSpec(OffloadingSpec):
         yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
 
-    def _cpu_gpu_handlers(self, kv_caches: Mapping[str, torch.Tensor],
-                          kv_before_num_blocks: bool | Mapping[str, bool]) -> CpuGpuOffloadingHandlers:
+    def _cpu_gpu_handlers(
+        self, kv_caches: Mapping[str, torch.Tensor], kv_before_num_blocks: bool | Mapping[str, bool]
+    ) -> CpuGpuOffloadingHandlers:
         """Learn the layout from the device tensors, allocate the host tier, and build
         the two CUDA-stream handlers between them (worker process)."""
-        layout = KVCacheLayout.from_tensors(kv_caches, self.gpu_block_size, self.block_size_factor,
-                                            kv_before_num_blocks)
+        layout = KVCacheLayout.from_tensors(
+            kv_caches, self.gpu_block_size, self.block_size_factor, kv_before_num_blocks
+        )
         self._set_layout(layout)
         self.host = HostKVCache(layout, self.num_cpu_slots, shared=self._host_shared())
         return CpuGpuOffloadingHandlers(kv_caches, self.host, copy_kernels=self.config.copy_kernels)
@@ -83,12 +92,14 @@ class CPUOffloadingSpec(OffloadingSpec):
 
     def _set_layout(self, layout: KVCacheLayout) -> None:
         if layout.block_size_factor != self.block_size_factor:
-            raise ConfigError(f"layout block_size_factor {layout.block_size_factor} does not match "
-                              f"the config's {self.block_size_factor} (block_size "
-                              f"{self.offloaded_block_size} / gpu_block_size {self.gpu_block_size})")
+            raise ConfigError(
+                f"layout block_size_factor {layout.block_size_factor} does not match "
+                f"the config's {self.block_size_factor} (block_size "
+                f"{self.offloaded_block_size} / gpu_block_size {self.gpu_block_size})"
+            )
         # describe() leaves out num_blocks: the scheduler's layout may carry another count.
         if self.layout is not None and self.layout.describe() != layout.describe():
-            raise ConfigError(f"KV tensors {layout.describe()} do not match the layout this spec "
-                              f"was given {self.layout.describe()}")
+            raise ConfigError(
+                f"KV tensors {layout.describe()} do not match the layout this spec was given {self.layout.describe()}"
+            )
         self.layout = layout
-

@@ -25,17 +25,41 @@ The handlers that move blocks between KV tensors and the disk are in
 
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.io_backends import (
-    BackendUnavailableError, IOBackend, KvikIOBackend, PosixBackend, aligned_empty, select_backend,
+    BackendUnavailableError,
+    IOBackend,
+    KvikIOBackend,
+    PosixBackend,
+    aligned_empty,
+    select_backend,
 )
 from tiered_kv.disk.manager import DiskManagerStats, DiskOffloadingManager, RefreshResult
 from tiered_kv.disk.namespace import (
-    CacheLockedError, FingerprintMismatchError, Namespace, NamespaceError, list_namespaces, slot_size_for,
+    CacheLockedError,
+    FingerprintMismatchError,
+    Namespace,
+    NamespaceError,
+    list_namespaces,
+    slot_size_for,
 )
 from tiered_kv.disk.store import DiskStore, DiskStoreStats
 
 __all__ = [
-    "BackendUnavailableError", "CacheLockedError", "DiskManagerStats", "DiskOffloadingManager",
-    "DiskStore", "DiskStoreStats", "Fingerprint", "FingerprintMismatchError", "IOBackend",
-    "KvikIOBackend", "Namespace", "NamespaceError", "PosixBackend", "RefreshResult", "aligned_empty",
-    "list_namespaces", "select_backend", "slot_size_for",
+    "BackendUnavailableError",
+    "CacheLockedError",
+    "DiskManagerStats",
+    "DiskOffloadingManager",
+    "DiskStore",
+    "DiskStoreStats",
+    "Fingerprint",
+    "FingerprintMismatchError",
+    "IOBackend",
+    "KvikIOBackend",
+    "Namespace",
+    "NamespaceError",
+    "PosixBackend",
+    "RefreshResult",
+    "aligned_empty",
+    "list_namespaces",
+    "select_backend",
+    "slot_size_for",
 ]

@@ -109,8 +109,9 @@ class BlockTable:
         self._slots = slots.astype(np.int64, copy=False)
         self._alive = np.ones(n, dtype=bool)
         self._lru_sort = Future()
-        threading.Thread(target=run_into, args=(self._lru_sort, np.argsort, last_access),
-                         name="tkv-disk-lru-order", daemon=True).start()
+        threading.Thread(
+            target=run_into, args=(self._lru_sort, np.argsort, last_access), name="tkv-disk-lru-order", daemon=True
+        ).start()
         self._cursor = 0
         self._cold_count = n
 
@@ -243,11 +244,10 @@ class BlockTable:
             self._alive[cold] = False
             self._cold_count -= len(cold)
             self._cursor = dead_upto
-        slots.extend(map(hot.pop, victims[len(cold):]))
+        slots.extend(map(hot.pop, victims[len(cold) :]))
         return victims, slots
 
-    def _cold_victims(self, n: int, keep: tuple[Container[bytes], ...]
-                      ) -> tuple[list[int], list[bytes], int]:
+    def _cold_victims(self, n: int, keep: tuple[Container[bytes], ...]) -> tuple[list[int], list[bytes], int]:
         """Up to ``n`` live cold blocks in LRU order whose hash is in none of ``keep``: their
         indices and hashes (changing nothing), and the LRU position before which every
         cold block is dead once they are (where ``_cursor`` may go then). Reads the LRU
@@ -264,20 +264,20 @@ class BlockTable:
         hashes: list[bytes] = []
         pos = dead_upto = self._cursor
         while len(indices) < n and pos < len(lru):
-            window = lru[pos:pos + n + n // 4 + 64]  # from _cursor the cold blocks are mostly live
+            window = lru[pos : pos + n + n // 4 + 64]  # from _cursor the cold blocks are mostly live
             if not keep:  # the usual case: every live block qualifies, take what is missing
                 live = np.flatnonzero(alive[window])
-                wanted = live[:n - len(indices)]
+                wanted = live[: n - len(indices)]
                 # All dead then up to the last one taken, or through the window if it had no more.
                 dead_upto = pos + (int(wanted[-1]) + 1 if len(wanted) < len(live) else len(window))
                 taken = window[wanted]
                 rows = self._keys[taken].tobytes()
                 indices.extend(taken.tolist())
-                hashes.extend([rows[j:j + length] for j in range(0, len(rows), length)])
+                hashes.extend([rows[j : j + length] for j in range(0, len(rows), length)])
             else:
                 live = window[alive[window]]
                 rows = self._keys[live].tobytes()
-                for i, h in zip(live.tolist(), (rows[j:j + length] for j in range(0, len(rows), length))):
+                for i, h in zip(live.tolist(), (rows[j : j + length] for j in range(0, len(rows), length))):
                     if any(h in k for k in keep):
                         continue
                     indices.append(i)
@@ -313,7 +313,7 @@ class BlockTable:
             live = tail[self._alive[tail]][::-1]  # most recent first: each goes to the front
             rows, length = self._keys[live].tobytes(), self._key_len
             for at, slot in zip(range(0, len(rows), length), self._slots[live].tolist()):
-                h = rows[at:at + length]
+                h = rows[at : at + length]
                 hot[h] = slot
                 hot.move_to_end(h, last=False)
             self._alive[live] = False
@@ -333,7 +333,7 @@ class BlockTable:
         lru, alive = self._lru, self._alive
         step = 64  # growing: the dead head is usually the last eviction's few hundred
         while self._cursor < len(lru):
-            window = alive[lru[self._cursor:self._cursor + step]]
+            window = alive[lru[self._cursor : self._cursor + step]]
             if window.any():
                 self._cursor += int(window.argmax())
                 return
@@ -344,7 +344,7 @@ class BlockTable:
         """``(hash, slot)`` from least to most recently used. Do not mutate meanwhile."""
         self._skip_dead()
         if self._cold_count:
-            for i in self._lru[self._cursor:]:
+            for i in self._lru[self._cursor :]:
                 if self._alive[i]:
                     yield self._cold_key(int(i)), int(self._slots[i])
         yield from self.hot.items()

@@ -70,14 +70,24 @@ class Fingerprint:
         if self.tp_size < 1 or self.tp_size > 64:
             raise ValueError(f"tp_size must be in 1..64 (one bit per rank in the index), got {self.tp_size}")
         if self.block_size < 1 or self.gpu_block_size < 1 or self.block_size % self.gpu_block_size:
-            raise ValueError(f"block_size ({self.block_size} tokens) must be a positive multiple of "
-                             f"gpu_block_size ({self.gpu_block_size} tokens)")
+            raise ValueError(
+                f"block_size ({self.block_size} tokens) must be a positive multiple of "
+                f"gpu_block_size ({self.gpu_block_size} tokens)"
+            )
 
     @classmethod
-    def from_layout(cls, layout: KVCacheLayout, *, model_id: str, model_revision: str = "main",
-                    tp_size: int = 1, hash_algorithm: str = "sha256", hash_seed: str = "",
-                    weights_digest: str | None = None,
-                    model_settings: tuple[str, ...] | None = None) -> "Fingerprint":
+    def from_layout(
+        cls,
+        layout: KVCacheLayout,
+        *,
+        model_id: str,
+        model_revision: str = "main",
+        tp_size: int = 1,
+        hash_algorithm: str = "sha256",
+        hash_seed: str = "",
+        weights_digest: str | None = None,
+        model_settings: tuple[str, ...] | None = None,
+    ) -> "Fingerprint":
         """The fingerprint of one rank's ``layout`` (all ranks of a TP group share it)."""
         return cls(
             model_id=str(model_id),
@@ -106,14 +116,19 @@ class Fingerprint:
             from tiered_kv.model_identity import weights_digest
 
             digest = weights_digest(model_path).digest
-        return cls.from_layout(layout, model_id=config.model_id, model_revision=config.model_revision,
-                               tp_size=tp_size, hash_algorithm=config.hash_algorithm,
-                               hash_seed=config.hash_seed, weights_digest=digest)
+        return cls.from_layout(
+            layout,
+            model_id=config.model_id,
+            model_revision=config.model_revision,
+            tp_size=tp_size,
+            hash_algorithm=config.hash_algorithm,
+            hash_seed=config.hash_seed,
+            weights_digest=digest,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able fields (tuples become lists); optional fields that are None are left out."""
-        return {k: v for k, v in json.loads(json.dumps(asdict(self))).items()
-                if not (v is None and k in _OPTIONAL)}
+        return {k: v for k, v in json.loads(json.dumps(asdict(self))).items() if not (v is None and k in _OPTIONAL)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Fingerprint":
@@ -121,8 +136,9 @@ class Fingerprint:
         names = {f.name for f in fields(cls)}
         missing, unknown = names - set(data) - _OPTIONAL, set(data) - names
         if missing or unknown:
-            raise ValueError(f"fingerprint record has missing fields {sorted(missing)} "
-                             f"and unknown fields {sorted(unknown)}")
+            raise ValueError(
+                f"fingerprint record has missing fields {sorted(missing)} and unknown fields {sorted(unknown)}"
+            )
         d = dict(data)
         d["layer_geometry"] = tuple((str(n), tuple(int(x) for x in s)) for n, s in d["layer_geometry"])
         d["kv_layout"] = tuple(d["kv_layout"])

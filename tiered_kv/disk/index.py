@@ -51,8 +51,21 @@ from tiered_kv.disk.index_env import QUARANTINE_SUFFIX, IndexCorruptError, acqui
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskIndex", "Entry", "IndexCorruptError", "IndexSnapshot", "LogColumns", "LogRecord", "QUARANTINE_SUFFIX",
-           "StoredBlocks", "entry_dtype", "LOG_OK", "LOG_FAILED", "LOG_CORRUPT", "LOG_STATUS_NAMES"]
+__all__ = [
+    "DiskIndex",
+    "Entry",
+    "IndexCorruptError",
+    "IndexSnapshot",
+    "LogColumns",
+    "LogRecord",
+    "QUARANTINE_SUFFIX",
+    "StoredBlocks",
+    "entry_dtype",
+    "LOG_OK",
+    "LOG_FAILED",
+    "LOG_CORRUPT",
+    "LOG_STATUS_NAMES",
+]
 
 #: Log record statuses.
 LOG_OK, LOG_FAILED, LOG_CORRUPT = 0, 1, 2
@@ -75,9 +88,18 @@ class _OddLength(Exception):
 def entry_dtype(tp_size: int, hash_len: int) -> np.dtype:
     """numpy layout of a ``blocks`` value for ``tp_size`` ranks and ``hash_len``-byte
     hashes (packed, little-endian). ``hash`` compares like the bytes (fixed length)."""
-    return np.dtype([("slot", "<i8"), ("size", "<u4"), ("hits", "<u4"), ("store_time", "<f8"),
-                     ("last_access", "<f8"), ("ranks", "<u8"), ("checksums", "<u8", (tp_size,)),
-                     ("hash", f"S{hash_len}")])
+    return np.dtype(
+        [
+            ("slot", "<i8"),
+            ("size", "<u4"),
+            ("hits", "<u4"),
+            ("store_time", "<f8"),
+            ("last_access", "<f8"),
+            ("ranks", "<u8"),
+            ("checksums", "<u8", (tp_size,)),
+            ("hash", f"S{hash_len}"),
+        ]
+    )
 
 
 class Entry(NamedTuple):
@@ -189,7 +211,7 @@ class IndexSnapshot:
 
     def hash_at(self, i: int) -> bytes:
         """The exact bytes of ``entries[i]``'s hash (numpy's ``S`` drops trailing NULs)."""
-        return self.entries[i:i + 1]["hash"].view(np.uint8).tobytes()
+        return self.entries[i : i + 1]["hash"].view(np.uint8).tobytes()
 
 
 class DiskIndex:
@@ -201,9 +223,17 @@ class DiskIndex:
     an empty one (see the module docstring).
     """
 
-    def __init__(self, path: str | os.PathLike, tp_size: int, *, readonly: bool = False,
-                 expected_entries: int = 0, repair: bool = False, dir_fd: int | None = None,
-                 owner: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        tp_size: int,
+        *,
+        readonly: bool = False,
+        expected_entries: int = 0,
+        repair: bool = False,
+        dir_fd: int | None = None,
+        owner: int | None = None,
+    ):
         self.path = Path(path)
         self.tp_size = tp_size
         self._entry = struct.Struct(_HEADER.format + f"{tp_size}Q")
@@ -233,12 +263,11 @@ class DiskIndex:
     # ------------------------------------------------------------ codec
 
     def encode(self, block_hash: bytes, e: Entry) -> bytes:
-        return self._entry.pack(e.slot, e.size, e.hits, e.store_time, e.last_access, e.ranks,
-                                *e.checksums) + block_hash
+        return self._entry.pack(e.slot, e.size, e.hits, e.store_time, e.last_access, e.ranks, *e.checksums) + block_hash
 
     def decode(self, block_hash: bytes, raw: bytes) -> Entry | None:
         """None for a value that does not fit (another tp_size, or damage)."""
-        if len(raw) != self._entry.size + len(block_hash) or raw[self._entry.size:] != block_hash:
+        if len(raw) != self._entry.size + len(block_hash) or raw[self._entry.size :] != block_hash:
             return None
         v = self._entry.unpack_from(raw)
         return Entry(v[0], v[1], v[2], _sane_time(v[3]), _sane_time(v[4]), v[5], tuple(v[6:]))
@@ -293,8 +322,9 @@ class DiskIndex:
                         yield v
 
                 try:
-                    arr = np.fromiter(exact(cur.iternext(keys=False, values=True)), dtype=f"V{size}",
-                                      count=txn.stat(db)["entries"])
+                    arr = np.fromiter(
+                        exact(cur.iternext(keys=False, values=True)), dtype=f"V{size}", count=txn.stat(db)["entries"]
+                    )
                     return arr.view(entry_dtype(self.tp_size, size - base)), None, self._log_seq(txn)
                 except _OddLength:
                     pass
@@ -316,8 +346,12 @@ class DiskIndex:
                 h = bytes(v[base:])
                 e = self.decode(h, v) if n > base else None
                 if e is None:
-                    logger.warning("index %s: ignoring an entry of %d bytes that does not decode "
-                                   "for tp_size %d", self.path, n, self.tp_size)
+                    logger.warning(
+                        "index %s: ignoring an entry of %d bytes that does not decode for tp_size %d",
+                        self.path,
+                        n,
+                        self.tp_size,
+                    )
                 else:
                     odd.append((h, e))
         if common <= base:
@@ -343,8 +377,9 @@ class DiskIndex:
             for key, value in cur.iternext(keys=True, values=True):
                 rows = _log_rows(value, self.tp_size) if len(key) == _SEQ.size else None
                 if rows is None:
-                    logger.error("index %s: a damaged log value (key %s, %d bytes) is skipped", self.path,
-                                 key.hex(), len(value))
+                    logger.error(
+                        "index %s: a damaged log value (key %s, %d bytes) is skipped", self.path, key.hex(), len(value)
+                    )
                     continue
                 last = _SEQ.unpack(key)[0]
                 values.append((last, rows))
@@ -358,14 +393,17 @@ class DiskIndex:
             return LogColumns.empty()
         seqs = list(itertools.chain.from_iterable(range(last - len(rows) + 1, last + 1) for last, rows in values))
         skip = bisect.bisect_right(seqs, after_seq)  # the first value may hold records already read
-        seqs = seqs[skip:skip + limit]
+        seqs = seqs[skip : skip + limit]
         if len({rows.dtype for _, rows in values}) == 1:
-            rows = np.concatenate([rows for _, rows in values])[skip:skip + len(seqs)]
-            return LogColumns(seqs, rows["status"].tolist(), rows["rank"].tolist(), rows["slot"].tolist(),
-                              rows["hash"].tolist())
+            rows = np.concatenate([rows for _, rows in values])[skip : skip + len(seqs)]
+            return LogColumns(
+                seqs, rows["status"].tolist(), rows["rank"].tolist(), rows["slot"].tolist(), rows["hash"].tolist()
+            )
         # hashes of different lengths (never within one engine's namespace)
-        columns = [list(itertools.chain.from_iterable(rows[name].tolist() for _, rows in values))
-                   [skip:skip + len(seqs)] for name in ("status", "rank", "slot", "hash")]
+        columns = [
+            list(itertools.chain.from_iterable(rows[name].tolist() for _, rows in values))[skip : skip + len(seqs)]
+            for name in ("status", "rank", "slot", "hash")
+        ]
         return LogColumns(seqs, *columns)
 
     def log_seq(self) -> int:
@@ -390,6 +428,7 @@ class DiskIndex:
     def needs_clearing(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> bool:
         """Whether ``clear_for_overwrite`` would change anything (a cheap read, so the
         common case of freshly freed slots costs no synced transaction)."""
+
         def read(txn):
             blocks, slot_db = self._db("blocks"), self._db("slots")
             for h, s in zip(hashes, slots):
@@ -413,15 +452,22 @@ class DiskIndex:
         the entry when no rank's bit is left). One synced transaction."""
         self.commit_group([], [(rank, hashes, slots)])
 
-    def commit_stored(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
-                      sizes: Sequence[int], checksums: Sequence[int | None]) -> None:
+    def commit_stored(
+        self,
+        rank: int,
+        hashes: Sequence[bytes],
+        slots: Sequence[int],
+        sizes: Sequence[int],
+        checksums: Sequence[int | None],
+    ) -> None:
         """Step 3 of a store, after the bytes are durable: for each block whose checksum
         is not None set rank ``rank``'s bit and checksum (creating the entry) and the slot
         owner, and log ``ok``; log ``failed`` for the others. One synced transaction."""
         self.commit_group([StoredBlocks(rank, hashes, slots, sizes, checksums)], [])
 
-    def commit_group(self, stored: Sequence["StoredBlocks"],
-                     clears: Sequence[tuple[int, Sequence[bytes], Sequence[int]]]) -> None:
+    def commit_group(
+        self, stored: Sequence["StoredBlocks"], clears: Sequence[tuple[int, Sequence[bytes], Sequence[int]]]
+    ) -> None:
         """Several jobs' index writes in one synced transaction (group commit): first
         ``commit_stored`` for each of ``stored`` (their bytes must already be durable),
         then ``clear_for_overwrite`` for each ``(rank, hashes, slots)`` of ``clears``
@@ -441,8 +487,9 @@ class DiskIndex:
 
         self._shared.run(write, write=True)
 
-    def _put_stored(self, txn, job: "StoredBlocks", now: float, order: int,
-                    records: list[tuple[int, int, int, bytes]]) -> int:
+    def _put_stored(
+        self, txn, job: "StoredBlocks", now: float, order: int, records: list[tuple[int, int, int, bytes]]
+    ) -> int:
         blocks, slot_db = self._db("blocks"), self._db("slots")
         rank = job.rank
         for h, s, size, csum in zip(job.hashes, job.slots, job.sizes, job.checksums):
@@ -461,8 +508,7 @@ class DiskIndex:
                 e = Entry(s, size, 0, t, t, 0, (0,) * self.tp_size)
             sums = list(e.checksums)
             sums[rank] = csum
-            txn.put(h, self.encode(h, e._replace(ranks=e.ranks | 1 << rank, checksums=tuple(sums))),
-                    db=blocks)
+            txn.put(h, self.encode(h, e._replace(ranks=e.ranks | 1 << rank, checksums=tuple(sums))), db=blocks)
             txn.put(sk, h, db=slot_db)
             records.append((LOG_OK, rank, s, h))
         return order
@@ -495,14 +541,16 @@ class DiskIndex:
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         """Record failed stores (best effort: errors are logged, not raised)."""
         try:
-            self._shared.run(lambda txn: self._append_log(
-                txn, [(LOG_FAILED, rank, s, h) for h, s in zip(hashes, slots)]), write=True)
+            self._shared.run(
+                lambda txn: self._append_log(txn, [(LOG_FAILED, rank, s, h) for h, s in zip(hashes, slots)]), write=True
+            )
         except lmdb.Error as e:
             logger.error("index %s: cannot log %d failed stores: %s", self.path, len(hashes), e)
 
     def drop_corrupt(self, rank: int, items: Sequence[tuple[bytes, int]]) -> None:
         """Delete the entries of blocks found corrupt (only if still in that slot) and log
         ``corrupt`` records, so they are never served again."""
+
         def write(txn):
             for h, s in items:
                 self._delete_if_slot(txn, h, s)
@@ -512,15 +560,19 @@ class DiskIndex:
 
     # ------------------------------------------------------------ manager writes
 
-    def apply_batch(self, deletions: Sequence[tuple[bytes, int]],
-                    touches: dict[bytes, tuple[float, int]], trim_log_upto: int,
-                    still_held: Callable[[Iterable[tuple[bytes, int]]], set[tuple[bytes, int]]]
-                    | None = None) -> int:
+    def apply_batch(
+        self,
+        deletions: Sequence[tuple[bytes, int]],
+        touches: dict[bytes, tuple[float, int]],
+        trim_log_upto: int,
+        still_held: Callable[[Iterable[tuple[bytes, int]]], set[tuple[bytes, int]]] | None = None,
+    ) -> int:
         """The manager's batched update, one transaction: delete ``(hash, slot)`` entries
         that still point at that slot (except those ``still_held`` reports, evaluated
         inside the transaction so a block re-stored meanwhile survives), update
         ``hash -> (last_access, extra hits)``, and drop log records up to
         ``trim_log_upto``. Returns the number of entries deleted."""
+
         def write(txn):
             held = still_held(deletions) if still_held is not None and deletions else set()
             deleted = 0
@@ -532,8 +584,13 @@ class DiskIndex:
                 raw = txn.get(h, db=blocks)
                 e = None if raw is None else self.decode(h, raw)
                 if e is not None:
-                    txn.put(h, self.encode(h, e._replace(last_access=max(e.last_access, t),
-                                                      hits=min(e.hits + hits, 0xFFFFFFFF))), db=blocks)
+                    txn.put(
+                        h,
+                        self.encode(
+                            h, e._replace(last_access=max(e.last_access, t), hits=min(e.hits + hits, 0xFFFFFFFF))
+                        ),
+                        db=blocks,
+                    )
             if trim_log_upto > 0:
                 cur = txn.cursor(db=self._db("log"))
                 if cur.first():

@@ -52,8 +52,15 @@ QUARANTINE_SUFFIX = ".corrupt"
 DB_NAMES = ("blocks", "slots", "log", "meta")
 #: LMDB errors that mean the file's contents are damaged, not that the environment
 #: (permissions, space, locks) is wrong.
-CORRUPTION = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
-              lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+CORRUPTION = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.IncompatibleError,
+    lmdb.BadValsizeError,
+)
 #: Of those, what only damage causes once the environment is open (a bad value size
 #: can also be a caller's mistake).
 DAMAGE_SEEN = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
@@ -111,8 +118,7 @@ class SharedEnv:
         held meanwhile, so that other processes may write."""
         try:
             os.stat(DAMAGE_MARK, dir_fd=index_fd, follow_symlinks=False)
-            raise IndexCorruptError(self.path, f"a process met damage in it while it ran (the '{DAMAGE_MARK}' "
-                                               f"mark)")
+            raise IndexCorruptError(self.path, f"a process met damage in it while it ran (the '{DAMAGE_MARK}' mark)")
         except FileNotFoundError:
             pass
         try:
@@ -138,17 +144,30 @@ class SharedEnv:
         if self.readonly:
             return
         try:
-            os.close(open_file(DAMAGE_MARK, os.O_WRONLY, path=self.path / DAMAGE_MARK, dir_fd=self._index_fd,
-                               create=True))
-            logger.error("disk index %s is damaged (%s: %s); it is moved aside and started empty at the next "
-                         "start", self.path, type(error).__name__, error)
+            os.close(
+                open_file(DAMAGE_MARK, os.O_WRONLY, path=self.path / DAMAGE_MARK, dir_fd=self._index_fd, create=True)
+            )
+            logger.error(
+                "disk index %s is damaged (%s: %s); it is moved aside and started empty at the next start",
+                self.path,
+                type(error).__name__,
+                error,
+            )
         except OSError as e:
             logger.error("disk index %s is damaged (%s) and the mark could not be left: %s", self.path, error, e)
 
     @staticmethod
     def _open(path: Path, readonly: bool, map_size: int, index_fd: int) -> lmdb.Environment:
-        kwargs = dict(subdir=True, max_dbs=8, readonly=readonly, create=not readonly, mode=0o600,
-                      readahead=False, meminit=False, max_readers=1022)
+        kwargs = dict(
+            subdir=True,
+            max_dbs=8,
+            readonly=readonly,
+            create=not readonly,
+            mode=0o600,
+            readahead=False,
+            meminit=False,
+            max_readers=1022,
+        )
         where = fd_path(index_fd) or str(path)
         try:
             if os.stat(DATA, dir_fd=index_fd).st_size == 0:
@@ -166,8 +185,12 @@ class SharedEnv:
                 except lmdb.Error as e:
                     # The lock file is not writable (e.g. a read-only mount): read without
                     # the reader table, which is only safe while no engine writes.
-                    logger.warning("opening %s read-only without locking (%s); results may be "
-                                   "inconsistent if an engine is writing", path, e)
+                    logger.warning(
+                        "opening %s read-only without locking (%s); results may be "
+                        "inconsistent if an engine is writing",
+                        path,
+                        e,
+                    )
                     env = lmdb.open(where, lock=False, **kwargs)
             else:
                 env = lmdb.open(where, map_size=map_size, **kwargs)
@@ -247,16 +270,16 @@ def _check_not_truncated(env: lmdb.Environment, path: Path, index_fd: int) -> No
     need = pages * env.stat()["psize"]
     size = os.stat(DATA, dir_fd=index_fd).st_size
     if size < need:
-        raise IndexCorruptError(path, f"data.mdb is truncated: {size} bytes, but its {pages} pages "
-                                      f"need {need}")
+        raise IndexCorruptError(path, f"data.mdb is truncated: {size} bytes, but its {pages} pages need {need}")
 
 
 _registry: dict[str, SharedEnv] = {}
 _registry_lock = threading.Lock()
 
 
-def acquire_env(path: Path, readonly: bool, map_size: int, repair: bool = False, dir_fd: int | None = None,
-                owner: int | None = None) -> SharedEnv:
+def acquire_env(
+    path: Path, readonly: bool, map_size: int, repair: bool = False, dir_fd: int | None = None, owner: int | None = None
+) -> SharedEnv:
     """This process's environment of the index at ``path`` (opened if it is the first
     user). ``dir_fd`` is the descriptor of the directory holding it (the namespace's;
     opened from ``path`` when None), ``owner`` the uid its files must belong to
@@ -267,8 +290,10 @@ def acquire_env(path: Path, readonly: bool, map_size: int, repair: bool = False,
     with _registry_lock:
         shared = _registry.get(key)
         if shared is not None and shared.readonly and not readonly:
-            raise RuntimeError(f"LMDB index {path} is already open read-only in this process; "
-                               f"close the read-only handles before opening it for writing")
+            raise RuntimeError(
+                f"LMDB index {path} is already open read-only in this process; "
+                f"close the read-only handles before opening it for writing"
+            )
         if shared is None:
             parent = dir_fd if dir_fd is not None else os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -303,8 +328,9 @@ def _open_shared(path: Path, readonly: bool, map_size: int, parent: int, owner: 
     """Open the index directory ``path.name`` in ``parent`` (created ``0700`` for
     writers), check LMDB's files in it, and open the environment there."""
     try:
-        index_fd = open_dir(path.name, path=path, dir_fd=parent, owner=owner, create=not readonly,
-                            fix_mode=not readonly)
+        index_fd = open_dir(
+            path.name, path=path, dir_fd=parent, owner=owner, create=not readonly, fix_mode=not readonly
+        )
     except FileNotFoundError:
         raise FileNotFoundError(f"no LMDB index at {path}") from None
     try:
@@ -326,8 +352,9 @@ def _inode(name: str, parent: int) -> int | None:
         return None
 
 
-def _rebuild(path: Path, map_size: int, damage: IndexCorruptError, seen: int | None, parent: int,
-             owner: int) -> SharedEnv:
+def _rebuild(
+    path: Path, map_size: int, damage: IndexCorruptError, seen: int | None, parent: int, owner: int
+) -> SharedEnv:
     """Move the damaged index (directory inode ``seen``) aside and open an empty one in
     its place. Serialised between processes by a lock file next to it; a process that
     finds the index already replaced (by a peer that saw the same damage) opens the
@@ -341,8 +368,11 @@ def _rebuild(path: Path, map_size: int, damage: IndexCorruptError, seen: int | N
             shutil.rmtree(aside, dir_fd=parent, ignore_errors=True)
             os.rename(path.name, aside, src_dir_fd=parent, dst_dir_fd=parent)
             os.fsync(parent)
-            logger.error("%s; moved it to %s and starting with an empty index (the blocks it "
-                         "described will be recomputed)", damage, path.parent / aside)
+            logger.error(
+                "%s; moved it to %s and starting with an empty index (the blocks it described will be recomputed)",
+                damage,
+                path.parent / aside,
+            )
         return _open_shared(path, False, map_size, parent, owner)
     except OSError as e:
         if e.errno == errno.ENOENT:

@@ -97,8 +97,9 @@ class IOBackend(ABC):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"tkv-{self.name}-io")
 
     @abstractmethod
-    def open(self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None,
-             owner: int | None = None) -> BackendFile:
+    def open(
+        self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None, owner: int | None = None
+    ) -> BackendFile:
         """Open an existing slab file for block I/O: ``path``'s name in the directory open
         as ``dir_fd`` when given (``safe_open``: a regular file of uid ``owner``, no link
         followed, no FIFO opened)."""
@@ -139,8 +140,9 @@ class IOBackend(ABC):
         self._pool.shutdown(wait=True)
 
 
-def _move_all(call: Callable[[int, list, int], int], f: BackendFile, views: Sequence[memoryview],
-                  offset: int, short: str) -> None:
+def _move_all(
+    call: Callable[[int, list, int], int], f: BackendFile, views: Sequence[memoryview], offset: int, short: str
+) -> None:
     """``call`` (``os.preadv``/``os.pwritev``) until every byte of ``views`` is moved."""
     views = list(views)
     first = done = 0
@@ -165,8 +167,9 @@ class PosixBackend(IOBackend):
         super().__init__(threads)
         self.want_direct = direct
 
-    def open(self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None,
-             owner: int | None = None) -> BackendFile:
+    def open(
+        self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None, owner: int | None = None
+    ) -> BackendFile:
         path = Path(path)
         fd, direct = _open_fd(path, readonly, self.want_direct, dir_fd, owner)
         return BackendFile(path, fd, direct)
@@ -218,8 +221,9 @@ class KvikIOBackend(IOBackend):
             return f"a KvikIO probe read/write failed: {type(e).__name__}: {e}"
         return None
 
-    def open(self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None,
-             owner: int | None = None) -> BackendFile:
+    def open(
+        self, path: str | os.PathLike, readonly: bool = False, dir_fd: int | None = None, owner: int | None = None
+    ) -> BackendFile:
         path = Path(path)
         # A plain descriptor for fdatasync (KvikIO has no sync call) and vectored host I/O;
         # KvikIO opens the same file through it.
@@ -267,13 +271,18 @@ def select_backend(kind: str, directory: str | os.PathLike, threads: int = 4) ->
     reason = KvikIOBackend.probe(directory)
     if reason is None:
         backend = KvikIOBackend(threads)
-        logger.info("disk I/O backend: %s (%s)", backend.describe(),
-                    "configured" if kind == "kvikio" else "auto: KvikIO probe succeeded")
+        logger.info(
+            "disk I/O backend: %s (%s)",
+            backend.describe(),
+            "configured" if kind == "kvikio" else "auto: KvikIO probe succeeded",
+        )
         return backend
     if kind == "kvikio":
-        raise BackendUnavailableError(f"io_backend=kvikio cannot run here: {reason}. Install "
-                                      f"tiered-kv[cu12] or [cu13] on a machine with a CUDA driver, "
-                                      f"or use io_backend=posix/auto")
+        raise BackendUnavailableError(
+            f"io_backend=kvikio cannot run here: {reason}. Install "
+            f"tiered-kv[cu12] or [cu13] on a machine with a CUDA driver, "
+            f"or use io_backend=posix/auto"
+        )
     logger.info("disk I/O backend: posix (auto: KvikIO not usable: %s)", reason)
     return PosixBackend(threads)
 
@@ -293,12 +302,19 @@ def _kvikio_compat_mode() -> bool:
     return True
 
 
-def _open_fd(path: Path, readonly: bool, want_direct: bool, dir_fd: int | None = None,
-             owner: int | None = None) -> tuple[int, bool]:
+def _open_fd(
+    path: Path, readonly: bool, want_direct: bool, dir_fd: int | None = None, owner: int | None = None
+) -> tuple[int, bool]:
     """A descriptor of ``path`` (``safe_open.open_file``; its name in ``dir_fd`` when
     given), with O_DIRECT when wanted and the filesystem takes it; and whether it has it."""
-    fd = open_file(path.name if dir_fd is not None else path, os.O_RDONLY if readonly else os.O_RDWR,
-                   path=path, dir_fd=dir_fd, owner=owner, fix_mode=not readonly)
+    fd = open_file(
+        path.name if dir_fd is not None else path,
+        os.O_RDONLY if readonly else os.O_RDWR,
+        path=path,
+        dir_fd=dir_fd,
+        owner=owner,
+        fix_mode=not readonly,
+    )
     if want_direct and hasattr(os, "O_DIRECT"):
         reason = _set_direct(fd)
         if reason is None:

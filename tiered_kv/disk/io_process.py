@@ -77,9 +77,16 @@ def open_worker_store(config, fingerprint, layout, engine_id: str | None) -> "Di
     """A worker's store for ``config`` (a ``TieredConfig``): a ``DiskStore`` in this
     process (``disk_io: thread``) or a ``DiskIOProcess`` (``disk_io: process``)."""
     opener = DiskIOProcess.open if config.disk_io == "process" else DiskStore.open
-    return opener(config.disk_path, fingerprint, layout, disk_bytes=config.disk_bytes,
-                  checksum=config.checksum, io_backend=config.io_backend, io_threads=config.io_threads,
-                  engine_id=engine_id)
+    return opener(
+        config.disk_path,
+        fingerprint,
+        layout,
+        disk_bytes=config.disk_bytes,
+        checksum=config.checksum,
+        io_backend=config.io_backend,
+        io_threads=config.io_threads,
+        engine_id=engine_id,
+    )
 
 
 class _RemoteBackend:
@@ -142,16 +149,34 @@ class DiskIOProcess(BlockIO):
         return child.proc.pid if child is not None and child.alive else None
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, fingerprint, layout, *, disk_bytes: int,
-             checksum: str = "xxh3_64", io_backend: str = "auto", io_threads: int = 4,
-             engine_id: str | None = None) -> "DiskIOProcess":
+    def open(
+        cls,
+        cache_dir: str | os.PathLike,
+        fingerprint,
+        layout,
+        *,
+        disk_bytes: int,
+        checksum: str = "xxh3_64",
+        io_backend: str = "auto",
+        io_threads: int = 4,
+        engine_id: str | None = None,
+    ) -> "DiskIOProcess":
         """``DiskStore.open`` in a new I/O process (same arguments, same errors, raised
         here). ``io_backend`` must be a name: a backend object cannot cross processes."""
         if not isinstance(io_backend, str):
             raise TypeError(f"io_backend: expected a backend name for the I/O process, got {io_backend!r}")
-        return cls(dict(cache_dir=os.fspath(cache_dir), fingerprint=fingerprint, layout=layout,
-                        disk_bytes=disk_bytes, checksum=checksum, io_backend=io_backend,
-                        io_threads=io_threads, engine_id=engine_id))
+        return cls(
+            dict(
+                cache_dir=os.fspath(cache_dir),
+                fingerprint=fingerprint,
+                layout=layout,
+                disk_bytes=disk_bytes,
+                checksum=checksum,
+                io_backend=io_backend,
+                io_threads=io_threads,
+                engine_id=engine_id,
+            )
+        )
 
     # ------------------------------------------------------------ process
 
@@ -163,7 +188,10 @@ class DiskIOProcess(BlockIO):
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tiered_kv.disk.io_process", str(theirs.fileno()), str(their_fds.fileno())],
-                pass_fds=(theirs.fileno(), their_fds.fileno()), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(), their_fds.fileno()),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             theirs.close()
             their_fds.close()
@@ -180,8 +208,9 @@ class DiskIOProcess(BlockIO):
             proc.wait()
             if isinstance(e, RuntimeError):
                 raise
-            raise RuntimeError(f"the disk I/O process exited while opening the store "
-                               f"(exit code {proc.returncode})") from e
+            raise RuntimeError(
+                f"the disk I/O process exited while opening the store (exit code {proc.returncode})"
+            ) from e
         if kind == "error":
             conn.close()
             our_fds.close()
@@ -189,8 +218,7 @@ class DiskIOProcess(BlockIO):
             raise payload
         child = _Child(proc, conn, our_fds, next(self._generations))
         self._child = child
-        threading.Thread(target=self._read_replies, args=(child,), name="tkv-diskio-replies",
-                         daemon=True).start()
+        threading.Thread(target=self._read_replies, args=(child,), name="tkv-diskio-replies", daemon=True).start()
         logger.info("disk I/O process %d serves %s (%s)", proc.pid, payload["namespace_path"], payload["backend"])
         return payload
 
@@ -205,8 +233,7 @@ class DiskIOProcess(BlockIO):
         try:
             self._start()
         except Exception:
-            logger.exception("restarting the disk I/O process failed; disk transfers fail for %.0f s",
-                             RESTART_BACKOFF)
+            logger.exception("restarting the disk I/O process failed; disk transfers fail for %.0f s", RESTART_BACKOFF)
             self._failed_start_at = time.monotonic()
             return None
         self.restarts += 1
@@ -242,13 +269,19 @@ class DiskIOProcess(BlockIO):
         child.fds.close()
         code = child.proc.wait()
         if not closing:
-            logger.error("the disk I/O process %d exited (code %s) with %d calls in flight; they fail, "
-                         "and the next disk transfer starts a new one", child.proc.pid, code, len(dead))
+            logger.error(
+                "the disk I/O process %d exited (code %s) with %d calls in flight; they fail, "
+                "and the next disk transfer starts a new one",
+                child.proc.pid,
+                code,
+                len(dead),
+            )
         for future, on_death, _ in dead:
             future.set_result(on_death)
 
-    def _call(self, message: tuple, on_death: Any, child: _Child | None = None,
-              refs: Callable[[_Child], tuple] = lambda c: ()) -> Future:
+    def _call(
+        self, message: tuple, on_death: Any, child: _Child | None = None, refs: Callable[[_Child], tuple] = lambda c: ()
+    ) -> Future:
         """Send ``message`` (its token is added after the name, ``refs(child)`` at the
         end) to ``child`` (default: the running process, started if needed); the future
         gets the reply, or ``on_death`` if the process is gone before replying."""
@@ -312,8 +345,10 @@ class DiskIOProcess(BlockIO):
             raise ValueError(f"the disk I/O process needs uint8 buffers; got {a.dtype}")
         found = _located(a)
         if found is None:
-            raise ValueError("a buffer handed to the disk I/O process is not in shared memory; "
-                             "allocate it with store.host_buffer (or a HostKVCache with shared=True)")
+            raise ValueError(
+                "a buffer handed to the disk I/O process is not in shared memory; "
+                "allocate it with store.host_buffer (or a HostKVCache with shared=True)"
+            )
         region, offset = found
         self._share(child, region.id, region.nbytes)
         return region.id, offset, tuple(a.shape), tuple(a.strides)
@@ -369,8 +404,7 @@ class DiskIOProcess(BlockIO):
         try:
             done.result(timeout=CLOSE_TIMEOUT)
         except TimeoutError:
-            logger.error("the disk I/O process %d did not close in %.0f s; killing it", child.proc.pid,
-                         CLOSE_TIMEOUT)
+            logger.error("the disk I/O process %d did not close in %.0f s; killing it", child.proc.pid, CLOSE_TIMEOUT)
             child.proc.kill()
         child.proc.wait()
 
@@ -418,8 +452,11 @@ class _RemoteBatch:
 
     def submit_slots(self, start: int, views: SlotViews, slots: Sequence[int]) -> Future:
         """As ``WriteBatch.submit_slots`` / ``ReadBatch.submit_slots``."""
-        fut = self._refusing(lambda: self._do("submit_slots", (start, [int(s) for s in slots]), False,
-                                              lambda c: (self._proc._views_id(c, views),)))
+        fut = self._refusing(
+            lambda: self._do(
+                "submit_slots", (start, [int(s) for s in slots]), False, lambda c: (self._proc._views_id(c, views),)
+            )
+        )
         self._futures.append(fut)
         return fut
 
@@ -498,9 +535,19 @@ class _Server:
             self.conn.send(("error", _portable(e)))
             return
         s = self.store
-        self.conn.send(("ready", dict(slot_size=s.slot_size, block_bytes=s.block_bytes, tp_size=s.tp_size,
-                                      checksum_name=s.checksum_name, backend=s.backend.describe(),
-                                      namespace_path=str(s.namespace.path))))
+        self.conn.send(
+            (
+                "ready",
+                dict(
+                    slot_size=s.slot_size,
+                    block_bytes=s.block_bytes,
+                    tp_size=s.tp_size,
+                    checksum_name=s.checksum_name,
+                    backend=s.backend.describe(),
+                    namespace_path=str(s.namespace.path),
+                ),
+            )
+        )
         close_token = None
         try:
             while close_token is None:
@@ -638,8 +685,11 @@ class _SerialCalls:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"tiered-kv disk I/O process {os.getpid()}: %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format=f"tiered-kv disk I/O process {os.getpid()}: %(levelname)s %(name)s: %(message)s",
+    )
     conn = Connection(int(argv[1]))
     fds = socket.socket(fileno=int(argv[2]))
     _Server(conn, fds).run()

@@ -59,8 +59,7 @@ class LmdbDamage(Exception):
 
 class _Db:
     def __init__(self, name: str, raw: bytes):
-        (_, self.flags, self.depth, self.branch, self.leaf, self.overflow, self.entries,
-         self.root) = _DB.unpack(raw)
+        (_, self.flags, self.depth, self.branch, self.leaf, self.overflow, self.entries, self.root) = _DB.unpack(raw)
         self.name = name
 
 
@@ -75,7 +74,7 @@ def read_meta(head: bytes, psize: int | None = None, txnid: int | None = None) -
             size = _DB.unpack_from(head, _FREE_AT)[0]  # meta 0 keeps the page size in the free record's pad
             if size < 512 or size > 65536 or size & (size - 1):
                 raise LmdbDamage(f"meta page 0 names a page size of {size}")
-        page = head[i * size:(i + 1) * size]
+        page = head[i * size : (i + 1) * size]
         if len(page) < _TAIL_AT + _TAIL.size:
             raise LmdbDamage("the file is shorter than its two meta pages")
         magic, version, _ = _META.unpack_from(page, HEADER)
@@ -90,8 +89,12 @@ def read_meta(head: bytes, psize: int | None = None, txnid: int | None = None) -
         raise LmdbDamage("neither meta page is valid")
     psize = psize or _DB.unpack_from(head, _FREE_AT)[0]
     _, last, page = best
-    return psize, last, _Db("free list", page[_FREE_AT:_FREE_AT + _DB.size]), \
-        _Db("main", page[_MAIN_AT:_MAIN_AT + _DB.size])
+    return (
+        psize,
+        last,
+        _Db("free list", page[_FREE_AT : _FREE_AT + _DB.size]),
+        _Db("main", page[_MAIN_AT : _MAIN_AT + _DB.size]),
+    )
 
 
 def check_data_file(fd: int, txnid: int | None = None) -> bool:
@@ -191,15 +194,16 @@ class _Walk:
         head = self.words[((page_of * self.psize + off) >> 1)[:, None] + np.arange(4)].astype(np.int64)
         return page_of, off, head[:, 0] | (head[:, 1] << 16), head[:, 2], head[:, 3]
 
-    def _tiled(self, pg: np.ndarray, upper: np.ndarray, count: np.ndarray, node_bytes: np.ndarray,
-               what: str) -> None:
+    def _tiled(self, pg: np.ndarray, upper: np.ndarray, count: np.ndarray, node_bytes: np.ndarray, what: str) -> None:
         """Raise unless each page's nodes (``node_bytes`` each, in page order) exactly fill
         its node area ``upper``..end: a changed size would make LMDB move the wrong bytes."""
         used = np.add.reduceat((node_bytes + 1) & ~1, np.cumsum(count) - count) if len(pg) else node_bytes
         if (used != self.psize - upper).any():
             bad = used != self.psize - upper
-            raise LmdbDamage(f"{what}: the nodes of page {pg[bad][0]} take {int(used[bad][0])} bytes of its "
-                             f"{int((self.psize - upper)[bad][0])}-byte node area")
+            raise LmdbDamage(
+                f"{what}: the nodes of page {pg[bad][0]} take {int(used[bad][0])} bytes of its "
+                f"{int((self.psize - upper)[bad][0])}-byte node area"
+            )
 
     def tree(self, db: _Db, want_subdbs: bool = False):
         """Walk ``db``'s tree; returns the leaf nodes of the free list as (page, offset,
@@ -232,16 +236,20 @@ class _Walk:
             raise LmdbDamage(f"{what} has a root but its record's depth is 0")
         page_of, off, size, flags, ksize = nodes
         if branches != db.branch or len(level) != db.leaf or len(page_of) != db.entries:
-            raise LmdbDamage(f"{what}: {branches} branch and {len(level)} leaf pages with {len(page_of)} entries "
-                             f"found, its record says {db.branch}, {db.leaf} and {db.entries}")
+            raise LmdbDamage(
+                f"{what}: {branches} branch and {len(level)} leaf pages with {len(page_of)} entries "
+                f"found, its record says {db.branch}, {db.leaf} and {db.entries}"
+            )
         if (flags & ~(F_BIGDATA | F_SUBDATA)).any():
-            raise LmdbDamage(f"{what}: a node of page {page_of[(flags & ~(F_BIGDATA | F_SUBDATA)) != 0][0]} has "
-                             f"unknown flags")
+            raise LmdbDamage(
+                f"{what}: a node of page {page_of[(flags & ~(F_BIGDATA | F_SUBDATA)) != 0][0]} has unknown flags"
+            )
         big = (flags & F_BIGDATA) != 0
         inline = np.where(big, 8, size)
         if (off + NODE + ksize + inline > self.psize).any():
-            raise LmdbDamage(f"{what}: a node of page {page_of[off + NODE + ksize + inline > self.psize][0]} "
-                             f"runs past its page")
+            raise LmdbDamage(
+                f"{what}: a node of page {page_of[off + NODE + ksize + inline > self.psize][0]} runs past its page"
+            )
         self._tiled(level, leaf_upper, leaf_count, NODE + ksize + inline, what)
         self._overflow(page_of[big], off[big] + NODE + ksize[big], size[big], db, what)
         if want_subdbs:
@@ -251,8 +259,8 @@ class _Walk:
             out = []
             for p, o, k in zip(page_of[sub].tolist(), off[sub].tolist(), ksize[sub].tolist()):
                 row = self.pages[p]
-                name = bytes(row[o + NODE:o + NODE + k]).decode("utf-8", "replace")
-                out.append((repr(name), bytes(row[o + NODE + k:o + NODE + k + _DB.size])))
+                name = bytes(row[o + NODE : o + NODE + k]).decode("utf-8", "replace")
+                out.append((repr(name), bytes(row[o + NODE + k : o + NODE + k + _DB.size])))
             return out
         return page_of, off, size, flags, ksize
 
@@ -272,8 +280,9 @@ class _Walk:
             raise LmdbDamage(f"{what}: an overflow run is too short for its value or runs past the file")
         if int(runs.sum()) != db.overflow:
             raise LmdbDamage(f"{what}: {int(runs.sum())} overflow pages found, its record says {db.overflow}")
-        self._claim(np.repeat(first, runs) + (np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs)),
-                    what)
+        self._claim(
+            np.repeat(first, runs) + (np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs)), what
+        )
 
     # ---------------------------------------------------------------- free list
 
@@ -287,9 +296,9 @@ class _Walk:
                 raise LmdbDamage(f"the free list: an entry of page {p} is malformed")
             if f & F_BIGDATA:
                 at = int(self._u64(np.array([p]), np.array([o + NODE + k]))[0])
-                raw = self.pages[at:at + (HEADER + n + self.psize - 1) // self.psize].reshape(-1)[HEADER:HEADER + n]
+                raw = self.pages[at : at + (HEADER + n + self.psize - 1) // self.psize].reshape(-1)[HEADER : HEADER + n]
             else:
-                raw = self.pages[p, o + NODE + k:o + NODE + k + n]
+                raw = self.pages[p, o + NODE + k : o + NODE + k + n]
             ids = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype="<u8").astype(np.int64)
             if ids[0] != len(ids) - 1:
                 raise LmdbDamage(f"the free list: an entry of page {p} counts {ids[0]} pages but holds {len(ids) - 1}")

@@ -37,7 +37,8 @@ class CacheLockedError(NamespaceError):
         super().__init__(
             f"disk cache {path} is already open for writing by pid {h.get('pid', '?')} on host "
             f"{h.get('host', '?')} (engine {h.get('engine_id', '?')}, since {since}); stop that "
-            f"engine, point this one at another disk_path, or open the cache read-only")
+            f"engine, point this one at another disk_path, or open the cache read-only"
+        )
 
 
 class WriterLock:
@@ -70,8 +71,7 @@ class WriterLock:
                     os.close(fd)
                     raise CacheLockedError(ns.path, holder) from None
                 time.sleep(0.02)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                  "engine_id": engine_id}
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "engine_id": engine_id}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         return ns.taken(cls(path, fd, record))
@@ -91,8 +91,9 @@ class WriterLock:
 def read_holder(ns: Namespace) -> dict[str, Any] | None:
     """The lock record of the current holder, or None if the record is empty/unreadable."""
     try:
-        text = read_file(LOCK, dir_fd=ns.fd, path=ns.lock_path, limit=_LOCK_RECORD_BYTES, owner=ns.owner,
-                         fix_mode=False)
+        text = read_file(
+            LOCK, dir_fd=ns.fd, path=ns.lock_path, limit=_LOCK_RECORD_BYTES, owner=ns.owner, fix_mode=False
+        )
         record = json.loads(text) if text.strip() else None
     except (OSError, ValueError, NamespaceError):
         return None

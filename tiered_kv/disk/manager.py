@@ -129,10 +129,21 @@ class DiskOffloadingManager(OffloadingManager):
     too), on whichever thread ran the refresh: the flusher or the caller's.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
-                 disk_bytes: int, checksum: str = "xxh3_64", engine_id: str | None = None,
-                 enable_events: bool = True, flush_interval: float = 0.005,
-                 poll_interval: float | None = 0.002, name: str = "disk", medium: str = DISK):
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike,
+        fingerprint: Fingerprint,
+        layout: KVCacheLayout,
+        *,
+        disk_bytes: int,
+        checksum: str = "xxh3_64",
+        engine_id: str | None = None,
+        enable_events: bool = True,
+        flush_interval: float = 0.005,
+        poll_interval: float | None = 0.002,
+        name: str = "disk",
+        medium: str = DISK,
+    ):
         #: How the composite names this tier: in stats and transfer types (``name``), and
         #: in events and ``hit_medium`` (``medium``); a second disk tier needs its own.
         self.name, self.medium = name, medium
@@ -140,8 +151,7 @@ class DiskOffloadingManager(OffloadingManager):
         self.slot_size = slot_size_for(self.block_bytes)
         capacity = disk_bytes // self.slot_size
         if capacity < 1:
-            raise DiskSizeError(f"disk_bytes={disk_bytes} holds no block; one disk slot is "
-                             f"{self.slot_size} bytes")
+            raise DiskSizeError(f"disk_bytes={disk_bytes} holds no block; one disk slot is {self.slot_size} bytes")
         self.engine_id = engine_id or uuid.uuid4().hex
         self.block_size = layout.offloaded_block_size
         self.tp_size = fingerprint.tp_size
@@ -156,8 +166,12 @@ class DiskOffloadingManager(OffloadingManager):
 
         self.namespace = Namespace.open(cache_dir, fingerprint, layout, num_slots=capacity, checksum=checksum)
         if self.namespace.manifest.checksum != checksum:
-            logger.warning("disk cache %s uses checksum %s (set when it was created); ignoring "
-                           "checksum=%s", self.namespace.path, self.namespace.manifest.checksum, checksum)
+            logger.warning(
+                "disk cache %s uses checksum %s (set when it was created); ignoring checksum=%s",
+                self.namespace.path,
+                self.namespace.manifest.checksum,
+                checksum,
+            )
         self.index: DiskIndex | None = None
         with self.namespace.starting():  # a refused start closes what it took, removes what it made
             self._lock_file = WriterLock.acquire(self.namespace, self.engine_id)
@@ -199,21 +213,34 @@ class DiskOffloadingManager(OffloadingManager):
         self._log_seen = 0
         t0 = time.perf_counter()
         self._load(self.index.load_all(), intact)
-        logger.info("disk tier %s: %d loadable blocks, %d free of %d slots (%d B each), opened in "
-                    "%.3f s", self.namespace.path, len(self._table), len(self._free), capacity,
-                    self.slot_size, time.perf_counter() - t0)
+        logger.info(
+            "disk tier %s: %d loadable blocks, %d free of %d slots (%d B each), opened in %.3f s",
+            self.namespace.path,
+            len(self._table),
+            len(self._free),
+            capacity,
+            self.slot_size,
+            time.perf_counter() - t0,
+        )
         if not len(self._table):
             for line in explain_other_namespaces(cache_dir, fingerprint):
                 logger.warning("not serving disk cache namespace %s", line)
 
     @classmethod
-    def from_config(cls, config, layout: KVCacheLayout, tp_size: int = 1,
-                    engine_id: str | None = None) -> "DiskOffloadingManager":
+    def from_config(
+        cls, config, layout: KVCacheLayout, tp_size: int = 1, engine_id: str | None = None
+    ) -> "DiskOffloadingManager":
         """From a ``TieredConfig`` with ``disk_path`` set."""
         if not config.disk_path:
             raise ValueError("disk_path is not set; the disk tier is disabled")
-        return cls(config.disk_path, Fingerprint.from_config(config, layout, tp_size), layout,
-                   disk_bytes=config.disk_bytes, checksum=config.checksum, engine_id=engine_id)
+        return cls(
+            config.disk_path,
+            Fingerprint.from_config(config, layout, tp_size),
+            layout,
+            disk_bytes=config.disk_bytes,
+            checksum=config.checksum,
+            engine_id=engine_id,
+        )
 
     # ------------------------------------------------------------ startup
 
@@ -232,16 +259,24 @@ class DiskOffloadingManager(OffloadingManager):
         limit = min(self.capacity, intact_slots)
         # Each field of the record array is a strided view: read the slots once.
         slot = np.ascontiguousarray(e["slot"])
-        complete = ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask)) \
-            & (e["size"] == self.block_bytes) & (slot >= 0)
+        complete = (
+            ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask))
+            & (e["size"] == self.block_bytes)
+            & (slot >= 0)
+        )
         lost = 0
         if limit < self.capacity:
             lost = int((complete & (slot >= limit) & (slot < self.capacity)).sum())
         lost += sum(1 for _, entry in snap.odd if limit <= entry.slot < self.capacity)
         if lost:
-            logger.warning("disk tier %s: a slab is missing or truncated (only %d of %d slots on every "
-                           "rank); dropping the %d blocks stored past its end", self.namespace.path,
-                           limit, self.capacity, lost)
+            logger.warning(
+                "disk tier %s: a slab is missing or truncated (only %d of %d slots on every "
+                "rank); dropping the %d blocks stored past its end",
+                self.namespace.path,
+                limit,
+                self.capacity,
+                lost,
+            )
         ok = complete & (slot < limit)
         good = np.flatnonzero(ok)
         used = np.zeros(self.capacity, dtype=bool)
@@ -264,8 +299,12 @@ class DiskOffloadingManager(OffloadingManager):
             keys = np.ascontiguousarray(kept["hash"]).view(np.uint8).reshape(len(kept), -1)
             self._table.load_cold(keys, slots, kept["last_access"])
         for h, entry in sorted(snap.odd, key=lambda he: he[1].last_access):
-            if (entry.ranks & self._full_mask == self._full_mask and entry.size == self.block_bytes
-                    and 0 <= entry.slot < limit and not used[entry.slot]):
+            if (
+                entry.ranks & self._full_mask == self._full_mask
+                and entry.size == self.block_bytes
+                and 0 <= entry.slot < limit
+                and not used[entry.slot]
+            ):
                 self._table.add_many([(h, entry.slot)])
                 used[entry.slot] = True
             else:
@@ -326,8 +365,9 @@ class DiskOffloadingManager(OffloadingManager):
                 else:
                     self._pins[h] = n - 1
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash], *, fresh: bool = False,
-                      protected: Container[BlockHash] = ()) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, block_hashes: Iterable[BlockHash], *, fresh: bool = False, protected: Container[BlockHash] = ()
+    ) -> PrepareStoreOutput | None:
         """The seed's ``prepare_store``: none of ``block_hashes``, nor of ``protected``,
         is evicted to make room (None, changing nothing, when room cannot be made
         otherwise). ``fresh=True`` is the caller's word that the hashes are distinct
@@ -555,8 +595,9 @@ class DiskOffloadingManager(OffloadingManager):
                 durable.append((h, slot))
         return durable
 
-    def _apply_log(self, hashes: list[bytes], statuses: list[int], record_ranks: list[int],
-                   slots: list[int], result: RefreshResult) -> list[tuple[bytes, int]]:
+    def _apply_log(
+        self, hashes: list[bytes], statuses: list[int], record_ranks: list[int], slots: list[int], result: RefreshResult
+    ) -> list[tuple[bytes, int]]:
         """Fold log records into the pending and loadable state (see ``refresh``); returns
         the ``(hash, slot)`` pairs that became durable on every rank, in log order."""
         full = self._full_mask
@@ -649,8 +690,7 @@ class DiskOffloadingManager(OffloadingManager):
                 self._refresh_in_chunks()
             if write_at is None and (woke or polling):  # touches queue without waking us
                 write_at = time.monotonic() + self._flush_interval  # let updates accumulate
-            if not (stop or requested > self._flush_done
-                    or (write_at is not None and time.monotonic() >= write_at)):
+            if not (stop or requested > self._flush_done or (write_at is not None and time.monotonic() >= write_at)):
                 continue
             write_at = None
             self._write_updates()
@@ -676,9 +716,13 @@ class DiskOffloadingManager(OffloadingManager):
                     self._trim_upto = 0
         except Exception:
             self.stats.index_flush_errors += 1
-            logger.exception("disk index flush of %d deletions, %d touches failed; they are "
-                             "dropped (the index stays safe: workers clear stale entries "
-                             "before overwriting a slot)", len(deletions), len(touches))
+            logger.exception(
+                "disk index flush of %d deletions, %d touches failed; they are "
+                "dropped (the index stays safe: workers clear stale entries "
+                "before overwriting a slot)",
+                len(deletions),
+                len(touches),
+            )
 
     def _warm_table(self) -> None:
         """Empty the table's cold generation (``BlockTable.warm_up``) a chunk per hold

@@ -46,8 +46,10 @@ class ManifestError(NamespaceError):
     def __init__(self, path: str | os.PathLike, field_name: str | None, problem: str):
         self.path, self.field = Path(path), field_name
         where = f"{path}: {field_name}" if field_name else str(path)
-        super().__init__(f"{where}: {problem}; the namespace cannot be used as it is (delete "
-                         f"{Path(path).parent} to let an engine start it afresh)")
+        super().__init__(
+            f"{where}: {problem}; the namespace cannot be used as it is (delete "
+            f"{Path(path).parent} to let an engine start it afresh)"
+        )
 
 
 def slot_size_for(block_bytes: int) -> int:
@@ -92,8 +94,9 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def read(cls, ns_dir: str | os.PathLike, dir_fd: int | None = None, owner: int | None = None,
-             fix_mode: bool = True) -> "Manifest":
+    def read(
+        cls, ns_dir: str | os.PathLike, dir_fd: int | None = None, owner: int | None = None, fix_mode: bool = True
+    ) -> "Manifest":
         """Read and check ``ns_dir``'s manifest (through ``dir_fd``, the directory's
         descriptor, when given). Raises ``ManifestError`` or ``NamespaceError``."""
         path = Path(ns_dir) / MANIFEST
@@ -104,8 +107,9 @@ class Manifest:
             except OSError as e:
                 raise NamespaceError(f"cannot open {ns_dir}: {e.strerror}") from None
         try:
-            raw = read_file(MANIFEST, dir_fd=dir_fd, path=path, limit=MAX_MANIFEST_BYTES, owner=owner,
-                            fix_mode=fix_mode)
+            raw = read_file(
+                MANIFEST, dir_fd=dir_fd, path=path, limit=MAX_MANIFEST_BYTES, owner=owner, fix_mode=fix_mode
+            )
         except FileNotFoundError:
             raise NamespaceError(f"{ns_dir} is not a disk cache namespace: {MANIFEST} is missing") from None
         except OSError as e:
@@ -128,8 +132,9 @@ class Manifest:
             raise ManifestError(path, None, f"expected a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
         if version != FORMAT_VERSION or not _is_int(version):
-            raise ManifestError(path, "format_version", f"{_show(version)} is not supported (this build reads "
-                                                        f"version {FORMAT_VERSION})")
+            raise ManifestError(
+                path, "format_version", f"{_show(version)} is not supported (this build reads version {FORMAT_VERSION})"
+            )
         names = {f.name for f in fields(cls)}
         required = {f.name for f in fields(cls) if f.name not in ("format_version", "created_by")}
         missing, unknown = sorted(required - set(data)), sorted(set(data) - names)
@@ -142,19 +147,30 @@ class Manifest:
             if not ok:
                 raise ManifestError(path, name, f"expected {expected}, got {_show(data[name])}")
 
-        need("namespace_id", isinstance(data["namespace_id"], str) and 0 < len(data["namespace_id"]) <= 255
-             and "/" not in data["namespace_id"], "a directory name")
+        need(
+            "namespace_id",
+            isinstance(data["namespace_id"], str)
+            and 0 < len(data["namespace_id"]) <= 255
+            and "/" not in data["namespace_id"],
+            "a directory name",
+        )
         need("fingerprint", isinstance(data["fingerprint"], dict), "an object")
         need("layout", isinstance(data["layout"], dict), "an object")
         need("created_by", isinstance(data.get("created_by", {}), dict), "an object")
         bb = data["block_bytes"]
         need("block_bytes", _is_int(bb) and 0 < bb <= MAX_BLOCK_BYTES, f"a byte count in 1..{MAX_BLOCK_BYTES}")
         ss = data["slot_size"]
-        need("slot_size", _is_int(ss) and ss == slot_size_for(bb),
-             f"{slot_size_for(bb)} (block_bytes {bb} rounded up to {SLOT_ALIGN})")
+        need(
+            "slot_size",
+            _is_int(ss) and ss == slot_size_for(bb),
+            f"{slot_size_for(bb)} (block_bytes {bb} rounded up to {SLOT_ALIGN})",
+        )
         n = data["num_slots"]
-        need("num_slots", _is_int(n) and 0 < n <= MAX_SLAB_BYTES // ss,
-             f"a slot count in 1..{MAX_SLAB_BYTES // ss} ({ss}-byte slots)")
+        need(
+            "num_slots",
+            _is_int(n) and 0 < n <= MAX_SLAB_BYTES // ss,
+            f"a slot count in 1..{MAX_SLAB_BYTES // ss} ({ss}-byte slots)",
+        )
         need("checksum", data["checksum"] in CHECKSUMS, f"one of {', '.join(CHECKSUMS)}")
         t = data["created"]
         need("created", (_is_int(t) or isinstance(t, float)) and 0 <= t < 1e11, "a time in seconds since 1970")
@@ -171,7 +187,7 @@ class Manifest:
             try:
                 data = self.to_json().encode()
                 while data:
-                    data = data[os.write(fd, data):]
+                    data = data[os.write(fd, data) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -185,11 +201,27 @@ class Manifest:
         os.fsync(dir_fd)
 
     @classmethod
-    def new(cls, namespace_id: str, fp: Fingerprint, layout_record: dict[str, Any], block_bytes: int,
-            num_slots: int, checksum: str, created_by: dict[str, Any]) -> "Manifest":
-        m = cls(namespace_id=namespace_id, fingerprint=fp.to_dict(), layout=layout_record,
-                block_bytes=block_bytes, slot_size=slot_size_for(block_bytes), num_slots=int(num_slots),
-                checksum=checksum, created=time.time(), created_by=created_by)
+    def new(
+        cls,
+        namespace_id: str,
+        fp: Fingerprint,
+        layout_record: dict[str, Any],
+        block_bytes: int,
+        num_slots: int,
+        checksum: str,
+        created_by: dict[str, Any],
+    ) -> "Manifest":
+        m = cls(
+            namespace_id=namespace_id,
+            fingerprint=fp.to_dict(),
+            layout=layout_record,
+            block_bytes=block_bytes,
+            slot_size=slot_size_for(block_bytes),
+            num_slots=int(num_slots),
+            checksum=checksum,
+            created=time.time(),
+            created_by=created_by,
+        )
         m.parsed_fingerprint = fp
         return m
 
@@ -218,10 +250,19 @@ def _check_type(annotation: str, name: str, value: Any) -> str | None:
     if value is None:
         return None if optional else "a value, not null"
     if name == "layer_geometry":
-        ok = isinstance(value, list) and value and all(
-            isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], list)
-            # >= 0: vLLM's KV-group entries record "no sliding window" as 0.
-            and all(_is_int(d) and 0 <= d < _MAX_DIM for d in x[1]) for x in value)
+        ok = (
+            isinstance(value, list)
+            and value
+            and all(
+                isinstance(x, list)
+                and len(x) == 2
+                and isinstance(x[0], str)
+                and isinstance(x[1], list)
+                # >= 0: vLLM's KV-group entries record "no sliding window" as 0.
+                and all(_is_int(d) and 0 <= d < _MAX_DIM for d in x[1])
+                for x in value
+            )
+        )
         return None if ok else "a list of [layer name, [block shape]]"
     if base == "str":
         return None if isinstance(value, str) else "a string"

@@ -53,10 +53,19 @@ from tiered_kv.disk.errors import DiskSizeError, NamespaceError
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.locks import LOCK, CacheLockedError, WriterLock, check_worker_access, current_holder, read_holder
 from tiered_kv.disk.manifest import (
-    FORMAT_VERSION, MANIFEST, SLOT_ALIGN, Manifest, ManifestError, slot_size_for,
+    FORMAT_VERSION,
+    MANIFEST,
+    SLOT_ALIGN,
+    Manifest,
+    ManifestError,
+    slot_size_for,
 )
 from tiered_kv.disk.namespace_dir import (
-    check_free_space, create_namespace, index_reserve_bytes, prepare_cache_dir, remove_empty,
+    check_free_space,
+    create_namespace,
+    index_reserve_bytes,
+    prepare_cache_dir,
+    remove_empty,
 )
 from tiered_kv.disk.safe_open import ANY_OWNER, CacheEntryError, check_entry, open_dir, open_file
 from tiered_kv.kv_layout import KVCacheLayout
@@ -64,10 +73,24 @@ from tiered_kv.kv_layout import KVCacheLayout
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FORMAT_VERSION", "MANIFEST", "SLOT_ALIGN", "CacheEntryError", "CacheLockedError", "DiskSizeError",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "SLOT_ALIGN",
+    "CacheEntryError",
+    "CacheLockedError",
+    "DiskSizeError",
     "FingerprintMismatchError",
-    "Manifest", "ManifestError", "Namespace", "NamespaceError", "WriterLock", "check_worker_access",
-    "current_holder", "explain_other_namespaces", "list_namespaces", "read_holder", "slot_size_for",
+    "Manifest",
+    "ManifestError",
+    "Namespace",
+    "NamespaceError",
+    "WriterLock",
+    "check_worker_access",
+    "current_holder",
+    "explain_other_namespaces",
+    "list_namespaces",
+    "read_holder",
+    "slot_size_for",
 ]
 
 INDEX_DIR = "index.lmdb"
@@ -84,7 +107,8 @@ class FingerprintMismatchError(NamespaceError):
         self.fields = [d.split(":", 1)[0] for d in diffs]
         super().__init__(
             f"disk cache namespace {path} holds blocks of another fingerprint and is not served; "
-            f"differing fields: " + "; ".join(diffs))
+            f"differing fields: " + "; ".join(diffs)
+        )
 
 
 class Namespace:
@@ -185,9 +209,17 @@ class Namespace:
     # ------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
-             num_slots: int | None = None, disk_bytes: int | None = None, checksum: str = "xxh3_64",
-             create: bool = True) -> "Namespace":
+    def open(
+        cls,
+        cache_dir: str | os.PathLike,
+        fingerprint: Fingerprint,
+        layout: KVCacheLayout,
+        *,
+        num_slots: int | None = None,
+        disk_bytes: int | None = None,
+        checksum: str = "xxh3_64",
+        create: bool = True,
+    ) -> "Namespace":
         """Open ``fingerprint``'s namespace in ``cache_dir`` for an engine process,
         creating both if absent (``num_slots``, or as many as ``disk_bytes`` holds, then
         sizes it; an existing namespace keeps its own, see ``grow``). Raises
@@ -198,8 +230,10 @@ class Namespace:
         if disk_bytes is not None:
             num_slots = disk_bytes // slot_size_for(layout.bytes_per_block)
             if num_slots < 1:
-                raise DiskSizeError(f"disk_bytes={disk_bytes} holds no block; one disk slot is "
-                                    f"{slot_size_for(layout.bytes_per_block)} bytes")
+                raise DiskSizeError(
+                    f"disk_bytes={disk_bytes} holds no block; one disk slot is "
+                    f"{slot_size_for(layout.bytes_per_block)} bytes"
+                )
         root, root_fd, made = prepare_cache_dir(cache_dir, create)
         name = fingerprint.namespace_id
         ns_dir = root / name
@@ -269,9 +303,12 @@ class Namespace:
         st = os.fstatvfs(self.fd)
         fs_bytes = st.f_blocks * st.f_frsize
         if m.num_slots * m.slot_size > fs_bytes:
-            raise ManifestError(self.path / MANIFEST, "num_slots",
-                                f"{m.num_slots} slots of {m.slot_size} B ({format_size(m.num_slots * m.slot_size)} "
-                                f"per rank) cannot be on a filesystem of {format_size(fs_bytes)}")
+            raise ManifestError(
+                self.path / MANIFEST,
+                "num_slots",
+                f"{m.num_slots} slots of {m.slot_size} B ({format_size(m.num_slots * m.slot_size)} "
+                f"per rank) cannot be on a filesystem of {format_size(fs_bytes)}",
+            )
 
     def _check_serves(self, fingerprint: Fingerprint, layout: KVCacheLayout) -> None:
         """Raise unless this namespace holds ``fingerprint``'s blocks as ``layout`` lays
@@ -281,11 +318,15 @@ class Namespace:
         if diffs:
             raise FingerprintMismatchError(self.path, diffs)
         if m.block_bytes != layout.bytes_per_block:
-            raise FingerprintMismatchError(self.path, [
-                f"block_bytes: {layout.bytes_per_block} here, {m.block_bytes} in the cache"])
+            raise FingerprintMismatchError(
+                self.path, [f"block_bytes: {layout.bytes_per_block} here, {m.block_bytes} in the cache"]
+            )
         if m.namespace_id != self.path.name:
-            raise ManifestError(self.path / MANIFEST, "namespace_id",
-                                f"{m.namespace_id!r} does not name its directory {self.path.name!r}")
+            raise ManifestError(
+                self.path / MANIFEST,
+                "namespace_id",
+                f"{m.namespace_id!r} does not name its directory {self.path.name!r}",
+            )
 
     def check_entries(self) -> None:
         """Raise ``CacheEntryError`` if any entry the cache opens (lock, index, slabs)
@@ -334,8 +375,9 @@ class Namespace:
 
     def open_entry(self, name: str, flags: int, create: bool = False) -> int:
         """A descriptor of the file ``name`` in this directory (``safe_open.open_file``)."""
-        return open_file(name, flags, path=self.path / name, dir_fd=self.fd, owner=self.owner, create=create,
-                         fix_mode=self.writer)
+        return open_file(
+            name, flags, path=self.path / name, dir_fd=self.fd, owner=self.owner, create=create, fix_mode=self.writer
+        )
 
     def reload(self) -> Manifest:
         """Re-read the manifest (another process may have grown ``num_slots``)."""
@@ -347,8 +389,7 @@ class Namespace:
         Raises ``NamespaceError`` first if the filesystem cannot hold the larger size."""
         if num_slots > self.manifest.num_slots:
             check_free_space(self.path, num_slots, self.manifest.slot_size, self.tp_size, self)
-            logger.info("disk namespace %s: growing from %d to %d slots", self.path,
-                        self.manifest.num_slots, num_slots)
+            logger.info("disk namespace %s: growing from %d to %d slots", self.path, self.manifest.num_slots, num_slots)
             self.manifest.num_slots = num_slots
             self.manifest.write_atomic(self.path, self.fd)
 
@@ -372,8 +413,12 @@ class Namespace:
                 _fallocate(fd, size)
             except OSError as e:
                 if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                    logger.warning("%s: the filesystem cannot preallocate (%s); the slab is sparse "
-                                   "and a full disk will fail stores", path, e.strerror)
+                    logger.warning(
+                        "%s: the filesystem cannot preallocate (%s); the slab is sparse "
+                        "and a full disk will fail stores",
+                        path,
+                        e.strerror,
+                    )
                     if os.fstat(fd).st_size < size:
                         os.ftruncate(fd, size)
                 elif e.errno == errno.ENOSPC:
@@ -381,7 +426,8 @@ class Namespace:
                     raise NamespaceError(
                         f"cannot preallocate {path}: {size} bytes ({self.manifest.num_slots} slots of "
                         f"{self.manifest.slot_size}) requested but only {free} bytes are free; lower "
-                        f"disk_bytes or free space") from e
+                        f"disk_bytes or free space"
+                    ) from e
                 else:
                     raise NamespaceError(f"cannot preallocate {path}: {e}") from e
         finally:
@@ -406,12 +452,15 @@ class Namespace:
             _fallocate(fd, want, keep_size=True)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                logger.warning("%s: the filesystem cannot preallocate (%s); a full disk may fail "
-                               "index commits", path, e.strerror)
+                logger.warning(
+                    "%s: the filesystem cannot preallocate (%s); a full disk may fail index commits", path, e.strerror
+                )
             elif e.errno == errno.ENOSPC:
-                raise NamespaceError(f"cannot reserve {format_size(want)} for the index {path}: only "
-                                     f"{format_size(shutil.disk_usage(self.path).free)} free; lower "
-                                     f"disk_bytes or free space") from e
+                raise NamespaceError(
+                    f"cannot reserve {format_size(want)} for the index {path}: only "
+                    f"{format_size(shutil.disk_usage(self.path).free)} free; lower "
+                    f"disk_bytes or free space"
+                ) from e
             else:
                 raise NamespaceError(f"cannot reserve space for the index {path}: {e}") from e
         finally:
@@ -481,8 +530,11 @@ def explain_other_namespaces(cache_dir: str | os.PathLike, fingerprint: Fingerpr
             theirs = ns.fingerprint
         except (ValueError, TypeError):
             continue
-        if (theirs.model_id == fingerprint.model_id or theirs.layer_geometry == fingerprint.layer_geometry
-                or (theirs.weights_digest is not None and theirs.weights_digest == fingerprint.weights_digest)):
+        if (
+            theirs.model_id == fingerprint.model_id
+            or theirs.layer_geometry == fingerprint.layer_geometry
+            or (theirs.weights_digest is not None and theirs.weights_digest == fingerprint.weights_digest)
+        ):
             lines.append(f"{ns.path.name}: " + "; ".join(fingerprint.differences(theirs)))
     return lines
 

@@ -83,8 +83,7 @@ def remove_empty(dirs: list[Path]) -> None:
             return
 
 
-def check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int,
-                      ns: Namespace | None = None) -> None:
+def check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int, ns: Namespace | None = None) -> None:
     """Raise ``NamespaceError`` unless the filesystem of ``where`` has room for a
     namespace of ``num_slots`` (every rank's slab plus the index reserve), counting what
     ``ns`` (an existing namespace) already holds. Checked before a manifest records the
@@ -99,16 +98,20 @@ def check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int,
             f"x {tp_size} rank(s) plus {format_size(need - slabs)} for the index needs "
             f"{format_size(need - held)} more on the filesystem of {where}, but only {free} bytes are "
             f"free ({format_size(free)}; {format_size(held)} already held by this namespace); "
-            f"lower disk_bytes or free space")
+            f"lower disk_bytes or free space"
+        )
 
 
-def create_namespace(root: Path, root_fd: int, name: str, fp: Fingerprint, layout: KVCacheLayout, num_slots: int,
-            checksum: str) -> bool:
+def create_namespace(
+    root: Path, root_fd: int, name: str, fp: Fingerprint, layout: KVCacheLayout, num_slots: int, checksum: str
+) -> bool:
     """Build namespace ``name`` under a temporary name and rename it into place; False
     when a peer's got there first (theirs is used)."""
     if num_slots is None or num_slots < 1:
-        raise DiskSizeError(f"a namespace needs at least one slot of {slot_size_for(layout.bytes_per_block)} "
-                            f"bytes, got num_slots={num_slots}")
+        raise DiskSizeError(
+            f"a namespace needs at least one slot of {slot_size_for(layout.bytes_per_block)} "
+            f"bytes, got num_slots={num_slots}"
+        )
     check_free_space(root, num_slots, slot_size_for(layout.bytes_per_block), fp.tp_size)
     tmp = f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     made = False
@@ -117,9 +120,15 @@ def create_namespace(root: Path, root_fd: int, name: str, fp: Fingerprint, layou
         made = True
         tfd = open_dir(tmp, path=root / tmp, dir_fd=root_fd)
         try:
-            manifest = Manifest.new(name, fp, {**layout.describe(), "bytes_per_block": layout.bytes_per_block},
-                                    layout.bytes_per_block, num_slots, checksum,
-                                    {"pid": os.getpid(), "host": socket.gethostname()})
+            manifest = Manifest.new(
+                name,
+                fp,
+                {**layout.describe(), "bytes_per_block": layout.bytes_per_block},
+                layout.bytes_per_block,
+                num_slots,
+                checksum,
+                {"pid": os.getpid(), "host": socket.gethostname()},
+            )
             manifest.write_atomic(root / tmp, tfd)
             os.close(open_file(LOCK, os.O_WRONLY, path=root / tmp / LOCK, dir_fd=tfd, create=True, exclusive=True))
         finally:
@@ -132,8 +141,9 @@ def create_namespace(root: Path, root_fd: int, name: str, fp: Fingerprint, layou
             return False  # another process created it first; use theirs
         made = False
         os.fsync(root_fd)
-        logger.info("created disk cache namespace %s (%d slots of %d bytes)", root / name, num_slots,
-                    manifest.slot_size)
+        logger.info(
+            "created disk cache namespace %s (%d slots of %d bytes)", root / name, num_slots, manifest.slot_size
+        )
         return True
     except OSError as e:
         raise NamespaceError(f"cannot create namespace in {root}: {e}") from e

@@ -52,14 +52,20 @@ class CacheEntryError(NamespaceError):
         self.path, self.what, self.expected = Path(path), what, expected
         super().__init__(
             f"{path} is {what}, not {expected} of this cache's user, so nothing is read or written through it. "
-            + (advice or "Remove it, or give disk_path a directory that only this user can write to"))
+            + (advice or "Remove it, or give disk_path a directory that only this user can write to")
+        )
 
 
 def _kind(mode: int) -> str:
-    for test, word in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
-                       (stat.S_ISLNK, "a symbolic link")):
+    for test, word in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
         if test(mode):
             return word
     return f"a special file (mode {mode:o})"
@@ -94,17 +100,26 @@ def check_owner(st: os.stat_result, path: str | os.PathLike, owner: int, expecte
     """Raise ``CacheEntryError`` unless ``st`` belongs to uid ``owner`` (``ANY_OWNER``:
     anyone)."""
     if owner != ANY_OWNER and st.st_uid != owner:
-        raise CacheEntryError(path, f"{_kind(st.st_mode)} owned by uid {st.st_uid} (this cache's user is uid "
-                                    f"{owner})", expected)
+        raise CacheEntryError(
+            path, f"{_kind(st.st_mode)} owned by uid {st.st_uid} (this cache's user is uid {owner})", expected
+        )
 
 
 def _owner(owner: int | None) -> int:
     return os.geteuid() if owner is None else owner
 
 
-def open_file(name: str | os.PathLike, flags: int, *, path: str | os.PathLike, dir_fd: int | None = None,
-              owner: int | None = None, create: bool = False, exclusive: bool = False,
-              fix_mode: bool = True) -> int:
+def open_file(
+    name: str | os.PathLike,
+    flags: int,
+    *,
+    path: str | os.PathLike,
+    dir_fd: int | None = None,
+    owner: int | None = None,
+    create: bool = False,
+    exclusive: bool = False,
+    fix_mode: bool = True,
+) -> int:
     """A descriptor of the regular file ``name`` (relative to ``dir_fd``; ``path`` is its
     name in messages), opened with ``flags`` plus ``O_NOFOLLOW``, and never blocking on
     a FIFO. ``create`` makes it ``0600`` if missing (``exclusive``: it must not exist).
@@ -121,8 +136,15 @@ def open_file(name: str | os.PathLike, flags: int, *, path: str | os.PathLike, d
     except FileNotFoundError:
         raise
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EEXIST, errno.ENOTDIR,
-                       errno.EOPNOTSUPP, errno.ETXTBSY):
+        if e.errno in (
+            errno.ELOOP,
+            errno.EISDIR,
+            errno.ENXIO,
+            errno.EEXIST,
+            errno.ENOTDIR,
+            errno.EOPNOTSUPP,
+            errno.ETXTBSY,
+        ):
             raise CacheEntryError(path, describe(name, dir_fd)) from None
         raise
     try:
@@ -139,8 +161,15 @@ def open_file(name: str | os.PathLike, flags: int, *, path: str | os.PathLike, d
     return fd
 
 
-def open_dir(name: str | os.PathLike, *, path: str | os.PathLike, dir_fd: int | None = None,
-             owner: int | None = None, create: bool = False, fix_mode: bool = True) -> int:
+def open_dir(
+    name: str | os.PathLike,
+    *,
+    path: str | os.PathLike,
+    dir_fd: int | None = None,
+    owner: int | None = None,
+    create: bool = False,
+    fix_mode: bool = True,
+) -> int:
     """A descriptor of the directory ``name`` (relative to ``dir_fd``), not following a
     symbolic link; ``create`` makes it ``0700`` if missing. Ownership and ``fix_mode``
     as for ``open_file`` (``0700``). Raises ``CacheEntryError``, ``FileNotFoundError``
@@ -169,8 +198,9 @@ def open_dir(name: str | os.PathLike, *, path: str | os.PathLike, dir_fd: int | 
     return fd
 
 
-def check_entry(name: str, *, dir_fd: int, path: str | os.PathLike, directory: bool = False,
-                owner: int | None = None) -> os.stat_result | None:
+def check_entry(
+    name: str, *, dir_fd: int, path: str | os.PathLike, directory: bool = False, owner: int | None = None
+) -> os.stat_result | None:
     """``lstat`` of ``name`` in ``dir_fd``: None when it is missing; raises
     ``CacheEntryError`` unless it is a regular file (``directory``: a directory) of uid
     ``owner``. For files another library opens by name (LMDB's), checked before it
@@ -187,8 +217,9 @@ def check_entry(name: str, *, dir_fd: int, path: str | os.PathLike, directory: b
     return st
 
 
-def read_file(name: str, *, dir_fd: int, path: str | os.PathLike, limit: int, owner: int | None = None,
-              fix_mode: bool = True) -> bytes:
+def read_file(
+    name: str, *, dir_fd: int, path: str | os.PathLike, limit: int, owner: int | None = None, fix_mode: bool = True
+) -> bytes:
     """The first ``limit`` + 1 bytes at most of the regular file ``name`` (see
     ``open_file``), so a caller can tell a file longer than ``limit``."""
     fd = open_file(name, os.O_RDONLY, path=path, dir_fd=dir_fd, owner=owner, fix_mode=fix_mode)

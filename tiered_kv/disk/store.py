@@ -54,7 +54,14 @@ from tiered_kv.device import empty_pageable, empty_pinned
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.index import Entry, IndexSnapshot, StoredBlocks
 from tiered_kv.disk.io_backends import (
-    ALIGN, BackendFile, IOBackend, PosixBackend, aligned_empty, host_view, is_aligned, select_backend,
+    ALIGN,
+    BackendFile,
+    IOBackend,
+    PosixBackend,
+    aligned_empty,
+    host_view,
+    is_aligned,
+    select_backend,
 )
 from tiered_kv.disk.namespace import Namespace, check_worker_access, list_namespaces
 from tiered_kv.host_memory import SlotViews
@@ -62,8 +69,15 @@ from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskStore", "DiskStoreStats", "WriteBatch", "ReadBatch", "RunChecksums", "checksum_function",
-           "list_namespaces"]
+__all__ = [
+    "DiskStore",
+    "DiskStoreStats",
+    "WriteBatch",
+    "ReadBatch",
+    "RunChecksums",
+    "checksum_function",
+    "list_namespaces",
+]
 
 #: Runs of consecutive slots are coalesced into reads/writes of up to this many bytes
 #: (a larger block is one call of its own).
@@ -89,8 +103,9 @@ def checksum_function(name: str) -> Callable[[memoryview], int]:
         try:
             import crc32c
         except ImportError:
-            raise RuntimeError("checksum crc32c needs the 'crc32c' package (pip install crc32c), "
-                               "or use checksum xxh3_64") from None
+            raise RuntimeError(
+                "checksum crc32c needs the 'crc32c' package (pip install crc32c), or use checksum xxh3_64"
+            ) from None
         return crc32c.crc32c
     raise ValueError(f"checksum: expected xxh3_64 or crc32c, got {name!r}")
 
@@ -122,14 +137,16 @@ class RunChecksums:
                 h = xxhash.xxh3_64()
                 for piece in pieces:
                     for at in range(0, len(piece), _HELD_UPDATE):
-                        h.update(piece[at:at + _HELD_UPDATE])
+                        h.update(piece[at : at + _HELD_UPDATE])
                 return h.intdigest()
         else:  # crc32c continues from a previous value
+
             def held(pieces: Sequence[memoryview]) -> int:
                 value = 0
                 for piece in pieces:
                     value = self.one_call(piece, value, _KEEP_GIL)
                 return value
+
         self.held = held
 
     def __call__(self, run: Sequence[Sequence[memoryview]]) -> list[int]:
@@ -181,8 +198,7 @@ class DiskStoreStats:
 class BlockIO:
     """The synchronous block API, over a store's ``begin_write``/``begin_read``."""
 
-    def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
-                     data: torch.Tensor) -> list[bool]:
+    def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int], data: torch.Tensor) -> list[bool]:
         """Store ``data[i, :block_bytes]`` as block ``hashes[i]`` in slot ``slots[i]`` of
         rank ``rank``; returns per-block success. ``data`` is uint8 ``(N, >= block_bytes)``;
         it is copied to an aligned buffer first unless it already is one
@@ -191,8 +207,7 @@ class BlockIO:
         batch.submit(0, data)
         return batch.finish()
 
-    def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int],
-                    out: torch.Tensor) -> list[bool]:
+    def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int], out: torch.Tensor) -> list[bool]:
         """Load blocks into ``out[i, :block_bytes]`` (uint8 ``(N, >= block_bytes)``),
         verifying each; returns per-block success (False: missing or corrupt)."""
         batch = self.begin_read(rank, hashes, slots)  # type: ignore[attr-defined]
@@ -207,8 +222,15 @@ class DiskStore(BlockIO):
     ``begin_write``/``begin_read`` to overlap packing with I/O.
     """
 
-    def __init__(self, namespace: Namespace, backend: IOBackend, *, readonly: bool = False,
-                 engine_id: str | None = None, owns_backend: bool = True):
+    def __init__(
+        self,
+        namespace: Namespace,
+        backend: IOBackend,
+        *,
+        readonly: bool = False,
+        engine_id: str | None = None,
+        owns_backend: bool = True,
+    ):
         self.namespace = namespace.retain()  # closed by ``close``
         self.backend = backend
         self.readonly = readonly
@@ -221,8 +243,7 @@ class DiskStore(BlockIO):
         self.run_checksums = RunChecksums(m.checksum)
         if not readonly:
             check_worker_access(namespace, engine_id)
-        self.index = namespace.open_index(readonly=readonly, expected_entries=m.num_slots,
-                                          repair=not readonly)
+        self.index = namespace.open_index(readonly=readonly, expected_entries=m.num_slots, repair=not readonly)
         self.stats = DiskStoreStats()
         self._stats_lock = threading.Lock()
         self._files: dict[int, BackendFile] = {}
@@ -231,8 +252,9 @@ class DiskStore(BlockIO):
         self._committer = _GroupCommitter(self)
         # Checksums run on their own threads: on the backend's pool each one would hold
         # an I/O thread and cut the queue depth the device sees (threads start lazily).
-        self._hash_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
-                                             thread_name_prefix="tkv-disk-checksum")
+        self._hash_pool = ThreadPoolExecutor(
+            max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="tkv-disk-checksum"
+        )
         self._pack_buffers: list[torch.Tensor] = []  # free pack buffers (``submit_slots``)
         self._pack_made = 0
         self._pack_free = threading.Condition()
@@ -241,16 +263,26 @@ class DiskStore(BlockIO):
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, fingerprint: Fingerprint, layout: KVCacheLayout, *,
-             disk_bytes: int, checksum: str = "xxh3_64", io_backend: str | IOBackend = "auto",
-             io_threads: int = 4, engine_id: str | None = None) -> "DiskStore":
+    def open(
+        cls,
+        cache_dir: str | os.PathLike,
+        fingerprint: Fingerprint,
+        layout: KVCacheLayout,
+        *,
+        disk_bytes: int,
+        checksum: str = "xxh3_64",
+        io_backend: str | IOBackend = "auto",
+        io_threads: int = 4,
+        engine_id: str | None = None,
+    ) -> "DiskStore":
         """Open (creating if absent) ``fingerprint``'s namespace for writing; ``disk_bytes``
         sizes a new one. Raises ``FingerprintMismatchError``, ``NamespaceError``,
         ``CacheLockedError`` (another engine writes there) or ``BackendUnavailableError``."""
         checksum_function(checksum)  # fail early on a bad name or missing package
         with Namespace.open(cache_dir, fingerprint, layout, disk_bytes=disk_bytes, checksum=checksum).handover() as ns:
-            backend = io_backend if isinstance(io_backend, IOBackend) else select_backend(io_backend, ns.path,
-                                                                                           io_threads)
+            backend = (
+                io_backend if isinstance(io_backend, IOBackend) else select_backend(io_backend, ns.path, io_threads)
+            )
             return cls(ns, backend, engine_id=engine_id, owns_backend=not isinstance(io_backend, IOBackend))
 
     @classmethod
@@ -295,7 +327,7 @@ class DiskStore(BlockIO):
             return None
         buf = aligned_empty(self.slot_size).view(1, self.slot_size)
         ok = self.read_blocks(rank, [block_hash], [e.slot], buf)
-        return bytes(host_view(buf[0, :self.block_bytes])) if ok[0] else None
+        return bytes(host_view(buf[0, : self.block_bytes])) if ok[0] else None
 
     # ------------------------------------------------------------ block I/O
 
@@ -346,17 +378,22 @@ class DiskStore(BlockIO):
             self._pack_buffers.append(buf)
             self._pack_free.notify()
 
-    def _view_runs(self, slots: Sequence[int], start: int, blocks: Sequence[Sequence[memoryview]]
-                   ) -> list[tuple[int, int]]:
+    def _view_runs(
+        self, slots: Sequence[int], start: int, blocks: Sequence[Sequence[memoryview]]
+    ) -> list[tuple[int, int]]:
         """``_runs`` for blocks given as views, after checking each block's size."""
         for pieces in blocks:
             if sum(map(len, pieces)) != self.block_bytes:
-                raise ValueError(f"a block's views hold {sum(map(len, pieces))} bytes; expected "
-                                 f"{self.block_bytes}")
+                raise ValueError(f"a block's views hold {sum(map(len, pieces))} bytes; expected {self.block_bytes}")
         return _runs(slots, start, len(blocks), max(1, MAX_IO_BYTES // self.slot_size))
 
-    def _view_io(self, call: Callable[[BackendFile, list[memoryview], int], None], f: BackendFile,
-                 run: Sequence[Sequence[memoryview]], offset: int) -> None:
+    def _view_io(
+        self,
+        call: Callable[[BackendFile, list[memoryview], int], None],
+        f: BackendFile,
+        run: Sequence[Sequence[memoryview]],
+        offset: int,
+    ) -> None:
         """``call`` (the backend's ``preadv``/``pwritev``) over the views of ``run`` (blocks
         in consecutive slots from ``offset``): one call, as on the row path, unless it
         has more than ``IOV_MAX`` views. A block larger than ``MAX_IO_BYTES`` is not split
@@ -364,7 +401,7 @@ class DiskStore(BlockIO):
         the bytes in flight that one call does."""
         iovecs = [v for pieces in run for v in pieces]
         for first in range(0, len(iovecs), IOV_MAX):
-            views = iovecs[first:first + IOV_MAX]
+            views = iovecs[first : first + IOV_MAX]
             call(f, views, offset)
             offset += sum(map(len, views))
 
@@ -382,8 +419,9 @@ class DiskStore(BlockIO):
                 if self.namespace.manifest.num_slots <= max_slot:
                     self.namespace.reload()
                 if self.namespace.manifest.num_slots <= max_slot:
-                    raise ValueError(f"slot {max_slot} is out of range: the namespace has "
-                                     f"{self.namespace.manifest.num_slots} slots")
+                    raise ValueError(
+                        f"slot {max_slot} is out of range: the namespace has {self.namespace.manifest.num_slots} slots"
+                    )
                 self.namespace.allocate_slab(rank)
                 self._allocated[rank] = self.namespace.manifest.num_slots
             f = self._files.get(rank)
@@ -396,8 +434,10 @@ class DiskStore(BlockIO):
     def _io_buffer(self, f: BackendFile, rows: torch.Tensor) -> torch.Tensor | None:
         """``rows`` itself when it can go to the backend as is, else None (bounce it)."""
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] < self.block_bytes:
-            raise ValueError(f"block data must be a uint8 tensor of shape (N, >= {self.block_bytes}); "
-                             f"got {rows.dtype} {tuple(rows.shape)}")
+            raise ValueError(
+                f"block data must be a uint8 tensor of shape (N, >= {self.block_bytes}); "
+                f"got {rows.dtype} {tuple(rows.shape)}"
+            )
         if rows.device.type != "cpu" and not self.backend.device_buffers:
             return None
         if rows.shape[1] != self.slot_size or not rows.is_contiguous():
@@ -440,7 +480,7 @@ def _block_views(rows: torch.Tensor, block_bytes: int) -> list[list[memoryview]]
     (a 3 us ``reshape`` took 1.4 ms beside one busy thread: tools/bench_gil_handoff.py).
     """
     view, stride = host_view(rows), rows.shape[1]
-    return [[view[i:i + block_bytes]] for i in range(0, len(rows) * stride, stride)]
+    return [[view[i : i + block_bytes]] for i in range(0, len(rows) * stride, stride)]
 
 
 class _Batch:
@@ -469,16 +509,20 @@ class _Batch:
         per_chunk = max(1, PACK_CHUNK_BYTES // self.store.slot_size)
         futs = []
         for a in range(0, len(slots), per_chunk):
-            fut = self._submit_packed(start + a, views, slots[a:a + per_chunk])
+            fut = self._submit_packed(start + a, views, slots[a : a + per_chunk])
             if fut is None:
                 break
             futs.append(fut)
         return self._all_done(futs, start, start + len(slots))
 
-    def _row_runs(self, start: int, buf: torch.Tensor, sums: torch.Tensor,
-                  tensor_io: Callable[[BackendFile, torch.Tensor, int], None],
-                  view_io: Callable[[BackendFile, list[memoryview], int], None]
-                  ) -> Iterator[tuple[int, int, int, Callable[[], None], list[list[memoryview]]]]:
+    def _row_runs(
+        self,
+        start: int,
+        buf: torch.Tensor,
+        sums: torch.Tensor,
+        tensor_io: Callable[[BackendFile, torch.Tensor, int], None],
+        view_io: Callable[[BackendFile, list[memoryview], int], None],
+    ) -> Iterator[tuple[int, int, int, Callable[[], None], list[list[memoryview]]]]:
         """The runs of consecutive slots among blocks ``start ..`` held in the rows of
         ``buf``, as ``(first block, first row, n, io, blocks)``: ``io()`` moves the run
         (``view_io`` on a byte view of host rows, ``tensor_io`` on device rows) and
@@ -490,9 +534,12 @@ class _Batch:
         data = host_view(buf) if buf.device.type == "cpu" else None
         for first, n in _runs(self.slots, start, len(buf), max(1, MAX_IO_BYTES // slot)):
             lo, offset = first - start, self.slots[first] * slot
-            io = (partial(tensor_io, f, buf[lo:lo + n].reshape(-1), offset) if data is None
-                  else partial(view_io, f, [data[lo * slot:(lo + n) * slot]], offset))
-            yield first, lo, n, io, blocks[lo:lo + n]
+            io = (
+                partial(tensor_io, f, buf[lo : lo + n].reshape(-1), offset)
+                if data is None
+                else partial(view_io, f, [data[lo * slot : (lo + n) * slot]], offset)
+            )
+            yield first, lo, n, io, blocks[lo : lo + n]
 
     #: True for writes (pack, then write), False for reads (read, then unpack).
     _writes: bool
@@ -502,7 +549,7 @@ class _Batch:
         store's pool once the chunk is written (or read and unpacked)."""
         store = self.store
         buf = store._take_pack_buffer()
-        rows = buf[:len(cpu_slots)]
+        rows = buf[: len(cpu_slots)]
         try:
             if self._writes:
                 views.pack(cpu_slots, rows)
@@ -580,7 +627,7 @@ class WriteBatch(_Batch):
         buf = store._io_buffer(self._file, rows)
         if buf is None:  # wrong stride, misaligned or device memory: bounce through host
             buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
-            buf[:, :store.block_bytes].copy_(rows[:, :store.block_bytes])
+            buf[:, : store.block_bytes].copy_(rows[:, : store.block_bytes])
             host_rows = None
         sums = buf if host_rows is None else host_rows
         runs = self._row_runs(start, buf, sums, store.backend.pwrite, store.backend.pwritev)
@@ -597,9 +644,14 @@ class WriteBatch(_Batch):
 
         def runs():
             for first, n in store._view_runs(self.slots, start, blocks):
-                run = blocks[first - start:first - start + n]
-                yield first, partial(store._view_io, store.backend.pwritev, self._file, run,
-                                     self.slots[first] * store.slot_size), run
+                run = blocks[first - start : first - start + n]
+                yield (
+                    first,
+                    partial(
+                        store._view_io, store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size
+                    ),
+                    run,
+                )
 
         return self._write_runs(runs())
 
@@ -631,7 +683,7 @@ class WriteBatch(_Batch):
     def _checksum_run(self, first: int, run: Sequence[Sequence[memoryview]]) -> None:
         """Record the checksums of blocks ``first ..`` (``run``: each block's views)."""
         try:
-            self.checksums[first:first + len(run)] = self.store.run_checksums(run)
+            self.checksums[first : first + len(run)] = self.store.run_checksums(run)
         except Exception as e:
             self._fail(e)
 
@@ -691,10 +743,16 @@ class WriteBatch(_Batch):
         store = self.store
         n_ok = sum(ok)
         if n_ok < len(ok):
-            logger.warning("disk store of %d blocks on rank %d: %d failed (%s)", len(ok), self.rank,
-                           len(ok) - n_ok, self._error or "unknown error")
-        store._count(stores=n_ok, store_failures=len(ok) - n_ok, enospc=int(self._enospc),
-                     bytes_written=n_ok * store.block_bytes)
+            logger.warning(
+                "disk store of %d blocks on rank %d: %d failed (%s)",
+                len(ok),
+                self.rank,
+                len(ok) - n_ok,
+                self._error or "unknown error",
+            )
+        store._count(
+            stores=n_ok, store_failures=len(ok) - n_ok, enospc=int(self._enospc), bytes_written=n_ok * store.block_bytes
+        )
         self.seconds = time.perf_counter() - self._t0
         return ok
 
@@ -707,8 +765,15 @@ class _IndexWrite:
 
     __slots__ = ("clear", "rank", "file", "hashes", "slots", "checksums", "committed", "error", "done")
 
-    def __init__(self, clear: bool, rank: int, file: BackendFile | None, hashes: list[bytes],
-                 slots: list[int], checksums: list[int | None] | None = None):
+    def __init__(
+        self,
+        clear: bool,
+        rank: int,
+        file: BackendFile | None,
+        hashes: list[bytes],
+        slots: list[int],
+        checksums: list[int | None] | None = None,
+    ):
         self.clear, self.rank, self.file, self.hashes, self.slots = clear, rank, file, hashes, slots
         self.checksums = list(checksums) if checksums is not None else []
         self.committed = False
@@ -750,8 +815,9 @@ class _GroupCommitter:
         returned with no ``error``."""
         return self._enqueue(_IndexWrite(True, rank, None, hashes, slots))
 
-    def commit(self, rank: int, file: BackendFile | None, hashes: list[bytes], slots: list[int],
-               checksums: list[int | None]) -> _IndexWrite:
+    def commit(
+        self, rank: int, file: BackendFile | None, hashes: list[bytes], slots: list[int], checksums: list[int | None]
+    ) -> _IndexWrite:
         """Queue step 3 for one job (blocks with a None checksum are logged failed)."""
         return self._enqueue(_IndexWrite(False, rank, file, hashes, slots, checksums))
 
@@ -818,16 +884,21 @@ class _GroupCommitter:
     def _transact(self, group: list[_IndexWrite]) -> None:
         store = self._store
         try:
-            store.index.commit_group([r.stored(store.block_bytes) for r in group if not r.clear],
-                                     [(r.rank, r.hashes, r.slots) for r in group if r.clear])
+            store.index.commit_group(
+                [r.stored(store.block_bytes) for r in group if not r.clear],
+                [(r.rank, r.hashes, r.slots) for r in group if r.clear],
+            )
         except lmdb.Error as e:
             if len(group) > 1:  # find the job(s) that cannot commit; the others still do
                 for r in group:
                     self._transact([r])
                 return
             r = group[0]
-            r.error = r.error or (OSError(errno.ENOSPC, f"index commit failed: {e}") if "No space" in str(e)
-                                  else RuntimeError(f"index commit failed: {e}"))
+            r.error = r.error or (
+                OSError(errno.ENOSPC, f"index commit failed: {e}")
+                if "No space" in str(e)
+                else RuntimeError(f"index commit failed: {e}")
+            )
             if not r.clear:
                 r.checksums = [None] * len(r.hashes)
                 store.index.log_failed(r.rank, r.hashes, r.slots)
@@ -857,8 +928,7 @@ class ReadBatch(_Batch):
         try:
             self._file = store._file(rank, max(slots)) if slots else None
             for i, e in enumerate(store.index.get_many(hashes)):
-                if (e is not None and e.slot == slots[i] and e.has_rank(rank)
-                        and e.size == store.block_bytes):
+                if e is not None and e.slot == slots[i] and e.has_rank(rank) and e.size == store.block_bytes:
                     self.expected[i] = e.checksums[rank]
         except (OSError, lmdb.Error, ValueError, RuntimeError) as e:
             self._error = f"{type(e).__name__}: {e}"
@@ -882,9 +952,12 @@ class ReadBatch(_Batch):
             # Only read runs of blocks that have an entry to verify against.
             if all(self.expected[first + i] is None for i in range(n)):
                 continue
-            mirror = None if host_rows is None else partial(host_rows[lo:lo + n].copy_, buf[lo:lo + n])
-            unbounce = (partial(rows[lo:lo + n, :store.block_bytes].copy_, buf[lo:lo + n, :store.block_bytes])
-                        if bounce else None)
+            mirror = None if host_rows is None else partial(host_rows[lo : lo + n].copy_, buf[lo : lo + n])
+            unbounce = (
+                partial(rows[lo : lo + n, : store.block_bytes].copy_, buf[lo : lo + n, : store.block_bytes])
+                if bounce
+                else None
+            )
             done: Future = Future()
             verify = partial(self._verify, first, blocks, mirror, unbounce)
             store.backend.submit(self._read_then_verify, read, verify, done)
@@ -905,7 +978,7 @@ class ReadBatch(_Batch):
         for first, n in store._view_runs(self.slots, start, blocks):
             if all(self.expected[first + i] is None for i in range(n)):
                 continue
-            run = blocks[first - start:first - start + n]
+            run = blocks[first - start : first - start + n]
             done: Future = Future()
             read = partial(store._view_io, store.backend.preadv, self._file, run, self.slots[first] * store.slot_size)
             store.backend.submit(self._read_then_verify, read, partial(self._verify, first, run), done)
@@ -940,8 +1013,13 @@ class ReadBatch(_Batch):
         finally:
             done.set_result(None)
 
-    def _verify(self, first: int, run: Sequence[Sequence[memoryview]], before: Callable[[], object] | None = None,
-                after: Callable[[], object] | None = None) -> None:
+    def _verify(
+        self,
+        first: int,
+        run: Sequence[Sequence[memoryview]],
+        before: Callable[[], object] | None = None,
+        after: Callable[[], object] | None = None,
+    ) -> None:
         """Check blocks ``first ..`` (``run``: each block's views), after ``before`` (the
         copy of device rows into the host rows those views show) and then ``after``
         (the copy out of a bounce buffer)."""
@@ -972,8 +1050,12 @@ class ReadBatch(_Batch):
         bad = sorted(set(self._corrupt) | set(self._missing))
         if bad:
             for i in self._corrupt:
-                logger.error("disk block %s (rank %d, slot %d) failed its checksum; dropping it",
-                             self.hashes[i].hex()[:16], self.rank, self.slots[i])
+                logger.error(
+                    "disk block %s (rank %d, slot %d) failed its checksum; dropping it",
+                    self.hashes[i].hex()[:16],
+                    self.rank,
+                    self.slots[i],
+                )
             try:
                 store.index.drop_corrupt(self.rank, [(self.hashes[i], self.slots[i]) for i in bad])
             except lmdb.Error as e:
@@ -982,9 +1064,13 @@ class ReadBatch(_Batch):
             logger.warning("disk load of %d blocks on rank %d failed: %s", len(self.ok), self.rank, self._error)
             self.ok = [False] * len(self.ok)
         n_ok = sum(self.ok)
-        store._count(loads=n_ok, load_failures=len(self.ok) - n_ok,
-                     checksum_failures=len(self._corrupt), missing_entries=len(self._missing),
-                     bytes_read=n_ok * store.block_bytes)
+        store._count(
+            loads=n_ok,
+            load_failures=len(self.ok) - n_ok,
+            checksum_failures=len(self._corrupt),
+            missing_entries=len(self._missing),
+            bytes_read=n_ok * store.block_bytes,
+        )
         self.seconds = time.perf_counter() - self._t0
         return list(self.ok)
 

@@ -50,13 +50,22 @@ class DiskTier:
 
     def get_manager(self) -> "DiskOffloadingManager":
         from tiered_kv.disk.manager import DiskOffloadingManager
-        return DiskOffloadingManager(
-            self.config.disk_path, self.fingerprint, self.layout, disk_bytes=self.config.disk_bytes,
-            checksum=self.config.checksum, engine_id=self.engine_id, enable_events=self.enable_events,
-            name=self.name, medium=self.medium)
 
-    def get_worker(self, host: "HostKVCache", kv_caches: Mapping[str, torch.Tensor],
-                   stats: "TieredStats") -> LowerTierWorker:
+        return DiskOffloadingManager(
+            self.config.disk_path,
+            self.fingerprint,
+            self.layout,
+            disk_bytes=self.config.disk_bytes,
+            checksum=self.config.checksum,
+            engine_id=self.engine_id,
+            enable_events=self.enable_events,
+            name=self.name,
+            medium=self.medium,
+        )
+
+    def get_worker(
+        self, host: "HostKVCache", kv_caches: Mapping[str, torch.Tensor], stats: "TieredStats"
+    ) -> LowerTierWorker:
         from tiered_kv.disk.io_process import open_worker_store
         from tiered_kv.tiered.handlers import DiskStager
         from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
@@ -65,11 +74,14 @@ class DiskTier:
         gpu_tensors = [kv_caches[layer.name] for layer in self.layout.layers]
         # Twice the manager's bound: a buffer returns a moment after the manager may
         # already have seen its block's index commit and queued the next write.
-        stager = DiskStager(host, self.store, self.rank, 2 * self.config.max_pending_disk_writes, stats,
-                            tier_name=self.name)
-        return LowerTierWorker(stager=stager,
-                               to_gpu=GpuDiskHandler(self.store, self.rank, gpu_tensors, self.layout),
-                               to_cpu=CpuDiskHandler(self.store, self.rank, host, self.layout))
+        stager = DiskStager(
+            host, self.store, self.rank, 2 * self.config.max_pending_disk_writes, stats, tier_name=self.name
+        )
+        return LowerTierWorker(
+            stager=stager,
+            to_gpu=GpuDiskHandler(self.store, self.rank, gpu_tensors, self.layout),
+            to_cpu=CpuDiskHandler(self.store, self.rank, host, self.layout),
+        )
 
     def close(self) -> None:
         """Close this worker's store (the handlers using it must be shut down first)."""

@@ -17,7 +17,20 @@ from tiered_kv.inspect.summary import ListFilter, list_entries, summarize_cache,
 from tiered_kv.inspect.verify import VerifyResult, verify_namespace
 
 __all__ = [
-    "BenchResult", "CacheDir", "EntryTable", "EvictResult", "InspectError", "ListFilter", "clear",
-    "evict", "list_entries", "open_cache", "read_entries", "run_bench", "summarize_cache",
-    "summarize_namespace", "VerifyResult", "verify_namespace",
+    "BenchResult",
+    "CacheDir",
+    "EntryTable",
+    "EvictResult",
+    "InspectError",
+    "ListFilter",
+    "clear",
+    "evict",
+    "list_entries",
+    "open_cache",
+    "read_entries",
+    "run_bench",
+    "summarize_cache",
+    "summarize_namespace",
+    "VerifyResult",
+    "verify_namespace",
 ]

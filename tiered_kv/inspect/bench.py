@@ -68,19 +68,31 @@ class BenchResult:
         return self.median(f"tier_{op}") / raw if raw else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "backend": self.backend, "raw": {"o_direct": self.raw_direct},
-                "total_bytes": self.total_bytes, "block_bytes": self.block_bytes, "threads": self.threads,
-                "gbps": self.gbps, "median_gbps": {k: self.median(k) for k in KINDS},
-                "write_ratio": self.ratio("write"), "read_ratio": self.ratio("read")}
+        return {
+            "path": self.path,
+            "backend": self.backend,
+            "raw": {"o_direct": self.raw_direct},
+            "total_bytes": self.total_bytes,
+            "block_bytes": self.block_bytes,
+            "threads": self.threads,
+            "gbps": self.gbps,
+            "median_gbps": {k: self.median(k) for k in KINDS},
+            "write_ratio": self.ratio("write"),
+            "read_ratio": self.ratio("read"),
+        }
 
 
 def backend_fields(backend: Any, o_direct: bool) -> dict[str, Any]:
     """An I/O backend as JSON fields: ``name`` (posix or kvikio), ``threads``, ``gds``
     (device buffers go straight to the disk), ``o_direct`` (host I/O bypasses the page
     cache) and a one-line ``description``."""
-    return {"name": backend.name, "threads": backend.threads, "gds": bool(backend.gds),
-            "o_direct": bool(o_direct and getattr(backend, "want_direct", True)),
-            "description": backend.describe()}
+    return {
+        "name": backend.name,
+        "threads": backend.threads,
+        "gds": bool(backend.gds),
+        "o_direct": bool(o_direct and getattr(backend, "want_direct", True)),
+        "description": backend.describe(),
+    }
 
 
 def _bench_layout(block_bytes: int) -> KVCacheLayout:
@@ -118,7 +130,7 @@ class _RawFile:
         def one(i: int) -> None:
             off = i * MAX_IO_BYTES
             lo = (i % self.pieces) * MAX_IO_BYTES
-            chunk = view[lo:lo + min(MAX_IO_BYTES, self.size - off)]
+            chunk = view[lo : lo + min(MAX_IO_BYTES, self.size - off)]
             n = os.pwritev(self.fd, [chunk], off) if write else os.preadv(self.fd, [chunk], off)
             if n != len(chunk):
                 raise OSError(f"short {'write' if write else 'read'} at offset {off}")
@@ -132,16 +144,25 @@ class _RawFile:
         os.close(self.fd)
 
 
-def run_bench(path: str | os.PathLike, *, total_bytes: int = 1 << 30, block_bytes: int = 2 << 20,
-              job_bytes: int = 64 << 20, rounds: int = 3, threads: int = 4, backend: str = "auto",
-              progress: Callable[[int], None] | None = None) -> BenchResult:
+def run_bench(
+    path: str | os.PathLike,
+    *,
+    total_bytes: int = 1 << 30,
+    block_bytes: int = 2 << 20,
+    job_bytes: int = 64 << 20,
+    rounds: int = 3,
+    threads: int = 4,
+    backend: str = "auto",
+    progress: Callable[[int], None] | None = None,
+) -> BenchResult:
     """Measure ``rounds`` interleaved rounds in a scratch directory under ``path``.
     ``progress(n)`` gets the bytes of each finished piece of work (4 x ``total_bytes``
     per round). Raises ``InspectError`` for a bad path, bad sizes or too little space."""
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise InspectError(f"{root} is not a directory (bench needs the cache directory, or any "
-                           f"directory on the device to measure)")
+        raise InspectError(
+            f"{root} is not a directory (bench needs the cache directory, or any directory on the device to measure)"
+        )
     if block_bytes < ALIGN or block_bytes % ALIGN:
         raise InspectError(f"--block-size must be a positive multiple of {ALIGN} bytes, got {block_bytes}")
     if total_bytes < block_bytes:
@@ -152,8 +173,9 @@ def run_bench(path: str | os.PathLike, *, total_bytes: int = 1 << 30, block_byte
     total = n_blocks * block_bytes
     free = shutil.disk_usage(root).free
     if free < 2 * total + (64 << 20):
-        raise InspectError(f"{root} has {free} bytes free; bench needs twice --size ({2 * total}) "
-                           f"plus 64 MiB; use a smaller --size")
+        raise InspectError(
+            f"{root} has {free} bytes free; bench needs twice --size ({2 * total}) plus 64 MiB; use a smaller --size"
+        )
     scratch = root / f".tiered-kv-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
         scratch.mkdir()
@@ -163,16 +185,18 @@ def run_bench(path: str | os.PathLike, *, total_bytes: int = 1 << 30, block_byte
     try:
         layout = _bench_layout(block_bytes)
         fp = Fingerprint.from_layout(layout, model_id="tiered-kv-bench")
-        store = DiskStore.open(scratch, fp, layout, disk_bytes=total, io_backend=backend,
-                               io_threads=threads, engine_id="tiered-kv-bench")
+        store = DiskStore.open(
+            scratch, fp, layout, disk_bytes=total, io_backend=backend, io_threads=threads, engine_id="tiered-kv-bench"
+        )
         store.namespace.allocate_slab(0)
         per_job = max(1, min(n_blocks, job_bytes // store.slot_size))
         raw = _RawFile(scratch / "raw.bin", total, threads, per_job * store.slot_size)
         data = aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)
         data.copy_(torch.randint(0, 256, data.shape, dtype=torch.uint8))
         back = aligned_empty(per_job * store.slot_size).view(per_job, store.slot_size)
-        result = BenchResult(str(root), backend_fields(store.backend, raw.direct), raw.direct, total,
-                             block_bytes, threads)
+        result = BenchResult(
+            str(root), backend_fields(store.backend, raw.direct), raw.direct, total, block_bytes, threads
+        )
 
         def timed(kind: str, fn: Callable[[], None]) -> None:
             t0 = time.perf_counter()
@@ -185,13 +209,19 @@ def run_bench(path: str | os.PathLike, *, total_bytes: int = 1 << 30, block_byte
                     n = min(per_job, n_blocks - first)
                     hashes = [f"{tag}:{first + i}".encode() for i in range(n)]
                     slots = list(range(first, first + n))
-                    ok = (store.write_blocks(0, hashes, slots, data[:n]) if write
-                          else store.read_blocks(0, hashes, slots, back[:n]))
+                    ok = (
+                        store.write_blocks(0, hashes, slots, data[:n])
+                        if write
+                        else store.read_blocks(0, hashes, slots, back[:n])
+                    )
                     if not all(ok):
-                        raise InspectError(f"the tier's {'write' if write else 'read'} failed on "
-                                           f"{ok.count(False)} of {n} blocks (see the log)")
+                        raise InspectError(
+                            f"the tier's {'write' if write else 'read'} failed on "
+                            f"{ok.count(False)} of {n} blocks (see the log)"
+                        )
                     if progress is not None:
                         progress(n * block_bytes)
+
             return go
 
         def raw_pass(write: bool) -> Callable[[], None]:
@@ -199,6 +229,7 @@ def run_bench(path: str | os.PathLike, *, total_bytes: int = 1 << 30, block_byte
                 raw.run(write)
                 if progress is not None:
                     progress(total)
+
             return go
 
         for r in range(rounds):

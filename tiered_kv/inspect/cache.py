@@ -83,8 +83,10 @@ def open_cache(path: str | os.PathLike, namespace: str | None = None) -> CacheDi
             elif not child.name.startswith("."):
                 others += 1
         if others and not cache.namespaces and not cache.unreadable:
-            raise InspectError(f"{root} is not a tiered-kv disk cache: it holds {others} entries but "
-                               f"no namespace directory (a subdirectory with {MANIFEST})")
+            raise InspectError(
+                f"{root} is not a tiered-kv disk cache: it holds {others} entries but "
+                f"no namespace directory (a subdirectory with {MANIFEST})"
+            )
     if namespace:
         matching = [ns for ns in cache.namespaces if ns.path.name.startswith(namespace)]
         if not matching:
@@ -132,11 +134,23 @@ class EntryTable:
             extra = np.array([getattr(x, name) for x in odd], dtype=dtype)
             return np.concatenate([e[name].astype(dtype), extra])
 
-        sums = np.concatenate([e["checksums"].reshape(len(e), tp_size).astype(np.uint64),
-                               np.array([x.checksums for x in odd], dtype=np.uint64).reshape(-1, tp_size)])
-        return cls(col("slot", np.int64), col("size", np.int64), col("hits", np.int64),
-                   col("store_time", np.float64), col("last_access", np.float64),
-                   col("ranks", np.uint64), sums, tp_size, snap)
+        sums = np.concatenate(
+            [
+                e["checksums"].reshape(len(e), tp_size).astype(np.uint64),
+                np.array([x.checksums for x in odd], dtype=np.uint64).reshape(-1, tp_size),
+            ]
+        )
+        return cls(
+            col("slot", np.int64),
+            col("size", np.int64),
+            col("hits", np.int64),
+            col("store_time", np.float64),
+            col("last_access", np.float64),
+            col("ranks", np.uint64),
+            sums,
+            tp_size,
+            snap,
+        )
 
     @classmethod
     def empty(cls, tp_size: int) -> "EntryTable":
@@ -177,7 +191,7 @@ class EntryTable:
         except ValueError:
             raise InspectError(f"--hash: expected a hexadecimal prefix, got {hex_prefix!r}") from None
         prefix = hex_prefix.lower()
-        whole = bytes.fromhex(prefix[:len(prefix) // 2 * 2])
+        whole = bytes.fromhex(prefix[: len(prefix) // 2 * 2])
         nibble = int(prefix[-1], 16) if len(prefix) % 2 else None
         mask = np.zeros(len(self), dtype=bool)
         main = self._snapshot.entries
@@ -185,10 +199,10 @@ class EntryTable:
             raw = np.ascontiguousarray(main["hash"]).view(np.uint8).reshape(len(main), -1)
             width = raw.shape[1]
             if len(whole) + (nibble is not None) <= width:
-                m = np.all(raw[:, :len(whole)] == np.frombuffer(whole, dtype=np.uint8), axis=1)
+                m = np.all(raw[:, : len(whole)] == np.frombuffer(whole, dtype=np.uint8), axis=1)
                 if nibble is not None:
                     m &= (raw[:, len(whole)] >> 4) == nibble
-                mask[:len(main)] = m
+                mask[: len(main)] = m
         for j, (h, _) in enumerate(self._snapshot.odd):
             mask[len(main) + j] = h.hex().startswith(prefix)
         return mask
@@ -212,7 +226,9 @@ def read_entries(ns: Namespace, index: DiskIndex | None = None) -> EntryTable:
             if own:
                 index.close()
     except IndexCorruptError as e:
-        raise InspectError(f"{e}; `tiered-kv inspect verify --repair {ns.path}` (with the engine stopped) "
-                           f"moves it aside and starts the namespace empty") from None
+        raise InspectError(
+            f"{e}; `tiered-kv inspect verify --repair {ns.path}` (with the engine stopped) "
+            f"moves it aside and starts the namespace empty"
+        ) from None
     except lmdb.Error as e:
         raise InspectError(f"cannot read the index of {ns.path}: {e}") from None

@@ -36,10 +36,11 @@ DELETE_BATCH = 100_000
 
 
 def _holder_text(holder: dict[str, Any]) -> str:
-    since = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
-             if "started" in holder else "?")
-    return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} "
-            f"(engine {holder.get('engine_id', '?')}, since {since})")
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"])) if "started" in holder else "?"
+    return (
+        f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} "
+        f"(engine {holder.get('engine_id', '?')}, since {since})"
+    )
 
 
 @contextlib.contextmanager
@@ -54,13 +55,17 @@ def exclusive(namespaces: Sequence[Namespace], action: str) -> Iterator[None]:
             try:
                 locks.append(WriterLock.acquire(ns, f"tiered-kv inspect {action} ({os.getpid()})"))
             except CacheLockedError as e:
-                raise InspectError(f"refusing to {action}: namespace {ns.path.name} is open by an engine, "
-                                   f"{_holder_text(e.holder)}; stop it first (read-only commands work "
-                                   f"while it runs)") from None
+                raise InspectError(
+                    f"refusing to {action}: namespace {ns.path.name} is open by an engine, "
+                    f"{_holder_text(e.holder)}; stop it first (read-only commands work "
+                    f"while it runs)"
+                ) from None
             if not ns.lock_exclusive():
-                raise InspectError(f"refusing to {action}: namespace {ns.path.name} is open by an engine process "
-                                   f"that holds no writer lock (a worker, or an engine starting up); stop it "
-                                   f"first (read-only commands work while it runs)")
+                raise InspectError(
+                    f"refusing to {action}: namespace {ns.path.name} is open by an engine process "
+                    f"that holds no writer lock (a worker, or an engine starting up); stop it "
+                    f"first (read-only commands work while it runs)"
+                )
             held.append(ns)
         yield
     finally:
@@ -80,17 +85,19 @@ def open_index_for_writing(ns: Namespace, repair: bool = False) -> DiskIndex | N
     try:
         return ns.open_index(expected_entries=ns.manifest.num_slots, repair=repair)
     except IndexCorruptError as e:
-        raise InspectError(f"{e}; `tiered-kv inspect verify --repair {ns.path}` moves it aside and starts the "
-                           f"namespace empty") from None
+        raise InspectError(
+            f"{e}; `tiered-kv inspect verify --repair {ns.path}` moves it aside and starts the namespace empty"
+        ) from None
 
 
-def delete_entries(index: DiskIndex, items: Sequence[tuple[bytes, int]],
-                   progress: Callable[[int], None] | None = None) -> int:
+def delete_entries(
+    index: DiskIndex, items: Sequence[tuple[bytes, int]], progress: Callable[[int], None] | None = None
+) -> int:
     """Delete ``(hash, slot)`` entries (each only if it still points at that slot), in
     batches; returns how many were deleted."""
     deleted = 0
     for start in range(0, len(items), DELETE_BATCH):
-        batch = items[start:start + DELETE_BATCH]
+        batch = items[start : start + DELETE_BATCH]
         deleted += index.apply_batch(batch, {}, 0)
         if progress is not None:
             progress(len(batch))
@@ -119,9 +126,15 @@ class EvictResult:
         return {"evicted": self.evicted, "freed_bytes": self.freed_bytes, "namespaces": self.namespaces}
 
 
-def evict(cache: CacheDir, *, to_size: int | None = None, older_than: float | None = None,
-          now: float | None = None, progress: Callable[[int], None] | None = None,
-          dry_run: bool = False) -> EvictResult:
+def evict(
+    cache: CacheDir,
+    *,
+    to_size: int | None = None,
+    older_than: float | None = None,
+    now: float | None = None,
+    progress: Callable[[int], None] | None = None,
+    dry_run: bool = False,
+) -> EvictResult:
     """Drop blocks from ``cache``'s namespaces: every entry last accessed more than
     ``older_than`` seconds ago, then least recently used complete blocks across all the
     namespaces until their used bytes (slot bytes x TP ranks per block) are at most
@@ -143,19 +156,23 @@ def evict(cache: CacheDir, *, to_size: int | None = None, older_than: float | No
             for ns in cache.namespaces:
                 index = None if dry_run else open_index_for_writing(ns)
                 indexes.append(index)
-                tables.append(read_entries(ns, index) if index is not None or dry_run
-                              else EntryTable.empty(ns.tp_size))
+                tables.append(read_entries(ns, index) if index is not None or dry_run else EntryTable.empty(ns.tp_size))
             victims = _choose_victims(cache.namespaces, tables, to_size, older_than, now)
             for ns, table, index, rows in zip(cache.namespaces, tables, indexes, victims):
                 per_block = ns.manifest.slot_size * ns.tp_size
                 used = int(table.complete.sum()) * per_block
                 deleted = len(rows) if dry_run else 0
                 if index is not None and len(rows):
-                    deleted = delete_entries(index, [(table.hash(i), int(table.slot[i])) for i in rows.tolist()],
-                                             progress)
+                    deleted = delete_entries(
+                        index, [(table.hash(i), int(table.slot[i])) for i in rows.tolist()], progress
+                    )
                 freed = int(table.complete[rows].sum()) * per_block
-                result.namespaces[ns.path.name] = {"evicted": deleted, "freed_bytes": freed,
-                                                   "used_before": used, "used_after": used - freed}
+                result.namespaces[ns.path.name] = {
+                    "evicted": deleted,
+                    "freed_bytes": freed,
+                    "used_before": used,
+                    "used_after": used - freed,
+                }
         finally:
             for index in indexes:
                 if index is not None:
@@ -163,8 +180,13 @@ def evict(cache: CacheDir, *, to_size: int | None = None, older_than: float | No
     return result
 
 
-def _choose_victims(namespaces: Sequence[Namespace], tables: Sequence[EntryTable], to_size: int | None,
-                    older_than: float | None, now: float) -> list[np.ndarray]:
+def _choose_victims(
+    namespaces: Sequence[Namespace],
+    tables: Sequence[EntryTable],
+    to_size: int | None,
+    older_than: float | None,
+    now: float,
+) -> list[np.ndarray]:
     """Per namespace, the rows to delete."""
     chosen = [np.zeros(len(t), dtype=bool) for t in tables]
     if older_than is not None:

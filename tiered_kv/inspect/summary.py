@@ -45,8 +45,11 @@ def io_backend_info(ns: Namespace) -> dict[str, Any]:
             error = f"cannot open {slab.name}: {e.strerror}"
         finally:
             backend.shutdown()
-    return {"posix_direct": direct, "slab_error": error,
-            "kvikio_installed": importlib.util.find_spec("kvikio") is not None}
+    return {
+        "posix_direct": direct,
+        "slab_error": error,
+        "kvikio_installed": importlib.util.find_spec("kvikio") is not None,
+    }
 
 
 def describe_io(info: dict[str, Any]) -> str:
@@ -88,14 +91,22 @@ def summarize_namespace(ns: Namespace, table: EntryTable | None = None) -> dict[
     duplicates = int(len(slots) - np.count_nonzero(np.bincount(slots, minlength=1)))
     blocks = int(valid.sum())
     if invalid:
-        problems.append(("error", f"{invalid} entries point outside the slab or have the wrong size "
-                                  f"(never served; `verify --repair` drops them)"))
+        problems.append(
+            (
+                "error",
+                f"{invalid} entries point outside the slab or have the wrong size "
+                f"(never served; `verify --repair` drops them)",
+            )
+        )
     if duplicates:
         problems.append(("error", f"{duplicates} entries share a slot with another entry"))
     if incomplete:
-        why = ("in flight or left by a crash" if holder is not None
-               else "left by an interrupted store; not loadable, reclaimed at the next engine start "
-                    "or by `verify --repair`")
+        why = (
+            "in flight or left by a crash"
+            if holder is not None
+            else "left by an interrupted store; not loadable, reclaimed at the next engine start "
+            "or by `verify --repair`"
+        )
         problems.append(("warning", f"{incomplete} incomplete entries ({why})"))
     slab_bytes = 0
     for rank in range(tp):
@@ -109,17 +120,16 @@ def summarize_namespace(ns: Namespace, table: EntryTable | None = None) -> dict[
         on_rank = ((table.ranks >> np.uint64(rank)) & np.uint64(1)) == 1
         needed = (int(table.slot[on_rank].max(initial=-1)) + 1) * m.slot_size
         if st.st_size < needed:
-            problems.append(("error", f"{path.name} is {st.st_size} bytes, shorter than its entries "
-                                      f"need ({needed})"))
+            problems.append(("error", f"{path.name} is {st.st_size} bytes, shorter than its entries need ({needed})"))
     if ns.path.name != m.namespace_id or fp.namespace_id != m.namespace_id:
-        problems.append(("warning", f"directory {ns.path.name} does not match its fingerprint's "
-                                    f"namespace id {fp.namespace_id}"))
+        problems.append(
+            ("warning", f"directory {ns.path.name} does not match its fingerprint's namespace id {fp.namespace_id}")
+        )
 
     oldest, newest = _time_range(table.store_time[valid])
     least, most = _time_range(table.last_access[valid])
     hits = table.hits[valid]
-    status = "error" if any(s == "error" for s, _ in problems) else (
-        "warning" if problems else "ok")
+    status = "error" if any(s == "error" for s, _ in problems) else ("warning" if problems else "ok")
     return {
         "namespace": ns.path.name,
         "path": str(ns.path),
@@ -154,11 +164,16 @@ def summarize_namespace(ns: Namespace, table: EntryTable | None = None) -> dict[
 def summarize_cache(cache: CacheDir) -> dict[str, Any]:
     """``summarize_namespace`` for each namespace, plus cache-level problems."""
     problems = [f"{path.name}: {why}" for path, why in cache.unreadable]
-    problems += [f"{p.name}: left by an interrupted namespace creation, clear or bench (safe to delete "
-                 f"while no engine starts)" for p in cache.leftovers]
-    return {"path": str(cache.path), "generated": time.time(),
-            "namespaces": [summarize_namespace(ns) for ns in cache.namespaces],
-            "problems": problems}
+    problems += [
+        f"{p.name}: left by an interrupted namespace creation, clear or bench (safe to delete while no engine starts)"
+        for p in cache.leftovers
+    ]
+    return {
+        "path": str(cache.path),
+        "generated": time.time(),
+        "namespaces": [summarize_namespace(ns) for ns in cache.namespaces],
+        "problems": problems,
+    }
 
 
 # ---------------------------------------------------------------- which config reads what
@@ -191,14 +206,14 @@ def mark_read_by(data: dict[str, Any], configs: list[ServerConfig]) -> None:
     """Add ``read_by`` to each namespace of ``summarize_cache``'s ``data``: per config,
     ``{"config", "reads", "differences"}``."""
     for ns in data["namespaces"]:
-        ns["read_by"] = [{"config": c.path, "reads": not (d := c.differences(ns["fingerprint"])),
-                          "differences": d} for c in configs]
+        ns["read_by"] = [
+            {"config": c.path, "reads": not (d := c.differences(ns["fingerprint"])), "differences": d} for c in configs
+        ]
 
 
 def unread_namespaces(cache: CacheDir, configs: list[ServerConfig]) -> list[Namespace]:
     """The namespaces of ``cache`` that no server with any of ``configs`` would read."""
-    return [ns for ns in cache.namespaces
-            if all(c.differences(ns.manifest.fingerprint) for c in configs)]
+    return [ns for ns in cache.namespaces if all(c.differences(ns.manifest.fingerprint) for c in configs)]
 
 
 # ---------------------------------------------------------------- ls
@@ -232,8 +247,9 @@ class ListFilter:
             raise InspectError(f"--limit: expected 0 (all) or a positive count, got {self.limit}")
 
 
-def list_entries(ns: Namespace, flt: ListFilter, table: EntryTable | None = None,
-                 now: float | None = None) -> dict[str, Any]:
+def list_entries(
+    ns: Namespace, flt: ListFilter, table: EntryTable | None = None, now: float | None = None
+) -> dict[str, Any]:
     """Entries of ``ns`` matching ``flt``, sorted, as JSON-able rows, with the counts
     before and after filtering."""
     now = time.time() if now is None else now
@@ -257,24 +273,32 @@ def list_entries(ns: Namespace, flt: ListFilter, table: EntryTable | None = None
         else:
             rows = np.asarray(sorted(rows.tolist(), key=table.hash, reverse=not ascending), dtype=np.int64)
     else:
-        column = {"last-access": table.last_access, "stored": table.store_time, "hits": table.hits,
-                  "slot": table.slot}[flt.sort][rows]
+        column = {"last-access": table.last_access, "stored": table.store_time, "hits": table.hits, "slot": table.slot}[
+            flt.sort
+        ][rows]
         order = np.argsort(column, kind="stable")
         rows = rows[order if ascending else order[::-1]]
-    shown = rows if flt.limit == 0 else rows[:flt.limit]
+    shown = rows if flt.limit == 0 else rows[: flt.limit]
     present = table.rank_counts()
     entries = []
     for i in shown.tolist():
         mask_bits = int(table.ranks[i])
-        entries.append({
-            "hash": table.hash(i).hex(),
-            "slot": int(table.slot[i]),
-            "size": int(table.size[i]),
-            "ranks": [r for r in range(table.tp_size) if mask_bits >> r & 1],
-            "complete": bool(present[i] == table.tp_size),
-            "stored": float(table.store_time[i]),
-            "last_access": float(table.last_access[i]),
-            "hits": int(table.hits[i]),
-        })
-    return {"namespace": ns.path.name, "tp_size": table.tp_size, "total": len(table),
-            "matching": int(len(rows)), "entries": entries}
+        entries.append(
+            {
+                "hash": table.hash(i).hex(),
+                "slot": int(table.slot[i]),
+                "size": int(table.size[i]),
+                "ranks": [r for r in range(table.tp_size) if mask_bits >> r & 1],
+                "complete": bool(present[i] == table.tp_size),
+                "stored": float(table.store_time[i]),
+                "last_access": float(table.last_access[i]),
+                "hits": int(table.hits[i]),
+            }
+        )
+    return {
+        "namespace": ns.path.name,
+        "tp_size": table.tp_size,
+        "total": len(table),
+        "matching": int(len(rows)),
+        "entries": entries,
+    }

@@ -58,10 +58,19 @@ class VerifyResult:
         return len({c["hash"] for c in self.corrupt})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "blocks": self.blocks, "copies_checked": self.copies_checked,
-                "bytes_read": self.bytes_read, "corrupt_blocks": self.corrupt_blocks, "corrupt": self.corrupt,
-                "incomplete": self.incomplete, "changed": self.changed, "repaired": self.repaired,
-                "index_damage": self.index_damage, "seconds": self.seconds}
+        return {
+            "namespace": self.namespace,
+            "blocks": self.blocks,
+            "copies_checked": self.copies_checked,
+            "bytes_read": self.bytes_read,
+            "corrupt_blocks": self.corrupt_blocks,
+            "corrupt": self.corrupt,
+            "incomplete": self.incomplete,
+            "changed": self.changed,
+            "repaired": self.repaired,
+            "index_damage": self.index_damage,
+            "seconds": self.seconds,
+        }
 
 
 def bytes_to_verify(ns: Namespace, table: EntryTable) -> int:
@@ -69,9 +78,14 @@ def bytes_to_verify(ns: Namespace, table: EntryTable) -> int:
     return int(table.rank_counts().sum()) * ns.manifest.block_bytes
 
 
-def verify_namespace(ns: Namespace, *, repair: bool = False, threads: int = 4,
-                     progress: Callable[[int], None] | None = None,
-                     on_table: Callable[[EntryTable], None] | None = None) -> VerifyResult:
+def verify_namespace(
+    ns: Namespace,
+    *,
+    repair: bool = False,
+    threads: int = 4,
+    progress: Callable[[int], None] | None = None,
+    on_table: Callable[[EntryTable], None] | None = None,
+) -> VerifyResult:
     """Check every committed copy of every block of ``ns``. ``progress(n)`` is called
     with the bytes of each finished read; ``on_table(table)`` once the index is read
     (e.g. to size a progress bar). Raises ``InspectError`` when the index cannot be
@@ -126,12 +140,23 @@ def _verify(ns: Namespace, index: DiskIndex | None, threads: int, progress, on_t
     complete = table.complete
     result.blocks = int((complete & valid_shape).sum())
     for i in np.flatnonzero(~complete).tolist():
-        result.incomplete.append({"hash": table.hash(i).hex(), "slot": int(table.slot[i]),
-                                  "ranks": [r for r in range(ns.tp_size) if int(table.ranks[i]) >> r & 1]})
+        result.incomplete.append(
+            {
+                "hash": table.hash(i).hex(),
+                "slot": int(table.slot[i]),
+                "ranks": [r for r in range(ns.tp_size) if int(table.ranks[i]) >> r & 1],
+            }
+        )
     for i in np.flatnonzero(~valid_shape).tolist():
-        result.corrupt.append({"hash": table.hash(i).hex(), "slot": int(table.slot[i]), "rank": None,
-                               "reason": f"invalid entry: slot {int(table.slot[i])} of {m.num_slots}, "
-                                         f"size {int(table.size[i])} of {m.block_bytes}"})
+        result.corrupt.append(
+            {
+                "hash": table.hash(i).hex(),
+                "slot": int(table.slot[i]),
+                "rank": None,
+                "reason": f"invalid entry: slot {int(table.slot[i])} of {m.num_slots}, "
+                f"size {int(table.size[i])} of {m.block_bytes}",
+            }
+        )
     suspects: list[tuple[int, int, str]] = []  # (row, rank, reason)
     backend = PosixBackend(1)
     try:
@@ -140,8 +165,9 @@ def _verify(ns: Namespace, index: DiskIndex | None, threads: int, progress, on_t
                 on_rank = valid_shape & (((table.ranks >> np.uint64(rank)) & np.uint64(1)) == 1)
                 rows = np.flatnonzero(on_rank)
                 rows = rows[np.argsort(table.slot[rows], kind="stable")]
-                suspects += _verify_rank(ns, rank, table, rows, backend, pool, 2 * max(1, threads),
-                                         checksum, progress, result)
+                suspects += _verify_rank(
+                    ns, rank, table, rows, backend, pool, 2 * max(1, threads), checksum, progress, result
+                )
     finally:
         backend.shutdown()
     _settle_suspects(ns, table, suspects, index is not None, result)
@@ -149,9 +175,18 @@ def _verify(ns: Namespace, index: DiskIndex | None, threads: int, progress, on_t
     return result
 
 
-def _verify_rank(ns: Namespace, rank: int, table: EntryTable, rows: np.ndarray, backend: PosixBackend,
-                 pool: ThreadPoolExecutor, in_flight: int, checksum, progress,
-                 result: VerifyResult) -> list[tuple[int, int, str]]:
+def _verify_rank(
+    ns: Namespace,
+    rank: int,
+    table: EntryTable,
+    rows: np.ndarray,
+    backend: PosixBackend,
+    pool: ThreadPoolExecutor,
+    in_flight: int,
+    checksum,
+    progress,
+    result: VerifyResult,
+) -> list[tuple[int, int, str]]:
     """Check rank ``rank``'s copies of ``rows`` (sorted by slot), at most ``in_flight``
     reads at a time; returns the suspects."""
     m = ns.manifest
@@ -173,8 +208,20 @@ def _verify_rank(ns: Namespace, rank: int, table: EntryTable, rows: np.ndarray, 
     try:
         window: list[Future] = []
         for lo, hi in runs:
-            window.append(pool.submit(_check_run, f, backend, rows[lo:hi], int(slots[lo]), rank, table,
-                                      m.slot_size, m.block_bytes, checksum))
+            window.append(
+                pool.submit(
+                    _check_run,
+                    f,
+                    backend,
+                    rows[lo:hi],
+                    int(slots[lo]),
+                    rank,
+                    table,
+                    m.slot_size,
+                    m.block_bytes,
+                    checksum,
+                )
+            )
             if len(window) >= in_flight:
                 suspects += _collect(window.pop(0), m.block_bytes, progress, result)
         for fut in window:
@@ -184,8 +231,17 @@ def _verify_rank(ns: Namespace, rank: int, table: EntryTable, rows: np.ndarray, 
     return suspects
 
 
-def _check_run(f: BackendFile, backend: PosixBackend, rows: np.ndarray, first_slot: int, rank: int,
-               table: EntryTable, slot_size: int, block_bytes: int, checksum) -> tuple[int, list]:
+def _check_run(
+    f: BackendFile,
+    backend: PosixBackend,
+    rows: np.ndarray,
+    first_slot: int,
+    rank: int,
+    table: EntryTable,
+    slot_size: int,
+    block_bytes: int,
+    checksum,
+) -> tuple[int, list]:
     n = len(rows)
     buf = aligned_empty(n * slot_size)
     try:
@@ -209,8 +265,9 @@ def _collect(fut: Future, block_bytes: int, progress, result: VerifyResult) -> l
     return bad
 
 
-def _settle_suspects(ns: Namespace, table: EntryTable, suspects: list[tuple[int, int, str]],
-                     locked: bool, result: VerifyResult) -> None:
+def _settle_suspects(
+    ns: Namespace, table: EntryTable, suspects: list[tuple[int, int, str]], locked: bool, result: VerifyResult
+) -> None:
     """Record suspects as corrupt, except (when an engine may be running) those whose
     entry no longer says what was checked."""
     if not suspects:
@@ -226,9 +283,12 @@ def _settle_suspects(ns: Namespace, table: EntryTable, suspects: list[tuple[int,
     for k, (i, rank, reason) in enumerate(suspects):
         if current is not None:
             now = current[k]
-            if now is None or now.slot != int(table.slot[i]) or not now.has_rank(rank) \
-                    or now.checksums[rank] != int(table.checksums[i, rank]):
+            if (
+                now is None
+                or now.slot != int(table.slot[i])
+                or not now.has_rank(rank)
+                or now.checksums[rank] != int(table.checksums[i, rank])
+            ):
                 result.changed += 1
                 continue
-        result.corrupt.append({"hash": table.hash(i).hex(), "slot": int(table.slot[i]), "rank": rank,
-                               "reason": reason})
+        result.corrupt.append({"hash": table.hash(i).hex(), "slot": int(table.slot[i]), "rank": rank, "reason": reason})

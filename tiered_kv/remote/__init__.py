@@ -33,7 +33,17 @@ from tiered_kv.remote.object_format import Rejected
 from tiered_kv.remote.store import PutOutcome, RemoteStats, RemoteStore
 
 __all__ = [
-    "AccessDenied", "BucketMissing", "Membership", "MembershipCache", "MembershipProber", "PutOutcome",
-    "Rejected", "RemoteConfig", "RemoteLookup", "RemoteSetupError", "RemoteStats", "RemoteStore",
+    "AccessDenied",
+    "BucketMissing",
+    "Membership",
+    "MembershipCache",
+    "MembershipProber",
+    "PutOutcome",
+    "Rejected",
+    "RemoteConfig",
+    "RemoteLookup",
+    "RemoteSetupError",
+    "RemoteStats",
+    "RemoteStore",
     "Unavailable",
 ]

@@ -120,23 +120,30 @@ class AwsCredentials:
             session = botocore.session.Session(profile=config.profile)
             resolved = session.get_credentials()
         except botocore.exceptions.ProfileNotFound:
-            raise RemoteSetupError(f"AWS profile {config.profile!r} not found (in ~/.aws/config or "
-                                   f"~/.aws/credentials) for {config.where()}") from None
+            raise RemoteSetupError(
+                f"AWS profile {config.profile!r} not found (in ~/.aws/config or "
+                f"~/.aws/credentials) for {config.where()}"
+            ) from None
         except botocore.exceptions.BotoCoreError as exc:
-            raise RemoteSetupError(f"cannot resolve AWS credentials for {config.where()}: "
-                                   f"{type(exc).__name__}") from None
+            raise RemoteSetupError(
+                f"cannot resolve AWS credentials for {config.where()}: {type(exc).__name__}"
+            ) from None
         if resolved is None:
             raise RemoteSetupError(
                 f"no AWS credentials found for {config.where()}: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (or the config's profile) with ~/.aws/credentials")
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (or the config's profile) with ~/.aws/credentials"
+            )
         self._resolved = resolved
         self.method = getattr(resolved, "method", "unknown")  # e.g. "env", "shared-credentials-file"
 
     def __call__(self) -> dict[str, Any]:
         frozen = self._resolved.get_frozen_credentials()
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
-                "token": frozen.token,
-                "expires_at": datetime.datetime.now(datetime.timezone.utc) + _CREDENTIALS_TTL}
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.datetime.now(datetime.timezone.utc) + _CREDENTIALS_TTL,
+        }
 
     def __repr__(self) -> str:  # never the keys
         return f"AwsCredentials(method={self.method!r})"
@@ -176,11 +183,18 @@ class S3Client:
             options["allow_http"] = config.endpoint.startswith("http://")
         else:
             s3["virtual_hosted_style_request"] = True
-        retry = {"max_retries": config.retries, "retry_timeout": timeout,
-                 "backoff": {"init_backoff": datetime.timedelta(milliseconds=50),
-                             "max_backoff": datetime.timedelta(milliseconds=500), "base": 2}}
-        self.raw = S3Store(config.bucket, config=s3, client_options=options, retry_config=retry,
-                           credential_provider=self.credentials)
+        retry = {
+            "max_retries": config.retries,
+            "retry_timeout": timeout,
+            "backoff": {
+                "init_backoff": datetime.timedelta(milliseconds=50),
+                "max_backoff": datetime.timedelta(milliseconds=500),
+                "base": 2,
+            },
+        }
+        self.raw = S3Store(
+            config.bucket, config=s3, client_options=options, retry_config=retry, credential_provider=self.credentials
+        )
 
     def _error(self, exc: Exception) -> RemoteError:
         reason = describe_failure(exc)

@@ -40,8 +40,7 @@ def parse_duration(value: Any, key: str) -> float:
     elif isinstance(value, str) and (m := _DURATION_RE.match(value)):
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     else:
-        raise ConfigError(f"{key}: expected a duration such as 2s or 500ms (or a number of seconds), "
-                          f"got {value!r}")
+        raise ConfigError(f"{key}: expected a duration such as 2s or 500ms (or a number of seconds), got {value!r}")
     if not seconds > 0:
         raise ConfigError(f"{key}: duration must be positive, got {value!r}")
     return seconds
@@ -72,15 +71,17 @@ def _endpoint(value: Any, key: str) -> str | None:
         raise ConfigError(f"{key}: expected a URL such as http://127.0.0.1:7480, got {value!r}")
     parts = urlsplit(value.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{key}: expected an http:// or https:// URL such as http://127.0.0.1:7480, "
-                          f"got {value!r}")
+        raise ConfigError(f"{key}: expected an http:// or https:// URL such as http://127.0.0.1:7480, got {value!r}")
     if parts.username or parts.password:
         # Never echo the value: it holds a secret.
-        raise ConfigError(f"{key}: the URL must not carry credentials (user:secret@host); they come from "
-                          "the AWS environment, profile or credentials file")
+        raise ConfigError(
+            f"{key}: the URL must not carry credentials (user:secret@host); they come from "
+            "the AWS environment, profile or credentials file"
+        )
     if parts.query or parts.fragment or parts.path not in ("", "/"):
-        raise ConfigError(f"{key}: expected scheme://host[:port] only (the bucket and prefix have their "
-                          f"own keys), got {value!r}")
+        raise ConfigError(
+            f"{key}: expected scheme://host[:port] only (the bucket and prefix have their own keys), got {value!r}"
+        )
     try:
         _ = parts.port  # parsed on access: a bad port raises here
     except ValueError:
@@ -90,16 +91,20 @@ def _endpoint(value: Any, key: str) -> str | None:
 
 def _bucket(value: Any, key: str) -> str:
     if not isinstance(value, str) or not _BUCKET_RE.match(value) or ".." in value:
-        raise ConfigError(f"{key}: expected an S3 bucket name (3-63 characters: lower-case letters, digits, "
-                          f"'.' and '-', starting and ending with a letter or digit), got {value!r}")
+        raise ConfigError(
+            f"{key}: expected an S3 bucket name (3-63 characters: lower-case letters, digits, "
+            f"'.' and '-', starting and ending with a letter or digit), got {value!r}"
+        )
     return value
 
 
 def _prefix(value: Any, key: str) -> str:
     text = value.strip("/") if isinstance(value, str) else None
     if not text or not _PREFIX_RE.match(text) or any(p in (".", "..") for p in text.split("/")):
-        raise ConfigError(f"{key}: expected a key prefix such as 'tiered-kv' or 'team/kv' (letters, digits, "
-                          f"'.', '_', '-', segments joined by '/'), got {value!r}")
+        raise ConfigError(
+            f"{key}: expected a key prefix such as 'tiered-kv' or 'team/kv' (letters, digits, "
+            f"'.', '_', '-', segments joined by '/'), got {value!r}"
+        )
     return text
 
 
@@ -178,8 +183,9 @@ class RemoteConfig:
         """Validate ``raw``. Unknown keys raise ``ConfigError`` naming the closest known
         key; ``key_prefix`` (e.g. ``"remote."``) is put before key names in messages."""
         if not isinstance(raw, Mapping):
-            raise ConfigError(f"{key_prefix.rstrip('.') or 'remote'}: expected a mapping of settings, "
-                              f"got {type(raw).__name__}")
+            raise ConfigError(
+                f"{key_prefix.rstrip('.') or 'remote'}: expected a mapping of settings, got {type(raw).__name__}"
+            )
         known = cls.keys()
         values: dict[str, Any] = {}
         for key, value in raw.items():

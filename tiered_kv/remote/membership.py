@@ -37,8 +37,9 @@ class Membership(enum.Enum):
 class MembershipCache:
     """Known-present and known-absent blocks; thread-safe, O(1) per block."""
 
-    def __init__(self, max_entries: int = 1 << 20, absent_ttl: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, max_entries: int = 1 << 20, absent_ttl: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ):
         if max_entries < 1:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
         if not absent_ttl > 0:
@@ -124,8 +125,9 @@ class MembershipProber:
     queueing more.
     """
 
-    def __init__(self, store: ExistenceProbe, cache: MembershipCache, *, max_in_flight: int = 4096,
-                 max_batch: int = 256):
+    def __init__(
+        self, store: ExistenceProbe, cache: MembershipCache, *, max_in_flight: int = 4096, max_batch: int = 256
+    ):
         self.store = store
         self.cache = cache
         self.max_in_flight = int(max_in_flight)

@@ -119,9 +119,17 @@ class BlockHeader:
             raise ValueError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(self.block_hash)}")
         if not 0 <= self.rank < 1 << 16:
             raise ValueError(f"rank must be in 0..65535, got {self.rank}")
-        return _FIXED.pack(MAGIC, FORMAT_VERSION, FIXED_HEADER_BYTES + len(self.block_hash), self.rank,
-                           len(self.block_hash), self.fingerprint, _checksum_name_field(self.checksum_name),
-                           self.checksum, self.payload_len) + bytes(self.block_hash)
+        return _FIXED.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            FIXED_HEADER_BYTES + len(self.block_hash),
+            self.rank,
+            len(self.block_hash),
+            self.fingerprint,
+            _checksum_name_field(self.checksum_name),
+            self.checksum,
+            self.payload_len,
+        ) + bytes(self.block_hash)
 
     @classmethod
     def unpack(cls, data: memoryview) -> BlockHeader:
@@ -153,12 +161,14 @@ def pieces_checksum(name: str) -> Callable[[Sequence[memoryview]], int]:
     they lie (one call for one piece; else xxh3 streamed, or crc32c continued)."""
     one = checksum_function(name)
     if name == "xxh3_64":
+
         def many(pieces: Sequence[memoryview]) -> int:
             h = xxhash.xxh3_64()
             for piece in pieces:
                 h.update(piece)
             return h.intdigest()
     else:
+
         def many(pieces: Sequence[memoryview]) -> int:
             value = 0
             for piece in pieces:
@@ -168,17 +178,30 @@ def pieces_checksum(name: str) -> Callable[[Sequence[memoryview]], int]:
     return lambda pieces: one(pieces[0]) if len(pieces) == 1 else many(pieces)
 
 
-def encode_header(fingerprint: bytes, block_hash: BlockHash, rank: int, pieces: Sequence[memoryview],
-                  checksum_name: str, checksum: Callable[[Sequence[memoryview]], int]) -> bytes:
+def encode_header(
+    fingerprint: bytes,
+    block_hash: BlockHash,
+    rank: int,
+    pieces: Sequence[memoryview],
+    checksum_name: str,
+    checksum: Callable[[Sequence[memoryview]], int],
+) -> bytes:
     """The header bytes that go before the payload, the concatenation of ``pieces``
     (its checksum, ``pieces_checksum(checksum_name)``, computed here)."""
-    return BlockHeader(fingerprint, bytes(block_hash), int(rank), checksum_name, checksum(pieces),
-                       sum(len(p) for p in pieces)).pack()
+    return BlockHeader(
+        fingerprint, bytes(block_hash), int(rank), checksum_name, checksum(pieces), sum(len(p) for p in pieces)
+    ).pack()
 
 
-def verified_payload(data: memoryview, *, fingerprint: bytes, block_hash: BlockHash, rank: int,
-                     size: int, checksums: Callable[[str], Callable[[memoryview], int]] = checksum_function
-                     ) -> memoryview:
+def verified_payload(
+    data: memoryview,
+    *,
+    fingerprint: bytes,
+    block_hash: BlockHash,
+    rank: int,
+    size: int,
+    checksums: Callable[[str], Callable[[memoryview], int]] = checksum_function,
+) -> memoryview:
     """The payload of object ``data`` once every check passed; else ``Rejected``.
 
     ``checksums(name)`` gives the checksum function an object names (a writer may use
@@ -186,18 +209,21 @@ def verified_payload(data: memoryview, *, fingerprint: bytes, block_hash: BlockH
     """
     header = BlockHeader.unpack(data)
     if header.fingerprint != fingerprint:
-        raise Rejected("foreign", f"fingerprint {header.fingerprint.hex()[:16]}..., "
-                                  f"expected {fingerprint.hex()[:16]}...")
+        raise Rejected(
+            "foreign", f"fingerprint {header.fingerprint.hex()[:16]}..., expected {fingerprint.hex()[:16]}..."
+        )
     if header.block_hash != block_hash or header.rank != rank:
-        raise Rejected("mismatch", f"holds block {header.block_hash.hex()} rank {header.rank}, "
-                                   f"expected {bytes(block_hash).hex()} rank {rank}")
+        raise Rejected(
+            "mismatch",
+            f"holds block {header.block_hash.hex()} rank {header.rank}, expected {bytes(block_hash).hex()} rank {rank}",
+        )
     if header.payload_len != size:
         raise Rejected("size", f"payload of {header.payload_len} bytes, expected {size}")
     try:
         fn = checksums(header.checksum_name)
     except (ValueError, RuntimeError) as exc:
         raise Rejected("format", f"checksum {header.checksum_name!r}: {exc}") from None
-    payload = data[header.header_len:]
+    payload = data[header.header_len :]
     if fn(payload) != header.checksum:
         raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
     return payload

@@ -88,10 +88,10 @@ GetItem = tuple[BlockHash, int, BlockBytes]
 class PutOutcome(str, enum.Enum):
     """What became of one block handed to ``put_blocks``."""
 
-    STORED = "stored"    # this PUT wrote the object
+    STORED = "stored"  # this PUT wrote the object
     PRESENT = "present"  # the object was there already (write-once: left as it was)
     DROPPED = "dropped"  # not sent: the pending-upload bound was reached, or the server is unavailable
-    FAILED = "failed"    # sent, and the request failed (timeout, 5xx, refused)
+    FAILED = "failed"  # sent, and the request failed (timeout, 5xx, refused)
 
     @property
     def durable(self) -> bool:
@@ -212,8 +212,10 @@ def _byte_views(data: Any, what: str, writable: bool) -> list[memoryview]:
         try:
             view = memoryview(buf)
         except TypeError:
-            raise TypeError(f"{what}: expected a bytes-like object (bytes, bytearray, memoryview, numpy "
-                            f"array) or a list of them, got {type(buf).__name__}") from None
+            raise TypeError(
+                f"{what}: expected a bytes-like object (bytes, bytearray, memoryview, numpy "
+                f"array) or a list of them, got {type(buf).__name__}"
+            ) from None
         if not view.c_contiguous:
             raise ValueError(f"{what}: the buffer must be C-contiguous")
         if writable and view.readonly:
@@ -231,8 +233,9 @@ class RemoteStore:
     start-up check (for tools that only read).
     """
 
-    def __init__(self, config: RemoteConfig, fingerprint: Fingerprint, *, client: ObjectClient | None = None,
-                 check: bool = True):
+    def __init__(
+        self, config: RemoteConfig, fingerprint: Fingerprint, *, client: ObjectClient | None = None, check: bool = True
+    ):
         self.config = config
         self.fingerprint = fingerprint
         self.tp_size = fingerprint.tp_size
@@ -259,8 +262,9 @@ class RemoteStore:
 
     def manifest(self) -> bytes:
         """The namespace's ``fingerprint.json``: format version and fingerprint."""
-        return json.dumps({"format": FORMAT_VERSION, "fingerprint": self.fingerprint.to_dict()},
-                          sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(
+            {"format": FORMAT_VERSION, "fingerprint": self.fingerprint.to_dict()}, sort_keys=True, separators=(",", ":")
+        ).encode()
 
     def check(self) -> bool:
         """Write (once) and read back the namespace manifest. True when it worked, False
@@ -273,18 +277,27 @@ class RemoteStore:
             self._client.put_new(key, [self.manifest()])
             stored = self._client.get(key)
         except AccessDenied as exc:
-            raise RemoteSetupError(f"shared tier: {where} refused the credentials or the request ({exc}); "
-                                   "check AWS_ACCESS_KEY_ID / AWS_PROFILE and the bucket's policy") from None
+            raise RemoteSetupError(
+                f"shared tier: {where} refused the credentials or the request ({exc}); "
+                "check AWS_ACCESS_KEY_ID / AWS_PROFILE and the bucket's policy"
+            ) from None
         except BucketMissing:
-            raise RemoteSetupError(f"shared tier: {where} does not exist; create it (e.g. aws s3 mb "
-                                   f"s3://{self.config.bucket} --endpoint-url URL) or fix 'bucket'") from None
+            raise RemoteSetupError(
+                f"shared tier: {where} does not exist; create it (e.g. aws s3 mb "
+                f"s3://{self.config.bucket} --endpoint-url URL) or fix 'bucket'"
+            ) from None
         except RemoteError as exc:
-            logger.warning("shared tier: %s did not answer the start-up check (%s); serving goes on, "
-                           "with misses until it answers", where, exc)
+            logger.warning(
+                "shared tier: %s did not answer the start-up check (%s); serving goes on, with misses until it answers",
+                where,
+                exc,
+            )
             return False
         if stored is not None and _manifest_fingerprint(bytes(stored)) != self.fingerprint.to_dict():
-            raise RemoteSetupError(f"shared tier: {key} in {where} records another fingerprint than this "
-                                   "node's under the same namespace id; use another prefix")
+            raise RemoteSetupError(
+                f"shared tier: {key} in {where} records another fingerprint than this "
+                "node's under the same namespace id; use another prefix"
+            )
         return True
 
     # -- writes -----------------------------------------------------------------------
@@ -326,8 +339,9 @@ class RemoteStore:
         if not isinstance(block_hash, (bytes, bytearray)) or not block_hash:
             raise TypeError(f"{call}[{i}]: block hash must be non-empty bytes, got {block_hash!r:.80}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
-            raise ValueError(f"{call}[{i}]: rank must be in 0..{self.tp_size - 1} (tp_size {self.tp_size}), "
-                             f"got {rank!r}")
+            raise ValueError(
+                f"{call}[{i}]: rank must be in 0..{self.tp_size - 1} (tp_size {self.tp_size}), got {rank!r}"
+            )
         return bytes(block_hash), rank
 
     def _put_one(self, block_hash: bytes, rank: int, views: list[memoryview], size: int) -> PutOutcome:
@@ -367,8 +381,9 @@ class RemoteStore:
                 block_hash, rank, buf = block
             except (TypeError, ValueError):
                 raise TypeError(f"get_blocks[{i}]: expected (block_hash, rank, buffer), got {block!r:.80}") from None
-            items.append(self._key_parts(i, "get_blocks", block_hash, rank)
-                         + (_byte_views(buf, f"get_blocks[{i}]", True),))
+            items.append(
+                self._key_parts(i, "get_blocks", block_hash, rank) + (_byte_views(buf, f"get_blocks[{i}]", True),)
+            )
         with self._lock:
             self._check_open()
         return _gather([self._pool.submit(self._get_one, *item) for item in items])
@@ -391,11 +406,12 @@ class RemoteStore:
                 with self._lock:
                     self._stats.gets_absent += 1
                 return False
-            payload = verified_payload(memoryview(data), fingerprint=self._digest, block_hash=block_hash,
-                                       rank=rank, size=size)
+            payload = verified_payload(
+                memoryview(data), fingerprint=self._digest, block_hash=block_hash, rank=rank, size=size
+            )
             at = 0
             for d in dest:
-                d[:] = payload[at:at + len(d)]
+                d[:] = payload[at : at + len(d)]
                 at += len(d)
         except Rejected as rejected:
             self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
@@ -427,8 +443,9 @@ class RemoteStore:
 
     # -- membership -------------------------------------------------------------------
 
-    def exists(self, block_hashes: Sequence[BlockHash], ranks: Sequence[int] | None = None
-               ) -> Future[list[bool | None]]:
+    def exists(
+        self, block_hashes: Sequence[BlockHash], ranks: Sequence[int] | None = None
+    ) -> Future[list[bool | None]]:
         """Whether the bucket holds each block: True when every rank's object is there
         (``ranks``: all of the fingerprint's by default), False when one is missing,
         None when the server did not say. One request per block and rank (HEAD)."""
@@ -439,7 +456,7 @@ class RemoteStore:
         with self._lock:
             self._check_open()
         probes = [self._pool.submit(self._exists_one, h, r) for h, r in keyed]
-        per_block = [_gather(probes[i:i + len(ranks)], _all_present) for i in range(0, len(probes), len(ranks))]
+        per_block = [_gather(probes[i : i + len(ranks)], _all_present) for i in range(0, len(probes), len(ranks))]
         return _gather(per_block)
 
     def _exists_one(self, block_hash: bytes, rank: int) -> bool | None:
@@ -473,8 +490,12 @@ class RemoteStore:
     def _went_unavailable(self, failures: int) -> None:
         with self._lock:
             self._stats.unavailable_periods += 1
-        logger.warning("shared tier: %s failed %d requests in a row; not sending for %.1fs",
-                       self.config.where(), failures, self.config.unavailable_cooldown)
+        logger.warning(
+            "shared tier: %s failed %d requests in a row; not sending for %.1fs",
+            self.config.where(),
+            failures,
+            self.config.unavailable_cooldown,
+        )
 
     def stats(self) -> RemoteStats:
         """A copy of the counters."""

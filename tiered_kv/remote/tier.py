@@ -93,16 +93,26 @@ class RemoteOffloadingManager:
     events. ``settle_after``: seconds after which a pending block the bucket still lacks
     is released (default: twice the longest an upload may take, plus a second)."""
 
-    def __init__(self, store: RemoteStore, *, block_size: int, name: str = "remote", medium: str = REMOTE,
-                 enable_events: bool = True, settle_after: float | None = None, max_batch: int = 256):
+    def __init__(
+        self,
+        store: RemoteStore,
+        *,
+        block_size: int,
+        name: str = "remote",
+        medium: str = REMOTE,
+        enable_events: bool = True,
+        settle_after: float | None = None,
+        max_batch: int = 256,
+    ):
         cfg = store.config
         self.store = store
         self.name, self.medium = name, medium
         self.block_size = block_size
         self.enable_events = enable_events
         self.on_corrupt: Callable[[list[BlockHash]], None] | None = None
-        self.settle_after = (2.0 * (cfg.retries + 1) * cfg.request_timeout + 1.0
-                             if settle_after is None else float(settle_after))
+        self.settle_after = (
+            2.0 * (cfg.retries + 1) * cfg.request_timeout + 1.0 if settle_after is None else float(settle_after)
+        )
         self.max_batch = int(max_batch)
         self.cache = MembershipCache(cfg.membership_entries, cfg.absent_ttl)
         self._capacity = cfg.membership_entries
@@ -177,8 +187,9 @@ class RemoteOffloadingManager:
 
     # ------------------------------------------------------------------ stores
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash], *, fresh: bool = False,
-                      protected: Container[BlockHash] = ()) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, block_hashes: Iterable[BlockHash], *, fresh: bool = False, protected: Container[BlockHash] = ()
+    ) -> PrepareStoreOutput | None:
         """Reserve the absent ones; never evicts (the bucket's lifecycle bounds it)."""
         to_store = list(block_hashes) if fresh else self.absent_among(dict.fromkeys(block_hashes))
         now = time.monotonic()
@@ -381,25 +392,33 @@ class RemoteTier:
         ``RemoteSetupError`` naming endpoint and bucket on wrong credentials or a
         missing bucket; a server that does not answer is logged and costs misses)."""
         store = RemoteStore(self.remote, self.fingerprint)
-        return RemoteOffloadingManager(store, block_size=self.layout.offloaded_block_size, name=self.name,
-                                       medium=self.medium, enable_events=self.enable_events)
+        return RemoteOffloadingManager(
+            store,
+            block_size=self.layout.offloaded_block_size,
+            name=self.name,
+            medium=self.medium,
+            enable_events=self.enable_events,
+        )
 
-    def get_worker(self, host: "HostKVCache", kv_caches: Mapping[str, torch.Tensor],
-                   stats: "TieredStats") -> LowerTierWorker:
+    def get_worker(
+        self, host: "HostKVCache", kv_caches: Mapping[str, torch.Tensor], stats: "TieredStats"
+    ) -> LowerTierWorker:
         """Worker process: this rank's store, stager and load handlers."""
         from tiered_kv.remote.worker import RemoteLoadHandler, RemoteStager
 
         if self.store is None:
             self.store = RemoteStore(self.remote, self.fingerprint, check=False)
         gpu_tensors = [kv_caches[layer.name] for layer in self.layout.layers]
-        self.stager = RemoteStager(host, self.store, self.rank, self.remote.max_pending_upload_bytes, stats,
-                                   tier_name=self.name)
+        self.stager = RemoteStager(
+            host, self.store, self.rank, self.remote.max_pending_upload_bytes, stats, tier_name=self.name
+        )
         return LowerTierWorker(
             stager=self.stager,
-            to_gpu=RemoteLoadHandler(self.store, self.rank, gpu_tensors, self.layout, to_gpu=True,
-                                     tier_name=self.name),
-            to_cpu=RemoteLoadHandler(self.store, self.rank, host.tensors, self.layout, to_gpu=False,
-                                     tier_name=self.name))
+            to_gpu=RemoteLoadHandler(self.store, self.rank, gpu_tensors, self.layout, to_gpu=True, tier_name=self.name),
+            to_cpu=RemoteLoadHandler(
+                self.store, self.rank, host.tensors, self.layout, to_gpu=False, tier_name=self.name
+            ),
+        )
 
     def close(self) -> None:
         """Close this worker's store (the handlers using it must be shut down first)."""
@@ -408,9 +427,15 @@ class RemoteTier:
             self.store = None
 
 
-def remote_tier_from_config(remote: Mapping[str, Any] | RemoteConfig, fingerprint: Fingerprint,
-                            layout: KVCacheLayout, engine_id: str = "", rank: int = 0, *,
-                            enable_events: bool = True) -> RemoteTier:
+def remote_tier_from_config(
+    remote: Mapping[str, Any] | RemoteConfig,
+    fingerprint: Fingerprint,
+    layout: KVCacheLayout,
+    engine_id: str = "",
+    rank: int = 0,
+    *,
+    enable_events: bool = True,
+) -> RemoteTier:
     """A ``RemoteTier`` from the config's ``remote`` settings (a dict validated by
     ``RemoteConfig.from_dict``, errors naming ``remote.<key>``), for the namespace of
     ``fingerprint`` (the disk tier's, from ``Fingerprint.from_config``)."""

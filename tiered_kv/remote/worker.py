@@ -58,8 +58,15 @@ class RemoteStager:
     ``host``: the CPU tier; ``store``: this process's ``RemoteStore``; ``budget_bytes``:
     host memory of writes staged and not yet uploaded."""
 
-    def __init__(self, host: HostKVCache, store: RemoteStore, rank: int, budget_bytes: int,
-                 stats: TieredStats, tier_name: str = "remote"):
+    def __init__(
+        self,
+        host: HostKVCache,
+        store: RemoteStore,
+        rank: int,
+        budget_bytes: int,
+        stats: TieredStats,
+        tier_name: str = "remote",
+    ):
         self.host = host
         self.store = store
         self.rank = rank
@@ -118,8 +125,13 @@ class RemoteStager:
         dropped = sum(o is PutOutcome.DROPPED for o in outcomes)
         self.stats.count(self.tier_name, "drops", dropped)
         self.stats.count(self.tier_name, "failed_stores", n - durable - dropped)
-        self.stats.record_transfer(f"cpu_to_{self.tier_name}", durable * self.bytes_per_block,
-                                   time.perf_counter() - start, success=durable == n, blocks=durable)
+        self.stats.record_transfer(
+            f"cpu_to_{self.tier_name}",
+            durable * self.bytes_per_block,
+            time.perf_counter() - start,
+            success=durable == n,
+            blocks=durable,
+        )
         self._settled(nbytes)
 
     def _settled(self, nbytes: int) -> None:
@@ -155,8 +167,17 @@ class RemoteLoadHandler(OffloadingHandler):
     composite hands a ``DiskLoadStoreSpec`` whose slot ids mean nothing here). ``tensors``
     are the CPU tier's tensors or the device's; ``layout`` is one rank's KV layout."""
 
-    def __init__(self, store: RemoteStore, rank: int, tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
-                 *, to_gpu: bool, tier_name: str = "remote", chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(
+        self,
+        store: RemoteStore,
+        rank: int,
+        tensors: Sequence[torch.Tensor],
+        layout: KVCacheLayout,
+        *,
+        to_gpu: bool,
+        tier_name: str = "remote",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
         if not 0 <= rank < store.tp_size:
             raise ValueError(f"rank {rank} is out of range for the shared tier's tp_size {store.tp_size}")
         self.store, self.rank, self.layout = store, rank, layout
@@ -199,8 +220,10 @@ class RemoteLoadHandler(OffloadingHandler):
             return expand_block_ids(dst.block_ids, f).reshape(-1, f)
         skip = dst.skip_count
         if not 0 <= skip < f or len(dst) + skip != n * f:
-            raise ValueError(f"GPU spec has {len(dst)} block ids with skip_count {skip}; {n} blocks of "
-                             f"{f} GPU blocks need {n * f} - skip_count ids")
+            raise ValueError(
+                f"GPU spec has {len(dst)} block ids with skip_count {skip}; {n} blocks of "
+                f"{f} GPU blocks need {n * f} - skip_count ids"
+            )
         ids = np.full(n * f, -1, dtype=np.int64)
         ids[skip:] = dst.block_ids
         return ids.reshape(n, f)
@@ -234,11 +257,11 @@ class RemoteLoadHandler(OffloadingHandler):
         bounce = self._buffer()
         array = bounce.numpy()
         for a in range(0, len(hashes), self._rows):
-            chunk = hashes[a:a + self._rows]
+            chunk = hashes[a : a + self._rows]
             got = self.store.get_blocks([(h, self.rank, array[i]) for i, h in enumerate(chunk)])
             if not all(got.result(_GUARD_SECONDS)):
                 return False  # a miss: nothing of this chunk reaches the destination
-            unpack_blocks(bounce[:len(chunk)], self.tensors, self.layout, ids[a:a + len(chunk)])
+            unpack_blocks(bounce[: len(chunk)], self.tensors, self.layout, ids[a : a + len(chunk)])
             if self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()  # the KV is in place
         return True

@@ -69,8 +69,16 @@ class DiskStager:
     must behave the same every time, as a property test needs).
     """
 
-    def __init__(self, host: HostKVCache, store, rank: int, capacity_blocks: int,
-                 stats: TieredStats, synchronous: bool = False, tier_name: str = "disk"):
+    def __init__(
+        self,
+        host: HostKVCache,
+        store,
+        rank: int,
+        capacity_blocks: int,
+        stats: TieredStats,
+        synchronous: bool = False,
+        tier_name: str = "disk",
+    ):
         self.host = host
         #: The lower tier this stager writes: names its stats and transfer type.
         self.tier_name = tier_name
@@ -122,8 +130,7 @@ class DiskStager:
         disk_slots = writes.disk_slots.tolist()
         buf = self._take_buffer(len(writes))
         if buf is None:
-            logger.warning("%s staging full: dropping %d writes on rank %d", self.tier_name, len(writes),
-                           self.rank)
+            logger.warning("%s staging full: dropping %d writes on rank %d", self.tier_name, len(writes), self.rank)
             self.stats.count(self.tier_name, "drops", len(writes))
             self._record_failed(hashes, disk_slots)
             return
@@ -209,8 +216,9 @@ class DiskStager:
 
     def _committed(self, n: int, start: float, done: Future | None) -> None:
         ok = done is not None and done.exception() is None and all(done.result())
-        self.stats.record_transfer(f"cpu_to_{self.tier_name}", n * self.host.layout.bytes_per_block,
-                                   time.perf_counter() - start, success=ok)
+        self.stats.record_transfer(
+            f"cpu_to_{self.tier_name}", n * self.host.layout.bytes_per_block, time.perf_counter() - start, success=ok
+        )
         if not ok:
             self.stats.count(self.tier_name, "failed_stores", n)
         if done is not None:
@@ -244,8 +252,14 @@ class _Step:
 
     __slots__ = ("handler", "sub_id", "future", "kind", "nbytes", "started", "ended")
 
-    def __init__(self, kind: str, nbytes: int, handler: OffloadingHandler | None = None,
-                 sub_id: int | None = None, future: Future | None = None):
+    def __init__(
+        self,
+        kind: str,
+        nbytes: int,
+        handler: OffloadingHandler | None = None,
+        sub_id: int | None = None,
+        future: Future | None = None,
+    ):
         self.kind, self.nbytes = kind, nbytes
         self.handler, self.sub_id, self.future = handler, sub_id, future
         self.started = time.perf_counter()
@@ -331,8 +345,7 @@ class _PipelineHandler(OffloadingHandler):
                         break
                     result, seconds = outcome
                     if step.future is not None and step.future.exception() is not None:
-                        logger.error("job %d: %s step raised", job.job_id, step.kind,
-                                     exc_info=step.future.exception())
+                        logger.error("job %d: %s step raised", job.job_id, step.kind, exc_info=step.future.exception())
                     if step.kind:
                         self.stats.record_transfer(step.kind, step.nbytes, seconds, result)
                     job.ok &= result
@@ -353,8 +366,9 @@ class _PipelineHandler(OffloadingHandler):
             self._advance(job)
             if all(s is None for s in job.current) and not any(job.branches):
                 del self._jobs[job_id]
-                self._finished.append(TransferResult(job_id, job.ok, max(job.seconds) if job.ok else None,
-                                                     job.nbytes if job.ok else None))
+                self._finished.append(
+                    TransferResult(job_id, job.ok, max(job.seconds) if job.ok else None, job.nbytes if job.ok else None)
+                )
             else:
                 still.append(job_id)
         self._order = still
@@ -392,8 +406,13 @@ class TieredStoreHandler(_PipelineHandler):
     ``stagers``: one ``DiskStager`` per lower tier, in tier order (one alone is the first
     tier's; None where a tier has none in this process)."""
 
-    def __init__(self, gpu_to_cpu: OffloadingHandler, layout_bytes_per_block: int,
-                 stagers: DiskStager | Sequence[DiskStager | None] | None, stats: TieredStats):
+    def __init__(
+        self,
+        gpu_to_cpu: OffloadingHandler,
+        layout_bytes_per_block: int,
+        stagers: DiskStager | Sequence[DiskStager | None] | None,
+        stats: TieredStats,
+    ):
         super().__init__(stats, [gpu_to_cpu])
         self.gpu_to_cpu = gpu_to_cpu
         self.bytes_per_block = layout_bytes_per_block
@@ -417,8 +436,15 @@ class TieredStoreHandler(_PipelineHandler):
             if writes and stager is not None:
                 steps.append(partial(self._stage_step, stager, writes))
         plain_dst = CPULoadStoreSpec(dst.block_ids)
-        steps.append(partial(self._submit_inner, self.gpu_to_cpu, "gpu_to_cpu",
-                             len(dst.block_ids) * self.bytes_per_block, (src, plain_dst)))
+        steps.append(
+            partial(
+                self._submit_inner,
+                self.gpu_to_cpu,
+                "gpu_to_cpu",
+                len(dst.block_ids) * self.bytes_per_block,
+                (src, plain_dst),
+            )
+        )
         for stager, writes in zip(self.stagers, write_through):
             if writes and stager is not None:
                 steps.append(partial(self._stage_step, stager, writes))
@@ -443,10 +469,16 @@ class TieredLoadHandler(_PipelineHandler):
     of them per lower tier (None where a tier has no such path); ``tier_names`` name
     the lower tiers' transfer types (``disk``: ``disk_to_gpu``, ``disk_to_cpu``)."""
 
-    def __init__(self, cpu_to_gpu: OffloadingHandler, bytes_per_block: int, block_size_factor: int,
-                 disk_to_gpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
-                 disk_to_cpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
-                 stats: TieredStats, tier_names: Sequence[str] = ("disk",)):
+    def __init__(
+        self,
+        cpu_to_gpu: OffloadingHandler,
+        bytes_per_block: int,
+        block_size_factor: int,
+        disk_to_gpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
+        disk_to_cpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
+        stats: TieredStats,
+        tier_names: Sequence[str] = ("disk",),
+    ):
         self.to_gpu, self.to_cpu = _per_tier(disk_to_gpu), _per_tier(disk_to_cpu)
         super().__init__(stats, [cpu_to_gpu, *self.to_gpu, *self.to_cpu])
         self.cpu_to_gpu = cpu_to_gpu
@@ -468,8 +500,10 @@ class TieredLoadHandler(_PipelineHandler):
         """``(N, factor)`` GPU kernel ids per offloaded block, -1 for skipped ones."""
         ids = np.concatenate([np.full(gpu.skip_count, -1, dtype=np.int64), gpu.block_ids])
         if len(ids) != num_blocks * self.factor:
-            raise ValueError(f"GPU spec has {len(gpu.block_ids)} block ids (skip {gpu.skip_count}); "
-                             f"expected {num_blocks * self.factor} for {num_blocks} offloaded blocks")
+            raise ValueError(
+                f"GPU spec has {len(gpu.block_ids)} block ids (skip {gpu.skip_count}); "
+                f"expected {num_blocks * self.factor} for {num_blocks} offloaded blocks"
+            )
         return ids.reshape(num_blocks, self.factor)
 
     @staticmethod
@@ -503,32 +537,59 @@ class TieredLoadHandler(_PipelineHandler):
         from_cpu = src.cpu_slots >= 0
         branches = []
         if from_cpu.any():
-            branches.append(deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", int(from_cpu.sum()) * bpb,
-                                           self._cpu_to_gpu_spec(src.cpu_slots[from_cpu], rows[from_cpu]))]))
+            branches.append(
+                deque(
+                    [
+                        partial(
+                            submit,
+                            self.cpu_to_gpu,
+                            "cpu_to_gpu",
+                            int(from_cpu.sum()) * bpb,
+                            self._cpu_to_gpu_spec(src.cpu_slots[from_cpu], rows[from_cpu]),
+                        )
+                    ]
+                )
+            )
         for t in np.unique(src.lower_tiers[~from_cpu]).tolist():
             if t >= len(self.to_gpu):
-                raise ValueError(f"load spec names blocks of lower tier {t} but this worker has "
-                                 f"{len(self.to_gpu)} lower tier(s)")
+                raise ValueError(
+                    f"load spec names blocks of lower tier {t} but this worker has {len(self.to_gpu)} lower tier(s)"
+                )
             to_gpu, to_cpu, name = self.to_gpu[t], self.to_cpu[t], self.tier_names[t]
             here = (~from_cpu) & (src.lower_tiers == t)
             promoted = here & (src.promote_slots >= 0) & (to_cpu is not None)
             direct = here & ~promoted
             if direct.any():
                 if to_gpu is None:
-                    raise ValueError(f"load spec names {name} blocks for the GPU but the {name} tier "
-                                     f"has no path there")
+                    raise ValueError(f"load spec names {name} blocks for the GPU but the {name} tier has no path there")
                 tier_src = DiskLoadStoreSpec(src.disk_slots[direct], list(hashes[direct]))
-                branches.append(deque([partial(submit, to_gpu, f"{name}_to_gpu", len(tier_src) * bpb,
-                                               (tier_src, self._disk_gpu_spec(rows[direct])))]))
+                branches.append(
+                    deque(
+                        [
+                            partial(
+                                submit,
+                                to_gpu,
+                                f"{name}_to_gpu",
+                                len(tier_src) * bpb,
+                                (tier_src, self._disk_gpu_spec(rows[direct])),
+                            )
+                        ]
+                    )
+                )
             if promoted.any():
                 tier_src = DiskLoadStoreSpec(src.disk_slots[promoted], list(hashes[promoted]))
                 slots = src.promote_slots[promoted]
                 n = len(tier_src) * bpb
-                branches.append(deque([
-                    partial(submit, to_cpu, f"{name}_to_cpu", n, (tier_src, CPULoadStoreSpec(slots))),
-                    partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n,
-                            self._cpu_to_gpu_spec(slots, rows[promoted])),
-                ]))
+                branches.append(
+                    deque(
+                        [
+                            partial(submit, to_cpu, f"{name}_to_cpu", n, (tier_src, CPULoadStoreSpec(slots))),
+                            partial(
+                                submit, self.cpu_to_gpu, "cpu_to_gpu", n, self._cpu_to_gpu_spec(slots, rows[promoted])
+                            ),
+                        ]
+                    )
+                )
         return self._start(job_id, branches)
 
     def shutdown(self) -> None:

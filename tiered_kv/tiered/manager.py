@@ -47,8 +47,14 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
-from tiered_kv.abstract import (BlockHash, LoadStoreSpec, LowerTier, OffloadingEvent, OffloadingManager,
-                                PrepareStoreOutput)
+from tiered_kv.abstract import (
+    BlockHash,
+    LoadStoreSpec,
+    LowerTier,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+)
 from tiered_kv.config import WRITE_POLICIES
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
@@ -74,16 +80,25 @@ class TieredOffloadingManager(OffloadingManager):
     tier), and the rest as named.
     """
 
-    def __init__(self, cpu: CPUOffloadingManager, lower: LowerTier | Sequence[LowerTier] | None = None, *,
-                 write_policy: str | Sequence[str] = "write_through", promote_on_hit: bool = True,
-                 max_pending_disk_writes: int = 1024, stats: TieredStats | None = None):
+    def __init__(
+        self,
+        cpu: CPUOffloadingManager,
+        lower: LowerTier | Sequence[LowerTier] | None = None,
+        *,
+        write_policy: str | Sequence[str] = "write_through",
+        promote_on_hit: bool = True,
+        max_pending_disk_writes: int = 1024,
+        stats: TieredStats | None = None,
+    ):
         tiers = [] if lower is None else [lower] if not isinstance(lower, Sequence) else list(lower)
         policies = [write_policy] * len(tiers) if isinstance(write_policy, str) else list(write_policy)
         if isinstance(write_policy, str) and write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
         if len(policies) != len(tiers) or any(p not in WRITE_POLICIES for p in policies):
-            raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)} per lower tier "
-                             f"({len(tiers)}), got {write_policy!r}")
+            raise ValueError(
+                f"write_policy: expected one of {', '.join(WRITE_POLICIES)} per lower tier "
+                f"({len(tiers)}), got {write_policy!r}"
+            )
         if max_pending_disk_writes < 1:
             raise ValueError(f"max_pending_disk_writes must be >= 1, got {max_pending_disk_writes}")
         names = [t.name for t in tiers]
@@ -111,8 +126,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._write_back_only = bool(tiers) and all(p == "write_back" for p in policies)
         self._from_lower: set[BlockHash] = set()
         for tier in tiers:
-            tier.on_corrupt = lambda hashes, name=tier.name: self.stats.count(name, "checksum_failures",
-                                                                              len(hashes))
+            tier.on_corrupt = lambda hashes, name=tier.name: self.stats.count(name, "checksum_failures", len(hashes))
 
     @property
     def disk(self) -> LowerTier | None:
@@ -192,8 +206,9 @@ class TieredOffloadingManager(OffloadingManager):
         sources = [-1 if self.cpu.is_loadable(h) else self._holder(h) for h in block_hashes]
         for block_hash, source in zip(block_hashes, sources):
             if source is None:
-                raise KeyError(f"block {block_hash.hex()[:16]} is not offloaded; "
-                               f"prepare_load needs blocks that lookup() reported")
+                raise KeyError(
+                    f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
+                )
         cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
         self._cpu_loads.update(cpu_hashes)
@@ -224,8 +239,7 @@ class TieredOffloadingManager(OffloadingManager):
     def _start_promotions(self, lower_hashes: list[BlockHash]) -> dict[BlockHash, int]:
         """Reserve CPU slots for lower-tier blocks being loaded, using only free slots and
         victims that a lower tier holds (no spill, no pinned block)."""
-        wanted = list(dict.fromkeys(h for h in lower_hashes
-                                    if h not in self.cpu and h not in self._promoting))
+        wanted = list(dict.fromkeys(h for h in lower_hashes if h not in self.cpu and h not in self._promoting))
         if not wanted:
             return {}
         protected = set(lower_hashes)
@@ -323,8 +337,9 @@ class TieredOffloadingManager(OffloadingManager):
                 gone = tier.absent_among(gone)
         return gone
 
-    def _make_room(self, needed: int, allow_spill: bool, protected: set[BlockHash]
-                   ) -> tuple[list[DiskWrites], list[BlockHash]] | None:
+    def _make_room(
+        self, needed: int, allow_spill: bool, protected: set[BlockHash]
+    ) -> tuple[list[DiskWrites], list[BlockHash]] | None:
         """Free ``needed`` CPU slots by cascading victims, none of them in ``protected``
         (nor evicted from a lower tier to take a spill). Returns the spills to carry, per
         lower tier, and the blocks that left the hierarchy, or None (changing nothing)
@@ -396,8 +411,9 @@ class TieredOffloadingManager(OffloadingManager):
             raise RuntimeError("CPU tier refused an allocation it had room for")
         if len(to_store) < len(offered):
             self.cpu.rank_request(offered)
-        write_through = [self._plan_write_through(i, to_store, slots, evicted, protected)
-                         for i in range(len(self.lower))]
+        write_through = [
+            self._plan_write_through(i, to_store, slots, evicted, protected) for i in range(len(self.lower))
+        ]
         self.stats.count("cpu", "stores", len(to_store))
         return PrepareStoreOutput(
             block_hashes_to_store=to_store,
@@ -405,12 +421,18 @@ class TieredOffloadingManager(OffloadingManager):
             block_hashes_evicted=evicted,
         )
 
-    def _plan_write_through(self, i: int, to_store: list[BlockHash], cpu_slots: list[int],
-                            evicted: list[BlockHash], protected: set[BlockHash]) -> DiskWrites:
+    def _plan_write_through(
+        self,
+        i: int,
+        to_store: list[BlockHash],
+        cpu_slots: list[int],
+        evicted: list[BlockHash],
+        protected: set[BlockHash],
+    ) -> DiskWrites:
         if self.write_policies[i] != "write_through":
             return DiskWrites()
         tier = self.lower[i]
-        candidates = to_store[:self._budget(tier, len(to_store))]
+        candidates = to_store[: self._budget(tier, len(to_store))]
         skipped = len(to_store) - len(candidates)
         out = tier.prepare_store(candidates, fresh=True, protected=protected) if candidates else None
         if out is None:
@@ -418,8 +440,11 @@ class TieredOffloadingManager(OffloadingManager):
             writes = DiskWrites()
         else:
             cpu_slot = dict(zip(to_store, cpu_slots))
-            writes = DiskWrites(list(map(cpu_slot.__getitem__, out.block_hashes_to_store)),
-                                out.store_spec.id_list(), out.block_hashes_to_store)
+            writes = DiskWrites(
+                list(map(cpu_slot.__getitem__, out.block_hashes_to_store)),
+                out.store_spec.id_list(),
+                out.block_hashes_to_store,
+            )
             # Evictions here only remove blocks no other tier holds.
             evicted.extend(self._left_hierarchy(i, out.block_hashes_evicted))
             self.stats.count(tier.name, "evictions", len(out.block_hashes_evicted))

@@ -43,10 +43,18 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
     ``stats`` is shared by the manager and the handlers built by this spec.
     """
 
-    def __init__(self, config: TieredConfig | Mapping[str, Any], gpu_block_size: int,
-                 layout: KVCacheLayout | None = None, *, rank: int = 0, tp_size: int = 1,
-                 engine_id: str | None = None, enable_events: bool = True,
-                 lower_tiers: Sequence[DiskTier] = ()):
+    def __init__(
+        self,
+        config: TieredConfig | Mapping[str, Any],
+        gpu_block_size: int,
+        layout: KVCacheLayout | None = None,
+        *,
+        rank: int = 0,
+        tp_size: int = 1,
+        engine_id: str | None = None,
+        enable_events: bool = True,
+        lower_tiers: Sequence[DiskTier] = (),
+    ):
         super().__init__(config, gpu_block_size, layout, enable_events)
         if tp_size < 1 or not 0 <= rank < tp_size:
             raise ConfigError(f"rank {rank} / tp_size {tp_size}: expected 0 <= rank < tp_size")
@@ -58,6 +66,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
 
     def _fingerprint(self):
         from tiered_kv.disk.fingerprint import Fingerprint
+
         return Fingerprint.from_config(self.config, self.layout, self.tp_size)
 
     @property
@@ -66,12 +75,29 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         if self._lower is None:
             own = []
             if self.config.disk_path:
-                own.append(DiskTier(self.config, self._fingerprint(), self.layout, self.engine_id,
-                                    rank=self.rank, enable_events=self.enable_events))
+                own.append(
+                    DiskTier(
+                        self.config,
+                        self._fingerprint(),
+                        self.layout,
+                        self.engine_id,
+                        rank=self.rank,
+                        enable_events=self.enable_events,
+                    )
+                )
             if self.config.remote is not None:
                 from tiered_kv.remote.tier import remote_tier_from_config
-                own.append(remote_tier_from_config(self.config.remote, self._fingerprint(), self.layout,
-                                                   self.engine_id, self.rank, enable_events=self.enable_events))
+
+                own.append(
+                    remote_tier_from_config(
+                        self.config.remote,
+                        self._fingerprint(),
+                        self.layout,
+                        self.engine_id,
+                        self.rank,
+                        enable_events=self.enable_events,
+                    )
+                )
             self._lower = own + self._extra_tiers
         return self._lower
 
@@ -81,8 +107,9 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         return self.lower_tiers[0].store if self.lower_tiers else None
 
     def get_manager(self) -> TieredOffloadingManager:
-        cpu = cpu_tier_manager(self.config.eviction_policy, self.num_cpu_slots,
-                               self.offloaded_block_size, enable_events=self.enable_events)
+        cpu = cpu_tier_manager(
+            self.config.eviction_policy, self.num_cpu_slots, self.offloaded_block_size, enable_events=self.enable_events
+        )
         lower = []
         try:
             for tier in self.lower_tiers:
@@ -92,9 +119,13 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
                 manager.shutdown()
             raise
         return TieredOffloadingManager(
-            cpu, lower, write_policy=[getattr(t, "write_policy", self.config.write_policy) for t in self.lower_tiers],
+            cpu,
+            lower,
+            write_policy=[getattr(t, "write_policy", self.config.write_policy) for t in self.lower_tiers],
             promote_on_hit=self.config.promote_on_hit,
-            max_pending_disk_writes=self.config.max_pending_disk_writes, stats=self.stats)
+            max_pending_disk_writes=self.config.max_pending_disk_writes,
+            stats=self.stats,
+        )
 
     def close(self) -> None:
         """Close the workers' lower-tier stores opened by ``get_handlers``."""
@@ -112,11 +143,18 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         cpu_gpu = self._cpu_gpu_handlers(kv_caches, kv_before_num_blocks)
         layout = self.layout
         workers = [tier.get_worker(self.host, kv_caches, self.stats) for tier in self.lower_tiers]
-        store = TieredStoreHandler(cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block,
-                                   [w.stager for w in workers] or None, self.stats)
-        load = TieredLoadHandler(cpu_gpu.cpu_to_gpu_handler, layout.bytes_per_block, layout.block_size_factor,
-                                 [w.to_gpu for w in workers] or None, [w.to_cpu for w in workers] or None,
-                                 self.stats, tier_names=[t.name for t in self.lower_tiers] or ("disk",))
+        store = TieredStoreHandler(
+            cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block, [w.stager for w in workers] or None, self.stats
+        )
+        load = TieredLoadHandler(
+            cpu_gpu.cpu_to_gpu_handler,
+            layout.bytes_per_block,
+            layout.block_size_factor,
+            [w.to_gpu for w in workers] or None,
+            [w.to_cpu for w in workers] or None,
+            self.stats,
+            tier_names=[t.name for t in self.lower_tiers] or ("disk",),
+        )
         yield GPULoadStoreSpec, CPULoadStoreSpec, store
         yield CPULoadStoreSpec, GPULoadStoreSpec, load
         yield TieredLoadSpec, GPULoadStoreSpec, load

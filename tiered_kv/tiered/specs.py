@@ -32,14 +32,20 @@ class DiskWrites:
     cpu_slots = Int64Column()
     disk_slots = Int64Column()
 
-    def __init__(self, cpu_slots: Sequence[int] | np.ndarray = (), disk_slots: Sequence[int] | np.ndarray = (),
-                 block_hashes: Sequence[BlockHash] = ()):
+    def __init__(
+        self,
+        cpu_slots: Sequence[int] | np.ndarray = (),
+        disk_slots: Sequence[int] | np.ndarray = (),
+        block_hashes: Sequence[BlockHash] = (),
+    ):
         self.cpu_slots = cpu_slots
         self.disk_slots = disk_slots
         self.block_hashes = list(block_hashes)
         if not len(self._cpu_slots) == len(self._disk_slots) == len(self.block_hashes):
-            raise ValueError(f"DiskWrites: {len(self._cpu_slots)} cpu_slots, {len(self._disk_slots)} "
-                             f"disk_slots and {len(self.block_hashes)} block_hashes; expected one of each per block")
+            raise ValueError(
+                f"DiskWrites: {len(self._cpu_slots)} cpu_slots, {len(self._disk_slots)} "
+                f"disk_slots and {len(self.block_hashes)} block_hashes; expected one of each per block"
+            )
 
     @classmethod
     def of(cls, writes: "DiskWrites | Sequence[DiskWrite]") -> "DiskWrites":
@@ -81,9 +87,12 @@ class TieredStoreSpec(CPULoadStoreSpec):
     holding the job. ``spills`` and ``write_through`` alone are tier 0's writes.
     """
 
-    def __init__(self, block_ids: Sequence[int] | np.ndarray,
-                 spills: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = (),
-                 write_through: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = ()):
+    def __init__(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        spills: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = (),
+        write_through: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = (),
+    ):
         super().__init__(block_ids)
         self.tier_spills = _per_tier(spills)
         self.tier_write_through = _per_tier(write_through)
@@ -99,8 +108,10 @@ class TieredStoreSpec(CPULoadStoreSpec):
         return self.tier_write_through[0] if self.tier_write_through else DiskWrites()
 
     def __repr__(self) -> str:
-        return (f"TieredStoreSpec({self.block_ids.tolist()}, spills={[len(w) for w in self.tier_spills]}, "
-                f"write_through={[len(w) for w in self.tier_write_through]})")
+        return (
+            f"TieredStoreSpec({self.block_ids.tolist()}, spills={[len(w) for w in self.tier_spills]}, "
+            f"write_through={[len(w) for w in self.tier_write_through]})"
+        )
 
 
 class TieredLoadSpec(LoadStoreSpec):
@@ -117,19 +128,27 @@ class TieredLoadSpec(LoadStoreSpec):
     promote_slots = Int64Column()
     lower_tiers = Int64Column()
 
-    def __init__(self, cpu_slots: Sequence[int], disk_slots: Sequence[int],
-                 promote_slots: Sequence[int], block_hashes: Sequence[BlockHash],
-                 lower_tiers: Sequence[int] | None = None):
+    def __init__(
+        self,
+        cpu_slots: Sequence[int],
+        disk_slots: Sequence[int],
+        promote_slots: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        lower_tiers: Sequence[int] | None = None,
+    ):
         self.cpu_slots = cpu_slots
         self.disk_slots = disk_slots
         self.promote_slots = promote_slots
         self.block_hashes = list(block_hashes)
         n = len(self.block_hashes)
         self.lower_tiers = [0] * n if lower_tiers is None else lower_tiers
-        if not (len(self._cpu_slots) == len(self._disk_slots) == len(self._promote_slots)
-                == len(self._lower_tiers) == n):
-            raise ValueError("TieredLoadSpec: cpu_slots, disk_slots, promote_slots, lower_tiers "
-                             "and block_hashes must all have one entry per block")
+        if not (
+            len(self._cpu_slots) == len(self._disk_slots) == len(self._promote_slots) == len(self._lower_tiers) == n
+        ):
+            raise ValueError(
+                "TieredLoadSpec: cpu_slots, disk_slots, promote_slots, lower_tiers "
+                "and block_hashes must all have one entry per block"
+            )
 
     @staticmethod
     def medium() -> str:
@@ -139,5 +158,7 @@ class TieredLoadSpec(LoadStoreSpec):
         return len(self.block_hashes)
 
     def __repr__(self) -> str:
-        return (f"TieredLoadSpec(cpu={self.cpu_slots.tolist()}, disk={self.disk_slots.tolist()}, "
-                f"promote={self.promote_slots.tolist()})")
+        return (
+            f"TieredLoadSpec(cpu={self.cpu_slots.tolist()}, disk={self.disk_slots.tolist()}, "
+            f"promote={self.promote_slots.tolist()})"
+        )

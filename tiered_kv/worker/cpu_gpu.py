@@ -85,12 +85,21 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     where possible (None). ``self.copy_kernels`` says which.
     """
 
-    def __init__(self, src_tensors: Sequence[torch.Tensor], dst_tensors: Sequence[torch.Tensor],
-                 kv_dim_before_num_blocks: Sequence[bool], src_block_size_factor: int,
-                 dst_block_size_factor: int, priority: int, copy_kernels: bool | None = None):
+    def __init__(
+        self,
+        src_tensors: Sequence[torch.Tensor],
+        dst_tensors: Sequence[torch.Tensor],
+        kv_dim_before_num_blocks: Sequence[bool],
+        src_block_size_factor: int,
+        dst_block_size_factor: int,
+        priority: int,
+        copy_kernels: bool | None = None,
+    ):
         if not (len(src_tensors) == len(dst_tensors) == len(kv_dim_before_num_blocks)) or not src_tensors:
-            raise ValueError(f"need one src tensor, dst tensor and kv flag per layer; got "
-                             f"{len(src_tensors)}, {len(dst_tensors)}, {len(kv_dim_before_num_blocks)}")
+            raise ValueError(
+                f"need one src tensor, dst tensor and kv flag per layer; got "
+                f"{len(src_tensors)}, {len(dst_tensors)}, {len(kv_dim_before_num_blocks)}"
+            )
         # Every layer as 1 or 2 planes of whole kernel-block rows, viewed as wide words:
         # all copies below are row gathers/scatters along dim 0.
         self._src: list[torch.Tensor] = []
@@ -98,9 +107,11 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         for i, (s, d, kv) in enumerate(zip(src_tensors, dst_tensors, kv_dim_before_num_blocks)):
             src_planes, dst_planes = kv_planes(s, bool(kv)), kv_planes(d, bool(kv))
             if src_planes[0].shape[1] != dst_planes[0].shape[1]:
-                raise ValueError(f"layer {i}: src kernel block is {src_planes[0].shape[1]} bytes but "
-                                 f"dst is {dst_planes[0].shape[1]}; the tensors must have the same "
-                                 f"block shape and dtype")
+                raise ValueError(
+                    f"layer {i}: src kernel block is {src_planes[0].shape[1]} bytes but "
+                    f"dst is {dst_planes[0].shape[1]}; the tensors must have the same "
+                    f"block shape and dtype"
+                )
             for sp, dp in zip(src_planes, dst_planes):
                 sw, dw = as_words(sp), as_words(dp)
                 if sw.dtype != dw.dtype:
@@ -125,23 +136,26 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         #: ``(device side, host side)`` when copying with kernels, else None (DMA copies).
         self.plane_rows = self._plane_rows(src_cuda) if copy_kernels is not False else None
         if copy_kernels and self.plane_rows is None:
-            raise ValueError("copy kernels (copy_kernels=True, config gpu_copy: kernels) need a CUDA device "
-                             "and a pinned CPU tier it can map; use gpu_copy auto or dma")
+            raise ValueError(
+                "copy kernels (copy_kernels=True, config gpu_copy: kernels) need a CUDA device "
+                "and a pinned CPU tier it can map; use gpu_copy auto or dma"
+            )
         self.copy_kernels = self.plane_rows is not None
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src_spec, dst_spec = spec
         skip = next((s.skip_count for s in spec if isinstance(s, GPULoadStoreSpec)), 0)
         if skip and self.src_block_size_factor == self.dst_block_size_factor:
-            raise ValueError(f"job {job_id}: skip_count={skip} needs one side with a larger "
-                             f"block_size_factor")
+            raise ValueError(f"job {job_id}: skip_count={skip} needs one side with a larger block_size_factor")
         src_larger = self.src_block_size_factor > self.dst_block_size_factor
         src_ids = self._kernel_ids(src_spec.block_ids, self.src_block_size_factor, skip if src_larger else 0)
         dst_ids = self._kernel_ids(dst_spec.block_ids, self.dst_block_size_factor, 0 if src_larger else skip)
         if len(src_ids) != len(dst_ids):
-            raise ValueError(f"job {job_id}: source {type(src_spec).__name__} covers {len(src_ids)} "
-                             f"kernel blocks but destination {type(dst_spec).__name__} covers "
-                             f"{len(dst_ids)} (skip_count={skip})")
+            raise ValueError(
+                f"job {job_id}: source {type(src_spec).__name__} covers {len(src_ids)} "
+                f"kernel blocks but destination {type(dst_spec).__name__} covers "
+                f"{len(dst_ids)} (skip_count={skip})"
+            )
         self._check_range(src_ids, self._src_kernel_blocks, "source", job_id)
         self._check_range(dst_ids, self._dst_kernel_blocks, "destination", job_id)
         success, started = True, None
@@ -211,8 +225,10 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     def _check_range(ids: np.ndarray, limit: int, side: str, job_id: int) -> None:
         # Checked on the host: an out-of-range index on CUDA poisons the whole context.
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-            raise ValueError(f"job {job_id}: {side} kernel block ids span {int(ids.min())}.."
-                             f"{int(ids.max())}; expected 0..{limit - 1}")
+            raise ValueError(
+                f"job {job_id}: {side} kernel block ids span {int(ids.min())}.."
+                f"{int(ids.max())}; expected 0..{limit - 1}"
+            )
 
     def _plane_rows(self, device_is_src: bool) -> tuple[PlaneRows, PlaneRows] | None:
         if self._device is None:
@@ -247,7 +263,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 for plane, columns in members:
                     torch.index_select(self._src[plane], 0, src_idx[part], out=staging[:, columns])
                 for start, end, first in contiguous_runs(dst_sorted[part]):
-                    host_rows[first:first + end - start].copy_(staging[start:end], non_blocking=self._async)
+                    host_rows[first : first + end - start].copy_(staging[start:end], non_blocking=self._async)
 
     def _copy_runs_then_scatter(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Host -> device: per group of host rows and part of the job, one copy per run
@@ -260,7 +276,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             for part in _parts(len(order), host_rows):
                 staging = _staging(part, host_rows, device)
                 for start, end, first in contiguous_runs(src_sorted[part]):
-                    staging[start:end].copy_(host_rows[first:first + end - start], non_blocking=self._async)
+                    staging[start:end].copy_(host_rows[first : first + end - start], non_blocking=self._async)
                 for plane, columns in members:
                     self._dst[plane].index_copy_(0, dst_idx[part], staging[:, columns])
 
@@ -310,8 +326,12 @@ class CpuGpuOffloadingHandlers:
     ``(GPULoadStoreSpec, CPULoadStoreSpec)`` jobs, ``cpu_to_gpu_handler`` the reverse.
     """
 
-    def __init__(self, gpu_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                 host: HostKVCache, copy_kernels: bool | None = None):
+    def __init__(
+        self,
+        gpu_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+        host: HostKVCache,
+        copy_kernels: bool | None = None,
+    ):
         layout = host.layout
         if isinstance(gpu_caches, Mapping):
             missing = [l.name for l in layout.layers if l.name not in gpu_caches]
@@ -324,6 +344,8 @@ class CpuGpuOffloadingHandlers:
         factor = layout.block_size_factor
         self.host = host
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
-            gpu_tensors, host.tensors, kv_first, 1, factor, priority=STORE_PRIORITY, copy_kernels=copy_kernels)
+            gpu_tensors, host.tensors, kv_first, 1, factor, priority=STORE_PRIORITY, copy_kernels=copy_kernels
+        )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
-            host.tensors, gpu_tensors, kv_first, factor, 1, priority=LOAD_PRIORITY, copy_kernels=copy_kernels)
+            host.tensors, gpu_tensors, kv_first, factor, 1, priority=LOAD_PRIORITY, copy_kernels=copy_kernels
+        )

@@ -73,8 +73,15 @@ class _StagingPool:
     asked and leaves the pool able to try again, so no job waits for a buffer that was
     never made."""
 
-    def __init__(self, count: int, rows: int, slot_size: int, pin: bool, device: torch.device | None,
-                 host_buffer: Callable[[int, bool], torch.Tensor]):
+    def __init__(
+        self,
+        count: int,
+        rows: int,
+        slot_size: int,
+        pin: bool,
+        device: torch.device | None,
+        host_buffer: Callable[[int, bool], torch.Tensor],
+    ):
         self._host_buffer = host_buffer  # the store's kind of host memory
         self._free: queue.Queue[_Staging] = queue.Queue()
         self._made = 0
@@ -118,9 +125,13 @@ class _StagingPool:
                 return self._host_buffer(n, True)
             except RuntimeError as e:
                 self._pin = False
-                logger.warning("pinning a %d-byte disk staging buffer failed (%s); using pageable memory, "
-                               "so device copies are slower. Raise the locked-memory limit (ulimit -l, "
-                               "docker --ulimit memlock=-1) to get pinned staging back", n, e)
+                logger.warning(
+                    "pinning a %d-byte disk staging buffer failed (%s); using pageable memory, "
+                    "so device copies are slower. Raise the locked-memory limit (ulimit -l, "
+                    "docker --ulimit memlock=-1) to get pinned staging back",
+                    n,
+                    e,
+                )
         return self._host_buffer(n, False)
 
 
@@ -131,12 +142,23 @@ class _DiskHandler(OffloadingHandler):
     kinds: tuple[str, str] = ("", "")
     other_spec: type[LoadStoreSpec] = LoadStoreSpec
 
-    def __init__(self, store: DiskStore, rank: int, tensors: Sequence[torch.Tensor], layout: KVCacheLayout,
-                 *, staging_bytes: int = DEFAULT_STAGING_BYTES, job_threads: int = 2,
-                 staging_device: torch.device | None = None, owns_store: bool = False):
+    def __init__(
+        self,
+        store: DiskStore,
+        rank: int,
+        tensors: Sequence[torch.Tensor],
+        layout: KVCacheLayout,
+        *,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        job_threads: int = 2,
+        staging_device: torch.device | None = None,
+        owns_store: bool = False,
+    ):
         if store.block_bytes != layout.bytes_per_block:
-            raise ValueError(f"the disk namespace stores {store.block_bytes}-byte blocks but the layout's "
-                             f"blocks are {layout.bytes_per_block} bytes")
+            raise ValueError(
+                f"the disk namespace stores {store.block_bytes}-byte blocks but the layout's "
+                f"blocks are {layout.bytes_per_block} bytes"
+            )
         if not 0 <= rank < store.tp_size:
             raise ValueError(f"rank {rank} is out of range for the namespace's tp_size {store.tp_size}")
         self.store, self.rank, self.layout = store, rank, layout
@@ -162,8 +184,7 @@ class _DiskHandler(OffloadingHandler):
             elif isinstance(src, DiskLoadStoreSpec) and isinstance(dst, self.other_spec):
                 kind, ids, disk = self.kinds[1], self._kernel_ids(dst, len(src), store=False), src
             else:
-                raise ValueError(f"{type(self).__name__} cannot transfer {type(src).__name__} -> "
-                                 f"{type(dst).__name__}")
+                raise ValueError(f"{type(self).__name__} cannot transfer {type(src).__name__} -> {type(dst).__name__}")
         except ValueError as e:
             logger.error("rejecting disk job %d: %s", job_id, e)
             return False
@@ -243,8 +264,8 @@ class _DiskHandler(OffloadingHandler):
                     h = k % 2
                     if busy[h] is not None:
                         busy[h].result()
-                    rows = stg.rows[h * half:h * half + (b - a)]
-                    mirror = None if stg.mirror is None else stg.mirror[h * half:h * half + (b - a)]
+                    rows = stg.rows[h * half : h * half + (b - a)]
+                    mirror = None if stg.mirror is None else stg.mirror[h * half : h * half + (b - a)]
                     self._pack(ids[a:b], rows, mirror)
                     busy[h] = batch.submit(a, rows, mirror)
                     if busy[h] is None:  # the batch failed; stop producing
@@ -268,8 +289,8 @@ class _DiskHandler(OffloadingHandler):
             def submit(k: int) -> None:
                 a, b = chunks[k]
                 h = k % 2
-                mirror = None if stg.mirror is None else stg.mirror[h * half:h * half + (b - a)]
-                busy[h] = batch.submit(a, stg.rows[h * half:h * half + (b - a)], mirror)
+                mirror = None if stg.mirror is None else stg.mirror[h * half : h * half + (b - a)]
+                busy[h] = batch.submit(a, stg.rows[h * half : h * half + (b - a)], mirror)
 
             for k in range(min(2, len(chunks))):
                 submit(k)
@@ -279,7 +300,7 @@ class _DiskHandler(OffloadingHandler):
                 if fut is None or not fut.result():
                     good = False  # a block is missing or corrupt: the job fails, stop early
                     break
-                self._unpack(stg.rows[(k % 2) * half:(k % 2) * half + (b - a)], ids[a:b])
+                self._unpack(stg.rows[(k % 2) * half : (k % 2) * half + (b - a)], ids[a:b])
                 if k + 2 < len(chunks):
                     submit(k + 2)
             ok = batch.finish()  # waits for everything still in flight
@@ -307,8 +328,9 @@ class CpuDiskHandler(_DiskHandler):
     kinds = ("cpu_to_disk", "disk_to_cpu")
     other_spec = CPULoadStoreSpec
 
-    def __init__(self, store: DiskStore, rank: int, host: HostKVCache | Sequence[torch.Tensor],
-                 layout: KVCacheLayout, **kwargs):
+    def __init__(
+        self, store: DiskStore, rank: int, host: HostKVCache | Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
+    ):
         tensors = host.tensors if isinstance(host, HostKVCache) else host
         super().__init__(store, rank, tensors, layout, **kwargs)
         views = SlotViews(self.tensors, layout)
@@ -352,12 +374,12 @@ class GpuDiskHandler(_DiskHandler):
     kinds = ("gpu_to_disk", "disk_to_gpu")
     other_spec = GPULoadStoreSpec
 
-    def __init__(self, store: DiskStore, rank: int, gpu_tensors: Sequence[torch.Tensor],
-                 layout: KVCacheLayout, **kwargs):
+    def __init__(
+        self, store: DiskStore, rank: int, gpu_tensors: Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
+    ):
         device = gpu_tensors[0].device if gpu_tensors else torch.device("cpu")
         self.gds = device.type == "cuda" and store.backend.gds
-        super().__init__(store, rank, gpu_tensors, layout,
-                         staging_device=device if self.gds else None, **kwargs)
+        super().__init__(store, rank, gpu_tensors, layout, staging_device=device if self.gds else None, **kwargs)
         self._stream = TransferStream(device) if device.type == "cuda" else None
 
     def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
@@ -365,11 +387,14 @@ class GpuDiskHandler(_DiskHandler):
         f = self.layout.block_size_factor
         skip = spec.skip_count
         if store and skip:
-            raise ValueError(f"a GPU->DISK store cannot start mid-block (skip_count={skip}); "
-                             f"only whole blocks are stored")
+            raise ValueError(
+                f"a GPU->DISK store cannot start mid-block (skip_count={skip}); only whole blocks are stored"
+            )
         if not 0 <= skip < f or len(spec) + skip != n * f:
-            raise ValueError(f"GPU spec has {len(spec)} block ids with skip_count {skip}; {n} disk "
-                             f"blocks of {f} GPU blocks need {n * f} - skip_count ids")
+            raise ValueError(
+                f"GPU spec has {len(spec)} block ids with skip_count {skip}; {n} disk "
+                f"blocks of {f} GPU blocks need {n * f} - skip_count ids"
+            )
         ids = np.full(n * f, -1, dtype=np.int64)
         ids[skip:] = spec.block_ids
         return ids.reshape(n, f)

@@ -117,8 +117,7 @@ class OffloadingWorker:
         if handler is None:
             known = ", ".join(f"{s} -> {d}" for s, d in sorted(self.transfer_type_to_handler)) or "none"
             raise UnregisteredTransferError(
-                f"no handler registered for transfers {pair[0]} -> {pair[1]} "
-                f"(registered: {known})"
+                f"no handler registered for transfers {pair[0]} -> {pair[1]} (registered: {known})"
             )
         return handler
 
@@ -134,8 +133,9 @@ class OffloadingWorker:
         try:
             accepted = handler.transfer_async(job_id, spec)
         except Exception:
-            logger.exception("handler %s raised while submitting job %d; it was not submitted",
-                             type(handler).__name__, job_id)
+            logger.exception(
+                "handler %s raised while submitting job %d; it was not submitted", type(handler).__name__, job_id
+            )
             accepted = False
         if accepted:
             self._job_handler[job_id] = handler
@@ -150,10 +150,8 @@ class OffloadingWorker:
             try:
                 results = handler.get_finished()
             except Exception:
-                logger.exception("handler %s raised in get_finished; failing its jobs",
-                                 type(handler).__name__)
-                results = [TransferResult(j, False) for j, h in self._job_handler.items()
-                           if h is handler]
+                logger.exception("handler %s raised in get_finished; failing its jobs", type(handler).__name__)
+                results = [TransferResult(j, False) for j, h in self._job_handler.items() if h is handler]
             finished.extend(results)
         out = []
         for result in finished:

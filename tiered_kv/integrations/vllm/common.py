@@ -63,27 +63,38 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     declared, with the same label names)."""
     return {
         TIER_BLOCKS: OffloadingCounterMetadata(
-            documentation=("Chunks counted per tier and event. Events: "
-                           + ", ".join(TIER_COUNTERS) + f". Tiers: {', '.join(TIERS)}."),
-            labelnames=("tier", "event")),
+            documentation=(
+                "Chunks counted per tier and event. Events: "
+                + ", ".join(TIER_COUNTERS)
+                + f". Tiers: {', '.join(TIERS)}."
+            ),
+            labelnames=("tier", "event"),
+        ),
         TIER_USED_BLOCKS: OffloadingGaugeMetadata(
-            documentation="Chunks held per tier (stored, being stored or being promoted).",
-            labelnames=("tier",)),
+            documentation="Chunks held per tier (stored, being stored or being promoted).", labelnames=("tier",)
+        ),
         TIER_CAPACITY_BLOCKS: OffloadingGaugeMetadata(
-            documentation="Chunk slots per tier (per rank: each rank holds its shard of a chunk).",
-            labelnames=("tier",)),
+            documentation="Chunk slots per tier (per rank: each rank holds its shard of a chunk).", labelnames=("tier",)
+        ),
         PENDING_DISK_WRITES: OffloadingGaugeMetadata(
-            documentation="Chunks queued for a disk write whose outcome is not known yet."),
+            documentation="Chunks queued for a disk write whose outcome is not known yet."
+        ),
         DISK_VERIFICATIONS: OffloadingCounterMetadata(
-            documentation=("Disk chunks read back and checksum-verified on every rank before a "
-                           "lookup reported them as hits; outcome ok or failed (failed chunks "
-                           "are dropped and recomputed)."),
-            labelnames=("outcome",)),
+            documentation=(
+                "Disk chunks read back and checksum-verified on every rank before a "
+                "lookup reported them as hits; outcome ok or failed (failed chunks "
+                "are dropped and recomputed)."
+            ),
+            labelnames=("outcome",),
+        ),
         WORKER_JOB_FAILURES: OffloadingCounterMetadata(
-            documentation=("Worker jobs that failed inside tiered-kv and were reported to vLLM as "
-                           "done (vLLM cannot take a failure); kind store or promotion. Their CPU "
-                           "slots are never served."),
-            labelnames=("kind",)),
+            documentation=(
+                "Worker jobs that failed inside tiered-kv and were reported to vLLM as "
+                "done (vLLM cannot take a failure); kind store or promotion. Their CPU "
+                "slots are never served."
+            ),
+            labelnames=("kind",),
+        ),
     }
 
 
@@ -146,9 +157,11 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     revision, dtype and quantization method, config overrides, layers kept out of a
     quantized KV cache, and the tokenizer where it is not the model's own."""
     mc = vllm_config.model_config
-    out = [f"code_revision={mc.code_revision or 'none'}",
-           f"model_dtype={str(mc.dtype).removeprefix('torch.')}",
-           f"quantization={mc.quantization or 'none'}"]
+    out = [
+        f"code_revision={mc.code_revision or 'none'}",
+        f"model_dtype={str(mc.dtype).removeprefix('torch.')}",
+        f"quantization={mc.quantization or 'none'}",
+    ]
     overrides = mc.hf_overrides
     if callable(overrides):
         out.append(f"hf_overrides={getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}")
@@ -166,8 +179,9 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def vllm_model_identity(model_name: str, cfg: TieredConfig, extra: Mapping[str, Any],
-                        vllm_config: Any | None = None) -> VllmModelIdentity:
+def vllm_model_identity(
+    model_name: str, cfg: TieredConfig, extra: Mapping[str, Any], vllm_config: Any | None = None
+) -> VllmModelIdentity:
     """Which model the engine serves, as the disk namespace records it.
 
     ``model_id``: the config's where it sets one, else vLLM's ``--model``.
@@ -190,14 +204,19 @@ def vllm_model_identity(model_name: str, cfg: TieredConfig, extra: Mapping[str, 
     if cfg.model_path:
         given = weights_digest(cfg.model_path)
         if digest is not None and given.digest != digest:
-            raise ConfigError(f"model_path: {cfg.model_path!r} has weights digest {given.digest}, but the "
-                              f"model vLLM loads ({where}) has {digest}; remove model_path (vLLM's own "
-                              f"model directory is used) or point it at a copy of that model")
+            raise ConfigError(
+                f"model_path: {cfg.model_path!r} has weights digest {given.digest}, but the "
+                f"model vLLM loads ({where}) has {digest}; remove model_path (vLLM's own "
+                f"model directory is used) or point it at a copy of that model"
+            )
         if digest is None:
             digest, where = given.digest, given.path
     if digest is None:
-        logger.warning("the disk namespace does not cover the model's weights: %r is not a local directory "
-                       "and not in the Hugging Face cache here; set model_path in kv_connector_extra_config "
-                       "to a local copy of the model", model)
+        logger.warning(
+            "the disk namespace does not cover the model's weights: %r is not a local directory "
+            "and not in the Hugging Face cache here; set model_path in kv_connector_extra_config "
+            "to a local copy of the model",
+            model,
+        )
     settings = vllm_model_settings(vc) if mc is not None else None
     return VllmModelIdentity(str(model_id), str(revision), digest, settings, where)

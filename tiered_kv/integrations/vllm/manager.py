@@ -61,8 +61,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.integrations.vllm.common import (
-    DISK_VERIFICATIONS, PENDING_DISK_WRITES, TIER_BLOCKS, TIER_CAPACITY_BLOCKS, TIER_USED_BLOCKS,
-    WORKER_JOB_FAILURES, TieredJobSpec, TieredOffloadingInfo,
+    DISK_VERIFICATIONS,
+    PENDING_DISK_WRITES,
+    TIER_BLOCKS,
+    TIER_CAPACITY_BLOCKS,
+    TIER_USED_BLOCKS,
+    WORKER_JOB_FAILURES,
+    TieredJobSpec,
+    TieredOffloadingInfo,
 )
 from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.integrations.vllm.verify import DiskVerifier
@@ -88,26 +94,36 @@ def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
     cfg, geometry = spec.tiered_config, spec.geometry
     events = spec.kv_events_config.enable_kv_cache_events
     stats = TieredStats()
-    cpu = cpu_tier_manager(cfg.eviction_policy, geometry.num_cpu_slots, geometry.tokens_per_chunk,
-                           enable_events=events)
+    cpu = cpu_tier_manager(cfg.eviction_policy, geometry.num_cpu_slots, geometry.tokens_per_chunk, enable_events=events)
     disk = verifier = None
     if cfg.disk_path:
         from tiered_kv.disk.io_backends import PosixBackend
         from tiered_kv.disk.manager import DiskOffloadingManager
         from tiered_kv.disk.store import DiskStore
 
-        disk = DiskOffloadingManager(cfg.disk_path, geometry.fingerprint, geometry.scheduler_layout(),
-                                     disk_bytes=cfg.disk_bytes, checksum=cfg.checksum,
-                                     engine_id=spec.config.engine_id, enable_events=events)
+        disk = DiskOffloadingManager(
+            cfg.disk_path,
+            geometry.fingerprint,
+            geometry.scheduler_layout(),
+            disk_bytes=cfg.disk_bytes,
+            checksum=cfg.checksum,
+            engine_id=spec.config.engine_id,
+            enable_events=events,
+        )
         try:
             store = DiskStore(disk.namespace, PosixBackend(cfg.io_threads), engine_id=spec.config.engine_id)
         except BaseException:
             disk.shutdown()
             raise
         verifier = DiskVerifier(store, geometry.world_size, threads=cfg.io_threads)
-    composite = TieredOffloadingManager(cpu, disk, write_policy=cfg.write_policy,
-                                        promote_on_hit=cfg.promote_on_hit,
-                                        max_pending_disk_writes=cfg.max_pending_disk_writes, stats=stats)
+    composite = TieredOffloadingManager(
+        cpu,
+        disk,
+        write_policy=cfg.write_policy,
+        promote_on_hit=cfg.promote_on_hit,
+        max_pending_disk_writes=cfg.max_pending_disk_writes,
+        stats=stats,
+    )
     health = SlotHealth.for_engine(spec.config.engine_id, geometry.num_cpu_slots)
     health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
     return TieredVllmManager(composite, health=health, verifier=verifier, info=spec.config_info())
@@ -116,8 +132,14 @@ def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
 class TieredVllmManager(OffloadingManager):
     """vLLM's manager interface over ``TieredOffloadingManager`` (module docstring)."""
 
-    def __init__(self, composite: TieredOffloadingManager, *, health: SlotHealth,
-                 verifier: DiskVerifier | None = None, info: TieredOffloadingInfo | None = None):
+    def __init__(
+        self,
+        composite: TieredOffloadingManager,
+        *,
+        health: SlotHealth,
+        verifier: DiskVerifier | None = None,
+        info: TieredOffloadingInfo | None = None,
+    ):
         self.composite = composite
         self.health = health
         self.verifier = verifier
@@ -239,13 +261,16 @@ class TieredVllmManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
         req_id = req_context.req_id
-        promoted = {key: self._promote_slots.pop((req_id, key)) for key in keys
-                    if (req_id, key) in self._promote_slots}
+        promoted = {key: self._promote_slots.pop((req_id, key)) for key in keys if (req_id, key) in self._promote_slots}
         bad_slots = self.health.take_bad(promoted.values())
         failed = {key for key, slot in promoted.items() if slot in bad_slots}
         if failed:
-            logger.error("request %s: the promotion of %d disk chunks into the CPU tier failed in a "
-                         "worker; the chunks are not kept in CPU", req_id, len(failed))
+            logger.error(
+                "request %s: the promotion of %d disk chunks into the CPU tier failed in a "
+                "worker; the chunks are not kept in CPU",
+                req_id,
+                len(failed),
+            )
             self._failure_counts["promotion"] += 1
             self.composite.complete_load(list(failed), success=False)
         self.composite.complete_load([key for key in keys if key not in failed])
@@ -262,19 +287,21 @@ class TieredVllmManager(OffloadingManager):
         if out is None:
             return None
         self._open_stores.update(out.block_hashes_to_store)
-        return PrepareStoreOutput(keys_to_store=list(out.block_hashes_to_store),
-                                  store_spec=TieredJobSpec(out.store_spec),
-                                  evicted_keys=list(out.block_hashes_evicted))
+        return PrepareStoreOutput(
+            keys_to_store=list(out.block_hashes_to_store),
+            store_spec=TieredJobSpec(out.store_spec),
+            evicted_keys=list(out.block_hashes_evicted),
+        )
 
-    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
-                       success: bool = True) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
         slots = {key: self.composite.cpu.slot_of(key) for key in keys}
         bad_slots = self.health.take_bad(s for s in slots.values() if s is not None)
         failed = {key for key in keys if slots[key] in bad_slots}
         if failed:
-            logger.error("request %s: a worker failed to store %d chunks; they are dropped",
-                         req_context.req_id, len(failed))
+            logger.error(
+                "request %s: a worker failed to store %d chunks; they are dropped", req_context.req_id, len(failed)
+            )
             self._failure_counts["store"] += 1
             self.composite.complete_store(list(failed), success=False)
         self.composite.complete_store([key for key in keys if key not in failed], success)
@@ -308,10 +335,15 @@ class TieredVllmManager(OffloadingManager):
         out = []
         for event in self.composite.take_events():
             on_disk = event.medium == DISK
-            out.append(OffloadingEvent(
-                keys=list(event.block_hashes), medium=_MEDIUMS[event.medium], removed=event.removed,
-                ownership="tiered_kv.disk" if on_disk else None,
-                removal_expected=on_disk and not event.removed))
+            out.append(
+                OffloadingEvent(
+                    keys=list(event.block_hashes),
+                    medium=_MEDIUMS[event.medium],
+                    removed=event.removed,
+                    ownership="tiered_kv.disk" if on_disk else None,
+                    removal_expected=on_disk and not event.removed,
+                )
+            )
         return out
 
     def get_stats(self) -> OffloadingConnectorStats:
@@ -333,8 +365,7 @@ class TieredVllmManager(OffloadingManager):
         stats.set_gauge(PENDING_DISK_WRITES, disk.num_pending() if disk is not None else 0)
         return stats
 
-    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...],
-                  total: int) -> None:
+    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: int) -> None:
         """Report the increase of a monotonic ``total`` since the last report."""
         key = (name, ",".join(labels))
         delta = total - self._reported.get(key, 0)

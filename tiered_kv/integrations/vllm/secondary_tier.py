@@ -89,8 +89,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TieredDiskTier", "DiskTierStats", "parse_tier_config", "chunk_fingerprint",
-           "chunk_layout", "VLLM_TIER_KEYS"]
+__all__ = [
+    "TieredDiskTier",
+    "DiskTierStats",
+    "parse_tier_config",
+    "chunk_fingerprint",
+    "chunk_layout",
+    "VLLM_TIER_KEYS",
+]
 
 #: Keys of a ``secondary_tiers`` entry that belong to vLLM (its factory reads them).
 VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
@@ -98,13 +104,11 @@ VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
 #: Our own keys that mean nothing under vLLM's tiering spec, and what to do instead.
 _NOT_FOR_A_SECONDARY_TIER = {
     "remote": "the shared tier is not a part of this disk tier; it runs under TieredOffloadingSpec",
-    "cpu_bytes": "the CPU tier is vLLM's here; size it with cpu_bytes_to_use in "
-                 "kv_connector_extra_config",
+    "cpu_bytes": "the CPU tier is vLLM's here; size it with cpu_bytes_to_use in kv_connector_extra_config",
     "write_policy": "vLLM copies every chunk that reaches its CPU tier to every secondary "
-                    "tier (write-through); there is no other policy",
+    "tier (write-through); there is no other policy",
     "promote_on_hit": "vLLM always promotes a secondary-tier hit into its CPU tier",
-    "block_size": "the chunk size is vLLM's; set block_size in kv_connector_extra_config, "
-                  "not inside the tier entry",
+    "block_size": "the chunk size is vLLM's; set block_size in kv_connector_extra_config, not inside the tier entry",
     "gpu_copy": "vLLM's own handlers move bytes between the GPU and its CPU tier here",
 }
 
@@ -130,8 +134,10 @@ def parse_tier_config(raw: Mapping[str, Any]) -> TieredConfig:
         if key in raw:
             raise ConfigError(f"{key}: not a setting of the TieredDiskTier secondary tier: {why}")
     if not cfg.disk_path:
-        raise ConfigError("disk_path: required; the directory (on local NVMe) that holds the "
-                          "disk tier, e.g. \"disk_path\": \"/mnt/nvme/tiered-kv\"")
+        raise ConfigError(
+            "disk_path: required; the directory (on local NVMe) that holds the "
+            'disk tier, e.g. "disk_path": "/mnt/nvme/tiered-kv"'
+        )
     return cfg
 
 
@@ -147,13 +153,24 @@ def _parse_locality(value: Any) -> Locality | None:
 def chunk_layout(tokens_per_chunk: int, stride: int) -> KVCacheLayout:
     """The disk tier's view of one vLLM chunk: a single uint8 pseudo-layer of ``stride``
     bytes, one offloaded block of ``tokens_per_chunk`` tokens."""
-    return KVCacheLayout((LayerLayout("vllm_cpu_chunk", (1, stride), False),), torch.uint8,
-                         gpu_block_size=tokens_per_chunk, block_size_factor=1)
+    return KVCacheLayout(
+        (LayerLayout("vllm_cpu_chunk", (1, stride), False),),
+        torch.uint8,
+        gpu_block_size=tokens_per_chunk,
+        block_size_factor=1,
+    )
 
 
-def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig, *,
-                      replicated_layout: bool = False, model_id: str | None = None,
-                      hash_seed: str | None = None, identity: Any = None) -> Fingerprint:
+def chunk_fingerprint(
+    config: "OffloadingConfig",
+    stride: int,
+    cfg: TieredConfig,
+    *,
+    replicated_layout: bool = False,
+    model_id: str | None = None,
+    hash_seed: str | None = None,
+    identity: Any = None,
+) -> Fingerprint:
     """The namespace key of vLLM CPU-tier rows of ``stride`` bytes (module docstring).
     ``model_id``/``hash_seed`` override ``cfg``'s (callers resolve the defaults);
     ``identity`` (``common.VllmModelIdentity``) gives the model's revision, weights
@@ -161,15 +178,26 @@ def chunk_fingerprint(config: "OffloadingConfig", stride: int, cfg: TieredConfig
     p = config.parallel
     groups = config.groups
     tokens_per_block = max((g.tokens_per_block for g in groups), default=config.cache.tokens_per_hash)
-    geometry = (("vllm_cpu_chunk", (int(stride), int(config.worker_kv_bytes_per_block),
-                                    int(config.cache.blocks_per_chunk))),)
-    geometry += tuple((f"kv_group{g.group_id}", (int(g.tokens_per_block), len(g.layer_names),
-                                                 int(g.sliding_window_size_in_chunks or 0)))
-                      for g in groups)
-    row_format = (f"tp={p.tp_size}", f"pp={p.pp_size}", f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
-                  f"world={p.world_size}", f"replicated={bool(replicated_layout)}",
-                  f"canonical={bool(config.canonical_layout)}",
-                  f"kv_cache_layout={config.kv_cache_layout}")
+    geometry = (
+        ("vllm_cpu_chunk", (int(stride), int(config.worker_kv_bytes_per_block), int(config.cache.blocks_per_chunk))),
+    )
+    geometry += tuple(
+        (
+            f"kv_group{g.group_id}",
+            (int(g.tokens_per_block), len(g.layer_names), int(g.sliding_window_size_in_chunks or 0)),
+        )
+        for g in groups
+    )
+    row_format = (
+        f"tp={p.tp_size}",
+        f"pp={p.pp_size}",
+        f"pcp={p.pcp_size}",
+        f"dcp={p.dcp_size}",
+        f"world={p.world_size}",
+        f"replicated={bool(replicated_layout)}",
+        f"canonical={bool(config.canonical_layout)}",
+        f"kv_cache_layout={config.kv_cache_layout}",
+    )
     return Fingerprint(
         model_id=str(model_id if model_id is not None else cfg.model_id),
         model_revision=identity.model_revision if identity is not None else cfg.model_revision,
@@ -201,13 +229,18 @@ def _check_hash_algorithm(cfg: TieredConfig) -> None:
     vLLM's config is visible."""
     engine_algo = _vllm_hash_algorithm()
     if engine_algo is not None and engine_algo != cfg.hash_algorithm:
-        raise ConfigError(f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
-                          f"--prefix-caching-hash-algo {engine_algo!r}; set \"hash_algorithm\": "
-                          f"\"{engine_algo}\" in the tier entry")
+        raise ConfigError(
+            f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
+            f'--prefix-caching-hash-algo {engine_algo!r}; set "hash_algorithm": '
+            f'"{engine_algo}" in the tier entry'
+        )
     if cfg.hash_algorithm in _NON_CRYPTO_HASHES and not os.getenv("PYTHONHASHSEED"):
-        logger.warning("prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
-                       "unset): chunks written to the disk tier will never hit after a restart; "
-                       "set PYTHONHASHSEED or use sha256", cfg.hash_algorithm)
+        logger.warning(
+            "prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
+            "unset): chunks written to the disk tier will never hit after a restart; "
+            "set PYTHONHASHSEED or use sha256",
+            cfg.hash_algorithm,
+        )
 
 
 def _primary_rows(flat_view: memoryview, stride: int) -> torch.Tensor:
@@ -247,21 +280,25 @@ class DiskTierStats:
 
 #: Prometheus name and help of each counter reported to vLLM.
 _COUNTERS = {
-    "stored": ("tiered_kv_disk_tier_stored_chunks",
-               "Chunks written to the disk tier, durable and indexed."),
-    "store_failed": ("tiered_kv_disk_tier_store_failed_chunks",
-                     "Chunks whose disk write failed (full disk, I/O error); not kept."),
-    "store_skipped": ("tiered_kv_disk_tier_store_skipped_chunks",
-                      "Chunks not written: no free disk slot, or too many writes waiting."),
-    "evicted": ("tiered_kv_disk_tier_evicted_chunks",
-                "Chunks evicted (LRU) from the disk tier to make room."),
-    "promoted": ("tiered_kv_disk_tier_promoted_chunks",
-                 "Chunks read, verified and copied into vLLM's CPU tier."),
-    "promotion_failed": ("tiered_kv_disk_tier_promotion_failed_chunks",
-                         "Chunks that could not be promoted (missing, unreadable or corrupt); "
-                         "dropped from the disk tier."),
-    "corrupt": ("tiered_kv_disk_tier_corrupt_chunks",
-                "Chunks that failed their checksum on read; dropped from the disk tier."),
+    "stored": ("tiered_kv_disk_tier_stored_chunks", "Chunks written to the disk tier, durable and indexed."),
+    "store_failed": (
+        "tiered_kv_disk_tier_store_failed_chunks",
+        "Chunks whose disk write failed (full disk, I/O error); not kept.",
+    ),
+    "store_skipped": (
+        "tiered_kv_disk_tier_store_skipped_chunks",
+        "Chunks not written: no free disk slot, or too many writes waiting.",
+    ),
+    "evicted": ("tiered_kv_disk_tier_evicted_chunks", "Chunks evicted (LRU) from the disk tier to make room."),
+    "promoted": ("tiered_kv_disk_tier_promoted_chunks", "Chunks read, verified and copied into vLLM's CPU tier."),
+    "promotion_failed": (
+        "tiered_kv_disk_tier_promotion_failed_chunks",
+        "Chunks that could not be promoted (missing, unreadable or corrupt); dropped from the disk tier.",
+    ),
+    "corrupt": (
+        "tiered_kv_disk_tier_corrupt_chunks",
+        "Chunks that failed their checksum on read; dropped from the disk tier.",
+    ),
 }
 _USED_GAUGE = "tiered_kv_disk_tier_used_chunks"
 
@@ -305,9 +342,14 @@ class TieredDiskTier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
-    def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview,
-                 tier_type: str, backpressure_detector: "BackpressureDetector | None" = None,
-                 **tier_config: Any):
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: "BackpressureDetector | None" = None,
+        **tier_config: Any,
+    ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = cfg = parse_tier_config(tier_config)
         _check_hash_algorithm(cfg)
@@ -316,21 +358,38 @@ class TieredDiskTier(SecondaryTierManager):
         stride = self.block_size_bytes
         identity = vllm_model_identity(vconf.model.name, cfg, tier_config)
         self.fingerprint = chunk_fingerprint(
-            vconf, stride, cfg, replicated_layout=getattr(offloading_spec, "replicated_layout", False),
-            model_id=identity.model_id, identity=identity,
+            vconf,
+            stride,
+            cfg,
+            replicated_layout=getattr(offloading_spec, "replicated_layout", False),
+            model_id=identity.model_id,
+            identity=identity,
             # vLLM seeds its prefix hashes with PYTHONHASHSEED when it is set.
-            hash_seed=cfg.hash_seed if "hash_seed" in tier_config else os.getenv("PYTHONHASHSEED", ""))
+            hash_seed=cfg.hash_seed if "hash_seed" in tier_config else os.getenv("PYTHONHASHSEED", ""),
+        )
         layout = chunk_layout(self.fingerprint.block_size, stride)
         # The primary rows are host memory: GPUDirect Storage has nothing to offer here.
         backend = "posix" if cfg.io_backend == "auto" else cfg.io_backend
         self.disk_manager = DiskOffloadingManager(
-            cfg.disk_path, self.fingerprint, layout, disk_bytes=cfg.disk_bytes,
-            checksum=cfg.checksum, engine_id=vconf.engine_id, enable_events=False)
+            cfg.disk_path,
+            self.fingerprint,
+            layout,
+            disk_bytes=cfg.disk_bytes,
+            checksum=cfg.checksum,
+            engine_id=vconf.engine_id,
+            enable_events=False,
+        )
         try:
-            self.store = DiskStore.open(cfg.disk_path, self.fingerprint, layout,
-                                        disk_bytes=cfg.disk_bytes, checksum=cfg.checksum,
-                                        io_backend=backend, io_threads=cfg.io_threads,
-                                        engine_id=vconf.engine_id)
+            self.store = DiskStore.open(
+                cfg.disk_path,
+                self.fingerprint,
+                layout,
+                disk_bytes=cfg.disk_bytes,
+                checksum=cfg.checksum,
+                io_backend=backend,
+                io_threads=cfg.io_threads,
+                engine_id=vconf.engine_id,
+            )
         except BaseException:
             self.disk_manager.shutdown()
             raise
@@ -350,13 +409,23 @@ class TieredDiskTier(SecondaryTierManager):
         self._writes_waiting = 0  # chunks in store jobs not yet collected (scheduler thread)
         self._closed = False
         self._info = DiskTierInfo(
-            disk_path=str(cfg.disk_path), disk_namespace=self.fingerprint.namespace_id,
-            disk_capacity_chunks=self.disk_manager.capacity, disk_chunk_bytes=stride,
-            disk_io_backend=self.store.backend.describe(), disk_checksum=self.store.checksum_name)
-        logger.info("vLLM secondary tier %s: %s, namespace %s, %d of %d chunks of %s loadable, "
-                    "I/O %s", tier_type, cfg.disk_path, self.fingerprint.namespace_id,
-                    len(self.disk_manager), self.disk_manager.capacity, format_size(stride),
-                    self.store.backend.describe())
+            disk_path=str(cfg.disk_path),
+            disk_namespace=self.fingerprint.namespace_id,
+            disk_capacity_chunks=self.disk_manager.capacity,
+            disk_chunk_bytes=stride,
+            disk_io_backend=self.store.backend.describe(),
+            disk_checksum=self.store.checksum_name,
+        )
+        logger.info(
+            "vLLM secondary tier %s: %s, namespace %s, %d of %d chunks of %s loadable, I/O %s",
+            tier_type,
+            cfg.disk_path,
+            self.fingerprint.namespace_id,
+            len(self.disk_manager),
+            self.disk_manager.capacity,
+            format_size(stride),
+            self.store.backend.describe(),
+        )
 
     # ------------------------------------------------------------ lookups
 
@@ -387,16 +456,21 @@ class TieredDiskTier(SecondaryTierManager):
             self._finished.append(job)
             return
         if self._writes_waiting + len(new) > self.config.max_pending_disk_writes:
-            logger.warning("disk tier: %d chunks already wait for disk writes (max_pending_disk_"
-                           "writes=%d); not storing %d more", self._writes_waiting,
-                           self.config.max_pending_disk_writes, len(new))
+            logger.warning(
+                "disk tier: %d chunks already wait for disk writes (max_pending_disk_writes=%d); not storing %d more",
+                self._writes_waiting,
+                self.config.max_pending_disk_writes,
+                len(new),
+            )
             job.refused = new
             self._finished.append(job)
             return
         out = dm.prepare_store(new, protected=present)  # never evict this job's own chunks
         if out is None:
-            logger.warning("disk tier: no free slot for %d chunks (every chunk is pinned by a "
-                           "promotion); not storing them", len(new))
+            logger.warning(
+                "disk tier: no free slot for %d chunks (every chunk is pinned by a promotion); not storing them",
+                len(new),
+            )
             job.refused = new
             self._finished.append(job)
             return
@@ -417,7 +491,8 @@ class TieredDiskTier(SecondaryTierManager):
         limit = max(1, _GROUP_BYTES // self.block_size_bytes)  # chunks
         with self._idle:
             while self._store_queue and (
-                    not group or sum(len(j.keys) for j in group) + len(self._store_queue[0].keys) <= limit):
+                not group or sum(len(j.keys) for j in group) + len(self._store_queue[0].keys) <= limit
+            ):
                 group.append(self._store_queue.popleft())
         if not group:
             return
@@ -430,17 +505,16 @@ class TieredDiskTier(SecondaryTierManager):
         seconds = time.perf_counter() - t0
         i = 0
         for job in group:
-            job.ok, job.seconds = ok[i:i + len(job.keys)], seconds
+            job.ok, job.seconds = ok[i : i + len(job.keys)], seconds
             i += len(job.keys)
         self._done(group)
 
     def _write(self, group: list[_Job]) -> list[bool]:
-        batch = self.store.begin_write(0, [k for j in group for k in j.keys],
-                                       [s for j in group for s in j.slots])
+        batch = self.store.begin_write(0, [k for j in group for k in j.keys], [s for j in group for s in j.slots])
         offset = 0
         for job in group:
             for start, first, n in _row_runs(job.chunk_ids):
-                batch.submit(offset + start, self._primary[first:first + n])
+                batch.submit(offset + start, self._primary[first : first + n])
             offset += len(job.keys)
         return batch.finish()
 
@@ -453,9 +527,13 @@ class TieredDiskTier(SecondaryTierManager):
         chunk_ids = np.asarray(job_metadata.chunk_ids, dtype=np.int64)
         dm = self.disk_manager
         found = np.array([dm.is_loadable(k) for k in keys], dtype=bool)
-        job = _Job(job_metadata.job_id, is_load=True,
-                   keys=[k for k, f in zip(keys, found) if f], chunk_ids=chunk_ids[found],
-                   refused=[k for k, f in zip(keys, found) if not f])
+        job = _Job(
+            job_metadata.job_id,
+            is_load=True,
+            keys=[k for k, f in zip(keys, found) if f],
+            chunk_ids=chunk_ids[found],
+            refused=[k for k, f in zip(keys, found) if not f],
+        )
         if not job.keys:
             self._finished.append(job)
             return
@@ -471,7 +549,7 @@ class TieredDiskTier(SecondaryTierManager):
         try:
             batch = self.store.begin_read(0, job.keys, job.slots)
             for start, first, n in _row_runs(job.chunk_ids):
-                batch.submit(start, self._primary[first:first + n])
+                batch.submit(start, self._primary[first : first + n])
             job.ok = batch.finish()
         except Exception:  # a lost job would leave vLLM's CPU slots reserved forever
             logger.exception("disk tier promotion job %d failed", job.job_id)
@@ -515,8 +593,9 @@ class TieredDiskTier(SecondaryTierManager):
         s.store_skipped += len(job.refused)
         success = not failed and not job.refused
         s.failed_store_jobs += not success
-        return JobResult(job.job_id, success, transfer_time=job.seconds,
-                         transfer_bytes=len(done) * self.block_size_bytes)
+        return JobResult(
+            job.job_id, success, transfer_time=job.seconds, transfer_bytes=len(done) * self.block_size_bytes
+        )
 
     def _finish_load(self, job: _Job) -> JobResult:
         dm = self.disk_manager
@@ -533,9 +612,13 @@ class TieredDiskTier(SecondaryTierManager):
         s.promotion_failed += len(failed) + len(job.refused)
         success = not failed and not job.refused
         s.failed_promotion_jobs += not success
-        return JobResult(job.job_id, success,
-                         successful_keys=[OffloadKey(k) for k in done] if done and not success else None,
-                         transfer_time=job.seconds, transfer_bytes=len(done) * self.block_size_bytes)
+        return JobResult(
+            job.job_id,
+            success,
+            successful_keys=[OffloadKey(k) for k in done] if done and not success else None,
+            transfer_time=job.seconds,
+            transfer_bytes=len(done) * self.block_size_bytes,
+        )
 
     def has_pending_work(self) -> bool:
         with self._idle:
@@ -571,7 +654,8 @@ class TieredDiskTier(SecondaryTierManager):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         defs: dict[str, OffloadingMetricMetadata] = {
-            name: OffloadingCounterMetadata(documentation=doc) for name, doc in _COUNTERS.values()}
+            name: OffloadingCounterMetadata(documentation=doc) for name, doc in _COUNTERS.values()
+        }
         defs[_USED_GAUGE] = OffloadingGaugeMetadata(documentation="Chunks held by the disk tier.")
         return defs
 

@@ -61,18 +61,17 @@ logger = logging.getLogger(__name__)
 #: Keys other vLLM specs read, and what to use with ours instead.
 _OTHER_SPECS_KEYS = {
     "cpu_bytes_to_use": "that is the key of vLLM's CPUOffloadingSpec (bytes for all TP ranks "
-                        "together); TieredOffloadingSpec takes cpu_bytes, per TP rank, "
-                        "e.g. \"cpu_bytes\": \"64GiB\"",
+    "together); TieredOffloadingSpec takes cpu_bytes, per TP rank, "
+    'e.g. "cpu_bytes": "64GiB"',
     "secondary_tiers": "that is the key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec "
-                       "has its own disk tier: set disk_path and disk_bytes",
+    "has its own disk tier: set disk_path and disk_bytes",
     "cache_policy_module_path": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec's "
-                                "eviction order is eviction_policy (lru or arc)",
-    "store_threshold": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec stores "
-                       "every chunk vLLM offers",
+    "eviction order is eviction_policy (lru or arc)",
+    "store_threshold": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec stores every chunk vLLM offers",
     "max_tracker_size": "that is a key of vLLM's CPUOffloadingSpec",
     "tier_poll_interval_s": "that is a key of vLLM's TieringOffloadingSpec",
     "backpressure": "that is a key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec bounds "
-                    "disk writes with max_pending_disk_writes",
+    "disk writes with max_pending_disk_writes",
 }
 
 _BOOL_PASSTHROUGH = ("offload_prompt_only", "self_describing_kv_events", "canonical_layout")
@@ -93,24 +92,30 @@ def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
         if key in extra and not isinstance(extra[key], bool):
             raise ConfigError(f"{key}: expected true or false (a JSON boolean), got {extra[key]!r}")
     if extra.get("canonical_layout"):
-        raise ConfigError("canonical_layout: not supported by TieredOffloadingSpec, which stores "
-                          "each rank's KV pages as they are; remove the key or set it to false")
+        raise ConfigError(
+            "canonical_layout: not supported by TieredOffloadingSpec, which stores "
+            "each rank's KV pages as they are; remove the key or set it to false"
+        )
     if "blocks_per_chunk" in extra:
         value = extra["blocks_per_chunk"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"blocks_per_chunk: expected a positive integer (GPU blocks per "
-                              f"offloaded chunk), got {value!r}")
+            raise ConfigError(
+                f"blocks_per_chunk: expected a positive integer (GPU blocks per offloaded chunk), got {value!r}"
+            )
     if "sync_load_budget_bytes" in extra:
         value = extra["sync_load_budget_bytes"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"sync_load_budget_bytes: expected a byte count >= 0 (an integer; "
-                              f"vLLM reads it as is), got {value!r}")
+            raise ConfigError(
+                f"sync_load_budget_bytes: expected a byte count >= 0 (an integer; vLLM reads it as is), got {value!r}"
+            )
     for key in ("spec_name", "spec_module_path"):
         if key in extra and not isinstance(extra[key], str):
             raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
     if "remote" in extra:
-        raise ConfigError("remote: the shared tier runs under tiered-kv's own spec and engine driver "
-                          "so far, not yet under vLLM's connector; remove the key")
+        raise ConfigError(
+            "remote: the shared tier runs under tiered-kv's own spec and engine driver "
+            "so far, not yet under vLLM's connector; remove the key"
+        )
     return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
 
 
@@ -128,13 +133,18 @@ def _check_hash_algorithm(cfg: TieredConfig) -> None:
     namespace) must match vLLM's when vLLM's config is visible."""
     engine_algo = _vllm_hash_algorithm()
     if engine_algo is not None and engine_algo != cfg.hash_algorithm:
-        raise ConfigError(f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
-                          f"--prefix-caching-hash-algo {engine_algo!r}; set \"hash_algorithm\": "
-                          f"\"{engine_algo}\" so the disk cache is keyed by the hashes vLLM computes")
+        raise ConfigError(
+            f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
+            f'--prefix-caching-hash-algo {engine_algo!r}; set "hash_algorithm": '
+            f'"{engine_algo}" so the disk cache is keyed by the hashes vLLM computes'
+        )
     if cfg.hash_algorithm in _NON_CRYPTO_HASHES and not os.environ.get("PYTHONHASHSEED"):
-        logger.warning("prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
-                       "unset): chunks on the disk tier will never hit after a restart; set "
-                       "PYTHONHASHSEED or use sha256", cfg.hash_algorithm)
+        logger.warning(
+            "prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
+            "unset): chunks on the disk tier will never hit after a restart; set "
+            "PYTHONHASHSEED or use sha256",
+            cfg.hash_algorithm,
+        )
 
 
 @dataclass(frozen=True)
@@ -166,39 +176,54 @@ class VllmGeometry:
         return KVCacheLayout((layer,), torch.int8, self.tokens_per_block, self.blocks_per_chunk)
 
     @classmethod
-    def from_config(cls, config: OffloadingConfig, cfg: TieredConfig,
-                    extra: Mapping[str, Any]) -> "VllmGeometry":
+    def from_config(cls, config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> "VllmGeometry":
         """Derive the geometry; raises ``ConfigError`` when it cannot hold a chunk."""
         if not config.groups:
             raise ConfigError("vLLM offers no KV-cache group to offload")
         if config.worker_kv_bytes_per_block <= 0:
-            raise ConfigError("vLLM reports no KV bytes per GPU block (worker_kv_bytes_per_block=0) "
-                              "for this KV-cache configuration; TieredOffloadingSpec cannot size "
-                              "its tiers for it")
+            raise ConfigError(
+                "vLLM reports no KV bytes per GPU block (worker_kv_bytes_per_block=0) "
+                "for this KV-cache configuration; TieredOffloadingSpec cannot size "
+                "its tiers for it"
+            )
         p = config.parallel
         if not 0 <= p.rank < p.world_size:
             raise ConfigError(f"vLLM rank {p.rank} is outside its world size {p.world_size}")
         tokens_per_block = config.groups[0].tokens_per_block
         bpc = config.cache.blocks_per_chunk
-        if cfg.block_size is not None and any(cfg.block_size != g.tokens_per_block * bpc
-                                              for g in config.groups):
-            raise ConfigError(f"block_size: {cfg.block_size} tokens does not match vLLM's chunk of "
-                              f"{bpc} GPU blocks of {tokens_per_block} tokens")
+        if cfg.block_size is not None and any(cfg.block_size != g.tokens_per_block * bpc for g in config.groups):
+            raise ConfigError(
+                f"block_size: {cfg.block_size} tokens does not match vLLM's chunk of "
+                f"{bpc} GPU blocks of {tokens_per_block} tokens"
+            )
         bytes_per_chunk = config.worker_kv_bytes_per_block * bpc
         num_cpu_slots = cfg.cpu_bytes // bytes_per_chunk
         if num_cpu_slots < 1:
-            raise ConfigError(f"cpu_bytes: {format_size(cfg.cpu_bytes)} per rank holds no chunk; one "
-                              f"chunk is {format_size(bytes_per_chunk)} per rank ({bpc} GPU blocks of "
-                              f"{config.worker_kv_bytes_per_block} bytes); expected at least that")
+            raise ConfigError(
+                f"cpu_bytes: {format_size(cfg.cpu_bytes)} per rank holds no chunk; one "
+                f"chunk is {format_size(bytes_per_chunk)} per rank ({bpc} GPU blocks of "
+                f"{config.worker_kv_bytes_per_block} bytes); expected at least that"
+            )
         if cfg.disk_path:
             if p.world_size > 64:
-                raise ConfigError(f"disk_path: the disk tier keeps one shard per rank and supports at "
-                                  f"most 64 ranks; this engine has {p.world_size}")
+                raise ConfigError(
+                    f"disk_path: the disk tier keeps one shard per rank and supports at "
+                    f"most 64 ranks; this engine has {p.world_size}"
+                )
             if cfg.disk_bytes < slot_size_for(bytes_per_chunk):
-                raise ConfigError(f"disk_bytes: {format_size(cfg.disk_bytes)} per rank holds no chunk; "
-                                  f"one disk slot is {format_size(slot_size_for(bytes_per_chunk))}")
-        return cls(tokens_per_block, bpc, config.worker_kv_bytes_per_block, p.rank, p.world_size,
-                   num_cpu_slots, _fingerprint(config, cfg, extra))
+                raise ConfigError(
+                    f"disk_bytes: {format_size(cfg.disk_bytes)} per rank holds no chunk; "
+                    f"one disk slot is {format_size(slot_size_for(bytes_per_chunk))}"
+                )
+        return cls(
+            tokens_per_block,
+            bpc,
+            config.worker_kv_bytes_per_block,
+            p.rank,
+            p.world_size,
+            num_cpu_slots,
+            _fingerprint(config, cfg, extra),
+        )
 
 
 def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> Fingerprint:
@@ -207,21 +232,40 @@ def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str
     geometry = (("vllm_worker_block", (int(config.worker_kv_bytes_per_block),)),)
     for g in config.groups:
         names = hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]
-        geometry += ((f"kv_group{g.group_id}:{len(g.layer_names)}_layers:{names}",
-                      (int(g.tokens_per_block), int(g.sliding_window_size_in_chunks or 0))),)
-    layout = (f"kv_cache_layout={config.kv_cache_layout}", f"tp={p.tp_size}", f"pp={p.pp_size}",
-              f"pcp={p.pcp_size}", f"dcp={p.dcp_size}", "pages=per_rank")
+        geometry += (
+            (
+                f"kv_group{g.group_id}:{len(g.layer_names)}_layers:{names}",
+                (int(g.tokens_per_block), int(g.sliding_window_size_in_chunks or 0)),
+            ),
+        )
+    layout = (
+        f"kv_cache_layout={config.kv_cache_layout}",
+        f"tp={p.tp_size}",
+        f"pp={p.pp_size}",
+        f"pcp={p.pcp_size}",
+        f"dcp={p.dcp_size}",
+        "pages=per_rank",
+    )
     if p.data_parallel_size > 1:
         # Each DP replica is its own engine and writer: give it its own namespace.
         layout += (f"dp_replica={p.data_parallel_index}/{p.data_parallel_size}",)
     ident = vllm_model_identity(config.model.name, cfg, extra)
     seed = cfg.hash_seed if "hash_seed" in extra else os.environ.get("PYTHONHASHSEED", "")
     tokens_per_block = config.groups[0].tokens_per_block
-    return Fingerprint(model_id=ident.model_id, model_revision=ident.model_revision,
-                       dtype=str(config.model.dtype), block_size=tokens_per_block * bpc,
-                       gpu_block_size=tokens_per_block, layer_geometry=geometry, kv_layout=layout,
-                       tp_size=p.world_size, hash_algorithm=cfg.hash_algorithm, hash_seed=seed,
-                       weights_digest=ident.weights_digest, model_settings=ident.model_settings)
+    return Fingerprint(
+        model_id=ident.model_id,
+        model_revision=ident.model_revision,
+        dtype=str(config.model.dtype),
+        block_size=tokens_per_block * bpc,
+        gpu_block_size=tokens_per_block,
+        layer_geometry=geometry,
+        kv_layout=layout,
+        tp_size=p.world_size,
+        hash_algorithm=cfg.hash_algorithm,
+        hash_seed=seed,
+        weights_digest=ident.weights_digest,
+        model_settings=ident.model_settings,
+    )
 
 
 class TieredOffloadingSpec(OffloadingSpec):
@@ -249,19 +293,28 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.geometry = VllmGeometry.from_config(config, self.tiered_config, self.extra_config)
         if self.tiered_config.disk_path:
             fp = self.geometry.fingerprint
-            logger.info("disk namespace %s: model %s @ %s, weights %s, settings %s", fp.namespace_id,
-                        fp.model_id, fp.model_revision, fp.weights_digest or "not covered",
-                        ", ".join(fp.model_settings or ()) or "none")
+            logger.info(
+                "disk namespace %s: model %s @ %s, weights %s, settings %s",
+                fp.namespace_id,
+                fp.model_id,
+                fp.model_revision,
+                fp.weights_digest or "not covered",
+                ", ".join(fp.model_settings or ()) or "none",
+            )
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
     def config_info(self) -> TieredOffloadingInfo:
         g, cfg = self.geometry, self.tiered_config
         return TieredOffloadingInfo(
-            tiered_cpu_slots=g.num_cpu_slots, tiered_cpu_bytes_per_rank=g.num_cpu_slots * g.bytes_per_chunk,
+            tiered_cpu_slots=g.num_cpu_slots,
+            tiered_cpu_bytes_per_rank=g.num_cpu_slots * g.bytes_per_chunk,
             tiered_disk_slots=(cfg.disk_bytes // slot_size_for(g.bytes_per_chunk)) if cfg.disk_path else 0,
-            tiered_disk_path=cfg.disk_path, tiered_write_policy=cfg.write_policy,
-            tiered_tokens_per_chunk=g.tokens_per_chunk, tiered_bytes_per_chunk_per_rank=g.bytes_per_chunk)
+            tiered_disk_path=cfg.disk_path,
+            tiered_write_policy=cfg.write_policy,
+            tiered_tokens_per_chunk=g.tokens_per_chunk,
+            tiered_bytes_per_chunk_per_rank=g.bytes_per_chunk,
+        )
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

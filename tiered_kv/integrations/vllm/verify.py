@@ -85,13 +85,11 @@ class DiskVerifier:
         ok = False
         try:
             rows = aligned_empty(self.store.slot_size).view(1, self.store.slot_size)
-            ok = all(self.store.read_blocks(rank, [key], [slot], rows)[0]
-                     for rank in range(self.num_ranks))
+            ok = all(self.store.read_blocks(rank, [key], [slot], rows)[0] for rank in range(self.num_ranks))
         except Exception:
             logger.exception("verifying disk chunk %s (slot %d) failed", key.hex()[:16], slot)
         if not ok:
-            logger.warning("disk chunk %s (slot %d) failed verification; it will be recomputed",
-                           key.hex()[:16], slot)
+            logger.warning("disk chunk %s (slot %d) failed verification; it will be recomputed", key.hex()[:16], slot)
         self._done.put(Verification(key, slot, ok))
 
     def shutdown(self) -> None:

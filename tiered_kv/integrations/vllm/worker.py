@@ -79,14 +79,16 @@ def gpu_rows(spec: VllmGPUSpec, blocks_per_chunk: int, num_chunks: int) -> np.nd
             continue
         skip = int(first) % f
         flat = np.full(-(-(skip + size) // f) * f, -1, dtype=np.int64)
-        flat[skip:skip + size] = ids[start:start + size]
+        flat[skip : skip + size] = ids[start : start + size]
         parts.append(flat.reshape(-1, f))
         start += size
     rows = np.concatenate(parts) if parts else np.zeros((0, f), dtype=np.int64)
     if start != len(ids) or len(rows) != num_chunks:
-        raise ValueError(f"GPU spec with {len(ids)} block ids in groups {list(spec.group_sizes)} "
-                         f"starting at {list(spec.block_indices)} covers {len(rows)} chunks of {f} "
-                         f"blocks; the offloading spec has {num_chunks}")
+        raise ValueError(
+            f"GPU spec with {len(ids)} block ids in groups {list(spec.group_sizes)} "
+            f"starting at {list(spec.block_indices)} covers {len(rows)} chunks of {f} "
+            f"blocks; the offloading spec has {num_chunks}"
+        )
     return rows
 
 
@@ -126,24 +128,24 @@ class _ChunkRowsLoadHandler(TieredLoadHandler):
 
     def _cpu_to_gpu_spec(self, cpu_slots: np.ndarray, rows: np.ndarray) -> TransferSpec:
         keep = rows >= 0
-        return (CPULoadStoreSpec(chunk_positions(cpu_slots, self.factor)[keep]),
-                GPULoadStoreSpec(rows[keep]))
+        return (CPULoadStoreSpec(chunk_positions(cpu_slots, self.factor)[keep]), GPULoadStoreSpec(rows[keep]))
 
     def _disk_gpu_spec(self, rows: np.ndarray) -> GPULoadStoreSpec:
         return GPURowsSpec(rows)
 
 
-def canonical_layout(kv_caches: CanonicalKVCaches, tokens_per_block: int,
-                     blocks_per_chunk: int) -> KVCacheLayout:
+def canonical_layout(kv_caches: CanonicalKVCaches, tokens_per_block: int, blocks_per_chunk: int) -> KVCacheLayout:
     """Our layout of vLLM's canonical tensors (one layer each); raises ``ConfigError``
     for tensors our copies cannot address."""
     layers = []
     for i, t in enumerate(kv_caches.tensors):
         tensor = t.tensor
         if tensor.dtype != torch.int8 or tensor.dim() != 2 or not tensor.is_contiguous():
-            raise ConfigError(f"vLLM KV tensor {i}: expected a contiguous int8 (num_blocks, page) view, "
-                              f"got {tensor.dtype} shape {tuple(tensor.shape)} stride {tensor.stride()}; "
-                              f"this KV-cache layout is not supported by TieredOffloadingSpec")
+            raise ConfigError(
+                f"vLLM KV tensor {i}: expected a contiguous int8 (num_blocks, page) view, "
+                f"got {tensor.dtype} shape {tuple(tensor.shape)} stride {tensor.stride()}; "
+                f"this KV-cache layout is not supported by TieredOffloadingSpec"
+            )
         layers.append(LayerLayout(f"vllm_kv_tensor{i}", tuple(tensor.shape), False))
     return KVCacheLayout(tuple(layers), torch.int8, tokens_per_block, blocks_per_chunk)
 
@@ -170,18 +172,20 @@ class TieredVllmWorker(OffloadingWorker):
                 f"vLLM's KV tensors hold {self.layout.bytes_per_block // self.factor} bytes per GPU block "
                 f"on rank {g.rank}, but vLLM told the scheduler {g.worker_bytes_per_block} "
                 f"(worker_kv_bytes_per_block); the tiers would be sized for another chunk, so this "
-                f"KV-cache layout is not supported by TieredOffloadingSpec")
+                f"KV-cache layout is not supported by TieredOffloadingSpec"
+            )
         self.kernel_bytes = g.worker_bytes_per_block
         self.rank = g.rank
         self.stats = TieredStats()
         gpu = [t.tensor for t in kv_caches.tensors]
-        self.host = HostKVCache(self.layout, g.num_cpu_slots,
-                                shared=bool(cfg.disk_path) and cfg.disk_io == "process")
+        self.host = HostKVCache(self.layout, g.num_cpu_slots, shared=bool(cfg.disk_path) and cfg.disk_io == "process")
         flags = [False] * len(gpu)
-        gpu_to_cpu = SingleDirectionOffloadingHandler(gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY,
-                                                      copy_kernels=cfg.copy_kernels)
-        cpu_to_gpu = SingleDirectionOffloadingHandler(self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY,
-                                                      copy_kernels=cfg.copy_kernels)
+        gpu_to_cpu = SingleDirectionOffloadingHandler(
+            gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY, copy_kernels=cfg.copy_kernels
+        )
+        cpu_to_gpu = SingleDirectionOffloadingHandler(
+            self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY, copy_kernels=cfg.copy_kernels
+        )
         self.disk_store = stager = disk_to_gpu = disk_to_cpu = None
         if cfg.disk_path:
             from tiered_kv.disk.io_process import open_worker_store
@@ -191,11 +195,11 @@ class TieredVllmWorker(OffloadingWorker):
             disk_to_cpu = CpuDiskHandler(self.disk_store, g.rank, self.host, self.layout)
             # Staging for twice the manager's bound of pending writes: a buffer returns a
             # moment after the manager may have seen its chunk's index commit.
-            stager = DiskStager(self.host, self.disk_store, g.rank, 2 * cfg.max_pending_disk_writes,
-                                self.stats)
+            stager = DiskStager(self.host, self.disk_store, g.rank, 2 * cfg.max_pending_disk_writes, self.stats)
         self.store_handler = TieredStoreHandler(gpu_to_cpu, self.kernel_bytes, stager, self.stats)
-        self.load_handler = _ChunkRowsLoadHandler(cpu_to_gpu, g.bytes_per_chunk, self.factor,
-                                                  disk_to_gpu, disk_to_cpu, self.stats)
+        self.load_handler = _ChunkRowsLoadHandler(
+            cpu_to_gpu, g.bytes_per_chunk, self.factor, disk_to_gpu, disk_to_cpu, self.stats
+        )
         self.health = SlotHealth.for_engine(spec.config.engine_id, g.num_cpu_slots)
         self._jobs: dict[int, _Job] = {}
         self._failed_on_submit: list[int] = []
@@ -208,8 +212,11 @@ class TieredVllmWorker(OffloadingWorker):
         try:
             rows = gpu_rows(src_spec, self.factor, len(slots))
             keep = rows >= 0
-            dst = TieredStoreSpec(chunk_positions(slots, self.factor)[keep], spills=store.tier_spills,
-                                  write_through=store.tier_write_through)
+            dst = TieredStoreSpec(
+                chunk_positions(slots, self.factor)[keep],
+                spills=store.tier_spills,
+                write_through=store.tier_write_through,
+            )
             self._track(job_id, "store", slots, int(keep.sum()))
             accepted = self.store_handler.transfer_async(job_id, (GPULoadStoreSpec(rows[keep]), dst))
         except Exception:
@@ -220,11 +227,15 @@ class TieredVllmWorker(OffloadingWorker):
             self._failed_on_submit.append(job_id)
         return True  # vLLM asserts acceptance; a refusal is handled as a failed job
 
-    def submit_load(self, job_id: int, src_spec: VllmLoadStoreSpec, dst_spec: VllmGPUSpec,
-                    expedited: bool = False) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: VllmLoadStoreSpec, dst_spec: VllmGPUSpec, expedited: bool = False
+    ) -> bool:
         src = _inner(src_spec, (CPULoadStoreSpec, TieredLoadSpec))
-        promoted = (src.promote_slots[src.promote_slots >= 0] if isinstance(src, TieredLoadSpec)
-                    else np.zeros(0, dtype=np.int64))
+        promoted = (
+            src.promote_slots[src.promote_slots >= 0]
+            if isinstance(src, TieredLoadSpec)
+            else np.zeros(0, dtype=np.int64)
+        )
         try:
             num_chunks = len(src) if isinstance(src, TieredLoadSpec) else len(src.block_ids)
             rows = gpu_rows(dst_spec, self.factor, num_chunks)
@@ -239,8 +250,9 @@ class TieredVllmWorker(OffloadingWorker):
         return True
 
     def _track(self, job_id: int, kind: str, slots: np.ndarray, gpu_blocks: int) -> None:
-        self._jobs[job_id] = _Job(np.asarray(slots, dtype=np.int64), gpu_blocks * self.kernel_bytes,
-                                  kind, time.perf_counter())
+        self._jobs[job_id] = _Job(
+            np.asarray(slots, dtype=np.int64), gpu_blocks * self.kernel_bytes, kind, time.perf_counter()
+        )
 
     # ------------------------------------------------------------------ completion
 
@@ -266,14 +278,22 @@ class TieredVllmWorker(OffloadingWorker):
         self.health.mark_bad(job.slots)
         self.stats.count("cpu", "failed_stores" if job.kind == "store" else "failed_loads")
         if job.kind == "store":
-            logger.error("rank %d: store job %d failed; reported done to vLLM, its %d chunks are "
-                         "dropped by the scheduler", self.rank, job_id, len(job.slots))
+            logger.error(
+                "rank %d: store job %d failed; reported done to vLLM, its %d chunks are dropped by the scheduler",
+                self.rank,
+                job_id,
+                len(job.slots),
+            )
         else:
-            logger.error("rank %d: load job %d failed (its promoted chunks are dropped by the "
-                         "scheduler); vLLM cannot take a failure, so it is reported done and the "
-                         "request may run on incomplete KV for these chunks. Every chunk was "
-                         "CPU-resident or read and verified on every rank just before: a disk or "
-                         "device is failing", self.rank, job_id)
+            logger.error(
+                "rank %d: load job %d failed (its promoted chunks are dropped by the "
+                "scheduler); vLLM cannot take a failure, so it is reported done and the "
+                "request may run on incomplete KV for these chunks. Every chunk was "
+                "CPU-resident or read and verified on every rank just before: a disk or "
+                "device is failing",
+                self.rank,
+                job_id,
+            )
 
     def wait(self, job_ids: set[int]) -> None:
         self.store_handler.wait(job_ids)
@@ -290,6 +310,5 @@ class TieredVllmWorker(OffloadingWorker):
 def _inner(spec: VllmLoadStoreSpec, expected):
     """Our spec inside vLLM's; a foreign spec is a wiring error (another manager's)."""
     if not isinstance(spec, TieredJobSpec) or not isinstance(spec.inner, expected):
-        raise TypeError(f"TieredOffloadingSpec's worker got {spec!r}; expected a TieredJobSpec "
-                        f"from its own manager")
+        raise TypeError(f"TieredOffloadingSpec's worker got {spec!r}; expected a TieredJobSpec from its own manager")
     return spec.inner
