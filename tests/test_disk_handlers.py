@@ -14,7 +14,7 @@ import torch
 from conftest import make_layout, random_tensors
 from disk_fixtures import FaultyBackend, block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
 from tiered_kv.disk.namespace import slot_size_for
-import tiered_kv.disk.store as store_module
+import tiered_kv.disk.batch as batch_module
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
@@ -226,7 +226,7 @@ def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_pa
     # Every plane of a slot is 32 KiB: page-aligned pieces, large enough for vectored I/O.
     # With IOV_MAX at 5 a run's calls end mid-block, at any piece.
     if iov_max is not None:
-        monkeypatch.setattr(store_module, "IOV_MAX", iov_max)
+        monkeypatch.setattr(batch_module, "IOV_MAX", iov_max)
     layout = make_layout(kv_first, block_size_factor=2, heads=16 if kv_first else 8, head_dim=128)
     store = open_store(tmp_path, layout)
     src, dst = host_cache(layout, 8, seed=11), host_cache(layout, 8, seed=12)

@@ -20,7 +20,8 @@ from disk_fixtures import block_hash, disk_bytes_for, fingerprint, flip_byte, sm
 from tiered_kv.disk.index import LOG_FAILED
 from tiered_kv.disk.io_process import DiskIOProcess
 from tiered_kv.disk.namespace import slot_size_for
-from tiered_kv.disk.store import DiskStore, views_fit
+from tiered_kv.disk.batch import views_fit
+from tiered_kv.disk.store import DiskStore
 from tiered_kv.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
 from tiered_kv.shared_memory import empty_shared, locate

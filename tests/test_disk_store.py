@@ -36,7 +36,8 @@ from tiered_kv.disk.io_backends import (
     select_backend,
 )
 from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore, RunChecksums, checksum_function
+from tiered_kv.disk.checksums import RunChecksums, checksum_function
+from tiered_kv.disk.store import DiskStore
 
 SLOTS = 16
 

@@ -90,7 +90,8 @@ from tiered_kv.device import empty_pageable, kernel_huge_pages  # noqa: E402
 from tiered_kv.disk.io_backends import host_view  # noqa: E402
 from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
 from tiered_kv.disk.io_process import DiskIOProcess  # noqa: E402
-from tiered_kv.disk.store import DiskStore, views_fit  # noqa: E402
+from tiered_kv.disk.batch import views_fit  # noqa: E402
+from tiered_kv.disk.store import DiskStore  # noqa: E402
 from tiered_kv.host_memory import HostKVCache  # noqa: E402
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout  # noqa: E402
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec  # noqa: E402

@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 ALIGN = HOST_ALIGN  # buffers, offsets and lengths of O_DIRECT I/O
 BACKENDS = ("auto", "kvikio", "posix")
+#: The disk store coalesces runs of consecutive slots into reads/writes of up to this
+#: many bytes (a larger block is one call of its own).
+MAX_IO_BYTES = 2 << 20
+#: Most buffers one vectored call takes (Linux's ``UIO_MAXIOV``).
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 class BackendUnavailableError(RuntimeError):

@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.disk.store import BlockIO, DiskStore, DiskStoreStats, WriteBatch
+from tiered_kv.disk.store import BlockIO, DiskStore, DiskStoreStats
+from tiered_kv.disk.write_batch import WriteBatch
 from tiered_kv.host_memory import SlotViews
 from tiered_kv.shared_memory import MappedRegions, empty_shared, locate, on_free, region_fd
 

@@ -44,7 +44,7 @@ import xxhash
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.store import checksum_function
+from tiered_kv.disk.checksums import checksum_function
 
 MAGIC = b"TKVBLOCK"
 FORMAT_VERSION = 1
