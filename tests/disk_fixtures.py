@@ -14,7 +14,8 @@ import torch
 
 from conftest import make_layout
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex, entry_dtype
+from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.index_records import entry_dtype
 from tiered_kv.disk.io_backends import PosixBackend, aligned_empty
 from tiered_kv.disk.namespace import slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout

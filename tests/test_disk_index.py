@@ -10,7 +10,8 @@ import pytest
 
 from disk_fixtures import block_hash, disk_bytes_for, fill_index, fingerprint, small_layout
 from tiered_kv.disk import index as index_mod
-from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK, DiskIndex
+from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import Namespace
 

@@ -17,7 +17,7 @@ import torch
 
 from conftest import make_layout, random_tensors
 from disk_fixtures import block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
-from tiered_kv.disk.index import LOG_FAILED
+from tiered_kv.disk.index_records import LOG_FAILED
 from tiered_kv.disk.io_process import DiskIOProcess
 from tiered_kv.disk.namespace import slot_size_for
 from tiered_kv.disk.batch import views_fit

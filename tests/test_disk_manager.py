@@ -145,7 +145,7 @@ def test_refresh_reads_at_most_max_records_and_says_when_more_are_left(tier, lay
 def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
     """``refresh``'s shortcut for one rank and only ``ok`` records against the general
     loop, on the same records: good, stale slot, not pending, repeated."""
-    from tiered_kv.disk.index import LOG_OK
+    from tiered_kv.disk.index_records import LOG_OK
     from tiered_kv.disk.manager import RefreshResult
 
     m, _ = tier

@@ -27,7 +27,7 @@ from disk_fixtures import (
     flip_byte,
     small_layout,
 )
-from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK
+from tiered_kv.disk.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
 from tiered_kv.disk.io_backends import (
     BackendUnavailableError,
     KvikIOBackend,

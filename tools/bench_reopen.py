@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex, entry_dtype
+from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.index_records import entry_dtype
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import Namespace
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout

@@ -16,7 +16,8 @@ from concurrent.futures import Future
 
 import lmdb
 
-from tiered_kv.disk.index import DiskIndex, StoredBlocks
+from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.index_records import StoredBlocks
 from tiered_kv.disk.io_backends import BackendFile, IOBackend
 
 logger = logging.getLogger(__name__)

@@ -28,6 +28,9 @@ Opening the environment (``index_env``): its files are checked and opened throug
 namespace directory's descriptor, and a damaged index is found at open (a page walk for
 writers) and moved aside by the engine's writers, which start an empty one; no block is
 ever served from an index that cannot be read.
+
+The values' byte layout and the record types (``Entry``, ``LogColumns``,
+``IndexSnapshot``...) are ``index_records.py``'s.
 """
 
 from __future__ import annotations
@@ -35,183 +38,46 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import math
 import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import lmdb
 import numpy as np
 
 from tiered_kv.disk.index_env import QUARANTINE_SUFFIX, IndexCorruptError, acquire_env, release_env
+from tiered_kv.disk.index_records import (
+    ENTRY_HEADER,
+    LOG_CORRUPT,
+    LOG_FAILED,
+    LOG_HEADER,
+    LOG_OK,
+    LOG_RECORD,
+    Entry,
+    IndexSnapshot,
+    LogColumns,
+    LogRecord,
+    StoredBlocks,
+    entry_dtype,
+    log_rows,
+    sane_time,
+    sane_times,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DiskIndex",
-    "Entry",
-    "IndexCorruptError",
-    "IndexSnapshot",
-    "LogColumns",
-    "LogRecord",
-    "QUARANTINE_SUFFIX",
-    "StoredBlocks",
-    "entry_dtype",
-    "LOG_OK",
-    "LOG_FAILED",
-    "LOG_CORRUPT",
-    "LOG_STATUS_NAMES",
-]
+__all__ = ["DiskIndex", "IndexCorruptError", "QUARANTINE_SUFFIX"]
 
-#: Log record statuses.
-LOG_OK, LOG_FAILED, LOG_CORRUPT = 0, 1, 2
-LOG_STATUS_NAMES = {LOG_OK: "ok", LOG_FAILED: "failed", LOG_CORRUPT: "corrupt"}
-
-_HEADER = struct.Struct("<qIIddQ")  # slot, size, hits, store_time, last_access, ranks
-_LOG = struct.Struct("<BIq")  # one log record: status, rank, slot (+ hash bytes)
-_LOG_HEADER = struct.Struct("<H")  # a log value: the hash length of its records, then the records
 _SEQ = struct.Struct(">Q")
 _SLOT = struct.Struct(">Q")
 _LOG_SEQ_KEY = b"log_seq"
 _MIN_MAP_SIZE = 256 << 20
-_MAX_TIME = 1e11
 
 
 class _OddLength(Exception):
     """A ``blocks`` value whose length differs from the first one's (``load_all``)."""
-
-
-def entry_dtype(tp_size: int, hash_len: int) -> np.dtype:
-    """numpy layout of a ``blocks`` value for ``tp_size`` ranks and ``hash_len``-byte
-    hashes (packed, little-endian). ``hash`` compares like the bytes (fixed length)."""
-    return np.dtype(
-        [
-            ("slot", "<i8"),
-            ("size", "<u4"),
-            ("hits", "<u4"),
-            ("store_time", "<f8"),
-            ("last_access", "<f8"),
-            ("ranks", "<u8"),
-            ("checksums", "<u8", (tp_size,)),
-            ("hash", f"S{hash_len}"),
-        ]
-    )
-
-
-class Entry(NamedTuple):
-    """One block's index record. ``ranks`` has bit r set once rank r's bytes are durable
-    and ``checksums[r]`` recorded."""
-
-    slot: int
-    size: int
-    hits: int
-    store_time: float
-    last_access: float
-    ranks: int
-    checksums: tuple[int, ...]
-
-    def has_rank(self, rank: int) -> bool:
-        return bool(self.ranks >> rank & 1)
-
-
-class StoredBlocks(NamedTuple):
-    """One job's outcome on one rank for ``commit_group``: a checksum per block, None
-    for a block whose store failed (logged ``failed``, not made loadable)."""
-
-    rank: int
-    hashes: Sequence[bytes]
-    slots: Sequence[int]
-    sizes: Sequence[int]
-    checksums: Sequence[int | None]
-
-
-def _log_dtype(hash_len: int) -> np.dtype:
-    """A log record (``_LOG`` then the hash) as a packed numpy record."""
-    return np.dtype([("status", "u1"), ("rank", "<u4"), ("slot", "<i8"), ("hash", f"V{hash_len}")])
-
-
-def _log_rows(value: bytes, tp_size: int | None = None) -> np.ndarray | None:
-    """The records of a log value, as ``_log_dtype`` rows; None for a value that is not
-    one (damage), and without records of statuses or ranks (below ``tp_size``) that
-    cannot be."""
-    if len(value) < _LOG_HEADER.size:
-        return None
-    (hash_len,) = _LOG_HEADER.unpack_from(value)
-    dtype = _log_dtype(hash_len)
-    if not hash_len or (len(value) - _LOG_HEADER.size) % dtype.itemsize or len(value) == _LOG_HEADER.size:
-        return None
-    rows = np.frombuffer(value, dtype=dtype, offset=_LOG_HEADER.size)
-    if tp_size is not None:
-        sane = (rows["status"] <= LOG_CORRUPT) & (rows["rank"] < tp_size) & (rows["slot"] >= 0)
-        if not sane.all():
-            return None
-    return rows
-
-
-def _sane_time(t: float) -> float:
-    """A stored or access time as read from the index: 0 where damage left no time at
-    all (not finite, negative, or past the year 5000)."""
-    return t if math.isfinite(t) and 0.0 <= t < _MAX_TIME else 0.0
-
-
-def _sane_times(arr: np.ndarray) -> np.ndarray:
-    """``_sane_time`` over the entries of ``arr`` (writable), in place."""
-    for name in ("store_time", "last_access"):
-        col = arr[name]
-        bad = ~((col >= 0.0) & (col < _MAX_TIME))  # NaN compares false
-        if bad.any():
-            col[bad] = 0.0
-    return arr
-
-
-class LogRecord(NamedTuple):
-    seq: int
-    status: int
-    rank: int
-    slot: int
-    block_hash: bytes
-
-
-class LogColumns(NamedTuple):
-    """Log records as parallel lists (``seq`` ascending)."""
-
-    seq: list[int]
-    status: list[int]
-    rank: list[int]
-    slot: list[int]
-    block_hash: list[bytes]
-
-    @classmethod
-    def empty(cls) -> "LogColumns":
-        return cls([], [], [], [], [])
-
-    def records(self) -> list[LogRecord]:
-        return [LogRecord(*r) for r in zip(*self)]
-
-
-@dataclass
-class IndexSnapshot:
-    """All ``blocks`` entries at one instant (see ``DiskIndex.load_all``).
-
-    ``entries`` is a structured array (``entry_dtype``) of the entries whose hash has the
-    most common length, sorted by hash; ``odd`` holds the rest as ``(hash, Entry)``.
-    ``log_seq`` is the last log record the snapshot reflects.
-    """
-
-    entries: np.ndarray
-    odd: list[tuple[bytes, Entry]]
-    log_seq: int
-
-    def __len__(self) -> int:
-        return len(self.entries) + len(self.odd)
-
-    def hash_at(self, i: int) -> bytes:
-        """The exact bytes of ``entries[i]``'s hash (numpy's ``S`` drops trailing NULs)."""
-        return self.entries[i : i + 1]["hash"].view(np.uint8).tobytes()
 
 
 class DiskIndex:
@@ -236,7 +102,7 @@ class DiskIndex:
     ):
         self.path = Path(path)
         self.tp_size = tp_size
-        self._entry = struct.Struct(_HEADER.format + f"{tp_size}Q")
+        self._entry = struct.Struct(ENTRY_HEADER.format + f"{tp_size}Q")
         # Map size is virtual address space, not disk: reserve plenty so growth is rare.
         map_size = max(_MIN_MAP_SIZE, expected_entries * 1024)
         self._shared = acquire_env(self.path, readonly, map_size, repair, dir_fd, owner)
@@ -270,12 +136,12 @@ class DiskIndex:
         if len(raw) != self._entry.size + len(block_hash) or raw[self._entry.size :] != block_hash:
             return None
         v = self._entry.unpack_from(raw)
-        return Entry(v[0], v[1], v[2], _sane_time(v[3]), _sane_time(v[4]), v[5], tuple(v[6:]))
+        return Entry(v[0], v[1], v[2], sane_time(v[3]), sane_time(v[4]), v[5], tuple(v[6:]))
 
     def _slot_of(self, raw: bytes | None) -> int | None:
         if raw is None or len(raw) < self._entry.size:
             return None
-        return _HEADER.unpack_from(raw)[0]
+        return ENTRY_HEADER.unpack_from(raw)[0]
 
     # ------------------------------------------------------------ reads
 
@@ -333,7 +199,7 @@ class DiskIndex:
 
         arr, vals, seq = self._shared.run(read)
         if arr is not None:
-            return IndexSnapshot(_sane_times(arr), [], seq)
+            return IndexSnapshot(sane_times(arr), [], seq)
         if not vals:
             return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), [], seq)
         # Mixed hash lengths: bulk-decode the most common length, the rest one by one.
@@ -357,7 +223,7 @@ class DiskIndex:
         if common <= base:
             return IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), odd, seq)
         arr = np.frombuffer(bytearray(b"".join(main)), dtype=entry_dtype(self.tp_size, common - base))
-        return IndexSnapshot(_sane_times(arr), odd, seq)
+        return IndexSnapshot(sane_times(arr), odd, seq)
 
     def read_log(self, after_seq: int, limit: int = 100_000) -> list[LogRecord]:
         """Log records with sequence > ``after_seq``, oldest first."""
@@ -375,7 +241,7 @@ class DiskIndex:
                 return []
             values, fresh = [], 0
             for key, value in cur.iternext(keys=True, values=True):
-                rows = _log_rows(value, self.tp_size) if len(key) == _SEQ.size else None
+                rows = log_rows(value, self.tp_size) if len(key) == _SEQ.size else None
                 if rows is None:
                     logger.error(
                         "index %s: a damaged log value (key %s, %d bytes) is skipped", self.path, key.hex(), len(value)
@@ -620,9 +486,9 @@ class DiskIndex:
         seq = self._log_seq(txn)
         log = self._db("log")
         for hash_len, run in itertools.groupby(records, key=lambda r: len(r[3])):
-            parts = [_LOG_HEADER.pack(hash_len)]
+            parts = [LOG_HEADER.pack(hash_len)]
             for status, rank, slot, h in run:
-                parts += (_LOG.pack(status, rank, slot), h)
+                parts += (LOG_RECORD.pack(status, rank, slot), h)
             seq += (len(parts) - 1) // 2
             txn.put(_SEQ.pack(seq), b"".join(parts), db=log, append=True)
         txn.put(_LOG_SEQ_KEY, _SEQ.pack(seq), db=self._db("meta"))

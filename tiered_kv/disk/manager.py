@@ -59,7 +59,8 @@ import numpy as np
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.disk.block_table import BlockTable
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import LOG_CORRUPT, LOG_FAILED, LOG_OK, DiskIndex, IndexSnapshot, LogColumns
+from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK, IndexSnapshot, LogColumns
 from tiered_kv.disk.namespace import DiskSizeError, Namespace, WriterLock, explain_other_namespaces, slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec

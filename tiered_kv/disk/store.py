@@ -55,7 +55,7 @@ from tiered_kv.disk.batch import PACK_CHUNK_BYTES
 from tiered_kv.disk.checksums import RunChecksums, checksum_function
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.group_commit import GroupCommitter, IndexWrite
-from tiered_kv.disk.index import Entry, IndexSnapshot
+from tiered_kv.disk.index_records import Entry, IndexSnapshot
 from tiered_kv.disk.io_backends import (
     BackendFile,
     IOBackend,

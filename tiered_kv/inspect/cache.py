@@ -20,7 +20,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tiered_kv.disk.index import DiskIndex, IndexCorruptError, IndexSnapshot, entry_dtype
+from tiered_kv.disk.index import DiskIndex, IndexCorruptError
+from tiered_kv.disk.index_records import IndexSnapshot, entry_dtype
 from tiered_kv.disk.fingerprint import NAMESPACE_ID_LEN
 from tiered_kv.disk.namespace import MANIFEST, CacheEntryError, Namespace, NamespaceError
 from tiered_kv.disk.safe_open import describe
