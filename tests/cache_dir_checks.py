@@ -21,7 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from faults.harness import Hierarchy, documents, expected_bytes, namespace_dirs
+from tiered_kv.testing.harness import Hierarchy, documents, expected_bytes, namespace_dirs
 
 #: uid of the "other user" (nobody); the tests run as root, so they can plant its files.
 OTHER_UID = 65534

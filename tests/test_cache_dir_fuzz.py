@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import cache_dir_checks as cd
-from faults.harness import GPU_BLOCK_SIZE, config, device, expected_bytes, namespace_dirs
+from tiered_kv.testing.harness import GPU_BLOCK_SIZE, config, device, expected_bytes, namespace_dirs
 from tiered_kv.config import ConfigError
 from tiered_kv.disk.index import QUARANTINE_SUFFIX
 from tiered_kv.disk.manager import DiskOffloadingManager

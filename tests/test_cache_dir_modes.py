@@ -25,7 +25,7 @@ os.umask(0o022)
 sys.path[:0] = {paths!r}
 import cache_dir_checks as cd
 cd.quiet()
-from faults.harness import Hierarchy
+from tiered_kv.testing.harness import Hierarchy
 for disk_io in {disk_io!r}:
     h = Hierarchy({cache!r}, cpu_blocks=8, disk_blocks=32, disk_io=disk_io)
     for doc in cd.DOCS:

@@ -17,7 +17,7 @@ import pytest
 
 import cache_dir_checks as cd
 import disk_fixtures as fx
-from faults.harness import GPU_BLOCK_SIZE, Hierarchy, config, device
+from tiered_kv.testing.harness import GPU_BLOCK_SIZE, Hierarchy, config, device
 from tiered_kv.disk.errors import DiskSizeError
 from tiered_kv.disk.index import QUARANTINE_SUFFIX, DiskIndex, IndexCorruptError
 from tiered_kv.disk.index_env import DAMAGE_MARK

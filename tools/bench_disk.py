@@ -65,11 +65,8 @@ import gc
 import json
 import math
 import os
-import platform
-import resource
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -80,41 +77,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import MiB, RawLoop, busy_thread, cpu_seconds, float_list, header, per_round, rotated, total_rate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tiered_kv.config import CHECKSUMS  # noqa: E402
-from tiered_kv.disk.fingerprint import Fingerprint  # noqa: E402
-from tiered_kv import device  # noqa: E402
-from tiered_kv.device import empty_pageable, kernel_huge_pages  # noqa: E402
-from tiered_kv.disk.io_backends import host_view  # noqa: E402
-from tiered_kv.disk.namespace import slot_size_for  # noqa: E402
-from tiered_kv.disk.io_process import DiskIOProcess  # noqa: E402
-from tiered_kv.disk.batch import views_fit  # noqa: E402
-from tiered_kv.disk.store import DiskStore  # noqa: E402
-from tiered_kv.host_memory import HostKVCache  # noqa: E402
-from tiered_kv.kv_layout import KVCacheLayout, LayerLayout  # noqa: E402
-from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec  # noqa: E402
-from tiered_kv.worker.disk import CpuDiskHandler  # noqa: E402
-
-MiB = 1 << 20
-
-
-def cpu_seconds(helper_pid: int | None = None) -> float:
-    """User + system CPU time of this process so far (all threads), plus that of the
-    disk I/O process ``helper_pid`` (``--disk-io process``)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    total = r.ru_utime + r.ru_stime
-    if helper_pid is not None:
-        fields = Path(f"/proc/{helper_pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def per_round(tier: list[float], raw: list[float]) -> str:
-    """Median and range of the per-round ratios ``tier[i] / raw[i]``."""
-    ratios = sorted(t / r for t, r in zip(tier, raw))
-    return f"{float(np.median(ratios)):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+from tiered_kv.config import CHECKSUMS
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv import device
+from tiered_kv.device import kernel_huge_pages
+from tiered_kv.disk.namespace import slot_size_for
+from tiered_kv.disk.io_process import DiskIOProcess
+from tiered_kv.disk.batch import views_fit
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.host_memory import HostKVCache
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
+from tiered_kv.worker.disk import CpuDiskHandler
 
 
 class GcPauses:
@@ -216,34 +192,6 @@ def worker_heap(frozen: bool):
             gc.unfreeze()
 
 
-def spin(stop, progress: list[int] | None = None) -> None:
-    """Plain Python until ``stop`` (a threading or multiprocessing ``Event``) is set;
-    ``progress[0]`` counts its loops of 1000 additions."""
-    x = 0
-    while not stop.is_set():
-        for i in range(1000):
-            x += i
-        if progress is not None:
-            progress[0] += 1
-
-
-@contextlib.contextmanager
-def busy_thread(on: bool):
-    """While the block runs, a thread of this process runs plain Python (when ``on``).
-    Yields its progress counter (``spin``)."""
-    stop = threading.Event()
-    progress = [0]
-    thread = threading.Thread(target=spin, args=(stop, progress), daemon=True) if on else None
-    if thread is not None:
-        thread.start()
-    try:
-        yield progress
-    finally:
-        stop.set()
-        if thread is not None:
-            thread.join()
-
-
 def model_layout(block_bytes: int) -> KVCacheLayout:
     """A Llama-8B-like geometry (32 layers, 8 KV heads, head dim 128, fp16: 128 KiB per
     token) with 4-token GPU blocks, grouped into offloaded blocks of ``block_bytes``."""
@@ -251,49 +199,6 @@ def model_layout(block_bytes: int) -> KVCacheLayout:
     factor = max(1, block_bytes // per_gpu_block)
     layers = tuple(LayerLayout(f"model.layers.{i}.self_attn", (2, 4 * factor * 2, 4, 8, 128), True) for i in range(32))
     return KVCacheLayout(layers, torch.float16, 4, factor)
-
-
-def windows_iovec(view: memoryview, bs: int, windows: int) -> Callable[[int], list[memoryview]]:
-    """Block ``i``'s buffer: window ``i % windows`` of ``bs`` bytes in ``view``."""
-    return lambda i: [view[i % windows * bs : (i % windows + 1) * bs]]
-
-
-class RawLoop:
-    """O_DIRECT pwrite/pread of ``bs``-byte blocks at sequential offsets on ``threads``,
-    block ``i`` from/into window ``i % windows`` of one buffer of ``windows`` blocks
-    (by default ``threads``: each thread's few reused megabytes, as fio's)."""
-
-    def __init__(self, path: Path, total: int, bs: int, threads: int, windows: int | None = None):
-        windows = windows or threads
-        self.path, self.total, self.bs, self.threads = path, total, bs, threads
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        os.posix_fallocate(fd, 0, total)
-        os.close(fd)
-        self.buf = empty_pageable(windows * bs)
-        self.buf.copy_(torch.randint(0, 256, (windows * bs,), dtype=torch.uint8))
-        self.windows = windows
-
-    def run(self, write: bool) -> float:
-        """Bytes per second, every block from/into its window."""
-        return self.run_iovecs(windows_iovec(host_view(self.buf), self.bs, self.windows), write)
-
-    def run_iovecs(self, iovec: Callable[[int], list[memoryview]], write: bool) -> float:
-        """Bytes per second, block ``i`` from/into the buffers ``iovec(i)``."""
-        fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-        call = os.pwritev if write else os.preadv
-        n = self.total // self.bs
-
-        def one(i: int) -> None:
-            call(fd, iovec(i), i * self.bs)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(self.threads) as ex:
-            list(ex.map(one, range(n)))
-        if write:
-            os.fdatasync(fd)
-        dt = time.perf_counter() - t0
-        os.close(fd)
-        return n * self.bs / dt
 
 
 class Fio:
@@ -449,7 +354,7 @@ def main() -> None:
         default=None,
         help="directory on the disk under test (default: a temporary one under the current directory)",
     )
-    p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
+    p.add_argument("--sizes", type=float_list, default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement (default 512 MiB)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
     p.add_argument("--job-mib", type=int, default=32, help="bytes per tier job (default 32 MiB)")
@@ -516,7 +421,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix=".bench-disk-", dir=args.dir or Path.cwd()))
     use_fio = args.raw == "fio" or (args.raw == "auto" and shutil.which("fio") is not None)
     total = args.total_mib * MiB
-    print(f"# bench_disk  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  dir={root}")
+    print(header("bench_disk", f"dir={root}"))
     print(
         f"# raw = O_DIRECT pwritev/preadv loop over a buffer the size of the handler's host KV cache, "
         f"{args.io_threads} threads; raw into reused buffers = "
@@ -534,7 +439,7 @@ def main() -> None:
     )
     rows = []
     try:
-        for size in (float(s) for s in args.sizes.split(",")):
+        for size in args.sizes:
             bs = int(size * MiB)
             tier = TierBench(
                 root / f"cache-{size}",
@@ -565,7 +470,7 @@ def main() -> None:
             with worker_heap(frozen=not args.live_heap) as gc_pauses, busy_thread(args.busy_thread) as progress:
                 for r in range(args.rounds):
                     # Rotate the order each round so no path always runs right after another.
-                    order = benches[r % len(benches) :] + benches[: r % len(benches)]
+                    order = rotated(benches, r)
                     for write in (True, False):
                         for name, bench in order:
                             key = f"{name}_{'w' if write else 'r'}"
@@ -583,7 +488,7 @@ def main() -> None:
             store.close()
             tier.close()
             # Harmonic mean = total bytes / total time over the rounds.
-            agg = {k: len(v) / sum(1 / x for x in v) / 1e9 for k, v in res.items()}
+            agg = {k: total_rate(v) / 1e9 for k, v in res.items()}
             moved = args.rounds * tier.n * tier.layout.bytes_per_block / 1e9
             agg.update({f"cpu_{k}": v / moved for k, v in cpu.items()})
             agg.update({f"spin_{k}": loops * 1000 / seconds / 1e6 for k, (loops, seconds) in spins.items()})

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from benchlib import busy_thread, header
 
 from tiered_kv.disk.io_backends import host_view
 
@@ -33,26 +33,6 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - t0) / calls * 1e6
-
-
-class Spinner:
-    """A thread running plain Python until stopped, as an engine's main thread would."""
-
-    def __enter__(self) -> "Spinner":
-        self._stop = False
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-        self._thread.start()
-        time.sleep(0.01)
-        return self
-
-    def _spin(self) -> None:
-        x = 0
-        while not self._stop:
-            x += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
 
 
 def main() -> None:
@@ -80,14 +60,15 @@ def main() -> None:
         for beside in (False, True) if r % 2 == 0 else (True, False):
             for name, fn in calls.items():
                 if beside:
-                    with Spinner():
+                    with busy_thread(True):  # a thread running plain Python, as an engine's main thread would
+                        time.sleep(0.01)
                         busy[name].append(per_call_us(fn, args.calls))
                 else:
                     alone[name].append(per_call_us(fn, args.calls))
 
     print(
-        f"# bench_gil_handoff  {time.strftime('%Y-%m-%d %H:%M')}  python {sys.version.split()[0]}  "
-        f"torch {torch.__version__}  numpy {np.__version__}  switch interval "
+        header("bench_gil_handoff")
+        + f"  python {sys.version.split()[0]}  torch {torch.__version__}  numpy {np.__version__}  switch interval "
         f"{sys.getswitchinterval() * 1e3:.1f} ms  {args.calls} calls x {args.rounds} rounds"
     )
     print(f"{'call':<26} | {'alone us':>9} | {'beside busy Python us':>21} | {'ratio':>7}")

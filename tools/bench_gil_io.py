@@ -17,16 +17,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
-import platform
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_disk import RawLoop, busy_thread, spin
-
-MiB = 1 << 20
+from benchlib import MiB, RawLoop, busy_thread, header, rotated, scratch_dir, spin, total_rate
 
 
 def beside(kind: str, run: Callable[[], float]) -> float:
@@ -57,24 +52,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix=".bench-gil-io-", dir=args.dir or Path.cwd()) as tmp:
+    with scratch_dir(".bench-gil-io-", args.dir) as tmp:
         bs = int(args.block_mib * MiB)
-        raw = RawLoop(Path(tmp) / "raw.bin", args.total_mib * MiB // bs * bs, bs, args.threads)
+        raw = RawLoop(tmp / "raw.bin", args.total_mib * MiB // bs * bs, bs, args.threads)
         kinds = ("alone", "thread", "process")
         res: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):
-            for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            for kind in rotated(kinds, r):
                 res[kind].append(beside(kind, lambda: raw.run(True)))
     print(
-        f"# bench_gil_io  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus; "
-        f"O_DIRECT writes of {args.block_mib} MiB on {args.threads} threads, {args.total_mib} MiB per pass, "
+        header("bench_gil_io")
+        + f"; O_DIRECT writes of {args.block_mib} MiB on {args.threads} threads, {args.total_mib} MiB per pass, "
         f"{args.rounds} rounds"
     )
     print(f"{'round':>5} {'alone GB/s':>11} {'+ thread':>9} {'ratio':>6} {'+ process':>10} {'ratio':>6}")
     for r in range(args.rounds):
         a, t, q = (res[k][r] / 1e9 for k in kinds)
         print(f"{r:>5} {a:>11.2f} {t:>9.2f} {t / a:>6.2f} {q:>10.2f} {q / a:>6.2f}")
-    total = {k: len(v) / sum(1 / x for x in v) / 1e9 for k, v in res.items()}
+    total = {k: total_rate(v) / 1e9 for k, v in res.items()}
     print(
         f"{'all':>5} {total['alone']:>11.2f} {total['thread']:>9.2f} {total['thread'] / total['alone']:>6.2f} "
         f"{total['process']:>10.2f} {total['process'] / total['alone']:>6.2f}"

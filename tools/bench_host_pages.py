@@ -21,16 +21,12 @@ rounds (bytes / time summed), each path against both raw loops, and CPU seconds 
 from __future__ import annotations
 
 import argparse
-import shutil
-import sys
-import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_disk import TierBench
+from benchlib import MiB, RawLoop, cpu_seconds, float_list, header, rotated, scratch_dir, total_rate
 
-from bench_disk import MiB, RawLoop, TierBench, cpu_seconds  # noqa: E402
-from tiered_kv import device  # noqa: E402
+from tiered_kv import device
 
 
 def build(root: Path, block_bytes: int, total: int, small_pages: bool) -> tuple[TierBench, RawLoop]:
@@ -53,23 +49,25 @@ def build(root: Path, block_bytes: int, total: int, small_pages: bool) -> tuple[
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
+    p.add_argument("--sizes", type=float_list, default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement")
     p.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
     args = p.parse_args()
     total = args.total_mib * MiB
     print(
-        f"# bench_host_pages  {time.strftime('%Y-%m-%d %H:%M')}  THP {device.kernel_huge_pages()}  "
-        f"{args.rounds} rounds, {args.total_mib} MiB per measurement, 4 I/O threads"
+        header(
+            "bench_host_pages",
+            f"THP {device.kernel_huge_pages()}",
+            f"{args.rounds} rounds, {args.total_mib} MiB per measurement, 4 I/O threads",
+        )
     )
     print(
         f"{'block':>9} {'dir':>5} {'path':>14} {'pages':>5} | {'GB/s':>5} {'/raw 4k':>7} {'/raw thp':>8} | "
         f"{'CPU s/GB':>8}"
     )
-    for size in (float(s) for s in args.sizes.split(",")):
-        root = Path(tempfile.mkdtemp(prefix=".bench-pages-", dir=args.dir or Path.cwd()))
-        try:
+    for size in args.sizes:
+        with scratch_dir(".bench-pages-", args.dir) as root:
             tier_4k, raw_4k = build(root, int(size * MiB), total, small_pages=True)
             tier_thp, raw_thp = build(root, int(size * MiB), total, small_pages=False)
             paths = {("raw", "4k"): raw_4k, ("raw", "thp"): raw_thp, ("tier", "4k"): tier_4k, ("tier", "thp"): tier_thp}
@@ -78,12 +76,11 @@ def main() -> None:
                 speeds = {k: [] for k in paths}
                 cpu = dict.fromkeys(paths, 0.0)
                 for r in range(args.rounds):
-                    keys = list(paths)
-                    for key in keys[r % 4 :] + keys[: r % 4]:
+                    for key in rotated(list(paths), r):
                         c0 = cpu_seconds()
                         speeds[key].append(paths[key].run(write))
                         cpu[key] += cpu_seconds() - c0
-                gbs = {k: len(v) / sum(1 / x for x in v) / 1e9 for k, v in speeds.items()}
+                gbs = {k: total_rate(v) / 1e9 for k, v in speeds.items()}
                 moved = args.rounds * total / 1e9
                 for (path, pages), v in gbs.items():
                     label = f"{size} MiB" if (path, pages, write) == ("raw", "4k", True) else ""
@@ -95,8 +92,6 @@ def main() -> None:
                     )
             tier_4k.close()
             tier_thp.close()
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,10 @@ it and the handler's vectored I/O moves it.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
+from benchlib import MiB, RawLoop, float_list, header, median_range, rotated, scratch_dir, windows_iovec
 
-from bench_disk import MiB, RawLoop, windows_iovec
 from tiered_kv.disk.io_backends import host_view
 
 
@@ -49,7 +44,7 @@ def main() -> None:
         default=None,
         help="directory on the disk under test (default: a temporary one under the current directory)",
     )
-    p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
+    p.add_argument("--sizes", type=float_list, default="0.5,2,8", help="block sizes in MiB (default 0.5,2,8)")
     p.add_argument(
         "--footprints-mib",
         default="8,16,32,64,256",
@@ -61,56 +56,53 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix=".bench-raw-memory-", dir=args.dir or Path.cwd()))
+    with scratch_dir(".bench-raw-memory-", args.dir) as root:
+        run(args, root)
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    """Every block size's table, its files in ``root``."""
     print(
-        f"# bench_raw_memory  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
-        f"dir={root}; {args.threads} threads, {args.total_mib} MiB per measurement, {args.rounds} rounds, "
+        header("bench_raw_memory", f"dir={root}")
+        + f"; {args.threads} threads, {args.total_mib} MiB per measurement, {args.rounds} rounds, "
         "buffers on transparent huge pages (empty_pageable)"
     )
     print(
         "GB/s, median over the rounds [min-max]; 'reused' = one block buffer per thread, as fio's; "
         f"'scattered' = the largest footprint, each block in {args.pieces} layer planes"
     )
-    try:
-        for size in (float(s) for s in args.sizes.split(",")):
-            bs = int(size * MiB)
-            reused = args.threads * bs
-            footprints = sorted(
-                {reused} | {max(reused, int(f) * MiB // bs * bs) for f in args.footprints_mib.split(",")}
-            )
-            loop = RawLoop(
-                root / f"raw-{size}.bin",
-                args.total_mib * MiB // bs * bs,
-                bs,
-                args.threads,
-                windows=footprints[-1] // bs,
-            )
-            view = host_view(loop.buf)
-            paths = [
-                (f"{f // MiB} MiB" + (" reused" if f == reused else ""), windows_iovec(view, bs, f // bs))
-                for f in footprints
-            ]
-            if bs % (args.pieces * 4096) == 0:
-                paths.append(("scattered", planes(view, bs, footprints[-1] // bs, args.pieces)))
-            res = {(name, w): [] for name, _ in paths for w in (True, False)}
-            loop.run(write=True)  # the file's blocks exist before the first read
-            for r in range(args.rounds):
-                order = paths[r % len(paths) :] + paths[: r % len(paths)]
-                for write in (True, False):
-                    for name, iovec in order:
-                        res[(name, write)].append(loop.run_iovecs(iovec, write) / 1e9)
-            print(f"\n{size} MiB blocks")
-            print(f"{'buffer':>16} | {'write':>17} | {'read':>17}")
-            for name, _ in paths:
-                cells = []
-                for write in (True, False):
-                    v = sorted(res[(name, write)])
-                    cells.append(f"{float(np.median(v)):.2f} [{v[0]:.2f}-{v[-1]:.2f}]")
-                print(f"{name:>16} | {cells[0]:>17} | {cells[1]:>17}")
-    finally:
-        for f in root.iterdir():
-            f.unlink()
-        root.rmdir()
+    for size in args.sizes:
+        bs = int(size * MiB)
+        reused = args.threads * bs
+        footprints = sorted({reused} | {max(reused, int(f) * MiB // bs * bs) for f in args.footprints_mib.split(",")})
+        loop = RawLoop(
+            root / f"raw-{size}.bin",
+            args.total_mib * MiB // bs * bs,
+            bs,
+            args.threads,
+            windows=footprints[-1] // bs,
+        )
+        view = host_view(loop.buf)
+        paths = [
+            (f"{f // MiB} MiB" + (" reused" if f == reused else ""), windows_iovec(view, bs, f // bs))
+            for f in footprints
+        ]
+        if bs % (args.pieces * 4096) == 0:
+            paths.append(("scattered", planes(view, bs, footprints[-1] // bs, args.pieces)))
+        res = {(name, w): [] for name, _ in paths for w in (True, False)}
+        loop.run(write=True)  # the file's blocks exist before the first read
+        for r in range(args.rounds):
+            order = rotated(paths, r)
+            for write in (True, False):
+                for name, iovec in order:
+                    res[(name, write)].append(loop.run_iovecs(iovec, write) / 1e9)
+        print(f"\n{size} MiB blocks")
+        print(f"{'buffer':>16} | {'write':>17} | {'read':>17}")
+        for name, _ in paths:
+            cells = []
+            for write in (True, False):
+                cells.append(median_range(res[(name, write)]))
+            print(f"{name:>16} | {cells[0]:>17} | {cells[1]:>17}")
 
 
 if __name__ == "__main__":

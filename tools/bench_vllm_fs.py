@@ -35,7 +35,6 @@ import contextlib
 import itertools
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -60,10 +59,11 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob  #
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
+from benchlib import MiB, header  # noqa: E402
+
 from tiered_kv.disk.io_backends import aligned_empty  # noqa: E402
 from tiered_kv.disk.namespace import NamespaceError  # noqa: E402
 
-MiB = 1 << 20
 TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
 END_OF_STEP = ScheduleEndContext((), ())
 FULL_DISK_JOB = 8  # chunks per store job in the full-disk run
@@ -394,8 +394,8 @@ def main() -> None:
     except Exception as e:  # ImportError, or a missing CUDA library behind it
         fs_io = f"pure Python (vllm.fs_io_C not importable: {str(e).splitlines()[0]})"
     print(
-        f"# bench_vllm_fs  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  "
-        f"load average {os.getloadavg()[0]:.2f}  dir {root} ({shutil.disk_usage(root).free / 2**30:.0f} GiB free)"
+        header("bench_vllm_fs")
+        + f"  load average {os.getloadavg()[0]:.2f}  dir {root} ({shutil.disk_usage(root).free / 2**30:.0f} GiB free)"
     )
     job_sizes = [int(x) for x in args.job_chunks.split(",")]
     print(

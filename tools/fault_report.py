@@ -5,7 +5,7 @@
     python tools/fault_report.py --crash-trials 50 --rounds 2 --seed 7
     python tools/fault_report.py --crash-only --crash-trials 500 --tp 1 2 --disk-io thread process
 
-Runs the fault suite's scenarios (tests/faults/harness.py) on the whole hierarchy
+Runs the fault suite's scenarios (the harness ``tiered_kv.testing``) on the whole hierarchy
 (TieredOffloadingSpec + EngineDriver, CPU tensors standing in for the GPU, POSIX I/O):
 
 - kill -9 of an engine in the middle of a store / evict / load storm, one cache per TP
@@ -38,11 +38,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from benchlib import machine, md_table
 
-from faults.crash import CrashRunner, read_journal  # noqa: E402  (after the path)
-from faults.harness import (  # noqa: E402
+from tiered_kv.testing.crash import CrashRunner, read_journal
+from tiered_kv.testing.harness import (
     DAMAGE,
     Hierarchy,
     InjectingBackend,
@@ -52,7 +51,7 @@ from faults.harness import (  # noqa: E402
     namespace_dirs,
     verify_cache,
 )
-from tiered_kv.disk.index import QUARANTINE_SUFFIX  # noqa: E402
+from tiered_kv.disk.index import QUARANTINE_SUFFIX
 
 
 @dataclass
@@ -299,18 +298,34 @@ def full_filesystem(work: Path, rounds: int, seed: int) -> Row:
 
 
 def table(rows: list[Row]) -> str:
-    head = (
-        "| fault | trials | faults injected | durable blocks at risk | destroyed by the fault | "
-        "detected | intact blocks lost | wrong blocks served | exceptions to the engine |"
+    return md_table(
+        [
+            "fault",
+            "trials",
+            "faults injected",
+            "durable blocks at risk",
+            "destroyed by the fault",
+            "detected",
+            "intact blocks lost",
+            "wrong blocks served",
+            "exceptions to the engine",
+        ],
+        [
+            [
+                r.kind,
+                r.trials,
+                r.injected,
+                r.at_risk,
+                r.destroyed,
+                "n/a" if r.detected is None else f"{r.detected}/{r.trials}",
+                r.lost,
+                r.wrong,
+                r.escaped,
+            ]
+            for r in rows
+        ],
+        left=1,
     )
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        detected = "n/a" if r.detected is None else f"{r.detected}/{r.trials}"
-        lines.append(
-            f"| {r.kind} | {r.trials} | {r.injected} | {r.at_risk} | {r.destroyed} | "
-            f"{detected} | {r.lost} | {r.wrong} | {r.escaped} |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> int:
@@ -353,8 +368,8 @@ def main() -> int:
         print(f"caches kept for inspection in {work}")
     print("command: python tools/fault_report.py " + " ".join(sys.argv[1:]))
     print(
-        f"date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {platform.node()}, {os.cpu_count()} cores, "
-        f"{platform.platform()}; {time.time() - t0:.0f} s\n"
+        f"date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {machine()}, {platform.platform()}; "
+        f"{time.time() - t0:.0f} s\n"
     )
     print(table(rows))
     print()

@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import replay_raw  # noqa: E402
+from benchlib import machine as machine_basics  # noqa: E402
+from benchlib import md_table  # noqa: E402
 from replay_model import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_MODEL,
@@ -131,14 +132,6 @@ def parse_args(argv):
 
 
 # ---------------------------------------------------------------- tables
-
-
-def md_table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([line(headers), sep, *map(line, cells)])
 
 
 def quantile(samples, q: float) -> float:
@@ -320,7 +313,7 @@ def run_all(configs, workload, geometry, tiers, device, log) -> dict[str, RunRes
 
 def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}, {gpu}, torch {torch.__version__}"
+    return f"{machine_basics()}, {gpu}, torch {torch.__version__}"
 
 
 def setup_lines(args, command, workload, shape, geometry, tiers) -> list[str]:

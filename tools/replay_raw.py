@@ -4,7 +4,7 @@ transfer GB/s beside.
 - ``host_copy_gbps``: one large host-to-host ``copy_`` (what the GPU<->CPU handlers do
   when CPU tensors stand in for the GPU).
 - ``disk_gbps``: a plain O_DIRECT ``pwritev``/``preadv`` loop in the disk tier's slot size
-  and thread count (``bench_disk.RawLoop``), one fdatasync at the end of the writes.
+  and thread count (``benchlib.RawLoop``), one fdatasync at the end of the writes.
 - ``pinned_copy_gbps`` (CUDA): one pinned ``cudaMemcpyAsync`` per direction, CUDA events.
 - ``kvikio_read_gbps`` (CUDA): one raw KvikIO ``CuFile.pread`` of a file into device memory.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench_disk import RawLoop
+from benchlib import RawLoop
 
 
 def host_copy_gbps(nbytes: int, repeats: int = 3) -> float:

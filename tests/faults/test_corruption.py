@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from faults.harness import (
+from tiered_kv.testing.harness import (
     Hierarchy,
     delete_slab,
     documents,

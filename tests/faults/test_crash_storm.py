@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from faults.crash import CrashRunner, read_journal
-from faults.harness import Hierarchy, inspect_cli_available, verify_cache
+from tiered_kv.testing.crash import CrashRunner, read_journal
+from tiered_kv.testing.harness import Hierarchy, inspect_cli_available, verify_cache
 
 TRIALS = int(os.environ.get("TIERED_KV_CRASH_TRIALS", "50"))
 SEED = 20261123

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import disk_fixtures as fx
-from faults.harness import verify_cache
+from tiered_kv.testing.harness import verify_cache
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import Namespace
 

@@ -11,7 +11,7 @@ import pytest
 
 from tiered_kv.disk.namespace import NamespaceError
 
-from faults.harness import Hierarchy, InjectingBackend, TmpfsMount, documents, inject_backend, verify_cache
+from tiered_kv.testing.harness import Hierarchy, InjectingBackend, TmpfsMount, documents, inject_backend, verify_cache
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from faults.harness import (
+from tiered_kv.testing.harness import (
     GPU_BLOCK_SIZE,
     Hierarchy,
     config,

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import tiered_kv.device
-from faults.harness import Hierarchy, device, documents, namespace_dirs, verify_cache
+from tiered_kv.testing.harness import Hierarchy, device, documents, namespace_dirs, verify_cache
 from tiered_kv.disk.namespace import Namespace, current_holder
 from tiered_kv.host_memory import HostKVCache
 

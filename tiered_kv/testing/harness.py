@@ -1,6 +1,9 @@
-"""Shared machinery of the fault suite and of ``tools/fault_report.py``.
+"""The fault-injection harness's core, shared by the fault suite (``tests/faults``) and
+``tools/fault_report.py``.
 
-Runs in the test (parent) process. Builds the whole hierarchy (``TieredOffloadingSpec``
+Runs in the calling (test or tool) process; its I/O is the cache directory it is
+given: the hierarchy's own reads and writes, the damage functions' writes into slab
+and index files, read-only verification. Builds the whole hierarchy (``TieredOffloadingSpec``
 + ``EngineDriver``, CPU tensors standing in for the GPU) on small layouts, verifies a
 cache directory block by block, and runs kill -9 trials of ``storm_child`` (forked from
 a fork server that has torch imported, so a trial costs milliseconds, not an import).
@@ -90,7 +93,7 @@ class Hierarchy:
         self.spec = TieredOffloadingSpec(cfg, GPU_BLOCK_SIZE, layout, engine_id=engine_id, tp_size=tp_size)
         self.specs = [self.spec]
         if all_ranks and tp_size > 1:
-            from faults.ranks import RanksDriver, RankWorkers
+            from tiered_kv.testing.ranks import RanksDriver, RankWorkers
 
             devices = [self.device] + [device(dtype=dtype) for _ in range(1, tp_size)]
             self.specs += [
@@ -454,6 +457,12 @@ def fork_context():
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
         _CTX.set_forkserver_preload(
-            ["torch", "tiered_kv.tiered.spec", "tiered_kv.driver", "tiered_kv.disk.manager", "faults.storm_child"]
+            [
+                "torch",
+                "tiered_kv.tiered.spec",
+                "tiered_kv.driver",
+                "tiered_kv.disk.manager",
+                "tiered_kv.testing.storm_child",
+            ]
         )
     return _CTX

@@ -1,7 +1,7 @@
 """kill -9 trials of the whole hierarchy: the runner, its journal and what it checks.
 
-Runs in the test (parent) process and in ``tools/fault_report.py``. Each trial forks a
-``storm_child`` from the fault suite's fork server, kills it with SIGKILL at a random
+Runs in the calling process (the fault suite's tests, ``tools/fault_report.py``). Each
+trial forks a ``storm_child`` from the harness's fork server, kills it with SIGKILL at a random
 moment, waits for its disk I/O processes to finish, then verifies the cache as the
 kill left it and reopens it as an engine would (see ``CrashRunner``).
 """
@@ -15,7 +15,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from faults.harness import Hierarchy, VerifyResult, fork_context, inspect_verify, namespace_dirs, verify_cache
+from tiered_kv.testing.harness import (
+    Hierarchy,
+    VerifyResult,
+    fork_context,
+    inspect_verify,
+    namespace_dirs,
+    verify_cache,
+)
 
 
 @dataclass
@@ -152,7 +159,7 @@ class CrashRunner:
         return ("write_through", "write_back")[i % 2], self.disk_io[(i // 2) % len(self.disk_io)]
 
     def trial(self, i: int) -> CrashTrial:
-        from faults import storm_child
+        from tiered_kv.testing import storm_child
 
         policy, disk_io = self.mode(i)
         start = self.journal.stat().st_size

@@ -74,7 +74,7 @@ def _storm(cache_dir: str, seed: int, policy: str, disk_io: str, tp_size: int, j
     import numpy as np
     import torch
 
-    from faults.harness import Hierarchy
+    from tiered_kv.testing.harness import Hierarchy
 
     torch.set_num_threads(1)
     h = Hierarchy(
