@@ -1,5 +1,5 @@
 """The config's ``remote`` key: the shared tier's settings, validated where the rest of the
-config is, echoed without credentials, and refused where it cannot run yet (vLLM)."""
+config is, echoed without credentials, and taken by vLLM's connector too."""
 
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ def test_the_remote_write_policy_is_the_composites_per_tier_policy():
 
 
 @pytest.mark.vllm
-def test_vllm_refuses_the_remote_key_naming_it():
+def test_vllm_takes_the_remote_key_and_names_a_bad_one():
     pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed", exc_type=ImportError)
     from tiered_kv.integrations.vllm.spec import parse_extra_config
 
-    with pytest.raises(ConfigError, match="remote: the shared tier runs under tiered-kv's own spec"):
-        parse_extra_config({"cpu_bytes": "1GiB", "remote": SETTINGS})
+    assert parse_extra_config({"cpu_bytes": "1GiB", "remote": SETTINGS}).remote.bucket == "kv-fleet"
+    with pytest.raises(ConfigError, match=r"remote\.write_policy"):
+        parse_extra_config({"cpu_bytes": "1GiB", "remote": {**SETTINGS, "write_policy": "sometimes"}})

@@ -171,6 +171,15 @@ class RemoteOffloadingManager:
     def is_pending(self, block_hash: BlockHash) -> bool:
         return block_hash in self._pending
 
+    def is_probing(self, block_hash: BlockHash) -> bool:
+        """Whether an existence probe of this unknown block is in flight (its answer is
+        folded in by a later call): a lookup should ask again rather than miss."""
+        return block_hash in self._asking
+
+    def num_probing(self) -> int:
+        """Unknown blocks whose probe is in flight or whose answer is not folded in yet."""
+        return len(self._asking)
+
     def slot_of(self, block_hash: BlockHash) -> int | None:
         return 0 if self.cache.state(block_hash) is Membership.PRESENT else None
 

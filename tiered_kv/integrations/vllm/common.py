@@ -55,6 +55,7 @@ TIER_USED_BLOCKS = "tiered_kv_tier_used_blocks"
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
 PENDING_DISK_WRITES = "tiered_kv_pending_disk_writes"
 DISK_VERIFICATIONS = "tiered_kv_disk_verifications"
+REMOTE_VERIFICATIONS = "tiered_kv_remote_verifications"
 WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
 
 
@@ -84,6 +85,14 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
                 "Disk chunks read back and checksum-verified on every rank before a "
                 "lookup reported them as hits; outcome ok or failed (failed chunks "
                 "are dropped and recomputed)."
+            ),
+            labelnames=("outcome",),
+        ),
+        REMOTE_VERIFICATIONS: OffloadingCounterMetadata(
+            documentation=(
+                "Shared-tier chunks downloaded and verified (header and checksum) for "
+                "every rank before a lookup reported them as hits; outcome ok or failed "
+                "(failed chunks are misses, recomputed)."
             ),
             labelnames=("outcome",),
         ),

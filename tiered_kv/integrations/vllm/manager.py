@@ -18,11 +18,23 @@ adapter adds is what vLLM's contract demands and ours did not:
   and marks the CPU slots of a job that failed in the shared ``SlotHealth`` map before
   reporting; here the marks of the slots a job wrote are read, and those chunks are
   completed as failed (freed, their disk writes abandoned, a promotion not kept).
+- **The shared tier** (``remote``, below the disk tier or directly below CPU) follows
+  the same rule (``remote.RemoteVerifier``): a chunk only the bucket holds is a HIT
+  once every rank's object of it was downloaded and verified here; until then
+  HIT_PENDING. A chunk this node knows nothing of is probed (HEAD requests, on the
+  store's threads): while that probe is in flight ``lookup`` answers RETRY (vLLM asks
+  again next step; its contract's answer for "location not known yet", which unlike
+  HIT_PENDING never counts as a hit), never waiting and never a premature MISS. A
+  probe the server does not answer counts as absent: a server that is down costs
+  misses. ``on_schedule_end`` folds in probe answers and sends the probes that confirm
+  this node's own uploads.
 - ``touch`` is never called by vLLM 0.33, so a use is recorded in ``prepare_load``;
   ``prepare_store`` leaves recency to the composite, which never evicts the chunks a
   call offers and ranks the request most recent, head first (a store is not a reuse:
   under ARC it keeps a chunk in T1).
-- ``reset_cache`` empties every tier, the disk included (a reset may mean new weights).
+- ``reset_cache`` empties every tier, the disk included (a reset may mean new weights);
+  the shared tier is the fleet's and is not emptied: its chunks of this namespace stay
+  loadable (only its verifications are forgotten).
   vLLM then discards the jobs in flight (no ``complete_*`` follows): their chunks are
   released in ``on_reset_flushed``, once workers no longer write them; disk writes
   queued before the reset are dropped as they land and never served.
@@ -47,6 +59,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -63,6 +76,7 @@ from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.integrations.vllm.common import (
     DISK_VERIFICATIONS,
     PENDING_DISK_WRITES,
+    REMOTE_VERIFICATIONS,
     TIER_BLOCKS,
     TIER_CAPACITY_BLOCKS,
     TIER_USED_BLOCKS,
@@ -74,10 +88,12 @@ from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.integrations.vllm.verify import DiskVerifier
 from tiered_kv.metrics import TieredStats
 from tiered_kv.mediums import CPU, DISK
+from tiered_kv.remote.tier import REMOTE
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.specs import TieredLoadSpec
 
 if TYPE_CHECKING:
+    from tiered_kv.integrations.vllm.remote import RemoteVerifier
     from tiered_kv.integrations.vllm.spec import TieredOffloadingSpec
 
 logger = logging.getLogger(__name__)
@@ -85,12 +101,14 @@ logger = logging.getLogger(__name__)
 #: Verified-but-not-yet-loaded chunks remembered at most (oldest forgotten first).
 MAX_VERIFIED = 65536
 
-_MEDIUMS = {CPU: Medium.CPU, DISK: Medium.STORAGE}
+_MEDIUMS = {CPU: Medium.CPU, DISK: Medium.STORAGE, REMOTE: Medium.STORAGE}
+_SOURCES = {CPU: CacheHitSource.HOST, DISK: CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
     """The scheduler side of ``spec``: CPU tier, disk tier (namespace opened, writer lock
-    taken, index loaded), verifier and slot-health map."""
+    taken, index loaded), shared tier (store opened and checked), verifiers and
+    slot-health map."""
     cfg, geometry = spec.tiered_config, spec.geometry
     events = spec.kv_events_config.enable_kv_cache_events
     stats = TieredStats()
@@ -116,17 +134,33 @@ def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
             disk.shutdown()
             raise
         verifier = DiskVerifier(store, geometry.world_size, threads=cfg.io_threads)
+    remote = remote_verifier = None
+    policies = [cfg.write_policy] if disk is not None else []
+    if cfg.remote is not None:
+        from tiered_kv.integrations.vllm.remote import build_remote, remote_write_policy
+
+        try:
+            remote, remote_verifier = build_remote(cfg.remote, geometry, events)
+        except BaseException:
+            if verifier is not None:
+                verifier.shutdown()
+            if disk is not None:
+                disk.shutdown()
+            raise
+        policies.append(remote_write_policy(cfg.remote))
     composite = TieredOffloadingManager(
         cpu,
-        disk,
-        write_policy=cfg.write_policy,
+        [t for t in (disk, remote) if t is not None],
+        write_policy=policies,
         promote_on_hit=cfg.promote_on_hit,
         max_pending_disk_writes=cfg.max_pending_disk_writes,
         stats=stats,
     )
     health = SlotHealth.for_engine(spec.config.engine_id, geometry.num_cpu_slots)
     health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
-    return TieredVllmManager(composite, health=health, verifier=verifier, info=spec.config_info())
+    return TieredVllmManager(
+        composite, health=health, verifier=verifier, remote_verifier=remote_verifier, info=spec.config_info()
+    )
 
 
 class TieredVllmManager(OffloadingManager):
@@ -138,11 +172,20 @@ class TieredVllmManager(OffloadingManager):
         *,
         health: SlotHealth,
         verifier: DiskVerifier | None = None,
+        remote_verifier: "RemoteVerifier | None" = None,
         info: TieredOffloadingInfo | None = None,
     ):
         self.composite = composite
         self.health = health
         self.verifier = verifier
+        self.remote_verifier = remote_verifier
+        by_medium = {t.medium: t for t in composite.lower}
+        #: The disk tier and the shared tier, where configured.
+        self.disk = by_medium.get(DISK)
+        self.remote = by_medium.get(REMOTE)
+        # Shared-tier chunks verified on every rank, not yet loaded.
+        self._remote_verified: OrderedDict[bytes, None] = OrderedDict()
+        self._remote_verifications: Counter[str] = Counter()
         self.stats = composite.stats
         self._info = info
         # Disk chunks: being verified, and verified (key -> the slot that was read).
@@ -179,14 +222,44 @@ class TieredVllmManager(OffloadingManager):
         if medium == DISK:
             self.stats.count("disk", "lookups")
             return self._disk_lookup(key)
+        if medium == REMOTE:
+            self.stats.count("remote", "lookups")
+            return self._remote_lookup(key)
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
             return LookupResult.HIT_PENDING
-        if self.composite.disk is not None:
+        if self.disk is not None:
             self.stats.count("disk", "lookups")  # asked, and it does not have it either
+        if self.remote is not None:
+            self.stats.count("remote", "lookups")
+            if self.remote.is_probing(key):
+                return LookupResult.RETRY  # hit_medium sent (or found) a probe of the bucket
         return LookupResult.MISS
 
+    def _remote_lookup(self, key: bytes) -> LookupResult:
+        if key in self._remote_verified:
+            return LookupResult.HIT
+        self.remote_verifier.submit(key)
+        return LookupResult.HIT_PENDING
+
+    def _collect_remote_verifications(self) -> None:
+        if self.remote_verifier is None:
+            return
+        for key, ok in self.remote_verifier.results():
+            self._remote_verifications["ok" if ok else "failed"] += 1
+            if ok:
+                self._remote_verified[key] = None
+                self._remote_verified.move_to_end(key)
+                while len(self._remote_verified) > MAX_VERIFIED:
+                    self._remote_verified.popitem(last=False)
+            else:
+                # Missing, foreign, damaged or unreachable on some rank: a miss until the
+                # bucket is asked again (absent_ttl), never a load that could fail.
+                self._remote_verified.pop(key, None)
+                self.remote.remove(key)
+                self.remote.cache.mark_absent([key])
+
     def _disk_lookup(self, key: bytes) -> LookupResult:
-        disk = self.composite.disk
+        disk = self.disk
         slot = disk.slot_of(key)
         if slot is None or key in self._stale_writes:
             return LookupResult.MISS
@@ -204,6 +277,7 @@ class TieredVllmManager(OffloadingManager):
         return LookupResult.HIT_PENDING
 
     def _collect_verifications(self) -> None:
+        self._collect_remote_verifications()
         if self.verifier is None:
             return
         for key, slot, ok in self.verifier.results():
@@ -225,7 +299,7 @@ class TieredVllmManager(OffloadingManager):
         """Make a chunk that failed verification a miss: the read path already dropped a
         corrupt one from the index (``refresh`` applies that); anything else (an I/O
         error) is removed here. A chunk pinned by a load in flight stays unservable."""
-        disk = self.composite.disk
+        disk = self.disk
         disk.refresh()
         if disk.slot_of(key) == slot and not disk.remove(key):
             self._unservable[key] = slot
@@ -237,7 +311,7 @@ class TieredVllmManager(OffloadingManager):
         source = self._sources.get((req_context.req_id, key))
         if source is not None:
             return source
-        return CacheHitSource.HOST if self.composite.hit_medium(key) == CPU else CacheHitSource.DISK
+        return _SOURCES.get(self.composite.hit_medium(key), CacheHitSource.DISK)
 
     # ------------------------------------------------------------------ loads
 
@@ -245,10 +319,11 @@ class TieredVllmManager(OffloadingManager):
         keys = list(keys)
         req_id = req_context.req_id
         for key in keys:
-            from_cpu = self.composite.hit_medium(key) == CPU
-            self._sources[(req_id, key)] = CacheHitSource.HOST if from_cpu else CacheHitSource.DISK
-            if not from_cpu:
+            medium = self.composite.hit_medium(key)
+            self._sources[(req_id, key)] = _SOURCES.get(medium, CacheHitSource.DISK)
+            if medium != CPU:
                 self._verified.pop(key, None)  # one verification, one load
+                self._remote_verified.pop(key, None)
         self.composite.touch(keys)
         spec = self.composite.prepare_load(keys)
         if isinstance(spec, TieredLoadSpec):
@@ -315,13 +390,18 @@ class TieredVllmManager(OffloadingManager):
         # thread (it polls the index log while writes are pending), not here: reading
         # the log on the scheduler thread would lengthen every step that has some.
         self._collect_verifications()
+        if self.remote is not None:
+            self.remote.refresh()  # never waits: folds answers in, sends the probes due
         if self._stale_writes:
             self._drop_stale_writes()
 
     def _drop_stale_writes(self) -> None:
         """Drop the disk writes of before a reset as they land (removing one pinned by a
         load is retried next step)."""
-        disk, pending = self.composite.disk, self.composite.pending_disk_blocks()
+        disk = self.disk
+        if disk.num_pending():
+            disk.refresh()
+        pending = disk.pending_blocks()
         for key in list(self._stale_writes):
             if key in pending:
                 continue
@@ -329,18 +409,27 @@ class TieredVllmManager(OffloadingManager):
                 self._stale_writes.discard(key)
 
     def has_pending_work(self) -> bool:
-        return self.verifier is not None and self.verifier.busy()
+        # Requests deferred on a verification or a membership probe are asked again
+        # only while the engine steps.
+        return (
+            (self.verifier is not None and self.verifier.busy())
+            or (self.remote_verifier is not None and self.remote_verifier.busy())
+            or (self.remote is not None and self.remote.num_probing() > 0)
+        )
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         out = []
         for event in self.composite.take_events():
             on_disk = event.medium == DISK
+            remote = event.medium == REMOTE
             out.append(
                 OffloadingEvent(
                     keys=list(event.block_hashes),
                     medium=_MEDIUMS[event.medium],
                     removed=event.removed,
-                    ownership="tiered_kv.disk" if on_disk else None,
+                    # The bucket's lifecycle rule removes objects unannounced.
+                    locality=Locality.REMOTE if remote else None,
+                    ownership="tiered_kv.disk" if on_disk else "tiered_kv.remote" if remote else None,
                     removal_expected=on_disk and not event.removed,
                 )
             )
@@ -353,12 +442,14 @@ class TieredVllmManager(OffloadingManager):
                 self._increase(stats, TIER_BLOCKS, (tier, event), value)
         for outcome, value in self._verification_counts.items():
             self._increase(stats, DISK_VERIFICATIONS, (outcome,), value)
+        for outcome, value in self._remote_verifications.items():
+            self._increase(stats, REMOTE_VERIFICATIONS, (outcome,), value)
         for kind, value in self._failure_counts.items():
             self._increase(stats, WORKER_JOB_FAILURES, (kind,), value)
         for tier, used in self.composite.used_blocks().items():
             stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
         stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))
-        disk = self.composite.disk
+        disk = self.disk
         if disk is not None:
             stats.set_gauge(TIER_CAPACITY_BLOCKS, disk.capacity, ("disk",))
         # Read, not refreshed: at most a flusher poll old.
@@ -389,8 +480,11 @@ class TieredVllmManager(OffloadingManager):
         self._promote_slots.clear()
         self._sources.clear()
         self._verified.clear()
-        if self.composite.disk is not None:
-            self._stale_writes |= self.composite.pending_disk_blocks()
+        self._remote_verified.clear()
+        if self.disk is not None:
+            if self.disk.num_pending():
+                self.disk.refresh()
+            self._stale_writes |= self.disk.pending_blocks()
         self._evict_all()
 
     def on_reset_flushed(self) -> None:
@@ -404,7 +498,7 @@ class TieredVllmManager(OffloadingManager):
         self._evict_all()
 
     def _evict_all(self) -> None:
-        cpu, disk = self.composite.cpu, self.composite.disk
+        cpu, disk = self.composite.cpu, self.disk
         for key in list(cpu.iter_evictable()):
             cpu.remove(key)
         if disk is not None:
@@ -414,5 +508,7 @@ class TieredVllmManager(OffloadingManager):
     def shutdown(self) -> None:
         if self.verifier is not None:
             self.verifier.shutdown()
+        if self.remote_verifier is not None:
+            self.remote_verifier.shutdown()
         self.composite.shutdown()
         self.health.close(unlink=True)

@@ -22,6 +22,11 @@ alone, so the scheduler and the workers agree without talking):
 - ``cpu_bytes`` and ``disk_bytes`` are **per rank** (every worker keeps its own shard of
   every chunk in its own host memory and disk slab); the slot counts follow from the
   bytes per chunk and are the same on every rank.
+- the shared tier (``remote``) is a lower tier below the disk tier, or directly below
+  CPU where no disk is configured (``remote.py``: scheduler side; ``worker.py``). Its
+  objects are per rank (the key and the header name the rank) in the namespace of the
+  same fingerprint as the disk tier's, so nodes share chunks exactly when every field
+  below agrees.
 - the disk namespace fingerprint is built from the model's identity (``model_id`` or
   vLLM's ``--model``; vLLM's ``--revision`` or ``model_revision``; the weights digest of
   the directory vLLM loads; vLLM's code revision, model dtype, quantization, config
@@ -111,11 +116,6 @@ def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
     for key in ("spec_name", "spec_module_path"):
         if key in extra and not isinstance(extra[key], str):
             raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
-    if "remote" in extra:
-        raise ConfigError(
-            "remote: the shared tier runs under tiered-kv's own spec and engine driver "
-            "so far, not yet under vLLM's connector; remove the key"
-        )
     return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
 
 
@@ -141,8 +141,8 @@ def _check_hash_algorithm(cfg: TieredConfig) -> None:
     if cfg.hash_algorithm in _NON_CRYPTO_HASHES and not os.environ.get("PYTHONHASHSEED"):
         logger.warning(
             "prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
-            "unset): chunks on the disk tier will never hit after a restart; set "
-            "PYTHONHASHSEED or use sha256",
+            "unset): chunks on the disk tier will never hit after a restart, nor the "
+            "shared tier's on another node; set PYTHONHASHSEED or use sha256",
             cfg.hash_algorithm,
         )
 
@@ -269,13 +269,15 @@ def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str
 
 
 class TieredOffloadingSpec(OffloadingSpec):
-    """GPU -> pinned CPU (LRU) -> NVMe disk (LRU, persistent, checksummed) for vLLM 0.33.
+    """GPU -> pinned CPU (LRU) -> NVMe disk (LRU, persistent, checksummed) -> shared
+    S3-compatible bucket (optional) for vLLM 0.33.
 
     Select it with ``"spec_name": "TieredOffloadingSpec", "spec_module_path":
     "tiered_kv.integrations.vllm"`` in ``kv_connector_extra_config``; the other keys are
     ``TieredConfig``'s (README, "Use with vLLM"). ``get_manager`` (scheduler) opens the
-    disk namespace, takes its writer lock and loads its index; ``get_worker`` (each
-    worker) allocates the host tier and opens this rank's slab.
+    disk namespace, takes its writer lock and loads its index, and opens and checks the
+    shared tier's bucket; ``get_worker`` (each worker) allocates the host tier and opens
+    this rank's slab and its own connection to the bucket.
     """
 
     @classmethod

@@ -19,7 +19,12 @@ of ``blocks_per_chunk`` GPU block ids per chunk (-1 = position not transferred) 
 the composite's handlers at GPU-block granularity: GPU <-> CPU copies name GPU blocks on
 both sides (CPU position ``slot * blocks_per_chunk + j``), the disk handlers take the
 rows. I/O: GPU <-> host copies (CUDA streams; synchronous on CPU), disk reads and
-writes for this rank's slab on the disk handlers' and stager's threads.
+writes for this rank's slab on the disk handlers' and stager's threads, and with a
+shared tier, this rank's objects in the bucket (its own ``RemoteStore``, opened here,
+after any fork): uploads of spilled and write-through chunks (``RemoteStager``,
+dropped and counted past ``max_pending_upload_bytes``) and downloads into CPU slots or
+straight into the KV cache (``RemoteLoadHandler``), each object's header (fingerprint,
+block hash, this rank) and checksum verified before a byte of it is used.
 
 Failures never reach vLLM, whose worker connector asserts that every job succeeded:
 every job is reported done. A job that failed inside (logged, counted) marks the CPU
@@ -27,10 +32,10 @@ slots it was writing in the shared ``SlotHealth`` map *before* it is reported, a
 scheduler then completes those chunks as failed, so garbage never becomes loadable
 (stores) or stays in the CPU tier (promotions). What cannot be undone is a *load* whose
 bytes did not all arrive: the request runs with those GPU blocks unfilled. The manager
-makes that as unlikely as we know how: only CPU-resident chunks and disk chunks
-verified on every rank moments before are reported as hits, and the disk read is
+makes that as unlikely as we know how: only CPU-resident chunks and disk or shared-tier
+chunks verified on every rank moments before are reported as hits, and the read is
 checked again here, so it takes a read that fails after a successful one (a dying
-disk) - which is logged as an error naming the job.
+disk, a server lost between the two reads) - which is logged as an error naming the job.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
+from tiered_kv.remote.worker import RemoteLoadHandler, RemoteStager
 from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.cpu_gpu import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
@@ -115,6 +121,17 @@ class _RowsGpuDiskHandler(GpuDiskHandler):
                 raise ValueError(f"GPU rows {spec.rows.shape} do not match {n} disk blocks")
             return spec.rows
         return super()._kernel_ids(spec, n, store)
+
+
+class _RowsRemoteLoadHandler(RemoteLoadHandler):
+    """``RemoteLoadHandler`` into the KV cache that takes ``GPURowsSpec``."""
+
+    def _kernel_ids(self, dst, n: int) -> np.ndarray:
+        if isinstance(dst, GPURowsSpec):
+            if dst.rows.shape != (n, self.layout.block_size_factor):
+                raise ValueError(f"GPU rows {dst.rows.shape} do not match {n} shared-tier blocks")
+            return dst.rows
+        return super()._kernel_ids(dst, n)
 
 
 class _ChunkRowsLoadHandler(TieredLoadHandler):
@@ -196,9 +213,34 @@ class TieredVllmWorker(OffloadingWorker):
             # Staging for twice the manager's bound of pending writes: a buffer returns a
             # moment after the manager may have seen its chunk's index commit.
             stager = DiskStager(self.host, self.disk_store, g.rank, 2 * cfg.max_pending_disk_writes, self.stats)
-        self.store_handler = TieredStoreHandler(gpu_to_cpu, self.kernel_bytes, stager, self.stats)
+        # One entry per lower tier, in the scheduler's order: disk, then the shared tier.
+        stagers, to_gpu, to_cpu, names = [], [], [], []
+        if cfg.disk_path:
+            stagers.append(stager)
+            to_gpu.append(disk_to_gpu)
+            to_cpu.append(disk_to_cpu)
+            names.append("disk")
+        self.remote_store = self.remote_stager = None
+        if cfg.remote is not None:
+            from tiered_kv.remote.store import RemoteStore
+
+            self.remote_store = RemoteStore(cfg.remote, g.fingerprint, check=False)
+            self.remote_stager = RemoteStager(
+                self.host, self.remote_store, g.rank, cfg.remote.max_pending_upload_bytes, self.stats
+            )
+            stagers.append(self.remote_stager)
+            to_gpu.append(_RowsRemoteLoadHandler(self.remote_store, g.rank, gpu, self.layout, to_gpu=True))
+            to_cpu.append(RemoteLoadHandler(self.remote_store, g.rank, self.host.tensors, self.layout, to_gpu=False))
+            names.append("remote")
+        self.store_handler = TieredStoreHandler(gpu_to_cpu, self.kernel_bytes, stagers or None, self.stats)
         self.load_handler = _ChunkRowsLoadHandler(
-            cpu_to_gpu, g.bytes_per_chunk, self.factor, disk_to_gpu, disk_to_cpu, self.stats
+            cpu_to_gpu,
+            g.bytes_per_chunk,
+            self.factor,
+            to_gpu or None,
+            to_cpu or None,
+            self.stats,
+            tier_names=names or ("disk",),
         )
         self.health = SlotHealth.for_engine(spec.config.engine_id, g.num_cpu_slots)
         self._jobs: dict[int, _Job] = {}
@@ -304,6 +346,8 @@ class TieredVllmWorker(OffloadingWorker):
         self.load_handler.shutdown()
         if self.disk_store is not None:
             self.disk_store.close()
+        if self.remote_store is not None:
+            self.remote_store.close()
         self.health.close()
 
 
