@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
-from tiered_kv.cli.output import emit_json, errors, progress_bar, short_hash, timestamp, with_iso_times
+from tiered_kv.cli.inspect_remote import need_path, on_remote
+from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.config import ConfigError, format_size, parse_size
 
 # The inspector's library (tiered_kv.inspect) is imported inside each command: it pulls
@@ -55,6 +56,12 @@ _SERVER_MODEL = typer.Option(
     help="The server's --model (directory or hub id in the local HF cache), "
     "for a config without model_id or model_path.",
 )
+_REMOTE = typer.Option(
+    None,
+    "--remote",
+    help="A server's config with a 'remote' key: inspect that shared tier (S3 bucket) instead of a cache directory.",
+)
+_CACHE_PATH = typer.Argument(None, help="Cache directory (or one namespace directory); none with --remote.")
 _DRY_RUN = typer.Option(False, "--dry-run", help="Report what would go, change nothing (needs no lock).")
 #: ``ls`` choices as its help shows them (the library's ``SORT_KEYS`` and ``STATES``
 #: validate; a test keeps the two in step).
@@ -141,14 +148,19 @@ def _ns_json(ns: dict[str, Any]) -> dict[str, Any]:
 
 @inspect_app.command()
 def summary(
-    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
     config: Optional[list[str]] = _READ_BY_CONFIG,
     model: Optional[str] = _SERVER_MODEL,
+    remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
     """Each namespace: fingerprint, blocks, bytes used and capacity, ages, hits, I/O, health;
-    with --config, whether a server with that config would read it."""
+    with --config, whether a server with that config would read it. With --remote: a shared
+    tier's namespaces, objects and bytes, and whether that config reads each."""
+    if remote is not None:
+        return on_remote("summary", locals())
+    path = need_path(path, json_out)
     with _errors(json_out):
         from tiered_kv.inspect import open_cache, summarize_cache
         from tiered_kv.inspect.summary import ServerConfig, describe_io, mark_read_by
@@ -227,7 +239,7 @@ def summary(
 
 @inspect_app.command("ls")
 def ls(
-    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
     state: str = typer.Option("all", "--state", help=f"{STATE_HELP}: complete = every TP rank committed."),
     hash_prefix: Optional[str] = typer.Option(None, "--hash", help="Only hashes starting with this hex prefix."),
@@ -239,9 +251,14 @@ def ls(
         None, "--asc/--desc", help="Order (default: descending; ascending for hash)."
     ),
     limit: int = typer.Option(50, "--limit", min=0, help="Rows per namespace; 0 = all."),
+    remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
-    """Entries: hash prefix, slot, size, ranks present, stored and last-access times, hits."""
+    """Entries: hash prefix, slot, size, ranks present, stored and last-access times, hits.
+    With --remote: a shared tier's objects (hash, rank, size, last modified)."""
+    if remote is not None:
+        return on_remote("ls", locals())
+    path = need_path(path, json_out)
     with _errors(json_out):
         from tiered_kv.inspect import ListFilter, list_entries, open_cache
 
@@ -299,16 +316,30 @@ def ls(
 
 @inspect_app.command()
 def verify(
-    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
     repair: bool = typer.Option(
-        False, "--repair", help="Drop corrupt, invalid and incomplete entries (needs the cache closed)."
+        False,
+        "--repair",
+        help="Drop corrupt, invalid and incomplete entries (needs the cache closed); "
+        "with --remote, delete the objects found bad.",
     ),
     threads: int = typer.Option(4, "--threads", min=1, help="Parallel reads."),
+    limit: int = typer.Option(
+        0, "--limit", min=0, help="With --remote: check a random sample of this many objects per namespace; 0 = all."
+    ),
+    remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
     """Re-read every block and check its checksum; exit 1 if any block is corrupt (with
-    --repair: unless the repair dropped them all and the cache now verifies clean)."""
+    --repair: unless the repair dropped them all and the cache now verifies clean). With
+    --remote: download a shared tier's objects and check header and checksum; exit 1 if
+    any is corrupt or foreign."""
+    if remote is not None:
+        return on_remote("verify", locals())
+    if limit:
+        fail("--limit applies to --remote only (a disk cache is verified whole)", json_out)
+    path = need_path(path, json_out)
     results, clean = [], []
     with _errors(json_out):
         from tiered_kv.inspect import open_cache, verify_namespace

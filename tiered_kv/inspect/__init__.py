@@ -8,6 +8,8 @@ Runs in the operator's process, beside or instead of an engine. Module map:
 - ``verify``: re-read blocks and check checksums (read-only; ``repair`` takes the lock).
 - ``maintenance``: ``evict``, ``clear`` and index edits, under the writer lock.
 - ``bench``: tier vs raw O_DIRECT GB/s in a scratch directory on the cache's device.
+- ``remote``: a shared tier's bucket: summary, listing, verification (S3 reads;
+  ``tiered-kv inspect ... --remote CONFIG``). Imported on its own, not here.
 """
 
 from tiered_kv.inspect.bench import BenchResult, run_bench

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 try:
     from collections.abc import Buffer  # Python 3.12+
@@ -68,6 +68,15 @@ class WrongSize(RemoteError):
 
 class RemoteSetupError(RuntimeError):
     """The shared tier cannot start: credentials, bucket or library missing or wrong."""
+
+
+class ObjectInfo(NamedTuple):
+    """One object of a listing."""
+
+    key: str
+    size: int
+    #: Seconds since the epoch.
+    last_modified: float
 
 
 class ObjectClient(Protocol):
@@ -250,6 +259,16 @@ class S3Client:
             for batch in self._obstore.list(self.raw, prefix=prefix):
                 for meta in batch:
                     yield meta["path"], int(meta["size"])
+        except Exception as exc:
+            raise self._error(exc) from None
+
+    def list_info(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` with its size and last-modified time, in pages of
+        1000 keys (for the operator's inspector; the serving path never lists)."""
+        try:
+            for batch in self._obstore.list(self.raw, prefix=prefix, chunk_size=1000):
+                for meta in batch:
+                    yield ObjectInfo(meta["path"], int(meta["size"]), meta["last_modified"].timestamp())
         except Exception as exc:
             raise self._error(exc) from None
 

@@ -1,0 +1,262 @@
+"""``tiered-kv inspect summary|ls|verify --remote CONFIG``: the shared tier of a config.
+
+Operator's process; the library is ``tiered_kv.inspect.remote`` (S3 LIST and GETs of
+the config's bucket; ``verify --repair`` also deletes the objects it reports, nothing
+else). ``tiered_kv.cli.inspect`` hands a command here, with all its options by name, when it
+is given ``--remote``;
+options that mean something only for a disk cache are refused with a one-line reason.
+Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
+``verify`` exits 1 when an object would not be served (``EXIT_CORRUPT``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
+from tiered_kv.config import format_size
+
+EXIT_CORRUPT = 1
+
+
+def on_remote(command: str, options: dict[str, Any]) -> None:
+    """Run ``command`` of this module with the options of ``tiered_kv.cli.inspect``'s
+    command of that name (given ``--remote``), by name."""
+    globals()[command](**options)
+
+
+def need_path(path: str | None, json_out: bool) -> str:
+    """A disk command's PATH, which is optional only because ``--remote`` replaces it."""
+    if path is None:
+        fail("give a cache directory (PATH), or --remote CONFIG for a shared tier", json_out)
+    return path
+
+
+def _errors(json_out: bool):
+    from tiered_kv.inspect import InspectError
+
+    return errors(json_out, (InspectError,))
+
+
+def _refuse(what: str) -> None:
+    from tiered_kv.inspect import InspectError
+
+    raise InspectError(f"{what} does not apply to a shared tier (--remote)")
+
+
+def _open(remote: str, path: str | None, namespace: str | None, model: str | None = None):
+    from tiered_kv.inspect import InspectError
+    from tiered_kv.inspect.remote import open_shared_tier
+
+    if path is not None:
+        raise InspectError(f"give a cache directory or --remote CONFIG, not both (got {path!r} and {remote!r})")
+    return open_shared_tier(remote, namespace, model)
+
+
+def summary(
+    remote: str,
+    path: str | None,
+    namespace: str | None,
+    config: list[str] | None,
+    model: str | None,
+    json_out: bool,
+) -> None:
+    with _errors(json_out):
+        from tiered_kv.inspect.remote import summarize_shared_tier
+        from tiered_kv.inspect.summary import ServerConfig
+
+        tier = _open(remote, path, namespace, model)
+        data = summarize_shared_tier(tier, [ServerConfig.load(c, model) for c in config or ()])
+    if json_out:
+        data["namespaces"] = [with_iso_times(ns, ("oldest", "newest")) for ns in data["namespaces"]]
+        emit_json(data)
+        return
+    console = Console()
+    console.print(
+        f"shared tier {tier.config.where()}: {len(data['namespaces'])} namespace(s), "
+        f"{data['objects']:,} objects, {format_size(data['bytes'])}",
+        soft_wrap=True,
+    )
+    if not data["namespaces"]:
+        console.print("no namespaces yet (a node writes one when its shared tier starts)")
+        return
+    for ns in data["namespaces"]:
+        fp = ns["fingerprint"]
+        t = Table(title=f"namespace {ns['namespace']}", show_header=False, title_justify="left")
+        t.add_column("field", style="bold")
+        t.add_column("value")
+        if fp is not None:
+            t.add_row("model", f"{fp['model_id']} @ {fp['model_revision']}")
+            t.add_row("KV", f"{fp['dtype']}, TP {fp['tp_size']}, {fp['block_size']} tokens per block")
+            t.add_row("prefix hash", f"{fp['hash_algorithm']}, seed {fp['hash_seed']!r}")
+        complete = ns["complete_blocks"]
+        t.add_row(
+            "blocks",
+            f"{ns['blocks']:,}" + ("" if complete in (None, ns["blocks"]) else f" ({complete:,} with every rank)"),
+        )
+        t.add_row("objects", f"{ns['objects']:,}, {format_size(ns['bytes'])}")
+        t.add_row("stored", f"oldest {timestamp(ns['oldest'])}, newest {timestamp(ns['newest'])}")
+        if ns["other_objects"]:
+            t.add_row("not blocks", f"{ns['other_objects']:,} object(s), {format_size(ns['other_bytes'])} (see verify)")
+        for r in ns["read_by"]:
+            verdict = "[green]yes[/]" if r["reads"] else "[yellow]no[/]: " + "; ".join(r["differences"])
+            t.add_row("read by", f"{r['config']}: {verdict}")
+        if ns["problems"]:
+            t.add_row("problems", "\n".join(f"- {p}" for p in ns["problems"]))
+        if ns["warnings"]:
+            t.add_row("warnings", "\n".join(f"- {p}" for p in ns["warnings"]))
+        console.print(t)
+    if data["stray_objects"]:
+        console.print(
+            f"[yellow]warning:[/] {len(data['stray_objects'])} object(s) directly under the prefix, in no namespace",
+            soft_wrap=True,
+        )
+
+
+def ls(
+    remote: str,
+    path: str | None,
+    namespace: str | None,
+    state: str,
+    hash_prefix: str | None,
+    min_hits: int,
+    older_than: str | None,
+    newer_than: str | None,
+    sort: str,
+    ascending: bool | None,
+    limit: int,
+    json_out: bool,
+) -> None:
+    with _errors(json_out):
+        from tiered_kv.cli.inspect import parse_age
+        from tiered_kv.inspect.remote import list_shared_tier
+
+        if state != "all":
+            _refuse("--state (each rank's object is listed on its own)")
+        if min_hits:
+            _refuse("--min-hits (no hits are recorded in a bucket)")
+        now = time.time()
+        tier = _open(remote, path, namespace)
+        data = list_shared_tier(
+            tier,
+            hash_prefix=hash_prefix,
+            older_than=None if older_than is None else parse_age(older_than, "--older-than"),
+            newer_than=None if newer_than is None else parse_age(newer_than, "--newer-than"),
+            sort=sort,
+            ascending=ascending,
+            limit=limit,
+            now=now,
+        )
+    if json_out:
+        for ns in data["namespaces"]:
+            ns["objects"] = [with_iso_times(o, ("last_modified",)) for o in ns["objects"]]
+        emit_json(data)
+        return
+    console = Console()
+    if not data["namespaces"]:
+        console.print(f"{tier.config.where()}: no namespaces, no objects", soft_wrap=True)
+    for ns in data["namespaces"]:
+        console.print(
+            f"namespace {ns['namespace']}: {len(ns['objects']):,} shown, {ns['matching']:,} matching, "
+            f"{ns['total']:,} objects",
+            soft_wrap=True,
+        )
+        t = Table(box=box.SIMPLE_HEAD)
+        for col in ("hash", "rank", "size", "last modified"):
+            t.add_column(col, justify="right" if col in ("rank", "size") else "left", no_wrap=True)
+        for o in ns["objects"]:
+            t.add_row(short_hash(o["hash"]), str(o["rank"]), format_size(o["size"]), timestamp(o["last_modified"]))
+        console.print(t)
+
+
+def verify(
+    remote: str,
+    path: str | None,
+    namespace: str | None,
+    repair: bool,
+    threads: int,
+    limit: int,
+    json_out: bool,
+) -> None:
+    with _errors(json_out):
+        from rich.progress import DownloadColumn
+
+        from tiered_kv.inspect.remote import verify_shared_tier
+
+        tier = _open(remote, path, namespace)
+        total = sum(o.size for ns in tier.namespaces for o in ns.blocks) if not limit else None
+        with progress_bar(json_out, "verifying", total, DownloadColumn()) as bar:
+            results = verify_shared_tier(tier, limit=limit, threads=threads, progress=bar.advance)
+        deleted = _delete_bad(tier, results) if repair else 0
+    bad = sum(len(r.bad) for r in results)
+    unrepaired = bad - deleted
+    failed = unrepaired > 0 or any(r.problems for r in results)
+    if json_out:
+        emit_json(
+            {
+                **tier.header(),
+                "bad_objects": bad,
+                "repair": repair,
+                "deleted": deleted,
+                "clean": not failed,
+                "namespaces": [r.to_dict() for r in results],
+            }
+        )
+    else:
+        _print_verify(tier, results, repair, deleted, limit)
+    if failed:
+        raise typer.Exit(EXIT_CORRUPT)
+
+
+def _delete_bad(tier: Any, results: list) -> int:
+    """Delete each reported object: no node would serve it, and while it is there no node
+    can store the right block under its key (writes are write-once)."""
+    deleted = 0
+    for r in results:
+        for b in r.bad:
+            tier.client.delete(b["key"])
+            b["deleted"] = True
+            deleted += 1
+    return deleted
+
+
+def _print_verify(tier: Any, results: list, repair: bool, deleted: int, limit: int) -> None:
+    console = Console()
+    if not results:
+        console.print(f"{tier.config.where()}: no namespaces, nothing to verify", soft_wrap=True)
+    for r in results:
+        rate = r.bytes_read / r.seconds / 1e9 if r.seconds else 0.0
+        verdict = "[green]OK[/]" if r.clean else "[red]BAD[/]"
+        sampled = f"a sample of {r.checked:,}" if limit and r.checked < r.objects else f"{r.checked:,}"
+        console.print(
+            f"namespace {r.namespace}: {sampled} of {r.objects:,} objects checked "
+            f"({format_size(r.bytes_read)} in {r.seconds:.2f} s, {rate:.2f} GB/s): {verdict}",
+            soft_wrap=True,
+        )
+        if r.bad:
+            t = Table(title=f"{len(r.bad)} object(s) a node would not serve", title_justify="left")
+            for col in ("hash", "rank", "problem", "detail"):
+                t.add_column(col)
+            for b in r.bad[:50]:
+                t.add_row(
+                    short_hash(b["hash"] or "-"), "-" if b["rank"] is None else str(b["rank"]), b["reason"], b["detail"]
+                )
+            console.print(t)
+        for p in r.problems:
+            console.print(f"[red]problem:[/] {p}", soft_wrap=True)
+        for w in r.warnings:
+            console.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
+        if r.vanished:
+            console.print(f"{r.vanished} object(s) deleted between the listing and the read: not a fault")
+    if repair:
+        console.print(f"repaired: deleted {deleted:,} object(s)")
+    elif any(r.bad for r in results):
+        console.print(
+            "run again with --repair to delete them (a server stores the block again when it next computes it)"
+        )
