@@ -50,13 +50,10 @@ def quiet() -> None:
 
 def build_cache(cache: Path) -> Path:
     """A cache whose disk tier holds every block of ``DOCS``; returns its namespace dir."""
-    h = Hierarchy(cache, cpu_blocks=8, disk_blocks=32)
-    try:
+    with Hierarchy(cache, cpu_blocks=8, disk_blocks=32) as h:
         for doc in DOCS:
             h.run([doc])
             h.settle()
-    finally:
-        h.close()
     return namespace_dirs(cache)[0]
 
 
@@ -110,12 +107,10 @@ def start_engine(cache: Path) -> tuple[str, str]:
         h = Hierarchy(cache, cpu_blocks=8, disk_blocks=32)
     except Exception as e:  # reported, and judged by the test
         return type(e).__name__, str(e) + ("" if _expected(e) else "\n" + traceback.format_exc())
-    try:
+    with h:
         report = h.run(DOCS)
         h.settle()
         return ("ok", "") if report.mismatches == 0 else ("wrong", str(report.mismatches))
-    finally:
-        h.close()
 
 
 def _expected(e: BaseException) -> bool:

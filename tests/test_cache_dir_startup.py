@@ -302,11 +302,8 @@ def test_a_namespace_removed_under_a_starting_engine_is_made_afresh(cache):
     fp = _engine_fingerprint(cache, layout)
     old = ns_dir(cache)
     os.rename(old, cache / ".trash-by-someone")
-    m = DiskOffloadingManager(cache, fp, layout, disk_bytes=32 * layout.bytes_per_block)
-    try:
+    with DiskOffloadingManager(cache, fp, layout, disk_bytes=32 * layout.bytes_per_block) as m:
         assert len(m) == 0 and m.namespace.path == old and old.is_dir()
-    finally:
-        m.shutdown()
 
 
 def _engine_fingerprint(cache: Path, layout):

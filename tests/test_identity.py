@@ -89,16 +89,11 @@ def hits_in_a_fresh_hierarchy(config: TieredConfig) -> list[int]:
         kv_before_num_blocks=True,
         device="cpu",
     )
-    spec = TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK)
-    worker = spec.build_worker(dev.kv_caches, True)
-    manager = spec.get_manager()
-    try:
-        hasher = PrefixHasher("sha256", resolve_seed("sha256", ""), GPU_BLOCK)
-        return [manager.lookup(chunk_keys(hasher.block_hashes(p), 1)) for p in PROMPTS]
-    finally:
-        worker.shutdown()
-        manager.shutdown()
-        spec.store.close()
+    with TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK) as spec:
+        worker = spec.build_worker(dev.kv_caches, True)
+        with spec.get_manager() as manager, worker:  # the worker shuts down first
+            hasher = PrefixHasher("sha256", resolve_seed("sha256", ""), GPU_BLOCK)
+            return [manager.lookup(chunk_keys(hasher.block_hashes(p), 1)) for p in PROMPTS]
 
 
 # ---------------------------------------------------------------- the must-show cases

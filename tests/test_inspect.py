@@ -5,6 +5,7 @@ holds open, an empty directory and paths that are not caches; plus a 1M-entry in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -49,15 +51,14 @@ def device_cache() -> DeviceKVCache:
     )
 
 
-def open_engine(cache_dir: Path) -> tuple[TieredOffloadingSpec, EngineDriver]:
-    spec = TieredOffloadingSpec({**CONFIG, "disk_path": str(cache_dir)}, gpu_block_size=GPU_BLOCK)
-    return spec, EngineDriver.from_spec(spec, device_cache())
-
-
-def close_engine(spec: TieredOffloadingSpec, driver: EngineDriver) -> None:
-    driver.worker.shutdown()
-    driver.manager.shutdown()
-    spec.store.close()
+@contextlib.contextmanager
+def engine(cache_dir: Path) -> Iterator[EngineDriver]:
+    """An engine on ``cache_dir``, closed when the block ends: its worker, its manager,
+    then the spec's disk store."""
+    with TieredOffloadingSpec({**CONFIG, "disk_path": str(cache_dir)}, gpu_block_size=GPU_BLOCK) as spec:
+        driver = EngineDriver.from_spec(spec, device_cache())
+        with driver.manager, driver.worker:
+            yield driver
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +66,8 @@ def built_cache(tmp_path_factory) -> Path:
     """A cache written by the three-tier hierarchy replaying a chat workload."""
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("hierarchy") / "cache"
-    spec, driver = open_engine(path)
-    report = driver.run(default_workload(80, seed=3))
-    close_engine(spec, driver)
+    with engine(path) as driver:
+        report = driver.run(default_workload(80, seed=3))
     assert report.mismatches == 0 and report.blocks_stored > 50
     return path
 
@@ -190,12 +190,9 @@ def test_verify_finds_a_flipped_byte_and_repair_drops_that_block(cache):
     assert run_json("verify", cache)["corrupt_blocks"] == 0
     assert run_json("ls", cache, "--hash", bad_hash.hex())["namespaces"][0]["matching"] == 0
     # The next engine neither serves the block nor loses any other.
-    spec, driver = open_engine(cache)
-    try:
+    with engine(cache) as driver:
         assert driver.manager.lookup([bad_hash]) == 0
         assert len(driver.manager.disk) == len(table) - 1
-    finally:
-        close_engine(spec, driver)
 
 
 def test_verify_reports_a_truncated_slab_as_unreadable(cache):
@@ -228,11 +225,8 @@ def test_evict_to_size_drops_least_recently_used_blocks(cache):
     (row,) = data["namespaces"]
     assert row["namespace"] == ns.path.name and row["used_after"] == len(after) * slot
     # The next engine sees the freed slots as free.
-    m = DiskOffloadingManager(cache, ns.fingerprint, device_cache().layout, disk_bytes=4 << 20)
-    try:
+    with DiskOffloadingManager(cache, ns.fingerprint, device_cache().layout, disk_bytes=4 << 20) as m:
         assert len(m) == len(after) and m.num_free_slots() == ns.manifest.num_slots - len(after)
-    finally:
-        m.shutdown()
 
 
 def test_evict_older_than(cache):
@@ -255,11 +249,8 @@ def test_clear_removes_the_namespace(cache):
     assert not ns.path.exists() and list(cache.iterdir()) == []
     assert run_json("summary", cache)["namespaces"] == []
     # The cache directory is usable again: an engine starts an empty namespace.
-    spec, driver = open_engine(cache)
-    try:
+    with engine(cache) as driver:
         assert len(driver.manager.disk) == 0
-    finally:
-        close_engine(spec, driver)
 
 
 # ---------------------------------------------------------------- an engine holds the cache

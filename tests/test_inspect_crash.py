@@ -106,13 +106,10 @@ def test_a_writer_killed_between_ranks_leaves_incomplete_entries_that_repair_dro
     assert (clean["corrupt"], clean["incomplete"], clean["blocks"]) == ([], [], 5)
     assert inspect_json("summary", cache)["namespaces"][0]["health"] == {"status": "ok", "problems": []}
     layout = fx.crash_layout()
-    m = DiskOffloadingManager(
+    with DiskOffloadingManager(
         cache, fx.fingerprint(layout, tp_size=2), layout, disk_bytes=fx.disk_bytes_for(layout, fx.CRASH_SLOTS)
-    )
-    try:
+    ) as m:
         assert len(m) == 5 and m.stats.reclaimed_at_open == 0
-    finally:
-        m.shutdown()
 
 
 @pytest.fixture(scope="module")

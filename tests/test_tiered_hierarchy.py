@@ -145,84 +145,101 @@ class WriteBackHierarchy:
         self.manager.shutdown()
 
 
+@pytest.fixture
+def write_back(tmp_path):
+    h = WriteBackHierarchy(tmp_path)
+    yield h
+    h.close()
+
+
 @pytest.mark.parametrize("disk_still_has_it", [True, False])
-def test_write_back_spills_a_promoted_block_only_if_the_disk_lost_it(tmp_path, disk_still_has_it):
+def test_write_back_spills_a_promoted_block_only_if_the_disk_lost_it(write_back, disk_still_has_it):
     """With write_back the composite skips the disk lookup for CPU victims that never came
     from disk. A promoted block did: evicted from CPU while still on disk it is simply
     dropped there (stored once, no slot leaked); once the disk has lost it, it is spilled."""
     from disk_fixtures import block_hash
 
-    h = WriteBackHierarchy(tmp_path)
+    h = write_back
     m, disk, stored = h.manager, h.disk, h.stored
     A, B, C, D, E, F = (block_hash(i) for i in range(6))
-    try:
-        for block in (A, B, C):  # one by one: A ends least recent
-            stored([block])
-        assert stored([D]).store_spec.spills.block_hashes == [A]
-        assert stored([E], success=False).store_spec.spills.block_hashes == [B]  # E's slot is free again
-        spec = m.prepare_load([A])  # from disk, promoted into the free slot
-        assert spec.promote_slots.tolist() != [-1]
-        m.complete_load([A])
-        assert m.hit_medium(A) == "CPU" and disk.is_loadable(A)
-        if not disk_still_has_it:
-            assert disk.remove(A)
-        m.touch([C, D])  # A is now the least recent CPU block
-        free_before = disk.num_free_slots()
-        out = stored([F])
-        assert m.cpu.slot_of(A) is None
-        if disk_still_has_it:
-            assert len(out.store_spec.spills) == 0 and out.block_hashes_evicted == []
-            assert disk.is_loadable(A) and disk.num_free_slots() == free_before
-        else:
-            assert out.store_spec.spills.block_hashes == [A] and out.block_hashes_evicted == []
-            assert disk.is_loadable(A) and disk.num_free_slots() == free_before - 1
-        assert m.lookup([A]) == 1
-    finally:
-        h.close()
+    for block in (A, B, C):  # one by one: A ends least recent
+        stored([block])
+    assert stored([D]).store_spec.spills.block_hashes == [A]
+    assert stored([E], success=False).store_spec.spills.block_hashes == [B]  # E's slot is free again
+    spec = m.prepare_load([A])  # from disk, promoted into the free slot
+    assert spec.promote_slots.tolist() != [-1]
+    m.complete_load([A])
+    assert m.hit_medium(A) == "CPU" and disk.is_loadable(A)
+    if not disk_still_has_it:
+        assert disk.remove(A)
+    m.touch([C, D])  # A is now the least recent CPU block
+    free_before = disk.num_free_slots()
+    out = stored([F])
+    assert m.cpu.slot_of(A) is None
+    if disk_still_has_it:
+        assert len(out.store_spec.spills) == 0 and out.block_hashes_evicted == []
+        assert disk.is_loadable(A) and disk.num_free_slots() == free_before
+    else:
+        assert out.store_spec.spills.block_hashes == [A] and out.block_hashes_evicted == []
+        assert disk.is_loadable(A) and disk.num_free_slots() == free_before - 1
+    assert m.lookup([A]) == 1
 
 
-def test_lookup_counts_the_blocks_it_asks_each_tier_about(tmp_path):
+def test_lookup_counts_the_blocks_it_asks_each_tier_about(write_back):
     from disk_fixtures import block_hash
 
-    h = WriteBackHierarchy(tmp_path)
+    h = write_back
     m = h.manager
     A, B, C, D, E = (block_hash(i) for i in range(5))
-    try:
-        for block in (A, B, C, D):  # D evicts A, which spills to disk
-            h.stored([block])
-        assert m.hit_medium(A) == "DISK" and m.hit_medium(B) == "CPU"
-        tiers = m.stats.tiers
-        assert m.lookup([B, A, E, C]) == 2  # B in CPU, A on disk, E nowhere: the run stops
-        assert (tiers["cpu"]["lookups"], tiers["disk"]["lookups"]) == (3, 2)
-        assert m.lookup([B, C, D]) == 3  # all in CPU: the disk tier is not asked
-        assert (tiers["cpu"]["lookups"], tiers["disk"]["lookups"]) == (6, 2)
-    finally:
-        h.close()
+    for block in (A, B, C, D):  # D evicts A, which spills to disk
+        h.stored([block])
+    assert m.hit_medium(A) == "DISK" and m.hit_medium(B) == "CPU"
+    tiers = m.stats.tiers
+    assert m.lookup([B, A, E, C]) == 2  # B in CPU, A on disk, E nowhere: the run stops
+    assert (tiers["cpu"]["lookups"], tiers["disk"]["lookups"]) == (3, 2)
+    assert m.lookup([B, C, D]) == 3  # all in CPU: the disk tier is not asked
+    assert (tiers["cpu"]["lookups"], tiers["disk"]["lookups"]) == (6, 2)
 
 
-def test_corrupt_disk_blocks_and_failed_loads_are_counted_per_tier(tmp_path):
+def test_corrupt_disk_blocks_and_failed_loads_are_counted_per_tier(write_back):
     from disk_fixtures import block_hash, flip_byte
     from tiered_kv.disk.io_backends import aligned_empty
 
-    h = WriteBackHierarchy(tmp_path)
+    h = write_back
     m, store = h.manager, h.store
     A, B, C, D = (block_hash(i) for i in range(4))
-    try:
-        for block in (A, B, C, D):  # A spills to disk
-            h.stored([block])
-        slot = store.entry(A).slot
-        flip_byte(store.namespace.slab_path(0), slot * store.slot_size + 7)
-        spec = m.prepare_load([A])
-        rows = aligned_empty(store.slot_size).view(1, store.slot_size)
-        assert store.read_blocks(0, [A], spec.disk_slots.tolist(), rows) == [False]  # the worker's read
-        m.complete_load([A], success=False)
-        assert m.stats.tiers["disk"]["checksum_failures"] == 1
-        assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 0)
-        m.prepare_load([B, C])  # a CPU load whose job fails: no disk block was involved
-        m.complete_load([B, C], success=False)
-        assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 2)
-        assert m.hit_medium(A) is None and m.lookup([A]) == 0
-        m.disk.refresh()  # the record is not counted twice
-        assert m.stats.tiers["disk"]["checksum_failures"] == 1 == m.disk.stats.checksum_failures
-    finally:
-        h.close()
+    for block in (A, B, C, D):  # A spills to disk
+        h.stored([block])
+    slot = store.entry(A).slot
+    flip_byte(store.namespace.slab_path(0), slot * store.slot_size + 7)
+    spec = m.prepare_load([A])
+    rows = aligned_empty(store.slot_size).view(1, store.slot_size)
+    assert store.read_blocks(0, [A], spec.disk_slots.tolist(), rows) == [False]  # the worker's read
+    m.complete_load([A], success=False)
+    assert m.stats.tiers["disk"]["checksum_failures"] == 1
+    assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 0)
+    m.prepare_load([B, C])  # a CPU load whose job fails: no disk block was involved
+    m.complete_load([B, C], success=False)
+    assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 2)
+    assert m.hit_medium(A) is None and m.lookup([A]) == 0
+    m.disk.refresh()  # the record is not counted twice
+    assert m.stats.tiers["disk"]["checksum_failures"] == 1 == m.disk.stats.checksum_failures
+
+
+def test_an_engine_built_in_with_blocks_releases_the_cache_even_when_the_block_raises(tmp_path):
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
+    layout = device.layout
+    config = {"cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B", "disk_path": str(tmp_path), "disk_bytes": "4MiB"}
+    docs = documents(num_docs=2, blocks_per_doc=8, seed=4)
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        with TieredOffloadingSpec(config, layout.gpu_block_size, layout) as spec:
+            with spec.build_worker(device.kv_caches, device.kv_before_num_blocks) as worker:
+                with spec.get_manager() as manager:
+                    assert EngineDriver(manager, worker, device).run(docs).mismatches == 0
+                    raise RuntimeError("the engine failed")
+    assert spec.store is None  # the spec closed its disk store
+    # Every block the failed engine stored was made durable before it closed.
+    with TieredOffloadingSpec(config, layout.gpu_block_size, layout) as spec:
+        with spec.build_worker(device.kv_caches, device.kv_before_num_blocks) as worker:
+            with spec.get_manager() as manager:
+                assert EngineDriver(manager, worker, device).run(docs).computed == 0

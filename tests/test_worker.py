@@ -25,6 +25,7 @@ class FaultyHandler(OffloadingHandler):
         self.raise_on_submit, self.refuse, self.raise_on_finished = raise_on_submit, refuse, raise_on_finished
         self.accepted: list[int] = []
         self.waited: list[set[int]] = []
+        self.shutdowns = 0
 
     def transfer_async(self, job_id, spec):
         if self.raise_on_submit:
@@ -43,6 +44,9 @@ class FaultyHandler(OffloadingHandler):
     def wait(self, job_ids):
         self.waited.append(set(job_ids))
 
+    def shutdown(self):
+        self.shutdowns += 1
+
 
 @pytest.fixture
 def real_worker():
@@ -53,7 +57,8 @@ def real_worker():
     worker = OffloadingWorker()
     worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler)
     worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler)
-    return worker, handlers, gpu, host
+    with worker:
+        yield worker, handlers, gpu, host
 
 
 def test_routes_by_medium_pair(real_worker):
@@ -139,3 +144,16 @@ def test_results_carry_transfer_size_and_type(real_worker):
     kernel_block = handlers.gpu_to_cpu_handler._kernel_block_bytes
     assert result.success and result.transfer_size == 2 * kernel_block > 0
     assert result.transfer_type == ("GPU", "CPU") and result.seconds is not None
+
+
+def test_a_worker_used_in_a_with_block_shuts_every_handler_down_even_when_the_block_raises():
+    store, load = FaultyHandler(), FaultyHandler(raise_on_finished=True)
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        with OffloadingWorker() as worker:
+            worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, store)
+            worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, load)
+            raise RuntimeError("the engine failed")
+    assert (store.shutdowns, load.shutdowns) == (1, 1)
+    with store:  # a handler alone is a context manager too
+        pass
+    assert store.shutdowns == 2

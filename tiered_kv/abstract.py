@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -33,6 +33,28 @@ if TYPE_CHECKING:
 #: A block's identity: the engine's prefix hash of the block's tokens. Bytes, because
 #: the disk tier persists it as an LMDB key (at most 511 bytes).
 BlockHash = bytes
+
+_Owner = TypeVar("_Owner", bound="Closing")
+
+
+class Closing:
+    """A resource owner (threads, files, mappings, index handles) as a context manager:
+    ``with Owner(...) as owner:`` ends with ``owner.close()``, on success or error.
+    ``close()`` defaults to ``shutdown()``, the seed contract's name for it, so managers,
+    handlers and workers answer to both; a class that owns a ``close()`` overrides it."""
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the resources: ``shutdown()`` unless the class defines its own."""
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not define shutdown()")
 
 
 class LoadStoreSpec(ABC):
@@ -70,7 +92,7 @@ class OffloadingEvent:
     removed: bool
 
 
-class OffloadingManager(ABC):
+class OffloadingManager(Closing, ABC):
     """Tracks offloaded blocks and decides eviction. Scheduler process; no I/O that blocks."""
 
     @abstractmethod

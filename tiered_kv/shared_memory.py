@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tiered_kv.abstract import Closing
 from tiered_kv.device import (
     HUGE_PAGE,
     THP_SETTINGS,
@@ -177,7 +178,7 @@ def region_fd(region_id: int) -> int:
     raise KeyError(f"no live shared region {region_id}")
 
 
-class MappedRegions:
+class MappedRegions(Closing):
     """The I/O process's side: regions received as file descriptors, mapped once each.
     Not thread-safe for ``add``; ``array`` may run on any thread once added."""
 

@@ -53,11 +53,8 @@ def test_at_tp1_a_kill_after_clearing_a_slot_for_its_own_block_leaves_no_partial
     found = verify_cache(tmp_path, check_content=False)
     assert (found.entries, found.incomplete, found.ok) == (0, 0, True), found
     layout = fx.small_layout()
-    m = DiskOffloadingManager(tmp_path, fx.fingerprint(layout), layout, disk_bytes=fx.disk_bytes_for(layout, 8))
-    try:
+    with DiskOffloadingManager(tmp_path, fx.fingerprint(layout), layout, disk_bytes=fx.disk_bytes_for(layout, 8)) as m:
         assert len(m) == 0 and m.stats.reclaimed_at_open == 0
-    finally:
-        m.shutdown()
 
 
 @pytest.mark.faults
@@ -67,11 +64,8 @@ def test_at_tp2_the_other_ranks_copy_stays_recorded_and_is_never_served(tmp_path
     assert (found.entries, found.incomplete, found.ok) == (1, 1, True), found
     layout = fx.small_layout()
     fp = fx.fingerprint(layout, tp_size=2)
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=fx.disk_bytes_for(layout, 8))
-    try:
+    with DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=fx.disk_bytes_for(layout, 8)) as m:
         assert len(m) == 0 and m.stats.reclaimed_at_open == 1
-    finally:
-        m.shutdown()
 
 
 def test_a_slot_committed_and_cleared_in_one_group_keeps_no_entry(tmp_path):

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tiered_kv.abstract import Closing
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.io_backends import ALIGN, aligned_empty, host_view
 from tiered_kv.disk.io_backends import MAX_IO_BYTES
@@ -100,7 +101,7 @@ def _bench_layout(block_bytes: int) -> KVCacheLayout:
     return KVCacheLayout((LayerLayout("bench", (1, block_bytes), False),), torch.uint8, 1)
 
 
-class _RawFile:
+class _RawFile(Closing):
     """A preallocated scratch file read and written in ``MAX_IO_BYTES`` requests, cycling
     through a buffer of ``buffer_bytes`` (as large as a tier job's, so both touch as much
     memory; its contents do not matter to the timing)."""

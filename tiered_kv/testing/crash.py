@@ -216,12 +216,9 @@ class CrashRunner:
         cli = inspect_verify(self.cache) if namespace_dirs(self.cache) else None
         loadable: set[bytes] = set()
         if namespace_dirs(self.cache):
-            h = Hierarchy(self.cache, engine_id=f"check-{i}", tp_size=self.tp_size, all_ranks=True)
-            try:
+            with Hierarchy(self.cache, engine_id=f"check-{i}", tp_size=self.tp_size, all_ranks=True) as h:
                 loadable = h.disk.loadable_among(st.acked) if st.acked else set()
                 n_loadable = len(h.disk)
-            finally:
-                h.close()
         else:
             n_loadable = 0
         missing = sorted(st.acked - loadable)

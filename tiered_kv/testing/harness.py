@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tiered_kv.abstract import Closing
 from tiered_kv.disk.index import IndexSnapshot
 from tiered_kv.disk.io_backends import PosixBackend
 from tiered_kv.disk.namespace import MANIFEST
@@ -71,10 +72,11 @@ def config(
     return out
 
 
-class Hierarchy:
+class Hierarchy(Closing):
     """One engine's hierarchy in this process: ``spec`` and ``driver`` (manager + worker).
     ``extra`` are config keys; ``tp_size`` > 1 makes this process rank 0 of a TP group,
-    or, with ``all_ranks``, every rank of it (``ranks.RanksDriver``; ``spec`` is rank 0's)."""
+    or, with ``all_ranks``, every rank of it (``ranks.RanksDriver``; ``spec`` is rank 0's).
+    A context manager: ``with Hierarchy(...) as h:`` closes it."""
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from tiered_kv.abstract import Closing
 from tiered_kv.host_memory import HostKVCache, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
@@ -58,7 +59,7 @@ class _Staged(NamedTuple):
     buf: torch.Tensor
 
 
-class DiskStager:
+class DiskStager(Closing):
     """Stage CPU slots into aligned buffers and write them to disk for one rank.
 
     ``store`` is this process's ``DiskStore``; ``capacity_blocks`` bounds staging memory

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tiered_kv.abstract import LoadStoreSpec
+from tiered_kv.abstract import Closing, LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
@@ -32,7 +32,7 @@ from tiered_kv.tiered.specs import TieredLoadSpec
 from tiered_kv.worker.worker import OffloadingHandler
 
 
-class TieredOffloadingSpec(CPUOffloadingSpec):
+class TieredOffloadingSpec(CPUOffloadingSpec, Closing):
     """GPU -> CPU (LRU) -> disk (LRU, persistent) offloading.
 
     ``rank``/``tp_size``: this process's tensor-parallel rank and the TP size (part of

@@ -12,7 +12,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
-from tiered_kv.abstract import LoadStoreSpec
+from tiered_kv.abstract import Closing, LoadStoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class TransferResult:
     transfer_type: tuple[str, str] | None = field(default=None, compare=False)
 
 
-class OffloadingHandler(ABC):
+class OffloadingHandler(Closing, ABC):
     """Moves KV data in one direction, asynchronously. Worker process.
 
     Contract: ``transfer_async`` never waits for the data to move; each submitted job
@@ -74,7 +74,7 @@ class UnregisteredTransferError(LookupError):
     """A transfer named a (src, dst) medium pair with no handler."""
 
 
-class OffloadingWorker:
+class OffloadingWorker(Closing):
     """Routes each transfer to the handler registered for ``(src.medium(), dst.medium())``.
 
     As the seed specifies, a job that ``transfer_async`` did not accept (the handler
