@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""The shared tier's store path against the raw S3 clients, in one run, interleaved.
+"""The shared tier against the raw S3 clients, and two nodes sharing one bucket.
 
-Per block size (0.5, 2 and 8 MiB by default) and round, each path puts the same
+Throughput (``--only throughput``). Per block size (0.5, 2 and 8 MiB by default) and round, each path puts the same
 payloads under keys of its own, then gets them back into preallocated buffers, with the
 same number of requests in flight (``--connections``):
 
@@ -16,11 +16,23 @@ The order of the paths rotates every round, since a shared machine drifts; each
 path's objects are deleted after its gets so the server's memory stays bounded. Prints
 GB/s per path (median over rounds) and the tier over raw obstore.
 
-    python tools/bench_remote.py                         # starts a throwaway Ceph RGW itself
+Two-node replay (``--only replay``). Two nodes, each with its own device cache, CPU
+and disk tiers and cache directory, built as an engine builds them (the config's
+``remote`` settings under ``TieredOffloadingSpec`` and the engine driver), share the
+bucket under a fresh prefix. One shared-prefix (RAG) workload is split in two: node A
+runs the first half, its uploads land, then node B runs the second half, which asks
+for the same documents with other questions. Prints each node's token hit rate per
+tier (device prefix cache, CPU, disk, shared) and what was computed; every loaded
+block is compared with what was computed for it (mismatches must be 0).
+
+    python tools/bench_remote.py --start-rgw             # a throwaway Ceph RGW (make rgw)
     python tools/bench_remote.py --endpoint http://127.0.0.1:7480 --bucket kv-bench
+    python tools/bench_remote.py --config kv.json         # the config's remote key
                                  # a running server; credentials from the AWS chain
 
-Starting its own server needs the Ceph packages (``make rgw``).
+Objects go under the prefixes ``bench`` and ``bench-replay-<random>``, and are deleted
+as the run goes and at its end. With ``--endpoint`` or ``--config``, credentials come
+from the AWS chain; the bucket must exist.
 """
 
 from __future__ import annotations
@@ -36,10 +48,13 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
 
@@ -204,15 +219,178 @@ def table(results: dict[float, dict[str, tuple[list[float], list[float]]]]) -> s
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- two nodes, one bucket
+
+GPU_BLOCK = 16
+
+
+@dataclass
+class ReplayShape:
+    """The replay's sizes: the workload, and each node's tiers in blocks."""
+
+    requests: int = 200
+    documents: int = 40
+    document_blocks: int = 16
+    question_blocks: tuple[int, int] = (1, 3)
+    device_blocks: int = 64
+    cpu_blocks: int = 64
+    disk_blocks: int = 192
+    layers: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+
+
+class _Node:
+    """One engine node: a device cache, the tiers of ``config`` (CPU, disk in ``cache_dir``,
+    the shared tier), and the engine driver, as ``TieredOffloadingSpec`` builds them."""
+
+    def __init__(self, name: str, cache_dir: Path, remote: dict[str, Any], shape: ReplayShape):
+        import torch
+
+        from tiered_kv.driver import DeviceKVCache, EngineDriver
+        from tiered_kv.tiered.spec import TieredOffloadingSpec
+
+        self.name = name
+        self.device = DeviceKVCache(
+            num_layers=shape.layers,
+            num_gpu_blocks=shape.device_blocks,
+            gpu_block_size=GPU_BLOCK,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            dtype=torch.float16,
+            device="cpu",
+        )
+        self.block_bytes = self.device.layout.bytes_per_block
+        config = TieredConfig.from_dict(
+            {
+                "cpu_bytes": f"{shape.cpu_blocks * self.block_bytes}B",
+                "disk_path": str(cache_dir),
+                "disk_bytes": f"{shape.disk_blocks * self.block_bytes}B",
+                "block_size": GPU_BLOCK,
+                "model_id": "bench/replay",
+                "remote": remote,
+            }
+        )
+        self.spec = TieredOffloadingSpec(config, GPU_BLOCK, self.device.layout, engine_id=f"bench-{name}")
+        self.tier = self.spec.lower_tiers[-1]
+        self.driver = EngineDriver.from_spec(self.spec, self.device)
+        self.remote = self.driver.manager.lower[-1]
+
+    def run(self, requests: list[list[bytes]]):
+        """Each request as an engine serves it: the shared tier is asked about its blocks
+        in one batch first (an engine defers a request while a lookup answers
+        HIT_PENDING), and its jobs settle before the next; then the uploads land."""
+        from tiered_kv.driver import DriverReport
+
+        report = self.driver.report = DriverReport()
+        started = time.perf_counter()
+        for block_hashes in requests:
+            if self.remote.expect(block_hashes):
+                self.remote.wait_probes(60)
+            self.driver.run_request(block_hashes)
+            self.driver.drain()
+        self.tier.stager.drain()
+        if not self.remote.settle(300):
+            raise RuntimeError(f"node {self.name}: uploads did not settle within 300 s")
+        report.wall_seconds = time.perf_counter() - started
+        return report
+
+    def close(self) -> None:
+        self.driver.worker.shutdown()
+        self.driver.manager.shutdown()
+        self.spec.close()
+
+
+def replay(config: RemoteConfig, shape: ReplayShape, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Node A then node B on the two halves of one shared-prefix workload; a row per node."""
+    from tiered_kv.remote.tier import REMOTE
+    from tiered_kv.workloads import shared_prefix_workload
+
+    workload = shared_prefix_workload(
+        shape.requests,
+        shape.documents,
+        shape.document_blocks,
+        shape.question_blocks,
+        tokens_per_block=GPU_BLOCK,
+        seed=seed,
+    )
+    half = len(workload.requests) // 2
+    remote = {**config.to_dict(), "prefix": f"bench-replay-{uuid.uuid4().hex[:8]}"}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as scratch:
+        for name, requests in (("A", workload.requests[:half]), ("B", workload.requests[half:])):
+            node = _Node(name, Path(scratch) / name, remote, shape)
+            try:
+                report = node.run(requests)
+                stats = node.tier.store.stats()
+            finally:
+                node.close()
+            if report.mismatches:
+                raise RuntimeError(f"node {name}: {report.mismatches} loaded blocks differ from what was computed")
+            blocks = report.blocks_requested
+            rows.append(
+                {
+                    "node": name,
+                    "requests": len(requests),
+                    "tokens": blocks * GPU_BLOCK,
+                    "device": report.device_hits / blocks,
+                    "cpu": report.hits_by_medium.get("CPU", 0) / blocks,
+                    "disk": report.hits_by_medium.get("DISK", 0) / blocks,
+                    "remote": report.hits_by_medium.get(REMOTE, 0) / blocks,
+                    "computed": report.computed / blocks,
+                    "uploaded": stats.puts_stored,
+                    "dropped": stats.puts_dropped + stats.puts_failed,
+                    "seconds": report.wall_seconds,
+                    "block_bytes": node.block_bytes,
+                }
+            )
+            log(f"  node {name}: {rows[-1]}")
+    rows.append({"prefix": remote["prefix"]})
+    return rows
+
+
+def replay_table(rows: list[dict[str, Any]]) -> str:
+    """Token hit rates per tier (all blocks are full, so token and block rates agree)."""
+    lines = [
+        "| node | requests | tokens | device | CPU | disk | shared | computed | uploaded / dropped | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "node" not in r:
+            continue
+        lines.append(
+            f"| {r['node']} | {r['requests']} | {r['tokens']:,} | {r['device']:.1%} | {r['cpu']:.1%} "
+            f"| {r['disk']:.1%} | {r['remote']:.1%} | {r['computed']:.1%} | {r['uploaded']} / {r['dropped']} "
+            f"| {r['seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _delete_prefix(config: RemoteConfig, prefix: str) -> int:
+    from tiered_kv.remote.client import S3Client
+
+    client = S3Client(config)
+    keys = [key for key, _ in client.list(prefix + "/")]
+    with ThreadPoolExecutor(config.max_connections) as pool:
+        list(pool.map(client.delete, keys))
+    return len(keys)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", help="a running S3 endpoint (default: start a throwaway Ceph RGW)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", help="a running S3 endpoint, e.g. http://127.0.0.1:7480 (with --bucket)")
+    where.add_argument("--config", help="a server's config file: its 'remote' key names endpoint and bucket")
+    where.add_argument("--start-rgw", action="store_true", help="start a throwaway Ceph RGW (tools/rgw_server.sh)")
     p.add_argument("--bucket", default="tiered-kv-bench", help="bucket (created when the server is our own)")
+    p.add_argument("--only", choices=("throughput", "replay"), help="run one part (default: both)")
     p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB, comma-separated")
     p.add_argument("--total", default="128MiB", help="bytes moved per path, size and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--connections", type=int, default=8, help="requests in flight, every path alike")
     p.add_argument("--paths", default="obstore,tier,boto3", help="paths to measure (obstore is always one)")
+    p.add_argument("--requests", type=int, default=ReplayShape.requests, help="replay: requests, both nodes together")
+    p.add_argument("--seed", type=int, default=0, help="replay: workload seed")
     args = p.parse_args()
     wanted = ["obstore"] + [n for n in args.paths.split(",") if n in ("tier", "boto3")]
     from tiered_kv.config import parse_size
@@ -220,28 +398,46 @@ def main() -> None:
     sizes = [float(s) for s in args.sizes.split(",")]
     total = parse_size(args.total, "--total")
 
-    def run(endpoint: str) -> None:
+    def run(config: RemoteConfig) -> None:
         config = RemoteConfig.from_dict(
             {
-                "endpoint": endpoint,
-                "bucket": args.bucket,
+                **config.to_dict(),
                 "prefix": "bench",
                 "max_connections": args.connections,
                 "request_timeout": "60s",
                 "max_pending_upload_bytes": "64GiB",
             }
         )
-        print(
-            f"# {config.where()}, {args.connections} connections, {args.rounds} rounds, "
-            f"{args.total} per path and round",
-            flush=True,
-        )
-        results = bench(config, sizes, total, args.rounds, args.connections, wanted, lambda s: print(s, flush=True))
-        print()
-        print(table(results))
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        if args.only != "replay":
+            print(
+                f"# {config.where()}, {args.connections} connections, {args.rounds} rounds, "
+                f"{args.total} per path and round",
+                flush=True,
+            )
+            results = bench(config, sizes, total, args.rounds, args.connections, wanted, log)
+            print()
+            print(table(results))
+        if args.only != "throughput":
+            shape = ReplayShape(requests=args.requests)
+            print(f"\n# two nodes, one bucket: {shape}", flush=True)
+            rows = replay(config, shape, args.seed, log)
+            print(f"# {_delete_prefix(config, rows[-1]['prefix'])} replay objects deleted\n")
+            print(replay_table(rows))
 
+    if args.config:
+        from tiered_kv.model_identity import read_config_file
+
+        try:
+            remote = TieredConfig.from_dict(read_config_file(args.config)).remote
+        except ConfigError as e:
+            sys.exit(f"bench_remote: {e}")
+        if remote is None:
+            sys.exit(f"bench_remote: {args.config} has no 'remote' key")
+        run(remote)
+        return
     if args.endpoint:
-        run(args.endpoint)
+        run(RemoteConfig.from_dict({"endpoint": args.endpoint, "bucket": args.bucket}))
         return
     os.environ.update(KEYS)  # the throwaway server's user, whatever else the environment holds
     os.environ.pop("AWS_PROFILE", None)
@@ -252,7 +448,7 @@ def main() -> None:
         botocore.session.get_session().create_client(
             "s3", endpoint_url=endpoint, region_name="us-east-1"
         ).create_bucket(Bucket=args.bucket)
-        run(endpoint)
+        run(RemoteConfig.from_dict({"endpoint": endpoint, "bucket": args.bucket}))
 
 
 if __name__ == "__main__":
