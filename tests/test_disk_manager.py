@@ -146,7 +146,7 @@ def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
     """``refresh``'s shortcut for one rank and only ``ok`` records against the general
     loop, on the same records: good, stale slot, not pending, repeated."""
     from tiered_kv.disk.index_records import LOG_OK
-    from tiered_kv.disk.manager import RefreshResult
+    from tiered_kv.disk.log_fold import RefreshResult
 
     m, _ = tier
     rnd = random.Random(seed)

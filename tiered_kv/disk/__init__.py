@@ -32,7 +32,8 @@ from tiered_kv.disk.io_backends import (
     aligned_empty,
     select_backend,
 )
-from tiered_kv.disk.manager import DiskManagerStats, DiskOffloadingManager, RefreshResult
+from tiered_kv.disk.log_fold import RefreshResult
+from tiered_kv.disk.manager import DiskManagerStats, DiskOffloadingManager
 from tiered_kv.disk.namespace import (
     CacheLockedError,
     FingerprintMismatchError,

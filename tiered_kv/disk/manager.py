@@ -11,7 +11,8 @@ a write transaction on the caller's thread:
   meanwhile, and the first eviction from it waits for that; then another thread moves
   those blocks into the table's ordinary dict, a chunk per lock hold). A block is loadable when
   every TP rank has committed it; partial entries left by a crash, and entries past
-  the end of a slab found truncated or missing, are dropped and their slots reused. A
+  the end of a slab found truncated or missing, are dropped and their slots reused
+  (``adoption.py``). A
   damaged index is moved aside and replaced by an empty one (``index.py``), never
   served.
 - ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
@@ -22,13 +23,13 @@ a write transaction on the caller's thread:
   index's log. ``refresh()`` drops blocks that a worker found corrupt, and frees the
   slot of a pending block whose store failed on some rank once every rank has logged
   its outcome (no write to the slot is left in flight), so a failed write frees its
-  slot even when no job reports it (composite spills).
+  slot even when no job reports it (composite spills; ``log_fold.py``).
 - An evicted block's index entry stays until a worker reuses its slot: workers clear a
   slot's old entry (synced) before overwriting it, so until then the entry describes
   intact, checksummed bytes, and after a restart such a block is simply loadable again.
   Deleting entries at eviction would cost the scheduler process several LMDB calls
   per evicted block for nothing the workers do not already do.
-- A background flusher thread runs ``refresh()`` every ``poll_interval`` while blocks
+- A background flusher thread (``index_flusher.py``) runs ``refresh()`` every ``poll_interval`` while blocks
   are pending (a read transaction, applied 64 records per lock hold), so the
   scheduler's own calls rarely find log records left to read. The same thread writes
   access times, log trimming and the deletion of entries that must not come back
@@ -51,25 +52,23 @@ import uuid
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import filterfalse
-from typing import NamedTuple
 
 import lmdb
-import numpy as np
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiered_kv.disk.adoption import adopt_snapshot
 from tiered_kv.disk.block_table import BlockTable
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.index import DiskIndex
-from tiered_kv.disk.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK, IndexSnapshot, LogColumns
+from tiered_kv.disk.index_flusher import IndexFlusher
+from tiered_kv.disk.index_records import LOG_OK, IndexSnapshot, LogColumns
+from tiered_kv.disk.log_fold import NO_PROGRESS, Progress, RefreshResult, fold_good_writes, fold_log
 from tiered_kv.disk.namespace import DiskSizeError, Namespace, WriterLock, explain_other_namespaces, slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
 logger = logging.getLogger(__name__)
 
-#: Log records the flusher reads at a time, and applies per lock hold.
-_REFRESH_READ = 4096
-_REFRESH_CHUNK = 64
 #: Blocks moved from the startup ("cold") generation of the table per lock hold.
 _WARM_UP_CHUNK = 256
 
@@ -93,31 +92,6 @@ class DiskManagerStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass
-class RefreshResult:
-    """What ``refresh()`` changed: blocks that became loadable, pending blocks whose store
-    failed on some rank, and loadable blocks dropped as corrupt."""
-
-    durable: list[BlockHash]
-    failed: list[BlockHash]
-    corrupt: list[BlockHash]
-    more: bool = False  # stopped at its record limit: call again
-
-    def __bool__(self) -> bool:
-        return bool(self.durable or self.failed or self.corrupt)
-
-
-class _Progress(NamedTuple):
-    """What the log said so far about a pending block (absent until its first record)."""
-
-    ranks: int  # bitmask of ranks whose bytes are durable
-    reported: int  # ranks that logged an outcome (ok or failed): done with the slot
-    failed: bool
-
-
-_NO_PROGRESS = _Progress(0, 0, False)
 
 
 class DiskOffloadingManager(OffloadingManager):
@@ -177,14 +151,8 @@ class DiskOffloadingManager(OffloadingManager):
         with self.namespace.starting():  # a refused start closes what it took, removes what it made
             self._lock_file = WriterLock.acquire(self.namespace, self.engine_id)
             self._open(cache_dir, fingerprint, capacity)
-        self._wake = threading.Event()
-        self._stop = False
-        self._flush_cond = threading.Condition()
-        self._flush_requested = 0
-        self._flush_done = 0
-        self._flusher = threading.Thread(target=self._flush_loop, name="tkv-disk-index-flusher", daemon=True)
-        self._flusher.start()
-        self._wake.set()  # reclaim and log trimming from the startup snapshot
+        self._index_flusher.start()  # reclaim and log trimming from the startup snapshot
+        self._flusher = self._index_flusher.thread  # tools measure its CPU time
         self._closed = False
         self._warmer = threading.Thread(target=self._warm_table, name="tkv-disk-table-warmup", daemon=True)
         self._warmer.start()
@@ -203,14 +171,20 @@ class DiskOffloadingManager(OffloadingManager):
         self._lock = threading.Lock()
         self._table = BlockTable()
         self._pending: dict[bytes, int] = {}  # being stored: hash -> slot
-        self._progress: dict[bytes, _Progress] = {}  # pending blocks some rank has logged
+        self._progress: dict[bytes, Progress] = {}  # pending blocks some rank has logged
         self._pins: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}  # corrupt but still pinned by a load: hash -> slot
         self._free: list[int] = []
-        # Index updates waiting for the flusher.
-        self._deletions: list[tuple[bytes, int]] = []
-        self._touches: dict[bytes, tuple[float, int]] = {}
-        self._trim_upto = 0
+        # Index updates wait for the flusher (queued with the lock held).
+        self._index_flusher = IndexFlusher(
+            self.index,
+            self._lock,
+            self.stats,
+            flush_interval=self._flush_interval,
+            poll_interval=self._poll_now,
+            refresh=self.refresh,
+            still_held=self._still_held,
+        )
         self._log_seen = 0
         t0 = time.perf_counter()
         self._load(self.index.load_all(), intact)
@@ -253,68 +227,22 @@ class DiskOffloadingManager(OffloadingManager):
             return 0
 
     def _load(self, snap: IndexSnapshot, intact_slots: int) -> None:
-        """Adopt the index: complete entries in range become loadable, the rest is
-        reclaimed. Slots at or past ``intact_slots`` lie beyond the end of some rank's
-        slab as found at startup: their entries are dropped, with a warning."""
-        e = snap.entries
-        limit = min(self.capacity, intact_slots)
-        # Each field of the record array is a strided view: read the slots once.
-        slot = np.ascontiguousarray(e["slot"])
-        complete = (
-            ((e["ranks"] & np.uint64(self._full_mask)) == np.uint64(self._full_mask))
-            & (e["size"] == self.block_bytes)
-            & (slot >= 0)
+        """Adopt the index (``adoption.adopt_snapshot``) and queue its deletions."""
+        adopted = adopt_snapshot(
+            snap,
+            self._table,
+            capacity=self.capacity,
+            intact_slots=intact_slots,
+            full_mask=self._full_mask,
+            block_bytes=self.block_bytes,
+            path=self.namespace.path,
         )
-        lost = 0
-        if limit < self.capacity:
-            lost = int((complete & (slot >= limit) & (slot < self.capacity)).sum())
-        lost += sum(1 for _, entry in snap.odd if limit <= entry.slot < self.capacity)
-        if lost:
-            logger.warning(
-                "disk tier %s: a slab is missing or truncated (only %d of %d slots on every "
-                "rank); dropping the %d blocks stored past its end",
-                self.namespace.path,
-                limit,
-                self.capacity,
-                lost,
-            )
-        ok = complete & (slot < limit)
-        good = np.flatnonzero(ok)
-        used = np.zeros(self.capacity, dtype=bool)
-        used[slot[good]] = True
-        if np.count_nonzero(used) < len(good):
-            # Two entries in one slot cannot both be valid; keep the newest (defensive).
-            # The set of used slots stays the same.
-            order = good[np.lexsort((-e["store_time"][good], slot[good]))]
-            first = np.ones(len(order), dtype=bool)
-            first[1:] = slot[order][1:] != slot[order][:-1]
-            ok[:] = False
-            ok[order[first]] = True
-        drop = np.flatnonzero(~ok)
-        for i in drop:
-            self._deletions.append((snap.hash_at(int(i)), int(slot[i])))
-        if len(good):
-            # Usually every entry is kept: take whole columns rather than gathering them.
-            kept, slots = (e, slot) if not len(drop) else (e[ok], slot[ok])
-            # load_all returns entries in LMDB key order, i.e. ascending bytes.
-            keys = np.ascontiguousarray(kept["hash"]).view(np.uint8).reshape(len(kept), -1)
-            self._table.load_cold(keys, slots, kept["last_access"])
-        for h, entry in sorted(snap.odd, key=lambda he: he[1].last_access):
-            if (
-                entry.ranks & self._full_mask == self._full_mask
-                and entry.size == self.block_bytes
-                and 0 <= entry.slot < limit
-                and not used[entry.slot]
-            ):
-                self._table.add_many([(h, entry.slot)])
-                used[entry.slot] = True
-            else:
-                self._deletions.append((h, entry.slot))
-        self.stats.reclaimed_at_open = len(self._deletions)
-        if self._deletions:
-            logger.info("disk tier: reclaiming %d partial or invalid index entries", len(self._deletions))
-        self._free = np.flatnonzero(~used)[::-1].tolist()  # pop() hands out low slots first
-        self._log_seen = self._trim_upto = snap.log_seq
+        for h, slot in adopted.deletions:
+            self._index_flusher.delete(h, slot)
+        self.stats.reclaimed_at_open = len(adopted.deletions)
+        self._free = adopted.free
+        self._log_seen = snap.log_seq
+        self._index_flusher.trim_to(snap.log_seq)
 
     # ------------------------------------------------------------ seed API
 
@@ -339,11 +267,10 @@ class DiskOffloadingManager(OffloadingManager):
                 slots.append(slot)
             for h in hashes:
                 self._pins[h] = self._pins.get(h, 0) + 1
-                t, hits = self._touches.get(h, (now, 0))
-                self._touches[h] = (now, hits + 1)
+                self._index_flusher.touch(h, now, 1)
             self.stats.loads += len(hashes)
             self.stats.bytes_loaded += len(hashes) * self.block_bytes
-        self._wake.set()
+        self._index_flusher.wake()
         return DiskLoadStoreSpec(slots, hashes)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
@@ -351,8 +278,7 @@ class DiskOffloadingManager(OffloadingManager):
         with self._lock:
             for h in reversed(list(block_hashes)):  # the first ends most recent
                 if self._table.touch(h):
-                    t, hits = self._touches.get(h, (now, 0))
-                    self._touches[h] = (now, hits)
+                    self._index_flusher.touch(h, now, 0)
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         with self._lock:
@@ -403,7 +329,7 @@ class DiskOffloadingManager(OffloadingManager):
             if evicted:
                 self._event(evicted, removed=True)
         if idle and to_store:
-            self._wake.set()
+            self._index_flusher.wake()
         return PrepareStoreOutput(to_store, DiskLoadStoreSpec(slots, to_store), evicted)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
@@ -413,7 +339,7 @@ class DiskOffloadingManager(OffloadingManager):
                 slot = self._pending.pop(h, None)
                 if slot is None:
                     continue
-                if success and not self._progress.pop(h, _NO_PROGRESS).failed:
+                if success and not self._progress.pop(h, NO_PROGRESS).failed:
                     stored.append((h, slot))
                 else:
                     self.stats.store_failures += 1
@@ -421,7 +347,7 @@ class DiskOffloadingManager(OffloadingManager):
             self._make_loadable(stored)
             if stored:
                 self._event([h for h, _ in stored], removed=False)
-        self._wake.set()
+        self._index_flusher.wake()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call. Runs ``refresh()`` first unless the flusher thread
@@ -440,10 +366,7 @@ class DiskOffloadingManager(OffloadingManager):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        with self._flush_cond:
-            self._stop = True
-        self._wake.set()
-        self._flusher.join(timeout=30)
+        self._index_flusher.stop()
         self._warmer.join(timeout=30)
         self._table.wait_sorted()
         self.index.close()
@@ -477,7 +400,7 @@ class DiskOffloadingManager(OffloadingManager):
                 applied |= self._apply_records(log, start, start + step, result)
         if applied:
             result.more = len(log.seq) == max_records
-            self._wake.set()
+            self._index_flusher.wake()
         if result.corrupt and self.on_corrupt is not None:
             self.on_corrupt(result.corrupt)
         return result
@@ -546,18 +469,13 @@ class DiskOffloadingManager(OffloadingManager):
                 return False
             self._release_slot(block_hash, slot)
             self._event([block_hash], removed=True)
-        self._wake.set()
+        self._index_flusher.wake()
         return True
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until the index reflects every update queued so far (tests, tools,
         shutdown). True if it did within ``timeout``."""
-        with self._flush_cond:
-            self._flush_requested += 1
-            target = self._flush_requested
-        self._wake.set()
-        with self._flush_cond:
-            return self._flush_cond.wait_for(lambda: self._flush_done >= target or self._stop, timeout)
+        return self._index_flusher.flush(timeout)
 
     # ------------------------------------------------------------ internals (lock held)
 
@@ -574,7 +492,8 @@ class DiskOffloadingManager(OffloadingManager):
             durable = self._apply_good_writes(hashes, slots)
         else:
             durable = self._apply_log(hashes, statuses, log.rank[first:end], slots, result)
-        self._log_seen = self._trim_upto = log.seq[end - 1]
+        self._log_seen = log.seq[end - 1]
+        self._index_flusher.trim_to(self._log_seen)
         self._make_loadable(durable)
         became_loadable = [h for h, _ in durable]
         result.durable.extend(became_loadable)
@@ -585,61 +504,41 @@ class DiskOffloadingManager(OffloadingManager):
         return True
 
     def _apply_good_writes(self, hashes: list[bytes], slots: list[int]) -> list[tuple[bytes, int]]:
-        """``_apply_log`` for the usual case, one rank and only ``ok`` records, with a
-        fraction of its per-record work: a record makes its block durable if the block
-        still waits for that slot."""
-        pending, durable = self._pending, []
-        get = pending.get
-        for h, slot in zip(hashes, slots):
-            if get(h) == slot:
-                del pending[h]
-                durable.append((h, slot))
-        return durable
+        """``log_fold.fold_good_writes`` over the pending blocks."""
+        return fold_good_writes(self._pending, hashes, slots)
 
     def _apply_log(
         self, hashes: list[bytes], statuses: list[int], record_ranks: list[int], slots: list[int], result: RefreshResult
     ) -> list[tuple[bytes, int]]:
-        """Fold log records into the pending and loadable state (see ``refresh``); returns
-        the ``(hash, slot)`` pairs that became durable on every rank, in log order."""
-        full = self._full_mask
-        pending, progress, durable = self._pending, self._progress, []
-        for h, status, rank, slot in zip(hashes, statuses, record_ranks, slots):
-            if status == LOG_CORRUPT:
-                if self._table.get(h) == slot:
-                    self._table.remove(h)
-                    self.stats.checksum_failures += 1
-                    result.corrupt.append(h)
-                    if h in self._pins:
-                        self._doomed[h] = slot
-                    else:
-                        self._release_slot(h, slot)
-                continue
-            if pending.get(h) != slot:
-                continue
-            ranks, reported, failed = progress.get(h, _NO_PROGRESS)
-            bit = 1 << rank
-            reported |= bit
-            if status == LOG_OK and not failed:
-                ranks |= bit
-                if ranks & full == full:
-                    del pending[h]
-                    progress.pop(h, None)
-                    durable.append((h, slot))
-                    continue
-            elif status == LOG_FAILED and not failed:
-                failed = True
-                result.failed.append(h)
-            if failed and reported & full == full:
-                # No rank still writes the slot: free it now. A store planned
-                # without a job (the composite's spills and write-through) gets
-                # no complete_store to do it.
-                del pending[h]
-                progress.pop(h, None)
-                self.stats.store_failures += 1
-                self._release_slot(h, slot)
-            else:
-                progress[h] = _Progress(ranks, reported, failed)
-        return durable
+        """``log_fold.fold_log`` over the pending blocks; returns the ``(hash, slot)``
+        pairs that became durable on every rank, in log order."""
+        return fold_log(
+            self._pending,
+            self._progress,
+            self._full_mask,
+            (hashes, statuses, record_ranks, slots),
+            result,
+            drop_corrupt=self._drop_corrupt,
+            free_failed=self._free_failed,
+        )
+
+    def _drop_corrupt(self, h: bytes, slot: int) -> bool:
+        """A worker found loadable block ``h`` corrupt in ``slot``: drop it (freeing the
+        slot once no load holds it). False if ``h`` is not loadable from that slot."""
+        if self._table.get(h) != slot:
+            return False
+        self._table.remove(h)
+        self.stats.checksum_failures += 1
+        if h in self._pins:
+            self._doomed[h] = slot
+        else:
+            self._release_slot(h, slot)
+        return True
+
+    def _free_failed(self, h: bytes, slot: int) -> None:
+        """Pending block ``h``'s store failed and no rank still writes ``slot``."""
+        self.stats.store_failures += 1
+        self._release_slot(h, slot)
 
     def _make_loadable(self, blocks: list[tuple[bytes, int]]) -> None:
         """``(hash, slot)`` pairs become loadable, most recent last."""
@@ -649,7 +548,7 @@ class DiskOffloadingManager(OffloadingManager):
 
     def _release_slot(self, h: bytes, slot: int) -> None:
         self._free.append(slot)
-        self._deletions.append((h, slot))
+        self._index_flusher.delete(h, slot)
 
     def _event(self, hashes: list[bytes], removed: bool) -> None:
         if self._events is not None:
@@ -660,70 +559,18 @@ class DiskOffloadingManager(OffloadingManager):
             return True
         return self._pending.get(h) == slot
 
-    # ------------------------------------------------------------ flusher thread
+    # ------------------------------------------------------------ for the flusher and warm-up threads
+
+    def _poll_now(self) -> float | None:
+        """How long the flusher waits between polls of the log: ``poll_interval`` while
+        blocks are pending, else None (it does not poll)."""
+        with self._lock:
+            polling = self.poll_interval is not None and bool(self._pending)
+        return self.poll_interval if polling else None
 
     def _still_held(self, items: Iterable[tuple[bytes, int]]) -> set[tuple[bytes, int]]:
         with self._lock:
             return {(h, s) for h, s in items if self._held(h, s)}
-
-    def _flush_loop(self) -> None:
-        """Poll the log every ``poll_interval`` while blocks are pending, and write the
-        updates queued since a wake-up (or a poll) ``flush_interval`` after it, in one
-        transaction (at once for ``flush`` and ``shutdown``). The two clocks are separate: when the
-        poll waited for the write interval, a burst of stores filled the composite's
-        bound on pending disk writes between polls, and the scheduler's own call then
-        read the log itself, which made its cascading calls slow (docs/benchmarks.md,
-        "Scheduler cost")."""
-        write_at: float | None = None  # when the queued updates are due
-        while True:
-            with self._lock:
-                polling = self.poll_interval is not None and bool(self._pending)
-            timeout = self.poll_interval if polling else None
-            if write_at is not None:
-                due = max(0.0, write_at - time.monotonic())
-                timeout = due if timeout is None else min(timeout, due)
-            woke = self._wake.wait(timeout)
-            self._wake.clear()  # before reading the requests, so a later one wakes us again
-            with self._flush_cond:
-                stop = self._stop
-                requested = self._flush_requested
-            if polling:
-                self._refresh_in_chunks()
-            if write_at is None and (woke or polling):  # touches queue without waking us
-                write_at = time.monotonic() + self._flush_interval  # let updates accumulate
-            if not (stop or requested > self._flush_done or (write_at is not None and time.monotonic() >= write_at)):
-                continue
-            write_at = None
-            self._write_updates()
-            with self._flush_cond:
-                self._flush_done = max(self._flush_done, requested)
-                self._flush_cond.notify_all()
-                if stop:
-                    return
-
-    def _write_updates(self) -> None:
-        """Write the queued access times, deletions and log trimming to the index."""
-        with self._lock:
-            deletions, self._deletions = self._deletions, []
-            touches, self._touches = self._touches, {}
-            trim = self._trim_upto
-        if not (deletions or touches or trim):
-            return
-        try:
-            self.index.apply_batch(deletions, touches, trim, self._still_held)
-            self.stats.index_flushes += 1
-            with self._lock:
-                if self._trim_upto == trim:
-                    self._trim_upto = 0
-        except Exception:
-            self.stats.index_flush_errors += 1
-            logger.exception(
-                "disk index flush of %d deletions, %d touches failed; they are "
-                "dropped (the index stays safe: workers clear stale entries "
-                "before overwriting a slot)",
-                len(deletions),
-                len(touches),
-            )
 
     def _warm_table(self) -> None:
         """Empty the table's cold generation (``BlockTable.warm_up``) a chunk per hold
@@ -734,12 +581,3 @@ class DiskOffloadingManager(OffloadingManager):
                 if not self._table.warm_up(_WARM_UP_CHUNK):
                     return
             time.sleep(0)  # let the scheduler thread in between lock holds
-
-    def _refresh_in_chunks(self) -> None:
-        """Learn the workers' outcomes off the scheduler thread, in short lock holds:
-        the scheduler's own calls then find them applied instead of reading the log."""
-        try:
-            while self.refresh(_REFRESH_READ, _REFRESH_CHUNK).more:
-                time.sleep(0)
-        except Exception:  # the flusher must survive; the scheduler's own refresh still works
-            logger.exception("background refresh of the disk index log failed")
