@@ -1,0 +1,184 @@
+"""The doctor's checks of the disk tier's directory: file system, O_DIRECT, free space.
+
+Runs in the operator's process (``tiered-kv doctor``, ``tiered-kv config``). Reads
+file-system statistics and /proc/mounts; writes one thing: where the directory exists,
+a 4 KiB probe file in it (removed at once) to learn whether O_DIRECT works there.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tiered_kv.config import TieredConfig, format_size
+from tiered_kv.doctor.report import FAIL, OK, WARN, Check
+
+
+#: File systems whose "disk" is memory or another machine: a disk tier there is not local NVMe.
+MEMORY_FS = ("tmpfs", "ramfs")
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre", "beegfs", "gpfs")
+_PROBE_BYTES = 4096
+
+
+def existing_ancestor(path: str | os.PathLike) -> Path:
+    """``path`` itself if it exists, else its nearest existing parent."""
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def filesystem_of(path: str | os.PathLike) -> dict[str, str]:
+    """``{"type", "mount_point", "source"}`` of the mount holding ``path`` (from
+    /proc/self/mountinfo; empty strings where it cannot be read)."""
+    target = os.path.realpath(existing_ancestor(path))
+    best = {"type": "", "mount_point": "", "source": ""}
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 2:
+            continue
+        mount = fields[4].encode().decode("unicode_escape")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best["mount_point"]):
+            best = {"type": tail[0], "mount_point": mount, "source": tail[1]}
+    return best
+
+
+def probe_o_direct(directory: str | os.PathLike) -> str | None:
+    """None if a 4 KiB O_DIRECT write and read work in ``directory``, else why not. Uses
+    a probe file it removes."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    path = Path(directory) / f".tiered-kv-doctor-{os.getpid()}"
+    buf = mmap.mmap(-1, _PROBE_BYTES)  # page-aligned, as O_DIRECT needs
+    buf.write(b"\xa5" * _PROBE_BYTES)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        return f"O_DIRECT open failed: {e.strerror}"
+    try:
+        if os.pwrite(fd, buf, 0) != _PROBE_BYTES or os.preadv(fd, [buf], 0) != _PROBE_BYTES:
+            return "a short O_DIRECT transfer"
+    except OSError as e:
+        return f"O_DIRECT transfer failed: {e.strerror}"
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        buf.close()
+    return None
+
+
+def check_disk_path(cfg: TieredConfig | None) -> Check:
+    if cfg is None or cfg.disk_path is None:
+        return Check("disk_path", OK, "no disk tier configured" + ("" if cfg else " (pass --config)"))
+    path = Path(cfg.disk_path).expanduser()
+    fs = filesystem_of(path)
+    facts: dict[str, Any] = {"disk_path": str(path), "exists": path.exists(), "filesystem": fs}
+    if path.exists() and not path.is_dir():
+        return Check(
+            "disk_path",
+            FAIL,
+            f"disk_path {path} exists and is not a directory",
+            "point disk_path at a directory (it is created if missing)",
+            facts,
+        )
+    where = existing_ancestor(path)
+    if not os.access(where, os.W_OK | os.X_OK):
+        what = "is not writable" if where == path.absolute() else f"cannot be created ({where} is not writable)"
+        return Check(
+            "disk_path",
+            FAIL,
+            f"disk_path {path} {what} by uid {os.getuid()}",
+            f"create it and give it to the server's user: mkdir -p {path} && chown <user> {path}",
+            facts,
+        )
+    reason = probe_o_direct(path) if path.is_dir() else None
+    facts["o_direct"] = None if not path.is_dir() else reason is None
+    kind = fs["type"] or "unknown"
+    on = f"{kind} on {fs['source'] or '?'} (mounted at {fs['mount_point'] or '?'})"
+    if kind in MEMORY_FS:
+        return Check(
+            "disk_path",
+            WARN,
+            f"disk_path {path} is on {on}: memory, not disk; the 'disk' tier would take RAM and vanish at reboot",
+            "put disk_path on a local NVMe file system (ext4 or xfs)",
+            facts,
+        )
+    if kind in NETWORK_FS or kind.startswith("fuse"):
+        return Check(
+            "disk_path",
+            WARN,
+            f"disk_path {path} is on {on}, not a local disk: latency and locking differ from local NVMe",
+            "put disk_path on a local NVMe file system (ext4 or xfs)",
+            facts,
+        )
+    if reason is not None:
+        return Check(
+            "disk_path",
+            WARN,
+            f"disk_path {path} ({on}) refuses O_DIRECT ({reason}): the disk tier "
+            f"uses buffered I/O + fdatasync, slower and filling the page cache",
+            "use a file system that takes O_DIRECT (ext4, xfs)",
+            facts,
+        )
+    if not path.exists():
+        return Check(
+            "disk_path", OK, f"disk_path {path} will be created on {on} (O_DIRECT not probed yet)", facts=facts
+        )
+    return Check("disk_path", OK, f"disk_path {path}: {on}, O_DIRECT works", facts=facts)
+
+
+def _bytes_under(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def free_space(path: str | os.PathLike) -> int:
+    """Free bytes on the file system that holds (or would hold) ``path``."""
+    return shutil.disk_usage(existing_ancestor(path)).free
+
+
+def check_free_space(cfg: TieredConfig | None, tp: int) -> Check:
+    if cfg is None or cfg.disk_path is None:
+        return Check("disk_space", OK, "no disk tier: no space needed")
+    path = Path(cfg.disk_path).expanduser()
+    need = tp * cfg.disk_bytes
+    free = free_space(path)
+    held = _bytes_under(path) if path.is_dir() else 0
+    facts = {"needed_bytes": need, "free_bytes": free, "held_bytes": held, "tp": tp}
+    what = f"TP {tp} x disk_bytes {format_size(cfg.disk_bytes)} = {format_size(need)}"
+    fix = f"lower disk_bytes to at most {format_size(max(0, (free + held) // tp))} per rank, or free space"
+    if need <= free:
+        return Check("disk_space", OK, f"{what}; {format_size(free)} free", facts=facts)
+    if need <= free + held:
+        return Check(
+            "disk_space",
+            WARN,
+            f"{what}, {format_size(free)} free plus {format_size(held)} already in "
+            f"{path}: enough only if those files are this model's namespace",
+            f"{fix} (`tiered-kv inspect summary {path}` shows what is there)",
+            facts,
+        )
+    return Check(
+        "disk_space",
+        FAIL,
+        f"{what} but only {format_size(free)} free"
+        + (f" (+ {format_size(held)} in {path})" if held else "")
+        + ": the disk tier refuses to start",
+        fix,
+        facts,
+    )

@@ -1,0 +1,59 @@
+"""The doctor's report: one ``Check`` per line, the worst line's exit code.
+
+Pure data, in the operator's process (``tiered-kv doctor``); no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+EXIT_CODES = {OK: 0, WARN: 1, FAIL: 2}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: what was checked, the verdict, what was found, and (unless
+    ok) what to do about it. ``facts`` are the measured values, for ``--json``."""
+
+    name: str
+    status: str
+    message: str
+    fix: str = ""
+    facts: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "message": self.message,
+            "fix": self.fix,
+            "facts": dict(self.facts),
+        }
+
+
+@dataclass
+class DoctorReport:
+    checks: list[Check]
+    config_path: str | None = None
+
+    @property
+    def status(self) -> str:
+        return max((c.status for c in self.checks), key=EXIT_CODES.__getitem__, default=OK)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {s: sum(c.status == s for c in self.checks) for s in EXIT_CODES}
+        return {
+            "path": self.config_path,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "counts": counts,
+            "checks": [c.to_dict() for c in self.checks],
+        }
