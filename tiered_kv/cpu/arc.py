@@ -15,6 +15,14 @@ rules), with another eviction order behind its ``_order_*`` hooks:
 
 vLLM 0.33's CPU manager offers the same policy under the same name; a request's head
 ranks most recent within its list, as in LRU.
+
+A request ends with its ``touch`` (the driver touches a request's chain once, after its
+store is prepared). After that touch's own ranking, the blocks the request used are ranked
+once more, head last so it ends most recent, as vLLM re-ranks at a request's end: a block
+it only stored (still pending, or landed) keeps its list and moves to that list's most
+recent end; a block it read (a load, or offered again once loadable) counts as one use,
+T1 to T2. Blocks in the chain it did not use, such as another request's store still in
+flight, are ranked by the touch alone, so they end below the request's own blocks.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ class ARCOffloadingManager(CPUOffloadingManager):
         self._b1: OrderedDict[BlockHash, None] = OrderedDict()
         self._b2: OrderedDict[BlockHash, None] = OrderedDict()
         self.target_t1 = 0.0
+        # Blocks used by a request whose touch has not come yet: True once read (a load,
+        # or offered again when loadable), False when only stored by it.
+        self._awaiting_touch: dict[BlockHash, bool] = {}
 
     def iter_lru(self) -> Iterator[BlockHash]:
         """Pending and loadable blocks in the order ARC would evict them (if none were
@@ -69,11 +80,34 @@ class ARCOffloadingManager(CPUOffloadingManager):
 
     # ---- the hooks ----
 
-    def _order_insert(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
-        for block_hash in reversed(block_hashes):
+    def pin(self, block_hashes) -> None:
+        block_hashes = list(block_hashes)
+        super().pin(block_hashes)
+        self._note_read(block_hashes)
+
+    def rank_request(self, block_hashes) -> None:
+        block_hashes = list(block_hashes)
+        self._note_read([h for h in block_hashes if self.is_loadable(h)])
+        super().rank_request(block_hashes)
+
+    def _note_read(self, block_hashes: list[BlockHash]) -> None:
+        """A read of blocks its request did not store itself counts as that request's use."""
+        awaiting = self._awaiting_touch
+        for block_hash in block_hashes:
+            if awaiting.get(block_hash) is not False:
+                awaiting[block_hash] = True
+
+    def note_store_misses(self, block_hashes) -> None:
+        # Before room is made: which list gives up a block depends on the adapted target.
+        for block_hash in reversed(list(block_hashes)):
             self._ghost_hit(block_hash)
+
+    def _order_insert(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
+        awaiting = self._awaiting_touch
+        for block_hash in reversed(block_hashes):
             self._b1.pop(block_hash, None)
             self._b2.pop(block_hash, None)
+            awaiting.setdefault(block_hash, False)
         t1 = self._t1
         for slot in reversed(slots):
             t1[slot] = None
@@ -95,11 +129,35 @@ class ARCOffloadingManager(CPUOffloadingManager):
             if block_hash not in self._slot_by_hash:
                 self._ghost_hit(block_hash)
         super().touch(block_hashes)
+        self._end_request(block_hashes)
+
+    def _end_request(self, block_hashes: list[BlockHash]) -> None:
+        """Rank the blocks the touching request used (module docstring), head last."""
+        awaiting, slot_by_hash, t1, t2 = self._awaiting_touch, self._slot_by_hash, self._t1, self._t2
+        if not awaiting:
+            return
+        for block_hash in reversed(block_hashes):
+            read = awaiting.pop(block_hash, None)
+            if read is None:
+                continue
+            slot = slot_by_hash[block_hash]
+            if slot in t1:
+                if read:
+                    del t1[slot]
+                    t2[slot] = None
+                else:
+                    t1.move_to_end(slot)
+            else:
+                t2.move_to_end(slot)
 
     def _order_refresh(self, slots: list[int]) -> None:
         t1, t2 = self._t1, self._t2
         for slot in reversed(slots):
             (t1 if slot in t1 else t2).move_to_end(slot)
+
+    def _release(self, block_hash: BlockHash) -> int:
+        self._awaiting_touch.pop(block_hash, None)
+        return super()._release(block_hash)
 
     def _order_release(self, slot: int) -> None:
         if self._t1.pop(slot, 0) is None:
@@ -120,6 +178,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
             ghosts = self._b1 if self._t1.pop(slot, 0) is None else self._b2
             self._t2.pop(slot, None)
             ghosts[block_hash] = None
+            self._awaiting_touch.pop(block_hash, None)
             del self._slot_by_hash[block_hash]
             self._hash_by_slot[slot] = None
             self._free.append(slot)

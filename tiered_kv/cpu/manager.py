@@ -149,6 +149,7 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = self._slot_by_hash
         new = list(filterfalse(blocks.__contains__, offered))
         evicted: list[BlockHash] = []
+        self.note_store_misses(new)
         slots = self._allocate(new, evicted, protected=offered)
         if slots is None:
             return None
@@ -213,6 +214,11 @@ class CPUOffloadingManager(OffloadingManager):
             else:
                 del readers[block_hash]
                 self._num_evictable += 1
+
+    def note_store_misses(self, block_hashes: Iterable[BlockHash]) -> None:
+        """``block_hashes`` (absent here) are about to be stored or promoted, before room
+        is made for them. LRU ignores it; ARC adapts its target to blocks it evicted
+        earlier, as vLLM's ARC does on a store miss."""
 
     def rank_request(self, block_hashes: Iterable[BlockHash]) -> None:
         """Rank a stored request's blocks (in request order) most recent, the first

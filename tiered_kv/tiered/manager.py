@@ -244,6 +244,7 @@ class TieredOffloadingManager(OffloadingManager):
             return {}
         protected = set(lower_hashes)
         wanted = wanted[: self.cpu.num_free_slots() + self._droppable_count(len(wanted), protected)]
+        self.cpu.note_store_misses(wanted)
         self._make_room(len(wanted), allow_spill=False, protected=protected)
         slots = self.cpu.allocate(wanted, protected=protected)
         if slots is None:  # the CPU tier is busy with pinned blocks: load without promotion
@@ -402,6 +403,7 @@ class TieredOffloadingManager(OffloadingManager):
             self.cpu.rank_request(offered)
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
         protected = set(offered)
+        self.cpu.note_store_misses(to_store)
         room = self._make_room(len(to_store), allow_spill=True, protected=protected)
         if room is None:
             return None
