@@ -10,7 +10,8 @@ import torch
 
 from conftest import make_layout, random_tensors
 from tiered_kv.device import kernel_huge_pages
-from tiered_kv.host_memory import HostKVCache, SlotViews, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.slot_views import SlotViews
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

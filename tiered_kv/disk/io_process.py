@@ -53,8 +53,8 @@ import torch
 
 from tiered_kv.disk.io_server import Ref
 from tiered_kv.disk.store import BlockIO, DiskStore, DiskStoreStats
-from tiered_kv.host_memory import SlotViews
 from tiered_kv.shared_memory import empty_shared, locate, on_free, region_fd
+from tiered_kv.slot_views import SlotViews
 
 logger = logging.getLogger(__name__)
 

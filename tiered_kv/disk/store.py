@@ -68,8 +68,8 @@ from tiered_kv.disk.io_backends import (
 from tiered_kv.disk.namespace import Namespace, check_worker_access
 from tiered_kv.disk.read_batch import ReadBatch
 from tiered_kv.disk.write_batch import WriteBatch
-from tiered_kv.host_memory import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
+from tiered_kv.slot_views import SlotViews
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.device import TransferStream, can_pin_memory
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.host_memory import HostKVCache, SlotViews, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
