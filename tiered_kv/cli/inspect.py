@@ -9,6 +9,8 @@ JSON on stdout with ``--json`` (the envelope of ``tiered_kv.cli.output``); progr
 go to stderr (terminals only). Failures print one ``error: ...`` line on stderr and exit
 2 (in JSON mode stdout also gets the envelope with ``error``); ``verify`` exits 1 when it
 finds corruption, and ``verify --repair`` exits 0 once the repaired cache verifies clean.
+Given ``--remote CONFIG``, ``summary``, ``ls`` and ``verify`` look at that config's shared
+tier (its S3 bucket) instead: ``tiered_kv.cli.inspect_remote``.
 """
 
 from __future__ import annotations
