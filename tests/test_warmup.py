@@ -24,7 +24,11 @@ from tiered_kv.hashing import PrefixHasher, resolve_seed
 from tiered_kv.host_memory import unpack_blocks
 from tiered_kv.inspect import open_cache, read_entries
 from tiered_kv.inspect.maintenance import delete_entries, exclusive, open_index_for_writing
-from tiered_kv.warmup import HFEngine, KvFirstLayout, LayoutRequest, WarmupError, load_config, warmup
+from tiered_kv.warmup import warmup
+from tiered_kv.warmup.engines import HFEngine
+from tiered_kv.warmup.errors import WarmupError
+from tiered_kv.warmup.inputs import load_config
+from tiered_kv.warmup.layouts import KvFirstLayout, LayoutRequest
 
 transformers = pytest.importorskip("transformers")
 _load_commands()
@@ -124,7 +128,7 @@ _FRESH = textwrap.dedent("""
     from tiered_kv.host_memory import expand_block_ids
     from tiered_kv.mediums import GPULoadStoreSpec
     from tiered_kv.tiered.spec import TieredOffloadingSpec
-    from tiered_kv.warmup import load_config
+    from tiered_kv.warmup.inputs import load_config
     prompts_path, out_path, *config_paths = sys.argv[1:]
     results = []
     for config_path in config_paths:

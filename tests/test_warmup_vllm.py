@@ -12,7 +12,9 @@ from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import list_namespaces
 from tiered_kv.hashing import chunk_keys
 from tiered_kv.inspect import read_entries
-from tiered_kv.warmup import KvFirstLayout, LayoutRequest, load_config, warmup
+from tiered_kv.warmup import warmup
+from tiered_kv.warmup.inputs import load_config
+from tiered_kv.warmup.layouts import KvFirstLayout, LayoutRequest
 
 
 @pytest.mark.vllm

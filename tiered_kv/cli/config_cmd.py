@@ -249,7 +249,7 @@ def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: T
     import torch
 
     from tiered_kv.config import VLLM_PASSTHROUGH_KEYS
-    from tiered_kv.warmup import KvFirstLayout, LayoutRequest
+    from tiered_kv.warmup.layouts import KvFirstLayout, LayoutRequest
 
     extra = kv_config["kv_connector_extra_config"]
     cfg = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)

@@ -25,22 +25,11 @@ from tiered_kv.cli.output import emit_json, errors, progress_bar
 from tiered_kv.config import format_size
 from tiered_kv.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
-from tiered_kv.warmup import (
-    BLOCK_LAYOUTS,
-    HFEngine,
-    WarmupError,
-    WarmupReport,
-    check_identity,
-    chunk_tokens_for,
-    import_transformers,
-    load_config,
-    read_extra_config,
-    read_prompts,
-    require_vllm_engine,
-    run_vllm_warmup,
-    tokenize,
-    warmup,
-)
+from tiered_kv.warmup import WarmupReport, chunk_tokens_for, warmup
+from tiered_kv.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
+from tiered_kv.warmup.errors import WarmupError
+from tiered_kv.warmup.inputs import check_identity, load_config, read_extra_config, read_prompts, tokenize
+from tiered_kv.warmup.layouts import BLOCK_LAYOUTS
 
 ENGINES = ("hf", "vllm")
 

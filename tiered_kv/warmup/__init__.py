@@ -1,0 +1,269 @@
+"""Offline warm-up: compute the KV of prompts and write every full block to the disk tier,
+so a server's first requests for those prefixes hit.
+
+Runs in one operator process, with the server stopped (it takes the disk namespace's
+writer lock, as the server's scheduler would). For each prompt it computes vLLM's
+prefix block hashes (``tiered_kv.hashing``), skips the prompt when every full block is
+already on disk (so a rerun resumes where a previous one stopped), runs the model once
+over the prompt up to its last missing block, and stores the missing blocks through
+the disk tier's own path: ``DiskOffloadingManager.prepare_store`` picks slots (evicting
+LRU blocks if the cache is full), ``DiskStore.write_blocks`` writes each TP rank's
+shard, makes it durable and commits its index entry, and ``complete_store`` makes the
+blocks loadable. Block I/O and fsync happen on the calling thread here: there is no
+engine to keep responsive.
+
+Where the blocks go is a ``BlockLayout``, chosen by name from ``BLOCK_LAYOUTS``: the
+KV-cache layout (hence the namespace fingerprint) of the serving engine that will load
+them, how a prompt's K/V become one block's bytes, and how a chunk's hash becomes its
+key. ``kv-first`` is the engine-agnostic layout of ``tiered_kv`` (``DeviceKVCache``,
+``TieredOffloadingSpec`` over ``(2, num_blocks, block_size, kv_heads, head_dim)``
+tensors named ``layer.<i>``). Other layouts (vLLM's) register with
+``register_block_layout``.
+
+Which namespace: the one the serving engine computes from the same config
+(``BlockLayout.fingerprint``), so the model's identity comes from the config:
+``model_id`` (required: a warm-up never writes as "unknown"), ``model_revision`` and,
+where the config names a ``model_path``, that directory's weights digest
+(``tiered_kv.model_identity``). ``check_identity`` refuses, before the model is
+loaded, a ``--model`` whose digest is not the one the config's ``model_path`` gives:
+the server would never read those blocks, and must never read them as its own model's.
+
+KV engines: ``HFEngine`` (transformers, CPU or GPU) computes post-RoPE K/V with the
+model's own forward pass. ``run_vllm_warmup`` instead drives vLLM's offline ``LLM``
+with our connector, which stores blocks exactly as the server would; it needs CUDA and
+vLLM.
+
+This package's modules: the run (here), ``inputs`` (config, prompts, the model's
+identity), ``engines`` (the KV engines), ``layouts`` (block layouts), ``errors``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.disk.io_backends import aligned_empty
+from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.namespace import slot_size_for
+from tiered_kv.disk.store import DiskStore
+from tiered_kv.hashing import PrefixHasher, resolve_seed
+from tiered_kv.warmup.engines import HFEngine
+from tiered_kv.warmup.errors import WarmupError
+from tiered_kv.warmup.inputs import check_identity
+from tiered_kv.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, register_block_layout
+
+#: The run; ``register_block_layout`` is here too, where docs/cli.md points plug-ins.
+__all__ = ["JOB_BYTES", "WarmupReport", "chunk_tokens_for", "register_block_layout", "warmup"]
+
+#: Blocks written per store job (bounds the staging buffer to about this many bytes).
+JOB_BYTES = 64 << 20
+
+
+@dataclass
+class WarmupReport:
+    """What a warm-up did. Block counts are offloaded blocks (chunks); ``blocks`` counts
+    each distinct chunk key once. ``blocks_present``: already on disk (skipped);
+    ``blocks_rejected``: no slot could be had; ``blocks_evicted``: older blocks the
+    cache dropped to make room."""
+
+    namespace: str = ""
+    namespace_id: str = ""
+    model_id: str = ""
+    model_revision: str = ""
+    #: The weights digest the namespace records; None: the config has no model_path.
+    weights_digest: str | None = None
+    layout: str = ""
+    prompts: int = 0
+    prompts_skipped: int = 0
+    prompts_too_short: int = 0
+    blocks: int = 0
+    blocks_present: int = 0
+    blocks_written: int = 0
+    blocks_failed: int = 0
+    blocks_rejected: int = 0
+    blocks_evicted: int = 0
+    bytes_written: int = 0
+    tokens_computed: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def chunk_tokens_for(config: TieredConfig, gpu_block_size: int) -> int:
+    """Tokens per offloaded block: the config's ``block_size``, else vLLM's
+    ``blocks_per_chunk`` x the GPU block size, else one GPU block."""
+    if gpu_block_size < 1:
+        raise WarmupError(f"--gpu-block-size must be a positive number of tokens, got {gpu_block_size}")
+    per_chunk = config.passthrough.get("blocks_per_chunk")
+    tokens = config.block_size or (int(per_chunk) * gpu_block_size if per_chunk else gpu_block_size)
+    if tokens % gpu_block_size:
+        raise WarmupError(f"block_size {tokens} is not a multiple of --gpu-block-size {gpu_block_size}")
+    return tokens
+
+
+def warmup(
+    prompts: Sequence[Sequence[int]],
+    engine: HFEngine,
+    config: TieredConfig,
+    *,
+    gpu_block_size: int = 16,
+    tp_size: int = 1,
+    layout: str = "kv-first",
+    env: Mapping[str, str] | None = None,
+    progress: Callable[[int, WarmupReport], None] | None = None,
+) -> WarmupReport:
+    """Write every full block of ``prompts`` (token ids) to ``config``'s disk tier.
+
+    ``gpu_block_size``/``tp_size``: the serving engine's; ``layout``: a key of
+    ``BLOCK_LAYOUTS``; ``env``: where ``PYTHONHASHSEED`` is read (default
+    ``os.environ``). ``progress(i, report)`` is called after prompt ``i``. Raises
+    ``WarmupError`` for unusable settings, ``HashSettingsError`` when the hashes would
+    not be stable across processes, ``CacheLockedError`` when a server holds the cache.
+    The model's identity is checked first (``check_identity``).
+    """
+    if not config.disk_path:
+        raise WarmupError("the config has no disk_path: there is no disk tier to warm")
+    check_identity(config, getattr(engine, "model_path", None))
+    for n, tokens in enumerate(prompts, 1):
+        if len(tokens) and max(tokens) >= engine.vocab_size:
+            raise WarmupError(
+                f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary ({engine.vocab_size} tokens)"
+            )
+    if layout not in BLOCK_LAYOUTS:
+        raise WarmupError(f"--layout: expected one of {', '.join(sorted(BLOCK_LAYOUTS))}, got {layout!r}")
+    chunk_tokens = chunk_tokens_for(config, gpu_block_size)
+    try:
+        engine.geometry.kv_heads_per_rank(tp_size)
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
+    hasher = PrefixHasher(
+        config.hash_algorithm, resolve_seed(config.hash_algorithm, config.hash_seed, env), gpu_block_size
+    )
+    blocks = BLOCK_LAYOUTS[layout](
+        LayoutRequest(engine.geometry, engine.dtype, gpu_block_size, chunk_tokens // gpu_block_size, tp_size)
+    )
+    kv_layout = blocks.kv_layout
+    try:
+        fp = blocks.fingerprint(config)
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
+    engine_id = f"tiered-kv-warmup-{os.getpid()}"
+    t0 = time.perf_counter()
+    report = WarmupReport(
+        namespace=str(Path(config.disk_path) / fp.namespace_id),
+        namespace_id=fp.namespace_id,
+        model_id=fp.model_id,
+        model_revision=fp.model_revision,
+        weights_digest=fp.weights_digest,
+        layout=layout,
+    )
+    manager = DiskOffloadingManager(
+        config.disk_path,
+        fp,
+        kv_layout,
+        disk_bytes=config.disk_bytes,
+        checksum=config.checksum,
+        engine_id=engine_id,
+        enable_events=False,
+    )
+    store = None
+    try:
+        store = DiskStore.open(
+            config.disk_path,
+            fp,
+            kv_layout,
+            disk_bytes=config.disk_bytes,
+            checksum=config.checksum,
+            io_backend=config.io_backend,
+            io_threads=config.io_threads,
+            engine_id=engine_id,
+        )
+        seen: set[bytes] = set()
+        for i, tokens in enumerate(prompts):
+            _warm_prompt(list(tokens), engine, hasher, blocks, manager, store, seen, report)
+            report.seconds = time.perf_counter() - t0
+            if progress is not None:
+                progress(i, report)
+    finally:
+        manager.shutdown()  # flushes the index updates it still holds
+        if store is not None:
+            store.close()
+        report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _warm_prompt(
+    tokens: list[int],
+    engine: HFEngine,
+    hasher: PrefixHasher,
+    blocks: BlockLayout,
+    manager: DiskOffloadingManager,
+    store: DiskStore,
+    seen: set[bytes],
+    report: WarmupReport,
+) -> None:
+    report.prompts += 1
+    keys = blocks.keys(hasher.block_hashes(tokens))
+    if not keys:
+        report.prompts_too_short += 1
+        return
+    new = [k for k in keys if k not in seen]
+    seen.update(new)
+    report.blocks += len(new)
+    missing = [i for i, k in enumerate(keys) if not manager.is_loadable(k)]
+    report.blocks_present += sum(1 for k in new if manager.is_loadable(k))
+    if not missing:
+        report.prompts_skipped += 1
+        return
+    chunk_tokens = blocks.request.chunk_tokens
+    kv = engine.kv(tokens[: (missing[-1] + 1) * chunk_tokens])
+    report.tokens_computed += (missing[-1] + 1) * chunk_tokens
+    slot_size = slot_size_for(blocks.kv_layout.bytes_per_block)
+    per_job = max(1, JOB_BYTES // slot_size)
+    for start in range(0, len(missing), per_job):
+        _store_chunks(missing[start : start + per_job], keys, kv, blocks, manager, store, slot_size, report)
+
+
+def _store_chunks(
+    chunks: list[int],
+    keys: list[bytes],
+    kv,
+    blocks: BlockLayout,
+    manager: DiskOffloadingManager,
+    store: DiskStore,
+    slot_size: int,
+    report: WarmupReport,
+) -> None:
+    out = manager.prepare_store([keys[c] for c in chunks])
+    if out is None:
+        report.blocks_rejected += len(chunks)
+        return
+    report.blocks_evicted += len(out.block_hashes_evicted)
+    todo = list(out.block_hashes_to_store)
+    if not todo:
+        return
+    index_of = {keys[c]: c for c in chunks}
+    todo_chunks = [index_of[k] for k in todo]
+    slots = out.store_spec.id_list()
+    rows = aligned_empty(len(todo) * slot_size).view(len(todo), slot_size)
+    rows.zero_()
+    ok = np.ones(len(todo), dtype=bool)
+    for rank in range(blocks.request.tp_size):
+        blocks.pack(kv, rank, todo_chunks, rows)
+        ok &= np.asarray(store.write_blocks(rank, todo, slots, rows), dtype=bool)
+    done = [k for k, good in zip(todo, ok) if good]
+    failed = [k for k, good in zip(todo, ok) if not good]
+    manager.complete_store(done, success=True)
+    if failed:
+        manager.complete_store(failed, success=False)
+    report.blocks_written += len(done)
+    report.blocks_failed += len(failed)
+    report.bytes_written += len(done) * blocks.kv_layout.bytes_per_block * blocks.request.tp_size

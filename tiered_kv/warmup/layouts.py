@@ -1,0 +1,116 @@
+"""Where warmed blocks go: a ``BlockLayout`` (the serving engine's KV-cache layout, how a
+prompt's K/V become one block's bytes, and each chunk's key), chosen by name.
+
+Runs in the operator's process (``tiered-kv warmup``, ``tiered-kv config``); no I/O:
+packs tensors into host rows (``pack_blocks``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tiered_kv.config import TieredConfig
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.hashing import chunk_keys
+from tiered_kv.host_memory import pack_blocks
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.sizing import ModelGeometry
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """What a ``BlockLayout`` factory is given: the model's KV geometry and dtype, the
+    serving engine's GPU block size, GPU blocks per offloaded block, and TP size."""
+
+    geometry: ModelGeometry
+    dtype: torch.dtype
+    gpu_block_size: int
+    block_size_factor: int
+    tp_size: int
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.gpu_block_size * self.block_size_factor
+
+    def rank_heads(self, rank: int) -> list[int]:
+        """KV heads TP rank ``rank`` holds (heads are replicated when TP exceeds them)."""
+        h = self.geometry.num_kv_heads
+        per = self.geometry.kv_heads_per_rank(self.tp_size)
+        if self.tp_size <= h:
+            return list(range(rank * per, (rank + 1) * per))
+        return [rank * h // self.tp_size]
+
+
+class BlockLayout(ABC):
+    """How warm-up blocks are laid out, keyed and namespaced for one kind of serving
+    engine: what its scheduler would open the disk tier with and its workers write."""
+
+    def __init__(self, request: LayoutRequest):
+        self.request = request
+
+    @property
+    @abstractmethod
+    def kv_layout(self) -> KVCacheLayout:
+        """One rank's layout of the serving engine's KV cache (the same on every rank);
+        fixes the block bytes."""
+
+    def fingerprint(self, config: TieredConfig) -> Fingerprint:
+        """The namespace the serving engine computes for ``config`` (by default the one
+        ``tiered_kv``'s own specs compute from the layout)."""
+        return Fingerprint.from_config(config, self.kv_layout, self.request.tp_size)
+
+    @abstractmethod
+    def keys(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Disk keys of a prompt's full chunks from its per-GPU-block prefix hashes."""
+
+    @abstractmethod
+    def pack(
+        self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, chunks: Sequence[int], out: torch.Tensor
+    ) -> None:
+        """Write rank ``rank``'s bytes of the prompt's chunks ``chunks`` (indices) into
+        ``out[i, :bytes_per_block]`` (uint8 ``(len(chunks), stride)``); ``kv`` is the
+        prompt's per-layer ``(K, V)``, each ``(num_kv_heads, tokens, head_dim)``."""
+
+
+class KvFirstLayout(BlockLayout):
+    """``tiered_kv``'s engine-agnostic layout: per layer ``layer.<i>`` a tensor
+    ``(2, num_blocks, gpu_block_size, kv_heads_per_rank, head_dim)`` in the model's
+    dtype; a chunk's key is the prefix hash of its last GPU block."""
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        r = self.request
+        shape = (2, r.block_size_factor, r.gpu_block_size, r.geometry.kv_heads_per_rank(r.tp_size), r.geometry.head_dim)
+        layers = tuple(LayerLayout(f"layer.{i}", shape, True) for i in range(r.geometry.num_layers))
+        return KVCacheLayout(layers, r.dtype, r.gpu_block_size, r.block_size_factor)
+
+    def keys(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        return chunk_keys(block_hashes, self.request.block_size_factor)
+
+    def pack(self, kv, rank, chunks, out) -> None:
+        r = self.request
+        heads = torch.tensor(r.rank_heads(rank))
+        ntok = (max(chunks) + 1) * r.chunk_tokens
+        tensors = []
+        for k, v in kv:
+            both = torch.stack([k.index_select(0, heads)[:, :ntok], v.index_select(0, heads)[:, :ntok]])
+            # (2, heads, tokens, dim) -> (2, kernel blocks, block tokens, heads, dim)
+            both = both.permute(0, 2, 1, 3).reshape(2, ntok // r.gpu_block_size, r.gpu_block_size, len(heads), -1)
+            tensors.append(both.to(r.dtype).contiguous())
+        f = r.block_size_factor
+        ids = np.asarray(chunks, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
+        pack_blocks(tensors, self.kv_layout, ids, out)
+
+
+#: Block layouts by name: ``name -> factory(LayoutRequest) -> BlockLayout``.
+BLOCK_LAYOUTS: dict[str, Callable[[LayoutRequest], BlockLayout]] = {"kv-first": KvFirstLayout}
+
+
+def register_block_layout(name: str, factory: Callable[[LayoutRequest], BlockLayout]) -> None:
+    """Make ``factory`` selectable as ``--layout name``."""
+    BLOCK_LAYOUTS[name] = factory
