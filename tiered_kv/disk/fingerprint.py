@@ -20,6 +20,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from tiered_kv.config import TieredConfig
 from tiered_kv.kv_layout import KVCacheLayout
 
 #: Hex digits of the namespace id (a prefix of the fingerprint's SHA-256).
@@ -81,10 +82,10 @@ class Fingerprint:
         layout: KVCacheLayout,
         *,
         model_id: str,
-        model_revision: str = "main",
+        model_revision: str = TieredConfig.model_revision,
         tp_size: int = 1,
-        hash_algorithm: str = "sha256",
-        hash_seed: str = "",
+        hash_algorithm: str = TieredConfig.hash_algorithm,
+        hash_seed: str = TieredConfig.hash_seed,
         weights_digest: str | None = None,
         model_settings: tuple[str, ...] | None = None,
     ) -> "Fingerprint":

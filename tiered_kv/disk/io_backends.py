@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_kv.config import TieredConfig
 from tiered_kv.device import HOST_ALIGN, aligned_empty
 from tiered_kv.disk.safe_open import fd_path, open_file
 
@@ -95,7 +96,7 @@ class IOBackend(ABC):
     #: Whether device buffers go straight to the disk (GPUDirect Storage).
     gds: bool = False
 
-    def __init__(self, threads: int = 4):
+    def __init__(self, threads: int = TieredConfig.io_threads):
         if threads < 1:
             raise ValueError(f"io threads must be >= 1, got {threads}")
         self.threads = threads
@@ -168,7 +169,7 @@ class PosixBackend(IOBackend):
 
     name = "posix"
 
-    def __init__(self, threads: int = 4, direct: bool = True):
+    def __init__(self, threads: int = TieredConfig.io_threads, direct: bool = True):
         super().__init__(threads)
         self.want_direct = direct
 
@@ -195,7 +196,7 @@ class KvikIOBackend(IOBackend):
     name = "kvikio"
     device_buffers = True
 
-    def __init__(self, threads: int = 4):
+    def __init__(self, threads: int = TieredConfig.io_threads):
         import kvikio  # noqa: F401  (probe() has shown it works)
 
         super().__init__(threads)
@@ -263,7 +264,7 @@ class KvikIOBackend(IOBackend):
         return f"kvikio ({'GDS' if self.gds else 'compat mode'}, {self.threads} threads)"
 
 
-def select_backend(kind: str, directory: str | os.PathLike, threads: int = 4) -> IOBackend:
+def select_backend(kind: str, directory: str | os.PathLike, threads: int = TieredConfig.io_threads) -> IOBackend:
     """Build the backend ``kind`` names (``auto``, ``kvikio`` or ``posix``) for files in
     ``directory``. ``auto`` takes KvikIO only if its probe succeeds. Logs the choice and
     why; raises ``BackendUnavailableError`` when ``kvikio`` is asked for and cannot run,

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_kv.config import TieredConfig
 from tiered_kv.disk.io_server import Ref
 from tiered_kv.disk.store import BlockIO, DiskStore, DiskStoreStats
 from tiered_kv.shared_memory import empty_shared, locate, on_free, region_fd
@@ -151,9 +152,9 @@ class DiskIOProcess(BlockIO):
         layout,
         *,
         disk_bytes: int,
-        checksum: str = "xxh3_64",
-        io_backend: str = "auto",
-        io_threads: int = 4,
+        checksum: str = TieredConfig.checksum,
+        io_backend: str = TieredConfig.io_backend,
+        io_threads: int = TieredConfig.io_threads,
         engine_id: str | None = None,
     ) -> "DiskIOProcess":
         """``DiskStore.open`` in a new I/O process (same arguments, same errors, raised

@@ -56,6 +56,7 @@ from itertools import filterfalse
 import lmdb
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiered_kv.config import TieredConfig
 from tiered_kv.disk.adoption import adopt_snapshot
 from tiered_kv.disk.block_table import BlockTable
 from tiered_kv.disk.fingerprint import Fingerprint
@@ -111,7 +112,7 @@ class DiskOffloadingManager(OffloadingManager):
         layout: KVCacheLayout,
         *,
         disk_bytes: int,
-        checksum: str = "xxh3_64",
+        checksum: str = TieredConfig.checksum,
         engine_id: str | None = None,
         enable_events: bool = True,
         flush_interval: float = 0.005,

@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.config import format_size
+from tiered_kv.config import TieredConfig, format_size
 from tiered_kv.disk.errors import DiskSizeError, NamespaceError
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.locks import LOCK, CacheLockedError, WriterLock, check_worker_access, current_holder, read_holder
@@ -217,7 +217,7 @@ class Namespace:
         *,
         num_slots: int | None = None,
         disk_bytes: int | None = None,
-        checksum: str = "xxh3_64",
+        checksum: str = TieredConfig.checksum,
         create: bool = True,
     ) -> "Namespace":
         """Open ``fingerprint``'s namespace in ``cache_dir`` for an engine process,

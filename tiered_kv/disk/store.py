@@ -50,6 +50,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tiered_kv.config import TieredConfig
 from tiered_kv.device import empty_pageable, empty_pinned
 from tiered_kv.disk.batch import PACK_CHUNK_BYTES
 from tiered_kv.disk.checksums import RunChecksums, checksum_function
@@ -173,9 +174,9 @@ class DiskStore(BlockIO):
         layout: KVCacheLayout,
         *,
         disk_bytes: int,
-        checksum: str = "xxh3_64",
-        io_backend: str | IOBackend = "auto",
-        io_threads: int = 4,
+        checksum: str = TieredConfig.checksum,
+        io_backend: str | IOBackend = TieredConfig.io_backend,
+        io_threads: int = TieredConfig.io_threads,
         engine_id: str | None = None,
     ) -> "DiskStore":
         """Open (creating if absent) ``fingerprint``'s namespace for writing; ``disk_bytes``

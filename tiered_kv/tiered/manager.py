@@ -55,7 +55,7 @@ from tiered_kv.abstract import (
     OffloadingManager,
     PrepareStoreOutput,
 )
-from tiered_kv.config import WRITE_POLICIES
+from tiered_kv.config import WRITE_POLICIES, TieredConfig
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
@@ -85,9 +85,9 @@ class TieredOffloadingManager(OffloadingManager):
         cpu: CPUOffloadingManager,
         lower: LowerTier | Sequence[LowerTier] | None = None,
         *,
-        write_policy: str | Sequence[str] = "write_through",
-        promote_on_hit: bool = True,
-        max_pending_disk_writes: int = 1024,
+        write_policy: str | Sequence[str] = TieredConfig.write_policy,
+        promote_on_hit: bool = TieredConfig.promote_on_hit,
+        max_pending_disk_writes: int = TieredConfig.max_pending_disk_writes,
         stats: TieredStats | None = None,
     ):
         tiers = [] if lower is None else [lower] if not isinstance(lower, Sequence) else list(lower)
