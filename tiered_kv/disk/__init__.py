@@ -9,15 +9,21 @@ Module map (which process runs what):
   writer lock, ``safe_open`` opens every cache entry (no link followed, no FIFO
   opened, nothing of another user's; 0600 files, 0700 directories), ``errors`` holds
   their start-up errors.
-- ``index``: the LMDB index shared by an engine's processes; ``index_env`` opens its
-  environment and finds a damaged one, with ``lmdb_check``'s page walk.
+- ``index``: the LMDB index shared by an engine's processes; ``index_records`` its
+  records and their byte layout; ``index_env`` opens its environment and finds a
+  damaged one, with ``lmdb_check``'s page walk.
 - ``io_backends``: POSIX (O_DIRECT) and KvikIO (GDS) block I/O (workers).
 - ``store``: ``DiskStore``, one process's block reads/writes with the crash-safe
-  commit protocol (workers, tools, inspector).
+  commit protocol (workers, tools, inspector); its batches are ``write_batch`` and
+  ``read_batch`` (over ``batch``), its index commits ``group_commit``, its checksums
+  ``checksums``.
 - ``io_process``: ``DiskIOProcess``, a worker's ``DiskStore`` run in a helper process of
-  its own (``disk_io: process``), reading and writing the worker's shared host memory.
+  its own (``disk_io: process``), reading and writing the worker's shared host memory;
+  ``io_server`` is that helper process.
 - ``manager``: ``DiskOffloadingManager``, slots, LRU and ref-counts (scheduler; never
-  blocks on I/O).
+  blocks on I/O); ``index_flusher`` its background thread, ``log_fold`` how it reads
+  the workers' log, ``adoption`` what it adopts from the index at startup,
+  ``block_table`` its table of loadable blocks.
 
 The handlers that move blocks between KV tensors and the disk are in
 ``tiered_kv.worker.disk``.
