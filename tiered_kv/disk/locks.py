@@ -15,16 +15,30 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from tiered_kv.disk.errors import NamespaceError
 from tiered_kv.disk.safe_open import open_file, read_file
 
-if TYPE_CHECKING:
-    from tiered_kv.disk.namespace import Namespace
-
 LOCK = "lock"
 _LOCK_RECORD_BYTES = 64 << 10
+
+_T = TypeVar("_T")
+
+
+class LockedDirectory(Protocol):
+    """What the lock needs of a namespace directory (``namespace.Namespace``)."""
+
+    path: Path
+    fd: int
+    owner: int
+
+    @property
+    def lock_path(self) -> Path: ...
+
+    def open_entry(self, name: str, flags: int, create: bool = False) -> int: ...
+
+    def taken(self, thing: _T) -> _T: ...
 
 
 class CacheLockedError(NamespaceError):
@@ -52,7 +66,7 @@ class WriterLock:
         self.record = record
 
     @classmethod
-    def acquire(cls, ns: Namespace, engine_id: str, timeout: float = 1.0) -> "WriterLock":
+    def acquire(cls, ns: LockedDirectory, engine_id: str, timeout: float = 1.0) -> "WriterLock":
         """Take the lock or raise ``CacheLockedError`` naming the holder. Retries for
         ``timeout`` seconds because workers probe the lock for an instant."""
         path = ns.lock_path
@@ -88,7 +102,7 @@ class WriterLock:
             self._fd = None
 
 
-def read_holder(ns: Namespace) -> dict[str, Any] | None:
+def read_holder(ns: LockedDirectory) -> dict[str, Any] | None:
     """The lock record of the current holder, or None if the record is empty/unreadable."""
     try:
         text = read_file(
@@ -100,7 +114,7 @@ def read_holder(ns: Namespace) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def current_holder(ns: Namespace) -> dict[str, Any] | None:
+def current_holder(ns: LockedDirectory) -> dict[str, Any] | None:
     """The holder's record if some process holds the writer lock now, else None.
     (Probes with a non-blocking flock that is dropped at once.) Raises
     ``CacheEntryError`` when ``lock`` is not the cache's own file."""
@@ -119,7 +133,7 @@ def current_holder(ns: Namespace) -> dict[str, Any] | None:
         os.close(fd)
 
 
-def check_worker_access(ns: Namespace, engine_id: str | None) -> None:
+def check_worker_access(ns: LockedDirectory, engine_id: str | None) -> None:
     """Let a worker write only if no engine holds the namespace, or the holder is its own
     engine: same ``engine_id``, or (without an id) the holder is this process or its parent.
     Raises ``CacheLockedError`` otherwise."""

@@ -16,7 +16,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tiered_kv.config import format_size
 from tiered_kv.disk.errors import DiskSizeError, NamespaceError
@@ -26,10 +26,14 @@ from tiered_kv.disk.manifest import Manifest, slot_size_for
 from tiered_kv.disk.safe_open import open_dir, open_file
 from tiered_kv.kv_layout import KVCacheLayout
 
-if TYPE_CHECKING:
-    from tiered_kv.disk.namespace import Namespace
-
 logger = logging.getLogger(__name__)
+
+
+class HeldSpace(Protocol):
+    """What the free-space check needs of an open namespace (``namespace.Namespace``)."""
+
+    def allocated_bytes(self) -> int: ...
+
 
 #: Disk space set aside for the index: its high-water mark measured about 450 B per slot
 #: at TP 1 under churn; this is twice that, plus a little per rank's checksum.
@@ -83,7 +87,7 @@ def remove_empty(dirs: list[Path]) -> None:
             return
 
 
-def check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int, ns: Namespace | None = None) -> None:
+def check_free_space(where: Path, num_slots: int, slot_size: int, tp_size: int, ns: HeldSpace | None = None) -> None:
     """Raise ``NamespaceError`` unless the filesystem of ``where`` has room for a
     namespace of ``num_slots`` (every rank's slab plus the index reserve), counting what
     ``ns`` (an existing namespace) already holds. Checked before a manifest records the
