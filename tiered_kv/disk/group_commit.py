@@ -12,13 +12,14 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import lmdb
 
 from tiered_kv.disk.index import DiskIndex
 from tiered_kv.disk.index_records import StoredBlocks
-from tiered_kv.disk.io_backends import BackendFile, IOBackend
+from tiered_kv.disk.io_backends import BackendFile
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ class GroupCommitter:
     fail nor commit another's.
     """
 
-    def __init__(self, backend: IOBackend, index: DiskIndex, block_bytes: int):
-        self._backend, self._index, self._block_bytes = backend, index, block_bytes
+    def __init__(self, sync: Callable[[BackendFile], None], index: DiskIndex, block_bytes: int):
+        # ``sync``, not a backend: the store's backend may be swapped under it (faults).
+        self._sync, self._index, self._block_bytes = sync, index, block_bytes
         self._cond = threading.Condition()
         self._queue: list[IndexWrite] = []
         self._thread: threading.Thread | None = None
@@ -135,7 +137,7 @@ class GroupCommitter:
                     files.setdefault(id(r.file), []).append(r)
             for reqs in files.values():
                 try:
-                    self._backend.sync(reqs[0].file)
+                    self._sync(reqs[0].file)
                 except OSError as e:
                     for r in reqs:
                         r.error = e

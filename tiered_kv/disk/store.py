@@ -153,7 +153,7 @@ class DiskStore(BlockIO):
         self._files: dict[int, BackendFile] = {}
         self._allocated: dict[int, int] = {}  # rank -> slots preallocated in its slab
         self._files_lock = threading.Lock()
-        self._committer = GroupCommitter(backend, self.index, self.block_bytes)
+        self._committer = GroupCommitter(self.sync_slab, self.index, self.block_bytes)
         # Checksums run on their own threads: on the backend's pool each one would hold
         # an I/O thread and cut the queue depth the device sees (threads start lazily).
         self._hash_pool = ThreadPoolExecutor(
@@ -295,6 +295,10 @@ class DiskStore(BlockIO):
     ) -> IndexWrite:
         """Queue step 3 of a store with the group commit (see the module docstring)."""
         return self._committer.commit(rank, file, hashes, slots, checksums)
+
+    def sync_slab(self, f: BackendFile) -> None:
+        """``fdatasync`` one of this store's slabs, through the backend it has now."""
+        self.backend.sync(f)
 
     def count(self, **deltas: int) -> None:
         """Add ``deltas`` to ``stats``."""
