@@ -43,21 +43,20 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tiered_kv.abstract import BlockHash, LowerTierWorker, OffloadingEvent, PrepareStoreOutput
 from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DiskLoadStoreSpec
+from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.membership import Membership, MembershipCache
 from tiered_kv.remote.store import RemoteStore
-
-if TYPE_CHECKING:
-    from tiered_kv.host_memory import HostKVCache
-    from tiered_kv.metrics import TieredStats
+from tiered_kv.remote.worker import RemoteLoadHandler, RemoteStager
 
 logger = logging.getLogger(__name__)
 
@@ -410,11 +409,9 @@ class RemoteTier:
         )
 
     def get_worker(
-        self, host: "HostKVCache", kv_caches: Mapping[str, torch.Tensor], stats: "TieredStats"
+        self, host: HostKVCache, kv_caches: Mapping[str, torch.Tensor], stats: TieredStats
     ) -> LowerTierWorker:
         """Worker process: this rank's store, stager and load handlers."""
-        from tiered_kv.remote.worker import RemoteLoadHandler, RemoteStager
-
         if self.store is None:
             self.store = RemoteStore(self.remote, self.fingerprint, check=False)
         gpu_tensors = [kv_caches[layer.name] for layer in self.layout.layers]

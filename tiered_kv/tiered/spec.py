@@ -22,10 +22,12 @@ from tiered_kv.abstract import Closing, LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
+from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.tier import DiskTier
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
+from tiered_kv.remote.tier import remote_tier_from_config
 from tiered_kv.tiered.handlers import TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.specs import TieredLoadSpec
@@ -64,9 +66,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec, Closing):
         self._extra_tiers = list(lower_tiers)
         self._lower: list[DiskTier] | None = None
 
-    def _fingerprint(self):
-        from tiered_kv.disk.fingerprint import Fingerprint
-
+    def _fingerprint(self) -> Fingerprint:
         return Fingerprint.from_config(self.config, self.layout, self.tp_size)
 
     @property
@@ -86,8 +86,6 @@ class TieredOffloadingSpec(CPUOffloadingSpec, Closing):
                     )
                 )
             if self.config.remote is not None:
-                from tiered_kv.remote.tier import remote_tier_from_config
-
                 own.append(
                     remote_tier_from_config(
                         self.config.remote,

@@ -2,9 +2,11 @@
 
 - ``TieredOffloadingSpec`` (``spec_name: TieredOffloadingSpec``, ``spec_module_path:
   tiered_kv.integrations.vllm``): the whole hierarchy as vLLM's offloading spec
-  (``spec.py``: config and geometry; ``manager.py``: scheduler side; ``worker.py``:
-  worker side; ``remote.py``: the shared tier's scheduler side; ``verify.py``,
-  ``health.py``: what keeps failures away from vLLM).
+  (``spec.py``: the spec; ``geometry.py``: config and geometry; ``manager.py``:
+  scheduler side; ``worker.py``: worker side; ``remote.py``: the shared tier's
+  scheduler side; ``verify.py``, ``health.py``: what keeps failures away from vLLM).
+  Imports run one way: ``common`` <- ``geometry`` <- ``remote`` <- ``manager``,
+  ``worker`` <- ``spec``.
 - ``secondary_tier.TieredDiskTier``: our disk tier under vLLM's own
   ``TieringOffloadingSpec``.
 

@@ -1,6 +1,6 @@
 """What the scheduler-side and worker-side halves of the vLLM adapter share: the spec that
 carries our plans inside vLLM's job metadata, the metric names, the config-info labels,
-and the model identity that goes into the disk namespace.
+the prefix-hash check, and the model identity that goes into the disk namespace.
 
 Imported in the scheduler, the workers and vLLM's API server (which only reads the
 metric definitions). No I/O except ``vllm_model_identity``, which reads the weights
@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.kv_offload.base import (
     ConfigInfo,
     OffloadingCounterMetadata,
@@ -120,6 +122,40 @@ class TieredOffloadingInfo(ConfigInfo):
     tiered_bytes_per_chunk_per_rank: int
 
 
+# ---------------------------------------------------------------- prefix hashes
+
+_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+
+
+def vllm_hash_algorithm() -> str | None:
+    """vLLM's ``--prefix-caching-hash-algo`` when a vLLM config is current, else None."""
+    cache = getattr(get_current_vllm_config_or_none(), "cache_config", None)
+    algo = getattr(cache, "prefix_caching_hash_algo", None)
+    return str(algo) if algo else None
+
+
+def check_hash_algorithm(cfg: TieredConfig, *, fix: str, unseeded: str) -> None:
+    """Our ``hash_algorithm`` is part of the namespace, so it is never guessed (every
+    process, and every start of the engine, must compute the same namespace); it must
+    match vLLM's where vLLM's config is visible. Raises ``ConfigError`` ending with
+    ``fix`` (where to set it); warns, saying what is lost (``unseeded``), when the hash
+    is seeded per process."""
+    engine_algo = vllm_hash_algorithm()
+    if engine_algo is not None and engine_algo != cfg.hash_algorithm:
+        raise ConfigError(
+            f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
+            f'--prefix-caching-hash-algo {engine_algo!r}; set "hash_algorithm": '
+            f'"{engine_algo}" {fix}'
+        )
+    if cfg.hash_algorithm in _NON_CRYPTO_HASHES and not os.environ.get("PYTHONHASHSEED"):
+        logger.warning(
+            "prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
+            "unset): %s; set PYTHONHASHSEED or use sha256",
+            cfg.hash_algorithm,
+            unseeded,
+        )
+
+
 # ---------------------------------------------------------------- model identity
 
 
@@ -132,8 +168,6 @@ def find_vllm_config(max_depth: int = 32) -> Any | None:
     there the config is taken from the caller that is building the connector (a local
     named ``vllm_config`` of type ``VllmConfig`` up the stack: OffloadingConnector's
     constructor in vLLM 0.33). Both sides thus read the same config."""
-    from vllm.config import VllmConfig, get_current_vllm_config_or_none
-
     current = get_current_vllm_config_or_none()
     if current is not None:
         return current

@@ -54,7 +54,6 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -72,7 +71,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tiered_kv.config import TieredConfig
 from tiered_kv.cpu import cpu_tier_manager
+from tiered_kv.disk.io_backends import PosixBackend
+from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.store import DiskStore
 from tiered_kv.integrations.vllm.common import (
     DISK_VERIFICATIONS,
     PENDING_DISK_WRITES,
@@ -84,17 +87,15 @@ from tiered_kv.integrations.vllm.common import (
     TieredJobSpec,
     TieredOffloadingInfo,
 )
+from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import SlotHealth
+from tiered_kv.integrations.vllm.remote import RemoteVerifier, build_remote, remote_write_policy
 from tiered_kv.integrations.vllm.verify import DiskVerifier
 from tiered_kv.metrics import TieredStats
 from tiered_kv.mediums import CPU, DISK
 from tiered_kv.remote.tier import REMOTE
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.specs import TieredLoadSpec
-
-if TYPE_CHECKING:
-    from tiered_kv.integrations.vllm.remote import RemoteVerifier
-    from tiered_kv.integrations.vllm.spec import TieredOffloadingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -105,31 +106,33 @@ _MEDIUMS = {CPU: Medium.CPU, DISK: Medium.STORAGE, REMOTE: Medium.STORAGE}
 _SOURCES = {CPU: CacheHitSource.HOST, DISK: CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
-def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
-    """The scheduler side of ``spec``: CPU tier, disk tier (namespace opened, writer lock
-    taken, index loaded), shared tier (store opened and checked), verifiers and
-    slot-health map."""
-    cfg, geometry = spec.tiered_config, spec.geometry
-    events = spec.kv_events_config.enable_kv_cache_events
+def build_manager(
+    cfg: TieredConfig,
+    geometry: VllmGeometry,
+    *,
+    engine_id: str,
+    enable_events: bool,
+    info: TieredOffloadingInfo | None = None,
+) -> "TieredVllmManager":
+    """The scheduler side of ``TieredOffloadingSpec``: CPU tier, disk tier (namespace
+    opened, writer lock taken, index loaded), shared tier (store opened and checked),
+    verifiers and slot-health map. ``info``: the spec's config-info facts."""
+    events = enable_events
     stats = TieredStats()
     cpu = cpu_tier_manager(cfg.eviction_policy, geometry.num_cpu_slots, geometry.tokens_per_chunk, enable_events=events)
     disk = verifier = None
     if cfg.disk_path:
-        from tiered_kv.disk.io_backends import PosixBackend
-        from tiered_kv.disk.manager import DiskOffloadingManager
-        from tiered_kv.disk.store import DiskStore
-
         disk = DiskOffloadingManager(
             cfg.disk_path,
             geometry.fingerprint,
             geometry.scheduler_layout(),
             disk_bytes=cfg.disk_bytes,
             checksum=cfg.checksum,
-            engine_id=spec.config.engine_id,
+            engine_id=engine_id,
             enable_events=events,
         )
         try:
-            store = DiskStore(disk.namespace, PosixBackend(cfg.io_threads), engine_id=spec.config.engine_id)
+            store = DiskStore(disk.namespace, PosixBackend(cfg.io_threads), engine_id=engine_id)
         except BaseException:
             disk.shutdown()
             raise
@@ -137,8 +140,6 @@ def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
     remote = remote_verifier = None
     policies = [cfg.write_policy] if disk is not None else []
     if cfg.remote is not None:
-        from tiered_kv.integrations.vllm.remote import build_remote, remote_write_policy
-
         try:
             remote, remote_verifier = build_remote(cfg.remote, geometry, events)
         except BaseException:
@@ -156,11 +157,9 @@ def build_manager(spec: "TieredOffloadingSpec") -> "TieredVllmManager":
         max_pending_disk_writes=cfg.max_pending_disk_writes,
         stats=stats,
     )
-    health = SlotHealth.for_engine(spec.config.engine_id, geometry.num_cpu_slots)
+    health = SlotHealth.for_engine(engine_id, geometry.num_cpu_slots)
     health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
-    return TieredVllmManager(
-        composite, health=health, verifier=verifier, remote_verifier=remote_verifier, info=spec.config_info()
-    )
+    return TieredVllmManager(composite, health=health, verifier=verifier, remote_verifier=remote_verifier, info=info)
 
 
 class TieredVllmManager(OffloadingManager):
@@ -172,7 +171,7 @@ class TieredVllmManager(OffloadingManager):
         *,
         health: SlotHealth,
         verifier: DiskVerifier | None = None,
-        remote_verifier: "RemoteVerifier | None" = None,
+        remote_verifier: RemoteVerifier | None = None,
         info: TieredOffloadingInfo | None = None,
     ):
         self.composite = composite

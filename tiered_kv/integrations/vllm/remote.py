@@ -26,16 +26,13 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.store import RemoteStore
 from tiered_kv.remote.tier import REMOTE, RemoteOffloadingManager
-
-if TYPE_CHECKING:
-    from tiered_kv.integrations.vllm.spec import VllmGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +47,7 @@ def remote_write_policy(remote: RemoteConfig) -> str:
 
 
 def build_remote(
-    remote: RemoteConfig, geometry: "VllmGeometry", enable_events: bool
+    remote: RemoteConfig, geometry: VllmGeometry, enable_events: bool
 ) -> tuple[RemoteOffloadingManager, "RemoteVerifier"]:
     """The shared tier's manager and verifier over one scheduler-side store (closed by
     the manager's ``shutdown``). Raises ``RemoteSetupError`` (see module docstring)."""

@@ -79,7 +79,7 @@ from tiered_kv.config import ConfigError, TieredConfig, format_size
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.integrations.vllm.common import vllm_model_identity
+from tiered_kv.integrations.vllm.common import check_hash_algorithm, vllm_model_identity
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 if TYPE_CHECKING:
@@ -120,8 +120,6 @@ _LOAD_THREADS = 4
 #: Store jobs that queued up while the store threads were busy are written as one group,
 #: up to this many bytes: one fdatasync and one index commit for all of them.
 _GROUP_BYTES = 64 << 20
-
-_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
 
 def parse_tier_config(raw: Mapping[str, Any]) -> TieredConfig:
@@ -214,33 +212,11 @@ def chunk_fingerprint(
     )
 
 
-def _vllm_hash_algorithm() -> str | None:
-    """vLLM's ``--prefix-caching-hash-algo`` when a vLLM config is current, else None."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    cache = getattr(get_current_vllm_config_or_none(), "cache_config", None)
-    algo = getattr(cache, "prefix_caching_hash_algo", None)
-    return str(algo) if algo else None
-
-
 def _check_hash_algorithm(cfg: TieredConfig) -> None:
-    """``hash_algorithm`` is part of the namespace, so it is never guessed (the same
-    engine must compute the same namespace on every start); it must match vLLM's where
-    vLLM's config is visible."""
-    engine_algo = _vllm_hash_algorithm()
-    if engine_algo is not None and engine_algo != cfg.hash_algorithm:
-        raise ConfigError(
-            f"hash_algorithm: {cfg.hash_algorithm!r} does not match vLLM's "
-            f'--prefix-caching-hash-algo {engine_algo!r}; set "hash_algorithm": '
-            f'"{engine_algo}" in the tier entry'
-        )
-    if cfg.hash_algorithm in _NON_CRYPTO_HASHES and not os.getenv("PYTHONHASHSEED"):
-        logger.warning(
-            "prefix hashes use %s with a random per-process seed (PYTHONHASHSEED is "
-            "unset): chunks written to the disk tier will never hit after a restart; "
-            "set PYTHONHASHSEED or use sha256",
-            cfg.hash_algorithm,
-        )
+    """``hash_algorithm`` of a tier entry against vLLM's (``common.check_hash_algorithm``)."""
+    check_hash_algorithm(
+        cfg, fix="in the tier entry", unseeded="chunks written to the disk tier will never hit after a restart"
+    )
 
 
 def _primary_rows(flat_view: memoryview, stride: int) -> torch.Tensor:

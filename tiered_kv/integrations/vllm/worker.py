@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,22 +51,22 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec as VllmGPUSpec
 from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
-from tiered_kv.config import ConfigError
+from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.disk.io_process import open_worker_store
 from tiered_kv.host_memory import HostKVCache
 from tiered_kv.integrations.vllm.common import TieredJobSpec
+from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
+from tiered_kv.remote.store import RemoteStore
 from tiered_kv.remote.worker import RemoteLoadHandler, RemoteStager
 from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.cpu_gpu import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
 from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
 from tiered_kv.worker.worker import TransferResult, TransferSpec
-
-if TYPE_CHECKING:
-    from tiered_kv.integrations.vllm.spec import TieredOffloadingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +177,10 @@ class _Job:
 
 
 class TieredVllmWorker(OffloadingWorker):
-    """The worker side of ``TieredOffloadingSpec`` (module docstring)."""
+    """The worker side of ``TieredOffloadingSpec`` (module docstring): ``cfg`` and ``g``
+    are the spec's parsed config and geometry, ``engine_id`` vLLM's."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, spec: "TieredOffloadingSpec"):
-        g, cfg = spec.geometry, spec.tiered_config
+    def __init__(self, kv_caches: CanonicalKVCaches, cfg: TieredConfig, g: VllmGeometry, engine_id: str):
         self.factor = g.blocks_per_chunk
         self.layout = canonical_layout(kv_caches, g.tokens_per_block, g.blocks_per_chunk)
         if self.layout.bytes_per_block != g.bytes_per_chunk:
@@ -205,9 +204,7 @@ class TieredVllmWorker(OffloadingWorker):
         )
         self.disk_store = stager = disk_to_gpu = disk_to_cpu = None
         if cfg.disk_path:
-            from tiered_kv.disk.io_process import open_worker_store
-
-            self.disk_store = open_worker_store(cfg, g.fingerprint, self.layout, spec.config.engine_id)
+            self.disk_store = open_worker_store(cfg, g.fingerprint, self.layout, engine_id)
             disk_to_gpu = _RowsGpuDiskHandler(self.disk_store, g.rank, gpu, self.layout)
             disk_to_cpu = CpuDiskHandler(self.disk_store, g.rank, self.host, self.layout)
             # Staging for twice the manager's bound of pending writes: a buffer returns a
@@ -222,8 +219,6 @@ class TieredVllmWorker(OffloadingWorker):
             names.append("disk")
         self.remote_store = self.remote_stager = None
         if cfg.remote is not None:
-            from tiered_kv.remote.store import RemoteStore
-
             self.remote_store = RemoteStore(cfg.remote, g.fingerprint, check=False)
             self.remote_stager = RemoteStager(
                 self.host, self.remote_store, g.rank, cfg.remote.max_pending_upload_bytes, self.stats
@@ -242,7 +237,7 @@ class TieredVllmWorker(OffloadingWorker):
             self.stats,
             tier_names=names or ("disk",),
         )
-        self.health = SlotHealth.for_engine(spec.config.engine_id, g.num_cpu_slots)
+        self.health = SlotHealth.for_engine(engine_id, g.num_cpu_slots)
         self._jobs: dict[int, _Job] = {}
         self._failed_on_submit: list[int] = []
 

@@ -1,0 +1,212 @@
+"""``TieredOffloadingSpec``'s config and geometry: ``kv_connector_extra_config`` parsed
+and checked, and vLLM's offloading geometry in our units (``VllmGeometry``, with the disk
+namespace fingerprint).
+
+Built in every process of an engine (the scheduler, each worker, the API server) from
+the same ``OffloadingConfig``, so they agree without talking (``spec.py`` says how
+vLLM's units map onto ours). Arithmetic and validation; its one I/O is reading the
+weights digest of the model directory vLLM loads (``common.vllm_model_identity``).
+The scheduler side (``manager.py``) and the worker side (``worker.py``) take what is
+built here; nothing here imports either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
+from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.disk.namespace import slot_size_for
+from tiered_kv.integrations.vllm.common import check_hash_algorithm, vllm_model_identity
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+
+#: Keys other vLLM specs read, and what to use with ours instead.
+_OTHER_SPECS_KEYS = {
+    "cpu_bytes_to_use": "that is the key of vLLM's CPUOffloadingSpec (bytes for all TP ranks "
+    "together); TieredOffloadingSpec takes cpu_bytes, per TP rank, "
+    'e.g. "cpu_bytes": "64GiB"',
+    "secondary_tiers": "that is the key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec "
+    "has its own disk tier: set disk_path and disk_bytes",
+    "cache_policy_module_path": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec's "
+    "eviction order is eviction_policy (lru or arc)",
+    "store_threshold": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec stores every chunk vLLM offers",
+    "max_tracker_size": "that is a key of vLLM's CPUOffloadingSpec",
+    "tier_poll_interval_s": "that is a key of vLLM's TieringOffloadingSpec",
+    "backpressure": "that is a key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec bounds "
+    "disk writes with max_pending_disk_writes",
+}
+
+_BOOL_PASSTHROUGH = ("offload_prompt_only", "self_describing_kv_events", "canonical_layout")
+
+
+def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
+    """Validate vLLM's ``kv_connector_extra_config`` for ``TieredOffloadingSpec``.
+
+    Our keys are parsed by ``TieredConfig`` (human sizes); vLLM's own keys
+    (``VLLM_PASSTHROUGH_KEYS``) pass through after a type check, because vLLM applies
+    ``bool()``/``int()`` to them and would silently read ``"false"`` as true. Raises
+    ``ConfigError`` naming the key, the value and what is expected."""
+    for key, why in _OTHER_SPECS_KEYS.items():
+        if key in extra:
+            raise ConfigError(f"{key}: not a TieredOffloadingSpec key: {why}")
+    for key in _BOOL_PASSTHROUGH:
+        if key in extra and not isinstance(extra[key], bool):
+            raise ConfigError(f"{key}: expected true or false (a JSON boolean), got {extra[key]!r}")
+    if extra.get("canonical_layout"):
+        raise ConfigError(
+            "canonical_layout: not supported by TieredOffloadingSpec, which stores "
+            "each rank's KV pages as they are; remove the key or set it to false"
+        )
+    if "blocks_per_chunk" in extra:
+        value = extra["blocks_per_chunk"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"blocks_per_chunk: expected a positive integer (GPU blocks per offloaded chunk), got {value!r}"
+            )
+    if "sync_load_budget_bytes" in extra:
+        value = extra["sync_load_budget_bytes"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(
+                f"sync_load_budget_bytes: expected a byte count >= 0 (an integer; vLLM reads it as is), got {value!r}"
+            )
+    for key in ("spec_name", "spec_module_path"):
+        if key in extra and not isinstance(extra[key], str):
+            raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
+    return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
+
+
+def check_extra_hash_algorithm(cfg: TieredConfig) -> None:
+    """``hash_algorithm`` of ``TieredOffloadingSpec`` against vLLM's (``common.check_hash_algorithm``)."""
+    check_hash_algorithm(
+        cfg,
+        fix="so the disk cache is keyed by the hashes vLLM computes",
+        unseeded="chunks on the disk tier will never hit after a restart, nor the shared tier's on another node",
+    )
+
+
+@dataclass(frozen=True)
+class VllmGeometry:
+    """Our view of vLLM's offloading geometry, identical in every process of an engine."""
+
+    tokens_per_block: int
+    blocks_per_chunk: int
+    #: KV bytes of one GPU block on one worker (all offloaded layers).
+    worker_bytes_per_block: int
+    rank: int
+    world_size: int
+    num_cpu_slots: int
+    fingerprint: Fingerprint
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.tokens_per_block * self.blocks_per_chunk
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        """One chunk on one rank: a CPU slot, and a disk block before 4 KiB padding."""
+        return self.worker_bytes_per_block * self.blocks_per_chunk
+
+    def scheduler_layout(self) -> KVCacheLayout:
+        """The chunk as the scheduler sees it: one int8 pseudo-layer of the per-rank bytes
+        of a GPU block (the worker's real layout has the same bytes per chunk)."""
+        layer = LayerLayout("vllm_worker_block", (1, self.worker_bytes_per_block), False)
+        return KVCacheLayout((layer,), torch.int8, self.tokens_per_block, self.blocks_per_chunk)
+
+    @classmethod
+    def from_config(cls, config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> "VllmGeometry":
+        """Derive the geometry; raises ``ConfigError`` when it cannot hold a chunk."""
+        if not config.groups:
+            raise ConfigError("vLLM offers no KV-cache group to offload")
+        if config.worker_kv_bytes_per_block <= 0:
+            raise ConfigError(
+                "vLLM reports no KV bytes per GPU block (worker_kv_bytes_per_block=0) "
+                "for this KV-cache configuration; TieredOffloadingSpec cannot size "
+                "its tiers for it"
+            )
+        p = config.parallel
+        if not 0 <= p.rank < p.world_size:
+            raise ConfigError(f"vLLM rank {p.rank} is outside its world size {p.world_size}")
+        tokens_per_block = config.groups[0].tokens_per_block
+        bpc = config.cache.blocks_per_chunk
+        if cfg.block_size is not None and any(cfg.block_size != g.tokens_per_block * bpc for g in config.groups):
+            raise ConfigError(
+                f"block_size: {cfg.block_size} tokens does not match vLLM's chunk of "
+                f"{bpc} GPU blocks of {tokens_per_block} tokens"
+            )
+        bytes_per_chunk = config.worker_kv_bytes_per_block * bpc
+        num_cpu_slots = cfg.cpu_bytes // bytes_per_chunk
+        if num_cpu_slots < 1:
+            raise ConfigError(
+                f"cpu_bytes: {format_size(cfg.cpu_bytes)} per rank holds no chunk; one "
+                f"chunk is {format_size(bytes_per_chunk)} per rank ({bpc} GPU blocks of "
+                f"{config.worker_kv_bytes_per_block} bytes); expected at least that"
+            )
+        if cfg.disk_path:
+            if p.world_size > 64:
+                raise ConfigError(
+                    f"disk_path: the disk tier keeps one shard per rank and supports at "
+                    f"most 64 ranks; this engine has {p.world_size}"
+                )
+            if cfg.disk_bytes < slot_size_for(bytes_per_chunk):
+                raise ConfigError(
+                    f"disk_bytes: {format_size(cfg.disk_bytes)} per rank holds no chunk; "
+                    f"one disk slot is {format_size(slot_size_for(bytes_per_chunk))}"
+                )
+        return cls(
+            tokens_per_block,
+            bpc,
+            config.worker_kv_bytes_per_block,
+            p.rank,
+            p.world_size,
+            num_cpu_slots,
+            _fingerprint(config, cfg, extra),
+        )
+
+
+def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> Fingerprint:
+    p = config.parallel
+    bpc = config.cache.blocks_per_chunk
+    geometry = (("vllm_worker_block", (int(config.worker_kv_bytes_per_block),)),)
+    for g in config.groups:
+        names = hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]
+        geometry += (
+            (
+                f"kv_group{g.group_id}:{len(g.layer_names)}_layers:{names}",
+                (int(g.tokens_per_block), int(g.sliding_window_size_in_chunks or 0)),
+            ),
+        )
+    layout = (
+        f"kv_cache_layout={config.kv_cache_layout}",
+        f"tp={p.tp_size}",
+        f"pp={p.pp_size}",
+        f"pcp={p.pcp_size}",
+        f"dcp={p.dcp_size}",
+        "pages=per_rank",
+    )
+    if p.data_parallel_size > 1:
+        # Each DP replica is its own engine and writer: give it its own namespace.
+        layout += (f"dp_replica={p.data_parallel_index}/{p.data_parallel_size}",)
+    ident = vllm_model_identity(config.model.name, cfg, extra)
+    seed = cfg.hash_seed if "hash_seed" in extra else os.environ.get("PYTHONHASHSEED", "")
+    tokens_per_block = config.groups[0].tokens_per_block
+    return Fingerprint(
+        model_id=ident.model_id,
+        model_revision=ident.model_revision,
+        dtype=str(config.model.dtype),
+        block_size=tokens_per_block * bpc,
+        gpu_block_size=tokens_per_block,
+        layer_geometry=geometry,
+        kv_layout=layout,
+        tp_size=p.world_size,
+        hash_algorithm=cfg.hash_algorithm,
+        hash_seed=seed,
+        weights_digest=ident.weights_digest,
+        model_settings=ident.model_settings,
+    )
