@@ -13,37 +13,34 @@ pieces, by process:
 - ``client.S3Client``: the S3 requests (obstore), credentials from the AWS chain.
 
 Needs the ``s3`` extra (``pip install 'tiered-kv[s3]'``): importing this package does
-not, opening a store does.
+not, opening a store does. The names below resolve on first use, so importing
+``tiered_kv.remote.config`` (as ``tiered_kv.config`` does) loads no other part of the tier.
 """
 
-from tiered_kv.remote.client import (
-    AccessDenied,
-    BucketMissing,
-    RemoteSetupError,
-    Unavailable,
-)
-from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.remote.membership import (
-    Membership,
-    MembershipCache,
-    MembershipProber,
-    RemoteLookup,
-)
-from tiered_kv.remote.object_format import Rejected
-from tiered_kv.remote.store import PutOutcome, RemoteStats, RemoteStore
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "AccessDenied",
-    "BucketMissing",
-    "Membership",
-    "MembershipCache",
-    "MembershipProber",
-    "PutOutcome",
-    "Rejected",
-    "RemoteConfig",
-    "RemoteLookup",
-    "RemoteSetupError",
-    "RemoteStats",
-    "RemoteStore",
-    "Unavailable",
-]
+_EXPORTS = {
+    "AccessDenied": "client",
+    "BucketMissing": "client",
+    "RemoteSetupError": "client",
+    "Unavailable": "client",
+    "RemoteConfig": "config",
+    "Membership": "membership",
+    "MembershipCache": "membership",
+    "MembershipProber": "membership",
+    "RemoteLookup": "membership",
+    "Rejected": "object_format",
+    "PutOutcome": "store",
+    "RemoteStats": "store",
+    "RemoteStore": "store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{module}"), name)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from tiered_kv.config import CHECKSUMS, ConfigError, parse_size
+from tiered_kv.config_values import CHECKSUMS, ConfigError, parse_size
 
 #: What the shared tier receives: every block the CPU tier stores (``write_through``), or
 #: only the blocks the local tiers evict (``evictions``).
