@@ -29,11 +29,8 @@ A store is opened in the process that uses it, after any fork (obstore's runtime
 and connections do not survive one), e.g. by each worker from the shared config.
 
 Memory: uploads hold at most ``max_pending_upload_bytes`` of accepted blocks (a block
-past the bound is ``DROPPED`` at once), plus one object body per connection: each pool
-thread assembles header and payload in a staging buffer it keeps for its next upload,
-since obstore sends one buffer as it lies but joins a list of pieces at several times
-the cost of that one copy; downloads write into the caller's buffers, with one object
-body per connection in flight.
+past the bound is ``DROPPED`` at once), plus one object body per connection; downloads
+write into the caller's buffers, with one object body per connection in flight.
 """
 
 from __future__ import annotations
@@ -47,8 +44,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-
-import numpy as np
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.disk.fingerprint import Fingerprint
@@ -255,7 +250,6 @@ class RemoteStore:
         self._log = _FaultLog()
         self._health = _Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="tkv-remote")
-        self._staging = threading.local()  # each pool thread's upload body (see the module docstring)
         self.reachable = True
         if check:
             try:
@@ -357,7 +351,7 @@ class RemoteStore:
                     self._stats.puts_dropped += 1
                 return PutOutcome.DROPPED
             header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
-            created = self._client.put_new(block_key(self.namespace, block_hash, rank), [self._body(header, views)])
+            created = self._client.put_new(block_key(self.namespace, block_hash, rank), [header, *views])
             self._health.success()
             with self._lock:
                 if created:
@@ -374,19 +368,6 @@ class RemoteStore:
         finally:
             with self._lock:
                 self._pending_bytes -= size
-
-    def _body(self, header: bytes, views: list[memoryview]) -> np.ndarray:
-        """``header`` and ``views`` one after the other in this thread's staging buffer,
-        which is valid until this thread's next upload."""
-        size = len(header) + sum(len(v) for v in views)
-        buf = getattr(self._staging, "body", None)
-        if buf is None or len(buf) < size:
-            buf = self._staging.body = np.empty(size, np.uint8)
-        at = 0
-        for piece in (header, *views):
-            np.copyto(buf[at : at + len(piece)], np.frombuffer(piece, np.uint8))
-            at += len(piece)
-        return buf[:size]
 
     # -- reads ------------------------------------------------------------------------
 
