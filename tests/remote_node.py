@@ -22,7 +22,7 @@ import torch
 from tiered_kv.config import TieredConfig
 from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
 from tiered_kv.remote.tier import RemoteOffloadingManager, RemoteTier
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 
 GPU_BLOCK_SIZE = 16
 BLOCKS_PER_REQUEST = 4
@@ -54,7 +54,7 @@ class ExpectingDriver(EngineDriver):
 
 @dataclass
 class Node:
-    spec: TieredOffloadingSpec
+    spec: HierarchySpec
     driver: EngineDriver
     tier: RemoteTier
 
@@ -118,7 +118,7 @@ def build(
         }
     )
     engine_id = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
-    spec = TieredOffloadingSpec(config, GPU_BLOCK_SIZE, device.layout, engine_id=engine_id)
+    spec = HierarchySpec(config, GPU_BLOCK_SIZE, device.layout, engine_id=engine_id)
     tier = spec.lower_tiers[-1]
     assert [t.name for t in spec.lower_tiers] == ["disk", "remote"]
     driver = (ExpectingDriver if expecting else EngineDriver).from_spec(spec, device)

@@ -31,7 +31,7 @@ from tiered_kv.disk.index import QUARANTINE_SUFFIX
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import NamespaceError
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 
 MUTATIONS = int(os.environ.get("TIERED_KV_FUZZ_MUTATIONS", "520"))
 SEED = 20261125
@@ -70,7 +70,7 @@ def engine_args(tmp_path_factory):
     cache = tmp_path_factory.mktemp("fuzz") / "cache"
     cd.build_cache(cache)
     layout = device().layout
-    spec = TieredOffloadingSpec(config(cache, layout.bytes_per_block, 8, DISK_BLOCKS), GPU_BLOCK_SIZE, layout)
+    spec = HierarchySpec(config(cache, layout.bytes_per_block, 8, DISK_BLOCKS), GPU_BLOCK_SIZE, layout)
     hashes = sorted({b for doc in cd.DOCS for b in doc})
     return cache, spec._fingerprint(), layout, hashes
 

@@ -307,9 +307,9 @@ def test_a_namespace_removed_under_a_starting_engine_is_made_afresh(cache):
 
 
 def _engine_fingerprint(cache: Path, layout):
-    from tiered_kv.tiered.spec import TieredOffloadingSpec
+    from tiered_kv.tiered.spec import HierarchySpec
 
-    return TieredOffloadingSpec(config(cache, layout.bytes_per_block, 8, 32), GPU_BLOCK_SIZE, layout)._fingerprint()
+    return HierarchySpec(config(cache, layout.bytes_per_block, 8, 32), GPU_BLOCK_SIZE, layout)._fingerprint()
 
 
 def test_nothing_is_refused_for_an_entry_it_does_not_open(cache):

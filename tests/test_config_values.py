@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tiered_kv.config import MIN_BARE_SIZE, ConfigError, TieredConfig, parse_size
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 
 
 def from_json(text: str) -> TieredConfig:
@@ -67,7 +67,7 @@ def test_disk_path_false_creates_no_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for value in (False, 5, 0):
         with pytest.raises(ConfigError, match="disk_path: expected a directory path"):
-            TieredOffloadingSpec({"cpu_bytes": "1MiB", "disk_path": value, "disk_bytes": "8MiB"}, gpu_block_size=16)
+            HierarchySpec({"cpu_bytes": "1MiB", "disk_path": value, "disk_bytes": "8MiB"}, gpu_block_size=16)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -108,7 +108,7 @@ def test_disk_bytes_without_disk_path_is_an_error():
         with pytest.raises(ConfigError, match="disk_bytes: set without disk_path"):
             TieredConfig.from_dict(raw)
     with pytest.raises(ConfigError, match="disk_bytes: set without disk_path"):
-        TieredOffloadingSpec({"cpu_bytes": "1MiB", "disk_bytes": "8MiB"}, gpu_block_size=16)
+        HierarchySpec({"cpu_bytes": "1MiB", "disk_bytes": "8MiB"}, gpu_block_size=16)
     assert TieredConfig.from_dict({"disk_path": "/d", "disk_bytes": "1TiB"}).disk_bytes == 1 << 40
 
 

@@ -74,11 +74,11 @@ def warm(model_dir: Path, config: TieredConfig):
 
 
 def hits_in_a_fresh_hierarchy(config: TieredConfig) -> list[int]:
-    """Per prompt, the blocks a new ``TieredOffloadingSpec`` (scheduler and worker) over a
+    """Per prompt, the blocks a new ``HierarchySpec`` (scheduler and worker) over a
     device cache of the model's geometry finds on disk."""
     from tiered_kv.driver import DeviceKVCache
     from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
-    from tiered_kv.tiered.spec import TieredOffloadingSpec
+    from tiered_kv.tiered.spec import HierarchySpec
 
     dev = DeviceKVCache(
         num_layers=LAYERS,
@@ -90,7 +90,7 @@ def hits_in_a_fresh_hierarchy(config: TieredConfig) -> list[int]:
         kv_before_num_blocks=True,
         device="cpu",
     )
-    with TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK) as spec:
+    with HierarchySpec(config, gpu_block_size=GPU_BLOCK) as spec:
         worker = spec.build_worker(dev.kv_caches, True)
         with spec.get_manager() as manager, worker:  # the worker shuts down first
             hasher = PrefixHasher("sha256", resolve_seed("sha256", ""), GPU_BLOCK)

@@ -1,4 +1,4 @@
-"""``tiered-kv inspect`` on real caches written by the whole hierarchy (TieredOffloadingSpec
+"""``tiered-kv inspect`` on real caches written by the whole hierarchy (HierarchySpec
 + EngineDriver, as ``tiered-kv demo`` does): every command, with tables and with --json,
 on a healthy cache, a cache with a flipped byte, a cache an engine in another process
 holds open, an empty directory and paths that are not caches; plus a 1M-entry index."""
@@ -29,7 +29,7 @@ from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import Namespace, list_namespaces
 from tiered_kv.driver import DeviceKVCache, EngineDriver
 from tiered_kv.inspect import evict, open_cache, read_entries
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.workloads import default_workload
 
 _load_commands()
@@ -55,7 +55,7 @@ def device_cache() -> DeviceKVCache:
 def engine(cache_dir: Path) -> Iterator[EngineDriver]:
     """An engine on ``cache_dir``, closed when the block ends: its worker, its manager,
     then the spec's disk store."""
-    with TieredOffloadingSpec({**CONFIG, "disk_path": str(cache_dir)}, gpu_block_size=GPU_BLOCK) as spec:
+    with HierarchySpec({**CONFIG, "disk_path": str(cache_dir)}, gpu_block_size=GPU_BLOCK) as spec:
         driver = EngineDriver.from_spec(spec, device_cache())
         with driver.manager, driver.worker:
             yield driver
@@ -258,8 +258,8 @@ def test_clear_removes_the_namespace(cache):
 _ENGINE = textwrap.dedent("""
     import time, torch
     from tiered_kv.driver import DeviceKVCache, EngineDriver
-    from tiered_kv.tiered.spec import TieredOffloadingSpec
-    spec = TieredOffloadingSpec({config!r}, gpu_block_size={block})
+    from tiered_kv.tiered.spec import HierarchySpec
+    spec = HierarchySpec({config!r}, gpu_block_size={block})
     dev = DeviceKVCache(num_layers=2, num_gpu_blocks=64, gpu_block_size={block}, num_kv_heads=2, head_dim=32,
                         dtype=torch.float16, kv_before_num_blocks=True, device="cpu")
     driver = EngineDriver.from_spec(spec, dev)

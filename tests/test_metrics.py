@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 
 from tiered_kv.driver import DeviceKVCache, EngineDriver
 from tiered_kv.metrics import PrometheusMetrics, TieredStats
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.workloads import default_workload
 
 
@@ -58,7 +58,7 @@ def test_prometheus_metrics_follow_a_real_run(tmp_path):
         num_layers=2, num_gpu_blocks=64, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu"
     )
     layout = device.layout
-    spec = TieredOffloadingSpec(
+    spec = HierarchySpec(
         {
             "cpu_bytes": f"{32 * layout.bytes_per_block}B",
             "disk_path": str(tmp_path),

@@ -1,6 +1,6 @@
 """The shared tier as the third tier (CPU, disk, S3) of the hierarchy, with a real Ceph RGW.
 
-Nodes are built as an engine would be (``TieredOffloadingSpec`` with the config's ``remote``
+Nodes are built as an engine would be (``HierarchySpec`` with the config's ``remote``
 settings, under ``EngineDriver``, see tests/remote_node.py), and every block
 loaded is compared byte for byte with what was computed for it. Shown here: blocks
 evicted from CPU and disk come back from the bucket; two engine processes with their

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.tiered.specs import DiskWrite, DiskWrites, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.transfer_specs import DiskWrite, DiskWrites, TieredLoadSpec, TieredStoreSpec
 
 
 @pytest.mark.parametrize("ids", [[3, 1, 2], np.array([3, 1, 2], dtype=np.int32), (3, 1, 2), range(3, 0, -1)])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tiered_kv.driver import DeviceKVCache, EngineDriver
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.workloads import prefix_hashes
 
 CPU_SLOTS = 16
@@ -20,7 +20,7 @@ def build(tmp_path, device, **config):
         "disk_path": str(tmp_path),
         "model_id": "hierarchy-test",
     }
-    spec = TieredOffloadingSpec({**base, **config}, layout.gpu_block_size, layout)
+    spec = HierarchySpec({**base, **config}, layout.gpu_block_size, layout)
     return spec, EngineDriver.from_spec(spec, device)
 
 
@@ -232,14 +232,14 @@ def test_an_engine_built_in_with_blocks_releases_the_cache_even_when_the_block_r
     config = {"cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B", "disk_path": str(tmp_path), "disk_bytes": "4MiB"}
     docs = documents(num_docs=2, blocks_per_doc=8, seed=4)
     with pytest.raises(RuntimeError, match="the engine failed"):
-        with TieredOffloadingSpec(config, layout.gpu_block_size, layout) as spec:
+        with HierarchySpec(config, layout.gpu_block_size, layout) as spec:
             with spec.build_worker(device.kv_caches, device.kv_before_num_blocks) as worker:
                 with spec.get_manager() as manager:
                     assert EngineDriver(manager, worker, device).run(docs).mismatches == 0
                     raise RuntimeError("the engine failed")
     assert spec.store is None  # the spec closed its disk store
     # Every block the failed engine stored was made durable before it closed.
-    with TieredOffloadingSpec(config, layout.gpu_block_size, layout) as spec:
+    with HierarchySpec(config, layout.gpu_block_size, layout) as spec:
         with spec.build_worker(device.kv_caches, device.kv_before_num_blocks) as worker:
             with spec.get_manager() as manager:
                 assert EngineDriver(manager, worker, device).run(docs).computed == 0

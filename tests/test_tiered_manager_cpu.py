@@ -7,7 +7,7 @@ import pytest
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPULoadStoreSpec
 from tiered_kv.tiered.manager import TieredOffloadingManager
-from tiered_kv.tiered.specs import DiskWrite, DiskWrites, TieredStoreSpec
+from tiered_kv.tiered.transfer_specs import DiskWrite, DiskWrites, TieredStoreSpec
 
 
 def h(i: int) -> bytes:

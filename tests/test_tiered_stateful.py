@@ -31,8 +31,8 @@ from tiered_kv.driver import DeviceKVCache, block_content
 from tiered_kv.host_memory import expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.tiered.handlers import DiskStager
-from tiered_kv.tiered.spec import TieredOffloadingSpec
-from tiered_kv.tiered.specs import TieredLoadSpec
+from tiered_kv.tiered.spec import HierarchySpec
+from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 
 UNIVERSE = [i.to_bytes(8, "big") for i in range(8)]
 CPU_SLOTS = 3
@@ -65,7 +65,7 @@ class Hierarchy(RuleBasedStateMachine):
             "write_policy": self.write_policy,
             "disk_io": self.disk_io,
         }
-        self.spec = TieredOffloadingSpec(config, layout.gpu_block_size, layout)
+        self.spec = HierarchySpec(config, layout.gpu_block_size, layout)
         if self.num_lower == 2:
             # A second disk tier, composed through the public interfaces: the spec's
             # own tier settings on another directory, with a name of its own.
@@ -78,7 +78,7 @@ class Hierarchy(RuleBasedStateMachine):
                 name="disk2",
                 medium="DISK2",
             )
-            self.spec = TieredOffloadingSpec(
+            self.spec = HierarchySpec(
                 config, layout.gpu_block_size, layout, engine_id=self.spec.engine_id, lower_tiers=[second]
             )
         self.worker = self.spec.build_worker(self.device.kv_caches, True)

@@ -127,7 +127,7 @@ _FRESH = textwrap.dedent("""
     from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
     from tiered_kv.host_memory import expand_block_ids
     from tiered_kv.mediums import GPULoadStoreSpec
-    from tiered_kv.tiered.spec import TieredOffloadingSpec
+    from tiered_kv.tiered.spec import HierarchySpec
     from tiered_kv.warmup.inputs import load_config
     prompts_path, out_path, *config_paths = sys.argv[1:]
     results = []
@@ -137,7 +137,7 @@ _FRESH = textwrap.dedent("""
         dev = DeviceKVCache(num_layers={layers}, num_gpu_blocks=32 * f, gpu_block_size={block},
                             num_kv_heads={heads}, head_dim={head_dim}, dtype=torch.float32,
                             kv_before_num_blocks=True, block_size_factor=f, device="cpu")
-        spec = TieredOffloadingSpec(cfg, gpu_block_size={block})
+        spec = HierarchySpec(cfg, gpu_block_size={block})
         worker = spec.build_worker(dev.kv_caches, True)
         manager = spec.get_manager()
         hasher = PrefixHasher(cfg.hash_algorithm, resolve_seed(cfg.hash_algorithm, cfg.hash_seed), {block})

@@ -18,7 +18,7 @@ GB/s per path (median over rounds) and the tier over raw obstore.
 
 Two-node replay (``--only replay``). Two nodes, each with its own device cache, CPU
 and disk tiers and cache directory, built as an engine builds them (the config's
-``remote`` settings under ``TieredOffloadingSpec`` and the engine driver), share the
+``remote`` settings under ``HierarchySpec`` and the engine driver), share the
 bucket under a fresh prefix. One shared-prefix (RAG) workload is split in two: node A
 runs the first half, its uploads land, then node B runs the second half, which asks
 for the same documents with other questions. Prints each node's token hit rate per
@@ -242,13 +242,13 @@ class ReplayShape:
 
 class _Node:
     """One engine node: a device cache, the tiers of ``config`` (CPU, disk in ``cache_dir``,
-    the shared tier), and the engine driver, as ``TieredOffloadingSpec`` builds them."""
+    the shared tier), and the engine driver, as ``HierarchySpec`` builds them."""
 
     def __init__(self, name: str, cache_dir: Path, remote: dict[str, Any], shape: ReplayShape):
         import torch
 
         from tiered_kv.driver import DeviceKVCache, EngineDriver
-        from tiered_kv.tiered.spec import TieredOffloadingSpec
+        from tiered_kv.tiered.spec import HierarchySpec
 
         self.name = name
         self.device = DeviceKVCache(
@@ -271,7 +271,7 @@ class _Node:
                 "remote": remote,
             }
         )
-        self.spec = TieredOffloadingSpec(config, GPU_BLOCK, self.device.layout, engine_id=f"bench-{name}")
+        self.spec = HierarchySpec(config, GPU_BLOCK, self.device.layout, engine_id=f"bench-{name}")
         self.tier = self.spec.lower_tiers[-1]
         self.driver = EngineDriver.from_spec(self.spec, self.device)
         self.remote = self.driver.manager.lower[-1]

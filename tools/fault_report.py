@@ -6,7 +6,7 @@
     python tools/fault_report.py --crash-only --crash-trials 500 --tp 1 2 --disk-io thread process
 
 Runs the fault suite's scenarios (the harness ``tiered_kv.testing``) on the whole hierarchy
-(TieredOffloadingSpec + EngineDriver, CPU tensors standing in for the GPU, POSIX I/O):
+(HierarchySpec + EngineDriver, CPU tensors standing in for the GPU, POSIX I/O):
 
 - kill -9 of an engine in the middle of a store / evict / load storm, one cache per TP
   size for all its trials (each child reopens what the last one left), cycling through

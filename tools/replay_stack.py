@@ -34,7 +34,7 @@ from tiered_kv.abstract import BlockHash, OffloadingManager, PrepareStoreOutput
 from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
 from tiered_kv.mediums import CPULoadStoreSpec
 from tiered_kv.metrics import TRANSFER_TYPES, TieredStats
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.worker.worker import OffloadingWorker
 from tiered_kv.workloads import Workload
 
@@ -210,7 +210,7 @@ class RunResult:
 
 def _build(
     config: str, geometry: Geometry, tiers: Tiers, device: str, work_dir: Path, promote_on_hit: bool
-) -> tuple[EngineDriver, TieredOffloadingSpec | None, Callable[[], None]]:
+) -> tuple[EngineDriver, HierarchySpec | None, Callable[[], None]]:
     """The driver for ``config`` and its spec (None for ``no-offload``), plus a closer."""
     dev = geometry.device_cache(device)
     if config == "no-offload":
@@ -230,7 +230,7 @@ def _build(
     if config == "cpu+disk":
         raw["disk_path"] = str(work_dir)
         raw["disk_bytes"] = f"{tiers.disk_slots * (-(-bpb // 4096) * 4096)}B"
-    spec = TieredOffloadingSpec(raw, gpu_block_size=geometry.gpu_block_size)
+    spec = HierarchySpec(raw, gpu_block_size=geometry.gpu_block_size)
     worker = spec.build_worker(dev.kv_caches, dev.kv_before_num_blocks)
     if config in ("vllm-cpu", "vllm-cpu-arc"):
         from replay_vllm import VllmCpuManagerAdapter

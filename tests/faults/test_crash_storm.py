@@ -1,4 +1,4 @@
-"""kill -9 of the whole hierarchy (TieredOffloadingSpec + EngineDriver in one process)
+"""kill -9 of the whole hierarchy (HierarchySpec + EngineDriver in one process)
 at random moments of a store / evict / load storm, 50 seeded trials on one cache.
 
 After each kill the cache, exactly as the kill left it, passes ``tiered-kv inspect

@@ -28,7 +28,7 @@ from tiered_kv.testing.harness import (
 from tiered_kv.config import ConfigError, format_size
 from tiered_kv.device import host_memory_limit
 from tiered_kv.disk.namespace import CacheLockedError, FingerprintMismatchError, Manifest, NamespaceError
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -87,7 +87,7 @@ def test_a_cache_of_another_model_dtype_or_tp_layout_is_never_served(tmp_path, c
 def test_a_namespace_whose_manifest_records_another_fingerprint_is_refused_naming_the_field(tmp_path):
     fill(tmp_path)
     layout = device(dtype=torch.bfloat16).layout
-    spec = TieredOffloadingSpec(config(tmp_path, layout.bytes_per_block), GPU_BLOCK_SIZE, layout)
+    spec = HierarchySpec(config(tmp_path, layout.bytes_per_block), GPU_BLOCK_SIZE, layout)
     ns = namespace_dirs(tmp_path)[0]
     ns.rename(ns.with_name(spec._fingerprint().namespace_id))  # a directory copied under the wrong name
     with pytest.raises(FingerprintMismatchError, match="dtype: 'bfloat16' here, 'float16' in the cache") as err:

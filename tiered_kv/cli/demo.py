@@ -22,7 +22,7 @@ from tiered_kv.cli import app
 from tiered_kv.config import ConfigError, format_size, parse_size
 from tiered_kv.disk.namespace import NamespaceError
 from tiered_kv.metrics import TRANSFER_TYPES
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
 from tiered_kv.workloads import default_workload
 
@@ -77,7 +77,7 @@ def demo(
         }
         if cache_dir is not None:
             config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)
-        spec = TieredOffloadingSpec(config, gpu_block_size=GPU_BLOCK_SIZE)
+        spec = HierarchySpec(config, gpu_block_size=GPU_BLOCK_SIZE)
         driver = EngineDriver.from_spec(spec, dev)
     except (ConfigError, NamespaceError, OSError, RuntimeError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -103,7 +103,7 @@ def _print(
     report: DriverReport,
     workload,
     dev: DeviceKVCache,
-    spec: TieredOffloadingSpec,
+    spec: HierarchySpec,
     cache_dir: Optional[Path],
 ) -> None:
     bpb = dev.layout.bytes_per_block

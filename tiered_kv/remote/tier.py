@@ -372,7 +372,7 @@ class RemoteOffloadingManager:
 class RemoteTier:
     """The shared tier in the hierarchy: ``remote``'s bucket, ``fingerprint``'s namespace,
     blocks of ``layout``. ``name`` / ``medium`` tell it apart from other lower tiers.
-    Pass it in ``TieredOffloadingSpec(..., lower_tiers=[...])``."""
+    Pass it in ``HierarchySpec(..., lower_tiers=[...])``."""
 
     remote: RemoteConfig
     fingerprint: Fingerprint

@@ -3,7 +3,7 @@
 
 Runs in the calling (test or tool) process; its I/O is the cache directory it is
 given: the hierarchy's own reads and writes, the damage functions' writes into slab
-and index files, read-only verification. Builds the whole hierarchy (``TieredOffloadingSpec``
+and index files, read-only verification. Builds the whole hierarchy (``HierarchySpec``
 + ``EngineDriver``, CPU tensors standing in for the GPU) on small layouts, verifies a
 cache directory block by block, and runs kill -9 trials of ``storm_child`` (forked from
 a fork server that has torch imported, so a trial costs milliseconds, not an import).
@@ -33,7 +33,7 @@ from tiered_kv.disk.io_backends import PosixBackend
 from tiered_kv.disk.namespace import MANIFEST
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.driver import DeviceKVCache, EngineDriver, block_content
-from tiered_kv.tiered.spec import TieredOffloadingSpec
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.workloads import prefix_hashes
 
 GPU_BLOCK_SIZE = 16
@@ -92,16 +92,14 @@ class Hierarchy(Closing):
         self.device = device(dtype=dtype)
         layout = self.device.layout
         cfg = config(cache_dir, layout.bytes_per_block, cpu_blocks, disk_blocks, **extra)
-        self.spec = TieredOffloadingSpec(cfg, GPU_BLOCK_SIZE, layout, engine_id=engine_id, tp_size=tp_size)
+        self.spec = HierarchySpec(cfg, GPU_BLOCK_SIZE, layout, engine_id=engine_id, tp_size=tp_size)
         self.specs = [self.spec]
         if all_ranks and tp_size > 1:
             from tiered_kv.testing.ranks import RanksDriver, RankWorkers
 
             devices = [self.device] + [device(dtype=dtype) for _ in range(1, tp_size)]
             self.specs += [
-                TieredOffloadingSpec(
-                    cfg, GPU_BLOCK_SIZE, layout, engine_id=self.spec.engine_id, rank=r, tp_size=tp_size
-                )
+                HierarchySpec(cfg, GPU_BLOCK_SIZE, layout, engine_id=self.spec.engine_id, rank=r, tp_size=tp_size)
                 for r in range(1, tp_size)
             ]
             workers = [s.build_worker(d.kv_caches, d.kv_before_num_blocks) for s, d in zip(self.specs, devices)]

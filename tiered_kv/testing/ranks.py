@@ -2,7 +2,7 @@
 
 Runs in a test process or a crash child. vLLM runs one worker per rank, each with its
 own KV cache, and reports a job finished once every worker has; here each rank's
-``TieredOffloadingSpec`` builds a real worker over its own ``DeviceKVCache``, and
+``HierarchySpec`` builds a real worker over its own ``DeviceKVCache``, and
 ``RankWorkers`` puts them behind the one worker that ``EngineDriver`` drives. Every
 rank holds the same bytes for a block (``block_content``), so what each rank loads
 and stores can be checked exactly. No I/O of its own.

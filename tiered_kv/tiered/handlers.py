@@ -41,7 +41,7 @@ from tiered_kv.abstract import Closing
 from tiered_kv.host_memory import HostKVCache, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.specs import DiskWrites, TieredLoadSpec
+from tiered_kv.tiered.transfer_specs import DiskWrites, TieredLoadSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ from tiered_kv.config import WRITE_POLICIES, TieredConfig
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.specs import DiskWrites, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.transfer_specs import DiskWrites, TieredLoadSpec, TieredStoreSpec
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""TieredOffloadingSpec: the hierarchy GPU <-> CPU <-> lower tiers from one config.
+"""HierarchySpec: the hierarchy GPU <-> CPU <-> lower tiers from one config.
 
 Constructed in every process from the same config, ``engine_id``, rank and TP size.
 The lower tiers are an ordered list of tier specs (``DiskTier``: the config's disk tier
@@ -30,11 +30,11 @@ from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.tier import remote_tier_from_config
 from tiered_kv.tiered.handlers import TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.manager import TieredOffloadingManager
-from tiered_kv.tiered.specs import TieredLoadSpec
+from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 from tiered_kv.worker.worker import OffloadingHandler
 
 
-class TieredOffloadingSpec(CPUOffloadingSpec, Closing):
+class HierarchySpec(CPUOffloadingSpec, Closing):
     """GPU -> CPU (LRU) -> disk (LRU, persistent) offloading.
 
     ``rank``/``tp_size``: this process's tensor-parallel rank and the TP size (part of

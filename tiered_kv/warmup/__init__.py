@@ -16,7 +16,7 @@ Where the blocks go is a ``BlockLayout``, chosen by name from ``BLOCK_LAYOUTS``:
 KV-cache layout (hence the namespace fingerprint) of the serving engine that will load
 them, how a prompt's K/V become one block's bytes, and how a chunk's hash becomes its
 key. ``kv-first`` is the engine-agnostic layout of ``tiered_kv`` (``DeviceKVCache``,
-``TieredOffloadingSpec`` over ``(2, num_blocks, block_size, kv_heads, head_dim)``
+``HierarchySpec`` over ``(2, num_blocks, block_size, kv_heads, head_dim)``
 tensors named ``layer.<i>``). Other layouts (vLLM's) register with
 ``register_block_layout``.
 

@@ -95,7 +95,7 @@ from tiered_kv.metrics import TieredStats
 from tiered_kv.mediums import CPU, DISK
 from tiered_kv.remote.tier import REMOTE
 from tiered_kv.tiered.manager import TieredOffloadingManager
-from tiered_kv.tiered.specs import TieredLoadSpec
+from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 
 logger = logging.getLogger(__name__)
 

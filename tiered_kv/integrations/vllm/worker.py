@@ -63,7 +63,7 @@ from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.store import RemoteStore
 from tiered_kv.remote.worker import RemoteLoadHandler, RemoteStager
 from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
-from tiered_kv.tiered.specs import TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.cpu_gpu import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
 from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
 from tiered_kv.worker.worker import TransferResult, TransferSpec
