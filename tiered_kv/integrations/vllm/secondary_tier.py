@@ -43,6 +43,9 @@ the disk tier, so the next lookup is a miss; a write that fails (a full disk, EI
 fails its store job and the chunk is not kept; a store that finds no free slot (all
 pinned) or more than ``max_pending_disk_writes`` chunks already waiting is refused.
 Each case is logged and counted (``stats``, and the ``tiered_kv_disk_tier_*`` metrics).
+
+The entry's keys and the namespace are checked and built in ``secondary_config.py``;
+the counters and config-info facts are ``secondary_stats.py``'s.
 """
 
 from __future__ import annotations
@@ -52,22 +55,18 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
-    ConfigInfo,
     ConfigInfoMapping,
-    Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -75,42 +74,26 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tiered_kv.config import ConfigError, TieredConfig, format_size
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.config import format_size
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.integrations.vllm.common import check_hash_algorithm, vllm_model_identity
-from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.integrations.vllm.common import vllm_model_identity
+from tiered_kv.integrations.vllm.secondary_config import (
+    chunk_fingerprint,
+    chunk_layout,
+    check_tier_hash_algorithm,
+    parse_locality,
+    parse_tier_config,
+)
+from tiered_kv.integrations.vllm.secondary_stats import DiskTierInfo, DiskTierStats, metric_definitions, stats_since
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
-    from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "TieredDiskTier",
-    "DiskTierStats",
-    "parse_tier_config",
-    "chunk_fingerprint",
-    "chunk_layout",
-    "VLLM_TIER_KEYS",
-]
-
-#: Keys of a ``secondary_tiers`` entry that belong to vLLM (its factory reads them).
-VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
-
-#: Our own keys that mean nothing under vLLM's tiering spec, and what to do instead.
-_NOT_FOR_A_SECONDARY_TIER = {
-    "remote": "the shared tier is not a part of this disk tier; it runs under TieredOffloadingSpec",
-    "cpu_bytes": "the CPU tier is vLLM's here; size it with cpu_bytes_to_use in kv_connector_extra_config",
-    "write_policy": "vLLM copies every chunk that reaches its CPU tier to every secondary "
-    "tier (write-through); there is no other policy",
-    "promote_on_hit": "vLLM always promotes a secondary-tier hit into its CPU tier",
-    "block_size": "the chunk size is vLLM's; set block_size in kv_connector_extra_config, not inside the tier entry",
-    "gpu_copy": "vLLM's own handlers move bytes between the GPU and its CPU tier here",
-}
+__all__ = ["TieredDiskTier"]
 
 #: Store threads: two, so one group's fdatasync and index commit overlap the next
 #: group's writes. Load threads: their own (a promotion never queues behind stores), and
@@ -120,103 +103,6 @@ _LOAD_THREADS = 4
 #: Store jobs that queued up while the store threads were busy are written as one group,
 #: up to this many bytes: one fdatasync and one index commit for all of them.
 _GROUP_BYTES = 64 << 20
-
-
-def parse_tier_config(raw: Mapping[str, Any]) -> TieredConfig:
-    """Validate one ``secondary_tiers`` entry (with or without vLLM's ``type`` and
-    ``module_path``). Our keys use human units as in ``TieredConfig``; vLLM's keys
-    (``VLLM_TIER_KEYS``) pass through. Raises ``ConfigError`` naming an unknown key, a
-    bad value, a key that has no meaning here, or a missing ``disk_path``."""
-    cfg = TieredConfig.from_dict(raw, passthrough_keys=VLLM_TIER_KEYS)
-    for key, why in _NOT_FOR_A_SECONDARY_TIER.items():
-        if key in raw:
-            raise ConfigError(f"{key}: not a setting of the TieredDiskTier secondary tier: {why}")
-    if not cfg.disk_path:
-        raise ConfigError(
-            "disk_path: required; the directory (on local NVMe) that holds the "
-            'disk tier, e.g. "disk_path": "/mnt/nvme/tiered-kv"'
-        )
-    return cfg
-
-
-def _parse_locality(value: Any) -> Locality | None:
-    if value is None:
-        return None
-    try:
-        return Locality(str(value).upper())
-    except ValueError:
-        raise ConfigError(f"locality: expected LOCAL or REMOTE, got {value!r}") from None
-
-
-def chunk_layout(tokens_per_chunk: int, stride: int) -> KVCacheLayout:
-    """The disk tier's view of one vLLM chunk: a single uint8 pseudo-layer of ``stride``
-    bytes, one offloaded block of ``tokens_per_chunk`` tokens."""
-    return KVCacheLayout(
-        (LayerLayout("vllm_cpu_chunk", (1, stride), False),),
-        torch.uint8,
-        gpu_block_size=tokens_per_chunk,
-        block_size_factor=1,
-    )
-
-
-def chunk_fingerprint(
-    config: "OffloadingConfig",
-    stride: int,
-    cfg: TieredConfig,
-    *,
-    replicated_layout: bool = False,
-    model_id: str | None = None,
-    hash_seed: str | None = None,
-    identity: Any = None,
-) -> Fingerprint:
-    """The namespace key of vLLM CPU-tier rows of ``stride`` bytes (module docstring).
-    ``model_id``/``hash_seed`` override ``cfg``'s (callers resolve the defaults);
-    ``identity`` (``common.VllmModelIdentity``) gives the model's revision, weights
-    digest and settings."""
-    p = config.parallel
-    groups = config.groups
-    tokens_per_block = max((g.tokens_per_block for g in groups), default=config.cache.tokens_per_hash)
-    geometry = (
-        ("vllm_cpu_chunk", (int(stride), int(config.worker_kv_bytes_per_block), int(config.cache.blocks_per_chunk))),
-    )
-    geometry += tuple(
-        (
-            f"kv_group{g.group_id}",
-            (int(g.tokens_per_block), len(g.layer_names), int(g.sliding_window_size_in_chunks or 0)),
-        )
-        for g in groups
-    )
-    row_format = (
-        f"tp={p.tp_size}",
-        f"pp={p.pp_size}",
-        f"pcp={p.pcp_size}",
-        f"dcp={p.dcp_size}",
-        f"world={p.world_size}",
-        f"replicated={bool(replicated_layout)}",
-        f"canonical={bool(config.canonical_layout)}",
-        f"kv_cache_layout={config.kv_cache_layout}",
-    )
-    return Fingerprint(
-        model_id=str(model_id if model_id is not None else cfg.model_id),
-        model_revision=identity.model_revision if identity is not None else cfg.model_revision,
-        dtype=str(config.model.dtype),
-        block_size=tokens_per_block * config.cache.blocks_per_chunk,
-        gpu_block_size=tokens_per_block,
-        layer_geometry=geometry,
-        kv_layout=row_format,
-        tp_size=1,
-        hash_algorithm=cfg.hash_algorithm,
-        hash_seed=str(hash_seed if hash_seed is not None else cfg.hash_seed),
-        weights_digest=identity.weights_digest if identity is not None else None,
-        model_settings=identity.model_settings if identity is not None else None,
-    )
-
-
-def _check_hash_algorithm(cfg: TieredConfig) -> None:
-    """``hash_algorithm`` of a tier entry against vLLM's (``common.check_hash_algorithm``)."""
-    check_hash_algorithm(
-        cfg, fix="in the tier entry", unseeded="chunks written to the disk tier will never hit after a restart"
-    )
 
 
 def _primary_rows(flat_view: memoryview, stride: int) -> torch.Tensor:
@@ -234,61 +120,6 @@ def _row_runs(chunk_ids: np.ndarray) -> list[tuple[int, int, int]]:
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(chunk_ids)]))
     return [(int(s), int(chunk_ids[s]), int(e - s)) for s, e in zip(starts, ends)]
-
-
-@dataclass
-class DiskTierStats:
-    """Counters of one tier (monotonic, in chunks unless named otherwise)."""
-
-    stored: int = 0  # written, durable and indexed
-    store_failed: int = 0  # the write failed (full disk, EIO, index error): not kept
-    store_skipped: int = 0  # refused: no free slot, or too many writes already waiting
-    evicted: int = 0  # LRU victims to make room
-    promoted: int = 0  # read, verified and copied into vLLM's CPU tier
-    promotion_failed: int = 0  # missing, unreadable or corrupt: dropped, recomputed by vLLM
-    corrupt: int = 0  # of which failed their checksum (the store's count)
-    failed_store_jobs: int = 0
-    failed_promotion_jobs: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-#: Prometheus name and help of each counter reported to vLLM.
-_COUNTERS = {
-    "stored": ("tiered_kv_disk_tier_stored_chunks", "Chunks written to the disk tier, durable and indexed."),
-    "store_failed": (
-        "tiered_kv_disk_tier_store_failed_chunks",
-        "Chunks whose disk write failed (full disk, I/O error); not kept.",
-    ),
-    "store_skipped": (
-        "tiered_kv_disk_tier_store_skipped_chunks",
-        "Chunks not written: no free disk slot, or too many writes waiting.",
-    ),
-    "evicted": ("tiered_kv_disk_tier_evicted_chunks", "Chunks evicted (LRU) from the disk tier to make room."),
-    "promoted": ("tiered_kv_disk_tier_promoted_chunks", "Chunks read, verified and copied into vLLM's CPU tier."),
-    "promotion_failed": (
-        "tiered_kv_disk_tier_promotion_failed_chunks",
-        "Chunks that could not be promoted (missing, unreadable or corrupt); dropped from the disk tier.",
-    ),
-    "corrupt": (
-        "tiered_kv_disk_tier_corrupt_chunks",
-        "Chunks that failed their checksum on read; dropped from the disk tier.",
-    ),
-}
-_USED_GAUGE = "tiered_kv_disk_tier_used_chunks"
-
-
-@dataclass(frozen=True)
-class DiskTierInfo(ConfigInfo):
-    """Static facts of one tier on ``vllm:kv_offload_config_info``."""
-
-    disk_path: str
-    disk_namespace: str
-    disk_capacity_chunks: int
-    disk_chunk_bytes: int
-    disk_io_backend: str
-    disk_checksum: str
 
 
 @dataclass
@@ -328,8 +159,8 @@ class TieredDiskTier(SecondaryTierManager):
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = cfg = parse_tier_config(tier_config)
-        _check_hash_algorithm(cfg)
-        self.locality = _parse_locality(tier_config.get("locality"))
+        check_tier_hash_algorithm(cfg)
+        self.locality = parse_locality(tier_config.get("locality"))
         vconf = offloading_spec.config
         stride = self.block_size_bytes
         identity = vllm_model_identity(vconf.model.name, cfg, tier_config)
@@ -629,21 +460,12 @@ class TieredDiskTier(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        defs: dict[str, OffloadingMetricMetadata] = {
-            name: OffloadingCounterMetadata(documentation=doc) for name, doc in _COUNTERS.values()
-        }
-        defs[_USED_GAUGE] = OffloadingGaugeMetadata(documentation="Chunks held by the disk tier.")
-        return defs
+        return metric_definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counter increments since the last call, and the chunks held now."""
-        out = OffloadingConnectorStats()
-        for attr, (name, _) in _COUNTERS.items():
-            delta = getattr(self.stats, attr) - getattr(self._reported, attr)
-            if delta:
-                out.increase_counter(name, delta)
+        out = stats_since(self.stats, self._reported, len(self.disk_manager))
         self._reported = DiskTierStats(**self.stats.as_dict())
-        out.set_gauge(_USED_GAUGE, len(self.disk_manager))
         return out
 
     @classmethod
