@@ -36,12 +36,13 @@ import torch
 
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.device import can_pin_memory
-from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.store import PutOutcome, RemoteStore
-from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
+from tiered_kv.worker.worker import TransferSpec
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class RemoteStager:
         self._packer.shutdown(wait=True)
 
 
-class RemoteLoadHandler(OffloadingHandler):
+class RemoteLoadHandler(ThreadedHandler):
     """Shared tier -> CPU slots (``to_gpu=False``) or -> device KV cache (``to_gpu=True``).
 
     Takes ``(spec with block_hashes, CPULoadStoreSpec | GPULoadStoreSpec)`` jobs (the
@@ -189,11 +190,7 @@ class RemoteLoadHandler(OffloadingHandler):
         self._rows = max(1, chunk_bytes // layout.bytes_per_block)
         self._device = self.tensors[0].device if self.tensors else torch.device("cpu")
         self._bounce: torch.Tensor | None = None  # one job thread: one buffer
-        self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"tkv-{self.kind}")
-        self._cond = threading.Condition()
-        self._finished: list[TransferResult] = []
-        self._inflight: set[int] = set()
-        self._closed = False
+        super().__init__(1, f"tkv-{self.kind}")
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src, dst = spec
@@ -205,28 +202,11 @@ class RemoteLoadHandler(OffloadingHandler):
         except ValueError as e:
             logger.error("rejecting %s job %d: %s", self.kind, job_id, e)
             return False
-        with self._cond:
-            if self._closed:
-                return False
-            self._inflight.add(job_id)
-        self._jobs.submit(self._run, job_id, [bytes(h) for h in hashes], ids)
-        return True
+        return self._submit(job_id, self._run, job_id, [bytes(h) for h in hashes], ids)
 
     def _kernel_ids(self, dst: LoadStoreSpec, n: int) -> np.ndarray:
         f = self.layout.block_size_factor
-        if not self.to_gpu:
-            if len(dst) != n:
-                raise ValueError(f"{len(dst)} CPU slots but {n} blocks; expected one per block")
-            return expand_block_ids(dst.block_ids, f).reshape(-1, f)
-        skip = dst.skip_count
-        if not 0 <= skip < f or len(dst) + skip != n * f:
-            raise ValueError(
-                f"GPU spec has {len(dst)} block ids with skip_count {skip}; {n} blocks of "
-                f"{f} GPU blocks need {n * f} - skip_count ids"
-            )
-        ids = np.full(n * f, -1, dtype=np.int64)
-        ids[skip:] = dst.block_ids
-        return ids.reshape(n, f)
+        return gpu_kernel_rows(dst, n, f) if self.to_gpu else cpu_kernel_rows(dst, n, f)
 
     def _buffer(self) -> torch.Tensor:
         if self._bounce is None:
@@ -248,10 +228,7 @@ class RemoteLoadHandler(OffloadingHandler):
         seconds = time.perf_counter() - start
         nbytes = len(hashes) * self.layout.bytes_per_block
         self.stats.record_transfer(self.kind, nbytes, seconds, success=ok, blocks=len(hashes))
-        with self._cond:
-            self._inflight.discard(job_id)
-            self._finished.append(TransferResult(job_id, ok, seconds if ok else None, nbytes if ok else None))
-            self._cond.notify_all()
+        self._finish(job_id, ok, seconds, nbytes)
 
     def _load(self, hashes: list[bytes], ids: np.ndarray) -> bool:
         bounce = self._buffer()
@@ -265,22 +242,6 @@ class RemoteLoadHandler(OffloadingHandler):
             if self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()  # the KV is in place
         return True
-
-    def get_finished(self) -> list[TransferResult]:
-        with self._cond:
-            out, self._finished = self._finished, []
-        return out
-
-    def wait(self, job_ids: set[int]) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not (self._inflight & set(job_ids)))
-
-    def shutdown(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-        self._jobs.shutdown(wait=True)
 
 
 __all__ = ["RemoteLoadHandler", "RemoteStager"]

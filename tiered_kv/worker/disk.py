@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -45,12 +45,13 @@ from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.device import TransferStream, can_pin_memory
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
+from tiered_kv.worker.worker import TransferSpec
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,9 @@ class _StagingPool:
         return self._host_buffer(n, False)
 
 
-class _DiskHandler(OffloadingHandler):
-    """Shared machinery of the disk handlers: job threads, staging, pipelined store/load."""
+class _DiskHandler(ThreadedHandler):
+    """Shared machinery of the disk handlers: staging, pipelined store/load (job
+    bookkeeping: ``ThreadedHandler``)."""
 
     #: (store kind, load kind) names for stats.
     kinds: tuple[str, str] = ("", "")
@@ -169,11 +171,7 @@ class _DiskHandler(OffloadingHandler):
         rows = max(2, staging_bytes // store.slot_size)
         pin = can_pin_memory()
         self._staging = _StagingPool(job_threads, rows, store.slot_size, pin, staging_device, store.host_buffer)
-        self._jobs = ThreadPoolExecutor(job_threads, thread_name_prefix=f"tkv-{type(self).__name__}")
-        self._cond = threading.Condition()
-        self._finished: list[TransferResult] = []
-        self._inflight: set[int] = set()
-        self._closed = False
+        super().__init__(job_threads, f"tkv-{type(self).__name__}")
 
     # ------------------------------------------------------------ OffloadingHandler
 
@@ -189,30 +187,9 @@ class _DiskHandler(OffloadingHandler):
         except ValueError as e:
             logger.error("rejecting disk job %d: %s", job_id, e)
             return False
-        with self._cond:
-            if self._closed:
-                return False
-            self._inflight.add(job_id)
-        self._jobs.submit(self._run, job_id, kind, ids, list(disk.block_hashes), disk.block_ids.tolist())
-        return True
+        return self._submit(job_id, self._run, job_id, kind, ids, list(disk.block_hashes), disk.block_ids.tolist())
 
-    def get_finished(self) -> list[TransferResult]:
-        with self._cond:
-            out, self._finished = self._finished, []
-        return out
-
-    def wait(self, job_ids: set[int]) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not (self._inflight & set(job_ids)))
-
-    def shutdown(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-        self._jobs.shutdown(wait=True)
-        with self._cond:  # stores whose commit is still queued
-            self._cond.wait_for(lambda: not self._inflight)
+    def _release(self) -> None:
         if self._owns_store:
             self.store.close()
 
@@ -243,12 +220,9 @@ class _DiskHandler(OffloadingHandler):
             logger.exception("disk job %d (%s, %d blocks) failed", job_id, kind, n)
             ok = False
         seconds = time.perf_counter() - t0
-        self.stats.record_transfer(kind, n * self.layout.bytes_per_block, seconds, success=ok, blocks=n)
-        with self._cond:
-            self._inflight.discard(job_id)
-            nbytes = n * self.layout.bytes_per_block
-            self._finished.append(TransferResult(job_id, ok, seconds if ok else None, nbytes if ok else None))
-            self._cond.notify_all()
+        nbytes = n * self.layout.bytes_per_block
+        self.stats.record_transfer(kind, nbytes, seconds, success=ok, blocks=n)
+        self._finish(job_id, ok, seconds, nbytes)
 
     def _chunks(self, n: int, half: int) -> list[tuple[int, int]]:
         return [(a, min(n, a + half)) for a in range(0, n, half)]
@@ -361,10 +335,7 @@ class CpuDiskHandler(_DiskHandler):
         return (ids[:, 0] // self.layout.block_size_factor).tolist()
 
     def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
-        if len(spec) != n:
-            raise ValueError(f"{len(spec)} CPU slots but {n} disk slots; expected one per block")
-        f = self.layout.block_size_factor
-        return expand_block_ids(spec.block_ids, f).reshape(-1, f)
+        return cpu_kernel_rows(spec, n, self.layout.block_size_factor, "disk slots")
 
 
 class GpuDiskHandler(_DiskHandler):
@@ -385,20 +356,12 @@ class GpuDiskHandler(_DiskHandler):
 
     def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
         assert isinstance(spec, GPULoadStoreSpec)
-        f = self.layout.block_size_factor
         skip = spec.skip_count
         if store and skip:
             raise ValueError(
                 f"a GPU->DISK store cannot start mid-block (skip_count={skip}); only whole blocks are stored"
             )
-        if not 0 <= skip < f or len(spec) + skip != n * f:
-            raise ValueError(
-                f"GPU spec has {len(spec)} block ids with skip_count {skip}; {n} disk "
-                f"blocks of {f} GPU blocks need {n * f} - skip_count ids"
-            )
-        ids = np.full(n * f, -1, dtype=np.int64)
-        ids[skip:] = spec.block_ids
-        return ids.reshape(n, f)
+        return gpu_kernel_rows(spec, n, self.layout.block_size_factor, "disk blocks")
 
     def _pack(self, ids: np.ndarray, rows: torch.Tensor, mirror: torch.Tensor | None) -> None:
         if self._stream is None:

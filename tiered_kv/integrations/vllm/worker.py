@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +67,7 @@ from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStore
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.cpu_gpu import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
 from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
-from tiered_kv.worker.worker import TransferResult, TransferSpec
+from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +247,8 @@ class TieredVllmWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: VllmLoadStoreSpec) -> bool:
         store = _inner(dst_spec, TieredStoreSpec)
         slots = store.block_ids
-        try:
+
+        def transfer() -> tuple[int, TransferSpec]:
             rows = gpu_rows(src_spec, self.factor, len(slots))
             keep = rows >= 0
             dst = TieredStoreSpec(
@@ -254,15 +256,9 @@ class TieredVllmWorker(OffloadingWorker):
                 spills=store.tier_spills,
                 write_through=store.tier_write_through,
             )
-            self._track(job_id, "store", slots, int(keep.sum()))
-            accepted = self.store_handler.transfer_async(job_id, (GPULoadStoreSpec(rows[keep]), dst))
-        except Exception:
-            logger.exception("rank %d: store job %d could not be submitted", self.rank, job_id)
-            accepted = False
-        if not accepted:
-            self._track(job_id, "store", slots, 0)
-            self._failed_on_submit.append(job_id)
-        return True  # vLLM asserts acceptance; a refusal is handled as a failed job
+            return int(keep.sum()), (GPULoadStoreSpec(rows[keep]), dst)
+
+        return self._submit(job_id, "store", slots, self.store_handler, transfer)
 
     def submit_load(
         self, job_id: int, src_spec: VllmLoadStoreSpec, dst_spec: VllmGPUSpec, expedited: bool = False
@@ -273,16 +269,35 @@ class TieredVllmWorker(OffloadingWorker):
             if isinstance(src, TieredLoadSpec)
             else np.zeros(0, dtype=np.int64)
         )
-        try:
+
+        def transfer() -> tuple[int, TransferSpec]:
             num_chunks = len(src) if isinstance(src, TieredLoadSpec) else len(src.block_ids)
             rows = gpu_rows(dst_spec, self.factor, num_chunks)
-            self._track(job_id, "load", promoted, int((rows >= 0).sum()))
-            accepted = self.load_handler.transfer_async(job_id, (src, GPURowsSpec(rows)))
+            return int((rows >= 0).sum()), (src, GPURowsSpec(rows))
+
+        return self._submit(job_id, "load", promoted, self.load_handler, transfer)
+
+    def _submit(
+        self,
+        job_id: int,
+        kind: str,
+        slots: np.ndarray,
+        handler: OffloadingHandler,
+        transfer: Callable[[], tuple[int, TransferSpec]],
+    ) -> bool:
+        """Hand job ``job_id`` to ``handler``; ``transfer()`` gives its GPU blocks and its
+        spec. ``slots``: the CPU slots it writes. A job that cannot be submitted is
+        reported failed by the next ``get_finished``: vLLM asserts acceptance, so this
+        always returns True."""
+        try:
+            gpu_blocks, spec = transfer()
+            self._track(job_id, kind, slots, gpu_blocks)
+            accepted = handler.transfer_async(job_id, spec)
         except Exception:
-            logger.exception("rank %d: load job %d could not be submitted", self.rank, job_id)
+            logger.exception("rank %d: %s job %d could not be submitted", self.rank, kind, job_id)
             accepted = False
         if not accepted:
-            self._track(job_id, "load", promoted, 0)
+            self._track(job_id, kind, slots, 0)
             self._failed_on_submit.append(job_id)
         return True
 
