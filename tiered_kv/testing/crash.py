@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tiered_kv.testing.harness import (
     Hierarchy,
-    VerifyResult,
+    CacheCheck,
     fork_context,
     inspect_verify,
     namespace_dirs,
@@ -79,7 +79,7 @@ class CrashTrial:
     acked: int  # blocks the journal says must have survived
     lost: list[bytes]
     tolerated: int  # missing blocks an interrupted eviction may explain
-    verify: VerifyResult
+    verify: CacheCheck
     cli: tuple[int, str] | None
     loadable_after_reopen: int
     disk_io: str = "thread"

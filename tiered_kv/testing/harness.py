@@ -362,7 +362,7 @@ DAMAGE = {
 
 
 @dataclass
-class VerifyResult:
+class CacheCheck:
     """What a block-by-block check of a cache directory found. ``corrupt``: complete
     entries whose bytes fail their checksum (or cannot be read); ``wrong``: entries
     whose bytes pass the checksum but are not the block's bytes (a stale or
@@ -388,11 +388,11 @@ def snapshot_hashes(snap: IndexSnapshot) -> list[tuple[bytes, int]]:
     return out
 
 
-def verify_cache(cache_dir: str | os.PathLike, check_content: bool = True) -> VerifyResult:
+def verify_cache(cache_dir: str | os.PathLike, check_content: bool = True) -> CacheCheck:
     """Read every complete block of every namespace read-only (no lock, nothing
     written) and check it against its checksum and, with ``check_content``, against
     ``block_content``. An index that cannot be opened is an error, not an exception."""
-    res = VerifyResult()
+    res = CacheCheck()
     for ns_dir in namespace_dirs(cache_dir):
         res.namespaces += 1
         try:
