@@ -22,6 +22,7 @@ import torch
 from tiered_kv.config import TieredConfig
 from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
 from tiered_kv.remote.tier import RemoteOffloadingManager, RemoteTier
+from tiered_kv.abstract import Closing
 from tiered_kv.tiered.spec import HierarchySpec
 
 GPU_BLOCK_SIZE = 16
@@ -53,7 +54,7 @@ class ExpectingDriver(EngineDriver):
 
 
 @dataclass
-class Node:
+class Node(Closing):
     spec: HierarchySpec
     driver: EngineDriver
     tier: RemoteTier

@@ -38,8 +38,7 @@ def _only_remote(node, reqs) -> int:
 
 
 def test_blocks_evicted_from_cpu_and_disk_come_back_from_the_bucket(tmp_path, remote_settings):
-    node = build(tmp_path / "cache", remote_settings)
-    try:
+    with build(tmp_path / "cache", remote_settings) as node:
         assert isinstance(node.spec.lower_tiers[-1], RemoteTier)
         first = node.run(requests(0, 30))  # 120 blocks: CPU and disk hold 16 each, the device 32
         n = 30 * BLOCKS_PER_REQUEST
@@ -60,8 +59,6 @@ def test_blocks_evicted_from_cpu_and_disk_come_back_from_the_bucket(tmp_path, re
         assert moved == remote_hits * node.tier.layout.bytes_per_block
         assert node.spec.stats.tiers["remote"]["hits"] == remote_hits
         assert node.tier.store.stats().gets_hit == remote_hits
-    finally:
-        node.close()
 
 
 def _run_node(settings: dict) -> dict:
@@ -113,8 +110,7 @@ def test_server_killed_mid_run_costs_misses_never_a_crash_or_stall(tmp_path, rgw
         "failure_threshold": 2,
         "unavailable_cooldown": "30s",
     }
-    node = build(tmp_path / "cache", settings)
-    try:
+    with build(tmp_path / "cache", settings) as node:
         node.run(requests(0, 12))  # the device keeps requests 4..11, CPU and disk fewer
         assert node.remote.counters["confirmed"] == 12 * BLOCKS_PER_REQUEST
         assert _only_remote(node, requests(0, 4)) > 0
@@ -134,8 +130,6 @@ def test_server_killed_mid_run_costs_misses_never_a_crash_or_stall(tmp_path, rgw
         assert tier_stats["drops"] + tier_stats["failed_stores"] >= 4 * BLOCKS_PER_REQUEST
         assert node.remote.counters["released"] >= 4 * BLOCKS_PER_REQUEST  # learned: they never landed
         assert node.remote.num_pending() == 0
-    finally:
-        node.close()
 
 
 def test_uploads_past_the_bound_are_dropped_and_counted_never_waited_for(tmp_path, rgw_server, remote_settings):
@@ -166,11 +160,8 @@ def test_uploads_past_the_bound_are_dropped_and_counted_never_waited_for(tmp_pat
 
 
 def test_remote_tier_from_config_names_the_bad_key(tmp_path, remote_settings):
-    node = build(tmp_path / "cache", remote_settings)
-    try:
+    with build(tmp_path / "cache", remote_settings) as node:
         layout, fingerprint = node.tier.layout, node.tier.fingerprint
-    finally:
-        node.close()
     tier = remote_tier_from_config(remote_settings, fingerprint, layout, "engine", rank=0)
     assert tier.remote.bucket == remote_settings["bucket"] and tier.name == "remote"
     with pytest.raises(ConfigError, match=r"remote\.max_pending_upload_bytes"):

@@ -46,8 +46,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def test_cpu_spec_stores_then_serves_a_prefix_from_the_cpu_tier(model_dir):
-    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(16, GPU_BLOCK_BYTES), num_gpu_blocks=32)
-    try:
+    with vh.VllmHarness.build(model_dir, _cpu_spec_config(16, GPU_BLOCK_BYTES), num_gpu_blocks=32) as h:
         assert isinstance(h.manager, CPUOffloadingManager)
         prompt = _prompt(1, 5 * BLOCK + 3)
 
@@ -67,13 +66,10 @@ def test_cpu_spec_stores_then_serves_a_prefix_from_the_cpu_tier(model_dir):
         h.reset_gpu_prefix_cache()
         other = prompt[: 2 * BLOCK] + _prompt(2, 3 * BLOCK)
         assert h.serve(other).external == 2 * BLOCK
-    finally:
-        h.shutdown()
 
 
 def test_cpu_spec_evicts_lru_chunks_when_the_pool_is_full(model_dir):
-    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(4, GPU_BLOCK_BYTES), num_gpu_blocks=32)
-    try:
+    with vh.VllmHarness.build(model_dir, _cpu_spec_config(4, GPU_BLOCK_BYTES), num_gpu_blocks=32) as h:
         a, b = _prompt(3, 2 * BLOCK + 1), _prompt(4, 2 * BLOCK + 1)
         h.serve(a)
         h.serve(b)  # the pool (4 chunks) now holds a's 2 blocks and b's 2 blocks
@@ -83,26 +79,20 @@ def test_cpu_spec_evicts_lru_chunks_when_the_pool_is_full(model_dir):
         assert h.serve(a).external == 0
         h.reset_gpu_prefix_cache()
         assert h.serve(c).external == 2 * BLOCK
-    finally:
-        h.shutdown()
 
 
 def test_hash_blocks_are_the_hashes_the_scheduler_uses(model_dir):
-    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(4, GPU_BLOCK_BYTES))
-    try:
+    with vh.VllmHarness.build(model_dir, _cpu_spec_config(4, GPU_BLOCK_BYTES)) as h:
         prompt = _prompt(6, 3 * BLOCK + 5)
         req_id = h.add_request(prompt)
         request = h.scheduler.requests[req_id]
         assert [bytes(x) for x in request.block_hashes] == vh.hash_blocks(prompt, BLOCK)
         assert len(vh.hash_blocks(prompt, BLOCK)) == 3
         h.run()
-    finally:
-        h.shutdown()
 
 
 def test_stats_flow_through_vllms_prometheus_side(model_dir):
-    h = vh.VllmHarness.build(model_dir, _cpu_spec_config(8, GPU_BLOCK_BYTES), num_gpu_blocks=32)
-    try:
+    with vh.VllmHarness.build(model_dir, _cpu_spec_config(8, GPU_BLOCK_BYTES), num_gpu_blocks=32) as h:
         h.serve(_prompt(7, 3 * BLOCK + 1))
         h.reset_gpu_prefix_cache()
         h.serve(_prompt(7, 3 * BLOCK + 1))
@@ -123,8 +113,6 @@ def test_stats_flow_through_vllms_prometheus_side(model_dir):
         )
         assert info == 1.0
         assert registry.get_sample_value("vllm:kv_offload_lookup_sync_delay_seconds_count", {"engine": "0"}) >= 2
-    finally:
-        h.shutdown()
 
 
 class HostWorker(vh.ChunkCopyWorker):
@@ -156,8 +144,7 @@ def test_real_worker_loads_back_the_stored_bytes(model_dir, offloaded_block):
         spec_module_path=__name__,
         block_size=offloaded_block,
     )
-    h = vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32, worker="real")
-    try:
+    with vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32, worker="real") as h:
         assert type(h.worker_spec).__name__ == "HostWorkerCPUSpec"
         prompt = _prompt(8, 4 * BLOCK + 2)
         h.serve(prompt)
@@ -174,8 +161,6 @@ def test_real_worker_loads_back_the_stored_bytes(model_dir, offloaded_block):
         matches = h.kv_matches(req_id)
         assert len(matches) == 4 and all(matches), matches
         h.run()
-    finally:
-        h.shutdown()
 
 
 def test_tiering_spec_promotes_from_an_out_of_tree_secondary_tier(model_dir):
@@ -192,8 +177,7 @@ def test_tiering_spec_promotes_from_an_out_of_tree_secondary_tier(model_dir):
             {"type": "ExampleSecondaryTierManager", "module_path": "vllm.v1.kv_offload.tiering.example.manager"}
         ],
     }
-    h = vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32)
-    try:
+    with vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32) as h:
         assert isinstance(h.manager, TieringOffloadingManager)
         (tier,) = h.manager.secondary_tiers
         assert isinstance(tier, ExampleSecondaryTierManager)
@@ -206,5 +190,3 @@ def test_tiering_spec_promotes_from_an_out_of_tree_secondary_tier(model_dir):
         load_steps = [i for i, r in enumerate(records) if req_id in r.load_jobs.values()]
         assert load_steps and load_steps[0] >= 1, "a promotion must defer the first lookup"
         assert h.prefix_hits[req_id].external == 2 * BLOCK
-    finally:
-        h.shutdown()

@@ -33,6 +33,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingParallelConfig,
 )
 
+from tiered_kv.abstract import Closing  # noqa: E402
 from tiered_kv.integrations.vllm import TieredOffloadingSpec  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
@@ -55,7 +56,7 @@ def _config(rank: int, engine_id: str, extra: dict, events: bool = False) -> Off
     )
 
 
-class Engine:
+class Engine(Closing):
     """A scheduler-side manager and two workers of one engine, with CPU "GPU" tensors."""
 
     def __init__(self, extra: dict, events: bool = False):
@@ -177,8 +178,9 @@ def test_a_chunk_corrupt_on_one_rank_only_is_a_miss(engine):
 
 def test_a_chunk_is_not_served_from_disk_until_every_rank_wrote_it(tmp_path):
     """A write-through that only one rank completed leaves the chunk unloadable."""
-    engine = Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"})
-    try:
+    with Engine(
+        {"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}
+    ) as engine:
         _fill(engine, 3)
 
         def lost(writes):  # rank 1 loses its disk writes (e.g. it dies before writing)
@@ -193,8 +195,6 @@ def test_a_chunk_is_not_served_from_disk_until_every_rank_wrote_it(tmp_path):
         time.sleep(0.3)
         assert engine.manager.composite.pending_disk_writes() == 4  # never durable on rank 1
         assert engine.lookup(_key(1)) is LookupResult.MISS
-    finally:
-        engine.close()
 
 
 def test_kv_events_name_the_tier(tmp_path):

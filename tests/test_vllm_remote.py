@@ -119,19 +119,15 @@ def _compute_on(h: vh.VllmHarness, prompt: list[int]) -> list[bytes]:
 
 def test_node_b_loads_what_node_a_computed_byte_exact(tmp_path, model_dir, rgw_server, remote_settings):
     prompt = _prompt(1)
-    a = _node(model_dir, remote_settings, tmp_path / "a")
-    try:
+    with _node(model_dir, remote_settings, tmp_path / "a") as a:
         computed = _compute_on(a, prompt)
         keys = set(_objects(rgw_server, remote_settings["prefix"]))
         # One object per chunk and rank (the key names the rank), besides the manifest.
         assert sum(k.endswith("-r0") for k in keys) == CHUNKS
         assert all(any(k.endswith(f"{key.hex()}-r0") for k in keys) for key in _keys(prompt))
         assert a.manager.remote.settle(WAIT) and a.manager.remote.counters["confirmed"] == CHUNKS
-    finally:
-        a.shutdown()
 
-    b = _node(model_dir, remote_settings, tmp_path / "b")  # a fresh cache directory: nothing local
-    try:
+    with _node(model_dir, remote_settings, tmp_path / "b") as b:  # a fresh cache directory: nothing local
         req_id = _admit(b, prompt)
         assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
         ids = b.block_ids(req_id)[:CHUNKS]
@@ -144,38 +140,27 @@ def test_node_b_loads_what_node_a_computed_byte_exact(tmp_path, model_dir, rgw_s
         _settle(b)
         assert b.manager._remote_verifications == {"ok": CHUNKS}
         b.publish_metrics()  # vLLM's Prometheus side accepts every name reported
-    finally:
-        b.shutdown()
 
 
 def test_node_without_disk_tier_shares_through_the_bucket(tmp_path, model_dir, remote_settings):
     """The shared tier directly below CPU where a node has no disk tier."""
     prompt = _prompt(2)
-    a = _node(model_dir, remote_settings)
-    try:
+    with _node(model_dir, remote_settings) as a:
         assert [t.name for t in a.manager.composite.lower] == ["remote"] and a.manager.disk is None
         computed = _compute_on(a, prompt)
-    finally:
-        a.shutdown()
-    b = _node(model_dir, remote_settings)
-    try:
+    with _node(model_dir, remote_settings) as b:
         req_id = _admit(b, prompt)
         assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
         assert [b.gpu_block_bytes(i) for i in b.block_ids(req_id)[:CHUNKS]] == computed
         _settle(b)
-    finally:
-        b.shutdown()
 
 
 @pytest.mark.parametrize("other", ["dtype", "hash_seed"])
 def test_a_node_of_another_fingerprint_never_reads_the_chunks(tmp_path, model_dir, remote_settings, other):
     prompt = _prompt(3)
-    a = _node(model_dir, remote_settings, tmp_path / "a")
-    try:
+    with _node(model_dir, remote_settings, tmp_path / "a") as a:
         _compute_on(a, prompt)
         namespace = a.manager.remote.store.namespace
-    finally:
-        a.shutdown()
     if other == "dtype":  # same geometry and bytes per block, another KV dtype
         other_dir = vh.write_model_config(tmp_path / "bf16", dtype="bfloat16")
         c = _node(other_dir, remote_settings, tmp_path / "c")
@@ -197,17 +182,13 @@ def test_a_node_of_another_fingerprint_never_reads_the_chunks(tmp_path, model_di
 def test_lookup_asks_again_while_the_probe_is_in_flight_then_hits(tmp_path, model_dir, rgw_server, remote_settings):
     prompt = _prompt(4)
     keys = _keys(prompt)
-    a = _node(model_dir, remote_settings, tmp_path / "a")
-    try:
+    with _node(model_dir, remote_settings, tmp_path / "a") as a:
         _compute_on(a, prompt)
-    finally:
-        a.shutdown()
     target = rgw_server.endpoint.removeprefix("http://")
     with FaultProxy(target) as proxy:
         # Probes wait on the proxy, not on a timeout that could run out under a slow machine.
         slow = {**remote_settings, "endpoint": proxy.endpoint, "request_timeout": "120s", "retries": 3}
-        b = _node(model_dir, slow, tmp_path / "b")
-        try:
+        with _node(model_dir, slow, tmp_path / "b") as b:
             manager = b.manager
             proxy.set_mode("stall")
             req_id = b.add_request(prompt, max_tokens=3)
@@ -228,23 +209,17 @@ def test_lookup_asks_again_while_the_probe_is_in_flight_then_hits(tmp_path, mode
             assert all(b.kv_matches(req_id))
             assert manager.stats.tiers["remote"]["hits"] == CHUNKS
             _settle(b)
-        finally:
-            b.shutdown()
 
 
 def test_server_failing_during_verification_costs_misses_never_a_failed_load(
     tmp_path, model_dir, rgw_server, remote_settings
 ):
     prompt = _prompt(5)
-    a = _node(model_dir, remote_settings, tmp_path / "a")
-    try:
+    with _node(model_dir, remote_settings, tmp_path / "a") as a:
         _compute_on(a, prompt)
-    finally:
-        a.shutdown()
     target = rgw_server.endpoint.removeprefix("http://")
     with FaultProxy(target) as proxy:
-        b = _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, tmp_path / "b")
-        try:
+        with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, tmp_path / "b") as b:
             manager = b.manager
             req_id = b.add_request(prompt, max_tokens=3)
             b.step()  # lookups send the membership probes
@@ -261,15 +236,12 @@ def test_server_failing_during_verification_costs_misses_never_a_failed_load(
             assert not manager._failure_counts  # no worker job failed
             _settle(b)  # uploads fail or are dropped; the engine goes on
             assert not b.scheduler.has_requests()
-        finally:
-            b.shutdown()
 
 
 def test_server_down_costs_misses_and_the_engine_goes_on(tmp_path, model_dir, rgw_server, remote_settings):
     target = rgw_server.endpoint.removeprefix("http://")
     with FaultProxy(target) as proxy:
-        b = _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, tmp_path / "b")
-        try:
+        with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, tmp_path / "b") as b:
             proxy.set_mode("503")
             for seed in (6, 7):
                 req_id = _admit(b, _prompt(seed))
@@ -280,5 +252,3 @@ def test_server_down_costs_misses_and_the_engine_goes_on(tmp_path, model_dir, rg
             store = _worker(b).remote_store.stats()
             assert store.puts_stored == 0 and store.puts_failed + store.puts_dropped >= 2 * CHUNKS
             assert REMOTE not in {b.manager.composite.hit_medium(k) for k in _keys(_prompt(6))}
-        finally:
-            b.shutdown()

@@ -213,8 +213,7 @@ def _evict_from_primary(h: vh.VllmHarness, prompt: list[int], *fillers: list[int
 
 
 def test_chunks_cascade_to_disk_and_a_cpu_miss_is_promoted_back(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True), worker="real")
-    try:
+    with _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True), worker="real") as h:
         tier = _tier(h)
         a = _prompt(1, 3 * BLOCK + 1)
         keys = _keys(a)
@@ -248,13 +247,10 @@ def test_chunks_cascade_to_disk_and_a_cpu_miss_is_promoted_back(model_dir, tmp_p
         info = h.manager.config_info()[1]
         assert info["disk_namespace"] == tier.fingerprint.namespace_id
         assert info["disk_capacity_chunks"] == 16 and info["disk_chunk_bytes"] == CHUNK
-    finally:
-        h.shutdown()
 
 
 def test_disk_tier_evicts_lru_chunks_at_its_byte_bound(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=2, disk_chunks=4))
-    try:
+    with _build(model_dir, _extra(tmp_path / "cache", primary_chunks=2, disk_chunks=4)) as h:
         tier = _tier(h)
         a, b, c = (_prompt(s, 2 * BLOCK + 1) for s in (4, 5, 6))
         _serve(h, a)
@@ -270,22 +266,17 @@ def test_disk_tier_evicts_lru_chunks_at_its_byte_bound(model_dir, tmp_path):
         assert os.path.getsize(slab) == 4 * CHUNK  # the bound is bytes on disk
         h.reset_gpu_prefix_cache()
         assert _serve(h, b).external == 0  # gone from both tiers: recomputed
-    finally:
-        h.shutdown()
 
 
 def test_a_restart_serves_durable_chunks_without_scanning(model_dir, tmp_path):
     cache = tmp_path / "cache"
     a = _prompt(7, 3 * BLOCK + 1)
-    h = _build(model_dir, _extra(cache, primary_chunks=8, disk_chunks=16, real=True), worker="real")
-    try:
+    # Leaving the block releases the writer lock; the CPU tier (shared memory) is gone.
+    with _build(model_dir, _extra(cache, primary_chunks=8, disk_chunks=16, real=True), worker="real") as h:
         _serve(h, a)
         assert _tier(h).stats.stored == 3
-    finally:
-        h.shutdown()  # releases the writer lock; the CPU tier (shared memory) is gone
 
-    h = _build(model_dir, _extra(cache, primary_chunks=8, disk_chunks=16, real=True), worker="real")
-    try:
+    with _build(model_dir, _extra(cache, primary_chunks=8, disk_chunks=16, real=True), worker="real") as h:
         tier = _tier(h)
         assert len(tier.disk_manager) == 3  # from the index alone ...
         assert tier.store.stats.loads == 0 and tier.store.stats.bytes_read == 0  # ... no data read
@@ -296,39 +287,30 @@ def test_a_restart_serves_durable_chunks_without_scanning(model_dir, tmp_path):
         assert h.prefix_hits[req_id].external == 3 * BLOCK
         assert all(h.kv_matches(req_id))
         _run(h)
-    finally:
-        h.shutdown()
 
 
 def test_another_chunk_geometry_gets_its_own_namespace(model_dir, tmp_path):
     cache = tmp_path / "cache"
     a = _prompt(8, 4 * BLOCK + 1)
-    h = _build(model_dir, _extra(cache, primary_chunks=8, disk_chunks=16))
-    try:
+    with _build(model_dir, _extra(cache, primary_chunks=8, disk_chunks=16)) as h:
         _serve(h, a)
         first_ns = _tier(h).fingerprint.namespace_id
-    finally:
-        h.shutdown()
     # Two GPU blocks per chunk: the same prefix makes other bytes per chunk.
     extra = _extra(cache, primary_chunks=8, disk_chunks=16)
     extra["cpu_bytes_to_use"] *= 2
     extra["block_size"] = 2 * BLOCK
     extra["secondary_tiers"][0]["disk_bytes"] = "128KiB"
-    h = _build(model_dir, extra)
-    try:
+    with _build(model_dir, extra) as h:
         tier = _tier(h)
         assert tier.fingerprint.namespace_id != first_ns
         assert len(tier.disk_manager) == 0
         assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == sorted(
             [first_ns, tier.fingerprint.namespace_id]
         )
-    finally:
-        h.shutdown()
 
 
 def test_a_corrupted_chunk_becomes_a_miss_without_reaching_vllm(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True), worker="real")
-    try:
+    with _build(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16, real=True), worker="real") as h:
         tier = _tier(h)
         a = _prompt(9, 3 * BLOCK + 1)
         keys = _keys(a)
@@ -358,8 +340,6 @@ def test_a_corrupted_chunk_becomes_a_miss_without_reaching_vllm(model_dir, tmp_p
         # The request's recompute stored the chunk again, from the right bytes.
         assert _tier_lookup(h, keys[1]) is LookupResult.HIT
         assert tier.store.read_block(0, keys[1]) == h.expected_block_bytes(vh.hash_blocks(a, BLOCK)[1])
-    finally:
-        h.shutdown()
 
 
 def test_a_full_disk_fails_the_store_job_and_is_counted(model_dir, tmp_path):
@@ -390,8 +370,7 @@ def test_a_full_disk_fails_the_store_job_and_is_counted(model_dir, tmp_path):
 
 
 def test_an_unreadable_chunk_becomes_a_miss_instead_of_a_retry_loop(model_dir, tmp_path):
-    h = _build(model_dir, _extra(tmp_path / "cache", primary_chunks=2, disk_chunks=16))
-    try:
+    with _build(model_dir, _extra(tmp_path / "cache", primary_chunks=2, disk_chunks=16)) as h:
         tier = _tier(h)
         a = _prompt(15, 2 * BLOCK + 1)
         _serve(h, a)
@@ -410,8 +389,6 @@ def test_an_unreadable_chunk_becomes_a_miss_instead_of_a_retry_loop(model_dir, t
         assert tier.stats.promotion_failed == 2 and tier.stats.corrupt == 0
         assert tier.stats.failed_promotion_jobs == 1
         backend.preadv = real_preadv
-    finally:
-        h.shutdown()
 
 
 def test_calls_never_wait_for_the_disk_and_a_backlog_is_bounded(model_dir, tmp_path):
@@ -542,10 +519,7 @@ def test_the_shipped_config_runs_under_vllm(model_dir, tmp_path):
     extra = json.loads(json.dumps(extra))
     extra["cpu_bytes_to_use"] = 4 * CHUNK
     extra["secondary_tiers"][0].update(disk_path=str(tmp_path / "cache"), disk_bytes="64KiB")
-    h = _build(model_dir, extra)
-    try:
+    with _build(model_dir, extra) as h:
         a = _prompt(19, 2 * BLOCK + 1)
         _serve(h, a)
         assert [_tier_lookup(h, k) for k in _keys(a)] == [LookupResult.HIT] * 2
-    finally:
-        h.shutdown()

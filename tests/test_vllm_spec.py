@@ -129,15 +129,12 @@ def test_each_config_file_serves_through_vllm_with_its_keys(path, model_dir, tmp
     extra = json.loads(path.read_text())["kv_connector_extra_config"]
     extra.update(disk_path=str(tmp_path / "disk"), cpu_bytes="256KiB", disk_bytes="4MiB")
     tokens = int(extra["block_size"])
-    h = vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=64, worker="real")
-    try:
+    with vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=64, worker="real") as h:
         prompt = _prompt(11, 2 * tokens + 3)
         assert h.serve(prompt).external == 0
         h.reset_gpu_prefix_cache()
         assert h.serve(prompt).external == 2 * tokens
         assert any((tmp_path / "disk").iterdir()), "the disk namespace was not created"
-    finally:
-        h.shutdown()
 
 
 _BAD_CONFIGS = [

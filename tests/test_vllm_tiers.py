@@ -111,8 +111,7 @@ def _keys(prompt: list[int], chunk_tokens: int = BLOCK) -> list[bytes]:
 
 @pytest.mark.parametrize("chunk_tokens", [BLOCK, 2 * BLOCK, 3 * BLOCK], ids=["f1", "f2", "f3"])
 def test_cpu_tier_stores_then_loads_the_same_bytes(model_dir, chunk_tokens):
-    h = _build(model_dir, chunk_tokens=chunk_tokens)
-    try:
+    with _build(model_dir, chunk_tokens=chunk_tokens) as h:
         assert isinstance(h.manager, TieredVllmManager)
         assert isinstance(h.worker_spec, TieredOffloadingSpec)
         prompt = _prompt(1, 4 * chunk_tokens + 3)
@@ -127,8 +126,6 @@ def test_cpu_tier_stores_then_loads_the_same_bytes(model_dir, chunk_tokens):
         assert len(matches) == 4 * chunk_tokens // BLOCK and all(matches), matches
         _settle(h)
         assert h.manager.composite.stats.tiers["cpu"]["hits"] == 4
-    finally:
-        h.shutdown()
 
 
 def test_gpu_rows_follow_vllms_block_indices_and_tail():
@@ -144,8 +141,7 @@ def test_gpu_rows_follow_vllms_block_indices_and_tail():
 def test_worker_moves_partial_first_and_last_chunks_exactly(model_dir):
     """A load that starts mid-chunk and stops mid-chunk (vLLM's block_indices and a
     truncated hit) writes exactly those GPU blocks and no others."""
-    h = _build(model_dir, chunk_tokens=3 * BLOCK)
-    try:
+    with _build(model_dir, chunk_tokens=3 * BLOCK) as h:
         worker = h.worker_spec.get_worker(None)
         assert isinstance(worker, TieredVllmWorker)
         manager, ctx = h.manager, ReqContext(req_id="direct")
@@ -176,16 +172,13 @@ def test_worker_moves_partial_first_and_last_chunks_exactly(model_dir):
                 assert torch.equal(now[dst], then[src])
             untouched = [b for b in range(64) if b not in (40, 41, 42)]
             assert torch.equal(now[untouched], then[untouched])
-    finally:
-        h.shutdown()
 
 
 def test_transfer_times_are_the_jobs_own_not_the_time_until_vllm_polled(model_dir, tmp_path):
     """vLLM polls once per engine step and turns ``transfer_time`` into its
     ``vllm:kv_offload_total_time`` metric: a step-long wait must not count as transfer."""
     poll_delay = 0.3
-    h = _build(model_dir, disk=tmp_path / "disk")
-    try:
+    with _build(model_dir, disk=tmp_path / "disk") as h:
         worker = h.worker_spec.get_worker(None)
         manager, ctx = h.manager, ReqContext(req_id="timed")
         keys = [bytes([i]) * 32 + bytes(4) for i in range(3)]
@@ -207,8 +200,6 @@ def test_transfer_times_are_the_jobs_own_not_the_time_until_vllm_polled(model_di
             moved = worker.stats.transfers[kind]
             assert moved.jobs == 1 and moved.bytes == 3 * GPU_BLOCK_BYTES
             assert 0 < moved.seconds < poll_delay
-    finally:
-        h.shutdown()
 
 
 # ------------------------------------------------------------------ disk tier
@@ -216,8 +207,7 @@ def test_transfer_times_are_the_jobs_own_not_the_time_until_vllm_polled(model_di
 
 @pytest.mark.parametrize("disk_io", ["thread", "process"])
 def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, tmp_path, disk_io):
-    h = _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk", disk_io=disk_io)
-    try:
+    with _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk", disk_io=disk_io) as h:
         worker = h.worker_spec._worker
         assert type(worker.disk_store).__name__ == ("DiskIOProcess" if disk_io == "process" else "DiskStore")
         assert worker.host.shared == (disk_io == "process")
@@ -251,8 +241,6 @@ def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, t
         assert _serve(h, a).external == 2 * BLOCK
         assert tiers["cpu"]["hits"] == before + 2
         assert tiers["disk"]["lookups"] == disk_lookups  # CPU had both: the disk was not asked
-    finally:
-        h.shutdown()
 
 
 def _corrupt(h: vh.VllmHarness, key: bytes) -> None:
@@ -268,8 +256,7 @@ def _corrupt(h: vh.VllmHarness, key: bytes) -> None:
 
 
 def test_a_disk_chunk_corrupted_after_store_is_a_miss_and_recomputed(model_dir, tmp_path, caplog):
-    h = _build(model_dir, cpu_chunks=3, disk=tmp_path / "disk")
-    try:
+    with _build(model_dir, cpu_chunks=3, disk=tmp_path / "disk") as h:
         a, b = _prompt(4, 3 * BLOCK + 1), _prompt(5, 3 * BLOCK + 1)
         _serve(h, a)
         _durable(h)
@@ -294,36 +281,27 @@ def test_a_disk_chunk_corrupted_after_store_is_a_miss_and_recomputed(model_dir, 
         assert _serve(h, _prompt(6, 2 * BLOCK + 1)).num_prompt_tokens == 2 * BLOCK + 1
         h.reset_gpu_prefix_cache()
         assert _serve(h, a).external == 3 * BLOCK
-    finally:
-        h.shutdown()
 
 
 def test_a_restarted_engine_serves_the_disk_tier(model_dir, tmp_path):
     prompt = _prompt(7, 3 * BLOCK + 2)
-    h = _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk")
-    try:
+    with _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk") as h:
         _serve(h, prompt)
         _durable(h)
-    finally:
-        h.shutdown()
-    h = _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk")
-    try:
+    with _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk") as h:
         assert h.manager.composite.disk.is_loadable(_keys(prompt)[0])
         _zero_gpu(h)
         req_id = _admit(h, prompt)
         assert h.prefix_hits[req_id].external == 3 * BLOCK
         assert all(h.kv_matches(req_id))
         _settle(h)
-    finally:
-        h.shutdown()
 
 
 # ------------------------------------------------------------------ worker faults
 
 
 def test_a_failed_store_in_a_worker_is_reported_done_and_never_served(model_dir, monkeypatch, caplog):
-    h = _build(model_dir)
-    try:
+    with _build(model_dir) as h:
         worker = h.worker_spec.get_worker(None)
 
         def broken_copy(*args, **kwargs):
@@ -343,13 +321,10 @@ def test_a_failed_store_in_a_worker_is_reported_done_and_never_served(model_dir,
         assert _serve(h, prompt).external == 2 * BLOCK
         stats = h.stats()
         assert stats["tiered_kv_worker_job_failures:('store',)"] == 1
-    finally:
-        h.shutdown()
 
 
 def test_a_failed_promotion_in_a_worker_is_not_kept_in_cpu(model_dir, tmp_path, monkeypatch, caplog):
-    h = _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk")
-    try:
+    with _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk") as h:
         a, b = _prompt(9, 2 * BLOCK + 1), _prompt(10, 2 * BLOCK + 1)
         _serve(h, a)
         _durable(h)
@@ -372,16 +347,13 @@ def test_a_failed_promotion_in_a_worker_is_not_kept_in_cpu(model_dir, tmp_path, 
         req_id = _admit(h, a)  # the engine runs on and serves the chunks again
         assert h.prefix_hits[req_id].external == 2 * BLOCK and all(h.kv_matches(req_id))
         _settle(h)
-    finally:
-        h.shutdown()
 
 
 # ------------------------------------------------------------------ reset, metrics
 
 
 def test_a_connector_cache_reset_empties_every_tier(model_dir, tmp_path, monkeypatch):
-    h = _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk")
-    try:
+    with _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk") as h:
         prompt, late = _prompt(11, 3 * BLOCK + 1), _prompt(14, 2 * BLOCK + 1)
         _serve(h, prompt)
         _durable(h)
@@ -404,13 +376,10 @@ def test_a_connector_cache_reset_empties_every_tier(model_dir, tmp_path, monkeyp
         assert _serve(h, prompt).external == 0
         h.reset_gpu_prefix_cache()
         assert _serve(h, late).external == 0
-    finally:
-        h.shutdown()
 
 
 def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
-    h = _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk")
-    try:
+    with _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk") as h:
         a, b = _prompt(12, 2 * BLOCK + 1), _prompt(13, 2 * BLOCK + 1)
         _serve(h, a)
         _durable(h)
@@ -434,5 +403,3 @@ def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
         info = [s for m in registry.collect() if m.name == "vllm:kv_offload_config_info" for s in m.samples]
         assert info and info[0].labels["tiered_cpu_slots"] == "2"
         assert info[0].labels["tiered_disk_path"] == str(tmp_path / "disk")
-    finally:
-        h.shutdown()

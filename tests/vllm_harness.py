@@ -83,6 +83,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from tiered_kv.abstract import Closing
+
 #: The token every fake forward pass samples; not the EOS id of ``write_model_config``.
 SAMPLED_TOKEN_ID = 7
 
@@ -236,8 +238,9 @@ class PrefixHit:
 
 
 @dataclass
-class VllmHarness:
-    """A live vLLM scheduler and OffloadingConnector; see the module docstring."""
+class VllmHarness(Closing):
+    """A live vLLM scheduler and OffloadingConnector; see the module docstring.
+    ``with VllmHarness.build(...) as h:`` shuts it down at the end."""
 
     vllm_config: VllmConfig
     kv_cache_config: KVCacheConfig

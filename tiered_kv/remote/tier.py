@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from tiered_kv.abstract import BlockHash, LowerTierWorker, OffloadingEvent, PrepareStoreOutput
+from tiered_kv.abstract import BlockHash, Closing, LowerTierWorker, OffloadingEvent, PrepareStoreOutput
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
@@ -86,7 +86,7 @@ class _Pending:
         self.next_probe = now + _PROBE_FIRST
 
 
-class RemoteOffloadingManager:
+class RemoteOffloadingManager(Closing):
     """The shared tier's ``LowerTier`` (see module docstring) over a scheduler-side
     ``store`` (this manager closes it). ``block_size``: tokens per offloaded block, for
     events. ``settle_after``: seconds after which a pending block the bucket still lacks
@@ -369,7 +369,7 @@ class RemoteOffloadingManager:
 
 
 @dataclass
-class RemoteTier:
+class RemoteTier(Closing):
     """The shared tier in the hierarchy: ``remote``'s bucket, ``fingerprint``'s namespace,
     blocks of ``layout``. ``name`` / ``medium`` tell it apart from other lower tiers.
     Pass it in ``HierarchySpec(..., lower_tiers=[...])``."""

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tiered_kv.abstract import LoadStoreSpec
+from tiered_kv.abstract import Closing, LoadStoreSpec
 from tiered_kv.device import can_pin_memory
 from tiered_kv.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
@@ -53,7 +53,7 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 _GUARD_SECONDS = 600.0
 
 
-class RemoteStager:
+class RemoteStager(Closing):
     """Copies CPU slots out and uploads them for rank ``rank`` (see module docstring).
 
     ``host``: the CPU tier; ``store``: this process's ``RemoteStore``; ``budget_bytes``:

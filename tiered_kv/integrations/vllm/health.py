@@ -36,6 +36,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from tiered_kv.abstract import Closing
 from tiered_kv.disk.safe_open import CacheEntryError, open_dir, open_file
 
 
@@ -49,7 +50,7 @@ def private_dir() -> Path:
     return _shared_dir() / f"tiered-kv-{os.geteuid()}"
 
 
-class SlotHealth:
+class SlotHealth(Closing):
     """One byte per CPU slot, shared by the processes of one engine (module docstring).
 
     ``num_slots`` must be the same in every process. Opening creates the file if needed

@@ -71,6 +71,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.disk.io_backends import PosixBackend
@@ -162,7 +163,7 @@ def build_manager(
     return TieredVllmManager(composite, health=health, verifier=verifier, remote_verifier=remote_verifier, info=info)
 
 
-class TieredVllmManager(OffloadingManager):
+class TieredVllmManager(OffloadingManager, Closing):
     """vLLM's manager interface over ``TieredOffloadingManager`` (module docstring)."""
 
     def __init__(

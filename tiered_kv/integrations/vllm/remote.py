@@ -29,6 +29,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from tiered_kv.abstract import Closing
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.store import RemoteStore
@@ -58,7 +59,7 @@ def build_remote(
     return manager, RemoteVerifier(store, geometry.world_size, geometry.bytes_per_chunk)
 
 
-class RemoteVerifier:
+class RemoteVerifier(Closing):
     """Downloads and verifies every rank's object of a chunk (see module docstring).
 
     ``submit`` never waits; ``results`` hands back ``(key, ok)`` pairs on the caller's

@@ -74,6 +74,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from tiered_kv.abstract import Closing
 from tiered_kv.config import format_size
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.store import DiskStore
@@ -137,7 +138,7 @@ class _Job:
     seconds: float = 0.0
 
 
-class TieredDiskTier(SecondaryTierManager):
+class TieredDiskTier(SecondaryTierManager, Closing):
     """A ``SecondaryTierManager`` backed by the tiered-kv disk tier (module docstring).
 
     Constructed by vLLM's ``SecondaryTierFactory`` from one ``secondary_tiers`` entry;

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from tiered_kv.abstract import Closing
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.store import DiskStore
 
@@ -34,7 +35,7 @@ class Verification(NamedTuple):
     ok: bool
 
 
-class DiskVerifier:
+class DiskVerifier(Closing):
     """Verifies disk chunks on ``threads`` threads. ``store`` is opened by the caller for
     writing (so a corrupt chunk can be dropped from the index) and closed here."""
 

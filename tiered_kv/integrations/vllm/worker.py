@@ -52,6 +52,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec as VllmGPUSpec
 from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
+from tiered_kv.abstract import Closing
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.disk.io_process import open_worker_store
 from tiered_kv.host_memory import HostKVCache
@@ -177,7 +178,7 @@ class _Job:
     started: float
 
 
-class TieredVllmWorker(OffloadingWorker):
+class TieredVllmWorker(OffloadingWorker, Closing):
     """The worker side of ``TieredOffloadingSpec`` (module docstring): ``cfg`` and ``g``
     are the spec's parsed config and geometry, ``engine_id`` vLLM's."""
 
