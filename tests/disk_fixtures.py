@@ -144,9 +144,9 @@ def crash_workload(cache_dir: str, journal: str, seed: int) -> None:
 
     from tiered_kv.disk.manager import DiskOffloadingManager
     from tiered_kv.disk.store import DiskStore
-    from tiered_kv.host_memory import HostKVCache, unpack_blocks
+    from tiered_kv.memory.host_memory import HostKVCache, unpack_blocks
     from tiered_kv.mediums import CPULoadStoreSpec
-    from tiered_kv.worker.disk import CpuDiskHandler
+    from tiered_kv.disk.handlers import CpuDiskHandler
 
     torch.set_num_threads(1)
     layout = crash_layout()
@@ -211,6 +211,6 @@ def forkserver_context():
 
     c = multiprocessing.get_context("forkserver")
     c.set_forkserver_preload(
-        ["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store", "tiered_kv.worker.disk"]
+        ["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store", "tiered_kv.disk.handlers"]
     )
     return c

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
+from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver
 from tiered_kv.remote.tier import RemoteOffloadingManager, RemoteTier
 from tiered_kv.abstract import Closing
 from tiered_kv.tiered.spec import HierarchySpec

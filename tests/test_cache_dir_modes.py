@@ -101,7 +101,7 @@ def test_an_engine_tightens_an_older_cache(tmp_path):
 
 def test_shared_memory_and_the_slot_health_file_are_owner_only(tmp_path):
     from tiered_kv.integrations.vllm.health import SlotHealth, private_dir
-    from tiered_kv.shared_memory import empty_shared, locate
+    from tiered_kv.memory.shared_memory import empty_shared, locate
 
     old = os.umask(0o022)
     try:

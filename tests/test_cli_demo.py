@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from tiered_kv.cli import _load_commands, app
-from tiered_kv.driver import EngineDriver
+from tiered_kv.sim.driver import EngineDriver
 
 _load_commands()
 runner = CliRunner()

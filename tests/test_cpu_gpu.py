@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import make_layout, random_tensors
-from tiered_kv.device import can_pin_memory
-from tiered_kv.host_memory import HostKVCache, expand_block_ids, kv_planes, pack_blocks
+from tiered_kv.memory.device import can_pin_memory
+from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids, kv_planes, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.worker import cpu_gpu
-from tiered_kv.worker.cpu_gpu import (
+from tiered_kv.cpu import handlers as cpu_gpu
+from tiered_kv.cpu.handlers import (
     LOAD_PRIORITY,
     STORE_PRIORITY,
     CpuGpuOffloadingHandlers,
@@ -272,7 +272,7 @@ def test_bench_smoke_run_checks_its_own_copies(capsys):
 
 
 def test_plane_rows_list_every_planes_blocks_plane_by_plane():
-    from tiered_kv.zero_copy import PlaneRows
+    from tiered_kv.memory.zero_copy import PlaneRows
 
     # Two planes 10 slices apart, blocks of 2 slices each.
     rows = PlaneRows(torch.empty(0), plane_start=np.array([0, 10]), plane_step=np.array([2, 2]), rows_per_block=2)
@@ -285,7 +285,7 @@ def test_plane_rows_list_every_planes_blocks_plane_by_plane():
 
 
 def test_copy_blocks_moves_every_planes_blocks_in_parts():
-    from tiered_kv.zero_copy import PlaneRows, copy_blocks
+    from tiered_kv.memory.zero_copy import PlaneRows, copy_blocks
 
     # CPU tensors stand in for the device's: the same two kernels run on them.
     rng = np.random.default_rng(1)
@@ -320,7 +320,7 @@ def test_plane_rows_of_a_block_major_tier_move_blocks_to_and_from_their_slot_row
     """The copy kernels' view of the CPU tier (its planes strided, one kernel block of
     every layer apart), built over host memory: the same two kernels put each block in
     its slot's row in the codec's byte order, and bring it back."""
-    from tiered_kv.zero_copy import PlaneRows, copy_blocks
+    from tiered_kv.memory.zero_copy import PlaneRows, copy_blocks
 
     layout, gpu, host, handlers = setup(kv_first, factor)
     store = handlers.gpu_to_cpu_handler

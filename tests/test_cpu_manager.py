@@ -318,7 +318,7 @@ def test_spec_sizes_the_tier_and_builds_both_directions():
     from conftest import make_layout, random_tensors
     from tiered_kv.config import ConfigError
     from tiered_kv.cpu.spec import CPUOffloadingSpec
-    from tiered_kv.worker.cpu_gpu import SingleDirectionOffloadingHandler
+    from tiered_kv.cpu.handlers import SingleDirectionOffloadingHandler
 
     layout = make_layout(True, block_size_factor=2)
     config = {"cpu_bytes": f"{10 * layout.bytes_per_block + 5}B", "block_size": 8}
@@ -350,7 +350,7 @@ def test_gpu_copy_picks_the_handlers_copy_path():
     from conftest import make_layout, random_tensors
     from tiered_kv.config import ConfigError
     from tiered_kv.cpu.spec import CPUOffloadingSpec
-    from tiered_kv.device import cuda_available
+    from tiered_kv.memory.device import cuda_available
 
     layout = make_layout(True)
     config = {"cpu_bytes": f"{4 * layout.bytes_per_block}B"}

@@ -16,9 +16,9 @@ from disk_fixtures import FaultyBackend, block_hash, disk_bytes_for, fingerprint
 from tiered_kv.disk.namespace import slot_size_for
 import tiered_kv.disk.batch as batch_module
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.host_memory import HostKVCache, expand_block_ids
+from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
+from tiered_kv.disk.handlers import CpuDiskHandler, GpuDiskHandler
 from tiered_kv.worker.worker import OffloadingWorker
 
 SLOTS = 32

@@ -22,10 +22,10 @@ from tiered_kv.disk.io_process import DiskIOProcess
 from tiered_kv.disk.namespace import slot_size_for
 from tiered_kv.disk.batch import views_fit
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.host_memory import HostKVCache, expand_block_ids
+from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
-from tiered_kv.shared_memory import empty_shared, locate
-from tiered_kv.worker.disk import CpuDiskHandler
+from tiered_kv.memory.shared_memory import empty_shared, locate
+from tiered_kv.disk.handlers import CpuDiskHandler
 from tiered_kv.worker.worker import TransferResult
 
 SLOTS = 32
@@ -87,7 +87,7 @@ def test_shared_memory_is_located_and_private_memory_is_not():
 
 
 def test_a_shared_region_is_forgotten_unmapped_and_closed_with_its_last_view():
-    from tiered_kv import shared_memory
+    from tiered_kv.memory import shared_memory
 
     class Listener:
         def freed(self, region_id):
@@ -118,7 +118,7 @@ def test_a_shared_region_is_forgotten_unmapped_and_closed_with_its_last_view():
 _FREED_INSIDE_A_LOCKED_SECTION = """
 import gc
 import weakref
-from tiered_kv import shared_memory
+from tiered_kv.memory import shared_memory
 
 class Listener:
     def freed(self, region_id):

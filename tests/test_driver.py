@@ -8,12 +8,12 @@ import torch
 
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
-from tiered_kv.driver import DeviceKVCache, EngineDriver, block_content
-from tiered_kv.host_memory import HostKVCache
+from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
+from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.mediums import CPU, CPULoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.worker.cpu_gpu import CpuGpuOffloadingHandlers
+from tiered_kv.cpu.handlers import CpuGpuOffloadingHandlers
 from tiered_kv.worker.worker import OffloadingWorker
-from tiered_kv.workloads import ChatWorkloadSpec, chat_workload, default_workload, shared_prefix_workload
+from tiered_kv.sim.workloads import ChatWorkloadSpec, chat_workload, default_workload, shared_prefix_workload
 
 
 def small_device(kv_first=True, factor=1, groups=32):
@@ -148,7 +148,7 @@ def test_request_longer_than_device_cache_is_a_clear_error():
 
 
 def test_device_prefix_cache_frees_replaced_groups():
-    from tiered_kv.driver import _DevicePrefixCache
+    from tiered_kv.sim.driver import _DevicePrefixCache
 
     pool = _DevicePrefixCache(3)
     (a, b) = pool.allocate(2)
@@ -165,7 +165,7 @@ def test_device_prefix_cache_frees_replaced_groups():
 
 
 def test_device_prefix_cache_waits_for_a_store_rather_than_evicting_past_it():
-    from tiered_kv.driver import _DevicePrefixCache
+    from tiered_kv.sim.driver import _DevicePrefixCache
 
     pool = _DevicePrefixCache(2)
     (a, b) = pool.allocate(2)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import make_layout, random_tensors
-from tiered_kv.device import kernel_huge_pages
-from tiered_kv.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
-from tiered_kv.slot_views import SlotViews
+from tiered_kv.memory.device import kernel_huge_pages
+from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.memory.slot_views import SlotViews
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -152,10 +152,10 @@ def test_slots_for_bytes_rejects_too_small():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
 def test_fallback_to_pageable_memory_is_logged_once(caplog, monkeypatch):
-    import tiered_kv.device as device
+    import tiered_kv.memory.device as device
 
     monkeypatch.setattr(device, "_logged_fallbacks", set())
-    caplog.set_level("INFO", logger="tiered_kv.device")
+    caplog.set_level("INFO", logger="tiered_kv.memory.device")
     layout = make_layout(True)
     first, second = HostKVCache(layout, 2), HostKVCache(layout, 3)
     assert not first.pinned and not second.pinned
@@ -171,7 +171,7 @@ def anon_huge_pages_kib(address: int) -> int:
 
 
 def test_pageable_buffers_are_aligned_and_large_ones_get_huge_pages():
-    from tiered_kv.device import HUGE_PAGE, empty_pageable
+    from tiered_kv.memory.device import HUGE_PAGE, empty_pageable
 
     small = empty_pageable(12345)
     assert small.numel() == 12345 and small.data_ptr() % 4096 == 0
@@ -188,8 +188,8 @@ def test_pageable_buffers_are_aligned_and_large_ones_get_huge_pages():
 def test_shared_buffers_get_huge_pages_where_the_kernel_gives_them():
     # The CPU tier and staging buffers of ``disk_io: process`` are shared memory; on 4 KiB
     # pages disk I/O to and from them ran at half to three quarters of the device's speed.
-    from tiered_kv.device import HUGE_PAGE
-    from tiered_kv.shared_memory import empty_shared
+    from tiered_kv.memory.device import HUGE_PAGE
+    from tiered_kv.memory.shared_memory import empty_shared
 
     if kernel_huge_pages("shared") in ("never", "deny", "n/a"):
         pytest.skip("this kernel gives shared memory no huge pages (shmem_enabled)")
@@ -199,15 +199,15 @@ def test_shared_buffers_get_huge_pages_where_the_kernel_gives_them():
 
 
 def test_shared_memory_on_small_pages_is_warned_once_with_the_fix(tmp_path, monkeypatch, caplog):
-    from tiered_kv import device
-    from tiered_kv.shared_memory import empty_shared
+    from tiered_kv.memory import device
+    from tiered_kv.memory.shared_memory import empty_shared
 
     setting = tmp_path / "shmem_enabled"
     monkeypatch.setitem(device.THP_SETTINGS, "shared", str(setting))
     monkeypatch.setattr(device, "_logged_fallbacks", set())
     setting.write_text("always within_size advise [never] deny force\n")
     assert kernel_huge_pages("shared") == "never"
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.device"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.memory.device"):
         empty_shared(device.HUGE_PAGE)
         empty_shared(device.HUGE_PAGE)
         empty_shared(4096)  # too small for a huge page either way
@@ -218,7 +218,7 @@ def test_shared_memory_on_small_pages_is_warned_once_with_the_fix(tmp_path, monk
     caplog.clear()
     monkeypatch.setattr(device, "_logged_fallbacks", set())
     setting.write_text("always within_size [advise] never deny force\n")
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.device"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.memory.device"):
         empty_shared(device.HUGE_PAGE)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     setting.unlink()
@@ -245,7 +245,7 @@ def test_the_host_cache_is_block_major_each_slot_its_packed_block(kv_first, fact
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the pageable CPU tier")
 def test_a_large_pageable_host_cache_starts_on_a_huge_page():
-    from tiered_kv.device import HUGE_PAGE
+    from tiered_kv.memory.device import HUGE_PAGE
 
     layout = make_layout(True)
     host = HostKVCache(layout, HUGE_PAGE // layout.bytes_per_block + 1)
@@ -292,7 +292,7 @@ def test_a_mapped_buffer_is_released_while_mapped_then_unmapped_when_its_last_vi
     is gone, and the mapping is gone after it."""
     import gc
 
-    from tiered_kv.device import HUGE_PAGE, _empty_mapped
+    from tiered_kv.memory.device import HUGE_PAGE, _empty_mapped
 
     mapped, released = [], []
     buf = _empty_mapped(
@@ -319,7 +319,7 @@ def test_a_mapped_buffer_is_released_while_mapped_then_unmapped_when_its_last_vi
 
 
 def test_a_mapped_buffer_whose_registration_fails_is_unmapped_and_never_released():
-    from tiered_kv.device import HUGE_PAGE, _empty_mapped
+    from tiered_kv.memory.device import HUGE_PAGE, _empty_mapped
 
     addresses, released = [], []
 
@@ -334,7 +334,7 @@ def test_a_mapped_buffer_whose_registration_fails_is_unmapped_and_never_released
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_pinned_buffers_without_cuda_are_refused_clearly():
-    from tiered_kv.device import cuda_host_register, empty_pinned
+    from tiered_kv.memory.device import cuda_host_register, empty_pinned
 
     with pytest.raises(RuntimeError, match=r"pinned host memory \(4096 bytes\) .*CUDA is not available"):
         empty_pinned(4096)
@@ -358,7 +358,7 @@ def host_allocator_bytes() -> int | None:
 
 @pytest.mark.gpu
 def test_empty_pinned_locks_exactly_the_size_asked_outside_torchs_allocator():
-    from tiered_kv.device import HUGE_PAGE, empty_pinned
+    from tiered_kv.memory.device import HUGE_PAGE, empty_pinned
 
     nbytes = (3 << 30) + 4096  # torch would lock 4 GiB for this
     before = host_allocator_bytes()
@@ -387,7 +387,7 @@ def test_a_pinned_host_cache_just_over_a_power_of_two_is_not_rounded_up():
 
 @pytest.mark.gpu
 def test_non_blocking_copies_through_a_pinned_buffer_are_exact():
-    from tiered_kv.device import empty_pinned
+    from tiered_kv.memory.device import empty_pinned
 
     nbytes = (64 << 20) + 4096 + 3
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
@@ -405,7 +405,7 @@ def test_non_blocking_copies_through_a_pinned_buffer_are_exact():
 
 @pytest.mark.gpu
 def test_a_refused_registration_leaves_no_cuda_error_behind():
-    from tiered_kv.device import HUGE_PAGE, cuda_host_register, empty_pinned
+    from tiered_kv.memory.device import HUGE_PAGE, cuda_host_register, empty_pinned
 
     buf = empty_pinned(HUGE_PAGE)
     with pytest.raises(RuntimeError, match=rf"cudaHostRegister of {HUGE_PAGE} bytes .*failed \(CUDA error \d+"):
@@ -429,7 +429,7 @@ def unregistrations(monkeypatch, module) -> list[bool]:
 
 @pytest.mark.gpu
 def test_freed_pinned_buffers_are_unregistered_without_error(monkeypatch, caplog):
-    import tiered_kv.device as device
+    import tiered_kv.memory.device as device
 
     results = unregistrations(monkeypatch, device)
     caplog.set_level("ERROR")
@@ -445,7 +445,7 @@ def test_freed_pinned_buffers_are_unregistered_without_error(monkeypatch, caplog
 
 @pytest.mark.gpu
 def test_freed_pinned_shared_regions_are_unregistered_without_error(monkeypatch, caplog):
-    from tiered_kv import shared_memory
+    from tiered_kv.memory import shared_memory
 
     results = unregistrations(monkeypatch, shared_memory)
     caplog.set_level("ERROR")
@@ -461,7 +461,7 @@ def test_freed_pinned_shared_regions_are_unregistered_without_error(monkeypatch,
 
 
 def test_resolve_device():
-    from tiered_kv.device import resolve_device
+    from tiered_kv.memory.device import resolve_device
 
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

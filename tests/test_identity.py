@@ -76,7 +76,7 @@ def warm(model_dir: Path, config: TieredConfig):
 def hits_in_a_fresh_hierarchy(config: TieredConfig) -> list[int]:
     """Per prompt, the blocks a new ``HierarchySpec`` (scheduler and worker) over a
     device cache of the model's geometry finds on disk."""
-    from tiered_kv.driver import DeviceKVCache
+    from tiered_kv.sim.driver import DeviceKVCache
     from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
     from tiered_kv.tiered.spec import HierarchySpec
 

@@ -27,10 +27,10 @@ from tiered_kv.cli import _load_commands, app
 from tiered_kv.disk.index import DiskIndex
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import Namespace, list_namespaces
-from tiered_kv.driver import DeviceKVCache, EngineDriver
+from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
 from tiered_kv.inspect import evict, open_cache, read_entries
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.workloads import default_workload
+from tiered_kv.sim.workloads import default_workload
 
 _load_commands()
 runner = CliRunner()
@@ -257,7 +257,7 @@ def test_clear_removes_the_namespace(cache):
 
 _ENGINE = textwrap.dedent("""
     import time, torch
-    from tiered_kv.driver import DeviceKVCache, EngineDriver
+    from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
     from tiered_kv.tiered.spec import HierarchySpec
     spec = HierarchySpec({config!r}, gpu_block_size={block})
     dev = DeviceKVCache(num_layers=2, num_gpu_blocks=64, gpu_block_size={block}, num_kv_heads=2, head_dim=32,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from tiered_kv.driver import DeviceKVCache, EngineDriver
+from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
 from tiered_kv.metrics import PrometheusMetrics, TieredStats
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.workloads import default_workload
+from tiered_kv.sim.workloads import default_workload
 
 
 def test_stats_record_and_merge():

@@ -19,7 +19,7 @@ import replay  # noqa: E402
 from replay_vllm import vllm_import_error  # noqa: E402
 from replay_workloads import QUICK, generate, read_trace, write_trace  # noqa: E402
 
-from tiered_kv.workloads import prefix_hashes  # noqa: E402
+from tiered_kv.sim.workloads import prefix_hashes  # noqa: E402
 
 VLLM_MISSING = vllm_import_error()
 

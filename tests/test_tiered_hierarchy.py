@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiered_kv.driver import DeviceKVCache, EngineDriver
+from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.workloads import prefix_hashes
+from tiered_kv.sim.workloads import prefix_hashes
 
 CPU_SLOTS = 16
 

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiered_kv.disk.tier import DiskTier
-from tiered_kv.driver import DeviceKVCache, block_content
-from tiered_kv.host_memory import expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.sim.driver import DeviceKVCache, block_content
+from tiered_kv.memory.host_memory import expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.tiered.handlers import DiskStager
 from tiered_kv.tiered.spec import HierarchySpec

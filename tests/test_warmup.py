@@ -21,7 +21,7 @@ from tiered_kv.cli import _load_commands, app
 from tiered_kv.disk.namespace import WriterLock, list_namespaces
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.hashing import PrefixHasher, resolve_seed
-from tiered_kv.host_memory import unpack_blocks
+from tiered_kv.memory.host_memory import unpack_blocks
 from tiered_kv.inspect import open_cache, read_entries
 from tiered_kv.inspect.maintenance import delete_entries, exclusive, open_index_for_writing
 from tiered_kv.warmup import warmup
@@ -123,9 +123,9 @@ def expected_blocks(prompts, chunk_tokens: int) -> int:
 # device tensors.
 _FRESH = textwrap.dedent("""
     import json, sys, torch
-    from tiered_kv.driver import DeviceKVCache
+    from tiered_kv.sim.driver import DeviceKVCache
     from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
-    from tiered_kv.host_memory import expand_block_ids
+    from tiered_kv.memory.host_memory import expand_block_ids
     from tiered_kv.mediums import GPULoadStoreSpec
     from tiered_kv.tiered.spec import HierarchySpec
     from tiered_kv.warmup.inputs import load_config

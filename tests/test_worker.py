@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_layout, random_tensors
-from tiered_kv.host_memory import HostKVCache
+from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.worker.cpu_gpu import CpuGpuOffloadingHandlers
+from tiered_kv.cpu.handlers import CpuGpuOffloadingHandlers
 from tiered_kv.worker.worker import (
     HandlerRegistrationError,
     OffloadingHandler,

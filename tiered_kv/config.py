@@ -91,7 +91,7 @@ class TieredConfig:
     #: How GPU <-> CPU jobs move bytes: ``kernels`` (copy kernels over the mapped pinned
     #: tier, two per job), ``dma`` (copy engines, one copy per layer and run of slots),
     #: or ``auto`` (kernels where the device can map the tier). See
-    #: ``tiered_kv.worker.cpu_gpu``.
+    #: ``tiered_kv.cpu.handlers``.
     gpu_copy: str = "auto"
     #: Blocks allowed to wait for a disk write (write-through and spills); the excess is
     #: dropped and counted instead of stalling the engine.

@@ -81,16 +81,16 @@ from benchlib import MiB, RawLoop, busy_thread, cpu_seconds, float_list, header,
 
 from tiered_kv.config import CHECKSUMS
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv import device
-from tiered_kv.device import kernel_huge_pages
+from tiered_kv.memory import device
+from tiered_kv.memory.device import kernel_huge_pages
 from tiered_kv.disk.namespace import slot_size_for
 from tiered_kv.disk.io_process import DiskIOProcess
 from tiered_kv.disk.batch import views_fit
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.host_memory import HostKVCache
+from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
-from tiered_kv.worker.disk import CpuDiskHandler
+from tiered_kv.disk.handlers import CpuDiskHandler
 
 
 class GcPauses:

@@ -32,10 +32,10 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from tiered_kv.driver import DeviceKVCache  # noqa: E402
-from tiered_kv.host_memory import HostKVCache, pack_blocks  # noqa: E402
+from tiered_kv.sim.driver import DeviceKVCache  # noqa: E402
+from tiered_kv.memory.host_memory import HostKVCache, pack_blocks  # noqa: E402
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
-from tiered_kv.worker.cpu_gpu import CpuGpuOffloadingHandlers  # noqa: E402
+from tiered_kv.cpu.handlers import CpuGpuOffloadingHandlers  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 SMOKE_LAYERS, SMOKE_HEADS, SMOKE_HEAD_DIM = 2, 2, 16

@@ -26,7 +26,7 @@ from pathlib import Path
 from bench_disk import TierBench
 from benchlib import MiB, RawLoop, cpu_seconds, float_list, header, rotated, scratch_dir, total_rate
 
-from tiered_kv import device
+from tiered_kv.memory import device
 
 
 def build(root: Path, block_bytes: int, total: int, small_pages: bool) -> tuple[TierBench, RawLoop]:

@@ -247,7 +247,7 @@ class _Node:
     def __init__(self, name: str, cache_dir: Path, remote: dict[str, Any], shape: ReplayShape):
         import torch
 
-        from tiered_kv.driver import DeviceKVCache, EngineDriver
+        from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
         from tiered_kv.tiered.spec import HierarchySpec
 
         self.name = name
@@ -280,7 +280,7 @@ class _Node:
         """Each request as an engine serves it: the shared tier is asked about its blocks
         in one batch first (an engine defers a request while a lookup answers
         HIT_PENDING), and its jobs settle before the next; then the uploads land."""
-        from tiered_kv.driver import DriverReport
+        from tiered_kv.sim.driver import DriverReport
 
         report = self.driver.report = DriverReport()
         started = time.perf_counter()
@@ -304,7 +304,7 @@ class _Node:
 def replay(config: RemoteConfig, shape: ReplayShape, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Node A then node B on the two halves of one shared-prefix workload; a row per node."""
     from tiered_kv.remote.tier import REMOTE
-    from tiered_kv.workloads import shared_prefix_workload
+    from tiered_kv.sim.workloads import shared_prefix_workload
 
     workload = shared_prefix_workload(
         shape.requests,

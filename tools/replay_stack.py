@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 from tiered_kv.abstract import BlockHash, OffloadingManager, PrepareStoreOutput
-from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
+from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver
 from tiered_kv.mediums import CPULoadStoreSpec
 from tiered_kv.metrics import TRANSFER_TYPES, TieredStats
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.worker.worker import OffloadingWorker
-from tiered_kv.workloads import Workload
+from tiered_kv.sim.workloads import Workload
 
 CONFIGS = ("no-offload", "cpu", "cpu+disk", "vllm-cpu", "cpu-arc", "vllm-cpu-arc")
 MANAGER_CALLS = (

@@ -1,7 +1,7 @@
 """Workloads for ``tools/replay.py``: generated presets, or a trace read from a file.
 
 Pure computation plus reading/writing one JSON-lines trace file. Every request is the
-prefix-hash chain of its full blocks (``tiered_kv.workloads``), so shared prefixes
+prefix-hash chain of its full blocks (``tiered_kv.sim.workloads``), so shared prefixes
 (system prompts, chat histories, documents) share hashes.
 
 Presets (``scale`` multiplies their request and document counts, so the working set
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_kv.workloads import ChatWorkloadSpec, Workload, chat_workload, prefix_hashes, shared_prefix_workload
+from tiered_kv.sim.workloads import ChatWorkloadSpec, Workload, chat_workload, prefix_hashes, shared_prefix_workload
 
 WORKLOADS = ("chat", "rag", "mixed")
 

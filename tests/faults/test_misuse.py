@@ -26,7 +26,7 @@ from tiered_kv.testing.harness import (
     verify_cache,
 )
 from tiered_kv.config import ConfigError, format_size
-from tiered_kv.device import host_memory_limit
+from tiered_kv.memory.device import host_memory_limit
 from tiered_kv.disk.namespace import CacheLockedError, FingerprintMismatchError, Manifest, NamespaceError
 from tiered_kv.tiered.spec import HierarchySpec
 

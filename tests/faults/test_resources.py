@@ -12,10 +12,10 @@ import threading
 
 import pytest
 
-import tiered_kv.device
+import tiered_kv.memory.device
 from tiered_kv.testing.harness import Hierarchy, device, documents, namespace_dirs, verify_cache
 from tiered_kv.disk.namespace import Namespace, current_holder
-from tiered_kv.host_memory import HostKVCache
+from tiered_kv.memory.host_memory import HostKVCache
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -31,8 +31,8 @@ def pinning_refused(monkeypatch):
         refused.append(nbytes)
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (CUDA error 2)")
 
-    monkeypatch.setattr(tiered_kv.device, "can_pin_memory", lambda: True)
-    monkeypatch.setattr(tiered_kv.device, "cuda_host_register", register)
+    monkeypatch.setattr(tiered_kv.memory.device, "can_pin_memory", lambda: True)
+    monkeypatch.setattr(tiered_kv.memory.device, "cuda_host_register", register)
     return refused
 
 

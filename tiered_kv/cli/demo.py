@@ -23,8 +23,8 @@ from tiered_kv.config import ConfigError, format_size, parse_size
 from tiered_kv.disk.namespace import NamespaceError
 from tiered_kv.metrics import TRANSFER_TYPES
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.driver import DeviceKVCache, DriverReport, EngineDriver
-from tiered_kv.workloads import default_workload
+from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver
+from tiered_kv.sim.workloads import default_workload
 
 GPU_BLOCK_SIZE = 16  # tokens per GPU block
 DEVICE_GROUPS = 64  # offloaded-block-sized groups the device cache holds

@@ -17,11 +17,11 @@ import torch
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.cpu import CPUOffloadingManager, cpu_tier_manager
-from tiered_kv.host_memory import HostKVCache
+from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.spec import OffloadingSpec
-from tiered_kv.worker.cpu_gpu import CpuGpuOffloadingHandlers
+from tiered_kv.cpu.handlers import CpuGpuOffloadingHandlers
 from tiered_kv.worker.worker import OffloadingHandler
 
 

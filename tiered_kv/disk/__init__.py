@@ -26,7 +26,7 @@ Module map (which process runs what):
   ``block_table`` its table of loadable blocks.
 
 The handlers that move blocks between KV tensors and the disk are in
-``tiered_kv.worker.disk``.
+``tiered_kv.disk.handlers``.
 """
 
 from tiered_kv.disk.fingerprint import Fingerprint

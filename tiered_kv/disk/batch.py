@@ -22,7 +22,7 @@ from tiered_kv.disk.checksums import RunChecksums
 from tiered_kv.disk.group_commit import IndexWrite
 from tiered_kv.disk.index import DiskIndex
 from tiered_kv.disk.io_backends import ALIGN, IOV_MAX, MAX_IO_BYTES, BackendFile, IOBackend, host_view
-from tiered_kv.slot_views import SlotViews
+from tiered_kv.memory.slot_views import SlotViews
 
 __all__ = ["Batch", "BatchStore", "all_of", "block_views", "runs", "view_io", "view_runs", "views_fit"]
 

@@ -39,7 +39,7 @@ class Fingerprint:
 
     ``block_order`` names the byte order of a stored block where it has a choice, with
     more than one GPU block per offloaded block: ``"kernel_blocks"``, GPU blocks one
-    after the other, each with all its layers (``tiered_kv.host_memory``). Caches
+    after the other, each with all its layers (``tiered_kv.memory.host_memory``). Caches
     written before it existed had each layer's GPU blocks together; they have no
     ``block_order`` and are not served. With one GPU block per block there is one
     order, the field is None and left out of the record, and the namespace is what it

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.device import HOST_ALIGN, aligned_empty
+from tiered_kv.memory.device import HOST_ALIGN, aligned_empty
 from tiered_kv.disk.safe_open import fd_path, open_file
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ Which process does what:
 - Worker (``DiskIOProcess``, ``_RemoteBatch``): sends each batch's calls over a Unix
   socket, in order, and resolves futures from the replies. Block bytes never cross the
   socket: every buffer a batch names (the CPU tier, the staging buffers) must be
-  shared memory (``tiered_kv.shared_memory``; ``host_buffer`` allocates it), and
+  shared memory (``tiered_kv.memory.shared_memory``; ``host_buffer`` allocates it), and
   travels as ``(region, offset, shape, strides)``. A region's memfd is sent once, over
   a second socket, before the first message that names it.
 - I/O process (``IOServer``, ``python -m tiered_kv.disk.io_server``; ``io_server.py``):
@@ -54,8 +54,8 @@ import torch
 from tiered_kv.config import TieredConfig
 from tiered_kv.disk.io_server import Ref
 from tiered_kv.disk.store import BlockIO, DiskStore, DiskStoreStats
-from tiered_kv.shared_memory import empty_shared, locate, on_free, region_fd
-from tiered_kv.slot_views import SlotViews
+from tiered_kv.memory.shared_memory import empty_shared, locate, on_free, region_fd
+from tiered_kv.memory.slot_views import SlotViews
 
 logger = logging.getLogger(__name__)
 

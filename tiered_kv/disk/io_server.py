@@ -27,8 +27,8 @@ from typing import Any
 
 from tiered_kv.disk.store import DiskStore
 from tiered_kv.disk.write_batch import WriteBatch
-from tiered_kv.shared_memory import MappedRegions
-from tiered_kv.slot_views import SlotViews
+from tiered_kv.memory.shared_memory import MappedRegions
+from tiered_kv.memory.slot_views import SlotViews
 
 logger = logging.getLogger(__name__)
 

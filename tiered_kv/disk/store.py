@@ -51,7 +51,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.device import empty_pageable, empty_pinned
+from tiered_kv.memory.device import empty_pageable, empty_pinned
 from tiered_kv.disk.batch import PACK_CHUNK_BYTES
 from tiered_kv.disk.checksums import RunChecksums, checksum_function
 from tiered_kv.disk.fingerprint import Fingerprint
@@ -70,7 +70,7 @@ from tiered_kv.disk.namespace import Namespace, check_worker_access
 from tiered_kv.disk.read_batch import ReadBatch
 from tiered_kv.disk.write_batch import WriteBatch
 from tiered_kv.kv_layout import KVCacheLayout
-from tiered_kv.slot_views import SlotViews
+from tiered_kv.memory.slot_views import SlotViews
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from tiered_kv.mediums import DISK
 
 if TYPE_CHECKING:
     from tiered_kv.disk.manager import DiskOffloadingManager
-    from tiered_kv.host_memory import HostKVCache
+    from tiered_kv.memory.host_memory import HostKVCache
     from tiered_kv.metrics import TieredStats
 
 
@@ -68,7 +68,7 @@ class DiskTier:
     ) -> LowerTierWorker:
         from tiered_kv.disk.io_process import open_worker_store
         from tiered_kv.tiered.handlers import DiskStager
-        from tiered_kv.worker.disk import CpuDiskHandler, GpuDiskHandler
+        from tiered_kv.disk.handlers import CpuDiskHandler, GpuDiskHandler
 
         self.store = open_worker_store(self.config, self.fingerprint, self.layout, self.engine_id)
         gpu_tensors = [kv_caches[layer.name] for layer in self.layout.layers]

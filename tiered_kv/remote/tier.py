@@ -31,7 +31,7 @@ later call.
 ``RemoteTier`` is what the tier contributes in each process, like ``DiskTier``:
 ``get_manager`` (scheduler: a store for probes, with the start-up check that names
 endpoint and bucket on wrong credentials), ``get_worker`` (worker: a store for this
-rank's bytes, the stager and the load handlers of ``tiered_kv.remote.worker``).
+rank's bytes, the stager and the load handlers of ``tiered_kv.remote.handlers``).
 ``remote_tier_from_config`` builds one from the ``remote`` settings dict.
 """
 
@@ -49,14 +49,14 @@ import torch
 
 from tiered_kv.abstract import BlockHash, Closing, LowerTierWorker, OffloadingEvent, PrepareStoreOutput
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.host_memory import HostKVCache
+from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DiskLoadStoreSpec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.membership import Membership, MembershipCache
 from tiered_kv.remote.store import RemoteStore
-from tiered_kv.remote.worker import RemoteLoadHandler, RemoteStager
+from tiered_kv.remote.handlers import RemoteLoadHandler, RemoteStager
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,6 @@ it; it is never used while serving.
   storm, appending a journal of what it must find durable.
 - ``ranks``: every tensor-parallel rank of one engine in one process; no I/O of its own.
 
-Every offloaded block's bytes are ``tiered_kv.driver.block_content(hash)``, so a block
+Every offloaded block's bytes are ``tiered_kv.sim.driver.block_content(hash)``, so a block
 read back from any tier can be checked against what it must be.
 """

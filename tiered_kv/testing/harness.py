@@ -8,7 +8,7 @@ and index files, read-only verification. Builds the whole hierarchy (``Hierarchy
 cache directory block by block, and runs kill -9 trials of ``storm_child`` (forked from
 a fork server that has torch imported, so a trial costs milliseconds, not an import).
 
-Every offloaded block's bytes are ``tiered_kv.driver.block_content(hash)``, so a block
+Every offloaded block's bytes are ``tiered_kv.sim.driver.block_content(hash)``, so a block
 read back from any tier can be checked against what it must be.
 """
 
@@ -32,9 +32,9 @@ from tiered_kv.disk.index import IndexSnapshot
 from tiered_kv.disk.io_backends import PosixBackend
 from tiered_kv.disk.namespace import MANIFEST
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.driver import DeviceKVCache, EngineDriver, block_content
+from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.workloads import prefix_hashes
+from tiered_kv.sim.workloads import prefix_hashes
 
 GPU_BLOCK_SIZE = 16
 
@@ -460,7 +460,7 @@ def fork_context():
             [
                 "torch",
                 "tiered_kv.tiered.spec",
-                "tiered_kv.driver",
+                "tiered_kv.sim.driver",
                 "tiered_kv.disk.manager",
                 "tiered_kv.testing.storm_child",
             ]

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tiered_kv.driver import DeviceKVCache, EngineDriver, block_content
-from tiered_kv.host_memory import pack_blocks, unpack_blocks
+from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
+from tiered_kv.memory.host_memory import pack_blocks, unpack_blocks
 from tiered_kv.worker.worker import OffloadingWorker, TransferResult
 
 

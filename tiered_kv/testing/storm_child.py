@@ -32,7 +32,7 @@ def _universe(seed: int = 1234) -> list[list[bytes]]:
     """24 documents of 5 blocks: 6 shared 2-block roots x 4 branches of 3 (84 blocks)."""
     import numpy as np
 
-    from tiered_kv.workloads import prefix_hashes
+    from tiered_kv.sim.workloads import prefix_hashes
 
     rng = np.random.default_rng(seed)
     docs = []

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.host_memory import HostKVCache, pack_blocks
+from tiered_kv.memory.host_memory import HostKVCache, pack_blocks
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.transfer_specs import DiskWrites, TieredLoadSpec

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.host_memory import expand_block_ids
+from tiered_kv.memory.host_memory import expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.device import (
+from tiered_kv.memory.device import (
     HUGE_PAGE,
     THP_SETTINGS,
     cuda_host_register,

@@ -7,7 +7,7 @@ reads as it lies. Each layer is still seen as a tensor shaped like the device la
 (``num_blocks = num_slots * block_size_factor``; CPU slot ``s`` is kernel blocks
 ``s*f .. s*f+f-1``, the seed's ``expand_block_ids`` semantics): a strided view whose
 kernel-block rows lie one kernel block of all layers apart. The memory is pinned when
-CUDA is present and pageable otherwise (logged once, see ``tiered_kv.device``). A tier
+CUDA is present and pageable otherwise (logged once, see ``tiered_kv.memory.device``). A tier
 larger than the memory the process may use (RAM or the cgroup limit) is refused before
 anything is allocated; a pinned allocation that fails (locked-memory limits) falls back
 to pageable memory with a warning saying what to change.
@@ -32,11 +32,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from tiered_kv import device as machine  # module, so tests can stand in for its probes
+from tiered_kv.memory import device as machine  # module, so tests can stand in for its probes
 from tiered_kv.config import ConfigError, format_size
-from tiered_kv.device import empty_host, host_memory_limit
+from tiered_kv.memory.device import empty_host, host_memory_limit
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
-from tiered_kv.shared_memory import empty_shared
+from tiered_kv.memory.shared_memory import empty_shared
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class HostKVCache:
     (``pin=None``), else pageable (logged once); if pinning fails it is pageable too,
     with a warning. ``pin=True`` or ``False`` demands that kind and raises
     ``RuntimeError`` (with what to change) when it cannot be had. ``shared=True`` puts
-    it in shared memory (``tiered_kv.shared_memory``; pinned by registering it with
+    it in shared memory (``tiered_kv.memory.shared_memory``; pinned by registering it with
     CUDA) so a disk I/O process can reach the slots. Raises ``ConfigError`` naming
     cpu_bytes when the tier exceeds ``host_memory_limit()``. Contents start
     uninitialised.

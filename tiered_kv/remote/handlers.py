@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
-from tiered_kv.device import can_pin_memory
-from tiered_kv.host_memory import HostKVCache, pack_blocks, unpack_blocks
+from tiered_kv.memory.device import can_pin_memory
+from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats

@@ -15,7 +15,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from tiered_kv.host_memory import layer_planes
+from tiered_kv.memory.host_memory import layer_planes
 from tiered_kv.kv_layout import KVCacheLayout
 
 __all__ = ["SlotViews"]

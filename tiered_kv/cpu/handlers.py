@@ -12,7 +12,7 @@ earlier kernels still read.
 Every layer is one plane of whole kernel-block rows, or two (K and V) when the KV
 dimension comes first. On CUDA with a pinned CPU tier the copies are kernels that
 read and write the host memory in place: each side's planes are rows of one tensor
-(``tiered_kv.zero_copy.PlaneRows``), so a job is one ``index_select`` of every plane's
+(``tiered_kv.memory.zero_copy.PlaneRows``), so a job is one ``index_select`` of every plane's
 blocks into a staging tensor on the device and one ``index_copy_`` out of it,
 however many layers and wherever they lie (a pair per 64 MiB of a larger job).
 
@@ -42,11 +42,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from tiered_kv.device import COMPLETED, TransferStream
-from tiered_kv.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
+from tiered_kv.memory.device import COMPLETED, TransferStream
+from tiered_kv.memory.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
-from tiered_kv.zero_copy import MAX_STAGING_BYTES, PlaneRows, copy_blocks
+from tiered_kv.memory.zero_copy import MAX_STAGING_BYTES, PlaneRows, copy_blocks
 
 logger = logging.getLogger(__name__)
 

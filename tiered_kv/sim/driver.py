@@ -4,7 +4,7 @@ Runs the scheduler and the model-runner roles in one process, as the demo, the t
 and the benchmarks need: it owns a small "device" KV cache (CUDA tensors when asked
 and available, CPU tensors standing in otherwise) with its own LRU prefix cache of
 GPU blocks, so blocks fall out of it and must come back from the offloading tiers.
-For each request (a prefix-hash chain, see ``tiered_kv.workloads``) it calls the
+For each request (a prefix-hash chain, see ``tiered_kv.sim.workloads``) it calls the
 manager as a scheduler would (lookup, prepare_load, complete_load, prepare_store,
 complete_store, touch) and the worker as a model runner would (transfer_async, wait,
 get_finished). Every block's bytes are a pure function of its hash, so each loaded
@@ -24,14 +24,14 @@ import torch
 import xxhash
 
 from tiered_kv.abstract import BlockHash, OffloadingManager
-from tiered_kv.device import resolve_device
-from tiered_kv.host_memory import expand_block_ids, pack_blocks, unpack_blocks
+from tiered_kv.memory.device import resolve_device
+from tiered_kv.memory.host_memory import expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.metrics import TransferCounter
 from tiered_kv.spec import OffloadingSpec
 from tiered_kv.worker.worker import OffloadingWorker, TransferResult
-from tiered_kv.workloads import Workload
+from tiered_kv.sim.workloads import Workload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

@@ -42,11 +42,11 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import LoadStoreSpec
-from tiered_kv.device import TransferStream, can_pin_memory
+from tiered_kv.memory.device import TransferStream, can_pin_memory
 from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.host_memory import HostKVCache, pack_blocks, unpack_blocks
-from tiered_kv.slot_views import SlotViews
+from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
+from tiered_kv.memory.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
