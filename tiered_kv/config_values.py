@@ -161,3 +161,25 @@ def parse_disk_path(value: Any, key: str) -> str | None:
 
 
 CHECKSUMS = ("xxh3_64", "crc32c")
+
+
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_AGE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_age(text: str, option: str) -> float:
+    """Seconds from ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"`` or ``"2w"``. A number without a
+    unit is refused (is ``7`` seconds or days?), except 0. Raises ``ConfigError`` naming
+    ``option`` otherwise."""
+    m = _AGE_RE.match(text)
+    if not m or m.group(2).lower() not in ("", *_AGE_UNITS):
+        raise ConfigError(
+            f"{option}: cannot parse age {text!r}; expected a number with a unit s, m, h, d or w, e.g. 7d"
+        )
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and value != 0:
+        raise ConfigError(
+            f"{option}: {text!r} has no unit; write {m.group(1)}d for days, {m.group(1)}h "
+            f"for hours, {m.group(1)}m for minutes or {m.group(1)}s for seconds"
+        )
+    return value * _AGE_UNITS[unit or "s"]

@@ -15,7 +15,6 @@ tier (its S3 bucket) instead: ``tiered_kv.cli.inspect_remote``.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from typing import Any, Optional
@@ -28,7 +27,7 @@ from rich.table import Table
 from tiered_kv.cli import app
 from tiered_kv.cli.inspect_remote import need_path, on_remote
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
-from tiered_kv.config import ConfigError, format_size, parse_size
+from tiered_kv.config_values import format_size, parse_age, parse_size
 
 # The inspector's library (tiered_kv.inspect) is imported inside each command: it pulls
 # in torch, numpy and LMDB, which ``tiered-kv inspect --help`` should not wait for.
@@ -69,30 +68,10 @@ _DRY_RUN = typer.Option(False, "--dry-run", help="Report what would go, change n
 #: validate; a test keeps the two in step).
 SORT_HELP = "last-access, stored, hits, slot, hash"
 STATE_HELP = "all, complete, incomplete"
-_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_AGE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 #: Timestamp fields of the JSON documents (seconds since the epoch in the library,
 #: ISO 8601 on the way out).
 _NS_TIMES = ("created", "oldest_stored", "newest_stored", "least_recent_access", "most_recent_access")
 _ENTRY_TIMES = ("stored", "last_access")
-
-
-def parse_age(text: str, option: str) -> float:
-    """Seconds from ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"`` or ``"2w"``. A number without a
-    unit is refused (is ``7`` seconds or days?), except 0. Raises ``ConfigError`` naming
-    ``option`` otherwise."""
-    m = _AGE_RE.match(text)
-    if not m or m.group(2).lower() not in ("", *_AGE_UNITS):
-        raise ConfigError(
-            f"{option}: cannot parse age {text!r}; expected a number with a unit s, m, h, d or w, e.g. 7d"
-        )
-    value, unit = float(m.group(1)), m.group(2).lower()
-    if not unit and value != 0:
-        raise ConfigError(
-            f"{option}: {text!r} has no unit; write {m.group(1)}d for days, {m.group(1)}h "
-            f"for hours, {m.group(1)}m for minutes or {m.group(1)}s for seconds"
-        )
-    return value * _AGE_UNITS[unit or "s"]
 
 
 # ---------------------------------------------------------------- helpers

@@ -134,7 +134,7 @@ def ls(
     json_out: bool,
 ) -> None:
     with _errors(json_out):
-        from tiered_kv.cli.inspect import parse_age
+        from tiered_kv.config_values import parse_age
         from tiered_kv.inspect.remote import list_shared_tier
 
         if state != "all":
