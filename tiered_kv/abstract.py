@@ -23,12 +23,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
-if TYPE_CHECKING:
-    from concurrent.futures import Future
-
-    from tiered_kv.worker.worker import OffloadingHandler
 
 #: A block's identity: the engine's prefix hash of the block's tokens. Bytes, because
 #: the disk tier persists it as an LMDB key (at most 511 bytes).
@@ -217,29 +213,3 @@ class LowerTier(Protocol):
 
     def shutdown(self) -> None:
         """Release the tier's threads and handles. Idempotent."""
-
-
-class Stager(Protocol):
-    """Worker side of a lower tier's writes: copies CPU slots out (so the slots may be
-    reused at once) and writes them into the tier in the background, where each
-    block's durability is recorded for the scheduler's ``LowerTier`` to learn."""
-
-    def stage(self, writes: Any) -> "Future[None]":
-        """Start copying ``writes``' CPU slots out (a ``DiskWrites``); the future is done
-        once those slots may be overwritten."""
-
-    def drain(self) -> None:
-        """Block until every staged write has landed (or failed)."""
-
-    def shutdown(self) -> None:
-        """Drain, then stop the stager's threads."""
-
-
-class LowerTierWorker(NamedTuple):
-    """What a lower tier gives the composite's handlers in a worker process: its stager,
-    and its handlers for reads into the GPU and into CPU slots (None where a tier has
-    no such path)."""
-
-    stager: Stager | None
-    to_gpu: "OffloadingHandler | None"
-    to_cpu: "OffloadingHandler | None"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_kv.abstract import LowerTierWorker
+from tiered_kv.worker.worker import LowerTierWorker
 from tiered_kv.config import TieredConfig
 from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.kv_layout import KVCacheLayout

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple, Protocol
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
 
@@ -178,3 +180,32 @@ class OffloadingWorker(Closing):
                 handler.shutdown()
             except Exception:
                 logger.exception("handler %s raised in shutdown", type(handler).__name__)
+
+
+# ---- what a tier below CPU gives the composite's handlers in a worker
+
+
+class Stager(Protocol):
+    """Worker side of a lower tier's writes: copies CPU slots out (so the slots may be
+    reused at once) and writes them into the tier in the background, where each
+    block's durability is recorded for the scheduler's ``LowerTier`` to learn."""
+
+    def stage(self, writes: Any) -> Future[None]:
+        """Start copying ``writes``' CPU slots out (a ``DiskWrites``); the future is done
+        once those slots may be overwritten."""
+
+    def drain(self) -> None:
+        """Block until every staged write has landed (or failed)."""
+
+    def shutdown(self) -> None:
+        """Drain, then stop the stager's threads."""
+
+
+class LowerTierWorker(NamedTuple):
+    """What a lower tier gives the composite's handlers in a worker process: its stager,
+    and its handlers for reads into the GPU and into CPU slots (None where a tier has
+    no such path)."""
+
+    stager: Stager | None
+    to_gpu: OffloadingHandler | None
+    to_cpu: OffloadingHandler | None
