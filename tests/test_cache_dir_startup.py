@@ -283,8 +283,8 @@ def test_destructive_commands_wait_for_every_engine_process_even_one_starting(ca
 
 
 def test_an_engine_starting_while_the_inspector_changes_the_cache_is_refused_naming_it(cache):
-    from tiered_kv.inspect.cache import open_cache
-    from tiered_kv.inspect.maintenance import exclusive
+    from tiered_kv.ops.inspect.cache import open_cache
+    from tiered_kv.ops.inspect.maintenance import exclusive
 
     layout = device().layout
     fp = _engine_fingerprint(cache, layout)

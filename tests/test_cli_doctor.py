@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tiered_kv import doctor as dr
+from tiered_kv.ops import doctor as dr
 from tiered_kv.cli import app
 from tiered_kv.config import TieredConfig
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import disk_fixtures as fx
 from tiered_kv.cli import app
 from tiered_kv.cli.output import HASH_PREFIX, SCHEMA_VERSION
-from tiered_kv.inspect import open_cache, read_entries
+from tiered_kv.ops.inspect import open_cache, read_entries
 
 runner = CliRunner()
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")

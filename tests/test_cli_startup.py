@@ -95,7 +95,7 @@ def test_a_command_runs_without_load_commands():
 
 def test_ls_help_names_the_librarys_choices():
     from tiered_kv.cli.inspect import SORT_HELP, STATE_HELP
-    from tiered_kv.inspect.summary import SORT_KEYS, STATES
+    from tiered_kv.ops.inspect.summary import SORT_KEYS, STATES
 
     assert SORT_HELP == ", ".join(SORT_KEYS) and STATE_HELP == ", ".join(STATES)
 

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from tiered_kv.cli import app
 from tiered_kv.config import ConfigError
-from tiered_kv.doctor import free_space, memory_limit
-from tiered_kv.presets import PRESETS, find_preset
-from tiered_kv.sizing import ModelGeometry, plan_tiers
+from tiered_kv.ops.doctor import free_space, memory_limit
+from tiered_kv.ops.presets import PRESETS, find_preset
+from tiered_kv.ops.sizing import ModelGeometry, plan_tiers
 
 runner = CliRunner()
 

@@ -11,7 +11,7 @@ from s3_server import skip_module_without_rgw
 
 skip_module_without_rgw()
 
-from tiered_kv import doctor as dr  # noqa: E402
+from tiered_kv.ops import doctor as dr  # noqa: E402
 from tiered_kv.config import TieredConfig  # noqa: E402
 
 

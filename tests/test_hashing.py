@@ -1,4 +1,4 @@
-"""vLLM-compatible prefix hashes (tiered_kv.hashing): the serialisations, the seed rules,
+"""vLLM-compatible prefix hashes (tiered_kv.ops.hashing): the serialisations, the seed rules,
 the chaining, and (marked ``vllm``) equality with vLLM 0.33's own functions."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tiered_kv.hashing import (
+from tiered_kv.ops.hashing import (
     DEFAULT_SEED,
     HASH_ALGORITHMS,
     HashSettingsError,

@@ -65,8 +65,8 @@ def server_config(tmp_path: Path, model_dir: Path | None, **extra) -> TieredConf
 
 
 def warm(model_dir: Path, config: TieredConfig):
-    from tiered_kv.warmup import warmup
-    from tiered_kv.warmup.engines import HFEngine
+    from tiered_kv.ops.warmup import warmup
+    from tiered_kv.ops.warmup.engines import HFEngine
 
     torch.set_num_threads(1)
     engine = HFEngine.from_pretrained(str(model_dir), device="cpu")
@@ -77,7 +77,7 @@ def hits_in_a_fresh_hierarchy(config: TieredConfig) -> list[int]:
     """Per prompt, the blocks a new ``HierarchySpec`` (scheduler and worker) over a
     device cache of the model's geometry finds on disk."""
     from tiered_kv.sim.driver import DeviceKVCache
-    from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
+    from tiered_kv.ops.hashing import PrefixHasher, chunk_keys, resolve_seed
     from tiered_kv.tiered.spec import HierarchySpec
 
     dev = DeviceKVCache(
@@ -235,7 +235,7 @@ def test_a_model_path_that_is_not_a_model_is_a_clear_error(tmp_path):
 
 
 def test_warmup_refuses_a_model_the_config_does_not_name(model_dir, tmp_path):
-    from tiered_kv.warmup.errors import WarmupError
+    from tiered_kv.ops.warmup.errors import WarmupError
 
     other = save_tiny_llama(tmp_path / "other", seed=3)
     with pytest.raises(WarmupError, match=r"^weights_digest: the config's model_path .* but --model .* has"):

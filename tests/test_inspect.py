@@ -28,7 +28,7 @@ from tiered_kv.disk.index import DiskIndex
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import Namespace, list_namespaces
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
-from tiered_kv.inspect import evict, open_cache, read_entries
+from tiered_kv.ops.inspect import evict, open_cache, read_entries
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.sim.workloads import default_workload
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tiered_kv.config import ConfigError
-from tiered_kv.sizing import ModelGeometry, dtype_bytes, plan_tiers
+from tiered_kv.ops.sizing import ModelGeometry, dtype_bytes, plan_tiers
 
 GiB = 1024**3
 

@@ -20,15 +20,15 @@ from typer.testing import CliRunner
 from tiered_kv.cli import _load_commands, app
 from tiered_kv.disk.namespace import WriterLock, list_namespaces
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.hashing import PrefixHasher, resolve_seed
+from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.memory.host_memory import unpack_blocks
-from tiered_kv.inspect import open_cache, read_entries
-from tiered_kv.inspect.maintenance import delete_entries, exclusive, open_index_for_writing
-from tiered_kv.warmup import warmup
-from tiered_kv.warmup.engines import HFEngine
-from tiered_kv.warmup.errors import WarmupError
-from tiered_kv.warmup.inputs import load_config
-from tiered_kv.warmup.layouts import KvFirstLayout, LayoutRequest
+from tiered_kv.ops.inspect import open_cache, read_entries
+from tiered_kv.ops.inspect.maintenance import delete_entries, exclusive, open_index_for_writing
+from tiered_kv.ops.warmup import warmup
+from tiered_kv.ops.warmup.engines import HFEngine
+from tiered_kv.ops.warmup.errors import WarmupError
+from tiered_kv.ops.warmup.inputs import load_config
+from tiered_kv.ops.warmup.layouts import KvFirstLayout, LayoutRequest
 
 transformers = pytest.importorskip("transformers")
 _load_commands()
@@ -124,11 +124,11 @@ def expected_blocks(prompts, chunk_tokens: int) -> int:
 _FRESH = textwrap.dedent("""
     import json, sys, torch
     from tiered_kv.sim.driver import DeviceKVCache
-    from tiered_kv.hashing import PrefixHasher, chunk_keys, resolve_seed
+    from tiered_kv.ops.hashing import PrefixHasher, chunk_keys, resolve_seed
     from tiered_kv.memory.host_memory import expand_block_ids
     from tiered_kv.mediums import GPULoadStoreSpec
     from tiered_kv.tiered.spec import HierarchySpec
-    from tiered_kv.warmup.inputs import load_config
+    from tiered_kv.ops.warmup.inputs import load_config
     prompts_path, out_path, *config_paths = sys.argv[1:]
     results = []
     for config_path in config_paths:

@@ -10,11 +10,11 @@ import torch
 from test_warmup import GPU_BLOCK, PROMPTS, engine, expected_blocks, model_dir, write_inputs  # noqa: F401
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import list_namespaces
-from tiered_kv.hashing import chunk_keys
-from tiered_kv.inspect import read_entries
-from tiered_kv.warmup import warmup
-from tiered_kv.warmup.inputs import load_config
-from tiered_kv.warmup.layouts import KvFirstLayout, LayoutRequest
+from tiered_kv.ops.hashing import chunk_keys
+from tiered_kv.ops.inspect import read_entries
+from tiered_kv.ops.warmup import warmup
+from tiered_kv.ops.warmup.inputs import load_config
+from tiered_kv.ops.warmup.layouts import KvFirstLayout, LayoutRequest
 
 
 @pytest.mark.vllm

@@ -48,7 +48,7 @@ GPU_COPIES = ("auto", "kernels", "dma")
 EVICTION_POLICIES = ("lru", "arc")
 #: The disk tier's order is kept in its index (last access per block): LRU only.
 DISK_EVICTION_POLICIES = ("lru",)
-#: vLLM's ``--prefix-caching-hash-algo`` values (``tiered_kv.hashing`` computes them all).
+#: vLLM's ``--prefix-caching-hash-algo`` values (``tiered_kv.ops.hashing`` computes them all).
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 

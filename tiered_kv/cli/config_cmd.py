@@ -24,9 +24,9 @@ from rich.table import Table
 
 from tiered_kv.cli import app
 from tiered_kv.config import ConfigError, TieredConfig, format_size, parse_size
-from tiered_kv.doctor import tier_size_warnings
-from tiered_kv.presets import PRESETS, preset_source
-from tiered_kv.sizing import ModelGeometry, TierPlan, plan_tiers
+from tiered_kv.ops.doctor import tier_size_warnings
+from tiered_kv.ops.presets import PRESETS, preset_source
+from tiered_kv.ops.sizing import ModelGeometry, TierPlan, plan_tiers
 
 SPEC_NAME = "TieredOffloadingSpec"
 SPEC_MODULE_PATH = "tiered_kv.integrations.vllm"
@@ -249,7 +249,7 @@ def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: T
     import torch
 
     from tiered_kv.config import VLLM_PASSTHROUGH_KEYS
-    from tiered_kv.warmup.layouts import KvFirstLayout, LayoutRequest
+    from tiered_kv.ops.warmup.layouts import KvFirstLayout, LayoutRequest
 
     extra = kv_config["kv_connector_extra_config"]
     cfg = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)

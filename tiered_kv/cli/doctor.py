@@ -1,7 +1,7 @@
 """``tiered-kv doctor``: check this host before a tiered-kv server starts on it.
 
 Operator's process; the checks (and the I/O they do: one probe file in the disk tier's
-directory) are ``tiered_kv.doctor``. Prints one line per check, ok / warn / fail with
+directory) are ``tiered_kv.ops.doctor``. Prints one line per check, ok / warn / fail with
 the fix, or the JSON envelope with ``--json``; exits with the worst line's code: 0 all
 ok, 1 a warning, 2 a failure.
 """
@@ -35,7 +35,7 @@ def doctor(
     Exit code: 0 when every check is ok, 1 when the worst is a warning, 2 when one fails
     (the server would refuse to start)."""
     with errors(json_out):
-        from tiered_kv.doctor import run_doctor
+        from tiered_kv.ops.doctor import run_doctor
 
         report = run_doctor(config, tp=tp)
     if json_out:

@@ -1,6 +1,6 @@
 """``tiered-kv inspect``: look inside a disk cache, check it, trim it, measure its device.
 
-Operator's process; the library is ``tiered_kv.inspect``. ``summary``, ``ls`` and
+Operator's process; the library is ``tiered_kv.ops.inspect``. ``summary``, ``ls`` and
 ``verify`` are read-only and work while an engine has the cache open; ``verify
 --repair``, ``evict`` and ``clear`` take the writer lock and are refused while an
 engine holds it (with ``--dry-run``, ``evict`` and ``clear`` only read and report);
@@ -29,7 +29,7 @@ from tiered_kv.cli.inspect_remote import need_path, on_remote
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.config_values import format_size, parse_age, parse_size
 
-# The inspector's library (tiered_kv.inspect) is imported inside each command: it pulls
+# The inspector's library (tiered_kv.ops.inspect) is imported inside each command: it pulls
 # in torch, numpy and LMDB, which ``tiered-kv inspect --help`` should not wait for.
 
 inspect_app = typer.Typer(
@@ -78,7 +78,7 @@ _ENTRY_TIMES = ("stored", "last_access")
 
 
 def _errors(json_out: bool):
-    from tiered_kv.inspect import InspectError
+    from tiered_kv.ops.inspect import InspectError
 
     return errors(json_out, (InspectError,))
 
@@ -143,8 +143,8 @@ def summary(
         return on_remote("summary", locals())
     path = need_path(path, json_out)
     with _errors(json_out):
-        from tiered_kv.inspect import open_cache, summarize_cache
-        from tiered_kv.inspect.summary import ServerConfig, describe_io, mark_read_by
+        from tiered_kv.ops.inspect import open_cache, summarize_cache
+        from tiered_kv.ops.inspect.summary import ServerConfig, describe_io, mark_read_by
 
         data = summarize_cache(open_cache(path, namespace))
         if config:
@@ -241,7 +241,7 @@ def ls(
         return on_remote("ls", locals())
     path = need_path(path, json_out)
     with _errors(json_out):
-        from tiered_kv.inspect import ListFilter, list_entries, open_cache
+        from tiered_kv.ops.inspect import ListFilter, list_entries, open_cache
 
         flt = ListFilter(
             state=state,
@@ -323,8 +323,8 @@ def verify(
     path = need_path(path, json_out)
     results, clean = [], []
     with _errors(json_out):
-        from tiered_kv.inspect import open_cache, verify_namespace
-        from tiered_kv.inspect.verify import bytes_to_verify
+        from tiered_kv.ops.inspect import open_cache, verify_namespace
+        from tiered_kv.ops.inspect.verify import bytes_to_verify
 
         cache = open_cache(path, namespace)
         for ns in cache.namespaces:
@@ -368,7 +368,7 @@ def _clean_after_repair(ns, result) -> bool:
     read and matched its checksum under the same writer lock, so that is all a second
     full pass could find.)"""
     from tiered_kv.disk.index import DiskIndex
-    from tiered_kv.inspect import read_entries
+    from tiered_kv.ops.inspect import read_entries
 
     table = read_entries(ns)
     m = ns.manifest
@@ -447,7 +447,7 @@ def evict_cmd(
 ) -> None:
     """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed."""
     with _errors(json_out):
-        from tiered_kv.inspect import InspectError, evict, open_cache
+        from tiered_kv.ops.inspect import InspectError, evict, open_cache
 
         if to_size is None and older_than is None:
             raise InspectError("evict needs --to-size SIZE or --older-than AGE")
@@ -502,11 +502,11 @@ def clear_cmd(
 ) -> None:
     """Delete namespaces (blocks, index, slab files); the cache must be closed."""
     with _errors(json_out):
-        from tiered_kv.inspect import InspectError, clear, open_cache
+        from tiered_kv.ops.inspect import InspectError, clear, open_cache
 
         cache = open_cache(path, namespace)
         if unread_by:
-            from tiered_kv.inspect.summary import ServerConfig, unread_namespaces
+            from tiered_kv.ops.inspect.summary import ServerConfig, unread_namespaces
 
             cache.namespaces = unread_namespaces(cache, [ServerConfig.load(c, model) for c in unread_by])
         if not cache.namespaces:
@@ -555,7 +555,7 @@ def bench(
 ) -> None:
     """Tier store/load GB/s on the cache's device beside a raw O_DIRECT baseline, interleaved."""
     with _errors(json_out):
-        from tiered_kv.inspect import run_bench
+        from tiered_kv.ops.inspect import run_bench
 
         total = parse_size(size, "--size")
         block = parse_size(block_size, "--block-size")

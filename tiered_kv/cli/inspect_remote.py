@@ -1,6 +1,6 @@
 """``tiered-kv inspect summary|ls|verify --remote CONFIG``: the shared tier of a config.
 
-Operator's process; the library is ``tiered_kv.inspect.remote`` (S3 LIST and GETs of
+Operator's process; the library is ``tiered_kv.ops.inspect.remote`` (S3 LIST and GETs of
 the config's bucket; ``verify --repair`` also deletes the objects it reports, nothing
 else). ``tiered_kv.cli.inspect`` hands a command here, with all its options by name, when it
 is given ``--remote``;
@@ -39,20 +39,20 @@ def need_path(path: str | None, json_out: bool) -> str:
 
 
 def _errors(json_out: bool):
-    from tiered_kv.inspect import InspectError
+    from tiered_kv.ops.inspect import InspectError
 
     return errors(json_out, (InspectError,))
 
 
 def _refuse(what: str) -> None:
-    from tiered_kv.inspect import InspectError
+    from tiered_kv.ops.inspect import InspectError
 
     raise InspectError(f"{what} does not apply to a shared tier (--remote)")
 
 
 def _open(remote: str, path: str | None, namespace: str | None, model: str | None = None):
-    from tiered_kv.inspect import InspectError
-    from tiered_kv.inspect.remote import open_shared_tier
+    from tiered_kv.ops.inspect import InspectError
+    from tiered_kv.ops.inspect.remote import open_shared_tier
 
     if path is not None:
         raise InspectError(f"give a cache directory or --remote CONFIG, not both (got {path!r} and {remote!r})")
@@ -68,8 +68,8 @@ def summary(
     json_out: bool,
 ) -> None:
     with _errors(json_out):
-        from tiered_kv.inspect.remote import summarize_shared_tier
-        from tiered_kv.inspect.summary import ServerConfig
+        from tiered_kv.ops.inspect.remote import summarize_shared_tier
+        from tiered_kv.ops.inspect.summary import ServerConfig
 
         tier = _open(remote, path, namespace, model)
         data = summarize_shared_tier(tier, [ServerConfig.load(c, model) for c in config or ()])
@@ -135,7 +135,7 @@ def ls(
 ) -> None:
     with _errors(json_out):
         from tiered_kv.config_values import parse_age
-        from tiered_kv.inspect.remote import list_shared_tier
+        from tiered_kv.ops.inspect.remote import list_shared_tier
 
         if state != "all":
             _refuse("--state (each rank's object is listed on its own)")
@@ -187,7 +187,7 @@ def verify(
     with _errors(json_out):
         from rich.progress import DownloadColumn
 
-        from tiered_kv.inspect.remote import verify_shared_tier
+        from tiered_kv.ops.inspect.remote import verify_shared_tier
 
         tier = _open(remote, path, namespace)
         total = sum(o.size for ns in tier.namespaces for o in ns.blocks) if not limit else None

@@ -1,7 +1,7 @@
 """``tiered-kv warmup``: fill the disk tier offline from a JSONL file of prompts.
 
 Operator's process, with the server stopped (the run holds the cache's writer lock).
-Library: ``tiered_kv.warmup``. Checks the hash settings, the config, the model's identity
+Library: ``tiered_kv.ops.warmup``. Checks the hash settings, the config, the model's identity
 (``model_id`` set; ``--model`` has the weights digest of the config's ``model_path``) and
 the prompts before loading the model, shows a progress bar over prompts (terminals
 only), and ends with a summary table naming the namespace and the identity it records,
@@ -23,13 +23,13 @@ from rich.table import Table
 from tiered_kv.cli import app
 from tiered_kv.cli.output import emit_json, errors, progress_bar
 from tiered_kv.config import format_size
-from tiered_kv.hashing import HashSettingsError, resolve_seed
+from tiered_kv.ops.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
-from tiered_kv.warmup import WarmupReport, chunk_tokens_for, warmup
-from tiered_kv.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
-from tiered_kv.warmup.errors import WarmupError
-from tiered_kv.warmup.inputs import check_identity, load_config, read_extra_config, read_prompts, tokenize
-from tiered_kv.warmup.layouts import BLOCK_LAYOUTS
+from tiered_kv.ops.warmup import WarmupReport, chunk_tokens_for, warmup
+from tiered_kv.ops.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
+from tiered_kv.ops.warmup.errors import WarmupError
+from tiered_kv.ops.warmup.inputs import check_identity, load_config, read_extra_config, read_prompts, tokenize
+from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS
 
 ENGINES = ("hf", "vllm")
 

@@ -23,12 +23,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
-from tiered_kv.doctor.report import EXIT_CODES, FAIL, OK, WARN, Check, DoctorReport
-from tiered_kv.doctor.disk import check_disk_path, check_free_space, filesystem_of, free_space
-from tiered_kv.doctor.gpu import SUPPORTED_VLLM, check_cuda, check_io_path, check_vllm, gds_facts
-from tiered_kv.doctor.hashes import check_hash
-from tiered_kv.doctor.memory import check_memlock, check_memory, check_thp, memlock_limit, memory_limit, thp_setting
-from tiered_kv.doctor.remote import check_remote
+from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, WARN, Check, DoctorReport
+from tiered_kv.ops.doctor.disk import check_disk_path, check_free_space, filesystem_of, free_space
+from tiered_kv.ops.doctor.gpu import SUPPORTED_VLLM, check_cuda, check_io_path, check_vllm, gds_facts
+from tiered_kv.ops.doctor.hashes import check_hash
+from tiered_kv.ops.doctor.memory import check_memlock, check_memory, check_thp, memlock_limit, memory_limit, thp_setting
+from tiered_kv.ops.doctor.remote import check_remote
 
 #: The package's API: ``run_doctor`` and each check, with what they measure.
 __all__ = [

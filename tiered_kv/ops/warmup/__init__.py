@@ -3,7 +3,7 @@ so a server's first requests for those prefixes hit.
 
 Runs in one operator process, with the server stopped (it takes the disk namespace's
 writer lock, as the server's scheduler would). For each prompt it computes vLLM's
-prefix block hashes (``tiered_kv.hashing``), skips the prompt when every full block is
+prefix block hashes (``tiered_kv.ops.hashing``), skips the prompt when every full block is
 already on disk (so a rerun resumes where a previous one stopped), runs the model once
 over the prompt up to its last missing block, and stores the missing blocks through
 the disk tier's own path: ``DiskOffloadingManager.prepare_store`` picks slots (evicting
@@ -53,11 +53,11 @@ from tiered_kv.disk.io_backends import aligned_empty
 from tiered_kv.disk.manager import DiskOffloadingManager
 from tiered_kv.disk.namespace import slot_size_for
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.hashing import PrefixHasher, resolve_seed
-from tiered_kv.warmup.engines import HFEngine
-from tiered_kv.warmup.errors import WarmupError
-from tiered_kv.warmup.inputs import check_identity
-from tiered_kv.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, register_block_layout
+from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
+from tiered_kv.ops.warmup.engines import HFEngine
+from tiered_kv.ops.warmup.errors import WarmupError
+from tiered_kv.ops.warmup.inputs import check_identity
+from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, register_block_layout
 
 #: The run; ``register_block_layout`` is here too, where docs/cli.md points plug-ins.
 __all__ = ["JOB_BYTES", "WarmupReport", "chunk_tokens_for", "register_block_layout", "warmup"]

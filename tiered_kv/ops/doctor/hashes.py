@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.doctor.report import OK, WARN, Check
+from tiered_kv.ops.doctor.report import OK, WARN, Check
 
 
 _RANDOM_SEEDED = ("xxhash", "xxhash_cbor")

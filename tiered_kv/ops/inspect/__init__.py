@@ -12,11 +12,11 @@ Runs in the operator's process, beside or instead of an engine. Module map:
   ``tiered-kv inspect ... --remote CONFIG``). Imported on its own, not here.
 """
 
-from tiered_kv.inspect.bench import BenchResult, run_bench
-from tiered_kv.inspect.cache import CacheDir, EntryTable, InspectError, open_cache, read_entries
-from tiered_kv.inspect.maintenance import EvictResult, clear, evict
-from tiered_kv.inspect.summary import ListFilter, list_entries, summarize_cache, summarize_namespace
-from tiered_kv.inspect.verify import VerifyResult, verify_namespace
+from tiered_kv.ops.inspect.bench import BenchResult, run_bench
+from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, open_cache, read_entries
+from tiered_kv.ops.inspect.maintenance import EvictResult, clear, evict
+from tiered_kv.ops.inspect.summary import ListFilter, list_entries, summarize_cache, summarize_namespace
+from tiered_kv.ops.inspect.verify import VerifyResult, verify_namespace
 
 __all__ = [
     "BenchResult",

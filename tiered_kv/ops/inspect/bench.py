@@ -36,7 +36,7 @@ from tiered_kv.disk.fingerprint import Fingerprint
 from tiered_kv.disk.io_backends import ALIGN, aligned_empty, host_view
 from tiered_kv.disk.io_backends import MAX_IO_BYTES
 from tiered_kv.disk.store import DiskStore
-from tiered_kv.inspect.cache import InspectError
+from tiered_kv.ops.inspect.cache import InspectError
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 KINDS = ("raw_write", "tier_write", "raw_read", "tier_read")

@@ -16,10 +16,10 @@ import torch
 
 from tiered_kv.config import TieredConfig
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.hashing import chunk_keys
+from tiered_kv.ops.hashing import chunk_keys
 from tiered_kv.memory.host_memory import pack_blocks
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
-from tiered_kv.sizing import ModelGeometry
+from tiered_kv.ops.sizing import ModelGeometry
 
 
 @dataclass(frozen=True)

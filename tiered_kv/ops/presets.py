@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import ConfigError
-from tiered_kv.sizing import ModelGeometry
+from tiered_kv.ops.sizing import ModelGeometry
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import resource
 from pathlib import Path
 
 from tiered_kv.config import TieredConfig, format_size
-from tiered_kv.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
 
 THP_FILES = {

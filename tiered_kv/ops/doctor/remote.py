@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
 
 def check_remote(cfg: TieredConfig | None) -> Check:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from tiered_kv.model_identity import resolve_model_dir
-from tiered_kv.sizing import ModelGeometry
-from tiered_kv.warmup.errors import WarmupError
+from tiered_kv.ops.sizing import ModelGeometry
+from tiered_kv.ops.warmup.errors import WarmupError
 
 
 def import_transformers() -> Any:

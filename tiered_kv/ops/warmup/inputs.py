@@ -18,7 +18,7 @@ from typing import Any
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
 from tiered_kv.model_identity import read_config_file, weights_digest
-from tiered_kv.warmup.errors import WarmupError
+from tiered_kv.ops.warmup.errors import WarmupError
 
 
 def read_extra_config(path: str | os.PathLike) -> dict[str, Any]:

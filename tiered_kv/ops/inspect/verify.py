@@ -27,8 +27,8 @@ from tiered_kv.disk.index import DiskIndex, IndexCorruptError
 from tiered_kv.disk.io_backends import BackendFile, PosixBackend, aligned_empty, host_view
 from tiered_kv.disk.namespace import Namespace
 from tiered_kv.disk.checksums import checksum_function
-from tiered_kv.inspect.cache import EntryTable, InspectError, read_entries
-from tiered_kv.inspect.maintenance import delete_entries, exclusive, open_index_for_writing
+from tiered_kv.ops.inspect.cache import EntryTable, InspectError, read_entries
+from tiered_kv.ops.inspect.maintenance import delete_entries, exclusive, open_index_for_writing
 
 #: Largest single read.
 READ_BYTES = 8 << 20

@@ -32,8 +32,8 @@ from typing import Any
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
 from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.inspect.cache import InspectError
-from tiered_kv.inspect.summary import ServerConfig
+from tiered_kv.ops.inspect.cache import InspectError
+from tiered_kv.ops.inspect.summary import ServerConfig
 from tiered_kv.model_identity import read_config_file
 from tiered_kv.remote.client import ObjectInfo, RemoteError, RemoteSetupError, S3Client
 from tiered_kv.remote.config import RemoteConfig

@@ -1,6 +1,6 @@
 """Prefix block hashes equal to the ones vLLM's prefix cache computes, without vLLM.
 
-Pure computation, no I/O; used by the offline warm-up (``tiered_kv.warmup``) and by
+Pure computation, no I/O; used by the offline warm-up (``tiered_kv.ops.warmup``) and by
 tools that must name blocks the way a serving engine does. The scheme (learned from
 vLLM 0.33's ``kv_cache_utils``/``utils.hashing``; nothing is imported from it):
 

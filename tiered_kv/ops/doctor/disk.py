@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import TieredConfig, format_size
-from tiered_kv.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
 
 #: File systems whose "disk" is memory or another machine: a disk tier there is not local NVMe.

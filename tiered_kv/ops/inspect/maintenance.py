@@ -29,7 +29,7 @@ import numpy as np
 
 from tiered_kv.disk.index import DiskIndex, IndexCorruptError
 from tiered_kv.disk.namespace import CacheLockedError, Namespace, WriterLock
-from tiered_kv.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
+from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
 
 #: Index deletions per write transaction (bounds one transaction's size and duration).
 DELETE_BATCH = 100_000

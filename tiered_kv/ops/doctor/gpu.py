@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
 
 #: The vLLM release the plug-in is built and tested against.
