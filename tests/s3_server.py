@@ -6,11 +6,13 @@ end of the run. Without the Ceph packages (``make rgw`` installs them as root) o
 ``s3`` extra, the modules that need it skip themselves (``skip_module_without_rgw``), in
 one line of the summary. ``FaultProxy`` sits
 between a store and the server to inject what a healthy server does not do on demand:
-503 SlowDown answers, and requests that are never answered.
+503 SlowDown answers, requests that are never answered, and the refusal of conditional
+PUTs that servers without ``If-None-Match`` support answer.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -138,9 +140,27 @@ class FaultProxy:
     """A TCP proxy on 127.0.0.1 in front of ``target`` (``host:port``).
 
     ``mode``: ``"pass"`` forwards bytes both ways; ``"503"`` answers every request with
-    503 SlowDown; ``"stall"`` reads requests and never answers. Changing the mode closes
-    the connections open in the old one, so a client's pooled connections see it too.
+    503 SlowDown; ``"stall"`` reads requests and never answers; ``"no-conditional-put"``
+    answers a PUT carrying ``If-None-Match`` as a server without conditional writes does
+    (501 NotImplemented; ``"no-conditional-put-400"``: 400 InvalidArgument naming the
+    header) and forwards every other request to ``target``, one at a time. Changing the
+    mode closes the connections open in the old one, so a client's pooled connections
+    see it too. ``requests_refused`` counts the requests answered with a fault.
     """
+
+    #: Status line and S3 error of each conditional-PUT refusal mode.
+    CONDITIONAL_REFUSALS = {
+        "no-conditional-put": (
+            b"501 Not Implemented",
+            b"<Code>NotImplemented</Code><Message>A header you provided implies functionality that is not "
+            b"implemented</Message><Header>If-None-Match</Header>",
+        ),
+        "no-conditional-put-400": (
+            b"400 Bad Request",
+            b"<Code>InvalidArgument</Code><Message>Conditional writes are not supported</Message>"
+            b"<ArgumentName>If-None-Match</ArgumentName><ArgumentValue>*</ArgumentValue>",
+        ),
+    }
 
     def __init__(self, target: str, mode: str = "pass"):
         host, port = target.rsplit(":", 1)
@@ -170,7 +190,10 @@ class FaultProxy:
             with self._lock:
                 self._conns.append(conn)
                 mode = self.mode
-            serve = {"pass": self._forward, "503": self._slow_down, "stall": self._stall}[mode]
+            if mode in self.CONDITIONAL_REFUSALS:
+                serve = functools.partial(self._refuse_conditional, refusal=self.CONDITIONAL_REFUSALS[mode])
+            else:
+                serve = {"pass": self._forward, "503": self._slow_down, "stall": self._stall}[mode]
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
     def _forward(self, conn: socket.socket) -> None:
@@ -232,6 +255,40 @@ class FaultProxy:
             pass
         _close(conn)
 
+    def _refuse_conditional(self, conn: socket.socket, refusal: tuple[bytes, bytes]) -> None:
+        """Request by request: a conditional PUT is refused, anything else goes to the
+        server over one upstream connection and its response comes back as sent."""
+        status, error = refusal
+        body = b'<?xml version="1.0" encoding="UTF-8"?><Error>' + error + b"</Error>"
+        client = conn.makefile("rb")
+        upstream: socket.socket | None = None
+        try:
+            while (request := _read_message(client)) is not None:
+                head, payload = request
+                lines = head.split(b"\r\n")
+                method = lines[0].split(b" ", 1)[0]
+                if method == b"PUT" and any(n.strip().lower() == b"if-none-match" for n, _ in _fields(lines)):
+                    with self._lock:
+                        self.requests_refused += 1
+                    conn.sendall(
+                        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/xml\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                    )
+                    continue
+                if upstream is None:
+                    upstream = socket.create_connection(self.target, timeout=30)
+                    with self._lock:
+                        self._conns.append(upstream)
+                    server = upstream.makefile("rb")
+                upstream.sendall(head + b"\r\n\r\n" + payload)
+                if not _relay_response(server, conn, head_only=method == b"HEAD"):
+                    break
+        except (OSError, ValueError):
+            pass
+        _close(conn)
+        if upstream is not None:
+            _close(upstream)
+
     def _stall(self, conn: socket.socket) -> None:
         try:
             while conn.recv(1 << 16):
@@ -249,6 +306,58 @@ class FaultProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _fields(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """``(name, value)`` of each header line after the start line."""
+    return [(name, value.strip()) for name, _, value in (line.partition(b":") for line in lines[1:])]
+
+
+def _read_message(src) -> tuple[bytes, bytes] | None:
+    """One HTTP request from a buffered reader: its head (without the blank line) and its
+    body (``Content-Length`` bytes); None at the end of the connection."""
+    lines = []
+    while (line := src.readline()) not in (b"\r\n", b"\n"):
+        if not line:
+            return None
+        lines.append(line.rstrip(b"\r\n"))
+    length = sum(int(v) for n, v in _fields([b"", *lines]) if n.strip().lower() == b"content-length")
+    body = src.read(length) if length else b""
+    return (b"\r\n".join(lines), body) if len(body) == length else None
+
+
+def _relay_response(src, dst: socket.socket, head_only: bool) -> bool:
+    """Copy one HTTP response from ``src`` (a buffered reader) to ``dst`` as it came:
+    by ``Content-Length``, chunk by chunk, or up to the end of the connection. False when
+    the connection ends with it."""
+    head = b""
+    while (line := src.readline()) not in (b"\r\n", b"\n"):
+        if not line:
+            return False
+        head += line
+    dst.sendall(head + b"\r\n")
+    lines = head.rstrip(b"\r\n").split(b"\r\n")
+    status = int(lines[0].split(b" ")[1])
+    fields = {n.strip().lower(): v.lower() for n, v in _fields(lines)}
+    if head_only or status in (204, 304) or 100 <= status < 200:
+        return True
+    if b"chunked" in fields.get(b"transfer-encoding", b""):
+        while True:
+            size_line = src.readline()
+            dst.sendall(size_line)
+            size = int(size_line.split(b";")[0], 16)
+            if size == 0:
+                while (trailer := src.readline()) not in (b"\r\n", b"\n", b""):
+                    dst.sendall(trailer)
+                dst.sendall(b"\r\n")
+                return True
+            dst.sendall(src.read(size + 2))
+    if b"content-length" in fields:
+        dst.sendall(src.read(int(fields[b"content-length"])))
+        return fields.get(b"connection") != b"close"
+    while chunk := src.read1(1 << 16):
+        dst.sendall(chunk)
+    return False
 
 
 def _close(s: socket.socket) -> None:

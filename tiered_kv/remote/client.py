@@ -12,7 +12,10 @@ Errors come out as three kinds: ``Unavailable`` (network, timeout, 5xx such as 5
 SlowDown: a miss or a dropped upload for the caller), ``AccessDenied`` and
 ``BucketMissing`` (the configuration is wrong: a start-up error). A missing object is
 not an error (``get`` gives None, ``exists`` False); neither is a write-once put that
-finds the object there (``put_new`` gives False).
+finds the object there (``put_new`` gives False). A fourth kind belongs to ``put_new``
+alone: ``ConditionalPutRefused``, a server that does not implement ``If-None-Match: *``
+on PUT (older MinIO and Ceph answer 501 NotImplemented, others 400 naming the header);
+the store then writes with ``exists`` and a plain ``put`` instead (see ``store``).
 
 Credentials come from botocore's standard chain (environment, shared credentials and
 config files with ``profile`` or AWS_PROFILE, container and instance roles), handed to
@@ -37,6 +40,13 @@ from tiered_kv.remote.config import RemoteConfig
 _INSTALL_HINT = "the shared tier needs obstore and botocore: pip install 'tiered-kv[s3]'"
 _CODE_RE = re.compile(r"<Code>([A-Za-z0-9]+)</Code>")
 _STATUS_RE = re.compile(r"status code: (\d{3} [A-Za-z ]+)")
+_STATUS_NUMBER_RE = re.compile(r"status code: (\d{3})\b")
+#: The elements of an S3 error body that say what was refused (not ``Resource``: it holds
+#: the key, whose prefix is the operator's and may contain any word).
+_ERROR_TEXT_RE = re.compile(r"<(Code|Message|ArgumentName|ArgumentValue|Header|HeaderName)>([^<]*)</\1>")
+#: Codes that name a conditional request but are not a refusal of it: the object exists
+#: (412), or a concurrent write conflicted (409, retried as a transient failure).
+_NOT_A_REFUSAL = ("PreconditionFailed", "ConditionalRequestConflict")
 #: How long obstore may keep a set of credentials before asking the chain again
 #: (botocore refreshes expiring role credentials itself when asked).
 _CREDENTIALS_TTL = datetime.timedelta(minutes=10)
@@ -66,6 +76,10 @@ class WrongSize(RemoteError):
         self.size = size
 
 
+class ConditionalPutRefused(RemoteError):
+    """The server does not implement the write-once PUT (``If-None-Match: *``)."""
+
+
 class RemoteSetupError(RuntimeError):
     """The shared tier cannot start: credentials, bucket or library missing or wrong."""
 
@@ -85,6 +99,10 @@ class ObjectClient(Protocol):
     def put_new(self, key: str, parts: Sequence[Buffer]) -> bool:
         """Write the concatenation of ``parts`` as one object unless ``key`` exists
         (``If-None-Match: *``); True if written, False if it was there."""
+
+    def put(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Write the concatenation of ``parts`` as one object, replacing any there (a plain
+        PUT: for servers that refuse ``put_new``'s condition)."""
 
     def get(self, key: str, size: int | None = None) -> Buffer | None:
         """The whole object, or None when there is none; ``WrongSize`` without reading
@@ -114,6 +132,27 @@ def describe_failure(exc: BaseException) -> str:
         return m.group(1).strip()
     # obstore: "Generic S3 error: Error performing PUT <url> in 2.0s - HTTP error: <cause>"
     return _first_line(exc, 1000).rsplit(" - ", 1)[-1][:160]
+
+
+def conditional_put_refusal(message: str) -> str | None:
+    """Why a conditional PUT failed, when its error ``message`` says the server does not
+    implement the condition (HTTP 501, code NotImplemented, or a 4xx error whose code or
+    message names If-None-Match or conditional requests); None for any other failure
+    (503 SlowDown, timeouts, 403, 409 ConditionalRequestConflict...)."""
+    status_match = _STATUS_NUMBER_RE.search(message)
+    status = int(status_match.group(1)) if status_match else None
+    parts = dict(reversed(_ERROR_TEXT_RE.findall(message)))  # the first of each element
+    code = parts.get("Code")
+    if code in _NOT_A_REFUSAL:
+        return None
+    reason = " ".join(str(p) for p in (status, code) if p is not None)
+    if status == 501 or code == "NotImplemented":
+        return reason
+    if status is not None and 400 <= status < 500 and status not in (403, 404, 409, 412):
+        named = " ".join(parts.values()).lower()
+        if "if-none-match" in named or "conditional" in named:
+            return f"{reason}: {parts['Message']}" if parts.get("Message") else reason
+    return None
 
 
 class AwsCredentials:
@@ -219,8 +258,16 @@ class S3Client:
         except self._exc.AlreadyExistsError:
             return False
         except Exception as exc:  # everything else is classified; nothing escapes as is
+            if (refusal := conditional_put_refusal(str(exc))) is not None:
+                raise ConditionalPutRefused(refusal) from None
             raise self._error(exc) from None
         return True
+
+    def put(self, key: str, parts: Sequence[Buffer]) -> None:
+        try:
+            self._obstore.put(self.raw, key, list(parts), mode="overwrite", use_multipart=False)
+        except Exception as exc:
+            raise self._error(exc) from None
 
     def get(self, key: str, size: int | None = None) -> Buffer | None:
         try:

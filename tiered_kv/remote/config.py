@@ -23,6 +23,10 @@ from tiered_kv.config_values import CHECKSUMS, ConfigError, parse_size
 #: What the shared tier receives: every block the CPU tier stores (``write_through``), or
 #: only the blocks the local tiers evict (``evictions``).
 REMOTE_WRITE_POLICIES = ("write_through", "evictions")
+#: How writes stay write-once: ``auto`` sends ``If-None-Match: *`` and, on a server that
+#: refuses it as unsupported, switches to an existence check (HEAD) then a plain PUT;
+#: ``always`` refuses such a server (a start-up error); ``never`` always checks then PUTs.
+CONDITIONAL_PUT_MODES = ("auto", "always", "never")
 
 _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|min|h)?\s*$")
 _DURATION_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -154,6 +158,8 @@ class RemoteConfig:
     #: dropped uploads) for ``unavailable_cooldown``, so a dead server costs no waits.
     failure_threshold: int = 8
     unavailable_cooldown: float = 5.0
+    #: ``CONDITIONAL_PUT_MODES``: whether writes send ``If-None-Match: *``.
+    conditional_put: str = "auto"
 
     _PARSERS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         "bucket": _bucket,
@@ -172,6 +178,7 @@ class RemoteConfig:
         "membership_entries": lambda v, k: _int_in(v, k, 1, 1 << 30),
         "failure_threshold": lambda v, k: _int_in(v, k, 1, 1 << 20),
         "unavailable_cooldown": parse_duration,
+        "conditional_put": lambda v, k: _choice(v, k, CONDITIONAL_PUT_MODES),
     }
 
     @classmethod

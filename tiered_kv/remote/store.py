@@ -8,10 +8,24 @@ call validates its arguments, queues the requests and returns a
 ``concurrent.futures.Future`` at once.
 
 What durable means here: a block's object is in the bucket once its PUT returned
-(``PutOutcome.STORED``) or a write-once PUT found it there (``PRESENT``). Objects are
-written by one PUT with ``If-None-Match: *``: never partly visible, never replaced, so
-two nodes storing the same block race harmlessly. A reader learns of other nodes'
-blocks only through the bucket (``exists``, ``get_blocks``); no other channel exists.
+(``PutOutcome.STORED``) or a write-once PUT found it there (``PRESENT``). A reader learns
+of other nodes' blocks only through the bucket (``exists``, ``get_blocks``); no other
+channel exists.
+
+Writes are write-once (``write_once``). Each object is written by a single PUT, which
+S3 makes visible whole or not at all, so a reader never sees a torn object. Where the
+server honours ``If-None-Match: *`` the PUT carries it and an existing object is never
+replaced. A server that refuses the condition as unsupported (older MinIO and Ceph: 501
+NotImplemented, or a 400 naming the header) is detected on its first refusal, under
+``conditional_put`` ``auto``: one warning naming the endpoint and bucket, counted in
+``conditional_put_refused``, and from then on each write is an existence check (HEAD)
+then a plain PUT (``puts_unconditional``). Two nodes racing on the same key may then
+both write it, the later replacing the earlier: harmless, since both objects verify
+(fingerprint and checksum) and either one is a valid block. A server that ignores the
+header and overwrites cannot be told apart on the write path, and is harmless for the
+same reason. ``always`` makes a refusing server a start-up error; ``never`` skips the
+conditional attempt. An ordinary failure of a conditional PUT (503, timeout) is only a
+failed upload and changes nothing.
 
 Faults never raise out of ``put_blocks`` / ``get_blocks`` / ``exists``: a server that
 is down, slow (each request is bounded by ``request_timeout``, plus ``retries``),
@@ -51,6 +65,7 @@ from tiered_kv.remote.client import (
     AccessDenied,
     BucketMissing,
     Buffer,
+    ConditionalPutRefused,
     ObjectClient,
     RemoteError,
     RemoteSetupError,
@@ -59,6 +74,7 @@ from tiered_kv.remote.client import (
     WrongSize,
 )
 from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.remote.write_once import WriteOnce
 from tiered_kv.remote.object_format import (
     FIXED_HEADER_BYTES,
     FORMAT_VERSION,
@@ -120,6 +136,10 @@ class RemoteStats:
     probes_failed: int = 0
     #: Times the store stopped sending after consecutive failures.
     unavailable_periods: int = 0
+    #: Conditional PUTs the server refused as unsupported (``conditional_put``).
+    conditional_put_refused: int = 0
+    #: Writes sent as a plain PUT after a HEAD found no object (the manifest included).
+    puts_unconditional: int = 0
 
     @property
     def gets_rejected(self) -> int:
@@ -243,6 +263,7 @@ class RemoteStore:
         self._digest = fingerprint_digest(fingerprint)
         self._checksum = pieces_checksum(config.checksum)
         self._client = client if client is not None else S3Client(config)
+        self._writer = WriteOnce(self._client, config)
         self._lock = threading.Lock()
         self._stats = RemoteStats()
         self._pending_bytes = 0
@@ -274,8 +295,13 @@ class RemoteStore:
         where = f"bucket {self.config.bucket!r} at {self.config.endpoint or 'AWS S3'}"
         key = manifest_key(self.config.prefix, self.fingerprint)
         try:
-            self._client.put_new(key, [self.manifest()])
+            self._writer.put(key, [self.manifest()])
             stored = self._client.get(key)
+        except ConditionalPutRefused as exc:  # only under conditional_put "always"
+            raise RemoteSetupError(
+                f"shared tier: {where} does not implement conditional PUT (If-None-Match: *; {exc}), "
+                "and remote.conditional_put is 'always'; use 'auto' to write with an existence check instead"
+            ) from None
         except AccessDenied as exc:
             raise RemoteSetupError(
                 f"shared tier: {where} refused the credentials or the request ({exc}); "
@@ -351,7 +377,7 @@ class RemoteStore:
                     self._stats.puts_dropped += 1
                 return PutOutcome.DROPPED
             header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
-            created = self._client.put_new(block_key(self.namespace, block_hash, rank), [header, *views])
+            created = self._writer.put(block_key(self.namespace, block_hash, rank), [header, *views])
             self._health.success()
             with self._lock:
                 if created:
@@ -482,6 +508,10 @@ class RemoteStore:
         if isinstance(exc, Unavailable):
             self._health.failure()
             self._log(what, f"{self.config.where()}: {exc}")
+        elif isinstance(exc, ConditionalPutRefused):  # conditional_put "always": not transient
+            self._log(
+                what, f"{self.config.where()}: conditional PUT not implemented ({exc}); conditional_put is always"
+            )
         elif isinstance(exc, (AccessDenied, BucketMissing)):
             self._log(what, f"{self.config.where()}: {type(exc).__name__} ({exc})")
         else:  # not a request failure: a bug, logged with its traceback
@@ -501,7 +531,20 @@ class RemoteStore:
         """A copy of the counters."""
         with self._lock:
             s = self._stats
-            return RemoteStats(**{**s.__dict__, "rejected": dict(s.rejected)})
+            return RemoteStats(
+                **{
+                    **s.__dict__,
+                    "rejected": dict(s.rejected),
+                    "conditional_put_refused": self._writer.refused,
+                    "puts_unconditional": self._writer.unconditional,
+                }
+            )
+
+    @property
+    def conditional_put(self) -> bool:
+        """Whether writes send ``If-None-Match: *`` now (False after a refusal under
+        ``auto``, and under ``never``)."""
+        return self._writer.conditional
 
     @property
     def pending_upload_bytes(self) -> int:
