@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 import lmdb
 
+from tiered_kv.abstract import Closing
 from tiered_kv.disk.index import DiskIndex
 from tiered_kv.disk.index_records import StoredBlocks
 from tiered_kv.disk.io_backends import BackendFile
@@ -59,7 +60,7 @@ class IndexWrite:
         return not self.clear and any(c is not None for c in self.checksums)
 
 
-class GroupCommitter:
+class GroupCommitter(Closing):
     """Group commit of one store's index writes, all ranks (see ``store.py``'s docstring).
 
     ``clear`` and ``commit`` queue a write and return it at once; its owner ``wait``s
@@ -92,7 +93,7 @@ class GroupCommitter:
         return self._enqueue(IndexWrite(False, rank, file, hashes, slots, checksums))
 
     def close(self) -> None:
-        """Commit what is queued, then stop the thread."""
+        """Commit what is queued, then stop the thread. Idempotent."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()

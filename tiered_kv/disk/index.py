@@ -47,6 +47,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from tiered_kv.abstract import Closing
 from tiered_kv.disk.index_env import QUARANTINE_SUFFIX, IndexCorruptError, acquire_env, release_env
 from tiered_kv.disk.index_records import (
     ENTRY_HEADER,
@@ -80,7 +81,7 @@ class _OddLength(Exception):
     """A ``blocks`` value whose length differs from the first one's (``load_all``)."""
 
 
-class DiskIndex:
+class DiskIndex(Closing):
     """Typed access to one namespace's index. Thread-safe; cheap to create per user.
 
     ``tp_size`` fixes the entry length. Every write method commits one transaction

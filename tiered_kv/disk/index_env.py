@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from tiered_kv.abstract import Closing
 from tiered_kv.disk.lmdb_check import LmdbDamage, check_data_file
 from tiered_kv.disk.safe_open import ANY_OWNER, check_entry, fd_path, open_dir, open_file
 
@@ -74,7 +75,7 @@ class IndexCorruptError(RuntimeError):
         super().__init__(f"disk index {path} is damaged: {reason}")
 
 
-class SharedEnv:
+class SharedEnv(Closing):
     """One process's handle on an LMDB environment, shared by every ``DiskIndex`` on it.
 
     Transactions go through ``run`` so the map can be resized safely: LMDB requires no
@@ -88,6 +89,7 @@ class SharedEnv:
         self._cond = threading.Condition()
         self._active = 0
         self._resizing = False
+        self._closed = False
         self._index_fd = os.dup(index_fd)  # for the damage mark
         self.env = self._open(path, readonly, map_size, index_fd)
         self.dbs: dict[str, Any] = {}
@@ -107,6 +109,11 @@ class SharedEnv:
             raise
 
     def close(self) -> None:
+        """Close the environment and the index directory's descriptor. Idempotent: a
+        second close must not close a descriptor number the process has reused since."""
+        if self._closed:
+            return
+        self._closed = True
         self.env.close()
         os.close(self._index_fd)
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.memory.device import HOST_ALIGN, aligned_empty
 from tiered_kv.disk.safe_open import fd_path, open_file
@@ -81,7 +82,7 @@ class BackendFile:
     handle: Any = None  # backend-specific (a kvikio.CuFile)
 
 
-class IOBackend(ABC):
+class IOBackend(Closing, ABC):
     """Reads and writes byte ranges of slab files; thread-safe.
 
     ``pread``/``pwrite`` move exactly ``buf``'s bytes at ``offset`` or raise ``OSError``
@@ -143,6 +144,7 @@ class IOBackend(ABC):
         return self.name
 
     def shutdown(self) -> None:
+        """Stop the I/O thread pool once its queued work is done. Idempotent."""
         self._pool.shutdown(wait=True)
 
 

@@ -388,7 +388,7 @@ class DiskIOProcess(BlockIO):
         return DiskStoreStats(**counts) if counts else DiskStoreStats()
 
     def close(self) -> None:
-        """Commit what is queued, stop the I/O process and wait for it."""
+        """Commit what is queued, stop the I/O process and wait for it. Idempotent."""
         with self._lock:
             if self._closed:
                 return

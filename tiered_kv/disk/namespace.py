@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig, format_size
 from tiered_kv.disk.errors import DiskSizeError, NamespaceError
 from tiered_kv.disk.fingerprint import Fingerprint
@@ -111,7 +112,7 @@ class FingerprintMismatchError(NamespaceError):
         )
 
 
-class Namespace:
+class Namespace(Closing):
     """An opened namespace directory: its manifest, paths and descriptor (``fd``).
 
     ``owner`` is the uid every entry must belong to: this process's for an engine,
@@ -139,7 +140,8 @@ class Namespace:
 
     def close(self) -> None:
         """Drop one user; the last closes the directory's descriptor, and with it this
-        process's claim on the namespace (also when the handle is garbage collected)."""
+        process's claim on the namespace (also when the handle is garbage collected).
+        Once the last user is gone, a further close does nothing."""
         self._users -= 1
         if self._users <= 0:
             self._close()

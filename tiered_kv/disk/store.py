@@ -50,6 +50,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.memory.device import empty_pageable, empty_pinned
 from tiered_kv.disk.batch import PACK_CHUNK_BYTES
@@ -99,8 +100,9 @@ class DiskStoreStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class BlockIO:
-    """The synchronous block API, over a store's ``begin_write``/``begin_read``."""
+class BlockIO(Closing):
+    """The synchronous block API, over a store's ``begin_write``/``begin_read``; a context
+    manager that ends with the store's ``close()``."""
 
     def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int], data: torch.Tensor) -> list[bool]:
         """Store ``data[i, :block_bytes]`` as block ``hashes[i]`` in slot ``slots[i]`` of
@@ -197,7 +199,7 @@ class DiskStore(BlockIO):
             return cls(ns, PosixBackend(io_threads), readonly=True)
 
     def close(self) -> None:
-        """Close files and the index handle (and the backend if this store made it)."""
+        """Close files and the index handle (and the backend if this store made it). Idempotent."""
         if self._closed:
             return
         self._closed = True

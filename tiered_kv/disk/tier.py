@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiered_kv.abstract import Closing
 from tiered_kv.worker.worker import LowerTierWorker
 from tiered_kv.config import TieredConfig
 from tiered_kv.disk.fingerprint import Fingerprint
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DiskTier:
+class DiskTier(Closing):
     """One disk tier: ``config``'s disk settings (``disk_path``, ``disk_bytes``,
     ``checksum``, ``io_backend``, ``io_threads``, ``disk_io``, ``max_pending_disk_writes``)
     for ``layout`` under ``fingerprint``. ``name`` and ``medium`` tell it apart from
@@ -84,7 +85,7 @@ class DiskTier:
         )
 
     def close(self) -> None:
-        """Close this worker's store (the handlers using it must be shut down first)."""
+        """Close this worker's store (the handlers using it must be shut down first). Idempotent."""
         if self.store is not None:
             self.store.close()
             self.store = None
