@@ -61,8 +61,7 @@ def layout():
 
 
 def test_round_trip_and_direct_io(tmp_path, layout):
-    store = open_store(tmp_path, layout)
-    try:
+    with open_store(tmp_path, layout) as store:
         assert store.slot_size % 4096 == 0 and store.slot_size >= layout.bytes_per_block
         hashes = [block_hash(i) for i in range(6)]
         slots = [0, 1, 2, 7, 9, 10]  # two coalesced runs and a single
@@ -79,17 +78,14 @@ def test_round_trip_and_direct_io(tmp_path, layout):
         ).view(1, -1)
         assert store.write_blocks(0, [hashes[0]], [3], plain) == [True]
         assert store.read_block(0, hashes[0]) == block_content(hashes[0], 0, layout.bytes_per_block)
-    finally:
-        store.close()
 
 
 def test_rows_that_need_a_bounce_or_come_with_host_rows_round_trip(tmp_path, layout):
     """Unpadded rows are read through a bounce buffer and copied out after the check;
     with ``host_rows`` the checksums are of those rows (as for device rows, whose
     host mirror the handlers fill), and a mismatch there fails the block."""
-    store = open_store(tmp_path, layout)
-    bb = layout.bytes_per_block
-    try:
+    with open_store(tmp_path, layout) as store:
+        bb = layout.bytes_per_block
         hashes = [block_hash(f"b{i}") for i in range(3)]
         rows = content_rows(hashes, 0, layout, store.slot_size)
         mirror = rows.clone()
@@ -109,27 +105,21 @@ def test_rows_that_need_a_bounce_or_come_with_host_rows_round_trip(tmp_path, lay
         assert batch.finish() == [True, True, False]
         assert bytes(host[1, :bb].numpy()) == block_content(hashes[1], 0, bb)
         assert store.stats.checksum_failures == 1 and store.entry(hashes[2]) is None
-    finally:
-        store.close()
 
 
 def test_wrong_slot_or_missing_block_is_not_served(tmp_path, layout):
-    store = open_store(tmp_path, layout)
-    try:
+    with open_store(tmp_path, layout) as store:
         h = [block_hash("x")]
         store.write_blocks(0, h, [4], content_rows(h, 0, layout, store.slot_size))
         ok, _ = read_back(store, 0, h, [5])  # the index says slot 4
         assert ok == [False]
         ok, _ = read_back(store, 0, [block_hash("never")], [6])
         assert ok == [False] and store.stats.missing_entries == 2
-    finally:
-        store.close()
 
 
 @pytest.mark.faults
 def test_flipped_byte_is_detected_dropped_and_counted(tmp_path, layout):
-    store = open_store(tmp_path, layout)
-    try:
+    with open_store(tmp_path, layout) as store:
         hashes = [block_hash(i) for i in range(3)]
         store.write_blocks(0, hashes, [0, 1, 2], content_rows(hashes, 0, layout, store.slot_size))
         flip_byte(store.namespace.slab_path(0), 1 * store.slot_size + layout.bytes_per_block - 1)
@@ -140,21 +130,16 @@ def test_flipped_byte_is_detected_dropped_and_counted(tmp_path, layout):
         assert store.entry(hashes[1]) is None, "a corrupt block must leave the index"
         assert [(r.status, r.block_hash) for r in store.index.read_log(0)][-1] == (LOG_CORRUPT, hashes[1])
         assert store.read_block(0, hashes[1]) is None  # never returned, not even later
-    finally:
-        store.close()
 
 
 @pytest.mark.faults
 def test_flipped_byte_in_padding_is_harmless(tmp_path, layout):
-    store = open_store(tmp_path, layout)
-    try:
+    with open_store(tmp_path, layout) as store:
         h = [block_hash(0)]
         store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size))
         assert store.slot_size > layout.bytes_per_block
         flip_byte(store.namespace.slab_path(0), store.slot_size - 1)
         assert read_back(store, 0, h, [0])[0] == [True]
-    finally:
-        store.close()
 
 
 def test_block_is_loadable_only_when_every_rank_committed(tmp_path, layout):
@@ -164,22 +149,20 @@ def test_block_is_loadable_only_when_every_rank_committed(tmp_path, layout):
     store.write_blocks(0, hashes, [0, 1, 2, 3], content_rows(hashes, 0, layout, store.slot_size))
     store.write_blocks(1, hashes[:2], [0, 1], content_rows(hashes[:2], 1, layout, store.slot_size))
     store.close()
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, SLOTS))
-    try:
+    with DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, SLOTS)) as m:
         assert [m.is_loadable(h) for h in hashes] == [True, True, False, False]
         assert m.stats.reclaimed_at_open == 2 and m.num_free_slots() == SLOTS - 2
         assert m.flush()
         assert m.index.get(hashes[2]) is None, "partial entries are reclaimed on open"
-    finally:
-        m.shutdown()
 
 
 @pytest.mark.faults
 def test_enospc_on_write_fails_the_store_counted_without_raising(tmp_path, layout):
     fp = fingerprint(layout)
-    backend = FaultyBackend(write_budget=3 * 12288 + 1)  # room for the first job only
-    store = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend)
-    try:
+    with (
+        FaultyBackend(write_budget=3 * 12288 + 1) as backend,  # room for the first job only
+        DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend) as store,
+    ):
         first = [block_hash(i) for i in range(3)]
         assert store.write_blocks(0, first, [0, 1, 2], content_rows(first, 0, layout, store.slot_size)) == [True] * 3
         more = [block_hash(i) for i in range(3, 6)]
@@ -189,18 +172,16 @@ def test_enospc_on_write_fails_the_store_counted_without_raising(tmp_path, layou
         assert all(store.entry(h) is None for h in more)
         # Nothing durable was lost.
         assert read_back(store, 0, first, [0, 1, 2])[0] == [True] * 3
-    finally:
-        store.close()
-        backend.shutdown()
 
 
 @pytest.mark.faults
 def test_failed_fsync_or_read_fails_the_job(tmp_path, layout):
-    backend = FaultyBackend()
-    store = DiskStore.open(
-        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
-    )
-    try:
+    with (
+        FaultyBackend() as backend,
+        DiskStore.open(
+            tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
+        ) as store,
+    ):
         h = [block_hash(1)]
         backend.fail_sync = errno.EIO
         assert store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size)) == [False]
@@ -210,9 +191,6 @@ def test_failed_fsync_or_read_fails_the_job(tmp_path, layout):
         backend.fail_read = errno.EIO
         assert read_back(store, 0, h, [0])[0] == [False]
         assert store.entry(h[0]) is not None, "an I/O error is not corruption: keep the block"
-    finally:
-        store.close()
-        backend.shutdown()
 
 
 @pytest.mark.faults
@@ -263,16 +241,13 @@ def test_full_filesystem_turns_into_failed_counted_stores(tmp_path, layout):
 
 def test_crc32c_checksum(tmp_path, layout):
     pytest.importorskip("crc32c")
-    store = open_store(tmp_path, layout, checksum="crc32c")
-    try:
+    with open_store(tmp_path, layout, checksum="crc32c") as store:
         assert store.checksum_name == "crc32c"
         h = [block_hash(0)]
         store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size))
         want = checksum_function("crc32c")(block_content(h[0], 0, layout.bytes_per_block))
         assert store.entry(h[0]).checksums == (want,)
         assert store.read_block(0, h[0]) is not None
-    finally:
-        store.close()
     with pytest.raises(ValueError, match="xxh3_64 or crc32c"):
         checksum_function("md5")
 
@@ -308,11 +283,9 @@ def test_auto_backend_chooses_posix_and_says_why(tmp_path, caplog, monkeypatch):
         pytest.skip("KvikIO really works here")
     with caplog.at_level(logging.INFO, logger="tiered_kv.disk.io_backends"):
         backend = select_backend("auto", tmp_path)
-    try:
+    with backend:
         assert isinstance(backend, PosixBackend)
         assert any("posix" in r.message and "KvikIO not usable" in r.message for r in caplog.records)
-    finally:
-        backend.shutdown()
     with pytest.raises(BackendUnavailableError, match="io_backend=kvikio cannot run here"):
         select_backend("kvikio", tmp_path)
     with pytest.raises(ValueError, match="auto, kvikio, posix"):
@@ -323,22 +296,18 @@ def test_buffered_fallback_where_o_direct_is_refused(tmp_path, layout, monkeypat
     import tiered_kv.disk.io_backends as iob
 
     monkeypatch.setattr(iob, "_set_direct", lambda fd: "Invalid argument")
-    store = open_store(tmp_path, layout)
-    try:
+    with open_store(tmp_path, layout) as store:
         h = [block_hash(0)]
         assert store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size)) == [True]
         assert not store._files[0].direct
         assert store.read_block(0, h[0]) == block_content(h[0], 0, layout.bytes_per_block)
-    finally:
-        store.close()
 
 
 @pytest.mark.gpu
 def test_kvikio_gds_round_trip_from_device_memory(tmp_path, layout):
     if KvikIOBackend.probe(tmp_path) is not None:
         pytest.skip(f"KvikIO unusable: {KvikIOBackend.probe(tmp_path)}")
-    store = open_store(tmp_path, layout, io_backend="kvikio")
-    try:
+    with open_store(tmp_path, layout, io_backend="kvikio") as store:
         hashes = [block_hash(i) for i in range(4)]
         host = content_rows(hashes, 0, layout, store.slot_size)
         dev = host.cuda()
@@ -351,13 +320,10 @@ def test_kvikio_gds_round_trip_from_device_memory(tmp_path, layout):
         rb.submit(0, out, mirror)
         assert rb.finish() == [True] * 4
         assert torch.equal(out.cpu()[:, : layout.bytes_per_block], host[:, : layout.bytes_per_block])
-    finally:
-        store.close()
 
 
 def test_store_rejects_bad_input_clearly(tmp_path, layout):
-    store = open_store(tmp_path, layout)
-    try:
+    with open_store(tmp_path, layout) as store:
         with pytest.raises(ValueError, match="one slot per hash"):
             store.begin_write(0, [block_hash(0)], [0, 1])
         with pytest.raises(ValueError, match=r"uint8 tensor of shape \(N, >= "):
@@ -366,8 +332,6 @@ def test_store_rejects_bad_input_clearly(tmp_path, layout):
             0, [block_hash(0)], [SLOTS + 5], content_rows([block_hash(0)], 0, layout, store.slot_size)
         )
         assert bad == [False], "a slot past the namespace fails the block, it does not raise"
-    finally:
-        store.close()
 
 
 # ---------------------------------------------------------------- group commit
@@ -420,13 +384,17 @@ class OrderCheckingBackend(PosixBackend):
         super().sync(f)
 
 
-def _ordered_store(tmp_path, layout, slots=SLOTS):
-    backend = OrderCheckingBackend()
-    store = DiskStore.open(
-        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, slots), io_backend=backend
-    )
-    backend.store = store
-    return store, backend
+@pytest.fixture
+def ordered(tmp_path, layout):
+    """``(store, backend)``: a store over an ``OrderCheckingBackend``, both closed after the test."""
+    with (
+        OrderCheckingBackend() as backend,
+        DiskStore.open(
+            tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
+        ) as store,
+    ):
+        backend.store = store
+        yield store, backend
 
 
 def _jobs(n_jobs, per_job, tag="j"):
@@ -457,103 +425,92 @@ def _queue_behind_held_sync(store, backend, layout, jobs, submit_rows=None):
         return [first.result()] + [f.result() for f in rest]
 
 
-def test_concurrent_jobs_share_one_sync_and_commit_every_block(tmp_path, layout):
-    store, backend = _ordered_store(tmp_path, layout)
-    try:
-        jobs = _jobs(5, 3)
-        results = _queue_behind_held_sync(store, backend, layout, jobs)
-        assert results == [[True] * 3] * 5
-        assert backend.syncs == 2, f"the four queued jobs must share one fdatasync; saw {backend.syncs} syncs"
-        assert backend.violations == []
-        every = [h for hs, _ in jobs for h in hs]
-        ok, data = read_back(store, 0, every, [s for _, ss in jobs for s in ss])
-        assert ok == [True] * 15
-        assert data == [block_content(h, 0, layout.bytes_per_block) for h in every]
-        assert sorted(r.block_hash for r in store.index.read_log(0) if r.status == LOG_OK) == sorted(every)
-        assert store.stats.stores == 15 and store.stats.store_failures == 0
-    finally:
-        store.close()
+def test_concurrent_jobs_share_one_sync_and_commit_every_block(layout, ordered):
+    store, backend = ordered
+    jobs = _jobs(5, 3)
+    results = _queue_behind_held_sync(store, backend, layout, jobs)
+    assert results == [[True] * 3] * 5
+    assert backend.syncs == 2, f"the four queued jobs must share one fdatasync; saw {backend.syncs} syncs"
+    assert backend.violations == []
+    every = [h for hs, _ in jobs for h in hs]
+    ok, data = read_back(store, 0, every, [s for _, ss in jobs for s in ss])
+    assert ok == [True] * 15
+    assert data == [block_content(h, 0, layout.bytes_per_block) for h in every]
+    assert sorted(r.block_hash for r in store.index.read_log(0) if r.status == LOG_OK) == sorted(every)
+    assert store.stats.stores == 15 and store.stats.store_failures == 0
 
 
-def test_finish_async_frees_the_caller_while_its_commit_waits(tmp_path, layout):
-    store, backend = _ordered_store(tmp_path, layout)
-    try:
-        jobs = _jobs(2, 3)
-        backend.watch(jobs)
-        rows = [content_rows(h, 0, layout, store.slot_size) for h, _ in jobs]
-        backend.gate = gate = threading.Event()
-        batches, done = [], []
-        for (hashes, slots), r in zip(jobs, rows):
-            batch = store.begin_write(0, hashes, slots)
-            batch.submit(0, r)
-            batch.wait_idle()
-            batches.append(batch)
-            done.append(batch.finish_async())  # returns at once
-            if len(done) == 1:
-                assert backend.waiting.wait(30), "the first job never reached its fdatasync"
-        # The second job wrote while the first one's commit was held; neither is settled.
-        assert not done[0].done() and not done[1].done()
-        assert store.entry(jobs[0][0][0]) is None
-        gate.set()
-        assert [d.result(30) for d in done] == [[True] * 3, [True] * 3]
-        assert backend.violations == []
-        every = [h for hs, _ in jobs for h in hs]
-        ok, data = read_back(store, 0, every, [s for _, ss in jobs for s in ss])
-        assert ok == [True] * 6
-        assert data == [block_content(h, 0, layout.bytes_per_block) for h in every]
-    finally:
-        store.close()
+def test_finish_async_frees_the_caller_while_its_commit_waits(layout, ordered):
+    store, backend = ordered
+    jobs = _jobs(2, 3)
+    backend.watch(jobs)
+    rows = [content_rows(h, 0, layout, store.slot_size) for h, _ in jobs]
+    backend.gate = gate = threading.Event()
+    batches, done = [], []
+    for (hashes, slots), r in zip(jobs, rows):
+        batch = store.begin_write(0, hashes, slots)
+        batch.submit(0, r)
+        batch.wait_idle()
+        batches.append(batch)
+        done.append(batch.finish_async())  # returns at once
+        if len(done) == 1:
+            assert backend.waiting.wait(30), "the first job never reached its fdatasync"
+    # The second job wrote while the first one's commit was held; neither is settled.
+    assert not done[0].done() and not done[1].done()
+    assert store.entry(jobs[0][0][0]) is None
+    gate.set()
+    assert [d.result(30) for d in done] == [[True] * 3, [True] * 3]
+    assert backend.violations == []
+    every = [h for hs, _ in jobs for h in hs]
+    ok, data = read_back(store, 0, every, [s for _, ss in jobs for s in ss])
+    assert ok == [True] * 6
+    assert data == [block_content(h, 0, layout.bytes_per_block) for h in every]
 
 
 @pytest.mark.faults
-def test_a_failed_job_in_a_group_fails_alone(tmp_path, layout):
-    store, backend = _ordered_store(tmp_path, layout)
-    try:
-        jobs = _jobs(3, 3)
-        backend.fail_offsets = {jobs[1][1][0] * store.slot_size}  # job 1's (coalesced) write: EIO
-        results = _queue_behind_held_sync(store, backend, layout, jobs)
-        assert results == [[True] * 3, [False] * 3, [True] * 3]
-        assert backend.violations == []
-        assert all(store.entry(h) is None for h in jobs[1][0]), "no block of the failed job is loadable"
-        assert read_back(store, 0, jobs[2][0], jobs[2][1])[0] == [True] * 3
-        log = store.index.read_log(0)
-        assert sorted(r.block_hash for r in log if r.status == LOG_FAILED) == sorted(jobs[1][0])
-        assert store.stats.store_failures == 3 and store.stats.stores == 6
-    finally:
-        store.close()
+def test_a_failed_job_in_a_group_fails_alone(layout, ordered):
+    store, backend = ordered
+    jobs = _jobs(3, 3)
+    backend.fail_offsets = {jobs[1][1][0] * store.slot_size}  # job 1's (coalesced) write: EIO
+    results = _queue_behind_held_sync(store, backend, layout, jobs)
+    assert results == [[True] * 3, [False] * 3, [True] * 3]
+    assert backend.violations == []
+    assert all(store.entry(h) is None for h in jobs[1][0]), "no block of the failed job is loadable"
+    assert read_back(store, 0, jobs[2][0], jobs[2][1])[0] == [True] * 3
+    log = store.index.read_log(0)
+    assert sorted(r.block_hash for r in log if r.status == LOG_FAILED) == sorted(jobs[1][0])
+    assert store.stats.store_failures == 3 and store.stats.stores == 6
 
 
 @pytest.mark.faults
-def test_an_index_commit_that_fails_for_one_job_is_retried_alone(tmp_path, layout, monkeypatch):
-    store, backend = _ordered_store(tmp_path, layout)
-    try:
-        jobs = _jobs(3, 2)
-        poison = jobs[2][0][0]
-        commit_group = store.index.commit_group
+def test_an_index_commit_that_fails_for_one_job_is_retried_alone(layout, monkeypatch, ordered):
+    store, backend = ordered
+    jobs = _jobs(3, 2)
+    poison = jobs[2][0][0]
+    commit_group = store.index.commit_group
 
-        def refuse_poison(stored, clears):  # fault injection: this job's transaction cannot commit
-            if any(poison in job.hashes for job in stored):
-                raise lmdb.BadValsizeError("injected")
-            return commit_group(stored, clears)
+    def refuse_poison(stored, clears):  # fault injection: this job's transaction cannot commit
+        if any(poison in job.hashes for job in stored):
+            raise lmdb.BadValsizeError("injected")
+        return commit_group(stored, clears)
 
-        monkeypatch.setattr(store.index, "commit_group", refuse_poison)
-        results = _queue_behind_held_sync(store, backend, layout, jobs)
-        assert results == [[True] * 2, [True] * 2, [False] * 2]
-        assert read_back(store, 0, jobs[1][0], jobs[1][1])[0] == [True] * 2
-        assert all(store.entry(h) is None for h in jobs[2][0])
-        assert [r.status for r in store.index.read_log(0) if r.block_hash in jobs[2][0]] == [LOG_FAILED] * 2
-        assert store.stats.store_failures == 2
-    finally:
-        store.close()
+    monkeypatch.setattr(store.index, "commit_group", refuse_poison)
+    results = _queue_behind_held_sync(store, backend, layout, jobs)
+    assert results == [[True] * 2, [True] * 2, [False] * 2]
+    assert read_back(store, 0, jobs[1][0], jobs[1][1])[0] == [True] * 2
+    assert all(store.entry(h) is None for h in jobs[2][0])
+    assert [r.status for r in store.index.read_log(0) if r.block_hash in jobs[2][0]] == [LOG_FAILED] * 2
+    assert store.stats.store_failures == 2
 
 
 @pytest.mark.faults
 def test_a_failed_group_sync_fails_every_job_synced_in_it(tmp_path, layout):
-    backend = FaultyBackend()
-    store = DiskStore.open(
-        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
-    )
-    try:
+    with (
+        FaultyBackend() as backend,
+        DiskStore.open(
+            tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend=backend
+        ) as store,
+    ):
         jobs = _jobs(3, 2)
         backend.fail_sync = errno.EIO
         with ThreadPoolExecutor(3) as ex:
@@ -570,27 +527,21 @@ def test_a_failed_group_sync_fails_every_job_synced_in_it(tmp_path, layout):
             store.write_blocks(0, jobs[0][0], jobs[0][1], content_rows(jobs[0][0], 0, layout, store.slot_size))
             == [True] * 2
         )
-    finally:
-        store.close()
-        backend.shutdown()
 
 
-def test_restoring_a_loadable_block_clears_it_before_overwriting(tmp_path, layout):
-    store, backend = _ordered_store(tmp_path, layout)
-    try:
-        jobs = _jobs(2, 3)
-        backend.watch(jobs)
-        for hashes, slots in jobs * 2:  # the second pass overwrites loadable blocks in place
-            assert store.write_blocks(0, hashes, slots, content_rows(hashes, 0, layout, store.slot_size)) == [True] * 3
-        # Another block into a slot that holds a loadable one: the old owner goes first.
-        new = [block_hash("newcomer")]
-        backend.slot_of[jobs[0][1][0]] = jobs[0][0][0]
-        assert store.write_blocks(0, new, [jobs[0][1][0]], content_rows(new, 0, layout, store.slot_size)) == [True]
-        assert backend.violations == []
-        assert store.entry(jobs[0][0][0]) is None
-        assert read_back(store, 0, new + jobs[1][0], [jobs[0][1][0]] + jobs[1][1])[0] == [True] * 4
-    finally:
-        store.close()
+def test_restoring_a_loadable_block_clears_it_before_overwriting(layout, ordered):
+    store, backend = ordered
+    jobs = _jobs(2, 3)
+    backend.watch(jobs)
+    for hashes, slots in jobs * 2:  # the second pass overwrites loadable blocks in place
+        assert store.write_blocks(0, hashes, slots, content_rows(hashes, 0, layout, store.slot_size)) == [True] * 3
+    # Another block into a slot that holds a loadable one: the old owner goes first.
+    new = [block_hash("newcomer")]
+    backend.slot_of[jobs[0][1][0]] = jobs[0][0][0]
+    assert store.write_blocks(0, new, [jobs[0][1][0]], content_rows(new, 0, layout, store.slot_size)) == [True]
+    assert backend.violations == []
+    assert store.entry(jobs[0][0][0]) is None
+    assert read_back(store, 0, new + jobs[1][0], [jobs[0][1][0]] + jobs[1][1])[0] == [True] * 4
 
 
 @pytest.mark.faults
