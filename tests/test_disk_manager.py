@@ -3,6 +3,7 @@ index persistence of evictions, restart."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import threading
@@ -31,13 +32,15 @@ def tier(tmp_path, layout):
     """A manager and a store on one cache directory (as a scheduler and a worker)."""
     fp = fingerprint(layout)
     # No background refresh: these tests call refresh() themselves and check what it returns.
-    m = DiskOffloadingManager(
-        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=None
-    )
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
-    yield m, s
-    s.close()
-    m.shutdown()
+    with (
+        DiskOffloadingManager(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=None
+        ) as m,
+        DiskStore.open(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e"
+        ) as s,
+    ):
+        yield m, s
 
 
 def store_blocks(m, s, hashes, layout, ok=True):
@@ -51,6 +54,14 @@ def store_blocks(m, s, hashes, layout, ok=True):
         assert all(res)
     m.complete_store(out.block_hashes_to_store, success=ok)
     return out
+
+
+def open_engine(opened, d, fp, layout, nbytes):
+    """A manager and a store on ``d`` (a scheduler and a worker of engine ``e``, no
+    background refresh), closed when the ``ExitStack`` ``opened`` closes."""
+    m = opened.enter_context(DiskOffloadingManager(d, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None))
+    s = opened.enter_context(DiskStore.open(d, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e"))
+    return m, s
 
 
 def test_store_lookup_load_cycle(tier, layout):
@@ -110,11 +121,14 @@ def test_failed_store_frees_its_slots(tier, layout):
 
 def test_refresh_makes_blocks_durable_from_the_workers_log(tmp_path, layout):
     fp = fingerprint(layout, tp_size=2)
-    m = DiskOffloadingManager(
-        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=None
-    )
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
-    try:
+    with (
+        DiskOffloadingManager(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=None
+        ) as m,
+        DiskStore.open(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e"
+        ) as s,
+    ):
         out = m.prepare_store(H[:2])
         slots = out.store_spec.block_ids.tolist()
         s.write_blocks(0, H[:2], slots, content_rows(H[:2], 0, layout, s.slot_size))
@@ -125,9 +139,6 @@ def test_refresh_makes_blocks_durable_from_the_workers_log(tmp_path, layout):
         assert m.refresh().durable == [], "refresh is idempotent"
         m.complete_store(H[:2])  # the job completion arrives later: same outcome, once
         assert m.stats.stores == 2 and m.lookup(H[:2]) == 2
-    finally:
-        s.close()
-        m.shutdown()
 
 
 def test_refresh_reads_at_most_max_records_and_says_when_more_are_left(tier, layout):
@@ -177,12 +188,15 @@ def test_flusher_learns_worker_commits_in_the_background(tmp_path, layout):
     scheduler at all, in chunks (more records than one chunk), and the log is trimmed."""
     fp = fingerprint(layout)
     n = 150  # more than two of the flusher's 64-record chunks
-    m = DiskOffloadingManager(
-        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), engine_id="e", poll_interval=0.001
-    )
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), io_backend="posix", engine_id="e")
-    hashes = [block_hash(100 + i) for i in range(n)]
-    try:
+    with (
+        DiskOffloadingManager(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), engine_id="e", poll_interval=0.001
+        ) as m,
+        DiskStore.open(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n), io_backend="posix", engine_id="e"
+        ) as s,
+    ):
+        hashes = [block_hash(100 + i) for i in range(n)]
         out = m.prepare_store(hashes)
         assert m.num_pending() == n
         s.write_blocks(0, hashes, out.store_spec.block_ids.tolist(), content_rows(hashes, 0, layout, s.slot_size))
@@ -192,9 +206,6 @@ def test_flusher_learns_worker_commits_in_the_background(tmp_path, layout):
         assert m.num_pending() == 0 and all(m.is_loadable(h) for h in hashes)
         assert m.stats.stores == n and not m.refresh(), "nothing left for the scheduler to read"
         assert m.flush() and s.index.read_log(0) == [], "the flusher trimmed what it applied"
-    finally:
-        s.close()
-        m.shutdown()
 
 
 def test_the_flusher_keeps_polling_while_index_updates_wait_for_their_write(tmp_path, layout):
@@ -203,17 +214,20 @@ def test_the_flusher_keeps_polling_while_index_updates_wait_for_their_write(tmp_
     or a burst of stores fills the composite's bound on pending writes and the
     scheduler's own call reads the log."""
     fp = fingerprint(layout)
-    m = DiskOffloadingManager(
-        tmp_path,
-        fp,
-        layout,
-        disk_bytes=disk_bytes_for(layout, CAP),
-        engine_id="e",
-        poll_interval=0.001,
-        flush_interval=60.0,
-    )
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
-    try:
+    with (
+        DiskOffloadingManager(
+            tmp_path,
+            fp,
+            layout,
+            disk_bytes=disk_bytes_for(layout, CAP),
+            engine_id="e",
+            poll_interval=0.001,
+            flush_interval=60.0,
+        ) as m,
+        DiskStore.open(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e"
+        ) as s,
+    ):
         assert m.flush()
         flushes = m.stats.index_flushes
         first = m.prepare_store(H[:1])
@@ -227,23 +241,23 @@ def test_the_flusher_keeps_polling_while_index_updates_wait_for_their_write(tmp_
         assert m.num_pending() == 0 and m.is_loadable(H[1]) and m.is_loadable(H[2])
         assert m.stats.index_flushes == flushes, "the updates still wait for their interval"
         assert m.flush() and m.stats.index_flushes == flushes + 1, "a flush writes them at once"
-    finally:
-        s.close()
-        m.shutdown()
 
 
 def test_take_events_leaves_the_log_to_the_polling_flusher(tmp_path, layout):
     """vLLM asks for events every step: with polling on, that reads no index on the
     caller's thread, and the stored events still come, from the flusher's refresh."""
     fp = fingerprint(layout)
-    m = DiskOffloadingManager(
-        tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=0.001
-    )
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e")
-    readers = []
-    read_log = m.index.read_log_columns
-    m.index.read_log_columns = lambda *a: (readers.append(threading.current_thread()), read_log(*a))[1]
-    try:
+    with (
+        DiskOffloadingManager(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=0.001
+        ) as m,
+        DiskStore.open(
+            tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP), io_backend="posix", engine_id="e"
+        ) as s,
+    ):
+        readers = []
+        read_log = m.index.read_log_columns
+        m.index.read_log_columns = lambda *a: (readers.append(threading.current_thread()), read_log(*a))[1]
         assert m.flush()  # the flusher has nothing pending: it sleeps until woken
         out = m.prepare_store(H[:2])
         s.write_blocks(0, H[:2], out.store_spec.block_ids.tolist(), content_rows(H[:2], 0, layout, s.slot_size))
@@ -253,9 +267,6 @@ def test_take_events_leaves_the_log_to_the_polling_flusher(tmp_path, layout):
             time.sleep(0.001)
         assert [(e.medium, e.block_hashes) for e in stored] == [(DISK, H[:2])]
         assert readers and threading.current_thread() not in readers
-    finally:
-        s.close()
-        m.shutdown()
 
 
 def test_refresh_drops_corrupt_blocks_and_marks_failed_stores(tier, layout):
@@ -321,15 +332,13 @@ def test_an_evicted_block_whose_slot_was_not_rewritten_is_served_after_a_restart
     m.complete_store([H[10]], success=False)
     s.close()
     m.shutdown()
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2")
-    s = DiskStore.open_readonly(m.namespace.path)
-    try:
+    with (
+        DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2") as m,
+        DiskStore.open_readonly(m.namespace.path) as s,
+    ):
         assert m.lookup(H[:CAP]) == CAP and not m.is_loadable(H[10])
         want = content_rows([H[0]], 0, layout, s.slot_size)[0, : s.block_bytes]
         assert s.read_block(0, H[0]) == bytes(want.numpy())
-    finally:
-        s.close()
-        m.shutdown()
 
 
 def test_two_entries_in_one_slot_keep_only_the_newer_after_a_restart(tmp_path, layout):
@@ -347,18 +356,12 @@ def test_two_entries_in_one_slot_keep_only_the_newer_after_a_restart(tmp_path, l
     s.index._shared.run(lambda txn: txn.put(H[0], s.index.encode(H[0], older), db=s.index._db("blocks")), write=True)
     s.close()
     for engine in ("e2", "e3"):
-        m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id=engine)
-        try:
+        with DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id=engine) as m:
             assert [m.is_loadable(h) for h in H[:3]] == [False, True, True]
             assert m.slot_of(H[1]) == newer.slot and m.num_free_slots() == CAP - 2
             assert m.flush()
-        finally:
-            m.shutdown()
-    s = DiskStore.open_readonly(m.namespace.path)
-    try:
+    with DiskStore.open_readonly(m.namespace.path) as s:
         assert s.entry(H[0]) is None and s.entry(H[1]) == newer
-    finally:
-        s.close()
 
 
 def test_touch_and_hits_reach_the_index(tier, layout):
@@ -386,16 +389,13 @@ def test_restart_keeps_durable_blocks_in_lru_order(tmp_path, layout):
     assert pending is not None
     s.close()
     m.shutdown()
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2")
-    try:
+    with DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2") as m:
         assert [m.is_loadable(h) for h in H[:4]] == [True] * 4 and not m.is_loadable(H[7])
         assert list(m.iter_evictable()) == [H[1], H[2], H[3], H[0]]
         m.touch([H[2]])  # a cold block touched after restart becomes the most recent
         out = m.prepare_store(H[10:13])
         assert out.block_hashes_evicted == [H[1]]
         assert list(m.iter_evictable())[-1] == H[12] or m.is_pending(H[12])
-    finally:
-        m.shutdown()
 
 
 def test_after_a_restart_the_startup_blocks_warm_up_in_the_background_in_lru_order(tmp_path, layout):
@@ -415,16 +415,13 @@ def test_after_a_restart_the_startup_blocks_warm_up_in_the_background_in_lru_ord
     order = list(m.iter_evictable())
     s.close()
     m.shutdown()
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2")
-    try:
+    with DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e2") as m:
         m._warmer.join(timeout=30)
         assert not m._warmer.is_alive() and m._table._cold_count == 0
         assert list(m.iter_evictable()) == order
         assert m.absent_among(hashes[::7] + [block_hash(5)]) == [block_hash(5)]
         out = m.prepare_store([block_hash(i) for i in range(3)])
         assert out.block_hashes_evicted == order[:3]
-    finally:
-        m.shutdown()
 
 
 def test_manager_rejects_a_capacity_below_one_block(tmp_path, layout):
@@ -440,7 +437,7 @@ def test_shutdown_is_idempotent_and_releases_the_lock(tmp_path, layout):
     DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, CAP)).shutdown()
 
 
-def test_scheduler_calls_never_write_the_index_themselves(tier, layout):
+def test_scheduler_calls_never_write_the_index_themselves(tier, layout, monkeypatch):
     """Property 6: evictions, touches and trims reach LMDB from the flusher thread only."""
     import threading
 
@@ -453,23 +450,20 @@ def test_scheduler_calls_never_write_the_index_themselves(tier, layout):
             writes_on.append(threading.current_thread().name)
         return run(fn, write)
 
-    m.index._shared.run = spy
-    try:
-        store_blocks(m, s, H[:CAP], layout)  # the worker-side writes here go through `s`
-        writes_on.clear()
-        caller = threading.current_thread().name
-        m.touch(H[:2])
-        m.prepare_load(H[:2])
-        m.complete_load(H[:2])
-        m.prepare_store(H[10:13])  # evicts three
-        m.complete_store(H[10:13], success=False)
-        m.remove(H[5])
-        m.take_events()
-        assert caller not in writes_on
-        assert m.flush()
-        assert writes_on and set(writes_on) == {"tkv-disk-index-flusher"}
-    finally:
-        m.index._shared.run = run
+    monkeypatch.setattr(m.index._shared, "run", spy)
+    store_blocks(m, s, H[:CAP], layout)  # the worker-side writes here go through `s`
+    writes_on.clear()
+    caller = threading.current_thread().name
+    m.touch(H[:2])
+    m.prepare_load(H[:2])
+    m.complete_load(H[:2])
+    m.prepare_store(H[10:13])  # evicts three
+    m.complete_store(H[10:13], success=False)
+    m.remove(H[5])
+    m.take_events()
+    assert caller not in writes_on
+    assert m.flush()
+    assert writes_on and set(writes_on) == {"tkv-disk-index-flusher"}
 
 
 @pytest.mark.parametrize("pin", [False, True])
@@ -481,16 +475,14 @@ def test_a_fresh_prepare_store_plans_exactly_like_a_checked_one(tmp_path, layout
     plans = []
     for fresh in (False, True):
         d = tmp_path / str(fresh)
-        m = DiskOffloadingManager(d, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
-        s = DiskStore.open(d, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
-        store_blocks(m, s, H[:CAP], layout)
-        m.touch([H[0]])  # H1 becomes the LRU
-        if restart:  # blocks come back cold, from the index
-            s.close()
-            m.shutdown()
-            m = DiskOffloadingManager(d, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
-            s = DiskStore.open(d, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
-        try:
+        with contextlib.ExitStack() as opened:  # closes each pair opened in it (a second close is harmless)
+            m, s = open_engine(opened, d, fp, layout, nbytes)
+            store_blocks(m, s, H[:CAP], layout)
+            m.touch([H[0]])  # H1 becomes the LRU
+            if restart:  # blocks come back cold, from the index
+                s.close()
+                m.shutdown()
+                m, s = open_engine(opened, d, fp, layout, nbytes)
             if pin:
                 m.prepare_load([H[1]])
             out = m.prepare_store(H[10:12], fresh=fresh)
@@ -507,9 +499,6 @@ def test_a_fresh_prepare_store_plans_exactly_like_a_checked_one(tmp_path, layout
                     m.stats.evictions,
                 )
             )
-        finally:
-            s.close()
-            m.shutdown()
     assert plans[0] == plans[1]
     assert plans[1][1] == ([H[2], H[3]] if pin else [H[1], H[2]])
 
@@ -519,24 +508,19 @@ def test_absent_among_keeps_order_and_skips_loadable_and_pending_blocks(tmp_path
     """What the composite asks before planning disk writes: in the order given, the
     blocks that are neither loadable (hot or, after a restart, cold) nor pending."""
     fp, nbytes = fingerprint(layout), disk_bytes_for(layout, CAP)
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
-    s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
-    try:
+    with contextlib.ExitStack() as opened:  # closes each pair opened in it (a second close is harmless)
+        m, s = open_engine(opened, tmp_path, fp, layout, nbytes)
         store_blocks(m, s, H[:3], layout)
         if restart:
             s.close()
             m.shutdown()
-            m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
-            s = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+            m, s = open_engine(opened, tmp_path, fp, layout, nbytes)
         assert m.prepare_store([H[5]]) is not None  # pending, never completed
         asked = [H[6], H[0], H[5], H[4], H[2], H[6], H[1]]
         assert m.absent_among(asked) == [H[6], H[4], H[6]]
         assert m.absent_among(iter([H[4], H[1]])) == [H[4]], "any iterable"
         m.remove(H[1])
         assert m.absent_among([H[1], H[0]]) == [H[1]]
-    finally:
-        s.close()
-        m.shutdown()
 
 
 @pytest.mark.parametrize("cap, most", [(12, 4), (3000, 400)], ids=["small", "large"])
