@@ -4,6 +4,7 @@ are refused, and the death of either process fails only what was in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -51,12 +52,15 @@ def host_cache(layout, slots, seed, shared=True):
     return host
 
 
+@contextlib.contextmanager
 def handlers(tmp_path, layout, slots, shared=True, **kwargs):
     """An I/O process, two host caches of ``slots`` (random, different) and a handler on
-    each: ``h`` (built with ``kwargs``) stores from ``src``, ``h2`` loads into ``dst``."""
-    proc = open_process(tmp_path, layout)
-    src, dst = host_cache(layout, slots, seed=1, shared=shared), host_cache(layout, slots, seed=2, shared=shared)
-    return proc, src, dst, CpuDiskHandler(proc, 0, src, layout, **kwargs), CpuDiskHandler(proc, 0, dst, layout)
+    each: ``h`` (built with ``kwargs``) stores from ``src``, ``h2`` loads into ``dst``;
+    the handlers, then the process, are closed when the block ends."""
+    with open_process(tmp_path, layout) as proc:
+        src, dst = host_cache(layout, slots, seed=1, shared=shared), host_cache(layout, slots, seed=2, shared=shared)
+        with CpuDiskHandler(proc, 0, src, layout, **kwargs) as h, CpuDiskHandler(proc, 0, dst, layout) as h2:
+            yield proc, src, dst, h, h2
 
 
 def slot_bytes(host, layout, slots):
@@ -161,10 +165,8 @@ def test_cpu_disk_round_trip_through_the_io_process(tmp_path, path):
     tier it cannot reach (private memory) goes through the worker's staging buffers."""
     layout = view_layout() if path == "vectored" else small_layout(factor=2)
     shared = path != "staged-private-host"
-    proc, src, dst, h, h2 = handlers(
-        tmp_path, layout, 8, shared=shared, staging_bytes=3 * slot_size_for(layout.bytes_per_block)
-    )  # several chunks
-    try:
+    staging = 3 * slot_size_for(layout.bytes_per_block)  # several chunks
+    with handlers(tmp_path, layout, 8, shared=shared, staging_bytes=staging) as (proc, src, dst, h, h2):
         assert (h._views is not None) == shared
         assert shared is False or views_fit(h._views, proc.slot_size) == (path == "vectored")
         disk = disk_spec([5, 6, 7, 0, 11, 12, 13])
@@ -173,43 +175,31 @@ def test_cpu_disk_round_trip_through_the_io_process(tmp_path, path):
         for a, b in zip(slot_bytes(src, layout, range(7)), slot_bytes(dst, layout, [7, 6, 5, 4, 3, 2, 1])):
             assert torch.equal(a, b)
         assert proc.stats.stores == 7 and proc.stats.loads == 7
-    finally:
-        h.shutdown(), h2.shutdown(), proc.close()
     # What the I/O process committed is what an in-process store reads back, verified.
-    store = DiskStore.open_readonly(proc.namespace_path)
-    try:
+    with DiskStore.open_readonly(proc.namespace_path) as store:
         packed = store.read_block(0, disk.block_hashes[0])
         assert packed is not None and len(packed) == layout.bytes_per_block
-    finally:
-        store.close()
 
 
 def test_a_flipped_byte_fails_the_load_in_the_io_process(tmp_path):
     layout = small_layout()
-    proc, _, _, h, h2 = handlers(tmp_path, layout, 4)
-    try:
+    with handlers(tmp_path, layout, 4) as (proc, _, _, h, h2):
         d = disk_spec([0, 1, 2])
         assert run(h, 1, (CPULoadStoreSpec([0, 1, 2]), d))
         flip_byte(_slab(proc), 2 * proc.slot_size + 17)
         assert not run(h2, 2, (d, CPULoadStoreSpec([0, 1, 2])))
         assert proc.stats.checksum_failures == 1
         assert run(h2, 3, (DiskLoadStoreSpec([0, 1], d.block_hashes[:2]), CPULoadStoreSpec([0, 1])))
-    finally:
-        h.shutdown(), h2.shutdown(), proc.close()
 
 
 def _slab(proc) -> Path:
-    store = DiskStore.open_readonly(proc.namespace_path)
-    try:
+    with DiskStore.open_readonly(proc.namespace_path) as store:
         return store.namespace.slab_path(0)
-    finally:
-        store.close()
 
 
 def test_private_buffers_are_refused_and_fail_only_their_batch(tmp_path):
     layout = small_layout()
-    proc = open_process(tmp_path, layout)
-    try:
+    with open_process(tmp_path, layout) as proc:
         hashes = [block_hash(i) for i in range(2)]
         private = torch.zeros(2, proc.slot_size, dtype=torch.uint8)
         batch = proc.begin_write(0, hashes, [0, 1])
@@ -221,8 +211,6 @@ def test_private_buffers_are_refused_and_fail_only_their_batch(tmp_path):
         assert proc.write_blocks(0, hashes, [0, 1], rows) == [True, True]
         back = proc.host_buffer(2 * proc.slot_size).view(2, proc.slot_size)
         assert proc.read_blocks(0, hashes, [0, 1], back) == [True, True] and torch.equal(back, rows)
-    finally:
-        proc.close()
 
 
 def test_an_error_opening_the_store_is_raised_in_the_worker(tmp_path):
@@ -233,8 +221,7 @@ def test_an_error_opening_the_store_is_raised_in_the_worker(tmp_path):
 
 def test_a_killed_io_process_fails_its_jobs_and_the_next_job_starts_a_new_one(tmp_path):
     layout = view_layout()
-    proc, src, dst, h, h2 = handlers(tmp_path, layout, 16)
-    try:
+    with handlers(tmp_path, layout, 16) as (proc, src, dst, h, h2):
         first = proc._child
         d = disk_spec(list(range(16)))
         os.kill(first.proc.pid, signal.SIGSTOP)  # job 1 is surely in flight when it dies
@@ -253,15 +240,10 @@ def test_a_killed_io_process_fails_its_jobs_and_the_next_job_starts_a_new_one(tm
         assert proc.process_failures >= 1
         assert not run(h2, 3, (d, CPULoadStoreSpec(list(range(16))))), "job 1 never reached the disk"
         # The lost writes are logged failed through the new process, so a manager frees their slots.
-        store = DiskStore.open_readonly(proc.namespace_path)
-        try:
+        with DiskStore.open_readonly(proc.namespace_path) as store:
             failed = {r.block_hash for r in store.index.read_log(0) if r.status == LOG_FAILED}
-        finally:
-            store.close()
         assert set(d.block_hashes) <= failed
         assert run(h, 4, (CPULoadStoreSpec([0, 1]), disk_spec([30, 31], "y")))
-    finally:
-        h.shutdown(), h2.shutdown(), proc.close()
 
 
 def _open_and_die(cache_dir: str) -> None:
@@ -299,12 +281,11 @@ def _running(pid: int) -> bool:
 
 def test_buffers_freed_in_the_worker_are_unmapped_in_the_io_process(tmp_path):
     layout = small_layout()
-    proc = open_process(tmp_path, layout)
 
     def mapped() -> int:
         return sum("memfd:tiered-kv" in line for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines())
 
-    try:
+    with open_process(tmp_path, layout) as proc:
         hashes = [block_hash(i) for i in range(2)]
         for value in range(6):  # a staging buffer per round, as a stager's come and go
             rows = proc.host_buffer(2 * proc.slot_size).view(2, proc.slot_size)
@@ -314,5 +295,3 @@ def test_buffers_freed_in_the_worker_are_unmapped_in_the_io_process(tmp_path):
             gc.collect()
         proc.stats  # a round trip: the forgets sent before it have been handled
         assert mapped() <= 2, "regions the worker freed are still mapped in the I/O process"
-    finally:
-        proc.close()
