@@ -4,6 +4,7 @@ and a 1M-block reopen in under a second."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import lmdb
 import pytest
@@ -20,9 +21,21 @@ A, B, C = block_hash("a"), block_hash("b"), block_hash("c")
 
 @pytest.fixture
 def idx(tmp_path):
-    index = DiskIndex(tmp_path / "index.lmdb", tp_size=2)
-    yield index
-    index.close()
+    with DiskIndex(tmp_path / "index.lmdb", tp_size=2) as index:
+        yield index
+
+
+def test_a_second_close_of_the_environment_leaves_a_reused_descriptor_alone(tmp_path):
+    """The last handle's close closes the environment and its directory descriptor; a
+    later close of the environment must not close whatever now has that number."""
+    with open(tmp_path / "other", "wb") as other:  # opened first: it does not get that number
+        with DiskIndex(tmp_path / "index.lmdb", tp_size=1) as index:
+            shared, number = index._shared, index._shared._index_fd
+        index.close()  # a second close of the handle is harmless too
+        os.dup2(other.fileno(), number)  # the number is free again: something else takes it
+        with open(number, "wb") as taken:  # and closes it at the end
+            shared.close()
+            assert os.path.samestat(os.fstat(taken.fileno()), os.fstat(other.fileno()))
 
 
 def test_commit_sets_rank_bits_and_checksums_per_rank(idx):
@@ -116,14 +129,11 @@ def test_touch_updates_access_time_and_hits(idx):
 
 def test_writer_grows_a_full_map(tmp_path, monkeypatch):
     monkeypatch.setattr(index_mod, "_MIN_MAP_SIZE", 64 << 10)
-    idx = DiskIndex(tmp_path / "i", tp_size=1)
-    try:
+    with DiskIndex(tmp_path / "i", tp_size=1) as idx:
         hashes = [block_hash(i) for i in range(3000)]
         idx.commit_stored(0, hashes, list(range(3000)), [100] * 3000, list(range(3000)))
         assert idx.count() == 3000
         assert idx._shared.env.info()["map_size"] > 64 << 10
-    finally:
-        idx.close()
 
 
 def _grow_in_child(path: str) -> None:
@@ -137,8 +147,7 @@ def _grow_in_child(path: str) -> None:
 def test_reader_survives_map_resized_by_another_process(tmp_path, monkeypatch):
     monkeypatch.setattr(index_mod, "_MIN_MAP_SIZE", 64 << 10)
     path = tmp_path / "i"
-    reader = DiskIndex(path, tp_size=1)
-    try:
+    with DiskIndex(path, tp_size=1) as reader:
         assert reader.count() == 0
         p = multiprocessing.get_context("spawn").Process(target=_grow_in_child, args=(str(path),))
         p.start()
@@ -148,8 +157,6 @@ def test_reader_survives_map_resized_by_another_process(tmp_path, monkeypatch):
         assert reader.count() == 3000
         assert reader.get(block_hash(2999)).slot == 2999
         assert len(reader.load_all()) == 3000
-    finally:
-        reader.close()
 
 
 def test_readonly_index_open(tmp_path):
@@ -159,13 +166,10 @@ def test_readonly_index_open(tmp_path):
     w = DiskIndex(path, tp_size=1)
     w.commit_stored(0, [A], [1], [100], [5])
     w.close()
-    r = DiskIndex(path, tp_size=1, readonly=True)
-    try:
+    with DiskIndex(path, tp_size=1, readonly=True) as r:
         assert r.get(A).checksums == (5,)
         with pytest.raises(lmdb.Error):
             r.commit_stored(0, [B], [2], [100], [5])
-    finally:
-        r.close()
 
 
 def test_reopen_of_a_large_index_serves_every_block_without_reading_slabs(tmp_path):
@@ -180,12 +184,9 @@ def test_reopen_of_a_large_index_serves_every_block_without_reading_slabs(tmp_pa
     idx = DiskIndex(ns.index_path, 1, expected_entries=n)
     hashes = fill_index(idx, n, layout.bytes_per_block)
     idx.close()
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n))
-    try:
+    with DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, n)) as m:
         assert len(m) == len(hashes) and m.num_free_slots() == n - len(hashes)
         assert m.lookup(hashes[::10_000]) == len(hashes[::10_000])
-    finally:
-        m.shutdown()
 
 
 @pytest.mark.parametrize("odd_first", [True, False])
