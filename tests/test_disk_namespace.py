@@ -244,9 +244,6 @@ def test_capacity_can_grow_on_reopen(tmp_path):
     fp = fingerprint(layout)
     m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, 4))
     m.shutdown()
-    m = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, 12))
-    try:
+    with DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=disk_bytes_for(layout, 12)) as m:
         assert m.capacity == 12 and m.num_free_slots() == 12
         assert os.path.getsize(m.namespace.slab_path(0)) == 12 * m.slot_size
-    finally:
-        m.shutdown()
