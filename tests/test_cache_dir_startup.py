@@ -127,11 +127,8 @@ def test_the_page_walk_finds_the_damage_lmdb_would_meet_later(cache):
     compacting copy passes, but deleting there fails mid-transaction. The walk finds it
     at open, and the engine's start moves the index aside."""
     data = ns_dir(cache) / "index.lmdb" / "data.mdb"
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        check_data_file(fd)  # the healthy index passes
-    finally:
-        os.close(fd)
+    with open(data, "rb", buffering=0) as f:
+        check_data_file(f.fileno())  # the healthy index passes
     leaf = _first_leaf(data)
     raw = bytearray(data.read_bytes())
     page = leaf * 4096
@@ -139,12 +136,8 @@ def test_the_page_walk_finds_the_damage_lmdb_would_meet_later(cache):
     first_node = min(struct.unpack_from(f"<{(lower - 16) // 2}H", raw, page + 16))
     raw[page + first_node + 6] ^= 0x04  # the node's key size
     data.write_bytes(bytes(raw))
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        with pytest.raises(LmdbDamage, match="node area"):
-            check_data_file(fd)
-    finally:
-        os.close(fd)
+    with open(data, "rb", buffering=0) as f, pytest.raises(LmdbDamage, match="node area"):
+        check_data_file(f.fileno())
     assert cd.start_engine(cache) == ("ok", "")
     assert (ns_dir(cache) / f"index.lmdb{QUARANTINE_SUFFIX}").is_dir()
 
@@ -175,20 +168,12 @@ def _first_leaf(data: Path) -> int:
 def test_damage_met_while_running_is_marked_and_the_next_start_moves_the_index_aside(cache, caplog):
     """A page damaged after the index was opened (and walked): the read that meets it
     fails, leaves the mark, and the next start moves the index aside."""
-    ns = Namespace.open_path(ns_dir(cache))
-    index = DiskIndex(ns.index_path, ns.tp_size, expected_entries=64)
-    try:
+    with Namespace.open_path(ns_dir(cache)) as ns, DiskIndex(ns.index_path, ns.tp_size, expected_entries=64) as index:
         leaf = _first_leaf(ns.index_path / "data.mdb")
-        fd = os.open(ns.index_path / "data.mdb", os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"\0\0", leaf * 4096 + 10)  # the page's flags: neither branch nor leaf
-        finally:
-            os.close(fd)
+        with open(ns.index_path / "data.mdb", "r+b", buffering=0) as f:
+            os.pwrite(f.fileno(), b"\0\0", leaf * 4096 + 10)  # the page's flags: neither branch nor leaf
         with pytest.raises(lmdb.CorruptedError):
             index.load_all()
-    finally:
-        index.close()
-        ns.close()
     assert (ns_dir(cache) / "index.lmdb" / DAMAGE_MARK).exists()
     with pytest.raises(IndexCorruptError, match="met damage in it while it ran"):
         DiskIndex(ns_dir(cache) / "index.lmdb", 1, expected_entries=64)
@@ -270,14 +255,11 @@ def test_destructive_commands_wait_for_every_engine_process_even_one_starting(ca
     evict and verify --repair are refused, naming why, and work once it is gone."""
     layout = device().layout
     fp = _engine_fingerprint(cache, layout)
-    store = DiskStore.open(cache, fp, layout, disk_bytes=32 * layout.bytes_per_block, io_backend="posix")
-    try:
+    with DiskStore.open(cache, fp, layout, disk_bytes=32 * layout.bytes_per_block, io_backend="posix"):
         for cmd in (("clear", "--yes"), ("evict", "--to-size", "0"), ("verify", "--repair")):
             code, text = cd.inspect(cmd[0], str(cache), *cmd[1:])
             assert code == 2 and "open by an engine process" in " ".join(text.split()), text
         assert ns_dir(cache).is_dir()
-    finally:
-        store.close()
     code, text = cd.inspect("clear", str(cache), "--yes")
     assert code == 0 and not list(cache.glob("*/manifest.json")), text
 
