@@ -66,11 +66,12 @@ def disk_spec(slots, prefix="b"):
 
 def test_cpu_disk_cpu_round_trip(tmp_path, kv_first, factor):
     layout = small_layout(kv_first, factor=factor)
-    store = open_store(tmp_path, layout)
     src, dst = host_cache(layout, 8, seed=1), host_cache(layout, 8, seed=2)
-    h = CpuDiskHandler(store, 0, src, layout, staging_bytes=3 * store.slot_size)  # forces several chunks
-    h2 = CpuDiskHandler(store, 0, dst, layout)
-    try:
+    with (
+        open_store(tmp_path, layout) as store,
+        CpuDiskHandler(store, 0, src, layout, staging_bytes=3 * store.slot_size) as h,  # forces several chunks
+        CpuDiskHandler(store, 0, dst, layout) as h2,
+    ):
         disk = disk_spec([5, 6, 7, 0, 11, 12, 13])
         assert h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2, 3, 4, 5, 6]), disk))
         assert finish(h, [1]) == {1: True}
@@ -84,16 +85,15 @@ def test_cpu_disk_cpu_round_trip(tmp_path, kv_first, factor):
         stats = {"cpu_to_disk": h.stats.transfers["cpu_to_disk"], "disk_to_cpu": h2.stats.transfers["disk_to_cpu"]}
         assert stats["cpu_to_disk"].bytes == 7 * layout.bytes_per_block and stats["cpu_to_disk"].seconds > 0
         assert stats["disk_to_cpu"].blocks == 7 and stats["disk_to_cpu"].failed_jobs == 0
-    finally:
-        h.shutdown(), h2.shutdown(), store.close()
 
 
 def test_a_disk_job_reports_its_own_time_not_the_time_until_it_was_polled(tmp_path):
     poll_delay = 1.0  # well above a job's own time even with a slow fdatasync
     layout = small_layout(False)
-    store = open_store(tmp_path, layout)
-    h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=1), layout)
-    try:
+    with (
+        open_store(tmp_path, layout) as store,
+        CpuDiskHandler(store, 0, host_cache(layout, 4, seed=1), layout) as h,
+    ):
         disk = disk_spec([0, 1, 2])
         for job_id, spec, kind in (
             (1, (CPULoadStoreSpec([0, 1, 2]), disk), "cpu_to_disk"),
@@ -105,8 +105,6 @@ def test_a_disk_job_reports_its_own_time_not_the_time_until_it_was_polled(tmp_pa
             (result,) = h.get_finished()
             assert result.success and 0 < result.seconds < poll_delay
             assert result.seconds == h.stats.transfers[kind].seconds  # the one job of its kind
-    finally:
-        h.shutdown(), store.close()
 
 
 def test_gpu_pairs_via_the_cpu_fallback_and_cross_pairs(tmp_path, kv_first, factor):
@@ -114,17 +112,15 @@ def test_gpu_pairs_via_the_cpu_fallback_and_cross_pairs(tmp_path, kv_first, fact
     CPU->DISK->GPU / GPU->DISK->CPU routes through one OffloadingWorker."""
     layout = small_layout(kv_first, factor=factor)
     f = layout.block_size_factor
-    store = open_store(tmp_path, layout)
     gpu = random_tensors(layout, seed=3)  # 32 kernel blocks
     host = host_cache(layout, 8, seed=4)
-    worker = OffloadingWorker()
-    cpu_h = CpuDiskHandler(store, 0, host, layout)
-    gpu_h = GpuDiskHandler(store, 0, gpu, layout)
-    worker.register_handler(CPULoadStoreSpec, DiskLoadStoreSpec, cpu_h)
-    worker.register_handler(DiskLoadStoreSpec, CPULoadStoreSpec, cpu_h)
-    worker.register_handler(GPULoadStoreSpec, DiskLoadStoreSpec, gpu_h)
-    worker.register_handler(DiskLoadStoreSpec, GPULoadStoreSpec, gpu_h)
-    try:
+    with open_store(tmp_path, layout) as store, OffloadingWorker() as worker:
+        cpu_h = CpuDiskHandler(store, 0, host, layout)
+        gpu_h = GpuDiskHandler(store, 0, gpu, layout)
+        worker.register_handler(CPULoadStoreSpec, DiskLoadStoreSpec, cpu_h)
+        worker.register_handler(DiskLoadStoreSpec, CPULoadStoreSpec, cpu_h)
+        worker.register_handler(GPULoadStoreSpec, DiskLoadStoreSpec, gpu_h)
+        worker.register_handler(DiskLoadStoreSpec, GPULoadStoreSpec, gpu_h)
         n = 3
         src_gpu = expand_block_ids([1, 4, 6], f) if f > 1 else np.array([3, 17, 9])
         d1 = disk_spec([0, 1, 2], "g")
@@ -155,18 +151,13 @@ def test_gpu_pairs_via_the_cpu_fallback_and_cross_pairs(tmp_path, kv_first, fact
         assert_same(kernel_blocks(gpu, layout, src_gpu), kernel_blocks(gpu, layout, dst2))
         assert {k for k, t in gpu_h.stats.transfers.items() if t.jobs} == {"gpu_to_disk", "disk_to_gpu"}
         assert gpu_h.stats.transfers["disk_to_gpu"].jobs == 2
-    finally:
-        worker.shutdown()
-        store.close()
 
 
 def test_gpu_load_honours_skip_count(tmp_path):
     layout = small_layout(True, factor=3)
-    store = open_store(tmp_path, layout)
     gpu = random_tensors(layout, seed=5)
     before = [t.clone() for t in gpu]
-    h = GpuDiskHandler(store, 0, gpu, layout)
-    try:
+    with open_store(tmp_path, layout) as store, GpuDiskHandler(store, 0, gpu, layout) as h:
         d = disk_spec([0, 1], "s")
         assert h.transfer_async(1, (GPULoadStoreSpec(np.arange(0, 6)), d))
         assert finish(h, [1]) == {1: True}
@@ -178,15 +169,14 @@ def test_gpu_load_honours_skip_count(tmp_path):
         # A store cannot start mid-block, and lengths must add up: rejected, not raised.
         assert not h.transfer_async(3, (GPULoadStoreSpec(np.arange(4), skip_count=2), d))
         assert not h.transfer_async(4, (d, GPULoadStoreSpec(np.arange(5))))
-    finally:
-        h.shutdown(), store.close()
 
 
 def test_unsupported_pairs_and_bad_specs_are_rejected(tmp_path):
     layout = small_layout()
-    store = open_store(tmp_path, layout)
-    h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=0), layout)
-    try:
+    with (
+        open_store(tmp_path, layout) as store,
+        CpuDiskHandler(store, 0, host_cache(layout, 4, seed=0), layout) as h,
+    ):
         assert not h.transfer_async(1, (CPULoadStoreSpec([0]), CPULoadStoreSpec([1])))
         assert not h.transfer_async(2, (CPULoadStoreSpec([0, 1]), disk_spec([3])))
         assert h.get_finished() == []
@@ -194,18 +184,17 @@ def test_unsupported_pairs_and_bad_specs_are_rejected(tmp_path):
             CpuDiskHandler(store, 0, host_cache(small_layout(factor=2), 4, 0), small_layout(factor=2))
         with pytest.raises(ValueError, match="rank 1"):
             CpuDiskHandler(store, 1, host_cache(layout, 4, 0), layout)
-    finally:
-        h.shutdown(), store.close()
 
 
 @pytest.mark.faults
 def test_corrupt_block_fails_the_load_job(tmp_path):
     layout = small_layout()
-    store = open_store(tmp_path, layout)
     src, dst = host_cache(layout, 4, seed=6), host_cache(layout, 4, seed=7)
-    h = CpuDiskHandler(store, 0, src, layout)
-    h2 = CpuDiskHandler(store, 0, dst, layout)
-    try:
+    with (
+        open_store(tmp_path, layout) as store,
+        CpuDiskHandler(store, 0, src, layout) as h,
+        CpuDiskHandler(store, 0, dst, layout) as h2,
+    ):
         d = disk_spec([0, 1, 2])
         h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2]), d))
         assert finish(h, [1]) == {1: True}
@@ -216,8 +205,6 @@ def test_corrupt_block_fails_the_load_job(tmp_path):
         assert store.entry(d.block_hashes[2]) is None
         h2.transfer_async(3, (DiskLoadStoreSpec([0, 1], d.block_hashes[:2]), CPULoadStoreSpec([0, 1])))
         assert finish(h2, [3]) == {3: True}, "the intact blocks still load"
-    finally:
-        h.shutdown(), h2.shutdown(), store.close()
 
 
 @pytest.mark.parametrize("iov_max", [None, 5], ids=["one-call-per-run", "iov-max-5"])
@@ -228,13 +215,14 @@ def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_pa
     if iov_max is not None:
         monkeypatch.setattr(batch_module, "IOV_MAX", iov_max)
     layout = make_layout(kv_first, block_size_factor=2, heads=16 if kv_first else 8, head_dim=128)
-    store = open_store(tmp_path, layout)
     src, dst = host_cache(layout, 8, seed=11), host_cache(layout, 8, seed=12)
-    direct = CpuDiskHandler(store, 0, src, layout)
-    staged = CpuDiskHandler(store, 0, dst, layout)
-    staged._views = None  # the pack/unpack path, to cross-check the byte order and checksums
     f = layout.block_size_factor
-    try:
+    with (
+        open_store(tmp_path, layout) as store,
+        CpuDiskHandler(store, 0, src, layout) as direct,
+        CpuDiskHandler(store, 0, dst, layout) as staged,
+    ):
+        staged._views = None  # the pack/unpack path, to cross-check the byte order and checksums
         assert direct._views is not None, "page-aligned CPU-tier slots must take the vectored path"
         written = disk_spec([3, 4, 5, 9, 10, 11], "v")  # two runs of consecutive slots
         assert direct.transfer_async(1, (CPULoadStoreSpec(range(6)), written))
@@ -262,18 +250,17 @@ def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_pa
         assert finish(direct, [5]) == {5: False}
         assert store.stats.checksum_failures == 1 and store.entry(written.block_hashes[4]) is None
         assert store.entry(written.block_hashes[3]) is not None
-    finally:
-        direct.shutdown(), staged.shutdown(), store.close()
 
 
 @pytest.mark.faults
 def test_vectored_jobs_fail_alone_on_a_full_disk_and_on_read_errors(tmp_path):
     layout = make_layout(True, block_size_factor=2, heads=16, head_dim=128)
-    backend = FaultyBackend(write_budget=3 * slot_size_for(layout.bytes_per_block))
-    store = open_store(tmp_path, layout, backend)
     host = host_cache(layout, 8, seed=13)
-    h = CpuDiskHandler(store, 0, host, layout)
-    try:
+    with (
+        FaultyBackend(write_budget=3 * slot_size_for(layout.bytes_per_block)) as backend,
+        open_store(tmp_path, layout, backend) as store,
+        CpuDiskHandler(store, 0, host, layout) as h,
+    ):
         assert h._views is not None
         fits, too_big = disk_spec([0, 1, 2], "fit"), disk_spec([4, 5, 6], "big")
         assert h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2]), fits))
@@ -292,22 +279,19 @@ def test_vectored_jobs_fail_alone_on_a_full_disk_and_on_read_errors(tmp_path):
             kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)),
             kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)),
         )
-    finally:
-        h.shutdown(), store.close(), backend.shutdown()
 
 
 @pytest.mark.faults
 def test_disk_full_fails_the_job_without_raising(tmp_path):
     layout = small_layout()
-    backend = FaultyBackend(write_budget=0)
-    store = open_store(tmp_path, layout, backend)
-    h = CpuDiskHandler(store, 0, host_cache(layout, 4, seed=0), layout)
-    try:
+    with (
+        FaultyBackend(write_budget=0) as backend,
+        open_store(tmp_path, layout, backend) as store,
+        CpuDiskHandler(store, 0, host_cache(layout, 4, seed=0), layout) as h,
+    ):
         assert h.transfer_async(1, (CPULoadStoreSpec([0, 1]), disk_spec([0, 1])))
         assert finish(h, [1]) == {1: False}
         assert store.stats.enospc == 1 and h.stats.transfers["cpu_to_disk"].failed_jobs == 1
-    finally:
-        h.shutdown(), store.close(), backend.shutdown()
 
 
 class SlowBackend(FaultyBackend):
@@ -322,24 +306,25 @@ class SlowBackend(FaultyBackend):
 
 def test_transfer_async_never_blocks_and_staging_is_bounded(tmp_path):
     layout = small_layout()
-    backend = SlowBackend()
-    store = open_store(tmp_path, layout, backend)
     host = host_cache(layout, 16, seed=8)
-    h = CpuDiskHandler(store, 0, host, layout, staging_bytes=2 * store.slot_size, job_threads=2)
-    try:
-        t0 = time.perf_counter()
-        for j in range(6):  # 6 jobs of 5 blocks each through 2 buffers of 2 rows
-            assert h.transfer_async(
-                j, (CPULoadStoreSpec(range(j, j + 5)), disk_spec(range(j * 5, j * 5 + 5), f"j{j}-"))
-            )
-        assert time.perf_counter() - t0 < 0.5, "transfer_async must only queue"
-        assert h.get_finished() == []
-        backend.gate.set()
-        assert finish(h, range(6)) == {j: True for j in range(6)}
-        assert h._staging._made <= 2
-    finally:
-        backend.gate.set()
-        h.shutdown(), store.close(), backend.shutdown()
+    with (
+        SlowBackend() as backend,
+        open_store(tmp_path, layout, backend) as store,
+        CpuDiskHandler(store, 0, host, layout, staging_bytes=2 * store.slot_size, job_threads=2) as h,
+    ):
+        try:
+            t0 = time.perf_counter()
+            for j in range(6):  # 6 jobs of 5 blocks each through 2 buffers of 2 rows
+                assert h.transfer_async(
+                    j, (CPULoadStoreSpec(range(j, j + 5)), disk_spec(range(j * 5, j * 5 + 5), f"j{j}-"))
+                )
+            assert time.perf_counter() - t0 < 0.5, "transfer_async must only queue"
+            assert h.get_finished() == []
+            backend.gate.set()
+            assert finish(h, range(6)) == {j: True for j in range(6)}
+            assert h._staging._made <= 2
+        finally:
+            backend.gate.set()  # before the handler waits for its jobs
 
 
 class HeldSyncBackend(FaultyBackend):
@@ -364,35 +349,35 @@ class HeldSyncBackend(FaultyBackend):
 
 def test_a_store_job_thread_moves_on_while_its_commit_waits(tmp_path):
     layout = small_layout()
-    backend = HeldSyncBackend()
-    store = open_store(tmp_path, layout, backend)
     host = host_cache(layout, 16, seed=9)
-    h = CpuDiskHandler(store, 0, host, layout, job_threads=1)
-    try:
-        assert h.transfer_async(0, (CPULoadStoreSpec(range(0, 4)), disk_spec(range(0, 4), "a")))
-        assert backend.holding.wait(10), "the first job's commit never synced"
-        assert h.transfer_async(1, (CPULoadStoreSpec(range(4, 8)), disk_spec(range(4, 8), "b")))
-        deadline = time.monotonic() + 10
-        while backend.writes_while_held == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # The only job thread wrote job 1 while job 0 still waited for its fdatasync.
-        assert backend.writes_while_held > 0
-        assert h.get_finished() == []
-        backend.release.set()
-        assert finish(h, [0, 1]) == {0: True, 1: True}
-        back = host_cache(layout, 16, seed=10)
-        loader = CpuDiskHandler(store, 0, back, layout)
-        both = DiskLoadStoreSpec(
-            range(8), disk_spec(range(0, 4), "a").block_hashes + disk_spec(range(4, 8), "b").block_hashes
-        )
-        assert loader.transfer_async(2, (both, CPULoadStoreSpec(range(8))))
-        assert finish(loader, [2]) == {2: True}
-        loader.shutdown()
-        every = expand_block_ids(range(8), layout.block_size_factor)
-        assert_same(kernel_blocks(host.tensors, layout, every), kernel_blocks(back.tensors, layout, every))
-    finally:
-        backend.release.set()
-        h.shutdown(), store.close(), backend.shutdown()
+    with (
+        HeldSyncBackend() as backend,
+        open_store(tmp_path, layout, backend) as store,
+        CpuDiskHandler(store, 0, host, layout, job_threads=1) as h,
+    ):
+        try:
+            assert h.transfer_async(0, (CPULoadStoreSpec(range(0, 4)), disk_spec(range(0, 4), "a")))
+            assert backend.holding.wait(10), "the first job's commit never synced"
+            assert h.transfer_async(1, (CPULoadStoreSpec(range(4, 8)), disk_spec(range(4, 8), "b")))
+            deadline = time.monotonic() + 10
+            while backend.writes_while_held == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # The only job thread wrote job 1 while job 0 still waited for its fdatasync.
+            assert backend.writes_while_held > 0
+            assert h.get_finished() == []
+            backend.release.set()
+            assert finish(h, [0, 1]) == {0: True, 1: True}
+            back = host_cache(layout, 16, seed=10)
+            both = DiskLoadStoreSpec(
+                range(8), disk_spec(range(0, 4), "a").block_hashes + disk_spec(range(4, 8), "b").block_hashes
+            )
+            with CpuDiskHandler(store, 0, back, layout) as loader:
+                assert loader.transfer_async(2, (both, CPULoadStoreSpec(range(8))))
+                assert finish(loader, [2]) == {2: True}
+            every = expand_block_ids(range(8), layout.block_size_factor)
+            assert_same(kernel_blocks(host.tensors, layout, every), kernel_blocks(back.tensors, layout, every))
+        finally:
+            backend.release.set()  # before the handler waits for its jobs
 
 
 @pytest.mark.gpu
@@ -401,6 +386,7 @@ def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first, disk_io):
     """Real device tensors: GDS where KvikIO has it, else the pinned bounce buffer (always
     with the I/O process, whose bounce buffer is pinned shared memory)."""
     layout = small_layout(kv_first, factor=2)
+    gpu = random_tensors(layout, seed=9, device="cuda")
     if disk_io == "process":
         from tiered_kv.disk.io_process import DiskIOProcess
 
@@ -409,9 +395,7 @@ def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first, disk_io):
         )
     else:
         store = open_store(tmp_path, layout, backend="auto")
-    gpu = random_tensors(layout, seed=9, device="cuda")
-    h = GpuDiskHandler(store, 0, gpu, layout)
-    try:
+    with store, GpuDiskHandler(store, 0, gpu, layout) as h:
         d = disk_spec([3, 4, 9])
         src = expand_block_ids([1, 5, 7], 2)
         assert h.transfer_async(1, (GPULoadStoreSpec(src), d))
@@ -420,5 +404,3 @@ def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first, disk_io):
         assert h.transfer_async(2, (d, GPULoadStoreSpec(dst)))
         assert finish(h, [2]) == {2: True}
         assert_same(kernel_blocks(gpu, layout, src), kernel_blocks(gpu, layout, dst))
-    finally:
-        h.shutdown(), store.close()
