@@ -72,9 +72,12 @@ def test_kill_dash_nine_never_leaves_torn_or_lost_blocks(tmp_path, ctx):
         assert proc.exitcode == -9, f"trial {trial}: child ended with {proc.exitcode}, not by the kill"
 
         must_have, in_prepare = expected_blocks(journal)
-        m = DiskOffloadingManager(cache, fp, layout, disk_bytes=nbytes, engine_id=f"check-{trial}")
-        store = DiskStore.open(cache, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id=f"check-{trial}")
-        try:
+        with (
+            DiskOffloadingManager(cache, fp, layout, disk_bytes=nbytes, engine_id=f"check-{trial}") as m,
+            DiskStore.open(
+                cache, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id=f"check-{trial}"
+            ) as store,
+        ):
             loadable = list(m.iter_evictable())
             if not in_prepare:
                 missing = must_have - set(loadable)
@@ -91,9 +94,6 @@ def test_kill_dash_nine_never_leaves_torn_or_lost_blocks(tmp_path, ctx):
             assert m.flush()
             snap = store.snapshot()
             assert len(snap) == len(loadable)
-        finally:
-            store.close()
-            m.shutdown()
         # The journal continues: what this check saw is what the next child starts from.
         with open(journal, "a") as f:
             f.write("S " + "\nS ".join(h.hex() for h in loadable) + "\n" if loadable else "")
