@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 
 import torch
@@ -300,3 +301,36 @@ TestHierarchyThreeTiersWriteBack = ThreeTierWriteBackHierarchy.TestCase
 TestHierarchyThreeTiersWriteBack.settings = settings(_settings, max_examples=max(EXAMPLES // 10, 50))
 TestHierarchyDiskIOProcess = ProcessIOHierarchy.TestCase
 TestHierarchyDiskIOProcess.settings = settings(_settings, max_examples=max(EXAMPLES // 100, 10))
+
+
+def test_a_block_read_from_disk_and_then_from_cpu_keeps_both_loads_pinned(monkeypatch):
+    """``complete_load`` names blocks, not loads: a block loaded from disk (its CPU copy
+    still being stored) and loaded again once the CPU copy landed must not let the first
+    load's completion release the second one's pin. Found by the state machine above."""
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *a, **k: None)
+    six, others = UNIVERSE[6], UNIVERSE[:3]
+    state = Hierarchy()
+    checks = (
+        state.capacity_is_respected,
+        state.events_agree_with_state,
+        state.pinned_blocks_stay_where_loads_read_them,
+    )
+    try:
+        for step in (
+            lambda: state.store([six]),  # pending in CPU until complete_store
+            lambda: state.worker.wait({state.stores[-1][0]}),  # copied, and written through to disk
+            state.flush_disk,  # loadable on disk only
+            lambda: state.load([six]),  # read from disk
+            lambda: state.finish_store(success=True, newest=False),  # now loadable in CPU too
+            lambda: state.load([six]),  # a second load while the first is in flight
+            lambda: state.finish_load(newest=False),  # the first load completes
+            *(lambda h=h: state.store([h]) for h in others),  # room wanted for three blocks
+            lambda: state.finish_load(newest=False),
+        ):
+            step()
+            for check in checks:
+                check()
+        assert state.manager.cpu._readers == {}
+        assert all(not tier.is_pinned(six) for tier in state.manager.lower)
+    finally:
+        state.teardown()

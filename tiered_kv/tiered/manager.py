@@ -191,19 +191,31 @@ class TieredOffloadingManager(OffloadingManager):
                 return i
         return None
 
+    def _source(self, block_hash: BlockHash) -> int | None:
+        """Where a new load reads ``block_hash``: -1 for CPU, a lower tier's index, or None.
+        A block that an unfinished load reads from a lower tier is read from there again,
+        even if it has since landed in CPU: ``complete_load`` names blocks, not loads, so
+        every load in flight of one block must hold its pin in the same tier (else the
+        first to finish would release the other's pin, and its slot could be reused under
+        the other's transfer)."""
+        for i, loads in enumerate(self._lower_loads):
+            if loads.get(block_hash, 0) and self.lower[i].is_loadable(block_hash):
+                return i
+        if self.cpu.is_loadable(block_hash):
+            return -1
+        return self._holder(block_hash)
+
     def hit_medium(self, block_hash: BlockHash) -> str | None:
         """Which tier would serve ``block_hash`` now: ``"CPU"``, a lower tier's medium
         (``"DISK"``), or None."""
-        if self.cpu.is_loadable(block_hash):
-            return CPU
-        i = self._holder(block_hash)
-        return None if i is None else self.lower[i].medium
+        i = self._source(block_hash)
+        return None if i is None else CPU if i < 0 else self.lower[i].medium
 
     # ------------------------------------------------------------------ loads
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         block_hashes = list(block_hashes)
-        sources = [-1 if self.cpu.is_loadable(h) else self._holder(h) for h in block_hashes]
+        sources = list(map(self._source, block_hashes))
         for block_hash, source in zip(block_hashes, sources):
             if source is None:
                 raise KeyError(
