@@ -10,6 +10,8 @@ CPU-tier slots that cannot move in place go through the store's pack buffers.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -164,9 +166,17 @@ def all_of(futs: list[Future], result: Callable[[], object] | None = None) -> Fu
     return out
 
 
-class Batch:
+class Batch(ABC):
     """What write and read batches share: their store, rank file and slots, and the
-    I/O futures submitted so far."""
+    I/O futures submitted so far. A ``BlockBatch`` (``tiered_kv.disk.block_store``)."""
+
+    @abstractmethod
+    def submit(self, start: int, rows: torch.Tensor, host_rows: torch.Tensor | None = None) -> Future | None:
+        """Write (or read into) blocks ``start ..`` from ``rows``."""
+
+    @abstractmethod
+    def submit_views(self, start: int, blocks: Sequence[Sequence[memoryview]]) -> Future | None:
+        """Write (or read into) blocks ``start ..`` straight from/to their byte views."""
 
     store: BatchStore
     slots: list[int]
@@ -185,7 +195,7 @@ class Batch:
         ``PACK_CHUNK_BYTES`` at a time: packed on this thread while the chunk before is
         written (or read, verified, then unpacked). Returns what ``submit_views`` does."""
         if views_fit(views, self.store.slot_size):
-            return self.submit_views(start, [views.pieces(s) for s in slots])  # type: ignore[attr-defined]
+            return self.submit_views(start, [views.pieces(s) for s in slots])
         slots = [int(s) for s in slots]
         per_chunk = max(1, PACK_CHUNK_BYTES // self.store.slot_size)
         futs = []
@@ -234,7 +244,7 @@ class Batch:
         try:
             if self._writes:
                 views.pack(cpu_slots, rows)
-            io = self.submit(first, rows)  # type: ignore[attr-defined]
+            io = self.submit(first, rows)
         except BaseException:
             store.give_pack_buffer(buf)
             raise

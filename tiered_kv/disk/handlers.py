@@ -1,7 +1,8 @@
 """Disk transfer handlers: CPU <-> DISK and GPU <-> DISK. Worker process, one per TP rank.
 
-Each handler owns a ``DiskStore`` view of rank ``rank``'s slab and moves whole offloaded
-blocks between KV tensors and disk slots:
+Each handler owns a ``BlockStore`` view of rank ``rank``'s slab (``DiskStore``, or
+``DiskIOProcess`` in a helper process) and moves whole offloaded blocks between KV tensors
+and disk slots:
 
 - ``CpuDiskHandler`` (``CPULoadStoreSpec`` <-> ``DiskLoadStoreSpec``): hands the store
   the CPU tier's slots as they lie (``SlotViews``, ``submit_slots``). Where each slot's
@@ -43,8 +44,8 @@ import torch
 
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.memory.device import TransferStream, can_pin_memory
+from tiered_kv.disk.block_store import BlockStore
 from tiered_kv.disk.io_backends import aligned_empty
-from tiered_kv.disk.store import DiskStore
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.memory.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
@@ -147,7 +148,7 @@ class _DiskHandler(ThreadedHandler):
 
     def __init__(
         self,
-        store: DiskStore,
+        store: BlockStore,
         rank: int,
         tensors: Sequence[torch.Tensor],
         layout: KVCacheLayout,
@@ -304,7 +305,7 @@ class CpuDiskHandler(_DiskHandler):
     other_spec = CPULoadStoreSpec
 
     def __init__(
-        self, store: DiskStore, rank: int, host: HostKVCache | Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
+        self, store: BlockStore, rank: int, host: HostKVCache | Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
     ):
         tensors = host.tensors if isinstance(host, HostKVCache) else host
         super().__init__(store, rank, tensors, layout, **kwargs)
@@ -347,7 +348,7 @@ class GpuDiskHandler(_DiskHandler):
     other_spec = GPULoadStoreSpec
 
     def __init__(
-        self, store: DiskStore, rank: int, gpu_tensors: Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
+        self, store: BlockStore, rank: int, gpu_tensors: Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
     ):
         device = gpu_tensors[0].device if gpu_tensors else torch.device("cpu")
         self.gds = device.type == "cuda" and store.backend.gds

@@ -41,6 +41,8 @@ The batches are ``WriteBatch`` (``write_batch.py``) and ``ReadBatch``
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import logging
 import os
 import threading
@@ -53,6 +55,7 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.memory.device import empty_pageable, empty_pinned
+from tiered_kv.disk.block_store import BlockBatch
 from tiered_kv.disk.batch import PACK_CHUNK_BYTES
 from tiered_kv.disk.checksums import RunChecksums, checksum_function
 from tiered_kv.disk.fingerprint import Fingerprint
@@ -100,23 +103,32 @@ class DiskStoreStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class BlockIO(Closing):
+class BlockIO(Closing, ABC):
     """The synchronous block API, over a store's ``begin_write``/``begin_read``; a context
-    manager that ends with the store's ``close()``."""
+    manager that ends with the store's ``close()``. With ``DiskStore`` and
+    ``DiskIOProcess`` it makes a ``BlockStore`` (``tiered_kv.disk.block_store``)."""
+
+    @abstractmethod
+    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> BlockBatch:
+        """A batch that stores ``hashes`` into ``slots``."""
+
+    @abstractmethod
+    def begin_read(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> BlockBatch:
+        """A batch that loads and verifies ``hashes`` from ``slots``."""
 
     def write_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int], data: torch.Tensor) -> list[bool]:
         """Store ``data[i, :block_bytes]`` as block ``hashes[i]`` in slot ``slots[i]`` of
         rank ``rank``; returns per-block success. ``data`` is uint8 ``(N, >= block_bytes)``;
         it is copied to an aligned buffer first unless it already is one
         (``(N, slot_size)``, 4 KiB-aligned)."""
-        batch = self.begin_write(rank, hashes, slots)  # type: ignore[attr-defined]
+        batch = self.begin_write(rank, hashes, slots)
         batch.submit(0, data)
         return batch.finish()
 
     def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int], out: torch.Tensor) -> list[bool]:
         """Load blocks into ``out[i, :block_bytes]`` (uint8 ``(N, >= block_bytes)``),
         verifying each; returns per-block success (False: missing or corrupt)."""
-        batch = self.begin_read(rank, hashes, slots)  # type: ignore[attr-defined]
+        batch = self.begin_read(rank, hashes, slots)
         batch.submit(0, out)
         return batch.finish()
 
