@@ -16,6 +16,7 @@ from typing import Any
 
 from tiered_kv.config_values import (  # noqa: F401 (ConfigError, parse_size, format_size, CHECKSUMS: re-exported)
     CHECKSUMS,
+    DEFAULT_CHECKSUM,
     ConfigError,
     MIN_BARE_SIZE,
     format_size,
@@ -82,7 +83,7 @@ class TieredConfig:
     #: The CPU tier's eviction order (``tiered_kv.cpu``: lru or arc).
     eviction_policy: str = "lru"
     disk_eviction_policy: str = "lru"
-    checksum: str = "xxh3_64"
+    checksum: str = DEFAULT_CHECKSUM
     io_threads: int = 4
     #: Where a worker's disk I/O runs: ``thread`` (threads of the worker process) or
     #: ``process`` (a helper process per worker, off the worker's GIL; the CPU tier is

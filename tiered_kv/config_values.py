@@ -161,6 +161,8 @@ def parse_disk_path(value: Any, key: str) -> str | None:
 
 
 CHECKSUMS = ("xxh3_64", "crc32c")
+#: The checksum of blocks on disk and in the shared tier unless a config names another.
+DEFAULT_CHECKSUM = CHECKSUMS[0]
 
 
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from tiered_kv.config_values import CHECKSUMS, ConfigError, parse_size
+from tiered_kv.config_values import CHECKSUMS, DEFAULT_CHECKSUM, ConfigError, parse_size
 
 #: What the shared tier receives: every block the CPU tier stores (``write_through``), or
 #: only the blocks the local tiers evict (``evictions``).
@@ -149,7 +149,7 @@ class RemoteConfig:
     #: Extra attempts after a transient failure (5xx such as 503 SlowDown, reset), begun
     #: only within ``request_timeout`` of the first: a request ends within twice that.
     retries: int = 1
-    checksum: str = "xxh3_64"
+    checksum: str = DEFAULT_CHECKSUM
     #: How long a "not in the bucket" answer is trusted: another node may upload it.
     absent_ttl: float = 10.0
     #: Entries the scheduler-side membership cache keeps (present and absent each).
