@@ -1,4 +1,5 @@
-"""The pinned-CPU tier: its managers (scheduler process) and its spec.
+"""The pinned-CPU tier: its managers (scheduler process), its GPU <-> CPU handlers
+(``handlers``, worker process) and its spec.
 
 Eviction policies of the CPU tier (``eviction_policy``):
 

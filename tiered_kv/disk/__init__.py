@@ -20,6 +20,8 @@ Module map (which process runs what):
 - ``io_process``: ``DiskIOProcess``, a worker's ``DiskStore`` run in a helper process of
   its own (``disk_io: process``), reading and writing the worker's shared host memory;
   ``io_server`` is that helper process.
+- ``block_store``: ``BlockStore`` and ``BlockBatch``, what the handlers need of either
+  store (workers).
 - ``manager``: ``DiskOffloadingManager``, slots, LRU and ref-counts (scheduler; never
   blocks on I/O); ``index_flusher`` its background thread, ``log_fold`` how it reads
   the workers' log, ``adoption`` what it adopts from the index at startup,
