@@ -56,7 +56,7 @@ class BatchStore(Protocol):
         ...
 
     def take_pack_buffer(self) -> torch.Tensor:
-        """A free ``(chunk, slot_size)`` pack buffer (waits while all are lent)."""
+        """A free ``(chunk, slot_size)`` pack buffer (waits while every one is in use)."""
         ...
 
     def give_pack_buffer(self, buf: torch.Tensor) -> None:
