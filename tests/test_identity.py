@@ -19,7 +19,7 @@ import torch
 
 from tiered_kv import model_identity as mi
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.namespace import list_namespaces
+from tiered_kv.disk.format.namespace import list_namespaces
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,7 +110,7 @@ def test_weights_replaced_in_place_are_never_served(model_dir, tmp_path, caplog)
 
     save_tiny_llama(model_dir, seed=2)  # a fine-tune: same geometry, same path, other weights
     assert mi.weights_digest(model_dir).digest != old
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.manager"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.scheduler.manager"):
         assert hits_in_a_fresh_hierarchy(config) == [0, 0]
     (line,) = [r.getMessage() for r in caplog.records if "not serving disk cache namespace" in r.getMessage()]
     assert f"weights_digest: '{mi.weights_digest(model_dir).digest}' here, '{old}' in the cache" in line
@@ -126,7 +126,7 @@ def test_a_config_json_change_that_changes_activations_is_never_served(model_dir
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["rope_theta"] = 500000.0  # same geometry and weights, different keys after RoPE
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.manager"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.scheduler.manager"):
         assert hits_in_a_fresh_hierarchy(config) == [0, 0]
     (line,) = [r.getMessage() for r in caplog.records if "not serving disk cache namespace" in r.getMessage()]
     assert "weights_digest:" in line and old in line
@@ -134,7 +134,7 @@ def test_a_config_json_change_that_changes_activations_is_never_served(model_dir
 
 def test_the_log_names_model_id_when_only_the_model_id_differs(model_dir, tmp_path, caplog):
     warm(model_dir, server_config(tmp_path, model_dir))
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.manager"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.scheduler.manager"):
         assert hits_in_a_fresh_hierarchy(server_config(tmp_path, model_dir, model_id="other")) == [0, 0]
     (line,) = [r.getMessage() for r in caplog.records if "not serving disk cache namespace" in r.getMessage()]
     assert "model_id: 'other' here, 'tiny-llama' in the cache" in line

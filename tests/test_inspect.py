@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 
 import disk_fixtures as fx
 from tiered_kv.cli import _load_commands, app
-from tiered_kv.disk.index import DiskIndex
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import Namespace, list_namespaces
+from tiered_kv.disk.format.index import DiskIndex
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import Namespace, list_namespaces
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
 from tiered_kv.ops.inspect import evict, open_cache, read_entries
 from tiered_kv.tiered.spec import HierarchySpec

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from disk_fixtures import disk_bytes_for, fingerprint, small_layout
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.cpu import ARCOffloadingManager, CPUOffloadingManager, cpu_tier_manager
-from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.tiered.manager import TieredOffloadingManager
 
 

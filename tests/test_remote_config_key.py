@@ -37,7 +37,7 @@ def test_bad_remote_settings_name_the_key(remote, message):
 
 def test_the_remote_write_policy_is_the_composites_per_tier_policy():
     from tiered_kv.remote.tier import remote_tier_from_config
-    from tiered_kv.disk.fingerprint import Fingerprint
+    from tiered_kv.fingerprint import Fingerprint
     from tiered_kv.sim.driver import DeviceKVCache
 
     layout = DeviceKVCache(

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from test_warmup import GPU_BLOCK, PROMPTS, engine, expected_blocks, model_dir, write_inputs  # noqa: F401
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import list_namespaces
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import list_namespaces
 from tiered_kv.ops.hashing import chunk_keys
 from tiered_kv.ops.inspect import read_entries
 from tiered_kv.ops.warmup import warmup

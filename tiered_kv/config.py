@@ -87,7 +87,7 @@ class TieredConfig:
     io_threads: int = 4
     #: Where a worker's disk I/O runs: ``thread`` (threads of the worker process) or
     #: ``process`` (a helper process per worker, off the worker's GIL; the CPU tier is
-    #: then shared memory). See ``tiered_kv.disk.io_process``.
+    #: then shared memory). See ``tiered_kv.disk.worker.io_process``.
     disk_io: str = "thread"
     #: How GPU <-> CPU jobs move bytes: ``kernels`` (copy kernels over the mapped pinned
     #: tier, two per job), ``dma`` (copy engines, one copy per layer and run of slots),

@@ -42,9 +42,9 @@ import tempfile
 import time
 
 from tiered_kv.cpu.manager import CPUOffloadingManager
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex
-from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.index import DiskIndex
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.tiered.manager import TieredOffloadingManager
 

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
 
 SCRIPT = Path(__file__).resolve().parent / "rgw_server.sh"

@@ -367,7 +367,7 @@ def _clean_after_repair(ns, result) -> bool:
     range, and none of the corrupt blocks left in the index. (Every other block was
     read and matched its checksum under the same writer lock, so that is all a second
     full pass could find.)"""
-    from tiered_kv.disk.index import DiskIndex
+    from tiered_kv.disk.format.index import DiskIndex
     from tiered_kv.ops.inspect import read_entries
 
     table = read_entries(ns)

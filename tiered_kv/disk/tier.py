@@ -20,12 +20,12 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.worker.worker import LowerTierWorker
 from tiered_kv.config import TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DISK
 
 if TYPE_CHECKING:
-    from tiered_kv.disk.manager import DiskOffloadingManager
+    from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
     from tiered_kv.memory.host_memory import HostKVCache
     from tiered_kv.metrics import TieredStats
 
@@ -50,7 +50,7 @@ class DiskTier(Closing):
         self.store = None  # this worker's store, once get_worker ran
 
     def get_manager(self) -> "DiskOffloadingManager":
-        from tiered_kv.disk.manager import DiskOffloadingManager
+        from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 
         return DiskOffloadingManager(
             self.config.disk_path,
@@ -67,9 +67,9 @@ class DiskTier(Closing):
     def get_worker(
         self, host: "HostKVCache", kv_caches: Mapping[str, torch.Tensor], stats: "TieredStats"
     ) -> LowerTierWorker:
-        from tiered_kv.disk.io_process import open_worker_store
+        from tiered_kv.disk.worker.io_process import open_worker_store
         from tiered_kv.tiered.handlers import DiskStager
-        from tiered_kv.disk.handlers import CpuDiskHandler, GpuDiskHandler
+        from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler
 
         self.store = open_worker_store(self.config, self.fingerprint, self.layout, self.engine_id)
         gpu_tensors = [kv_caches[layer.name] for layer in self.layout.layers]

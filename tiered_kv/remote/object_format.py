@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import xxhash
 
 from tiered_kv.abstract import BlockHash
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.checksums import checksum_function
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.checksums import checksum_function
 
 MAGIC = b"TKVBLOCK"
 FORMAT_VERSION = 1

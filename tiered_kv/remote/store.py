@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tiered_kv.abstract import BlockHash
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote.client import (
     AccessDenied,
     BucketMissing,

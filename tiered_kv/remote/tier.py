@@ -49,7 +49,7 @@ import torch
 
 from tiered_kv.abstract import BlockHash, Closing, OffloadingEvent, PrepareStoreOutput
 from tiered_kv.worker.worker import LowerTierWorker
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DiskLoadStoreSpec

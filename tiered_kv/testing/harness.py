@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.index import IndexSnapshot
-from tiered_kv.disk.io_backends import PosixBackend
-from tiered_kv.disk.namespace import MANIFEST
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.format.index import IndexSnapshot
+from tiered_kv.disk.worker.io_backends import PosixBackend
+from tiered_kv.disk.format.namespace import MANIFEST
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.sim.workloads import prefix_hashes
@@ -461,7 +461,7 @@ def fork_context():
                 "torch",
                 "tiered_kv.tiered.spec",
                 "tiered_kv.sim.driver",
-                "tiered_kv.disk.manager",
+                "tiered_kv.disk.scheduler.manager",
                 "tiered_kv.testing.storm_child",
             ]
         )

@@ -22,7 +22,7 @@ from tiered_kv.abstract import Closing, LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.tier import DiskTier
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec

@@ -185,7 +185,7 @@ def find_vllm_config(max_depth: int = 32) -> Any | None:
 @dataclass(frozen=True)
 class VllmModelIdentity:
     """The fingerprint fields that say which model an engine's KV comes from (see
-    ``tiered_kv.disk.fingerprint``), and the directory whose weights were digested."""
+    ``tiered_kv.fingerprint``), and the directory whose weights were digested."""
 
     model_id: str
     model_revision: str

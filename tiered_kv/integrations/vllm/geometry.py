@@ -22,8 +22,8 @@ import torch
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.namespace import slot_size_for
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.integrations.vllm.common import check_hash_algorithm, vllm_model_identity
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 

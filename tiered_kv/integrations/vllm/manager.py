@@ -74,9 +74,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.cpu import cpu_tier_manager
-from tiered_kv.disk.io_backends import PosixBackend
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.worker.io_backends import PosixBackend
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.integrations.vllm.common import (
     DISK_VERIFICATIONS,
     PENDING_DISK_WRITES,

@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.base import Locality
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.integrations.vllm.common import VllmModelIdentity, check_hash_algorithm
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 

@@ -76,8 +76,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import format_size
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.integrations.vllm.common import vllm_model_identity
 from tiered_kv.integrations.vllm.secondary_config import (
     chunk_fingerprint,

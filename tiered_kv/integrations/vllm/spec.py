@@ -54,7 +54,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from tiered_kv.disk.namespace import slot_size_for
+from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, metric_definitions
 from tiered_kv.integrations.vllm.geometry import VllmGeometry, check_extra_hash_algorithm, parse_extra_config
 from tiered_kv.integrations.vllm.manager import build_manager

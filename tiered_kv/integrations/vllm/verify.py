@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.io_backends import aligned_empty
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.worker.io_backends import aligned_empty
+from tiered_kv.disk.worker.store import DiskStore
 
 logger = logging.getLogger(__name__)
 

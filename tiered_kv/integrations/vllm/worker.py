@@ -54,7 +54,7 @@ from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.io_process import open_worker_store
+from tiered_kv.disk.worker.io_process import open_worker_store
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.integrations.vllm.common import TieredJobSpec
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
@@ -67,7 +67,7 @@ from tiered_kv.remote.handlers import RemoteLoadHandler, RemoteStager
 from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
-from tiered_kv.disk.handlers import CpuDiskHandler, GpuDiskHandler
+from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)

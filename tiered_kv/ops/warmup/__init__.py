@@ -49,10 +49,10 @@ from typing import Any
 import numpy as np
 
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.io_backends import aligned_empty
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import slot_size_for
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.worker.io_backends import aligned_empty
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import slot_size_for
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.ops.warmup.engines import HFEngine
 from tiered_kv.ops.warmup.errors import WarmupError

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.ops.hashing import chunk_keys
 from tiered_kv.memory.host_memory import pack_blocks
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout

@@ -2,7 +2,7 @@
 
 ``BlockStore`` is implemented by ``DiskStore`` (the store in the worker process) and by
 ``DiskIOProcess`` (the same store run in a helper process, ``disk_io: process``); the
-handlers (``tiered_kv.disk.handlers``), the stager and the warm-up take either. A store
+handlers (``tiered_kv.disk.worker.handlers``), the stager and the warm-up take either. A store
 hands out one ``BlockBatch`` per job: runs of blocks written with their checksums, or
 read and verified against them.
 

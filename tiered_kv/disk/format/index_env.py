@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 import lmdb
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.lmdb_check import LmdbDamage, check_data_file
-from tiered_kv.disk.safe_open import ANY_OWNER, check_entry, fd_path, open_dir, open_file
+from tiered_kv.disk.format.lmdb_check import LmdbDamage, check_data_file
+from tiered_kv.disk.format.safe_open import ANY_OWNER, check_entry, fd_path, open_dir, open_file
 
 logger = logging.getLogger(__name__)
 

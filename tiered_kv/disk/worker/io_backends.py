@@ -44,7 +44,7 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.memory.device import HOST_ALIGN, aligned_empty
-from tiered_kv.disk.safe_open import fd_path, open_file
+from tiered_kv.disk.format.safe_open import fd_path, open_file
 
 logger = logging.getLogger(__name__)
 

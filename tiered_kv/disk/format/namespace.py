@@ -50,10 +50,17 @@ from typing import Any
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig, format_size
-from tiered_kv.disk.errors import DiskSizeError, NamespaceError
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.locks import LOCK, CacheLockedError, WriterLock, check_worker_access, current_holder, read_holder
-from tiered_kv.disk.manifest import (
+from tiered_kv.disk.format.errors import DiskSizeError, NamespaceError
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.locks import (
+    LOCK,
+    CacheLockedError,
+    WriterLock,
+    check_worker_access,
+    current_holder,
+    read_holder,
+)
+from tiered_kv.disk.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     SLOT_ALIGN,
@@ -61,14 +68,14 @@ from tiered_kv.disk.manifest import (
     ManifestError,
     slot_size_for,
 )
-from tiered_kv.disk.namespace_dir import (
+from tiered_kv.disk.format.namespace_dir import (
     check_free_space,
     create_namespace,
     index_reserve_bytes,
     prepare_cache_dir,
     remove_empty,
 )
-from tiered_kv.disk.safe_open import ANY_OWNER, CacheEntryError, check_entry, open_dir, open_file
+from tiered_kv.disk.format.safe_open import ANY_OWNER, CacheEntryError, check_entry, open_dir, open_file
 from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -371,7 +378,7 @@ class Namespace(Closing):
     def open_index(self, **kwargs: Any):
         """This namespace's ``DiskIndex`` (``kwargs``: its options), its files checked and
         opened through this directory's descriptor."""
-        from tiered_kv.disk.index import DiskIndex
+        from tiered_kv.disk.format.index import DiskIndex
 
         return self.taken(DiskIndex(self.index_path, self.tp_size, dir_fd=self.fd, owner=self.owner, **kwargs))
 

@@ -32,7 +32,7 @@ import os
 import stat
 from pathlib import Path
 
-from tiered_kv.disk.errors import NamespaceError
+from tiered_kv.disk.format.errors import NamespaceError
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700

@@ -1,4 +1,4 @@
-"""The disk I/O process itself: ``python -m tiered_kv.disk.io_server`` (``disk_io: process``).
+"""The disk I/O process itself: ``python -m tiered_kv.disk.worker.io_server`` (``disk_io: process``).
 
 Runs in the helper process that a worker's ``DiskIOProcess`` (``io_process.py``) starts.
 It opens the namespace with ``DiskStore.open`` and runs each batch's calls, in order per
@@ -25,8 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tiered_kv.disk.store import DiskStore
-from tiered_kv.disk.write_batch import WriteBatch
+from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.worker.write_batch import WriteBatch
 from tiered_kv.memory.shared_memory import MappedRegions
 from tiered_kv.memory.slot_views import SlotViews
 

@@ -18,9 +18,9 @@ from concurrent.futures import Future
 import lmdb
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.index import DiskIndex
-from tiered_kv.disk.index_records import StoredBlocks
-from tiered_kv.disk.io_backends import BackendFile
+from tiered_kv.disk.format.index import DiskIndex
+from tiered_kv.disk.format.index_records import StoredBlocks
+from tiered_kv.disk.worker.io_backends import BackendFile
 
 logger = logging.getLogger(__name__)
 

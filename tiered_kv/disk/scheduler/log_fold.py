@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tiered_kv.abstract import BlockHash
-from tiered_kv.disk.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
+from tiered_kv.disk.format.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
 
 __all__ = ["NO_PROGRESS", "Progress", "RefreshResult", "fold_good_writes", "fold_log"]
 

@@ -18,7 +18,7 @@ Which process does what:
   shared memory (``tiered_kv.memory.shared_memory``; ``host_buffer`` allocates it), and
   travels as ``(region, offset, shape, strides)``. A region's memfd is sent once, over
   a second socket, before the first message that names it.
-- I/O process (``IOServer``, ``python -m tiered_kv.disk.io_server``; ``io_server.py``):
+- I/O process (``IOServer``, ``python -m tiered_kv.disk.worker.io_server``; ``io_server.py``):
   opens the namespace with ``DiskStore.open`` (same arguments, same checks and errors)
   and runs each batch's calls in order on a thread pool, against the same shared
   memory. What is durable when, and the order of data, ``fdatasync`` and index
@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.disk.io_server import Ref
-from tiered_kv.disk.store import BlockIO, DiskStore, DiskStoreStats
+from tiered_kv.disk.worker.io_server import Ref
+from tiered_kv.disk.worker.store import BlockIO, DiskStore, DiskStoreStats
 from tiered_kv.memory.shared_memory import empty_shared, locate, on_free, region_fd
 from tiered_kv.memory.slot_views import SlotViews
 
@@ -183,7 +183,13 @@ class DiskIOProcess(BlockIO):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tiered_kv.disk.io_server", str(theirs.fileno()), str(their_fds.fileno())],
+                [
+                    sys.executable,
+                    "-m",
+                    "tiered_kv.disk.worker.io_server",
+                    str(theirs.fileno()),
+                    str(their_fds.fileno()),
+                ],
                 pass_fds=(theirs.fileno(), their_fds.fileno()),
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -1,35 +1,19 @@
-"""Block checksums of the disk tier (xxh3-64 or crc32c), and their pacing on the GIL.
+"""The pacing of the disk tier's block checksums on the GIL (``RunChecksums``).
 
 Runs wherever a disk store runs (a worker process, its disk I/O process, the inspector),
 on the store's checksum threads; no I/O: it hashes bytes already in host memory. The
-remote tier uses ``checksum_function`` for its object headers too.
+checksum functions are ``tiered_kv.checksums``'s, shared with the other tiers.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from tiered_kv.disk.io_backends import MAX_IO_BYTES
+from tiered_kv.checksums import checksum_function
+from tiered_kv.disk.worker.io_backends import MAX_IO_BYTES
 
-__all__ = ["RunChecksums", "checksum_function"]
-
-
-def checksum_function(name: str) -> Callable[[memoryview], int]:
-    """The 64-bit checksum ``name`` (``xxh3_64`` or ``crc32c``) over a byte view."""
-    if name == "xxh3_64":
-        import xxhash
-
-        return xxhash.xxh3_64_intdigest
-    if name == "crc32c":
-        try:
-            import crc32c
-        except ImportError:
-            raise RuntimeError(
-                "checksum crc32c needs the 'crc32c' package (pip install crc32c), or use checksum xxh3_64"
-            ) from None
-        return crc32c.crc32c
-    raise ValueError(f"checksum: expected xxh3_64 or crc32c, got {name!r}")
+__all__ = ["RunChecksums"]
 
 
 class RunChecksums:

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from tiered_kv.disk.errors import NamespaceError
-from tiered_kv.disk.safe_open import open_file, read_file
+from tiered_kv.disk.format.errors import NamespaceError
+from tiered_kv.disk.format.safe_open import open_file, read_file
 
 LOCK = "lock"
 _LOCK_RECORD_BYTES = 64 << 10

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tiered_kv.disk.block_table import BlockTable
-from tiered_kv.disk.index_records import IndexSnapshot
+from tiered_kv.disk.scheduler.block_table import BlockTable
+from tiered_kv.disk.format.index_records import IndexSnapshot
 
 logger = logging.getLogger(__name__)
 

@@ -55,13 +55,14 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.memory.device import empty_pageable, empty_pinned
-from tiered_kv.disk.block_store import BlockBatch
-from tiered_kv.disk.batch import PACK_CHUNK_BYTES
-from tiered_kv.disk.checksums import RunChecksums, checksum_function
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.group_commit import GroupCommitter, IndexWrite
-from tiered_kv.disk.index_records import Entry, IndexSnapshot
-from tiered_kv.disk.io_backends import (
+from tiered_kv.disk.worker.block_store import BlockBatch
+from tiered_kv.disk.worker.batch import PACK_CHUNK_BYTES
+from tiered_kv.checksums import checksum_function
+from tiered_kv.disk.worker.checksums import RunChecksums
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.worker.group_commit import GroupCommitter, IndexWrite
+from tiered_kv.disk.format.index_records import Entry, IndexSnapshot
+from tiered_kv.disk.worker.io_backends import (
     BackendFile,
     IOBackend,
     PosixBackend,
@@ -70,9 +71,9 @@ from tiered_kv.disk.io_backends import (
     is_aligned,
     select_backend,
 )
-from tiered_kv.disk.namespace import Namespace, check_worker_access
-from tiered_kv.disk.read_batch import ReadBatch
-from tiered_kv.disk.write_batch import WriteBatch
+from tiered_kv.disk.format.namespace import Namespace, check_worker_access
+from tiered_kv.disk.worker.read_batch import ReadBatch
+from tiered_kv.disk.worker.write_batch import WriteBatch
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.memory.slot_views import SlotViews
 
@@ -106,7 +107,7 @@ class DiskStoreStats:
 class BlockIO(Closing, ABC):
     """The synchronous block API, over a store's ``begin_write``/``begin_read``; a context
     manager that ends with the store's ``close()``. With ``DiskStore`` and
-    ``DiskIOProcess`` it makes a ``BlockStore`` (``tiered_kv.disk.block_store``)."""
+    ``DiskIOProcess`` it makes a ``BlockStore`` (``tiered_kv.disk.worker.block_store``)."""
 
     @abstractmethod
     def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> BlockBatch:

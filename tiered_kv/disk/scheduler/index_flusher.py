@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from tiered_kv.disk.index import DiskIndex
+from tiered_kv.disk.format.index import DiskIndex
 
 logger = logging.getLogger(__name__)
 

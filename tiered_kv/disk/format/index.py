@@ -48,8 +48,8 @@ import lmdb
 import numpy as np
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.index_env import QUARANTINE_SUFFIX, IndexCorruptError, acquire_env, release_env
-from tiered_kv.disk.index_records import (
+from tiered_kv.disk.format.index_env import QUARANTINE_SUFFIX, IndexCorruptError, acquire_env, release_env
+from tiered_kv.disk.format.index_records import (
     ENTRY_HEADER,
     LOG_CORRUPT,
     LOG_FAILED,

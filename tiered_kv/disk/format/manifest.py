@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tiered_kv.config import CHECKSUMS
-from tiered_kv.disk.errors import NamespaceError
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.safe_open import open_file, read_file
+from tiered_kv.disk.format.errors import NamespaceError
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.safe_open import open_file, read_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

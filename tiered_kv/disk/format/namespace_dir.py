@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Protocol
 
 from tiered_kv.config import format_size
-from tiered_kv.disk.errors import DiskSizeError, NamespaceError
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.locks import LOCK
-from tiered_kv.disk.manifest import Manifest, slot_size_for
-from tiered_kv.disk.safe_open import open_dir, open_file
+from tiered_kv.disk.format.errors import DiskSizeError, NamespaceError
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.locks import LOCK
+from tiered_kv.disk.format.manifest import Manifest, slot_size_for
+from tiered_kv.disk.format.safe_open import open_dir, open_file
 from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)

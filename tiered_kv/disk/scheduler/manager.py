@@ -57,14 +57,20 @@ import lmdb
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.config import TieredConfig
-from tiered_kv.disk.adoption import adopt_snapshot
-from tiered_kv.disk.block_table import BlockTable
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex
-from tiered_kv.disk.index_flusher import IndexFlusher
-from tiered_kv.disk.index_records import LOG_OK, IndexSnapshot, LogColumns
-from tiered_kv.disk.log_fold import NO_PROGRESS, Progress, RefreshResult, fold_good_writes, fold_log
-from tiered_kv.disk.namespace import DiskSizeError, Namespace, WriterLock, explain_other_namespaces, slot_size_for
+from tiered_kv.disk.scheduler.adoption import adopt_snapshot
+from tiered_kv.disk.scheduler.block_table import BlockTable
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.index import DiskIndex
+from tiered_kv.disk.scheduler.index_flusher import IndexFlusher
+from tiered_kv.disk.format.index_records import LOG_OK, IndexSnapshot, LogColumns
+from tiered_kv.disk.scheduler.log_fold import NO_PROGRESS, Progress, RefreshResult, fold_good_writes, fold_log
+from tiered_kv.disk.format.namespace import (
+    DiskSizeError,
+    Namespace,
+    WriterLock,
+    explain_other_namespaces,
+    slot_size_for,
+)
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
