@@ -114,11 +114,12 @@ class Hierarchy(Closing):
 
     @property
     def disk(self):
-        return self.driver.manager.disk
+        return self.driver.manager.tier("disk")
 
     @property
     def stager(self):
-        return next(h.stager for h in self.driver.worker.handlers if getattr(h, "stager", None) is not None)
+        """The disk tier's stager in this worker."""
+        return self.spec.lower_tiers[0].stager
 
     def run(self, requests):
         return self.driver.run(requests)
@@ -126,10 +127,9 @@ class Hierarchy(Closing):
     def settle(self) -> int:
         """Finish jobs and let queued disk writes land; returns blocks still pending on disk."""
         self.driver.drain()
-        for h in self.driver.worker.handlers:
-            if getattr(h, "stager", None) is not None:
-                h.stager.drain()
-        return self.manager.pending_disk_writes()
+        for tier in self.spec.lower_tiers:
+            tier.stager.drain()
+        return self.manager.pending_writes()
 
     def close(self) -> None:
         if self.closed:

@@ -53,13 +53,13 @@ import torch
 
 from tiered_kv.config import TieredConfig
 from tiered_kv.disk.worker.io_server import Ref
-from tiered_kv.disk.worker.store import BlockIO, DiskStore, DiskStoreStats
+from tiered_kv.disk.worker.store import BlockIO, DiskStoreStats
 from tiered_kv.memory.shared_memory import empty_shared, locate, on_free, region_fd
 from tiered_kv.memory.slot_views import SlotViews
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskIOProcess", "open_worker_store"]
+__all__ = ["DiskIOProcess"]
 
 #: Seconds to wait for the I/O process to open the store, and to close it.
 START_TIMEOUT = 120.0
@@ -67,22 +67,6 @@ CLOSE_TIMEOUT = 60.0
 #: After a start that failed, batches fail at once for this long before the next try.
 RESTART_BACKOFF = 5.0
 _DIED = object()  # what a call returns when the I/O process is gone before it replied
-
-
-def open_worker_store(config, fingerprint, layout, engine_id: str | None) -> "DiskStore | DiskIOProcess":
-    """A worker's store for ``config`` (a ``TieredConfig``): a ``DiskStore`` in this
-    process (``disk_io: thread``) or a ``DiskIOProcess`` (``disk_io: process``)."""
-    opener = DiskIOProcess.open if config.disk_io == "process" else DiskStore.open
-    return opener(
-        config.disk_path,
-        fingerprint,
-        layout,
-        disk_bytes=config.disk_bytes,
-        checksum=config.checksum,
-        io_backend=config.io_backend,
-        io_threads=config.io_threads,
-        engine_id=engine_id,
-    )
 
 
 class _RemoteBackend:

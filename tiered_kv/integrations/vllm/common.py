@@ -55,9 +55,8 @@ class TieredJobSpec(VllmLoadStoreSpec):
 TIER_BLOCKS = "tiered_kv_tier_blocks"
 TIER_USED_BLOCKS = "tiered_kv_tier_used_blocks"
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
-PENDING_DISK_WRITES = "tiered_kv_pending_disk_writes"
-DISK_VERIFICATIONS = "tiered_kv_disk_verifications"
-REMOTE_VERIFICATIONS = "tiered_kv_remote_verifications"
+PENDING_WRITES = "tiered_kv_tier_pending_writes"
+TIER_VERIFICATIONS = "tiered_kv_tier_verifications"
 WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
 
 
@@ -79,24 +78,18 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         TIER_CAPACITY_BLOCKS: OffloadingGaugeMetadata(
             documentation="Chunk slots per tier (per rank: each rank holds its shard of a chunk).", labelnames=("tier",)
         ),
-        PENDING_DISK_WRITES: OffloadingGaugeMetadata(
-            documentation="Chunks queued for a disk write whose outcome is not known yet."
+        PENDING_WRITES: OffloadingGaugeMetadata(
+            documentation="Chunks queued for a write into a lower tier whose outcome is not known yet.",
+            labelnames=("tier",),
         ),
-        DISK_VERIFICATIONS: OffloadingCounterMetadata(
+        TIER_VERIFICATIONS: OffloadingCounterMetadata(
             documentation=(
-                "Disk chunks read back and checksum-verified on every rank before a "
-                "lookup reported them as hits; outcome ok or failed (failed chunks "
-                "are dropped and recomputed)."
+                "Lower-tier chunks checked before a lookup reported them as hits (the disk "
+                "tier reads them back on every rank against their checksums; the shared "
+                "tier downloads and verifies every rank's object); outcome ok or failed "
+                "(failed chunks are dropped there and recomputed)."
             ),
-            labelnames=("outcome",),
-        ),
-        REMOTE_VERIFICATIONS: OffloadingCounterMetadata(
-            documentation=(
-                "Shared-tier chunks downloaded and verified (header and checksum) for "
-                "every rank before a lookup reported them as hits; outcome ok or failed "
-                "(failed chunks are misses, recomputed)."
-            ),
-            labelnames=("outcome",),
+            labelnames=("tier", "outcome"),
         ),
         WORKER_JOB_FAILURES: OffloadingCounterMetadata(
             documentation=(
