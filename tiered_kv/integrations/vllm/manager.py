@@ -81,7 +81,6 @@ from tiered_kv.integrations.vllm.common import (
     DISK_VERIFICATIONS,
     PENDING_DISK_WRITES,
     REMOTE_VERIFICATIONS,
-    TIER_BLOCKS,
     TIER_CAPACITY_BLOCKS,
     TIER_USED_BLOCKS,
     WORKER_JOB_FAILURES,
@@ -92,7 +91,7 @@ from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.integrations.vllm.remote import RemoteVerifier, build_remote, remote_write_policy
 from tiered_kv.integrations.vllm.verify import DiskVerifier
-from tiered_kv.metrics import TieredStats
+from tiered_kv.metrics import TieredStats, remote_counter_values, tier_counter_values
 from tiered_kv.mediums import CPU, DISK
 from tiered_kv.remote.tier import REMOTE
 from tiered_kv.tiered.manager import TieredOffloadingManager
@@ -436,10 +435,21 @@ class TieredVllmManager(OffloadingManager, Closing):
         return out
 
     def get_stats(self) -> OffloadingConnectorStats:
+        """This scheduler's metrics (``common.metric_definitions`` says which): tier
+        counters in chunks and tokens, verifications, the scheduler's own shared-tier
+        store's counters, and the timings drained since the last call."""
         stats = OffloadingConnectorStats()
-        for tier, counters in self.stats.as_dict()["tiers"].items():
-            for event, value in counters.items():
-                self._increase(stats, TIER_BLOCKS, (tier, event), value)
+        tokens = self.composite.cpu.block_size
+        counters = tier_counter_values(self.stats.as_dict()["tiers"], tokens)
+        timings = [self.stats.latencies] + [v.latencies for v in (self.verifier, self.remote_verifier) if v is not None]
+        if self.remote is not None:
+            counters += remote_counter_values(self.remote.store.stats())
+            timings.append(self.remote.store.latencies)
+        for name, labels, value in counters:
+            self._increase(stats, name, labels, value)
+        for source in timings:
+            for name, labels, seconds in source.drain():
+                stats.observe_histogram(name, seconds, labels)
         for outcome, value in self._verification_counts.items():
             self._increase(stats, DISK_VERIFICATIONS, (outcome,), value)
         for outcome, value in self._remote_verifications.items():

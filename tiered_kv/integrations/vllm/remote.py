@@ -16,13 +16,15 @@ by the store). The price is a second download of each remote hit (the workers th
 read their own rank's object into the CPU tier or the KV cache, verifying it again);
 what is left is an object lost between the two reads, which the worker logs as an
 error naming the job. Scratch memory is bounded (``VERIFY_BYTES``): past it a chunk
-waits for its turn (the lookup stays pending).
+waits for its turn (the lookup stays pending). Each verification's seconds (from
+sending the downloads to the last rank's verified bytes) go to ``latencies``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -31,6 +33,7 @@ import numpy as np
 
 from tiered_kv.abstract import Closing
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
+from tiered_kv.metrics import VERIFICATION_SECONDS, Latencies
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.store import RemoteStore
 from tiered_kv.remote.tier import REMOTE, RemoteOffloadingManager
@@ -74,6 +77,7 @@ class RemoteVerifier(Closing):
         self._in_flight: set[bytes] = set()
         self._done: deque[tuple[bytes, bool]] = deque()
         self._closed = False
+        self.latencies = Latencies()
 
     def submit(self, key: bytes) -> bool:
         """Start verifying ``key``; False when the scratch bound is reached (ask again)."""
@@ -84,20 +88,22 @@ class RemoteVerifier(Closing):
                 return False
             self._in_flight.add(key)
         scratch = np.empty((self.world_size, self.bytes_per_chunk), dtype=np.uint8)
+        start = time.perf_counter()
         try:
             future = self.store.get_blocks([(key, r, scratch[r]) for r in range(self.world_size)])
         except Exception:
             logger.debug("shared tier: verification of a chunk not sent", exc_info=True)
             self._finish(key, False)
             return True
-        future.add_done_callback(lambda f, key=key, scratch=scratch: self._downloaded(key, f))
+        future.add_done_callback(lambda f, key=key, scratch=scratch: self._downloaded(key, f, start))
         return True
 
-    def _downloaded(self, key: bytes, future: Future) -> None:
+    def _downloaded(self, key: bytes, future: Future, start: float) -> None:
         try:
             ok = all(future.result())
         except Exception:
             ok = False
+        self.latencies.observe(VERIFICATION_SECONDS, ("remote",), time.perf_counter() - start)
         self._finish(key, ok)
 
     def _finish(self, key: bytes, ok: bool) -> None:
