@@ -101,10 +101,13 @@ def test_json_view_matches_the_hierarchys_counters(served):
     assert tiers["cpu"]["used_blocks"] == served.driver.manager.used_blocks()["cpu"]
     transfers = stats["transfers"]
     disk_reads = [t for t in transfers if t.startswith("disk_to_")]
-    assert tiers["disk"]["bytes_read"] == sum(transfers[t]["bytes"] for t in disk_reads) > 0
-    assert tiers["disk"]["bytes_written"] == transfers["cpu_to_disk"]["bytes"] + transfers["gpu_to_disk"]["bytes"]
+    assert tiers["disk"]["bytes_loaded"] == sum(transfers[t]["bytes"] for t in disk_reads) > 0
+    assert tiers["disk"]["bytes_stored"] == transfers["cpu_to_disk"]["bytes"] + transfers["gpu_to_disk"]["bytes"]
+    # A spill to disk is not a load from the CPU tier.
+    assert tiers["cpu"]["bytes_loaded"] == transfers["cpu_to_gpu"]["bytes"]
+    assert tiers["cpu"]["load_latency"]["count"] == transfers["cpu_to_gpu"]["jobs"]
     # Every successful disk load is one observation of the latency histogram.
-    latency = tiers["disk"]["read_latency"]
+    latency = tiers["disk"]["load_latency"]
     assert latency["count"] == sum(transfers[t]["jobs"] - transfers[t]["failed_jobs"] for t in disk_reads)
     assert 0 < latency["p50_seconds"] <= latency["p99_seconds"] <= LATENCY_BUCKETS[-1]
     by_type = {t["transfer_type"]: t for t in doc["transfers"]}

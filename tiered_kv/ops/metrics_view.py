@@ -126,8 +126,16 @@ def _latency(samples: Samples, histogram: str, match: LabelMatch) -> dict[str, A
     return out
 
 
-def _reads_from(tier: str) -> LabelMatch:
-    return lambda labels: labels.get("transfer_type", "").startswith(f"{tier}_to_")
+def _is_load(transfer_type: str, tier: str) -> bool:
+    """Whether ``transfer_type`` loads from ``tier`` into memory that serves requests
+    (GPU, or the CPU tier from a lower one): ``disk_to_cpu``, ``disk_to_gpu``,
+    ``cpu_to_gpu``; not a spill such as ``cpu_to_disk``."""
+    src, _, dst = transfer_type.partition("_to_")
+    return src == tier and dst in ("gpu", "cpu") and dst != tier
+
+
+def _loads_from(tier: str) -> LabelMatch:
+    return lambda labels: _is_load(labels.get("transfer_type", ""), tier)
 
 
 def _rate(part: float, whole: float) -> float | None:
@@ -150,9 +158,9 @@ def _tier(samples: Samples, tier: str) -> dict[str, Any]:
         "drops_blocks": int(blocks.get("drops", 0)),
         "failures_blocks": int(sum(blocks.get(e, 0) for e in FAILURE_EVENTS)),
         "used_blocks": int(total(samples, TIER_USED_BLOCKS, _match(tier=tier))),
-        "bytes_read": int(sum(v for t, v in transfers.items() if t.startswith(f"{tier}_to_"))),
-        "bytes_written": int(sum(v for t, v in transfers.items() if t.endswith(f"_to_{tier}"))),
-        "read_latency": _latency(samples, TRANSFER_SECONDS, _reads_from(tier)),
+        "bytes_loaded": int(sum(v for t, v in transfers.items() if _is_load(t, tier))),
+        "bytes_stored": int(sum(v for t, v in transfers.items() if t.endswith(f"_to_{tier}"))),
+        "load_latency": _latency(samples, TRANSFER_SECONDS, _loads_from(tier)),
         "verification_latency": _latency(samples, VERIFICATION_SECONDS, _match(tier=tier)),
     }
 
@@ -200,8 +208,8 @@ def _remote(samples: Samples) -> dict[str, Any] | None:
 
 
 def summarize(samples: Samples) -> dict[str, Any]:
-    """The view: ``tiers`` (per tier: hit rate in tokens, blocks, bytes, read and
-    verification latency, drops, failures), ``transfers`` (per transfer type),
+    """The view: ``tiers`` (per tier: hit rate in tokens, blocks, bytes loaded from it
+    and stored into it, load and verification latency, drops, failures), ``transfers`` (per transfer type),
     ``remote`` (the shared tier's store, or None when the endpoint has none) and
     ``gpu`` (vLLM's load and store bytes)."""
     tiers = by_label(samples, f"{TIER_BLOCKS}_total", "tier")
