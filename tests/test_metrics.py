@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 from s3_server import FaultProxy, missing_reason
 
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.metrics import (
     REMOTE_REQUEST_SECONDS,
     TIER_TOKENS,
