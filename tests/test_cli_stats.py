@@ -15,9 +15,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
 from typer.testing import CliRunner
 
+from remote_node import build as build_node
+from remote_node import requests as node_requests
+from s3_server import missing_reason
+
 from tiered_kv.cli import _load_commands, app
 from tiered_kv.metrics import LATENCY_BUCKETS, PrometheusMetrics
-from tiered_kv.ops.metrics_view import parse, quantile
+from tiered_kv.ops.metrics_view import parse, quantile, since
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
 from tiered_kv.sim.workloads import default_workload
 from tiered_kv.tiered.spec import HierarchySpec
@@ -135,19 +139,71 @@ def test_watch_prints_the_new_counts_each_time(served):
     )
     try:
         first = json.loads(proc.stdout.readline())
+        assert "interval" not in first
         served.run(20, seed=5)  # more requests, exported before the next refresh
         lookups = served.snapshot["tiers"]["cpu"]["lookups"] * served.spec.offloaded_block_size
+        counted = 0  # lookups the intervals saw
         for _ in range(50):
             doc = json.loads(proc.stdout.readline())
+            assert 0.1 < doc["interval"]["seconds"] < 30
+            counted += doc["interval"]["tiers"][0]["lookups_tokens"]
             if doc["tiers"][0]["lookups_tokens"] == lookups:
                 break
         else:
             pytest.fail(f"--watch never showed {lookups} cpu lookup tokens")
         assert first["tiers"][0]["lookups_tokens"] < lookups
+        assert counted == lookups - first["tiers"][0]["lookups_tokens"]  # each refresh shows what is new
         assert proc.poll() is None  # still watching
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+def test_the_shared_tier_shows_with_its_stores_counters(tmp_path, remote_settings):
+    """A node with CPU, disk and shared tiers on a real S3 server: its requests run twice,
+    the second time partly from the bucket; both of its stores (the scheduler's probes,
+    the worker's uploads and loads) are exported, summed."""
+    node = build_node(tmp_path / "node", remote_settings, expecting=True)
+    server = None
+    try:
+        node.run(node_requests(0, 12))
+        node.run(node_requests(0, 12))
+        stores = [node.tier.store, node.remote.store]
+        metrics = PrometheusMetrics(tokens_per_block=node.spec.offloaded_block_size)
+        counted = [s.stats() for s in stores]
+        metrics.update(
+            node.spec.stats,
+            node.driver.manager.used_blocks(),
+            remote=counted,
+            latencies=[s.latencies for s in stores],
+        )
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        result = _stats("--url", url, "--json")
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        remote_hits = node.spec.stats.tiers["remote"]["hits"]
+        tiers = {t["tier"]: t for t in doc["tiers"]}
+        assert list(tiers) == ["cpu", "disk", "remote"]
+        assert tiers["remote"]["hits_tokens"] == remote_hits * node.spec.offloaded_block_size > 0
+        shared = doc["remote"]
+        assert shared["uploads"]["stored"] == sum(c.puts_stored for c in counted) > 0
+        assert shared["downloads"]["hit"] == sum(c.gets_hit for c in counted) >= remote_hits
+        assert shared["probes"]["ok"] == sum(c.probes for c in counted) > 0
+        assert shared["bytes"]["upload"] == sum(c.put_bytes for c in counted)
+        assert shared["unavailable_periods"] == 0 and shared["rejected"] == {}
+        # One timing per request: each probe a HEAD, each block download a GET.
+        assert shared["request_latency"]["head"]["count"] >= shared["probes"]["ok"]
+        assert shared["request_latency"]["get"]["count"] >= shared["downloads"]["hit"]
+        assert shared["request_latency"]["get"]["p99_seconds"] > 0
+        table = _stats("--url", url)
+        assert table.exit_code == 0 and "shared tier" in table.stdout and "get latency p50 / p99" in table.stdout
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        node.close()
 
 
 def test_unreachable_endpoint_is_one_error_line_naming_it():
@@ -188,3 +244,12 @@ def test_quantiles_follow_the_buckets():
     assert quantile(samples, "t_seconds", 0.01, get) == pytest.approx(0.001)
     assert quantile(samples, "t_seconds", 0.5, lambda labels: labels.get("op") == "put") == 0.1
     assert quantile(samples, "t_seconds", 0.5, lambda labels: labels.get("op") == "head") is None
+
+
+def test_since_subtracts_counters_and_keeps_gauges():
+    before = parse('a_total{t="x"} 5\nb_bucket{le="1.0"} 2\ng 7\n')
+    now = parse('a_total{t="x"} 8\na_total{t="y"} 1\nb_bucket{le="1.0"} 1\ng 3\n')
+    diff = since(now, before)
+    assert sorted((labels["t"], v) for labels, v in diff["a_total"]) == [("x", 3.0), ("y", 1.0)]
+    assert diff["b_bucket"] == [({"le": "1.0"}, 1.0)]  # lower than before: a restart, counted from 0
+    assert diff["g"] == [({}, 3.0)]

@@ -3,7 +3,8 @@
 Operator's process. I/O: one HTTP GET of ``--url`` per refresh
 (``tiered_kv.ops.metrics_view``); prints tables, or the JSON envelope with ``--json``.
 With ``--watch SECONDS`` it reads and prints again every SECONDS until interrupted
-(one JSON document per line with ``--json``).
+(one JSON document per line with ``--json``), adding the tiers' counts between the last
+two reads (``interval``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ def render(view: dict[str, Any], url: str) -> Group:
         "drops (blocks)": lambda t: str(t["drops_blocks"]),
         "failures (blocks)": lambda t: str(t["failures_blocks"]),
     }
+    interval = view.get("interval")
+    if interval is not None:  # --watch: the same over the last refresh
+        recent = {t["tier"]: t for t in interval["tiers"]}
+        last = f"last {interval['seconds']:.0f}s" if interval["seconds"] >= 10 else f"last {interval['seconds']:.1f}s"
+        first, second, *rest = rows.items()
+        rows = {
+            **dict([first]),
+            f"  {last}": lambda t: _pct(recent.get(t["tier"], {}).get("hit_rate_tokens")),
+            **dict([second]),
+            f"  {last} ": lambda t: "{} / {}".format(
+                recent.get(t["tier"], {}).get("hits_tokens", 0), recent.get(t["tier"], {}).get("lookups_tokens", 0)
+            ),
+            **dict(rest),
+        }
     for what, cell in rows.items():
         tiers.add_row(what, *(cell(t) for t in view["tiers"]))
     parts: list[Any] = [tiers]
@@ -107,15 +122,23 @@ def stats(
     """Show a server's tiers live from its Prometheus endpoint: hit rate in tokens, blocks, bytes, latency, drops,
     failures.
 
-    Counts are totals since the server started; latencies are p50 / p99 estimated from
-    the histograms' buckets. Under vLLM the endpoint carries what the scheduler process
+    Counts are totals since the server started (with --watch, the hit rate over the last
+    refresh too); latencies are p50 / p99 estimated from the histograms' buckets. Under vLLM the endpoint carries what the scheduler process
     counts (transfer latencies and worker-side uploads stay in the workers)."""
-    from tiered_kv.ops.metrics_view import EndpointError, scrape, summarize
+    from tiered_kv.ops.metrics_view import EndpointError, scrape, since, summarize
 
     console = Console()
+    previous = None
     while True:
         with errors(json_out, (EndpointError,)):
-            view = summarize(scrape(url, timeout))
+            samples, at = scrape(url, timeout), time.monotonic()
+            view = summarize(samples)
+            if previous is not None:
+                view["interval"] = {
+                    "seconds": at - previous[1],
+                    "tiers": summarize(since(samples, previous[0]))["tiers"],
+                }
+            previous = samples, at
         if not view["tiers"] and view["remote"] is None:
             fail(f"{url} exports no tiered-kv metrics (no tiered_kv_tier_blocks_total)", json_out)
         if json_out:

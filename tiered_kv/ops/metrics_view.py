@@ -81,6 +81,27 @@ def parse(text: str, where: str = "the endpoint") -> Samples:
     return dict(samples)
 
 
+_CUMULATIVE = ("_total", "_bucket", "_count", "_sum")
+
+
+def since(now: Samples, before: Samples) -> Samples:
+    """What was counted between two scrapes: ``now``'s counters and histograms less
+    ``before``'s, gauges as ``now``. A series lower than before (the server restarted)
+    counts from 0."""
+    out: Samples = {}
+    for name, series in now.items():
+        if not name.endswith(_CUMULATIVE):
+            out[name] = series
+            continue
+        old = {tuple(sorted(labels.items())): v for labels, v in before.get(name, ())}
+        diff = []
+        for labels, v in series:
+            prev = old.get(tuple(sorted(labels.items())), 0.0)
+            diff.append((labels, v - prev if v >= prev else v))
+        out[name] = diff
+    return out
+
+
 def _match(**labels: str) -> LabelMatch:
     return lambda have: all(have.get(k) == v for k, v in labels.items())
 
