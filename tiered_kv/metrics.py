@@ -160,14 +160,15 @@ def remote_counter_values(stats: Any) -> list[CounterValue]:
     return out
 
 
-def tier_counter_values(tiers: Mapping[str, Mapping[str, int]], tokens_per_block: int) -> list[CounterValue]:
+def tier_counter_values(tiers: Mapping[str, Mapping[str, int]], tokens_per_block: int | None) -> list[CounterValue]:
     """Per-tier counters (``TieredStats.as_dict()["tiers"]``) as metric totals: every
-    event in blocks, ``TOKEN_EVENTS`` also in tokens."""
+    event in blocks, ``TOKEN_EVENTS`` also in tokens (not when ``tokens_per_block`` is
+    None)."""
     out: list[CounterValue] = []
     for tier, counters in tiers.items():
         for event, value in counters.items():
             out.append((TIER_BLOCKS, (tier, event), value))
-            if event in TOKEN_EVENTS:
+            if event in TOKEN_EVENTS and tokens_per_block is not None:
                 out.append((TIER_TOKENS, (tier, event), value * tokens_per_block))
     return out
 
@@ -311,11 +312,12 @@ class PrometheusMetrics:
     ``vllm:kv_offload_{load,store}_{bytes,time}`` (into and out of GPU memory, whatever
     the tier) and its older ``vllm:kv_offload_total_{bytes,time}`` per
     ``transfer_type`` (all six of ours); then the project's own ``PROJECT_METRICS``.
-    ``tokens_per_block``: tokens of one of the manager's blocks (``TIER_TOKENS``).
+    ``tokens_per_block``: tokens of one of the manager's blocks (the spec's
+    ``offloaded_block_size``); without it ``TIER_TOKENS`` stays empty.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, tokens_per_block: int = 1):
-        if tokens_per_block < 1:
+    def __init__(self, registry: CollectorRegistry | None = None, *, tokens_per_block: int | None = None):
+        if tokens_per_block is not None and tokens_per_block < 1:
             raise ValueError(f"tokens_per_block: expected at least 1, got {tokens_per_block}")
         self.tokens_per_block = tokens_per_block
         self.registry = registry if registry is not None else CollectorRegistry()
