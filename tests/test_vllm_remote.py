@@ -143,7 +143,16 @@ def test_node_b_loads_what_node_a_computed_byte_exact(tmp_path, model_dir, rgw_s
         assert b.manager.check("remote").verifier.store.stats().gets_hit == CHUNKS  # verified before the hit
         _settle(b)
         assert b.manager.check("remote").outcomes() == {"ok": CHUNKS}
-        b.publish_metrics()  # vLLM's Prometheus side accepts every name reported
+        registry = b.publish_metrics()  # vLLM's Prometheus side accepts every name reported
+
+        def value(name, **labels):
+            return registry.get_sample_value(name, {"engine": "0", **labels})
+
+        # The scheduler's own store: its verification downloads, each request timed.
+        assert value("tiered_kv_remote_downloads_total", outcome="hit") == CHUNKS
+        assert value("tiered_kv_verification_seconds_count", tier="remote") == CHUNKS
+        assert value("tiered_kv_remote_request_seconds_count", op="get") >= CHUNKS
+        assert value("tiered_kv_tier_tokens_total", tier="remote", event="hits") == CHUNKS * BLOCK
 
 
 def test_node_without_disk_tier_shares_through_the_bucket(tmp_path, model_dir, remote_settings):

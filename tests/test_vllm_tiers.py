@@ -397,6 +397,10 @@ def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
         assert value("tiered_kv_tier_blocks_total", tier="disk", event="hits") == 2
         assert value("tiered_kv_tier_blocks_total", tier="cpu", event="promotions") == 2
         assert value("tiered_kv_tier_verifications_total", tier="disk", outcome="ok") == 2
+        assert value("tiered_kv_verification_seconds_count", tier="disk") == 2  # one timing per verification
+        assert value("tiered_kv_tier_tokens_total", tier="disk", event="hits") == 2 * BLOCK
+        lookups = value("tiered_kv_tier_blocks_total", tier="disk", event="lookups")
+        assert value("tiered_kv_tier_tokens_total", tier="disk", event="lookups") == lookups * BLOCK > 0
         assert value("tiered_kv_tier_capacity_blocks", tier="cpu") == 2
         assert value("tiered_kv_tier_used_blocks", tier="disk") == 4
         assert value("vllm:kv_offload_load_bytes_total") == 2 * GPU_BLOCK_BYTES

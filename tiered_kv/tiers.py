@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from tiered_kv.fingerprint import Fingerprint
     from tiered_kv.kv_layout import KVCacheLayout
     from tiered_kv.memory.host_memory import HostKVCache
-    from tiered_kv.metrics import TieredStats
+    from tiered_kv.metrics import CounterValue, Observation, TieredStats
     from tiered_kv.worker.worker import LowerTierWorker
 
 
@@ -104,6 +104,13 @@ class HitCheck(Protocol):
     def outcomes(self) -> Mapping[str, int]:
         """Checks finished so far, by outcome (``ok``, ``failed``)."""
 
+    def counters(self) -> list["CounterValue"]:
+        """The totals this tier's scheduler side exports: its checks' outcomes
+        (``TIER_VERIFICATIONS``), and whatever its manager's store counts."""
+
+    def timings(self) -> list["Observation"]:
+        """The timings observed since the last call (each handed out once)."""
+
     def shutdown(self) -> None:
         """Stop the check's threads and close what it opened. Idempotent."""
 
@@ -140,6 +147,12 @@ class TrustedHitCheck:
 
     def outcomes(self) -> Mapping[str, int]:
         return {}
+
+    def counters(self) -> list["CounterValue"]:
+        return []
+
+    def timings(self) -> list["Observation"]:
+        return []
 
     def shutdown(self) -> None:
         return

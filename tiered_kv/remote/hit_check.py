@@ -14,12 +14,15 @@ The price is a second download of each shared-tier hit (the workers then read th
 own rank's object into the CPU tier or the KV cache, verifying it again); what is left
 is an object lost between the two reads, which the worker logs as an error naming the
 job. Scratch memory is bounded (``VERIFY_BYTES``): past it a block waits its turn.
+Each verification's seconds (from sending the downloads to the last rank's verified
+bytes) go to the verifier's ``latencies``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -27,6 +30,8 @@ from concurrent.futures import Future
 import numpy as np
 
 from tiered_kv.abstract import BlockHash, Closing
+from tiered_kv.metrics import TIER_VERIFICATIONS, VERIFICATION_SECONDS, CounterValue, Latencies, Observation
+from tiered_kv.metrics import remote_counter_values
 from tiered_kv.remote.manager import RemoteOffloadingManager
 from tiered_kv.remote.store import RemoteStore
 from tiered_kv.tiers import HitState
@@ -89,6 +94,14 @@ class RemoteHitCheck(Closing):
     def outcomes(self) -> Mapping[str, int]:
         return dict(self._outcomes)
 
+    def counters(self) -> list[CounterValue]:
+        """Verification outcomes, and the scheduler-side store's request counters."""
+        out = [(TIER_VERIFICATIONS, (self.remote.name, o), n) for o, n in self._outcomes.items()]
+        return out + remote_counter_values(self.remote.store.stats())
+
+    def timings(self) -> list[Observation]:
+        return self.verifier.latencies.drain() + self.remote.store.latencies.drain()
+
     def shutdown(self) -> None:
         self.verifier.shutdown()
 
@@ -108,6 +121,7 @@ class RemoteVerifier(Closing):
         self._in_flight: set[bytes] = set()
         self._done: deque[tuple[bytes, bool]] = deque()
         self._closed = False
+        self.latencies = Latencies()
 
     def submit(self, key: bytes) -> bool:
         """Start verifying ``key``; False when the scratch bound is reached (ask again)."""
@@ -118,20 +132,22 @@ class RemoteVerifier(Closing):
                 return False
             self._in_flight.add(key)
         scratch = np.empty((self.world_size, self.bytes_per_chunk), dtype=np.uint8)
+        start = time.perf_counter()
         try:
             future = self.store.get_blocks([(key, r, scratch[r]) for r in range(self.world_size)])
         except Exception:
             logger.debug("shared tier: verification of a chunk not sent", exc_info=True)
             self._finish(key, False)
             return True
-        future.add_done_callback(lambda f, key=key, scratch=scratch: self._downloaded(key, f))
+        future.add_done_callback(lambda f, key=key, scratch=scratch: self._downloaded(key, f, start))
         return True
 
-    def _downloaded(self, key: bytes, future: Future) -> None:
+    def _downloaded(self, key: bytes, future: Future, start: float) -> None:
         try:
             ok = all(future.result())
         except Exception:
             ok = False
+        self.latencies.observe(VERIFICATION_SECONDS, ("remote",), time.perf_counter() - start)
         self._finish(key, ok)
 
     def _finish(self, key: bytes, ok: bool) -> None:

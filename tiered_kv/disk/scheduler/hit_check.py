@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from tiered_kv.abstract import BlockHash, Closing
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.scheduler.verify import DiskVerifier
+from tiered_kv.metrics import TIER_VERIFICATIONS, CounterValue, Observation
 from tiered_kv.tiers import HitState
 
 #: Verified-but-not-yet-loaded blocks remembered at most (oldest forgotten first).
@@ -36,6 +37,7 @@ class DiskHitCheck(Closing):
 
     def __init__(self, disk: DiskOffloadingManager, verifier: DiskVerifier):
         self.disk = disk
+        self.name = disk.name
         self.verifier = verifier
         self._verifying: dict[BlockHash, int] = {}
         self._verified: OrderedDict[BlockHash, int] = OrderedDict()
@@ -120,6 +122,12 @@ class DiskHitCheck(Closing):
 
     def outcomes(self) -> Mapping[str, int]:
         return dict(self._outcomes)
+
+    def counters(self) -> list[CounterValue]:
+        return [(TIER_VERIFICATIONS, (self.name, outcome), n) for outcome, n in self._outcomes.items()]
+
+    def timings(self) -> list[Observation]:
+        return self.verifier.latencies.drain()
 
     def shutdown(self) -> None:
         self.verifier.shutdown()

@@ -68,16 +68,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiered_kv.abstract import Closing, LowerTier
 from tiered_kv.integrations.vllm.common import (
     PENDING_WRITES,
-    TIER_BLOCKS,
     TIER_CAPACITY_BLOCKS,
-    TIER_USED_BLOCKS,
-    TIER_VERIFICATIONS,
     WORKER_JOB_FAILURES,
     TieredJobSpec,
     TieredOffloadingInfo,
 )
 from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.mediums import CPU
+from tiered_kv.metrics import TIER_USED_BLOCKS, tier_counter_values
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
@@ -293,15 +291,21 @@ class TieredVllmManager(OffloadingManager, Closing):
         return out
 
     def get_stats(self) -> OffloadingConnectorStats:
+        """This scheduler's metrics (``common.metric_definitions`` says which): tier
+        counters in chunks and tokens, what each lower tier's check exports (its
+        verifications, a shared tier's scheduler-side store), failures, occupancy, and
+        the timings drained since the last call."""
         stats = OffloadingConnectorStats()
-        for tier, counters in self.stats.as_dict()["tiers"].items():
-            for event, value in counters.items():
-                self._increase(stats, TIER_BLOCKS, (tier, event), value)
-        for lower, check in zip(self.composite.lower, self.checks):
-            for outcome, value in check.outcomes().items():
-                self._increase(stats, TIER_VERIFICATIONS, (lower.name, outcome), value)
-        for kind, value in self._failure_counts.items():
-            self._increase(stats, WORKER_JOB_FAILURES, (kind,), value)
+        counters = tier_counter_values(self.stats.as_dict()["tiers"], self.composite.cpu.block_size)
+        timings = self.stats.latencies.drain()
+        for check in self.checks:
+            counters += check.counters()
+            timings += check.timings()
+        counters += [(WORKER_JOB_FAILURES, (kind,), n) for kind, n in self._failure_counts.items()]
+        for name, labels, value in counters:
+            self._increase(stats, name, labels, value)
+        for name, labels, seconds in timings:
+            stats.observe_histogram(name, seconds, labels)
         for tier, used in self.composite.used_blocks().items():
             stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
         stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))
