@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 import vllm_harness  # noqa: E402
-from tiered_kv.disk.namespace import list_namespaces  # noqa: E402
+from tiered_kv.disk.format.namespace import list_namespaces  # noqa: E402
 from tiered_kv.integrations.vllm import TieredOffloadingSpec  # noqa: E402
 from tiered_kv.ops.inspect import read_entries  # noqa: E402
 from tiered_kv.ops.warmup import warmup  # noqa: E402

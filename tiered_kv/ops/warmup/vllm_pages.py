@@ -30,9 +30,11 @@ What vLLM does, and what is reproduced here:
   KV-group index 0.
 
 Refused, with the reason: architectures whose vLLM attention layer names are not
-known here, sliding-window or other non-full attention, quantized weights or KV cache,
-block-outermost layouts (``BL*``) and vLLM's CPU attention backend, whose kernel keeps
-keys and values in its own per-ISA page format.
+known here, sliding-window attention, quantized weights, block-outermost layouts
+(``BL*``). Not a target: vLLM's CPU attention backend, which reads an ``LBHNC`` page as
+each head's ``block_size`` keys then its ``block_size`` values and writes it with its own
+per-ISA kernel (the fingerprint does not name the backend, so nothing here can tell a
+CPU server apart).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.kv_offload.base import make_offload_key
 
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.integrations.vllm.geometry import VllmGeometry, offline_geometry
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.memory.host_memory import pack_blocks
