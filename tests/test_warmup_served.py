@@ -375,6 +375,8 @@ def test_cli_default_writes_what_vllm_reads_and_inspect_answers_for_vllm(model_d
     }
     table = cli("inspect", "summary", str(tmp_path / "cache"), "--config", str(config), "--model", str(model_dir))
     assert "a vLLM server with this config" in table and "layer_geometry: (vllm_worker_block" in table
+    refused = CliRunner().invoke(app, [*common, "--kv-cache-layout", "BLHNC"])
+    assert refused.exit_code == 2 and refused.stderr.startswith("error: --kv-cache-layout: expected one of LBNHC")
     # Without the model directory only the pinned fields can be compared, and it says so.
     loose = json.loads(cli("inspect", "summary", str(tmp_path / "cache"), "--config", str(config), "--json"))
     assert all("give --model" in ns["read_by"][0]["unchecked"] for ns in loose["namespaces"])

@@ -25,7 +25,7 @@ from tiered_kv.cli.output import emit_json, errors, progress_bar
 from tiered_kv.config import format_size
 from tiered_kv.ops.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
-from tiered_kv.ops.warmup import DEFAULT_LAYOUT, WarmupReport, chunk_tokens_for, server_dtype, warmup
+from tiered_kv.ops.warmup import DEFAULT_LAYOUT, WarmupReport, chunk_tokens_for, server_settings, warmup
 from tiered_kv.ops.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
 from tiered_kv.ops.warmup.errors import WarmupError
 from tiered_kv.ops.warmup.inputs import check_identity, load_config, read_extra_config, read_prompts, tokenize
@@ -94,7 +94,7 @@ def warmup_cmd(
         if disk_path:
             extra["disk_path"] = disk_path
         if layout == DEFAULT_LAYOUT and local is not None:
-            dtype = server_dtype(str(local), dtype)  # vLLM's dtype for this --dtype
+            dtype, kv_cache_layout = server_settings(str(local), dtype, kv_cache_layout)
         hf = HFEngine.from_pretrained(model, dtype=dtype, device=device)
         with progress_bar(json_out, "warming", len(token_ids)) as bar:
             report = warmup(

@@ -66,7 +66,7 @@ __all__ = [
     "WarmupReport",
     "chunk_tokens_for",
     "register_block_layout",
-    "server_dtype",
+    "server_settings",
     "warmup",
 ]
 
@@ -91,11 +91,14 @@ def _vllm_layout(request: LayoutRequest) -> BlockLayout:
     return _vllm_pages().VllmPagesLayout(request)
 
 
-def server_dtype(model_dir: str, dtype: str = "auto") -> str:
+def server_settings(model_dir: str, dtype: str = "auto", kv_cache_layout: str | None = None) -> tuple[str, str]:
     """The dtype a vLLM server runs ``model_dir`` in with ``--dtype dtype`` (``auto``:
     vLLM's choice, e.g. bfloat16 for a float32 checkpoint), so the hf engine computes
-    K/V in it."""
-    return str(_vllm_pages().vllm_model_dtype(model_dir, dtype)).removeprefix("torch.")
+    K/V in it, and the KV-cache layout it resolves (``vllm_pages.server_kv_cache_layout``).
+    Checked before the model is loaded; raises ``WarmupError``."""
+    pages = _vllm_pages()
+    layout = pages.server_kv_cache_layout(kv_cache_layout)
+    return str(pages.vllm_model_dtype(model_dir, dtype)).removeprefix("torch."), layout
 
 
 register_block_layout(DEFAULT_LAYOUT, _vllm_layout)
