@@ -6,7 +6,8 @@ writer lock, as the server's scheduler would). For each prompt it computes vLLM'
 prefix block hashes (``tiered_kv.ops.hashing``), skips the prompt when every full block is
 already on disk (so a rerun resumes where a previous one stopped), runs the model once
 over the prompt up to its last missing block, and stores the missing blocks through
-the disk tier's own path: ``DiskOffloadingManager.prepare_store`` picks slots (evicting
+the disk tier's own path (its ``DiskTier``, built by type as every deployment builds
+it): ``DiskOffloadingManager.prepare_store`` picks slots (evicting
 LRU blocks if the cache is full), ``DiskStore.write_blocks`` writes each TP rank's
 shard, makes it durable and commits its index entry, and ``complete_store`` makes the
 blocks loadable. Block I/O and fsync happen on the calling thread here: there is no
@@ -52,12 +53,14 @@ from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.disk.worker.io_backends import aligned_empty
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import slot_size_for
+from tiered_kv.disk.tier import DiskTier
 from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.ops.warmup.engines import HFEngine
 from tiered_kv.ops.warmup.errors import WarmupError
 from tiered_kv.ops.warmup.inputs import check_identity
 from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, register_block_layout
+from tiered_kv.tiers import TierContext, build_tiers
 
 #: The run; ``register_block_layout`` is here too, where docs/cli.md points plug-ins.
 __all__ = [
@@ -227,27 +230,15 @@ def warmup(
         layout=layout,
         kv_cache_layout=getattr(blocks, "page_order", None),
     )
-    manager = DiskOffloadingManager(
-        config.disk_path,
-        fp,
-        kv_layout,
-        disk_bytes=config.disk_bytes,
-        checksum=config.checksum,
-        engine_id=engine_id,
-        enable_events=False,
-    )
+    # The disk tier as every deployment builds it (by type, tiered_kv.tiers), both its
+    # scheduler side and one writer's store, in this one process.
+    ctx = TierContext(config, fp, kv_layout, engine_id, enable_events=False)
+    (disk,) = build_tiers(config.tier_entries()[:1], ctx)
+    assert isinstance(disk, DiskTier)
+    manager = disk.get_manager()
     store = None
     try:
-        store = DiskStore.open(
-            config.disk_path,
-            fp,
-            kv_layout,
-            disk_bytes=config.disk_bytes,
-            checksum=config.checksum,
-            io_backend=config.io_backend,
-            io_threads=config.io_threads,
-            engine_id=engine_id,
-        )
+        store = disk.open_store(in_process=True)
         seen: set[bytes] = set()
         for i, tokens in enumerate(prompts):
             _warm_prompt(list(tokens), engine, hasher, blocks, manager, store, seen, report)
