@@ -18,7 +18,7 @@ from typer.core import TyperCommand, TyperGroup
 
 #: Sub-command name -> (module under ``tiered_kv.cli``, one-line help shown in the
 #: top-level listing before the module is loaded). The one-liners must match the
-#: commands' own first help lines (tests/test_cli_startup.py checks).
+#: commands' own first help lines (tests/cli/test_cli_startup.py checks).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
         "demo",
