@@ -290,7 +290,7 @@ def test_settings_that_cannot_work_fail_with_one_line(model_dir, tmp_path):
         (config, ("--engine", "jax"), None, "expected hf or vllm"),
         (config, ("--gpu-block-size", "12"), None, "not a multiple of --gpu-block-size 12"),
         (config, ("--layout", "sideways"), None, "--layout: expected one of kv-first"),
-        (config, ("--tp-size", "3"), None, "larger than the model's 2 KV heads but not a multiple"),
+        (config, ("--tp", "3"), None, "larger than the model's 2 KV heads but not a multiple"),
         (tmp_path / "missing.json", (), None, "does not exist"),
     ]
     for cfg, extra, env, words in cases:

@@ -19,8 +19,10 @@ from typer.core import TyperCommand, TyperGroup
 
 try:  # typer 0.2x runs on its own copy of click; earlier releases on click itself
     from typer._click import exceptions as _click_exceptions
+    from typer.exceptions import Abort as _Abort
 except ImportError:  # pragma: no cover - older typer
     from click import exceptions as _click_exceptions
+    from click.exceptions import Abort as _Abort
 
 #: Sub-command name -> (module under ``tiered_kv.cli``, one-line help shown in the
 #: top-level listing before the module is loaded). The one-liners must match the
@@ -87,7 +89,7 @@ class LazyGroup(TyperGroup):
             if not standalone_mode:
                 raise
             sys.exit(e.exit_code)
-        except _click_exceptions.Abort:
+        except _Abort:
             typer.echo("error: aborted", err=True)
             if not standalone_mode:
                 raise

@@ -11,6 +11,8 @@ Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
 
 from __future__ import annotations
 
+import sys
+
 import time
 from typing import Any
 
@@ -158,7 +160,7 @@ def ls(
             ns["objects"] = [with_iso_times(o, ("last_modified",)) for o in ns["objects"]]
         emit_json(data)
         return
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=10_000)  # piped: nothing cut
     if not data["namespaces"]:
         console.print(f"{tier.config.where()}: no namespaces, no objects", soft_wrap=True)
     for ns in data["namespaces"]:
