@@ -90,6 +90,11 @@ def test_every_shipped_config_is_read(path, tmp_path):
     assert line["status"] == "ok" and "TP 1 assumed" in line["message"], line
     # inspect --config and warmup --config read it through the same reader.
     assert read_config_file(path) == found.extra_for()
+    from tiered_kv.ops.warmup.inputs import load_config
+
+    assert load_config(path).disk_path == cfg.disk_path
+    result = runner.invoke(app, ["inspect", "summary", str(tmp_path), "--config", str(path), "--json"])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     if found.spec_name == "TieringOffloadingSpec":
         assert "cpu_bytes_to_use" in line["message"]
         assert (
@@ -164,6 +169,41 @@ def test_an_http_server_answering_404_is_not_an_s3_endpoint(monkeypatch):
     assert dr.s3_answer({"x-amz-request-id": "tx0"}, b"") and dr.s3_answer(
         {}, b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code></Error>"
     )
+
+
+def test_a_hung_endpoint_is_said_to_time_out_with_its_limit(monkeypatch):
+    import socket
+
+    pytest.importorskip("obstore")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    held = []
+    with socket.socket() as listener:  # accepts connections and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        stop = threading.Event()
+
+        def accept():
+            listener.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    held.append(listener.accept()[0])
+                except OSError:
+                    pass
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        remote = {"endpoint": endpoint, "bucket": "kv-bucket", "request_timeout": "1s", "retries": 0}
+        try:
+            line = dr.check_remote(TieredConfig.from_dict({"remote": remote}))
+        finally:
+            stop.set()
+            thread.join()
+            for conn in held:
+                conn.close()
+    assert line.status == "warn" and "timed out after 1 s (request_timeout)" in line.message, line.message
+    assert "error sending request" not in line.message
 
 
 def test_missing_credentials_get_the_credentials_fix(monkeypatch, tmp_path):

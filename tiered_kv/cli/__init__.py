@@ -82,7 +82,7 @@ class LazyGroup(TyperGroup):
                 if not standalone_mode:
                     raise
                 sys.exit(e.exit_code)
-            line = " ".join(e.format_message().split())
+            line = " ".join(e.format_message().split()).replace("Value error, ", "")
             if isinstance(e, _click_exceptions.UsageError) and e.ctx is not None:
                 line += f" (see '{e.ctx.command_path} --help')"
             typer.echo(f"error: {line}", err=True)

@@ -11,7 +11,7 @@ loaded block differed from what was stored.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import typer
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
-from tiered_kv.cli.output import emit_json, errors, fail
+from tiered_kv.cli.output import emit_json, errors
 from tiered_kv.config import format_size, parse_size
 from tiered_kv.metrics import TRANSFER_TYPES
 from tiered_kv.tiered.spec import HierarchySpec
@@ -42,21 +42,20 @@ def demo(
     seed: int = typer.Option(0, "--seed", metavar="N", help="Workload seed."),
     cpu_bytes: str = typer.Option("8MiB", "--cpu-bytes", metavar="SIZE", help="CPU tier size, e.g. 8MiB, 1GiB."),
     disk_bytes: str = typer.Option("256MiB", "--disk-bytes", metavar="SIZE", help="Disk tier size, e.g. 256MiB, 1TiB."),
-    write_policy: str = typer.Option(
-        "write_through", "--write-policy", metavar="[write_through|write_back]", help="When blocks reach the disk."
+    write_policy: Literal["write_through", "write_back"] = typer.Option(
+        "write_through", "--write-policy", help="When blocks reach the disk."
     ),
     promote_on_hit: bool = typer.Option(True, "--promote/--no-promote", help="Bring disk hits back into the CPU tier."),
-    device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]", help="Where the 'GPU' KV cache lives."),
-    layout: str = typer.Option(
+    device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", "--device", help="Where the 'GPU' KV cache lives."),
+    layout: Literal["kv-first", "kv-after"] = typer.Option(
         "kv-first",
         "--layout",
-        metavar="[kv-first|kv-after]",
         help="kv-first: (2, num_blocks, ...); kv-after: (num_blocks, 2, ...).",
     ),
     block_size_factor: int = typer.Option(
         1, "--block-size-factor", min=1, metavar="N", help="GPU blocks per offloaded block."
     ),
-    disk_io: str = typer.Option("thread", "--disk-io", metavar="[thread|process]", help="Where the disk I/O runs."),
+    disk_io: Literal["thread", "process"] = typer.Option("thread", "--disk-io", help="Where the disk I/O runs."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout instead of tables."),
 ) -> None:
     """Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per
@@ -65,10 +64,6 @@ def demo(
     Every block loaded back is checked byte for byte; any mismatch exits 1. Run it twice
     with the same --cache-dir: the second run is served from the first run's disk blocks."""
     console = Console()
-    if layout not in ("kv-first", "kv-after"):
-        fail(f"--layout: expected kv-first or kv-after, got {layout!r}", json_out)
-    if device not in ("auto", "cpu", "cuda"):
-        fail(f"--device: expected auto, cpu or cuda, got {device!r}", json_out)
     with errors(json_out, (OSError, RuntimeError)):
         parse_size(cpu_bytes, "--cpu-bytes")
         dev = DeviceKVCache(

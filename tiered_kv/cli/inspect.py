@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import typer
 from rich import box
@@ -25,6 +25,17 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
+from tiered_kv.cli.inspect_options import (
+    _CACHE_PATH,
+    _DRY_RUN,
+    _JSON,
+    _NAMESPACE,
+    _READ_BY_CONFIG,
+    _REMOTE,
+    _SERVER_MODEL,
+    SORT_HELP,
+    STATE_HELP,
+)
 from tiered_kv.cli.inspect_remote import need_path, on_remote
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.config_values import format_size, parse_age, parse_size
@@ -44,36 +55,6 @@ app.add_typer(inspect_app, name="inspect")
 
 EXIT_CORRUPT = 1
 
-_JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
-_NAMESPACE = typer.Option(None, "--namespace", "-n", metavar="ID", help="Only namespaces whose id starts with this.")
-_READ_BY_CONFIG = typer.Option(
-    None,
-    "--config",
-    metavar="PATH",
-    help="A server's config (vLLM --kv-transfer-config JSON or its "
-    "extra config; repeatable): say whether it reads each namespace.",
-)
-_SERVER_MODEL = typer.Option(
-    None,
-    "--model",
-    metavar="PATH",
-    help="The server's --model (directory or hub id in the local HF cache), "
-    "for a config without model_id or model_path.",
-)
-_REMOTE = typer.Option(
-    None,
-    "--remote",
-    metavar="PATH",
-    help="A server's config with a 'remote' key: inspect that shared tier (S3 bucket) instead of a cache directory.",
-)
-_CACHE_PATH = typer.Argument(
-    None, metavar="[PATH]", help="Cache directory (or one namespace directory); none with --remote."
-)
-_DRY_RUN = typer.Option(False, "--dry-run", help="Report what would go, change nothing (needs no lock).")
-#: ``ls`` choices as its help shows them (the library's ``SORT_KEYS`` and ``STATES``
-#: validate; a test keeps the two in step).
-SORT_HELP = "last-access, stored, hits, slot, hash"
-STATE_HELP = "all, complete, incomplete"
 #: Timestamp fields of the JSON documents (seconds since the epoch in the library,
 #: ISO 8601 on the way out).
 _NS_TIMES = ("created", "oldest_stored", "newest_stored", "least_recent_access", "most_recent_access")
@@ -237,7 +218,7 @@ def ls(
     path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
     state: str = typer.Option(
-        "all", "--state", metavar="[all|complete|incomplete]", help=f"{STATE_HELP}: complete = every TP rank committed."
+        "all", "--state", metavar="<all|complete|incomplete>", help=f"{STATE_HELP}: complete = every TP rank committed."
     ),
     hash_prefix: Optional[str] = typer.Option(
         None, "--hash", metavar="HEX", help="Only hashes starting with this hex prefix."
@@ -250,7 +231,10 @@ def ls(
         None, "--newer-than", metavar="AGE", help="Last access within this age, e.g. 1h."
     ),
     sort: str = typer.Option(
-        "last-access", "--sort", metavar="[last-access|stored|hits|slot|hash]", help=f"{SORT_HELP}."
+        "last-access",
+        "--sort",
+        metavar="<last-access|stored|hits|slot|hash|size>",
+        help=f"{SORT_HELP}; with --remote: last-access, hash, size.",
     ),
     ascending: Optional[bool] = typer.Option(
         None, "--asc/--desc", help="Order (default: descending; ascending for hash)."
@@ -579,7 +563,7 @@ def bench(
     block_size_old: Optional[str] = typer.Option(None, "--block-size", hidden=True),
     rounds: int = typer.Option(3, "--rounds", min=1, metavar="N", help="Interleaved rounds."),
     threads: int = typer.Option(4, "--threads", min=1, metavar="N", help="I/O threads (tier and raw)."),
-    backend: str = typer.Option("auto", "--backend", metavar="[auto|kvikio|posix]", help="The tier's I/O path."),
+    backend: Literal["auto", "kvikio", "posix"] = typer.Option("auto", "--backend", help="The tier's I/O path."),
     json_out: bool = _JSON,
 ) -> None:
     """Tier store/load GB/s on the cache's device beside a raw O_DIRECT baseline, interleaved."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 from rich.console import Console
@@ -46,9 +46,7 @@ def warmup_cmd(
         metavar="PATH",
         help="The server's config: vLLM --kv-transfer-config JSON or its kv_connector_extra_config.",
     ),
-    engine: str = typer.Option(
-        "hf", "--engine", metavar="[hf|vllm]", help="hf (transformers, CPU or GPU) or vllm (GPU)."
-    ),
+    engine: Literal["hf", "vllm"] = typer.Option("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
     gpu_block_size: int = typer.Option(
         16, "--gpu-block-size", min=1, metavar="N", help="The server's --block-size (tokens)."
     ),
@@ -69,10 +67,10 @@ def warmup_cmd(
     tokenizer: Optional[str] = typer.Option(
         None, "--tokenizer", metavar="PATH", help="Local tokenizer directory for text prompts (default: --model)."
     ),
-    dtype: str = typer.Option(
-        "auto", "--dtype", metavar="[auto|float32|float16|bfloat16]", help="hf: the model's dtype."
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = typer.Option(
+        "auto", "--dtype", help="hf: the model's dtype."
     ),
-    device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]", help="hf: where it runs."),
+    device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", "--device", help="hf: where it runs."),
     disk_path: Optional[str] = typer.Option(
         None, "--disk-path", metavar="PATH", help="Override the config's disk_path."
     ),

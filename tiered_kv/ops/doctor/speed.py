@@ -153,8 +153,8 @@ def check_disk_speed(
         }
     )
     rule = (
-        f"break-even for {geometry.name or 'the model'} {break_even:.2f} GB/s = {per_token:,} B of KV per token "
-        f"x {tps:,.0f} prefill tokens/s ({source})"
+        f"break-even of {break_even:.2f} GB/s for {geometry.name or 'the model'} ({per_token:,} B of KV per token "
+        f"x {tps:,.0f} prefill tokens/s, {source})"
     )
     if speed.gbps < break_even:
         return Check(
