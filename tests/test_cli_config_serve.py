@@ -68,9 +68,7 @@ def test_model_id_is_the_directory_or_hub_id_never_a_stale_path(tmp_path):
     result = _run("--model-config", str(model), "--json")
     extra = json.loads(result.stdout)["kv_connector_extra_config"]
     assert extra["model_id"] == "Llama-3.1-8B-Instruct" and "/fsx" not in result.stdout
-    snapshot = _model(
-        tmp_path, "hub/models--acme--Tiny-Chat/snapshots/0123abcd", {**HYBRID, "layer_types": None}
-    )
+    snapshot = _model(tmp_path, "hub/models--acme--Tiny-Chat/snapshots/0123abcd", {**HYBRID, "layer_types": None})
     extra = json.loads(_run("--model-config", str(snapshot / "config.json"), "--json").stdout)
     assert extra["kv_connector_extra_config"]["model_id"] == "acme/Tiny-Chat"
     table = _run("--model-config", str(model))
