@@ -114,13 +114,14 @@ def test_tp_is_tp_everywhere():
 
 @pytest.mark.parametrize(
     "command",
-    [["demo"], ["config"], ["doctor"], ["warmup"], ["inspect", "ls"], ["inspect", "evict"], ["inspect", "bench"]],
+    [["demo"], ["config"], ["doctor"], ["warmup"]]
+    + [["inspect", c] for c in ("summary", "ls", "verify", "evict", "clear", "bench")],
 )
 def test_metavars_name_their_kind_and_choices(command):
     text = _run(*command, "--help").stdout
     assert not BOX.search(text)
     text = text.split("Options:", 1)[1]  # arguments are named (PATH, PROMPTS) beside their type
-    for vague in ("<bool>", "<str>", "<int>", "<path>", "<float>", " TEXT", " INTEGER", "<int range>"):
+    for vague in ("<bool>", "<str>", "<int>", "<path>", "<float>", " TEXT", " INTEGER", "<int range>", "<list["):
         assert vague not in text, (command, vague, text)
 
 

@@ -25,19 +25,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
-from tiered_kv.cli.inspect_options import (
-    _CACHE_PATH,
-    _DRY_RUN,
-    _JSON,
-    _NAMESPACE,
-    _READ_BY_CONFIG,
-    _REMOTE,
-    _SERVER_MODEL,
-    SORT_HELP,
-    STATE_HELP,
-)
+from tiered_kv.cli.inspect_options import _CACHE_PATH, _DRY_RUN, _JSON, _NAMESPACE, _READ_BY_CONFIG, _REMOTE
+from tiered_kv.cli.inspect_options import _SERVER_MODEL, SORT_HELP, STATE_HELP
 from tiered_kv.cli.inspect_remote import need_path, on_remote
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
+from tiered_kv.cli.output import table_console
 from tiered_kv.config_values import format_size, parse_age, parse_size
 
 # The inspector's library (tiered_kv.ops.inspect) is imported inside each command: it pulls
@@ -274,8 +266,7 @@ def ls(
             }
         )
         return
-    # Piped or redirected, a table is as wide as its rows: nothing is cut or folded.
-    console = Console() if sys.stdout.isatty() else Console(width=10_000)
+    console = table_console()
     if not listings:
         console.print(f"{cache.path}: no namespaces, no entries")
     for lst in listings:
@@ -316,7 +307,11 @@ def verify(
     ),
     threads: int = typer.Option(4, "--threads", min=1, metavar="N", help="Parallel reads."),
     limit: int = typer.Option(
-        0, "--limit", min=0, help="With --remote: check a random sample of this many objects per namespace; 0 = all."
+        0,
+        "--limit",
+        min=0,
+        metavar="N",
+        help="With --remote: check a random sample of this many objects per namespace; 0 = all.",
     ),
     remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
@@ -503,6 +498,7 @@ def clear_cmd(
     unread_by: Optional[list[str]] = typer.Option(
         None,
         "--unread-by",
+        metavar="PATH",
         help="Only namespaces that no server with any of these configs would read (repeatable; see summary --config).",
     ),
     model: Optional[str] = _SERVER_MODEL,
