@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tiered_kv.cli import app
-from tiered_kv.config import TieredConfig
+from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.config_file import read_server_config
 from tiered_kv.disk.format.namespace import NamespaceError
 from tiered_kv.model_identity import read_config_file
@@ -112,6 +112,35 @@ def test_tp_from_a_vllm_serve_config_file_and_from_the_option(tmp_path):
     assert "TP 4 (from the config)" in checks["config"]["message"] and checks["config"]["facts"]["tp"] == 4
     _, data = _doctor("--config", str(serve), "--tp", "2", "--read-probe", "0")
     assert "TP 2 (--tp)" in {c["name"]: c for c in data["checks"]}["config"]["message"]
+    yaml = pytest.importorskip("yaml")
+    serve_yaml = tmp_path / "serve.yaml"
+    serve_yaml.write_text(
+        yaml.safe_dump(
+            {
+                "model": "meta-llama/Llama-3.1-8B-Instruct",
+                "tensor-parallel-size": 8,
+                "kv-transfer-config": json.dumps(inner),
+            }
+        )
+    )
+    found = read_server_config(serve_yaml)
+    assert found.tp == 8 and found.extra == inner["kv_connector_extra_config"]
+    no_tier = tmp_path / "bare.json"
+    no_tier.write_text(json.dumps({"tensor-parallel-size": 2}))
+    with pytest.raises(ConfigError, match="without kv-transfer-config holds no tier settings"):
+        read_server_config(no_tier)
+    fs_only = tmp_path / "fs-only.json"
+    fs_only.write_text(
+        json.dumps(
+            {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": 1 << 30,
+                "secondary_tiers": [{"type": "fs", "root": "/tmp/x"}],
+            }
+        )
+    )
+    with pytest.raises(ConfigError, match="TieringOffloadingSpec with 0 TieredDiskTier entries"):
+        read_server_config(fs_only)
 
 
 def test_the_disk_read_is_timed_against_the_break_even(tmp_path):
