@@ -48,7 +48,7 @@ def _model(tmp_path: Path, name: str, config: dict) -> Path:
     return model
 
 
-def test_fp8_sizing_puts_the_kv_cache_dtype_on_the_serve_line():
+def test_fp8_sizing_puts_the_kv_cache_dtype_on_the_serve_line(tmp_path):
     fp8 = _run("--preset", "llama-3.1-8b", "--dtype", "fp8", "--disk-path", "/mnt/nvme/kv", "--disk-bytes", "1TiB")
     assert fp8.exit_code == 0, fp8.output
     assert "2 x 32 x 8 x 128 x 1 B" in fp8.stdout
@@ -59,6 +59,9 @@ def test_fp8_sizing_puts_the_kv_cache_dtype_on_the_serve_line():
     assert "--dtype" not in same and "--kv-cache-dtype" not in same
     half = _serve_line(_run("--preset", "llama-3.1-8b", "--dtype", "fp16").stdout)
     assert " --dtype float16 " in half
+    # vLLM serves a float32 model in a 16-bit dtype unless told: sized at 4 B, the line says so.
+    model = _model(tmp_path, "fp32-model", {**HYBRID, "layer_types": None, "torch_dtype": "float32"})
+    assert " --dtype float32 " in _serve_line(_run("--model-config", str(model)).stdout)
     refused = _run("--preset", "llama-3.1-8b", "--dtype", "int8")
     assert refused.exit_code == 2 and "vLLM has no 'int8' KV cache" in refused.stderr
 

@@ -311,34 +311,38 @@ _MODEL_DTYPES = {
 }
 
 
+def _model_dtype(source: Any) -> Optional[str]:
+    """The model's own ``torch_dtype`` (a preset's dict, or a config.json path), if any."""
+    if isinstance(source, dict):
+        return source.get("torch_dtype")
+    if source is None:
+        return None
+    try:
+        path = Path(source)
+        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        return raw.get("torch_dtype") or raw.get("dtype") or (raw.get("text_config") or {}).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _serve_dtype_flags(dtype: Optional[str], source: Any) -> str:
     """What the ``vllm serve`` line needs so its KV cache has the dtype the sizing
-    assumed: ``--kv-cache-dtype`` for fp8, ``--dtype`` where the model's own differs."""
+    assumed: ``--kv-cache-dtype`` for fp8, ``--dtype`` where vLLM's own choice would
+    differ (another dtype than the model's, or a float32 model, which vLLM's ``--dtype
+    auto`` downcasts to a 16-bit dtype)."""
+    own = _model_dtype(source)
+    own = _MODEL_DTYPES.get(str(own).lower()) if own is not None else None
     if dtype is None:
-        return ""
+        return " --dtype float32" if own == "float32" else ""
     key = dtype.strip().lower().removeprefix("torch.")
     dtype_bytes(key)  # an unknown dtype is refused with the list
     if key in _KV_CACHE_DTYPES:
         return f" --kv-cache-dtype {_KV_CACHE_DTYPES[key]}"
     if key not in _MODEL_DTYPES:
-        raise ConfigError(
-            f"--dtype: vLLM has no {dtype!r} KV cache; expected one of {', '.join(sorted({**_KV_CACHE_DTYPES, **_MODEL_DTYPES}))}"
-        )
-    own = None
-    if isinstance(source, dict):
-        own = source.get("torch_dtype")
-    elif source is not None:
-        try:
-            path = Path(source)
-            raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-            own = raw.get("torch_dtype") or raw.get("dtype") or (raw.get("text_config") or {}).get("torch_dtype")
-        except (OSError, ValueError, AttributeError):
-            own = None
-    return (
-        ""
-        if own is not None and _MODEL_DTYPES.get(str(own).lower()) == _MODEL_DTYPES[key]
-        else f" --dtype {_MODEL_DTYPES[key]}"
-    )
+        known = ", ".join(sorted({**_KV_CACHE_DTYPES, **_MODEL_DTYPES}))
+        raise ConfigError(f"--dtype: vLLM has no {dtype!r} KV cache; expected one of {known}")
+    want = _MODEL_DTYPES[key]
+    return "" if own == want and want != "float32" else f" --dtype {want}"
 
 
 def _remote(
