@@ -114,7 +114,7 @@ def test_tp_is_tp_everywhere():
 
 @pytest.mark.parametrize(
     "command",
-    [["demo"], ["config"], ["doctor"], ["warmup"]]
+    [["demo"], ["config"], ["doctor"], ["warmup"], ["stats"]]
     + [["inspect", c] for c in ("summary", "ls", "verify", "evict", "clear", "bench")],
 )
 def test_metavars_name_their_kind_and_choices(command):
