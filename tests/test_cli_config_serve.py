@@ -109,8 +109,9 @@ def test_no_disk_tier_is_a_warning_and_the_remote_options_add_a_shared_tier():
 
 
 def test_a_hybrid_model_is_sized_by_its_full_attention_layers(tmp_path):
-    g = ModelGeometry.from_hf_config(HYBRID)
+    g = ModelGeometry.from_hf_config(HYBRID, full_attention_only=True)
     assert g.num_layers == 2 and g.other_layers == (("sliding_attention", 6),)
+    assert ModelGeometry.from_hf_config(HYBRID).num_layers == 8  # every layer, for the warm-up's engines
     assert g.kv_bytes_per_token() == 2 * 2 * 2 * 64 * 2
     model = _model(tmp_path, "hybrid", HYBRID)
     result = _run("--model-config", str(model), "--disk-path", str(tmp_path / "kv"), "--disk-bytes", "1GiB")
@@ -136,4 +137,4 @@ def test_models_without_full_attention_are_refused_with_the_reason(tmp_path, con
 
 def test_a_disabled_sliding_window_is_full_attention():
     qwen = {**HYBRID, "layer_types": None, "sliding_window": 131072, "use_sliding_window": False}
-    assert ModelGeometry.from_hf_config(qwen).num_layers == 8
+    assert ModelGeometry.from_hf_config(qwen, full_attention_only=True).num_layers == 8

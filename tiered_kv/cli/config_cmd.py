@@ -244,7 +244,7 @@ def _plan(
         given = [k for k, v in manual.items() if v is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: give either --model-config or the geometry options, not both")
-        geometry = ModelGeometry.from_hf_config(model_config, dtype=dtype)
+        geometry = ModelGeometry.from_hf_config(model_config, dtype=dtype, full_attention_only=True)
     else:
         missing = [k for k, v in manual.items() if v is None]
         if missing:

@@ -16,11 +16,14 @@ Conventions (the ones the tiers use):
   ``tp * cpu_bytes`` of RAM and ``tp * disk_bytes`` of disk.
 - A CPU slot holds exactly one offloaded block; a disk slot is the block rounded up to
   4 KiB (O_DIRECT alignment).
-- A hybrid model (HF ``layer_types`` naming sliding-window, linear-attention or other
-  layers beside ``full_attention``) is sized by its full-attention layers, whose KV grows
-  with the whole prompt; the others keep a bounded state per request and are left out
+- Sizing the tiers (``from_hf_config(..., full_attention_only=True)``), a hybrid model
+  (HF ``layer_types`` naming sliding-window, linear-attention or other layers beside
+  ``full_attention``) counts its full-attention layers, whose KV grows with the whole
+  prompt; the others keep a bounded state per request and are left out
   (``ModelGeometry.other_layers`` says how many). A model whose every layer uses a
   sliding window, or that has no full-attention layer, is refused with the reason.
+  Without the flag every layer counts (the warm-up's engines, which refuse such models
+  with their own reasons).
 """
 
 from __future__ import annotations
@@ -147,7 +150,9 @@ class ModelGeometry:
         return f"2 x {self.num_layers} x {self.kv_heads_per_rank(tp)} x {self.head_dim} x {self.dtype_bytes} B"
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | str | Path, dtype: str | None = None) -> "ModelGeometry":
+    def from_hf_config(
+        cls, config: Mapping[str, Any] | str | Path, dtype: str | None = None, *, full_attention_only: bool = False
+    ) -> "ModelGeometry":
         """Geometry from an HF ``config.json`` (a path to it or to its directory, or the
         parsed dict). Handles Llama, Mistral, Qwen2/2.5/3 and other GQA decoders, and
         multimodal wrappers that nest the decoder in ``text_config``. ``head_dim``
@@ -155,7 +160,8 @@ class ModelGeometry:
         ``num_attention_heads`` (plain multi-head attention). ``dtype`` overrides the
         config's ``torch_dtype`` (the KV-cache dtype, e.g. ``fp8``). A config with
         ``kv_lora_rank`` (DeepSeek-V2/V3) is an MLA model: its latent is ``kv_lora_rank +
-        qk_rope_head_dim`` elements per token and layer."""
+        qk_rope_head_dim`` elements per token and layer. ``full_attention_only``: count
+        only full-attention layers, or refuse (module docstring)."""
         source = "config"
         if not isinstance(config, Mapping):
             path = Path(config)
@@ -182,7 +188,9 @@ class ModelGeometry:
             return raw[key]
 
         num_layers = _positive_int(need("num_hidden_layers"), f"{source}: num_hidden_layers")
-        num_layers, others = _full_attention_layers(raw, num_layers, source)
+        others: tuple[tuple[str, int], ...] = ()
+        if full_attention_only:
+            num_layers, others = _full_attention_layers(raw, num_layers, source)
         model_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or config.get("torch_dtype") or "bfloat16"
         # A file's model is named by its directory: its _name_or_path is often a path on
         # the machine that wrote the checkpoint.

@@ -90,12 +90,12 @@ def model_geometry(cfg: TieredConfig | None, model: str | None) -> ModelGeometry
     ``ConfigError`` for a ``model`` that is none of those."""
     if model is not None:
         if Path(model).exists():
-            return ModelGeometry.from_hf_config(model)
+            return ModelGeometry.from_hf_config(model, full_attention_only=True)
         return find_preset(model).geometry
     if cfg is None:
         return None
     if cfg.model_path and (Path(cfg.model_path) / "config.json").is_file():
-        return ModelGeometry.from_hf_config(cfg.model_path)
+        return ModelGeometry.from_hf_config(cfg.model_path, full_attention_only=True)
     try:
         return find_preset(cfg.model_id).geometry
     except ConfigError:
