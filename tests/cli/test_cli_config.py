@@ -39,10 +39,12 @@ def _json(*args: str) -> dict:
 
 
 def test_json_from_model_config_is_a_valid_tiered_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    model = tmp_path / "Llama-3.1-8B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**LLAMA_8B, "_name_or_path": "/fsx/users/someone/ckpt-1200"}))
     cfg = _json(
         "--model-config",
-        str(tmp_path),
+        str(model),
         "--cpu-bytes",
         "64GiB",
         "--disk-path",
@@ -61,7 +63,7 @@ def test_json_from_model_config_is_a_valid_tiered_config(tmp_path):
         "disk_path": "/mnt/nvme/kv",
         "disk_bytes": "1TiB",
         "block_size": 32,
-        "model_id": "meta-llama/Llama-3.1-8B-Instruct",
+        "model_id": "Llama-3.1-8B-Instruct",
     }
     parsed = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
     assert (parsed.cpu_bytes, parsed.disk_bytes, parsed.block_size) == (64 * 1024**3, 1024**4, 32)

@@ -25,6 +25,7 @@ NAMES = {
     "shmem_thp",
     "disk_path",
     "disk_space",
+    "disk_read",
     "cuda",
     "io_path",
     "vllm",
@@ -126,10 +127,15 @@ def test_a_config_the_server_refuses_fails(tmp_path):
 def test_disk_path_checks_on_real_directories(tmp_path):
     ok = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path), "disk_bytes": "1GiB"}))
     assert ok.facts["filesystem"]["type"] and ok.facts["o_direct"] in (True, False)
-    assert ok.status == ("ok" if ok.facts["o_direct"] else "warn")
+    expected = "ok" if ok.facts["o_direct"] and not ok.facts["root_filesystem"] else "warn"
+    assert ok.status == expected, ok.message
     assert list(tmp_path.iterdir()) == []  # the O_DIRECT probe file is gone
-    new = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path / "a" / "b"), "disk_bytes": "1GiB"}))
-    assert new.status == "ok" and "will be created" in new.message and not (tmp_path / "a").exists()
+    new = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path / "a"), "disk_bytes": "1GiB"}))
+    assert new.status == expected and not (tmp_path / "a").exists()
+    if expected == "ok":
+        assert "will be created" in new.message
+    deep = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path / "a" / "b"), "disk_bytes": "1GiB"}))
+    assert deep.status == "fail" and f"{tmp_path / 'a'} does not exist" in deep.message
     (tmp_path / "file").write_text("x")
     bad = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path / "file"), "disk_bytes": "1GiB"}))
     assert bad.status == "fail" and "is not a directory" in bad.message

@@ -65,7 +65,8 @@ def run_engine(cache: Path, disk_io: tuple[str, ...] = ("thread",)) -> None:
 
 @pytest.mark.timeout(600)
 def test_everything_an_engine_and_the_inspector_make_is_owner_only_under_umask_022(tmp_path):
-    cache = tmp_path / "made" / "by" / "the-engine"
+    (tmp_path / "made").mkdir()
+    cache = tmp_path / "made" / "the-engine"
     run_engine(cache, ("process", "thread"))
     found = modes(cache)
     ns = [p for p in found if p.count("/") == 0 and p != "."]
@@ -78,8 +79,8 @@ def test_everything_an_engine_and_the_inspector_make_is_owner_only_under_umask_0
         "index.lmdb/lock.mdb",
     } <= {p.split("/", 1)[1] for p in found if "/" in p}
     assert loose(found, cache) == [], "loose modes"
-    # The directories made for disk_path itself are the engine's too.
-    assert stat.S_IMODE(os.stat(tmp_path / "made").st_mode) == 0o700
+    # The directory made for disk_path itself is the engine's too.
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
 
     # A damaged index is moved aside and replaced: both stay owner-only.
     cd.damage_index(next(cache.glob("*/index.lmdb/data.mdb")))

@@ -199,11 +199,11 @@ def test_verify_names_the_repair_and_repair_leaves_a_cache_that_verifies_clean(c
 
 
 def test_a_start_refused_for_lack_of_space_leaves_no_directory_behind(tmp_path):
-    target = tmp_path / "new" / "cache" / "dir"
+    target = tmp_path / "new"
     huge = f"{2 * shutil.disk_usage(tmp_path).free}B"
     with pytest.raises(NamespaceError, match="disk_bytes"):
         Hierarchy(target, disk_bytes=huge)
-    assert not (tmp_path / "new").exists()
+    assert not target.exists()
 
 
 def test_disk_bytes_below_one_block_is_refused_before_anything_is_made(tmp_path):

@@ -88,7 +88,9 @@ def test_head_dim_absent_is_hidden_over_heads_and_mha_without_kv_heads():
 def test_config_file_directory_and_text_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
     assert ModelGeometry.from_hf_config(tmp_path).kv_bytes_per_token() == 131_072
-    assert ModelGeometry.from_hf_config(tmp_path / "config.json").name == LLAMA_31_8B["_name_or_path"]
+    # A file's model is named by its directory, never by a _name_or_path the checkpoint carried.
+    assert ModelGeometry.from_hf_config(tmp_path / "config.json").name == tmp_path.name
+    assert ModelGeometry.from_hf_config(LLAMA_31_8B).name == LLAMA_31_8B["_name_or_path"]
     wrapped = {
         "model_type": "mistral3",
         "torch_dtype": "bfloat16",
