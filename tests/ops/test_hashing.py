@@ -101,6 +101,7 @@ def test_hashes_equal_vllms(algo, seed, monkeypatch):
     from vllm.v1.core import kv_cache_utils
 
     from support import vllm_harness
+
     if seed is None:
         monkeypatch.delenv("PYTHONHASHSEED", raising=False)
         if algo.startswith("xxhash"):

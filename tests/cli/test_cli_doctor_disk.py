@@ -24,7 +24,7 @@ from tiered_kv.model_identity import read_config_file
 from tiered_kv.ops import doctor as dr
 from tiered_kv.ops.presets import find_preset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
 runner = CliRunner()
 

@@ -18,7 +18,7 @@ from tiered_kv.config import TieredConfig, parse_size
 from tiered_kv.ops.sizing import ModelGeometry
 
 runner = CliRunner()
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 HYBRID = {
     "_name_or_path": "/fsx/users/someone/run-7/checkpoint-1200",
