@@ -163,7 +163,7 @@ def test_every_check_rejects_with_its_reason():
     bad_magic[0] ^= 0xFF
     truncated = good[:-10]
     future = bytearray(good)
-    future[8] = 2  # format version
+    future[8] = 3  # a format version no reader knows
     for obj in (bad_magic, truncated, future, good[:20]):
         with pytest.raises(Rejected) as err:
             _verify(obj, size=len(payload))

@@ -34,8 +34,18 @@ unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
 ``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses). A block
 whose object fails any check of ``object_format`` (foreign fingerprint, other block,
-other size, damaged bytes) is a counted miss and no byte of it reaches the caller's
-buffer; an object whose checksum fails is deleted, so that it can be stored again.
+other size, a tag that does not verify, damaged bytes) is a counted miss and no byte of
+it reaches the caller's buffer; an object whose tag or checksum fails is deleted, so
+that it can be stored again.
+
+Objects are sealed (AES-256-GCM under the fleet key, ``keys``) unless the config
+declares the bucket trusted and names no key; without either, the constructor refuses
+to start (a ``ConfigError`` naming ``remote.key_file`` / ``remote.key_env``). Sealing and
+opening run on the store's threads. Write-once does not protect a forgery: when a write
+finds the key taken, the store reads the object there and, unless it verifies,
+replaces it with its own (``forgeries_replaced``). ``fingerprint.json`` is information
+for operators, never a gate: it is read with a size bound, and one that records
+another fingerprint is logged, not obeyed.
 Wrong credentials or a missing bucket are a ``RemoteSetupError`` from the
 constructor's start-up check, naming the endpoint and the bucket.
 
@@ -73,10 +83,11 @@ from tiered_kv.remote.client import (
     Unavailable,
     WrongSize,
 )
-from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
+from tiered_kv.remote.keys import Keyring, load_keyring
+from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.write_once import WriteOnce
 from tiered_kv.remote.object_format import (
-    FIXED_HEADER_BYTES,
     FORMAT_VERSION,
     REJECT_REASONS,
     Rejected,
@@ -85,7 +96,9 @@ from tiered_kv.remote.object_format import (
     fingerprint_digest,
     manifest_key,
     namespace_prefix,
+    object_size,
     pieces_checksum,
+    seal,
     verified_payload,
 )
 
@@ -130,8 +143,10 @@ class RemoteStats:
     get_bytes: int = 0
     #: Objects refused by a check, by reason (``object_format.REJECT_REASONS``).
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
-    #: Objects deleted after their checksum failed.
+    #: Objects deleted after their tag or checksum failed.
     damaged_deleted: int = 0
+    #: Writes that found the key taken by an object that does not verify, and replaced it.
+    forgeries_replaced: int = 0
     probes: int = 0
     probes_failed: int = 0
     #: Times the store stopped sending after consecutive failures.
@@ -250,13 +265,28 @@ class RemoteStore:
     """Blocks of one namespace (``fingerprint``) in ``config``'s bucket. A context manager.
 
     ``client`` replaces the S3 client (an ``ObjectClient``); ``check=False`` skips the
-    start-up check (for tools that only read).
+    start-up check (for tools that only read). ``keyring`` replaces the config's keys
+    (``keys.load_keyring``: None only for a trusted bucket).
     """
 
     def __init__(
-        self, config: RemoteConfig, fingerprint: Fingerprint, *, client: ObjectClient | None = None, check: bool = True
+        self,
+        config: RemoteConfig,
+        fingerprint: Fingerprint,
+        *,
+        client: ObjectClient | None = None,
+        check: bool = True,
+        keyring: Keyring | None | bool = True,
     ):
         self.config = config
+        self.keyring: Keyring | None = load_keyring(config) if keyring is True else keyring or None
+        if config.plaintext_endpoint():
+            logger.warning(
+                "shared tier: %s is plain http to another host: requests, and the object keys (block "
+                "hashes) in them, cross the network unencrypted%s; use https (remote.ca_bundle for a private CA)",
+                config.endpoint,
+                "" if self.keyring is not None else ", and so does the KV itself (no key)",
+            )
         self.fingerprint = fingerprint
         self.tp_size = fingerprint.tp_size
         self.namespace = namespace_prefix(config.prefix, fingerprint)
@@ -291,12 +321,15 @@ class RemoteStore:
         """Write (once) and read back the namespace manifest. True when it worked, False
         when the server did not answer (logged: serving goes on, with misses); raises
         ``RemoteSetupError`` naming endpoint and bucket when the credentials are refused
-        or the bucket does not exist."""
+        or the bucket does not exist. A manifest that records another fingerprint, is
+        too large or is not a record is logged: anyone who can write the bucket can put
+        one there, and serving needs nothing from it (every block carries the
+        fingerprint digest, under the tag)."""
         where = f"bucket {self.config.bucket!r} at {self.config.endpoint or 'AWS S3'}"
         key = manifest_key(self.config.prefix, self.fingerprint)
         try:
             self._writer.put(key, [self.manifest()])
-            stored = self._client.get(key)
+            stored = self._client.get(key, limit=MAX_RECORD_BYTES)
         except ConditionalPutRefused as exc:  # only under conditional_put "always"
             raise RemoteSetupError(
                 f"shared tier: {where} does not implement conditional PUT (If-None-Match: *; {exc}), "
@@ -312,6 +345,9 @@ class RemoteStore:
                 f"shared tier: {where} does not exist; create it (e.g. aws s3 mb "
                 f"s3://{self.config.bucket} --endpoint-url URL) or fix 'bucket'"
             ) from None
+        except WrongSize as exc:
+            logger.warning("shared tier: %s in %s is not a fingerprint record (%s); serving goes on", key, where, exc)
+            return True
         except RemoteError as exc:
             logger.warning(
                 "shared tier: %s did not answer the start-up check (%s); serving goes on, with misses until it answers",
@@ -319,11 +355,20 @@ class RemoteStore:
                 exc,
             )
             return False
-        if stored is not None and _manifest_fingerprint(bytes(stored)) != self.fingerprint.to_dict():
-            raise RemoteSetupError(
-                f"shared tier: {key} in {where} records another fingerprint than this "
-                "node's under the same namespace id; use another prefix"
-            )
+        if stored is not None:
+            try:
+                recorded = load_record(bytes(stored), f"{key} in {where}").get("fingerprint")
+            except RecordError as exc:
+                logger.warning("shared tier: %s; serving goes on", exc)
+                return True
+            if recorded != self.fingerprint.to_dict():
+                logger.warning(
+                    "shared tier: %s in %s records another fingerprint than this node's under the same "
+                    "namespace id (a namespace-id collision, or a record someone wrote); serving goes on: "
+                    "blocks are checked against this node's full fingerprint digest",
+                    key,
+                    where,
+                )
         return True
 
     # -- writes -----------------------------------------------------------------------
@@ -364,6 +409,8 @@ class RemoteStore:
     def _key_parts(self, i: int, call: str, block_hash: Any, rank: Any) -> tuple[bytes, int]:
         if not isinstance(block_hash, (bytes, bytearray)) or not block_hash:
             raise TypeError(f"{call}[{i}]: block hash must be non-empty bytes, got {block_hash!r:.80}")
+        if len(block_hash) > MAX_KEY_HASH_BYTES:
+            raise ValueError(f"{call}[{i}]: block hash of {len(block_hash)} bytes, at most {MAX_KEY_HASH_BYTES}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
             raise ValueError(
                 f"{call}[{i}]: rank must be in 0..{self.tp_size - 1} (tp_size {self.tp_size}), got {rank!r}"
@@ -376,8 +423,19 @@ class RemoteStore:
                 with self._lock:
                     self._stats.puts_dropped += 1
                 return PutOutcome.DROPPED
-            header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
-            created = self._writer.put(block_key(self.namespace, block_hash, rank), [header, *views])
+            key = block_key(self.namespace, block_hash, rank)
+            if self.keyring is not None:
+                parts = seal(self.keyring, self._digest, block_hash, rank, views)
+            else:
+                header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
+                parts = [header, *views]
+            created = self._writer.put(key, parts)
+            if not created and not self._verifies(key, block_hash, rank, size):
+                self._client.put(key, parts)
+                created = True
+                with self._lock:
+                    self._stats.forgeries_replaced += 1
+                self._log("object replaced", f"{key}: the object there did not verify")
             self._health.success()
             with self._lock:
                 if created:
@@ -394,6 +452,28 @@ class RemoteStore:
         finally:
             with self._lock:
                 self._pending_bytes -= size
+
+    def _verifies(self, key: str, block_hash: bytes, rank: int, size: int) -> bool:
+        """Whether the object at ``key`` would be served for this block (absent counts as
+        verifying: a node deleted it, and whoever stores it next is honest or is checked)."""
+        try:
+            data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
+        except WrongSize:
+            return False
+        if data is None:
+            return True
+        try:
+            verified_payload(
+                memoryview(data),
+                fingerprint=self._digest,
+                block_hash=block_hash,
+                rank=rank,
+                size=size,
+                keyring=self.keyring,
+            )
+        except Rejected:
+            return False
+        return True
 
     # -- reads ------------------------------------------------------------------------
 
@@ -423,7 +503,7 @@ class RemoteStore:
         size = sum(len(d) for d in dest)
         try:
             try:
-                data = self._client.get(key, FIXED_HEADER_BYTES + len(block_hash) + size)
+                data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
             except WrongSize as wrong:  # never downloaded: the object cannot be this block
                 self._health.success()
                 raise Rejected("size", str(wrong)) from None
@@ -433,7 +513,12 @@ class RemoteStore:
                     self._stats.gets_absent += 1
                 return False
             payload = verified_payload(
-                memoryview(data), fingerprint=self._digest, block_hash=block_hash, rank=rank, size=size
+                memoryview(data),
+                fingerprint=self._digest,
+                block_hash=block_hash,
+                rank=rank,
+                size=size,
+                keyring=self.keyring,
             )
             at = 0
             for d in dest:
@@ -443,7 +528,7 @@ class RemoteStore:
             self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
             with self._lock:
                 self._stats.rejected[rejected.reason] += 1
-            if rejected.reason == "checksum":
+            if rejected.reason in ("checksum", "auth"):
                 self._delete_damaged(key)
             return False
         except Exception as exc:
@@ -567,13 +652,6 @@ class RemoteStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _manifest_fingerprint(data: bytes) -> Any:
-    try:
-        return json.loads(data)["fingerprint"]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def _all_present(answers: list[bool | None]) -> bool | None:

@@ -121,34 +121,37 @@ def build_manager(
     events = enable_events
     stats = TieredStats()
     cpu = cpu_tier_manager(cfg.eviction_policy, geometry.num_cpu_slots, geometry.tokens_per_chunk, enable_events=events)
-    disk = verifier = None
-    if cfg.disk_path:
-        disk = DiskOffloadingManager(
-            cfg.disk_path,
-            geometry.fingerprint,
-            geometry.scheduler_layout(),
-            disk_bytes=cfg.disk_bytes,
-            checksum=cfg.checksum,
-            engine_id=engine_id,
-            enable_events=events,
-        )
-        try:
-            store = DiskStore(disk.namespace, PosixBackend(cfg.io_threads), engine_id=engine_id)
-        except BaseException:
-            disk.shutdown()
-            raise
-        verifier = DiskVerifier(store, geometry.world_size, threads=cfg.io_threads)
+    # The shared tier starts first: a start it refuses (no key, refused credentials, no
+    # bucket) leaves nothing behind on disk.
     remote = remote_verifier = None
-    policies = [cfg.write_policy] if disk is not None else []
     if cfg.remote is not None:
-        try:
-            remote, remote_verifier = build_remote(cfg.remote, geometry, events)
-        except BaseException:
-            if verifier is not None:
-                verifier.shutdown()
-            if disk is not None:
+        remote, remote_verifier = build_remote(cfg.remote, geometry, events)
+    disk = verifier = None
+    policies = []
+    try:
+        if cfg.disk_path:
+            disk = DiskOffloadingManager(
+                cfg.disk_path,
+                geometry.fingerprint,
+                geometry.scheduler_layout(),
+                disk_bytes=cfg.disk_bytes,
+                checksum=cfg.checksum,
+                engine_id=engine_id,
+                enable_events=events,
+            )
+            try:
+                store = DiskStore(disk.namespace, PosixBackend(cfg.io_threads), engine_id=engine_id)
+            except BaseException:
                 disk.shutdown()
-            raise
+                raise
+            verifier = DiskVerifier(store, geometry.world_size, threads=cfg.io_threads)
+            policies.append(cfg.write_policy)
+    except BaseException:
+        if remote is not None:
+            remote_verifier.close()
+            remote.shutdown()
+        raise
+    if cfg.remote is not None:
         policies.append(remote_write_policy(cfg.remote))
     composite = TieredOffloadingManager(
         cpu,
