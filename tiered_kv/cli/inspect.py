@@ -9,7 +9,7 @@ JSON on stdout with ``--json`` (the envelope of ``tiered_kv.cli.output``); progr
 go to stderr (terminals only). Failures print one ``error: ...`` line on stderr and exit
 2 (in JSON mode stdout also gets the envelope with ``error``); ``verify`` exits 1 when it
 finds corruption, and ``verify --repair`` exits 0 once the repaired cache verifies clean.
-Given ``--remote CONFIG``, ``summary``, ``ls`` and ``verify`` look at that config's shared
+Given ``--remote CONFIG``, ``summary``, ``ls``, ``verify``, ``evict`` and ``clear`` look at that config's shared
 tier (its S3 bucket) instead: ``tiered_kv.cli.inspect_remote``.
 """
 
@@ -432,7 +432,7 @@ def _print_verify(results, repair: bool, path, clean: list[bool]) -> None:
 
 @inspect_app.command("evict")
 def evict_cmd(
-    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    path: Optional[str] = _CACHE_PATH,
     to_size: Optional[str] = typer.Option(
         None, "--to-size", help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."
     ),
@@ -443,9 +443,14 @@ def evict_cmd(
     ),
     namespace: Optional[str] = _NAMESPACE,
     dry_run: bool = _DRY_RUN,
+    remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
-    """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed."""
+    """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed.
+    With --remote: a shared tier's block objects, oldest stored first."""
+    if remote is not None:
+        return on_remote("evict", locals())
+    path = need_path(path, json_out)
     with _errors(json_out):
         from tiered_kv.ops.inspect import InspectError, evict, open_cache
 
@@ -488,7 +493,7 @@ def evict_cmd(
 
 @inspect_app.command("clear")
 def clear_cmd(
-    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
     unread_by: Optional[list[str]] = typer.Option(
         None,
@@ -498,9 +503,14 @@ def clear_cmd(
     model: Optional[str] = _SERVER_MODEL,
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     dry_run: bool = _DRY_RUN,
+    remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
-    """Delete namespaces (blocks, index, slab files); the cache must be closed."""
+    """Delete namespaces (blocks, index, slab files); the cache must be closed. With
+    --remote: a shared tier's namespaces (only keys of this format under its prefix)."""
+    if remote is not None:
+        return on_remote("clear", locals())
+    path = need_path(path, json_out)
     with _errors(json_out):
         from tiered_kv.ops.inspect import InspectError, clear, open_cache
 

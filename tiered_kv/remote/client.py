@@ -296,6 +296,26 @@ class S3Client:
         except Exception as exc:
             raise self._error(exc) from None
 
+    def stream(self, key: str, chunk_bytes: int = 8 << 20) -> tuple[int, Iterator[memoryview]] | None:
+        """The object's size and its body in chunks of about ``chunk_bytes`` (one in
+        memory at a time), or None when there is none (for the operator's verification
+        of objects of any size; the serving path reads whole objects of a known size)."""
+        try:
+            result = self._obstore.get(self.raw, key)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._error(exc) from None
+
+        def body() -> Iterator[memoryview]:
+            try:
+                for piece in result.stream(min_chunk_size=chunk_bytes):
+                    yield memoryview(piece)
+            except Exception as exc:
+                raise self._error(exc) from None
+
+        return int(result.meta["size"]), body()
+
     def exists(self, key: str) -> bool:
         try:
             self._obstore.head(self.raw, key)

@@ -139,6 +139,15 @@ class Keyring:
         del out[n:]
         return out
 
+    def opener(self, key_id: int, nonce: bytes, aad: bytes):
+        """A streaming GCM decryptor (``update``, then ``finalize_with_tag``) for a key id
+        this ring holds (``KeyError`` otherwise), with ``aad`` already authenticated."""
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        dec = Cipher(algorithms.AES(self._by_id[key_id].cipher_key), modes.GCM(nonce)).decryptor()
+        dec.authenticate_additional_data(aad)
+        return dec
+
     def holds(self, key_id: int) -> bool:
         return key_id in self._by_id
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -163,10 +163,12 @@ class BlockHeader:
         ) + bytes(self.block_hash)
 
     @classmethod
-    def unpack(cls, data: memoryview) -> BlockHeader:
-        """The header at the start of ``data``; ``Rejected("format")`` if there is none."""
+    def unpack(cls, data: memoryview, total: int | None = None) -> BlockHeader:
+        """The header at the start of ``data``, an object of ``total`` bytes (``len(data)``
+        by default); ``Rejected("format")`` if there is none."""
+        total = len(data) if total is None else total
         if len(data) < FIXED_HEADER_BYTES:
-            raise Rejected("format", f"object of {len(data)} bytes is shorter than a header")
+            raise Rejected("format", f"object of {total} bytes is shorter than a header")
         magic, version, header_len, rank, hash_len, fp, cname, value, payload_len = _FIXED.unpack_from(data)
         if magic != MAGIC:
             raise Rejected("format", f"magic {magic!r}, expected {MAGIC!r}")
@@ -174,12 +176,14 @@ class BlockHeader:
             raise Rejected("format", f"format version {version}, expected a plain object ({FORMAT_PLAIN})")
         if header_len != FIXED_HEADER_BYTES + hash_len or not 0 < hash_len <= MAX_HASH_BYTES:
             raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash")
-        if len(data) != header_len + payload_len:
-            raise Rejected("format", f"object of {len(data)} bytes, header says {header_len} + {payload_len}")
+        if total != header_len + payload_len:
+            raise Rejected("format", f"object of {total} bytes, header says {header_len} + {payload_len}")
         try:
             name = cname.rstrip(b"\0").decode("ascii")
         except UnicodeDecodeError:
             raise Rejected("format", f"checksum name {cname!r}") from None
+        if len(data) < header_len:
+            raise Rejected("format", f"object of {total} bytes is shorter than its header")
         return cls(fp, bytes(data[FIXED_HEADER_BYTES:header_len]), rank, name, value, payload_len)
 
     @property
@@ -255,19 +259,21 @@ class SealedHeader:
         ) + bytes(self.block_hash)
 
     @classmethod
-    def unpack(cls, data: memoryview) -> SealedHeader:
-        """The header at the start of ``data``; ``Rejected("format")`` if there is none."""
+    def unpack(cls, data: memoryview, total: int | None = None) -> SealedHeader:
+        """The header at the start of ``data``, an object of ``total`` bytes (``len(data)``
+        by default); ``Rejected("format")`` if there is none."""
+        total = len(data) if total is None else total
         if len(data) < SEALED_HEADER_BYTES:
-            raise Rejected("format", f"object of {len(data)} bytes is shorter than a header")
+            raise Rejected("format", f"object of {total} bytes is shorter than a header")
         magic, version, header_len, rank, hash_len, fp, key_id, nonce, payload_len = _SEALED.unpack_from(data)
         if magic != MAGIC or version != FORMAT_SEALED:
             raise Rejected("format", f"magic {magic!r} version {version}, expected {MAGIC!r} {FORMAT_SEALED}")
         if header_len != SEALED_HEADER_BYTES + hash_len or not 0 < hash_len <= MAX_HASH_BYTES:
             raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash")
-        if len(data) != header_len + payload_len + TAG_BYTES:
-            raise Rejected(
-                "format", f"object of {len(data)} bytes, header says {header_len} + {payload_len} + {TAG_BYTES}"
-            )
+        if total != header_len + payload_len + TAG_BYTES:
+            raise Rejected("format", f"object of {total} bytes, header says {header_len} + {payload_len} + {TAG_BYTES}")
+        if len(data) < header_len:
+            raise Rejected("format", f"object of {total} bytes is shorter than its header")
         return cls(fp, bytes(data[SEALED_HEADER_BYTES:header_len]), rank, key_id, nonce, payload_len)
 
     @property
@@ -379,3 +385,73 @@ def verified_payload(
     if fn(payload) != header.checksum:
         raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
     return payload
+
+
+def verify_stream(
+    total: int,
+    chunks: Iterable[bytes | memoryview],
+    *,
+    fingerprint: bytes | None,
+    block_hash: BlockHash,
+    rank: int,
+    keyring: Keyring | None,
+) -> BlockHeader | SealedHeader:
+    """``verified_payload``'s checks over an object of ``total`` bytes that arrives in
+    ``chunks``, holding one chunk at a time (an operator's verification of objects of any
+    size in bounded memory); the plaintext is dropped. ``fingerprint`` None accepts the
+    digest the header names. Returns the header; ``Rejected`` as ``verified_payload``."""
+    it = iter(chunks)
+    head = bytearray()
+    need = 14  # magic, version, header_len
+    for chunk in it:
+        head += chunk
+        if len(head) >= need:
+            need = max(need, int.from_bytes(head[12:14], "little"))
+            if len(head) >= need:
+                break
+    version = format_version(memoryview(head))
+    if keyring is not None and version != FORMAT_SEALED:
+        raise Rejected("auth", f"format {version} object, not sealed, where this tier's objects are sealed")
+    if keyring is None and version == FORMAT_SEALED:
+        raise Rejected("key", "a sealed object; this reader has no key (remote.trusted_bucket)")
+    header = (SealedHeader if version == FORMAT_SEALED else BlockHeader).unpack(memoryview(head), total)
+    _check_identity(header, fingerprint or header.fingerprint, block_hash, rank, header.payload_len)
+    body = memoryview(head)[header.header_len :]
+    if isinstance(header, SealedHeader):
+        if not keyring.holds(header.key_id):
+            raise Rejected("key", f"sealed under key id {header.key_id:08x}, which this reader does not hold")
+        sink = keyring.opener(header.key_id, header.nonce, bytes(head[: header.header_len]))
+        tail = bytearray()
+        for piece in _chain(body, it):
+            tail += piece
+            if len(tail) > TAG_BYTES:
+                sink.update(memoryview(tail)[: len(tail) - TAG_BYTES])
+                del tail[: len(tail) - TAG_BYTES]
+        try:
+            sink.finalize_with_tag(bytes(tail))
+        except Exception:
+            raise Rejected(
+                "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
+            ) from None
+        return header
+    try:
+        one = checksum_function(header.checksum_name)
+    except (ValueError, RuntimeError) as exc:
+        raise Rejected("format", f"checksum {header.checksum_name!r}: {exc}") from None
+    streamed = xxhash.xxh3_64() if header.checksum_name == "xxh3_64" else None
+    value = 0
+    for piece in _chain(body, it):
+        if streamed is not None:
+            streamed.update(piece)
+        else:
+            value = one(piece, value)
+    if (streamed.intdigest() if streamed is not None else value) != header.checksum:
+        raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
+    return header
+
+
+def _chain(first: memoryview, rest: Iterator[bytes | memoryview]) -> Iterator[memoryview]:
+    if len(first):
+        yield first
+    for piece in rest:
+        yield memoryview(piece)

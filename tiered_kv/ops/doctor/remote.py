@@ -1,7 +1,9 @@
 """The doctor's check of the shared tier's bucket.
 
 Runs in the operator's process (``tiered-kv doctor``). Its I/O: one GET request for a
-key that is not there (nothing is written), where the config names a shared tier.
+key that is not there (nothing is written; an object someone put there is not
+downloaded past ``safe_json.MAX_RECORD_BYTES``), where the config names a shared tier,
+and a read of the fleet key file or variable the config names.
 """
 
 from __future__ import annotations
@@ -17,13 +19,49 @@ def check_remote(cfg: TieredConfig | None) -> Check:
     and a server that does not answer apart."""
     if cfg is None or cfg.remote is None:
         return Check("remote", OK, "no shared tier configured")
-    from tiered_kv.remote.client import AccessDenied, BucketMissing, RemoteError, RemoteSetupError, S3Client
+    from tiered_kv.remote.client import (
+        AccessDenied,
+        BucketMissing,
+        RemoteError,
+        RemoteSetupError,
+        S3Client,
+        WrongSize,
+    )
+    from tiered_kv.remote.keys import FleetKeyError, load_keyring
+    from tiered_kv.remote.safe_json import MAX_RECORD_BYTES
 
     remote = cfg.remote
     where = f"bucket {remote.bucket!r} at {remote.endpoint or 'AWS S3'}"
     facts = {"endpoint": remote.endpoint, "bucket": remote.bucket, "prefix": remote.prefix}
     try:
-        S3Client(remote).get(f"{remote.prefix}/doctor-probe")
+        keyring = load_keyring(remote)
+    except FleetKeyError as e:
+        return Check("remote", FAIL, f"shared tier: {e}", "openssl rand -hex 32 > FILE; chmod 600 FILE", facts)
+    facts["key_ids"] = [] if keyring is None else [f"{k:08x}" for k in keyring.key_ids]
+    cautions = []
+    if keyring is None:
+        cautions.append(
+            (
+                "the bucket is declared trusted and no key is set: blocks are stored in plaintext",
+                "name a fleet key (remote.key_file or remote.key_env)",
+            )
+        )
+    if remote.plaintext_endpoint():
+        cautions.append(
+            (
+                f"{remote.endpoint} is plain http to another host",
+                "use an https endpoint (remote.ca_bundle for a private CA)",
+            )
+        )
+    try:
+        S3Client(remote).get(f"{remote.prefix}/doctor-probe", limit=MAX_RECORD_BYTES)
+    except WrongSize as e:
+        cautions.append(
+            (
+                f"{remote.prefix}/doctor-probe holds an object nobody should have written ({e}; not read)",
+                f"delete {remote.prefix}/doctor-probe and find out who can write the bucket",
+            )
+        )
     except RemoteSetupError as e:
         return Check("remote", FAIL, f"shared tier: {e}", "install the client: pip install 'tiered-kv[s3]'", facts)
     except AccessDenied as e:
@@ -51,4 +89,7 @@ def check_remote(cfg: TieredConfig | None) -> Check:
             "check remote.endpoint and the network path to it",
             facts,
         )
+    if cautions:
+        message = f"shared tier: {where} answers; " + "; ".join(m for m, _ in cautions)
+        return Check("remote", WARN, message, "; ".join(f for _, f in cautions), facts)
     return Check("remote", OK, f"shared tier: {where} answers", facts=facts)
