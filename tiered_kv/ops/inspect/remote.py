@@ -27,7 +27,6 @@ object written by another namespace shows as ``foreign`` even where the namespac
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import time
