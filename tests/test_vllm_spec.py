@@ -143,6 +143,8 @@ _BAD_CONFIGS = [
     ({"cpu_bytes": "100B"}, r"cpu_bytes: 100 B per rank holds no chunk; one chunk is 4\.00 KiB"),
     ({"cpu_bytes": 64}, r"cpu_bytes: 64 has no unit, so it would mean 64 bytes.*'64B' if you mean bytes"),
     ({"cpu_bytes": "8GiB", "disk_bytes": "1TiB"}, r"disk_bytes: set without disk_path"),
+    ({"cpu_bytes": "64TiB"}, r"cpu_bytes: 64(\.00)? TiB per rank is more than this process may use"),
+    ({"remote": {"bucket": "kv-b", "request_timeout": 1e309}}, r"remote\.request_timeout: duration must be at most"),
     ({"disk_path": "DISK", "disk_bytes": "1TB!"}, r"disk_bytes: cannot parse size '1TB!'"),
     ({"disk_path": "DISK", "disk_bytes": "1000B"}, r"disk_bytes: 1000 B per rank holds no chunk"),
     ({"write_policy": "sometimes"}, r"write_policy: expected one of write_through, write_back; got 'sometimes'"),
