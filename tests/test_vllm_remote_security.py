@@ -35,12 +35,16 @@ from test_vllm_remote import (  # noqa: E402
     _uploaded,
     _wait_background,
     _worker,
-    model_dir,  # noqa: F401 (a fixture)
 )
 
 from tiered_kv.remote.object_format import SEALED_HEADER_BYTES  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return vh.write_model_config(tmp_path_factory.mktemp("model"))
 
 
 def _key_of(rgw_server, prefix: str, chunk_key: bytes) -> str:

@@ -351,6 +351,50 @@ def _check_identity(
         raise Rejected("size", f"payload of {header.payload_len} bytes, expected {size}")
 
 
+def verify_into(
+    data: memoryview,
+    dest: Sequence[memoryview],
+    *,
+    fingerprint: bytes,
+    block_hash: BlockHash,
+    rank: int,
+    keyring: Keyring | None,
+) -> None:
+    """``verified_payload``, its payload written into ``dest`` (pieces adding up to the
+    block's size): a sealed object is decrypted there directly. On ``Rejected`` the
+    pieces hold nothing of the object (untouched, or zeroed after a failed tag)."""
+    size = sum(len(d) for d in dest)
+    if keyring is None or format_version(data) != FORMAT_SEALED:
+        payload = verified_payload(
+            data, fingerprint=fingerprint, block_hash=block_hash, rank=rank, size=size, keyring=keyring
+        )
+        at = 0
+        for d in dest:
+            d[:] = payload[at : at + len(d)]
+            at += len(d)
+        return
+    header = SealedHeader.unpack(data)
+    _check_identity(header, fingerprint, block_hash, rank, size)
+    if not keyring.holds(header.key_id):
+        raise Rejected(
+            "key", f"sealed under key id {header.key_id:08x}; this node holds {[f'{k:08x}' for k in keyring.key_ids]}"
+        )
+    end = header.header_len + header.payload_len
+    try:
+        keyring.open_into(
+            header.key_id,
+            header.nonce,
+            bytes(data[: header.header_len]),
+            data[header.header_len : end],
+            bytes(data[end:]),
+            dest,
+        )
+    except AuthenticationFailed:
+        raise Rejected(
+            "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
+        ) from None
+
+
 def verified_payload(
     data: memoryview,
     *,

@@ -34,8 +34,9 @@ unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
 ``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses). A block
 whose object fails any check of ``object_format`` (foreign fingerprint, other block,
-other size, a tag that does not verify, damaged bytes) is a counted miss and no byte of
-it reaches the caller's buffer; an object whose tag or checksum fails is deleted, so
+other size, a tag that does not verify, damaged bytes) is a counted miss and nothing of
+it stays in the caller's buffer (a sealed object is decrypted into it, and the buffer
+zeroed when the tag then fails); an object whose tag or checksum fails is deleted, so
 that it can be stored again.
 
 Objects are sealed (AES-256-GCM under the fleet key, ``keys``) unless the config
@@ -100,6 +101,7 @@ from tiered_kv.remote.object_format import (
     pieces_checksum,
     seal,
     verified_payload,
+    verify_into,
 )
 
 logger = logging.getLogger(__name__)
@@ -480,7 +482,7 @@ class RemoteStore:
     def get_blocks(self, blocks: Sequence[GetItem]) -> Future[list[bool]]:
         """Download each ``(block hash, rank, buffer or pieces)`` into its bytes, whose
         size is the block's. One bool per block: True when they now hold the verified
-        bytes; on False they were not written."""
+        bytes; on False they hold nothing of the object (untouched, or zeroed)."""
         items = []
         for i, block in enumerate(blocks):
             try:
@@ -512,18 +514,9 @@ class RemoteStore:
                 with self._lock:
                     self._stats.gets_absent += 1
                 return False
-            payload = verified_payload(
-                memoryview(data),
-                fingerprint=self._digest,
-                block_hash=block_hash,
-                rank=rank,
-                size=size,
-                keyring=self.keyring,
+            verify_into(
+                memoryview(data), dest, fingerprint=self._digest, block_hash=block_hash, rank=rank, keyring=self.keyring
             )
-            at = 0
-            for d in dest:
-                d[:] = payload[at : at + len(d)]
-                at += len(d)
         except Rejected as rejected:
             self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
             with self._lock:
