@@ -39,14 +39,11 @@ it stays in the caller's buffer (a sealed object is decrypted into it, and the b
 zeroed when the tag then fails); an object whose tag or checksum fails is deleted, so
 that it can be stored again.
 
-Objects are sealed (AES-256-GCM under the fleet key, ``keys``) unless the config
-declares the bucket trusted and names no key; without either, the constructor refuses
-to start (a ``ConfigError`` naming ``remote.key_file`` / ``remote.key_env``). Sealing and
-opening run on the store's threads. Write-once does not protect a forgery: when a write
-finds the key taken, the store reads the object there and, unless it verifies,
-replaces it with its own (``forgeries_replaced``). ``fingerprint.json`` is information
-for operators, never a gate: it is read with a size bound, and one that records
-another fingerprint is logged, not obeyed.
+Objects are sealed (AES-256-GCM under the fleet key, ``keys``, on the store's threads)
+unless the config declares the bucket trusted and names no key; with neither, the
+constructor raises a ``ConfigError`` naming ``remote.key_file`` / ``remote.key_env``. A
+write that finds its key taken reads the object there and replaces it unless it verifies
+(``forgeries_replaced``). ``fingerprint.json`` is information, never a gate.
 Wrong credentials or a missing bucket are a ``RemoteSetupError`` from the
 constructor's start-up check, naming the endpoint and the bucket.
 
@@ -64,7 +61,6 @@ import enum
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -85,6 +81,7 @@ from tiered_kv.remote.client import (
     WrongSize,
 )
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
+from tiered_kv.remote.health import FaultLog, Health
 from tiered_kv.remote.keys import Keyring, load_keyring
 from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.write_once import WriteOnce
@@ -161,54 +158,6 @@ class RemoteStats:
     @property
     def gets_rejected(self) -> int:
         return sum(self.rejected.values())
-
-
-class _Health:
-    """Consecutive transient failures; past the threshold, requests pause for a cooldown."""
-
-    def __init__(self, threshold: int, cooldown: float, on_open: Callable[[int], None]):
-        self._threshold, self._cooldown, self._on_open = threshold, cooldown, on_open
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._open_until = 0.0
-
-    def available(self) -> bool:
-        return time.monotonic() >= self._open_until
-
-    def success(self) -> None:
-        self._failures = 0
-
-    def failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            if self._failures >= self._threshold and self.available():
-                self._open_until = time.monotonic() + self._cooldown
-                failures, self._failures = self._failures, 0
-                self._on_open(failures)
-
-
-class _FaultLog:
-    """Logs the first fault of each kind in full, then one summary per ``every`` seconds."""
-
-    def __init__(self, every: float = 60.0):
-        self._every = every
-        self._lock = threading.Lock()
-        self._state: dict[str, list[float]] = {}  # kind -> [next log time, suppressed count]
-
-    def __call__(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            state = self._state.get(kind)
-            if state is None:
-                self._state[kind] = [now + self._every, 0]
-                suppressed = -1
-            elif now >= state[0]:
-                suppressed, state[0], state[1] = int(state[1]), now + self._every, 0
-            else:
-                state[1] += 1
-                return
-        more = "" if suppressed < 0 else f" ({suppressed} more since the last report)"
-        logger.warning("shared tier: %s: %s%s", kind, message, more)
 
 
 def _gather(futures: list[Future], combine: Callable[[list[Any]], T] = list) -> Future:
@@ -300,8 +249,8 @@ class RemoteStore:
         self._stats = RemoteStats()
         self._pending_bytes = 0
         self._closed = False
-        self._log = _FaultLog()
-        self._health = _Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
+        self._log = FaultLog()
+        self._health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="tkv-remote")
         self.reachable = True
         if check:
@@ -464,14 +413,10 @@ class RemoteStore:
             return False
         if data is None:
             return True
+        d = self._digest
         try:
             verified_payload(
-                memoryview(data),
-                fingerprint=self._digest,
-                block_hash=block_hash,
-                rank=rank,
-                size=size,
-                keyring=self.keyring,
+                memoryview(data), fingerprint=d, block_hash=block_hash, rank=rank, size=size, keyring=self.keyring
             )
         except Rejected:
             return False
