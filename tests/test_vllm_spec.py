@@ -87,9 +87,15 @@ _README = {
 }
 
 
+@pytest.fixture
+def target_machine(monkeypatch):
+    """The configs' machines, not this one: memory enough for their cpu_bytes."""
+    monkeypatch.setattr("tiered_kv.integrations.vllm.geometry.host_memory_limit", lambda: 2 << 40)
+
+
 @vllm_only
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
-def test_vllms_factory_loads_our_spec_from_each_config_file(path, tmp_path):
+def test_vllms_factory_loads_our_spec_from_each_config_file(path, tmp_path, target_machine):
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     from tiered_kv.integrations.vllm import TieredOffloadingSpec
@@ -194,7 +200,7 @@ def _readme_serve_example() -> dict:
 
 
 @vllm_only
-def test_the_readme_vllm_serve_example_is_a_valid_config(tmp_path):
+def test_the_readme_vllm_serve_example_is_a_valid_config(tmp_path, target_machine):
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     from tiered_kv.config import TieredConfig, VLLM_PASSTHROUGH_KEYS
