@@ -115,7 +115,7 @@ def start_engine(cache: Path) -> tuple[str, str]:
 
 def _expected(e: BaseException) -> bool:
     from tiered_kv.config import ConfigError
-    from tiered_kv.disk.namespace import NamespaceError
+    from tiered_kv.disk.format.namespace import NamespaceError
 
     return isinstance(e, (NamespaceError, ConfigError))
 
@@ -173,7 +173,7 @@ def main() -> None:
 def damage_index(data: Path) -> None:
     """Zero the root page of the main database of the LMDB file ``data`` (a page every
     reader passes through)."""
-    from tiered_kv.disk.lmdb_check import read_meta
+    from tiered_kv.disk.format.lmdb_check import read_meta
 
     raw = bytearray(data.read_bytes())
     psize, _, _, main = read_meta(bytes(raw[: 2 * 65536]))
@@ -183,7 +183,7 @@ def damage_index(data: Path) -> None:
 
 def blocks_served_right(cache: Path) -> tuple[int, int]:
     """Read every block an engine on ``cache`` would serve; (served, wrong)."""
-    from tiered_kv.disk.store import DiskStore
+    from tiered_kv.disk.worker.store import DiskStore
 
     served = wrong = 0
     for ns_dir in namespace_dirs(cache):

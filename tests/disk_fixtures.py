@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 from conftest import make_layout
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex
-from tiered_kv.disk.index_records import entry_dtype
-from tiered_kv.disk.io_backends import PosixBackend, aligned_empty
-from tiered_kv.disk.namespace import slot_size_for
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.index import DiskIndex
+from tiered_kv.disk.format.index_records import entry_dtype
+from tiered_kv.disk.worker.io_backends import PosixBackend, aligned_empty
+from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout
 
 
@@ -142,11 +142,11 @@ def crash_workload(cache_dir: str, journal: str, seed: int) -> None:
     ``block_content(hash, rank)``."""
     import random
 
-    from tiered_kv.disk.manager import DiskOffloadingManager
-    from tiered_kv.disk.store import DiskStore
+    from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+    from tiered_kv.disk.worker.store import DiskStore
     from tiered_kv.memory.host_memory import HostKVCache, unpack_blocks
     from tiered_kv.mediums import CPULoadStoreSpec
-    from tiered_kv.disk.handlers import CpuDiskHandler
+    from tiered_kv.disk.worker.handlers import CpuDiskHandler
 
     torch.set_num_threads(1)
     layout = crash_layout()
@@ -211,6 +211,12 @@ def forkserver_context():
 
     c = multiprocessing.get_context("forkserver")
     c.set_forkserver_preload(
-        ["torch", "disk_fixtures", "tiered_kv.disk.manager", "tiered_kv.disk.store", "tiered_kv.disk.handlers"]
+        [
+            "torch",
+            "disk_fixtures",
+            "tiered_kv.disk.scheduler.manager",
+            "tiered_kv.disk.worker.store",
+            "tiered_kv.disk.worker.handlers",
+        ]
     )
     return c

@@ -27,10 +27,10 @@ import torch
 import cache_dir_checks as cd
 from tiered_kv.testing.harness import GPU_BLOCK_SIZE, config, device, expected_bytes, namespace_dirs
 from tiered_kv.config import ConfigError
-from tiered_kv.disk.index import QUARANTINE_SUFFIX
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import NamespaceError
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.format.index import QUARANTINE_SUFFIX
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import NamespaceError
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.tiered.spec import HierarchySpec
 
 MUTATIONS = int(os.environ.get("TIERED_KV_FUZZ_MUTATIONS", "520"))

@@ -18,13 +18,13 @@ import pytest
 import cache_dir_checks as cd
 import disk_fixtures as fx
 from tiered_kv.testing.harness import GPU_BLOCK_SIZE, Hierarchy, config, device
-from tiered_kv.disk.errors import DiskSizeError
-from tiered_kv.disk.index import QUARANTINE_SUFFIX, DiskIndex, IndexCorruptError
-from tiered_kv.disk.index_env import DAMAGE_MARK
-from tiered_kv.disk.lmdb_check import LmdbDamage, check_data_file
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import CacheLockedError, ManifestError, Namespace, NamespaceError
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.format.errors import DiskSizeError
+from tiered_kv.disk.format.index import QUARANTINE_SUFFIX, DiskIndex, IndexCorruptError
+from tiered_kv.disk.format.index_env import DAMAGE_MARK
+from tiered_kv.disk.format.lmdb_check import LmdbDamage, check_data_file
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import CacheLockedError, ManifestError, Namespace, NamespaceError
+from tiered_kv.disk.worker.store import DiskStore
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_the_page_walk_finds_the_damage_lmdb_would_meet_later(cache):
 def _first_leaf(data: Path) -> int:
     """The page number of the first leaf of the ``blocks`` database of the LMDB file
     ``data`` (found from the newest meta page's main database)."""
-    from tiered_kv.disk.lmdb_check import read_meta
+    from tiered_kv.disk.format.lmdb_check import read_meta
 
     raw = data.read_bytes()
     _, _, _, main = read_meta(raw[:8192])

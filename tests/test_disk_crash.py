@@ -10,8 +10,8 @@ import time
 import pytest
 
 import disk_fixtures as fx
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.worker.store import DiskStore
 
 TRIALS = 20
 SEED = 20261122

@@ -13,12 +13,12 @@ import torch
 
 from conftest import make_layout, random_tensors
 from disk_fixtures import FaultyBackend, block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
-from tiered_kv.disk.namespace import slot_size_for
-import tiered_kv.disk.batch as batch_module
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.format.namespace import slot_size_for
+import tiered_kv.disk.worker.batch as batch_module
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.disk.handlers import CpuDiskHandler, GpuDiskHandler
+from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler
 from tiered_kv.worker.worker import OffloadingWorker
 
 SLOTS = 32
@@ -388,7 +388,7 @@ def test_gpu_disk_round_trip_on_cuda(tmp_path, kv_first, disk_io):
     layout = small_layout(kv_first, factor=2)
     gpu = random_tensors(layout, seed=9, device="cuda")
     if disk_io == "process":
-        from tiered_kv.disk.io_process import DiskIOProcess
+        from tiered_kv.disk.worker.io_process import DiskIOProcess
 
         store = DiskIOProcess.open(
             tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, SLOTS), io_backend="auto"

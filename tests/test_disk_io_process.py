@@ -18,15 +18,15 @@ import torch
 
 from conftest import make_layout, random_tensors
 from disk_fixtures import block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
-from tiered_kv.disk.index_records import LOG_FAILED
-from tiered_kv.disk.io_process import DiskIOProcess
-from tiered_kv.disk.namespace import slot_size_for
-from tiered_kv.disk.batch import views_fit
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.format.index_records import LOG_FAILED
+from tiered_kv.disk.worker.io_process import DiskIOProcess
+from tiered_kv.disk.format.namespace import slot_size_for
+from tiered_kv.disk.worker.batch import views_fit
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
 from tiered_kv.memory.shared_memory import empty_shared, locate
-from tiered_kv.disk.handlers import CpuDiskHandler
+from tiered_kv.disk.worker.handlers import CpuDiskHandler
 from tiered_kv.worker.worker import TransferResult
 
 SLOTS = 32

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
-from tiered_kv.disk.block_table import _BUCKETS_PER_KEY, BlockTable, _bucket_bits, _in_buckets
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.scheduler.block_table import _BUCKETS_PER_KEY, BlockTable, _bucket_bits, _in_buckets
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
 CAP = 6
@@ -156,8 +156,8 @@ def test_refresh_reads_at_most_max_records_and_says_when_more_are_left(tier, lay
 def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
     """``refresh``'s shortcut for one rank and only ``ok`` records against the general
     loop, on the same records: good, stale slot, not pending, repeated."""
-    from tiered_kv.disk.index_records import LOG_OK
-    from tiered_kv.disk.log_fold import RefreshResult
+    from tiered_kv.disk.format.index_records import LOG_OK
+    from tiered_kv.disk.scheduler.log_fold import RefreshResult
 
     m, _ = tier
     rnd = random.Random(seed)

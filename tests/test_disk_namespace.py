@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from disk_fixtures import disk_bytes_for, fingerprint, small_layout
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import (
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import (
     CacheLockedError,
     FingerprintMismatchError,
     Namespace,
@@ -27,7 +27,7 @@ from tiered_kv.disk.namespace import (
     list_namespaces,
     slot_size_for,
 )
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.kv_layout import KVCacheLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,7 +163,7 @@ def _holder_script(cache_dir: str, engine_id: str) -> str:
         import sys, time
         sys.path.insert(0, {os.path.join(REPO, "tests")!r})
         from disk_fixtures import small_layout, fingerprint, disk_bytes_for
-        from tiered_kv.disk.manager import DiskOffloadingManager
+        from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
         layout = small_layout()
         m = DiskOffloadingManager({cache_dir!r}, fingerprint(layout), layout,
                                   disk_bytes=disk_bytes_for(layout, 8), engine_id={engine_id!r})

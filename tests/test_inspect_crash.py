@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import disk_fixtures as fx
 from test_disk_crash import wait_ready
 from tiered_kv.cli import _load_commands, app
-from tiered_kv.disk.manager import DiskOffloadingManager
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 
 _load_commands()
 runner = CliRunner()
@@ -30,8 +30,8 @@ _WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     import disk_fixtures as fx
-    from tiered_kv.disk.manager import DiskOffloadingManager
-    from tiered_kv.disk.store import DiskStore
+    from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+    from tiered_kv.disk.worker.store import DiskStore
     layout = fx.crash_layout()
     fp = fx.fingerprint(layout, tp_size=2)
     nbytes = fx.disk_bytes_for(layout, fx.CRASH_SLOTS)

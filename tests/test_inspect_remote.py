@@ -18,7 +18,7 @@ from s3_server import BUCKET, skip_module_without_rgw
 from typer.testing import CliRunner
 
 from tiered_kv.cli import _load_commands, app
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
 from tiered_kv.remote.object_format import SEALED_HEADER_BYTES, block_key
 

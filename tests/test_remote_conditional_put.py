@@ -16,7 +16,7 @@ import pytest
 from s3_server import BUCKET, FaultProxy
 
 from tiered_kv.config_values import ConfigError
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteSetupError, RemoteStore
 from tiered_kv.remote.client import conditional_put_refusal
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from s3_server import BUCKET, SECRET_KEY, FaultProxy, skip_module_without_rgw
 
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteSetupError, RemoteStore
 
 pytestmark = pytest.mark.faults

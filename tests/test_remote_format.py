@@ -10,8 +10,8 @@ import pytest
 import xxhash
 
 from tiered_kv.config import ConfigError
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.checksums import checksum_function
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.worker.checksums import checksum_function
 from tiered_kv.remote.config import RemoteConfig, parse_duration
 from tiered_kv.remote.membership import Membership, MembershipCache
 from tiered_kv.remote.object_format import (

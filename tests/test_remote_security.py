@@ -204,3 +204,19 @@ def test_a_planted_fingerprint_record_never_stops_serving(remote_settings, recor
     assert grown_kib < 48 * 1024, f"{grown_kib} KiB"  # a 64 MiB body read whole would be more
     expected = {"huge": "is not a fingerprint record", "nested": "nested", "foreign": "another fingerprint"}[record]
     assert any(expected in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize("fault", ["no key", "refused credentials"])
+def test_a_start_the_shared_tier_refuses_leaves_no_disk_namespace(remote_settings, tmp_path, monkeypatch, fault):
+    from remote_node import build
+
+    from tiered_kv.remote.client import RemoteSetupError
+
+    settings = {k: v for k, v in remote_settings.items() if k != "key_env"} if fault == "no key" else remote_settings
+    if fault == "refused credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError if fault == "no key" else RemoteSetupError) as err:
+        build(cache, settings)
+    assert ("remote.key_file" if fault == "no key" else "refused the credentials") in str(err.value)
+    assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())

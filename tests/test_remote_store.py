@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from s3_server import FaultProxy, skip_module_without_rgw
 
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import (
     MembershipCache,
     MembershipProber,

@@ -183,7 +183,7 @@ def test_a_bad_config_fails_vllm_start_up_naming_the_key(bad, message, model_dir
     import vllm_harness as vh
 
     from tiered_kv.config import ConfigError
-    from tiered_kv.disk.namespace import NamespaceError
+    from tiered_kv.disk.format.namespace import NamespaceError
 
     (tmp_path / "FILE").write_text("not a directory")
     bad = {k: str(tmp_path / v) if k == "disk_path" else v for k, v in bad.items()}

@@ -35,7 +35,7 @@ bytes per measurement with the same number of I/O threads:
   says which ("vectored" or "packed"). A job's blocks come from consecutive CPU slots,
   or, with ``--scattered-slots``, from slots in a shuffled order, as from a CPU tier
   whose LRU has churned. With ``--disk-io process`` both run in the store's helper
-  process (``tiered_kv.disk.io_process``), on a host cache in shared memory.
+  process (``tiered_kv.disk.worker.io_process``), on a host cache in shared memory.
 
 Every path's host buffers (the raw loop's, the store's rows, the host KV cache, the
 staging buffers) are the tier's long-lived kind, ``empty_pageable``: 2 MiB-aligned and
@@ -80,17 +80,17 @@ import torch
 from benchlib import MiB, RawLoop, busy_thread, cpu_seconds, float_list, header, per_round, rotated, total_rate
 
 from tiered_kv.config import CHECKSUMS
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.memory import device
 from tiered_kv.memory.device import kernel_huge_pages
-from tiered_kv.disk.namespace import slot_size_for
-from tiered_kv.disk.io_process import DiskIOProcess
-from tiered_kv.disk.batch import views_fit
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.format.namespace import slot_size_for
+from tiered_kv.disk.worker.io_process import DiskIOProcess
+from tiered_kv.disk.worker.batch import views_fit
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
-from tiered_kv.disk.handlers import CpuDiskHandler
+from tiered_kv.disk.worker.handlers import CpuDiskHandler
 
 
 class GcPauses:
@@ -372,7 +372,7 @@ def main() -> None:
         default="thread",
         choices=("thread", "process"),
         help="where the store and handler paths run their disk I/O: threads of this process "
-        "(default) or a helper process (tiered_kv.disk.io_process)",
+        "(default) or a helper process (tiered_kv.disk.worker.io_process)",
     )
     p.add_argument(
         "--raw",

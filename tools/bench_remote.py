@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
 
 SCRIPT = Path(__file__).resolve().parent / "rgw_server.sh"
@@ -337,7 +337,7 @@ class _Node:
 
 def replay(config: RemoteConfig, shape: ReplayShape, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Node A then node B on the two halves of one shared-prefix workload; a row per node."""
-    from tiered_kv.remote.tier import REMOTE
+    from tiered_kv.remote.manager import REMOTE
     from tiered_kv.sim.workloads import shared_prefix_workload
 
     workload = shared_prefix_workload(

@@ -21,11 +21,11 @@ import lmdb
 import numpy as np
 import torch
 
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.index import DiskIndex
-from tiered_kv.disk.index_records import entry_dtype
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import Namespace
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.format.index import DiskIndex
+from tiered_kv.disk.format.index_records import entry_dtype
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import Namespace
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 LAYOUT = KVCacheLayout((LayerLayout("kv", (1, 4096), False),), torch.uint8, 16)

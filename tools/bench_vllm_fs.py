@@ -61,8 +61,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from benchlib import MiB, header  # noqa: E402
 
-from tiered_kv.disk.io_backends import aligned_empty  # noqa: E402
-from tiered_kv.disk.namespace import NamespaceError  # noqa: E402
+from tiered_kv.disk.worker.io_backends import aligned_empty  # noqa: E402
+from tiered_kv.disk.format.namespace import NamespaceError  # noqa: E402
 
 TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
 END_OF_STEP = ScheduleEndContext((), ())

@@ -51,7 +51,7 @@ from tiered_kv.testing.harness import (
     namespace_dirs,
     verify_cache,
 )
-from tiered_kv.disk.index import QUARANTINE_SUFFIX
+from tiered_kv.disk.format.index import QUARANTINE_SUFFIX
 
 
 @dataclass

@@ -24,7 +24,7 @@ from tiered_kv.testing.harness import (
     truncate_slab,
     verify_cache,
 )
-from tiered_kv.disk.index import QUARANTINE_SUFFIX
+from tiered_kv.disk.format.index import QUARANTINE_SUFFIX
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -108,7 +108,7 @@ def test_a_truncated_slab_drops_the_blocks_past_its_end_at_startup(cache, keep_s
     assert set(before.corrupt) == gone
     assert_inspector_flags(cache, "a truncated slab")
 
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.manager"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.scheduler.manager"):
         h = Hierarchy(cache, cpu_blocks=8, disk_blocks=64)
     assert "missing or truncated" in caplog.text
     assert not h.disk.loadable_among(gone), "blocks past the end of the slab are still offered"
@@ -125,7 +125,7 @@ def test_a_deleted_slab_empties_the_tier_and_is_recreated(cache, caplog):
     assert len(before.corrupt) + len(before.errors) > 0
     assert_inspector_flags(cache, "a deleted slab")
 
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.manager"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.scheduler.manager"):
         h, report = serve_everything(cache)
     assert "missing or truncated" in caplog.text
     assert report.offload_hits == 0 and h.spec.store.stats.checksum_failures == 0

@@ -19,8 +19,8 @@ import pytest
 
 import disk_fixtures as fx
 from tiered_kv.testing.harness import verify_cache
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.namespace import Namespace
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.format.namespace import Namespace
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ _CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path[:0] = {paths!r}
     import disk_fixtures as fx
-    from tiered_kv.disk.store import DiskStore
+    from tiered_kv.disk.worker.store import DiskStore
     layout = fx.small_layout()
     fp = fx.fingerprint(layout, tp_size={tp})
     store = DiskStore.open({cache!r}, fp, layout, disk_bytes=fx.disk_bytes_for(layout, 8), io_backend="posix")
@@ -77,7 +77,7 @@ def test_a_slot_committed_and_cleared_in_one_group_keeps_no_entry(tmp_path):
         ns = Namespace.open(tmp_path / f"tp{tp}", fx.fingerprint(layout, tp_size=tp), layout, num_slots=8)
         index = ns.open_index()
         h = fx.block_hash("both")
-        from tiered_kv.disk.index import StoredBlocks
+        from tiered_kv.disk.format.index import StoredBlocks
 
         if tp == 2:
             index.commit_stored(1, [h], [2], [layout.bytes_per_block], [7])

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tiered_kv.disk.namespace import NamespaceError
+from tiered_kv.disk.format.namespace import NamespaceError
 
 from tiered_kv.testing.harness import Hierarchy, InjectingBackend, TmpfsMount, documents, inject_backend, verify_cache
 

@@ -27,7 +27,7 @@ from tiered_kv.testing.harness import (
 )
 from tiered_kv.config import ConfigError, format_size
 from tiered_kv.memory.device import host_memory_limit
-from tiered_kv.disk.namespace import CacheLockedError, FingerprintMismatchError, Manifest, NamespaceError
+from tiered_kv.disk.format.namespace import CacheLockedError, FingerprintMismatchError, Manifest, NamespaceError
 from tiered_kv.tiered.spec import HierarchySpec
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
@@ -71,7 +71,7 @@ def test_a_second_engine_on_the_same_cache_is_refused_naming_the_first(tmp_path)
 )
 def test_a_cache_of_another_model_dtype_or_tp_layout_is_never_served(tmp_path, change, field, caplog):
     fill(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.manager"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.disk.scheduler.manager"):
         other = Hierarchy(tmp_path, **change)
     report = other.run(DOCS)
     assert report.offload_hits == 0 and report.mismatches == 0

@@ -14,7 +14,7 @@ import pytest
 
 import tiered_kv.memory.device
 from tiered_kv.testing.harness import Hierarchy, device, documents, namespace_dirs, verify_cache
-from tiered_kv.disk.namespace import Namespace, current_holder
+from tiered_kv.disk.format.namespace import Namespace, current_holder
 from tiered_kv.memory.host_memory import HostKVCache
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]

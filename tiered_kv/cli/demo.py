@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tiered_kv.cli import app
 from tiered_kv.config import ConfigError, format_size, parse_size
-from tiered_kv.disk.namespace import NamespaceError
+from tiered_kv.disk.format.namespace import NamespaceError
 from tiered_kv.metrics import TRANSFER_TYPES
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver

@@ -171,7 +171,15 @@ def summary(
                 "read by",
                 f"{r['config']}: "
                 + (
-                    "[green]yes[/] (given an engine of this geometry)"
+                    (
+                        "[green]yes[/]: a vLLM server with this config and the namespace's TP, GPU block "
+                        "size and dtype reads it"
+                        + (
+                            f" ({r['unchecked']}; only the fields the config pins were compared)"
+                            if "unchecked" in r
+                            else ""
+                        )
+                    )
                     if r["reads"]
                     else "[yellow]no[/]: " + "; ".join(r["differences"])
                 ),
@@ -367,7 +375,7 @@ def _clean_after_repair(ns, result) -> bool:
     range, and none of the corrupt blocks left in the index. (Every other block was
     read and matched its checksum under the same writer lock, so that is all a second
     full pass could find.)"""
-    from tiered_kv.disk.index import DiskIndex
+    from tiered_kv.disk.format.index import DiskIndex
     from tiered_kv.ops.inspect import read_entries
 
     table = read_entries(ns)

@@ -106,7 +106,7 @@ def fail(message: str, json_out: bool, code: int = EXIT_ERROR) -> NoReturn:
 def _is_namespace_error(e: BaseException) -> bool:
     # Looked up, not imported: the disk package pulls in torch, and an exception of it
     # can only exist once it has been imported.
-    module = sys.modules.get("tiered_kv.disk.namespace")
+    module = sys.modules.get("tiered_kv.disk.format.namespace")
     return module is not None and isinstance(e, module.NamespaceError)
 
 

@@ -28,11 +28,11 @@ Module map (which process runs what):
   ``block_table`` its table of loadable blocks.
 
 The handlers that move blocks between KV tensors and the disk are in
-``tiered_kv.disk.handlers``.
+``tiered_kv.disk.worker.handlers``.
 """
 
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.io_backends import (
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.disk.worker.io_backends import (
     BackendUnavailableError,
     IOBackend,
     KvikIOBackend,
@@ -40,9 +40,9 @@ from tiered_kv.disk.io_backends import (
     aligned_empty,
     select_backend,
 )
-from tiered_kv.disk.log_fold import RefreshResult
-from tiered_kv.disk.manager import DiskManagerStats, DiskOffloadingManager
-from tiered_kv.disk.namespace import (
+from tiered_kv.disk.scheduler.log_fold import RefreshResult
+from tiered_kv.disk.scheduler.manager import DiskManagerStats, DiskOffloadingManager
+from tiered_kv.disk.format.namespace import (
     CacheLockedError,
     FingerprintMismatchError,
     Namespace,
@@ -50,7 +50,7 @@ from tiered_kv.disk.namespace import (
     list_namespaces,
     slot_size_for,
 )
-from tiered_kv.disk.store import DiskStore, DiskStoreStats
+from tiered_kv.disk.worker.store import DiskStore, DiskStoreStats
 
 __all__ = [
     "BackendUnavailableError",

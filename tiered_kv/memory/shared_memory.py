@@ -1,6 +1,6 @@
 """Host memory that the disk I/O process can reach: shared regions, named by number.
 
-A worker that runs its disk I/O in a helper process (``tiered_kv.disk.io_process``)
+A worker that runs its disk I/O in a helper process (``tiered_kv.disk.worker.io_process``)
 allocates the buffers that helper reads and writes, the CPU tier and the disk staging
 buffers, with ``empty_shared``: each is a memfd (anonymous shared memory, no file on any
 filesystem) mapped ``MAP_SHARED``. ``locate`` turns an address in this process into

@@ -82,7 +82,7 @@ class RemoteStager(Closing):
         self._closed = False
 
     def stage(self, writes) -> Future:
-        """Start copying ``writes``' (a ``DiskWrites``) CPU slots out; the future is done
+        """Start copying ``writes``' (a ``TierWrites``) CPU slots out; the future is done
         once those slots may be overwritten (copied, or the writes dropped)."""
         return self._packer.submit(self._stage, writes)
 

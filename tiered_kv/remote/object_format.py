@@ -66,8 +66,8 @@ from dataclasses import dataclass
 import xxhash
 
 from tiered_kv.abstract import BlockHash
-from tiered_kv.disk.fingerprint import Fingerprint
-from tiered_kv.disk.checksums import checksum_function
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.checksums import checksum_function
 from tiered_kv.remote.keys import NONCE_BYTES, TAG_BYTES, AuthenticationFailed, Keyring, new_nonce
 
 MAGIC = b"TKVBLOCK"

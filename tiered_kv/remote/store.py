@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tiered_kv.abstract import BlockHash
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote.client import (
     AccessDenied,
     BucketMissing,
@@ -80,10 +80,12 @@ from tiered_kv.remote.client import (
     Unavailable,
     WrongSize,
 )
+from tiered_kv.metrics import Latencies
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
 from tiered_kv.remote.health import FaultLog, Health
 from tiered_kv.remote.keys import Keyring, load_keyring
 from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
+from tiered_kv.remote.timed_client import TimedClient
 from tiered_kv.remote.write_once import WriteOnce
 from tiered_kv.remote.object_format import (
     FORMAT_VERSION,
@@ -231,6 +233,8 @@ class RemoteStore:
     ):
         self.config = config
         self.keyring: Keyring | None = load_keyring(config) if keyring is True else keyring or None
+        if keyring is None and not config.trusted_bucket:
+            raise ValueError("RemoteStore: keyring None (no encryption) needs remote.trusted_bucket")
         if config.plaintext_endpoint():
             logger.warning(
                 "shared tier: %s is plain http to another host: requests, and the object keys (block "
@@ -243,7 +247,9 @@ class RemoteStore:
         self.namespace = namespace_prefix(config.prefix, fingerprint)
         self._digest = fingerprint_digest(fingerprint)
         self._checksum = pieces_checksum(config.checksum)
-        self._client = client if client is not None else S3Client(config)
+        #: Each request's seconds, for an exporter to drain (``tiered_kv.metrics``).
+        self.latencies = Latencies()
+        self._client = TimedClient(client if client is not None else S3Client(config), self.latencies)
         self._writer = WriteOnce(self._client, config)
         self._lock = threading.Lock()
         self._stats = RemoteStats()

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.index import IndexSnapshot
-from tiered_kv.disk.io_backends import PosixBackend
-from tiered_kv.disk.namespace import MANIFEST
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.disk.format.index import IndexSnapshot
+from tiered_kv.disk.worker.io_backends import PosixBackend
+from tiered_kv.disk.format.namespace import MANIFEST
+from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.sim.workloads import prefix_hashes
@@ -114,11 +114,12 @@ class Hierarchy(Closing):
 
     @property
     def disk(self):
-        return self.driver.manager.disk
+        return self.driver.manager.tier("disk")
 
     @property
     def stager(self):
-        return next(h.stager for h in self.driver.worker.handlers if getattr(h, "stager", None) is not None)
+        """The disk tier's stager in this worker."""
+        return self.spec.lower_tiers[0].stager
 
     def run(self, requests):
         return self.driver.run(requests)
@@ -126,10 +127,9 @@ class Hierarchy(Closing):
     def settle(self) -> int:
         """Finish jobs and let queued disk writes land; returns blocks still pending on disk."""
         self.driver.drain()
-        for h in self.driver.worker.handlers:
-            if getattr(h, "stager", None) is not None:
-                h.stager.drain()
-        return self.manager.pending_disk_writes()
+        for tier in self.spec.lower_tiers:
+            tier.stager.drain()
+        return self.manager.pending_writes()
 
     def close(self) -> None:
         if self.closed:
@@ -461,7 +461,7 @@ def fork_context():
                 "torch",
                 "tiered_kv.tiered.spec",
                 "tiered_kv.sim.driver",
-                "tiered_kv.disk.manager",
+                "tiered_kv.disk.scheduler.manager",
                 "tiered_kv.testing.storm_child",
             ]
         )

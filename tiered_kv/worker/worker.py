@@ -191,7 +191,7 @@ class Stager(Protocol):
     block's durability is recorded for the scheduler's ``LowerTier`` to learn."""
 
     def stage(self, writes: Any) -> Future[None]:
-        """Start copying ``writes``' CPU slots out (a ``DiskWrites``); the future is done
+        """Start copying ``writes``' CPU slots out (a ``TierWrites``); the future is done
         once those slots may be overwritten."""
 
     def drain(self) -> None:

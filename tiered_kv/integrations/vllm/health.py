@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.safe_open import CacheEntryError, open_dir, open_file
+from tiered_kv.disk.format.safe_open import CacheEntryError, open_dir, open_file
 
 
 def _shared_dir() -> Path:

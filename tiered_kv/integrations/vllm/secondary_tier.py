@@ -50,6 +50,7 @@ the counters and config-info facts are ``secondary_stats.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -76,8 +77,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import format_size
-from tiered_kv.disk.manager import DiskOffloadingManager
-from tiered_kv.disk.store import DiskStore
+from tiered_kv.tiers import TierContext, build_tiers
 from tiered_kv.integrations.vllm.common import vllm_model_identity
 from tiered_kv.integrations.vllm.secondary_config import (
     chunk_fingerprint,
@@ -178,26 +178,19 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         layout = chunk_layout(self.fingerprint.block_size, stride)
         # The primary rows are host memory: GPUDirect Storage has nothing to offer here.
         backend = "posix" if cfg.io_backend == "auto" else cfg.io_backend
-        self.disk_manager = DiskOffloadingManager(
-            cfg.disk_path,
-            self.fingerprint,
-            layout,
-            disk_bytes=cfg.disk_bytes,
-            checksum=cfg.checksum,
+        # Built by type like every lower tier (tiered_kv.tiers): the disk tier of this
+        # entry, keyed by vLLM's fingerprint, one writer (the scheduler) for all ranks.
+        ctx = TierContext(
+            config=dataclasses.replace(cfg, io_backend=backend),
+            fingerprint=self.fingerprint,
+            layout=layout,
             engine_id=vconf.engine_id,
             enable_events=False,
         )
+        (self.tier,) = build_tiers(cfg.tier_entries(), ctx)
+        self.disk_manager = self.tier.get_manager()
         try:
-            self.store = DiskStore.open(
-                cfg.disk_path,
-                self.fingerprint,
-                layout,
-                disk_bytes=cfg.disk_bytes,
-                checksum=cfg.checksum,
-                io_backend=backend,
-                io_threads=cfg.io_threads,
-                engine_id=vconf.engine_id,
-            )
+            self.store = self.tier.open_store(in_process=True)
         except BaseException:
             self.disk_manager.shutdown()
             raise

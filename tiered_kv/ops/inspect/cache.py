@@ -20,11 +20,11 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tiered_kv.disk.index import DiskIndex, IndexCorruptError
-from tiered_kv.disk.index_records import IndexSnapshot, entry_dtype
-from tiered_kv.disk.fingerprint import NAMESPACE_ID_LEN
-from tiered_kv.disk.namespace import MANIFEST, CacheEntryError, Namespace, NamespaceError
-from tiered_kv.disk.safe_open import describe
+from tiered_kv.disk.format.index import DiskIndex, IndexCorruptError
+from tiered_kv.disk.format.index_records import IndexSnapshot, entry_dtype
+from tiered_kv.fingerprint import NAMESPACE_ID_LEN
+from tiered_kv.disk.format.namespace import MANIFEST, CacheEntryError, Namespace, NamespaceError
+from tiered_kv.disk.format.safe_open import describe
 
 
 #: Hidden directories that interrupted operations leave in a cache directory: a namespace

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.disk.index import DiskIndex, IndexCorruptError
-from tiered_kv.disk.namespace import CacheLockedError, Namespace, WriterLock
+from tiered_kv.disk.format.index import DiskIndex, IndexCorruptError
+from tiered_kv.disk.format.namespace import CacheLockedError, Namespace, WriterLock
 from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
 
 #: Index deletions per write transaction (bounds one transaction's size and duration).

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
-from tiered_kv.disk.fingerprint import Fingerprint
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.ops.inspect.cache import InspectError
 from tiered_kv.ops.inspect.summary import ServerConfig
 from tiered_kv.model_identity import read_config_file

@@ -1,0 +1,107 @@
+"""How the disk manager folds the workers' log records into its state (``manager.py``).
+
+Scheduler process, with the manager's lock held (on the scheduler's thread or the
+flusher's); no I/O: the records were read from the index log by one LMDB read
+transaction (``DiskIndex.read_log_columns``). A pending block becomes durable once every
+rank logged ``ok`` for the slot it waits on; a ``failed`` record marks it failed, and
+its slot is freed once every rank has logged an outcome; a ``corrupt`` record drops a
+loadable block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from tiered_kv.abstract import BlockHash
+from tiered_kv.disk.format.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
+
+__all__ = ["NO_PROGRESS", "Progress", "RefreshResult", "fold_good_writes", "fold_log"]
+
+
+@dataclass
+class RefreshResult:
+    """What ``refresh()`` changed: blocks that became loadable, pending blocks whose store
+    failed on some rank, and loadable blocks dropped as corrupt."""
+
+    durable: list[BlockHash]
+    failed: list[BlockHash]
+    corrupt: list[BlockHash]
+    more: bool = False  # stopped at its record limit: call again
+
+    def __bool__(self) -> bool:
+        return bool(self.durable or self.failed or self.corrupt)
+
+
+class Progress(NamedTuple):
+    """What the log said so far about a pending block (absent until its first record)."""
+
+    ranks: int  # bitmask of ranks whose bytes are durable
+    reported: int  # ranks that logged an outcome (ok or failed): done with the slot
+    failed: bool
+
+
+NO_PROGRESS = Progress(0, 0, False)
+
+
+def fold_good_writes(pending: dict[bytes, int], hashes: list[bytes], slots: list[int]) -> list[tuple[bytes, int]]:
+    """``fold_log`` for the usual case, one rank and only ``ok`` records, with a
+    fraction of its per-record work: a record makes its block durable if the block
+    still waits for that slot (it leaves ``pending``)."""
+    durable = []
+    get = pending.get
+    for h, slot in zip(hashes, slots):
+        if get(h) == slot:
+            del pending[h]
+            durable.append((h, slot))
+    return durable
+
+
+def fold_log(
+    pending: dict[bytes, int],
+    progress: dict[bytes, Progress],
+    full: int,
+    records: tuple[list[bytes], list[int], list[int], list[int]],
+    result: RefreshResult,
+    *,
+    drop_corrupt: Callable[[bytes, int], bool],
+    free_failed: Callable[[bytes, int], None],
+) -> list[tuple[bytes, int]]:
+    """Fold log ``records`` (hashes, statuses, ranks, slots) into ``pending`` (hash ->
+    the slot it waits on) and ``progress``, with ``full`` the bitmask of every rank;
+    returns the ``(hash, slot)`` pairs that became durable on every rank, in log order.
+    ``drop_corrupt(h, slot)`` drops a loadable block found corrupt (True if it was
+    loadable from that slot); ``free_failed(h, slot)`` frees the slot of a failed
+    store that no rank still writes. Failed and corrupt blocks go into ``result``."""
+    durable = []
+    for h, status, rank, slot in zip(*records):
+        if status == LOG_CORRUPT:
+            if drop_corrupt(h, slot):
+                result.corrupt.append(h)
+            continue
+        if pending.get(h) != slot:
+            continue
+        ranks, reported, failed = progress.get(h, NO_PROGRESS)
+        bit = 1 << rank
+        reported |= bit
+        if status == LOG_OK and not failed:
+            ranks |= bit
+            if ranks & full == full:
+                del pending[h]
+                progress.pop(h, None)
+                durable.append((h, slot))
+                continue
+        elif status == LOG_FAILED and not failed:
+            failed = True
+            result.failed.append(h)
+        if failed and reported & full == full:
+            # No rank still writes the slot: free it now. A store planned
+            # without a job (the composite's spills and write-through) gets
+            # no complete_store to do it.
+            del pending[h]
+            progress.pop(h, None)
+            free_failed(h, slot)
+        else:
+            progress[h] = Progress(ranks, reported, failed)
+    return durable
