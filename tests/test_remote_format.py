@@ -205,7 +205,7 @@ def test_membership_cache_present_absent_ttl_and_bound():
 
 
 def test_the_longest_key_fits_s3s_limit():
-    from tiered_kv.disk.fingerprint import NAMESPACE_ID_LEN
+    from tiered_kv.fingerprint import NAMESPACE_ID_LEN
     from tiered_kv.remote.config import NAMESPACE_ID_CHARS, S3_MAX_KEY_BYTES, longest_key
 
     assert NAMESPACE_ID_CHARS == NAMESPACE_ID_LEN

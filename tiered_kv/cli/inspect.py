@@ -9,8 +9,7 @@ JSON on stdout with ``--json`` (the envelope of ``tiered_kv.cli.output``); progr
 go to stderr (terminals only). Failures print one ``error: ...`` line on stderr and exit
 2 (in JSON mode stdout also gets the envelope with ``error``); ``verify`` exits 1 when it
 finds corruption, and ``verify --repair`` exits 0 once the repaired cache verifies clean.
-Given ``--remote CONFIG``, ``summary``, ``ls``, ``verify``, ``evict`` and ``clear`` look at that config's shared
-tier (its S3 bucket) instead: ``tiered_kv.cli.inspect_remote``.
+With ``--remote CONFIG`` every command but ``bench`` looks at that config's shared tier: ``cli.inspect_remote``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
-from tiered_kv.cli.inspect_remote import need_path, on_remote
+from tiered_kv.cli.inspect_remote import need_path, on_remote, on_remote_option
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.config_values import format_size, parse_age, parse_size
 
@@ -439,6 +438,7 @@ def _print_verify(results, repair: bool, path, clean: list[bool]) -> None:
 
 
 @inspect_app.command("evict")
+@on_remote_option("evict")
 def evict_cmd(
     path: Optional[str] = _CACHE_PATH,
     to_size: Optional[str] = typer.Option(
@@ -454,11 +454,7 @@ def evict_cmd(
     remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
-    """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed.
-    With --remote: a shared tier's block objects, oldest stored first."""
-    if remote is not None:
-        return on_remote("evict", locals())
-    path = need_path(path, json_out)
+    """Drop blocks by age and/or down to a size (LRU across namespaces); the cache must be closed."""
     with _errors(json_out):
         from tiered_kv.ops.inspect import InspectError, evict, open_cache
 
@@ -500,6 +496,7 @@ def evict_cmd(
 
 
 @inspect_app.command("clear")
+@on_remote_option("clear")
 def clear_cmd(
     path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
@@ -514,11 +511,7 @@ def clear_cmd(
     remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
-    """Delete namespaces (blocks, index, slab files); the cache must be closed. With
-    --remote: a shared tier's namespaces (only keys of this format under its prefix)."""
-    if remote is not None:
-        return on_remote("clear", locals())
-    path = need_path(path, json_out)
+    """Delete namespaces (blocks, index, slab files); the cache must be closed."""
     with _errors(json_out):
         from tiered_kv.ops.inspect import InspectError, clear, open_cache
 

@@ -11,7 +11,9 @@ Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -29,6 +31,22 @@ def on_remote(command: str, options: dict[str, Any]) -> None:
     """Run ``command`` of this module with the options of ``tiered_kv.cli.inspect``'s
     command of that name (given ``--remote``), by name."""
     globals()[command](**options)
+
+
+def on_remote_option(command: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator of a disk command with ``path`` and ``remote`` options: given ``--remote``,
+    run this module's ``command`` instead; else PATH is required."""
+
+    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(fn)
+        def run(**options: Any) -> None:
+            if options.get("remote") is not None:
+                return on_remote(command, options)
+            return fn(**{**options, "path": need_path(options["path"], options["json_out"])})
+
+        return run
+
+    return wrap
 
 
 def need_path(path: str | None, json_out: bool) -> str:

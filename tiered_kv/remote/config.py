@@ -53,7 +53,7 @@ MAX_PENDING_UPLOAD_BYTES = 64 * 1024**3
 S3_MAX_KEY_BYTES = 1024
 #: Longest block hash the shared tier stores (vLLM's are 32 bytes, 8 with xxhash).
 MAX_KEY_HASH_BYTES = 64
-#: ``Fingerprint.namespace_id``'s length (``tiered_kv.disk.fingerprint.NAMESPACE_ID_LEN``,
+#: ``Fingerprint.namespace_id``'s length (``tiered_kv.fingerprint.NAMESPACE_ID_LEN``,
 #: which imports this module's importer: a test keeps the two equal).
 NAMESPACE_ID_CHARS = 16
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")

@@ -314,17 +314,13 @@ class RemoteStore:
             return False
         if stored is not None:
             try:
-                recorded = load_record(bytes(stored), f"{key} in {where}").get("fingerprint")
+                differs = load_record(bytes(stored), "record").get("fingerprint") != self.fingerprint.to_dict()
+                why = "records another fingerprint than this node's under the same namespace id"
             except RecordError as exc:
-                logger.warning("shared tier: %s; serving goes on", exc)
-                return True
-            if recorded != self.fingerprint.to_dict():
+                differs, why = True, f"is not a fingerprint record ({exc})"
+            if differs:  # a namespace-id collision, or a record someone wrote
                 logger.warning(
-                    "shared tier: %s in %s records another fingerprint than this node's under the same "
-                    "namespace id (a namespace-id collision, or a record someone wrote); serving goes on: "
-                    "blocks are checked against this node's full fingerprint digest",
-                    key,
-                    where,
+                    "shared tier: %s in %s %s; serving goes on (blocks carry the full digest)", key, where, why
                 )
         return True
 
