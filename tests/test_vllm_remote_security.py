@@ -31,10 +31,10 @@ from test_vllm_remote import (  # noqa: E402
     _keys,
     _node,
     _prompt,
+    _remote_store,
     _settle,
     _uploaded,
     _wait_background,
-    _worker,
 )
 
 from tiered_kv.remote.object_format import SEALED_HEADER_BYTES  # noqa: E402
@@ -78,12 +78,12 @@ def test_forged_and_replayed_chunks_are_never_loaded_and_do_not_stick(tmp_path, 
         assert b.prefix_hits[req_id].external == BLOCK  # chunk 0 only: chunk 1 fails authentication
         assert all(b.kv_matches(req_id))
         assert [b.gpu_block_bytes(i) for i in b.block_ids(req_id)[:CHUNKS]] == computed
-        verifier = b.manager.remote_verifier.store.stats()
+        verifier = b.manager.check("remote").verifier.store.stats()
         assert verifier.rejected["auth"] == 1 and verifier.rejected["mismatch"] == 1  # chunks 1 and 3
         assert verifier.gets_hit == CHUNKS - 2
         _settle(b)
         _uploaded(b)
-        assert _worker(b).remote_store.stats().forgeries_replaced == 1  # chunk 3; chunk 1 was deleted
+        assert _remote_store(b).stats().forgeries_replaced == 1  # chunk 3; chunk 1 was deleted
 
     with _node(model_dir, remote_settings, tmp_path / "c") as c:
         req_id = c.add_request(prompt, max_tokens=3)
