@@ -12,16 +12,27 @@ Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
 from __future__ import annotations
 
 import functools
+import inspect
 import time
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
+from tiered_kv.cli.output import (
+    emit_json,
+    errors,
+    fail,
+    progress_bar,
+    short_hash,
+    table_console,
+    timestamp,
+    with_iso_times,
+)
 from tiered_kv.config import format_size
 
 EXIT_CORRUPT = 1
@@ -34,16 +45,22 @@ def on_remote(command: str, options: dict[str, Any]) -> None:
 
 
 def on_remote_option(command: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Decorator of a disk command with ``path`` and ``remote`` options: given ``--remote``,
-    run this module's ``command`` instead; else PATH is required."""
+    """Decorator of a disk command whose PATH is optional: adds ``--remote CONFIG``, with
+    which this module's ``command`` runs instead; without it, PATH is required."""
+    from tiered_kv.cli.inspect_options import _REMOTE
 
     def wrap(fn: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(fn)
         def run(**options: Any) -> None:
             if options.get("remote") is not None:
                 return on_remote(command, options)
+            options.pop("remote", None)
             return fn(**{**options, "path": need_path(options["path"], options["json_out"])})
 
+        signature = inspect.signature(fn)
+        remote = inspect.Parameter("remote", inspect.Parameter.KEYWORD_ONLY, default=_REMOTE, annotation=Optional[str])
+        run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), remote])
+        run.__annotations__ = {**typing.get_type_hints(fn), "remote": Optional[str]}
         return run
 
     return wrap
@@ -180,7 +197,7 @@ def ls(
             ns["objects"] = [with_iso_times(o, ("last_modified",)) for o in ns["objects"]]
         emit_json(data)
         return
-    console = Console()
+    console = table_console()
     if not data["namespaces"]:
         console.print(f"{tier.config.where()}: no namespaces, no objects", soft_wrap=True)
     for ns in data["namespaces"]:
