@@ -12,6 +12,7 @@ PUTs that servers without ``If-None-Match`` support answer.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import shutil
@@ -172,6 +173,8 @@ class FaultProxy:
         self.target = (host, int(port))
         self.mode = mode
         self.requests_refused = 0
+        #: ``count`` mode: each request relayed, by (method, path without the query).
+        self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -197,6 +200,8 @@ class FaultProxy:
                 mode = self.mode
             if mode in self.CONDITIONAL_REFUSALS:
                 serve = functools.partial(self._refuse_conditional, refusal=self.CONDITIONAL_REFUSALS[mode])
+            elif mode == "count":
+                serve = functools.partial(self._refuse_conditional, refusal=None)
             else:
                 serve = {"pass": self._forward, "503": self._slow_down, "stall": self._stall}[mode]
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
@@ -260,10 +265,11 @@ class FaultProxy:
             pass
         _close(conn)
 
-    def _refuse_conditional(self, conn: socket.socket, refusal: tuple[bytes, bytes]) -> None:
-        """Request by request: a conditional PUT is refused, anything else goes to the
-        server over one upstream connection and its response comes back as sent."""
-        status, error = refusal
+    def _refuse_conditional(self, conn: socket.socket, refusal: tuple[bytes, bytes] | None) -> None:
+        """Request by request: a conditional PUT is refused (with ``refusal``; None
+        refuses nothing), anything else goes to the server over one upstream connection
+        and its response comes back as sent; each relayed request is counted."""
+        status, error = refusal or (b"", b"")
         body = b'<?xml version="1.0" encoding="UTF-8"?><Error>' + error + b"</Error>"
         client = conn.makefile("rb")
         upstream: socket.socket | None = None
@@ -272,7 +278,7 @@ class FaultProxy:
                 head, payload = request
                 lines = head.split(b"\r\n")
                 method = lines[0].split(b" ", 1)[0]
-                if method == b"PUT" and any(n.strip().lower() == b"if-none-match" for n, _ in _fields(lines)):
+                if refusal is not None and method == b"PUT" and any(n.strip().lower() == b"if-none-match" for n, _ in _fields(lines)):
                     with self._lock:
                         self.requests_refused += 1
                     conn.sendall(
@@ -280,6 +286,9 @@ class FaultProxy:
                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
                     )
                     continue
+                path = lines[0].split(b" ")[1].split(b"?", 1)[0].decode()
+                with self._lock:
+                    self.requests[(method.decode(), path)] += 1
                 if upstream is None:
                     upstream = socket.create_connection(self.target, timeout=30)
                     with self._lock:

@@ -32,6 +32,7 @@ under /dev/shm. Importing this module imports vLLM (~10 s on 2 cores).
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import json
 import time
@@ -144,12 +145,17 @@ def make_vllm_config(
     engine_id: str | None = None,
     model_kwargs: dict[str, Any] | None = None,
     kv_cache_layout: str | None = None,
+    kv_connector: str = "OffloadingConnector",
+    kv_connector_module_path: str | None = None,
+    kv_load_failure_policy: str = "fail",
 ) -> VllmConfig:
     """A CPU ``VllmConfig`` whose kv-transfer config selects the OffloadingConnector
     with ``extra_config`` as ``kv_connector_extra_config``. Prefix caching and chunked
     prefill are on, as in a default vLLM server. ``model_kwargs`` go to ``ModelConfig``
     (vLLM's ``--revision``, ``--quantization``...). ``kv_cache_layout``: the layout
-    vLLM's engine core resolves (``LBNHC`` with FlashAttention), None: unresolved."""
+    vLLM's engine core resolves (``LBNHC`` with FlashAttention), None: unresolved.
+    ``kv_connector`` (with its ``kv_connector_module_path``) and ``kv_load_failure_policy``
+    are vLLM's kv-transfer settings of those names."""
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),
@@ -172,7 +178,9 @@ def make_vllm_config(
             prefix_caching_hash_algo=prefix_caching_hash_algo,
         ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
+            kv_connector=kv_connector,
+            kv_connector_module_path=kv_connector_module_path,
+            kv_load_failure_policy=kv_load_failure_policy,
             kv_role="kv_both",
             kv_connector_extra_config=dict(extra_config),
             engine_id=engine_id or f"harness-{uuid.uuid4().hex[:12]}",
@@ -311,7 +319,11 @@ class VllmHarness(Closing):
                 dtype=spec.dtype,
             )
         with set_current_vllm_config(self.vllm_config):
-            self.worker_connector = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            kv = self.vllm_config.kv_transfer_config
+            connector_cls = OffloadingConnector
+            if kv.kv_connector_module_path:  # an out-of-tree subclass, as vLLM's factory loads it
+                connector_cls = getattr(importlib.import_module(kv.kv_connector_module_path), kv.kv_connector)
+            self.worker_connector = connector_cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             self.worker_connector.register_kv_caches(self.kv_caches)
 
     # -- what tests look at -----------------------------------------------------------
@@ -523,9 +535,13 @@ class VllmHarness(Closing):
         if output.total_num_scheduled_tokens > 0:
             worker.wait_for_save()
         _, recving = worker.get_finished(output.finished_req_ids)
+        # vLLM's model runner asks for failed loads right after get_finished.
+        invalid = worker.get_block_ids_with_load_errors()
         worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
-        return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
+        return KVConnectorOutput(
+            finished_recving=recving or None, kv_connector_worker_meta=worker_meta, invalid_block_ids=invalid
+        )
 
     def _fake_forward(self, output: SchedulerOutput) -> None:
         # schedule() has already advanced num_computed_tokens past this step's tokens.
