@@ -7,6 +7,7 @@ plain data, no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -136,3 +137,55 @@ class DiskLoadStoreSpec(TierSlotsSpec):
     @staticmethod
     def medium() -> str:
         return DISK
+
+
+class TierWrite(NamedTuple):
+    """Copy CPU slot ``cpu_slot`` (block ``block_hash``) to slot ``tier_slot`` of a lower tier."""
+
+    cpu_slot: int
+    tier_slot: int
+    block_hash: BlockHash
+
+
+class TierWrites:
+    """Disk writes as parallel columns: block ``block_hashes[i]`` goes from CPU slot
+    ``cpu_slots[i]`` to slot ``tier_slots[i]`` of a lower tier. Columns, not one object per block:
+    a cascading store plans hundreds of them on the scheduler's thread (and slot lists
+    become arrays only when first read: ``Int64Column``). Iterating yields ``TierWrite``
+    tuples."""
+
+    __slots__ = ("_cpu_slots", "_tier_slots", "block_hashes")
+    cpu_slots = Int64Column()
+    tier_slots = Int64Column()
+
+    def __init__(
+        self,
+        cpu_slots: Sequence[int] | np.ndarray = (),
+        tier_slots: Sequence[int] | np.ndarray = (),
+        block_hashes: Sequence[BlockHash] = (),
+    ):
+        self.cpu_slots = cpu_slots
+        self.tier_slots = tier_slots
+        self.block_hashes = list(block_hashes)
+        if not len(self._cpu_slots) == len(self._tier_slots) == len(self.block_hashes):
+            raise ValueError(
+                f"TierWrites: {len(self._cpu_slots)} cpu_slots, {len(self._tier_slots)} "
+                f"tier_slots and {len(self.block_hashes)} block_hashes; expected one of each per block"
+            )
+
+    @classmethod
+    def of(cls, writes: "TierWrites | Sequence[TierWrite]") -> "TierWrites":
+        """``writes`` as columns (a ``TierWrites`` is returned as is)."""
+        if isinstance(writes, TierWrites):
+            return writes
+        writes = list(writes)
+        return cls([w.cpu_slot for w in writes], [w.tier_slot for w in writes], [w.block_hash for w in writes])
+
+    def __len__(self) -> int:
+        return len(self.block_hashes)
+
+    def __iter__(self):
+        return map(TierWrite._make, zip(self.cpu_slots.tolist(), self.tier_slots.tolist(), self.block_hashes))
+
+    def __repr__(self) -> str:
+        return f"TierWrites({list(self)!r})"

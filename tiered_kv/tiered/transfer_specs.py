@@ -3,66 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from tiered_kv.abstract import BlockHash, LoadStoreSpec
-from tiered_kv.mediums import CPULoadStoreSpec, Int64Column
+from tiered_kv.mediums import CPULoadStoreSpec, Int64Column, TierWrite, TierWrites  # noqa: F401 (re-exported)
 
 TIERED = "TIERED"
-
-
-class TierWrite(NamedTuple):
-    """Copy CPU slot ``cpu_slot`` (block ``block_hash``) to disk slot ``tier_slot``."""
-
-    cpu_slot: int
-    tier_slot: int
-    block_hash: BlockHash
-
-
-class TierWrites:
-    """Disk writes as parallel columns: block ``block_hashes[i]`` goes from CPU slot
-    ``cpu_slots[i]`` to disk slot ``tier_slots[i]``. Columns, not one object per block:
-    a cascading store plans hundreds of them on the scheduler's thread (and slot lists
-    become arrays only when first read: ``Int64Column``). Iterating yields ``TierWrite``
-    tuples."""
-
-    __slots__ = ("_cpu_slots", "_tier_slots", "block_hashes")
-    cpu_slots = Int64Column()
-    tier_slots = Int64Column()
-
-    def __init__(
-        self,
-        cpu_slots: Sequence[int] | np.ndarray = (),
-        tier_slots: Sequence[int] | np.ndarray = (),
-        block_hashes: Sequence[BlockHash] = (),
-    ):
-        self.cpu_slots = cpu_slots
-        self.tier_slots = tier_slots
-        self.block_hashes = list(block_hashes)
-        if not len(self._cpu_slots) == len(self._tier_slots) == len(self.block_hashes):
-            raise ValueError(
-                f"TierWrites: {len(self._cpu_slots)} cpu_slots, {len(self._tier_slots)} "
-                f"tier_slots and {len(self.block_hashes)} block_hashes; expected one of each per block"
-            )
-
-    @classmethod
-    def of(cls, writes: "TierWrites | Sequence[TierWrite]") -> "TierWrites":
-        """``writes`` as columns (a ``TierWrites`` is returned as is)."""
-        if isinstance(writes, TierWrites):
-            return writes
-        writes = list(writes)
-        return cls([w.cpu_slot for w in writes], [w.tier_slot for w in writes], [w.block_hash for w in writes])
-
-    def __len__(self) -> int:
-        return len(self.block_hashes)
-
-    def __iter__(self):
-        return map(TierWrite._make, zip(self.cpu_slots.tolist(), self.tier_slots.tolist(), self.block_hashes))
-
-    def __repr__(self) -> str:
-        return f"TierWrites({list(self)!r})"
 
 
 def _per_tier(writes) -> tuple[TierWrites, ...]:

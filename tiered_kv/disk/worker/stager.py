@@ -25,7 +25,7 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.transfer_specs import TierWrites
+from tiered_kv.mediums import TierWrites
 
 logger = logging.getLogger(__name__)
 
