@@ -1,4 +1,5 @@
-"""Validated settings of the shared tier (S3-compatible object storage), in human units.
+"""Validated settings of the shared tier (S3-compatible object storage or a Mooncake
+Store, ``backend``), in human units.
 
 Parsed in every process that opens the tier (the scheduler for membership probes, each
 worker for its uploads and downloads) from the same dict; no I/O here. Credentials are
@@ -34,6 +35,11 @@ REMOTE_WRITE_POLICIES = ("write_through", "evictions")
 #: refuses it as unsupported, switches to an existence check (HEAD) then a plain PUT;
 #: ``always`` refuses such a server (a start-up error); ``never`` always checks then PUTs.
 CONDITIONAL_PUT_MODES = ("auto", "always", "never")
+#: Where the objects live: S3-compatible object storage, or a Mooncake Store's
+#: distributed DRAM pool (``backends`` maps each to its client).
+REMOTE_BACKENDS = ("s3", "mooncake")
+#: How a Mooncake Store moves bytes: its transfer engine over TCP, or RDMA.
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|min|h)?\s*$")
 _DURATION_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -162,9 +168,30 @@ def _pending_bytes(value: Any, key: str) -> int:
     return n
 
 
+def _host_port(value: Any, key: str) -> str:
+    text = value.strip() if isinstance(value, str) else ""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in text):
+        raise ConfigError(f"{key}: expected host:port such as 127.0.0.1:50051, got {value!r}")
+    return text
+
+
+def _metadata_server(value: Any, key: str) -> str:
+    text = value.strip() if isinstance(value, str) else ""
+    parts = urlsplit(text)
+    if text == "P2PHANDSHAKE" or (parts.scheme in ("http", "etcd") and parts.hostname):
+        return text
+    raise ConfigError(
+        f"{key}: expected the metadata server's URL such as http://127.0.0.1:8080/metadata "
+        f"(or etcd://host:port, or P2PHANDSHAKE), got {value!r}"
+    )
+
+
 def _bool(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.strip().lower() in ("true", "yes", "1")
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
 
@@ -200,12 +227,20 @@ def _optional_name(value: Any, key: str) -> str | None:
 class RemoteConfig:
     """Settings of the shared tier. Build it with ``RemoteConfig.from_dict``.
 
-    ``endpoint`` None means AWS S3 itself (``region``'s endpoint). Objects live under
-    ``<prefix>/<namespace id>/...`` in ``bucket``; every node of a fleet that serves
-    the same model with the same settings shares them.
+    ``backend`` ``s3``: ``endpoint`` None means AWS S3 itself (``region``'s endpoint).
+    Objects live under ``<prefix>/<namespace id>/...`` in ``bucket``; every node of a
+    fleet that serves the same model with the same settings shares them.
+
+    ``backend`` ``mooncake``: the same keys in a Mooncake Store whose master is
+    ``mooncake_master`` (``bucket``, ``endpoint``, ``region`` and ``profile`` unused).
+    This process donates ``mooncake_segment_bytes`` of its memory to the pool (0: none;
+    a standalone ``mooncake_client`` holds the objects, which vanish with the process
+    that donated their memory) and copies through a local buffer of
+    ``mooncake_buffer_bytes``, the bound on one transfer.
     """
 
-    bucket: str
+    bucket: str = ""
+    backend: str = "s3"
     endpoint: str | None = None
     prefix: str = "tiered-kv"
     region: str = "us-east-1"
@@ -245,9 +280,29 @@ class RemoteConfig:
     trusted_bucket: bool = False
     #: PEM file of CA certificates to trust for an https endpoint (besides the system's).
     ca_bundle: str | None = None
+    #: The Mooncake master's RPC address.
+    mooncake_master: str = "127.0.0.1:50051"
+    #: The transfer engine's metadata server (the master's HTTP one, etcd, or P2PHANDSHAKE).
+    mooncake_metadata_server: str = "http://127.0.0.1:8080/metadata"
+    #: ``MOONCAKE_PROTOCOLS``.
+    mooncake_protocol: str = "tcp"
+    #: RDMA devices for ``rdma`` (e.g. ``mlx5_0``); empty: the engine finds them.
+    mooncake_rdma_devices: str = ""
+    #: The address other Mooncake clients reach this process at.
+    mooncake_local_hostname: str = "127.0.0.1"
+    #: Memory this process donates to the pool (objects in it vanish with the process).
+    mooncake_segment_bytes: int = 0
+    #: This process's transfer buffer: no single object or batch may exceed it.
+    mooncake_buffer_bytes: int = 64 * 1024**2
+    #: Writes straight from the caller's buffers and reads into a registered buffer
+    #: (``batch_put_from_multi_buffers`` / ``get_into``) instead of ``put_parts`` / ``get``.
+    mooncake_zero_copy: bool = True
+    #: Mooncake's tenant: objects of one tenant are invisible to another.
+    mooncake_tenant: str = "default"
 
     _PARSERS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         "bucket": _bucket,
+        "backend": lambda v, k: _choice(v, k, REMOTE_BACKENDS),
         "endpoint": _endpoint,
         "prefix": _prefix,
         "region": lambda v, k: _optional_name(v, k) or "us-east-1",
@@ -268,6 +323,15 @@ class RemoteConfig:
         "key_env": _env_name,
         "trusted_bucket": _bool,
         "ca_bundle": _path,
+        "mooncake_master": _host_port,
+        "mooncake_metadata_server": _metadata_server,
+        "mooncake_protocol": lambda v, k: _choice(v, k, MOONCAKE_PROTOCOLS),
+        "mooncake_rdma_devices": lambda v, k: _optional_name(v, k) or "",
+        "mooncake_local_hostname": lambda v, k: _optional_name(v, k) or "127.0.0.1",
+        "mooncake_segment_bytes": lambda v, k: 0 if v in (0, "0") else parse_size(v, k),
+        "mooncake_buffer_bytes": parse_size,
+        "mooncake_zero_copy": _bool,
+        "mooncake_tenant": lambda v, k: _optional_name(v, k) or "default",
     }
 
     @classmethod
@@ -290,7 +354,7 @@ class RemoteConfig:
                 hint = f"; did you mean {key_prefix}{close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown config key {key_prefix}{key!r}{hint} Known keys: {', '.join(known)}")
             values[key] = cls._PARSERS[key](value, key_prefix + key)
-        if "bucket" not in values:
+        if values.get("backend", "s3") == "s3" and "bucket" not in values:
             raise ConfigError(f"{key_prefix}bucket: required (the S3 bucket every node of the fleet shares)")
         if values.get("key_file") and values.get("key_env"):
             raise ConfigError(
@@ -310,5 +374,7 @@ class RemoteConfig:
         return {k: getattr(self, k) for k in self.keys()}
 
     def where(self) -> str:
-        """``s3://bucket/prefix at endpoint`` for messages."""
+        """``s3://bucket/prefix at endpoint`` (or ``mooncake://master/prefix``) for messages."""
+        if self.backend == "mooncake":
+            return f"mooncake://{self.mooncake_master}/{self.prefix} (tenant {self.mooncake_tenant})"
         return f"s3://{self.bucket}/{self.prefix} at {self.endpoint or f'AWS S3 ({self.region})'}"

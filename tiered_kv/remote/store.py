@@ -76,11 +76,11 @@ from tiered_kv.remote.client import (
     ObjectClient,
     RemoteError,
     RemoteSetupError,
-    S3Client,
     Unavailable,
     WrongSize,
 )
 from tiered_kv.metrics import Latencies
+from tiered_kv.remote.backends import open_client
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
 from tiered_kv.remote.health import FaultLog, Health
 from tiered_kv.remote.keys import Keyring, load_keyring
@@ -217,9 +217,9 @@ def _byte_views(data: Any, what: str, writable: bool) -> list[memoryview]:
 class RemoteStore:
     """Blocks of one namespace (``fingerprint``) in ``config``'s bucket. A context manager.
 
-    ``client`` replaces the S3 client (an ``ObjectClient``); ``check=False`` skips the
-    start-up check (for tools that only read). ``keyring`` replaces the config's keys
-    (``keys.load_keyring``: None only for a trusted bucket).
+    ``client`` replaces the client of ``config.backend`` (an ``ObjectClient``);
+    ``check=False`` skips the start-up check (for tools that only read). ``keyring``
+    replaces the config's keys (``keys.load_keyring``: None only for a trusted bucket).
     """
 
     def __init__(
@@ -249,7 +249,7 @@ class RemoteStore:
         self._checksum = pieces_checksum(config.checksum)
         #: Each request's seconds, for an exporter to drain (``tiered_kv.metrics``).
         self.latencies = Latencies()
-        self._client = TimedClient(client if client is not None else S3Client(config), self.latencies)
+        self._client = TimedClient(client if client is not None else open_client(config), self.latencies)
         self._writer = WriteOnce(self._client, config)
         self._lock = threading.Lock()
         self._stats = RemoteStats()
@@ -283,6 +283,8 @@ class RemoteStore:
         one there, and serving needs nothing from it (every block carries the
         fingerprint digest, under the tag)."""
         where = f"bucket {self.config.bucket!r} at {self.config.endpoint or 'AWS S3'}"
+        if self.config.backend != "s3":
+            where = self.config.where()
         key = manifest_key(self.config.prefix, self.fingerprint)
         try:
             self._writer.put(key, [self.manifest()])

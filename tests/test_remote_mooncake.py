@@ -1,0 +1,233 @@
+"""The shared tier on a real Mooncake Store (tests/mooncake_server.py: ``mooncake_master``
+and a standalone ``mooncake_client`` on 127.0.0.1): the client's mapping of Mooncake's
+semantics, the store's round trips in both transfer modes, foreign and damaged objects,
+two engine processes sharing the pool byte for byte, and the master or the client killed
+mid-run costing misses, never an error or a stall."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mooncake_server import skip_module_without_mooncake
+
+skip_module_without_mooncake()
+
+from remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E402
+
+from tiered_kv.config import ConfigError  # noqa: E402
+from tiered_kv.fingerprint import Fingerprint  # noqa: E402
+from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
+from tiered_kv.remote.client import WrongSize  # noqa: E402
+from tiered_kv.remote.mooncake_client import ListingUnsupported, MooncakeClient, ObjectTooLarge  # noqa: E402
+from tiered_kv.remote.object_format import block_key  # noqa: E402
+from tiered_kv.remote.tier import REMOTE  # noqa: E402
+
+FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
+WAIT = 120
+NODE = Path(__file__).with_name("remote_node.py")
+
+
+def blocks(n: int, size: int = 64 << 10, seed: int = 0) -> list[tuple[bytes, int, bytes]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.bytes(32), 0, rng.bytes(size)) for _ in range(n)]
+
+
+def read_back(store: RemoteStore, items) -> tuple[list[bool], list[bytearray]]:
+    bufs = [bytearray(len(data)) for _, _, data in items]
+    hits = store.get_blocks([(h, r, b) for (h, r, _), b in zip(items, bufs)]).result(WAIT)
+    return hits, bufs
+
+
+@pytest.fixture(params=[True, False], ids=["zero-copy", "copy"])
+def config(request, mooncake_server) -> RemoteConfig:
+    return RemoteConfig.from_dict(mooncake_server.settings(mooncake_zero_copy=request.param))
+
+
+def test_client_maps_mooncake_semantics(config):
+    with MooncakeClient(config) as client:
+        key = f"{config.prefix}/k"
+        assert client.get(key) is None and client.get(key, 10) is None and not client.exists(key)
+        assert client.put_new(key, [b"head", memoryview(b"-first")])
+        assert bytes(client.get(key, 10)) == b"head-first" and client.exists(key)
+        # Write-once: a second put_new reports the object there; a plain put never replaces.
+        assert not client.put_new(key, [b"other value"])
+        client.put(key, [b"head-other"])
+        assert bytes(client.get(key)) == b"head-first"
+        with pytest.raises(WrongSize) as wrong:
+            client.get(key, 8)
+        assert wrong.value.size == 10
+        with pytest.raises(WrongSize):
+            client.get(key, 12)
+        client.delete(key)
+        client.delete(key)  # deleting a missing key is not an error
+        assert client.get(key, 10) is None
+        with pytest.raises(ObjectTooLarge, match="mooncake_buffer_bytes"):
+            client.put(key, [bytes(config.mooncake_buffer_bytes + 1)])
+        with pytest.raises(ListingUnsupported, match="cannot list"):
+            list(client.list(config.prefix))
+
+
+def test_round_trip_is_byte_exact_and_write_once(config):
+    with RemoteStore(config, FP) as store:
+        items = blocks(12, size=300_001)
+        assert store.put_blocks(items).result(WAIT) == [PutOutcome.STORED] * 12
+        hits, bufs = read_back(store, items)
+        assert hits == [True] * 12 and all(bytes(b) == d for b, (_, _, d) in zip(bufs, items))
+        other = [(h, r, bytes(len(d))) for h, r, d in items]
+        assert store.put_blocks(other).result(WAIT) == [PutOutcome.PRESENT] * 12
+        hits, bufs = read_back(store, items)
+        assert all(bytes(b) == d for b, (_, _, d) in zip(bufs, items))
+        missing = blocks(1, seed=99)
+        assert read_back(store, missing)[0] == [False] and store.stats().gets_absent == 1
+        assert store.exists([h for h, _, _ in items] + [missing[0][0]]).result(WAIT) == [True] * 12 + [False]
+
+
+def test_another_fingerprint_never_reads_the_blocks(config):
+    items = blocks(4, seed=1)
+    with RemoteStore(config, FP) as a:
+        a.put_blocks(items).result(WAIT)
+    with RemoteStore(config, dataclasses.replace(FP, dtype="bfloat16")) as b:
+        assert b.exists([h for h, _, _ in items]).result(WAIT) == [False] * 4
+        hits, bufs = read_back(b, items)
+        assert hits == [False] * 4 and not any(any(buf) for buf in bufs)
+
+
+def test_a_foreign_object_under_our_key_is_refused_and_counted(config, mooncake_server):
+    ((h, r, data),) = blocks(1, seed=2)
+    other = dataclasses.replace(FP, hash_seed="another")
+    with RemoteStore(config, other) as a, RemoteStore(config, FP) as b:
+        a.put_blocks([(h, r, data)]).result(WAIT)
+        raw = mooncake_server.raw_client()
+        try:
+            foreign = raw.get(block_key(a.namespace, h, r))
+            assert raw.put(block_key(b.namespace, h, r), foreign) == 0
+        finally:
+            raw.close()
+        assert b.exists([h]).result(WAIT) == [True]
+        hits, (buf,) = read_back(b, [(h, r, data)])
+        assert hits == [False] and not any(buf)
+        assert b.stats().rejected["foreign"] == 1
+
+
+def test_a_damaged_object_is_a_counted_miss_and_is_stored_again(config, mooncake_server):
+    ((h, r, data),) = blocks(1, size=100_000, seed=3)
+    with RemoteStore(config, FP) as store:
+        store.put_blocks([(h, r, data)]).result(WAIT)
+        key = block_key(store.namespace, h, r)
+        raw = mooncake_server.raw_client()
+        try:
+            damaged = bytearray(raw.get(key))
+            damaged[-5000] ^= 0x10
+            assert raw.remove(key, True) == 0 and raw.put(key, bytes(damaged)) == 0
+        finally:
+            raw.close()
+        hits, (buf,) = read_back(store, [(h, r, data)])
+        assert hits == [False] and not any(buf)
+        s = store.stats()
+        assert s.rejected["checksum"] == 1 and s.damaged_deleted == 1
+        assert store.put_blocks([(h, r, data)]).result(WAIT) == [PutOutcome.STORED]
+        hits, (buf,) = read_back(store, [(h, r, data)])
+        assert hits == [True] and buf == data
+
+
+def test_config_names_the_bad_mooncake_key(mooncake_server):
+    with pytest.raises(ConfigError, match=r"remote\.mooncake_protocol"):
+        RemoteConfig.from_dict(mooncake_server.settings(mooncake_protocol="udp"), key_prefix="remote.")
+    with pytest.raises(ConfigError, match=r"remote\.backend"):
+        RemoteConfig.from_dict({"backend": "redis"}, key_prefix="remote.")
+
+
+def test_absent_master_is_a_miss_at_once_not_a_start_up_error(mooncake_server):
+    config = RemoteConfig.from_dict(mooncake_server.settings(mooncake_master="127.0.0.1:1"))
+    with RemoteStore(config, FP) as store:
+        assert not store.reachable
+        items = blocks(2, seed=4)
+        assert not any(o.durable for o in store.put_blocks(items).result(WAIT))
+        assert read_back(store, items)[0] == [False, False]
+
+
+def _run_node(settings: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(NODE), json.dumps(settings)], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_two_nodes_share_the_pool_byte_exact_and_other_fingerprints_never_read_it(tmp_path, mooncake_server):
+    n = 10 * BLOCKS_PER_REQUEST
+    common = {"remote": mooncake_server.settings(), "first": 0, "count": 10}
+    a = _run_node({**common, "cache_dir": str(tmp_path / "a")})
+    assert a["computed"] == n and a["remote"]["confirmed"] == n and a["puts_stored"] == n
+
+    b = _run_node({**common, "cache_dir": str(tmp_path / "b"), "expecting": True})
+    assert b["namespace"] == a["namespace"]
+    assert b["hits_by_medium"] == {REMOTE: n}, b
+    assert b["computed"] == 0 and b["mismatches"] == 0  # every block A computed, byte-exact
+    assert b["gets_hit"] == n and b["puts_stored"] == 0
+
+    c = _run_node({**common, "cache_dir": str(tmp_path / "c"), "expecting": True, "dtype": "bfloat16"})
+    assert c["namespace"] != a["namespace"]
+    assert c["hits_by_medium"] == {} and c["computed"] == n and c["gets_hit"] == 0 and c["gets_rejected"] == 0
+
+
+def _only_remote(node, reqs) -> int:
+    return sum(node.driver.manager.hit_medium(h) == REMOTE for r in reqs for h in r)
+
+
+FAULT_SETTINGS = {"retries": 0, "failure_threshold": 2, "unavailable_cooldown": "1s"}
+#: Requests sent while the master was down fail after its RPC timeout (about 4 s), and
+#: the last of them may land after the restart: past this, none is left in flight.
+RPC_TIMEOUT = 5.0
+
+
+def test_master_restart_loses_the_pool_as_misses_and_the_engine_keeps_serving(tmp_path, mooncake_server):
+    with build(tmp_path / "cache", mooncake_server.settings(**FAULT_SETTINGS)) as node:
+        node.run(requests(0, 12))
+        assert node.remote.counters["confirmed"] == 12 * BLOCKS_PER_REQUEST
+        assert _only_remote(node, requests(0, 4)) > 0
+        mooncake_server.kill_master()
+        try:
+            during = node.run(requests(0, 2) + requests(100, 2))
+        finally:
+            mooncake_server.start_master()
+            mooncake_server.wait_writable()
+            time.sleep(RPC_TIMEOUT)
+        assert during.mismatches == 0 and during.hits_by_medium.get(REMOTE, 0) == 0
+        assert during.computed + during.offload_hits == 4 * BLOCKS_PER_REQUEST
+        # Back up, and empty: what the pool held is gone, as misses, never an error.
+        failed = node.tier.store.stats().gets_failed
+        after = node.run(requests(2, 2))
+        assert after.mismatches == 0 and after.hits_by_medium.get(REMOTE, 0) == 0
+        assert after.computed + after.offload_hits == 2 * BLOCKS_PER_REQUEST
+        assert node.tier.store.stats().gets_failed == failed
+        # New blocks land in the restarted pool again, and are served from it.
+        node.run(requests(200, 12))
+        again = node.run(requests(200, 4))
+        assert again.mismatches == 0 and again.hits_by_medium.get(REMOTE, 0) > 0, again
+        assert node.remote.num_pending() == 0
+
+
+def test_holding_client_killed_costs_misses_never_a_crash(tmp_path, mooncake_server):
+    with build(tmp_path / "cache", mooncake_server.settings(**FAULT_SETTINGS)) as node:
+        node.run(requests(300, 12))
+        assert _only_remote(node, requests(300, 4)) > 0
+        mooncake_server.kill_client()
+        try:
+            during = node.run(requests(300, 4) + requests(400, 2))
+        finally:
+            mooncake_server.start_client()
+            mooncake_server.wait_writable()
+            time.sleep(RPC_TIMEOUT)
+        assert during.mismatches == 0 and during.hits_by_medium.get(REMOTE, 0) == 0
+        assert during.recomputed_after_failed_load + during.computed > 0
+        assert during.computed + during.offload_hits == 6 * BLOCKS_PER_REQUEST
+        assert node.remote.num_pending() == 0
