@@ -1,51 +1,17 @@
 """Fixtures of the Mooncake shared-tier tests: a real Mooncake Store on 127.0.0.1, once per run.
 
-``mooncake_server`` starts ``mooncake_master`` (RPC, HTTP metadata and metrics servers on
-free ports, bound to 127.0.0.1 where the master allows it) and a standalone
-``mooncake_client`` donating 512 MB to hold the objects, the first time a test asks for
-it, and stops both at the end of the run; tests may kill and restart either. Without the
-``mooncake`` extra or Debian's ``libibverbs1``/``librdmacm1`` the modules that need it
-skip themselves (``skip_module_without_mooncake``), saying how to install them. I/O:
-the daemons' logs in a scratch directory.
+``mooncake_server`` starts ``mooncake_master`` and a standalone ``mooncake_client``
+(``tiered_kv.testing.mooncake_server``) the first time a test asks for it and stops both
+at the end of the run; tests may kill and restart either. Without the ``mooncake`` extra
+or Debian's ``libibverbs1``/``librdmacm1`` the modules that need it skip themselves
+(``skip_module_without_mooncake``), saying how to install them.
 """
 
 from __future__ import annotations
 
-import functools
-import signal
-import socket
-import subprocess
-import time
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import pytest
 
-SEGMENT = "512 MB"
-
-
-@functools.cache
-def _binaries() -> tuple[Path, Path] | str:
-    try:
-        import mooncake
-        import mooncake.store  # noqa: F401  (loads libibverbs and librdmacm)
-    except ImportError as exc:
-        return (
-            f"needs Mooncake Store ({type(exc).__name__}: {exc}): pip install -e '.[mooncake]' and, as root, "
-            "apt-get install libibverbs1 librdmacm1 (`make mooncake`)"
-        )
-    root = Path(mooncake.__file__).parent
-    master, client = root / "mooncake_master", root / "mooncake_client"
-    if not (master.exists() and client.exists()):
-        return f"needs mooncake_master and mooncake_client in {root}: reinstall mooncake-transfer-engine-non-cuda"
-    return master, client
-
-
-def missing_reason() -> str | None:
-    """Why the Mooncake tests cannot run here, or None."""
-    found = _binaries()
-    return found if isinstance(found, str) else None
+from tiered_kv.testing.mooncake_server import MooncakeServer, missing_reason
 
 
 def skip_module_without_mooncake() -> None:
@@ -54,151 +20,9 @@ def skip_module_without_mooncake() -> None:
         pytest.skip(reason, allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout}s: {log.read_text()[-2000:]}")
-
-
-@dataclass
-class MooncakeServer:
-    """A master and a standalone client on 127.0.0.1, with their ports."""
-
-    dir: Path
-    rpc_port: int = field(default_factory=_free_port)
-    metadata_port: int = field(default_factory=_free_port)
-    metrics_port: int = field(default_factory=_free_port)
-    client_port: int = field(default_factory=_free_port)
-    master: subprocess.Popen | None = None
-    client: subprocess.Popen | None = None
-
-    @property
-    def master_address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    @property
-    def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.metadata_port}/metadata"
-
-    def _spawn(self, argv: list[str], name: str) -> tuple[subprocess.Popen, Path]:
-        log = self.dir / f"{name}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        return proc, log
-
-    def start_master(self) -> None:
-        master, _ = _binaries()
-        self.master, log = self._spawn(
-            [
-                str(master),
-                "--rpc_address=127.0.0.1",
-                f"--rpc_port={self.rpc_port}",
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={self.metadata_port}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={self.metrics_port}",
-            ],
-            "master",
-        )
-        _wait_port(self.rpc_port, self.master, "mooncake_master", log)
-        _wait_port(self.metadata_port, self.master, "mooncake_master's metadata server", log)
-
-    def start_client(self) -> None:
-        _, client = _binaries()
-        self.client, log = self._spawn(
-            [
-                str(client),
-                "--host=127.0.0.1",
-                f"--port={self.client_port}",
-                f"--global_segment_size={SEGMENT}",
-                "--protocol=tcp",
-                f"--master_server_address={self.master_address}",
-                f"--metadata_server={self.metadata_server}",
-            ],
-            "client",
-        )
-        _wait_port(self.client_port, self.client, "mooncake_client", log)
-
-    def _kill(self, proc: subprocess.Popen | None) -> None:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-
-    def kill_master(self) -> None:
-        """SIGKILL the master: every object's metadata is gone with it."""
-        self._kill(self.master)
-
-    def kill_client(self) -> None:
-        """SIGKILL the standalone client: the memory holding the objects is gone."""
-        self._kill(self.client)
-
-    def stop(self) -> None:
-        for proc in (self.client, self.master):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self._kill(proc)
-
-    def settings(self, **more) -> dict:
-        """Settings of a shared tier on this store, under a prefix of its own."""
-        return {
-            "backend": "mooncake",
-            "prefix": f"t-{uuid.uuid4().hex[:12]}",
-            "mooncake_master": self.master_address,
-            "mooncake_metadata_server": self.metadata_server,
-            "request_timeout": "3s",
-            "connect_timeout": "1s",
-            **more,
-        }
-
-    def raw_client(self):
-        """A plain ``MooncakeDistributedStore`` of this store (raw access for the tests)."""
-        from mooncake.store import MooncakeDistributedStore
-
-        raw = MooncakeDistributedStore()
-        rc = raw.setup("127.0.0.1", self.metadata_server, 0, 64 << 20, "tcp", "", self.master_address)
-        assert rc == 0, f"mooncake setup returned {rc}"
-        return raw
-
-    def wait_writable(self, timeout: float = 60) -> None:
-        """Until a put through a fresh client succeeds (the standalone client has mounted
-        its memory with the master)."""
-        raw = self.raw_client()
-        try:
-            deadline = time.monotonic() + timeout
-            while raw.put(f"probe-{uuid.uuid4().hex}", b"x") != 0:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the Mooncake store never accepted a write")
-                time.sleep(0.5)
-        finally:
-            raw.close()
-
-
 @pytest.fixture(scope="session")
 def mooncake_server(tmp_path_factory) -> MooncakeServer:
     if (reason := missing_reason()) is not None:
         pytest.skip(reason)
-    server = MooncakeServer(tmp_path_factory.mktemp("mooncake"))
-    try:
-        server.start_master()
-        server.start_client()
-        server.wait_writable()
+    with MooncakeServer(tmp_path_factory.mktemp("mooncake")).start() as server:
         yield server
-    finally:
-        server.stop()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The shared tier against the raw S3 clients, and two nodes sharing one bucket.
+"""The shared tier against the raw S3 (or Mooncake) clients, and two nodes sharing one bucket.
 
 Throughput (``--only throughput``). Per block size (0.5, 2 and 8 MiB by default) and round, each path puts the same
 payloads under keys of its own, then gets them back into preallocated buffers, with the
@@ -15,6 +15,12 @@ same number of requests in flight (``--connections``):
 
 Before the table, one core's AES-256-GCM speed (seal and open of one block) gives the
 cost of encryption in CPU seconds per GB.
+
+With ``--backend mooncake`` (a Mooncake Store, ``remote.backend: mooncake``) the paths
+are ``mooncake`` (raw ``put_from`` / ``get_into`` on the tier's own
+``MooncakeDistributedStore``, from and into the same buffers), ``mooncake-copy`` (raw
+``put`` / ``get``), ``tier`` (zero-copy transfers, the default) and ``tier-copy``
+(``mooncake_zero_copy: false``); ratios are over raw ``mooncake``.
 
 The order of the paths rotates every round, since a shared machine drifts; each
 path's objects are deleted after its gets so the server's memory stays bounded. Prints
@@ -32,6 +38,9 @@ block is compared with what was computed for it (mismatches must be 0).
     python tools/bench_remote.py --start-rgw             # a throwaway Ceph RGW (make rgw)
     python tools/bench_remote.py --endpoint http://127.0.0.1:7480 --bucket kv-bench
     python tools/bench_remote.py --config kv.json         # the config's remote key
+    python tools/bench_remote.py --backend mooncake       # a throwaway Mooncake Store
+    python tools/bench_remote.py --backend mooncake --mooncake-master 127.0.0.1:50051 \
+        --metadata-server http://127.0.0.1:8080/metadata  # a running one
                                  # a running server; credentials from the AWS chain
 
 Objects go under the prefixes ``bench`` and ``bench-replay-<random>``, and are deleted
@@ -93,16 +102,21 @@ class Paths:
     """The measured paths for one block size; each ``put``/``get`` moves every block once."""
 
     def __init__(self, config: RemoteConfig, block_bytes: int, connections: int):
-        import obstore
-
-        self.obstore = obstore
         self.config = config
         self.pool = ThreadPoolExecutor(connections)
         self.store = RemoteStore(config, fingerprint(block_bytes))
         plain = RemoteConfig.from_dict({**config.to_dict(), "key_file": None, "key_env": None, "trusted_bucket": True})
         self.plain = RemoteStore(plain, fingerprint(block_bytes), keyring=None)
-        self.raw = self.store._client.raw  # the same obstore S3Store settings as the tier's
+        self.raw = self.store._client.raw  # the same client settings as the tier's
         self.boto = None
+        self.mooncake = config.backend == "mooncake"
+        if self.mooncake:
+            copy = RemoteConfig.from_dict({**config.to_dict(), "mooncake_zero_copy": False})
+            self.store_copy = RemoteStore(copy, fingerprint(block_bytes))
+            return
+        import obstore
+
+        self.obstore = obstore
         with contextlib.suppress(ImportError):
             import boto3
             from botocore.config import Config
@@ -115,13 +129,15 @@ class Paths:
             )
 
     def names(self, wanted: list[str]) -> list[str]:
+        if self.mooncake:
+            return ["mooncake", "tier", "tier-copy", "mooncake-copy"]
         return [n for n in wanted if n != "boto3" or self.boto is not None]
 
     def run(self, name: str, payloads: list[np.ndarray], buffers: list[np.ndarray]) -> tuple[float, float]:
         """Seconds to put all payloads, and to get them all back (verified)."""
         tag = uuid.uuid4().hex[:8]
-        if name in ("tier", "tier-plain"):
-            store = self.store if name == "tier" else self.plain
+        if name in ("tier", "tier-plain", "tier-copy"):
+            store = {"tier": self.store, "tier-plain": self.plain}.get(name) or self.store_copy
             items = [(f"{tag}-{i}".encode(), 0, p) for i, p in enumerate(payloads)]
             t0 = time.perf_counter()
             outcomes = store.put_blocks(items).result()
@@ -132,10 +148,15 @@ class Paths:
                 raise RuntimeError(f"tier: {outcomes.count(PutOutcome.STORED)} stored, {sum(hits)} read back")
             from tiered_kv.remote.object_format import block_key
 
-            keys = [block_key(self.store.namespace, h, 0) for h, _, _ in items]
+            keys = [block_key(store.namespace, h, 0) for h, _, _ in items]
         else:
             keys = [f"{self.config.prefix}/raw/{tag}/{i}" for i in range(len(payloads))]
-            put, get = (self._obstore_put, self._obstore_get) if name == "obstore" else (self._boto_put, self._boto_get)
+            put, get = {
+                "obstore": (self._obstore_put, self._obstore_get),
+                "boto3": (self._boto_put, self._boto_get),
+                "mooncake": (self._mooncake_put, self._mooncake_get),
+                "mooncake-copy": (self._mooncake_copy_put, self._mooncake_copy_get),
+            }[name]
             t0 = time.perf_counter()
             list(self.pool.map(put, keys, payloads))
             t1 = time.perf_counter()
@@ -145,8 +166,26 @@ class Paths:
             raise RuntimeError(f"{name}: the bytes read back differ")
         for b in buffers:
             b.fill(0)
-        list(self.pool.map(lambda k: self.obstore.delete(self.raw, k), keys))
+        if self.mooncake:
+            list(self.pool.map(lambda k: self.raw.remove(k, True), keys))
+        else:
+            list(self.pool.map(lambda k: self.obstore.delete(self.raw, k), keys))
         return t1 - t0, t2 - t1
+
+    def _mooncake_put(self, key: str, payload: np.ndarray) -> None:
+        if (rc := self.raw.put_from(key, payload.ctypes.data, payload.nbytes)) != 0:
+            raise RuntimeError(f"mooncake put_from {key}: {rc}")
+
+    def _mooncake_get(self, key: str, buf: np.ndarray) -> None:
+        if (rc := self.raw.get_into(key, buf.ctypes.data, buf.nbytes)) != buf.nbytes:
+            raise RuntimeError(f"mooncake get_into {key}: {rc}")
+
+    def _mooncake_copy_put(self, key: str, payload: np.ndarray) -> None:
+        if (rc := self.raw.put(key, payload)) != 0:
+            raise RuntimeError(f"mooncake put {key}: {rc}")
+
+    def _mooncake_copy_get(self, key: str, buf: np.ndarray) -> None:
+        memoryview(buf)[:] = self.raw.get(key)
 
     def _obstore_put(self, key: str, payload: np.ndarray) -> None:
         self.obstore.put(self.raw, key, payload, mode="create", use_multipart=False)
@@ -169,6 +208,8 @@ class Paths:
     def close(self) -> None:
         self.store.close()
         self.plain.close()
+        if self.mooncake:
+            self.store_copy.close()
         self.pool.shutdown()
 
     def __enter__(self) -> Paths:
@@ -197,7 +238,7 @@ def bench(
         with Paths(config, size, connections) as paths:
             names = paths.names(paths_wanted)
             per = {name: ([], []) for name in names}
-            paths.run("obstore", payloads[:connections], buffers[:connections])  # warm connections
+            paths.run(names[0], payloads[:connections], buffers[:connections])  # warm connections
             for r in range(rounds):
                 order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
@@ -238,11 +279,13 @@ def cipher_cost(keyring, block_bytes: int = 8 << 20, rounds: int = 8) -> str:
 
 
 def table(results: dict[float, dict[str, tuple[list[float], list[float]]]]) -> str:
-    """Medians over rounds; the ratios are medians of each round's ratio to raw obstore
-    (the two ran minutes apart at most, so a drifting machine moves both)."""
-    lines = ["| block | path | put GB/s | get GB/s | put / obstore | get / obstore |", "|---|---|---|---|---|---|"]
+    """Medians over rounds; the ratios are medians of each round's ratio to the raw client
+    measured first (obstore, or mooncake; the two ran minutes apart at most, so a drifting
+    machine moves both)."""
+    base = next(iter(next(iter(results.values()))))
+    lines = [f"| block | path | put GB/s | get GB/s | put / {base} | get / {base} |", "|---|---|---|---|---|---|"]
     for mib, per in results.items():
-        base_puts, base_gets = per["obstore"]
+        base_puts, base_gets = per[base]
         for name, (puts, gets) in per.items():
             rp = statistics.median(p / b for p, b in zip(puts, base_puts))
             rg = statistics.median(g / b for g, b in zip(gets, base_gets))
@@ -403,6 +446,14 @@ def replay_table(rows: list[dict[str, Any]]) -> str:
 def _delete_prefix(config: RemoteConfig, prefix: str) -> int:
     from tiered_kv.remote.client import S3Client
 
+    if config.backend == "mooncake":  # no listing: every key under the prefix, by pattern
+        import re
+
+        from tiered_kv.remote.mooncake_client import MooncakeClient
+
+        with MooncakeClient(config) as client:
+            return max(0, client.raw.remove_by_regex("^" + re.escape(prefix + "/") + ".*", True))
+
     client = S3Client(config)
     keys = [key for key, _ in client.list(prefix + "/")]
     with ThreadPoolExecutor(config.max_connections) as pool:
@@ -412,10 +463,13 @@ def _delete_prefix(config: RemoteConfig, prefix: str) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--endpoint", help="a running S3 endpoint, e.g. http://127.0.0.1:7480 (with --bucket)")
     where.add_argument("--config", help="a server's config file: its 'remote' key names endpoint and bucket")
     where.add_argument("--start-rgw", action="store_true", help="start a throwaway Ceph RGW (tools/rgw_server.sh)")
+    p.add_argument("--backend", choices=("s3", "mooncake"), default="s3", help="the shared tier's backend")
+    p.add_argument("--mooncake-master", help="mooncake: a running master's host:port (default: start one)")
+    p.add_argument("--metadata-server", help="mooncake: its metadata server URL (with --mooncake-master)")
     p.add_argument("--bucket", default="tiered-kv-bench", help="bucket (created when the server is our own)")
     p.add_argument("--only", choices=("throughput", "replay"), help="run one part (default: both)")
     p.add_argument("--sizes", default="0.5,2,8", help="block sizes in MiB, comma-separated")
@@ -476,9 +530,30 @@ def main() -> None:
             sys.exit(f"bench_remote: {args.config} has no 'remote' key")
         run(remote)
         return
+    if args.backend == "mooncake":
+        moon = {"backend": "mooncake", "mooncake_buffer_bytes": "512MiB"}
+        if args.mooncake_master:
+            run(
+                RemoteConfig.from_dict(
+                    {**moon, "mooncake_master": args.mooncake_master, "mooncake_metadata_server": args.metadata_server}
+                )
+            )
+            return
+        from tiered_kv.testing.mooncake_server import MooncakeServer, missing_reason
+
+        if (reason := missing_reason()) is not None:
+            sys.exit(f"bench_remote: {reason}")
+        with tempfile.TemporaryDirectory(prefix="bench-mooncake-") as scratch:
+            started = time.perf_counter()
+            with MooncakeServer(Path(scratch), segment=f"{max(1 << 30, 3 * total) >> 20} MB").start() as server:
+                print(f"# Mooncake Store started in {time.perf_counter() - started:.1f} s", flush=True)
+                run(RemoteConfig.from_dict({**server.settings(), **moon}))
+        return
     if args.endpoint:
         run(RemoteConfig.from_dict({"endpoint": args.endpoint, "bucket": args.bucket}))
         return
+    if not args.start_rgw:
+        p.error("one of --endpoint, --config, --start-rgw (or --backend mooncake) is required")
     os.environ.update(KEYS)  # the throwaway server's user, whatever else the environment holds
     os.environ.pop("AWS_PROFILE", None)
     os.environ.pop("AWS_SESSION_TOKEN", None)

@@ -353,6 +353,8 @@ class RemoteConfig:
                 close = difflib.get_close_matches(str(key), known, n=1)
                 hint = f"; did you mean {key_prefix}{close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown config key {key_prefix}{key!r}{hint} Known keys: {', '.join(known)}")
+            if key == "bucket" and value == "":  # unset (``to_dict`` of a mooncake config)
+                continue
             values[key] = cls._PARSERS[key](value, key_prefix + key)
         if values.get("backend", "s3") == "s3" and "bucket" not in values:
             raise ConfigError(f"{key_prefix}bucket: required (the S3 bucket every node of the fleet shares)")
