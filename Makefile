@@ -13,10 +13,17 @@ WITH_VLLM ?= 1
 WITH_RGW ?= 1
 RGW_STAMP := $(VENV)/.rgw-installed
 RGW_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
-TEST_DEPS := $(STAMP) $(if $(filter 1,$(WITH_VLLM)),$(VLLM_STAMP)) $(if $(filter 1,$(WITH_RGW)),$(RGW_STAMP))
+# Mooncake Store, the shared tier's second backend: its wheel (the test extra) needs
+# Debian's RDMA libraries even over TCP; installed when missing as for Ceph, else the
+# Mooncake tests skip, saying how to get them. WITH_MOONCAKE=0 skips the install.
+WITH_MOONCAKE ?= 1
+MOONCAKE_STAMP := $(VENV)/.mooncake-installed
+MOONCAKE_PACKAGES := libibverbs1 librdmacm1
+TEST_DEPS := $(STAMP) $(if $(filter 1,$(WITH_VLLM)),$(VLLM_STAMP)) $(if $(filter 1,$(WITH_RGW)),$(RGW_STAMP)) \
+	$(if $(filter 1,$(WITH_MOONCAKE)),$(MOONCAKE_STAMP))
 DEMO_DIR ?= .tiered-kv-demo
 
-.PHONY: demo test test-faults venv clean rgw
+.PHONY: demo test test-faults venv clean rgw mooncake
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +63,22 @@ $(RGW_STAMP):
 	fi
 
 rgw: $(RGW_STAMP)
+
+$(MOONCAKE_STAMP):
+	@mkdir -p $(VENV); if /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' \
+		&& /sbin/ldconfig -p 2>/dev/null | grep -q 'librdmacm\.so\.1 '; then \
+		touch $@; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing Mooncake's libraries for the shared-tier tests: $(MOONCAKE_PACKAGES)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		if apt-get install -y -q --no-install-recommends $(MOONCAKE_PACKAGES) >/dev/null \
+			|| { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(MOONCAKE_PACKAGES) >/dev/null; }; \
+		then touch $@; else echo "make: could not install $(MOONCAKE_PACKAGES); the Mooncake tests will skip"; fi; \
+	else \
+		echo "make: $(MOONCAKE_PACKAGES) are not installed and need root with apt-get; the Mooncake tests will skip"; \
+	fi
+
+mooncake: $(MOONCAKE_STAMP)
 
 venv: $(TEST_DEPS)
 

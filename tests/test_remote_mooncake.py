@@ -231,3 +231,28 @@ def test_holding_client_killed_costs_misses_never_a_crash(tmp_path, mooncake_ser
         assert during.recomputed_after_failed_load + during.computed > 0
         assert during.computed + during.offload_hits == 6 * BLOCKS_PER_REQUEST
         assert node.remote.num_pending() == 0
+
+
+def test_doctor_checks_the_master_answers(mooncake_server):
+    from tiered_kv.config import TieredConfig
+    from tiered_kv.ops import doctor as dr
+
+    ok = dr.check_remote(TieredConfig.from_dict({"remote": mooncake_server.settings()}))
+    assert ok.status == dr.OK and mooncake_server.master_address in ok.message
+    assert ok.facts["backend"] == "mooncake"
+    down = dr.check_remote(TieredConfig.from_dict({"remote": mooncake_server.settings(mooncake_master="127.0.0.1:1")}))
+    assert down.status == dr.WARN and "no Mooncake master answers at 127.0.0.1:1" in down.message
+
+
+def test_inspect_remote_says_it_reads_s3_only(mooncake_server, tmp_path):
+    from typer.testing import CliRunner
+
+    from tiered_kv.cli import _load_commands, app
+
+    _load_commands()
+    config = tmp_path / "kv.json"
+    config.write_text(json.dumps({"remote": mooncake_server.settings()}))
+    result = CliRunner().invoke(app, ["inspect", "summary", "--remote", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "Mooncake Store" in result.output and "S3 buckets only" in result.output
+    assert "Traceback" not in result.output

@@ -1,4 +1,4 @@
-"""The doctor's check of the shared tier's bucket.
+"""The doctor's check of the shared tier's bucket (or Mooncake master).
 
 Runs in the operator's process (``tiered-kv doctor``). Its I/O: one signed GET request
 for a key that is not there (nothing is written), where the config names a shared tier,
@@ -7,6 +7,8 @@ must be S3's: an S3 XML error body or S3's own headers. Any HTTP server answers 
 key it does not have; only that second look tells an S3 endpoint from another server.
 An object someone put at that key is not downloaded past ``safe_json.MAX_RECORD_BYTES``
 (4 KiB by the unsigned GET). It also reads the fleet key file or variable the config names.
+For a Mooncake Store: a TCP connection to the master's RPC port, then a client set up
+with the config's settings asking whether a key that is not there exists.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 
 
 from tiered_kv.config import TieredConfig
+from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
 
@@ -57,6 +60,8 @@ def check_remote(cfg: TieredConfig | None) -> Check:
     and a server that does not answer apart."""
     if cfg is None or cfg.remote is None:
         return Check("remote", OK, "no shared tier configured")
+    if cfg.remote.backend == "mooncake":
+        return check_mooncake(cfg.remote)
     from tiered_kv.remote.client import (
         AccessDenied,
         BucketMissing,
@@ -158,3 +163,45 @@ def check_remote(cfg: TieredConfig | None) -> Check:
         message = f"shared tier: {where} answers as S3; " + "; ".join(m for m, _ in cautions)
         return Check("remote", WARN, message, "; ".join(f for _, f in cautions), facts)
     return Check("remote", OK, f"shared tier: {where} answers as S3", facts=facts)
+
+
+def check_mooncake(remote: RemoteConfig) -> Check:
+    """The Mooncake master: its RPC port accepts a connection, and a client set up from the
+    config (metadata server, protocol, tenant) gets an answer to one existence query."""
+    from tiered_kv.remote.client import RemoteError, RemoteSetupError
+    from tiered_kv.remote.mooncake_client import MooncakeClient, master_answers
+
+    where = remote.where()
+    facts = {
+        "backend": "mooncake",
+        "master": remote.mooncake_master,
+        "metadata_server": remote.mooncake_metadata_server,
+        "protocol": remote.mooncake_protocol,
+        "tenant": remote.mooncake_tenant,
+        "prefix": remote.prefix,
+    }
+    if not master_answers(remote.mooncake_master, remote.connect_timeout):
+        return Check(
+            "remote",
+            WARN,
+            f"shared tier: no Mooncake master answers at {remote.mooncake_master}; "
+            "the server would serve with misses until one does",
+            "start mooncake_master (and a standalone mooncake_client holding memory), or fix remote.mooncake_master",
+            facts,
+        )
+    try:
+        with MooncakeClient(remote) as client:
+            client.exists(f"{remote.prefix}/doctor-probe")
+    except RemoteSetupError as e:
+        return Check(
+            "remote", FAIL, f"shared tier: {e}", "install the client: pip install 'tiered-kv[mooncake]'", facts
+        )
+    except RemoteError as e:
+        return Check(
+            "remote",
+            WARN,
+            f"shared tier: {where} did not answer a query ({e})",
+            "check remote.mooncake_metadata_server and that a mooncake_client holds memory for the pool",
+            facts,
+        )
+    return Check("remote", OK, f"shared tier: Mooncake master at {remote.mooncake_master} answers", facts=facts)

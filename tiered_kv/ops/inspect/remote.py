@@ -146,6 +146,11 @@ def open_shared_tier(config_path: str, namespace: str | None = None, model: str 
     and read each namespace's fingerprint. ``model`` as for ``summary --model``. Raises
     ``InspectError`` naming the endpoint and bucket when they cannot be read."""
     config = remote_config(config_path)
+    if config.backend != "s3":
+        raise InspectError(
+            f"--remote {config_path}: the shared tier is a Mooncake Store ({config.where()}), which cannot list "
+            "its keys; inspect --remote reads S3 buckets only. `tiered-kv doctor` checks that its master answers"
+        )
     reader = ServerConfig.load(config_path, model)
     try:
         client = S3Client(config)
