@@ -51,16 +51,24 @@ def _node(model_dir, remote: dict, cache_dir) -> vh.VllmHarness:
         "disk_bytes": f"{64 * 4096}B",
     }
     h = vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real")
-    assert isinstance(h.manager, TieredVllmManager) and h.manager.remote is not None
+    assert isinstance(h.manager, TieredVllmManager) and h.manager.tier("remote") is not None
     return h
+
+
+def _worker(h: vh.VllmHarness):
+    return h.worker_spec._worker
+
+
+def _remote_store(h: vh.VllmHarness):
+    """The worker's own store of the shared tier."""
+    return _worker(h).hierarchy.lower_tiers[-1].store
 
 
 def _wait_background(h: vh.VllmHarness) -> None:
     m = h.manager
-    m.remote.wait_probes(WAIT)
-    m.remote_verifier.wait(WAIT)
-    if m.verifier is not None:
-        m.verifier.wait(WAIT)
+    m.tier("remote").wait_probes(WAIT)
+    for check in m.checks:
+        check.verifier.wait(WAIT)
 
 
 def _settle(h: vh.VllmHarness) -> None:
@@ -89,7 +97,7 @@ def _compute_on(h: vh.VllmHarness, prompt: list[int]) -> list[bytes]:
     assert h.prefix_hits[req_id].external == 0 and all(h.kv_matches(req_id))
     computed = [h.gpu_block_bytes(b) for b in h.block_ids(req_id)[:CHUNKS]]
     _settle(h)
-    h.worker_spec._worker.remote_stager.drain()
+    _worker(h).hierarchy.lower_tiers[-1].stager.drain()
     return computed
 
 
@@ -98,16 +106,17 @@ def test_node_b_loads_what_node_a_computed_through_mooncake_byte_exact(tmp_path,
     prompt = _prompt(1)
     with _node(model_dir, settings, tmp_path / "a") as a:
         computed = _compute_on(a, prompt)
-        assert a.manager.remote.settle(WAIT) and a.manager.remote.counters["confirmed"] == CHUNKS
+        assert a.manager.tier("remote").settle(WAIT) and a.manager.tier("remote").counters["confirmed"] == CHUNKS
     with _node(model_dir, settings, tmp_path / "b") as b:
         req_id = _admit(b, prompt)
         assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
         assert [b.gpu_block_bytes(i) for i in b.block_ids(req_id)[:CHUNKS]] == computed
         assert all(b.kv_matches(req_id))
         assert b.manager.stats.tiers["remote"]["hits"] == CHUNKS
-        assert b.worker_spec._worker.remote_store.stats().gets_hit == CHUNKS
+        assert _remote_store(b).stats().gets_hit == CHUNKS
+        assert b.manager.check("remote").verifier.store.stats().gets_hit == CHUNKS  # verified before the hit
         _settle(b)
-        assert b.manager._remote_verifications == {"ok": CHUNKS}
+        assert b.manager.check("remote").outcomes() == {"ok": CHUNKS}
 
 
 def test_master_restart_between_nodes_costs_a_recompute_never_a_failed_load(tmp_path, model_dir, mooncake_server):
@@ -126,5 +135,5 @@ def test_master_restart_between_nodes_costs_a_recompute_never_a_failed_load(tmp_
         assert not b.manager._failure_counts
         _settle(b)
         # The restarted pool takes this node's chunks, and serves them.
-        b.worker_spec._worker.remote_stager.drain()
-        assert b.manager.remote.settle(WAIT) and b.manager.remote.counters["confirmed"] == CHUNKS
+        _worker(b).hierarchy.lower_tiers[-1].stager.drain()
+        assert b.manager.tier("remote").settle(WAIT) and b.manager.tier("remote").counters["confirmed"] == CHUNKS
