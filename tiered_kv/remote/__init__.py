@@ -1,4 +1,4 @@
-"""The shared tier: KV blocks in S3-compatible object storage, shared by a fleet.
+"""The shared tier: KV blocks in S3-compatible object storage (or a Mooncake Store), shared by a fleet.
 
 Every node that serves the same model with the same settings (the same
 ``Fingerprint``) reads and writes one namespace of one bucket; objects carry the full
@@ -11,6 +11,8 @@ pieces, by process:
 - ``membership``: the scheduler's cache of known-present / known-absent blocks and
   the prober that fills it without blocking;
 - ``client.S3Client``: the S3 requests (obstore), credentials from the AWS chain;
+- ``mooncake_client.MooncakeClient``: the same objects in a Mooncake Store
+  (``backend: mooncake``); ``backends.CLIENTS`` maps each backend to its client.
 - ``tier.RemoteTier``: the tier's ``TierSpec``; ``manager.RemoteOffloadingManager``
   (scheduler: membership, probes, pending uploads) and ``hit_check`` (scheduler, under
   vLLM: every rank's object verified before a hit); ``handlers`` (workers: uploads from
