@@ -11,7 +11,8 @@ Mooncake Store (``--backend mooncake``, a throwaway master and standalone client
 deleted, so both backends hold the same set). Requests of a trace
 (``../shared/traces/mooncake_fast25_*.jsonl``: ``hash_ids`` are prefix-chained ids of
 512-token blocks) are served in file order, routed to nodes round-robin or by prefix
-affinity (the node of the request's first block id), both in one run.
+affinity (the node of the id of the request's first ``--affinity-blocks`` blocks: every
+request of the conversation trace shares its first block), both in one run.
 
 Per request and node: the longest prefix of its full blocks in the local tiers is a local
 hit; the following blocks the shared tier holds (by the fleet's index of what it stored)
@@ -172,10 +173,13 @@ def fingerprint(block_bytes: int) -> Fingerprint:
     )  # fmt: skip
 
 
-def node_of(routing: str, i: int, request: Request, nodes: int) -> int:
+def node_of(routing: str, i: int, request: Request, nodes: int, depth: int) -> int:
+    """Round-robin, or prefix affinity: the node of the request's block id at ``depth``
+    (a prefix-chained id names the whole prefix up to it; shorter requests use their last)."""
     if routing == "round-robin" or not request.blocks:
         return i % nodes
-    digest = hashlib.blake2b(request.blocks[0].to_bytes(8, "little", signed=True), digest_size=8).digest()
+    block = request.blocks[min(depth, len(request.blocks)) - 1]
+    digest = hashlib.blake2b(block.to_bytes(8, "little", signed=True), digest_size=8).digest()
     return int.from_bytes(digest, "little") % nodes
 
 
@@ -192,7 +196,7 @@ def replay(
     size = args.block_bytes
     started = time.perf_counter()
     for i, req in enumerate(requests):
-        k = node_of(routing, i, req, n)
+        k = node_of(routing, i, req, n, args.affinity_blocks)
         # Local tiers only.
         cpu, disk = local_nodes[k].prefix(req.blocks)
         t = local_only[k]
@@ -305,14 +309,15 @@ def tables(trace: str, rows: list[dict]) -> str:
     paper = next((v for k, v in PAPER.items() if k in trace), None)
     out = [
         "| routing | hit rate, shared | hit rate, local only | ratio | paper | prefill time ratio | paper |"
-        " from shared tier | failed shared reads |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " from shared tier | failed shared reads | requests per node |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r['routing']} | {r['hit_shared']:.3f} | {r['hit_local']:.3f} | {r['hit_ratio']:.2f}x "
             f"| {f'{paper[0]:.2f}x' if paper else '-'} | {r['prefill_ratio']:.2f}x | {f'{paper[1]:.2f}x' if paper else '-'} "
-            f"| {r['shared_share']:.3f} | {r['shared_failed']} |"
+            f"| {r['shared_share']:.3f} | {r['shared_failed']} "
+            f"| {min(per_node := [nd['requests'] for nd in r['nodes']]):,}-{max(per_node):,} |"
         )
     for r in rows:
         out.append(f"\nper node, {r['routing']}:\n")
@@ -380,6 +385,13 @@ def parse_args(argv=None):
     p.add_argument("--block-bytes", type=int, default=256, help="KV bytes per block object (scaled down)")
     p.add_argument("--routing", default=",".join(ROUTINGS), help=f"comma-separated: {', '.join(ROUTINGS)}")
     p.add_argument(
+        "--affinity-blocks",
+        type=int,
+        default=2,
+        help="prefix affinity routes by the id of the request's first N blocks (1: the first block, which every "
+        "request of the conversation trace shares)",
+    )
+    p.add_argument(
         "--backend",
         choices=("s3", "mooncake", "none"),
         default="mooncake",
@@ -399,8 +411,8 @@ def parse_args(argv=None):
     bad = [r for r in args.routings if r not in ROUTINGS]
     if bad or not args.routings:
         p.error(f"--routing: expected some of {', '.join(ROUTINGS)}, got {args.routing!r}")
-    if args.nodes < 1 or args.local_blocks < 1 or args.block_bytes < 1:
-        p.error("--nodes, --local-blocks and --block-bytes must be >= 1")
+    if min(args.nodes, args.local_blocks, args.block_bytes, args.affinity_blocks) < 1:
+        p.error("--nodes, --local-blocks, --block-bytes and --affinity-blocks must be >= 1")
     return args
 
 
