@@ -14,7 +14,7 @@ from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from support.s3_server import remote_settings, rgw_server, s3_env  # noqa: F401,E402
 
 # The Mooncake backend's real store (mooncake_master and a standalone mooncake_client).
-from mooncake_server import mooncake_server  # noqa: F401,E402
+from support.mooncake_server import mooncake_server  # noqa: F401,E402
 
 
 def pytest_collection_modifyitems(config, items):

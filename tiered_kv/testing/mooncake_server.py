@@ -4,7 +4,7 @@ Runs in the calling (test or tool) process, which starts both daemons as child p
 on free ports (the master's RPC, HTTP metadata and metrics servers bound to 127.0.0.1
 where the master allows it; its metadata server and the client's transfer sockets bind
 0.0.0.0 whatever they are told), kills or restarts either on demand, and stops them.
-Shared by the tests (tests/mooncake_server.py) and ``tools/bench_remote.py --backend
+Shared by the tests (tests/support/mooncake_server.py) and ``tools/bench_remote.py --backend
 mooncake`` / ``tools/replay_fleet.py``; never used while serving. I/O: the daemons' logs
 in the directory given.
 """

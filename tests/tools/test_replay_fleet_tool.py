@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mooncake_server import skip_module_without_mooncake
+from support.mooncake_server import skip_module_without_mooncake
 
 skip_module_without_mooncake()
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "replay_fleet.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "replay_fleet.py"
 
 
 def load_tool():

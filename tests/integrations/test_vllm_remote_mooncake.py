@@ -1,6 +1,6 @@
 """The Mooncake backend of the shared tier under vLLM 0.33: ``TieredOffloadingSpec`` in the
-real scheduler and worker connector (tests/vllm_harness.py, ``worker="real"``, CPU tensors),
-against a real Mooncake Store (tests/mooncake_server.py). Two harnesses with their own cache
+real scheduler and worker connector (tests/support/vllm_harness.py, ``worker="real"``, CPU tensors),
+against a real Mooncake Store (tests/support/mooncake_server.py). Two harnesses with their own cache
 directories stand for two nodes sharing the pool: the second loads what the first computed,
 byte for byte; with the master restarted in between, it computes again and never fails a load.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from mooncake_server import skip_module_without_mooncake
+from support.mooncake_server import skip_module_without_mooncake
 
 pytest.importorskip(
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
@@ -19,7 +19,7 @@ pytest.importorskip(
 )
 skip_module_without_mooncake()
 
-import vllm_harness as vh  # noqa: E402
+from support import vllm_harness as vh  # noqa: E402
 
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The shared tier on a real Mooncake Store (tests/mooncake_server.py: ``mooncake_master``
+"""The shared tier on a real Mooncake Store (tests/support/mooncake_server.py: ``mooncake_master``
 and a standalone ``mooncake_client`` on 127.0.0.1): the client's mapping of Mooncake's
 semantics, the store's round trips in both transfer modes, foreign and damaged objects,
 two engine processes sharing the pool byte for byte, and the master or the client killed
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mooncake_server import skip_module_without_mooncake
+from support.mooncake_server import skip_module_without_mooncake
 
 skip_module_without_mooncake()
 
-from remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E402
+from support.remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E402
 
 from tiered_kv.config import ConfigError  # noqa: E402
 from tiered_kv.fingerprint import Fingerprint  # noqa: E402
@@ -32,7 +32,7 @@ from tiered_kv.remote.tier import REMOTE  # noqa: E402
 
 FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
 WAIT = 120
-NODE = Path(__file__).with_name("remote_node.py")
+NODE = Path(__file__).resolve().parents[1] / "support" / "remote_node.py"
 
 
 def blocks(n: int, size: int = 64 << 10, seed: int = 0) -> list[tuple[bytes, int, bytes]]:
