@@ -375,6 +375,12 @@ class RemoteConfig:
         """Every setting; safe to log (no credentials are held here)."""
         return {k: getattr(self, k) for k in self.keys()}
 
+    def server(self) -> str:
+        """``bucket 'b' at endpoint`` (or ``where()`` for a Mooncake Store) for start-up messages."""
+        if self.backend == "mooncake":
+            return self.where()
+        return f"bucket {self.bucket!r} at {self.endpoint or 'AWS S3'}"
+
     def where(self) -> str:
         """``s3://bucket/prefix at endpoint`` (or ``mooncake://master/prefix``) for messages."""
         if self.backend == "mooncake":

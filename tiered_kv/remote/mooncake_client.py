@@ -216,8 +216,16 @@ class MooncakeClient:
         if rc != 0:
             raise Unavailable(f"put {key}: {describe(rc)}")
 
-    def get(self, key: str, size: int | None = None) -> Buffer | None:
+    def get(self, key: str, size: int | None = None, limit: int | None = None) -> Buffer | None:
         raw = self._store()
+        if limit is not None and size is None:  # learn the size first: nothing over the limit is read
+            actual = self._call(raw.get_size, key)
+            if actual == OBJECT_NOT_FOUND:
+                return None
+            if actual < 0:
+                raise Unavailable(f"get_size {key}: {describe(actual)}")
+            if actual > limit:
+                raise WrongSize(actual, limit, limit=True)
         if size is None or not self.config.mooncake_zero_copy:
             data = self._call(raw.get, key)
             if not data:  # b'' is Mooncake's answer for a missing key

@@ -282,9 +282,7 @@ class RemoteStore:
         too large or is not a record is logged: anyone who can write the bucket can put
         one there, and serving needs nothing from it (every block carries the
         fingerprint digest, under the tag)."""
-        where = f"bucket {self.config.bucket!r} at {self.config.endpoint or 'AWS S3'}"
-        if self.config.backend != "s3":
-            where = self.config.where()
+        where = self.config.server()
         key = manifest_key(self.config.prefix, self.fingerprint)
         try:
             self._writer.put(key, [self.manifest()])

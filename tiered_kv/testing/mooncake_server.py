@@ -177,6 +177,8 @@ class MooncakeServer:
             "mooncake_metadata_server": self.metadata_server,
             "request_timeout": "3s",
             "connect_timeout": "1s",
+            # Loopback only: objects unsealed (header and checksum, no fleet key).
+            "trusted_bucket": True,
             **more,
         }
 
