@@ -38,9 +38,10 @@ from tiered_kv.abstract import Closing, LoadStoreSpec
 from tiered_kv.memory.device import can_pin_memory
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
-from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, spec_as
 from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.store import PutOutcome, RemoteStore
+from tiered_kv.tiered.transfer_specs import DiskWrites
 from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
 from tiered_kv.worker.worker import TransferSpec
 
@@ -81,7 +82,7 @@ class RemoteStager(Closing):
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="tkv-remote-stage")
         self._closed = False
 
-    def stage(self, writes) -> Future:
+    def stage(self, writes: DiskWrites) -> Future[None]:
         """Start copying ``writes``' (a ``DiskWrites``) CPU slots out; the future is done
         once those slots may be overwritten (copied, or the writes dropped)."""
         return self._packer.submit(self._stage, writes)
@@ -206,7 +207,9 @@ class RemoteLoadHandler(ThreadedHandler):
 
     def _kernel_ids(self, dst: LoadStoreSpec, n: int) -> np.ndarray:
         f = self.layout.block_size_factor
-        return gpu_kernel_rows(dst, n, f) if self.to_gpu else cpu_kernel_rows(dst, n, f)
+        if self.to_gpu:
+            return gpu_kernel_rows(spec_as(dst, GPULoadStoreSpec), n, f)
+        return cpu_kernel_rows(spec_as(dst, CPULoadStoreSpec), n, f)
 
     def _buffer(self) -> torch.Tensor:
         if self._bounce is None:

@@ -38,11 +38,12 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing
+from tiered_kv.disk.worker.block_store import BlockStore
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks
-from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec, spec_as
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.transfer_specs import DiskWrites, TieredLoadSpec
-from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from tiered_kv.worker.worker import OffloadingHandler, PerTier, Stager, TransferResult, TransferSpec, per_tier
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class DiskStager(Closing):
     def __init__(
         self,
         host: HostKVCache,
-        store,
+        store: BlockStore,
         rank: int,
         capacity_blocks: int,
         stats: TieredStats,
@@ -116,13 +117,14 @@ class DiskStager(Closing):
             self._allocated_rows += rows
         return self.store.host_buffer(rows * self.slot_size).view(rows, self.slot_size)
 
-    def stage(self, writes: DiskWrites) -> Future:
+    def stage(self, writes: DiskWrites) -> Future[None]:
         """Start copying ``writes``' CPU slots out; the returned future is done once the
         slots may be overwritten (copied, or dropped for lack of staging memory). The
         disk write itself continues in the background."""
         if self._packer is None:
-            future: Future = Future()
-            future.set_result(self._stage(writes))
+            self._stage(writes)
+            future: Future[None] = Future()
+            future.set_result(None)
             return future
         return self._packer.submit(self._stage, writes)
 
@@ -290,7 +292,7 @@ class _Job:
 class _PipelineHandler(OffloadingHandler):
     """Runs each job as branches of sequential steps over inner handlers and futures."""
 
-    def __init__(self, stats: TieredStats, inner: Sequence[OffloadingHandler]):
+    def __init__(self, stats: TieredStats, inner: Sequence[OffloadingHandler | None]):
         self.stats = stats
         self._inner = list(dict.fromkeys(h for h in inner if h is not None))
         self._jobs: dict[int, _Job] = {}
@@ -330,6 +332,7 @@ class _PipelineHandler(OffloadingHandler):
                 return None
             ok = step.future.exception() is None and step.future.result() is not False
             return ok, step.ended - step.started
+        assert step.sub_id is not None  # a step without a future is a sub-job
         result = self._inner_done.pop(step.sub_id, None)
         if result is None:
             return None
@@ -389,6 +392,7 @@ class _PipelineHandler(OffloadingHandler):
                 if step.future is not None:
                     step.future.exception()  # blocks until done
                 elif step.sub_id not in self._inner_done:
+                    assert step.handler is not None and step.sub_id is not None  # a sub-job
                     step.handler.wait({step.sub_id})
                 break
 
@@ -396,36 +400,31 @@ class _PipelineHandler(OffloadingHandler):
         self.wait(set(self._jobs))
 
 
-def _per_tier(handlers) -> list:
-    """One handler (or None) for the first lower tier, or a sequence of them per tier."""
-    return list(handlers) if isinstance(handlers, (list, tuple)) else [handlers]
-
-
 class TieredStoreHandler(_PipelineHandler):
     """GPU -> CPU stores carrying spills and write-through copies (see module docstring).
 
-    ``stagers``: one ``DiskStager`` per lower tier, in tier order (one alone is the first
+    ``stagers``: one ``Stager`` per lower tier, in tier order (one alone is the first
     tier's; None where a tier has none in this process)."""
 
     def __init__(
         self,
         gpu_to_cpu: OffloadingHandler,
         layout_bytes_per_block: int,
-        stagers: DiskStager | Sequence[DiskStager | None] | None,
+        stagers: PerTier[Stager],
         stats: TieredStats,
     ):
         super().__init__(stats, [gpu_to_cpu])
         self.gpu_to_cpu = gpu_to_cpu
         self.bytes_per_block = layout_bytes_per_block
-        self.stagers = _per_tier(stagers)
+        self.stagers = per_tier(stagers)
 
     @property
-    def stager(self) -> DiskStager | None:
+    def stager(self) -> Stager | None:
         """The first lower tier's stager."""
         return self.stagers[0]
 
     @stager.setter
-    def stager(self, stager: DiskStager | None) -> None:
+    def stager(self, stager: Stager | None) -> None:
         self.stagers[0] = stager
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
@@ -436,13 +435,13 @@ class TieredStoreHandler(_PipelineHandler):
         for stager, writes in zip(self.stagers, spills):
             if writes and stager is not None:
                 steps.append(partial(self._stage_step, stager, writes))
-        plain_dst = CPULoadStoreSpec(dst.block_ids)
+        plain_dst = CPULoadStoreSpec(spec_as(dst, CPULoadStoreSpec).block_ids)
         steps.append(
             partial(
                 self._submit_inner,
                 self.gpu_to_cpu,
                 "gpu_to_cpu",
-                len(dst.block_ids) * self.bytes_per_block,
+                len(plain_dst) * self.bytes_per_block,
                 (src, plain_dst),
             )
         )
@@ -452,7 +451,7 @@ class TieredStoreHandler(_PipelineHandler):
         return self._start(job_id, [steps])
 
     @staticmethod
-    def _stage_step(stager: DiskStager, writes: DiskWrites) -> _Step:
+    def _stage_step(stager: Stager, writes: DiskWrites) -> _Step:
         return _Step("", 0, future=stager.stage(writes))
 
     def shutdown(self) -> None:
@@ -475,12 +474,12 @@ class TieredLoadHandler(_PipelineHandler):
         cpu_to_gpu: OffloadingHandler,
         bytes_per_block: int,
         block_size_factor: int,
-        disk_to_gpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
-        disk_to_cpu: OffloadingHandler | Sequence[OffloadingHandler | None] | None,
+        disk_to_gpu: PerTier[OffloadingHandler],
+        disk_to_cpu: PerTier[OffloadingHandler],
         stats: TieredStats,
         tier_names: Sequence[str] = ("disk",),
     ):
-        self.to_gpu, self.to_cpu = _per_tier(disk_to_gpu), _per_tier(disk_to_cpu)
+        self.to_gpu, self.to_cpu = per_tier(disk_to_gpu), per_tier(disk_to_cpu)
         super().__init__(stats, [cpu_to_gpu, *self.to_gpu, *self.to_cpu])
         self.cpu_to_gpu = cpu_to_gpu
         self.tier_names = list(tier_names)
@@ -526,11 +525,12 @@ class TieredLoadHandler(_PipelineHandler):
         return self._gpu_spec(rows)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        src, dst = spec
+        src, dst = spec[0], spec_as(spec[1], GPULoadStoreSpec)
         submit = self._submit_inner  # steps are built now, run later: bind their arguments
         if not isinstance(src, TieredLoadSpec):
-            n = len(src.block_ids) * self.bytes_per_block
-            inner = self._cpu_to_gpu_spec(src.block_ids, self._gpu_rows(dst, len(src.block_ids)))
+            cpu_slots = spec_as(src, CPULoadStoreSpec).block_ids
+            n = len(cpu_slots) * self.bytes_per_block
+            inner = self._cpu_to_gpu_spec(cpu_slots, self._gpu_rows(dst, len(cpu_slots)))
             return self._start(job_id, [deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, inner)])])
         rows = self._gpu_rows(dst, len(src))
         bpb = self.bytes_per_block

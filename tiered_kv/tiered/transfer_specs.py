@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +31,8 @@ class DiskWrites:
     __slots__ = ("_cpu_slots", "_disk_slots", "block_hashes")
     cpu_slots = Int64Column()
     disk_slots = Int64Column()
+    _cpu_slots: list[int] | np.ndarray  # the columns' storage (see Int64Column)
+    _disk_slots: list[int] | np.ndarray
 
     def __init__(
         self,
@@ -58,22 +60,22 @@ class DiskWrites:
     def __len__(self) -> int:
         return len(self.block_hashes)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[DiskWrite]:
         return map(DiskWrite._make, zip(self.cpu_slots.tolist(), self.disk_slots.tolist(), self.block_hashes))
 
     def __repr__(self) -> str:
         return f"DiskWrites({list(self)!r})"
 
 
-def _per_tier(writes) -> tuple[DiskWrites, ...]:
+def _per_tier(writes: DiskWrites | Sequence[DiskWrites] | Sequence[DiskWrite]) -> tuple[DiskWrites, ...]:
     """Writes per lower tier: one ``DiskWrites`` (or a list of ``DiskWrite``) is the first
     lower tier's; a tuple or list of ``DiskWrites`` is one per tier, in tier order."""
     if isinstance(writes, DiskWrites):
         return (writes,)
-    writes = list(writes)
-    if writes and all(isinstance(w, DiskWrites) for w in writes):
-        return tuple(writes)
-    return (DiskWrites.of(writes),)
+    per_tier = [w for w in writes if isinstance(w, DiskWrites)]
+    if per_tier and len(per_tier) == len(writes):
+        return tuple(per_tier)
+    return (DiskWrites.of([w for w in writes if not isinstance(w, DiskWrites)]),)
 
 
 class TieredStoreSpec(CPULoadStoreSpec):
@@ -127,6 +129,10 @@ class TieredLoadSpec(LoadStoreSpec):
     disk_slots = Int64Column()
     promote_slots = Int64Column()
     lower_tiers = Int64Column()
+    _cpu_slots: list[int] | np.ndarray  # the columns' storage (see Int64Column)
+    _disk_slots: list[int] | np.ndarray
+    _promote_slots: list[int] | np.ndarray
+    _lower_tiers: list[int] | np.ndarray
 
     def __init__(
         self,

@@ -52,10 +52,13 @@ import numpy as np
 import torch
 
 from tiered_kv.config import TieredConfig
+from tiered_kv.disk.worker.block_store import BlockStore
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.worker.io_server import Ref
 from tiered_kv.disk.worker.store import BlockIO, DiskStore, DiskStoreStats
-from tiered_kv.memory.shared_memory import empty_shared, locate, on_free, region_fd
+from tiered_kv.memory.shared_memory import SharedRegion, empty_shared, locate, on_free, region_fd
 from tiered_kv.memory.slot_views import SlotViews
+from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,9 @@ RESTART_BACKOFF = 5.0
 _DIED = object()  # what a call returns when the I/O process is gone before it replied
 
 
-def open_worker_store(config, fingerprint, layout, engine_id: str | None) -> "DiskStore | DiskIOProcess":
+def open_worker_store(
+    config: TieredConfig, fingerprint: Fingerprint, layout: KVCacheLayout, engine_id: str | None
+) -> BlockStore:
     """A worker's store for ``config`` (a ``TieredConfig``): a ``DiskStore`` in this
     process (``disk_io: thread``) or a ``DiskIOProcess`` (``disk_io: process``)."""
     opener = DiskIOProcess.open if config.disk_io == "process" else DiskStore.open
@@ -148,8 +153,8 @@ class DiskIOProcess(BlockIO):
     def open(
         cls,
         cache_dir: str | os.PathLike,
-        fingerprint,
-        layout,
+        fingerprint: Fingerprint,
+        layout: KVCacheLayout,
         *,
         disk_bytes: int,
         checksum: str = TieredConfig.checksum,
@@ -411,7 +416,7 @@ class DiskIOProcess(BlockIO):
         child.proc.wait()
 
 
-def _located(a: np.ndarray):
+def _located(a: np.ndarray) -> tuple[SharedRegion, int] | None:
     """``locate`` of every byte ``a`` spans (its strides included)."""
     span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.strides)) if a.size else 0
     return locate(a.ctypes.data, span)

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tiered_kv.disk.worker.block_store import BlockBatch, WriteBlockBatch
 from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.disk.worker.write_batch import WriteBatch
 from tiered_kv.memory.shared_memory import MappedRegions
@@ -150,24 +151,24 @@ class IOServer:
             return
         future.add_done_callback(lambda f: self._guarded(token, lambda: value(f)))
 
-    def _submit(self, token: int, batch, start: int, ref: Ref) -> None:
+    def _submit(self, token: int, batch: BlockBatch, start: int, ref: Ref) -> None:
         self._when_done(token, batch.submit(start, self.regions.tensor(*ref)), _chunk_reply(batch))
 
-    def _submit_slots(self, token: int, batch, start: int, slots: list[int], vid: int) -> None:
+    def _submit_slots(self, token: int, batch: BlockBatch, start: int, slots: list[int], vid: int) -> None:
         self._when_done(token, batch.submit_slots(start, self.views[vid], slots), _chunk_reply(batch))
 
-    def _abandon(self, token: int, batch, message: str) -> None:
+    def _abandon(self, token: int, batch: WriteBlockBatch, message: str) -> None:
         batch.abandon(RuntimeError(message))
         self.reply(token, True, None)
 
-    def _finish(self, token: int, batch) -> None:
+    def _finish(self, token: int, batch: BlockBatch) -> None:
         if isinstance(batch, WriteBatch):
             self._when_done(token, batch.finish_async(), lambda f: f.result())
         else:
             self._guarded(token, batch.finish)
 
 
-def _chunk_reply(batch) -> Callable[[Future], bool]:
+def _chunk_reply(batch: BlockBatch) -> Callable[[Future], bool]:
     """What a submitted chunk's reply says: for a write, True (its buffers are free
     again); for a read, whether every block of it was read and verified."""
     if isinstance(batch, WriteBatch):
@@ -194,7 +195,7 @@ class _SerialCalls:
         self._running = False
         self.batch = None
 
-    def start(self, begin: Callable, *args) -> None:
+    def start(self, begin: Callable[..., BlockBatch], *args: object) -> None:
         self.batch = begin(*args)
 
     def post(self, call: Callable[[], None]) -> None:
