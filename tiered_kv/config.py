@@ -10,9 +10,9 @@ Every error names the key, the bad value and what is expected.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from tiered_kv.config_values import (  # noqa: F401 (ConfigError, parse_size, format_size, CHECKSUMS: re-exported)
     CHECKSUMS,
@@ -113,7 +113,7 @@ class TieredConfig:
     #: Extra keys an engine adapter passes through untouched (e.g. vLLM's spec_name).
     passthrough: Mapping[str, Any] = field(default_factory=dict)
 
-    _PARSERS = {
+    _PARSERS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         "cpu_bytes": parse_size,
         "disk_path": parse_disk_path,
         "disk_bytes": parse_size,

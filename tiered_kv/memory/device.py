@@ -22,6 +22,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -210,7 +211,7 @@ def cuda_host_unregister(address: int) -> bool:
     return True
 
 
-def _cuda_error(err: object) -> str:
+def _cuda_error(err: Any) -> str:  # torch's cudaError
     return f"CUDA error {int(err)}: {torch.cuda.cudart().cudaGetErrorString(err)}"
 
 

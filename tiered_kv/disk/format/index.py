@@ -133,14 +133,14 @@ class DiskIndex(Closing):
     def encode(self, block_hash: bytes, e: Entry) -> bytes:
         return self._entry.pack(e.slot, e.size, e.hits, e.store_time, e.last_access, e.ranks, *e.checksums) + block_hash
 
-    def decode(self, block_hash: bytes, raw: bytes) -> Entry | None:
+    def decode(self, block_hash: bytes, raw: bytes | memoryview) -> Entry | None:
         """None for a value that does not fit (another tp_size, or damage)."""
         if len(raw) != self._entry.size + len(block_hash) or raw[self._entry.size :] != block_hash:
             return None
         v = self._entry.unpack_from(raw)
         return Entry(v[0], v[1], v[2], sane_time(v[3]), sane_time(v[4]), v[5], tuple(v[6:]))
 
-    def _slot_of(self, raw: bytes | None) -> int | None:
+    def _slot_of(self, raw: bytes | memoryview | None) -> int | None:
         if raw is None or len(raw) < self._entry.size:
             return None
         return ENTRY_HEADER.unpack_from(raw)[0]
@@ -476,7 +476,7 @@ class DiskIndex(Closing):
 
     # ------------------------------------------------------------ helpers
 
-    def _delete_if_slot(self, txn: lmdb.Transaction, h: bytes, slot: int) -> bool:
+    def _delete_if_slot(self, txn: lmdb.Transaction, h: bytes | memoryview, slot: int) -> bool:
         blocks = self._db("blocks")
         if self._slot_of(txn.get(h, db=blocks)) != slot:
             return False

@@ -90,7 +90,7 @@ class Manifest:
 
     def __post_init__(self) -> None:
         #: The fingerprint record as a ``Fingerprint`` (set by ``parse`` and ``new``; not a field).
-        self.parsed_fingerprint: Fingerprint | None = None
+        self.parsed_fingerprint: Fingerprint
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -66,7 +66,6 @@ from tiered_kv.disk.format.manifest import (
     SLOT_ALIGN,
     Manifest,
     ManifestError,
-    fingerprint_from_record,
     slot_size_for,
 )
 from tiered_kv.disk.format.namespace_dir import (
@@ -202,12 +201,7 @@ class Namespace(Closing):
 
     @property
     def fingerprint(self) -> Fingerprint:
-        fp = self.manifest.parsed_fingerprint
-        if fp is None:  # a Manifest built field by field, not by ``read`` or ``new``
-            fp = self.manifest.parsed_fingerprint = fingerprint_from_record(
-                self.manifest.fingerprint, self.path / MANIFEST
-            )
-        return fp
+        return self.manifest.parsed_fingerprint
 
     @property
     def tp_size(self) -> int:

@@ -240,8 +240,8 @@ class _DiskHandler(ThreadedHandler):
                 busy: list[Future | None] = [None, None]
                 for k, (a, b) in enumerate(self._chunks(len(hashes), half)):
                     h = k % 2
-                    if busy[h] is not None:
-                        busy[h].result()
+                    if (in_flight := busy[h]) is not None:
+                        in_flight.result()
                     rows = stg.rows[h * half : h * half + (b - a)]
                     mirror = None if stg.mirror is None else stg.mirror[h * half : h * half + (b - a)]
                     self._pack(ids[a:b], rows, mirror)

@@ -77,6 +77,8 @@ def open_worker_store(
 ) -> BlockStore:
     """A worker's store for ``config`` (a ``TieredConfig``): a ``DiskStore`` in this
     process (``disk_io: thread``) or a ``DiskIOProcess`` (``disk_io: process``)."""
+    if not config.disk_path:
+        raise ValueError("disk_path is not set; the disk tier is disabled")
     opener = DiskIOProcess.open if config.disk_io == "process" else DiskStore.open
     return opener(
         config.disk_path,
@@ -268,8 +270,8 @@ class DiskIOProcess(BlockIO):
             child.alive = False
             closing = self._closed
             with self._pending_lock:
-                dead = [t for t, e in self._pending.items() if e[2] == child.generation]
-                dead = [self._pending.pop(t) for t in dead]
+                tokens = [t for t, e in self._pending.items() if e[2] == child.generation]
+                dead = [self._pending.pop(t) for t in tokens]
             if not closing:
                 self.process_failures += len(dead)
         child.conn.close()

@@ -45,9 +45,11 @@ Ref = tuple[int, int, tuple[int, ...], tuple[int, ...]]
 class IOServer:
     """The I/O process: one ``DiskStore``, batch calls run in order per batch."""
 
+    #: Opened by ``run`` before any message is dispatched.
+    store: DiskStore
+
     def __init__(self, conn: Connection, fds: socket.socket):
         self.conn, self.fds = conn, fds
-        self.store: DiskStore | None = None
         self.regions = MappedRegions()
         self.views: dict[int, SlotViews] = {}
         self.batches: dict[int, _SerialCalls] = {}
@@ -121,7 +123,12 @@ class IOServer:
             calls.post(lambda: self._run_call(token, lambda: call(token, calls.batch, *m[3:])))
         elif name == "log_failed":
             token = m[1]
-            self.pool.submit(self._guarded, token, lambda: self.store.log_failed(*m[2:]) or True)
+
+            def log_failed() -> bool:
+                self.store.log_failed(*m[2:])
+                return True
+
+            self.pool.submit(self._guarded, token, log_failed)
         elif name == "stats":
             self.reply(m[1], True, self.store.stats.as_dict())
         elif name == "close":
@@ -193,7 +200,7 @@ class _SerialCalls:
         self._queue: deque[Callable[[], None]] = deque()
         self._lock = threading.Lock()
         self._running = False
-        self.batch = None
+        self.batch: BlockBatch | None = None
 
     def start(self, begin: Callable[..., BlockBatch], *args: object) -> None:
         self.batch = begin(*args)

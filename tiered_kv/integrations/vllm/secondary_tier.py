@@ -79,6 +79,7 @@ from tiered_kv.config import format_size
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.integrations.vllm.common import vllm_model_identity
+from tiered_kv.mediums import ids_spec
 from tiered_kv.integrations.vllm.secondary_config import (
     chunk_fingerprint,
     chunk_layout,
@@ -160,6 +161,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = cfg = parse_tier_config(tier_config)
+        assert cfg.disk_path is not None  # parse_tier_config requires it
         check_tier_hash_algorithm(cfg)
         self.locality = parse_locality(tier_config.get("locality"))
         vconf = offloading_spec.config
@@ -284,7 +286,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
             return
         self.stats.evicted += len(out.block_hashes_evicted)
         job.keys = list(out.block_hashes_to_store)
-        job.slots = out.store_spec.id_list()
+        job.slots = ids_spec(out.store_spec).id_list()
         job.chunk_ids = np.array([chunk_of[k] for k in job.keys], dtype=np.int64)
         self._writes_waiting += len(job.keys)
         with self._idle:
@@ -318,11 +320,12 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         self._done(group)
 
     def _write(self, group: list[_Job]) -> list[bool]:
+        primary = self._live_primary()
         batch = self.store.begin_write(0, [k for j in group for k in j.keys], [s for j in group for s in j.slots])
         offset = 0
         for job in group:
             for start, first, n in _row_runs(job.chunk_ids):
-                batch.submit(offset + start, self._primary[first : first + n])
+                batch.submit(offset + start, primary[first : first + n])
             offset += len(job.keys)
         return batch.finish()
 
@@ -355,9 +358,10 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         """Load-thread task: read and verify one promotion's chunks into its rows."""
         t0 = time.perf_counter()
         try:
+            primary = self._live_primary()
             batch = self.store.begin_read(0, job.keys, job.slots)
             for start, first, n in _row_runs(job.chunk_ids):
-                batch.submit(start, self._primary[first : first + n])
+                batch.submit(start, primary[first : first + n])
             job.ok = batch.finish()
         except Exception:  # a lost job would leave vLLM's CPU slots reserved forever
             logger.exception("disk tier promotion job %d failed", job.job_id)
@@ -436,6 +440,12 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         """Wait until no job touches the primary rows (results stay queued)."""
         with self._idle:
             self._idle.wait_for(lambda: self._in_flight == 0)
+
+    def _live_primary(self) -> torch.Tensor:
+        """vLLM's CPU tier as rows (a ``RuntimeError`` once the tier is shut down)."""
+        if self._primary is None:
+            raise RuntimeError("the disk tier is shut down")
+        return self._primary
 
     def shutdown(self) -> None:
         """Finish the jobs in flight, then close the store and the disk manager (index
