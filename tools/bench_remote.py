@@ -95,7 +95,7 @@ class Paths:
         self.pool = ThreadPoolExecutor(connections)
         self.store = RemoteStore(config, fingerprint(block_bytes))
         self.raw = self.store._client.raw  # the same obstore S3Store settings as the tier's
-        self.boto = None
+        self.boto: Any = None  # a boto3 S3 client (boto3 has no type information)
         with contextlib.suppress(ImportError):
             import boto3
             from botocore.config import Config
@@ -144,14 +144,14 @@ class Paths:
         self.obstore.put(self.raw, key, payload, mode="create", use_multipart=False)
 
     def _obstore_get(self, key: str, buf: np.ndarray) -> None:
-        memoryview(buf)[:] = memoryview(self.obstore.get(self.raw, key).bytes())
+        buf.data[:] = memoryview(self.obstore.get(self.raw, key).bytes())
 
     def _boto_put(self, key: str, payload: np.ndarray) -> None:
         self.boto.put_object(Bucket=self.config.bucket, Key=key, Body=payload.tobytes(), IfNoneMatch="*")
 
     def _boto_get(self, key: str, buf: np.ndarray) -> None:
         body = self.boto.get_object(Bucket=self.config.bucket, Key=key)["Body"]
-        view, n = memoryview(buf), 0
+        view, n = buf.data, 0
         while n < len(view) and (got := body._raw_stream.readinto(view[n:])):
             n += got
         body.close()
@@ -187,7 +187,7 @@ def bench(
         buffers = [np.zeros(size, np.uint8) for _ in range(n)]
         with Paths(config, size, connections) as paths:
             names = paths.names(paths_wanted)
-            per = {name: ([], []) for name in names}
+            per: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
             paths.run("obstore", payloads[:connections], buffers[:connections])  # warm connections
             for r in range(rounds):
                 order = names[r % len(names) :] + names[: r % len(names)]

@@ -335,7 +335,7 @@ def verify(
                         repair=repair,
                         threads=threads,
                         progress=bar.advance,
-                        on_table=lambda table, ns=ns, bar=bar: bar.set_total(bytes_to_verify(ns, table)),
+                        on_table=lambda table: bar.set_total(bytes_to_verify(ns, table)),
                     )
                 )
             if repair:
@@ -510,7 +510,7 @@ def clear_cmd(
 
             cache.namespaces = unread_namespaces(cache, [ServerConfig.load(c, model) for c in unread_by])
         if not cache.namespaces:
-            result = {"removed": [], "freed_bytes": 0}
+            result: dict[str, Any] = {"removed": [], "freed_bytes": 0}
         elif dry_run:
             result = clear(cache, dry_run=True)
         else:

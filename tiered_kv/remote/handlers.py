@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ class RemoteStager(Closing):
             self._settled(nbytes)
             return
         # ``rows`` stays referenced by the callback until the upload is done.
-        future.add_done_callback(lambda f, rows=rows: self._uploaded(f, n, nbytes, start, rows))
+        future.add_done_callback(partial(self._uploaded, n=n, nbytes=nbytes, start=start, _rows=rows))
 
     def _uploaded(self, future: Future, n: int, nbytes: int, start: float, _rows: torch.Tensor) -> None:
         try:

@@ -194,7 +194,7 @@ class _FaultLog:
         logger.warning("shared tier: %s: %s%s", kind, message, more)
 
 
-def _gather(futures: list[Future], combine: Callable[[list[Any]], T] = list) -> Future:
+def _gather(futures: list[Future], combine: Callable[[list[Any]], object] = list) -> Future:
     """One future for a batch: ``combine`` of the results, in order, once all are done."""
     out: Future = Future()
     if not futures:

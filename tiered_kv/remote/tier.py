@@ -394,7 +394,7 @@ class RemoteTier(Closing):
         if not 0 <= self.rank < self.fingerprint.tp_size:
             raise ValueError(f"rank {self.rank}: expected 0 <= rank < tp_size ({self.fingerprint.tp_size})")
         self.store: RemoteStore | None = None  # this worker's store, once get_worker ran
-        self.stager = None  # this worker's RemoteStager, once get_worker ran
+        self.stager: RemoteStager | None = None  # this worker's, once get_worker ran
 
     def get_manager(self) -> RemoteOffloadingManager:
         """Scheduler process: opens a store for probes (its start-up check raises

@@ -25,7 +25,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,12 +73,20 @@ class RemoteObject:
         }
 
 
+@dataclass(frozen=True)
+class BlockObject(RemoteObject):
+    """A block object, its hash and rank read from its key."""
+
+    block_hash: bytes = b""
+    rank: int = 0
+
+
 @dataclass
 class RemoteNamespace:
     """The objects of one namespace id under the prefix."""
 
     namespace: str
-    blocks: list[RemoteObject] = field(default_factory=list)
+    blocks: list[BlockObject] = field(default_factory=list)
     others: list[RemoteObject] = field(default_factory=list)
     manifest: RemoteObject | None = None
     fingerprint: Fingerprint | None = None
@@ -166,7 +174,7 @@ def _add(ns: RemoteNamespace, rest: str, info: ObjectInfo) -> None:
     m = _BLOCK_RE.match(rest)
     if m and len(m.group(2)) % 2 == 0:
         ns.blocks.append(
-            RemoteObject(info.key, info.size, info.last_modified, bytes.fromhex(m.group(2)), int(m.group(3)))
+            BlockObject(info.key, info.size, info.last_modified, bytes.fromhex(m.group(2)), int(m.group(3)))
         )
     else:
         ns.others.append(RemoteObject(info.key, info.size, info.last_modified))
@@ -180,6 +188,9 @@ def _read_manifest(client: S3Client, ns: RemoteNamespace) -> None:
         )
         return
     data = client.get(ns.manifest.key)
+    if data is None:
+        ns.problems.append(f"{MANIFEST_NAME} went away while it was being read")
+        return
     try:
         ns.fingerprint = Fingerprint.from_dict(json.loads(bytes(data))["fingerprint"])
     except (TypeError, ValueError, KeyError) as e:
@@ -202,7 +213,7 @@ def _reads(reader: ServerConfig, ns: RemoteNamespace) -> dict[str, Any]:
     return {"config": reader.path, "reads": not d, "differences": d}
 
 
-def summarize_shared_tier(tier: SharedTier, others: list[ServerConfig] = ()) -> dict[str, Any]:
+def summarize_shared_tier(tier: SharedTier, others: Sequence[ServerConfig] = ()) -> dict[str, Any]:
     """Per namespace: fingerprint, block objects and bytes, blocks with every rank, ages,
     other keys, problems, and ``read_by``: whether a server with the ``--remote`` config
     (first) and each of ``others`` reads it."""
@@ -383,7 +394,7 @@ def _bad(o: RemoteObject, reason: str, detail: str) -> dict[str, Any]:
     }
 
 
-def _check(client: S3Client, ns: RemoteNamespace, o: RemoteObject) -> Any:
+def _check(client: S3Client, ns: RemoteNamespace, o: BlockObject) -> Any:
     """True when a node of ``ns`` would serve ``o``; None when it is gone; else
     ``(reason, detail)``. A namespace id is the start of the fingerprint digest every
     header holds, so which namespace wrote an object shows even without a manifest."""
