@@ -331,3 +331,9 @@ class S3Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+if TYPE_CHECKING:  # for the type checker only: the store takes this client as an ``ObjectClient``
+
+    def _as_object_client(client: S3Client) -> ObjectClient:
+        return client

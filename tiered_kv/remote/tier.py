@@ -43,11 +43,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiered_kv.abstract import BlockHash, Closing, OffloadingEvent, PrepareStoreOutput
+from tiered_kv.abstract import BlockHash, Closing, LowerTier, OffloadingEvent, PrepareStoreOutput
 from tiered_kv.worker.worker import LowerTierWorker
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.memory.host_memory import HostKVCache
@@ -451,3 +451,9 @@ def remote_tier_from_config(
 
 
 __all__ = ["REMOTE", "RemoteLoadStoreSpec", "RemoteOffloadingManager", "RemoteTier", "remote_tier_from_config"]
+
+
+if TYPE_CHECKING:  # for the type checker only: the composite takes this tier as a ``LowerTier``
+
+    def _as_lower_tier(tier: RemoteOffloadingManager) -> LowerTier:
+        return tier

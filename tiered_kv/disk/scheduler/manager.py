@@ -52,10 +52,11 @@ import uuid
 from collections.abc import Callable, Collection, Container, Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import filterfalse
+from typing import TYPE_CHECKING
 
 import lmdb
 
-from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiered_kv.abstract import BlockHash, LowerTier, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.config import TieredConfig
 from tiered_kv.disk.scheduler.adoption import adopt_snapshot
 from tiered_kv.disk.scheduler.block_table import BlockTable
@@ -589,3 +590,9 @@ class DiskOffloadingManager(OffloadingManager):
                 if not self._table.warm_up(_WARM_UP_CHUNK):
                     return
             time.sleep(0)  # let the scheduler thread in between lock holds
+
+
+if TYPE_CHECKING:  # for the type checker only: the composite takes this tier as a ``LowerTier``
+
+    def _as_lower_tier(tier: DiskOffloadingManager) -> LowerTier:
+        return tier
