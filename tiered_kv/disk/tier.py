@@ -26,6 +26,7 @@ from tiered_kv.mediums import DISK
 
 if TYPE_CHECKING:
     from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+    from tiered_kv.disk.worker.block_store import BlockStore
     from tiered_kv.memory.host_memory import HostKVCache
     from tiered_kv.metrics import TieredStats
 
@@ -47,11 +48,13 @@ class DiskTier(Closing):
     medium: str = DISK
 
     def __post_init__(self) -> None:
-        self.store = None  # this worker's store, once get_worker ran
+        self.store: BlockStore | None = None  # this worker's store, once get_worker ran
 
     def get_manager(self) -> "DiskOffloadingManager":
         from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 
+        if not self.config.disk_path:
+            raise ValueError("disk_path is not set; the disk tier is disabled")
         return DiskOffloadingManager(
             self.config.disk_path,
             self.fingerprint,
@@ -71,17 +74,15 @@ class DiskTier(Closing):
         from tiered_kv.tiered.handlers import DiskStager
         from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler
 
-        self.store = open_worker_store(self.config, self.fingerprint, self.layout, self.engine_id)
+        self.store = store = open_worker_store(self.config, self.fingerprint, self.layout, self.engine_id)
         gpu_tensors = [kv_caches[layer.name] for layer in self.layout.layers]
         # Twice the manager's bound: a buffer returns a moment after the manager may
         # already have seen its block's index commit and queued the next write.
-        stager = DiskStager(
-            host, self.store, self.rank, 2 * self.config.max_pending_disk_writes, stats, tier_name=self.name
-        )
+        stager = DiskStager(host, store, self.rank, 2 * self.config.max_pending_disk_writes, stats, tier_name=self.name)
         return LowerTierWorker(
             stager=stager,
-            to_gpu=GpuDiskHandler(self.store, self.rank, gpu_tensors, self.layout),
-            to_cpu=CpuDiskHandler(self.store, self.rank, host, self.layout),
+            to_gpu=GpuDiskHandler(store, self.rank, gpu_tensors, self.layout),
+            to_cpu=CpuDiskHandler(store, self.rank, host, self.layout),
         )
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from tiered_kv.disk.tier import DiskTier
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.remote.tier import remote_tier_from_config
+from tiered_kv.remote.tier import RemoteTier, remote_tier_from_config
 from tiered_kv.tiered.handlers import TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
@@ -55,7 +55,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         tp_size: int = 1,
         engine_id: str | None = None,
         enable_events: bool = True,
-        lower_tiers: Sequence[DiskTier] = (),
+        lower_tiers: Sequence[DiskTier | RemoteTier] = (),
     ):
         super().__init__(config, gpu_block_size, layout, enable_events)
         if tp_size < 1 or not 0 <= rank < tp_size:
@@ -64,22 +64,22 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         self.engine_id = engine_id or uuid.uuid4().hex
         self.stats = TieredStats()
         self._extra_tiers = list(lower_tiers)
-        self._lower: list[DiskTier] | None = None
+        self._lower: list[DiskTier | RemoteTier] | None = None
 
     def _fingerprint(self) -> Fingerprint:
-        return Fingerprint.from_config(self.config, self.layout, self.tp_size)
+        return Fingerprint.from_config(self.config, self.known_layout, self.tp_size)
 
     @property
-    def lower_tiers(self) -> list[DiskTier]:
+    def lower_tiers(self) -> list[DiskTier | RemoteTier]:
         """The lower tiers' specs, fastest first (built once the KV layout is known)."""
         if self._lower is None:
-            own = []
+            own: list[DiskTier | RemoteTier] = []
             if self.config.disk_path:
                 own.append(
                     DiskTier(
                         self.config,
                         self._fingerprint(),
-                        self.layout,
+                        self.known_layout,
                         self.engine_id,
                         rank=self.rank,
                         enable_events=self.enable_events,
@@ -90,7 +90,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
                     remote_tier_from_config(
                         self.config.remote,
                         self._fingerprint(),
-                        self.layout,
+                        self.known_layout,
                         self.engine_id,
                         self.rank,
                         enable_events=self.enable_events,
@@ -139,8 +139,8 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         kv_before_num_blocks: bool | Mapping[str, bool] = False,
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         cpu_gpu = self._cpu_gpu_handlers(kv_caches, kv_before_num_blocks)
-        layout = self.layout
-        workers = [tier.get_worker(self.host, kv_caches, self.stats) for tier in self.lower_tiers]
+        layout = cpu_gpu.host.layout
+        workers = [tier.get_worker(cpu_gpu.host, kv_caches, self.stats) for tier in self.lower_tiers]
         store = TieredStoreHandler(
             cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block, [w.stager for w in workers] or None, self.stats
         )

@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -94,7 +95,7 @@ from tiered_kv.integrations.vllm.remote import RemoteVerifier, build_remote, rem
 from tiered_kv.integrations.vllm.verify import DiskVerifier
 from tiered_kv.metrics import TieredStats
 from tiered_kv.mediums import CPU, DISK
-from tiered_kv.remote.tier import REMOTE
+from tiered_kv.remote.tier import REMOTE, RemoteOffloadingManager
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 
@@ -104,7 +105,17 @@ logger = logging.getLogger(__name__)
 MAX_VERIFIED = 65536
 
 _MEDIUMS = {CPU: Medium.CPU, DISK: Medium.STORAGE, REMOTE: Medium.STORAGE}
-_SOURCES = {CPU: CacheHitSource.HOST, DISK: CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
+#: Keyed by ``hit_medium``'s answer (None: not offloaded, served as a disk hit would be).
+_SOURCES: dict[str | None, CacheHitSource] = {
+    CPU: CacheHitSource.HOST,
+    DISK: CacheHitSource.DISK,
+    REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+
+
+def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
+    """Our block hashes as vLLM's keys (the same bytes), in a new list."""
+    return cast("list[OffloadKey]", list(block_hashes))
 
 
 def build_manager(
@@ -181,8 +192,9 @@ class TieredVllmManager(OffloadingManager, Closing):
         self.remote_verifier = remote_verifier
         by_medium = {t.medium: t for t in composite.lower}
         #: The disk tier and the shared tier, where configured.
-        self.disk = by_medium.get(DISK)
-        self.remote = by_medium.get(REMOTE)
+        disk, remote = by_medium.get(DISK), by_medium.get(REMOTE)
+        self.disk = disk if isinstance(disk, DiskOffloadingManager) else None
+        self.remote = remote if isinstance(remote, RemoteOffloadingManager) else None
         # Shared-tier chunks verified on every rank, not yet loaded.
         self._remote_verified: OrderedDict[bytes, None] = OrderedDict()
         self._remote_verifications: Counter[str] = Counter()
@@ -238,6 +250,7 @@ class TieredVllmManager(OffloadingManager, Closing):
     def _remote_lookup(self, key: bytes) -> LookupResult:
         if key in self._remote_verified:
             return LookupResult.HIT
+        assert self.remote_verifier is not None  # built with the shared tier
         self.remote_verifier.submit(key)
         return LookupResult.HIT_PENDING
 
@@ -255,11 +268,13 @@ class TieredVllmManager(OffloadingManager, Closing):
                 # Missing, foreign, damaged or unreachable on some rank: a miss until the
                 # bucket is asked again (absent_ttl), never a load that could fail.
                 self._remote_verified.pop(key, None)
-                self.remote.remove(key)
-                self.remote.cache.mark_absent([key])
+                if self.remote is not None:
+                    self.remote.remove(key)
+                    self.remote.cache.mark_absent([key])
 
     def _disk_lookup(self, key: bytes) -> LookupResult:
         disk = self.disk
+        assert disk is not None and self.verifier is not None  # hit_medium named the disk tier
         slot = disk.slot_of(key)
         if slot is None or key in self._stale_writes:
             return LookupResult.MISS
@@ -300,6 +315,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         corrupt one from the index (``refresh`` applies that); anything else (an I/O
         error) is removed here. A chunk pinned by a load in flight stays unservable."""
         disk = self.disk
+        assert disk is not None  # it verified the chunk
         disk.refresh()
         if disk.slot_of(key) == slot and not disk.remove(key):
             self._unservable[key] = slot
@@ -327,9 +343,9 @@ class TieredVllmManager(OffloadingManager, Closing):
         self.composite.touch(keys)
         spec = self.composite.prepare_load(keys)
         if isinstance(spec, TieredLoadSpec):
-            for key, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
+            for block_hash, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
                 if slot >= 0:
-                    self._promote_slots[(req_id, key)] = slot
+                    self._promote_slots[(req_id, block_hash)] = slot
         self._open_loads.update(keys)
         return TieredJobSpec(spec)
 
@@ -363,9 +379,9 @@ class TieredVllmManager(OffloadingManager, Closing):
             return None
         self._open_stores.update(out.block_hashes_to_store)
         return PrepareStoreOutput(
-            keys_to_store=list(out.block_hashes_to_store),
+            keys_to_store=_offload_keys(out.block_hashes_to_store),
             store_spec=TieredJobSpec(out.store_spec),
-            evicted_keys=list(out.block_hashes_evicted),
+            evicted_keys=_offload_keys(out.block_hashes_evicted),
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -399,6 +415,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         """Drop the disk writes of before a reset as they land (removing one pinned by a
         load is retried next step)."""
         disk = self.disk
+        if disk is None:
+            return
         if disk.num_pending():
             disk.refresh()
         pending = disk.pending_blocks()
@@ -424,7 +442,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             remote = event.medium == REMOTE
             out.append(
                 OffloadingEvent(
-                    keys=list(event.block_hashes),
+                    keys=_offload_keys(event.block_hashes),
                     medium=_MEDIUMS[event.medium],
                     removed=event.removed,
                     # The bucket's lifecycle rule removes objects unannounced.

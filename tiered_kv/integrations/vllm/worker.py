@@ -68,7 +68,7 @@ from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStore
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
 from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler
-from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from tiered_kv.worker.worker import OffloadingHandler, Stager, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,10 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             # moment after the manager may have seen its chunk's index commit.
             stager = DiskStager(self.host, self.disk_store, g.rank, 2 * cfg.max_pending_disk_writes, self.stats)
         # One entry per lower tier, in the scheduler's order: disk, then the shared tier.
-        stagers, to_gpu, to_cpu, names = [], [], [], []
+        stagers: list[Stager | None] = []
+        to_gpu: list[OffloadingHandler | None] = []
+        to_cpu: list[OffloadingHandler | None] = []
+        names: list[str] = []
         if cfg.disk_path:
             stagers.append(stager)
             to_gpu.append(disk_to_gpu)
