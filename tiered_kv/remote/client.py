@@ -329,7 +329,7 @@ class S3Client:
     def __enter__(self) -> S3Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -92,7 +92,7 @@ class RemoteStager(Closing):
         logger.warning("%s tier: dropping %d uploads on rank %d (%s)", self.tier_name, n, self.rank, why)
         self.stats.count(self.tier_name, "drops", n)
 
-    def _stage(self, writes) -> None:
+    def _stage(self, writes: DiskWrites) -> None:
         n = len(writes)
         if not n:
             return

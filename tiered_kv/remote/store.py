@@ -565,7 +565,7 @@ class RemoteStore:
     def __enter__(self) -> RemoteStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

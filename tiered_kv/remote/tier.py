@@ -42,6 +42,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -321,7 +322,7 @@ class RemoteOffloadingManager(Closing):
         with self._idle:
             self._in_flight += 1
 
-        def done(f, kind=kind, hashes=hashes) -> None:
+        def done(f: Future, kind: str = kind, hashes: list[BlockHash] = hashes) -> None:
             try:
                 answers = list(f.result())
             except Exception:

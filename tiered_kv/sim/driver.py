@@ -404,7 +404,7 @@ class EngineDriver:
         self._pool.hold(groups)
         self._submit("store", (GPULoadStoreSpec(self._kernel_ids(groups)), out.store_spec), to_store, groups)
 
-    def _submit(self, kind: str, spec, block_hashes: list[BlockHash], groups: list[int]) -> int:
+    def _submit(self, kind: str, spec: TransferSpec, block_hashes: list[BlockHash], groups: list[int]) -> int:
         """Submit a job and start its direction's clock. A job the worker refused was
         never submitted (the seed's contract): it is settled as failed here."""
         direction = f"{spec[0].medium()}->{spec[1].medium()}"
@@ -425,7 +425,7 @@ class EngineDriver:
             self._settle([TransferResult(job_id, False)])
         return job_id
 
-    def _settle(self, results) -> None:
+    def _settle(self, results: list[TransferResult]) -> None:
         now = time.perf_counter()
         for result in results:
             job_id, success = result.job_id, result.success
