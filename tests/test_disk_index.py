@@ -10,7 +10,7 @@ import lmdb
 import pytest
 
 from disk_fixtures import block_hash, disk_bytes_for, fill_index, fingerprint, small_layout
-from tiered_kv.disk import index as index_mod
+from tiered_kv.disk.format import index as index_mod
 from tiered_kv.disk.format.index import DiskIndex
 from tiered_kv.disk.format.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager

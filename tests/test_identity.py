@@ -64,13 +64,15 @@ def server_config(tmp_path: Path, model_dir: Path | None, **extra) -> TieredConf
     return TieredConfig.from_dict(raw)
 
 
-def warm(model_dir: Path, config: TieredConfig):
+def warm(model_dir: Path, config: TieredConfig, layout: str = "kv-first"):
+    """Warm ``PROMPTS`` up; ``kv-first`` for ``hits_in_a_fresh_hierarchy``, ``vllm`` for
+    what a vLLM server reads."""
     from tiered_kv.ops.warmup import warmup
     from tiered_kv.ops.warmup.engines import HFEngine
 
     torch.set_num_threads(1)
     engine = HFEngine.from_pretrained(str(model_dir), device="cpu")
-    return warmup(PROMPTS, engine, config, gpu_block_size=GPU_BLOCK)
+    return warmup(PROMPTS, engine, config, gpu_block_size=GPU_BLOCK, layout=layout)
 
 
 def hits_in_a_fresh_hierarchy(config: TieredConfig) -> list[int]:
@@ -289,9 +291,12 @@ def test_warmup_cli_names_the_namespace_and_the_identity(model_dir, tmp_path):
     refused = run({"model_id": "tiny-llama", "model_path": str(model_dir)}, other, 2)
     assert refused.stderr.startswith("error: weights_digest:") and len(refused.stderr.splitlines()) == 1
     assert "error: model_id: the config sets none" in run({"model_path": str(model_dir)}, model_dir, 2).stderr
-    # Without model_path the namespace does not cover the weights, and the warm-up says so.
-    loose = run({"model_id": "tiny-llama"}, model_dir, 0)
-    assert "weights not covered" in loose.stdout and "warning: the config has no model_path" in loose.stderr
+    # Without model_path vLLM's namespace still covers the weights: it digests its --model.
+    loose = json.loads(run({"model_id": "tiny-llama"}, model_dir, 0, "--json").stdout)
+    assert loose["weights_digest"] == report["weights_digest"] and loose["namespace_id"] == report["namespace_id"]
+    # tiered-kv's own engine covers them only with model_path, and the warm-up says so.
+    kv_first = run({"model_id": "tiny-llama"}, model_dir, 0, "--layout", "kv-first")
+    assert "not covered" in kv_first.stdout and f'add "model_path": "{model_dir}"' in kv_first.stderr
 
 
 # ---------------------------------------------------------------- the operator's view
@@ -322,11 +327,11 @@ def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, t
     current = _write_config(tmp_path / "current.json", {**base, "model_id": "tiny-llama", "model_path": str(model_dir)})
     other = _write_config(tmp_path / "other.json", {**base, "model_id": "other", "model_path": str(model_dir)})
     old_digest = mi.weights_digest(model_dir).digest
-    warm(model_dir, server_config(tmp_path, model_dir))  # the weights before the update
+    warm(model_dir, server_config(tmp_path, model_dir), "vllm")  # the weights before the update
     save_tiny_llama(model_dir, seed=2)
     new_digest = mi.weights_digest(model_dir).digest
-    warm(model_dir, server_config(tmp_path, model_dir))
-    warm(model_dir, server_config(tmp_path, model_dir, model_id="other"))
+    warm(model_dir, server_config(tmp_path, model_dir), "vllm")
+    warm(model_dir, server_config(tmp_path, model_dir, model_id="other"), "vllm")
     ids = {(ns.fingerprint.model_id, ns.fingerprint.weights_digest): ns.path.name for ns in list_namespaces(cache)}
     stale, live, others = ids["tiny-llama", old_digest], ids["tiny-llama", new_digest], ids["other", new_digest]
 
@@ -392,6 +397,8 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
             str(tmp_path / "config.json"),
             "--device",
             "cpu",
+            "--layout",
+            "kv-first",
             "--json",
         ).stdout
     )

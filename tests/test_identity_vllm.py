@@ -33,7 +33,7 @@ def _namespace(model_dir, extra, **model_kwargs):
     h = vh.VllmHarness.build(model_dir, extra, worker="real", model_kwargs=model_kwargs)
     try:
         fp = h.worker_spec.geometry.fingerprint
-        assert h.manager.composite.disk.namespace.path.name == fp.namespace_id
+        assert h.manager.composite.tier("disk").namespace.path.name == fp.namespace_id
         return fp
     finally:
         h.shutdown()
@@ -104,7 +104,7 @@ def test_the_scheduler_without_a_current_config_agrees_with_the_workers(model_di
         worker.shutdown()
         fp = worker.connector_worker.spec.geometry.fingerprint
         assert fp.model_revision == "v3" and fp.model_settings is not None
-        disk = scheduler.connector_scheduler.manager.composite.disk
+        disk = scheduler.connector_scheduler.manager.composite.tier("disk")
         assert disk.namespace.path.name == fp.namespace_id
         assert json.loads((disk.namespace.path / "manifest.json").read_text())["fingerprint"]["model_revision"] == "v3"
     finally:

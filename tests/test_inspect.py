@@ -192,7 +192,7 @@ def test_verify_finds_a_flipped_byte_and_repair_drops_that_block(cache):
     # The next engine neither serves the block nor loses any other.
     with engine(cache) as driver:
         assert driver.manager.lookup([bad_hash]) == 0
-        assert len(driver.manager.disk) == len(table) - 1
+        assert len(driver.manager.tier("disk")) == len(table) - 1
 
 
 def test_verify_reports_a_truncated_slab_as_unreadable(cache):
@@ -250,7 +250,7 @@ def test_clear_removes_the_namespace(cache):
     assert run_json("summary", cache)["namespaces"] == []
     # The cache directory is usable again: an engine starts an empty namespace.
     with engine(cache) as driver:
-        assert len(driver.manager.disk) == 0
+        assert len(driver.manager.tier("disk")) == 0
 
 
 # ---------------------------------------------------------------- an engine holds the cache

@@ -48,7 +48,7 @@ class Managers:
         else:
             policy = "arc" if "arc" in kind else "lru"
             m = TieredOffloadingManager(
-                cpu_tier_manager(policy, slots, 16), self._disk(disk_slots), max_pending_disk_writes=64
+                cpu_tier_manager(policy, slots, 16), self._disk(disk_slots), max_pending_writes=64
             )
         self._open.append(m)
         return m
@@ -82,7 +82,7 @@ def managers():
 
 def settle_disk(m) -> None:
     """What a worker's durable disk writes tell the composite: its pending disk blocks land."""
-    disk = getattr(m, "disk", None)
+    disk = m.tier("disk") if isinstance(m, TieredOffloadingManager) else None
     if disk is not None and disk.num_pending():
         disk.complete_store(list(disk.pending_blocks()))
 

@@ -36,17 +36,18 @@ def test_bad_remote_settings_name_the_key(remote, message):
 
 
 def test_the_remote_write_policy_is_the_composites_per_tier_policy():
-    from tiered_kv.remote.tier import remote_tier_from_config
     from tiered_kv.fingerprint import Fingerprint
     from tiered_kv.sim.driver import DeviceKVCache
+    from tiered_kv.tiers import TierContext, build_tiers
 
     layout = DeviceKVCache(
         num_layers=2, num_gpu_blocks=8, gpu_block_size=4, num_kv_heads=1, head_dim=8, device="cpu"
     ).layout
     fingerprint = Fingerprint.from_layout(layout, model_id="m")
-    assert remote_tier_from_config(SETTINGS, fingerprint, layout).write_policy == "write_back"
-    through = {**SETTINGS, "write_policy": "write_through"}
-    assert remote_tier_from_config(through, fingerprint, layout).write_policy == "write_through"
+    for remote, policy in ((SETTINGS, "write_back"), ({**SETTINGS, "write_policy": "write_through"}, "write_through")):
+        config = TieredConfig.from_dict({"remote": remote})
+        (tier,) = build_tiers(config.tier_entries(), TierContext(config, fingerprint, layout, "engine"))
+        assert tier.write_policy == policy
 
 
 @pytest.mark.vllm

@@ -26,7 +26,10 @@ skip_module_without_rgw()
 from remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E402
 
 from tiered_kv.config import ConfigError  # noqa: E402
-from tiered_kv.remote.tier import REMOTE, RemoteTier, remote_tier_from_config  # noqa: E402
+from tiered_kv.remote.manager import REMOTE  # noqa: E402
+from tiered_kv.remote.tier import RemoteTier  # noqa: E402
+from tiered_kv.tier_registry import TierEntry  # noqa: E402
+from tiered_kv.tiers import TierContext, build_tiers  # noqa: E402
 
 NODE = Path(__file__).with_name("remote_node.py")
 
@@ -56,7 +59,7 @@ def test_blocks_evicted_from_cpu_and_disk_come_back_from_the_bucket(tmp_path, re
         assert remote_hits >= only_remote
         assert remote_hits + again.hits_by_medium.get("DISK", 0) == 10 * BLOCKS_PER_REQUEST
         moved = sum(t.bytes for k, t in node.spec.stats.transfers.items() if k in ("remote_to_cpu", "remote_to_gpu"))
-        assert moved == remote_hits * node.tier.layout.bytes_per_block
+        assert moved == remote_hits * node.tier.ctx.layout.bytes_per_block
         assert node.spec.stats.tiers["remote"]["hits"] == remote_hits
         assert node.tier.store.stats().gets_hit == remote_hits
 
@@ -159,14 +162,15 @@ def test_uploads_past_the_bound_are_dropped_and_counted_never_waited_for(tmp_pat
     assert node.remote.counters["released"] == 3 * n and node.remote.counters["confirmed"] == 0
 
 
-def test_remote_tier_from_config_names_the_bad_key(tmp_path, remote_settings):
+def test_a_remote_tier_entry_names_the_bad_key(tmp_path, remote_settings):
     with build(tmp_path / "cache", remote_settings) as node:
-        layout, fingerprint = node.tier.layout, node.tier.fingerprint
-    tier = remote_tier_from_config(remote_settings, fingerprint, layout, "engine", rank=0)
-    assert tier.remote.bucket == remote_settings["bucket"] and tier.name == "remote"
-    with pytest.raises(ConfigError, match=r"remote\.max_pending_upload_bytes"):
-        remote_tier_from_config({**remote_settings, "max_pending_upload_bytes": "lots"}, fingerprint, layout)
-    with pytest.raises(ConfigError, match=r"remote\.bucket"):
-        remote_tier_from_config({"endpoint": remote_settings["endpoint"]}, fingerprint, layout)
+        ctx = node.tier.ctx
+    (tier,) = build_tiers([TierEntry.parse({"type": "remote", **remote_settings}, "tiers[0]")], ctx)
+    assert isinstance(tier, RemoteTier)
+    assert tier.settings.bucket == remote_settings["bucket"] and tier.name == "remote"
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.max_pending_upload_bytes"):
+        TierEntry.parse({"type": "remote", **remote_settings, "max_pending_upload_bytes": "lots"}, "tiers[0]")
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.bucket"):
+        TierEntry.parse({"type": "remote", "endpoint": remote_settings["endpoint"]}, "tiers[0]")
     with pytest.raises(ValueError, match="rank 1"):
-        remote_tier_from_config(remote_settings, fingerprint, layout, rank=1)
+        TierContext(ctx.config, ctx.fingerprint, ctx.layout, "engine", rank=1, world_size=1)

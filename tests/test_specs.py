@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.tiered.transfer_specs import DiskWrite, DiskWrites, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.transfer_specs import TierWrite, TierWrites, TieredLoadSpec, TieredStoreSpec
 
 
 @pytest.mark.parametrize("ids", [[3, 1, 2], np.array([3, 1, 2], dtype=np.int32), (3, 1, 2), range(3, 0, -1)])
@@ -41,14 +41,14 @@ def test_gpu_spec_keeps_skip_count_and_nested_arrays_flatten():
 
 
 def test_disk_writes_columns_and_their_checks():
-    writes = DiskWrites([1, 2], [10, 20], [b"x", b"y"])
-    assert list(writes) == [DiskWrite(1, 10, b"x"), DiskWrite(2, 20, b"y")]
-    assert writes.cpu_slots.dtype == np.int64 and writes.disk_slots.tolist() == [10, 20]
-    assert pickle.loads(pickle.dumps(DiskWrites([1], [2], [b"z"]))).disk_slots.tolist() == [2]
-    assert len(DiskWrites()) == 0 and DiskWrites().cpu_slots.dtype == np.int64
-    with pytest.raises(ValueError, match="2 cpu_slots, 1 disk_slots and 2 block_hashes"):
-        DiskWrites([1, 2], [10], [b"x", b"y"])
-    store = TieredStoreSpec([4, 5], spills=[DiskWrite(1, 10, b"x")])
+    writes = TierWrites([1, 2], [10, 20], [b"x", b"y"])
+    assert list(writes) == [TierWrite(1, 10, b"x"), TierWrite(2, 20, b"y")]
+    assert writes.cpu_slots.dtype == np.int64 and writes.tier_slots.tolist() == [10, 20]
+    assert pickle.loads(pickle.dumps(TierWrites([1], [2], [b"z"]))).tier_slots.tolist() == [2]
+    assert len(TierWrites()) == 0 and TierWrites().cpu_slots.dtype == np.int64
+    with pytest.raises(ValueError, match="2 cpu_slots, 1 tier_slots and 2 block_hashes"):
+        TierWrites([1, 2], [10], [b"x", b"y"])
+    store = TieredStoreSpec([4, 5], spills=[TierWrite(1, 10, b"x")])
     assert store.block_ids.tolist() == [4, 5] and store.spills.cpu_slots.tolist() == [1]
     assert len(store.write_through) == 0
 
@@ -56,6 +56,6 @@ def test_disk_writes_columns_and_their_checks():
 def test_tiered_load_spec_columns_and_their_checks():
     spec = TieredLoadSpec([0, -1], [-1, 7], [-1, 3], [b"a", b"b"])
     assert len(spec) == 2
-    assert spec.disk_slots.dtype == np.int64 and spec.promote_slots.tolist() == [-1, 3]
+    assert spec.tier_slots.dtype == np.int64 and spec.promote_slots.tolist() == [-1, 3]
     with pytest.raises(ValueError, match="one entry per block"):
         TieredLoadSpec([0], [-1, 7], [-1, 3], [b"a", b"b"])

@@ -27,10 +27,9 @@ def build(tmp_path, device, **config):
 def settle(driver, spec):
     """Finish jobs and let queued disk writes land, as time passing would."""
     driver.drain()
-    for handler in driver.worker.handlers:
-        if getattr(handler, "stager", None) is not None:
-            handler.stager.drain()
-    driver.manager.pending_disk_writes()  # folds in the index commits
+    for tier in spec.lower_tiers:
+        tier.stager.drain()
+    driver.manager.pending_writes()  # folds in the index commits
 
 
 def close(driver, spec):
@@ -133,11 +132,11 @@ class WriteBackHierarchy:
                 store.write_blocks(
                     0,
                     spills.block_hashes,
-                    spills.disk_slots.tolist(),
+                    spills.tier_slots.tolist(),
                     content_rows(spills.block_hashes, 0, self.layout, store.slot_size),
                 )
             )
-        m.pending_disk_writes()  # folds in the commits
+        m.pending_writes()  # folds in the commits
         return out
 
     def close(self):
@@ -214,7 +213,7 @@ def test_corrupt_disk_blocks_and_failed_loads_are_counted_per_tier(write_back):
     flip_byte(store.namespace.slab_path(0), slot * store.slot_size + 7)
     spec = m.prepare_load([A])
     rows = aligned_empty(store.slot_size).view(1, store.slot_size)
-    assert store.read_blocks(0, [A], spec.disk_slots.tolist(), rows) == [False]  # the worker's read
+    assert store.read_blocks(0, [A], spec.tier_slots.tolist(), rows) == [False]  # the worker's read
     m.complete_load([A], success=False)
     assert m.stats.tiers["disk"]["checksum_failures"] == 1
     assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 0)
@@ -222,8 +221,8 @@ def test_corrupt_disk_blocks_and_failed_loads_are_counted_per_tier(write_back):
     m.complete_load([B, C], success=False)
     assert (m.stats.tiers["disk"]["failed_loads"], m.stats.tiers["cpu"]["failed_loads"]) == (1, 2)
     assert m.hit_medium(A) is None and m.lookup([A]) == 0
-    m.disk.refresh()  # the record is not counted twice
-    assert m.stats.tiers["disk"]["checksum_failures"] == 1 == m.disk.stats.checksum_failures
+    m.tier("disk").refresh()  # the record is not counted twice
+    assert m.stats.tiers["disk"]["checksum_failures"] == 1 == m.tier("disk").stats.checksum_failures
 
 
 def test_an_engine_built_in_with_blocks_releases_the_cache_even_when_the_block_raises(tmp_path):

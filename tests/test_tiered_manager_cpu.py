@@ -7,7 +7,7 @@ import pytest
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPULoadStoreSpec
 from tiered_kv.tiered.manager import TieredOffloadingManager
-from tiered_kv.tiered.transfer_specs import DiskWrite, DiskWrites, TieredStoreSpec
+from tiered_kv.tiered.transfer_specs import TierWrite, TierWrites, TieredStoreSpec
 
 
 def h(i: int) -> bytes:
@@ -84,12 +84,12 @@ def test_bad_settings_are_named():
 def test_disk_writes_are_columns_that_iterate_as_tuples_and_pickle():
     import pickle
 
-    writes = DiskWrites([3, 4], [10, 11], [h(1), h(2)])
-    assert list(writes) == [DiskWrite(3, 10, h(1)), DiskWrite(4, 11, h(2))] and len(writes) == 2
-    assert DiskWrites.of(writes) is writes
-    again = DiskWrites.of(list(writes))
-    assert again.cpu_slots.tolist() == [3, 4] and again.disk_slots.tolist() == [10, 11]
+    writes = TierWrites([3, 4], [10, 11], [h(1), h(2)])
+    assert list(writes) == [TierWrite(3, 10, h(1)), TierWrite(4, 11, h(2))] and len(writes) == 2
+    assert TierWrites.of(writes) is writes
+    again = TierWrites.of(list(writes))
+    assert again.cpu_slots.tolist() == [3, 4] and again.tier_slots.tolist() == [10, 11]
     spec = pickle.loads(pickle.dumps(TieredStoreSpec([0, 1], spills=writes)))  # scheduler -> worker
     assert list(spec.spills) == list(writes) and len(spec.write_through) == 0
-    with pytest.raises(ValueError, match="2 cpu_slots, 1 disk_slots and 2 block_hashes"):
-        DiskWrites([3, 4], [10], [h(1), h(2)])
+    with pytest.raises(ValueError, match="2 cpu_slots, 1 tier_slots and 2 block_hashes"):
+        TierWrites([3, 4], [10], [h(1), h(2)])

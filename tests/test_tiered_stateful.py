@@ -16,7 +16,6 @@ tier on another directory, composed through the public interfaces), and a hundre
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
@@ -27,11 +26,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiered_kv.disk.tier import DiskTier
 from tiered_kv.sim.driver import DeviceKVCache, block_content
 from tiered_kv.memory.host_memory import expand_block_ids, pack_blocks, unpack_blocks
 from tiered_kv.mediums import GPULoadStoreSpec
-from tiered_kv.tiered.handlers import DiskStager
+from tiered_kv.disk.worker.stager import DiskStager
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 
@@ -66,22 +64,19 @@ class Hierarchy(RuleBasedStateMachine):
             "write_policy": self.write_policy,
             "disk_io": self.disk_io,
         }
-        self.spec = HierarchySpec(config, layout.gpu_block_size, layout)
         if self.num_lower == 2:
-            # A second disk tier, composed through the public interfaces: the spec's
-            # own tier settings on another directory, with a name of its own.
-            first = self.spec.lower_tiers[0]
-            second = DiskTier(
-                dataclasses.replace(first.config, disk_path=os.path.join(self.tmp, "disk2")),
-                first.fingerprint,
-                layout,
-                self.spec.engine_id,
-                name="disk2",
-                medium="DISK2",
-            )
-            self.spec = HierarchySpec(
-                config, layout.gpu_block_size, layout, engine_id=self.spec.engine_id, lower_tiers=[second]
-            )
+            # A second disk tier from the config's list of tiers, on another directory,
+            # with a name of its own.
+            config["tiers"] = [
+                {
+                    "type": "disk",
+                    "path": os.path.join(self.tmp, "disk2"),
+                    "bytes": config["disk_bytes"],
+                    "name": "disk2",
+                    "medium": "DISK2",
+                }
+            ]
+        self.spec = HierarchySpec(config, layout.gpu_block_size, layout)
         self.worker = self.spec.build_worker(self.device.kv_caches, True)
         # Hypothesis replays a sequence and needs it to behave the same each time, so
         # disk writes happen on the caller's thread here, and the disk managers learn of

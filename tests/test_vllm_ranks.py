@@ -106,7 +106,7 @@ class Engine(Closing):
 
     def durable(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.manager.composite.pending_disk_writes():
+        while self.manager.composite.pending_writes():
             assert time.monotonic() < deadline
             time.sleep(0.005)
 
@@ -142,8 +142,11 @@ def test_each_rank_keeps_its_own_shard_through_cpu_and_disk(engine, tmp_path):
     engine.store([_key(3), _key(4)], [5, 6])  # the CPU tier holds 2 chunks: 1 and 2 go to disk only
     engine.durable()
     composite = engine.manager.composite
-    assert not composite.cpu.is_loadable(_key(1)) and composite.disk.is_loadable(_key(1))
-    assert sorted(p.name for p in composite.disk.namespace.path.glob("rank*.slab")) == ["rank0.slab", "rank1.slab"]
+    assert not composite.cpu.is_loadable(_key(1)) and composite.tier("disk").is_loadable(_key(1))
+    assert sorted(p.name for p in composite.tier("disk").namespace.path.glob("rank*.slab")) == [
+        "rank0.slab",
+        "rank1.slab",
+    ]
 
     assert engine.manager.lookup(_key(1), engine.ctx) is LookupResult.HIT_PENDING
     assert engine.lookup(_key(1)) is LookupResult.HIT and engine.lookup(_key(2)) is LookupResult.HIT
@@ -163,7 +166,7 @@ def test_a_chunk_corrupt_on_one_rank_only_is_a_miss(engine):
     engine.durable()
     engine.store([_key(3), _key(4)], [5, 6])
     engine.durable()
-    disk = engine.manager.composite.disk
+    disk = engine.manager.composite.tier("disk")
     slot = disk.slot_of(_key(2))
     with open(disk.namespace.slab_path(1), "r+b") as f:  # rank 1's shard only
         f.seek(slot * disk.slot_size + 7)
@@ -188,12 +191,12 @@ def test_a_chunk_is_not_served_from_disk_until_every_rank_wrote_it(tmp_path):
             done.set_result(None)
             return done
 
-        engine.workers[1].store_handler.stager.stage = lost
+        engine.workers[1].store_handler.stagers[0].stage = lost
         engine.store([_key(1), _key(2)], [1, 2])
         time.sleep(0.3)
         engine.store([_key(3), _key(4)], [5, 6])  # 1 and 2 leave the CPU tier
         time.sleep(0.3)
-        assert engine.manager.composite.pending_disk_writes() == 4  # never durable on rank 1
+        assert engine.manager.composite.pending_writes() == 4  # never durable on rank 1
         assert engine.lookup(_key(1)) is LookupResult.MISS
 
 

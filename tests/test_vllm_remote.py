@@ -27,7 +27,7 @@ import vllm_harness as vh  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
-from tiered_kv.remote.tier import REMOTE  # noqa: E402
+from tiered_kv.remote.manager import REMOTE  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -57,7 +57,7 @@ def _node(model_dir, remote: dict, cache_dir=None, **extra) -> vh.VllmHarness:
     if cache_dir is not None:
         config.update(disk_path=str(cache_dir), disk_bytes=f"{64 * 4096}B")
     h = vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real")
-    assert isinstance(h.manager, TieredVllmManager) and h.manager.remote is not None
+    assert isinstance(h.manager, TieredVllmManager) and h.manager.tier("remote") is not None
     return h
 
 
@@ -65,13 +65,17 @@ def _worker(h: vh.VllmHarness):
     return h.worker_spec._worker
 
 
+def _remote_store(h: vh.VllmHarness):
+    """The worker's own store of the shared tier."""
+    return _worker(h).hierarchy.lower_tiers[-1].store
+
+
 def _wait_background(h: vh.VllmHarness) -> None:
     """Let the threads the scheduler waits on finish: probes and verifications."""
     m = h.manager
-    m.remote.wait_probes(WAIT)
-    m.remote_verifier.wait(WAIT)
-    if m.verifier is not None:
-        m.verifier.wait(WAIT)
+    m.tier("remote").wait_probes(WAIT)
+    for check in m.checks:
+        check.verifier.wait(WAIT)
 
 
 def _settle(h: vh.VllmHarness, max_steps: int = 3000) -> None:
@@ -98,7 +102,7 @@ def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
 
 def _uploaded(h: vh.VllmHarness) -> None:
     """Every upload node ``h``'s worker staged has landed (or failed)."""
-    _worker(h).remote_stager.drain()
+    _worker(h).hierarchy.lower_tiers[-1].stager.drain()
 
 
 def _objects(rgw_server, prefix: str) -> list[str]:
@@ -125,7 +129,7 @@ def test_node_b_loads_what_node_a_computed_byte_exact(tmp_path, model_dir, rgw_s
         # One object per chunk and rank (the key names the rank), besides the manifest.
         assert sum(k.endswith("-r0") for k in keys) == CHUNKS
         assert all(any(k.endswith(f"{key.hex()}-r0") for k in keys) for key in _keys(prompt))
-        assert a.manager.remote.settle(WAIT) and a.manager.remote.counters["confirmed"] == CHUNKS
+        assert a.manager.tier("remote").settle(WAIT) and a.manager.tier("remote").counters["confirmed"] == CHUNKS
 
     with _node(model_dir, remote_settings, tmp_path / "b") as b:  # a fresh cache directory: nothing local
         req_id = _admit(b, prompt)
@@ -135,18 +139,27 @@ def test_node_b_loads_what_node_a_computed_byte_exact(tmp_path, model_dir, rgw_s
         assert all(b.kv_matches(req_id))
         stats = b.manager.stats.tiers
         assert stats["remote"]["hits"] == CHUNKS and stats["disk"]["hits"] == 0 and stats["cpu"]["hits"] == 0
-        assert _worker(b).remote_store.stats().gets_hit == CHUNKS  # the workers' own reads
-        assert b.manager.remote_verifier.store.stats().gets_hit == CHUNKS  # verified before the hit
+        assert _remote_store(b).stats().gets_hit == CHUNKS  # the workers' own reads
+        assert b.manager.check("remote").verifier.store.stats().gets_hit == CHUNKS  # verified before the hit
         _settle(b)
-        assert b.manager._remote_verifications == {"ok": CHUNKS}
-        b.publish_metrics()  # vLLM's Prometheus side accepts every name reported
+        assert b.manager.check("remote").outcomes() == {"ok": CHUNKS}
+        registry = b.publish_metrics()  # vLLM's Prometheus side accepts every name reported
+
+        def value(name, **labels):
+            return registry.get_sample_value(name, {"engine": "0", **labels})
+
+        # The scheduler's own store: its verification downloads, each request timed.
+        assert value("tiered_kv_remote_downloads_total", outcome="hit") == CHUNKS
+        assert value("tiered_kv_verification_seconds_count", tier="remote") == CHUNKS
+        assert value("tiered_kv_remote_request_seconds_count", op="get") >= CHUNKS
+        assert value("tiered_kv_tier_tokens_total", tier="remote", event="hits") == CHUNKS * BLOCK
 
 
 def test_node_without_disk_tier_shares_through_the_bucket(tmp_path, model_dir, remote_settings):
     """The shared tier directly below CPU where a node has no disk tier."""
     prompt = _prompt(2)
     with _node(model_dir, remote_settings) as a:
-        assert [t.name for t in a.manager.composite.lower] == ["remote"] and a.manager.disk is None
+        assert [t.name for t in a.manager.composite.lower] == ["remote"] and a.manager.tier("disk") is None
         computed = _compute_on(a, prompt)
     with _node(model_dir, remote_settings) as b:
         req_id = _admit(b, prompt)
@@ -160,20 +173,20 @@ def test_a_node_of_another_fingerprint_never_reads_the_chunks(tmp_path, model_di
     prompt = _prompt(3)
     with _node(model_dir, remote_settings, tmp_path / "a") as a:
         _compute_on(a, prompt)
-        namespace = a.manager.remote.store.namespace
+        namespace = a.manager.tier("remote").store.namespace
     if other == "dtype":  # same geometry and bytes per block, another KV dtype
         other_dir = vh.write_model_config(tmp_path / "bf16", dtype="bfloat16")
         c = _node(other_dir, remote_settings, tmp_path / "c")
     else:
         c = _node(model_dir, remote_settings, tmp_path / "c", hash_seed="another-seed")
     try:
-        assert c.manager.remote.store.namespace != namespace
+        assert c.manager.tier("remote").store.namespace != namespace
         req_id = _admit(c, prompt)  # the same vLLM hashes, another namespace
         assert c.prefix_hits[req_id].external == 0
         assert all(c.kv_matches(req_id))
         assert c.manager.stats.tiers["remote"]["hits"] == 0
-        assert c.manager.remote_verifier.store.stats().gets_hit == 0
-        assert _worker(c).remote_store.stats().gets_hit == 0
+        assert c.manager.check("remote").verifier.store.stats().gets_hit == 0
+        assert _remote_store(c).stats().gets_hit == 0
         _settle(c)
     finally:
         c.shutdown()
@@ -199,9 +212,9 @@ def test_lookup_asks_again_while_the_probe_is_in_flight_then_hits(tmp_path, mode
                 assert not any(r.load_jobs for r in b.steps)
                 assert manager.lookup(keys[0], ReqContext(req_id)) is LookupResult.RETRY
                 assert manager.has_pending_work()
-            assert manager.remote.num_probing() == CHUNKS
+            assert manager.tier("remote").num_probing() == CHUNKS
             proxy.set_mode("pass")  # the probes are answered (on a retry through the proxy)
-            assert manager.remote.wait_probes(WAIT)
+            assert manager.tier("remote").wait_probes(WAIT)
             while b.scheduler.requests[req_id].num_output_tokens < 1:
                 b.step()
                 _wait_background(b)
@@ -223,16 +236,19 @@ def test_server_failing_during_verification_costs_misses_never_a_failed_load(
             manager = b.manager
             req_id = b.add_request(prompt, max_tokens=3)
             b.step()  # lookups send the membership probes
-            assert manager.remote.wait_probes(WAIT)
+            assert manager.tier("remote").wait_probes(WAIT)
             proxy.set_mode("503")  # the chunks are known present; now every request fails
             while b.scheduler.requests[req_id].num_output_tokens < 1:
                 b.step()
                 _wait_background(b)
             assert b.prefix_hits[req_id].external == 0  # recomputed
             assert all(b.kv_matches(req_id))
-            assert manager._remote_verifications["failed"] >= 1 and manager._remote_verifications["ok"] == 0
+            assert (
+                manager.check("remote").outcomes().get("failed", 0) >= 1
+                and "ok" not in manager.check("remote").outcomes()
+            )
             assert manager.stats.tiers["remote"]["hits"] == 0
-            assert _worker(b).remote_store.stats().gets_hit == 0
+            assert _remote_store(b).stats().gets_hit == 0
             assert not manager._failure_counts  # no worker job failed
             _settle(b)  # uploads fail or are dropped; the engine goes on
             assert not b.scheduler.has_requests()
@@ -249,6 +265,6 @@ def test_server_down_costs_misses_and_the_engine_goes_on(tmp_path, model_dir, rg
                 assert all(b.kv_matches(req_id))
                 _settle(b)
             _uploaded(b)
-            store = _worker(b).remote_store.stats()
+            store = _remote_store(b).stats()
             assert store.puts_stored == 0 and store.puts_failed + store.puts_dropped >= 2 * CHUNKS
             assert REMOTE not in {b.manager.composite.hit_medium(k) for k in _keys(_prompt(6))}

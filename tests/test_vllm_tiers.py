@@ -60,8 +60,8 @@ def _settle(h: vh.VllmHarness, max_steps: int = 3000) -> None:
         if not h.scheduler.has_requests() and not h.connector.has_pending_push_work():
             return
         h.step()
-        if manager.verifier is not None:
-            manager.verifier.wait(10)
+        for check in manager.checks:
+            check.verifier.wait(10)
         time.sleep(0.0005)
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
@@ -80,8 +80,8 @@ def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
         h.step()
         if h.scheduler.requests[req_id].num_output_tokens >= 1:
             return req_id
-        if h.manager.verifier is not None:
-            h.manager.verifier.wait(10)
+        for check in h.manager.checks:
+            check.verifier.wait(10)
         time.sleep(0.0005)
     raise AssertionError("request never produced a token")
 
@@ -89,7 +89,7 @@ def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
 def _durable(h: vh.VllmHarness, timeout: float = 20.0) -> None:
     """Wait until every queued disk write is durable and seen by the manager."""
     deadline = time.monotonic() + timeout
-    while h.manager.composite.pending_disk_writes():
+    while h.manager.composite.pending_writes():
         assert time.monotonic() < deadline, "disk writes never became durable"
         time.sleep(0.005)
 
@@ -209,7 +209,7 @@ def test_transfer_times_are_the_jobs_own_not_the_time_until_vllm_polled(model_di
 def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, tmp_path, disk_io):
     with _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk", disk_io=disk_io) as h:
         worker = h.worker_spec._worker
-        assert type(worker.disk_store).__name__ == ("DiskIOProcess" if disk_io == "process" else "DiskStore")
+        assert type(worker.hierarchy.store).__name__ == ("DiskIOProcess" if disk_io == "process" else "DiskStore")
         assert worker.host.shared == (disk_io == "process")
         a, b = _prompt(2, 2 * BLOCK + 1), _prompt(3, 2 * BLOCK + 1)
         _serve(h, a)
@@ -219,7 +219,7 @@ def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, t
         composite = h.manager.composite
         keys = _keys(a)
         assert not any(composite.cpu.is_loadable(k) for k in keys)
-        assert all(composite.disk.is_loadable(k) for k in keys)
+        assert all(composite.tier("disk").is_loadable(k) for k in keys)
 
         h.reset_gpu_prefix_cache()
         _zero_gpu(h)
@@ -233,7 +233,7 @@ def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, t
         assert h.prefix_hits[req_id].external == 2 * BLOCK
         assert all(h.kv_matches(req_id))
         _settle(h)
-        assert h.manager._verification_counts["ok"] == 2
+        assert h.manager.check("disk").outcomes()["ok"] == 2
         # Promoted on the way: the next request for a is served from the CPU tier.
         assert all(composite.cpu.is_loadable(k) for k in keys)
         h.reset_gpu_prefix_cache()
@@ -244,7 +244,7 @@ def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, t
 
 
 def _corrupt(h: vh.VllmHarness, key: bytes) -> None:
-    disk = h.manager.composite.disk
+    disk = h.manager.composite.tier("disk")
     slot = disk.slot_of(key)
     with open(disk.namespace.slab_path(0), "r+b") as f:
         f.seek(slot * disk.slot_size + 100)
@@ -275,8 +275,8 @@ def test_a_disk_chunk_corrupted_after_store_is_a_miss_and_recomputed(model_dir, 
         assert "failed its checksum" in caplog.text
         _settle(h)
         # Dropped from the disk tier (the recomputed chunk may since have been stored again).
-        assert h.manager.composite.disk.stats.checksum_failures == 1
-        assert h.manager._verification_counts["failed"] == 1
+        assert h.manager.composite.tier("disk").stats.checksum_failures == 1
+        assert h.manager.check("disk").outcomes()["failed"] == 1
         # The engine runs on, and the recomputed chunks are offloaded again.
         assert _serve(h, _prompt(6, 2 * BLOCK + 1)).num_prompt_tokens == 2 * BLOCK + 1
         h.reset_gpu_prefix_cache()
@@ -289,7 +289,7 @@ def test_a_restarted_engine_serves_the_disk_tier(model_dir, tmp_path):
         _serve(h, prompt)
         _durable(h)
     with _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk") as h:
-        assert h.manager.composite.disk.is_loadable(_keys(prompt)[0])
+        assert h.manager.composite.tier("disk").is_loadable(_keys(prompt)[0])
         _zero_gpu(h)
         req_id = _admit(h, prompt)
         assert h.prefix_hits[req_id].external == 3 * BLOCK
@@ -332,14 +332,14 @@ def test_a_failed_promotion_in_a_worker_is_not_kept_in_cpu(model_dir, tmp_path, 
         _durable(h)
         worker = h.worker_spec.get_worker(None)
         # The read fails *after* the scheduler verified the chunks (a dying disk).
-        monkeypatch.setattr(worker.load_handler.disk_to_cpu, "_load_job", lambda *a, **k: False)
+        monkeypatch.setattr(worker.load_handler.to_cpu[0], "_load_job", lambda *a, **k: False)
         h.reset_gpu_prefix_cache()
         with caplog.at_level(logging.ERROR):
             _serve(h, a)
         assert "load job" in caplog.text
         composite = h.manager.composite
         assert not any(k in composite.cpu for k in _keys(a)), "a failed promotion was kept"
-        assert all(composite.disk.is_loadable(k) for k in _keys(a))
+        assert all(composite.tier("disk").is_loadable(k) for k in _keys(a))
         assert h.stats()["tiered_kv_worker_job_failures:('promotion',)"] == 1
         monkeypatch.undo()
         h.reset_gpu_prefix_cache()
@@ -358,16 +358,16 @@ def test_a_connector_cache_reset_empties_every_tier(model_dir, tmp_path, monkeyp
         _serve(h, prompt)
         _durable(h)
         # late's disk writes are still in flight at the reset: they must not be served after.
-        store = h.worker_spec.get_worker(None).disk_store
+        store = h.worker_spec.get_worker(None).hierarchy.store
         gate, begin_write = threading.Event(), store.begin_write
         monkeypatch.setattr(store, "begin_write", lambda *a, **k: gate.wait(30) and begin_write(*a, **k))
         _serve(h, late)
-        assert h.manager.composite.pending_disk_writes() == 2
+        assert h.manager.composite.pending_writes() == 2
         assert h.scheduler.reset_prefix_cache(reset_connector=True)
         _settle(h)
         gate.set()
         deadline = time.monotonic() + 20
-        while h.manager._stale_writes:
+        while h.manager.check("disk")._stale_writes:
             assert time.monotonic() < deadline, "stale disk writes were never dropped"
             h.step()  # an idle step still ends with on_schedule_end
             time.sleep(0.005)
@@ -396,7 +396,11 @@ def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
         assert value("tiered_kv_tier_blocks_total", tier="disk", event="stores") == 4
         assert value("tiered_kv_tier_blocks_total", tier="disk", event="hits") == 2
         assert value("tiered_kv_tier_blocks_total", tier="cpu", event="promotions") == 2
-        assert value("tiered_kv_disk_verifications_total", outcome="ok") == 2
+        assert value("tiered_kv_tier_verifications_total", tier="disk", outcome="ok") == 2
+        assert value("tiered_kv_verification_seconds_count", tier="disk") == 2  # one timing per verification
+        assert value("tiered_kv_tier_tokens_total", tier="disk", event="hits") == 2 * BLOCK
+        lookups = value("tiered_kv_tier_blocks_total", tier="disk", event="lookups")
+        assert value("tiered_kv_tier_tokens_total", tier="disk", event="lookups") == lookups * BLOCK > 0
         assert value("tiered_kv_tier_capacity_blocks", tier="cpu") == 2
         assert value("tiered_kv_tier_used_blocks", tier="disk") == 4
         assert value("vllm:kv_offload_load_bytes_total") == 2 * GPU_BLOCK_BYTES

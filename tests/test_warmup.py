@@ -101,9 +101,24 @@ def write_inputs(tmp_path: Path, block_size: int = GPU_BLOCK, prompts=PROMPTS, *
 
 
 def run_warmup(prompts_file: Path, config: Path, model_dir: Path, *extra: str, code: int = 0, env=None):
+    """``tiered-kv warmup`` with the kv-first layout (tiered-kv's own engine), whose
+    blocks these tests load through ``HierarchySpec``; ``test_warmup_served.py`` covers
+    the default, vLLM's."""
     result = runner.invoke(
         app,
-        ["warmup", str(prompts_file), "--model", str(model_dir), "--config", str(config), "--device", "cpu", *extra],
+        [
+            "warmup",
+            str(prompts_file),
+            "--model",
+            str(model_dir),
+            "--config",
+            str(config),
+            "--device",
+            "cpu",
+            "--layout",
+            "kv-first",
+            *extra,
+        ],
         env=env,
     )
     assert result.exit_code == code, result.output
@@ -236,7 +251,7 @@ def test_summary_table_and_resuming(model_dir, tmp_path):
 def test_tensor_parallel_ranks_hold_their_heads(engine, tmp_path):
     _, config_file = write_inputs(tmp_path)
     config = load_config(config_file)
-    report = warmup([PROMPTS[3]], engine, config, gpu_block_size=GPU_BLOCK, tp_size=2)
+    report = warmup([PROMPTS[3]], engine, config, gpu_block_size=GPU_BLOCK, tp_size=2, layout="kv-first")
     # Each rank stores its one head: together, every head once.
     assert report.blocks_written == 4 and report.bytes_written == 4 * 2 * LAYERS * GPU_BLOCK * HEADS * HEAD_DIM * 4
     (ns,) = list_namespaces(tmp_path / "cache")

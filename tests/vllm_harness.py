@@ -143,12 +143,14 @@ def make_vllm_config(
     prefix_caching_hash_algo: str = "sha256",
     engine_id: str | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    kv_cache_layout: str | None = None,
 ) -> VllmConfig:
     """A CPU ``VllmConfig`` whose kv-transfer config selects the OffloadingConnector
     with ``extra_config`` as ``kv_connector_extra_config``. Prefix caching and chunked
     prefill are on, as in a default vLLM server. ``model_kwargs`` go to ``ModelConfig``
-    (vLLM's ``--revision``, ``--quantization``...)."""
-    return VllmConfig(
+    (vLLM's ``--revision``, ``--quantization``...). ``kv_cache_layout``: the layout
+    vLLM's engine core resolves (``LBNHC`` with FlashAttention), None: unresolved."""
+    config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),
             skip_tokenizer_init=True,
@@ -178,6 +180,8 @@ def make_vllm_config(
         # Without an accelerator vLLM cannot infer a device type; name one.
         device_config=DeviceConfig(device="cpu"),
     )
+    config.cache_config.kv_cache_layout = kv_cache_layout  # as the engine core records it
+    return config
 
 
 def make_kv_cache_config(vllm_config: VllmConfig, num_gpu_blocks: int) -> KVCacheConfig:

@@ -139,7 +139,8 @@ class OffloadingManager(Closing, ABC):
 @runtime_checkable
 class LowerTier(Protocol):
     """What the composite manager needs of a tier below the first (CPU) one: the disk
-    tier, a second disk tier, later a shared tier. Scheduler process; every call is
+    tier, a second disk tier, the shared tier, or any ``tiered_kv.tiers.TierSpec``'s
+    manager. Scheduler process; every call is
     bookkeeping (the tier's bytes move in the workers), and none may block on I/O.
 
     A block in a lower tier is *pending* (reserved by ``prepare_store``, bytes on their

@@ -28,6 +28,7 @@ from tiered_kv.config_values import (  # noqa: F401 (ConfigError, parse_size, fo
     parse_text,
 )
 from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.tier_registry import TierEntry
 
 #: Keys of vLLM's ``kv_connector_extra_config`` that vLLM itself reads (its spec factory,
 #: ``OffloadingSpec`` and the OffloadingConnector); our vLLM spec passes them through.
@@ -55,6 +56,12 @@ HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 def _parse_remote(value: Any, key: str) -> Any:
     return RemoteConfig.from_dict(value, key_prefix=f"{key}.")
+
+
+def _parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f'{key}: expected a list of tiers, e.g. [{{"type": "disk", "path": "/mnt/nvme/kv"}}]')
+    return tuple(TierEntry.parse(item, f"{key}[{i}]") for i, item in enumerate(value))
 
 
 def _parse_disk_eviction_policy(value: Any, key: str) -> str:
@@ -108,6 +115,10 @@ class TieredConfig:
     #: ``tiered_kv.remote.config.RemoteConfig`` settings (endpoint, bucket, prefix, ...),
     #: validated into one; None for no shared tier.
     remote: Any = None
+    #: More lower tiers below those of ``disk_path`` and ``remote``, fastest first: each
+    #: a mapping with a ``type`` (``disk``, ``remote``, or a class name with its
+    #: ``module_path``), validated by the tier's own class (``tiered_kv.tier_registry``).
+    tiers: tuple[TierEntry, ...] = ()
     hash_algorithm: str = "sha256"
     hash_seed: str = ""
     #: Extra keys an engine adapter passes through untouched (e.g. vLLM's spec_name).
@@ -132,6 +143,7 @@ class TieredConfig:
         "model_revision": parse_text,
         "model_path": lambda v, k: None if v is None else parse_text(v, k),
         "remote": lambda v, k: None if v is None else _parse_remote(v, k),
+        "tiers": _parse_tiers,
         "hash_algorithm": lambda v, k: parse_choice(v, k, HASH_ALGORITHMS),
         "hash_seed": lambda v, k: parse_text(v, k, empty_ok=True, numbers_ok=True),
     }
@@ -170,8 +182,21 @@ class TieredConfig:
         """``gpu_copy`` as the GPU <-> CPU handlers take it: True, False, or None (auto)."""
         return {"auto": None, "kernels": True, "dma": False}[self.gpu_copy]
 
+    def tier_entries(self) -> tuple[TierEntry, ...]:
+        """Every lower tier, fastest first: ``disk_path``'s disk tier, ``remote``'s shared
+        tier, then ``tiers``."""
+        own: list[TierEntry] = []
+        if self.disk_path:
+            own.append(
+                TierEntry.parse({"type": "disk", "path": self.disk_path, "bytes": f"{self.disk_bytes}B"}, "disk_path")
+            )
+        if self.remote is not None:
+            own.append(TierEntry("remote", None, "remote", self.remote))
+        return (*own, *self.tiers)
+
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.keys()}
         if self.remote is not None:
             out["remote"] = self.remote.to_dict()  # holds no credentials: safe to echo
+        out["tiers"] = [entry.to_dict() for entry in self.tiers]
         return out

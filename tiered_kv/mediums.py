@@ -115,18 +115,47 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
         return CPU
 
 
-class DiskLoadStoreSpec(BlockIDsLoadStoreSpec):
-    """Slots in the disk tier's slab files, one per offloaded block, with the block
-    hashes so the worker can record and check each block's index entry."""
+class GPURowsSpec(GPULoadStoreSpec):
+    """GPU blocks given per offloaded block: ``rows`` of shape ``(N, block_size_factor)``,
+    -1 where a GPU-block position is not transferred (an engine may skip positions
+    anywhere, as vLLM 0.33 does at both ends of a load)."""
+
+    def __init__(self, rows: np.ndarray):
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 2:
+            raise ValueError(f"GPURowsSpec: expected rows of shape (blocks, block_size_factor), got {rows.shape}")
+        super().__init__(rows[rows >= 0])
+        self.rows = rows
+
+
+def chunk_positions(slots: np.ndarray, block_size_factor: int) -> np.ndarray:
+    """``(N, block_size_factor)`` CPU-tier positions, at GPU-block granularity, of the
+    GPU blocks of the offloaded blocks in CPU ``slots`` (``slot * factor + j``)."""
+    f = block_size_factor
+    return np.asarray(slots, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
+
+
+class TierSlotsSpec(BlockIDsLoadStoreSpec):
+    """Slots of a lower tier, one per offloaded block, with the block hashes so the
+    worker can record and check each block (a tier addressed by hash ignores the slot
+    ids). The composite's load handler hands this to every lower tier's handlers."""
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray, block_hashes: Sequence[BlockHash]):
         super().__init__(block_ids)
         self.block_hashes = list(block_hashes)
         if len(self.block_hashes) != len(self):
             raise ValueError(
-                f"DiskLoadStoreSpec: {len(self)} slots but "
+                f"{type(self).__name__}: {len(self)} slots but "
                 f"{len(self.block_hashes)} block hashes; expected one hash per slot"
             )
+
+    @staticmethod
+    def medium() -> str:
+        return "TIER"
+
+
+class DiskLoadStoreSpec(TierSlotsSpec):
+    """Slots in the disk tier's slab files (a ``TierSlotsSpec`` of medium ``DISK``)."""
 
     @staticmethod
     def medium() -> str:

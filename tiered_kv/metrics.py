@@ -1,17 +1,23 @@
-"""Counters of the hierarchy: per tier (scheduler process) and per transfer type
-(worker processes), as a plain stats object and as Prometheus metrics.
+"""Counters and latencies of the hierarchy: per tier (scheduler process), per transfer
+type (worker processes) and of the shared tier's store (wherever one runs), as plain
+stats objects and as Prometheus metrics.
 
 No I/O. ``TieredStats`` is filled by the composite manager and the tiered handlers;
-``PrometheusMetrics`` mirrors a stats snapshot into prometheus_client metrics named
-in vLLM's style (``vllm:kv_offload_*``) plus the project's own (``tiered_kv_*``).
+``Latencies`` holds timings until an exporter drains them; ``PrometheusMetrics``
+mirrors a stats snapshot into prometheus_client metrics named in vLLM's style
+(``vllm:kv_offload_*``) plus the project's own (``tiered_kv_*``, declared once in
+``PROJECT_METRICS``, which the vLLM adapter declares to vLLM under the same names).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TRANSFER_TYPES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "disk_to_gpu", "gpu_to_disk")
 #: The transfer types into and out of GPU memory: vLLM's "load" and "store".
@@ -30,6 +36,191 @@ TIER_COUNTERS = (
     "failed_stores",
     "promotions",
 )
+#: The tier events also counted in tokens (blocks times tokens per block), as vLLM
+#: counts its prefix cache's queries and hits.
+TOKEN_EVENTS = ("lookups", "hits")
+
+#: Latency histogram buckets, in seconds: 100 us to 30 s (a shared-tier request that
+#: times out lands in the last buckets).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+LATENCY_BUCKETS += (10.0, 30.0)
+
+TIER_BLOCKS = "tiered_kv_tier_blocks"
+TIER_TOKENS = "tiered_kv_tier_tokens"
+TIER_USED_BLOCKS = "tiered_kv_tier_used_blocks"
+TRANSFER_JOBS = "tiered_kv_transfer_jobs"
+TRANSFER_SECONDS = "tiered_kv_transfer_seconds"
+VERIFICATION_SECONDS = "tiered_kv_verification_seconds"
+#: Declared by the vLLM adapter (only its hit checks verify before a hit).
+TIER_VERIFICATIONS = "tiered_kv_tier_verifications"
+REMOTE_REQUEST_SECONDS = "tiered_kv_remote_request_seconds"
+REMOTE_UPLOADS = "tiered_kv_remote_uploads"
+REMOTE_DOWNLOADS = "tiered_kv_remote_downloads"
+REMOTE_PROBES = "tiered_kv_remote_probes"
+REMOTE_BYTES = "tiered_kv_remote_bytes"
+REMOTE_REJECTED = "tiered_kv_remote_rejected_objects"
+REMOTE_UNAVAILABLE = "tiered_kv_remote_unavailable_periods"
+REMOTE_DAMAGED_DELETED = "tiered_kv_remote_damaged_deleted"
+REMOTE_CONDITIONAL_REFUSED = "tiered_kv_remote_conditional_put_refused"
+REMOTE_UNCONDITIONAL_PUTS = "tiered_kv_remote_unconditional_puts"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One of the project's own metrics: its name (a counter gains ``_total`` on the
+    endpoint, a histogram ``_bucket``, ``_sum`` and ``_count``), ``kind`` (``counter``,
+    ``gauge`` or ``histogram``), help text, label names and, for a histogram, buckets."""
+
+    name: str
+    kind: str
+    documentation: str
+    labelnames: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+#: The ``tiered_kv_*`` metrics ``PrometheusMetrics`` exports; the vLLM adapter declares
+#: the same names (``integrations/vllm/common.py``), so one dashboard reads both.
+PROJECT_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(TIER_BLOCKS, "counter", "Blocks counted per tier and event", ("tier", "event")),
+    MetricDef(
+        TIER_TOKENS,
+        "counter",
+        "Tokens counted per tier and event (blocks times tokens per block); events: " + ", ".join(TOKEN_EVENTS),
+        ("tier", "event"),
+    ),
+    MetricDef(TIER_USED_BLOCKS, "gauge", "Blocks held per tier", ("tier",)),
+    MetricDef(TRANSFER_JOBS, "counter", "Transfer jobs finished", ("transfer_type", "outcome")),
+    MetricDef(
+        TRANSFER_SECONDS,
+        "histogram",
+        "Seconds of each successful transfer job, per transfer type (disk loads: disk_to_cpu, disk_to_gpu)",
+        ("transfer_type",),
+        LATENCY_BUCKETS,
+    ),
+    MetricDef(
+        VERIFICATION_SECONDS,
+        "histogram",
+        "Seconds to verify one chunk on every rank before a lookup reports it as a hit, per tier",
+        ("tier",),
+        LATENCY_BUCKETS,
+    ),
+    MetricDef(
+        REMOTE_REQUEST_SECONDS,
+        "histogram",
+        "Seconds of each shared-tier request, whatever its outcome; op: get, put, head, delete",
+        ("op",),
+        LATENCY_BUCKETS,
+    ),
+    MetricDef(
+        REMOTE_UPLOADS, "counter", "Shared-tier block uploads; outcome: stored, present, dropped, failed", ("outcome",)
+    ),
+    MetricDef(
+        REMOTE_DOWNLOADS,
+        "counter",
+        "Shared-tier block downloads; outcome: hit, absent, failed, skipped (server unavailable), rejected",
+        ("outcome",),
+    ),
+    MetricDef(REMOTE_PROBES, "counter", "Shared-tier existence probes (HEAD); outcome: ok, failed", ("outcome",)),
+    MetricDef(REMOTE_BYTES, "counter", "Block bytes moved to and from the shared tier", ("direction",)),
+    MetricDef(REMOTE_REJECTED, "counter", "Shared-tier objects refused by a check, per reason", ("reason",)),
+    MetricDef(REMOTE_UNAVAILABLE, "counter", "Times the shared-tier store stopped sending after consecutive failures"),
+    MetricDef(REMOTE_DAMAGED_DELETED, "counter", "Shared-tier objects deleted after their checksum failed"),
+    MetricDef(REMOTE_CONDITIONAL_REFUSED, "counter", "Conditional PUTs the server refused as unsupported"),
+    MetricDef(REMOTE_UNCONDITIONAL_PUTS, "counter", "Shared-tier writes sent as a plain PUT after a HEAD"),
+)
+
+#: ``RemoteStats`` attribute -> (metric, label values).
+_REMOTE_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "puts_stored": (REMOTE_UPLOADS, ("stored",)),
+    "puts_present": (REMOTE_UPLOADS, ("present",)),
+    "puts_dropped": (REMOTE_UPLOADS, ("dropped",)),
+    "puts_failed": (REMOTE_UPLOADS, ("failed",)),
+    "gets_hit": (REMOTE_DOWNLOADS, ("hit",)),
+    "gets_absent": (REMOTE_DOWNLOADS, ("absent",)),
+    "gets_failed": (REMOTE_DOWNLOADS, ("failed",)),
+    "gets_skipped": (REMOTE_DOWNLOADS, ("skipped",)),
+    "gets_rejected": (REMOTE_DOWNLOADS, ("rejected",)),
+    "probes": (REMOTE_PROBES, ("ok",)),
+    "probes_failed": (REMOTE_PROBES, ("failed",)),
+    "put_bytes": (REMOTE_BYTES, ("upload",)),
+    "get_bytes": (REMOTE_BYTES, ("download",)),
+    "unavailable_periods": (REMOTE_UNAVAILABLE, ()),
+    "damaged_deleted": (REMOTE_DAMAGED_DELETED, ()),
+    "conditional_put_refused": (REMOTE_CONDITIONAL_REFUSED, ()),
+    "puts_unconditional": (REMOTE_UNCONDITIONAL_PUTS, ()),
+}
+
+#: A counter's value: (metric, label values, total since the source started).
+CounterValue = tuple[str, tuple[str, ...], float]
+
+
+def remote_counter_values(stats: Any) -> list[CounterValue]:
+    """The shared tier's counters of ``stats`` (a ``tiered_kv.remote.RemoteStats``) as
+    metric totals."""
+    out = [(metric, labels, getattr(stats, attr)) for attr, (metric, labels) in _REMOTE_FIELDS.items()]
+    out += [(REMOTE_REJECTED, (reason,), n) for reason, n in stats.rejected.items()]
+    return out
+
+
+def tier_counter_values(tiers: Mapping[str, Mapping[str, int]], tokens_per_block: int | None) -> list[CounterValue]:
+    """Per-tier counters (``TieredStats.as_dict()["tiers"]``) as metric totals: every
+    event in blocks, ``TOKEN_EVENTS`` also in tokens (not when ``tokens_per_block`` is
+    None)."""
+    out: list[CounterValue] = []
+    for tier, counters in tiers.items():
+        for event, value in counters.items():
+            out.append((TIER_BLOCKS, (tier, event), value))
+            if event in TOKEN_EVENTS and tokens_per_block is not None:
+                out.append((TIER_TOKENS, (tier, event), value * tokens_per_block))
+    return out
+
+
+#: One timing: (histogram metric, label values, seconds).
+Observation = tuple[str, tuple[str, ...], float]
+
+
+class Latencies:
+    """Timings waiting for an exporter to drain them. Thread-safe.
+
+    Bounded: past ``max_pending`` undrained timings the oldest are discarded (counted
+    in ``discarded``), so a process that nobody scrapes holds at most that many. Each
+    object has one exporter: ``drain`` hands a timing out once."""
+
+    def __init__(self, max_pending: int = 65536):
+        if max_pending < 1:
+            raise ValueError(f"max_pending: expected at least 1, got {max_pending}")
+        self._pending: deque[Observation] = deque(maxlen=max_pending)
+        self._lock = threading.Lock()
+        self.discarded = 0
+
+    def observe(self, metric: str, labels: tuple[str, ...], seconds: float) -> None:
+        with self._lock:
+            if len(self._pending) == self._pending.maxlen:
+                self.discarded += 1
+            self._pending.append((metric, labels, seconds))
+
+    def drain(self) -> list[Observation]:
+        """The timings observed since the last call, oldest first."""
+        with self._lock:
+            out = list(self._pending)
+            self._pending.clear()
+        return out
 
 
 @dataclass
@@ -54,7 +245,9 @@ class TieredStats:
     counts bytes and seconds: each job's transfer time as its handler measures it, from
     when it starts moving data to when its last byte lands (CUDA events for device
     copies), never the wait until the engine polls it; summed over jobs, so concurrent
-    jobs overlap and ``gbps`` is the rate of one job, as in vLLM's metrics."""
+    jobs overlap and ``gbps`` is the rate of one job, as in vLLM's metrics. Each
+    successful job's seconds also go to ``latencies`` (``TRANSFER_SECONDS``), which
+    ``merge`` leaves alone (each object's are drained by its own exporter)."""
 
     tiers: dict[str, dict[str, int]] = field(
         default_factory=lambda: {t: dict.fromkeys(TIER_COUNTERS, 0) for t in TIERS}
@@ -62,6 +255,7 @@ class TieredStats:
     transfers: dict[str, TransferCounter] = field(
         default_factory=lambda: {t: TransferCounter() for t in TRANSFER_TYPES}
     )
+    latencies: Latencies = field(default_factory=Latencies, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, tier: str, counter: str, n: int = 1) -> None:
@@ -91,6 +285,8 @@ class TieredStats:
                 t.seconds += seconds
             else:
                 t.failed_jobs += 1
+        if success:
+            self.latencies.observe(TRANSFER_SECONDS, (transfer_type,), seconds)
 
     def merge(self, other: "TieredStats") -> None:
         """Add ``other``'s counters into these (e.g. a worker's into the manager's view)."""
@@ -129,13 +325,19 @@ class PrometheusMetrics:
     """prometheus_client metrics fed from ``TieredStats`` snapshots.
 
     ``update(stats)`` sets each metric to the snapshot's value (counters are exported as
-    monotonically increasing totals: only the increase since the last update is added).
-    vLLM 0.33's names: ``vllm:kv_offload_{load,store}_{bytes,time}`` (into and out of
-    GPU memory, whatever the tier) and its older ``vllm:kv_offload_total_{bytes,time}``
-    per ``transfer_type`` (all six of ours); then the project's own ``tiered_kv_*``.
+    monotonically increasing totals: only the increase since the last update is added)
+    and drains the timings into the histograms. vLLM 0.33's names:
+    ``vllm:kv_offload_{load,store}_{bytes,time}`` (into and out of GPU memory, whatever
+    the tier) and its older ``vllm:kv_offload_total_{bytes,time}`` per
+    ``transfer_type`` (all six of ours); then the project's own ``PROJECT_METRICS``.
+    ``tokens_per_block``: tokens of one of the manager's blocks (the spec's
+    ``offloaded_block_size``); without it ``TIER_TOKENS`` stays empty.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, *, tokens_per_block: int | None = None):
+        if tokens_per_block is not None and tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block: expected at least 1, got {tokens_per_block}")
+        self.tokens_per_block = tokens_per_block
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.gpu_bytes = {
@@ -152,13 +354,12 @@ class PrometheusMetrics:
         self.time = Counter(
             "vllm:kv_offload_total_time", "Seconds spent in KV offloading transfers", ["transfer_type"], registry=r
         )
-        self.jobs = Counter(
-            "tiered_kv_transfer_jobs", "Transfer jobs finished", ["transfer_type", "outcome"], registry=r
-        )
-        self.tier_events = Counter(
-            "tiered_kv_tier_blocks", "Blocks counted per tier and event", ["tier", "event"], registry=r
-        )
-        self.occupancy = Gauge("tiered_kv_tier_used_blocks", "Blocks held per tier", ["tier"], registry=r)
+        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        #: The project's own metrics by name (``PROJECT_METRICS``).
+        self.metrics: dict[str, Any] = {}
+        for d in PROJECT_METRICS:
+            extra = {"buckets": d.buckets} if d.buckets is not None else {}
+            self.metrics[d.name] = kinds[d.kind](d.name, d.documentation, d.labelnames, registry=r, **extra)
         self._last: dict[tuple, float] = {}
 
     def _advance(self, counter: Counter, labels: tuple, value: float) -> None:
@@ -168,19 +369,38 @@ class PrometheusMetrics:
             (counter.labels(*labels) if labels else counter).inc(delta)
             self._last[key] = value
 
-    def update(self, stats: TieredStats, used_blocks: dict[str, int] | None = None) -> None:
+    def update(
+        self,
+        stats: TieredStats,
+        used_blocks: Mapping[str, int] | None = None,
+        *,
+        remote: Sequence[Any] = (),
+        latencies: Iterable[Latencies] = (),
+    ) -> None:
+        """Export ``stats``, the tiers' ``used_blocks``, the summed counters of the
+        shared-tier stores' ``remote`` stats (``RemoteStore.stats()``, e.g. the
+        scheduler's and a worker's), and drain ``stats.latencies`` and ``latencies``
+        (e.g. a store's ``RemoteStore.latencies``)."""
         snap = stats.as_dict()
         transfers = snap["transfers"]
         for direction, types in (("load", GPU_LOADS), ("store", GPU_STORES)):
             self._advance(self.gpu_bytes[direction], (), sum(transfers[t]["bytes"] for t in types))
             self._advance(self.gpu_time[direction], (), sum(transfers[t]["seconds"] for t in types))
+        jobs = self.metrics[TRANSFER_JOBS]
         for name, t in transfers.items():
             self._advance(self.bytes, (name,), t["bytes"])
             self._advance(self.time, (name,), t["seconds"])
-            self._advance(self.jobs, (name, "ok"), t["jobs"] - t["failed_jobs"])
-            self._advance(self.jobs, (name, "failed"), t["failed_jobs"])
-        for tier, counters in snap["tiers"].items():
-            for event, value in counters.items():
-                self._advance(self.tier_events, (tier, event), value)
+            self._advance(jobs, (name, "ok"), t["jobs"] - t["failed_jobs"])
+            self._advance(jobs, (name, "failed"), t["failed_jobs"])
+        totals: dict[tuple[str, tuple[str, ...]], float] = {}
+        for rs in remote:
+            for metric, labels, value in remote_counter_values(rs):
+                totals[metric, labels] = totals.get((metric, labels), 0) + value
+        counters = tier_counter_values(snap["tiers"], self.tokens_per_block)
+        for metric, labels, value in counters + [(m, lbl, v) for (m, lbl), v in totals.items()]:
+            self._advance(self.metrics[metric], labels, value)
         for tier, n in (used_blocks or {}).items():
-            self.occupancy.labels(tier).set(n)
+            self.metrics[TIER_USED_BLOCKS].labels(tier).set(n)
+        for source in (stats.latencies, *latencies):
+            for metric, labels, seconds in source.drain():
+                self.metrics[metric].labels(*labels).observe(seconds)

@@ -1,9 +1,9 @@
-"""The tier seam: what one tier below the CPU tier contributes in each process, and the
-registry that builds tiers by type from the config.
+"""The tier seam: what one tier below the CPU tier contributes in each process.
 
 Imported in every process (scheduler, workers, tools); no I/O here. A tier is a
 ``TierSpec`` subclass registered under a type name (``disk``, ``remote``) or named by
-``module_path`` in the config, as vLLM's ``SecondaryTierFactory`` does. The config lists
+``module_path`` in the config, as vLLM's ``SecondaryTierFactory`` does
+(``tiered_kv.tier_registry``). The config lists
 the lower tiers in order, fastest first::
 
     "tiers": [{"type": "disk", "path": "/mnt/nvme/tiered-kv", "bytes": "1TiB"},
@@ -20,13 +20,13 @@ engine that cannot take a failed load (vLLM 0.33), the check that must pass befo
 block of the tier is promised as a hit (``get_hit_check``); in each worker it has each
 tier build its worker side (``get_worker``: a stager for writes from CPU slots, handlers
 for reads into CPU slots and into the KV cache). Adding a tier adds a package with a
-``TierSpec`` and one line in ``TIER_TYPES`` (or a ``module_path``), nothing else.
+``TierSpec`` and one line in ``tier_registry.TIER_TYPES`` (or a ``module_path``),
+nothing else.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from tiered_kv.abstract import BlockHash, Closing, LowerTier
 from tiered_kv.config_values import ConfigError
+from tiered_kv.tier_registry import TierEntry
 
 if TYPE_CHECKING:
     import torch
@@ -42,88 +43,8 @@ if TYPE_CHECKING:
     from tiered_kv.fingerprint import Fingerprint
     from tiered_kv.kv_layout import KVCacheLayout
     from tiered_kv.memory.host_memory import HostKVCache
-    from tiered_kv.metrics import TieredStats
+    from tiered_kv.metrics import CounterValue, Observation, TieredStats
     from tiered_kv.worker.worker import LowerTierWorker
-
-#: The tier types this package ships: type name -> ``module:class``. A new backend of
-#: the project is one line here; an outside tier names its ``module_path`` instead.
-TIER_TYPES: dict[str, str] = {
-    "disk": "tiered_kv.disk.tier:DiskTier",
-    "remote": "tiered_kv.remote.tier:RemoteTier",
-}
-
-_registered: dict[str, type["TierSpec"]] = {}
-
-
-def register_tier_type(type_name: str, cls: type["TierSpec"]) -> None:
-    """Make ``cls`` buildable as ``{"type": type_name}`` in this process (tests, plug-ins
-    imported before the spec is built). Raises ``ValueError`` for a taken name."""
-    if not (isinstance(cls, type) and issubclass(cls, TierSpec)):
-        raise TypeError(f"tier type {type_name!r}: expected a TierSpec subclass, got {cls!r}")
-    if type_name in TIER_TYPES or _registered.get(type_name, cls) is not cls:
-        raise ValueError(f"tier type {type_name!r} is already registered")
-    _registered[type_name] = cls
-
-
-def tier_class(type_name: str, module_path: str | None = None, *, key: str = "tiers") -> type["TierSpec"]:
-    """The ``TierSpec`` class of a config entry. Raises ``ConfigError`` naming ``key``,
-    the type and what is known."""
-    if module_path is not None:
-        try:
-            module = importlib.import_module(module_path)
-        except ImportError as exc:
-            raise ConfigError(f"{key}.module_path: cannot import {module_path!r}: {exc}") from None
-        cls = getattr(module, type_name, None)
-        if cls is None:
-            raise ConfigError(f"{key}.type: module {module_path!r} has no class {type_name!r}")
-    elif type_name in _registered:
-        cls = _registered[type_name]
-    elif type_name in TIER_TYPES:
-        module_name, _, attr = TIER_TYPES[type_name].partition(":")
-        cls = getattr(importlib.import_module(module_name), attr)
-    else:
-        known = ", ".join(sorted({*TIER_TYPES, *_registered}))
-        raise ConfigError(
-            f"{key}.type: unknown tier type {type_name!r}; expected one of {known}, "
-            f"or a class name with its module_path"
-        )
-    if not (isinstance(cls, type) and issubclass(cls, TierSpec)):
-        raise ConfigError(f"{key}.type: {type_name!r} is not a TierSpec subclass (tiered_kv.tiers.TierSpec)")
-    return cls
-
-
-@dataclass(frozen=True)
-class TierEntry:
-    """One lower tier of the config, validated by its own class: ``settings`` is what
-    ``cls.parse_settings`` returned; ``name`` names it in stats and transfer types."""
-
-    type_name: str
-    module_path: str | None
-    name: str
-    settings: Any
-
-    @property
-    def cls(self) -> type["TierSpec"]:
-        return tier_class(self.type_name, self.module_path)
-
-    @classmethod
-    def parse(cls, raw: Any, key: str) -> "TierEntry":
-        """Validate one ``tiers`` item: a mapping with ``type`` (and ``module_path``,
-        ``name``), the rest checked by the tier class."""
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{key}: expected a mapping with a 'type' key, got {raw!r}")
-        raw = dict(raw)
-        type_name = raw.pop("type", None)
-        if not isinstance(type_name, str) or not type_name:
-            raise ConfigError(f"{key}.type: expected a tier type name (e.g. 'disk'), got {type_name!r}")
-        module_path = raw.pop("module_path", None)
-        if module_path is not None and not isinstance(module_path, str):
-            raise ConfigError(f"{key}.module_path: expected a module name, got {module_path!r}")
-        tier = tier_class(type_name, module_path, key=key)
-        name = raw.pop("name", tier.default_name)
-        if not isinstance(name, str) or not name.isidentifier() or name == "cpu":
-            raise ConfigError(f"{key}.name: expected an identifier other than 'cpu', got {name!r}")
-        return cls(type_name, module_path, name, tier.parse_settings(raw, f"{key}."))
 
 
 @dataclass(frozen=True)
@@ -139,6 +60,10 @@ class TierContext:
     rank: int = 0
     world_size: int = 1
     enable_events: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank}: expected 0 <= rank < world size ({self.world_size})")
 
 
 class HitState(enum.Enum):
@@ -164,8 +89,11 @@ class HitCheck(Protocol):
     def loading(self, block_hash: BlockHash) -> None:
         """A load of the block was prepared: a check passed counts for one load."""
 
+    def collect(self) -> None:
+        """Fold in the checks that finished (cheap: before every lookup)."""
+
     def step(self) -> None:
-        """Fold in the checks that finished (once per engine step)."""
+        """Once per engine step: ``collect``, then the tier's own housekeeping."""
 
     def busy(self) -> bool:
         """Whether some check is in flight (the engine must keep stepping)."""
@@ -176,12 +104,21 @@ class HitCheck(Protocol):
     def outcomes(self) -> Mapping[str, int]:
         """Checks finished so far, by outcome (``ok``, ``failed``)."""
 
+    def counters(self) -> list["CounterValue"]:
+        """The totals this tier's scheduler side exports: its checks' outcomes
+        (``TIER_VERIFICATIONS``), and whatever its manager's store counts."""
+
+    def timings(self) -> list["Observation"]:
+        """The timings observed since the last call (each handed out once)."""
+
     def shutdown(self) -> None:
         """Stop the check's threads and close what it opened. Idempotent."""
 
 
 class TrustedHitCheck:
-    """The check of a tier whose loadable blocks are always loadable (nothing to verify)."""
+    """The check of a tier whose loadable blocks are always loadable (nothing to verify).
+    Its step folds in the tier's writes that landed (``refresh``) while some are pending,
+    for a tier with no thread of its own that does."""
 
     def __init__(self, manager: LowerTier):
         self.manager = manager
@@ -195,8 +132,12 @@ class TrustedHitCheck:
     def loading(self, block_hash: BlockHash) -> None:
         return
 
-    def step(self) -> None:
+    def collect(self) -> None:
         return
+
+    def step(self) -> None:
+        if self.manager.num_pending():
+            self.manager.refresh()
 
     def busy(self) -> bool:
         return False
@@ -206,6 +147,12 @@ class TrustedHitCheck:
 
     def outcomes(self) -> Mapping[str, int]:
         return {}
+
+    def counters(self) -> list["CounterValue"]:
+        return []
+
+    def timings(self) -> list["Observation"]:
+        return []
 
     def shutdown(self) -> None:
         return
@@ -219,19 +166,25 @@ class TierSpec(Closing, ABC):
     ``medium``: the medium of its events and load specs; ``write_policy``: how the
     composite feeds it (``write_through``: every stored block; ``write_back``: CPU
     evictions only). ``store``: the worker's open store once ``get_worker`` ran (tools
-    and tests read it), else None.
+    and tests read it), else None; ``stager``: likewise its stager.
     """
 
     #: The name a tier of this type gets when the config names none.
     default_name: ClassVar[str] = "tier"
-    #: The medium of its events and specs (``"DISK"``, ``"REMOTE"``).
-    medium: ClassVar[str] = "DISK"
+    #: The medium of its events and specs (``"DISK"``, ``"REMOTE"``); an entry may set its own.
+    medium: str = "DISK"
+    #: Whether its blocks are a fleet's rather than this node's: a cache reset leaves
+    #: them, their removal is never announced, and engines report its hits as external.
+    shared: ClassVar[bool] = False
 
-    def __init__(self, settings: Any, ctx: TierContext, name: str | None = None):
+    def __init__(self, settings: Any, ctx: TierContext, name: str | None = None, medium: str | None = None):
         self.settings = settings
         self.ctx = ctx
         self.name = name or self.default_name
+        if medium is not None:
+            self.medium = medium
         self.store: Any = None
+        self.stager: Any = None
 
     @classmethod
     def parse_settings(cls, raw: Mapping[str, Any], key_prefix: str) -> Any:
@@ -280,18 +233,13 @@ def build_tiers(entries: Sequence[TierEntry], ctx: TierContext) -> list[TierSpec
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ConfigError(f"tiers: every lower tier needs its own name; got {', '.join(names)}")
-    return [entry.cls(entry.settings, ctx, entry.name) for entry in entries]
+    tiers: list[TierSpec] = []
+    for entry in entries:
+        cls = entry.cls
+        if not issubclass(cls, TierSpec):
+            raise ConfigError(f"tiers.type: {entry.type_name!r} is not a subclass of tiered_kv.tiers.TierSpec")
+        tiers.append(cls(entry.settings, ctx, entry.name, entry.medium))
+    return tiers
 
 
-__all__ = [
-    "HitCheck",
-    "HitState",
-    "TIER_TYPES",
-    "TierContext",
-    "TierEntry",
-    "TierSpec",
-    "TrustedHitCheck",
-    "build_tiers",
-    "register_tier_type",
-    "tier_class",
-]
+__all__ = ["HitCheck", "HitState", "TierContext", "TierSpec", "TrustedHitCheck", "build_tiers"]

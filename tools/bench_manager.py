@@ -248,9 +248,7 @@ def cascade_latency(
         fill_disk_tier(tmp, disk_blocks)
     disk = disk_manager(tmp, disk_blocks)
     worker_index = DiskIndex(disk.namespace.index_path, 1)
-    manager = TieredOffloadingManager(
-        cpu_manager(n), disk, write_policy="write_back", max_pending_disk_writes=4 * BATCH
-    )
+    manager = TieredOffloadingManager(cpu_manager(n), disk, write_policy="write_back", max_pending_writes=4 * BATCH)
     for batch in batches_of(hashes(n)):
         manager.complete_store(stored(manager.prepare_store(batch)).block_hashes_to_store)
     lat: list[float] = []
@@ -273,7 +271,7 @@ def cascade_latency(
             if EVENTS:
                 manager.take_events()
             worker_index.commit_stored(
-                0, spills.block_hashes, spills.disk_slots.tolist(), [disk.block_bytes] * len(spills), [0] * len(spills)
+                0, spills.block_hashes, spills.tier_slots.tolist(), [disk.block_bytes] * len(spills), [0] * len(spills)
             )
             if i == 49:
                 busy = iterations_for(statistics.median(lat))

@@ -311,7 +311,7 @@ class _Node:
 
 def replay(config: RemoteConfig, shape: ReplayShape, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Node A then node B on the two halves of one shared-prefix workload; a row per node."""
-    from tiered_kv.remote.tier import REMOTE
+    from tiered_kv.remote.manager import REMOTE
     from tiered_kv.sim.workloads import shared_prefix_workload
 
     workload = shared_prefix_workload(

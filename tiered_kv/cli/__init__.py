@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Check this host for the tiered KV cache: memory locking, huge pages, the disk "
         "tier's directory, CUDA, GDS, vLLM and hash settings.",
     ),
+    "stats": (
+        "stats",
+        "Show a server's tiers live from its Prometheus endpoint: hit rate in tokens, blocks, bytes, latency, drops, failures.",
+    ),
 }
 
 

@@ -171,7 +171,15 @@ def summary(
                 "read by",
                 f"{r['config']}: "
                 + (
-                    "[green]yes[/] (given an engine of this geometry)"
+                    (
+                        "[green]yes[/]: a vLLM server with this config and the namespace's TP, GPU block "
+                        "size and dtype reads it"
+                        + (
+                            f" ({r['unchecked']}; only the fields the config pins were compared)"
+                            if "unchecked" in r
+                            else ""
+                        )
+                    )
                     if r["reads"]
                     else "[yellow]no[/]: " + "; ".join(r["differences"])
                 ),

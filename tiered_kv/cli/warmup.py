@@ -25,7 +25,7 @@ from tiered_kv.cli.output import emit_json, errors, progress_bar
 from tiered_kv.config import format_size
 from tiered_kv.ops.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
-from tiered_kv.ops.warmup import WarmupReport, chunk_tokens_for, warmup
+from tiered_kv.ops.warmup import DEFAULT_LAYOUT, WarmupReport, chunk_tokens_for, server_settings, warmup
 from tiered_kv.ops.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
 from tiered_kv.ops.warmup.errors import WarmupError
 from tiered_kv.ops.warmup.inputs import check_identity, load_config, read_extra_config, read_prompts, tokenize
@@ -44,7 +44,12 @@ def warmup_cmd(
     engine: str = typer.Option("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
     gpu_block_size: int = typer.Option(16, "--gpu-block-size", help="The server's --block-size (tokens)."),
     tp_size: int = typer.Option(1, "--tp-size", help="The server's tensor-parallel size."),
-    layout: str = typer.Option("kv-first", "--layout", help=f"Block layout: {', '.join(sorted(BLOCK_LAYOUTS))}."),
+    layout: str = typer.Option(
+        DEFAULT_LAYOUT, "--layout", help=f"Block layout: {', '.join(sorted(BLOCK_LAYOUTS))} (vllm: what vLLM reads)."
+    ),
+    kv_cache_layout: Optional[str] = typer.Option(
+        None, "--kv-cache-layout", help="vllm layout: the server's KV-cache layout, LBNHC (default) or LBHNC."
+    ),
     tokenizer: Optional[str] = typer.Option(
         None, "--tokenizer", help="Local tokenizer directory for text prompts (default: --model)."
     ),
@@ -67,8 +72,8 @@ def warmup_cmd(
             cfg = dataclasses.replace(cfg, disk_path=disk_path)
         resolve_seed(cfg.hash_algorithm, cfg.hash_seed)  # fail before any heavy work
         chunk_tokens_for(cfg, gpu_block_size)
+        local = resolve_model_dir(model)
         if engine == "hf":
-            local = resolve_model_dir(model)
             check_identity(cfg, None if local is None else str(local))
         items = read_prompts(prompts)
         tok = None
@@ -85,6 +90,11 @@ def warmup_cmd(
             else:
                 Console().print(f"vllm engine: prefilled {n} prompts through the connector")
             return
+        extra = read_extra_config(config)
+        if disk_path:
+            extra["disk_path"] = disk_path
+        if layout == DEFAULT_LAYOUT and local is not None:
+            dtype, kv_cache_layout = server_settings(str(local), dtype, kv_cache_layout)
         hf = HFEngine.from_pretrained(model, dtype=dtype, device=device)
         with progress_bar(json_out, "warming", len(token_ids)) as bar:
             report = warmup(
@@ -94,6 +104,8 @@ def warmup_cmd(
                 gpu_block_size=gpu_block_size,
                 tp_size=tp_size,
                 layout=layout,
+                extra_config=extra,
+                kv_cache_layout=kv_cache_layout,
                 progress=lambda i, r: bar.advance(1),
             )
     if json_out:
@@ -102,9 +114,13 @@ def warmup_cmd(
         _print(report, hf, gpu_block_size)
     if report.weights_digest is None:
         typer.echo(
-            "warning: the config has no model_path, so the namespace does not cover the model's weights: "
-            "a server with other weights under the same model_id would read these blocks; add "
-            f'"model_path": "{hf.model_path or model}" to the config',
+            "warning: the namespace does not cover the model's weights: a server with other weights under the "
+            "same model_id would read these blocks; "
+            + (
+                f'add "model_path": "{hf.model_path or model}" to the config'
+                if layout != DEFAULT_LAYOUT
+                else f"{model!r} is not a local model directory"
+            ),
             err=True,
         )
     if report.blocks_failed or report.blocks_rejected:
@@ -135,7 +151,9 @@ def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
     t.add_row(
         "model KV",
         f"{g.num_layers} layers, {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype}; "
-        f"layout {r.layout}, GPU block {gpu_block_size} tokens",
+        f"layout {r.layout}"
+        + (f" ({r.kv_cache_layout} pages)" if r.kv_cache_layout else "")
+        + f", GPU block {gpu_block_size} tokens",
     )
     t.add_row(
         "prompts", f"{r.prompts} ({r.prompts_skipped} already complete, {r.prompts_too_short} shorter than one block)"

@@ -6,9 +6,11 @@
 - ``hashing``: vLLM-compatible prefix hashes of token blocks (warm-up, and the check that
   a server's hash settings match the cache's);
 - ``doctor``: the host checks of ``tiered-kv doctor``;
-- ``presets``: model geometries for ``tiered-kv config --preset``.
+- ``presets``: model geometries for ``tiered-kv config --preset``;
+- ``metrics_view``: the per-tier view of a Prometheus endpoint (``tiered-kv stats``).
 
 Run in the operator's process (the CLI), except ``hashing``, which the vLLM adapter also
 uses at start-up. I/O: the inspector and warm-up read and write cache directories and
-buckets, the doctor probes the host and a bucket; sizing, hashing and presets do none.
+buckets, the doctor probes the host and a bucket, the metrics view reads an endpoint; sizing,
+hashing and presets do none.
 """

@@ -42,7 +42,7 @@ from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, spec_as
 from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.store import PutOutcome, RemoteStore
-from tiered_kv.tiered.transfer_specs import DiskWrites
+from tiered_kv.tiered.transfer_specs import TierWrites
 from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
 from tiered_kv.worker.worker import TransferSpec
 
@@ -83,8 +83,8 @@ class RemoteStager(Closing):
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="tkv-remote-stage")
         self._closed = False
 
-    def stage(self, writes: DiskWrites) -> Future[None]:
-        """Start copying ``writes``' (a ``DiskWrites``) CPU slots out; the future is done
+    def stage(self, writes: TierWrites) -> Future[None]:
+        """Start copying ``writes``' CPU slots out; the future is done
         once those slots may be overwritten (copied, or the writes dropped)."""
         return self._packer.submit(self._stage, writes)
 
@@ -92,7 +92,7 @@ class RemoteStager(Closing):
         logger.warning("%s tier: dropping %d uploads on rank %d (%s)", self.tier_name, n, self.rank, why)
         self.stats.count(self.tier_name, "drops", n)
 
-    def _stage(self, writes: DiskWrites) -> None:
+    def _stage(self, writes: TierWrites) -> None:
         n = len(writes)
         if not n:
             return

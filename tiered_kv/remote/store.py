@@ -73,7 +73,9 @@ from tiered_kv.remote.client import (
     Unavailable,
     WrongSize,
 )
+from tiered_kv.metrics import Latencies
 from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.remote.timed_client import TimedClient
 from tiered_kv.remote.write_once import WriteOnce
 from tiered_kv.remote.object_format import (
     FIXED_HEADER_BYTES,
@@ -262,7 +264,9 @@ class RemoteStore:
         self.namespace = namespace_prefix(config.prefix, fingerprint)
         self._digest = fingerprint_digest(fingerprint)
         self._checksum = pieces_checksum(config.checksum)
-        self._client = client if client is not None else S3Client(config)
+        #: Each request's seconds, for an exporter to drain (``tiered_kv.metrics``).
+        self.latencies = Latencies()
+        self._client = TimedClient(client if client is not None else S3Client(config), self.latencies)
         self._writer = WriteOnce(self._client, config)
         self._lock = threading.Lock()
         self._stats = RemoteStats()

@@ -28,16 +28,14 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.index import IndexSnapshot
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.worker.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import MANIFEST
 from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
-from tiered_kv.tiered.handlers import TieredStoreHandler
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.worker.worker import Stager
 from tiered_kv.sim.workloads import prefix_hashes
 
 GPU_BLOCK_SIZE = 16
@@ -120,13 +118,14 @@ class Hierarchy(Closing):
 
     @property
     def disk(self) -> DiskOffloadingManager:
-        disk = self.manager.disk
+        disk = self.manager.tier("disk")
         assert isinstance(disk, DiskOffloadingManager)  # the hierarchy built here has a disk tier
         return disk
 
     @property
-    def stager(self) -> Stager:
-        return next(h.stager for h in self.driver.worker.handlers if isinstance(h, TieredStoreHandler) and h.stager)
+    def stager(self):
+        """The disk tier's stager in this worker."""
+        return self.spec.lower_tiers[0].stager
 
     def run(self, requests):
         return self.driver.run(requests)
@@ -134,10 +133,9 @@ class Hierarchy(Closing):
     def settle(self) -> int:
         """Finish jobs and let queued disk writes land; returns blocks still pending on disk."""
         self.driver.drain()
-        for h in self.driver.worker.handlers:
-            if isinstance(h, TieredStoreHandler) and h.stager is not None:
-                h.stager.drain()
-        return self.manager.pending_disk_writes()
+        for tier in self.spec.lower_tiers:
+            tier.stager.drain()
+        return self.manager.pending_writes()
 
     def close(self) -> None:
         if self.closed:

@@ -1,22 +1,23 @@
 """Worker-side handlers that carry out the composite manager's plans.
 
-Runs in each worker process (one per TP rank). Three pieces:
+Runs in each worker process (one per TP rank); the lower tiers' I/O runs on their own
+stagers' and handlers' threads (``TierSpec.get_worker``), never here. Two pieces:
 
-- ``DiskStager``: copies CPU slots into staging buffers (memcpy, on a thread) and then
-  writes them to this rank's slab on the disk I/O pool. A disk write never reads a CPU
-  slot after staging, so the manager may reuse the slot as soon as the store job that
-  carried the write is reported; the block becomes loadable from disk when this rank's
-  index commit (after the data is durable) is seen by the manager. Staging memory is
-  bounded; a write that finds none is dropped, recorded as failed in the index log and
-  counted.
-- ``TieredStoreHandler`` (GPU -> CPU): stages spill victims out of their slots, then runs
-  the GPU -> CPU copy into those slots, then stages write-through copies. The job is
-  reported when the GPU copy and the staging copies are done; the disk writes are not
-  waited for, so GPU blocks are never held on disk I/O.
+- ``TieredStoreHandler`` (GPU -> CPU): has each lower tier's stager copy spill victims
+  out of their slots, then runs the GPU -> CPU copy into those slots, then has the
+  stagers copy write-through blocks out. The job is reported when the GPU copy and the
+  staging copies are done; the lower tiers' writes are not waited for, so GPU blocks
+  are never held on a lower tier's I/O.
 - ``TieredLoadHandler`` (CPU -> GPU and TIERED -> GPU): splits a load by tier; CPU blocks
-  go on the CUDA-stream path, disk blocks straight to the GPU (GDS or bounce buffer), or
-  disk -> CPU slot (checksum verified) -> GPU when promoted. One result per job: success
-  only if every part succeeded.
+  go on the CUDA-stream path, a lower tier's blocks straight to the GPU (its
+  ``to_gpu`` handler: GDS or a bounce buffer for the disk), or into a CPU slot (its
+  ``to_cpu`` handler, verified there) and then to the GPU when promoted. One result per
+  job: success only if every part succeeded.
+
+The GPU side of a job is a ``GPULoadStoreSpec`` (whole offloaded blocks, a leading skip
+at most) or, for an engine that transfers any GPU-block positions of a block (vLLM
+0.33), a ``GPURowsSpec``; with ``gpu_block_granular`` the CPU <-> GPU handlers address
+GPU blocks (CPU position ``slot * block_size_factor + j``) rather than whole slots.
 
 Each parent job is a set of branches, each a sequence of steps (a sub-job on an inner
 handler, or a future from a thread pool); polling advances them without blocking.
@@ -26,226 +27,23 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections import deque
 from functools import partial
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
-import torch
 
-from tiered_kv.abstract import Closing
-from tiered_kv.disk.worker.block_store import BlockStore
-from tiered_kv.memory.host_memory import HostKVCache, pack_blocks
-from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec, spec_as
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, TierSlotsSpec, chunk_positions, spec_as
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.transfer_specs import DiskWrites, TieredLoadSpec
-from tiered_kv.worker.worker import OffloadingHandler, PerTier, Stager, TransferResult, TransferSpec, per_tier
+from tiered_kv.tiered.transfer_specs import TierWrites, TieredLoadSpec
+from tiered_kv.worker.worker import OffloadingHandler, Stager, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
 
 # Sub-job ids on inner handlers live far above any engine job id.
 _SUB_JOB_IDS = itertools.count(1 << 48)
-
-
-class _Staged(NamedTuple):
-    """Packed blocks waiting for the disk writer."""
-
-    hashes: list
-    disk_slots: list
-    rows: torch.Tensor
-    buf: torch.Tensor
-
-
-class DiskStager(Closing):
-    """Stage CPU slots into aligned buffers and write them to disk for one rank.
-
-    ``store`` is this process's ``DiskStore``; ``capacity_blocks`` bounds staging memory
-    (blocks waiting for their disk write on this rank). One writer thread writes
-    whatever is staged when it wakes as one write batch, so many store jobs share one
-    ``fdatasync`` and one index commit, and goes on with the next while it commits.
-    ``synchronous=True`` stages and writes on the caller's thread instead (a replay that
-    must behave the same every time, as a property test needs).
-    """
-
-    def __init__(
-        self,
-        host: HostKVCache,
-        store: BlockStore,
-        rank: int,
-        capacity_blocks: int,
-        stats: TieredStats,
-        synchronous: bool = False,
-        tier_name: str = "disk",
-    ):
-        self.host = host
-        #: The lower tier this stager writes: names its stats and transfer type.
-        self.tier_name = tier_name
-        self.store = store
-        self.rank = rank
-        self.stats = stats
-        self.slot_size = store.slot_size
-        self.synchronous = synchronous
-        self._budget = capacity_blocks
-        self._cached: list[torch.Tensor] = []  # free staging buffers, reused by size
-        self._allocated_rows = 0
-        self._lock = threading.Lock()
-        self._queue: deque[_Staged] = deque()
-        self._wake = threading.Condition(self._lock)
-        self._writing = False
-        self._committing = 0  # write batches whose commit is still in flight
-        self._closed = False
-        self._packer = None if synchronous else ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-stage")
-        self._writer = None
-        if not synchronous:
-            self._writer = threading.Thread(target=self._write_loop, name="tiered-kv-diskwrite", daemon=True)
-            self._writer.start()
-
-    def _take_buffer(self, rows: int) -> torch.Tensor | None:
-        with self._lock:
-            fitting = [i for i, b in enumerate(self._cached) if b.shape[0] >= rows]
-            if fitting:
-                # Tensors compare element-wise, so pick by position, never by value.
-                return self._cached.pop(min(fitting, key=lambda i: self._cached[i].shape[0]))
-            while self._cached and self._allocated_rows + rows > self._budget:
-                self._allocated_rows -= self._cached.pop().shape[0]
-            if self._allocated_rows + rows > self._budget:
-                return None
-            self._allocated_rows += rows
-        return self.store.host_buffer(rows * self.slot_size).view(rows, self.slot_size)
-
-    def stage(self, writes: DiskWrites) -> Future[None]:
-        """Start copying ``writes``' CPU slots out; the returned future is done once the
-        slots may be overwritten (copied, or dropped for lack of staging memory). The
-        disk write itself continues in the background."""
-        if self._packer is None:
-            self._stage(writes)
-            future: Future[None] = Future()
-            future.set_result(None)
-            return future
-        return self._packer.submit(self._stage, writes)
-
-    def _stage(self, writes: DiskWrites) -> None:
-        hashes = writes.block_hashes
-        disk_slots = writes.disk_slots.tolist()
-        buf = self._take_buffer(len(writes))
-        if buf is None:
-            logger.warning("%s staging full: dropping %d writes on rank %d", self.tier_name, len(writes), self.rank)
-            self.stats.count(self.tier_name, "drops", len(writes))
-            self._record_failed(hashes, disk_slots)
-            return
-        rows = buf[: len(writes)]
-        try:
-            kernel_ids = self.host.kernel_ids(writes.cpu_slots)
-            pack_blocks(self.host.tensors, self.host.layout, kernel_ids, rows)
-        except Exception:
-            logger.exception("staging %d disk writes failed on rank %d; dropping them", len(writes), self.rank)
-            with self._lock:
-                self._cached.append(buf)
-            self.stats.count(self.tier_name, "drops", len(writes))
-            self._record_failed(hashes, disk_slots)
-            return
-        staged = _Staged(hashes, disk_slots, rows, buf)
-        if self.synchronous:
-            self._write([staged])
-            return
-        with self._wake:
-            self._queue.append(staged)
-            self._wake.notify()
-
-    def _record_failed(self, hashes: list, disk_slots: list) -> None:
-        """Tell the manager (through the index log) that these writes will not happen."""
-        try:
-            self.store.log_failed(self.rank, hashes, disk_slots)
-        except Exception:
-            logger.exception("could not record %d dropped disk writes in the index", len(hashes))
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._queue and not self._closed:
-                    self._wake.wait()
-                if not self._queue:
-                    return
-                batch = list(self._queue)
-                self._queue.clear()
-                self._writing = True
-            try:
-                self._write(batch)
-            finally:
-                with self._wake:
-                    self._writing = False
-                    self._wake.notify_all()
-
-    def _write(self, staged: list[_Staged]) -> None:
-        """One write batch for every staged job. The writer moves on once the writes are
-        done (the buffers are free again); the batch's ``fdatasync`` and index commit
-        then overlap the next batch's writes, and settle its outcome."""
-        hashes = [h for s in staged for h in s.hashes]
-        disk_slots = [d for s in staged for d in s.disk_slots]
-        start = time.perf_counter()
-        try:
-            batch = self.store.begin_write(self.rank, hashes, disk_slots)
-        except Exception:  # the store reports faults itself; this is a last resort
-            logger.exception("disk write of %d blocks failed on rank %d", len(hashes), self.rank)
-            self._record_failed(hashes, disk_slots)
-            self._release(staged)
-            self._committed(len(hashes), start, None)
-            return
-        try:
-            first = 0
-            for s in staged:
-                batch.submit(first, s.rows)
-                first += len(s.hashes)
-        except Exception as e:
-            logger.exception("disk write of %d blocks failed on rank %d", len(hashes), self.rank)
-            batch.abandon(e)
-        finally:
-            batch.wait_idle()
-            self._release(staged)
-        with self._lock:
-            self._committing += 1
-        done = batch.finish_async()
-        done.add_done_callback(lambda f: self._committed(len(hashes), start, f))
-        if self.synchronous:
-            done.result()
-
-    def _release(self, staged: list[_Staged]) -> None:
-        with self._lock:
-            self._cached.extend(s.buf for s in staged)
-
-    def _committed(self, n: int, start: float, done: Future | None) -> None:
-        ok = done is not None and done.exception() is None and all(done.result())
-        self.stats.record_transfer(
-            f"cpu_to_{self.tier_name}", n * self.host.layout.bytes_per_block, time.perf_counter() - start, success=ok
-        )
-        if not ok:
-            self.stats.count(self.tier_name, "failed_stores", n)
-        if done is not None:
-            with self._wake:
-                self._committing -= 1
-                self._wake.notify_all()
-
-    def drain(self) -> None:
-        """Block until every staged write has reached the disk (or failed)."""
-        if self._packer is not None:
-            self._packer.submit(lambda: None).result()
-        with self._wake:
-            while self._queue or self._writing or self._committing:
-                self._wake.wait()
-
-    def shutdown(self) -> None:
-        self.drain()
-        with self._wake:
-            self._closed = True
-            self._wake.notify_all()
-        if self._packer is not None:
-            self._packer.shutdown(wait=True)
-        if self._writer is not None:
-            self._writer.join()
 
 
 class _Step:
@@ -292,7 +90,7 @@ class _Job:
 class _PipelineHandler(OffloadingHandler):
     """Runs each job as branches of sequential steps over inner handlers and futures."""
 
-    def __init__(self, stats: TieredStats, inner: Sequence[OffloadingHandler | None]):
+    def __init__(self, stats: TieredStats, inner: Sequence[OffloadingHandler]):
         self.stats = stats
         self._inner = list(dict.fromkeys(h for h in inner if h is not None))
         self._jobs: dict[int, _Job] = {}
@@ -403,29 +201,21 @@ class _PipelineHandler(OffloadingHandler):
 class TieredStoreHandler(_PipelineHandler):
     """GPU -> CPU stores carrying spills and write-through copies (see module docstring).
 
-    ``stagers``: one ``Stager`` per lower tier, in tier order (one alone is the first
-    tier's; None where a tier has none in this process)."""
+    ``stagers``: one ``Stager`` per lower tier, in tier order (None where a tier has
+    none in this process). ``bytes_per_block``: bytes of one block of ``dst`` (a GPU
+    block where the CPU side is addressed per GPU block)."""
 
     def __init__(
         self,
         gpu_to_cpu: OffloadingHandler,
-        layout_bytes_per_block: int,
-        stagers: PerTier[Stager],
+        bytes_per_block: int,
+        stagers: Sequence[Stager | None],
         stats: TieredStats,
     ):
         super().__init__(stats, [gpu_to_cpu])
         self.gpu_to_cpu = gpu_to_cpu
-        self.bytes_per_block = layout_bytes_per_block
-        self.stagers = per_tier(stagers)
-
-    @property
-    def stager(self) -> Stager | None:
-        """The first lower tier's stager."""
-        return self.stagers[0]
-
-    @stager.setter
-    def stager(self, stager: Stager | None) -> None:
-        self.stagers[0] = stager
+        self.bytes_per_block = bytes_per_block
+        self.stagers = list(stagers)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src, dst = spec
@@ -451,7 +241,7 @@ class TieredStoreHandler(_PipelineHandler):
         return self._start(job_id, [steps])
 
     @staticmethod
-    def _stage_step(stager: Stager, writes: DiskWrites) -> _Step:
+    def _stage_step(stager: Stager, writes: TierWrites) -> _Step:
         return _Step("", 0, future=stager.stage(writes))
 
     def shutdown(self) -> None:
@@ -465,39 +255,42 @@ class TieredStoreHandler(_PipelineHandler):
 class TieredLoadHandler(_PipelineHandler):
     """Loads to GPU from CPU, the lower tiers, or several (see module docstring).
 
-    ``disk_to_gpu`` and ``disk_to_cpu``: the first lower tier's handlers, or a sequence
-    of them per lower tier (None where a tier has no such path); ``tier_names`` name
-    the lower tiers' transfer types (``disk``: ``disk_to_gpu``, ``disk_to_cpu``)."""
+    ``to_gpu`` and ``to_cpu``: each lower tier's handlers straight into the KV cache and
+    into CPU slots, in tier order (None where a tier has no such path); ``tier_names``
+    name their transfer types (``disk``: ``disk_to_gpu``, ``disk_to_cpu``).
+    ``gpu_block_granular``: the CPU <-> GPU handler addresses GPU blocks, not slots."""
 
     def __init__(
         self,
         cpu_to_gpu: OffloadingHandler,
         bytes_per_block: int,
         block_size_factor: int,
-        disk_to_gpu: PerTier[OffloadingHandler],
-        disk_to_cpu: PerTier[OffloadingHandler],
+        to_gpu: Sequence[OffloadingHandler | None],
+        to_cpu: Sequence[OffloadingHandler | None],
         stats: TieredStats,
-        tier_names: Sequence[str] = ("disk",),
+        tier_names: Sequence[str],
+        *,
+        gpu_block_granular: bool = False,
     ):
-        self.to_gpu, self.to_cpu = per_tier(disk_to_gpu), per_tier(disk_to_cpu)
-        super().__init__(stats, [cpu_to_gpu, *self.to_gpu, *self.to_cpu])
+        self.to_gpu, self.to_cpu = list(to_gpu), list(to_cpu)
+        if not len(self.to_gpu) == len(self.to_cpu) == len(tier_names):
+            raise ValueError(
+                f"{len(self.to_gpu)} to_gpu, {len(self.to_cpu)} to_cpu handlers and "
+                f"{len(tier_names)} tier names: expected one of each per lower tier"
+            )
+        super().__init__(stats, [cpu_to_gpu, *[h for h in self.to_gpu + self.to_cpu if h is not None]])
         self.cpu_to_gpu = cpu_to_gpu
         self.tier_names = list(tier_names)
         self.bytes_per_block = bytes_per_block
         self.factor = block_size_factor
-
-    @property
-    def disk_to_gpu(self) -> OffloadingHandler | None:
-        """The first lower tier's handler straight to the GPU."""
-        return self.to_gpu[0]
-
-    @property
-    def disk_to_cpu(self) -> OffloadingHandler | None:
-        """The first lower tier's handler into CPU slots."""
-        return self.to_cpu[0]
+        self.gpu_block_granular = gpu_block_granular
 
     def _gpu_rows(self, gpu: GPULoadStoreSpec, num_blocks: int) -> np.ndarray:
         """``(N, factor)`` GPU kernel ids per offloaded block, -1 for skipped ones."""
+        if isinstance(gpu, GPURowsSpec):
+            if gpu.rows.shape != (num_blocks, self.factor):
+                raise ValueError(f"GPU rows {gpu.rows.shape} do not match {num_blocks} blocks of {self.factor}")
+            return gpu.rows
         ids = np.concatenate([np.full(gpu.skip_count, -1, dtype=np.int64), gpu.block_ids])
         if len(ids) != num_blocks * self.factor:
             raise ValueError(
@@ -506,23 +299,14 @@ class TieredLoadHandler(_PipelineHandler):
             )
         return ids.reshape(num_blocks, self.factor)
 
-    @staticmethod
-    def _gpu_spec(rows: np.ndarray) -> GPULoadStoreSpec:
-        flat = rows.reshape(-1)
-        skip = int((flat < 0).sum())
-        return GPULoadStoreSpec(flat[skip:], skip_count=skip)
-
-    # The three hooks below are where the GPU side of a job is expressed. An engine
-    # adapter whose GPU specs are not "leading skip only" (vLLM 0.33 also truncates the
-    # last block of a load) overrides them and gives kernel-level inner handlers.
-
     def _cpu_to_gpu_spec(self, cpu_slots: np.ndarray, rows: np.ndarray) -> TransferSpec:
         """The ``cpu_to_gpu`` job copying offloaded blocks in ``cpu_slots`` to GPU ``rows``."""
-        return CPULoadStoreSpec(cpu_slots), self._gpu_spec(rows)
-
-    def _disk_gpu_spec(self, rows: np.ndarray) -> GPULoadStoreSpec:
-        """The GPU side of a ``disk_to_gpu`` job writing GPU ``rows``."""
-        return self._gpu_spec(rows)
+        if self.gpu_block_granular:
+            keep = rows >= 0
+            return CPULoadStoreSpec(chunk_positions(cpu_slots, self.factor)[keep]), GPULoadStoreSpec(rows[keep])
+        flat = rows.reshape(-1)
+        skip = int((flat < 0).sum())
+        return CPULoadStoreSpec(cpu_slots), GPULoadStoreSpec(flat[skip:], skip_count=skip)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src, dst = spec[0], spec_as(spec[1], GPULoadStoreSpec)
@@ -563,7 +347,7 @@ class TieredLoadHandler(_PipelineHandler):
             if direct.any():
                 if to_gpu is None:
                     raise ValueError(f"load spec names {name} blocks for the GPU but the {name} tier has no path there")
-                tier_src = DiskLoadStoreSpec(src.disk_slots[direct], list(hashes[direct]))
+                tier_src = TierSlotsSpec(src.tier_slots[direct], list(hashes[direct]))
                 branches.append(
                     deque(
                         [
@@ -572,13 +356,13 @@ class TieredLoadHandler(_PipelineHandler):
                                 to_gpu,
                                 f"{name}_to_gpu",
                                 len(tier_src) * bpb,
-                                (tier_src, self._disk_gpu_spec(rows[direct])),
+                                (tier_src, GPURowsSpec(rows[direct])),
                             )
                         ]
                     )
                 )
             if promoted.any():
-                tier_src = DiskLoadStoreSpec(src.disk_slots[promoted], list(hashes[promoted]))
+                tier_src = TierSlotsSpec(src.tier_slots[promoted], list(hashes[promoted]))
                 slots = src.promote_slots[promoted]
                 n = len(tier_src) * bpb
                 branches.append(

@@ -5,7 +5,7 @@ the caller's thread: it only decides, and hands the worker specs that say what t
 
 The first tier is the CPU tier (``CPUOffloadingManager``): every block enters the
 hierarchy there, from the GPU, and every lower tier (``LowerTier``: the disk tier, a
-second disk tier, later a shared tier) is written from CPU slots. CPU only, CPU + disk
+second disk tier, the shared tier, a tier of the operator's own) is written from CPU slots. CPU only, CPU + disk
 and CPU + disk + more are the same code. How data moves, and who learns what when:
 
 - **Store**: blocks land in CPU slots (GPU -> CPU job). The job completes when its GPU
@@ -23,8 +23,8 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
   its shared index, which workers commit to only after a block's bytes are durable on
   their rank), not from jobs. Until then a block is *pending* there: not loadable from
   it, but as good as present for the cascade.
-- **Back-pressure**: at most ``max_pending_disk_writes`` blocks may wait for a write
-  into each lower tier. Past that, write-through copies are skipped and spill victims
+- **Back-pressure**: at most ``max_pending_writes`` blocks (the config's
+  ``max_pending_disk_writes``) may wait for a write into each lower tier. Past that, write-through copies are skipped and spill victims
   leave the hierarchy; both are counted as drops. The engine never waits for a tier.
 - **Load**: each block comes from the fastest tier that holds it (a ``TieredLoadSpec``
   when any is below CPU). With ``promote_on_hit`` a lower-tier block is also brought
@@ -59,7 +59,7 @@ from tiered_kv.config import WRITE_POLICIES, TieredConfig
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPU, CPULoadStoreSpec, ids_spec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.transfer_specs import DiskWrites, TieredLoadSpec, TieredStoreSpec
+from tiered_kv.tiered.transfer_specs import TierWrites, TieredLoadSpec, TieredStoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class TieredOffloadingManager(OffloadingManager):
         *,
         write_policy: str | Sequence[str] = TieredConfig.write_policy,
         promote_on_hit: bool = TieredConfig.promote_on_hit,
-        max_pending_disk_writes: int = TieredConfig.max_pending_disk_writes,
+        max_pending_writes: int = TieredConfig.max_pending_disk_writes,
         stats: TieredStats | None = None,
     ):
         tiers = [] if lower is None else [lower] if not isinstance(lower, Sequence) else list(lower)
@@ -99,8 +99,8 @@ class TieredOffloadingManager(OffloadingManager):
                 f"write_policy: expected one of {', '.join(WRITE_POLICIES)} per lower tier "
                 f"({len(tiers)}), got {write_policy!r}"
             )
-        if max_pending_disk_writes < 1:
-            raise ValueError(f"max_pending_disk_writes must be >= 1, got {max_pending_disk_writes}")
+        if max_pending_writes < 1:
+            raise ValueError(f"max_pending_writes must be >= 1, got {max_pending_writes}")
         names = [t.name for t in tiers]
         if len(set(names + [CPU.lower()])) != len(names) + 1:
             raise ValueError(f"every tier needs its own name; got cpu, {', '.join(names)}")
@@ -108,7 +108,7 @@ class TieredOffloadingManager(OffloadingManager):
         self.lower = tiers
         self.write_policies = tuple(policies)
         self.promote_on_hit = promote_on_hit
-        self.max_pending_disk_writes = max_pending_disk_writes
+        self.max_pending_writes = max_pending_writes
         self.stats = stats if stats is not None else TieredStats()
         # Per lower tier: blocks of an in-flight store that carry a write-through slot there.
         self._write_through: list[set[BlockHash]] = [set() for _ in tiers]
@@ -128,10 +128,9 @@ class TieredOffloadingManager(OffloadingManager):
         for tier in tiers:
             tier.on_corrupt = lambda hashes, name=tier.name: self.stats.count(name, "checksum_failures", len(hashes))
 
-    @property
-    def disk(self) -> LowerTier | None:
-        """The first lower tier (the disk tier in the usual stack), or None."""
-        return self.lower[0] if self.lower else None
+    def tier(self, name: str) -> LowerTier | None:
+        """The lower tier named ``name`` (``disk``, ``remote``, ...), or None."""
+        return next((t for t in self.lower if t.name == name), None)
 
     @property
     def write_policy(self) -> str:
@@ -150,9 +149,9 @@ class TieredOffloadingManager(OffloadingManager):
         """How many of ``wanted`` more blocks may wait for a write into ``tier`` now.
         Reads the workers' outcomes first when the bound would bite, so no block is
         dropped for news not yet read."""
-        if tier.num_pending() + wanted > self.max_pending_disk_writes:
+        if tier.num_pending() + wanted > self.max_pending_writes:
             tier.refresh()
-        return min(wanted, max(self.max_pending_disk_writes - tier.num_pending(), 0))
+        return min(wanted, max(self.max_pending_writes - tier.num_pending(), 0))
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
         hits = 0
@@ -205,6 +204,11 @@ class TieredOffloadingManager(OffloadingManager):
             return -1
         return self._holder(block_hash)
 
+    def hit_tier(self, block_hash: BlockHash) -> int | None:
+        """Which tier would serve ``block_hash`` now: -1 for the CPU tier, a lower tier's
+        index in ``lower``, or None."""
+        return self._source(block_hash)
+
     def hit_medium(self, block_hash: BlockHash) -> str | None:
         """Which tier would serve ``block_hash`` now: ``"CPU"``, a lower tier's medium
         (``"DISK"``), or None."""
@@ -245,7 +249,7 @@ class TieredOffloadingManager(OffloadingManager):
         cpu_slot = dict(zip(cpu_hashes, self.cpu.slots_of(cpu_hashes)))
         return TieredLoadSpec(
             cpu_slots=[cpu_slot.get(h, -1) for h in block_hashes],
-            disk_slots=[lower_slot.get(h, -1) for h in block_hashes],
+            tier_slots=[lower_slot.get(h, -1) for h in block_hashes],
             promote_slots=[promote_slot.get(h, -1) for h in block_hashes],
             block_hashes=block_hashes,
             lower_tiers=[max(s, 0) for s in sources],
@@ -355,12 +359,12 @@ class TieredOffloadingManager(OffloadingManager):
 
     def _make_room(
         self, needed: int, allow_spill: bool, protected: set[BlockHash]
-    ) -> tuple[list[DiskWrites], list[BlockHash]] | None:
+    ) -> tuple[list[TierWrites], list[BlockHash]] | None:
         """Free ``needed`` CPU slots by cascading victims, none of them in ``protected``
         (nor evicted from a lower tier to take a spill). Returns the spills to carry, per
         lower tier, and the blocks that left the hierarchy, or None (changing nothing)
         if there are not enough unpinned victims."""
-        spills = [DiskWrites() for _ in self.lower]
+        spills = [TierWrites() for _ in self.lower]
         shortfall = needed - self.cpu.num_free_slots()
         if shortfall <= 0:
             return spills, []
@@ -394,7 +398,7 @@ class TieredOffloadingManager(OffloadingManager):
                 if cpu_slot is None:
                     cpu_slot = dict(zip(victims, cpu_slots))
                 spill_slots = list(map(cpu_slot.__getitem__, spilled))
-            spills[i] = DiskWrites(spill_slots, ids_spec(out.store_spec).id_list(), spilled)
+            spills[i] = TierWrites(spill_slots, ids_spec(out.store_spec).id_list(), spilled)
             held.update(spilled)
             gone.extend(self._left_hierarchy(i, out.block_hashes_evicted))
             self.stats.count(tier.name, "evictions", len(out.block_hashes_evicted))
@@ -445,19 +449,19 @@ class TieredOffloadingManager(OffloadingManager):
         cpu_slots: list[int],
         evicted: list[BlockHash],
         protected: set[BlockHash],
-    ) -> DiskWrites:
+    ) -> TierWrites:
         if self.write_policies[i] != "write_through":
-            return DiskWrites()
+            return TierWrites()
         tier = self.lower[i]
         candidates = to_store[: self._budget(tier, len(to_store))]
         skipped = len(to_store) - len(candidates)
         out = tier.prepare_store(candidates, fresh=True, protected=protected) if candidates else None
         if out is None:
             skipped = len(to_store)
-            writes = DiskWrites()
+            writes = TierWrites()
         else:
             cpu_slot = dict(zip(to_store, cpu_slots))
-            writes = DiskWrites(
+            writes = TierWrites(
                 list(map(cpu_slot.__getitem__, out.block_hashes_to_store)),
                 ids_spec(out.store_spec).id_list(),
                 out.block_hashes_to_store,
@@ -499,13 +503,13 @@ class TieredOffloadingManager(OffloadingManager):
             events.extend(tier.take_events())
         return events
 
-    def pending_disk_writes(self) -> int:
+    def pending_writes(self) -> int:
         """Blocks queued for a lower-tier write whose outcome the tier has not shown yet."""
         self._refresh_lower()
         return sum(tier.num_pending() for tier in self.lower)
 
-    def pending_disk_blocks(self) -> set[BlockHash]:
-        """The blocks counted by ``pending_disk_writes`` (a copy)."""
+    def pending_blocks(self) -> set[BlockHash]:
+        """The blocks counted by ``pending_writes`` (a copy)."""
         self._refresh_lower()
         return set().union(*(tier.pending_blocks() for tier in self.lower))
 

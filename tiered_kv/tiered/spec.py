@@ -1,20 +1,31 @@
-"""HierarchySpec: the hierarchy GPU <-> CPU <-> lower tiers from one config.
+"""HierarchySpec: the one builder of the hierarchy GPU <-> CPU <-> lower tiers.
 
-Constructed in every process from the same config, ``engine_id``, rank and TP size.
-The lower tiers are an ordered list of tier specs (``DiskTier``: the config's disk tier
-where ``disk_path`` is set, then any given in ``lower_tiers``). ``get_manager``
-(scheduler process) has each build its manager (the disk tier opens its namespace,
-takes its writer lock and loads its index); ``get_handlers`` (worker process)
-allocates the host tensors, has each open its worker side (this rank's block I/O) and
-yields the composite's handlers. Without lower tiers it is the CPU tier alone with the
-composite's bookkeeping.
+Constructed in every process from the same config, ``engine_id``, rank and TP size:
+the simulator, the demo, the warm-up, the tools and the vLLM plug-in
+(``tiered_kv.integrations.vllm``) all build through it. The lower tiers are the config's
+``TierEntry`` list (``TieredConfig.tier_entries``: ``disk_path``'s disk tier, ``remote``'s
+shared tier, then ``tiers``), each a ``TierSpec`` built by type (``tiered_kv.tiers``).
+
+- ``get_manager`` (scheduler process) sizes the CPU tier and has each tier build its
+  manager (the disk tier opens its namespace, takes its writer lock and loads its index;
+  the shared tier opens its bucket), composed into ``TieredOffloadingManager``.
+  ``get_hit_checks`` gives each tier's check before a hit is promised, for an engine
+  whose loads must not fail.
+- ``build_handlers`` (worker process) has each tier open its worker side (this rank's
+  block I/O) over the CPU tier and the KV cache, and composes the store and load
+  handlers around the engine's own GPU <-> CPU handlers. ``get_handlers`` (the seed
+  API) allocates the CPU tier and those GPU <-> CPU handlers first; an engine adapter
+  that brings its own (vLLM's GPU-block-granular copies) calls ``allocate_host`` and
+  ``build_handlers`` itself.
+
+Without lower tiers it is the CPU tier alone with the composite's bookkeeping.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,26 +34,34 @@ from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.disk.tier import DiskTier
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.metrics import TieredStats
-from tiered_kv.remote.tier import RemoteTier, remote_tier_from_config
 from tiered_kv.tiered.handlers import TieredLoadHandler, TieredStoreHandler
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
+from tiered_kv.tiers import HitCheck, TierContext, TierSpec, build_tiers
 from tiered_kv.worker.worker import OffloadingHandler
 
 
+class TieredHandlers(NamedTuple):
+    """A worker's composite handlers: GPU -> CPU stores (with the lower tiers' writes)
+    and loads into the GPU from any tier."""
+
+    store: TieredStoreHandler
+    load: TieredLoadHandler
+
+
 class HierarchySpec(CPUOffloadingSpec, Closing):
-    """GPU -> CPU (LRU) -> disk (LRU, persistent) offloading.
+    """GPU -> CPU (LRU or ARC) -> the config's lower tiers (module docstring).
 
     ``rank``/``tp_size``: this process's tensor-parallel rank and the TP size (part of
-    the disk fingerprint). ``engine_id``: shared by the scheduler and its workers so the
+    the fingerprint). ``engine_id``: shared by the scheduler and its workers so the
     workers may write while the scheduler holds the cache's writer lock.
-    ``lower_tiers``: more tier specs below the config's disk tier, fastest first, each
-    with its own name (e.g. a second ``DiskTier`` on another directory).
-    ``stats`` is shared by the manager and the handlers built by this spec.
+    ``fingerprint``: the namespace key of every tier; by default derived from the
+    config and the layout (``Fingerprint.from_config``), an engine adapter passes its
+    own. ``stats`` is shared by the manager and the handlers built by this spec.
     """
 
     def __init__(
@@ -55,7 +74,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         tp_size: int = 1,
         engine_id: str | None = None,
         enable_events: bool = True,
-        lower_tiers: Sequence[DiskTier | RemoteTier] = (),
+        fingerprint: Fingerprint | None = None,
     ):
         super().__init__(config, gpu_block_size, layout, enable_events)
         if tp_size < 1 or not 0 <= rank < tp_size:
@@ -63,46 +82,43 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         self.rank, self.tp_size = rank, tp_size
         self.engine_id = engine_id or uuid.uuid4().hex
         self.stats = TieredStats()
-        self._extra_tiers = list(lower_tiers)
-        self._lower: list[DiskTier | RemoteTier] | None = None
+        self._given_fingerprint = fingerprint
+        self._lower: list[TierSpec] | None = None
 
     def _fingerprint(self) -> Fingerprint:
-        return Fingerprint.from_config(self.config, self.known_layout, self.tp_size)
+        if self._given_fingerprint is not None:
+            return self._given_fingerprint
+        return Fingerprint.from_config(self.config, self._known_layout(), self.tp_size)
+
+    def _known_layout(self) -> KVCacheLayout:
+        if self.layout is None:
+            raise ConfigError(
+                "HierarchySpec needs the KV layout to build its tiers; pass layout=... or call get_handlers first"
+            )
+        return self.layout
 
     @property
-    def lower_tiers(self) -> list[DiskTier | RemoteTier]:
+    def lower_tiers(self) -> list[TierSpec]:
         """The lower tiers' specs, fastest first (built once the KV layout is known)."""
         if self._lower is None:
-            own: list[DiskTier | RemoteTier] = []
-            if self.config.disk_path:
-                own.append(
-                    DiskTier(
-                        self.config,
-                        self._fingerprint(),
-                        self.known_layout,
-                        self.engine_id,
-                        rank=self.rank,
-                        enable_events=self.enable_events,
-                    )
-                )
-            if self.config.remote is not None:
-                own.append(
-                    remote_tier_from_config(
-                        self.config.remote,
-                        self._fingerprint(),
-                        self.known_layout,
-                        self.engine_id,
-                        self.rank,
-                        enable_events=self.enable_events,
-                    )
-                )
-            self._lower = own + self._extra_tiers
+            ctx = TierContext(
+                config=self.config,
+                fingerprint=self._fingerprint(),
+                layout=self._known_layout(),
+                engine_id=self.engine_id,
+                rank=self.rank,
+                world_size=self.tp_size,
+                enable_events=self.enable_events,
+            )
+            self._lower = build_tiers(self.config.tier_entries(), ctx)
         return self._lower
 
     @property
-    def store(self):
+    def store(self) -> Any:
         """This worker's store of the first lower tier, once ``get_handlers`` ran."""
         return self.lower_tiers[0].store if self.lower_tiers else None
+
+    # ------------------------------------------------------------ scheduler process
 
     def get_manager(self) -> TieredOffloadingManager:
         cpu = cpu_tier_manager(
@@ -119,19 +135,80 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         return TieredOffloadingManager(
             cpu,
             lower,
-            write_policy=[getattr(t, "write_policy", self.config.write_policy) for t in self.lower_tiers],
+            write_policy=[t.write_policy for t in self.lower_tiers],
             promote_on_hit=self.config.promote_on_hit,
-            max_pending_disk_writes=self.config.max_pending_disk_writes,
+            max_pending_writes=self.config.max_pending_disk_writes,
             stats=self.stats,
         )
 
+    def get_hit_checks(self, manager: TieredOffloadingManager) -> list[HitCheck]:
+        """Each lower tier's check before one of its blocks is promised as a hit, in tier
+        order, over ``manager``'s tiers (from ``get_manager``)."""
+        checks: list[HitCheck] = []
+        try:
+            for tier, lower in zip(self.lower_tiers, manager.lower):
+                checks.append(tier.get_hit_check(lower))
+        except BaseException:
+            for check in checks:
+                check.shutdown()
+            raise
+        return checks
+
+    # ------------------------------------------------------------ worker process
+
     def close(self) -> None:
-        """Close the workers' lower-tier stores opened by ``get_handlers``."""
-        for tier in self.lower_tiers:
-            tier.close()
+        """Close the workers' lower-tier stores opened by ``build_handlers``."""
+        if self._lower is not None:
+            for tier in self._lower:
+                tier.close()
 
     def _host_shared(self) -> bool:
-        return bool(self.config.disk_path) and self.config.disk_io == "process"
+        return any(t.shares_host_memory for t in self.lower_tiers)
+
+    def allocate_host(self) -> HostKVCache:
+        """This worker's CPU tier (shared memory where a tier's I/O runs in another
+        process), for an adapter that builds its own GPU <-> CPU handlers over it."""
+        self.host = HostKVCache(self._known_layout(), self.num_cpu_slots, shared=self._host_shared())
+        return self.host
+
+    def build_handlers(
+        self,
+        gpu_to_cpu: OffloadingHandler,
+        cpu_to_gpu: OffloadingHandler,
+        gpu_tensors: Sequence[torch.Tensor],
+        *,
+        gpu_block_granular: bool = False,
+        store_bytes_per_block: int | None = None,
+    ) -> TieredHandlers:
+        """The composite's handlers over the engine's GPU <-> CPU handlers and each lower
+        tier's worker side (opened here, over ``self.host`` and ``gpu_tensors``, one per
+        layer). ``gpu_block_granular``: the GPU <-> CPU handlers address GPU blocks (CPU
+        position ``slot * block_size_factor + j``); ``store_bytes_per_block``: bytes of
+        one block of a store job's spec (default: an offloaded block)."""
+        layout = self._known_layout()
+        if self.host is None:
+            raise ConfigError("HierarchySpec.build_handlers needs the CPU tier: call allocate_host first")
+        workers = []
+        try:
+            for tier in self.lower_tiers:
+                workers.append(tier.get_worker(self.host, gpu_tensors, self.stats))
+        except BaseException:
+            self.close()
+            raise
+        store = TieredStoreHandler(
+            gpu_to_cpu, store_bytes_per_block or layout.bytes_per_block, [w.stager for w in workers], self.stats
+        )
+        load = TieredLoadHandler(
+            cpu_to_gpu,
+            layout.bytes_per_block,
+            layout.block_size_factor,
+            [w.to_gpu for w in workers],
+            [w.to_cpu for w in workers],
+            self.stats,
+            tier_names=[t.name for t in self.lower_tiers],
+            gpu_block_granular=gpu_block_granular,
+        )
+        return TieredHandlers(store, load)
 
     def get_handlers(
         self,
@@ -139,20 +216,13 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         kv_before_num_blocks: bool | Mapping[str, bool] = False,
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         cpu_gpu = self._cpu_gpu_handlers(kv_caches, kv_before_num_blocks)
-        layout = cpu_gpu.host.layout
-        workers = [tier.get_worker(cpu_gpu.host, kv_caches, self.stats) for tier in self.lower_tiers]
-        store = TieredStoreHandler(
-            cpu_gpu.gpu_to_cpu_handler, layout.bytes_per_block, [w.stager for w in workers] or None, self.stats
-        )
-        load = TieredLoadHandler(
-            cpu_gpu.cpu_to_gpu_handler,
-            layout.bytes_per_block,
-            layout.block_size_factor,
-            [w.to_gpu for w in workers] or None,
-            [w.to_cpu for w in workers] or None,
-            self.stats,
-            tier_names=[t.name for t in self.lower_tiers] or ("disk",),
+        layout = self._known_layout()
+        store, load = self.build_handlers(
+            cpu_gpu.gpu_to_cpu_handler, cpu_gpu.cpu_to_gpu_handler, [kv_caches[layer.name] for layer in layout.layers]
         )
         yield GPULoadStoreSpec, CPULoadStoreSpec, store
         yield CPULoadStoreSpec, GPULoadStoreSpec, load
         yield TieredLoadSpec, GPULoadStoreSpec, load
+
+
+__all__ = ["HierarchySpec", "TieredHandlers"]

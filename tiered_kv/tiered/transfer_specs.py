@@ -13,69 +13,69 @@ from tiered_kv.mediums import CPULoadStoreSpec, Int64Column
 TIERED = "TIERED"
 
 
-class DiskWrite(NamedTuple):
-    """Copy CPU slot ``cpu_slot`` (block ``block_hash``) to disk slot ``disk_slot``."""
+class TierWrite(NamedTuple):
+    """Copy CPU slot ``cpu_slot`` (block ``block_hash``) to disk slot ``tier_slot``."""
 
     cpu_slot: int
-    disk_slot: int
+    tier_slot: int
     block_hash: BlockHash
 
 
-class DiskWrites:
+class TierWrites:
     """Disk writes as parallel columns: block ``block_hashes[i]`` goes from CPU slot
-    ``cpu_slots[i]`` to disk slot ``disk_slots[i]``. Columns, not one object per block:
+    ``cpu_slots[i]`` to disk slot ``tier_slots[i]``. Columns, not one object per block:
     a cascading store plans hundreds of them on the scheduler's thread (and slot lists
-    become arrays only when first read: ``Int64Column``). Iterating yields ``DiskWrite``
+    become arrays only when first read: ``Int64Column``). Iterating yields ``TierWrite``
     tuples."""
 
-    __slots__ = ("_cpu_slots", "_disk_slots", "block_hashes")
+    __slots__ = ("_cpu_slots", "_tier_slots", "block_hashes")
     cpu_slots = Int64Column()
-    disk_slots = Int64Column()
+    tier_slots = Int64Column()
     _cpu_slots: list[int] | np.ndarray  # the columns' storage (see Int64Column)
-    _disk_slots: list[int] | np.ndarray
+    _tier_slots: list[int] | np.ndarray
 
     def __init__(
         self,
         cpu_slots: Sequence[int] | np.ndarray = (),
-        disk_slots: Sequence[int] | np.ndarray = (),
+        tier_slots: Sequence[int] | np.ndarray = (),
         block_hashes: Sequence[BlockHash] = (),
     ):
         self.cpu_slots = cpu_slots
-        self.disk_slots = disk_slots
+        self.tier_slots = tier_slots
         self.block_hashes = list(block_hashes)
-        if not len(self._cpu_slots) == len(self._disk_slots) == len(self.block_hashes):
+        if not len(self._cpu_slots) == len(self._tier_slots) == len(self.block_hashes):
             raise ValueError(
-                f"DiskWrites: {len(self._cpu_slots)} cpu_slots, {len(self._disk_slots)} "
-                f"disk_slots and {len(self.block_hashes)} block_hashes; expected one of each per block"
+                f"TierWrites: {len(self._cpu_slots)} cpu_slots, {len(self._tier_slots)} "
+                f"tier_slots and {len(self.block_hashes)} block_hashes; expected one of each per block"
             )
 
     @classmethod
-    def of(cls, writes: "DiskWrites | Sequence[DiskWrite]") -> "DiskWrites":
-        """``writes`` as columns (a ``DiskWrites`` is returned as is)."""
-        if isinstance(writes, DiskWrites):
+    def of(cls, writes: "TierWrites | Sequence[TierWrite]") -> "TierWrites":
+        """``writes`` as columns (a ``TierWrites`` is returned as is)."""
+        if isinstance(writes, TierWrites):
             return writes
         writes = list(writes)
-        return cls([w.cpu_slot for w in writes], [w.disk_slot for w in writes], [w.block_hash for w in writes])
+        return cls([w.cpu_slot for w in writes], [w.tier_slot for w in writes], [w.block_hash for w in writes])
 
     def __len__(self) -> int:
         return len(self.block_hashes)
 
-    def __iter__(self) -> Iterator[DiskWrite]:
-        return map(DiskWrite._make, zip(self.cpu_slots.tolist(), self.disk_slots.tolist(), self.block_hashes))
+    def __iter__(self) -> Iterator[TierWrite]:
+        return map(TierWrite._make, zip(self.cpu_slots.tolist(), self.tier_slots.tolist(), self.block_hashes))
 
     def __repr__(self) -> str:
-        return f"DiskWrites({list(self)!r})"
+        return f"TierWrites({list(self)!r})"
 
 
-def _per_tier(writes: DiskWrites | Sequence[DiskWrites] | Sequence[DiskWrite]) -> tuple[DiskWrites, ...]:
-    """Writes per lower tier: one ``DiskWrites`` (or a list of ``DiskWrite``) is the first
-    lower tier's; a tuple or list of ``DiskWrites`` is one per tier, in tier order."""
-    if isinstance(writes, DiskWrites):
+def _per_tier(writes: TierWrites | Sequence[TierWrites] | Sequence[TierWrite]) -> tuple[TierWrites, ...]:
+    """Writes per lower tier: one ``TierWrites`` (or a list of ``TierWrite``) is the first
+    lower tier's; a tuple or list of ``TierWrites`` is one per tier, in tier order."""
+    if isinstance(writes, TierWrites):
         return (writes,)
-    per_tier = [w for w in writes if isinstance(w, DiskWrites)]
+    per_tier = [w for w in writes if isinstance(w, TierWrites)]
     if per_tier and len(per_tier) == len(writes):
         return tuple(per_tier)
-    return (DiskWrites.of([w for w in writes if not isinstance(w, DiskWrites)]),)
+    return (TierWrites.of([w for w in writes if not isinstance(w, TierWrites)]),)
 
 
 class TieredStoreSpec(CPULoadStoreSpec):
@@ -92,22 +92,22 @@ class TieredStoreSpec(CPULoadStoreSpec):
     def __init__(
         self,
         block_ids: Sequence[int] | np.ndarray,
-        spills: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = (),
-        write_through: DiskWrites | Sequence[DiskWrite] | Sequence[DiskWrites] = (),
+        spills: TierWrites | Sequence[TierWrite] | Sequence[TierWrites] = (),
+        write_through: TierWrites | Sequence[TierWrite] | Sequence[TierWrites] = (),
     ):
         super().__init__(block_ids)
         self.tier_spills = _per_tier(spills)
         self.tier_write_through = _per_tier(write_through)
 
     @property
-    def spills(self) -> DiskWrites:
+    def spills(self) -> TierWrites:
         """The first lower tier's spills."""
-        return self.tier_spills[0] if self.tier_spills else DiskWrites()
+        return self.tier_spills[0] if self.tier_spills else TierWrites()
 
     @property
-    def write_through(self) -> DiskWrites:
+    def write_through(self) -> TierWrites:
         """The first lower tier's write-through copies."""
-        return self.tier_write_through[0] if self.tier_write_through else DiskWrites()
+        return self.tier_write_through[0] if self.tier_write_through else TierWrites()
 
     def __repr__(self) -> str:
         return (
@@ -120,39 +120,39 @@ class TieredLoadSpec(LoadStoreSpec):
     """A load whose blocks come from more than one tier, in block order.
 
     Per block i: ``cpu_slots[i] >= 0`` when it is read from CPU; otherwise it is read from
-    slot ``disk_slots[i]`` of lower tier ``lower_tiers[i]`` (0: the first tier below CPU;
+    slot ``tier_slots[i]`` of lower tier ``lower_tiers[i]`` (0: the first tier below CPU;
     all 0 when not given) and, when ``promote_slots[i] >= 0``, also lands in that CPU
     slot (read tier -> CPU, checksum verified, then CPU -> GPU).
     """
 
     cpu_slots = Int64Column()
-    disk_slots = Int64Column()
+    tier_slots = Int64Column()
     promote_slots = Int64Column()
     lower_tiers = Int64Column()
     _cpu_slots: list[int] | np.ndarray  # the columns' storage (see Int64Column)
-    _disk_slots: list[int] | np.ndarray
+    _tier_slots: list[int] | np.ndarray
     _promote_slots: list[int] | np.ndarray
     _lower_tiers: list[int] | np.ndarray
 
     def __init__(
         self,
         cpu_slots: Sequence[int],
-        disk_slots: Sequence[int],
+        tier_slots: Sequence[int],
         promote_slots: Sequence[int],
         block_hashes: Sequence[BlockHash],
         lower_tiers: Sequence[int] | None = None,
     ):
         self.cpu_slots = cpu_slots
-        self.disk_slots = disk_slots
+        self.tier_slots = tier_slots
         self.promote_slots = promote_slots
         self.block_hashes = list(block_hashes)
         n = len(self.block_hashes)
         self.lower_tiers = [0] * n if lower_tiers is None else lower_tiers
         if not (
-            len(self._cpu_slots) == len(self._disk_slots) == len(self._promote_slots) == len(self._lower_tiers) == n
+            len(self._cpu_slots) == len(self._tier_slots) == len(self._promote_slots) == len(self._lower_tiers) == n
         ):
             raise ValueError(
-                "TieredLoadSpec: cpu_slots, disk_slots, promote_slots, lower_tiers "
+                "TieredLoadSpec: cpu_slots, tier_slots, promote_slots, lower_tiers "
                 "and block_hashes must all have one entry per block"
             )
 
@@ -165,6 +165,6 @@ class TieredLoadSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return (
-            f"TieredLoadSpec(cpu={self.cpu_slots.tolist()}, disk={self.disk_slots.tolist()}, "
+            f"TieredLoadSpec(cpu={self.cpu_slots.tolist()}, disk={self.tier_slots.tolist()}, "
             f"promote={self.promote_slots.tolist()})"
         )

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tiered_kv.memory.host_memory import expand_block_ids
-from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult
 
 
@@ -88,8 +88,13 @@ def cpu_kernel_rows(spec: CPULoadStoreSpec, n: int, factor: int, unit: str = "bl
 
 def gpu_kernel_rows(spec: GPULoadStoreSpec, n: int, factor: int, unit: str = "blocks") -> np.ndarray:
     """``(n, factor)`` GPU block ids of ``spec`` (-1 for the first ``skip_count``
-    positions); raises ``ValueError`` (naming the ``unit`` of ``n``) when ``spec`` does
-    not cover ``n`` blocks of ``factor`` GPU blocks less ``skip_count``."""
+    positions, or wherever a ``GPURowsSpec`` has -1); raises ``ValueError`` (naming the
+    ``unit`` of ``n``) when ``spec`` does not cover ``n`` blocks of ``factor`` GPU blocks
+    less ``skip_count``."""
+    if isinstance(spec, GPURowsSpec):
+        if spec.rows.shape != (n, factor):
+            raise ValueError(f"GPU rows {spec.rows.shape} do not match {n} {unit} of {factor} GPU blocks")
+        return spec.rows
     skip = spec.skip_count
     if not 0 <= skip < factor or len(spec) + skip != n * factor:
         raise ValueError(

@@ -12,10 +12,10 @@ import logging
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol, TypeAlias, TypeVar
+from typing import NamedTuple, Protocol
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
-from tiered_kv.tiered.transfer_specs import DiskWrites
+from tiered_kv.tiered.transfer_specs import TierWrites
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class Stager(Protocol):
     reused at once) and writes them into the tier in the background, where each
     block's durability is recorded for the scheduler's ``LowerTier`` to learn."""
 
-    def stage(self, writes: DiskWrites) -> Future[None]:
+    def stage(self, writes: TierWrites) -> Future[None]:
         """Start copying ``writes``' CPU slots out; the future is done once those slots
         may be overwritten."""
 
@@ -210,13 +210,3 @@ class LowerTierWorker(NamedTuple):
     stager: Stager | None
     to_gpu: OffloadingHandler | None
     to_cpu: OffloadingHandler | None
-
-
-_T = TypeVar("_T")
-#: One (or None) for the first lower tier, or a list or tuple of them, one per tier.
-PerTier: TypeAlias = "_T | None | list[_T | None] | tuple[_T | None, ...]"
-
-
-def per_tier(given: PerTier[_T]) -> list[_T | None]:
-    """``given`` as a list with one entry per lower tier (see ``PerTier``)."""
-    return list(given) if isinstance(given, (list, tuple)) else [given]

@@ -50,7 +50,7 @@ from tiered_kv.disk.worker.io_backends import aligned_empty
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.memory.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
-from tiered_kv.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec, spec_as
+from tiered_kv.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, TierSlotsSpec, spec_as
 from tiered_kv.metrics import TieredStats
 from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
 from tiered_kv.worker.worker import TransferSpec
@@ -181,9 +181,9 @@ class _DiskHandler(ThreadedHandler):
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src, dst = spec
         try:
-            if isinstance(src, self.other_spec) and isinstance(dst, DiskLoadStoreSpec):
+            if isinstance(src, self.other_spec) and isinstance(dst, TierSlotsSpec):
                 kind, ids, disk = self.kinds[0], self._kernel_ids(src, len(dst), store=True), dst
-            elif isinstance(src, DiskLoadStoreSpec) and isinstance(dst, self.other_spec):
+            elif isinstance(src, TierSlotsSpec) and isinstance(dst, self.other_spec):
                 kind, ids, disk = self.kinds[1], self._kernel_ids(dst, len(src), store=False), src
             else:
                 raise ValueError(f"{type(self).__name__} cannot transfer {type(src).__name__} -> {type(dst).__name__}")

@@ -52,17 +52,16 @@ import numpy as np
 import torch
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.disk.worker.block_store import BlockStore
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.worker.io_server import Ref
-from tiered_kv.disk.worker.store import BlockIO, DiskStore, DiskStoreStats
+from tiered_kv.disk.worker.store import BlockIO, DiskStoreStats
 from tiered_kv.memory.shared_memory import SharedRegion, empty_shared, locate, on_free, region_fd
 from tiered_kv.memory.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskIOProcess", "open_worker_store"]
+__all__ = ["DiskIOProcess"]
 
 #: Seconds to wait for the I/O process to open the store, and to close it.
 START_TIMEOUT = 120.0
@@ -70,26 +69,6 @@ CLOSE_TIMEOUT = 60.0
 #: After a start that failed, batches fail at once for this long before the next try.
 RESTART_BACKOFF = 5.0
 _DIED = object()  # what a call returns when the I/O process is gone before it replied
-
-
-def open_worker_store(
-    config: TieredConfig, fingerprint: Fingerprint, layout: KVCacheLayout, engine_id: str | None
-) -> BlockStore:
-    """A worker's store for ``config`` (a ``TieredConfig``): a ``DiskStore`` in this
-    process (``disk_io: thread``) or a ``DiskIOProcess`` (``disk_io: process``)."""
-    if not config.disk_path:
-        raise ValueError("disk_path is not set; the disk tier is disabled")
-    opener = DiskIOProcess.open if config.disk_io == "process" else DiskStore.open
-    return opener(
-        config.disk_path,
-        fingerprint,
-        layout,
-        disk_bytes=config.disk_bytes,
-        checksum=config.checksum,
-        io_backend=config.io_backend,
-        io_threads=config.io_threads,
-        engine_id=engine_id,
-    )
 
 
 class _RemoteBackend:

@@ -26,13 +26,24 @@ from vllm.v1.kv_offload.base import (
     ConfigInfo,
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
 )
 from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
 
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.metrics import TIER_COUNTERS, TIERS
+from tiered_kv.metrics import (
+    PROJECT_METRICS,
+    TIER_BLOCKS,
+    TIER_COUNTERS,
+    TIER_USED_BLOCKS,
+    TIER_VERIFICATIONS,
+    TIERS,
+    TRANSFER_JOBS,
+    TRANSFER_SECONDS,
+    MetricDef,
+)
 from tiered_kv.model_identity import resolve_model_dir, weights_digest
 
 logger = logging.getLogger(__name__)
@@ -51,21 +62,43 @@ class TieredJobSpec(VllmLoadStoreSpec):
         return f"TieredJobSpec({self.inner!r})"
 
 
-# Names follow tiered_kv.metrics.PrometheusMetrics, so a dashboard works for the demo
-# and for vLLM alike. Counters gain the ``_total`` suffix on the endpoint.
-TIER_BLOCKS = "tiered_kv_tier_blocks"
-TIER_USED_BLOCKS = "tiered_kv_tier_used_blocks"
+# Names follow tiered_kv.metrics.PROJECT_METRICS (TIER_BLOCKS, TIER_USED_BLOCKS and the
+# rest come from there), so a dashboard works for the demo and for vLLM alike. Counters
+# gain the ``_total`` suffix on the endpoint. Below: the ones only the vLLM adapter has.
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
-PENDING_DISK_WRITES = "tiered_kv_pending_disk_writes"
-DISK_VERIFICATIONS = "tiered_kv_disk_verifications"
-REMOTE_VERIFICATIONS = "tiered_kv_remote_verifications"
+PENDING_WRITES = "tiered_kv_tier_pending_writes"
 WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
+
+
+#: Project metrics measured only in the worker processes: vLLM carries nothing of ours
+#: from a worker to the scheduler (only its own transfer bytes and times), so the
+#: manager cannot report them and they are not declared.
+WORKER_ONLY_METRICS = (TRANSFER_JOBS, TRANSFER_SECONDS)
+
+
+def _vllm_metadata(d: MetricDef) -> OffloadingMetricMetadata:
+    if d.kind == "histogram":
+        return OffloadingHistogramMetadata(documentation=d.documentation, labelnames=d.labelnames, buckets=d.buckets)
+    kind = OffloadingCounterMetadata if d.kind == "counter" else OffloadingGaugeMetadata
+    return kind(documentation=d.documentation, labelnames=d.labelnames)
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric the manager reports (vLLM's frontend asserts each reported name was
-    declared, with the same label names)."""
-    return {
+    declared, with the same label names).
+
+    All are the scheduler process's (the manager's ``get_stats``): per-tier counters in
+    chunks and tokens (its bookkeeping), verification timings (its verifiers), and the
+    shared tier's request counters and timings of the scheduler's own store only
+    (membership probes, verification downloads, the manifest); each worker's store
+    (its rank's uploads and loads) counts in that worker and is not exported. With
+    several engines (data parallel) each engine's scheduler reports its own."""
+    shared = {
+        d.name: _vllm_metadata(d)
+        for d in PROJECT_METRICS
+        if d.name not in WORKER_ONLY_METRICS and d.name not in (TIER_BLOCKS, TIER_USED_BLOCKS)
+    }
+    return shared | {
         TIER_BLOCKS: OffloadingCounterMetadata(
             documentation=(
                 "Chunks counted per tier and event. Events: "
@@ -80,24 +113,18 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         TIER_CAPACITY_BLOCKS: OffloadingGaugeMetadata(
             documentation="Chunk slots per tier (per rank: each rank holds its shard of a chunk).", labelnames=("tier",)
         ),
-        PENDING_DISK_WRITES: OffloadingGaugeMetadata(
-            documentation="Chunks queued for a disk write whose outcome is not known yet."
+        PENDING_WRITES: OffloadingGaugeMetadata(
+            documentation="Chunks queued for a write into a lower tier whose outcome is not known yet.",
+            labelnames=("tier",),
         ),
-        DISK_VERIFICATIONS: OffloadingCounterMetadata(
+        TIER_VERIFICATIONS: OffloadingCounterMetadata(
             documentation=(
-                "Disk chunks read back and checksum-verified on every rank before a "
-                "lookup reported them as hits; outcome ok or failed (failed chunks "
-                "are dropped and recomputed)."
+                "Lower-tier chunks checked before a lookup reported them as hits (the disk "
+                "tier reads them back on every rank against their checksums; the shared "
+                "tier downloads and verifies every rank's object); outcome ok or failed "
+                "(failed chunks are dropped there and recomputed)."
             ),
-            labelnames=("outcome",),
-        ),
-        REMOTE_VERIFICATIONS: OffloadingCounterMetadata(
-            documentation=(
-                "Shared-tier chunks downloaded and verified (header and checksum) for "
-                "every rank before a lookup reported them as hits; outcome ok or failed "
-                "(failed chunks are misses, recomputed)."
-            ),
-            labelnames=("outcome",),
+            labelnames=("tier", "outcome"),
         ),
         WORKER_JOB_FAILURES: OffloadingCounterMetadata(
             documentation=(

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
@@ -168,6 +171,29 @@ class VllmGeometry:
             num_cpu_slots,
             _fingerprint(config, cfg, extra),
         )
+
+
+def offline_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> VllmGeometry:
+    """The geometry (and disk namespace fingerprint) ``TieredOffloadingSpec`` computes on
+    rank ``vllm_config.parallel_config.rank`` of an engine with these configs, without
+    the engine: vLLM's own ``build_offloading_config`` makes the ``OffloadingConfig``
+    its connector would hand the spec, and the spec's own parsing, hash check and
+    ``VllmGeometry.from_config`` run on it with ``vllm_config`` current (as in a
+    worker). ``kv_cache_config``: what vLLM's planner would allocate (its
+    ``worker_kv_bytes_per_block`` and groups are read, not its block count). Raises
+    ``ConfigError`` as the spec would at start-up; reads the weights digest of the
+    model directory (``common.vllm_model_identity``)."""
+    if vllm_config.kv_transfer_config is None:
+        raise ConfigError("the vLLM config has no kv_transfer_config: no offloading spec would be built")
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    with set_current_vllm_config(vllm_config):
+        try:
+            offloading = build_offloading_config(vllm_config, kv_cache_config)
+        except (AssertionError, ValueError) as e:
+            raise ConfigError(f"vLLM refuses this offloading config: {e}") from None
+        cfg = parse_extra_config(extra)
+        check_extra_hash_algorithm(cfg)
+        return VllmGeometry.from_config(offloading, cfg, extra)
 
 
 def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> Fingerprint:

@@ -2,57 +2,51 @@
 
 vLLM asks per key (``lookup(key, req_context) -> LookupResult``) and passes
 ``OffloadKey``s everywhere; we use the key bytes as our ``BlockHash`` and delegate the
-bookkeeping to ``TieredOffloadingManager`` (CPU tier over the disk tier). What this
-adapter adds is what vLLM's contract demands and ours did not:
+bookkeeping to ``TieredOffloadingManager`` (the CPU tier over the lower tiers), built
+by ``HierarchySpec``, the same builder every other deployment and the tests use. What
+this adapter adds is what vLLM's contract demands and ours did not:
 
 - **A HIT must not fail.** vLLM's worker connector asserts that every load succeeded,
   so a chunk is a HIT only when every byte of it is known good: a chunk loadable in the
-  CPU tier, or a disk chunk whose bytes on every rank were just read back and checked
-  against their recorded checksums (``DiskVerifier``, on its own threads). Until then
-  ``lookup`` answers HIT_PENDING (the request waits a step; ``has_pending_work`` keeps
-  an idle engine stepping). A chunk that fails verification is dropped from the disk
-  tier and is a MISS: vLLM recomputes it. A verification counts for one load
-  (``prepare_load`` consumes it), and only for the slot it read.
+  CPU tier, or a lower tier's chunk whose tier's ``HitCheck`` (``tiered_kv.tiers``)
+  says so. ``lookup`` has one branch for every lower tier: the tier that would serve the
+  chunk answers HIT, HIT_PENDING (a check in flight: the disk tier reads the chunk back
+  on every rank and checks its checksums; the shared tier downloads and verifies every
+  rank's object; the request waits a step, ``has_pending_work`` keeps an idle engine
+  stepping), MISS (the check failed: the chunk is dropped there and recomputed) or
+  RETRY (the tier is still finding out whether it holds the chunk, e.g. the shared
+  tier's HEAD probes: vLLM asks again next step, and unlike HIT_PENDING it never counts
+  as a hit). A check passed counts for one load (``prepare_load`` consumes it).
 - **A failed worker job must not make garbage loadable.** vLLM always calls
   ``complete_store``/``complete_load`` with success. Our worker reports every job done
   and marks the CPU slots of a job that failed in the shared ``SlotHealth`` map before
   reporting; here the marks of the slots a job wrote are read, and those chunks are
-  completed as failed (freed, their disk writes abandoned, a promotion not kept).
-- **The shared tier** (``remote``, below the disk tier or directly below CPU) follows
-  the same rule (``remote.RemoteVerifier``): a chunk only the bucket holds is a HIT
-  once every rank's object of it was downloaded and verified here; until then
-  HIT_PENDING. A chunk this node knows nothing of is probed (HEAD requests, on the
-  store's threads): while that probe is in flight ``lookup`` answers RETRY (vLLM asks
-  again next step; its contract's answer for "location not known yet", which unlike
-  HIT_PENDING never counts as a hit), never waiting and never a premature MISS. A
-  probe the server does not answer counts as absent: a server that is down costs
-  misses. ``on_schedule_end`` folds in probe answers and sends the probes that confirm
-  this node's own uploads.
+  completed as failed (freed, their lower-tier writes abandoned, a promotion not kept).
 - ``touch`` is never called by vLLM 0.33, so a use is recorded in ``prepare_load``;
   ``prepare_store`` leaves recency to the composite, which never evicts the chunks a
   call offers and ranks the request most recent, head first (a store is not a reuse:
   under ARC it keeps a chunk in T1).
-- ``reset_cache`` empties every tier, the disk included (a reset may mean new weights);
-  the shared tier is the fleet's and is not emptied: its chunks of this namespace stay
-  loadable (only its verifications are forgotten).
-  vLLM then discards the jobs in flight (no ``complete_*`` follows): their chunks are
-  released in ``on_reset_flushed``, once workers no longer write them; disk writes
-  queued before the reset are dropped as they land and never served.
-- Stats: ``get_stats`` turns our ``TieredStats`` counters (deltas since the last call)
-  and tier occupancy into vLLM's ``OffloadingConnectorStats``; the metric names are
-  declared by the spec's ``build_metric_definitions``. Neither it nor
-  ``on_schedule_end`` reads the disk index: the disk manager's flusher thread folds in
-  the writes workers committed, within a poll (2 ms) while some are pending.
+- ``reset_cache`` empties every tier this node owns, the disk included (a reset may
+  mean new weights); a shared tier is the fleet's and is not emptied (only its checks
+  are forgotten). vLLM then discards the jobs in flight (no ``complete_*`` follows):
+  their chunks are released in ``on_reset_flushed``, once workers no longer write
+  them; lower-tier writes queued before the reset are dropped as they land and never
+  served.
+- Stats: ``get_stats`` turns our ``TieredStats`` counters (deltas since the last call),
+  each check's outcomes and tier occupancy into vLLM's ``OffloadingConnectorStats``;
+  the metric names are declared by the spec's ``build_metric_definitions``. Neither it
+  nor ``on_schedule_end`` reads the disk index: the disk manager's flusher thread folds
+  in the writes workers committed, within a poll (2 ms) while some are pending.
 
-``lock`` stays vLLM's no-op default: every call runs on the caller's thread; the
-verifier threads only read the disk and hand results over through a queue, and the
-disk manager's index flusher has its own internal lock.
+``lock`` stays vLLM's no-op default: every call runs on the caller's thread; the checks'
+threads only read and hand results over through queues, and the disk manager's index
+flusher has its own internal lock.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import cast
 
@@ -72,45 +66,48 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiered_kv.abstract import Closing
-from tiered_kv.config import TieredConfig
-from tiered_kv.cpu import cpu_tier_manager
-from tiered_kv.disk.worker.io_backends import PosixBackend
-from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.abstract import Closing, LowerTier
+from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
-    DISK_VERIFICATIONS,
-    PENDING_DISK_WRITES,
-    REMOTE_VERIFICATIONS,
-    TIER_BLOCKS,
+    PENDING_WRITES,
     TIER_CAPACITY_BLOCKS,
-    TIER_USED_BLOCKS,
     WORKER_JOB_FAILURES,
     TieredJobSpec,
     TieredOffloadingInfo,
 )
-from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import SlotHealth
-from tiered_kv.integrations.vllm.remote import RemoteVerifier, build_remote, remote_write_policy
-from tiered_kv.integrations.vllm.verify import DiskVerifier
-from tiered_kv.metrics import TieredStats
-from tiered_kv.mediums import CPU, DISK
-from tiered_kv.remote.tier import REMOTE, RemoteOffloadingManager
+from tiered_kv.mediums import CPU
+from tiered_kv.metrics import TIER_USED_BLOCKS, tier_counter_values
 from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
+from tiered_kv.tiers import HitCheck, HitState
 
 logger = logging.getLogger(__name__)
 
-#: Verified-but-not-yet-loaded chunks remembered at most (oldest forgotten first).
-MAX_VERIFIED = 65536
-
-_MEDIUMS = {CPU: Medium.CPU, DISK: Medium.STORAGE, REMOTE: Medium.STORAGE}
-#: Keyed by ``hit_medium``'s answer (None: not offloaded, served as a disk hit would be).
-_SOURCES: dict[str | None, CacheHitSource] = {
-    CPU: CacheHitSource.HOST,
-    DISK: CacheHitSource.DISK,
-    REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
+_RESULTS = {
+    HitState.HIT: LookupResult.HIT,
+    HitState.PENDING: LookupResult.HIT_PENDING,
+    HitState.MISS: LookupResult.MISS,
+    HitState.RETRY: LookupResult.RETRY,
 }
+
+
+def build_manager(spec: HierarchySpec, *, info: TieredOffloadingInfo | None = None) -> "TieredVllmManager":
+    """The scheduler side of ``TieredOffloadingSpec`` from the hierarchy's one builder:
+    the composite (CPU tier and every lower tier's manager: the disk namespace opened,
+    its writer lock taken, its index loaded; the shared tier's bucket opened and
+    checked), each tier's hit check, and the slot-health map. ``info``: the spec's
+    config-info facts."""
+    composite = spec.get_manager()
+    try:
+        checks = spec.get_hit_checks(composite)
+    except BaseException:
+        composite.shutdown()
+        raise
+    health = SlotHealth.for_engine(spec.engine_id, spec.num_cpu_slots)
+    health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
+    return TieredVllmManager(composite, checks, shared=[t.shared for t in spec.lower_tiers], health=health, info=info)
 
 
 def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
@@ -118,94 +115,29 @@ def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
     return cast("list[OffloadKey]", list(block_hashes))
 
 
-def build_manager(
-    cfg: TieredConfig,
-    geometry: VllmGeometry,
-    *,
-    engine_id: str,
-    enable_events: bool,
-    info: TieredOffloadingInfo | None = None,
-) -> "TieredVllmManager":
-    """The scheduler side of ``TieredOffloadingSpec``: CPU tier, disk tier (namespace
-    opened, writer lock taken, index loaded), shared tier (store opened and checked),
-    verifiers and slot-health map. ``info``: the spec's config-info facts."""
-    events = enable_events
-    stats = TieredStats()
-    cpu = cpu_tier_manager(cfg.eviction_policy, geometry.num_cpu_slots, geometry.tokens_per_chunk, enable_events=events)
-    disk = verifier = None
-    if cfg.disk_path:
-        disk = DiskOffloadingManager(
-            cfg.disk_path,
-            geometry.fingerprint,
-            geometry.scheduler_layout(),
-            disk_bytes=cfg.disk_bytes,
-            checksum=cfg.checksum,
-            engine_id=engine_id,
-            enable_events=events,
-        )
-        try:
-            store = DiskStore(disk.namespace, PosixBackend(cfg.io_threads), engine_id=engine_id)
-        except BaseException:
-            disk.shutdown()
-            raise
-        verifier = DiskVerifier(store, geometry.world_size, threads=cfg.io_threads)
-    remote = remote_verifier = None
-    policies = [cfg.write_policy] if disk is not None else []
-    if cfg.remote is not None:
-        try:
-            remote, remote_verifier = build_remote(cfg.remote, geometry, events)
-        except BaseException:
-            if verifier is not None:
-                verifier.shutdown()
-            if disk is not None:
-                disk.shutdown()
-            raise
-        policies.append(remote_write_policy(cfg.remote))
-    composite = TieredOffloadingManager(
-        cpu,
-        [t for t in (disk, remote) if t is not None],
-        write_policy=policies,
-        promote_on_hit=cfg.promote_on_hit,
-        max_pending_disk_writes=cfg.max_pending_disk_writes,
-        stats=stats,
-    )
-    health = SlotHealth.for_engine(engine_id, geometry.num_cpu_slots)
-    health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
-    return TieredVllmManager(composite, health=health, verifier=verifier, remote_verifier=remote_verifier, info=info)
-
-
 class TieredVllmManager(OffloadingManager, Closing):
-    """vLLM's manager interface over ``TieredOffloadingManager`` (module docstring)."""
+    """vLLM's manager interface over ``TieredOffloadingManager`` (module docstring).
+    ``checks``: each lower tier's ``HitCheck``, in tier order; ``shared``: which lower
+    tiers hold a fleet's blocks rather than this node's."""
 
     def __init__(
         self,
         composite: TieredOffloadingManager,
+        checks: Sequence[HitCheck],
         *,
+        shared: Sequence[bool] | None = None,
         health: SlotHealth,
-        verifier: DiskVerifier | None = None,
-        remote_verifier: RemoteVerifier | None = None,
         info: TieredOffloadingInfo | None = None,
     ):
+        if len(checks) != len(composite.lower):
+            raise ValueError(f"{len(checks)} hit checks for {len(composite.lower)} lower tiers: expected one per tier")
         self.composite = composite
+        self.checks = list(checks)
+        self.shared = list(shared) if shared is not None else [False] * len(checks)
         self.health = health
-        self.verifier = verifier
-        self.remote_verifier = remote_verifier
-        by_medium = {t.medium: t for t in composite.lower}
-        #: The disk tier and the shared tier, where configured.
-        disk, remote = by_medium.get(DISK), by_medium.get(REMOTE)
-        self.disk = disk if isinstance(disk, DiskOffloadingManager) else None
-        self.remote = remote if isinstance(remote, RemoteOffloadingManager) else None
-        # Shared-tier chunks verified on every rank, not yet loaded.
-        self._remote_verified: OrderedDict[bytes, None] = OrderedDict()
-        self._remote_verifications: Counter[str] = Counter()
         self.stats = composite.stats
         self._info = info
-        # Disk chunks: being verified, and verified (key -> the slot that was read).
-        self._verifying: dict[bytes, int] = {}
-        self._verified: OrderedDict[bytes, int] = OrderedDict()
-        # Disk chunks that failed verification but could not be dropped yet (pinned).
-        self._unservable: dict[bytes, int] = {}
-        self._verification_counts: Counter[str] = Counter()
+        self._shared_media = {t.medium for t, s in zip(composite.lower, self.shared) if s}
         # Per (request, key) of a load in flight: where it comes from, and the CPU slot a
         # promotion writes.
         self._sources: dict[tuple[str, bytes], CacheHitSource] = {}
@@ -216,9 +148,22 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._abandoned_loads: Counter[bytes] = Counter()
         self._abandoned_stores: Counter[bytes] = Counter()
         self._failure_counts: Counter[str] = Counter()
-        self._reported: dict[tuple[str, str], int] = {}
-        # Disk writes queued before a cache reset: dropped when they land, never served.
-        self._stale_writes: set[bytes] = set()
+        self._reported: dict[tuple[str, str], float] = {}
+
+    def tier(self, name: str) -> LowerTier | None:
+        """The lower tier named ``name`` (``disk``, ``remote``), where configured."""
+        return next((t for t in self.composite.lower if t.name == name), None)
+
+    def check(self, name: str) -> HitCheck | None:
+        """The hit check of the lower tier named ``name``, where configured."""
+        return next((c for t, c in zip(self.composite.lower, self.checks) if t.name == name), None)
+
+    def _source(self, tier: int | None) -> CacheHitSource:
+        if tier is not None and tier < 0:
+            return CacheHitSource.HOST
+        if tier is not None and self.shared[tier]:
+            return CacheHitSource.EXTERNAL_UNSPECIFIED
+        return CacheHitSource.DISK
 
     # ------------------------------------------------------------------ lookups
 
@@ -226,99 +171,23 @@ class TieredVllmManager(OffloadingManager, Closing):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._collect_verifications()
+        for check in self.checks:
+            check.collect()
         self.stats.count("cpu", "lookups")
-        medium = self.composite.hit_medium(key)
-        if medium == CPU:
+        tier = self.composite.hit_tier(key)
+        if tier is not None and tier < 0:
             return LookupResult.HIT
-        if medium == DISK:
-            self.stats.count("disk", "lookups")
-            return self._disk_lookup(key)
-        if medium == REMOTE:
-            self.stats.count("remote", "lookups")
-            return self._remote_lookup(key)
+        lower = self.composite.lower
+        asked = lower if tier is None else lower[: tier + 1]
+        for t in asked:
+            self.stats.count(t.name, "lookups")
+        if tier is not None:
+            return _RESULTS[self.checks[tier].lookup(key)]
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
             return LookupResult.HIT_PENDING
-        if self.disk is not None:
-            self.stats.count("disk", "lookups")  # asked, and it does not have it either
-        if self.remote is not None:
-            self.stats.count("remote", "lookups")
-            if self.remote.is_probing(key):
-                return LookupResult.RETRY  # hit_medium sent (or found) a probe of the bucket
+        if any(check.locating(key) for check in self.checks):
+            return LookupResult.RETRY  # a tier is finding out whether it holds the chunk
         return LookupResult.MISS
-
-    def _remote_lookup(self, key: bytes) -> LookupResult:
-        if key in self._remote_verified:
-            return LookupResult.HIT
-        assert self.remote_verifier is not None  # built with the shared tier
-        self.remote_verifier.submit(key)
-        return LookupResult.HIT_PENDING
-
-    def _collect_remote_verifications(self) -> None:
-        if self.remote_verifier is None:
-            return
-        for key, ok in self.remote_verifier.results():
-            self._remote_verifications["ok" if ok else "failed"] += 1
-            if ok:
-                self._remote_verified[key] = None
-                self._remote_verified.move_to_end(key)
-                while len(self._remote_verified) > MAX_VERIFIED:
-                    self._remote_verified.popitem(last=False)
-            else:
-                # Missing, foreign, damaged or unreachable on some rank: a miss until the
-                # bucket is asked again (absent_ttl), never a load that could fail.
-                self._remote_verified.pop(key, None)
-                if self.remote is not None:
-                    self.remote.remove(key)
-                    self.remote.cache.mark_absent([key])
-
-    def _disk_lookup(self, key: bytes) -> LookupResult:
-        disk = self.disk
-        assert disk is not None and self.verifier is not None  # hit_medium named the disk tier
-        slot = disk.slot_of(key)
-        if slot is None or key in self._stale_writes:
-            return LookupResult.MISS
-        if key in self._unservable:
-            if self._unservable[key] == slot and not disk.remove(key):
-                return LookupResult.MISS  # still pinned by the load that was in flight
-            del self._unservable[key]
-            if disk.slot_of(key) is None:
-                return LookupResult.MISS
-        if self._verified.get(key) == slot:
-            return LookupResult.HIT
-        if self._verifying.get(key) != slot:
-            self._verifying[key] = slot
-            self.verifier.submit(key, slot)
-        return LookupResult.HIT_PENDING
-
-    def _collect_verifications(self) -> None:
-        self._collect_remote_verifications()
-        if self.verifier is None:
-            return
-        for key, slot, ok in self.verifier.results():
-            if self._verifying.get(key) == slot:
-                del self._verifying[key]
-            self._verification_counts["ok" if ok else "failed"] += 1
-            if ok:
-                self._verified[key] = slot
-                self._verified.move_to_end(key)
-                while len(self._verified) > MAX_VERIFIED:
-                    self._verified.popitem(last=False)
-            else:
-                # A checksum failure is counted by the composite when the refresh in
-                # _drop_from_disk applies the verifier's "corrupt" log record.
-                self._verified.pop(key, None)
-                self._drop_from_disk(key, slot)
-
-    def _drop_from_disk(self, key: bytes, slot: int) -> None:
-        """Make a chunk that failed verification a miss: the read path already dropped a
-        corrupt one from the index (``refresh`` applies that); anything else (an I/O
-        error) is removed here. A chunk pinned by a load in flight stays unservable."""
-        disk = self.disk
-        assert disk is not None  # it verified the chunk
-        disk.refresh()
-        if disk.slot_of(key) == slot and not disk.remove(key):
-            self._unservable[key] = slot
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.composite.touch(list(keys))
@@ -327,7 +196,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         source = self._sources.get((req_context.req_id, key))
         if source is not None:
             return source
-        return _SOURCES.get(self.composite.hit_medium(key), CacheHitSource.DISK)
+        return self._source(self.composite.hit_tier(key))
 
     # ------------------------------------------------------------------ loads
 
@@ -335,11 +204,10 @@ class TieredVllmManager(OffloadingManager, Closing):
         keys = list(keys)
         req_id = req_context.req_id
         for key in keys:
-            medium = self.composite.hit_medium(key)
-            self._sources[(req_id, key)] = _SOURCES.get(medium, CacheHitSource.DISK)
-            if medium != CPU:
-                self._verified.pop(key, None)  # one verification, one load
-                self._remote_verified.pop(key, None)
+            tier = self.composite.hit_tier(key)
+            self._sources[(req_id, key)] = self._source(tier)
+            if tier is not None and tier >= 0:
+                self.checks[tier].loading(key)  # one check passed, one load
         self.composite.touch(keys)
         spec = self.composite.prepare_load(keys)
         if isinstance(spec, TieredLoadSpec):
@@ -402,79 +270,59 @@ class TieredVllmManager(OffloadingManager, Closing):
     # ------------------------------------------------------------------ steps, events, stats
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        # Disk writes the workers committed are folded in by the disk manager's flusher
-        # thread (it polls the index log while writes are pending), not here: reading
-        # the log on the scheduler thread would lengthen every step that has some.
-        self._collect_verifications()
-        if self.remote is not None:
-            self.remote.refresh()  # never waits: folds answers in, sends the probes due
-        if self._stale_writes:
-            self._drop_stale_writes()
-
-    def _drop_stale_writes(self) -> None:
-        """Drop the disk writes of before a reset as they land (removing one pinned by a
-        load is retried next step)."""
-        disk = self.disk
-        if disk is None:
-            return
-        if disk.num_pending():
-            disk.refresh()
-        pending = disk.pending_blocks()
-        for key in list(self._stale_writes):
-            if key in pending:
-                continue
-            if disk.slot_of(key) is None or disk.remove(key):
-                self._stale_writes.discard(key)
+        # Never waits: each check folds in what finished and does its housekeeping (the
+        # disk's drops of stale writes, the shared tier's probes due).
+        for check in self.checks:
+            check.step()
 
     def has_pending_work(self) -> bool:
-        # Requests deferred on a verification or a membership probe are asked again
-        # only while the engine steps.
-        return (
-            (self.verifier is not None and self.verifier.busy())
-            or (self.remote_verifier is not None and self.remote_verifier.busy())
-            or (self.remote is not None and self.remote.num_probing() > 0)
-        )
+        # Requests deferred on a check or a probe are asked again only while the engine steps.
+        return any(check.busy() for check in self.checks)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         out = []
         for event in self.composite.take_events():
-            on_disk = event.medium == DISK
-            remote = event.medium == REMOTE
+            shared = event.medium in self._shared_media
+            local = event.medium != CPU and not shared
             out.append(
                 OffloadingEvent(
                     keys=_offload_keys(event.block_hashes),
-                    medium=_MEDIUMS[event.medium],
+                    medium=Medium.CPU if event.medium == CPU else Medium.STORAGE,
                     removed=event.removed,
-                    # The bucket's lifecycle rule removes objects unannounced.
-                    locality=Locality.REMOTE if remote else None,
-                    ownership="tiered_kv.disk" if on_disk else "tiered_kv.remote" if remote else None,
-                    removal_expected=on_disk and not event.removed,
+                    # A fleet's tier removes blocks unannounced (the bucket's lifecycle rule).
+                    locality=Locality.REMOTE if shared else None,
+                    ownership=None if event.medium == CPU else f"tiered_kv.{event.medium.lower()}",
+                    removal_expected=local and not event.removed,
                 )
             )
         return out
 
     def get_stats(self) -> OffloadingConnectorStats:
+        """This scheduler's metrics (``common.metric_definitions`` says which): tier
+        counters in chunks and tokens, what each lower tier's check exports (its
+        verifications, a shared tier's scheduler-side store), failures, occupancy, and
+        the timings drained since the last call."""
         stats = OffloadingConnectorStats()
-        for tier, counters in self.stats.as_dict()["tiers"].items():
-            for event, value in counters.items():
-                self._increase(stats, TIER_BLOCKS, (tier, event), value)
-        for outcome, value in self._verification_counts.items():
-            self._increase(stats, DISK_VERIFICATIONS, (outcome,), value)
-        for outcome, value in self._remote_verifications.items():
-            self._increase(stats, REMOTE_VERIFICATIONS, (outcome,), value)
-        for kind, value in self._failure_counts.items():
-            self._increase(stats, WORKER_JOB_FAILURES, (kind,), value)
+        counters = tier_counter_values(self.stats.as_dict()["tiers"], self.composite.cpu.block_size)
+        timings = self.stats.latencies.drain()
+        for check in self.checks:
+            counters += check.counters()
+            timings += check.timings()
+        counters += [(WORKER_JOB_FAILURES, (kind,), n) for kind, n in self._failure_counts.items()]
+        for name, labels, value in counters:
+            self._increase(stats, name, labels, value)
+        for name, labels, seconds in timings:
+            stats.observe_histogram(name, seconds, labels)
         for tier, used in self.composite.used_blocks().items():
             stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
         stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))
-        disk = self.disk
-        if disk is not None:
-            stats.set_gauge(TIER_CAPACITY_BLOCKS, disk.capacity, ("disk",))
-        # Read, not refreshed: at most a flusher poll old.
-        stats.set_gauge(PENDING_DISK_WRITES, disk.num_pending() if disk is not None else 0)
+        for lower in self.composite.lower:
+            stats.set_gauge(TIER_CAPACITY_BLOCKS, lower.capacity, (lower.name,))
+            # Read, not refreshed: at most a flusher poll old.
+            stats.set_gauge(PENDING_WRITES, lower.num_pending(), (lower.name,))
         return stats
 
-    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: int) -> None:
+    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: float) -> None:
         """Report the increase of a monotonic ``total`` since the last report."""
         key = (name, ",".join(labels))
         delta = total - self._reported.get(key, 0)
@@ -488,21 +336,18 @@ class TieredVllmManager(OffloadingManager, Closing):
     # ------------------------------------------------------------------ reset, shutdown
 
     def reset_cache(self) -> None:
-        """Drop every chunk of every tier (the disk tier too: a reset means the cached KV
-        may no longer be valid, e.g. new weights). Chunks of jobs in flight are released
-        in ``on_reset_flushed``."""
+        """Drop every chunk of every tier of this node (the disk tier too: a reset means
+        the cached KV may no longer be valid, e.g. new weights); a shared tier's chunks
+        are the fleet's and stay (only its checks are forgotten). Chunks of jobs in
+        flight are released in ``on_reset_flushed``."""
         self._abandoned_loads += self._open_loads
         self._abandoned_stores += self._open_stores
         self._open_loads.clear()
         self._open_stores.clear()
         self._promote_slots.clear()
         self._sources.clear()
-        self._verified.clear()
-        self._remote_verified.clear()
-        if self.disk is not None:
-            if self.disk.num_pending():
-                self.disk.refresh()
-            self._stale_writes |= self.disk.pending_blocks()
+        for check in self.checks:
+            check.reset()
         self._evict_all()
 
     def on_reset_flushed(self) -> None:
@@ -516,17 +361,14 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._evict_all()
 
     def _evict_all(self) -> None:
-        cpu, disk = self.composite.cpu, self.disk
-        for key in list(cpu.iter_evictable()):
-            cpu.remove(key)
-        if disk is not None:
-            for key in list(disk.iter_evictable()):
-                disk.remove(key)
+        """Every unpinned chunk of every tier this node owns (a shared tier evicts none)."""
+        tiers: list[CPUOffloadingManager | LowerTier] = [self.composite.cpu, *self.composite.lower]
+        for tier in tiers:
+            for key in list(tier.iter_evictable()):
+                tier.remove(key)
 
     def shutdown(self) -> None:
-        if self.verifier is not None:
-            self.verifier.shutdown()
-        if self.remote_verifier is not None:
-            self.remote_verifier.shutdown()
+        for check in self.checks:
+            check.shutdown()
         self.composite.shutdown()
         self.health.close(unlink=True)

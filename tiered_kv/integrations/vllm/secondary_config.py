@@ -26,6 +26,8 @@ VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
 #: Our own keys that mean nothing under vLLM's tiering spec, and what to do instead.
 _NOT_FOR_A_SECONDARY_TIER = {
     "remote": "the shared tier is not a part of this disk tier; it runs under TieredOffloadingSpec",
+    "tiers": "this entry is one disk tier; list more tiers under TieredOffloadingSpec, or add "
+    "another secondary_tiers entry",
     "cpu_bytes": "the CPU tier is vLLM's here; size it with cpu_bytes_to_use in kv_connector_extra_config",
     "write_policy": "vLLM copies every chunk that reaches its CPU tier to every secondary "
     "tier (write-through); there is no other policy",

@@ -50,6 +50,7 @@ the counters and config-info facts are ``secondary_stats.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -76,8 +77,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import format_size
-from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.tier import DiskTier
+from tiered_kv.tiers import TierContext, build_tiers
 from tiered_kv.integrations.vllm.common import vllm_model_identity
 from tiered_kv.mediums import ids_spec
 from tiered_kv.integrations.vllm.secondary_config import (
@@ -161,7 +162,6 @@ class TieredDiskTier(SecondaryTierManager, Closing):
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = cfg = parse_tier_config(tier_config)
-        assert cfg.disk_path is not None  # parse_tier_config requires it
         check_tier_hash_algorithm(cfg)
         self.locality = parse_locality(tier_config.get("locality"))
         vconf = offloading_spec.config
@@ -180,26 +180,21 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         layout = chunk_layout(self.fingerprint.block_size, stride)
         # The primary rows are host memory: GPUDirect Storage has nothing to offer here.
         backend = "posix" if cfg.io_backend == "auto" else cfg.io_backend
-        self.disk_manager = DiskOffloadingManager(
-            cfg.disk_path,
-            self.fingerprint,
-            layout,
-            disk_bytes=cfg.disk_bytes,
-            checksum=cfg.checksum,
+        # Built by type like every lower tier (tiered_kv.tiers): the disk tier of this
+        # entry, keyed by vLLM's fingerprint, one writer (the scheduler) for all ranks.
+        ctx = TierContext(
+            config=dataclasses.replace(cfg, io_backend=backend),
+            fingerprint=self.fingerprint,
+            layout=layout,
             engine_id=vconf.engine_id,
             enable_events=False,
         )
+        (tier,) = build_tiers(cfg.tier_entries(), ctx)
+        assert isinstance(tier, DiskTier)  # the one tier of a disk_path config
+        self.tier = tier
+        self.disk_manager = self.tier.get_manager()
         try:
-            self.store = DiskStore.open(
-                cfg.disk_path,
-                self.fingerprint,
-                layout,
-                disk_bytes=cfg.disk_bytes,
-                checksum=cfg.checksum,
-                io_backend=backend,
-                io_threads=cfg.io_threads,
-                engine_id=vconf.engine_id,
-            )
+            self.store = self.tier.open_store(in_process=True)
         except BaseException:
             self.disk_manager.shutdown()
             raise
@@ -349,7 +344,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
             self._finished.append(job)
             return
         dm.touch(job.keys)
-        job.slots = dm.prepare_load(job.keys).id_list()  # pins them
+        job.slots = ids_spec(dm.prepare_load(job.keys)).id_list()  # pins them
         with self._idle:
             self._in_flight += 1
         self._load_pool.submit(self._read_job, job)

@@ -42,6 +42,7 @@ alone, so the scheduler and the workers agree without talking):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -59,6 +60,8 @@ from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, metric_defi
 from tiered_kv.integrations.vllm.geometry import VllmGeometry, check_extra_hash_algorithm, parse_extra_config
 from tiered_kv.integrations.vllm.manager import build_manager
 from tiered_kv.integrations.vllm.worker import TieredVllmWorker
+from tiered_kv.kv_layout import KVCacheLayout
+from tiered_kv.tiered.spec import HierarchySpec
 
 logger = logging.getLogger(__name__)
 
@@ -113,18 +116,28 @@ class TieredOffloadingSpec(OffloadingSpec):
             tiered_bytes_per_chunk_per_rank=g.bytes_per_chunk,
         )
 
+    def hierarchy(self, layout: KVCacheLayout) -> HierarchySpec:
+        """The hierarchy's one builder for this process: ``layout`` is the scheduler's
+        view of a chunk (``VllmGeometry.scheduler_layout``) or a worker's
+        (``worker.canonical_layout``); every tier is keyed by vLLM's fingerprint."""
+        g = self.geometry
+        return HierarchySpec(
+            dataclasses.replace(self.tiered_config, block_size=g.tokens_per_chunk),
+            g.tokens_per_block,
+            layout,
+            rank=g.rank,
+            tp_size=g.world_size,
+            engine_id=self.config.engine_id,
+            enable_events=self.kv_events_config.enable_kv_cache_events,
+            fingerprint=g.fingerprint,
+        )
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = build_manager(
-                self.tiered_config,
-                self.geometry,
-                engine_id=self.config.engine_id,
-                enable_events=self.kv_events_config.enable_kv_cache_events,
-                info=self.config_info(),
-            )
+            self._manager = build_manager(self.hierarchy(self.geometry.scheduler_layout()), info=self.config_info())
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = TieredVllmWorker(kv_caches, self.tiered_config, self.geometry, self.config.engine_id)
+            self._worker = TieredVllmWorker(kv_caches, self.hierarchy, self.geometry, self.config.engine_id)
         return self._worker

@@ -15,16 +15,15 @@ Jobs: ``submit_store(job, GPU spec, TieredJobSpec(TieredStoreSpec))`` and
 lists GPU block ids group by group; within a group the ids fill the chunks' GPU-block
 positions in order, starting ``block_indices[g] % blocks_per_chunk`` positions into the
 first chunk, and may stop short of the end of the last one. We turn that into one row
-of ``blocks_per_chunk`` GPU block ids per chunk (-1 = position not transferred) and run
-the composite's handlers at GPU-block granularity: GPU <-> CPU copies name GPU blocks on
-both sides (CPU position ``slot * blocks_per_chunk + j``), the disk handlers take the
-rows. I/O: GPU <-> host copies (CUDA streams; synchronous on CPU), disk reads and
-writes for this rank's slab on the disk handlers' and stager's threads, and with a
-shared tier, this rank's objects in the bucket (its own ``RemoteStore``, opened here,
-after any fork): uploads of spilled and write-through chunks (``RemoteStager``,
-dropped and counted past ``max_pending_upload_bytes``) and downloads into CPU slots or
-straight into the KV cache (``RemoteLoadHandler``), each object's header (fingerprint,
-block hash, this rank) and checksum verified before a byte of it is used.
+of ``blocks_per_chunk`` GPU block ids per chunk (-1 = position not transferred, a
+``GPURowsSpec``) and run the composite's handlers, which ``HierarchySpec`` (the
+hierarchy's one builder) composes over GPU <-> CPU copies at GPU-block granularity
+(CPU position ``slot * blocks_per_chunk + j``) and each lower tier's worker side
+(``TierSpec.get_worker``: this rank's disk slab, its own connection to the shared
+tier's bucket, opened here after any fork). I/O: GPU <-> host copies (CUDA streams;
+synchronous on CPU) here; each lower tier's reads and writes on that tier's threads,
+each block verified (checksum, or the shared tier's object header and checksum) before
+a byte of it is used.
 
 Failures never reach vLLM, whose worker connector asserts that every job succeeded:
 every job is reported done. A job that failed inside (logged, counted) marks the CPU
@@ -53,22 +52,16 @@ from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
 from tiered_kv.abstract import Closing
-from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.disk.worker.io_process import open_worker_store
-from tiered_kv.memory.host_memory import HostKVCache
+from tiered_kv.config import ConfigError
+from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
 from tiered_kv.integrations.vllm.common import TieredJobSpec
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
-from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-from tiered_kv.metrics import TieredStats
-from tiered_kv.remote.store import RemoteStore
-from tiered_kv.remote.handlers import RemoteLoadHandler, RemoteStager
-from tiered_kv.tiered.handlers import DiskStager, TieredLoadHandler, TieredStoreHandler
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, chunk_positions
+from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
-from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
-from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler
-from tiered_kv.worker.worker import OffloadingHandler, Stager, TransferResult, TransferSpec
+from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
 
@@ -97,59 +90,6 @@ def gpu_rows(spec: VllmGPUSpec, blocks_per_chunk: int, num_chunks: int) -> np.nd
             f"blocks; the offloading spec has {num_chunks}"
         )
     return rows
-
-
-def chunk_positions(slots: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
-    """``(N, blocks_per_chunk)`` host positions of CPU ``slots`` at GPU-block granularity."""
-    f = blocks_per_chunk
-    return np.asarray(slots, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
-
-
-class GPURowsSpec(GPULoadStoreSpec):
-    """GPU blocks given per chunk: ``rows`` ``(N, blocks_per_chunk)``, -1 = not transferred."""
-
-    def __init__(self, rows: np.ndarray):
-        super().__init__(rows[rows >= 0])
-        self.rows = rows
-
-
-class _RowsGpuDiskHandler(GpuDiskHandler):
-    """``GpuDiskHandler`` that also takes ``GPURowsSpec`` (positions missing anywhere)."""
-
-    def _kernel_ids(self, spec, n: int, store: bool) -> np.ndarray:
-        if isinstance(spec, GPURowsSpec):
-            if spec.rows.shape != (n, self.layout.block_size_factor):
-                raise ValueError(f"GPU rows {spec.rows.shape} do not match {n} disk blocks")
-            return spec.rows
-        return super()._kernel_ids(spec, n, store)
-
-
-class _RowsRemoteLoadHandler(RemoteLoadHandler):
-    """``RemoteLoadHandler`` into the KV cache that takes ``GPURowsSpec``."""
-
-    def _kernel_ids(self, dst, n: int) -> np.ndarray:
-        if isinstance(dst, GPURowsSpec):
-            if dst.rows.shape != (n, self.layout.block_size_factor):
-                raise ValueError(f"GPU rows {dst.rows.shape} do not match {n} shared-tier blocks")
-            return dst.rows
-        return super()._kernel_ids(dst, n)
-
-
-class _ChunkRowsLoadHandler(TieredLoadHandler):
-    """``TieredLoadHandler`` whose GPU side is ``GPURowsSpec`` and whose CPU <-> GPU copies
-    run at GPU-block granularity (both handler factors 1)."""
-
-    def _gpu_rows(self, gpu, num_blocks: int) -> np.ndarray:
-        if not isinstance(gpu, GPURowsSpec) or gpu.rows.shape != (num_blocks, self.factor):
-            raise ValueError(f"expected GPU rows for {num_blocks} chunks of {self.factor} blocks")
-        return gpu.rows
-
-    def _cpu_to_gpu_spec(self, cpu_slots: np.ndarray, rows: np.ndarray) -> TransferSpec:
-        keep = rows >= 0
-        return (CPULoadStoreSpec(chunk_positions(cpu_slots, self.factor)[keep]), GPULoadStoreSpec(rows[keep]))
-
-    def _disk_gpu_spec(self, rows: np.ndarray) -> GPULoadStoreSpec:
-        return GPURowsSpec(rows)
 
 
 def canonical_layout(kv_caches: CanonicalKVCaches, tokens_per_block: int, blocks_per_chunk: int) -> KVCacheLayout:
@@ -182,7 +122,13 @@ class TieredVllmWorker(OffloadingWorker, Closing):
     """The worker side of ``TieredOffloadingSpec`` (module docstring): ``cfg`` and ``g``
     are the spec's parsed config and geometry, ``engine_id`` vLLM's."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, cfg: TieredConfig, g: VllmGeometry, engine_id: str):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        hierarchy_for: Callable[[KVCacheLayout], HierarchySpec],
+        g: VllmGeometry,
+        engine_id: str,
+    ):
         self.factor = g.blocks_per_chunk
         self.layout = canonical_layout(kv_caches, g.tokens_per_block, g.blocks_per_chunk)
         if self.layout.bytes_per_block != g.bytes_per_chunk:
@@ -194,53 +140,24 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             )
         self.kernel_bytes = g.worker_bytes_per_block
         self.rank = g.rank
-        self.stats = TieredStats()
+        #: The hierarchy's builder for this rank, the same one the scheduler and every
+        #: other deployment use; it opens each lower tier's worker side.
+        self.hierarchy = hierarchy_for(self.layout)
+        self.stats = self.hierarchy.stats
         gpu = [t.tensor for t in kv_caches.tensors]
-        self.host = HostKVCache(self.layout, g.num_cpu_slots, shared=bool(cfg.disk_path) and cfg.disk_io == "process")
+        self.host = self.hierarchy.allocate_host()
         flags = [False] * len(gpu)
+        copy_kernels = self.hierarchy.config.copy_kernels
         gpu_to_cpu = SingleDirectionOffloadingHandler(
-            gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY, copy_kernels=cfg.copy_kernels
+            gpu, self.host.tensors, flags, 1, 1, STORE_PRIORITY, copy_kernels=copy_kernels
         )
         cpu_to_gpu = SingleDirectionOffloadingHandler(
-            self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY, copy_kernels=cfg.copy_kernels
+            self.host.tensors, gpu, flags, 1, 1, LOAD_PRIORITY, copy_kernels=copy_kernels
         )
-        self.disk_store = stager = disk_to_gpu = disk_to_cpu = None
-        if cfg.disk_path:
-            self.disk_store = open_worker_store(cfg, g.fingerprint, self.layout, engine_id)
-            disk_to_gpu = _RowsGpuDiskHandler(self.disk_store, g.rank, gpu, self.layout)
-            disk_to_cpu = CpuDiskHandler(self.disk_store, g.rank, self.host, self.layout)
-            # Staging for twice the manager's bound of pending writes: a buffer returns a
-            # moment after the manager may have seen its chunk's index commit.
-            stager = DiskStager(self.host, self.disk_store, g.rank, 2 * cfg.max_pending_disk_writes, self.stats)
-        # One entry per lower tier, in the scheduler's order: disk, then the shared tier.
-        stagers: list[Stager | None] = []
-        to_gpu: list[OffloadingHandler | None] = []
-        to_cpu: list[OffloadingHandler | None] = []
-        names: list[str] = []
-        if cfg.disk_path:
-            stagers.append(stager)
-            to_gpu.append(disk_to_gpu)
-            to_cpu.append(disk_to_cpu)
-            names.append("disk")
-        self.remote_store = self.remote_stager = None
-        if cfg.remote is not None:
-            self.remote_store = RemoteStore(cfg.remote, g.fingerprint, check=False)
-            self.remote_stager = RemoteStager(
-                self.host, self.remote_store, g.rank, cfg.remote.max_pending_upload_bytes, self.stats
-            )
-            stagers.append(self.remote_stager)
-            to_gpu.append(_RowsRemoteLoadHandler(self.remote_store, g.rank, gpu, self.layout, to_gpu=True))
-            to_cpu.append(RemoteLoadHandler(self.remote_store, g.rank, self.host.tensors, self.layout, to_gpu=False))
-            names.append("remote")
-        self.store_handler = TieredStoreHandler(gpu_to_cpu, self.kernel_bytes, stagers or None, self.stats)
-        self.load_handler = _ChunkRowsLoadHandler(
-            cpu_to_gpu,
-            g.bytes_per_chunk,
-            self.factor,
-            to_gpu or None,
-            to_cpu or None,
-            self.stats,
-            tier_names=names or ("disk",),
+        # vLLM transfers any GPU-block positions of a chunk: the GPU <-> CPU copies
+        # address GPU blocks, and every GPU side is given per chunk (GPURowsSpec).
+        self.store_handler, self.load_handler = self.hierarchy.build_handlers(
+            gpu_to_cpu, cpu_to_gpu, gpu, gpu_block_granular=True, store_bytes_per_block=self.kernel_bytes
         )
         self.health = SlotHealth.for_engine(engine_id, g.num_cpu_slots)
         self._jobs: dict[int, _Job] = {}
@@ -358,10 +275,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
     def shutdown(self) -> None:
         self.store_handler.shutdown()
         self.load_handler.shutdown()
-        if self.disk_store is not None:
-            self.disk_store.close()
-        if self.remote_store is not None:
-            self.remote_store.close()
+        self.hierarchy.close()
         self.health.close()
 
 

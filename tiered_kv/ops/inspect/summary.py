@@ -5,17 +5,22 @@ lock record, and the slab files' sizes; probes (reads) one 4 KiB page of a slab 
 tell whether O_DIRECT works there. Everything else is numpy over the snapshot, so a
 namespace of a million blocks is summarised or listed in about a second.
 
-``mark_read_by`` says, for a server config, whether a server with it would read each
-namespace (the fields it pins, ``model_identity.pinned_fields``: model id, revision,
-weights digest of its model directory, hash settings, block size); computing the
-weights digest reads a bounded sample of that model directory.
+``mark_read_by`` says, for a vLLM server config, whether a vLLM server with it would
+read each namespace: the fields it pins (``model_identity.pinned_fields``: model id,
+revision, weights digest of its model directory, hash settings, block size) and,
+where the model directory is known and vLLM imports, the rest of the namespace
+``TieredOffloadingSpec`` computes (worker-block and KV-group geometry, KV-cache
+layout, model settings: ``ops.warmup.vllm_pages.server_fingerprint``, for the
+namespace's own TP size, GPU block size and dtype). Computing the weights digest
+reads a bounded sample of that model directory; the vLLM check reads its
+``config.json`` and imports vLLM.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +29,7 @@ from tiered_kv.config import ConfigError
 from tiered_kv.disk.worker.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import Namespace, current_holder
 from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
-from tiered_kv.model_identity import pinned_fields, read_config_file, unread_fields
+from tiered_kv.model_identity import pinned_fields, read_config_file, resolve_model_dir, unread_fields
 
 
 def io_backend_info(ns: Namespace) -> dict[str, Any]:
@@ -179,12 +184,23 @@ def summarize_cache(cache: CacheDir) -> dict[str, Any]:
 # ---------------------------------------------------------------- which config reads what
 
 
-@dataclass(frozen=True)
+#: Fingerprint fields a vLLM server derives beyond those its config pins
+#: (``pinned_fields``): compared where vLLM's namespace can be computed here.
+VLLM_FIELDS = ("block_size", "layer_geometry", "kv_layout", "model_revision", "hash_seed", "model_settings")
+
+
+@dataclass
 class ServerConfig:
-    """A server's config file and the fingerprint fields it pins (``pinned_fields``)."""
+    """A vLLM server's config file, the fingerprint fields it pins (``pinned_fields``),
+    and what computing the rest of its namespace needs: the raw extra config and the
+    model directory (vLLM's ``--model``, else the config's ``model_path``; None: not
+    known here)."""
 
     path: str
     pinned: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+    model_dir: str | None = None
+    _expected: dict[tuple, dict[str, Any] | str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, path: str, model: str | None = None) -> "ServerConfig":
@@ -192,23 +208,91 @@ class ServerConfig:
         ``model``: the server's ``--model`` where the config sets no model_id or
         model_path. Raises ``InspectError`` naming the file and the problem."""
         try:
-            return cls(str(path), pinned_fields(read_config_file(path), model=model))
+            extra = read_config_file(path)
+            pinned = pinned_fields(extra, model=model)
         except ConfigError as e:
             raise InspectError(f"--config {path}: {e}") from None
+        found = resolve_model_dir(model) if model is not None else None
+        where = str(found) if found is not None else extra.get("model_path")
+        return cls(str(path), pinned, dict(extra), None if where is None else str(where))
+
+    def vllm_fingerprint(self, fingerprint: dict[str, Any]) -> dict[str, Any] | str:
+        """The fingerprint ``TieredOffloadingSpec`` computes in a vLLM server with this
+        config, started with the namespace's TP size, GPU block size, dtype and KV-cache
+        layout (``vllm serve`` flags, not config keys), as a record; or why it cannot be
+        computed here (no model directory, no vLLM, a model the warm-up cannot match)."""
+        if self.model_dir is None:
+            return "vLLM's geometry not checked: give --model (the server's model directory)"
+        layout = next(
+            (x.split("=", 1)[1] for x in fingerprint.get("kv_layout", ()) if x.startswith("kv_cache_layout=")), None
+        )
+        key = (fingerprint.get("tp_size"), fingerprint.get("gpu_block_size"), fingerprint.get("dtype"), layout)
+        if key not in self._expected:
+            self._expected[key] = _vllm_fingerprint(self.model_dir, self.extra, *key)
+        return self._expected[key]
 
     def differences(self, fingerprint: dict[str, Any]) -> list[str]:
-        """Why a server with this config would not read a namespace of ``fingerprint``
-        (empty: it would, given an engine of the namespace's geometry)."""
-        return unread_fields(fingerprint, self.pinned)
+        """Why a vLLM server with this config would not read a namespace of
+        ``fingerprint`` (empty: it would). The pinned fields always; the geometry,
+        layout and model settings vLLM derives where ``vllm_fingerprint`` computes."""
+        out = unread_fields(fingerprint, self.pinned)
+        expected = self.vllm_fingerprint(fingerprint)
+        if isinstance(expected, dict):
+            for key in VLLM_FIELDS:
+                want, have = expected.get(key), fingerprint.get(key)
+                if key not in self.pinned and want != have:
+                    out.append(f"{key}: {_brief(want)} for the config, {_brief(have)} in the cache")
+        return out
+
+    def unchecked(self, fingerprint: dict[str, Any]) -> str | None:
+        """Why only the pinned fields were compared, or None."""
+        expected = self.vllm_fingerprint(fingerprint)
+        return expected if isinstance(expected, str) else None
+
+
+def _brief(value: Any) -> str:
+    """A fingerprint value on one short line: a geometry by its entries' names."""
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(str(x[0]) if isinstance(x, (list, tuple)) else str(x) for x in value) + ")"
+    return repr(value)
+
+
+def _vllm_fingerprint(
+    model_dir: str, extra: dict[str, Any], tp: Any, gpu_block_size: Any, dtype: Any, layout: str | None
+) -> dict[str, Any] | str:
+    try:
+        from tiered_kv.ops.warmup.errors import WarmupError
+        from tiered_kv.ops.warmup.vllm_pages import server_fingerprint
+    except ImportError as e:
+        return f"vLLM's geometry not checked: vLLM does not import here ({e})"
+    try:
+        fp = server_fingerprint(
+            model_dir,
+            extra,
+            dtype=str(dtype),
+            gpu_block_size=int(gpu_block_size),
+            tp_size=int(tp),
+            kv_cache_layout=layout if layout not in (None, "None") else None,
+        )
+    except (WarmupError, ConfigError) as e:
+        return f"vLLM's geometry not checked: {e}"
+    return fp.to_dict()
 
 
 def mark_read_by(data: dict[str, Any], configs: list[ServerConfig]) -> None:
     """Add ``read_by`` to each namespace of ``summarize_cache``'s ``data``: per config,
-    ``{"config", "reads", "differences"}``."""
+    ``{"config", "reads", "differences"}``, plus ``"unchecked"`` saying why only the
+    pinned fields were compared, where so."""
     for ns in data["namespaces"]:
-        ns["read_by"] = [
-            {"config": c.path, "reads": not (d := c.differences(ns["fingerprint"])), "differences": d} for c in configs
-        ]
+        ns["read_by"] = []
+        for c in configs:
+            d = c.differences(ns["fingerprint"])
+            row = {"config": c.path, "reads": not d, "differences": d}
+            if (why := c.unchecked(ns["fingerprint"])) is not None:
+                row["unchecked"] = why
+            ns["read_by"].append(row)
 
 
 def unread_namespaces(cache: CacheDir, configs: list[ServerConfig]) -> list[Namespace]:

@@ -6,7 +6,8 @@ writer lock, as the server's scheduler would). For each prompt it computes vLLM'
 prefix block hashes (``tiered_kv.ops.hashing``), skips the prompt when every full block is
 already on disk (so a rerun resumes where a previous one stopped), runs the model once
 over the prompt up to its last missing block, and stores the missing blocks through
-the disk tier's own path: ``DiskOffloadingManager.prepare_store`` picks slots (evicting
+the disk tier's own path (its ``DiskTier``, built by type as every deployment builds
+it): ``DiskOffloadingManager.prepare_store`` picks slots (evicting
 LRU blocks if the cache is full), ``DiskStore.write_blocks`` writes each TP rank's
 shard, makes it durable and commits its index entry, and ``complete_store`` makes the
 blocks loadable. Block I/O and fsync happen on the calling thread here: there is no
@@ -52,16 +53,59 @@ from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.disk.worker.io_backends import aligned_empty
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import slot_size_for
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.tier import DiskTier
+from tiered_kv.disk.worker.block_store import BlockStore
 from tiered_kv.mediums import ids_spec
 from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.ops.warmup.engines import HFEngine
 from tiered_kv.ops.warmup.errors import WarmupError
 from tiered_kv.ops.warmup.inputs import check_identity
 from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, register_block_layout
+from tiered_kv.tiers import TierContext, build_tiers
 
 #: The run; ``register_block_layout`` is here too, where docs/cli.md points plug-ins.
-__all__ = ["JOB_BYTES", "WarmupReport", "chunk_tokens_for", "register_block_layout", "warmup"]
+__all__ = [
+    "DEFAULT_LAYOUT",
+    "JOB_BYTES",
+    "WarmupReport",
+    "chunk_tokens_for",
+    "register_block_layout",
+    "server_settings",
+    "warmup",
+]
+
+#: The layout ``tiered-kv warmup`` writes unless told otherwise: what vLLM reads.
+DEFAULT_LAYOUT = "vllm"
+
+
+def _vllm_pages() -> Any:
+    """The ``vllm_pages`` module, imported when the vllm layout is chosen (it imports
+    vLLM), or ``WarmupError`` saying what to do without vLLM."""
+    try:
+        from tiered_kv.ops.warmup import vllm_pages
+    except ImportError as e:
+        raise WarmupError(
+            f"the vllm layout computes vLLM's own namespace and needs vLLM importable ({e}); "
+            "install vLLM 0.33 here, or use --layout kv-first for tiered-kv's own engine"
+        ) from None
+    return vllm_pages
+
+
+def _vllm_layout(request: LayoutRequest) -> BlockLayout:
+    return _vllm_pages().VllmPagesLayout(request)
+
+
+def server_settings(model_dir: str, dtype: str = "auto", kv_cache_layout: str | None = None) -> tuple[str, str]:
+    """The dtype a vLLM server runs ``model_dir`` in with ``--dtype dtype`` (``auto``:
+    vLLM's choice, e.g. bfloat16 for a float32 checkpoint), so the hf engine computes
+    K/V in it, and the KV-cache layout it resolves (``vllm_pages.server_kv_cache_layout``).
+    Checked before the model is loaded; raises ``WarmupError``."""
+    pages = _vllm_pages()
+    layout = pages.server_kv_cache_layout(kv_cache_layout)
+    return str(pages.vllm_model_dtype(model_dir, dtype)).removeprefix("torch."), layout
+
+
+register_block_layout(DEFAULT_LAYOUT, _vllm_layout)
 
 #: Blocks written per store job (bounds the staging buffer to about this many bytes).
 JOB_BYTES = 64 << 20
@@ -81,6 +125,8 @@ class WarmupReport:
     #: The weights digest the namespace records; None: the config has no model_path.
     weights_digest: str | None = None
     layout: str = ""
+    #: vLLM's KV-cache layout of the pages written (``vllm`` layout), else None.
+    kv_cache_layout: str | None = None
     prompts: int = 0
     prompts_skipped: int = 0
     prompts_too_short: int = 0
@@ -117,22 +163,31 @@ def warmup(
     *,
     gpu_block_size: int = 16,
     tp_size: int = 1,
-    layout: str = "kv-first",
+    layout: str = DEFAULT_LAYOUT,
+    extra_config: Mapping[str, Any] | None = None,
+    kv_cache_layout: str | None = None,
     env: Mapping[str, str] | None = None,
     progress: Callable[[int, WarmupReport], None] | None = None,
 ) -> WarmupReport:
     """Write every full block of ``prompts`` (token ids) to ``config``'s disk tier.
 
     ``gpu_block_size``/``tp_size``: the serving engine's; ``layout``: a key of
-    ``BLOCK_LAYOUTS``; ``env``: where ``PYTHONHASHSEED`` is read (default
-    ``os.environ``). ``progress(i, report)`` is called after prompt ``i``. Raises
-    ``WarmupError`` for unusable settings, ``HashSettingsError`` when the hashes would
-    not be stable across processes, ``CacheLockedError`` when a server holds the cache.
-    The model's identity is checked first (``check_identity``).
+    ``BLOCK_LAYOUTS``; ``extra_config``: the server's ``kv_connector_extra_config``
+    as given (default: ``config``'s); ``kv_cache_layout``: vLLM's (``vllm`` layout;
+    default its ``VLLM_KV_CACHE_LAYOUT`` or ``LBNHC``); ``env``: where
+    ``PYTHONHASHSEED`` is read (default ``os.environ``). ``progress(i, report)`` is
+    called after prompt ``i``. Raises ``WarmupError`` for unusable settings,
+    ``HashSettingsError`` when the hashes would not be stable across processes,
+    ``CacheLockedError`` when a server holds the cache. The model's identity is
+    checked first (``check_identity``). The ``vllm`` layout's namespace always covers
+    the weights of the engine's model directory (vLLM digests its ``--model``); the
+    ``kv-first`` one covers them where the config names ``model_path``, as tiered-kv's
+    own engine does.
     """
     if not config.disk_path:
         raise WarmupError("the config has no disk_path: there is no disk tier to warm")
-    check_identity(config, getattr(engine, "model_path", None))
+    model_dir = getattr(engine, "model_path", None)
+    check_identity(config, model_dir)
     for n, tokens in enumerate(prompts, 1):
         if len(tokens) and max(tokens) >= engine.vocab_size:
             raise WarmupError(
@@ -149,7 +204,16 @@ def warmup(
         config.hash_algorithm, resolve_seed(config.hash_algorithm, config.hash_seed, env), gpu_block_size
     )
     blocks = BLOCK_LAYOUTS[layout](
-        LayoutRequest(engine.geometry, engine.dtype, gpu_block_size, chunk_tokens // gpu_block_size, tp_size)
+        LayoutRequest(
+            engine.geometry,
+            engine.dtype,
+            gpu_block_size,
+            chunk_tokens // gpu_block_size,
+            tp_size,
+            model_dir=model_dir,
+            extra_config=dict(_extra_config(config) if extra_config is None else extra_config),
+            kv_cache_layout=kv_cache_layout,
+        )
     )
     kv_layout = blocks.kv_layout
     try:
@@ -165,28 +229,17 @@ def warmup(
         model_revision=fp.model_revision,
         weights_digest=fp.weights_digest,
         layout=layout,
+        kv_cache_layout=getattr(blocks, "page_order", None),
     )
-    manager = DiskOffloadingManager(
-        config.disk_path,
-        fp,
-        kv_layout,
-        disk_bytes=config.disk_bytes,
-        checksum=config.checksum,
-        engine_id=engine_id,
-        enable_events=False,
-    )
+    # The disk tier as every deployment builds it (by type, tiered_kv.tiers), both its
+    # scheduler side and one writer's store, in this one process.
+    ctx = TierContext(config, fp, kv_layout, engine_id, enable_events=False)
+    (disk,) = build_tiers(config.tier_entries()[:1], ctx)
+    assert isinstance(disk, DiskTier)
+    manager = disk.get_manager()
     store = None
     try:
-        store = DiskStore.open(
-            config.disk_path,
-            fp,
-            kv_layout,
-            disk_bytes=config.disk_bytes,
-            checksum=config.checksum,
-            io_backend=config.io_backend,
-            io_threads=config.io_threads,
-            engine_id=engine_id,
-        )
+        store = disk.open_store(in_process=True)
         seen: set[bytes] = set()
         for i, tokens in enumerate(prompts):
             _warm_prompt(list(tokens), engine, hasher, blocks, manager, store, seen, report)
@@ -201,13 +254,21 @@ def warmup(
     return report
 
 
+def _extra_config(config: TieredConfig) -> dict[str, Any]:
+    """``config`` as a server's extra config: its set keys (an empty ``hash_seed`` left
+    out: the server then takes ``PYTHONHASHSEED``) and vLLM's pass-through keys."""
+    out = {k: v for k, v in config.to_dict().items() if v is not None and not (k == "hash_seed" and v == "")}
+    out.update(config.passthrough)
+    return out
+
+
 def _warm_prompt(
     tokens: list[int],
     engine: HFEngine,
     hasher: PrefixHasher,
     blocks: BlockLayout,
     manager: DiskOffloadingManager,
-    store: DiskStore,
+    store: BlockStore,
     seen: set[bytes],
     report: WarmupReport,
 ) -> None:
@@ -239,7 +300,7 @@ def _store_chunks(
     kv,
     blocks: BlockLayout,
     manager: DiskOffloadingManager,
-    store: DiskStore,
+    store: BlockStore,
     slot_size: int,
     report: WarmupReport,
 ) -> None:

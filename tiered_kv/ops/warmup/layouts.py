@@ -8,8 +8,9 @@ packs tensors into host rows (``pack_blocks``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,13 +26,19 @@ from tiered_kv.ops.sizing import ModelGeometry
 @dataclass(frozen=True)
 class LayoutRequest:
     """What a ``BlockLayout`` factory is given: the model's KV geometry and dtype, the
-    serving engine's GPU block size, GPU blocks per offloaded block, and TP size."""
+    serving engine's GPU block size, GPU blocks per offloaded block, and TP size; and
+    what a layout that computes the serving engine's own namespace reads: the model
+    directory (the server's ``--model``), the server's extra config (its
+    ``kv_connector_extra_config``) and KV-cache layout (None: the engine's default)."""
 
     geometry: ModelGeometry
     dtype: torch.dtype
     gpu_block_size: int
     block_size_factor: int
     tp_size: int
+    model_dir: str | None = None
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    kv_cache_layout: str | None = None
 
     @property
     def chunk_tokens(self) -> int:

@@ -6,7 +6,8 @@ the manager asks about, read the chunk's bytes of **every rank** from the slab f
 and, on a mismatch or a missing entry, drops the chunk from the index and logs a
 ``corrupt`` record (which the disk manager's ``refresh`` turns into an eviction). The
 result, ok or not, is queued for the manager to collect on its own thread; nothing else
-is shared, so the manager needs no lock.
+is shared, so the manager needs no lock. Each verification's seconds (every rank's read
+and check) go to ``latencies`` for the manager's stats.
 
 Cost: one extra read of the chunk per rank (the worker reads it again to load it).
 """
@@ -23,6 +24,7 @@ from typing import NamedTuple
 from tiered_kv.abstract import Closing
 from tiered_kv.disk.worker.io_backends import aligned_empty
 from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.metrics import VERIFICATION_SECONDS, Latencies
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class DiskVerifier(Closing):
         self._done: queue.SimpleQueue[Verification] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._inflight = 0
+        self.latencies = Latencies()
 
     def submit(self, key: bytes, slot: int) -> None:
         """Start verifying chunk ``key`` in ``slot``; the outcome comes from ``results``."""
@@ -84,11 +87,13 @@ class DiskVerifier(Closing):
 
     def _verify(self, key: bytes, slot: int) -> None:
         ok = False
+        start = time.perf_counter()
         try:
             rows = aligned_empty(self.store.slot_size).view(1, self.store.slot_size)
             ok = all(self.store.read_blocks(rank, [key], [slot], rows)[0] for rank in range(self.num_ranks))
         except Exception:
             logger.exception("verifying disk chunk %s (slot %d) failed", key.hex()[:16], slot)
+        self.latencies.observe(VERIFICATION_SECONDS, ("disk",), time.perf_counter() - start)
         if not ok:
             logger.warning("disk chunk %s (slot %d) failed verification; it will be recomputed", key.hex()[:16], slot)
         self._done.put(Verification(key, slot, ok))

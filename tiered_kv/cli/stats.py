@@ -1,0 +1,158 @@
+"""``tiered-kv stats``: the per-tier view of a running server's Prometheus endpoint.
+
+Operator's process. I/O: one HTTP GET of ``--url`` per refresh
+(``tiered_kv.ops.metrics_view``); prints tables, or the JSON envelope with ``--json``.
+With ``--watch SECONDS`` it reads and prints again every SECONDS until interrupted
+(one JSON document per line with ``--json``), adding the tiers' counts between the last
+two reads (``interval``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+
+from tiered_kv.cli import app
+from tiered_kv.cli.output import envelope, errors, fail, iso_time
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _pct(r: float | None) -> str:
+    return "-" if r is None else f"{100 * r:.1f}%"
+
+
+def _latency(lat: dict[str, Any]) -> str:
+    if not lat["count"]:
+        return "-"
+    return f"{_seconds(lat['p50_seconds'])} / {_seconds(lat['p99_seconds'])}"
+
+
+def render(view: dict[str, Any], url: str) -> Group:
+    """The view as tables: tiers, transfers, shared tier."""
+    tiers = Table(title=f"tiers at {url}", title_justify="left")
+    tiers.add_column("")
+    for t in view["tiers"]:
+        tiers.add_column(t["tier"], justify="right")
+    rows = {
+        "hit rate (tokens)": lambda t: _pct(t["hit_rate_tokens"]),
+        "hits / lookups (tokens)": lambda t: f"{t['hits_tokens']} / {t['lookups_tokens']}",
+        "hits / lookups (blocks)": lambda t: f"{t['hits_blocks']} / {t['lookups_blocks']}",
+        "stores (blocks)": lambda t: str(t["stores_blocks"]),
+        "evictions (blocks)": lambda t: str(t["evictions_blocks"]),
+        "used (blocks)": lambda t: str(t["used_blocks"]),
+        "bytes loaded / stored": lambda t: f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_stored'])}",
+        "load latency p50 / p99": lambda t: _latency(t["load_latency"]),
+        "verify latency p50 / p99": lambda t: _latency(t["verification_latency"]),
+        "drops (blocks)": lambda t: str(t["drops_blocks"]),
+        "failures (blocks)": lambda t: str(t["failures_blocks"]),
+    }
+    interval = view.get("interval")
+    if interval is not None:  # --watch: the same over the last refresh
+        recent = {t["tier"]: t for t in interval["tiers"]}
+        last = f"last {interval['seconds']:.0f}s" if interval["seconds"] >= 10 else f"last {interval['seconds']:.1f}s"
+        first, second, *rest = rows.items()
+        rows = {
+            **dict([first]),
+            f"  {last}": lambda t: _pct(recent.get(t["tier"], {}).get("hit_rate_tokens")),
+            **dict([second]),
+            f"  {last} ": lambda t: "{} / {}".format(
+                recent.get(t["tier"], {}).get("hits_tokens", 0), recent.get(t["tier"], {}).get("lookups_tokens", 0)
+            ),
+            **dict(rest),
+        }
+    for what, cell in rows.items():
+        tiers.add_row(what, *(cell(t) for t in view["tiers"]))
+    parts: list[Any] = [tiers]
+    if view["transfers"]:
+        moved = Table(title="transfers (per job: p50 / p99)", title_justify="left")
+        for col in ("type", "bytes", "jobs ok", "jobs failed", "latency"):
+            moved.add_column(col, justify="left" if col == "type" else "right")
+        for t in view["transfers"]:
+            moved.add_row(
+                t["transfer_type"], _bytes(t["bytes"]), str(t["jobs_ok"]), str(t["jobs_failed"]), _latency(t["latency"])
+            )
+        parts.append(moved)
+    remote = view["remote"]
+    if remote is not None:
+        shared = Table(title="shared tier (this process's store)", title_justify="left", show_header=False)
+        shared.add_column("what")
+        shared.add_column("value")
+        for what in ("uploads", "downloads", "probes", "rejected"):
+            shared.add_row(what, ", ".join(f"{k} {v}" for k, v in sorted(remote[what].items())) or "-")
+        shared.add_row("bytes", ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(remote["bytes"].items())) or "-")
+        shared.add_row("unavailable periods", str(remote["unavailable_periods"]))
+        shared.add_row("damaged objects deleted", str(remote["damaged_deleted"]))
+        for op, lat in remote["request_latency"].items():
+            shared.add_row(f"{op} latency p50 / p99", f"{_latency(lat)} ({lat['count']} requests)")
+        parts.append(shared)
+    return Group(*parts)
+
+
+@app.command("stats")
+def stats(
+    url: str = typer.Option(
+        ..., "--url", metavar="URL", help="The Prometheus endpoint, e.g. http://localhost:8000/metrics."
+    ),
+    watch: Optional[float] = typer.Option(
+        None, "--watch", metavar="SECONDS", min=0.1, help="Read and print again every SECONDS until interrupted."
+    ),
+    timeout: float = typer.Option(
+        10.0, "--timeout", metavar="SECONDS", min=0.1, help="Give up on a read after this long."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of tables."),
+) -> None:
+    """Show a server's tiers live from its Prometheus endpoint: hit rate in tokens, blocks, bytes, latency, drops,
+    failures.
+
+    Counts are totals since the server started (with --watch, the hit rate over the last
+    refresh too); latencies are p50 / p99 estimated from the histograms' buckets. Under vLLM the endpoint carries what the scheduler process
+    counts (transfer latencies and worker-side uploads stay in the workers)."""
+    from tiered_kv.ops.metrics_view import EndpointError, scrape, since, summarize
+
+    console = Console()
+    previous = None
+    while True:
+        with errors(json_out, (EndpointError,)):
+            samples, at = scrape(url, timeout), time.monotonic()
+            view = summarize(samples)
+            if previous is not None:
+                view["interval"] = {
+                    "seconds": at - previous[1],
+                    "tiers": summarize(since(samples, previous[0]))["tiers"],
+                }
+            previous = samples, at
+        if not view["tiers"] and view["remote"] is None:
+            fail(f"{url} exports no tiered-kv metrics (no tiered_kv_tier_blocks_total)", json_out)
+        if json_out:
+            doc = envelope({"url": url, **view}, path=None)
+            typer.echo(json.dumps(doc, sort_keys=True) if watch else json.dumps(doc, indent=2, sort_keys=True))
+        else:
+            if watch:
+                if console.is_terminal:
+                    console.clear()
+                console.print(f"{iso_time(time.time())}  every {watch:g}s, Ctrl-C to stop", highlight=False)
+            console.print(render(view, url))
+        if not watch:
+            return
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            raise typer.Exit(0) from None

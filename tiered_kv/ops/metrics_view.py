@@ -1,0 +1,246 @@
+"""The per-tier view of a Prometheus endpoint that exports tiered-kv's metrics
+(``tiered-kv stats``): a vLLM server with the tiered connector, or a process that
+serves ``tiered_kv.metrics.PrometheusMetrics``.
+
+Operator's process. I/O: one HTTP GET of the endpoint per ``scrape``; the rest is
+arithmetic on the samples. Series that differ only in labels the view does not use
+(vLLM's ``engine`` and ``model_name``) are summed. Quantiles are estimated from the
+histograms' buckets as PromQL's ``histogram_quantile`` does (linear within a bucket),
+over everything the endpoint counted since it started.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tiered_kv.metrics import (
+    REMOTE_BYTES,
+    REMOTE_DAMAGED_DELETED,
+    REMOTE_DOWNLOADS,
+    REMOTE_PROBES,
+    REMOTE_REJECTED,
+    REMOTE_REQUEST_SECONDS,
+    REMOTE_UNAVAILABLE,
+    REMOTE_UPLOADS,
+    TIER_BLOCKS,
+    TIER_TOKENS,
+    TIER_USED_BLOCKS,
+    TRANSFER_JOBS,
+    TRANSFER_SECONDS,
+    VERIFICATION_SECONDS,
+)
+
+#: Sample name -> [(labels, value)].
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+LabelMatch = Callable[[Mapping[str, str]], bool]
+
+#: Quantiles the view shows.
+QUANTILES = (0.5, 0.99)
+#: Per-tier events that are failures: the block was not loaded or not stored.
+FAILURE_EVENTS = ("failed_loads", "failed_stores", "checksum_failures")
+_TRANSFER_BYTES = "vllm:kv_offload_total_bytes_total"
+
+
+class EndpointError(RuntimeError):
+    """The endpoint could not be read, or did not answer in Prometheus' text format."""
+
+
+def scrape(url: str, timeout: float = 10.0) -> Samples:
+    """GET ``url`` and parse it. Raises ``EndpointError`` naming the URL."""
+    if not url.startswith(("http://", "https://")):
+        raise EndpointError(f"--url {url!r}: expected an http:// or https:// URL, e.g. http://localhost:8000/metrics")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        raise EndpointError(f"{url} answered HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+            reason = f"timed out after {timeout:g}s"
+        raise EndpointError(f"{url} could not be read: {reason}") from None
+    return parse(text, url)
+
+
+def parse(text: str, where: str = "the endpoint") -> Samples:
+    """Samples of Prometheus' text exposition format. Raises ``EndpointError``."""
+    samples: Samples = defaultdict(list)
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[s.name].append((dict(s.labels), float(s.value)))
+    except ValueError as exc:
+        raise EndpointError(f"{where} did not answer in Prometheus' text format ({exc})") from None
+    return dict(samples)
+
+
+_CUMULATIVE = ("_total", "_bucket", "_count", "_sum")
+
+
+def since(now: Samples, before: Samples) -> Samples:
+    """What was counted between two scrapes: ``now``'s counters and histograms less
+    ``before``'s, gauges as ``now``. A series lower than before (the server restarted)
+    counts from 0."""
+    out: Samples = {}
+    for name, series in now.items():
+        if not name.endswith(_CUMULATIVE):
+            out[name] = series
+            continue
+        old = {tuple(sorted(labels.items())): v for labels, v in before.get(name, ())}
+        diff = []
+        for labels, v in series:
+            prev = old.get(tuple(sorted(labels.items())), 0.0)
+            diff.append((labels, v - prev if v >= prev else v))
+        out[name] = diff
+    return out
+
+
+def _match(**labels: str) -> LabelMatch:
+    return lambda have: all(have.get(k) == v for k, v in labels.items())
+
+
+def total(samples: Samples, name: str, match: LabelMatch = lambda _: True) -> float:
+    """The sum of ``name``'s series whose labels ``match``."""
+    return sum(v for labels, v in samples.get(name, ()) if match(labels))
+
+
+def by_label(samples: Samples, name: str, label: str, match: LabelMatch = lambda _: True) -> dict[str, float]:
+    """``name``'s series that ``match``, summed per value of ``label``."""
+    out: dict[str, float] = defaultdict(float)
+    for labels, v in samples.get(name, ()):
+        if label in labels and match(labels):
+            out[labels[label]] += v
+    return dict(out)
+
+
+def quantile(samples: Samples, histogram: str, q: float, match: LabelMatch = lambda _: True) -> float | None:
+    """The ``q`` quantile of ``histogram``'s observations whose labels ``match`` (the
+    series' buckets summed), or None without observations."""
+    buckets = by_label(samples, f"{histogram}_bucket", "le", match)
+    bounds = sorted((float(le), n) for le, n in buckets.items())
+    if not bounds or bounds[-1][1] <= 0:
+        return None
+    rank = q * bounds[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in bounds:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower  # past the last finite bucket: its bound, as PromQL answers
+            if count == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def _latency(samples: Samples, histogram: str, match: LabelMatch) -> dict[str, Any]:
+    out: dict[str, Any] = {"count": int(total(samples, f"{histogram}_count", match))}
+    for q in QUANTILES:
+        out[f"p{round(q * 100)}_seconds"] = quantile(samples, histogram, q, match)
+    return out
+
+
+def _is_load(transfer_type: str, tier: str) -> bool:
+    """Whether ``transfer_type`` loads from ``tier`` into memory that serves requests
+    (GPU, or the CPU tier from a lower one): ``disk_to_cpu``, ``disk_to_gpu``,
+    ``cpu_to_gpu``; not a spill such as ``cpu_to_disk``."""
+    src, _, dst = transfer_type.partition("_to_")
+    return src == tier and dst in ("gpu", "cpu") and dst != tier
+
+
+def _loads_from(tier: str) -> LabelMatch:
+    return lambda labels: _is_load(labels.get("transfer_type", ""), tier)
+
+
+def _rate(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def _tier(samples: Samples, tier: str) -> dict[str, Any]:
+    blocks = by_label(samples, f"{TIER_BLOCKS}_total", "event", _match(tier=tier))
+    tokens = by_label(samples, f"{TIER_TOKENS}_total", "event", _match(tier=tier))
+    transfers = by_label(samples, _TRANSFER_BYTES, "transfer_type")
+    return {
+        "tier": tier,
+        "lookups_tokens": int(tokens.get("lookups", 0)),
+        "hits_tokens": int(tokens.get("hits", 0)),
+        "hit_rate_tokens": _rate(tokens.get("hits", 0), tokens.get("lookups", 0)),
+        "lookups_blocks": int(blocks.get("lookups", 0)),
+        "hits_blocks": int(blocks.get("hits", 0)),
+        "stores_blocks": int(blocks.get("stores", 0)),
+        "evictions_blocks": int(blocks.get("evictions", 0)),
+        "drops_blocks": int(blocks.get("drops", 0)),
+        "failures_blocks": int(sum(blocks.get(e, 0) for e in FAILURE_EVENTS)),
+        "used_blocks": int(total(samples, TIER_USED_BLOCKS, _match(tier=tier))),
+        "bytes_loaded": int(sum(v for t, v in transfers.items() if _is_load(t, tier))),
+        "bytes_stored": int(sum(v for t, v in transfers.items() if t.endswith(f"_to_{tier}"))),
+        "load_latency": _latency(samples, TRANSFER_SECONDS, _loads_from(tier)),
+        "verification_latency": _latency(samples, VERIFICATION_SECONDS, _match(tier=tier)),
+    }
+
+
+def _transfers(samples: Samples) -> list[dict[str, Any]]:
+    names = set(by_label(samples, _TRANSFER_BYTES, "transfer_type"))
+    names |= set(by_label(samples, f"{TRANSFER_JOBS}_total", "transfer_type"))
+    out = []
+    for name in sorted(names):
+        jobs = by_label(samples, f"{TRANSFER_JOBS}_total", "outcome", _match(transfer_type=name))
+        out.append(
+            {
+                "transfer_type": name,
+                "bytes": int(total(samples, _TRANSFER_BYTES, _match(transfer_type=name))),
+                "jobs_ok": int(jobs.get("ok", 0)),
+                "jobs_failed": int(jobs.get("failed", 0)),
+                "latency": _latency(samples, TRANSFER_SECONDS, _match(transfer_type=name)),
+            }
+        )
+    return out
+
+
+def _remote(samples: Samples) -> dict[str, Any] | None:
+    # An unlabelled counter is exported (at 0) by every PrometheusMetrics; a series with
+    # labels exists only once a store counted something.
+    if not any(
+        name.startswith("tiered_kv_remote_") and any(labels for labels, _ in series) for name, series in samples.items()
+    ):
+        return None
+
+    def count(metric: str, label: str) -> dict[str, int]:
+        return {k: int(v) for k, v in by_label(samples, f"{metric}_total", label).items()}
+
+    ops = sorted(by_label(samples, f"{REMOTE_REQUEST_SECONDS}_count", "op"))
+    return {
+        "uploads": count(REMOTE_UPLOADS, "outcome"),
+        "downloads": count(REMOTE_DOWNLOADS, "outcome"),
+        "probes": count(REMOTE_PROBES, "outcome"),
+        "bytes": count(REMOTE_BYTES, "direction"),
+        "rejected": {k: v for k, v in count(REMOTE_REJECTED, "reason").items() if v},
+        "unavailable_periods": int(total(samples, f"{REMOTE_UNAVAILABLE}_total")),
+        "damaged_deleted": int(total(samples, f"{REMOTE_DAMAGED_DELETED}_total")),
+        "request_latency": {op: _latency(samples, REMOTE_REQUEST_SECONDS, _match(op=op)) for op in ops},
+    }
+
+
+def summarize(samples: Samples) -> dict[str, Any]:
+    """The view: ``tiers`` (per tier: hit rate in tokens, blocks, bytes loaded from it
+    and stored into it, load and verification latency, drops, failures), ``transfers`` (per transfer type),
+    ``remote`` (the shared tier's store, or None when the endpoint has none) and
+    ``gpu`` (vLLM's load and store bytes)."""
+    tiers = by_label(samples, f"{TIER_BLOCKS}_total", "tier")
+    order = {"cpu": 0, "disk": 1, "remote": 3}
+    return {
+        "tiers": [_tier(samples, t) for t in sorted(tiers, key=lambda t: (order.get(t, 2), t))],
+        "transfers": _transfers(samples),
+        "remote": _remote(samples),
+        "gpu": {
+            "load_bytes": int(total(samples, "vllm:kv_offload_load_bytes_total")),
+            "store_bytes": int(total(samples, "vllm:kv_offload_store_bytes_total")),
+        },
+    }

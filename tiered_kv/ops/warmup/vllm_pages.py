@@ -1,0 +1,302 @@
+"""The ``vllm`` block layout: warm-up blocks as ``TieredOffloadingSpec`` under vLLM 0.33
+stores them, in the namespace that spec computes for the same model, dtype, TP size,
+GPU block size and config.
+
+Runs in the operator's process (``tiered-kv warmup``). Imports vLLM (config classes
+only; no engine, no GPU) and reads the model directory's ``config.json`` and a bounded
+sample of its weights (the digest, ``tiered_kv.model_identity``); writes nothing.
+
+What vLLM does, and what is reproduced here:
+
+- the namespace: ``integrations.vllm.geometry.offline_geometry`` runs vLLM's own
+  ``build_offloading_config`` and the spec's own geometry code on the ``VllmConfig``
+  a server would have (``server_vllm_config``) and the KV-cache config vLLM's planner
+  gives a standard decoder (``decoder_kv_cache_config``: one full-attention group over
+  every layer, each layer's pages in its own region), so every fingerprint field
+  (worker-block and ``kv_group`` geometry, ``kv_cache_layout``, TP, model identity
+  with the weights digest of the model directory and ``model_settings``) is the
+  server's.
+- a chunk's bytes on one rank: for each layer in order (vLLM's canonical tensors, one
+  per layer, ``(num_gpu_blocks, page_size_bytes)`` int8), its ``blocks_per_chunk``
+  pages back to back. A page is one GPU block of one layer: vLLM's logical
+  ``[kv_heads, block_size, 2 * head_dim]`` with each token's key then value in the last
+  axis (FlashAttention and Triton attention split it so), stored in the order the
+  resolved ``kv_cache_layout`` gives (``LBNHC``, vLLM's default where the backend
+  declares none, as FlashAttention does: tokens outer, heads inner; ``LBHNC``: heads
+  outer).
+- TP: rank ``r`` holds KV heads ``r*H/tp .. (r+1)*H/tp - 1``; with more ranks than
+  heads, head ``r*H//tp`` (vLLM's replication).
+- keys: vLLM's ``OffloadKey`` of a chunk, its last GPU block's prefix hash plus the
+  KV-group index 0.
+
+Refused, with the reason: architectures whose vLLM attention layer names are not
+known here, sliding-window attention, quantized weights, block-outermost layouts
+(``BL*``). Not a target: vLLM's CPU attention backend, which reads an ``LBHNC`` page as
+each head's ``block_size`` keys then its ``block_size`` values and writes it with its own
+per-ISA kernel (the fingerprint does not name the backend, so nothing here can tell a
+CPU server apart).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+from vllm.v1.attention.backends.utils import record_kv_cache_layout
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_offload.base import make_offload_key
+
+from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.integrations.vllm.geometry import VllmGeometry, offline_geometry
+from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.memory.host_memory import pack_blocks
+from tiered_kv.ops.hashing import chunk_keys
+from tiered_kv.ops.warmup.errors import WarmupError
+from tiered_kv.ops.warmup.layouts import BlockLayout, LayoutRequest
+
+#: vLLM's attention layer names per architecture: ``{i}`` is the layer index.
+ATTENTION_LAYER_NAMES = {
+    arch: "model.layers.{i}.self_attn.attn"
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+}
+
+#: Page layouts written (vLLM's ``KVCacheLayout`` names): the physical order of one
+#: page's logical ``[heads, tokens, K|V]``; legacy aliases as vLLM reads them.
+PAGE_ORDERS = {"LBNHC": "tokens, heads", "LBHNC": "heads, tokens"}
+LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def server_kv_cache_layout(name: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The KV-cache layout a vLLM server resolves: ``name``, else its
+    ``VLLM_KV_CACHE_LAYOUT``, else ``LBNHC`` (vLLM's first choice where the attention
+    backend declares none: FlashAttention, Triton). Raises ``WarmupError`` for a layout
+    the warm-up cannot write."""
+    env = os.environ if env is None else env
+    raw = name or env.get("VLLM_KV_CACHE_LAYOUT") or "LBNHC"
+    layout = LAYOUT_ALIASES.get(raw.upper(), raw.upper())
+    if layout not in PAGE_ORDERS:
+        raise WarmupError(
+            f"--kv-cache-layout: expected one of {', '.join(PAGE_ORDERS)} (or NHD/HND), got {raw!r}; "
+            "block-outermost layouts interleave layers inside a block, which the warm-up does not write"
+        )
+    return layout
+
+
+def server_vllm_config(
+    model_dir: str,
+    extra_config: Mapping[str, Any],
+    *,
+    dtype: str = "auto",
+    gpu_block_size: int = 16,
+    tp_size: int = 1,
+    kv_cache_layout: str | None = None,
+) -> VllmConfig:
+    """The ``VllmConfig`` of ``vllm serve model_dir --dtype dtype --block-size
+    gpu_block_size --tensor-parallel-size tp_size --enable-prefix-caching
+    --kv-transfer-config {... extra_config}`` as far as the offloading spec reads it
+    (rank 0). Raises ``WarmupError`` where vLLM rejects a value, or for settings whose
+    KV the hf engine cannot compute as vLLM would."""
+    algo = str(extra_config.get("hash_algorithm", "sha256"))
+    try:
+        vc = VllmConfig(
+            # vLLM checks the dtype and hash names itself (its ValueError is caught below).
+            model_config=ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, seed=0),  # type: ignore[arg-type]
+            cache_config=CacheConfig(
+                block_size=gpu_block_size,
+                cache_dtype="auto",
+                enable_prefix_caching=True,
+                prefix_caching_hash_algo=algo,  # type: ignore[arg-type]
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config=dict(extra_config),
+            ),
+            device_config=DeviceConfig(device="cpu"),
+        )
+    except Exception as e:  # vLLM raises pydantic and plain errors alike
+        raise WarmupError(f"vLLM rejects these server settings: {_one_line(e)}") from None
+    # What the engine core records once its attention backends agree on a layout.
+    record_kv_cache_layout(vc.cache_config, server_kv_cache_layout(kv_cache_layout))
+    mc = vc.model_config
+    if mc.quantization:
+        raise WarmupError(
+            f"quantization: the model is quantized ({mc.quantization}); vLLM's quantized kernels compute "
+            "other K/V than transformers, so the warm-up refuses it"
+        )
+    hf = mc.hf_config
+    arch = (getattr(hf, "architectures", None) or ["?"])[0]
+    if arch not in ATTENTION_LAYER_NAMES:
+        raise WarmupError(
+            f"architecture {arch}: vLLM's attention layer names for it are not known here "
+            f"(known: {', '.join(sorted(ATTENTION_LAYER_NAMES))}), so its namespace cannot be computed"
+        )
+    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+        raise WarmupError(
+            f"sliding_window: {hf.sliding_window} in the model's config; vLLM keeps such layers in "
+            "their own KV group, which the warm-up does not write"
+        )
+    return vc
+
+
+def _one_line(e: Exception) -> str:
+    """An exception's message on one line (pydantic's spans several; its link is dropped)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
+    return "; ".join(lines) or type(e).__name__
+
+
+def decoder_kv_cache_config(vllm_config: VllmConfig, num_gpu_blocks: int = 1) -> KVCacheConfig:
+    """The KV-cache config vLLM 0.33's planner gives a standard decoder on one rank:
+    one full-attention group over every layer, one backing allocation with each
+    layer's pages in its own region (``KVCacheTensor.size`` is the whole allocation,
+    so ``worker_kv_bytes_per_block`` is every layer's page)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    spec = FullAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_size=mc.get_head_size(),
+        dtype=_resolved(mc.dtype),
+    )
+    pattern = ATTENTION_LAYER_NAMES[(mc.hf_config.architectures or [""])[0]]
+    names = [pattern.format(i=i) for i in range(mc.get_num_layers(pc))]
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(
+        size=page * num_gpu_blocks * len(names), layers=names, layer_stride=page * num_gpu_blocks, block_stride=page
+    )
+    return KVCacheConfig(
+        num_blocks=num_gpu_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+    )
+
+
+def server_fingerprint(
+    model_dir: str,
+    extra_config: Mapping[str, Any],
+    *,
+    dtype: str = "auto",
+    gpu_block_size: int = 16,
+    tp_size: int = 1,
+    kv_cache_layout: str | None = None,
+) -> Fingerprint:
+    """The disk namespace ``TieredOffloadingSpec`` computes in a vLLM server with these
+    settings (``server_vllm_config``) serving a standard decoder. Raises
+    ``WarmupError`` naming a setting it cannot reproduce, or what the spec refuses."""
+    vc = server_vllm_config(
+        model_dir,
+        extra_config,
+        dtype=dtype,
+        gpu_block_size=gpu_block_size,
+        tp_size=tp_size,
+        kv_cache_layout=kv_cache_layout,
+    )
+    try:
+        return offline_geometry(vc, decoder_kv_cache_config(vc)).fingerprint
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
+
+
+def vllm_model_dtype(model_dir: str, dtype: str = "auto") -> torch.dtype:
+    """The dtype vLLM runs ``model_dir`` in for ``--dtype dtype`` (``auto``: vLLM's
+    choice on this machine's platform, e.g. bfloat16 for a float32 checkpoint)."""
+    try:
+        # vLLM checks the dtype name itself (its error is caught below).
+        config = ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True)  # type: ignore[arg-type]
+        return _resolved(config.dtype)
+    except Exception as e:
+        raise WarmupError(f"vLLM cannot read the model at {model_dir!r}: {_one_line(e)}") from None
+
+
+class VllmPagesLayout(BlockLayout):
+    """Blocks as ``TieredOffloadingSpec`` stores them for a vLLM server with the
+    request's settings (module docstring). Raises ``WarmupError`` naming the setting it
+    cannot match."""
+
+    def __init__(self, request: LayoutRequest):
+        super().__init__(request)
+        r = request
+        if r.model_dir is None:
+            raise WarmupError(
+                "--model: the vllm layout needs the model as a local directory (vLLM's namespace "
+                "covers its weights digest and reads its config.json)"
+            )
+        self.vllm_config = server_vllm_config(
+            r.model_dir,
+            r.extra_config,
+            dtype=str(r.dtype).removeprefix("torch."),
+            gpu_block_size=r.gpu_block_size,
+            tp_size=r.tp_size,
+            kv_cache_layout=r.kv_cache_layout,
+        )
+        self.page_order = self.vllm_config.cache_config.kv_cache_layout
+        mc = self.vllm_config.model_config
+        if mc.get_head_size() != r.geometry.head_dim or mc.get_total_num_kv_heads() != r.geometry.num_kv_heads:
+            raise WarmupError(
+                f"the model vLLM reads at {r.model_dir} has {mc.get_total_num_kv_heads()} KV heads of "
+                f"{mc.get_head_size()}, the engine's {r.geometry.num_kv_heads} of {r.geometry.head_dim}"
+            )
+        try:
+            self.geometry: VllmGeometry = offline_geometry(self.vllm_config, decoder_kv_cache_config(self.vllm_config))
+        except ConfigError as e:
+            raise WarmupError(str(e)) from None
+        if self.geometry.blocks_per_chunk != r.block_size_factor:
+            raise WarmupError(
+                f"block_size: vLLM's chunk is {self.geometry.blocks_per_chunk} GPU blocks, "
+                f"the warm-up's {r.block_size_factor}"
+            )
+        self.heads_per_rank = r.geometry.kv_heads_per_rank(r.tp_size)
+        self.page_bytes = 2 * self.heads_per_rank * r.gpu_block_size * r.geometry.head_dim * r.dtype.itemsize
+
+    @cached_property
+    def kv_layout(self) -> KVCacheLayout:
+        """The scheduler's layout (one int8 pseudo-layer, the same bytes per chunk as the
+        workers' canonical tensors), as the spec's manager opens the namespace."""
+        return self.geometry.scheduler_layout()
+
+    def fingerprint(self, config: TieredConfig) -> Fingerprint:
+        return self.geometry.fingerprint
+
+    def keys(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        return [bytes(make_offload_key(k, 0)) for k in chunk_keys(block_hashes, self.request.block_size_factor)]
+
+    def pages(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, num_blocks: int) -> list[torch.Tensor]:
+        """Rank ``rank``'s pages of the prompt's first ``num_blocks`` GPU blocks: per layer
+        an int8 ``(num_blocks, page_size_bytes)`` tensor, as vLLM's canonical tensors hold
+        them."""
+        r = self.request
+        heads = torch.tensor(r.rank_heads(rank))
+        ntok = num_blocks * r.gpu_block_size
+        out = []
+        for k, v in kv:
+            both = torch.cat([k.index_select(0, heads)[:, :ntok], v.index_select(0, heads)[:, :ntok]], dim=-1)
+            # (heads, tokens, 2D) -> (blocks, heads, block tokens, 2D): vLLM's logical page
+            page = both.reshape(len(heads), num_blocks, r.gpu_block_size, -1).permute(1, 0, 2, 3)
+            if self.page_order == "LBNHC":
+                page = page.permute(0, 2, 1, 3)
+            out.append(page.to(r.dtype).contiguous().view(torch.int8).reshape(num_blocks, self.page_bytes))
+        return out
+
+    def pack(self, kv, rank, chunks, out) -> None:
+        r = self.request
+        f = r.block_size_factor
+        tensors = self.pages(kv, rank, (max(chunks) + 1) * f)
+        layout = KVCacheLayout(
+            tuple(LayerLayout(f"vllm_kv_tensor{i}", tuple(t.shape), False) for i, t in enumerate(tensors)),
+            torch.int8,
+            r.gpu_block_size,
+            f,
+        )
+        ids = np.asarray(chunks, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
+        pack_blocks(tensors, layout, ids, out)
+
+
+def _resolved(dtype: object) -> torch.dtype:
+    """A ``ModelConfig``'s dtype, which vLLM resolves from the name it was given."""
+    if not isinstance(dtype, torch.dtype):
+        raise WarmupError(f"vLLM left the model's dtype unresolved ({dtype!r})")
+    return dtype
