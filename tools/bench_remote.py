@@ -247,7 +247,7 @@ class _Node:
     def __init__(self, name: str, cache_dir: Path, remote: dict[str, Any], shape: ReplayShape):
         import torch
 
-        from tiered_kv.remote.tier import RemoteOffloadingManager, RemoteTier
+        from tiered_kv.remote.manager import RemoteOffloadingManager
         from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
         from tiered_kv.tiered.spec import HierarchySpec
 
@@ -273,9 +273,7 @@ class _Node:
             }
         )
         self.spec = HierarchySpec(config, GPU_BLOCK, self.device.layout, engine_id=f"bench-{name}")
-        tier = self.spec.lower_tiers[-1]
-        assert isinstance(tier, RemoteTier)  # the config's shared tier comes last
-        self.tier = tier
+        self.tier = self.spec.lower_tiers[-1]
         worker = self.spec.build_worker(self.device.kv_caches, self.device.kv_before_num_blocks)
         manager = self.spec.get_manager()  # after the worker, as EngineDriver.from_spec does
         shared = manager.lower[-1]
@@ -296,8 +294,7 @@ class _Node:
                 self.remote.wait_probes(60)
             self.driver.run_request(block_hashes)
             self.driver.drain()
-        if self.tier.stager is not None:
-            self.tier.stager.drain()
+        self.tier.stager.drain()
         if not self.remote.settle(300):
             raise RuntimeError(f"node {self.name}: uploads did not settle within 300 s")
         report.wall_seconds = time.perf_counter() - started
@@ -330,7 +327,6 @@ def replay(config: RemoteConfig, shape: ReplayShape, seed: int, log: Callable[[s
             node = _Node(name, Path(scratch) / name, remote, shape)
             try:
                 report = node.run(requests)
-                assert node.tier.store is not None  # opened with the worker
                 stats = node.tier.store.stats()
             finally:
                 node.close()
