@@ -11,7 +11,7 @@ import torch
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 # The shared-tier tests' real S3 server (Ceph RGW), started once per run when first needed.
-from s3_server import remote_settings, rgw_server, s3_env  # noqa: F401,E402
+from support.s3_server import remote_settings, rgw_server, s3_env  # noqa: F401,E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -43,6 +43,16 @@ VLLM_PASSTHROUGH_KEYS = (
     "sync_load_budget_bytes",
 )
 
+#: Keys of vLLM's own offloading specs that look like ours but are not: what to use instead
+#: (a close spelling would suggest the wrong key).
+OTHER_SPECS_KEYS = {
+    "cpu_bytes_to_use": "that is the key of vLLM's CPUOffloadingSpec and TieringOffloadingSpec, bytes for all TP "
+    "ranks together; TieredOffloadingSpec takes cpu_bytes per TP rank (cpu_bytes_to_use / TP), or keep "
+    '"spec_name": "TieringOffloadingSpec" with our disk tier in secondary_tiers (configs/vllm-tiering-disk.json)',
+    "secondary_tiers": "that is the key of vLLM's TieringOffloadingSpec; set its spec_name, or use disk_path and "
+    "disk_bytes with TieredOffloadingSpec",
+}
+
 WRITE_POLICIES = ("write_through", "write_back")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 DISK_IO = ("thread", "process")
@@ -167,6 +177,8 @@ class TieredConfig:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
+                if key in OTHER_SPECS_KEYS:
+                    hint = f": {OTHER_SPECS_KEYS[key]}."
                 raise ConfigError(f"unknown config key {key!r}{hint} Known keys: {', '.join(known)}")
             values[key] = cls._PARSERS[key](value, key)
         if "disk_bytes" in values and values.get("disk_path") is None:

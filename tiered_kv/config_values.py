@@ -53,13 +53,14 @@ def show(value: Any) -> str:
     return repr(value)
 
 
-def parse_size(value: Any, key: str = "size") -> int:
+def parse_size(value: Any, key: str = "size", example_unit: str = "GiB") -> int:
     """Bytes from a string such as ``"64GiB"``, ``"1.5 TB"``, ``"512MiB"``, ``"4096B"``, or
     a bare number of bytes of at least 1 MiB.
 
     Raises ``ConfigError`` naming ``key`` for anything else: sizes <= 0, non-finite
     numbers, and a bare number (``64``, ``"64"``) under 1 MiB, which is almost always a
-    forgotten unit (the message says how to write bytes on purpose).
+    forgotten unit (the message says how to write bytes on purpose, and suggests
+    ``example_unit``: GiB for a tier, KiB or MiB for a block).
     """
     expected = "expected a size such as 64GiB or a byte count"
     if isinstance(value, bool) or value is None:
@@ -88,7 +89,7 @@ def parse_size(value: Any, key: str = "size") -> int:
     if bare and n < MIN_BARE_SIZE:
         raise ConfigError(
             f"{key}: {show(value)} has no unit, so it would mean {n} bytes; sizes without a unit "
-            f"must be at least 1 MiB ({MIN_BARE_SIZE} bytes). Write a unit, e.g. '{n}GiB', or "
+            f"must be at least 1 MiB ({MIN_BARE_SIZE} bytes). Write a unit, e.g. '{n}{example_unit}', or "
             f"'{n}B' if you mean bytes"
         )
     return n

@@ -32,7 +32,6 @@ the KV of given token ids; the prefix hashes are over token ids.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -44,6 +43,7 @@ from typing import Any
 import xxhash
 
 from tiered_kv.config import ConfigError
+from tiered_kv.config_file import read_server_config
 
 #: Config files hashed whole (top level of the model directory), plus ``*.index.json``.
 CONFIG_FILES = (
@@ -264,21 +264,11 @@ def resolve_model_dir(model: str, revision: str | None = None, download_dir: str
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """The connector's extra config from a JSON file holding either vLLM's whole
-    ``--kv-transfer-config`` (its ``kv_connector_extra_config`` is taken) or that extra
-    config alone. Raises ``ConfigError`` naming the file."""
-    p = Path(path)
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config {p} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"config {p}: not readable JSON ({e})") from None
-    if isinstance(raw, Mapping) and isinstance(raw.get("kv_connector_extra_config"), Mapping):
-        raw = raw["kv_connector_extra_config"]
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"config {p}: expected a JSON object, got {type(raw).__name__}")
-    return dict(raw)
+    """The connector's extra config, in our keys, from a server's config file in any
+    shape the repository ships (``tiered_kv.config_file``: vLLM's whole
+    ``--kv-transfer-config`` or its extra config, for our spec or for vLLM's
+    ``TieringOffloadingSpec`` with our disk tier). Raises ``ConfigError`` naming the file."""
+    return read_server_config(path).extra_for()
 
 
 def pinned_fields(extra: Mapping[str, Any], *, model: str | None = None) -> dict[str, Any]:

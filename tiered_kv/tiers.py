@@ -60,6 +60,9 @@ class TierContext:
     rank: int = 0
     world_size: int = 1
     enable_events: bool = True
+    #: The engine recomputes the blocks of a load that failed (vLLM with our connector
+    #: and ``kv_load_failure_policy: recompute``): a hit need not be verified first.
+    failed_loads_recomputed: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import disk_fixtures as fx
+from support import disk_fixtures as fx
 from tiered_kv.testing.harness import verify_cache
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import Namespace
@@ -27,7 +27,7 @@ TESTS = Path(__file__).resolve().parent.parent
 _CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path[:0] = {paths!r}
-    import disk_fixtures as fx
+    from support import disk_fixtures as fx
     from tiered_kv.disk.worker.store import DiskStore
     layout = fx.small_layout()
     fp = fx.fingerprint(layout, tp_size={tp})

@@ -104,8 +104,13 @@ def test_a_disk_path_that_is_a_file_or_lies_under_one_is_a_clear_error(tmp_path)
         Hierarchy(file / "cache")
 
 
-def test_a_missing_disk_path_is_created_with_its_parents(tmp_path):
-    path = tmp_path / "does" / "not" / "exist"
+def test_a_missing_disk_path_is_created_but_never_its_parents(tmp_path):
+    path = tmp_path / "mnt" / "nvme" / "tiered-kv"
+    (tmp_path / "mnt").mkdir()
+    with pytest.raises(NamespaceError, match=f"{re.escape(str(tmp_path / 'mnt' / 'nvme'))} does not exist"):
+        Hierarchy(path)
+    assert list((tmp_path / "mnt").iterdir()) == []  # no mount point made on the parent's file system
+    (tmp_path / "mnt" / "nvme").mkdir()
     h = Hierarchy(path)
     h.run(DOCS)
     h.settle()

@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from typing import Any, Optional
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+try:  # typer 0.2x runs on its own copy of click; earlier releases on click itself
+    from typer._click import exceptions as _click_exceptions
+    from typer.exceptions import Abort as _Abort
+except ImportError:  # pragma: no cover - older typer
+    from click import exceptions as _click_exceptions
+    from click.exceptions import Abort as _Abort
+
 #: Sub-command name -> (module under ``tiered_kv.cli``, one-line help shown in the
 #: top-level listing before the module is loaded). The one-liners must match the
-#: commands' own first help lines (tests/test_cli_startup.py checks).
+#: commands' own first help lines (tests/cli/test_cli_startup.py checks).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
         "demo",
@@ -55,6 +63,41 @@ class LazyGroup(TyperGroup):
             return TyperCommand(cmd_name, help=COMMANDS[cmd_name][1])
         return cmd
 
+    def main(
+        self,
+        args: Any = None,
+        prog_name: Any = None,
+        complete_var: Any = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """Run as click does, but every usage error (an unknown option, a bad value, a
+        missing argument) is one ``error:`` line on stderr with exit code 2, like the
+        commands' own errors (``tiered_kv.cli.output.fail``), never a box or a block."""
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _click_exceptions.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # a group run bare: its help, as is
+                typer.echo(e.format_message(), err=True)
+                if not standalone_mode:
+                    raise
+                sys.exit(e.exit_code)
+            line = " ".join(e.format_message().split()).replace("Value error, ", "")
+            if isinstance(e, _click_exceptions.UsageError) and e.ctx is not None:
+                line += f" (see '{e.ctx.command_path} --help')"
+            typer.echo(f"error: {line}", err=True)
+            if not standalone_mode:
+                raise
+            sys.exit(e.exit_code)
+        except _Abort:
+            typer.echo("error: aborted", err=True)
+            if not standalone_mode:
+                raise
+            sys.exit(1)
+        if standalone_mode:
+            sys.exit(rv if isinstance(rv, int) else 0)
+        return rv
+
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         if args and args[0] in COMMANDS and args[0] not in self.commands:
             loaded = _load_command(args[0])
@@ -70,6 +113,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 

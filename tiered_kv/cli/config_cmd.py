@@ -6,9 +6,12 @@ files, it also reads that directory's weights digest (``tiered_kv.model_identity
 bounded sample of each file) and records the directory as ``model_path``. The printed
 JSON is what ``vllm serve --kv-transfer-config`` takes; its ``kv_connector_extra_config``
 is validated with ``TieredConfig.from_dict`` before it is printed, so every key is one
-the spec accepts. ``model_id`` is ``--model-id``, else the model's name, else its
-directory, never a silent "unknown"; with a disk tier the table ends with the identity
-the namespace records and its id.
+the spec accepts. ``model_id`` is ``--model-id``, else the preset's hub id, else the
+hub id of a model directory in the Hugging Face cache, else the model directory's own
+name (never the config's ``_name_or_path``, often a path on the machine that trained
+it), never a silent "unknown"; with a disk tier the table ends with the identity the
+namespace records and its id. The printed ``vllm serve`` line runs as printed: the
+model's path or hub id, and the KV-cache dtype the sizing assumed.
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
+from tiered_kv.cli.output import fail
 from tiered_kv.config import ConfigError, TieredConfig, format_size, parse_size
 from tiered_kv.ops.doctor import tier_size_warnings
 from tiered_kv.ops.presets import PRESETS, preset_source
-from tiered_kv.ops.sizing import ModelGeometry, TierPlan, plan_tiers
+from tiered_kv.ops.sizing import ModelGeometry, TierPlan, dtype_bytes, plan_tiers
 
 SPEC_NAME = "TieredOffloadingSpec"
 SPEC_MODULE_PATH = "tiered_kv.integrations.vllm"
 #: Keys vLLM's factory reads from kv_connector_extra_config; TieredConfig passes them through.
 VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path")
+#: The CPU tier's size when --cpu-bytes is not given: TieredConfig's own default, so a
+#: config that leaves cpu_bytes out and one printed here size the tier alike.
+DEFAULT_CPU_BYTES = format_size(TieredConfig.cpu_bytes).replace(".00 ", "").replace(" ", "")
 
 
 def _size_value(text: str, key: str) -> int | str:
@@ -42,7 +49,13 @@ def _size_value(text: str, key: str) -> int | str:
 
 
 def build_kv_transfer_config(
-    plan: TierPlan, *, cpu_bytes: str, disk_path: Optional[str], disk_bytes: Optional[str], model_id: str
+    plan: TierPlan,
+    *,
+    cpu_bytes: str,
+    disk_path: Optional[str],
+    disk_bytes: Optional[str],
+    model_id: str,
+    remote: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """vLLM's kv-transfer-config dict for ``plan``; raises ``ConfigError`` if the
     extra config is not one ``TieredConfig`` accepts."""
@@ -56,6 +69,8 @@ def build_kv_transfer_config(
         extra["disk_bytes"] = _size_value(disk_bytes or "", "disk_bytes")
     extra["block_size"] = plan.block_size
     extra["model_id"] = model_id
+    if remote:
+        extra["remote"] = remote
     TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
@@ -94,53 +109,104 @@ def arithmetic_table(plan: TierPlan) -> Table:
 @app.command("config")
 def config(
     model_config: Optional[Path] = typer.Option(
-        None, "--model-config", help="HF config.json (or its directory) to read the geometry from."
+        None,
+        "--model-config",
+        metavar="PATH",
+        help="The model's directory (or its config.json) to read the geometry from; vllm serve is given it.",
     ),
-    preset: Optional[str] = typer.Option(None, "--preset", help=f"A built-in model geometry: {', '.join(PRESETS)}."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Decoder layers (without --model-config)."),
+    preset: Optional[str] = typer.Option(
+        None, "--preset", metavar="NAME", help=f"A built-in model geometry: {', '.join(PRESETS)}."
+    ),
+    layers: Optional[int] = typer.Option(
+        None, "--layers", min=1, metavar="N", help="Full-attention decoder layers (without --model-config)."
+    ),
     kv_heads: Optional[int] = typer.Option(
-        None, "--kv-heads", help="KV heads of the whole model (without --model-config)."
+        None, "--kv-heads", min=1, metavar="N", help="KV heads of the whole model (without --model-config)."
     ),
-    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension (without --model-config)."),
+    head_dim: Optional[int] = typer.Option(
+        None, "--head-dim", min=1, metavar="N", help="Head dimension (without --model-config)."
+    ),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="KV-cache dtype, e.g. bfloat16, float16, fp8. Default: the model's, else bfloat16."
+        None,
+        "--dtype",
+        metavar="DTYPE",
+        help="KV-cache dtype: bfloat16, float16, float32, fp8, fp8_e4m3 or fp8_e5m2 (the vllm serve line "
+        "gets --kv-cache-dtype or --dtype to match). Default: the model's, else bfloat16.",
     ),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
-    cpu_bytes: str = typer.Option("32GiB", "--cpu-bytes", help="CPU tier budget per TP rank, e.g. 64GiB."),
+    tp: int = typer.Option(1, "--tp", min=1, metavar="N", help="Tensor-parallel size."),
+    cpu_bytes: str = typer.Option(
+        DEFAULT_CPU_BYTES, "--cpu-bytes", metavar="SIZE", help="CPU tier budget per TP rank, e.g. 64GiB."
+    ),
     disk_bytes: Optional[str] = typer.Option(
-        None, "--disk-bytes", help="Disk tier budget per TP rank, e.g. 1TiB (needs --disk-path)."
+        None, "--disk-bytes", metavar="SIZE", help="Disk tier budget per TP rank, e.g. 1TiB (needs --disk-path)."
     ),
-    disk_path: Optional[str] = typer.Option(None, "--disk-path", help="Disk tier directory; omit for no disk tier."),
+    disk_path: Optional[str] = typer.Option(
+        None, "--disk-path", metavar="PATH", help="Disk tier directory on local NVMe; omit for no disk tier."
+    ),
     block_size: int = typer.Option(
-        16, "--block-size", help="Offloaded block size in tokens (a multiple of --gpu-block-size)."
+        16, "--block-size", min=1, metavar="N", help="Offloaded block size in tokens (a multiple of --gpu-block-size)."
     ),
-    gpu_block_size: int = typer.Option(16, "--gpu-block-size", help="vLLM's --block-size (tokens per GPU block)."),
+    gpu_block_size: int = typer.Option(
+        16, "--gpu-block-size", min=1, metavar="N", help="vLLM's --block-size (tokens per GPU block)."
+    ),
     model_id: Optional[str] = typer.Option(
-        None, "--model-id", help="Model id recorded in the disk-cache fingerprint. Default: from the model config."
+        None,
+        "--model-id",
+        metavar="ID",
+        help="Model id recorded in the disk-cache fingerprint. Default: the preset's or HF cache's hub id, "
+        "else the model directory's name.",
+    ),
+    remote_endpoint: Optional[str] = typer.Option(
+        None, "--remote-endpoint", metavar="URL", help="Shared tier: the S3 endpoint (omit for AWS S3)."
+    ),
+    remote_bucket: Optional[str] = typer.Option(
+        None, "--remote-bucket", metavar="NAME", help="Shared tier: the bucket (adds a shared S3 tier)."
+    ),
+    remote_prefix: Optional[str] = typer.Option(
+        None, "--remote-prefix", metavar="PREFIX", help="Shared tier: the key prefix (default: tiered-kv)."
+    ),
+    remote_region: Optional[str] = typer.Option(
+        None, "--remote-region", metavar="REGION", help="Shared tier: the bucket's region (default: us-east-1)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print only the JSON."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON to this file."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", metavar="PATH", help="Also write the JSON to this file."
+    ),
 ) -> None:
-    """Size the CPU and disk tiers for a model and print the --kv-transfer-config JSON."""
+    """Size the CPU and disk tiers for a model and print the --kv-transfer-config JSON.
+
+    Hybrid models (sliding-window or linear-attention layers beside full attention) are
+    sized by their full-attention layers; a model with none is refused with the reason."""
     console = Console()
     try:
         source, serve_model = preset_source(preset, model_config)
         plan, model_name = _plan(
             source, layers, kv_heads, head_dim, dtype, tp, cpu_bytes, disk_bytes, disk_path, block_size, gpu_block_size
         )
+        remote = _remote(remote_endpoint, remote_bucket, remote_prefix, remote_region)
         kv_config = build_kv_transfer_config(
             plan,
             cpu_bytes=cpu_bytes,
             disk_path=disk_path,
             disk_bytes=disk_bytes,
-            model_id=_model_id(model_id, source, serve_model),
+            model_id=_model_id(model_id, preset, source, serve_model),
+            remote=remote,
         )
         identity = _add_model_path(kv_config, source)
+        serve_flags = _serve_dtype_flags(dtype, source)
     except ConfigError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
-    for warning in tier_size_warnings(plan.cpu_bytes, plan.disk_bytes, disk_path, tp):
-        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
+        fail(str(exc), False)
+    warnings = list(tier_size_warnings(plan.cpu_bytes, plan.disk_bytes, disk_path, tp))
+    if not disk_path:
+        warnings.append(
+            "no disk tier (no --disk-path): blocks evicted from the CPU tier are gone and nothing outlives a "
+            "restart; add --disk-path DIR --disk-bytes SIZE on local NVMe (tiered-kv doctor checks it)"
+        )
+    if plan.geometry.other_layers:
+        others = ", ".join(f"{n} {kind}" for kind, n in plan.geometry.other_layers)
+        warnings.append(f"sized by the model's {plan.geometry.num_layers} full-attention layers; not counted: {others}")
+    for warning in warnings:
+        typer.echo(f"warning: {' '.join(warning.split())}", err=True)
     text = json.dumps(kv_config, indent=2)
     if output is not None:
         output.write_text(text + "\n")
@@ -151,7 +217,7 @@ def config(
     console.print_json(text)
     serve_model = serve_model or kv_config["kv_connector_extra_config"].get("model_id") or "<model>"
     console.print(
-        f"vllm serve {serve_model} --tensor-parallel-size {tp} --block-size {gpu_block_size} "
+        f"vllm serve {serve_model} --tensor-parallel-size {tp} --block-size {gpu_block_size}{serve_flags} "
         f"--kv-transfer-config '{json.dumps(kv_config)}'",
         highlight=False,
         soft_wrap=True,
@@ -178,7 +244,7 @@ def _plan(
         given = [k for k, v in manual.items() if v is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: give either --model-config or the geometry options, not both")
-        geometry = ModelGeometry.from_hf_config(model_config, dtype=dtype)
+        geometry = ModelGeometry.from_hf_config(model_config, dtype=dtype, full_attention_only=True)
     else:
         missing = [k for k, v in manual.items() if v is None]
         if missing or layers is None or kv_heads is None or head_dim is None:
@@ -202,29 +268,94 @@ def _plan(
 # ---------------------------------------------------------------- identity
 
 
-def _model_id(given: Optional[str], source: Any, directory: Optional[str]) -> str:
-    """The model id the config records: ``--model-id``, else the model config's
-    ``_name_or_path``, else the model directory; never a silent "unknown"."""
+def _model_id(given: Optional[str], preset: Optional[str], source: Any, directory: Optional[str]) -> str:
+    """The model id the config records: ``--model-id``, else the preset's hub id, else
+    the hub id of a model directory in the Hugging Face cache
+    (``models--<org>--<name>/snapshots/<commit>``), else the model directory's own name.
+    A config's ``_name_or_path`` is never used: it is often a path on the machine that
+    wrote the checkpoint. Never a silent "unknown"."""
     if given:
         return given
-    name = None
-    if isinstance(source, dict):
-        name = source.get("_name_or_path")
-    elif source is not None:
-        path = Path(source)
-        path = path / "config.json" if path.is_dir() else path
-        try:
-            name = json.loads(path.read_text()).get("_name_or_path")
-        except (OSError, ValueError, AttributeError):
-            name = None
-    if name:
-        return str(name)
+    if preset is not None and directory:
+        return directory  # the preset's hub id
     if directory:
-        return str(Path(directory).absolute())
+        path = Path(directory).absolute()
+        if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+            return path.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+        return path.name
     raise ConfigError(
         "--model-id: required without --model-config or --preset: the disk cache namespace "
         "records which model its blocks belong to (vLLM's --model is the usual value)"
     )
+
+
+#: ``--dtype`` spellings that are vLLM's ``--kv-cache-dtype`` values (an fp8 cache under a
+#: model of another dtype), and those that are its ``--dtype`` (model and cache alike).
+_KV_CACHE_DTYPES = {
+    "fp8": "fp8",
+    "fp8_e4m3": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "float8_e5m2": "fp8_e5m2",
+    "fp8_inc": "fp8_inc",
+}
+_MODEL_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+
+
+def _model_dtype(source: Any) -> Optional[str]:
+    """The model's own ``torch_dtype`` (a preset's dict, or a config.json path), if any."""
+    if isinstance(source, dict):
+        return source.get("torch_dtype")
+    if source is None:
+        return None
+    try:
+        path = Path(source)
+        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        return raw.get("torch_dtype") or raw.get("dtype") or (raw.get("text_config") or {}).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _serve_dtype_flags(dtype: Optional[str], source: Any) -> str:
+    """What the ``vllm serve`` line needs so its KV cache has the dtype the sizing
+    assumed: ``--kv-cache-dtype`` for fp8, ``--dtype`` where vLLM's own choice would
+    differ (another dtype than the model's, or a float32 model, which vLLM's ``--dtype
+    auto`` downcasts to a 16-bit dtype)."""
+    own = _model_dtype(source)
+    own = _MODEL_DTYPES.get(str(own).lower()) if own is not None else None
+    if dtype is None:
+        return " --dtype float32" if own == "float32" else ""
+    key = dtype.strip().lower().removeprefix("torch.")
+    dtype_bytes(key)  # an unknown dtype is refused with the list
+    if key in _KV_CACHE_DTYPES:
+        return f" --kv-cache-dtype {_KV_CACHE_DTYPES[key]}"
+    if key not in _MODEL_DTYPES:
+        known = ", ".join(sorted({**_KV_CACHE_DTYPES, **_MODEL_DTYPES}))
+        raise ConfigError(f"--dtype: vLLM has no {dtype!r} KV cache; expected one of {known}")
+    want = _MODEL_DTYPES[key]
+    return "" if own == want and want != "float32" else f" --dtype {want}"
+
+
+def _remote(
+    endpoint: Optional[str], bucket: Optional[str], prefix: Optional[str], region: Optional[str]
+) -> dict[str, Any] | None:
+    """The ``remote`` key from the ``--remote-*`` options (None without any)."""
+    given = {"endpoint": endpoint, "bucket": bucket, "prefix": prefix, "region": region}
+    remote = {k: v for k, v in given.items() if v is not None}
+    if not remote:
+        return None
+    if bucket is None:
+        raise ConfigError(f"--remote-bucket: required with {', '.join('--remote-' + k for k in remote)}")
+    return remote
 
 
 def _add_model_path(kv_config: dict[str, Any], source: Any):
@@ -270,7 +401,7 @@ def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: T
         fp = KvFirstLayout(request).fingerprint(cfg)
         console.print(
             f"namespace {fp.namespace_id}: what tiered-kv's own spec and `tiered-kv warmup "
-            f"--gpu-block-size {gpu_block_size} --tp-size {plan.tp}` read and write with this config",
+            f"--gpu-block-size {gpu_block_size} --tp {plan.tp}` read and write with this config",
             highlight=False,
             soft_wrap=True,
         )

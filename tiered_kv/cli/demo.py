@@ -11,7 +11,7 @@ loaded block differed from what was stored.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import typer
@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
-from tiered_kv.config import ConfigError, format_size, parse_size
-from tiered_kv.disk.format.namespace import NamespaceError
+from tiered_kv.cli.output import emit_json, errors
+from tiered_kv.config import format_size, parse_size
 from tiered_kv.metrics import TRANSFER_TYPES
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver
@@ -33,20 +33,30 @@ DEVICE_GROUPS = 64  # offloaded-block-sized groups the device cache holds
 @app.command()
 def demo(
     cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Disk-tier directory (created if absent); without it, GPU <-> CPU only."
+        None,
+        "--cache-dir",
+        metavar="PATH",
+        help="Disk-tier directory (its last component is created if absent); without it, GPU <-> CPU only.",
     ),
-    requests: int = typer.Option(300, "--requests", min=1, help="Requests to replay."),
-    seed: int = typer.Option(0, "--seed", help="Workload seed."),
-    cpu_bytes: str = typer.Option("8MiB", "--cpu-bytes", help="CPU tier size, e.g. 8MiB, 1GiB."),
-    disk_bytes: str = typer.Option("256MiB", "--disk-bytes", help="Disk tier size, e.g. 256MiB, 1TiB."),
-    write_policy: str = typer.Option("write_through", "--write-policy", help="write_through or write_back."),
+    requests: int = typer.Option(300, "--requests", min=1, metavar="N", help="Requests to replay."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Workload seed."),
+    cpu_bytes: str = typer.Option("8MiB", "--cpu-bytes", metavar="SIZE", help="CPU tier size, e.g. 8MiB, 1GiB."),
+    disk_bytes: str = typer.Option("256MiB", "--disk-bytes", metavar="SIZE", help="Disk tier size, e.g. 256MiB, 1TiB."),
+    write_policy: Literal["write_through", "write_back"] = typer.Option(
+        "write_through", "--write-policy", help="When blocks reach the disk."
+    ),
     promote_on_hit: bool = typer.Option(True, "--promote/--no-promote", help="Bring disk hits back into the CPU tier."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the 'GPU' KV cache lives."),
-    layout: str = typer.Option(
-        "kv-first", "--layout", help="kv-first: (2, num_blocks, ...); kv-after: (num_blocks, 2, ...)."
+    device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", "--device", help="Where the 'GPU' KV cache lives."),
+    layout: Literal["kv-first", "kv-after"] = typer.Option(
+        "kv-first",
+        "--layout",
+        help="kv-first: (2, num_blocks, ...); kv-after: (num_blocks, 2, ...).",
     ),
-    block_size_factor: int = typer.Option(1, "--block-size-factor", min=1, help="GPU blocks per offloaded block."),
-    disk_io: str = typer.Option("thread", "--disk-io", help="thread or process: where the disk I/O runs."),
+    block_size_factor: int = typer.Option(
+        1, "--block-size-factor", min=1, metavar="N", help="GPU blocks per offloaded block."
+    ),
+    disk_io: Literal["thread", "process"] = typer.Option("thread", "--disk-io", help="Where the disk I/O runs."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout instead of tables."),
 ) -> None:
     """Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per
     tier, bytes and GB/s per transfer type.
@@ -54,11 +64,7 @@ def demo(
     Every block loaded back is checked byte for byte; any mismatch exits 1. Run it twice
     with the same --cache-dir: the second run is served from the first run's disk blocks."""
     console = Console()
-    if layout not in ("kv-first", "kv-after"):
-        raise typer.BadParameter(f"expected kv-first or kv-after, got {layout!r}", param_hint="--layout")
-    if device not in ("auto", "cpu", "cuda"):
-        raise typer.BadParameter(f"expected auto, cpu or cuda, got {device!r}", param_hint="--device")
-    try:
+    with errors(json_out, (OSError, RuntimeError)):
         parse_size(cpu_bytes, "--cpu-bytes")
         dev = DeviceKVCache(
             num_gpu_blocks=DEVICE_GROUPS * block_size_factor,
@@ -79,9 +85,6 @@ def demo(
             config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)
         spec = HierarchySpec(config, gpu_block_size=GPU_BLOCK_SIZE)
         driver = EngineDriver.from_spec(spec, dev)
-    except (ConfigError, NamespaceError, OSError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
     if dev.device.type == "cpu":
         # Jobs here are a few hundred KB: OpenMP threads gain nothing, and on a busy
         # 2-core machine their barriers stall for whole scheduler ticks.
@@ -92,10 +95,46 @@ def demo(
     driver.manager.shutdown()
     if spec.store is not None:
         spec.store.close()
-    _print(console, report, workload, dev, spec, cache_dir)
+    if json_out:
+        emit_json(_report_dict(report, workload, spec), cache_dir)
+    else:
+        _print(console, report, workload, dev, spec, cache_dir)
     if report.mismatches:
-        console.print(f"[bold red]FAIL: {report.mismatches} loaded block(s) differ from what was stored[/]")
+        typer.echo(f"error: {report.mismatches} loaded block(s) differ from what was stored", err=True)
         raise typer.Exit(1)
+
+
+def _report_dict(report: DriverReport, workload, spec: HierarchySpec) -> dict:
+    """The run as ``--json`` prints it (in the envelope of ``tiered_kv.cli.output``)."""
+    transfers = {
+        name: {"jobs": t.jobs, "failed_jobs": t.failed_jobs, "bytes": t.bytes, "seconds": t.seconds, "gbps": t.gbps}
+        for name in TRANSFER_TYPES
+        if (t := spec.stats.transfers[name]).jobs
+    }
+    return {
+        "workload": {
+            "name": workload.name,
+            "requests": len(workload.requests),
+            "blocks": workload.num_blocks,
+            "distinct_blocks": workload.num_unique_blocks,
+        },
+        "blocks_requested": report.blocks_requested,
+        "device_hits": report.device_hits,
+        "blocks_looked_up": report.blocks_looked_up,
+        "tier_hits": report.offload_hits,
+        "tier_hit_rate": report.offload_hit_rate,
+        "total_hit_rate": report.total_hit_rate,
+        "hits_by_tier": {m: report.hits_by_medium.get(m, 0) for m in ("CPU", "DISK")},
+        "computed": report.computed,
+        "recomputed_after_failed_load": report.recomputed_after_failed_load,
+        "mismatches": report.mismatches,
+        "failed_jobs": report.failed_jobs,
+        "stores_rejected": report.stores_rejected,
+        "transfers": transfers,
+        "tiers": spec.stats.tiers,
+        "events": dict(sorted(report.events.items())),
+        "wall_seconds": report.wall_seconds,
+    }
 
 
 def _print(

@@ -24,20 +24,53 @@ _STYLE = {"ok": "green", "warn": "yellow", "fail": "red"}
 @app.command("doctor")
 def doctor(
     config: Optional[Path] = typer.Option(
-        None, "--config", help="The server's config: vLLM --kv-transfer-config JSON or its kv_connector_extra_config."
+        None,
+        "--config",
+        metavar="PATH",
+        help="The server's config: vLLM --kv-transfer-config JSON (TieredOffloadingSpec, or TieringOffloadingSpec "
+        "with TieredDiskTier), its kv_connector_extra_config, or a vllm serve --config file.",
     ),
-    tp: int = typer.Option(1, "--tp", min=1, help="The server's tensor-parallel size (tier sizes are per rank)."),
+    tp: Optional[int] = typer.Option(
+        None,
+        "--tp",
+        min=1,
+        metavar="N",
+        help="The server's tensor-parallel size (tier sizes are per rank). Default: the config file's, else 1.",
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        metavar="PATH",
+        help="The model (directory, config.json or a --preset name of tiered-kv config) for the disk's "
+        "break-even. Default: the config's model_path or model_id.",
+    ),
+    prefill_tps: Optional[float] = typer.Option(
+        None,
+        "--prefill-tps",
+        min=1,
+        metavar="N",
+        help="The server's prefill tokens/s, for the break-even. Default: 30,800 (assumed: Llama-3.1-8B, one H100).",
+    ),
+    read_probe: str = typer.Option(
+        "64MiB", "--read-probe", metavar="SIZE", help="Bytes written then read with O_DIRECT to time the disk; 0: skip."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of lines."),
 ) -> None:
     """Check this host for the tiered KV cache: memory locking, huge pages, the disk tier's directory, CUDA, GDS,
     vLLM and hash settings.
 
+    The disk tier's directory must be on the disk meant for it (a path on the root file
+    system or below a missing mount point is flagged) and read faster than the model's
+    break-even (KV bytes per token x prefill tokens/s).
+
     Exit code: 0 when every check is ok, 1 when the worst is a warning, 2 when one fails
     (the server would refuse to start)."""
     with errors(json_out):
+        from tiered_kv.config import parse_size
         from tiered_kv.ops.doctor import run_doctor
 
-        report = run_doctor(config, tp=tp)
+        probe = 0 if read_probe.strip() == "0" else parse_size(read_probe, "--read-probe")
+        report = run_doctor(config, tp=tp, model=model, prefill_tps=prefill_tps, read_probe=probe)
     if json_out:
         emit_json(report.to_dict())
     else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import typer
 from rich import box
@@ -25,8 +25,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
+from tiered_kv.cli.inspect_options import _CACHE_PATH, _DRY_RUN, _JSON, _NAMESPACE, _READ_BY_CONFIG, _REMOTE
+from tiered_kv.cli.inspect_options import _SERVER_MODEL, SORT_HELP, STATE_HELP
 from tiered_kv.cli.inspect_remote import need_path, on_remote
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
+from tiered_kv.cli.output import table_console
 from tiered_kv.config_values import format_size, parse_age, parse_size
 
 # The inspector's library (tiered_kv.ops.inspect) is imported inside each command: it pulls
@@ -38,36 +41,12 @@ inspect_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 app.add_typer(inspect_app, name="inspect")
 
 EXIT_CORRUPT = 1
 
-_JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
-_NAMESPACE = typer.Option(None, "--namespace", "-n", help="Only namespaces whose id starts with this.")
-_READ_BY_CONFIG = typer.Option(
-    None,
-    "--config",
-    help="A server's config (vLLM --kv-transfer-config JSON or its "
-    "extra config; repeatable): say whether it reads each namespace.",
-)
-_SERVER_MODEL = typer.Option(
-    None,
-    "--model",
-    help="The server's --model (directory or hub id in the local HF cache), "
-    "for a config without model_id or model_path.",
-)
-_REMOTE = typer.Option(
-    None,
-    "--remote",
-    help="A server's config with a 'remote' key: inspect that shared tier (S3 bucket) instead of a cache directory.",
-)
-_CACHE_PATH = typer.Argument(None, help="Cache directory (or one namespace directory); none with --remote.")
-_DRY_RUN = typer.Option(False, "--dry-run", help="Report what would go, change nothing (needs no lock).")
-#: ``ls`` choices as its help shows them (the library's ``SORT_KEYS`` and ``STATES``
-#: validate; a test keeps the two in step).
-SORT_HELP = "last-access, stored, hits, slot, hash"
-STATE_HELP = "all, complete, incomplete"
 #: Timestamp fields of the JSON documents (seconds since the epoch in the library,
 #: ISO 8601 on the way out).
 _NS_TIMES = ("created", "oldest_stored", "newest_stored", "least_recent_access", "most_recent_access")
@@ -230,16 +209,29 @@ def summary(
 def ls(
     path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
-    state: str = typer.Option("all", "--state", help=f"{STATE_HELP}: complete = every TP rank committed."),
-    hash_prefix: Optional[str] = typer.Option(None, "--hash", help="Only hashes starting with this hex prefix."),
-    min_hits: int = typer.Option(0, "--min-hits", min=0, help="Only entries hit at least this often."),
-    older_than: Optional[str] = typer.Option(None, "--older-than", help="Last access before this age, e.g. 7d."),
-    newer_than: Optional[str] = typer.Option(None, "--newer-than", help="Last access within this age, e.g. 1h."),
-    sort: str = typer.Option("last-access", "--sort", help=f"{SORT_HELP}."),
+    state: str = typer.Option(
+        "all", "--state", metavar="<all|complete|incomplete>", help=f"{STATE_HELP}: complete = every TP rank committed."
+    ),
+    hash_prefix: Optional[str] = typer.Option(
+        None, "--hash", metavar="HEX", help="Only hashes starting with this hex prefix."
+    ),
+    min_hits: int = typer.Option(0, "--min-hits", min=0, metavar="N", help="Only entries hit at least this often."),
+    older_than: Optional[str] = typer.Option(
+        None, "--older-than", metavar="AGE", help="Last access before this age, e.g. 7d."
+    ),
+    newer_than: Optional[str] = typer.Option(
+        None, "--newer-than", metavar="AGE", help="Last access within this age, e.g. 1h."
+    ),
+    sort: str = typer.Option(
+        "last-access",
+        "--sort",
+        metavar="<last-access|stored|hits|slot|hash|size>",
+        help=f"{SORT_HELP}; with --remote: last-access, hash, size.",
+    ),
     ascending: Optional[bool] = typer.Option(
         None, "--asc/--desc", help="Order (default: descending; ascending for hash)."
     ),
-    limit: int = typer.Option(50, "--limit", min=0, help="Rows per namespace; 0 = all."),
+    limit: int = typer.Option(50, "--limit", min=0, metavar="N", help="Rows per namespace; 0 = all."),
     remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
 ) -> None:
@@ -274,7 +266,7 @@ def ls(
             }
         )
         return
-    console = Console()
+    console = table_console()
     if not listings:
         console.print(f"{cache.path}: no namespaces, no entries")
     for lst in listings:
@@ -313,9 +305,13 @@ def verify(
         help="Drop corrupt, invalid and incomplete entries (needs the cache closed); "
         "with --remote, delete the objects found bad.",
     ),
-    threads: int = typer.Option(4, "--threads", min=1, help="Parallel reads."),
+    threads: int = typer.Option(4, "--threads", min=1, metavar="N", help="Parallel reads."),
     limit: int = typer.Option(
-        0, "--limit", min=0, help="With --remote: check a random sample of this many objects per namespace; 0 = all."
+        0,
+        "--limit",
+        min=0,
+        metavar="N",
+        help="With --remote: check a random sample of this many objects per namespace; 0 = all.",
     ),
     remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
@@ -442,11 +438,12 @@ def _print_verify(results, repair: bool, path, clean: list[bool]) -> None:
 def evict_cmd(
     path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
     to_size: Optional[str] = typer.Option(
-        None, "--to-size", help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."
+        None, "--to-size", metavar="SIZE", help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."
     ),
     older_than: Optional[str] = typer.Option(
         None,
         "--older-than",
+        metavar="AGE",
         help="Evict blocks not accessed within this age, e.g. 7d (a unit is required: s, m, h, d, w).",
     ),
     namespace: Optional[str] = _NAMESPACE,
@@ -501,6 +498,7 @@ def clear_cmd(
     unread_by: Optional[list[str]] = typer.Option(
         None,
         "--unread-by",
+        metavar="PATH",
         help="Only namespaces that no server with any of these configs would read (repeatable; see summary --config).",
     ),
     model: Optional[str] = _SERVER_MODEL,
@@ -554,11 +552,14 @@ def clear_cmd(
 @inspect_app.command()
 def bench(
     path: str = typer.Argument(..., help="Cache directory (a scratch directory is made inside it)."),
-    size: str = typer.Option("1GiB", "--size", help="Bytes written and read per pass."),
-    block_size: str = typer.Option("2MiB", "--block-size", help="Bytes per tier block (a 4 KiB multiple)."),
-    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds."),
-    threads: int = typer.Option(4, "--threads", min=1, help="I/O threads (tier and raw)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, kvikio or posix."),
+    size: str = typer.Option("1GiB", "--size", metavar="SIZE", help="Bytes written and read per pass."),
+    block_bytes: str = typer.Option(
+        "2MiB", "--block-bytes", metavar="SIZE", help="Bytes per tier block (a 4 KiB multiple), e.g. 2MiB."
+    ),
+    block_size_old: Optional[str] = typer.Option(None, "--block-size", hidden=True),
+    rounds: int = typer.Option(3, "--rounds", min=1, metavar="N", help="Interleaved rounds."),
+    threads: int = typer.Option(4, "--threads", min=1, metavar="N", help="I/O threads (tier and raw)."),
+    backend: Literal["auto", "kvikio", "posix"] = typer.Option("auto", "--backend", help="The tier's I/O path."),
     json_out: bool = _JSON,
 ) -> None:
     """Tier store/load GB/s on the cache's device beside a raw O_DIRECT baseline, interleaved."""
@@ -566,7 +567,9 @@ def bench(
         from tiered_kv.ops.inspect import run_bench
 
         total = parse_size(size, "--size")
-        block = parse_size(block_size, "--block-size")
+        if block_size_old is not None:  # the old name of --block-bytes (sizes in tokens are --block-size elsewhere)
+            block_bytes = block_size_old
+        block = parse_size(block_bytes, "--block-bytes", example_unit="KiB")
         with _bytes_bar(json_out, "benchmarking", total=4 * rounds * (total // block) * block) as bar:
             result = run_bench(
                 path,

@@ -11,6 +11,7 @@ Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
 
 from __future__ import annotations
 
+
 import time
 from typing import Any
 
@@ -19,7 +20,16 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
+from tiered_kv.cli.output import (
+    emit_json,
+    errors,
+    fail,
+    progress_bar,
+    short_hash,
+    table_console,
+    timestamp,
+    with_iso_times,
+)
 from tiered_kv.config import format_size
 
 EXIT_CORRUPT = 1
@@ -158,7 +168,7 @@ def ls(
             ns["objects"] = [with_iso_times(o, ("last_modified",)) for o in ns["objects"]]
         emit_json(data)
         return
-    console = Console()
+    console = table_console()
     if not data["namespaces"]:
         console.print(f"{tier.config.where()}: no namespaces, no objects", soft_wrap=True)
     for ns in data["namespaces"]:

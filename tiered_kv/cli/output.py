@@ -167,6 +167,14 @@ def progress_bar(json_out: bool, description: str, total: float | None = None, *
         yield ProgressBar(bar, description, total)
 
 
+def table_console() -> Any:
+    """A Rich console for tables on stdout: the terminal's width on a terminal; piped or
+    redirected, unbounded, so no column is cut or folded."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=10_000)
+
+
 def timestamp(t: float | None) -> str:
     """``t`` in local time for tables, ``-`` for None."""
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 from rich.console import Console
@@ -36,32 +36,52 @@ ENGINES = ("hf", "vllm")
 
 @app.command("warmup")
 def warmup_cmd(
-    prompts: Path = typer.Argument(..., help='JSONL: {"token_ids": [...]} or {"text": "..."} per line.'),
-    model: str = typer.Option(..., "--model", help="Model directory (or hub id available offline)."),
-    config: Path = typer.Option(
-        ..., "--config", help="The server's config: vLLM --kv-transfer-config JSON or its kv_connector_extra_config."
+    prompts: Path = typer.Argument(
+        ..., metavar="PROMPTS", help='JSONL: {"token_ids": [...]} or {"text": "..."} per line.'
     ),
-    engine: str = typer.Option("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
-    gpu_block_size: int = typer.Option(16, "--gpu-block-size", help="The server's --block-size (tokens)."),
-    tp_size: int = typer.Option(1, "--tp-size", help="The server's tensor-parallel size."),
+    model: str = typer.Option(..., "--model", metavar="PATH", help="Model directory (or hub id available offline)."),
+    config: Path = typer.Option(
+        ...,
+        "--config",
+        metavar="PATH",
+        help="The server's config: vLLM --kv-transfer-config JSON or its kv_connector_extra_config.",
+    ),
+    engine: Literal["hf", "vllm"] = typer.Option("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
+    gpu_block_size: int = typer.Option(
+        16, "--gpu-block-size", min=1, metavar="N", help="The server's --block-size (tokens)."
+    ),
+    tp_size: int = typer.Option(1, "--tp", min=1, metavar="N", help="The server's tensor-parallel size."),
+    tp_size_old: Optional[int] = typer.Option(None, "--tp-size", min=1, hidden=True),
     layout: str = typer.Option(
-        DEFAULT_LAYOUT, "--layout", help=f"Block layout: {', '.join(sorted(BLOCK_LAYOUTS))} (vllm: what vLLM reads)."
+        DEFAULT_LAYOUT,
+        "--layout",
+        metavar="LAYOUT",
+        help=f"Block layout: {', '.join(sorted(BLOCK_LAYOUTS))} (vllm: what vLLM reads).",
     ),
     kv_cache_layout: Optional[str] = typer.Option(
-        None, "--kv-cache-layout", help="vllm layout: the server's KV-cache layout, LBNHC (default) or LBHNC."
+        None,
+        "--kv-cache-layout",
+        metavar="<LBNHC|LBHNC>",
+        help="vllm layout: the server's KV-cache layout, LBNHC (default) or LBHNC.",
     ),
     tokenizer: Optional[str] = typer.Option(
-        None, "--tokenizer", help="Local tokenizer directory for text prompts (default: --model)."
+        None, "--tokenizer", metavar="PATH", help="Local tokenizer directory for text prompts (default: --model)."
     ),
-    dtype: str = typer.Option("auto", "--dtype", help="hf: auto, float32, float16 or bfloat16."),
-    device: str = typer.Option("auto", "--device", help="hf: auto, cpu or cuda."),
-    disk_path: Optional[str] = typer.Option(None, "--disk-path", help="Override the config's disk_path."),
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = typer.Option(
+        "auto", "--dtype", help="hf: the model's dtype."
+    ),
+    device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", "--device", help="hf: where it runs."),
+    disk_path: Optional[str] = typer.Option(
+        None, "--disk-path", metavar="PATH", help="Override the config's disk_path."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Write the KV of every full block of every prompt to the disk tier (resumable).
 
     The server's first requests for these prompts then hit. Blocks already on disk are
     skipped, so a rerun picks up where an interrupted one stopped."""
+    if tp_size_old is not None:  # the old name of --tp
+        tp_size = tp_size_old
     with errors(json_out, (WarmupError, HashSettingsError)):
         if engine not in ENGINES:
             raise WarmupError(f"--engine: expected hf or vllm, got {engine!r}")
@@ -133,7 +153,7 @@ def _load_tokenizer(path: str):
         return transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise WarmupError(
-            f"cannot load a tokenizer from {path!r} for the text prompts: {str(e).splitlines()[0]}"
+            f"cannot load a tokenizer from {path!r} for the text prompts: {' '.join(str(e).split())}"
         ) from None
 
 

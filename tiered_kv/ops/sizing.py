@@ -16,6 +16,14 @@ Conventions (the ones the tiers use):
   ``tp * cpu_bytes`` of RAM and ``tp * disk_bytes`` of disk.
 - A CPU slot holds exactly one offloaded block; a disk slot is the block rounded up to
   4 KiB (O_DIRECT alignment).
+- Sizing the tiers (``from_hf_config(..., full_attention_only=True)``), a hybrid model
+  (HF ``layer_types`` naming sliding-window, linear-attention or other layers beside
+  ``full_attention``) counts its full-attention layers, whose KV grows with the whole
+  prompt; the others keep a bounded state per request and are left out
+  (``ModelGeometry.other_layers`` says how many). A model whose every layer uses a
+  sliding window, or that has no full-attention layer, is refused with the reason.
+  Without the flag every layer counts (the warm-up's engines, which refuse such models
+  with their own reasons).
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ class ModelGeometry:
     #: Multi-head latent attention: one latent of ``head_dim`` elements per token and
     #: layer (``num_kv_heads`` is 1), the same on every TP rank.
     mla: bool = False
+    #: Layers left out of the sizing (hybrid models): kind -> count, e.g.
+    #: ``{"sliding_attention": 24}``; empty for a model of full-attention layers only.
+    other_layers: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         _positive_int(self.num_layers, "num_layers")
@@ -119,6 +130,12 @@ class ModelGeometry:
 
     def describe(self, tp: int = 1) -> str:
         """The geometry in words, e.g. ``32 layers, 8 KV heads (2 per rank), head_dim 128, bfloat16``."""
+        if self.other_layers:
+            others = ", ".join(f"{n} {kind}" for kind, n in self.other_layers)
+            return (
+                f"{self.num_layers} full-attention layers (not counted: {others}), {self.num_kv_heads} KV heads "
+                f"({self.kv_heads_per_rank(tp)} per rank), head_dim {self.head_dim}, {self.dtype}"
+            )
         if self.mla:
             return f"{self.num_layers} layers, MLA latent of {self.head_dim} (the same on every rank), {self.dtype}"
         return (
@@ -133,7 +150,9 @@ class ModelGeometry:
         return f"2 x {self.num_layers} x {self.kv_heads_per_rank(tp)} x {self.head_dim} x {self.dtype_bytes} B"
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | str | Path, dtype: str | None = None) -> "ModelGeometry":
+    def from_hf_config(
+        cls, config: Mapping[str, Any] | str | Path, dtype: str | None = None, *, full_attention_only: bool = False
+    ) -> "ModelGeometry":
         """Geometry from an HF ``config.json`` (a path to it or to its directory, or the
         parsed dict). Handles Llama, Mistral, Qwen2/2.5/3 and other GQA decoders, and
         multimodal wrappers that nest the decoder in ``text_config``. ``head_dim``
@@ -141,7 +160,8 @@ class ModelGeometry:
         ``num_attention_heads`` (plain multi-head attention). ``dtype`` overrides the
         config's ``torch_dtype`` (the KV-cache dtype, e.g. ``fp8``). A config with
         ``kv_lora_rank`` (DeepSeek-V2/V3) is an MLA model: its latent is ``kv_lora_rank +
-        qk_rope_head_dim`` elements per token and layer."""
+        qk_rope_head_dim`` elements per token and layer. ``full_attention_only``: count
+        only full-attention layers, or refuse (module docstring)."""
         source = "config"
         if not isinstance(config, Mapping):
             path = Path(config)
@@ -168,12 +188,18 @@ class ModelGeometry:
             return raw[key]
 
         num_layers = _positive_int(need("num_hidden_layers"), f"{source}: num_hidden_layers")
+        others: tuple[tuple[str, int], ...] = ()
+        if full_attention_only:
+            num_layers, others = _full_attention_layers(raw, num_layers, source)
         model_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or config.get("torch_dtype") or "bfloat16"
-        name = str(config.get("_name_or_path") or raw.get("model_type") or "")
+        # A file's model is named by its directory: its _name_or_path is often a path on
+        # the machine that wrote the checkpoint.
+        name = path.parent.name if source != "config" else str(config.get("_name_or_path") or "")
+        name = name or str(raw.get("model_type") or "")
         if raw.get("kv_lora_rank") is not None:
             rank = _positive_int(raw["kv_lora_rank"], f"{source}: kv_lora_rank")
             rope = _positive_int(need("qk_rope_head_dim"), f"{source}: qk_rope_head_dim")
-            return cls(num_layers, 1, rank + rope, str(model_dtype), name, mla=True)
+            return cls(num_layers, 1, rank + rope, str(model_dtype), name, mla=True, other_layers=others)
         num_heads = _positive_int(need("num_attention_heads"), f"{source}: num_attention_heads")
         kv_heads = raw.get("num_key_value_heads")
         kv_heads = num_heads if kv_heads is None else _positive_int(kv_heads, f"{source}: num_key_value_heads")
@@ -187,7 +213,41 @@ class ModelGeometry:
                 )
             head_dim = hidden // num_heads
         head_dim = _positive_int(head_dim, f"{source}: head_dim")
-        return cls(num_layers, kv_heads, head_dim, str(model_dtype), name)
+        return cls(num_layers, kv_heads, head_dim, str(model_dtype), name, other_layers=others)
+
+
+#: ``layer_types`` entries whose KV grows with the whole prompt (HF's spelling).
+FULL_ATTENTION = ("full_attention", "attention", "global_attention")
+
+
+def _full_attention_layers(
+    raw: Mapping[str, Any], num_layers: int, source: str
+) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """Full-attention layers of an HF config and the others by kind (module docstring);
+    raises ``ConfigError`` for a model without a full-attention layer."""
+    types = raw.get("layer_types")
+    if isinstance(types, list) and types:
+        if len(types) != num_layers:
+            raise ConfigError(f"{source}: layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}")
+        full = sum(t in FULL_ATTENTION for t in types)
+        counts: dict[str, int] = {}
+        for t in types:
+            if t not in FULL_ATTENTION:
+                counts[str(t)] = counts.get(str(t), 0) + 1
+        if full == 0:
+            raise ConfigError(
+                f"{source}: no full-attention layer (layer_types: {', '.join(sorted(counts))}); its KV does not grow "
+                f"with the prompt, so there is no prefix KV for the tiers to size or keep"
+            )
+        return full, tuple(sorted(counts.items()))
+    window = raw.get("sliding_window")
+    if window and raw.get("use_sliding_window", True):
+        raise ConfigError(
+            f"{source}: every layer uses a sliding window of {window} tokens (sliding_window, no layer_types), so "
+            f"the KV of a prefix longer than the window is not all kept; the tiers cannot be sized as full attention. "
+            f"Give the model's layer_types, or size it with --layers N (its full-attention layers)"
+        )
+    return num_layers, ()
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,14 @@ class RemoteSetupError(RuntimeError):
     """The shared tier cannot start: credentials, bucket or library missing or wrong."""
 
 
+class ClientMissing(RemoteSetupError):
+    """The S3 client libraries (obstore, botocore) are not installed."""
+
+
+class CredentialsMissing(RemoteSetupError):
+    """No AWS credentials, or a named profile that does not exist."""
+
+
 class ObjectInfo(NamedTuple):
     """One object of a listing."""
 
@@ -127,13 +135,34 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def describe_failure(exc: BaseException) -> str:
-    """A short reason: the S3 error code or HTTP status where the message has one."""
+_REFUSED_RE = re.compile(r"ConnectError\(\s*\"([^\"]+)\",\s*([^,\s]+),")
+_DNS_RE = re.compile(r"dns error|failed to lookup address", re.IGNORECASE)
+
+
+def describe_failure(exc: BaseException, config: RemoteConfig | None = None) -> str:
+    """A short reason: the S3 error code or HTTP status where the message has one; a
+    timeout as a timeout with the limit that ran out (``config``'s ``connect_timeout`` or
+    ``request_timeout``, named as the setting); a refused connection or an unknown host
+    as such."""
     text = str(exc)
     if m := _CODE_RE.search(text):
         return m.group(1)
     if m := _STATUS_RE.search(text):
         return m.group(1).strip()
+    if "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower():
+        connect = "kind: Connect" in text
+        if config is None:
+            return "connect timed out" if connect else "timed out"
+        if connect:
+            limit = min(config.connect_timeout, config.request_timeout)
+            return f"connect timed out after {limit:g} s (connect_timeout)"
+        retried = f", {config.retries} retr{'y' if config.retries == 1 else 'ies'} allowed" if config.retries else ""
+        return f"timed out after {config.request_timeout:g} s (request_timeout{retried})"
+    if "ConnectionRefused" in text or "Connection refused" in text:
+        m = _REFUSED_RE.search(text)
+        return f"connection refused by {m.group(2)}" if m else "connection refused"
+    if _DNS_RE.search(text):
+        return "the endpoint's host name does not resolve"
     # obstore: "Generic S3 error: Error performing PUT <url> in 2.0s - HTTP error: <cause>"
     return _first_line(exc, 1000).rsplit(" - ", 1)[-1][:160]
 
@@ -167,12 +196,12 @@ class AwsCredentials:
             import botocore.exceptions
             import botocore.session
         except ImportError:
-            raise RemoteSetupError(_INSTALL_HINT) from None
+            raise ClientMissing(_INSTALL_HINT) from None
         try:
             session = botocore.session.Session(profile=config.profile)
             resolved = session.get_credentials()
         except botocore.exceptions.ProfileNotFound:
-            raise RemoteSetupError(
+            raise CredentialsMissing(
                 f"AWS profile {config.profile!r} not found (in ~/.aws/config or "
                 f"~/.aws/credentials) for {config.where()}"
             ) from None
@@ -181,7 +210,7 @@ class AwsCredentials:
                 f"cannot resolve AWS credentials for {config.where()}: {type(exc).__name__}"
             ) from None
         if resolved is None:
-            raise RemoteSetupError(
+            raise CredentialsMissing(
                 f"no AWS credentials found for {config.where()}: set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (or the config's profile) with ~/.aws/credentials"
             )
@@ -215,7 +244,7 @@ class S3Client:
             import obstore.exceptions
             from obstore.store import S3Store
         except ImportError:
-            raise RemoteSetupError(_INSTALL_HINT) from None
+            raise ClientMissing(_INSTALL_HINT) from None
         self._obstore = obstore
         self._exc = obstore.exceptions
         self.config = config
@@ -249,7 +278,7 @@ class S3Client:
         )
 
     def _error(self, exc: Exception) -> RemoteError:
-        reason = describe_failure(exc)
+        reason = describe_failure(exc, self.config)
         if isinstance(exc, (self._exc.PermissionDeniedError, self._exc.UnauthenticatedError)):
             return AccessDenied(reason)
         if "NoSuchBucket" in str(exc):

@@ -13,7 +13,9 @@ the server does not answer counts as absent, so a server that is down costs miss
 The price is a second download of each shared-tier hit (the workers then read their
 own rank's object into the CPU tier or the KV cache, verifying it again); what is left
 is an object lost between the two reads, which the worker logs as an error naming the
-job. Scratch memory is bounded (``VERIFY_BYTES``): past it a block waits its turn.
+job. Where the engine recomputes the blocks of a failed load (vLLM with
+``integrations.vllm.connector``), there is no verifier: a block known present on every
+rank is a hit, read once by each worker and verified there. Scratch memory is bounded (``VERIFY_BYTES``): past it a block waits its turn.
 Each verification's seconds (from sending the downloads to the last rank's verified
 bytes) go to the verifier's ``latencies``.
 """
@@ -46,16 +48,18 @@ MAX_VERIFIED = 65536
 
 class RemoteHitCheck(Closing):
     """The shared tier's ``HitCheck`` (``tiered_kv.tiers``) over ``remote``, downloading
-    with ``verifier`` (shut down by ``shutdown``)."""
+    with ``verifier`` (shut down by ``shutdown``). Without a verifier (an engine that
+    recomputes a failed load) a block known present on every rank is a hit at once:
+    the workers' reads verify it, and one that fails there is recomputed."""
 
-    def __init__(self, remote: RemoteOffloadingManager, verifier: "RemoteVerifier"):
+    def __init__(self, remote: RemoteOffloadingManager, verifier: "RemoteVerifier | None"):
         self.remote = remote
         self.verifier = verifier
         self._verified: OrderedDict[BlockHash, None] = OrderedDict()
         self._outcomes: Counter[str] = Counter()
 
     def lookup(self, block_hash: BlockHash) -> HitState:
-        if block_hash in self._verified:
+        if self.verifier is None or block_hash in self._verified:
             return HitState.HIT
         self.verifier.submit(block_hash)
         return HitState.PENDING
@@ -67,6 +71,8 @@ class RemoteHitCheck(Closing):
         self._verified.pop(block_hash, None)
 
     def collect(self) -> None:
+        if self.verifier is None:
+            return
         for key, ok in self.verifier.results():
             self._outcomes["ok" if ok else "failed"] += 1
             if ok:
@@ -86,7 +92,7 @@ class RemoteHitCheck(Closing):
         self.remote.refresh()  # never waits: folds answers in, sends the probes due
 
     def busy(self) -> bool:
-        return self.verifier.busy() or self.remote.num_probing() > 0
+        return (self.verifier is not None and self.verifier.busy()) or self.remote.num_probing() > 0
 
     def reset(self) -> None:
         self._verified.clear()
@@ -100,10 +106,12 @@ class RemoteHitCheck(Closing):
         return out + remote_counter_values(self.remote.store.stats())
 
     def timings(self) -> list[Observation]:
-        return self.verifier.latencies.drain() + self.remote.store.latencies.drain()
+        verified = self.verifier.latencies.drain() if self.verifier is not None else []
+        return verified + self.remote.store.latencies.drain()
 
     def shutdown(self) -> None:
-        self.verifier.shutdown()
+        if self.verifier is not None:
+            self.verifier.shutdown()
 
 
 class RemoteVerifier(Closing):

@@ -61,7 +61,9 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
     workers may write while the scheduler holds the cache's writer lock.
     ``fingerprint``: the namespace key of every tier; by default derived from the
     config and the layout (``Fingerprint.from_config``), an engine adapter passes its
-    own. ``stats`` is shared by the manager and the handlers built by this spec.
+    own. ``failed_loads_recomputed``: the engine recomputes the blocks of a load that
+    failed, so the tiers' hit checks need not verify first (``TierContext``). ``stats``
+    is shared by the manager and the handlers built by this spec.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         engine_id: str | None = None,
         enable_events: bool = True,
         fingerprint: Fingerprint | None = None,
+        failed_loads_recomputed: bool = False,
     ):
         super().__init__(config, gpu_block_size, layout, enable_events)
         if tp_size < 1 or not 0 <= rank < tp_size:
@@ -83,6 +86,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         self.engine_id = engine_id or uuid.uuid4().hex
         self.stats = TieredStats()
         self._given_fingerprint = fingerprint
+        self.failed_loads_recomputed = failed_loads_recomputed
         self._lower: list[TierSpec] | None = None
 
     def _fingerprint(self) -> Fingerprint:
@@ -109,6 +113,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
                 rank=self.rank,
                 world_size=self.tp_size,
                 enable_events=self.enable_events,
+                failed_loads_recomputed=self.failed_loads_recomputed,
             )
             self._lower = build_tiers(self.config.tier_entries(), ctx)
         return self._lower

@@ -49,7 +49,9 @@ def index_reserve_bytes(num_slots: int, tp_size: int) -> int:
 
 def prepare_cache_dir(cache_dir: str | os.PathLike, create: bool) -> tuple[Path, int, list[Path]]:
     """``cache_dir`` (followed like any path: the operator chose it), its descriptor, and
-    the directories made for it (``0700``; innermost first) when it did not exist."""
+    the directories made for it (``0700``; innermost first) when it did not exist. Only
+    the last component is made: a missing parent (often an unmounted disk's mount point)
+    is a ``NamespaceError`` naming it."""
     root = Path(cache_dir).expanduser()
     made: list[Path] = []
     if root.exists() and not root.is_dir():
@@ -57,11 +59,17 @@ def prepare_cache_dir(cache_dir: str | os.PathLike, create: bool) -> tuple[Path,
     if not root.exists():
         if not create:
             raise NamespaceError(f"disk_path {root} does not exist")
-        missing = [p for p in (root, *root.parents) if not p.exists()]
+        parent = root.absolute().parent
+        if not parent.exists():
+            missing = next(p for p in reversed((parent, *parent.parents)) if not p.exists())
+            raise NamespaceError(
+                f"disk_path {root}: {missing} does not exist; the disk tier creates only the last "
+                f"component of disk_path, so that a disk that is not mounted never fills the file "
+                f"system below its mount point: mount it, or create {parent} first"
+            )
         try:
-            for p in reversed(missing):
-                os.mkdir(p, 0o700)
-                made.insert(0, p)
+            os.mkdir(root, 0o700)
+            made.insert(0, root)
         except FileExistsError:
             pass  # made meanwhile by a peer of this engine
         except OSError as e:

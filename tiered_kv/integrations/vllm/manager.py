@@ -225,7 +225,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         failed = {key for key, slot in promoted.items() if slot in bad_slots}
         if failed:
             logger.error(
-                "request %s: the promotion of %d disk chunks into the CPU tier failed in a "
+                "request %s: the promotion of %d lower-tier chunks into the CPU tier failed in a "
                 "worker; the chunks are not kept in CPU",
                 req_id,
                 len(failed),

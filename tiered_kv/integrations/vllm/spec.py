@@ -57,6 +57,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, metric_definitions
+from tiered_kv.integrations.vllm.connector import failed_loads_recomputed
 from tiered_kv.integrations.vllm.geometry import VllmGeometry, check_extra_hash_algorithm, parse_extra_config
 from tiered_kv.integrations.vllm.manager import build_manager
 from tiered_kv.integrations.vllm.worker import TieredVllmWorker
@@ -101,6 +102,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                 fp.weights_digest or "not covered",
                 ", ".join(fp.model_settings or ()) or "none",
             )
+        #: Our connector with vLLM's recompute policy: a failed load costs a recompute,
+        #: so the shared tier's hits are read once, by the workers (``connector.py``).
+        self.failed_loads_recomputed = failed_loads_recomputed()
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -130,6 +134,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             engine_id=self.config.engine_id,
             enable_events=self.kv_events_config.enable_kv_cache_events,
             fingerprint=g.fingerprint,
+            failed_loads_recomputed=self.failed_loads_recomputed,
         )
 
     def get_manager(self) -> OffloadingManager:
@@ -139,5 +144,11 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = TieredVllmWorker(kv_caches, self.hierarchy, self.geometry, self.config.engine_id)
+            self._worker = TieredVllmWorker(
+                kv_caches,
+                self.hierarchy,
+                self.geometry,
+                self.config.engine_id,
+                recompute_failed_loads=self.failed_loads_recomputed,
+            )
         return self._worker

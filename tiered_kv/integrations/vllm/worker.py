@@ -110,9 +110,11 @@ def canonical_layout(kv_caches: CanonicalKVCaches, tokens_per_block: int, blocks
 
 @dataclass
 class _Job:
-    """What a job in flight needs when it ends: the CPU slots it writes and its size."""
+    """What a job in flight needs when it ends: the CPU slots it writes, the GPU blocks
+    it moves, and its size."""
 
     slots: np.ndarray
+    gpu_blocks: np.ndarray
     nbytes: int
     kind: str
     started: float
@@ -128,6 +130,8 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         hierarchy_for: Callable[[KVCacheLayout], HierarchySpec],
         g: VllmGeometry,
         engine_id: str,
+        *,
+        recompute_failed_loads: bool = False,
     ):
         self.factor = g.blocks_per_chunk
         self.layout = canonical_layout(kv_caches, g.tokens_per_block, g.blocks_per_chunk)
@@ -162,6 +166,10 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         self.health = SlotHealth.for_engine(engine_id, g.num_cpu_slots)
         self._jobs: dict[int, _Job] = {}
         self._failed_on_submit: list[int] = []
+        #: The connector reports these GPU blocks to vLLM, which recomputes them
+        #: (``connector.TieredOffloadingConnector``); off: a failed load is only logged.
+        self.recompute_failed_loads = recompute_failed_loads
+        self._failed_gpu_blocks: set[int] = set()
 
     # ------------------------------------------------------------------ submit
 
@@ -169,7 +177,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         store = _inner(dst_spec, TieredStoreSpec)
         slots = store.block_ids
 
-        def transfer() -> tuple[int, TransferSpec]:
+        def transfer() -> tuple[np.ndarray, TransferSpec]:
             rows = gpu_rows(src_spec, self.factor, len(slots))
             keep = rows >= 0
             dst = TieredStoreSpec(
@@ -177,7 +185,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
                 spills=store.tier_spills,
                 write_through=store.tier_write_through,
             )
-            return int(keep.sum()), (GPULoadStoreSpec(rows[keep]), dst)
+            return rows[keep], (GPULoadStoreSpec(rows[keep]), dst)
 
         return self._submit(job_id, "store", slots, self.store_handler, transfer)
 
@@ -191,10 +199,10 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             else np.zeros(0, dtype=np.int64)
         )
 
-        def transfer() -> tuple[int, TransferSpec]:
+        def transfer() -> tuple[np.ndarray, TransferSpec]:
             num_chunks = len(src) if isinstance(src, TieredLoadSpec) else len(src.block_ids)
             rows = gpu_rows(dst_spec, self.factor, num_chunks)
-            return int((rows >= 0).sum()), (src, GPURowsSpec(rows))
+            return rows[rows >= 0], (src, GPURowsSpec(rows))
 
         return self._submit(job_id, "load", promoted, self.load_handler, transfer)
 
@@ -204,12 +212,13 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         kind: str,
         slots: np.ndarray,
         handler: OffloadingHandler,
-        transfer: Callable[[], tuple[int, TransferSpec]],
+        transfer: Callable[[], tuple[np.ndarray, TransferSpec]],
     ) -> bool:
         """Hand job ``job_id`` to ``handler``; ``transfer()`` gives its GPU blocks and its
         spec. ``slots``: the CPU slots it writes. A job that cannot be submitted is
         reported failed by the next ``get_finished``: vLLM asserts acceptance, so this
         always returns True."""
+        gpu_blocks = np.zeros(0, dtype=np.int64)
         try:
             gpu_blocks, spec = transfer()
             self._track(job_id, kind, slots, gpu_blocks)
@@ -218,14 +227,23 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             logger.exception("rank %d: %s job %d could not be submitted", self.rank, kind, job_id)
             accepted = False
         if not accepted:
-            self._track(job_id, kind, slots, 0)
+            self._track(job_id, kind, slots, gpu_blocks, moved=False)
             self._failed_on_submit.append(job_id)
         return True
 
-    def _track(self, job_id: int, kind: str, slots: np.ndarray, gpu_blocks: int) -> None:
+    def _track(
+        self, job_id: int, kind: str, slots: np.ndarray, gpu_blocks: np.ndarray, moved: bool = True
+    ) -> None:
+        nbytes = len(gpu_blocks) * self.kernel_bytes if moved else 0
         self._jobs[job_id] = _Job(
-            np.asarray(slots, dtype=np.int64), gpu_blocks * self.kernel_bytes, kind, time.perf_counter()
+            np.asarray(slots, dtype=np.int64), np.asarray(gpu_blocks), nbytes, kind, time.perf_counter()
         )
+
+    def take_failed_gpu_blocks(self) -> set[int]:
+        """The GPU blocks of load jobs reported done since the last call whose bytes did
+        not all arrive (for ``TieredOffloadingConnector.get_block_ids_with_load_errors``)."""
+        out, self._failed_gpu_blocks = self._failed_gpu_blocks, set()
+        return out
 
     # ------------------------------------------------------------------ completion
 
@@ -256,6 +274,14 @@ class TieredVllmWorker(OffloadingWorker, Closing):
                 self.rank,
                 job_id,
                 len(job.slots),
+            )
+        elif self.recompute_failed_loads:
+            self._failed_gpu_blocks.update(job.gpu_blocks.tolist())
+            logger.warning(
+                "rank %d: load job %d failed; its %d GPU blocks are reported to vLLM, which recomputes them",
+                self.rank,
+                job_id,
+                len(job.gpu_blocks),
             )
         else:
             logger.error(

@@ -1,11 +1,11 @@
 """Host checks before a tiered-kv server starts: the library of ``tiered-kv doctor``.
 
 Runs in the operator's process, on the machine that will serve (each module of this
-package says what its checks read). Reads resource limits,
-/proc and /sys, file-system statistics and installed packages' metadata. Writes one
-thing: where the disk tier's directory exists, a 4 KiB probe file in it (removed at
-once) to learn whether O_DIRECT works there, and KvikIO's own probe file where KvikIO is
-installed. Imports torch only in ``check_cuda`` and the disk package only to run
+package says what its checks read). Reads the server's config file, resource limits,
+/proc and /sys, file-system statistics and installed packages' metadata. Writes only
+probe files, each removed at once, where the disk tier's directory exists: 4 KiB to
+learn whether O_DIRECT works there, one of ``read_probe`` bytes to time an O_DIRECT
+read (``speed.py``), and KvikIO's own probe file where KvikIO is installed. Imports torch only in ``check_cuda`` and the disk package only to run
 KvikIO's probe; changes no setting.
 
 Each check gives one ``Check``: ``ok``; ``warn`` (the server runs, but slower, with less
@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
+from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, read_server_config
 from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, WARN, Check, DoctorReport
-from tiered_kv.ops.doctor.disk import check_disk_path, check_free_space, filesystem_of, free_space
+from tiered_kv.ops.doctor.disk import MOUNTINFO, check_disk_path, check_free_space, filesystem_of, free_space
 from tiered_kv.ops.doctor.gpu import SUPPORTED_VLLM, check_cuda, check_io_path, check_vllm, gds_facts
 from tiered_kv.ops.doctor.hashes import check_hash
 from tiered_kv.ops.doctor.memory import check_memlock, check_memory, check_thp, memlock_limit, memory_limit, thp_setting
-from tiered_kv.ops.doctor.remote import check_remote
+from tiered_kv.ops.doctor.remote import check_remote, s3_answer
+from tiered_kv.ops.doctor.speed import DEFAULT_PROBE_BYTES, check_disk_speed, model_geometry, time_o_direct_read
 
 #: The package's API: ``run_doctor`` and each check, with what they measure.
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "DoctorReport",
     "check_cuda",
     "check_disk_path",
+    "check_disk_speed",
     "check_free_space",
     "check_hash",
     "check_io_path",
@@ -54,56 +56,90 @@ __all__ = [
     "gds_facts",
     "memlock_limit",
     "memory_limit",
+    "model_geometry",
     "read_config",
     "run_doctor",
+    "s3_answer",
     "thp_setting",
+    "time_o_direct_read",
     "tier_size_warnings",
 ]
 
 
-def read_config(path: str | os.PathLike) -> TieredConfig:
-    """The server's config from a JSON file holding vLLM's whole ``--kv-transfer-config``
-    or its ``kv_connector_extra_config`` alone. Raises ``ConfigError`` naming the file."""
-    from tiered_kv.model_identity import read_config_file
+def read_config(path: str | os.PathLike, tp: int | None = None) -> TieredConfig:
+    """The server's config from a file in any shape ``tiered_kv.config_file`` reads,
+    with ``cpu_bytes`` per rank at TP ``tp`` (default: the file's, else 1). Raises
+    ``ConfigError`` naming the file."""
+    return _validated(read_server_config(path), tp)
 
-    raw = read_config_file(path)
+
+def _validated(found: ServerConfigFile, tp: int | None) -> TieredConfig:
     try:
-        return TieredConfig.from_dict(raw, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
+        return TieredConfig.from_dict(found.extra_for(tp), passthrough_keys=VLLM_PASSTHROUGH_KEYS)
     except ConfigError as e:
-        raise ConfigError(f"config {Path(path)}: {e}") from None
+        raise ConfigError(f"config {found.path}: {e}") from None
 
 
 def run_doctor(
-    config_path: str | os.PathLike | None = None, *, tp: int = 1, env: Mapping[str, str] | None = None
+    config_path: str | os.PathLike | None = None,
+    *,
+    tp: int | None = None,
+    env: Mapping[str, str] | None = None,
+    model: str | None = None,
+    prefill_tps: float | None = None,
+    read_probe: int = DEFAULT_PROBE_BYTES,
+    mountinfo: str | os.PathLike = MOUNTINFO,
 ) -> DoctorReport:
     """Every check, for the server ``config_path`` describes (None: host checks only) at
-    tensor-parallel size ``tp``. ``env`` defaults to this process's environment."""
+    tensor-parallel size ``tp`` (None: the config file's, else 1, said in the report).
+    ``model`` (a model directory or preset) and ``prefill_tps`` set the disk tier's
+    break-even; ``read_probe`` bytes are read to time the disk (0: not timed). ``env``
+    defaults to this process's environment."""
     env = os.environ if env is None else env
     checks: list[Check] = []
     cfg = None
+    size = tp or 1
     if config_path is not None:
         try:
-            cfg = read_config(config_path)
+            found = read_server_config(config_path)
+            size = tp or found.tp or 1
+            cfg = _validated(found, size)
+            if tp is not None:
+                tp_said = f"TP {size} (--tp)"
+            elif found.tp is not None:
+                tp_said = f"TP {size} (from the config)"
+            else:
+                tp_said = "TP 1 assumed (the config does not name it; pass --tp N)"
             disk = (
                 f"disk tier {cfg.disk_path} ({format_size(cfg.disk_bytes)} per rank)"
                 if cfg.disk_path
                 else "no disk tier"
             )
+            cpu = f"cpu_bytes {format_size(cfg.cpu_bytes)} per rank"
+            if found.cpu_bytes_total is not None:
+                cpu += f" (cpu_bytes_to_use {format_size(found.cpu_bytes_total)} / TP {size})"
+            spec = "vLLM's TieringOffloadingSpec with TieredDiskTier, " if found.spec_name == TIERING_SPEC else ""
             checks.append(
                 Check(
                     "config",
                     OK,
-                    f"config {config_path}: cpu_bytes {format_size(cfg.cpu_bytes)} per rank, {disk}",
-                    facts={"config": cfg.to_dict()},
+                    f"config {config_path}: {spec}{cpu}, {disk}; {tp_said}",
+                    facts={"config": cfg.to_dict(), "tp": size, "tp_source": tp_said, "spec_name": found.spec_name},
                 )
             )
         except ConfigError as e:
             checks.append(Check("config", FAIL, str(e), "fix the config: the server refuses it"))
-    checks.append(check_memory(cfg, tp, memory_limit()))
+    checks.append(check_memory(cfg, size, memory_limit()))
     checks.append(check_memlock(cfg, memlock_limit()))
     checks += check_thp(thp_setting("private"), thp_setting("shared"), cfg.disk_io if cfg else None)
-    checks.append(check_disk_path(cfg))
-    checks.append(check_free_space(cfg, tp))
+    checks.append(check_disk_path(cfg, mountinfo))
+    checks.append(check_free_space(cfg, size))
+    try:
+        geometry = model_geometry(cfg, model)
+    except ConfigError as e:
+        checks.append(Check("disk_read", FAIL, f"--model: {e}", "pass a model directory, its config.json or a preset"))
+    else:
+        checks.append(check_disk_speed(cfg, geometry, prefill_tps=prefill_tps, probe_bytes=read_probe))
     cuda = check_cuda()
     checks.append(cuda)
     checks.append(check_io_path(cfg, cuda.status == OK))

@@ -1,8 +1,8 @@
 """The doctor's checks of the disk tier's directory: file system, O_DIRECT, free space.
 
 Runs in the operator's process (``tiered-kv doctor``, ``tiered-kv config``). Reads
-file-system statistics and /proc/mounts; writes one thing: where the directory exists,
-a 4 KiB probe file in it (removed at once) to learn whether O_DIRECT works there.
+file-system statistics and /proc/self/mountinfo; writes one thing: where the directory
+exists, a 4 KiB probe file in it (removed at once) to learn whether O_DIRECT works there.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 MEMORY_FS = ("tmpfs", "ramfs")
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre", "beegfs", "gpfs")
 _PROBE_BYTES = 4096
+#: Where the kernel lists this process's mounts (``filesystem_of`` takes another for tests).
+MOUNTINFO = "/proc/self/mountinfo"
 
 
 def existing_ancestor(path: str | os.PathLike) -> Path:
@@ -31,13 +33,14 @@ def existing_ancestor(path: str | os.PathLike) -> Path:
     return p
 
 
-def filesystem_of(path: str | os.PathLike) -> dict[str, str]:
-    """``{"type", "mount_point", "source"}`` of the mount holding ``path`` (from
-    /proc/self/mountinfo; empty strings where it cannot be read)."""
+def filesystem_of(path: str | os.PathLike, mountinfo: str | os.PathLike = MOUNTINFO) -> dict[str, str]:
+    """``{"type", "mount_point", "source"}`` of the mount holding ``path`` or, where it
+    does not exist, its nearest existing parent (from ``mountinfo``, the kernel's
+    /proc/self/mountinfo format; empty strings where it cannot be read)."""
     target = os.path.realpath(existing_ancestor(path))
     best = {"type": "", "mount_point": "", "source": ""}
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        lines = Path(mountinfo).read_text().splitlines()
     except OSError:
         return best
     for line in lines:
@@ -76,34 +79,51 @@ def probe_o_direct(directory: str | os.PathLike) -> str | None:
     return None
 
 
-def check_disk_path(cfg: TieredConfig | None) -> Check:
+def check_disk_path(cfg: TieredConfig | None, mountinfo: str | os.PathLike = MOUNTINFO) -> Check:
+    """The disk tier's directory: a directory the server can create (only its last
+    component: the engine makes no parent) and write, on a local disk that is not the
+    root file system (where an unmounted NVMe's mount point leaves it), taking O_DIRECT."""
     if cfg is None or cfg.disk_path is None:
         return Check("disk_path", OK, "no disk tier configured" + ("" if cfg else " (pass --config)"))
     path = Path(cfg.disk_path).expanduser()
-    fs = filesystem_of(path)
+    fs = filesystem_of(path, mountinfo)
     facts: dict[str, Any] = {"disk_path": str(path), "exists": path.exists(), "filesystem": fs}
     if path.exists() and not path.is_dir():
         return Check(
             "disk_path",
             FAIL,
             f"disk_path {path} exists and is not a directory",
-            "point disk_path at a directory (it is created if missing)",
+            "point disk_path at a directory (its last component is created if missing)",
             facts,
         )
     where = existing_ancestor(path)
+    parent = path.absolute().parent
+    if not parent.exists():
+        missing = next(p for p in reversed((parent, *parent.parents)) if not p.exists())
+        facts["missing"] = str(missing)
+        return Check(
+            "disk_path",
+            FAIL,
+            f"disk_path {path}: {missing} does not exist, so the server refuses to start (it creates "
+            f"only the last component of disk_path); is the disk meant for it mounted?",
+            f"mount the NVMe at {missing} (see lsblk and /etc/fstab), or mkdir -p {parent} "
+            f"if {where} is the file system meant",
+            facts,
+        )
     if not os.access(where, os.W_OK | os.X_OK):
         what = "is not writable" if where == path.absolute() else f"cannot be created ({where} is not writable)"
         return Check(
             "disk_path",
             FAIL,
             f"disk_path {path} {what} by uid {os.getuid()}",
-            f"create it and give it to the server's user: mkdir -p {path} && chown <user> {path}",
+            f"create it and give it to the server's user: mkdir {path} && chown <user> {path}",
             facts,
         )
     reason = probe_o_direct(path) if path.is_dir() else None
     facts["o_direct"] = None if not path.is_dir() else reason is None
     kind = fs["type"] or "unknown"
     on = f"{kind} on {fs['source'] or '?'} (mounted at {fs['mount_point'] or '?'})"
+    facts["root_filesystem"] = fs["mount_point"] == "/"
     if kind in MEMORY_FS:
         return Check(
             "disk_path",
@@ -118,6 +138,16 @@ def check_disk_path(cfg: TieredConfig | None) -> Check:
             WARN,
             f"disk_path {path} is on {on}, not a local disk: latency and locking differ from local NVMe",
             "put disk_path on a local NVMe file system (ext4 or xfs)",
+            facts,
+        )
+    if fs["mount_point"] == "/":
+        return Check(
+            "disk_path",
+            WARN,
+            f"disk_path {path} is on the root file system, {on}: where an NVMe is meant to be mounted "
+            f"below it, it is not, and the disk tier would fill the system disk",
+            "mount the NVMe (e.g. at /mnt/nvme, see lsblk) and put disk_path below its mount point; "
+            "on a host whose root file system is the NVMe, this warning stands",
             facts,
         )
     if reason is not None:

@@ -1,14 +1,46 @@
 """The doctor's check of the shared tier's bucket.
 
-Runs in the operator's process (``tiered-kv doctor``). Its I/O: one GET request for a
-key that is not there (nothing is written), where the config names a shared tier.
+Runs in the operator's process (``tiered-kv doctor``). Its I/O: one signed GET request
+for a key that is not there (nothing is written), where the config names a shared tier,
+and for an endpoint other than AWS's, one unsigned GET of the same key, whose answer
+must be S3's: an S3 XML error body or S3's own headers. Any HTTP server answers 404 to a
+key it does not have; only that second look tells an S3 endpoint from another server.
 """
 
 from __future__ import annotations
 
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+
 
 from tiered_kv.config import TieredConfig
 from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
+
+
+#: Headers S3 and its compatible servers (Ceph RGW, MinIO) put on every answer.
+S3_HEADERS = ("x-amz-request-id", "x-amz-id-2", "x-minio-deployment-id")
+_S3_ERROR_BODY = re.compile(rb"<Error>\s*<Code>[A-Za-z0-9]+</Code>")
+
+
+def s3_answer(headers: Mapping[str, str], body: bytes) -> bool:
+    """Whether an HTTP answer is S3's: one of ``S3_HEADERS``, or an S3 XML error body."""
+    names = {k.lower() for k in headers}
+    return any(h in names for h in S3_HEADERS) or bool(_S3_ERROR_BODY.search(body[:4096]))
+
+
+def probe_endpoint(url: str, timeout: float) -> tuple[int | None, bool, str]:
+    """One unsigned GET of ``url``: ``(HTTP status or None, whether the answer is S3's,
+    what went wrong or the status line)``."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout) as r:
+            return r.status, s3_answer(r.headers, r.read(4096)), f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        body = e.read(4096) if e.fp is not None else b""
+        return e.code, s3_answer(e.headers or {}, body), f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return None, False, str(getattr(e, "reason", e))
 
 
 def check_remote(cfg: TieredConfig | None) -> Check:
@@ -17,15 +49,34 @@ def check_remote(cfg: TieredConfig | None) -> Check:
     and a server that does not answer apart."""
     if cfg is None or cfg.remote is None:
         return Check("remote", OK, "no shared tier configured")
-    from tiered_kv.remote.client import AccessDenied, BucketMissing, RemoteError, RemoteSetupError, S3Client
+    from tiered_kv.remote.client import (
+        AccessDenied,
+        BucketMissing,
+        ClientMissing,
+        CredentialsMissing,
+        RemoteError,
+        RemoteSetupError,
+        S3Client,
+    )
 
     remote = cfg.remote
     where = f"bucket {remote.bucket!r} at {remote.endpoint or 'AWS S3'}"
     facts = {"endpoint": remote.endpoint, "bucket": remote.bucket, "prefix": remote.prefix}
     try:
         S3Client(remote).get(f"{remote.prefix}/doctor-probe")
-    except RemoteSetupError as e:
+    except ClientMissing as e:
         return Check("remote", FAIL, f"shared tier: {e}", "install the client: pip install 'tiered-kv[s3]'", facts)
+    except CredentialsMissing as e:
+        return Check(
+            "remote",
+            FAIL,
+            f"shared tier: {e}",
+            "give the server's user credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "AWS_PROFILE (or remote.profile) naming a profile in ~/.aws/credentials, or an instance role",
+            facts,
+        )
+    except RemoteSetupError as e:
+        return Check("remote", FAIL, f"shared tier: {e}", "check the AWS configuration (~/.aws/config)", facts)
     except AccessDenied as e:
         return Check(
             "remote",
@@ -51,4 +102,18 @@ def check_remote(cfg: TieredConfig | None) -> Check:
             "check remote.endpoint and the network path to it",
             facts,
         )
-    return Check("remote", OK, f"shared tier: {where} answers", facts=facts)
+    if remote.endpoint is not None:
+        url = f"{remote.endpoint.rstrip('/')}/{remote.bucket}/{remote.prefix}/doctor-probe"
+        status, is_s3, said = probe_endpoint(url, remote.request_timeout)
+        facts = {**facts, "probe_status": status, "s3_answer": is_s3}
+        if not is_s3:
+            return Check(
+                "remote",
+                FAIL,
+                f"shared tier: {remote.endpoint} answered {said} without S3's headers (x-amz-request-id) "
+                f"or an S3 XML error body: not an S3 endpoint",
+                "point remote.endpoint at the S3 service (scheme, host and port of the RGW, MinIO or S3 "
+                "endpoint, without the bucket)",
+                facts,
+            )
+    return Check("remote", OK, f"shared tier: {where} answers as S3", facts=facts)

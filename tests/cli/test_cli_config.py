@@ -1,0 +1,182 @@
+"""``tiered-kv config``: the printed kv-transfer-config and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tiered_kv.cli.config_cmd  # noqa: F401  (registers the command)
+from tiered_kv.cli import app
+from tiered_kv.config import TieredConfig, parse_size
+
+REPO = Path(__file__).resolve().parents[2]
+
+runner = CliRunner()
+
+LLAMA_8B = {
+    "_name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _run(*args: str):
+    # wide enough that rich never wraps a table cell
+    return runner.invoke(app, ["config", *args], env={"COLUMNS": "200"})
+
+
+def _json(*args: str) -> dict:
+    result = _run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_from_model_config_is_a_valid_tiered_config(tmp_path):
+    model = tmp_path / "Llama-3.1-8B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**LLAMA_8B, "_name_or_path": "/fsx/users/someone/ckpt-1200"}))
+    cfg = _json(
+        "--model-config",
+        str(model),
+        "--cpu-bytes",
+        "64GiB",
+        "--disk-path",
+        "/mnt/nvme/kv",
+        "--disk-bytes",
+        "1TiB",
+        "--block-size",
+        "32",
+    )
+    assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra == {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": "tiered_kv.integrations.vllm",
+        "cpu_bytes": "64GiB",
+        "disk_path": "/mnt/nvme/kv",
+        "disk_bytes": "1TiB",
+        "block_size": 32,
+        "model_id": "Llama-3.1-8B-Instruct",
+    }
+    parsed = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
+    assert (parsed.cpu_bytes, parsed.disk_bytes, parsed.block_size) == (64 * 1024**3, 1024**4, 32)
+
+
+def test_manual_geometry_table_shows_the_arithmetic():
+    result = _run(
+        "--layers",
+        "80",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+        "--tp",
+        "4",
+        "--cpu-bytes",
+        "40GiB",
+        "--block-size",
+        "16",
+        "--model-id",
+        "llama-70b",
+    )
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    # 2 x 80 x (8/4) x 128 x 2 B = 81,920 B per token per rank; x16 = 1,310,720 B
+    assert "2 x 80 x 2 x 128 x 2 B" in out and "81,920 B" in out
+    assert "1,310,720 B" in out
+    # 40 GiB / 1.25 MiB = 32,768 blocks = 524,288 tokens; node RAM 4 x 40 GiB
+    assert "32,768 blocks = 524,288 tokens" in out
+    assert "160.00 GiB" in out
+    assert '"model_id": "llama-70b"' in out
+
+
+def test_output_file_matches_stdout(tmp_path):
+    target = tmp_path / "kv.json"
+    cfg = _json(
+        "--layers",
+        "2",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--dtype",
+        "float16",
+        "--cpu-bytes",
+        "1MiB",
+        "--model-id",
+        "tiny",
+        "-o",
+        str(target),
+    )
+    assert json.loads(target.read_text()) == cfg
+    assert cfg["kv_connector_extra_config"]["model_id"] == "tiny"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--layers", "32", "--kv-heads", "8"], "--head-dim: required without --model-config"),
+        (
+            ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--tp", "3"],
+            "tp: 3 does not divide the model's 8 KV heads",
+        ),
+        (
+            ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--cpu-bytes", "lots"],
+            "--cpu-bytes: cannot parse size 'lots'",
+        ),
+        (
+            ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--cpu-bytes", "1MiB"],
+            "cpu_bytes: 1048576 bytes hold no block",
+        ),
+        (
+            ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--disk-bytes", "1TiB"],
+            "--disk-bytes: needs --disk-path",
+        ),
+        (
+            ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--disk-path", "/x"],
+            "--disk-path: needs --disk-bytes",
+        ),
+        (
+            ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--block-size", "20"],
+            "block_size: 20 tokens is not a multiple of the GPU block size 16",
+        ),
+        (
+            ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "int4"],
+            "unknown KV-cache dtype 'int4'",
+        ),
+    ],
+)
+def test_bad_inputs_exit_2_with_the_reason(args, message):
+    result = _run(*args)
+    assert result.exit_code == 2
+    assert message in result.stderr.replace("\n", " ")
+    assert result.stdout == ""
+
+
+def test_model_config_and_manual_geometry_conflict(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    result = _run("--model-config", str(tmp_path), "--layers", "2")
+    assert result.exit_code == 2 and "--layers: give either --model-config" in result.stderr
+
+
+# vllm-tiering-disk.json configures vLLM's own TieringOffloadingSpec with our disk tier
+# below it; tests/integrations/test_vllm_secondary_tier.py checks it.
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in (REPO / "configs").glob("*.json") if p.name != "vllm-tiering-disk.json"),
+    ids=lambda p: p.name,
+)
+def test_shipped_configs_are_valid(path):
+    cfg = json.loads(path.read_text())
+    assert cfg["kv_connector"] == "OffloadingConnector"
+    extra = cfg["kv_connector_extra_config"]
+    parsed = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
+    assert parsed.cpu_bytes == parse_size(extra["cpu_bytes"])
+    assert extra["spec_module_path"] == "tiered_kv.integrations.vllm"

@@ -1,0 +1,208 @@
+"""``tiered-kv doctor`` on this machine, for real: every line ok / warn / fail with a fix,
+exit code that of the worst line, CUDA absent (on a CPU-only machine) a warning and not a
+crash; and each check's verdict on the real limits, directories and settings it is
+given."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tiered_kv.ops import doctor as dr
+from tiered_kv.cli import app
+from tiered_kv.config import TieredConfig
+
+runner = CliRunner()
+NAMES = {
+    "remote",
+    "memory",
+    "memlock",
+    "thp",
+    "shmem_thp",
+    "disk_path",
+    "disk_space",
+    "disk_read",
+    "cuda",
+    "io_path",
+    "vllm",
+    "hash",
+}
+
+
+def cuda_visible() -> bool:
+    import torch
+
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def run_doctor(*args: str) -> tuple[int, dict]:
+    result = runner.invoke(app, ["doctor", *args, "--json"])
+    assert "Traceback" not in result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def by_name(data: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in data["checks"]}
+
+
+def write_config(path: Path, extra: dict) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieredOffloadingSpec",
+                    "spec_module_path": "tiered_kv.integrations.vllm",
+                    **extra,
+                },
+            }
+        )
+    )
+    return path
+
+
+def test_doctor_json_on_this_machine():
+    code, data = run_doctor()
+    assert data["schema"] == "tiered-kv/doctor" and data["path"] is None
+    checks = by_name(data)
+    assert set(checks) == NAMES
+    for c in data["checks"]:
+        assert c["status"] in ("ok", "warn", "fail") and c["message"]
+        assert bool(c["fix"]) == (c["status"] != "ok"), c
+    worst = max((c["status"] for c in data["checks"]), key=["ok", "warn", "fail"].index)
+    assert data["status"] == worst and code == data["exit_code"] == {"ok": 0, "warn": 1, "fail": 2}[worst]
+    cuda = checks["cuda"]
+    if cuda_visible():
+        assert cuda["status"] == "ok"
+    else:
+        assert cuda["status"] == "warn" and cuda["message"].startswith("CUDA absent")
+
+
+def test_doctor_prints_one_line_per_check_with_the_fix():
+    result = runner.invoke(app, ["doctor"], env={"COLUMNS": "300"})
+    assert "Traceback" not in result.output
+    lines = result.stdout.splitlines()
+    statuses = [ln.split()[0] for ln in lines if ln.split() and ln.split()[0] in ("ok", "warn", "fail")]
+    assert len(statuses) == len(NAMES)
+    assert sum(ln.strip().startswith("fix: ") for ln in lines) == len([s for s in statuses if s != "ok"])
+    assert result.exit_code == max({"ok": 0, "warn": 1, "fail": 2}[s] for s in statuses)
+
+
+def test_a_disk_tier_that_does_not_fit_fails_with_exit_2(tmp_path):
+    cfg = write_config(
+        tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path / "cache"), "disk_bytes": "4096TiB"}
+    )
+    code, data = run_doctor("--config", str(cfg))
+    space = by_name(data)["disk_space"]
+    assert code == 2 and space["status"] == "fail" and "refuses to start" in space["message"]
+    assert "lower disk_bytes" in space["fix"] and data["path"] == str(cfg)
+    # The directory is not created by the check.
+    assert not (tmp_path / "cache").exists()
+
+
+def test_tp_multiplies_what_a_node_needs(tmp_path):
+    free = dr.free_space(tmp_path)
+    per_rank = max(1, free // 3 // (1 << 20))
+    cfg = write_config(
+        tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path), "disk_bytes": f"{per_rank}MiB"}
+    )
+    assert by_name(run_doctor("--config", str(cfg))[1])["disk_space"]["status"] == "ok"
+    assert by_name(run_doctor("--config", str(cfg), "--tp", "8")[1])["disk_space"]["status"] == "fail"
+
+
+def test_a_config_the_server_refuses_fails(tmp_path):
+    cfg = write_config(tmp_path / "kv.json", {"cpu_bytes": 64})
+    code, data = run_doctor("--config", str(cfg))
+    line = by_name(data)["config"]
+    assert code == 2 and line["status"] == "fail" and "cpu_bytes: 64 has no unit" in line["message"]
+    code, data = run_doctor("--config", str(tmp_path / "missing.json"))
+    assert code == 2 and "does not exist" in by_name(data)["config"]["message"]
+
+
+def test_disk_path_checks_on_real_directories(tmp_path):
+    ok = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path), "disk_bytes": "1GiB"}))
+    assert ok.facts["filesystem"]["type"] and ok.facts["o_direct"] in (True, False)
+    expected = "ok" if ok.facts["o_direct"] and not ok.facts["root_filesystem"] else "warn"
+    assert ok.status == expected, ok.message
+    assert list(tmp_path.iterdir()) == []  # the O_DIRECT probe file is gone
+    new = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path / "a"), "disk_bytes": "1GiB"}))
+    assert new.status == expected and not (tmp_path / "a").exists()
+    if expected == "ok":
+        assert "will be created" in new.message
+    deep = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path / "a" / "b"), "disk_bytes": "1GiB"}))
+    assert deep.status == "fail" and f"{tmp_path / 'a'} does not exist" in deep.message
+    (tmp_path / "file").write_text("x")
+    bad = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path / "file"), "disk_bytes": "1GiB"}))
+    assert bad.status == "fail" and "is not a directory" in bad.message
+
+
+@pytest.mark.skipif(dr.filesystem_of("/dev/shm")["type"] != "tmpfs", reason="/dev/shm is not tmpfs here")
+def test_a_disk_path_in_memory_is_a_warning(tmp_path):
+    c = dr.check_disk_path(TieredConfig.from_dict({"disk_path": "/dev/shm", "disk_bytes": "1GiB"}))
+    assert c.status == "warn" and "memory, not disk" in c.message
+
+
+def test_memlock_and_memory_against_cpu_bytes():
+    limit = dr.memlock_limit()
+    big = TieredConfig.from_dict({"cpu_bytes": "1000TiB"})
+    memlock = dr.check_memlock(big, limit)
+    assert memlock.status == ("ok" if limit is None else "warn")
+    assert dr.check_memlock(big, 1 << 20).status == "warn" and "ulimit -l" in dr.check_memlock(big, 1 << 20).fix
+    assert dr.check_memlock(big, None).status == "ok"
+    memory = dr.check_memory(big, 1, dr.memory_limit())
+    assert memory.status == "fail" and "refuses to start" in memory.message
+    small = TieredConfig.from_dict({"cpu_bytes": "1MiB"})
+    assert dr.check_memory(small, 1, dr.memory_limit()).status == "ok"
+
+
+def test_huge_page_settings():
+    assert [c.status for c in dr.check_thp("madvise", "advise", "process")] == ["ok", "ok"]
+    private, shared = dr.check_thp("never", "never", "process")
+    assert private.status == shared.status == "warn"
+    assert "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled" in shared.fix
+    assert dr.check_thp("always", "never", "thread")[1].status == "ok"  # shared memory unused
+    assert dr.thp_setting("private") in ("always", "madvise", "never", "n/a")
+
+
+@pytest.mark.parametrize(
+    "raw, env, status, words",
+    [
+        ({}, {}, "ok", "vLLM's fixed seed"),
+        ({"hash_algorithm": "xxhash"}, {}, "warn", "no block on disk ever hits"),
+        ({"hash_algorithm": "xxhash"}, {"PYTHONHASHSEED": "0"}, "ok", "PYTHONHASHSEED=0"),
+        ({"hash_seed": "42"}, {"PYTHONHASHSEED": "7"}, "warn", "differs from PYTHONHASHSEED='7'"),
+        ({"hash_seed": "42"}, {}, "warn", "PYTHONHASHSEED is unset"),
+        ({"hash_seed": "42"}, {"PYTHONHASHSEED": "42"}, "ok", "PYTHONHASHSEED=42"),
+    ],
+)
+def test_hash_seed_against_pythonhashseed(raw, env, status, words):
+    c = dr.check_hash(TieredConfig.from_dict(raw), env)
+    assert c.status == status and words in c.message
+
+
+def test_io_path_and_vllm_lines(tmp_path):
+    raw = {"disk_path": str(tmp_path), "disk_bytes": "1GiB"}
+    line = dr.check_io_path(TieredConfig.from_dict(raw), cuda=cuda_visible())
+    if not dr.gds_facts()["kvikio_importable"]:
+        assert line.status == "ok" and line.message.startswith("disk tier I/O: posix")
+        forced = dr.check_io_path(TieredConfig.from_dict({**raw, "io_backend": "kvikio"}), cuda=False)
+        assert forced.status == "fail" and "KvikIO cannot run" in forced.message
+    posix = dr.check_io_path(TieredConfig.from_dict({**raw, "io_backend": "posix"}), cuda=False)
+    assert posix.status == "ok" and posix.message.startswith("disk tier I/O: posix (configured)")
+    vllm = dr.check_vllm()
+    assert vllm.facts["supported"] == dr.SUPPORTED_VLLM
+    assert vllm.status == ("ok" if (vllm.facts["vllm"] or "").startswith(dr.SUPPORTED_VLLM + ".") else "warn")
+
+
+def test_no_probe_file_is_left_anywhere(tmp_path):
+    cfg = write_config(
+        tmp_path / "kv.json", {"cpu_bytes": "1GiB", "disk_path": str(tmp_path / "c"), "disk_bytes": "1GiB"}
+    )
+    (tmp_path / "c").mkdir()
+    run_doctor("--config", str(cfg))
+    assert os.listdir(tmp_path / "c") == []

@@ -1,0 +1,254 @@
+"""``tiered-kv doctor`` against the mistakes that cost an operator a disk or a day: a
+``disk_path`` below a mount point with nothing mounted (judged from a mountinfo table in
+the kernel's format, over real directories), the engine refusing to create a missing
+mount point, every config the repository ships read (both vLLM specs), TP read from a
+``vllm serve --config`` file or said to be assumed, the disk's O_DIRECT read timed
+against the model's break-even, and an HTTP server answering a bare 404 refused as an S3
+endpoint (a real ``http.server`` on a free port)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tiered_kv.cli import app
+from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.config_file import read_server_config
+from tiered_kv.disk.format.namespace import NamespaceError
+from tiered_kv.model_identity import read_config_file
+from tiered_kv.ops import doctor as dr
+from tiered_kv.ops.presets import find_preset
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.json"))
+runner = CliRunner()
+
+
+def mountinfo(tmp_path: Path, mounts: dict[str, tuple[str, str]]) -> Path:
+    """A /proc/self/mountinfo-format table: mount point -> (fs type, source)."""
+    lines = [
+        f"{i + 20} 1 259:{i} / {point} rw,relatime shared:{i} - {kind} {source} rw"
+        for i, (point, (kind, source)) in enumerate(mounts.items())
+    ]
+    path = tmp_path / "mountinfo"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def disk_cfg(path: Path) -> TieredConfig:
+    return TieredConfig.from_dict({"disk_path": str(path), "disk_bytes": "1GiB"})
+
+
+def test_an_unmounted_mount_point_is_flagged(tmp_path):
+    root_only = mountinfo(tmp_path, {"/": ("ext4", "/dev/vda")})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    wanted = mnt / "nvme" / "tiered-kv"
+    # The mount point itself is missing: the server would refuse to start.
+    missing = dr.check_disk_path(disk_cfg(wanted), root_only)
+    assert missing.status == "fail" and f"{mnt / 'nvme'} does not exist" in missing.message
+    assert "mounted" in missing.message and f"mount the NVMe at {mnt / 'nvme'}" in missing.fix
+    assert not (mnt / "nvme").exists()
+    # The mount point exists but nothing is mounted on it: the root file system answers.
+    (mnt / "nvme").mkdir()
+    unmounted = dr.check_disk_path(disk_cfg(wanted), root_only)
+    assert unmounted.status == "warn" and "root file system" in unmounted.message
+    assert "ext4 on /dev/vda (mounted at /)" in unmounted.message and unmounted.facts["root_filesystem"]
+    # Mounted there: the path is judged on the NVMe's file system.
+    mounted = mountinfo(tmp_path, {"/": ("ext4", "/dev/vda"), str(mnt / "nvme"): ("xfs", "/dev/nvme0n1")})
+    ok = dr.check_disk_path(disk_cfg(wanted), mounted)
+    assert ok.status == "ok" and "will be created on xfs on /dev/nvme0n1" in ok.message, ok.message
+    assert ok.facts["filesystem"] == {"type": "xfs", "mount_point": str(mnt / "nvme"), "source": "/dev/nvme0n1"}
+
+
+def test_the_engine_refuses_to_create_a_missing_mount_point(tmp_path):
+    from tiered_kv.disk.format.namespace_dir import prepare_cache_dir
+
+    (tmp_path / "mnt").mkdir()
+    with pytest.raises(NamespaceError, match=f"{tmp_path / 'mnt' / 'nvme'} does not exist"):
+        prepare_cache_dir(tmp_path / "mnt" / "nvme" / "tiered-kv", create=True)
+    assert list((tmp_path / "mnt").iterdir()) == []
+    root, fd, made = prepare_cache_dir(tmp_path / "mnt" / "tiered-kv", create=True)
+    import os
+
+    os.close(fd)
+    assert made == [root] and root.is_dir()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_is_read(path, tmp_path):
+    found = read_server_config(path)
+    cfg = dr.read_config(path)
+    assert cfg.disk_path == "/mnt/nvme/tiered-kv" and cfg.disk_bytes > 0
+    code, data = _doctor("--config", str(path), "--read-probe", "0")
+    line = {c["name"]: c for c in data["checks"]}["config"]
+    assert line["status"] == "ok" and "TP 1 assumed" in line["message"], line
+    # inspect --config and warmup --config read it through the same reader.
+    assert read_config_file(path) == found.extra_for()
+    from tiered_kv.ops.warmup.inputs import load_config
+
+    assert load_config(path).disk_path == cfg.disk_path
+    result = runner.invoke(app, ["inspect", "summary", str(tmp_path), "--config", str(path), "--json"])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    if found.spec_name == "TieringOffloadingSpec":
+        assert "cpu_bytes_to_use" in line["message"]
+        assert (
+            dr.read_config(path, tp=4).cpu_bytes
+            == json.loads(path.read_text())["kv_connector_extra_config"]["cpu_bytes_to_use"] // 4
+        )
+
+
+def test_tp_from_a_vllm_serve_config_file_and_from_the_option(tmp_path):
+    inner = json.loads((REPO / "configs" / "llama-3.1-8b-1xh100.json").read_text())
+    serve = tmp_path / "serve.json"
+    serve.write_text(json.dumps({"tensor-parallel-size": 4, "kv-transfer-config": json.dumps(inner)}))
+    _, data = _doctor("--config", str(serve), "--read-probe", "0")
+    checks = {c["name"]: c for c in data["checks"]}
+    assert "TP 4 (from the config)" in checks["config"]["message"] and checks["config"]["facts"]["tp"] == 4
+    _, data = _doctor("--config", str(serve), "--tp", "2", "--read-probe", "0")
+    assert "TP 2 (--tp)" in {c["name"]: c for c in data["checks"]}["config"]["message"]
+    yaml = pytest.importorskip("yaml")
+    serve_yaml = tmp_path / "serve.yaml"
+    serve_yaml.write_text(
+        yaml.safe_dump(
+            {
+                "model": "meta-llama/Llama-3.1-8B-Instruct",
+                "tensor-parallel-size": 8,
+                "kv-transfer-config": json.dumps(inner),
+            }
+        )
+    )
+    found = read_server_config(serve_yaml)
+    assert found.tp == 8 and found.extra == inner["kv_connector_extra_config"]
+    no_tier = tmp_path / "bare.json"
+    no_tier.write_text(json.dumps({"tensor-parallel-size": 2}))
+    with pytest.raises(ConfigError, match="without kv-transfer-config holds no tier settings"):
+        read_server_config(no_tier)
+    fs_only = tmp_path / "fs-only.json"
+    fs_only.write_text(
+        json.dumps(
+            {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": 1 << 30,
+                "secondary_tiers": [{"type": "fs", "root": "/tmp/x"}],
+            }
+        )
+    )
+    with pytest.raises(ConfigError, match="TieringOffloadingSpec with 0 TieredDiskTier entries"):
+        read_server_config(fs_only)
+
+
+def test_the_disk_read_is_timed_against_the_break_even(tmp_path):
+    cfg = disk_cfg(tmp_path)
+    geometry = find_preset("llama-3.1-8b").geometry
+    slow = dr.check_disk_speed(cfg, geometry, prefill_tps=1e12, probe_bytes=4 << 20)
+    if slow.status == "ok" and "not timed" in slow.message:
+        pytest.skip(f"no O_DIRECT here: {slow.message}")
+    assert slow.status == "warn" and "below the break-even" in slow.message and slow.fix
+    assert slow.facts["break_even_gbps"] == pytest.approx(131_072 * 1e12 / 1e9, rel=1e-3)
+    fast = dr.check_disk_speed(cfg, geometry, prefill_tps=1, probe_bytes=4 << 20)
+    assert fast.status == "ok" and "above the break-even" in fast.message and "--prefill-tps" in fast.message
+    assert fast.facts["read_gbps"] > 0 and fast.facts["probe_bytes"] == 4 << 20
+    assumed = dr.check_disk_speed(cfg, geometry, probe_bytes=4 << 20)
+    assert "assumed" in assumed.message
+    unknown = dr.check_disk_speed(cfg, None, probe_bytes=4 << 20)
+    assert unknown.status == "ok" and "model is unknown" in unknown.message
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    # The model comes from the config's model_id where a preset knows it.
+    known = TieredConfig.from_dict({"model_id": "meta-llama/Llama-3.1-8B-Instruct"})
+    assert dr.model_geometry(known, None) == geometry
+
+
+class _NotS3(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = b"<html><body>404 Not Found</body></html>"
+        self.send_response(404)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_HEAD = do_GET  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_http_server_answering_404_is_not_an_s3_endpoint(monkeypatch):
+    pytest.importorskip("obstore")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotS3)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        cfg = TieredConfig.from_dict({"remote": {"endpoint": endpoint, "bucket": "kv-bucket", "retries": 0}})
+        line = dr.check_remote(cfg)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert line.status == "fail" and "not an S3 endpoint" in line.message and "HTTP 404" in line.message
+    assert "remote.endpoint" in line.fix and line.facts["s3_answer"] is False
+    assert dr.s3_answer({"x-amz-request-id": "tx0"}, b"") and dr.s3_answer(
+        {}, b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code></Error>"
+    )
+
+
+def test_a_hung_endpoint_is_said_to_time_out_with_its_limit(monkeypatch):
+    import socket
+
+    pytest.importorskip("obstore")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    held = []
+    with socket.socket() as listener:  # accepts connections and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        stop = threading.Event()
+
+        def accept():
+            listener.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    held.append(listener.accept()[0])
+                except OSError:
+                    pass
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        remote = {"endpoint": endpoint, "bucket": "kv-bucket", "request_timeout": "1s", "retries": 0}
+        try:
+            line = dr.check_remote(TieredConfig.from_dict({"remote": remote}))
+        finally:
+            stop.set()
+            thread.join()
+            for conn in held:
+                conn.close()
+    assert line.status == "warn" and "timed out after 1 s (request_timeout)" in line.message, line.message
+    assert "error sending request" not in line.message
+
+
+def test_missing_credentials_get_the_credentials_fix(monkeypatch, tmp_path):
+    pytest.importorskip("botocore")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    cfg = TieredConfig.from_dict({"remote": {"endpoint": "http://127.0.0.1:9", "bucket": "kv-bucket"}})
+    line = dr.check_remote(cfg)
+    assert line.status == "fail" and "no AWS credentials" in line.message
+    assert "pip install" not in line.fix and "AWS_ACCESS_KEY_ID" in line.fix
+
+
+def _doctor(*args: str) -> tuple[int, dict]:
+    result = runner.invoke(app, ["doctor", *args, "--json"])
+    assert "Traceback" not in result.output
+    return result.exit_code, json.loads(result.stdout)

@@ -1,0 +1,148 @@
+"""One read per shared-tier hit: ``TieredOffloadingConnector`` with vLLM's recompute policy.
+
+With vLLM's own ``OffloadingConnector`` a failed load is fatal, so the scheduler
+downloads and verifies every rank's object of a chunk before calling it a hit, and the
+worker downloads it again. With our connector and ``kv_load_failure_policy: recompute``
+a chunk known present on every rank is a hit at once; the worker's read is the only
+one, verified before a byte reaches the KV cache, and a chunk that fails there is
+reported to vLLM, which recomputes it. Requests are counted at a proxy in front of the
+real Ceph RGW (tests/support/s3_server.py), so every download that reaches the server is
+seen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from support.s3_server import BUCKET, FaultProxy, skip_module_without_rgw
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM is not installed (make venv installs it)",
+    exc_type=ImportError,
+)
+skip_module_without_rgw()
+
+from support import vllm_harness as vh  # noqa: E402
+from vllm.v1.kv_offload.base import make_offload_key  # noqa: E402
+
+from tiered_kv.integrations.vllm.connector import TieredOffloadingConnector  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+BLOCK = 16
+CHUNK_BYTES = 4096  # the harness's model: 2 layers x 2 KV heads x 16 tokens x 32 dims x 2 bytes
+CHUNKS = 5
+SPEC = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm"}
+ONE_READ = {
+    "kv_connector": "TieredOffloadingConnector",
+    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
+    "kv_load_failure_policy": "recompute",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return vh.write_model_config(tmp_path_factory.mktemp("model"))
+
+
+def _prompt(seed: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 31) % 800 for i in range(CHUNKS * BLOCK + 3)]
+
+
+def _keys(prompt: list[int]) -> list[bytes]:
+    return [make_offload_key(h, 0) for h in vh.hash_blocks(prompt, BLOCK)]
+
+
+def _node(model_dir, remote: dict, **vllm) -> vh.VllmHarness:
+    """A node with a CPU tier of 16 chunks and the shared tier (no disk tier)."""
+    config = {**SPEC, "cpu_bytes": f"{16 * CHUNK_BYTES}B", "block_size": BLOCK, "remote": remote}
+    return vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **vllm)
+
+
+def _steps(h: vh.VllmHarness, done) -> None:
+    for _ in range(3000):
+        if done():
+            return
+        h.step()
+        h.manager.tier("remote").wait_probes(10)
+        time.sleep(0.0005)
+    raise AssertionError("engine still busy")
+
+
+def _settle(h: vh.VllmHarness) -> None:
+    _steps(h, lambda: not h.scheduler.has_requests() and not h.connector.has_pending_push_work())
+
+
+def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
+    req_id = h.add_request(prompt, max_tokens=3)
+    _steps(h, lambda: h.scheduler.requests[req_id].num_output_tokens >= 1)
+    return req_id
+
+
+def _upload_from_node_a(model_dir, settings: dict, prompt: list[int]) -> list[bytes]:
+    with _node(model_dir, settings) as a:
+        req_id = _admit(a, prompt)
+        computed = [a.gpu_block_bytes(b) for b in a.block_ids(req_id)[:CHUNKS]]
+        _settle(a)
+        a.worker_spec._worker.hierarchy.lower_tiers[-1].stager.drain()
+        assert a.manager.tier("remote").settle(30)
+    return computed
+
+
+def _chunk_gets(proxy: FaultProxy, keys: list[bytes]) -> Counter[str]:
+    """GET requests that reached the server, per chunk (by its key's hex)."""
+    out: Counter[str] = Counter()
+    for (method, path), n in proxy.requests.items():
+        for key in keys:
+            if method == "GET" and key.hex() in path:
+                out[key.hex()] += n
+    return out
+
+
+def test_each_shared_tier_hit_is_downloaded_once_and_verified_by_the_worker(
+    tmp_path, model_dir, rgw_server, remote_settings
+):
+    prompt = _prompt(1)
+    computed = _upload_from_node_a(model_dir, remote_settings, prompt)
+    proxy = FaultProxy(rgw_server.endpoint.removeprefix("http://"), mode="count")
+    with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, **ONE_READ) as b:
+        assert isinstance(b.worker_connector, TieredOffloadingConnector)
+        assert b.worker_spec.failed_loads_recomputed
+        req_id = _admit(b, prompt)
+        assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
+        assert [b.gpu_block_bytes(i) for i in b.block_ids(req_id)[:CHUNKS]] == computed
+        _settle(b)
+        gets = _chunk_gets(proxy, _keys(prompt)[:CHUNKS])
+        # One download per chunk and rank (TP 1: one object each), the worker's own.
+        assert gets == Counter({k.hex(): 1 for k in _keys(prompt)[:CHUNKS]}), gets
+        assert b.manager.check("remote").outcomes() == {}  # no verifying download in the scheduler
+
+
+def test_an_object_that_fails_at_the_worker_is_recomputed_never_served(
+    tmp_path, model_dir, rgw_server, remote_settings
+):
+    prompt = _prompt(2)
+    _upload_from_node_a(model_dir, remote_settings, prompt)
+    admin = rgw_server.admin_client()
+    victim = _keys(prompt)[2].hex()
+    listed = admin.list_objects_v2(Bucket=BUCKET, Prefix=remote_settings["prefix"] + "/")
+    (key,) = [o["Key"] for o in listed["Contents"] if victim in o["Key"]]
+    body = bytearray(admin.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[-100:] = bytes(100)  # the last KV bytes zeroed: the object no longer verifies
+    admin.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+
+    with _node(model_dir, remote_settings, **ONE_READ) as b:
+        for t in b.kv_caches.values():
+            t.zero_()
+        req_id = _admit(b, prompt)
+        # The request ran on the chunks that verified and recomputed from the damaged one
+        # on: every GPU block holds the bytes its prefix calls for.
+        matches = b.kv_matches(req_id)
+        assert len(matches) == CHUNKS and all(matches), matches
+        _settle(b)
+        worker = b.worker_spec._worker
+        assert worker.stats.tiers["cpu"]["failed_loads"] >= 1  # counted where it happened
+        assert worker.take_failed_gpu_blocks() == set()  # handed to vLLM already

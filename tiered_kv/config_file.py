@@ -1,0 +1,152 @@
+"""A server's config file, in every shape the repository ships, read into our keys.
+
+Runs in the operator's process (``tiered-kv doctor``, ``inspect --config``, ``warmup
+--config``, through ``model_identity.read_config_file``); its one I/O is reading the
+file. The shapes:
+
+- vLLM's whole ``--kv-transfer-config`` JSON (its ``kv_connector_extra_config`` is
+  taken), or that extra config alone, for ``TieredOffloadingSpec``;
+- the same for vLLM's own ``TieringOffloadingSpec`` with our ``TieredDiskTier`` among its
+  ``secondary_tiers``: the tier entry's keys are ours, ``cpu_bytes_to_use`` (bytes for
+  all TP ranks together) becomes ``cpu_bytes`` per rank;
+- a ``vllm serve --config`` file (JSON, or YAML where PyYAML is installed) whose
+  ``kv-transfer-config`` holds one of the above; its ``tensor-parallel-size`` is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiered_kv.config_values import ConfigError
+
+TIERED_SPEC = "TieredOffloadingSpec"
+TIERING_SPEC = "TieringOffloadingSpec"
+#: ``type`` of our disk tier in a ``secondary_tiers`` entry, and its module.
+DISK_TIER_TYPE = "TieredDiskTier"
+DISK_TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
+#: Keys of a ``secondary_tiers`` entry that are vLLM's (its factory reads them).
+VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
+#: Keys of ``TieringOffloadingSpec``'s extra config that also mean something to our tier.
+_TIERING_SHARED_KEYS = ("block_size",)
+_TRANSFER_KEYS = ("kv_transfer_config", "kv-transfer-config")
+_TP_KEYS = ("tensor_parallel_size", "tensor-parallel-size")
+
+
+@dataclass(frozen=True)
+class ServerConfigFile:
+    """What a config file says, in our keys.
+
+    ``extra``: the keys ``TieredConfig.from_dict`` takes (vLLM's pass-through keys
+    included); ``spec_name``: the vLLM spec the file loads; ``tp``: the tensor-parallel
+    size where the file names it (a ``vllm serve --config`` file), else None;
+    ``cpu_bytes_total``: ``TieringOffloadingSpec``'s ``cpu_bytes_to_use``, split per
+    rank by ``extra_for``."""
+
+    path: Path
+    extra: dict[str, Any]
+    spec_name: str = TIERED_SPEC
+    tp: int | None = None
+    cpu_bytes_total: int | None = None
+
+    def extra_for(self, tp: int | None = None) -> dict[str, Any]:
+        """``extra`` with ``cpu_bytes`` per rank at tensor-parallel size ``tp`` (default:
+        the file's, else 1) where the file sizes the CPU tier for all ranks together."""
+        out = dict(self.extra)
+        if self.cpu_bytes_total is not None:
+            out["cpu_bytes"] = self.cpu_bytes_total // (tp or self.tp or 1)
+        return out
+
+
+def _load(p: Path) -> Any:
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {p}: not readable ({e})") from None
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"config {p}: reading YAML needs PyYAML (pip install pyyaml), or give JSON") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {p}: not readable YAML ({' '.join(str(e).split())})") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"config {p}: not readable JSON ({e})") from None
+
+
+def _tp(raw: Mapping[str, Any], p: Path) -> int | None:
+    for key in _TP_KEYS:
+        if key in raw:
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"config {p}: {key}: expected a positive integer, got {value!r}")
+            return value
+    return None
+
+
+def _tiering(extra: Mapping[str, Any], p: Path) -> tuple[dict[str, Any], int | None]:
+    """Our keys of a ``TieringOffloadingSpec`` extra config, and its ``cpu_bytes_to_use``."""
+    tiers = extra.get("secondary_tiers")
+    if not isinstance(tiers, list):
+        raise ConfigError(f"config {p}: secondary_tiers: expected a list of tier entries, got {tiers!r}")
+    ours = [
+        t
+        for t in tiers
+        if isinstance(t, Mapping) and (t.get("type") == DISK_TIER_TYPE or t.get("module_path") == DISK_TIER_MODULE)
+    ]
+    if len(ours) != 1:
+        raise ConfigError(
+            f"config {p}: {TIERING_SPEC} with {len(ours)} {DISK_TIER_TYPE} entries in secondary_tiers, "
+            f'expected one ({{"type": "{DISK_TIER_TYPE}", "module_path": "{DISK_TIER_MODULE}", '
+            f'"disk_path": ..., "disk_bytes": ...}})'
+        )
+    out = {k: v for k, v in ours[0].items() if k not in VLLM_TIER_KEYS}
+    for key in _TIERING_SHARED_KEYS:
+        if key in extra and key not in out:
+            out[key] = extra[key]
+    total = extra.get("cpu_bytes_to_use")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or total <= 0):
+        raise ConfigError(f"config {p}: cpu_bytes_to_use: expected a positive number of bytes, got {total!r}")
+    return out, None if total is None else int(total)
+
+
+def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
+    """Read ``path`` in any shape of the module docstring. Raises ``ConfigError`` naming
+    the file."""
+    p = Path(path)
+    raw = _load(p)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config {p}: expected a JSON object, got {type(raw).__name__}")
+    tp = _tp(raw, p)
+    for key in _TRANSFER_KEYS:
+        if key in raw:
+            inner = raw[key]
+            if isinstance(inner, str):
+                try:
+                    inner = json.loads(inner)
+                except ValueError as e:
+                    raise ConfigError(f"config {p}: {key}: not readable JSON ({e})") from None
+            if not isinstance(inner, Mapping):
+                raise ConfigError(f"config {p}: {key}: expected an object, got {type(inner).__name__}")
+            raw = inner
+            break
+    if isinstance(raw.get("kv_connector_extra_config"), Mapping):
+        raw = raw["kv_connector_extra_config"]
+    elif tp is not None:
+        raise ConfigError(f"config {p}: a vllm serve config without kv-transfer-config holds no tier settings")
+    extra = dict(raw)
+    spec = str(extra.get("spec_name") or TIERED_SPEC)
+    if spec == TIERING_SPEC or "secondary_tiers" in extra:
+        ours, total = _tiering(extra, p)
+        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total)
+    return ServerConfigFile(p, extra, spec, tp)
