@@ -9,8 +9,12 @@ same number of requests in flight (``--connections``):
   into the buffer, on a thread pool;
 - ``boto3``: raw ``put_object(IfNoneMatch="*")`` / ``get_object`` read into the buffer
   (``readinto``), on a thread pool, when boto3 is importable;
-- ``tier``: ``RemoteStore.put_blocks`` / ``get_blocks`` (header, checksum, verification,
-  write-once), over obstore.
+- ``tier``: ``RemoteStore.put_blocks`` / ``get_blocks`` (objects sealed with AES-256-GCM
+  under the fleet key on the store's threads, verification, write-once), over obstore;
+- ``tier-plain``: the same under ``trusted_bucket`` with no key (header and checksum only).
+
+Before the table, one core's AES-256-GCM speed (seal and open of one block) gives the
+cost of encryption in CPU seconds per GB.
 
 The order of the paths rotates every round, since a shared machine drifts; each
 path's objects are deleted after its gets so the server's memory stays bounded. Prints
@@ -32,7 +36,8 @@ block is compared with what was computed for it (mismatches must be 0).
 
 Objects go under the prefixes ``bench`` and ``bench-replay-<random>``, and are deleted
 as the run goes and at its end. With ``--endpoint`` or ``--config``, credentials come
-from the AWS chain; the bucket must exist.
+from the AWS chain; the bucket must exist. The fleet key is the config's (``--config``),
+else a random one for the run.
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ class Paths:
         self.config = config
         self.pool = ThreadPoolExecutor(connections)
         self.store = RemoteStore(config, fingerprint(block_bytes))
+        plain = RemoteConfig.from_dict({**config.to_dict(), "key_file": None, "key_env": None, "trusted_bucket": True})
+        self.plain = RemoteStore(plain, fingerprint(block_bytes), keyring=None)
         self.raw = self.store._client.raw  # the same obstore S3Store settings as the tier's
         self.boto: Any = None  # a boto3 S3 client (boto3 has no type information)
         with contextlib.suppress(ImportError):
@@ -113,12 +120,13 @@ class Paths:
     def run(self, name: str, payloads: list[np.ndarray], buffers: list[np.ndarray]) -> tuple[float, float]:
         """Seconds to put all payloads, and to get them all back (verified)."""
         tag = uuid.uuid4().hex[:8]
-        if name == "tier":
+        if name in ("tier", "tier-plain"):
+            store = self.store if name == "tier" else self.plain
             items = [(f"{tag}-{i}".encode(), 0, p) for i, p in enumerate(payloads)]
             t0 = time.perf_counter()
-            outcomes = self.store.put_blocks(items).result()
+            outcomes = store.put_blocks(items).result()
             t1 = time.perf_counter()
-            hits = self.store.get_blocks([(h, 0, b) for (h, _, _), b in zip(items, buffers)]).result()
+            hits = store.get_blocks([(h, 0, b) for (h, _, _), b in zip(items, buffers)]).result()
             t2 = time.perf_counter()
             if outcomes != [PutOutcome.STORED] * len(items) or not all(hits):
                 raise RuntimeError(f"tier: {outcomes.count(PutOutcome.STORED)} stored, {sum(hits)} read back")
@@ -160,6 +168,7 @@ class Paths:
 
     def close(self) -> None:
         self.store.close()
+        self.plain.close()
         self.pool.shutdown()
 
     def __enter__(self) -> Paths:
@@ -201,6 +210,31 @@ def bench(
                     )
         results[mib] = per
     return results
+
+
+def cipher_cost(keyring, block_bytes: int = 8 << 20, rounds: int = 8) -> str:
+    """One core's AES-256-GCM speed over one block, sealed then opened: GB/s and CPU
+    seconds per GB each way."""
+    from tiered_kv.remote.keys import new_nonce
+
+    block = memoryview(np.random.default_rng(1).integers(0, 256, block_bytes, dtype=np.uint8))
+    nonce, aad = new_nonce(), b"header"
+    dest = [memoryview(bytearray(block_bytes))]
+    seal_s, open_s = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        ciphertext, tag = keyring.seal(nonce, aad, [block])
+        t1 = time.perf_counter()
+        keyring.open_into(keyring.current_id, nonce, aad, ciphertext, tag, dest)
+        t2 = time.perf_counter()
+        seal_s.append(t1 - t0)
+        open_s.append(t2 - t1)
+    gb = block_bytes / 1e9
+    s, o = statistics.median(seal_s) / gb, statistics.median(open_s) / gb
+    return (
+        f"# AES-256-GCM on one core, {block_bytes >> 20} MiB blocks: seal {1 / s:.2f} GB/s ({s:.3f} CPU s per GB), "
+        f"open {1 / o:.2f} GB/s ({o:.3f} CPU s per GB)"
+    )
 
 
 def table(results: dict[float, dict[str, tuple[list[float], list[float]]]]) -> str:
@@ -393,17 +427,20 @@ def main() -> None:
     p.add_argument("--total", default="128MiB", help="bytes moved per path, size and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--connections", type=int, default=8, help="requests in flight, every path alike")
-    p.add_argument("--paths", default="obstore,tier,boto3", help="paths to measure (obstore is always one)")
+    p.add_argument("--paths", default="obstore,tier,tier-plain,boto3", help="paths to measure (obstore is always one)")
     p.add_argument("--requests", type=int, default=ReplayShape.requests, help="replay: requests, both nodes together")
     p.add_argument("--seed", type=int, default=0, help="replay: workload seed")
     args = p.parse_args()
-    wanted = ["obstore"] + [n for n in args.paths.split(",") if n in ("tier", "boto3")]
+    wanted = ["obstore"] + [n for n in args.paths.split(",") if n in ("tier", "tier-plain", "boto3")]
     from tiered_kv.config import parse_size
 
     sizes = [float(s) for s in args.sizes.split(",")]
     total = parse_size(args.total, "--total")
 
     def run(config: RemoteConfig) -> None:
+        if config.key_file is None and config.key_env is None:
+            os.environ["TIERED_KV_BENCH_KEY"] = os.urandom(32).hex()  # a key for this run only
+            config = RemoteConfig.from_dict({**config.to_dict(), "key_env": "TIERED_KV_BENCH_KEY"})
         config = RemoteConfig.from_dict(
             {
                 **config.to_dict(),
@@ -420,6 +457,9 @@ def main() -> None:
                 f"{args.total} per path and round",
                 flush=True,
             )
+            from tiered_kv.remote.keys import load_keyring
+
+            print(cipher_cost(load_keyring(config)), flush=True)
             results = bench(config, sizes, total, args.rounds, args.connections, wanted, log)
             print()
             print(table(results))

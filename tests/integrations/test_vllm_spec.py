@@ -87,9 +87,15 @@ _README = {
 }
 
 
+@pytest.fixture
+def target_machine(monkeypatch):
+    """The configs' machines, not this one: memory enough for their cpu_bytes."""
+    monkeypatch.setattr("tiered_kv.integrations.vllm.geometry.host_memory_limit", lambda: 2 << 40)
+
+
 @vllm_only
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
-def test_vllms_factory_loads_our_spec_from_each_config_file(path, tmp_path):
+def test_vllms_factory_loads_our_spec_from_each_config_file(path, tmp_path, target_machine):
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     from tiered_kv.integrations.vllm import TieredOffloadingSpec
@@ -143,6 +149,8 @@ _BAD_CONFIGS = [
     ({"cpu_bytes": "100B"}, r"cpu_bytes: 100 B per rank holds no chunk; one chunk is 4\.00 KiB"),
     ({"cpu_bytes": 64}, r"cpu_bytes: 64 has no unit, so it would mean 64 bytes.*'64B' if you mean bytes"),
     ({"cpu_bytes": "8GiB", "disk_bytes": "1TiB"}, r"disk_bytes: set without disk_path"),
+    ({"cpu_bytes": "64TiB"}, r"cpu_bytes: 64(\.00)? TiB per rank is more than this process may use"),
+    ({"remote": {"bucket": "kv-b", "request_timeout": 1e309}}, r"remote\.request_timeout: duration must be at most"),
     ({"disk_path": "DISK", "disk_bytes": "1TB!"}, r"disk_bytes: cannot parse size '1TB!'"),
     ({"disk_path": "DISK", "disk_bytes": "1000B"}, r"disk_bytes: 1000 B per rank holds no chunk"),
     ({"write_policy": "sometimes"}, r"write_policy: expected one of write_through, write_back; got 'sometimes'"),
@@ -192,7 +200,7 @@ def _readme_serve_example() -> dict:
 
 
 @vllm_only
-def test_the_readme_vllm_serve_example_is_a_valid_config(tmp_path):
+def test_the_readme_vllm_serve_example_is_a_valid_config(tmp_path, target_machine):
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     from tiered_kv.config import TieredConfig, VLLM_PASSTHROUGH_KEYS

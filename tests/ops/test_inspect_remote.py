@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from tiered_kv.cli import _load_commands, app
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
-from tiered_kv.remote.object_format import FIXED_HEADER_BYTES, block_key
+from tiered_kv.remote.object_format import SEALED_HEADER_BYTES, block_key
 
 skip_module_without_rgw()
 
@@ -28,7 +28,7 @@ _load_commands()
 runner = CliRunner()
 WAIT = 120
 BLOCK = 40_000
-OBJECT = FIXED_HEADER_BYTES + 32 + BLOCK  # header, 32-byte hash, payload
+OBJECT = SEALED_HEADER_BYTES + 32 + BLOCK + 16  # header, 32-byte hash, payload, tag
 #: The config's node: model org/model, TP 2. Another model's node shares the bucket.
 FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 2, "sha256", "")
 OTHER = dataclasses.replace(FP, model_id="other/model", tp_size=1)
@@ -130,23 +130,27 @@ def test_verify_reports_a_damaged_and_a_foreign_object_and_repair_deletes_them(b
         Key=foreign_key,
         CopySource={"Bucket": BUCKET, "Key": block_key(f"{prefix}/{theirs}", foreign_hashes[0], 0)},
     )
+    # A key that is not this format's is left alone by every command (it may be another
+    # prefix's: namespaces cannot overlap).
     stray_key = f"{prefix}/{ours}/notes.txt"
     s3.put_object(Bucket=BUCKET, Key=stray_key, Body=b"not a block")
 
     data = run_json("verify", "--remote", config, code=1)
-    assert not data["clean"] and data["bad_objects"] == 3
+    assert not data["clean"] and data["bad_objects"] == 2
     (a,) = [ns for ns in data["namespaces"] if ns["namespace"] == ours]
     (b,) = [ns for ns in data["namespaces"] if ns["namespace"] == theirs]
     assert b["clean"] and b["checked"] == 3
     reasons = {bad["key"]: bad["reason"] for bad in a["bad"]}
-    assert reasons == {damaged_key: "checksum", foreign_key: "foreign", stray_key: "key"}
+    assert reasons == {damaged_key: "auth", foreign_key: "foreign"}
     (foreign,) = [bad for bad in a["bad"] if bad["reason"] == "foreign"]
     assert theirs in foreign["detail"] and foreign["hash"] == foreign_hashes[0].hex()
     text = run("verify", "--remote", config, code=1).stdout
-    assert "BAD" in text and "checksum" in text and "foreign" in text and "--repair" in text
+    assert "BAD" in text and "auth" in text and "foreign" in text and "--repair" in text
 
     repaired = run_json("verify", "--remote", config, "--repair")
-    assert repaired["deleted"] == 3 and repaired["clean"]
+    assert repaired["deleted"] == 2 and repaired["clean"]
+    assert s3.get_object(Bucket=BUCKET, Key=stray_key)["Body"].read() == b"not a block"
+    assert run_json("summary", "--remote", config)["foreign_keys"] == 1
     after = run_json("verify", "--remote", config)
     assert after["clean"] and {ns["namespace"]: ns["checked"] for ns in after["namespaces"]} == {ours: 10, theirs: 3}
 

@@ -65,6 +65,17 @@ def test_config_defaults_and_units():
         ({"bucket": "kv-b", "write_policy": "always"}, "write_policy: expected one of write_through, evictions"),
         ({"bucket": "kv-b", "checksum": "md5"}, "checksum: expected one of xxh3_64, crc32c"),
         ({"bucket": "kv-b", "endpont": "http://h"}, "did you mean 'endpoint'"),
+        ({"bucket": "kv-b", "request_timeout": float("inf")}, "request_timeout: duration must be at most 3600s"),
+        ({"bucket": "kv-b", "request_timeout": 1e14}, "request_timeout: duration must be at most 3600s"),
+        ({"bucket": "kv-b", "connect_timeout": "2h"}, "connect_timeout: duration must be at most 60s"),
+        ({"bucket": "kv-b", "unavailable_cooldown": float("inf")}, "unavailable_cooldown: duration must be at most"),
+        ({"bucket": "kv-b", "absent_ttl": float("nan")}, "absent_ttl: duration must be positive"),
+        ({"bucket": "kv-b", "absent_ttl": "2000h"}, "absent_ttl: duration must be at most 86400s"),
+        ({"bucket": "kv-b", "prefix": "p" * 1100}, "prefix: 1100 characters is too long"),
+        ({"bucket": "kv-b", "max_pending_upload_bytes": "1000TiB"}, "max_pending_upload_bytes: at most 64GiB"),
+        ({"bucket": "kv-b", "key_env": "deadbeef" * 8 + "!"}, "key_env: expected the name of an environment variable"),
+        ({"bucket": "kv-b", "key_env": "K", "key_file": "/k"}, "name one place for the fleet key"),
+        ({"bucket": "kv-b", "trusted_bucket": "yes"}, "trusted_bucket: expected true or false"),
     ],
 )
 def test_config_errors_name_key_and_value(raw, needle):
@@ -163,7 +174,7 @@ def test_every_check_rejects_with_its_reason():
     bad_magic[0] ^= 0xFF
     truncated = good[:-10]
     future = bytearray(good)
-    future[8] = 2  # format version
+    future[8] = 3  # a format version no reader knows
     for obj in (bad_magic, truncated, future, good[:20]):
         with pytest.raises(Rejected) as err:
             _verify(obj, size=len(payload))
@@ -191,3 +202,45 @@ def test_membership_cache_present_absent_ttl_and_bound():
     assert cache.counts() == (3, 1)
     cache.forget([b"x", b"a"])
     assert cache.states([b"x", b"a"]) == [Membership.UNKNOWN, Membership.UNKNOWN]
+
+
+def test_the_longest_key_fits_s3s_limit():
+    from tiered_kv.fingerprint import NAMESPACE_ID_LEN
+    from tiered_kv.remote.config import NAMESPACE_ID_CHARS, S3_MAX_KEY_BYTES, longest_key
+
+    assert NAMESPACE_ID_CHARS == NAMESPACE_ID_LEN
+    room = S3_MAX_KEY_BYTES - longest_key("")
+    config = RemoteConfig.from_dict({"bucket": "kv-b", "prefix": "p" * room})
+    fp = Fingerprint("m", "r", "float16", 16, 16, (("l", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
+    key = block_key(namespace_prefix(config.prefix, fp), b"\xff" * 64, 65535)
+    assert len(key.encode()) == longest_key(config.prefix) == S3_MAX_KEY_BYTES
+    with pytest.raises(ConfigError, match=f"use at most {room} characters"):
+        RemoteConfig.from_dict({"bucket": "kv-b", "prefix": "p" * (room + 1)})
+
+
+def test_sealed_objects_bind_every_header_field():
+    from tiered_kv.remote.keys import Keyring
+    from tiered_kv.remote.object_format import SEALED_HEADER_BYTES, seal
+
+    ring = Keyring([bytes(range(32))])
+    digest, block_hash, payload = b"\x01" * 32, b"\x02" * 32, bytes(range(256)) * 40
+    obj = b"".join(seal(ring, digest, block_hash, 3, [memoryview(payload[:1000]), memoryview(payload[1000:])]))
+    assert len(obj) == SEALED_HEADER_BYTES + 32 + len(payload) + 16 and payload[:64] not in obj
+
+    def read(data, **kw):
+        args = {"fingerprint": digest, "block_hash": block_hash, "rank": 3, "size": len(payload), "keyring": ring}
+        return bytes(verified_payload(memoryview(bytes(data)), **{**args, **kw}))
+
+    assert read(obj) == payload
+    # Every byte of the header and the body is covered: one flipped bit anywhere fails.
+    for at in [*range(0, SEALED_HEADER_BYTES + 32), SEALED_HEADER_BYTES + 40, len(obj) - 20, len(obj) - 1]:
+        forged = bytearray(obj)
+        forged[at] ^= 0x01
+        with pytest.raises(Rejected) as err:
+            read(forged)
+        assert err.value.reason in ("auth", "format", "foreign", "mismatch", "size", "key"), at
+    with pytest.raises(Rejected, match="key id"):
+        read(obj, keyring=Keyring([bytes(32)]))
+    with pytest.raises(Rejected) as err:
+        read(obj, keyring=None)
+    assert err.value.reason == "key"

@@ -147,7 +147,7 @@ def _node_a(settings: dict, items: list, env: dict) -> list[str]:
 
 def test_two_nodes_share_a_bucket(remote_settings, config):
     items = blocks(16, size=1 << 20, seed=7)
-    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "TIERED_KV_"))}
     with multiprocessing.get_context("spawn").Pool(1) as node_a:
         assert node_a.apply(_node_a, (remote_settings, items, env)) == ["stored"] * 16
     with RemoteStore(config, FP) as node_b:
@@ -187,9 +187,17 @@ def test_a_foreign_object_under_our_key_is_refused_and_counted(config, rgw_serve
         assert b.stats().rejected["foreign"] == 1
 
 
-def test_a_damaged_object_is_a_counted_miss_and_is_stored_again(store):
+@pytest.mark.parametrize("trusted", [False, True], ids=["sealed", "plain"])
+def test_a_damaged_object_is_a_counted_miss_and_is_stored_again(remote_settings, trusted):
+    """Sealed, the tag fails; plain (a trusted bucket, no key), the checksum does."""
     import obstore
 
+    settings = {**remote_settings, "key_env": None, "trusted_bucket": True} if trusted else remote_settings
+    with RemoteStore(RemoteConfig.from_dict(settings), FP) as store:
+        _damaged_object_round(store, obstore, "checksum" if trusted else "auth")
+
+
+def _damaged_object_round(store, obstore, reason: str) -> None:
     ((h, r, data),) = blocks(1, size=100_000)
     store.put_blocks([(h, r, data)]).result(WAIT)
     key = block_key(store.namespace, h, r)
@@ -200,7 +208,7 @@ def test_a_damaged_object_is_a_counted_miss_and_is_stored_again(store):
     hits, (buf,) = read_back(store, [(h, r, data)])
     assert hits == [False] and not any(buf)
     s = store.stats()
-    assert s.rejected["checksum"] == 1 and s.damaged_deleted == 1
+    assert s.rejected[reason] == 1 and s.damaged_deleted == 1
     # Deleted, so the next node that computes the block stores it whole again.
     assert store.put_blocks([(h, r, data)]).result(WAIT) == [PutOutcome.STORED]
     hits, (buf,) = read_back(store, [(h, r, data)])

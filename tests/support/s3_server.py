@@ -31,6 +31,9 @@ CEPH_TOOLS = ("monmaptool", "ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", 
 ACCESS_KEY = "tieredkvtest"
 SECRET_KEY = "tieredkvtestsecret"
 BUCKET = "tiered-kv-tests"
+#: The fleet key of the tests' shared tiers (a fixed test value), and the variable naming it.
+FLEET_KEY_ENV = "TIERED_KV_TEST_FLEET_KEY"
+FLEET_KEY = "5f" * 32
 
 
 def missing_reason() -> str | None:
@@ -123,6 +126,7 @@ def s3_env(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv(FLEET_KEY_ENV, FLEET_KEY)
 
 
 @pytest.fixture
@@ -134,6 +138,7 @@ def remote_settings(rgw_server, s3_env) -> dict:
         "prefix": f"t-{uuid.uuid4().hex[:12]}",
         "request_timeout": "3s",
         "connect_timeout": "1s",
+        "key_env": FLEET_KEY_ENV,
     }
 
 

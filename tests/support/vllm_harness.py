@@ -387,8 +387,10 @@ class VllmHarness(Closing):
         max_tokens: int = 1,
         req_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; it finishes after ``max_tokens`` sampled tokens."""
+        """Queue a request (of the tenant ``cache_salt``, where given); it finishes after
+        ``max_tokens`` sampled tokens."""
         req_id = req_id or f"req-{next(self._req_counter)}"
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -403,6 +405,7 @@ class VllmHarness(Closing):
             sampling_params=params,
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.block_size, hash_fn),
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         return req_id
@@ -572,9 +575,12 @@ class VllmHarness(Closing):
         )
 
 
-def hash_blocks(token_ids: list[int], block_size: int, algo: str = "sha256") -> list[bytes]:
-    """vLLM's prefix block hashes of ``token_ids`` (full blocks only), the values the
-    connector turns into offload keys with ``make_offload_key(hash, group_idx)``."""
+def hash_blocks(
+    token_ids: list[int], block_size: int, algo: str = "sha256", cache_salt: str | None = None
+) -> list[bytes]:
+    """vLLM's prefix block hashes of ``token_ids`` (full blocks only) for the tenant
+    ``cache_salt``, the values the connector turns into offload keys with
+    ``make_offload_key(hash, group_idx)``."""
     hash_fn: Callable[[Any], bytes] = get_hash_fn_by_name(algo)
     init_none_hash(hash_fn)
     request = Request(
@@ -583,6 +589,7 @@ def hash_blocks(token_ids: list[int], block_size: int, algo: str = "sha256") -> 
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, hash_fn),
+        cache_salt=cache_salt,
     )
     return [bytes(h) for h in request.block_hashes]
 

@@ -1,16 +1,13 @@
 """``tiered-kv inspect``: look inside a disk cache, check it, trim it, measure its device.
 
-Operator's process; the library is ``tiered_kv.ops.inspect``. ``summary``, ``ls`` and
-``verify`` are read-only and work while an engine has the cache open; ``verify
---repair``, ``evict`` and ``clear`` take the writer lock and are refused while an
-engine holds it (with ``--dry-run``, ``evict`` and ``clear`` only read and report);
-``bench`` works in a scratch directory it removes. Every command prints Rich tables, or
-JSON on stdout with ``--json`` (the envelope of ``tiered_kv.cli.output``); progress bars
-go to stderr (terminals only). Failures print one ``error: ...`` line on stderr and exit
-2 (in JSON mode stdout also gets the envelope with ``error``); ``verify`` exits 1 when it
-finds corruption, and ``verify --repair`` exits 0 once the repaired cache verifies clean.
-Given ``--remote CONFIG``, ``summary``, ``ls`` and ``verify`` look at that config's shared
-tier (its S3 bucket) instead: ``tiered_kv.cli.inspect_remote``.
+Operator's process; the library is ``tiered_kv.ops.inspect``. ``summary``, ``ls`` and ``verify`` are read-only and
+work while an engine has the cache open; ``verify --repair``, ``evict`` and ``clear`` take the writer lock and are
+refused while an engine holds it (with ``--dry-run``, ``evict`` and ``clear`` only read and report); ``bench`` works
+in a scratch directory it removes. Every command prints Rich tables, or JSON on stdout with ``--json`` (the envelope
+of ``tiered_kv.cli.output``); progress bars go to stderr (terminals only). Failures print one ``error: ...`` line on
+stderr and exit 2 (in JSON mode stdout also gets the envelope with ``error``); ``verify`` exits 1 when it finds
+corruption, and ``verify --repair`` exits 0 once the repaired cache verifies clean. With ``--remote CONFIG`` every
+command but ``bench`` looks at that config's shared tier: ``cli.inspect_remote``.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from rich.table import Table
 from tiered_kv.cli import app
 from tiered_kv.cli.inspect_options import _CACHE_PATH, _DRY_RUN, _JSON, _NAMESPACE, _READ_BY_CONFIG, _REMOTE
 from tiered_kv.cli.inspect_options import _SERVER_MODEL, SORT_HELP, STATE_HELP
-from tiered_kv.cli.inspect_remote import need_path, on_remote
+from tiered_kv.cli.inspect_remote import need_path, on_remote, on_remote_option
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.cli.output import table_console
 from tiered_kv.config_values import format_size, parse_age, parse_size
@@ -435,8 +432,9 @@ def _print_verify(results, repair: bool, path, clean: list[bool]) -> None:
 
 
 @inspect_app.command("evict")
+@on_remote_option("evict")
 def evict_cmd(
-    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    path: Optional[str] = _CACHE_PATH,
     to_size: Optional[str] = typer.Option(
         None, "--to-size", metavar="SIZE", help="Evict LRU blocks until used bytes are at most this, e.g. 100GiB."
     ),
@@ -492,8 +490,9 @@ def evict_cmd(
 
 
 @inspect_app.command("clear")
+@on_remote_option("clear")
 def clear_cmd(
-    path: str = typer.Argument(..., help="Cache directory (or one namespace directory)."),
+    path: Optional[str] = _CACHE_PATH,
     namespace: Optional[str] = _NAMESPACE,
     unread_by: Optional[list[str]] = typer.Option(
         None,

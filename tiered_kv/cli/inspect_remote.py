@@ -1,8 +1,8 @@
-"""``tiered-kv inspect summary|ls|verify --remote CONFIG``: the shared tier of a config.
+"""``tiered-kv inspect summary|ls|verify|evict|clear --remote CONFIG``: the shared tier of a config.
 
 Operator's process; the library is ``tiered_kv.ops.inspect.remote`` (S3 LIST and GETs of
-the config's bucket; ``verify --repair`` also deletes the objects it reports, nothing
-else). ``tiered_kv.cli.inspect`` hands a command here, with all its options by name, when it
+the config's bucket; ``verify --repair`` also deletes the objects it reports, ``evict``
+and ``clear`` the objects they select, nothing else, and with ``--dry-run`` nothing). ``tiered_kv.cli.inspect`` hands a command here, with all its options by name, when it
 is given ``--remote``;
 options that mean something only for a disk cache are refused with a one-line reason.
 Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
@@ -11,9 +11,12 @@ Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
 
 from __future__ import annotations
 
-
+import functools
+import inspect
 import time
-from typing import Any
+import typing
+from collections.abc import Callable
+from typing import Any, Optional
 
 import typer
 from rich import box
@@ -39,6 +42,28 @@ def on_remote(command: str, options: dict[str, Any]) -> None:
     """Run ``command`` of this module with the options of ``tiered_kv.cli.inspect``'s
     command of that name (given ``--remote``), by name."""
     globals()[command](**options)
+
+
+def on_remote_option(command: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator of a disk command whose PATH is optional: adds ``--remote CONFIG``, with
+    which this module's ``command`` runs instead; without it, PATH is required."""
+    from tiered_kv.cli.inspect_options import _REMOTE
+
+    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(fn)
+        def run(**options: Any) -> None:
+            if options.get("remote") is not None:
+                return on_remote(command, options)
+            options.pop("remote", None)
+            return fn(**{**options, "path": need_path(options["path"], options["json_out"])})
+
+        signature = inspect.signature(fn)
+        remote = inspect.Parameter("remote", inspect.Parameter.KEYWORD_ONLY, default=_REMOTE, annotation=Optional[str])
+        run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), remote])
+        run.__annotations__ = {**typing.get_type_hints(fn), "remote": Optional[str]}
+        return run
+
+    return wrap
 
 
 def need_path(path: str | None, json_out: bool) -> str:
@@ -112,8 +137,6 @@ def summary(
         )
         t.add_row("objects", f"{ns['objects']:,}, {format_size(ns['bytes'])}")
         t.add_row("stored", f"oldest {timestamp(ns['oldest'])}, newest {timestamp(ns['newest'])}")
-        if ns["other_objects"]:
-            t.add_row("not blocks", f"{ns['other_objects']:,} object(s), {format_size(ns['other_bytes'])} (see verify)")
         for r in ns["read_by"]:
             verdict = "[green]yes[/]" if r["reads"] else "[yellow]no[/]: " + "; ".join(r["differences"])
             t.add_row("read by", f"{r['config']}: {verdict}")
@@ -122,6 +145,12 @@ def summary(
         if ns["warnings"]:
             t.add_row("warnings", "\n".join(f"- {p}" for p in ns["warnings"]))
         console.print(t)
+    if data["foreign_keys"]:
+        console.print(
+            f"{data['foreign_keys']:,} other key(s) under the prefix are not this format's (e.g. a prefix "
+            "nested in this one): left alone by every command",
+            soft_wrap=True,
+        )
     if data["stray_objects"]:
         console.print(
             f"[yellow]warning:[/] {len(data['stray_objects'])} object(s) directly under the prefix, in no namespace",
@@ -270,3 +299,90 @@ def _print_verify(tier: Any, results: list, repair: bool, deleted: int, limit: i
         console.print(
             "run again with --repair to delete them (a server stores the block again when it next computes it)"
         )
+
+
+def evict(
+    remote: str,
+    path: str | None,
+    to_size: str | None,
+    older_than: str | None,
+    namespace: str | None,
+    dry_run: bool,
+    json_out: bool,
+) -> None:
+    with _errors(json_out):
+        from tiered_kv.config_values import parse_age, parse_size
+        from tiered_kv.ops.inspect.remote import evict_shared_tier
+
+        size = None if to_size is None else (0 if to_size.strip() == "0" else parse_size(to_size, "--to-size"))
+        age = None if older_than is None else parse_age(older_than, "--older-than")
+        tier = _open(remote, path, namespace)
+        result = evict_shared_tier(tier, to_size=size, older_than=age, dry_run=dry_run)
+    _report_deletion(tier, result, "evict", json_out)
+
+
+def clear(
+    remote: str,
+    path: str | None,
+    namespace: str | None,
+    unread_by: list[str] | None,
+    model: str | None,
+    yes: bool,
+    dry_run: bool,
+    json_out: bool,
+) -> None:
+    with _errors(json_out):
+        import sys
+
+        from tiered_kv.ops.inspect import InspectError
+        from tiered_kv.ops.inspect.remote import clear_shared_tier
+        from tiered_kv.ops.inspect.summary import ServerConfig
+
+        tier = _open(remote, path, namespace, model)
+        if unread_by:
+            readers = [ServerConfig.load(c, model) for c in unread_by]
+            tier.namespaces = [
+                ns
+                for ns in tier.namespaces
+                if not any(ns.fingerprint is not None and not r.differences(ns.fingerprint.to_dict()) for r in readers)
+            ]
+        if tier.namespaces and not dry_run and not yes:
+            ids = ", ".join(ns.namespace for ns in tier.namespaces)
+            if not sys.stdin.isatty():
+                raise InspectError(f"clear would delete namespace(s) {ids} of {tier.where}; pass --yes to confirm")
+            if not typer.confirm(f"delete namespace(s) {ids} of {tier.where}?"):
+                raise InspectError("not confirmed; nothing deleted")
+        result = clear_shared_tier(tier, dry_run=dry_run)
+    _report_deletion(tier, result, "clear", json_out)
+
+
+def _report_deletion(tier: Any, result: Any, command: str, json_out: bool) -> None:
+    if json_out:
+        emit_json(
+            {
+                **tier.header(),
+                "dry_run": result.dry_run,
+                "deleted_objects": result.objects,
+                "freed_bytes": result.freed_bytes,
+                "foreign_keys": tier.foreign_keys,
+                "namespaces": [{"namespace": ns_id, **v} for ns_id, v in result.namespaces.items()],
+            }
+        )
+        return
+    verb = "would delete" if result.dry_run else "deleted"
+    t = Table(
+        title=f"{command} {tier.config.where()}: {verb} {result.objects:,} object(s), "
+        f"{format_size(result.freed_bytes)}" + (" (dry run: nothing changed)" if result.dry_run else ""),
+        title_justify="left",
+    )
+    for col in ("namespace", verb, "freed", "before", "after"):
+        t.add_column(col, justify="left" if col == "namespace" else "right")
+    for ns_id, v in result.namespaces.items():
+        t.add_row(
+            ns_id,
+            f"{v['objects']:,}",
+            format_size(v["freed_bytes"]),
+            format_size(v["bytes_before"]),
+            format_size(v["bytes_after"]),
+        )
+    Console().print(t)

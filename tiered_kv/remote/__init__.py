@@ -10,7 +10,11 @@ pieces, by process:
   over a bounded thread pool (worker processes for bytes, the scheduler for probes);
 - ``membership``: the scheduler's cache of known-present / known-absent blocks and
   the prober that fills it without blocking;
-- ``client.S3Client``: the S3 requests (obstore), credentials from the AWS chain.
+- ``client.S3Client``: the S3 requests (obstore), credentials from the AWS chain;
+- ``tier.RemoteTier``: the tier's ``TierSpec``; ``manager.RemoteOffloadingManager``
+  (scheduler: membership, probes, pending uploads) and ``hit_check`` (scheduler, under
+  vLLM: every rank's object verified before a hit); ``handlers`` (workers: uploads from
+  CPU slots, verified downloads into CPU slots or the KV cache).
 
 Needs the ``s3`` extra (``pip install 'tiered-kv[s3]'``): importing this package does
 not, opening a store does. The names below resolve on first use, so importing

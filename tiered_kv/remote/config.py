@@ -6,12 +6,19 @@ never part of it: they come from the standard AWS chain (environment, shared cre
 and config files with an optional profile, container or instance roles), so the config
 can be echoed and logged whole.
 
-Every error names the key, the bad value and what is expected.
+Every error names the key, the bad value and what is expected. Every duration has a
+finite upper bound (``DURATION_LIMITS``), and the prefix is short enough that the
+longest object key (``longest_key``) stays within S3's 1024-byte limit.
+
+The fleet key is never part of the config either: ``key_file`` names a file and
+``key_env`` an environment variable that hold it (``tiered_kv.remote.keys``).
 """
 
 from __future__ import annotations
 
 import difflib
+import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -32,11 +39,35 @@ _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|min|h)?\s*$")
 _DURATION_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
 #: S3's bucket naming rules (lower case, digits, dots and hyphens; 3 to 63 characters).
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+#: Upper bound per duration key, in seconds: no setting may make a wait, a cooldown or a
+#: cache entry last for ever (or overflow a timer).
+DURATION_LIMITS = {
+    "connect_timeout": 60.0,
+    "request_timeout": 3600.0,
+    "absent_ttl": 86400.0,
+    "unavailable_cooldown": 3600.0,
+}
+#: Bound on ``max_pending_upload_bytes`` (host memory held by uploads not yet sent).
+MAX_PENDING_UPLOAD_BYTES = 64 * 1024**3
+#: S3's limit on an object key, in bytes of UTF-8.
+S3_MAX_KEY_BYTES = 1024
+#: Longest block hash the shared tier stores (vLLM's are 32 bytes, 8 with xxhash).
+MAX_KEY_HASH_BYTES = 64
+#: ``Fingerprint.namespace_id``'s length (``tiered_kv.fingerprint.NAMESPACE_ID_LEN``,
+#: which imports this module's importer: a test keeps the two equal).
+NAMESPACE_ID_CHARS = 16
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
 
-def parse_duration(value: Any, key: str) -> float:
-    """Seconds from a number or a string such as ``"500ms"``, ``"2s"``, ``"1m"``; > 0."""
+def longest_key(prefix: str) -> int:
+    """Bytes of the longest object key under ``prefix``:
+    ``<prefix>/<namespace id>/<fan-out>/<hash hex>-r<rank>`` with the longest hash and rank."""
+    return len(prefix.encode()) + 1 + NAMESPACE_ID_CHARS + 1 + 2 + 1 + 2 * MAX_KEY_HASH_BYTES + len("-r65535")
+
+
+def parse_duration(value: Any, key: str, limit: float = math.inf) -> float:
+    """Seconds from a number or a string such as ``"500ms"``, ``"2s"``, ``"1m"``; > 0
+    and at most ``limit``."""
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a duration such as 2s or 500ms, got {value!r}")
     if isinstance(value, (int, float)):
@@ -47,7 +78,13 @@ def parse_duration(value: Any, key: str) -> float:
         raise ConfigError(f"{key}: expected a duration such as 2s or 500ms (or a number of seconds), got {value!r}")
     if not seconds > 0:
         raise ConfigError(f"{key}: duration must be positive, got {value!r}")
+    if not seconds <= limit:
+        raise ConfigError(f"{key}: duration must be at most {limit:g}s, got {value!r}")
     return seconds
+
+
+def _bounded_duration(value: Any, key: str) -> float:
+    return parse_duration(value, key, DURATION_LIMITS[key.rsplit(".", 1)[-1]])
 
 
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
@@ -109,7 +146,46 @@ def _prefix(value: Any, key: str) -> str:
             f"{key}: expected a key prefix such as 'tiered-kv' or 'team/kv' (letters, digits, "
             f"'.', '_', '-', segments joined by '/'), got {value!r}"
         )
+    if longest_key(text) > S3_MAX_KEY_BYTES:
+        raise ConfigError(
+            f"{key}: {len(text)} characters is too long: the longest object key under it would be "
+            f"{longest_key(text)} bytes, over S3's {S3_MAX_KEY_BYTES}; use at most "
+            f"{S3_MAX_KEY_BYTES - longest_key('')} characters"
+        )
     return text
+
+
+def _pending_bytes(value: Any, key: str) -> int:
+    n = parse_size(value, key)
+    if n > MAX_PENDING_UPLOAD_BYTES:
+        raise ConfigError(f"{key}: at most {MAX_PENDING_UPLOAD_BYTES // 1024**3}GiB of host memory, got {value!r}")
+    return n
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _path(value: Any, key: str) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a file path, got {value!r}")
+    return os.path.expanduser(value)
+
+
+def _env_name(value: Any, key: str) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        # Never echo a value that is not a variable name: it may be the key itself.
+        raise ConfigError(
+            f"{key}: expected the name of an environment variable (letters, digits, '_'), such as "
+            "TIERED_KV_FLEET_KEY; the key itself never goes in the config"
+        )
+    return value
 
 
 def _optional_name(value: Any, key: str) -> str | None:
@@ -160,6 +236,15 @@ class RemoteConfig:
     unavailable_cooldown: float = 5.0
     #: ``CONDITIONAL_PUT_MODES``: whether writes send ``If-None-Match: *``.
     conditional_put: str = "auto"
+    #: File holding the fleet key(s) (``tiered_kv.remote.keys``); never the key itself.
+    key_file: str | None = None
+    #: Environment variable holding the fleet key(s), where no ``key_file`` is named.
+    key_env: str | None = None
+    #: Store blocks unencrypted and unauthenticated: everyone who can write the bucket is
+    #: trusted. Without a key and without this, the shared tier refuses to start.
+    trusted_bucket: bool = False
+    #: PEM file of CA certificates to trust for an https endpoint (besides the system's).
+    ca_bundle: str | None = None
 
     _PARSERS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         "bucket": _bucket,
@@ -169,16 +254,20 @@ class RemoteConfig:
         "profile": _optional_name,
         "write_policy": lambda v, k: _choice(v, k, REMOTE_WRITE_POLICIES),
         "max_connections": lambda v, k: _int_in(v, k, 1, 1024),
-        "max_pending_upload_bytes": parse_size,
-        "connect_timeout": parse_duration,
-        "request_timeout": parse_duration,
+        "max_pending_upload_bytes": _pending_bytes,
+        "connect_timeout": _bounded_duration,
+        "request_timeout": _bounded_duration,
         "retries": lambda v, k: _int_in(v, k, 0, 10),
         "checksum": lambda v, k: _choice(v, k, CHECKSUMS),
-        "absent_ttl": parse_duration,
+        "absent_ttl": _bounded_duration,
         "membership_entries": lambda v, k: _int_in(v, k, 1, 1 << 30),
         "failure_threshold": lambda v, k: _int_in(v, k, 1, 1 << 20),
-        "unavailable_cooldown": parse_duration,
+        "unavailable_cooldown": _bounded_duration,
         "conditional_put": lambda v, k: _choice(v, k, CONDITIONAL_PUT_MODES),
+        "key_file": _path,
+        "key_env": _env_name,
+        "trusted_bucket": _bool,
+        "ca_bundle": _path,
     }
 
     @classmethod
@@ -203,7 +292,18 @@ class RemoteConfig:
             values[key] = cls._PARSERS[key](value, key_prefix + key)
         if "bucket" not in values:
             raise ConfigError(f"{key_prefix}bucket: required (the S3 bucket every node of the fleet shares)")
+        if values.get("key_file") and values.get("key_env"):
+            raise ConfigError(
+                f"{key_prefix}key_file and {key_prefix}key_env: name one place for the fleet key, not two"
+            )
         return cls(**values)
+
+    def plaintext_endpoint(self) -> bool:
+        """Whether requests go over plain http to a host other than this machine's loopback."""
+        if self.endpoint is None or not self.endpoint.startswith("http://"):
+            return False
+        host = urlsplit(self.endpoint).hostname or ""
+        return host not in ("localhost", "::1") and not host.startswith("127.")
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting; safe to log (no credentials are held here)."""

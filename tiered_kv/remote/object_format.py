@@ -13,10 +13,32 @@ hash, spreading keys over 256 prefixes (S3 scales request rates per prefix) what
 the hash looks like. Beside the blocks, ``<prefix>/<namespace id>/fingerprint.json``
 holds the fingerprint's canonical JSON, written once, for inspection.
 
-An object is a fixed header, the block hash, then the payload (the rank's block bytes)::
+An object is sealed (format 2, the default: a fleet key is set) or plain (format 1,
+only under ``remote.trusted_bucket`` with no key). A sealed object is a fixed header,
+the block hash, the payload encrypted with AES-256-GCM (``tiered_kv.remote.keys``), then
+the 16-byte tag::
 
     magic        8s   b"TKVBLOCK"
-    version      u16  FORMAT_VERSION
+    version      u16  FORMAT_SEALED (2)
+    header_len   u16  bytes before the payload (fixed part + block hash)
+    rank         u16
+    hash_len     u16
+    fingerprint  32s  SHA-256 of the fingerprint's canonical JSON (all of it, not the id)
+    key_id       u32  which fleet key sealed it
+    nonce        12s  random per object
+    payload_len  u64  bytes of plaintext (= of ciphertext)
+
+The associated data is the whole header, block hash included: a reader that holds the
+key serves the payload only when the tag verifies over what it expects (its own
+fingerprint digest, the block hash and rank it asked for, its buffer's size), so a
+patched header, another block's object copied to this key, a payload written without
+the key and damaged bytes all fail alike (``auth``). Without the key, the bytes in the
+bucket say nothing of the K/V they hold.
+
+A plain object is a fixed header, the block hash, then the payload (the rank's block bytes)::
+
+    magic        8s   b"TKVBLOCK"
+    version      u16  FORMAT_PLAIN (1)
     header_len   u16  bytes before the payload (fixed part + block hash)
     rank         u16
     hash_len     u16
@@ -29,7 +51,8 @@ little-endian. A reader serves the payload only when every field matches what it
 expects (its own fingerprint digest, the block hash and rank it asked for, the size of
 its buffer), the object is exactly ``header_len + payload_len`` bytes, and the payload's
 checksum matches; anything else is a ``Rejected`` with the reason, which the store
-counts as a miss. The fingerprint digest guards against namespace-id collisions and
+counts as a miss. A plain object's checks stop accidents, not a writer: anyone who can
+write the bucket can write a plain object that passes them. The fingerprint digest guards against namespace-id collisions and
 against objects copied between prefixes; the checksum against torn or damaged bytes.
 """
 
@@ -37,7 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -45,11 +68,17 @@ import xxhash
 from tiered_kv.abstract import BlockHash
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.checksums import checksum_function
+from tiered_kv.remote.keys import NONCE_BYTES, TAG_BYTES, AuthenticationFailed, Keyring, new_nonce
 
 MAGIC = b"TKVBLOCK"
-FORMAT_VERSION = 1
+FORMAT_PLAIN = 1
+FORMAT_SEALED = 2
+#: The version of ``fingerprint.json`` records (the newest object format).
+FORMAT_VERSION = FORMAT_SEALED
 _FIXED = struct.Struct("<8sHHHH32s8sQQ")
 FIXED_HEADER_BYTES = _FIXED.size
+_SEALED = struct.Struct("<8sHHHH32sI12sQ")
+SEALED_HEADER_BYTES = _SEALED.size
 #: Longest block hash a header holds (vLLM's are 32 bytes, or 8 with xxhash).
 MAX_HASH_BYTES = 1024
 MANIFEST_NAME = "fingerprint.json"
@@ -67,8 +96,10 @@ class Rejected(Exception):
 #: ``format``: not an object of this format (magic, version, lengths);
 #: ``foreign``: another fingerprint's object; ``mismatch``: another block or rank;
 #: ``size``: an object or payload of another size than the reader's buffer implies
-#: (such an object is not even downloaded); ``checksum``: damaged bytes.
-REJECT_REASONS = ("format", "foreign", "mismatch", "size", "checksum")
+#: (such an object is not even downloaded); ``checksum``: damaged bytes (plain objects);
+#: ``auth``: a sealed object whose tag fails (forged, patched, copied or damaged), or a
+#: plain object where the tier is keyed; ``key``: sealed under a key this node lacks.
+REJECT_REASONS = ("format", "foreign", "mismatch", "size", "checksum", "auth", "key")
 
 
 def fingerprint_digest(fingerprint: Fingerprint) -> bytes:
@@ -121,7 +152,7 @@ class BlockHeader:
             raise ValueError(f"rank must be in 0..65535, got {self.rank}")
         return _FIXED.pack(
             MAGIC,
-            FORMAT_VERSION,
+            FORMAT_PLAIN,
             FIXED_HEADER_BYTES + len(self.block_hash),
             self.rank,
             len(self.block_hash),
@@ -132,23 +163,27 @@ class BlockHeader:
         ) + bytes(self.block_hash)
 
     @classmethod
-    def unpack(cls, data: memoryview) -> BlockHeader:
-        """The header at the start of ``data``; ``Rejected("format")`` if there is none."""
+    def unpack(cls, data: memoryview, total: int | None = None) -> BlockHeader:
+        """The header at the start of ``data``, an object of ``total`` bytes (``len(data)``
+        by default); ``Rejected("format")`` if there is none."""
+        total = len(data) if total is None else total
         if len(data) < FIXED_HEADER_BYTES:
-            raise Rejected("format", f"object of {len(data)} bytes is shorter than a header")
+            raise Rejected("format", f"object of {total} bytes is shorter than a header")
         magic, version, header_len, rank, hash_len, fp, cname, value, payload_len = _FIXED.unpack_from(data)
         if magic != MAGIC:
             raise Rejected("format", f"magic {magic!r}, expected {MAGIC!r}")
-        if version != FORMAT_VERSION:
-            raise Rejected("format", f"format version {version}, this reader knows {FORMAT_VERSION}")
+        if version != FORMAT_PLAIN:
+            raise Rejected("format", f"format version {version}, expected a plain object ({FORMAT_PLAIN})")
         if header_len != FIXED_HEADER_BYTES + hash_len or not 0 < hash_len <= MAX_HASH_BYTES:
             raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash")
-        if len(data) != header_len + payload_len:
-            raise Rejected("format", f"object of {len(data)} bytes, header says {header_len} + {payload_len}")
+        if total != header_len + payload_len:
+            raise Rejected("format", f"object of {total} bytes, header says {header_len} + {payload_len}")
         try:
             name = cname.rstrip(b"\0").decode("ascii")
         except UnicodeDecodeError:
             raise Rejected("format", f"checksum name {cname!r}") from None
+        if len(data) < header_len:
+            raise Rejected("format", f"object of {total} bytes is shorter than its header")
         return cls(fp, bytes(data[FIXED_HEADER_BYTES:header_len]), rank, name, value, payload_len)
 
     @property
@@ -194,21 +229,116 @@ def encode_header(
     ).pack()
 
 
-def verified_payload(
-    data: memoryview,
-    *,
-    fingerprint: bytes,
-    block_hash: BlockHash,
-    rank: int,
-    size: int,
-    checksums: Callable[[str], Callable[[memoryview], int]] = checksum_function,
-) -> memoryview:
-    """The payload of object ``data`` once every check passed; else ``Rejected``.
+@dataclass(frozen=True)
+class SealedHeader:
+    """The header of one sealed block (see the module docstring for the layout)."""
 
-    ``checksums(name)`` gives the checksum function an object names (a writer may use
-    another checksum than the reader's own setting: it does not change the bytes).
-    """
-    header = BlockHeader.unpack(data)
+    fingerprint: bytes
+    block_hash: BlockHash
+    rank: int
+    key_id: int
+    nonce: bytes
+    payload_len: int
+
+    def pack(self) -> bytes:
+        if len(self.fingerprint) != 32:
+            raise ValueError(f"fingerprint digest must be 32 bytes, got {len(self.fingerprint)}")
+        if not 0 < len(self.block_hash) <= MAX_HASH_BYTES:
+            raise ValueError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(self.block_hash)}")
+        if not 0 <= self.rank < 1 << 16:
+            raise ValueError(f"rank must be in 0..65535, got {self.rank}")
+        return _SEALED.pack(
+            MAGIC,
+            FORMAT_SEALED,
+            SEALED_HEADER_BYTES + len(self.block_hash),
+            self.rank,
+            len(self.block_hash),
+            self.fingerprint,
+            self.key_id,
+            self.nonce,
+            self.payload_len,
+        ) + bytes(self.block_hash)
+
+    @classmethod
+    def unpack(cls, data: memoryview, total: int | None = None) -> SealedHeader:
+        """The header at the start of ``data``, an object of ``total`` bytes (``len(data)``
+        by default); ``Rejected("format")`` if there is none."""
+        total = len(data) if total is None else total
+        if len(data) < SEALED_HEADER_BYTES:
+            raise Rejected("format", f"object of {total} bytes is shorter than a header")
+        magic, version, header_len, rank, hash_len, fp, key_id, nonce, payload_len = _SEALED.unpack_from(data)
+        if magic != MAGIC or version != FORMAT_SEALED:
+            raise Rejected("format", f"magic {magic!r} version {version}, expected {MAGIC!r} {FORMAT_SEALED}")
+        if header_len != SEALED_HEADER_BYTES + hash_len or not 0 < hash_len <= MAX_HASH_BYTES:
+            raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash")
+        if total != header_len + payload_len + TAG_BYTES:
+            raise Rejected("format", f"object of {total} bytes, header says {header_len} + {payload_len} + {TAG_BYTES}")
+        if len(data) < header_len:
+            raise Rejected("format", f"object of {total} bytes is shorter than its header")
+        return cls(fp, bytes(data[SEALED_HEADER_BYTES:header_len]), rank, key_id, nonce, payload_len)
+
+    @property
+    def header_len(self) -> int:
+        return SEALED_HEADER_BYTES + len(self.block_hash)
+
+
+def object_size(sealed: bool, hash_len: int, payload_len: int) -> int:
+    """Bytes of the object holding a ``payload_len``-byte block under a ``hash_len``-byte hash."""
+    if sealed:
+        return SEALED_HEADER_BYTES + hash_len + payload_len + TAG_BYTES
+    return FIXED_HEADER_BYTES + hash_len + payload_len
+
+
+def format_version(data: memoryview) -> int:
+    """The format version of object ``data``; ``Rejected("format")`` when it is not one."""
+    if len(data) < 10 or bytes(data[:8]) != MAGIC:
+        raise Rejected("format", f"no {MAGIC!r} magic at the start of a {len(data)}-byte object")
+    return int.from_bytes(data[8:10], "little")
+
+
+def read_header(data: memoryview) -> BlockHeader | SealedHeader:
+    """The header of a plain or sealed object."""
+    return SealedHeader.unpack(data) if format_version(data) == FORMAT_SEALED else BlockHeader.unpack(data)
+
+
+def seal(
+    keyring: Keyring, fingerprint: bytes, block_hash: BlockHash, rank: int, pieces: Sequence[memoryview]
+) -> list[bytes | bytearray]:
+    """The parts of the sealed object holding the concatenation of ``pieces``: header,
+    ciphertext, tag (a fresh nonce; the current key)."""
+    size = sum(len(p) for p in pieces)
+    header = SealedHeader(fingerprint, bytes(block_hash), int(rank), keyring.current_id, new_nonce(), size).pack()
+    ciphertext, tag = keyring.seal(header[16 + 32 + 4 : 16 + 32 + 4 + NONCE_BYTES], header, pieces)
+    return [header, ciphertext, tag]
+
+
+def _opened(
+    data: memoryview, keyring: Keyring, *, fingerprint: bytes, block_hash: BlockHash, rank: int, size: int
+) -> bytearray:
+    header = SealedHeader.unpack(data)
+    _check_identity(header, fingerprint, block_hash, rank, size)
+    if not keyring.holds(header.key_id):
+        raise Rejected(
+            "key", f"sealed under key id {header.key_id:08x}; this node holds {[f'{k:08x}' for k in keyring.key_ids]}"
+        )
+    end = header.header_len + header.payload_len
+    try:
+        return keyring.open(
+            header.key_id,
+            header.nonce,
+            bytes(data[: header.header_len]),
+            data[header.header_len : end],
+            bytes(data[end:]),
+        )
+    except AuthenticationFailed:
+        raise Rejected(
+            "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
+        ) from None
+
+
+def _check_identity(
+    header: BlockHeader | SealedHeader, fingerprint: bytes, block_hash: BlockHash, rank: int, size: int
+):
     if header.fingerprint != fingerprint:
         raise Rejected(
             "foreign", f"fingerprint {header.fingerprint.hex()[:16]}..., expected {fingerprint.hex()[:16]}..."
@@ -220,6 +350,78 @@ def verified_payload(
         )
     if header.payload_len != size:
         raise Rejected("size", f"payload of {header.payload_len} bytes, expected {size}")
+
+
+def verify_into(
+    data: memoryview,
+    dest: Sequence[memoryview],
+    *,
+    fingerprint: bytes,
+    block_hash: BlockHash,
+    rank: int,
+    keyring: Keyring | None,
+) -> None:
+    """``verified_payload``, its payload written into ``dest`` (pieces adding up to the
+    block's size): a sealed object is decrypted there directly. On ``Rejected`` the
+    pieces hold nothing of the object (untouched, or zeroed after a failed tag)."""
+    size = sum(len(d) for d in dest)
+    if keyring is None or format_version(data) != FORMAT_SEALED:
+        payload = verified_payload(
+            data, fingerprint=fingerprint, block_hash=block_hash, rank=rank, size=size, keyring=keyring
+        )
+        at = 0
+        for d in dest:
+            d[:] = payload[at : at + len(d)]
+            at += len(d)
+        return
+    header = SealedHeader.unpack(data)
+    _check_identity(header, fingerprint, block_hash, rank, size)
+    if not keyring.holds(header.key_id):
+        raise Rejected(
+            "key", f"sealed under key id {header.key_id:08x}; this node holds {[f'{k:08x}' for k in keyring.key_ids]}"
+        )
+    end = header.header_len + header.payload_len
+    try:
+        keyring.open_into(
+            header.key_id,
+            header.nonce,
+            bytes(data[: header.header_len]),
+            data[header.header_len : end],
+            bytes(data[end:]),
+            dest,
+        )
+    except AuthenticationFailed:
+        raise Rejected(
+            "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
+        ) from None
+
+
+def verified_payload(
+    data: memoryview,
+    *,
+    fingerprint: bytes,
+    block_hash: BlockHash,
+    rank: int,
+    size: int,
+    keyring: Keyring | None = None,
+    checksums: Callable[[str], Callable[[memoryview], int]] = checksum_function,
+) -> memoryview:
+    """The payload of object ``data`` once every check passed; else ``Rejected``.
+
+    With a ``keyring`` only sealed objects are served (decrypted, once the tag verified);
+    without one (a trusted bucket) only plain objects. ``checksums(name)`` gives the
+    checksum function a plain object names (a writer may use another checksum than the
+    reader's own setting: it does not change the bytes).
+    """
+    version = format_version(data)
+    if keyring is not None:
+        if version != FORMAT_SEALED:
+            raise Rejected("auth", f"format {version} object, not sealed, where this tier's objects are sealed")
+        return memoryview(_opened(data, keyring, fingerprint=fingerprint, block_hash=block_hash, rank=rank, size=size))
+    if version == FORMAT_SEALED:
+        raise Rejected("key", "a sealed object; this node has no key (remote.trusted_bucket)")
+    header = BlockHeader.unpack(data)
+    _check_identity(header, fingerprint, block_hash, rank, size)
     try:
         fn = checksums(header.checksum_name)
     except (ValueError, RuntimeError) as exc:
@@ -228,3 +430,73 @@ def verified_payload(
     if fn(payload) != header.checksum:
         raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
     return payload
+
+
+def verify_stream(
+    total: int,
+    chunks: Iterable[bytes | memoryview],
+    *,
+    fingerprint: bytes | None,
+    block_hash: BlockHash,
+    rank: int,
+    keyring: Keyring | None,
+) -> BlockHeader | SealedHeader:
+    """``verified_payload``'s checks over an object of ``total`` bytes that arrives in
+    ``chunks``, holding one chunk at a time (an operator's verification of objects of any
+    size in bounded memory); the plaintext is dropped. ``fingerprint`` None accepts the
+    digest the header names. Returns the header; ``Rejected`` as ``verified_payload``."""
+    it = iter(chunks)
+    head = bytearray()
+    need = 14  # magic, version, header_len
+    for chunk in it:
+        head += chunk
+        if len(head) >= need:
+            need = max(need, int.from_bytes(head[12:14], "little"))
+            if len(head) >= need:
+                break
+    version = format_version(memoryview(head))
+    if keyring is not None and version != FORMAT_SEALED:
+        raise Rejected("auth", f"format {version} object, not sealed, where this tier's objects are sealed")
+    if keyring is None and version == FORMAT_SEALED:
+        raise Rejected("key", "a sealed object; this reader has no key (remote.trusted_bucket)")
+    header = (SealedHeader if version == FORMAT_SEALED else BlockHeader).unpack(memoryview(head), total)
+    _check_identity(header, fingerprint or header.fingerprint, block_hash, rank, header.payload_len)
+    body = memoryview(head)[header.header_len :]
+    if isinstance(header, SealedHeader):
+        if not keyring.holds(header.key_id):
+            raise Rejected("key", f"sealed under key id {header.key_id:08x}, which this reader does not hold")
+        sink = keyring.opener(header.key_id, header.nonce, bytes(head[: header.header_len]))
+        tail = bytearray()
+        for piece in _chain(body, it):
+            tail += piece
+            if len(tail) > TAG_BYTES:
+                sink.update(memoryview(tail)[: len(tail) - TAG_BYTES])
+                del tail[: len(tail) - TAG_BYTES]
+        try:
+            sink.finalize_with_tag(bytes(tail))
+        except Exception:
+            raise Rejected(
+                "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
+            ) from None
+        return header
+    try:
+        one = checksum_function(header.checksum_name)
+    except (ValueError, RuntimeError) as exc:
+        raise Rejected("format", f"checksum {header.checksum_name!r}: {exc}") from None
+    streamed = xxhash.xxh3_64() if header.checksum_name == "xxh3_64" else None
+    value = 0
+    for piece in _chain(body, it):
+        if streamed is not None:
+            streamed.update(piece)
+        else:
+            value = one(piece, value)
+    if (streamed.intdigest() if streamed is not None else value) != header.checksum:
+        raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
+    return header
+
+
+def _chain(first: memoryview, rest: Iterator[bytes | memoryview]) -> Iterator[memoryview]:
+    if len(first):
+        yield first
+    for piece in rest:
+        yield memoryview(piece)

@@ -34,8 +34,16 @@ unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
 ``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses). A block
 whose object fails any check of ``object_format`` (foreign fingerprint, other block,
-other size, damaged bytes) is a counted miss and no byte of it reaches the caller's
-buffer; an object whose checksum fails is deleted, so that it can be stored again.
+other size, a tag that does not verify, damaged bytes) is a counted miss and nothing of
+it stays in the caller's buffer (a sealed object is decrypted into it, and the buffer
+zeroed when the tag then fails); an object whose tag or checksum fails is deleted, so
+that it can be stored again.
+
+Objects are sealed (AES-256-GCM under the fleet key, ``keys``, on the store's threads)
+unless the config declares the bucket trusted and names no key; with neither, the
+constructor raises a ``ConfigError`` naming ``remote.key_file`` / ``remote.key_env``. A
+write that finds its key taken reads the object there and replaces it unless it verifies
+(``forgeries_replaced``). ``fingerprint.json`` is information, never a gate.
 Wrong credentials or a missing bucket are a ``RemoteSetupError`` from the
 constructor's start-up check, naming the endpoint and the bucket.
 
@@ -53,7 +61,6 @@ import enum
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,11 +81,13 @@ from tiered_kv.remote.client import (
     WrongSize,
 )
 from tiered_kv.metrics import Latencies
-from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
+from tiered_kv.remote.health import FaultLog, Health
+from tiered_kv.remote.keys import Keyring, load_keyring
+from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.timed_client import TimedClient
 from tiered_kv.remote.write_once import WriteOnce
 from tiered_kv.remote.object_format import (
-    FIXED_HEADER_BYTES,
     FORMAT_VERSION,
     REJECT_REASONS,
     Rejected,
@@ -87,8 +96,11 @@ from tiered_kv.remote.object_format import (
     fingerprint_digest,
     manifest_key,
     namespace_prefix,
+    object_size,
     pieces_checksum,
+    seal,
     verified_payload,
+    verify_into,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,8 +144,10 @@ class RemoteStats:
     get_bytes: int = 0
     #: Objects refused by a check, by reason (``object_format.REJECT_REASONS``).
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
-    #: Objects deleted after their checksum failed.
+    #: Objects deleted after their tag or checksum failed.
     damaged_deleted: int = 0
+    #: Writes that found the key taken by an object that does not verify, and replaced it.
+    forgeries_replaced: int = 0
     probes: int = 0
     probes_failed: int = 0
     #: Times the store stopped sending after consecutive failures.
@@ -148,55 +162,7 @@ class RemoteStats:
         return sum(self.rejected.values())
 
 
-class _Health:
-    """Consecutive transient failures; past the threshold, requests pause for a cooldown."""
-
-    def __init__(self, threshold: int, cooldown: float, on_open: Callable[[int], None]):
-        self._threshold, self._cooldown, self._on_open = threshold, cooldown, on_open
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._open_until = 0.0
-
-    def available(self) -> bool:
-        return time.monotonic() >= self._open_until
-
-    def success(self) -> None:
-        self._failures = 0
-
-    def failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            if self._failures >= self._threshold and self.available():
-                self._open_until = time.monotonic() + self._cooldown
-                failures, self._failures = self._failures, 0
-                self._on_open(failures)
-
-
-class _FaultLog:
-    """Logs the first fault of each kind in full, then one summary per ``every`` seconds."""
-
-    def __init__(self, every: float = 60.0):
-        self._every = every
-        self._lock = threading.Lock()
-        self._state: dict[str, list[float]] = {}  # kind -> [next log time, suppressed count]
-
-    def __call__(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            state = self._state.get(kind)
-            if state is None:
-                self._state[kind] = [now + self._every, 0]
-                suppressed = -1
-            elif now >= state[0]:
-                suppressed, state[0], state[1] = int(state[1]), now + self._every, 0
-            else:
-                state[1] += 1
-                return
-        more = "" if suppressed < 0 else f" ({suppressed} more since the last report)"
-        logger.warning("shared tier: %s: %s%s", kind, message, more)
-
-
-def _gather(futures: list[Future], combine: Callable[[list[Any]], object] = list) -> Future:
+def _gather(futures: list[Future], combine: Callable[[list[Any]], T] = list) -> Future:
     """One future for a batch: ``combine`` of the results, in order, once all are done."""
     out: Future = Future()
     if not futures:
@@ -252,13 +218,30 @@ class RemoteStore:
     """Blocks of one namespace (``fingerprint``) in ``config``'s bucket. A context manager.
 
     ``client`` replaces the S3 client (an ``ObjectClient``); ``check=False`` skips the
-    start-up check (for tools that only read).
+    start-up check (for tools that only read). ``keyring`` replaces the config's keys
+    (``keys.load_keyring``: None only for a trusted bucket).
     """
 
     def __init__(
-        self, config: RemoteConfig, fingerprint: Fingerprint, *, client: ObjectClient | None = None, check: bool = True
+        self,
+        config: RemoteConfig,
+        fingerprint: Fingerprint,
+        *,
+        client: ObjectClient | None = None,
+        check: bool = True,
+        keyring: Keyring | None | bool = True,
     ):
         self.config = config
+        self.keyring: Keyring | None = load_keyring(config) if keyring is True else keyring or None
+        if keyring is None and not config.trusted_bucket:
+            raise ValueError("RemoteStore: keyring None (no encryption) needs remote.trusted_bucket")
+        if config.plaintext_endpoint():
+            logger.warning(
+                "shared tier: %s is plain http to another host: requests, and the object keys (block "
+                "hashes) in them, cross the network unencrypted%s; use https (remote.ca_bundle for a private CA)",
+                config.endpoint,
+                "" if self.keyring is not None else ", and so does the KV itself (no key)",
+            )
         self.fingerprint = fingerprint
         self.tp_size = fingerprint.tp_size
         self.namespace = namespace_prefix(config.prefix, fingerprint)
@@ -272,8 +255,8 @@ class RemoteStore:
         self._stats = RemoteStats()
         self._pending_bytes = 0
         self._closed = False
-        self._log = _FaultLog()
-        self._health = _Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
+        self._log = FaultLog()
+        self._health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="tkv-remote")
         self.reachable = True
         if check:
@@ -295,12 +278,15 @@ class RemoteStore:
         """Write (once) and read back the namespace manifest. True when it worked, False
         when the server did not answer (logged: serving goes on, with misses); raises
         ``RemoteSetupError`` naming endpoint and bucket when the credentials are refused
-        or the bucket does not exist."""
+        or the bucket does not exist. A manifest that records another fingerprint, is
+        too large or is not a record is logged: anyone who can write the bucket can put
+        one there, and serving needs nothing from it (every block carries the
+        fingerprint digest, under the tag)."""
         where = f"bucket {self.config.bucket!r} at {self.config.endpoint or 'AWS S3'}"
         key = manifest_key(self.config.prefix, self.fingerprint)
         try:
             self._writer.put(key, [self.manifest()])
-            stored = self._client.get(key)
+            stored = self._client.get(key, limit=MAX_RECORD_BYTES)
         except ConditionalPutRefused as exc:  # only under conditional_put "always"
             raise RemoteSetupError(
                 f"shared tier: {where} does not implement conditional PUT (If-None-Match: *; {exc}), "
@@ -316,6 +302,9 @@ class RemoteStore:
                 f"shared tier: {where} does not exist; create it (e.g. aws s3 mb "
                 f"s3://{self.config.bucket} --endpoint-url URL) or fix 'bucket'"
             ) from None
+        except WrongSize as exc:
+            logger.warning("shared tier: %s in %s is not a fingerprint record (%s); serving goes on", key, where, exc)
+            return True
         except RemoteError as exc:
             logger.warning(
                 "shared tier: %s did not answer the start-up check (%s); serving goes on, with misses until it answers",
@@ -323,11 +312,16 @@ class RemoteStore:
                 exc,
             )
             return False
-        if stored is not None and _manifest_fingerprint(bytes(stored)) != self.fingerprint.to_dict():
-            raise RemoteSetupError(
-                f"shared tier: {key} in {where} records another fingerprint than this "
-                "node's under the same namespace id; use another prefix"
-            )
+        if stored is not None:
+            try:
+                differs = load_record(bytes(stored), "record").get("fingerprint") != self.fingerprint.to_dict()
+                why = "records another fingerprint than this node's under the same namespace id"
+            except RecordError as exc:
+                differs, why = True, f"is not a fingerprint record ({exc})"
+            if differs:  # a namespace-id collision, or a record someone wrote
+                logger.warning(
+                    "shared tier: %s in %s %s; serving goes on (blocks carry the full digest)", key, where, why
+                )
         return True
 
     # -- writes -----------------------------------------------------------------------
@@ -368,6 +362,8 @@ class RemoteStore:
     def _key_parts(self, i: int, call: str, block_hash: Any, rank: Any) -> tuple[bytes, int]:
         if not isinstance(block_hash, (bytes, bytearray)) or not block_hash:
             raise TypeError(f"{call}[{i}]: block hash must be non-empty bytes, got {block_hash!r:.80}")
+        if len(block_hash) > MAX_KEY_HASH_BYTES:
+            raise ValueError(f"{call}[{i}]: block hash of {len(block_hash)} bytes, at most {MAX_KEY_HASH_BYTES}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
             raise ValueError(
                 f"{call}[{i}]: rank must be in 0..{self.tp_size - 1} (tp_size {self.tp_size}), got {rank!r}"
@@ -380,8 +376,19 @@ class RemoteStore:
                 with self._lock:
                     self._stats.puts_dropped += 1
                 return PutOutcome.DROPPED
-            header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
-            created = self._writer.put(block_key(self.namespace, block_hash, rank), [header, *views])
+            key = block_key(self.namespace, block_hash, rank)
+            if self.keyring is not None:
+                parts = seal(self.keyring, self._digest, block_hash, rank, views)
+            else:
+                header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
+                parts = [header, *views]
+            created = self._writer.put(key, parts)
+            if not created and not self._verifies(key, block_hash, rank, size):
+                self._client.put(key, parts)
+                created = True
+                with self._lock:
+                    self._stats.forgeries_replaced += 1
+                self._log("object replaced", f"{key}: the object there did not verify")
             self._health.success()
             with self._lock:
                 if created:
@@ -399,12 +406,30 @@ class RemoteStore:
             with self._lock:
                 self._pending_bytes -= size
 
+    def _verifies(self, key: str, block_hash: bytes, rank: int, size: int) -> bool:
+        """Whether the object at ``key`` would be served for this block (absent counts as
+        verifying: a node deleted it, and whoever stores it next is honest or is checked)."""
+        try:
+            data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
+        except WrongSize:
+            return False
+        if data is None:
+            return True
+        d = self._digest
+        try:
+            verified_payload(
+                memoryview(data), fingerprint=d, block_hash=block_hash, rank=rank, size=size, keyring=self.keyring
+            )
+        except Rejected:
+            return False
+        return True
+
     # -- reads ------------------------------------------------------------------------
 
     def get_blocks(self, blocks: Sequence[GetItem]) -> Future[list[bool]]:
         """Download each ``(block hash, rank, buffer or pieces)`` into its bytes, whose
         size is the block's. One bool per block: True when they now hold the verified
-        bytes; on False they were not written."""
+        bytes; on False they hold nothing of the object (untouched, or zeroed)."""
         items = []
         for i, block in enumerate(blocks):
             try:
@@ -427,7 +452,7 @@ class RemoteStore:
         size = sum(len(d) for d in dest)
         try:
             try:
-                data = self._client.get(key, FIXED_HEADER_BYTES + len(block_hash) + size)
+                data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
             except WrongSize as wrong:  # never downloaded: the object cannot be this block
                 self._health.success()
                 raise Rejected("size", str(wrong)) from None
@@ -436,18 +461,14 @@ class RemoteStore:
                 with self._lock:
                     self._stats.gets_absent += 1
                 return False
-            payload = verified_payload(
-                memoryview(data), fingerprint=self._digest, block_hash=block_hash, rank=rank, size=size
+            verify_into(
+                memoryview(data), dest, fingerprint=self._digest, block_hash=block_hash, rank=rank, keyring=self.keyring
             )
-            at = 0
-            for d in dest:
-                d[:] = payload[at : at + len(d)]
-                at += len(d)
         except Rejected as rejected:
             self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
             with self._lock:
                 self._stats.rejected[rejected.reason] += 1
-            if rejected.reason == "checksum":
+            if rejected.reason in ("checksum", "auth"):
                 self._delete_damaged(key)
             return False
         except Exception as exc:
@@ -569,15 +590,8 @@ class RemoteStore:
     def __enter__(self) -> RemoteStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _manifest_fingerprint(data: bytes) -> Any:
-    try:
-        return json.loads(data)["fingerprint"]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def _all_present(answers: list[bool | None]) -> bool | None:

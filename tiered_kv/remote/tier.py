@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.remote.keys import Keyring, load_keyring
 from tiered_kv.remote.manager import REMOTE
-from tiered_kv.tiers import HitCheck, TierSpec
+from tiered_kv.tiers import HitCheck, TierContext, TierSpec
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +43,12 @@ class RemoteTier(TierSpec):
     settings: RemoteConfig
     store: "RemoteStore | None"
 
+    def __init__(self, settings: RemoteConfig, ctx: TierContext, name: str | None = None, medium: str | None = None):
+        super().__init__(settings, ctx, name, medium)
+        #: The fleet key, read when the tiers are built: before any tier opens anything,
+        #: so a start refused for its key leaves nothing behind (``keys.load_keyring``).
+        self.keyring: Keyring | None = load_keyring(settings)
+
     @classmethod
     def parse_settings(cls, raw: Mapping[str, Any], key_prefix: str) -> RemoteConfig:
         return RemoteConfig.from_dict(raw, key_prefix=key_prefix)
@@ -61,7 +68,7 @@ class RemoteTier(TierSpec):
 
         ctx = self.ctx
         return RemoteOffloadingManager(
-            RemoteStore(self.settings, ctx.fingerprint),
+            RemoteStore(self.settings, ctx.fingerprint, keyring=self.keyring),
             block_size=ctx.layout.offloaded_block_size,
             name=self.name,
             medium=self.medium,
@@ -81,14 +88,17 @@ class RemoteTier(TierSpec):
     def get_worker(
         self, host: "HostKVCache", gpu_tensors: Sequence["torch.Tensor"], stats: "TieredStats"
     ) -> "LowerTierWorker":
-        """Worker process: this rank's store, stager and load handlers."""
+        """Worker process: this rank's store (its start-up check raises as
+        ``get_manager``'s does), stager and load handlers."""
         from tiered_kv.remote.handlers import RemoteLoadHandler, RemoteStager
         from tiered_kv.remote.store import RemoteStore
         from tiered_kv.worker.worker import LowerTierWorker
 
         ctx = self.ctx
         if self.store is None:
-            self.store = RemoteStore(self.settings, ctx.fingerprint, check=False)
+            # The start-up check here too: the worker side opens first in some engines, and
+            # wrong credentials or a missing bucket must stop it before a disk tier opens.
+            self.store = RemoteStore(self.settings, ctx.fingerprint, keyring=self.keyring)
         store, rank, layout = self.store, ctx.rank, ctx.layout
         self.stager = RemoteStager(
             host, store, rank, self.settings.max_pending_upload_bytes, stats, tier_name=self.name

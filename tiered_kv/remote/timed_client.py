@@ -38,8 +38,8 @@ class TimedClient:
     def put(self, key: str, parts: Sequence[Buffer]) -> None:
         self._timed("put", self.inner.put, key, parts)
 
-    def get(self, key: str, size: int | None = None) -> Buffer | None:
-        return self._timed("get", self.inner.get, key, size)
+    def get(self, key: str, size: int | None = None, limit: int | None = None) -> Buffer | None:
+        return self._timed("get", self.inner.get, key, size, limit)
 
     def exists(self, key: str) -> bool:
         return self._timed("head", self.inner.exists, key)

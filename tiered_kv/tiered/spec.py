@@ -131,12 +131,15 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         )
         lower = []
         try:
-            for tier in self.lower_tiers:
+            # Slowest first: a start the shared tier refuses (credentials, bucket) leaves
+            # no disk namespace behind.
+            for tier in reversed(self.lower_tiers):
                 lower.append(tier.get_manager())
         except BaseException:
             for manager in lower:
                 manager.shutdown()
             raise
+        lower.reverse()
         return TieredOffloadingManager(
             cpu,
             lower,
@@ -195,11 +198,12 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             raise ConfigError("HierarchySpec.build_handlers needs the CPU tier: call allocate_host first")
         workers = []
         try:
-            for tier in self.lower_tiers:
+            for tier in reversed(self.lower_tiers):  # slowest first, as in get_manager
                 workers.append(tier.get_worker(self.host, gpu_tensors, self.stats))
         except BaseException:
             self.close()
             raise
+        workers.reverse()
         store = TieredStoreHandler(
             gpu_to_cpu, store_bytes_per_block or layout.bytes_per_block, [w.stager for w in workers], self.stats
         )

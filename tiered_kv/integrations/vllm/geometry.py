@@ -29,6 +29,7 @@ from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.integrations.vllm.common import check_hash_algorithm, vllm_model_identity
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.memory.device import host_memory_limit
 
 #: Keys other vLLM specs read, and what to use with ours instead.
 _OTHER_SPECS_KEYS = {
@@ -150,6 +151,11 @@ class VllmGeometry:
                 f"cpu_bytes: {format_size(cfg.cpu_bytes)} per rank holds no chunk; one "
                 f"chunk is {format_size(bytes_per_chunk)} per rank ({bpc} GPU blocks of "
                 f"{config.worker_kv_bytes_per_block} bytes); expected at least that"
+            )
+        if num_cpu_slots * bytes_per_chunk > (limit := host_memory_limit()):
+            raise ConfigError(
+                f"cpu_bytes: {format_size(cfg.cpu_bytes)} per rank is more than this process may use "
+                f"({format_size(limit)} of memory here); expected at most that"
             )
         if cfg.disk_path:
             if p.world_size > 64:

@@ -5,11 +5,14 @@ for a key that is not there (nothing is written), where the config names a share
 and for an endpoint other than AWS's, one unsigned GET of the same key, whose answer
 must be S3's: an S3 XML error body or S3's own headers. Any HTTP server answers 404 to a
 key it does not have; only that second look tells an S3 endpoint from another server.
+An object someone put at that key is not downloaded past ``safe_json.MAX_RECORD_BYTES``
+(4 KiB by the unsigned GET). It also reads the fleet key file or variable the config names.
 """
 
 from __future__ import annotations
 
 import re
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -31,11 +34,16 @@ def s3_answer(headers: Iterable[str], body: bytes) -> bool:
     return any(h in names for h in S3_HEADERS) or bool(_S3_ERROR_BODY.search(body[:4096]))
 
 
-def probe_endpoint(url: str, timeout: float) -> tuple[int | None, bool, str]:
-    """One unsigned GET of ``url``: ``(HTTP status or None, whether the answer is S3's,
-    what went wrong or the status line)``."""
+def probe_endpoint(url: str, timeout: float, cafile: str | None = None) -> tuple[int | None, bool, str]:
+    """One unsigned GET of ``url`` (trusting ``cafile``'s CAs besides the system's):
+    ``(HTTP status or None, whether the answer is S3's, what went wrong or the status line)``."""
+    context = None
+    if cafile is not None and url.startswith("https://"):
+        context = ssl.create_default_context()
+        context.load_verify_locations(cafile=cafile)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout) as r:
+        request = urllib.request.Request(url, method="GET")
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as r:
             return r.status, s3_answer(r.headers, r.read(4096)), f"HTTP {r.status}"
     except urllib.error.HTTPError as e:
         body = e.read(4096) if e.fp is not None else b""
@@ -58,13 +66,43 @@ def check_remote(cfg: TieredConfig | None) -> Check:
         RemoteError,
         RemoteSetupError,
         S3Client,
+        WrongSize,
     )
+    from tiered_kv.remote.keys import FleetKeyError, load_keyring
+    from tiered_kv.remote.safe_json import MAX_RECORD_BYTES
 
     remote = cfg.remote
     where = f"bucket {remote.bucket!r} at {remote.endpoint or 'AWS S3'}"
     facts = {"endpoint": remote.endpoint, "bucket": remote.bucket, "prefix": remote.prefix}
     try:
-        S3Client(remote).get(f"{remote.prefix}/doctor-probe")
+        keyring = load_keyring(remote)
+    except FleetKeyError as e:
+        return Check("remote", FAIL, f"shared tier: {e}", "openssl rand -hex 32 > FILE; chmod 600 FILE", facts)
+    facts["key_ids"] = [] if keyring is None else [f"{k:08x}" for k in keyring.key_ids]
+    cautions = []
+    if keyring is None:
+        cautions.append(
+            (
+                "the bucket is declared trusted and no key is set: blocks are stored in plaintext",
+                "name a fleet key (remote.key_file or remote.key_env)",
+            )
+        )
+    if remote.plaintext_endpoint():
+        cautions.append(
+            (
+                f"{remote.endpoint} is plain http to another host",
+                "use an https endpoint (remote.ca_bundle for a private CA)",
+            )
+        )
+    try:
+        S3Client(remote).get(f"{remote.prefix}/doctor-probe", limit=MAX_RECORD_BYTES)
+    except WrongSize as e:
+        cautions.append(
+            (
+                f"{remote.prefix}/doctor-probe holds an object nobody should have written ({e}; not read)",
+                f"delete {remote.prefix}/doctor-probe and find out who can write the bucket",
+            )
+        )
     except ClientMissing as e:
         return Check("remote", FAIL, f"shared tier: {e}", "install the client: pip install 'tiered-kv[s3]'", facts)
     except CredentialsMissing as e:
@@ -105,7 +143,7 @@ def check_remote(cfg: TieredConfig | None) -> Check:
         )
     if remote.endpoint is not None:
         url = f"{remote.endpoint.rstrip('/')}/{remote.bucket}/{remote.prefix}/doctor-probe"
-        status, is_s3, said = probe_endpoint(url, remote.request_timeout)
+        status, is_s3, said = probe_endpoint(url, remote.request_timeout, remote.ca_bundle)
         facts = {**facts, "probe_status": status, "s3_answer": is_s3}
         if not is_s3:
             return Check(
@@ -117,4 +155,7 @@ def check_remote(cfg: TieredConfig | None) -> Check:
                 "endpoint, without the bucket)",
                 facts,
             )
+    if cautions:
+        message = f"shared tier: {where} answers as S3; " + "; ".join(m for m, _ in cautions)
+        return Check("remote", WARN, message, "; ".join(f for _, f in cautions), facts)
     return Check("remote", OK, f"shared tier: {where} answers as S3", facts=facts)

@@ -1,0 +1,62 @@
+"""The shared tier's fault accounting: consecutive failures that pause requests, and a
+rate-limited log of faults.
+
+Runs in every process with a ``RemoteStore``, on its threads; no I/O but logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger("tiered_kv.remote.store")
+
+
+class Health:
+    """Consecutive transient failures; past the threshold, requests pause for a cooldown."""
+
+    def __init__(self, threshold: int, cooldown: float, on_open: Callable[[int], None]):
+        self._threshold, self._cooldown, self._on_open = threshold, cooldown, on_open
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until = 0.0
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    def success(self) -> None:
+        self._failures = 0
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._failures >= self._threshold and self.available():
+                self._open_until = time.monotonic() + self._cooldown
+                failures, self._failures = self._failures, 0
+                self._on_open(failures)
+
+
+class FaultLog:
+    """Logs the first fault of each kind in full, then one summary per ``every`` seconds."""
+
+    def __init__(self, every: float = 60.0):
+        self._every = every
+        self._lock = threading.Lock()
+        self._state: dict[str, list[float]] = {}  # kind -> [next log time, suppressed count]
+
+    def __call__(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            state = self._state.get(kind)
+            if state is None:
+                self._state[kind] = [now + self._every, 0]
+                suppressed = -1
+            elif now >= state[0]:
+                suppressed, state[0], state[1] = int(state[1]), now + self._every, 0
+            else:
+                state[1] += 1
+                return
+        more = "" if suppressed < 0 else f" ({suppressed} more since the last report)"
+        logger.warning("shared tier: %s: %s%s", kind, message, more)
