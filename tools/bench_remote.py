@@ -217,7 +217,7 @@ def cipher_cost(keyring, block_bytes: int = 8 << 20, rounds: int = 8) -> str:
     seconds per GB each way."""
     from tiered_kv.remote.keys import new_nonce
 
-    block = memoryview(np.random.default_rng(1).integers(0, 256, block_bytes, dtype=np.uint8))
+    block = np.random.default_rng(1).integers(0, 256, block_bytes, dtype=np.uint8).data
     nonce, aad = new_nonce(), b"header"
     dest = [memoryview(bytearray(block_bytes))]
     seal_s, open_s = [], []
