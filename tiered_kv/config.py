@@ -10,6 +10,8 @@ Every error names the key, the bad value and what is expected.
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -64,6 +66,37 @@ DISK_EVICTION_POLICIES = ("lru",)
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
+_REUSE_RE = re.compile(r"^reuse\((\d+)\)$")
+
+
+def parse_write_admission(value: Any, key: str) -> Any:
+    """``"all"``, ``"reuse(N)"`` (N >= 1), or a mapping of lower-tier name to one of those."""
+    if isinstance(value, Mapping):
+        return {str(k): parse_write_admission(v, f"{key}.{k}") for k, v in value.items()}
+    m = _REUSE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
+    if value == "all" or (m and int(m.group(1)) >= 1):
+        return value if value == "all" else f"reuse({int(m.group(1))})"
+    raise ConfigError(
+        f"{key}: expected 'all', 'reuse(N)' with N >= 1 (write a block to a lower tier once it has "
+        f"been stored or hit N times), or a mapping of tier name to one of those, got {value!r}"
+    )
+
+
+def admit_after(write_admission: Any, tier_name: str) -> int:
+    """Stores-or-hits a block needs before it is written to ``tier_name`` (1 for ``all``)."""
+    value = write_admission.get(tier_name, "all") if isinstance(write_admission, Mapping) else write_admission
+    m = _REUSE_RE.match(value)
+    return int(m.group(1)) if m else 1
+
+
+def _parse_positive_float(value: Any, key: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key}: expected a positive number (tokens per second) or null, got {value!r}")
+    return float(value)
+
+
 def _parse_remote(value: Any, key: str) -> Any:
     return RemoteConfig.from_dict(value, key_prefix=f"{key}.")
 
@@ -114,6 +147,15 @@ class TieredConfig:
     #: Blocks allowed to wait for a disk write (write-through and spills); the excess is
     #: dropped and counted instead of stalling the engine.
     max_pending_disk_writes: int = 1024
+    #: Load a block only when that beats recomputing it (``tiered_kv.cost``); false loads
+    #: every block found, as before.
+    cost_aware: bool = True
+    #: Prefill tokens per second of the served model on this GPU; None: estimated from the
+    #: model and the GPU (``tiered_kv.cost.estimate_prefill_tokens_per_s``).
+    prefill_tokens_per_s: float | None = None
+    #: Per lower tier: ``all`` (every block), or ``reuse(N)`` (a block once it has been
+    #: stored or hit N times); one value for every lower tier, or a mapping by tier name.
+    write_admission: Any = "all"
     #: Offloaded block size in tokens (a multiple of the engine's GPU block size).
     block_size: int | None = None
     model_id: str = "unknown"
@@ -148,6 +190,9 @@ class TieredConfig:
         "disk_io": lambda v, k: parse_choice(v, k, DISK_IO),
         "gpu_copy": lambda v, k: parse_choice(v, k, GPU_COPIES),
         "max_pending_disk_writes": parse_positive_int,
+        "cost_aware": parse_bool,
+        "prefill_tokens_per_s": _parse_positive_float,
+        "write_admission": parse_write_admission,
         "block_size": lambda v, k: None if v is None else parse_positive_int(v, k),
         "model_id": parse_text,
         "model_revision": parse_text,

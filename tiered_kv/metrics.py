@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,9 @@ TIER_COUNTERS = (
     "failed_loads",
     "failed_stores",
     "promotions",
+    "skipped_slower_than_recompute",
+    "probes",
+    "not_admitted",
 )
 #: The tier events also counted in tokens (blocks times tokens per block), as vLLM
 #: counts its prefix cache's queries and hits.
@@ -64,6 +67,9 @@ LATENCY_BUCKETS += (10.0, 30.0)
 TIER_BLOCKS = "tiered_kv_tier_blocks"
 TIER_TOKENS = "tiered_kv_tier_tokens"
 TIER_USED_BLOCKS = "tiered_kv_tier_used_blocks"
+TIER_LOAD_GBPS = "tiered_kv_tier_load_gbps"
+TIER_LOAD_LATENCY = "tiered_kv_tier_load_latency_seconds"
+TIER_WRITTEN_PER_READ = "tiered_kv_tier_bytes_written_per_read"
 TRANSFER_JOBS = "tiered_kv_transfer_jobs"
 TRANSFER_SECONDS = "tiered_kv_transfer_seconds"
 VERIFICATION_SECONDS = "tiered_kv_verification_seconds"
@@ -105,6 +111,9 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         ("tier", "event"),
     ),
     MetricDef(TIER_USED_BLOCKS, "gauge", "Blocks held per tier", ("tier",)),
+    MetricDef(TIER_LOAD_GBPS, "gauge", "Estimated load bandwidth into the GPU per tier, GB/s", ("tier",)),
+    MetricDef(TIER_LOAD_LATENCY, "gauge", "Estimated per-job load latency per tier, seconds", ("tier",)),
+    MetricDef(TIER_WRITTEN_PER_READ, "gauge", "Bytes written into a tier per byte read from it", ("tier",)),
     MetricDef(TRANSFER_JOBS, "counter", "Transfer jobs finished", ("transfer_type", "outcome")),
     MetricDef(
         TRANSFER_SECONDS,
@@ -256,6 +265,9 @@ class TieredStats:
         default_factory=lambda: {t: TransferCounter() for t in TRANSFER_TYPES}
     )
     latencies: Latencies = field(default_factory=Latencies, repr=False, compare=False)
+    #: Called with ``(transfer_type, bytes, seconds, success)`` of every recorded transfer
+    #: (e.g. ``tiered_kv.cost.LoadCosts.observe``), outside the lock.
+    observers: list[Callable[[str, int, float, bool], None]] = field(default_factory=list, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, tier: str, counter: str, n: int = 1) -> None:
@@ -287,6 +299,15 @@ class TieredStats:
                 t.failed_jobs += 1
         if success:
             self.latencies.observe(TRANSFER_SECONDS, (transfer_type,), seconds)
+        for observe in self.observers:
+            observe(transfer_type, num_bytes, seconds, success)
+
+    def written_per_read(self) -> dict[str, float | None]:
+        """Per tier: blocks written into it per block later read from it (its ``stores``
+        over its ``hits``; blocks are of one size, so the same in bytes); None before
+        any read."""
+        with self._lock:
+            return {k: (v["stores"] / v["hits"] if v["hits"] else None) for k, v in self.tiers.items()}
 
     def merge(self, other: "TieredStats") -> None:
         """Add ``other``'s counters into these (e.g. a worker's into the manager's view)."""
@@ -376,12 +397,20 @@ class PrometheusMetrics:
         *,
         remote: Sequence[Any] = (),
         latencies: Iterable[Latencies] = (),
+        costs: Mapping | None = None,
     ) -> None:
         """Export ``stats``, the tiers' ``used_blocks``, the summed counters of the
         shared-tier stores' ``remote`` stats (``RemoteStore.stats()``, e.g. the
-        scheduler's and a worker's), and drain ``stats.latencies`` and ``latencies``
+        scheduler's and a worker's), the load estimates of ``costs`` (a
+        ``LoadCosts.snapshot()``), and drain ``stats.latencies`` and ``latencies``
         (e.g. a store's ``RemoteStore.latencies``)."""
         snap = stats.as_dict()
+        for tier, est in (costs or {}).get("tiers", {}).items():
+            self.metrics[TIER_LOAD_GBPS].labels(tier).set(est["gbps"])
+            self.metrics[TIER_LOAD_LATENCY].labels(tier).set(est["latency_s"])
+        for tier, ratio in stats.written_per_read().items():
+            if ratio is not None:
+                self.metrics[TIER_WRITTEN_PER_READ].labels(tier).set(ratio)
         transfers = snap["transfers"]
         for direction, types in (("load", GPU_LOADS), ("store", GPU_STORES)):
             self._advance(self.gpu_bytes[direction], (), sum(transfers[t]["bytes"] for t in types))

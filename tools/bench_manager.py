@@ -7,7 +7,11 @@ per-block cost (ns) of lookup, prepare_store, complete_store and touch for:
 - ``vllm-cpu``: vLLM 0.33's ``CPUOffloadingManager`` (per-key API), when vLLM is importable;
 - ``tiered-cpu``: our composite manager over the CPU tier alone;
 - ``tiered-cpu+disk``: the composite with the disk tier attached (write-through; block
-  placement and index bookkeeping only: no bytes move, so this is the scheduler's cost).
+  placement and index bookkeeping only: no bytes move, so this is the scheduler's cost);
+  both tiered rows decide per lookup whether loading beats recomputing (on by default),
+  and ``cost-aware off`` is the same composite loading every block found: the
+  difference in ``lookup`` is the decision's cost, measured again on its own in alternated
+  rounds over runs that span both tiers (``decision_cost``).
 
 And the latency distribution of a 256-block ``prepare_store`` that cascades (a full CPU
 tier; every call spills 256 blocks to the disk tier, and in the second half of the
@@ -57,6 +61,7 @@ BATCH = 256  # blocks per call, like a long prompt's chunk
 #: after each call, untimed, as the engine does every step.
 EVENTS = False
 LAYOUT = KVCacheLayout((LayerLayout("kv", (1, 2048), False),), __import__("torch").uint8, 16)
+LAYOUT_BYTES = LAYOUT.bytes_per_block
 
 
 def hashes(n: int, start: int = 0) -> list[bytes]:
@@ -287,6 +292,43 @@ def cascade_latency(
     return lat, floor, [(b - a) / k for a, b, k in zip(flusher, flusher[1:], half)]
 
 
+def decision_cost(n: int, tmp: str, rounds: int = 21) -> tuple[float, float, float | None]:
+    """Median ns per block of the composite's ``lookup`` over CPU + disk with the
+    load-versus-recompute decision on and off, rounds alternated in one process (the
+    machine drifts), and of vLLM's per-key lookup in the same rounds (None without vLLM).
+    Half of the looked-up blocks are on disk only, the decision judging Llama-3.1-8B-sized
+    blocks (2 MiB) from a disk at 2 GB/s with 0.1 ms a job: below break-even, so its
+    runs take the decision's full path (a scan of the run) and are passed over."""
+    m = TieredOffloadingManager(cpu_manager(n // 2), disk_manager(tmp, 2 * n))
+    m.costs.bytes_per_block = 16 * 131_072
+    m.costs.tiers["disk"].gbps, m.costs.tiers["disk"].latency_s = 2.0, 1e-4
+    keys = hashes(n)
+    for batch in batches_of(keys):  # write-through: all on disk, the newest half in CPU
+        out = m.prepare_store(batch)
+        m.complete_store(out.block_hashes_to_store)
+        m.lower[0].complete_store(out.store_spec.tier_write_through[0].block_hashes)
+    batches = batches_of(keys)
+    vllm = vllm_manager(n)
+    vkeys = None
+    if vllm is not None:
+        vm, ctx, make_offload_key = vllm
+        vkeys = batches_of([make_offload_key(h, 0) for h in keys])
+        for batch in vkeys:
+            vm.prepare_store(batch, ctx)
+            vm.complete_store(batch, ctx)
+    on, off, theirs = [], [], []
+    with serving_heap():
+        for _ in range(rounds):
+            m.costs.enabled = True
+            on.append(timed(m.lookup, batches))
+            m.costs.enabled = False
+            off.append(timed(m.lookup, batches))
+            if vkeys is not None:
+                theirs.append(timed(lambda k: [vm.lookup(key, ctx) for key in k], vkeys))
+    m.shutdown()
+    return statistics.median(on), statistics.median(off), statistics.median(theirs) if theirs else None
+
+
 def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
     """Median seconds of reading 256 freshly committed log records, and of ``refresh()``
     (which reads them and makes the blocks loadable), each timed on fresh records in
@@ -343,11 +385,12 @@ def main() -> int:
         vllm = bench_vllm(n)
         if vllm:
             rows["vllm-cpu"] = vllm
-        rows["tiered-cpu"] = bench_ours(TieredOffloadingManager(cpu_manager(n)), n)
-        with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
-            m = TieredOffloadingManager(cpu_manager(n), disk_manager(tmp, 2 * n))
-            rows["tiered-cpu+disk"] = bench_ours(m, n)
-            m.shutdown()
+        rows["tiered-cpu"] = bench_ours(TieredOffloadingManager(cpu_manager(n), bytes_per_block=LAYOUT_BYTES), n)
+        for name, cost_aware in (("tiered-cpu+disk", True), ("  cost-aware off", False)):
+            with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
+                m = TieredOffloadingManager(cpu_manager(n), disk_manager(tmp, 2 * n), cost_aware=cost_aware)
+                rows[name] = bench_ours(m, n)
+                m.shutdown()
         for name, r in rows.items():
             cells = []
             for o in ops:
@@ -388,6 +431,16 @@ def main() -> int:
         ):
             cpu = "" if background is None else f"{background * 1e6:13.0f}"
             print(f"{n:>10} {name:>10} {percentiles(part)}{cpu}")
+    print()
+    print(
+        f"lookup of {BATCH}-block runs over CPU + disk (half on a disk below break-even), median ns per block of 21 alternated rounds"
+    )
+    print(f"{'blocks':>9} {'decision on':>12} {'off':>8} {'decision':>9} {'vllm-cpu lookup':>16}")
+    for n in args.sizes:
+        with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
+            d_on, d_off, theirs = decision_cost(n, tmp)
+        v = "-" if theirs is None else f"{theirs * 1e9:.0f}"
+        print(f"{n:>9} {d_on * 1e9:>12.0f} {d_off * 1e9:>8.0f} {(d_on - d_off) * 1e9:>9.0f} {v:>16}")
     print()
     print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), median us")
     print(f"{'disk blocks':>11} {'log read':>9} {'refresh':>9}  (refresh = log read + making blocks loadable)")

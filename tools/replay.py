@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import replay_raw  # noqa: E402
+import replay_sweep  # noqa: E402
 from benchlib import machine as machine_basics  # noqa: E402
 from benchlib import md_table  # noqa: E402
 from replay_model import (
@@ -81,7 +82,8 @@ def parse_args(argv):
     p.add_argument(
         "--configs",
         default=",".join(CONFIGS),
-        help=f"comma-separated subset of {','.join(CONFIGS)} (plus cpu+disk-direct: no promotion)",
+        help=f"comma-separated subset of {','.join(CONFIGS)} (plus cpu+disk-direct: no promotion; "
+        "cpu+disk-always: every hit loaded)",
     )
     p.add_argument("--cpu-fraction", type=float, default=0.25, help="CPU tier = this x the working set")
     p.add_argument("--disk-fraction", type=float, default=1.25, help="disk tier = this x the working set")
@@ -112,15 +114,17 @@ def parse_args(argv):
     p.add_argument("--markdown", type=Path, help="also write the tables as markdown to this file")
     p.add_argument("--json", type=Path, help="write the raw results as JSON")
     p.add_argument("--gpu", action="store_true", help="the device KV cache on CUDA, raw limits of the GPU host")
+    replay_sweep.add_args(p)
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    known = CONFIGS + ("cpu+disk-direct",)
+    known = CONFIGS + ("cpu+disk-direct", "cpu+disk-always")
     for c in args.configs:
         if c not in known:
             p.error(f"--configs: unknown configuration {c!r}; expected some of {', '.join(known)}")
     for name in ("cpu_fraction", "disk_fraction", "device_fraction", "scale"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    replay_sweep.check_args(args, p)
     try:
         args.model = PrefillModel(
             args.model_name, args.prefill_tps, args.kv_bytes_per_token, parse_load_gbps(args.load_gbps)
@@ -283,6 +287,7 @@ def tiers_for(args, working_set: int, disk_fraction: float | None = None) -> Tie
         disk_slots=max(1, round(f * working_set)),
         disk_dir=args.disk_dir,
         io_threads=args.io_threads,
+        model=args.model,
     )
 
 
@@ -351,6 +356,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.disk_gbps is not None:
+        command = "python tools/replay.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        body = replay_sweep.main_sweep(args, log)
+        text = f"command: `{command}`; date: {datetime.date.today().isoformat()}; machine: {machine()}\n"
+        text += f"prefill-cost model: {args.model.describe()}\n\n" + body
+        print(text)
+        if args.markdown:
+            args.markdown.write_text(text + "\n")
+        return 0 if "all checks pass: yes" in text else 1
     if args.gpu and not torch.cuda.is_available():
         print(
             "error: --gpu needs a CUDA device, and torch.cuda.is_available() is False on this machine "

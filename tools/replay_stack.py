@@ -7,7 +7,11 @@ device KV cache and, where they have one, the same CPU RAM:
 - ``no-offload``: the device prefix cache alone (a manager that holds nothing);
 - ``cpu``: our composite manager over the CPU tier alone;
 - ``cpu+disk``: the CPU tier over the disk tier (write-through, promote on hit);
-  block I/O to files under the run's disk directory;
+  block I/O to files under the run's disk directory; its lookup loads a hit only where
+  that beats recomputing, judged with the replay's prefill-cost model (``Tiers.model``:
+  its load bandwidths, prefill rate and bytes per token, fixed, so the decision and the
+  estimated TTFT agree);
+- ``cpu+disk-always``: the same, loading every hit (the decision off);
 - ``vllm-cpu``: vLLM 0.33's own CPU LRU manager (``replay_vllm``), bytes moved by our
   CPU handlers;
 - ``cpu-arc`` and ``vllm-cpu-arc``: ``cpu`` and ``vllm-cpu`` with ARC for eviction
@@ -26,8 +30,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+from pathlib import Path
 
 import torch
 
@@ -111,6 +115,8 @@ class Tiers:
     disk_slots: int
     disk_dir: Path
     io_threads: int = 4
+    #: The prefill-cost model (``replay_model.PrefillModel``) the decision judges by.
+    model: Any = None
 
 
 class _TimedCalls:
@@ -228,7 +234,7 @@ def _build(
     }
     if config == "cpu-arc":
         raw["eviction_policy"] = "arc"
-    if config == "cpu+disk":
+    if config.startswith("cpu+disk"):
         raw["disk_path"] = str(work_dir)
         raw["disk_bytes"] = f"{tiers.disk_slots * (-(-bpb // 4096) * 4096)}B"
     spec = HierarchySpec(raw, gpu_block_size=geometry.gpu_block_size)
@@ -240,8 +246,15 @@ def _build(
         manager = VllmCpuManagerAdapter(
             spec.num_cpu_slots, geometry.tokens_per_block, policy="arc" if config.endswith("-arc") else "lru"
         )
-    elif config in ("cpu", "cpu+disk", "cpu-arc"):
+    elif config in ("cpu", "cpu+disk", "cpu+disk-always", "cpu-arc"):
         manager = spec.get_manager()
+        if manager.costs is not None and tiers.model is not None:
+            m, costs = tiers.model, manager.costs
+            costs.bytes_per_block = m.kv_bytes_per_token * geometry.tokens_per_block
+            costs.prefill_tokens_per_s = m.prefill_tps
+            for name, tier in costs.tiers.items():
+                tier.gbps = m.load_gbps["CPU" if name == "cpu" else "DISK"]
+            costs.enabled = config != "cpu+disk-always"
     else:
         raise ValueError(f"unknown configuration {config!r}; expected one of {', '.join(CONFIGS)}")
 
@@ -304,7 +317,7 @@ def run_config(
             transfers={k: stats["transfers"][k] for k in TRANSFER_TYPES},
             tiers=stats["tiers"],
             cpu_slots=spec.num_cpu_slots if spec is not None else 0,
-            disk_slots=tiers.disk_slots if config == "cpu+disk" else 0,
+            disk_slots=tiers.disk_slots if config.startswith("cpu+disk") else 0,
             io=io,
         )
     finally:

@@ -14,7 +14,11 @@ grows with it while each request keeps its shape):
 
 Trace format, one request per line: ``{"token_ids": [...]}`` (hashed into full blocks
 of the replay's block size; a trailing partial block is not offloadable and is
-dropped) or ``{"block_hashes": ["<hex>", ...]}`` (what ``--save-trace`` writes).
+dropped), ``{"block_hashes": ["<hex>", ...]}`` (what ``--save-trace`` writes), or
+Mooncake's FAST'25 format (``read_mooncake``): ``{"timestamp", "input_length",
+"output_length", "hash_ids": [ints]}``, ``hash_ids`` the prefix-chained ids of
+512-token blocks, of which the last is partial unless ``input_length`` is a multiple
+of 512 (a partial block is not offloadable: its tokens are always computed).
 """
 
 from __future__ import annotations
@@ -115,8 +119,68 @@ def generate(kind: str, preset: Preset, tokens_per_block: int, scale: float = 1.
     return Workload(f"mixed x{scale:g}", [both[i] for i in order])
 
 
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class MooncakeTrace:
+    """A Mooncake FAST'25 trace: per request its full blocks' ids, the tokens of its
+    trailing partial block, and its arrival (ms since the trace began)."""
+
+    name: str
+    requests: list[list[int]]
+    tail_tokens: list[int]
+    timestamps: list[int]
+    tokens_per_block: int = MOONCAKE_BLOCK_TOKENS
+
+    def workload(self) -> Workload:
+        """The full blocks as a replay workload (8-byte block hashes)."""
+        return Workload(self.name, [[h.to_bytes(8, "big") for h in r] for r in self.requests if r])
+
+
+def is_mooncake(path: Path) -> bool:
+    """Whether the first line of ``path`` is a Mooncake FAST'25 record."""
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        return "hash_ids" in json.loads(first)
+    except ValueError:
+        return False
+
+
+def read_mooncake(path: Path) -> MooncakeTrace:
+    """A Mooncake FAST'25 trace; raises ``ValueError`` naming the bad line."""
+    requests, tails, stamps = [], [], []
+    b = MOONCAKE_BLOCK_TOKENS
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ids = [int(h) for h in row["hash_ids"]]
+                length = int(row["input_length"])
+                if length < 0 or len(ids) != -(-length // b):
+                    raise ValueError(f"{len(ids)} hash_ids for input_length {length}; expected ceil(length / {b})")
+                full = length // b
+                requests.append(ids[:full])
+                tails.append(length - full * b)
+                stamps.append(int(row.get("timestamp", 0)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(
+                    f"{path}:{lineno}: bad Mooncake trace line ({exc}); expected "
+                    '{"timestamp": ms, "input_length": tokens, "hash_ids": [ints]}'
+                ) from None
+    if not requests:
+        raise ValueError(f"{path}: no request")
+    return MooncakeTrace(f"trace {Path(path).name}", requests, tails, stamps)
+
+
 def read_trace(path: Path, tokens_per_block: int) -> Workload:
-    """Requests from a JSON-lines trace (format in the module docstring)."""
+    """Requests from a JSON-lines trace (format in the module docstring). A Mooncake
+    trace's 512-token blocks each become one block of the replay."""
+    if is_mooncake(path):
+        return read_mooncake(path).workload()
     requests = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

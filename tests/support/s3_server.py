@@ -278,7 +278,11 @@ class FaultProxy:
                 head, payload = request
                 lines = head.split(b"\r\n")
                 method = lines[0].split(b" ", 1)[0]
-                if refusal is not None and method == b"PUT" and any(n.strip().lower() == b"if-none-match" for n, _ in _fields(lines)):
+                if (
+                    refusal is not None
+                    and method == b"PUT"
+                    and any(n.strip().lower() == b"if-none-match" for n, _ in _fields(lines))
+                ):
                     with self._lock:
                         self.requests_refused += 1
                     conn.sendall(

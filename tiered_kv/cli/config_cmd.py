@@ -168,6 +168,15 @@ def config(
     remote_region: Optional[str] = typer.Option(
         None, "--remote-region", metavar="REGION", help="Shared tier: the bucket's region (default: us-east-1)."
     ),
+    gpu: Optional[str] = typer.Option(
+        None, "--gpu", help="GPU model for the prefill estimate, e.g. 'H100 SXM'. Default: this machine's GPU."
+    ),
+    model_params: Optional[float] = typer.Option(
+        None, "--model-params", help="Model parameters for the prefill estimate, e.g. 8.03e9. Default: from config."
+    ),
+    prefill_tokens_per_s: Optional[float] = typer.Option(
+        None, "--prefill-tokens-per-s", help="Measured prefill tokens/s (per TP group): recorded in the config."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print only the JSON."),
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", metavar="PATH", help="Also write the JSON to this file."
@@ -192,6 +201,9 @@ def config(
             model_id=_model_id(model_id, preset, source, serve_model),
             remote=remote,
         )
+        if prefill_tokens_per_s is not None:
+            kv_config["kv_connector_extra_config"]["prefill_tokens_per_s"] = prefill_tokens_per_s
+            TieredConfig.from_dict(kv_config["kv_connector_extra_config"], passthrough_keys=VLLM_PASSTHROUGH_KEYS)
         identity = _add_model_path(kv_config, source)
         serve_flags = _serve_dtype_flags(dtype, source)
     except ConfigError as exc:
@@ -214,6 +226,7 @@ def config(
         sys.stdout.write(text + "\n")
         return
     console.print(arithmetic_table(plan))
+    console.print(cost_table(plan, source, gpu, model_params, prefill_tokens_per_s))
     console.print_json(text)
     serve_model = serve_model or kv_config["kv_connector_extra_config"].get("model_id") or "<model>"
     console.print(
@@ -224,6 +237,57 @@ def config(
     )
     if disk_path:
         _print_identity(console, kv_config, identity, plan, gpu_block_size)
+
+
+def cost_table(
+    plan: TierPlan, source: Any, gpu: Optional[str], params: Optional[float], given_tps: Optional[float]
+) -> Table:
+    """Prefill tokens/s (given, else estimated with its formula) and the break-even load
+    bandwidth per rank: what the load-versus-recompute decision starts from."""
+    from tiered_kv.cost import estimate_prefill_tokens_per_s, model_parameters
+
+    if params is None:
+        try:
+            params = model_parameters(_hf_dict(source))
+        except (OSError, ValueError):
+            params = None
+    if gpu is None:
+        gpu = _local_gpu()
+    table = Table(title="Load versus recompute (tiered_kv.cost)", show_header=True)
+    table.add_column("quantity")
+    table.add_column("arithmetic")
+    table.add_column("value", justify="right")
+    if given_tps is not None:
+        tps, how = given_tps, "given (--prefill-tokens-per-s): recorded as prefill_tokens_per_s"
+    else:
+        est = estimate_prefill_tokens_per_s(int(params) if params else None, gpu, gpus=plan.tp)
+        tps, how = est.tokens_per_s, f"estimated: {est.source}"
+    table.add_row("prefill tokens / s", how, f"{tps:,.0f}")
+    table.add_row(
+        "break-even load GB/s / rank",
+        f"{plan.kv_bytes_per_token:,} B/token x {tps:,.0f} tokens/s",
+        f"{plan.kv_bytes_per_token * tps / 1e9:.2f}",
+    )
+    table.add_row("decision", "per request: load the prefix that minimises load time + prefill of the rest", "on")
+    return table
+
+
+def _hf_dict(source: Any) -> dict:
+    if isinstance(source, dict):
+        return source
+    if source is None:
+        raise ValueError("no model config")
+    path = Path(source)
+    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+
+
+def _local_gpu() -> Optional[str]:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:
+        return None
 
 
 def _plan(

@@ -31,6 +31,17 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
   into a CPU slot that can be had without a spill and without touching blocks pinned
   by loads; the slot becomes loadable when the last load of that block completes
   successfully.
+- **Cost**: ``lookup`` answers the number of leading blocks whose load makes the time
+  to first token shortest (``tiered_kv.cost``: measured load cost per tier against
+  the prefill of the same tokens; zero is always a candidate). Blocks passed over are
+  counted per tier (``skipped_slower_than_recompute``): not loaded, not promoted, not
+  a hit; once recomputed, the engine's store puts them into CPU again (a GPU -> CPU
+  copy, like any new block), though a lower tier holds them. ``costs=None`` (no block
+  size known) loads every block found.
+- **Write admission**: a lower tier with ``admit_after`` N > 1 (``write_admission:
+  reuse(N)``) is written a block only once the block has been stored or hit N times
+  (counted over a bounded history of recent blocks); a CPU victim not yet admitted
+  anywhere leaves the hierarchy (``not_admitted``).
 - ``block_hashes_evicted`` lists only blocks that left the whole hierarchy.
 - **A store never evicts its own request** (vLLM's contract): the blocks offered to one
   ``prepare_store`` are no victim in any tier, neither of the CPU cascade nor of the
@@ -56,9 +67,11 @@ from tiered_kv.abstract import (
     PrepareStoreOutput,
 )
 from tiered_kv.config import WRITE_POLICIES, TieredConfig
+from tiered_kv.cost import DEFAULT_PREFILL_TOKENS_PER_S, LoadCosts
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPU, CPULoadStoreSpec, ids_spec
 from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.admission import WriteAdmission
 from tiered_kv.tiered.transfer_specs import TierWrites, TieredLoadSpec, TieredStoreSpec
 
 logger = logging.getLogger(__name__)
@@ -89,6 +102,11 @@ class TieredOffloadingManager(OffloadingManager):
         promote_on_hit: bool = TieredConfig.promote_on_hit,
         max_pending_writes: int = TieredConfig.max_pending_disk_writes,
         stats: TieredStats | None = None,
+        costs: LoadCosts | None = None,
+        cost_aware: bool = TieredConfig.cost_aware,
+        prefill_tokens_per_s: float | None = None,
+        bytes_per_block: int | None = None,
+        admit_after: int | Sequence[int] = 1,
     ):
         tiers = [] if lower is None else [lower] if not isinstance(lower, Sequence) else list(lower)
         policies = [write_policy] * len(tiers) if isinstance(write_policy, str) else list(write_policy)
@@ -127,6 +145,23 @@ class TieredOffloadingManager(OffloadingManager):
         self._from_lower: set[BlockHash] = set()
         for tier in tiers:
             tier.on_corrupt = lambda hashes, name=tier.name: self.stats.count(name, "checksum_failures", len(hashes))
+        if costs is None:
+            bpb = bytes_per_block or next((getattr(t, "block_bytes", None) for t in tiers), None)
+            if bpb:
+                costs = LoadCosts.for_tiers(
+                    {"cpu": CPU, **{t.name: t.medium for t in tiers}},
+                    bytes_per_block=bpb,
+                    tokens_per_block=cpu.block_size,
+                    prefill_tokens_per_s=prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
+                )
+        if costs is not None:
+            costs.enabled = cost_aware
+        self.costs = costs
+        admit = [admit_after] * len(tiers) if isinstance(admit_after, int) else list(admit_after)
+        self.admission = WriteAdmission(admit, names, 2 * (cpu.num_slots + sum(t.capacity for t in tiers)), self.stats)
+        # Blocks a lookup passed over that only lower tiers hold: recomputed, they are
+        # stored into CPU again (from the GPU, as any new block), though a tier has them.
+        self._recomputed: set[BlockHash] = set()
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``, ...), or None."""
@@ -154,34 +189,58 @@ class TieredOffloadingManager(OffloadingManager):
         return min(wanted, max(self.max_pending_writes - tier.num_pending(), 0))
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
-        hits = 0
+        """The number of leading blocks to load: of the leading run found offloaded, the
+        prefix whose load minimises the estimated time to first token (``costs``)."""
+        block_hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+        runs: list[list] = []  # [tier name, blocks] per run of blocks one tier serves
+        found = 0
         missed = False
         asked = [0] * len(self.lower)
         refreshed = [False] * len(self.lower)
         for block_hash in block_hashes:
+            source = None
             if self.cpu.is_loadable(block_hash):
-                hits += 1
-                continue
-            found = False
-            for i, tier in enumerate(self.lower):
-                asked[i] += 1
-                if tier.is_loadable(block_hash):
-                    found = True
-                    break
-                if not refreshed[i] and tier.is_pending(block_hash):
-                    refreshed[i] = True
-                    tier.refresh()
+                source = "cpu"
+            else:
+                for i, tier in enumerate(self.lower):
+                    asked[i] += 1
                     if tier.is_loadable(block_hash):
-                        found = True
+                        source = tier.name
                         break
-            if not found:
-                missed = True
-                break
-            hits += 1
-        self.stats.count("cpu", "lookups", hits + missed)
+                    if not refreshed[i] and tier.is_pending(block_hash):
+                        refreshed[i] = True
+                        tier.refresh()
+                        if tier.is_loadable(block_hash):
+                            source = tier.name
+                            break
+                if source is None:
+                    missed = True
+                    break
+            found += 1
+            if runs and runs[-1][0] == source:
+                runs[-1][1] += 1
+            else:
+                runs.append([source, 1])
+        self.stats.count("cpu", "lookups", found + missed)
         for tier, n in zip(self.lower, asked):
             self.stats.count(tier.name, "lookups", n)
-        return hits
+        if self.costs is None:
+            return found
+        plan = self.costs.plan_runs(runs)
+        if plan.skipped:
+            if len(self._recomputed) > self.cpu.num_slots:
+                self._recomputed.clear()  # lookups whose requests never stored
+            start = 0
+            for source, m in runs:  # the lower-tier blocks passed over
+                end = start + m
+                if source != "cpu" and end > plan.blocks:
+                    self._recomputed.update(block_hashes[max(start, plan.blocks) : end])
+                start = end
+            for name, n in plan.skipped.items():
+                self.stats.count(name, "skipped_slower_than_recompute", n)
+        if plan.probe is not None:
+            self.stats.count(plan.probe, "probes", 1)
+        return plan.blocks
 
     def _holder(self, block_hash: BlockHash) -> int | None:
         """The index of the fastest lower tier that can serve ``block_hash``, or None."""
@@ -227,6 +286,7 @@ class TieredOffloadingManager(OffloadingManager):
                     f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
                 )
             sources.append(source)
+        self.admission.note(block_hashes)
         cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
         self._cpu_loads.update(cpu_hashes)
@@ -387,7 +447,9 @@ class TieredOffloadingManager(OffloadingManager):
                     held.update(h for h in victims if h not in unsafe_set)
             if not unsafe:
                 continue
-            budget = self._budget(tier, len(unsafe)) if allow_spill else 0
+            if allow_spill:
+                unsafe = self.admission.admitted(i, unsafe)
+            budget = self._budget(tier, len(unsafe)) if allow_spill and unsafe else 0
             out = tier.prepare_store(unsafe[:budget], fresh=True, protected=protected) if budget else None
             if out is None:
                 continue
@@ -413,11 +475,21 @@ class TieredOffloadingManager(OffloadingManager):
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         offered = list(dict.fromkeys(block_hashes))
-        to_store = self.cpu.missing_among(offered)
+        self.admission.note(offered)  # every use of a block offers it again
+        to_store = missing = self.cpu.missing_among(offered)
         for tier in self.lower:
             if not to_store:
                 break
             to_store = tier.absent_among(to_store)
+        held_below: set[BlockHash] = set()  # recomputed blocks a lower tier holds: CPU only
+        if self._recomputed:
+            absent = set(to_store)
+            held_below = {h for h in missing if h in self._recomputed and h not in absent}
+            self._recomputed.difference_update(missing)
+            if held_below:
+                to_store = [h for h in missing if h in absent or h in held_below]
+                if self._write_back_only:
+                    self._from_lower.update(held_below)  # in CPU and below, as a promoted block
         if not to_store:
             self.cpu.rank_request(offered)
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
@@ -433,7 +505,7 @@ class TieredOffloadingManager(OffloadingManager):
         if len(to_store) < len(offered):
             self.cpu.rank_request(offered)
         write_through = [
-            self._plan_write_through(i, to_store, slots, evicted, protected) for i in range(len(self.lower))
+            self._plan_write_through(i, to_store, slots, evicted, protected, held_below) for i in range(len(self.lower))
         ]
         self.stats.count("cpu", "stores", len(to_store))
         return PrepareStoreOutput(
@@ -449,15 +521,21 @@ class TieredOffloadingManager(OffloadingManager):
         cpu_slots: list[int],
         evicted: list[BlockHash],
         protected: set[BlockHash],
+        held_below: set[BlockHash],
     ) -> TierWrites:
         if self.write_policies[i] != "write_through":
             return TierWrites()
         tier = self.lower[i]
-        candidates = to_store[: self._budget(tier, len(to_store))]
-        skipped = len(to_store) - len(candidates)
+        new = to_store
+        if held_below:  # the recomputed blocks this tier lacks are new to it too
+            lacking = set(tier.absent_among(held_below))
+            new = [h for h in to_store if h not in held_below or h in lacking]
+        admitted = self.admission.admitted(i, new)
+        candidates = admitted[: self._budget(tier, len(admitted))]
+        skipped = len(admitted) - len(candidates)
         out = tier.prepare_store(candidates, fresh=True, protected=protected) if candidates else None
         if out is None:
-            skipped = len(to_store)
+            skipped = len(candidates) + skipped
             writes = TierWrites()
         else:
             cpu_slot = dict(zip(to_store, cpu_slots))

@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 import torch
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
-from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.config import ConfigError, TieredConfig, admit_after
+from tiered_kv.cost import PrefillEstimate, configured_prefill
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
 from tiered_kv.fingerprint import Fingerprint
@@ -147,7 +148,17 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             promote_on_hit=self.config.promote_on_hit,
             max_pending_writes=self.config.max_pending_disk_writes,
             stats=self.stats,
+            cost_aware=self.config.cost_aware,
+            prefill_tokens_per_s=self.prefill.tokens_per_s,
+            bytes_per_block=self._known_layout().bytes_per_block,
+            admit_after=[admit_after(self.config.write_admission, t.name) for t in self.lower_tiers],
         )
+
+    @property
+    def prefill(self) -> PrefillEstimate:
+        """Prefill tokens/s the load-versus-recompute decision judges by, and their source
+        (``tiered_kv.cost.configured_prefill``)."""
+        return configured_prefill(self.config.prefill_tokens_per_s, self.config.model_path, self.tp_size)
 
     def get_hit_checks(self, manager: TieredOffloadingManager) -> list[HitCheck]:
         """Each lower tier's check before one of its blocks is promised as a hit, in tier

@@ -231,9 +231,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             self._failed_on_submit.append(job_id)
         return True
 
-    def _track(
-        self, job_id: int, kind: str, slots: np.ndarray, gpu_blocks: np.ndarray, moved: bool = True
-    ) -> None:
+    def _track(self, job_id: int, kind: str, slots: np.ndarray, gpu_blocks: np.ndarray, moved: bool = True) -> None:
         nbytes = len(gpu_blocks) * self.kernel_bytes if moved else 0
         self._jobs[job_id] = _Job(
             np.asarray(slots, dtype=np.int64), np.asarray(gpu_blocks), nbytes, kind, time.perf_counter()

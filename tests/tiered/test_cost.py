@@ -1,0 +1,408 @@
+"""Loads chosen by cost: the per-tier estimates, the decision, the prefill estimate, and
+the composite's lookup passing over a tier slower than recomputing (real CPU and disk
+tiers; a tier that slows down mid-run is passed over and used again once it recovers)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tiered_kv.config import ConfigError, TieredConfig, admit_after
+from tiered_kv.cost import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    LoadCosts,
+    TierCost,
+    estimate_prefill_tokens_per_s,
+    model_parameters,
+)
+from tiered_kv.metrics import PrometheusMetrics, TieredStats
+
+LLAMA_31_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------- estimates
+
+
+def test_a_tier_estimate_fits_latency_and_bandwidth_from_jobs_of_several_sizes():
+    cost = TierCost("disk", gbps=6.0)
+    for _ in range(40):
+        for blocks in (1, 4, 16):
+            nbytes = blocks * 2 * MiB
+            cost.observe(nbytes, 0.002 + nbytes / 2e9)  # 2 ms a job, 2 GB/s
+    assert cost.gbps == pytest.approx(2.0, rel=0.02)
+    assert cost.latency_s == pytest.approx(0.002, rel=0.05)
+    assert cost.seconds(8 * MiB) == pytest.approx(0.002 + 8 * MiB / 2e9, rel=0.02)
+    assert cost.samples == 120
+
+
+def test_a_tier_estimate_follows_a_slowdown_and_a_recovery_with_one_job_size():
+    cost = TierCost("disk", gbps=6.0)
+    for gbps in (5.0, 0.5, 5.0):
+        for _ in range(30):
+            cost.observe(4 * MiB, 4 * MiB / (gbps * 1e9))
+        assert cost.seconds(4 * MiB) == pytest.approx(4 * MiB / (gbps * 1e9), rel=0.05)
+
+
+def test_bad_samples_are_ignored_and_bad_priors_refused():
+    cost = TierCost("disk", gbps=6.0)
+    for nbytes, seconds in ((0, 1.0), (MiB, 0.0), (MiB, float("nan")), (MiB, -1.0)):
+        cost.observe(nbytes, seconds)
+    assert cost.samples == 0 and cost.gbps == 6.0
+    with pytest.raises(ValueError, match="gbps > 0"):
+        TierCost("disk", gbps=0)
+
+
+# ---------------------------------------------------------------- the decision
+
+
+def costs(disk_gbps: float, latency_s: float = 0.0, **kw) -> LoadCosts:
+    """Llama-3.1-8B-sized blocks of 16 tokens (2 MiB), prefill 30,800 tokens/s:
+    break-even 4.04 GB/s."""
+    return LoadCosts(
+        [TierCost("cpu", 50.0), TierCost("disk", disk_gbps, latency_s)],
+        bytes_per_block=16 * 131072,
+        tokens_per_block=16,
+        prefill_tokens_per_s=DEFAULT_PREFILL_TOKENS_PER_S,
+        **kw,
+    )
+
+
+def test_break_even_is_kv_bytes_per_token_times_prefill_rate():
+    assert costs(6).break_even_gbps == pytest.approx(4.04, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "disk_gbps, expected, skipped",
+    [
+        (8.0, 6, {}),  # faster than recomputing: everything
+        (2.0, 3, {"disk": 3}),  # slower: the CPU head only
+    ],
+)
+def test_the_plan_loads_the_prefix_that_minimises_ttft(disk_gbps, expected, skipped):
+    plan = costs(disk_gbps).plan(["cpu"] * 3 + ["disk"] * 3)
+    assert (plan.blocks, plan.skipped, plan.probe) == (expected, skipped, None)
+
+
+def test_zero_is_a_candidate_and_a_tier_s_latency_counts_once():
+    slow = costs(6.0, latency_s=0.050)  # 50 ms a job: more than 10 blocks' prefill (8.3 ms)
+    assert slow.plan(["disk"] * 10).blocks == 0
+    assert slow.plan(["disk"] * 1000).blocks == 1000  # 400 ms of load against 519 ms of prefill
+    off = costs(0.1)
+    off.enabled = False
+    assert off.plan(["disk"] * 4).blocks == 4
+
+
+def test_a_passed_over_tier_is_probed_every_nth_decision_and_after_a_while():
+    now = [0.0]
+    c = costs(1.0, probe_every=3, probe_after_s=10.0, clock=lambda: now[0])
+    sources = ["cpu", "cpu", "disk", "disk"]
+    plans = [c.plan(sources) for _ in range(6)]
+    assert [p.blocks for p in plans] == [2, 2, 3, 2, 2, 3]
+    assert [p.probe for p in plans] == [None, None, "disk", None, None, "disk"]
+    assert plans[2].skipped == {"disk": 1}
+    now[0] = 11.0
+    assert c.plan(sources).probe == "disk"  # 10 s since the last probe
+    c.observe("disk_to_gpu", 2 * MiB, 0.001)  # a sample resets the timer
+    now[0] = 15.0
+    assert c.plan(sources).probe is None
+
+
+def test_transfers_sample_the_tier_they_read_from():
+    c = costs(6.0)
+    stats = TieredStats()
+    stats.observers.append(c.observe)
+    for _ in range(50):
+        stats.record_transfer("disk_to_cpu", 4 * MiB, 4 * MiB / 1e9)  # 1 GB/s
+        stats.record_transfer("cpu_to_disk", 4 * MiB, 1.0)  # a write: not a load
+        stats.record_transfer("disk_to_gpu", 4 * MiB, 1.0, success=False)
+    assert c.tiers["disk"].gbps == pytest.approx(1.0, rel=0.05) and c.tiers["cpu"].samples == 0
+    snap = c.snapshot()
+    assert snap["tiers"]["disk"]["samples"] == 50 and snap["break_even_gbps"] == pytest.approx(4.04, abs=0.01)
+    metrics = PrometheusMetrics()
+    metrics.update(stats, costs=snap)
+    assert metrics.registry.get_sample_value("tiered_kv_tier_load_gbps", {"tier": "disk"}) == pytest.approx(
+        1.0, rel=0.05
+    )
+
+
+# ---------------------------------------------------------------- prefill estimate and config
+
+
+def test_prefill_estimate_for_llama_3_1_8b_on_h100_is_the_design_figure(tmp_path):
+    params = model_parameters(LLAMA_31_8B)
+    assert params == pytest.approx(8.03e9, rel=0.005)
+    est = estimate_prefill_tokens_per_s(params, "NVIDIA H100 80GB HBM3")
+    assert est.tokens_per_s == pytest.approx(30_800, rel=0.01)
+    assert "50% MFU x 989 TFLOPS" in est.source
+    unknown = estimate_prefill_tokens_per_s(params, None)
+    assert unknown.tokens_per_s == DEFAULT_PREFILL_TOKENS_PER_S and "GPU (none)" in unknown.source
+    with pytest.raises(ValueError, match="intermediate_size"):
+        model_parameters({"hidden_size": 1})
+
+
+def test_config_keys_of_the_decision_and_of_write_admission():
+    cfg = TieredConfig.from_dict(
+        {"prefill_tokens_per_s": 12000, "cost_aware": False, "write_admission": {"disk": "reuse(2)"}}
+    )
+    assert (cfg.prefill_tokens_per_s, cfg.cost_aware) == (12000.0, False)
+    assert admit_after(cfg.write_admission, "disk") == 2 and admit_after(cfg.write_admission, "remote") == 1
+    assert TieredConfig().cost_aware and admit_after(TieredConfig().write_admission, "disk") == 1
+    for bad in ("reuse(0)", "some", 3):
+        with pytest.raises(ConfigError, match="write_admission.*reuse"):
+            TieredConfig.from_dict({"write_admission": bad})
+    with pytest.raises(ConfigError, match="prefill_tokens_per_s: expected a positive number"):
+        TieredConfig.from_dict({"prefill_tokens_per_s": -5})
+    assert json.dumps(cfg.to_dict())  # printable as given
+
+
+# ---------------------------------------------------------------- the composite's lookup
+
+
+class Hierarchy:
+    """The composite over a real CPU tier and a real disk tier, driven by hand: ``store``
+    plays the workers, writing each write-through copy with a real ``DiskStore``."""
+
+    def __init__(self, tmp_path, cost: LoadCosts | None, admit: int = 1, cpu_slots: int = 4, disk_blocks: int = 32):
+        from support.disk_fixtures import disk_bytes_for, fingerprint, small_layout
+
+        from tiered_kv.cpu.manager import CPUOffloadingManager
+        from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+        from tiered_kv.disk.worker.store import DiskStore
+        from tiered_kv.tiered.manager import TieredOffloadingManager
+
+        self.layout = layout = small_layout()
+        fp, nbytes = fingerprint(layout), disk_bytes_for(layout, disk_blocks)
+        self.disk = DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=None)
+        self.store_ = DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e")
+        self.manager = TieredOffloadingManager(
+            CPUOffloadingManager(cpu_slots, 16), self.disk, costs=cost, admit_after=admit
+        )
+
+    def store(self, hashes):
+        from support.disk_fixtures import content_rows
+
+        m = self.manager
+        out = m.prepare_store(hashes)
+        m.complete_store(out.block_hashes_to_store)
+        for writes in (out.store_spec.tier_write_through[0], out.store_spec.tier_spills[0]):
+            if len(writes):
+                assert all(
+                    self.store_.write_blocks(
+                        0,
+                        writes.block_hashes,
+                        writes.tier_slots.tolist(),
+                        content_rows(writes.block_hashes, 0, self.layout, self.store_.slot_size),
+                    )
+                )
+        m.pending_writes()
+        return out
+
+    def close(self):
+        self.store_.close()
+        self.manager.shutdown()
+
+
+def block_costs(disk_gbps: float, bytes_per_block: int, **kw) -> LoadCosts:
+    return LoadCosts(
+        [TierCost("cpu", 50.0), TierCost("disk", disk_gbps)],
+        bytes_per_block=bytes_per_block,
+        tokens_per_block=16,
+        prefill_tokens_per_s=DEFAULT_PREFILL_TOKENS_PER_S,
+        **kw,
+    )
+
+
+def test_blocks_on_a_slow_tier_are_skipped_counted_not_promoted_and_not_hits(tmp_path):
+    from support.disk_fixtures import block_hash, small_layout
+
+    bpb = 16 * 131072  # the decision judges Llama-sized blocks; the bytes moved are the layout's
+    h = Hierarchy(tmp_path, block_costs(1.0, bpb, probe_every=1000))
+    try:
+        m = h.manager
+        blocks = [block_hash(i) for i in range(8)]
+        h.store(blocks[:4])
+        h.store(blocks[4:])  # through a 4-slot CPU tier: the head is left on disk only
+        media = [m.hit_medium(b) for b in blocks]
+        assert media == ["DISK"] * 4 + ["CPU"] * 4
+        assert m.lookup(blocks) == 0  # the run starts on the slow disk: recompute all
+        assert m.stats.tiers["disk"]["skipped_slower_than_recompute"] == 4
+        assert m.stats.tiers["cpu"]["skipped_slower_than_recompute"] == 4
+        assert m.stats.tiers["disk"]["hits"] == 0 and m.stats.tiers["cpu"]["promotions"] == 0
+        m.costs.tiers["disk"].gbps = 8.0  # now faster than recomputing
+        assert m.lookup(blocks) == 8
+        assert small_layout().bytes_per_block < bpb
+    finally:
+        h.close()
+
+
+def test_the_default_decision_loads_what_is_faster_than_recomputing(tmp_path):
+    """Without a given cost model the composite builds one from the tier's block bytes
+    and each medium's prior (disk 6 GB/s: above break-even)."""
+    from support.disk_fixtures import block_hash
+
+    h = Hierarchy(tmp_path, None)
+    try:
+        m = h.manager
+        assert m.costs is not None and m.costs.enabled
+        assert m.costs.bytes_per_block == h.layout.bytes_per_block
+        blocks = [block_hash(i) for i in range(8)]
+        h.store(blocks[:4])
+        h.store(blocks[4:])
+        assert m.hit_medium(blocks[0]) == "DISK" and m.lookup(blocks) == 8
+    finally:
+        h.close()
+
+
+def test_reuse_2_writes_a_block_to_disk_only_once_it_was_stored_or_hit_twice(tmp_path):
+    from support.disk_fixtures import block_hash
+
+    h = Hierarchy(tmp_path, None, admit=2)
+    try:
+        m = h.manager
+        once = [block_hash(i) for i in range(4)]
+        out = h.store(once)
+        assert out.store_spec.tier_write_through[0].block_hashes == []  # stored once: CPU only
+        assert m.stats.tiers["disk"]["not_admitted"] == 4
+        m.prepare_load(once[:2])  # a hit: the second use of the first two
+        m.complete_load(once[:2])
+        h.store([block_hash(i) for i in range(10, 14)])  # evicts all four from CPU
+        assert [m.hit_medium(b) for b in once] == ["DISK", "DISK", None, None]
+        assert m.stats.tiers["disk"]["stores"] == 2
+    finally:
+        h.close()
+
+
+# ---------------------------------------------------------------- real tiers, live costs
+
+
+class SlowReads:
+    """The disk store seen by a disk handler, with ``delay`` seconds before each read
+    batch: a disk that got slower (the handler measures the delay as part of its job)."""
+
+    def __init__(self, store):
+        self._store = store
+        self.delay = 0.0
+
+    def begin_read(self, *args, **kwargs):
+        if self.delay:
+            time.sleep(self.delay)
+        return self._store.begin_read(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_disk_tier_that_slows_down_is_passed_over_and_used_again_once_it_recovers(tmp_path):
+    """The real hierarchy (HierarchySpec, CPU + disk, the engine driver moving and
+    verifying bytes), the composite's estimates fed from the handlers' transfers."""
+    import numpy as np
+
+    from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
+    from tiered_kv.sim.workloads import prefix_hashes
+    from tiered_kv.tiered.spec import HierarchySpec
+
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
+    layout = device.layout
+    spec = HierarchySpec(
+        {
+            "cpu_bytes": f"{4 * layout.bytes_per_block}B",
+            "disk_path": str(tmp_path),
+            "disk_bytes": f"{64 * 4096}B",
+            "model_id": "cost-test",
+            "promote_on_hit": False,  # every repeat reads the disk again
+        },
+        layout.gpu_block_size,
+        layout,
+    )
+    driver = EngineDriver.from_spec(spec, device)
+    m = driver.manager
+    # Prefill at 100 tokens/s: a 16-token block costs 160 ms to recompute (a 4-block document 640 ms), far more than
+    # this machine's disk takes to read it, and far less than the slowed disk's 2 s a job.
+    m.costs.prefill_tokens_per_s = 100.0
+    m.costs.probe_every = 3
+    spec.stats.observers.append(m.costs.observe)
+    slow = []
+    for handler in driver.worker.handlers:
+        for inner in (*getattr(handler, "to_gpu", ()), *getattr(handler, "to_cpu", ())):
+            if inner is not None:
+                inner.store = SlowReads(inner.store)
+                slow.append(inner.store)
+    assert slow
+    rng = np.random.default_rng(0)
+    docs = [prefix_hashes(rng.integers(0, 50_000, size=(4, 16))) for _ in range(6)]
+
+    def settle():
+        driver.drain()
+        for tier in spec.lower_tiers:
+            tier.stager.drain()
+        m.pending_writes()
+
+    def disk_pass():
+        """Each document once, after its blocks left the device and CPU: returns the
+        disk blocks loaded and skipped."""
+        before = dict(m.stats.tiers["disk"])
+        for doc in docs:
+            driver.run_request(docs[(docs.index(doc) + 3) % 6])  # pushes the others out of the device
+            settle()
+            driver.run_request(doc)
+            settle()
+        after = m.stats.tiers["disk"]
+        return after["hits"] - before["hits"], after["skipped_slower_than_recompute"] - before[
+            "skipped_slower_than_recompute"
+        ]
+
+    try:
+        for doc in docs:
+            driver.run_request(doc)
+        settle()
+        hits, skipped = disk_pass()
+        assert hits > 0 and skipped == 0, "a fast disk is used"
+        assert driver.report.mismatches == 0
+
+        for s in slow:
+            s.delay = 2.0
+        disk_pass()  # the first slow reads are measured
+        hits, skipped = disk_pass()
+        assert skipped > 0, "a disk slower than recomputing is passed over"
+        assert hits <= skipped / 2, "only probes still read it"
+        assert m.stats.tiers["disk"]["probes"] > 0
+
+        for s in slow:
+            s.delay = 0.0
+        for _ in range(3):  # probes sample the recovered disk
+            disk_pass()
+        hits, skipped = disk_pass()
+        assert hits > 0 and skipped == 0, "a recovered disk is used again"
+        assert driver.report.mismatches == 0 and driver.report.failed_jobs == 0
+    finally:
+        driver.worker.shutdown()
+        m.shutdown()
+        spec.store.close()
+
+
+def test_tiered_kv_config_prints_the_prefill_estimate_its_formula_and_break_even(tmp_path):
+    from typer.testing import CliRunner
+
+    import tiered_kv.cli.config_cmd  # noqa: F401  (registers the command)
+    from tiered_kv.cli import app
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "torch_dtype": "bfloat16"}))
+    base = ["config", "--model-config", str(tmp_path / "config.json"), "--model-id", "m", "--cpu-bytes", "1GiB"]
+    result = CliRunner().invoke(app, [*base, "--gpu", "H100 SXM"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "50% MFU x 989 TFLOPS dense BF16 (H100 SXM) / (2 x 8.03e9 FLOP/token)" in result.output
+    assert "30,791" in result.output and "4.04" in result.output
+    given = CliRunner().invoke(app, [*base, "--prefill-tokens-per-s", "20000", "--json"])
+    assert given.exit_code == 0, given.output
+    assert json.loads(given.stdout)["kv_connector_extra_config"]["prefill_tokens_per_s"] == 20000

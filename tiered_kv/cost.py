@@ -1,0 +1,383 @@
+"""What a load costs against recomputing: live per-tier load estimates and the decision.
+
+Runs in the scheduler process, inside the composite manager's ``lookup``; no I/O. The
+estimates are fed with finished transfers (bytes and seconds as the handlers measure
+them, ``TieredStats.record_transfer``); where the handlers run in another process, the
+engine adapter passes their results on (``LoadCosts.observe``).
+
+Model, per request (the leading blocks a lookup found offloaded, each with the tier that
+would serve it):
+
+    TTFT(k) = sum over tiers t holding some of the first k blocks of
+                  latency_t + bytes of those blocks / bandwidth_t
+              + prefill of the tokens not loaded / prefill_tokens_per_s
+
+The prefill of the tokens beyond the offloaded run is the same for every k, so the
+decision is ``argmin_k load(k) - k x tokens_per_block / prefill_tokens_per_s`` over
+``k = 0 .. n``: zero (load nothing, recompute everything) is always a candidate. Loads
+from several tiers are summed (no overlap assumed, as ``tools/replay_model.py``).
+
+Each tier's ``bandwidth`` and per-job ``latency`` are an exponentially weighted
+least-squares fit of ``seconds = latency + bytes / bandwidth`` over its recent jobs,
+seeded with a prior (configured, or the medium's default in ``PRIOR_GBPS``). A tier
+the decision passes over gets no new jobs, so its estimate would never recover: every
+``probe_every`` passed-over decisions, or ``probe_after_s`` seconds after its last
+sample, the decision loads up to the first block of that tier anyway (one block's load
+at most more than the best plan), which samples it again.
+
+Prefill tokens per second come from the config (``prefill_tokens_per_s``), else from the
+model and the GPU (``estimate_prefill_tokens_per_s``): ``2 x parameters`` FLOPs per
+token at ``ASSUMED_MFU`` of the GPU's dense BF16 peak (attention's own FLOPs ignored).
+Llama-3.1-8B (8.03e9 parameters) on one H100 SXM: 0.5 x 989e12 / (2 x 8.03e9) = 30,800
+tokens/s; with its 131,072 KV bytes per token, a tier pays above 4.0 GB/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+
+#: Assumed model FLOPs utilisation of prefill.
+ASSUMED_MFU = 0.5
+#: Llama-3.1-8B bf16 on one H100 SXM at 50% MFU (see the module docstring).
+DEFAULT_PREFILL_TOKENS_PER_S = 30_800.0
+#: Dense BF16 tensor TFLOPS by GPU name fragment (vendor datasheets, without sparsity).
+GPU_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIE": 756.0,
+    "H100": 756.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "A10": 125.0,
+    "L4": 121.0,
+}
+#: Load bandwidth into the GPU before any sample, GB/s, by tier medium: CPU over PCIe 5.0
+#: x16 (~80% of 63 GB/s), one PCIe 4.0 NVMe drive, an object store over a network.
+PRIOR_GBPS = {"CPU": 50.0, "DISK": 6.0, "REMOTE": 1.0}
+#: Per-job latency before any sample, seconds: 0 by default, so the prior alone
+#: judges by bandwidth (break-even = KV bytes per token x prefill tokens/s).
+PRIOR_LATENCY_S = {"CPU": 0.0, "DISK": 0.0, "REMOTE": 0.0}
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """Prefill tokens per second and how they were arrived at."""
+
+    tokens_per_s: float
+    source: str
+
+
+def model_parameters(hf_config: Mapping) -> int:
+    """Parameter count of a decoder-only transformer from its HF ``config.json``
+    (embeddings, attention with grouped KV heads, a gated MLP; norms ignored)."""
+    try:
+        h = int(hf_config["hidden_size"])
+        layers = int(hf_config["num_hidden_layers"])
+        heads = int(hf_config["num_attention_heads"])
+        kv = int(hf_config.get("num_key_value_heads", heads))
+        head_dim = int(hf_config.get("head_dim") or h // heads)
+        inter = int(hf_config["intermediate_size"])
+        vocab = int(hf_config["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"model config lacks {exc} (needed: hidden_size, num_hidden_layers, num_attention_heads, "
+            "intermediate_size, vocab_size)"
+        ) from None
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    mlp = 3 * h * inter
+    embed = vocab * h * (1 if hf_config.get("tie_word_embeddings") else 2)
+    return layers * (attn + mlp) + embed
+
+
+def gpu_bf16_tflops(gpu_name: str) -> float | None:
+    """Dense BF16 TFLOPS of ``gpu_name`` (e.g. torch's device name), or None if unknown."""
+    name = gpu_name.upper()
+    for fragment, tflops in GPU_BF16_TFLOPS.items():
+        if fragment.upper() in name:
+            return tflops
+    return None
+
+
+def estimate_prefill_tokens_per_s(
+    parameters: int | None, gpu_name: str | None, mfu: float = ASSUMED_MFU, gpus: int = 1
+) -> PrefillEstimate:
+    """``mfu x gpus x peak / (2 x parameters)`` (a tensor-parallel group of ``gpus``), or
+    the Llama-3.1-8B-on-H100 default (saying why) where the model or the GPU is unknown."""
+    tflops = gpu_bf16_tflops(gpu_name) if gpu_name else None
+    if parameters and tflops:
+        tps = mfu * gpus * tflops * 1e12 / (2 * parameters)
+        group = f"{gpus} x " if gpus > 1 else ""
+        return PrefillEstimate(
+            tps,
+            f"{mfu:.0%} MFU x {group}{tflops:g} TFLOPS dense BF16 ({gpu_name}) / "
+            f"(2 x {parameters / 1e9:.2f}e9 FLOP/token)",
+        )
+    missing = " and ".join(
+        w for w, ok in (("the model's parameters", parameters), (f"the GPU ({gpu_name or 'none'})", tflops)) if not ok
+    )
+    return PrefillEstimate(
+        DEFAULT_PREFILL_TOKENS_PER_S,
+        f"default for Llama-3.1-8B on one H100 SXM ({missing} unknown): "
+        f"{ASSUMED_MFU:.0%} MFU x 989 TFLOPS / (2 x 8.03e9 FLOP/token)",
+    )
+
+
+class TierCost:
+    """Load cost of one tier into the GPU: ``seconds = latency_s + bytes / (gbps x 1e9)``.
+
+    An exponentially weighted least-squares fit over recent jobs (weight ``alpha`` for
+    the newest), seeded with the prior as one job. Where recent jobs are all of one size
+    the fit cannot split latency from bandwidth: the latency is kept and the bandwidth
+    fitted. Thread-safe."""
+
+    def __init__(self, name: str, gbps: float, latency_s: float = 0.0, alpha: float = 0.2):
+        if not gbps > 0 or not latency_s >= 0 or not 0 < alpha <= 1:
+            raise ValueError(
+                f"tier {name!r}: expected gbps > 0, latency_s >= 0 and 0 < alpha <= 1, got {gbps}, {latency_s}, {alpha}"
+            )
+        self.name = name
+        self.prior = (gbps, latency_s)
+        self.alpha = alpha
+        self.gbps, self.latency_s = gbps, latency_s
+        self.samples = 0
+        self.last_sample: float | None = None  # time.monotonic() of the newest sample
+        self._lock = threading.Lock()
+        ref = 1 << 20  # the prior enters as one 1 MiB job
+        self._m = self._moments(ref, latency_s + ref / (gbps * 1e9))
+
+    @staticmethod
+    def _moments(x: float, y: float) -> list[float]:
+        return [x, y, x * x, x * y]
+
+    def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
+        """Fold in one finished job of ``nbytes`` that took ``seconds``."""
+        if nbytes <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        with self._lock:
+            a = self.alpha
+            for i, v in enumerate(self._moments(nbytes, seconds)):
+                self._m[i] += a * (v - self._m[i])
+            mx, my, mxx, mxy = self._m
+            var = mxx - mx * mx
+            slope = (mxy - mx * my) / var if var > 1e-6 * mx * mx else 0.0
+            latency = my - slope * mx
+            if slope <= 0 or latency < 0:  # one job size, or noise: keep the latency
+                latency = min(self.latency_s, 0.9 * my)
+                slope = (my - latency) / mx
+            self.gbps, self.latency_s = 1 / (slope * 1e9), latency
+            self.samples += 1
+            self.last_sample = time.monotonic() if now is None else now
+
+    def seconds(self, nbytes: int) -> float:
+        """Estimated seconds of one job loading ``nbytes``."""
+        return self.latency_s + nbytes / (self.gbps * 1e9)
+
+    def snapshot(self) -> dict:
+        return {"gbps": self.gbps, "latency_s": self.latency_s, "samples": self.samples}
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The decision for one request: load the first ``blocks``; ``skipped`` blocks per
+    tier name passed over (slower than recomputing them); ``probe`` names the tier that
+    a probe sampled (its blocks loaded although the estimate said skip), else None."""
+
+    blocks: int
+    skipped: dict[str, int]
+    probe: str | None = None
+
+
+class LoadCosts:
+    """Per-tier cost estimates and the per-request decision (module docstring).
+
+    ``tiers``: the ``TierCost`` of each tier by name (``cpu``, ``disk``, ...).
+    ``transfer_types``: which finished-transfer type samples which tier (default:
+    ``cpu_to_gpu`` -> ``cpu``, ``<name>_to_gpu`` and ``<name>_to_cpu`` -> ``<name>``).
+    ``enabled=False`` loads every block found (the behaviour before the decision), while
+    still keeping the estimates."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierCost],
+        *,
+        bytes_per_block: int,
+        tokens_per_block: int,
+        prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+        enabled: bool = True,
+        probe_every: int = 64,
+        probe_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if bytes_per_block < 1 or tokens_per_block < 1 or not prefill_tokens_per_s > 0:
+            raise ValueError(
+                "bytes_per_block, tokens_per_block and prefill_tokens_per_s must be > 0, got "
+                f"{bytes_per_block}, {tokens_per_block}, {prefill_tokens_per_s}"
+            )
+        if probe_every < 1 or not probe_after_s > 0:
+            raise ValueError(f"probe_every must be >= 1 and probe_after_s > 0, got {probe_every}, {probe_after_s}")
+        self.tiers = {t.name: t for t in tiers}
+        self.bytes_per_block = bytes_per_block
+        self.tokens_per_block = tokens_per_block
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.enabled = enabled
+        self.probe_every, self.probe_after_s = probe_every, probe_after_s
+        self.clock = clock
+        self.transfer_types: dict[str, str] = {"cpu_to_gpu": "cpu"}
+        for name in self.tiers:
+            if name != "cpu":
+                self.transfer_types[f"{name}_to_gpu"] = name
+                self.transfer_types[f"{name}_to_cpu"] = name
+        self._passed_over = dict.fromkeys(self.tiers, 0)  # decisions since the last probe
+        self._since = dict.fromkeys(self.tiers, clock())  # when a tier was last sampled or probed
+
+    @classmethod
+    def for_tiers(
+        cls,
+        mediums: Mapping[str, str],
+        *,
+        bytes_per_block: int,
+        tokens_per_block: int,
+        prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+        priors: Mapping[str, float] | None = None,
+        **kwargs,
+    ) -> "LoadCosts":
+        """Costs for tiers ``{name: medium}`` seeded from ``priors`` (GB/s by name), else
+        from ``PRIOR_GBPS`` by medium."""
+        tiers = [
+            TierCost(
+                name,
+                (priors or {}).get(name, PRIOR_GBPS.get(medium, PRIOR_GBPS["REMOTE"])),
+                PRIOR_LATENCY_S.get(medium, 0.0),
+            )
+            for name, medium in mediums.items()
+        ]
+        return cls(
+            tiers,
+            bytes_per_block=bytes_per_block,
+            tokens_per_block=tokens_per_block,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            **kwargs,
+        )
+
+    @property
+    def break_even_gbps(self) -> float:
+        """Load bandwidth at which a block loads as fast as it is recomputed."""
+        return self.bytes_per_block / self.tokens_per_block * self.prefill_tokens_per_s / 1e9
+
+    def observe(self, transfer_type: str, nbytes: int, seconds: float, success: bool = True) -> None:
+        """A finished transfer (``TieredStats`` observer): samples the tier it read from."""
+        name = self.transfer_types.get(transfer_type)
+        if name is None or not success:
+            return
+        self.tiers[name].observe(nbytes, seconds, self.clock())
+        self._since[name] = self.clock()
+
+    def plan(self, sources: Sequence[str]) -> LoadPlan:
+        """Decide for a request whose leading offloaded blocks come from ``sources``
+        (tier names, in block order)."""
+        return self.plan_runs([(name, len(list(group))) for name, group in groupby(sources)])
+
+    def plan_runs(self, runs: Sequence[tuple[str, int]]) -> LoadPlan:
+        """``plan`` for the sources given as runs: ``(tier name, blocks)`` in block order.
+        Within a run the score moves one way, so only run ends are candidates: the cost
+        is per run, not per block."""
+        n = sum(m for _, m in runs)
+        if not n or not self.enabled:
+            return LoadPlan(n, {})
+        bpb = self.bytes_per_block
+        per_block_prefill = self.tokens_per_block / self.prefill_tokens_per_s
+        # Per tier: what one more block adds to load - prefill, and its job latency.
+        delta, latency = {}, {}
+        for name, _ in runs:
+            if name not in delta:
+                tier = self.tiers[name]
+                delta[name] = bpb / (tier.gbps * 1e9) - per_block_prefill
+                latency[name] = tier.latency_s
+        seen: set[str] = set()
+        score = best = 0.0
+        best_k = k = best_run = 0
+        for i, (name, m) in enumerate(runs):
+            if name not in seen:
+                seen.add(name)
+                score += latency[name]
+            score += delta[name] * m
+            k += m
+            if score < best:  # a run that lowers the score lowers it most at its end
+                best_k, best, best_run = k, score, i + 1
+        if best_k == n:
+            return LoadPlan(n, {})
+        skipped: dict[str, int] = {}
+        for name, m in runs[best_run:]:
+            skipped[name] = skipped.get(name, 0) + m
+        probe = self._probe(skipped)
+        if probe is None:
+            return LoadPlan(best_k, skipped)
+        # Load up to the probed tier's first block: one block of it, and what precedes it.
+        k = best_k
+        for name, m in runs[best_run:]:
+            if name == probe:
+                k += 1
+                skipped[name] -= 1
+                break
+            k += m
+            skipped[name] -= m
+        return LoadPlan(k, {name: m for name, m in skipped.items() if m}, probe)
+
+    def _probe(self, passed_over: Mapping[str, int]) -> str | None:
+        """The passed-over tier due for a sample, if any (the first in block order)."""
+        now = self.clock()
+        due = None
+        for name in passed_over:
+            self._passed_over[name] += 1
+            if due is None and (
+                self._passed_over[name] >= self.probe_every or now - self._since[name] >= self.probe_after_s
+            ):
+                due = name
+        if due is not None:
+            self._passed_over[due] = 0
+            self._since[due] = now
+        return due
+
+    def snapshot(self) -> dict:
+        """Estimates and inputs, for stats and metrics."""
+        return {
+            "enabled": self.enabled,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "break_even_gbps": self.break_even_gbps,
+            "tiers": {name: t.snapshot() for name, t in self.tiers.items()},
+        }
+
+
+def configured_prefill(prefill_tokens_per_s: float | None, model_path: str | None, gpus: int = 1) -> PrefillEstimate:
+    """The prefill rate the decision uses: the configured ``prefill_tokens_per_s``, else
+    the estimate from the model directory's ``config.json`` (where readable) and this
+    machine's GPU (where CUDA is available), ``gpus`` of them (the TP group)."""
+    if prefill_tokens_per_s:
+        return PrefillEstimate(prefill_tokens_per_s, "configured (prefill_tokens_per_s)")
+    parameters = None
+    if model_path:
+        try:
+            with open(Path(model_path) / "config.json", encoding="utf-8") as f:
+                parameters = model_parameters(json.load(f))
+        except (OSError, ValueError):
+            parameters = None
+    gpu = None
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # no usable CUDA: the default
+        gpu = None
+    return estimate_prefill_tokens_per_s(parameters, gpu, gpus=gpus)
