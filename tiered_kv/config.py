@@ -74,8 +74,10 @@ def parse_write_admission(value: Any, key: str) -> Any:
     if isinstance(value, Mapping):
         return {str(k): parse_write_admission(v, f"{key}.{k}") for k, v in value.items()}
     m = _REUSE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
-    if value == "all" or (m and int(m.group(1)) >= 1):
-        return value if value == "all" else f"reuse({int(m.group(1))})"
+    if value == "all":
+        return value
+    if m and int(m.group(1)) >= 1:
+        return f"reuse({int(m.group(1))})"
     raise ConfigError(
         f"{key}: expected 'all', 'reuse(N)' with N >= 1 (write a block to a lower tier once it has "
         f"been stored or hit N times), or a mapping of tier name to one of those, got {value!r}"
