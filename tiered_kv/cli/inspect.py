@@ -456,8 +456,7 @@ def evict_cmd(
             raise InspectError("evict needs --to-size SIZE or --older-than AGE")
         size = None if to_size is None else (0 if to_size.strip() == "0" else parse_size(to_size, "--to-size"))
         age = None if older_than is None else parse_age(older_than, "--older-than")
-        assert path is not None  # the shared-tier wrapper gives a local run its path
-        cache = open_cache(path, namespace)
+        cache = open_cache(need_path(path, json_out), namespace)
         with progress_bar(json_out or dry_run, "evicting") as bar:
             result = evict(cache, to_size=size, older_than=age, progress=bar.advance, dry_run=dry_run)
     if json_out:
@@ -510,8 +509,7 @@ def clear_cmd(
     with _errors(json_out):
         from tiered_kv.ops.inspect import InspectError, clear, open_cache
 
-        assert path is not None  # the shared-tier wrapper gives a local run its path
-        cache = open_cache(path, namespace)
+        cache = open_cache(need_path(path, json_out), namespace)
         if unread_by:
             from tiered_kv.ops.inspect.summary import ServerConfig, unread_namespaces
 
