@@ -280,8 +280,7 @@ class TieredOffloadingManager(OffloadingManager):
         block_hashes = list(block_hashes)
         sources: list[int] = []
         for block_hash in block_hashes:
-            source = self._source(block_hash)
-            if source is None:
+            if (source := self._source(block_hash)) is None:
                 raise KeyError(
                     f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
                 )
@@ -293,15 +292,13 @@ class TieredOffloadingManager(OffloadingManager):
         self.stats.count("cpu", "hits", len(cpu_hashes))
         if len(cpu_hashes) == len(block_hashes):
             return CPULoadStoreSpec(self.cpu.slots_of(block_hashes))
-
         lower_slot: dict[BlockHash, int] = {}
         lower_hashes: list[BlockHash] = []
         for i, tier in enumerate(self.lower):
             hashes = [h for h, s in zip(block_hashes, sources) if s == i]
             if not hashes:
                 continue
-            spec = ids_spec(tier.prepare_load(hashes))
-            lower_slot.update(zip(hashes, spec.id_list()))
+            lower_slot.update(zip(hashes, ids_spec(tier.prepare_load(hashes)).id_list()))
             self._lower_loads[i].update(hashes)
             self.stats.count(tier.name, "hits", len(hashes))
             lower_hashes.extend(hashes)
