@@ -252,3 +252,22 @@ def _doctor(*args: str) -> tuple[int, dict]:
     result = runner.invoke(app, ["doctor", *args, "--json"])
     assert "Traceback" not in result.output
     return result.exit_code, json.loads(result.stdout)
+
+
+def test_a_disk_tier_from_the_tiers_list_is_checked_like_disk_path(tmp_path):
+    root_only = mountinfo(tmp_path, {"/": ("ext4", "/dev/vda")})
+    config = tmp_path / "kv.json"
+    second = tmp_path / "mnt" / "nvme2" / "tiered-kv"
+    config.write_text(
+        json.dumps(
+            {
+                "disk_path": str(tmp_path / "kv"),
+                "disk_bytes": "1GiB",
+                "tiers": [{"type": "disk", "path": str(second), "bytes": "1GiB", "name": "disk2"}],
+            }
+        )
+    )
+    report = dr.run_doctor(config, read_probe=0, mountinfo=root_only)
+    disk_checks = [c for c in report.checks if c.name == "disk_path"]
+    assert len(disk_checks) == 2
+    assert disk_checks[1].status == "fail" and f"{second.parent.parent} does not exist" in disk_checks[1].message

@@ -18,6 +18,8 @@ command is that of the worst line: 0, 1 or 2.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections.abc import Iterable, Mapping
 
@@ -134,6 +136,9 @@ def run_doctor(
     checks += check_thp(thp_setting("private"), thp_setting("shared"), cfg.disk_io if cfg else None)
     checks.append(check_disk_path(cfg, mountinfo))
     checks.append(check_free_space(cfg, size))
+    for extra in _more_disk_tiers(cfg):  # disk tiers of the config's ``tiers`` list
+        checks.append(check_disk_path(extra, mountinfo))
+        checks.append(check_free_space(extra, size))
     try:
         geometry = model_geometry(cfg, model)
     except ConfigError as e:
@@ -147,6 +152,17 @@ def run_doctor(
     checks.append(check_hash(cfg, env))
     checks.append(check_remote(cfg))
     return DoctorReport(checks, None if config_path is None else str(config_path))
+
+
+def _more_disk_tiers(cfg: TieredConfig | None) -> list[TieredConfig]:
+    """For each disk tier listed in ``tiers``, ``cfg`` as if it were the ``disk_path`` one."""
+    if cfg is None:
+        return []
+    return [
+        dataclasses.replace(cfg, disk_path=e.settings.path, disk_bytes=e.settings.bytes, tiers=())
+        for e in cfg.tiers
+        if e.type_name == "disk"
+    ]
 
 
 def tier_size_warnings(cpu_bytes: int, disk_bytes: int, disk_path: str | None, tp: int) -> Iterable[str]:
