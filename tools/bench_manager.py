@@ -300,13 +300,15 @@ def decision_cost(n: int, tmp: str, rounds: int = 21) -> tuple[float, float, flo
     blocks (2 MiB) from a disk at 2 GB/s with 0.1 ms a job: below break-even, so its
     runs take the decision's full path (a scan of the run) and are passed over."""
     m = TieredOffloadingManager(cpu_manager(n // 2), disk_manager(tmp, 2 * n))
-    m.costs.bytes_per_block = 16 * 131_072
-    m.costs.tiers["disk"].gbps, m.costs.tiers["disk"].latency_s = 2.0, 1e-4
+    costs = m.costs
+    assert costs is not None  # the composite's decision is on by default
+    costs.bytes_per_block = 16 * 131_072
+    costs.tiers["disk"].gbps, costs.tiers["disk"].latency_s = 2.0, 1e-4
     keys = hashes(n)
     for batch in batches_of(keys):  # write-through: all on disk, the newest half in CPU
-        out = m.prepare_store(batch)
+        out = stored(m.prepare_store(batch))
         m.complete_store(out.block_hashes_to_store)
-        m.lower[0].complete_store(out.store_spec.tier_write_through[0].block_hashes)
+        m.lower[0].complete_store(spec_as(out.store_spec, TieredStoreSpec).tier_write_through[0].block_hashes)
     batches = batches_of(keys)
     vllm = vllm_manager(n)
     vkeys = None
@@ -319,9 +321,9 @@ def decision_cost(n: int, tmp: str, rounds: int = 21) -> tuple[float, float, flo
     on, off, theirs = [], [], []
     with serving_heap():
         for _ in range(rounds):
-            m.costs.enabled = True
+            costs.enabled = True
             on.append(timed(m.lookup, batches))
-            m.costs.enabled = False
+            costs.enabled = False
             off.append(timed(m.lookup, batches))
             if vkeys is not None:
                 theirs.append(timed(lambda k: [vm.lookup(key, ctx) for key in k], vkeys))
