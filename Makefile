@@ -88,6 +88,7 @@ demo: $(STAMP)
 test: $(TEST_DEPS)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 clean:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from tiered_kv.config_values import (  # noqa: F401 (ConfigError, parse_size, format_size, CHECKSUMS: re-exported)
     CHECKSUMS,
@@ -74,8 +74,10 @@ def parse_write_admission(value: Any, key: str) -> Any:
     if isinstance(value, Mapping):
         return {str(k): parse_write_admission(v, f"{key}.{k}") for k, v in value.items()}
     m = _REUSE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
-    if value == "all" or (m and int(m.group(1)) >= 1):
-        return value if value == "all" else f"reuse({int(m.group(1))})"
+    if value == "all":
+        return value
+    if m and int(m.group(1)) >= 1:
+        return f"reuse({int(m.group(1))})"
     raise ConfigError(
         f"{key}: expected 'all', 'reuse(N)' with N >= 1 (write a block to a lower tier once it has "
         f"been stored or hit N times), or a mapping of tier name to one of those, got {value!r}"
@@ -176,7 +178,7 @@ class TieredConfig:
     #: Extra keys an engine adapter passes through untouched (e.g. vLLM's spec_name).
     passthrough: Mapping[str, Any] = field(default_factory=dict)
 
-    _PARSERS = {
+    _PARSERS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         "cpu_bytes": parse_size,
         "disk_path": parse_disk_path,
         "disk_bytes": parse_size,

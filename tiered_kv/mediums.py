@@ -6,8 +6,8 @@ plain data, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, TypeVar, overload
 
 import numpy as np
 
@@ -18,9 +18,27 @@ CPU = "CPU"
 DISK = "DISK"
 
 
-def int64_ids(ids: list[int] | np.ndarray) -> np.ndarray:
+def int64_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """``ids`` as a flat int64 array."""
     return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+_Spec = TypeVar("_Spec", bound=LoadStoreSpec)
+
+
+def spec_as(spec: LoadStoreSpec, kind: type[_Spec]) -> _Spec:
+    """``spec`` as the ``kind`` its medium implies (a handler's or a tier's own), or a
+    ``TypeError`` naming both."""
+    if not isinstance(spec, kind):
+        raise TypeError(f"expected a {kind.__name__} here, got {type(spec).__name__} ({spec.medium()})")
+    return spec
+
+
+def ids_spec(spec: LoadStoreSpec) -> BlockIDsLoadStoreSpec:
+    """``spec`` as a spec of block ids (GPU blocks, CPU or disk slots), or a ``TypeError``."""
+    if not isinstance(spec, BlockIDsLoadStoreSpec):
+        raise TypeError(f"expected block ids here, got {type(spec).__name__} ({spec.medium()})")
+    return spec
 
 
 class Int64Column:
@@ -32,7 +50,11 @@ class Int64Column:
     def __set_name__(self, owner: type, name: str) -> None:
         self._slot = "_" + name
 
-    def __get__(self, obj, owner=None):
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Int64Column: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> np.ndarray: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Int64Column | np.ndarray:
         if obj is None:
             return self
         ids = getattr(obj, self._slot)
@@ -41,7 +63,7 @@ class Int64Column:
             setattr(obj, self._slot, ids)
         return ids
 
-    def __set__(self, obj, ids: Sequence[int] | np.ndarray) -> None:
+    def __set__(self, obj: object, ids: Sequence[int] | np.ndarray) -> None:
         setattr(obj, self._slot, list(ids) if isinstance(ids, list) else int64_ids(ids))
 
 
@@ -50,6 +72,7 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
     (``block_ids``: an int64 array; see ``Int64Column`` for lists)."""
 
     block_ids = Int64Column()
+    _block_ids: list[int] | np.ndarray  # block_ids' storage (see Int64Column)
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray):
         self.block_ids = block_ids
@@ -157,6 +180,8 @@ class TierWrites:
     __slots__ = ("_cpu_slots", "_tier_slots", "block_hashes")
     cpu_slots = Int64Column()
     tier_slots = Int64Column()
+    _cpu_slots: list[int] | np.ndarray  # the columns' storage (see Int64Column)
+    _tier_slots: list[int] | np.ndarray
 
     def __init__(
         self,
@@ -184,7 +209,7 @@ class TierWrites:
     def __len__(self) -> int:
         return len(self.block_hashes)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[TierWrite]:
         return map(TierWrite._make, zip(self.cpu_slots.tolist(), self.tier_slots.tolist(), self.block_hashes))
 
     def __repr__(self) -> str:

@@ -45,7 +45,23 @@ TOKEN_EVENTS = ("lookups", "hits")
 
 #: Latency histogram buckets, in seconds: 100 us to 30 s (a shared-tier request that
 #: times out lands in the last buckets).
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 LATENCY_BUCKETS += (10.0, 30.0)
 
 TIER_BLOCKS = "tiered_kv_tier_blocks"

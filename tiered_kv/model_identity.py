@@ -121,7 +121,8 @@ def _listing(
     root: Path, key: str
 ) -> tuple[list[tuple[str, Path, os.stat_result]], list[tuple[str, Path, os.stat_result]]]:
     """(config files, weight files), each sorted ``(relative path, path, stat)``."""
-    configs, weights = [], []
+    configs: list[tuple[str, Path, os.stat_result]] = []
+    weights: list[tuple[str, Path, os.stat_result]] = []
     seen_dirs: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         real = os.path.realpath(dirpath)

@@ -174,8 +174,8 @@ class TierSpec(Closing, ABC):
 
     #: The name a tier of this type gets when the config names none.
     default_name: ClassVar[str] = "tier"
-    #: The medium of its events and specs (``"DISK"``, ``"REMOTE"``).
-    medium: ClassVar[str] = "DISK"
+    #: The medium of its events and specs (``"DISK"``, ``"REMOTE"``); an entry may set its own.
+    medium: str = "DISK"
     #: Whether its blocks are a fleet's rather than this node's: a cache reset leaves
     #: them, their removal is never announced, and engines report its hits as external.
     shared: ClassVar[bool] = False
@@ -236,7 +236,7 @@ def build_tiers(entries: Sequence[TierEntry], ctx: TierContext) -> list[TierSpec
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ConfigError(f"tiers: every lower tier needs its own name; got {', '.join(names)}")
-    tiers = []
+    tiers: list[TierSpec] = []
     for entry in entries:
         cls = entry.cls
         if not issubclass(cls, TierSpec):

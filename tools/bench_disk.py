@@ -462,7 +462,7 @@ def main() -> None:
             )
             store = StoreBench(tier.store, tier.layout.bytes_per_block, tier.n, tier.per_job, args.job_threads)
             benches = (("raw", raw), ("hot", hot), ("store", store), ("tier", tier))
-            res = {f"{name}_{d}": [] for d in "wr" for name, _ in benches}
+            res: dict[str, list[float]] = {f"{name}_{d}": [] for d in "wr" for name, _ in benches}
             cpu = {k: 0.0 for k in res}
             spins = {k: [0, 0.0] for k in res}  # busy thread: loops, seconds
             helper = tier.store.pid if isinstance(tier.store, DiskIOProcess) else None
@@ -518,7 +518,7 @@ def main() -> None:
             f"{agg['store_r']:>6.2f} {agg['store_r'] / agg['raw_r']:>5.2f} {agg['tier_r']:>7.2f} "
             f"{agg['tier_r'] / agg['raw_r']:>5.2f} | {agg['hot_w']:>7.2f} w {agg['hot_r']:>6.2f} r"
         )
-    for raw, against in (
+    for baseline, against in (
         ("raw", "the raw loop of its own round, seconds apart"),
         ("hot", "the raw run into reused buffers of its own round"),
     ):
@@ -527,7 +527,7 @@ def main() -> None:
         print(f"{'block':>9} | {'store write':>17} {'handler write':>17} | {'load':>17} {'handler read':>17}")
         for size, _, res, _ in rows:
             cells = [
-                per_round(res[f"{tier}_{d}"], res[f"{raw}_{d}"])
+                per_round(res[f"{tier}_{d}"], res[f"{baseline}_{d}"])
                 for tier, d in (("store", "w"), ("tier", "w"), ("store", "r"), ("tier", "r"))
             ]
             print(f"{size:>5} MiB | {cells[0]:>17} {cells[1]:>17} | {cells[2]:>17} {cells[3]:>17}")
@@ -567,6 +567,8 @@ def main() -> None:
             f"{'handler':>13}"
         )
         for size, _, _, trace in rows:
+            if trace is None:
+                continue
             cells = [" ".join(f"{trace.cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier")) for d in "wr"]
             print(f"{size:>5} MiB | " + " | ".join(cells))
         print()
@@ -580,6 +582,8 @@ def main() -> None:
             f"{'handler':>13}"
         )
         for size, _, _, trace in rows:
+            if trace is None:
+                continue
             cells = [
                 " ".join(f"{trace.edges_cell(f'{path}_{d}'):>13}" for path in ("raw", "store", "tier")) for d in "wr"
             ]

@@ -54,8 +54,8 @@ def main() -> None:
         "numpy slice": lambda: array[2:5],
         "numpy copy, 16 x 8 KiB": lambda: packed[:, : 8 << 10].__setitem__(slice(None), piece),
     }
-    alone = {k: [] for k in calls}
-    busy = {k: [] for k in calls}
+    alone: dict[str, list[float]] = {k: [] for k in calls}
+    busy: dict[str, list[float]] = {k: [] for k in calls}
     for r in range(args.rounds):
         for beside in (False, True) if r % 2 == 0 else (True, False):
             for name, fn in calls.items():

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -81,7 +82,7 @@ def median_gbps(clock: Clock, fn, nbytes: int, repeats: int) -> float:
     return statistics.median(nbytes / clock.time(fn) / 1e9 for _ in range(repeats))
 
 
-def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernels: bool) -> dict[str, float]:
+def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernels: bool) -> dict[str, Any]:
     layers, heads, head_dim = (SMOKE_LAYERS, SMOKE_HEADS, SMOKE_HEAD_DIM) if args.smoke else (LAYERS, HEADS, HEAD_DIM)
     token_bytes = layers * 2 * heads * head_dim * torch.empty((), dtype=DTYPE).element_size()
     tokens = round(block_mb * 2**20 / token_bytes)
@@ -145,7 +146,7 @@ def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernel
         raise SystemExit("stored bytes differ from the device blocks: the handler is broken")
     store.shutdown()
     load.shutdown()
-    slices = [rows.slice_bytes for rows in store.plane_rows] if copy_kernels else None
+    slices = [rows.slice_bytes for rows in store.plane_rows] if copy_kernels and store.plane_rows else None
     return {"blocks": n_blocks, "block_bytes": block_bytes, "total": total, "slices": slices, **out}
 
 

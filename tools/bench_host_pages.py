@@ -70,10 +70,15 @@ def main() -> None:
         with scratch_dir(".bench-pages-", args.dir) as root:
             tier_4k, raw_4k = build(root, int(size * MiB), total, small_pages=True)
             tier_thp, raw_thp = build(root, int(size * MiB), total, small_pages=False)
-            paths = {("raw", "4k"): raw_4k, ("raw", "thp"): raw_thp, ("tier", "4k"): tier_4k, ("tier", "thp"): tier_thp}
+            paths: dict[tuple[str, str], TierBench | RawLoop] = {
+                ("raw", "4k"): raw_4k,
+                ("raw", "thp"): raw_thp,
+                ("tier", "4k"): tier_4k,
+                ("tier", "thp"): tier_thp,
+            }
             kind = "views" if tier_4k.handler._views is not None else "staged"
             for write in (True, False):
-                speeds = {k: [] for k in paths}
+                speeds: dict[tuple[str, str], list[float]] = {k: [] for k in paths}
                 cpu = dict.fromkeys(paths, 0.0)
                 for r in range(args.rounds):
                     for key in rotated(list(paths), r):

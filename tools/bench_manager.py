@@ -45,12 +45,15 @@ import sys
 import tempfile
 import time
 
+from tiered_kv.abstract import PrepareStoreOutput
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.index import DiskIndex
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.mediums import ids_spec, spec_as
 from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiered.transfer_specs import TieredStoreSpec
 
 BATCH = 256  # blocks per call, like a long prompt's chunk
 #: KV-cache events on in every manager (``--events``). Off by default, as in vLLM (its
@@ -69,6 +72,13 @@ def hashes(n: int, start: int = 0) -> list[bytes]:
     return [
         hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32, person=b"bench").digest() for i in range(start, start + n)
     ]
+
+
+def stored(out: PrepareStoreOutput | None) -> PrepareStoreOutput:
+    """``prepare_store``'s answer, where the benchmark sized the tiers to have room."""
+    if out is None:
+        raise RuntimeError("prepare_store found no room: the benchmark's tiers are too small")
+    return out
 
 
 def timed(fn, batches) -> float:
@@ -136,7 +146,8 @@ def vllm_evicting_latency(n: int, calls: int) -> list[float] | None:
     for batch in batches_of([make_offload_key(h, 0) for h in hashes(n)]):
         manager.prepare_store(batch, ctx)
         manager.complete_store(batch, ctx)
-    lat, in_flight = [], []
+    lat: list[float] = []
+    in_flight: list = []
     with serving_heap():
         for i in range(calls):
             batch = [make_offload_key(h, 0) for h in hashes(BATCH, n + i * BATCH)]
@@ -211,7 +222,7 @@ def fill_disk_tier(tmp: str, n: int) -> None:
         batch = [
             hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32).digest() for i in range(start, min(n, start + 4096))
         ]
-        slots = disk.prepare_store(batch, fresh=True).store_spec.block_ids.tolist()
+        slots = ids_spec(stored(disk.prepare_store(batch, fresh=True)).store_spec).block_ids.tolist()
         worker_index.commit_stored(0, batch, slots, [disk.block_bytes] * len(batch), [0] * len(batch))
     worker_index.close()
     disk.shutdown()
@@ -244,8 +255,11 @@ def cascade_latency(
     worker_index = DiskIndex(disk.namespace.index_path, 1)
     manager = TieredOffloadingManager(cpu_manager(n), disk, write_policy="write_back", max_pending_writes=4 * BATCH)
     for batch in batches_of(hashes(n)):
-        manager.complete_store(manager.prepare_store(batch).block_hashes_to_store)
-    lat, floor, in_flight, busy = [], [], [], 0
+        manager.complete_store(stored(manager.prepare_store(batch)).block_hashes_to_store)
+    lat: list[float] = []
+    floor: list[float] = []
+    in_flight: list[bytes] = []
+    busy = 0
     flusher = [thread_cpu(disk._flusher)]
     with serving_heap():
         for i in range(calls):
@@ -253,9 +267,9 @@ def cascade_latency(
                 flusher.append(thread_cpu(disk._flusher))
             batch = hashes(BATCH, n + i * BATCH)
             t0 = time.perf_counter()
-            out = manager.prepare_store(batch)
+            out = stored(manager.prepare_store(batch))
             lat.append(time.perf_counter() - t0)
-            spills = out.store_spec.spills
+            spills = spec_as(out.store_spec, TieredStoreSpec).spills
             assert len(spills) == BATCH, f"call {i}: {len(spills)} spills"
             manager.complete_store(in_flight)  # the previous call's store, one call late
             in_flight = out.block_hashes_to_store
@@ -286,13 +300,15 @@ def decision_cost(n: int, tmp: str, rounds: int = 21) -> tuple[float, float, flo
     blocks (2 MiB) from a disk at 2 GB/s with 0.1 ms a job: below break-even, so its
     runs take the decision's full path (a scan of the run) and are passed over."""
     m = TieredOffloadingManager(cpu_manager(n // 2), disk_manager(tmp, 2 * n))
-    m.costs.bytes_per_block = 16 * 131_072
-    m.costs.tiers["disk"].gbps, m.costs.tiers["disk"].latency_s = 2.0, 1e-4
+    costs = m.costs
+    assert costs is not None  # the composite's decision is on by default
+    costs.bytes_per_block = 16 * 131_072
+    costs.tiers["disk"].gbps, costs.tiers["disk"].latency_s = 2.0, 1e-4
     keys = hashes(n)
     for batch in batches_of(keys):  # write-through: all on disk, the newest half in CPU
-        out = m.prepare_store(batch)
+        out = stored(m.prepare_store(batch))
         m.complete_store(out.block_hashes_to_store)
-        m.lower[0].complete_store(out.store_spec.tier_write_through[0].block_hashes)
+        m.lower[0].complete_store(spec_as(out.store_spec, TieredStoreSpec).tier_write_through[0].block_hashes)
     batches = batches_of(keys)
     vllm = vllm_manager(n)
     vkeys = None
@@ -305,9 +321,9 @@ def decision_cost(n: int, tmp: str, rounds: int = 21) -> tuple[float, float, flo
     on, off, theirs = [], [], []
     with serving_heap():
         for _ in range(rounds):
-            m.costs.enabled = True
+            costs.enabled = True
             on.append(timed(m.lookup, batches))
-            m.costs.enabled = False
+            costs.enabled = False
             off.append(timed(m.lookup, batches))
             if vkeys is not None:
                 theirs.append(timed(lambda k: [vm.lookup(key, ctx) for key in k], vkeys))
@@ -333,7 +349,7 @@ def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
     fill = n // 2 // BATCH
     for i in range(fill + 2 * rounds):
         batch = hashes(BATCH, i * BATCH)
-        slots = disk.prepare_store(batch, fresh=True).store_spec.block_ids.tolist()
+        slots = ids_spec(stored(disk.prepare_store(batch, fresh=True)).store_spec).block_ids.tolist()
         worker_index.commit_stored(0, batch, slots, [disk.block_bytes] * BATCH, [0] * BATCH)
         disk.flush()  # the flusher's index writes for the last round are done: nothing runs beside
         t0 = time.perf_counter()

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         ]
         if bs % (args.pieces * 4096) == 0:
             paths.append(("scattered", planes(view, bs, footprints[-1] // bs, args.pieces)))
-        res = {(name, w): [] for name, _ in paths for w in (True, False)}
+        res: dict[tuple[str, bool], list[float]] = {(name, w): [] for name, _ in paths for w in (True, False)}
         loop.run(write=True)  # the file's blocks exist before the first read
         for r in range(args.rounds):
             order = rotated(paths, r)

@@ -108,7 +108,7 @@ class Paths:
         plain = RemoteConfig.from_dict({**config.to_dict(), "key_file": None, "key_env": None, "trusted_bucket": True})
         self.plain = RemoteStore(plain, fingerprint(block_bytes), keyring=None)
         self.raw = self.store._client.raw  # the same client settings as the tier's
-        self.boto = None
+        self.boto: Any = None  # a boto3 S3 client (boto3 has no type information)
         self.mooncake = config.backend == "mooncake"
         if self.mooncake:
             copy = RemoteConfig.from_dict({**config.to_dict(), "mooncake_zero_copy": False})
@@ -191,14 +191,14 @@ class Paths:
         self.obstore.put(self.raw, key, payload, mode="create", use_multipart=False)
 
     def _obstore_get(self, key: str, buf: np.ndarray) -> None:
-        memoryview(buf)[:] = memoryview(self.obstore.get(self.raw, key).bytes())
+        buf.data[:] = memoryview(self.obstore.get(self.raw, key).bytes())
 
     def _boto_put(self, key: str, payload: np.ndarray) -> None:
         self.boto.put_object(Bucket=self.config.bucket, Key=key, Body=payload.tobytes(), IfNoneMatch="*")
 
     def _boto_get(self, key: str, buf: np.ndarray) -> None:
         body = self.boto.get_object(Bucket=self.config.bucket, Key=key)["Body"]
-        view, n = memoryview(buf), 0
+        view, n = buf.data, 0
         while n < len(view) and (got := body._raw_stream.readinto(view[n:])):
             n += got
         body.close()
@@ -237,7 +237,7 @@ def bench(
         buffers = [np.zeros(size, np.uint8) for _ in range(n)]
         with Paths(config, size, connections) as paths:
             names = paths.names(paths_wanted)
-            per = {name: ([], []) for name in names}
+            per: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
             paths.run(names[0], payloads[:connections], buffers[:connections])  # warm connections
             for r in range(rounds):
                 order = names[r % len(names) :] + names[: r % len(names)]
@@ -258,7 +258,7 @@ def cipher_cost(keyring, block_bytes: int = 8 << 20, rounds: int = 8) -> str:
     seconds per GB each way."""
     from tiered_kv.remote.keys import new_nonce
 
-    block = memoryview(np.random.default_rng(1).integers(0, 256, block_bytes, dtype=np.uint8))
+    block = np.random.default_rng(1).integers(0, 256, block_bytes, dtype=np.uint8).data
     nonce, aad = new_nonce(), b"header"
     dest = [memoryview(bytearray(block_bytes))]
     seal_s, open_s = [], []
@@ -324,6 +324,7 @@ class _Node:
     def __init__(self, name: str, cache_dir: Path, remote: dict[str, Any], shape: ReplayShape):
         import torch
 
+        from tiered_kv.remote.manager import RemoteOffloadingManager
         from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
         from tiered_kv.tiered.spec import HierarchySpec
 
@@ -350,8 +351,12 @@ class _Node:
         )
         self.spec = HierarchySpec(config, GPU_BLOCK, self.device.layout, engine_id=f"bench-{name}")
         self.tier = self.spec.lower_tiers[-1]
-        self.driver = EngineDriver.from_spec(self.spec, self.device)
-        self.remote = self.driver.manager.lower[-1]
+        worker = self.spec.build_worker(self.device.kv_caches, self.device.kv_before_num_blocks)
+        manager = self.spec.get_manager()  # after the worker, as EngineDriver.from_spec does
+        shared = manager.lower[-1]
+        assert isinstance(shared, RemoteOffloadingManager)
+        self.remote = shared
+        self.driver = EngineDriver(manager, worker, self.device)
 
     def run(self, requests: list[list[bytes]]):
         """Each request as an engine serves it: the shared tier is asked about its blocks

@@ -41,13 +41,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -57,12 +64,14 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from benchlib import MiB, header  # noqa: E402
 
 from tiered_kv.disk.worker.io_backends import aligned_empty  # noqa: E402
 from tiered_kv.disk.format.namespace import NamespaceError  # noqa: E402
+from tiered_kv.integrations.vllm.secondary_tier import TieredDiskTier  # noqa: E402
 
 TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
 END_OF_STEP = ScheduleEndContext((), ())
@@ -107,7 +116,7 @@ class Primary:
     def __init__(self, rows: int, stride: int):
         self.stride = stride
         self.rows = aligned_empty(rows * stride).view(rows, stride)
-        self.view = memoryview(self.rows.numpy())
+        self.view = self.rows.numpy().data
 
     def fill_random(self, first: int, n: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -117,18 +126,24 @@ class Primary:
 def make_tier(
     kind: str, spec: TieringOffloadingSpec, primary: Primary, path: Path, disk_bytes: int | None = None
 ) -> SecondaryTierManager:
+    entry: dict[str, Any]
     if kind == "fs":
         entry = {"type": "fs", "root_dir": str(path)}
     else:
-        entry = {"type": "TieredDiskTier", "module_path": TIER_MODULE, "disk_path": str(path), "disk_bytes": disk_bytes}
+        entry = {
+            "type": "TieredDiskTier",
+            "module_path": TIER_MODULE,
+            "disk_path": str(path),
+            "disk_bytes": disk_bytes,
+        }
     return SecondaryTierFactory.create_secondary_tier(entry, primary.view, spec)
 
 
-def new_keys(n: int) -> list[bytes]:
+def new_keys(n: int) -> list[OffloadKey]:
     return [make_offload_key(os.urandom(32), 0) for _ in range(n)]
 
 
-def jobs_for(keys: list[bytes], first_row: int, per_job: int, promotion: bool) -> list[TransferJob]:
+def jobs_for(keys: list[OffloadKey], first_row: int, per_job: int, promotion: bool) -> list[TransferJob]:
     ctx = ReqContext(req_id="bench")
     return [
         TransferJob(
@@ -158,7 +173,7 @@ def run_jobs(tier: SecondaryTierManager, jobs: list[TransferJob]) -> tuple[float
     return time.perf_counter() - t0, results
 
 
-def settled_lookups(tier: SecondaryTierManager, keys: list[bytes]) -> list[LookupResult]:
+def settled_lookups(tier: SecondaryTierManager, keys: list[OffloadKey]) -> list[LookupResult]:
     """Lookups as a fresh request sees them (the fs tier answers RETRY until its
     background existence check has run; the engine would ask again next step)."""
     ctx = ReqContext(req_id=f"probe-{next(_req_ids)}")
@@ -340,11 +355,13 @@ def flipped_byte(args, spec, root: Path) -> None:
         tier = make_tier(kind, spec, primary, root / kind, disk_bytes=64 * stride)
         try:
             run_jobs(tier, jobs_for(keys, 0, 4, False))
-            if kind == "fs":
+            if isinstance(tier, FileSystemTierManager):
                 path, offset = tier.file_mapper.get_file_name(keys[1]), 1234
             else:
-                path = tier.store.namespace.slab_path(0)
-                offset = tier.store.entry(keys[1]).slot * tier.store.slot_size + 1234
+                assert isinstance(tier, TieredDiskTier)
+                entry = tier.store.entry(keys[1])
+                assert entry is not None  # stored by the jobs above
+                path, offset = str(tier.store.namespace.slab_path(0)), entry.slot * tier.store.slot_size + 1234
             fd = os.open(path, os.O_RDWR)
             try:
                 os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0x01]), offset)
@@ -368,7 +385,7 @@ def flipped_byte(args, spec, root: Path) -> None:
             f"handed to the CPU tier, {len(wrong)} of them with wrong bytes"
             f"{' (chunk ' + ', '.join(map(str, wrong)) + ': served to the GPU as is)' if wrong else ''}; "
             f"lookup of chunk 2 afterwards: {after[1].name}"
-            + (f"; checksum failures counted: {tier.stats.corrupt}" if kind == "ours" else "")
+            + (f"; checksum failures counted: {tier.stats.corrupt}" if isinstance(tier, TieredDiskTier) else "")
         )
         clear_dir(root / kind)
 

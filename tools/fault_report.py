@@ -199,7 +199,7 @@ def corruption(work: Path, kind: str, rounds: int, seed: int) -> Row:
             continue
         finally:
             logging.getLogger("tiered_kv").removeHandler(tap)
-        row.detected += inspector_saw and engine_saw
+        row.detected = (row.detected or 0) + (inspector_saw and engine_saw)
         after = verify_cache(cache)
         row.wrong += len(after.wrong)
         if not after.ok:
@@ -237,9 +237,10 @@ def io_fault(work: Path, kind: str, rounds: int, seed: int) -> Row:
             failed_ops += h.spec.store.stats.store_failures + h.spec.stats.tiers["disk"]["failed_loads"]
             recomputed += report.recomputed_after_failed_load
             row.wrong += report.mismatches
-            row.detected += (
-                h.spec.store.stats.store_failures if call != "read" else h.spec.stats.tiers["disk"]["failed_loads"]
-            ) > 0
+            row.detected = (row.detected or 0) + (
+                (h.spec.store.stats.store_failures if call != "read" else h.spec.stats.tiers["disk"]["failed_loads"])
+                > 0
+            )
             setattr(io, f"fail_{call}", None)
             later = documents(2, 4, seed=seed + 200 + r)
             for doc in later:

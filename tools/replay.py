@@ -42,6 +42,7 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,8 +65,8 @@ from replay_stack import CONFIGS, Geometry, RunResult, Tiers, run_config  # noqa
 from replay_vllm import vllm_import_error  # noqa: E402
 from replay_workloads import FULL, QUICK, WORKLOADS, Shape, generate, read_trace, write_trace  # noqa: E402
 
-FULL_GEOMETRY = dict(num_layers=8, num_kv_heads=8, head_dim=128, gpu_block_size=16, block_size_factor=1)
-QUICK_GEOMETRY = dict(num_layers=4, num_kv_heads=4, head_dim=64, gpu_block_size=16, block_size_factor=1)
+FULL_GEOMETRY: dict[str, Any] = dict(num_layers=8, num_kv_heads=8, head_dim=128, gpu_block_size=16, block_size_factor=1)
+QUICK_GEOMETRY: dict[str, Any] = dict(num_layers=4, num_kv_heads=4, head_dim=64, gpu_block_size=16, block_size_factor=1)
 TRANSFER_TYPES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "disk_to_gpu")
 SOURCES = ("GPU", "CPU", "DISK", "computed")
 
@@ -487,7 +488,7 @@ def run_sweeps(args, workload, geometry, tiers, device, results, log) -> dict:
     """Disk size (cpu+disk only) on this trace; working-set size (every config but
     cpu+disk-direct) with the tier sizes fixed at this trace's. Points equal to the main
     run reuse its results."""
-    out = {"disk": [], "working_set": []}
+    out: dict[str, list[Any]] = {"disk": [], "working_set": []}
     working_set = Shape.of(workload, geometry.tokens_per_block).working_set
     log("disk-size sweep (cpu+disk):")
     for f in sorted(set(args.disk_sweep)):

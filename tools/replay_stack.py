@@ -239,6 +239,7 @@ def _build(
         raw["disk_bytes"] = f"{tiers.disk_slots * (-(-bpb // 4096) * 4096)}B"
     spec = HierarchySpec(raw, gpu_block_size=geometry.gpu_block_size)
     worker = spec.build_worker(dev.kv_caches, dev.kv_before_num_blocks)
+    manager: OffloadingManager
     if config in ("vllm-cpu", "vllm-cpu-arc"):
         from replay_vllm import VllmCpuManagerAdapter
 
@@ -274,8 +275,9 @@ def run_config(
     work_dir = Path(tempfile.mkdtemp(prefix="replay-", dir=tiers.disk_dir))
     try:
         driver, spec, close = _build(config, geometry, tiers, device, work_dir, promote_on_hit)
-        manager = _TimedCalls(driver.manager, MANAGER_CALLS)
-        worker = _TimedCalls(driver.worker, WORKER_CALLS)
+        # Timing proxies with the manager's and the worker's methods.
+        manager: Any = _TimedCalls(driver.manager, MANAGER_CALLS)
+        worker: Any = _TimedCalls(driver.worker, WORKER_CALLS)
         driver.manager, driver.worker = manager, worker
         report = driver.report
         steps = []

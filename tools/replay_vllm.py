@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
+
+if TYPE_CHECKING:  # vLLM is imported where the adapter is built
+    from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, ReqContext
 
 
 def vllm_import_error() -> str | None:
@@ -46,13 +50,13 @@ class VllmCpuManagerAdapter(OffloadingManager):
         self.block_size = block_size
         self.inner = CPUOffloadingManager(num_chunks=num_slots, cache_policy=policy, enable_events=True)
         self._ids = itertools.count()
-        self._ctx = None
+        self._ctx: ReqContext | None = None
         # complete_store arrives after its request finished; vLLM ignores its context.
         self._store_ctx = base.ReqContext(req_id="replay-stores")
 
     # ---- request contexts ----
 
-    def _request(self):
+    def _request(self) -> ReqContext:
         if self._ctx is None:
             self._ctx = self._base.ReqContext(req_id=f"replay-{next(self._ids)}")
             self.inner.on_new_request(self._ctx)
@@ -78,7 +82,7 @@ class VllmCpuManagerAdapter(OffloadingManager):
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         spec = self.inner.prepare_load(self._keys(block_hashes), self._request())
-        return CPULoadStoreSpec(spec.block_ids)
+        return CPULoadStoreSpec(cast("BlockIDsLoadStoreSpec", spec).block_ids)  # vLLM declares the base type
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         self.inner.complete_load(self._keys(block_hashes), self._request())
@@ -92,7 +96,9 @@ class VllmCpuManagerAdapter(OffloadingManager):
         if out is None:
             return None
         return PrepareStoreOutput(
-            self._hashes(out.keys_to_store), CPULoadStoreSpec(out.store_spec.block_ids), self._hashes(out.evicted_keys)
+            self._hashes(out.keys_to_store),
+            CPULoadStoreSpec(cast("BlockIDsLoadStoreSpec", out.store_spec).block_ids),
+            self._hashes(out.evicted_keys),
         )
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:

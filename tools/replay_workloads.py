@@ -80,7 +80,7 @@ def generate(kind: str, preset: Preset, tokens_per_block: int, scale: float = 1.
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
 
-    def chat(n: int) -> Workload:
+    def chat(n: float) -> Workload:
         return chat_workload(
             ChatWorkloadSpec(
                 num_requests=max(1, round(n)),
@@ -95,7 +95,7 @@ def generate(kind: str, preset: Preset, tokens_per_block: int, scale: float = 1.
             )
         )
 
-    def rag(n: int, docs: int) -> Workload:
+    def rag(n: float, docs: float) -> Workload:
         return shared_prefix_workload(
             max(1, round(n)),
             max(1, round(docs)),

@@ -21,8 +21,8 @@ try:  # typer 0.2x runs on its own copy of click; earlier releases on click itse
     from typer._click import exceptions as _click_exceptions
     from typer.exceptions import Abort as _Abort
 except ImportError:  # pragma: no cover - older typer
-    from click import exceptions as _click_exceptions
-    from click.exceptions import Abort as _Abort
+    from click import exceptions as _click_exceptions  # type: ignore[no-redef]  # the same module there
+    from click.exceptions import Abort as _Abort  # type: ignore[assignment]  # the same class there
 
 #: Sub-command name -> (module under ``tiered_kv.cli``, one-line help shown in the
 #: top-level listing before the module is loaded). The one-liners must match the
@@ -69,13 +69,16 @@ class LazyGroup(TyperGroup):
         prog_name: Any = None,
         complete_var: Any = None,
         standalone_mode: bool = True,
+        windows_expand_args: bool = True,
         **extra: Any,
     ) -> Any:
         """Run as click does, but every usage error (an unknown option, a bad value, a
         missing argument) is one ``error:`` line on stderr with exit code 2, like the
         commands' own errors (``tiered_kv.cli.output.fail``), never a box or a block."""
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            rv = super().main(
+                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
+            )
         except _click_exceptions.ClickException as e:
             if type(e).__name__ == "NoArgsIsHelpError":  # a group run bare: its help, as is
                 typer.echo(e.format_message(), err=True)

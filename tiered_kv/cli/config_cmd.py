@@ -311,7 +311,7 @@ def _plan(
         geometry = ModelGeometry.from_hf_config(model_config, dtype=dtype, full_attention_only=True)
     else:
         missing = [k for k, v in manual.items() if v is None]
-        if missing:
+        if missing or layers is None or kv_heads is None or head_dim is None:
             raise ConfigError(f"{', '.join(missing)}: required without --model-config (or pass --model-config PATH)")
         geometry = ModelGeometry(layers, kv_heads, head_dim, dtype or "bfloat16")
     if disk_bytes is not None and not disk_path:

@@ -336,7 +336,7 @@ def verify(
                         repair=repair,
                         threads=threads,
                         progress=bar.advance,
-                        on_table=lambda table, ns=ns, bar=bar: bar.set_total(bytes_to_verify(ns, table)),
+                        on_table=lambda table: bar.set_total(bytes_to_verify(ns, table)),
                     )
                 )
             if repair:
@@ -456,7 +456,7 @@ def evict_cmd(
             raise InspectError("evict needs --to-size SIZE or --older-than AGE")
         size = None if to_size is None else (0 if to_size.strip() == "0" else parse_size(to_size, "--to-size"))
         age = None if older_than is None else parse_age(older_than, "--older-than")
-        cache = open_cache(path, namespace)
+        cache = open_cache(need_path(path, json_out), namespace)
         with progress_bar(json_out or dry_run, "evicting") as bar:
             result = evict(cache, to_size=size, older_than=age, progress=bar.advance, dry_run=dry_run)
     if json_out:
@@ -509,13 +509,13 @@ def clear_cmd(
     with _errors(json_out):
         from tiered_kv.ops.inspect import InspectError, clear, open_cache
 
-        cache = open_cache(path, namespace)
+        cache = open_cache(need_path(path, json_out), namespace)
         if unread_by:
             from tiered_kv.ops.inspect.summary import ServerConfig, unread_namespaces
 
             cache.namespaces = unread_namespaces(cache, [ServerConfig.load(c, model) for c in unread_by])
         if not cache.namespaces:
-            result = {"removed": [], "freed_bytes": 0}
+            result: dict[str, Any] = {"removed": [], "freed_bytes": 0}
         elif dry_run:
             result = clear(cache, dry_run=True)
         else:

@@ -59,7 +59,7 @@ def on_remote_option(command: str) -> Callable[[Callable[..., None]], Callable[.
 
         signature = inspect.signature(fn)
         remote = inspect.Parameter("remote", inspect.Parameter.KEYWORD_ONLY, default=_REMOTE, annotation=Optional[str])
-        run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), remote])
+        run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), remote])  # type: ignore[attr-defined]  # read by typer
         run.__annotations__ = {**typing.get_type_hints(fn), "remote": Optional[str]}
         return run
 

@@ -21,7 +21,7 @@ from tiered_kv.cli import app
 from tiered_kv.cli.output import envelope, errors, fail, iso_time
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

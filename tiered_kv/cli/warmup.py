@@ -113,9 +113,10 @@ def warmup_cmd(
         extra = read_extra_config(config)
         if disk_path:
             extra["disk_path"] = disk_path
+        model_dtype: str = dtype
         if layout == DEFAULT_LAYOUT and local is not None:
-            dtype, kv_cache_layout = server_settings(str(local), dtype, kv_cache_layout)
-        hf = HFEngine.from_pretrained(model, dtype=dtype, device=device)
+            model_dtype, kv_cache_layout = server_settings(str(local), dtype, kv_cache_layout)
+        hf = HFEngine.from_pretrained(model, dtype=model_dtype, device=device)
         with progress_bar(json_out, "warming", len(token_ids)) as bar:
             report = warmup(
                 token_ids,

@@ -28,7 +28,7 @@ flight, are ranked by the touch alone, so they end below the request's own block
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.cpu.manager import CPUOffloadingManager
@@ -51,11 +51,11 @@ class ARCOffloadingManager(CPUOffloadingManager):
     def iter_lru(self) -> Iterator[BlockHash]:
         """Pending and loadable blocks in the order ARC would evict them (if none were
         pinned). Lazy: do not change the manager while iterating."""
-        return map(self._hash_by_slot.__getitem__, self._arc_order(()))
+        return map(self._occupant, self._arc_order(()))
 
     def iter_evictable(self, protected: Collection[BlockHash] = ()) -> Iterator[BlockHash]:
         excluded = self._pending.union(self._readers, protected)
-        return map(self._hash_by_slot.__getitem__, self._arc_order(excluded))
+        return map(self._occupant, self._arc_order(excluded))
 
     def _arc_order(self, excluded: Collection[BlockHash]) -> Iterator[int]:
         """Slots in eviction order, skipping blocks in ``excluded``."""
@@ -80,12 +80,12 @@ class ARCOffloadingManager(CPUOffloadingManager):
 
     # ---- the hooks ----
 
-    def pin(self, block_hashes) -> None:
+    def pin(self, block_hashes: Iterable[BlockHash]) -> None:
         block_hashes = list(block_hashes)
         super().pin(block_hashes)
         self._note_read(block_hashes)
 
-    def rank_request(self, block_hashes) -> None:
+    def rank_request(self, block_hashes: Iterable[BlockHash]) -> None:
         block_hashes = list(block_hashes)
         self._note_read([h for h in block_hashes if self.is_loadable(h)])
         super().rank_request(block_hashes)
@@ -97,7 +97,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
             if awaiting.get(block_hash) is not False:
                 awaiting[block_hash] = True
 
-    def note_store_misses(self, block_hashes) -> None:
+    def note_store_misses(self, block_hashes: Iterable[BlockHash]) -> None:
         # Before room is made: which list gives up a block depends on the adapted target.
         for block_hash in reversed(list(block_hashes)):
             self._ghost_hit(block_hash)
@@ -123,7 +123,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
             else:  # a block still being stored was not used twice
                 t1.move_to_end(slot)
 
-    def touch(self, block_hashes) -> None:
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         block_hashes = list(block_hashes)
         for block_hash in reversed(block_hashes):
             if block_hash not in self._slot_by_hash:
@@ -173,7 +173,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
                 break
         else:
             return None
-        victims = [self._hash_by_slot[s] for s in slots]
+        victims = list(map(self._occupant, slots))
         for block_hash, slot in zip(victims, slots):
             ghosts = self._b1 if self._t1.pop(slot, 0) is None else self._b2
             self._t2.pop(slot, None)

@@ -44,7 +44,7 @@ import torch
 
 from tiered_kv.memory.device import COMPLETED, TransferStream
 from tiered_kv.memory.host_memory import HostKVCache, as_words, expand_block_ids, kv_planes
-from tiered_kv.mediums import GPULoadStoreSpec
+from tiered_kv.mediums import GPULoadStoreSpec, ids_spec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 from tiered_kv.memory.zero_copy import MAX_STAGING_BYTES, PlaneRows, copy_blocks
 
@@ -143,7 +143,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self.copy_kernels = self.plane_rows is not None
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        src_spec, dst_spec = spec
+        src_spec, dst_spec = map(ids_spec, spec)
         skip = next((s.skip_count for s in spec if isinstance(s, GPULoadStoreSpec)), 0)
         if skip and self.src_block_size_factor == self.dst_block_size_factor:
             raise ValueError(f"job {job_id}: skip_count={skip} needs one side with a larger block_size_factor")

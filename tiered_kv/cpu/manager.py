@@ -33,8 +33,9 @@ the tier.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from itertools import filterfalse, islice
+from typing import cast
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
@@ -63,6 +64,8 @@ class CPUOffloadingManager(OffloadingManager):
         self.block_size = block_size
         self._slot_by_hash: dict[BlockHash, int] = {}  # pending and loadable blocks
         self._hash_by_slot: list[BlockHash | None] = [None] * num_slots
+        #: ``_hash_by_slot[slot]`` for a slot known to be taken (so never None).
+        self._occupant = cast("Callable[[int], BlockHash]", self._hash_by_slot.__getitem__)
         # Every slot: the free ones first (in any order), then the others, least recent first.
         self._order: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
         self._pending: set[BlockHash] = set()  # reserved, bytes in flight: not loadable
@@ -102,13 +105,17 @@ class CPUOffloadingManager(OffloadingManager):
         """The slot of a pending or loadable block, else None."""
         return self._slot_by_hash.get(block_hash)
 
+    def slots_of(self, block_hashes: Iterable[BlockHash]) -> list[int]:
+        """The slots of pending or loadable blocks; ``KeyError`` for another block."""
+        return list(map(self._slot_by_hash.__getitem__, block_hashes))
+
     def is_loadable(self, block_hash: BlockHash) -> bool:
         return block_hash in self._slot_by_hash and block_hash not in self._pending
 
     def iter_lru(self) -> Iterator[BlockHash]:
         """Pending and loadable blocks, least recent first. Lazy: do not change the
         manager while iterating."""
-        return map(self._hash_by_slot.__getitem__, islice(self._order, len(self._free), None))
+        return map(self._occupant, islice(self._order, len(self._free), None))
 
     def iter_evictable(self, protected: Collection[BlockHash] = ()) -> Iterator[BlockHash]:
         """Unpinned loadable blocks not in ``protected``, in eviction order. Lazy: do
@@ -132,7 +139,7 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         block_hashes = list(block_hashes)
         self.pin(block_hashes)
-        return CPULoadStoreSpec(list(map(self._slot_by_hash.__getitem__, block_hashes)))
+        return CPULoadStoreSpec(self.slots_of(block_hashes))
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """A use of ``block_hashes`` (in request order): the first ends most recent."""
@@ -346,7 +353,7 @@ class CPUOffloadingManager(OffloadingManager):
         # recent blocks, pinned ones were just looked up, and a request's own blocks
         # were ranked most recent when it was stored.
         slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
-        victims = list(map(hash_by_slot.__getitem__, slots))
+        victims = list(map(self._occupant, slots))
         if (
             (not pending or pending.isdisjoint(victims))
             and (not readers or readers.keys().isdisjoint(victims))

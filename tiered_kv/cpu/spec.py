@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from tiered_kv.abstract import LoadStoreSpec
+from tiered_kv.abstract import LoadStoreSpec, OffloadingManager
 from tiered_kv.config import ConfigError, TieredConfig
-from tiered_kv.cpu import CPUOffloadingManager, cpu_tier_manager
+from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
@@ -49,18 +49,23 @@ class CPUOffloadingSpec(OffloadingSpec):
             self._set_layout(layout)
 
     @property
-    def num_cpu_slots(self) -> int:
-        """Offloaded blocks that fit in ``config.cpu_bytes``."""
+    def known_layout(self) -> KVCacheLayout:
+        """``layout``; a ``ConfigError`` while it is not known yet."""
         if self.layout is None:
             raise ConfigError(
                 "CPUOffloadingSpec needs the KV layout to size the CPU tier; pass layout=... or call get_handlers first"
             )
+        return self.layout
+
+    @property
+    def num_cpu_slots(self) -> int:
+        """Offloaded blocks that fit in ``config.cpu_bytes``."""
         try:
-            return HostKVCache.slots_for_bytes(self.layout, self.config.cpu_bytes)
+            return HostKVCache.slots_for_bytes(self.known_layout, self.config.cpu_bytes)
         except ValueError as exc:
             raise ConfigError(f"cpu_bytes: {exc}") from None
 
-    def get_manager(self) -> CPUOffloadingManager:
+    def get_manager(self) -> OffloadingManager:
         return cpu_tier_manager(
             self.config.eviction_policy, self.num_cpu_slots, self.offloaded_block_size, enable_events=self.enable_events
         )

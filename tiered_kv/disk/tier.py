@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tiered_kv.config_values import ConfigError, parse_choice, parse_disk_path, parse_size
 from tiered_kv.mediums import DISK
@@ -121,6 +121,12 @@ class DiskTier(TierSpec):
 
     # ------------------------------------------------------------ worker process
 
+    @overload
+    def open_store(self, *, io_backend: str | IOBackend | None = None, in_process: Literal[True]) -> DiskStore: ...
+    @overload
+    def open_store(
+        self, *, io_backend: str | IOBackend | None = None, in_process: bool | None = None
+    ) -> DiskStore | DiskIOProcess: ...
     def open_store(
         self, *, io_backend: "str | IOBackend | None" = None, in_process: bool | None = None
     ) -> "DiskStore | DiskIOProcess":
@@ -132,14 +138,28 @@ class DiskTier(TierSpec):
 
         cfg = self.ctx.config
         here = in_process if in_process is not None else cfg.disk_io != "process"
-        opener = DiskStore.open if here else DiskIOProcess.open
-        return opener(
-            self.settings.path,
-            self.ctx.fingerprint,
-            self.ctx.layout,
-            disk_bytes=self.settings.bytes,
+        backend = io_backend if io_backend is not None else cfg.io_backend
+        path, fp, layout, size = self.settings.path, self.ctx.fingerprint, self.ctx.layout, self.settings.bytes
+        if here:
+            return DiskStore.open(
+                path,
+                fp,
+                layout,
+                disk_bytes=size,
+                checksum=cfg.checksum,
+                io_backend=backend,
+                io_threads=cfg.io_threads,
+                engine_id=self.ctx.engine_id,
+            )
+        if not isinstance(backend, str):
+            raise ValueError(f"io_backend {backend!r}: a backend object serves a store in this process only")
+        return DiskIOProcess.open(
+            path,
+            fp,
+            layout,
+            disk_bytes=size,
             checksum=cfg.checksum,
-            io_backend=io_backend if io_backend is not None else cfg.io_backend,
+            io_backend=backend,
             io_threads=cfg.io_threads,
             engine_id=self.ctx.engine_id,
         )

@@ -22,6 +22,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -210,7 +211,7 @@ def cuda_host_unregister(address: int) -> bool:
     return True
 
 
-def _cuda_error(err) -> str:
+def _cuda_error(err: Any) -> str:  # torch's cudaError
     return f"CUDA error {int(err)}: {torch.cuda.cudart().cudaGetErrorString(err)}"
 
 
@@ -348,7 +349,7 @@ class TransferStream:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def record_event(self, timing: bool = False):
+    def record_event(self, timing: bool = False) -> CompletedEvent | torch.cuda.Event:
         if self.stream is None:
             return HostTimingEvent() if timing else COMPLETED
         event = torch.cuda.Event(enable_timing=timing)

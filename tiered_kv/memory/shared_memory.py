@@ -27,6 +27,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -132,7 +133,7 @@ def empty_shared(nbytes: int, pin: bool = False) -> torch.Tensor:
     return tensor
 
 
-def on_free(method) -> None:
+def on_free(method: Callable[[int], None]) -> None:
     """Call the bound ``method(region_id)`` whenever a shared region is freed (from the
     thread that dropped its last tensor, maybe inside a lock of the caller's: it must
     only record the id). Held weakly."""

@@ -109,25 +109,25 @@ class SlotViews:
         blocks = self._blocks
         if blocks is not None:
             count, width = blocks.shape[1], blocks.shape[2] * word
-            dst = _numpy_words(
+            dst_words = _numpy_words(
                 np.lib.stride_tricks.as_strided(
                     rows, shape=(len(index), count, width), strides=(rows.strides[0], width, 1)
                 ),
                 word,
             )
-            if dst is not None:
+            if dst_words is not None:
                 step = max(1, _SERIAL_COPY_WORDS // blocks.shape[2])  # pieces per copy
                 outs, ins = [], []
                 for i, slot in enumerate(index.tolist()):
                     for p in range(0, count, step):
-                        outs.append(dst[i, p : p + step])
+                        outs.append(dst_words[i, p : p + step])
                         ins.append(blocks[slot, p : p + step])
                 torch._foreach_copy_(outs, ins)
                 return
         offset = 0
-        for piece in self._rows:
-            width = piece.shape[1]
-            np.take(piece, index, axis=0, out=rows[:, offset : offset + width])
+        for piece_rows in self._rows:
+            width = piece_rows.shape[1]
+            np.take(piece_rows, index, axis=0, out=rows[:, offset : offset + width])
             offset += width
 
     def unpack(self, src: torch.Tensor, slots: Sequence[int]) -> None:
@@ -140,7 +140,7 @@ class SlotViews:
         when idle, as do small pieces here: each copy costs about a microsecond of Python
         (docs/benchmarks.md, "Disk tier", the GIL handoff)."""
         self._check_packed(slots, src)
-        flat = memoryview(src.numpy()).cast("B")
+        flat = src.numpy().data.cast("B")
         slots, stride, offset = [int(s) for s in slots], src.shape[1], 0
         for view, row_stride, width in self._piece_views:
             for i, slot in enumerate(slots):
@@ -165,10 +165,8 @@ class SlotViews:
         run of 16 slots' pieces is then 16384 elements, under torch's grain size, so it
         runs on the calling thread: as bytes it was split across the intra-op threads,
         at twice the CPU."""
-        words = [_numpy_words(rows, 8) for rows in self._rows]
-        if any(w is None for w in words):
-            return self._byte_pieces
-        return words
+        words = [w for w in (_numpy_words(rows, 8) for rows in self._rows) if w is not None]
+        return words if len(words) == len(self._rows) else self._byte_pieces
 
     @cached_property
     def _blocks(self) -> torch.Tensor | None:
@@ -194,11 +192,9 @@ class SlotViews:
         distance between two slots' pieces in it, and a piece's length."""
         return [
             (
-                memoryview(
-                    np.lib.stride_tricks.as_strided(
-                        rows, shape=((rows.shape[0] - 1) * rows.strides[0] + rows.shape[1],), strides=(1,)
-                    )
-                ),
+                np.lib.stride_tricks.as_strided(
+                    rows, shape=((rows.shape[0] - 1) * rows.strides[0] + rows.shape[1],), strides=(1,)
+                ).data,
                 rows.strides[0],
                 rows.shape[1],
             )

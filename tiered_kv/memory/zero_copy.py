@@ -128,9 +128,10 @@ class PlaneRows:
             with torch.cuda.device(device):
                 rows = torch.as_tensor(_ArrayInterface(first + (shift or 0), shape, dtype, list(planes)), device=device)
         else:
-            rows = _host_rows(planes, first, shape, dtype)
-            if rows is None:
+            host_rows = _host_rows(planes, first, shape, dtype)
+            if host_rows is None:
                 return None
+            rows = host_rows
         return cls(
             rows,
             np.array(offsets, dtype=np.int64) // slice_bytes,

@@ -28,12 +28,16 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-try:
-    from collections.abc import Buffer  # Python 3.12+
-except ImportError:  # pragma: no cover - older Pythons
-    Buffer = bytes | bytearray | memoryview  # type: ignore[misc]
+if TYPE_CHECKING:  # obstore's option types exist for type checkers only
+    from obstore.store import ClientConfig, RetryConfig, S3Config, S3Credential
+    from typing_extensions import Buffer
+else:
+    try:
+        from collections.abc import Buffer  # Python 3.12+
+    except ImportError:  # pragma: no cover - older Pythons
+        Buffer = bytes | bytearray | memoryview
 
 from tiered_kv.remote.config import RemoteConfig
 
@@ -214,7 +218,7 @@ class AwsCredentials:
         self._resolved = resolved
         self.method = getattr(resolved, "method", "unknown")  # e.g. "env", "shared-credentials-file"
 
-    def __call__(self) -> dict[str, Any]:
+    def __call__(self) -> S3Credential:
         frozen = self._resolved.get_frozen_credentials()
         return {
             "access_key_id": frozen.access_key,
@@ -247,14 +251,14 @@ class S3Client:
         self.config = config
         self.credentials = credentials or AwsCredentials(config)
         timeout = datetime.timedelta(seconds=config.request_timeout)
-        options: dict[str, Any] = {
+        options: ClientConfig = {
             "timeout": timeout,
             "connect_timeout": datetime.timedelta(seconds=min(config.connect_timeout, config.request_timeout)),
             "pool_max_idle_per_host": str(config.max_connections),
             "pool_idle_timeout": datetime.timedelta(seconds=30),
             "user_agent": "tiered-kv",
         }
-        s3: dict[str, Any] = {"region": config.region}
+        s3: S3Config = {"region": config.region}
         if config.endpoint is not None:
             s3["endpoint"] = config.endpoint
             s3["virtual_hosted_style_request"] = False
@@ -269,7 +273,7 @@ class S3Client:
                 raise RemoteSetupError(
                     f"remote.ca_bundle {config.ca_bundle}: cannot be read ({e.strerror or e})"
                 ) from None
-        retry = {
+        retry: RetryConfig = {
             "max_retries": config.retries,
             "retry_timeout": timeout,
             "backoff": {
@@ -386,5 +390,11 @@ class S3Client:
     def __enter__(self) -> S3Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+if TYPE_CHECKING:  # for the type checker only: the store takes this client as an ``ObjectClient``
+
+    def _as_object_client(client: S3Client) -> ObjectClient:
+        return client

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -38,9 +39,10 @@ from tiered_kv.abstract import Closing, LoadStoreSpec
 from tiered_kv.memory.device import can_pin_memory
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
-from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, spec_as
 from tiered_kv.metrics import TieredStats
 from tiered_kv.remote.store import PutOutcome, RemoteStore
+from tiered_kv.mediums import TierWrites
 from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
 from tiered_kv.worker.worker import TransferSpec
 
@@ -81,8 +83,8 @@ class RemoteStager(Closing):
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="tkv-remote-stage")
         self._closed = False
 
-    def stage(self, writes) -> Future:
-        """Start copying ``writes``' (a ``TierWrites``) CPU slots out; the future is done
+    def stage(self, writes: TierWrites) -> Future[None]:
+        """Start copying ``writes``' CPU slots out; the future is done
         once those slots may be overwritten (copied, or the writes dropped)."""
         return self._packer.submit(self._stage, writes)
 
@@ -90,7 +92,7 @@ class RemoteStager(Closing):
         logger.warning("%s tier: dropping %d uploads on rank %d (%s)", self.tier_name, n, self.rank, why)
         self.stats.count(self.tier_name, "drops", n)
 
-    def _stage(self, writes) -> None:
+    def _stage(self, writes: TierWrites) -> None:
         n = len(writes)
         if not n:
             return
@@ -114,7 +116,7 @@ class RemoteStager(Closing):
             self._settled(nbytes)
             return
         # ``rows`` stays referenced by the callback until the upload is done.
-        future.add_done_callback(lambda f, rows=rows: self._uploaded(f, n, nbytes, start, rows))
+        future.add_done_callback(partial(self._uploaded, n=n, nbytes=nbytes, start=start, _rows=rows))
 
     def _uploaded(self, future: Future, n: int, nbytes: int, start: float, _rows: torch.Tensor) -> None:
         try:
@@ -206,7 +208,9 @@ class RemoteLoadHandler(ThreadedHandler):
 
     def _kernel_ids(self, dst: LoadStoreSpec, n: int) -> np.ndarray:
         f = self.layout.block_size_factor
-        return gpu_kernel_rows(dst, n, f) if self.to_gpu else cpu_kernel_rows(dst, n, f)
+        if self.to_gpu:
+            return gpu_kernel_rows(spec_as(dst, GPULoadStoreSpec), n, f)
+        return cpu_kernel_rows(spec_as(dst, CPULoadStoreSpec), n, f)
 
     def _buffer(self) -> torch.Tensor:
         if self._bounce is None:

@@ -147,7 +147,11 @@ class RemoteVerifier(Closing):
             logger.debug("shared tier: verification of a chunk not sent", exc_info=True)
             self._finish(key, False)
             return True
-        future.add_done_callback(lambda f, key=key, scratch=scratch: self._downloaded(key, f, start))
+
+        def downloaded(f: Future, scratch: np.ndarray = scratch) -> None:  # holds the buffer until then
+            self._downloaded(key, f, start)
+
+        future.add_done_callback(downloaded)
         return True
 
     def _downloaded(self, key: bytes, future: Future, start: float) -> None:

@@ -32,9 +32,13 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tiered_kv.config_values import ConfigError
 from tiered_kv.remote.config import RemoteConfig
+
+if TYPE_CHECKING:  # cryptography is imported where a key is used
+    from cryptography.hazmat.primitives.ciphers import AEADDecryptionContext
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +177,7 @@ class Keyring:
                 d[:] = bytes(len(d))
             raise AuthenticationFailed("the tag does not verify") from None
 
-    def opener(self, key_id: int, nonce: bytes, aad: bytes):
+    def opener(self, key_id: int, nonce: bytes, aad: bytes) -> AEADDecryptionContext:
         """A streaming GCM decryptor (``update``, then ``finalize_with_tag``) for a key id
         this ring holds (``KeyError`` otherwise), with ``aad`` already authenticated."""
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -219,10 +223,10 @@ def load_keyring(config: RemoteConfig) -> Keyring | None:
         return Keyring(parse_keys(text, where))
     if config.key_env is not None:
         where = f"remote.key_env: environment variable {config.key_env}"
-        text = os.environ.get(config.key_env)
-        if not text:
+        value = os.environ.get(config.key_env)
+        if not value:
             raise FleetKeyError(f"{where} is not set or empty")
-        return Keyring(parse_keys(text[:MAX_KEY_FILE_BYTES], where))
+        return Keyring(parse_keys(value[:MAX_KEY_FILE_BYTES], where))
     if not config.trusted_bucket:
         raise FleetKeyError(
             "shared tier: no key. Objects in the bucket are encrypted and authenticated with a fleet key: "

@@ -38,9 +38,10 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
-
-from tiered_kv.abstract import BlockHash, Closing, OffloadingEvent, PrepareStoreOutput
+from tiered_kv.abstract import BlockHash, Closing, LowerTier, OffloadingEvent, PrepareStoreOutput
 from tiered_kv.mediums import TierSlotsSpec
 from tiered_kv.remote.membership import Membership, MembershipCache
 from tiered_kv.remote.store import RemoteStore
@@ -307,7 +308,7 @@ class RemoteOffloadingManager(Closing):
         with self._idle:
             self._in_flight += 1
 
-        def done(f, kind=kind, hashes=hashes) -> None:
+        def done(f: Future, kind: str = kind, hashes: list[BlockHash] = hashes) -> None:
             try:
                 answers = list(f.result())
             except Exception:
@@ -356,3 +357,9 @@ class RemoteOffloadingManager(Closing):
 
 
 __all__ = ["REMOTE", "RemoteLoadStoreSpec", "RemoteOffloadingManager"]
+
+
+if TYPE_CHECKING:  # for the type checker only: the composite takes this tier as a ``LowerTier``
+
+    def _as_lower_tier(tier: RemoteOffloadingManager) -> LowerTier:
+        return tier

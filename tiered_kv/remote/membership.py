@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import NamedTuple, Protocol
 
 from tiered_kv.abstract import BlockHash
@@ -168,8 +169,11 @@ class MembershipProber:
             except Exception:
                 self._settle(new, [None] * len(new))
                 raise
-            future.add_done_callback(lambda f, hashes=new: self._settle(hashes, _answers(f, len(hashes))))
+            future.add_done_callback(partial(self._answered, new))
         return probing
+
+    def _answered(self, block_hashes: list[BlockHash], future: Future) -> None:
+        self._settle(block_hashes, _answers(future, len(block_hashes)))
 
     def _settle(self, block_hashes: list[BlockHash], answers: list[bool | None]) -> None:
         present = [h for h, a in zip(block_hashes, answers) if a is True]

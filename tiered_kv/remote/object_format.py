@@ -203,11 +203,12 @@ def pieces_checksum(name: str) -> Callable[[Sequence[memoryview]], int]:
                 h.update(piece)
             return h.intdigest()
     else:
+        import crc32c  # checksum_function checked that it is there
 
         def many(pieces: Sequence[memoryview]) -> int:
             value = 0
             for piece in pieces:
-                value = one(piece, value)
+                value = crc32c.crc32c(piece, value)
             return value
 
     return lambda pieces: one(pieces[0]) if len(pieces) == 1 else many(pieces)
@@ -302,7 +303,7 @@ def read_header(data: memoryview) -> BlockHeader | SealedHeader:
 
 def seal(
     keyring: Keyring, fingerprint: bytes, block_hash: BlockHash, rank: int, pieces: Sequence[memoryview]
-) -> list[bytes | bytearray]:
+) -> list[bytes | bytearray | memoryview]:
     """The parts of the sealed object holding the concatenation of ``pieces``: header,
     ciphertext, tag (a fresh nonce; the current key)."""
     size = sum(len(p) for p in pieces)
@@ -337,7 +338,7 @@ def _opened(
 
 def _check_identity(
     header: BlockHeader | SealedHeader, fingerprint: bytes, block_hash: BlockHash, rank: int, size: int
-):
+) -> None:
     if header.fingerprint != fingerprint:
         raise Rejected(
             "foreign", f"fingerprint {header.fingerprint.hex()[:16]}..., expected {fingerprint.hex()[:16]}..."
@@ -462,6 +463,7 @@ def verify_stream(
     _check_identity(header, fingerprint or header.fingerprint, block_hash, rank, header.payload_len)
     body = memoryview(head)[header.header_len :]
     if isinstance(header, SealedHeader):
+        assert keyring is not None  # a sealed object without a keyring was rejected above
         if not keyring.holds(header.key_id):
             raise Rejected("key", f"sealed under key id {header.key_id:08x}, which this reader does not hold")
         sink = keyring.opener(header.key_id, header.nonce, bytes(head[: header.header_len]))
@@ -479,7 +481,7 @@ def verify_stream(
             ) from None
         return header
     try:
-        one = checksum_function(header.checksum_name)
+        checksum_function(header.checksum_name)  # the name is known, and crc32c importable
     except (ValueError, RuntimeError) as exc:
         raise Rejected("format", f"checksum {header.checksum_name!r}: {exc}") from None
     streamed = xxhash.xxh3_64() if header.checksum_name == "xxh3_64" else None
@@ -487,8 +489,10 @@ def verify_stream(
     for piece in _chain(body, it):
         if streamed is not None:
             streamed.update(piece)
-        else:
-            value = one(piece, value)
+        else:  # crc32c (checksum_function checked that it is there), continued piece by piece
+            import crc32c
+
+            value = crc32c.crc32c(piece, value)
     if (streamed.intdigest() if streamed is not None else value) != header.checksum:
         raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
     return header

@@ -162,7 +162,7 @@ class RemoteStats:
         return sum(self.rejected.values())
 
 
-def _gather(futures: list[Future], combine: Callable[[list[Any]], T] = list) -> Future:
+def _gather(futures: list[Future], combine: Callable[[list[Any]], object] = list) -> Future:
     """One future for a batch: ``combine`` of the results, in order, once all are done."""
     out: Future = Future()
     if not futures:
@@ -590,7 +590,7 @@ class RemoteStore:
     def __enter__(self) -> RemoteStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.metrics import TransferCounter
 from tiered_kv.spec import OffloadingSpec
-from tiered_kv.worker.worker import OffloadingWorker, TransferResult
+from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 from tiered_kv.sim.workloads import Workload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -219,6 +220,22 @@ class _Job:
     groups: list[int]
 
 
+class JobWorker(Protocol):
+    """What the driver needs of a worker: an ``OffloadingWorker``, or one per rank
+    behind one (``tiered_kv.testing.ranks.RankWorkers``)."""
+
+    @property
+    def handlers(self) -> Collection[OffloadingHandler]: ...
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool: ...
+
+    def get_finished(self) -> list[TransferResult]: ...
+
+    def wait(self, job_ids: set[int]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class EngineDriver:
     """Drives ``manager`` (scheduler side) and ``worker`` (model-runner side, built over
     ``device``'s KV tensors) through request streams and records a ``DriverReport``.
@@ -226,7 +243,7 @@ class EngineDriver:
     Use ``EngineDriver.from_spec`` to build both from an ``OffloadingSpec``.
     """
 
-    def __init__(self, manager: OffloadingManager, worker: OffloadingWorker, device: DeviceKVCache):
+    def __init__(self, manager: OffloadingManager, worker: JobWorker, device: DeviceKVCache):
         self.manager = manager
         self.worker = worker
         self.device = device
@@ -387,7 +404,7 @@ class EngineDriver:
         self._pool.hold(groups)
         self._submit("store", (GPULoadStoreSpec(self._kernel_ids(groups)), out.store_spec), to_store, groups)
 
-    def _submit(self, kind: str, spec, block_hashes: list[BlockHash], groups: list[int]) -> int:
+    def _submit(self, kind: str, spec: TransferSpec, block_hashes: list[BlockHash], groups: list[int]) -> int:
         """Submit a job and start its direction's clock. A job the worker refused was
         never submitted (the seed's contract): it is settled as failed here."""
         direction = f"{spec[0].medium()}->{spec[1].medium()}"
@@ -408,7 +425,7 @@ class EngineDriver:
             self._settle([TransferResult(job_id, False)])
         return job_id
 
-    def _settle(self, results) -> None:
+    def _settle(self, results: list[TransferResult]) -> None:
         now = time.perf_counter()
         for result in results:
             job_id, success = result.job_id, result.success

@@ -226,6 +226,6 @@ class CrashRunner:
         lost = missing[tolerated:]
         # Blocks an interrupted eviction took are evicted as far as later trials go.
         with open(self.journal, "a") as f:
-            for h in missing:
-                f.write(f"E {h.hex()}\n")
+            for block in missing:
+                f.write(f"E {block.hex()}\n")
         return CrashTrial(i, policy, phase, delay, len(st.acked), lost, tolerated, verify, cli, n_loadable)

@@ -29,10 +29,12 @@ import torch
 
 from tiered_kv.abstract import Closing
 from tiered_kv.disk.format.index import IndexSnapshot
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.worker.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import MANIFEST
 from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
+from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.sim.workloads import prefix_hashes
 
@@ -103,18 +105,22 @@ class Hierarchy(Closing):
                 for r in range(1, tp_size)
             ]
             workers = [s.build_worker(d.kv_caches, d.kv_before_num_blocks) for s, d in zip(self.specs, devices)]
-            self.driver = RanksDriver(self.spec.get_manager(), RankWorkers(workers), devices)
+            self.driver: EngineDriver = RanksDriver(self.spec.get_manager(), RankWorkers(workers), devices)
         else:
             self.driver = EngineDriver.from_spec(self.spec, self.device)
         self.closed = False
 
     @property
-    def manager(self):
-        return self.driver.manager
+    def manager(self) -> TieredOffloadingManager:
+        manager = self.driver.manager
+        assert isinstance(manager, TieredOffloadingManager)  # what HierarchySpec builds
+        return manager
 
     @property
-    def disk(self):
-        return self.driver.manager.tier("disk")
+    def disk(self) -> DiskOffloadingManager:
+        disk = self.manager.tier("disk")
+        assert isinstance(disk, DiskOffloadingManager)  # the hierarchy built here has a disk tier
+        return disk
 
     @property
     def stager(self):
@@ -279,7 +285,8 @@ def slots_of(cache_dir) -> dict[bytes, int]:
     """block hash -> slot of every entry of the cache's (first) namespace."""
     store = DiskStore.open_readonly(namespace_dirs(cache_dir)[0])
     try:
-        return {h: store.entry(h).slot for h, _ in snapshot_hashes(store.snapshot())}
+        entries = {h: store.entry(h) for h, _ in snapshot_hashes(store.snapshot())}
+        return {h: e.slot for h, e in entries.items() if e is not None}
     finally:
         store.close()
 

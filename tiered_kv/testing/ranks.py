@@ -16,7 +16,7 @@ import torch
 
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
 from tiered_kv.memory.host_memory import pack_blocks, unpack_blocks
-from tiered_kv.worker.worker import OffloadingWorker, TransferResult
+from tiered_kv.worker.worker import OffloadingHandler, OffloadingWorker, TransferResult, TransferSpec
 
 
 class RankWorkers:
@@ -29,10 +29,10 @@ class RankWorkers:
         self._reports: dict[int, list[bool]] = {}
 
     @property
-    def handlers(self) -> list:
+    def handlers(self) -> list[OffloadingHandler]:
         return [h for w in self.workers for h in w.handlers]
 
-    def transfer_async(self, job_id: int, spec) -> bool:
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         accepted = [w.transfer_async(job_id, spec) for w in self.workers]
         return all(accepted)
 

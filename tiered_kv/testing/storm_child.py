@@ -92,18 +92,19 @@ def _storm(cache_dir: str, seed: int, policy: str, disk_io: str, tp_size: int, j
         j.note("P")
         return out
 
-    disk.prepare_store = journaled_prepare_store
+    disk.prepare_store = journaled_prepare_store  # type: ignore[method-assign]  # journal each reservation
     docs = _universe()
     universe = list(dict.fromkeys(b for d in docs for b in d))
     weights = 1.0 / np.arange(1, len(docs) + 1) ** 0.8
     weights /= weights.sum()
+    zipf = weights.tolist()
     rng = random.Random(seed)
     order = np.random.default_rng(seed).permutation(len(docs))  # each child has its own favourites
     acked: set[bytes] = set()
     mismatches = done = 0
     j.note("R")
     while True:
-        doc = docs[order[rng.choices(range(len(docs)), weights)[0]]]
+        doc = docs[order[rng.choices(range(len(docs)), zipf)[0]]]
         h.driver.run_request(doc[: rng.randint(2, len(doc))])
         done += 1
         disk.refresh()

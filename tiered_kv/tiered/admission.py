@@ -45,10 +45,9 @@ class WriteAdmission:
 
     def admitted(self, i: int, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """The members of ``block_hashes`` lower tier ``i`` takes now, in order."""
-        n = self.admit_after[i]
-        if n <= 1 or not block_hashes:
+        n, uses = self.admit_after[i], self._uses
+        if n <= 1 or not block_hashes or uses is None:
             return block_hashes
-        uses = self._uses
         admitted = [h for h in block_hashes if uses.get(h, 0) >= n]
         self.stats.count(self.names[i], "not_admitted", len(block_hashes) - len(admitted))
         return admitted

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, TierSlotsSpec, chunk_positions
+from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, TierSlotsSpec, chunk_positions, spec_as
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.transfer_specs import TierWrites, TieredLoadSpec
 from tiered_kv.worker.worker import OffloadingHandler, Stager, TransferResult, TransferSpec
@@ -130,6 +130,7 @@ class _PipelineHandler(OffloadingHandler):
                 return None
             ok = step.future.exception() is None and step.future.result() is not False
             return ok, step.ended - step.started
+        assert step.sub_id is not None  # a step without a future is a sub-job
         result = self._inner_done.pop(step.sub_id, None)
         if result is None:
             return None
@@ -189,6 +190,7 @@ class _PipelineHandler(OffloadingHandler):
                 if step.future is not None:
                     step.future.exception()  # blocks until done
                 elif step.sub_id not in self._inner_done:
+                    assert step.handler is not None and step.sub_id is not None  # a sub-job
                     step.handler.wait({step.sub_id})
                 break
 
@@ -223,13 +225,13 @@ class TieredStoreHandler(_PipelineHandler):
         for stager, writes in zip(self.stagers, spills):
             if writes and stager is not None:
                 steps.append(partial(self._stage_step, stager, writes))
-        plain_dst = CPULoadStoreSpec(dst.block_ids)
+        plain_dst = CPULoadStoreSpec(spec_as(dst, CPULoadStoreSpec).block_ids)
         steps.append(
             partial(
                 self._submit_inner,
                 self.gpu_to_cpu,
                 "gpu_to_cpu",
-                len(dst.block_ids) * self.bytes_per_block,
+                len(plain_dst) * self.bytes_per_block,
                 (src, plain_dst),
             )
         )
@@ -307,11 +309,12 @@ class TieredLoadHandler(_PipelineHandler):
         return CPULoadStoreSpec(cpu_slots), GPULoadStoreSpec(flat[skip:], skip_count=skip)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        src, dst = spec
+        src, dst = spec[0], spec_as(spec[1], GPULoadStoreSpec)
         submit = self._submit_inner  # steps are built now, run later: bind their arguments
         if not isinstance(src, TieredLoadSpec):
-            n = len(src.block_ids) * self.bytes_per_block
-            inner = self._cpu_to_gpu_spec(src.block_ids, self._gpu_rows(dst, len(src.block_ids)))
+            cpu_slots = spec_as(src, CPULoadStoreSpec).block_ids
+            n = len(cpu_slots) * self.bytes_per_block
+            inner = self._cpu_to_gpu_spec(cpu_slots, self._gpu_rows(dst, len(cpu_slots)))
             return self._start(job_id, [deque([partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, inner)])])
         rows = self._gpu_rows(dst, len(src))
         bpb = self.bytes_per_block

@@ -69,7 +69,7 @@ from tiered_kv.abstract import (
 from tiered_kv.config import WRITE_POLICIES, TieredConfig
 from tiered_kv.cost import DEFAULT_PREFILL_TOKENS_PER_S, LoadCosts
 from tiered_kv.cpu.manager import CPUOffloadingManager
-from tiered_kv.mediums import CPU, CPULoadStoreSpec
+from tiered_kv.mediums import CPU, CPULoadStoreSpec, ids_spec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.admission import WriteAdmission
 from tiered_kv.tiered.transfer_specs import TierWrites, TieredLoadSpec, TieredStoreSpec
@@ -278,34 +278,34 @@ class TieredOffloadingManager(OffloadingManager):
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         block_hashes = list(block_hashes)
-        sources = list(map(self._source, block_hashes))
-        for block_hash, source in zip(block_hashes, sources):
-            if source is None:
+        sources: list[int] = []
+        for block_hash in block_hashes:
+            if (source := self._source(block_hash)) is None:
                 raise KeyError(
                     f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
                 )
+            sources.append(source)
         self.admission.note(block_hashes)
         cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
         self._cpu_loads.update(cpu_hashes)
         self.stats.count("cpu", "hits", len(cpu_hashes))
         if len(cpu_hashes) == len(block_hashes):
-            return CPULoadStoreSpec([self.cpu.slot_of(h) for h in block_hashes])
-
+            return CPULoadStoreSpec(self.cpu.slots_of(block_hashes))
         lower_slot: dict[BlockHash, int] = {}
         lower_hashes: list[BlockHash] = []
         for i, tier in enumerate(self.lower):
             hashes = [h for h, s in zip(block_hashes, sources) if s == i]
             if not hashes:
                 continue
-            spec = tier.prepare_load(hashes)
-            lower_slot.update(zip(hashes, spec.id_list()))
+            lower_slot.update(zip(hashes, ids_spec(tier.prepare_load(hashes)).id_list()))
             self._lower_loads[i].update(hashes)
             self.stats.count(tier.name, "hits", len(hashes))
             lower_hashes.extend(hashes)
         promote_slot = self._start_promotions(lower_hashes) if self.promote_on_hit else {}
+        cpu_slot = dict(zip(cpu_hashes, self.cpu.slots_of(cpu_hashes)))
         return TieredLoadSpec(
-            cpu_slots=[self.cpu.slot_of(h) if s < 0 else -1 for h, s in zip(block_hashes, sources)],
+            cpu_slots=[cpu_slot.get(h, -1) for h in block_hashes],
             tier_slots=[lower_slot.get(h, -1) for h in block_hashes],
             promote_slots=[promote_slot.get(h, -1) for h in block_hashes],
             block_hashes=block_hashes,
@@ -457,7 +457,7 @@ class TieredOffloadingManager(OffloadingManager):
                 if cpu_slot is None:
                     cpu_slot = dict(zip(victims, cpu_slots))
                 spill_slots = list(map(cpu_slot.__getitem__, spilled))
-            spills[i] = TierWrites(spill_slots, out.store_spec.id_list(), spilled)
+            spills[i] = TierWrites(spill_slots, ids_spec(out.store_spec).id_list(), spilled)
             held.update(spilled)
             gone.extend(self._left_hierarchy(i, out.block_hashes_evicted))
             self.stats.count(tier.name, "evictions", len(out.block_hashes_evicted))
@@ -538,7 +538,7 @@ class TieredOffloadingManager(OffloadingManager):
             cpu_slot = dict(zip(to_store, cpu_slots))
             writes = TierWrites(
                 list(map(cpu_slot.__getitem__, out.block_hashes_to_store)),
-                out.store_spec.id_list(),
+                ids_spec(out.store_spec).id_list(),
                 out.block_hashes_to_store,
             )
             # Evictions here only remove blocks no other tier holds.

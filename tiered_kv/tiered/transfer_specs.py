@@ -12,15 +12,15 @@ from tiered_kv.mediums import CPULoadStoreSpec, Int64Column, TierWrite, TierWrit
 TIERED = "TIERED"
 
 
-def _per_tier(writes) -> tuple[TierWrites, ...]:
+def _per_tier(writes: TierWrites | Sequence[TierWrites] | Sequence[TierWrite]) -> tuple[TierWrites, ...]:
     """Writes per lower tier: one ``TierWrites`` (or a list of ``TierWrite``) is the first
     lower tier's; a tuple or list of ``TierWrites`` is one per tier, in tier order."""
     if isinstance(writes, TierWrites):
         return (writes,)
-    writes = list(writes)
-    if writes and all(isinstance(w, TierWrites) for w in writes):
-        return tuple(writes)
-    return (TierWrites.of(writes),)
+    per_tier = [w for w in writes if isinstance(w, TierWrites)]
+    if per_tier and len(per_tier) == len(writes):
+        return tuple(per_tier)
+    return (TierWrites.of([w for w in writes if not isinstance(w, TierWrites)]),)
 
 
 class TieredStoreSpec(CPULoadStoreSpec):
@@ -74,6 +74,10 @@ class TieredLoadSpec(LoadStoreSpec):
     tier_slots = Int64Column()
     promote_slots = Int64Column()
     lower_tiers = Int64Column()
+    _cpu_slots: list[int] | np.ndarray  # the columns' storage (see Int64Column)
+    _tier_slots: list[int] | np.ndarray
+    _promote_slots: list[int] | np.ndarray
+    _lower_tiers: list[int] | np.ndarray
 
     def __init__(
         self,

@@ -12,9 +12,10 @@ import logging
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
+from tiered_kv.mediums import TierWrites
 
 logger = logging.getLogger(__name__)
 
@@ -190,9 +191,9 @@ class Stager(Protocol):
     reused at once) and writes them into the tier in the background, where each
     block's durability is recorded for the scheduler's ``LowerTier`` to learn."""
 
-    def stage(self, writes: Any) -> Future[None]:
-        """Start copying ``writes``' CPU slots out (a ``TierWrites``); the future is done
-        once those slots may be overwritten."""
+    def stage(self, writes: TierWrites) -> Future[None]:
+        """Start copying ``writes``' CPU slots out; the future is done once those slots
+        may be overwritten."""
 
     def drain(self) -> None:
         """Block until every staged write has landed (or failed)."""

@@ -43,6 +43,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -119,7 +120,7 @@ class DiskIndex(Closing):
             self._closed = True
             release_env(self._shared)
 
-    def _db(self, name: str):
+    def _db(self, name: str) -> Any:  # an lmdb database handle, None in an unwritten read-only index
         return self._shared.dbs[name]
 
     def check_pages(self) -> None:
@@ -132,14 +133,14 @@ class DiskIndex(Closing):
     def encode(self, block_hash: bytes, e: Entry) -> bytes:
         return self._entry.pack(e.slot, e.size, e.hits, e.store_time, e.last_access, e.ranks, *e.checksums) + block_hash
 
-    def decode(self, block_hash: bytes, raw: bytes) -> Entry | None:
+    def decode(self, block_hash: bytes, raw: bytes | memoryview) -> Entry | None:
         """None for a value that does not fit (another tp_size, or damage)."""
         if len(raw) != self._entry.size + len(block_hash) or raw[self._entry.size :] != block_hash:
             return None
         v = self._entry.unpack_from(raw)
         return Entry(v[0], v[1], v[2], sane_time(v[3]), sane_time(v[4]), v[5], tuple(v[6:]))
 
-    def _slot_of(self, raw: bytes | None) -> int | None:
+    def _slot_of(self, raw: bytes | memoryview | None) -> int | None:
         if raw is None or len(raw) < self._entry.size:
             return None
         return ENTRY_HEADER.unpack_from(raw)[0]
@@ -278,7 +279,7 @@ class DiskIndex(Closing):
             return 0
         return self._shared.run(self._log_seq)
 
-    def _log_seq(self, txn) -> int:
+    def _log_seq(self, txn: lmdb.Transaction) -> int:
         raw = txn.get(_LOG_SEQ_KEY, db=self._db("meta")) if self._db("meta") is not None else None
         if raw is not None and len(raw) != _SEQ.size:  # damaged: the log's last key says it too
             cur = txn.cursor(db=self._db("log"))
@@ -355,7 +356,12 @@ class DiskIndex(Closing):
         self._shared.run(write, write=True)
 
     def _put_stored(
-        self, txn, job: "StoredBlocks", now: float, order: int, records: list[tuple[int, int, int, bytes]]
+        self,
+        txn: lmdb.Transaction,
+        job: "StoredBlocks",
+        now: float,
+        order: int,
+        records: list[tuple[int, int, int, bytes]],
     ) -> int:
         blocks, slot_db = self._db("blocks"), self._db("slots")
         rank = job.rank
@@ -380,7 +386,7 @@ class DiskIndex(Closing):
             records.append((LOG_OK, rank, s, h))
         return order
 
-    def _clear(self, txn, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+    def _clear(self, txn: lmdb.Transaction, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         blocks, slot_db = self._db("blocks"), self._db("slots")
         for h, s in zip(hashes, slots):
             sk = _SLOT.pack(s)
@@ -470,7 +476,7 @@ class DiskIndex(Closing):
 
     # ------------------------------------------------------------ helpers
 
-    def _delete_if_slot(self, txn, h: bytes, slot: int) -> bool:
+    def _delete_if_slot(self, txn: lmdb.Transaction, h: bytes | memoryview, slot: int) -> bool:
         blocks = self._db("blocks")
         if self._slot_of(txn.get(h, db=blocks)) != slot:
             return False
@@ -480,7 +486,7 @@ class DiskIndex(Closing):
             txn.delete(sk, db=self._db("slots"))
         return True
 
-    def _append_log(self, txn, records: Sequence[tuple[int, int, int, bytes]]) -> None:
+    def _append_log(self, txn: lmdb.Transaction, records: Sequence[tuple[int, int, int, bytes]]) -> None:
         """Append ``records`` as one log value (one per run of equal hash lengths)."""
         if not records:
             return

@@ -165,7 +165,7 @@ class SharedEnv(Closing):
 
     @staticmethod
     def _open(path: Path, readonly: bool, map_size: int, index_fd: int) -> lmdb.Environment:
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             subdir=True,
             max_dbs=8,
             readonly=readonly,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -181,7 +182,9 @@ class _Walk:
             raise LmdbDamage(f"{what}: page {pg[bad][0]} has bounds {int(lower[bad][0])}..{int(upper[bad][0])}")
         return lower, upper, count
 
-    def _nodes(self, pg: np.ndarray, upper: np.ndarray, count: np.ndarray, what: str):
+    def _nodes(
+        self, pg: np.ndarray, upper: np.ndarray, count: np.ndarray, what: str
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Every node of pages ``pg``: (page of each, offset, lo|hi<<16, flags, ksize)."""
         page_of = np.repeat(pg, count)
         first = np.repeat(np.cumsum(count) - count, count)
@@ -205,7 +208,7 @@ class _Walk:
                 f"{int((self.psize - upper)[bad][0])}-byte node area"
             )
 
-    def tree(self, db: _Db, want_subdbs: bool = False):
+    def tree(self, db: _Db, want_subdbs: bool = False) -> Any:  # arrays, or a list (want_subdbs)
         """Walk ``db``'s tree; returns the leaf nodes of the free list as (page, offset,
         size, flags, ksize) arrays, or, with ``want_subdbs``, the (name, record) of each
         named database."""
@@ -286,7 +289,7 @@ class _Walk:
 
     # ---------------------------------------------------------------- free list
 
-    def free_list(self, leaves) -> None:
+    def free_list(self, leaves: tuple[np.ndarray, ...] | None) -> None:
         if leaves is None:
             return
         page_of, off, size, flags, ksize = leaves

@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from tiered_kv.config import CHECKSUMS
 from tiered_kv.disk.format.errors import NamespaceError
@@ -87,8 +87,10 @@ class Manifest:
     created: float
     format_version: int = FORMAT_VERSION
     created_by: dict[str, Any] = field(default_factory=dict)
-    #: The fingerprint record as a ``Fingerprint`` (set by ``parse`` and ``new``).
-    parsed_fingerprint: ClassVar[Fingerprint | None] = None
+
+    def __post_init__(self) -> None:
+        #: The fingerprint record as a ``Fingerprint`` (set by ``parse`` and ``new``; not a field).
+        self.parsed_fingerprint: Fingerprint
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -101,7 +103,7 @@ class Manifest:
         descriptor, when given). Raises ``ManifestError`` or ``NamespaceError``."""
         path = Path(ns_dir) / MANIFEST
         own_fd = dir_fd is None
-        if own_fd:
+        if dir_fd is None:
             try:
                 dir_fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as e:

@@ -46,7 +46,7 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig, format_size
@@ -77,6 +77,9 @@ from tiered_kv.disk.format.namespace_dir import (
 )
 from tiered_kv.disk.format.safe_open import ANY_OWNER, CacheEntryError, check_entry, open_dir, open_file
 from tiered_kv.kv_layout import KVCacheLayout
+
+if TYPE_CHECKING:  # imported where it is opened: the index imports the namespace's helpers
+    from tiered_kv.disk.format.index import DiskIndex
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +130,11 @@ class Namespace(Closing):
     engine's) hold the shared directory lock, and tighten looser permission bits.
     """
 
-    def __init__(self, path: Path, manifest: Manifest | None, fd: int, owner: int, writer: bool):
+    #: Read when the namespace is opened, before the handle is handed out.
+    manifest: Manifest
+
+    def __init__(self, path: Path, fd: int, owner: int, writer: bool):
         self.path = path
-        self.manifest = manifest
         self.fd = fd
         self.owner = owner
         self.writer = writer
@@ -255,11 +260,15 @@ class Namespace(Closing):
                 except FileNotFoundError:
                     if not create:
                         raise NamespaceError(f"no namespace {name} in {root}") from None
+                    if num_slots is None:
+                        raise NamespaceError(
+                            f"no namespace {name} in {root}, and neither num_slots nor disk_bytes to size one"
+                        ) from None
                     created = create_namespace(root, root_fd, name, fingerprint, layout, num_slots, checksum)
                     continue
                 except OSError as e:
                     raise NamespaceError(f"cannot open {ns_dir}: {e.strerror}") from None
-                ns = cls(ns_dir, None, fd, owner, writer=True)
+                ns = cls(ns_dir, fd, owner, writer=True)
                 try:
                     ns._hold_shared()
                     if not _still_at(root_fd, name, fd):
@@ -297,7 +306,7 @@ class Namespace(Closing):
             raise NamespaceError(f"cannot open {p}: {e.strerror}") from None
         finally:
             os.close(parent)
-        ns = cls(p, None, fd, os.fstat(fd).st_uid, writer=False)
+        ns = cls(p, fd, os.fstat(fd).st_uid, writer=False)
         try:
             ns._load_checked()
         except BaseException:
@@ -375,7 +384,7 @@ class Namespace(Closing):
         except BlockingIOError:
             return False
 
-    def open_index(self, **kwargs: Any):
+    def open_index(self, **kwargs: Any) -> DiskIndex:
         """This namespace's ``DiskIndex`` (``kwargs``: its options), its files checked and
         opened through this directory's descriptor."""
         from tiered_kv.disk.format.index import DiskIndex
@@ -514,7 +523,7 @@ def list_namespaces(cache_dir: str | os.PathLike) -> list[Namespace]:
     """Every readable namespace in ``cache_dir``, opened read-only (unreadable ones, and
     entries that are not directories of their own, are logged and skipped)."""
     root = Path(cache_dir)
-    out = []
+    out: list[Namespace] = []
     if not root.is_dir():
         return out
     for child in sorted(root.iterdir()):

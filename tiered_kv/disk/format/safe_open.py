@@ -71,7 +71,7 @@ def _kind(mode: int) -> str:
     return f"a special file (mode {mode:o})"
 
 
-def describe(name: str | os.PathLike, dir_fd: int | None = None) -> str:
+def describe(name: str | os.PathLike[str], dir_fd: int | None = None) -> str:
     """What the entry ``name`` (relative to ``dir_fd``) is, not following it: e.g. "a
     symbolic link to /etc/passwd", "a dangling symbolic link to /nowhere", "a FIFO",
     "missing"."""

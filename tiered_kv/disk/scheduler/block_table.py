@@ -18,7 +18,7 @@ from itertools import islice
 import numpy as np
 
 
-def run_into(future: Future, fn: Callable, *args) -> None:
+def run_into(future: Future, fn: Callable[..., object], *args: object) -> None:
     """``fn(*args)``'s result or exception, into ``future`` (the body of a one-off thread)."""
     try:
         future.set_result(fn(*args))

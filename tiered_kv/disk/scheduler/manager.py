@@ -49,13 +49,14 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Collection, Container, Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import filterfalse
+from typing import TYPE_CHECKING
 
 import lmdb
 
-from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiered_kv.abstract import BlockHash, LowerTier, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.config import TieredConfig
 from tiered_kv.disk.scheduler.adoption import adopt_snapshot
 from tiered_kv.disk.scheduler.block_table import BlockTable
@@ -154,7 +155,6 @@ class DiskOffloadingManager(OffloadingManager):
                 self.namespace.manifest.checksum,
                 checksum,
             )
-        self.index: DiskIndex | None = None
         with self.namespace.starting():  # a refused start closes what it took, removes what it made
             self._lock_file = WriterLock.acquire(self.namespace, self.engine_id)
             self._open(cache_dir, fingerprint, capacity)
@@ -173,7 +173,7 @@ class DiskOffloadingManager(OffloadingManager):
         intact = min(self._slab_slots(rank) for rank in range(self.tp_size))
         for rank in range(self.tp_size):
             self.namespace.allocate_slab(rank)
-        self.index = self.namespace.open_index(expected_entries=capacity, repair=True)
+        self.index: DiskIndex = self.namespace.open_index(expected_entries=capacity, repair=True)
         self.namespace.reserve_index()
         self._lock = threading.Lock()
         self._table = BlockTable()
@@ -210,7 +210,7 @@ class DiskOffloadingManager(OffloadingManager):
 
     @classmethod
     def from_config(
-        cls, config, layout: KVCacheLayout, tp_size: int = 1, engine_id: str | None = None
+        cls, config: TieredConfig, layout: KVCacheLayout, tp_size: int = 1, engine_id: str | None = None
     ) -> "DiskOffloadingManager":
         """From a ``TieredConfig`` with ``disk_path`` set."""
         if not config.disk_path:
@@ -287,7 +287,8 @@ class DiskOffloadingManager(OffloadingManager):
                 if self._table.touch(h):
                     self._index_flusher.touch(h, now, 0)
 
-    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Unpin the blocks (``success`` changes nothing here: a failed read leaves them as they were)."""
         with self._lock:
             for h in block_hashes:
                 n = self._pins.get(h, 0)
@@ -308,6 +309,7 @@ class DiskOffloadingManager(OffloadingManager):
         and none is loadable or pending here (it just asked ``absent_among``; only this
         thread makes blocks pending), which skips re-checking them; ``protected`` then
         names the rest of its request (the composite's offered blocks)."""
+        seen: Collection[BlockHash]
         with self._lock:
             if fresh:
                 to_store = seen = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
@@ -588,3 +590,9 @@ class DiskOffloadingManager(OffloadingManager):
                 if not self._table.warm_up(_WARM_UP_CHUNK):
                     return
             time.sleep(0)  # let the scheduler thread in between lock holds
+
+
+if TYPE_CHECKING:  # for the type checker only: the composite takes this tier as a ``LowerTier``
+
+    def _as_lower_tier(tier: DiskOffloadingManager) -> LowerTier:
+        return tier

@@ -182,6 +182,7 @@ class Batch(ABC):
     slots: list[int]
     _file: BackendFile | None
     _futures: list[Future]
+    _error: str | None
 
     def wait_idle(self) -> None:
         """Wait until no submitted I/O still uses its rows (errors are kept for ``finish``)."""
@@ -206,6 +207,12 @@ class Batch(ABC):
             futs.append(fut)
         return self._all_done(futs, start, start + len(slots))
 
+    def _slab(self) -> BackendFile:
+        """The slab file the batch moves its blocks through (a batch of no blocks has none)."""
+        if self._file is None:
+            raise ValueError(f"no slab file to move blocks through ({self._error or 'the batch has no blocks'})")
+        return self._file
+
     def _row_runs(
         self,
         start: int,
@@ -220,7 +227,7 @@ class Batch(ABC):
         ``blocks`` are its blocks' views in ``sums`` (host rows holding the same bytes)."""
         if sums.device.type != "cpu":
             raise ValueError("device rows need host rows for their checksums")
-        slot, f = self.store.slot_size, self._file
+        slot, f = self.store.slot_size, self._slab()
         blocks = block_views(sums, self.store.block_bytes)
         data = host_view(buf) if buf.device.type == "cpu" else None
         for first, n in runs(self.slots, start, len(buf), max(1, MAX_IO_BYTES // slot)):

@@ -3,8 +3,8 @@
 ``BlockStore`` is implemented by ``DiskStore`` (the store in the worker process) and by
 ``DiskIOProcess`` (the same store run in a helper process, ``disk_io: process``); the
 handlers (``tiered_kv.disk.worker.handlers``), the stager and the warm-up take either. A store
-hands out one ``BlockBatch`` per job: runs of blocks written with their checksums, or
-read and verified against them.
+hands out one batch per job: a ``WriteBlockBatch`` writes runs of blocks with their
+checksums, a ``BlockBatch`` reads them and verifies them against those.
 
 Worker process; these are interfaces only, no I/O here.
 """
@@ -38,8 +38,18 @@ class BlockBatch(Protocol):
     def finish(self) -> list[bool]:
         """Wait for every block; per-block success (a read: present and verified)."""
 
+
+class WriteBlockBatch(BlockBatch, Protocol):
+    """A ``BlockBatch`` that writes: its blocks become loadable once ``finish`` says so,
+    and one that cannot be completed is abandoned rather than left half-written."""
+
+    def abandon(self, e: BaseException) -> None:
+        """Fail the batch because of ``e`` (raised while producing its rows): no further
+        ``submit`` is accepted, and ``finish`` reports every block failed and logs them
+        failed in the index."""
+
     def finish_async(self) -> Future[list[bool]]:
-        """``finish`` as a future."""
+        """``finish`` as a future (done once the blocks' index commit settled)."""
 
 
 class BlockStore(Protocol):
@@ -51,7 +61,7 @@ class BlockStore(Protocol):
     checksum_name: str
     backend: Any  # the I/O backend (``gds`` says whether GPU memory goes straight to disk)
 
-    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> BlockBatch:
+    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> WriteBlockBatch:
         """A batch that stores ``hashes`` into ``slots``: loadable once ``finish`` says so."""
 
     def begin_read(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> BlockBatch:
@@ -62,6 +72,10 @@ class BlockStore(Protocol):
 
     def read_blocks(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int], out: torch.Tensor) -> list[bool]:
         """``begin_read``, one ``submit`` into ``out`` and ``finish``."""
+
+    def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Record in the index that writes of ``hashes`` into ``slots`` will not happen (a
+        stager dropped them), so the scheduler releases those pending slots."""
 
     def takes_slots(self, views: SlotViews) -> bool:
         """Whether batches can move these CPU-tier slots where they lie (no staging)."""

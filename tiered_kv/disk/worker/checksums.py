@@ -46,11 +46,12 @@ class RunChecksums:
                         h.update(piece[at : at + _HELD_UPDATE])
                 return h.intdigest()
         else:  # crc32c continues from a previous value
+            import crc32c
 
             def held(pieces: Sequence[memoryview]) -> int:
                 value = 0
                 for piece in pieces:
-                    value = self.one_call(piece, value, _KEEP_GIL)
+                    value = crc32c.crc32c(piece, value, _KEEP_GIL)
                 return value
 
         self.held = held

@@ -132,13 +132,13 @@ class GroupCommitter(Closing):
     def _lead(self, group: list[IndexWrite]) -> None:
         try:
             # Durability first: one fdatasync per slab covers every queued job's writes.
-            files: dict[int, list[IndexWrite]] = {}
+            files: dict[int, tuple[BackendFile, list[IndexWrite]]] = {}
             for r in group:
-                if r.durable_writes():
-                    files.setdefault(id(r.file), []).append(r)
-            for reqs in files.values():
+                if r.durable_writes() and r.file is not None:
+                    files.setdefault(id(r.file), (r.file, []))[1].append(r)
+            for f, reqs in files.values():
                 try:
-                    self._sync(reqs[0].file)
+                    self._sync(f)
                 except OSError as e:
                     for r in reqs:
                         r.error = e

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ from tiered_kv.disk.worker.io_backends import aligned_empty
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.memory.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout
-from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, TierSlotsSpec
+from tiered_kv.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, TierSlotsSpec, spec_as
 from tiered_kv.metrics import TieredStats
 from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
 from tiered_kv.worker.worker import TransferSpec
@@ -144,7 +145,8 @@ class _DiskHandler(ThreadedHandler):
 
     #: (store kind, load kind) names for stats.
     kinds: tuple[str, str] = ("", "")
-    other_spec: type[LoadStoreSpec] = LoadStoreSpec
+    #: The spec of the side that is not the disk (set by each handler).
+    other_spec: type[BlockIDsLoadStoreSpec]
 
     def __init__(
         self,
@@ -238,8 +240,8 @@ class _DiskHandler(ThreadedHandler):
                 busy: list[Future | None] = [None, None]
                 for k, (a, b) in enumerate(self._chunks(len(hashes), half)):
                     h = k % 2
-                    if busy[h] is not None:
-                        busy[h].result()
+                    if (in_flight := busy[h]) is not None:
+                        in_flight.result()
                     rows = stg.rows[h * half : h * half + (b - a)]
                     mirror = None if stg.mirror is None else stg.mirror[h * half : h * half + (b - a)]
                     self._pack(ids[a:b], rows, mirror)
@@ -305,7 +307,12 @@ class CpuDiskHandler(_DiskHandler):
     other_spec = CPULoadStoreSpec
 
     def __init__(
-        self, store: BlockStore, rank: int, host: HostKVCache | Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
+        self,
+        store: BlockStore,
+        rank: int,
+        host: HostKVCache | Sequence[torch.Tensor],
+        layout: KVCacheLayout,
+        **kwargs: Any,
     ):
         tensors = host.tensors if isinstance(host, HostKVCache) else host
         super().__init__(store, rank, tensors, layout, **kwargs)
@@ -336,7 +343,7 @@ class CpuDiskHandler(_DiskHandler):
         return (ids[:, 0] // self.layout.block_size_factor).tolist()
 
     def _kernel_ids(self, spec: LoadStoreSpec, n: int, store: bool) -> np.ndarray:
-        return cpu_kernel_rows(spec, n, self.layout.block_size_factor, "disk slots")
+        return cpu_kernel_rows(spec_as(spec, CPULoadStoreSpec), n, self.layout.block_size_factor, "disk slots")
 
 
 class GpuDiskHandler(_DiskHandler):
@@ -348,7 +355,7 @@ class GpuDiskHandler(_DiskHandler):
     other_spec = GPULoadStoreSpec
 
     def __init__(
-        self, store: BlockStore, rank: int, gpu_tensors: Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs
+        self, store: BlockStore, rank: int, gpu_tensors: Sequence[torch.Tensor], layout: KVCacheLayout, **kwargs: Any
     ):
         device = gpu_tensors[0].device if gpu_tensors else torch.device("cpu")
         self.gds = device.type == "cuda" and store.backend.gds

@@ -69,7 +69,7 @@ def host_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (shares memory)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"expected a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return t.view(torch.uint8).reshape(-1).numpy().data
 
 
 @dataclass
@@ -206,7 +206,7 @@ class KvikIOBackend(IOBackend):
         self.gds = not _kvikio_compat_mode()
 
     @staticmethod
-    def probe(directory: str | os.PathLike) -> str | None:
+    def probe(directory: str | os.PathLike[str]) -> str | None:
         """None if KvikIO can really read and write here, else why not."""
         try:
             import kvikio

@@ -52,10 +52,12 @@ import numpy as np
 import torch
 
 from tiered_kv.config import TieredConfig
+from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.worker.io_server import Ref
 from tiered_kv.disk.worker.store import BlockIO, DiskStoreStats
-from tiered_kv.memory.shared_memory import empty_shared, locate, on_free, region_fd
+from tiered_kv.memory.shared_memory import SharedRegion, empty_shared, locate, on_free, region_fd
 from tiered_kv.memory.slot_views import SlotViews
+from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,8 @@ class DiskIOProcess(BlockIO):
     def open(
         cls,
         cache_dir: str | os.PathLike,
-        fingerprint,
-        layout,
+        fingerprint: Fingerprint,
+        layout: KVCacheLayout,
         *,
         disk_bytes: int,
         checksum: str = TieredConfig.checksum,
@@ -247,8 +249,8 @@ class DiskIOProcess(BlockIO):
             child.alive = False
             closing = self._closed
             with self._pending_lock:
-                dead = [t for t, e in self._pending.items() if e[2] == child.generation]
-                dead = [self._pending.pop(t) for t in dead]
+                tokens = [t for t, e in self._pending.items() if e[2] == child.generation]
+                dead = [self._pending.pop(t) for t in tokens]
             if not closing:
                 self.process_failures += len(dead)
         child.conn.close()
@@ -395,7 +397,7 @@ class DiskIOProcess(BlockIO):
         child.proc.wait()
 
 
-def _located(a: np.ndarray):
+def _located(a: np.ndarray) -> tuple[SharedRegion, int] | None:
     """``locate`` of every byte ``a`` spans (its strides included)."""
     span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.strides)) if a.size else 0
     return locate(a.ctypes.data, span)

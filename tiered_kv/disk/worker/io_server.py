@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tiered_kv.disk.worker.block_store import BlockBatch, WriteBlockBatch
 from tiered_kv.disk.worker.store import DiskStore
 from tiered_kv.disk.worker.write_batch import WriteBatch
 from tiered_kv.memory.shared_memory import MappedRegions
@@ -44,9 +45,11 @@ Ref = tuple[int, int, tuple[int, ...], tuple[int, ...]]
 class IOServer:
     """The I/O process: one ``DiskStore``, batch calls run in order per batch."""
 
+    #: Opened by ``run`` before any message is dispatched.
+    store: DiskStore
+
     def __init__(self, conn: Connection, fds: socket.socket):
         self.conn, self.fds = conn, fds
-        self.store: DiskStore | None = None
         self.regions = MappedRegions()
         self.views: dict[int, SlotViews] = {}
         self.batches: dict[int, _SerialCalls] = {}
@@ -120,7 +123,12 @@ class IOServer:
             calls.post(lambda: self._run_call(token, lambda: call(token, calls.batch, *m[3:])))
         elif name == "log_failed":
             token = m[1]
-            self.pool.submit(self._guarded, token, lambda: self.store.log_failed(*m[2:]) or True)
+
+            def log_failed() -> bool:
+                self.store.log_failed(*m[2:])
+                return True
+
+            self.pool.submit(self._guarded, token, log_failed)
         elif name == "stats":
             self.reply(m[1], True, self.store.stats.as_dict())
         elif name == "close":
@@ -150,24 +158,24 @@ class IOServer:
             return
         future.add_done_callback(lambda f: self._guarded(token, lambda: value(f)))
 
-    def _submit(self, token: int, batch, start: int, ref: Ref) -> None:
+    def _submit(self, token: int, batch: BlockBatch, start: int, ref: Ref) -> None:
         self._when_done(token, batch.submit(start, self.regions.tensor(*ref)), _chunk_reply(batch))
 
-    def _submit_slots(self, token: int, batch, start: int, slots: list[int], vid: int) -> None:
+    def _submit_slots(self, token: int, batch: BlockBatch, start: int, slots: list[int], vid: int) -> None:
         self._when_done(token, batch.submit_slots(start, self.views[vid], slots), _chunk_reply(batch))
 
-    def _abandon(self, token: int, batch, message: str) -> None:
+    def _abandon(self, token: int, batch: WriteBlockBatch, message: str) -> None:
         batch.abandon(RuntimeError(message))
         self.reply(token, True, None)
 
-    def _finish(self, token: int, batch) -> None:
+    def _finish(self, token: int, batch: BlockBatch) -> None:
         if isinstance(batch, WriteBatch):
             self._when_done(token, batch.finish_async(), lambda f: f.result())
         else:
             self._guarded(token, batch.finish)
 
 
-def _chunk_reply(batch) -> Callable[[Future], bool]:
+def _chunk_reply(batch: BlockBatch) -> Callable[[Future], bool]:
     """What a submitted chunk's reply says: for a write, True (its buffers are free
     again); for a read, whether every block of it was read and verified."""
     if isinstance(batch, WriteBatch):
@@ -192,9 +200,9 @@ class _SerialCalls:
         self._queue: deque[Callable[[], None]] = deque()
         self._lock = threading.Lock()
         self._running = False
-        self.batch = None
+        self.batch: BlockBatch | None = None
 
-    def start(self, begin: Callable, *args) -> None:
+    def start(self, begin: Callable[..., BlockBatch], *args: object) -> None:
         self.batch = begin(*args)
 
     def post(self, call: Callable[[], None]) -> None:

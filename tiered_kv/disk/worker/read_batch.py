@@ -61,10 +61,10 @@ class ReadBatch(Batch):
         if self._error is not None or len(rows) == 0:
             return None
         store = self.store
-        buf = store.io_rows(self._file, rows)
-        bounce = buf is None
+        direct = store.io_rows(self._slab(), rows)
+        bounce = direct is None
+        buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size) if direct is None else direct
         if bounce:
-            buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
             host_rows = None
         futs = []
         sums = buf if host_rows is None else host_rows
@@ -100,7 +100,7 @@ class ReadBatch(Batch):
                 continue
             run = blocks[first - start : first - start + n]
             done: Future = Future()
-            read = partial(view_io, store.backend.preadv, self._file, run, self.slots[first] * store.slot_size)
+            read = partial(view_io, store.backend.preadv, self._slab(), run, self.slots[first] * store.slot_size)
             store.backend.submit(self._read_then_verify, read, partial(self._verify, first, run), done)
             futs.append(done)
         self._futures.extend(futs)

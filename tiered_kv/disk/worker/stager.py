@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from tiered_kv.abstract import Closing
+from tiered_kv.disk.worker.block_store import BlockStore
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks
 from tiered_kv.metrics import TieredStats
 from tiered_kv.mediums import TierWrites
@@ -53,7 +54,7 @@ class DiskStager(Closing):
     def __init__(
         self,
         host: HostKVCache,
-        store,
+        store: BlockStore,
         rank: int,
         capacity_blocks: int,
         stats: TieredStats,
@@ -96,13 +97,14 @@ class DiskStager(Closing):
             self._allocated_rows += rows
         return self.store.host_buffer(rows * self.slot_size).view(rows, self.slot_size)
 
-    def stage(self, writes: TierWrites) -> Future:
+    def stage(self, writes: TierWrites) -> Future[None]:
         """Start copying ``writes``' CPU slots out; the returned future is done once the
         slots may be overwritten (copied, or dropped for lack of staging memory). The
         disk write itself continues in the background."""
         if self._packer is None:
-            future: Future = Future()
-            future.set_result(self._stage(writes))
+            self._stage(writes)
+            future: Future[None] = Future()
+            future.set_result(None)
             return future
         return self._packer.submit(self._stage, writes)
 

@@ -55,7 +55,7 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.config import TieredConfig
 from tiered_kv.memory.device import empty_pageable, empty_pinned
-from tiered_kv.disk.worker.block_store import BlockBatch
+from tiered_kv.disk.worker.block_store import BlockBatch, WriteBlockBatch
 from tiered_kv.disk.worker.batch import PACK_CHUNK_BYTES
 from tiered_kv.checksums import checksum_function
 from tiered_kv.disk.worker.checksums import RunChecksums
@@ -110,7 +110,7 @@ class BlockIO(Closing, ABC):
     ``DiskIOProcess`` it makes a ``BlockStore`` (``tiered_kv.disk.worker.block_store``)."""
 
     @abstractmethod
-    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> BlockBatch:
+    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> WriteBlockBatch:
         """A batch that stores ``hashes`` into ``slots``."""
 
     @abstractmethod

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import partial
 
@@ -70,7 +70,7 @@ class WriteBatch(Batch):
         if not self._may_write(len(rows)):
             return None
         store = self.store
-        buf = store.io_rows(self._file, rows)
+        buf = store.io_rows(self._slab(), rows)
         if buf is None:  # wrong stride, misaligned or device memory: bounce through host
             buf = aligned_empty(len(rows) * store.slot_size).view(len(rows), store.slot_size)
             buf[:, : store.block_bytes].copy_(rows[:, : store.block_bytes])
@@ -86,14 +86,14 @@ class WriteBatch(Batch):
         views may change again (None if the batch already failed)."""
         if not self._may_write(len(blocks)):
             return None
-        store = self.store
+        store, slab = self.store, self._slab()
 
-        def runs():
+        def runs() -> Iterator[tuple[int, Callable[[], None], Sequence[Sequence[memoryview]]]]:
             for first, n in view_runs(store, self.slots, start, blocks):
                 run = blocks[first - start : first - start + n]
                 yield (
                     first,
-                    partial(view_io, store.backend.pwritev, self._file, run, self.slots[first] * store.slot_size),
+                    partial(view_io, store.backend.pwritev, slab, run, self.slots[first] * store.slot_size),
                     run,
                 )
 
@@ -114,7 +114,7 @@ class WriteBatch(Batch):
 
     def _may_write(self, n: int) -> bool:
         """Before a chunk of ``n`` blocks: wait for step 1 (the first time); whether to go on."""
-        if not self._cleared:
+        if not self._cleared and self._clearing is not None:
             self._settle_clearing(self._clearing.wait())
         return self._error is None and n > 0
 
@@ -161,7 +161,7 @@ class WriteBatch(Batch):
     def _commit(self, out: Future) -> None:
         """Queue step 3 (all writes are done); ``out`` gets the outcome from the committer."""
         try:
-            if not self._cleared:
+            if not self._cleared and self._clearing is not None:
                 self._settle_clearing(self._clearing)
             if self._error is not None or self._file is None:
                 self.checksums = [None] * len(self.hashes)

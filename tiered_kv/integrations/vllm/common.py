@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from types import FrameType
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,7 +199,7 @@ def find_vllm_config(max_depth: int = 32) -> Any | None:
     current = get_current_vllm_config_or_none()
     if current is not None:
         return current
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             break

@@ -205,7 +205,9 @@ def offline_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
 def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> Fingerprint:
     p = config.parallel
     bpc = config.cache.blocks_per_chunk
-    geometry = (("vllm_worker_block", (int(config.worker_kv_bytes_per_block),)),)
+    geometry: tuple[tuple[str, tuple[int, ...]], ...] = (
+        ("vllm_worker_block", (int(config.worker_kv_bytes_per_block),)),
+    )
     for g in config.groups:
         names = hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]
         geometry += (
@@ -214,7 +216,7 @@ def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str
                 (int(g.tokens_per_block), int(g.sliding_window_size_in_chunks or 0)),
             ),
         )
-    layout = (
+    layout: tuple[str, ...] = (
         f"kv_cache_layout={config.kv_cache_layout}",
         f"tp={p.tp_size}",
         f"pp={p.pp_size}",

@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
+from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -66,6 +67,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.abstract import Closing, LowerTier
+from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     PENDING_WRITES,
     TIER_CAPACITY_BLOCKS,
@@ -108,6 +110,11 @@ def build_manager(spec: HierarchySpec, *, info: TieredOffloadingInfo | None = No
     return TieredVllmManager(composite, checks, shared=[t.shared for t in spec.lower_tiers], health=health, info=info)
 
 
+def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
+    """Our block hashes as vLLM's keys (the same bytes), in a new list."""
+    return cast("list[OffloadKey]", list(block_hashes))
+
+
 class TieredVllmManager(OffloadingManager, Closing):
     """vLLM's manager interface over ``TieredOffloadingManager`` (module docstring).
     ``checks``: each lower tier's ``HitCheck``, in tier order; ``shared``: which lower
@@ -141,7 +148,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._abandoned_loads: Counter[bytes] = Counter()
         self._abandoned_stores: Counter[bytes] = Counter()
         self._failure_counts: Counter[str] = Counter()
-        self._reported: dict[tuple[str, str], int] = {}
+        self._reported: dict[tuple[str, str], float] = {}
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``), where configured."""
@@ -204,9 +211,9 @@ class TieredVllmManager(OffloadingManager, Closing):
         self.composite.touch(keys)
         spec = self.composite.prepare_load(keys)
         if isinstance(spec, TieredLoadSpec):
-            for key, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
+            for block_hash, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
                 if slot >= 0:
-                    self._promote_slots[(req_id, key)] = slot
+                    self._promote_slots[(req_id, block_hash)] = slot
         self._open_loads.update(keys)
         return TieredJobSpec(spec)
 
@@ -240,9 +247,9 @@ class TieredVllmManager(OffloadingManager, Closing):
             return None
         self._open_stores.update(out.block_hashes_to_store)
         return PrepareStoreOutput(
-            keys_to_store=list(out.block_hashes_to_store),
+            keys_to_store=_offload_keys(out.block_hashes_to_store),
             store_spec=TieredJobSpec(out.store_spec),
-            evicted_keys=list(out.block_hashes_evicted),
+            evicted_keys=_offload_keys(out.block_hashes_evicted),
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -279,7 +286,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             local = event.medium != CPU and not shared
             out.append(
                 OffloadingEvent(
-                    keys=list(event.block_hashes),
+                    keys=_offload_keys(event.block_hashes),
                     medium=Medium.CPU if event.medium == CPU else Medium.STORAGE,
                     removed=event.removed,
                     # A fleet's tier removes blocks unannounced (the bucket's lifecycle rule).
@@ -315,7 +322,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             stats.set_gauge(PENDING_WRITES, lower.num_pending(), (lower.name,))
         return stats
 
-    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: int) -> None:
+    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: float) -> None:
         """Report the increase of a monotonic ``total`` since the last report."""
         key = (name, ",".join(labels))
         delta = total - self._reported.get(key, 0)
@@ -355,7 +362,8 @@ class TieredVllmManager(OffloadingManager, Closing):
 
     def _evict_all(self) -> None:
         """Every unpinned chunk of every tier this node owns (a shared tier evicts none)."""
-        for tier in (self.composite.cpu, *self.composite.lower):
+        tiers: list[CPUOffloadingManager | LowerTier] = [self.composite.cpu, *self.composite.lower]
+        for tier in tiers:
             for key in list(tier.iter_evictable()):
                 tier.remove(key)
 

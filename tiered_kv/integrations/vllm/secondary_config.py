@@ -91,7 +91,7 @@ def chunk_fingerprint(
     p = config.parallel
     groups = config.groups
     tokens_per_block = max((g.tokens_per_block for g in groups), default=config.cache.tokens_per_hash)
-    geometry = (
+    geometry: tuple[tuple[str, tuple[int, ...]], ...] = (
         ("vllm_cpu_chunk", (int(stride), int(config.worker_kv_bytes_per_block), int(config.cache.blocks_per_chunk))),
     )
     geometry += tuple(

@@ -77,8 +77,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import format_size
+from tiered_kv.disk.tier import DiskTier
 from tiered_kv.tiers import TierContext, build_tiers
 from tiered_kv.integrations.vllm.common import vllm_model_identity
+from tiered_kv.mediums import ids_spec
 from tiered_kv.integrations.vllm.secondary_config import (
     chunk_fingerprint,
     chunk_layout,
@@ -187,7 +189,9 @@ class TieredDiskTier(SecondaryTierManager, Closing):
             engine_id=vconf.engine_id,
             enable_events=False,
         )
-        (self.tier,) = build_tiers(cfg.tier_entries(), ctx)
+        (tier,) = build_tiers(cfg.tier_entries(), ctx)
+        assert isinstance(tier, DiskTier)  # the one tier of a disk_path config
+        self.tier = tier
         self.disk_manager = self.tier.get_manager()
         try:
             self.store = self.tier.open_store(in_process=True)
@@ -277,7 +281,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
             return
         self.stats.evicted += len(out.block_hashes_evicted)
         job.keys = list(out.block_hashes_to_store)
-        job.slots = out.store_spec.id_list()
+        job.slots = ids_spec(out.store_spec).id_list()
         job.chunk_ids = np.array([chunk_of[k] for k in job.keys], dtype=np.int64)
         self._writes_waiting += len(job.keys)
         with self._idle:
@@ -311,11 +315,12 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         self._done(group)
 
     def _write(self, group: list[_Job]) -> list[bool]:
+        primary = self._live_primary()
         batch = self.store.begin_write(0, [k for j in group for k in j.keys], [s for j in group for s in j.slots])
         offset = 0
         for job in group:
             for start, first, n in _row_runs(job.chunk_ids):
-                batch.submit(offset + start, self._primary[first : first + n])
+                batch.submit(offset + start, primary[first : first + n])
             offset += len(job.keys)
         return batch.finish()
 
@@ -339,7 +344,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
             self._finished.append(job)
             return
         dm.touch(job.keys)
-        job.slots = dm.prepare_load(job.keys).id_list()  # pins them
+        job.slots = ids_spec(dm.prepare_load(job.keys)).id_list()  # pins them
         with self._idle:
             self._in_flight += 1
         self._load_pool.submit(self._read_job, job)
@@ -348,9 +353,10 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         """Load-thread task: read and verify one promotion's chunks into its rows."""
         t0 = time.perf_counter()
         try:
+            primary = self._live_primary()
             batch = self.store.begin_read(0, job.keys, job.slots)
             for start, first, n in _row_runs(job.chunk_ids):
-                batch.submit(start, self._primary[first : first + n])
+                batch.submit(start, primary[first : first + n])
             job.ok = batch.finish()
         except Exception:  # a lost job would leave vLLM's CPU slots reserved forever
             logger.exception("disk tier promotion job %d failed", job.job_id)
@@ -429,6 +435,12 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         """Wait until no job touches the primary rows (results stay queued)."""
         with self._idle:
             self._idle.wait_for(lambda: self._in_flight == 0)
+
+    def _live_primary(self) -> torch.Tensor:
+        """vLLM's CPU tier as rows (a ``RuntimeError`` once the tier is shut down)."""
+        if self._primary is None:
+            raise RuntimeError("the disk tier is shut down")
+        return self._primary
 
     def shutdown(self) -> None:
         """Finish the jobs in flight, then close the store and the disk manager (index

@@ -17,7 +17,7 @@ import re
 import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 
 from tiered_kv.config import TieredConfig
@@ -30,8 +30,9 @@ S3_HEADERS = ("x-amz-request-id", "x-amz-id-2", "x-minio-deployment-id")
 _S3_ERROR_BODY = re.compile(rb"<Error>\s*<Code>[A-Za-z0-9]+</Code>")
 
 
-def s3_answer(headers: Mapping[str, str], body: bytes) -> bool:
-    """Whether an HTTP answer is S3's: one of ``S3_HEADERS``, or an S3 XML error body."""
+def s3_answer(headers: Iterable[str], body: bytes) -> bool:
+    """Whether an HTTP answer is S3's: one of ``S3_HEADERS`` among its ``headers``' names,
+    or an S3 XML error body."""
     names = {k.lower() for k in headers}
     return any(h in names for h in S3_HEADERS) or bool(_S3_ERROR_BODY.search(body[:4096]))
 

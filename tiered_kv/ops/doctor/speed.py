@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tiered_kv.config import ConfigError, TieredConfig, format_size
 from tiered_kv.ops.doctor.report import OK, WARN, Check
@@ -122,7 +123,7 @@ def check_disk_speed(
         speed = time_o_direct_read(path, probe_bytes, cfg.io_threads)
     except OSError as e:
         return Check("disk_read", OK, f"disk read speed not timed: O_DIRECT probe in {path} failed ({e.strerror})")
-    facts = {
+    facts: dict[str, Any] = {
         "read_gbps": round(speed.gbps, 3),
         "probe_bytes": speed.bytes_read,
         "threads": speed.threads,

@@ -215,7 +215,7 @@ def read_entries(ns: Namespace, index: DiskIndex | None = None) -> EntryTable:
     has no entries. Raises ``InspectError`` when the index cannot be read."""
     own = index is None
     try:
-        if own:
+        if index is None:
             try:
                 index = ns.open_index(readonly=True)
             except FileNotFoundError:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,12 +80,20 @@ class RemoteObject:
         }
 
 
+@dataclass(frozen=True)
+class BlockObject(RemoteObject):
+    """A block object, its hash and rank read from its key."""
+
+    block_hash: bytes = b""
+    rank: int = 0
+
+
 @dataclass
 class RemoteNamespace:
     """The objects of one namespace id under the prefix (only keys of this format)."""
 
     namespace: str
-    blocks: list[RemoteObject] = field(default_factory=list)
+    blocks: list[BlockObject] = field(default_factory=list)
     manifest: RemoteObject | None = None
     fingerprint: Fingerprint | None = None
     #: What makes the namespace itself suspect (a fingerprint.json that does not match).
@@ -179,10 +187,10 @@ def open_shared_tier(config_path: str, namespace: str | None = None, model: str 
             if namespace and not ns_id.startswith(namespace):
                 continue
             ns = by_id.setdefault(ns_id, RemoteNamespace(ns_id))
-            if obj.block_hash is None:
-                ns.manifest = obj
-            else:
+            if isinstance(obj, BlockObject):
                 ns.blocks.append(obj)
+            else:
+                ns.manifest = obj
         for ns in by_id.values():
             _read_manifest(client, ns)
     except RemoteError as e:
@@ -205,7 +213,7 @@ def parse_key(rel: str, info: ObjectInfo) -> tuple[str, RemoteObject] | None:
     block_hash = bytes.fromhex(m.group(1))
     if parts[1] != fan_out(block_hash) or int(m.group(2)) >= 1 << 16:
         return None
-    return parts[0], RemoteObject(info.key, info.size, info.last_modified, block_hash, int(m.group(2)))
+    return parts[0], BlockObject(info.key, info.size, info.last_modified, block_hash, int(m.group(2)))
 
 
 def _read_manifest(client: S3Client, ns: RemoteNamespace) -> None:
@@ -239,7 +247,7 @@ def _reads(reader: ServerConfig, ns: RemoteNamespace) -> dict[str, Any]:
     return {"config": reader.path, "reads": not d, "differences": d}
 
 
-def summarize_shared_tier(tier: SharedTier, others: list[ServerConfig] = ()) -> dict[str, Any]:
+def summarize_shared_tier(tier: SharedTier, others: Sequence[ServerConfig] = ()) -> dict[str, Any]:
     """Per namespace: fingerprint, block objects and bytes, blocks with every rank, ages,
     other keys, problems, and ``read_by``: whether a server with the ``--remote`` config
     (first) and each of ``others`` reads it."""
@@ -420,7 +428,7 @@ def _bad(o: RemoteObject, reason: str, detail: str) -> dict[str, Any]:
     }
 
 
-def _check(tier: SharedTier, ns: RemoteNamespace, o: RemoteObject) -> Any:
+def _check(tier: SharedTier, ns: RemoteNamespace, o: BlockObject) -> Any:
     """True when a node of ``ns`` would serve ``o``; None when it is gone; else
     ``(reason, detail)``. A namespace id is the start of the fingerprint digest every
     header holds, so which namespace wrote an object shows even without a manifest.

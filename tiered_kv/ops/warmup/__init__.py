@@ -54,7 +54,8 @@ from tiered_kv.disk.worker.io_backends import aligned_empty
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.disk.tier import DiskTier
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.worker.block_store import BlockStore
+from tiered_kv.mediums import ids_spec
 from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.ops.warmup.engines import HFEngine
 from tiered_kv.ops.warmup.errors import WarmupError
@@ -267,7 +268,7 @@ def _warm_prompt(
     hasher: PrefixHasher,
     blocks: BlockLayout,
     manager: DiskOffloadingManager,
-    store: DiskStore,
+    store: BlockStore,
     seen: set[bytes],
     report: WarmupReport,
 ) -> None:
@@ -299,7 +300,7 @@ def _store_chunks(
     kv,
     blocks: BlockLayout,
     manager: DiskOffloadingManager,
-    store: DiskStore,
+    store: BlockStore,
     slot_size: int,
     report: WarmupReport,
 ) -> None:
@@ -313,7 +314,7 @@ def _store_chunks(
         return
     index_of = {keys[c]: c for c in chunks}
     todo_chunks = [index_of[k] for k in todo]
-    slots = out.store_spec.id_list()
+    slots = ids_spec(out.store_spec).id_list()
     rows = aligned_empty(len(todo) * slot_size).view(len(todo), slot_size)
     rows.zero_()
     ok = np.ones(len(todo), dtype=bool)

@@ -47,10 +47,9 @@ class HFEngine:
         self.model_path = model_path
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.vocab_size = int(model.config.vocab_size)
-        self.geometry = ModelGeometry.from_hf_config(
-            model.config.to_dict(), dtype=str(self.dtype).removeprefix("torch.")
-        )
+        config: Any = model.config  # a transformers PretrainedConfig
+        self.vocab_size = int(config.vocab_size)
+        self.geometry = ModelGeometry.from_hf_config(config.to_dict(), dtype=str(self.dtype).removeprefix("torch."))
 
     @classmethod
     def from_pretrained(cls, model: str, dtype: str = "auto", device: str = "auto") -> "HFEngine":

@@ -105,12 +105,13 @@ def server_vllm_config(
     algo = str(extra_config.get("hash_algorithm", "sha256"))
     try:
         vc = VllmConfig(
-            model_config=ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, seed=0),
+            # vLLM checks the dtype and hash names itself (its ValueError is caught below).
+            model_config=ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, seed=0),  # type: ignore[arg-type]
             cache_config=CacheConfig(
                 block_size=gpu_block_size,
                 cache_dtype="auto",
                 enable_prefix_caching=True,
-                prefix_caching_hash_algo=algo,
+                prefix_caching_hash_algo=algo,  # type: ignore[arg-type]
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
             kv_transfer_config=KVTransferConfig(
@@ -161,9 +162,9 @@ def decoder_kv_cache_config(vllm_config: VllmConfig, num_gpu_blocks: int = 1) ->
         block_size=vllm_config.cache_config.block_size,
         num_kv_heads=mc.get_num_kv_heads(pc),
         head_size=mc.get_head_size(),
-        dtype=mc.dtype,
+        dtype=_resolved(mc.dtype),
     )
-    pattern = ATTENTION_LAYER_NAMES[mc.hf_config.architectures[0]]
+    pattern = ATTENTION_LAYER_NAMES[(mc.hf_config.architectures or [""])[0]]
     names = [pattern.format(i=i) for i in range(mc.get_num_layers(pc))]
     page = spec.page_size_bytes
     tensor = KVCacheTensor(
@@ -204,7 +205,9 @@ def vllm_model_dtype(model_dir: str, dtype: str = "auto") -> torch.dtype:
     """The dtype vLLM runs ``model_dir`` in for ``--dtype dtype`` (``auto``: vLLM's
     choice on this machine's platform, e.g. bfloat16 for a float32 checkpoint)."""
     try:
-        return ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True).dtype
+        # vLLM checks the dtype name itself (its error is caught below).
+        config = ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True)  # type: ignore[arg-type]
+        return _resolved(config.dtype)
     except Exception as e:
         raise WarmupError(f"vLLM cannot read the model at {model_dir!r}: {_one_line(e)}") from None
 
@@ -290,3 +293,10 @@ class VllmPagesLayout(BlockLayout):
         )
         ids = np.asarray(chunks, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
         pack_blocks(tensors, layout, ids, out)
+
+
+def _resolved(dtype: object) -> torch.dtype:
+    """A ``ModelConfig``'s dtype, which vLLM resolves from the name it was given."""
+    if not isinstance(dtype, torch.dtype):
+        raise WarmupError(f"vLLM left the model's dtype unresolved ({dtype!r})")
+    return dtype
