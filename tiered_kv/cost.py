@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from itertools import groupby
 from pathlib import Path
 
@@ -289,7 +290,7 @@ class LoadCosts:
         (tier names, in block order)."""
         return self.plan_runs([(name, len(list(group))) for name, group in groupby(sources)])
 
-    def plan_runs(self, runs: Sequence[tuple[str, int]]) -> LoadPlan:
+    def plan_runs(self, runs: Sequence[Sequence[Any]]) -> LoadPlan:
         """``plan`` for the sources given as runs: ``(tier name, blocks)`` in block order.
         Within a run the score moves one way, so only run ends are candidates: the cost
         is per run, not per block."""

@@ -185,7 +185,7 @@ class Paths:
             raise RuntimeError(f"mooncake put {key}: {rc}")
 
     def _mooncake_copy_get(self, key: str, buf: np.ndarray) -> None:
-        memoryview(buf)[:] = self.raw.get(key)
+        memoryview(buf.data)[:] = self.raw.get(key)
 
     def _obstore_put(self, key: str, payload: np.ndarray) -> None:
         self.obstore.put(self.raw, key, payload, mode="create", use_multipart=False)
@@ -459,10 +459,10 @@ def _delete_prefix(config: RemoteConfig, prefix: str) -> int:
         with MooncakeClient(config) as client:
             return max(0, client.raw.remove_by_regex("^" + re.escape(prefix + "/") + ".*", True))
 
-    client = S3Client(config)
-    keys = [key for key, _ in client.list(prefix + "/")]
+    s3 = S3Client(config)
+    keys = [key for key, _ in s3.list(prefix + "/")]
     with ThreadPoolExecutor(config.max_connections) as pool:
-        list(pool.map(client.delete, keys))
+        list(pool.map(s3.delete, keys))
     return len(keys)
 
 

@@ -183,6 +183,7 @@ def run(
             k = manager.lookup(rest) if manager is not None and rest else 0
             seconds = (len(rest) - k) * setup.tokens_per_block * per_token + tail * per_token
             if k:
+                assert manager is not None and lower is not None  # only a lower tier serves past the device
                 by_medium: dict[str, int] = {}
                 for h in rest[:k]:
                     m = manager.hit_medium(h)

@@ -73,7 +73,7 @@ class Request:
 
 def read_mooncake_trace(path: Path, limit: int | None = None) -> list[Request]:
     """Requests of a Mooncake FAST'25 trace (``input_length``, ``hash_ids``), in file order."""
-    out = []
+    out: list[Request] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
@@ -232,6 +232,7 @@ def replay(
             puts["stored"] += len(new)
             index.touch(new)
         elif new:
+            assert store is not None and deleter is not None  # set together
             outcomes = store.put_blocks([(_key(b), 0, payload(b, size)) for b in new]).result()
             for o in outcomes:
                 puts[o.value] += 1
@@ -334,7 +335,7 @@ def tables(trace: str, rows: list[dict]) -> str:
 
 
 @contextmanager
-def shared_tier(args) -> Iterator[dict]:
+def shared_tier(args) -> Iterator[dict | None]:
     """The shared tier's settings: a running server's, or a throwaway one's (None: no server)."""
     if args.backend == "none":
         yield None
@@ -435,6 +436,7 @@ def main(argv=None) -> int:
             print(f"# {routing}: {rows[-1]['seconds']:.0f} s, no server (index only)", flush=True)
     with shared_tier(args) as settings:
         for routing in args.routings if settings is not None else ():
+            assert settings is not None
             config = RemoteConfig.from_dict(
                 {
                     **settings,

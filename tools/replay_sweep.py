@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from benchlib import md_table
@@ -264,11 +265,11 @@ def main_sweep(args, log) -> str:
         LowerModel("shared", "REMOTE", gbps[0], args.shared_latency_ms / 1e3),
     ]
     m = args.model
-    items = []
+    items: list[tuple[str, list[Any], list[int], int, Any]] = []
     tpb = 16
     for kind in args.workloads:
         w = generate(kind, QUICK if args.quick else FULL, tpb, args.scale, args.seed)
-        items.append((kind, w.requests, [0] * len(w.requests), tpb, None))
+        items.append((kind, list(w.requests), [0] * len(w.requests), tpb, None))
     for path in args.traces:
         t = read_mooncake(path)
         items.append((Path(path).stem.replace("mooncake_fast25_", "mooncake "), t.requests, t.tail_tokens, 512, t))

@@ -106,7 +106,7 @@ def master_answers(address: str, timeout: float) -> bool:
 
 
 def _pointer(buf: Buffer) -> tuple[int, int, np.ndarray]:
-    array = np.frombuffer(buf, dtype=np.uint8)
+    array = np.frombuffer(memoryview(buf), dtype=np.uint8)
     return array.ctypes.data, array.nbytes, array
 
 
@@ -237,7 +237,7 @@ class MooncakeClient:
         buf = self._arena(raw, size)
         rc = self._call(raw.get_into, key, buf.ctypes.data, size)
         if rc == size:
-            return memoryview(buf)[:size]
+            return memoryview(buf.data)[:size]
         if rc == OBJECT_NOT_FOUND:
             return None
         if rc >= 0:
@@ -295,5 +295,5 @@ class MooncakeClient:
     def __enter__(self) -> MooncakeClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

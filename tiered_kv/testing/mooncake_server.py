@@ -41,6 +41,14 @@ def _binaries() -> tuple[Path, Path] | str:
     return master, client
 
 
+def _found_binaries() -> tuple[Path, Path]:
+    """``_binaries()``, raising ``RuntimeError`` with the reason where they are missing."""
+    found = _binaries()
+    if isinstance(found, str):
+        raise RuntimeError(found)
+    return found
+
+
 def missing_reason() -> str | None:
     """Why the Mooncake tests cannot run here, or None."""
     found = _binaries()
@@ -96,7 +104,7 @@ class MooncakeServer:
         return proc, log
 
     def start_master(self) -> None:
-        master, _ = _binaries()
+        master, _ = _found_binaries()
         self.master, log = self._spawn(
             [
                 str(master),
@@ -125,7 +133,7 @@ class MooncakeServer:
         return self
 
     def start_client(self) -> None:
-        _, client = _binaries()
+        _, client = _found_binaries()
         self.client, log = self._spawn(
             [
                 str(client),
