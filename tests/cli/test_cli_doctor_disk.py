@@ -188,7 +188,9 @@ def test_an_http_server_answering_404_is_not_an_s3_endpoint(monkeypatch):
     thread.start()
     try:
         endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-        cfg = TieredConfig.from_dict({"remote": {"endpoint": endpoint, "bucket": "kv-bucket", "retries": 0}})
+        cfg = TieredConfig.from_dict(
+            {"remote": {"endpoint": endpoint, "bucket": "kv-bucket", "retries": 0, "trusted_bucket": True}}
+        )
         line = dr.check_remote(cfg)
     finally:
         server.shutdown()
@@ -223,7 +225,13 @@ def test_a_hung_endpoint_is_said_to_time_out_with_its_limit(monkeypatch):
         thread = threading.Thread(target=accept, daemon=True)
         thread.start()
         endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        remote = {"endpoint": endpoint, "bucket": "kv-bucket", "request_timeout": "1s", "retries": 0}
+        remote = {
+            "endpoint": endpoint,
+            "bucket": "kv-bucket",
+            "request_timeout": "1s",
+            "retries": 0,
+            "trusted_bucket": True,
+        }
         try:
             line = dr.check_remote(TieredConfig.from_dict({"remote": remote}))
         finally:
@@ -242,7 +250,9 @@ def test_missing_credentials_get_the_credentials_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    cfg = TieredConfig.from_dict({"remote": {"endpoint": "http://127.0.0.1:9", "bucket": "kv-bucket"}})
+    cfg = TieredConfig.from_dict(
+        {"remote": {"endpoint": "http://127.0.0.1:9", "bucket": "kv-bucket", "trusted_bucket": True}}
+    )
     line = dr.check_remote(cfg)
     assert line.status == "fail" and "no AWS credentials" in line.message
     assert "pip install" not in line.fix and "AWS_ACCESS_KEY_ID" in line.fix

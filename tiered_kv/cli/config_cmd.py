@@ -169,13 +169,22 @@ def config(
         None, "--remote-region", metavar="REGION", help="Shared tier: the bucket's region (default: us-east-1)."
     ),
     gpu: Optional[str] = typer.Option(
-        None, "--gpu", help="GPU model for the prefill estimate, e.g. 'H100 SXM'. Default: this machine's GPU."
+        None,
+        "--gpu",
+        metavar="NAME",
+        help="GPU model for the prefill estimate, e.g. 'H100 SXM'. Default: this machine's GPU.",
     ),
     model_params: Optional[float] = typer.Option(
-        None, "--model-params", help="Model parameters for the prefill estimate, e.g. 8.03e9. Default: from config."
+        None,
+        "--model-params",
+        metavar="N",
+        help="Model parameters for the prefill estimate, e.g. 8.03e9. Default: from config.",
     ),
     prefill_tokens_per_s: Optional[float] = typer.Option(
-        None, "--prefill-tokens-per-s", help="Measured prefill tokens/s (per TP group): recorded in the config."
+        None,
+        "--prefill-tokens-per-s",
+        metavar="N",
+        help="Measured prefill tokens/s (per TP group): recorded in the config.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print only the JSON."),
     output: Optional[Path] = typer.Option(

@@ -82,7 +82,7 @@ def check_remote(cfg: TieredConfig | None) -> Check:
     try:
         keyring = load_keyring(remote)
     except FleetKeyError as e:
-        return Check("remote", FAIL, f"shared tier: {e}", "openssl rand -hex 32 > FILE; chmod 600 FILE", facts)
+        return Check("remote", FAIL, str(e), "openssl rand -hex 32 > FILE; chmod 600 FILE", facts)
     facts["key_ids"] = [] if keyring is None else [f"{k:08x}" for k in keyring.key_ids]
     cautions = []
     if keyring is None:
