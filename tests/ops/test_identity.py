@@ -383,7 +383,8 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
     out = _cli(*args, "--model-id", "tiny-llama", "-o", str(tmp_path / "config.json")).stdout
     digest = mi.weights_digest(model_dir).digest
     assert f"model_id 'tiny-llama' @ main; weights {digest}" in out
-    printed = out.split("namespace ", 2)[-1].split(":")[0]
+    printed = out.split("kv-first namespace ", 1)[1].split(":")[0]
+    served = out.split("vLLM namespace ", 1)[1].split(":")[0]
     # The warm-up with that very file writes the namespace the command printed.
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": PROMPTS[0]}) + "\n")
@@ -403,6 +404,21 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
         ).stdout
     )
     assert report["namespace_id"] == printed and report["weights_digest"] == digest
+    # The default warm-up writes what a vLLM server with that config reads, as printed.
+    default = json.loads(
+        _cli(
+            "warmup",
+            str(prompts),
+            "--model",
+            str(model_dir),
+            "--config",
+            str(tmp_path / "config.json"),
+            "--device",
+            "cpu",
+            "--json",
+        ).stdout
+    )
+    assert default["namespace_id"] == served != printed
     # No model at all: the id is required, never "unknown".
     err = _cli("config", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--cpu-bytes", "1MiB", code=2)
     assert "--model-id: required" in err.stderr

@@ -447,6 +447,26 @@ def _add_model_path(kv_config: dict[str, Any], source: Any):
     return digest
 
 
+def _server_namespace(model_dir: str, extra: dict[str, Any], plan: TierPlan, gpu_block_size: int) -> str | None:
+    """The namespace id a vLLM server computes for this config and model (None where vLLM
+    is not importable here or the warm-up cannot reproduce the server's settings)."""
+    try:
+        from tiered_kv.ops.warmup.errors import WarmupError
+        from tiered_kv.ops.warmup.vllm_pages import server_fingerprint, server_kv_cache_layout
+    except ImportError:
+        return None
+    try:
+        return server_fingerprint(
+            model_dir,
+            extra,
+            gpu_block_size=gpu_block_size,
+            tp_size=plan.tp,
+            kv_cache_layout=server_kv_cache_layout(),
+        ).namespace_id
+    except (WarmupError, ImportError, ValueError):
+        return None
+
+
 def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: TierPlan, gpu_block_size: int) -> None:
     """The identity the namespace records, and the namespace id tiered-kv's own spec
     and ``tiered-kv warmup`` compute for this config (vLLM adds its own layout)."""
@@ -468,13 +488,22 @@ def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: T
         highlight=False,
         soft_wrap=True,
     )
+    if digest is not None:
+        server = _server_namespace(digest.path, extra, plan, gpu_block_size)
+        if server is not None:
+            console.print(
+                f"vLLM namespace {server}: what a vLLM server with this config reads and `tiered-kv warmup "
+                f"--model {digest.path} --tp {plan.tp}` writes",
+                highlight=False,
+                soft_wrap=True,
+            )
     dtype = getattr(torch, plan.geometry.dtype, None)
     if isinstance(dtype, torch.dtype) and not getattr(plan.geometry, "mla", False):
         request = LayoutRequest(plan.geometry, dtype, gpu_block_size, plan.block_size // gpu_block_size, plan.tp)
         fp = KvFirstLayout(request).fingerprint(cfg)
         console.print(
-            f"namespace {fp.namespace_id}: what tiered-kv's own spec and `tiered-kv warmup "
-            f"--gpu-block-size {gpu_block_size} --tp {plan.tp}` read and write with this config",
+            f"kv-first namespace {fp.namespace_id}: what tiered-kv's own engine (the simulator) and `tiered-kv "
+            f"warmup --layout kv-first --gpu-block-size {gpu_block_size} --tp {plan.tp}` read and write",
             highlight=False,
             soft_wrap=True,
         )
