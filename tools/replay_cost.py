@@ -183,7 +183,7 @@ def run(
             k = manager.lookup(rest) if manager is not None and rest else 0
             seconds = (len(rest) - k) * setup.tokens_per_block * per_token + tail * per_token
             if k:
-                assert manager is not None and lower is not None  # only a lower tier serves past the device
+                assert manager is not None  # only the tiers serve past the device
                 by_medium: dict[str, int] = {}
                 for h in rest[:k]:
                     m = manager.hit_medium(h)
@@ -194,9 +194,9 @@ def run(
                     gbps, lat = load_model[medium]
                     t = lat + n * bpb / (gbps * 1e9)
                     seconds += t
-                    name = "cpu" if medium == "CPU" else lower.name
-                    kind = "cpu_to_gpu" if medium == "CPU" else f"{lower.name}_to_gpu"
-                    manager.costs.observe(kind, n * bpb, t)
+                    name = "cpu" if medium == "CPU" or lower is None else lower.name
+                    if manager.costs is not None:
+                        manager.costs.observe(f"{name}_to_gpu", n * bpb, t)
                     out.blocks["CPU" if medium == "CPU" else name] += n
             out.blocks["GPU"] += n_dev
             out.blocks["computed"] += len(rest) - k

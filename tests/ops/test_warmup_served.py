@@ -158,7 +158,8 @@ def serve_and_read_pages(model_dir: Path, config: Path, prompt: list[int]):
         rid = h.add_request(prompt, max_tokens=2)
         full = len(prompt) // GPU_BLOCK
         pages = None
-        for _ in range(500):
+        deadline = time.monotonic() + 120  # the disk chunks are read back on threads first
+        while pages is None and time.monotonic() < deadline:
             h.step()
             request = h.scheduler.requests.get(rid)
             if request is not None and request.num_computed_tokens >= len(prompt):
@@ -166,7 +167,8 @@ def serve_and_read_pages(model_dir: Path, config: Path, prompt: list[int]):
                 pages = [
                     [bytes(t[i].contiguous().view(torch.uint8).numpy()) for t in h.kv_caches.values()] for i in ids
                 ]
-                break
+            time.sleep(0.001)
+        assert pages is not None, "the request never got its prompt's KV"
         h.run()
         return h.prefix_hits[rid], namespace, pages
 

@@ -188,11 +188,10 @@ def _metadata_server(value: Any, key: str) -> str:
 
 
 def _bool(value: Any, key: str) -> bool:
+    # A JSON boolean only: "yes" for trusted_bucket must not switch off authentication.
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
-        return value.strip().lower() in ("true", "yes", "1")
-    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    raise ConfigError(f"{key}: expected true or false (a JSON boolean), got {value!r}")
 
 
 def _path(value: Any, key: str) -> str | None:
