@@ -132,6 +132,16 @@ def _checksum_name_field(name: str) -> bytes:
     return raw.ljust(8, b"\0")
 
 
+def _check_fields(fingerprint: bytes, block_hash: BlockHash, rank: int) -> None:
+    """What every header binds must fit its fields; raises ``ValueError`` naming the value."""
+    if len(fingerprint) != 32:
+        raise ValueError(f"fingerprint digest must be 32 bytes, got {len(fingerprint)}")
+    if not 0 < len(block_hash) <= MAX_HASH_BYTES:
+        raise ValueError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(block_hash)}")
+    if not 0 <= rank < 1 << 16:
+        raise ValueError(f"rank must be in 0..65535, got {rank}")
+
+
 @dataclass(frozen=True)
 class BlockHeader:
     """The header of one stored block (see the module docstring for the layout)."""
@@ -144,12 +154,7 @@ class BlockHeader:
     payload_len: int
 
     def pack(self) -> bytes:
-        if len(self.fingerprint) != 32:
-            raise ValueError(f"fingerprint digest must be 32 bytes, got {len(self.fingerprint)}")
-        if not 0 < len(self.block_hash) <= MAX_HASH_BYTES:
-            raise ValueError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(self.block_hash)}")
-        if not 0 <= self.rank < 1 << 16:
-            raise ValueError(f"rank must be in 0..65535, got {self.rank}")
+        _check_fields(self.fingerprint, self.block_hash, self.rank)
         return _FIXED.pack(
             MAGIC,
             FORMAT_PLAIN,
@@ -241,12 +246,7 @@ class SealedHeader:
     payload_len: int
 
     def pack(self) -> bytes:
-        if len(self.fingerprint) != 32:
-            raise ValueError(f"fingerprint digest must be 32 bytes, got {len(self.fingerprint)}")
-        if not 0 < len(self.block_hash) <= MAX_HASH_BYTES:
-            raise ValueError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(self.block_hash)}")
-        if not 0 <= self.rank < 1 << 16:
-            raise ValueError(f"rank must be in 0..65535, got {self.rank}")
+        _check_fields(self.fingerprint, self.block_hash, self.rank)
         return _SEALED.pack(
             MAGIC,
             FORMAT_SEALED,
