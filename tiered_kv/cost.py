@@ -38,7 +38,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from itertools import groupby
@@ -189,6 +189,17 @@ class TierCost:
         return {"gbps": self.gbps, "latency_s": self.latency_s, "samples": self.samples}
 
 
+def load_transfer_types(tier_names: Iterable[str]) -> dict[str, str]:
+    """Which finished-transfer type samples which tier's load cost: ``cpu_to_gpu`` the
+    CPU tier's, ``<name>_to_gpu`` and ``<name>_to_cpu`` lower tier ``<name>``'s."""
+    types = {"cpu_to_gpu": "cpu"}
+    for name in tier_names:
+        if name != "cpu":
+            types[f"{name}_to_gpu"] = name
+            types[f"{name}_to_cpu"] = name
+    return types
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """The decision for one request: load the first ``blocks``; ``skipped`` blocks per
@@ -235,11 +246,7 @@ class LoadCosts:
         self.enabled = enabled
         self.probe_every, self.probe_after_s = probe_every, probe_after_s
         self.clock = clock
-        self.transfer_types: dict[str, str] = {"cpu_to_gpu": "cpu"}
-        for name in self.tiers:
-            if name != "cpu":
-                self.transfer_types[f"{name}_to_gpu"] = name
-                self.transfer_types[f"{name}_to_cpu"] = name
+        self.transfer_types = load_transfer_types(self.tiers)
         self._passed_over = dict.fromkeys(self.tiers, 0)  # decisions since the last probe
         self._since = dict.fromkeys(self.tiers, clock())  # when a tier was last sampled or probed
 
@@ -359,6 +366,38 @@ class LoadCosts:
             "break_even_gbps": self.break_even_gbps,
             "tiers": {name: t.snapshot() for name, t in self.tiers.items()},
         }
+
+
+class PrefixScan:
+    """A request's leading offloaded blocks given one at a time, for an engine that asks
+    block by block (vLLM 0.33). ``add`` answers whether loading every block so far is
+    estimated faster than loading any shorter prefix of them: while it is, no block that
+    follows can make ``LoadCosts.plan_runs`` load fewer, so those blocks may be promised
+    at once. ``runs`` collects the blocks for the plan once the run is known whole."""
+
+    def __init__(self, costs: LoadCosts):
+        self.costs = costs
+        self.runs: list[list] = []  # [tier name, blocks], plan_runs' form
+        self._per_block_prefill = costs.tokens_per_block / costs.prefill_tokens_per_s
+        self._score = self._best = 0.0
+        self._paying = True
+
+    def add(self, name: str) -> bool:
+        if self.runs and self.runs[-1][0] == name:
+            self.runs[-1][1] += 1
+            new_tier = False
+        else:
+            new_tier = all(n != name for n, _ in self.runs)
+            self.runs.append([name, 1])
+        if not self.costs.enabled:
+            return True
+        tier = self.costs.tiers[name]
+        if new_tier:
+            self._score += tier.latency_s
+        self._score += self.costs.bytes_per_block / (tier.gbps * 1e9) - self._per_block_prefill
+        self._paying = self._paying and self._score < self._best
+        self._best = min(self._best, self._score)
+        return self._paying
 
 
 def configured_prefill(prefill_tokens_per_s: float | None, model_path: str | None, gpus: int = 1) -> PrefillEstimate:

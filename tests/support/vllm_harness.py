@@ -133,6 +133,12 @@ def write_model_config(
     return path
 
 
+#: Prefill tokens/s our spec is told in the harness: the toy models' prefill on a CPU is
+#: slow, so a load from any tier here is faster than recomputing (tests of the
+#: load-versus-recompute decision set their own).
+HARNESS_PREFILL_TOKENS_PER_S = 200.0
+
+
 def make_vllm_config(
     model_dir: str | Path,
     extra_config: dict[str, Any],
@@ -155,7 +161,11 @@ def make_vllm_config(
     (vLLM's ``--revision``, ``--quantization``...). ``kv_cache_layout``: the layout
     vLLM's engine core resolves (``LBNHC`` with FlashAttention), None: unresolved.
     ``kv_connector`` (with its ``kv_connector_module_path``) and ``kv_load_failure_policy``
-    are vLLM's kv-transfer settings of those names."""
+    are vLLM's kv-transfer settings of those names. Our spec judges loads against
+    ``HARNESS_PREFILL_TOKENS_PER_S`` unless ``extra_config`` names a prefill rate."""
+    extra_config = dict(extra_config)
+    if extra_config.get("spec_name") == "TieredOffloadingSpec":
+        extra_config.setdefault("prefill_tokens_per_s", HARNESS_PREFILL_TOKENS_PER_S)
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),

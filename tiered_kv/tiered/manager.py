@@ -192,7 +192,12 @@ class TieredOffloadingManager(OffloadingManager):
         """The number of leading blocks to load: of the leading run found offloaded, the
         prefix whose load minimises the estimated time to first token (``costs``)."""
         block_hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-        runs: list[list] = []  # [tier name, blocks] per run of blocks one tier serves
+        return self.decide(block_hashes, self.sources(block_hashes))
+
+    def sources(self, block_hashes: Sequence[BlockHash]) -> list[list]:
+        """The leading run of ``block_hashes`` found loadable, as ``[tier name, blocks]``
+        per run of blocks one tier serves (the fastest holding them), in block order."""
+        runs: list[list] = []
         found = 0
         missed = False
         asked = [0] * len(self.lower)
@@ -224,6 +229,14 @@ class TieredOffloadingManager(OffloadingManager):
         self.stats.count("cpu", "lookups", found + missed)
         for tier, n in zip(self.lower, asked):
             self.stats.count(tier.name, "lookups", n)
+        return runs
+
+    def decide(self, block_hashes: Sequence[BlockHash], runs: Sequence[Sequence]) -> int:
+        """How many of ``block_hashes`` to load, their leading run served as ``runs``
+        (``[tier name, blocks]`` in block order, as ``sources`` gives): the cost plan,
+        with the blocks it passes over counted per tier and, where only lower tiers hold
+        them, remembered so that their recompute is stored into CPU again."""
+        found = sum(m for _, m in runs)
         if self.costs is None:
             return found
         plan = self.costs.plan_runs(runs)

@@ -1,4 +1,4 @@
-"""CPU-slot health: how workers tell the scheduler that a job left a CPU slot unusable.
+"""What workers tell the scheduler outside vLLM's job reports: CPU-slot health and load timings.
 
 Why it exists: vLLM 0.33's worker connector asserts that every transfer succeeded, and
 its scheduler always calls ``complete_store``/``complete_load`` with success. Our
@@ -23,6 +23,15 @@ that name that is not this user's own, or not ``0700``, is refused: another user
 otherwise plant the file (and forge or clear failure marks) or a link. I/O: that
 directory and file, mapped with ``mmap``.
 
+Load timings (``LoadTimings``) take the same way: vLLM's worker metadata carries the load
+bytes and seconds summed over every tier, while the scheduler's load-versus-recompute
+decision (``tiered_kv.cost``) needs each tier's. Each worker adds every finished
+transfer's bytes, seconds and one job to its rank's running totals for that transfer type
+in a second file of the engine's; the scheduler reads the totals each step and feeds the
+growth since its last read, as one average job per rank and type, to the tier's estimate.
+Each total is guarded by a sequence number (odd while its writer updates it; a reader
+that sees it odd or changed skips that total until the next step).
+
 Limits: the processes must share a host (as vLLM's own CPU offloading region does).
 """
 
@@ -32,11 +41,14 @@ import hashlib
 import mmap
 import os
 import stat
+import struct
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tiered_kv.abstract import Closing
+from tiered_kv.cost import load_transfer_types
 from tiered_kv.disk.format.safe_open import CacheEntryError, open_dir, open_file
 
 
@@ -64,26 +76,12 @@ class SlotHealth(Closing):
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.path = Path(path)
         self.num_slots = num_slots
-        try:
-            parent = _open_private_dir(self.path.parent)
-            try:
-                fd = _open_private(self.path, parent)
-            finally:
-                os.close(parent)
-        except CacheEntryError as e:
-            raise CacheEntryError(e.path, e.what, e.expected, _ADVICE) from None
-        try:
-            if os.fstat(fd).st_size < num_slots:
-                os.ftruncate(fd, num_slots)
-            self._map = mmap.mmap(fd, num_slots)
-        finally:
-            os.close(fd)
+        self._map = _map_private(self.path, num_slots)
 
     @classmethod
     def for_engine(cls, engine_id: str, num_slots: int) -> "SlotHealth":
         """The health map of engine ``engine_id`` (same file in every process)."""
-        digest = hashlib.sha256(engine_id.encode()).hexdigest()[:32]
-        return cls(private_dir() / f"{digest}.cpu-slot-health", num_slots)
+        return cls(_engine_file(engine_id, "cpu-slot-health"), num_slots)
 
     def mark_bad(self, slots: Iterable[int]) -> None:
         """Record that the last write of each slot failed on this process's rank."""
@@ -110,6 +108,104 @@ class SlotHealth(Closing):
             self._map.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+
+
+class LoadTimings(Closing):
+    """Running totals of finished transfers per rank and transfer type, shared by the
+    processes of one engine (module docstring). ``transfer_types`` and ``ranks`` must
+    be the same in every process; a worker writes with ``rank`` set (its own totals
+    only), the scheduler reads with ``take``."""
+
+    _RECORD = struct.Struct("<Qddd")  # sequence, bytes, seconds, jobs
+
+    def __init__(self, path: str | os.PathLike, transfer_types: Sequence[str], ranks: int, rank: int | None = None):
+        if ranks < 1 or not transfer_types or (rank is not None and not 0 <= rank < ranks):
+            raise ValueError(
+                f"expected ranks >= 1, some transfer types and 0 <= rank < ranks, got "
+                f"{ranks}, {list(transfer_types)!r}, {rank}"
+            )
+        self.path = Path(path)
+        self.types = {t: i for i, t in enumerate(transfer_types)}
+        self.ranks, self.rank = ranks, rank
+        self._map = _map_private(self.path, ranks * len(self.types) * self._RECORD.size)
+        self._lock = threading.Lock()
+        self._seen: dict[int, tuple[float, float, float]] = {}
+
+    @classmethod
+    def for_engine(
+        cls, engine_id: str, tier_names: Sequence[str], ranks: int, rank: int | None = None
+    ) -> "LoadTimings":
+        """The timings of engine ``engine_id`` (same file in every process) for the load
+        transfers of the lower tiers ``tier_names`` and the CPU tier."""
+        types = list(load_transfer_types(["cpu", *tier_names]))
+        return cls(_engine_file(engine_id, "load-timings"), types, ranks, rank)
+
+    def _offset(self, rank: int, index: int) -> int:
+        return (rank * len(self.types) + index) * self._RECORD.size
+
+    def record(self, transfer_type: str, nbytes: int, seconds: float, success: bool = True) -> None:
+        """Add one finished transfer to this rank's totals (a ``TieredStats`` observer);
+        failed transfers and types not shared are left out."""
+        index = self.types.get(transfer_type)
+        if index is None or not success or self.rank is None or self._map.closed:
+            return
+        off = self._offset(self.rank, index)
+        with self._lock:
+            seq, b, s, j = self._RECORD.unpack_from(self._map, off)
+            self._RECORD.pack_into(self._map, off, seq + 1, b, s, j)
+            self._RECORD.pack_into(self._map, off, seq + 2, b + nbytes, s + seconds, j + 1)
+
+    def take(self) -> list[tuple[str, float, float]]:
+        """Per rank and type whose totals grew since the last call: ``(transfer type,
+        bytes, seconds)`` of the average job among the new ones."""
+        out = []
+        for name, index in self.types.items():
+            for rank in range(self.ranks):
+                off = self._offset(rank, index)
+                seq, b, s, j = self._RECORD.unpack_from(self._map, off)
+                if seq & 1 or self._RECORD.unpack_from(self._map, off)[0] != seq:
+                    continue  # being written: next time
+                b0, s0, j0 = self._seen.get(off, (0.0, 0.0, 0.0))
+                if j > j0 and b > b0 and s > s0:
+                    out.append((name, (b - b0) / (j - j0), (s - s0) / (j - j0)))
+                self._seen[off] = (b, s, j)
+        return out
+
+    def clear(self) -> None:
+        """Zero every total (the scheduler, before any worker starts)."""
+        self._map[:] = bytes(len(self._map))
+        self._seen.clear()
+
+    def close(self, unlink: bool = False) -> None:
+        if not self._map.closed:
+            self._map.close()
+        if unlink:
+            self.path.unlink(missing_ok=True)
+
+
+def _engine_file(engine_id: str, kind: str) -> Path:
+    """This engine's file of ``kind`` in this user's private directory."""
+    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:32]
+    return private_dir() / f"{digest}.{kind}"
+
+
+def _map_private(path: Path, size: int) -> mmap.mmap:
+    """``path`` (a file of this user's in a private directory, module docstring) mapped,
+    ``size`` bytes, created or grown as needed and never cleared."""
+    try:
+        parent = _open_private_dir(path.parent)
+        try:
+            fd = _open_private(path, parent)
+        finally:
+            os.close(parent)
+    except CacheEntryError as e:
+        raise CacheEntryError(e.path, e.what, e.expected, _ADVICE) from None
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 _ADVICE = "Remove it: it holds nothing an engine needs once no engine of this user runs"

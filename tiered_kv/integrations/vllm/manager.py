@@ -22,6 +22,16 @@ this adapter adds is what vLLM's contract demands and ours did not:
   and marks the CPU slots of a job that failed in the shared ``SlotHealth`` map before
   reporting; here the marks of the slots a job wrote are read, and those chunks are
   completed as failed (freed, their lower-tier writes abandoned, a promotion not kept).
+- **Loads chosen by cost, asked per key.** The composite decides per request how many
+  leading chunks to load (``tiered_kv.cost``); vLLM asks chunk by chunk, in order. A
+  chunk is answered as found while loading every chunk so far beats every shorter prefix
+  (``PrefixScan``: nothing after it can lower the plan). Past that, the request's chunks
+  answer RETRY for the rest of the scan, which records them; at the end of the step
+  (``on_schedule_end``) the composite's ``decide`` plans over the whole run (passed-over
+  chunks counted per tier, ``skipped_slower_than_recompute``) and the next scan answers
+  from that plan: MISS past it. A request is decided once; it waits one step for it only
+  where a chunk it holds loads slower than recomputing. Each tier's estimate is fed with
+  the workers' transfer times (``health.LoadTimings``), per rank and tier, every step.
 - ``touch`` is never called by vLLM 0.33, so a use is recorded in ``prepare_load``;
   ``prepare_store`` leaves recency to the composite, which never evicts the chunks a
   call offers and ranks the request most recent, head first (a store is not a reuse:
@@ -48,6 +58,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -67,6 +78,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.abstract import Closing, LowerTier
+from tiered_kv.cost import PrefixScan
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     PENDING_WRITES,
@@ -75,7 +87,7 @@ from tiered_kv.integrations.vllm.common import (
     TieredJobSpec,
     TieredOffloadingInfo,
 )
-from tiered_kv.integrations.vllm.health import SlotHealth
+from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.mediums import CPU
 from tiered_kv.metrics import TIER_USED_BLOCKS, tier_counter_values
 from tiered_kv.tiered.manager import TieredOffloadingManager
@@ -107,7 +119,22 @@ def build_manager(spec: HierarchySpec, *, info: TieredOffloadingInfo | None = No
         raise
     health = SlotHealth.for_engine(spec.engine_id, spec.num_cpu_slots)
     health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
-    return TieredVllmManager(composite, checks, shared=[t.shared for t in spec.lower_tiers], health=health, info=info)
+    timings = LoadTimings.for_engine(spec.engine_id, [t.name for t in spec.lower_tiers], spec.tp_size)
+    timings.clear()
+    return TieredVllmManager(
+        composite, checks, shared=[t.shared for t in spec.lower_tiers], health=health, timings=timings, info=info
+    )
+
+
+@dataclass
+class _CostScan:
+    """One request's leading offloaded chunks in the order its lookups found them, and
+    once decided, the last token position it loads (-1: none)."""
+
+    prefix: PrefixScan
+    keys: list[bytes] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    boundary: int | None = None
 
 
 def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
@@ -127,6 +154,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         *,
         shared: Sequence[bool] | None = None,
         health: SlotHealth,
+        timings: LoadTimings | None = None,
         info: TieredOffloadingInfo | None = None,
     ):
         if len(checks) != len(composite.lower):
@@ -135,7 +163,13 @@ class TieredVllmManager(OffloadingManager, Closing):
         self.checks = list(checks)
         self.shared = list(shared) if shared is not None else [False] * len(checks)
         self.health = health
+        self.timings = timings
         self.stats = composite.stats
+        self.costs = composite.costs
+        # Requests whose load is being decided: every lookup of theirs this step recorded
+        # in their ``_CostScan``; decided at the end of the step (``on_schedule_end``).
+        self._undecided: dict[str, _CostScan] = {}
+        self._deferred = [False, False]  # a lookup deferred for a decision: this step, the last
         self._info = info
         self._shared_media = {t.medium for t, s in zip(composite.lower, self.shared) if s}
         # Per (request, key) of a load in flight: where it comes from, and the CPU slot a
@@ -175,6 +209,10 @@ class TieredVllmManager(OffloadingManager, Closing):
             check.collect()
         self.stats.count("cpu", "lookups")
         tier = self.composite.hit_tier(key)
+        if tier is not None and self.costs is not None and self.costs.enabled:
+            decided = self._cost_answer(key, tier, req_context)
+            if decided is not None:
+                return decided
         if tier is not None and tier < 0:
             return LookupResult.HIT
         lower = self.composite.lower
@@ -188,6 +226,33 @@ class TieredVllmManager(OffloadingManager, Closing):
         if any(check.locating(key) for check in self.checks):
             return LookupResult.RETRY  # a tier is finding out whether it holds the chunk
         return LookupResult.MISS
+
+    def _cost_answer(self, key: OffloadKey, tier: int, req_context: ReqContext) -> LookupResult | None:
+        """The load-versus-recompute decision, per key (class docstring): MISS for a
+        chunk past the request's decided prefix, RETRY while its prefix is undecided,
+        None where the chunk is answered as found."""
+        position = req_context.get_offload_key_position(key)
+        if position is None:  # a key vLLM did not place in the request: as found
+            return None
+        costs = self.costs
+        assert costs is not None
+        scan = req_context.get_state(_CostScan)
+        if scan is None:
+            scan = _CostScan(PrefixScan(costs))
+            req_context.set_state(scan)
+        if scan.boundary is not None:
+            return LookupResult.MISS if position > scan.boundary else None
+        if scan.keys and position <= scan.positions[-1]:  # vLLM scans again from the start
+            scan.prefix = PrefixScan(costs)
+            scan.keys.clear()
+            scan.positions.clear()
+        scan.keys.append(key)
+        scan.positions.append(position)
+        if scan.prefix.add("cpu" if tier < 0 else self.composite.lower[tier].name):
+            return None
+        self._undecided[req_context.req_id] = scan
+        self._deferred[0] = True
+        return LookupResult.RETRY
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.composite.touch(list(keys))
@@ -274,10 +339,19 @@ class TieredVllmManager(OffloadingManager, Closing):
         # disk's drops of stale writes, the shared tier's probes due).
         for check in self.checks:
             check.step()
+        if self.costs is not None and self.timings is not None:
+            for transfer_type, nbytes, seconds in self.timings.take():
+                self.costs.observe(transfer_type, round(nbytes), seconds)
+        for scan in self._undecided.values():
+            k = self.composite.decide(scan.keys, scan.prefix.runs)
+            scan.boundary = scan.positions[k - 1] if k else -1
+        self._undecided.clear()
+        self._deferred = [False, self._deferred[0]]
 
     def has_pending_work(self) -> bool:
-        # Requests deferred on a check or a probe are asked again only while the engine steps.
-        return any(check.busy() for check in self.checks)
+        # Requests deferred on a check, a probe or a decision are asked again only while
+        # the engine steps.
+        return any(self._deferred) or any(check.busy() for check in self.checks)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         out = []
@@ -372,3 +446,5 @@ class TieredVllmManager(OffloadingManager, Closing):
             check.shutdown()
         self.composite.shutdown()
         self.health.close(unlink=True)
+        if self.timings is not None:
+            self.timings.close(unlink=True)

@@ -56,7 +56,7 @@ from tiered_kv.config import ConfigError
 from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
 from tiered_kv.integrations.vllm.common import TieredJobSpec
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
-from tiered_kv.integrations.vllm.health import SlotHealth
+from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, chunk_positions
 from tiered_kv.tiered.spec import HierarchySpec
@@ -164,6 +164,11 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             gpu_to_cpu, cpu_to_gpu, gpu, gpu_block_granular=True, store_bytes_per_block=self.kernel_bytes
         )
         self.health = SlotHealth.for_engine(engine_id, g.num_cpu_slots)
+        #: Every finished transfer's time, for the scheduler's per-tier load costs.
+        self.timings = LoadTimings.for_engine(
+            engine_id, [t.name for t in self.hierarchy.lower_tiers], self.hierarchy.tp_size, self.hierarchy.rank
+        )
+        self.stats.observers.append(self.timings.record)
         self._jobs: dict[int, _Job] = {}
         self._failed_on_submit: list[int] = []
         #: The connector reports these GPU blocks to vLLM, which recomputes them
@@ -301,6 +306,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         self.load_handler.shutdown()
         self.hierarchy.close()
         self.health.close()
+        self.timings.close()
 
 
 def _inner(spec: VllmLoadStoreSpec, expected):
