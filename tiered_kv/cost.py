@@ -141,9 +141,10 @@ class TierCost:
     An exponentially weighted least-squares fit over recent jobs (weight ``alpha`` for
     the newest), seeded with the prior as one job. Where recent jobs are all of one size
     the fit cannot split latency from bandwidth: the latency is kept and the bandwidth
-    fitted. Thread-safe."""
+    fitted. The prior is one job of ``ref_bytes`` (best: the tier's block size, so that
+    a few jobs of that size outweigh it). Thread-safe."""
 
-    def __init__(self, name: str, gbps: float, latency_s: float = 0.0, alpha: float = 0.2):
+    def __init__(self, name: str, gbps: float, latency_s: float = 0.0, alpha: float = 0.2, ref_bytes: int = 1 << 20):
         if not gbps > 0 or not latency_s >= 0 or not 0 < alpha <= 1:
             raise ValueError(
                 f"tier {name!r}: expected gbps > 0, latency_s >= 0 and 0 < alpha <= 1, got {gbps}, {latency_s}, {alpha}"
@@ -155,7 +156,7 @@ class TierCost:
         self.samples = 0
         self.last_sample: float | None = None  # time.monotonic() of the newest sample
         self._lock = threading.Lock()
-        ref = 1 << 20  # the prior enters as one 1 MiB job
+        ref = max(1, ref_bytes)
         self._m = self._moments(ref, latency_s + ref / (gbps * 1e9))
 
     @staticmethod
@@ -268,6 +269,7 @@ class LoadCosts:
                 name,
                 (priors or {}).get(name, PRIOR_GBPS.get(medium, PRIOR_GBPS["REMOTE"])),
                 PRIOR_LATENCY_S.get(medium, 0.0),
+                ref_bytes=bytes_per_block,
             )
             for name, medium in mediums.items()
         ]

@@ -124,3 +124,46 @@ def test_shared_memory_and_the_slot_health_file_are_owner_only(tmp_path):
             h.close(unlink=True)
     finally:
         os.umask(old)
+
+
+def test_load_timings_reach_the_scheduler_from_worker_processes_per_rank():
+    """Two worker processes (ranks 0 and 1) add transfers to the engine's load timings;
+    the scheduler's reader gets each rank's average new job once, only the shared types,
+    and the file is the user's own (0600)."""
+    import multiprocessing
+
+    from tiered_kv.integrations.vllm.health import LoadTimings
+
+    engine = f"timings-test-{os.getpid()}"
+    reader = LoadTimings.for_engine(engine, ["disk"], ranks=2)
+    try:
+        reader.clear()
+        assert stat.S_IMODE(os.stat(reader.path).st_mode) == 0o600
+        ctx = multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=_record_timings, args=(engine, rank)) for rank in (0, 1)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(60)
+            assert proc.exitcode == 0
+        got = sorted(reader.take())
+        assert got == sorted(
+            [("disk_to_cpu", 3000.0, 0.5), ("disk_to_cpu", 6000.0, 1.0), ("cpu_to_gpu", 100.0, 0.25)]
+            + [("cpu_to_gpu", 200.0, 0.5)]
+        )
+        assert reader.take() == []  # nothing new
+    finally:
+        reader.close(unlink=True)
+
+
+def _record_timings(engine: str, rank: int) -> None:
+    from tiered_kv.integrations.vllm.health import LoadTimings
+
+    w = LoadTimings.for_engine(engine, ["disk"], ranks=2, rank=rank)
+    scale = rank + 1
+    w.record("disk_to_cpu", 2000 * scale, 0.4 * scale)
+    w.record("disk_to_cpu", 4000 * scale, 0.6 * scale)
+    w.record("cpu_to_gpu", 100 * scale, 0.25 * scale)
+    w.record("cpu_to_gpu", 5, 1.0, success=False)  # a failed job: left out
+    w.record("gpu_to_cpu", 999, 1.0)  # a store: not a load cost
+    w.close()

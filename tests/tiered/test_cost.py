@@ -13,6 +13,7 @@ from tiered_kv.config import ConfigError, TieredConfig, admit_after
 from tiered_kv.cost import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     LoadCosts,
+    PrefixScan,
     TierCost,
     estimate_prefill_tokens_per_s,
     model_parameters,
@@ -92,6 +93,29 @@ def test_break_even_is_kv_bytes_per_token_times_prefill_rate():
 def test_the_plan_loads_the_prefix_that_minimises_ttft(disk_gbps, expected, skipped):
     plan = costs(disk_gbps).plan(["cpu"] * 3 + ["disk"] * 3)
     assert (plan.blocks, plan.skipped, plan.probe) == (expected, skipped, None)
+
+
+def test_a_block_by_block_scan_promises_only_blocks_every_plan_loads():
+    """``PrefixScan`` (vLLM asks block by block): wherever it says the blocks so far pay,
+    the plan over the whole run loads at least those; where the whole run pays, it says
+    so for every block."""
+    import random
+    from itertools import groupby
+
+    rng = random.Random(0)
+    for _ in range(300):
+        c = costs(rng.choice([1.0, 3.0, 5.0, 12.0]), latency_s=rng.choice([0.0, 0.002, 0.05]))
+        c.probe_every = 10**9
+        sources = [rng.choice(["cpu", "disk"]) for _ in range(rng.randint(1, 30))]
+        scan = PrefixScan(c)
+        said = [scan.add(s) for s in sources]
+        best = c.plan(sources).blocks
+        assert scan.runs == [[k, len(list(g))] for k, g in groupby(sources)]
+        promised = said.index(False) if False in said else len(said)
+        assert all(not x for x in said[promised:]), "once unsure, unsure for the rest of the scan"
+        assert best >= promised, (sources, said, best)
+        if all(c.plan(sources[:i]).blocks == i for i in range(1, len(sources) + 1)):
+            assert promised == len(sources), "a run that pays at every length is promised whole"
 
 
 def test_zero_is_a_candidate_and_a_tier_s_latency_counts_once():
