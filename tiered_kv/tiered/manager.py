@@ -198,44 +198,37 @@ class TieredOffloadingManager(OffloadingManager):
         """The leading run of ``block_hashes`` found loadable, as ``[tier name, blocks]``
         per run of blocks one tier serves (the fastest holding them), in block order."""
         runs: list[list] = []
-        found = 0
         missed = False
         asked = [0] * len(self.lower)
         refreshed = [False] * len(self.lower)
         for block_hash in block_hashes:
-            source = None
-            if self.cpu.is_loadable(block_hash):
-                source = "cpu"
-            else:
-                for i, tier in enumerate(self.lower):
-                    asked[i] += 1
-                    if tier.is_loadable(block_hash):
-                        source = tier.name
-                        break
-                    if not refreshed[i] and tier.is_pending(block_hash):
-                        refreshed[i] = True
-                        tier.refresh()
-                        if tier.is_loadable(block_hash):
-                            source = tier.name
-                            break
-                if source is None:
-                    missed = True
+            source = "cpu" if self.cpu.is_loadable(block_hash) else None
+            for i, tier in enumerate(self.lower if source is None else ()):
+                asked[i] += 1
+                loadable = tier.is_loadable(block_hash)
+                if not loadable and not refreshed[i] and tier.is_pending(block_hash):
+                    refreshed[i] = True
+                    tier.refresh()
+                    loadable = tier.is_loadable(block_hash)
+                if loadable:
+                    source = tier.name
                     break
-            found += 1
+            if source is None:
+                missed = True
+                break
             if runs and runs[-1][0] == source:
                 runs[-1][1] += 1
             else:
                 runs.append([source, 1])
-        self.stats.count("cpu", "lookups", found + missed)
+        self.stats.count("cpu", "lookups", sum(m for _, m in runs) + missed)
         for tier, n in zip(self.lower, asked):
             self.stats.count(tier.name, "lookups", n)
         return runs
 
     def decide(self, block_hashes: Sequence[BlockHash], runs: Sequence[Sequence]) -> int:
         """How many of ``block_hashes`` to load, their leading run served as ``runs``
-        (``[tier name, blocks]`` in block order, as ``sources`` gives): the cost plan,
-        with the blocks it passes over counted per tier and, where only lower tiers hold
-        them, remembered so that their recompute is stored into CPU again."""
+        (``sources``' form): the cost plan; the blocks it passes over are counted per tier
+        and, where only lower tiers hold them, their recompute is stored into CPU again."""
         found = sum(m for _, m in runs)
         if self.costs is None:
             return found
@@ -255,13 +248,6 @@ class TieredOffloadingManager(OffloadingManager):
             self.stats.count(plan.probe, "probes", 1)
         return plan.blocks
 
-    def _holder(self, block_hash: BlockHash) -> int | None:
-        """The index of the fastest lower tier that can serve ``block_hash``, or None."""
-        for i, tier in enumerate(self.lower):
-            if tier.is_loadable(block_hash):
-                return i
-        return None
-
     def _source(self, block_hash: BlockHash) -> int | None:
         """Where a new load reads ``block_hash``: -1 for CPU, a lower tier's index, or None.
         A block that an unfinished load reads from a lower tier is read from there again,
@@ -274,7 +260,7 @@ class TieredOffloadingManager(OffloadingManager):
                 return i
         if self.cpu.is_loadable(block_hash):
             return -1
-        return self._holder(block_hash)
+        return next((i for i, tier in enumerate(self.lower) if tier.is_loadable(block_hash)), None)
 
     def hit_tier(self, block_hash: BlockHash) -> int | None:
         """Which tier would serve ``block_hash`` now: -1 for the CPU tier, a lower tier's
