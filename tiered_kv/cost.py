@@ -375,30 +375,35 @@ class PrefixScan:
     block by block (vLLM 0.33). ``add`` answers whether loading every block so far is
     estimated faster than loading any shorter prefix of them: while it is, no block that
     follows can make ``LoadCosts.plan_runs`` load fewer, so those blocks may be promised
-    at once. ``runs`` collects the blocks for the plan once the run is known whole."""
+    at once. ``runs`` collects the blocks for the plan once the run is known whole. Each
+    tier is judged by its estimate when the scan first meets it."""
 
     def __init__(self, costs: LoadCosts):
         self.costs = costs
         self.runs: list[list] = []  # [tier name, blocks], plan_runs' form
         self._per_block_prefill = costs.tokens_per_block / costs.prefill_tokens_per_s
+        self._step: dict[str, float] = {}  # per tier seen: load - prefill of one more block
         self._score = self._best = 0.0
         self._paying = True
 
     def add(self, name: str) -> bool:
-        if self.runs and self.runs[-1][0] == name:
-            self.runs[-1][1] += 1
-            new_tier = False
+        runs = self.runs
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
         else:
-            new_tier = all(n != name for n, _ in self.runs)
-            self.runs.append([name, 1])
+            runs.append([name, 1])
         if not self.costs.enabled:
             return True
-        tier = self.costs.tiers[name]
-        if new_tier:
+        step = self._step.get(name)
+        if step is None:  # the tier's first block: its job latency, once
+            tier = self.costs.tiers[name]
+            step = self._step[name] = self.costs.bytes_per_block / (tier.gbps * 1e9) - self._per_block_prefill
             self._score += tier.latency_s
-        self._score += self.costs.bytes_per_block / (tier.gbps * 1e9) - self._per_block_prefill
-        self._paying = self._paying and self._score < self._best
-        self._best = min(self._best, self._score)
+        self._score += step
+        if self._score < self._best:
+            self._best = self._score
+        else:
+            self._paying = False
         return self._paying
 
 

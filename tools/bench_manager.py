@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from tiered_kv.abstract import PrepareStoreOutput
 from tiered_kv.cpu.manager import CPUOffloadingManager
@@ -292,10 +293,47 @@ def cascade_latency(
     return lat, floor, [(b - a) / k for a, b, k in zip(flusher, flusher[1:], half)]
 
 
-def decision_cost(n: int, tmp: str, rounds: int = 21) -> tuple[float, float, float | None]:
+def per_key_lookup(m: TieredOffloadingManager, tmp: str):
+    """Our vLLM plug-in's manager over ``m`` (vLLM 0.33 asks it per key), as a function
+    that scans runs of keys, one new request each, and ends the step (where undecided
+    requests are decided); None without vLLM."""
+    try:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        from tiered_kv.integrations.vllm.health import SlotHealth
+        from tiered_kv.integrations.vllm.manager import TieredVllmManager
+        from tiered_kv.tiers import TrustedHitCheck
+    except Exception:
+        return None
+    health = SlotHealth(Path(tmp) / "slot-health", m.cpu.num_slots)
+    vm = TieredVllmManager(m, [TrustedHitCheck(tier) for tier in m.lower], health=health)
+
+    def contexts(batches):
+        out = []
+        for i, batch in enumerate(batches):
+            ctx = ReqContext(req_id=f"r{i}")
+            for j, key in enumerate(batch):
+                ctx.set_offload_key_position(key, (j + 1) * 16)
+            out.append(ctx)
+        return out
+
+    def scan(batches, ctxs) -> float:
+        t0 = time.perf_counter()
+        for batch, ctx in zip(batches, ctxs):
+            for key in batch:
+                vm.lookup(key, ctx)
+        vm.on_schedule_end(None)  # type: ignore[arg-type]
+        return (time.perf_counter() - t0) / sum(map(len, batches))
+
+    return contexts, scan
+
+
+def decision_cost(n: int, tmp: str, rounds: int = 21) -> dict[str, float]:
     """Median ns per block of the composite's ``lookup`` over CPU + disk with the
     load-versus-recompute decision on and off, rounds alternated in one process (the
-    machine drifts), and of vLLM's per-key lookup in the same rounds (None without vLLM).
+    machine drifts), of our vLLM plug-in's per-key lookup (the same decision, asked per
+    key, decided at the step's end) on and off, and of vLLM's own CPU manager's per-key
+    lookup in the same rounds (the last two only with vLLM).
     Half of the looked-up blocks are on disk only, the decision judging Llama-3.1-8B-sized
     blocks (2 MiB) from a disk at 2 GB/s with 0.1 ms a job: below break-even, so its
     runs take the decision's full path (a scan of the run) and are passed over."""
@@ -318,17 +356,21 @@ def decision_cost(n: int, tmp: str, rounds: int = 21) -> tuple[float, float, flo
         for batch in vkeys:
             vm.prepare_store(batch, ctx)
             vm.complete_store(batch, ctx)
-    on, off, theirs = [], [], []
+    ours = per_key_lookup(m, tmp)
+    times: dict[str, list[float]] = {}
     with serving_heap():
         for _ in range(rounds):
-            costs.enabled = True
-            on.append(timed(m.lookup, batches))
-            costs.enabled = False
-            off.append(timed(m.lookup, batches))
+            for enabled in (True, False):
+                costs.enabled = enabled
+                times.setdefault("on" if enabled else "off", []).append(timed(m.lookup, batches))
+                if ours is not None:
+                    contexts, scan = ours
+                    ctxs = contexts(batches)
+                    times.setdefault("per-key on" if enabled else "per-key off", []).append(scan(batches, ctxs))
             if vkeys is not None:
-                theirs.append(timed(lambda k: [vm.lookup(key, ctx) for key in k], vkeys))
+                times.setdefault("vllm-cpu", []).append(timed(lambda k: [vm.lookup(key, ctx) for key in k], vkeys))
     m.shutdown()
-    return statistics.median(on), statistics.median(off), statistics.median(theirs) if theirs else None
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
@@ -437,12 +479,18 @@ def main() -> int:
     print(
         f"lookup of {BATCH}-block runs over CPU + disk (half on a disk below break-even), median ns per block of 21 alternated rounds"
     )
-    print(f"{'blocks':>9} {'decision on':>12} {'off':>8} {'decision':>9} {'vllm-cpu lookup':>16}")
+    print(
+        f"{'blocks':>9} {'decision on':>12} {'off':>8} {'decision':>9} {'per-key on':>11} {'per-key off':>12} "
+        f"{'vllm-cpu lookup':>16}"
+    )
     for n in args.sizes:
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
-            d_on, d_off, theirs = decision_cost(n, tmp)
-        v = "-" if theirs is None else f"{theirs * 1e9:.0f}"
-        print(f"{n:>9} {d_on * 1e9:>12.0f} {d_off * 1e9:>8.0f} {(d_on - d_off) * 1e9:>9.0f} {v:>16}")
+            d = decision_cost(n, tmp)
+        ns = {k: f"{v * 1e9:.0f}" for k, v in d.items()}
+        print(
+            f"{n:>9} {ns['on']:>12} {ns['off']:>8} {(d['on'] - d['off']) * 1e9:>9.0f} {ns.get('per-key on', '-'):>11} "
+            f"{ns.get('per-key off', '-'):>12} {ns.get('vllm-cpu', '-'):>16}"
+        )
     print()
     print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), median us")
     print(f"{'disk blocks':>11} {'log read':>9} {'refresh':>9}  (refresh = log read + making blocks loadable)")

@@ -14,7 +14,7 @@ read from the lower tier, hit rate). Optionally a plot of TTFT against bandwidth
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from pathlib import Path
 
@@ -30,7 +30,7 @@ class Sweep:
     setup: CostSetup
     baseline: dict[str, CostRun]  # no-offload, cpu
     lower: dict[str, dict[float, dict[str, CostRun]]]  # tier -> GB/s -> always / cost-aware
-    admission: dict[str, CostRun]  # all / reuse(2) at the top bandwidth, on the disk
+    admission: dict[tuple[float, str], CostRun]  # (disk x working set, all / reuse(2)), top bandwidth
     infinite: float
     belady: float
     seconds: float
@@ -38,14 +38,25 @@ class Sweep:
     belady_cpu: float = 0.0
 
 
-def sweep(name, requests, tails, setup: CostSetup, gbps: list[float], lowers: list[LowerModel], log) -> Sweep:
+def sweep(
+    name,
+    requests,
+    tails,
+    setup: CostSetup,
+    gbps: list[float],
+    lowers: list[LowerModel],
+    log,
+    admission_sizes: dict[float, int] | None = None,
+) -> Sweep:
+    """``admission_sizes``: disk sizes (x the working set -> blocks) of the write-admission
+    table beside the sweep's own (``setup.lower_blocks``)."""
     t0 = time.perf_counter()
     base = {
         "no-offload": run("no-offload", requests, tails, setup, None, offload=False),
         "cpu": run("cpu", requests, tails, setup, None),
     }
     out: dict[str, dict[float, dict[str, CostRun]]] = {}
-    admission = {}
+    admission: dict[tuple[float, str], CostRun] = {}
     for lower in lowers:
         out[lower.name] = {}
         for g in gbps:
@@ -57,8 +68,15 @@ def sweep(name, requests, tails, setup: CostSetup, gbps: list[float], lowers: li
         log(f"  {name}: {lower.name} swept ({time.perf_counter() - t0:.0f} s)")
     disk = lowers[0]
     top = LowerModel(disk.name, disk.medium, max(gbps), disk.latency_s)
-    admission["all"] = out[disk.name][max(gbps)]["cost-aware"]
-    admission["reuse(2)"] = run(f"{disk.name}-reuse2", requests, tails, setup, top, admit=2)
+    for fraction, blocks in sorted((admission_sizes or {}).items(), reverse=True):
+        if blocks == setup.lower_blocks:
+            admission[fraction, "all"] = out[disk.name][max(gbps)]["cost-aware"]
+            admission[fraction, "reuse(2)"] = run(f"{disk.name}-reuse2", requests, tails, setup, top, admit=2)
+        else:
+            sized = replace(setup, lower_blocks=blocks)
+            for policy, admit in (("all", 1), ("reuse(2)", 2)):
+                admission[fraction, policy] = run(f"{disk.name}-{policy}", requests, tails, sized, top, admit=admit)
+        log(f"  {name}: write admission at {fraction:g} x the working set ({time.perf_counter() - t0:.0f} s)")
     capacity = setup.device_blocks + setup.cpu_blocks + setup.lower_blocks
     return Sweep(
         name,
@@ -131,11 +149,12 @@ def tables(s: Sweep) -> str:
         )
     disk = next(iter(s.lower))
     rows = []
-    for policy, r in s.admission.items():
+    for (fraction, policy), r in s.admission.items():
         t = r.tiers.get(disk, {})
         hits = t.get("hits", 0)
         rows.append(
             [
+                f"{fraction:g}",
                 policy,
                 t.get("stores", 0),
                 hits,
@@ -148,7 +167,16 @@ def tables(s: Sweep) -> str:
     lines.append(
         f"write admission on the {disk} tier at {top:g} GB/s:\n\n"
         + md_table(
-            ["write_admission", "blocks written", "blocks read", "written per read", "hit rate", "TTFT ms"], rows
+            [
+                f"{disk} x working set",
+                "write_admission",
+                "blocks written",
+                "blocks read",
+                "written per read",
+                "hit rate",
+                "TTFT ms",
+            ],
+            rows,
         )
     )
     lines.append(
@@ -229,6 +257,11 @@ def add_args(p) -> None:
     p.add_argument(
         "--shared-latency-ms", type=float, default=5.0, help="for --disk-gbps: the shared tier's per-job latency"
     )
+    p.add_argument(
+        "--admission-disk",
+        default="",
+        help="for --disk-gbps: more disk sizes (x the working set, e.g. 0.5,0.1) for the write-admission table",
+    )
 
 
 def check_args(args, p) -> None:
@@ -237,6 +270,12 @@ def check_args(args, p) -> None:
 
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.traces = [Path(t) for t in args.traces.split(",") if t]
+    try:
+        args.admission_disk = sorted({float(x) for x in args.admission_disk.split(",") if x})
+    except ValueError:
+        p.error(f"--admission-disk: expected comma-separated fractions such as 0.5,0.1, got {args.admission_disk!r}")
+    if any(not f > 0 for f in args.admission_disk):
+        p.error(f"--admission-disk: fractions must be > 0, got {args.admission_disk}")
     if args.disk_gbps is None:
         return
     try:
@@ -291,7 +330,8 @@ def main_sweep(args, log) -> str:
             max(1, round(args.disk_fraction * ws)),
         )
         log(f"{name}: {len(requests)} requests, working set {ws} blocks of {block_tokens} tokens")
-        sweeps.append(sweep(name, requests, tails, setup, gbps, lowers, log))
+        sizes = {f: max(1, round(f * ws)) for f in {args.disk_fraction, *args.admission_disk}}
+        sweeps.append(sweep(name, requests, tails, setup, gbps, lowers, log, sizes))
     parts = []
     for s in sweeps:
         st = s.setup
