@@ -260,7 +260,10 @@ class TieredOffloadingManager(OffloadingManager):
                 return i
         if self.cpu.is_loadable(block_hash):
             return -1
-        return next((i for i, tier in enumerate(self.lower) if tier.is_loadable(block_hash)), None)
+        for i, tier in enumerate(self.lower):
+            if tier.is_loadable(block_hash):
+                return i
+        return None
 
     def hit_tier(self, block_hash: BlockHash) -> int | None:
         """Which tier would serve ``block_hash`` now: -1 for the CPU tier, a lower tier's

@@ -170,6 +170,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         # in their ``_CostScan``; decided at the end of the step (``on_schedule_end``).
         self._undecided: dict[str, _CostScan] = {}
         self._deferred = [False, False]  # a lookup deferred for a decision: this step, the last
+        self._names = ["cpu", *(t.name for t in composite.lower)]  # by tier index + 1
+        self._lookups = [0] * len(self._names)
         self._info = info
         self._shared_media = {t.medium for t, s in zip(composite.lower, self.shared) if s}
         # Per (request, key) of a load in flight: where it comes from, and the CPU slot a
@@ -207,18 +209,17 @@ class TieredVllmManager(OffloadingManager, Closing):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         for check in self.checks:
             check.collect()
-        self.stats.count("cpu", "lookups")
         tier = self.composite.hit_tier(key)
+        asked = self._lookups  # per tier, CPU first: counted into stats each step
+        asked[0] += 1
         if tier is not None and self.costs is not None and self.costs.enabled:
             decided = self._cost_answer(key, tier, req_context)
             if decided is not None:
                 return decided
         if tier is not None and tier < 0:
             return LookupResult.HIT
-        lower = self.composite.lower
-        asked = lower if tier is None else lower[: tier + 1]
-        for t in asked:
-            self.stats.count(t.name, "lookups")
+        for i in range(len(self.checks) if tier is None else tier + 1):
+            asked[i + 1] += 1
         if tier is not None:
             return _RESULTS[self.checks[tier].lookup(key)]
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
@@ -227,8 +228,13 @@ class TieredVllmManager(OffloadingManager, Closing):
             return LookupResult.RETRY  # a tier is finding out whether it holds the chunk
         return LookupResult.MISS
 
+    def _count_lookups(self) -> None:
+        for i, n in enumerate(self._lookups):
+            self.stats.count(self._names[i], "lookups", n)
+            self._lookups[i] = 0
+
     def _cost_answer(self, key: OffloadKey, tier: int, req_context: ReqContext) -> LookupResult | None:
-        """The load-versus-recompute decision, per key (class docstring): MISS for a
+        """The load-versus-recompute decision, per key (module docstring): MISS for a
         chunk past the request's decided prefix, RETRY while its prefix is undecided,
         None where the chunk is answered as found."""
         position = req_context.get_offload_key_position(key)
@@ -248,7 +254,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             scan.positions.clear()
         scan.keys.append(key)
         scan.positions.append(position)
-        if scan.prefix.add("cpu" if tier < 0 else self.composite.lower[tier].name):
+        if scan.prefix.add(self._names[tier + 1]):
             return None
         self._undecided[req_context.req_id] = scan
         self._deferred[0] = True
@@ -339,6 +345,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         # disk's drops of stale writes, the shared tier's probes due).
         for check in self.checks:
             check.step()
+        self._count_lookups()
         if self.costs is not None and self.timings is not None:
             for transfer_type, nbytes, seconds in self.timings.take():
                 self.costs.observe(transfer_type, round(nbytes), seconds)
@@ -377,6 +384,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         verifications, a shared tier's scheduler-side store), failures, occupancy, and
         the timings drained since the last call."""
         stats = OffloadingConnectorStats()
+        self._count_lookups()
         counters = tier_counter_values(self.stats.as_dict()["tiers"], self.composite.cpu.block_size)
         timings = self.stats.latencies.drain()
         for check in self.checks:
