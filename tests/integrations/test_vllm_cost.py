@@ -16,6 +16,7 @@ pytest.importorskip(
 )
 
 from support import vllm_harness as vh  # noqa: E402
+from support.disk_fixtures import slow_disk_reads  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -64,23 +65,6 @@ def _serve(h: vh.VllmHarness, prompt: list[int]) -> vh.PrefixHit:
     return h.prefix_hits[req_id]
 
 
-class SlowReads:
-    """A worker's disk store with ``delay`` seconds before each read batch: a disk that
-    got slower (the worker's handler measures the delay as part of its job)."""
-
-    def __init__(self, store):
-        self._store = store
-        self.delay = 0.0
-
-    def begin_read(self, *args, **kwargs):
-        if self.delay:
-            time.sleep(self.delay)
-        return self._store.begin_read(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
 def test_under_vllm_a_disk_slower_than_recomputing_is_passed_over_and_used_again_once_it_recovers(model_dir, tmp_path):
     # Prefill at 100 tokens/s: a 16-token chunk costs 160 ms to recompute, far more than
     # this machine's disk takes to read it, far less than the slowed disk's 1.5 s a job.
@@ -90,12 +74,7 @@ def test_under_vllm_a_disk_slower_than_recomputing_is_passed_over_and_used_again
         assert costs is not None and costs.enabled
         costs.probe_every = 3
         disk = costs.tiers["disk"]
-        load = h.worker_spec._worker.load_handler
-        slow = []
-        for inner in (*load.to_gpu, *load.to_cpu):
-            if inner is not None:
-                inner.store = SlowReads(inner.store)
-                slow.append(inner.store)
+        slow = slow_disk_reads([h.worker_spec._worker.load_handler])
         assert slow
         docs = [_prompt(seed) for seed in range(3)]
         for doc in docs:

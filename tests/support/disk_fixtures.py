@@ -1,5 +1,5 @@
 """Shared helpers for the disk-tier tests: layouts, fingerprints, deterministic block
-content, a bulk index filler, fault-injecting backends, and the crash-test child."""
+content, a bulk index filler, fault-injecting backends and stores, and the crash-test child."""
 
 from __future__ import annotations
 
@@ -220,3 +220,32 @@ def forkserver_context():
         ]
     )
     return c
+
+
+class SlowReads:
+    """A disk store seen by a disk handler, with ``delay`` seconds before each read batch:
+    a disk that got slower (the handler measures the delay as part of its job). Injects
+    a slowdown the real disk cannot produce on demand."""
+
+    def __init__(self, store):
+        self._store = store
+        self.delay = 0.0
+
+    def begin_read(self, *args, **kwargs):
+        if self.delay:
+            time.sleep(self.delay)
+        return self._store.begin_read(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def slow_disk_reads(handlers) -> list[SlowReads]:
+    """Wrap the disk store of every lower-tier handler of composite load ``handlers``."""
+    slow = []
+    for handler in handlers:
+        for inner in (*getattr(handler, "to_gpu", ()), *getattr(handler, "to_cpu", ())):
+            if inner is not None:
+                inner.store = SlowReads(inner.store)
+                slow.append(inner.store)
+    return slow

@@ -5,7 +5,6 @@ tiers; a tier that slows down mid-run is passed over and used again once it reco
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -310,27 +309,11 @@ def test_reuse_2_writes_a_block_to_disk_only_once_it_was_stored_or_hit_twice(tmp
 # ---------------------------------------------------------------- real tiers, live costs
 
 
-class SlowReads:
-    """The disk store seen by a disk handler, with ``delay`` seconds before each read
-    batch: a disk that got slower (the handler measures the delay as part of its job)."""
-
-    def __init__(self, store):
-        self._store = store
-        self.delay = 0.0
-
-    def begin_read(self, *args, **kwargs):
-        if self.delay:
-            time.sleep(self.delay)
-        return self._store.begin_read(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
 def test_a_disk_tier_that_slows_down_is_passed_over_and_used_again_once_it_recovers(tmp_path):
     """The real hierarchy (HierarchySpec, CPU + disk, the engine driver moving and
     verifying bytes), the composite's estimates fed from the handlers' transfers."""
     import numpy as np
+    from support.disk_fixtures import slow_disk_reads
 
     from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
     from tiered_kv.sim.workloads import prefix_hashes
@@ -356,12 +339,7 @@ def test_a_disk_tier_that_slows_down_is_passed_over_and_used_again_once_it_recov
     m.costs.prefill_tokens_per_s = 100.0
     m.costs.probe_every = 3
     spec.stats.observers.append(m.costs.observe)
-    slow = []
-    for handler in driver.worker.handlers:
-        for inner in (*getattr(handler, "to_gpu", ()), *getattr(handler, "to_cpu", ())):
-            if inner is not None:
-                inner.store = SlowReads(inner.store)
-                slow.append(inner.store)
+    slow = slow_disk_reads(driver.worker.handlers)
     assert slow
     rng = np.random.default_rng(0)
     docs = [prefix_hashes(rng.integers(0, 50_000, size=(4, 16))) for _ in range(6)]
