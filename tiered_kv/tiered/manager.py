@@ -248,8 +248,9 @@ class TieredOffloadingManager(OffloadingManager):
             self.stats.count(plan.probe, "probes", 1)
         return plan.blocks
 
-    def _source(self, block_hash: BlockHash) -> int | None:
-        """Where a new load reads ``block_hash``: -1 for CPU, a lower tier's index, or None.
+    def hit_tier(self, block_hash: BlockHash) -> int | None:
+        """Which tier a new load reads ``block_hash`` from: -1 for CPU, a lower tier's index
+        in ``lower``, or None.
         A block that an unfinished load reads from a lower tier is read from there again,
         even if it has since landed in CPU: ``complete_load`` names blocks, not loads, so
         every load in flight of one block must hold its pin in the same tier (else the
@@ -265,15 +266,10 @@ class TieredOffloadingManager(OffloadingManager):
                 return i
         return None
 
-    def hit_tier(self, block_hash: BlockHash) -> int | None:
-        """Which tier would serve ``block_hash`` now: -1 for the CPU tier, a lower tier's
-        index in ``lower``, or None."""
-        return self._source(block_hash)
-
     def hit_medium(self, block_hash: BlockHash) -> str | None:
         """Which tier would serve ``block_hash`` now: ``"CPU"``, a lower tier's medium
         (``"DISK"``), or None."""
-        i = self._source(block_hash)
+        i = self.hit_tier(block_hash)
         return None if i is None else CPU if i < 0 else self.lower[i].medium
 
     # ------------------------------------------------------------------ loads
@@ -282,7 +278,7 @@ class TieredOffloadingManager(OffloadingManager):
         block_hashes = list(block_hashes)
         sources: list[int] = []
         for block_hash in block_hashes:
-            if (source := self._source(block_hash)) is None:
+            if (source := self.hit_tier(block_hash)) is None:
                 raise KeyError(
                     f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
                 )
