@@ -49,15 +49,7 @@ def _build(model_dir, disk, **extra) -> vh.VllmHarness:
 def _serve(h: vh.VllmHarness, prompt: list[int]) -> vh.PrefixHit:
     h.reset_gpu_prefix_cache()
     req_id = h.add_request(prompt)
-    for _ in range(3000):
-        if not h.scheduler.has_requests() and not h.connector.has_pending_push_work():
-            break
-        h.step()
-        for check in h.manager.checks:
-            check.verifier.wait(10)
-        time.sleep(0.0005)
-    else:
-        raise AssertionError("engine still busy")
+    h.settle()
     deadline = time.monotonic() + 20
     while h.manager.composite.pending_writes():
         assert time.monotonic() < deadline, "disk writes never became durable"

@@ -11,7 +11,6 @@ never a failed load reported to vLLM (whose worker asserts every load succeeded)
 
 from __future__ import annotations
 
-import time
 
 import pytest
 from support.s3_server import BUCKET, FaultProxy, skip_module_without_rgw
@@ -70,36 +69,6 @@ def _remote_store(h: vh.VllmHarness):
     return _worker(h).hierarchy.lower_tiers[-1].store
 
 
-def _wait_background(h: vh.VllmHarness) -> None:
-    """Let the threads the scheduler waits on finish: probes and verifications."""
-    m = h.manager
-    m.tier("remote").wait_probes(WAIT)
-    for check in m.checks:
-        check.verifier.wait(WAIT)
-
-
-def _settle(h: vh.VllmHarness, max_steps: int = 3000) -> None:
-    for _ in range(max_steps):
-        if not h.scheduler.has_requests() and not h.connector.has_pending_push_work():
-            return
-        h.step()
-        _wait_background(h)
-        time.sleep(0.0005)
-    raise AssertionError(f"engine still busy after {max_steps} steps")
-
-
-def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
-    """Add a request and step until its first token (it still holds its blocks)."""
-    req_id = h.add_request(prompt, max_tokens=3)
-    for _ in range(3000):
-        h.step()
-        if h.scheduler.requests[req_id].num_output_tokens >= 1:
-            return req_id
-        _wait_background(h)
-        time.sleep(0.0005)
-    raise AssertionError("request never produced a token")
-
-
 def _uploaded(h: vh.VllmHarness) -> None:
     """Every upload node ``h``'s worker staged has landed (or failed)."""
     _worker(h).hierarchy.lower_tiers[-1].stager.drain()
@@ -112,11 +81,11 @@ def _objects(rgw_server, prefix: str) -> list[str]:
 
 def _compute_on(h: vh.VllmHarness, prompt: list[int]) -> list[bytes]:
     """Serve ``prompt`` on ``h`` from scratch and return its chunks' KV bytes, as computed."""
-    req_id = _admit(h, prompt)
+    req_id = h.admit(prompt)
     assert h.prefix_hits[req_id].external == 0
     assert all(h.kv_matches(req_id))
     computed = [h.gpu_block_bytes(b) for b in h.block_ids(req_id)[:CHUNKS]]
-    _settle(h)
+    h.settle()
     _uploaded(h)
     return computed
 
@@ -132,7 +101,7 @@ def test_node_b_loads_what_node_a_computed_byte_exact(tmp_path, model_dir, rgw_s
         assert a.manager.tier("remote").settle(WAIT) and a.manager.tier("remote").counters["confirmed"] == CHUNKS
 
     with _node(model_dir, remote_settings, tmp_path / "b") as b:  # a fresh cache directory: nothing local
-        req_id = _admit(b, prompt)
+        req_id = b.admit(prompt)
         assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
         ids = b.block_ids(req_id)[:CHUNKS]
         assert [b.gpu_block_bytes(i) for i in ids] == computed
@@ -141,7 +110,7 @@ def test_node_b_loads_what_node_a_computed_byte_exact(tmp_path, model_dir, rgw_s
         assert stats["remote"]["hits"] == CHUNKS and stats["disk"]["hits"] == 0 and stats["cpu"]["hits"] == 0
         assert _remote_store(b).stats().gets_hit == CHUNKS  # the workers' own reads
         assert b.manager.check("remote").verifier.store.stats().gets_hit == CHUNKS  # verified before the hit
-        _settle(b)
+        b.settle()
         assert b.manager.check("remote").outcomes() == {"ok": CHUNKS}
         registry = b.publish_metrics()  # vLLM's Prometheus side accepts every name reported
 
@@ -162,10 +131,10 @@ def test_node_without_disk_tier_shares_through_the_bucket(tmp_path, model_dir, r
         assert [t.name for t in a.manager.composite.lower] == ["remote"] and a.manager.tier("disk") is None
         computed = _compute_on(a, prompt)
     with _node(model_dir, remote_settings) as b:
-        req_id = _admit(b, prompt)
+        req_id = b.admit(prompt)
         assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
         assert [b.gpu_block_bytes(i) for i in b.block_ids(req_id)[:CHUNKS]] == computed
-        _settle(b)
+        b.settle()
 
 
 @pytest.mark.parametrize("other", ["dtype", "hash_seed"])
@@ -181,13 +150,13 @@ def test_a_node_of_another_fingerprint_never_reads_the_chunks(tmp_path, model_di
         c = _node(model_dir, remote_settings, tmp_path / "c", hash_seed="another-seed")
     try:
         assert c.manager.tier("remote").store.namespace != namespace
-        req_id = _admit(c, prompt)  # the same vLLM hashes, another namespace
+        req_id = c.admit(prompt)  # the same vLLM hashes, another namespace
         assert c.prefix_hits[req_id].external == 0
         assert all(c.kv_matches(req_id))
         assert c.manager.stats.tiers["remote"]["hits"] == 0
         assert c.manager.check("remote").verifier.store.stats().gets_hit == 0
         assert _remote_store(c).stats().gets_hit == 0
-        _settle(c)
+        c.settle()
     finally:
         c.shutdown()
 
@@ -217,11 +186,11 @@ def test_lookup_asks_again_while_the_probe_is_in_flight_then_hits(tmp_path, mode
             assert manager.tier("remote").wait_probes(WAIT)
             while b.scheduler.requests[req_id].num_output_tokens < 1:
                 b.step()
-                _wait_background(b)
+                b.wait_background()
             assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
             assert all(b.kv_matches(req_id))
             assert manager.stats.tiers["remote"]["hits"] == CHUNKS
-            _settle(b)
+            b.settle()
 
 
 def test_server_failing_during_verification_costs_misses_never_a_failed_load(
@@ -240,7 +209,7 @@ def test_server_failing_during_verification_costs_misses_never_a_failed_load(
             proxy.set_mode("503")  # the chunks are known present; now every request fails
             while b.scheduler.requests[req_id].num_output_tokens < 1:
                 b.step()
-                _wait_background(b)
+                b.wait_background()
             assert b.prefix_hits[req_id].external == 0  # recomputed
             assert all(b.kv_matches(req_id))
             assert (
@@ -250,7 +219,7 @@ def test_server_failing_during_verification_costs_misses_never_a_failed_load(
             assert manager.stats.tiers["remote"]["hits"] == 0
             assert _remote_store(b).stats().gets_hit == 0
             assert not manager._failure_counts  # no worker job failed
-            _settle(b)  # uploads fail or are dropped; the engine goes on
+            b.settle()  # uploads fail or are dropped; the engine goes on
             assert not b.scheduler.has_requests()
 
 
@@ -260,10 +229,10 @@ def test_server_down_costs_misses_and_the_engine_goes_on(tmp_path, model_dir, rg
         with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, tmp_path / "b") as b:
             proxy.set_mode("503")
             for seed in (6, 7):
-                req_id = _admit(b, _prompt(seed))
+                req_id = b.admit(_prompt(seed))
                 assert b.prefix_hits[req_id].external == 0
                 assert all(b.kv_matches(req_id))
-                _settle(b)
+                b.settle()
             _uploaded(b)
             store = _remote_store(b).stats()
             assert store.puts_stored == 0 and store.puts_failed + store.puts_dropped >= 2 * CHUNKS

@@ -7,7 +7,6 @@ byte for byte; with the master restarted in between, it computes again and never
 
 from __future__ import annotations
 
-import time
 
 import pytest
 from support.mooncake_server import skip_module_without_mooncake
@@ -64,39 +63,11 @@ def _remote_store(h: vh.VllmHarness):
     return _worker(h).hierarchy.lower_tiers[-1].store
 
 
-def _wait_background(h: vh.VllmHarness) -> None:
-    m = h.manager
-    m.tier("remote").wait_probes(WAIT)
-    for check in m.checks:
-        check.verifier.wait(WAIT)
-
-
-def _settle(h: vh.VllmHarness) -> None:
-    for _ in range(3000):
-        if not h.scheduler.has_requests() and not h.connector.has_pending_push_work():
-            return
-        h.step()
-        _wait_background(h)
-        time.sleep(0.0005)
-    raise AssertionError("engine still busy")
-
-
-def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
-    req_id = h.add_request(prompt, max_tokens=3)
-    for _ in range(3000):
-        h.step()
-        if h.scheduler.requests[req_id].num_output_tokens >= 1:
-            return req_id
-        _wait_background(h)
-        time.sleep(0.0005)
-    raise AssertionError("request never produced a token")
-
-
 def _compute_on(h: vh.VllmHarness, prompt: list[int]) -> list[bytes]:
-    req_id = _admit(h, prompt)
+    req_id = h.admit(prompt)
     assert h.prefix_hits[req_id].external == 0 and all(h.kv_matches(req_id))
     computed = [h.gpu_block_bytes(b) for b in h.block_ids(req_id)[:CHUNKS]]
-    _settle(h)
+    h.settle()
     _worker(h).hierarchy.lower_tiers[-1].stager.drain()
     return computed
 
@@ -108,14 +79,14 @@ def test_node_b_loads_what_node_a_computed_through_mooncake_byte_exact(tmp_path,
         computed = _compute_on(a, prompt)
         assert a.manager.tier("remote").settle(WAIT) and a.manager.tier("remote").counters["confirmed"] == CHUNKS
     with _node(model_dir, settings, tmp_path / "b") as b:
-        req_id = _admit(b, prompt)
+        req_id = b.admit(prompt)
         assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
         assert [b.gpu_block_bytes(i) for i in b.block_ids(req_id)[:CHUNKS]] == computed
         assert all(b.kv_matches(req_id))
         assert b.manager.stats.tiers["remote"]["hits"] == CHUNKS
         assert _remote_store(b).stats().gets_hit == CHUNKS
         assert b.manager.check("remote").verifier.store.stats().gets_hit == CHUNKS  # verified before the hit
-        _settle(b)
+        b.settle()
         assert b.manager.check("remote").outcomes() == {"ok": CHUNKS}
 
 
@@ -128,12 +99,12 @@ def test_master_restart_between_nodes_costs_a_recompute_never_a_failed_load(tmp_
     mooncake_server.start_master()
     mooncake_server.wait_writable()
     with _node(model_dir, settings, tmp_path / "b") as b:
-        req_id = _admit(b, prompt)
+        req_id = b.admit(prompt)
         assert b.prefix_hits[req_id].external == 0  # the pool lost everything: computed again
         assert all(b.kv_matches(req_id))
         assert b.manager.stats.tiers["remote"]["hits"] == 0
         assert not b.manager._failure_counts
-        _settle(b)
+        b.settle()
         # The restarted pool takes this node's chunks, and serves them.
         _worker(b).hierarchy.lower_tiers[-1].stager.drain()
         assert b.manager.tier("remote").settle(WAIT) and b.manager.tier("remote").counters["confirmed"] == CHUNKS

@@ -12,7 +12,6 @@ seen.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
@@ -62,31 +61,11 @@ def _node(model_dir, remote: dict, **vllm) -> vh.VllmHarness:
     return vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **vllm)
 
 
-def _steps(h: vh.VllmHarness, done) -> None:
-    for _ in range(3000):
-        if done():
-            return
-        h.step()
-        h.manager.tier("remote").wait_probes(10)
-        time.sleep(0.0005)
-    raise AssertionError("engine still busy")
-
-
-def _settle(h: vh.VllmHarness) -> None:
-    _steps(h, lambda: not h.scheduler.has_requests() and not h.connector.has_pending_push_work())
-
-
-def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
-    req_id = h.add_request(prompt, max_tokens=3)
-    _steps(h, lambda: h.scheduler.requests[req_id].num_output_tokens >= 1)
-    return req_id
-
-
 def _upload_from_node_a(model_dir, settings: dict, prompt: list[int]) -> list[bytes]:
     with _node(model_dir, settings) as a:
-        req_id = _admit(a, prompt)
+        req_id = a.admit(prompt)
         computed = [a.gpu_block_bytes(b) for b in a.block_ids(req_id)[:CHUNKS]]
-        _settle(a)
+        a.settle()
         a.worker_spec._worker.hierarchy.lower_tiers[-1].stager.drain()
         assert a.manager.tier("remote").settle(30)
     return computed
@@ -111,10 +90,10 @@ def test_each_shared_tier_hit_is_downloaded_once_and_verified_by_the_worker(
     with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, **ONE_READ) as b:
         assert isinstance(b.worker_connector, TieredOffloadingConnector)
         assert b.worker_spec.failed_loads_recomputed
-        req_id = _admit(b, prompt)
+        req_id = b.admit(prompt)
         assert b.prefix_hits[req_id].external == CHUNKS * BLOCK
         assert [b.gpu_block_bytes(i) for i in b.block_ids(req_id)[:CHUNKS]] == computed
-        _settle(b)
+        b.settle()
         gets = _chunk_gets(proxy, _keys(prompt)[:CHUNKS])
         # One download per chunk and rank (TP 1: one object each), the worker's own.
         assert gets == Counter({k.hex(): 1 for k in _keys(prompt)[:CHUNKS]}), gets
@@ -137,12 +116,12 @@ def test_an_object_that_fails_at_the_worker_is_recomputed_never_served(
     with _node(model_dir, remote_settings, **ONE_READ) as b:
         for t in b.kv_caches.values():
             t.zero_()
-        req_id = _admit(b, prompt)
+        req_id = b.admit(prompt)
         # The request ran on the chunks that verified and recomputed from the damaged one
         # on: every GPU block holds the bytes its prefix calls for.
         matches = b.kv_matches(req_id)
         assert len(matches) == CHUNKS and all(matches), matches
-        _settle(b)
+        b.settle()
         worker = b.worker_spec._worker
         assert worker.stats.tiers["cpu"]["failed_loads"] >= 1  # counted where it happened
         assert worker.take_failed_gpu_blocks() == set()  # handed to vLLM already

@@ -32,9 +32,7 @@ from test_vllm_remote import (  # noqa: E402
     _node,
     _prompt,
     _remote_store,
-    _settle,
     _uploaded,
-    _wait_background,
 )
 
 from tiered_kv.remote.object_format import SEALED_HEADER_BYTES  # noqa: E402
@@ -73,7 +71,7 @@ def test_forged_and_replayed_chunks_are_never_loaded_and_do_not_stick(tmp_path, 
         req_id = b.add_request(prompt, max_tokens=3)
         while b.scheduler.requests[req_id].num_output_tokens < 1:
             b.step()
-            _wait_background(b)
+            b.wait_background()
             time.sleep(0.0005)
         assert b.prefix_hits[req_id].external == BLOCK  # chunk 0 only: chunk 1 fails authentication
         assert all(b.kv_matches(req_id))
@@ -81,7 +79,7 @@ def test_forged_and_replayed_chunks_are_never_loaded_and_do_not_stick(tmp_path, 
         verifier = b.manager.check("remote").verifier.store.stats()
         assert verifier.rejected["auth"] == 1 and verifier.rejected["mismatch"] == 1  # chunks 1 and 3
         assert verifier.gets_hit == CHUNKS - 2
-        _settle(b)
+        b.settle()
         _uploaded(b)
         assert _remote_store(b).stats().forgeries_replaced == 1  # chunk 3; chunk 1 was deleted
 
@@ -89,11 +87,11 @@ def test_forged_and_replayed_chunks_are_never_loaded_and_do_not_stick(tmp_path, 
         req_id = c.add_request(prompt, max_tokens=3)
         while c.scheduler.requests[req_id].num_output_tokens < 1:
             c.step()
-            _wait_background(c)
+            c.wait_background()
             time.sleep(0.0005)
         assert c.prefix_hits[req_id].external == CHUNKS * BLOCK
         assert [c.gpu_block_bytes(i) for i in c.block_ids(req_id)[:CHUNKS]] == computed
-        _settle(c)
+        c.settle()
 
 
 def _serve(h: vh.VllmHarness, prompt: list[int], salt: str | None) -> tuple[int, list[bytes]]:
@@ -103,12 +101,12 @@ def _serve(h: vh.VllmHarness, prompt: list[int], salt: str | None) -> tuple[int,
     req_id = h.add_request(prompt, max_tokens=3, cache_salt=salt)
     while h.scheduler.requests[req_id].num_output_tokens < 1:
         h.step()
-        _wait_background(h)
+        h.wait_background()
         time.sleep(0.0005)
     assert all(h.kv_matches(req_id))
     chunks = [h.gpu_block_bytes(i) for i in h.block_ids(req_id)[:CHUNKS]]
     external = h.prefix_hits[req_id].external
-    _settle(h)
+    h.settle()
     _uploaded(h)
     return external, chunks
 

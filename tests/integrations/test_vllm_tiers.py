@@ -52,38 +52,10 @@ def _build(model_dir, *, chunk_tokens: int = BLOCK, cpu_chunks: int = 16, disk=N
     return vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real")
 
 
-def _settle(h: vh.VllmHarness, max_steps: int = 3000) -> None:
-    """Step until no request is left and nothing is in flight, letting the disk threads
-    (verification, loads, write-through) run between steps."""
-    manager = h.manager
-    for _ in range(max_steps):
-        if not h.scheduler.has_requests() and not h.connector.has_pending_push_work():
-            return
-        h.step()
-        for check in manager.checks:
-            check.verifier.wait(10)
-        time.sleep(0.0005)
-    raise AssertionError(f"engine still busy after {max_steps} steps")
-
-
 def _serve(h: vh.VllmHarness, prompt: list[int]) -> vh.PrefixHit:
     req_id = h.add_request(prompt)
-    _settle(h)
+    h.settle()
     return h.prefix_hits[req_id]
-
-
-def _admit(h: vh.VllmHarness, prompt: list[int]) -> str:
-    """Add a request and step until its first token (its loads have landed and it still
-    holds its blocks, so ``kv_matches`` can look at them)."""
-    req_id = h.add_request(prompt, max_tokens=3)
-    for _ in range(3000):
-        h.step()
-        if h.scheduler.requests[req_id].num_output_tokens >= 1:
-            return req_id
-        for check in h.manager.checks:
-            check.verifier.wait(10)
-        time.sleep(0.0005)
-    raise AssertionError("request never produced a token")
 
 
 def _durable(h: vh.VllmHarness, timeout: float = 20.0) -> None:
@@ -120,11 +92,11 @@ def test_cpu_tier_stores_then_loads_the_same_bytes(model_dir, chunk_tokens):
         assert all(h.manager.composite.cpu.is_loadable(k) for k in keys)
         h.reset_gpu_prefix_cache()
         _zero_gpu(h)  # only a real load can bring the prefix's bytes back
-        req_id = _admit(h, prompt)
+        req_id = h.admit(prompt)
         assert h.prefix_hits[req_id].external == 4 * chunk_tokens
         matches = h.kv_matches(req_id)
         assert len(matches) == 4 * chunk_tokens // BLOCK and all(matches), matches
-        _settle(h)
+        h.settle()
         assert h.manager.composite.stats.tiers["cpu"]["hits"] == 4
 
 
@@ -226,13 +198,13 @@ def test_a_chunk_evicted_from_cpu_is_verified_then_loaded_from_disk(model_dir, t
         start = len(h.steps)
         tiers = composite.stats.tiers
         disk_lookups = tiers["disk"]["lookups"]
-        req_id = _admit(h, a)
+        req_id = h.admit(a)
         assert tiers["disk"]["lookups"] >= disk_lookups + 2  # both chunks were asked of the disk
         load_steps = [i for i, r in enumerate(h.steps[start:]) if req_id in r.load_jobs.values()]
         assert load_steps and load_steps[0] >= 1, "a disk hit must be verified before it is a HIT"
         assert h.prefix_hits[req_id].external == 2 * BLOCK
         assert all(h.kv_matches(req_id))
-        _settle(h)
+        h.settle()
         assert h.manager.check("disk").outcomes()["ok"] == 2
         # Promoted on the way: the next request for a is served from the CPU tier.
         assert all(composite.cpu.is_loadable(k) for k in keys)
@@ -268,12 +240,12 @@ def test_a_disk_chunk_corrupted_after_store_is_a_miss_and_recomputed(model_dir, 
         h.reset_gpu_prefix_cache()
         _zero_gpu(h)
         with caplog.at_level(logging.WARNING):
-            req_id = _admit(h, a)
+            req_id = h.admit(a)
         # The first chunk is served, the corrupt one and everything after it recomputed.
         assert h.prefix_hits[req_id].external == BLOCK
         assert all(h.kv_matches(req_id)), "the recomputed KV must be right"
         assert "failed its checksum" in caplog.text
-        _settle(h)
+        h.settle()
         # Dropped from the disk tier (the recomputed chunk may since have been stored again).
         assert h.manager.composite.tier("disk").stats.checksum_failures == 1
         assert h.manager.check("disk").outcomes()["failed"] == 1
@@ -291,10 +263,10 @@ def test_a_restarted_engine_serves_the_disk_tier(model_dir, tmp_path):
     with _build(model_dir, cpu_chunks=4, disk=tmp_path / "disk") as h:
         assert h.manager.composite.tier("disk").is_loadable(_keys(prompt)[0])
         _zero_gpu(h)
-        req_id = _admit(h, prompt)
+        req_id = h.admit(prompt)
         assert h.prefix_hits[req_id].external == 3 * BLOCK
         assert all(h.kv_matches(req_id))
-        _settle(h)
+        h.settle()
 
 
 # ------------------------------------------------------------------ worker faults
@@ -344,9 +316,9 @@ def test_a_failed_promotion_in_a_worker_is_not_kept_in_cpu(model_dir, tmp_path, 
         monkeypatch.undo()
         h.reset_gpu_prefix_cache()
         _zero_gpu(h)
-        req_id = _admit(h, a)  # the engine runs on and serves the chunks again
+        req_id = h.admit(a)  # the engine runs on and serves the chunks again
         assert h.prefix_hits[req_id].external == 2 * BLOCK and all(h.kv_matches(req_id))
-        _settle(h)
+        h.settle()
 
 
 # ------------------------------------------------------------------ reset, metrics
@@ -364,7 +336,7 @@ def test_a_connector_cache_reset_empties_every_tier(model_dir, tmp_path, monkeyp
         _serve(h, late)
         assert h.manager.composite.pending_writes() == 2
         assert h.scheduler.reset_prefix_cache(reset_connector=True)
-        _settle(h)
+        h.settle()
         gate.set()
         deadline = time.monotonic() + 20
         while h.manager.check("disk")._stale_writes:

@@ -463,6 +463,42 @@ class VllmHarness(Closing):
                 time.sleep(0.005)
             records.append(self.step())
 
+    def wait_background(self, timeout: float = 30.0) -> None:
+        """Let the scheduler's background work finish: each lower tier's check (disk
+        read-backs, shared-tier verifications) and the shared tier's existence probes.
+        Nothing to wait for under a manager without them."""
+        manager = self.manager
+        tier = getattr(manager, "tier", None)
+        remote = tier("remote") if tier is not None else None
+        if remote is not None:
+            remote.wait_probes(timeout)
+        for check in getattr(manager, "checks", ()):
+            if getattr(check, "verifier", None) is not None:
+                check.verifier.wait(timeout)
+
+    def step_until(self, done: Callable[[], bool], max_steps: int = 3000, timeout: float = 30.0) -> None:
+        """Step until ``done()``, letting the background work finish between steps."""
+        for _ in range(max_steps):
+            if done():
+                return
+            self.step()
+            self.wait_background(timeout)
+            time.sleep(0.0005)
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def settle(self, max_steps: int = 3000, timeout: float = 30.0) -> None:
+        """Step until no request is left and the connector has nothing in flight."""
+        self.step_until(
+            lambda: not self.scheduler.has_requests() and not self.connector.has_pending_push_work(), max_steps, timeout
+        )
+
+    def admit(self, prompt_token_ids: list[int], max_tokens: int = 3, timeout: float = 30.0) -> str:
+        """Add a request and step until its first token: its loads have landed and it
+        still holds its blocks, so ``kv_matches`` can look at them."""
+        req_id = self.add_request(prompt_token_ids, max_tokens=max_tokens)
+        self.step_until(lambda: self.scheduler.requests[req_id].num_output_tokens >= 1, timeout=timeout)
+        return req_id
+
     def serve(self, prompt_token_ids: list[int], max_tokens: int = 1) -> PrefixHit:
         """Run one request to completion (and its stores to the end); its prefix hit."""
         req_id = self.add_request(prompt_token_ids, max_tokens)
