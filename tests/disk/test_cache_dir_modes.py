@@ -152,6 +152,11 @@ def test_load_timings_reach_the_scheduler_from_worker_processes_per_rank():
             + [("cpu_to_gpu", 200.0, 0.5)]
         )
         assert reader.take() == []  # nothing new
+        forged = LoadTimings.for_engine(engine, ["disk"], ranks=2, rank=0)
+        forged.record("disk_to_cpu", float("inf"), 1.0)  # a same-user writer's garbage
+        forged.record("cpu_to_gpu", 10, float("nan"))
+        forged.close()
+        assert reader.take() == []
     finally:
         reader.close(unlink=True)
 

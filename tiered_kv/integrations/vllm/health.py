@@ -38,6 +38,7 @@ Limits: the processes must share a host (as vLLM's own CPU offloading region doe
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import stat
@@ -166,7 +167,7 @@ class LoadTimings(Closing):
                 if seq & 1 or self._RECORD.unpack_from(self._map, off)[0] != seq:
                     continue  # being written: next time
                 b0, s0, j0 = self._seen.get(off, (0.0, 0.0, 0.0))
-                if j > j0 and b > b0 and s > s0:
+                if j > j0 and b > b0 and s > s0 and math.isfinite(b + s + j):  # a torn or forged total: skipped
                     out.append((name, (b - b0) / (j - j0), (s - s0) / (j - j0)))
                 self._seen[off] = (b, s, j)
         return out
