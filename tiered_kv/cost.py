@@ -30,6 +30,11 @@ model and the GPU (``estimate_prefill_tokens_per_s``): ``2 x parameters`` FLOPs 
 token at ``ASSUMED_MFU`` of the GPU's dense BF16 peak (attention's own FLOPs ignored).
 Llama-3.1-8B (8.03e9 parameters) on one H100 SXM: 0.5 x 989e12 / (2 x 8.03e9) = 30,800
 tokens/s; with its 131,072 KV bytes per token, a tier pays above 4.0 GB/s.
+Where the engine times its forward passes (``observe`` of ``PREFILL``: tokens and
+seconds of a step that was nearly all prefill), the rate is fitted as a tier's cost is
+(``seconds = per-step overhead + tokens / rate``, the marginal rate being what
+recomputing more tokens costs) and replaces the estimate; a configured rate is kept,
+the measured one only reported beside it.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ PRIOR_GBPS = {"CPU": 50.0, "DISK": 6.0, "REMOTE": 1.0}
 #: Per-job latency before any sample, seconds: 0 by default, so the prior alone
 #: judges by bandwidth (break-even = KV bytes per token x prefill tokens/s).
 PRIOR_LATENCY_S = {"CPU": 0.0, "DISK": 0.0, "REMOTE": 0.0}
+#: The timing type of a forward pass that was nearly all prefill (tokens, seconds),
+#: beside the load transfer types (``load_transfer_types``).
+PREFILL = "prefill"
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,8 @@ class PrefillEstimate:
 
     tokens_per_s: float
     source: str
+    #: Set by the operator (``prefill_tokens_per_s``): kept, never replaced by measurements.
+    configured: bool = False
 
 
 def model_parameters(hf_config: Mapping) -> int:
@@ -228,6 +238,7 @@ class LoadCosts:
         bytes_per_block: int,
         tokens_per_block: int,
         prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+        prefill_configured: bool = False,
         enabled: bool = True,
         probe_every: int = 64,
         probe_after_s: float = 30.0,
@@ -244,6 +255,12 @@ class LoadCosts:
         self.bytes_per_block = bytes_per_block
         self.tokens_per_block = tokens_per_block
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        #: A configured rate is kept; else measured forward passes replace the estimate.
+        self.prefill_configured = prefill_configured
+        # seconds = overhead + tokens / rate, fitted as a tier's load cost is ("gbps" is
+        # giga-tokens per second here), from the first measured step on: the estimate
+        # is no sample of this engine.
+        self.prefill_fit: TierCost | None = None
         self.enabled = enabled
         self.probe_every, self.probe_after_s = probe_every, probe_after_s
         self.clock = clock
@@ -287,7 +304,19 @@ class LoadCosts:
         return self.bytes_per_block / self.tokens_per_block * self.prefill_tokens_per_s / 1e9
 
     def observe(self, transfer_type: str, nbytes: int, seconds: float, success: bool = True) -> None:
-        """A finished transfer (``TieredStats`` observer): samples the tier it read from."""
+        """A finished transfer (``TieredStats`` observer): samples the tier it read from.
+        ``PREFILL``: a forward pass of ``nbytes`` tokens, nearly all prefill, sampling the
+        prefill rate (module docstring)."""
+        if transfer_type == PREFILL:
+            if not success or nbytes <= 0 or not 0 < seconds < math.inf:
+                return
+            if self.prefill_fit is None:
+                self.prefill_fit = TierCost(PREFILL, nbytes / seconds / 1e9, ref_bytes=nbytes)
+            else:
+                self.prefill_fit.observe(nbytes, seconds, self.clock())
+            if not self.prefill_configured:
+                self.prefill_tokens_per_s = self.prefill_fit.gbps * 1e9
+            return
         name = self.transfer_types.get(transfer_type)
         if name is None or not success:
             return
@@ -362,9 +391,14 @@ class LoadCosts:
 
     def snapshot(self) -> dict:
         """Estimates and inputs, for stats and metrics."""
+        fit = self.prefill_fit
         return {
             "enabled": self.enabled,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "prefill_source": "configured" if self.prefill_configured else "estimated" if fit is None else "measured",
+            "prefill_measured": None
+            if fit is None
+            else {"tokens_per_s": fit.gbps * 1e9, "step_overhead_s": fit.latency_s, "steps": fit.samples + 1},
             "break_even_gbps": self.break_even_gbps,
             "tiers": {name: t.snapshot() for name, t in self.tiers.items()},
         }
@@ -412,7 +446,7 @@ def configured_prefill(prefill_tokens_per_s: float | None, model_path: str | Non
     the estimate from the model directory's ``config.json`` (where readable) and this
     machine's GPU (where CUDA is available), ``gpus`` of them (the TP group)."""
     if prefill_tokens_per_s:
-        return PrefillEstimate(prefill_tokens_per_s, "configured (prefill_tokens_per_s)")
+        return PrefillEstimate(prefill_tokens_per_s, "configured (prefill_tokens_per_s)", configured=True)
     parameters = None
     if model_path:
         try:

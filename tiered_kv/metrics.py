@@ -70,6 +70,7 @@ TIER_USED_BLOCKS = "tiered_kv_tier_used_blocks"
 TIER_LOAD_GBPS = "tiered_kv_tier_load_gbps"
 TIER_LOAD_LATENCY = "tiered_kv_tier_load_latency_seconds"
 TIER_WRITTEN_PER_READ = "tiered_kv_tier_bytes_written_per_read"
+PREFILL_TOKENS_PER_S = "tiered_kv_prefill_tokens_per_second"
 TRANSFER_JOBS = "tiered_kv_transfer_jobs"
 TRANSFER_SECONDS = "tiered_kv_transfer_seconds"
 VERIFICATION_SECONDS = "tiered_kv_verification_seconds"
@@ -114,6 +115,13 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     MetricDef(TIER_LOAD_GBPS, "gauge", "Estimated load bandwidth into the GPU per tier, GB/s", ("tier",)),
     MetricDef(TIER_LOAD_LATENCY, "gauge", "Estimated per-job load latency per tier, seconds", ("tier",)),
     MetricDef(TIER_WRITTEN_PER_READ, "gauge", "Bytes written into a tier per byte read from it", ("tier",)),
+    MetricDef(
+        PREFILL_TOKENS_PER_S,
+        "gauge",
+        "Prefill tokens per second: 'used' by the load-versus-recompute decision, and 'measured' on the "
+        "engine's own forward passes where it times them",
+        ("kind",),
+    ),
     MetricDef(TRANSFER_JOBS, "counter", "Transfer jobs finished", ("transfer_type", "outcome")),
     MetricDef(
         TRANSFER_SECONDS,
@@ -197,6 +205,21 @@ def tier_counter_values(tiers: Mapping[str, Mapping[str, int]], tokens_per_block
             out.append((TIER_BLOCKS, (tier, event), value))
             if event in TOKEN_EVENTS and tokens_per_block is not None:
                 out.append((TIER_TOKENS, (tier, event), value * tokens_per_block))
+    return out
+
+
+def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
+    """The load-cost gauges of ``costs`` (a ``LoadCosts.snapshot()``, or None): each
+    tier's estimated bandwidth and job latency, the prefill rate the decision uses and,
+    once measured, the measured one."""
+    if not costs:
+        return []
+    out: list[CounterValue] = []
+    for tier, est in costs["tiers"].items():
+        out += [(TIER_LOAD_GBPS, (tier,), est["gbps"]), (TIER_LOAD_LATENCY, (tier,), est["latency_s"])]
+    out.append((PREFILL_TOKENS_PER_S, ("used",), costs["prefill_tokens_per_s"]))
+    if costs.get("prefill_measured"):
+        out.append((PREFILL_TOKENS_PER_S, ("measured",), costs["prefill_measured"]["tokens_per_s"]))
     return out
 
 
@@ -405,9 +428,8 @@ class PrometheusMetrics:
         ``LoadCosts.snapshot()``), and drain ``stats.latencies`` and ``latencies``
         (e.g. a store's ``RemoteStore.latencies``)."""
         snap = stats.as_dict()
-        for tier, est in (costs or {}).get("tiers", {}).items():
-            self.metrics[TIER_LOAD_GBPS].labels(tier).set(est["gbps"])
-            self.metrics[TIER_LOAD_LATENCY].labels(tier).set(est["latency_s"])
+        for name, labels, value in cost_gauges(costs):
+            self.metrics[name].labels(*labels).set(value)
         for tier, ratio in stats.written_per_read().items():
             if ratio is not None:
                 self.metrics[TIER_WRITTEN_PER_READ].labels(tier).set(ratio)

@@ -92,8 +92,9 @@ class HitCheck(Protocol):
     def loading(self, block_hash: BlockHash) -> None:
         """A load of the block was prepared: a check passed counts for one load."""
 
-    def collect(self) -> None:
-        """Fold in the checks that finished (cheap: before every lookup)."""
+    def collect(self) -> bool:
+        """Fold in the checks that finished (cheap: before a lookup that asks this
+        check). True if any did: a block that failed may have left its tier."""
 
     def step(self) -> None:
         """Once per engine step: ``collect``, then the tier's own housekeeping."""
@@ -135,8 +136,8 @@ class TrustedHitCheck:
     def loading(self, block_hash: BlockHash) -> None:
         return
 
-    def collect(self) -> None:
-        return
+    def collect(self) -> bool:
+        return False
 
     def step(self) -> None:
         if self.manager.num_pending():

@@ -124,3 +124,76 @@ def test_under_vllm_chunks_past_the_plan_are_misses_and_the_request_is_computed_
         assert tiers["disk"]["skipped_slower_than_recompute"] - before == 2
         assert not any(r.load_jobs for r in h.steps[start:]), "nothing was loaded"
         assert not h.manager.has_pending_work(), "no decision left waiting"
+
+
+ONE_READ = {
+    "kv_connector": "TieredOffloadingConnector",
+    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
+    "kv_load_failure_policy": "recompute",
+}
+MODEL_TOKENS_PER_S = 2000.0
+
+
+def _measuring(model_dir, disk, **extra) -> vh.VllmHarness:
+    """A node running our connector over a model of ``MODEL_TOKENS_PER_S``."""
+    config = {**SPEC, "cpu_bytes": f"{16 * GPU_BLOCK_BYTES}B", "disk_path": str(disk), "disk_bytes": "256KiB", **extra}
+    return vh.VllmHarness.build(
+        model_dir, config, num_gpu_blocks=64, worker="real", forward_tokens_per_s=MODEL_TOKENS_PER_S, **ONE_READ
+    )
+
+
+@pytest.mark.parametrize("configured", [None, 150.0])
+def test_under_vllm_the_prefill_rate_is_measured_on_the_engines_own_prefill_steps(model_dir, tmp_path, configured):
+    """Our connector times the forward passes of steps that are nearly all prefill: the
+    fitted marginal rate is the model's (a decode step, one token after a fixed cost,
+    would read as a far slower prefill: none is timed). It replaces the estimate unless
+    the operator configured one, which is kept, the measured rate reported beside it;
+    both reach vLLM's metrics endpoint."""
+    with _measuring(model_dir, tmp_path / "disk", prefill_tokens_per_s=configured) as h:
+        costs = h.manager.costs
+        assert costs is not None
+        assert costs.snapshot()["prefill_source"] == ("configured" if configured else "estimated")
+        for seed, chunks in enumerate([2, 8, 4, 12, 3, 10, 6, 14]):  # steps of 33-225 tokens
+            h.admit(_prompt(100 + seed, chunks * BLOCK + 1), max_tokens=4)
+            h.settle()
+        snap = costs.snapshot()
+        measured = snap["prefill_measured"]
+        assert measured is not None and measured["steps"] >= 8
+        assert 0.7 * MODEL_TOKENS_PER_S <= measured["tokens_per_s"] <= 1.1 * MODEL_TOKENS_PER_S, measured
+        if configured:
+            assert snap["prefill_source"] == "configured" and costs.prefill_tokens_per_s == configured
+        else:
+            assert snap["prefill_source"] == "measured" and costs.prefill_tokens_per_s == measured["tokens_per_s"]
+        registry = h.publish_metrics()
+
+        def gauge(kind: str) -> float | None:
+            return registry.get_sample_value("tiered_kv_prefill_tokens_per_second", {"engine": "0", "kind": kind})
+
+        assert gauge("used") == pytest.approx(costs.prefill_tokens_per_s, rel=0.2)
+        assert gauge("measured") == pytest.approx(measured["tokens_per_s"], rel=0.2)
+        assert registry.get_sample_value("tiered_kv_tier_load_gbps", {"engine": "0", "tier": "disk"}) > 0
+
+
+def test_only_a_step_that_is_nearly_all_prefill_is_timed():
+    from dataclasses import replace
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from tiered_kv.integrations.vllm.connector import prefill_step_tokens
+
+    def step(tokens: dict[str, int], spec: dict[str, list[int]] | None = None) -> int:
+        out = replace(
+            SchedulerOutput.make_empty(),
+            num_scheduled_tokens=tokens,
+            total_num_scheduled_tokens=sum(tokens.values()),
+            scheduled_spec_decode_tokens=spec or {},
+        )
+        return prefill_step_tokens(out)
+
+    assert step({}) == 0
+    assert step({"a": 512}) == 512
+    assert step({"a": 500, "b": 1, "c": 1}) == 502  # two decodes beside a prefill chunk
+    assert step({"a": 1, "b": 1, "c": 1}) == 0  # decodes only
+    assert step({"a": 60, **{f"d{i}": 1 for i in range(10)}}) == 0  # 86% prefill
+    assert step({"a": 4, "b": 4}, {"a": [7, 7, 7], "b": [7, 7, 7]}) == 0  # speculative decodes
+    assert step({"a": 200, "b": 4}, {"b": [7, 7, 7]}) == 204

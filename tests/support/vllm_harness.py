@@ -275,6 +275,9 @@ class VllmHarness(Closing):
     #: request id -> its prefix hit, recorded on the step that admitted it.
     prefix_hits: dict[str, PrefixHit] = field(default_factory=dict)
     _req_counter: Iterator[int] = field(default_factory=itertools.count)
+    #: The fake forward pass takes ``tokens / forward_tokens_per_s`` seconds (a model of
+    #: that speed); None: as fast as the machine writes the blocks.
+    forward_tokens_per_s: float | None = None
 
     @classmethod
     def build(
@@ -285,6 +288,7 @@ class VllmHarness(Closing):
         num_gpu_blocks: int = 64,
         block_size: int = 16,
         worker: Literal["ack", "real"] = "ack",
+        forward_tokens_per_s: float | None = None,
         **config_kwargs: Any,
     ) -> "VllmHarness":
         """Build the scheduler and, for ``worker="real"``, the worker connector.
@@ -294,7 +298,7 @@ class VllmHarness(Closing):
         ``CPUOffloadingSpec`` (which needs ``cpu_bytes_to_use``). ``block_size`` is the
         GPU block size in tokens; the offloaded block size is ``extra_config
         ["block_size"]`` (a multiple of it) or ``blocks_per_chunk``. ``config_kwargs``
-        go to ``make_vllm_config``.
+        go to ``make_vllm_config``; ``forward_tokens_per_s``: the fake model's speed.
         """
         if worker not in ("ack", "real"):
             raise ValueError(f"worker must be 'ack' or 'real', got {worker!r}")
@@ -308,7 +312,7 @@ class VllmHarness(Closing):
                 block_size=block_size,
                 log_stats=True,
             )
-        harness = cls(vllm_config, kv_cache_config, scheduler, worker)
+        harness = cls(vllm_config, kv_cache_config, scheduler, worker, forward_tokens_per_s=forward_tokens_per_s)
         if worker == "real":
             harness._build_worker()
         return harness
@@ -590,6 +594,8 @@ class VllmHarness(Closing):
         )
 
     def _fake_forward(self, output: SchedulerOutput) -> None:
+        if self.forward_tokens_per_s:
+            time.sleep(output.total_num_scheduled_tokens / self.forward_tokens_per_s)
         # schedule() has already advanced num_computed_tokens past this step's tokens.
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]

@@ -5,12 +5,14 @@ tiers; a tier that slows down mid-run is passed over and used again once it reco
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from tiered_kv.config import ConfigError, TieredConfig, admit_after
 from tiered_kv.cost import (
     DEFAULT_PREFILL_TOKENS_PER_S,
+    PREFILL,
     LoadCosts,
     PrefixScan,
     TierCost,
@@ -18,6 +20,7 @@ from tiered_kv.cost import (
     model_parameters,
 )
 from tiered_kv.metrics import PrometheusMetrics, TieredStats
+from tiered_kv.worker.forward_timer import ForwardTimer
 
 LLAMA_31_8B = {
     "hidden_size": 4096,
@@ -157,6 +160,75 @@ def test_transfers_sample_the_tier_they_read_from():
     assert metrics.registry.get_sample_value("tiered_kv_tier_load_gbps", {"tier": "disk"}) == pytest.approx(
         1.0, rel=0.05
     )
+
+
+def test_measured_prefill_steps_replace_the_estimate_unless_a_rate_was_configured():
+    # An engine at 5,000 tokens/s with 10 ms a step: steps of 512-4096 tokens.
+    sizes = [512, 2048, 1024, 4096, 768] * 4
+    estimated, configured = costs(6.0), costs(6.0)
+    configured.prefill_configured = True
+    stats = TieredStats()
+    for c in (estimated, configured):
+        assert c.snapshot()["prefill_measured"] is None
+        c.observe(PREFILL, 1000, 0.0)  # bad samples: ignored
+        c.observe(PREFILL, 1000, float("nan"))
+        c.observe(PREFILL, 0, 1.0)
+        c.observe(PREFILL, 1000, 1.0, success=False)
+        assert c.prefill_fit is None
+        for n in sizes:
+            c.observe(PREFILL, n, 0.010 + n / 5000)
+    fit = estimated.snapshot()["prefill_measured"]
+    assert fit["tokens_per_s"] == pytest.approx(5000, rel=0.03) and fit["step_overhead_s"] == pytest.approx(
+        0.01, rel=0.2
+    )
+    assert fit["steps"] == len(sizes)
+    assert (
+        estimated.prefill_tokens_per_s == fit["tokens_per_s"] and estimated.snapshot()["prefill_source"] == "measured"
+    )
+    assert estimated.break_even_gbps == pytest.approx(2 * MiB / 16 * 5000 / 1e9, rel=0.03)
+    assert configured.prefill_tokens_per_s == DEFAULT_PREFILL_TOKENS_PER_S, "a configured rate is kept"
+    assert configured.snapshot()["prefill_source"] == "configured"
+    assert configured.snapshot()["prefill_measured"]["tokens_per_s"] == pytest.approx(5000, rel=0.03)
+    metrics = PrometheusMetrics()
+    metrics.update(stats, costs=configured.snapshot())
+    gauge = metrics.registry.get_sample_value
+    assert gauge("tiered_kv_prefill_tokens_per_second", {"kind": "used"}) == DEFAULT_PREFILL_TOKENS_PER_S
+    assert gauge("tiered_kv_prefill_tokens_per_second", {"kind": "measured"}) == pytest.approx(5000, rel=0.03)
+
+
+def test_a_forward_timer_on_cpu_times_each_marked_pass_and_nothing_else():
+    seen: list[tuple[int, float]] = []
+    timer = ForwardTimer(lambda tokens, seconds: seen.append((tokens, seconds)))
+    timer.start(0)  # a step not marked as prefill
+    time.sleep(0.01)
+    timer.stop()
+    timer.stop()  # no pass open
+    timer.start(300)
+    time.sleep(0.02)
+    timer.stop()
+    assert len(seen) == 1 and seen[0][0] == 300 and 0.02 <= seen[0][1] < 1.0
+
+
+@pytest.mark.gpu
+def test_a_forward_timer_on_cuda_times_the_gpu_work_not_its_launch():
+    import torch
+
+    seen: list[tuple[int, float]] = []
+    timer = ForwardTimer(lambda tokens, seconds: seen.append((tokens, seconds)), cuda=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    a = a @ a / 64  # cuBLAS set up before the timed pass
+    torch.cuda.synchronize()
+    timer.start(4096)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a = a @ a / 64
+    issued = time.perf_counter() - t0
+    timer.stop()  # the matmuls are still running: nothing recorded yet, nothing waited for
+    torch.cuda.synchronize()
+    gpu = time.perf_counter() - t0
+    timer.poll()
+    assert len(seen) == 1 and seen[0][0] == 4096
+    assert seen[0][1] > issued and seen[0][1] <= gpu * 1.05
 
 
 # ---------------------------------------------------------------- prefill estimate and config

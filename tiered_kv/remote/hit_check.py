@@ -70,10 +70,12 @@ class RemoteHitCheck(Closing):
     def loading(self, block_hash: BlockHash) -> None:
         self._verified.pop(block_hash, None)
 
-    def collect(self) -> None:
+    def collect(self) -> bool:
         if self.verifier is None:
-            return
+            return False
+        folded = False
         for key, ok in self.verifier.results():
+            folded = True
             self._outcomes["ok" if ok else "failed"] += 1
             if ok:
                 self._verified[key] = None
@@ -86,6 +88,7 @@ class RemoteHitCheck(Closing):
                 self._verified.pop(key, None)
                 self.remote.remove(key)
                 self.remote.cache.mark_absent([key])
+        return folded
 
     def step(self) -> None:
         self.collect()

@@ -105,6 +105,7 @@ class TieredOffloadingManager(OffloadingManager):
         costs: LoadCosts | None = None,
         cost_aware: bool = TieredConfig.cost_aware,
         prefill_tokens_per_s: float | None = None,
+        prefill_configured: bool = False,
         bytes_per_block: int | None = None,
         admit_after: int | Sequence[int] = 1,
     ):
@@ -153,6 +154,7 @@ class TieredOffloadingManager(OffloadingManager):
                     bytes_per_block=bpb,
                     tokens_per_block=cpu.block_size,
                     prefill_tokens_per_s=prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
+                    prefill_configured=prefill_configured,
                 )
         if costs is not None:
             costs.enabled = cost_aware

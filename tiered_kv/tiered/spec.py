@@ -141,6 +141,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
                 manager.shutdown()
             raise
         lower.reverse()
+        prefill = self.prefill
         return TieredOffloadingManager(
             cpu,
             lower,
@@ -149,7 +150,8 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             max_pending_writes=self.config.max_pending_disk_writes,
             stats=self.stats,
             cost_aware=self.config.cost_aware,
-            prefill_tokens_per_s=self.prefill.tokens_per_s,
+            prefill_tokens_per_s=prefill.tokens_per_s,
+            prefill_configured=prefill.configured,
             bytes_per_block=self._known_layout().bytes_per_block,
             admit_after=[admit_after(self.config.write_admission, t.name) for t in self.lower_tiers],
         )

@@ -69,8 +69,9 @@ class DiskHitCheck(Closing):
     def loading(self, block_hash: BlockHash) -> None:
         self._verified.pop(block_hash, None)
 
-    def collect(self) -> None:
-        for key, slot, ok in self.verifier.results():
+    def collect(self) -> bool:
+        results = self.verifier.results()
+        for key, slot, ok in results:
             if self._verifying.get(key) == slot:
                 del self._verifying[key]
             self._outcomes["ok" if ok else "failed"] += 1
@@ -82,6 +83,7 @@ class DiskHitCheck(Closing):
             else:
                 self._verified.pop(key, None)
                 self._drop(key, slot)
+        return bool(results)
 
     def _drop(self, key: BlockHash, slot: int) -> None:
         """Make a block that failed verification a miss (see the module docstring)."""

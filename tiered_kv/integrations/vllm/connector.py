@@ -25,12 +25,28 @@ Select it, with the recompute policy, in vLLM's kv-transfer config::
 hit once every rank's object is known present, without the scheduler's verifying
 download: each hit is read once, by the worker that needs it, and verified there before
 a byte reaches the KV cache.
+
+It also measures the engine's prefill rate for the load-versus-recompute decision: the
+scheduler marks each step whose scheduled tokens are nearly all prefill (at least
+``PREFILL_SHARE``; decode and speculative tokens are the rest) with its token count
+(``TieredConnectorMetadata``), so a batch of decodes never passes for a slow prefill;
+each worker times that step's forward pass (``tiered_kv.worker.forward_timer``) and
+adds it to the engine's ``LoadTimings`` as type ``PREFILL``, which the scheduler folds
+into ``LoadCosts`` every step. With vLLM's plain ``OffloadingConnector`` nothing is
+measured and the configured or estimated rate is used.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from tiered_kv.worker.forward_timer import ForwardTimer
 
 #: The ``kv_connector`` name that selects this class.
 CONNECTOR_NAME = "TieredOffloadingConnector"
@@ -44,13 +60,72 @@ def failed_loads_recomputed() -> bool:
     return kv is not None and kv.kv_connector == CONNECTOR_NAME and kv.kv_load_failure_policy == "recompute"
 
 
+#: A step is timed when at least this share of its scheduled tokens is prefill.
+PREFILL_SHARE = 0.9
+
+
+def prefill_step_tokens(scheduler_output: Any) -> int:
+    """The tokens of a step worth timing as prefill (vLLM's ``SchedulerOutput``), else 0.
+    A request scheduled for more than one token beyond its speculative ones is in
+    prefill (a decode step schedules one)."""
+    total = scheduler_output.total_num_scheduled_tokens
+    if total <= 0:
+        return 0
+    spec = scheduler_output.scheduled_spec_decode_tokens or {}
+    prefill = 0
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        n -= len(spec.get(req_id, ()))
+        if n > 1:
+            prefill += n
+    return total if prefill >= PREFILL_SHARE * total else 0
+
+
+@dataclass
+class TieredConnectorMetadata(OffloadingConnectorMetadata):
+    """vLLM's metadata of a step, and the tokens of its forward pass to time as prefill
+    (0: not timed; ``prefill_step_tokens``)."""
+
+    prefill_tokens: int = 0
+
+
 class TieredOffloadingConnector(OffloadingConnector):
-    """``OffloadingConnector`` that reports the GPU blocks of failed loads (module docstring)."""
+    """``OffloadingConnector`` that reports the GPU blocks of failed loads (module
+    docstring) and times the forward passes that are nearly all prefill, for the
+    load-versus-recompute decision (module docstring)."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self.connector_worker.worker if self.connector_worker is not None else None
-        take = getattr(worker, "take_failed_gpu_blocks", None)
+        take = getattr(self._worker(), "take_failed_gpu_blocks", None)
         return take() if take is not None else set()
 
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        if type(meta) is not OffloadingConnectorMetadata:
+            return meta
+        return TieredConnectorMetadata(
+            load_jobs=meta.load_jobs,
+            store_jobs=meta.store_jobs,
+            jobs_to_flush=meta.jobs_to_flush,
+            prefill_tokens=prefill_step_tokens(scheduler_output),
+        )
 
-__all__ = ["CONNECTOR_NAME", "TieredOffloadingConnector", "failed_loads_recomputed"]
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        timer = self._timer()
+        if timer is not None:
+            meta = self._connector_metadata
+            timer.start(meta.prefill_tokens if isinstance(meta, TieredConnectorMetadata) else 0)
+
+    def wait_for_save(self) -> None:
+        timer = self._timer()
+        if timer is not None:
+            timer.stop()
+        super().wait_for_save()
+
+    def _worker(self) -> Any:
+        return self.connector_worker.worker if self.connector_worker is not None else None
+
+    def _timer(self) -> ForwardTimer | None:
+        return getattr(self._worker(), "forward_timer", None)
+
+
+__all__ = ["CONNECTOR_NAME", "TieredConnectorMetadata", "TieredOffloadingConnector", "failed_loads_recomputed"]

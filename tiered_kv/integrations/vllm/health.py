@@ -30,7 +30,9 @@ transfer's bytes, seconds and one job to its rank's running totals for that tran
 in a second file of the engine's; the scheduler reads the totals each step and feeds the
 growth since its last read, as one average job per rank and type, to the tier's estimate.
 Each total is guarded by a sequence number (odd while its writer updates it; a reader
-that sees it odd or changed skips that total until the next step).
+that sees it odd or changed skips that total until the next step). The prefill rate
+takes the same way: each worker adds the tokens and seconds of its forward passes that
+were nearly all prefill (``connector.TieredOffloadingConnector``) as one more type.
 
 Limits: the processes must share a host (as vLLM's own CPU offloading region does).
 """
@@ -49,7 +51,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tiered_kv.abstract import Closing
-from tiered_kv.cost import load_transfer_types
+from tiered_kv.cost import PREFILL, load_transfer_types
 from tiered_kv.disk.format.safe_open import CacheEntryError, open_dir, open_file
 
 
@@ -137,8 +139,9 @@ class LoadTimings(Closing):
         cls, engine_id: str, tier_names: Sequence[str], ranks: int, rank: int | None = None
     ) -> "LoadTimings":
         """The timings of engine ``engine_id`` (same file in every process) for the load
-        transfers of the lower tiers ``tier_names`` and the CPU tier."""
-        types = list(load_transfer_types(["cpu", *tier_names]))
+        transfers of the lower tiers ``tier_names`` and the CPU tier, and for forward
+        passes that were nearly all prefill (``PREFILL``: tokens in place of bytes)."""
+        types = [*load_transfer_types(["cpu", *tier_names]), PREFILL]
         return cls(_engine_file(engine_id, "load-timings"), types, ranks, rank)
 
     def _offset(self, rank: int, index: int) -> int:

@@ -89,7 +89,7 @@ from tiered_kv.integrations.vllm.common import (
 )
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.mediums import CPU
-from tiered_kv.metrics import TIER_USED_BLOCKS, tier_counter_values
+from tiered_kv.metrics import TIER_USED_BLOCKS, cost_gauges, tier_counter_values
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
@@ -170,6 +170,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         # in their ``_CostScan``; decided at the end of the step (``on_schedule_end``).
         self._undecided: dict[str, _CostScan] = {}
         self._deferred = [False, False]  # a lookup deferred for a decision: this step, the last
+        self._scan_of: tuple[ReqContext, _CostScan] | None = None  # the last request asked, this step
         self._names = ["cpu", *(t.name for t in composite.lower)]  # by tier index + 1
         self._lookups = [0] * len(self._names)
         self._info = info
@@ -207,9 +208,15 @@ class TieredVllmManager(OffloadingManager, Closing):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        for check in self.checks:
-            check.collect()
         tier = self.composite.hit_tier(key)
+        # A CPU chunk's answer asks no check; any other folds in the checks that
+        # finished first, and looks again where one dropped blocks.
+        if tier != -1:
+            folded = False
+            for check in self.checks:
+                folded |= check.collect()
+            if folded:
+                tier = self.composite.hit_tier(key)
         asked = self._lookups  # per tier, CPU first: counted into stats each step
         asked[0] += 1
         if tier is not None and self.costs is not None and self.costs.enabled:
@@ -242,10 +249,16 @@ class TieredVllmManager(OffloadingManager, Closing):
             return None
         costs = self.costs
         assert costs is not None
-        scan = req_context.get_state(_CostScan)
-        if scan is None:
-            scan = _CostScan(PrefixScan(costs))
-            req_context.set_state(scan)
+        last = self._scan_of
+        if last is not None and last[0] is req_context:  # vLLM asks a request's chunks in a row
+            scan = last[1]
+        else:
+            found = req_context.get_state(_CostScan)
+            if found is None:
+                found = _CostScan(PrefixScan(costs))
+                req_context.set_state(found)
+            scan = found
+            self._scan_of = (req_context, scan)
         if scan.boundary is not None:
             return LookupResult.MISS if position > scan.boundary else None
         if scan.keys and position <= scan.positions[-1]:  # vLLM scans again from the start
@@ -353,6 +366,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             k = self.composite.decide(scan.keys, scan.prefix.runs)
             scan.boundary = scan.positions[k - 1] if k else -1
         self._undecided.clear()
+        self._scan_of = None
         self._deferred = [False, self._deferred[0]]
 
     def has_pending_work(self) -> bool:
@@ -395,6 +409,8 @@ class TieredVllmManager(OffloadingManager, Closing):
             self._increase(stats, name, labels, value)
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
+        for name, labels, value in cost_gauges(self.costs.snapshot() if self.costs is not None else None):
+            stats.set_gauge(name, value, labels)
         for tier, used in self.composite.used_blocks().items():
             stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
         stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))

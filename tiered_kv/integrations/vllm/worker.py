@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
 from tiered_kv.abstract import Closing
 from tiered_kv.config import ConfigError
+from tiered_kv.cost import PREFILL
 from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
 from tiered_kv.integrations.vllm.common import TieredJobSpec
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
@@ -61,6 +62,7 @@ from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, chunk_positions
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
+from tiered_kv.worker.forward_timer import ForwardTimer
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
@@ -169,6 +171,10 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             engine_id, [t.name for t in self.hierarchy.lower_tiers], self.hierarchy.tp_size, self.hierarchy.rank
         )
         self.stats.observers.append(self.timings.record)
+        #: Times the forward passes the scheduler marked as prefill (``connector``).
+        self.forward_timer = ForwardTimer(
+            lambda tokens, seconds: self.timings.record(PREFILL, tokens, seconds), cuda=any(t.is_cuda for t in gpu)
+        )
         self._jobs: dict[int, _Job] = {}
         self._failed_on_submit: list[int] = []
         #: The connector reports these GPU blocks to vLLM, which recomputes them
