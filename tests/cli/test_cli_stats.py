@@ -63,7 +63,8 @@ class Served:
             time.sleep(0.1)
             self.driver.poll()
         self.snapshot = now
-        self.metrics.update(stats, self.driver.manager.used_blocks())
+        self.costs = self.driver.manager.costs.snapshot()
+        self.metrics.update(stats, self.driver.manager.used_blocks(), costs=self.costs)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -118,6 +119,11 @@ def test_json_view_matches_the_hierarchys_counters(served):
     assert by_type["gpu_to_cpu"]["bytes"] == transfers["gpu_to_cpu"]["bytes"]
     assert by_type["gpu_to_cpu"]["jobs_ok"] == transfers["gpu_to_cpu"]["jobs"]
     assert doc["remote"] is None  # no shared tier configured
+    # The load-versus-recompute decision's inputs: each tier's estimate, the prefill rate.
+    for name, row in tiers.items():
+        assert row["load_gbps_estimate"] == pytest.approx(served.costs["tiers"][name]["gbps"])
+        assert row["skipped_slower_blocks"] == stats["tiers"][name].get("skipped_slower_than_recompute", 0)
+    assert doc["prefill_tokens_per_s"] == {"used": served.costs["prefill_tokens_per_s"], "measured": None}
     assert doc["gpu"]["store_bytes"] == transfers["gpu_to_cpu"]["bytes"] + transfers["gpu_to_disk"]["bytes"]
 
 
@@ -129,6 +135,7 @@ def test_table_shows_each_tier(served):
     (line,) = [line for line in result.stdout.splitlines() if "hit rate (tokens)" in line]
     assert [cell.strip() for cell in line.split("│")[2:-1]] == rates, result.stdout  # one column per tier
     assert "transfers" in result.stdout and "disk_to_cpu" in result.stdout
+    assert "load estimate (GB/s)" in result.stdout and "prefill tokens/s used by the load decision" in result.stdout
 
 
 def test_watch_prints_the_new_counts_each_time(served):

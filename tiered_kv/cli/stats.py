@@ -61,6 +61,8 @@ def render(view: dict[str, Any], url: str) -> Group:
         "bytes loaded / stored": lambda t: f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_stored'])}",
         "load latency p50 / p99": lambda t: _latency(t["load_latency"]),
         "verify latency p50 / p99": lambda t: _latency(t["verification_latency"]),
+        "load estimate (GB/s)": lambda t: "-" if t["load_gbps_estimate"] is None else f"{t['load_gbps_estimate']:.2f}",
+        "passed over (blocks)": lambda t: str(t["skipped_slower_blocks"]),
         "drops (blocks)": lambda t: str(t["drops_blocks"]),
         "failures (blocks)": lambda t: str(t["failures_blocks"]),
     }
@@ -81,6 +83,10 @@ def render(view: dict[str, Any], url: str) -> Group:
     for what, cell in rows.items():
         tiers.add_row(what, *(cell(t) for t in view["tiers"]))
     parts: list[Any] = [tiers]
+    prefill = view["prefill_tokens_per_s"]
+    if prefill["used"] is not None:
+        measured = "" if prefill["measured"] is None else f", measured {prefill['measured']:,.0f}"
+        parts.append(f"prefill tokens/s used by the load decision: {prefill['used']:,.0f}{measured}")
     if view["transfers"]:
         moved = Table(title="transfers (per job: p50 / p99)", title_justify="left")
         for col in ("type", "bytes", "jobs ok", "jobs failed", "latency"):

@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_kv.metrics import (
+    PREFILL_TOKENS_PER_S,
     REMOTE_BYTES,
     REMOTE_DAMAGED_DELETED,
     REMOTE_DOWNLOADS,
@@ -30,6 +31,7 @@ from tiered_kv.metrics import (
     REMOTE_UNAVAILABLE,
     REMOTE_UPLOADS,
     TIER_BLOCKS,
+    TIER_LOAD_GBPS,
     TIER_TOKENS,
     TIER_USED_BLOCKS,
     TRANSFER_JOBS,
@@ -111,6 +113,12 @@ def total(samples: Samples, name: str, match: LabelMatch = lambda _: True) -> fl
     return sum(v for labels, v in samples.get(name, ()) if match(labels))
 
 
+def gauge(samples: Samples, name: str, match: LabelMatch = lambda _: True) -> float | None:
+    """The mean of gauge ``name``'s series that ``match`` (one per engine), or None."""
+    values = [v for labels, v in samples.get(name, ()) if match(labels)]
+    return sum(values) / len(values) if values else None
+
+
 def by_label(samples: Samples, name: str, label: str, match: LabelMatch = lambda _: True) -> dict[str, float]:
     """``name``'s series that ``match``, summed per value of ``label``."""
     out: dict[str, float] = defaultdict(float)
@@ -177,6 +185,8 @@ def _tier(samples: Samples, tier: str) -> dict[str, Any]:
         "stores_blocks": int(blocks.get("stores", 0)),
         "evictions_blocks": int(blocks.get("evictions", 0)),
         "drops_blocks": int(blocks.get("drops", 0)),
+        "skipped_slower_blocks": int(blocks.get("skipped_slower_than_recompute", 0)),
+        "load_gbps_estimate": gauge(samples, TIER_LOAD_GBPS, _match(tier=tier)),
         "failures_blocks": int(sum(blocks.get(e, 0) for e in FAILURE_EVENTS)),
         "used_blocks": int(total(samples, TIER_USED_BLOCKS, _match(tier=tier))),
         "bytes_loaded": int(sum(v for t, v in transfers.items() if _is_load(t, tier))),
@@ -230,8 +240,9 @@ def _remote(samples: Samples) -> dict[str, Any] | None:
 
 def summarize(samples: Samples) -> dict[str, Any]:
     """The view: ``tiers`` (per tier: hit rate in tokens, blocks, bytes loaded from it
-    and stored into it, load and verification latency, drops, failures), ``transfers`` (per transfer type),
-    ``remote`` (the shared tier's store, or None when the endpoint has none) and
+    and stored into it, load and verification latency, the load estimate and blocks passed over as slower
+    than recomputing, drops, failures), ``transfers`` (per transfer type), ``remote`` (the shared tier's
+    store, or None when the endpoint has none), ``prefill_tokens_per_s`` (used, measured; None if absent) and
     ``gpu`` (vLLM's load and store bytes)."""
     tiers = by_label(samples, f"{TIER_BLOCKS}_total", "tier")
     order = {"cpu": 0, "disk": 1, "remote": 3}
@@ -239,6 +250,9 @@ def summarize(samples: Samples) -> dict[str, Any]:
         "tiers": [_tier(samples, t) for t in sorted(tiers, key=lambda t: (order.get(t, 2), t))],
         "transfers": _transfers(samples),
         "remote": _remote(samples),
+        "prefill_tokens_per_s": {
+            kind: gauge(samples, PREFILL_TOKENS_PER_S, _match(kind=kind)) for kind in ("used", "measured")
+        },
         "gpu": {
             "load_bytes": int(total(samples, "vllm:kv_offload_load_bytes_total")),
             "store_bytes": int(total(samples, "vllm:kv_offload_store_bytes_total")),
