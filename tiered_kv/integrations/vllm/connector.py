@@ -28,8 +28,9 @@ a byte reaches the KV cache.
 
 It also measures the engine's prefill rate for the load-versus-recompute decision: the
 scheduler marks each step whose scheduled tokens are nearly all prefill (at least
-``PREFILL_SHARE``; decode and speculative tokens are the rest) with its token count
-(``TieredConnectorMetadata``), so a batch of decodes never passes for a slow prefill;
+``PREFILL_SHARE``; decode and speculative tokens are the rest) and that loads nothing
+with its token count (``TieredConnectorMetadata``), so neither a batch of decodes nor a
+wait for loads passes for a slow prefill;
 each worker times that step's forward pass (``tiered_kv.worker.forward_timer``) and
 adds it to the engine's ``LoadTimings`` as type ``PREFILL``, which the scheduler folds
 into ``LoadCosts`` every step. With vLLM's plain ``OffloadingConnector`` nothing is
@@ -105,7 +106,8 @@ class TieredOffloadingConnector(OffloadingConnector):
             load_jobs=meta.load_jobs,
             store_jobs=meta.store_jobs,
             jobs_to_flush=meta.jobs_to_flush,
-            prefill_tokens=prefill_step_tokens(scheduler_output),
+            # A step that loads may wait for its loads inside the forward pass: not timed.
+            prefill_tokens=0 if meta.load_jobs else prefill_step_tokens(scheduler_output),
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
