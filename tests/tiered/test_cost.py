@@ -477,6 +477,7 @@ def test_tiered_kv_config_prints_the_prefill_estimate_its_formula_and_break_even
     assert result.exit_code == 0, result.output
     assert "50% MFU x 989 TFLOPS dense BF16 (H100 SXM) / (2 x 8.03e9 FLOP/token)" in result.output
     assert "30,791" in result.output and "4.04" in result.output
+    assert "replaces the estimate" in result.output  # under vLLM, by the measured rate
     given = CliRunner().invoke(app, [*base, "--prefill-tokens-per-s", "20000", "--json"])
     assert given.exit_code == 0, given.output
     assert json.loads(given.stdout)["kv_connector_extra_config"]["prefill_tokens_per_s"] == 20000

@@ -273,6 +273,11 @@ def cost_table(
         tps, how = est.tokens_per_s, f"estimated: {est.source}"
     table.add_row("prefill tokens / s", how, f"{tps:,.0f}")
     table.add_row(
+        "measured prefill tokens / s",
+        "under vLLM with TieredOffloadingConnector: fitted on the engine's own prefill steps",
+        "reported beside it" if given_tps is not None else "replaces the estimate",
+    )
+    table.add_row(
         "break-even load GB/s / rank",
         f"{plan.kv_bytes_per_token:,} B/token x {tps:,.0f} tokens/s",
         f"{plan.kv_bytes_per_token * tps / 1e9:.2f}",
