@@ -251,16 +251,16 @@ class TieredOffloadingManager(OffloadingManager):
         return plan.blocks
 
     def hit_tier(self, block_hash: BlockHash) -> int | None:
-        """Which tier a new load reads ``block_hash`` from: -1 for CPU, a lower tier's index
-        in ``lower``, or None.
-        A block that an unfinished load reads from a lower tier is read from there again,
-        even if it has since landed in CPU: ``complete_load`` names blocks, not loads, so
-        every load in flight of one block must hold its pin in the same tier (else the
-        first to finish would release the other's pin, and its slot could be reused under
-        the other's transfer)."""
-        for i, loads in enumerate(self._lower_loads):
-            if loads.get(block_hash, 0) and self.lower[i].is_loadable(block_hash):
-                return i
+        """Which tier a new load reads ``block_hash`` from: -1 for CPU, a lower tier's
+        index in ``lower``, or None. A block that an unfinished load reads from a lower
+        tier is read from there again, even if it has since landed in CPU:
+        ``complete_load`` names blocks, not loads, so every load in flight of one block
+        must hold its pin in the same tier (else the first to finish would release the
+        other's pin, and its slot could be reused under the other's transfer)."""
+        if any(self._lower_loads):
+            for i, loads in enumerate(self._lower_loads):
+                if loads.get(block_hash, 0) and self.lower[i].is_loadable(block_hash):
+                    return i
         if self.cpu.is_loadable(block_hash):
             return -1
         for i, tier in enumerate(self.lower):

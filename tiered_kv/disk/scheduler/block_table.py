@@ -180,7 +180,7 @@ class BlockTable:
 
     def get(self, h: bytes) -> int | None:
         slot = self.hot.get(h)
-        if slot is not None:
+        if slot is not None or not self._cold_count:
             return slot
         i = self._cold_index(h)
         return int(self._slots[i]) if i >= 0 else None
