@@ -332,9 +332,9 @@ def decision_cost(n: int, tmp: str, rounds: int = 21) -> dict[str, float]:
     """Median ns per block of the composite's ``lookup`` over CPU + disk with the
     load-versus-recompute decision on and off, rounds alternated in one process (the
     machine drifts), of our vLLM plug-in's per-key lookup (the same decision, asked per
-    key, decided at the step's end) on and off, of the same (on) over CPU-resident blocks
-    only, as vLLM's own CPU manager is asked, and of vLLM's manager's per-key lookup in the
-    same rounds (the last three only with vLLM).
+    key, decided at the step's end) on and off, of the same over CPU-resident blocks only,
+    as vLLM's own CPU manager is asked, and of vLLM's manager's per-key lookup in the same
+    rounds (the last three only with vLLM).
     Half of the looked-up blocks are on disk only, the decision judging Llama-3.1-8B-sized
     blocks (2 MiB) from a disk at 2 GB/s with 0.1 ms a job: below break-even, so its
     runs take the decision's full path (a scan of the run) and are passed over."""
@@ -369,9 +369,10 @@ def decision_cost(n: int, tmp: str, rounds: int = 21) -> dict[str, float]:
                     contexts, scan = ours
                     ctxs = contexts(batches)
                     times.setdefault("per-key on" if enabled else "per-key off", []).append(scan(batches, ctxs))
-                    if enabled:
-                        cpu_ctxs = contexts(cpu_batches)
-                        times.setdefault("per-key cpu", []).append(scan(cpu_batches, cpu_ctxs))
+                    cpu_ctxs = contexts(cpu_batches)
+                    times.setdefault("per-key cpu on" if enabled else "per-key cpu off", []).append(
+                        scan(cpu_batches, cpu_ctxs)
+                    )
             if vkeys is not None:
                 times.setdefault("vllm-cpu", []).append(timed(lambda k: [vm.lookup(key, ctx) for key in k], vkeys))
     m.shutdown()
@@ -486,7 +487,7 @@ def main() -> int:
     )
     print(
         f"{'blocks':>9} {'decision on':>12} {'off':>8} {'decision':>9} {'per-key on':>11} {'per-key off':>12} "
-        f"{'per-key, CPU blocks':>20} {'vllm-cpu lookup':>16}"
+        f"{'per-key, CPU blocks: on':>24} {'off':>5} {'vllm-cpu lookup':>16}"
     )
     for n in args.sizes:
         with tempfile.TemporaryDirectory(prefix="bench-manager-") as tmp:
@@ -494,7 +495,8 @@ def main() -> int:
         ns = {k: f"{v * 1e9:.0f}" for k, v in d.items()}
         print(
             f"{n:>9} {ns['on']:>12} {ns['off']:>8} {(d['on'] - d['off']) * 1e9:>9.0f} {ns.get('per-key on', '-'):>11} "
-            f"{ns.get('per-key off', '-'):>12} {ns.get('per-key cpu', '-'):>20} {ns.get('vllm-cpu', '-'):>16}"
+            f"{ns.get('per-key off', '-'):>12} {ns.get('per-key cpu on', '-'):>24} {ns.get('per-key cpu off', '-'):>5} "
+            f"{ns.get('vllm-cpu', '-'):>16}"
         )
     print()
     print(f"disk index refresh of {BATCH} committed blocks (the flusher's work per {BATCH} stores), median us")
