@@ -420,6 +420,16 @@ class PrefixScan:
         self._score = self._best = 0.0
         self._paying = True
 
+    def pays_alone(self, name: str) -> bool:
+        """Whether, before any block is added, a run of tier ``name`` pays at every length
+        (its first block's load, latency included, beats recomputing it, and so does each
+        next one): then ``add(name)`` would answer True for every block of such a run."""
+        if self.runs or not self.costs.enabled:
+            return not self.runs
+        tier = self.costs.tiers[name]
+        step = self.costs.bytes_per_block / (tier.gbps * 1e9) - self._per_block_prefill
+        return step < 0 and tier.latency_s + step < 0
+
     def add(self, name: str) -> bool:
         runs = self.runs
         if runs and runs[-1][0] == name:

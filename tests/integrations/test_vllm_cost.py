@@ -126,6 +126,28 @@ def test_under_vllm_chunks_past_the_plan_are_misses_and_the_request_is_computed_
         assert not h.manager.has_pending_work(), "no decision left waiting"
 
 
+def test_under_vllm_a_cpu_lead_is_loaded_and_the_slow_disk_chunks_after_it_are_misses(model_dir, tmp_path):
+    """A prompt whose first two chunks are in CPU and whose third is only on a disk
+    slower than recomputing: the CPU chunks are answered as they are found (only counted),
+    the disk chunk waits one step for the decision, which loads the CPU chunks and
+    recomputes the rest; the next scan answers from that plan."""
+    with _build(model_dir, tmp_path / "disk", prefill_tokens_per_s=100.0, cpu_bytes=f"{3 * GPU_BLOCK_BYTES}B") as h:
+        costs = h.manager.costs
+        assert costs is not None
+        doc = _prompt(11, 3 * BLOCK + 1)
+        _serve(h, doc)
+        _serve(h, _prompt(12, BLOCK + 1))  # evicts the doc's tail chunk from CPU (its head ranks newer)
+        costs.tiers["disk"].gbps = 1e-6  # 4 s a chunk against 160 ms of prefill
+        costs.probe_every, costs.probe_after_s = 10**9, 1e9
+        tiers = h.manager.composite.stats.tiers
+        before = tiers["disk"]["skipped_slower_than_recompute"], tiers["cpu"]["hits"]
+        hit = _serve(h, doc)
+        assert hit.external == 2 * BLOCK, "the CPU chunks are loaded, the disk chunk recomputed"
+        assert tiers["disk"]["skipped_slower_than_recompute"] - before[0] == 1
+        assert tiers["cpu"]["hits"] - before[1] == 2 and tiers["disk"]["hits"] == 0
+        assert not h.manager.has_pending_work()
+
+
 ONE_READ = {
     "kv_connector": "TieredOffloadingConnector",
     "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",

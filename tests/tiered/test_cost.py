@@ -100,17 +100,22 @@ def test_the_plan_loads_the_prefix_that_minimises_ttft(disk_gbps, expected, skip
 def test_a_block_by_block_scan_promises_only_blocks_every_plan_loads():
     """``PrefixScan`` (vLLM asks block by block): wherever it says the blocks so far pay,
     the plan over the whole run loads at least those; where the whole run pays, it says
-    so for every block."""
+    so for every block; ``pays_alone`` tells before the first block whether the leading
+    run is promised whole."""
     import random
     from itertools import groupby
 
     rng = random.Random(0)
     for _ in range(300):
         c = costs(rng.choice([1.0, 3.0, 5.0, 12.0]), latency_s=rng.choice([0.0, 0.002, 0.05]))
+        c.tiers["cpu"].latency_s = rng.choice([0.0, 0.0001, 0.002])
         c.probe_every = 10**9
         sources = [rng.choice(["cpu", "disk"]) for _ in range(rng.randint(1, 30))]
         scan = PrefixScan(c)
+        alone = scan.pays_alone(sources[0])
         said = [scan.add(s) for s in sources]
+        lead = len(list(next(groupby(sources))[1]))
+        assert alone == all(said[:lead]) == said[0], "a tier that pays alone is promised its whole leading run"
         best = c.plan(sources).blocks
         assert scan.runs == [[k, len(list(g))] for k, g in groupby(sources)]
         promised = said.index(False) if False in said else len(said)

@@ -30,8 +30,10 @@ this adapter adds is what vLLM's contract demands and ours did not:
   (``on_schedule_end``) the composite's ``decide`` plans over the whole run (passed-over
   chunks counted per tier, ``skipped_slower_than_recompute``) and the next scan answers
   from that plan: MISS past it. A request is decided once; it waits one step for it only
-  where a chunk it holds loads slower than recomputing. Each tier's estimate is fed with
-  the workers' transfer times (``health.LoadTimings``), per rank and tier, every step.
+  where a chunk it holds loads slower than recomputing. A request's leading CPU chunks,
+  where CPU chunks pay from the first, are only counted (``_CostScan``): a CPU hit costs
+  about what it costs vLLM's own manager. Each tier's estimate is fed with the workers'
+  transfer times (``health.LoadTimings``), per rank and tier, every step.
 - ``touch`` is never called by vLLM 0.33, so a use is recorded in ``prepare_load``;
   ``prepare_store`` leaves recency to the composite, which never evicts the chunks a
   call offers and ranks the request most recent, head first (a store is not a reuse:
@@ -78,7 +80,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.abstract import Closing, LowerTier
-from tiered_kv.cost import PrefixScan
+from tiered_kv.cost import LoadCosts, PrefixScan
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     PENDING_WRITES,
@@ -128,12 +130,35 @@ def build_manager(spec: HierarchySpec, *, info: TieredOffloadingInfo | None = No
 @dataclass
 class _CostScan:
     """One request's leading offloaded chunks in the order its lookups found them, and
-    once decided, the last token position it loads (-1: none)."""
+    once decided, the last token position it loads (-1: none).
+
+    While every chunk so far is a CPU chunk and a run of CPU chunks pays at every length
+    (``PrefixScan.pays_alone``), the chunks are only counted (``lead``, ending at token
+    ``lead_end``): every plan loads them (``PrefixScan``'s promise), so their keys and
+    positions are never read. The first other chunk adds them to ``prefix``."""
 
     prefix: PrefixScan
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # after the lead
     positions: list[int] = field(default_factory=list)
     boundary: int | None = None
+    leading: bool = True
+    lead: int = 0
+    lead_end: int = -1
+    last: int = -1  # the position of the last chunk asked
+
+    @classmethod
+    def start(cls, costs: LoadCosts) -> "_CostScan":
+        prefix = PrefixScan(costs)
+        return cls(prefix, leading=prefix.pays_alone("cpu"))
+
+    def lead_with(self, position: int) -> None:
+        """One more CPU chunk of the lead, ending at token ``position``."""
+        self.last = self.lead_end = position
+        self.lead += 1
+
+    def boundary_for(self, k: int) -> int:
+        """The last token position of a plan that loads the first ``k`` chunks."""
+        return self.positions[k - self.lead - 1] if k > self.lead else self.lead_end if k else -1
 
 
 def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
@@ -218,6 +243,14 @@ class TieredVllmManager(OffloadingManager, Closing):
                 tier = self.composite.hit_tier(key)
         asked = self._lookups  # per tier, CPU first: counted into stats each step
         asked[0] += 1
+        last = self._scan_of
+        if tier == -1 and last is not None and last[0] is req_context and last[1].leading:
+            # The next CPU chunk of a request whose chunks so far all are (the usual case):
+            # counted, and answered as found (``_CostScan``).
+            scan, position = last[1], req_context.get_offload_key_position(key)
+            if position is not None and position > scan.last:
+                scan.lead_with(position)
+                return _HIT
         if tier is not None and self.costs is not None and self.costs.enabled:
             decided = self._cost_answer(key, tier, req_context)
             if decided is not None:
@@ -255,16 +288,24 @@ class TieredVllmManager(OffloadingManager, Closing):
         else:
             found = req_context.get_state(_CostScan)
             if found is None:
-                found = _CostScan(PrefixScan(costs))
+                found = _CostScan.start(costs)
                 req_context.set_state(found)
             scan = found
             self._scan_of = (req_context, scan)
         if scan.boundary is not None:
             return _MISS if position > scan.boundary else None
-        if scan.keys and position <= scan.positions[-1]:  # vLLM scans again from the start
-            scan.prefix = PrefixScan(costs)
-            scan.keys.clear()
-            scan.positions.clear()
+        if position <= scan.last:  # vLLM scans again from the start
+            scan = _CostScan.start(costs)
+            req_context.set_state(scan)
+            self._scan_of = (req_context, scan)
+        if scan.leading and tier == -1:
+            scan.lead_with(position)
+            return None
+        scan.last = position
+        if scan.leading:
+            scan.leading = False
+            for _ in range(scan.lead):
+                scan.prefix.add("cpu")  # each pays: checked when the lead began
         scan.keys.append(key)
         scan.positions.append(position)
         if scan.prefix.add(self._names[tier + 1]):
@@ -363,8 +404,9 @@ class TieredVllmManager(OffloadingManager, Closing):
             for transfer_type, nbytes, seconds in self.timings.take():
                 self.costs.observe(transfer_type, round(nbytes), seconds)
         for scan in self._undecided.values():
-            k = self.composite.decide(scan.keys, scan.prefix.runs)
-            scan.boundary = scan.positions[k - 1] if k else -1
+            # The lead's keys are never read: every plan loads the whole lead.
+            k = self.composite.decide([b""] * scan.lead + scan.keys, scan.prefix.runs)
+            scan.boundary = scan.boundary_for(k)
         self._undecided.clear()
         self._scan_of = None
         self._deferred = [False, self._deferred[0]]
