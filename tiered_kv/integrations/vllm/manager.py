@@ -151,6 +151,14 @@ class _CostScan:
         prefix = PrefixScan(costs)
         return cls(prefix, leading=prefix.pays_alone("cpu"))
 
+    def restart(self, costs: LoadCosts) -> None:
+        """Forget the chunks asked so far (vLLM scans the request again from the start)."""
+        self.prefix = PrefixScan(costs)
+        self.keys.clear()
+        self.positions.clear()
+        self.leading = self.prefix.pays_alone("cpu")
+        self.lead, self.lead_end, self.last = 0, -1, -1
+
     def lead_with(self, position: int) -> None:
         """One more CPU chunk of the lead, ending at token ``position``."""
         self.last = self.lead_end = position
@@ -295,9 +303,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         if scan.boundary is not None:
             return _MISS if position > scan.boundary else None
         if position <= scan.last:  # vLLM scans again from the start
-            scan = _CostScan.start(costs)
-            req_context.set_state(scan)
-            self._scan_of = (req_context, scan)
+            scan.restart(costs)
         if scan.leading and tier == -1:
             scan.lead_with(position)
             return None
