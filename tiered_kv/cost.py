@@ -179,16 +179,19 @@ class TierCost:
             return
         with self._lock:
             a = self.alpha
-            for i, v in enumerate(self._moments(nbytes, seconds)):
-                self._m[i] += a * (v - self._m[i])
-            mx, my, mxx, mxy = self._m
+            m = [old + a * (v - old) for old, v in zip(self._m, self._moments(nbytes, seconds))]
+            mx, my, mxx, mxy = m
             var = mxx - mx * mx
             slope = (mxy - mx * my) / var if var > 1e-6 * mx * mx else 0.0
             latency = my - slope * mx
             if slope <= 0 or latency < 0:  # one job size, or noise: keep the latency
                 latency = min(self.latency_s, 0.9 * my)
                 slope = (my - latency) / mx
-            self.gbps, self.latency_s = 1 / (slope * 1e9), latency
+            gbps = 1 / (slope * 1e9) if slope > 0 else math.inf
+            if not (gbps > 0 and math.isfinite(mxx + mxy + latency + gbps)):
+                return  # a sample past float range (a forged total): the estimate stays
+            self._m = m
+            self.gbps, self.latency_s = gbps, latency
             self.samples += 1
             self.last_sample = time.monotonic() if now is None else now
 
@@ -420,15 +423,21 @@ class PrefixScan:
         self._score = self._best = 0.0
         self._paying = True
 
+    def _step_of(self, name: str) -> float:
+        """What one more block of tier ``name`` adds to load - prefill."""
+        return self.costs.bytes_per_block / (self.costs.tiers[name].gbps * 1e9) - self._per_block_prefill
+
     def pays_alone(self, name: str) -> bool:
         """Whether, before any block is added, a run of tier ``name`` pays at every length
         (its first block's load, latency included, beats recomputing it, and so does each
-        next one): then ``add(name)`` would answer True for every block of such a run."""
-        if self.runs or not self.costs.enabled:
-            return not self.runs
-        tier = self.costs.tiers[name]
-        step = self.costs.bytes_per_block / (tier.gbps * 1e9) - self._per_block_prefill
-        return step < 0 and tier.latency_s + step < 0
+        next one): then ``add(name)`` would answer True for every block of such a run.
+        False once a block was added."""
+        if self.runs:
+            return False
+        if not self.costs.enabled:
+            return True
+        step = self._step_of(name)
+        return step < 0 and self.costs.tiers[name].latency_s + step < 0
 
     def add(self, name: str) -> bool:
         runs = self.runs
@@ -440,9 +449,8 @@ class PrefixScan:
             return True
         step = self._step.get(name)
         if step is None:  # the tier's first block: its job latency, once
-            tier = self.costs.tiers[name]
-            step = self._step[name] = self.costs.bytes_per_block / (tier.gbps * 1e9) - self._per_block_prefill
-            self._score += tier.latency_s
+            step = self._step[name] = self._step_of(name)
+            self._score += self.costs.tiers[name].latency_s
         self._score += step
         if self._score < self._best:
             self._best = self._score

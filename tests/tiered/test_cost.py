@@ -66,6 +66,16 @@ def test_bad_samples_are_ignored_and_bad_priors_refused():
         TierCost("disk", gbps=0)
 
 
+def test_a_sample_past_float_range_leaves_the_estimate_as_it_was():
+    # A finite total forged into the shared timings file can still overflow the fit.
+    cost = TierCost("disk", gbps=6.0)
+    for nbytes in (1e200, float("inf")):
+        cost.observe(nbytes, 1.0)  # type: ignore[arg-type]
+    assert cost.samples == 0 and cost.gbps == 6.0 and cost.latency_s == 0.0
+    cost.observe(MiB, MiB / 1e9)
+    assert cost.samples == 1 and 1.0 < cost.gbps < 6.0
+
+
 # ---------------------------------------------------------------- the decision
 
 
