@@ -16,7 +16,11 @@ pytest.importorskip(
 )
 
 from support import vllm_harness as vh  # noqa: E402
+from conftest import make_layout  # noqa: E402
 from support.disk_fixtures import slow_disk_reads  # noqa: E402
+
+from tiered_kv.integrations.vllm.common import TieredJobSpec  # noqa: E402
+from tiered_kv.tiered.transfer_specs import TieredStoreSpec  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -146,6 +150,61 @@ def test_under_vllm_a_cpu_lead_is_loaded_and_the_slow_disk_chunks_after_it_are_m
         assert tiers["disk"]["skipped_slower_than_recompute"] - before[0] == 1
         assert tiers["cpu"]["hits"] - before[1] == 2 and tiers["disk"]["hits"] == 0
         assert not h.manager.has_pending_work()
+
+
+def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_path):
+    """A chunk that an unfinished load reads from disk is read from disk again, even once
+    it is in CPU too (``hit_tier``): after a request's CPU chunks it is judged at the
+    disk's cost, not counted into the CPU lead; once that load ends it is a CPU chunk."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+    from tiered_kv.cpu.manager import CPUOffloadingManager
+    from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+    from tiered_kv.fingerprint import Fingerprint
+    from tiered_kv.integrations.vllm.health import SlotHealth
+    from tiered_kv.integrations.vllm.manager import TieredVllmManager
+    from tiered_kv.tiered.manager import TieredOffloadingManager
+    from tiered_kv.tiers import TrustedHitCheck
+
+    layout = make_layout(True)
+    fp = Fingerprint.from_layout(layout, model_id="m")
+    disk = DiskOffloadingManager(
+        tmp_path / "disk", fp, layout, disk_bytes=64 * layout.bytes_per_block, poll_interval=None
+    )
+    composite = TieredOffloadingManager(
+        CPUOffloadingManager(8, layout.gpu_block_size), disk, prefill_tokens_per_s=100.0
+    )
+    manager = TieredVllmManager(
+        composite, [TrustedHitCheck(disk)], health=SlotHealth(tmp_path / "health", composite.cpu.num_slots)
+    )
+    costs = composite.costs
+    assert costs is not None
+    costs.tiers["disk"].gbps = 1e-6  # seconds a chunk against milliseconds of prefill
+    costs.probe_every, costs.probe_after_s = 10**9, 1e9
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(3)]
+    writer, reader = ReqContext(req_id="writer"), ReqContext(req_id="reader")
+    try:
+        out = manager.prepare_store(keys, writer)
+        assert out is not None
+        assert isinstance(out.store_spec, TieredJobSpec) and isinstance(out.store_spec.inner, TieredStoreSpec)
+        disk.complete_store(out.store_spec.inner.tier_write_through[0].block_hashes)  # durable, as a flush makes it
+        manager.prepare_load([keys[1]], reader)  # the CPU copy still being stored: read from disk
+        manager.complete_store(keys, writer)
+        assert all(composite.cpu.is_loadable(k) for k in keys)
+
+        def scan(req_id: str) -> list[LookupResult]:
+            ctx = ReqContext(req_id=req_id)
+            for i, key in enumerate(keys):
+                ctx.set_offload_key_position(key, (i + 1) * layout.gpu_block_size)
+            answers = [manager.lookup(key, ctx) for key in keys]
+            manager.on_schedule_end(None)  # type: ignore[arg-type]
+            return answers
+
+        assert scan("during")[:2] == [LookupResult.HIT, LookupResult.RETRY]
+        manager.complete_load([keys[1]], reader)
+        assert scan("after") == [LookupResult.HIT] * 3
+    finally:
+        composite.shutdown()
 
 
 ONE_READ = {

@@ -204,6 +204,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._deferred = [False, False]  # a lookup deferred for a decision: this step, the last
         self._scan_of: tuple[ReqContext, _CostScan] | None = None  # the last request asked, this step
         self._names = ["cpu", *(t.name for t in composite.lower)]  # by tier index + 1
+        self._cpu_loadable = composite.cpu.is_loadable  # bound once: asked per key
         self._lookups = [0] * len(self._names)
         self._info = info
         self._shared_media = {t.medium for t, s in zip(composite.lower, self.shared) if s}
@@ -240,6 +241,19 @@ class TieredVllmManager(OffloadingManager, Closing):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        last = self._scan_of
+        if last is not None and last[0] is req_context:
+            scan = last[1]
+            # The next CPU chunk of a request whose chunks so far all are (the usual case):
+            # counted, and answered as found (``_CostScan``). With no load of the chunk in
+            # flight no lower tier has to serve it (``hit_tier``), so CPU does.
+            if scan.leading and self._cpu_loadable(key) and key not in self._open_loads and not self._abandoned_loads:
+                position = req_context.get_offload_key_position(key)
+                if position is not None and position > scan.last:
+                    self._lookups[0] += 1
+                    scan.last = scan.lead_end = position  # ``lead_with``, inlined: per key
+                    scan.lead += 1
+                    return _HIT
         tier = self.composite.hit_tier(key)
         # A CPU chunk's answer asks no check; any other folds in the checks that
         # finished first, and looks again where one dropped blocks.
@@ -251,14 +265,6 @@ class TieredVllmManager(OffloadingManager, Closing):
                 tier = self.composite.hit_tier(key)
         asked = self._lookups  # per tier, CPU first: counted into stats each step
         asked[0] += 1
-        last = self._scan_of
-        if tier == -1 and last is not None and last[0] is req_context and last[1].leading:
-            # The next CPU chunk of a request whose chunks so far all are (the usual case):
-            # counted, and answered as found (``_CostScan``).
-            scan, position = last[1], req_context.get_offload_key_position(key)
-            if position is not None and position > scan.last:
-                scan.lead_with(position)
-                return _HIT
         if tier is not None and self.costs is not None and self.costs.enabled:
             decided = self._cost_answer(key, tier, req_context)
             if decided is not None:
