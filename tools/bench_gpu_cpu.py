@@ -37,6 +37,7 @@ from tiered_kv.sim.driver import DeviceKVCache  # noqa: E402
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks  # noqa: E402
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from tiered_kv.cpu.handlers import CpuGpuOffloadingHandlers  # noqa: E402
+from tiered_kv.memory import zero_copy  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 SMOKE_LAYERS, SMOKE_HEADS, SMOKE_HEAD_DIM = 2, 2, 16
@@ -196,35 +197,51 @@ def main(argv=None) -> int:
         args.block_mb = [mb / 64 for mb in args.block_mb]  # the smoke geometry is 64x smaller
     device = "cuda" if cuda else "cpu"
     clock = Clock(cuda)
-    console = Console()
+    console = Console(width=160)  # the whole table on one line per row, also in a log
     name = torch.cuda.get_device_name() if cuda else "CPU (smoke run: numbers are meaningless)"
     console.print(
         f"{datetime.datetime.now().isoformat(timespec='seconds')}  {name}  torch {torch.__version__}"
         f"  layout {args.layout}  {args.blocks_per_job} blocks/job  {args.total_mb} MiB per cell"
     )
     console.print("command: " + " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]))
-    table = Table(title="handlers (copy kernels; DMA copies) vs one large pinned cudaMemcpyAsync (GB/s, median)")
-    for col in ("block", "direction", "kernels", "DMA", "memcpy", "ratio", "DMA ratio"):
+    fused = cuda and zero_copy._fused_copy_rows() is not None
+    table = Table(
+        title="handlers (copy kernels: one fused, or index_select + index_copy_; DMA copies) "
+        "vs one large pinned cudaMemcpyAsync (GB/s, median)"
+    )
+    for col in (
+        "block",
+        "direction",
+        "fused",
+        "2 kernels",
+        "DMA",
+        "memcpy",
+        "fused ratio",
+        "2-kernel ratio",
+        "DMA ratio",
+    ):
         table.add_column(col, justify="right")
     slices = {}
     for block_mb in args.block_mb:
         # Kernels only where the host tier can be mapped (CUDA); DMA is the only path on CPU.
-        k = bench_handlers(block_mb, args, device, clock, copy_kernels=True) if cuda else None
+        f = bench_handlers(block_mb, args, device, clock, copy_kernels=True) if fused else None
+        zero_copy.FUSED_KERNEL = False
+        try:
+            k = bench_handlers(block_mb, args, device, clock, copy_kernels=True) if cuda else None
+        finally:
+            zero_copy.FUSED_KERNEL = True
         d = bench_handlers(block_mb, args, device, clock, copy_kernels=False)
         m = bench_memcpy(d["total"], device, clock, args.repeats)
         if k is not None:
             slices[f"{d['block_bytes'] / 2**20:.3g} MiB"] = k["slices"]
         for direction in ("GPU->CPU", "CPU->GPU", "both"):
-            kernels = f"{k[direction]:.2f}" if k else "-"
-            ratio = f"{k[direction] / m[direction]:.2f}" if k else "-"
+
+            def cells(r: dict[str, Any] | None) -> tuple[str, str]:
+                return (f"{r[direction]:.2f}", f"{r[direction] / m[direction]:.2f}") if r else ("-", "-")
+
+            (fg, fr), (kg, kr), (dg, dr) = cells(f), cells(k), cells(d)
             table.add_row(
-                f"{d['block_bytes'] / 2**20:.3g} MiB",
-                direction,
-                kernels,
-                f"{d[direction]:.2f}",
-                f"{m[direction]:.2f}",
-                ratio,
-                f"{d[direction] / m[direction]:.2f}",
+                f"{d['block_bytes'] / 2**20:.3g} MiB", direction, fg, kg, dg, f"{m[direction]:.2f}", fr, kr, dr
             )
         if cuda:
             torch.cuda.empty_cache()

@@ -316,6 +316,26 @@ def test_copy_blocks_moves_every_planes_blocks_in_parts():
                 assert not got.any(), "a block no job named was written"
 
 
+def test_the_fused_kernels_rows_name_the_same_bytes_as_the_two_kernels_copy():
+    """The one-kernel copy (CUDA only) moves row to row: with sides sliced differently
+    (32-byte rows against 96-byte ones), both are seen as rows of their common length,
+    and moving those rows on CPU moves exactly the bytes ``copy_blocks`` moves."""
+    from tiered_kv.memory.zero_copy import PlaneRows, _common_rows, copy_blocks
+
+    rng = np.random.default_rng(2)
+    planes, blocks = 3, 10
+    src_mem = torch.from_numpy(rng.integers(0, 2**62, size=planes * blocks * 12, dtype=np.int64))
+    src = PlaneRows(src_mem.view(-1, 4), np.arange(planes) * blocks * 3, np.full(planes, 3), rows_per_block=3)
+    outs = [torch.zeros(planes * blocks * 12, dtype=torch.int64) for _ in range(2)]
+    dst = [PlaneRows(o.view(-1, 12), np.arange(planes) * blocks, np.ones(planes, np.int64), 1) for o in outs]
+    src_ids, dst_ids = np.array([7, 0, 3]), np.array([1, 9, 4])
+    copy_blocks(src, dst[0], src_ids, dst_ids)
+    (src_rows, src_index), (dst_rows, dst_index) = _common_rows(src, dst[1], src_ids, dst_ids)
+    assert src_rows.shape[1] == dst_rows.shape[1] == 4 and len(src_index) == len(dst_index) == planes * 3 * 3
+    dst_rows[torch.from_numpy(dst_index)] = src_rows[torch.from_numpy(src_index)]
+    assert outs[0].any() and torch.equal(outs[0], outs[1])
+
+
 def test_plane_rows_of_a_block_major_tier_move_blocks_to_and_from_their_slot_rows(kv_first, factor):
     """The copy kernels' view of the CPU tier (its planes strided, one kernel block of
     every layer apart), built over host memory: the same two kernels put each block in
@@ -381,8 +401,15 @@ def _device_cache(layout, gap: int, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gap", [0, 512], ids=["back-to-back", "gaps"])
-def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, gap):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
+def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, gap, fused, monkeypatch):
     # Kernel block rows of 1536 B (kv-first) or 3072 B: a 512 B gap breaks them up.
+    from tiered_kv.memory import zero_copy
+
+    if fused:
+        pytest.importorskip("triton", reason="the fused copy kernel is a Triton kernel")
+        assert zero_copy._fused_copy_rows() is not None
+    monkeypatch.setattr(zero_copy, "FUSED_KERNEL", fused)
     layout = make_layout(kv_first, num_gpu_blocks=48, block_size_factor=factor, heads=3, head_dim=64)
     caches = {}
     for kernels in (True, False):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -180,10 +180,17 @@ def copy_blocks(
     src: PlaneRows, dst: PlaneRows, src_ids: np.ndarray, dst_ids: np.ndarray, max_staging_bytes: int = MAX_STAGING_BYTES
 ) -> None:
     """Copy block ``src_ids[i]`` of every plane of ``src`` to block ``dst_ids[i]`` of
-    ``dst`` (the same planes in the same order), on the current stream: per part of at
-    most ``max_staging_bytes``, a gather into staging on ``src.rows``' device (CUDA, or
-    CPU in tests) and a scatter into ``dst``."""
+    ``dst`` (the same planes in the same order), on the current stream: on CUDA with
+    Triton, one kernel from row to row (``fused_copy``); else per part of at most
+    ``max_staging_bytes``, a gather into staging on ``src.rows``' device (CUDA, or CPU
+    in tests) and a scatter into ``dst``."""
     device = src.rows.device
+    copy_rows = _fused_copy_rows() if device.type == "cuda" and FUSED_KERNEL else None
+    if copy_rows is not None:
+        (src_rows, src_index), (dst_rows, dst_index) = _common_rows(src, dst, src_ids, dst_ids)
+        both = torch.from_numpy(np.concatenate([src_index, dst_index])).to(device, non_blocking=True)
+        copy_rows(src_rows, dst_rows, both[: len(src_index)], both[len(src_index) :])
+        return
     per_part = max(1, max_staging_bytes // src.block_bytes)
     for start in range(0, len(src_ids), per_part):
         src_index = src.index(src_ids[start : start + per_part])
@@ -192,3 +199,33 @@ def copy_blocks(
         staging = src.rows.index_select(0, both[: len(src_index)])
         # The two sides may slice a block differently: the same bytes in rows of another shape.
         dst.rows.index_copy_(0, both[len(src_index) :], staging.view(dst.rows.dtype).view(-1, dst.rows.shape[1]))
+
+
+#: Whether ``copy_blocks`` uses the one-kernel copy where it can (``tools/bench_gpu_cpu.py``
+#: turns it off to measure the two-kernel path beside it).
+FUSED_KERNEL = True
+
+
+@functools.cache
+def _fused_copy_rows() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    try:
+        from tiered_kv.memory.fused_copy import copy_rows
+    except ImportError:  # no Triton: the two-kernel path
+        return None
+    return copy_rows
+
+
+def _common_rows(
+    src: PlaneRows, dst: PlaneRows, src_ids: np.ndarray, dst_ids: np.ndarray
+) -> tuple[tuple[torch.Tensor, np.ndarray], tuple[torch.Tensor, np.ndarray]]:
+    """Both sides as rows of one length (the largest that divides both sides' slices),
+    with the row numbers of the blocks named."""
+    common = math.gcd(src.slice_bytes, dst.slice_bytes)
+    dtype = _word_dtype(common)
+    out = []
+    for side, ids in ((src, src_ids), (dst, dst_ids)):
+        index, per = side.index(ids), side.slice_bytes // common
+        if per > 1:
+            index = (index[:, None] * per + np.arange(per)).ravel()
+        out.append((side.rows.view(dtype).view(-1, common // dtype.itemsize), index))
+    return out[0], out[1]
