@@ -30,9 +30,13 @@ def kernel(t: torch.Tensor, kv_first: bool, k: int) -> bytes:
     return block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def setup(kv_first, factor, slots=6, gpu_blocks=24, device="cpu", seed=0, shared=False):
+def setup(kv_first, factor, slots=6, gpu_blocks=24, device="cpu", seed=0, shared=False, one_allocation=False):
     layout = make_layout(kv_first, num_gpu_blocks=gpu_blocks, block_size_factor=factor)
     gpu = random_tensors(layout, seed=seed, device=device)
+    if one_allocation:  # the layers back to back in one tensor, as one engine allocation
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in gpu])
+        starts = np.cumsum([0, *(t.numel() * t.element_size() for t in gpu[:-1])]).tolist()
+        gpu = [flat[a : a + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for a, t in zip(starts, gpu)]
     host = HostKVCache(layout, slots, shared=shared)
     for t in host.tensors:
         t.zero_()
@@ -45,6 +49,16 @@ def run(handler, job_id, spec):
     assert handler.get_finished() == [TransferResult(job_id, True)]
 
 
+def test_a_job_goes_by_dma_where_its_slots_run_long_on_average():
+    mib = 1 << 20
+    assert cpu_gpu.DMA_RUN_BYTES == 2 * mib
+    assert cpu_gpu.in_long_runs(np.arange(8), mib // 2)  # one run of 4 MiB
+    assert cpu_gpu.in_long_runs(np.array([9, 3, 8, 2]), mib)  # two runs of 2 MiB, any order
+    assert not cpu_gpu.in_long_runs(np.array([9, 3, 7, 2]), mib)  # three runs of 1.3 MiB
+    assert not cpu_gpu.in_long_runs(np.arange(3), mib // 2)  # 1.5 MiB in all
+    assert not cpu_gpu.in_long_runs(np.array([], dtype=np.int64), mib)
+
+
 def test_contiguous_runs():
     assert contiguous_runs(np.array([], dtype=np.int64)) == []
     assert contiguous_runs(np.array([3, 4, 5, 9, 10, 12])) == [(0, 3, 3), (3, 5, 9), (5, 6, 12)]
@@ -53,11 +67,17 @@ def test_contiguous_runs():
 @pytest.mark.parametrize("staging", ["whole", "parts"])  # parts: a job staged 3 kernel blocks at a time
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])  # shared: disk_io process
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device, shared, staging, monkeypatch):
+@pytest.mark.parametrize("layers", ["apart", "one-allocation"])
+def test_round_trip_gpu_cpu_gpu_is_byte_exact(kv_first, factor, device, shared, staging, layers, monkeypatch):
     if staging == "parts":
         layout = make_layout(kv_first, block_size_factor=factor)
         monkeypatch.setattr(cpu_gpu, "MAX_STAGING_BYTES", 3 * layout.bytes_per_block // factor)
-    layout, gpu, host, handlers = setup(kv_first, factor, device=device, shared=shared)
+    layout, gpu, host, handlers = setup(
+        kv_first, factor, device=device, shared=shared, one_allocation=layers == "one-allocation"
+    )
+    if device == "cpu":  # DMA copies: staged as rows in one copy where the stand-in layers share one allocation
+        staged = handlers.gpu_to_cpu_handler.staging_rows(True), handlers.cpu_to_gpu_handler.staging_rows(False)
+        assert all((rows is not None) == (layers == "one-allocation") for rows in staged)
     # On a CUDA machine the CPU tier is pinned whichever side stands in for the device.
     assert host.shared == shared and host.pinned == can_pin_memory()
     n = 4
@@ -410,16 +430,18 @@ def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, gap, f
         pytest.importorskip("triton", reason="the fused copy kernel is a Triton kernel")
         assert zero_copy._fused_copy_rows() is not None
     monkeypatch.setattr(zero_copy, "FUSED_KERNEL", fused)
+    monkeypatch.setattr(zero_copy, "FUSED_MIN_BYTES", 0)  # these jobs are a few KiB
     layout = make_layout(kv_first, num_gpu_blocks=48, block_size_factor=factor, heads=3, head_dim=64)
     caches = {}
-    for kernels in (True, False):
+    monkeypatch.setattr(cpu_gpu, "DMA_RUN_BYTES", 1)  # auto: every job by DMA, staged as rows
+    for kernels in (True, False, None):
         gpu = _device_cache(layout, gap, seed=3)
         host = HostKVCache(layout, 12)
         for t in host.tensors:
             t.zero_()
         handlers = CpuGpuOffloadingHandlers(gpu, host, copy_kernels=kernels)
         store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
-        assert store.copy_kernels == load.copy_kernels == kernels
+        assert store.copy_kernels == load.copy_kernels == (kernels is not False)
         if kernels:
             device_rows, host_rows = store.plane_rows
             # Layers back to back are sliced in whole blocks; the gaps need 512 B slices.
@@ -437,9 +459,12 @@ def test_copy_kernels_move_the_same_bytes_as_dma_copies(kv_first, factor, gap, f
             dst = rng.choice(48, size=len(slots) * factor, replace=False)
             run(load, job, (CPULoadStoreSpec(np.array(slots)), GPULoadStoreSpec(dst)))
         torch.cuda.synchronize()
+        if kernels is None:
+            assert store.staging_rows(True) is not None and load.staging_rows(False) is not None
         caches[kernels] = ([t.cpu() for t in gpu], [t.clone() for t in host.tensors])
-    for a, b in zip(caches[True][0] + caches[True][1], caches[False][0] + caches[False][1]):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for other in (False, None):
+        for a, b in zip(caches[True][0] + caches[True][1], caches[other][0] + caches[other][1]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_row_groups_join_only_planes_that_tile_one_matrix():

@@ -358,7 +358,12 @@ def test_gpu_copy_picks_the_handlers_copy_path():
     tensors = dict(zip((l.name for l in layout.layers), random_tensors(layout, device=device)))
     with pytest.raises(ConfigError, match="gpu_copy: expected one of"):
         CPUOffloadingSpec({**config, "gpu_copy": "dmaa"}, gpu_block_size=4)
-    for choice, kernels in (("auto", cuda_available()), ("dma", False)):
+    # auto: kernels for jobs of short runs of slots where the device maps the tier, DMA for the rest.
+    for choice, kernels in (
+        ("auto", cuda_available()),
+        ("dma", False),
+        *((("kernels", True),) if cuda_available() else ()),
+    ):
         pairs = list(
             CPUOffloadingSpec({**config, "gpu_copy": choice}, gpu_block_size=4).get_handlers(
                 tensors, kv_before_num_blocks=True

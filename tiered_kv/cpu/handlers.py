@@ -10,22 +10,22 @@ only after the kernels that wrote it, and a load does not overwrite blocks that
 earlier kernels still read.
 
 Every layer is one plane of whole kernel-block rows, or two (K and V) when the KV
-dimension comes first. On CUDA with a pinned CPU tier the copies are kernels that
-read and write the host memory in place: each side's planes are rows of one tensor
-(``tiered_kv.memory.zero_copy.PlaneRows``), so a job is one ``index_select`` of every plane's
-blocks into a staging tensor on the device and one ``index_copy_`` out of it,
-however many layers and wherever they lie (a pair per 64 MiB of a larger job).
+dimension comes first. Each side's planes can be seen as rows of one tensor
+(``tiered_kv.memory.zero_copy.PlaneRows``), so moving a job's blocks of every plane is
+one copy of rows (``copy_blocks``), however many layers and wherever they lie.
 
-Otherwise (pageable host memory, or a device whose driver cannot map it) copies are
-DMA. A store gathers the job's blocks of every plane on the device (an
-``index_select`` per plane) into a staging tensor laid out as the host tier's rows,
-each kernel block's row holding every plane (``HostKVCache`` is block-major), and
-copies it to the host slots one *contiguous run* of slots at a time (``non_blocking``
-into pinned memory); a load copies host runs into a device staging tensor and
-scatters each plane's columns with one ``index_copy_``. Host tensors laid out per layer
-(``row_groups`` finds no shared rows) are copied the same way a plane at a time, at
-about 25 us of CPU per plane and run, which bounds small blocks (docs/benchmarks.md,
-"GPU <-> CPU").
+Kernels (on CUDA, with a pinned CPU tier the device maps): the copy reads and writes
+the host memory in place, one kernel per job (two for small jobs: see ``copy_blocks``).
+
+DMA: a store gathers the job's blocks on the device into a staging tensor laid out as
+the host tier's rows (``HostKVCache`` is block-major: each kernel block's row holds
+every plane), in one copy of rows where the device's layers allow it (``staging_rows``),
+else an ``index_select`` per plane, and copies it to the host slots one *contiguous
+run* of slots at a time (``non_blocking`` into pinned memory); a load copies host runs
+into staging and scatters them the same way. The copy engines run a load and a store at
+once; each copy costs CPU time to issue, so short runs go by kernels where they can
+(``gpu_copy: auto``, ``DMA_RUN_BYTES``). Host tensors laid out per layer (``row_groups``
+finds no shared rows) are copied a plane at a time (docs/benchmarks.md, "GPU <-> CPU").
 
 Without CUDA the same code runs, synchronously inside ``transfer_async``, with CPU
 tensors standing in for the device cache (the side named by the ``GPULoadStoreSpec``)
@@ -66,6 +66,23 @@ def contiguous_runs(sorted_ids: np.ndarray) -> list[tuple[int, int, int]]:
     return list(zip(starts.tolist(), ends.tolist(), sorted_ids[starts].tolist()))
 
 
+#: With ``gpu_copy: auto``, a job whose host slots come in runs of at least this many bytes
+#: on average goes by DMA (where its blocks stage as rows in one copy): issuing a copy
+#: costs some 10-20 us of CPU, which a run this long hides behind its transfer, and the
+#: copy engines run a load and a store at once. Shorter runs go by kernels, one per job.
+DMA_RUN_BYTES = 2 << 20
+
+
+def in_long_runs(host_ids: np.ndarray, block_bytes: int) -> bool:
+    """Whether ``host_ids`` (kernel blocks of ``block_bytes``, any order) come in
+    consecutive runs of ``DMA_RUN_BYTES`` or more on average."""
+    if len(host_ids) * block_bytes < DMA_RUN_BYTES:
+        return False
+    ordered = np.sort(host_ids)
+    runs = 1 + int(np.count_nonzero(np.diff(ordered) != 1))
+    return len(host_ids) * block_bytes >= runs * DMA_RUN_BYTES
+
+
 class SingleDirectionOffloadingHandler(OffloadingHandler):
     """Copies kernel blocks from ``src_tensors`` to ``dst_tensors`` (same layers, same
     order), one direction, jobs in submission order.
@@ -81,8 +98,11 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     is reported failed, in order, by ``get_finished``.
 
     ``copy_kernels``: move bytes with kernels over the mapped host memory (True; raises
-    ``ValueError`` where that cannot be had), with DMA copies (False), or with kernels
-    where possible (None). ``self.copy_kernels`` says which.
+    ``ValueError`` where that cannot be had), with DMA copies (False), or (None) each
+    job the way that suits it: DMA copies where its host slots come in runs of at least
+    ``DMA_RUN_BYTES`` and the device's blocks are staged as the host tier's rows in one
+    copy (``staging_rows``: a block-major tier), else kernels where possible.
+    ``self.copy_kernels``: whether kernels move some jobs.
     """
 
     def __init__(
@@ -141,6 +161,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 "and a pinned CPU tier it can map; use gpu_copy auto or dma"
             )
         self.copy_kernels = self.plane_rows is not None
+        self._dma_too = copy_kernels is None  # auto: long runs of slots go by DMA
+        self._staging_rows: dict[bool, tuple[PlaneRows, torch.Tensor, PlaneRows] | None] = {}
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src_spec, dst_spec = map(ids_spec, spec)
@@ -238,18 +260,45 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         host_rows = PlaneRows.of(host_planes, self._device)
         return None if device_rows is None or host_rows is None else (device_rows, host_rows)
 
+    def staging_rows(self, device_is_src: bool) -> tuple[PlaneRows, torch.Tensor, PlaneRows] | None:
+        """For DMA copies of a block-major tier: the device side and a staging tensor laid
+        out as the host tier's rows, each as ``PlaneRows``, so the gather into staging (or
+        the scatter out of it) is one copy of rows rather than one per plane. None for a
+        tier laid out per layer, or stand-in device layers in separate allocations. Made
+        at the first job (on CPU only the job says which side stands in for the device)."""
+        if device_is_src not in self._staging_rows:
+            dma = self._dma_too or not self.copy_kernels
+            self._staging_rows[device_is_src] = self._row_staging(device_is_src) if dma else None
+        return self._staging_rows[device_is_src]
+
+    def _row_staging(self, device_is_src: bool) -> tuple[PlaneRows, torch.Tensor, PlaneRows] | None:
+        groups = self._dst_groups if device_is_src else self._src_groups
+        if len(groups) != 1:
+            return None
+        host_rows, members = groups[0]
+        device_rows = PlaneRows.of(self._src if device_is_src else self._dst, self._device or torch.device("cpu"))
+        if device_rows is None:
+            return None
+        rows = min(_rows_per_part(host_rows), host_rows.shape[0])  # a job spans at most every host row
+        staging = torch.empty((rows, host_rows.shape[1]), dtype=host_rows.dtype, device=self._device)
+        staging_rows = PlaneRows.of([staging[:, columns] for _, columns in members], staging.device)
+        return None if staging_rows is None else (device_rows, staging, staging_rows)
+
     def _copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
-        if len(src_ids) and self.plane_rows is not None:
+        if not len(src_ids):
+            return
+        host_ids = dst_ids if device_is_src else src_ids
+        by_dma = self._dma_too and in_long_runs(host_ids, self._kernel_block_bytes)
+        if self.plane_rows is not None and not (by_dma and self.staging_rows(device_is_src) is not None):
             device_rows, host_rows = self.plane_rows
             if device_is_src:
                 copy_blocks(device_rows, host_rows, src_ids, dst_ids)
             else:
                 copy_blocks(host_rows, device_rows, src_ids, dst_ids)
-        elif len(src_ids):
-            if device_is_src:
-                self._gather_then_copy_runs(src_ids, dst_ids)
-            else:
-                self._copy_runs_then_scatter(src_ids, dst_ids)
+        elif device_is_src:
+            self._gather_then_copy_runs(src_ids, dst_ids)
+        else:
+            self._copy_runs_then_scatter(src_ids, dst_ids)
 
     def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Device -> host: per group of host rows and part of the job, one gather per
@@ -257,6 +306,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         order = np.argsort(dst_ids, kind="stable")
         dst_sorted = dst_ids[order]
         src_idx = torch.from_numpy(src_ids[order]).to(self._src[0].device, non_blocking=True)
+        if (staged := self.staging_rows(True)) is not None:
+            device_rows, staging, staging_rows = staged
+            ((host_rows, _),) = self._dst_groups
+            src_sorted = src_ids[order]
+            for part in _parts(len(order), host_rows):
+                copy_blocks(device_rows, staging_rows, src_sorted[part], np.arange(part.stop - part.start))
+                for start, end, first in contiguous_runs(dst_sorted[part]):
+                    host_rows[first : first + end - start].copy_(staging[start:end], non_blocking=self._async)
+            return
         for host_rows, members in self._dst_groups:
             for part in _parts(len(order), host_rows):
                 staging = _staging(part, host_rows, self._device)
@@ -270,6 +328,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         of host slots into staging, then one scatter per plane."""
         order = np.argsort(src_ids, kind="stable")
         src_sorted = src_ids[order]
+        if (staged := self.staging_rows(False)) is not None:
+            device_rows, staging, staging_rows = staged
+            ((host_rows, _),) = self._src_groups
+            dst_sorted = dst_ids[order]
+            for part in _parts(len(order), host_rows):
+                for start, end, first in contiguous_runs(src_sorted[part]):
+                    staging[start:end].copy_(host_rows[first : first + end - start], non_blocking=self._async)
+                copy_blocks(staging_rows, device_rows, np.arange(part.stop - part.start), dst_sorted[part])
+            return
         device = self._dst[0].device
         dst_idx = torch.from_numpy(dst_ids[order]).to(device, non_blocking=True)
         for host_rows, members in self._src_groups:
@@ -284,8 +351,12 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
 def _parts(n: int, host_rows: torch.Tensor) -> list[slice]:
     """Positions ``0..n-1`` of a job in parts whose staging (rows like ``host_rows``)
     takes at most ``MAX_STAGING_BYTES`` of device memory."""
-    per_part = max(1, MAX_STAGING_BYTES // (host_rows.shape[1] * host_rows.element_size()))
+    per_part = _rows_per_part(host_rows)
     return [slice(a, min(n, a + per_part)) for a in range(0, n, per_part)]
+
+
+def _rows_per_part(host_rows: torch.Tensor) -> int:
+    return max(1, MAX_STAGING_BYTES // (host_rows.shape[1] * host_rows.element_size()))
 
 
 def _staging(part: slice, host_rows: torch.Tensor, device: torch.device | None) -> torch.Tensor:

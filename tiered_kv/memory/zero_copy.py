@@ -181,11 +181,13 @@ def copy_blocks(
 ) -> None:
     """Copy block ``src_ids[i]`` of every plane of ``src`` to block ``dst_ids[i]`` of
     ``dst`` (the same planes in the same order), on the current stream: on CUDA with
-    Triton, one kernel from row to row (``fused_copy``); else per part of at most
+    Triton, a job of ``FUSED_MIN_BYTES`` or more in one kernel from row to row
+    (``fused_copy``); else per part of at most
     ``max_staging_bytes``, a gather into staging on ``src.rows``' device (CUDA, or CPU
     in tests) and a scatter into ``dst``."""
     device = src.rows.device
-    copy_rows = _fused_copy_rows() if device.type == "cuda" and FUSED_KERNEL else None
+    fused = device.type == "cuda" and FUSED_KERNEL and len(src_ids) * src.block_bytes >= FUSED_MIN_BYTES
+    copy_rows = _fused_copy_rows() if fused else None
     if copy_rows is not None:
         (src_rows, src_index), (dst_rows, dst_index) = _common_rows(src, dst, src_ids, dst_ids)
         both = torch.from_numpy(np.concatenate([src_index, dst_index])).to(device, non_blocking=True)
@@ -202,8 +204,12 @@ def copy_blocks(
 
 
 #: Whether ``copy_blocks`` uses the one-kernel copy where it can (``tools/bench_gpu_cpu.py``
-#: turns it off to measure the two-kernel path beside it).
+#: turns it off to measure the two-kernel path beside it), and from how many bytes a job:
+#: a Triton launch costs more CPU than torch's two, which jobs of a few MiB notice
+#: (``tools/replay.py --gpu``: 0.49 against 0.34 ms a store job of 3.5 MiB on an H200),
+#: while from 16 MiB the one kernel moves as much one way and more both ways at once.
 FUSED_KERNEL = True
+FUSED_MIN_BYTES = 16 << 20
 
 
 @functools.cache
