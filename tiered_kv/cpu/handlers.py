@@ -157,8 +157,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self.plane_rows = self._plane_rows(src_cuda) if copy_kernels is not False else None
         if copy_kernels and self.plane_rows is None:
             raise ValueError(
-                "copy kernels (copy_kernels=True, config gpu_copy: kernels) need a CUDA device "
-                "and a pinned CPU tier it can map; use gpu_copy auto or dma"
+                "copy kernels (copy_kernels=True, config gpu_copy: kernels) need a CUDA device, "
+                "a pinned CPU tier it can map and layers of one block size; use gpu_copy auto or dma"
             )
         self.copy_kernels = self.plane_rows is not None
         self._dma_too = copy_kernels is None  # auto: long runs of slots go by DMA
@@ -256,8 +256,11 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         if self._device is None:
             return None
         device_planes, host_planes = (self._src, self._dst) if device_is_src else (self._dst, self._src)
-        device_rows = PlaneRows.of(device_planes, self._device)
-        host_rows = PlaneRows.of(host_planes, self._device)
+        try:
+            device_rows = PlaneRows.of(device_planes, self._device)
+            host_rows = PlaneRows.of(host_planes, self._device)
+        except ValueError:  # layers of several block sizes: no one row length
+            return None
         return None if device_rows is None or host_rows is None else (device_rows, host_rows)
 
     def staging_rows(self, device_is_src: bool) -> tuple[PlaneRows, torch.Tensor, PlaneRows] | None:
@@ -276,7 +279,10 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         if len(groups) != 1:
             return None
         host_rows, members = groups[0]
-        device_rows = PlaneRows.of(self._src if device_is_src else self._dst, self._device or torch.device("cpu"))
+        try:
+            device_rows = PlaneRows.of(self._src if device_is_src else self._dst, self._device or torch.device("cpu"))
+        except ValueError:  # layers of several block sizes: a copy per plane
+            return None
         if device_rows is None:
             return None
         rows = min(_rows_per_part(host_rows), host_rows.shape[0])  # a job spans at most every host row
