@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -169,6 +169,14 @@ class _CostScan:
         return self.positions[k - self.lead - 1] if k > self.lead else self.lead_end if k else -1
 
 
+def _positions_of(req_context: ReqContext) -> Callable[[OffloadKey], int | None]:
+    """``req_context.get_offload_key_position``, asked per key: in vLLM 0.33 the
+    positions are a dict that is never replaced, whose own ``get`` saves a Python call
+    per key; where a later vLLM keeps them otherwise, its method."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    return positions.get if isinstance(positions, dict) else req_context.get_offload_key_position
+
+
 def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
     """Our block hashes as vLLM's keys (the same bytes), in a new list."""
     return cast("list[OffloadKey]", list(block_hashes))
@@ -202,7 +210,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         # in their ``_CostScan``; decided at the end of the step (``on_schedule_end``).
         self._undecided: dict[str, _CostScan] = {}
         self._deferred = [False, False]  # a lookup deferred for a decision: this step, the last
-        self._scan_of: tuple[ReqContext, _CostScan] | None = None  # the last request asked, this step
+        # The last request asked this step, its scan and its key -> position lookup.
+        self._scan_of: tuple[ReqContext, _CostScan, Callable[[OffloadKey], int | None]] | None = None
         self._names = ["cpu", *(t.name for t in composite.lower)]  # by tier index + 1
         self._cpu_loadable = composite.cpu.is_loadable  # bound once: asked per key
         self._lookups = [0] * len(self._names)
@@ -248,7 +257,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             # counted, and answered as found (``_CostScan``). With no load of the chunk in
             # flight no lower tier has to serve it (``hit_tier``), so CPU does.
             if scan.leading and self._cpu_loadable(key) and key not in self._open_loads and not self._abandoned_loads:
-                position = req_context.get_offload_key_position(key)
+                position = last[2](key)
                 if position is not None and position > scan.last:
                     self._lookups[0] += 1
                     scan.last = scan.lead_end = position  # ``lead_with``, inlined: per key
@@ -305,7 +314,7 @@ class TieredVllmManager(OffloadingManager, Closing):
                 found = _CostScan.start(costs)
                 req_context.set_state(found)
             scan = found
-            self._scan_of = (req_context, scan)
+            self._scan_of = (req_context, scan, _positions_of(req_context))
         if scan.boundary is not None:
             return _MISS if position > scan.boundary else None
         if position <= scan.last:  # vLLM scans again from the start
