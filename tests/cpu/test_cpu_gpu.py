@@ -33,14 +33,19 @@ def kernel(t: torch.Tensor, kv_first: bool, k: int) -> bytes:
 def setup(kv_first, factor, slots=6, gpu_blocks=24, device="cpu", seed=0, shared=False, one_allocation=False):
     layout = make_layout(kv_first, num_gpu_blocks=gpu_blocks, block_size_factor=factor)
     gpu = random_tensors(layout, seed=seed, device=device)
-    if one_allocation:  # the layers back to back in one tensor, as one engine allocation
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in gpu])
-        starts = np.cumsum([0, *(t.numel() * t.element_size() for t in gpu[:-1])]).tolist()
-        gpu = [flat[a : a + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for a, t in zip(starts, gpu)]
+    if one_allocation:
+        gpu = one_allocation_of(gpu)
     host = HostKVCache(layout, slots, shared=shared)
     for t in host.tensors:
         t.zero_()
     return layout, gpu, host, CpuGpuOffloadingHandlers(gpu, host)
+
+
+def one_allocation_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same layers back to back in one tensor, as one engine allocation."""
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    starts = np.cumsum([0, *(t.numel() * t.element_size() for t in tensors[:-1])]).tolist()
+    return [flat[a : a + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for a, t in zip(starts, tensors)]
 
 
 def run(handler, job_id, spec):
@@ -397,6 +402,29 @@ def test_plane_rows_of_a_block_major_tier_move_blocks_to_and_from_their_slot_row
     assert torch.equal(back_rows[moved], flat_rows[moved])
     back_rows[moved] = 0
     assert not back.any(), "rows of blocks no job named were written"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_layers_of_several_block_sizes_are_copied_a_plane_at_a_time(device):
+    """Layers of different block shapes (heads of 2 and of 6) cannot be one tensor of rows:
+    the handlers still build, in every mode that can run there, and move every block."""
+    from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+
+    layout = KVCacheLayout(
+        (LayerLayout("a", (2, 16, 4, 2, 8), True), LayerLayout("b", (2, 16, 4, 6, 8), True)), torch.float16, 4, 1
+    )
+    for copy_kernels in (None, False):
+        gpu = one_allocation_of(random_tensors(layout, seed=4, device=device))  # else no rows are tried on CPU
+        host = HostKVCache(layout, 6)
+        handlers = CpuGpuOffloadingHandlers(gpu, host, copy_kernels=copy_kernels)
+        store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+        assert not store.copy_kernels and store.staging_rows(True) is None
+        run(store, 1, (GPULoadStoreSpec(np.array([3, 9, 4])), CPULoadStoreSpec(np.array([0, 1, 2]))))
+        originals = [t.clone() for t in gpu]
+        run(load, 2, (CPULoadStoreSpec(np.array([0, 1, 2])), GPULoadStoreSpec(np.array([12, 5, 7]))))
+        for t, orig in zip(gpu, originals):
+            for src, dst in ((3, 12), (9, 5), (4, 7)):
+                assert kernel(t, True, dst) == kernel(orig, True, src)
 
 
 def test_copy_kernels_need_a_device_that_maps_the_host_tier():
