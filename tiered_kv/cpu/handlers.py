@@ -307,20 +307,20 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._copy_runs_then_scatter(src_ids, dst_ids)
 
     def _gather_then_copy_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-        """Device -> host: per group of host rows and part of the job, one gather per
-        plane into staging laid out as those rows, then one copy per run of host slots."""
+        """Device -> host: per part of the job, one gather into staging laid out as the
+        host rows (per plane where ``staging_rows`` has none), then one copy per run of
+        host slots."""
         order = np.argsort(dst_ids, kind="stable")
-        dst_sorted = dst_ids[order]
-        src_idx = torch.from_numpy(src_ids[order]).to(self._src[0].device, non_blocking=True)
+        dst_sorted, src_sorted = dst_ids[order], src_ids[order]
         if (staged := self.staging_rows(True)) is not None:
             device_rows, staging, staging_rows = staged
             ((host_rows, _),) = self._dst_groups
-            src_sorted = src_ids[order]
             for part in _parts(len(order), host_rows):
                 copy_blocks(device_rows, staging_rows, src_sorted[part], np.arange(part.stop - part.start))
                 for start, end, first in contiguous_runs(dst_sorted[part]):
                     host_rows[first : first + end - start].copy_(staging[start:end], non_blocking=self._async)
             return
+        src_idx = torch.from_numpy(src_sorted).to(self._src[0].device, non_blocking=True)
         for host_rows, members in self._dst_groups:
             for part in _parts(len(order), host_rows):
                 staging = _staging(part, host_rows, self._device)
@@ -330,8 +330,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                     host_rows[first : first + end - start].copy_(staging[start:end], non_blocking=self._async)
 
     def _copy_runs_then_scatter(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-        """Host -> device: per group of host rows and part of the job, one copy per run
-        of host slots into staging, then one scatter per plane."""
+        """Host -> device: per part of the job, one copy per run of host slots into
+        staging, then one scatter out of it (per plane where ``staging_rows`` has none)."""
         order = np.argsort(src_ids, kind="stable")
         src_sorted = src_ids[order]
         if (staged := self.staging_rows(False)) is not None:

@@ -182,9 +182,8 @@ def copy_blocks(
     """Copy block ``src_ids[i]`` of every plane of ``src`` to block ``dst_ids[i]`` of
     ``dst`` (the same planes in the same order), on the current stream: on CUDA with
     Triton, a job of ``FUSED_MIN_BYTES`` or more in one kernel from row to row
-    (``fused_copy``); else per part of at most
-    ``max_staging_bytes``, a gather into staging on ``src.rows``' device (CUDA, or CPU
-    in tests) and a scatter into ``dst``."""
+    (``fused_copy``); else per part of at most ``max_staging_bytes``, a gather into
+    staging on ``src.rows``' device (CUDA, or CPU in tests) and a scatter into ``dst``."""
     device = src.rows.device
     fused = device.type == "cuda" and FUSED_KERNEL and len(src_ids) * src.block_bytes >= FUSED_MIN_BYTES
     copy_rows = _fused_copy_rows() if fused else None
