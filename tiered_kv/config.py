@@ -142,9 +142,9 @@ class TieredConfig:
     #: then shared memory). See ``tiered_kv.disk.worker.io_process``.
     disk_io: str = "thread"
     #: How GPU <-> CPU jobs move bytes: ``kernels`` (copy kernels over the mapped pinned
-    #: tier, two per job), ``dma`` (copy engines, one copy per layer and run of slots),
-    #: or ``auto`` (kernels where the device can map the tier). See
-    #: ``tiered_kv.cpu.handlers``.
+    #: tier), ``dma`` (copy engines, one copy per run of slots), or ``auto`` (per job:
+    #: ``dma`` where its slots run 2 MiB or more, else kernels where the device can map
+    #: the tier). See ``tiered_kv.cpu.handlers``.
     gpu_copy: str = "auto"
     #: Blocks allowed to wait for a disk write (write-through and spills); the excess is
     #: dropped and counted instead of stalling the engine.

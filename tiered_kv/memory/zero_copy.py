@@ -5,11 +5,12 @@ virtual addressing), so a CUDA kernel can read and write it in place. ``PlaneRow
 spans every plane of one side of a transfer (the device's layers, or the host tier's)
 with one 2-D tensor whose rows are equal slices of the address range from the first
 plane to the end of the last. Any set of blocks of every plane is then a list of row
-numbers, and a job of the GPU <-> CPU handlers (``tiered_kv.cpu.handlers``) is two
-kernels: an ``index_select`` from one side into a staging tensor on the device and an
-``index_copy_`` into the other. A DMA copy per layer and per run of slots costs CPU
-time per call to issue, which bounds small blocks; two kernels per job do not
-(docs/benchmarks.md, "GPU <-> CPU").
+numbers, and ``copy_blocks`` moves a job of the GPU <-> CPU handlers
+(``tiered_kv.cpu.handlers``) in one Triton kernel from row to row (``fused_copy``), or
+two torch kernels: an ``index_select`` from one side into a staging tensor on the
+device and an ``index_copy_`` into the other. Either way a job's cost does not grow
+with its layers (docs/benchmarks.md, "GPU <-> CPU"). The handlers' DMA path uses the
+same view to gather a job into its staging in one copy.
 
 The spanning tensor covers whatever lies between the planes too (other allocations),
 but only row numbers inside the planes are ever formed. Its rows are the largest
