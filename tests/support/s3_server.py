@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,7 +152,9 @@ class FaultProxy:
     (501 NotImplemented; ``"no-conditional-put-400"``: 400 InvalidArgument naming the
     header) and forwards every other request to ``target``, one at a time. Changing the
     mode closes the connections open in the old one, so a client's pooled connections
-    see it too. ``requests_refused`` counts the requests answered with a fault.
+    see it too. ``requests_refused`` counts the requests answered with a fault. In the
+    modes that forward one request at a time, ``get_delay`` seconds pass before each GET
+    goes on: a bucket that got slower, which the real server cannot be made on demand.
     """
 
     #: Status line and S3 error of each conditional-PUT refusal mode.
@@ -175,6 +178,7 @@ class FaultProxy:
         self.requests_refused = 0
         #: ``count`` mode: each request relayed, by (method, path without the query).
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.get_delay = 0.0
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -293,6 +297,8 @@ class FaultProxy:
                 path = lines[0].split(b" ")[1].split(b"?", 1)[0].decode()
                 with self._lock:
                     self.requests[(method.decode(), path)] += 1
+                if method == b"GET" and self.get_delay:
+                    time.sleep(self.get_delay)
                 if upstream is None:
                     upstream = socket.create_connection(self.target, timeout=30)
                     with self._lock:
