@@ -4,9 +4,12 @@
 For each offloaded block size (default 0.5, 1 and 2 MB: 32 layers x 8 KV heads x 128
 head dim, bf16, 4/8/16 tokens per block) it moves ``--total-mb`` of blocks through
 ``CpuGpuOffloadingHandlers`` in jobs of ``--blocks-per-job`` blocks (random device
-blocks, consecutive CPU slots as the LRU manager hands them out), once with copy
-kernels over the mapped host tier and once with DMA copies: GPU->CPU,
-CPU->GPU and both at once; and, in the same run, the same number of bytes as one
+blocks, consecutive CPU slots as the LRU manager hands them out, or with
+``--scattered-slots`` slots in a shuffled order, as a CPU tier that has evicted for a
+while hands them out), with copy kernels over the mapped host tier (the Triton kernel,
+then torch's two) and with DMA copies: GPU->CPU, CPU->GPU and both at once. ``gpu_copy:
+auto`` takes DMA for a job whose slots run 2 MiB or more, kernels otherwise; the
+columns show what each costs. And, in the same run, the same number of bytes as one
 ``cudaMemcpyAsync`` between one device buffer and one pinned host buffer (per
 direction and both directions at once on two streams). Prints GB/s and the ratio.
 
@@ -56,6 +59,7 @@ def parse_args(argv):
     p.add_argument("--blocks-per-job", type=int, default=32, help="blocks per transfer job")
     p.add_argument("--layout", choices=("kv-first", "kv-after"), default="kv-first")
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell; the median is shown")
+    p.add_argument("--scattered-slots", action="store_true", help="jobs of shuffled CPU slots, not consecutive ones")
     p.add_argument("--smoke", action="store_true", help="tiny run that also works on CPU (checks the script)")
     return p.parse_args(argv)
 
@@ -110,7 +114,8 @@ def bench_handlers(block_mb: float, args, device: str, clock: Clock, copy_kernel
     store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
     rng = np.random.default_rng(0)
     gpu_ids = rng.permutation(n_blocks).reshape(n_jobs, args.blocks_per_job)
-    slots = np.arange(n_blocks).reshape(n_jobs, args.blocks_per_job)
+    order = rng.permutation(n_blocks) if args.scattered_slots else np.arange(n_blocks)
+    slots = order.reshape(n_jobs, args.blocks_per_job)
     next_id = iter(range(10**9))
 
     def run(stores: bool, loads: bool) -> None:
@@ -202,6 +207,7 @@ def main(argv=None) -> int:
     console.print(
         f"{datetime.datetime.now().isoformat(timespec='seconds')}  {name}  torch {torch.__version__}"
         f"  layout {args.layout}  {args.blocks_per_job} blocks/job  {args.total_mb} MiB per cell"
+        f"  {'shuffled' if args.scattered_slots else 'consecutive'} CPU slots"
     )
     console.print("command: " + " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]))
     fused = cuda and zero_copy._fused_copy_rows() is not None

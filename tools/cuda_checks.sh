@@ -13,7 +13,8 @@
 # in 10 minutes; logs and tables go to $OUT, else /tmp/cuda-checks):
 #
 #     bash tools/cuda_checks.sh tests     # the `gpu` tests, then the whole suite (vLLM's skip)
-#     bash tools/cuda_checks.sh bench     # GPU<->CPU handlers, then the disk tier through KvikIO
+#     bash tools/cuda_checks.sh bench     # GPU<->CPU handlers (consecutive, then shuffled CPU slots),
+#                                         # then the disk tier through KvikIO
 #     bash tools/cuda_checks.sh replay    # the whole hierarchy with the device cache on CUDA
 #     bash tools/cuda_checks.sh all       # the gpu tests, both benches and the replay in one
 #                                         # command under 10 minutes, each step time-limited
@@ -65,14 +66,17 @@ case "$step" in
     bench)
         install
         "$py" tools/bench_gpu_cpu.py 2>&1 | tee "$out/bench_gpu_cpu.txt"
+        "$py" tools/bench_gpu_cpu.py --scattered-slots 2>&1 | tee "$out/bench_gpu_cpu_scattered.txt"
         "$py" tools/bench_disk.py --backend kvikio --rounds 3 --plot "$out/bench_disk.png" 2>&1 \
             | tee "$out/bench_disk_kvikio.txt"
         ;;
     all)
         install
         failed=0  # each step under its own limit, so that one that hangs leaves time for the rest
-        timeout -s INT 120 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$out/pytest-gpu.txt" || failed=1
+        timeout -s INT 100 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$out/pytest-gpu.txt" || failed=1
         timeout -s INT 150 "$py" tools/bench_gpu_cpu.py 2>&1 | tee "$out/bench_gpu_cpu.txt" || failed=1
+        timeout -s INT 60 "$py" tools/bench_gpu_cpu.py --scattered-slots 2>&1 \
+            | tee "$out/bench_gpu_cpu_scattered.txt" || failed=1
         timeout -s INT 180 "$py" tools/bench_disk.py --backend kvikio --rounds 1 --dir /tmp/bench-disk \
             --plot "$out/bench_disk.png" 2>&1 | tee "$out/bench_disk_kvikio.txt" || failed=1
         timeout -s INT 90 "$py" tools/replay.py --workload chat --gpu --markdown "$out/replay_gpu.md" 2>&1 \
