@@ -18,6 +18,7 @@ pytest.importorskip(
 from support import vllm_harness as vh  # noqa: E402
 from conftest import make_layout  # noqa: E402
 from support.disk_fixtures import slow_disk_reads  # noqa: E402
+from support.slow_tier import passed_over_while_slow_and_used_again  # noqa: E402
 
 from tiered_kv.integrations.vllm.common import TieredJobSpec  # noqa: E402
 from tiered_kv.tiered.transfer_specs import TieredStoreSpec  # noqa: E402
@@ -65,51 +66,16 @@ def test_under_vllm_a_disk_slower_than_recomputing_is_passed_over_and_used_again
     # Prefill at 100 tokens/s: a 16-token chunk costs 160 ms to recompute, far more than
     # this machine's disk takes to read it, far less than the slowed disk's 1.5 s a job.
     with _build(model_dir, tmp_path / "disk", prefill_tokens_per_s=100.0) as h:
-        manager = h.manager
-        costs = manager.costs
-        assert costs is not None and costs.enabled
-        costs.probe_every = 3
-        disk = costs.tiers["disk"]
         slow = slow_disk_reads([h.worker_spec._worker.load_handler])
         assert slow
-        docs = [_prompt(seed) for seed in range(3)]
-        for doc in docs:
-            _serve(h, doc)
-        tiers = manager.composite.stats.tiers
-        fillers = iter(range(1000, 2000))
 
-        def disk_pass() -> tuple[int, int, list[int]]:
-            """Each document once, disk-only (a new prompt of two chunks fills the CPU
-            tier first): disk hits, disk chunks passed over, tokens loaded per document."""
-            hits, skipped = tiers["disk"]["hits"], tiers["disk"]["skipped_slower_than_recompute"]
-            loaded = []
-            for doc in docs:
-                _serve(h, _prompt(next(fillers)))
-                loaded.append(_serve(h, doc).external)
-            return tiers["disk"]["hits"] - hits, tiers["disk"]["skipped_slower_than_recompute"] - skipped, loaded
+        def slow_down(on: bool) -> None:
+            for s in slow:
+                s.delay = 1.5 if on else 0.0
 
-        hits, skipped, loaded = disk_pass()
-        assert hits == 6 and skipped == 0 and loaded == [2 * BLOCK] * 3, "a fast disk is used"
-        assert disk.samples > 0, "the worker's load times reached the scheduler's estimate"
-        assert disk.gbps != costs.tiers["disk"].prior[0]
-
-        for s in slow:
-            s.delay = 1.5
-        disk_pass()  # the slow reads are measured
-        assert disk.seconds(costs.bytes_per_block) > BLOCK / costs.prefill_tokens_per_s
-        hits, skipped, loaded = disk_pass()
-        assert skipped > 0 and loaded.count(0) >= 2, "a disk slower than recomputing is passed over"
-        assert hits <= 2, "only a probe still reads it"
-
-        for s in slow:
-            s.delay = 0.0
-        costs.probe_every = 1  # every decision that passes the disk over samples it
-        for _ in range(10):  # until the probes' samples outweigh the slow ones
-            hits, skipped, loaded = disk_pass()
-            if skipped == 0:
-                break
-        assert hits == 6 and skipped == 0 and loaded == [2 * BLOCK] * 3, "a recovered disk is used again"
-        assert h.manager.composite.stats.tiers["cpu"]["failed_loads"] == 0
+        passed_over_while_slow_and_used_again(h, "disk", _serve, _prompt, slow_down, BLOCK)
+        disk = h.manager.costs.tiers["disk"]
+        assert disk.gbps != disk.prior[0]
 
 
 def test_under_vllm_chunks_past_the_plan_are_misses_and_the_request_is_computed_right(model_dir, tmp_path):
@@ -207,11 +173,6 @@ def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_
         composite.shutdown()
 
 
-ONE_READ = {
-    "kv_connector": "TieredOffloadingConnector",
-    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
-    "kv_load_failure_policy": "recompute",
-}
 MODEL_TOKENS_PER_S = 2000.0
 
 
@@ -219,7 +180,7 @@ def _measuring(model_dir, disk, **extra) -> vh.VllmHarness:
     """A node running our connector over a model of ``MODEL_TOKENS_PER_S``."""
     config = {**SPEC, "cpu_bytes": f"{16 * GPU_BLOCK_BYTES}B", "disk_path": str(disk), "disk_bytes": "256KiB", **extra}
     return vh.VllmHarness.build(
-        model_dir, config, num_gpu_blocks=64, worker="real", forward_tokens_per_s=MODEL_TOKENS_PER_S, **ONE_READ
+        model_dir, config, num_gpu_blocks=64, worker="real", forward_tokens_per_s=MODEL_TOKENS_PER_S, **vh.ONE_READ
     )
 
 

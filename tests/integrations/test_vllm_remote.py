@@ -6,7 +6,9 @@ Two harnesses with their own cache directories stand for two nodes sharing one b
 second loads what the first computed, byte for byte, while nodes of another fingerprint never
 read it. A lookup of a chunk whose membership probe is still in flight asks vLLM to retry
 (made deterministic with a proxy that never answers), and a server that fails costs misses,
-never a failed load reported to vLLM (whose worker asserts every load succeeded).
+never a failed load reported to vLLM (whose worker asserts every load succeeded). A bucket
+made slower than recomputing (a proxy delays every download) is passed over, and used again
+once it is fast again.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ pytest.importorskip(
 skip_module_without_rgw()
 
 from support import vllm_harness as vh  # noqa: E402
+from support.slow_tier import passed_over_while_slow_and_used_again  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
@@ -237,3 +240,38 @@ def test_server_down_costs_misses_and_the_engine_goes_on(tmp_path, model_dir, rg
             store = _remote_store(b).stats()
             assert store.puts_stored == 0 and store.puts_failed + store.puts_dropped >= 2 * CHUNKS
             assert REMOTE not in {b.manager.composite.hit_medium(k) for k in _keys(_prompt(6))}
+
+
+def test_under_vllm_a_bucket_slower_than_recomputing_is_passed_over_and_used_again_once_it_recovers(
+    model_dir, rgw_server, remote_settings
+):
+    """Our connector (one download per hit, by the worker) in front of a bucket behind a
+    proxy that makes every download slower: the worker's download times reach the
+    scheduler's estimate of the tier, which decides as for the disk."""
+
+    def prompt(seed: int) -> list[int]:
+        return _prompt(seed)[: 2 * BLOCK + 1]
+
+    def serve(h: vh.VllmHarness, prompt: list[int]) -> vh.PrefixHit:
+        h.reset_gpu_prefix_cache()
+        req_id = h.add_request(prompt)
+        h.settle()
+        _uploaded(h)
+        assert h.manager.tier("remote").settle(WAIT)
+        return h.prefix_hits[req_id]
+
+    proxy = FaultProxy(rgw_server.endpoint.removeprefix("http://"), mode="count")
+    config = {
+        **SPEC,
+        "cpu_bytes": f"{2 * CHUNK_BYTES}B",  # two chunks: each new prompt evicts the last one
+        "block_size": BLOCK,
+        "remote": {**remote_settings, "endpoint": proxy.endpoint},
+        "promote_on_hit": False,  # every repeat downloads again
+        "prefill_tokens_per_s": 100.0,  # a chunk costs 160 ms to recompute
+    }
+    with proxy, vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **vh.ONE_READ) as h:
+
+        def slow_down(on: bool) -> None:
+            proxy.get_delay = 1.0 if on else 0.0
+
+        passed_over_while_slow_and_used_again(h, "remote", serve, prompt, slow_down, BLOCK)

@@ -35,11 +35,6 @@ BLOCK = 16
 CHUNK_BYTES = 4096  # the harness's model: 2 layers x 2 KV heads x 16 tokens x 32 dims x 2 bytes
 CHUNKS = 5
 SPEC = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm"}
-ONE_READ = {
-    "kv_connector": "TieredOffloadingConnector",
-    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
-    "kv_load_failure_policy": "recompute",
-}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +82,7 @@ def test_each_shared_tier_hit_is_downloaded_once_and_verified_by_the_worker(
     prompt = _prompt(1)
     computed = _upload_from_node_a(model_dir, remote_settings, prompt)
     proxy = FaultProxy(rgw_server.endpoint.removeprefix("http://"), mode="count")
-    with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, **ONE_READ) as b:
+    with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, **vh.ONE_READ) as b:
         assert isinstance(b.worker_connector, TieredOffloadingConnector)
         assert b.worker_spec.failed_loads_recomputed
         req_id = b.admit(prompt)
@@ -113,7 +108,7 @@ def test_an_object_that_fails_at_the_worker_is_recomputed_never_served(
     body[-100:] = bytes(100)  # the last KV bytes zeroed: the object no longer verifies
     admin.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
 
-    with _node(model_dir, remote_settings, **ONE_READ) as b:
+    with _node(model_dir, remote_settings, **vh.ONE_READ) as b:
         for t in b.kv_caches.values():
             t.zero_()
         req_id = b.admit(prompt)

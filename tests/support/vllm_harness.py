@@ -133,6 +133,14 @@ def write_model_config(
     return path
 
 
+#: ``VllmHarness.build`` keywords for our connector with vLLM's recompute policy: a failed
+#: load is recomputed, so a shared-tier hit is downloaded once, by the worker.
+ONE_READ = {
+    "kv_connector": "TieredOffloadingConnector",
+    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
+    "kv_load_failure_policy": "recompute",
+}
+
 #: Prefill tokens/s our spec is told in the harness: the toy models' prefill on a CPU is
 #: slow, so a load from any tier here is faster than recomputing (tests of the
 #: load-versus-recompute decision set their own).
