@@ -293,9 +293,11 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     def _copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, device_is_src: bool) -> None:
         if not len(src_ids):
             return
-        host_ids = dst_ids if device_is_src else src_ids
-        by_dma = self._dma_too and in_long_runs(host_ids, self._kernel_block_bytes)
-        if self.plane_rows is not None and not (by_dma and self.staging_rows(device_is_src) is not None):
+        if self.plane_rows is not None and not (
+            self._dma_too  # auto: a job whose slots run long goes by DMA where it can stage as rows
+            and in_long_runs(dst_ids if device_is_src else src_ids, self._kernel_block_bytes)
+            and self.staging_rows(device_is_src) is not None
+        ):
             device_rows, host_rows = self.plane_rows
             if device_is_src:
                 copy_blocks(device_rows, host_rows, src_ids, dst_ids)
