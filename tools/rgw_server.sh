@@ -158,6 +158,10 @@ mon allow pool size one = true
 mon allow pool delete = true
 mon max pg per osd = 1000
 mon warn on pool no redundancy = false
+# The monitor refuses to start (and stops) below 5% free space on the file system of its
+# data; a test cluster's monitor data is a few MB, on a disk that other tenants may fill.
+mon data avail crit = 0
+mon data avail warn = 0
 osd memory target = 939524096
 rgw frontends = beast endpoint=127.0.0.1:$rgw_port
 rgw data = $dir/rgw
@@ -165,7 +169,14 @@ EOF
 echo "$rgw_port" >"$dir/rgw.port"
 
 ceph_q() { timeout 30 ceph -c "$conf" "$@"; }
-trap 'echo "rgw_server: start failed; logs in $dir/log" >&2; stop' ERR
+failed() {  # the failing command's status and the daemons' error lines, so a CI log says why
+  local status=$?
+  echo "rgw_server: start failed (exit status $status); logs in $dir/log" >&2
+  sleep 0.5 # a daemon that exits at once may still be writing its log
+  { grep -h -e ' -1 ' "$dir"/log/*.log; cat "$dir/log/daemons.err"; } 2>/dev/null | grep . | tail -n 6 >&2 || true
+  stop
+}
+trap failed ERR
 
 monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$mon_v2,v1:127.0.0.1:$mon_v1]" "$dir/monmap" >/dev/null
 ceph-mon -c "$conf" -i a --mkfs --monmap "$dir/monmap" >"$dir/log/mkfs-mon.out" 2>&1
