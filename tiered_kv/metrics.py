@@ -208,6 +208,18 @@ def tier_counter_values(tiers: Mapping[str, Mapping[str, int]], tokens_per_block
     return out
 
 
+def transfer_job_values(transfers: Mapping[str, Mapping[str, float]]) -> list[CounterValue]:
+    """The transfer jobs of ``transfers`` (``TieredStats.as_dict()["transfers"]``) as
+    metric totals, per transfer type and outcome (ok, failed)."""
+    out: list[CounterValue] = []
+    for name, t in transfers.items():
+        out += [
+            (TRANSFER_JOBS, (name, "ok"), t["jobs"] - t["failed_jobs"]),
+            (TRANSFER_JOBS, (name, "failed"), t["failed_jobs"]),
+        ]
+    return out
+
+
 def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
     """The load-cost gauges of ``costs`` (a ``LoadCosts.snapshot()``, or None): each
     tier's estimated bandwidth and job latency, the prefill rate the decision uses and,
@@ -437,17 +449,14 @@ class PrometheusMetrics:
         for direction, types in (("load", GPU_LOADS), ("store", GPU_STORES)):
             self._advance(self.gpu_bytes[direction], (), sum(transfers[t]["bytes"] for t in types))
             self._advance(self.gpu_time[direction], (), sum(transfers[t]["seconds"] for t in types))
-        jobs = self.metrics[TRANSFER_JOBS]
         for name, t in transfers.items():
             self._advance(self.bytes, (name,), t["bytes"])
             self._advance(self.time, (name,), t["seconds"])
-            self._advance(jobs, (name, "ok"), t["jobs"] - t["failed_jobs"])
-            self._advance(jobs, (name, "failed"), t["failed_jobs"])
         totals: dict[tuple[str, tuple[str, ...]], float] = {}
         for rs in remote:
             for metric, labels, value in remote_counter_values(rs):
                 totals[metric, labels] = totals.get((metric, labels), 0) + value
-        counters = tier_counter_values(snap["tiers"], self.tokens_per_block)
+        counters = tier_counter_values(snap["tiers"], self.tokens_per_block) + transfer_job_values(transfers)
         for metric, labels, value in counters + [(m, lbl, v) for (m, lbl), v in totals.items()]:
             self._advance(self.metrics[metric], labels, value)
         for tier, n in (used_blocks or {}).items():

@@ -227,6 +227,16 @@ class TierSpec(Closing, ABC):
         tier ``host`` and the KV cache ``gpu_tensors`` (one per layer of the layout).
         Handlers take GPU sides as ``GPULoadStoreSpec`` or per-block ``GPURowsSpec``."""
 
+    def worker_counters(self) -> list["CounterValue"]:
+        """Worker process: the totals of what ``get_worker`` opened, for an exporter
+        (a shared tier's store: this rank's uploads and downloads). Default: none."""
+        return []
+
+    def worker_timings(self) -> list["Observation"]:
+        """Worker process: the timings of what ``get_worker`` opened observed since the
+        last call (each handed out once). Default: none."""
+        return []
+
     def close(self) -> None:
         """Close what ``get_worker`` opened (its handlers are shut down first). Idempotent."""
         return

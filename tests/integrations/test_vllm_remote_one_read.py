@@ -93,6 +93,20 @@ def test_each_shared_tier_hit_is_downloaded_once_and_verified_by_the_worker(
         # One download per chunk and rank (TP 1: one object each), the worker's own.
         assert gets == Counter({k.hex(): 1 for k in _keys(prompt)[:CHUNKS]}), gets
         assert b.manager.check("remote").outcomes() == {}  # no verifying download in the scheduler
+        # vLLM's endpoint shows the worker's downloads (our connector hands them over),
+        # as many as reached the server, and the worker's load jobs with their timings.
+        registry = b.publish_metrics()
+
+        def value(name, **labels):
+            return registry.get_sample_value(name, {"engine": "0", **labels})
+
+        assert value("tiered_kv_remote_downloads_total", outcome="hit") == CHUNKS == sum(gets.values())
+        assert value("tiered_kv_remote_bytes_total", direction="download") >= CHUNKS * CHUNK_BYTES
+        assert value("tiered_kv_remote_request_seconds_count", op="get") >= CHUNKS
+        loads = sum(len(step.load_jobs) for step in b.steps)  # read into CPU slots, then copied in
+        for kind in ("remote_to_cpu", "cpu_to_gpu"):
+            assert value("tiered_kv_transfer_jobs_total", transfer_type=kind, outcome="ok") == loads >= 1
+            assert value("tiered_kv_transfer_seconds_count", transfer_type=kind) == loads
 
 
 def test_an_object_that_fails_at_the_worker_is_recomputed_never_served(
@@ -119,4 +133,8 @@ def test_an_object_that_fails_at_the_worker_is_recomputed_never_served(
         b.settle()
         worker = b.worker_spec._worker
         assert worker.stats.tiers["cpu"]["failed_loads"] >= 1  # counted where it happened
+        registry = b.publish_metrics()  # and on vLLM's endpoint, from the worker
+        assert (
+            registry.get_sample_value("tiered_kv_remote_downloads_total", {"engine": "0", "outcome": "rejected"}) == 1
+        )
         assert worker.take_failed_gpu_blocks() == set()  # handed to vLLM already

@@ -376,6 +376,42 @@ def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
         assert value("tiered_kv_tier_capacity_blocks", tier="cpu") == 2
         assert value("tiered_kv_tier_used_blocks", tier="disk") == 4
         assert value("vllm:kv_offload_load_bytes_total") == 2 * GPU_BLOCK_BYTES
+        # vLLM's own connector carries nothing of a worker's (ours does: below).
+        assert value("tiered_kv_transfer_jobs_total", transfer_type="gpu_to_cpu", outcome="ok") is None
         info = [s for m in registry.collect() if m.name == "vllm:kv_offload_config_info" for s in m.samples]
         assert info and info[0].labels["tiered_cpu_slots"] == "2"
         assert info[0].labels["tiered_disk_path"] == str(tmp_path / "disk")
+
+
+def test_with_our_connector_each_workers_transfers_reach_vllms_prometheus_side(model_dir, tmp_path):
+    """vLLM's connector reports nothing from a worker; ours hands each step's transfer
+    jobs and timings over with the step's output (counted once, however many steps)."""
+    config = {**SPEC, "cpu_bytes": f"{2 * GPU_BLOCK_BYTES}B", "block_size": BLOCK}
+    config.update(disk_path=str(tmp_path / "disk"), disk_bytes=f"{64 * 4096}B")
+    with vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **vh.ONE_READ) as h:
+        a, b = _prompt(14, 2 * BLOCK + 1), _prompt(15, 2 * BLOCK + 1)
+        _serve(h, a)
+        _durable(h)
+        _serve(h, b)
+        _durable(h)
+        h.reset_gpu_prefix_cache()
+        assert _serve(h, a).external == 2 * BLOCK  # from the disk: CPU holds b's chunks
+        h.settle()
+        registry = h.publish_metrics()
+
+        def value(name, **labels):
+            return registry.get_sample_value(name, {"engine": "0", **labels})
+
+        stores = sum(len(step.store_jobs) for step in h.steps)
+        loads = sum(len(step.load_jobs) for step in h.steps)
+        assert value("tiered_kv_transfer_jobs_total", transfer_type="gpu_to_cpu", outcome="ok") == stores >= 2
+        assert value("tiered_kv_transfer_jobs_total", transfer_type="disk_to_cpu", outcome="ok") == loads == 1
+        assert value("tiered_kv_transfer_jobs_total", transfer_type="cpu_to_gpu", outcome="ok") == loads
+        # The endpoint's totals are the worker's own: nothing lost or counted twice.
+        transfers = h.worker_spec._worker.stats.as_dict()["transfers"]
+        moved = {kind: t for kind, t in transfers.items() if t["jobs"]}
+        assert set(moved) == {"gpu_to_cpu", "cpu_to_disk", "disk_to_cpu", "cpu_to_gpu"}
+        for kind, t in moved.items():
+            assert value("tiered_kv_transfer_jobs_total", transfer_type=kind, outcome="ok") == t["jobs"]
+            assert value("tiered_kv_transfer_seconds_count", transfer_type=kind) == t["jobs"]
+            assert value("tiered_kv_transfer_seconds_sum", transfer_type=kind) == pytest.approx(t["seconds"])

@@ -595,10 +595,14 @@ class VllmHarness(Closing):
         _, recving = worker.get_finished(output.finished_req_ids)
         # vLLM's model runner asks for failed loads right after get_finished.
         invalid = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()  # then, as vLLM's model runner asks
         worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
         return KVConnectorOutput(
-            finished_recving=recving or None, kv_connector_worker_meta=worker_meta, invalid_block_ids=invalid
+            finished_recving=recving or None,
+            kv_connector_worker_meta=worker_meta,
+            invalid_block_ids=invalid,
+            kv_connector_stats=stats,
         )
 
     def _fake_forward(self, output: SchedulerOutput) -> None:

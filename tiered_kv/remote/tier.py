@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tiered_kv.metrics import remote_counter_values
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.keys import Keyring, load_keyring
 from tiered_kv.remote.manager import REMOTE
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
     from tiered_kv.abstract import LowerTier
     from tiered_kv.memory.host_memory import HostKVCache
-    from tiered_kv.metrics import TieredStats
+    from tiered_kv.metrics import CounterValue, Observation, TieredStats
     from tiered_kv.remote.manager import RemoteOffloadingManager
     from tiered_kv.remote.store import RemoteStore
     from tiered_kv.worker.worker import LowerTierWorker
@@ -108,6 +109,12 @@ class RemoteTier(TierSpec):
             to_gpu=RemoteLoadHandler(store, rank, list(gpu_tensors), layout, to_gpu=True, tier_name=self.name),
             to_cpu=RemoteLoadHandler(store, rank, host.tensors, layout, to_gpu=False, tier_name=self.name),
         )
+
+    def worker_counters(self) -> list["CounterValue"]:
+        return remote_counter_values(self.store.stats()) if self.store is not None else []
+
+    def worker_timings(self) -> list["Observation"]:
+        return self.store.latencies.drain() if self.store is not None else []
 
     def close(self) -> None:
         """Close this worker's store (the handlers using it must be shut down first)."""

@@ -16,12 +16,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     ConfigInfo,
     OffloadingCounterMetadata,
@@ -40,8 +41,7 @@ from tiered_kv.metrics import (
     TIER_USED_BLOCKS,
     TIER_VERIFICATIONS,
     TIERS,
-    TRANSFER_JOBS,
-    TRANSFER_SECONDS,
+    CounterValue,
     MetricDef,
 )
 from tiered_kv.model_identity import resolve_model_dir, weights_digest
@@ -70,12 +70,6 @@ PENDING_WRITES = "tiered_kv_tier_pending_writes"
 WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
 
 
-#: Project metrics measured only in the worker processes: vLLM carries nothing of ours
-#: from a worker to the scheduler (only its own transfer bytes and times), so the
-#: manager cannot report them and they are not declared.
-WORKER_ONLY_METRICS = (TRANSFER_JOBS, TRANSFER_SECONDS)
-
-
 def _vllm_metadata(d: MetricDef) -> OffloadingMetricMetadata:
     if d.kind == "histogram":
         return OffloadingHistogramMetadata(documentation=d.documentation, labelnames=d.labelnames, buckets=d.buckets)
@@ -87,17 +81,16 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric the manager reports (vLLM's frontend asserts each reported name was
     declared, with the same label names).
 
-    All are the scheduler process's (the manager's ``get_stats``): per-tier counters in
-    chunks and tokens (its bookkeeping), verification timings (its verifiers), and the
-    shared tier's request counters and timings of the scheduler's own store only
-    (membership probes, verification downloads, the manifest); each worker's store
-    (its rank's uploads and loads) counts in that worker and is not exported. With
-    several engines (data parallel) each engine's scheduler reports its own."""
-    shared = {
-        d.name: _vllm_metadata(d)
-        for d in PROJECT_METRICS
-        if d.name not in WORKER_ONLY_METRICS and d.name not in (TIER_BLOCKS, TIER_USED_BLOCKS)
-    }
+    The scheduler's (the manager's ``get_stats``): per-tier counters in chunks and
+    tokens (its bookkeeping), verification timings (its verifiers), and the shared
+    tier's request counters and timings of its own store (membership probes,
+    verification downloads, the manifest). Each worker's, with ``TieredOffloadingConnector``
+    (``TieredVllmWorker.take_stats``, carried by vLLM with the step's output and summed
+    over ranks): its transfer jobs and their timings (``TRANSFER_JOBS``,
+    ``TRANSFER_SECONDS``) and its own shared-tier store's (its rank's uploads and
+    loads); with vLLM's plain connector a worker reports nothing. With several engines
+    (data parallel) each engine reports its own."""
+    shared = {d.name: _vllm_metadata(d) for d in PROJECT_METRICS if d.name not in (TIER_BLOCKS, TIER_USED_BLOCKS)}
     return shared | {
         TIER_BLOCKS: OffloadingCounterMetadata(
             documentation=(
@@ -135,6 +128,22 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             labelnames=("kind",),
         ),
     }
+
+
+class CounterIncreases:
+    """Turns monotonic totals into what a vLLM stats payload carries: each counter's
+    increase since the last report (one object per reporting process)."""
+
+    def __init__(self) -> None:
+        self._reported: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def report(self, stats: OffloadingConnectorStats, totals: Iterable[CounterValue]) -> None:
+        """Add to ``stats`` each of ``totals`` that grew since the last report."""
+        for name, labels, total in totals:
+            delta = total - self._reported.get((name, labels), 0)
+            if delta > 0:
+                stats.increase_counter(name, delta, labels)
+                self._reported[name, labels] = total
 
 
 @dataclass(frozen=True)

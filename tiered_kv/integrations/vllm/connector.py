@@ -35,6 +35,11 @@ each worker times that step's forward pass (``tiered_kv.worker.forward_timer``) 
 adds it to the engine's ``LoadTimings`` as type ``PREFILL``, which the scheduler folds
 into ``LoadCosts`` every step. With vLLM's plain ``OffloadingConnector`` nothing is
 measured and the configured or estimated rate is used.
+
+And it exports each worker's metrics (vLLM's connector reports none from a worker):
+its transfer jobs and their timings per transfer type, and its shared-tier store's
+uploads and downloads, handed to vLLM with each step's output, which sums them over
+ranks and over the scheduler's own onto its Prometheus endpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from typing import Any
 
 from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
@@ -122,6 +128,15 @@ class TieredOffloadingConnector(OffloadingConnector):
         if timer is not None:
             timer.stop()
         super().wait_for_save()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """In a worker, this rank's metrics since the last step (``TieredVllmWorker.
+        take_stats``), which vLLM carries to the scheduler with the step's output and
+        sums over ranks; in the scheduler, the manager's, as vLLM's connector does."""
+        if self.connector_scheduler is not None:
+            return super().get_kv_connector_stats()
+        take = getattr(self._worker(), "take_stats", None)
+        return take() if take is not None else None
 
     def _worker(self) -> Any:
         return self.connector_worker.worker if self.connector_worker is not None else None

@@ -84,6 +84,7 @@ from tiered_kv.cost import LoadCosts, PrefixScan
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     PENDING_WRITES,
+    CounterIncreases,
     TIER_CAPACITY_BLOCKS,
     WORKER_JOB_FAILURES,
     TieredJobSpec,
@@ -227,7 +228,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._abandoned_loads: Counter[bytes] = Counter()
         self._abandoned_stores: Counter[bytes] = Counter()
         self._failure_counts: Counter[str] = Counter()
-        self._reported: dict[tuple[str, str], float] = {}
+        self._increases = CounterIncreases()
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``), where configured."""
@@ -468,8 +469,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             counters += check.counters()
             timings += check.timings()
         counters += [(WORKER_JOB_FAILURES, (kind,), n) for kind, n in self._failure_counts.items()]
-        for name, labels, value in counters:
-            self._increase(stats, name, labels, value)
+        self._increases.report(stats, counters)
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
         for name, labels, value in cost_gauges(self.costs.snapshot() if self.costs is not None else None):
@@ -482,14 +482,6 @@ class TieredVllmManager(OffloadingManager, Closing):
             # Read, not refreshed: at most a flusher poll old.
             stats.set_gauge(PENDING_WRITES, lower.num_pending(), (lower.name,))
         return stats
-
-    def _increase(self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: float) -> None:
-        """Report the increase of a monotonic ``total`` since the last report."""
-        key = (name, ",".join(labels))
-        delta = total - self._reported.get(key, 0)
-        if delta > 0:
-            stats.increase_counter(name, delta, labels)
-            self._reported[key] = total
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._info.as_config_info() if self._info is not None else {}]

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.base import GPULoadStoreSpec as VllmGPUSpec
 from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
@@ -55,11 +56,12 @@ from tiered_kv.abstract import Closing
 from tiered_kv.config import ConfigError
 from tiered_kv.cost import PREFILL
 from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
-from tiered_kv.integrations.vllm.common import TieredJobSpec
+from tiered_kv.integrations.vllm.common import CounterIncreases, TieredJobSpec
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, chunk_positions
+from tiered_kv.metrics import transfer_job_values
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.forward_timer import ForwardTimer
@@ -181,6 +183,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         #: (``connector.TieredOffloadingConnector``); off: a failed load is only logged.
         self.recompute_failed_loads = recompute_failed_loads
         self._failed_gpu_blocks: set[int] = set()
+        self._increases = CounterIncreases()
 
     # ------------------------------------------------------------------ submit
 
@@ -302,6 +305,24 @@ class TieredVllmWorker(OffloadingWorker, Closing):
                 self.rank,
                 job_id,
             )
+
+    # ------------------------------------------------------------------ metrics
+
+    def take_stats(self) -> OffloadingConnectorStats | None:
+        """This rank's metrics since the last call, for ``TieredOffloadingConnector``
+        to hand vLLM with the step's output: its transfer jobs per type and outcome,
+        their timings, and what each lower tier's worker side counts (a shared tier's
+        store: this rank's uploads and downloads). None when nothing changed."""
+        stats = OffloadingConnectorStats()
+        counters = transfer_job_values(self.stats.as_dict()["transfers"])
+        timings = self.stats.latencies.drain()
+        for tier in self.hierarchy.lower_tiers:
+            counters += tier.worker_counters()
+            timings += tier.worker_timings()
+        self._increases.report(stats, counters)
+        for name, labels, seconds in timings:
+            stats.observe_histogram(name, seconds, labels)
+        return None if stats.is_empty() else stats
 
     def wait(self, job_ids: set[int]) -> None:
         self.store_handler.wait(job_ids)
