@@ -220,6 +220,11 @@ def transfer_job_values(transfers: Mapping[str, Mapping[str, float]]) -> list[Co
     return out
 
 
+def written_per_read_gauges(stats: "TieredStats") -> list[CounterValue]:
+    """``TIER_WRITTEN_PER_READ`` of each tier of ``stats`` read from at least once."""
+    return [(TIER_WRITTEN_PER_READ, (t,), r) for t, r in stats.written_per_read().items() if r is not None]
+
+
 def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
     """The load-cost gauges of ``costs`` (a ``LoadCosts.snapshot()``, or None): each
     tier's estimated bandwidth and job latency, the prefill rate the decision uses and,
@@ -442,9 +447,8 @@ class PrometheusMetrics:
         snap = stats.as_dict()
         for name, labels, value in cost_gauges(costs):
             self.metrics[name].labels(*labels).set(value)
-        for tier, ratio in stats.written_per_read().items():
-            if ratio is not None:
-                self.metrics[TIER_WRITTEN_PER_READ].labels(tier).set(ratio)
+        for name, labels, value in written_per_read_gauges(stats):
+            self.metrics[name].labels(*labels).set(value)
         transfers = snap["transfers"]
         for direction, types in (("load", GPU_LOADS), ("store", GPU_STORES)):
             self._advance(self.gpu_bytes[direction], (), sum(transfers[t]["bytes"] for t in types))

@@ -6,6 +6,7 @@ Prometheus side."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -21,9 +22,12 @@ pytest.importorskip(
 )
 
 import torch  # noqa: E402
+from prometheus_client import start_http_server  # noqa: E402
 from support import vllm_harness as vh  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key  # noqa: E402
 
+from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.integrations.vllm import TieredOffloadingSpec  # noqa: E402
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
 from tiered_kv.integrations.vllm.worker import TieredVllmWorker, gpu_rows  # noqa: E402
@@ -375,6 +379,7 @@ def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
         assert value("tiered_kv_tier_tokens_total", tier="disk", event="lookups") == lookups * BLOCK > 0
         assert value("tiered_kv_tier_capacity_blocks", tier="cpu") == 2
         assert value("tiered_kv_tier_used_blocks", tier="disk") == 4
+        assert value("tiered_kv_tier_bytes_written_per_read", tier="disk") == 2.0  # 4 chunks written, 2 read
         assert value("vllm:kv_offload_load_bytes_total") == 2 * GPU_BLOCK_BYTES
         # vLLM's own connector carries nothing of a worker's (ours does: below).
         assert value("tiered_kv_transfer_jobs_total", transfer_type="gpu_to_cpu", outcome="ok") is None
@@ -415,3 +420,17 @@ def test_with_our_connector_each_workers_transfers_reach_vllms_prometheus_side(m
             assert value("tiered_kv_transfer_jobs_total", transfer_type=kind, outcome="ok") == t["jobs"]
             assert value("tiered_kv_transfer_seconds_count", transfer_type=kind) == t["jobs"]
             assert value("tiered_kv_transfer_seconds_sum", transfer_type=kind) == pytest.approx(t["seconds"])
+        # What an operator reads from vLLM's endpoint: each tier's load latency.
+        _load_commands()
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            result = CliRunner().invoke(app, ["stats", "--url", url, "--json"])
+        finally:
+            server.shutdown()
+            server.server_close()
+        assert result.exit_code == 0, result.output
+        tiers = {t["tier"]: t for t in json.loads(result.stdout)["tiers"]}
+        assert tiers["disk"]["load_latency"]["count"] == loads
+        assert tiers["disk"]["load_latency"]["p50_seconds"] > 0
+        assert tiers["cpu"]["load_latency"]["count"] == transfers["cpu_to_gpu"]["jobs"]

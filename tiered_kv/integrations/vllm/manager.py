@@ -92,7 +92,7 @@ from tiered_kv.integrations.vllm.common import (
 )
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.mediums import CPU
-from tiered_kv.metrics import TIER_USED_BLOCKS, cost_gauges, tier_counter_values
+from tiered_kv.metrics import TIER_USED_BLOCKS, cost_gauges, tier_counter_values, written_per_read_gauges
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
@@ -459,8 +459,9 @@ class TieredVllmManager(OffloadingManager, Closing):
     def get_stats(self) -> OffloadingConnectorStats:
         """This scheduler's metrics (``common.metric_definitions`` says which): tier
         counters in chunks and tokens, what each lower tier's check exports (its
-        verifications, a shared tier's scheduler-side store), failures, occupancy, and
-        the timings drained since the last call."""
+        verifications, a shared tier's scheduler-side store), failures, occupancy, the
+        load estimates, chunks written per chunk read per tier, and the timings drained
+        since the last call."""
         stats = OffloadingConnectorStats()
         self._count_lookups()
         counters = tier_counter_values(self.stats.as_dict()["tiers"], self.composite.cpu.block_size)
@@ -472,7 +473,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._increases.report(stats, counters)
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
-        for name, labels, value in cost_gauges(self.costs.snapshot() if self.costs is not None else None):
+        gauges = cost_gauges(self.costs.snapshot() if self.costs is not None else None)
+        for name, labels, value in gauges + written_per_read_gauges(self.stats):
             stats.set_gauge(name, value, labels)
         for tier, used in self.composite.used_blocks().items():
             stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
