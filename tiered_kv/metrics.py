@@ -220,7 +220,7 @@ def transfer_job_values(transfers: Mapping[str, Mapping[str, float]]) -> list[Co
     return out
 
 
-def written_per_read_gauges(stats: "TieredStats") -> list[CounterValue]:
+def written_per_read_gauges(stats: TieredStats) -> list[CounterValue]:
     """``TIER_WRITTEN_PER_READ`` of each tier of ``stats`` read from at least once."""
     return [(TIER_WRITTEN_PER_READ, (t,), r) for t, r in stats.written_per_read().items() if r is not None]
 
