@@ -6,6 +6,7 @@ Prometheus side."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +28,13 @@ from support import vllm_harness as vh  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key  # noqa: E402
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
+
 from tiered_kv.cli import _load_commands, app  # noqa: E402
+import tiered_kv.integrations.vllm.spec as spec_module  # noqa: E402
+from tiered_kv.integrations.vllm.connector import TieredOffloadingConnector  # noqa: E402
 from tiered_kv.integrations.vllm import TieredOffloadingSpec  # noqa: E402
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
 from tiered_kv.integrations.vllm.worker import TieredVllmWorker, gpu_rows  # noqa: E402
@@ -434,3 +441,40 @@ def test_with_our_connector_each_workers_transfers_reach_vllms_prometheus_side(m
         assert tiers["disk"]["load_latency"]["count"] == loads
         assert tiers["disk"]["load_latency"]["p50_seconds"] > 0
         assert tiers["cpu"]["load_latency"]["count"] == transfers["cpu_to_gpu"]["jobs"]
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_failed_loads_are_left_to_vllm_to_recompute_only_for_a_model_of_one_kv_cache_group(
+    model_dir, monkeypatch, caplog, role
+):
+    """vLLM 0.33 stops the engine when a connector reports failed block ids of a model of
+    several KV-cache groups; our connector then reports none (and the shared tier's hits
+    are verified before they are promised). Decided where vLLM builds the connector,
+    with no vLLM config current, as in vLLM's engine core."""
+    seen: list[bool] = []
+    decide = spec_module.failed_loads_recomputed
+    monkeypatch.setattr(spec_module, "failed_loads_recomputed", lambda: seen.append(decide()) or seen[-1])
+    config = vh.make_vllm_config(
+        model_dir, {**SPEC, "cpu_bytes": f"{16 * GPU_BLOCK_BYTES}B", "block_size": BLOCK}, **vh.ONE_READ
+    )
+    one_group = vh.make_kv_cache_config(config, 64)
+    full = one_group.kv_cache_groups[0].kv_cache_spec
+    layers = one_group.kv_cache_groups[0].layer_names
+    window = SlidingWindowSpec(
+        block_size=full.block_size,
+        num_kv_heads=full.num_kv_heads,
+        head_size=full.head_size,
+        dtype=full.dtype,
+        sliding_window=4 * BLOCK,
+    )
+    hybrid = dataclasses.replace(
+        one_group, kv_cache_groups=[KVCacheGroupSpec(layers[:1], full), KVCacheGroupSpec(layers[1:], window)]
+    )
+    for connector_cls, kv_cache_config in (
+        (TieredOffloadingConnector, one_group),
+        (TieredOffloadingConnector, hybrid),
+        (OffloadingConnector, one_group),  # vLLM's own: a failed load is fatal there
+    ):
+        connector_cls(config, role, kv_cache_config).shutdown()
+    assert seen == [True, False, False]
+    assert "the model has 2 KV-cache groups" in caplog.text

@@ -312,14 +312,14 @@ class VllmHarness(Closing):
             raise ValueError(f"worker must be 'ack' or 'real', got {worker!r}")
         vllm_config = make_vllm_config(model_dir, extra_config, block_size=block_size, **config_kwargs)
         kv_cache_config = make_kv_cache_config(vllm_config, num_gpu_blocks)
-        with set_current_vllm_config(vllm_config):
-            scheduler = Scheduler(
-                vllm_config=vllm_config,
-                kv_cache_config=kv_cache_config,
-                structured_output_manager=StructuredOutputManager(vllm_config),
-                block_size=block_size,
-                log_stats=True,
-            )
+        # As vLLM's EngineCore builds it: no vLLM config is current in the scheduler process.
+        scheduler = Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            log_stats=True,
+        )
         harness = cls(vllm_config, kv_cache_config, scheduler, worker, forward_tokens_per_s=forward_tokens_per_s)
         if worker == "real":
             harness._build_worker()

@@ -165,8 +165,9 @@ _NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
 
 def vllm_hash_algorithm() -> str | None:
-    """vLLM's ``--prefix-caching-hash-algo`` when a vLLM config is current, else None."""
-    cache = getattr(get_current_vllm_config_or_none(), "cache_config", None)
+    """vLLM's ``--prefix-caching-hash-algo`` where the engine's config is found
+    (``find_vllm_config``: in the scheduler too), else None."""
+    cache = getattr(find_vllm_config(), "cache_config", None)
     algo = getattr(cache, "prefix_caching_hash_algo", None)
     return str(algo) if algo else None
 

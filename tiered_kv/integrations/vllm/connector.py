@@ -21,10 +21,14 @@ Select it, with the recompute policy, in vLLM's kv-transfer config::
         "kv_connector_extra_config": {"spec_name": "TieredOffloadingSpec",
             "spec_module_path": "tiered_kv.integrations.vllm", ...}}'
 
-``TieredOffloadingSpec`` sees both settings and then promises a shared-tier chunk as a
-hit once every rank's object is known present, without the scheduler's verifying
-download: each hit is read once, by the worker that needs it, and verified there before
-a byte reaches the KV cache.
+``TieredOffloadingSpec``, built inside this connector's constructor (in the scheduler
+and in every worker alike; vLLM's engine core has no current config to read), then
+promises a shared-tier chunk as a hit once every rank's object is known present,
+without the scheduler's verifying download: each hit is read once, by the worker that
+needs it, and verified there before a byte reaches the KV cache. Not for a model of
+several KV-cache groups (a hybrid model): vLLM 0.33 cannot map failed block ids of such
+a model back to requests and stops the engine if given any, so there the connector
+reports none and the scheduler verifies each hit first, as with vLLM's connector.
 
 It also measures the engine's prefill rate for the load-versus-recompute decision: the
 scheduler marks each step whose scheduled tokens are nearly all prefill (at least
@@ -44,27 +48,35 @@ ranks and over the scheduler's own onto its Prometheus endpoint.
 
 from __future__ import annotations
 
+import logging
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.config import get_current_vllm_config_or_none
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiered_kv.worker.forward_timer import ForwardTimer
+
+logger = logging.getLogger(__name__)
 
 #: The ``kv_connector`` name that selects this class.
 CONNECTOR_NAME = "TieredOffloadingConnector"
 
 
+#: Set by ``TieredOffloadingConnector`` while vLLM's constructor builds the spec.
+_RECOMPUTING: ContextVar[bool] = ContextVar("tiered_kv_failed_loads_recomputed", default=False)
+
+
 def failed_loads_recomputed() -> bool:
-    """Whether the engine being built runs this connector with the recompute policy
-    (read from vLLM's current config; False outside one)."""
-    config = get_current_vllm_config_or_none()
-    kv = config.kv_transfer_config if config is not None else None
-    return kv is not None and kv.kv_connector == CONNECTOR_NAME and kv.kv_load_failure_policy == "recompute"
+    """Whether the spec being built belongs to this connector with vLLM's recompute
+    policy and a model of one KV-cache group: a failed load then costs a recompute of
+    its blocks. False for a spec built by any other connector."""
+    return _RECOMPUTING.get()
 
 
 #: A step is timed when at least this share of its scheduled tokens is prefill.
@@ -99,6 +111,24 @@ class TieredOffloadingConnector(OffloadingConnector):
     """``OffloadingConnector`` that reports the GPU blocks of failed loads (module
     docstring) and times the forward passes that are nearly all prefill, for the
     load-versus-recompute decision (module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        recompute = vllm_config.kv_transfer_config is not None and (
+            vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+        )
+        groups = len(kv_cache_config.kv_cache_groups)
+        if recompute and groups > 1:
+            logger.warning(
+                "the model has %d KV-cache groups: vLLM 0.33 cannot recompute single blocks of such a "
+                "model, so failed loads are not reported to it and each shared-tier hit is verified by "
+                "the scheduler before the workers read it",
+                groups,
+            )
+        token = _RECOMPUTING.set(recompute and groups == 1)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _RECOMPUTING.reset(token)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         take = getattr(self._worker(), "take_failed_gpu_blocks", None)
