@@ -38,7 +38,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -434,23 +433,22 @@ class VllmHarness(Closing):
 
     def step(self) -> StepRecord:
         """One engine step: schedule, run the worker side, feed the outputs back."""
-        with self._vllm_context():
-            output = self.scheduler.schedule()
-            meta = output.kv_connector_metadata
-            assert isinstance(meta, OffloadingConnectorMetadata)
-            self._record_prefix_hits()
-            if self.worker == "real":
-                kv_output = self._run_real_worker(output, meta)
-            else:
-                kv_output = self._ack_worker(meta)
-            record = StepRecord(
-                scheduler_output=output,
-                load_jobs={jid: job.req_id for jid, job in meta.load_jobs.items()},
-                store_jobs={jid: job.req_id for jid, job in meta.store_jobs.items()},
-                finished_req_ids=set(output.finished_req_ids),
-                finished_recving=set(kv_output.finished_recving or ()),
-            )
-            outputs = self.scheduler.update_from_output(output, self._model_output(output, kv_output))
+        # The scheduler's calls run with no vLLM config current, as in vLLM's engine core;
+        # the worker's with it, as vLLM's workers run.
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        self._record_prefix_hits()
+        with set_current_vllm_config(self.vllm_config):
+            kv_output = self._run_real_worker(output, meta) if self.worker == "real" else self._ack_worker(meta)
+        record = StepRecord(
+            scheduler_output=output,
+            load_jobs={jid: job.req_id for jid, job in meta.load_jobs.items()},
+            store_jobs={jid: job.req_id for jid, job in meta.store_jobs.items()},
+            finished_req_ids=set(output.finished_req_ids),
+            finished_recving=set(kv_output.finished_recving or ()),
+        )
+        outputs = self.scheduler.update_from_output(output, self._model_output(output, kv_output))
         for engine_output in outputs.values():
             if engine_output.scheduler_stats is not None:
                 record.kv_connector_stats = engine_output.scheduler_stats.kv_connector_stats
@@ -555,11 +553,6 @@ class VllmHarness(Closing):
         self.scheduler.shutdown()
 
     # -- internals --------------------------------------------------------------------
-
-    @contextmanager
-    def _vllm_context(self) -> Iterator[None]:
-        with set_current_vllm_config(self.vllm_config):
-            yield
 
     def _record_prefix_hits(self) -> None:
         # The scheduler fills prefill_stats when it admits a request and hands them to
