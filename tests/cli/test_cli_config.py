@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import tiered_kv.cli.config_cmd  # noqa: F401  (registers the command)
 from tiered_kv.cli import app
+from tiered_kv.cli.config_cmd import CONNECTOR  # importing it registers the command
 from tiered_kv.config import TieredConfig, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,10 @@ def test_json_from_model_config_is_a_valid_tiered_config(tmp_path):
         "--block-size",
         "32",
     )
-    assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+    # Our connector with vLLM's recompute policy: each shared-tier hit read once.
+    assert cfg["kv_connector"] == "TieredOffloadingConnector" and cfg["kv_role"] == "kv_both"
+    assert cfg["kv_connector_module_path"] == "tiered_kv.integrations.vllm.connector"
+    assert cfg["kv_load_failure_policy"] == "recompute"
     extra = cfg["kv_connector_extra_config"]
     assert extra == {
         "spec_name": "TieredOffloadingSpec",
@@ -175,7 +178,7 @@ def test_model_config_and_manual_geometry_conflict(tmp_path):
 )
 def test_shipped_configs_are_valid(path):
     cfg = json.loads(path.read_text())
-    assert cfg["kv_connector"] == "OffloadingConnector"
+    assert {k: v for k, v in cfg.items() if k != "kv_connector_extra_config"} == CONNECTOR
     extra = cfg["kv_connector_extra_config"]
     parsed = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
     assert parsed.cpu_bytes == parse_size(extra["cpu_bytes"])

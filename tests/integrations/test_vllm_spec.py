@@ -4,6 +4,7 @@ failing at start-up with a message that names the key and what is expected."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -201,12 +202,17 @@ def _readme_serve_example() -> dict:
 
 @vllm_only
 def test_the_readme_vllm_serve_example_is_a_valid_config(tmp_path, target_machine):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+    from tiered_kv.cli.config_cmd import CONNECTOR
     from tiered_kv.config import TieredConfig, VLLM_PASSTHROUGH_KEYS
 
     config = _readme_serve_example()
-    assert config["kv_connector"] == "OffloadingConnector"
+    # The connector settings `tiered-kv config` prints, naming our subclass of vLLM's connector.
+    assert {k: v for k, v in config.items() if k != "kv_connector_extra_config"} == CONNECTOR
+    connector = getattr(importlib.import_module(config["kv_connector_module_path"]), config["kv_connector"])
+    assert issubclass(connector, OffloadingConnector)
     extra = config["kv_connector_extra_config"]
     # Every key of the example is one the README's tables document.
     readme = (REPO / "README.md").read_text()

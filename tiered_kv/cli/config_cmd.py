@@ -34,6 +34,16 @@ from tiered_kv.ops.sizing import ModelGeometry, TierPlan, dtype_bytes, plan_tier
 
 SPEC_NAME = "TieredOffloadingSpec"
 SPEC_MODULE_PATH = "tiered_kv.integrations.vllm"
+#: vLLM's connector settings of a printed config: our subclass of vLLM's
+#: ``OffloadingConnector`` with failed loads recomputed (each shared-tier hit read once,
+#: the engine's prefill rate measured, each worker's metrics exported; see
+#: ``tiered_kv.integrations.vllm.connector``).
+CONNECTOR = {
+    "kv_connector": "TieredOffloadingConnector",
+    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
 #: Keys vLLM's factory reads from kv_connector_extra_config; TieredConfig passes them through.
 VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path")
 #: The CPU tier's size when --cpu-bytes is not given: TieredConfig's own default, so a
@@ -72,7 +82,7 @@ def build_kv_transfer_config(
     if remote:
         extra["remote"] = remote
     TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return {**CONNECTOR, "kv_connector_extra_config": extra}
 
 
 def arithmetic_table(plan: TierPlan) -> Table:

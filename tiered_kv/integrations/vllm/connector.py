@@ -64,9 +64,6 @@ from tiered_kv.worker.forward_timer import ForwardTimer
 
 logger = logging.getLogger(__name__)
 
-#: The ``kv_connector`` name that selects this class.
-CONNECTOR_NAME = "TieredOffloadingConnector"
-
 
 #: Set by ``TieredOffloadingConnector`` while vLLM's constructor builds the spec.
 _RECOMPUTING: ContextVar[bool] = ContextVar("tiered_kv_failed_loads_recomputed", default=False)
@@ -175,4 +172,4 @@ class TieredOffloadingConnector(OffloadingConnector):
         return getattr(self._worker(), "forward_timer", None)
 
 
-__all__ = ["CONNECTOR_NAME", "TieredConnectorMetadata", "TieredOffloadingConnector", "failed_loads_recomputed"]
+__all__ = ["TieredConnectorMetadata", "TieredOffloadingConnector", "failed_loads_recomputed"]
