@@ -45,13 +45,16 @@ class ServerConfigFile:
     included); ``spec_name``: the vLLM spec the file loads; ``tp``: the tensor-parallel
     size where the file names it (a ``vllm serve --config`` file), else None;
     ``cpu_bytes_total``: ``TieringOffloadingSpec``'s ``cpu_bytes_to_use``, split per
-    rank by ``extra_for``."""
+    rank by ``extra_for``; ``transfer``: below."""
 
     path: Path
     extra: dict[str, Any]
     spec_name: str = TIERED_SPEC
     tp: int | None = None
     cpu_bytes_total: int | None = None
+    #: The kv-transfer config's own keys (``kv_connector``, ``kv_load_failure_policy``,
+    #: ...), None where the file is the extra config alone.
+    transfer: dict[str, Any] | None = None
 
     def extra_for(self, tp: int | None = None) -> dict[str, Any]:
         """``extra`` with ``cpu_bytes`` per rank at tensor-parallel size ``tp`` (default:
@@ -140,7 +143,9 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
                 raise ConfigError(f"config {p}: {key}: expected an object, got {type(inner).__name__}")
             raw = inner
             break
+    transfer = None
     if isinstance(raw.get("kv_connector_extra_config"), Mapping):
+        transfer = {k: v for k, v in raw.items() if k != "kv_connector_extra_config"}
         raw = raw["kv_connector_extra_config"]
     elif tp is not None:
         raise ConfigError(f"config {p}: a vllm serve config without kv-transfer-config holds no tier settings")
@@ -148,5 +153,5 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     spec = str(extra.get("spec_name") or TIERED_SPEC)
     if spec == TIERING_SPEC or "secondary_tiers" in extra:
         ours, total = _tiering(extra, p)
-        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total)
-    return ServerConfigFile(p, extra, spec, tp)
+        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total, transfer)
+    return ServerConfigFile(p, extra, spec, tp, transfer=transfer)

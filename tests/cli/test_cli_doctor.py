@@ -206,3 +206,41 @@ def test_no_probe_file_is_left_anywhere(tmp_path):
     (tmp_path / "c").mkdir()
     run_doctor("--config", str(cfg))
     assert os.listdir(tmp_path / "c") == []
+
+
+def test_connector_settings_say_what_the_engine_gets(tmp_path):
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "llama-3.1-8b-1xh100.json"
+    code, data = run_doctor("--config", str(shipped))
+    connector = by_name(data)["connector"]
+    assert connector["status"] == "ok" and "each shared-tier hit read once" in connector["message"]
+    # The file as vLLM's own tiering loads it: our connector is not its business.
+    tiering = Path(__file__).resolve().parents[2] / "configs" / "vllm-tiering-disk.json"
+    assert "connector" not in by_name(run_doctor("--config", str(tiering))[1])
+
+    ours = {
+        "kv_connector": "TieredOffloadingConnector",
+        "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+    shared = TieredConfig.from_dict({"remote": {"bucket": "kv-fleet", "trusted_bucket": True}})
+    local = TieredConfig()
+    cases = [
+        (ours, shared, "ok", None),
+        ({**ours, "kv_load_failure_policy": "fail"}, local, "warn", '"kv_load_failure_policy": "recompute"'),
+        ({k: v for k, v in ours.items() if k != "kv_load_failure_policy"}, local, "warn", "recompute"),
+        (
+            {k: v for k, v in ours.items() if k != "kv_connector_module_path"},
+            local,
+            "fail",
+            ours["kv_connector_module_path"],
+        ),
+        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, shared, "warn", "TieredOffloadingConnector"),
+        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, local, "ok", None),
+        ({"kv_connector": "LMCacheConnectorV1"}, local, "warn", "TieredOffloadingConnector"),
+        (None, local, "ok", None),  # the extra config alone
+    ]
+    for transfer, cfg, status, fix in cases:
+        check = dr.check_connector(transfer, cfg)
+        assert check.status == status, (transfer, check)
+        assert (fix is None) == (not check.fix) and (fix is None or fix in check.fix), (transfer, check)

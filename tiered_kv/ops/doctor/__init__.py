@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
 from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, read_server_config
+from tiered_kv.ops.doctor.connector import check_connector
 from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, WARN, Check, DoctorReport
 from tiered_kv.ops.doctor.disk import MOUNTINFO, check_disk_path, check_free_space, filesystem_of, free_space
 from tiered_kv.ops.doctor.gpu import SUPPORTED_VLLM, check_cuda, check_io_path, check_vllm, gds_facts
@@ -42,6 +43,7 @@ __all__ = [
     "WARN",
     "Check",
     "DoctorReport",
+    "check_connector",
     "check_cuda",
     "check_disk_path",
     "check_disk_speed",
@@ -129,6 +131,8 @@ def run_doctor(
                     facts={"config": cfg.to_dict(), "tp": size, "tp_source": tp_said, "spec_name": found.spec_name},
                 )
             )
+            if found.spec_name != TIERING_SPEC:  # vLLM's tiering runs under vLLM's own connector
+                checks.append(check_connector(found.transfer, cfg))
         except ConfigError as e:
             checks.append(Check("config", FAIL, str(e), "fix the config: the server refuses it"))
     checks.append(check_memory(cfg, size, memory_limit()))

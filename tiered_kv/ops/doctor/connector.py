@@ -1,0 +1,80 @@
+"""The doctor's check of vLLM's connector settings: what the engine will run our spec under.
+
+Runs in the operator's process (``tiered-kv doctor``); no I/O (reads the config file's
+kv-transfer keys it is given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tiered_kv.config import TieredConfig
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
+
+#: Our connector (``tiered_kv.integrations.vllm.connector``) and vLLM's, by the names
+#: ``kv_connector`` takes.
+OURS = "TieredOffloadingConnector"
+OURS_MODULE = "tiered_kv.integrations.vllm.connector"
+VLLMS = "OffloadingConnector"
+_SETTINGS = (
+    f'"kv_connector": "{OURS}", "kv_connector_module_path": "{OURS_MODULE}", "kv_load_failure_policy": "recompute"'
+)
+
+
+def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None) -> Check:
+    """Whether vLLM will run ``TieredOffloadingSpec`` under our connector with its
+    recompute policy (each shared-tier hit read once, failed loads recomputed, the
+    prefill rate measured, the workers' metrics exported), under vLLM's own connector
+    (which works, without those), or under one that cannot load it. ``transfer``: the
+    kv-transfer config's own keys (None: the file is the extra config alone)."""
+    if transfer is None:
+        return Check("connector", OK, "the file holds the extra config alone: the connector is what vllm serve names")
+    name = transfer.get("kv_connector")
+    module = transfer.get("kv_connector_module_path")
+    policy = transfer.get("kv_load_failure_policy", "fail")
+    facts = {"kv_connector": name, "kv_connector_module_path": module, "kv_load_failure_policy": policy}
+    shared = cfg is not None and cfg.remote is not None
+    if name == OURS:
+        if module != OURS_MODULE:
+            return Check(
+                "connector",
+                FAIL,
+                f"kv_connector {OURS} with kv_connector_module_path {module!r}: vLLM cannot load it",
+                f'set "kv_connector_module_path": "{OURS_MODULE}"',
+                facts,
+            )
+        if policy != "recompute":
+            return Check(
+                "connector",
+                WARN,
+                f"{OURS} with kv_load_failure_policy {policy!r}: a load that fails fails its request, and each "
+                f"shared-tier hit is downloaded twice (verified by the scheduler first)",
+                'set "kv_load_failure_policy": "recompute"',
+                facts,
+            )
+        return Check(
+            "connector",
+            OK,
+            f"{OURS} with the recompute policy: each shared-tier hit read once, failed loads recomputed, "
+            f"prefill rate measured, workers' metrics exported",
+            facts=facts,
+        )
+    if name == VLLMS:
+        lacks = "the prefill rate is estimated, not measured, and the workers' metrics are not exported"
+        if shared:
+            return Check(
+                "connector",
+                WARN,
+                f"vLLM's {VLLMS}: each shared-tier hit is downloaded twice (the scheduler verifies it first); {lacks}",
+                f"select our subclass: {_SETTINGS}",
+                facts,
+            )
+        return Check("connector", OK, f"vLLM's {VLLMS}: {lacks} ({OURS} adds them)", facts=facts)
+    return Check(
+        "connector",
+        WARN,
+        f"kv_connector {name!r}: TieredOffloadingSpec is loaded by vLLM's {VLLMS} and its subclasses, such as {OURS}",
+        f"select {_SETTINGS}",
+        facts,
+    )
