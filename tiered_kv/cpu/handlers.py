@@ -256,11 +256,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         if self._device is None:
             return None
         device_planes, host_planes = (self._src, self._dst) if device_is_src else (self._dst, self._src)
-        try:
-            device_rows = PlaneRows.of(device_planes, self._device)
-            host_rows = PlaneRows.of(host_planes, self._device)
-        except ValueError:  # layers of several block sizes: no one row length
-            return None
+        device_rows = PlaneRows.of(device_planes, self._device)
+        host_rows = PlaneRows.of(host_planes, self._device)
         return None if device_rows is None or host_rows is None else (device_rows, host_rows)
 
     def staging_rows(self, device_is_src: bool) -> tuple[PlaneRows, torch.Tensor, PlaneRows] | None:
@@ -279,11 +276,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         if len(groups) != 1:
             return None
         host_rows, members = groups[0]
-        try:
-            device_rows = PlaneRows.of(self._src if device_is_src else self._dst, self._device or torch.device("cpu"))
-        except ValueError:  # layers of several block sizes: a copy per plane
-            return None
-        if device_rows is None:
+        device_rows = PlaneRows.of(self._src if device_is_src else self._dst, self._device or torch.device("cpu"))
+        if device_rows is None:  # e.g. layers of several block sizes: a copy per plane
             return None
         rows = min(_rows_per_part(host_rows), host_rows.shape[0])  # a job spans at most every host row
         staging = torch.empty((rows, host_rows.shape[1]), dtype=host_rows.dtype, device=self._device)

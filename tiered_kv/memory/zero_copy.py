@@ -99,18 +99,22 @@ class PlaneRows:
 
     @classmethod
     def of(cls, planes: Sequence[torch.Tensor], device: torch.device) -> "PlaneRows | None":
-        """``planes``: 2-D tensors of contiguous block rows, all of one row length, any
-        distance apart (a block-major host tier's planes are strided), on CUDA
-        ``device`` or in pinned host memory mapped for it. None when a host plane is not
-        mapped, or the planes are mapped at different offsets from their host addresses
-        (several registrations that the device sees apart). With ``device`` the CPU, the
-        rows are a view of host planes that share one storage (None where they do not)."""
+        """``planes``: 2-D tensors of contiguous block rows, any distance apart (a
+        block-major host tier's planes are strided), on CUDA ``device`` or in pinned host
+        memory mapped for it. None when the rows are not all of one length (layers of
+        several block sizes), a host plane is not mapped, or the planes are mapped at
+        different offsets from their host addresses (several registrations that the
+        device sees apart). With ``device`` the CPU, the rows are a view of host planes
+        that share one storage (None where they do not). Raises ``ValueError`` for a
+        plane whose rows are not contiguous."""
         block_bytes = planes[0].shape[1] * planes[0].element_size()
         mapped_host = planes[0].device.type == "cpu" and device.type == "cuda"
         starts, steps, shift = [], [], None
         for p in planes:
-            if p.shape[1] * p.element_size() != block_bytes or p.stride(1) != 1:
-                raise ValueError("planes must be rows of one length, each contiguous")
+            if p.stride(1) != 1:
+                raise ValueError("planes must be rows of contiguous bytes")
+            if p.shape[1] * p.element_size() != block_bytes:
+                return None
             address = p.data_ptr()
             if mapped_host:
                 mapped = device_address(address)
