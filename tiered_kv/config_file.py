@@ -25,6 +25,16 @@ from typing import Any
 from tiered_kv.config_values import ConfigError
 
 TIERED_SPEC = "TieredOffloadingSpec"
+#: The kv-transfer settings that run ``TieredOffloadingSpec`` under our subclass of vLLM's
+#: ``OffloadingConnector`` with failed loads recomputed (each shared-tier hit read once,
+#: the engine's prefill rate measured, each worker's metrics exported; see
+#: ``tiered_kv.integrations.vllm.connector``): what ``tiered-kv config`` prints.
+CONNECTOR = {
+    "kv_connector": "TieredOffloadingConnector",
+    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
 TIERING_SPEC = "TieringOffloadingSpec"
 #: ``type`` of our disk tier in a ``secondary_tiers`` entry, and its module.
 DISK_TIER_TYPE = "TieredDiskTier"

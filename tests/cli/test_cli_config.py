@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tiered_kv.cli import app
-from tiered_kv.cli.config_cmd import CONNECTOR  # importing it registers the command
+import tiered_kv.cli.config_cmd  # noqa: F401  (registers the command)
+from tiered_kv.config_file import CONNECTOR
 from tiered_kv.config import TieredConfig, parse_size
 
 REPO = Path(__file__).resolve().parents[2]

@@ -205,7 +205,7 @@ def test_the_readme_vllm_serve_example_is_a_valid_config(tmp_path, target_machin
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from tiered_kv.cli.config_cmd import CONNECTOR
+    from tiered_kv.config_file import CONNECTOR
     from tiered_kv.config import TieredConfig, VLLM_PASSTHROUGH_KEYS
 
     config = _readme_serve_example()

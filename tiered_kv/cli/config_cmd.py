@@ -28,22 +28,13 @@ from rich.table import Table
 from tiered_kv.cli import app
 from tiered_kv.cli.output import fail
 from tiered_kv.config import ConfigError, TieredConfig, format_size, parse_size
+from tiered_kv.config_file import CONNECTOR
 from tiered_kv.ops.doctor import tier_size_warnings
 from tiered_kv.ops.presets import PRESETS, preset_source
 from tiered_kv.ops.sizing import ModelGeometry, TierPlan, dtype_bytes, plan_tiers
 
 SPEC_NAME = "TieredOffloadingSpec"
 SPEC_MODULE_PATH = "tiered_kv.integrations.vllm"
-#: vLLM's connector settings of a printed config: our subclass of vLLM's
-#: ``OffloadingConnector`` with failed loads recomputed (each shared-tier hit read once,
-#: the engine's prefill rate measured, each worker's metrics exported; see
-#: ``tiered_kv.integrations.vllm.connector``).
-CONNECTOR = {
-    "kv_connector": "TieredOffloadingConnector",
-    "kv_connector_module_path": "tiered_kv.integrations.vllm.connector",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
 #: Keys vLLM's factory reads from kv_connector_extra_config; TieredConfig passes them through.
 VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path")
 #: The CPU tier's size when --cpu-bytes is not given: TieredConfig's own default, so a

@@ -10,15 +10,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from tiered_kv.config import TieredConfig
+from tiered_kv.config_file import CONNECTOR
 from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
-#: Our connector (``tiered_kv.integrations.vllm.connector``) and vLLM's, by the names
-#: ``kv_connector`` takes.
-OURS = "TieredOffloadingConnector"
-OURS_MODULE = "tiered_kv.integrations.vllm.connector"
+OURS = CONNECTOR["kv_connector"]
+OURS_MODULE = CONNECTOR["kv_connector_module_path"]
+#: vLLM's own connector, by the name ``kv_connector`` takes.
 VLLMS = "OffloadingConnector"
-_SETTINGS = (
-    f'"kv_connector": "{OURS}", "kv_connector_module_path": "{OURS_MODULE}", "kv_load_failure_policy": "recompute"'
+#: The settings to add, as a config writes them.
+_SETTINGS = ", ".join(
+    f'"{k}": "{CONNECTOR[k]}"' for k in ("kv_connector", "kv_connector_module_path", "kv_load_failure_policy")
 )
 
 
