@@ -1,5 +1,5 @@
 """The scenario each real lower tier is tested with under vLLM (tests/integrations:
-test_vllm_cost.py for the disk, test_vllm_remote_cost.py for the shared tier): a tier
+test_vllm_cost.py for the disk, test_vllm_remote.py for the shared tier): a tier
 that gets slower than recomputing is passed over, and used again once it recovers."""
 
 from __future__ import annotations
