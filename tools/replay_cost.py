@@ -16,7 +16,10 @@ cache (the trailing partial block included) at the model's prefill tokens/s
 - ``cpu``: the CPU tier alone (cost-aware);
 - ``<lower>-always``: CPU over the lower tier, every block found loaded (cost-aware off);
 - ``<lower>``: the same, cost-aware (the default);
-- ``<lower>-reuse2``: cost-aware, ``write_admission: reuse(2)`` for the lower tier.
+- ``<lower>-reuse2``: cost-aware, ``write_admission: reuse(2)`` for the lower tier;
+- ``<lower>-oracle``: cost-aware, the lower tier taking a block only if the trace uses it
+  again later (``OracleAdmission``: the bound for any write admission, as Belady's is for
+  eviction).
 
 References beside them: the infinite-cache ceiling (every block seen before is a hit)
 and Belady's optimum at the capacity of the device cache, CPU and lower tier together
@@ -29,7 +32,7 @@ import heapq
 import shutil
 import statistics
 import tempfile
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,8 @@ from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.manifest import slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.admission import WriteAdmission
 from tiered_kv.tiered.manager import TieredOffloadingManager
 
 #: The index's block layout: small, since no bytes move; the cost model uses the model's.
@@ -98,6 +103,24 @@ class CostRun:
     @property
     def hit_rate(self) -> float:
         return 1 - self.share("computed")
+
+
+class OracleAdmission(WriteAdmission):
+    """Write admission that knows the future: a lower tier takes a block only while the
+    trace has a use of it still to come. ``used`` is told each request's blocks before
+    they are stored."""
+
+    def __init__(self, requests: Sequence[Sequence], names: Sequence[str], stats: TieredStats):
+        super().__init__([2] * len(names), names, 1, stats)
+        self.remaining = Counter(h for r in requests for h in r)
+
+    def used(self, block_hashes: Sequence) -> None:
+        self.remaining.subtract(block_hashes)
+
+    def admitted(self, i: int, block_hashes: list) -> list:
+        admitted = [h for h in block_hashes if self.remaining[h] > 0]
+        self.stats.count(self.names[i], "not_admitted", len(block_hashes) - len(admitted))
+        return admitted
 
 
 class DeviceLRU:
@@ -163,21 +186,27 @@ def run(
     offload: bool = True,
     cost_aware: bool = True,
     admit: int = 1,
+    oracle: bool = False,
     scratch: Path | None = None,
 ) -> CostRun:
     """Replay ``requests`` (block ids, prefix-chained) with ``tail_tokens[i]`` more
-    tokens each (a trailing partial block); ``offload=False`` is ``no-offload``."""
+    tokens each (a trailing partial block); ``offload=False`` is ``no-offload``;
+    ``oracle``: the lower tiers admit by ``OracleAdmission`` instead of ``admit``."""
     out = CostRun(config, blocks=dict.fromkeys(["GPU", "CPU", lower.name if lower else "lower", "computed"], 0))
     work = Path(tempfile.mkdtemp(prefix="replay-cost-", dir=scratch))
     device = DeviceLRU(setup.device_blocks)
     manager = _manager(setup, lower, work, cost_aware, admit) if offload else None
+    keyed = [[h.to_bytes(8, "big") if isinstance(h, int) else h for h in r] for r in requests]
+    oracle_admission = None
+    if oracle and manager is not None:
+        oracle_admission = OracleAdmission(keyed, manager.admission.names, manager.stats)
+        manager.admission = oracle_admission
     load_model = {"CPU": (setup.cpu_gbps, 0.0)}
     if lower is not None:
         load_model[lower.medium] = (lower.gbps, lower.latency_s)
     bpb, per_token = setup.bytes_per_block, 1 / setup.prefill_tps
     try:
-        for request, tail in zip(requests, tail_tokens):
-            keys = [h.to_bytes(8, "big") if isinstance(h, int) else h for h in request]
+        for keys, tail in zip(keyed, tail_tokens):
             n_dev = device.lookup(keys)
             rest = keys[n_dev:]
             k = manager.lookup(rest) if manager is not None and rest else 0
@@ -202,6 +231,8 @@ def run(
             out.blocks["computed"] += len(rest) - k
             out.ttft.append(seconds)
             device.insert(keys)
+            if oracle_admission is not None:
+                oracle_admission.used(keys)
             if manager is not None:
                 stored = manager.prepare_store(keys)
                 if stored is not None:
@@ -232,6 +263,12 @@ def infinite_hit_rate(requests: Sequence[Sequence]) -> float:
             seen.add(h)
         total += len(request)
     return hits / total
+
+
+def used_once_share(requests: Sequence[Sequence]) -> float:
+    """The share of the distinct blocks that occur in one request only."""
+    uses = Counter(h for r in requests for h in r)
+    return sum(1 for n in uses.values() if n == 1) / max(1, len(uses))
 
 
 def belady_hit_rate(requests: Sequence[Sequence], capacity: int) -> float:

@@ -7,7 +7,7 @@ loading every block found (``always``) and cost-aware (the default), the savings
 against ``no-offload``, the checks of issue 40 (cost-aware never worse than the better
 of no-offload and cpu by more than 2%; at or above break-even, within 2% of the full
 gain of always loading), the infinite-cache ceiling and Belady's optimum; and, on the
-top bandwidth, ``write_admission: reuse(2)`` against ``all`` (blocks written per block
+top bandwidth, ``write_admission: reuse(2)`` against ``all`` and the oracle admission (blocks written per block
 read from the lower tier, hit rate). Optionally a plot of TTFT against bandwidth.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from pathlib import Path
 
 from benchlib import md_table
-from replay_cost import CostRun, CostSetup, LowerModel, belady_hit_rate, infinite_hit_rate, run
+from replay_cost import CostRun, CostSetup, LowerModel, belady_hit_rate, infinite_hit_rate, run, used_once_share
 
 
 @dataclass
@@ -30,12 +30,13 @@ class Sweep:
     setup: CostSetup
     baseline: dict[str, CostRun]  # no-offload, cpu
     lower: dict[str, dict[float, dict[str, CostRun]]]  # tier -> GB/s -> always / cost-aware
-    admission: dict[tuple[float, str], CostRun]  # (disk x working set, all / reuse(2)), top bandwidth
+    admission: dict[tuple[float, str], CostRun]  # (disk x working set, all / reuse(2) / oracle), top bandwidth
     infinite: float
     belady: float
     seconds: float
     latencies: dict[str, float]
     belady_cpu: float = 0.0
+    used_once: float = 0.0  # share of the distinct blocks that occur in one request only
 
 
 def sweep(
@@ -69,13 +70,13 @@ def sweep(
     disk = lowers[0]
     top = LowerModel(disk.name, disk.medium, max(gbps), disk.latency_s)
     for fraction, blocks in sorted((admission_sizes or {}).items(), reverse=True):
+        sized = replace(setup, lower_blocks=blocks)
         if blocks == setup.lower_blocks:
             admission[fraction, "all"] = out[disk.name][max(gbps)]["cost-aware"]
-            admission[fraction, "reuse(2)"] = run(f"{disk.name}-reuse2", requests, tails, setup, top, admit=2)
         else:
-            sized = replace(setup, lower_blocks=blocks)
-            for policy, admit in (("all", 1), ("reuse(2)", 2)):
-                admission[fraction, policy] = run(f"{disk.name}-{policy}", requests, tails, sized, top, admit=admit)
+            admission[fraction, "all"] = run(f"{disk.name}-all", requests, tails, sized, top)
+        admission[fraction, "reuse(2)"] = run(f"{disk.name}-reuse2", requests, tails, sized, top, admit=2)
+        admission[fraction, "oracle"] = run(f"{disk.name}-oracle", requests, tails, sized, top, oracle=True)
         log(f"  {name}: write admission at {fraction:g} x the working set ({time.perf_counter() - t0:.0f} s)")
     capacity = setup.device_blocks + setup.cpu_blocks + setup.lower_blocks
     return Sweep(
@@ -89,6 +90,7 @@ def sweep(
         time.perf_counter() - t0,
         {lower.name: lower.latency_s for lower in lowers},
         belady_hit_rate(requests, setup.device_blocks + setup.cpu_blocks),
+        used_once_share(requests),
     )
 
 
@@ -165,7 +167,9 @@ def tables(s: Sweep) -> str:
         )
     top = max(s.lower[disk])
     lines.append(
-        f"write admission on the {disk} tier at {top:g} GB/s:\n\n"
+        f"write admission on the {disk} tier at {top:g} GB/s ({s.used_once:.0%} of the distinct "
+        "blocks occur in one request only; `oracle` takes a block only if a later request "
+        "uses it):\n\n"
         + md_table(
             [
                 f"{disk} x working set",

@@ -12,7 +12,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import replay  # noqa: E402
-from replay_cost import CostSetup, LowerModel, belady_hit_rate, infinite_hit_rate, run  # noqa: E402
+from replay_cost import (  # noqa: E402
+    CostSetup,
+    LowerModel,
+    belady_hit_rate,
+    infinite_hit_rate,
+    run,
+    used_once_share,
+)
 from replay_workloads import read_mooncake, read_trace  # noqa: E402
 
 
@@ -65,6 +72,31 @@ def test_the_replay_s_block_sources_add_up_and_a_slow_tier_is_passed_over(tmp_pa
     assert slow.mean_ttft < always.mean_ttft
 
 
+def test_the_oracle_admission_writes_only_blocks_used_again_and_keeps_all_s_hit_rate(tmp_path):
+    # Every fourth block comes back five requests later, after the device and CPU dropped it.
+    requests: list[list[int]] = []
+    for i in range(40):
+        requests.append([1000 + i])
+        if i >= 5 and (i - 5) % 4 == 0:
+            requests.append([1000 + i - 5])
+    reused = len(requests) - 40
+    assert used_once_share(requests) == pytest.approx((40 - reused) / 40)
+    tails = [0] * len(requests)
+    setup = CostSetup(512, 131072, 30800.0, 50.0, device_blocks=1, cpu_blocks=2, lower_blocks=100)
+    disk = LowerModel("disk", "DISK", 8.0)
+    runs = {
+        "all": run("all", requests, tails, setup, disk, scratch=tmp_path),
+        "reuse(2)": run("reuse2", requests, tails, setup, disk, admit=2, scratch=tmp_path),
+        "oracle": run("oracle", requests, tails, setup, disk, oracle=True, scratch=tmp_path),
+    }
+    assert runs["all"].hit_rate == pytest.approx(reused / len(requests))
+    assert runs["all"].tiers["disk"]["stores"] == 40
+    assert runs["oracle"].hit_rate == runs["all"].hit_rate
+    assert runs["oracle"].tiers["disk"]["stores"] == reused  # the blocks a later request uses
+    assert runs["oracle"].tiers["disk"]["not_admitted"] > 0
+    assert runs["reuse(2)"].hit_rate == 0  # each block's one reuse is its second use: computed again
+
+
 def test_the_sweep_prints_checks_and_references_and_passes_on_chat(tmp_path, capsys):
     md = tmp_path / "sweep.md"
     rc = replay.main(
@@ -73,7 +105,8 @@ def test_the_sweep_prints_checks_and_references_and_passes_on_chat(tmp_path, cap
     out = md.read_text()
     assert rc == 0 and "all checks pass: yes" in out
     assert "chat, disk below CPU" in out and "chat, shared below CPU (per-job latency 5 ms)" in out
-    assert "infinite cache" in out and "Belady" in out and "reuse(2)" in out
+    assert "infinite cache" in out and "Belady" in out and "reuse(2)" in out and "oracle" in out
+    assert "of the distinct blocks occur in one request only" in out
     assert (tmp_path / "replay_ttft_vs_bandwidth.png").stat().st_size > 10_000
 
 
