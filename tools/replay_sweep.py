@@ -7,8 +7,9 @@ loading every block found (``always``) and cost-aware (the default), the savings
 against ``no-offload``, the checks of issue 40 (cost-aware never worse than the better
 of no-offload and cpu by more than 2%; at or above break-even, within 2% of the full
 gain of always loading), the infinite-cache ceiling and Belady's optimum; and, on the
-top bandwidth, ``write_admission: reuse(2)`` against ``all`` and the oracle admission (blocks written per block
-read from the lower tier, hit rate). Optionally a plot of TTFT against bandwidth.
+top bandwidth, ``write_admission: reuse(2)`` against ``all`` and the oracle admission
+(blocks written per block read from the lower tier, hit rate). Optionally a plot of TTFT
+against bandwidth.
 """
 
 from __future__ import annotations
