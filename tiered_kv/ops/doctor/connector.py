@@ -46,11 +46,12 @@ def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None
                 facts,
             )
         if policy != "recompute":
+            twice = ", and each shared-tier hit is downloaded twice (verified by the scheduler first)"
             return Check(
                 "connector",
                 WARN,
-                f"{OURS} with kv_load_failure_policy {policy!r}: a load that fails fails its request, and each "
-                f"shared-tier hit is downloaded twice (verified by the scheduler first)",
+                f"{OURS} with kv_load_failure_policy {policy!r}: a load that fails fails its request"
+                + (twice if shared else ""),
                 'set "kv_load_failure_policy": "recompute"',
                 facts,
             )
