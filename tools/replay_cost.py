@@ -111,8 +111,11 @@ class OracleAdmission(WriteAdmission):
     they are stored."""
 
     def __init__(self, requests: Sequence[Sequence], names: Sequence[str], stats: TieredStats):
-        super().__init__([2] * len(names), names, 1, stats)
+        super().__init__([2] * len(names), names, 1, stats)  # every tier asked, no history kept
         self.remaining = Counter(h for r in requests for h in r)
+
+    def note(self, block_hashes: Sequence) -> None:
+        """Counts nothing: the trace's remaining uses decide."""
 
     def used(self, block_hashes: Sequence) -> None:
         self.remaining.subtract(block_hashes)
