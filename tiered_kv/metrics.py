@@ -84,6 +84,7 @@ REMOTE_BYTES = "tiered_kv_remote_bytes"
 REMOTE_REJECTED = "tiered_kv_remote_rejected_objects"
 REMOTE_UNAVAILABLE = "tiered_kv_remote_unavailable_periods"
 REMOTE_DAMAGED_DELETED = "tiered_kv_remote_damaged_deleted"
+REMOTE_KEPT_UNPROVEN = "tiered_kv_remote_kept_unproven"
 REMOTE_CONDITIONAL_REFUSED = "tiered_kv_remote_conditional_put_refused"
 REMOTE_UNCONDITIONAL_PUTS = "tiered_kv_remote_unconditional_puts"
 
@@ -157,7 +158,13 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     MetricDef(REMOTE_BYTES, "counter", "Block bytes moved to and from the shared tier", ("direction",)),
     MetricDef(REMOTE_REJECTED, "counter", "Shared-tier objects refused by a check, per reason", ("reason",)),
     MetricDef(REMOTE_UNAVAILABLE, "counter", "Times the shared-tier store stopped sending after consecutive failures"),
-    MetricDef(REMOTE_DAMAGED_DELETED, "counter", "Shared-tier objects deleted after their checksum failed"),
+    MetricDef(REMOTE_DAMAGED_DELETED, "counter", "Shared-tier objects deleted on reading them, proven bad"),
+    MetricDef(
+        REMOTE_KEPT_UNPROVEN,
+        "counter",
+        "Shared-tier objects refused and left in place: this node cannot prove them bad "
+        "(sealed under a key id it does not hold, sealed where it has no key, a newer format)",
+    ),
     MetricDef(REMOTE_CONDITIONAL_REFUSED, "counter", "Conditional PUTs the server refused as unsupported"),
     MetricDef(REMOTE_UNCONDITIONAL_PUTS, "counter", "Shared-tier writes sent as a plain PUT after a HEAD"),
 )
@@ -179,6 +186,7 @@ _REMOTE_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "get_bytes": (REMOTE_BYTES, ("download",)),
     "unavailable_periods": (REMOTE_UNAVAILABLE, ()),
     "damaged_deleted": (REMOTE_DAMAGED_DELETED, ()),
+    "kept_unproven": (REMOTE_KEPT_UNPROVEN, ()),
     "conditional_put_refused": (REMOTE_CONDITIONAL_REFUSED, ()),
     "puts_unconditional": (REMOTE_UNCONDITIONAL_PUTS, ()),
 }

@@ -170,15 +170,22 @@ def test_every_check_rejects_with_its_reason():
         with pytest.raises(Rejected) as err:
             call()
         assert err.value.reason == reason, (reason, err.value)
+        assert err.value.provable, reason  # none of these is an honest object of its key
     bad_magic = bytearray(good)
     bad_magic[0] ^= 0xFF
     truncated = good[:-10]
-    future = bytearray(good)
-    future[8] = 3  # a format version no reader knows
-    for obj in (bad_magic, truncated, future, good[:20]):
+    zero = bytearray(good)
+    zero[8] = 0
+    for obj in (bad_magic, truncated, zero, good[:20]):
         with pytest.raises(Rejected) as err:
             _verify(obj, size=len(payload))
-        assert err.value.reason == "format"
+        assert err.value.reason == "format" and err.value.provable
+    # A newer format version may be a newer member's: refused, and not this reader's to judge.
+    future = bytearray(good)
+    future[8] = 3
+    with pytest.raises(Rejected) as err:
+        _verify(future, size=len(payload))
+    assert err.value.reason == "version" and not err.value.provable
 
 
 def test_membership_cache_present_absent_ttl_and_bound():
@@ -238,9 +245,21 @@ def test_sealed_objects_bind_every_header_field():
         forged[at] ^= 0x01
         with pytest.raises(Rejected) as err:
             read(forged)
-        assert err.value.reason in ("auth", "format", "foreign", "mismatch", "size", "key"), at
-    with pytest.raises(Rejected, match="key id"):
+        assert err.value.reason in ("auth", "format", "foreign", "mismatch", "size", "key", "version"), at
+        # A reader that holds the key proves every forgery bad, except where the flipped bit
+        # names a key id it does not hold, or a newer version: not its to judge.
+        unjudged = 48 <= at < 52 or 8 <= at < 10 and int.from_bytes(forged[8:10], "little") > 2
+        assert err.value.provable is not unjudged, (at, err.value)
+    with pytest.raises(Rejected, match="key id") as err:
         read(obj, keyring=Keyring([bytes(32)]))
+    assert not err.value.provable
+    # The key id is read before anything else of the header: a reader with another key
+    # cannot judge an object whatever its header says.
+    patched = bytearray(obj)
+    patched[SEALED_HEADER_BYTES] ^= 0x01  # the block hash
+    with pytest.raises(Rejected) as err:
+        read(patched, keyring=Keyring([bytes(32)]))
+    assert err.value.reason == "key" and not err.value.provable
     with pytest.raises(Rejected) as err:
         read(obj, keyring=None)
-    assert err.value.reason == "key"
+    assert err.value.reason == "key" and not err.value.provable

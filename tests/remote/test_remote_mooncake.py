@@ -57,10 +57,12 @@ def test_client_maps_mooncake_semantics(config):
         assert client.get(key) is None and client.get(key, 10) is None and not client.exists(key)
         assert client.put_new(key, [b"head", memoryview(b"-first")])
         assert bytes(client.get(key, 10)) == b"head-first" and client.exists(key)
-        # Write-once: a second put_new reports the object there; a plain put never replaces.
+        # Write-once: a second put_new reports the object there and leaves it; put replaces
+        # (removing first: Mooncake's own put keeps a key's first value).
         assert not client.put_new(key, [b"other value"])
-        client.put(key, [b"head-other"])
         assert bytes(client.get(key)) == b"head-first"
+        client.put(key, [b"head-other"])
+        assert bytes(client.get(key)) == b"head-other"
         with pytest.raises(WrongSize) as wrong:
             client.get(key, 8)
         assert wrong.value.size == 10
@@ -237,9 +239,10 @@ def test_doctor_checks_the_master_answers(mooncake_server):
     from tiered_kv.config import TieredConfig
     from tiered_kv.ops import doctor as dr
 
-    ok = dr.check_remote(TieredConfig.from_dict({"remote": mooncake_server.settings()}))
-    assert ok.status == dr.OK and mooncake_server.master_address in ok.message
-    assert ok.facts["backend"] == "mooncake"
+    # The test store is a trusted pool without a key: a warning, as a keyless S3 bucket's.
+    up = dr.check_remote(TieredConfig.from_dict({"remote": mooncake_server.settings()}))
+    assert up.status == dr.WARN and mooncake_server.master_address in up.message and "plaintext" in up.message
+    assert up.facts["backend"] == "mooncake"
     down = dr.check_remote(TieredConfig.from_dict({"remote": mooncake_server.settings(mooncake_master="127.0.0.1:1")}))
     assert down.status == dr.WARN and "no Mooncake master answers at 127.0.0.1:1" in down.message
 

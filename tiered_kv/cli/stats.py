@@ -105,7 +105,8 @@ def render(view: dict[str, Any], url: str) -> Group:
             shared.add_row(what, ", ".join(f"{k} {v}" for k, v in sorted(remote[what].items())) or "-")
         shared.add_row("bytes", ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(remote["bytes"].items())) or "-")
         shared.add_row("unavailable periods", str(remote["unavailable_periods"]))
-        shared.add_row("damaged objects deleted", str(remote["damaged_deleted"]))
+        shared.add_row("bad objects deleted", str(remote["damaged_deleted"]))
+        shared.add_row("objects kept, not ours to judge", str(remote["kept_unproven"]))
         for op, lat in remote["request_latency"].items():
             shared.add_row(f"{op} latency p50 / p99", f"{_latency(lat)} ({lat['count']} requests)")
         parts.append(shared)

@@ -24,6 +24,7 @@ from tiered_kv.metrics import (
     PREFILL_TOKENS_PER_S,
     REMOTE_BYTES,
     REMOTE_DAMAGED_DELETED,
+    REMOTE_KEPT_UNPROVEN,
     REMOTE_DOWNLOADS,
     REMOTE_PROBES,
     REMOTE_REJECTED,
@@ -234,6 +235,7 @@ def _remote(samples: Samples) -> dict[str, Any] | None:
         "rejected": {k: v for k, v in count(REMOTE_REJECTED, "reason").items() if v},
         "unavailable_periods": int(total(samples, f"{REMOTE_UNAVAILABLE}_total")),
         "damaged_deleted": int(total(samples, f"{REMOTE_DAMAGED_DELETED}_total")),
+        "kept_unproven": int(total(samples, f"{REMOTE_KEPT_UNPROVEN}_total")),
         "request_latency": {op: _latency(samples, REMOTE_REQUEST_SECONDS, _match(op=op)) for op in ops},
     }
 

@@ -20,11 +20,13 @@ What a Mooncake Store is, and how each of its traits maps onto the tier's contra
   mounts its memory again and writes succeed. The first request on a connection to the
   old master fails at once (RPC_FAIL, end of file): a failure that fast is sent again
   (``STALE_RETRIES``).
-- ``put`` on a key that exists keeps the first value and reports success. ``put_new``
-  therefore asks ``is_exist`` first (False when there) and then puts: two nodes racing
-  on a key may both see True, and the pool keeps one of the two objects, both valid
-  copies of the block (fingerprint and checksum in the header, verified by the store).
-  ``put`` (the unconditional write) is the same call: the pool never replaces.
+- Mooncake's ``put`` on a key that exists keeps the first value and reports success.
+  ``put_new`` therefore asks ``is_exist`` first (False when there) and then puts: two
+  nodes racing on a key may both see True, and the pool keeps one of the two objects,
+  both valid copies of the block (verified by the store). ``put``, the replacing write
+  (of an object the store proved bad), removes the key first; the store reads the key
+  back and counts the replacement only once it verifies, since a racing writer may
+  still get its value in between.
 - A missing key reads as empty bytes or as error -704: a miss (None), not an error.
 - One transfer never exceeds the process's local buffer (``mooncake_buffer_bytes``): a
   larger object is refused before it is sent (``ObjectTooLarge``, naming the setting).
@@ -200,10 +202,15 @@ class MooncakeClient:
         """Write unless ``key`` exists (``is_exist``, then a put that keeps any first value)."""
         if self.exists(key):
             return False
-        self.put(key, parts)
+        self._put(key, parts)
         return True
 
     def put(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Replace the object at ``key``: Mooncake keeps a key's first value, so remove it first."""
+        self.delete(key)
+        self._put(key, parts)
+
+    def _put(self, key: str, parts: Sequence[Buffer]) -> None:
         raw = self._store()
         if self.config.mooncake_zero_copy and not self._rdma:
             pointers = [_pointer(p) for p in parts]

@@ -85,12 +85,21 @@ MANIFEST_NAME = "fingerprint.json"
 
 
 class Rejected(Exception):
-    """An object that must not be served. ``reason`` is one of ``REJECT_REASONS``."""
+    """An object that must not be served. ``reason`` is one of ``REJECT_REASONS``.
 
-    def __init__(self, reason: str, detail: str):
+    ``provable``: whether the reader proved the object is no honest object of the key it
+    lies at, so that it may delete or replace it (``may_remove``). An honest fleet member
+    may write what this reader cannot judge: an object sealed under a key id the reader
+    does not hold (a rotation in progress, or a reader with the wrong key), any sealed
+    object when the reader has no key, a newer format version, a checksum this node
+    cannot compute. Those are kept, whatever else their header says, so that a member
+    with the wrong key, an old key or none never destroys what the fleet wrote."""
+
+    def __init__(self, reason: str, detail: str, *, provable: bool):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.provable = provable
 
 
 #: ``format``: not an object of this format (magic, version, lengths);
@@ -98,8 +107,9 @@ class Rejected(Exception):
 #: ``size``: an object or payload of another size than the reader's buffer implies
 #: (such an object is not even downloaded); ``checksum``: damaged bytes (plain objects);
 #: ``auth``: a sealed object whose tag fails (forged, patched, copied or damaged), or a
-#: plain object where the tier is keyed; ``key``: sealed under a key this node lacks.
-REJECT_REASONS = ("format", "foreign", "mismatch", "size", "checksum", "auth", "key")
+#: plain object where the tier is keyed; ``key``: sealed under a key this node lacks, or
+#: sealed where this node has none; ``version``: a format version newer than this node's.
+REJECT_REASONS = ("format", "foreign", "mismatch", "size", "checksum", "auth", "key", "version")
 
 
 def fingerprint_digest(fingerprint: Fingerprint) -> bytes:
@@ -107,13 +117,20 @@ def fingerprint_digest(fingerprint: Fingerprint) -> bytes:
     return hashlib.sha256(fingerprint.canonical_json().encode()).digest()
 
 
-def namespace_prefix(prefix: str, fingerprint: Fingerprint) -> str:
-    """``<prefix>/<namespace id>``: every object of one fingerprint lies under it."""
-    return f"{prefix}/{fingerprint.namespace_id}"
+#: What a plain namespace's directory adds to the namespace id (``namespace_prefix``).
+PLAIN_SUFFIX = ".plain"
 
 
-def manifest_key(prefix: str, fingerprint: Fingerprint) -> str:
-    return f"{namespace_prefix(prefix, fingerprint)}/{MANIFEST_NAME}"
+def namespace_prefix(prefix: str, fingerprint: Fingerprint, sealed: bool = True) -> str:
+    """``<prefix>/<namespace id>``: every sealed object of one fingerprint lies under it;
+    plain objects (a trusted bucket, no key) under ``<prefix>/<namespace id>.plain``. The
+    two never share a key, so a node of one trust mode never finds, judges, replaces or
+    deletes an object of the other (``check_version``)."""
+    return f"{prefix}/{fingerprint.namespace_id}{'' if sealed else PLAIN_SUFFIX}"
+
+
+def manifest_key(prefix: str, fingerprint: Fingerprint, sealed: bool = True) -> str:
+    return f"{namespace_prefix(prefix, fingerprint, sealed)}/{MANIFEST_NAME}"
 
 
 def fan_out(block_hash: BlockHash) -> str:
@@ -173,22 +190,26 @@ class BlockHeader:
         by default); ``Rejected("format")`` if there is none."""
         total = len(data) if total is None else total
         if len(data) < FIXED_HEADER_BYTES:
-            raise Rejected("format", f"object of {total} bytes is shorter than a header")
+            raise Rejected("format", f"object of {total} bytes is shorter than a header", provable=True)
         magic, version, header_len, rank, hash_len, fp, cname, value, payload_len = _FIXED.unpack_from(data)
         if magic != MAGIC:
-            raise Rejected("format", f"magic {magic!r}, expected {MAGIC!r}")
+            raise Rejected("format", f"magic {magic!r}, expected {MAGIC!r}", provable=True)
         if version != FORMAT_PLAIN:
-            raise Rejected("format", f"format version {version}, expected a plain object ({FORMAT_PLAIN})")
+            raise Rejected(
+                "format", f"format version {version}, expected a plain object ({FORMAT_PLAIN})", provable=True
+            )
         if header_len != FIXED_HEADER_BYTES + hash_len or not 0 < hash_len <= MAX_HASH_BYTES:
-            raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash")
+            raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash", provable=True)
         if total != header_len + payload_len:
-            raise Rejected("format", f"object of {total} bytes, header says {header_len} + {payload_len}")
+            raise Rejected(
+                "format", f"object of {total} bytes, header says {header_len} + {payload_len}", provable=True
+            )
         try:
             name = cname.rstrip(b"\0").decode("ascii")
         except UnicodeDecodeError:
-            raise Rejected("format", f"checksum name {cname!r}") from None
+            raise Rejected("format", f"checksum name {cname!r}", provable=True) from None
         if len(data) < header_len:
-            raise Rejected("format", f"object of {total} bytes is shorter than its header")
+            raise Rejected("format", f"object of {total} bytes is shorter than its header", provable=True)
         return cls(fp, bytes(data[FIXED_HEADER_BYTES:header_len]), rank, name, value, payload_len)
 
     @property
@@ -265,16 +286,22 @@ class SealedHeader:
         by default); ``Rejected("format")`` if there is none."""
         total = len(data) if total is None else total
         if len(data) < SEALED_HEADER_BYTES:
-            raise Rejected("format", f"object of {total} bytes is shorter than a header")
+            raise Rejected("format", f"object of {total} bytes is shorter than a header", provable=True)
         magic, version, header_len, rank, hash_len, fp, key_id, nonce, payload_len = _SEALED.unpack_from(data)
         if magic != MAGIC or version != FORMAT_SEALED:
-            raise Rejected("format", f"magic {magic!r} version {version}, expected {MAGIC!r} {FORMAT_SEALED}")
+            raise Rejected(
+                "format", f"magic {magic!r} version {version}, expected {MAGIC!r} {FORMAT_SEALED}", provable=True
+            )
         if header_len != SEALED_HEADER_BYTES + hash_len or not 0 < hash_len <= MAX_HASH_BYTES:
-            raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash")
+            raise Rejected("format", f"header length {header_len} with a {hash_len}-byte hash", provable=True)
         if total != header_len + payload_len + TAG_BYTES:
-            raise Rejected("format", f"object of {total} bytes, header says {header_len} + {payload_len} + {TAG_BYTES}")
+            raise Rejected(
+                "format",
+                f"object of {total} bytes, header says {header_len} + {payload_len} + {TAG_BYTES}",
+                provable=True,
+            )
         if len(data) < header_len:
-            raise Rejected("format", f"object of {total} bytes is shorter than its header")
+            raise Rejected("format", f"object of {total} bytes is shorter than its header", provable=True)
         return cls(fp, bytes(data[SEALED_HEADER_BYTES:header_len]), rank, key_id, nonce, payload_len)
 
     @property
@@ -292,8 +319,28 @@ def object_size(sealed: bool, hash_len: int, payload_len: int) -> int:
 def format_version(data: memoryview) -> int:
     """The format version of object ``data``; ``Rejected("format")`` when it is not one."""
     if len(data) < 10 or bytes(data[:8]) != MAGIC:
-        raise Rejected("format", f"no {MAGIC!r} magic at the start of a {len(data)}-byte object")
+        raise Rejected("format", f"no {MAGIC!r} magic at the start of a {len(data)}-byte object", provable=True)
     return int.from_bytes(data[8:10], "little")
+
+
+def check_version(version: int, sealed: bool) -> None:
+    """Whether a reader of a tier whose objects are ``sealed`` (or plain) may judge an
+    object of ``version``: ``Rejected`` when it is not its kind. A plain object where
+    objects are sealed is provably no honest one (plain objects live under another
+    namespace, ``namespace_prefix``); a sealed object seen without a key, and a newer
+    version, are not this reader's to judge."""
+    if version > FORMAT_VERSION:
+        raise Rejected(
+            "version", f"format version {version}; this node reads {FORMAT_PLAIN} and {FORMAT_SEALED}", provable=False
+        )
+    if version not in (FORMAT_PLAIN, FORMAT_SEALED):
+        raise Rejected("format", f"format version {version}", provable=True)
+    if sealed and version != FORMAT_SEALED:
+        raise Rejected(
+            "auth", f"format {version} object, not sealed, where this tier's objects are sealed", provable=True
+        )
+    if not sealed and version == FORMAT_SEALED:
+        raise Rejected("key", "a sealed object; this node has no key (remote.trusted_bucket)", provable=False)
 
 
 def read_header(data: memoryview) -> BlockHeader | SealedHeader:
@@ -312,15 +359,26 @@ def seal(
     return [header, ciphertext, tag]
 
 
+def _key_held(header: SealedHeader, keyring: Keyring) -> None:
+    """``Rejected("key")`` (not provable) unless ``keyring`` holds the header's key id:
+    checked before anything else of a sealed header, which only the tag makes evidence."""
+    if not keyring.holds(header.key_id):
+        raise Rejected(
+            "key",
+            f"sealed under key id {header.key_id:08x}; this node holds {[f'{k:08x}' for k in keyring.key_ids]}",
+            provable=False,
+        )
+
+
+_AUTH_FAILED = "the tag does not verify: forged, patched, copied from another key, or damaged"
+
+
 def _opened(
     data: memoryview, keyring: Keyring, *, fingerprint: bytes, block_hash: BlockHash, rank: int, size: int
 ) -> bytearray:
     header = SealedHeader.unpack(data)
+    _key_held(header, keyring)
     _check_identity(header, fingerprint, block_hash, rank, size)
-    if not keyring.holds(header.key_id):
-        raise Rejected(
-            "key", f"sealed under key id {header.key_id:08x}; this node holds {[f'{k:08x}' for k in keyring.key_ids]}"
-        )
     end = header.header_len + header.payload_len
     try:
         return keyring.open(
@@ -331,25 +389,39 @@ def _opened(
             bytes(data[end:]),
         )
     except AuthenticationFailed:
-        raise Rejected(
-            "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
-        ) from None
+        raise Rejected("auth", _AUTH_FAILED, provable=True) from None
 
 
 def _check_identity(
     header: BlockHeader | SealedHeader, fingerprint: bytes, block_hash: BlockHash, rank: int, size: int
 ) -> None:
+    """The header names this namespace, block, rank and size. A sealed header is checked
+    only under a key id the reader holds (``_key_held`` first): whether its tag then
+    verifies (a genuine object copied to the wrong key) or not (a forgery), the object
+    is provably no honest one of this key."""
     if header.fingerprint != fingerprint:
         raise Rejected(
-            "foreign", f"fingerprint {header.fingerprint.hex()[:16]}..., expected {fingerprint.hex()[:16]}..."
+            "foreign",
+            f"fingerprint {header.fingerprint.hex()[:16]}..., expected {fingerprint.hex()[:16]}...",
+            provable=True,
         )
     if header.block_hash != block_hash or header.rank != rank:
         raise Rejected(
             "mismatch",
             f"holds block {header.block_hash.hex()} rank {header.rank}, expected {bytes(block_hash).hex()} rank {rank}",
+            provable=True,
         )
     if header.payload_len != size:
-        raise Rejected("size", f"payload of {header.payload_len} bytes, expected {size}")
+        raise Rejected("size", f"payload of {header.payload_len} bytes, expected {size}", provable=True)
+
+
+def _plain_checksum(header: BlockHeader, checksums: Callable[[str], Callable[[memoryview], int]]) -> Callable:
+    """The checksum function a plain object names; one this node cannot compute (not
+    installed here) is no evidence against the object."""
+    try:
+        return checksums(header.checksum_name)
+    except (ValueError, RuntimeError) as exc:
+        raise Rejected("format", f"checksum {header.checksum_name!r}: {exc}", provable=False) from None
 
 
 def verify_into(
@@ -365,21 +437,18 @@ def verify_into(
     block's size): a sealed object is decrypted there directly. On ``Rejected`` the
     pieces hold nothing of the object (untouched, or zeroed after a failed tag)."""
     size = sum(len(d) for d in dest)
-    if keyring is None or format_version(data) != FORMAT_SEALED:
-        payload = verified_payload(
-            data, fingerprint=fingerprint, block_hash=block_hash, rank=rank, size=size, keyring=keyring
-        )
+    version = format_version(data)
+    check_version(version, keyring is not None)
+    if keyring is None:
+        payload = verified_payload(data, fingerprint=fingerprint, block_hash=block_hash, rank=rank, size=size)
         at = 0
         for d in dest:
             d[:] = payload[at : at + len(d)]
             at += len(d)
         return
     header = SealedHeader.unpack(data)
+    _key_held(header, keyring)
     _check_identity(header, fingerprint, block_hash, rank, size)
-    if not keyring.holds(header.key_id):
-        raise Rejected(
-            "key", f"sealed under key id {header.key_id:08x}; this node holds {[f'{k:08x}' for k in keyring.key_ids]}"
-        )
     end = header.header_len + header.payload_len
     try:
         keyring.open_into(
@@ -391,9 +460,7 @@ def verify_into(
             dest,
         )
     except AuthenticationFailed:
-        raise Rejected(
-            "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
-        ) from None
+        raise Rejected("auth", _AUTH_FAILED, provable=True) from None
 
 
 def verified_payload(
@@ -413,22 +480,15 @@ def verified_payload(
     checksum function a plain object names (a writer may use another checksum than the
     reader's own setting: it does not change the bytes).
     """
-    version = format_version(data)
+    check_version(format_version(data), keyring is not None)
     if keyring is not None:
-        if version != FORMAT_SEALED:
-            raise Rejected("auth", f"format {version} object, not sealed, where this tier's objects are sealed")
         return memoryview(_opened(data, keyring, fingerprint=fingerprint, block_hash=block_hash, rank=rank, size=size))
-    if version == FORMAT_SEALED:
-        raise Rejected("key", "a sealed object; this node has no key (remote.trusted_bucket)")
     header = BlockHeader.unpack(data)
     _check_identity(header, fingerprint, block_hash, rank, size)
-    try:
-        fn = checksums(header.checksum_name)
-    except (ValueError, RuntimeError) as exc:
-        raise Rejected("format", f"checksum {header.checksum_name!r}: {exc}") from None
+    fn = _plain_checksum(header, checksums)
     payload = data[header.header_len :]
     if fn(payload) != header.checksum:
-        raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
+        raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's", provable=True)
     return payload
 
 
@@ -455,17 +515,15 @@ def verify_stream(
             if len(head) >= need:
                 break
     version = format_version(memoryview(head))
-    if keyring is not None and version != FORMAT_SEALED:
-        raise Rejected("auth", f"format {version} object, not sealed, where this tier's objects are sealed")
-    if keyring is None and version == FORMAT_SEALED:
-        raise Rejected("key", "a sealed object; this reader has no key (remote.trusted_bucket)")
+    check_version(version, keyring is not None)
     header = (SealedHeader if version == FORMAT_SEALED else BlockHeader).unpack(memoryview(head), total)
+    if isinstance(header, SealedHeader):
+        assert keyring is not None  # check_version refused a sealed object without a keyring
+        _key_held(header, keyring)
     _check_identity(header, fingerprint or header.fingerprint, block_hash, rank, header.payload_len)
     body = memoryview(head)[header.header_len :]
     if isinstance(header, SealedHeader):
-        assert keyring is not None  # a sealed object without a keyring was rejected above
-        if not keyring.holds(header.key_id):
-            raise Rejected("key", f"sealed under key id {header.key_id:08x}, which this reader does not hold")
+        assert keyring is not None
         sink = keyring.opener(header.key_id, header.nonce, bytes(head[: header.header_len]))
         tail = bytearray()
         for piece in _chain(body, it):
@@ -476,25 +534,20 @@ def verify_stream(
         try:
             sink.finalize_with_tag(bytes(tail))
         except Exception:
-            raise Rejected(
-                "auth", "the tag does not verify: forged, patched, copied from another key, or damaged"
-            ) from None
+            raise Rejected("auth", _AUTH_FAILED, provable=True) from None
         return header
-    try:
-        checksum_function(header.checksum_name)  # the name is known, and crc32c importable
-    except (ValueError, RuntimeError) as exc:
-        raise Rejected("format", f"checksum {header.checksum_name!r}: {exc}") from None
+    _plain_checksum(header, checksum_function)  # the name is known, and crc32c importable
     streamed = xxhash.xxh3_64() if header.checksum_name == "xxh3_64" else None
     value = 0
     for piece in _chain(body, it):
         if streamed is not None:
             streamed.update(piece)
-        else:  # crc32c (checksum_function checked that it is there), continued piece by piece
+        else:  # crc32c (checked above that it is there), continued piece by piece
             import crc32c
 
             value = crc32c.crc32c(piece, value)
     if (streamed.intdigest() if streamed is not None else value) != header.checksum:
-        raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's")
+        raise Rejected("checksum", f"{header.checksum_name} of the payload differs from the header's", provable=True)
     return header
 
 

@@ -144,10 +144,15 @@ class RemoteStats:
     get_bytes: int = 0
     #: Objects refused by a check, by reason (``object_format.REJECT_REASONS``).
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
-    #: Objects deleted after their tag or checksum failed.
+    #: Objects deleted on reading them, proven bad (``object_format.Rejected.provable``).
     damaged_deleted: int = 0
-    #: Writes that found the key taken by an object that does not verify, and replaced it.
+    #: Writes that found the key taken by an object proven bad, replaced it, and read the
+    #: replacement back verified.
     forgeries_replaced: int = 0
+    #: Objects that failed a check this node cannot make evidence (sealed under a key id
+    #: it does not hold, sealed where it has no key, a newer format, another size than the
+    #: reader's buffer): left in place for the members who can judge them.
+    kept_unproven: int = 0
     probes: int = 0
     probes_failed: int = 0
     #: Times the store stopped sending after consecutive failures.
@@ -244,7 +249,7 @@ class RemoteStore:
             )
         self.fingerprint = fingerprint
         self.tp_size = fingerprint.tp_size
-        self.namespace = namespace_prefix(config.prefix, fingerprint)
+        self.namespace = namespace_prefix(config.prefix, fingerprint, sealed=self.keyring is not None)
         self._digest = fingerprint_digest(fingerprint)
         self._checksum = pieces_checksum(config.checksum)
         #: Each request's seconds, for an exporter to drain (``tiered_kv.metrics``).
@@ -283,7 +288,7 @@ class RemoteStore:
         one there, and serving needs nothing from it (every block carries the
         fingerprint digest, under the tag)."""
         where = self.config.server()
-        key = manifest_key(self.config.prefix, self.fingerprint)
+        key = manifest_key(self.config.prefix, self.fingerprint, sealed=self.keyring is not None)
         try:
             self._writer.put(key, [self.manifest()])
             stored = self._client.get(key, limit=MAX_RECORD_BYTES)
@@ -382,21 +387,20 @@ class RemoteStore:
             else:
                 header = encode_header(self._digest, block_hash, rank, views, self.config.checksum, self._checksum)
                 parts = [header, *views]
-            created = self._writer.put(key, parts)
-            if not created and not self._verifies(key, block_hash, rank, size):
-                self._client.put(key, parts)
-                created = True
-                with self._lock:
-                    self._stats.forgeries_replaced += 1
-                self._log("object replaced", f"{key}: the object there did not verify")
+            if self._writer.put(key, parts):
+                outcome = PutOutcome.STORED
+            else:
+                outcome = self._replace_if_bad(key, block_hash, rank, size, parts)
             self._health.success()
             with self._lock:
-                if created:
+                if outcome is PutOutcome.STORED:
                     self._stats.puts_stored += 1
                     self._stats.put_bytes += size
-                else:
+                elif outcome is PutOutcome.PRESENT:
                     self._stats.puts_present += 1
-            return PutOutcome.STORED if created else PutOutcome.PRESENT
+                else:
+                    self._stats.puts_failed += 1
+            return outcome
         except Exception as exc:
             self._request_failed(exc, "upload failed")
             with self._lock:
@@ -406,23 +410,52 @@ class RemoteStore:
             with self._lock:
                 self._pending_bytes -= size
 
-    def _verifies(self, key: str, block_hash: bytes, rank: int, size: int) -> bool:
-        """Whether the object at ``key`` would be served for this block (absent counts as
-        verifying: a node deleted it, and whoever stores it next is honest or is checked)."""
+    def _replace_if_bad(self, key: str, block_hash: bytes, rank: int, size: int, parts: list) -> PutOutcome:
+        """The write found ``key`` taken. The object there stays unless this node proves
+        it bad (``Rejected.provable``): ``PRESENT``. Else it is replaced, and the
+        replacement counts once it reads back verified (``STORED``); an object still bad
+        after the write (a store that keeps a key's first value, or a forger racing) is a
+        ``FAILED`` upload."""
+        found = self._judge(key, block_hash, rank, size, writing=True)
+        if found is None:
+            return PutOutcome.PRESENT
+        if not found.provable:  # an honest member may have written it: not ours to judge
+            with self._lock:
+                self._stats.kept_unproven += 1
+            return PutOutcome.PRESENT
+        self._client.put(key, parts)
+        after = self._judge(key, block_hash, rank, size, writing=True)
+        if after is not None:
+            self._log("replacing an object failed", f"{key}: still {after.reason} after the replacing write")
+            return PutOutcome.FAILED
+        with self._lock:
+            self._stats.forgeries_replaced += 1
+        self._log("object replaced", f"{key}: the object there did not verify ({found.reason})")
+        return PutOutcome.STORED
+
+    def _judge(self, key: str, block_hash: bytes, rank: int, size: int, writing: bool = False) -> Rejected | None:
+        """Why the object at ``key`` would not be served for this block, or None when it
+        would or is absent (a node deleted it, and whoever stores it next is honest or is
+        checked). Of another size than a writer's own block's bytes, the object is
+        provably not this block's; a reader's buffer size proves nothing (the caller's)."""
         try:
             data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
-        except WrongSize:
-            return False
+        except WrongSize as wrong:
+            return Rejected("size", str(wrong), provable=writing)
         if data is None:
-            return True
-        d = self._digest
+            return None
         try:
             verified_payload(
-                memoryview(data), fingerprint=d, block_hash=block_hash, rank=rank, size=size, keyring=self.keyring
+                memoryview(data),
+                fingerprint=self._digest,
+                block_hash=block_hash,
+                rank=rank,
+                size=size,
+                keyring=self.keyring,
             )
-        except Rejected:
-            return False
-        return True
+        except Rejected as rejected:
+            return rejected
+        return None
 
     # -- reads ------------------------------------------------------------------------
 
@@ -453,9 +486,9 @@ class RemoteStore:
         try:
             try:
                 data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
-            except WrongSize as wrong:  # never downloaded: the object cannot be this block
+            except WrongSize as wrong:  # never downloaded: not what this caller's buffer holds
                 self._health.success()
-                raise Rejected("size", str(wrong)) from None
+                raise Rejected("size", str(wrong), provable=False) from None
             self._health.success()
             if data is None:
                 with self._lock:
@@ -468,8 +501,11 @@ class RemoteStore:
             self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
             with self._lock:
                 self._stats.rejected[rejected.reason] += 1
-            if rejected.reason in ("checksum", "auth"):
+            if rejected.provable:
                 self._delete_damaged(key)
+            else:
+                with self._lock:
+                    self._stats.kept_unproven += 1
             return False
         except Exception as exc:
             self._request_failed(exc, "download failed")
@@ -482,8 +518,8 @@ class RemoteStore:
         return True
 
     def _delete_damaged(self, key: str) -> None:
-        """Damaged bytes would stay a miss for every node (writes are write-once): delete
-        them so the next node that computes the block stores it again."""
+        """An object proven bad would stay a miss for every node (writes are write-once):
+        delete it so the next node that computes the block stores it again."""
         try:
             self._client.delete(key)
         except Exception as exc:
