@@ -111,7 +111,7 @@ def test_shared_memory_and_the_slot_health_file_are_owner_only(tmp_path):
         assert stat.S_IMODE(os.fstat(region.fd).st_mode) == 0o600
         h = SlotHealth.for_engine(f"modes-test-{os.getpid()}", 16)
         try:
-            assert h.path.parent == private_dir()
+            assert h.path.parent == private_dir(f"modes-test-{os.getpid()}")
             assert stat.S_IMODE(os.stat(h.path).st_mode) == 0o600
             assert stat.S_IMODE(os.stat(h.path.parent).st_mode) == 0o700
             assert os.stat(h.path.parent).st_uid == os.geteuid()

@@ -13,15 +13,45 @@ reports the job, so by the time all workers have reported and vLLM calls
 exactly the slots that job wrote (a slot is written by one job at a time, so nothing
 else races on it). Any rank failing marks the slot for all ranks.
 
-Where it lives, and why no one else can touch it: in ``tiered-kv-<uid>/``, a directory
-of this user's (``0700``) in ``/dev/shm`` (the temporary directory where there is none),
-named after a digest of vLLM's engine id, which is unique per engine and data-parallel
-replica (a random UUID unless configured). The first process of the engine creates it
-(``O_CREAT | O_EXCL | O_NOFOLLOW``, ``0600``); the others open it without following a
-link and only if it is a regular file of this user's with mode ``0600``. A directory of
-that name that is not this user's own, or not ``0700``, is refused: another user could
-otherwise plant the file (and forge or clear failure marks) or a link. I/O: that
-directory and file, mapped with ``mmap``.
+Where it lives (``private_dir``): in a directory of the engine's own, mode ``0700``,
+named after this user's uid and a digest of vLLM's engine id (unique per engine and
+data-parallel replica): ``tiered-kv-<uid>-<digest>`` in ``/dev/shm``. Nothing passes
+between the processes before they open it (vLLM's engine core builds the workers' side
+before the scheduler's, each from the config), so every process finds it on its own,
+from the engine id, the uid and what is on disk, the same way. The environment is left out
+(``$XDG_RUNTIME_DIR`` is not used): the processes of one engine need not share it
+(Ray's workers), and a login session's runtime directory goes at its logout.
+
+Why no one else can touch it, or keep it from being made:
+
+- vLLM's default engine id is a random UUID that stays inside the engine's processes,
+  so no one can know the name before the engine's first process makes it; from then on
+  it is this user's, and in a sticky directory (``/dev/shm``, ``/tmp``) no one else
+  can remove, rename or replace it. A base directory that anyone else could do that in
+  (writable by others without the sticky bit, or owned by another user) is not used.
+- a configured engine id is predictable, so its name may be taken (squatted) already:
+  by a link, a file, a FIFO, a directory of another user's or one with any access for
+  others. Such an entry is never opened, followed or written: a WARNING names it, its
+  owner and mode, and the next candidate is tried: ``<name>-1`` to ``<name>-7``, the
+  same in the temporary directory, and last ``~/.cache/tiered-kv/<name>`` (the home
+  directory from the password database), where no one else can make entries. So a
+  squat never stops the engine; only a home directory this user cannot write to on top
+  of every candidate squatted does (a ``CacheEntryError`` naming each).
+- the choice is the first candidate that is already this user's (a ``0700`` directory
+  owned by the effective uid, not a link); only when none is, the first missing one is
+  made, and the first of this user's taken again. An entry that another user made can
+  be removed by them later, but one of this user's stays, so a process that starts
+  after another has chosen makes the same choice. A process that chose past a squatted
+  candidate waits ``_SETTLE_S`` and takes the first of this user's again, so processes
+  choosing at the same moment, one of them before a squat went and one after, end in
+  the same place unless one stalls for longer than that between two system calls.
+
+In that directory the first process of the engine creates each file (``O_CREAT |
+O_EXCL | O_NOFOLLOW``, ``0600``); the others open it without following a link and only
+if it is a regular file of this user's with mode ``0600``. Anything else there can
+only be this user's or root's doing, and is refused (``CacheEntryError``). I/O: the
+candidates' ``lstat``/``open``/``mkdir``, those files, mapped with ``mmap``; the
+scheduler removes the files and the directory at shutdown.
 
 Load timings (``LoadTimings``) take the same way: vLLM's worker metadata carries the load
 bytes and seconds summed over every tier, while the scheduler's load-versus-recompute
@@ -39,30 +69,205 @@ Limits: the processes must share a host (as vLLM's own CPU offloading region doe
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import math
 import mmap
 import os
+import pwd
 import stat
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tiered_kv.abstract import Closing
 from tiered_kv.cost import PREFILL, load_transfer_types
-from tiered_kv.disk.format.safe_open import CacheEntryError, open_dir, open_file
+from tiered_kv.disk.format.safe_open import CacheEntryError, describe, open_dir, open_file
+
+logger = logging.getLogger(__name__)
+
+#: Names tried in each shared base directory for one engine (a squatter can take any
+#: number of them; past these, the home directory's).
+CANDIDATES_PER_BASE = 8
+#: How long a process that chose past a squatted candidate waits before it looks again
+#: (module docstring).
+_SETTLE_S = 0.2
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _shared_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+def _shared_bases() -> list[Path]:
+    """The shared directories an engine's private directory may be made in, tmpfs first."""
+    bases = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    return [b for i, b in enumerate(bases) if b not in bases[:i]]
 
 
-def private_dir() -> Path:
-    """This user's directory for slot-health files (created ``0700``; module docstring)."""
-    return _shared_dir() / f"tiered-kv-{os.geteuid()}"
+def _home_base() -> Path | None:
+    """This user's own directory for the last candidate (module docstring); the home
+    directory from the password database, ``$HOME`` for a uid without an entry."""
+    try:
+        home = pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        home = os.environ.get("HOME", "")
+    return Path(home) / ".cache" / "tiered-kv" if os.path.isabs(home) else None
+
+
+class _Unusable(Exception):
+    """A candidate (or its base directory) that is not used, and why."""
+
+
+def private_dir(engine_id: str) -> Path:
+    """The private directory of engine ``engine_id`` (``0700``, this user's), made if
+    needed: the same in every process of the engine (module docstring). Raises
+    ``CacheEntryError`` when every candidate is taken and none can be made."""
+    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:32]
+    name = f"tiered-kv-{os.geteuid()}-{digest}"
+    names = [name] + [f"{name}-{n}" for n in range(1, CANDIDATES_PER_BASE)]
+    candidates = [base / n for base in _shared_bases() for n in names]
+    home = _home_base()
+    if home is not None:
+        candidates.append(home / name)
+    why: dict[Path, str] = {}
+    chosen = _first_ours(candidates, why)
+    if chosen is None:
+        for path in candidates:
+            if path not in why and path.parent not in why and _probe(path, why, create=True):
+                break
+        chosen = _first_ours(candidates, why)
+    if chosen is not None and any(p in why for p in candidates[: candidates.index(chosen)]):
+        time.sleep(_SETTLE_S)
+        chosen = _first_ours(candidates, why)
+    passed = candidates if chosen is None else candidates[: candidates.index(chosen)]
+    notes = [(p, why[p]) for p in dict.fromkeys(q for c in passed for q in (c.parent, c)) if p in why]
+    if chosen is None:
+        raise CacheEntryError(
+            candidates[0],
+            "unusable, and so is every other place for it (" + "; ".join(f"{p} {w}" for p, w in notes) + ")",
+            "a directory (mode 700)",
+            "Remove those entries, or give this user a home directory it can write to",
+        )
+    for path, what in notes:
+        _warn_once(path, what, chosen)
+    return chosen
+
+
+def _first_ours(candidates: Sequence[Path], why: dict[Path, str]) -> Path | None:
+    for path in candidates:
+        if path.parent not in why and _probe(path, why):
+            return path
+    return None
+
+
+_warned: set[tuple[Path, str]] = set()
+
+
+def _warn_once(path: Path, what: str, chosen: Path) -> None:
+    if (path, what) not in _warned:
+        _warned.add((path, what))
+        logger.warning("%s %s; this engine's slot-health files are in %s instead", path, what, chosen)
+
+
+def _probe(path: Path, why: dict[Path, str], *, create: bool = False) -> bool:
+    """Whether ``path`` is this user's private directory (``create``: made ``0700`` if
+    missing, with the home candidate's base). Not following any link at ``path``; a
+    candidate found to be something else is recorded in ``why``, and so is a base
+    directory that cannot hold one (then no name in it is tried again)."""
+    try:
+        base = _open_base(path.parent, create=create and path.parent == _home_base())
+    except FileNotFoundError:
+        return False  # a missing base (no /dev/shm; the home candidate's, until made)
+    except (OSError, _Unusable) as e:
+        why[path.parent] = f"is not used for slot-health files: {e}"
+        return False
+    try:
+        if create:
+            try:
+                os.mkdir(path.name, 0o700, dir_fd=base)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                why[path.parent] = f"is not used for slot-health files: no directory can be made in it ({e.strerror})"
+                return False
+        try:
+            fd = os.open(path.name, _DIR_FLAGS, dir_fd=base)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            why[path] = _squatted(path.name, base)
+            return False
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                why[path] = _squatted(path.name, base)
+                return False
+            if st.st_mode & 0o700 != 0o700:  # ours, made under a umask that took owner bits
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(base)
+    why.pop(path, None)
+    return True
+
+
+def _squatted(name: str, dir_fd: int) -> str:
+    """Why the entry ``name`` in ``dir_fd`` is left alone: what it is, its owner and
+    mode (not following it)."""
+    what = describe(name, dir_fd)
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+        what += f" owned by uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):o})"
+    except OSError:
+        pass
+    return (
+        f"is {what}, not a directory of this user's with mode 700, so it is left alone "
+        "(another local user may have made it to keep this user's engines from starting)"
+    )
+
+
+def _open_base(base: Path, *, create: bool = False) -> int:
+    """A descriptor of the directory ``base``, in which no one but this user and root
+    can remove, rename or replace this user's entries. ``create``: the home candidate's
+    base, made ``0700`` level by level below the home directory, not following links."""
+    if not create:
+        return _trusted(os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), base)
+    home = base.parent.parent
+    fd = _trusted(os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), home)
+    path = home
+    for part in base.relative_to(home).parts:
+        path = path / part
+        try:
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _Unusable(f"{path} is {describe(part, fd)}") from None
+                raise
+        finally:
+            os.close(fd)
+        fd = _trusted(sub, path)
+    return fd
+
+
+def _trusted(fd: int, path: Path) -> int:
+    """``fd`` if its directory is root's or this user's and no one else can write to it
+    (or it is sticky); closed otherwise."""
+    st = os.fstat(fd)
+    if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        os.close(fd)
+        raise _Unusable(
+            f"{path} is a directory owned by uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}) "
+            "in which others could replace this user's entries"
+        )
+    return fd
 
 
 class SlotHealth(Closing):
@@ -80,11 +285,14 @@ class SlotHealth(Closing):
         self.path = Path(path)
         self.num_slots = num_slots
         self._map = _map_private(self.path, num_slots)
+        self._in_engine_dir = False
 
     @classmethod
     def for_engine(cls, engine_id: str, num_slots: int) -> "SlotHealth":
         """The health map of engine ``engine_id`` (same file in every process)."""
-        return cls(_engine_file(engine_id, "cpu-slot-health"), num_slots)
+        health = cls(_engine_file(engine_id, "cpu-slot-health"), num_slots)
+        health._in_engine_dir = True
+        return health
 
     def mark_bad(self, slots: Iterable[int]) -> None:
         """Record that the last write of each slot failed on this process's rank."""
@@ -106,11 +314,12 @@ class SlotHealth(Closing):
         self._map[:] = bytes(self.num_slots)
 
     def close(self, unlink: bool = False) -> None:
-        """Unmap; ``unlink`` removes the file (the scheduler does, at shutdown)."""
+        """Unmap; ``unlink`` removes the file (the scheduler does, at shutdown), and the
+        engine's private directory once it is empty."""
         if not self._map.closed:
             self._map.close()
         if unlink:
-            self.path.unlink(missing_ok=True)
+            _unlink(self.path, self._in_engine_dir)
 
 
 class LoadTimings(Closing):
@@ -133,6 +342,7 @@ class LoadTimings(Closing):
         self._map = _map_private(self.path, ranks * len(self.types) * self._RECORD.size)
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[float, float, float]] = {}
+        self._in_engine_dir = False
 
     @classmethod
     def for_engine(
@@ -142,7 +352,9 @@ class LoadTimings(Closing):
         transfers of the lower tiers ``tier_names`` and the CPU tier, and for forward
         passes that were nearly all prefill (``PREFILL``: tokens in place of bytes)."""
         types = [*load_transfer_types(["cpu", *tier_names]), PREFILL]
-        return cls(_engine_file(engine_id, "load-timings"), types, ranks, rank)
+        timings = cls(_engine_file(engine_id, "load-timings"), types, ranks, rank)
+        timings._in_engine_dir = True
+        return timings
 
     def _offset(self, rank: int, index: int) -> int:
         return (rank * len(self.types) + index) * self._RECORD.size
@@ -184,13 +396,23 @@ class LoadTimings(Closing):
         if not self._map.closed:
             self._map.close()
         if unlink:
-            self.path.unlink(missing_ok=True)
+            _unlink(self.path, self._in_engine_dir)
 
 
 def _engine_file(engine_id: str, kind: str) -> Path:
-    """This engine's file of ``kind`` in this user's private directory."""
-    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:32]
-    return private_dir() / f"{digest}.{kind}"
+    """This engine's file of ``kind`` in its private directory."""
+    return private_dir(engine_id) / kind
+
+
+def _unlink(path: Path, in_engine_dir: bool) -> None:
+    """Remove ``path`` and, when it is in an engine's private directory, that directory
+    once it is empty (the other file may still be open)."""
+    path.unlink(missing_ok=True)
+    if in_engine_dir:
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass
 
 
 def _map_private(path: Path, size: int) -> mmap.mmap:
