@@ -259,3 +259,65 @@ def test_inspect_remote_says_it_reads_s3_only(mooncake_server, tmp_path):
     assert result.exit_code == 2, result.output
     assert "Mooncake Store" in result.output and "S3 buckets only" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.fixture
+def sealed(mooncake_server, monkeypatch) -> RemoteConfig:
+    """A shared tier on the pool with a fleet key (sealed objects)."""
+    monkeypatch.setenv("MOONCAKE_FLEET_KEY", "5f" * 32)
+    return RemoteConfig.from_dict(mooncake_server.settings(trusted_bucket=False, key_env="MOONCAKE_FLEET_KEY"))
+
+
+def _raw_put(mooncake_server, key: str, value: bytes) -> None:
+    raw = mooncake_server.raw_client()
+    try:
+        assert raw.put(key, value) == 0
+    finally:
+        raw.close()
+
+
+def test_a_planted_forgery_is_replaced_by_the_honest_write_and_counted_once_verified(sealed, mooncake_server):
+    """Mooncake keeps a key's first value: the replacing write removes it first, and the
+    replacement counts only once it reads back verified."""
+    items = blocks(2, size=80_000, seed=31)
+    with RemoteStore(sealed, FP) as store:
+        size = len(items[0][2]) + 32 + 16 + 90  # about an object's size: a forgery need not match
+        for h, r, _ in items:
+            _raw_put(mooncake_server, block_key(store.namespace, h, r), os.urandom(size))
+        assert store.put_blocks(items).result(WAIT) == [PutOutcome.STORED] * 2
+        assert store.stats().forgeries_replaced == 2
+        hits, bufs = read_back(store, items)
+        assert hits == [True] * 2 and [bytes(b) for b in bufs] == [d for _, _, d in items]
+
+
+def test_a_copied_object_is_gone_after_the_first_read(sealed, mooncake_server):
+    (a, b) = blocks(2, size=50_000, seed=32)
+    with RemoteStore(sealed, FP) as store:
+        store.put_blocks([a]).result(WAIT)
+        raw = mooncake_server.raw_client()
+        try:
+            honest_a = raw.get(block_key(store.namespace, a[0], a[1]))
+            assert raw.put(block_key(store.namespace, b[0], b[1]), honest_a) == 0  # a's object at b's key
+        finally:
+            raw.close()
+        hits, (buf,) = read_back(store, [b])
+        assert hits == [False] and not any(buf)
+        s = store.stats()
+        assert s.rejected["mismatch"] == 1 and s.damaged_deleted == 1
+        assert store.exists([b[0]]).result(WAIT) == [False]  # no miss pinned beyond that read
+        assert store.put_blocks([b]).result(WAIT) == [PutOutcome.STORED]
+        assert read_back(store, [a, b])[0] == [True, True]
+
+
+def test_a_wrong_key_member_leaves_the_fleets_objects(sealed, mooncake_server, monkeypatch):
+    items = blocks(3, size=40_000, seed=33)
+    monkeypatch.setenv("WRONG_FLEET_KEY", "a7" * 32)
+    wrong_config = dataclasses.replace(sealed, key_env="WRONG_FLEET_KEY")
+    with RemoteStore(sealed, FP) as fleet, RemoteStore(wrong_config, FP) as wrong:
+        assert fleet.put_blocks(items).result(WAIT) == [PutOutcome.STORED] * 3
+        assert wrong.put_blocks(items).result(WAIT) == [PutOutcome.PRESENT] * 3
+        assert read_back(wrong, items)[0] == [False] * 3
+        s = wrong.stats()
+        assert s.kept_unproven == 6 and s.forgeries_replaced == 0 and s.damaged_deleted == 0
+        hits, bufs = read_back(fleet, items)
+        assert hits == [True] * 3 and [bytes(x) for x in bufs] == [d for _, _, d in items]

@@ -1,0 +1,113 @@
+"""The shared tier against its own members, on a real S3 server (Ceph RGW on 127.0.0.1):
+a node with the wrong key, a node with only a retired key and a node of a trusted bucket
+with no key run the fleet's requests through the whole hierarchy (``HierarchySpec`` under
+the engine driver, tests/support/remote_node.py), and every object the fleet wrote is
+still there, byte for byte, and served to a fresh fleet node. What a member cannot prove
+bad it neither replaces nor deletes."""
+
+from __future__ import annotations
+
+import pytest
+from support.s3_server import BUCKET, FLEET_KEY, skip_module_without_rgw
+
+skip_module_without_rgw()
+
+from support.remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E402
+from test_remote_store import FP, WAIT, blocks, read_back  # noqa: E402
+
+from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
+from tiered_kv.remote.object_format import PLAIN_SUFFIX, block_key  # noqa: E402
+from tiered_kv.remote.tier import REMOTE  # noqa: E402
+
+WRONG_KEY = "a7" * 32
+NEW_KEY = "3c" * 32
+CHAINS = 3
+N = CHAINS * BLOCKS_PER_REQUEST
+
+
+def _objects(rgw_server, prefix: str) -> dict[str, str]:
+    """Every object under ``prefix``: key -> ETag (the MD5 of its bytes)."""
+    s3 = rgw_server.admin_client()
+    out = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+        out.update({o["Key"]: o["ETag"] for o in page.get("Contents", [])})
+    return out
+
+
+@pytest.mark.parametrize(
+    "member",
+    ["wrong-key", "retired-key-only", "trusted-no-key"],
+)
+def test_a_member_racing_the_fleet_leaves_every_fleet_object_intact(
+    tmp_path, rgw_server, remote_settings, monkeypatch, member
+):
+    """The fleet (key F) computes 3 chains; the member runs the same chains (it misses,
+    recomputes and stores); then a fresh fleet node hits all 12 blocks from the bucket."""
+    fleet_settings = remote_settings
+    if member == "retired-key-only":
+        # The fleet rotated to NEW_KEY (the old key F still read); the member kept F alone.
+        monkeypatch.setenv("ROTATED_KEY", f"{NEW_KEY}\n{FLEET_KEY}")
+        fleet_settings = {**remote_settings, "key_env": "ROTATED_KEY"}
+        member_settings = remote_settings
+    elif member == "wrong-key":
+        monkeypatch.setenv("WRONG_FLEET_KEY", WRONG_KEY)
+        member_settings = {**remote_settings, "key_env": "WRONG_FLEET_KEY"}
+    else:
+        member_settings = {**remote_settings, "key_env": None, "trusted_bucket": True}
+    reqs = requests(0, CHAINS)
+    with build(tmp_path / "fleet-a", fleet_settings) as a:
+        first = a.run(reqs)
+        assert first.computed == N and a.tier.store.stats().puts_stored == N
+        namespace = a.remote.store.namespace
+    before = _objects(rgw_server, remote_settings["prefix"])
+    assert sum(k.startswith(namespace + "/") for k in before) == N + 1  # the blocks and fingerprint.json
+
+    with build(tmp_path / "member", member_settings, expecting=True) as m:
+        report = m.run(reqs)
+        assert report.mismatches == 0 and report.hits_by_medium.get(REMOTE, 0) == 0
+        stats = m.tier.store.stats()
+        assert stats.forgeries_replaced == 0 and stats.damaged_deleted == 0
+        if member == "trusted-no-key":
+            # Plain objects live in a namespace of their own: it never met the fleet's.
+            assert m.remote.store.namespace == namespace + PLAIN_SUFFIX
+            assert stats.puts_stored == N and stats.gets_rejected == 0
+        else:
+            assert m.remote.store.namespace == namespace
+            assert stats.rejected["key"] > 0 and stats.kept_unproven >= N  # read, and found at write: kept
+            assert stats.puts_stored == 0
+    after = _objects(rgw_server, remote_settings["prefix"])
+    assert {k: v for k, v in after.items() if k in before} == before  # every fleet object, byte for byte
+
+    with build(tmp_path / "fleet-fresh", fleet_settings, expecting=True) as fresh:
+        again = fresh.run(reqs)
+        assert again.hits_by_medium == {REMOTE: N}, again.hits_by_medium
+        assert again.computed == 0 and again.mismatches == 0
+
+
+def test_a_wrong_key_store_never_replaces_and_a_keyed_store_never_judges_a_plain_namespace(
+    rgw_server, remote_settings, monkeypatch
+):
+    """Store level, both ways: the wrong key finds the fleet's objects at write and at read
+    and leaves them; the fleet's objects and a trusted node's never share a key."""
+    items = blocks(4, seed=21)
+    with RemoteStore(RemoteConfig.from_dict(remote_settings), FP) as fleet:
+        assert fleet.put_blocks(items).result(WAIT) == [PutOutcome.STORED] * 4
+        keys = [block_key(fleet.namespace, h, r) for h, r, _ in items]
+    before = _objects(rgw_server, remote_settings["prefix"])
+    monkeypatch.setenv("WRONG_FLEET_KEY", WRONG_KEY)
+    with RemoteStore(RemoteConfig.from_dict({**remote_settings, "key_env": "WRONG_FLEET_KEY"}), FP) as wrong:
+        assert wrong.put_blocks(items).result(WAIT) == [PutOutcome.PRESENT] * 4
+        assert read_back(wrong, items)[0] == [False] * 4
+        s = wrong.stats()
+        assert s.kept_unproven == 8 and s.rejected["key"] == 4 and s.forgeries_replaced == 0
+        assert s.damaged_deleted == 0
+    trusted = RemoteConfig.from_dict({**remote_settings, "key_env": None, "trusted_bucket": True})
+    with RemoteStore(trusted, FP) as plain:
+        assert plain.put_blocks(items).result(WAIT) == [PutOutcome.STORED] * 4  # its own keys
+        assert read_back(plain, items)[0] == [True] * 4
+        assert not set(block_key(plain.namespace, h, r) for h, r, _ in items) & set(keys)
+    after = _objects(rgw_server, remote_settings["prefix"])
+    assert {k: after[k] for k in before} == before
+    with RemoteStore(RemoteConfig.from_dict(remote_settings), FP) as fleet:
+        hits, bufs = read_back(fleet, items)
+        assert hits == [True] * 4 and [bytes(b) for b in bufs] == [d for _, _, d in items]
