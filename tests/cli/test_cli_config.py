@@ -184,3 +184,51 @@ def test_shipped_configs_are_valid(path):
     parsed = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
     assert parsed.cpu_bytes == parse_size(extra["cpu_bytes"])
     assert extra["spec_module_path"] == "tiered_kv.integrations.vllm"
+
+
+GEOMETRY = ("--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--cpu-bytes", "1MiB", "--model-id", "tiny")
+
+
+def test_a_shared_tier_without_a_key_is_refused_naming_the_options(tmp_path):
+    target = tmp_path / "kv.json"
+    result = _run(*GEOMETRY, "--remote-bucket", "kv-fleet", "-o", str(target))
+    assert result.exit_code == 2 and result.stdout == ""
+    said = " ".join(result.stderr.split())
+    for option in ("--remote-key-file", "--remote-key-env", "--trusted-bucket", "openssl rand -hex 32"):
+        assert option in said, said
+    assert not target.exists()  # nothing the server would refuse is written
+    both = _run(*GEOMETRY, "--remote-bucket", "kv-fleet", "--remote-key-file", "/k", "--remote-key-env", "K")
+    assert both.exit_code == 2 and "not both" in both.stderr
+    trusted_and_key = _run(*GEOMETRY, "--remote-bucket", "kv-fleet", "--remote-key-env", "K", "--trusted-bucket")
+    assert trusted_and_key.exit_code == 2 and "--trusted-bucket" in trusted_and_key.stderr
+    no_bucket = _run(*GEOMETRY, "--remote-key-env", "K")
+    assert no_bucket.exit_code == 2 and "--remote-bucket: required with --remote-key-env" in no_bucket.stderr
+    not_a_name = _run(*GEOMETRY, "--remote-bucket", "kv-fleet", "--remote-key-env", "ab" * 32)
+    assert not_a_name.exit_code == 2 and "remote.key_env" in not_a_name.stderr
+    assert "ab" * 32 not in not_a_name.stderr  # it may be the key itself: never echoed
+
+
+def test_the_key_options_write_a_config_the_server_accepts(tmp_path, monkeypatch):
+    target = tmp_path / "kv.json"
+    monkeypatch.delenv("TIERED_KV_FLEET_KEY", raising=False)
+    result = _run(
+        *GEOMETRY, "--remote-bucket", "kv-fleet", "--remote-key-env", "TIERED_KV_FLEET_KEY", "-o", str(target)
+    )
+    assert result.exit_code == 0, result.output
+    extra = json.loads(target.read_text())["kv_connector_extra_config"]
+    assert extra["remote"] == {"bucket": "kv-fleet", "key_env": "TIERED_KV_FLEET_KEY"}
+    cfg = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
+    assert cfg.remote is not None and cfg.remote.key_env == "TIERED_KV_FLEET_KEY" and not cfg.remote.trusted_bucket
+    # The variable is not set on this host: said, not refused (the server's environment has it).
+    assert "TIERED_KV_FLEET_KEY is not set" in " ".join(result.stderr.split())
+
+    key = tmp_path / "fleet.key"
+    key.write_text("c3" * 32 + "\n")
+    key.chmod(0o600)
+    with_file = _json(*GEOMETRY, "--remote-bucket", "kv-fleet", "--remote-key-file", str(key))
+    assert with_file["kv_connector_extra_config"]["remote"] == {"bucket": "kv-fleet", "key_file": str(key)}
+    assert "c3" * 32 not in json.dumps(with_file)
+    trusted = _run(*GEOMETRY, "--remote-bucket", "kv-fleet", "--trusted-bucket", "--json")
+    assert trusted.exit_code == 0, trusted.output
+    remote = json.loads(trusted.stdout)["kv_connector_extra_config"]["remote"]
+    assert remote == {"bucket": "kv-fleet", "trusted_bucket": True} and "unencrypted" in trusted.stderr

@@ -94,17 +94,24 @@ def test_no_disk_tier_is_a_warning_and_the_remote_options_add_a_shared_tier():
         "kv-cache",
         "--remote-prefix",
         "prod",
+        "--remote-key-file",
+        "/etc/tiered-kv/fleet.key",
         "--json",
     )
     assert result.exit_code == 0, result.output
     assert "warning: no disk tier (no --disk-path)" in result.stderr
     extra = json.loads(result.stdout)["kv_connector_extra_config"]
-    assert extra["remote"] == {"endpoint": "http://rgw.internal:8000", "bucket": "kv-cache", "prefix": "prod"}
+    assert extra["remote"] == {
+        "endpoint": "http://rgw.internal:8000",
+        "bucket": "kv-cache",
+        "prefix": "prod",
+        "key_file": "/etc/tiered-kv/fleet.key",
+    }
     cfg = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
     assert cfg.remote.bucket == "kv-cache" and cfg.remote.prefix == "prod"
     missing = _run("--preset", "llama-3.1-8b", "--remote-endpoint", "http://rgw:8000")
     assert missing.exit_code == 2 and "--remote-bucket: required with --remote-endpoint" in missing.stderr
-    bad = _run("--preset", "llama-3.1-8b", "--remote-bucket", "No_Such")
+    bad = _run("--preset", "llama-3.1-8b", "--remote-bucket", "No_Such", "--remote-key-env", "FLEET_KEY")
     assert bad.exit_code == 2 and "bucket" in bad.stderr and bad.stderr.count("\n") == 1
 
 

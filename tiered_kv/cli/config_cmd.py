@@ -12,6 +12,11 @@ name (never the config's ``_name_or_path``, often a path on the machine that tra
 it), never a silent "unknown"; with a disk tier the table ends with the identity the
 namespace records and its id. The printed ``vllm serve`` line runs as printed: the
 model's path or hub id, and the KV-cache dtype the sizing assumed.
+
+A shared tier (``--remote-bucket``) is written only with the fleet key's place
+(``--remote-key-file`` or ``--remote-key-env``) or ``--trusted-bucket``, as the server
+starts only with one; the key named is read here once, to warn where it cannot be
+loaded on this host, and never goes in the output.
 """
 
 from __future__ import annotations
@@ -169,6 +174,25 @@ def config(
     remote_region: Optional[str] = typer.Option(
         None, "--remote-region", metavar="REGION", help="Shared tier: the bucket's region (default: us-east-1)."
     ),
+    remote_key_file: Optional[str] = typer.Option(
+        None,
+        "--remote-key-file",
+        metavar="PATH",
+        help="Shared tier: the file on the server holding the fleet key (remote.key_file; make one with "
+        "openssl rand -hex 32). The key itself never goes in the config.",
+    ),
+    remote_key_env: Optional[str] = typer.Option(
+        None,
+        "--remote-key-env",
+        metavar="NAME",
+        help="Shared tier: the server's environment variable holding the fleet key (remote.key_env).",
+    ),
+    trusted_bucket: bool = typer.Option(
+        False,
+        "--trusted-bucket",
+        help="Shared tier: no key; blocks stored unencrypted and unauthenticated, for a bucket only trusted "
+        "writers can reach (remote.trusted_bucket).",
+    ),
     gpu: Optional[str] = typer.Option(
         None,
         "--gpu",
@@ -202,7 +226,15 @@ def config(
         plan, model_name = _plan(
             source, layers, kv_heads, head_dim, dtype, tp, cpu_bytes, disk_bytes, disk_path, block_size, gpu_block_size
         )
-        remote = _remote(remote_endpoint, remote_bucket, remote_prefix, remote_region)
+        remote = _remote(
+            remote_endpoint,
+            remote_bucket,
+            remote_prefix,
+            remote_region,
+            remote_key_file,
+            remote_key_env,
+            trusted_bucket,
+        )
         kv_config = build_kv_transfer_config(
             plan,
             cpu_bytes=cpu_bytes,
@@ -219,6 +251,7 @@ def config(
     except ConfigError as exc:
         fail(str(exc), False)
     warnings = list(tier_size_warnings(plan.cpu_bytes, plan.disk_bytes, disk_path, tp))
+    warnings += _key_warnings(remote)
     if not disk_path:
         warnings.append(
             "no disk tier (no --disk-path): blocks evicted from the CPU tier are gone and nothing outlives a "
@@ -425,16 +458,73 @@ def _serve_dtype_flags(dtype: Optional[str], source: Any) -> str:
 
 
 def _remote(
-    endpoint: Optional[str], bucket: Optional[str], prefix: Optional[str], region: Optional[str]
+    endpoint: Optional[str],
+    bucket: Optional[str],
+    prefix: Optional[str],
+    region: Optional[str],
+    key_file: Optional[str] = None,
+    key_env: Optional[str] = None,
+    trusted: bool = False,
 ) -> dict[str, Any] | None:
-    """The ``remote`` key from the ``--remote-*`` options (None without any)."""
-    given = {"endpoint": endpoint, "bucket": bucket, "prefix": prefix, "region": region}
-    remote = {k: v for k, v in given.items() if v is not None}
+    """The ``remote`` key from the ``--remote-*`` options and ``--trusted-bucket`` (None
+    without any). A shared tier needs the fleet key's place (``--remote-key-file`` or
+    ``--remote-key-env``) or ``--trusted-bucket``: without either the server refuses to
+    start (``tiered_kv.remote.keys.load_keyring``), so no such config is written."""
+    given = {
+        "endpoint": endpoint,
+        "bucket": bucket,
+        "prefix": prefix,
+        "region": region,
+        "key_file": key_file,
+        "key_env": key_env,
+    }
+    remote: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    if trusted:
+        remote["trusted_bucket"] = True
     if not remote:
         return None
     if bucket is None:
-        raise ConfigError(f"--remote-bucket: required with {', '.join('--remote-' + k for k in remote)}")
+        named = ["--remote-" + k.replace("_", "-") for k in remote if k != "trusted_bucket"]
+        named += ["--trusted-bucket"] if trusted else []
+        raise ConfigError(f"--remote-bucket: required with {', '.join(named)}")
+    if key_file is not None and key_env is not None:
+        raise ConfigError("--remote-key-file and --remote-key-env: name one place for the fleet key, not both")
+    if trusted and (key_file is not None or key_env is not None):
+        raise ConfigError(
+            "--trusted-bucket: with a fleet key (--remote-key-file or --remote-key-env) every block is sealed "
+            "anyway; give the key or --trusted-bucket, not both"
+        )
+    if key_file is None and key_env is None and not trusted:
+        raise ConfigError(
+            "--remote-bucket: the shared tier needs the fleet key, or the server refuses to start; add "
+            "--remote-key-file PATH (a file on the server holding it, mode 600) or --remote-key-env NAME "
+            "(a variable of the server's environment holding it), the same key on every node; generate one "
+            "with: openssl rand -hex 32. Or add --trusted-bucket to store blocks unencrypted and "
+            "unauthenticated, where everyone who can write the bucket is trusted with every tenant's KV"
+        )
     return remote
+
+
+def _key_warnings(remote: dict[str, Any] | None) -> list[str]:
+    """Where the fleet key the config names cannot be loaded on this host (the server
+    reads it at start-up, maybe on another machine), or the bucket is keyless."""
+    from tiered_kv.remote.config import RemoteConfig
+    from tiered_kv.remote.keys import FleetKeyError, load_keyring
+
+    if remote is None:
+        return []
+    if remote.get("trusted_bucket"):
+        return [
+            "--trusted-bucket: blocks go to the bucket unencrypted and unauthenticated; anyone who can write "
+            "it can make a server serve KV of their choosing"
+        ]
+    try:
+        load_keyring(RemoteConfig.from_dict(remote, key_prefix="remote."))
+    except FleetKeyError as e:
+        return [f"{e} here; the server loads it at start-up (tiered-kv doctor --config checks it on the server)"]
+    except ConfigError:
+        pass  # the config's own validation names it
+    return []
 
 
 def _add_model_path(kv_config: dict[str, Any], source: Any):

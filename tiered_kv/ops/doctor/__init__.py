@@ -2,7 +2,9 @@
 
 Runs in the operator's process, on the machine that will serve (each module of this
 package says what its checks read). Reads the server's config file, resource limits,
-/proc and /sys, file-system statistics and installed packages' metadata. Writes only
+/proc and /sys, file-system statistics and installed packages' metadata, and where a
+shared tier is configured its fleet key, a few bounded requests to its bucket (one
+block object at most) or its Mooncake master (``remote.py``). Writes only
 probe files, each removed at once, where the disk tier's directory exists: 4 KiB to
 learn whether O_DIRECT works there, one of ``read_probe`` bytes to time an O_DIRECT
 read (``speed.py``), and KvikIO's own probe file where KvikIO is installed. Imports torch only in ``check_cuda`` and the disk package only to run
@@ -12,7 +14,9 @@ Each check gives one ``Check``: ``ok``; ``warn`` (the server runs, but slower, w
 cache than asked for, or with a setting that defeats the disk tier across restarts); or
 ``fail`` (the server would refuse to start: a config it rejects, a disk tier it cannot
 create or fit, a CPU tier larger than the memory it may use, ``io_backend: kvikio``
-where KvikIO cannot run). Every non-ok line carries the fix. The exit code of the
+where KvikIO cannot run, a shared tier's key it cannot load; or a server that would
+start and miss every shared block: a fleet key that does not open the bucket's
+objects). Every non-ok line carries the fix. The exit code of the
 command is that of the worst line: 0, 1 or 2.
 """
 
@@ -102,12 +106,14 @@ def run_doctor(
     env = os.environ if env is None else env
     checks: list[Check] = []
     cfg = None
+    config_extra = None
     size = tp or 1
     if config_path is not None:
         try:
             found = read_server_config(config_path)
             size = tp or found.tp or 1
             cfg = _validated(found, size)
+            config_extra = found.extra_for(size)
             if tp is not None:
                 tp_said = f"TP {size} (--tp)"
             elif found.tp is not None:
@@ -154,7 +160,7 @@ def run_doctor(
     checks.append(check_io_path(cfg, cuda.status == OK))
     checks.append(check_vllm())
     checks.append(check_hash(cfg, env))
-    checks.append(check_remote(cfg))
+    checks.append(check_remote(cfg, config_extra))
     return DoctorReport(checks, None if config_path is None else str(config_path))
 
 
