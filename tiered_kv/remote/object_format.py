@@ -11,7 +11,12 @@ the same fingerprint), so an operator finds a model's blocks under one key prefi
 lifecycle rule can target it. ``fan-out`` is two hex digits of the xxh3 of the block
 hash, spreading keys over 256 prefixes (S3 scales request rates per prefix) whatever
 the hash looks like. Beside the blocks, ``<prefix>/<namespace id>/fingerprint.json``
-holds the fingerprint's canonical JSON, written once, for inspection.
+holds the fingerprint's canonical JSON, written once, for inspection. Plain objects
+(below) live under ``<prefix>/<namespace id>.plain/``: a plain fleet and a sealed one
+never write the same key.
+
+Every ``Rejected`` says whether it proves the object bad (``provable``): what a member
+may delete or replace is only what it proved, never what it could not open.
 
 An object is sealed (format 2, the default: a fleet key is set) or plain (format 1,
 only under ``remote.trusted_bucket`` with no key). A sealed object is a fixed header,

@@ -34,16 +34,24 @@ unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
 ``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses). A block
 whose object fails any check of ``object_format`` (foreign fingerprint, other block,
-other size, a tag that does not verify, damaged bytes) is a counted miss and nothing of
-it stays in the caller's buffer (a sealed object is decrypted into it, and the buffer
-zeroed when the tag then fails); an object whose tag or checksum fails is deleted, so
-that it can be stored again.
+other size, a tag that does not verify, damaged bytes, a key this node lacks) is a
+counted miss and nothing of it stays in the caller's buffer (a sealed object is
+decrypted into it, and the buffer zeroed when the tag then fails).
+
+What a node may do to an object is decided by what it can prove (``Rejected.provable``):
+an object proven bad (a tag or checksum that fails under a key this node holds,
+another block's object copied to this key, a malformed one) is deleted when read, and
+replaced when a write finds it, the replacement counted (``forgeries_replaced``) only
+once it reads back verified. An object this node cannot judge (sealed under a key id
+it does not hold, sealed where it has no key, a newer format) is left in place and
+counted (``kept_unproven``): a member with the wrong key, a retired key or none never
+deletes or replaces what the fleet wrote.
 
 Objects are sealed (AES-256-GCM under the fleet key, ``keys``, on the store's threads)
 unless the config declares the bucket trusted and names no key; with neither, the
-constructor raises a ``ConfigError`` naming ``remote.key_file`` / ``remote.key_env``. A
-write that finds its key taken reads the object there and replaces it unless it verifies
-(``forgeries_replaced``). ``fingerprint.json`` is information, never a gate.
+constructor raises a ``ConfigError`` naming ``remote.key_file`` / ``remote.key_env``.
+Plain objects live under a namespace of their own (``object_format.namespace_prefix``),
+so sealed and plain fleets never meet. ``fingerprint.json`` is information, never a gate.
 Wrong credentials or a missing bucket are a ``RemoteSetupError`` from the
 constructor's start-up check, naming the endpoint and the bucket.
 
