@@ -107,7 +107,8 @@ class DiskTier(TierSpec):
 
     def get_hit_check(self, manager: "LowerTier") -> HitCheck:
         """Read-back verification on every rank before a hit (``DiskHitCheck``), on its
-        own threads over its own store of the namespace ``manager`` opened."""
+        own threads over its own store of the namespace ``manager`` opened; none where
+        the engine recomputes a failed load (each hit read once, by the workers)."""
         from tiered_kv.disk.scheduler.hit_check import DiskHitCheck
         from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
         from tiered_kv.disk.scheduler.verify import DiskVerifier
@@ -115,6 +116,8 @@ class DiskTier(TierSpec):
         from tiered_kv.disk.worker.store import DiskStore
 
         assert isinstance(manager, DiskOffloadingManager), manager
+        if self.ctx.failed_loads_recomputed:
+            return DiskHitCheck(manager, None)
         threads = self.ctx.config.io_threads
         store = DiskStore(manager.namespace, PosixBackend(threads), engine_id=self.ctx.engine_id)
         return DiskHitCheck(manager, DiskVerifier(store, self.ctx.world_size, threads=threads))

@@ -1,5 +1,13 @@
 """``DiskHitCheck``: a disk block is promised as a hit only once its bytes on every rank
-were read back and matched their checksums.
+were read back and matched their checksums, or, where the engine recomputes the blocks
+of a failed load, at once.
+
+Why two modes: vLLM's own connector treats a failed load as fatal, so each hit is read
+back here first and then read again by every worker (two reads). With our connector and
+``kv_load_failure_policy: recompute`` (``TierContext.failed_loads_recomputed``) there is
+no verifier: a block the index holds on every rank is a hit, each worker's read verifies
+its checksum before a byte is used, and a block that fails there is reported and
+recomputed (one read per rank per hit).
 
 Scheduler process. The reads run on the ``DiskVerifier``'s threads (``verify.py``, its
 own ``DiskStore`` over the namespace); this class only does bookkeeping on the caller's
@@ -33,9 +41,10 @@ MAX_VERIFIED = 65536
 
 class DiskHitCheck(Closing):
     """The disk tier's ``HitCheck`` (``tiered_kv.tiers``) over ``disk``, reading with
-    ``verifier`` (closed by ``shutdown``)."""
+    ``verifier`` (closed by ``shutdown``); None: no read here, the workers' reads verify
+    (module docstring)."""
 
-    def __init__(self, disk: DiskOffloadingManager, verifier: DiskVerifier):
+    def __init__(self, disk: DiskOffloadingManager, verifier: DiskVerifier | None):
         self.disk = disk
         self.name = disk.name
         self.verifier = verifier
@@ -56,7 +65,7 @@ class DiskHitCheck(Closing):
             del self._unservable[block_hash]
             if disk.slot_of(block_hash) is None:
                 return HitState.MISS
-        if self._verified.get(block_hash) == slot:
+        if self.verifier is None or self._verified.get(block_hash) == slot:
             return HitState.HIT
         if self._verifying.get(block_hash) != slot:
             self._verifying[block_hash] = slot
@@ -70,6 +79,8 @@ class DiskHitCheck(Closing):
         self._verified.pop(block_hash, None)
 
     def collect(self) -> bool:
+        if self.verifier is None:
+            return False
         results = self.verifier.results()
         for key, slot, ok in results:
             if self._verifying.get(key) == slot:
@@ -114,7 +125,7 @@ class DiskHitCheck(Closing):
                 self._stale_writes.discard(key)
 
     def busy(self) -> bool:
-        return self.verifier.busy()
+        return self.verifier is not None and self.verifier.busy()
 
     def reset(self) -> None:
         self._verified.clear()
@@ -129,10 +140,11 @@ class DiskHitCheck(Closing):
         return [(TIER_VERIFICATIONS, (self.name, outcome), n) for outcome, n in self._outcomes.items()]
 
     def timings(self) -> list[Observation]:
-        return self.verifier.latencies.drain()
+        return self.verifier.latencies.drain() if self.verifier is not None else []
 
     def shutdown(self) -> None:
-        self.verifier.shutdown()
+        if self.verifier is not None:
+            self.verifier.shutdown()
 
 
 __all__ = ["DiskHitCheck", "MAX_VERIFIED"]
