@@ -28,6 +28,7 @@ from tiered_kv.config_values import (  # noqa: F401 (ConfigError, parse_size, fo
     parse_positive_int,
     parse_size,
     parse_text,
+    show,
 )
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.tier_registry import TierEntry
@@ -80,7 +81,7 @@ def parse_write_admission(value: Any, key: str) -> Any:
         return f"reuse({int(m.group(1))})"
     raise ConfigError(
         f"{key}: expected 'all', 'reuse(N)' with N >= 1 (write a block to a lower tier once it has "
-        f"been stored or hit N times), or a mapping of tier name to one of those, got {value!r}"
+        f"been stored or hit N times), or a mapping of tier name to one of those, got {show(value)}"
     )
 
 
@@ -95,7 +96,7 @@ def _parse_positive_float(value: Any, key: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{key}: expected a positive number (tokens per second) or null, got {value!r}")
+        raise ConfigError(f"{key}: expected a positive number (tokens per second) or null, got {show(value)}")
     return float(value)
 
 
@@ -226,7 +227,7 @@ class TieredConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 if key in OTHER_SPECS_KEYS:
                     hint = f": {OTHER_SPECS_KEYS[key]}."
-                raise ConfigError(f"unknown config key {key!r}{hint} Known keys: {', '.join(known)}")
+                raise ConfigError(f"unknown config key {show(key)}{hint} Known keys: {', '.join(known)}")
             values[key] = cls._PARSERS[key](value, key)
         if "disk_bytes" in values and values.get("disk_path") is None:
             raise ConfigError(

@@ -1,5 +1,7 @@
 """Value parsers every configuration shares: sizes in human units, booleans, choices,
-positive integers, text and directory paths, and the error they raise.
+positive integers, text and directory paths, and the error they raise; and how a value
+is shown in a message (``show``), which never echoes what looks like a key
+(``looks_like_key``, ``holds_key``).
 
 Imported by ``tiered_kv.config`` and by each tier's own settings (``tiered_kv.remote.config``);
 imports neither. Pure functions, no I/O.
@@ -42,8 +44,60 @@ MIN_BARE_SIZE = 1024**2
 MAX_SIZE = 2**63 - 1
 
 
+#: What ``show`` prints instead of a value that may be a key.
+REDACTED = "<redacted: looks like key material>"
+#: A key of 32 bytes or more (the fleet key's size) written as hex (64 digits), or as
+#: base64 of either alphabet (43 characters, padding aside) with both upper- and
+#: lower-case letters: random base64 that long has both (all but about one key in 10^9),
+#: a name written in one case (an environment variable, most paths) has not. A long name
+#: in mixed case without a separator matches too, and is then treated as a key. Other
+#: encodings are not recognized: a key file or variable holds hex or base64 only.
+_HEX_RUN = re.compile(r"[0-9a-fA-F]{64,}")
+_BASE64_RUNS = (re.compile(r"[A-Za-z0-9+/]{43,}"), re.compile(r"[A-Za-z0-9_-]{43,}"))
+#: Characters no key holds, which split a pasted value into tokens: white space and commas
+#: (between keys, as in a key file) and what sticks to a key copied from a shell or an
+#: env file (``KEY=...``, quotes).
+_KEY_SEPARATORS = re.compile(r"[\s,;:='\"]+")
+
+
+def _mixed_case(text: str) -> bool:
+    return any(c.isupper() for c in text) and any(c.islower() for c in text)
+
+
+def holds_key(text: str) -> bool:
+    """Whether ``text`` holds a key anywhere in it (``_HEX_RUN``, ``_BASE64_RUNS``): a
+    message never shows such a text, even where it is mostly something else
+    ("KEY=<key>", a path ending in one)."""
+    return bool(_HEX_RUN.search(text)) or any(
+        _mixed_case(m.group()) for run in _BASE64_RUNS for m in run.finditer(text)
+    )
+
+
+def looks_like_key(value: Any) -> bool:
+    """Whether the setting ``value`` is key material pasted where a name goes: one of its
+    tokens (``_KEY_SEPARATORS``) is a key, or one of its '/'-separated pieces holds one.
+    Narrower than ``holds_key``, so that a path whose directories add up to 43 base64
+    characters in mixed case is not taken for a key (a ``.``, ``-`` or ``_`` breaks a
+    run of the standard alphabet, a ``.`` a run of either)."""
+    if not isinstance(value, str):
+        return False
+    for token in _KEY_SEPARATORS.split(value):
+        if _HEX_RUN.fullmatch(token) or any(run.fullmatch(token) and _mixed_case(token) for run in _BASE64_RUNS):
+            return True
+    return any(holds_key(piece) for piece in value.split("/"))
+
+
+def redact(text: str) -> str:
+    """``text``, or ``REDACTED`` where it holds a key: for names (of files, of variables)
+    printed as they are."""
+    return REDACTED if holds_key(text) else text
+
+
 def show(value: Any) -> str:
-    """``value`` as the config file spells it: null, true, NaN, Infinity, 'text'."""
+    """``value`` as the config file spells it: null, true, NaN, Infinity, 'text'; or
+    ``REDACTED`` where it holds a key (``holds_key``), whichever setting it was given for."""
+    if holds_key(repr(value)):
+        return REDACTED
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -75,7 +129,7 @@ def parse_size(value: Any, key: str = "size", example_unit: str = "GiB") -> int:
         unit = m.group(2).lower() if m else None
         if not m or unit not in _SIZE_UNITS:
             raise ConfigError(
-                f"{key}: cannot parse size {value!r}; expected a number with an optional unit "
+                f"{key}: cannot parse size {show(value)}; expected a number with an optional unit "
                 f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '64GiB'"
             )
         bare = unit == ""
@@ -141,7 +195,7 @@ def parse_text(value: Any, key: str, *, empty_ok: bool = False, numbers_ok: bool
         hint = "; omit the key to use the default" if value is None else ""
         raise ConfigError(f"{key}: expected {what}, got {show(value)}{hint}")
     if not empty_ok and not value.strip():
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}; omit the key to use the default")
+        raise ConfigError(f"{key}: expected a non-empty string, got {show(value)}; omit the key to use the default")
     return value
 
 
@@ -157,7 +211,7 @@ def parse_disk_path(value: Any, key: str) -> str | None:
             f"{key}: expected a directory path (a string), got {show(value)}; omit the key for no disk tier"
         )
     if "\0" in value:
-        raise ConfigError(f"{key}: a path cannot contain a NUL character, got {value!r}")
+        raise ConfigError(f"{key}: a path cannot contain a NUL character, got {show(value)}")
     return value if value.strip() else None
 
 
@@ -177,12 +231,12 @@ def parse_age(text: str, option: str) -> float:
     m = _AGE_RE.match(text)
     if not m or m.group(2).lower() not in ("", *_AGE_UNITS):
         raise ConfigError(
-            f"{option}: cannot parse age {text!r}; expected a number with a unit s, m, h, d or w, e.g. 7d"
+            f"{option}: cannot parse age {show(text)}; expected a number with a unit s, m, h, d or w, e.g. 7d"
         )
     value, unit = float(m.group(1)), m.group(2).lower()
     if not unit and value != 0:
         raise ConfigError(
-            f"{option}: {text!r} has no unit; write {m.group(1)}d for days, {m.group(1)}h "
+            f"{option}: {show(text)} has no unit; write {m.group(1)}d for days, {m.group(1)}h "
             f"for hours, {m.group(1)}m for minutes or {m.group(1)}s for seconds"
         )
     return value * _AGE_UNITS[unit or "s"]

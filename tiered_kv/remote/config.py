@@ -7,12 +7,16 @@ never part of it: they come from the standard AWS chain (environment, shared cre
 and config files with an optional profile, container or instance roles), so the config
 can be echoed and logged whole.
 
-Every error names the key, the bad value and what is expected. Every duration has a
-finite upper bound (``DURATION_LIMITS``), and the prefix is short enough that the
-longest object key (``longest_key``) stays within S3's 1024-byte limit.
+Every error names the key, the bad value (``show``: never what looks like a key) and
+what is expected. Every duration has a finite upper bound (``DURATION_LIMITS``), and the
+prefix is short enough that the longest object key (``longest_key``) stays within S3's
+1024-byte limit.
 
 The fleet key is never part of the config either: ``key_file`` names a file and
-``key_env`` an environment variable that hold it (``tiered_kv.remote.keys``).
+``key_env`` an environment variable that hold it (``tiered_kv.remote.keys``). A value
+that looks like a key (``config_values.looks_like_key``), pasted into those or any other
+setting, is refused without being echoed: the config is printed whole (``tiered-kv
+doctor --json``, ``to_dict``), and its values appear in messages and logs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from tiered_kv.config_values import CHECKSUMS, DEFAULT_CHECKSUM, ConfigError, parse_size
+from tiered_kv.config_values import CHECKSUMS, DEFAULT_CHECKSUM, ConfigError, looks_like_key, parse_size, show
 
 #: What the shared tier receives: every block the CPU tier stores (``write_through``), or
 #: only the blocks the local tiers evict (``evictions``).
@@ -75,17 +79,17 @@ def parse_duration(value: Any, key: str, limit: float = math.inf) -> float:
     """Seconds from a number or a string such as ``"500ms"``, ``"2s"``, ``"1m"``; > 0
     and at most ``limit``."""
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a duration such as 2s or 500ms, got {value!r}")
+        raise ConfigError(f"{key}: expected a duration such as 2s or 500ms, got {show(value)}")
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str) and (m := _DURATION_RE.match(value)):
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     else:
-        raise ConfigError(f"{key}: expected a duration such as 2s or 500ms (or a number of seconds), got {value!r}")
+        raise ConfigError(f"{key}: expected a duration such as 2s or 500ms (or a number of seconds), got {show(value)}")
     if not seconds > 0:
-        raise ConfigError(f"{key}: duration must be positive, got {value!r}")
+        raise ConfigError(f"{key}: duration must be positive, got {show(value)}")
     if not seconds <= limit:
-        raise ConfigError(f"{key}: duration must be at most {limit:g}s, got {value!r}")
+        raise ConfigError(f"{key}: duration must be at most {limit:g}s, got {show(value)}")
     return seconds
 
 
@@ -96,18 +100,18 @@ def _bounded_duration(value: Any, key: str) -> float:
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
     if isinstance(value, str) and value.strip().lower() in choices:
         return value.strip().lower()
-    raise ConfigError(f"{key}: expected one of {', '.join(choices)}; got {value!r}")
+    raise ConfigError(f"{key}: expected one of {', '.join(choices)}; got {show(value)}")
 
 
 def _int_in(value: Any, key: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{key}: expected an integer in {low}..{high}, got {value!r}")
+        raise ConfigError(f"{key}: expected an integer in {low}..{high}, got {show(value)}")
     try:
         n = int(value)
     except ValueError:
-        raise ConfigError(f"{key}: expected an integer in {low}..{high}, got {value!r}") from None
+        raise ConfigError(f"{key}: expected an integer in {low}..{high}, got {show(value)}") from None
     if not low <= n <= high:
-        raise ConfigError(f"{key}: expected an integer in {low}..{high}, got {value!r}")
+        raise ConfigError(f"{key}: expected an integer in {low}..{high}, got {show(value)}")
     return n
 
 
@@ -115,24 +119,26 @@ def _endpoint(value: Any, key: str) -> str | None:
     if value in (None, ""):
         return None
     if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a URL such as http://127.0.0.1:7480, got {value!r}")
+        raise ConfigError(f"{key}: expected a URL such as http://127.0.0.1:7480, got {show(value)}")
     parts = urlsplit(value.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{key}: expected an http:// or https:// URL such as http://127.0.0.1:7480, got {value!r}")
+        raise ConfigError(
+            f"{key}: expected an http:// or https:// URL such as http://127.0.0.1:7480, got {show(value)}"
+        )
     if parts.username or parts.password:
-        # Never echo the value: it holds a secret.
+        # Never echo the value: it holds a secret (which need not look like a key).
         raise ConfigError(
             f"{key}: the URL must not carry credentials (user:secret@host); they come from "
             "the AWS environment, profile or credentials file"
         )
     if parts.query or parts.fragment or parts.path not in ("", "/"):
         raise ConfigError(
-            f"{key}: expected scheme://host[:port] only (the bucket and prefix have their own keys), got {value!r}"
+            f"{key}: expected scheme://host[:port] only (the bucket and prefix have their own keys), got {show(value)}"
         )
     try:
         _ = parts.port  # parsed on access: a bad port raises here
     except ValueError:
-        raise ConfigError(f"{key}: bad port in {value!r}") from None
+        raise ConfigError(f"{key}: bad port in {show(value)}") from None
     return f"{parts.scheme}://{parts.netloc}"
 
 
@@ -140,7 +146,7 @@ def _bucket(value: Any, key: str) -> str:
     if not isinstance(value, str) or not _BUCKET_RE.match(value) or ".." in value:
         raise ConfigError(
             f"{key}: expected an S3 bucket name (3-63 characters: lower-case letters, digits, "
-            f"'.' and '-', starting and ending with a letter or digit), got {value!r}"
+            f"'.' and '-', starting and ending with a letter or digit), got {show(value)}"
         )
     return value
 
@@ -150,7 +156,7 @@ def _prefix(value: Any, key: str) -> str:
     if not text or not _PREFIX_RE.match(text) or any(p in (".", "..") for p in text.split("/")):
         raise ConfigError(
             f"{key}: expected a key prefix such as 'tiered-kv' or 'team/kv' (letters, digits, "
-            f"'.', '_', '-', segments joined by '/'), got {value!r}"
+            f"'.', '_', '-', segments joined by '/'), got {show(value)}"
         )
     if longest_key(text) > S3_MAX_KEY_BYTES:
         raise ConfigError(
@@ -164,7 +170,7 @@ def _prefix(value: Any, key: str) -> str:
 def _pending_bytes(value: Any, key: str) -> int:
     n = parse_size(value, key)
     if n > MAX_PENDING_UPLOAD_BYTES:
-        raise ConfigError(f"{key}: at most {MAX_PENDING_UPLOAD_BYTES // 1024**3}GiB of host memory, got {value!r}")
+        raise ConfigError(f"{key}: at most {MAX_PENDING_UPLOAD_BYTES // 1024**3}GiB of host memory, got {show(value)}")
     return n
 
 
@@ -172,7 +178,7 @@ def _host_port(value: Any, key: str) -> str:
     text = value.strip() if isinstance(value, str) else ""
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in text):
-        raise ConfigError(f"{key}: expected host:port such as 127.0.0.1:50051, got {value!r}")
+        raise ConfigError(f"{key}: expected host:port such as 127.0.0.1:50051, got {show(value)}")
     return text
 
 
@@ -183,7 +189,7 @@ def _metadata_server(value: Any, key: str) -> str:
         return text
     raise ConfigError(
         f"{key}: expected the metadata server's URL such as http://127.0.0.1:8080/metadata "
-        f"(or etcd://host:port, or P2PHANDSHAKE), got {value!r}"
+        f"(or etcd://host:port, or P2PHANDSHAKE), got {show(value)}"
     )
 
 
@@ -191,14 +197,14 @@ def _bool(value: Any, key: str) -> bool:
     # A JSON boolean only: "yes" for trusted_bucket must not switch off authentication.
     if isinstance(value, bool):
         return value
-    raise ConfigError(f"{key}: expected true or false (a JSON boolean), got {value!r}")
+    raise ConfigError(f"{key}: expected true or false (a JSON boolean), got {show(value)}")
 
 
 def _path(value: Any, key: str) -> str | None:
     if value in (None, ""):
         return None
     if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a file path, got {value!r}")
+        raise ConfigError(f"{key}: expected a file path, got {show(value)}")
     return os.path.expanduser(value)
 
 
@@ -206,7 +212,8 @@ def _env_name(value: Any, key: str) -> str | None:
     if value in (None, ""):
         return None
     if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        # Never echo a value that is not a variable name: it may be the key itself.
+        # Never echo a value that is not a variable name: it may be the key itself, in
+        # a form ``looks_like_key`` does not know.
         raise ConfigError(
             f"{key}: expected the name of an environment variable (letters, digits, '_'), such as "
             "TIERED_KV_FLEET_KEY; the key itself never goes in the config"
@@ -218,8 +225,30 @@ def _optional_name(value: Any, key: str) -> str | None:
     if value in (None, ""):
         return None
     if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
-        raise ConfigError(f"{key}: expected a name without spaces, got {value!r}")
+        raise ConfigError(f"{key}: expected a name without spaces, got {show(value)}")
     return value.strip()
+
+
+#: What a setting whose value looks like a key expects instead (the value is not shown:
+#: a message goes to terminals and logs).
+_KEY_PASTED = {
+    "key_file": (
+        "expected the path of a file holding the fleet key, got a value that looks like a key "
+        "itself (not shown); the key itself never goes in the config: write it to a file "
+        "(chmod 600) and name that file here, or name an environment variable holding it in "
+        "key_env. (A path is taken for a key where it runs 64 hex digits, or 43 letters and "
+        "digits in mixed case, without a '.' in between: rename such a file)"
+    ),
+    "key_env": (
+        "expected the name of an environment variable holding the fleet key, such as "
+        "TIERED_KV_FLEET_KEY, got a value that looks like a key itself (not shown); the key "
+        "itself never goes in the config: export it in that variable and name the variable here"
+    ),
+    "": (
+        "got a value that looks like a key (not shown); the fleet key never goes in the "
+        "config: name a file holding it (key_file) or an environment variable (key_env)"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -351,9 +380,11 @@ class RemoteConfig:
             if key not in known:
                 close = difflib.get_close_matches(str(key), known, n=1)
                 hint = f"; did you mean {key_prefix}{close[0]!r}?" if close else ""
-                raise ConfigError(f"unknown config key {key_prefix}{key!r}{hint} Known keys: {', '.join(known)}")
+                raise ConfigError(f"unknown config key {key_prefix}{show(key)}{hint} Known keys: {', '.join(known)}")
             if key == "bucket" and value == "":  # unset (``to_dict`` of a mooncake config)
                 continue
+            if looks_like_key(value):
+                raise ConfigError(f"{key_prefix}{key}: {_KEY_PASTED.get(key, _KEY_PASTED[''])}")
             values[key] = cls._PARSERS[key](value, key_prefix + key)
         if values.get("backend", "s3") == "s3" and "bucket" not in values:
             raise ConfigError(f"{key_prefix}bucket: required (the S3 bucket every node of the fleet shares)")

@@ -4,7 +4,15 @@ Runs in every process that opens the shared tier (each worker, the scheduler, th
 inspector); its only I/O is reading the key file named by ``remote.key_file`` or the
 environment variable named by ``remote.key_env``, once, at start-up. A key never
 appears in the config, in a message or in a log line: messages name the file or the
-variable, and a key by its id.
+variable (or not even that, where the name itself looks like a key:
+``config_values.redact``), and a key by its id.
+
+The key file must be a regular file (the path may be a symbolic link to one, as the
+secrets Kubernetes mounts are). Whatever else is there is refused with what it is, before
+a read can block: a FIFO would hang every process that opens the tier, a device could
+stream without end. So it is stat'ed first, opened with ``O_NONBLOCK`` (a FIFO swapped in
+after the stat then opens at once), and checked again with ``fstat`` on what was opened;
+it is read up to ``MAX_KEY_FILE_BYTES``.
 
 A key is 32 random bytes, written as 64 hex digits or as base64 (e.g. ``openssl rand
 -hex 32``). A key file or variable may hold several, one per line (or separated by
@@ -29,12 +37,13 @@ import binascii
 import logging
 import os
 import re
+import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tiered_kv.config_values import ConfigError
+from tiered_kv.config_values import ConfigError, redact
 from tiered_kv.remote.config import RemoteConfig
 
 if TYPE_CHECKING:  # cryptography is imported where a key is used
@@ -202,27 +211,59 @@ def parse_keys(text: str, where: str) -> list[bytes]:
     return [_decode(t, where, n + 1) for n, t in enumerate(tokens)]
 
 
+def _not_regular(path: str, where: str) -> FleetKeyError:
+    from tiered_kv.disk.format.safe_open import describe  # the disk package loads torch: on failure only
+
+    real = os.path.realpath(path)
+    # What the path ends at: a link to a FIFO is a FIFO to whoever opens it.
+    what = describe(real)
+    leads = "" if real == os.path.abspath(path) else f" (the link leads to {redact(real)})"
+    return FleetKeyError(
+        f"{where}: is {what}{leads}, not a regular file; expected the path of a file holding the fleet key "
+        "(e.g. openssl rand -hex 32 > FILE; chmod 600 FILE)"
+    )
+
+
+def _read_key_file(path: str, where: str) -> tuple[str, os.stat_result]:
+    """The text of the key file at ``path`` and its ``fstat``; ``FleetKeyError`` naming
+    ``where`` for anything but a readable regular file of at most ``MAX_KEY_FILE_BYTES``."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise _not_regular(path, where)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FleetKeyError(f"{where}: cannot be read ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, where)
+        if st.st_size > MAX_KEY_FILE_BYTES:
+            raise FleetKeyError(f"{where}: {st.st_size} bytes; a key file holds a few keys (at most 64 KiB)")
+        chunks, left = [], MAX_KEY_FILE_BYTES
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as e:
+        raise FleetKeyError(f"{where}: cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("ascii", errors="replace"), st
+
+
 def load_keyring(config: RemoteConfig) -> Keyring | None:
     """The config's keyring; None when ``trusted_bucket`` is set and no key is named
     (a warning, at every start). ``FleetKeyError`` when no key is named and the bucket is
     not declared trusted, or the named key cannot be read."""
     if config.key_file is not None:
-        where = f"remote.key_file {config.key_file}"
-        try:
-            st = os.stat(config.key_file)
-            if st.st_size > MAX_KEY_FILE_BYTES:
-                raise FleetKeyError(f"{where}: {st.st_size} bytes; a key file holds a few keys (at most 64 KiB)")
-            with open(config.key_file, encoding="ascii", errors="replace") as f:
-                text = f.read(MAX_KEY_FILE_BYTES)
-        except OSError as e:
-            raise FleetKeyError(f"{where}: cannot be read ({e.strerror or e})") from None
+        where = f"remote.key_file {redact(config.key_file)}"
+        text, st = _read_key_file(config.key_file, where)
         if st.st_mode & 0o077:
             logger.warning(
                 "shared tier: %s is readable by other users (mode %o); chmod 600 it", where, st.st_mode & 0o777
             )
         return Keyring(parse_keys(text, where))
     if config.key_env is not None:
-        where = f"remote.key_env: environment variable {config.key_env}"
+        where = f"remote.key_env: environment variable {redact(config.key_env)}"
         value = os.environ.get(config.key_env)
         if not value:
             raise FleetKeyError(f"{where} is not set or empty")
