@@ -16,7 +16,9 @@ this adapter adds is what vLLM's contract demands and ours did not:
   stepping), MISS (the check failed: the chunk is dropped there and recomputed) or
   RETRY (the tier is still finding out whether it holds the chunk, e.g. the shared
   tier's HEAD probes: vLLM asks again next step, and unlike HIT_PENDING it never counts
-  as a hit). A check passed counts for one load (``prepare_load`` consumes it).
+  as a hit). A check passed counts for one load (``prepare_load`` consumes it); a
+  chunk another request's load is reading from a lower tier is HIT_PENDING until that
+  load ends, so requests sharing a prefix wait for its one load (no convoy, no reread).
 - **A failed worker job must not make garbage loadable.** vLLM always calls
   ``complete_store``/``complete_load`` with success. Our worker reports every job done
   and marks the CPU slots of a job that failed in the shared ``SlotHealth`` map before
@@ -284,6 +286,14 @@ class TieredVllmManager(OffloadingManager, Closing):
         for i in range(len(self.checks) if tier is None else tier + 1):
             asked[i + 1] += 1
         if tier is not None:
+            if tier >= 0 and key in self._open_loads:
+                # Being loaded from this tier for another request, and that load consumed
+                # the check: asking it again would start a second verifying read of a
+                # chunk on its way. vLLM 0.33 defers a request whose chunks are being
+                # loaded anyway and then serves it from its GPU prefix cache (without
+                # prefix caching, from the CPU copy the load promotes): it waits for the
+                # one load, never reads the chunk again.
+                return _HIT_PENDING
             state = self.checks[tier].lookup(key)
             return _HIT if state is _CHECK_HIT else _RESULTS[state]
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
