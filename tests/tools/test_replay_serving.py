@@ -1,0 +1,179 @@
+"""``tools/replay_serving.py``: the serving replay's clock against hand-computed times (a
+request alone, two that queue, a load behind the bytes ahead of it on the tier), what
+each configuration reads, who wins under load on a slow-ish and on a very slow tier,
+and the table the command prints."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.kv_offload.base", reason="vLLM is not installed (make venv installs it)", exc_type=ImportError
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import replay_serving  # noqa: E402
+from replay_serving import run_config  # noqa: E402
+from replay_serving_sim import Arrival, Channel, EngineConfig, Events, GpuModel  # noqa: E402
+from replay_serving_stack import TierModel  # noqa: E402
+from replay_serving_workloads import arrivals, estimate_work, generated, time_scale  # noqa: E402
+from vllm.v1.kv_offload.base import make_offload_key  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+GPU = GpuModel()
+BLOCK = 512
+BPB = BLOCK * GPU.kv_bytes_per_token  # 64 MiB a chunk
+PEAK = GPU.mfu * GPU.peak_tflops * 1e12  # FLOP/s
+
+
+def keys(*ids: int) -> list:
+    return [make_offload_key(i.to_bytes(8, "big"), 0) for i in ids]
+
+
+def prefill_s(tokens: int, context: int = 0) -> float:
+    """One step's forward pass, summed token by token: the weights' 2 FLOPs per parameter
+    and attention over every earlier token and itself (4 x layers x hidden per pair)."""
+    flops = 0.0
+    for p in range(context + 1, context + tokens + 1):
+        flops += 2 * GPU.params + 4 * GPU.layers * GPU.hidden * p
+    return GPU.step_overhead_s + flops / PEAK
+
+
+def test_one_request_alone_waits_for_its_prefill_with_attention_and_nothing_else():
+    tier = TierModel("disk", 3.0, 0.0, True)
+    n = 16 * BLOCK + 300
+    alone = [Arrival(0.0, n, keys(*range(1, 17)))]
+    out = run_config("cost-aware", alone, GPU, EngineConfig(device_blocks=64, token_budget=16384), tier, 16, 64)
+    assert out.ttft == [pytest.approx(prefill_s(n), rel=1e-9)]
+    # Attention adds a seventh to this 8,492-token prefill: the linear estimate misses it.
+    assert prefill_s(n) > 1.1 * (GPU.step_overhead_s + n / GPU.linear_tokens_per_s)
+    # Chunked into 4,096-token steps: each chunk attends to the context before it.
+    out = run_config("recompute", alone, GPU, EngineConfig(device_blocks=64, token_budget=4096), tier, 16, 64)
+    steps = [(4096, 0), (4096, 4096), (n - 8192, 8192)]
+    assert out.ttft == [pytest.approx(sum(prefill_s(t, c) for t, c in steps), rel=1e-9)]
+    assert out.steps == 3 and out.busy_s == pytest.approx(out.ttft[0], rel=1e-9)
+
+
+def test_two_requests_arriving_together_queue_behind_each_other():
+    tier = TierModel("disk", 3.0, 0.0, True)
+    both = [Arrival(0.0, 8192, keys(*range(1, 17))), Arrival(0.0, 8192, keys(*range(101, 117)))]
+    out = run_config("recompute", both, GPU, EngineConfig(device_blocks=64, token_budget=8192), tier, 64, 64)
+    assert out.ttft[0] == pytest.approx(prefill_s(8192), rel=1e-9)
+    assert out.ttft[1] == pytest.approx(2 * prefill_s(8192), rel=1e-9)
+
+
+def test_the_channel_serves_jobs_in_order_each_after_the_bytes_ahead_of_it():
+    events = Events()
+    ch = Channel(events, gbps=1.0, latency_s=0.01)
+    ends: dict[str, tuple[float, float]] = {}
+    ch.submit(3_000_000_000, "write", lambda s, e: ends.__setitem__("write", (s, e)))
+    events.run_until(1.0)
+    ch.submit(1_000_000_000, "read", lambda s, e: ends.__setitem__("load", (s, e)))
+    events.run_until(10.0)
+    assert ends["write"] == pytest.approx((0.0, 3.01))
+    assert ends["load"] == pytest.approx((3.01, 4.02))  # queued at 1 s, started once the write ended
+    assert ch.bytes == {"write": 3_000_000_000, "read": 1_000_000_000}
+
+
+def _disk_replay(with_writer: bool):
+    """A document (4 chunks) computed, pushed out of a 4-chunk CPU tier onto a 1 GB/s disk
+    by another, then asked for again; ``with_writer``: a third request's write-through
+    copies reach the disk 200 ms before the repeat arrives."""
+    w1, w2, repeat = keys(1, 2, 3, 4), keys(11, 12, 13, 14), keys(1, 2, 3, 4)
+    reqs = [Arrival(0.0, 4 * BLOCK + 100, w1), Arrival(10.0, 4 * BLOCK + 100, w2)]
+    if with_writer:
+        reqs.append(Arrival(19.8, 4 * BLOCK + 100, keys(21, 22, 23, 24)))
+    reqs.append(Arrival(20.0, 4 * BLOCK + 100, repeat))
+    tier = TierModel("disk", 1.0, 0.001, True)
+    return run_config("always", reqs, GPU, EngineConfig(device_blocks=1), tier, cpu_blocks=4, lower_blocks=64)
+
+
+def test_a_disk_hit_is_read_back_then_loaded_and_a_load_waits_behind_the_bytes_ahead_of_it():
+    read = 0.001 + BPB / 1e9  # one chunk's hit-check read: latency + 64 MiB at 1 GB/s
+    load = 0.001 + 4 * BPB / 1e9 + 4 * BPB / 50e9  # disk -> CPU (promoted), then CPU -> GPU
+    expected = 4 * read + load + prefill_s(100, 4 * BLOCK)  # then the partial tail
+    quiet = _disk_replay(with_writer=False)
+    assert quiet.ttft[-1] == pytest.approx(expected, rel=1e-9)
+    assert quiet.tokens["tier"] == 4 * BLOCK
+    assert quiet.channel_bytes["tier"]["verify"] == quiet.channel_bytes["tier"]["read"] == 4 * BPB
+    busy = _disk_replay(with_writer=True)
+    # The writer's 4 chunks: computed in one step, copied to CPU, then written to the
+    # disk, which is still busy with them when the repeat's hit-check reads queue.
+    write_end = 19.8 + prefill_s(4 * BLOCK + 100) + 4 * BPB / 50e9 + 0.001 + 4 * BPB / 1e9
+    assert write_end > 20.0
+    assert busy.ttft[-1] == pytest.approx(write_end - 20.0 + expected, rel=1e-9)
+
+
+def test_recompute_never_touches_a_lower_tier_and_always_reads_what_it_finds():
+    reqs = _disk_replay_requests()
+    tier = TierModel("disk", 2.0, 0.0, True)
+    engine = EngineConfig(device_blocks=2)
+    recompute = run_config("recompute", reqs, GPU, engine, tier, 8, 64)
+    always = run_config("always", reqs, GPU, engine, tier, 8, 64)
+    assert not recompute.channel_bytes["tier"] and recompute.tokens["tier"] == 0
+    assert not recompute.tier_stats.get("disk", {}).get("hits", 0)
+    assert always.tokens["tier"] > 0 and always.channel_bytes["tier"]["read"] > 0
+
+
+def _disk_replay_requests() -> list[Arrival]:
+    """Three documents of 6 chunks, asked for in turn and again, 1 s apart."""
+    docs = [keys(*range(10 * d, 10 * d + 6)) for d in (1, 2, 3)]
+    return [Arrival(float(i), 6 * BLOCK + 50, docs[i % 3]) for i in range(9)]
+
+
+@pytest.fixture(scope="module")
+def loaded_long_context():
+    """Sixty long-context requests, arrivals scaled to 0.9 of the GPU, a small CPU tier."""
+    stream = generated("long-context", seed=0, requests=60)
+    engine = EngineConfig(device_blocks=1024)
+    work = estimate_work(stream, GPU, engine.device_blocks, 400, engine.token_budget)
+    return arrivals(stream, time_scale(stream, work, 0.9)), engine
+
+
+@pytest.mark.parametrize(("gbps", "always_wins"), [(3.0, True), (0.3, False)])
+def test_under_load_loading_from_a_slow_ish_tier_beats_recomputing_and_from_a_very_slow_one_loses(
+    loaded_long_context, gbps, always_wins
+):
+    """At 3 GB/s a disk is below break-even by the linear estimate (4 GB/s), yet with
+    the GPU queue the bottleneck loading still shortens mean TTFT; at 0.3 GB/s the tier,
+    written and read by everything, is the bottleneck instead."""
+    reqs, engine = loaded_long_context
+    tier = TierModel("disk", gbps, 0.0001, True)
+    always = run_config("always", reqs, GPU, engine, tier, 400, 20_000)
+    recompute = run_config("recompute", reqs, GPU, engine, tier, 400, 20_000)
+    mean = lambda r: sum(r.ttft) / len(r.ttft)  # noqa: E731
+    assert recompute.busy_s / recompute.span_s > 0.75
+    if always_wins:
+        assert mean(always) < 0.9 * mean(recompute)
+    else:
+        assert mean(always) > 2 * mean(recompute)
+
+
+def test_the_command_prints_one_row_per_configuration(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {
+            "timestamp": 1000 * i,
+            "input_length": 3 * 512 + 40 + 40 * i,
+            "output_length": 8,
+            "hash_ids": [1, 2, 3, 100 + i],
+        }
+        for i in range(12)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--trace", str(trace), "--utilisation", "0.8", "--tier-gbps", "2", "--slo-ms", "300"]
+    assert replay_serving.main([*argv, "--cpu-tokens", "1024", "--device-tokens", "512"]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert "mean TTFT ms" in table[0] and "p90 TTFT ms" in table[0] and "goodput @ 300 ms" in table[0]
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["always", "recompute", "cost-aware"]
+    assert "12 requests" in out
+    with pytest.raises(SystemExit):
+        replay_serving.main([*argv, "--configs", "sometimes"])
+    assert "--configs" in capsys.readouterr().err

@@ -1,0 +1,270 @@
+#!/usr/bin/env python
+"""TTFT under load: a serving replay with time, through the product's own managers.
+
+Requests arrive at a trace's timestamps (a Mooncake FAST'25 trace) or as a Poisson
+process (a generated workload), their gaps scaled so that the GPU is about
+``--utilisation`` busy in the ``recompute`` configuration. One prefill GPU steps as vLLM
+0.33's scheduler does (token budget per step, chunked prefill, a waiting queue, async
+loads), its prefill time per step from the model's FLOPs with attention at a stated
+MFU; the CPU link and the lower tier are first-in first-out I/O channels that loads,
+hit-check reads and writes share (``replay_serving_sim``). The managers are the
+product's, driven through ``TieredVllmManager`` in vLLM 0.33's call order
+(``replay_serving_stack`` says what is the product's code and what is modelled).
+Configurations, on the same arrivals:
+
+- ``always``: CPU tier over the lower tier, every chunk found loaded (cost-aware off);
+- ``recompute``: the CPU tier alone: lower tiers never loaded (nor written);
+- ``cost-aware``: CPU over the lower tier with the product's decision, seeded from its
+  priors (``PRIOR_GBPS``: disk 6, shared 1 GB/s; prefill estimated at its assumed 50%
+  MFU, attention ignored) and fed the transfers and forward passes the replay
+  simulates, as the workers' timings feed it.
+
+Prints a markdown table per run: TTFT mean, p50, p90, p99 (ms), goodput (share of
+requests with TTFT <= ``--slo-ms``), GPU busy share (step time over the span from the
+first arrival to the last first token), prompt tokens by source, and GB read and
+written per tier (the lower tier's reads split into loads and hit-check reads).
+
+    python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
+        --utilisation 0.9 --tier-gbps 3
+    python tools/replay_serving.py --workload long-context --utilisation 0.7 --tier-gbps 1 --tier shared
+
+Runs in one process; reads the trace; each configuration's lower tier keeps an index
+under a temporary directory (``--scratch``), removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from benchlib import md_table  # noqa: E402
+from replay_serving_sim import Arrival, Channel, Engine, EngineConfig, Events, GpuModel, RunResult  # noqa: E402
+from replay_serving_stack import CONFIGS, TierModel, build_stack  # noqa: E402
+from replay_serving_workloads import (  # noqa: E402
+    GENERATED,
+    TOKENS_PER_BLOCK,
+    Stream,
+    arrivals,
+    estimate_work,
+    generated,
+    mooncake,
+    time_scale,
+)
+
+from tiered_kv.cost import ASSUMED_MFU  # noqa: E402
+
+#: The Mooncake paper's local cache (3M tokens) and the device cache of earlier replays.
+CPU_TOKENS = 3_000_000
+DEVICE_TOKENS = 512 * 1024
+#: The lower tier holds the working set, with room to spare.
+LOWER_FRACTION = 1.25
+LATENCY_MS = {"disk": 0.1, "shared": 5.0}
+
+
+def run_config(
+    config: str,
+    reqs: Sequence[Arrival],
+    gpu: GpuModel,
+    engine: EngineConfig,
+    tier: TierModel,
+    cpu_blocks: int,
+    lower_blocks: int,
+    scratch: Path | None = None,
+) -> RunResult:
+    """One configuration (``CONFIGS``) over ``reqs``."""
+    events = Events()
+    channel = Channel(events, tier.gbps, tier.latency_s)
+    bpb = gpu.kv_bytes_per_token * engine.tokens_per_block
+
+    def verify_read(key: bytes, slot: int, done) -> None:
+        channel.submit(bpb, "verify", lambda start, end: done())
+
+    stack = build_stack(
+        config,
+        tier,
+        cpu_blocks=cpu_blocks,
+        lower_blocks=lower_blocks,
+        tokens_per_block=engine.tokens_per_block,
+        bytes_per_block=bpb,
+        # The product's own estimate: its assumed MFU, attention ignored.
+        prefill_tokens_per_s=ASSUMED_MFU * gpu.peak_tflops * 1e12 / (2 * gpu.params),
+        clock=lambda: events.now,
+        verify_read=verify_read,
+        scratch=scratch,
+    )
+    try:
+        return Engine(reqs, stack, events, channel, gpu, engine).run()
+    finally:
+        stack.close()
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.0f}" if n >= 10e9 else f"{n / 1e9:.1f}"
+
+
+def table(results: Sequence[RunResult], tier: TierModel, slo_s: float) -> str:
+    """The markdown table of ``results`` (module docstring)."""
+    name = tier.name
+    headers = [
+        "config",
+        "mean TTFT ms",
+        "p50 TTFT ms",
+        "p90 TTFT ms",
+        "p99 TTFT ms",
+        f"goodput @ {slo_s * 1e3:g} ms",
+        "GPU busy",
+        f"tokens GPU / CPU / {name} / computed %",
+        f"{name} GB read (hit checks)",
+        f"{name} GB written",
+        "CPU GB read",
+        "CPU GB written",
+    ]
+    rows = []
+    for r in results:
+        t = np.asarray(r.ttft) * 1e3
+        p50, p90, p99 = np.percentile(t, [50, 90, 99])
+        total = sum(r.tokens.values())
+        shares = " / ".join(f"{100 * r.tokens[k] / total:.0f}" for k in ("GPU", "CPU", "tier", "computed"))
+        lower = r.channel_bytes["tier"]
+        rows.append(
+            [
+                r.config,
+                f"{t.mean():,.0f}",
+                f"{p50:,.0f}",
+                f"{p90:,.0f}",
+                f"{p99:,.0f}",
+                f"{np.mean(t <= slo_s * 1e3):.3f}",
+                f"{r.busy_s / r.span_s:.2f}",
+                shares,
+                f"{_gb(lower['read'] + lower['verify'])} ({_gb(lower['verify'])})",
+                _gb(lower["write"]),
+                _gb(r.channel_bytes["CPU->GPU"]["read"]),
+                _gb(r.channel_bytes["GPU->CPU"]["write"]),
+            ]
+        )
+    return md_table(headers, rows, left=1)
+
+
+def notes(results: Sequence[RunResult], tier: TierModel) -> list[str]:
+    """What the decision ended up believing, and how often requests waited a step."""
+    out = []
+    for r in results:
+        line = f"- {r.config}: {r.steps:,} steps, {r.deferred:,} deferred lookups"
+        stats = r.tier_stats.get(tier.name, {})
+        if r.config == "cost-aware" and r.costs:
+            est = r.costs["tiers"].get(tier.name, {})
+            line += (
+                f"; final estimates {tier.name} {est.get('gbps', math.nan):.2f} GB/s ({est.get('samples', 0)} samples), "
+                f"prefill {r.costs['prefill_tokens_per_s']:,.0f} tokens/s ({r.costs['prefill_source']}); "
+                f"{stats.get('skipped_slower_than_recompute', 0):,} {tier.name} chunks passed over, "
+                f"{stats.get('probes', 0):,} probes"
+            )
+        if r.config != "recompute":
+            line += f"; {tier.name} writes dropped (back-pressure) {stats.get('drops', 0):,}"
+        out.append(line)
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", type=Path, help="a Mooncake FAST'25 trace (jsonl)")
+    src.add_argument("--workload", choices=GENERATED, help="a generated workload, Poisson arrivals")
+    p.add_argument("--utilisation", type=float, default=0.7, help="target GPU busy share of recompute (default 0.7)")
+    p.add_argument("--tier-gbps", type=float, default=3.0, help="lower tier GB/s, reads and writes (default 3)")
+    p.add_argument("--tier", choices=("disk", "shared"), default="disk", help="which product tier (default disk)")
+    p.add_argument("--tier-latency-ms", type=float, help="per job (default: disk 0.1, shared 5)")
+    p.add_argument(
+        "--verify",
+        choices=("auto", "read", "none"),
+        default="auto",
+        help="hit check before a lower-tier hit: read the chunk back first, or not\n"
+        "(auto: the disk tier reads, the shared tier under this project's connector does not)",
+    )
+    p.add_argument("--slo-ms", type=float, default=5000.0, help="TTFT SLO of the goodput column (default 5000)")
+    p.add_argument("--limit", type=int, help="the first N requests only")
+    p.add_argument("--requests", type=int, help="generated workloads: request count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--token-budget", type=int, default=8192, help="tokens per step (default 8192)")
+    p.add_argument("--max-seqs", type=int, default=256)
+    p.add_argument("--device-tokens", type=int, default=DEVICE_TOKENS, help="GPU KV and prefix cache (default 512Ki)")
+    p.add_argument("--cpu-tokens", type=int, default=CPU_TOKENS, help="CPU tier (default 3M: the paper's local cache)")
+    p.add_argument("--lower-tokens", type=int, help=f"lower tier (default {LOWER_FRACTION} x the working set)")
+    p.add_argument("--cpu-gbps", type=float, default=50.0, help="CPU <-> GPU each way (default 50)")
+    p.add_argument("--mfu", type=float, default=0.5, help="prefill's true MFU in the simulation (default 0.5)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 (default 989: H100 SXM)")
+    p.add_argument("--params", type=float, default=8.03e9, help="model parameters (default Llama-3.1-8B)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096, help="attention width: heads x head dim")
+    p.add_argument("--kv-bytes-per-token", type=int, default=131_072)
+    p.add_argument("--step-overhead-ms", type=float, default=2.0, help="fixed cost per step (default 2)")
+    p.add_argument("--scratch", type=Path, help="where the lower tier's index lives while it runs")
+    args = p.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not configs:
+        p.error(f"--configs: {bad or 'none'}; expected some of {', '.join(CONFIGS)}")
+    args.configs = configs
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    stream: Stream = mooncake(args.trace) if args.trace else generated(args.workload, args.seed, args.requests)
+    stream = stream.head(args.limit)
+    gpu = GpuModel(
+        args.params,
+        args.layers,
+        args.hidden,
+        args.kv_bytes_per_token,
+        args.mfu,
+        args.peak_tflops,
+        args.step_overhead_ms / 1e3,
+    )
+    engine = EngineConfig(
+        max(1, args.device_tokens // TOKENS_PER_BLOCK), args.token_budget, args.max_seqs, args.cpu_gbps
+    )
+    latency = args.tier_latency_ms if args.tier_latency_ms is not None else LATENCY_MS[args.tier]
+    verify = args.tier == "disk" if args.verify == "auto" else args.verify == "read"
+    tier = TierModel(args.tier, args.tier_gbps, latency / 1e3, verify)
+    cpu_blocks = max(1, args.cpu_tokens // TOKENS_PER_BLOCK)
+    ws = stream.working_set
+    lower_blocks = max(
+        1, args.lower_tokens // TOKENS_PER_BLOCK if args.lower_tokens else math.ceil(LOWER_FRACTION * ws)
+    )
+    work = estimate_work(stream, gpu, engine.device_blocks, cpu_blocks, engine.token_budget)
+    factor = time_scale(stream, work, args.utilisation)
+    reqs = arrivals(stream, factor)
+    results = [run_config(c, reqs, gpu, engine, tier, cpu_blocks, lower_blocks, args.scratch) for c in args.configs]
+    bpb = gpu.kv_bytes_per_token * TOKENS_PER_BLOCK
+    print(
+        f"{stream.name}: {len(reqs):,} requests, {sum(stream.tokens) / len(reqs):,.0f} prompt tokens on average "
+        f"(token-weighted {sum(t * t for t in stream.tokens) / sum(stream.tokens):,.0f}, longest "
+        f"{max(stream.tokens):,}); working set {ws:,} chunks of {TOKENS_PER_BLOCK} tokens ({bpb / 2**20:g} MiB)\n"
+        f"arrivals x{factor:.3g} (span {reqs[-1].time:,.0f} s) for {args.utilisation:g} GPU utilisation of "
+        f"recompute (estimated work {work:,.0f} s); prefill {gpu.linear_tokens_per_s:,.0f} tokens/s before "
+        f"attention at {gpu.mfu:g} MFU x {gpu.peak_tflops:g} TFLOPS, {args.step_overhead_ms:g} ms a step, "
+        f"{engine.token_budget} tokens a step\n"
+        f"{tier.name} tier ({tier.medium}): {tier.gbps:g} GB/s, {latency:g} ms a job, "
+        f"{'hits read back first' if tier.verify else 'no read-back check'}; capacities: device "
+        f"{engine.device_blocks:,}, CPU {cpu_blocks:,} ({args.cpu_gbps:g} GB/s), {tier.name} {lower_blocks:,} chunks\n"
+    )
+    print(table(results, tier, args.slo_ms / 1e3))
+    print()
+    print("\n".join(notes(results, tier)))
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,514 @@
+"""The discrete-event serving simulator behind ``tools/replay_serving.py``.
+
+Runs in one process, single-threaded, in simulated seconds; no KV bytes move and no
+model runs. I/O: none of its own (the managers it drives keep a small index under a
+temporary directory, ``replay_serving_stack``).
+
+One prefill instance (Mooncake's disaggregated prefill: a request ends at its first
+token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
+``OffloadingConnector``:
+
+- **Schedule** (at the step's start): running requests first (FCFS, chunked prefill),
+  then requests whose loads finished, then waiting ones in arrival order, while the
+  step's token budget lasts and fewer than ``max_seqs`` run. A waiting request takes its
+  device prefix-cache hit (an LRU of ``device_blocks`` chunks), then the connector asks
+  the manager chunk by chunk (``lookup(key, req_context)``: HIT and HIT_PENDING count,
+  RETRY keeps scanning, MISS stops; any HIT_PENDING or RETRY defers the request to a
+  later step, as does a hit chunk another request is still loading). A hit is loaded
+  asynchronously (``prepare_load``; the request waits, using no budget, and runs once the
+  load is reported done); no hit schedules its tokens at once. A request is admitted
+  only while the prompts admitted and not finished fit in ``device_blocks`` (vLLM's
+  block allocation; prompts are reserved whole, a simplification). At least one token
+  of every prompt is computed.
+- **Step end of the scheduler** (``build_connector_meta``): the chunks each scheduled
+  request completes this step are offered to ``prepare_store``, finished requests get
+  ``on_request_finished``, then ``on_schedule_end`` (where the manager reads the
+  timings and decides the requests it deferred).
+- **Forward pass**: ``step_overhead_s`` plus, per scheduled chunk of ``n`` tokens after
+  ``c`` tokens of context, ``(2 x params x n + 4 x layers x hidden x (n x c + n(n+1)/2))
+  / (mfu x peak FLOP/s)``: every token attends to itself and all before it. Load jobs
+  start with it; store jobs (GPU -> CPU) start when it ends. A step that loads nothing
+  and whose tokens are prefill is timed (tokens, seconds) into ``LoadTimings`` as the
+  product's connector times forward passes (``PREFILL``).
+- **Reports**: jobs that ended by a step's end are reported at the next step
+  (``complete_load`` / ``complete_store``); loaded chunks enter the device cache.
+
+I/O channels, each first-in first-out, one job at a time, a job taking ``latency +
+bytes / bandwidth`` from when the jobs ahead of it are done: CPU -> GPU (loads from CPU,
+and the second leg of a promoted load), GPU -> CPU (stores), and the lower tier, whose
+loads, hit-check reads (one chunk each) and writes (spills at the store's start,
+write-through copies once the GPU -> CPU copy landed) all queue on it. A lower-tier
+write makes its chunk loadable when it ends (the worker's index commit, learned by the
+manager at once). Each finished load records its own transfer time (from its start on
+the channel, not its wait in the queue: the handler's clock starts when its thread
+takes the job) into ``LoadTimings`` per transfer type, which the manager reads at
+``on_schedule_end``. An idle engine steps again at the next event (an arrival, a job's
+end), or after ``step_overhead_s`` while a request waits for the manager's decision.
+
+Deterministic: no wall clock and no randomness.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from replay_serving_stack import Stack
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
+
+from tiered_kv.cost import PREFILL
+from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
+
+_HIT, _PENDING, _RETRY = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """Prefill cost of one GPU (default: Llama-3.1-8B bf16 on one H100 SXM, 989 TFLOPS
+    dense BF16, an ASSUMED 50% MFU: 30,800 tokens/s before attention)."""
+
+    params: float = 8.03e9
+    layers: int = 32
+    hidden: int = 4096
+    kv_bytes_per_token: int = 131_072
+    mfu: float = 0.5
+    peak_tflops: float = 989.0
+    step_overhead_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if min(self.params, self.layers, self.hidden, self.kv_bytes_per_token, self.mfu, self.peak_tflops) <= 0:
+            raise ValueError(f"every model figure must be > 0, got {self}")
+        if self.step_overhead_s < 0:
+            raise ValueError(f"step overhead must be >= 0 s, got {self.step_overhead_s}")
+
+    def flops(self, tokens: int, context: int) -> float:
+        """FLOPs of prefilling ``tokens`` tokens after ``context`` tokens (module docstring)."""
+        return 2 * self.params * tokens + 4 * self.layers * self.hidden * (tokens * context + tokens * (tokens + 1) / 2)
+
+    def seconds(self, flops: float) -> float:
+        return flops / (self.mfu * self.peak_tflops * 1e12)
+
+    @property
+    def linear_tokens_per_s(self) -> float:
+        """Prefill tokens/s with attention ignored (``tiered_kv.cost``'s estimate)."""
+        return self.mfu * self.peak_tflops * 1e12 / (2 * self.params)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's limits and the CPU link: tokens per step, running requests, GPU KV
+    cache (and prefix cache) in chunks, CPU <-> GPU GB/s each way, tokens per chunk."""
+
+    device_blocks: int
+    token_budget: int = 8192
+    max_seqs: int = 256
+    cpu_gbps: float = 50.0
+    tokens_per_block: int = 512
+
+    def __post_init__(self) -> None:
+        if (
+            min(self.device_blocks, self.token_budget, self.max_seqs, self.tokens_per_block) < 1
+            or not self.cpu_gbps > 0
+        ):
+            raise ValueError(f"engine limits must be positive, got {self}")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request: when it arrives (s), its prompt tokens, its full chunks' keys."""
+
+    time: float
+    tokens: int
+    keys: Sequence[OffloadKey]
+
+
+class Events:
+    """Simulated time and the callbacks due at later times (ties in scheduling order)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn))
+
+    def run_until(self, t: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= t:
+            self.now, _, fn = heapq.heappop(heap)
+            fn()
+        self.now = max(self.now, t)
+
+    def next_time(self) -> float:
+        return self._heap[0][0] if self._heap else math.inf
+
+
+class Channel:
+    """A first-in first-out I/O channel (module docstring); bytes counted per kind."""
+
+    def __init__(self, events: Events, gbps: float, latency_s: float = 0.0):
+        self.events, self.gbps, self.latency_s = events, gbps, latency_s
+        self.free_at = 0.0
+        self.bytes: Counter[str] = Counter()
+
+    def submit(self, nbytes: int, kind: str, done: Callable[[float, float], None]) -> None:
+        """Queue a job now; ``done(start, end)`` runs at its end."""
+        start = max(self.events.now, self.free_at)
+        end = self.free_at = start + self.latency_s + nbytes / (self.gbps * 1e9)
+        self.bytes[kind] += nbytes
+        self.events.at(end, lambda: done(start, end))
+
+
+class DeviceCache:
+    """The GPU prefix cache: an LRU set of chunks."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def lookup(self, keys: Sequence[OffloadKey], limit: int) -> int:
+        n = 0
+        for key in keys[:limit]:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` most recent, the first of them most recent of all."""
+        for key in reversed(keys):
+            self.keys[key] = None
+            self.keys.move_to_end(key)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    arrival: float
+    tokens: int
+    keys: Sequence[OffloadKey]
+    ctx: ReqContext
+    max_chunks: int  # chunks that may come from a cache: at least one token is computed
+    computed: int = 0  # vLLM's num_computed_tokens
+    next_store: int = 0  # vLLM's next_stored_chunk_idx
+    first_token: float | None = None
+    sources: Counter[str] = field(default_factory=Counter)  # tokens by where they came from
+
+
+@dataclass(eq=False)
+class _Job:
+    req: Request
+    keys: list[OffloadKey]
+    store: bool
+    parts: int = 0
+
+
+@dataclass
+class RunResult:
+    """One configuration's run: per-request TTFT (s, arrival order), GPU busy seconds,
+    the span from the first arrival to the last first token, bytes per channel and kind,
+    prompt tokens by source, steps and deferred lookups, and the manager's final
+    estimates and tier counters."""
+
+    config: str
+    ttft: list[float]
+    busy_s: float
+    span_s: float
+    channel_bytes: dict[str, Counter[str]]
+    tokens: Counter[str]
+    steps: int
+    deferred: int
+    costs: dict
+    tier_stats: dict
+
+
+class Engine:
+    """Replays ``arrivals`` through ``stack``'s manager (module docstring)."""
+
+    def __init__(
+        self,
+        arrivals: Sequence[Arrival],
+        stack: Stack,
+        events: Events,
+        tier_channel: Channel,
+        gpu: GpuModel,
+        engine: EngineConfig,
+    ):
+        self.stack, self.events, self.gpu, self.cfg = stack, events, gpu, engine
+        self.manager = stack.manager
+        self.tier_name = stack.tier.name if stack.tier is not None else None
+        self.h2d = Channel(events, engine.cpu_gbps)
+        self.d2h = Channel(events, engine.cpu_gbps)
+        self.tier = tier_channel
+        self.bpb = gpu.kv_bytes_per_token * engine.tokens_per_block
+        self.device = DeviceCache(engine.device_blocks)
+        tpb = engine.tokens_per_block
+        self.requests = []
+        for i, a in enumerate(arrivals):
+            ctx = ReqContext(req_id=f"r{i}")
+            for j, key in enumerate(a.keys):
+                ctx.set_offload_key_position(key, (j + 1) * tpb)
+            self.requests.append(Request(i, a.time, a.tokens, a.keys, ctx, min(len(a.keys), (a.tokens - 1) // tpb)))
+        self.waiting: deque[Request] = deque()
+        self.ready: deque[Request] = deque()  # loads reported done
+        self.running: list[Request] = []
+        self.finished: list[Request] = []  # to be signalled at the next step
+        self.reported: list[_Job] = []  # jobs that ended, reported at the next step
+        self.being_loaded: Counter[OffloadKey] = Counter()
+        self.reserved = 0  # prompt tokens of admitted, unfinished requests
+        self.busy = 0.0
+        self.steps = self.deferred = 0
+
+    # ------------------------------------------------------------------ jobs
+
+    def _part_done(self, job: _Job) -> None:
+        job.parts -= 1
+        if not job.parts:
+            self.reported.append(job)
+
+    def _load(self, r: Request, keys: list[OffloadKey]) -> None:
+        """Issue the load job of ``keys`` for ``r`` (now: the step's start)."""
+        spec = self.manager.prepare_load(keys, r.ctx).inner
+        job = _Job(r, keys, store=False)
+        bpb, record = self.bpb, self.stack.timings.record
+        n_cpu = n_direct = n_promoted = 0
+        if isinstance(spec, TieredLoadSpec):
+            for cpu_slot, promote in zip(spec.cpu_slots.tolist(), spec.promote_slots.tolist()):
+                if cpu_slot >= 0:
+                    n_cpu += 1
+                elif promote >= 0:
+                    n_promoted += 1
+                else:
+                    n_direct += 1
+        else:
+            n_cpu = len(keys)
+        tpb = self.cfg.tokens_per_block
+        r.sources["CPU"] += n_cpu * tpb
+        r.sources["tier"] += (n_direct + n_promoted) * tpb
+
+        def timed(kind: str, nbytes: int, then: Callable[[], None]) -> Callable[[float, float], None]:
+            def done(start: float, end: float) -> None:
+                record(kind, nbytes, end - start)
+                then()
+
+            return done
+
+        finish = lambda: self._part_done(job)  # noqa: E731
+        if n_cpu:
+            job.parts += 1
+            self.h2d.submit(n_cpu * bpb, "read", timed("cpu_to_gpu", n_cpu * bpb, finish))
+        if n_direct:
+            job.parts += 1
+            self.tier.submit(n_direct * bpb, "read", timed(f"{self.tier_name}_to_gpu", n_direct * bpb, finish))
+        if n_promoted:
+            job.parts += 1
+            nbytes = n_promoted * bpb
+            second_leg = lambda: self.h2d.submit(nbytes, "read", timed("cpu_to_gpu", nbytes, finish))  # noqa: E731
+            self.tier.submit(nbytes, "read", timed(f"{self.tier_name}_to_cpu", nbytes, second_leg))
+        self.being_loaded.update(keys)
+
+    def _store(self, r: Request, keys: list[OffloadKey], spec: TieredStoreSpec) -> None:
+        """Issue a store job (now: the forward pass's end) and its lower-tier writes."""
+        job = _Job(r, keys, store=True, parts=1)
+        lower, bpb = self.stack.lower, self.bpb
+        write_through = spec.tier_write_through[0] if lower is not None and spec.tier_write_through else None
+        spills = spec.tier_spills[0] if lower is not None and spec.tier_spills else None
+
+        def write(hashes: list) -> None:
+            if lower is not None:
+                self.tier.submit(len(hashes) * bpb, "write", lambda s, e: lower.complete_store(hashes))
+
+        if spills is not None and len(spills):
+            write(list(spills.block_hashes))
+
+        def landed(start: float, end: float) -> None:
+            self._part_done(job)
+            if write_through is not None and len(write_through):
+                write(list(write_through.block_hashes))
+
+        self.d2h.submit(len(keys) * bpb, "write", landed)
+
+    def _report(self) -> None:
+        """vLLM's ``update_connector_output``: the jobs that ended, in the order they did."""
+        jobs, self.reported = self.reported, []
+        for job in jobs:
+            r = job.req
+            if job.store:
+                self.manager.complete_store(job.keys, r.ctx)
+                continue
+            self.manager.complete_load(job.keys, r.ctx)
+            self.being_loaded.subtract(job.keys)
+            self.being_loaded += Counter()
+            self.device.insert(r.keys[: r.computed // self.cfg.tokens_per_block])
+            self.ready.append(r)
+
+    # ------------------------------------------------------------------ lookups
+
+    def _lookup(self, r: Request, start: int) -> tuple[int | None, bool]:
+        """The connector's lookup from chunk ``start``: chunks to load, or None (deferred),
+        and whether the manager answered RETRY."""
+        keys = r.keys[start : r.max_chunks]
+        lookup, ctx = self.manager.lookup, r.ctx
+        hits, defer, retry = 0, False, False
+        for key in keys:
+            result = lookup(key, ctx)
+            if result is _HIT:
+                hits += 1
+            elif result is _PENDING:
+                hits += 1
+                defer = True
+            elif result is _RETRY:
+                defer = retry = True
+            else:
+                break
+        if defer:
+            return None, retry
+        if hits and self.being_loaded and any(k in self.being_loaded for k in keys[:hits]):
+            return None, False
+        return hits, False
+
+    # ------------------------------------------------------------------ steps
+
+    def _schedule(self) -> tuple[list[tuple[Request, int]], list[str], bool, bool]:
+        """One step's scheduling: (request, tokens) pairs, ids of requests scheduled for the
+        first time, whether a lookup was deferred on RETRY, and whether a load was issued."""
+        cfg, tpb = self.cfg, self.cfg.tokens_per_block
+        budget = cfg.token_budget
+        scheduled: list[tuple[Request, int]] = []
+        new_ids: list[str] = []
+        for r in self.running:
+            if budget <= 0:
+                break
+            n = min(r.tokens - r.computed, budget)
+            scheduled.append((r, n))
+            budget -= n
+        while self.ready and budget > 0 and len(self.running) < cfg.max_seqs:
+            r = self.ready.popleft()
+            n = min(r.tokens - r.computed, budget)
+            scheduled.append((r, n))
+            self.running.append(r)
+            new_ids.append(r.ctx.req_id)
+            budget -= n
+        retry = loaded = False
+        kept: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_seqs:
+            r = self.waiting.popleft()
+            n_dev = self.device.lookup(r.keys, r.max_chunks)
+            hits, retried = self._lookup(r, n_dev)
+            if hits is None:
+                self.deferred += 1
+                retry |= retried
+                kept.append(r)
+                continue
+            if self.reserved and self.reserved + r.tokens > cfg.device_blocks * tpb:
+                kept.append(r)  # vLLM's allocation fails: no more admissions this step
+                break
+            self.reserved += r.tokens
+            r.sources["GPU"] += n_dev * tpb
+            r.computed = (n_dev + hits) * tpb
+            if hits:
+                r.next_store = n_dev + hits
+                self._load(r, list(r.keys[n_dev : n_dev + hits]))
+                loaded = True
+                continue
+            n = min(r.tokens - r.computed, budget)
+            scheduled.append((r, n))
+            self.running.append(r)
+            new_ids.append(r.ctx.req_id)
+            budget -= n
+        self.waiting.extendleft(reversed(kept))
+        return scheduled, new_ids, retry, loaded
+
+    def _offer_stores(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, list, TieredStoreSpec]]:
+        """vLLM's ``_build_store_jobs``: each request's chunks complete after this step."""
+        stores = []
+        tpb = self.cfg.tokens_per_block
+        for r, n in scheduled:
+            chunks = min((r.computed + n) // tpb, len(r.keys))
+            if chunks <= r.next_store:
+                continue
+            out = self.manager.prepare_store(list(r.keys[r.next_store : chunks]), r.ctx)
+            if out is None:
+                continue  # offered again next step
+            r.next_store = chunks
+            if out.keys_to_store:
+                stores.append((r, list(out.keys_to_store), out.store_spec.inner))  # type: ignore[attr-defined]
+        return stores
+
+    def run(self) -> RunResult:
+        ev, gpu, tpb = self.events, self.gpu, self.cfg.tokens_per_block
+        reqs = self.requests
+        ev.run_until(reqs[0].arrival)
+        first = reqs[0].arrival
+        nxt_arrival, done = 0, 0
+        while done < len(reqs):
+            self._report()
+            while nxt_arrival < len(reqs) and reqs[nxt_arrival].arrival <= ev.now:
+                r = reqs[nxt_arrival]
+                self.manager.on_new_request(r.ctx)
+                self.waiting.append(r)
+                nxt_arrival += 1
+            scheduled, new_ids, retry, loaded = self._schedule()
+            stores = self._offer_stores(scheduled)
+            for r in self.finished:
+                self.manager.on_request_finished(r.ctx)
+            self.finished = []
+            self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=new_ids, preempted_req_ids=()))
+            self.steps += 1
+            if scheduled:
+                flops = sum(gpu.flops(n, r.computed) for r, n in scheduled)
+                seconds = gpu.step_overhead_s + gpu.seconds(flops)
+                self.busy += seconds
+                end = ev.now + seconds
+                ev.run_until(end)
+                for r, n in scheduled:
+                    before = r.computed // tpb
+                    r.computed += n
+                    self.device.insert(r.keys[before : min(r.computed // tpb, len(r.keys))])
+                    if r.computed >= r.tokens:
+                        r.first_token = end
+                        self.reserved -= r.tokens
+                        self.running.remove(r)
+                        self.finished.append(r)
+                        self.device.insert(r.keys)
+                        done += 1
+                for r, keys, spec in stores:
+                    self._store(r, keys, spec)
+                step_tokens = sum(n for _, n in scheduled)
+                if not loaded and sum(n for _, n in scheduled if n > 1) >= 0.9 * step_tokens:
+                    self.stack.timings.record(PREFILL, step_tokens, seconds)
+                continue
+            wake = min(ev.next_time(), reqs[nxt_arrival].arrival if nxt_arrival < len(reqs) else math.inf)
+            if retry or self.ready or self.reported:
+                wake = min(wake, ev.now + gpu.step_overhead_s)
+            if wake == math.inf:
+                raise RuntimeError(
+                    f"the replay stalled at {ev.now:.3f} s with {len(self.waiting)} requests waiting and nothing "
+                    "in flight: a prompt larger than the device cache?"
+                )
+            ev.run_until(wake)
+        last = max(r.first_token for r in reqs if r.first_token is not None)
+        tokens: Counter[str] = Counter()
+        for r in reqs:
+            tokens.update(r.sources)
+            tokens["computed"] += r.tokens - sum(r.sources.values())
+        costs = self.manager.costs.snapshot() if self.manager.costs is not None else {}
+        return RunResult(
+            self.stack.config,
+            [r.first_token - r.arrival for r in reqs if r.first_token is not None],
+            self.busy,
+            last - first,
+            {"CPU->GPU": self.h2d.bytes, "GPU->CPU": self.d2h.bytes, "tier": self.tier.bytes},
+            tokens,
+            self.steps,
+            self.deferred,
+            costs,
+            self.manager.stats.as_dict()["tiers"],
+        )

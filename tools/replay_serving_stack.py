@@ -1,0 +1,216 @@
+"""The product's scheduler side as ``tools/replay_serving.py`` drives it: one
+``TieredVllmManager`` per configuration, built from the product's own pieces.
+
+Runs in the replay's one process; I/O: a temporary directory per stack (the lower tier's
+slab files and LMDB index, sized by the tier's block count but for a tiny block layout,
+since no KV bytes move), and the engine's private files of ``SlotHealth`` and
+``LoadTimings`` (as ``build_manager`` makes them), all removed by ``close``.
+
+What is the product's code: the CPU tier's manager (``cpu_tier_manager``, LRU), the lower
+tier's ``DiskOffloadingManager`` (for ``--tier shared`` the same manager named ``remote``
+with medium ``REMOTE``, so its prior is ``PRIOR_GBPS["REMOTE"]``), the composite
+``TieredOffloadingManager`` (write-through, promote on hit, ``max_pending_disk_writes``
+as configured by default), ``LoadCosts`` seeded with ``PRIOR_GBPS`` and the prefill
+estimate ``tiered_kv.cost`` makes for the model on the GPU (not configured, so measured
+forward passes replace it), the disk tier's ``DiskHitCheck``, ``TieredVllmManager``
+and the ``LoadTimings`` channel through which it reads the workers' transfer times.
+
+What is modelled: the ``DiskVerifier`` behind the disk's hit check (``SimVerifier``:
+each verification is a read of one chunk on the tier's I/O channel, its result there
+once that read ends; it always passes); the shared tier's object store (an index that
+knows every object this node wrote: no HEAD probes, so no RETRY for locating) and its
+hit check (``TrustedHitCheck``: vLLM with this project's connector and
+``kv_load_failure_policy: recompute`` reads a shared-tier hit once, in the worker, with
+no scheduler-side download; ``verify="read"`` models the download of vLLM's plain
+connector instead); the clock of ``LoadCosts`` (the replay's simulated seconds, so the
+probe after ``probe_after_s`` follows simulated time). The workers' side is the
+simulator's (``replay_serving_sim``): it records each finished load's transfer time into
+``LoadTimings`` as the product's worker does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+from replay_cost import LAYOUT
+
+from tiered_kv.config import TieredConfig
+from tiered_kv.cost import LoadCosts
+from tiered_kv.cpu import cpu_tier_manager
+from tiered_kv.disk.format.manifest import slot_size_for
+from tiered_kv.disk.scheduler.hit_check import DiskHitCheck
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.scheduler.verify import DiskVerifier, Verification
+from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
+from tiered_kv.integrations.vllm.manager import TieredVllmManager
+from tiered_kv.mediums import CPU
+from tiered_kv.metrics import Latencies
+from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiers import HitCheck, TrustedHitCheck
+
+#: The three configurations the replay compares.
+CONFIGS = ("always", "recompute", "cost-aware")
+
+
+@dataclass(frozen=True)
+class TierModel:
+    """The lower tier: which product tier it stands for (``disk`` or ``shared``), its
+    bandwidth (GB/s, reads and writes alike), per-job latency, and whether a hit is read
+    back before it is promised (``verify``: the disk tier always is; the shared tier
+    only under vLLM's plain connector)."""
+
+    kind: str
+    gbps: float
+    latency_s: float
+    verify: bool
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("disk", "shared"):
+            raise ValueError(f"tier {self.kind!r}: expected disk or shared")
+        if not self.gbps > 0 or not self.latency_s >= 0:
+            raise ValueError(f"tier {self.kind}: expected gbps > 0 and latency >= 0, got {self.gbps}, {self.latency_s}")
+
+    @property
+    def name(self) -> str:
+        """The tier's name in the product (stats, transfer types)."""
+        return "disk" if self.kind == "disk" else "remote"
+
+    @property
+    def medium(self) -> str:
+        return "DISK" if self.kind == "disk" else "REMOTE"
+
+
+class SimVerifier:
+    """Stands in for ``DiskVerifier``: ``submit`` hands the read of one chunk to
+    ``read(key, slot, done)``, which calls ``done()`` once the read ended in simulated
+    time; ``results`` returns what ended since the last call (every check passes)."""
+
+    def __init__(self, read: Callable[[bytes, int, Callable[[], None]], None]):
+        self._read = read
+        self._done: list[Verification] = []
+        self._inflight = 0
+        self.latencies = Latencies()
+
+    def submit(self, key: bytes, slot: int) -> None:
+        self._inflight += 1
+        self._read(key, slot, lambda: self._done.append(Verification(key, slot, True)))
+
+    def results(self) -> list[Verification]:
+        out, self._done = self._done, []
+        self._inflight -= len(out)
+        return out
+
+    def busy(self) -> bool:
+        return self._inflight > 0
+
+    def shutdown(self) -> None:
+        return
+
+
+@dataclass
+class Stack:
+    """One configuration's manager, the workers' end of its timings channel, and what
+    ``close`` removes."""
+
+    config: str
+    manager: TieredVllmManager
+    timings: LoadTimings  # the workers' end (rank 0)
+    tier: TierModel | None  # None: no lower tier (``recompute``)
+    work: Path
+
+    @property
+    def lower(self) -> DiskOffloadingManager | None:
+        return cast(DiskOffloadingManager, self.manager.composite.lower[0]) if self.tier is not None else None
+
+    def close(self) -> None:
+        try:
+            self.manager.shutdown()
+        finally:
+            self.timings.close()
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def build_stack(
+    config: str,
+    tier: TierModel,
+    *,
+    cpu_blocks: int,
+    lower_blocks: int,
+    tokens_per_block: int,
+    bytes_per_block: int,
+    prefill_tokens_per_s: float,
+    clock: Callable[[], float],
+    verify_read: Callable[[bytes, int, Callable[[], None]], None],
+    scratch: Path | None = None,
+) -> Stack:
+    """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
+    tier alone (no lower tier configured, so none is ever read or written), ``always``
+    and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on.
+    ``verify_read`` reads one chunk for the disk's hit check (``SimVerifier``)."""
+    if config not in CONFIGS:
+        raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
+    if min(cpu_blocks, lower_blocks) < 1:
+        raise ValueError(f"cpu_blocks and lower_blocks must be >= 1, got {cpu_blocks}, {lower_blocks}")
+    work = Path(tempfile.mkdtemp(prefix="replay-serving-", dir=scratch))
+    engine_id = f"replay-serving-{uuid.uuid4().hex[:12]}"
+    cpu = cpu_tier_manager(TieredConfig.eviction_policy, cpu_blocks, tokens_per_block, enable_events=False)
+    lower: list[DiskOffloadingManager] = []
+    used = tier if config != "recompute" else None
+    try:
+        if used is not None:
+            lower.append(
+                DiskOffloadingManager(
+                    work / "tier",
+                    Fingerprint.from_layout(LAYOUT, model_id="replay-serving"),
+                    LAYOUT,
+                    disk_bytes=lower_blocks * slot_size_for(LAYOUT.bytes_per_block),
+                    enable_events=False,
+                    poll_interval=None,  # writes are learned when the simulated worker ends them
+                    name=used.name,
+                    medium=used.medium,
+                )
+            )
+        costs = LoadCosts.for_tiers(
+            {"cpu": CPU, **{t.name: t.medium for t in lower}},
+            bytes_per_block=bytes_per_block,
+            tokens_per_block=tokens_per_block,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            clock=clock,
+        )
+        composite = TieredOffloadingManager(
+            cpu,
+            lower,
+            costs=costs,
+            cost_aware=config == "cost-aware",
+            promote_on_hit=TieredConfig.promote_on_hit,
+            max_pending_writes=TieredConfig.max_pending_disk_writes,
+            write_policy=TieredConfig.write_policy,
+        )
+        checks: list[HitCheck] = []
+        if used is not None:
+            if used.verify:
+                checks.append(DiskHitCheck(lower[0], cast(DiskVerifier, SimVerifier(verify_read))))
+            else:
+                checks.append(TrustedHitCheck(lower[0]))
+        health = SlotHealth.for_engine(engine_id, cpu_blocks)
+        health.clear()
+        names = [t.name for t in lower]
+        reader = LoadTimings.for_engine(engine_id, names, 1)
+        reader.clear()
+        writer = LoadTimings.for_engine(engine_id, names, 1, rank=0)
+        manager = TieredVllmManager(
+            composite, checks, shared=[used.kind == "shared"] if used else [], health=health, timings=reader
+        )
+    except BaseException:
+        for m in lower:
+            m.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return Stack(config, manager, writer, used, work)
