@@ -23,7 +23,7 @@ from rich.table import Table
 
 from tiered_kv.cli import app
 from tiered_kv.cli.inspect_options import _CACHE_PATH, _DRY_RUN, _JSON, _NAMESPACE, _READ_BY_CONFIG, _REMOTE
-from tiered_kv.cli.inspect_options import _SERVER_MODEL, SORT_HELP, STATE_HELP
+from tiered_kv.cli.inspect_options import _SERVER_MODEL, _VERIFY_DRY_RUN, SORT_HELP, STATE_HELP
 from tiered_kv.cli.inspect_remote import need_path, on_remote, on_remote_option
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.cli.output import table_console
@@ -300,7 +300,7 @@ def verify(
         False,
         "--repair",
         help="Drop corrupt, invalid and incomplete entries (needs the cache closed); "
-        "with --remote, delete the objects found bad.",
+        "with --remote, delete the objects proven bad (never one this config cannot judge).",
     ),
     threads: int = typer.Option(4, "--threads", min=1, metavar="N", help="Parallel reads."),
     limit: int = typer.Option(
@@ -312,15 +312,18 @@ def verify(
     ),
     remote: Optional[str] = _REMOTE,
     json_out: bool = _JSON,
+    dry_run: bool = _VERIFY_DRY_RUN,
 ) -> None:
     """Re-read every block and check its checksum; exit 1 if any block is corrupt (with
     --repair: unless the repair dropped them all and the cache now verifies clean). With
-    --remote: download a shared tier's objects and check header and checksum; exit 1 if
-    any is corrupt or foreign."""
+    --remote: download a shared tier's objects and check header and tag or checksum;
+    exit 1 if any is bad, or kept as not this config's to judge (docs/cli.md)."""
     if remote is not None:
         return on_remote("verify", locals())
     if limit:
         fail("--limit applies to --remote only (a disk cache is verified whole)", json_out)
+    if dry_run:
+        fail("--dry-run applies to --remote only (verify without --repair changes no cache)", json_out)
     path = need_path(path, json_out)
     results, clean = [], []
     with _errors(json_out):

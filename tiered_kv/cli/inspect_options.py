@@ -35,6 +35,11 @@ _CACHE_PATH = typer.Argument(
     None, metavar="PATH", help="Cache directory (or one namespace directory); none with --remote."
 )
 _DRY_RUN = typer.Option(False, "--dry-run", help="Report what would go, change nothing (needs no lock).")
+_VERIFY_DRY_RUN = typer.Option(
+    False,
+    "--dry-run",
+    help="With --remote: show what --repair would delete and what it would keep, delete nothing.",
+)
 #: ``ls`` choices as its help shows them (the library's ``SORT_KEYS`` and ``STATES``
 #: validate; a test keeps the two in step).
 SORT_HELP = "last-access, stored, hits, slot, hash"
@@ -50,4 +55,5 @@ __all__ = [
     "_READ_BY_CONFIG",
     "_REMOTE",
     "_SERVER_MODEL",
+    "_VERIFY_DRY_RUN",
 ]

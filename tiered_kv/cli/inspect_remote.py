@@ -1,12 +1,16 @@
 """``tiered-kv inspect summary|ls|verify|evict|clear --remote CONFIG``: the shared tier of a config.
 
 Operator's process; the library is ``tiered_kv.ops.inspect.remote`` (S3 LIST and GETs of
-the config's bucket; ``verify --repair`` also deletes the objects it reports, ``evict``
-and ``clear`` the objects they select, nothing else, and with ``--dry-run`` nothing). ``tiered_kv.cli.inspect`` hands a command here, with all its options by name, when it
-is given ``--remote``;
-options that mean something only for a disk cache are refused with a one-line reason.
-Output as the disk commands': Rich tables, or the JSON envelope with ``--json``;
-``verify`` exits 1 when an object would not be served (``EXIT_CORRUPT``).
+the config's bucket; ``verify --repair`` also deletes the objects it proved bad, ``evict``
+and ``clear`` the objects they select, nothing else, and with ``--dry-run`` nothing).
+``tiered_kv.cli.inspect`` hands a command here, with all its options by name, when it is
+given ``--remote``; options that mean something only for a disk cache are refused with a
+one-line reason. Output as the disk commands': Rich tables, or the JSON envelope with
+``--json``. A key under the prefix is printed only escaped (``escaped_key``) and never as
+Rich markup. ``verify`` exits 1 (``EXIT_CORRUPT``) when anything is left that a node would
+not serve (an object proven bad and not deleted, one kept as not this config's to judge),
+a namespace has a problem, or a hostile key is there; 2 when ``--repair`` or ``--dry-run``
+is refused for a namespace (sealed objects, a config without a key), after the report.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from typing import Any, Optional
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from tiered_kv.cli.output import (
+    EXIT_ERROR,
     emit_json,
     errors,
     fail,
@@ -110,6 +117,7 @@ def summary(
         data = summarize_shared_tier(tier, [ServerConfig.load(c, model) for c in config or ()])
     if json_out:
         data["namespaces"] = [with_iso_times(ns, ("oldest", "newest")) for ns in data["namespaces"]]
+        data["hostile_keys"] = [with_iso_times(h, ("last_modified",)) for h in data["hostile_keys"]]
         emit_json(data)
         return
     console = Console()
@@ -118,6 +126,7 @@ def summary(
         f"{data['objects']:,} objects, {format_size(data['bytes'])}",
         soft_wrap=True,
     )
+    _print_hostile(console, tier)
     if not data["namespaces"]:
         console.print("no namespaces yet (a node writes one when its shared tier starts)")
         return
@@ -126,6 +135,7 @@ def summary(
         t = Table(title=f"namespace {ns['namespace']}", show_header=False, title_justify="left")
         t.add_column("field", style="bold")
         t.add_column("value")
+        t.add_row("objects are", _TRUST_TEXT[ns["trust"]])
         if fp is not None:
             t.add_row("model", f"{fp['model_id']} @ {fp['model_revision']}")
             t.add_row("KV", f"{fp['dtype']}, TP {fp['tp_size']}, {fp['block_size']} tokens per block")
@@ -156,6 +166,29 @@ def summary(
             f"[yellow]warning:[/] {len(data['stray_objects'])} object(s) directly under the prefix, in no namespace",
             soft_wrap=True,
         )
+
+
+#: How ``summary`` says what a namespace's objects are.
+_TRUST_TEXT = {
+    "sealed": "sealed: encrypted and authenticated under the fleet key",
+    "plain": "plain: checksummed, not encrypted (remote.trusted_bucket)",
+}
+
+
+def _print_hostile(console: Console, tier: Any, limit: int = 20) -> None:
+    """The hostile keys, escaped, as plain text (a key is never read as Rich markup)."""
+    if not tier.hostile:
+        return
+    console.print(
+        f"[yellow]warning:[/] {len(tier.hostile):,} hostile key(s) under the prefix: no node wrote them, and S3 "
+        "clients that parse keys as paths fail on the whole prefix while they are there; never read "
+        "(`clear --remote` deletes them)",
+        soft_wrap=True,
+    )
+    for h in tier.hostile[:limit]:
+        console.print(Text(f"  {h.shown}  ({h.why})"), soft_wrap=True)
+    if len(tier.hostile) > limit:
+        console.print(f"  ... and {len(tier.hostile) - limit:,} more (--json lists them all)")
 
 
 def ls(
@@ -195,15 +228,17 @@ def ls(
     if json_out:
         for ns in data["namespaces"]:
             ns["objects"] = [with_iso_times(o, ("last_modified",)) for o in ns["objects"]]
+        data["hostile_keys"] = [with_iso_times(h, ("last_modified",)) for h in data["hostile_keys"]]
         emit_json(data)
         return
     console = table_console()
+    _print_hostile(console, tier)
     if not data["namespaces"]:
         console.print(f"{tier.config.where()}: no namespaces, no objects", soft_wrap=True)
     for ns in data["namespaces"]:
         console.print(
-            f"namespace {ns['namespace']}: {len(ns['objects']):,} shown, {ns['matching']:,} matching, "
-            f"{ns['total']:,} objects",
+            f"namespace {ns['namespace']} ({ns['trust']}): {len(ns['objects']):,} shown, "
+            f"{ns['matching']:,} matching, {ns['total']:,} objects",
             soft_wrap=True,
         )
         t = Table(box=box.SIMPLE_HEAD)
@@ -222,82 +257,104 @@ def verify(
     threads: int,
     limit: int,
     json_out: bool,
+    dry_run: bool = False,
 ) -> None:
     with _errors(json_out):
         from rich.progress import DownloadColumn
 
-        from tiered_kv.ops.inspect.remote import verify_shared_tier
+        from tiered_kv.ops.inspect.remote import repair_shared_tier, verify_shared_tier
 
         tier = _open(remote, path, namespace)
         total = sum(o.size for ns in tier.namespaces for o in ns.blocks) if not limit else None
         with progress_bar(json_out, "verifying", total, DownloadColumn()) as bar:
             results = verify_shared_tier(tier, limit=limit, threads=threads, progress=bar.advance)
-        deleted = _delete_bad(tier, results) if repair else 0
+        deleted = repair_shared_tier(tier, results, dry_run=dry_run) if repair or dry_run else 0
+    asked = repair or dry_run
+    refused = [r.unrepairable for r in results if r.unrepairable] if asked else []
     bad = sum(len(r.bad) for r in results)
-    unrepaired = bad - deleted
-    failed = unrepaired > 0 or any(r.problems for r in results)
+    kept = sum(len(r.kept) for r in results)
+    left = any(b["action"] != "deleted" for r in results for b in r.bad)
+    failed = left or kept > 0 or any(r.problems for r in results) or bool(tier.hostile)
     if json_out:
         emit_json(
             {
                 **tier.header(),
                 "bad_objects": bad,
+                "kept_objects": kept,
                 "repair": repair,
-                "deleted": deleted,
+                "dry_run": dry_run,
+                "deleted": 0 if dry_run else deleted,
+                "would_delete": deleted if dry_run else 0,
+                "repair_refused": refused,
                 "clean": not failed,
+                "hostile_keys": [with_iso_times(h.to_dict(), ("last_modified",)) for h in tier.hostile],
                 "namespaces": [r.to_dict() for r in results],
             }
         )
     else:
-        _print_verify(tier, results, repair, deleted, limit)
+        _print_verify(tier, results, repair, dry_run, deleted, limit)
+    if refused:
+        for why in refused:
+            typer.echo(f"error: --{'repair' if repair else 'dry-run'} refused: {why}", err=True)
+        raise typer.Exit(EXIT_ERROR)
     if failed:
         raise typer.Exit(EXIT_CORRUPT)
 
 
-def _delete_bad(tier: Any, results: list) -> int:
-    """Delete each reported object: no node would serve it, and while it is there no node
-    can store the right block under its key (writes are write-once)."""
-    deleted = 0
-    for r in results:
-        for b in r.bad:
-            tier.client.delete(b["key"])
-            b["deleted"] = True
-            deleted += 1
-    return deleted
-
-
-def _print_verify(tier: Any, results: list, repair: bool, deleted: int, limit: int) -> None:
+def _print_verify(tier: Any, results: list, repair: bool, dry_run: bool, deleted: int, limit: int) -> None:
     console = Console()
+    _print_hostile(console, tier)
     if not results:
         console.print(f"{tier.config.where()}: no namespaces, nothing to verify", soft_wrap=True)
     for r in results:
         rate = r.bytes_read / r.seconds / 1e9 if r.seconds else 0.0
-        verdict = "[green]OK[/]" if r.clean else "[red]BAD[/]"
+        if r.bad or r.problems:
+            verdict = "[red]BAD[/]"
+        elif r.kept:
+            verdict = "[yellow]NOT JUDGED[/]"
+        else:
+            verdict = "[green]OK[/]"
         sampled = f"a sample of {r.checked:,}" if limit and r.checked < r.objects else f"{r.checked:,}"
         console.print(
-            f"namespace {r.namespace}: {sampled} of {r.objects:,} objects checked "
-            f"({format_size(r.bytes_read)} in {r.seconds:.2f} s, {rate:.2f} GB/s): {verdict}",
+            f"namespace {r.namespace} ({'sealed' if r.sealed else 'plain'}): {sampled} of {r.objects:,} objects "
+            f"checked ({format_size(r.bytes_read)} in {r.seconds:.2f} s, {rate:.2f} GB/s): {verdict}",
             soft_wrap=True,
         )
         if r.bad:
-            t = Table(title=f"{len(r.bad)} object(s) a node would not serve", title_justify="left")
-            for col in ("hash", "rank", "problem", "detail"):
+            t = Table(title=f"{len(r.bad)} object(s) proven bad", title_justify="left")
+            for col in ("hash", "rank", "problem", "detail", "action"):
                 t.add_column(col)
             for b in r.bad[:50]:
-                t.add_row(
-                    short_hash(b["hash"] or "-"), "-" if b["rank"] is None else str(b["rank"]), b["reason"], b["detail"]
-                )
+                t.add_row(short_hash(b["hash"]), str(b["rank"]), b["reason"], escape(b["detail"]), b["action"])
             console.print(t)
+        for g in r.kept_why():
+            console.print(
+                f"[yellow]kept[/] {g['objects']:,} object(s) not ours to judge (never deleted): {escape(g['why'])}",
+                soft_wrap=True,
+            )
+        if r.unrepairable and (r.bad or r.kept or repair or dry_run):
+            console.print(
+                f"[yellow]--repair does not touch this namespace:[/] {escape(r.unrepairable)}", soft_wrap=True
+            )
         for p in r.problems:
-            console.print(f"[red]problem:[/] {p}", soft_wrap=True)
+            console.print(f"[red]problem:[/] {escape(p)}", soft_wrap=True)
         for w in r.warnings:
-            console.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
+            console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
         if r.vanished:
             console.print(f"{r.vanished} object(s) deleted between the listing and the read: not a fault")
-    if repair:
-        console.print(f"repaired: deleted {deleted:,} object(s)")
-    elif any(r.bad for r in results):
+    kept = sum(len(r.kept) for r in results)
+    if dry_run:
         console.print(
-            "run again with --repair to delete them (a server stores the block again when it next computes it)"
+            f"dry run: --repair would delete {deleted:,} object(s) and keep {kept:,} not ours to judge; nothing deleted",
+            soft_wrap=True,
+        )
+    elif repair:
+        console.print(f"repaired: deleted {deleted:,} object(s); kept {kept:,} not ours to judge", soft_wrap=True)
+    elif any(b["action"] == "would delete" for r in results for b in r.bad):
+        console.print(
+            "run again with --repair to delete the objects proven bad (a server stores the block again when it "
+            "next computes it); --dry-run shows what it would delete and keep",
+            soft_wrap=True,
         )
 
 
@@ -335,24 +392,29 @@ def clear(
         import sys
 
         from tiered_kv.ops.inspect import InspectError
-        from tiered_kv.ops.inspect.remote import clear_shared_tier
+        from tiered_kv.ops.inspect.remote import clear_shared_tier, read_differences
         from tiered_kv.ops.inspect.summary import ServerConfig
 
         tier = _open(remote, path, namespace, model)
         if unread_by:
             readers = [ServerConfig.load(c, model) for c in unread_by]
-            tier.namespaces = [
-                ns
-                for ns in tier.namespaces
-                if not any(ns.fingerprint is not None and not r.differences(ns.fingerprint.to_dict()) for r in readers)
-            ]
-        if tier.namespaces and not dry_run and not yes:
-            ids = ", ".join(ns.namespace for ns in tier.namespaces)
+            tier.namespaces = [ns for ns in tier.namespaces if not any(not read_differences(r, ns) for r in readers)]
+        # Narrowed to some namespaces, clear deletes only the hostile keys inside them.
+        whole_prefix = not namespace and not unread_by
+        names = {ns.namespace for ns in tier.namespaces}
+        hostile = [h for h in tier.hostile if whole_prefix or h.namespace in names]
+        if (tier.namespaces or hostile) and not dry_run and not yes:
+            what = ", ".join(
+                [
+                    *(f"namespace {ns.namespace}" for ns in tier.namespaces),
+                    *([f"{len(hostile)} hostile key(s)"] if hostile else []),
+                ]
+            )
             if not sys.stdin.isatty():
-                raise InspectError(f"clear would delete namespace(s) {ids} of {tier.where}; pass --yes to confirm")
-            if not typer.confirm(f"delete namespace(s) {ids} of {tier.where}?"):
+                raise InspectError(f"clear would delete {what} of {tier.where}; pass --yes to confirm")
+            if not typer.confirm(f"delete {what} of {tier.where}?"):
                 raise InspectError("not confirmed; nothing deleted")
-        result = clear_shared_tier(tier, dry_run=dry_run)
+        result = clear_shared_tier(tier, dry_run=dry_run, whole_prefix=whole_prefix)
     _report_deletion(tier, result, "clear", json_out)
 
 
@@ -365,6 +427,8 @@ def _report_deletion(tier: Any, result: Any, command: str, json_out: bool) -> No
                 "deleted_objects": result.objects,
                 "freed_bytes": result.freed_bytes,
                 "foreign_keys": tier.foreign_keys,
+                "deleted_hostile_keys": len(result.hostile),
+                "hostile_keys": [with_iso_times(h, ("last_modified",)) for h in result.hostile],
                 "namespaces": [{"namespace": ns_id, **v} for ns_id, v in result.namespaces.items()],
             }
         )
@@ -385,4 +449,9 @@ def _report_deletion(tier: Any, result: Any, command: str, json_out: bool) -> No
             format_size(v["bytes_before"]),
             format_size(v["bytes_after"]),
         )
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    if result.hostile:
+        console.print(f"{verb} {len(result.hostile):,} hostile key(s) under the prefix (by their exact bytes):")
+        for h in result.hostile:
+            console.print(Text(f"  {h['key']}  ({h['why']})"), soft_wrap=True)

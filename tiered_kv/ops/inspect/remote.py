@@ -2,27 +2,45 @@
 objects under a config's ``remote`` prefix (``tiered-kv inspect ... --remote CONFIG``).
 
 Operator's process. I/O: S3 requests to the config's bucket: one paged LIST of
-``<prefix>/`` (an operator tool may list; the serving path never does), a GET of each
-namespace's ``fingerprint.json`` (at most ``safe_json.MAX_RECORD_BYTES``, parsed with a
-depth bound), and for ``verify`` a streamed GET of each block object checked (all of
-them, or a random sample per namespace) on a bounded thread pool, one chunk per thread
-in memory whatever the object's size. ``clear`` and ``evict`` (and the CLI's ``verify
---repair``) delete. Credentials come from the AWS chain, and the fleet key from the
-config's ``key_file`` / ``key_env``, as for the tier itself.
+``<prefix>/`` (through botocore, ``client.RawKeys``: an operator tool may list; the
+serving path never does), a GET of each namespace's ``fingerprint.json`` (at most
+``safe_json.MAX_RECORD_BYTES``, parsed with a depth bound), and for ``verify`` a streamed
+GET of each block object checked (all of them, or a random sample per namespace) on a
+bounded thread pool, one chunk per thread in memory whatever the object's size.
+``clear`` and ``evict`` (and ``repair_shared_tier``, the CLI's ``verify --repair``)
+delete. Credentials come from the AWS chain, and the fleet key from the config's
+``key_file`` / ``key_env``, as for the tier itself.
 
-Namespaces cannot overlap: an operation touches only keys that parse exactly as this
-format's keys under the config's prefix (``<prefix>/<16 hex>/fingerprint.json`` and
-``<prefix>/<16 hex>/<fan-out of the hash>/<hash hex>-r<rank>``). Every other key under
-the prefix, such as the objects of a prefix nested in it (``team`` and ``team/kv``), is
-counted as ``foreign_keys`` and never read, reported as bad or deleted.
+Namespaces cannot overlap: an operation reads and deletes only keys that parse exactly
+as this format's keys under the config's prefix (``<prefix>/<namespace>/fingerprint.json``
+and ``<prefix>/<namespace>/<fan-out of the hash>/<hash hex>-r<rank>``, where a namespace
+is ``<16 hex>`` for sealed objects or ``<16 hex>.plain`` for plain ones,
+``object_format.namespace_prefix``). Every other key under the prefix, such as the
+objects of a prefix nested in it (``team`` and ``team/kv``), is counted as
+``foreign_keys`` and never read, reported as bad or deleted.
+
+Hostile keys: a key that the S3 clients which parse keys as paths cannot hold (an ASCII
+or other control character, a ``.`` or ``..`` segment, an empty segment, bytes that are
+not UTF-8; obstore's listing fails on the whole prefix at the first one) is listed here
+by its bytes, shown with backslash escapes (never raw control characters on a terminal),
+never read, skipped by summary, ls and verify, and deleted only by ``clear`` (by its
+exact bytes, ``RawKeys.delete``). No node can have written one: every key a node
+writes is this format's.
 
 ``verify`` checks an object as a node does before serving it
-(``object_format.verified_payload``), against what its key and namespace say: the
-namespace's fingerprint (from its ``fingerprint.json``), the block hash and rank in the
-key; the payload's checksum. Problems are the reader's reasons (``format``, ``foreign``,
-``mismatch``, ``checksum``, ``auth``, ``key``). A namespace id is the first hex digits of the fingerprint digest in every header, so an
-object written by another namespace shows as ``foreign`` even where the namespace's
-``fingerprint.json`` is gone (a lifecycle rule may expire it: a warning, not a fault).
+(``object_format.verify_stream``), against what its key and namespace say: the
+namespace's fingerprint (from its ``fingerprint.json``, where that matches the namespace
+id), the block hash and rank in the key; the AES-GCM tag under the config's keyring in a
+sealed namespace, the payload's checksum in a plain one. Each finding carries
+``provable`` (``object_format.Rejected``): only an object the reader proved to be no
+honest object of its key is deletable (``repair_shared_tier``). One it cannot judge (sealed
+under a key id the config does not hold, sealed where the config has no key, a newer
+format version, a checksum this node cannot compute) is kept, whatever else is wrong
+with it, and said why; a config without a key (``trusted_bucket``) repairs no sealed
+namespace at all. A namespace id is the first hex digits of the fingerprint digest in
+every header, so an object written by another namespace shows as ``foreign`` even where
+the namespace's ``fingerprint.json`` is gone (a lifecycle rule may expire it: a warning,
+not a fault).
 """
 
 from __future__ import annotations
@@ -30,7 +48,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,23 +58,33 @@ from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.ops.inspect.cache import InspectError
 from tiered_kv.ops.inspect.summary import ServerConfig
 from tiered_kv.model_identity import read_config_file
-from tiered_kv.remote.client import ObjectInfo, RemoteError, RemoteSetupError, S3Client, WrongSize
+from tiered_kv.remote.client import ObjectInfo, RawKeys, RemoteError, RemoteSetupError, S3Client, WrongSize
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, NAMESPACE_ID_CHARS, RemoteConfig
 from tiered_kv.remote.keys import FleetKeyError, Keyring, load_keyring
 from tiered_kv.remote.object_format import (
+    FORMAT_SEALED,
     MANIFEST_NAME,
+    MAX_HASH_BYTES,
+    PLAIN_SUFFIX,
+    SEALED_HEADER_BYTES,
+    BlockHeader,
     Rejected,
+    SealedHeader,
     fan_out,
     fingerprint_digest,
+    format_version,
     verify_stream,
 )
 from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 
-_NAMESPACE_RE = re.compile(rf"^[0-9a-f]{{{NAMESPACE_ID_CHARS}}}$")
+_NAMESPACE_RE = re.compile(rf"^[0-9a-f]{{{NAMESPACE_ID_CHARS}}}(?:{re.escape(PLAIN_SUFFIX)})?$")
 _BLOCK_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_HASH_BYTES}}})-r(0|[1-9][0-9]{{0,4}})$")
 #: ``ls`` sort keys with ``--remote`` (the disk's ``last-access`` and ``stored`` both mean
 #: the object's last-modified time: an object is written once and never touched).
 REMOTE_SORTS = {"last-access": "last_modified", "stored": "last_modified", "hash": "hash", "size": "size"}
+#: What a namespace's objects are, by its directory name (``object_format.namespace_prefix``).
+TRUST_SEALED = "sealed"
+TRUST_PLAIN = "plain"
 
 
 @dataclass(frozen=True)
@@ -90,7 +118,8 @@ class BlockObject(RemoteObject):
 
 @dataclass
 class RemoteNamespace:
-    """The objects of one namespace id under the prefix (only keys of this format)."""
+    """The objects of one namespace directory under the prefix (only keys of this
+    format): ``<id>`` holds sealed objects, ``<id>.plain`` plain ones."""
 
     namespace: str
     blocks: list[BlockObject] = field(default_factory=list)
@@ -101,6 +130,100 @@ class RemoteNamespace:
     #: What is worth knowing and harmless (no fingerprint.json: expired by a lifecycle
     #: rule, or deleted; a node writes it again when it starts).
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        """The namespace id: the first hex digits of the fingerprint's digest."""
+        return self.namespace[:NAMESPACE_ID_CHARS]
+
+    @property
+    def sealed(self) -> bool:
+        return not self.namespace.endswith(PLAIN_SUFFIX)
+
+    @property
+    def trust(self) -> str:
+        return TRUST_SEALED if self.sealed else TRUST_PLAIN
+
+    @property
+    def checked_fingerprint(self) -> Fingerprint | None:
+        """The recorded fingerprint where it is this namespace id's: fingerprint.json is
+        no authenticated record, and one copied from another namespace must not make
+        every honest object here look foreign."""
+        fp = self.fingerprint
+        return fp if fp is not None and fp.namespace_id == self.id else None
+
+
+@dataclass(frozen=True)
+class HostileKey:
+    """A key under the prefix that S3 clients parsing keys as paths cannot hold."""
+
+    raw: bytes
+    size: int
+    last_modified: float
+    #: What makes it so (``hostile_reason``).
+    why: str
+    #: The namespace directory it lies in, where its first segment names one.
+    namespace: str | None = None
+
+    @property
+    def shown(self) -> str:
+        return escaped_key(self.raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.shown,
+            "why": self.why,
+            "namespace": self.namespace,
+            "size": self.size,
+            "last_modified": self.last_modified,
+        }
+
+
+def escaped_key(raw: bytes) -> str:
+    """``raw`` as text safe on a terminal: printable characters as they are, a backslash
+    doubled, anything else (control and format characters, bytes that are not UTF-8)
+    as a backslash escape (``\\x01``, ``\\u202e``, ``\\xff``)."""
+    out = []
+    for c in raw.decode("utf-8", "surrogateescape"):
+        o = ord(c)
+        if 0xDC80 <= o <= 0xDCFF:  # a byte that is not UTF-8, as surrogateescape keeps it
+            out.append(f"\\x{o - 0xDC00:02x}")
+        elif c == "\\":
+            out.append("\\\\")
+        elif c.isprintable():
+            out.append(c)
+        elif o <= 0xFF:
+            out.append(f"\\x{o:02x}")
+        elif o <= 0xFFFF:
+            out.append(f"\\u{o:04x}")
+        else:
+            out.append(f"\\U{o:08x}")
+    return "".join(out)
+
+
+def hostile_reason(raw: bytes) -> str | None:
+    """Why key ``raw`` is one that clients parsing keys as paths cannot hold, or None.
+    obstore (object_store's ``Path::parse``) refuses ASCII control characters, ``.`` and
+    ``..`` segments and empty segments, and fails a whole listing on one; other control
+    characters (C1) it takes, but they are no key of any fleet and act on a terminal. A
+    trailing ``/`` (a console's folder marker) it lists under another name: such a key
+    is only foreign, never read."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text):
+        return "a control character"
+    segments = text.split("/")
+    if segments[-1] == "":
+        segments.pop()
+    if "" in segments:
+        return "an empty segment"
+    if ".." in segments:
+        return "a '..' segment"
+    if "." in segments:
+        return "a '.' segment"
+    return None
 
 
 @dataclass
@@ -120,6 +243,11 @@ class SharedTier:
     keyring: Keyring | None = None
     #: Why the fleet key could not be loaded (``verify`` needs it; listing does not).
     key_error: str | None = None
+    #: Keys under the prefix no path-parsing client can hold, whatever ``namespace``
+    #: narrowed the listing to: they stop such clients for the whole prefix.
+    hostile: list[HostileKey] = field(default_factory=list)
+    #: Lists and deletes keys by their bytes (hostile keys).
+    raw_keys: RawKeys | None = None
 
     @property
     def where(self) -> str:
@@ -150,9 +278,10 @@ def remote_config(config_path: str) -> RemoteConfig:
 
 
 def open_shared_tier(config_path: str, namespace: str | None = None, model: str | None = None) -> SharedTier:
-    """List ``config_path``'s shared tier (namespaces whose id starts with ``namespace``)
-    and read each namespace's fingerprint. ``model`` as for ``summary --model``. Raises
-    ``InspectError`` naming the endpoint and bucket when they cannot be read."""
+    """List ``config_path``'s shared tier (namespaces whose directory name starts with
+    ``namespace``) and read each namespace's fingerprint. ``model`` as for ``summary
+    --model``. Raises ``InspectError`` naming the endpoint and bucket when they cannot be
+    read."""
     config = remote_config(config_path)
     if config.backend != "s3":
         raise InspectError(
@@ -162,6 +291,7 @@ def open_shared_tier(config_path: str, namespace: str | None = None, model: str 
     reader = ServerConfig.load(config_path, model)
     try:
         client = S3Client(config)
+        raw_keys = RawKeys(config, client.credentials)
     except RemoteSetupError as e:
         raise InspectError(str(e)) from None
     keyring = key_error = None
@@ -170,11 +300,28 @@ def open_shared_tier(config_path: str, namespace: str | None = None, model: str 
     except FleetKeyError as e:
         key_error = str(e)
     root = config.prefix + "/"
-    by_id: dict[str, RemoteNamespace] = {}
+    by_name: dict[str, RemoteNamespace] = {}
     strays = []
+    hostile = []
     foreign = 0
     try:
-        for info in client.list_info(root):
+        for listed in raw_keys.list(root):
+            if not listed.raw.startswith(root.encode()):
+                continue  # not under the prefix: never touched
+            if (why := hostile_reason(listed.raw)) is not None:
+                first = listed.raw[len(root) :].split(b"/", 1)
+                inside = first[0].decode("utf-8", "replace") if len(first) == 2 else ""
+                hostile.append(
+                    HostileKey(
+                        listed.raw,
+                        listed.size,
+                        listed.last_modified,
+                        why,
+                        inside if _NAMESPACE_RE.match(inside) else None,
+                    )
+                )
+                continue
+            info = ObjectInfo(listed.raw.decode("utf-8"), listed.size, listed.last_modified)
             rel = info.key[len(root) :]
             if "/" not in rel:
                 strays.append(RemoteObject(info.key, info.size, info.last_modified))
@@ -183,26 +330,28 @@ def open_shared_tier(config_path: str, namespace: str | None = None, model: str 
             if parsed is None:
                 foreign += 1
                 continue
-            ns_id, obj = parsed
-            if namespace and not ns_id.startswith(namespace):
+            name, obj = parsed
+            if namespace and not name.startswith(namespace):
                 continue
-            ns = by_id.setdefault(ns_id, RemoteNamespace(ns_id))
+            ns = by_name.setdefault(name, RemoteNamespace(name))
             if isinstance(obj, BlockObject):
                 ns.blocks.append(obj)
             else:
                 ns.manifest = obj
-        for ns in by_id.values():
+        for ns in by_name.values():
             _read_manifest(client, ns)
     except RemoteError as e:
         raise InspectError(f"cannot read {config.where()}: {type(e).__name__} ({e})") from None
-    namespaces = sorted(by_id.values(), key=lambda n: n.namespace)
-    return SharedTier(config_path, config, client, reader, namespaces, strays, foreign, keyring, key_error)
+    namespaces = sorted(by_name.values(), key=lambda n: n.namespace)
+    return SharedTier(
+        config_path, config, client, reader, namespaces, strays, foreign, keyring, key_error, hostile, raw_keys
+    )
 
 
 def parse_key(rel: str, info: ObjectInfo) -> tuple[str, RemoteObject] | None:
-    """``(namespace id, object)`` when ``rel`` (a key less ``<prefix>/``) is exactly a key
-    this format writes: a namespace's fingerprint.json (``block_hash`` None) or a block
-    object whose fan-out directory is its hash's; else None."""
+    """``(namespace directory, object)`` when ``rel`` (a key less ``<prefix>/``) is exactly
+    a key this format writes: a namespace's fingerprint.json (``block_hash`` None) or a
+    block object whose fan-out directory is its hash's; else None."""
     parts = rel.split("/")
     if not _NAMESPACE_RE.match(parts[0]):
         return None
@@ -230,27 +379,52 @@ def _read_manifest(client: S3Client, ns: RemoteNamespace) -> None:
     except (WrongSize, RecordError, TypeError, ValueError, KeyError) as e:
         ns.problems.append(f"{MANIFEST_NAME} is not a fingerprint record ({e})")
         return
-    if ns.fingerprint.namespace_id != ns.namespace:
+    if ns.fingerprint.namespace_id != ns.id:
         ns.problems.append(
             f"{MANIFEST_NAME} records the fingerprint of namespace {ns.fingerprint.namespace_id}, "
-            f"not {ns.namespace}: written under another prefix or copied"
+            f"not {ns.id}: written under another prefix or copied (objects are checked against the namespace id)"
         )
 
 
 # ---------------------------------------------------------------- summary
 
 
-def _reads(reader: ServerConfig, ns: RemoteNamespace) -> dict[str, Any]:
+def _reader_sealed(reader: ServerConfig) -> bool | None:
+    """Whether a server with ``reader``'s config reads sealed namespaces (it names a key)
+    or plain ones (``trusted_bucket`` and no key); None where it has no shared tier."""
+    remote = reader.extra.get("remote")
+    if not isinstance(remote, dict):
+        return None
+    return bool(remote.get("key_file") or remote.get("key_env"))
+
+
+def read_differences(reader: ServerConfig, ns: RemoteNamespace) -> list[str]:
+    """Why a server with ``reader``'s config would not read namespace ``ns`` (empty: it
+    would): its fingerprint, and the trust mode (a node with a key reads only sealed
+    namespaces, one without only plain ones)."""
     if ns.fingerprint is None:
-        return {"config": reader.path, "reads": False, "differences": ["no fingerprint recorded"]}
-    d = reader.differences(ns.fingerprint.to_dict())
+        return ["no fingerprint recorded"]
+    out = reader.differences(ns.fingerprint.to_dict())
+    sealed = _reader_sealed(reader)
+    if sealed is not None and sealed != ns.sealed:
+        out.append(
+            "trust: the config has a fleet key and reads sealed namespaces; this one holds plain objects"
+            if sealed
+            else "trust: the config has no key (remote.trusted_bucket) and reads plain namespaces; "
+            "this one holds sealed objects"
+        )
+    return out
+
+
+def _reads(reader: ServerConfig, ns: RemoteNamespace) -> dict[str, Any]:
+    d = read_differences(reader, ns)
     return {"config": reader.path, "reads": not d, "differences": d}
 
 
 def summarize_shared_tier(tier: SharedTier, others: Sequence[ServerConfig] = ()) -> dict[str, Any]:
-    """Per namespace: fingerprint, block objects and bytes, blocks with every rank, ages,
-    other keys, problems, and ``read_by``: whether a server with the ``--remote`` config
-    (first) and each of ``others`` reads it."""
+    """Per namespace: trust mode, fingerprint, block objects and bytes, blocks with every
+    rank, ages, problems, and ``read_by``: whether a server with the ``--remote`` config
+    (first) and each of ``others`` reads it; then the other and the hostile keys."""
     out = []
     for ns in tier.namespaces:
         tp = ns.fingerprint.tp_size if ns.fingerprint else None
@@ -261,6 +435,8 @@ def summarize_shared_tier(tier: SharedTier, others: Sequence[ServerConfig] = ())
         out.append(
             {
                 "namespace": ns.namespace,
+                "id": ns.id,
+                "trust": ns.trust,
                 "fingerprint": None if ns.fingerprint is None else ns.fingerprint.to_dict(),
                 "objects": len(ns.blocks),
                 "bytes": sum(o.size for o in ns.blocks),
@@ -280,6 +456,7 @@ def summarize_shared_tier(tier: SharedTier, others: Sequence[ServerConfig] = ())
         "namespaces": out,
         "stray_objects": [o.key for o in tier.strays],
         "foreign_keys": tier.foreign_keys,
+        "hostile_keys": [h.to_dict() for h in tier.hostile],
     }
 
 
@@ -298,7 +475,8 @@ def list_shared_tier(
     now: float | None = None,
 ) -> dict[str, Any]:
     """Block objects per namespace (hash, rank, size, last modified), filtered and sorted
-    (descending unless ``ascending``; ``hash`` ascending unless ``ascending`` is False)."""
+    (descending unless ``ascending``; ``hash`` ascending unless ``ascending`` is False);
+    and the hostile keys, which are listed, never read."""
     if sort not in REMOTE_SORTS:
         raise InspectError(f"--sort with --remote: expected one of {', '.join(REMOTE_SORTS)}, got {sort!r}")
     if hash_prefix is not None and not re.fullmatch(r"[0-9a-fA-F]*", hash_prefix):
@@ -324,16 +502,21 @@ def list_shared_tier(
         namespaces.append(
             {
                 "namespace": ns.namespace,
+                "trust": ns.trust,
                 "tp_size": ns.fingerprint.tp_size if ns.fingerprint else None,
                 "total": len(ns.blocks),
                 "matching": len(rows),
                 "objects": [o.to_dict() for o in (rows if limit == 0 else rows[:limit])],
             }
         )
-    return {**tier.header(), "namespaces": namespaces}
+    return {**tier.header(), "namespaces": namespaces, "hostile_keys": [h.to_dict() for h in tier.hostile]}
 
 
 # ---------------------------------------------------------------- verify
+
+#: ``action`` of a finding: deleted by ``repair_shared_tier``; deleted by it if run (a
+#: dry run, or no ``--repair``); kept (not provable, or in a namespace it may not repair).
+DELETED, WOULD_DELETE, KEPT = "deleted", "would delete", "kept"
 
 
 @dataclass
@@ -341,31 +524,57 @@ class RemoteVerifyResult:
     """What ``verify_shared_tier`` found in one namespace."""
 
     namespace: str
+    sealed: bool
     objects: int
     checked: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
-    #: ``{"key", "hash", "rank", "reason", "detail"}`` per object that a node would not serve.
+    #: Objects proven bad (``Rejected.provable``, or the inspector's own checks of an
+    #: object it opened): ``{"key", "hash", "rank", "reason", "detail", "provable",
+    #: "key_id", "action"}``.
     bad: list[dict[str, Any]] = field(default_factory=list)
+    #: Objects a node would not serve and this config cannot judge (an honest member
+    #: may have written them): never deleted. As ``bad``, with ``why``.
+    kept: list[dict[str, Any]] = field(default_factory=list)
     #: Objects that vanished between the listing and the read (a lifecycle rule, or a
     #: node deleting a damaged object): not a fault.
     vanished: int = 0
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: Why ``repair_shared_tier`` deletes nothing here (a sealed namespace and a config
+    #: without a key), or None.
+    unrepairable: str | None = None
 
     @property
     def clean(self) -> bool:
-        return not self.bad and not self.problems
+        """Nothing found: no bad object, none kept unjudged, no problem."""
+        return not self.bad and not self.kept and not self.problems
+
+    def kept_why(self) -> list[dict[str, Any]]:
+        """The kept objects grouped by why: ``{"reason", "key_id", "why", "objects"}``."""
+        groups: dict[tuple, dict[str, Any]] = {}
+        for k in self.kept:
+            g = groups.setdefault(
+                (k["reason"], k["key_id"], k["why"]),
+                {"reason": k["reason"], "key_id": k["key_id"], "why": k["why"], "objects": 0},
+            )
+            g["objects"] += 1
+        return list(groups.values())
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "namespace": self.namespace,
+            "trust": TRUST_SEALED if self.sealed else TRUST_PLAIN,
             "objects": self.objects,
             "checked": self.checked,
             "bytes_read": self.bytes_read,
             "seconds": self.seconds,
             "bad_objects": len(self.bad),
             "bad": self.bad,
+            "kept_objects": len(self.kept),
+            "kept": self.kept,
+            "kept_why": self.kept_why(),
+            "unrepairable": self.unrepairable,
             "vanished": self.vanished,
             "problems": self.problems,
             "warnings": self.warnings,
@@ -383,7 +592,8 @@ def verify_shared_tier(
 ) -> list[RemoteVerifyResult]:
     """Download and check the block objects of each namespace (``limit`` > 0: a random
     sample of that many per namespace). Keys that are not block keys are reported
-    without being read. A failed request raises ``InspectError``."""
+    without being read. Each bad finding's ``action`` says what ``repair_shared_tier``
+    would do. A failed request raises ``InspectError``."""
     if limit < 0:
         raise InspectError(f"--limit: expected 0 (all) or a positive count, got {limit}")
     if tier.key_error is not None:
@@ -395,8 +605,13 @@ def verify_shared_tier(
     with ThreadPoolExecutor(threads, thread_name_prefix="tkv-inspect-remote") as pool:
         for ns in tier.namespaces:
             result = RemoteVerifyResult(
-                ns.namespace, len(ns.blocks), problems=list(ns.problems), warnings=list(ns.warnings)
+                ns.namespace, ns.sealed, len(ns.blocks), problems=list(ns.problems), warnings=list(ns.warnings)
             )
+            if ns.sealed and tier.keyring is None:
+                result.unrepairable = (
+                    f"namespace {ns.namespace} holds sealed objects and {tier.config_path} has no key "
+                    "(remote.trusted_bucket): name the fleet key in remote.key_file or remote.key_env to judge them"
+                )
             sample = ns.blocks if not limit or limit >= len(ns.blocks) else rng.sample(ns.blocks, limit)
             started = time.perf_counter()
             try:
@@ -408,7 +623,12 @@ def verify_shared_tier(
                     result.checked += 1
                     result.bytes_read += o.size
                     if verdict is not True:
-                        result.bad.append(_bad(o, *verdict))
+                        if verdict["provable"]:
+                            verdict["action"] = KEPT if result.unrepairable else WOULD_DELETE
+                            result.bad.append(verdict)
+                        else:
+                            verdict["action"] = KEPT
+                            result.kept.append(verdict)
                     if progress is not None:
                         progress(o.size)
             except RemoteError as e:
@@ -418,38 +638,120 @@ def verify_shared_tier(
     return results
 
 
-def _bad(o: RemoteObject, reason: str, detail: str) -> dict[str, Any]:
+class _Head:
+    """The chunks of an object as they come, remembering its first bytes (enough for a
+    sealed header with the longest hash: which key id it names)."""
+
+    def __init__(self, total: int, chunks: Iterator[memoryview]):
+        self._chunks = chunks
+        self.total = total
+        self.first = bytearray()
+
+    def __iter__(self) -> _Head:
+        return self
+
+    def __next__(self) -> memoryview:
+        piece = next(self._chunks)
+        room = SEALED_HEADER_BYTES + MAX_HASH_BYTES - len(self.first)
+        if room > 0:
+            self.first += piece[:room]
+        return piece
+
+    def key_id(self) -> int | None:
+        try:
+            if format_version(memoryview(self.first)) != FORMAT_SEALED:
+                return None
+            return SealedHeader.unpack(memoryview(self.first), self.total).key_id
+        except Rejected:
+            return None
+
+
+def _finding(o: BlockObject, reason: str, detail: str, provable: bool, key_id: int | None = None) -> dict[str, Any]:
     return {
         "key": o.key,
-        "hash": None if o.block_hash is None else o.block_hash.hex(),
+        "hash": o.block_hash.hex(),
         "rank": o.rank,
         "reason": reason,
         "detail": detail,
+        "provable": provable,
+        "key_id": None if key_id is None else f"{key_id:08x}",
     }
 
 
+def _why_kept(tier: SharedTier, ns: RemoteNamespace, r: Rejected, key_id: int | None) -> str:
+    """Why an object is not this config's to judge, the same words for every object of
+    one cause (the summary groups by them). Key ids only: never key material."""
+    if r.reason == "key":
+        sealed = "sealed" if key_id is None else f"sealed under key id {key_id:08x}"
+        if not ns.sealed:
+            return f"{sealed}, in a namespace of plain objects (read without a key)"
+        if tier.keyring is None:
+            return f"{sealed}; this config holds no key (remote.trusted_bucket)"
+        return f"{sealed} (this config holds {', '.join(f'{k:08x}' for k in tier.keyring.key_ids)})"
+    if r.reason == "version":
+        return f"a newer format ({r.detail})"
+    return r.detail
+
+
 def _check(tier: SharedTier, ns: RemoteNamespace, o: BlockObject) -> Any:
-    """True when a node of ``ns`` would serve ``o``; None when it is gone; else
-    ``(reason, detail)``. A namespace id is the start of the fingerprint digest every
-    header holds, so which namespace wrote an object shows even without a manifest.
-    The object is streamed: memory stays one chunk whatever its size."""
-    if ns.fingerprint is not None and o.rank >= ns.fingerprint.tp_size:
-        return ("mismatch", f"rank {o.rank} in a namespace of TP {ns.fingerprint.tp_size}")
+    """True when a node of ``ns`` would serve ``o``; None when it is gone; else a
+    finding (``_finding``). An object is judged only where it opens: a sealed one under
+    a key id the config holds, a plain one with a checksum this node computes. Then the
+    inspector's own checks are as provable as the object's: the namespace that wrote it
+    (a namespace id is the start of the fingerprint digest every header holds, so it
+    shows even without a manifest) and a rank beyond the namespace's TP (the digest
+    covers the TP size, so no honest node of it writes that rank). The object is
+    streamed: memory stays one chunk whatever its size."""
     got = tier.client.stream(o.key)
     if got is None:
         return None
     total, chunks = got
-    digest = None if ns.fingerprint is None else fingerprint_digest(ns.fingerprint)
+    head = _Head(total, chunks)
+    fp = ns.checked_fingerprint
+    digest = None if fp is None else fingerprint_digest(fp)
+    keyring = tier.keyring if ns.sealed else None
+    tp = None if fp is None else fp.tp_size
+    beyond = tp is not None and o.rank >= tp
     try:
-        header = verify_stream(
-            total, chunks, fingerprint=digest, block_hash=o.block_hash, rank=o.rank, keyring=tier.keyring
-        )
+        header = verify_stream(total, head, fingerprint=digest, block_hash=o.block_hash, rank=o.rank, keyring=keyring)
     except Rejected as r:
-        return (r.reason, r.detail)
-    writer = header.fingerprint.hex()[: len(ns.namespace)]
-    if writer != ns.namespace:
-        return ("foreign", f"written by namespace {writer}")
+        if r.provable:
+            return _finding(o, r.reason, r.detail, True, head.key_id())
+        kid = head.key_id()
+        found = _finding(o, r.reason, r.detail, False, kid)
+        found["why"] = _why_kept(tier, ns, r, kid)
+        if beyond:
+            found["detail"] += f" (its key names rank {o.rank}, beyond the namespace's TP {tp})"
+        return found
+    if ns.sealed and isinstance(header, BlockHeader):  # read without a key, where objects are sealed
+        return _finding(o, "auth", "a plain object in a namespace of sealed objects", True)
+    writer = header.fingerprint.hex()[: len(ns.id)]
+    if writer != ns.id:
+        return _finding(o, "foreign", f"written by namespace {writer}", True, head.key_id())
+    if beyond:
+        return _finding(o, "mismatch", f"rank {o.rank} in a namespace of TP {tp}", True, head.key_id())
     return True
+
+
+def repair_shared_tier(tier: SharedTier, results: Sequence[RemoteVerifyResult], *, dry_run: bool = False) -> int:
+    """Delete each object ``verify_shared_tier`` proved bad (``action`` "would delete"),
+    and only those: no node would serve one, and while it is there no node can store
+    the right block under its key (writes are write-once). Kept objects stay, and a
+    namespace ``unrepairable`` is left whole. ``dry_run``: delete nothing. Returns how
+    many were (or would be) deleted; sets each one's ``action``."""
+    deleted = 0
+    try:
+        for r in results:
+            for b in r.bad:
+                if b["action"] != WOULD_DELETE:
+                    continue
+                if not dry_run:
+                    tier.client.delete(b["key"])
+                    b["action"] = DELETED
+                deleted += 1
+    except RemoteError as e:
+        raise InspectError(f"cannot delete in {tier.config.where()}: {type(e).__name__} ({e})") from None
+    return deleted
 
 
 # ---------------------------------------------------------------- clear / evict
@@ -460,8 +762,10 @@ class RemoteDeletion:
     """What ``clear_shared_tier`` or ``evict_shared_tier`` deleted (or would, dry run)."""
 
     dry_run: bool
-    #: Per namespace id: ``{"objects", "freed_bytes", "bytes_before", "bytes_after"}``.
+    #: Per namespace directory: ``{"objects", "freed_bytes", "bytes_before", "bytes_after"}``.
     namespaces: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Hostile keys deleted (or that would be): ``HostileKey.to_dict``.
+    hostile: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def objects(self) -> int:
@@ -472,33 +776,46 @@ class RemoteDeletion:
         return sum(v["freed_bytes"] for v in self.namespaces.values())
 
 
-def _delete(tier: SharedTier, doomed: dict[str, list[RemoteObject]], dry_run: bool) -> RemoteDeletion:
-    out = RemoteDeletion(dry_run)
-    for ns in tier.namespaces:
-        gone = doomed.get(ns.namespace, [])
-        before = sum(o.size for o in ns.blocks) + (ns.manifest.size if ns.manifest else 0)
-        freed = sum(o.size for o in gone)
-        out.namespaces[ns.namespace] = {
-            "objects": len(gone),
-            "freed_bytes": freed,
-            "bytes_before": before,
-            "bytes_after": before - freed,
-        }
-        if dry_run:
-            continue
-        try:
-            for o in gone:
-                tier.client.delete(o.key)
-        except RemoteError as e:
-            raise InspectError(f"cannot delete in {tier.config.where()}: {type(e).__name__} ({e})") from None
+def _delete(
+    tier: SharedTier, doomed: dict[str, list[RemoteObject]], dry_run: bool, hostile: Sequence[HostileKey] = ()
+) -> RemoteDeletion:
+    out = RemoteDeletion(dry_run, hostile=[h.to_dict() for h in hostile])
+    root = (tier.config.prefix + "/").encode()
+    try:
+        for ns in tier.namespaces:
+            gone = doomed.get(ns.namespace, [])
+            before = sum(o.size for o in ns.blocks) + (ns.manifest.size if ns.manifest else 0)
+            freed = sum(o.size for o in gone)
+            out.namespaces[ns.namespace] = {
+                "objects": len(gone),
+                "freed_bytes": freed,
+                "bytes_before": before,
+                "bytes_after": before - freed,
+            }
+            if not dry_run:
+                for o in gone:
+                    tier.client.delete(o.key)
+        if not dry_run:
+            for h in hostile:
+                assert h.raw.startswith(root) and tier.raw_keys is not None  # listed under the prefix
+                tier.raw_keys.delete(h.raw)
+    except RemoteError as e:
+        raise InspectError(f"cannot delete in {tier.config.where()}: {type(e).__name__} ({e})") from None
     return out
 
 
-def clear_shared_tier(tier: SharedTier, *, dry_run: bool = False) -> RemoteDeletion:
+def clear_shared_tier(tier: SharedTier, *, dry_run: bool = False, whole_prefix: bool = True) -> RemoteDeletion:
     """Delete every object of the listed namespaces (blocks and fingerprint.json): only
-    keys of this format under the prefix, never a nested prefix's."""
+    keys of this format under the prefix, never a nested prefix's; and the hostile keys
+    (``whole_prefix``: every one under the prefix; else those inside the namespaces
+    cleared), by their bytes."""
+    names = {ns.namespace for ns in tier.namespaces}
+    hostile = [h for h in tier.hostile if whole_prefix or h.namespace in names]
     return _delete(
-        tier, {ns.namespace: [*ns.blocks, *([ns.manifest] if ns.manifest else [])] for ns in tier.namespaces}, dry_run
+        tier,
+        {ns.namespace: [*ns.blocks, *([ns.manifest] if ns.manifest else [])] for ns in tier.namespaces},
+        dry_run,
+        hostile,
     )
 
 
