@@ -307,7 +307,8 @@ class LoadCosts:
         return self.bytes_per_block / self.tokens_per_block * self.prefill_tokens_per_s / 1e9
 
     def observe(self, transfer_type: str, nbytes: int, seconds: float, success: bool = True) -> None:
-        """A finished transfer (``TieredStats`` observer): samples the tier it read from.
+        """A finished transfer (``TieredStats`` observer): samples the tier it read from;
+        a failed load is charged its seconds plus the recompute of its ``nbytes``.
         ``PREFILL``: a forward pass of ``nbytes`` tokens, nearly all prefill, sampling the
         prefill rate (module docstring)."""
         if transfer_type == PREFILL:
@@ -321,8 +322,16 @@ class LoadCosts:
                 self.prefill_tokens_per_s = self.prefill_fit.gbps * 1e9
             return
         name = self.transfer_types.get(transfer_type)
-        if name is None or not success:
+        if name is None:
             return
+        if not success:
+            # A failed load cost its wait and then the recompute of its blocks: charged
+            # as one job that took both, so a tier that stalls or fails is passed over
+            # (a failure that came back at once must not read as a fast tier).
+            if nbytes <= 0 or not 0 <= seconds < math.inf:
+                return
+            blocks = nbytes / self.bytes_per_block
+            seconds += blocks * self.tokens_per_block / self.prefill_tokens_per_s
         self.tiers[name].observe(nbytes, seconds, self.clock())
         self._since[name] = self.clock()
 

@@ -250,6 +250,8 @@ def _build(
         manager = spec.get_manager()
         if manager.costs is not None and tiers.model is not None:
             m, costs = tiers.model, manager.costs
+            # The modelled tier speeds decide here, not this machine's measured copies.
+            spec.stats.observers.remove(costs.observe)
             costs.bytes_per_block = m.kv_bytes_per_token * geometry.tokens_per_block
             costs.prefill_tokens_per_s = m.prefill_tps
             for name, tier in costs.tiers.items():

@@ -128,7 +128,7 @@ def test_shared_memory_and_the_slot_health_file_are_owner_only(tmp_path):
 
 def test_load_timings_reach_the_scheduler_from_worker_processes_per_rank():
     """Two worker processes (ranks 0 and 1) add transfers to the engine's load timings;
-    the scheduler's reader gets each rank's average new job once, only the shared types,
+    the scheduler's reader gets each rank's average new job once (failed ones apart), only the shared types,
     and the file is the user's own (0600)."""
     import multiprocessing
 
@@ -148,8 +148,10 @@ def test_load_timings_reach_the_scheduler_from_worker_processes_per_rank():
             assert proc.exitcode == 0
         got = sorted(reader.take())
         assert got == sorted(
-            [("disk_to_cpu", 3000.0, 0.5), ("disk_to_cpu", 6000.0, 1.0), ("cpu_to_gpu", 100.0, 0.25)]
-            + [("cpu_to_gpu", 200.0, 0.5)]
+            [("disk_to_cpu", 3000.0, 0.5, True), ("disk_to_cpu", 6000.0, 1.0, True), ("cpu_to_gpu", 100.0, 0.25, True)]
+            + [("cpu_to_gpu", 200.0, 0.5, True)]
+            # Failed jobs apart, so the decision charges what they cost.
+            + [("cpu_to_gpu", 5.0, 1.0, False), ("cpu_to_gpu", 5.0, 1.0, False)]
         )
         assert reader.take() == []  # nothing new
         forged = LoadTimings.for_engine(engine, ["disk"], ranks=2, rank=0)
@@ -169,6 +171,6 @@ def _record_timings(engine: str, rank: int) -> None:
     w.record("disk_to_cpu", 2000 * scale, 0.4 * scale)
     w.record("disk_to_cpu", 4000 * scale, 0.6 * scale)
     w.record("cpu_to_gpu", 100 * scale, 0.25 * scale)
-    w.record("cpu_to_gpu", 5, 1.0, success=False)  # a failed job: left out
+    w.record("cpu_to_gpu", 5, 1.0, success=False)  # a failed job: its own totals
     w.record("gpu_to_cpu", 999, 1.0)  # a store: not a load cost
     w.close()

@@ -123,7 +123,7 @@ def _shares_bytes(engine_id: str, num_slots: int = 16) -> Path:
         worker.mark_bad([3, 7])
         assert scheduler.take_bad(range(num_slots)) == {3, 7}
         writer.record("disk_to_cpu", 4096, 0.5)
-        assert reader.take() == [("disk_to_cpu", 4096.0, 0.5)]
+        assert reader.take() == [("disk_to_cpu", 4096.0, 0.5, True)]
     finally:
         worker.close()
         writer.close()

@@ -95,6 +95,7 @@ def build(
     cpu_bytes: str = "128KiB",
     disk_bytes: str = "128KiB",
     expecting: bool = False,
+    cost_aware: bool = False,
 ) -> Node:
     """A node: 32 device blocks of 8 KiB, CPU and disk tiers of 16 blocks each (write-through), and the
     shared tier of ``remote`` settings under this node's fingerprint."""
@@ -117,6 +118,9 @@ def build(
             "model_id": model_id,
             "hash_seed": hash_seed,
             "remote": remote,
+            # Every block found is loaded: these nodes show where blocks go; the decision,
+            # which this machine's loopback requests would sway, is tested on its own.
+            "cost_aware": cost_aware,
         }
     )
     engine_id = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]

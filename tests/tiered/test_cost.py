@@ -166,7 +166,6 @@ def test_transfers_sample_the_tier_they_read_from():
     for _ in range(50):
         stats.record_transfer("disk_to_cpu", 4 * MiB, 4 * MiB / 1e9)  # 1 GB/s
         stats.record_transfer("cpu_to_disk", 4 * MiB, 1.0)  # a write: not a load
-        stats.record_transfer("disk_to_gpu", 4 * MiB, 1.0, success=False)
     assert c.tiers["disk"].gbps == pytest.approx(1.0, rel=0.05) and c.tiers["cpu"].samples == 0
     snap = c.snapshot()
     assert snap["tiers"]["disk"]["samples"] == 50 and snap["break_even_gbps"] == pytest.approx(4.04, abs=0.01)
@@ -175,6 +174,34 @@ def test_transfers_sample_the_tier_they_read_from():
     assert metrics.registry.get_sample_value("tiered_kv_tier_load_gbps", {"tier": "disk"}) == pytest.approx(
         1.0, rel=0.05
     )
+
+
+def test_a_failed_load_is_charged_its_wait_and_the_recompute():
+    """A tier whose every other load stalls 2 s and fails is passed over, and so is one
+    whose loads fail after a few ms; one whose loads fail at once is never taken for a
+    fast tier."""
+    stalling, failing = costs(6.0), costs(6.0)
+    block = stalling.bytes_per_block
+    recompute = stalling.tokens_per_block / stalling.prefill_tokens_per_s
+    for i in range(10):
+        if i % 2:
+            stalling.observe("disk_to_gpu", block, 2.0, success=False)
+        else:
+            stalling.observe("disk_to_gpu", block, block / 8e9)  # 8 GB/s when it answers
+        failing.observe("disk_to_gpu", block, 1e-6, success=False)
+    assert stalling.tiers["disk"].seconds(block) > recompute
+    assert stalling.plan(["disk"] * 4).blocks == 0
+    assert failing.tiers["disk"].seconds(block) >= 0.9 * recompute  # about what recomputing costs, not 0
+    erring = costs(6.0)
+    for _ in range(10):
+        erring.observe("disk_to_gpu", block, 0.005, success=False)  # an error answer after 5 ms
+    assert erring.plan(["disk"] * 4).blocks == 0
+    for bad in (float("nan"), float("inf"), -1.0):  # no measure: ignored
+        failing.observe("disk_to_gpu", block, bad, success=False)
+    failing.observe("disk_to_gpu", 0, 1.0, success=False)
+    assert failing.tiers["disk"].samples == 10
+    failing.observe("disk_to_gpu", block, 0.0, success=False)
+    assert failing.tiers["disk"].samples == 11  # a failure in no time still cost the recompute
 
 
 def test_measured_prefill_steps_replace_the_estimate_unless_a_rate_was_configured():

@@ -19,6 +19,9 @@ def build(tmp_path, device, **config):
         "cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B",
         "disk_path": str(tmp_path),
         "model_id": "hierarchy-test",
+        # Every block found is loaded: what is tested here is where blocks go, not the
+        # decision (tests/tiered/test_cost.py), which this CPU's measured loads would sway.
+        "cost_aware": False,
     }
     spec = HierarchySpec({**base, **config}, layout.gpu_block_size, layout)
     return spec, EngineDriver.from_spec(spec, device)
@@ -228,7 +231,12 @@ def test_corrupt_disk_blocks_and_failed_loads_are_counted_per_tier(write_back):
 def test_an_engine_built_in_with_blocks_releases_the_cache_even_when_the_block_raises(tmp_path):
     device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
     layout = device.layout
-    config = {"cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B", "disk_path": str(tmp_path), "disk_bytes": "4MiB"}
+    config = {
+        "cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B",
+        "disk_path": str(tmp_path),
+        "disk_bytes": "4MiB",
+        "cost_aware": False,
+    }
     docs = documents(num_docs=2, blocks_per_doc=8, seed=4)
     with pytest.raises(RuntimeError, match="the engine failed"):
         with HierarchySpec(config, layout.gpu_block_size, layout) as spec:

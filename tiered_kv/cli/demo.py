@@ -80,6 +80,9 @@ def demo(
             "promote_on_hit": promote_on_hit,
             "disk_io": disk_io,
             "model_id": "tiered-kv-demo",
+            # The demo's device is this machine's CPU and its model a toy: recomputing
+            # has no true cost to weigh a load against, so every block found is loaded.
+            "cost_aware": False,
         }
         if cache_dir is not None:
             config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)

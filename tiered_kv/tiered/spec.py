@@ -142,7 +142,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             raise
         lower.reverse()
         prefill = self.prefill
-        return TieredOffloadingManager(
+        composite = TieredOffloadingManager(
             cpu,
             lower,
             write_policy=[t.write_policy for t in self.lower_tiers],
@@ -155,6 +155,12 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             bytes_per_block=self._known_layout().bytes_per_block,
             admit_after=[admit_after(self.config.write_admission, t.name) for t in self.lower_tiers],
         )
+        if composite.costs is not None:
+            # Where the workers run in this process (the demo, the simulator, a library
+            # user) their transfers feed the estimates directly; under vLLM the workers
+            # record into their own stats and the scheduler reads ``LoadTimings``.
+            self.stats.observers.append(composite.costs.observe)
+        return composite
 
     @property
     def prefill(self) -> PrefillEstimate:

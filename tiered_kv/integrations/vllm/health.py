@@ -322,6 +322,10 @@ class SlotHealth(Closing):
             _unlink(self.path, self._in_engine_dir)
 
 
+#: What a load type's failed totals add to its name in ``LoadTimings``.
+FAILED = ":failed"
+
+
 class LoadTimings(Closing):
     """Running totals of finished transfers per rank and transfer type, shared by the
     processes of one engine (module docstring). ``transfer_types`` and ``ranks`` must
@@ -351,7 +355,8 @@ class LoadTimings(Closing):
         """The timings of engine ``engine_id`` (same file in every process) for the load
         transfers of the lower tiers ``tier_names`` and the CPU tier, and for forward
         passes that were nearly all prefill (``PREFILL``: tokens in place of bytes)."""
-        types = [*load_transfer_types(["cpu", *tier_names]), PREFILL]
+        loads = list(load_transfer_types(["cpu", *tier_names]))
+        types = [*loads, *(t + FAILED for t in loads), PREFILL]
         timings = cls(_engine_file(engine_id, "load-timings"), types, ranks, rank)
         timings._in_engine_dir = True
         return timings
@@ -361,9 +366,10 @@ class LoadTimings(Closing):
 
     def record(self, transfer_type: str, nbytes: int, seconds: float, success: bool = True) -> None:
         """Add one finished transfer to this rank's totals (a ``TieredStats`` observer);
-        failed transfers and types not shared are left out."""
-        index = self.types.get(transfer_type)
-        if index is None or not success or self.rank is None or self._map.closed:
+        a failed one to its type's failed totals (the decision charges what it cost),
+        where there are such; types not shared are left out."""
+        index = self.types.get(transfer_type if success else transfer_type + FAILED)
+        if index is None or self.rank is None or self._map.closed:
             return
         off = self._offset(self.rank, index)
         with self._lock:
@@ -371,9 +377,9 @@ class LoadTimings(Closing):
             self._RECORD.pack_into(self._map, off, seq + 1, b, s, j)
             self._RECORD.pack_into(self._map, off, seq + 2, b + nbytes, s + seconds, j + 1)
 
-    def take(self) -> list[tuple[str, float, float]]:
+    def take(self) -> list[tuple[str, float, float, bool]]:
         """Per rank and type whose totals grew since the last call: ``(transfer type,
-        bytes, seconds)`` of the average job among the new ones."""
+        bytes, seconds, success)`` of the average job among the new ones."""
         out = []
         for name, index in self.types.items():
             for rank in range(self.ranks):
@@ -383,7 +389,8 @@ class LoadTimings(Closing):
                     continue  # being written: next time
                 b0, s0, j0 = self._seen.get(off, (0.0, 0.0, 0.0))
                 if j > j0 and b > b0 and s > s0 and math.isfinite(b + s + j):  # a torn or forged total: skipped
-                    out.append((name, (b - b0) / (j - j0), (s - s0) / (j - j0)))
+                    failed = name.endswith(FAILED)
+                    out.append((name.removesuffix(FAILED), (b - b0) / (j - j0), (s - s0) / (j - j0), not failed))
                 self._seen[off] = (b, s, j)
         return out
 

@@ -433,8 +433,8 @@ class TieredVllmManager(OffloadingManager, Closing):
             check.step()
         self._count_lookups()
         if self.costs is not None and self.timings is not None:
-            for transfer_type, nbytes, seconds in self.timings.take():
-                self.costs.observe(transfer_type, round(nbytes), seconds)
+            for transfer_type, nbytes, seconds, success in self.timings.take():
+                self.costs.observe(transfer_type, round(nbytes), seconds, success)
         for scan in self._undecided.values():
             # The lead's keys are never read: every plan loads the whole lead.
             k = self.composite.decide([b""] * scan.lead + scan.keys, scan.prefix.runs)
