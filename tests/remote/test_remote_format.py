@@ -219,7 +219,7 @@ def test_the_longest_key_fits_s3s_limit():
     room = S3_MAX_KEY_BYTES - longest_key("")
     config = RemoteConfig.from_dict({"bucket": "kv-b", "prefix": "p" * room})
     fp = Fingerprint("m", "r", "float16", 16, 16, (("l", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
-    key = block_key(namespace_prefix(config.prefix, fp), b"\xff" * 64, 65535)
+    key = block_key(namespace_prefix(config.prefix, fp, sealed=False), b"\xff" * 64, 65535)  # the longer one
     assert len(key.encode()) == longest_key(config.prefix) == S3_MAX_KEY_BYTES
     with pytest.raises(ConfigError, match=f"use at most {room} characters"):
         RemoteConfig.from_dict({"bucket": "kv-b", "prefix": "p" * (room + 1)})

@@ -71,8 +71,10 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
 def longest_key(prefix: str) -> int:
     """Bytes of the longest object key under ``prefix``:
-    ``<prefix>/<namespace id>/<fan-out>/<hash hex>-r<rank>`` with the longest hash and rank."""
-    return len(prefix.encode()) + 1 + NAMESPACE_ID_CHARS + 1 + 2 + 1 + 2 * MAX_KEY_HASH_BYTES + len("-r65535")
+    ``<prefix>/<namespace id>[.plain]/<fan-out>/<hash hex>-r<rank>`` with the longest hash
+    and rank (a plain namespace's directory is the longer: ``object_format.PLAIN_SUFFIX``)."""
+    namespace = NAMESPACE_ID_CHARS + len(".plain")
+    return len(prefix.encode()) + 1 + namespace + 1 + 2 + 1 + 2 * MAX_KEY_HASH_BYTES + len("-r65535")
 
 
 def parse_duration(value: Any, key: str, limit: float = math.inf) -> float:

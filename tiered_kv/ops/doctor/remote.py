@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.config_values import redact
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
@@ -209,9 +210,9 @@ def check_remote(cfg: TieredConfig | None, extra: Mapping[str, Any] | None = Non
 def key_source(remote: RemoteConfig) -> str:
     """Where the config's fleet key comes from, for messages (never the key)."""
     if remote.key_file is not None:
-        return f"remote.key_file {remote.key_file}"
+        return f"remote.key_file {redact(remote.key_file)}"
     if remote.key_env is not None:
-        return f"remote.key_env {remote.key_env}"
+        return f"remote.key_env {redact(remote.key_env)}"
     return "no key (remote.trusted_bucket)"
 
 
@@ -232,12 +233,12 @@ def _load_keys(remote: RemoteConfig, facts: dict[str, Any]) -> Check | tuple[Key
     except FleetKeyError as e:
         if remote.key_file is not None:
             fix = (
-                f"put the fleet's key in {remote.key_file} (mode 600, readable by the server's user), "
+                f"put the fleet's key in {redact(remote.key_file)} (mode 600, readable by the server's user), "
                 "or fix remote.key_file"
             )
         elif remote.key_env is not None:
             fix = (
-                f"set {remote.key_env} to the fleet's key in the server's environment (the doctor reads "
+                f"set {redact(remote.key_env)} to the fleet's key in the server's environment (the doctor reads "
                 "its own: run it with the server's), or fix remote.key_env"
             )
         else:
@@ -261,8 +262,8 @@ def _load_keys(remote: RemoteConfig, facts: dict[str, Any]) -> Check | tuple[Key
         if remote.key_file is not None and _mode(remote.key_file) & 0o077:
             cautions.append(
                 (
-                    f"remote.key_file {remote.key_file} is readable by other users",
-                    f"chmod 600 {remote.key_file}",
+                    f"remote.key_file {redact(remote.key_file)} is readable by other users",
+                    f"chmod 600 {redact(remote.key_file)}",
                 )
             )
     return keyring, cautions
