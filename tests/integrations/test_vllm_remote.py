@@ -242,12 +242,15 @@ def test_server_down_costs_misses_and_the_engine_goes_on(tmp_path, model_dir, rg
             assert REMOTE not in {b.manager.composite.hit_medium(k) for k in _keys(_prompt(6))}
 
 
+@pytest.mark.parametrize("fault", ["slow", "stalls"])
 def test_under_vllm_a_bucket_slower_than_recomputing_is_passed_over_and_used_again_once_it_recovers(
-    model_dir, rgw_server, remote_settings
+    model_dir, rgw_server, remote_settings, fault
 ):
     """Our connector (one download per hit, by the worker) in front of a bucket behind a
-    proxy that makes every download slower: the worker's download times reach the
-    scheduler's estimate of the tier, which decides as for the disk."""
+    proxy that makes every download slower, or leaves every other one unanswered (each
+    such load fails after its timeout and is recomputed): the worker's download times,
+    failed ones charged what they cost, reach the scheduler's estimate of the tier,
+    which decides as for the disk."""
 
     def prompt(seed: int) -> list[int]:
         return _prompt(seed)[: 2 * BLOCK + 1]
@@ -265,13 +268,20 @@ def test_under_vllm_a_bucket_slower_than_recomputing_is_passed_over_and_used_aga
         **SPEC,
         "cpu_bytes": f"{2 * CHUNK_BYTES}B",  # two chunks: each new prompt evicts the last one
         "block_size": BLOCK,
-        "remote": {**remote_settings, "endpoint": proxy.endpoint},
+        # A stalled download fails after 1 s (no retry): charged that second and the recompute.
+        "remote": {**remote_settings, "endpoint": proxy.endpoint}
+        | ({"request_timeout": "1s", "retries": 0} if fault == "stalls" else {}),
         "promote_on_hit": False,  # every repeat downloads again
         "prefill_tokens_per_s": 100.0,  # a chunk costs 160 ms to recompute
     }
     with proxy, vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **vh.ONE_READ) as h:
 
         def slow_down(on: bool) -> None:
-            proxy.get_delay = 1.0 if on else 0.0
+            if fault == "slow":
+                proxy.get_delay = 1.0 if on else 0.0
+            else:
+                proxy.stall_every_other_get = on
 
-        passed_over_while_slow_and_used_again(h, "remote", serve, prompt, slow_down, BLOCK)
+        passed_over_while_slow_and_used_again(
+            h, "remote", serve, prompt, slow_down, BLOCK, loads_fail=fault == "stalls"
+        )

@@ -174,3 +174,41 @@ def test_a_remote_tier_entry_names_the_bad_key(tmp_path, remote_settings):
         TierEntry.parse({"type": "remote", "endpoint": remote_settings["endpoint"]}, "tiers[0]")
     with pytest.raises(ValueError, match="rank 1"):
         TierContext(ctx.config, ctx.fingerprint, ctx.layout, "engine", rank=1, world_size=1)
+
+
+def test_a_bucket_that_stalls_every_other_download_is_passed_over_and_used_again(tmp_path, rgw_server, remote_settings):
+    """Built with ``HierarchySpec`` (no vLLM): the node's own transfers feed the decision.
+    Every other download stalls past its timeout and fails (recomputed, charged its wait
+    and the recompute): within a few requests the tier is passed over; once the bucket
+    answers again, the probes' samples bring it back."""
+    with FaultProxy(rgw_server.endpoint.removeprefix("http://"), mode="count") as proxy:
+        settings = {**remote_settings, "endpoint": proxy.endpoint, "request_timeout": "1s", "retries": 0}
+        with build(
+            tmp_path / "cache",
+            settings,
+            expecting=True,
+            cost_aware=True,
+            prefill_tokens_per_s=100.0,  # a block of 16 tokens costs 160 ms to recompute
+            promote_on_hit=False,
+        ) as node:
+            costs = node.driver.manager.costs
+            assert costs is not None and costs.enabled
+            node.run(requests(0, 30))  # 120 blocks: CPU and disk keep the last 16 each
+            remote = node.spec.stats.tiers["remote"]
+
+            def chain(i: int) -> tuple[int, int]:
+                """Request chain ``i`` (only the bucket holds it): remote hits, blocks passed over."""
+                hits, skipped = remote["hits"], remote["skipped_slower_than_recompute"]
+                report = node.run(requests(i, 1))
+                assert report.mismatches == 0
+                return remote["hits"] - hits, remote["skipped_slower_than_recompute"] - skipped
+
+            assert chain(0) == (BLOCKS_PER_REQUEST, 0)  # a fast bucket is used
+            proxy.stall_every_other_get = True
+            passed_over_at = next((i for i in range(1, 8) if chain(i)[1] > 0), None)
+            assert passed_over_at is not None and passed_over_at <= 4, passed_over_at
+            assert node.tier.store.stats().gets_failed > 0
+            proxy.stall_every_other_get = False
+            costs.probe_every = 1  # every decision that passes the tier over samples it
+            used_again = [chain(i) for i in range(8, 20)]
+            assert used_again[-1] == (BLOCKS_PER_REQUEST, 0), used_again

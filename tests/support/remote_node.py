@@ -96,9 +96,10 @@ def build(
     disk_bytes: str = "128KiB",
     expecting: bool = False,
     cost_aware: bool = False,
+    **extra: Any,
 ) -> Node:
     """A node: 32 device blocks of 8 KiB, CPU and disk tiers of 16 blocks each (write-through), and the
-    shared tier of ``remote`` settings under this node's fingerprint."""
+    shared tier of ``remote`` settings under this node's fingerprint; ``extra``: more config keys."""
     device = DeviceKVCache(
         num_layers=2,
         num_gpu_blocks=32,
@@ -121,6 +122,7 @@ def build(
             # Every block found is loaded: these nodes show where blocks go; the decision,
             # which this machine's loopback requests would sway, is tested on its own.
             "cost_aware": cost_aware,
+            **extra,
         }
     )
     engine_id = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]

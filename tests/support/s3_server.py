@@ -179,6 +179,9 @@ class FaultProxy:
         #: ``count`` mode: each request relayed, by (method, path without the query).
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.get_delay = 0.0
+        #: In the forwarding modes, every other GET is read and never answered.
+        self.stall_every_other_get = False
+        self._gets = 0
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -299,6 +302,13 @@ class FaultProxy:
                     self.requests[(method.decode(), path)] += 1
                 if method == b"GET" and self.get_delay:
                     time.sleep(self.get_delay)
+                if method == b"GET" and self.stall_every_other_get:
+                    with self._lock:
+                        self._gets += 1
+                        stall = self._gets % 2 == 0
+                    if stall:  # never answered: the client's request times out
+                        self._stall(conn)
+                        break
                 if upstream is None:
                     upstream = socket.create_connection(self.target, timeout=30)
                     with self._lock:
