@@ -184,10 +184,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tier-latency-ms", type=float, help="per job (default: disk 0.1, shared 5)")
     p.add_argument(
         "--verify",
-        choices=("auto", "read", "none"),
-        default="auto",
-        help="hit check before a lower-tier hit: read the chunk back first, or not\n"
-        "(auto: the disk tier reads, the shared tier under this project's connector does not)",
+        choices=("none", "read"),
+        default="none",
+        help="hit check before a lower-tier hit (default none: one read per hit, this project's\n"
+        "connector with vLLM's recompute policy; read: read back first, then load: vLLM's own connector)",
     )
     p.add_argument("--slo-ms", type=float, default=5000.0, help="TTFT SLO of the goodput column (default 5000)")
     p.add_argument("--limit", type=int, help="the first N requests only")
@@ -235,8 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max(1, args.device_tokens // TOKENS_PER_BLOCK), args.token_budget, args.max_seqs, args.cpu_gbps
     )
     latency = args.tier_latency_ms if args.tier_latency_ms is not None else LATENCY_MS[args.tier]
-    verify = args.tier == "disk" if args.verify == "auto" else args.verify == "read"
-    tier = TierModel(args.tier, args.tier_gbps, latency / 1e3, verify)
+    tier = TierModel(args.tier, args.tier_gbps, latency / 1e3, args.verify == "read")
     cpu_blocks = max(1, args.cpu_tokens // TOKENS_PER_BLOCK)
     ws = stream.working_set
     lower_blocks = max(

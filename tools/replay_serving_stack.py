@@ -15,16 +15,17 @@ estimate ``tiered_kv.cost`` makes for the model on the GPU (not configured, so m
 forward passes replace it), the disk tier's ``DiskHitCheck``, ``TieredVllmManager``
 and the ``LoadTimings`` channel through which it reads the workers' transfer times.
 
-What is modelled: the ``DiskVerifier`` behind the disk's hit check (``SimVerifier``:
-each verification is a read of one chunk on the tier's I/O channel, its result there
-once that read ends; it always passes); the shared tier's object store (an index that
-knows every object this node wrote: no HEAD probes, so no RETRY for locating) and its
-hit check (``TrustedHitCheck``: vLLM with this project's connector and
-``kv_load_failure_policy: recompute`` reads a shared-tier hit once, in the worker, with
-no scheduler-side download; ``verify="read"`` models the download of vLLM's plain
-connector instead); the clock of ``LoadCosts`` (the replay's simulated seconds, so the
-probe after ``probe_after_s`` follows simulated time). The workers' side is the
-simulator's (``replay_serving_sim``): it records each finished load's transfer time into
+What is modelled: the hit check's reads. By default none, as deployed with this
+project's connector and vLLM's recompute policy (what ``tiered-kv config`` prints): a
+chunk the tier's index holds is a hit at once and read once, by the worker's load
+(``DiskHitCheck`` without a verifier). With ``verify`` (vLLM's own connector, or a model
+of several KV-cache groups) the ``DiskVerifier`` is ``SimVerifier``: each verification
+is a read of one chunk on the tier's I/O channel, its result there once that read ends;
+it always passes. The shared tier's object store is an index that knows every object
+this node wrote (no HEAD probes, so no RETRY while locating), checked as the disk's is.
+The clock of ``LoadCosts`` is the replay's simulated seconds (the probe after
+``probe_after_s`` follows simulated time). The workers' side is the simulator's
+(``replay_serving_sim``): it records each finished load's transfer time into
 ``LoadTimings`` as the product's worker does.
 """
 
@@ -53,7 +54,7 @@ from tiered_kv.integrations.vllm.manager import TieredVllmManager
 from tiered_kv.mediums import CPU
 from tiered_kv.metrics import Latencies
 from tiered_kv.tiered.manager import TieredOffloadingManager
-from tiered_kv.tiers import HitCheck, TrustedHitCheck
+from tiered_kv.tiers import HitCheck
 
 #: The three configurations the replay compares.
 CONFIGS = ("always", "recompute", "cost-aware")
@@ -63,8 +64,7 @@ CONFIGS = ("always", "recompute", "cost-aware")
 class TierModel:
     """The lower tier: which product tier it stands for (``disk`` or ``shared``), its
     bandwidth (GB/s, reads and writes alike), per-job latency, and whether a hit is read
-    back before it is promised (``verify``: the disk tier always is; the shared tier
-    only under vLLM's plain connector)."""
+    back before it is promised (``verify``: module docstring)."""
 
     kind: str
     gbps: float
@@ -153,7 +153,7 @@ def build_stack(
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
     and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on.
-    ``verify_read`` reads one chunk for the disk's hit check (``SimVerifier``)."""
+    ``verify_read`` reads one chunk for the hit check where ``tier.verify`` (``SimVerifier``)."""
     if config not in CONFIGS:
         raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
     if min(cpu_blocks, lower_blocks) < 1:
@@ -195,10 +195,8 @@ def build_stack(
         )
         checks: list[HitCheck] = []
         if used is not None:
-            if used.verify:
-                checks.append(DiskHitCheck(lower[0], cast(DiskVerifier, SimVerifier(verify_read))))
-            else:
-                checks.append(TrustedHitCheck(lower[0]))
+            verifier = cast(DiskVerifier, SimVerifier(verify_read)) if used.verify else None
+            checks.append(DiskHitCheck(lower[0], verifier))
         health = SlotHealth.for_engine(engine_id, cpu_blocks)
         health.clear()
         names = [t.name for t in lower]

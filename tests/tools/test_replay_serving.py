@@ -81,17 +81,25 @@ def test_the_channel_serves_jobs_in_order_each_after_the_bytes_ahead_of_it():
     assert ch.bytes == {"write": 3_000_000_000, "read": 1_000_000_000}
 
 
-def _disk_replay(with_writer: bool):
+def _disk_replay(with_writer: bool, verify: bool = True):
     """A document (4 chunks) computed, pushed out of a 4-chunk CPU tier onto a 1 GB/s disk
     by another, then asked for again; ``with_writer``: a third request's write-through
-    copies reach the disk 200 ms before the repeat arrives."""
+    copies reach the disk 200 ms before the repeat arrives; ``verify``: each hit is read
+    back before it is promised (vLLM's own connector)."""
     w1, w2, repeat = keys(1, 2, 3, 4), keys(11, 12, 13, 14), keys(1, 2, 3, 4)
     reqs = [Arrival(0.0, 4 * BLOCK + 100, w1), Arrival(10.0, 4 * BLOCK + 100, w2)]
     if with_writer:
         reqs.append(Arrival(19.8, 4 * BLOCK + 100, keys(21, 22, 23, 24)))
     reqs.append(Arrival(20.0, 4 * BLOCK + 100, repeat))
-    tier = TierModel("disk", 1.0, 0.001, True)
+    tier = TierModel("disk", 1.0, 0.001, verify)
     return run_config("always", reqs, GPU, EngineConfig(device_blocks=1), tier, cpu_blocks=4, lower_blocks=64)
+
+
+def test_a_disk_hit_is_read_once_by_its_load_where_failed_loads_are_recomputed():
+    load = 0.001 + 4 * BPB / 1e9 + 4 * BPB / 50e9  # disk -> CPU (promoted), then CPU -> GPU
+    out = _disk_replay(with_writer=False, verify=False)
+    assert out.ttft[-1] == pytest.approx(load + prefill_s(100, 4 * BLOCK), rel=1e-9)
+    assert out.channel_bytes["tier"]["read"] == 4 * BPB and not out.channel_bytes["tier"]["verify"]
 
 
 def test_a_disk_hit_is_read_back_then_loaded_and_a_load_waits_behind_the_bytes_ahead_of_it():
@@ -112,7 +120,7 @@ def test_a_disk_hit_is_read_back_then_loaded_and_a_load_waits_behind_the_bytes_a
 
 def test_recompute_never_touches_a_lower_tier_and_always_reads_what_it_finds():
     reqs = _disk_replay_requests()
-    tier = TierModel("disk", 2.0, 0.0, True)
+    tier = TierModel("disk", 2.0, 0.0, False)
     engine = EngineConfig(device_blocks=2)
     recompute = run_config("recompute", reqs, GPU, engine, tier, 8, 64)
     always = run_config("always", reqs, GPU, engine, tier, 8, 64)
@@ -144,7 +152,7 @@ def test_under_load_loading_from_a_slow_ish_tier_beats_recomputing_and_from_a_ve
     the GPU queue the bottleneck loading still shortens mean TTFT; at 0.3 GB/s the tier,
     written and read by everything, is the bottleneck instead."""
     reqs, engine = loaded_long_context
-    tier = TierModel("disk", gbps, 0.0001, True)
+    tier = TierModel("disk", gbps, 0.0001, False)
     always = run_config("always", reqs, GPU, engine, tier, 400, 20_000)
     recompute = run_config("recompute", reqs, GPU, engine, tier, 400, 20_000)
     mean = lambda r: sum(r.ttft) / len(r.ttft)  # noqa: E731
