@@ -18,7 +18,7 @@ import pytest
 from support.s3_server import BUCKET
 from test_inspect_remote import FP, OTHER, run, run_json
 
-from tiered_kv.ops.inspect.remote import escaped_key, hostile_reason
+from tiered_kv.ops.inspect.remote_hostile import escaped_key, hostile_reason
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
 from tiered_kv.remote.client import RemoteError, S3Client
 from tiered_kv.remote.keys import Keyring

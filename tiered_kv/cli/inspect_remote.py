@@ -1,16 +1,17 @@
 """``tiered-kv inspect summary|ls|verify|evict|clear --remote CONFIG``: the shared tier of a config.
 
-Operator's process; the library is ``tiered_kv.ops.inspect.remote`` (S3 LIST and GETs of
-the config's bucket; ``verify --repair`` also deletes the objects it proved bad, ``evict``
-and ``clear`` the objects they select, nothing else, and with ``--dry-run`` nothing).
-``tiered_kv.cli.inspect`` hands a command here, with all its options by name, when it is
-given ``--remote``; options that mean something only for a disk cache are refused with a
-one-line reason. Output as the disk commands': Rich tables, or the JSON envelope with
-``--json``. A key under the prefix is printed only escaped (``escaped_key``) and never as
-Rich markup. ``verify`` exits 1 (``EXIT_CORRUPT``) when anything is left that a node would
-not serve (an object proven bad and not deleted, one kept as not this config's to judge),
-a namespace has a problem, or a hostile key is there; 2 when ``--repair`` or ``--dry-run``
-is refused for a namespace (sealed objects, a config without a key), after the report.
+Operator's process; the library is ``tiered_kv.ops.inspect.remote`` (and ``remote_verify``
+for ``verify``): S3 LIST and GETs of the config's bucket; ``verify --repair`` also deletes
+the objects it proved bad, ``evict`` and ``clear`` the objects they select, nothing else,
+and with ``--dry-run`` nothing. ``tiered_kv.cli.inspect`` hands a command here, with all
+its options by name, when it is given ``--remote``; options that mean something only for a
+disk cache are refused with a one-line reason. Output as the disk commands': Rich tables,
+or the JSON envelope with ``--json``. A key under the prefix is printed only escaped
+(``escaped_key``) and never as Rich markup. ``verify`` exits 1 (``EXIT_CORRUPT``) when
+anything is left that a node would not serve (an object proven bad and not deleted, one
+kept as not this config's to judge), a namespace has a problem, or a hostile key is there;
+2 when ``--repair`` or ``--dry-run`` is refused for a namespace (sealed objects, a config
+without a key), after the report.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def verify(
     with _errors(json_out):
         from rich.progress import DownloadColumn
 
-        from tiered_kv.ops.inspect.remote import repair_shared_tier, verify_shared_tier
+        from tiered_kv.ops.inspect.remote_verify import repair_shared_tier, verify_shared_tier
 
         tier = _open(remote, path, namespace)
         total = sum(o.size for ns in tier.namespaces for o in ns.blocks) if not limit else None

@@ -8,8 +8,10 @@ Runs in the operator's process, beside or instead of an engine. Module map:
 - ``verify``: re-read blocks and check checksums (read-only; ``repair`` takes the lock).
 - ``maintenance``: ``evict``, ``clear`` and index edits, under the writer lock.
 - ``bench``: tier vs raw O_DIRECT GB/s in a scratch directory on the cache's device.
-- ``remote``: a shared tier's bucket: summary, listing, verification (S3 reads;
-  ``tiered-kv inspect ... --remote CONFIG``). Imported on its own, not here.
+- ``remote``: a shared tier's bucket: summary, listing, clear and evict (S3 reads;
+  ``tiered-kv inspect ... --remote CONFIG``); ``remote_verify``: its verification and
+  repair; ``remote_hostile``: keys clients parsing keys as paths cannot hold. Imported
+  on their own, not here.
 """
 
 from tiered_kv.ops.inspect.bench import BenchResult, run_bench
