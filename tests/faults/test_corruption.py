@@ -150,3 +150,35 @@ def test_a_damaged_index_is_set_aside_and_rebuilt_empty(cache, damage, caplog):
     assert (ns / ("index.lmdb" + QUARANTINE_SUFFIX)).is_dir()
     assert report.offload_hits == 0, "blocks were served from an index that could not be read"
     assert_healed(h, cache)
+
+
+def test_damage_lmdb_meets_only_while_the_engine_reads_its_index_never_stops_it(cache, monkeypatch, caplog):
+    """Damage the page walk at open does not see (a page LMDB finds of the wrong type
+    while the start-up read iterates it: bytes a seeded fuzz run happened to produce, so
+    the read is made to meet it here, for as long as the damaged environment is open):
+    the engine starts, serves nothing of that index, and the next start sets it aside."""
+    import lmdb
+
+    from tiered_kv.disk.format.index import DiskIndex
+
+    ns = namespace_dirs(cache)[0]
+    real = DiskIndex._log_seq
+    damaged = []
+
+    def read(self, txn):
+        if not damaged:
+            damaged.append(self._shared)
+        if self._shared is damaged[0]:
+            raise lmdb.CorruptedError("mdb_cursor_get: MDB_CORRUPTED: Located page was wrong type")
+        return real(self, txn)
+
+    monkeypatch.setattr(DiskIndex, "_log_seq", read)
+    with caplog.at_level(logging.ERROR):
+        h, report = serve_everything(cache)
+    assert damaged and "damaged" in caplog.text
+    assert report.offload_hits == 0, "blocks were served from an index that could not be read"
+    h.close()
+    with caplog.at_level(logging.ERROR):
+        h, report = serve_everything(cache)
+    assert (ns / ("index.lmdb" + QUARANTINE_SUFFIX)).is_dir() and "empty index" in caplog.text
+    assert_healed(h, cache)

@@ -79,9 +79,11 @@ def test_forged_and_replayed_chunks_are_never_loaded_and_do_not_stick(tmp_path, 
         verifier = b.manager.check("remote").verifier.store.stats()
         assert verifier.rejected["auth"] == 1 and verifier.rejected["mismatch"] == 1  # chunks 1 and 3
         assert verifier.gets_hit == CHUNKS - 2
+        assert verifier.damaged_deleted == 2  # both proven bad by a node that holds the key: gone
         b.settle()
         _uploaded(b)
-        assert _remote_store(b).stats().forgeries_replaced == 1  # chunk 3; chunk 1 was deleted
+        stored = _remote_store(b).stats()
+        assert stored.forgeries_replaced == 0 and stored.puts_stored == 2  # chunks 1 and 3 written afresh
 
     with _node(model_dir, remote_settings, tmp_path / "c") as c:
         req_id = c.add_request(prompt, max_tokens=3)

@@ -49,7 +49,13 @@ import lmdb
 import numpy as np
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.format.index_env import QUARANTINE_SUFFIX, IndexCorruptError, acquire_env, release_env
+from tiered_kv.disk.format.index_env import (
+    DAMAGE_SEEN,
+    QUARANTINE_SUFFIX,
+    IndexCorruptError,
+    acquire_env,
+    release_env,
+)
 from tiered_kv.disk.format.index_records import (
     ENTRY_HEADER,
     LOG_CORRUPT,
@@ -163,6 +169,24 @@ class DiskIndex(Closing):
             return [txn.get(h, db=db) for h in hashes]
 
         return [None if r is None else self.decode(h, r) for h, r in zip(hashes, self._shared.run(read))]
+
+    def load_or_repair(self, reopen: Callable[[], "DiskIndex"]) -> tuple["DiskIndex", IndexSnapshot]:
+        """``load_all``, for a writer that opened the index with ``repair``: damage the page
+        walk at open did not see, met by LMDB while reading (which leaves the damage mark),
+        closes this handle and takes ``reopen()``'s, whose open moves the index aside and
+        starts empty. Where another handle of this process keeps the damaged environment
+        open, nothing of it is adopted (an empty snapshot): the engine runs as on damage
+        met while running, and the mark sets the index aside at the next start. Returns
+        the index to use and its snapshot."""
+        try:
+            return self, self.load_all()
+        except DAMAGE_SEEN:
+            self.close()
+        index = reopen()
+        try:
+            return index, index.load_all()
+        except DAMAGE_SEEN:
+            return index, IndexSnapshot(np.zeros(0, entry_dtype(self.tp_size, 1)), [], 0)
 
     def load_all(self) -> IndexSnapshot:
         """Every entry plus the log position, from one snapshot: one pass over the values

@@ -44,6 +44,7 @@ a write transaction on the caller's thread:
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import os
 import threading
@@ -61,7 +62,6 @@ from tiered_kv.config import TieredConfig
 from tiered_kv.disk.scheduler.adoption import adopt_snapshot
 from tiered_kv.disk.scheduler.block_table import BlockTable
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.disk.format.index import DiskIndex
 from tiered_kv.disk.scheduler.index_flusher import IndexFlusher
 from tiered_kv.disk.format.index_records import LOG_OK, IndexSnapshot, LogColumns
 from tiered_kv.disk.scheduler.log_fold import NO_PROGRESS, Progress, RefreshResult, fold_good_writes, fold_log
@@ -173,7 +173,8 @@ class DiskOffloadingManager(OffloadingManager):
         intact = min(self._slab_slots(rank) for rank in range(self.tp_size))
         for rank in range(self.tp_size):
             self.namespace.allocate_slab(rank)
-        self.index: DiskIndex = self.namespace.open_index(expected_entries=capacity, repair=True)
+        open_index = functools.partial(self.namespace.open_index, expected_entries=capacity, repair=True)
+        self.index, snapshot = open_index().load_or_repair(open_index)
         self.namespace.reserve_index()
         self._lock = threading.Lock()
         self._table = BlockTable()
@@ -194,7 +195,7 @@ class DiskOffloadingManager(OffloadingManager):
         )
         self._log_seen = 0
         t0 = time.perf_counter()
-        self._load(self.index.load_all(), intact)
+        self._load(snapshot, intact)
         logger.info(
             "disk tier %s: %d loadable blocks, %d free of %d slots (%d B each), opened in %.3f s",
             self.namespace.path,
