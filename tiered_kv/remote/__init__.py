@@ -7,7 +7,8 @@ pieces, by process:
 
 - ``config.RemoteConfig``: validated settings (both processes; no I/O);
 - ``store.RemoteStore``: futures-based block uploads, downloads and existence probes
-  over a bounded thread pool (worker processes for bytes, the scheduler for probes);
+  over a bounded thread pool (worker processes for bytes, the scheduler for probes),
+  reporting ``outcomes.PutOutcome`` per upload and ``outcomes.RemoteStats``;
 - ``membership``: the scheduler's cache of known-present / known-absent blocks and
   the prober that fills it without blocking;
 - ``client.S3Client``: the S3 requests (obstore), credentials from the AWS chain;
@@ -37,8 +38,8 @@ _EXPORTS = {
     "MembershipProber": "membership",
     "RemoteLookup": "membership",
     "Rejected": "object_format",
-    "PutOutcome": "store",
-    "RemoteStats": "store",
+    "PutOutcome": "outcomes",
+    "RemoteStats": "outcomes",
     "RemoteStore": "store",
 }
 

@@ -65,13 +65,11 @@ write into the caller's buffers, with one object body per connection in flight.
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tiered_kv.abstract import BlockHash
@@ -95,9 +93,9 @@ from tiered_kv.remote.keys import Keyring, load_keyring
 from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.timed_client import TimedClient
 from tiered_kv.remote.write_once import WriteOnce
+from tiered_kv.remote.outcomes import PutOutcome, RemoteStats
 from tiered_kv.remote.object_format import (
     FORMAT_VERSION,
-    REJECT_REASONS,
     Rejected,
     block_key,
     encode_header,
@@ -121,58 +119,6 @@ BlockBytes = Buffer | Sequence[Buffer]
 PutItem = tuple[BlockHash, int, BlockBytes]
 #: ``(block hash, TP rank, writable bytes of exactly the block's size)`` for ``get_blocks``.
 GetItem = tuple[BlockHash, int, BlockBytes]
-
-
-class PutOutcome(str, enum.Enum):
-    """What became of one block handed to ``put_blocks``."""
-
-    STORED = "stored"  # this PUT wrote the object
-    PRESENT = "present"  # the object was there already (write-once: left as it was)
-    DROPPED = "dropped"  # not sent: the pending-upload bound was reached, or the server is unavailable
-    FAILED = "failed"  # sent, and the request failed (timeout, 5xx, refused)
-
-    @property
-    def durable(self) -> bool:
-        return self in (PutOutcome.STORED, PutOutcome.PRESENT)
-
-
-@dataclass
-class RemoteStats:
-    """Counters of one store since it opened."""
-
-    puts_stored: int = 0
-    puts_present: int = 0
-    puts_dropped: int = 0
-    puts_failed: int = 0
-    put_bytes: int = 0
-    gets_hit: int = 0
-    gets_absent: int = 0
-    gets_failed: int = 0
-    gets_skipped: int = 0
-    get_bytes: int = 0
-    #: Objects refused by a check, by reason (``object_format.REJECT_REASONS``).
-    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
-    #: Objects deleted on reading them, proven bad (``object_format.Rejected.provable``).
-    damaged_deleted: int = 0
-    #: Writes that found the key taken by an object proven bad, replaced it, and read the
-    #: replacement back verified.
-    forgeries_replaced: int = 0
-    #: Objects that failed a check this node cannot make evidence (sealed under a key id
-    #: it does not hold, sealed where it has no key, a newer format, another size than the
-    #: reader's buffer): left in place for the members who can judge them.
-    kept_unproven: int = 0
-    probes: int = 0
-    probes_failed: int = 0
-    #: Times the store stopped sending after consecutive failures.
-    unavailable_periods: int = 0
-    #: Conditional PUTs the server refused as unsupported (``conditional_put``).
-    conditional_put_refused: int = 0
-    #: Writes sent as a plain PUT after a HEAD found no object (the manifest included).
-    puts_unconditional: int = 0
-
-    @property
-    def gets_rejected(self) -> int:
-        return sum(self.rejected.values())
 
 
 def _gather(futures: list[Future], combine: Callable[[list[Any]], object] = list) -> Future:
