@@ -47,7 +47,6 @@ pytest.importorskip(
 from support import vllm_harness as vh  # noqa: E402
 from test_vllm_tiers import BLOCK, GPU_BLOCK_BYTES, SPEC, _durable, _keys, _prompt, _serve, _zero_gpu  # noqa: E402
 
-from tiered_kv.disk.worker.store import DiskStore  # noqa: E402
 from tiered_kv.integrations.vllm.connector import TieredOffloadingConnector  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -67,21 +66,6 @@ MAX_STEPS = 3000
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return vh.write_model_config(tmp_path_factory.mktemp("model"), max_position_embeddings=16384)
-
-
-@pytest.fixture
-def disk_reads(monkeypatch) -> Counter[bytes]:
-    """Blocks read from any disk store of this process (the scheduler's verifier and
-    the worker), by block hash."""
-    reads: Counter[bytes] = Counter()
-    original = DiskStore.begin_read
-
-    def counting(self, rank, hashes, slots):
-        reads.update(bytes(h) for h in hashes)
-        return original(self, rank, hashes, slots)
-
-    monkeypatch.setattr(DiskStore, "begin_read", counting)
-    return reads
 
 
 def _build(model_dir, disk, **vllm) -> vh.VllmHarness:

@@ -12,7 +12,6 @@ that reaches a disk store (the scheduler's verifier and the worker's own) is cou
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 
@@ -25,7 +24,6 @@ pytest.importorskip(
 from support import vllm_harness as vh  # noqa: E402
 from test_vllm_tiers import BLOCK, GPU_BLOCK_BYTES, SPEC, _corrupt, _durable, _keys, _prompt, _serve, _zero_gpu  # noqa: E402
 
-from tiered_kv.disk.worker.store import DiskStore  # noqa: E402
 from tiered_kv.integrations.vllm.connector import TieredOffloadingConnector  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -43,20 +41,6 @@ def _build(model_dir, disk, **vllm) -> vh.VllmHarness:
     config = {**SPEC, "cpu_bytes": f"{CHUNKS * GPU_BLOCK_BYTES}B", "block_size": BLOCK}
     config.update(disk_path=str(disk), disk_bytes=f"{64 * 4096}B")
     return vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **vllm)
-
-
-@pytest.fixture
-def disk_reads(monkeypatch) -> Counter[bytes]:
-    """Blocks read from any disk store of this process, by block hash."""
-    reads: Counter[bytes] = Counter()
-    original = DiskStore.begin_read
-
-    def counting(self, rank, hashes, slots):
-        reads.update(bytes(h) for h in hashes)
-        return original(self, rank, hashes, slots)
-
-    monkeypatch.setattr(DiskStore, "begin_read", counting)
-    return reads
 
 
 def _on_disk_only(h: vh.VllmHarness, seed: int) -> list[int]:
