@@ -33,11 +33,17 @@ token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
 - **Reports**: jobs that ended by a step's end are reported at the next step
   (``complete_load`` / ``complete_store``); loaded chunks enter the device cache.
 
+Not called: ``get_load_source``, ``take_events`` and ``get_stats`` (vLLM's metrics and
+KV events: they change no answer). Not modelled: decode, preemption, tensor parallelism,
+failed jobs, a GPU KV cache shared between running requests and the prefix cache (both
+are ``device_blocks``), reads and writes at different speeds or in parallel queues.
+
 I/O channels, each first-in first-out, one job at a time, a job taking ``latency +
 bytes / bandwidth`` from when the jobs ahead of it are done: CPU -> GPU (loads from CPU,
 and the second leg of a promoted load), GPU -> CPU (stores), and the lower tier, whose
-loads, hit-check reads (one chunk each) and writes (spills at the store's start,
-write-through copies once the GPU -> CPU copy landed) all queue on it. A lower-tier
+loads, hit-check reads (one chunk each, where hits are read back first) and writes
+(spills at the store's start, write-through copies once the GPU -> CPU copy landed) all
+queue on it. A lower-tier
 write makes its chunk loadable when it ends (the worker's index commit, learned by the
 manager at once). Each finished load records its own transfer time (from its start on
 the channel, not its wait in the queue: the handler's clock starts when its thread
