@@ -35,7 +35,14 @@ from tiered_kv.sim.workloads import default_workload
 _load_commands()
 runner = CliRunner()
 GPU_BLOCK = 16
-CONFIG = {"cpu_bytes": "256KiB", "disk_bytes": "4MiB", "block_size": GPU_BLOCK, "model_id": "inspect-test"}
+# Every block found is loaded (the decision, swayed by this machine's measured loads, is tested on its own).
+CONFIG = {
+    "cpu_bytes": "256KiB",
+    "disk_bytes": "4MiB",
+    "block_size": GPU_BLOCK,
+    "model_id": "inspect-test",
+    "cost_aware": False,
+}
 
 
 def device_cache() -> DeviceKVCache:

@@ -92,6 +92,9 @@ def write_inputs(tmp_path: Path, block_size: int = GPU_BLOCK, prompts=PROMPTS, *
                     "disk_bytes": "8MiB",
                     "block_size": block_size,
                     "model_id": "tiny-llama",
+                    # Every block found is loaded: what the warm-up wrote is what is served,
+                    # whatever this machine's measured disk loads would make the decision do.
+                    "cost_aware": False,
                     **extra,
                 },
             }
