@@ -83,3 +83,22 @@ def _vllm_import_error() -> str | None:
 def pytest_runtest_setup(item):
     if "vllm" in item.keywords and (reason := _vllm_import_error()) is not None:
         pytest.skip(f"needs vLLM (make venv installs it): {reason}")
+
+
+@pytest.fixture
+def disk_reads(monkeypatch):
+    """Blocks read from any disk store of this process (a scheduler's verifier, the
+    workers), by block hash: counted where every read of a block begins."""
+    from collections import Counter
+
+    from tiered_kv.disk.worker.store import DiskStore
+
+    reads: Counter[bytes] = Counter()
+    original = DiskStore.begin_read
+
+    def counting(self, rank, hashes, slots):
+        reads.update(bytes(h) for h in hashes)
+        return original(self, rank, hashes, slots)
+
+    monkeypatch.setattr(DiskStore, "begin_read", counting)
+    return reads
