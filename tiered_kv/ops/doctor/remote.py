@@ -373,18 +373,13 @@ def _choose_object(
 
 
 def _read_fingerprint(client: S3Client, namespace_key: str) -> Fingerprint | None:
-    """The fingerprint a namespace's ``fingerprint.json`` records (a bounded GET), or None."""
-    from tiered_kv.fingerprint import Fingerprint
-    from tiered_kv.remote.client import WrongSize
+    """The fingerprint a namespace's ``fingerprint.json`` records, or None."""
+    from tiered_kv.ops.inspect.remote import load_fingerprint
     from tiered_kv.remote.object_format import MANIFEST_NAME
-    from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 
     try:
-        data = client.get(f"{namespace_key}/{MANIFEST_NAME}", limit=MAX_RECORD_BYTES)
-        if data is None:
-            return None
-        return Fingerprint.from_dict(load_record(bytes(data), MANIFEST_NAME)["fingerprint"])
-    except (WrongSize, RecordError, TypeError, ValueError, KeyError):
+        return load_fingerprint(client, f"{namespace_key}/{MANIFEST_NAME}")
+    except ValueError:
         return None
 
 

@@ -258,6 +258,17 @@ def parse_key(rel: str, info: ObjectInfo) -> tuple[str, RemoteObject] | None:
     return parts[0], BlockObject(info.key, info.size, info.last_modified, block_hash, int(m.group(2)))
 
 
+def load_fingerprint(client: S3Client, key: str) -> Fingerprint:
+    """The fingerprint the record at ``key`` holds (a GET of at most
+    ``safe_json.MAX_RECORD_BYTES``); ``ValueError`` saying why for a missing, oversized
+    or malformed record (anyone who can write the bucket can put one there)."""
+    try:
+        data = client.get(key, limit=MAX_RECORD_BYTES)
+        return Fingerprint.from_dict(load_record(bytes(data or b""), MANIFEST_NAME)["fingerprint"])
+    except (WrongSize, RecordError, TypeError, ValueError, KeyError) as e:
+        raise ValueError(str(e)) from None
+
+
 def _read_manifest(client: S3Client, ns: RemoteNamespace) -> None:
     if ns.manifest is None:
         ns.warnings.append(
@@ -266,10 +277,8 @@ def _read_manifest(client: S3Client, ns: RemoteNamespace) -> None:
         )
         return
     try:
-        data = client.get(ns.manifest.key, limit=MAX_RECORD_BYTES)
-        record = load_record(bytes(data or b""), MANIFEST_NAME)
-        ns.fingerprint = Fingerprint.from_dict(record["fingerprint"])
-    except (WrongSize, RecordError, TypeError, ValueError, KeyError) as e:
+        ns.fingerprint = load_fingerprint(client, ns.manifest.key)
+    except ValueError as e:
         ns.problems.append(f"{MANIFEST_NAME} is not a fingerprint record ({e})")
         return
     if ns.fingerprint.namespace_id != ns.id:
