@@ -497,6 +497,20 @@ def verified_payload(
     return payload
 
 
+def stream_header(chunks: Iterator[bytes | memoryview]) -> bytearray:
+    """The first chunks of an arriving object, taken from ``chunks`` until they hold its
+    whole header (as its ``header_len`` says), or until there are no more."""
+    head = bytearray()
+    need = 14  # magic, version, header_len
+    for chunk in chunks:
+        head += chunk
+        if len(head) >= need:
+            need = max(need, int.from_bytes(head[12:14], "little"))
+            if len(head) >= need:
+                break
+    return head
+
+
 def verify_stream(
     total: int,
     chunks: Iterable[bytes | memoryview],
@@ -511,14 +525,7 @@ def verify_stream(
     size in bounded memory); the plaintext is dropped. ``fingerprint`` None accepts the
     digest the header names. Returns the header; ``Rejected`` as ``verified_payload``."""
     it = iter(chunks)
-    head = bytearray()
-    need = 14  # magic, version, header_len
-    for chunk in it:
-        head += chunk
-        if len(head) >= need:
-            need = max(need, int.from_bytes(head[12:14], "little"))
-            if len(head) >= need:
-                break
+    head = stream_header(it)
     version = format_version(memoryview(head))
     check_version(version, keyring is not None)
     header = (SealedHeader if version == FORMAT_SEALED else BlockHeader).unpack(memoryview(head), total)

@@ -399,6 +399,7 @@ def _open_object(
         SealedHeader,
         fingerprint_digest,
         format_version,
+        stream_header,
         verify_stream,
     )
 
@@ -414,14 +415,7 @@ def _open_object(
         )
     total, chunks = found
     rest = iter(chunks)
-    head = bytearray()
-    need = 14  # magic, version, header_len: then the whole header
-    for chunk in rest:
-        head += chunk
-        if len(head) >= need:
-            need = max(need, int.from_bytes(head[12:14], "little"))
-            if len(head) >= need:
-                break
+    head = stream_header(rest)
     inspect_fix = f"`tiered-kv inspect verify --remote CONFIG` lists every such object under {remote.prefix}/"
     try:
         version = format_version(memoryview(head))
