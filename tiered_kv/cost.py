@@ -6,16 +6,27 @@ them, ``TieredStats.record_transfer``); where the handlers run in another proces
 engine adapter passes their results on (``LoadCosts.observe``).
 
 Model, per request (the leading blocks a lookup found offloaded, each with the tier that
-would serve it):
+would serve it, from token ``start`` on), with the engine's queues in view (``Queues``):
 
-    TTFT(k) = sum over tiers t holding some of the first k blocks of
-                  latency_t + bytes of those blocks / bandwidth_t
-              + prefill of the tokens not loaded / prefill_tokens_per_s
+    cost(k) = sum over tiers t holding some of the first k blocks of
+                  latency_t + (queued_t + blocks of t loaded) x block_t
+              - prefill of those k blocks x (1 + gpu_waiting)
 
-The prefill of the tokens beyond the offloaded run is the same for every k, so the
-decision is ``argmin_k load(k) - k x tokens_per_block / prefill_tokens_per_s`` over
-``k = 0 .. n``: zero (load nothing, recompute everything) is always a candidate. Loads
-from several tiers are summed (no overlap assumed, as ``tools/replay_model.py``).
+``block_t`` is one block's load time at tier t's estimated bandwidth, ``queued_t`` the
+blocks already queued there (loads and writes in flight: this request waits behind
+them), ``gpu_waiting`` the requests waiting for their first GPU step (each would wait
+for a recompute too). The decision is ``argmin_k cost(k)`` over ``k = 0 .. n``: zero
+(load nothing, recompute everything) is always a candidate. An idle engine reduces this
+to comparing each block's load with its prefill; under load the GPU's queue makes
+recomputing dearer (a tier is a parallel resource) and a tier's queue makes loading
+dearer (a tier busy with writes or other loads is passed over while it is).
+
+A block's prefill includes attention: the ``tokens_per_block`` tokens ending at token
+``p`` cost ``tokens_per_block x (1 + attention_per_token x (p - (tokens_per_block - 1) / 2))``
+tokens of linear work (every token attends to itself and all before it;
+``attention_per_token`` is one attended token's FLOPs over one token's ``2 x parameters``,
+from the model's shape: ``attention_per_token``). Loads from several tiers are summed (no
+overlap assumed, as ``tools/replay_model.py``).
 
 Each tier's ``bandwidth`` and per-job ``latency`` are an exponentially weighted
 least-squares fit of ``seconds = latency + bytes / bandwidth`` over its recent jobs,
@@ -23,18 +34,21 @@ seeded with a prior (configured, or the medium's default in ``PRIOR_GBPS``). A t
 the decision passes over gets no new jobs, so its estimate would never recover: every
 ``probe_every`` passed-over decisions, or ``probe_after_s`` seconds after its last
 sample, the decision loads up to the first block of that tier anyway (one block's load
-at most more than the best plan), which samples it again.
+at most more than the best plan), which samples it again; only while the tier has at
+most ``probe_queue_blocks`` queued, so a probe never waits behind a backlog (which the
+sample would not measure, and the request would pay).
 
-Prefill tokens per second come from the config (``prefill_tokens_per_s``), else from the
-model and the GPU (``estimate_prefill_tokens_per_s``): ``2 x parameters`` FLOPs per
-token at ``ASSUMED_MFU`` of the GPU's dense BF16 peak (attention's own FLOPs ignored).
-Llama-3.1-8B (8.03e9 parameters) on one H100 SXM: 0.5 x 989e12 / (2 x 8.03e9) = 30,800
-tokens/s; with its 131,072 KV bytes per token, a tier pays above 4.0 GB/s.
-Where the engine times its forward passes (``observe`` of ``PREFILL``: tokens and
-seconds of a step that was nearly all prefill), the rate is fitted as a tier's cost is
-(``seconds = per-step overhead + tokens / rate``, the marginal rate being what
-recomputing more tokens costs) and replaces the estimate; a configured rate is kept,
-the measured one only reported beside it.
+Prefill tokens per second (of linear work) come from the config (``prefill_tokens_per_s``),
+else from the model and the GPU (``estimate_prefill_tokens_per_s``): ``2 x parameters``
+FLOPs per token at ``ASSUMED_MFU`` of the GPU's dense BF16 peak. Llama-3.1-8B (8.03e9
+parameters) on one H100 SXM: 0.5 x 989e12 / (2 x 8.03e9) = 30,800 tokens/s; with its
+131,072 KV bytes per token, an idle engine's tier pays above 4.0 GB/s for short prompts
+and, with attention, above about 2.6 GB/s for blocks 30k tokens into a prompt.
+Where the engine times its forward passes (``observe`` of ``PREFILL``: the linear work of
+a step that was nearly all prefill, attention included as above, and its seconds), the
+rate is fitted as a tier's cost is (``seconds = per-step overhead + work / rate``, the
+marginal rate being what recomputing more costs) and replaces the estimate; a configured
+rate is kept, the measured one only reported beside it.
 """
 
 from __future__ import annotations
@@ -44,13 +58,16 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 from itertools import groupby
+from typing import Any
 from pathlib import Path
 
 #: Assumed model FLOPs utilisation of prefill.
 ASSUMED_MFU = 0.5
+#: Llama-3.1-8B: one attended token's FLOPs (4 x 32 layers x 4096) over one token's
+#: linear FLOPs (2 x 8.03e9): ``attention_per_token`` of its config.
+DEFAULT_ATTENTION_PER_TOKEN = 4 * 32 * 4096 / (2 * 8.03e9)
 #: Llama-3.1-8B bf16 on one H100 SXM at 50% MFU (see the module docstring).
 DEFAULT_PREFILL_TOKENS_PER_S = 30_800.0
 #: Dense BF16 tensor TFLOPS by GPU name fragment (vendor datasheets, without sparsity).
@@ -88,6 +105,8 @@ class PrefillEstimate:
     source: str
     #: Set by the operator (``prefill_tokens_per_s``): kept, never replaced by measurements.
     configured: bool = False
+    #: The model's ``attention_per_token`` (the default where its config is unknown).
+    attention_per_token: float = DEFAULT_ATTENTION_PER_TOKEN
 
 
 def model_parameters(hf_config: Mapping) -> int:
@@ -110,6 +129,24 @@ def model_parameters(hf_config: Mapping) -> int:
     mlp = 3 * h * inter
     embed = vocab * h * (1 if hf_config.get("tie_word_embeddings") else 2)
     return layers * (attn + mlp) + embed
+
+
+def attention_per_token(hf_config: Mapping) -> float:
+    """One attended token's FLOPs (``4 x layers x query heads x head dim``: a score and a
+    weighted value per head) over one token's linear FLOPs (``2 x model_parameters``)."""
+    try:
+        heads = int(hf_config["num_attention_heads"])
+        head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+        layers = int(hf_config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ValueError(f"model config lacks {exc} (needed: num_attention_heads, num_hidden_layers, hidden_size)")
+    return 4 * layers * heads * head_dim / (2 * model_parameters(hf_config))
+
+
+def prefill_work(tokens: int, context: int, attention_per_token: float) -> float:
+    """Linear work (in tokens of ``2 x parameters`` FLOPs) of prefilling ``tokens`` tokens
+    after ``context`` tokens: each attends to itself and every token before it."""
+    return tokens + attention_per_token * (tokens * context + tokens * (tokens + 1) / 2)
 
 
 def gpu_bf16_tflops(gpu_name: str) -> float | None:
@@ -215,6 +252,17 @@ def load_transfer_types(tier_names: Iterable[str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Queues:
+    """What the decision sees of the engine's load as it decides (module docstring):
+    requests waiting for their first GPU step, and per tier name the blocks queued there
+    (loads and writes in flight). An engine adapter that sees no GPU queue leaves it 0:
+    the decision of an idle GPU."""
+
+    gpu_waiting: int = 0
+    tier_blocks: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """The decision for one request: load the first ``blocks``; ``skipped`` blocks per
     tier name passed over (slower than recomputing them); ``probe`` names the tier that
@@ -242,9 +290,11 @@ class LoadCosts:
         tokens_per_block: int,
         prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         prefill_configured: bool = False,
+        attention_per_token: float = DEFAULT_ATTENTION_PER_TOKEN,
         enabled: bool = True,
         probe_every: int = 64,
         probe_after_s: float = 30.0,
+        probe_queue_blocks: int = 4,
         clock: Callable[[], float] = time.monotonic,
     ):
         if bytes_per_block < 1 or tokens_per_block < 1 or not prefill_tokens_per_s > 0:
@@ -252,8 +302,11 @@ class LoadCosts:
                 "bytes_per_block, tokens_per_block and prefill_tokens_per_s must be > 0, got "
                 f"{bytes_per_block}, {tokens_per_block}, {prefill_tokens_per_s}"
             )
-        if probe_every < 1 or not probe_after_s > 0:
-            raise ValueError(f"probe_every must be >= 1 and probe_after_s > 0, got {probe_every}, {probe_after_s}")
+        if probe_every < 1 or not probe_after_s > 0 or probe_queue_blocks < 0 or not attention_per_token >= 0:
+            raise ValueError(
+                "probe_every must be >= 1, probe_after_s > 0, probe_queue_blocks and attention_per_token >= 0, "
+                f"got {probe_every}, {probe_after_s}, {probe_queue_blocks}, {attention_per_token}"
+            )
         self.tiers = {t.name: t for t in tiers}
         self.bytes_per_block = bytes_per_block
         self.tokens_per_block = tokens_per_block
@@ -264,8 +317,12 @@ class LoadCosts:
         # giga-tokens per second here), from the first measured step on: the estimate
         # is no sample of this engine.
         self.prefill_fit: TierCost | None = None
+        self.attention_per_token = attention_per_token
+        #: The engine's queues, as its adapter last saw them (``Queues``).
+        self.queues = Queues()
         self.enabled = enabled
         self.probe_every, self.probe_after_s = probe_every, probe_after_s
+        self.probe_queue_blocks = probe_queue_blocks
         self.clock = clock
         self.transfer_types = load_transfer_types(self.tiers)
         self._passed_over = dict.fromkeys(self.tiers, 0)  # decisions since the last probe
@@ -335,35 +392,48 @@ class LoadCosts:
         self.tiers[name].observe(nbytes, seconds, self.clock())
         self._since[name] = self.clock()
 
-    def plan(self, sources: Sequence[str]) -> LoadPlan:
+    def plan(self, sources: Sequence[str], start: int = 0) -> LoadPlan:
         """Decide for a request whose leading offloaded blocks come from ``sources``
-        (tier names, in block order)."""
-        return self.plan_runs([(name, len(list(group))) for name, group in groupby(sources)])
+        (tier names, in block order), the first of them beginning at token ``start``."""
+        return self.plan_runs([(name, len(list(group))) for name, group in groupby(sources)], start)
 
-    def plan_runs(self, runs: Sequence[Sequence[Any]]) -> LoadPlan:
+    def load_terms(self, name: str) -> tuple[float, float]:
+        """Tier ``name``'s part of the cost under the current ``queues``: the wait before
+        its first block (its latency and the blocks queued there), and each block's load."""
+        tier = self.tiers[name]
+        block = self.bytes_per_block / (tier.gbps * 1e9)
+        return tier.latency_s + self.queues.tier_blocks.get(name, 0) * block, block
+
+    @property
+    def gpu_delay(self) -> int:
+        """The requests a recompute delays: its own, and those waiting for the GPU."""
+        return 1 + self.queues.gpu_waiting
+
+    def recompute_seconds(self, blocks: int, first: int, start: int = 0) -> float:
+        """The prefill of blocks ``first .. first + blocks - 1`` of a run beginning at
+        token ``start``, attention included (module docstring)."""
+        tpb = self.tokens_per_block
+        end_mean = start + tpb * (first + (blocks + 1) / 2)  # mean end token of the blocks
+        work = tpb * blocks * (1 + self.attention_per_token * (end_mean - (tpb - 1) / 2))
+        return work / self.prefill_tokens_per_s
+
+    def plan_runs(self, runs: Sequence[Sequence[Any]], start: int = 0) -> LoadPlan:
         """``plan`` for the sources given as runs: ``(tier name, blocks)`` in block order.
-        Within a run the score moves one way, so only run ends are candidates: the cost
-        is per run, not per block."""
+        Within a run each next block saves at least as much prefill as the one before
+        (attention) at the same load cost, so the score is concave along a run and only
+        run ends are candidates: the cost is per run, not per block."""
         n = sum(m for _, m in runs)
         if not n or not self.enabled:
             return LoadPlan(n, {})
-        bpb = self.bytes_per_block
-        per_block_prefill = self.tokens_per_block / self.prefill_tokens_per_s
-        # Per tier: what one more block adds to load - prefill, and its job latency.
-        delta, latency = {}, {}
-        for name, _ in runs:
-            if name not in delta:
-                tier = self.tiers[name]
-                delta[name] = bpb / (tier.gbps * 1e9) - per_block_prefill
-                latency[name] = tier.latency_s
-        seen: set[str] = set()
+        per_block: dict[str, float] = {}
+        gpu_delay = self.gpu_delay
         score = best = 0.0
         best_k = k = best_run = 0
         for i, (name, m) in enumerate(runs):
-            if name not in seen:
-                seen.add(name)
-                score += latency[name]
-            score += delta[name] * m
+            if name not in per_block:
+                wait, per_block[name] = self.load_terms(name)
+                score += wait
+            score += per_block[name] * m - self.recompute_seconds(m, k, start) * gpu_delay
             k += m
             if score < best:  # a run that lowers the score lowers it most at its end
                 best_k, best, best_run = k, score, i + 1
@@ -387,13 +457,17 @@ class LoadCosts:
         return LoadPlan(k, {name: m for name, m in skipped.items() if m}, probe)
 
     def _probe(self, passed_over: Mapping[str, int]) -> str | None:
-        """The passed-over tier due for a sample, if any (the first in block order)."""
+        """The passed-over tier due for a sample, if any (the first in block order), among
+        those with at most ``probe_queue_blocks`` queued."""
         now = self.clock()
         due = None
+        queued = self.queues.tier_blocks
         for name in passed_over:
             self._passed_over[name] += 1
-            if due is None and (
-                self._passed_over[name] >= self.probe_every or now - self._since[name] >= self.probe_after_s
+            if (
+                due is None
+                and queued.get(name, 0) <= self.probe_queue_blocks
+                and (self._passed_over[name] >= self.probe_every or now - self._since[name] >= self.probe_after_s)
             ):
                 due = name
         if due is not None:
@@ -422,45 +496,49 @@ class PrefixScan:
     estimated faster than loading any shorter prefix of them: while it is, no block that
     follows can make ``LoadCosts.plan_runs`` load fewer, so those blocks may be promised
     at once. ``runs`` collects the blocks for the plan once the run is known whole. Each
-    tier is judged by its estimate when the scan first meets it."""
+    tier is judged by its estimate and the queues when the scan first meets it."""
 
     def __init__(self, costs: LoadCosts):
         self.costs = costs
         self.runs: list[list] = []  # [tier name, blocks], plan_runs' form
-        self._per_block_prefill = costs.tokens_per_block / costs.prefill_tokens_per_s
-        self._step: dict[str, float] = {}  # per tier seen: load - prefill of one more block
+        self.start: int | None = None  # the token the first block begins at
+        self._per_block: dict[str, float] = {}  # per tier seen: load_terms' per block
         self._score = self._best = 0.0
         self._paying = True
 
-    def _step_of(self, name: str) -> float:
-        """What one more block of tier ``name`` adds to load - prefill."""
-        return self.costs.bytes_per_block / (self.costs.tiers[name].gbps * 1e9) - self._per_block_prefill
-
     def pays_alone(self, name: str) -> bool:
         """Whether, before any block is added, a run of tier ``name`` pays at every length
-        (its first block's load, latency included, beats recomputing it, and so does each
-        next one): then ``add(name)`` would answer True for every block of such a run.
-        False once a block was added."""
+        (its first block's load, its wait included, beats recomputing it at the start of
+        a prompt, and so does each next one, whose recompute only costs more): then
+        ``add(name, ...)`` would answer True for every block of such a run. False once a
+        block was added."""
         if self.runs:
             return False
-        if not self.costs.enabled:
+        costs = self.costs
+        if not costs.enabled:
             return True
-        step = self._step_of(name)
-        return step < 0 and self.costs.tiers[name].latency_s + step < 0
+        wait, per_block = costs.load_terms(name)
+        return wait + per_block < costs.recompute_seconds(1, 0) * costs.gpu_delay
 
-    def add(self, name: str) -> bool:
+    def add(self, name: str, end: int) -> bool:
+        """One more block, of tier ``name``, ending at token ``end``."""
         runs = self.runs
         if runs and runs[-1][0] == name:
             runs[-1][1] += 1
         else:
             runs.append([name, 1])
-        if not self.costs.enabled:
+        costs = self.costs
+        if self.start is None:
+            self.start = max(0, end - costs.tokens_per_block)
+        if not costs.enabled:
             return True
-        step = self._step.get(name)
-        if step is None:  # the tier's first block: its job latency, once
-            step = self._step[name] = self._step_of(name)
-            self._score += self.costs.tiers[name].latency_s
-        self._score += step
+        per_block = self._per_block.get(name)
+        if per_block is None:  # the tier's first block: its wait, once
+            wait, per_block = costs.load_terms(name)
+            self._per_block[name] = per_block
+            self._score += wait
+        index = (end - self.start) // costs.tokens_per_block - 1  # of this block in the run
+        self._score += per_block - costs.recompute_seconds(1, index, self.start) * costs.gpu_delay
         if self._score < self._best:
             self._best = self._score
         else:
@@ -471,16 +549,18 @@ class PrefixScan:
 def configured_prefill(prefill_tokens_per_s: float | None, model_path: str | None, gpus: int = 1) -> PrefillEstimate:
     """The prefill rate the decision uses: the configured ``prefill_tokens_per_s``, else
     the estimate from the model directory's ``config.json`` (where readable) and this
-    machine's GPU (where CUDA is available), ``gpus`` of them (the TP group)."""
-    if prefill_tokens_per_s:
-        return PrefillEstimate(prefill_tokens_per_s, "configured (prefill_tokens_per_s)", configured=True)
-    parameters = None
+    machine's GPU (where CUDA is available), ``gpus`` of them (the TP group); with the
+    model's ``attention_per_token`` where its config is readable, else the default."""
+    parameters, attention = None, DEFAULT_ATTENTION_PER_TOKEN
     if model_path:
         try:
             with open(Path(model_path) / "config.json", encoding="utf-8") as f:
-                parameters = model_parameters(json.load(f))
-        except (OSError, ValueError):
+                hf_config = json.load(f)
+            parameters, attention = model_parameters(hf_config), attention_per_token(hf_config)
+        except (OSError, ValueError, AttributeError):
             parameters = None
+    if prefill_tokens_per_s:
+        return PrefillEstimate(prefill_tokens_per_s, "configured (prefill_tokens_per_s)", True, attention)
     gpu = None
     try:
         import torch
@@ -488,4 +568,5 @@ def configured_prefill(prefill_tokens_per_s: float | None, model_path: str | Non
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except Exception:  # no usable CUDA: the default
         gpu = None
-    return estimate_prefill_tokens_per_s(parameters, gpu, gpus=gpus)
+    estimate = estimate_prefill_tokens_per_s(parameters, gpu, gpus=gpus)
+    return PrefillEstimate(estimate.tokens_per_s, estimate.source, False, attention)

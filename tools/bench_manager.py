@@ -298,7 +298,7 @@ def per_key_lookup(m: TieredOffloadingManager, tmp: str):
     that scans runs of keys, one new request each, and ends the step (where undecided
     requests are decided); None without vLLM."""
     try:
-        from vllm.v1.kv_offload.base import ReqContext
+        from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
 
         from tiered_kv.integrations.vllm.health import SlotHealth
         from tiered_kv.integrations.vllm.manager import TieredVllmManager
@@ -322,7 +322,7 @@ def per_key_lookup(m: TieredOffloadingManager, tmp: str):
         for batch, ctx in zip(batches, ctxs):
             for key in batch:
                 vm.lookup(key, ctx)
-        vm.on_schedule_end(None)  # type: ignore[arg-type]
+        vm.on_schedule_end(ScheduleEndContext((), ()))
         return (time.perf_counter() - t0) / sum(map(len, batches))
 
     return contexts, scan

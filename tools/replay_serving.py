@@ -16,8 +16,10 @@ Configurations, on the same arrivals:
 - ``recompute``: the CPU tier alone: lower tiers never loaded (nor written);
 - ``cost-aware``: CPU over the lower tier with the product's decision, seeded from its
   priors (``PRIOR_GBPS``: disk 6, shared 1 GB/s; prefill estimated at its assumed 50%
-  MFU, attention ignored) and fed the transfers and forward passes the replay
-  simulates, as the workers' timings feed it.
+  MFU, attention from the model's shape) and fed the transfers and forward passes the
+  replay simulates, as the workers' timings feed it; it sees the queues its scheduler
+  sees (requests waiting, the tier's loads and writes in flight), not their sizes;
+- ``e460906``: the same decision blind to queues and attention, as at that commit.
 
 Prints a markdown table per run: TTFT mean, p50, p90, p99 (ms), goodput (share of
 requests with TTFT <= ``--slo-ms``), GPU busy share (step time over the span from the
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from benchlib import md_table  # noqa: E402
 from replay_serving_sim import Arrival, Channel, Engine, EngineConfig, Events, GpuModel, RunResult  # noqa: E402
-from replay_serving_stack import CONFIGS, TierModel, build_stack  # noqa: E402
+from replay_serving_stack import CONFIGS, DECIDING, TierModel, build_stack  # noqa: E402
 from replay_serving_workloads import (  # noqa: E402
     GENERATED,
     TOKENS_PER_BLOCK,
@@ -96,6 +98,8 @@ def run_config(
         bytes_per_block=bpb,
         # The product's own estimate: its assumed MFU, attention ignored.
         prefill_tokens_per_s=ASSUMED_MFU * gpu.peak_tflops * 1e12 / (2 * gpu.params),
+        # From the model's shape, as ``configured_prefill`` reads it from config.json.
+        attention_per_token=4 * gpu.layers * gpu.hidden / (2 * gpu.params),
         clock=lambda: events.now,
         verify_read=verify_read,
         scratch=scratch,
@@ -159,7 +163,7 @@ def notes(results: Sequence[RunResult], tier: TierModel) -> list[str]:
     for r in results:
         line = f"- {r.config}: {r.steps:,} steps, {r.deferred:,} deferred lookups"
         stats = r.tier_stats.get(tier.name, {})
-        if r.config == "cost-aware" and r.costs:
+        if r.config in DECIDING and r.costs:
             est = r.costs["tiers"].get(tier.name, {})
             line += (
                 f"; final estimates {tier.name} {est.get('gbps', math.nan):.2f} GB/s ({est.get('samples', 0)} samples), "
@@ -217,9 +221,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    t0 = time.perf_counter()
+def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
+    """One replay as ``args`` (``parse_args``) say: its header, each configuration's
+    result, and the lower tier's model."""
     stream: Stream = mooncake(args.trace) if args.trace else generated(args.workload, args.seed, args.requests)
     stream = stream.head(args.limit)
     gpu = GpuModel(
@@ -246,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reqs = arrivals(stream, factor)
     results = [run_config(c, reqs, gpu, engine, tier, cpu_blocks, lower_blocks, args.scratch) for c in args.configs]
     bpb = gpu.kv_bytes_per_token * TOKENS_PER_BLOCK
-    print(
+    header = (
         f"{stream.name}: {len(reqs):,} requests, {sum(stream.tokens) / len(reqs):,.0f} prompt tokens on average "
         f"(token-weighted {sum(t * t for t in stream.tokens) / sum(stream.tokens):,.0f}, longest "
         f"{max(stream.tokens):,}); working set {ws:,} chunks of {TOKENS_PER_BLOCK} tokens ({bpb / 2**20:g} MiB)\n"
@@ -258,6 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{'hits read back first' if tier.verify else 'no read-back check'}; capacities: device "
         f"{engine.device_blocks:,}, CPU {cpu_blocks:,} ({args.cpu_gbps:g} GB/s), {tier.name} {lower_blocks:,} chunks\n"
     )
+    return header, results, tier
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    header, results, tier = replay(args)
+    print(header)
     print(table(results, tier, args.slo_ms / 1e3))
     print()
     print("\n".join(notes(results, tier)))

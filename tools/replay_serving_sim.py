@@ -28,8 +28,9 @@ token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
   ``c`` tokens of context, ``(2 x params x n + 4 x layers x hidden x (n x c + n(n+1)/2))
   / (mfu x peak FLOP/s)``: every token attends to itself and all before it. Load jobs
   start with it; store jobs (GPU -> CPU) start when it ends. A step that loads nothing
-  and whose tokens are prefill is timed (tokens, seconds) into ``LoadTimings`` as the
-  product's connector times forward passes (``PREFILL``).
+  and whose tokens are prefill is timed (its work, ``tiered_kv.cost.prefill_work`` with
+  attention, and seconds) into ``LoadTimings`` as the product's connector times forward
+  passes (``PREFILL``).
 - **Reports**: jobs that ended by a step's end are reported at the next step
   (``complete_load`` / ``complete_store``); loaded chunks enter the device cache.
 
@@ -66,7 +67,7 @@ from dataclasses import dataclass, field
 from replay_serving_stack import Stack
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
-from tiered_kv.cost import PREFILL
+from tiered_kv.cost import PREFILL, prefill_work
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 
 _HIT, _PENDING, _RETRY = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY
@@ -249,6 +250,8 @@ class Engine:
     ):
         self.stack, self.events, self.gpu, self.cfg = stack, events, gpu, engine
         self.manager = stack.manager
+        costs = stack.manager.costs
+        self.attention = costs.attention_per_token if costs is not None else 0.0
         self.tier_name = stack.tier.name if stack.tier is not None else None
         self.h2d = Channel(events, engine.cpu_gbps)
         self.d2h = Channel(events, engine.cpu_gbps)
@@ -470,6 +473,8 @@ class Engine:
             self.steps += 1
             if scheduled:
                 flops = sum(gpu.flops(n, r.computed) for r, n in scheduled)
+                # The product's connector times the step's work as the decision counts it.
+                work = sum(prefill_work(n, r.computed, self.attention) for r, n in scheduled)
                 seconds = gpu.step_overhead_s + gpu.seconds(flops)
                 self.busy += seconds
                 end = ev.now + seconds
@@ -489,7 +494,7 @@ class Engine:
                     self._store(r, keys, spec)
                 step_tokens = sum(n for _, n in scheduled)
                 if not loaded and sum(n for _, n in scheduled if n > 1) >= 0.9 * step_tokens:
-                    self.stack.timings.record(PREFILL, step_tokens, seconds)
+                    self.stack.timings.record(PREFILL, round(work), seconds)
                 continue
             wake = min(ev.next_time(), reqs[nxt_arrival].arrival if nxt_arrival < len(reqs) else math.inf)
             if retry or self.ready or self.reported:

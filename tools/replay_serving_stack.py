@@ -42,7 +42,7 @@ from typing import cast
 from replay_cost import LAYOUT
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.cost import LoadCosts
+from tiered_kv.cost import LoadCosts, Queues
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.disk.format.manifest import slot_size_for
 from tiered_kv.disk.scheduler.hit_check import DiskHitCheck
@@ -56,8 +56,12 @@ from tiered_kv.metrics import Latencies
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiers import HitCheck
 
-#: The three configurations the replay compares.
-CONFIGS = ("always", "recompute", "cost-aware")
+#: The configurations the replay compares. ``e460906``: the decision as it was at that
+#: commit, for comparison: the same estimates, blind to the queues (``Queues`` stays
+#: empty) and to attention (prefill cost linear in tokens), and a request whose run has
+#: a chunk slower than recomputing is decided at the end of the step that scanned it.
+CONFIGS = ("always", "recompute", "cost-aware", "e460906")
+DECIDING = ("cost-aware", "e460906")
 
 
 @dataclass(frozen=True)
@@ -146,13 +150,15 @@ def build_stack(
     tokens_per_block: int,
     bytes_per_block: int,
     prefill_tokens_per_s: float,
+    attention_per_token: float,
     clock: Callable[[], float],
     verify_read: Callable[[bytes, int, Callable[[], None]], None],
     scratch: Path | None = None,
 ) -> Stack:
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
-    and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on.
+    and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on, and
+    ``e460906`` the decision blind to queues and attention.
     ``verify_read`` reads one chunk for the hit check where ``tier.verify`` (``SimVerifier``)."""
     if config not in CONFIGS:
         raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
@@ -182,13 +188,14 @@ def build_stack(
             bytes_per_block=bytes_per_block,
             tokens_per_block=tokens_per_block,
             prefill_tokens_per_s=prefill_tokens_per_s,
+            attention_per_token=attention_per_token if config != "e460906" else 0.0,
             clock=clock,
         )
         composite = TieredOffloadingManager(
             cpu,
             lower,
             costs=costs,
-            cost_aware=config == "cost-aware",
+            cost_aware=config in DECIDING,
             promote_on_hit=TieredConfig.promote_on_hit,
             max_pending_writes=TieredConfig.max_pending_disk_writes,
             write_policy=TieredConfig.write_policy,
@@ -206,6 +213,9 @@ def build_stack(
         manager = TieredVllmManager(
             composite, checks, shared=[used.kind == "shared"] if used else [], health=health, timings=reader
         )
+        if config == "e460906":  # sees no queue, and decides a request a step after its scan
+            manager._queues = Queues  # type: ignore[method-assign]
+            manager._ahead = lambda *args: None  # type: ignore[method-assign]
     except BaseException:
         for m in lower:
             m.shutdown()

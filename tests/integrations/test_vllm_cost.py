@@ -122,7 +122,7 @@ def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_
     """A chunk that an unfinished load reads from disk is read from disk again, even once
     it is in CPU too (``hit_tier``): after a request's CPU chunks it is judged at the
     disk's cost, not counted into the CPU lead; once that load ends it is a CPU chunk."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 
     from tiered_kv.cpu.manager import CPUOffloadingManager
     from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
@@ -163,10 +163,10 @@ def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_
             for i, key in enumerate(keys):
                 ctx.set_offload_key_position(key, (i + 1) * layout.gpu_block_size)
             answers = [manager.lookup(key, ctx) for key in keys]
-            manager.on_schedule_end(None)  # type: ignore[arg-type]
+            manager.on_schedule_end(ScheduleEndContext((), ()))
             return answers
 
-        assert scan("during")[:2] == [LookupResult.HIT, LookupResult.RETRY]
+        assert scan("during")[:2] == [LookupResult.HIT, LookupResult.MISS]  # decided at once: passed over
         manager.complete_load([keys[1]], reader)
         assert scan("after") == [LookupResult.HIT] * 3
     finally:

@@ -12,12 +12,17 @@ import pytest
 from tiered_kv.config import ConfigError, TieredConfig, admit_after
 from tiered_kv.cost import (
     DEFAULT_PREFILL_TOKENS_PER_S,
+    DEFAULT_ATTENTION_PER_TOKEN,
     PREFILL,
     LoadCosts,
     PrefixScan,
+    Queues,
     TierCost,
+    attention_per_token,
+    configured_prefill,
     estimate_prefill_tokens_per_s,
     model_parameters,
+    prefill_work,
 )
 from tiered_kv.metrics import PrometheusMetrics, TieredStats
 from tiered_kv.worker.forward_timer import ForwardTimer
@@ -81,7 +86,8 @@ def test_a_sample_past_float_range_leaves_the_estimate_as_it_was():
 
 def costs(disk_gbps: float, latency_s: float = 0.0, **kw) -> LoadCosts:
     """Llama-3.1-8B-sized blocks of 16 tokens (2 MiB), prefill 30,800 tokens/s:
-    break-even 4.04 GB/s."""
+    break-even 4.04 GB/s (attention left out unless ``attention_per_token`` is given)."""
+    kw.setdefault("attention_per_token", 0.0)
     return LoadCosts(
         [TierCost("cpu", 50.0), TierCost("disk", disk_gbps, latency_s)],
         bytes_per_block=16 * 131072,
@@ -117,21 +123,30 @@ def test_a_block_by_block_scan_promises_only_blocks_every_plan_loads():
 
     rng = random.Random(0)
     for _ in range(300):
-        c = costs(rng.choice([1.0, 3.0, 5.0, 12.0]), latency_s=rng.choice([0.0, 0.002, 0.05]))
+        c = costs(
+            rng.choice([1.0, 3.0, 5.0, 12.0]),
+            latency_s=rng.choice([0.0, 0.002, 0.05]),
+            attention_per_token=rng.choice([0.0, DEFAULT_ATTENTION_PER_TOKEN]),
+        )
         c.tiers["cpu"].latency_s = rng.choice([0.0, 0.0001, 0.002])
         c.probe_every = 10**9
+        c.queues = Queues(rng.choice([0, 3]), {"disk": rng.choice([0, 40])})
         sources = [rng.choice(["cpu", "disk"]) for _ in range(rng.randint(1, 30))]
+        start = rng.choice([0, 16 * 2000])
         scan = PrefixScan(c)
         alone = scan.pays_alone(sources[0])
-        said = [scan.add(s) for s in sources]
+        said = [scan.add(s, start + 16 * (i + 1)) for i, s in enumerate(sources)]
         lead = len(list(next(groupby(sources))[1]))
-        assert alone == all(said[:lead]) == said[0], "a tier that pays alone is promised its whole leading run"
-        best = c.plan(sources).blocks
+        assert not alone or all(said[:lead]), "a tier that pays alone is promised its whole leading run"
+        if start == 0:
+            assert alone == all(said[:lead]) == said[0]
+        assert scan.start == start
+        best = c.plan(sources, start).blocks
         assert scan.runs == [[k, len(list(g))] for k, g in groupby(sources)]
         promised = said.index(False) if False in said else len(said)
         assert all(not x for x in said[promised:]), "once unsure, unsure for the rest of the scan"
         assert best >= promised, (sources, said, best)
-        if all(c.plan(sources[:i]).blocks == i for i in range(1, len(sources) + 1)):
+        if all(c.plan(sources[:i], start).blocks == i for i in range(1, len(sources) + 1)):
             assert promised == len(sources), "a run that pays at every length is promised whole"
 
 
@@ -144,6 +159,44 @@ def test_zero_is_a_candidate_and_a_tier_s_latency_counts_once():
     assert off.plan(["disk"] * 4).blocks == 4
 
 
+def test_under_load_the_gpu_queue_makes_recomputing_dearer_and_a_tier_s_queue_loading():
+    """3 GB/s is below the idle break-even (4.04): passed over while nobody waits for the
+    GPU, loaded once requests do; 8 GB/s is loaded on an idle tier and passed over
+    behind a backlog of writes, unless the GPU queue costs more than that wait."""
+    slow, fast = costs(3.0), costs(8.0)
+    disk = ["disk"] * 8
+    assert slow.plan(disk).blocks == 0
+    slow.queues = Queues(gpu_waiting=4)
+    assert slow.plan(disk).blocks == 8
+    assert fast.plan(disk).blocks == 8
+    fast.queues = Queues(tier_blocks={"disk": 400})  # 400 x 0.26 ms queued: 105 ms of wait
+    assert fast.plan(disk).blocks == 0
+    assert fast.plan(["disk"] * 1000).blocks == 1000  # a wait is paid once: a long run still pays
+    fast.queues = Queues(gpu_waiting=30, tier_blocks={"disk": 400})  # 8 x 0.52 ms x 31 > 105 ms
+    assert fast.plan(disk).blocks == 8
+
+
+def test_attention_makes_blocks_deep_in_a_prompt_dearer_to_recompute():
+    """Llama-3.1-8B's shape: blocks from token 0 load slower than they recompute at
+    3 GB/s; 60k tokens into a prompt attention makes recomputing them 2x dearer."""
+    assert attention_per_token(LLAMA_31_8B) == pytest.approx(DEFAULT_ATTENTION_PER_TOKEN, rel=0.01)
+    c = costs(3.0, attention_per_token=attention_per_token(LLAMA_31_8B))
+    assert c.plan(["disk"] * 8).blocks == 0
+    assert c.plan(["disk"] * 8, start=60_000).blocks == 8
+    assert c.recompute_seconds(1, 0, 60_000) == pytest.approx(2.96 * c.recompute_seconds(1, 0), rel=0.02)
+    assert prefill_work(16, 60_000, 0.0) == 16
+    a = DEFAULT_ATTENTION_PER_TOKEN
+    assert prefill_work(2, 10, a) == pytest.approx(2 + a * (11 + 12))  # tokens 11 and 12 attend to 11 and 12
+
+
+def test_the_attention_term_comes_from_the_model_s_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "num_hidden_layers": 64}))
+    deep = configured_prefill(None, str(tmp_path))
+    assert deep.attention_per_token > DEFAULT_ATTENTION_PER_TOKEN
+    assert configured_prefill(12_345.0, str(tmp_path)).attention_per_token == deep.attention_per_token
+    assert configured_prefill(None, str(tmp_path / "missing")).attention_per_token == DEFAULT_ATTENTION_PER_TOKEN
+
+
 def test_a_passed_over_tier_is_probed_every_nth_decision_and_after_a_while():
     now = [0.0]
     c = costs(1.0, probe_every=3, probe_after_s=10.0, clock=lambda: now[0])
@@ -153,6 +206,9 @@ def test_a_passed_over_tier_is_probed_every_nth_decision_and_after_a_while():
     assert [p.probe for p in plans] == [None, None, "disk", None, None, "disk"]
     assert plans[2].skipped == {"disk": 1}
     now[0] = 11.0
+    c.queues = Queues(tier_blocks={"disk": 5})  # a probe would wait behind a backlog: not yet
+    assert c.plan(sources).probe is None
+    c.queues = Queues()
     assert c.plan(sources).probe == "disk"  # 10 s since the last probe
     c.observe("disk_to_gpu", 2 * MiB, 0.001)  # a sample resets the timer
     now[0] = 15.0

@@ -10,7 +10,8 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
 
 - **Store**: blocks land in CPU slots (GPU -> CPU job). The job completes when its GPU
   copy does (GPU blocks are never held on lower-tier I/O); ``complete_store`` makes
-  them loadable from CPU. A ``write_through`` lower tier also gets every stored block,
+  them loadable from CPU. A block offered was just computed: lacking in CPU it enters,
+  though a lower tier holds it (as in a CPU tier alone; that tier is not written again). A ``write_through`` lower tier also gets every stored block,
   copied from its CPU slot once it is there.
 - **Cascade**: when CPU is full, its victims make room. A victim that some lower tier
   holds (durable, or on its way) is just dropped from CPU. A victim is *spilled* into
@@ -23,9 +24,9 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
   its shared index, which workers commit to only after a block's bytes are durable on
   their rank), not from jobs. Until then a block is *pending* there: not loadable from
   it, but as good as present for the cascade.
-- **Back-pressure**: at most ``max_pending_writes`` blocks (the config's
-  ``max_pending_disk_writes``) may wait for a write into each lower tier. Past that, write-through copies are skipped and spill victims
-  leave the hierarchy; both are counted as drops. The engine never waits for a tier.
+- **Back-pressure**: at most ``max_pending_writes`` blocks (``max_pending_disk_writes``)
+  may wait for a write into each lower tier; past that, write-through copies are skipped
+  and spill victims leave (counted as drops). The engine never waits for a tier.
 - **Load**: each block comes from the fastest tier that holds it (a ``TieredLoadSpec``
   when any is below CPU). With ``promote_on_hit`` a lower-tier block is also brought
   into a CPU slot that can be had without a spill and without touching blocks pinned
@@ -35,9 +36,8 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
   to first token shortest (``tiered_kv.cost``: measured load cost per tier against
   the prefill of the same tokens; zero is always a candidate). Blocks passed over are
   counted per tier (``skipped_slower_than_recompute``): not loaded, not promoted, not
-  a hit; once recomputed, the engine's store puts them into CPU again (a GPU -> CPU
-  copy, like any new block), though a lower tier holds them. ``costs=None`` (no block
-  size known) loads every block found.
+  a hit; once recomputed, the engine's store puts them into CPU again. ``costs=None``
+  (no block size known) loads every block found.
 - **Write admission**: a lower tier with ``admit_after`` N > 1 (``write_admission:
   reuse(N)``) is written a block only once the block has been stored or hit N times
   (counted over a bounded history of recent blocks); a CPU victim not yet admitted
@@ -56,6 +56,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from itertools import islice
 
 from tiered_kv.abstract import (
@@ -161,9 +162,6 @@ class TieredOffloadingManager(OffloadingManager):
         self.costs = costs
         admit = [admit_after] * len(tiers) if isinstance(admit_after, int) else list(admit_after)
         self.admission = WriteAdmission(admit, names, 2 * (cpu.num_slots + sum(t.capacity for t in tiers)), self.stats)
-        # Blocks a lookup passed over that only lower tiers hold: recomputed, they are
-        # stored into CPU again (from the GPU, as any new block), though a tier has them.
-        self._recomputed: set[BlockHash] = set()
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``, ...), or None."""
@@ -194,6 +192,8 @@ class TieredOffloadingManager(OffloadingManager):
         """The number of leading blocks to load: of the leading run found offloaded, the
         prefix whose load minimises the estimated time to first token (``costs``)."""
         block_hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+        if self.costs is not None:  # no engine queue seen here: the tiers' own
+            self.costs.queues = replace(self.costs.queues, tier_blocks=self.queued_blocks())
         return self.decide(block_hashes, self.sources(block_hashes))
 
     def sources(self, block_hashes: Sequence[BlockHash]) -> list[list]:
@@ -227,25 +227,15 @@ class TieredOffloadingManager(OffloadingManager):
             self.stats.count(tier.name, "lookups", n)
         return runs
 
-    def decide(self, block_hashes: Sequence[BlockHash], runs: Sequence[Sequence]) -> int:
-        """How many of ``block_hashes`` to load, their leading run served as ``runs``
-        (``sources``' form): the cost plan; the blocks it passes over are counted per tier
-        and, where only lower tiers hold them, their recompute is stored into CPU again."""
-        found = sum(m for _, m in runs)
+    def decide(self, block_hashes: Sequence[BlockHash], runs: Sequence[Sequence], start: int = 0) -> int:
+        """How many of ``block_hashes`` (from token ``start``) to load, their leading run
+        served as ``runs`` (``sources``' form): the cost plan; the blocks it passes over are
+        counted per tier (once recomputed, the engine's store puts them into CPU again)."""
         if self.costs is None:
-            return found
-        plan = self.costs.plan_runs(runs)
-        if plan.skipped:
-            if len(self._recomputed) > self.cpu.num_slots:
-                self._recomputed.clear()  # lookups whose requests never stored
-            start = 0
-            for source, m in runs:  # the lower-tier blocks passed over
-                end = start + m
-                if source != "cpu" and end > plan.blocks:
-                    self._recomputed.update(block_hashes[max(start, plan.blocks) : end])
-                start = end
-            for name, n in plan.skipped.items():
-                self.stats.count(name, "skipped_slower_than_recompute", n)
+            return sum(m for _, m in runs)
+        plan = self.costs.plan_runs(runs, start)
+        for name, n in plan.skipped.items():
+            self.stats.count(name, "skipped_slower_than_recompute", n)
         if plan.probe is not None:
             self.stats.count(plan.probe, "probes", 1)
         return plan.blocks
@@ -269,8 +259,7 @@ class TieredOffloadingManager(OffloadingManager):
         return None
 
     def hit_medium(self, block_hash: BlockHash) -> str | None:
-        """Which tier would serve ``block_hash`` now: ``"CPU"``, a lower tier's medium
-        (``"DISK"``), or None."""
+        """Which tier would serve ``block_hash`` now: ``"CPU"``, a lower tier's medium, or None."""
         i = self.hit_tier(block_hash)
         return None if i is None else CPU if i < 0 else self.lower[i].medium
 
@@ -478,15 +467,15 @@ class TieredOffloadingManager(OffloadingManager):
             if not to_store:
                 break
             to_store = tier.absent_among(to_store)
-        held_below: set[BlockHash] = set()  # recomputed blocks a lower tier holds: CPU only
-        if self._recomputed:
+        # Offered blocks were computed: missing from CPU they enter it, as in a CPU tier
+        # alone, though a lower tier holds them (that tier is not written again).
+        held_below: set[BlockHash] = set()
+        if len(to_store) < len(missing):
             absent = set(to_store)
-            held_below = {h for h in missing if h in self._recomputed and h not in absent}
-            self._recomputed.difference_update(missing)
-            if held_below:
-                to_store = [h for h in missing if h in absent or h in held_below]
-                if self._write_back_only:
-                    self._from_lower.update(held_below)  # in CPU and below, as a promoted block
+            held_below = {h for h in missing if h not in absent}
+            to_store = missing
+            if self._write_back_only:
+                self._from_lower.update(held_below)  # in CPU and below, as a promoted block
         if not to_store:
             self.cpu.rank_request(offered)
             return PrepareStoreOutput([], TieredStoreSpec([]), [])
@@ -583,10 +572,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._refresh_lower()
         return sum(tier.num_pending() for tier in self.lower)
 
-    def pending_blocks(self) -> set[BlockHash]:
-        """The blocks counted by ``pending_writes`` (a copy)."""
-        self._refresh_lower()
-        return set().union(*(tier.pending_blocks() for tier in self.lower))
+    def queued_blocks(self) -> dict[str, int]:
+        """Per lower tier: its blocks in flight, loads and writes (``tiered_kv.cost.Queues``)."""
+        return {t.name: t.num_pending() + sum(loads.values()) for t, loads in zip(self.lower, self._lower_loads)}
 
     def used_blocks(self) -> dict[str, int]:
         used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}

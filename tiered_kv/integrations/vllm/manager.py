@@ -25,17 +25,17 @@ this adapter adds is what vLLM's contract demands and ours did not:
   reporting; here the marks of the slots a job wrote are read, and those chunks are
   completed as failed (freed, their lower-tier writes abandoned, a promotion not kept).
 - **Loads chosen by cost, asked per key.** The composite decides per request how many
-  leading chunks to load (``tiered_kv.cost``); vLLM asks chunk by chunk, in order. A
-  chunk is answered as found while loading every chunk so far beats every shorter prefix
-  (``PrefixScan``: nothing after it can lower the plan). Past that, the request's chunks
-  answer RETRY for the rest of the scan, which records them; at the end of the step
-  (``on_schedule_end``) the composite's ``decide`` plans over the whole run (passed-over
-  chunks counted per tier, ``skipped_slower_than_recompute``) and the next scan answers
-  from that plan: MISS past it. A request is decided once; it waits one step for it only
-  where a chunk it holds loads slower than recomputing. A request's leading CPU chunks,
-  where CPU chunks pay from the first, are only counted (``_CostScan``): a CPU hit costs
-  about what it costs vLLM's own manager. Each tier's estimate is fed with the workers'
-  transfer times (``health.LoadTimings``), per rank and tier, every step.
+  leading chunks to load (``tiered_kv.cost``), weighing the queues this scheduler sees
+  (``Queues``: requests arrived and not yet scheduled, less those a tier holds; each
+  lower tier's loads and writes in flight), refreshed every step. vLLM asks chunk by
+  chunk, in order, having placed every full chunk of the request first: at the first
+  chunk past the leading CPU ones (which are only counted, ``_CostScan``: a CPU hit costs
+  about what it costs vLLM's own manager) the whole run is read ahead (``_ahead``) and
+  decided at once; the scan then answers from the plan, MISS past it. Where the order is
+  not at hand (several KV-cache groups), a chunk is answered as found while loading every
+  chunk so far beats every shorter prefix (``PrefixScan``), RETRY past that, and the run
+  is decided at the step's end (``on_schedule_end``): the request waits one step. Each
+  tier's estimate is fed with the workers' transfer times (``health.LoadTimings``).
 - ``touch`` is never called by vLLM 0.33, so a use is recorded in ``prepare_load``;
   ``prepare_store`` leaves recency to the composite, which never evicts the chunks a
   call offers and ranks the request most recent, head first (a store is not a reuse:
@@ -63,6 +63,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -82,7 +83,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.abstract import Closing, LowerTier
-from tiered_kv.cost import LoadCosts, PrefixScan
+from tiered_kv.cost import LoadCosts, PrefixScan, Queues
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     PENDING_WRITES,
@@ -231,6 +232,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._abandoned_stores: Counter[bytes] = Counter()
         self._failure_counts: Counter[str] = Counter()
         self._increases = CounterIncreases()
+        self._waiting: set[str] = set()  # requests neither scheduled nor loading yet
+        self._held: set[str] = set()  # those a tier held this step (a check, another's load)
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``), where configured."""
@@ -250,7 +253,17 @@ class TieredVllmManager(OffloadingManager, Closing):
     # ------------------------------------------------------------------ lookups
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._waiting.add(req_context.req_id)
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._waiting.discard(req_context.req_id)
+
+    def _queues(self) -> Queues:
+        """This step's ``Queues``: requests held by a tier wait for it, not for the GPU."""
+        held = len(self._held.intersection(self._waiting)) if self._held else 0
+        self._held.clear()
+        return Queues(len(self._waiting) - held, self.composite.queued_blocks())
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         last = self._scan_of
@@ -293,9 +306,13 @@ class TieredVllmManager(OffloadingManager, Closing):
                 # loaded anyway and then serves it from its GPU prefix cache (without
                 # prefix caching, from the CPU copy the load promotes): it waits for the
                 # one load, never reads the chunk again.
+                self._held.add(req_context.req_id)
                 return _HIT_PENDING
             state = self.checks[tier].lookup(key)
-            return _HIT if state is _CHECK_HIT else _RESULTS[state]
+            if state is _CHECK_HIT:
+                return _HIT
+            self._held.add(req_context.req_id)  # waits for a tier, not for the GPU
+            return _RESULTS[state]
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
             return _HIT_PENDING
         if any(check.locating(key) for check in self.checks):
@@ -334,17 +351,54 @@ class TieredVllmManager(OffloadingManager, Closing):
             scan.lead_with(position)
             return None
         scan.last = position
+        tpb = costs.tokens_per_block
+        unplannable = scan.keys or scan.lead_end not in (-1, position - tpb)  # scanning, or a gap
+        if not unplannable and (ahead := self._ahead(key, position, req_context)) is not None:  # decided now
+            keys, runs = ahead
+            if scan.lead:
+                runs.insert(0, ["cpu", scan.lead])
+            start = position - (scan.lead + 1) * tpb
+            k = self.composite.decide([b""] * scan.lead + keys, runs, start)
+            scan.boundary, scan.leading = start + k * tpb if k else -1, False
+            return _MISS if position > scan.boundary else None
         if scan.leading:
             scan.leading = False
-            for _ in range(scan.lead):
-                scan.prefix.add("cpu")  # each pays: checked when the lead began
+            for i in range(scan.lead, 0, -1):
+                scan.prefix.add("cpu", scan.lead_end - (i - 1) * tpb)  # each pays: checked when the lead began
         scan.keys.append(key)
         scan.positions.append(position)
-        if scan.prefix.add(self._names[tier + 1]):
+        if scan.prefix.add(self._names[tier + 1], position):
             return None
         self._undecided[req_context.req_id] = scan
         self._deferred[0] = True
         return _RETRY
+
+    def _ahead(self, key: OffloadKey, position: int, req_context: ReqContext) -> tuple[list, list[list]] | None:
+        """The request's chunks from ``key`` (ending at ``position``) on while a tier holds
+        each, without a gap: keys and ``[tier name, chunks]`` runs; None where vLLM's order
+        of the request's chunks is not at hand (several KV-cache groups, another vLLM)."""
+        positions = getattr(req_context, "_offload_key_positions", None)
+        tpb = self.costs.tokens_per_block if self.costs is not None else 0
+        if not isinstance(positions, dict) or not tpb or position % tpb:
+            return None
+        order = list(positions)
+        i = position // tpb - 1
+        if not 0 <= i < len(order) or order[i] != key:
+            return None
+        keys: list = []
+        runs: list[list] = []
+        expected, hit_tier, names = position, self.composite.hit_tier, self._names
+        for later in islice(order, i, None):
+            tier = hit_tier(later) if positions[later] == expected else None
+            if tier is None:
+                break
+            if runs and runs[-1][0] == names[tier + 1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([names[tier + 1], 1])
+            keys.append(later)
+            expected += tpb
+        return keys, runs
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.composite.touch(list(keys))
@@ -360,6 +414,7 @@ class TieredVllmManager(OffloadingManager, Closing):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TieredJobSpec:
         keys = list(keys)
         req_id = req_context.req_id
+        self._waiting.discard(req_id)
         for key in keys:
             tier = self.composite.hit_tier(key)
             self._sources[(req_id, key)] = self._source(tier)
@@ -435,9 +490,13 @@ class TieredVllmManager(OffloadingManager, Closing):
         if self.costs is not None and self.timings is not None:
             for transfer_type, nbytes, seconds, success in self.timings.take():
                 self.costs.observe(transfer_type, round(nbytes), seconds, success)
+        self._waiting.difference_update(context.new_req_ids)
+        self._waiting.update(context.preempted_req_ids)
+        if self.costs is not None:
+            self.costs.queues = self._queues()  # the decisions below and next step's scans
         for scan in self._undecided.values():
             # The lead's keys are never read: every plan loads the whole lead.
-            k = self.composite.decide([b""] * scan.lead + scan.keys, scan.prefix.runs)
+            k = self.composite.decide([b""] * scan.lead + scan.keys, scan.prefix.runs, scan.prefix.start or 0)
             scan.boundary = scan.boundary_for(k)
         self._undecided.clear()
         self._scan_of = None
