@@ -192,8 +192,6 @@ class TieredOffloadingManager(OffloadingManager):
         """The number of leading blocks to load: of the leading run found offloaded, the
         prefix whose load minimises the estimated time to first token (``costs``)."""
         block_hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-        if self.costs is not None:  # no engine queue seen here: the tiers' own
-            self.costs.queues = replace(self.costs.queues, tier_blocks=self.queued_blocks())
         return self.decide(block_hashes, self.sources(block_hashes))
 
     def sources(self, block_hashes: Sequence[BlockHash]) -> list[list]:
@@ -233,6 +231,8 @@ class TieredOffloadingManager(OffloadingManager):
         counted per tier (once recomputed, the engine's store puts them into CPU again)."""
         if self.costs is None:
             return sum(m for _, m in runs)
+        # The tiers' queues as they are now; the GPU's as the engine last reported it.
+        self.costs.queues = replace(self.costs.queues, tier_blocks=self.queued_blocks())
         plan = self.costs.plan_runs(runs, start)
         for name, n in plan.skipped.items():
             self.stats.count(name, "skipped_slower_than_recompute", n)

@@ -134,7 +134,8 @@ def build_manager(spec: HierarchySpec, *, info: TieredOffloadingInfo | None = No
 @dataclass
 class _CostScan:
     """One request's leading offloaded chunks in the order its lookups found them, and
-    once decided, the last token position it loads (-1: none).
+    once decided, the last token position it loads (-1: none). A new scan from the start
+    (after a failed load, or while vLLM cannot schedule it) decides anew.
 
     While every chunk so far is a CPU chunk and a run of CPU chunks pays at every length
     (``PrefixScan.pays_alone``), the chunks are only counted (``lead``, ending at token
@@ -161,7 +162,7 @@ class _CostScan:
         self.keys.clear()
         self.positions.clear()
         self.leading = self.prefix.pays_alone("cpu")
-        self.lead, self.lead_end, self.last = 0, -1, -1
+        self.lead, self.lead_end, self.last, self.boundary = 0, -1, -1, None
 
     def lead_with(self, position: int) -> None:
         """One more CPU chunk of the lead, ending at token ``position``."""
@@ -343,10 +344,11 @@ class TieredVllmManager(OffloadingManager, Closing):
                 req_context.set_state(found)
             scan = found
             self._scan_of = (req_context, scan, _positions_of(req_context))
-        if scan.boundary is not None:
-            return _MISS if position > scan.boundary else None
-        if position <= scan.last:  # vLLM scans again from the start
+        if position <= scan.last:  # vLLM scans again from the start: decided anew (a load failed, ...)
             scan.restart(costs)
+        if scan.boundary is not None:
+            scan.last = position
+            return _MISS if position > scan.boundary else None
         if scan.leading and tier == -1:
             scan.lead_with(position)
             return None
@@ -436,12 +438,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         bad_slots = self.health.take_bad(promoted.values())
         failed = {key for key, slot in promoted.items() if slot in bad_slots}
         if failed:
-            logger.error(
-                "request %s: the promotion of %d lower-tier chunks into the CPU tier failed in a "
-                "worker; the chunks are not kept in CPU",
-                req_id,
-                len(failed),
-            )
+            msg = "request %s: the promotion of %d lower-tier chunks into the CPU tier failed in a worker; %s"
+            logger.error(msg, req_id, len(failed), "the chunks are not kept in CPU")
             self._failure_counts["promotion"] += 1
             self.composite.complete_load(list(failed), success=False)
         self.composite.complete_load([key for key in keys if key not in failed])
@@ -497,7 +495,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         for scan in self._undecided.values():
             # The lead's keys are never read: every plan loads the whole lead.
             k = self.composite.decide([b""] * scan.lead + scan.keys, scan.prefix.runs, scan.prefix.start or 0)
-            scan.boundary = scan.boundary_for(k)
+            scan.boundary, scan.last = scan.boundary_for(k), -1  # the next scan answers from it
         self._undecided.clear()
         self._scan_of = None
         self._deferred = [False, self._deferred[0]]
