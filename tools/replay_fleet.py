@@ -30,6 +30,13 @@ carry ``--block-bytes`` of KV each (scaled down: the hit rates do not depend on 
     python tools/replay_fleet.py --backend mooncake --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl
     python tools/replay_fleet.py --backend s3 --trace ... --limit 2000
 
+``--timed`` replays the trace in time instead (tools/replay_fleet_time.py, whose options
+it then takes): requests at the trace's arrival times queue on prefill nodes picked by a
+router, fleets of equal total capacity with and without a shared pool compared by hit
+rate, TTFT and goodput; no server.
+
+    python tools/replay_fleet.py --timed --trace ../shared/traces/mooncake_fast25_synthetic_trace.jsonl --slo 2s
+
 I/O: the trace file (read only), the shared tier's server, and the daemons' scratch logs.
 """
 
@@ -44,7 +51,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,64 +58,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fleet_trace import LRU, PAPER, TOKENS_PER_BLOCK, Request, read_mooncake_trace  # noqa: E402
 from replay_model import DEFAULT_LOAD_GBPS, PrefillModel  # noqa: E402
 
 from tiered_kv.fingerprint import Fingerprint  # noqa: E402
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
 
-TOKENS_PER_BLOCK = 512
 RGW_SCRIPT = Path(__file__).resolve().parent / "rgw_server.sh"
 RGW_KEYS = {"AWS_ACCESS_KEY_ID": "tieredkvtest", "AWS_SECRET_ACCESS_KEY": "tieredkvtestsecret"}
-#: The paper's Fig. 10 (10 prefill nodes x 3M tokens, global vs local cache).
-PAPER = {"conversation": (2.22, 0.76), "synthetic": (2.36, 0.52), "toolagent": (1.38, 0.74)}
 ROUTINGS = ("round-robin", "prefix-affinity")
-
-
-@dataclass(frozen=True)
-class Request:
-    input_tokens: int
-    blocks: tuple[int, ...]  # ids of its full 512-token blocks
-
-
-def read_mooncake_trace(path: Path, limit: int | None = None) -> list[Request]:
-    """Requests of a Mooncake FAST'25 trace (``input_length``, ``hash_ids``), in file order."""
-    out: list[Request] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            try:
-                row = json.loads(line)
-                tokens, ids = int(row["input_length"]), [int(h) for h in row["hash_ids"]]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(
-                    f'{path}:{lineno}: bad trace line ({exc}); expected {{"input_length": int, "hash_ids": [int, ...]}}'
-                ) from None
-            out.append(Request(tokens, tuple(ids[: tokens // TOKENS_PER_BLOCK])))
-    return out
-
-
-class LRU:
-    """Block ids, most recently used last; ``capacity`` 0 holds nothing."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.ids: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, block: int) -> bool:
-        return block in self.ids
-
-    def touch(self, blocks) -> list[int]:
-        """Insert or refresh ``blocks`` in order; the ids evicted."""
-        evicted = []
-        for b in blocks:
-            if b in self.ids:
-                self.ids.move_to_end(b)
-            elif self.capacity:
-                self.ids[b] = None
-                if len(self.ids) > self.capacity:
-                    evicted.append(self.ids.popitem(last=False)[0])
-        return evicted
 
 
 class LocalTiers:
@@ -406,6 +363,7 @@ def parse_args(argv=None):
     p.add_argument("--shared-gbps", type=float, default=12.5, help="ASSUMED shared tier -> GPU load GB/s")
     p.add_argument("--progress", type=int, default=2000, help="log every N requests (0: never)")
     p.add_argument("--json", type=Path, help="write the results here too")
+    p.add_argument("--timed", action="store_true", help="replay in time instead (tools/replay_fleet_time.py --help)")
     args = p.parse_args(argv)
     args.shared_blocks = args.shared_blocks if args.shared_blocks is not None else args.nodes * args.local_blocks
     args.routings = [r.strip() for r in args.routing.split(",") if r.strip()]
@@ -418,6 +376,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--timed" in argv:
+        import replay_fleet_time
+
+        return replay_fleet_time.main([a for a in argv if a != "--timed"], prog="replay_fleet.py --timed")
     args = parse_args(argv)
     requests = read_mooncake_trace(args.trace, args.limit)
     model = PrefillModel(load_gbps={**DEFAULT_LOAD_GBPS, "SHARED": args.shared_gbps})
