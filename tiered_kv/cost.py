@@ -366,8 +366,9 @@ class LoadCosts:
     def observe(self, transfer_type: str, nbytes: int, seconds: float, success: bool = True) -> None:
         """A finished transfer (``TieredStats`` observer): samples the tier it read from;
         a failed load is charged its seconds plus the recompute of its ``nbytes``.
-        ``PREFILL``: a forward pass of ``nbytes`` tokens, nearly all prefill, sampling the
-        prefill rate (module docstring)."""
+        ``PREFILL``: a forward pass of ``nbytes`` tokens of work (``prefill_work``: each
+        weighted by the context it attends to), nearly all prefill, sampling the prefill
+        rate (module docstring)."""
         if transfer_type == PREFILL:
             if not success or nbytes <= 0 or not 0 < seconds < math.inf:
                 return

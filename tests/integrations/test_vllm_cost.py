@@ -239,3 +239,30 @@ def test_only_a_step_that_is_nearly_all_prefill_is_timed():
     assert step({"a": 60, **{f"d{i}": 1 for i in range(10)}}) == 0  # 86% prefill
     assert step({"a": 4, "b": 4}, {"a": [7, 7, 7], "b": [7, 7, 7]}) == 0  # speculative decodes
     assert step({"a": 200, "b": 4}, {"b": [7, 7, 7]}) == 204
+
+
+def test_a_prefill_step_counts_its_tokens_by_the_context_they_attend_to():
+    """The timed work of a step is the decision's own measure (``prefill_work``): a chunk
+    60k tokens into a prompt weighs what attention makes it, so the rate measured on such
+    steps is not read as a slower GPU."""
+    from dataclasses import replace
+
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    from tiered_kv.cost import DEFAULT_ATTENTION_PER_TOKEN as A
+    from tiered_kv.cost import prefill_work
+    from tiered_kv.integrations.vllm.connector import prefill_step_tokens
+
+    cached = replace(CachedRequestData.make_empty(), req_ids=["deep", "fresh"], num_computed_tokens=[60_000, 0])
+    out = replace(
+        SchedulerOutput.make_empty(),
+        num_scheduled_tokens={"deep": 512, "fresh": 512},
+        total_num_scheduled_tokens=1024,
+        scheduled_cached_reqs=cached,
+    )
+    assert prefill_step_tokens(out) == 1024  # no model shape: tokens as they are
+    weighted = prefill_step_tokens(out, A)
+    assert weighted == round(prefill_work(512, 60_000, A) + prefill_work(512, 0, A))
+    assert weighted > 1.9 * 1024  # the deep chunk costs about 3x a fresh one
+    decodes = replace(out, num_scheduled_tokens={"deep": 1, "fresh": 1}, total_num_scheduled_tokens=2)
+    assert prefill_step_tokens(decodes, A) == 0

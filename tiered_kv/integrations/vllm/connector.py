@@ -33,8 +33,8 @@ reports none and the scheduler verifies each hit first, as with vLLM's connector
 It also measures the engine's prefill rate for the load-versus-recompute decision: the
 scheduler marks each step whose scheduled tokens are nearly all prefill (at least
 ``PREFILL_SHARE``; decode and speculative tokens are the rest) and that loads nothing
-with its token count (``TieredConnectorMetadata``), so neither a batch of decodes nor a
-wait for loads passes for a slow prefill;
+with its work (``TieredConnectorMetadata``: tokens weighted by attention, as the decision
+counts them), so neither a batch of decodes nor a wait for loads passes for a slow prefill;
 each worker times that step's forward pass (``tiered_kv.worker.forward_timer``) and
 adds it to the engine's ``LoadTimings`` as type ``PREFILL``, which the scheduler folds
 into ``LoadCosts`` every step. With vLLM's plain ``OffloadingConnector`` nothing is
@@ -60,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import Offlo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from tiered_kv.cost import LoadCosts, prefill_work
 from tiered_kv.worker.forward_timer import ForwardTimer
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,13 @@ def failed_loads_recomputed() -> bool:
 PREFILL_SHARE = 0.9
 
 
-def prefill_step_tokens(scheduler_output: Any) -> int:
-    """The tokens of a step worth timing as prefill (vLLM's ``SchedulerOutput``), else 0.
+def prefill_step_tokens(scheduler_output: Any, attention_per_token: float = 0.0) -> int:
+    """The work of a step worth timing as prefill (vLLM's ``SchedulerOutput``), else 0.
     A request scheduled for more than one token beyond its speculative ones is in
-    prefill (a decode step schedules one)."""
+    prefill (a decode step schedules one). The work is in linear tokens, each request's
+    tokens weighted by the context they attend to (``tiered_kv.cost.prefill_work``, the
+    decision's own measure), so a step deep into a long prompt does not pass for a
+    slower GPU."""
     total = scheduler_output.total_num_scheduled_tokens
     if total <= 0:
         return 0
@@ -93,12 +97,23 @@ def prefill_step_tokens(scheduler_output: Any) -> int:
         n -= len(spec.get(req_id, ()))
         if n > 1:
             prefill += n
-    return total if prefill >= PREFILL_SHARE * total else 0
+    if prefill < PREFILL_SHARE * total:
+        return 0
+    if not attention_per_token:
+        return total
+    computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    work = sum(
+        prefill_work(n, computed.get(req_id, 0), attention_per_token)
+        for req_id, n in scheduler_output.num_scheduled_tokens.items()
+    )
+    return round(work)
 
 
 @dataclass
 class TieredConnectorMetadata(OffloadingConnectorMetadata):
-    """vLLM's metadata of a step, and the tokens of its forward pass to time as prefill
+    """vLLM's metadata of a step, and the work of its forward pass to time as prefill
     (0: not timed; ``prefill_step_tokens``)."""
 
     prefill_tokens: int = 0
@@ -140,7 +155,7 @@ class TieredOffloadingConnector(OffloadingConnector):
             store_jobs=meta.store_jobs,
             jobs_to_flush=meta.jobs_to_flush,
             # A step that loads may wait for its loads inside the forward pass: not timed.
-            prefill_tokens=0 if meta.load_jobs else prefill_step_tokens(scheduler_output),
+            prefill_tokens=0 if meta.load_jobs else prefill_step_tokens(scheduler_output, self._attention_per_token()),
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -164,6 +179,10 @@ class TieredOffloadingConnector(OffloadingConnector):
             return super().get_kv_connector_stats()
         take = getattr(self._worker(), "take_stats", None)
         return take() if take is not None else None
+
+    def _attention_per_token(self) -> float:
+        costs = getattr(getattr(self.connector_scheduler, "manager", None), "costs", None)
+        return costs.attention_per_token if isinstance(costs, LoadCosts) else 0.0
 
     def _worker(self) -> Any:
         return self.connector_worker.worker if self.connector_worker is not None else None
