@@ -134,8 +134,8 @@ def build_manager(spec: HierarchySpec, *, info: TieredOffloadingInfo | None = No
 @dataclass
 class _CostScan:
     """One request's leading offloaded chunks in the order its lookups found them, and
-    once decided, the last token position it loads (-1: none). A new scan from the start
-    (after a failed load, or while vLLM cannot schedule it) decides anew.
+    once decided, the last token position it loads (-1: none). A new scan from the start (a failed
+    load, no room to schedule) decides anew; a plan made at a step's end (``late``) stands.
 
     While every chunk so far is a CPU chunk and a run of CPU chunks pays at every length
     (``PrefixScan.pays_alone``), the chunks are only counted (``lead``, ending at token
@@ -146,6 +146,7 @@ class _CostScan:
     keys: list[bytes] = field(default_factory=list)  # after the lead
     positions: list[int] = field(default_factory=list)
     boundary: int | None = None
+    late: bool = False
     leading: bool = True
     lead: int = 0
     lead_end: int = -1
@@ -162,7 +163,8 @@ class _CostScan:
         self.keys.clear()
         self.positions.clear()
         self.leading = self.prefix.pays_alone("cpu")
-        self.lead, self.lead_end, self.last, self.boundary = 0, -1, -1, None
+        self.lead, self.lead_end, self.last = 0, -1, -1
+        self.boundary = self.boundary if self.late else None
 
     def lead_with(self, position: int) -> None:
         """One more CPU chunk of the lead, ending at token ``position``."""
@@ -495,7 +497,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         for scan in self._undecided.values():
             # The lead's keys are never read: every plan loads the whole lead.
             k = self.composite.decide([b""] * scan.lead + scan.keys, scan.prefix.runs, scan.prefix.start or 0)
-            scan.boundary, scan.last = scan.boundary_for(k), -1  # the next scan answers from it
+            scan.boundary, scan.late = scan.boundary_for(k), True  # the next scans answer from it
         self._undecided.clear()
         self._scan_of = None
         self._deferred = [False, self._deferred[0]]
