@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,22 +24,29 @@ class Request:
     blocks: tuple[int, ...]  # ids of its full 512-token blocks
 
 
-def read_mooncake_trace(path: Path, limit: int | None = None) -> list[Request]:
-    """Requests of a Mooncake FAST'25 trace (``input_length``, ``hash_ids``), in file order."""
-    out: list[Request] = []
+def trace_rows(path: Path, limit: int | None = None, timed: bool = False) -> Iterator[tuple[float, Request]]:
+    """Per line of a Mooncake FAST'25 trace (``input_length``, ``hash_ids``; ``timestamp``
+    in ms where ``timed``, else 0), in file order: its timestamp and its request."""
+    fields = '"input_length": int >= 1, "hash_ids": [int, ...]'
+    expected = '{"timestamp": ms, ' + fields + "}" if timed else "{" + fields + "}"
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
+            if limit is not None and lineno > limit:
+                return
             try:
                 row = json.loads(line)
+                stamp = float(row["timestamp"]) if timed else 0.0
                 tokens, ids = int(row["input_length"]), [int(h) for h in row["hash_ids"]]
+                if tokens < 1:
+                    raise ValueError(f"input_length {tokens} < 1")
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(
-                    f'{path}:{lineno}: bad trace line ({exc}); expected {{"input_length": int, "hash_ids": [int, ...]}}'
-                ) from None
-            out.append(Request(tokens, tuple(ids[: tokens // TOKENS_PER_BLOCK])))
-    return out
+                raise ValueError(f"{path}:{lineno}: bad trace line ({exc}); expected {expected}") from None
+            yield stamp, Request(tokens, tuple(ids[: tokens // TOKENS_PER_BLOCK]))
+
+
+def read_mooncake_trace(path: Path, limit: int | None = None) -> list[Request]:
+    """The requests of a Mooncake FAST'25 trace, in file order (``trace_rows``)."""
+    return [request for _, request in trace_rows(path, limit)]
 
 
 class LRU:

@@ -64,7 +64,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleet_trace import LRU, PAPER, TOKENS_PER_BLOCK, Request  # noqa: E402
+from fleet_trace import LRU, PAPER, TOKENS_PER_BLOCK, Request, trace_rows  # noqa: E402
 from replay_model import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS  # noqa: E402
 
 from tiered_kv.config_values import ConfigError  # noqa: E402
@@ -93,23 +93,7 @@ class TimedRequest:
 def read_timed_trace(path: Path, limit: int | None = None) -> list[TimedRequest]:
     """A Mooncake FAST'25 trace's requests (``timestamp`` ms, ``input_length``, ``hash_ids``)
     in timestamp order (stable), arrivals from the first one's."""
-    rows: list[tuple[float, Request]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(rows) >= limit:
-                break
-            try:
-                row = json.loads(line)
-                stamp, tokens = float(row["timestamp"]), int(row["input_length"])
-                ids = [int(h) for h in row["hash_ids"]]
-                if tokens < 1:
-                    raise ValueError(f"input_length {tokens} < 1")
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(
-                    f"{path}:{lineno}: bad trace line ({exc}); expected "
-                    '{"timestamp": ms, "input_length": int >= 1, "hash_ids": [int, ...]}'
-                ) from None
-            rows.append((stamp, Request(tokens, tuple(ids[: tokens // TOKENS_PER_BLOCK]))))
+    rows = list(trace_rows(path, limit, timed=True))
     if not rows:
         raise ValueError(f"{path}: no requests")
     rows.sort(key=lambda r: r[0])
