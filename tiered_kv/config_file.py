@@ -65,13 +65,18 @@ class ServerConfigFile:
     #: The kv-transfer config's own keys (``kv_connector``, ``kv_load_failure_policy``,
     #: ...), None where the file is the extra config alone.
     transfer: dict[str, Any] | None = None
+    #: The module vLLM loads the spec from (``spec_module_path``), None where the file
+    #: names none (vLLM's own registry).
+    spec_module_path: str | None = None
 
     def extra_for(self, tp: int | None = None) -> dict[str, Any]:
         """``extra`` with ``cpu_bytes`` per rank at tensor-parallel size ``tp`` (default:
         the file's, else 1) where the file sizes the CPU tier for all ranks together."""
         out = dict(self.extra)
         if self.cpu_bytes_total is not None:
-            out["cpu_bytes"] = self.cpu_bytes_total // (tp or self.tp or 1)
+            # With its unit: ``TieredConfig`` reads a bare number under 1 MiB as a
+            # forgotten unit, and vLLM's cpu_bytes_to_use is bytes whatever its size.
+            out["cpu_bytes"] = f"{self.cpu_bytes_total // (tp or self.tp or 1)}B"
         return out
 
 
@@ -161,7 +166,11 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
         raise ConfigError(f"config {p}: a vllm serve config without kv-transfer-config holds no tier settings")
     extra = dict(raw)
     spec = str(extra.get("spec_name") or TIERED_SPEC)
-    if spec == TIERING_SPEC or "secondary_tiers" in extra:
+    module = extra.get("spec_module_path")
+    module = None if module is None else str(module)
+    # A config naming another spec keeps its name, so the tools refuse it rather than
+    # read its secondary_tiers as those of vLLM's TieringOffloadingSpec.
+    if spec == TIERING_SPEC or ("secondary_tiers" in extra and not extra.get("spec_name")):
         ours, total = _tiering(extra, p)
-        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total, transfer)
-    return ServerConfigFile(p, extra, spec, tp, transfer=transfer)
+        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total, transfer, module)
+    return ServerConfigFile(p, extra, spec, tp, transfer=transfer, spec_module_path=module)

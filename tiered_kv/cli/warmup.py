@@ -1,7 +1,8 @@
 """``tiered-kv warmup``: fill the disk tier offline from a JSONL file of prompts.
 
 Operator's process, with the server stopped (the run holds the cache's writer lock).
-Library: ``tiered_kv.ops.warmup``. Checks the hash settings, the config, the model's identity
+Library: ``tiered_kv.ops.warmup``. Checks the hash settings, the config (a spec whose
+namespace the warm-up writes: ``TieredOffloadingSpec``), the model's identity
 (``model_id`` set; ``--model`` has the weights digest of the config's ``model_path``) and
 the prompts before loading the model, shows a progress bar over prompts (terminals
 only), and ends with a summary table naming the namespace and the identity it records,
@@ -28,7 +29,8 @@ from tiered_kv.model_identity import resolve_model_dir
 from tiered_kv.ops.warmup import DEFAULT_LAYOUT, WarmupReport, chunk_tokens_for, server_settings, warmup
 from tiered_kv.ops.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
 from tiered_kv.ops.warmup.errors import WarmupError
-from tiered_kv.ops.warmup.inputs import check_identity, load_config, read_extra_config, read_prompts, tokenize
+from tiered_kv.ops.warmup.inputs import check_identity, check_server_shape, load_config, read_extra_config
+from tiered_kv.ops.warmup.inputs import read_prompts, tokenize
 from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS
 
 ENGINES = ("hf", "vllm")
@@ -87,6 +89,7 @@ def warmup_cmd(
             raise WarmupError(f"--engine: expected hf or vllm, got {engine!r}")
         if engine == "vllm":
             require_vllm_engine()
+        check_server_shape(config)  # before anything is read or written for a server that would not read it
         cfg = load_config(config)
         if disk_path:
             cfg = dataclasses.replace(cfg, disk_path=disk_path)

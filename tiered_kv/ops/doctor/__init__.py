@@ -37,6 +37,7 @@ from tiered_kv.ops.doctor.hashes import check_hash
 from tiered_kv.ops.doctor.memory import check_memlock, check_memory, check_thp, memlock_limit, memory_limit, thp_setting
 from tiered_kv.ops.doctor.remote import check_remote, s3_answer
 from tiered_kv.ops.doctor.speed import DEFAULT_PROBE_BYTES, check_disk_speed, model_geometry, time_o_direct_read
+from tiered_kv.ops.server_namespace import server_disk
 
 #: The package's API: ``run_doctor`` and each check, with what they measure.
 __all__ = [
@@ -108,9 +109,15 @@ def run_doctor(
     cfg = None
     config_extra = None
     size = tp or 1
+    per_node = False  # disk_bytes per rank (TieredOffloadingSpec) or per node (TieredDiskTier)
     if config_path is not None:
+        fix = "fix the config: the server refuses it"
         try:
             found = read_server_config(config_path)
+            fix = "give the config of a server whose disk tier the tools know (the message says which)"
+            disk_tier = server_disk(found)
+            fix = "fix the config: the server refuses it"
+            per_node = disk_tier.is_secondary_tier
             size = tp or found.tp or 1
             cfg = _validated(found, size)
             config_extra = found.extra_for(size)
@@ -121,14 +128,14 @@ def run_doctor(
             else:
                 tp_said = "TP 1 assumed (the config does not name it; pass --tp N)"
             disk = (
-                f"disk tier {cfg.disk_path} ({format_size(cfg.disk_bytes)} per rank)"
+                f"disk tier {cfg.disk_path} ({format_size(cfg.disk_bytes)} per {disk_tier.disk_bytes_per})"
                 if cfg.disk_path
                 else "no disk tier"
             )
             cpu = f"cpu_bytes {format_size(cfg.cpu_bytes)} per rank"
             if found.cpu_bytes_total is not None:
                 cpu += f" (cpu_bytes_to_use {format_size(found.cpu_bytes_total)} / TP {size})"
-            spec = "vLLM's TieringOffloadingSpec with TieredDiskTier, " if found.spec_name == TIERING_SPEC else ""
+            spec = f"{disk_tier.describe}, " if per_node else ""
             checks.append(
                 Check(
                     "config",
@@ -140,15 +147,15 @@ def run_doctor(
             if found.spec_name != TIERING_SPEC:  # vLLM's tiering runs under vLLM's own connector
                 checks.append(check_connector(found.transfer, cfg))
         except ConfigError as e:
-            checks.append(Check("config", FAIL, str(e), "fix the config: the server refuses it"))
+            checks.append(Check("config", FAIL, str(e), fix))
     checks.append(check_memory(cfg, size, memory_limit()))
     checks.append(check_memlock(cfg, memlock_limit()))
     checks += check_thp(thp_setting("private"), thp_setting("shared"), cfg.disk_io if cfg else None)
     checks.append(check_disk_path(cfg, mountinfo))
-    checks.append(check_free_space(cfg, size))
+    checks.append(check_free_space(cfg, size, per_node=per_node))
     for extra in _more_disk_tiers(cfg):  # disk tiers of the config's ``tiers`` list
         checks.append(check_disk_path(extra, mountinfo))
-        checks.append(check_free_space(extra, size))
+        checks.append(check_free_space(extra, size, per_node=per_node))
     try:
         geometry = model_geometry(cfg, model)
     except ConfigError as e:

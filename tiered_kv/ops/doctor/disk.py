@@ -182,16 +182,26 @@ def free_space(path: str | os.PathLike) -> int:
     return shutil.disk_usage(existing_ancestor(path)).free
 
 
-def check_free_space(cfg: TieredConfig | None, tp: int) -> Check:
+def check_free_space(cfg: TieredConfig | None, tp: int, *, per_node: bool = False) -> Check:
+    """Whether the disk tier fits the free space of its file system: ``disk_bytes`` per
+    rank (``tp`` shards), or once for the node where ``per_node`` (vLLM's
+    ``TieringOffloadingSpec`` with ``TieredDiskTier``: one writer for every rank)."""
     if cfg is None or cfg.disk_path is None:
         return Check("disk_space", OK, "no disk tier: no space needed")
     path = Path(cfg.disk_path).expanduser()
-    need = tp * cfg.disk_bytes
+    writers = 1 if per_node else tp
+    need = writers * cfg.disk_bytes
     free = free_space(path)
     held = _bytes_under(path) if path.is_dir() else 0
-    facts = {"needed_bytes": need, "free_bytes": free, "held_bytes": held, "tp": tp}
-    what = f"TP {tp} x disk_bytes {format_size(cfg.disk_bytes)} = {format_size(need)}"
-    fix = f"lower disk_bytes to at most {format_size(max(0, (free + held) // tp))} per rank, or free space"
+    facts = {"needed_bytes": need, "free_bytes": free, "held_bytes": held, "tp": tp, "per_node": per_node}
+    if per_node:
+        what = f"disk_bytes {format_size(cfg.disk_bytes)} per node (one TieredDiskTier for TP {tp})"
+    else:
+        what = f"TP {tp} x disk_bytes {format_size(cfg.disk_bytes)} = {format_size(need)}"
+    fix = (
+        f"lower disk_bytes to at most {format_size(max(0, (free + held) // writers))} "
+        f"per {'node' if per_node else 'rank'}, or free space"
+    )
     if need <= free:
         return Check("disk_space", OK, f"{what}; {format_size(free)} free", facts=facts)
     if need <= free + held:

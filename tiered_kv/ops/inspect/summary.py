@@ -11,7 +11,10 @@ revision, weights digest of its model directory, hash settings, block size) and,
 where the model directory is known and vLLM imports, the rest of the namespace
 ``TieredOffloadingSpec`` computes (worker-block and KV-group geometry, KV-cache
 layout, model settings: ``ops.warmup.vllm_pages.server_fingerprint``, for the
-namespace's own TP size, GPU block size and dtype). Computing the weights digest
+namespace's own TP size, GPU block size and dtype). Every config also rules out the
+namespaces its spec cannot have written (``server_namespace``: ``TieredDiskTier``
+under vLLM's ``TieringOffloadingSpec`` writes whole CPU-tier rows at TP size 1, our
+spec each rank's pages); a spec the tools cannot compute is refused. Computing the weights digest
 reads a bounded sample of that model directory; the vLLM check reads its
 ``config.json`` and imports vLLM.
 """
@@ -29,7 +32,8 @@ from tiered_kv.config import ConfigError
 from tiered_kv.disk.worker.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import Namespace, current_holder
 from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
-from tiered_kv.model_identity import pinned_fields, read_config_file, resolve_model_dir, unread_fields
+from tiered_kv.model_identity import pinned_fields, resolve_model_dir, unread_fields
+from tiered_kv.ops.server_namespace import ServerDisk, server_disk
 
 
 def io_backend_info(ns: Namespace) -> dict[str, Any]:
@@ -192,35 +196,42 @@ VLLM_FIELDS = ("block_size", "layer_geometry", "kv_layout", "model_revision", "h
 @dataclass
 class ServerConfig:
     """A vLLM server's config file, the fingerprint fields it pins (``pinned_fields``),
-    and what computing the rest of its namespace needs: the raw extra config and the
-    model directory (vLLM's ``--model``, else the config's ``model_path``; None: not
-    known here)."""
+    and what computing the rest of its namespace needs: the raw extra config, the model
+    directory (vLLM's ``--model``, else the config's ``model_path``; None: not known
+    here) and the spec that writes its disk tier (``server_namespace``)."""
 
     path: str
     pinned: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
     model_dir: str | None = None
+    disk: ServerDisk | None = None
     _expected: dict[tuple, dict[str, Any] | str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, path: str, model: str | None = None) -> "ServerConfig":
         """Read ``path`` (vLLM's ``--kv-transfer-config`` JSON or its extra config);
         ``model``: the server's ``--model`` where the config sets no model_id or
-        model_path. Raises ``InspectError`` naming the file and the problem."""
+        model_path. Raises ``InspectError`` naming the file and the problem, or a spec
+        whose namespace cannot be computed here (``server_namespace.server_disk``)."""
         try:
-            extra = read_config_file(path)
+            disk = server_disk(path)
+            extra = disk.extra_for()
             pinned = pinned_fields(extra, model=model)
         except ConfigError as e:
             raise InspectError(f"--config {path}: {e}") from None
         found = resolve_model_dir(model) if model is not None else None
         where = str(found) if found is not None else extra.get("model_path")
-        return cls(str(path), pinned, dict(extra), None if where is None else str(where))
+        return cls(str(path), pinned, dict(extra), None if where is None else str(where), disk)
 
     def vllm_fingerprint(self, fingerprint: dict[str, Any]) -> dict[str, Any] | str:
         """The fingerprint ``TieredOffloadingSpec`` computes in a vLLM server with this
         config, started with the namespace's TP size, GPU block size, dtype and KV-cache
         layout (``vllm serve`` flags, not config keys), as a record; or why it cannot be
         computed here (no model directory, no vLLM, a model the warm-up cannot match)."""
+        if self.disk is not None and self.disk.is_secondary_tier:
+            # The tier's rows are sized by vLLM's CPU tier (all ranks' shards, padding,
+            # replicated or not), which no offline computation here reproduces.
+            return f"the row geometry of {self.disk.describe} is not computed here, its layout and TP size were"
         if self.model_dir is None:
             return "vLLM's geometry not checked: give --model (the server's model directory)"
         layout = next(
@@ -235,7 +246,8 @@ class ServerConfig:
         """Why a vLLM server with this config would not read a namespace of
         ``fingerprint`` (empty: it would). The pinned fields always; the geometry,
         layout and model settings vLLM derives where ``vllm_fingerprint`` computes."""
-        out = unread_fields(fingerprint, self.pinned)
+        out = self.disk.shape_differences(fingerprint) if self.disk is not None else []
+        out += unread_fields(fingerprint, self.pinned)
         expected = self.vllm_fingerprint(fingerprint)
         if isinstance(expected, dict):
             for key in VLLM_FIELDS:

@@ -19,6 +19,7 @@ from typing import Any
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
 from tiered_kv.model_identity import read_config_file, weights_digest
 from tiered_kv.ops.warmup.errors import WarmupError
+from tiered_kv.ops.server_namespace import server_disk
 
 
 def read_extra_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -29,6 +30,25 @@ def read_extra_config(path: str | os.PathLike) -> dict[str, Any]:
         return read_config_file(path)
     except ConfigError as e:
         raise WarmupError(str(e)) from None
+
+
+def check_server_shape(path: str | os.PathLike) -> None:
+    """Refuse a config whose server reads a namespace the warm-up does not write: a
+    spec the tools cannot compute (``server_namespace``), or vLLM's
+    ``TieringOffloadingSpec`` with ``TieredDiskTier``, whose blocks are whole CPU-tier
+    rows laid out by vLLM's CPU tier (every TP rank's shard and the row's padding) in a
+    namespace of their own. Raises ``WarmupError`` naming the file."""
+    try:
+        disk = server_disk(path)
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
+    if disk.is_secondary_tier:
+        raise WarmupError(
+            f"config {path}: {disk.describe}: not supported by the warm-up, which writes "
+            "TieredOffloadingSpec's namespace; that tier reads whole CPU-tier rows in a namespace of its own. "
+            "Warm that server by sending it the prompts, or serve with TieredOffloadingSpec "
+            "(configs/llama-3.1-8b-1xh100.json)"
+        )
 
 
 def load_config(path: str | os.PathLike) -> TieredConfig:
