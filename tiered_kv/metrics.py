@@ -20,9 +20,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TRANSFER_TYPES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "disk_to_gpu", "gpu_to_disk")
-#: The transfer types into and out of GPU memory: vLLM's "load" and "store".
-GPU_LOADS = ("cpu_to_gpu", "disk_to_gpu")
-GPU_STORES = ("gpu_to_cpu", "gpu_to_disk")
+
+
+def gpu_direction(transfer_type: str) -> str | None:
+    """vLLM's "load" for a transfer into GPU memory (``<tier>_to_gpu``: transfer types
+    are named by tier, so every tier's loads count), "store" for one out of it."""
+    return "load" if transfer_type.endswith("_to_gpu") else "store" if transfer_type.startswith("gpu_to_") else None
+
+
 TIERS = ("cpu", "disk")
 TIER_COUNTERS = (
     "lookups",
@@ -458,7 +463,8 @@ class PrometheusMetrics:
         for name, labels, value in written_per_read_gauges(stats):
             self.metrics[name].labels(*labels).set(value)
         transfers = snap["transfers"]
-        for direction, types in (("load", GPU_LOADS), ("store", GPU_STORES)):
+        for direction in ("load", "store"):
+            types = [t for t in transfers if gpu_direction(t) == direction]
             self._advance(self.gpu_bytes[direction], (), sum(transfers[t]["bytes"] for t in types))
             self._advance(self.gpu_time[direction], (), sum(transfers[t]["seconds"] for t in types))
         for name, t in transfers.items():

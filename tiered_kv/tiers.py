@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from tiered_kv.abstract import BlockHash, Closing, LowerTier
 from tiered_kv.config_values import ConfigError
+from tiered_kv.cost import PRIOR_GBPS
 from tiered_kv.tier_registry import TierEntry
 
 if TYPE_CHECKING:
@@ -180,6 +181,9 @@ class TierSpec(Closing, ABC):
     #: Whether its blocks are a fleet's rather than this node's: a cache reset leaves
     #: them, their removal is never announced, and engines report its hits as external.
     shared: ClassVar[bool] = False
+    #: Load GB/s the load decision assumes before its first sample (``tiered_kv.cost``):
+    #: by the tier's type, whatever its medium is named; a network's by default.
+    prior_gbps: ClassVar[float] = PRIOR_GBPS["REMOTE"]
 
     def __init__(self, settings: Any, ctx: TierContext, name: str | None = None, medium: str | None = None):
         self.settings = settings

@@ -579,3 +579,24 @@ def test_tiered_kv_config_prints_the_prefill_estimate_its_formula_and_break_even
     given = CliRunner().invoke(app, [*base, "--prefill-tokens-per-s", "20000", "--json"])
     assert given.exit_code == 0, given.output
     assert json.loads(given.stdout)["kv_connector_extra_config"]["prefill_tokens_per_s"] == 20000
+
+
+def test_each_tier_is_seeded_with_its_own_types_prior_whatever_its_medium_is_named(tmp_path):
+    """A second disk tier (medium ``DISK2``) starts from the disk's prior, not from the
+    fallback for a medium the cost model does not know."""
+    from tiered_kv.cost import PRIOR_GBPS
+    from tiered_kv.sim.driver import DeviceKVCache
+    from tiered_kv.tiered.spec import HierarchySpec
+
+    layout = DeviceKVCache(2, 8, 16, 2, 16, device="cpu").layout
+    disk = {"path": str(tmp_path / "disk2"), "bytes": f"{64 * 4096}B", "name": "disk2", "medium": "DISK2"}
+    config = {"cpu_bytes": f"{4 * layout.bytes_per_block}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}
+    spec = HierarchySpec({**config, "model_id": "priors", "tiers": [{"type": "disk", **disk}]}, 16, layout)
+    manager = spec.get_manager()
+    try:
+        assert manager.costs is not None
+        assert [t.name for t in manager.lower] == ["disk", "disk2"]
+        assert manager.costs.tiers["disk2"].prior[0] == manager.costs.tiers["disk"].prior[0] == PRIOR_GBPS["DISK"]
+        assert PRIOR_GBPS["DISK"] != PRIOR_GBPS["REMOTE"]  # the fallback the second tier got before
+    finally:
+        manager.shutdown()

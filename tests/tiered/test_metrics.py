@@ -62,14 +62,16 @@ def test_vllms_flat_load_and_store_metrics_sum_the_transfers_into_and_out_of_gpu
         ("gpu_to_disk", 2, 0.0625),
         ("cpu_to_disk", 999, 9.0),
         ("disk_to_cpu", 7, 1.0),
+        ("remote_to_gpu", 1000, 2.0),  # every tier's loads, by the tier's name
+        ("remote_to_cpu", 5000, 3.0),
     ):
         stats.record_transfer(kind, nbytes, seconds)
     metrics = PrometheusMetrics()
     metrics.update(stats)
     text = generate_latest(metrics.registry).decode()
     for line in (
-        "vllm:kv_offload_load_bytes_total 150.0",
-        "vllm:kv_offload_load_time_total 0.75",
+        "vllm:kv_offload_load_bytes_total 1150.0",
+        "vllm:kv_offload_load_time_total 2.75",
         "vllm:kv_offload_store_bytes_total 32.0",
         "vllm:kv_offload_store_time_total 0.1875",
     ):

@@ -227,6 +227,7 @@ class FileTier(TierSpec):
 
     default_name = "files"
     medium = FILE
+    prior_gbps = 3.5  # read by the load decision: the tier states its own
 
     @classmethod
     def parse_settings(cls, raw: Mapping[str, Any], key_prefix: str) -> dict:
@@ -341,6 +342,7 @@ def test_a_tier_written_outside_the_package_serves_vllm_byte_exact(model_dir, tm
         scheduler_spec, worker_spec = (s for _, s in built)
         assert [type(t) for t in scheduler_spec.lower_tiers] == [FileTier] == [type(t) for t in worker_spec.lower_tiers]
         assert isinstance(h.manager.composite.lower[0], FileTierManager)
+        assert h.manager.costs is not None and h.manager.costs.tiers["files"].prior[0] == FileTier.prior_gbps
 
         first, second = _prompt(1, 6 * BLOCK + 3), _prompt(2, 6 * BLOCK + 3)
         for prompt in (first, second):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tiered_kv.config_values import ConfigError, parse_choice, parse_disk_path, parse_size
+from tiered_kv.cost import PRIOR_GBPS
 from tiered_kv.mediums import DISK
 from tiered_kv.tiers import HitCheck, TierSpec
 
@@ -56,6 +57,7 @@ class DiskTier(TierSpec):
 
     default_name = "disk"
     medium = DISK
+    prior_gbps = PRIOR_GBPS[DISK]  # a second disk tier's too, though its medium is its own
     settings: DiskTierSettings
 
     @classmethod

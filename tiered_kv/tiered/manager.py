@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from itertools import islice
 
@@ -109,6 +109,7 @@ class TieredOffloadingManager(OffloadingManager):
         prefill_configured: bool = False,
         bytes_per_block: int | None = None,
         admit_after: int | Sequence[int] = 1,
+        priors: Mapping[str, float] | None = None,
     ):
         tiers = [] if lower is None else [lower] if not isinstance(lower, Sequence) else list(lower)
         policies = [write_policy] * len(tiers) if isinstance(write_policy, str) else list(write_policy)
@@ -156,6 +157,7 @@ class TieredOffloadingManager(OffloadingManager):
                     tokens_per_block=cpu.block_size,
                     prefill_tokens_per_s=prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
                     prefill_configured=prefill_configured,
+                    priors=priors,
                 )
         if costs is not None:
             costs.enabled = cost_aware

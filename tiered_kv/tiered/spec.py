@@ -154,6 +154,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             prefill_configured=prefill.configured,
             bytes_per_block=self._known_layout().bytes_per_block,
             admit_after=[admit_after(self.config.write_admission, t.name) for t in self.lower_tiers],
+            priors={t.name: t.prior_gbps for t in self.lower_tiers},
         )
         if composite.costs is not None:
             # Where the workers run in this process (the demo, the simulator, a library
