@@ -221,8 +221,9 @@ def test_unreachable_endpoint_is_one_error_line_naming_it():
     result = _stats("--url", url)
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: {url} could not be read") and result.stderr.count("\n") == 1
-    result = _stats("--url", f"127.0.0.1:{port}")
-    assert result.exit_code == 2 and "expected an http:// or https:// URL" in result.stderr
+    result = _stats("--url", f"127.0.0.1:{port}/metrics")  # no scheme: read as http://
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {url} could not be read: ")
+    assert "Connection refused" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_an_endpoint_without_tiered_kv_metrics_is_refused():

@@ -1,7 +1,9 @@
 """``tiered-kv stats``: the per-tier view of a running server's Prometheus endpoint.
 
-Operator's process. I/O: one HTTP GET of ``--url`` per refresh
-(``tiered_kv.ops.metrics_view``); prints tables, or the JSON envelope with ``--json``.
+Operator's process. I/O: one HTTP GET of ``--url`` per refresh, bounded by ``--timeout``
+in all and by ``--max-bytes`` (``tiered_kv.ops.metrics_view``); prints tables, or the
+JSON envelope with ``--json``. Whatever the endpoint names (tiers, transfer types, the
+URL) is printed as text, never read as Rich markup.
 With ``--watch SECONDS`` it reads and prints again every SECONDS until interrupted
 (one JSON document per line with ``--json``), adding the tiers' counts between the last
 two reads (``interval``).
@@ -14,11 +16,16 @@ import time
 from typing import Any, Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from tiered_kv.cli import app
-from tiered_kv.cli.output import envelope, errors, fail, iso_time
+from tiered_kv.cli.output import envelope, errors, fail, iso_time, table_console
+from tiered_kv.ops.endpoint_get import EndpointError, endpoint_url, printable
+
+#: ``--max-bytes`` unless given: far above any endpoint's metrics, far below a memory problem.
+DEFAULT_MAX_BYTES = "64MiB"
 
 
 def _bytes(n: float) -> str:
@@ -45,12 +52,18 @@ def _latency(lat: dict[str, Any]) -> str:
     return f"{_seconds(lat['p50_seconds'])} / {_seconds(lat['p99_seconds'])}"
 
 
+def _text(s: str) -> Text:
+    """What the endpoint named, as it is written: never Rich markup, never terminal
+    control."""
+    return Text(printable(s))
+
+
 def render(view: dict[str, Any], url: str) -> Group:
     """The view as tables: tiers, transfers, shared tier."""
-    tiers = Table(title=f"tiers at {url}", title_justify="left")
+    tiers = Table(title=_text(f"tiers at {url}"), title_justify="left")
     tiers.add_column("")
     for t in view["tiers"]:
-        tiers.add_column(t["tier"], justify="right")
+        tiers.add_column(_text(t["tier"]), justify="right")
     rows = {
         "hit rate (tokens)": lambda t: _pct(t["hit_rate_tokens"]),
         "hits / lookups (tokens)": lambda t: f"{t['hits_tokens']} / {t['lookups_tokens']}",
@@ -93,7 +106,11 @@ def render(view: dict[str, Any], url: str) -> Group:
             moved.add_column(col, justify="left" if col == "type" else "right")
         for t in view["transfers"]:
             moved.add_row(
-                t["transfer_type"], _bytes(t["bytes"]), str(t["jobs_ok"]), str(t["jobs_failed"]), _latency(t["latency"])
+                _text(t["transfer_type"]),
+                _bytes(t["bytes"]),
+                str(t["jobs_ok"]),
+                str(t["jobs_failed"]),
+                _latency(t["latency"]),
             )
         parts.append(moved)
     remote = view["remote"]
@@ -102,13 +119,13 @@ def render(view: dict[str, Any], url: str) -> Group:
         shared.add_column("what")
         shared.add_column("value")
         for what in ("uploads", "downloads", "probes", "rejected"):
-            shared.add_row(what, ", ".join(f"{k} {v}" for k, v in sorted(remote[what].items())) or "-")
-        shared.add_row("bytes", ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(remote["bytes"].items())) or "-")
+            shared.add_row(what, _text(", ".join(f"{k} {v}" for k, v in sorted(remote[what].items())) or "-"))
+        shared.add_row("bytes", _text(", ".join(f"{k} {_bytes(v)}" for k, v in sorted(remote["bytes"].items())) or "-"))
         shared.add_row("unavailable periods", str(remote["unavailable_periods"]))
         shared.add_row("bad objects deleted", str(remote["damaged_deleted"]))
         shared.add_row("objects kept, not ours to judge", str(remote["kept_unproven"]))
         for op, lat in remote["request_latency"].items():
-            shared.add_row(f"{op} latency p50 / p99", f"{_latency(lat)} ({lat['count']} requests)")
+            shared.add_row(_text(f"{op} latency p50 / p99"), f"{_latency(lat)} ({lat['count']} requests)")
         parts.append(shared)
     return Group(*parts)
 
@@ -116,13 +133,24 @@ def render(view: dict[str, Any], url: str) -> Group:
 @app.command("stats")
 def stats(
     url: str = typer.Option(
-        ..., "--url", metavar="URL", help="The Prometheus endpoint, e.g. http://localhost:8000/metrics."
+        ...,
+        "--url",
+        metavar="URL",
+        help="The Prometheus endpoint: HOST:PORT/PATH (read as http://), http://... or https://..., "
+        "e.g. localhost:8000/metrics.",
     ),
     watch: Optional[float] = typer.Option(
         None, "--watch", metavar="SECONDS", min=0.1, help="Read and print again every SECONDS until interrupted."
     ),
     timeout: float = typer.Option(
-        10.0, "--timeout", metavar="SECONDS", min=0.1, help="Give up on a read after this long."
+        10.0,
+        "--timeout",
+        metavar="SECONDS",
+        min=0.1,
+        help="Give up on a read after this long in all: connect, headers and body.",
+    ),
+    max_bytes: str = typer.Option(
+        DEFAULT_MAX_BYTES, "--max-bytes", metavar="SIZE", help="Refuse a body larger than this, e.g. 64MiB."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of tables."),
 ) -> None:
@@ -130,15 +158,20 @@ def stats(
     failures.
 
     Counts are totals since the server started (with --watch, the hit rate over the last
-    refresh too); latencies are p50 / p99 estimated from the histograms' buckets. Under vLLM the endpoint carries what the scheduler process
-    counts (transfer latencies and worker-side uploads stay in the workers)."""
-    from tiered_kv.ops.metrics_view import EndpointError, scrape, since, summarize
+    refresh too); latencies are p50 / p99 estimated from the histograms' buckets. Under vLLM
+    the endpoint carries the scheduler's counts and, with TieredOffloadingConnector, each
+    worker's transfer jobs and timings and its shared-tier uploads and downloads (vLLM sums
+    them over ranks); with vLLM's OffloadingConnector those stay in the workers."""
+    from tiered_kv.config_values import parse_size
+    from tiered_kv.ops.metrics_view import scrape, since, summarize
 
-    console = Console()
+    console = table_console()
+    with errors(json_out, (EndpointError,)):
+        url, limit = endpoint_url(url), parse_size(max_bytes, "--max-bytes", "MiB")
     previous = None
     while True:
         with errors(json_out, (EndpointError,)):
-            samples, at = scrape(url, timeout), time.monotonic()
+            samples, at = scrape(url, timeout, limit), time.monotonic()
             view = summarize(samples)
             if previous is not None:
                 view["interval"] = {

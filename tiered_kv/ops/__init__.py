@@ -7,7 +7,8 @@
   a server's hash settings match the cache's);
 - ``doctor``: the host checks of ``tiered-kv doctor``;
 - ``presets``: model geometries for ``tiered-kv config --preset``;
-- ``metrics_view``: the per-tier view of a Prometheus endpoint (``tiered-kv stats``).
+- ``metrics_view``: the per-tier view of a Prometheus endpoint (``tiered-kv stats``);
+  ``endpoint_get``: its GET, bounded in time and size.
 
 Run in the operator's process (the CLI), except ``hashing``, which the vLLM adapter also
 uses at start-up. I/O: the inspector and warm-up read and write cache directories and

@@ -2,8 +2,9 @@
 (``tiered-kv stats``): a vLLM server with the tiered connector, or a process that
 serves ``tiered_kv.metrics.PrometheusMetrics``.
 
-Operator's process. I/O: one HTTP GET of the endpoint per ``scrape``; the rest is
-arithmetic on the samples. Series that differ only in labels the view does not use
+Operator's process. I/O: one HTTP GET of the endpoint per ``scrape``, bounded in time
+and size (``tiered_kv.ops.endpoint_get``); the rest is arithmetic on the samples, which
+``check`` first proves fit for it (finite counts, buckets that never decrease). Series that differ only in labels the view does not use
 (vLLM's ``engine`` and ``model_name``) are summed. Quantiles are estimated from the
 histograms' buckets as PromQL's ``histogram_quantile`` does (linear within a bucket),
 over everything the endpoint counted since it started.
@@ -12,8 +13,6 @@ over everything the endpoint counted since it started.
 from __future__ import annotations
 
 import math
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,6 +38,7 @@ from tiered_kv.metrics import (
     TRANSFER_SECONDS,
     VERIFICATION_SECONDS,
 )
+from tiered_kv.ops.endpoint_get import DEFAULT_MAX_BYTES, EndpointError, get, shorten
 
 #: Sample name -> [(labels, value)].
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -51,25 +51,13 @@ FAILURE_EVENTS = ("failed_loads", "failed_stores", "checksum_failures")
 _TRANSFER_BYTES = "vllm:kv_offload_total_bytes_total"
 
 
-class EndpointError(RuntimeError):
-    """The endpoint could not be read, or did not answer in Prometheus' text format."""
-
-
-def scrape(url: str, timeout: float = 10.0) -> Samples:
-    """GET ``url`` and parse it. Raises ``EndpointError`` naming the URL."""
-    if not url.startswith(("http://", "https://")):
-        raise EndpointError(f"--url {url!r}: expected an http:// or https:// URL, e.g. http://localhost:8000/metrics")
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            text = response.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        raise EndpointError(f"{url} answered HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
-            reason = f"timed out after {timeout:g}s"
-        raise EndpointError(f"{url} could not be read: {reason}") from None
-    return parse(text, url)
+def scrape(url: str, timeout: float = 10.0, max_bytes: int = DEFAULT_MAX_BYTES) -> Samples:
+    """GET ``url`` (``endpoint_url``'s form), within ``timeout`` seconds in all and at
+    most ``max_bytes`` long, parse it and ``check`` it. Raises ``EndpointError`` naming
+    the URL."""
+    samples = parse(get(url, timeout, max_bytes).decode("utf-8", "replace"), url)
+    check(samples, url)
+    return samples
 
 
 def parse(text: str, where: str = "the endpoint") -> Samples:
@@ -79,12 +67,70 @@ def parse(text: str, where: str = "the endpoint") -> Samples:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 samples[s.name].append((dict(s.labels), float(s.value)))
-    except ValueError as exc:
-        raise EndpointError(f"{where} did not answer in Prometheus' text format ({exc})") from None
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise EndpointError(f"{where} did not answer in Prometheus' text format ({shorten(exc)})") from None
     return dict(samples)
 
 
 _CUMULATIVE = ("_total", "_bucket", "_count", "_sum")
+#: Where the counters the view reads start.
+_VIEWED = ("tiered_kv_", "vllm:kv_offload_")
+#: The gauges and histograms the view reads.
+_VIEWED_GAUGES = (TIER_LOAD_GBPS, PREFILL_TOKENS_PER_S, TIER_USED_BLOCKS)
+_VIEWED_HISTOGRAMS = (TRANSFER_SECONDS, VERIFICATION_SECONDS, REMOTE_REQUEST_SECONDS)
+
+
+def _series(name: str, labels: Mapping[str, str]) -> str:
+    shown = ",".join(f'{k}="{shorten(v, 60)}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{shown}}}" if shown else name
+
+
+def _number(v: float) -> str:
+    return "NaN" if math.isnan(v) else ("+Inf" if v == math.inf else ("-Inf" if v == -math.inf else f"{v:g}"))
+
+
+def check(samples: Samples, where: str = "the endpoint") -> None:
+    """Raises ``EndpointError`` naming the series and what was expected where a series the
+    view reads would be misread: a counter or histogram count that is not a finite number
+    >= 0, a gauge that is not finite, a bucket whose ``le`` is not a number, or a
+    histogram whose bucket counts decrease as ``le`` grows. Other series are not read,
+    so not judged."""
+    histograms = {f"{h}{suffix}" for h in _VIEWED_HISTOGRAMS for suffix in ("_bucket", "_count")}
+    for name, series in samples.items():
+        counted = name in histograms or (name.endswith("_total") and name.startswith(_VIEWED))
+        if not counted and name not in _VIEWED_GAUGES:
+            continue
+        for labels, v in series:
+            if not math.isfinite(v) or (counted and v < 0):
+                expected = "a finite count >= 0" if counted else "a finite number"
+                raise EndpointError(f"{where}: {_series(name, labels)} is {_number(v)}; expected {expected}")
+        if name.endswith("_bucket"):
+            _check_buckets(name, series, where)
+
+
+def _check_buckets(name: str, series: list[tuple[dict[str, str], float]], where: str) -> None:
+    histograms: dict[tuple[tuple[str, str], ...], list[tuple[float, str, float]]] = defaultdict(list)
+    for labels, count in series:
+        le = labels.get("le", "")
+        try:
+            bound = float(le)
+        except ValueError:
+            bound = math.nan
+        if math.isnan(bound):
+            raise EndpointError(
+                f'{where}: {_series(name, labels)} has le="{shorten(le, 60)}"; expected a bucket bound such '
+                "as 0.1 or +Inf"
+            )
+        histograms[tuple(sorted((k, v) for k, v in labels.items() if k != "le"))].append((bound, le, count))
+    for rest, buckets in histograms.items():
+        buckets.sort()
+        for (_, low_le, low), (_, high_le, high) in zip(buckets, buckets[1:]):
+            if high < low:
+                raise EndpointError(
+                    f"{where}: histogram {_series(name, dict(rest))} counts {_number(low)} at "
+                    f'le="{shorten(low_le, 60)}" but {_number(high)} at le="{shorten(high_le, 60)}"; '
+                    "expected bucket counts that never decrease as le grows"
+                )
 
 
 def since(now: Samples, before: Samples) -> Samples:
