@@ -34,44 +34,42 @@ The handlers that move blocks between KV tensors and the disk are in
 the scheduler's read-back check before a hit (under vLLM) in ``scheduler.hit_check``.
 """
 
-from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.disk.worker.io_backends import (
-    BackendUnavailableError,
-    IOBackend,
-    KvikIOBackend,
-    PosixBackend,
-    aligned_empty,
-    select_backend,
-)
-from tiered_kv.disk.scheduler.log_fold import RefreshResult
-from tiered_kv.disk.scheduler.manager import DiskManagerStats, DiskOffloadingManager
-from tiered_kv.disk.format.namespace import (
-    CacheLockedError,
-    FingerprintMismatchError,
-    Namespace,
-    NamespaceError,
-    list_namespaces,
-    slot_size_for,
-)
-from tiered_kv.disk.worker.store import DiskStore, DiskStoreStats
+from __future__ import annotations
 
-__all__ = [
-    "BackendUnavailableError",
-    "CacheLockedError",
-    "DiskManagerStats",
-    "DiskOffloadingManager",
-    "DiskStore",
-    "DiskStoreStats",
-    "Fingerprint",
-    "FingerprintMismatchError",
-    "IOBackend",
-    "KvikIOBackend",
-    "Namespace",
-    "NamespaceError",
-    "PosixBackend",
-    "RefreshResult",
-    "aligned_empty",
-    "list_namespaces",
-    "select_backend",
-    "slot_size_for",
-]
+import importlib
+from typing import Any
+
+#: The package's names and the module each comes from, imported on first use: importing
+#: one sub-module (a worker's store, the inspector's format readers) does not pull in the
+#: others (the manager, KvikIO's backend).
+_EXPORTS = {
+    "Fingerprint": "tiered_kv.fingerprint",
+    "BackendUnavailableError": "tiered_kv.disk.worker.io_backends",
+    "IOBackend": "tiered_kv.disk.worker.io_backends",
+    "KvikIOBackend": "tiered_kv.disk.worker.io_backends",
+    "PosixBackend": "tiered_kv.disk.worker.io_backends",
+    "aligned_empty": "tiered_kv.disk.worker.io_backends",
+    "select_backend": "tiered_kv.disk.worker.io_backends",
+    "RefreshResult": "tiered_kv.disk.scheduler.log_fold",
+    "DiskManagerStats": "tiered_kv.disk.scheduler.manager",
+    "DiskOffloadingManager": "tiered_kv.disk.scheduler.manager",
+    "CacheLockedError": "tiered_kv.disk.format.namespace",
+    "FingerprintMismatchError": "tiered_kv.disk.format.namespace",
+    "Namespace": "tiered_kv.disk.format.namespace",
+    "NamespaceError": "tiered_kv.disk.format.namespace",
+    "list_namespaces": "tiered_kv.disk.format.namespace",
+    "slot_size_for": "tiered_kv.disk.format.namespace",
+    "DiskStore": "tiered_kv.disk.worker.store",
+    "DiskStoreStats": "tiered_kv.disk.worker.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
