@@ -92,6 +92,12 @@ REMOTE_DAMAGED_DELETED = "tiered_kv_remote_damaged_deleted"
 REMOTE_KEPT_UNPROVEN = "tiered_kv_remote_kept_unproven"
 REMOTE_CONDITIONAL_REFUSED = "tiered_kv_remote_conditional_put_refused"
 REMOTE_UNCONDITIONAL_PUTS = "tiered_kv_remote_unconditional_puts"
+TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
+PENDING_WRITES = "tiered_kv_tier_pending_writes"
+PENDING_WRITES_LIMIT = "tiered_kv_tier_pending_writes_limit"
+WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
+#: The kinds of ``WORKER_JOB_FAILURES``.
+JOB_FAILURE_KINDS = ("store", "promotion")
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,22 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         ("tier", "event"),
     ),
     MetricDef(TIER_USED_BLOCKS, "gauge", "Blocks held per tier", ("tier",)),
+    MetricDef(TIER_CAPACITY_BLOCKS, "gauge", "Block slots per tier", ("tier",)),
+    MetricDef(
+        PENDING_WRITES, "gauge", "Blocks queued for a write into a lower tier whose outcome is not known yet", ("tier",)
+    ),
+    MetricDef(
+        PENDING_WRITES_LIMIT,
+        "gauge",
+        "Most blocks a lower tier may have queued for writing (max_pending_disk_writes); past it stores are refused",
+        ("tier",),
+    ),
+    MetricDef(
+        WORKER_JOB_FAILURES,
+        "counter",
+        "Store and promotion jobs that failed in a worker; kind: " + ", ".join(JOB_FAILURE_KINDS),
+        ("kind",),
+    ),
     MetricDef(TIER_LOAD_GBPS, "gauge", "Estimated load bandwidth into the GPU per tier, GB/s", ("tier",)),
     MetricDef(TIER_LOAD_LATENCY, "gauge", "Estimated per-job load latency per tier, seconds", ("tier",)),
     MetricDef(TIER_WRITTEN_PER_READ, "gauge", "Bytes written into a tier per byte read from it", ("tier",)),
@@ -250,6 +272,46 @@ def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
     out.append((PREFILL_TOKENS_PER_S, ("used",), costs["prefill_tokens_per_s"]))
     if costs.get("prefill_measured"):
         out.append((PREFILL_TOKENS_PER_S, ("measured",), costs["prefill_measured"]["tokens_per_s"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Per tier: blocks held (``used``) and block slots (``capacity``); per lower tier:
+    blocks queued for writing into it (``pending_writes``) and the most it may queue
+    (``pending_writes_limit``: past it, stores are refused)."""
+
+    used: Mapping[str, int]
+    capacity: Mapping[str, int]
+    pending_writes: Mapping[str, int]
+    pending_writes_limit: Mapping[str, int]
+
+
+def hierarchy_occupancy(manager: Any) -> Occupancy:
+    """The occupancy of a ``tiered_kv.tiered.manager.TieredOffloadingManager`` (its CPU
+    tier and its lower tiers). Pending writes are read, not refreshed: at most a
+    flusher poll old."""
+    lower = manager.lower
+    return Occupancy(
+        used=manager.used_blocks(),
+        capacity={"cpu": manager.cpu.num_slots, **{t.name: t.capacity for t in lower}},
+        pending_writes={t.name: t.num_pending() for t in lower},
+        pending_writes_limit={t.name: manager.max_pending_writes for t in lower},
+    )
+
+
+def occupancy_gauges(occupancy: Occupancy | None) -> list[CounterValue]:
+    """The gauges of ``occupancy`` (None: none)."""
+    if occupancy is None:
+        return []
+    out: list[CounterValue] = []
+    for name, values in (
+        (TIER_USED_BLOCKS, occupancy.used),
+        (TIER_CAPACITY_BLOCKS, occupancy.capacity),
+        (PENDING_WRITES, occupancy.pending_writes),
+        (PENDING_WRITES_LIMIT, occupancy.pending_writes_limit),
+    ):
+        out += [(name, (tier,), n) for tier, n in values.items()]
     return out
 
 
@@ -434,6 +496,9 @@ class PrometheusMetrics:
         for d in PROJECT_METRICS:
             extra = {"buckets": d.buckets} if d.buckets is not None else {}
             self.metrics[d.name] = kinds[d.kind](d.name, d.documentation, d.labelnames, registry=r, **extra)
+        # Every kind from the start: an alert on their increase sees a series before the first failure.
+        for kind in JOB_FAILURE_KINDS:
+            self.metrics[WORKER_JOB_FAILURES].labels(kind)
         self._last: dict[tuple, float] = {}
 
     def _advance(self, counter: Counter, labels: tuple, value: float) -> None:
@@ -451,13 +516,21 @@ class PrometheusMetrics:
         remote: Sequence[Any] = (),
         latencies: Iterable[Latencies] = (),
         costs: Mapping | None = None,
+        occupancy: Occupancy | None = None,
+        job_failures: Mapping[str, float] | None = None,
     ) -> None:
         """Export ``stats``, the tiers' ``used_blocks``, the summed counters of the
         shared-tier stores' ``remote`` stats (``RemoteStore.stats()``, e.g. the
         scheduler's and a worker's), the load estimates of ``costs`` (a
-        ``LoadCosts.snapshot()``), and drain ``stats.latencies`` and ``latencies``
-        (e.g. a store's ``RemoteStore.latencies``)."""
+        ``LoadCosts.snapshot()``), the tiers' ``occupancy`` (e.g.
+        ``hierarchy_occupancy(manager)``, which includes ``used_blocks``), the failed
+        worker jobs per kind of ``job_failures`` (totals since the start), and drain
+        ``stats.latencies`` and ``latencies`` (e.g. a store's ``RemoteStore.latencies``)."""
         snap = stats.as_dict()
+        for name, labels, value in occupancy_gauges(occupancy):
+            self.metrics[name].labels(*labels).set(value)
+        for kind, n in (job_failures or {}).items():
+            self._advance(self.metrics[WORKER_JOB_FAILURES], (kind,), n)
         for name, labels, value in cost_gauges(costs):
             self.metrics[name].labels(*labels).set(value)
         for name, labels, value in written_per_read_gauges(stats):

@@ -6,13 +6,13 @@ checked against the names the project exports."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
+from support.promql import promql_metric_names
 from support.s3_server import FaultProxy, missing_reason
 
 from tiered_kv.fingerprint import Fingerprint
@@ -206,34 +206,7 @@ def test_shared_tier_counters_and_request_latencies_are_exported(rgw_server, rem
 
 # ---------------------------------------------------------------- the dashboard
 
-_PROMQL_WORDS = {
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
-    "and",
-    "or",
-    "unless",
-    "bool",
-    "offset",
-}
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-
-
-def promql_metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads (not its functions, label names,
-    label values or ranges)."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    expr = re.sub(r"\{[^}]*\}", "", expr)
-    expr = re.sub(r"\[[^\]]*\]", "", expr)
-    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    names = set()
-    for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", expr):
-        if m.group() not in _PROMQL_WORDS and not expr[m.end() :].lstrip().startswith("("):
-            names.add(m.group())
-    return names
 
 
 def exported_names() -> set[str]:

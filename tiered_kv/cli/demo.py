@@ -5,11 +5,14 @@ with every loaded block verified.
 Runs scheduler and worker roles in this one process; allocates the device KV cache
 and the CPU tier in memory and, with ``--cache-dir``, opens (or creates) the disk
 tier there, so a second run finds the first run's blocks on disk. Exits 1 if any
-loaded block differed from what was stored.
+loaded block differed from what was stored. With ``--metrics-port`` it serves the
+hierarchy's Prometheus metrics while it runs (``tiered_kv.cli.demo_metrics``), and
+``--hold`` keeps serving after the replay.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -19,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiered_kv.cli import app
+from tiered_kv.cli.demo_metrics import DemoEndpoint
 from tiered_kv.cli.output import emit_json, errors
 from tiered_kv.config import format_size, parse_size
 from tiered_kv.metrics import TRANSFER_TYPES
@@ -28,6 +32,14 @@ from tiered_kv.sim.workloads import default_workload
 
 GPU_BLOCK_SIZE = 16  # tokens per GPU block
 DEVICE_GROUPS = 64  # offloaded-block-sized groups the device cache holds
+
+
+def _check_port(value: Optional[str]) -> Optional[str]:
+    """``--metrics-port`` as given, once it reads as a TCP port (taken as text so that
+    the error names whatever was given)."""
+    if value is not None and not (value.strip().isdigit() and 0 <= int(value) <= 65535):
+        raise typer.BadParameter(f"{value!r} is not a TCP port: expected 0 (any free port) to 65535")
+    return value
 
 
 @app.command()
@@ -56,16 +68,41 @@ def demo(
         1, "--block-size-factor", min=1, metavar="N", help="GPU blocks per offloaded block."
     ),
     disk_io: Literal["thread", "process"] = typer.Option("thread", "--disk-io", help="Where the disk I/O runs."),
+    metrics_port: Optional[str] = typer.Option(
+        None,
+        "--metrics-port",
+        callback=_check_port,
+        metavar="PORT",
+        help="Serve the hierarchy's Prometheus metrics on PORT while the demo runs (0: any free port).",
+    ),
+    metrics_host: str = typer.Option(
+        "127.0.0.1", "--metrics-host", metavar="HOST", help="Address the metrics endpoint listens on."
+    ),
+    hold: float = typer.Option(
+        0.0,
+        "--hold",
+        min=0,
+        metavar="SECONDS",
+        help="With --metrics-port: keep serving for SECONDS after the replay (for `tiered-kv stats` or Grafana).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout instead of tables."),
 ) -> None:
     """Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per
     tier, bytes and GB/s per transfer type.
 
     Every block loaded back is checked byte for byte; any mismatch exits 1. Run it twice
-    with the same --cache-dir: the second run is served from the first run's disk blocks."""
+    with the same --cache-dir: the second run is served from the first run's disk blocks.
+    With --metrics-port the endpoint serves the same metrics as vLLM's (the dashboard's)."""
     console = Console()
+    if hold and metrics_port is None:
+        raise typer.BadParameter("needs --metrics-port (nothing is served to hold)", param_hint="'--hold'")
+    endpoint: DemoEndpoint | None = None
     with errors(json_out, (OSError, RuntimeError)):
         parse_size(cpu_bytes, "--cpu-bytes")
+        if metrics_port is not None:
+            # First: a port that cannot be served ends the command before any tier is built.
+            endpoint = DemoEndpoint(metrics_host, int(metrics_port), GPU_BLOCK_SIZE * block_size_factor)
+            typer.echo(f"metrics: {endpoint.url}", err=True)
         dev = DeviceKVCache(
             num_gpu_blocks=DEVICE_GROUPS * block_size_factor,
             gpu_block_size=GPU_BLOCK_SIZE,
@@ -88,12 +125,17 @@ def demo(
             config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)
         spec = HierarchySpec(config, gpu_block_size=GPU_BLOCK_SIZE)
         driver = EngineDriver.from_spec(spec, dev)
+        if endpoint is not None:
+            endpoint.attach(spec, driver)
     if dev.device.type == "cpu":
         # Jobs here are a few hundred KB: OpenMP threads gain nothing, and on a busy
         # 2-core machine their barriers stall for whole scheduler ticks.
         torch.set_num_threads(1)
     workload = default_workload(requests, seed)
-    report = driver.run(workload)
+    if endpoint is None:
+        report = driver.run(workload)
+    else:
+        report = _run_served(driver, workload, endpoint, hold)
     driver.worker.shutdown()
     driver.manager.shutdown()
     if spec.store is not None:
@@ -105,6 +147,28 @@ def demo(
     if report.mismatches:
         typer.echo(f"error: {report.mismatches} loaded block(s) differ from what was stored", err=True)
         raise typer.Exit(1)
+
+
+def _run_served(driver: EngineDriver, workload, endpoint: DemoEndpoint, hold: float) -> DriverReport:
+    """``driver.run(workload)``, exporting between requests; then serve for ``hold``
+    seconds (the endpoint closes before the hierarchy shuts down)."""
+    try:
+        start = time.perf_counter()
+        for block_hashes in workload.requests:
+            driver.run_request(block_hashes)
+            endpoint.maybe_export()
+        driver.drain()
+        driver.report.wall_seconds += time.perf_counter() - start
+        endpoint.export()
+        if hold:
+            typer.echo(f"replay done; serving {endpoint.url} for {hold:g} s (Ctrl-C stops)", err=True)
+            try:
+                endpoint.hold(hold)
+            except KeyboardInterrupt:
+                pass  # the operator is done looking: report and exit as after a full hold
+    finally:
+        endpoint.close()
+    return driver.report
 
 
 def _report_dict(report: DriverReport, workload, spec: HierarchySpec) -> dict:

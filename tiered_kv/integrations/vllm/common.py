@@ -35,12 +35,15 @@ from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.metrics import (
+    PENDING_WRITES,
     PROJECT_METRICS,
     TIER_BLOCKS,
+    TIER_CAPACITY_BLOCKS,
     TIER_COUNTERS,
     TIER_USED_BLOCKS,
     TIER_VERIFICATIONS,
     TIERS,
+    WORKER_JOB_FAILURES,
     CounterValue,
     MetricDef,
 )
@@ -62,12 +65,10 @@ class TieredJobSpec(VllmLoadStoreSpec):
         return f"TieredJobSpec({self.inner!r})"
 
 
-# Names follow tiered_kv.metrics.PROJECT_METRICS (TIER_BLOCKS, TIER_USED_BLOCKS and the
-# rest come from there), so a dashboard works for the demo and for vLLM alike. Counters
-# gain the ``_total`` suffix on the endpoint. Below: the ones only the vLLM adapter has.
-TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
-PENDING_WRITES = "tiered_kv_tier_pending_writes"
-WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
+# Names follow tiered_kv.metrics.PROJECT_METRICS (TIER_BLOCKS, TIER_USED_BLOCKS, the
+# capacity, pending-write and job-failure metrics and the rest come from there), so a
+# dashboard and its alerts work for the demo and for vLLM alike. Counters gain the
+# ``_total`` suffix on the endpoint; the documentation below says what they count here.
 
 
 def _vllm_metadata(d: MetricDef) -> OffloadingMetricMetadata:

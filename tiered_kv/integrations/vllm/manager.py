@@ -86,16 +86,20 @@ from tiered_kv.abstract import Closing, LowerTier
 from tiered_kv.cost import LoadCosts, PrefixScan, Queues
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
-    PENDING_WRITES,
     CounterIncreases,
-    TIER_CAPACITY_BLOCKS,
     WORKER_JOB_FAILURES,
     TieredJobSpec,
     TieredOffloadingInfo,
 )
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.mediums import CPU
-from tiered_kv.metrics import TIER_USED_BLOCKS, cost_gauges, tier_counter_values, written_per_read_gauges
+from tiered_kv.metrics import (
+    cost_gauges,
+    hierarchy_occupancy,
+    occupancy_gauges,
+    tier_counter_values,
+    written_per_read_gauges,
+)
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
@@ -543,15 +547,9 @@ class TieredVllmManager(OffloadingManager, Closing):
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
         gauges = cost_gauges(self.costs.snapshot() if self.costs is not None else None)
-        for name, labels, value in gauges + written_per_read_gauges(self.stats):
+        gauges += written_per_read_gauges(self.stats) + occupancy_gauges(hierarchy_occupancy(self.composite))
+        for name, labels, value in gauges:
             stats.set_gauge(name, value, labels)
-        for tier, used in self.composite.used_blocks().items():
-            stats.set_gauge(TIER_USED_BLOCKS, used, (tier,))
-        stats.set_gauge(TIER_CAPACITY_BLOCKS, self.composite.cpu.num_slots, ("cpu",))
-        for lower in self.composite.lower:
-            stats.set_gauge(TIER_CAPACITY_BLOCKS, lower.capacity, (lower.name,))
-            # Read, not refreshed: at most a flusher poll old.
-            stats.set_gauge(PENDING_WRITES, lower.num_pending(), (lower.name,))
         return stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
