@@ -548,10 +548,9 @@ class PrefixScan:
 
 
 def configured_prefill(prefill_tokens_per_s: float | None, model_path: str | None, gpus: int = 1) -> PrefillEstimate:
-    """The prefill rate the decision uses: the configured ``prefill_tokens_per_s``, else
-    the estimate from the model directory's ``config.json`` (where readable) and this
-    machine's GPU (where CUDA is available), ``gpus`` of them (the TP group); with the
-    model's ``attention_per_token`` where its config is readable, else the default."""
+    """The decision's prefill rate: the configured ``prefill_tokens_per_s``, else the estimate from the
+    model directory's ``config.json`` (where readable) and ``gpus`` of this machine's GPU (the TP group);
+    with the model's ``attention_per_token`` where its config is readable, else the default."""
     parameters, attention = None, DEFAULT_ATTENTION_PER_TOKEN
     if model_path:
         try:
@@ -562,12 +561,39 @@ def configured_prefill(prefill_tokens_per_s: float | None, model_path: str | Non
             parameters = None
     if prefill_tokens_per_s:
         return PrefillEstimate(prefill_tokens_per_s, "configured (prefill_tokens_per_s)", True, attention)
-    gpu = None
-    try:
+    estimate = estimate_prefill_tokens_per_s(parameters, local_gpu_name(), gpus=gpus)
+    return PrefillEstimate(estimate.tokens_per_s, estimate.source, False, attention)
+
+
+def local_gpu_name() -> str | None:
+    try:  # this machine's first CUDA device's name
         import torch
 
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except Exception:  # no usable CUDA: the default
-        gpu = None
-    estimate = estimate_prefill_tokens_per_s(parameters, gpu, gpus=gpus)
-    return PrefillEstimate(estimate.tokens_per_s, estimate.source, False, attention)
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # no usable CUDA (or no torch): the estimate's default
+        return None
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """Load GB/s at which a token loads as fast as it is recomputed (``LoadCosts``): one rank's KV
+    bytes per token x the TP group's prefill tokens/s; ``tp`` times that per node (ranks load at once)."""
+
+    kv_bytes_per_token: int
+    tp: int
+    prefill: PrefillEstimate
+
+    @property
+    def rank_gbps(self) -> float:
+        return self.kv_bytes_per_token * self.prefill.tokens_per_s / 1e9
+
+    @property
+    def node_gbps(self) -> float:
+        return self.tp * self.rank_gbps
+
+
+def break_even(kv_bytes: int, tp: int, tps: float | None, params: int | None, gpu: str | None, given: str) -> BreakEven:
+    """``tiered-kv config``'s and ``doctor``'s: one rank's ``kv_bytes`` per token x ``tps`` (``given`` says
+    whence), else x the estimate for ``tp`` GPUs ``gpu`` running a model of ``params`` parameters."""
+    prefill = PrefillEstimate(tps, given, True) if tps else estimate_prefill_tokens_per_s(params, gpu, gpus=tp)
+    return BreakEven(kv_bytes, tp, prefill)

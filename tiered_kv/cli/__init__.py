@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from typing import Any, Optional
 
@@ -137,15 +138,67 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record comes (a test runner
+    swaps it), showing tiered-kv's own records and, only where ``verbose``, every other
+    library's."""
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__()
+        self.verbose = verbose
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ sets it; sys.stderr wins
+        pass
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = record.name == "tiered_kv" or record.name.startswith("tiered_kv.")
+        return (own or self.verbose) and super().filter(record)
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """What reaches stderr: tiered-kv's own warnings (beside its ``error:``/``warning:``
+    lines); with ``verbose`` also its info lines and every library's (vLLM, Mooncake,
+    urllib3, botocore, ...), which otherwise stay off the terminal, as the commands
+    report what matters in their own words."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _Stderr)]:
+        root.removeHandler(handler)
+    handler = _Stderr(verbose)
+    handler.setLevel(logging.INFO if verbose else logging.WARNING)
+    root.addHandler(handler)
+    if verbose:
+        root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
+        # vLLM's own handler writes to stdout, where --json output goes.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    else:
+        # vLLM configures a handler of its own unless told not to; its records then
+        # reach the root logger, and the filter above.
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    logging.captureWarnings(True)  # Python warnings (urllib3's, torch's) as py.warnings records
+
+
 @app.callback()
 def _root(
     version: Optional[bool] = typer.Option(
         None, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
     ),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help="Also show info lines and the log lines of the libraries used (vLLM, Mooncake, urllib3, botocore).",
+    ),
 ) -> None:
     """Multi-tier KV-cache for LLM inference."""
     # A callback keeps ``app`` a command group: with a single registered command typer
     # would otherwise run it as the root and reject its name as an extra argument.
+    configure_logging(verbose)
 
 
 def _import(name: str) -> bool:
@@ -175,5 +228,5 @@ def _load_commands() -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()  # the root callback reconfigures it once --verbose is parsed
     app()

@@ -288,25 +288,25 @@ def cost_table(
 ) -> Table:
     """Prefill tokens/s (given, else estimated with its formula) and the break-even load
     bandwidth per rank: what the load-versus-recompute decision starts from."""
-    from tiered_kv.cost import estimate_prefill_tokens_per_s, model_parameters
+    from tiered_kv.cost import break_even, local_gpu_name, model_parameters
 
     if params is None:
         try:
             params = model_parameters(_hf_dict(source))
         except (OSError, ValueError):
             params = None
-    if gpu is None:
-        gpu = _local_gpu()
+    given = "given (--prefill-tokens-per-s): recorded as prefill_tokens_per_s"
+    even = break_even(
+        plan.kv_bytes_per_token, plan.tp, given_tps, int(params) if params else None, gpu or local_gpu_name(), given
+    )
+    tps = even.prefill.tokens_per_s
     table = Table(title="Load versus recompute (tiered_kv.cost)", show_header=True)
     table.add_column("quantity")
     table.add_column("arithmetic")
     table.add_column("value", justify="right")
-    if given_tps is not None:
-        tps, how = given_tps, "given (--prefill-tokens-per-s): recorded as prefill_tokens_per_s"
-    else:
-        est = estimate_prefill_tokens_per_s(int(params) if params else None, gpu, gpus=plan.tp)
-        tps, how = est.tokens_per_s, f"estimated: {est.source}"
-    table.add_row("prefill tokens / s", how, f"{tps:,.0f}")
+    table.add_row(
+        "prefill tokens / s", given if given_tps is not None else f"estimated: {even.prefill.source}", f"{tps:,.0f}"
+    )
     table.add_row(
         "measured prefill tokens / s",
         "under vLLM with TieredOffloadingConnector: fitted on the engine's own prefill steps",
@@ -315,8 +315,10 @@ def cost_table(
     table.add_row(
         "break-even load GB/s / rank",
         f"{plan.kv_bytes_per_token:,} B/token x {tps:,.0f} tokens/s",
-        f"{plan.kv_bytes_per_token * tps / 1e9:.2f}",
+        f"{even.rank_gbps:.2f}",
     )
+    if plan.tp > 1:
+        table.add_row("break-even load GB/s / node", f"TP {plan.tp} x {even.rank_gbps:.2f}", f"{even.node_gbps:.2f}")
     table.add_row("decision", "per request: load the prefix that minimises load time + prefill of the rest", "on")
     return table
 
@@ -328,15 +330,6 @@ def _hf_dict(source: Any) -> dict:
         raise ValueError("no model config")
     path = Path(source)
     return json.loads((path / "config.json" if path.is_dir() else path).read_text())
-
-
-def _local_gpu() -> Optional[str]:
-    try:
-        import torch
-
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except Exception:
-        return None
 
 
 def _plan(

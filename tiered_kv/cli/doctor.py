@@ -1,9 +1,10 @@
 """``tiered-kv doctor``: check this host before a tiered-kv server starts on it.
 
-Operator's process; the checks (and the I/O they do: one probe file in the disk tier's
-directory) are ``tiered_kv.ops.doctor``. Prints one line per check, ok / warn / fail with
-the fix, or the JSON envelope with ``--json``; exits with the worst line's code: 0 all
-ok, 1 a warning, 2 a failure.
+Operator's process; the checks (and the I/O they do: probe files in the disk tier's
+directory or its nearest existing parent, each removed) are ``tiered_kv.ops.doctor``.
+Prints one line per check, ok / skip (could not run, says why) / warn / fail with the
+fix, or the JSON envelope with ``--json``; exits with the worst line's code: 0 all ok or
+skipped, 1 a warning, 2 a failure.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rich.markup import escape
 from tiered_kv.cli import app
 from tiered_kv.cli.output import emit_json, errors
 
-_STYLE = {"ok": "green", "warn": "yellow", "fail": "red"}
+_STYLE = {"ok": "green", "skip": "cyan", "warn": "yellow", "fail": "red"}
 
 
 @app.command("doctor")
@@ -49,7 +50,14 @@ def doctor(
         "--prefill-tps",
         min=1,
         metavar="N",
-        help="The server's prefill tokens/s, for the break-even. Default: 30,800 (assumed: Llama-3.1-8B, one H100).",
+        help="The server's prefill tokens/s, for the break-even. Default: the config's prefill_tokens_per_s, else "
+        "estimated for the model on TP of --gpu (as tiered-kv config does), else 30,800 (Llama-3.1-8B, one H100).",
+    ),
+    gpu: Optional[str] = typer.Option(
+        None,
+        "--gpu",
+        metavar="NAME",
+        help="GPU model for the prefill estimate, e.g. 'H100 SXM'. Default: this machine's GPU.",
     ),
     read_probe: str = typer.Option(
         "64MiB", "--read-probe", metavar="SIZE", help="Bytes written then read with O_DIRECT to time the disk; 0: skip."
@@ -61,16 +69,17 @@ def doctor(
 
     The disk tier's directory must be on the disk meant for it (a path on the root file
     system or below a missing mount point is flagged) and read faster than the model's
-    break-even (KV bytes per token x prefill tokens/s).
+    break-even (KV bytes per token x prefill tokens/s, per rank as tiered-kv config prints it; the disk
+    serves TP ranks at once). Before the directory exists the disk is timed in its nearest existing parent.
 
-    Exit code: 0 when every check is ok, 1 when the worst is a warning, 2 when one fails
-    (the server would refuse to start)."""
+    A check that could not run says "skipped" and why. Exit code: 0 when every check is ok or skipped, 1 when
+    the worst is a warning (a TP size assumed is one), 2 when one fails (the server would refuse to start)."""
     with errors(json_out):
         from tiered_kv.config import parse_size
         from tiered_kv.ops.doctor import run_doctor
 
         probe = 0 if read_probe.strip() == "0" else parse_size(read_probe, "--read-probe")
-        report = run_doctor(config, tp=tp, model=model, prefill_tps=prefill_tps, read_probe=probe)
+        report = run_doctor(config, tp=tp, model=model, prefill_tps=prefill_tps, read_probe=probe, gpu=gpu)
     if json_out:
         emit_json(report.to_dict())
     else:
@@ -80,5 +89,7 @@ def doctor(
             if c.fix:
                 console.print(f"{'':>4}  {'':<10}  fix: {escape(c.fix)}", soft_wrap=True)
         counts = {s: sum(c.status == s for c in report.checks) for s in _STYLE}
-        console.print(f"{counts['ok']} ok, {counts['warn']} warning(s), {counts['fail']} failure(s)")
+        console.print(
+            f"{counts['ok']} ok, {counts['skip']} skipped, {counts['warn']} warning(s), {counts['fail']} failure(s)"
+        )
     raise typer.Exit(report.exit_code)

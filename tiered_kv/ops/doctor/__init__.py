@@ -5,13 +5,17 @@ package says what its checks read). Reads the server's config file, resource lim
 /proc and /sys, file-system statistics and installed packages' metadata, and where a
 shared tier is configured its fleet key, a few bounded requests to its bucket (one
 block object at most) or its Mooncake master (``remote.py``). Writes only
-probe files, each removed at once, where the disk tier's directory exists: 4 KiB to
-learn whether O_DIRECT works there, one of ``read_probe`` bytes to time an O_DIRECT
-read (``speed.py``), and KvikIO's own probe file where KvikIO is installed. Imports torch only in ``check_cuda`` and the disk package only to run
+probe files, each removed at once: where the disk tier's directory exists, 4 KiB to
+learn whether O_DIRECT works there; one of ``read_probe`` bytes to time an O_DIRECT
+read there or, before the directory exists, in its nearest existing parent
+(``speed.py``); and KvikIO's own probe file where KvikIO is installed. Imports torch only in ``check_cuda`` and the disk package only to run
 KvikIO's probe; changes no setting.
 
-Each check gives one ``Check``: ``ok``; ``warn`` (the server runs, but slower, with less
-cache than asked for, or with a setting that defeats the disk tier across restarts); or
+Each check gives one ``Check``: ``ok``; ``skip`` (the check could not run: no config,
+one that could not be read, nothing of that kind configured, a probe refused; the line
+says why and counts as no verdict); ``warn`` (the server runs, but slower, with less
+cache than asked for, with a setting that defeats the disk tier across restarts, or
+checked at a tensor-parallel size nothing named); or
 ``fail`` (the server would refuse to start: a config it rejects, a disk tier it cannot
 create or fit, a CPU tier larger than the memory it may use, ``io_backend: kvikio``
 where KvikIO cannot run, a shared tier's key it cannot load; or a server that would
@@ -30,13 +34,19 @@ from collections.abc import Iterable, Mapping
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
 from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, read_server_config
 from tiered_kv.ops.doctor.connector import check_connector
-from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, WARN, Check, DoctorReport
+from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, SKIP, WARN, Check, DoctorReport, skipped
 from tiered_kv.ops.doctor.disk import MOUNTINFO, check_disk_path, check_free_space, filesystem_of, free_space
 from tiered_kv.ops.doctor.gpu import SUPPORTED_VLLM, check_cuda, check_io_path, check_vllm, gds_facts
 from tiered_kv.ops.doctor.hashes import check_hash
 from tiered_kv.ops.doctor.memory import check_memlock, check_memory, check_thp, memlock_limit, memory_limit, thp_setting
 from tiered_kv.ops.doctor.remote import check_remote, s3_answer
-from tiered_kv.ops.doctor.speed import DEFAULT_PROBE_BYTES, check_disk_speed, model_geometry, time_o_direct_read
+from tiered_kv.ops.doctor.speed import (
+    DEFAULT_PROBE_BYTES,
+    check_disk_speed,
+    model_geometry,
+    model_parameters_of,
+    time_o_direct_read,
+)
 from tiered_kv.ops.server_namespace import server_disk
 
 #: The package's API: ``run_doctor`` and each check, with what they measure.
@@ -44,6 +54,7 @@ __all__ = [
     "EXIT_CODES",
     "FAIL",
     "OK",
+    "SKIP",
     "SUPPORTED_VLLM",
     "WARN",
     "Check",
@@ -98,12 +109,15 @@ def run_doctor(
     prefill_tps: float | None = None,
     read_probe: int = DEFAULT_PROBE_BYTES,
     mountinfo: str | os.PathLike = MOUNTINFO,
+    gpu: str | None = None,
 ) -> DoctorReport:
     """Every check, for the server ``config_path`` describes (None: host checks only) at
-    tensor-parallel size ``tp`` (None: the config file's, else 1, said in the report).
-    ``model`` (a model directory or preset) and ``prefill_tps`` set the disk tier's
-    break-even; ``read_probe`` bytes are read to time the disk (0: not timed). ``env``
-    defaults to this process's environment."""
+    tensor-parallel size ``tp`` (None: the config file's, else 1, a warning). ``model``
+    (a model directory or preset), ``prefill_tps`` and ``gpu`` (the GPU's name for the
+    prefill estimate; default: this machine's) set the disk tier's break-even;
+    ``read_probe`` bytes are read to time the disk (0: not timed). ``env`` defaults to
+    this process's environment. Where the config cannot be read, the checks that need it
+    are skipped, saying so."""
     env = os.environ if env is None else env
     checks: list[Check] = []
     cfg = None
@@ -121,12 +135,16 @@ def run_doctor(
             size = tp or found.tp or 1
             cfg = _validated(found, size)
             config_extra = found.extra_for(size)
+            tp_assumed = tp is None and found.tp is None
             if tp is not None:
                 tp_said = f"TP {size} (--tp)"
             elif found.tp is not None:
                 tp_said = f"TP {size} (from the config)"
             else:
-                tp_said = "TP 1 assumed (the config does not name it; pass --tp N)"
+                tp_said = (
+                    "TP 1 assumed: neither --tp nor the config names the tensor-parallel size, so the sizes per "
+                    "rank, the node's memory and disk and the break-even are checked for one GPU"
+                )
             disk = (
                 f"disk tier {cfg.disk_path} ({format_size(cfg.disk_bytes)} per {disk_tier.disk_bytes_per})"
                 if cfg.disk_path
@@ -139,9 +157,16 @@ def run_doctor(
             checks.append(
                 Check(
                     "config",
-                    OK,
+                    WARN if tp_assumed else OK,
                     f"config {config_path}: {spec}{cpu}, {disk}; {tp_said}",
-                    facts={"config": cfg.to_dict(), "tp": size, "tp_source": tp_said, "spec_name": found.spec_name},
+                    "pass --tp N, the server's --tensor-parallel-size" if tp_assumed else "",
+                    facts={
+                        "config": cfg.to_dict(),
+                        "tp": size,
+                        "tp_source": tp_said,
+                        "tp_assumed": tp_assumed,
+                        "spec_name": found.spec_name,
+                    },
                 )
             )
             if found.spec_name != TIERING_SPEC:  # vLLM's tiering runs under vLLM's own connector
@@ -161,14 +186,33 @@ def run_doctor(
     except ConfigError as e:
         checks.append(Check("disk_read", FAIL, f"--model: {e}", "pass a model directory, its config.json or a preset"))
     else:
-        checks.append(check_disk_speed(cfg, geometry, prefill_tps=prefill_tps, probe_bytes=read_probe))
+        params = model_parameters_of(cfg, model)
+        speed = check_disk_speed(
+            cfg, geometry, prefill_tps=prefill_tps, probe_bytes=read_probe, tp=size, parameters=params, gpu=gpu
+        )
+        checks.append(speed)
     cuda = check_cuda()
     checks.append(cuda)
     checks.append(check_io_path(cfg, cuda.status == OK))
     checks.append(check_vllm())
     checks.append(check_hash(cfg, env))
     checks.append(check_remote(cfg, config_extra))
+    if config_path is not None and cfg is None:
+        checks = [_unread(c, config_path) for c in checks]
     return DoctorReport(checks, None if config_path is None else str(config_path))
+
+
+#: The checks whose verdict is a comparison with the config.
+_NEEDS_CONFIG = ("memlock", "disk_path", "disk_space", "disk_read", "io_path", "hash", "remote")
+
+
+def _unread(check: Check, config_path: str | os.PathLike) -> Check:
+    """``check`` as run without a config, where ``config_path`` was given but could not be
+    read: a check that compares with the config is skipped, naming the config, rather than
+    asking for one (host-only lines and a failed ``--model`` keep their verdicts)."""
+    if check.name not in _NEEDS_CONFIG or check.status == FAIL:
+        return check
+    return skipped(check.name, f"config {config_path} could not be read (see the config line)", facts=check.facts)
 
 
 def _more_disk_tiers(cfg: TieredConfig | None) -> list[TieredConfig]:

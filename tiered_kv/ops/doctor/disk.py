@@ -3,6 +3,7 @@
 Runs in the operator's process (``tiered-kv doctor``, ``tiered-kv config``). Reads
 file-system statistics and /proc/self/mountinfo; writes one thing: where the directory
 exists, a 4 KiB probe file in it (removed at once) to learn whether O_DIRECT works there.
+A check without a disk tier to look at says "skipped" (``report.skipped``), never "ok".
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import TieredConfig, format_size
-from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check, skipped
 
 
 #: File systems whose "disk" is memory or another machine: a disk tier there is not local NVMe.
@@ -83,8 +84,10 @@ def check_disk_path(cfg: TieredConfig | None, mountinfo: str | os.PathLike = MOU
     """The disk tier's directory: a directory the server can create (only its last
     component: the engine makes no parent) and write, on a local disk that is not the
     root file system (where an unmounted NVMe's mount point leaves it), taking O_DIRECT."""
-    if cfg is None or cfg.disk_path is None:
-        return Check("disk_path", OK, "no disk tier configured" + ("" if cfg else " (pass --config)"))
+    if cfg is None:
+        return skipped("disk_path", "no config, so no disk tier to check", "pass --config PATH")
+    if cfg.disk_path is None:
+        return skipped("disk_path", "no disk tier configured")
     path = Path(cfg.disk_path).expanduser()
     fs = filesystem_of(path, mountinfo)
     facts: dict[str, Any] = {"disk_path": str(path), "exists": path.exists(), "filesystem": fs}
@@ -187,7 +190,7 @@ def check_free_space(cfg: TieredConfig | None, tp: int, *, per_node: bool = Fals
     rank (``tp`` shards), or once for the node where ``per_node`` (vLLM's
     ``TieringOffloadingSpec`` with ``TieredDiskTier``: one writer for every rank)."""
     if cfg is None or cfg.disk_path is None:
-        return Check("disk_space", OK, "no disk tier: no space needed")
+        return skipped("disk_space", "no disk tier configured: no space needed")
     path = Path(cfg.disk_path).expanduser()
     writers = 1 if per_node else tp
     need = writers * cfg.disk_bytes

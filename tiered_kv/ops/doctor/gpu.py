@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check, skipped
 
 
 #: The vLLM release the plug-in is built and tested against.
@@ -123,7 +123,7 @@ def check_io_path(cfg: TieredConfig | None, cuda: bool) -> Check:
         f"nvidia-fs {'loaded' if facts['nvidia_fs'] else 'not loaded'}"
     )
     if cfg is None or cfg.disk_path is None:
-        return Check("io_path", OK, f"no disk tier; {installed}", facts=facts)
+        return skipped("io_path", f"no disk tier configured; {installed}", facts=facts)
     facts["io_backend"] = cfg.io_backend
     path = Path(cfg.disk_path).expanduser()
     if cfg.io_backend == "posix":

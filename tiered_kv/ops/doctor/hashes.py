@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiered_kv.config import TieredConfig
-from tiered_kv.ops.doctor.report import OK, WARN, Check
+from tiered_kv.ops.doctor.report import OK, WARN, Check, skipped
 
 
 _RANDOM_SEEDED = ("xxhash", "xxhash_cbor")
@@ -26,8 +26,8 @@ def check_hash(cfg: TieredConfig | None, env: Mapping[str, str]) -> Check:
     }
     if cfg is None:
         shown = "unset" if env_seed is None else repr(env_seed)
-        return Check(
-            "hash", OK, f"PYTHONHASHSEED is {shown} here (pass --config to compare with hash_seed)", facts=facts
+        return skipped(
+            "hash", f"PYTHONHASHSEED is {shown} here, no config to compare with hash_seed", "pass --config PATH", facts
         )
     algo, seed = cfg.hash_algorithm, cfg.hash_seed
     if seed and env_seed is not None and env_seed != seed:

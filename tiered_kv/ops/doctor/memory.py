@@ -13,7 +13,7 @@ import resource
 from pathlib import Path
 
 from tiered_kv.config import TieredConfig, format_size
-from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check, skipped
 
 
 THP_FILES = {
@@ -52,8 +52,11 @@ def check_memlock(cfg: TieredConfig | None, limit: int | None) -> Check:
     if limit is None:
         return Check("memlock", OK, "locked-memory limit: unlimited", facts=facts)
     if cfg is None:
-        return Check(
-            "memlock", OK, f"locked-memory limit: {shown} (pass --config to compare it with cpu_bytes)", facts=facts
+        return skipped(
+            "memlock",
+            f"locked-memory limit {shown}, no config to compare it with cpu_bytes",
+            "pass --config PATH",
+            facts,
         )
     if limit < cfg.cpu_bytes:
         return Check(

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.config_values import redact
 from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
+from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check, skipped
 
 if TYPE_CHECKING:  # the S3 client, the keys and the object format are imported where a check needs them
     from tiered_kv.fingerprint import Fingerprint
@@ -98,7 +98,7 @@ def check_remote(cfg: TieredConfig | None, extra: Mapping[str, Any] | None = Non
     config's own keys (its ``kv_connector_extra_config``): the fingerprint fields it pins
     choose the namespace whose object is opened; None: any namespace under the prefix."""
     if cfg is None or cfg.remote is None:
-        return Check("remote", OK, "no shared tier configured")
+        return skipped("remote", "no shared tier configured")
     if cfg.remote.backend == "mooncake":
         return check_mooncake(cfg.remote)
     from tiered_kv.remote.client import (

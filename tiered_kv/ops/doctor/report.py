@@ -11,13 +11,18 @@ from typing import Any
 
 
 OK, WARN, FAIL = "ok", "warn", "fail"
+#: A check that could not run (no config, a config that could not be read, a probe the
+#: file system refused, ``--read-probe 0``): no verdict, so no part in the exit code.
+SKIP = "skip"
 EXIT_CODES = {OK: 0, WARN: 1, FAIL: 2}
+STATUSES = (OK, SKIP, WARN, FAIL)
 
 
 @dataclass(frozen=True)
 class Check:
     """One line of the report: what was checked, the verdict, what was found, and (unless
-    ok) what to do about it. ``facts`` are the measured values, for ``--json``."""
+    ok) what to do about it. ``facts`` are the measured values, for ``--json``. A ``SKIP``
+    line's message starts with "skipped" and says why (``skipped``)."""
 
     name: str
     status: str
@@ -35,6 +40,11 @@ class Check:
         }
 
 
+def skipped(name: str, why: str, fix: str = "", facts: Mapping[str, Any] | None = None) -> Check:
+    """The line of check ``name``, which could not run because of ``why``."""
+    return Check(name, SKIP, f"skipped: {why}", fix, dict(facts or {}))
+
+
 @dataclass
 class DoctorReport:
     checks: list[Check]
@@ -42,14 +52,14 @@ class DoctorReport:
 
     @property
     def status(self) -> str:
-        return max((c.status for c in self.checks), key=EXIT_CODES.__getitem__, default=OK)
+        return max((c.status for c in self.checks if c.status != SKIP), key=EXIT_CODES.__getitem__, default=OK)
 
     @property
     def exit_code(self) -> int:
         return EXIT_CODES[self.status]
 
     def to_dict(self) -> dict[str, Any]:
-        counts = {s: sum(c.status == s for c in self.checks) for s in EXIT_CODES}
+        counts = {s: sum(c.status == s for c in self.checks) for s in STATUSES}
         return {
             "path": self.config_path,
             "status": self.status,

@@ -1,19 +1,22 @@
 """The doctor's check of the disk tier's read speed against the model's break-even.
 
-Runs in the operator's process (``tiered-kv doctor``). Its I/O: where the disk tier's
-directory exists, one probe file (``probe_bytes``, 64 MiB by default) written there
-with O_DIRECT, read back with O_DIRECT by the tier's number of I/O threads (the page
-cache never answers), and removed. Reads the model's ``config.json`` where the model is
-known.
+Runs in the operator's process (``tiered-kv doctor``). Its I/O: one probe file
+(``probe_bytes``, 64 MiB by default) written with O_DIRECT in the disk tier's directory
+or, before its first run creates it, in its nearest existing parent (the file system it
+will be on), read back with O_DIRECT by the tier's number of I/O threads (the page cache
+never answers), and removed. Reads the model's ``config.json`` where the model is known.
 
 Loading a token from a tier beats recomputing it only when the tier reads faster than
-``KV bytes per token x prefill tokens per second`` (the break-even; README's rule). The
-KV bytes are the whole model's (every TP rank reads its shard from the same host at
-once); the prefill rate is the operator's ``--prefill-tps`` or an assumed default.
+``KV bytes per token x prefill tokens per second`` (the break-even; README's rule), as
+``tiered_kv.cost.break_even`` computes it for ``tiered-kv config`` too: one rank's KV
+bytes at the prefill rate of the TP group (``--prefill-tps``, else the config's
+``prefill_tokens_per_s``, else estimated for TP GPUs); the disk is compared with TP times
+that, as every rank of the node reads its shard from it at once.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import time
@@ -23,14 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import ConfigError, TieredConfig, format_size
-from tiered_kv.ops.doctor.report import OK, WARN, Check
+from tiered_kv.cost import break_even, local_gpu_name, model_parameters
+from tiered_kv.ops.doctor.disk import existing_ancestor
+from tiered_kv.ops.doctor.report import OK, WARN, Check, skipped
 from tiered_kv.ops.presets import find_preset
 from tiered_kv.ops.sizing import ModelGeometry
 
-#: Prefill tokens/s assumed without ``--prefill-tps``: Llama-3.1-8B on one H100 SXM at
+#: Prefill tokens/s where the model or the GPU is unknown: Llama-3.1-8B on one H100 SXM at
 #: an assumed 50% MFU (0.5 x 989 TFLOPS / (2 x 8.03e9 FLOP per token); tools/replay_model.py).
 DEFAULT_PREFILL_TPS = 30_800.0
-DEFAULT_PREFILL_SOURCE = "assumed: Llama-3.1-8B on one H100 SXM at 50% MFU; pass --prefill-tps"
 DEFAULT_PROBE_BYTES = 64 << 20
 _CHUNK = 1 << 20
 
@@ -103,34 +107,69 @@ def model_geometry(cfg: TieredConfig | None, model: str | None) -> ModelGeometry
         return None
 
 
+def model_parameters_of(cfg: TieredConfig | None, model: str | None) -> int | None:
+    """The model's parameter count, for the prefill estimate, from the config ``model_geometry``
+    reads (None where it is unknown or lacks the fields)."""
+    hf: object = None
+    try:
+        if model is not None:
+            hf = _read_json(model) if Path(model).exists() else find_preset(model).hf_config
+        elif cfg is not None and cfg.model_path and (Path(cfg.model_path) / "config.json").is_file():
+            hf = _read_json(cfg.model_path)
+        elif cfg is not None:
+            hf = find_preset(cfg.model_id).hf_config
+        if isinstance(hf, dict) and "num_hidden_layers" not in hf and isinstance(hf.get("text_config"), dict):
+            hf = hf["text_config"]
+        return model_parameters(hf) if isinstance(hf, dict) else None
+    except (ConfigError, OSError, ValueError):
+        return None
+
+
+def _read_json(path: str) -> object:
+    p = Path(path)
+    return json.loads((p / "config.json" if p.is_dir() else p).read_text())
+
+
 def check_disk_speed(
     cfg: TieredConfig | None,
     geometry: ModelGeometry | None,
     *,
     prefill_tps: float | None = None,
     probe_bytes: int = DEFAULT_PROBE_BYTES,
+    tp: int = 1,
+    parameters: int | None = None,
+    gpu: str | None = None,
 ) -> Check:
-    """The disk tier's O_DIRECT read speed against ``geometry``'s break-even at
-    ``prefill_tps`` (default ``DEFAULT_PREFILL_TPS``, said to be assumed)."""
+    """The disk tier's O_DIRECT read speed against ``geometry``'s break-even at TP ``tp``
+    (``tiered_kv.cost.break_even``): at ``prefill_tps``, else the config's
+    ``prefill_tokens_per_s``, else the estimate for ``tp`` GPUs ``gpu`` (default: this
+    machine's) and a model of ``parameters``; the default where those are unknown, said
+    to be assumed."""
     if cfg is None or cfg.disk_path is None:
-        return Check("disk_read", OK, "no disk tier: no read speed to time")
+        return skipped("disk_read", "no disk tier configured: no read speed to time")
     path = Path(cfg.disk_path).expanduser()
     if probe_bytes <= 0:
-        return Check("disk_read", OK, "disk read speed not timed (--read-probe 0)")
-    if not path.is_dir():
-        return Check("disk_read", OK, f"disk read speed not timed: {path} does not exist yet")
+        return skipped("disk_read", "disk read speed not timed (--read-probe 0)", "pass --read-probe SIZE to time it")
+    where = path if path.is_dir() else existing_ancestor(path)
     try:
-        speed = time_o_direct_read(path, probe_bytes, cfg.io_threads)
+        speed = time_o_direct_read(where, probe_bytes, cfg.io_threads)
     except OSError as e:
-        return Check("disk_read", OK, f"disk read speed not timed: O_DIRECT probe in {path} failed ({e.strerror})")
+        return skipped(
+            "disk_read",
+            f"disk read speed not timed: the O_DIRECT probe in {where} failed ({e.strerror})",
+            f"run doctor as the server's user, on a file system that takes O_DIRECT, or create {path}",
+        )
     facts: dict[str, Any] = {
         "read_gbps": round(speed.gbps, 3),
         "probe_bytes": speed.bytes_read,
         "threads": speed.threads,
         "chunk_bytes": speed.chunk,
+        "timed_in": str(where),
     }
+    # Before the first run the directory is missing: its parent is the file system it will be on.
+    at = "" if where == path else f" (timed in {where}, the nearest existing parent)"
     measured = (
-        f"disk_path {path} reads {speed.gbps:.2f} GB/s (O_DIRECT, {speed.threads} threads of "
+        f"disk_path {path}{at} reads {speed.gbps:.2f} GB/s (O_DIRECT, {speed.threads} threads of "
         f"{format_size(speed.chunk)} reads, {format_size(speed.bytes_read)})"
     )
     if geometry is None:
@@ -141,23 +180,29 @@ def check_disk_speed(
             f"(set model_path in the config or pass --model)",
             facts=facts,
         )
-    tps = DEFAULT_PREFILL_TPS if prefill_tps is None else prefill_tps
-    source = DEFAULT_PREFILL_SOURCE if prefill_tps is None else "--prefill-tps"
-    per_token = geometry.kv_bytes_per_token(1)
-    break_even = per_token * tps / 1e9
+    given, whence = (prefill_tps, "--prefill-tps") if prefill_tps else (cfg.prefill_tokens_per_s, "")
+    whence = whence or "configured (prefill_tokens_per_s)"
+    even = break_even(geometry.kv_bytes_per_token(tp), tp, given, parameters, gpu or local_gpu_name(), whence)
+    source = even.prefill.source
+    if not given and source.startswith("default"):  # the model or the GPU is unknown
+        source = f"assumed: {source}; pass --prefill-tps"
+    tps = even.prefill.tokens_per_s
     facts.update(
         {
-            "break_even_gbps": round(break_even, 3),
-            "kv_bytes_per_token": per_token,
+            "break_even_gbps": round(even.rank_gbps, 3),
+            "node_break_even_gbps": round(even.node_gbps, 3),
+            "tp": tp,
+            "kv_bytes_per_token": even.kv_bytes_per_token,
             "prefill_tps": tps,
             "model": geometry.name,
         }
     )
+    node = f" (x TP {tp} = {even.node_gbps:.2f} GB/s for the node, its ranks reading at once)" if tp > 1 else ""
     rule = (
-        f"break-even of {break_even:.2f} GB/s for {geometry.name or 'the model'} ({per_token:,} B of KV per token "
-        f"x {tps:,.0f} prefill tokens/s, {source})"
+        f"break-even of {even.rank_gbps:.2f} GB/s per rank{node} for {geometry.name or 'the model'} "
+        f"({even.kv_bytes_per_token:,} B of KV per token per rank x {tps:,.0f} prefill tokens/s, {source})"
     )
-    if speed.gbps < break_even:
+    if speed.gbps < even.node_gbps:
         return Check(
             "disk_read",
             WARN,
