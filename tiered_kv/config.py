@@ -154,7 +154,7 @@ class TieredConfig:
     #: every block found, as before.
     cost_aware: bool = True
     #: Prefill tokens per second of the served model on this GPU; None: estimated from the
-    #: model and the GPU (``tiered_kv.cost.estimate_prefill_tokens_per_s``).
+    #: model and the GPU (``tiered_kv.prefill.estimate_prefill_tokens_per_s``).
     prefill_tokens_per_s: float | None = None
     #: Per lower tier: ``all`` (every block), or ``reuse(N)`` (a block once it has been
     #: stored or hit N times); one value for every lower tier, or a mapping by tier name.

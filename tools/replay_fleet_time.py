@@ -13,7 +13,7 @@ What it models:
   ``tools/replay_serving_workloads.time_scale`` applied to a fleet (not imported: that
   module pulls in vLLM).
 - A node: one prefill GPU serving its queue first-in first-out, one request at a time.
-  Service time = prefill of the tokens not hit (``tiered_kv.cost.prefill_work``, attention
+  Service time = prefill of the tokens not hit (``tiered_kv.prefill.prefill_work``, attention
   to the hit prefix included) at ``--prefill-tps`` tokens/s of linear work (default 30,800:
   Llama-3.1-8B bf16 on one H100 SXM at an ASSUMED 50% MFU, ``tools/replay_model.py``), plus
   loading the hit tokens' KV (131,072 B/token for Llama-3.1-8B) from the node's local cache
@@ -68,7 +68,7 @@ from fleet_trace import LRU, PAPER, TOKENS_PER_BLOCK, Request, trace_rows  # noq
 from replay_model import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS  # noqa: E402
 
 from tiered_kv.config_values import ConfigError  # noqa: E402
-from tiered_kv.cost import DEFAULT_ATTENTION_PER_TOKEN, prefill_work  # noqa: E402
+from tiered_kv.prefill import DEFAULT_ATTENTION_PER_TOKEN, prefill_work  # noqa: E402
 from tiered_kv.remote.config import parse_duration  # noqa: E402
 
 FLEETS = ("local", "shared")

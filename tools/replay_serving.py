@@ -61,7 +61,7 @@ from replay_serving_workloads import (  # noqa: E402
     time_scale,
 )
 
-from tiered_kv.cost import ASSUMED_MFU  # noqa: E402
+from tiered_kv.prefill import ASSUMED_MFU  # noqa: E402
 
 #: The Mooncake paper's local cache (3M tokens) and the device cache of earlier replays.
 CPU_TOKENS = 3_000_000

@@ -28,7 +28,7 @@ token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
   ``c`` tokens of context, ``(2 x params x n + 4 x layers x hidden x (n x c + n(n+1)/2))
   / (mfu x peak FLOP/s)``: every token attends to itself and all before it. Load jobs
   start with it; store jobs (GPU -> CPU) start when it ends. A step that loads nothing
-  and whose tokens are prefill is timed (its work, ``tiered_kv.cost.prefill_work`` with
+  and whose tokens are prefill is timed (its work, ``tiered_kv.prefill.prefill_work`` with
   attention, and seconds) into ``LoadTimings`` as the product's connector times forward
   passes (``PREFILL``).
 - **Reports**: jobs that ended by a step's end are reported at the next step
@@ -67,7 +67,8 @@ from dataclasses import dataclass, field
 from replay_serving_stack import Stack
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
-from tiered_kv.cost import PREFILL, prefill_work
+from tiered_kv.cost import PREFILL
+from tiered_kv.prefill import prefill_work
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 
 _HIT, _PENDING, _RETRY = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY

@@ -249,8 +249,8 @@ def test_a_prefill_step_counts_its_tokens_by_the_context_they_attend_to():
 
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
-    from tiered_kv.cost import DEFAULT_ATTENTION_PER_TOKEN as A
-    from tiered_kv.cost import prefill_work
+    from tiered_kv.prefill import DEFAULT_ATTENTION_PER_TOKEN as A
+    from tiered_kv.prefill import prefill_work
     from tiered_kv.integrations.vllm.connector import prefill_step_tokens
 
     cached = replace(CachedRequestData.make_empty(), req_ids=["deep", "fresh"], num_computed_tokens=[60_000, 0])

@@ -10,14 +10,10 @@ import time
 import pytest
 
 from tiered_kv.config import ConfigError, TieredConfig, admit_after
-from tiered_kv.cost import (
-    DEFAULT_PREFILL_TOKENS_PER_S,
+from tiered_kv.cost import PREFILL, LoadCosts, PrefixScan, Queues, TierCost
+from tiered_kv.prefill import (
     DEFAULT_ATTENTION_PER_TOKEN,
-    PREFILL,
-    LoadCosts,
-    PrefixScan,
-    Queues,
-    TierCost,
+    DEFAULT_PREFILL_TOKENS_PER_S,
     attention_per_token,
     configured_prefill,
     estimate_prefill_tokens_per_s,

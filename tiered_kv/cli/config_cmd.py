@@ -288,7 +288,7 @@ def cost_table(
 ) -> Table:
     """Prefill tokens/s (given, else estimated with its formula) and the break-even load
     bandwidth per rank: what the load-versus-recompute decision starts from."""
-    from tiered_kv.cost import break_even, local_gpu_name, model_parameters
+    from tiered_kv.prefill import break_even, local_gpu_name, model_parameters
 
     if params is None:
         try:

@@ -68,7 +68,8 @@ from tiered_kv.abstract import (
     PrepareStoreOutput,
 )
 from tiered_kv.config import WRITE_POLICIES, TieredConfig
-from tiered_kv.cost import DEFAULT_PREFILL_TOKENS_PER_S, LoadCosts
+from tiered_kv.cost import LoadCosts
+from tiered_kv.prefill import DEFAULT_PREFILL_TOKENS_PER_S
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPU, CPULoadStoreSpec, ids_spec
 from tiered_kv.metrics import TieredStats

@@ -31,7 +31,7 @@ import torch
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig, admit_after
-from tiered_kv.cost import PrefillEstimate, configured_prefill
+from tiered_kv.prefill import PrefillEstimate, configured_prefill
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
 from tiered_kv.fingerprint import Fingerprint
@@ -166,7 +166,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
     @property
     def prefill(self) -> PrefillEstimate:
         """Prefill tokens/s the load-versus-recompute decision judges by, and their source
-        (``tiered_kv.cost.configured_prefill``)."""
+        (``tiered_kv.prefill.configured_prefill``)."""
         return configured_prefill(self.config.prefill_tokens_per_s, self.config.model_path, self.tp_size)
 
     def get_hit_checks(self, manager: TieredOffloadingManager) -> list[HitCheck]:

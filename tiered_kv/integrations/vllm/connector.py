@@ -60,7 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import Offlo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from tiered_kv.cost import LoadCosts, prefill_work
+from tiered_kv.cost import LoadCosts
+from tiered_kv.prefill import prefill_work
 from tiered_kv.worker.forward_timer import ForwardTimer
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def prefill_step_tokens(scheduler_output: Any, attention_per_token: float = 0.0)
     """The work of a step worth timing as prefill (vLLM's ``SchedulerOutput``), else 0.
     A request scheduled for more than one token beyond its speculative ones is in
     prefill (a decode step schedules one). The work is in linear tokens, each request's
-    tokens weighted by the context they attend to (``tiered_kv.cost.prefill_work``, the
+    tokens weighted by the context they attend to (``tiered_kv.prefill.prefill_work``, the
     decision's own measure), so a step deep into a long prompt does not pass for a
     slower GPU."""
     total = scheduler_output.total_num_scheduled_tokens

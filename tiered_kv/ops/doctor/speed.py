@@ -8,7 +8,7 @@ never answers), and removed. Reads the model's ``config.json`` where the model i
 
 Loading a token from a tier beats recomputing it only when the tier reads faster than
 ``KV bytes per token x prefill tokens per second`` (the break-even; README's rule), as
-``tiered_kv.cost.break_even`` computes it for ``tiered-kv config`` too: one rank's KV
+``tiered_kv.prefill.break_even`` computes it for ``tiered-kv config`` too: one rank's KV
 bytes at the prefill rate of the TP group (``--prefill-tps``, else the config's
 ``prefill_tokens_per_s``, else estimated for TP GPUs); the disk is compared with TP times
 that, as every rank of the node reads its shard from it at once.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import ConfigError, TieredConfig, format_size
-from tiered_kv.cost import break_even, local_gpu_name, model_parameters
+from tiered_kv.prefill import break_even, local_gpu_name, model_parameters
 from tiered_kv.ops.doctor.disk import existing_ancestor
 from tiered_kv.ops.doctor.report import OK, WARN, Check, skipped
 from tiered_kv.ops.presets import find_preset
@@ -141,7 +141,7 @@ def check_disk_speed(
     gpu: str | None = None,
 ) -> Check:
     """The disk tier's O_DIRECT read speed against ``geometry``'s break-even at TP ``tp``
-    (``tiered_kv.cost.break_even``): at ``prefill_tps``, else the config's
+    (``tiered_kv.prefill.break_even``): at ``prefill_tps``, else the config's
     ``prefill_tokens_per_s``, else the estimate for ``tp`` GPUs ``gpu`` (default: this
     machine's) and a model of ``parameters``; the default where those are unknown, said
     to be assumed."""
