@@ -10,12 +10,14 @@ would serve it, from token ``start`` on), with the engine's queues in view (``Qu
 
     cost(k) = sum over tiers t holding some of the first k blocks of
                   latency_t + (queued_t + blocks of t loaded) x block_t
-              - prefill of those k blocks x (1 + gpu_waiting)
+              - prefill of those k blocks x (1 + gpu_waiting + arrivals x R / 2)
 
 ``block_t`` is one block's load time at tier t's estimated bandwidth, ``queued_t`` the
 blocks already queued there (loads and writes in flight: this request waits behind
 them), ``gpu_waiting`` the requests waiting for their first GPU step (each would wait
-for a recompute too). The decision is ``argmin_k cost(k)`` over ``k = 0 .. n``: zero
+for a recompute too), and ``arrivals x R / 2`` those expected to arrive while the whole
+run recomputes (``R`` seconds, at the arrival rate the adapter reports through
+``note_arrival``), each waiting about half of it. The decision is ``argmin_k cost(k)`` over ``k = 0 .. n``: zero
 (load nothing, recompute everything) is always a candidate. An idle engine reduces this
 to comparing each block's load with its prefill; under load the GPU's queue makes
 recomputing dearer (a tier is a parallel resource) and a tier's queue makes loading
@@ -52,6 +54,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -67,6 +70,8 @@ PRIOR_LATENCY_S = {"CPU": 0.0, "DISK": 0.0, "REMOTE": 0.0}
 #: The timing type of a forward pass that was nearly all prefill (tokens, seconds),
 #: beside the load transfer types (``load_transfer_types``).
 PREFILL = "prefill"
+#: Arrivals counted over this many seconds for the rate of requests a recompute delays.
+ARRIVAL_WINDOW_S = 30.0
 
 
 class TierCost:
@@ -212,6 +217,7 @@ class LoadCosts:
         self.probe_queue_blocks = probe_queue_blocks
         self.clock = clock
         self.transfer_types = load_transfer_types(self.tiers)
+        self._arrivals: deque[float] = deque()  # request arrivals within ARRIVAL_WINDOW_S
         self._passed_over = dict.fromkeys(self.tiers, 0)  # decisions since the last probe
         self._since = dict.fromkeys(self.tiers, clock())  # when a tier was last sampled or probed
 
@@ -292,6 +298,21 @@ class LoadCosts:
         block = self.bytes_per_block / (tier.gbps * 1e9)
         return tier.latency_s + self.queues.tier_blocks.get(name, 0) * block, block
 
+    def note_arrival(self) -> None:
+        """A request arrived (the engine adapter's ``on_new_request``): the arrival rate."""
+        now = self.clock()
+        self._arrivals.append(now)
+        while now - self._arrivals[0] > ARRIVAL_WINDOW_S:
+            self._arrivals.popleft()
+
+    @property
+    def arrivals_per_s(self) -> float:
+        """Requests arrived per second over the last ``ARRIVAL_WINDOW_S``."""
+        now = self.clock()
+        while self._arrivals and now - self._arrivals[0] > ARRIVAL_WINDOW_S:
+            self._arrivals.popleft()
+        return len(self._arrivals) / ARRIVAL_WINDOW_S
+
     @property
     def gpu_delay(self) -> int:
         """The requests a recompute delays: its own, and those waiting for the GPU."""
@@ -314,7 +335,9 @@ class LoadCosts:
         if not n or not self.enabled:
             return LoadPlan(n, {})
         per_block: dict[str, float] = {}
-        gpu_delay = self.gpu_delay
+        # Requests arriving while the run is recomputed wait behind it too: about half its
+        # recompute each, at the arrival rate.
+        gpu_delay = self.gpu_delay + self.arrivals_per_s * self.recompute_seconds(n, 0, start) / 2
         score = best = 0.0
         best_k = k = best_run = 0
         for i, (name, m) in enumerate(runs):

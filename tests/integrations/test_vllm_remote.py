@@ -258,7 +258,7 @@ def test_under_vllm_a_bucket_slower_than_recomputing_is_passed_over_and_used_aga
     def serve(h: vh.VllmHarness, prompt: list[int]) -> vh.PrefixHit:
         h.reset_gpu_prefix_cache()
         req_id = h.add_request(prompt)
-        h.settle()
+        h.settle(max_steps=20_000)  # a load whose downloads stall waits out their 1 s timeouts
         _uploaded(h)
         assert h.manager.tier("remote").settle(WAIT)
         return h.prefix_hits[req_id]

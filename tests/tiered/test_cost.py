@@ -172,6 +172,27 @@ def test_under_load_the_gpu_queue_makes_recomputing_dearer_and_a_tier_s_queue_lo
     assert fast.plan(disk).blocks == 8
 
 
+def test_requests_arriving_while_a_long_run_recomputes_make_recomputing_it_dearer():
+    """At 3 GB/s (below the idle break-even) a 6,400-block run (102k tokens, 3.3 s to
+    recompute) is passed over with nobody arriving; at one arrival every 2 s, each
+    request arriving during that recompute waits about half of it, and the run loads.
+    Arrivals older than the window no longer count."""
+    now = [0.0]
+    c = costs(3.0, clock=lambda: now[0], probe_after_s=1e9)  # no probe: the plan alone
+    run = ["disk"] * 6400
+    assert c.plan(run).blocks == 0
+    for _ in range(15):  # 15 arrivals in 30 s
+        c.note_arrival()
+        now[0] += 2.0
+    assert c.arrivals_per_s == pytest.approx(0.5)
+    assert c.plan(run).blocks == 6400
+    assert c.plan(["disk"] * 8).blocks == 0  # a short run delays nobody much
+    now[0] += 60.0
+    c.note_arrival()
+    assert c.arrivals_per_s == pytest.approx(1 / 30)
+    assert c.plan(run).blocks == 0
+
+
 def test_attention_makes_blocks_deep_in_a_prompt_dearer_to_recompute():
     """Llama-3.1-8B's shape: blocks from token 0 load slower than they recompute at
     3 GB/s; 60k tokens into a prompt attention makes recomputing them 2x dearer."""

@@ -261,6 +261,8 @@ class TieredVllmManager(OffloadingManager, Closing):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._waiting.add(req_context.req_id)
+        if self.costs is not None:
+            self.costs.note_arrival()
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
