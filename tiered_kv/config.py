@@ -85,6 +85,20 @@ def parse_write_admission(value: Any, key: str) -> Any:
     )
 
 
+def parse_cpu_admission(value: Any, key: str) -> str:
+    """``"all"`` or ``"reuse(N)"`` (N >= 1): the uses a block needs before the CPU tier
+    ranks it as any other (until then it is first to evict)."""
+    m = _REUSE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
+    if value == "all":
+        return value
+    if m and int(m.group(1)) >= 1:
+        return f"reuse({int(m.group(1))})"
+    raise ConfigError(
+        f"{key}: expected 'all' or 'reuse(N)' with N >= 1 (the CPU tier keeps a block first to evict "
+        f"until it has been stored or hit N times), got {show(value)}"
+    )
+
+
 def admit_after(write_admission: Any, tier_name: str) -> int:
     """Stores-or-hits a block needs before it is written to ``tier_name`` (1 for ``all``)."""
     value = write_admission.get(tier_name, "all") if isinstance(write_admission, Mapping) else write_admission
@@ -159,6 +173,9 @@ class TieredConfig:
     #: Per lower tier: ``all`` (every block), or ``reuse(N)`` (a block once it has been
     #: stored or hit N times); one value for every lower tier, or a mapping by tier name.
     write_admission: Any = "all"
+    #: The CPU tier: ``all`` (every stored block ranks most recent), or ``reuse(N)`` (a
+    #: block ranks first to evict until it has been stored or hit N times).
+    cpu_admission: str = "all"
     #: Offloaded block size in tokens (a multiple of the engine's GPU block size).
     block_size: int | None = None
     model_id: str = "unknown"
@@ -196,6 +213,7 @@ class TieredConfig:
         "cost_aware": parse_bool,
         "prefill_tokens_per_s": _parse_positive_float,
         "write_admission": parse_write_admission,
+        "cpu_admission": parse_cpu_admission,
         "block_size": lambda v, k: None if v is None else parse_positive_int(v, k),
         "model_id": parse_text,
         "model_revision": parse_text,

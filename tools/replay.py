@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+import replay_policies  # noqa: E402
 import replay_raw  # noqa: E402
 import replay_sweep  # noqa: E402
 from benchlib import machine as machine_basics  # noqa: E402
@@ -115,6 +116,7 @@ def parse_args(argv):
     p.add_argument("--json", type=Path, help="write the raw results as JSON")
     p.add_argument("--gpu", action="store_true", help="the device KV cache on CUDA, raw limits of the GPU host")
     replay_sweep.add_args(p)
+    replay_policies.add_args(p)
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     known = CONFIGS + ("cpu+disk-direct", "cpu+disk-always")
@@ -356,6 +358,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.policies:
+        return replay_policies.main_policies(args, sys.argv[1:] if argv is None else argv)
     if args.disk_gbps is not None:
         command = "python tools/replay.py " + " ".join(sys.argv[1:] if argv is None else argv)
         body = replay_sweep.main_sweep(args, log)

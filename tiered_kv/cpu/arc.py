@@ -23,6 +23,11 @@ it only stored (still pending, or landed) keeps its list and moves to that list'
 recent end; a block it read (a load, or offered again once loadable) counts as one use,
 T1 to T2. Blocks in the chain it did not use, such as another request's store still in
 flight, are ranked by the touch alone, so they end below the request's own blocks.
+
+Blocks that ``cpu_admission`` does not admit yet are in neither list: they go before
+both (``CPUOffloadingManager``'s ``_cold``), and leave no ghost when evicted, since
+ARC did not choose them. Once admitted a block joins T1 as a new one, and the use
+that admitted it moves it to T2 when its request ends.
 """
 
 from __future__ import annotations
@@ -37,8 +42,15 @@ from tiered_kv.cpu.manager import CPUOffloadingManager
 class ARCOffloadingManager(CPUOffloadingManager):
     """``CPUOffloadingManager`` with ARC's eviction order (module docstring)."""
 
-    def __init__(self, num_slots: int, block_size: int, enable_events: bool = True):
-        super().__init__(num_slots, block_size, enable_events)
+    def __init__(
+        self,
+        num_slots: int,
+        block_size: int,
+        enable_events: bool = True,
+        admit_after: int = 1,
+        admission_history: int | None = None,
+    ):
+        super().__init__(num_slots, block_size, enable_events, admit_after, admission_history)
         self._t1: OrderedDict[int, None] = OrderedDict()
         self._t2: OrderedDict[int, None] = OrderedDict()
         self._b1: OrderedDict[BlockHash, None] = OrderedDict()
@@ -60,6 +72,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
     def _arc_order(self, excluded: Collection[BlockHash]) -> Iterator[int]:
         """Slots in eviction order, skipping blocks in ``excluded``."""
         hash_by_slot = self._hash_by_slot
+        yield from (s for s in self._cold if hash_by_slot[s] not in excluded)
         t1 = (s for s in self._t1 if hash_by_slot[s] not in excluded)
         t2 = (s for s in self._t2 if hash_by_slot[s] not in excluded)
         t1_size = len(self._t1)
@@ -112,9 +125,23 @@ class ARCOffloadingManager(CPUOffloadingManager):
         for slot in reversed(slots):
             t1[slot] = None
 
-    def _order_touch(self, slots: list[int]) -> None:
-        t1, t2, hash_by_slot, pending = self._t1, self._t2, self._hash_by_slot, self._pending
+    def _order_cold(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
+        for block_hash in block_hashes:
+            self._b1.pop(block_hash, None)
+            self._b2.pop(block_hash, None)
+        super()._order_cold(block_hashes, slots)
+
+    def _order_warm(self, slots: list[int]) -> None:
+        awaiting, t1 = self._awaiting_touch, self._t1
         for slot in reversed(slots):
+            awaiting.setdefault(self._occupant(slot), False)
+            t1[slot] = None
+
+    def _order_touch(self, slots: list[int]) -> None:
+        t1, t2, hash_by_slot, pending, cold = self._t1, self._t2, self._hash_by_slot, self._pending, self._cold
+        for slot in reversed(slots):
+            if cold and slot in cold:
+                continue
             if slot in t1 and hash_by_slot[slot] not in pending:
                 del t1[slot]
                 t2[slot] = None
@@ -141,6 +168,8 @@ class ARCOffloadingManager(CPUOffloadingManager):
             if read is None:
                 continue
             slot = slot_by_hash[block_hash]
+            if slot in self._cold:
+                continue
             if slot in t1:
                 if read:
                     del t1[slot]
@@ -151,16 +180,17 @@ class ARCOffloadingManager(CPUOffloadingManager):
                 t2.move_to_end(slot)
 
     def _order_refresh(self, slots: list[int]) -> None:
-        t1, t2 = self._t1, self._t2
+        t1, t2, cold = self._t1, self._t2, self._cold
         for slot in reversed(slots):
-            (t1 if slot in t1 else t2).move_to_end(slot)
+            if not cold or slot not in cold:
+                (t1 if slot in t1 else t2).move_to_end(slot)
 
     def _release(self, block_hash: BlockHash) -> int:
         self._awaiting_touch.pop(block_hash, None)
         return super()._release(block_hash)
 
     def _order_release(self, slot: int) -> None:
-        if self._t1.pop(slot, 0) is None:
+        if self._cold.pop(slot, 0) is None or self._t1.pop(slot, 0) is None:
             return
         self._t2.pop(slot, None)
 
@@ -175,9 +205,11 @@ class ARCOffloadingManager(CPUOffloadingManager):
             return None
         victims = list(map(self._occupant, slots))
         for block_hash, slot in zip(victims, slots):
-            ghosts = self._b1 if self._t1.pop(slot, 0) is None else self._b2
-            self._t2.pop(slot, None)
-            ghosts[block_hash] = None
+            # A block not admitted yet was not ARC's choice to evict: it leaves no ghost.
+            if self._cold.pop(slot, 0) is not None:
+                ghosts = self._b1 if self._t1.pop(slot, 0) is None else self._b2
+                self._t2.pop(slot, None)
+                ghosts[block_hash] = None
             self._awaiting_touch.pop(block_hash, None)
             del self._slot_by_hash[block_hash]
             self._hash_by_slot[slot] = None

@@ -23,6 +23,15 @@ whose keys churn (256 out, 256 in per store) rebuilds itself every ``2 x capacit
 entries, 212 ms at 1M on the benchmark VM). Only the plain ``hash -> slot`` dict
 churns (its rebuild costs 8 and 90 ms there).
 
+Admission (``cpu_admission: reuse(N)``, ``admit_after`` N > 1): a block enters only
+once it has been used N times (offered to a store, or loaded), counted by the
+composite's ``WriteAdmission`` rule over a bounded history of recent blocks. Every
+lower tier is written from a CPU slot, so a block not admitted yet still takes one
+(the store, its events and its lower-tier writes are as without admission), but it
+is kept apart, first to evict: those blocks go before any other, oldest first, the
+deepest of a request first. A touch leaves them there; once admitted (a later use:
+a load, or an offer while it is still here) a block ranks as any other.
+
 The state is kept in containers of hashes and ints only (``hash -> slot``, ``slot ->
 hash``, the set of pending hashes, ``hash -> readers`` for pinned blocks), never one
 object per block: a tier of a million blocks adds nothing for Python's cyclic garbage
@@ -34,11 +43,18 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
-from itertools import filterfalse, islice
+from itertools import chain, filterfalse, islice
 from typing import cast
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
+from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.admission import WriteAdmission
+
+#: Blocks the admission history remembers, per CPU slot: a block's second use counts
+#: as one only while the first is remembered (the measured choice: tools/replay.py
+#: --policies).
+ADMISSION_HISTORY_PER_SLOT = 4
 
 
 def _short(block_hash: BlockHash) -> str:
@@ -50,23 +66,40 @@ class CPUOffloadingManager(OffloadingManager):
 
     ``block_size`` (tokens per offloaded block) only labels events. With
     ``enable_events`` every state change a consumer can see (stored, evicted,
-    removed) is reported with medium ``"CPU"`` by ``take_events``.
+    removed) is reported with medium ``"CPU"`` by ``take_events``. ``admit_after``:
+    the uses a block needs before it ranks as any other (1: every block; module
+    docstring), remembered for ``admission_history`` blocks (default
+    ``ADMISSION_HISTORY_PER_SLOT`` per slot).
 
     Beyond the seed API, the composite manager uses ``num_slots``, ``num_free_slots``,
     ``iter_evictable``, ``evict``, ``missing_among``, ``remove``, ``slot_of``,
     ``is_loadable``, ``in``, ``pin``/``unpin`` and ``allocate``.
     """
 
-    def __init__(self, num_slots: int, block_size: int, enable_events: bool = True):
+    def __init__(
+        self,
+        num_slots: int,
+        block_size: int,
+        enable_events: bool = True,
+        admit_after: int = 1,
+        admission_history: int | None = None,
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        history = ADMISSION_HISTORY_PER_SLOT * num_slots if admission_history is None else admission_history
+        #: ``cpu_admission``'s rule; its ``stats`` count the blocks not admitted (``cpu``).
+        self.admission = WriteAdmission([admit_after], ["cpu"], history, TieredStats())
+        self._admitting = admit_after > 1
+        # Slots of blocks not admitted yet, in eviction order: evicted before any other.
+        self._cold: OrderedDict[int, None] = OrderedDict()
         self._num_slots = num_slots
         self.block_size = block_size
         self._slot_by_hash: dict[BlockHash, int] = {}  # pending and loadable blocks
         self._hash_by_slot: list[BlockHash | None] = [None] * num_slots
         #: ``_hash_by_slot[slot]`` for a slot known to be taken (so never None).
         self._occupant = cast("Callable[[int], BlockHash]", self._hash_by_slot.__getitem__)
-        # Every slot: the free ones first (in any order), then the others, least recent first.
+        # Every slot: the free ones and those in ``_cold`` first (in any order), then the
+        # others, least recent first.
         self._order: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
         self._pending: set[BlockHash] = set()  # reserved, bytes in flight: not loadable
         self._readers: dict[BlockHash, int] = {}  # loadable blocks pinned by loads
@@ -113,9 +146,11 @@ class CPUOffloadingManager(OffloadingManager):
         return block_hash in self._slot_by_hash and block_hash not in self._pending
 
     def iter_lru(self) -> Iterator[BlockHash]:
-        """Pending and loadable blocks, least recent first. Lazy: do not change the
-        manager while iterating."""
-        return map(self._occupant, islice(self._order, len(self._free), None))
+        """Pending and loadable blocks in eviction order: those not admitted yet, then
+        the others least recent first. Lazy: do not change the manager while iterating."""
+        cold = self._cold
+        rest = map(self._occupant, islice(self._order, len(self._free) + len(cold), None))
+        return chain(map(self._occupant, cold), rest) if cold else rest
 
     def iter_evictable(self, protected: Collection[BlockHash] = ()) -> Iterator[BlockHash]:
         """Unpinned loadable blocks not in ``protected``, in eviction order. Lazy: do
@@ -138,6 +173,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         block_hashes = list(block_hashes)
+        self.note_uses(block_hashes)
         self.pin(block_hashes)
         return CPULoadStoreSpec(self.slots_of(block_hashes))
 
@@ -153,6 +189,7 @@ class CPUOffloadingManager(OffloadingManager):
         (None, changing nothing, when room cannot be made otherwise); afterwards the
         offered blocks rank most recent, the first of them most recent of all."""
         offered = list(dict.fromkeys(block_hashes))
+        self.note_uses(offered)
         blocks = self._slot_by_hash
         new = list(filterfalse(blocks.__contains__, offered))
         evicted: list[BlockHash] = []
@@ -201,6 +238,8 @@ class CPUOffloadingManager(OffloadingManager):
             if n == 0:
                 self._num_evictable -= 1
             readers[block_hash] = n + 1
+        if self._cold:
+            self._warm_admitted(block_hashes)
 
     def unpin(self, block_hashes: Iterable[BlockHash]) -> None:
         """Drop one reader from each block. All or nothing: raises ``ValueError``
@@ -222,6 +261,13 @@ class CPUOffloadingManager(OffloadingManager):
                 del readers[block_hash]
                 self._num_evictable += 1
 
+    def note_uses(self, block_hashes: Iterable[BlockHash]) -> None:
+        """A use of each block (offered to a store, or loaded), as ``cpu_admission``
+        counts them. The seed API calls it itself; the composite calls it for its own
+        ``prepare_store`` and ``prepare_load``."""
+        if self._admitting:
+            self.admission.note(list(block_hashes))
+
     def note_store_misses(self, block_hashes: Iterable[BlockHash]) -> None:
         """``block_hashes`` (absent here) are about to be stored or promoted, before room
         is made for them. LRU ignores it; ARC adapts its target to blocks it evicted
@@ -230,7 +276,11 @@ class CPUOffloadingManager(OffloadingManager):
     def rank_request(self, block_hashes: Iterable[BlockHash]) -> None:
         """Rank a stored request's blocks (in request order) most recent, the first
         most recent of all, without counting it as a use (ARC keeps them where they
-        are in its lists)."""
+        are in its lists). Blocks not admitted yet stay first to evict unless admitted
+        now."""
+        if self._cold:
+            block_hashes = list(block_hashes)
+            self._warm_admitted(block_hashes)
         self._order_refresh(self._present_slots(block_hashes))
 
     def allocate(
@@ -292,8 +342,31 @@ class CPUOffloadingManager(OffloadingManager):
         for block_hash, slot in zip(block_hashes, slots):
             hash_by_slot[slot] = block_hash
         self._pending.update(block_hashes)
+        if self._admitting:
+            admitted = self.admission.admitted(0, block_hashes)
+            if len(admitted) < len(block_hashes):
+                self._insert_split(block_hashes, slots, set(admitted))
+                return slots
         self._order_insert(block_hashes, slots)
         return slots
+
+    def _insert_split(self, block_hashes: list[BlockHash], slots: list[int], admitted: set[BlockHash]) -> None:
+        """Rank new blocks: the ``admitted`` ones most recent, the others first to evict."""
+        pairs = list(zip(block_hashes, slots))
+        warm = [(h, s) for h, s in pairs if h in admitted]
+        if warm:
+            self._order_insert([h for h, _ in warm], [s for _, s in warm])
+        self._order_cold([h for h, _ in pairs if h not in admitted], [s for h, s in pairs if h not in admitted])
+
+    def _warm_admitted(self, block_hashes: list[BlockHash]) -> None:
+        """Blocks kept first to evict that ``cpu_admission`` admits now (at their Nth
+        use) leave that place and rank as any other block from here on."""
+        cold, get, admits = self._cold, self._slot_by_hash.get, self.admission.admits
+        slots = [s for h in block_hashes if (s := get(h)) is not None and s in cold and admits(0, h)]
+        for slot in slots:
+            del cold[slot]
+        if slots:
+            self._order_warm(slots)
 
     def remove(self, block_hash: BlockHash) -> int:
         """Drop an unpinned loadable block, report it removed, and return its (now
@@ -332,16 +405,32 @@ class CPUOffloadingManager(OffloadingManager):
             to_end(slot)
 
     def _order_touch(self, slots: list[int]) -> None:
-        """A use of the blocks in ``slots`` (request order): the first ends most recent."""
-        to_end = self._order.move_to_end
+        """A use of the blocks in ``slots`` (request order): the first ends most recent.
+        Blocks not admitted yet stay first to evict."""
+        to_end, cold = self._order.move_to_end, self._cold
         for slot in reversed(slots):
-            to_end(slot)
+            if not cold or slot not in cold:
+                to_end(slot)
 
     _order_refresh = _order_touch  # for LRU, ranking a request is a use
+
+    def _order_cold(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
+        """New blocks not admitted (request order) go first to evict, after those kept
+        there before; the deepest of them first, since a prefix hit needs the head.
+        Their slots stay where the free ones are in ``_order``."""
+        cold = self._cold
+        for slot in reversed(slots):
+            cold[slot] = None
+
+    def _order_warm(self, slots: list[int]) -> None:
+        """Slots just taken out of ``_cold`` join the ranked ones, most recent."""
+        self._order_touch(slots)
 
     def _order_release(self, slot: int) -> None:
         """``slot`` was freed (not evicted): it joins the free ones, in front."""
         self._order.move_to_end(slot, last=False)
+        if self._cold:
+            self._cold.pop(slot, None)
 
     def _take_victims(self, n: int, protected: Collection[BlockHash]) -> tuple[list[BlockHash], list[int]] | None:
         """Free the first ``n`` evictable blocks not in ``protected`` in eviction order
@@ -352,13 +441,21 @@ class CPUOffloadingManager(OffloadingManager):
         # Usually the n slots right after the free ones: in-flight stores are the most
         # recent blocks, pinned ones were just looked up, and a request's own blocks
         # were ranked most recent when it was stored.
-        slots = list(islice(self._order, len(free), len(free) + n))  # already where free slots go
+        # Blocks not admitted go first; their slots are already where free slots go.
+        cold = self._cold
+        taken_cold = min(n, len(cold))
+        front = len(free) + len(cold)
+        slots = list(islice(self._order, front, front + n - taken_cold))  # already where free slots go
+        if taken_cold:
+            slots[:0] = islice(cold, taken_cold)
         victims = list(map(self._occupant, slots))
         if (
             (not pending or pending.isdisjoint(victims))
             and (not readers or readers.keys().isdisjoint(victims))
             and (not protected or set(protected).isdisjoint(victims))
         ):
+            for _ in range(taken_cold):
+                cold.popitem(last=False)
             for block_hash in victims:
                 del slot_by_hash[block_hash]
             for slot in slots:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tiered_kv.abstract import LoadStoreSpec, OffloadingManager
-from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.config import ConfigError, TieredConfig, admit_after
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
@@ -67,7 +67,11 @@ class CPUOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         return cpu_tier_manager(
-            self.config.eviction_policy, self.num_cpu_slots, self.offloaded_block_size, enable_events=self.enable_events
+            self.config.eviction_policy,
+            self.num_cpu_slots,
+            self.offloaded_block_size,
+            enable_events=self.enable_events,
+            admit_after=admit_after(self.config.cpu_admission, "cpu"),
         )
 
     def get_handlers(

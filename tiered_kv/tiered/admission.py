@@ -1,9 +1,12 @@
-"""Write admission of the lower tiers: ``write_admission: all | reuse(N)`` per tier.
+"""Admission by reuse: ``write_admission: all | reuse(N)`` per lower tier, and
+``cpu_admission: all | reuse(N)`` for the CPU tier.
 
-Scheduler process, inside the composite manager; no I/O. A block is written into a
-lower tier with ``admit_after`` N > 1 only once it has been stored or hit N times,
-counted over a bounded history of recent blocks (the oldest forgotten first), so a
-block used once costs no lower-tier write.
+Scheduler process, inside the composite manager (and the CPU tier's manager); no I/O.
+A block is written into a lower tier with ``admit_after`` N > 1 only once it has been
+stored or hit N times, counted over a bounded history of recent blocks (the oldest
+forgotten first), so a block used once costs no lower-tier write. The CPU tier uses
+the same rule to rank a block it does not admit yet first to evict
+(``tiered_kv.cpu.manager``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class WriteAdmission:
             uses[h] = uses.pop(h, 0) + 1
         while len(uses) > self.bound:
             uses.popitem(last=False)
+
+    def admits(self, i: int, block_hash: BlockHash) -> bool:
+        """Whether tier ``i`` takes ``block_hash`` now; counts nothing."""
+        n, uses = self.admit_after[i], self._uses
+        return n <= 1 or uses is None or uses.get(block_hash, 0) >= n
 
     def admitted(self, i: int, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """The members of ``block_hashes`` lower tier ``i`` takes now, in order."""

@@ -41,7 +41,8 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
 - **Write admission**: a lower tier with ``admit_after`` N > 1 (``write_admission:
   reuse(N)``) is written a block only once the block has been stored or hit N times
   (counted over a bounded history of recent blocks); a CPU victim not yet admitted
-  anywhere leaves the hierarchy (``not_admitted``).
+  anywhere leaves the hierarchy (``not_admitted``). ``cpu_admission: reuse(N)`` ranks a block first
+  to evict in CPU until its Nth use (it still lands there: lower tiers are written from CPU slots).
 - ``block_hashes_evicted`` lists only blocks that left the whole hierarchy.
 - **A store never evicts its own request** (vLLM's contract): the blocks offered to one
   ``prepare_store`` are no victim in any tier, neither of the CPU cascade nor of the
@@ -165,6 +166,7 @@ class TieredOffloadingManager(OffloadingManager):
         self.costs = costs
         admit = [admit_after] * len(tiers) if isinstance(admit_after, int) else list(admit_after)
         self.admission = WriteAdmission(admit, names, 2 * (cpu.num_slots + sum(t.capacity for t in tiers)), self.stats)
+        cpu.admission.stats = self.stats  # the CPU tier's not_admitted beside the other counters
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``, ...), or None."""
@@ -278,6 +280,7 @@ class TieredOffloadingManager(OffloadingManager):
                 )
             sources.append(source)
         self.admission.note(block_hashes)
+        self.cpu.note_uses(block_hashes)
         cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
         self._cpu_loads.update(cpu_hashes)
@@ -465,6 +468,7 @@ class TieredOffloadingManager(OffloadingManager):
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         offered = list(dict.fromkeys(block_hashes))
         self.admission.note(offered)  # every use of a block offers it again
+        self.cpu.note_uses(offered)  # cpu_admission: not admitted yet, a block ranks first to evict
         to_store = missing = self.cpu.missing_among(offered)
         for tier in self.lower:
             if not to_store:

@@ -128,7 +128,11 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
 
     def get_manager(self) -> TieredOffloadingManager:
         cpu = cpu_tier_manager(
-            self.config.eviction_policy, self.num_cpu_slots, self.offloaded_block_size, enable_events=self.enable_events
+            self.config.eviction_policy,
+            self.num_cpu_slots,
+            self.offloaded_block_size,
+            enable_events=self.enable_events,
+            admit_after=admit_after(self.config.cpu_admission, "cpu"),
         )
         lower = []
         try:
