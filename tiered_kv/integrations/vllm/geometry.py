@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, compute_layout_strides
+from vllm.v1.kv_cache_layout import KVCacheLayout as VllmKVCacheLayout
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
@@ -47,7 +48,11 @@ _OTHER_SPECS_KEYS = {
     "disk writes with max_pending_disk_writes",
 }
 
-_BOOL_PASSTHROUGH = ("offload_prompt_only", "self_describing_kv_events", "canonical_layout")
+_BOOL_PASSTHROUGH = ("offload_prompt_only", "self_describing_kv_events", "canonical_layout", "canary")
+
+#: Our keys that ``TieredConfig`` does not parse: ``canary`` (default true) runs the
+#: worker's start-up canary (``canary.py``).
+_SPEC_KEYS = ("canary",)
 
 
 def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
@@ -83,7 +88,7 @@ def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
     for key in ("spec_name", "spec_module_path"):
         if key in extra and not isinstance(extra[key], str):
             raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
-    return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
+    return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS + _SPEC_KEYS)
 
 
 def check_extra_hash_algorithm(cfg: TieredConfig) -> None:
@@ -177,6 +182,39 @@ class VllmGeometry:
             num_cpu_slots,
             _fingerprint(config, cfg, extra),
         )
+
+
+def attention_page_view(
+    pages: torch.Tensor, layer: int, num_layers: int, shape: tuple[int, int, int], dtype: torch.dtype, layout: str
+) -> torch.Tensor:
+    """The worker's page geometry: layer ``layer`` of ``num_layers`` held in a canonical
+    ``(num_blocks, page)`` int8 tensor, viewed as vLLM's logical ``(B, H, N, C)`` attention
+    cache (``shape``: ``(H, N, C)`` in elements of ``dtype``), assuming pages in vLLM's
+    KV-cache layout ``layout`` (a ``KVCacheLayout`` name: the one vLLM reports and the disk
+    namespace records). Strides come from vLLM's own ``compute_layout_strides``; the
+    block stride is the tensor's (padding and packed layers included). Several layers in
+    one tensor are vLLM's block-outermost (packed) layouts."""
+    heads, tokens, content = shape
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    spec = FullAttentionSpec(block_size=tokens, num_kv_heads=heads, head_size=content, head_size_v=0, dtype=dtype)
+    num_blocks = pages.shape[0]
+    strides = compute_layout_strides(
+        spec, num_blocks, num_layers, VllmKVCacheLayout[layout], fixed_strides=(None, pages.stride(0), None, None, None)
+    )
+    view = torch.as_strided(
+        pages,
+        (num_layers, num_blocks, heads, tokens, content * itemsize),
+        strides,
+        storage_offset=pages.storage_offset(),
+    )
+    return view[layer].view(dtype)
+
+
+def kv_content(content: int, head_size: int) -> tuple[slice, slice]:
+    """Where K and V sit in the content axis of an attention page cell (``content``
+    elements): K's ``head_size`` elements, then V's, as vLLM's ``AttentionSpec`` sizes
+    a cell (``head_size + head_size_v``)."""
+    return slice(0, head_size), slice(head_size, content)
 
 
 def offline_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> VllmGeometry:

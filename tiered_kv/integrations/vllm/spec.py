@@ -56,7 +56,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.disk.format.namespace import slot_size_for
-from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, metric_definitions
+from tiered_kv.integrations.vllm.canary import CanaryPlan
+from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, find_vllm_config, metric_definitions
 from tiered_kv.integrations.vllm.connector import failed_loads_recomputed
 from tiered_kv.integrations.vllm.geometry import VllmGeometry, check_extra_hash_algorithm, parse_extra_config
 from tiered_kv.integrations.vllm.manager import build_manager
@@ -150,5 +151,19 @@ class TieredOffloadingSpec(OffloadingSpec):
                 self.geometry,
                 self.config.engine_id,
                 recompute_failed_loads=self.failed_loads_recomputed,
+                canary=self.canary_plan(),
             )
         return self._worker
+
+    def canary_plan(self) -> CanaryPlan | None:
+        """What the worker's start-up canary (``canary.py``) checks, or None with
+        ``canary: false``."""
+        if not self.tiered_config.passthrough.get("canary", True):
+            return None
+        vc = find_vllm_config()
+        mc = getattr(vc, "model_config", None)
+        return CanaryPlan(
+            tuple(tuple(g.layer_names) for g in self.config.groups),
+            self.config.kv_cache_layout,
+            mc.get_head_size() if mc is not None else None,
+        )

@@ -39,6 +39,7 @@ disk, a server lost between the two reads) - which is logged as an error naming 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from tiered_kv.abstract import Closing
 from tiered_kv.config import ConfigError
 from tiered_kv.cost import PREFILL
 from tiered_kv.cpu.handlers import LOAD_PRIORITY, STORE_PRIORITY, SingleDirectionOffloadingHandler
+from tiered_kv.integrations.vllm.canary import CanaryPlan, engine_kv_tensors, run_canary
 from tiered_kv.integrations.vllm.common import CounterIncreases, TieredJobSpec
 from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
@@ -136,6 +138,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         engine_id: str,
         *,
         recompute_failed_loads: bool = False,
+        canary: CanaryPlan | None = None,
     ):
         self.factor = g.blocks_per_chunk
         self.layout = canonical_layout(kv_caches, g.tokens_per_block, g.blocks_per_chunk)
@@ -167,6 +170,21 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         self.store_handler, self.load_handler = self.hierarchy.build_handlers(
             gpu_to_cpu, cpu_to_gpu, gpu, gpu_block_granular=True, store_bytes_per_block=self.kernel_bytes
         )
+        if canary is not None:
+            # Before any observer or shared map sees a transfer, and uncounted: the
+            # canary's two jobs are no load timing, no served transfer, and touch no
+            # slot the scheduler tracks.
+            counted = copy.deepcopy(self.stats.transfers)
+            try:
+                run_canary(self, kv_caches, canary, engine_kv_tensors(), gpu_rows)
+                self.stats.transfers.clear()
+                self.stats.transfers.update(counted)
+                self.stats.latencies.drain()
+            except BaseException:
+                self.store_handler.shutdown()
+                self.load_handler.shutdown()
+                self.hierarchy.close()
+                raise
         self.health = SlotHealth.for_engine(engine_id, g.num_cpu_slots)
         #: Every finished transfer's time, for the scheduler's per-tier load costs.
         self.timings = LoadTimings.for_engine(

@@ -1,0 +1,147 @@
+"""The worker's start-up canary (``tiered_kv/integrations/vllm/canary.py``) inside vLLM 0.33's
+real worker connector (tests/support/vllm_harness.py, ``worker="real"``, CPU tensors): it
+passes on the KV-cache layouts vLLM allocates (layer-outermost head-major and token-major,
+block-outermost), restores the blocks it borrowed, refuses to start when the worker's page
+geometry disagrees with the engine's tensors (heads and tokens, K and V) or the handlers
+route GPU blocks wrongly, naming the tier, the layer and the axis, and is skipped with
+``canary: false``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM is not installed (make venv installs it)",
+    exc_type=ImportError,
+)
+
+import torch  # noqa: E402
+from support import vllm_harness as vh  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
+from vllm.v1.kv_cache_interface import create_kv_cache_views  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+import tiered_kv.integrations.vllm.worker as worker_module  # noqa: E402
+from tiered_kv.config import ConfigError  # noqa: E402
+from tiered_kv.integrations.vllm import geometry  # noqa: E402
+from tiered_kv.integrations.vllm.canary import CanaryError  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+BLOCK = 16
+SPEC = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm", "cpu_bytes": "64KiB"}
+PASSED = "start-up canary passed"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return vh.write_model_config(tmp_path_factory.mktemp("model"))
+
+
+class LayoutHarness(vh.VllmHarness):
+    """The harness with the engine's KV tensors allocated as vLLM's model runner does for
+    the config's KV-cache layout: one backing buffer, per-layer views from vLLM's own
+    ``create_kv_cache_views`` (the tensors its attention layers hold), registered with
+    vLLM's worker connector."""
+
+    def _build_worker(self) -> None:
+        layout = KVCacheLayout[self.vllm_config.cache_config.kv_cache_layout]
+        group = self.kv_cache_config.kv_cache_groups[0]
+        spec, names = group.kv_cache_spec, group.layer_names
+        tensor = self.kv_cache_config.kv_cache_tensors[0]
+        if not layout.is_layer_compact:  # a block of every layer's pages
+            tensor.layer_stride, tensor.block_stride = spec.page_size_bytes, spec.page_size_bytes * len(names)
+        raw = torch.zeros(tensor.size, dtype=torch.int8)
+        self.kv_caches.update(
+            zip(names, create_kv_cache_views(raw, spec, self.kv_cache_config.num_blocks, layout, tensor))
+        )
+        with set_current_vllm_config(self.vllm_config):
+            self.worker_connector = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.worker_connector.register_kv_caches(self.kv_caches)
+
+
+def _build(model_dir, layout: str | None = "LBHNC", **extra) -> vh.VllmHarness:
+    """An engine of 32 GPU blocks, chunks of 2 GPU blocks, KV tensors in ``layout``
+    (None: the plain harness's tensors, layout left unresolved)."""
+    config = {**SPEC, "block_size": 2 * BLOCK, **extra}
+    cls = vh.VllmHarness if layout is None else LayoutHarness
+    return cls.build(model_dir, config, num_gpu_blocks=32, block_size=BLOCK, worker="real", kv_cache_layout=layout)
+
+
+@pytest.mark.parametrize("layout", [None, "LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_the_canary_passes_on_every_layout_and_returns_the_blocks_it_borrowed(model_dir, layout, caplog):
+    caplog.set_level(logging.INFO, logger="tiered_kv.integrations.vllm.canary")
+    with _build(model_dir, layout) as h:
+        passed = [r.getMessage() for r in caplog.records if PASSED in r.getMessage()]
+        assert len(passed) == 1 and "2 layers" in passed[0] and "GPU -> cpu -> GPU" in passed[0]
+        # The spare blocks (the last 4) hold what they held before: zeros.
+        for t in h.kv_caches.values():
+            assert not t.view(torch.int8 if t.element_size() == 1 else torch.int16).any()
+        # And the engine serves: a prompt stored, then loaded back from the CPU tier.
+        prompt = [100 + i % 800 for i in range(4 * BLOCK)]
+        h.add_request(prompt)
+        h.run()
+        h.scheduler.reset_prefix_cache()
+        req = h.add_request(prompt, max_tokens=2)
+        h.step()
+        assert h.prefix_hits[req].external > 0 and all(h.kv_matches(req))
+        h.run()
+
+
+def _swap_heads_and_tokens(real):
+    def planted(pages, layer, num_layers, shape, dtype, layout):
+        other = {"LBHNC": "LBNHC", "LBNHC": "LBHNC", "BLHNC": "BLNHC", "BLNHC": "BLHNC"}[layout]
+        return real(pages, layer, num_layers, shape, dtype, other)
+
+    return planted
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC"])
+def test_a_page_geometry_with_heads_and_tokens_swapped_refuses_the_start(model_dir, layout, monkeypatch):
+    monkeypatch.setattr(geometry, "attention_page_view", _swap_heads_and_tokens(geometry.attention_page_view))
+    with pytest.raises(CanaryError) as err:
+        _build(model_dir, layout)
+    message = str(err.value)
+    assert "the cpu tier returns KV" in message
+    assert "layer model.layers.0.self_attn.attn" in message
+    assert "KV heads and tokens are swapped" in message
+
+
+def test_a_page_geometry_with_k_and_v_swapped_refuses_the_start(model_dir, monkeypatch):
+    real = geometry.kv_content
+    monkeypatch.setattr(geometry, "kv_content", lambda content, head_size: real(content, head_size)[::-1])
+    with pytest.raises(
+        CanaryError, match=r"the cpu tier .* layer model\.layers\.0\.self_attn\.attn .*: K and V are swapped"
+    ):
+        _build(model_dir)
+
+
+def test_handlers_that_route_gpu_blocks_wrongly_refuse_the_start(model_dir, monkeypatch):
+    real, calls = worker_module.gpu_rows, []
+
+    def stores_reversed(spec, f, n):  # the store (the first job) takes a chunk's blocks back to front
+        calls.append(spec)
+        rows = real(spec, f, n)
+        return rows[:, ::-1].copy() if len(calls) == 1 else rows
+
+    monkeypatch.setattr(worker_module, "gpu_rows", stores_reversed)
+    with pytest.raises(CanaryError, match=r"layer model\.layers\.0\.self_attn\.attn .*: GPU blocks are out of place"):
+        _build(model_dir)
+
+
+def test_canary_false_skips_it(model_dir, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="tiered_kv.integrations.vllm.canary")
+    monkeypatch.setattr(geometry, "attention_page_view", _swap_heads_and_tokens(geometry.attention_page_view))
+    with _build(model_dir, canary=False) as h:
+        assert h.worker_connector is not None
+    assert not [r for r in caplog.records if "canary" in r.getMessage()]
+
+
+def test_a_canary_value_that_is_not_a_boolean_is_refused(model_dir):
+    with pytest.raises(ConfigError, match="canary: expected true or false .*got 'no'"):
+        _build(model_dir, canary="no")
