@@ -70,15 +70,20 @@ HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 _REUSE_RE = re.compile(r"^reuse\((\d+)\)$")
 
 
+def _admission_rule(value: Any) -> str | None:
+    """``"all"`` or ``"reuse(N)"`` (N >= 1, spaces ignored) in its canonical spelling, else None."""
+    if value == "all":
+        return value
+    m = _REUSE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
+    return f"reuse({int(m.group(1))})" if m and int(m.group(1)) >= 1 else None
+
+
 def parse_write_admission(value: Any, key: str) -> Any:
     """``"all"``, ``"reuse(N)"`` (N >= 1), or a mapping of lower-tier name to one of those."""
     if isinstance(value, Mapping):
         return {str(k): parse_write_admission(v, f"{key}.{k}") for k, v in value.items()}
-    m = _REUSE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
-    if value == "all":
-        return value
-    if m and int(m.group(1)) >= 1:
-        return f"reuse({int(m.group(1))})"
+    if (rule := _admission_rule(value)) is not None:
+        return rule
     raise ConfigError(
         f"{key}: expected 'all', 'reuse(N)' with N >= 1 (write a block to a lower tier once it has "
         f"been stored or hit N times), or a mapping of tier name to one of those, got {show(value)}"
@@ -88,11 +93,8 @@ def parse_write_admission(value: Any, key: str) -> Any:
 def parse_cpu_admission(value: Any, key: str) -> str:
     """``"all"`` or ``"reuse(N)"`` (N >= 1): the uses a block needs before the CPU tier
     ranks it as any other (until then it is first to evict)."""
-    m = _REUSE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
-    if value == "all":
-        return value
-    if m and int(m.group(1)) >= 1:
-        return f"reuse({int(m.group(1))})"
+    if (rule := _admission_rule(value)) is not None:
+        return rule
     raise ConfigError(
         f"{key}: expected 'all' or 'reuse(N)' with N >= 1 (the CPU tier keeps a block first to evict "
         f"until it has been stored or hit N times), got {show(value)}"
