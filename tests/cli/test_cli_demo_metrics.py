@@ -63,7 +63,15 @@ class Demo:
         args = ["demo", "--requests", "80", "--cpu-bytes", "12MiB", "--device", "cpu", "--cache-dir", str(tmp / "c")]
         args += ["--metrics-port", str(self.port), "--hold", "120"]
         with open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen([str(script), *args], stdout=subprocess.PIPE, stderr=err, text=True)
+            # Ctrl-C reaches the demo as from a terminal, though this run's shell may have
+            # started it in the background (SIGINT ignored, which a child inherits).
+            self.proc = subprocess.Popen(
+                [str(script), *args],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
 
     def stderr(self) -> str:
         return self.stderr_path.read_text()
