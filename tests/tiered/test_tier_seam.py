@@ -369,3 +369,14 @@ def test_a_tier_written_outside_the_package_serves_vllm_byte_exact(model_dir, tm
         assert len(matches) == 6 and all(matches), matches
         _settle(h)
         assert h.manager.composite.stats.tiers["files"]["hits"] >= len(on_files)
+
+        # What an operator sees of it, with no edit outside this module: vLLM's Prometheus
+        # endpoint and `tiered-kv stats`' view of it name the tier and its traffic.
+        from prometheus_client import generate_latest
+
+        from tiered_kv.ops.metrics_view import parse, summarize
+
+        view = summarize(parse(generate_latest(h.publish_metrics()).decode()))
+        files_view = next(t for t in view["tiers"] if t["tier"] == "files")
+        assert files_view["hits_blocks"] >= len(on_files) and files_view["hit_rate_tokens"], files_view
+        assert files_view["load_gbps_estimate"] is not None and files_view["load_gbps_estimate"] > 0, files_view
