@@ -332,10 +332,28 @@ def test_a_running_server_keeps_the_cache(model_dir, tmp_path):
         lock.release()
 
 
+def test_a_disk_tier_named_in_tiers_is_warmed_where_the_server_reads_it(model_dir, tmp_path):
+    """The canonical form of the same disk tier (an entry of ``tiers``, no disk_path): the
+    warm-up writes the namespace a server built from that config hits."""
+    cache = tmp_path / "cache"
+    prompts_file, config = write_inputs(tmp_path)
+    doc = json.loads(config.read_text())
+    extra = doc["kv_connector_extra_config"]
+    del extra["disk_path"], extra["disk_bytes"]
+    extra["tiers"] = [{"type": "disk", "path": str(cache), "bytes": "8MiB"}]
+    config.write_text(json.dumps(doc))
+    report = json.loads(run_warmup(prompts_file, config, model_dir, "--json").stdout)
+    assert report["blocks_written"] == expected_blocks(PROMPTS, GPU_BLOCK) > 0
+    assert Path(report["namespace"]).parent == cache
+    (loaded,) = load_in_fresh_process(prompts_file, [config], tmp_path)
+    for tokens, got in zip(PROMPTS, loaded):
+        assert got["keys"] == got["hits"] == len(tokens) // GPU_BLOCK
+
+
 def test_library_rejects_a_config_without_disk_tier(engine):
     from tiered_kv.config import TieredConfig
 
-    with pytest.raises(WarmupError, match="no disk_path"):
+    with pytest.raises(WarmupError, match="no disk_path and no tiers entry of type disk"):
         warmup([PROMPTS[0]], engine, TieredConfig.from_dict({}))
 
 

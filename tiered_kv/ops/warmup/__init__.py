@@ -184,8 +184,11 @@ def warmup(
     ``kv-first`` one covers them where the config names ``model_path``, as tiered-kv's
     own engine does.
     """
-    if not config.disk_path:
-        raise WarmupError("the config has no disk_path: there is no disk tier to warm")
+    # The first disk tier, whichever form names it (disk_path, or an entry of ``tiers``):
+    # where the server looks first below CPU.
+    disk_entry = next((e for e in config.tier_entries() if e.type_name == "disk"), None)
+    if disk_entry is None:
+        raise WarmupError("the config has no disk_path and no tiers entry of type disk: there is no disk tier to warm")
     model_dir = getattr(engine, "model_path", None)
     check_identity(config, model_dir)
     for n, tokens in enumerate(prompts, 1):
@@ -223,7 +226,7 @@ def warmup(
     engine_id = f"tiered-kv-warmup-{os.getpid()}"
     t0 = time.perf_counter()
     report = WarmupReport(
-        namespace=str(Path(config.disk_path) / fp.namespace_id),
+        namespace=str(Path(disk_entry.settings.path) / fp.namespace_id),
         namespace_id=fp.namespace_id,
         model_id=fp.model_id,
         model_revision=fp.model_revision,
@@ -234,7 +237,7 @@ def warmup(
     # The disk tier as every deployment builds it (by type, tiered_kv.tiers), both its
     # scheduler side and one writer's store, in this one process.
     ctx = TierContext(config, fp, kv_layout, engine_id, enable_events=False)
-    (disk,) = build_tiers(config.tier_entries()[:1], ctx)
+    (disk,) = build_tiers([disk_entry], ctx)
     assert isinstance(disk, DiskTier)
     manager = disk.get_manager()
     store = None
