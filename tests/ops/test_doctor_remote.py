@@ -93,6 +93,16 @@ def test_the_shared_tier_line(remote_settings, monkeypatch):
     assert dr.check_remote(TieredConfig.from_dict({})).status == dr.SKIP  # nothing of that kind to check
 
 
+def test_a_shared_tier_in_the_tiers_list_is_checked_as_the_remote_one_is(remote_settings, tmp_path):
+    config = tmp_path / "kv.json"
+    entry = {"type": "remote", **remote_settings, "bucket": "no-such-bucket-here"}
+    config.write_text(json.dumps({"model_id": "org/model", "cpu_bytes": "64MiB", "tiers": [entry]}))
+    result = CliRunner().invoke(app, ["doctor", "--config", str(config), "--read-probe", "0", "--json"])
+    (line,) = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "remote"]
+    assert line["status"] == dr.FAIL and "does not exist" in line["message"], line
+    assert result.exit_code == 2
+
+
 def test_a_key_the_server_cannot_load_fails_as_its_start_up_does(remote_settings, tmp_path):
     gone = str(tmp_path / "no-such-key")
     check = _check({**remote_settings, "key_env": None, "key_file": gone})

@@ -196,7 +196,10 @@ def run_doctor(
     checks.append(check_io_path(cfg, cuda.status == OK))
     checks.append(check_vllm())
     checks.append(check_hash(cfg, env))
-    checks.append(check_remote(cfg, config_extra))
+    # The ``remote`` shorthand's shared tier and those of the ``tiers`` list, each checked;
+    # with none, one line saying so.
+    remotes = ([cfg] if cfg is not None and cfg.remote is not None else []) + _more_remote_tiers(cfg)
+    checks += [check_remote(r, config_extra) for r in remotes] if remotes else [check_remote(cfg, config_extra)]
     if config_path is not None and cfg is None:
         checks = [_unread(c, config_path) for c in checks]
     return DoctorReport(checks, None if config_path is None else str(config_path))
@@ -213,6 +216,13 @@ def _unread(check: Check, config_path: str | os.PathLike) -> Check:
     if check.name not in _NEEDS_CONFIG or check.status == FAIL:
         return check
     return skipped(check.name, f"config {config_path} could not be read (see the config line)", facts=check.facts)
+
+
+def _more_remote_tiers(cfg: TieredConfig | None) -> list[TieredConfig]:
+    """For each shared tier listed in ``tiers``, ``cfg`` as if it were the ``remote`` one."""
+    if cfg is None:
+        return []
+    return [dataclasses.replace(cfg, remote=e.settings, tiers=()) for e in cfg.tiers if e.type_name == "remote"]
 
 
 def _more_disk_tiers(cfg: TieredConfig | None) -> list[TieredConfig]:
