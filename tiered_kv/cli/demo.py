@@ -7,12 +7,14 @@ and the CPU tier in memory and, with ``--cache-dir``, opens (or creates) the dis
 tier there, so a second run finds the first run's blocks on disk. Exits 1 if any
 loaded block differed from what was stored. With ``--metrics-port`` it serves the
 hierarchy's Prometheus metrics while it runs (``tiered_kv.cli.demo_metrics``), and
-``--hold`` keeps serving after the replay.
+``--hold`` keeps serving after the replay. With ``--remote`` a shared tier sits below the
+disk tier and the workload runs twice (``tiered_kv.cli.demo_remote``).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -23,6 +25,15 @@ from rich.table import Table
 
 from tiered_kv.cli import app
 from tiered_kv.cli.demo_metrics import DemoEndpoint
+from tiered_kv.cli.demo_remote import (
+    DemoCommand,
+    ProbingDriver,
+    SharedTier,
+    SharedTierError,
+    pass_dir,
+    settle_uploads,
+    shared_tier,
+)
 from tiered_kv.cli.output import emit_json, errors
 from tiered_kv.config import format_size, parse_size
 from tiered_kv.metrics import TRANSFER_TYPES
@@ -42,7 +53,7 @@ def _check_port(value: Optional[str]) -> Optional[str]:
     return value
 
 
-@app.command()
+@app.command(cls=DemoCommand)
 def demo(
     cache_dir: Optional[Path] = typer.Option(
         None,
@@ -85,6 +96,14 @@ def demo(
         metavar="SECONDS",
         help="With --metrics-port: keep serving for SECONDS after the replay (for `tiered-kv stats` or Grafana).",
     ),
+    remote: Optional[str] = typer.Option(
+        None,
+        "--remote",
+        metavar="[CONFIG_OR_URL]",
+        help="Add a shared tier below the disk tier: a config file's 'remote' section, an S3 bucket "
+        "http(s)://HOST[:PORT]/BUCKET, or, without a value, a throwaway server. The workload runs twice, "
+        "the second time with empty CPU and disk tiers, so it is served from the shared tier.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout instead of tables."),
 ) -> None:
     """Replay a chat workload through GPU -> CPU -> disk and back; print hit rate per
@@ -96,57 +115,114 @@ def demo(
     console = Console()
     if hold and metrics_port is None:
         raise typer.BadParameter("needs --metrics-port (nothing is served to hold)", param_hint="'--hold'")
-    endpoint: DemoEndpoint | None = None
-    with errors(json_out, (OSError, RuntimeError)):
-        parse_size(cpu_bytes, "--cpu-bytes")
-        if metrics_port is not None:
-            # First: a port that cannot be served ends the command before any tier is built.
-            endpoint = DemoEndpoint(metrics_host, int(metrics_port), GPU_BLOCK_SIZE * block_size_factor)
-            typer.echo(f"metrics: {endpoint.url}", err=True)
-        dev = DeviceKVCache(
-            num_gpu_blocks=DEVICE_GROUPS * block_size_factor,
-            gpu_block_size=GPU_BLOCK_SIZE,
-            kv_before_num_blocks=layout == "kv-first",
-            block_size_factor=block_size_factor,
-            device=device,
+    if remote is not None and metrics_port is not None:
+        raise typer.BadParameter(
+            "cannot be combined with --remote (its two passes are two hierarchies)", param_hint="'--metrics-port'"
         )
-        config = {
-            "cpu_bytes": cpu_bytes,
-            "block_size": GPU_BLOCK_SIZE * block_size_factor,
-            "write_policy": write_policy,
-            "promote_on_hit": promote_on_hit,
-            "disk_io": disk_io,
-            "model_id": "tiered-kv-demo",
-            # The demo's device is this machine's CPU and its model a toy: recomputing
-            # has no true cost to weigh a load against, so every block found is loaded.
-            "cost_aware": False,
-        }
-        if cache_dir is not None:
-            config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)
-        spec = HierarchySpec(config, gpu_block_size=GPU_BLOCK_SIZE)
-        driver = EngineDriver.from_spec(spec, dev)
-        if endpoint is not None:
-            endpoint.attach(spec, driver)
-    if dev.device.type == "cpu":
-        # Jobs here are a few hundred KB: OpenMP threads gain nothing, and on a busy
-        # 2-core machine their barriers stall for whole scheduler ticks.
-        torch.set_num_threads(1)
-    workload = default_workload(requests, seed)
-    if endpoint is None:
-        report = driver.run(workload)
+    endpoint: DemoEndpoint | None = None
+    shared: SharedTier | None = None
+    first: tuple[DriverReport, HierarchySpec] | None = None
+    with ExitStack() as stack:
+        with errors(json_out, (OSError, RuntimeError, SharedTierError)):
+            parse_size(cpu_bytes, "--cpu-bytes")
+            if remote is not None:
+                # First: a bad value or a server that cannot start ends the command at once.
+                shared = stack.enter_context(shared_tier(remote))
+                typer.echo(f"shared tier: {shared.where}", err=True)
+            if metrics_port is not None:
+                # First: a port that cannot be served ends the command before any tier is built.
+                endpoint = DemoEndpoint(metrics_host, int(metrics_port), GPU_BLOCK_SIZE * block_size_factor)
+                typer.echo(f"metrics: {endpoint.url}", err=True)
+            config = {
+                "cpu_bytes": cpu_bytes,
+                "block_size": GPU_BLOCK_SIZE * block_size_factor,
+                "write_policy": write_policy,
+                "promote_on_hit": promote_on_hit,
+                "disk_io": disk_io,
+                "model_id": "tiered-kv-demo",
+                # The demo's device is this machine's CPU and its model a toy: recomputing
+                # has no true cost to weigh a load against, so every block found is loaded.
+                "cost_aware": False,
+            }
+            if cache_dir is not None:
+                config.update(disk_path=str(cache_dir), disk_bytes=disk_bytes)
+            elif shared is not None:
+                config.update(disk_path=pass_dir(shared, 1), disk_bytes=disk_bytes)
+            if shared is not None:
+                config["remote"] = shared.settings
+            dev, spec, driver = _build(config, device, layout, block_size_factor, shared is not None)
+            if endpoint is not None:
+                endpoint.attach(spec, driver)
+        if dev.device.type == "cpu":
+            # Jobs here are a few hundred KB: OpenMP threads gain nothing, and on a busy
+            # 2-core machine their barriers stall for whole scheduler ticks.
+            torch.set_num_threads(1)
+        workload = default_workload(requests, seed)
+        if shared is not None:
+            with errors(json_out, (OSError, RuntimeError)):
+                # Pass 1 fills every tier; pass 2 starts with empty CPU and disk tiers (a
+                # fresh hierarchy on a fresh directory), so what it finds comes from the
+                # shared tier, and every such block is verified like any other.
+                first = (driver.run(workload), spec)
+                settle_uploads(spec, driver)
+                _shutdown(spec, driver)
+                config["disk_path"] = pass_dir(shared, 2)
+                dev, spec, driver = _build(config, device, layout, block_size_factor, True)
+                typer.echo("second pass: CPU and disk tiers empty", err=True)
+        if endpoint is None:
+            report = driver.run(workload)
+        else:
+            report = _run_served(driver, workload, endpoint, hold)
+        _shutdown(spec, driver)
+    shown_dir = cache_dir if shared is None else Path(str(spec.config.disk_path))
+    if json_out:
+        data = _report_dict(report, workload, spec)
+        if first is not None and shared is not None:
+            data["shared_tier"] = shared.where
+            data["first_pass"] = _report_dict(first[0], workload, first[1])
+        emit_json(data, shown_dir)
     else:
-        report = _run_served(driver, workload, endpoint, hold)
+        if first is not None:
+            _print_first_pass(console, *first)
+        _print(console, report, workload, dev, spec, shown_dir)
+    mismatches = report.mismatches + (first[0].mismatches if first is not None else 0)
+    if mismatches:
+        typer.echo(f"error: {mismatches} loaded block(s) differ from what was stored", err=True)
+        raise typer.Exit(1)
+
+
+def _build(
+    config: dict, device: str, layout: str, block_size_factor: int, probing: bool
+) -> tuple[DeviceKVCache, HierarchySpec, EngineDriver]:
+    """The device cache, the hierarchy of ``config`` and the driver over both (one that
+    asks the shared tier ahead of each request where ``probing``)."""
+    dev = DeviceKVCache(
+        num_gpu_blocks=DEVICE_GROUPS * block_size_factor,
+        gpu_block_size=GPU_BLOCK_SIZE,
+        kv_before_num_blocks=layout == "kv-first",
+        block_size_factor=block_size_factor,
+        device=device,
+    )
+    spec = HierarchySpec(config, gpu_block_size=GPU_BLOCK_SIZE)
+    return dev, spec, (ProbingDriver if probing else EngineDriver).from_spec(spec, dev)
+
+
+def _shutdown(spec: HierarchySpec, driver: EngineDriver) -> None:
     driver.worker.shutdown()
     driver.manager.shutdown()
     if spec.store is not None:
-        spec.store.close()
-    if json_out:
-        emit_json(_report_dict(report, workload, spec), cache_dir)
-    else:
-        _print(console, report, workload, dev, spec, cache_dir)
-    if report.mismatches:
-        typer.echo(f"error: {report.mismatches} loaded block(s) differ from what was stored", err=True)
-        raise typer.Exit(1)
+        spec.store.close()  # the store object stays: the report describes its I/O
+    for tier in spec.lower_tiers[1:]:
+        tier.close()
+
+
+def _print_first_pass(console: Console, report: DriverReport, spec: HierarchySpec) -> None:
+    uploaded = spec.stats.tiers.get("remote", {}).get("stores", 0)
+    console.print(
+        f"first pass (shared tier empty): {report.blocks_requested} blocks, {report.computed} computed, "
+        f"{report.offload_hits} tier hits, {uploaded} stored in the shared tier, mismatches: {report.mismatches}",
+        soft_wrap=True,
+    )
 
 
 def _run_served(driver: EngineDriver, workload, endpoint: DemoEndpoint, hold: float) -> DriverReport:
@@ -171,6 +247,11 @@ def _run_served(driver: EngineDriver, workload, endpoint: DemoEndpoint, hold: fl
     return driver.report
 
 
+def _media(spec: HierarchySpec) -> tuple[str, ...]:
+    """The media whose hits the report counts (the shared tier's where there is one)."""
+    return ("CPU", "DISK", "REMOTE") if spec.config.remote is not None else ("CPU", "DISK")
+
+
 def _report_dict(report: DriverReport, workload, spec: HierarchySpec) -> dict:
     """The run as ``--json`` prints it (in the envelope of ``tiered_kv.cli.output``)."""
     transfers = {
@@ -191,7 +272,7 @@ def _report_dict(report: DriverReport, workload, spec: HierarchySpec) -> dict:
         "tier_hits": report.offload_hits,
         "tier_hit_rate": report.offload_hit_rate,
         "total_hit_rate": report.total_hit_rate,
-        "hits_by_tier": {m: report.hits_by_medium.get(m, 0) for m in ("CPU", "DISK")},
+        "hits_by_tier": {m: report.hits_by_medium.get(m, 0) for m in _media(spec)},
         "computed": report.computed,
         "recomputed_after_failed_load": report.recomputed_after_failed_load,
         "mismatches": report.mismatches,
@@ -237,6 +318,8 @@ def _print(
         )
     else:
         setup.add_row("disk tier", "off (pass --cache-dir DIR)")
+    if (remote := spec.config.remote) is not None:
+        setup.add_row("shared tier", f"{remote.where()}, {remote.write_policy}")
 
     console.print(setup)
     hits = Table(title="hits (offloaded blocks)")
@@ -260,7 +343,7 @@ def _print(
     per_tier = Table(title="hit rate per tier (blocks asked of the tiers)")
     for col in ("tier", "hits", "hit rate"):
         per_tier.add_column(col, justify="right")
-    for medium in ("CPU", "DISK"):
+    for medium in _media(spec):
         n = report.hits_by_medium.get(medium, 0)
         rate = n / report.blocks_looked_up if report.blocks_looked_up else 0.0
         per_tier.add_row(medium, str(n), f"{rate:.1%}")
@@ -279,6 +362,8 @@ def _print(
     tiers = spec.stats.tiers
     console.print("CPU tier: " + ", ".join(f"{k} {v}" for k, v in tiers["cpu"].items() if v), soft_wrap=True)
     console.print("disk tier: " + ", ".join(f"{k} {v}" for k, v in tiers["disk"].items() if v), soft_wrap=True)
+    if "remote" in tiers:
+        console.print("shared tier: " + ", ".join(f"{k} {v}" for k, v in tiers["remote"].items() if v), soft_wrap=True)
     events = ", ".join(f"{k} {v}" for k, v in sorted(report.events.items())) or "none"
     console.print(f"events: {events}")
     colour = "green" if report.mismatches == 0 else "red"
