@@ -83,6 +83,9 @@ def test_ctrl_c_stops_the_throwaway_server_and_removes_its_scratch_directory(tmp
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # Ctrl-C reaches the demo as from a terminal, though this run's shell may have
+        # started it in the background (SIGINT ignored, which a child inherits).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         seen = []

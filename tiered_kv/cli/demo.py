@@ -28,8 +28,8 @@ from tiered_kv.cli.demo_metrics import DemoEndpoint
 from tiered_kv.cli.demo_remote import (
     DemoCommand,
     ProbingDriver,
-    SharedTier,
-    SharedTierError,
+    DemoSharedTier,
+    DemoSharedTierError,
     pass_dir,
     settle_uploads,
     shared_tier,
@@ -120,10 +120,10 @@ def demo(
             "cannot be combined with --remote (its two passes are two hierarchies)", param_hint="'--metrics-port'"
         )
     endpoint: DemoEndpoint | None = None
-    shared: SharedTier | None = None
+    shared: DemoSharedTier | None = None
     first: tuple[DriverReport, HierarchySpec] | None = None
     with ExitStack() as stack:
-        with errors(json_out, (OSError, RuntimeError, SharedTierError)):
+        with errors(json_out, (OSError, RuntimeError, DemoSharedTierError)):
             parse_size(cpu_bytes, "--cpu-bytes")
             if remote is not None:
                 # First: a bad value or a server that cannot start ends the command at once.

@@ -48,7 +48,7 @@ EXPECTED = (
 )
 
 
-class SharedTierError(Exception):
+class DemoSharedTierError(Exception):
     """The shared tier cannot be set up: bad ``--remote`` value, or no server to start."""
 
 
@@ -69,7 +69,7 @@ class DemoCommand(TyperCommand):
 
 
 @dataclass
-class SharedTier:
+class DemoSharedTier:
     """The ``remote`` settings of the demo's hierarchy, where they point (for the report),
     and a scratch directory that lives as long as the demo."""
 
@@ -91,14 +91,14 @@ def _fleet_key(scratch: Path) -> str:
 def _from_config(value: str) -> dict[str, Any]:
     path = Path(value)
     if not path.is_file():
-        raise SharedTierError(f"--remote {value!r}: no such file; {EXPECTED}")
+        raise DemoSharedTierError(f"--remote {value!r}: no such file; {EXPECTED}")
     try:
         extra = read_config_file(path)
         remote = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS).remote
     except ConfigError as e:
-        raise SharedTierError(f"--remote {value!r}: {e}") from None
+        raise DemoSharedTierError(f"--remote {value!r}: {e}") from None
     if remote is None:
-        raise SharedTierError(f"--remote {value!r}: the config has no 'remote' section; {EXPECTED}")
+        raise DemoSharedTierError(f"--remote {value!r}: the config has no 'remote' section; {EXPECTED}")
     return dict(extra["remote"])
 
 
@@ -106,7 +106,7 @@ def _from_url(value: str, scratch: Path) -> dict[str, Any]:
     url = urlsplit(value)
     bucket = url.path.strip("/")
     if not url.hostname or not bucket or "/" in bucket or url.query or url.fragment:
-        raise SharedTierError(f"--remote {value!r}: not an S3 bucket URL; {EXPECTED}")
+        raise DemoSharedTierError(f"--remote {value!r}: not an S3 bucket URL; {EXPECTED}")
     return {
         "endpoint": f"{url.scheme}://{url.netloc}",
         "bucket": bucket,
@@ -125,7 +125,7 @@ def _install_hint() -> str:
 
 
 @contextlib.contextmanager
-def _mooncake(scratch: Path) -> Iterator[SharedTier]:
+def _mooncake(scratch: Path) -> Iterator[DemoSharedTier]:
     from tiered_kv.testing.mooncake_server import MooncakeServer
 
     server_dir = scratch / "mooncake"
@@ -133,7 +133,7 @@ def _mooncake(scratch: Path) -> Iterator[SharedTier]:
     with MooncakeServer(server_dir).start() as server:
         settings = server.settings(prefix=DEMO_PREFIX, key_file=_fleet_key(scratch))
         settings.pop("trusted_bucket")  # sealed under the throwaway key instead
-        yield SharedTier(settings, f"throwaway Mooncake Store, master {server.master_address}", scratch)
+        yield DemoSharedTier(settings, f"throwaway Mooncake Store, master {server.master_address}", scratch)
 
 
 def _rgw_ready() -> bool:
@@ -148,7 +148,7 @@ def _rgw_ready() -> bool:
 
 
 @contextlib.contextmanager
-def _rgw(scratch: Path) -> Iterator[SharedTier]:
+def _rgw(scratch: Path) -> Iterator[DemoSharedTier]:
     import botocore.session
 
     server_dir = scratch / "rgw"
@@ -160,7 +160,7 @@ def _rgw(scratch: Path) -> Iterator[SharedTier]:
             ["bash", str(RGW_SCRIPT), "start", str(server_dir)], capture_output=True, text=True, timeout=300, env=env
         )
         if done.returncode:
-            raise SharedTierError(f"the throwaway Ceph RGW did not start: {done.stderr.strip()[-1000:]}")
+            raise DemoSharedTierError(f"the throwaway Ceph RGW did not start: {done.stderr.strip()[-1000:]}")
         endpoint = done.stdout.strip().splitlines()[-1].removeprefix("endpoint=")
         bucket = "tiered-kv-demo"
         botocore.session.get_session().create_client(
@@ -177,7 +177,7 @@ def _rgw(scratch: Path) -> Iterator[SharedTier]:
         os.environ.pop("AWS_PROFILE", None)
         try:
             settings = {"endpoint": endpoint, "bucket": bucket, "prefix": DEMO_PREFIX, "key_file": _fleet_key(scratch)}
-            yield SharedTier(settings, f"throwaway Ceph RGW at {endpoint}", scratch)
+            yield DemoSharedTier(settings, f"throwaway Ceph RGW at {endpoint}", scratch)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -206,13 +206,13 @@ def _sigterm_as_exit() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def shared_tier(value: str) -> Iterator[SharedTier]:
+def shared_tier(value: str) -> Iterator[DemoSharedTier]:
     """The shared tier ``--remote value`` names (``THROWAWAY``: a server started here),
     with a scratch directory; both gone when the block exits, however it exits. Raises
-    ``SharedTierError`` naming the value when it is neither a config, a URL nor empty,
+    ``DemoSharedTierError`` naming the value when it is neither a config, a URL nor empty,
     or when no throwaway server can be started here."""
     if value != THROWAWAY and "://" in value and urlsplit(value).scheme not in ("http", "https"):
-        raise SharedTierError(f"--remote {value!r}: unsupported scheme; {EXPECTED}")
+        raise DemoSharedTierError(f"--remote {value!r}: unsupported scheme; {EXPECTED}")
     settings = None
     if value != THROWAWAY and "://" not in value:
         settings = _from_config(value)  # before anything is created
@@ -221,7 +221,7 @@ def shared_tier(value: str) -> Iterator[SharedTier]:
 
         mooncake = missing_reason() is None
         if not mooncake and not _rgw_ready():
-            raise SharedTierError(_install_hint())
+            raise DemoSharedTierError(_install_hint())
     scratch = Path(tempfile.mkdtemp(prefix="tiered-kv-demo-"))
     try:
         with _sigterm_as_exit():
@@ -229,10 +229,10 @@ def shared_tier(value: str) -> Iterator[SharedTier]:
                 with _mooncake(scratch) if mooncake else _rgw(scratch) as shared:
                     yield shared
             elif settings is not None:
-                yield SharedTier(settings, f"{value} (its 'remote' section)", scratch)
+                yield DemoSharedTier(settings, f"{value} (its 'remote' section)", scratch)
             else:
                 url_settings = _from_url(value, scratch)
-                yield SharedTier(url_settings, f"s3://{url_settings['bucket']}/{DEMO_PREFIX} at {value}", scratch)
+                yield DemoSharedTier(url_settings, f"s3://{url_settings['bucket']}/{DEMO_PREFIX} at {value}", scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -264,6 +264,6 @@ def settle_uploads(spec: Any, driver: EngineDriver, timeout: float = 120) -> Non
         raise RuntimeError(f"the shared tier's uploads did not settle within {timeout:g} s")
 
 
-def pass_dir(shared: SharedTier, n: int) -> str:
+def pass_dir(shared: DemoSharedTier, n: int) -> str:
     """A fresh disk-tier directory for pass ``n`` in the scratch directory."""
     return str(shared.scratch / f"disk-{n}-{uuid.uuid4().hex[:8]}")
