@@ -30,8 +30,7 @@ from tiered_kv.config_values import (  # noqa: F401 (ConfigError, parse_size, fo
     parse_text,
     show,
 )
-from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.tier_registry import TierEntry
+from tiered_kv.tier_registry import TierEntry, tier_class
 
 #: Keys of vLLM's ``kv_connector_extra_config`` that vLLM itself reads (its spec factory,
 #: ``OffloadingSpec`` and the OffloadingConnector); our vLLM spec passes them through.
@@ -117,7 +116,9 @@ def _parse_positive_float(value: Any, key: str) -> float | None:
 
 
 def _parse_remote(value: Any, key: str) -> Any:
-    return RemoteConfig.from_dict(value, key_prefix=f"{key}.")
+    # By the registry: the shared tier's settings are its tier class's (no import of the
+    # shared tier's package until a config names one).
+    return tier_class("remote").parse_settings(value, f"{key}.")
 
 
 def _parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...]:
