@@ -136,6 +136,9 @@ class _Read:
 
 
 class _HTTPConnection(http.client.HTTPConnection):
+    """A connection that hands its socket to ``read`` once open (TLS included, in the
+    HTTPS subclass: ``super().connect()`` wraps it first)."""
+
     def __init__(self, read: _Read, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._read = read
@@ -145,14 +148,8 @@ class _HTTPConnection(http.client.HTTPConnection):
         self._read.opened(self.sock)
 
 
-class _HTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, read: _Read, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._read = read
-
-    def connect(self) -> None:
-        super().connect()
-        self._read.opened(self.sock)
+class _HTTPSConnection(_HTTPConnection, http.client.HTTPSConnection):
+    pass
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
