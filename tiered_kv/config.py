@@ -9,6 +9,7 @@ Every error names the key, the bad value and what is expected.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
@@ -16,9 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from tiered_kv.config_values import (  # noqa: F401 (ConfigError, parse_size, format_size, CHECKSUMS: re-exported)
+from tiered_kv.config_values import (  # noqa: F401 (ConfigError, sizes, the disk tier's choices: re-exported)
     CHECKSUMS,
     DEFAULT_CHECKSUM,
+    DISK_IO,
+    IO_BACKENDS,
     ConfigError,
     MIN_BARE_SIZE,
     format_size,
@@ -56,12 +59,8 @@ OTHER_SPECS_KEYS = {
 }
 
 WRITE_POLICIES = ("write_through", "write_back")
-IO_BACKENDS = ("auto", "kvikio", "posix")
-DISK_IO = ("thread", "process")
 GPU_COPIES = ("auto", "kernels", "dma")
 EVICTION_POLICIES = ("lru", "arc")
-#: The disk tier's order is kept in its index (last access per block): LRU only.
-DISK_EVICTION_POLICIES = ("lru",)
 #: vLLM's ``--prefix-caching-hash-algo`` values (``tiered_kv.ops.hashing`` computes them all).
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -115,26 +114,57 @@ def _parse_positive_float(value: Any, key: str) -> float | None:
     return float(value)
 
 
-def _parse_remote(value: Any, key: str) -> Any:
-    # By the registry: the shared tier's settings are its tier class's (no import of the
-    # shared tier's package until a config names one).
-    return tier_class("remote").parse_settings(value, f"{key}.")
+#: The keys a config had before ``tiers``, each a disk tier's setting: folded into the
+#: tier entries when the config is parsed (``fold_shorthands``), and read by nothing
+#: after. ``disk_path`` and ``disk_bytes`` are a disk tier of their own, first of all;
+#: the others are the default of every disk tier that does not set its own.
+DISK_SHORTHANDS = {
+    "disk_path": "path",
+    "disk_bytes": "bytes",
+    "disk_eviction_policy": "eviction_policy",
+    "io_backend": "io_backend",
+    "checksum": "checksum",
+    "io_threads": "io_threads",
+    "disk_io": "disk_io",
+}
+#: Every shorthand: the disk tier's, and ``remote`` (a shared tier after it).
+SHORTHAND_KEYS = (*DISK_SHORTHANDS, "remote")
 
 
-def _parse_tiers(value: Any, key: str) -> tuple[TierEntry, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f'{key}: expected a list of tiers, e.g. [{{"type": "disk", "path": "/mnt/nvme/kv"}}]')
-    return tuple(TierEntry.parse(item, f"{key}[{i}]") for i, item in enumerate(value))
-
-
-def _parse_disk_eviction_policy(value: Any, key: str) -> str:
-    if value == "arc":
+def fold_shorthands(raw: Mapping[str, Any], tiers: Any) -> tuple[TierEntry, ...]:
+    """The lower tiers of a config, fastest first: ``disk_path``'s disk tier, ``remote``'s
+    shared tier, then the ``tiers`` list, with the disk shorthands in ``raw`` folded in.
+    Each tier's settings are validated by its own class (no tier's package is imported
+    unless the config names one); errors name the key as it was written."""
+    if not isinstance(tiers, (list, tuple)):
+        raise ConfigError('tiers: expected a list of tiers, e.g. [{"type": "disk", "path": "/mnt/nvme/kv"}]')
+    disk = {DISK_SHORTHANDS[k]: v for k, v in raw.items() if k in DISK_SHORTHANDS}
+    path = parse_disk_path(disk.pop("path", None), "disk_path")
+    if "bytes" in disk and path is None:
         raise ConfigError(
-            f"{key}: the disk tier evicts in LRU order only (its index keeps each "
-            f"block's last access), got 'arc'; ARC is for the CPU tier: "
-            f"set eviction_policy: arc"
+            "disk_bytes: set without disk_path, so there would be no disk tier to "
+            'size; add "disk_path": "/mnt/nvme/tiered-kv" (a directory on '
+            "local NVMe) or remove disk_bytes"
         )
-    return parse_choice(value, key, DISK_EVICTION_POLICIES)
+    if disk:
+        parse = tier_class("disk").parse_settings
+        for key, setting in DISK_SHORTHANDS.items():
+            if setting in disk:  # alone, so that its error names the key as written
+                parse({"path": ".", setting: disk[setting]}, key.removesuffix(setting))
+    entries: list[TierEntry] = []
+    if path is not None:
+        entry = TierEntry.parse({"type": "disk", **disk, "path": path}, "disk_path")
+        aliases = tuple((setting, key) for key, setting in DISK_SHORTHANDS.items())
+        entries.append(dataclasses.replace(entry, aliases=aliases))
+    if raw.get("remote") is not None:
+        remote = tier_class("remote").parse_settings(raw["remote"], "remote.")
+        entries.append(TierEntry("remote", None, "remote", remote, key="remote"))
+    defaults = {k: v for k, v in disk.items() if k != "bytes"}
+    for i, item in enumerate(tiers):
+        if isinstance(item, Mapping) and item.get("type") == "disk" and item.get("module_path") is None:
+            item = {**defaults, **item}
+        entries.append(TierEntry.parse(item, f"tiers[{i}]"))
+    return tuple(entries)
 
 
 @dataclass(frozen=True)
@@ -145,27 +175,17 @@ class TieredConfig:
     """
 
     cpu_bytes: int = 4 * 1024**3
-    disk_path: str | None = None
-    disk_bytes: int = 64 * 1024**3
     write_policy: str = "write_through"
     promote_on_hit: bool = True
-    io_backend: str = "auto"
     #: The CPU tier's eviction order (``tiered_kv.cpu``: lru or arc).
     eviction_policy: str = "lru"
-    disk_eviction_policy: str = "lru"
-    checksum: str = DEFAULT_CHECKSUM
-    io_threads: int = 4
-    #: Where a worker's disk I/O runs: ``thread`` (threads of the worker process) or
-    #: ``process`` (a helper process per worker, off the worker's GIL; the CPU tier is
-    #: then shared memory). See ``tiered_kv.disk.worker.io_process``.
-    disk_io: str = "thread"
     #: How GPU <-> CPU jobs move bytes: ``kernels`` (copy kernels over the mapped pinned
     #: tier), ``dma`` (copy engines, one copy per run of slots), or ``auto`` (per job:
     #: ``dma`` where its slots run 2 MiB or more, else kernels where the device can map
     #: the tier). See ``tiered_kv.cpu.handlers``.
     gpu_copy: str = "auto"
-    #: Blocks allowed to wait for a disk write (write-through and spills); the excess is
-    #: dropped and counted instead of stalling the engine.
+    #: Blocks allowed to wait for a write to each lower tier (write-through and spills);
+    #: the excess is dropped and counted instead of stalling the engine.
     max_pending_disk_writes: int = 1024
     #: Load a block only when that beats recomputing it (``tiered_kv.cost``); false loads
     #: every block found, as before.
@@ -186,13 +206,10 @@ class TieredConfig:
     #: The model's directory: its weights digest goes into the disk namespace
     #: (``tiered_kv.model_identity``). Under vLLM, the directory vLLM loads is used.
     model_path: str | None = None
-    #: The shared tier below the disk tier (S3-compatible object storage): a mapping of
-    #: ``tiered_kv.remote.config.RemoteConfig`` settings (endpoint, bucket, prefix, ...),
-    #: validated into one; None for no shared tier.
-    remote: Any = None
-    #: More lower tiers below those of ``disk_path`` and ``remote``, fastest first: each
-    #: a mapping with a ``type`` (``disk``, ``remote``, or a class name with its
-    #: ``module_path``), validated by the tier's own class (``tiered_kv.tier_registry``).
+    #: Every lower tier, fastest first: each a ``TierEntry`` (a ``type`` -- ``disk``,
+    #: ``remote``, or a class name with its ``module_path`` -- and its own settings,
+    #: validated by the tier's class, ``tiered_kv.tier_registry``). The shorthands
+    #: (``SHORTHAND_KEYS``) are folded in here when the config is parsed.
     tiers: tuple[TierEntry, ...] = ()
     hash_algorithm: str = "sha256"
     hash_seed: str = ""
@@ -201,16 +218,9 @@ class TieredConfig:
 
     _PARSERS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         "cpu_bytes": parse_size,
-        "disk_path": parse_disk_path,
-        "disk_bytes": parse_size,
         "write_policy": lambda v, k: parse_choice(v, k, WRITE_POLICIES),
         "promote_on_hit": parse_bool,
-        "io_backend": lambda v, k: parse_choice(v, k, IO_BACKENDS),
         "eviction_policy": lambda v, k: parse_choice(v, k, EVICTION_POLICIES),
-        "disk_eviction_policy": _parse_disk_eviction_policy,
-        "checksum": lambda v, k: parse_choice(v, k, CHECKSUMS),
-        "io_threads": parse_positive_int,
-        "disk_io": lambda v, k: parse_choice(v, k, DISK_IO),
         "gpu_copy": lambda v, k: parse_choice(v, k, GPU_COPIES),
         "max_pending_disk_writes": parse_positive_int,
         "cost_aware": parse_bool,
@@ -221,63 +231,76 @@ class TieredConfig:
         "model_id": parse_text,
         "model_revision": parse_text,
         "model_path": lambda v, k: None if v is None else parse_text(v, k),
-        "remote": lambda v, k: None if v is None else _parse_remote(v, k),
-        "tiers": _parse_tiers,
         "hash_algorithm": lambda v, k: parse_choice(v, k, HASH_ALGORITHMS),
         "hash_seed": lambda v, k: parse_text(v, k, empty_ok=True, numbers_ok=True),
     }
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.name != "passthrough")
+        """Every key a config may hold: the fields, then the shorthands."""
+        return (*(f.name for f in fields(cls) if f.name != "passthrough"), *SHORTHAND_KEYS)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None = None, passthrough_keys: tuple[str, ...] = ()) -> "TieredConfig":
         """Validate ``raw``. Keys in ``passthrough_keys`` are kept unparsed; any other
-        unknown key raises ``ConfigError`` naming it (with the closest known key)."""
+        unknown key raises ``ConfigError`` naming it (with the closest known key). The
+        shorthands are folded into ``tiers`` (``fold_shorthands``)."""
         raw = dict(raw or {})
         known = cls.keys()
         values: dict[str, Any] = {}
+        shorthands: dict[str, Any] = {}
         passthrough: dict[str, Any] = {}
         for key, value in raw.items():
             if key in passthrough_keys:
                 passthrough[key] = value
-                continue
-            if key not in known:
+            elif key in SHORTHAND_KEYS:
+                shorthands[key] = value
+            elif key == "tiers":
+                continue  # with the shorthands, below
+            elif key in cls._PARSERS:
+                values[key] = cls._PARSERS[key](value, key)
+            else:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 if key in OTHER_SPECS_KEYS:
                     hint = f": {OTHER_SPECS_KEYS[key]}."
                 raise ConfigError(f"unknown config key {show(key)}{hint} Known keys: {', '.join(known)}")
-            values[key] = cls._PARSERS[key](value, key)
-        if "disk_bytes" in values and values.get("disk_path") is None:
-            raise ConfigError(
-                "disk_bytes: set without disk_path, so there would be no disk tier to "
-                'size; add "disk_path": "/mnt/nvme/tiered-kv" (a directory on '
-                "local NVMe) or remove disk_bytes"
-            )
+        values["tiers"] = fold_shorthands(shorthands, raw.get("tiers", []))
         return cls(**values, passthrough=passthrough)
+
+    def tier_entries(self) -> tuple[TierEntry, ...]:
+        """Every lower tier, fastest first (``tiers``, the shorthands folded in)."""
+        return self.tiers
+
+    def tiers_of_type(self, type_name: str) -> tuple[TierEntry, ...]:
+        """The lower tiers of one registered type (``disk``, ``remote``), in order."""
+        return tuple(e for e in self.tiers if e.type_name == type_name and e.module_path is None)
+
+    @property
+    def disk_tier(self) -> TierEntry | None:
+        """The first disk tier, fastest first; None without one."""
+        return next(iter(self.tiers_of_type("disk")), None)
+
+    @property
+    def shared_tier(self) -> TierEntry | None:
+        """The first shared tier (type ``remote``); None without one."""
+        return next(iter(self.tiers_of_type("remote")), None)
 
     @property
     def copy_kernels(self) -> bool | None:
         """``gpu_copy`` as the GPU <-> CPU handlers take it: True, False, or None (auto)."""
         return {"auto": None, "kernels": True, "dma": False}[self.gpu_copy]
 
-    def tier_entries(self) -> tuple[TierEntry, ...]:
-        """Every lower tier, fastest first: ``disk_path``'s disk tier, ``remote``'s shared
-        tier, then ``tiers``."""
-        own: list[TierEntry] = []
-        if self.disk_path:
-            own.append(
-                TierEntry.parse({"type": "disk", "path": self.disk_path, "bytes": f"{self.disk_bytes}B"}, "disk_path")
-            )
-        if self.remote is not None:
-            own.append(TierEntry("remote", None, "remote", self.remote))
-        return (*own, *self.tiers)
+    def with_disk_path(self, path: str) -> "TieredConfig":
+        """This config with the first disk tier on ``path`` (a disk tier of the default
+        size first of all, where it has none)."""
+        disk = self.disk_tier
+        if disk is None:
+            return dataclasses.replace(self, tiers=(*fold_shorthands({"disk_path": path}, []), *self.tiers))
+        moved = dataclasses.replace(disk, settings=dataclasses.replace(disk.settings, path=path))
+        return dataclasses.replace(self, tiers=tuple(moved if e is disk else e for e in self.tiers))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.keys()}
-        if self.remote is not None:
-            out["remote"] = self.remote.to_dict()  # holds no credentials: safe to echo
+        out = {k: getattr(self, k) for k in self.keys() if k not in SHORTHAND_KEYS}
         out["tiers"] = [entry.to_dict() for entry in self.tiers]
         return out

@@ -11,6 +11,9 @@ file. The shapes:
   all TP ranks together) becomes ``cpu_bytes`` per rank;
 - a ``vllm serve --config`` file (JSON, or YAML where PyYAML is installed) whose
   ``kv-transfer-config`` holds one of the above; its ``tensor-parallel-size`` is read.
+
+The extra config is kept as given too (``ServerConfigFile.given``), for tools that
+rebuild from it what vLLM builds (the warm-up's CPU-tier rows of ``TieringOffloadingSpec``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +44,9 @@ DISK_TIER_TYPE = "TieredDiskTier"
 DISK_TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
 #: Keys of a ``secondary_tiers`` entry that are vLLM's (its factory reads them).
 VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
-#: Keys of ``TieringOffloadingSpec``'s extra config that also mean something to our tier.
-_TIERING_SHARED_KEYS = ("block_size",)
+#: Keys of ``TieringOffloadingSpec``'s extra config that also mean something to our tier:
+#: the chunk's size, which the tier's keys and namespace follow.
+_TIERING_SHARED_KEYS = ("block_size", "blocks_per_chunk")
 _TRANSFER_KEYS = ("kv_transfer_config", "kv-transfer-config")
 _TP_KEYS = ("tensor_parallel_size", "tensor-parallel-size")
 
@@ -68,6 +72,29 @@ class ServerConfigFile:
     #: The module vLLM loads the spec from (``spec_module_path``), None where the file
     #: names none (vLLM's own registry).
     spec_module_path: str | None = None
+    #: The ``kv_connector_extra_config`` exactly as the server is given it (for
+    #: ``TieringOffloadingSpec``: vLLM's keys and every ``secondary_tiers`` entry), for
+    #: tools that rebuild what vLLM builds from it; None: the same as ``extra``.
+    server_extra: dict[str, Any] | None = None
+
+    @property
+    def given(self) -> dict[str, Any]:
+        """The extra config as the server is given it (``server_extra``, else ``extra``)."""
+        return dict(self.extra if self.server_extra is None else self.server_extra)
+
+    def with_disk_path(self, path: str) -> "ServerConfigFile":
+        """The same server with its first disk tier at ``path``, the rest of its settings
+        (capacity included) as they were: ``disk_path`` where the config sets it, else the
+        first ``{"type": "disk"}`` entry of ``tiers``, else a disk tier of its own, first
+        of all; for ``TieringOffloadingSpec``, its ``TieredDiskTier`` entry's
+        ``disk_path``, in our keys and in the entry as given."""
+        if self.server_extra is None or self.spec_name != TIERING_SPEC:
+            return replace(self, extra=_with_first_disk_path(self.extra, path))
+        given = dict(self.server_extra)
+        given["secondary_tiers"] = [
+            {**t, "disk_path": path} if _is_disk_tier(t) else t for t in given["secondary_tiers"]
+        ]
+        return replace(self, extra={**self.extra, "disk_path": path}, server_extra=given)
 
     def extra_for(self, tp: int | None = None) -> dict[str, Any]:
         """``extra`` with ``cpu_bytes`` per rank at tensor-parallel size ``tp`` (default:
@@ -112,16 +139,42 @@ def _tp(raw: Mapping[str, Any], p: Path) -> int | None:
     return None
 
 
+def _with_first_disk_path(extra: Mapping[str, Any], path: str) -> dict[str, Any]:
+    tiers = extra.get("tiers")
+    if "disk_path" not in extra and isinstance(tiers, list):
+        for i, t in enumerate(tiers):
+            if isinstance(t, Mapping) and t.get("type") == "disk" and t.get("module_path") is None:
+                return {**extra, "tiers": [*tiers[:i], {**t, "path": path}, *tiers[i + 1 :]]}
+    return {**extra, "disk_path": path}
+
+
+def is_tiering(extra: Mapping[str, Any]) -> bool:
+    """Whether a server given the extra config ``extra`` runs vLLM's ``TieringOffloadingSpec``
+    (named, or implied by ``secondary_tiers`` with no ``spec_name``). A config naming
+    another spec keeps its name, so the tools refuse it rather than read its
+    ``secondary_tiers`` as those of vLLM's spec."""
+    return extra.get("spec_name") == TIERING_SPEC or ("secondary_tiers" in extra and not extra.get("spec_name"))
+
+
+def _is_disk_tier(entry: Any) -> bool:
+    return isinstance(entry, Mapping) and (
+        entry.get("type") == DISK_TIER_TYPE or entry.get("module_path") == DISK_TIER_MODULE
+    )
+
+
+def disk_tier_entries(extra: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The ``TieredDiskTier`` entries of a ``TieringOffloadingSpec`` extra config's
+    ``secondary_tiers`` (by ``type`` or by ``module_path``), as given."""
+    tiers = extra.get("secondary_tiers")
+    return [t for t in tiers if _is_disk_tier(t)] if isinstance(tiers, list) else []
+
+
 def _tiering(extra: Mapping[str, Any], p: Path) -> tuple[dict[str, Any], int | None]:
     """Our keys of a ``TieringOffloadingSpec`` extra config, and its ``cpu_bytes_to_use``."""
     tiers = extra.get("secondary_tiers")
     if not isinstance(tiers, list):
         raise ConfigError(f"config {p}: secondary_tiers: expected a list of tier entries, got {tiers!r}")
-    ours = [
-        t
-        for t in tiers
-        if isinstance(t, Mapping) and (t.get("type") == DISK_TIER_TYPE or t.get("module_path") == DISK_TIER_MODULE)
-    ]
+    ours = disk_tier_entries(extra)
     if len(ours) != 1:
         raise ConfigError(
             f"config {p}: {TIERING_SPEC} with {len(ours)} {DISK_TIER_TYPE} entries in secondary_tiers, "
@@ -168,9 +221,7 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     spec = str(extra.get("spec_name") or TIERED_SPEC)
     module = extra.get("spec_module_path")
     module = None if module is None else str(module)
-    # A config naming another spec keeps its name, so the tools refuse it rather than
-    # read its secondary_tiers as those of vLLM's TieringOffloadingSpec.
-    if spec == TIERING_SPEC or ("secondary_tiers" in extra and not extra.get("spec_name")):
+    if is_tiering(extra):
         ours, total = _tiering(extra, p)
-        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total, transfer, module)
+        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total, transfer, module, server_extra=extra)
     return ServerConfigFile(p, extra, spec, tp, transfer=transfer, spec_module_path=module)

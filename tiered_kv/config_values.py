@@ -218,6 +218,12 @@ def parse_disk_path(value: Any, key: str) -> str | None:
 CHECKSUMS = ("xxh3_64", "crc32c")
 #: The checksum of blocks on disk and in the shared tier unless a config names another.
 DEFAULT_CHECKSUM = CHECKSUMS[0]
+#: A disk tier's I/O: the engine under its reads and writes (``auto``: KvikIO where it
+#: can run, else POSIX O_DIRECT), the threads of each store, and where they run
+#: (``thread``: in the worker process; ``process``: a helper process per worker).
+IO_BACKENDS = ("auto", "kvikio", "posix")
+DEFAULT_IO_THREADS = 4
+DISK_IO = ("thread", "process")
 
 
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -11,6 +11,10 @@ Which model the blocks belong to is four fields: ``model_id``, ``model_revision`
 ``weights_digest`` (config and sampled weights of the model directory) and
 ``model_settings`` (engine settings that change the model's activations, e.g. vLLM's
 ``--quantization``); ``docs/identity.md`` says what each covers.
+
+Which order a page's bytes are in is, under vLLM, the attention backend that reads and
+writes it (``attention_backend``) and the KV-cache layout vLLM resolved for it (in
+``kv_layout``): two servers that differ in either never share a namespace.
 """
 
 from __future__ import annotations
@@ -51,6 +55,12 @@ class Fingerprint:
     the weights (vLLM's revision, quantization, tokenizer...), None where the engine has
     none to give. Records written before these fields existed lack them: read back as
     None, so such a namespace differs from every one that has them.
+
+    ``attention_backend`` is the name vLLM gives the attention backend whose kernels
+    read and write the pages (``"FLASH_ATTN"``, ``"CPU_ATTN"``...): two backends may
+    lay out the same logical page differently, so the pages of one are not the KV of
+    the other. None where no engine backend decides the order (tiered-kv's own engine,
+    the simulator), and in records written before it existed.
     """
 
     model_id: str
@@ -66,6 +76,7 @@ class Fingerprint:
     block_order: str | None = None
     weights_digest: str | None = None
     model_settings: tuple[str, ...] | None = None
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.tp_size > 64:
@@ -167,7 +178,7 @@ class Fingerprint:
 
 
 #: Fields a record may lack (None then): added after caches were written without them.
-_OPTIONAL = frozenset({"block_order", "weights_digest", "model_settings"})
+_OPTIONAL = frozenset({"block_order", "weights_digest", "model_settings", "attention_backend"})
 #: The fields that say which model the blocks belong to.
 IDENTITY_FIELDS = ("model_id", "model_revision", "weights_digest", "model_settings")
 

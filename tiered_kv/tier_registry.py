@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tiered_kv.tier_ops import Check, TierInspector, ToolContext
 
 from tiered_kv.config_values import ConfigError
 
@@ -20,10 +23,20 @@ class TierType(Protocol):
     """What the registry needs of a tier class (``tiered_kv.tiers.TierSpec`` has it)."""
 
     default_name: str
+    shared: bool
+    config_info_keys: tuple[str, ...]
 
     @classmethod
     def parse_settings(cls, raw: Mapping[str, Any], key_prefix: str) -> Any:
         """The entry's own settings, validated; errors name ``key_prefix + key``."""
+
+    @classmethod
+    def doctor_checks(cls, entry: "TierEntry", ctx: "ToolContext") -> "list[Check]":
+        """The tier's lines of ``tiered-kv doctor`` (see ``TierSpec``)."""
+
+    @classmethod
+    def inspector(cls, entry: "TierEntry", ctx: "ToolContext") -> "TierInspector | None":
+        """What ``inspect --tier`` runs on the tier (see ``TierSpec``)."""
 
     def get_manager(self) -> Any:
         """The scheduler side (see ``TierSpec``)."""
@@ -88,6 +101,14 @@ class TierEntry:
     name: str
     settings: Any
     medium: str | None = None
+    #: Where the entry was written (``tiers[0]``, or a shorthand: ``disk_path``,
+    #: ``remote``), and the shorthand keys its settings were written as.
+    key: str = "tiers"
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def setting_key(self, setting: str) -> str:
+        """The config key ``setting`` was written as, for an error message."""
+        return dict(self.aliases).get(setting) or f"{self.key}.{setting}"
 
     def to_dict(self) -> dict[str, Any]:
         """The entry as config keys (settings objects with a ``to_dict`` are expanded)."""
@@ -127,7 +148,7 @@ class TierEntry:
         medium = raw.pop("medium", None)
         if medium is not None and (not isinstance(medium, str) or not medium.isidentifier()):
             raise ConfigError(f"{key}.medium: expected an identifier such as 'DISK2', got {medium!r}")
-        return cls(type_name, module_path, name, tier.parse_settings(raw, f"{key}."), medium)
+        return cls(type_name, module_path, name, tier.parse_settings(raw, f"{key}."), medium, key)
 
 
 def _is_tier_class(cls: object) -> bool:

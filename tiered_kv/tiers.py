@@ -22,6 +22,11 @@ tier build its worker side (``get_worker``: a stager for writes from CPU slots, 
 for reads into CPU slots and into the KV cache). Adding a tier adds a package with a
 ``TierSpec`` and one line in ``tier_registry.TIER_TYPES`` (or a ``module_path``),
 nothing else.
+
+The operator's tools ask the same classes (``tiered_kv.tier_ops``): ``doctor_checks``,
+``inspector``, ``config_info``, ``prior_gbps``, each with a default, so a tier shows up
+in ``tiered-kv doctor``, ``inspect --tier NAME``, vLLM's config info, the exporter and
+the load decision from its own module.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from tiered_kv.abstract import BlockHash, Closing, LowerTier
 from tiered_kv.config_values import ConfigError
 from tiered_kv.cost import PRIOR_GBPS
+from tiered_kv.tier_ops import Check, TierInspector, ToolContext, skipped
 from tiered_kv.tier_registry import TierEntry
 
 if TYPE_CHECKING:
@@ -244,6 +250,29 @@ class TierSpec(Closing, ABC):
     def close(self) -> None:
         """Close what ``get_worker`` opened (its handlers are shut down first). Idempotent."""
         return
+
+    # ------------------------------------------------------------ operator hooks
+
+    #: The labels ``config_info`` fills (vLLM declares them before any tier is built).
+    config_info_keys: ClassVar[tuple[str, ...]] = ("tier_type",)
+
+    def config_info(self) -> dict[str, Any]:
+        """Static facts on vLLM's ``vllm:kv_offload_config_info`` (one mapping per tier,
+        labelled by its name); keys from ``config_info_keys``. Default: the tier's type."""
+        return {"tier_type": type(self).__name__}
+
+    @classmethod
+    def doctor_checks(cls, entry: TierEntry, ctx: ToolContext) -> list[Check]:
+        """Operator's process, before a server starts: the host checks this tier needs
+        (``tiered-kv doctor``), each a ``Check`` whose non-ok lines carry the fix. Reads
+        what it must, writes at most probe files it removes. Default: none declared."""
+        return [skipped(f"tier_{entry.name}", f"tier {entry.name} ({entry.type_name}) declares no checks of its own")]
+
+    @classmethod
+    def inspector(cls, entry: TierEntry, ctx: ToolContext) -> TierInspector | None:
+        """Operator's process: what ``tiered-kv inspect VERB --tier NAME`` runs on this tier
+        (``TierInspector``). Default: None, and the tools refuse the tier, naming it."""
+        return None
 
 
 def build_tiers(entries: Sequence[TierEntry], ctx: TierContext) -> list[TierSpec]:

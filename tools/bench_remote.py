@@ -528,12 +528,12 @@ def main() -> None:
         from tiered_kv.model_identity import read_config_file
 
         try:
-            remote = TieredConfig.from_dict(read_config_file(args.config)).remote
+            shared = TieredConfig.from_dict(read_config_file(args.config)).shared_tier
         except ConfigError as e:
             sys.exit(f"bench_remote: {e}")
-        if remote is None:
-            sys.exit(f"bench_remote: {args.config} has no 'remote' key")
-        run(remote)
+        if shared is None:
+            sys.exit(f"bench_remote: {args.config} has no shared tier")
+        run(shared.settings)
         return
     if args.backend == "mooncake":
         moon = {"backend": "mooncake", "mooncake_buffer_bytes": "512MiB"}

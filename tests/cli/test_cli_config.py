@@ -70,7 +70,7 @@ def test_json_from_model_config_is_a_valid_tiered_config(tmp_path):
         "model_id": "Llama-3.1-8B-Instruct",
     }
     parsed = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
-    assert (parsed.cpu_bytes, parsed.disk_bytes, parsed.block_size) == (64 * 1024**3, 1024**4, 32)
+    assert (parsed.cpu_bytes, parsed.disk_tier.settings.bytes, parsed.block_size) == (64 * 1024**3, 1024**4, 32)
 
 
 def test_manual_geometry_table_shows_the_arithmetic():
@@ -218,7 +218,8 @@ def test_the_key_options_write_a_config_the_server_accepts(tmp_path, monkeypatch
     extra = json.loads(target.read_text())["kv_connector_extra_config"]
     assert extra["remote"] == {"bucket": "kv-fleet", "key_env": "TIERED_KV_FLEET_KEY"}
     cfg = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
-    assert cfg.remote is not None and cfg.remote.key_env == "TIERED_KV_FLEET_KEY" and not cfg.remote.trusted_bucket
+    remote = cfg.shared_tier.settings
+    assert remote.key_env == "TIERED_KV_FLEET_KEY" and not remote.trusted_bucket
     # The variable is not set on this host: said, not refused (the server's environment has it).
     assert "TIERED_KV_FLEET_KEY is not set" in " ".join(result.stderr.split())
 

@@ -108,7 +108,7 @@ def test_no_disk_tier_is_a_warning_and_the_remote_options_add_a_shared_tier():
         "key_file": "/etc/tiered-kv/fleet.key",
     }
     cfg = TieredConfig.from_dict(extra, passthrough_keys=("spec_name", "spec_module_path"))
-    assert cfg.remote.bucket == "kv-cache" and cfg.remote.prefix == "prod"
+    assert cfg.shared_tier.settings.bucket == "kv-cache" and cfg.shared_tier.settings.prefix == "prod"
     missing = _run("--preset", "llama-3.1-8b", "--remote-endpoint", "http://rgw:8000")
     assert missing.exit_code == 2 and "--remote-bucket: required with --remote-endpoint" in missing.stderr
     bad = _run("--preset", "llama-3.1-8b", "--remote-bucket", "No_Such", "--remote-key-env", "FLEET_KEY")

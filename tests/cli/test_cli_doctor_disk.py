@@ -84,7 +84,7 @@ def test_the_engine_refuses_to_create_a_missing_mount_point(tmp_path):
 def test_every_shipped_config_is_read(path, tmp_path):
     found = read_server_config(path)
     cfg = dr.read_config(path)
-    assert cfg.disk_path == "/mnt/nvme/tiered-kv" and cfg.disk_bytes > 0
+    assert cfg.disk_tier.settings.path == "/mnt/nvme/tiered-kv" and cfg.disk_tier.settings.bytes > 0
     code, data = _doctor("--config", str(path), "--read-probe", "0")
     line = {c["name"]: c for c in data["checks"]}["config"]
     # No TP in the file nor on the command line: checked at TP 1, a warning saying so.
@@ -94,7 +94,7 @@ def test_every_shipped_config_is_read(path, tmp_path):
     assert read_config_file(path) == found.extra_for()
     from tiered_kv.ops.warmup.inputs import load_config
 
-    assert load_config(path).disk_path == cfg.disk_path
+    assert load_config(path).disk_tier == cfg.disk_tier
     result = runner.invoke(app, ["inspect", "summary", str(tmp_path), "--config", str(path), "--json"])
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     if found.spec_name == "TieringOffloadingSpec":

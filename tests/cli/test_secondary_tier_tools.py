@@ -1,9 +1,10 @@
 """The operator tools on a disk cache written by vLLM's own ``TieringOffloadingSpec`` with
 our ``TieredDiskTier``: ``inspect summary --config`` and ``inspect clear --unread-by``
 judge its namespace by that tier's fingerprint (not ``TieredOffloadingSpec``'s),
-``warmup`` refuses to write a namespace that tier would not read, and ``doctor`` counts
-its ``disk_bytes`` once per node. A config shape whose namespace the tools cannot
-compute is refused, and nothing is deleted.
+``warmup`` writes that tier's namespace (whole CPU-tier rows) where a server of the same
+config hits it and loads the model's own keys and values, and ``doctor`` counts its
+``disk_bytes`` once per node. A config shape whose namespace the tools cannot compute,
+or the warm-up cannot prove, is refused, and nothing is deleted or written.
 
 The caches are real: vLLM's scheduler (tests/support/vllm_harness.py) with the tier
 loaded by ``module_path`` writes them, and a fresh server of the same config finds
@@ -13,6 +14,7 @@ the blocks afterwards. Marked ``vllm``.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +23,16 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.spec", reason="vLLM is not installed (make venv installs it)", exc_type=ImportError
 )
 
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from support import vllm_harness as vh  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, TransferResult, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
 
 from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.disk.format.namespace import list_namespaces  # noqa: E402
@@ -40,7 +49,8 @@ PROMPT = [100 + (i * 31) % 800 for i in range(3 * BLOCK + 1)]
 def _cli(*args: str, code: int | None = 0):
     """Run the CLI; ``code``: the exit code it must end with (None: any)."""
     _load_commands()
-    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "250"})
+    # The warm-up reads VLLM_KV_CACHE_LAYOUT as vLLM does; the servers here record LBNHC.
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "250", "VLLM_KV_CACHE_LAYOUT": None})
     assert code is None or result.exit_code == code, result.output
     assert "Traceback" not in result.output
     return result
@@ -183,21 +193,249 @@ def test_a_shape_the_tools_cannot_compute_is_refused_and_nothing_is_deleted(mode
     assert _disk_hits(model_dir, _tiering(root, model_id="tiny", model_path=str(model_dir))) == [LookupResult.HIT] * 3
 
 
-def test_warmup_refuses_the_tiers_config_and_writes_nothing(model_dir, tmp_path):
-    root = tmp_path / "cache"
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"token_ids": PROMPT}) + "\n")
-    config = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny", model_path=str(model_dir)))
-    for path in (config, REPO / "configs" / "vllm-tiering-disk.json"):
-        out = _cli("warmup", str(prompts), "--model", str(model_dir), "--config", str(path), "--device", "cpu", code=2)
-        assert out.stderr.startswith(f"error: config {path}: vLLM's TieringOffloadingSpec with TieredDiskTier"), (
-            out.stderr
+# ---------------------------------------------------------------- warm-up
+
+
+class ShmHostWorker(vh.ChunkCopyWorker):
+    """vLLM's CPU worker where it cannot run (it needs CUDA): synchronous copies between
+    the CPU tensors standing in for the GPU and vLLM's shared CPU-tier region, through
+    the per-worker row views vLLM's own worker takes (``create_next_worker_view``, one
+    per canonical tensor), so a row's bytes land in the pages where vLLM's would."""
+
+    def __init__(self, kv_caches, spec: TieringOffloadingSpec):
+        self.region = SharedOffloadRegion(
+            engine_id=spec.config.engine_id,
+            num_chunks=spec.num_chunks,
+            rank=0,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=spec.cpu_page_size_per_worker,
         )
-        assert "not supported by the warm-up" in out.stderr and len(out.stderr.splitlines()) == 1
-    assert not root.exists()
+        self.bpc = spec.blocks_per_chunk
+        self.gpu = [t.tensor for t in kv_caches.tensors]
+        self.page = [t.page_size_bytes for t in kv_caches.tensors]
+        self.rows = [self.region.create_next_worker_view(p * self.bpc) for p in self.page]
+        self.done: list[TransferResult] = []
+
+    @staticmethod
+    def chunk_ids(spec):
+        return spec.chunk_ids
+
+    def shutdown(self):
+        self.rows.clear()
+        self.region.cleanup()
+
+
+class CpuWorkerTieringSpec(TieringOffloadingSpec):
+    """vLLM's TieringOffloadingSpec (its manager, CPU tier and our disk tier as the config
+    builds them) with ``ShmHostWorker`` as its worker."""
+
+    def get_worker(self, kv_caches):
+        if getattr(self, "_cpu_worker", None) is None:
+            self._cpu_worker = ShmHostWorker(kv_caches, self)
+        return self._cpu_worker
+
+
+def _save_llama(path: Path, layers: int = 2) -> Path:
+    """A tiny Llama with weights, bfloat16, 2 KV heads of 16: with 2 layers one GPU block
+    of every layer is one 4 KiB row, as in write_model_config's model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=1000,
+    )
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory) -> Path:
+    return _save_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _warm(weights_dir: Path, config: Path, prompts: Path, *extra: str, code: int = 0):
+    return _cli(
+        "warmup",
+        str(prompts),
+        "--model",
+        str(weights_dir),
+        "--config",
+        str(config),
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        *extra,
+        code=code,
+    )
+
+
+def _prompts(tmp_path: Path, *prompts: list[int]) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
+    return path
+
+
+def _model_kv(weights_dir: Path, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The model's own per-layer (K, V), each (heads, tokens, head_dim), from its forward pass."""
+    from tiered_kv.ops.warmup.engines import HFEngine
+
+    engine = HFEngine.from_pretrained(str(weights_dir), dtype="bfloat16", device="cpu")
+    return engine.kv(tokens)
+
+
+def _page_is_the_models(page: bytes, k: torch.Tensor, v: torch.Tensor, block: int, heads=(0, 1)) -> bool:
+    """One layer's page as vLLM's FlashAttention reads it under LBNHC, (tokens, heads,
+    K|V) split with ``split(head_size, dim=-1)``, against the model's K and V of
+    ``heads`` (a TP rank's)."""
+    raw = torch.frombuffer(bytearray(page), dtype=torch.bfloat16).view(BLOCK, len(heads), 32)
+    got_k, got_v = (x.permute(1, 0, 2) for x in raw.split(16, dim=-1))
+    tokens, heads = slice(block * BLOCK, (block + 1) * BLOCK), list(heads)
+    return torch.equal(got_k, k[heads, tokens]) and torch.equal(got_v, v[heads, tokens])
+
+
+def test_a_warmup_with_the_tiers_config_is_hit_and_loads_the_models_kv(weights_dir, tmp_path):
+    root = tmp_path / "cache"
+    config = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
+    report = json.loads(_warm(weights_dir, config, _prompts(tmp_path, PROMPT), "--json").stdout)
+    assert report["spec"] == "TieringOffloadingSpec" and report["layout"] == "vllm"
+    assert report["blocks_written"] == 3 and report["bytes_written"] == 3 * CHUNK  # one row per chunk, one writer
+    assert _names(root) == {report["namespace_id"]}
+    extra = json.loads(config.read_text())["kv_connector_extra_config"]
+
+    # A server built from the same config finds every chunk on disk and promotes it.
+    with vh.VllmHarness.build(weights_dir, extra, num_gpu_blocks=32, kv_cache_layout="LBNHC") as h:
+        (tier,) = h.manager.secondary_tiers
+        assert tier.fingerprint.namespace_id == report["namespace_id"]
+        assert h.serve(PROMPT).external == 3 * BLOCK
+        assert tier.stats.promoted == 3 and tier.stats.stored == 0
+
+    # The same server with vLLM's CPU worker (its row views) in place: the pages that land
+    # in the "GPU" are the model's own keys and values, as the warm-up computed them.
+    real = {**extra, "spec_name": "CpuWorkerTieringSpec", "spec_module_path": __name__}
+    with vh.VllmHarness.build(weights_dir, real, num_gpu_blocks=32, worker="real", kv_cache_layout="LBNHC") as h:
+        req = h.add_request(PROMPT, max_tokens=2)
+        deadline = time.monotonic() + 60
+        while (r := h.scheduler.requests.get(req)) is None or r.num_computed_tokens < len(PROMPT):
+            assert time.monotonic() < deadline, "the request never got its prompt's KV"
+            h.step()
+            time.sleep(0.001)
+        pages = [
+            [bytes(t[b].contiguous().view(torch.uint8).numpy()) for t in h.kv_caches.values()] for b in h.block_ids(req)
+        ]
+        h.run()
+        assert h.prefix_hits[req].external == 3 * BLOCK
+    kv = _model_kv(weights_dir, PROMPT)
+    for block in range(3):
+        assert all(_page_is_the_models(page, k, v, block) for page, (k, v) in zip(pages[block], kv))
+    assert not all(_page_is_the_models(page, k, v, 3) for page, (k, v) in zip(pages[3], kv))  # computed, not loaded
+
+    # A rerun finds every chunk and writes nothing.
+    again = json.loads(_warm(weights_dir, config, _prompts(tmp_path, PROMPT), "--json").stdout)
+    assert again["blocks_present"] == 3 and again["blocks_written"] == 0 and again["prompts_skipped"] == 1
+
+
+def test_a_tp2_row_holds_each_ranks_heads_where_that_ranks_worker_reads_them(tmp_path):
+    # Three layers: a rank's cell is 3 KiB, a row of two cells is padded to 8 KiB.
+    model = _save_llama(tmp_path / "model", layers=3)
+    root = tmp_path / "cache"
+    config = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
+    report = json.loads(_warm(model, config, _prompts(tmp_path, PROMPT), "--tp", "2", "--json").stdout)
+    assert report["blocks_written"] == 3 and report["bytes_written"] == 3 * 8192
+    # vLLM's scheduler of a TP 2 server: its spec, CPU tier and our tier, from the same config.
+    extra = json.loads(config.read_text())["kv_connector_extra_config"]
+    vc = vh.make_vllm_config(model, extra, kv_cache_layout="LBNHC")
+    vc.parallel_config.tensor_parallel_size = vc.parallel_config.world_size = 2
+    with set_current_vllm_config(vc):
+        spec = TieringOffloadingSpec(build_offloading_config(vc, vh.make_kv_cache_config(vc, 16)))
+        manager = spec.get_manager()
+    try:
+        (tier,) = manager.secondary_tiers
+        assert tier.fingerprint.namespace_id == report["namespace_id"]
+        assert (spec.kv_bytes_per_chunk, spec.cpu_page_size_per_worker) == (8192, 3072)
+        keys = [make_offload_key(k, 0) for k in vh.hash_blocks(PROMPT, BLOCK)]
+        rows = np.array([3, 0, 2], dtype=np.int64)
+        ctx = ReqContext(req_id="probe")
+        with manager.lock:
+            assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+            tier.submit_load(TransferJob(1, keys, rows, True, ctx))  # the promotion vLLM would start
+        tier.drain_jobs()
+        with manager.lock:
+            assert [r.success for r in tier.get_finished_jobs()] == [True]
+        kv = _model_kv(model, PROMPT)
+        for rank in range(2):
+            # The views vLLM's CPU worker of this rank copies pages from: one per layer.
+            region = SharedOffloadRegion(
+                engine_id=spec.config.engine_id,
+                num_chunks=spec.num_chunks,
+                rank=rank,
+                kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+                cpu_page_size=spec.cpu_page_size_per_worker,
+            )
+            views = [region.create_next_worker_view(1024) for _ in kv]
+            for block, row in enumerate(rows):
+                pages = [bytes(view[row].view(torch.uint8).numpy()) for view in views]
+                assert all(_page_is_the_models(p, k, v, block, heads=[rank]) for p, (k, v) in zip(pages, kv))
+            padding = [bytes(region.base_tensor[r * 8192 + 6144 : (r + 1) * 8192].numpy()) for r in rows]
+            views.clear()
+            region.cleanup()
+            assert padding == [bytes(2048)] * 3
+    finally:
+        manager.shutdown()
+
+
+def test_the_shipped_tiering_config_warms_where_its_server_reads(weights_dir, tmp_path):
+    shipped = json.loads((REPO / "configs" / "vllm-tiering-disk.json").read_text())
+    extra = shipped["kv_connector_extra_config"]
+    assert extra["secondary_tiers"][0]["model_id"] == "meta-llama/Llama-3.1-8B-Instruct"
+    # As shipped, sized for a test: its disk tier is preallocated, so 1 TiB is not an option here.
+    extra["cpu_bytes_to_use"] = 8 * CHUNK
+    extra["secondary_tiers"][0]["disk_bytes"] = "64KiB"
+    config = tmp_path / "shipped.json"
+    config.write_text(json.dumps(shipped))
+    root = tmp_path / "cache"
+    report = json.loads(
+        _warm(weights_dir, config, _prompts(tmp_path, PROMPT), "--disk-path", str(root), "--json").stdout
+    )
+    assert report["blocks_written"] == 3 and report["model_id"] == "meta-llama/Llama-3.1-8B-Instruct"
+    extra["secondary_tiers"][0]["disk_path"] = str(root)
+    with vh.VllmHarness.build(weights_dir, extra, num_gpu_blocks=32, kv_cache_layout="LBNHC") as h:
+        assert h.serve(PROMPT).external == 3 * BLOCK
+
+
+def test_warmup_refuses_what_it_cannot_prove_and_writes_nothing(weights_dir, tmp_path):
+    root = tmp_path / "cache"
+    prompts = _prompts(tmp_path, PROMPT)
+    cases = [
+        (_tiering(root), "model_id: the config sets none", "to its TieredDiskTier entry"),
+        (
+            {**_tiering(root, model_id="tiny-llama"), "canonical_layout": True},
+            "canonical_layout: vLLM's CPU tier then holds its canonical pages",
+            "remove canonical_layout",
+        ),
+        (
+            _tiering(root, model_id="tiny-llama", block_size=32),
+            "TieredDiskTier entry: block_size: not a setting of the TieredDiskTier secondary tier",
+            "set block_size in kv_connector_extra_config",
+        ),
+    ]
+    for n, (extra, what, fix) in enumerate(cases):
+        config = _write(tmp_path / f"bad{n}.json", extra)
+        out = _warm(weights_dir, config, prompts, code=2)
+        assert out.stderr.startswith(f"error: {what}"), out.stderr
+        assert fix in out.stderr and len(out.stderr.splitlines()) == 1
+    good = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
+    out = _warm(weights_dir, good, prompts, "--layout", "kv-first", code=2)
+    assert out.stderr.startswith("error: --layout kv-first: vLLM's TieringOffloadingSpec with TieredDiskTier reads")
     cpu_only = _write(tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30})
-    out = _cli("warmup", str(prompts), "--model", str(model_dir), "--config", str(cpu_only), code=2)
-    assert "spec_name 'CPUOffloadingSpec'" in out.stderr
+    out = _warm(weights_dir, cpu_only, prompts, code=2)
+    assert "spec_name 'CPUOffloadingSpec'" in out.stderr and len(out.stderr.splitlines()) == 1
+    assert not root.exists()
 
 
 def test_doctor_counts_the_tiers_disk_bytes_once_per_node(tmp_path):

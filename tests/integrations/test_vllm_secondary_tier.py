@@ -478,7 +478,7 @@ def test_tier_config_is_validated_in_human_units(tmp_path):
             "max_pending_disk_writes": 64,
         }
     )
-    assert cfg.disk_bytes == 2 * 1024**3 and cfg.io_backend == "posix"
+    assert cfg.disk_tier.settings.bytes == 2 * 1024**3 and cfg.disk_tier.settings.io_backend == "posix"
     assert cfg.max_pending_disk_writes == 64
     with pytest.raises(ConfigError, match=r"'disk_byte'.*did you mean 'disk_bytes'"):
         parse_tier_config({"disk_path": str(tmp_path), "disk_byte": "1GiB"})
@@ -511,7 +511,7 @@ def test_the_shipped_config_runs_under_vllm(model_dir, tmp_path):
     assert int(extra["cpu_bytes_to_use"]) == 64 * 1024**3  # vLLM applies int() to it
     (entry,) = extra["secondary_tiers"]
     assert SecondaryTierFactory.get_tier_class(entry) is TieredDiskTier
-    assert parse_tier_config(entry).disk_bytes == 1024**4
+    assert parse_tier_config(entry).disk_tier.settings.bytes == 1024**4
     # The frontend process only asks the classes what they will report.
     assert "tiered_kv_disk_tier_corrupt_chunks" in TieringOffloadingSpec.build_metric_definitions(extra)
     assert "disk_namespace" in TieringOffloadingSpec.config_info_keys(extra)

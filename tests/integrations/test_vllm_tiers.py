@@ -390,9 +390,14 @@ def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
         assert value("vllm:kv_offload_load_bytes_total") == 2 * GPU_BLOCK_BYTES
         # vLLM's own connector carries nothing of a worker's (ours does: below).
         assert value("tiered_kv_transfer_jobs_total", transfer_type="gpu_to_cpu", outcome="ok") is None
-        info = [s for m in registry.collect() if m.name == "vllm:kv_offload_config_info" for s in m.samples]
-        assert info and info[0].labels["tiered_cpu_slots"] == "2"
-        assert info[0].labels["tiered_disk_path"] == str(tmp_path / "disk")
+        info = {
+            s.labels["tier"]: s.labels
+            for m in registry.collect()
+            if m.name == "vllm:kv_offload_config_info"
+            for s in m.samples
+        }
+        assert info["cpu"]["tiered_cpu_slots"] == "2"
+        assert info["disk"]["disk_path"] == str(tmp_path / "disk") and info["disk"]["tier_type"] == "disk"
 
 
 def test_with_our_connector_each_workers_transfers_reach_vllms_prometheus_side(model_dir, tmp_path):

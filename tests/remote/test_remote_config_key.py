@@ -23,11 +23,12 @@ SETTINGS = {"endpoint": "http://127.0.0.1:7480", "bucket": "kv-fleet", "write_po
 
 def test_remote_settings_are_validated_and_echoed():
     config = TieredConfig.from_dict({"remote": SETTINGS})
-    assert config.remote.bucket == "kv-fleet" and config.remote.write_policy == "evictions"
-    echoed = json.loads(json.dumps(config.to_dict()))
-    assert echoed["remote"]["bucket"] == "kv-fleet"
-    assert not any("secret" in key or "access" in key for key in echoed["remote"])
-    assert TieredConfig.from_dict({}).remote is None
+    remote = config.shared_tier.settings
+    assert remote.bucket == "kv-fleet" and remote.write_policy == "evictions"
+    (echoed,) = json.loads(json.dumps(config.to_dict()))["tiers"]
+    assert echoed["type"] == "remote" and echoed["bucket"] == "kv-fleet"
+    assert not any("secret" in key or "access" in key for key in echoed)
+    assert TieredConfig.from_dict({}).shared_tier is None
 
 
 @pytest.mark.parametrize(
@@ -64,7 +65,7 @@ def test_vllm_takes_the_remote_key_and_names_a_bad_one():
     pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed", exc_type=ImportError)
     from tiered_kv.integrations.vllm.geometry import parse_extra_config
 
-    assert parse_extra_config({"cpu_bytes": "1GiB", "remote": SETTINGS}).remote.bucket == "kv-fleet"
+    assert parse_extra_config({"cpu_bytes": "1GiB", "remote": SETTINGS}).shared_tier.settings.bucket == "kv-fleet"
     with pytest.raises(ConfigError, match=r"remote\.write_policy"):
         parse_extra_config({"cpu_bytes": "1GiB", "remote": {**SETTINGS, "write_policy": "sometimes"}})
 

@@ -58,8 +58,8 @@ def test_nulls_never_become_the_text_none():
     assert (cfg.model_id, cfg.model_revision, cfg.hash_seed) == ("m", "r1", "0")
     assert "None" not in (TieredConfig.from_dict({}).model_revision, TieredConfig.from_dict({}).hash_seed)
     # disk_path null (or "") is the documented way to say "no disk tier".
-    assert from_json('{"disk_path": null}').disk_path is None
-    assert from_json('{"disk_path": ""}').disk_path is None
+    assert from_json('{"disk_path": null}').disk_tier is None
+    assert from_json('{"disk_path": ""}').disk_tier is None
 
 
 def test_disk_path_false_creates_no_directory(tmp_path, monkeypatch):
@@ -109,7 +109,7 @@ def test_disk_bytes_without_disk_path_is_an_error():
             TieredConfig.from_dict(raw)
     with pytest.raises(ConfigError, match="disk_bytes: set without disk_path"):
         HierarchySpec({"cpu_bytes": "1MiB", "disk_bytes": "8MiB"}, gpu_block_size=16)
-    assert TieredConfig.from_dict({"disk_path": "/d", "disk_bytes": "1TiB"}).disk_bytes == 1 << 40
+    assert TieredConfig.from_dict({"disk_path": "/d", "disk_bytes": "1TiB"}).disk_tier.settings.bytes == 1 << 40
 
 
 def test_vllms_extra_config_refuses_the_same_values():

@@ -13,6 +13,7 @@ and its loads read those files back into CPU slots or the KV cache.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import OrderedDict
@@ -29,6 +30,8 @@ from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.mediums import TierSlotsSpec
 from tiered_kv.metrics import TieredStats
+from tiered_kv.tier_ops import FAIL, OK, Check, TierInspector, ToolContext
+from tiered_kv.tier_registry import TierEntry
 from tiered_kv.tiered.transfer_specs import TierWrites
 from tiered_kv.tiers import TierSpec
 from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
@@ -250,6 +253,26 @@ class FileTier(TierSpec):
             self.medium,
         )
 
+    # The operator's hooks: what doctor checks, what `inspect --tier` shows, what vLLM's
+    # config info says of it.
+
+    config_info_keys = ("tier_type", "files_path")
+
+    def config_info(self) -> dict[str, Any]:
+        return {"tier_type": "files", "files_path": self.settings["path"]}
+
+    @classmethod
+    def doctor_checks(cls, entry: TierEntry, ctx: ToolContext) -> list[Check]:
+        path = entry.settings["path"]
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.access(path if os.path.isdir(path) else parent, os.W_OK):
+            return [Check("files_dir", OK, f"file tier {entry.name}: {path} is writable")]
+        return [Check("files_dir", FAIL, f"file tier {entry.name}: {path} cannot be written", f"mkdir -p {path}")]
+
+    @classmethod
+    def inspector(cls, entry: TierEntry, ctx: ToolContext) -> TierInspector:
+        return FileInspector(entry, ctx)
+
     def get_worker(self, host: HostKVCache, gpu_tensors: Sequence[torch.Tensor], stats: TieredStats) -> LowerTierWorker:
         path, rank, layout = self.settings["path"], self.ctx.rank, self.ctx.layout
         self.stager = FileStager(host, path, rank)
@@ -258,6 +281,19 @@ class FileTier(TierSpec):
             to_gpu=FileLoadHandler(path, rank, gpu_tensors, layout, to_gpu=True),
             to_cpu=FileLoadHandler(path, rank, host.tensors, layout, to_gpu=False),
         )
+
+
+class FileInspector(TierInspector):
+    """``inspect summary --tier``: the blocks whose every rank's file is there."""
+
+    def summary(self) -> dict[str, Any]:
+        path = self.entry.settings["path"]
+        names = [n for n in os.listdir(path) if ".r" in n and not n.startswith(".")]
+        return {
+            "path": path,
+            "blocks": len({n.partition(".r")[0] for n in names}),
+            "bytes": sum(os.path.getsize(os.path.join(path, n)) for n in names),
+        }
 
 
 def test_a_tier_entry_is_validated_by_its_own_class(tmp_path):
@@ -380,3 +416,37 @@ def test_a_tier_written_outside_the_package_serves_vllm_byte_exact(model_dir, tm
         files_view = next(t for t in view["tiers"] if t["tier"] == "files")
         assert files_view["hits_blocks"] >= len(on_files) and files_view["hit_rate_tokens"], files_view
         assert files_view["load_gbps_estimate"] is not None and files_view["load_gbps_estimate"] > 0, files_view
+        # The exporter: vLLM's load bytes count the file tier's loads to the GPU, and its
+        # config info carries the tier's own sample.
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value for m in h.publish_metrics().collect() for s in m.samples
+        }
+        loaded = samples[("vllm:kv_offload_load_bytes_total", (("engine", "0"),))]
+        assert loaded >= len(on_files) * GPU_BLOCK_BYTES, samples
+        infos = [dict(labels) for (n, labels), _ in samples.items() if n == "vllm:kv_offload_config_info"]
+        assert {"tier": "files", "tier_type": "files", "files_path": str(files)}.items() <= next(
+            i for i in infos if i.get("tier") == "files"
+        ).items(), infos
+
+    # doctor and inspect, from the server's config file alone.
+    config_file = tmp_path / "server.json"
+    config_file.write_text(
+        json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": config})
+    )
+    from tiered_kv.ops.doctor import run_doctor
+
+    report = run_doctor(config_file, tp=1, read_probe=0)
+    assert [(c.name, c.status) for c in report.checks if c.name == "files_dir"] == [("files_dir", "ok")]
+    from typer.testing import CliRunner
+
+    from tiered_kv.cli import _load_commands, app
+
+    _load_commands()
+    out = CliRunner().invoke(app, ["inspect", "summary", "--tier", "files", "--config", str(config_file), "--json"])
+    assert out.exit_code == 0, out.output
+    shown = json.loads(out.stdout)
+    assert shown["type"] == "FileTier" and shown["blocks"] >= len(on_files), shown
+    table = CliRunner().invoke(app, ["inspect", "summary", "--tier", "files", "--config", str(config_file)])
+    assert table.exit_code == 0 and "tier files (FileTier)" in table.stdout, table.output
+    missing = CliRunner().invoke(app, ["inspect", "summary", "--tier", "nope", "--config", str(config_file)])
+    assert missing.exit_code == 2 and "its tiers: files" in missing.output, missing.output

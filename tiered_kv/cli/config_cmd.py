@@ -13,6 +13,10 @@ it), never a silent "unknown"; with a disk tier the table ends with the identity
 namespace records and its id. The printed ``vllm serve`` line runs as printed: the
 model's path or hub id, and the KV-cache dtype the sizing assumed.
 
+A vLLM server's namespace also names its attention backend and KV-cache layout (no config
+key sets them): printed per ``--attention-backend`` (one also goes on the ``vllm serve``
+line), else for ``offline_attention_backend``'s default, where vLLM is installed.
+
 A shared tier (``--remote-bucket``) is written only with the fleet key's place
 (``--remote-key-file`` or ``--remote-key-env``) or ``--trusted-bucket``, as the server
 starts only with one (``config_remote``); the key named is read there once, to warn
@@ -22,7 +26,9 @@ where it cannot be loaded on this host, and never goes in the output.
 from __future__ import annotations
 
 import json
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -212,6 +218,14 @@ def config(
         metavar="N",
         help="Measured prefill tokens/s (per TP group): recorded in the config.",
     ),
+    attention_backends: Optional[list[str]] = typer.Option(
+        None,
+        "--attention-backend",
+        metavar="NAME",
+        help="vLLM's attention backend on the server (vllm serve --attention-backend), e.g. FLASH_ATTN or "
+        "CPU_ATTN: part of the vLLM namespace printed. Repeat it to print the namespace of each. Default: "
+        "vLLM's choice on this host, else FLASH_ATTN.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print only the JSON."),
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", metavar="PATH", help="Also write the JSON to this file."
@@ -249,6 +263,9 @@ def config(
             TieredConfig.from_dict(kv_config["kv_connector_extra_config"], passthrough_keys=VLLM_PASSTHROUGH_KEYS)
         identity = _add_model_path(kv_config, source)
         serve_flags = _serve_dtype_flags(dtype, source)
+        backends = [_backend_name(b) for b in attention_backends or ()]
+        if len(backends) == 1:
+            serve_flags += f" --attention-backend {backends[0]}"
     except ConfigError as exc:
         fail(str(exc), False)
     warnings = list(tier_size_warnings(plan.cpu_bytes, plan.disk_bytes, disk_path, tp))
@@ -280,7 +297,7 @@ def config(
         soft_wrap=True,
     )
     if disk_path:
-        _print_identity(console, kv_config, identity, plan, gpu_block_size)
+        _print_identity(console, kv_config, identity, plan, gpu_block_size, backends)
 
 
 def cost_table(
@@ -467,29 +484,63 @@ def _add_model_path(kv_config: dict[str, Any], source: Any):
     return digest
 
 
-def _server_namespace(model_dir: str, extra: dict[str, Any], plan: TierPlan, gpu_block_size: int) -> str | None:
-    """The namespace id a vLLM server computes for this config and model (None where vLLM
-    is not importable here or the warm-up cannot reproduce the server's settings)."""
+def _backend_name(name: str) -> str:
+    """``--attention-backend``'s value as vLLM names it; checked against vLLM's names
+    where vLLM is installed here (``ConfigError`` naming the option otherwise)."""
     try:
+        from tiered_kv.integrations.vllm.common import attention_backend_name
+    except ImportError:
+        return name.strip().upper()
+    return attention_backend_name(name, key="--attention-backend")
+
+
+@dataclass(frozen=True)
+class ServerNamespace:
+    """The namespace a vLLM server computes, the page order it names, and whether
+    ``tiered-kv warmup`` (which takes no backend) computes it too."""
+
+    namespace_id: str
+    attention_backend: str
+    kv_cache_layout: str
+    warmup_writes: bool
+
+
+def _server_namespace(
+    model_dir: str, extra: dict[str, Any], plan: TierPlan, gpu_block_size: int, attention_backend: str | None = None
+) -> ServerNamespace | None:
+    """The namespace a vLLM server computes for this config and model on the attention
+    backend ``attention_backend`` (None: ``offline_attention_backend``'s default), with
+    the KV-cache layout vLLM resolves for that backend (None where vLLM is not
+    importable here or the server's settings cannot be reproduced)."""
+    try:
+        from tiered_kv.integrations.vllm.geometry import (
+            backend_kv_cache_layout,
+            offline_attention_backend,
+            offline_geometry,
+        )
         from tiered_kv.ops.warmup.errors import WarmupError
-        from tiered_kv.ops.warmup.vllm_pages import server_fingerprint, server_kv_cache_layout
+        from tiered_kv.ops.warmup.vllm_pages import decoder_kv_cache_config, server_vllm_config
     except ImportError:
         return None
     try:
-        return server_fingerprint(
-            model_dir,
-            extra,
-            gpu_block_size=gpu_block_size,
-            tp_size=plan.tp,
-            kv_cache_layout=server_kv_cache_layout(),
-        ).namespace_id
-    except (WarmupError, ImportError, ValueError):
+        vc = server_vllm_config(model_dir, extra, gpu_block_size=gpu_block_size, tp_size=plan.tp)
+        warmup_layout = vc.cache_config.kv_cache_layout
+        backend = offline_attention_backend(vc, attention_backend)
+        # What vLLM's engine core resolves for that backend, before the workers allocate.
+        layout = backend_kv_cache_layout(backend, os.environ.get("VLLM_KV_CACHE_LAYOUT"))
+        vc.cache_config.kv_cache_layout = layout
+        fp = offline_geometry(vc, decoder_kv_cache_config(vc), attention_backend=backend).fingerprint
+    except (WarmupError, ConfigError, ImportError, ValueError):
         return None
+    return ServerNamespace(fp.namespace_id, backend, layout, attention_backend is None and layout == warmup_layout)
 
 
-def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: TierPlan, gpu_block_size: int) -> None:
-    """The identity the namespace records, and the namespace id tiered-kv's own spec
-    and ``tiered-kv warmup`` compute for this config (vLLM adds its own layout)."""
+def _print_identity(
+    console: Console, kv_config: dict[str, Any], digest, plan: TierPlan, gpu_block_size: int, backends: list[str]
+) -> None:
+    """The identity the namespace records, and the namespace ids tiered-kv's own spec,
+    ``tiered-kv warmup`` and a vLLM server (per attention backend) compute for this
+    config."""
     import torch
 
     from tiered_kv.config import VLLM_PASSTHROUGH_KEYS
@@ -509,14 +560,24 @@ def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: T
         soft_wrap=True,
     )
     if digest is not None:
-        server = _server_namespace(digest.path, extra, plan, gpu_block_size)
-        if server is not None:
-            console.print(
-                f"vLLM namespace {server}: what a vLLM server with this config reads and `tiered-kv warmup "
-                f"--model {digest.path} --tp {plan.tp}` writes",
-                highlight=False,
-                soft_wrap=True,
-            )
+        wanted: list[str | None] = [*backends] or [None]  # None: the default backend
+        for given in wanted:
+            server = _server_namespace(digest.path, extra, plan, gpu_block_size, given)
+            if server is None:
+                continue
+            if given is None:
+                what = (
+                    f"what a vLLM server with this config reads (attention backend {server.attention_backend}, "
+                    f"KV-cache layout {server.kv_cache_layout}; another backend: --attention-backend NAME)"
+                )
+                if server.warmup_writes:
+                    what += f" and `tiered-kv warmup --model {digest.path} --tp {plan.tp}` writes"
+            else:
+                what = (
+                    f"what a vLLM server with this config and --attention-backend {server.attention_backend} "
+                    f"reads (KV-cache layout {server.kv_cache_layout})"
+                )
+            console.print(f"vLLM namespace {server.namespace_id}: {what}", highlight=False, soft_wrap=True)
     dtype = getattr(torch, plan.geometry.dtype, None)
     if isinstance(dtype, torch.dtype) and not getattr(plan.geometry, "mla", False):
         request = LayoutRequest(plan.geometry, dtype, gpu_block_size, plan.block_size // gpu_block_size, plan.tp)
@@ -528,8 +589,8 @@ def _print_identity(console: Console, kv_config: dict[str, Any], digest, plan: T
             soft_wrap=True,
         )
     console.print(
-        "under vLLM the namespace also records vLLM's KV-cache layout, --revision, quantization and "
-        'tokenizer; the server logs its id at start-up ("disk namespace <id>: model ...")',
+        "under vLLM the namespace also records vLLM's attention backend, KV-cache layout, --revision, "
+        'quantization and tokenizer; the server logs its id at start-up ("disk namespace <id>: model ...")',
         highlight=False,
         soft_wrap=True,
     )

@@ -174,7 +174,9 @@ def demo(
         else:
             report = _run_served(driver, workload, endpoint, hold)
         _shutdown(spec, driver)
-    shown_dir = cache_dir if shared is None else Path(str(spec.config.disk_path))
+    shown_dir = (
+        cache_dir if shared is None or spec.config.disk_tier is None else Path(spec.config.disk_tier.settings.path)
+    )
     if json_out:
         data = _report_dict(report, workload, spec)
         if first is not None and shared is not None:
@@ -249,7 +251,7 @@ def _run_served(driver: EngineDriver, workload, endpoint: DemoEndpoint, hold: fl
 
 def _media(spec: HierarchySpec) -> tuple[str, ...]:
     """The media whose hits the report counts (the shared tier's where there is one)."""
-    return ("CPU", "DISK", "REMOTE") if spec.config.remote is not None else ("CPU", "DISK")
+    return ("CPU", "DISK", "REMOTE") if spec.config.shared_tier is not None else ("CPU", "DISK")
 
 
 def _report_dict(report: DriverReport, workload, spec: HierarchySpec) -> dict:
@@ -309,17 +311,17 @@ def _print(
     )
     memory = "pinned" if spec.host is not None and spec.host.pinned else "pageable (no CUDA)"
     setup.add_row("CPU tier", f"{spec.num_cpu_slots} slots = {format_size(spec.num_cpu_slots * bpb)}, {memory}")
-    if cache_dir:
+    if cache_dir and (disk := spec.config.disk_tier) is not None:
         setup.add_row(
             "disk tier",
-            f"{cache_dir}: {format_size(spec.config.disk_bytes)}, "
+            f"{cache_dir}: {format_size(disk.settings.bytes)}, "
             f"{spec.config.write_policy}, promote on hit: {spec.config.promote_on_hit}, "
             f"I/O: {spec.store.backend.describe() if spec.store else '-'}",
         )
     else:
         setup.add_row("disk tier", "off (pass --cache-dir DIR)")
-    if (remote := spec.config.remote) is not None:
-        setup.add_row("shared tier", f"{remote.where()}, {remote.write_policy}")
+    if (shared := spec.config.shared_tier) is not None:
+        setup.add_row("shared tier", f"{shared.settings.where()}, {shared.settings.write_policy}")
 
     console.print(setup)
     hits = Table(title="hits (offloaded blocks)")

@@ -94,12 +94,18 @@ def _from_config(value: str) -> dict[str, Any]:
         raise DemoSharedTierError(f"--remote {value!r}: no such file; {EXPECTED}")
     try:
         extra = read_config_file(path)
-        remote = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS).remote
+        shared = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS).shared_tier
     except ConfigError as e:
         raise DemoSharedTierError(f"--remote {value!r}: {e}") from None
-    if remote is None:
-        raise DemoSharedTierError(f"--remote {value!r}: the config has no 'remote' section; {EXPECTED}")
-    return dict(extra["remote"])
+    if shared is None:
+        raise DemoSharedTierError(
+            f"--remote {value!r}: the config has no 'remote' section (nor a tiers entry of type remote); {EXPECTED}"
+        )
+    if shared.key == "remote":
+        return dict(extra["remote"])
+    # A ``tiers`` entry: its own keys, as written (credentials included), less the entry's.
+    (raw,) = (t for t in extra["tiers"] if isinstance(t, dict) and t.get("name", "remote") == shared.name)
+    return {k: v for k, v in raw.items() if k not in ("type", "name", "medium")}
 
 
 def _from_url(value: str, scratch: Path) -> dict[str, Any]:

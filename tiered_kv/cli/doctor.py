@@ -1,10 +1,11 @@
 """``tiered-kv doctor``: check this host before a tiered-kv server starts on it.
 
 Operator's process; the checks (and the I/O they do: probe files in the disk tier's
-directory or its nearest existing parent, each removed) are ``tiered_kv.ops.doctor``.
-Prints one line per check, ok / skip (could not run, says why) / warn / fail with the
-fix, or the JSON envelope with ``--json``; exits with the worst line's code: 0 all ok or
-skipped, 1 a warning, 2 a failure.
+directory or its nearest existing parent, each removed) are ``tiered_kv.ops.doctor``;
+``--e2e`` adds the lines of ``tiered_kv.ops.doctor.e2e`` (a small model through the
+config's tiers). Prints one line per check, ok / skip (could not run, says why) / warn /
+fail with the fix, or the JSON envelope with ``--json``; exits with the worst line's
+code: 0 all ok or skipped, 1 a warning, 2 a failure.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ def doctor(
     read_probe: str = typer.Option(
         "64MiB", "--read-probe", metavar="SIZE", help="Bytes written then read with O_DIRECT to time the disk; 0: skip."
     ),
+    e2e: bool = typer.Option(
+        False,
+        "--e2e",
+        help="Also check that a small real model (random weights, no download) continues the same from prefix KV "
+        "loaded from each tier of the config (CPU, disk, shared, warm-up blocks, a failed load recomputed) as when "
+        "computed cold: one line per tier with the tokens equal, the largest logit difference and the time. "
+        "Without --config: a CPU and a disk tier in a temporary directory.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of lines."),
 ) -> None:
     """Check this host for the tiered KV cache: memory locking, huge pages, the disk tier's directory, CUDA, GDS,
@@ -80,6 +89,10 @@ def doctor(
 
         probe = 0 if read_probe.strip() == "0" else parse_size(read_probe, "--read-probe")
         report = run_doctor(config, tp=tp, model=model, prefill_tps=prefill_tps, read_probe=probe, gpu=gpu)
+        if e2e:
+            from tiered_kv.ops.doctor.e2e import check_e2e
+
+            report.checks += check_e2e(config, tp)
     if json_out:
         emit_json(report.to_dict())
     else:

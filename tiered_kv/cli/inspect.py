@@ -25,6 +25,7 @@ from tiered_kv.cli import app
 from tiered_kv.cli.inspect_options import _CACHE_PATH, _DRY_RUN, _JSON, _NAMESPACE, _READ_BY_CONFIG, _REMOTE
 from tiered_kv.cli.inspect_options import _SERVER_MODEL, _VERIFY_DRY_RUN, SORT_HELP, STATE_HELP
 from tiered_kv.cli.inspect_remote import need_path, on_remote, on_remote_option
+from tiered_kv.cli.inspect_tier import _TIER, on_tier
 from tiered_kv.cli.inspect_verify import _clean_after_repair, _print_verify
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.cli.output import table_console
@@ -111,13 +112,18 @@ def summary(
     config: Optional[list[str]] = _READ_BY_CONFIG,
     model: Optional[str] = _SERVER_MODEL,
     remote: Optional[str] = _REMOTE,
+    tier: Optional[str] = _TIER,
     json_out: bool = _JSON,
 ) -> None:
     """Each namespace: fingerprint, blocks, bytes used and capacity, ages, hits, I/O, health;
     with --config, whether a server with that config would read it. With --remote: a shared
-    tier's namespaces, objects and bytes, and whether that config reads each."""
+    tier's namespaces, objects and bytes, and whether that config reads each. With --tier
+    NAME and --config: that tier of the config, whatever its type."""
+    options = {k: v for k, v in locals().items() if k != "tier"}
+    if tier is not None:
+        return on_tier("summary", {**options, "tier": tier}, summary, summary)
     if remote is not None:
-        return on_remote("summary", locals())
+        return on_remote("summary", options)
     path = need_path(path, json_out)
     with _errors(json_out):
         from tiered_kv.ops.inspect import open_cache, summarize_cache

@@ -2,7 +2,8 @@
 
 Operator's process, with the server stopped (the run holds the cache's writer lock).
 Library: ``tiered_kv.ops.warmup``. Checks the hash settings, the config (a spec whose
-namespace the warm-up writes: ``TieredOffloadingSpec``), the model's identity
+namespace the warm-up writes: ``TieredOffloadingSpec``, or vLLM's
+``TieringOffloadingSpec`` with ``TieredDiskTier``), the model's identity
 (``model_id`` set; ``--model`` has the weights digest of the config's ``model_path``) and
 the prompts before loading the model, shows a progress bar over prompts (terminals
 only), and ends with a summary table naming the namespace and the identity it records,
@@ -13,7 +14,6 @@ written so far are kept; a rerun resumes).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -24,13 +24,13 @@ from rich.table import Table
 from tiered_kv.cli import app
 from tiered_kv.cli.output import emit_json, errors, progress_bar
 from tiered_kv.config import format_size
+from tiered_kv.config_file import DISK_TIER_TYPE, TIERING_SPEC
 from tiered_kv.ops.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
-from tiered_kv.ops.warmup import DEFAULT_LAYOUT, WarmupReport, chunk_tokens_for, server_settings, warmup
+from tiered_kv.ops.warmup import DEFAULT_LAYOUT, WarmupReport, check_layout, chunk_tokens_for, server_settings, warmup
 from tiered_kv.ops.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
 from tiered_kv.ops.warmup.errors import WarmupError
-from tiered_kv.ops.warmup.inputs import check_identity, check_server_shape, load_config, read_extra_config
-from tiered_kv.ops.warmup.inputs import read_prompts, tokenize
+from tiered_kv.ops.warmup.inputs import check_identity, read_prompts, read_server, tokenize
 from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS
 
 ENGINES = ("hf", "vllm")
@@ -74,7 +74,10 @@ def warmup_cmd(
     ),
     device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", "--device", help="hf: where it runs."),
     disk_path: Optional[str] = typer.Option(
-        None, "--disk-path", metavar="PATH", help="Override the config's disk_path."
+        None,
+        "--disk-path",
+        metavar="PATH",
+        help="The disk tier's directory instead of the config's (disk_path, or its TieredDiskTier entry's).",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
@@ -89,33 +92,29 @@ def warmup_cmd(
             raise WarmupError(f"--engine: expected hf or vllm, got {engine!r}")
         if engine == "vllm":
             require_vllm_engine()
-        check_server_shape(config)  # before anything is read or written for a server that would not read it
-        cfg = load_config(config)
-        if disk_path:
-            cfg = dataclasses.replace(cfg, disk_path=disk_path)
+        # Before anything is read or written for a server that would not read it.
+        server = read_server(config, disk_path)
+        cfg = server.config
         resolve_seed(cfg.hash_algorithm, cfg.hash_seed)  # fail before any heavy work
         chunk_tokens_for(cfg, gpu_block_size)
         local = resolve_model_dir(model)
         if engine == "hf":
-            check_identity(cfg, None if local is None else str(local))
+            where = f"its {DISK_TIER_TYPE} entry" if server.disk.is_secondary_tier else "the config"
+            check_identity(cfg, None if local is None else str(local), where=where)
+            check_layout(layout, server.extra)
         items = read_prompts(prompts)
         tok = None
         if any(p.token_ids is None for p in items):
             tok = _load_tokenizer(tokenizer or model)
         token_ids = tokenize(items, tok)
+        extra = server.extra
         if engine == "vllm":
-            extra = read_extra_config(config)
-            if disk_path:
-                extra["disk_path"] = disk_path
             n = run_vllm_warmup(token_ids, model, extra, gpu_block_size=gpu_block_size, tp_size=tp_size)
             if json_out:
                 emit_json({"engine": "vllm", "prompts": n})
             else:
                 Console().print(f"vllm engine: prefilled {n} prompts through the connector")
             return
-        extra = read_extra_config(config)
-        if disk_path:
-            extra["disk_path"] = disk_path
         model_dtype: str = dtype
         if layout == DEFAULT_LAYOUT and local is not None:
             model_dtype, kv_cache_layout = server_settings(str(local), dtype, kv_cache_layout)
@@ -167,6 +166,8 @@ def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
     t.add_column("value")
     g = hf.geometry
     t.add_row("namespace", r.namespace)
+    if r.spec == TIERING_SPEC:
+        t.add_row("server", f"vLLM's {TIERING_SPEC} with {DISK_TIER_TYPE}: whole CPU-tier rows, every rank's shard")
     t.add_row(
         "model",
         f"{r.model_id} @ {r.model_revision}; weights "

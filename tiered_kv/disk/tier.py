@@ -9,20 +9,34 @@ each worker process, ``get_worker`` opens the same namespace for this rank's blo
 (in the worker, or in a helper process with ``disk_io: process``) and returns the parts
 the composite's handlers drive (``LowerTierWorker``): the stager that writes CPU slots
 to the slab, and the handlers that read blocks into CPU slots and straight to the GPU.
-A hierarchy may hold several, each on its own directory with its own name. The other
-disk settings (``checksum``, ``io_backend``, ``io_threads``, ``disk_io``) are the
-config's, shared by every disk tier.
+A hierarchy may hold several, each on its own directory with its own name and its own
+settings (``DiskTierSettings``); the config's disk shorthands (``io_backend``,
+``checksum``, ...) are folded into every disk entry that does not set its own
+(``tiered_kv.config.fold_shorthands``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from tiered_kv.config_values import ConfigError, parse_choice, parse_disk_path, parse_size
+from tiered_kv.config_values import (
+    CHECKSUMS,
+    DEFAULT_CHECKSUM,
+    DEFAULT_IO_THREADS,
+    DISK_IO,
+    IO_BACKENDS,
+    ConfigError,
+    parse_choice,
+    parse_disk_path,
+    parse_positive_int,
+    parse_size,
+)
 from tiered_kv.cost import PRIOR_GBPS
 from tiered_kv.mediums import DISK
+from tiered_kv.tier_ops import Check, ToolContext
+from tiered_kv.tier_registry import TierEntry
 from tiered_kv.tiers import HitCheck, TierSpec
 
 if TYPE_CHECKING:
@@ -37,19 +51,51 @@ if TYPE_CHECKING:
     from tiered_kv.metrics import TieredStats
     from tiered_kv.worker.worker import LowerTierWorker
 
-#: Default capacity of a disk tier (bytes per rank), as ``TieredConfig.disk_bytes``.
+#: Default capacity of a disk tier (bytes per rank).
 DEFAULT_DISK_BYTES = 64 * 1024**3
 _WRITE_POLICIES = ("write_through", "write_back")
 
 
+def _parse_eviction_policy(value: Any, key: str) -> str:
+    if value == "arc":
+        raise ConfigError(
+            f"{key}: the disk tier evicts in LRU order only (its index keeps each "
+            f"block's last access), got 'arc'; ARC is for the CPU tier: "
+            f"set eviction_policy: arc"
+        )
+    return parse_choice(value, key, ("lru",))
+
+
 @dataclass(frozen=True)
 class DiskTierSettings:
-    """A disk tier's own settings: its directory, its capacity in bytes per rank, and
-    its write policy (None: the config's ``write_policy``)."""
+    """A disk tier's own settings.
+
+    | key | meaning | default |
+    |---|---|---|
+    | ``path`` | its directory (local NVMe) | required |
+    | ``bytes`` | its capacity, bytes per rank | 64 GiB |
+    | ``write_policy`` | ``write_through`` or ``write_back`` | the config's |
+    | ``io_backend`` | ``auto``, ``kvikio`` or ``posix`` | ``auto`` |
+    | ``checksum`` | ``xxh3_64`` or ``crc32c``, kept per block in the index | ``xxh3_64`` |
+    | ``io_threads`` | I/O threads of each store | 4 |
+    | ``disk_io`` | ``thread`` (in the worker) or ``process`` (a helper per worker) | ``thread`` |
+    | ``eviction_policy`` | ``lru`` (the index keeps each block's last access) | ``lru`` |
+    """
 
     path: str
     bytes: int = DEFAULT_DISK_BYTES
     write_policy: str | None = None
+    io_backend: str = "auto"
+    checksum: str = DEFAULT_CHECKSUM
+    io_threads: int = DEFAULT_IO_THREADS
+    disk_io: str = "thread"
+    eviction_policy: str = "lru"
+
+    def to_dict(self) -> dict[str, Any]:
+        """As config keys (``bytes`` with its unit: a bare number is refused below 1 MiB)."""
+        out = {k: v for k in self.__dataclass_fields__ if (v := getattr(self, k)) is not None}
+        out["bytes"] = f"{self.bytes}B"
+        return out
 
 
 class DiskTier(TierSpec):
@@ -62,7 +108,7 @@ class DiskTier(TierSpec):
 
     @classmethod
     def parse_settings(cls, raw: Mapping[str, Any], key_prefix: str) -> DiskTierSettings:
-        known = ("path", "bytes", "write_policy")
+        known = tuple(DiskTierSettings.__dataclass_fields__)
         for key in raw:
             if key not in known:
                 raise ConfigError(f"{key_prefix}{key}: not a disk tier setting; expected {', '.join(known)}")
@@ -71,23 +117,45 @@ class DiskTier(TierSpec):
         path = parse_disk_path(raw["path"], f"{key_prefix}path")
         if path is None:
             raise ConfigError(f"{key_prefix}path: a disk tier needs its directory, got {raw['path']!r}")
+        parsers: dict[str, Callable[[Any, str], Any]] = {
+            "bytes": parse_size,
+            "write_policy": lambda v, k: parse_choice(v, k, _WRITE_POLICIES),
+            "io_backend": lambda v, k: parse_choice(v, k, IO_BACKENDS),
+            "checksum": lambda v, k: parse_choice(v, k, CHECKSUMS),
+            "io_threads": parse_positive_int,
+            "disk_io": lambda v, k: parse_choice(v, k, DISK_IO),
+            "eviction_policy": _parse_eviction_policy,
+        }
         return DiskTierSettings(
-            path=path,
-            bytes=parse_size(raw["bytes"], f"{key_prefix}bytes") if "bytes" in raw else DEFAULT_DISK_BYTES,
-            write_policy=(
-                parse_choice(raw["write_policy"], f"{key_prefix}write_policy", _WRITE_POLICIES)
-                if "write_policy" in raw
-                else None
-            ),
+            path=path, **{key: parse(raw[key], f"{key_prefix}{key}") for key, parse in parsers.items() if key in raw}
         )
 
     @property
     def write_policy(self) -> str:
         return self.settings.write_policy or self.ctx.config.write_policy
 
+    # ------------------------------------------------------------ operator hooks
+
+    config_info_keys = ("tier_type", "disk_path", "disk_bytes_per_rank", "disk_checksum", "disk_io_backend")
+
+    def config_info(self) -> dict[str, Any]:
+        s = self.settings
+        return dict(zip(self.config_info_keys, ("disk", s.path, s.bytes, s.checksum, s.io_backend)))
+
+    @classmethod
+    def doctor_checks(cls, entry: TierEntry, ctx: ToolContext) -> list[Check]:
+        """Its directory (creatable, writable, local, O_DIRECT) and the free space its
+        capacity needs at the server's TP (``tiered_kv.ops.doctor.disk``)."""
+        import dataclasses
+
+        from tiered_kv.ops.doctor.disk import check_disk_path, check_free_space
+
+        alone = dataclasses.replace(ctx.config, tiers=(entry,))
+        return [check_disk_path(alone, ctx.mountinfo), check_free_space(alone, ctx.tp, per_node=ctx.per_node)]
+
     @property
     def shares_host_memory(self) -> bool:
-        return self.ctx.config.disk_io == "process"
+        return self.settings.disk_io == "process"
 
     # ------------------------------------------------------------ scheduler process
 
@@ -100,7 +168,7 @@ class DiskTier(TierSpec):
             ctx.fingerprint,
             ctx.layout,
             disk_bytes=self.settings.bytes,
-            checksum=ctx.config.checksum,
+            checksum=self.settings.checksum,
             engine_id=ctx.engine_id,
             enable_events=ctx.enable_events,
             name=self.name,
@@ -120,7 +188,7 @@ class DiskTier(TierSpec):
         assert isinstance(manager, DiskOffloadingManager), manager
         if self.ctx.failed_loads_recomputed:
             return DiskHitCheck(manager, None)
-        threads = self.ctx.config.io_threads
+        threads = self.settings.io_threads
         store = DiskStore(manager.namespace, PosixBackend(threads), engine_id=self.ctx.engine_id)
         return DiskHitCheck(manager, DiskVerifier(store, self.ctx.world_size, threads=threads))
 
@@ -141,7 +209,7 @@ class DiskTier(TierSpec):
         from tiered_kv.disk.worker.io_process import DiskIOProcess
         from tiered_kv.disk.worker.store import DiskStore
 
-        cfg = self.ctx.config
+        cfg = self.settings
         here = in_process if in_process is not None else cfg.disk_io != "process"
         backend = io_backend if io_backend is not None else cfg.io_backend
         path, fp, layout, size = self.settings.path, self.ctx.fingerprint, self.ctx.layout, self.settings.bytes

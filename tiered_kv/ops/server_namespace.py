@@ -2,9 +2,10 @@
 is sized: the one answer every operator tool gives (``inspect summary --config``,
 ``inspect clear --unread-by``, ``warmup --config``, ``doctor --config``).
 
-Operator's process; reads the config file (``config_file``) and nothing else. Two
-server shapes write a disk namespace, and from the same model they write different
-ones:
+Operator's process; reads the config file (``config_file``) and, where asked for a
+whole namespace (``ServerDisk.vllm_fingerprint``), the model's ``config.json`` and
+weights digest. Two server shapes write a disk namespace, and from the same model they
+write different ones:
 
 - ``TieredOffloadingSpec`` (``integrations.vllm.geometry``): each TP rank writes its
   own shard of every block, ``disk_bytes`` is per rank; the namespace's layer geometry
@@ -25,10 +26,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered_kv.config_values import ConfigError
 from tiered_kv.config_file import DISK_TIER_TYPE, TIERED_SPEC, TIERING_SPEC, ServerConfigFile, read_server_config
+
+if TYPE_CHECKING:  # torch: not for `--help`
+    from tiered_kv.fingerprint import Fingerprint
 
 #: The first entry of a namespace's layer geometry, per spec that writes it (the
 #: pseudo-layers of ``geometry.VllmGeometry.scheduler_layout`` and
@@ -77,6 +81,39 @@ class ServerDisk:
     def extra_for(self, tp: int | None = None) -> dict[str, Any]:
         """Our keys of the config (``ServerConfigFile.extra_for``)."""
         return self.found.extra_for(tp)
+
+    def vllm_fingerprint(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "auto",
+        gpu_block_size: int = 16,
+        tp_size: int = 1,
+        kv_cache_layout: str | None = None,
+    ) -> Fingerprint:
+        """The whole namespace a vLLM server with this config opens, started as ``vllm
+        serve model_dir --dtype dtype --block-size gpu_block_size --tensor-parallel-size
+        tp_size`` with KV-cache layout ``kv_cache_layout`` (default LBNHC): computed with
+        vLLM's own config code, by the module the warm-up writes it with
+        (``ops.warmup.vllm_pages`` for ``TieredOffloadingSpec``, ``ops.warmup.vllm_rows``
+        for ``TieredDiskTier``'s rows). Imports vLLM; reads the model's ``config.json``
+        and weights digest. Raises ``WarmupError`` naming what cannot be computed."""
+        if self.is_secondary_tier:
+            from tiered_kv.ops.warmup.vllm_rows import server_fingerprint as rows_fingerprint
+
+            compute, extra = rows_fingerprint, self.found.given
+        else:
+            from tiered_kv.ops.warmup.vllm_pages import server_fingerprint as pages_fingerprint
+
+            compute, extra = pages_fingerprint, self.found.extra_for(tp_size)
+        return compute(
+            model_dir,
+            extra,
+            dtype=dtype,
+            gpu_block_size=gpu_block_size,
+            tp_size=tp_size,
+            kv_cache_layout=kv_cache_layout,
+        )
 
     def shape_differences(self, fingerprint: Mapping[str, Any]) -> list[str]:
         """Why a namespace of ``fingerprint`` (a ``Fingerprint.to_dict`` record) cannot

@@ -20,6 +20,8 @@ from tiered_kv.metrics import remote_counter_values
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.keys import Keyring, load_keyring
 from tiered_kv.remote.manager import REMOTE
+from tiered_kv.tier_ops import Check, ToolContext
+from tiered_kv.tier_registry import TierEntry
 from tiered_kv.tiers import HitCheck, TierContext, TierSpec
 
 if TYPE_CHECKING:
@@ -53,6 +55,22 @@ class RemoteTier(TierSpec):
     @classmethod
     def parse_settings(cls, raw: Mapping[str, Any], key_prefix: str) -> RemoteConfig:
         return RemoteConfig.from_dict(raw, key_prefix=key_prefix)
+
+    config_info_keys = ("tier_type", "remote_backend", "remote_endpoint", "remote_bucket", "remote_prefix")
+
+    def config_info(self) -> dict[str, Any]:
+        s = self.settings
+        return dict(zip(self.config_info_keys, ("remote", s.backend, s.endpoint, s.bucket, s.prefix)))
+
+    @classmethod
+    def doctor_checks(cls, entry: TierEntry, ctx: ToolContext) -> list[Check]:
+        """Its fleet key as the server loads it, its server's answer and one block object
+        opened with the key (``tiered_kv.ops.doctor.remote``)."""
+        import dataclasses
+
+        from tiered_kv.ops.doctor.remote import check_remote
+
+        return [check_remote(dataclasses.replace(ctx.config, tiers=(entry,)), ctx.extra)]
 
     @property
     def write_policy(self) -> str:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.abstract import Closing
-from tiered_kv.config import TieredConfig, format_size
+from tiered_kv.config_values import DEFAULT_CHECKSUM, format_size
 from tiered_kv.disk.format.errors import DiskSizeError, NamespaceError
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.locks import (
@@ -231,7 +231,7 @@ class Namespace(Closing):
         *,
         num_slots: int | None = None,
         disk_bytes: int | None = None,
-        checksum: str = TieredConfig.checksum,
+        checksum: str = DEFAULT_CHECKSUM,
         create: bool = True,
     ) -> "Namespace":
         """Open ``fingerprint``'s namespace in ``cache_dir`` for an engine process,

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from tiered_kv.abstract import BlockHash, LowerTier, OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from tiered_kv.config import TieredConfig
+from tiered_kv.config_values import DEFAULT_CHECKSUM
 from tiered_kv.disk.scheduler.adoption import adopt_snapshot
 from tiered_kv.disk.scheduler.block_table import BlockTable
 from tiered_kv.fingerprint import Fingerprint
@@ -119,7 +119,7 @@ class DiskOffloadingManager(OffloadingManager):
         layout: KVCacheLayout,
         *,
         disk_bytes: int,
-        checksum: str = TieredConfig.checksum,
+        checksum: str = DEFAULT_CHECKSUM,
         engine_id: str | None = None,
         enable_events: bool = True,
         flush_interval: float = 0.005,
@@ -208,22 +208,6 @@ class DiskOffloadingManager(OffloadingManager):
         if not len(self._table):
             for line in explain_other_namespaces(cache_dir, fingerprint):
                 logger.warning("not serving disk cache namespace %s", line)
-
-    @classmethod
-    def from_config(
-        cls, config: TieredConfig, layout: KVCacheLayout, tp_size: int = 1, engine_id: str | None = None
-    ) -> "DiskOffloadingManager":
-        """From a ``TieredConfig`` with ``disk_path`` set."""
-        if not config.disk_path:
-            raise ValueError("disk_path is not set; the disk tier is disabled")
-        return cls(
-            config.disk_path,
-            Fingerprint.from_config(config, layout, tp_size),
-            layout,
-            disk_bytes=config.disk_bytes,
-            checksum=config.checksum,
-            engine_id=engine_id,
-        )
 
     # ------------------------------------------------------------ startup
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.config import TieredConfig
+from tiered_kv.config_values import DEFAULT_IO_THREADS
 from tiered_kv.memory.device import HOST_ALIGN, aligned_empty
 from tiered_kv.disk.format.safe_open import fd_path, open_file
 
@@ -97,7 +97,7 @@ class IOBackend(Closing, ABC):
     #: Whether device buffers go straight to the disk (GPUDirect Storage).
     gds: bool = False
 
-    def __init__(self, threads: int = TieredConfig.io_threads):
+    def __init__(self, threads: int = DEFAULT_IO_THREADS):
         if threads < 1:
             raise ValueError(f"io threads must be >= 1, got {threads}")
         self.threads = threads
@@ -171,7 +171,7 @@ class PosixBackend(IOBackend):
 
     name = "posix"
 
-    def __init__(self, threads: int = TieredConfig.io_threads, direct: bool = True):
+    def __init__(self, threads: int = DEFAULT_IO_THREADS, direct: bool = True):
         super().__init__(threads)
         self.want_direct = direct
 
@@ -198,7 +198,7 @@ class KvikIOBackend(IOBackend):
     name = "kvikio"
     device_buffers = True
 
-    def __init__(self, threads: int = TieredConfig.io_threads):
+    def __init__(self, threads: int = DEFAULT_IO_THREADS):
         import kvikio  # noqa: F401  (probe() has shown it works)
 
         super().__init__(threads)
@@ -266,7 +266,7 @@ class KvikIOBackend(IOBackend):
         return f"kvikio ({'GDS' if self.gds else 'compat mode'}, {self.threads} threads)"
 
 
-def select_backend(kind: str, directory: str | os.PathLike, threads: int = TieredConfig.io_threads) -> IOBackend:
+def select_backend(kind: str, directory: str | os.PathLike, threads: int = DEFAULT_IO_THREADS) -> IOBackend:
     """Build the backend ``kind`` names (``auto``, ``kvikio`` or ``posix``) for files in
     ``directory``. ``auto`` takes KvikIO only if its probe succeeds. Logs the choice and
     why; raises ``BackendUnavailableError`` when ``kvikio`` is asked for and cannot run,

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.config import TieredConfig
+from tiered_kv.config_values import DEFAULT_CHECKSUM, DEFAULT_IO_THREADS
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.worker.io_server import Ref
 from tiered_kv.disk.worker.store import BlockIO, DiskStoreStats
@@ -138,9 +138,9 @@ class DiskIOProcess(BlockIO):
         layout: KVCacheLayout,
         *,
         disk_bytes: int,
-        checksum: str = TieredConfig.checksum,
-        io_backend: str = TieredConfig.io_backend,
-        io_threads: int = TieredConfig.io_threads,
+        checksum: str = DEFAULT_CHECKSUM,
+        io_backend: str = "auto",
+        io_threads: int = DEFAULT_IO_THREADS,
         engine_id: str | None = None,
     ) -> "DiskIOProcess":
         """``DiskStore.open`` in a new I/O process (same arguments, same errors, raised

@@ -53,7 +53,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.config import TieredConfig
+from tiered_kv.config_values import DEFAULT_CHECKSUM, DEFAULT_IO_THREADS
 from tiered_kv.memory.device import empty_pageable, empty_pinned
 from tiered_kv.disk.worker.block_store import BlockBatch, WriteBlockBatch
 from tiered_kv.disk.worker.batch import PACK_CHUNK_BYTES
@@ -189,9 +189,9 @@ class DiskStore(BlockIO):
         layout: KVCacheLayout,
         *,
         disk_bytes: int,
-        checksum: str = TieredConfig.checksum,
-        io_backend: str | IOBackend = TieredConfig.io_backend,
-        io_threads: int = TieredConfig.io_threads,
+        checksum: str = DEFAULT_CHECKSUM,
+        io_backend: str | IOBackend = "auto",
+        io_threads: int = DEFAULT_IO_THREADS,
         engine_id: str | None = None,
     ) -> "DiskStore":
         """Open (creating if absent) ``fingerprint``'s namespace for writing; ``disk_bytes``

@@ -1,12 +1,14 @@
 """What the scheduler-side and worker-side halves of the vLLM adapter share: the spec that
 carries our plans inside vLLM's job metadata, the metric names, the config-info labels,
-the prefix-hash check, and the model identity that goes into the disk namespace.
+the prefix-hash check, and the model identity and attention backend that go into the
+disk namespace.
 
 Imported in the scheduler, the workers and vLLM's API server (which only reads the
 metric definitions). No I/O except ``vllm_model_identity``, which reads the weights
 digest of the model directory vLLM loads (``tiered_kv.model_identity``: a bounded
 sample of each file) in the scheduler and in every worker, each arriving at the same
-identity from the same vLLM config and files.
+identity from the same vLLM config and files. ``vllm_attention_backend`` asks vLLM's
+attention selector, which on NVIDIA hosts queries the GPU through NVML.
 """
 
 from __future__ import annotations
@@ -149,12 +151,12 @@ class CounterIncreases:
 
 @dataclass(frozen=True)
 class TieredOffloadingInfo(ConfigInfo):
-    """Static facts published on ``vllm:kv_offload_config_info`` (per rank)."""
+    """Static facts of the hierarchy published on ``vllm:kv_offload_config_info`` (per
+    rank): the sample labelled ``tier="cpu"``; each lower tier adds its own sample, with
+    its own facts (``TierSpec.config_info``)."""
 
     tiered_cpu_slots: int
     tiered_cpu_bytes_per_rank: int
-    tiered_disk_slots: int
-    tiered_disk_path: str | None
     tiered_write_policy: str
     tiered_tokens_per_chunk: int
     tiered_bytes_per_chunk_per_rank: int
@@ -302,3 +304,99 @@ def vllm_model_identity(
         )
     settings = vllm_model_settings(vc) if mc is not None else None
     return VllmModelIdentity(str(model_id), str(revision), digest, settings, where)
+
+
+# ---------------------------------------------------------------- attention backend
+
+#: The backend the namespace names where vLLM cannot select one on this host (no
+#: accelerator platform, e.g. a CPU-only machine without vLLM's CPU build) and none is
+#: configured: vLLM 0.33's first choice on NVIDIA Ampere and Hopper GPUs.
+DEFAULT_ATTENTION_BACKEND = "FLASH_ATTN"
+DEFAULT_MLA_ATTENTION_BACKEND = "FLASH_ATTN_MLA"
+
+
+def attention_backend_name(name: str, key: str = "attention_backend") -> str:
+    """``name`` as vLLM names the backend (its ``AttentionBackendEnum`` member, any
+    case). Raises ``ConfigError`` naming ``key``, the value and the names vLLM knows."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    known = [b.name for b in AttentionBackendEnum]
+    upper = str(name).strip().upper()
+    if upper not in known:
+        raise ConfigError(f"{key}: expected one of vLLM's attention backends ({', '.join(known)}), got {name!r}")
+    return upper
+
+
+def configured_attention_backend(vllm_config: Any) -> str | None:
+    """vLLM's ``--attention-backend`` where the config sets one, else None."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return None if backend is None else str(backend.name)
+
+
+def selected_attention_backend(vllm_config: Any) -> str | None:
+    """The backend vLLM's selector picks for the model's attention on this host's
+    platform, as vLLM's own connectors learn it in a process without attention layers
+    (``get_current_attn_backends``): from the model's head size and dtype, the KV-cache
+    dtype, MLA or not, and ``--attention-backend``. None where the selector cannot pick
+    one here (no platform, a backend that does not import)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return None
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    try:
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(
+                head_size=mc.get_head_size(),
+                dtype=mc.dtype,
+                kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+                use_mla=mc.use_mla,
+            )
+        return str(backend.get_name())
+    except Exception as e:  # the platform's selector raises what its checks find
+        logger.debug("vLLM selects no attention backend on this host: %s", e)
+        return None
+
+
+def loaded_attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
+    """Layer name -> backend name of vLLM's standard attention layers (``Attention``,
+    ``MLAAttention``; not their subclasses, which choose their own) among
+    ``layer_names`` loaded in this process: a worker's, or the engine core's where it
+    runs the model itself. Empty where none is loaded (vLLM's scheduler process)."""
+    forward_context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+    if not forward_context:
+        return {}
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return {
+        name: str(layer.get_attn_backend().get_name())
+        for name in layer_names
+        if type(layer := forward_context.get(name)) in (Attention, MLAAttention)
+    }
+
+
+def vllm_attention_backend(vllm_config: Any, layer_names: Iterable[str]) -> str:
+    """The attention backend a server's disk namespace names, the same in every process
+    of the engine: vLLM's selection on this host (``selected_attention_backend``), else
+    ``--attention-backend``, else ``DEFAULT_ATTENTION_BACKEND`` (``..._MLA_...`` for an
+    MLA model). The scheduler has no attention layers to ask, so every process names
+    this prediction; where the layers are loaded (``loaded_attention_backends``), they
+    must all use it, or the pages would be in another order than the namespace says:
+    raises ``ConfigError`` naming the layers' backends and the fix (an explicit
+    ``--attention-backend``, which the scheduler's prediction follows)."""
+    mc = getattr(vllm_config, "model_config", None)
+    default = DEFAULT_MLA_ATTENTION_BACKEND if getattr(mc, "use_mla", False) else DEFAULT_ATTENTION_BACKEND
+    predicted = selected_attention_backend(vllm_config) or configured_attention_backend(vllm_config) or default
+    loaded = loaded_attention_backends(vllm_config, layer_names)
+    used = sorted(set(loaded.values()))
+    if used and used != [predicted]:
+        raise ConfigError(
+            f"attention_backend: vLLM's attention layers here use {', '.join(used)} (e.g. "
+            f"{next(n for n, b in loaded.items() if b != predicted)}), but a process without them "
+            f"(vLLM's scheduler) names {predicted} in the disk namespace; start vLLM with "
+            f"--attention-backend {used[0]} so every process names the backend that writes the pages"
+            + ("" if len(used) == 1 else "; layers of several backends in one KV-cache group are not supported")
+        )
+    return predicted

@@ -6,13 +6,18 @@ Built in every process of an engine (the scheduler, each worker, the API server)
 the same ``OffloadingConfig``, so they agree without talking (``spec.py`` says how
 vLLM's units map onto ours). Arithmetic and validation; its one I/O is reading the
 weights digest of the model directory vLLM loads (``common.vllm_model_identity``).
-The scheduler side (``manager.py``) and the worker side (``worker.py``) take what is
-built here; nothing here imports either.
+The attention backend the namespace names is vLLM's selection for the model on this
+host in every process (the scheduler has no attention layers to ask), checked against
+the layers where they are loaded (``common.vllm_attention_backend``); computed without
+an engine (``offline_geometry``), it is the operator's to give. The scheduler side
+(``manager.py``) and the worker side (``worker.py``) take what is built here; nothing
+here imports either.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,9 +33,21 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.namespace import slot_size_for
-from tiered_kv.integrations.vllm.common import check_hash_algorithm, vllm_model_identity
+from tiered_kv.integrations.vllm.common import (
+    DEFAULT_ATTENTION_BACKEND,
+    DEFAULT_MLA_ATTENTION_BACKEND,
+    attention_backend_name,
+    check_hash_algorithm,
+    configured_attention_backend,
+    find_vllm_config,
+    selected_attention_backend,
+    vllm_attention_backend,
+    vllm_model_identity,
+)
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.memory.device import host_memory_limit
+
+logger = logging.getLogger(__name__)
 
 #: Keys other vLLM specs read, and what to use with ours instead.
 _OTHER_SPECS_KEYS = {
@@ -129,8 +146,17 @@ class VllmGeometry:
         return KVCacheLayout((layer,), torch.int8, self.tokens_per_block, self.blocks_per_chunk)
 
     @classmethod
-    def from_config(cls, config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> "VllmGeometry":
-        """Derive the geometry; raises ``ConfigError`` when it cannot hold a chunk."""
+    def from_config(
+        cls,
+        config: OffloadingConfig,
+        cfg: TieredConfig,
+        extra: Mapping[str, Any],
+        *,
+        attention_backend: str | None = None,
+    ) -> "VllmGeometry":
+        """Derive the geometry; raises ``ConfigError`` when it cannot hold a chunk.
+        ``attention_backend``: the backend the namespace names (``offline_geometry``);
+        None: the engine's (``common.vllm_attention_backend``)."""
         if not config.groups:
             raise ConfigError("vLLM offers no KV-cache group to offload")
         if config.worker_kv_bytes_per_block <= 0:
@@ -162,15 +188,15 @@ class VllmGeometry:
                 f"cpu_bytes: {format_size(cfg.cpu_bytes)} per rank is more than this process may use "
                 f"({format_size(limit)} of memory here); expected at most that"
             )
-        if cfg.disk_path:
+        for entry in cfg.tiers_of_type("disk"):
             if p.world_size > 64:
                 raise ConfigError(
-                    f"disk_path: the disk tier keeps one shard per rank and supports at "
+                    f"{entry.setting_key('path')}: the disk tier keeps one shard per rank and supports at "
                     f"most 64 ranks; this engine has {p.world_size}"
                 )
-            if cfg.disk_bytes < slot_size_for(bytes_per_chunk):
+            if entry.settings.bytes < slot_size_for(bytes_per_chunk):
                 raise ConfigError(
-                    f"disk_bytes: {format_size(cfg.disk_bytes)} per rank holds no chunk; "
+                    f"{entry.setting_key('bytes')}: {format_size(entry.settings.bytes)} per rank holds no chunk; "
                     f"one disk slot is {format_size(slot_size_for(bytes_per_chunk))}"
                 )
         return cls(
@@ -180,7 +206,7 @@ class VllmGeometry:
             p.rank,
             p.world_size,
             num_cpu_slots,
-            _fingerprint(config, cfg, extra),
+            _fingerprint(config, cfg, extra, attention_backend),
         )
 
 
@@ -217,19 +243,33 @@ def kv_content(content: int, head_size: int) -> tuple[slice, slice]:
     return slice(0, head_size), slice(head_size, content)
 
 
-def offline_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> VllmGeometry:
+def offline_geometry(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, attention_backend: str | None = None
+) -> VllmGeometry:
     """The geometry (and disk namespace fingerprint) ``TieredOffloadingSpec`` computes on
     rank ``vllm_config.parallel_config.rank`` of an engine with these configs, without
     the engine: vLLM's own ``build_offloading_config`` makes the ``OffloadingConfig``
     its connector would hand the spec, and the spec's own parsing, hash check and
     ``VllmGeometry.from_config`` run on it with ``vllm_config`` current (as in a
     worker). ``kv_cache_config``: what vLLM's planner would allocate (its
-    ``worker_kv_bytes_per_block`` and groups are read, not its block count). Raises
-    ``ConfigError`` as the spec would at start-up; reads the weights digest of the
-    model directory (``common.vllm_model_identity``)."""
+    ``worker_kv_bytes_per_block`` and groups are read, not its block count).
+
+    The server's attention backend (``offline_attention_backend``): ``attention_backend``,
+    else ``vllm_config``'s ``--attention-backend``, else vLLM's choice on this host,
+    else ``DEFAULT_ATTENTION_BACKEND``; the KV-cache layout recorded in ``vllm_config``
+    must be one that backend supports. Raises ``ConfigError`` as the spec would at
+    start-up, or naming a backend and layout vLLM would not combine; reads the weights
+    digest of the model directory (``common.vllm_model_identity``)."""
     if vllm_config.kv_transfer_config is None:
         raise ConfigError("the vLLM config has no kv_transfer_config: no offloading spec would be built")
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    backend = offline_attention_backend(vllm_config, attention_backend)
+    layout = vllm_config.cache_config.kv_cache_layout
+    if layout is not None and (supported := backend_kv_cache_layouts(backend)) and layout not in supported:
+        raise ConfigError(
+            f"kv_cache_layout: {layout} is not a layout the {backend} attention backend reads (it reads "
+            f"{', '.join(supported)}); vLLM would not run that backend over it"
+        )
     with set_current_vllm_config(vllm_config):
         try:
             offloading = build_offloading_config(vllm_config, kv_cache_config)
@@ -237,10 +277,82 @@ def offline_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
             raise ConfigError(f"vLLM refuses this offloading config: {e}") from None
         cfg = parse_extra_config(extra)
         check_extra_hash_algorithm(cfg)
-        return VllmGeometry.from_config(offloading, cfg, extra)
+        return VllmGeometry.from_config(offloading, cfg, extra, attention_backend=backend)
 
 
-def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any]) -> Fingerprint:
+def offline_attention_backend(vllm_config: VllmConfig | None = None, given: str | None = None) -> str:
+    """The attention backend of a server computed without it (``offline_geometry``,
+    ``tiered-kv config``): ``given`` (checked against vLLM's names), else
+    ``vllm_config``'s ``--attention-backend``, else what vLLM selects for that model on
+    this host, else ``DEFAULT_ATTENTION_BACKEND`` (``DEFAULT_MLA_ATTENTION_BACKEND`` for
+    an MLA model). Raises ``ConfigError`` for a name vLLM does not know."""
+    if given:
+        return attention_backend_name(given)
+    if vllm_config is not None:
+        found = configured_attention_backend(vllm_config) or selected_attention_backend(vllm_config)
+        if found:
+            return found
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            return DEFAULT_MLA_ATTENTION_BACKEND
+    return DEFAULT_ATTENTION_BACKEND
+
+
+def backend_kv_cache_layouts(attention_backend: str) -> tuple[str, ...]:
+    """The KV-cache layouts (vLLM's ``KVCacheLayout`` names) the backend declares it
+    reads, most preferred first; empty where it declares none (any layout; vLLM then
+    prefers ``LBNHC``) or does not import here."""
+    cls = _backend_class(attention_backend)
+    layouts = cls.supported_kv_cache_layouts() if cls is not None else None
+    return tuple(layout.name for layout in layouts or ())
+
+
+def backend_kv_cache_layout(attention_backend: str, requested: str | None = None) -> str:
+    """The KV-cache layout vLLM's engine core resolves for a model whose attention
+    layers all use ``attention_backend``: ``requested`` (its ``VLLM_KV_CACHE_LAYOUT``;
+    ``NHD``/``HND`` name ``LBNHC``/``LBHNC``) where the backend reads it, else the
+    backend's first choice (vLLM's ``get_supported_kv_cache_layouts``). Raises
+    ``ConfigError`` for a requested layout the backend does not read, as vLLM refuses to
+    start with it."""
+    from vllm.config.cache import _layout_from_name
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+    cls = _backend_class(attention_backend)
+    candidates = [m.name for m in get_supported_kv_cache_layouts([cls])] if cls is not None else []
+    if requested is None:
+        return candidates[0] if candidates else "LBNHC"
+    try:
+        layout = _layout_from_name(requested.strip().upper()).name
+    except ValueError as e:
+        raise ConfigError(f"kv_cache_layout: {e}") from None
+    if candidates and layout not in candidates:
+        raise ConfigError(
+            f"kv_cache_layout: {requested} is not a layout the {attention_backend} attention backend reads "
+            f"(it reads {', '.join(candidates)})"
+        )
+    return layout
+
+
+def _backend_class(attention_backend: str) -> Any | None:
+    """vLLM's class of the backend, or None where its module does not import here."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    # Without Triton, torch warns for every kernel a backend's module registers: noise on
+    # an operator's terminal, and nothing the layouts read here depend on.
+    triton_log = logging.getLogger("torch._library.triton")
+    level = triton_log.level
+    triton_log.setLevel(logging.ERROR)
+    try:
+        return AttentionBackendEnum[attention_backend].get_class()
+    except Exception as e:  # a backend's module may need kernels or libraries this host lacks
+        logger.debug("attention backend %s does not import here: %s", attention_backend, e)
+        return None
+    finally:
+        triton_log.setLevel(level)
+
+
+def _fingerprint(
+    config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str, Any], attention_backend: str | None
+) -> Fingerprint:
     p = config.parallel
     bpc = config.cache.blocks_per_chunk
     geometry: tuple[tuple[str, tuple[int, ...]], ...] = (
@@ -266,6 +378,9 @@ def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str
         # Each DP replica is its own engine and writer: give it its own namespace.
         layout += (f"dp_replica={p.data_parallel_index}/{p.data_parallel_size}",)
     ident = vllm_model_identity(config.model.name, cfg, extra)
+    if attention_backend is None:
+        layer_names = [name for g in config.groups for name in g.layer_names]
+        attention_backend = vllm_attention_backend(find_vllm_config(), layer_names)
     seed = cfg.hash_seed if "hash_seed" in extra else os.environ.get("PYTHONHASHSEED", "")
     tokens_per_block = config.groups[0].tokens_per_block
     return Fingerprint(
@@ -281,4 +396,5 @@ def _fingerprint(config: OffloadingConfig, cfg: TieredConfig, extra: Mapping[str
         hash_seed=seed,
         weights_digest=ident.weights_digest,
         model_settings=ident.model_settings,
+        attention_backend=attention_backend,
     )

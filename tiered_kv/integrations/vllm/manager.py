@@ -89,7 +89,6 @@ from tiered_kv.integrations.vllm.common import (
     CounterIncreases,
     WORKER_JOB_FAILURES,
     TieredJobSpec,
-    TieredOffloadingInfo,
 )
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.mediums import CPU
@@ -114,7 +113,7 @@ _CHECK_HIT = HitState.HIT
 _RESULTS = {HitState.HIT: _HIT, HitState.PENDING: _HIT_PENDING, HitState.MISS: _MISS, HitState.RETRY: _RETRY}
 
 
-def build_manager(spec: HierarchySpec, *, info: TieredOffloadingInfo | None = None) -> "TieredVllmManager":
+def build_manager(spec: HierarchySpec, *, info: Sequence[ConfigInfoMapping] = ()) -> "TieredVllmManager":
     """The scheduler side of ``TieredOffloadingSpec`` from the hierarchy's one builder:
     the composite (CPU tier and every lower tier's manager: the disk namespace opened,
     its writer lock taken, its index loaded; the shared tier's bucket opened and
@@ -206,7 +205,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         shared: Sequence[bool] | None = None,
         health: SlotHealth,
         timings: LoadTimings | None = None,
-        info: TieredOffloadingInfo | None = None,
+        info: Sequence[ConfigInfoMapping] = (),
     ):
         if len(checks) != len(composite.lower):
             raise ValueError(f"{len(checks)} hit checks for {len(composite.lower)} lower tiers: expected one per tier")
@@ -555,7 +554,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         return stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
-        return [self._info.as_config_info() if self._info is not None else {}]
+        return list(self._info) or [{}]
 
     # ------------------------------------------------------------------ reset, shutdown
 

@@ -1,13 +1,17 @@
 """A ``TieredDiskTier`` entry of vLLM's ``secondary_tiers``: its keys checked, and the
-disk namespace of vLLM's CPU-tier rows (``chunk_layout``, ``chunk_fingerprint``).
+disk namespace of vLLM's CPU-tier rows (``chunk_layout``, ``chunk_fingerprint``,
+``tier_fingerprint``).
 
 Runs in vLLM's scheduler process, when the tier is built (``secondary_tier.py`` says
-what a chunk is on disk and why each fingerprint field is there). Validation and
-arithmetic only; no I/O.
+what a chunk is on disk and why each fingerprint field is there), and in the operator's
+process, where ``tiered-kv warmup`` computes the same namespace without an engine
+(``tiered_kv.ops.warmup.vllm_rows``). Validation and arithmetic only; no I/O except
+``tier_fingerprint``'s weights digest (``common.vllm_model_identity``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +21,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.integrations.vllm.common import VllmModelIdentity, check_hash_algorithm
+from tiered_kv.integrations.vllm.common import VllmModelIdentity, check_hash_algorithm, vllm_model_identity
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 #: Keys of a ``secondary_tiers`` entry that belong to vLLM (its factory reads them).
@@ -46,7 +50,9 @@ def parse_tier_config(raw: Mapping[str, Any]) -> TieredConfig:
     for key, why in _NOT_FOR_A_SECONDARY_TIER.items():
         if key in raw:
             raise ConfigError(f"{key}: not a setting of the TieredDiskTier secondary tier: {why}")
-    if not cfg.disk_path:
+    if cfg.tiers_of_type("disk") != cfg.tiers:
+        raise ConfigError("tiers: not a setting of the TieredDiskTier secondary tier: it is one disk tier, disk_path")
+    if cfg.disk_tier is None:
         raise ConfigError(
             "disk_path: required; the directory (on local NVMe) that holds the "
             'disk tier, e.g. "disk_path": "/mnt/nvme/tiered-kv"'
@@ -124,6 +130,37 @@ def chunk_fingerprint(
         hash_seed=str(hash_seed if hash_seed is not None else cfg.hash_seed),
         weights_digest=identity.weights_digest if identity is not None else None,
         model_settings=identity.model_settings if identity is not None else None,
+    )
+
+
+def tier_fingerprint(
+    config: OffloadingConfig,
+    stride: int,
+    cfg: TieredConfig,
+    tier_config: Mapping[str, Any],
+    *,
+    replicated_layout: bool = False,
+    vllm_config: Any | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Fingerprint:
+    """The namespace ``TieredDiskTier`` opens for the entry ``tier_config`` (``cfg``: it
+    parsed) under vLLM's ``OffloadingConfig`` ``config`` with CPU-tier rows of ``stride``
+    bytes: the model's identity as vLLM's scheduler resolves it (``model_id`` where the
+    entry sets one, else vLLM's ``--model``; ``vllm_config``: default the engine's,
+    ``common.find_vllm_config``), and the hash seed it runs with (the entry's
+    ``hash_seed`` where set, else ``PYTHONHASHSEED`` of ``env``, default
+    ``os.environ``, as vLLM seeds its prefix hashes). Raises ``ConfigError`` naming
+    ``model_path``."""
+    identity = vllm_model_identity(config.model.name, cfg, tier_config, vllm_config)
+    env = os.environ if env is None else env
+    return chunk_fingerprint(
+        config,
+        stride,
+        cfg,
+        replicated_layout=replicated_layout,
+        model_id=identity.model_id,
+        identity=identity,
+        hash_seed=cfg.hash_seed if "hash_seed" in tier_config else env.get("PYTHONHASHSEED", ""),
     )
 
 

@@ -179,11 +179,14 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         )
         layout = chunk_layout(self.fingerprint.block_size, stride)
         # The primary rows are host memory: GPUDirect Storage has nothing to offer here.
-        backend = "posix" if cfg.io_backend == "auto" else cfg.io_backend
+        (entry,) = cfg.tiers
+        if entry.settings.io_backend == "auto":
+            posix = dataclasses.replace(entry.settings, io_backend="posix")
+            cfg = dataclasses.replace(cfg, tiers=(dataclasses.replace(entry, settings=posix),))
         # Built by type like every lower tier (tiered_kv.tiers): the disk tier of this
         # entry, keyed by vLLM's fingerprint, one writer (the scheduler) for all ranks.
         ctx = TierContext(
-            config=dataclasses.replace(cfg, io_backend=backend),
+            config=cfg,
             fingerprint=self.fingerprint,
             layout=layout,
             engine_id=vconf.engine_id,
@@ -214,7 +217,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         self._writes_waiting = 0  # chunks in store jobs not yet collected (scheduler thread)
         self._closed = False
         self._info = DiskTierInfo(
-            disk_path=str(cfg.disk_path),
+            disk_path=tier.settings.path,
             disk_namespace=self.fingerprint.namespace_id,
             disk_capacity_chunks=self.disk_manager.capacity,
             disk_chunk_bytes=stride,
@@ -224,7 +227,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         logger.info(
             "vLLM secondary tier %s: %s, namespace %s, %d of %d chunks of %s loadable, I/O %s",
             tier_type,
-            cfg.disk_path,
+            tier.settings.path,
             self.fingerprint.namespace_id,
             len(self.disk_manager),
             self.disk_manager.capacity,

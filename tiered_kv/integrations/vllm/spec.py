@@ -36,8 +36,11 @@ alone, so the scheduler and the workers agree without talking):
   the directory vLLM loads; vLLM's code revision, model dtype, quantization, config
   overrides and tokenizer: ``common.vllm_model_identity``), vLLM's KV-cache dtype,
   tokens per block and per chunk, the per-rank bytes per GPU block, each KV group's
-  geometry, vLLM's parallel layout and KV-cache layout, the world size (one shard per
-  rank) and the prefix-hash algorithm and seed.
+  geometry, vLLM's parallel layout and KV-cache layout, the attention backend whose
+  kernels write the pages (vLLM's choice for the model on this host, the same in every
+  process; a worker whose attention layers use another refuses to start, naming it:
+  ``common.vllm_attention_backend``), the world size (one shard per rank) and the
+  prefix-hash algorithm and seed.
 """
 
 from __future__ import annotations
@@ -48,14 +51,15 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
+    ConfigInfoMapping,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL
 
-from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.integrations.vllm.canary import CanaryPlan
 from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, find_vllm_config, metric_definitions
 from tiered_kv.integrations.vllm.connector import failed_loads_recomputed
@@ -86,22 +90,28 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        return TieredOffloadingInfo.config_info_keys()
+        """The hierarchy's labels, ``tier``, then each lower tier type's (``TierSpec``)."""
+        keys = dict.fromkeys((*TieredOffloadingInfo.config_info_keys(), TIER_LABEL))
+        for entry in parse_extra_config(extra_config).tier_entries():
+            keys.update(dict.fromkeys(entry.cls.config_info_keys))
+        return tuple(keys)
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
         self.tiered_config = parse_extra_config(self.extra_config)
         check_extra_hash_algorithm(self.tiered_config)
         self.geometry = VllmGeometry.from_config(config, self.tiered_config, self.extra_config)
-        if self.tiered_config.disk_path:
+        if self.tiered_config.disk_tier is not None:
             fp = self.geometry.fingerprint
             logger.info(
-                "disk namespace %s: model %s @ %s, weights %s, settings %s",
+                "disk namespace %s: model %s @ %s, weights %s, settings %s, attention backend %s, KV-cache layout %s",
                 fp.namespace_id,
                 fp.model_id,
                 fp.model_revision,
                 fp.weights_digest or "not covered",
                 ", ".join(fp.model_settings or ()) or "none",
+                fp.attention_backend,
+                self.config.kv_cache_layout or "unresolved",
             )
         #: Our connector with vLLM's recompute policy: a failed load costs a recompute,
         #: so the shared tier's hits are read once, by the workers (``connector.py``).
@@ -109,17 +119,19 @@ class TieredOffloadingSpec(OffloadingSpec):
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
-    def config_info(self) -> TieredOffloadingInfo:
-        g, cfg = self.geometry, self.tiered_config
-        return TieredOffloadingInfo(
+    def config_info(self, hierarchy: HierarchySpec) -> list[ConfigInfoMapping]:
+        """One mapping per tier, the CPU tier's first, each labelled with its name."""
+        g = self.geometry
+        cpu = TieredOffloadingInfo(
             tiered_cpu_slots=g.num_cpu_slots,
             tiered_cpu_bytes_per_rank=g.num_cpu_slots * g.bytes_per_chunk,
-            tiered_disk_slots=(cfg.disk_bytes // slot_size_for(g.bytes_per_chunk)) if cfg.disk_path else 0,
-            tiered_disk_path=cfg.disk_path,
-            tiered_write_policy=cfg.write_policy,
+            tiered_write_policy=self.tiered_config.write_policy,
             tiered_tokens_per_chunk=g.tokens_per_chunk,
             tiered_bytes_per_chunk_per_rank=g.bytes_per_chunk,
         )
+        infos: list[ConfigInfoMapping] = [{**cpu.as_config_info(), TIER_LABEL: "cpu"}]
+        infos += [{**tier.config_info(), TIER_LABEL: tier.name} for tier in hierarchy.lower_tiers]
+        return infos
 
     def hierarchy(self, layout: KVCacheLayout) -> HierarchySpec:
         """The hierarchy's one builder for this process: ``layout`` is the scheduler's
@@ -140,7 +152,8 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = build_manager(self.hierarchy(self.geometry.scheduler_layout()), info=self.config_info())
+            hierarchy = self.hierarchy(self.geometry.scheduler_layout())
+            self._manager = build_manager(hierarchy, info=self.config_info(hierarchy))
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -26,8 +26,6 @@ command is that of the worst line: 0, 1 or 2.
 
 from __future__ import annotations
 
-import dataclasses
-
 import os
 from collections.abc import Iterable, Mapping
 
@@ -48,6 +46,7 @@ from tiered_kv.ops.doctor.speed import (
     time_o_direct_read,
 )
 from tiered_kv.ops.server_namespace import server_disk
+from tiered_kv.tier_ops import ToolContext
 
 #: The package's API: ``run_doctor`` and each check, with what they measure.
 __all__ = [
@@ -145,11 +144,11 @@ def run_doctor(
                     "TP 1 assumed: neither --tp nor the config names the tensor-parallel size, so the sizes per "
                     "rank, the node's memory and disk and the break-even are checked for one GPU"
                 )
-            disk = (
-                f"disk tier {cfg.disk_path} ({format_size(cfg.disk_bytes)} per {disk_tier.disk_bytes_per})"
-                if cfg.disk_path
-                else "no disk tier"
-            )
+            disks = [
+                f"disk tier {e.settings.path} ({format_size(e.settings.bytes)} per {disk_tier.disk_bytes_per})"
+                for e in cfg.tiers_of_type("disk")
+            ]
+            disk = ", ".join(disks) or "no disk tier"
             cpu = f"cpu_bytes {format_size(cfg.cpu_bytes)} per rank"
             if found.cpu_bytes_total is not None:
                 cpu += f" (cpu_bytes_to_use {format_size(found.cpu_bytes_total)} / TP {size})"
@@ -175,12 +174,16 @@ def run_doctor(
             checks.append(Check("config", FAIL, str(e), fix))
     checks.append(check_memory(cfg, size, memory_limit()))
     checks.append(check_memlock(cfg, memlock_limit()))
-    checks += check_thp(thp_setting("private"), thp_setting("shared"), cfg.disk_io if cfg else None)
-    checks.append(check_disk_path(cfg, mountinfo))
-    checks.append(check_free_space(cfg, size, per_node=per_node))
-    for extra in _more_disk_tiers(cfg):  # disk tiers of the config's ``tiers`` list
-        checks.append(check_disk_path(extra, mountinfo))
-        checks.append(check_free_space(extra, size, per_node=per_node))
+    disk_io = {e.settings.disk_io for e in cfg.tiers_of_type("disk")} if cfg else set()
+    shmem_use = "process" if "process" in disk_io else ("thread" if cfg else None)
+    checks += check_thp(thp_setting("private"), thp_setting("shared"), shmem_use)
+    # Each tier's own checks (``TierSpec.doctor_checks``); a kind the config lacks, one
+    # line saying so.
+    ctx = ToolContext(cfg or TieredConfig(), size, per_node, config_extra, read_probe, str(mountinfo))
+    for entry in cfg.tier_entries() if cfg else ():
+        checks += entry.cls.doctor_checks(entry, ctx)
+    if cfg is None or not cfg.tiers_of_type("disk"):
+        checks += [check_disk_path(cfg, mountinfo), check_free_space(cfg, size)]
     try:
         geometry = model_geometry(cfg, model)
     except ConfigError as e:
@@ -196,10 +199,8 @@ def run_doctor(
     checks.append(check_io_path(cfg, cuda.status == OK))
     checks.append(check_vllm())
     checks.append(check_hash(cfg, env))
-    # The ``remote`` shorthand's shared tier and those of the ``tiers`` list, each checked;
-    # with none, one line saying so.
-    remotes = ([cfg] if cfg is not None and cfg.remote is not None else []) + _more_remote_tiers(cfg)
-    checks += [check_remote(r, config_extra) for r in remotes] if remotes else [check_remote(cfg, config_extra)]
+    if cfg is None or not cfg.tiers_of_type("remote"):
+        checks.append(check_remote(cfg, config_extra))
     if config_path is not None and cfg is None:
         checks = [_unread(c, config_path) for c in checks]
     return DoctorReport(checks, None if config_path is None else str(config_path))
@@ -216,24 +217,6 @@ def _unread(check: Check, config_path: str | os.PathLike) -> Check:
     if check.name not in _NEEDS_CONFIG or check.status == FAIL:
         return check
     return skipped(check.name, f"config {config_path} could not be read (see the config line)", facts=check.facts)
-
-
-def _more_remote_tiers(cfg: TieredConfig | None) -> list[TieredConfig]:
-    """For each shared tier listed in ``tiers``, ``cfg`` as if it were the ``remote`` one."""
-    if cfg is None:
-        return []
-    return [dataclasses.replace(cfg, remote=e.settings, tiers=()) for e in cfg.tiers if e.type_name == "remote"]
-
-
-def _more_disk_tiers(cfg: TieredConfig | None) -> list[TieredConfig]:
-    """For each disk tier listed in ``tiers``, ``cfg`` as if it were the ``disk_path`` one."""
-    if cfg is None:
-        return []
-    return [
-        dataclasses.replace(cfg, disk_path=e.settings.path, disk_bytes=e.settings.bytes, tiers=())
-        for e in cfg.tiers
-        if e.type_name == "disk"
-    ]
 
 
 def tier_size_warnings(cpu_bytes: int, disk_bytes: int, disk_path: str | None, tp: int) -> Iterable[str]:

@@ -35,7 +35,7 @@ def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None
     module = transfer.get("kv_connector_module_path")
     policy = transfer.get("kv_load_failure_policy", "fail")
     facts = {"kv_connector": name, "kv_connector_module_path": module, "kv_load_failure_policy": policy}
-    shared = cfg is not None and cfg.remote is not None
+    shared = cfg is not None and any(e.cls.shared for e in cfg.tier_entries())
     if name == OURS:
         if module != OURS_MODULE:
             return Check(

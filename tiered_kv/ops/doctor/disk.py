@@ -86,9 +86,9 @@ def check_disk_path(cfg: TieredConfig | None, mountinfo: str | os.PathLike = MOU
     root file system (where an unmounted NVMe's mount point leaves it), taking O_DIRECT."""
     if cfg is None:
         return skipped("disk_path", "no config, so no disk tier to check", "pass --config PATH")
-    if cfg.disk_path is None:
+    if (disk := cfg.disk_tier) is None:
         return skipped("disk_path", "no disk tier configured")
-    path = Path(cfg.disk_path).expanduser()
+    path = Path(disk.settings.path).expanduser()
     fs = filesystem_of(path, mountinfo)
     facts: dict[str, Any] = {"disk_path": str(path), "exists": path.exists(), "filesystem": fs}
     if path.exists() and not path.is_dir():
@@ -189,18 +189,19 @@ def check_free_space(cfg: TieredConfig | None, tp: int, *, per_node: bool = Fals
     """Whether the disk tier fits the free space of its file system: ``disk_bytes`` per
     rank (``tp`` shards), or once for the node where ``per_node`` (vLLM's
     ``TieringOffloadingSpec`` with ``TieredDiskTier``: one writer for every rank)."""
-    if cfg is None or cfg.disk_path is None:
+    if cfg is None or (disk := cfg.disk_tier) is None:
         return skipped("disk_space", "no disk tier configured: no space needed")
-    path = Path(cfg.disk_path).expanduser()
+    path = Path(disk.settings.path).expanduser()
+    size = disk.settings.bytes
     writers = 1 if per_node else tp
-    need = writers * cfg.disk_bytes
+    need = writers * size
     free = free_space(path)
     held = _bytes_under(path) if path.is_dir() else 0
     facts = {"needed_bytes": need, "free_bytes": free, "held_bytes": held, "tp": tp, "per_node": per_node}
     if per_node:
-        what = f"disk_bytes {format_size(cfg.disk_bytes)} per node (one TieredDiskTier for TP {tp})"
+        what = f"disk_bytes {format_size(size)} per node (one TieredDiskTier for TP {tp})"
     else:
-        what = f"TP {tp} x disk_bytes {format_size(cfg.disk_bytes)} = {format_size(need)}"
+        what = f"TP {tp} x disk_bytes {format_size(size)} = {format_size(need)}"
     fix = (
         f"lower disk_bytes to at most {format_size(max(0, (free + held) // writers))} "
         f"per {'node' if per_node else 'rank'}, or free space"

@@ -122,11 +122,11 @@ def check_io_path(cfg: TieredConfig | None, cuda: bool) -> Check:
         f"cuFile {'found' if facts['cufile'] else 'not found'}, "
         f"nvidia-fs {'loaded' if facts['nvidia_fs'] else 'not loaded'}"
     )
-    if cfg is None or cfg.disk_path is None:
+    if cfg is None or (disk := cfg.disk_tier) is None:
         return skipped("io_path", f"no disk tier configured; {installed}", facts=facts)
-    facts["io_backend"] = cfg.io_backend
-    path = Path(cfg.disk_path).expanduser()
-    if cfg.io_backend == "posix":
+    io_backend = facts["io_backend"] = disk.settings.io_backend
+    path = Path(disk.settings.path).expanduser()
+    if io_backend == "posix":
         return Check("io_path", OK, f"disk tier I/O: posix (configured); {installed}", facts=facts)
     reason = None if facts["kvikio_importable"] else "KvikIO is not installed"
     if reason is None and not path.is_dir():
@@ -149,7 +149,7 @@ def check_io_path(cfg: TieredConfig | None, cuda: bool) -> Check:
                 facts,
             )
     facts["reason"] = reason
-    if cfg.io_backend == "kvikio":
+    if io_backend == "kvikio":
         return Check(
             "io_path",
             FAIL,

@@ -97,10 +97,11 @@ def check_remote(cfg: TieredConfig | None, extra: Mapping[str, Any] | None = Non
     one block object opened with the key (``check_block_object``). ``extra`` is the
     config's own keys (its ``kv_connector_extra_config``): the fingerprint fields it pins
     choose the namespace whose object is opened; None: any namespace under the prefix."""
-    if cfg is None or cfg.remote is None:
+    if cfg is None or (shared := cfg.shared_tier) is None:
         return skipped("remote", "no shared tier configured")
-    if cfg.remote.backend == "mooncake":
-        return check_mooncake(cfg.remote)
+    remote: RemoteConfig = shared.settings
+    if remote.backend == "mooncake":
+        return check_mooncake(remote)
     from tiered_kv.remote.client import (
         AccessDenied,
         BucketMissing,
@@ -113,7 +114,6 @@ def check_remote(cfg: TieredConfig | None, extra: Mapping[str, Any] | None = Non
     )
     from tiered_kv.remote.safe_json import MAX_RECORD_BYTES
 
-    remote = cfg.remote
     where = f"bucket {remote.bucket!r} at {remote.endpoint or 'AWS S3'}"
     facts: dict[str, Any] = {"endpoint": remote.endpoint, "bucket": remote.bucket, "prefix": remote.prefix}
     keys = _load_keys(remote, facts)

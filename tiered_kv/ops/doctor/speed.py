@@ -145,14 +145,14 @@ def check_disk_speed(
     ``prefill_tokens_per_s``, else the estimate for ``tp`` GPUs ``gpu`` (default: this
     machine's) and a model of ``parameters``; the default where those are unknown, said
     to be assumed."""
-    if cfg is None or cfg.disk_path is None:
+    if cfg is None or (disk := cfg.disk_tier) is None:
         return skipped("disk_read", "no disk tier configured: no read speed to time")
-    path = Path(cfg.disk_path).expanduser()
+    path = Path(disk.settings.path).expanduser()
     if probe_bytes <= 0:
         return skipped("disk_read", "disk read speed not timed (--read-probe 0)", "pass --read-probe SIZE to time it")
     where = path if path.is_dir() else existing_ancestor(path)
     try:
-        speed = time_o_direct_read(where, probe_bytes, cfg.io_threads)
+        speed = time_o_direct_read(where, probe_bytes, disk.settings.io_threads)
     except OSError as e:
         return skipped(
             "disk_read",

@@ -162,12 +162,15 @@ def remote_config(config_path: str) -> RemoteConfig:
     when it has none or they are invalid."""
     try:
         extra = read_config_file(config_path)
-        remote = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS).remote
+        shared = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS).shared_tier
     except ConfigError as e:
         raise InspectError(f"--remote {config_path}: {e}") from None
-    if remote is None:
-        raise InspectError(f"--remote {config_path}: the config has no 'remote' key, so no shared tier to inspect")
-    return remote
+    if shared is None:
+        raise InspectError(
+            f"--remote {config_path}: the config has no 'remote' key (nor a tiers entry of type remote), "
+            "so no shared tier to inspect"
+        )
+    return shared.settings
 
 
 def open_shared_tier(config_path: str, namespace: str | None = None, model: str | None = None) -> SharedTier:

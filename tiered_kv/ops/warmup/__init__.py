@@ -18,8 +18,11 @@ KV-cache layout (hence the namespace fingerprint) of the serving engine that wil
 them, how a prompt's K/V become one block's bytes, and how a chunk's hash becomes its
 key. ``kv-first`` is the engine-agnostic layout of ``tiered_kv`` (``DeviceKVCache``,
 ``HierarchySpec`` over ``(2, num_blocks, block_size, kv_heads, head_dim)``
-tensors named ``layer.<i>``). Other layouts (vLLM's) register with
-``register_block_layout``.
+tensors named ``layer.<i>``). ``vllm`` (the default) writes what the server the config
+names reads: each TP rank's pages for ``TieredOffloadingSpec`` (``vllm_pages``), or
+whole CPU-tier rows, every rank's shard in one block from one writer, for vLLM's
+``TieringOffloadingSpec`` with ``TieredDiskTier`` (``vllm_rows``). Other layouts
+register with ``register_block_layout``.
 
 Which namespace: the one the serving engine computes from the same config
 (``BlockLayout.fingerprint``), so the model's identity comes from the config:
@@ -35,7 +38,8 @@ with our connector, which stores blocks exactly as the server would; it needs CU
 vLLM.
 
 This package's modules: the run (here), ``inputs`` (config, prompts, the model's
-identity), ``engines`` (the KV engines), ``layouts`` (block layouts), ``errors``.
+identity), ``engines`` (the KV engines), ``layouts`` (block layouts), ``vllm_pages`` and
+``vllm_rows`` (vLLM's), ``errors``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.config_file import DISK_TIER_TYPE, TIERED_SPEC, TIERING_SPEC, is_tiering
 from tiered_kv.disk.worker.io_backends import aligned_empty
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import slot_size_for
@@ -66,6 +71,7 @@ from tiered_kv.tiers import TierContext, build_tiers
 #: The run; ``register_block_layout`` is here too, where docs/cli.md points plug-ins.
 __all__ = [
     "DEFAULT_LAYOUT",
+    "check_layout",
     "JOB_BYTES",
     "WarmupReport",
     "chunk_tokens_for",
@@ -92,7 +98,15 @@ def _vllm_pages() -> Any:
 
 
 def _vllm_layout(request: LayoutRequest) -> BlockLayout:
-    return _vllm_pages().VllmPagesLayout(request)
+    """What the server given ``request.extra_config`` reads: whole CPU-tier rows for
+    vLLM's ``TieringOffloadingSpec`` with ``TieredDiskTier``, else each rank's pages as
+    ``TieredOffloadingSpec`` stores them."""
+    pages = _vllm_pages()
+    if is_tiering(request.extra_config):
+        from tiered_kv.ops.warmup.vllm_rows import VllmRowsLayout
+
+        return VllmRowsLayout(request)
+    return pages.VllmPagesLayout(request)
 
 
 def server_settings(model_dir: str, dtype: str = "auto", kv_cache_layout: str | None = None) -> tuple[str, str]:
@@ -125,6 +139,9 @@ class WarmupReport:
     #: The weights digest the namespace records; None: the config has no model_path.
     weights_digest: str | None = None
     layout: str = ""
+    #: The vLLM spec whose namespace was written: ``TieredOffloadingSpec``, or
+    #: ``TieringOffloadingSpec`` (whole CPU-tier rows, for ``TieredDiskTier``).
+    spec: str = TIERED_SPEC
     #: vLLM's KV-cache layout of the pages written (``vllm`` layout), else None.
     kv_cache_layout: str | None = None
     prompts: int = 0
@@ -142,6 +159,19 @@ class WarmupReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_layout(layout: str, extra_config: Mapping[str, Any]) -> None:
+    """Refuse a ``--layout`` that is not a key of ``BLOCK_LAYOUTS``, or one the server
+    given ``extra_config`` never reads: vLLM's ``TieringOffloadingSpec`` reads whole
+    CPU-tier rows, which only the ``vllm`` layout writes. Raises ``WarmupError``."""
+    if layout not in BLOCK_LAYOUTS:
+        raise WarmupError(f"--layout: expected one of {', '.join(sorted(BLOCK_LAYOUTS))}, got {layout!r}")
+    if layout != DEFAULT_LAYOUT and is_tiering(extra_config):
+        raise WarmupError(
+            f"--layout {layout}: vLLM's {TIERING_SPEC} with {DISK_TIER_TYPE} reads whole CPU-tier rows in a "
+            f"namespace of their own, which only --layout {DEFAULT_LAYOUT} writes"
+        )
 
 
 def chunk_tokens_for(config: TieredConfig, gpu_block_size: int) -> int:
@@ -173,7 +203,9 @@ def warmup(
 
     ``gpu_block_size``/``tp_size``: the serving engine's; ``layout``: a key of
     ``BLOCK_LAYOUTS``; ``extra_config``: the server's ``kv_connector_extra_config``
-    as given (default: ``config``'s); ``kv_cache_layout``: vLLM's (``vllm`` layout;
+    as given (default: ``config``'s; for vLLM's ``TieringOffloadingSpec`` its
+    ``secondary_tiers`` included, ``config`` then being its ``TieredDiskTier`` entry's
+    keys, ``inputs.read_server``); ``kv_cache_layout``: vLLM's (``vllm`` layout;
     default its ``VLLM_KV_CACHE_LAYOUT`` or ``LBNHC``); ``env``: where
     ``PYTHONHASHSEED`` is read (default ``os.environ``). ``progress(i, report)`` is
     called after prompt ``i``. Raises ``WarmupError`` for unusable settings,
@@ -189,15 +221,16 @@ def warmup(
     disk_entry = next((e for e in config.tier_entries() if e.type_name == "disk"), None)
     if disk_entry is None:
         raise WarmupError("the config has no disk_path and no tiers entry of type disk: there is no disk tier to warm")
+    server_extra = dict(_extra_config(config) if extra_config is None else extra_config)
+    tiering = is_tiering(server_extra)
     model_dir = getattr(engine, "model_path", None)
-    check_identity(config, model_dir)
+    check_identity(config, model_dir, where=f"its {DISK_TIER_TYPE} entry" if tiering else "the config")
     for n, tokens in enumerate(prompts, 1):
         if len(tokens) and max(tokens) >= engine.vocab_size:
             raise WarmupError(
                 f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary ({engine.vocab_size} tokens)"
             )
-    if layout not in BLOCK_LAYOUTS:
-        raise WarmupError(f"--layout: expected one of {', '.join(sorted(BLOCK_LAYOUTS))}, got {layout!r}")
+    check_layout(layout, server_extra)
     chunk_tokens = chunk_tokens_for(config, gpu_block_size)
     try:
         engine.geometry.kv_heads_per_rank(tp_size)
@@ -214,7 +247,7 @@ def warmup(
             chunk_tokens // gpu_block_size,
             tp_size,
             model_dir=model_dir,
-            extra_config=dict(_extra_config(config) if extra_config is None else extra_config),
+            extra_config=server_extra,
             kv_cache_layout=kv_cache_layout,
         )
     )
@@ -232,6 +265,7 @@ def warmup(
         model_revision=fp.model_revision,
         weights_digest=fp.weights_digest,
         layout=layout,
+        spec=TIERING_SPEC if tiering else TIERED_SPEC,
         kv_cache_layout=getattr(blocks, "page_order", None),
     )
     # The disk tier as every deployment builds it (by type, tiered_kv.tiers), both its
@@ -321,7 +355,7 @@ def _store_chunks(
     rows = aligned_empty(len(todo) * slot_size).view(len(todo), slot_size)
     rows.zero_()
     ok = np.ones(len(todo), dtype=bool)
-    for rank in range(blocks.request.tp_size):
+    for rank in range(blocks.disk_ranks):
         blocks.pack(kv, rank, todo_chunks, rows)
         ok &= np.asarray(store.write_blocks(rank, todo, slots, rows), dtype=bool)
     done = [k for k, good in zip(todo, ok) if good]
@@ -331,4 +365,4 @@ def _store_chunks(
         manager.complete_store(failed, success=False)
     report.blocks_written += len(done)
     report.blocks_failed += len(failed)
-    report.bytes_written += len(done) * blocks.kv_layout.bytes_per_block * blocks.request.tp_size
+    report.bytes_written += len(done) * blocks.kv_layout.bytes_per_block * blocks.disk_ranks

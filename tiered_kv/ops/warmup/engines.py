@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tiered_kv.config_file import is_tiering
 from tiered_kv.model_identity import resolve_model_dir
 from tiered_kv.ops.sizing import ModelGeometry
 from tiered_kv.ops.warmup.errors import WarmupError
@@ -105,15 +106,17 @@ def run_vllm_warmup(
     gpu_block_size: int = 16,
     tp_size: int = 1,
 ) -> int:
-    """Prefill ``prompts`` with vLLM's offline ``LLM`` and our connector configured by
-    ``extra_config`` (the server's store path, forced to write-through so every block
-    reaches the disk), then shut the engine down. Returns the number of prompts run.
-    Raises ``WarmupError`` unless CUDA and vLLM are usable here."""
+    """Prefill ``prompts`` with vLLM's offline ``LLM`` and the server's spec configured by
+    ``extra_config`` (the server's extra config as given, its store path: ours forced to
+    write-through so every block reaches the disk; vLLM's ``TieringOffloadingSpec``
+    already copies every chunk to each secondary tier), then shut the engine down.
+    Returns the number of prompts run. Raises ``WarmupError`` unless CUDA and vLLM are
+    usable here."""
     require_vllm_engine()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = {**extra_config, "write_policy": "write_through"}
+    extra = dict(extra_config) if is_tiering(extra_config) else {**extra_config, "write_policy": "write_through"}
     llm = LLM(
         model=model,
         block_size=gpu_block_size,

@@ -17,46 +17,68 @@ from typing import Any
 
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
-from tiered_kv.model_identity import read_config_file, weights_digest
+from tiered_kv.config_file import ServerConfigFile, read_server_config
+from tiered_kv.model_identity import weights_digest
+from tiered_kv.ops.server_namespace import ServerDisk, server_disk
 from tiered_kv.ops.warmup.errors import WarmupError
-from tiered_kv.ops.server_namespace import server_disk
+
+
+def _read(path: str | os.PathLike) -> ServerConfigFile:
+    try:
+        return read_server_config(path)
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
 
 
 def read_extra_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The connector's extra config from a JSON file holding either vLLM's whole
-    ``--kv-transfer-config`` (its ``kv_connector_extra_config`` is taken) or that
-    extra config alone."""
+    """The connector's extra config as the server is given it, from a JSON file holding
+    either vLLM's whole ``--kv-transfer-config`` (its ``kv_connector_extra_config`` is
+    taken) or that extra config alone: for vLLM's ``TieringOffloadingSpec``, its own keys
+    and ``secondary_tiers`` (``load_config`` reads our keys out of it)."""
+    return _read(path).given
+
+
+def check_server_shape(path: str | os.PathLike | ServerConfigFile) -> ServerDisk:
+    """The disk tier of the server ``path`` configures (``server_namespace``), or
+    ``WarmupError`` naming the file for a spec whose namespace the tools cannot compute:
+    the warm-up would write blocks that server never reads."""
     try:
-        return read_config_file(path)
+        return server_disk(path)
     except ConfigError as e:
         raise WarmupError(str(e)) from None
 
 
-def check_server_shape(path: str | os.PathLike) -> None:
-    """Refuse a config whose server reads a namespace the warm-up does not write: a
-    spec the tools cannot compute (``server_namespace``), or vLLM's
-    ``TieringOffloadingSpec`` with ``TieredDiskTier``, whose blocks are whole CPU-tier
-    rows laid out by vLLM's CPU tier (every TP rank's shard and the row's padding) in a
-    namespace of their own. Raises ``WarmupError`` naming the file."""
+def load_config(path: str | os.PathLike | ServerConfigFile) -> TieredConfig:
+    """The server's validated config, in our keys, from ``path`` (a file, or one read
+    by ``read_server_config``): for ``TieringOffloadingSpec``, its ``TieredDiskTier``
+    entry's keys and the chunk size (``config_file``)."""
+    found = path if isinstance(path, ServerConfigFile) else _read(path)
     try:
-        disk = server_disk(path)
+        return TieredConfig.from_dict(found.extra_for(), passthrough_keys=VLLM_PASSTHROUGH_KEYS)
     except ConfigError as e:
-        raise WarmupError(str(e)) from None
-    if disk.is_secondary_tier:
-        raise WarmupError(
-            f"config {path}: {disk.describe}: not supported by the warm-up, which writes "
-            "TieredOffloadingSpec's namespace; that tier reads whole CPU-tier rows in a namespace of its own. "
-            "Warm that server by sending it the prompts, or serve with TieredOffloadingSpec "
-            "(configs/llama-3.1-8b-1xh100.json)"
-        )
+        raise WarmupError(f"config {found.path}: {e}") from None
 
 
-def load_config(path: str | os.PathLike) -> TieredConfig:
-    """The server's validated config from ``path`` (see ``read_extra_config``)."""
-    try:
-        return TieredConfig.from_dict(read_extra_config(path), passthrough_keys=VLLM_PASSTHROUGH_KEYS)
-    except ConfigError as e:
-        raise WarmupError(f"config {path}: {e}") from None
+@dataclass(frozen=True)
+class WarmupServer:
+    """The server a warm-up fills, from its config file: which spec writes its disk tier
+    (``disk``), our validated keys (``config``) and its extra config as given
+    (``extra``), all three with the disk tier at ``--disk-path`` where one is given."""
+
+    disk: ServerDisk
+    config: TieredConfig
+    extra: dict[str, Any]
+
+
+def read_server(path: str | os.PathLike, disk_path: str | None = None) -> WarmupServer:
+    """Read, and check the shape of, the server config at ``path`` (``check_server_shape``,
+    ``load_config``); ``disk_path``: the disk tier's directory instead of the file's.
+    Raises ``WarmupError`` naming the file."""
+    found = _read(path)
+    if disk_path:
+        found = found.with_disk_path(disk_path)
+    disk = check_server_shape(found)
+    return WarmupServer(disk, load_config(found), found.given)
 
 
 @dataclass
@@ -131,17 +153,22 @@ class WarmupIdentity:
     model_digest: str | None
 
 
-def check_identity(config: TieredConfig, model_path: str | None) -> WarmupIdentity:
+def check_identity(config: TieredConfig, model_path: str | None, *, where: str = "the config") -> WarmupIdentity:
     """Refuse to warm a namespace a server with ``config`` would not read, or would
     read as another model's: a config without ``model_id``, or a ``model_path`` whose
     weights digest is not that of ``model_path`` (the ``--model`` directory; None skips
     that check). Reads both directories' digests (bounded, ``model_identity``). Raises
-    ``WarmupError`` naming the field."""
+    ``WarmupError`` naming the field; ``where``: where the config's keys go, for its fix.
+
+    Without ``model_id`` a vLLM server files its blocks under its ``--model`` exactly as
+    typed (a hub id, or a path), which the warm-up cannot know: its own ``--model`` must
+    be a directory it loads, often not the string the server is started with. Taking it
+    would write blocks that server never reads, so the warm-up refuses instead."""
     if config.model_id == "unknown":
         raise WarmupError(
-            'model_id: the config sets none, so the blocks would be filed under "unknown", '
-            "a name no vLLM server reads (it uses its --model) and every model of this geometry "
-            'shares; add "model_id": "<model>" to the config (vLLM\'s --model is the usual value)'
+            "model_id: the config sets none, so a vLLM server files its blocks under its --model as typed "
+            "(a hub id or a path), which the warm-up cannot know; "
+            f'add "model_id": "<the server\'s --model>" to {where} (the server then uses it too)'
         )
     try:
         server = weights_digest(config.model_path).digest if config.model_path else None

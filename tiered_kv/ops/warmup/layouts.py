@@ -71,6 +71,13 @@ class BlockLayout(ABC):
         ``tiered_kv``'s own specs compute from the layout)."""
         return Fingerprint.from_config(config, self.kv_layout, self.request.tp_size)
 
+    @property
+    def disk_ranks(self) -> int:
+        """Shards a block has on disk, one per writer: each TP rank writes its own by
+        default; a layout whose one writer stores whole rows (every rank's shard in one
+        block) has 1. ``pack`` is called for ranks ``0 .. disk_ranks - 1``."""
+        return self.request.tp_size
+
     @abstractmethod
     def keys(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Disk keys of a prompt's full chunks from its per-GPU-block prefix hashes."""
@@ -79,9 +86,9 @@ class BlockLayout(ABC):
     def pack(
         self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, chunks: Sequence[int], out: torch.Tensor
     ) -> None:
-        """Write rank ``rank``'s bytes of the prompt's chunks ``chunks`` (indices) into
-        ``out[i, :bytes_per_block]`` (uint8 ``(len(chunks), stride)``); ``kv`` is the
-        prompt's per-layer ``(K, V)``, each ``(num_kv_heads, tokens, head_dim)``."""
+        """Write disk rank ``rank``'s bytes of the prompt's chunks ``chunks`` (indices)
+        into ``out[i, :bytes_per_block]`` (uint8 ``(len(chunks), stride)``, zeroed); ``kv``
+        is the prompt's per-layer ``(K, V)``, each ``(num_kv_heads, tokens, head_dim)``."""
 
 
 class KvFirstLayout(BlockLayout):

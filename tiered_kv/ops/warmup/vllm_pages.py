@@ -96,13 +96,16 @@ def server_vllm_config(
     gpu_block_size: int = 16,
     tp_size: int = 1,
     kv_cache_layout: str | None = None,
+    hash_algorithm: str | None = None,
 ) -> VllmConfig:
     """The ``VllmConfig`` of ``vllm serve model_dir --dtype dtype --block-size
     gpu_block_size --tensor-parallel-size tp_size --enable-prefix-caching
-    --kv-transfer-config {... extra_config}`` as far as the offloading spec reads it
-    (rank 0). Raises ``WarmupError`` where vLLM rejects a value, or for settings whose
-    KV the hf engine cannot compute as vLLM would."""
-    algo = str(extra_config.get("hash_algorithm", "sha256"))
+    --prefix-caching-hash-algo hash_algorithm --kv-transfer-config {...
+    extra_config}`` as far as the offloading spec reads it (rank 0); the hash algorithm
+    defaults to the extra config's ``hash_algorithm``, else vLLM's ``sha256``. Raises
+    ``WarmupError`` where vLLM rejects a value, or for settings whose KV the hf engine
+    cannot compute as vLLM would."""
+    algo = hash_algorithm or str(extra_config.get("hash_algorithm", "sha256"))
     try:
         vc = VllmConfig(
             # vLLM checks the dtype and hash names itself (its ValueError is caught below).
@@ -122,7 +125,7 @@ def server_vllm_config(
             device_config=DeviceConfig(device="cpu"),
         )
     except Exception as e:  # vLLM raises pydantic and plain errors alike
-        raise WarmupError(f"vLLM rejects these server settings: {_one_line(e)}") from None
+        raise WarmupError(f"vLLM rejects these server settings: {one_line(e)}") from None
     # What the engine core records once its attention backends agree on a layout.
     record_kv_cache_layout(vc.cache_config, server_kv_cache_layout(kv_cache_layout))
     mc = vc.model_config
@@ -146,7 +149,15 @@ def server_vllm_config(
     return vc
 
 
-def _one_line(e: Exception) -> str:
+def recorded_page_order(vllm_config: VllmConfig) -> str:
+    """The page layout ``server_vllm_config`` recorded for the engine (a key of ``PAGE_ORDERS``)."""
+    layout = vllm_config.cache_config.kv_cache_layout
+    if layout not in PAGE_ORDERS:
+        raise WarmupError(f"vLLM's KV-cache layout is {layout!r}; the warm-up writes {', '.join(PAGE_ORDERS)} pages")
+    return str(layout)
+
+
+def one_line(e: Exception) -> str:
     """An exception's message on one line (pydantic's spans several; its link is dropped)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
     return "; ".join(lines) or type(e).__name__
@@ -209,7 +220,7 @@ def vllm_model_dtype(model_dir: str, dtype: str = "auto") -> torch.dtype:
         config = ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True)  # type: ignore[arg-type]
         return _resolved(config.dtype)
     except Exception as e:
-        raise WarmupError(f"vLLM cannot read the model at {model_dir!r}: {_one_line(e)}") from None
+        raise WarmupError(f"vLLM cannot read the model at {model_dir!r}: {one_line(e)}") from None
 
 
 class VllmPagesLayout(BlockLayout):
@@ -233,7 +244,7 @@ class VllmPagesLayout(BlockLayout):
             tp_size=r.tp_size,
             kv_cache_layout=r.kv_cache_layout,
         )
-        self.page_order = self.vllm_config.cache_config.kv_cache_layout
+        self.page_order = recorded_page_order(self.vllm_config)
         mc = self.vllm_config.model_config
         if mc.get_head_size() != r.geometry.head_dim or mc.get_total_num_kv_heads() != r.geometry.num_kv_heads:
             raise WarmupError(
@@ -265,34 +276,63 @@ class VllmPagesLayout(BlockLayout):
         return [bytes(make_offload_key(k, 0)) for k in chunk_keys(block_hashes, self.request.block_size_factor)]
 
     def pages(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, num_blocks: int) -> list[torch.Tensor]:
-        """Rank ``rank``'s pages of the prompt's first ``num_blocks`` GPU blocks: per layer
-        an int8 ``(num_blocks, page_size_bytes)`` tensor, as vLLM's canonical tensors hold
-        them."""
-        r = self.request
-        heads = torch.tensor(r.rank_heads(rank))
-        ntok = num_blocks * r.gpu_block_size
-        out = []
-        for k, v in kv:
-            both = torch.cat([k.index_select(0, heads)[:, :ntok], v.index_select(0, heads)[:, :ntok]], dim=-1)
-            # (heads, tokens, 2D) -> (blocks, heads, block tokens, 2D): vLLM's logical page
-            page = both.reshape(len(heads), num_blocks, r.gpu_block_size, -1).permute(1, 0, 2, 3)
-            if self.page_order == "LBNHC":
-                page = page.permute(0, 2, 1, 3)
-            out.append(page.to(r.dtype).contiguous().view(torch.int8).reshape(num_blocks, self.page_bytes))
-        return out
+        """Rank ``rank``'s pages of the prompt's first ``num_blocks`` GPU blocks
+        (``rank_pages``)."""
+        return rank_pages(self.request, self.page_order, kv, rank, num_blocks)
 
     def pack(self, kv, rank, chunks, out) -> None:
-        r = self.request
-        f = r.block_size_factor
-        tensors = self.pages(kv, rank, (max(chunks) + 1) * f)
-        layout = KVCacheLayout(
-            tuple(LayerLayout(f"vllm_kv_tensor{i}", tuple(t.shape), False) for i, t in enumerate(tensors)),
-            torch.int8,
-            r.gpu_block_size,
-            f,
-        )
-        ids = np.asarray(chunks, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
-        pack_blocks(tensors, layout, ids, out)
+        pack_rank_chunks(self.request, self.page_order, kv, rank, chunks, out)
+
+
+def rank_pages(
+    request: LayoutRequest,
+    page_order: str,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    num_blocks: int,
+) -> list[torch.Tensor]:
+    """TP rank ``rank``'s pages of the prompt's first ``num_blocks`` GPU blocks: per layer
+    an int8 ``(num_blocks, page_size_bytes)`` tensor, as vLLM's canonical tensors hold
+    them in ``page_order`` (module docstring). ``kv``: the prompt's per-layer ``(K, V)``,
+    each ``(num_kv_heads, tokens, head_dim)``."""
+    r = request
+    heads = torch.tensor(r.rank_heads(rank))
+    ntok = num_blocks * r.gpu_block_size
+    page_bytes = 2 * len(heads) * r.gpu_block_size * r.geometry.head_dim * r.dtype.itemsize
+    out = []
+    for k, v in kv:
+        both = torch.cat([k.index_select(0, heads)[:, :ntok], v.index_select(0, heads)[:, :ntok]], dim=-1)
+        # (heads, tokens, 2D) -> (blocks, heads, block tokens, 2D): vLLM's logical page
+        page = both.reshape(len(heads), num_blocks, r.gpu_block_size, -1).permute(1, 0, 2, 3)
+        if page_order == "LBNHC":
+            page = page.permute(0, 2, 1, 3)
+        out.append(page.to(r.dtype).contiguous().view(torch.int8).reshape(num_blocks, page_bytes))
+    return out
+
+
+def pack_rank_chunks(
+    request: LayoutRequest,
+    page_order: str,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    chunks: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """Write TP rank ``rank``'s bytes of the prompt's chunks ``chunks`` into
+    ``out[i, :rank bytes]``: per layer in order, the chunk's ``block_size_factor`` pages
+    back to back (``rank_pages``), as vLLM's CPU worker copies a chunk out of its
+    canonical tensors."""
+    r = request
+    f = r.block_size_factor
+    tensors = rank_pages(r, page_order, kv, rank, (max(chunks) + 1) * f)
+    layout = KVCacheLayout(
+        tuple(LayerLayout(f"vllm_kv_tensor{i}", tuple(t.shape), False) for i, t in enumerate(tensors)),
+        torch.int8,
+        r.gpu_block_size,
+        f,
+    )
+    ids = np.asarray(chunks, dtype=np.int64)[:, None] * f + np.arange(f, dtype=np.int64)
+    pack_blocks(tensors, layout, ids, out)
 
 
 def _resolved(dtype: object) -> torch.dtype:

@@ -1,0 +1,150 @@
+"""Same output cold and warm, with a real model (DESIGN property 16).
+
+A small Llama (one KV head per query head) and a small Qwen2 with grouped-query
+attention, random weights from a transformers config, saved and loaded from a temporary
+directory. Their prefix K/V travel through the package's hierarchy (``HierarchySpec``,
+real managers and handlers): stored from the "GPU" tensors, loaded back into zeroed ones
+from the CPU tier, from disk after the storing engine stopped, from the shared tier
+(Ceph RGW, sealed with the fleet key) by an engine with nothing else, from the warm-up's
+blocks; and recomputed after a load that failed on a damaged block. Each continues 32
+greedy tokens equal to the cold ones (one prefill of the whole prompt), every logit
+within the dtype's tolerance, from K/V equal to the model's byte for byte. A block
+served in the wrong place is caught by the same comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.s3_server import BUCKET, missing_reason
+from tiered_kv.config import TieredConfig
+from tiered_kv.ops.equivalence import (
+    PREFIX_TOKENS,
+    SHAPES,
+    STEPS,
+    Cases,
+    CaseResult,
+    Engine,
+    TinyModel,
+    build_model,
+    compare,
+    engine_config,
+    kv_equal,
+    prompt_tokens,
+    run_equivalence,
+)
+
+pytest.importorskip("transformers")
+
+needs_rgw = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[s.name for s in SHAPES])
+def model(request, tmp_path_factory) -> TinyModel:
+    torch.set_num_threads(1)  # the machine's other cores are for other test runs
+    return build_model(request.param, tmp_path_factory.mktemp("models"))
+
+
+def show(results: list[CaseResult]) -> None:
+    """One line per case (``pytest -s``): the numbers behind the assertions."""
+    for r in results:
+        c = r.comparison
+        diff = "-" if c is None else f"{c.max_logit_diff:.2e} (tol {c.tolerance:.1e})"
+        print(f"{r.model:10} {r.case:9} {r.tier:6} {diff} load {1000 * r.load_seconds:.1f} ms {r.seconds:.2f} s")
+
+
+def assert_cold_output(r: CaseResult, source: str | None, blocks: int) -> None:
+    assert r.error is None, r.error
+    assert r.comparison is not None and r.comparison.steps == STEPS
+    assert r.comparison.tokens_equal, f"{r.case}: {r.comparison.matching} of {STEPS} tokens equal"
+    assert r.comparison.max_logit_diff <= r.comparison.tolerance, r.comparison
+    assert r.kv_equal, f"{r.case}: the K/V continued from are not the model's"
+    assert r.sources == ({} if source is None else {source: blocks})
+    assert r.load_failed == (r.case == "recompute") and r.ok
+
+
+@pytest.mark.parametrize("block_tokens", [16, 32], ids=["block16", "block32"])
+def test_every_tier_continues_as_computed_cold(model, tmp_path, block_tokens):
+    cfg = TieredConfig.from_dict(
+        {"block_size": block_tokens, "tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "bytes": "8MiB"}]}
+    )
+    results = list(run_equivalence(model, cfg, warmup_dir=tmp_path / "warmup"))
+    show(results)
+    assert [(r.case, r.tier) for r in results] == [
+        ("computed", "none"),
+        ("cpu", "cpu"),
+        ("tier", "disk"),
+        ("warmup", "disk"),
+        ("recompute", "disk"),
+    ]
+    blocks = PREFIX_TOKENS // block_tokens
+    computed, cpu, disk, warm, recompute = results
+    assert_cold_output(computed, None, blocks)
+    assert_cold_output(cpu, "cpu", blocks)
+    assert_cold_output(disk, "disk", blocks)
+    assert_cold_output(warm, "disk", blocks)
+    # The damaged block failed the load (every block of the job recomputed), and the
+    # output is still the cold one.
+    assert_cold_output(recompute, "disk", blocks)
+
+
+@needs_rgw
+def test_the_shared_tier_continues_as_computed_cold(model, tmp_path, remote_settings, rgw_server):
+    cfg = TieredConfig.from_dict({"block_size": 16, "tiers": [{"type": "remote", **remote_settings}]})
+    results = list(run_equivalence(model, cfg, recompute=False))
+    show(results)
+    shared = results[2]
+    assert (shared.case, shared.tier) == ("tier", "remote")
+    assert_cold_output(shared, "remote", PREFIX_TOKENS // 16)
+    # The blocks really are objects in the bucket, and sealed: no object holds the
+    # model's K bytes of the prefix's first block in the clear.
+    s3 = rgw_server.admin_client()
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=remote_settings["prefix"] + "/")["Contents"]
+    blocks = [o["Key"] for o in listed if not o["Key"].endswith(".json")]
+    assert len(blocks) >= PREFIX_TOKENS // 16, [o["Key"] for o in listed]
+    k0 = model.prefix_kv(prompt_tokens(model)[:PREFIX_TOKENS])[0][0][:, :16]  # layer 0, block 0
+    plain = k0.permute(1, 0, 2).contiguous().numpy().tobytes()[:64]  # as the block's bytes begin
+    for key in blocks:
+        assert plain not in s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def test_another_prefixs_block_is_caught_by_the_output(model):
+    """One block in the middle comes from another prompt's prefix (bytes a tier holds,
+    loaded in the wrong place): the comparison that passes every tier above fails it.
+    The prefix's own blocks in another order would not change the output (attention sums
+    over the cached pairs, each key carrying its position), so ``kv_equal`` is checked too."""
+    cases, other = (
+        Cases(model, TieredConfig.from_dict({"block_size": 16})),
+        Cases(model, TieredConfig.from_dict({}), seed=1),
+    )
+    with Engine(engine_config(cases.settings, model, (), 2 * cases.blocks), model, cases.blocks) as engine:
+        for c in (other, cases):
+            engine.write(c.kv, c.blocks)
+            engine.store(engine.keys(c.prefix))
+        keys, foreign = engine.keys(cases.prefix), engine.keys(other.prefix)
+        engine.zero()
+        assert engine.load([*keys[:5], foreign[5], *keys[6:]])
+        kv = engine.read(cases.blocks)
+        engine.zero()
+        assert engine.load([keys[1], keys[0], *keys[2:]])
+        reordered = engine.read(cases.blocks)
+    wrong = compare(cases.cold, model.greedy(cases.tokens, kv), model.dtype)
+    print(
+        f"{model.shape.name}: a foreign block: max logit diff {wrong.max_logit_diff:.2e}, {wrong.matching} tokens equal"
+    )
+    assert not kv_equal(kv, cases.kv)
+    assert not wrong.ok and wrong.max_logit_diff > 100 * wrong.tolerance
+    assert not kv_equal(reordered, cases.kv)
+    assert compare(cases.cold, model.greedy(cases.tokens, reordered), model.dtype).ok
+
+
+def test_the_cold_reference_is_a_whole_prefill_and_repeats(model):
+    """The cold output is the model's own prefill of the whole prompt, not the split the
+    tiers feed (the two agree within the tolerance), and the same in every run: nothing
+    random in a run, so a difference is the K/V's."""
+    cases = Cases(model, TieredConfig.from_dict({}))
+    again = model.greedy(cases.tokens)
+    assert again.tokens == cases.cold.tokens and torch.equal(again.logits, cases.cold.logits)
+    assert len(set(again.tokens)) > 1  # a real continuation, not one token repeated
+    split = compare(cases.cold, model.greedy(cases.tokens, cases.kv), model.dtype)
+    assert split.tokens_equal and split.max_logit_diff <= split.tolerance
