@@ -206,6 +206,11 @@ class TieredConfig:
     #: The model's directory: its weights digest goes into the disk namespace
     #: (``tiered_kv.model_identity``). Under vLLM, the directory vLLM loads is used.
     model_path: str | None = None
+    #: Whether the namespace of the disk and shared tiers covers the model's weights:
+    #: outside vLLM (which names the directory it loads) a config with such a tier then
+    #: needs ``model_path``; ``false`` states that it does not (synthetic KV, or a model
+    #: whose weights never change at its path), and the namespace says "not covered".
+    cover_weights: bool = True
     #: Every lower tier, fastest first: each a ``TierEntry`` (a ``type`` -- ``disk``,
     #: ``remote``, or a class name with its ``module_path`` -- and its own settings,
     #: validated by the tier's class, ``tiered_kv.tier_registry``). The shorthands
@@ -231,6 +236,7 @@ class TieredConfig:
         "model_id": parse_text,
         "model_revision": parse_text,
         "model_path": lambda v, k: None if v is None else parse_text(v, k),
+        "cover_weights": parse_bool,
         "hash_algorithm": lambda v, k: parse_choice(v, k, HASH_ALGORITHMS),
         "hash_seed": lambda v, k: parse_text(v, k, empty_ok=True, numbers_ok=True),
     }

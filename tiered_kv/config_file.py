@@ -49,6 +49,11 @@ VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
 _TIERING_SHARED_KEYS = ("block_size", "blocks_per_chunk")
 _TRANSFER_KEYS = ("kv_transfer_config", "kv-transfer-config")
 _TP_KEYS = ("tensor_parallel_size", "tensor-parallel-size")
+#: A ``vllm serve --config`` file's keys for ``--attention-backend``.
+_BACKEND_KEYS = ("attention-backend", "attention_backend")
+#: The most a config file may hold: a server's config is a few KiB; a larger file is not
+#: one, and is refused before it is read whole.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,10 @@ class ServerConfigFile:
     #: ``TieringOffloadingSpec``: vLLM's keys and every ``secondary_tiers`` entry), for
     #: tools that rebuild what vLLM builds from it; None: the same as ``extra``.
     server_extra: dict[str, Any] | None = None
+    #: The attention backend a ``vllm serve --config`` file starts the server on (its
+    #: ``attention-backend``, upper case as vLLM names it); None where the file sets
+    #: none (vLLM then selects one on the serving host).
+    attention_backend: str | None = None
 
     @property
     def given(self) -> dict[str, Any]:
@@ -109,7 +118,11 @@ class ServerConfigFile:
 
 def _load(p: Path) -> Any:
     try:
-        text = p.read_text()
+        with open(p, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config {p}: larger than {MAX_CONFIG_BYTES >> 20} MiB, so not a server's config")
+        text = data.decode()
     except FileNotFoundError:
         raise ConfigError(f"config {p} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -136,6 +149,18 @@ def _tp(raw: Mapping[str, Any], p: Path) -> int | None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config {p}: {key}: expected a positive integer, got {value!r}")
             return value
+    return None
+
+
+def _attention_backend(raw: Mapping[str, Any], p: Path) -> str | None:
+    for key in _BACKEND_KEYS:
+        if key in raw:
+            value = raw[key]
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(
+                    f"config {p}: {key}: expected vLLM's name of an attention backend (e.g. FLASH_ATTN), got {value!r}"
+                )
+            return value.strip().upper()
     return None
 
 
@@ -198,7 +223,7 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     raw = _load(p)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config {p}: expected a JSON object, got {type(raw).__name__}")
-    tp = _tp(raw, p)
+    tp, backend = _tp(raw, p), None
     for key in _TRANSFER_KEYS:
         if key in raw:
             inner = raw[key]
@@ -209,6 +234,7 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
                     raise ConfigError(f"config {p}: {key}: not readable JSON ({e})") from None
             if not isinstance(inner, Mapping):
                 raise ConfigError(f"config {p}: {key}: expected an object, got {type(inner).__name__}")
+            backend = _attention_backend(raw, p)  # a vllm serve flag: beside its kv-transfer-config
             raw = inner
             break
     transfer = None
@@ -223,5 +249,7 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     module = None if module is None else str(module)
     if is_tiering(extra):
         ours, total = _tiering(extra, p)
-        return ServerConfigFile(p, ours, TIERING_SPEC, tp, total, transfer, module, server_extra=extra)
-    return ServerConfigFile(p, extra, spec, tp, transfer=transfer, spec_module_path=module)
+        return ServerConfigFile(
+            p, ours, TIERING_SPEC, tp, total, transfer, module, server_extra=extra, attention_backend=backend
+        )
+    return ServerConfigFile(p, extra, spec, tp, transfer=transfer, spec_module_path=module, attention_backend=backend)

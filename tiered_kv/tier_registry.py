@@ -11,10 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from tiered_kv.tier_ops import Check, TierInspector, ToolContext
+from typing import Any, Protocol
 
 from tiered_kv.config_values import ConfigError
 
@@ -31,12 +28,12 @@ class TierType(Protocol):
         """The entry's own settings, validated; errors name ``key_prefix + key``."""
 
     @classmethod
-    def doctor_checks(cls, entry: "TierEntry", ctx: "ToolContext") -> "list[Check]":
-        """The tier's lines of ``tiered-kv doctor`` (see ``TierSpec``)."""
+    def doctor_checks(cls, entry: "TierEntry", ctx: Any) -> list[Any]:
+        """The tier's lines of ``tiered-kv doctor``: ``tier_ops.Check`` each (see ``TierSpec``)."""
 
     @classmethod
-    def inspector(cls, entry: "TierEntry", ctx: "ToolContext") -> "TierInspector | None":
-        """What ``inspect --tier`` runs on the tier (see ``TierSpec``)."""
+    def inspector(cls, entry: "TierEntry", ctx: Any) -> Any:
+        """What ``inspect --tier`` runs on the tier: a ``tier_ops.TierInspector`` or None."""
 
     def get_manager(self) -> Any:
         """The scheduler side (see ``TierSpec``)."""

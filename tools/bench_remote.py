@@ -346,6 +346,7 @@ class _Node:
                 "disk_bytes": f"{shape.disk_blocks * self.block_bytes}B",
                 "block_size": GPU_BLOCK,
                 "model_id": "bench/replay",
+                "cover_weights": False,  # synthetic KV
                 "remote": remote,
             }
         )

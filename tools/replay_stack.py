@@ -228,6 +228,7 @@ def _build(
         "cpu_bytes": f"{tiers.cpu_slots * bpb}B",
         "block_size": geometry.tokens_per_block,
         "model_id": "tiered-kv-replay",
+        "cover_weights": False,  # synthetic KV
         "write_policy": "write_through",
         "promote_on_hit": promote_on_hit,
         "io_threads": tiers.io_threads,

@@ -163,3 +163,20 @@ def test_a_tokenizer_error_is_whole(tmp_path):
         _load_tokenizer(str(tmp_path / "tok"))
     message = str(err.value)
     assert "\n" not in message and str(tmp_path / "tok") in message and len(message.split(": ", 1)[1]) > 0
+
+
+def test_a_config_file_too_large_to_be_one_is_refused_before_it_is_read_whole(tmp_path):
+    """A server's config is a few KiB: a file of megabytes (a wrong path, a log) is one
+    error line from every tool that reads configs, not a read of the whole file."""
+    from tiered_kv.config_file import MAX_CONFIG_BYTES
+
+    (tmp_path / "cache").mkdir()
+    big = tmp_path / "big.json"
+    big.write_text('{"cpu_bytes": "1GiB", "pad": "' + "x" * MAX_CONFIG_BYTES + '"}')
+    for args in (
+        ["doctor", "--config", str(big), "--read-probe", "0"],
+        ["inspect", "summary", str(tmp_path / "cache"), "--config", str(big)],
+    ):
+        result = _run(*args)
+        assert f"config {big}: larger than 1 MiB" in result.output, result.output
+        assert "Traceback" not in result.output

@@ -120,10 +120,11 @@ def test_shell_completion_of_commands_and_options():
 
 
 def test_show_completion_prints_a_script():
-    # In a process of its own, as a user runs it: typer registers its shells' scripts
-    # when the command starts, which an app built earlier in this process may skip.
+    # In a process of its own, as a user runs it from a shell (typer names the shell by
+    # the process's parents): typer registers its shells' scripts when the command
+    # starts, which an app built earlier in this process may skip.
     done = subprocess.run(
-        [str(SCRIPT), "--show-completion", "bash"],
+        ["bash", "-c", f"'{SCRIPT}' --show-completion; exit $?"],  # not exec'd: bash stays its parent
         capture_output=True,
         text=True,
         timeout=120,

@@ -43,6 +43,7 @@ class Served:
                 "disk_path": str(tmp_path / "disk"),
                 "disk_bytes": "4MiB",
                 "model_id": "stats",
+                "cover_weights": False,
             },
             layout.gpu_block_size,
             layout,

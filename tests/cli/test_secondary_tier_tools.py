@@ -3,7 +3,10 @@ our ``TieredDiskTier``: ``inspect summary --config`` and ``inspect clear --unrea
 judge its namespace by that tier's fingerprint (not ``TieredOffloadingSpec``'s),
 ``warmup`` writes that tier's namespace (whole CPU-tier rows) where a server of the same
 config hits it and loads the model's own keys and values, and ``doctor`` counts its
-``disk_bytes`` once per node. A config shape whose namespace the tools cannot compute,
+``disk_bytes`` once per node. The attention backend is part of the namespace: servers
+on two backends open two, the tools compute each, a config that starts its server on
+one backend does not read the other's, and a warm-up for a backend writes the namespace
+that backend's server reads. A config shape whose namespace the tools cannot compute,
 or the warm-up cannot prove, is refused, and nothing is deleted or written.
 
 The caches are real: vLLM's scheduler (tests/support/vllm_harness.py) with the tier
@@ -33,9 +36,13 @@ from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.disk.format.namespace import list_namespaces  # noqa: E402
+from tiered_kv.ops.server_namespace import server_disk  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -90,22 +97,49 @@ def _write(path: Path, extra: dict) -> Path:
     return path
 
 
-def _fill(model_dir: Path, extra: dict) -> str:
-    """Serve ``PROMPT`` on a server with ``extra``; the namespace its disk tier wrote."""
-    with vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32) as h:
+def _server(model_dir: Path, extra: dict, *, backend: str | None = None, layout: str = "LBNHC") -> vh.VllmHarness:
+    """vLLM's scheduler and connector with ``extra`` (an acknowledging worker), started
+    with ``--attention-backend backend`` where given, its engine core having resolved
+    the KV-cache layout ``layout`` (LBNHC: vLLM's choice for FlashAttention)."""
+    config = vh.make_vllm_config(model_dir, extra, block_size=BLOCK, kv_cache_layout=layout)
+    if backend is not None:
+        config.attention_config.backend = AttentionBackendEnum[backend]
+    kv_cache_config = vh.make_kv_cache_config(config, 32)
+    # As vLLM's EngineCore builds it: no vLLM config is current in the scheduler process.
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+    return vh.VllmHarness(config, kv_cache_config, scheduler, "ack")
+
+
+def _namespace(h: vh.VllmHarness) -> str:
+    """The disk namespace the server opened, whichever spec it runs."""
+    tiers = getattr(h.manager, "secondary_tiers", None)
+    if tiers:
+        (tier,) = tiers
+        return tier.fingerprint.namespace_id
+    return h.manager.composite.tier("disk").namespace.path.name
+
+
+def _fill(model_dir: Path, extra: dict, **server) -> str:
+    """Serve ``PROMPT`` on a server with ``extra`` (``_server``); the namespace its disk
+    tier wrote."""
+    with _server(model_dir, extra, **server) as h:
         h.serve(PROMPT)
         tiers = getattr(h.manager, "secondary_tiers", None)
         if tiers:
-            (tier,) = tiers
-            assert tier.stats.stored == 3
-            return tier.fingerprint.namespace_id
-        return h.manager.composite.tier("disk").namespace.path.name
+            assert tiers[0].stats.stored == 3
+        return _namespace(h)
 
 
-def _disk_hits(model_dir: Path, extra: dict) -> list[LookupResult]:
-    """What a fresh server with ``extra`` finds on disk for ``PROMPT``'s chunks."""
+def _disk_hits(model_dir: Path, extra: dict, **server) -> list[LookupResult]:
+    """What a fresh server with ``extra`` (``_server``) finds on disk for ``PROMPT``'s chunks."""
     keys = [make_offload_key(k, 0) for k in vh.hash_blocks(PROMPT, BLOCK)]
-    with vh.VllmHarness.build(model_dir, extra, num_gpu_blocks=32) as h:
+    with _server(model_dir, extra, **server) as h:
         (tier,) = h.manager.secondary_tiers
         with h.manager.lock:
             return [tier.lookup(k, ReqContext(req_id="probe")) for k in keys]
@@ -140,7 +174,7 @@ def test_summary_says_the_tier_reads_its_own_namespace_and_no_other(model_dir, c
     data = json.loads(_cli("inspect", "summary", str(root), "--config", str(config), "--json").stdout)
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
     assert read[ids["tier"]]["reads"] is True and read[ids["tier"]]["differences"] == []
-    assert "TieringOffloadingSpec" in read[ids["tier"]]["unchecked"]
+    assert "unchecked" not in read[ids["tier"]]  # the whole namespace, rows and backend, computed
     assert read[ids["other"]]["reads"] is False
     assert any(d.startswith("model_id: ") for d in read[ids["other"]]["differences"])
     spec = read[ids["spec"]]
@@ -191,6 +225,51 @@ def test_a_shape_the_tools_cannot_compute_is_refused_and_nothing_is_deleted(mode
         assert _names(root) == before == set(ids.values())
         _cli("inspect", "summary", str(root), "--config", str(bad), code=2)
     assert _disk_hits(model_dir, _tiering(root, model_id="tiny", model_path=str(model_dir))) == [LookupResult.HIT] * 3
+
+
+def _serve_config(path: Path, extra: dict, backend: str) -> Path:
+    """A ``vllm serve --config`` file that starts the server on ``backend``."""
+    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    path.write_text(json.dumps({"attention-backend": backend, "kv-transfer-config": transfer}))
+    return path
+
+
+def test_servers_on_two_attention_backends_open_two_namespaces_and_the_tools_tell_them_apart(model_dir, tmp_path):
+    root = tmp_path / "cache"
+    extra = _tiering(root, model_id="tiny", model_path=str(model_dir))
+    # vLLM's CPU backend reads LBHNC only and FlashAttention any layout: the same one for both.
+    flash = _fill(model_dir, extra, backend="FLASH_ATTN", layout="LBHNC")
+    assert _disk_hits(model_dir, extra, backend="FLASH_ATTN", layout="LBHNC") == [LookupResult.HIT] * 3
+    # A CPU_ATTN server orders a page otherwise: it never loads FlashAttention's rows.
+    assert _disk_hits(model_dir, extra, backend="CPU_ATTN", layout="LBHNC") == [LookupResult.MISS] * 3
+    cpu = _fill(model_dir, extra, backend="CPU_ATTN", layout="LBHNC")
+    fps = {ns.path.name: ns.fingerprint for ns in list_namespaces(root)}
+    assert set(fps) == {flash, cpu}
+    assert fps[cpu].differences(fps[flash]) == ["attention_backend: 'CPU_ATTN' here, 'FLASH_ATTN' in the cache"]
+
+    # Computed offline, per backend, by the function the warm-up and inspect use.
+    plain = _write(tmp_path / "tiering.json", extra)
+    disk = server_disk(plain)
+    for backend, ns in (("FLASH_ATTN", flash), ("CPU_ATTN", cpu)):
+        fp = disk.vllm_fingerprint(str(model_dir), kv_cache_layout="LBHNC", attention_backend=backend)
+        assert fp.namespace_id == ns
+
+    # A config that leaves the backend to the server's flags reads either (as for TP or
+    # the layout); one that starts its server on CPU_ATTN reads CPU_ATTN's alone.
+    data = json.loads(_cli("inspect", "summary", str(root), "--config", str(plain), "--json").stdout)
+    assert [(ns["read_by"][0]["reads"], ns["read_by"][0]["differences"]) for ns in data["namespaces"]] == [
+        (True, [])
+    ] * 2
+    on_cpu = _serve_config(tmp_path / "serve-cpu.json", extra, "CPU_ATTN")
+    data = json.loads(_cli("inspect", "summary", str(root), "--config", str(on_cpu), "--json").stdout)
+    read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
+    assert read[cpu]["reads"] is True and read[cpu]["differences"] == [] and "unchecked" not in read[cpu]
+    assert read[flash]["reads"] is False
+    assert read[flash]["differences"] == ["attention_backend: 'CPU_ATTN' for the config, 'FLASH_ATTN' in the cache"]
+    table = " ".join(_cli("inspect", "summary", str(root), "--config", str(on_cpu)).stdout.split())
+    assert "no: attention_backend: 'CPU_ATTN' for the config, 'FLASH_ATTN' in the cache" in table
+    dry = json.loads(_cli("inspect", "clear", str(root), "--unread-by", str(on_cpu), "--dry-run", "--json").stdout)
+    assert dry["removed"] == [flash]
 
 
 # ---------------------------------------------------------------- warm-up
@@ -406,6 +485,60 @@ def test_the_shipped_tiering_config_warms_where_its_server_reads(weights_dir, tm
     extra["secondary_tiers"][0]["disk_path"] = str(root)
     with vh.VllmHarness.build(weights_dir, extra, num_gpu_blocks=32, kv_cache_layout="LBNHC") as h:
         assert h.serve(PROMPT).external == 3 * BLOCK
+
+
+@pytest.mark.parametrize("spec", ["TieringOffloadingSpec", "TieredOffloadingSpec"])
+def test_a_warmup_for_a_backend_writes_the_namespace_that_backends_server_reads(spec, weights_dir, tmp_path):
+    root = tmp_path / "cache"
+    extra = _tiering(root, model_id="tiny-llama") if spec == "TieringOffloadingSpec" else _tiered(root)
+    extra.setdefault("model_id", "tiny-llama")
+    config = _write(tmp_path / "server.json", extra)
+    prompts = _prompts(tmp_path, PROMPT)
+    report = json.loads(_warm(weights_dir, config, prompts, "--attention-backend", "triton_attn", "--json").stdout)
+    assert report["spec"] == spec and report["blocks_written"] == 3
+    assert (report["attention_backend"], report["kv_cache_layout"]) == ("TRITON_ATTN", "LBNHC")
+    table = " ".join(_warm(weights_dir, config, prompts, "--attention-backend", "TRITON_ATTN").stdout.split())
+    assert "page order │ attention backend TRITON_ATTN over KV-cache layout LBNHC" in table
+    # A server on that backend hits every chunk; one on vLLM's default reads another namespace.
+    with _server(weights_dir, extra, backend="TRITON_ATTN") as h:
+        assert _namespace(h) == report["namespace_id"]
+        assert h.serve(PROMPT).external == 3 * BLOCK
+    with _server(weights_dir, extra) as h:
+        assert _namespace(h) != report["namespace_id"]
+        assert h.serve(PROMPT).external == 0
+
+    # Orders it cannot prove, or names vLLM does not know: one line each, nothing written.
+    before = {ns.path.name: len(list(ns.path.iterdir())) for ns in list_namespaces(root)}
+    cases = [
+        (("--attention-backend", "CPU_ATTN"), "--attention-backend CPU_ATTN: the warm-up writes pages as FLASH_ATTN"),
+        (("--attention-backend", "FAST_ATTN"), "--attention-backend: expected one of vLLM's attention backends"),
+        (
+            ("--attention-backend", "CPU_ATTN", "--kv-cache-layout", "LBNHC"),
+            "--kv-cache-layout: LBNHC is not a layout the CPU_ATTN attention backend reads",
+        ),
+    ]
+    for args, what in cases:
+        out = _warm(weights_dir, config, prompts, *args, code=2)
+        assert out.stderr.startswith(f"error: {what}"), out.stderr
+        assert len(out.stderr.splitlines()) == 1
+    assert {ns.path.name: len(list(ns.path.iterdir())) for ns in list_namespaces(root)} == before
+
+
+def test_warmup_takes_the_backend_of_a_serve_config_and_refuses_another(weights_dir, tmp_path):
+    root = tmp_path / "cache"
+    extra = _tiering(root, model_id="tiny-llama")
+    config = _serve_config(tmp_path / "serve.json", extra, "TRITON_ATTN")
+    prompts = _prompts(tmp_path, PROMPT)
+    out = _warm(weights_dir, config, prompts, "--attention-backend", "FLASH_ATTN", code=2)
+    assert out.stderr.startswith(
+        f"error: --attention-backend FLASH_ATTN: the config {config} starts the server with attention-backend "
+        "TRITON_ATTN"
+    )
+    assert not root.exists()
+    report = json.loads(_warm(weights_dir, config, prompts, "--json").stdout)
+    assert report["attention_backend"] == "TRITON_ATTN" and report["blocks_written"] == 3
+    with _server(weights_dir, extra, backend="TRITON_ATTN") as h:
+        assert _namespace(h) == report["namespace_id"] and h.serve(PROMPT).external == 3 * BLOCK
 
 
 def test_warmup_refuses_what_it_cannot_prove_and_writes_nothing(weights_dir, tmp_path):

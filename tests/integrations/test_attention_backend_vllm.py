@@ -3,6 +3,8 @@ backend whose kernels write the pages and the KV-cache layout vLLM resolved. Ser
 differ in either read different namespaces of the same cache directory; a server started
 on another backend logs which field keeps it from the old one; a worker whose attention
 layers run another backend than the one its scheduler names refuses to start, naming it.
+The operator tools compute each backend's namespace offline, and ``inspect summary
+--config`` says a config that starts its server on one backend does not read the other's.
 
 The engines are vLLM 0.33's real scheduler and worker connector (tests/support/vllm_harness.py)
 with real vLLM ``Attention`` layers, each built on the backend under test, loaded in the
@@ -11,6 +13,7 @@ engine's config as vLLM's model loader leaves them. Marked ``vllm``.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -198,3 +201,48 @@ def test_the_scheduler_without_layers_names_what_the_workers_run(model_dir, tmp_
         assert scheduler.connector_scheduler.manager.composite.tier("disk").namespace.path.name == fp.namespace_id
     finally:
         scheduler.shutdown()
+
+
+def test_the_tools_compute_each_backends_namespace_and_a_config_on_another_backend_does_not_read_it(
+    model_dir, tmp_path
+):
+    from typer.testing import CliRunner
+
+    from tiered_kv.cli import _load_commands, app
+    from tiered_kv.ops.server_namespace import server_disk
+
+    disk = tmp_path / "disk"
+    served = {}
+    for backend in ("FLASH_ATTN", "CPU_ATTN"):
+        with _engine(model_dir, disk, backend) as engine:
+            _serve(engine)
+            served[backend] = _namespace(engine)
+    extra = _extra(disk)
+    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    plain = tmp_path / "kv.json"
+    plain.write_text(json.dumps(transfer))
+    for backend, ns in served.items():
+        fp = server_disk(plain).vllm_fingerprint(str(model_dir), kv_cache_layout="LBHNC", attention_backend=backend)
+        assert fp.namespace_id == ns
+
+    _load_commands()
+
+    def read_by(config) -> dict[str, dict]:
+        args = ["inspect", "summary", str(disk), "--config", str(config), "--model", str(model_dir), "--json"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        return {ns["namespace"]: ns["read_by"][0] for ns in json.loads(result.stdout)["namespaces"]}
+
+    # The backend is a server flag: a config that does not set it reads either namespace.
+    assert {ns: (r["reads"], r["differences"]) for ns, r in read_by(plain).items()} == {
+        ns: (True, []) for ns in served.values()
+    }
+    # vllm serve --config with attention-backend: CPU_ATTN reads CPU_ATTN's namespace alone.
+    serve = tmp_path / "serve.json"
+    serve.write_text(json.dumps({"attention-backend": "cpu_attn", "kv-transfer-config": transfer}))
+    read = read_by(serve)
+    assert read[served["CPU_ATTN"]]["reads"] is True and read[served["CPU_ATTN"]]["differences"] == []
+    assert read[served["FLASH_ATTN"]]["reads"] is False
+    assert read[served["FLASH_ATTN"]]["differences"] == [
+        "attention_backend: 'CPU_ATTN' for the config, 'FLASH_ATTN' in the cache"
+    ]

@@ -121,6 +121,22 @@ def test_weights_replaced_in_place_are_never_served(model_dir, tmp_path, caplog)
     assert {ns.fingerprint.weights_digest for ns in list_namespaces(tmp_path / "cache")} >= {old}
 
 
+def test_outside_vllm_a_config_without_model_path_must_say_the_weights_are_not_covered(model_dir, tmp_path):
+    """A namespace without the weights would serve the old checkpoint's KV after new weights
+    at the same path: such a config is refused unless it says so (``cover_weights: false``)."""
+    silent = server_config(tmp_path, None)
+    with pytest.raises(ConfigError, match=r"model_path: not set, .* or cover_weights: false"):
+        hits_in_a_fresh_hierarchy(silent)
+    assert not (tmp_path / "cache").exists() or not list_namespaces(tmp_path / "cache")  # nothing opened
+    stated = server_config(tmp_path, None, cover_weights=False)
+    assert warm(model_dir, stated).weights_digest is None
+    assert hits_in_a_fresh_hierarchy(stated) == KEYS_PER_PROMPT
+    (ns,) = list_namespaces(tmp_path / "cache")
+    assert ns.fingerprint.weights_digest is None  # the namespace says it: not covered
+    with pytest.raises(ConfigError, match=r"cover_weights: expected true or false"):
+        TieredConfig.from_dict({"cover_weights": "perhaps"})
+
+
 def test_a_config_json_change_that_changes_activations_is_never_served(model_dir, tmp_path, caplog):
     config = server_config(tmp_path, model_dir)
     warm(model_dir, config)

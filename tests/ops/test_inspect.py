@@ -41,6 +41,7 @@ CONFIG = {
     "disk_bytes": "4MiB",
     "block_size": GPU_BLOCK,
     "model_id": "inspect-test",
+    "cover_weights": False,  # synthetic KV
     "cost_aware": False,
 }
 

@@ -145,12 +145,15 @@ _FRESH = textwrap.dedent("""
     from tiered_kv.ops.hashing import PrefixHasher, chunk_keys, resolve_seed
     from tiered_kv.memory.host_memory import expand_block_ids
     from tiered_kv.mediums import GPULoadStoreSpec
+    import dataclasses
     from tiered_kv.tiered.spec import HierarchySpec
     from tiered_kv.ops.warmup.inputs import load_config
     prompts_path, out_path, *config_paths = sys.argv[1:]
     results = []
     for config_path in config_paths:
-        cfg = load_config(config_path)
+        # The server's config as the server reads it; the weights are those the warm-up
+        # was given (a vLLM server names its own model directory).
+        cfg = dataclasses.replace(load_config(config_path), cover_weights=False)
         f = cfg.block_size // {block}
         dev = DeviceKVCache(num_layers={layers}, num_gpu_blocks=32 * f, gpu_block_size={block},
                             num_kv_heads={heads}, head_dim={head_dim}, dtype=torch.float32,

@@ -372,12 +372,14 @@ def test_cli_default_writes_what_vllm_reads_and_inspect_answers_for_vllm(model_d
     assert read[served["namespace_id"]] == {"config": str(config), "reads": True, "differences": []}
     theirs = read[kv_first["namespace_id"]]
     assert not theirs["reads"] and "unchecked" not in theirs
-    # kv-first: its own geometry, no model settings, and no weights digest without model_path
+    # kv-first: its own geometry, no model settings, no attention backend, and no weights
+    # digest without model_path
     assert {d.split(":")[0] for d in theirs["differences"]} == {
         "weights_digest",
         "layer_geometry",
         "kv_layout",
         "model_settings",
+        "attention_backend",
     }
     table = cli("inspect", "summary", str(tmp_path / "cache"), "--config", str(config), "--model", str(model_dir))
     assert "a vLLM server with this config" in table and "layer_geometry: (vllm_worker_block" in table

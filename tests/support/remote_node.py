@@ -117,6 +117,7 @@ def build(
             "disk_bytes": disk_bytes,
             "block_size": GPU_BLOCK_SIZE,
             "model_id": model_id,
+            "cover_weights": False,  # synthetic KV
             "hash_seed": hash_seed,
             "remote": remote,
             # Every block found is loaded: these nodes show where blocks go; the decision,

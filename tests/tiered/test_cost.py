@@ -514,6 +514,7 @@ def test_a_disk_tier_that_slows_down_is_passed_over_and_used_again_once_it_recov
             "disk_path": str(tmp_path),
             "disk_bytes": f"{64 * 4096}B",
             "model_id": "cost-test",
+            "cover_weights": False,
             "promote_on_hit": False,  # every repeat reads the disk again
         },
         layout.gpu_block_size,
@@ -608,7 +609,7 @@ def test_each_tier_is_seeded_with_its_own_types_prior_whatever_its_medium_is_nam
     layout = DeviceKVCache(2, 8, 16, 2, 16, device="cpu").layout
     disk = {"path": str(tmp_path / "disk2"), "bytes": f"{64 * 4096}B", "name": "disk2", "medium": "DISK2"}
     config = {"cpu_bytes": f"{4 * layout.bytes_per_block}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}
-    spec = HierarchySpec({**config, "model_id": "priors", "tiers": [{"type": "disk", **disk}]}, 16, layout)
+    spec = HierarchySpec({**config, "model_id": "priors", "cover_weights": False, "tiers": [{"type": "disk", **disk}]}, 16, layout)
     manager = spec.get_manager()
     try:
         assert manager.costs is not None

@@ -99,6 +99,7 @@ def test_prometheus_metrics_follow_a_real_run(tmp_path):
             "disk_path": str(tmp_path),
             "disk_bytes": "4MiB",
             "model_id": "metrics",
+            "cover_weights": False,
         },
         layout.gpu_block_size,
         layout,

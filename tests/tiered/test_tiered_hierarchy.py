@@ -19,6 +19,7 @@ def build(tmp_path, device, **config):
         "cpu_bytes": f"{CPU_SLOTS * layout.bytes_per_block}B",
         "disk_path": str(tmp_path),
         "model_id": "hierarchy-test",
+        "cover_weights": False,
         # Every block found is loaded: what is tested here is where blocks go, not the
         # decision (tests/tiered/test_cost.py), which this CPU's measured loads would sway.
         "cost_aware": False,
@@ -236,6 +237,7 @@ def test_an_engine_built_in_with_blocks_releases_the_cache_even_when_the_block_r
         "disk_path": str(tmp_path),
         "disk_bytes": "4MiB",
         "cost_aware": False,
+        "cover_weights": False,
     }
     docs = documents(num_docs=2, blocks_per_doc=8, seed=4)
     with pytest.raises(RuntimeError, match="the engine failed"):

@@ -61,6 +61,7 @@ class Hierarchy(RuleBasedStateMachine):
             "disk_bytes": f"{DISK_SLOTS * 4096}B",
             "max_pending_disk_writes": 4,
             "model_id": "stateful",
+            "cover_weights": False,
             "cost_aware": False,  # the contract, not the decision: every block found is offered
             "write_policy": self.write_policy,
             "disk_io": self.disk_io,

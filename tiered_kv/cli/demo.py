@@ -140,6 +140,7 @@ def demo(
                 "promote_on_hit": promote_on_hit,
                 "disk_io": disk_io,
                 "model_id": "tiered-kv-demo",
+                "cover_weights": False,  # a toy model of random KV: no weights to cover
                 # The demo's device is this machine's CPU and its model a toy: recomputing
                 # has no true cost to weigh a load against, so every block found is loaded.
                 "cost_aware": False,

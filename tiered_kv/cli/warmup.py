@@ -4,10 +4,12 @@ Operator's process, with the server stopped (the run holds the cache's writer lo
 Library: ``tiered_kv.ops.warmup``. Checks the hash settings, the config (a spec whose
 namespace the warm-up writes: ``TieredOffloadingSpec``, or vLLM's
 ``TieringOffloadingSpec`` with ``TieredDiskTier``), the model's identity
-(``model_id`` set; ``--model`` has the weights digest of the config's ``model_path``) and
-the prompts before loading the model, shows a progress bar over prompts (terminals
-only), and ends with a summary table naming the namespace and the identity it records,
-or JSON with ``--json``. Exits 2 with one ``error:`` line when it
+(``model_id`` set; ``--model`` has the weights digest of the config's ``model_path``),
+the page order (the server's attention backend and the KV-cache layout vLLM resolves
+for it: one the warm-up can prove, ``vllm_pages.check_page_order``) and the prompts
+before loading the model, shows a progress bar over prompts (terminals only), and ends
+with a summary table naming the namespace, the identity it records and the page order
+written for, or JSON with ``--json``. Exits 2 with one ``error:`` line when it
 cannot run, 1 when some blocks could not be stored, 130 when interrupted (blocks
 written so far are kept; a rerun resumes).
 """
@@ -27,7 +29,14 @@ from tiered_kv.config import format_size
 from tiered_kv.config_file import DISK_TIER_TYPE, TIERING_SPEC
 from tiered_kv.ops.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
-from tiered_kv.ops.warmup import DEFAULT_LAYOUT, WarmupReport, check_layout, chunk_tokens_for, server_settings, warmup
+from tiered_kv.ops.warmup import (
+    DEFAULT_LAYOUT,
+    WarmupReport,
+    check_layout,
+    chunk_tokens_for,
+    server_settings,
+    warmup,
+)
 from tiered_kv.ops.warmup.engines import HFEngine, import_transformers, require_vllm_engine, run_vllm_warmup
 from tiered_kv.ops.warmup.errors import WarmupError
 from tiered_kv.ops.warmup.inputs import check_identity, read_prompts, read_server, tokenize
@@ -64,7 +73,16 @@ def warmup_cmd(
         None,
         "--kv-cache-layout",
         metavar="<LBNHC|LBHNC>",
-        help="vllm layout: the server's KV-cache layout, LBNHC (default) or LBHNC.",
+        help="vllm layout: the server's KV-cache layout, LBNHC or LBHNC. Default: VLLM_KV_CACHE_LAYOUT, else the "
+        "attention backend's choice (LBNHC for FLASH_ATTN).",
+    ),
+    attention_backend: Optional[str] = typer.Option(
+        None,
+        "--attention-backend",
+        metavar="NAME",
+        help="vllm layout: the server's vllm serve --attention-backend, part of its namespace; pages are written "
+        "for FLASH_ATTN and TRITON_ATTN. Default: the config's attention-backend (a vllm serve --config file), "
+        "else vLLM's choice on this host, else FLASH_ATTN.",
     ),
     tokenizer: Optional[str] = typer.Option(
         None, "--tokenizer", metavar="PATH", help="Local tokenizer directory for text prompts (default: --model)."
@@ -95,13 +113,14 @@ def warmup_cmd(
         # Before anything is read or written for a server that would not read it.
         server = read_server(config, disk_path)
         cfg = server.config
+        backend = _attention_backend(attention_backend, server.disk.attention_backend, config)
         resolve_seed(cfg.hash_algorithm, cfg.hash_seed)  # fail before any heavy work
         chunk_tokens_for(cfg, gpu_block_size)
         local = resolve_model_dir(model)
         if engine == "hf":
             where = f"its {DISK_TIER_TYPE} entry" if server.disk.is_secondary_tier else "the config"
             check_identity(cfg, None if local is None else str(local), where=where)
-            check_layout(layout, server.extra)
+            check_layout(layout, server.extra, backend)
         items = read_prompts(prompts)
         tok = None
         if any(p.token_ids is None for p in items):
@@ -109,7 +128,9 @@ def warmup_cmd(
         token_ids = tokenize(items, tok)
         extra = server.extra
         if engine == "vllm":
-            n = run_vllm_warmup(token_ids, model, extra, gpu_block_size=gpu_block_size, tp_size=tp_size)
+            n = run_vllm_warmup(
+                token_ids, model, extra, gpu_block_size=gpu_block_size, tp_size=tp_size, attention_backend=backend
+            )
             if json_out:
                 emit_json({"engine": "vllm", "prompts": n})
             else:
@@ -117,7 +138,17 @@ def warmup_cmd(
             return
         model_dtype: str = dtype
         if layout == DEFAULT_LAYOUT and local is not None:
-            model_dtype, kv_cache_layout = server_settings(str(local), dtype, kv_cache_layout)
+            # The page order is refused here, before the model is loaded, if it cannot be proven.
+            settings = server_settings(
+                str(local),
+                extra,
+                dtype=dtype,
+                kv_cache_layout=kv_cache_layout,
+                attention_backend=backend,
+                gpu_block_size=gpu_block_size,
+                tp_size=tp_size,
+            )
+            model_dtype, kv_cache_layout, backend = settings.dtype, settings.kv_cache_layout, settings.attention_backend
         hf = HFEngine.from_pretrained(model, dtype=model_dtype, device=device)
         with progress_bar(json_out, "warming", len(token_ids)) as bar:
             report = warmup(
@@ -129,6 +160,7 @@ def warmup_cmd(
                 layout=layout,
                 extra_config=extra,
                 kv_cache_layout=kv_cache_layout,
+                attention_backend=backend,
                 progress=lambda i, r: bar.advance(1),
             )
     if json_out:
@@ -148,6 +180,17 @@ def warmup_cmd(
         )
     if report.blocks_failed or report.blocks_rejected:
         raise typer.Exit(1)
+
+
+def _attention_backend(given: str | None, in_config: str | None, config: Path) -> str | None:
+    """``--attention-backend``, else the config file's ``attention-backend``; refused
+    where the two differ (the server would read another namespace than the one written)."""
+    if given is not None and in_config is not None and given.strip().upper() != in_config:
+        raise WarmupError(
+            f"--attention-backend {given}: the config {config} starts the server with attention-backend "
+            f"{in_config}, which reads another namespace; drop the option or make the two agree"
+        )
+    return given if given is not None else in_config
 
 
 def _load_tokenizer(path: str):
@@ -180,6 +223,12 @@ def _print(r: WarmupReport, hf: HFEngine, gpu_block_size: int) -> None:
         + (f" ({r.kv_cache_layout} pages)" if r.kv_cache_layout else "")
         + f", GPU block {gpu_block_size} tokens",
     )
+    if r.attention_backend:
+        t.add_row(
+            "page order",
+            f"attention backend {r.attention_backend} over KV-cache layout {r.kv_cache_layout}: what a vLLM server "
+            f"on {r.attention_backend} reads (another backend reads another namespace: --attention-backend NAME)",
+        )
     t.add_row(
         "prompts", f"{r.prompts} ({r.prompts_skipped} already complete, {r.prompts_too_short} shorter than one block)"
     )

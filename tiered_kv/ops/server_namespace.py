@@ -2,10 +2,10 @@
 is sized: the one answer every operator tool gives (``inspect summary --config``,
 ``inspect clear --unread-by``, ``warmup --config``, ``doctor --config``).
 
-Operator's process; reads the config file (``config_file``) and, where asked for a
-whole namespace (``ServerDisk.vllm_fingerprint``), the model's ``config.json`` and
-weights digest. Two server shapes write a disk namespace, and from the same model they
-write different ones:
+Operator's process; reads the config file (``config_file``) and, where asked for a whole
+namespace (``ServerDisk.vllm_fingerprint``), the model's ``config.json`` and weights
+digest. Two server shapes write a disk namespace, and from the same model they write
+different ones:
 
 - ``TieredOffloadingSpec`` (``integrations.vllm.geometry``): each TP rank writes its
   own shard of every block, ``disk_bytes`` is per rank; the namespace's layer geometry
@@ -15,6 +15,11 @@ write different ones:
   block is a whole CPU-tier row (every TP rank's shard and the row's padding),
   ``disk_bytes`` is per node; the namespace's layer geometry starts with
   ``vllm_cpu_chunk`` and its TP size is 1.
+
+Both name the attention backend whose kernels write the pages, a ``vllm serve`` flag
+(``--attention-backend``), not a key of the extra config: a ``vllm serve --config``
+file may set it (``ServerDisk.attention_backend``); elsewhere the tools take it as
+given, or for a namespace, from its record.
 
 Any other spec (vLLM's CPU-only spec, a spec loaded from another module) is refused
 with ``ConfigError``: its namespace is not one the tools can compute, and a guess
@@ -55,6 +60,12 @@ class ServerDisk:
     found: ServerConfigFile
 
     @property
+    def attention_backend(self) -> str | None:
+        """The attention backend a ``vllm serve --config`` file starts the server on
+        (``ServerConfigFile.attention_backend``); None where it sets none."""
+        return self.found.attention_backend
+
+    @property
     def spec_name(self) -> str:
         return self.found.spec_name
 
@@ -90,14 +101,18 @@ class ServerDisk:
         gpu_block_size: int = 16,
         tp_size: int = 1,
         kv_cache_layout: str | None = None,
+        attention_backend: str | None = None,
     ) -> Fingerprint:
         """The whole namespace a vLLM server with this config opens, started as ``vllm
         serve model_dir --dtype dtype --block-size gpu_block_size --tensor-parallel-size
-        tp_size`` with KV-cache layout ``kv_cache_layout`` (default LBNHC): computed with
-        vLLM's own config code, by the module the warm-up writes it with
-        (``ops.warmup.vllm_pages`` for ``TieredOffloadingSpec``, ``ops.warmup.vllm_rows``
-        for ``TieredDiskTier``'s rows). Imports vLLM; reads the model's ``config.json``
-        and weights digest. Raises ``WarmupError`` naming what cannot be computed."""
+        tp_size --attention-backend attention_backend`` (default: the file's
+        ``attention_backend``, else vLLM's choice on this host, else FLASH_ATTN) with
+        KV-cache layout ``kv_cache_layout`` (default: the one vLLM resolves for that
+        backend, LBNHC for FLASH_ATTN): computed with vLLM's own config code, by the
+        module the warm-up writes it with (``ops.warmup.vllm_pages`` for
+        ``TieredOffloadingSpec``, ``ops.warmup.vllm_rows`` for ``TieredDiskTier``'s
+        rows). Imports vLLM; reads the model's ``config.json`` and weights digest.
+        Raises ``WarmupError`` naming what cannot be computed."""
         if self.is_secondary_tier:
             from tiered_kv.ops.warmup.vllm_rows import server_fingerprint as rows_fingerprint
 
@@ -113,6 +128,7 @@ class ServerDisk:
             gpu_block_size=gpu_block_size,
             tp_size=tp_size,
             kv_cache_layout=kv_cache_layout,
+            attention_backend=attention_backend or self.attention_backend,
         )
 
     def shape_differences(self, fingerprint: Mapping[str, Any]) -> list[str]:

@@ -68,6 +68,7 @@ def config(
         "io_backend": "posix",
         "io_threads": 2,
         "model_id": "fault-suite",
+        "cover_weights": False,  # synthetic KV: no weights
         "max_pending_disk_writes": 16,
         # Every block found is loaded: the fault suite checks what is served, and this
         # machine's measured loads would otherwise decide which blocks are asked for.

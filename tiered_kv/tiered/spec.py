@@ -93,7 +93,15 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
     def _fingerprint(self) -> Fingerprint:
         if self._given_fingerprint is not None:
             return self._given_fingerprint
-        return Fingerprint.from_config(self.config, self._known_layout(), self.tp_size)
+        cfg = self.config
+        if cfg.tiers and cfg.model_path is None and cfg.cover_weights:
+            # Else a re-run after new weights at the same path would be served the old
+            # checkpoint's KV from the persistent tiers.
+            raise ConfigError(
+                "model_path: not set, so the namespace of the lower tiers would not cover the model's weights; "
+                "set model_path to the model's directory, or cover_weights: false to state that it does not"
+            )
+        return Fingerprint.from_config(cfg, self._known_layout(), self.tp_size)
 
     def _known_layout(self) -> KVCacheLayout:
         if self.layout is None:

@@ -4,9 +4,11 @@ disk namespace of vLLM's CPU-tier rows (``chunk_layout``, ``chunk_fingerprint``,
 
 Runs in vLLM's scheduler process, when the tier is built (``secondary_tier.py`` says
 what a chunk is on disk and why each fingerprint field is there), and in the operator's
-process, where ``tiered-kv warmup`` computes the same namespace without an engine
-(``tiered_kv.ops.warmup.vllm_rows``). Validation and arithmetic only; no I/O except
-``tier_fingerprint``'s weights digest (``common.vllm_model_identity``).
+process, where ``tiered-kv warmup`` and ``inspect`` compute the same namespace without an
+engine (``tiered_kv.ops.warmup.vllm_rows``): both call ``tier_fingerprint``, so the tier
+and the tools cannot drift apart. Validation and arithmetic only; no I/O except
+``tier_fingerprint``'s weights digest (``common.vllm_model_identity``); naming the
+attention backend may ask vLLM's attention selector (``common.vllm_attention_backend``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.integrations.vllm.common import VllmModelIdentity, check_hash_algorithm, vllm_model_identity
+from tiered_kv.integrations.vllm.common import (
+    VllmModelIdentity,
+    attention_backend_name,
+    check_hash_algorithm,
+    find_vllm_config,
+    vllm_attention_backend,
+    vllm_model_identity,
+)
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
 #: Keys of a ``secondary_tiers`` entry that belong to vLLM (its factory reads them).
@@ -85,15 +94,15 @@ def chunk_fingerprint(
     stride: int,
     cfg: TieredConfig,
     *,
+    identity: VllmModelIdentity,
+    hash_seed: str,
+    attention_backend: str,
     replicated_layout: bool = False,
-    model_id: str | None = None,
-    hash_seed: str | None = None,
-    identity: VllmModelIdentity | None = None,
 ) -> Fingerprint:
-    """The namespace key of vLLM CPU-tier rows of ``stride`` bytes (module docstring).
-    ``model_id``/``hash_seed`` override ``cfg``'s (callers resolve the defaults);
-    ``identity`` gives the model's revision, weights
-    digest and settings."""
+    """The namespace key of vLLM CPU-tier rows of ``stride`` bytes (module docstring),
+    every engine-dependent field resolved by the caller (``tier_fingerprint``): the
+    model's ``identity``, the prefix-hash seed and the attention backend whose kernels
+    write the pages the rows hold."""
     p = config.parallel
     groups = config.groups
     tokens_per_block = max((g.tokens_per_block for g in groups), default=config.cache.tokens_per_hash)
@@ -118,8 +127,8 @@ def chunk_fingerprint(
         f"kv_cache_layout={config.kv_cache_layout}",
     )
     return Fingerprint(
-        model_id=str(model_id if model_id is not None else cfg.model_id),
-        model_revision=identity.model_revision if identity is not None else cfg.model_revision,
+        model_id=identity.model_id,
+        model_revision=identity.model_revision,
         dtype=str(config.model.dtype),
         block_size=tokens_per_block * config.cache.blocks_per_chunk,
         gpu_block_size=tokens_per_block,
@@ -127,9 +136,10 @@ def chunk_fingerprint(
         kv_layout=row_format,
         tp_size=1,
         hash_algorithm=cfg.hash_algorithm,
-        hash_seed=str(hash_seed if hash_seed is not None else cfg.hash_seed),
-        weights_digest=identity.weights_digest if identity is not None else None,
-        model_settings=identity.model_settings if identity is not None else None,
+        hash_seed=str(hash_seed),
+        weights_digest=identity.weights_digest,
+        model_settings=identity.model_settings,
+        attention_backend=attention_backend,
     )
 
 
@@ -141,26 +151,40 @@ def tier_fingerprint(
     *,
     replicated_layout: bool = False,
     vllm_config: Any | None = None,
+    attention_backend: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Fingerprint:
     """The namespace ``TieredDiskTier`` opens for the entry ``tier_config`` (``cfg``: it
     parsed) under vLLM's ``OffloadingConfig`` ``config`` with CPU-tier rows of ``stride``
-    bytes: the model's identity as vLLM's scheduler resolves it (``model_id`` where the
-    entry sets one, else vLLM's ``--model``; ``vllm_config``: default the engine's,
-    ``common.find_vllm_config``), and the hash seed it runs with (the entry's
-    ``hash_seed`` where set, else ``PYTHONHASHSEED`` of ``env``, default
-    ``os.environ``, as vLLM seeds its prefix hashes). Raises ``ConfigError`` naming
-    ``model_path``."""
-    identity = vllm_model_identity(config.model.name, cfg, tier_config, vllm_config)
+    bytes; the one function the tier (at start-up) and the tools (offline) compute it
+    with. ``vllm_config``: the engine's, default ``common.find_vllm_config()``.
+
+    - the model's identity as vLLM's scheduler resolves it (``model_id`` where the entry
+      sets one, else vLLM's ``--model``; ``common.vllm_model_identity``);
+    - the hash seed it runs with: the entry's ``hash_seed`` where set, else
+      ``PYTHONHASHSEED`` of ``env`` (default ``os.environ``), as vLLM seeds its prefix
+      hashes;
+    - the attention backend: ``attention_backend`` where given (a server computed
+      offline; checked against vLLM's names), else the one every process of the engine
+      names (``common.vllm_attention_backend`` over the KV groups' layers).
+
+    Raises ``ConfigError`` naming ``model_path``, an unknown backend, or layers loaded
+    here that run another backend than the namespace would name."""
+    vc = vllm_config if vllm_config is not None else find_vllm_config()
+    identity = vllm_model_identity(config.model.name, cfg, tier_config, vc)
     env = os.environ if env is None else env
+    if attention_backend is not None:
+        backend = attention_backend_name(attention_backend)
+    else:
+        backend = vllm_attention_backend(vc, [name for g in config.groups for name in g.layer_names])
     return chunk_fingerprint(
         config,
         stride,
         cfg,
-        replicated_layout=replicated_layout,
-        model_id=identity.model_id,
         identity=identity,
         hash_seed=cfg.hash_seed if "hash_seed" in tier_config else env.get("PYTHONHASHSEED", ""),
+        attention_backend=backend,
+        replicated_layout=replicated_layout,
     )
 
 

@@ -31,9 +31,12 @@ dtype uint8, one offloaded block per chunk, and the namespace is written as TP s
 produced them, the ``Fingerprint`` is built here from vLLM's ``OffloadingConfig``: the
 model name (or ``model_id``), vLLM's KV dtype, tokens per chunk and per GPU block, the
 row stride, per-worker block bytes and chunk factor plus each KV group's geometry
-(``layer_geometry``), and vLLM's row format - TP/PP/PCP/DCP sizes, world size,
-replicated or canonical layout, KV-cache layout - in ``kv_layout``. Any change to these
-opens another namespace; a cache is never served to an engine that would read it
+(``layer_geometry``), vLLM's row format - TP/PP/PCP/DCP sizes, world size, replicated or
+canonical layout, KV-cache layout - in ``kv_layout``, and the attention backend whose
+kernels write the pages a row holds (``attention_backend``: two backends may order the
+same page differently). ``secondary_config.tier_fingerprint`` computes it, here and in
+the tools that compute it offline (``tiered-kv warmup``, ``inspect``). Any change to
+these opens another namespace; a cache is never served to an engine that would read it
 differently. The disk key of a chunk is vLLM's whole ``OffloadKey`` (block hash +
 KV-group index).
 
@@ -52,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -79,14 +81,13 @@ from tiered_kv.abstract import Closing
 from tiered_kv.config import format_size
 from tiered_kv.disk.tier import DiskTier
 from tiered_kv.tiers import TierContext, build_tiers
-from tiered_kv.integrations.vllm.common import vllm_model_identity
 from tiered_kv.mediums import ids_spec
 from tiered_kv.integrations.vllm.secondary_config import (
-    chunk_fingerprint,
-    chunk_layout,
     check_tier_hash_algorithm,
+    chunk_layout,
     parse_locality,
     parse_tier_config,
+    tier_fingerprint,
 )
 from tiered_kv.integrations.vllm.secondary_stats import DiskTierInfo, DiskTierStats, metric_definitions, stats_since
 
@@ -166,16 +167,13 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         self.locality = parse_locality(tier_config.get("locality"))
         vconf = offloading_spec.config
         stride = self.block_size_bytes
-        identity = vllm_model_identity(vconf.model.name, cfg, tier_config)
-        self.fingerprint = chunk_fingerprint(
+        # The function the warm-up and inspect compute this namespace with, offline.
+        self.fingerprint = tier_fingerprint(
             vconf,
             stride,
             cfg,
+            tier_config,
             replicated_layout=getattr(offloading_spec, "replicated_layout", False),
-            model_id=identity.model_id,
-            identity=identity,
-            # vLLM seeds its prefix hashes with PYTHONHASHSEED when it is set.
-            hash_seed=cfg.hash_seed if "hash_seed" in tier_config else os.getenv("PYTHONHASHSEED", ""),
         )
         layout = chunk_layout(self.fingerprint.block_size, stride)
         # The primary rows are host memory: GPUDirect Storage has nothing to offer here.
@@ -225,10 +223,11 @@ class TieredDiskTier(SecondaryTierManager, Closing):
             disk_checksum=self.store.checksum_name,
         )
         logger.info(
-            "vLLM secondary tier %s: %s, namespace %s, %d of %d chunks of %s loadable, I/O %s",
+            "vLLM secondary tier %s: %s, namespace %s (attention backend %s), %d of %d chunks of %s loadable, I/O %s",
             tier_type,
             tier.settings.path,
             self.fingerprint.namespace_id,
+            self.fingerprint.attention_backend,
             len(self.disk_manager),
             self.disk_manager.capacity,
             format_size(stride),

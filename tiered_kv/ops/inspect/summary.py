@@ -7,11 +7,15 @@ namespace of a million blocks is summarised or listed in about a second.
 
 ``mark_read_by`` says, for a vLLM server config, whether a vLLM server with it would
 read each namespace: the fields it pins (``model_identity.pinned_fields``: model id,
-revision, weights digest of its model directory, hash settings, block size) and,
-where the model directory is known and vLLM imports, the rest of the namespace
-``TieredOffloadingSpec`` computes (worker-block and KV-group geometry, KV-cache
-layout, model settings: ``ops.warmup.vllm_pages.server_fingerprint``, for the
-namespace's own TP size, GPU block size and dtype). Every config also rules out the
+revision, weights digest of its model directory, hash settings, block size; and the
+attention backend of a ``vllm serve --config`` file that sets one) and, where the model
+directory is known and vLLM imports, the rest of the namespace its spec computes
+(worker-block or CPU-tier-row and KV-group geometry, KV-cache layout, model settings,
+attention backend: ``server_namespace.ServerDisk.vllm_fingerprint``, for a server
+started with the namespace's own TP size, GPU block size, dtype, KV-cache layout and
+attention backend, which are ``vllm serve`` flags, not config keys). So a namespace
+that differs from the config's only in the attention backend is read only where the
+config leaves the backend to the server's flags. Every config also rules out the
 namespaces its spec cannot have written (``server_namespace``: ``TieredDiskTier``
 under vLLM's ``TieringOffloadingSpec`` writes whole CPU-tier rows at TP size 1, our
 spec each rank's pages); a spec the tools cannot compute is refused. Computing the weights digest
@@ -33,7 +37,7 @@ from tiered_kv.disk.worker.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import Namespace, current_holder
 from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
 from tiered_kv.model_identity import pinned_fields, resolve_model_dir, unread_fields
-from tiered_kv.ops.server_namespace import ServerDisk, server_disk
+from tiered_kv.ops.server_namespace import TIERING_MARK, ServerDisk, server_disk
 
 
 def io_backend_info(ns: Namespace) -> dict[str, Any]:
@@ -190,7 +194,15 @@ def summarize_cache(cache: CacheDir) -> dict[str, Any]:
 
 #: Fingerprint fields a vLLM server derives beyond those its config pins
 #: (``pinned_fields``): compared where vLLM's namespace can be computed here.
-VLLM_FIELDS = ("block_size", "layer_geometry", "kv_layout", "model_revision", "hash_seed", "model_settings")
+VLLM_FIELDS = (
+    "block_size",
+    "layer_geometry",
+    "kv_layout",
+    "model_revision",
+    "hash_seed",
+    "model_settings",
+    "attention_backend",
+)
 
 
 @dataclass
@@ -219,33 +231,37 @@ class ServerConfig:
             pinned = pinned_fields(extra, model=model)
         except ConfigError as e:
             raise InspectError(f"--config {path}: {e}") from None
+        if disk.attention_backend is not None:
+            pinned["attention_backend"] = disk.attention_backend
         found = resolve_model_dir(model) if model is not None else None
         where = str(found) if found is not None else extra.get("model_path")
         return cls(str(path), pinned, dict(extra), None if where is None else str(where), disk)
 
     def vllm_fingerprint(self, fingerprint: dict[str, Any]) -> dict[str, Any] | str:
-        """The fingerprint ``TieredOffloadingSpec`` computes in a vLLM server with this
-        config, started with the namespace's TP size, GPU block size, dtype and KV-cache
-        layout (``vllm serve`` flags, not config keys), as a record; or why it cannot be
-        computed here (no model directory, no vLLM, a model the warm-up cannot match)."""
-        if self.disk is not None and self.disk.is_secondary_tier:
-            # The tier's rows are sized by vLLM's CPU tier (all ranks' shards, padding,
-            # replicated or not), which no offline computation here reproduces.
-            return f"the row geometry of {self.disk.describe} is not computed here, its layout and TP size were"
+        """The fingerprint this config's spec computes in a vLLM server with it, started
+        with the namespace's TP size, GPU block size, dtype, KV-cache layout and attention
+        backend (``vllm serve`` flags, not config keys; the backend the config's own where
+        it sets one), as a record; or why it cannot be computed here (no model directory,
+        no vLLM, a model the warm-up cannot match). The TP size of a ``TieredDiskTier``
+        namespace is in its row format (``tp=``): the namespace itself records TP 1."""
         if self.model_dir is None:
             return "vLLM's geometry not checked: give --model (the server's model directory)"
-        layout = next(
-            (x.split("=", 1)[1] for x in fingerprint.get("kv_layout", ()) if x.startswith("kv_cache_layout=")), None
-        )
-        key = (fingerprint.get("tp_size"), fingerprint.get("gpu_block_size"), fingerprint.get("dtype"), layout)
+        row = dict(x.split("=", 1) for x in fingerprint.get("kv_layout", ()) if "=" in str(x))
+        geometry = fingerprint.get("layer_geometry") or ()
+        tp = fingerprint.get("tp_size")
+        if geometry and geometry[0] and geometry[0][0] == TIERING_MARK and "tp" in row:
+            tp = row["tp"]
+        backend = self.pinned.get("attention_backend") or fingerprint.get("attention_backend")
+        key = (tp, fingerprint.get("gpu_block_size"), fingerprint.get("dtype"), row.get("kv_cache_layout"), backend)
         if key not in self._expected:
-            self._expected[key] = _vllm_fingerprint(self.model_dir, self.extra, *key)
+            self._expected[key] = _vllm_fingerprint(self.disk, self.model_dir, self.extra, *key)
         return self._expected[key]
 
     def differences(self, fingerprint: dict[str, Any]) -> list[str]:
         """Why a vLLM server with this config would not read a namespace of
         ``fingerprint`` (empty: it would). The pinned fields always; the geometry,
-        layout and model settings vLLM derives where ``vllm_fingerprint`` computes."""
+        layout, model settings and attention backend vLLM derives where
+        ``vllm_fingerprint`` computes."""
         out = self.disk.shape_differences(fingerprint) if self.disk is not None else []
         out += unread_fields(fingerprint, self.pinned)
         expected = self.vllm_fingerprint(fingerprint)
@@ -272,23 +288,35 @@ def _brief(value: Any) -> str:
 
 
 def _vllm_fingerprint(
-    model_dir: str, extra: dict[str, Any], tp: Any, gpu_block_size: Any, dtype: Any, layout: str | None
+    disk: ServerDisk | None,
+    model_dir: str,
+    extra: dict[str, Any],
+    tp: Any,
+    gpu_block_size: Any,
+    dtype: Any,
+    layout: str | None,
+    backend: str | None,
 ) -> dict[str, Any] | str:
+    """``ServerDisk.vllm_fingerprint`` with these ``vllm serve`` settings (without a
+    ``disk``: ``TieredOffloadingSpec``'s, from ``extra``), as a record, or why not."""
     try:
         from tiered_kv.ops.warmup.errors import WarmupError
         from tiered_kv.ops.warmup.vllm_pages import server_fingerprint
     except ImportError as e:
         return f"vLLM's geometry not checked: vLLM does not import here ({e})"
     try:
-        fp = server_fingerprint(
-            model_dir,
-            extra,
-            dtype=str(dtype),
-            gpu_block_size=int(gpu_block_size),
-            tp_size=int(tp),
-            kv_cache_layout=layout if layout not in (None, "None") else None,
-        )
-    except (WarmupError, ConfigError) as e:
+        settings: dict[str, Any] = {
+            "dtype": str(dtype),
+            "gpu_block_size": int(gpu_block_size),
+            "tp_size": int(tp),
+            "kv_cache_layout": layout if layout not in (None, "None") else None,
+            "attention_backend": backend,
+        }
+        if disk is not None:
+            fp = disk.vllm_fingerprint(model_dir, **settings)
+        else:
+            fp = server_fingerprint(model_dir, extra, **settings)
+    except (WarmupError, ConfigError, TypeError, ValueError) as e:
         return f"vLLM's geometry not checked: {e}"
     return fp.to_dict()
 

@@ -21,8 +21,11 @@ key. ``kv-first`` is the engine-agnostic layout of ``tiered_kv`` (``DeviceKVCach
 tensors named ``layer.<i>``). ``vllm`` (the default) writes what the server the config
 names reads: each TP rank's pages for ``TieredOffloadingSpec`` (``vllm_pages``), or
 whole CPU-tier rows, every rank's shard in one block from one writer, for vLLM's
-``TieringOffloadingSpec`` with ``TieredDiskTier`` (``vllm_rows``). Other layouts
-register with ``register_block_layout``.
+``TieringOffloadingSpec`` with ``TieredDiskTier`` (``vllm_rows``), for the server's
+attention backend over the KV-cache layout vLLM resolves for it; it writes only page
+orders it can prove that backend reads as the model's K/V (``vllm_pages.PAGE_READERS``),
+refuses the others in one line, and its report names the backend and layout written
+for. Other layouts register with ``register_block_layout``.
 
 Which namespace: the one the serving engine computes from the same config
 (``BlockLayout.fingerprint``), so the model's identity comes from the config:
@@ -76,6 +79,7 @@ __all__ = [
     "WarmupReport",
     "chunk_tokens_for",
     "register_block_layout",
+    "ServerSettings",
     "server_settings",
     "warmup",
 ]
@@ -109,14 +113,46 @@ def _vllm_layout(request: LayoutRequest) -> BlockLayout:
     return pages.VllmPagesLayout(request)
 
 
-def server_settings(model_dir: str, dtype: str = "auto", kv_cache_layout: str | None = None) -> tuple[str, str]:
-    """The dtype a vLLM server runs ``model_dir`` in with ``--dtype dtype`` (``auto``:
-    vLLM's choice, e.g. bfloat16 for a float32 checkpoint), so the hf engine computes
-    K/V in it, and the KV-cache layout it resolves (``vllm_pages.server_kv_cache_layout``).
-    Checked before the model is loaded; raises ``WarmupError``."""
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the ``vllm`` layout writes for: the dtype a vLLM server runs the model in, so
+    the hf engine computes K/V in it, and the page order it reads, its attention backend
+    over the KV-cache layout vLLM resolves for it."""
+
+    dtype: str
+    attention_backend: str
+    kv_cache_layout: str
+
+
+def server_settings(
+    model_dir: str,
+    extra_config: Mapping[str, Any],
+    *,
+    dtype: str = "auto",
+    kv_cache_layout: str | None = None,
+    attention_backend: str | None = None,
+    gpu_block_size: int = 16,
+    tp_size: int = 1,
+) -> ServerSettings:
+    """The settings of a vLLM server of ``model_dir`` with ``extra_config`` started with
+    ``--dtype dtype`` (``auto``: vLLM's choice, e.g. bfloat16 for a float32 checkpoint)
+    and ``--attention-backend attention_backend`` (default: as ``tiered-kv config``
+    computes it, vLLM's choice on this host, else FLASH_ATTN), with the KV-cache layout
+    vLLM resolves for that backend (``vllm_pages.server_page_order``). Checked before
+    the model is loaded: raises ``WarmupError`` for a page order the warm-up cannot
+    prove (``vllm_pages.check_page_order``) or settings vLLM refuses."""
     pages = _vllm_pages()
-    layout = pages.server_kv_cache_layout(kv_cache_layout)
-    return str(pages.vllm_model_dtype(model_dir, dtype)).removeprefix("torch."), layout
+    vc = pages.server_vllm_config(
+        model_dir,
+        extra_config,
+        dtype=dtype,
+        gpu_block_size=gpu_block_size,
+        tp_size=tp_size,
+        kv_cache_layout=kv_cache_layout,
+        attention_backend=attention_backend,
+    )
+    backend, layout = pages.recorded_page_order(vc)
+    return ServerSettings(str(pages.vllm_model_dtype(model_dir, dtype)).removeprefix("torch."), backend, layout)
 
 
 register_block_layout(DEFAULT_LAYOUT, _vllm_layout)
@@ -144,6 +180,9 @@ class WarmupReport:
     spec: str = TIERED_SPEC
     #: vLLM's KV-cache layout of the pages written (``vllm`` layout), else None.
     kv_cache_layout: str | None = None
+    #: The attention backend the namespace names, whose server reads the pages in the
+    #: order written (``vllm`` layout), else None.
+    attention_backend: str | None = None
     prompts: int = 0
     prompts_skipped: int = 0
     prompts_too_short: int = 0
@@ -161,12 +200,18 @@ class WarmupReport:
         return asdict(self)
 
 
-def check_layout(layout: str, extra_config: Mapping[str, Any]) -> None:
-    """Refuse a ``--layout`` that is not a key of ``BLOCK_LAYOUTS``, or one the server
-    given ``extra_config`` never reads: vLLM's ``TieringOffloadingSpec`` reads whole
-    CPU-tier rows, which only the ``vllm`` layout writes. Raises ``WarmupError``."""
+def check_layout(layout: str, extra_config: Mapping[str, Any], attention_backend: str | None = None) -> None:
+    """Refuse a ``--layout`` that is not a key of ``BLOCK_LAYOUTS``, one the server
+    given ``extra_config`` never reads (vLLM's ``TieringOffloadingSpec`` reads whole
+    CPU-tier rows, which only the ``vllm`` layout writes), or an ``attention_backend``
+    with a layout whose engine has none. Raises ``WarmupError``."""
     if layout not in BLOCK_LAYOUTS:
         raise WarmupError(f"--layout: expected one of {', '.join(sorted(BLOCK_LAYOUTS))}, got {layout!r}")
+    if attention_backend is not None and layout != DEFAULT_LAYOUT:
+        raise WarmupError(
+            f"--attention-backend {attention_backend}: --layout {layout} writes a namespace that names no "
+            f"attention backend (no vLLM server reads it); drop the option, or use --layout {DEFAULT_LAYOUT}"
+        )
     if layout != DEFAULT_LAYOUT and is_tiering(extra_config):
         raise WarmupError(
             f"--layout {layout}: vLLM's {TIERING_SPEC} with {DISK_TIER_TYPE} reads whole CPU-tier rows in a "
@@ -196,6 +241,7 @@ def warmup(
     layout: str = DEFAULT_LAYOUT,
     extra_config: Mapping[str, Any] | None = None,
     kv_cache_layout: str | None = None,
+    attention_backend: str | None = None,
     env: Mapping[str, str] | None = None,
     progress: Callable[[int, WarmupReport], None] | None = None,
 ) -> WarmupReport:
@@ -205,8 +251,11 @@ def warmup(
     ``BLOCK_LAYOUTS``; ``extra_config``: the server's ``kv_connector_extra_config``
     as given (default: ``config``'s; for vLLM's ``TieringOffloadingSpec`` its
     ``secondary_tiers`` included, ``config`` then being its ``TieredDiskTier`` entry's
-    keys, ``inputs.read_server``); ``kv_cache_layout``: vLLM's (``vllm`` layout;
-    default its ``VLLM_KV_CACHE_LAYOUT`` or ``LBNHC``); ``env``: where
+    keys, ``inputs.read_server``); ``attention_backend``: the vLLM server's
+    ``--attention-backend`` (``vllm`` layout; default vLLM's choice on this host, else
+    FLASH_ATTN; pages are written only for ``vllm_pages.PAGE_READERS``);
+    ``kv_cache_layout``: vLLM's (``vllm`` layout; default its ``VLLM_KV_CACHE_LAYOUT``,
+    else the backend's choice, ``LBNHC`` for FLASH_ATTN); ``env``: where
     ``PYTHONHASHSEED`` is read (default ``os.environ``). ``progress(i, report)`` is
     called after prompt ``i``. Raises ``WarmupError`` for unusable settings,
     ``HashSettingsError`` when the hashes would not be stable across processes,
@@ -230,7 +279,7 @@ def warmup(
             raise WarmupError(
                 f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary ({engine.vocab_size} tokens)"
             )
-    check_layout(layout, server_extra)
+    check_layout(layout, server_extra, attention_backend)
     chunk_tokens = chunk_tokens_for(config, gpu_block_size)
     try:
         engine.geometry.kv_heads_per_rank(tp_size)
@@ -249,6 +298,7 @@ def warmup(
             model_dir=model_dir,
             extra_config=server_extra,
             kv_cache_layout=kv_cache_layout,
+            attention_backend=attention_backend,
         )
     )
     kv_layout = blocks.kv_layout
@@ -267,6 +317,7 @@ def warmup(
         layout=layout,
         spec=TIERING_SPEC if tiering else TIERED_SPEC,
         kv_cache_layout=getattr(blocks, "page_order", None),
+        attention_backend=fp.attention_backend,
     )
     # The disk tier as every deployment builds it (by type, tiered_kv.tiers), both its
     # scheduler side and one writer's store, in this one process.

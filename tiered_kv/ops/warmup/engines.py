@@ -105,11 +105,13 @@ def run_vllm_warmup(
     *,
     gpu_block_size: int = 16,
     tp_size: int = 1,
+    attention_backend: str | None = None,
 ) -> int:
     """Prefill ``prompts`` with vLLM's offline ``LLM`` and the server's spec configured by
     ``extra_config`` (the server's extra config as given, its store path: ours forced to
     write-through so every block reaches the disk; vLLM's ``TieringOffloadingSpec``
-    already copies every chunk to each secondary tier), then shut the engine down.
+    already copies every chunk to each secondary tier) on the server's
+    ``--attention-backend`` (None: vLLM's choice), then shut the engine down.
     Returns the number of prompts run. Raises ``WarmupError`` unless CUDA and vLLM are
     usable here."""
     require_vllm_engine()
@@ -127,6 +129,8 @@ def run_vllm_warmup(
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         },
+        # The backend is part of the namespace: the engine must run the server's.
+        attention_config=None if attention_backend is None else {"backend": attention_backend.strip().upper()},
     )
     try:
         llm.generate(

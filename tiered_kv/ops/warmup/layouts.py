@@ -29,7 +29,8 @@ class LayoutRequest:
     serving engine's GPU block size, GPU blocks per offloaded block, and TP size; and
     what a layout that computes the serving engine's own namespace reads: the model
     directory (the server's ``--model``), the server's extra config (its
-    ``kv_connector_extra_config``) and KV-cache layout (None: the engine's default)."""
+    ``kv_connector_extra_config``), KV-cache layout and attention backend (None: the
+    engine's default)."""
 
     geometry: ModelGeometry
     dtype: torch.dtype
@@ -39,6 +40,7 @@ class LayoutRequest:
     model_dir: str | None = None
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     kv_cache_layout: str | None = None
+    attention_backend: str | None = None
 
     @property
     def chunk_tokens(self) -> int:

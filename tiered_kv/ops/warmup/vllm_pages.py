@@ -1,6 +1,6 @@
 """The ``vllm`` block layout: warm-up blocks as ``TieredOffloadingSpec`` under vLLM 0.33
 stores them, in the namespace that spec computes for the same model, dtype, TP size,
-GPU block size and config.
+GPU block size, attention backend and config.
 
 Runs in the operator's process (``tiered-kv warmup``). Imports vLLM (config classes
 only; no engine, no GPU) and reads the model directory's ``config.json`` and a bounded
@@ -14,16 +14,21 @@ What vLLM does, and what is reproduced here:
   gives a standard decoder (``decoder_kv_cache_config``: one full-attention group over
   every layer, each layer's pages in its own region), so every fingerprint field
   (worker-block and ``kv_group`` geometry, ``kv_cache_layout``, TP, model identity
-  with the weights digest of the model directory and ``model_settings``) is the
-  server's.
+  with the weights digest of the model directory and ``model_settings``, the
+  attention backend) is the server's.
+- the page order: the server's attention backend (``--attention-backend``, else vLLM's
+  choice for the model on this host, else ``FLASH_ATTN``: ``server_page_order``, as
+  ``tiered-kv config`` computes it) and the KV-cache layout vLLM's engine core resolves
+  for it (``geometry.backend_kv_cache_layout``: ``VLLM_KV_CACHE_LAYOUT`` where the
+  backend reads it, else the backend's first choice). Both are in the namespace.
 - a chunk's bytes on one rank: for each layer in order (vLLM's canonical tensors, one
   per layer, ``(num_gpu_blocks, page_size_bytes)`` int8), its ``blocks_per_chunk``
   pages back to back. A page is one GPU block of one layer: vLLM's logical
   ``[kv_heads, block_size, 2 * head_dim]`` with each token's key then value in the last
-  axis (FlashAttention and Triton attention split it so), stored in the order the
-  resolved ``kv_cache_layout`` gives (``LBNHC``, vLLM's default where the backend
-  declares none, as FlashAttention does: tokens outer, heads inner; ``LBHNC``: heads
-  outer).
+  axis (FlashAttention and Triton attention split it so: ``PAGE_READERS``), stored in
+  the order the resolved ``kv_cache_layout`` gives (``LBNHC``, vLLM's default where the
+  backend declares none, as FlashAttention does: tokens outer, heads inner; ``LBHNC``:
+  heads outer).
 - TP: rank ``r`` holds KV heads ``r*H/tp .. (r+1)*H/tp - 1``; with more ranks than
   heads, head ``r*H//tp`` (vLLM's replication).
 - keys: vLLM's ``OffloadKey`` of a chunk, its last GPU block's prefix hash plus the
@@ -31,10 +36,11 @@ What vLLM does, and what is reproduced here:
 
 Refused, with the reason: architectures whose vLLM attention layer names are not
 known here, sliding-window attention, quantized weights, block-outermost layouts
-(``BL*``). Not a target: vLLM's CPU attention backend, which reads an ``LBHNC`` page as
-each head's ``block_size`` keys then its ``block_size`` values and writes it with its own
-per-ISA kernel (the fingerprint does not name the backend, so nothing here can tell a
-CPU server apart).
+(``BL*``), and pages for an attention backend outside ``PAGE_READERS``
+(``check_page_order``). vLLM's CPU attention backend, for one, reads an ``LBHNC`` page as
+each head's ``block_size`` keys then its ``block_size`` values and writes it with its
+own per-ISA kernel; its server names ``CPU_ATTN`` in its namespace, so its namespace
+can be computed here (``server_fingerprint``) but its pages are not written.
 """
 
 from __future__ import annotations
@@ -47,13 +53,20 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.kv_offload.base import make_offload_key
 
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.integrations.vllm.geometry import VllmGeometry, offline_geometry
+from tiered_kv.integrations.vllm.common import attention_backend_name, configured_attention_backend
+from tiered_kv.integrations.vllm.geometry import (
+    VllmGeometry,
+    backend_kv_cache_layout,
+    offline_attention_backend,
+    offline_geometry,
+)
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.memory.host_memory import pack_blocks
 from tiered_kv.ops.hashing import chunk_keys
@@ -70,22 +83,62 @@ ATTENTION_LAYER_NAMES = {
 #: page's logical ``[heads, tokens, K|V]``; legacy aliases as vLLM reads them.
 PAGE_ORDERS = {"LBNHC": "tokens, heads", "LBHNC": "heads, tokens"}
 LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+#: Attention backends whose kernels read a page as the warm-up writes it: per token and
+#: KV head the key then the value along the last axis, ``split(head_size, dim=-1)``
+#: (vLLM 0.33's ``flash_attn.py`` and ``triton_attn.py``).
+PAGE_READERS = ("FLASH_ATTN", "TRITON_ATTN")
 
 
-def server_kv_cache_layout(name: str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """The KV-cache layout a vLLM server resolves: ``name``, else its
-    ``VLLM_KV_CACHE_LAYOUT``, else ``LBNHC`` (vLLM's first choice where the attention
-    backend declares none: FlashAttention, Triton). Raises ``WarmupError`` for a layout
-    the warm-up cannot write."""
+def server_kv_cache_layout(name: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """The KV-cache layout asked of a vLLM server: ``name``, else its
+    ``VLLM_KV_CACHE_LAYOUT``, else None (the attention backend's choice:
+    ``server_page_order``). Raises ``WarmupError`` for a layout the warm-up cannot
+    write."""
     env = os.environ if env is None else env
-    raw = name or env.get("VLLM_KV_CACHE_LAYOUT") or "LBNHC"
-    layout = LAYOUT_ALIASES.get(raw.upper(), raw.upper())
+    raw = name or env.get("VLLM_KV_CACHE_LAYOUT")
+    if not raw:
+        return None
+    layout = LAYOUT_ALIASES.get(raw.strip().upper(), raw.strip().upper())
     if layout not in PAGE_ORDERS:
         raise WarmupError(
             f"--kv-cache-layout: expected one of {', '.join(PAGE_ORDERS)} (or NHD/HND), got {raw!r}; "
             "block-outermost layouts interleave layers inside a block, which the warm-up does not write"
         )
     return layout
+
+
+def server_page_order(
+    vllm_config: VllmConfig | None,
+    attention_backend: str | None = None,
+    kv_cache_layout: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[str, str]:
+    """The attention backend and KV-cache layout of a vLLM server with ``vllm_config``,
+    as ``tiered-kv config`` computes them: ``attention_backend``, else vLLM's choice for
+    the model on this host, else ``FLASH_ATTN`` (``geometry.offline_attention_backend``);
+    the layout vLLM's engine core resolves for that backend, given ``kv_cache_layout``
+    (else ``VLLM_KV_CACHE_LAYOUT`` of ``env``; ``geometry.backend_kv_cache_layout``).
+    Raises ``WarmupError`` for a backend vLLM does not know, a layout the warm-up cannot
+    write, or a layout the backend does not read (vLLM would not start)."""
+    requested = server_kv_cache_layout(kv_cache_layout, env)
+    try:
+        given = None if attention_backend is None else attention_backend_name(attention_backend, "--attention-backend")
+        backend = offline_attention_backend(vllm_config, given)
+    except ConfigError as e:
+        raise WarmupError(str(e)) from None
+    try:
+        layout = backend_kv_cache_layout(backend, requested)
+    except ConfigError as e:
+        raise WarmupError(
+            f"--kv-cache-layout: {str(e).removeprefix('kv_cache_layout: ')}; vLLM would not start a {backend} "
+            "server over it"
+        ) from None
+    if layout not in PAGE_ORDERS:
+        raise WarmupError(
+            f"--attention-backend {backend}: vLLM resolves the {layout} KV-cache layout for it, which the warm-up "
+            f"does not write (it writes {', '.join(PAGE_ORDERS)}); give --kv-cache-layout where the backend reads one"
+        )
+    return backend, layout
 
 
 def server_vllm_config(
@@ -97,14 +150,19 @@ def server_vllm_config(
     tp_size: int = 1,
     kv_cache_layout: str | None = None,
     hash_algorithm: str | None = None,
+    attention_backend: str | None = None,
 ) -> VllmConfig:
     """The ``VllmConfig`` of ``vllm serve model_dir --dtype dtype --block-size
     gpu_block_size --tensor-parallel-size tp_size --enable-prefix-caching
-    --prefix-caching-hash-algo hash_algorithm --kv-transfer-config {...
-    extra_config}`` as far as the offloading spec reads it (rank 0); the hash algorithm
-    defaults to the extra config's ``hash_algorithm``, else vLLM's ``sha256``. Raises
-    ``WarmupError`` where vLLM rejects a value, or for settings whose KV the hf engine
-    cannot compute as vLLM would."""
+    --prefix-caching-hash-algo hash_algorithm --attention-backend attention_backend
+    --kv-transfer-config {... extra_config}`` as far as the offloading spec reads it
+    (rank 0), with the KV-cache layout its engine core resolves recorded; the hash
+    algorithm defaults to the extra config's ``hash_algorithm``, else vLLM's ``sha256``;
+    the attention backend and the layout (``kv_cache_layout``, else
+    ``VLLM_KV_CACHE_LAYOUT``, else the backend's choice) are ``server_page_order``'s,
+    the backend recorded as ``--attention-backend`` is (``recorded_page_order`` reads
+    both back). Raises ``WarmupError`` where vLLM rejects a value, or for settings whose
+    KV the hf engine cannot compute as vLLM would."""
     algo = hash_algorithm or str(extra_config.get("hash_algorithm", "sha256"))
     try:
         vc = VllmConfig(
@@ -126,8 +184,12 @@ def server_vllm_config(
         )
     except Exception as e:  # vLLM raises pydantic and plain errors alike
         raise WarmupError(f"vLLM rejects these server settings: {one_line(e)}") from None
+    backend, layout = server_page_order(vc, attention_backend, kv_cache_layout)
+    # Named as --attention-backend would name it, so every later step (the spec's
+    # geometry, the tier's fingerprint) reads the same backend without selecting again.
+    vc.attention_config.backend = AttentionBackendEnum[backend]
     # What the engine core records once its attention backends agree on a layout.
-    record_kv_cache_layout(vc.cache_config, server_kv_cache_layout(kv_cache_layout))
+    record_kv_cache_layout(vc.cache_config, layout)
     mc = vc.model_config
     if mc.quantization:
         raise WarmupError(
@@ -149,12 +211,30 @@ def server_vllm_config(
     return vc
 
 
-def recorded_page_order(vllm_config: VllmConfig) -> str:
-    """The page layout ``server_vllm_config`` recorded for the engine (a key of ``PAGE_ORDERS``)."""
-    layout = vllm_config.cache_config.kv_cache_layout
-    if layout not in PAGE_ORDERS:
-        raise WarmupError(f"vLLM's KV-cache layout is {layout!r}; the warm-up writes {', '.join(PAGE_ORDERS)} pages")
-    return str(layout)
+def recorded_page_order(vllm_config: VllmConfig) -> tuple[str, str]:
+    """The attention backend and page layout ``server_vllm_config`` recorded for the
+    engine, checked to be an order the warm-up writes (``check_page_order``)."""
+    backend = configured_attention_backend(vllm_config) or offline_attention_backend(vllm_config)
+    layout = str(vllm_config.cache_config.kv_cache_layout)
+    check_page_order(backend, layout)
+    return backend, layout
+
+
+def check_page_order(attention_backend: str, kv_cache_layout: str) -> None:
+    """Refuse, in one line, pages the warm-up cannot prove a server on
+    ``attention_backend`` over ``kv_cache_layout`` reads as the model's K/V: a layout
+    outside ``PAGE_ORDERS``, or a backend outside ``PAGE_READERS``."""
+    if kv_cache_layout not in PAGE_ORDERS:
+        raise WarmupError(
+            f"--kv-cache-layout: vLLM's KV-cache layout is {kv_cache_layout!r}; the warm-up writes "
+            f"{', '.join(PAGE_ORDERS)} pages"
+        )
+    if attention_backend not in PAGE_READERS:
+        raise WarmupError(
+            f"--attention-backend {attention_backend}: the warm-up writes pages as {' and '.join(PAGE_READERS)} read "
+            f"them (per token and KV head the key, then the value); it cannot prove {attention_backend} reads "
+            f"{kv_cache_layout} pages in that order, so it writes none (warm that server up by sending it the prompts)"
+        )
 
 
 def one_line(e: Exception) -> str:
@@ -194,10 +274,13 @@ def server_fingerprint(
     gpu_block_size: int = 16,
     tp_size: int = 1,
     kv_cache_layout: str | None = None,
+    attention_backend: str | None = None,
 ) -> Fingerprint:
     """The disk namespace ``TieredOffloadingSpec`` computes in a vLLM server with these
-    settings (``server_vllm_config``) serving a standard decoder. Raises
-    ``WarmupError`` naming a setting it cannot reproduce, or what the spec refuses."""
+    settings (``server_vllm_config``: the attention backend and the KV-cache layout
+    resolved for it included) serving a standard decoder. Computed for any backend vLLM
+    knows; only the pages are limited to ``PAGE_READERS``. Raises ``WarmupError``
+    naming a setting it cannot reproduce, or what the spec refuses."""
     vc = server_vllm_config(
         model_dir,
         extra_config,
@@ -205,9 +288,11 @@ def server_fingerprint(
         gpu_block_size=gpu_block_size,
         tp_size=tp_size,
         kv_cache_layout=kv_cache_layout,
+        attention_backend=attention_backend,
     )
     try:
-        return offline_geometry(vc, decoder_kv_cache_config(vc)).fingerprint
+        backend = configured_attention_backend(vc)
+        return offline_geometry(vc, decoder_kv_cache_config(vc), attention_backend=backend).fingerprint
     except ConfigError as e:
         raise WarmupError(str(e)) from None
 
@@ -243,8 +328,9 @@ class VllmPagesLayout(BlockLayout):
             gpu_block_size=r.gpu_block_size,
             tp_size=r.tp_size,
             kv_cache_layout=r.kv_cache_layout,
+            attention_backend=r.attention_backend,
         )
-        self.page_order = recorded_page_order(self.vllm_config)
+        self.attention_backend, self.page_order = recorded_page_order(self.vllm_config)
         mc = self.vllm_config.model_config
         if mc.get_head_size() != r.geometry.head_dim or mc.get_total_num_kv_heads() != r.geometry.num_kv_heads:
             raise WarmupError(
@@ -252,7 +338,9 @@ class VllmPagesLayout(BlockLayout):
                 f"{mc.get_head_size()}, the engine's {r.geometry.num_kv_heads} of {r.geometry.head_dim}"
             )
         try:
-            self.geometry: VllmGeometry = offline_geometry(self.vllm_config, decoder_kv_cache_config(self.vllm_config))
+            self.geometry: VllmGeometry = offline_geometry(
+                self.vllm_config, decoder_kv_cache_config(self.vllm_config), attention_backend=self.attention_backend
+            )
         except ConfigError as e:
             raise WarmupError(str(e)) from None
         if self.geometry.blocks_per_chunk != r.block_size_factor:

@@ -23,11 +23,14 @@ What the server does, and how it is reproduced here:
   ``TieredOffloadingSpec``'s rank ``r`` would store (``vllm_pages.pack_rank_chunks``);
   the padding after the last cell is zeros.
 - the namespace: ``secondary_config.tier_fingerprint``, the function the tier computes
-  it with, on the same ``OffloadingConfig``, stride and entry; keys: vLLM's
-  ``OffloadKey`` of a chunk (last GPU block's prefix hash, KV group 0).
+  it with, on the same ``OffloadingConfig``, stride and entry, naming the server's
+  attention backend (``vllm_pages.server_page_order``: ``--attention-backend``, else
+  vLLM's choice on this host, else ``FLASH_ATTN``); keys: vLLM's ``OffloadKey`` of a
+  chunk (last GPU block's prefix hash, KV group 0).
 
 Refused, with the reason: everything ``vllm_pages`` refuses (unknown architectures,
-sliding windows, quantized weights, block-outermost layouts), ``canonical_layout``
+sliding windows, quantized weights, block-outermost layouts, pages of an attention
+backend outside ``vllm_pages.PAGE_READERS``), ``canonical_layout``
 (rows of vLLM's canonical pages), a replicated layout (one copy for every rank: MLA),
 and any row whose cells do not add up to what the warm-up writes.
 """
@@ -50,6 +53,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.config_file import DISK_TIER_TYPE, TIERING_SPEC, disk_tier_entries
 from tiered_kv.fingerprint import Fingerprint
+from tiered_kv.integrations.vllm.common import configured_attention_backend
 from tiered_kv.integrations.vllm.secondary_config import (
     check_tier_hash_algorithm,
     chunk_layout,
@@ -111,11 +115,14 @@ def tiering_rows(
     gpu_block_size: int = 16,
     tp_size: int = 1,
     kv_cache_layout: str | None = None,
+    attention_backend: str | None = None,
 ) -> TieringRows:
     """The rows and namespace of ``TieredDiskTier`` in a vLLM server started as
     ``vllm serve model_dir --dtype dtype --block-size gpu_block_size
-    --tensor-parallel-size tp_size`` with ``extra_config`` (the server's extra config as
-    given, ``secondary_tiers`` included; ``vllm_pages.server_vllm_config``). Raises
+    --tensor-parallel-size tp_size --attention-backend attention_backend`` with
+    ``extra_config`` (the server's extra config as given, ``secondary_tiers`` included;
+    ``vllm_pages.server_vllm_config``) and KV-cache layout ``kv_cache_layout`` (default:
+    the one vLLM resolves for the backend). Raises
     ``WarmupError`` naming what the server would refuse, or rows the warm-up does not
     write (module docstring)."""
     # vLLM's spec fills in the entries' back-pressure settings: work on a copy.
@@ -134,6 +141,7 @@ def tiering_rows(
         tp_size=tp_size,
         kv_cache_layout=kv_cache_layout,
         hash_algorithm=tier_config.hash_algorithm,
+        attention_backend=attention_backend,
     )
     with set_current_vllm_config(vc):
         try:
@@ -165,6 +173,7 @@ def tiering_rows(
             entry,
             replicated_layout=spec.replicated_layout,
             vllm_config=vc,
+            attention_backend=configured_attention_backend(vc),
         )
     except ConfigError as e:
         raise WarmupError(str(e)) from None
@@ -179,10 +188,11 @@ def server_fingerprint(
     gpu_block_size: int = 16,
     tp_size: int = 1,
     kv_cache_layout: str | None = None,
+    attention_backend: str | None = None,
 ) -> Fingerprint:
     """The disk namespace ``TieredDiskTier`` opens in a vLLM server with these settings
     (``tiering_rows``): for vLLM's tiering what ``vllm_pages.server_fingerprint`` is
-    for ``TieredOffloadingSpec``. Raises ``WarmupError``."""
+    for ``TieredOffloadingSpec``, for any backend vLLM knows. Raises ``WarmupError``."""
     return tiering_rows(
         model_dir,
         extra_config,
@@ -190,6 +200,7 @@ def server_fingerprint(
         gpu_block_size=gpu_block_size,
         tp_size=tp_size,
         kv_cache_layout=kv_cache_layout,
+        attention_backend=attention_backend,
     ).fingerprint
 
 
@@ -214,9 +225,10 @@ class VllmRowsLayout(BlockLayout):
             gpu_block_size=r.gpu_block_size,
             tp_size=r.tp_size,
             kv_cache_layout=r.kv_cache_layout,
+            attention_backend=r.attention_backend,
         )
         self.spec = self.rows.spec
-        self.page_order = recorded_page_order(self.rows.vllm_config)
+        self.attention_backend, self.page_order = recorded_page_order(self.rows.vllm_config)
         mc = self.rows.vllm_config.model_config
         if mc.get_head_size() != r.geometry.head_dim or mc.get_total_num_kv_heads() != r.geometry.num_kv_heads:
             raise WarmupError(
