@@ -91,7 +91,7 @@ def disk_reads(monkeypatch):
     workers), by block hash: counted where every read of a block begins."""
     from collections import Counter
 
-    from tiered_kv.disk.worker.store import DiskStore
+    from tiered_kv.disk.store.store import DiskStore
 
     reads: Counter[bytes] = Counter()
     original = DiskStore.begin_read

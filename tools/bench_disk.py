@@ -85,8 +85,8 @@ from tiered_kv.memory import device
 from tiered_kv.memory.device import kernel_huge_pages
 from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.disk.worker.io_process import DiskIOProcess
-from tiered_kv.disk.worker.batch import views_fit
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.batch import views_fit
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from benchlib import busy_thread, header
 
-from tiered_kv.disk.worker.io_backends import host_view
+from tiered_kv.disk.store.io_backends import host_view
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:

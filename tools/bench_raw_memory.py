@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchlib import MiB, RawLoop, float_list, header, median_range, rotated, scratch_dir, windows_iovec
 
-from tiered_kv.disk.worker.io_backends import host_view
+from tiered_kv.disk.store.io_backends import host_view
 
 
 def planes(view: memoryview, bs: int, windows: int, pieces: int):

@@ -146,7 +146,7 @@ class Paths:
             t2 = time.perf_counter()
             if outcomes != [PutOutcome.STORED] * len(items) or not all(hits):
                 raise RuntimeError(f"tier: {outcomes.count(PutOutcome.STORED)} stored, {sum(hits)} read back")
-            from tiered_kv.remote.object_format import block_key
+            from tiered_kv.remote.format.object_format import block_key
 
             keys = [block_key(store.namespace, h, 0) for h, _, _ in items]
         else:
@@ -256,7 +256,7 @@ def bench(
 def cipher_cost(keyring, block_bytes: int = 8 << 20, rounds: int = 8) -> str:
     """One core's AES-256-GCM speed over one block, sealed then opened: GB/s and CPU
     seconds per GB each way."""
-    from tiered_kv.remote.keys import new_nonce
+    from tiered_kv.remote.format.keys import new_nonce
 
     block = np.random.default_rng(1).integers(0, 256, block_bytes, dtype=np.uint8).data
     nonce, aad = new_nonce(), b"header"
@@ -324,7 +324,7 @@ class _Node:
     def __init__(self, name: str, cache_dir: Path, remote: dict[str, Any], shape: ReplayShape):
         import torch
 
-        from tiered_kv.remote.manager import RemoteOffloadingManager
+        from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
         from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
         from tiered_kv.tiered.spec import HierarchySpec
 
@@ -386,7 +386,7 @@ class _Node:
 
 def replay(config: RemoteConfig, shape: ReplayShape, seed: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Node A then node B on the two halves of one shared-prefix workload; a row per node."""
-    from tiered_kv.remote.manager import REMOTE
+    from tiered_kv.remote.scheduler.manager import REMOTE
     from tiered_kv.sim.workloads import shared_prefix_workload
 
     workload = shared_prefix_workload(
@@ -450,12 +450,12 @@ def replay_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _delete_prefix(config: RemoteConfig, prefix: str) -> int:
-    from tiered_kv.remote.client import S3Client
+    from tiered_kv.remote.store.client import S3Client
 
     if config.backend == "mooncake":  # no listing: every key under the prefix, by pattern
         import re
 
-        from tiered_kv.remote.mooncake_client import MooncakeClient
+        from tiered_kv.remote.store.mooncake_client import MooncakeClient
 
         with MooncakeClient(config) as client:
             return max(0, client.raw.remove_by_regex("^" + re.escape(prefix + "/") + ".*", True))
@@ -512,7 +512,7 @@ def main() -> None:
                 f"{args.total} per path and round",
                 flush=True,
             )
-            from tiered_kv.remote.keys import load_keyring
+            from tiered_kv.remote.format.keys import load_keyring
 
             print(cipher_cost(load_keyring(config)), flush=True)
             results = bench(config, sizes, total, args.rounds, args.connections, wanted, log)

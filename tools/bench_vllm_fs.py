@@ -69,7 +69,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from benchlib import MiB, header  # noqa: E402
 
-from tiered_kv.disk.worker.io_backends import aligned_empty  # noqa: E402
+from tiered_kv.disk.store.io_backends import aligned_empty  # noqa: E402
 from tiered_kv.disk.format.namespace import NamespaceError  # noqa: E402
 from tiered_kv.integrations.vllm.secondary_tier import TieredDiskTier  # noqa: E402
 

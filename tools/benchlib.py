@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.memory.device import empty_pageable  # noqa: E402
-from tiered_kv.disk.worker.io_backends import host_view  # noqa: E402
+from tiered_kv.disk.store.io_backends import host_view  # noqa: E402
 
 MiB = 1 << 20
 

@@ -48,7 +48,7 @@ install() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
     "$py" - <<'EOF' | tee -a "$out/device.txt"
 import torch
-from tiered_kv.disk.worker.io_backends import KvikIOBackend
+from tiered_kv.disk.store.io_backends import KvikIOBackend
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
 print("kvikio probe:", KvikIOBackend.probe(".") or "ok")
 EOF

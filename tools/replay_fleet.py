@@ -220,7 +220,7 @@ class Deleter:
         self.pool = ThreadPoolExecutor(connections)
 
     def delete(self, blocks: list[int]) -> None:
-        from tiered_kv.remote.object_format import block_key
+        from tiered_kv.remote.format.object_format import block_key
 
         keys = [block_key(self.store.namespace, _key(b), 0) for b in blocks]
         list(self.pool.map(self.store._client.delete, keys))

@@ -30,7 +30,7 @@ from tiered_kv.config import ConfigError
 from tiered_kv.disk.format.index import QUARANTINE_SUFFIX
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import NamespaceError
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.tiered.spec import HierarchySpec
 
 MUTATIONS = int(os.environ.get("TIERED_KV_FUZZ_MUTATIONS", "520"))

@@ -24,7 +24,7 @@ from tiered_kv.disk.format.index_env import DAMAGE_MARK
 from tiered_kv.disk.format.lmdb_check import LmdbDamage, check_data_file
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import CacheLockedError, ManifestError, Namespace, NamespaceError
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 
 
 @pytest.fixture(scope="module")

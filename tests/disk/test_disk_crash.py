@@ -11,7 +11,7 @@ import pytest
 
 from support import disk_fixtures as fx
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 
 TRIALS = 20
 SEED = 20261122

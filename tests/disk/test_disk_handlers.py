@@ -14,8 +14,8 @@ import torch
 from conftest import make_layout, random_tensors
 from support.disk_fixtures import FaultyBackend, block_hash, disk_bytes_for, fingerprint, flip_byte, small_layout
 from tiered_kv.disk.format.namespace import slot_size_for
-import tiered_kv.disk.worker.batch as batch_module
-from tiered_kv.disk.worker.store import DiskStore
+import tiered_kv.disk.store.batch as batch_module
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler

@@ -21,8 +21,8 @@ from support.disk_fixtures import block_hash, disk_bytes_for, fingerprint, flip_
 from tiered_kv.disk.format.index_records import LOG_FAILED
 from tiered_kv.disk.worker.io_process import DiskIOProcess
 from tiered_kv.disk.format.namespace import slot_size_for
-from tiered_kv.disk.worker.batch import views_fit
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.batch import views_fit
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.memory.host_memory import HostKVCache, expand_block_ids
 from tiered_kv.mediums import CPULoadStoreSpec, DiskLoadStoreSpec
 from tiered_kv.memory.shared_memory import empty_shared, locate

@@ -15,7 +15,7 @@ import pytest
 from support.disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
 from tiered_kv.disk.scheduler.block_table import _BUCKETS_PER_KEY, BlockTable, _bucket_bits, _in_buckets
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
 
 CAP = 6

@@ -27,7 +27,7 @@ from tiered_kv.disk.format.namespace import (
     list_namespaces,
     slot_size_for,
 )
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.kv_layout import KVCacheLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -28,7 +28,7 @@ from support.disk_fixtures import (
     small_layout,
 )
 from tiered_kv.disk.format.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
-from tiered_kv.disk.worker.io_backends import (
+from tiered_kv.disk.store.io_backends import (
     BackendUnavailableError,
     KvikIOBackend,
     PosixBackend,
@@ -36,8 +36,8 @@ from tiered_kv.disk.worker.io_backends import (
     select_backend,
 )
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-from tiered_kv.disk.worker.checksums import RunChecksums, checksum_function
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.checksums import RunChecksums, checksum_function
+from tiered_kv.disk.store.store import DiskStore
 
 SLOTS = 16
 
@@ -281,7 +281,7 @@ def test_auto_backend_chooses_posix_and_says_why(tmp_path, caplog, monkeypatch):
     reason = KvikIOBackend.probe(tmp_path)
     if reason is None:
         pytest.skip("KvikIO really works here")
-    with caplog.at_level(logging.INFO, logger="tiered_kv.disk.worker.io_backends"):
+    with caplog.at_level(logging.INFO, logger="tiered_kv.disk.store.io_backends"):
         backend = select_backend("auto", tmp_path)
     with backend:
         assert isinstance(backend, PosixBackend)
@@ -293,7 +293,7 @@ def test_auto_backend_chooses_posix_and_says_why(tmp_path, caplog, monkeypatch):
 
 
 def test_buffered_fallback_where_o_direct_is_refused(tmp_path, layout, monkeypatch):
-    import tiered_kv.disk.worker.io_backends as iob
+    import tiered_kv.disk.store.io_backends as iob
 
     monkeypatch.setattr(iob, "_set_direct", lambda fd: "Invalid argument")
     with open_store(tmp_path, layout) as store:
@@ -548,7 +548,7 @@ def test_restoring_a_loadable_block_clears_it_before_overwriting(layout, ordered
 def test_vectored_io_carries_on_after_short_transfers(tmp_path):
     """A short preadv/pwritev (which O_DIRECT on a real disk does not produce on demand)
     is continued from where it stopped, across and inside buffers."""
-    from tiered_kv.disk.worker.io_backends import BackendFile, _move_all
+    from tiered_kv.disk.store.io_backends import BackendFile, _move_all
 
     target = bytearray(64)
 

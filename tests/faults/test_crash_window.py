@@ -28,7 +28,7 @@ _CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path[:0] = {paths!r}
     from support import disk_fixtures as fx
-    from tiered_kv.disk.worker.store import DiskStore
+    from tiered_kv.disk.store.store import DiskStore
     layout = fx.small_layout()
     fp = fx.fingerprint(layout, tp_size={tp})
     store = DiskStore.open({cache!r}, fp, layout, disk_bytes=fx.disk_bytes_for(layout, 8), io_backend="posix")

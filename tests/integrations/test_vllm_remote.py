@@ -29,7 +29,7 @@ from support.slow_tier import passed_over_while_slow_and_used_again  # noqa: E40
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
-from tiered_kv.remote.manager import REMOTE  # noqa: E402
+from tiered_kv.remote.scheduler.manager import REMOTE  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 

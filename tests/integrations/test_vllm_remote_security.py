@@ -35,7 +35,7 @@ from test_vllm_remote import (  # noqa: E402
     _uploaded,
 )
 
-from tiered_kv.remote.object_format import SEALED_HEADER_BYTES  # noqa: E402
+from tiered_kv.remote.format.object_format import SEALED_HEADER_BYTES  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 

@@ -16,7 +16,7 @@ skip_module_without_mooncake()
 from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.config import TieredConfig  # noqa: E402
 from tiered_kv.ops import doctor as dr  # noqa: E402
-from tiered_kv.remote.keys import Keyring  # noqa: E402
+from tiered_kv.remote.format.keys import Keyring  # noqa: E402
 
 _load_commands()
 KEY = "d4" * 32

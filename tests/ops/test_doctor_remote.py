@@ -25,7 +25,7 @@ from tiered_kv.config import TieredConfig  # noqa: E402
 from tiered_kv.fingerprint import Fingerprint  # noqa: E402
 from tiered_kv.ops import doctor as dr  # noqa: E402
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
-from tiered_kv.remote.keys import Keyring  # noqa: E402
+from tiered_kv.remote.format.keys import Keyring  # noqa: E402
 
 _load_commands()
 WAIT = 120

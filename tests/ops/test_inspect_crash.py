@@ -31,7 +31,7 @@ _WRITER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from support import disk_fixtures as fx
     from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-    from tiered_kv.disk.worker.store import DiskStore
+    from tiered_kv.disk.store.store import DiskStore
     layout = fx.crash_layout()
     fp = fx.fingerprint(layout, tp_size=2)
     nbytes = fx.disk_bytes_for(layout, fx.CRASH_SLOTS)

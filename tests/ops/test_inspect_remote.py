@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from tiered_kv.cli import _load_commands, app
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
-from tiered_kv.remote.object_format import SEALED_HEADER_BYTES, block_key
+from tiered_kv.remote.format.object_format import SEALED_HEADER_BYTES, block_key
 
 skip_module_without_rgw()
 

@@ -18,7 +18,7 @@ from support.s3_server import BUCKET, FLEET_KEY_ENV, skip_module_without_rgw
 from test_inspect_remote import FP, run_json
 
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
-from tiered_kv.remote.object_format import SEALED_HEADER_BYTES, block_key
+from tiered_kv.remote.format.object_format import SEALED_HEADER_BYTES, block_key
 
 skip_module_without_rgw()
 

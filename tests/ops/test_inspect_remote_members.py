@@ -20,9 +20,9 @@ from test_inspect_remote import FP, OTHER, run, run_json
 
 from tiered_kv.ops.inspect.remote_hostile import escaped_key, hostile_reason
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
-from tiered_kv.remote.client import RemoteError, S3Client
-from tiered_kv.remote.keys import Keyring
-from tiered_kv.remote.object_format import block_key
+from tiered_kv.remote.store.client import RemoteError, S3Client
+from tiered_kv.remote.format.keys import Keyring
+from tiered_kv.remote.format.object_format import block_key
 
 WAIT = 120
 BLOCK = 8_000

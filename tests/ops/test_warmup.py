@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from tiered_kv.cli import _load_commands, app
 from tiered_kv.disk.format.namespace import WriterLock, list_namespaces
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.memory.host_memory import unpack_blocks
 from tiered_kv.ops.inspect import open_cache, read_entries

@@ -18,7 +18,7 @@ from support.s3_server import BUCKET, FaultProxy
 from tiered_kv.config_values import ConfigError
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteSetupError, RemoteStore
-from tiered_kv.remote.client import conditional_put_refusal
+from tiered_kv.remote.store.client import conditional_put_refusal
 
 FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
 WAIT = 120  # seconds: a hang guard on futures, far beyond any request timeout

@@ -109,7 +109,7 @@ def test_the_key_examples_pass_the_rules_that_used_to_echo_them():
     import re
 
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", HEX_KEY) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", B64_NAME_KEY)
-    from tiered_kv.remote.keys import parse_keys
+    from tiered_kv.remote.format.keys import parse_keys
 
     assert len(parse_keys(HEX_KEY, "x")[0]) == 32 and len(parse_keys(B64_KEY, "x")[0]) == 32
 
@@ -204,7 +204,7 @@ def test_what_looks_like_a_key():
 
 def test_a_key_files_name_that_looks_like_a_key_is_not_shown(tmp_path):
     from tiered_kv.remote.config import RemoteConfig
-    from tiered_kv.remote.keys import FleetKeyError, load_keyring
+    from tiered_kv.remote.format.keys import FleetKeyError, load_keyring
 
     for config in (
         RemoteConfig(bucket="kv-fleet", key_file=str(tmp_path / f"0x{HEX_KEY}")),  # a path, and missing
@@ -301,7 +301,7 @@ def _socket_file() -> tuple[socket.socket, str]:
 @pytest.mark.parametrize("kind", ["FIFO", "link to a FIFO", "directory", "character device", "socket"])
 def test_a_key_file_that_is_not_a_regular_file_is_refused_saying_what_it_is(kind, tmp_path):
     from tiered_kv.remote.config import RemoteConfig
-    from tiered_kv.remote.keys import FleetKeyError, load_keyring
+    from tiered_kv.remote.format.keys import FleetKeyError, load_keyring
 
     sock = None
     if kind == "FIFO":
@@ -333,7 +333,7 @@ def test_a_key_file_that_is_not_a_regular_file_is_refused_saying_what_it_is(kind
 def test_a_key_file_reached_through_symbolic_links_is_read(tmp_path):
     """As Kubernetes mounts a secret: ``key -> ..data/key``, ``..data -> ..2026_01_01``."""
     from tiered_kv.remote.config import RemoteConfig
-    from tiered_kv.remote.keys import load_keyring
+    from tiered_kv.remote.format.keys import load_keyring
 
     (tmp_path / "..2026_01_01").mkdir()
     (tmp_path / "..2026_01_01" / "key").write_text(HEX_KEY + "\n")
@@ -349,7 +349,7 @@ def test_a_key_file_reached_through_symbolic_links_is_read(tmp_path):
 
 def test_a_key_file_over_the_bound_is_refused_and_not_read(tmp_path):
     from tiered_kv.remote.config import RemoteConfig
-    from tiered_kv.remote.keys import MAX_KEY_FILE_BYTES, FleetKeyError, load_keyring
+    from tiered_kv.remote.format.keys import MAX_KEY_FILE_BYTES, FleetKeyError, load_keyring
 
     path = tmp_path / "fleet.key"
     path.write_text(HEX_KEY + "\n" + "#" * MAX_KEY_FILE_BYTES)
@@ -410,7 +410,7 @@ def test_inspect_verify_names_a_fifo_as_key_file_in_one_error_line(remote_settin
 def test_the_engine_refuses_a_fifo_as_key_file_at_start(tmp_path):
     pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed", exc_type=ImportError)
     from tiered_kv.integrations.vllm import TieredOffloadingSpec
-    from tiered_kv.remote.keys import FleetKeyError
+    from tiered_kv.remote.format.keys import FleetKeyError
 
     fifo = _fifo(tmp_path)
     spec = TieredOffloadingSpec(_vllm_offloading_config({"cpu_bytes": "64MiB", "remote": _settings(key_file=fifo)}))

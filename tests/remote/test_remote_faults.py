@@ -51,7 +51,7 @@ def test_server_killed_mid_run_costs_misses_not_exceptions(rgw_server, remote_se
         assert store.put_blocks(stored).result(WAIT) == [PutOutcome.STORED] * 8
         rgw_server.kill_rgw()
         try:
-            with caplog.at_level(logging.WARNING, logger="tiered_kv.remote.store"):
+            with caplog.at_level(logging.WARNING, logger="tiered_kv.remote.store.store"):
                 uploads = store.put_blocks(later).result(WAIT)
                 reads = get(store, stored)
                 probes = store.exists([h for h, _, _ in stored]).result(WAIT)
@@ -183,7 +183,7 @@ def test_a_namespace_recording_another_fingerprint_is_logged_and_serving_goes_on
     a gate (every block carries the full fingerprint digest, under its tag)."""
     import obstore
 
-    from tiered_kv.remote.object_format import manifest_key
+    from tiered_kv.remote.format.object_format import manifest_key
 
     config = RemoteConfig.from_dict(remote_settings)
     with RemoteStore(config, FP) as store:

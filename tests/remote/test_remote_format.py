@@ -11,10 +11,10 @@ import xxhash
 
 from tiered_kv.config import ConfigError
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.disk.worker.checksums import checksum_function
+from tiered_kv.disk.store.checksums import checksum_function
 from tiered_kv.remote.config import RemoteConfig, parse_duration
-from tiered_kv.remote.membership import Membership, MembershipCache
-from tiered_kv.remote.object_format import (
+from tiered_kv.remote.scheduler.membership import Membership, MembershipCache
+from tiered_kv.remote.format.object_format import (
     FIXED_HEADER_BYTES,
     BlockHeader,
     Rejected,
@@ -226,8 +226,8 @@ def test_the_longest_key_fits_s3s_limit():
 
 
 def test_sealed_objects_bind_every_header_field():
-    from tiered_kv.remote.keys import Keyring
-    from tiered_kv.remote.object_format import SEALED_HEADER_BYTES, seal
+    from tiered_kv.remote.format.keys import Keyring
+    from tiered_kv.remote.format.object_format import SEALED_HEADER_BYTES, seal
 
     ring = Keyring([bytes(range(32))])
     digest, block_hash, payload = b"\x01" * 32, b"\x02" * 32, bytes(range(256)) * 40

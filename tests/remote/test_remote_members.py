@@ -16,7 +16,7 @@ from support.remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E40
 from test_remote_store import FP, WAIT, blocks, read_back  # noqa: E402
 
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
-from tiered_kv.remote.object_format import PLAIN_SUFFIX, block_key  # noqa: E402
+from tiered_kv.remote.format.object_format import PLAIN_SUFFIX, block_key  # noqa: E402
 from tiered_kv.remote.tier import REMOTE  # noqa: E402
 
 WRONG_KEY = "a7" * 32

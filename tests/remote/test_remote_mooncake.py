@@ -25,9 +25,9 @@ from support.remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E40
 from tiered_kv.config import ConfigError  # noqa: E402
 from tiered_kv.fingerprint import Fingerprint  # noqa: E402
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
-from tiered_kv.remote.client import WrongSize  # noqa: E402
-from tiered_kv.remote.mooncake_client import ListingUnsupported, MooncakeClient, ObjectTooLarge  # noqa: E402
-from tiered_kv.remote.object_format import block_key  # noqa: E402
+from tiered_kv.remote.store.client import WrongSize  # noqa: E402
+from tiered_kv.remote.store.mooncake_client import ListingUnsupported, MooncakeClient, ObjectTooLarge  # noqa: E402
+from tiered_kv.remote.format.object_format import block_key  # noqa: E402
 from tiered_kv.remote.tier import REMOTE  # noqa: E402
 
 FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")

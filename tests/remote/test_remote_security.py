@@ -18,7 +18,7 @@ from test_remote_store import FP, WAIT, blocks, read_back
 
 from tiered_kv.config_values import ConfigError
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
-from tiered_kv.remote.object_format import (
+from tiered_kv.remote.format.object_format import (
     SEALED_HEADER_BYTES,
     block_key,
     encode_header,
@@ -212,7 +212,7 @@ def test_a_planted_fingerprint_record_never_stops_serving(remote_settings, recor
 def test_a_start_the_shared_tier_refuses_leaves_no_disk_namespace(remote_settings, tmp_path, monkeypatch, fault):
     from support.remote_node import build
 
-    from tiered_kv.remote.client import RemoteSetupError
+    from tiered_kv.remote.store.client import RemoteSetupError
 
     settings = {k: v for k, v in remote_settings.items() if k != "key_env"} if fault == "no key" else remote_settings
     if fault == "refused credentials":

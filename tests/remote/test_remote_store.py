@@ -20,7 +20,7 @@ from tiered_kv.remote import (
     RemoteConfig,
     RemoteStore,
 )
-from tiered_kv.remote.object_format import block_key
+from tiered_kv.remote.format.object_format import block_key
 
 skip_module_without_rgw()
 

@@ -26,7 +26,7 @@ skip_module_without_rgw()
 from support.remote_node import BLOCKS_PER_REQUEST, build, requests  # noqa: E402
 
 from tiered_kv.config import ConfigError  # noqa: E402
-from tiered_kv.remote.manager import REMOTE  # noqa: E402
+from tiered_kv.remote.scheduler.manager import REMOTE  # noqa: E402
 from tiered_kv.remote.tier import RemoteTier  # noqa: E402
 from tiered_kv.tier_registry import TierEntry  # noqa: E402
 from tiered_kv.tiers import TierContext, build_tiers  # noqa: E402

@@ -183,7 +183,7 @@ def damage_index(data: Path) -> None:
 
 def blocks_served_right(cache: Path) -> tuple[int, int]:
     """Read every block an engine on ``cache`` would serve; (served, wrong)."""
-    from tiered_kv.disk.worker.store import DiskStore
+    from tiered_kv.disk.store.store import DiskStore
 
     served = wrong = 0
     for ns_dir in namespace_dirs(cache):

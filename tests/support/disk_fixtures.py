@@ -16,7 +16,7 @@ from conftest import make_layout
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.index import DiskIndex
 from tiered_kv.disk.format.index_records import entry_dtype
-from tiered_kv.disk.worker.io_backends import PosixBackend, aligned_empty
+from tiered_kv.disk.store.io_backends import PosixBackend, aligned_empty
 from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.kv_layout import KVCacheLayout
 
@@ -143,7 +143,7 @@ def crash_workload(cache_dir: str, journal: str, seed: int) -> None:
     import random
 
     from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-    from tiered_kv.disk.worker.store import DiskStore
+    from tiered_kv.disk.store.store import DiskStore
     from tiered_kv.memory.host_memory import HostKVCache, unpack_blocks
     from tiered_kv.mediums import CPULoadStoreSpec
     from tiered_kv.disk.worker.handlers import CpuDiskHandler
@@ -215,7 +215,7 @@ def forkserver_context():
             "torch",
             "disk_fixtures",
             "tiered_kv.disk.scheduler.manager",
-            "tiered_kv.disk.worker.store",
+            "tiered_kv.disk.store.store",
             "tiered_kv.disk.worker.handlers",
         ]
     )

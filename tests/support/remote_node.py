@@ -21,7 +21,7 @@ import torch
 
 from tiered_kv.config import TieredConfig
 from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver
-from tiered_kv.remote.manager import RemoteOffloadingManager
+from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
 from tiered_kv.remote.tier import RemoteTier
 from tiered_kv.abstract import Closing
 from tiered_kv.tiered.spec import HierarchySpec

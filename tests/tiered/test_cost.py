@@ -388,7 +388,7 @@ class Hierarchy:
 
         from tiered_kv.cpu.manager import CPUOffloadingManager
         from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-        from tiered_kv.disk.worker.store import DiskStore
+        from tiered_kv.disk.store.store import DiskStore
         from tiered_kv.tiered.manager import TieredOffloadingManager
 
         self.layout = layout = small_layout()
@@ -609,7 +609,9 @@ def test_each_tier_is_seeded_with_its_own_types_prior_whatever_its_medium_is_nam
     layout = DeviceKVCache(2, 8, 16, 2, 16, device="cpu").layout
     disk = {"path": str(tmp_path / "disk2"), "bytes": f"{64 * 4096}B", "name": "disk2", "medium": "DISK2"}
     config = {"cpu_bytes": f"{4 * layout.bytes_per_block}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}
-    spec = HierarchySpec({**config, "model_id": "priors", "cover_weights": False, "tiers": [{"type": "disk", **disk}]}, 16, layout)
+    spec = HierarchySpec(
+        {**config, "model_id": "priors", "cover_weights": False, "tiers": [{"type": "disk", **disk}]}, 16, layout
+    )
     manager = spec.get_manager()
     try:
         assert manager.costs is not None

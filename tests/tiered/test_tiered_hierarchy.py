@@ -115,7 +115,7 @@ class WriteBackHierarchy:
         from support.disk_fixtures import disk_bytes_for, fingerprint, small_layout
         from tiered_kv.cpu.manager import CPUOffloadingManager
         from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-        from tiered_kv.disk.worker.store import DiskStore
+        from tiered_kv.disk.store.store import DiskStore
         from tiered_kv.tiered.manager import TieredOffloadingManager
 
         self.layout = layout = small_layout()
@@ -206,7 +206,7 @@ def test_lookup_counts_the_blocks_it_asks_each_tier_about(write_back):
 
 def test_corrupt_disk_blocks_and_failed_loads_are_counted_per_tier(write_back):
     from support.disk_fixtures import block_hash, flip_byte
-    from tiered_kv.disk.worker.io_backends import aligned_empty
+    from tiered_kv.disk.store.io_backends import aligned_empty
 
     h = write_back
     m, store = h.manager, h.store

@@ -28,7 +28,7 @@ def _remote(
     """The ``remote`` key from the ``--remote-*`` options and ``--trusted-bucket`` (None
     without any). A shared tier needs the fleet key's place (``--remote-key-file`` or
     ``--remote-key-env``) or ``--trusted-bucket``: without either the server refuses to
-    start (``tiered_kv.remote.keys.load_keyring``), so no such config is written."""
+    start (``tiered_kv.remote.format.keys.load_keyring``), so no such config is written."""
     given = {
         "endpoint": endpoint,
         "bucket": bucket,
@@ -68,7 +68,7 @@ def _key_warnings(remote: dict[str, Any] | None) -> list[str]:
     """Where the fleet key the config names cannot be loaded on this host (the server
     reads it at start-up, maybe on another machine), or the bucket is keyless."""
     from tiered_kv.remote.config import RemoteConfig
-    from tiered_kv.remote.keys import FleetKeyError, load_keyring
+    from tiered_kv.remote.format.keys import FleetKeyError, load_keyring
 
     if remote is None:
         return []

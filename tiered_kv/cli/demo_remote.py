@@ -32,7 +32,7 @@ from typer.core import TyperCommand
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
 from tiered_kv.model_identity import read_config_file
-from tiered_kv.remote.manager import RemoteOffloadingManager
+from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
 from tiered_kv.sim.driver import EngineDriver
 
 #: ``--remote`` given without a value: start a throwaway server.

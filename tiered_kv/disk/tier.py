@@ -44,9 +44,9 @@ if TYPE_CHECKING:
 
     from tiered_kv.abstract import LowerTier
     from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-    from tiered_kv.disk.worker.io_backends import IOBackend
+    from tiered_kv.disk.store.io_backends import IOBackend
     from tiered_kv.disk.worker.io_process import DiskIOProcess
-    from tiered_kv.disk.worker.store import DiskStore
+    from tiered_kv.disk.store.store import DiskStore
     from tiered_kv.memory.host_memory import HostKVCache
     from tiered_kv.metrics import TieredStats
     from tiered_kv.worker.worker import LowerTierWorker
@@ -182,8 +182,8 @@ class DiskTier(TierSpec):
         from tiered_kv.disk.scheduler.hit_check import DiskHitCheck
         from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
         from tiered_kv.disk.scheduler.verify import DiskVerifier
-        from tiered_kv.disk.worker.io_backends import PosixBackend
-        from tiered_kv.disk.worker.store import DiskStore
+        from tiered_kv.disk.store.io_backends import PosixBackend
+        from tiered_kv.disk.store.store import DiskStore
 
         assert isinstance(manager, DiskOffloadingManager), manager
         if self.ctx.failed_loads_recomputed:
@@ -207,7 +207,7 @@ class DiskTier(TierSpec):
         ``DiskIOProcess`` (``disk_io: process``, unless ``in_process``). ``io_backend``
         overrides the config's."""
         from tiered_kv.disk.worker.io_process import DiskIOProcess
-        from tiered_kv.disk.worker.store import DiskStore
+        from tiered_kv.disk.store.store import DiskStore
 
         cfg = self.settings
         here = in_process if in_process is not None else cfg.disk_io != "process"

@@ -49,7 +49,7 @@ import torch
 
 from tiered_kv.abstract import BlockHash, Closing
 from tiered_kv.config import TieredConfig
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.memory.host_memory import expand_block_ids
 from tiered_kv.ops.hashing import PrefixHasher, chunk_keys, resolve_seed

@@ -2,22 +2,28 @@
 
 Every node that serves the same model with the same settings (the same
 ``Fingerprint``) reads and writes one namespace of one bucket; objects carry the full
-fingerprint and a checksum, verified before a byte is used (``object_format``). The
-pieces, by process:
+fingerprint and a checksum, verified before a byte is used (``format.object_format``).
+Sub-packages by process, as the disk tier's:
 
-- ``config.RemoteConfig``: validated settings (both processes; no I/O);
-- ``store.RemoteStore``: futures-based block uploads, downloads and existence probes
-  over a bounded thread pool (worker processes for bytes, the scheduler for probes),
-  reporting ``outcomes.PutOutcome`` per upload and ``outcomes.RemoteStats``;
-- ``membership``: the scheduler's cache of known-present / known-absent blocks and
-  the prober that fills it without blocking;
-- ``client.S3Client``: the S3 requests (obstore), credentials from the AWS chain;
-- ``mooncake_client.MooncakeClient``: the same objects in a Mooncake Store
-  (``backend: mooncake``); ``backends.CLIENTS`` maps each backend to its client.
-- ``tier.RemoteTier``: the tier's ``TierSpec``; ``manager.RemoteOffloadingManager``
-  (scheduler: membership, probes, pending uploads) and ``hit_check`` (scheduler, under
-  vLLM: every rank's object verified before a hit); ``handlers`` (workers: uploads from
-  CPU slots, verified downloads into CPU slots or the KV cache).
+- ``config.RemoteConfig``: validated settings (every process; no I/O); ``tier.RemoteTier``:
+  the tier's ``TierSpec``.
+- ``scheduler/``: ``manager.RemoteOffloadingManager`` (membership, probes, pending
+  uploads), ``membership`` (the cache of known-present / known-absent blocks and the
+  prober that fills it without blocking), ``hit_check`` (under vLLM: every rank's object
+  verified before a hit).
+- ``worker/``: ``handlers`` (uploads from CPU slots, verified downloads into CPU slots or
+  the KV cache).
+- ``store/``: what every process that opens the tier runs: ``store.RemoteStore``
+  (futures-based uploads, downloads and existence probes over a bounded thread pool,
+  reporting ``outcomes.PutOutcome`` and ``outcomes.RemoteStats``), ``client.S3Client``
+  (the S3 requests, obstore, credentials from the AWS chain),
+  ``mooncake_client.MooncakeClient`` (the same objects in a Mooncake Store;
+  ``backends.CLIENTS`` maps each backend to its client), ``timed_client``,
+  ``write_once`` (write-once puts with and without conditional PUT), ``health`` (fault
+  accounting).
+- ``format/``: what the bucket holds, pure functions: ``object_format`` (keys and the
+  self-describing object), ``keys`` (the fleet key and the per-object AEAD),
+  ``safe_json`` (bounded parsing of records anyone may have written).
 
 Needs the ``s3`` extra (``pip install 'tiered-kv[s3]'``): importing this package does
 not, opening a store does. The names below resolve on first use, so importing
@@ -28,19 +34,19 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "AccessDenied": "client",
-    "BucketMissing": "client",
-    "RemoteSetupError": "client",
-    "Unavailable": "client",
+    "AccessDenied": "store.client",
+    "BucketMissing": "store.client",
+    "RemoteSetupError": "store.client",
+    "Unavailable": "store.client",
     "RemoteConfig": "config",
-    "Membership": "membership",
-    "MembershipCache": "membership",
-    "MembershipProber": "membership",
-    "RemoteLookup": "membership",
-    "Rejected": "object_format",
-    "PutOutcome": "outcomes",
-    "RemoteStats": "outcomes",
-    "RemoteStore": "store",
+    "Membership": "scheduler.membership",
+    "MembershipCache": "scheduler.membership",
+    "MembershipProber": "scheduler.membership",
+    "RemoteLookup": "scheduler.membership",
+    "Rejected": "format.object_format",
+    "PutOutcome": "store.outcomes",
+    "RemoteStats": "store.outcomes",
+    "RemoteStore": "store.store",
 }
 
 __all__ = sorted(_EXPORTS)

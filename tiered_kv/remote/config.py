@@ -13,7 +13,7 @@ prefix is short enough that the longest object key (``longest_key``) stays withi
 1024-byte limit.
 
 The fleet key is never part of the config either: ``key_file`` names a file and
-``key_env`` an environment variable that hold it (``tiered_kv.remote.keys``). A value
+``key_env`` an environment variable that hold it (``tiered_kv.remote.format.keys``). A value
 that looks like a key (``config_values.looks_like_key``), pasted into those or any other
 setting, is refused without being echoed: the config is printed whole (``tiered-kv
 doctor --json``, ``to_dict``), and its values appear in messages and logs.
@@ -301,7 +301,7 @@ class RemoteConfig:
     unavailable_cooldown: float = 5.0
     #: ``CONDITIONAL_PUT_MODES``: whether writes send ``If-None-Match: *``.
     conditional_put: str = "auto"
-    #: File holding the fleet key(s) (``tiered_kv.remote.keys``); never the key itself.
+    #: File holding the fleet key(s) (``tiered_kv.remote.format.keys``); never the key itself.
     key_file: str | None = None
     #: Environment variable holding the fleet key(s), where no ``key_file`` is named.
     key_env: str | None = None

@@ -8,7 +8,7 @@ endpoint and bucket on wrong credentials (``RemoteOffloadingManager``, the compo
 verified before it is promised as a hit (``RemoteHitCheck``). In each worker process,
 ``get_worker`` opens this rank's own store (after any fork) and returns its stager
 (uploads from CPU slots) and its load handlers (downloads into CPU slots or the KV
-cache), from ``tiered_kv.remote.handlers``. Network I/O happens on the stores' threads.
+cache), from ``tiered_kv.remote.worker.handlers``. Network I/O happens on the stores' threads.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from tiered_kv.metrics import remote_counter_values
 from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.remote.keys import Keyring, load_keyring
-from tiered_kv.remote.manager import REMOTE
+from tiered_kv.remote.format.keys import Keyring, load_keyring
+from tiered_kv.remote.scheduler.manager import REMOTE
 from tiered_kv.tier_ops import Check, ToolContext
 from tiered_kv.tier_registry import TierEntry
 from tiered_kv.tiers import HitCheck, TierContext, TierSpec
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from tiered_kv.abstract import LowerTier
     from tiered_kv.memory.host_memory import HostKVCache
     from tiered_kv.metrics import CounterValue, Observation, TieredStats
-    from tiered_kv.remote.manager import RemoteOffloadingManager
-    from tiered_kv.remote.store import RemoteStore
+    from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
+    from tiered_kv.remote.store.store import RemoteStore
     from tiered_kv.worker.worker import LowerTierWorker
 
 
@@ -82,8 +82,8 @@ class RemoteTier(TierSpec):
         """Scheduler process: opens a store for probes (its start-up check raises
         ``RemoteSetupError`` naming endpoint and bucket on wrong credentials or a
         missing bucket; a server that does not answer is logged and costs misses)."""
-        from tiered_kv.remote.manager import RemoteOffloadingManager
-        from tiered_kv.remote.store import RemoteStore
+        from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
+        from tiered_kv.remote.store.store import RemoteStore
 
         ctx = self.ctx
         return RemoteOffloadingManager(
@@ -95,8 +95,8 @@ class RemoteTier(TierSpec):
         )
 
     def get_hit_check(self, manager: "LowerTier") -> HitCheck:
-        from tiered_kv.remote.hit_check import RemoteHitCheck, RemoteVerifier
-        from tiered_kv.remote.manager import RemoteOffloadingManager
+        from tiered_kv.remote.scheduler.hit_check import RemoteHitCheck, RemoteVerifier
+        from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
 
         assert isinstance(manager, RemoteOffloadingManager), manager
         ctx = self.ctx
@@ -109,8 +109,8 @@ class RemoteTier(TierSpec):
     ) -> "LowerTierWorker":
         """Worker process: this rank's store (its start-up check raises as
         ``get_manager``'s does), stager and load handlers."""
-        from tiered_kv.remote.handlers import RemoteLoadHandler, RemoteStager
-        from tiered_kv.remote.store import RemoteStore
+        from tiered_kv.remote.worker.handlers import RemoteLoadHandler, RemoteStager
+        from tiered_kv.remote.store.store import RemoteStore
         from tiered_kv.worker.worker import LowerTierWorker
 
         ctx = self.ctx

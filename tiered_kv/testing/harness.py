@@ -30,9 +30,9 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.disk.format.index import IndexSnapshot
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
-from tiered_kv.disk.worker.io_backends import PosixBackend
+from tiered_kv.disk.store.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import MANIFEST
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.spec import HierarchySpec

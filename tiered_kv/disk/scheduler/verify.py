@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.worker.io_backends import aligned_empty
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.io_backends import aligned_empty
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.metrics import VERIFICATION_SECONDS, Latencies
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ Jobs run on the handler's job threads (``transfer_async`` only queues them and n
 blocks); each job takes one staging buffer from a fixed pool (a job that finds none
 waits in the queue, so memory stays bounded), splits it in two halves and packs one
 half while the other is written (or unpacks one while the other is read). Durability,
-checksums and the index commit are the store's (``tiered_kv.disk.worker.store``); a store
+checksums and the index commit are the store's (``tiered_kv.disk.store.store``); a store
 job's thread moves on to the next job once its writes are done, and the job is
 reported when the (group) commit settles it. A job succeeds only if every block of it
 did. ``stats`` keeps bytes and seconds per transfer
@@ -45,8 +45,8 @@ import torch
 
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.memory.device import TransferStream, can_pin_memory
-from tiered_kv.disk.worker.block_store import BlockStore
-from tiered_kv.disk.worker.io_backends import aligned_empty
+from tiered_kv.disk.store.block_store import BlockStore
+from tiered_kv.disk.store.io_backends import aligned_empty
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.memory.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout

@@ -54,7 +54,7 @@ import torch
 from tiered_kv.config_values import DEFAULT_CHECKSUM, DEFAULT_IO_THREADS
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.worker.io_server import Ref
-from tiered_kv.disk.worker.store import BlockIO, DiskStoreStats
+from tiered_kv.disk.store.store import BlockIO, DiskStoreStats
 from tiered_kv.memory.shared_memory import SharedRegion, empty_shared, locate, on_free, region_fd
 from tiered_kv.memory.slot_views import SlotViews
 from tiered_kv.kv_layout import KVCacheLayout

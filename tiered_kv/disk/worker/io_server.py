@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tiered_kv.disk.worker.block_store import BlockBatch, WriteBlockBatch
-from tiered_kv.disk.worker.store import DiskStore
-from tiered_kv.disk.worker.write_batch import WriteBatch
+from tiered_kv.disk.store.block_store import BlockBatch, WriteBlockBatch
+from tiered_kv.disk.store.store import DiskStore
+from tiered_kv.disk.store.write_batch import WriteBatch
 from tiered_kv.memory.shared_memory import MappedRegions
 from tiered_kv.memory.slot_views import SlotViews
 

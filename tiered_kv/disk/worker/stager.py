@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from tiered_kv.abstract import Closing
-from tiered_kv.disk.worker.block_store import BlockStore
+from tiered_kv.disk.store.block_store import BlockStore
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks
 from tiered_kv.metrics import TieredStats
 from tiered_kv.mediums import TierWrites

@@ -132,7 +132,7 @@ def check_io_path(cfg: TieredConfig | None, cuda: bool) -> Check:
     if reason is None and not path.is_dir():
         reason = f"{path} does not exist yet, so KvikIO was not probed"
     if reason is None:
-        from tiered_kv.disk.worker.io_backends import KvikIOBackend
+        from tiered_kv.disk.store.io_backends import KvikIOBackend
 
         reason = KvikIOBackend.probe(path)
         if reason is None:

@@ -46,8 +46,8 @@ from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check, skipped
 if TYPE_CHECKING:  # the S3 client, the keys and the object format are imported where a check needs them
     from tiered_kv.fingerprint import Fingerprint
     from tiered_kv.ops.inspect.remote import BlockObject
-    from tiered_kv.remote.client import S3Client
-    from tiered_kv.remote.keys import Keyring
+    from tiered_kv.remote.store.client import S3Client
+    from tiered_kv.remote.format.keys import Keyring
 
 
 #: Headers S3 and its compatible servers (Ceph RGW, MinIO) put on every answer.
@@ -102,7 +102,7 @@ def check_remote(cfg: TieredConfig | None, extra: Mapping[str, Any] | None = Non
     remote: RemoteConfig = shared.settings
     if remote.backend == "mooncake":
         return check_mooncake(remote)
-    from tiered_kv.remote.client import (
+    from tiered_kv.remote.store.client import (
         AccessDenied,
         BucketMissing,
         ClientMissing,
@@ -112,7 +112,7 @@ def check_remote(cfg: TieredConfig | None, extra: Mapping[str, Any] | None = Non
         S3Client,
         WrongSize,
     )
-    from tiered_kv.remote.safe_json import MAX_RECORD_BYTES
+    from tiered_kv.remote.format.safe_json import MAX_RECORD_BYTES
 
     where = f"bucket {remote.bucket!r} at {remote.endpoint or 'AWS S3'}"
     facts: dict[str, Any] = {"endpoint": remote.endpoint, "bucket": remote.bucket, "prefix": remote.prefix}
@@ -226,7 +226,7 @@ def _load_keys(remote: RemoteConfig, facts: dict[str, Any]) -> Check | tuple[Key
     """The config's keyring as the server loads it, and the cautions it brings (a trusted
     bucket without a key, a key file other users can read); a failing ``Check`` where the
     server would refuse to start. Adds ``key_ids`` to ``facts``."""
-    from tiered_kv.remote.keys import FleetKeyError, load_keyring
+    from tiered_kv.remote.format.keys import FleetKeyError, load_keyring
 
     try:
         keyring = load_keyring(remote)
@@ -311,7 +311,7 @@ def check_block_object(
     ``fingerprint.json`` matches ``pinned`` (None: any namespace). Fails where the object
     is sealed under a key id ``keyring`` does not hold; ok without an object to open,
     saying so; warns where the object cannot be read or is not one the server serves."""
-    from tiered_kv.remote.client import RemoteError
+    from tiered_kv.remote.store.client import RemoteError
 
     source = key_source(remote)
     try:
@@ -375,7 +375,7 @@ def _choose_object(
 def _read_fingerprint(client: S3Client, namespace_key: str) -> Fingerprint | None:
     """The fingerprint a namespace's ``fingerprint.json`` records, or None."""
     from tiered_kv.ops.inspect.remote import load_fingerprint
-    from tiered_kv.remote.object_format import MANIFEST_NAME
+    from tiered_kv.remote.format.object_format import MANIFEST_NAME
 
     try:
         return load_fingerprint(client, f"{namespace_key}/{MANIFEST_NAME}")
@@ -393,7 +393,7 @@ def _open_object(
 ) -> ObjectCheck:
     """Stream ``obj``: its header's key id against ``keyring``, then (up to
     ``MAX_OBJECT_BYTES``) its tag, as the server checks it before serving it."""
-    from tiered_kv.remote.object_format import (
+    from tiered_kv.remote.format.object_format import (
         FORMAT_SEALED,
         Rejected,
         SealedHeader,
@@ -472,8 +472,8 @@ def check_mooncake(remote: RemoteConfig) -> Check:
     connection, and a client set up from the config (metadata server, protocol, tenant)
     gets an answer to one existence query. No object is opened: a Mooncake Store cannot
     list its keys."""
-    from tiered_kv.remote.client import RemoteError, RemoteSetupError
-    from tiered_kv.remote.mooncake_client import MooncakeClient, master_answers
+    from tiered_kv.remote.store.client import RemoteError, RemoteSetupError
+    from tiered_kv.remote.store.mooncake_client import MooncakeClient, master_answers
 
     where = remote.where()
     facts: dict[str, Any] = {

@@ -33,9 +33,9 @@ import torch
 
 from tiered_kv.abstract import Closing
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.disk.worker.io_backends import ALIGN, aligned_empty, host_view
-from tiered_kv.disk.worker.io_backends import MAX_IO_BYTES
-from tiered_kv.disk.worker.store import DiskStore
+from tiered_kv.disk.store.io_backends import ALIGN, aligned_empty, host_view
+from tiered_kv.disk.store.io_backends import MAX_IO_BYTES
+from tiered_kv.disk.store.store import DiskStore
 from tiered_kv.ops.inspect.cache import InspectError
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 

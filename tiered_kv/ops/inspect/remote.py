@@ -37,11 +37,11 @@ from tiered_kv.ops.inspect.cache import InspectError
 from tiered_kv.ops.inspect.remote_hostile import HostileKey, hostile_reason
 from tiered_kv.ops.inspect.summary import ServerConfig
 from tiered_kv.model_identity import read_config_file
-from tiered_kv.remote.client import ObjectInfo, RawKeys, RemoteError, RemoteSetupError, S3Client, WrongSize
+from tiered_kv.remote.store.client import ObjectInfo, RawKeys, RemoteError, RemoteSetupError, S3Client, WrongSize
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, NAMESPACE_ID_CHARS, RemoteConfig
-from tiered_kv.remote.keys import FleetKeyError, Keyring, load_keyring
-from tiered_kv.remote.object_format import MANIFEST_NAME, PLAIN_SUFFIX, fan_out
-from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
+from tiered_kv.remote.format.keys import FleetKeyError, Keyring, load_keyring
+from tiered_kv.remote.format.object_format import MANIFEST_NAME, PLAIN_SUFFIX, fan_out
+from tiered_kv.remote.format.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 
 _NAMESPACE_RE = re.compile(rf"^[0-9a-f]{{{NAMESPACE_ID_CHARS}}}(?:{re.escape(PLAIN_SUFFIX)})?$")
 _BLOCK_RE = re.compile(rf"^([0-9a-f]{{2,{2 * MAX_KEY_HASH_BYTES}}})-r(0|[1-9][0-9]{{0,4}})$")

@@ -35,8 +35,8 @@ from typing import Any
 
 from tiered_kv.ops.inspect.cache import InspectError
 from tiered_kv.ops.inspect.remote import TRUST_PLAIN, TRUST_SEALED, BlockObject, RemoteNamespace, SharedTier
-from tiered_kv.remote.client import RemoteError
-from tiered_kv.remote.object_format import (
+from tiered_kv.remote.store.client import RemoteError
+from tiered_kv.remote.format.object_format import (
     FORMAT_SEALED,
     MAX_HASH_BYTES,
     SEALED_HEADER_BYTES,

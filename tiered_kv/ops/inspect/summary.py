@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tiered_kv.config import ConfigError
-from tiered_kv.disk.worker.io_backends import PosixBackend
+from tiered_kv.disk.store.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import Namespace, current_holder
 from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
 from tiered_kv.model_identity import pinned_fields, resolve_model_dir, unread_fields

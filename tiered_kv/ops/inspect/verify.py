@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tiered_kv.disk.format.index import DiskIndex, IndexCorruptError
-from tiered_kv.disk.worker.io_backends import BackendFile, PosixBackend, aligned_empty, host_view
+from tiered_kv.disk.store.io_backends import BackendFile, PosixBackend, aligned_empty, host_view
 from tiered_kv.disk.format.namespace import Namespace
 from tiered_kv.checksums import checksum_function
 from tiered_kv.ops.inspect.cache import EntryTable, InspectError, read_entries

@@ -58,11 +58,11 @@ import numpy as np
 
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.config_file import DISK_TIER_TYPE, TIERED_SPEC, TIERING_SPEC, is_tiering
-from tiered_kv.disk.worker.io_backends import aligned_empty
+from tiered_kv.disk.store.io_backends import aligned_empty
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.disk.tier import DiskTier
-from tiered_kv.disk.worker.block_store import BlockStore
+from tiered_kv.disk.store.block_store import BlockStore
 from tiered_kv.mediums import ids_spec
 from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.ops.warmup.engines import HFEngine

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tiered_kv.remote.object_format import REJECT_REASONS
+from tiered_kv.remote.format.object_format import REJECT_REASONS
 
 
 class PutOutcome(str, enum.Enum):

@@ -20,7 +20,7 @@ may delete or replace is only what it proved, never what it could not open.
 
 An object is sealed (format 2, the default: a fleet key is set) or plain (format 1,
 only under ``remote.trusted_bucket`` with no key). A sealed object is a fixed header,
-the block hash, the payload encrypted with AES-256-GCM (``tiered_kv.remote.keys``), then
+the block hash, the payload encrypted with AES-256-GCM (``tiered_kv.remote.format.keys``), then
 the 16-byte tag::
 
     magic        8s   b"TKVBLOCK"
@@ -73,7 +73,7 @@ import xxhash
 from tiered_kv.abstract import BlockHash
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.checksums import checksum_function
-from tiered_kv.remote.keys import NONCE_BYTES, TAG_BYTES, AuthenticationFailed, Keyring, new_nonce
+from tiered_kv.remote.format.keys import NONCE_BYTES, TAG_BYTES, AuthenticationFailed, Keyring, new_nonce
 
 MAGIC = b"TKVBLOCK"
 FORMAT_PLAIN = 1

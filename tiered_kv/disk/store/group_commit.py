@@ -20,7 +20,7 @@ import lmdb
 from tiered_kv.abstract import Closing
 from tiered_kv.disk.format.index import DiskIndex
 from tiered_kv.disk.format.index_records import StoredBlocks
-from tiered_kv.disk.worker.io_backends import BackendFile
+from tiered_kv.disk.store.io_backends import BackendFile
 
 logger = logging.getLogger(__name__)
 

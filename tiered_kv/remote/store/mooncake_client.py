@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.remote.client import Buffer, RemoteError, RemoteSetupError, Unavailable, WrongSize
+from tiered_kv.remote.store.client import Buffer, RemoteError, RemoteSetupError, Unavailable, WrongSize
 from tiered_kv.remote.config import RemoteConfig
 
 _INSTALL_HINT = (

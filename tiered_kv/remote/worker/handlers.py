@@ -41,8 +41,8 @@ from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, spec_as
 from tiered_kv.metrics import TieredStats
-from tiered_kv.remote.outcomes import PutOutcome
-from tiered_kv.remote.store import RemoteStore
+from tiered_kv.remote.store.outcomes import PutOutcome
+from tiered_kv.remote.store.store import RemoteStore
 from tiered_kv.mediums import TierWrites
 from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_rows
 from tiered_kv.worker.worker import TransferSpec

@@ -55,14 +55,14 @@ import torch
 from tiered_kv.abstract import Closing
 from tiered_kv.config_values import DEFAULT_CHECKSUM, DEFAULT_IO_THREADS
 from tiered_kv.memory.device import empty_pageable, empty_pinned
-from tiered_kv.disk.worker.block_store import BlockBatch, WriteBlockBatch
-from tiered_kv.disk.worker.batch import PACK_CHUNK_BYTES
+from tiered_kv.disk.store.block_store import BlockBatch, WriteBlockBatch
+from tiered_kv.disk.store.batch import PACK_CHUNK_BYTES
 from tiered_kv.checksums import checksum_function
-from tiered_kv.disk.worker.checksums import RunChecksums
+from tiered_kv.disk.store.checksums import RunChecksums
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.disk.worker.group_commit import GroupCommitter, IndexWrite
+from tiered_kv.disk.store.group_commit import GroupCommitter, IndexWrite
 from tiered_kv.disk.format.index_records import Entry, IndexSnapshot
-from tiered_kv.disk.worker.io_backends import (
+from tiered_kv.disk.store.io_backends import (
     BackendFile,
     IOBackend,
     PosixBackend,
@@ -72,8 +72,8 @@ from tiered_kv.disk.worker.io_backends import (
     select_backend,
 )
 from tiered_kv.disk.format.namespace import Namespace, check_worker_access
-from tiered_kv.disk.worker.read_batch import ReadBatch
-from tiered_kv.disk.worker.write_batch import WriteBatch
+from tiered_kv.disk.store.read_batch import ReadBatch
+from tiered_kv.disk.store.write_batch import WriteBatch
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.memory.slot_views import SlotViews
 
@@ -107,7 +107,7 @@ class DiskStoreStats:
 class BlockIO(Closing, ABC):
     """The synchronous block API, over a store's ``begin_write``/``begin_read``; a context
     manager that ends with the store's ``close()``. With ``DiskStore`` and
-    ``DiskIOProcess`` it makes a ``BlockStore`` (``tiered_kv.disk.worker.block_store``)."""
+    ``DiskIOProcess`` it makes a ``BlockStore`` (``tiered_kv.disk.store.block_store``)."""
 
     @abstractmethod
     def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> WriteBlockBatch:

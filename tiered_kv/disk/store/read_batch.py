@@ -19,8 +19,8 @@ from functools import partial
 import lmdb
 import torch
 
-from tiered_kv.disk.worker.batch import Batch, BatchStore, all_of, view_io, view_runs
-from tiered_kv.disk.worker.io_backends import aligned_empty
+from tiered_kv.disk.store.batch import Batch, BatchStore, all_of, view_io, view_runs
+from tiered_kv.disk.store.io_backends import aligned_empty
 
 logger = logging.getLogger(__name__)
 

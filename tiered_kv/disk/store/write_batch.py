@@ -20,9 +20,9 @@ from functools import partial
 import lmdb
 import torch
 
-from tiered_kv.disk.worker.batch import Batch, BatchStore, all_of, view_io, view_runs
-from tiered_kv.disk.worker.group_commit import IndexWrite
-from tiered_kv.disk.worker.io_backends import BackendFile, aligned_empty
+from tiered_kv.disk.store.batch import Batch, BatchStore, all_of, view_io, view_runs
+from tiered_kv.disk.store.group_commit import IndexWrite
+from tiered_kv.disk.store.io_backends import BackendFile, aligned_empty
 
 logger = logging.getLogger(__name__)
 

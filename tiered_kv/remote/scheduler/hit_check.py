@@ -34,8 +34,8 @@ import numpy as np
 from tiered_kv.abstract import BlockHash, Closing
 from tiered_kv.metrics import TIER_VERIFICATIONS, VERIFICATION_SECONDS, CounterValue, Latencies, Observation
 from tiered_kv.metrics import remote_counter_values
-from tiered_kv.remote.manager import RemoteOffloadingManager
-from tiered_kv.remote.store import RemoteStore
+from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
+from tiered_kv.remote.store.store import RemoteStore
 from tiered_kv.tiers import HitState
 
 logger = logging.getLogger(__name__)

@@ -74,7 +74,7 @@ from typing import Any, TypeVar
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.remote.client import (
+from tiered_kv.remote.store.client import (
     AccessDenied,
     BucketMissing,
     Buffer,
@@ -86,15 +86,15 @@ from tiered_kv.remote.client import (
     WrongSize,
 )
 from tiered_kv.metrics import Latencies
-from tiered_kv.remote.backends import open_client
+from tiered_kv.remote.store.backends import open_client
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
-from tiered_kv.remote.health import FaultLog, Health
-from tiered_kv.remote.keys import Keyring, load_keyring
-from tiered_kv.remote.safe_json import MAX_RECORD_BYTES, RecordError, load_record
-from tiered_kv.remote.timed_client import TimedClient
-from tiered_kv.remote.write_once import WriteOnce
-from tiered_kv.remote.outcomes import PutOutcome, RemoteStats
-from tiered_kv.remote.object_format import (
+from tiered_kv.remote.store.health import FaultLog, Health
+from tiered_kv.remote.format.keys import Keyring, load_keyring
+from tiered_kv.remote.format.safe_json import MAX_RECORD_BYTES, RecordError, load_record
+from tiered_kv.remote.store.timed_client import TimedClient
+from tiered_kv.remote.store.write_once import WriteOnce
+from tiered_kv.remote.store.outcomes import PutOutcome, RemoteStats
+from tiered_kv.remote.format.object_format import (
     FORMAT_VERSION,
     Rejected,
     block_key,

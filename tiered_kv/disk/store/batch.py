@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from tiered_kv.disk.worker.checksums import RunChecksums
-from tiered_kv.disk.worker.group_commit import IndexWrite
+from tiered_kv.disk.store.checksums import RunChecksums
+from tiered_kv.disk.store.group_commit import IndexWrite
 from tiered_kv.disk.format.index import DiskIndex
-from tiered_kv.disk.worker.io_backends import ALIGN, IOV_MAX, MAX_IO_BYTES, BackendFile, IOBackend, host_view
+from tiered_kv.disk.store.io_backends import ALIGN, IOV_MAX, MAX_IO_BYTES, BackendFile, IOBackend, host_view
 from tiered_kv.memory.slot_views import SlotViews
 
 __all__ = ["Batch", "BatchStore", "all_of", "block_views", "runs", "view_io", "view_runs", "views_fit"]
@@ -168,7 +168,7 @@ def all_of(futs: list[Future], result: Callable[[], object] | None = None) -> Fu
 
 class Batch(ABC):
     """What write and read batches share: their store, rank file and slots, and the
-    I/O futures submitted so far. A ``BlockBatch`` (``tiered_kv.disk.worker.block_store``)."""
+    I/O futures submitted so far. A ``BlockBatch`` (``tiered_kv.disk.store.block_store``)."""
 
     @abstractmethod
     def submit(self, start: int, rows: torch.Tensor, host_rows: torch.Tensor | None = None) -> Future | None:

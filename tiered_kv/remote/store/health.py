@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger("tiered_kv.remote.store")
+logger = logging.getLogger("tiered_kv.remote.store.store")
 
 
 class Health:

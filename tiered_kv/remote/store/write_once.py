@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from tiered_kv.remote.client import Buffer, ConditionalPutRefused, ObjectClient
+from tiered_kv.remote.store.client import Buffer, ConditionalPutRefused, ObjectClient
 from tiered_kv.remote.config import RemoteConfig
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tiered_kv.metrics import REMOTE_REQUEST_SECONDS, Latencies
-from tiered_kv.remote.client import Buffer, ObjectClient
+from tiered_kv.remote.store.client import Buffer, ObjectClient
 
 
 class TimedClient:

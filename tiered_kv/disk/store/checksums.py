@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from tiered_kv.checksums import checksum_function
-from tiered_kv.disk.worker.io_backends import MAX_IO_BYTES
+from tiered_kv.disk.store.io_backends import MAX_IO_BYTES
 
 __all__ = ["RunChecksums"]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tiered_kv.remote.client import ObjectClient, S3Client
+from tiered_kv.remote.store.client import ObjectClient, S3Client
 from tiered_kv.remote.config import RemoteConfig
-from tiered_kv.remote.mooncake_client import MooncakeClient
+from tiered_kv.remote.store.mooncake_client import MooncakeClient
 
 #: ``remote.backend`` -> the client built from the config.
 CLIENTS: dict[str, Callable[[RemoteConfig], ObjectClient]] = {

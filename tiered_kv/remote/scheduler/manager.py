@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 from tiered_kv.abstract import BlockHash, Closing, LowerTier, OffloadingEvent, PrepareStoreOutput
 from tiered_kv.mediums import TierSlotsSpec
-from tiered_kv.remote.membership import Membership, MembershipCache
-from tiered_kv.remote.store import RemoteStore
+from tiered_kv.remote.scheduler.membership import Membership, MembershipCache
+from tiered_kv.remote.store.store import RemoteStore
 
 logger = logging.getLogger(__name__)
 
