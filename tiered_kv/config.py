@@ -106,6 +106,15 @@ def admit_after(write_admission: Any, tier_name: str) -> int:
     return int(m.group(1)) if m else 1
 
 
+def _parse_number(value: Any, key: str, low: float, high: float, what: str, *, open_low: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {show(value)}")
+    number = float(value)
+    if not (low < number if open_low else low <= number) or not number <= high:
+        raise ConfigError(f"{key}: expected {what}, got {number}")
+    return number
+
+
 def _parse_positive_float(value: Any, key: str) -> float | None:
     if value is None:
         return None
@@ -199,6 +208,16 @@ class TieredConfig:
     #: The CPU tier: ``all`` (every stored block ranks most recent), or ``reuse(N)`` (a
     #: block ranks first to evict until it has been stored or hit N times).
     cpu_admission: str = "all"
+    #: vLLM only, with ``TieredPrefetchingConnector``: a waiting request's lower-tier
+    #: blocks start moving into the CPU tier when it arrives, at most
+    #: ``prefetch_max_bytes`` in flight (``tiered_kv.tiered.prefetch``).
+    prefetch_waiting: bool = True
+    prefetch_max_bytes: int = 256 << 20
+    #: The share of each local tier's slots that ``kv.retain`` hints' leases may pin (0
+    #: to 0.5), and the longest lease a hint may ask for, in seconds
+    #: (``tiered_kv.integrations.vllm.hints``).
+    lease_budget: float = 0.25
+    lease_max_ttl_s: float = 3600.0
     #: Offloaded block size in tokens (a multiple of the engine's GPU block size).
     block_size: int | None = None
     model_id: str = "unknown"
@@ -211,6 +230,10 @@ class TieredConfig:
     #: needs ``model_path``; ``false`` states that it does not (synthetic KV, or a model
     #: whose weights never change at its path), and the namespace says "not covered".
     cover_weights: bool = True
+    #: vLLM only: each worker checks at start-up that a page stored and loaded through
+    #: its handlers lands where vLLM's attention reads it
+    #: (``tiered_kv.integrations.vllm.canary``); false skips it.
+    canary: bool = True
     #: Every lower tier, fastest first: each a ``TierEntry`` (a ``type`` -- ``disk``,
     #: ``remote``, or a class name with its ``module_path`` -- and its own settings,
     #: validated by the tier's class, ``tiered_kv.tier_registry``). The shorthands
@@ -232,11 +255,16 @@ class TieredConfig:
         "prefill_tokens_per_s": _parse_positive_float,
         "write_admission": parse_write_admission,
         "cpu_admission": parse_cpu_admission,
+        "prefetch_waiting": parse_bool,
+        "prefetch_max_bytes": parse_size,
+        "lease_budget": lambda v, k: _parse_number(v, k, 0.0, 0.5, "a share of each tier from 0 to 0.5"),
+        "lease_max_ttl_s": lambda v, k: _parse_number(v, k, 0.0, math.inf, "seconds > 0", open_low=True),
         "block_size": lambda v, k: None if v is None else parse_positive_int(v, k),
         "model_id": parse_text,
         "model_revision": parse_text,
         "model_path": lambda v, k: None if v is None else parse_text(v, k),
         "cover_weights": parse_bool,
+        "canary": parse_bool,
         "hash_algorithm": lambda v, k: parse_choice(v, k, HASH_ALGORITHMS),
         "hash_seed": lambda v, k: parse_text(v, k, empty_ok=True, numbers_ok=True),
     }

@@ -43,6 +43,13 @@ TIER_COUNTERS = (
     "skipped_slower_than_recompute",
     "probes",
     "not_admitted",
+    # Prefetch while a request waits (``tiered.prefetch``): reads started, blocks a
+    # request then loaded, blocks evicted or dropped unused, reads cancelled, failed.
+    "prefetches",
+    "prefetch_used",
+    "prefetch_wasted",
+    "prefetch_cancelled",
+    "prefetch_failed",
 )
 #: The tier events also counted in tokens (blocks times tokens per block), as vLLM
 #: counts its prefix cache's queries and hits.
@@ -92,6 +99,9 @@ REMOTE_DAMAGED_DELETED = "tiered_kv_remote_damaged_deleted"
 REMOTE_KEPT_UNPROVEN = "tiered_kv_remote_kept_unproven"
 REMOTE_CONDITIONAL_REFUSED = "tiered_kv_remote_conditional_put_refused"
 REMOTE_UNCONDITIONAL_PUTS = "tiered_kv_remote_unconditional_puts"
+HINT_ACTIONS = "tiered_kv_hint_actions"
+LEASES = "tiered_kv_leases"
+LEASE_PINNED_BYTES = "tiered_kv_lease_pinned_bytes"
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
 PENDING_WRITES = "tiered_kv_tier_pending_writes"
 PENDING_WRITES_LIMIT = "tiered_kv_tier_pending_writes_limit"
@@ -194,6 +204,15 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(REMOTE_CONDITIONAL_REFUSED, "counter", "Conditional PUTs the server refused as unsupported"),
     MetricDef(REMOTE_UNCONDITIONAL_PUTS, "counter", "Shared-tier writes sent as a plain PUT after a HEAD"),
+    MetricDef(
+        HINT_ACTIONS,
+        "counter",
+        "KV-hint actions read from requests, per action (retain, prefetch, release, other) and outcome "
+        "(accepted, malformed, unsupported, unsupported_version, unknown_action, too_many)",
+        ("action", "outcome"),
+    ),
+    MetricDef(LEASES, "gauge", "Leases held by kv.retain hints"),
+    MetricDef(LEASE_PINNED_BYTES, "gauge", "Bytes pinned by leases per tier", ("tier",)),
 )
 
 #: ``RemoteStats`` attribute -> (metric, label values).

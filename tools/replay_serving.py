@@ -19,16 +19,23 @@ Configurations, on the same arrivals:
   MFU, attention from the model's shape) and fed the transfers and forward passes the
   replay simulates, as the workers' timings feed it; it sees the queues its scheduler
   sees (requests waiting, the tier's loads and writes in flight), not their sizes;
-- ``e460906``: the same decision blind to queues and attention, as at that commit.
+- ``e460906``: the same decision blind to queues and attention, as at that commit;
+- ``cost-aware+prefetch`` (``--prefetch`` adds it): ``cost-aware`` with prefetch while
+  waiting (``tiered_kv.integrations.vllm.hints``, on by default in the product; the
+  other rows run without it): each arriving request's lower-tier chunks are read into
+  CPU while it waits, behind the tier's loads, at most ``--prefetch-max-bytes`` in flight.
 
 Prints a markdown table per run: TTFT mean, p50, p90, p99 (ms), goodput (share of
 requests with TTFT <= ``--slo-ms``), GPU busy share (step time over the span from the
 first arrival to the last first token), prompt tokens by source, and GB read and
-written per tier (the lower tier's reads split into loads and hit-check reads).
+written per tier (the lower tier's reads: all, and of them the hit-check reads and,
+with a prefetching row, the prefetch reads).
 
     python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
         --utilisation 0.9 --tier-gbps 3
     python tools/replay_serving.py --workload long-context --utilisation 0.7 --tier-gbps 1 --tier shared
+    python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \
+        --utilisation 0.9 --configs cost-aware --prefetch
 
 Runs in one process; reads the trace; each configuration's lower tier keeps an index
 under a temporary directory (``--scratch``), removed afterwards.
@@ -49,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from benchlib import md_table  # noqa: E402
 from replay_serving_sim import Arrival, Channel, Engine, EngineConfig, Events, GpuModel, RunResult  # noqa: E402
-from replay_serving_stack import CONFIGS, DECIDING, TierModel, build_stack  # noqa: E402
+from replay_serving_stack import CONFIGS, DECIDING, PREFETCHING, TierModel, build_stack  # noqa: E402
 from replay_serving_workloads import (  # noqa: E402
     GENERATED,
     TOKENS_PER_BLOCK,
@@ -61,6 +68,8 @@ from replay_serving_workloads import (  # noqa: E402
     time_scale,
 )
 
+from tiered_kv.config_values import parse_size  # noqa: E402
+from tiered_kv.integrations.vllm.hints import HintSettings  # noqa: E402
 from tiered_kv.prefill import ASSUMED_MFU  # noqa: E402
 
 #: The Mooncake paper's local cache (3M tokens) and the device cache of earlier replays.
@@ -80,6 +89,7 @@ def run_config(
     cpu_blocks: int,
     lower_blocks: int,
     scratch: Path | None = None,
+    prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
 ) -> RunResult:
     """One configuration (``CONFIGS``) over ``reqs``."""
     events = Events()
@@ -103,6 +113,7 @@ def run_config(
         clock=lambda: events.now,
         verify_read=verify_read,
         scratch=scratch,
+        prefetch_max_bytes=prefetch_max_bytes,
     )
     try:
         return Engine(reqs, stack, events, channel, gpu, engine).run()
@@ -117,6 +128,7 @@ def _gb(n: float) -> str:
 def table(results: Sequence[RunResult], tier: TierModel, slo_s: float) -> str:
     """The markdown table of ``results`` (module docstring)."""
     name = tier.name
+    prefetched = any(r.config in PREFETCHING for r in results)
     headers = [
         "config",
         "mean TTFT ms",
@@ -126,7 +138,7 @@ def table(results: Sequence[RunResult], tier: TierModel, slo_s: float) -> str:
         f"goodput @ {slo_s * 1e3:g} ms",
         "GPU busy",
         f"tokens GPU / CPU / {name} / computed %",
-        f"{name} GB read (hit checks)",
+        f"{name} GB read (hit checks{', prefetch' if prefetched else ''})",
         f"{name} GB written",
         "CPU GB read",
         "CPU GB written",
@@ -138,6 +150,8 @@ def table(results: Sequence[RunResult], tier: TierModel, slo_s: float) -> str:
         total = sum(r.tokens.values())
         shares = " / ".join(f"{100 * r.tokens[k] / total:.0f}" for k in ("GPU", "CPU", "tier", "computed"))
         lower = r.channel_bytes["tier"]
+        read = lower["read"] + lower["verify"] + lower["prefetch"]
+        parts = [lower["verify"], lower["prefetch"]] if prefetched else [lower["verify"]]
         rows.append(
             [
                 r.config,
@@ -148,7 +162,7 @@ def table(results: Sequence[RunResult], tier: TierModel, slo_s: float) -> str:
                 f"{np.mean(t <= slo_s * 1e3):.3f}",
                 f"{r.busy_s / r.span_s:.2f}",
                 shares,
-                f"{_gb(lower['read'] + lower['verify'])} ({_gb(lower['verify'])})",
+                f"{_gb(read)} ({', '.join(map(_gb, parts))})",
                 _gb(lower["write"]),
                 _gb(r.channel_bytes["CPU->GPU"]["read"]),
                 _gb(r.channel_bytes["GPU->CPU"]["write"]),
@@ -173,6 +187,13 @@ def notes(results: Sequence[RunResult], tier: TierModel) -> list[str]:
             )
         if r.config != "recompute":
             line += f"; {tier.name} writes dropped (back-pressure) {stats.get('drops', 0):,}"
+        if r.prefetch:
+            n = {event.split(".", 1)[1]: v for event, v in r.prefetch.items()}
+            line += (
+                f"; {n['prefetches']:,} {tier.name} chunks prefetched: used {n['prefetch_used']:,}, wasted "
+                f"{n['prefetch_wasted']:,}, failed {n['prefetch_failed']:,}; {n['prefetch_cancelled']:,} "
+                "dropped from queues as their requests ran"
+            )
         out.append(line)
     return out
 
@@ -197,7 +218,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="the first N requests only")
     p.add_argument("--requests", type=int, help="generated workloads: request count")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS[:4]), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="add cost-aware+prefetch: cost-aware with every waiting request's lower-tier\n"
+        "chunks prefetched into CPU (the product's default; the other rows run without it)",
+    )
+    p.add_argument(
+        "--prefetch-max-bytes",
+        default="256MiB",
+        help="prefetch reads in flight (the product's prefetch_max_bytes; default 256MiB)",
+    )
     p.add_argument("--token-budget", type=int, default=8192, help="tokens per step (default 8192)")
     p.add_argument("--max-seqs", type=int, default=256)
     p.add_argument("--device-tokens", type=int, default=DEVICE_TOKENS, help="GPU KV and prefix cache (default 512Ki)")
@@ -217,7 +249,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
         p.error(f"--configs: {bad or 'none'}; expected some of {', '.join(CONFIGS)}")
+    if args.prefetch and "cost-aware+prefetch" not in configs:
+        configs.append("cost-aware+prefetch")
     args.configs = configs
+    try:
+        args.prefetch_max_bytes = parse_size(args.prefetch_max_bytes, "--prefetch-max-bytes")
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -248,7 +286,10 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
     work = estimate_work(stream, gpu, engine.device_blocks, cpu_blocks, engine.token_budget)
     factor = time_scale(stream, work, args.utilisation)
     reqs = arrivals(stream, factor)
-    results = [run_config(c, reqs, gpu, engine, tier, cpu_blocks, lower_blocks, args.scratch) for c in args.configs]
+    results = [
+        run_config(c, reqs, gpu, engine, tier, cpu_blocks, lower_blocks, args.scratch, args.prefetch_max_bytes)
+        for c in args.configs
+    ]
     bpb = gpu.kv_bytes_per_token * TOKENS_PER_BLOCK
     header = (
         f"{stream.name}: {len(reqs):,} requests, {sum(stream.tokens) / len(reqs):,.0f} prompt tokens on average "

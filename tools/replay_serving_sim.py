@@ -33,6 +33,13 @@ token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
   passes (``PREFILL``).
 - **Reports**: jobs that ended by a step's end are reported at the next step
   (``complete_load`` / ``complete_store``); loaded chunks enter the device cache.
+- **Prefetch** (a configuration that turns it on, ``replay_serving_stack.PREFETCHING``):
+  the manager learns each request's keys when it arrives, as ``prefetch_jobs``'s
+  connector places them; after ``on_schedule_end`` the step's prefetch jobs
+  (``KvHints.take_jobs``) are read chunk by chunk on the lower tier's channel (in order
+  with its other jobs: the manager issues them only behind the tier's loads), each
+  chunk's time recorded as ``<tier>_to_cpu``, and a job is reported (``KvHints.complete``)
+  at the step after its last chunk landed.
 
 Not called: ``get_load_source``, ``take_events`` and ``get_stats`` (vLLM's metrics and
 KV events: they change no answer). Not modelled: decode, preemption, tensor parallelism,
@@ -235,6 +242,7 @@ class RunResult:
     deferred: int
     costs: dict
     tier_stats: dict
+    prefetch: dict = field(default_factory=dict)  # ``KvHints.snapshot()["prefetch"]`` where prefetch ran
 
 
 class Engine:
@@ -271,6 +279,7 @@ class Engine:
         self.running: list[Request] = []
         self.finished: list[Request] = []  # to be signalled at the next step
         self.reported: list[_Job] = []  # jobs that ended, reported at the next step
+        self.prefetched: list[int] = []  # prefetch jobs that ended, reported at the next step
         self.being_loaded: Counter[OffloadKey] = Counter()
         self.reserved = 0  # prompt tokens of admitted, unfinished requests
         self.busy = 0.0
@@ -345,8 +354,28 @@ class Engine:
 
         self.d2h.submit(len(keys) * bpb, "write", landed)
 
+    def _prefetch(self) -> None:
+        """The step's prefetch jobs (``prefetch_jobs`` carries them under vLLM): each chunk
+        read tier -> CPU on the tier's channel, in order with its other jobs, the job
+        reported at the step after its last chunk landed."""
+        record, bpb = self.stack.timings.record, self.bpb
+        for job in self.manager.hints.take_jobs():
+            left = [len(job.spec)]
+
+            def done(start: float, end: float, job_id: int = job.job_id, left: list[int] = left) -> None:
+                record(f"{self.tier_name}_to_cpu", bpb, end - start)
+                left[0] -= 1
+                if not left[0]:
+                    self.prefetched.append(job_id)
+
+            for _ in range(len(job.spec)):
+                self.tier.submit(bpb, "prefetch", done)
+
     def _report(self) -> None:
         """vLLM's ``update_connector_output``: the jobs that ended, in the order they did."""
+        done, self.prefetched = self.prefetched, []
+        for job_id in done:
+            self.manager.hints.complete(job_id)
         jobs, self.reported = self.reported, []
         for job in jobs:
             r = job.req
@@ -471,6 +500,7 @@ class Engine:
                 self.manager.on_request_finished(r.ctx)
             self.finished = []
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=new_ids, preempted_req_ids=()))
+            self._prefetch()
             self.steps += 1
             if scheduled:
                 flops = sum(gpu.flops(n, r.computed) for r, n in scheduled)
@@ -498,7 +528,7 @@ class Engine:
                     self.stack.timings.record(PREFILL, round(work), seconds)
                 continue
             wake = min(ev.next_time(), reqs[nxt_arrival].arrival if nxt_arrival < len(reqs) else math.inf)
-            if retry or self.ready or self.reported:
+            if retry or self.ready or self.reported or self.prefetched:
                 wake = min(wake, ev.now + gpu.step_overhead_s)
             if wake == math.inf:
                 raise RuntimeError(
@@ -523,4 +553,5 @@ class Engine:
             self.deferred,
             costs,
             self.manager.stats.as_dict()["tiers"],
+            self.manager.hints.snapshot()["prefetch"],
         )

@@ -13,7 +13,9 @@ with medium ``REMOTE``, so its prior is ``PRIOR_GBPS["REMOTE"]``), the composite
 as configured by default), ``LoadCosts`` seeded with ``PRIOR_GBPS`` and the prefill
 estimate ``tiered_kv.cost`` makes for the model on the GPU (not configured, so measured
 forward passes replace it), the disk tier's ``DiskHitCheck``, ``TieredVllmManager``
-and the ``LoadTimings`` channel through which it reads the workers' transfer times.
+(with its ``KvHints``: prefetch while waiting where the configuration turns it on, at the
+product's default bound unless given) and the ``LoadTimings`` channel through which it
+reads the workers' transfer times.
 
 What is modelled: the hit check's reads. By default none, as deployed with this
 project's connector and vLLM's recompute policy (what ``tiered-kv config`` prints): a
@@ -50,6 +52,7 @@ from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.scheduler.verify import DiskVerifier, Verification
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
+from tiered_kv.integrations.vllm.hints import HintSettings
 from tiered_kv.integrations.vllm.manager import TieredVllmManager
 from tiered_kv.mediums import CPU
 from tiered_kv.metrics import Latencies
@@ -60,8 +63,11 @@ from tiered_kv.tiers import HitCheck
 #: commit, for comparison: the same estimates, blind to the queues (``Queues`` stays
 #: empty) and to attention (prefill cost linear in tokens), and a request whose run has
 #: a chunk slower than recomputing is decided at the end of the step that scanned it.
-CONFIGS = ("always", "recompute", "cost-aware", "e460906")
-DECIDING = ("cost-aware", "e460906")
+CONFIGS = ("always", "recompute", "cost-aware", "e460906", "cost-aware+prefetch")
+DECIDING = ("cost-aware", "e460906", "cost-aware+prefetch")
+#: Configurations whose waiting requests' lower-tier chunks are prefetched into CPU
+#: (``tiered_kv.integrations.vllm.hints``; the simulated workers run the jobs).
+PREFETCHING = ("cost-aware+prefetch",)
 
 
 @dataclass(frozen=True)
@@ -154,11 +160,13 @@ def build_stack(
     clock: Callable[[], float],
     verify_read: Callable[[bytes, int, Callable[[], None]], None],
     scratch: Path | None = None,
+    prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
 ) -> Stack:
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
-    and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on, and
-    ``e460906`` the decision blind to queues and attention.
+    and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on,
+    ``e460906`` the decision blind to queues and attention, and ``cost-aware+prefetch``
+    the decision with prefetch while waiting (at most ``prefetch_max_bytes`` in flight).
     ``verify_read`` reads one chunk for the hit check where ``tier.verify`` (``SimVerifier``)."""
     if config not in CONFIGS:
         raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
@@ -211,8 +219,15 @@ def build_stack(
         reader.clear()
         writer = LoadTimings.for_engine(engine_id, names, 1, rank=0)
         manager = TieredVllmManager(
-            composite, checks, shared=[used.kind == "shared"] if used else [], health=health, timings=reader
+            composite,
+            checks,
+            shared=[used.kind == "shared"] if used else [],
+            health=health,
+            timings=reader,
+            hints=HintSettings(prefetch_max_bytes=prefetch_max_bytes),
         )
+        if config in PREFETCHING:
+            manager.hints.enable_prefetch()
         if config == "e460906":  # sees no queue, and decides a request a step after its scan
             manager._queues = Queues  # type: ignore[method-assign]
             composite.queued_blocks = dict  # type: ignore[method-assign]

@@ -249,3 +249,17 @@ def test_connector_settings_say_what_the_engine_gets(tmp_path):
         check = dr.check_connector(transfer, cfg)
         assert check.status == status, (transfer, check)
         assert (fix is None) == (not check.fix) and (fix is None or fix in check.fix), (transfer, check)
+
+
+def test_the_canary_setting_is_read_and_its_line_warns_when_it_is_off(tmp_path):
+    """``canary`` is a key of the one grammar: every tool reads it, and doctor says when a
+    config turns the start-up check off."""
+    base = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm", "cpu_bytes": "1GiB"}
+    lines = {}
+    for name, extra in (("on", base), ("off", {**base, "canary": False})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(extra))
+        report = dr.run_doctor(path, tp=1, read_probe=0)
+        (lines[name],) = [c for c in report.checks if c.name == "canary"]
+        assert not [c for c in report.checks if c.name == "config" and c.status == "fail"], report.checks
+    assert lines["on"].status == "ok" and lines["off"].status == "warn" and "canary: false" in lines["off"].message

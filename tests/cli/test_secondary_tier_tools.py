@@ -43,6 +43,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.disk.format.namespace import list_namespaces  # noqa: E402
 from tiered_kv.ops.server_namespace import server_disk  # noqa: E402
+from tiered_kv.ops.warmup import VllmServe  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -251,7 +252,7 @@ def test_servers_on_two_attention_backends_open_two_namespaces_and_the_tools_tel
     plain = _write(tmp_path / "tiering.json", extra)
     disk = server_disk(plain)
     for backend, ns in (("FLASH_ATTN", flash), ("CPU_ATTN", cpu)):
-        fp = disk.vllm_fingerprint(str(model_dir), kv_cache_layout="LBHNC", attention_backend=backend)
+        fp = disk.vllm_fingerprint(VllmServe(str(model_dir), kv_cache_layout="LBHNC", attention_backend=backend))
         assert fp.namespace_id == ns
 
     # A config that leaves the backend to the server's flags reads either (as for TP or

@@ -38,6 +38,7 @@ from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.disk.format.namespace import list_namespaces  # noqa: E402
 from tiered_kv.ops.inspect import read_entries  # noqa: E402
 from tiered_kv.ops.server_namespace import server_disk  # noqa: E402
+from tiered_kv.ops.warmup import VllmServe  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -180,7 +181,8 @@ def test_every_tool_answers_for_the_namespace_its_server_reads(shape, model_dir,
     stray = _fill(model_dir, build(root, remote, "another-model"))
     assert served != stray and _blocks(root) == {served: 3, stray: 3}
     # The whole namespace, computed offline from the config and the model as every tool does.
-    assert server_disk(config).vllm_fingerprint(str(model_dir), kv_cache_layout="LBNHC").namespace_id == served
+    serve = VllmServe(str(model_dir), kv_cache_layout="LBNHC")
+    assert server_disk(config).vllm_fingerprint(serve).namespace_id == served
 
     # inspect summary --config: that server reads its namespace, not the other.
     data = json.loads(

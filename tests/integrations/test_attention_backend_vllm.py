@@ -210,6 +210,7 @@ def test_the_tools_compute_each_backends_namespace_and_a_config_on_another_backe
 
     from tiered_kv.cli import _load_commands, app
     from tiered_kv.ops.server_namespace import server_disk
+    from tiered_kv.ops.warmup import VllmServe
 
     disk = tmp_path / "disk"
     served = {}
@@ -222,7 +223,8 @@ def test_the_tools_compute_each_backends_namespace_and_a_config_on_another_backe
     plain = tmp_path / "kv.json"
     plain.write_text(json.dumps(transfer))
     for backend, ns in served.items():
-        fp = server_disk(plain).vllm_fingerprint(str(model_dir), kv_cache_layout="LBHNC", attention_backend=backend)
+        serve = VllmServe(str(model_dir), kv_cache_layout="LBHNC", attention_backend=backend)
+        fp = server_disk(plain).vllm_fingerprint(serve)
         assert fp.namespace_id == ns
 
     _load_commands()

@@ -1,7 +1,7 @@
 """``tools/replay_serving.py``: the serving replay's clock against hand-computed times (a
 request alone, two that queue, a load behind the bytes ahead of it on the tier), what
 each configuration reads, who wins under load on a slow-ish and on a very slow tier,
-and the table the command prints."""
+a waiting request's disk chunks prefetched into CPU, and the table the command prints."""
 
 from __future__ import annotations
 
@@ -135,6 +135,33 @@ def _disk_replay_requests() -> list[Arrival]:
     return [Arrival(float(i), 6 * BLOCK + 50, docs[i % 3]) for i in range(9)]
 
 
+def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_cpu():
+    """A document (4 chunks) pushed onto a 1 GB/s disk by a longer prompt, then asked for
+    again just after a 48-chunk prompt took the GPU: without prefetch the decision
+    recomputes it once the GPU is free (the disk, behind the long prompt's writes, is
+    slower); with it, the 4 chunks are read into CPU while the request waits and loaded
+    from there. Nothing else moves: the other requests' first tokens come at the same
+    times."""
+    doc, push, blocker = keys(1, 2, 3, 4), keys(*range(11, 75)), keys(*range(100, 148))
+    reqs = [
+        Arrival(0.0, 4 * BLOCK + 100, doc),
+        Arrival(10.0, 64 * BLOCK + 100, push),
+        Arrival(20.0, 48 * BLOCK + 100, blocker),
+        Arrival(20.001, 4 * BLOCK + 100, doc),
+    ]
+    tier = TierModel("disk", 1.0, 0.0, False)
+    engine = EngineConfig(device_blocks=50, token_budget=8192)
+    plain = run_config("cost-aware", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
+    early = run_config("cost-aware+prefetch", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
+    assert plain.tokens["CPU"] == plain.tokens["tier"] == 0 and not plain.prefetch
+    assert early.tokens["CPU"] == 4 * BLOCK and early.tokens["tier"] == 0
+    assert early.prefetch["disk.prefetches"] == early.prefetch["disk.prefetch_used"] == 4
+    assert early.channel_bytes["tier"]["prefetch"] == 4 * BPB
+    assert early.ttft[:3] == plain.ttft[:3]
+    # Its first token as soon as the GPU is free: a CPU load instead of 4 chunks' prefill.
+    assert early.ttft[3] < plain.ttft[3] - 0.5 * (prefill_s(4 * BLOCK + 100) - prefill_s(100, 4 * BLOCK))
+
+
 @pytest.fixture(scope="module")
 def loaded_long_context():
     """Sixty long-context requests, arrivals scaled to 0.9 of the GPU, a small CPU tier."""
@@ -190,6 +217,15 @@ def test_the_command_prints_one_row_per_configuration(tmp_path, capsys):
     assert "mean TTFT ms" in table[0] and "p90 TTFT ms" in table[0] and "goodput @ 300 ms" in table[0]
     assert [line.split("|")[1].strip() for line in table[2:]] == ["always", "recompute", "cost-aware", "e460906"]
     assert "12 requests" in out
+    argv += ["--cpu-tokens", "1024", "--device-tokens", "512"]
+    assert replay_serving.main([*argv, "--configs", "cost-aware", "--prefetch"]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["cost-aware", "cost-aware+prefetch"]
+    assert "disk GB read (hit checks, prefetch)" in table[0] and "chunks prefetched: used" in out
     with pytest.raises(SystemExit):
         replay_serving.main([*argv, "--configs", "sometimes"])
     assert "--configs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        replay_serving.main([*argv, "--prefetch-max-bytes", "lots"])
+    assert "--prefetch-max-bytes" in capsys.readouterr().err

@@ -519,11 +519,12 @@ def _server_namespace(
             offline_geometry,
         )
         from tiered_kv.ops.warmup.errors import WarmupError
+        from tiered_kv.ops.warmup.layouts import VllmServe
         from tiered_kv.ops.warmup.vllm_pages import decoder_kv_cache_config, server_vllm_config
     except ImportError:
         return None
     try:
-        vc = server_vllm_config(model_dir, extra, gpu_block_size=gpu_block_size, tp_size=plan.tp)
+        vc = server_vllm_config(VllmServe(model_dir, extra, gpu_block_size=gpu_block_size, tp_size=plan.tp))
         warmup_layout = vc.cache_config.kv_cache_layout
         backend = offline_attention_backend(vc, attention_backend)
         # What vLLM's engine core resolves for that backend, before the workers allocate.

@@ -31,6 +31,7 @@ from tiered_kv.ops.hashing import HashSettingsError, resolve_seed
 from tiered_kv.model_identity import resolve_model_dir
 from tiered_kv.ops.warmup import (
     DEFAULT_LAYOUT,
+    VllmServe,
     WarmupReport,
     check_layout,
     chunk_tokens_for,
@@ -140,13 +141,15 @@ def warmup_cmd(
         if layout == DEFAULT_LAYOUT and local is not None:
             # The page order is refused here, before the model is loaded, if it cannot be proven.
             settings = server_settings(
-                str(local),
-                extra,
-                dtype=dtype,
-                kv_cache_layout=kv_cache_layout,
-                attention_backend=backend,
-                gpu_block_size=gpu_block_size,
-                tp_size=tp_size,
+                VllmServe(
+                    str(local),
+                    extra,
+                    dtype=dtype,
+                    kv_cache_layout=kv_cache_layout,
+                    attention_backend=backend,
+                    gpu_block_size=gpu_block_size,
+                    tp_size=tp_size,
+                )
             )
             model_dtype, kv_cache_layout, backend = settings.dtype, settings.kv_cache_layout, settings.attention_backend
         hf = HFEngine.from_pretrained(model, dtype=model_dtype, device=device)

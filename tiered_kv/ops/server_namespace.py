@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.config_values import ConfigError
@@ -38,6 +38,7 @@ from tiered_kv.config_file import DISK_TIER_TYPE, TIERED_SPEC, TIERING_SPEC, Ser
 
 if TYPE_CHECKING:  # torch: not for `--help`
     from tiered_kv.fingerprint import Fingerprint
+    from tiered_kv.ops.warmup.layouts import VllmServe
 
 #: The first entry of a namespace's layer geometry, per spec that writes it (the
 #: pseudo-layers of ``geometry.VllmGeometry.scheduler_layout`` and
@@ -93,43 +94,24 @@ class ServerDisk:
         """Our keys of the config (``ServerConfigFile.extra_for``)."""
         return self.found.extra_for(tp)
 
-    def vllm_fingerprint(
-        self,
-        model_dir: str,
-        *,
-        dtype: str = "auto",
-        gpu_block_size: int = 16,
-        tp_size: int = 1,
-        kv_cache_layout: str | None = None,
-        attention_backend: str | None = None,
-    ) -> Fingerprint:
-        """The whole namespace a vLLM server with this config opens, started as ``vllm
-        serve model_dir --dtype dtype --block-size gpu_block_size --tensor-parallel-size
-        tp_size --attention-backend attention_backend`` (default: the file's
-        ``attention_backend``, else vLLM's choice on this host, else FLASH_ATTN) with
-        KV-cache layout ``kv_cache_layout`` (default: the one vLLM resolves for that
-        backend, LBNHC for FLASH_ATTN): computed with vLLM's own config code, by the
+    def vllm_fingerprint(self, serve: VllmServe) -> Fingerprint:
+        """The whole namespace a vLLM server with this config opens, started as
+        ``serve`` says but with the extra config this file gives its spec (in place of
+        ``serve.extra_config``) and, where ``serve`` names no attention backend, the
+        file's ``attention_backend``: computed with vLLM's own config code, by the
         module the warm-up writes it with (``ops.warmup.vllm_pages`` for
         ``TieredOffloadingSpec``, ``ops.warmup.vllm_rows`` for ``TieredDiskTier``'s
         rows). Imports vLLM; reads the model's ``config.json`` and weights digest.
         Raises ``WarmupError`` naming what cannot be computed."""
+        backend = serve.attention_backend or self.attention_backend
         if self.is_secondary_tier:
-            from tiered_kv.ops.warmup.vllm_rows import server_fingerprint as rows_fingerprint
+            from tiered_kv.ops.warmup.vllm_rows import tiering_rows
 
-            compute, extra = rows_fingerprint, self.found.given
-        else:
-            from tiered_kv.ops.warmup.vllm_pages import server_fingerprint as pages_fingerprint
+            return tiering_rows(replace(serve, extra_config=self.found.given, attention_backend=backend)).fingerprint
+        from tiered_kv.ops.warmup.vllm_pages import server_fingerprint
 
-            compute, extra = pages_fingerprint, self.found.extra_for(tp_size)
-        return compute(
-            model_dir,
-            extra,
-            dtype=dtype,
-            gpu_block_size=gpu_block_size,
-            tp_size=tp_size,
-            kv_cache_layout=kv_cache_layout,
-            attention_backend=attention_backend or self.attention_backend,
-        )
+        extra = self.found.extra_for(serve.tp_size)
+        return server_fingerprint(replace(serve, extra_config=extra, attention_backend=backend))
 
     def shape_differences(self, fingerprint: Mapping[str, Any]) -> list[str]:
         """Why a namespace of ``fingerprint`` (a ``Fingerprint.to_dict`` record) cannot

@@ -365,16 +365,12 @@ class TieredLoadHandler(_PipelineHandler):
                 tier_src = TierSlotsSpec(src.tier_slots[promoted], list(hashes[promoted]))
                 slots = src.promote_slots[promoted]
                 n = len(tier_src) * bpb
-                branches.append(
-                    deque(
-                        [
-                            partial(submit, to_cpu, f"{name}_to_cpu", n, (tier_src, CPULoadStoreSpec(slots))),
-                            partial(
-                                submit, self.cpu_to_gpu, "cpu_to_gpu", n, self._cpu_to_gpu_spec(slots, rows[promoted])
-                            ),
-                        ]
+                steps = [partial(submit, to_cpu, f"{name}_to_cpu", n, (tier_src, CPULoadStoreSpec(slots)))]
+                if (rows[promoted] >= 0).any():  # none: a prefetch, into the CPU tier only
+                    steps.append(
+                        partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, self._cpu_to_gpu_spec(slots, rows[promoted]))
                     )
-                )
+                branches.append(deque(steps))
         return self._start(job_id, branches)
 
     def shutdown(self) -> None:

@@ -67,10 +67,6 @@ _OTHER_SPECS_KEYS = {
 
 _BOOL_PASSTHROUGH = ("offload_prompt_only", "self_describing_kv_events", "canonical_layout", "canary")
 
-#: Our keys that ``TieredConfig`` does not parse: ``canary`` (default true) runs the
-#: worker's start-up canary (``canary.py``).
-_SPEC_KEYS = ("canary",)
-
 
 def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
     """Validate vLLM's ``kv_connector_extra_config`` for ``TieredOffloadingSpec``.
@@ -105,7 +101,7 @@ def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
     for key in ("spec_name", "spec_module_path"):
         if key in extra and not isinstance(extra[key], str):
             raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
-    return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS + _SPEC_KEYS)
+    return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
 
 
 def check_extra_hash_algorithm(cfg: TieredConfig) -> None:

@@ -29,7 +29,7 @@ this adapter adds is what vLLM's contract demands and ours did not:
   (``Queues``: requests arrived and not yet scheduled, less those a tier holds; each
   lower tier's loads and writes in flight), refreshed every step. vLLM asks chunk by
   chunk, in order, having placed every full chunk of the request first: at the first
-  chunk past the leading CPU ones (which are only counted, ``_CostScan``: a CPU hit costs
+  chunk past the leading CPU ones (which are only counted, ``CostScan``: a CPU hit costs
   about what it costs vLLM's own manager) the whole run is read ahead (``_ahead``) and
   decided at once; the scan then answers from the plan, MISS past it. Where the order is
   not at hand (several KV-cache groups), a chunk is answered as found while loading every
@@ -46,6 +46,9 @@ this adapter adds is what vLLM's contract demands and ours did not:
   their chunks are released in ``on_reset_flushed``, once workers no longer write
   them; lower-tier writes queued before the reset are dropped as they land and never
   served.
+- **Hints and prefetch** (``hints.KvHints``): each request's ``kv_hints`` (a lease on
+  its prefix, a prefetch, a release), and its lower-tier chunks read into CPU while it
+  waits; the jobs reach the workers through ``prefetch_jobs``'s connector.
 - Stats: ``get_stats`` turns our ``TieredStats`` counters (deltas since the last call),
   each check's outcomes and tier occupancy into vLLM's ``OffloadingConnectorStats``;
   the metric names are declared by the spec's ``build_metric_definitions``. Neither it
@@ -62,7 +65,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
 from itertools import islice
 from typing import cast
 
@@ -83,14 +85,16 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.abstract import Closing, LowerTier
-from tiered_kv.cost import LoadCosts, PrefixScan, Queues
+from tiered_kv.cost import Queues
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     CounterIncreases,
     WORKER_JOB_FAILURES,
     TieredJobSpec,
 )
+from tiered_kv.integrations.vllm.cost_scan import CostScan, positions_of
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
+from tiered_kv.integrations.vllm.hints import HintSettings, KvHints
 from tiered_kv.mediums import CPU
 from tiered_kv.metrics import (
     cost_gauges,
@@ -129,62 +133,9 @@ def build_manager(spec: HierarchySpec, *, info: Sequence[ConfigInfoMapping] = ()
     health.clear()  # no job can be in flight before the scheduler exists (a reused engine id)
     timings = LoadTimings.for_engine(spec.engine_id, [t.name for t in spec.lower_tiers], spec.tp_size)
     timings.clear()
-    return TieredVllmManager(
-        composite, checks, shared=[t.shared for t in spec.lower_tiers], health=health, timings=timings, info=info
-    )
-
-
-@dataclass
-class _CostScan:
-    """One request's leading offloaded chunks in the order its lookups found them, and
-    once decided, the last token position it loads (-1: none). A new scan from the start (a failed
-    load, no room to schedule) decides anew; a plan made at a step's end (``late``) stands.
-
-    While every chunk so far is a CPU chunk and a run of CPU chunks pays at every length
-    (``PrefixScan.pays_alone``), the chunks are only counted (``lead``, ending at token
-    ``lead_end``): every plan loads them (``PrefixScan``'s promise), so their keys and
-    positions are never read. The first other chunk adds them to ``prefix``."""
-
-    prefix: PrefixScan
-    keys: list[bytes] = field(default_factory=list)  # after the lead
-    positions: list[int] = field(default_factory=list)
-    boundary: int | None = None
-    late: bool = False
-    leading: bool = True
-    lead: int = 0
-    lead_end: int = -1
-    last: int = -1  # the position of the last chunk asked
-
-    @classmethod
-    def start(cls, costs: LoadCosts) -> "_CostScan":
-        prefix = PrefixScan(costs)
-        return cls(prefix, leading=prefix.pays_alone("cpu"))
-
-    def restart(self, costs: LoadCosts) -> None:
-        """Forget the chunks asked so far (vLLM scans the request again from the start)."""
-        self.prefix = PrefixScan(costs)
-        self.keys.clear()
-        self.positions.clear()
-        self.leading = self.prefix.pays_alone("cpu")
-        self.lead, self.lead_end, self.last = 0, -1, -1
-        self.boundary = self.boundary if self.late else None
-
-    def lead_with(self, position: int) -> None:
-        """One more CPU chunk of the lead, ending at token ``position``."""
-        self.last = self.lead_end = position
-        self.lead += 1
-
-    def boundary_for(self, k: int) -> int:
-        """The last token position of a plan that loads the first ``k`` chunks."""
-        return self.positions[k - self.lead - 1] if k > self.lead else self.lead_end if k else -1
-
-
-def _positions_of(req_context: ReqContext) -> Callable[[OffloadKey], int | None]:
-    """``req_context.get_offload_key_position``, asked per key: in vLLM 0.33 the
-    positions are a dict that is never replaced, whose own ``get`` saves a Python call
-    per key; where a later vLLM keeps them otherwise, its method."""
-    positions = getattr(req_context, "_offload_key_positions", None)
-    return positions.get if isinstance(positions, dict) else req_context.get_offload_key_position
+    shared = [t.shared for t in spec.lower_tiers]
+    hints = HintSettings.from_config(spec.config)
+    return TieredVllmManager(composite, checks, shared=shared, health=health, timings=timings, info=info, hints=hints)
 
 
 def _offload_keys(block_hashes: list[bytes]) -> list[OffloadKey]:
@@ -206,6 +157,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         health: SlotHealth,
         timings: LoadTimings | None = None,
         info: Sequence[ConfigInfoMapping] = (),
+        hints: HintSettings | None = None,
     ):
         if len(checks) != len(composite.lower):
             raise ValueError(f"{len(checks)} hit checks for {len(composite.lower)} lower tiers: expected one per tier")
@@ -217,11 +169,11 @@ class TieredVllmManager(OffloadingManager, Closing):
         self.stats = composite.stats
         self.costs = composite.costs
         # Requests whose load is being decided: every lookup of theirs this step recorded
-        # in their ``_CostScan``; decided at the end of the step (``on_schedule_end``).
-        self._undecided: dict[str, _CostScan] = {}
+        # in their ``CostScan``; decided at the end of the step (``on_schedule_end``).
+        self._undecided: dict[str, CostScan] = {}
         self._deferred = [False, False]  # a lookup deferred for a decision: this step, the last
         # The last request asked this step, its scan and its key -> position lookup.
-        self._scan_of: tuple[ReqContext, _CostScan, Callable[[OffloadKey], int | None]] | None = None
+        self._scan_of: tuple[ReqContext, CostScan, Callable[[OffloadKey], int | None]] | None = None
         self._names = ["cpu", *(t.name for t in composite.lower)]  # by tier index + 1
         self._cpu_loadable = composite.cpu.is_loadable  # bound once: asked per key
         self._lookups = [0] * len(self._names)
@@ -240,6 +192,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._increases = CounterIncreases()
         self._waiting: set[str] = set()  # requests neither scheduled nor loading yet
         self._held: set[str] = set()  # those a tier held this step (a check, another's load)
+        #: KV hints and prefetch while waiting (``hints``); ``prefetch_jobs`` carries its jobs.
+        self.hints = KvHints.for_manager(self, hints)
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``), where configured."""
@@ -260,12 +214,14 @@ class TieredVllmManager(OffloadingManager, Closing):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._waiting.add(req_context.req_id)
+        self.hints.on_new_request(req_context)
         if self.costs is not None:
             self.costs.note_arrival()
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._waiting.discard(req_context.req_id)
+        self.hints.on_request_finished(req_context)
 
     def _queues(self) -> Queues:
         """This step's ``Queues``: requests held by a tier wait for it, not for the GPU."""
@@ -278,7 +234,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         if last is not None and last[0] is req_context:
             scan = last[1]
             # The next CPU chunk of a request whose chunks so far all are (the usual case):
-            # counted, and answered as found (``_CostScan``). With no load of the chunk in
+            # counted, and answered as found (``CostScan``). With no load of the chunk in
             # flight no lower tier has to serve it (``hit_tier``), so CPU does.
             if scan.leading and self._cpu_loadable(key) and key not in self._open_loads and not self._abandoned_loads:
                 position = last[2](key)
@@ -345,12 +301,12 @@ class TieredVllmManager(OffloadingManager, Closing):
         if last is not None and last[0] is req_context:  # vLLM asks a request's chunks in a row
             scan = last[1]
         else:
-            found = req_context.get_state(_CostScan)
+            found = req_context.get_state(CostScan)
             if found is None:
-                found = _CostScan.start(costs)
+                found = CostScan.start(costs)
                 req_context.set_state(found)
             scan = found
-            self._scan_of = (req_context, scan, _positions_of(req_context))
+            self._scan_of = (req_context, scan, positions_of(req_context))
         if position <= scan.last:  # vLLM scans again from the start: decided anew (a load failed, ...)
             scan.restart(costs)
         if scan.boundary is not None:
@@ -430,6 +386,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             if tier is not None and tier >= 0:
                 self.checks[tier].loading(key)  # one check passed, one load
         self.composite.touch(keys)
+        self.hints.on_load(req_id, keys)
         spec = self.composite.prepare_load(keys)
         if isinstance(spec, TieredLoadSpec):
             for block_hash, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
@@ -480,7 +437,9 @@ class TieredVllmManager(OffloadingManager, Closing):
             )
             self._failure_counts["store"] += 1
             self.composite.complete_store(list(failed), success=False)
-        self.composite.complete_store([key for key in keys if key not in failed], success)
+        self.composite.complete_store(stored := [key for key in keys if key not in failed], success)
+        if success:
+            self.hints.on_stored(stored)
         self._open_stores.subtract(keys)
         self._open_stores += Counter()
 
@@ -505,12 +464,13 @@ class TieredVllmManager(OffloadingManager, Closing):
             scan.boundary, scan.late = scan.boundary_for(k), True  # the next scans answer from it
         self._undecided.clear()
         self._scan_of = None
+        self.hints.step(context.new_req_ids)
         self._deferred = [False, self._deferred[0]]
 
     def has_pending_work(self) -> bool:
         # Requests deferred on a check, a probe or a decision are asked again only while
         # the engine steps.
-        return any(self._deferred) or any(check.busy() for check in self.checks)
+        return any(self._deferred) or any(check.busy() for check in self.checks) or self.hints.busy()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         out = []
@@ -544,11 +504,13 @@ class TieredVllmManager(OffloadingManager, Closing):
             counters += check.counters()
             timings += check.timings()
         counters += [(WORKER_JOB_FAILURES, (kind,), n) for kind, n in self._failure_counts.items()]
+        counters += self.hints.counters()
         self._increases.report(stats, counters)
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
         gauges = cost_gauges(self.costs.snapshot() if self.costs is not None else None)
         gauges += written_per_read_gauges(self.stats) + occupancy_gauges(hierarchy_occupancy(self.composite))
+        gauges += self.hints.gauges()
         for name, labels, value in gauges:
             stats.set_gauge(name, value, labels)
         return stats
@@ -571,6 +533,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._sources.clear()
         for check in self.checks:
             check.reset()
+        self.hints.reset()  # leases unpinned first, so the eviction below reaches their chunks
         self._evict_all()
 
     def on_reset_flushed(self) -> None:

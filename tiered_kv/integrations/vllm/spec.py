@@ -171,7 +171,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     def canary_plan(self) -> CanaryPlan | None:
         """What the worker's start-up canary (``canary.py``) checks, or None with
         ``canary: false``."""
-        if not self.tiered_config.passthrough.get("canary", True):
+        if not self.tiered_config.canary:
             return None
         vc = find_vllm_config()
         mc = getattr(vc, "model_config", None)

@@ -238,6 +238,15 @@ class TieredVllmWorker(OffloadingWorker, Closing):
 
         return self._submit(job_id, "load", promoted, self.load_handler, transfer)
 
+    def submit_prefetch(self, job_id: int, src: TieredLoadSpec) -> None:
+        """A promotion with no GPU side (prefetch while a request waits,
+        ``prefetch_jobs``): the tier's blocks read into their CPU slots and verified there;
+        a failure marks those slots, as a load's does."""
+        rows = np.full((len(src), self.factor), -1, dtype=np.int64)
+        no_gpu_blocks = np.zeros(0, dtype=np.int64)
+        transfer = (no_gpu_blocks, (src, GPURowsSpec(rows)))
+        self._submit(job_id, "prefetch", src.promote_slots, self.load_handler, lambda: transfer)
+
     def _submit(
         self,
         job_id: int,
@@ -301,6 +310,13 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         if job.kind == "store":
             logger.error(
                 "rank %d: store job %d failed; reported done to vLLM, its %d chunks are dropped by the scheduler",
+                self.rank,
+                job_id,
+                len(job.slots),
+            )
+        elif job.kind == "prefetch":  # no GPU block waits on it: a miss when it is asked for
+            logger.warning(
+                "rank %d: prefetch job %d failed; its %d chunks are dropped by the scheduler",
                 self.rank,
                 job_id,
                 len(job.slots),

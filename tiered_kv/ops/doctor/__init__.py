@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
 from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, read_server_config
-from tiered_kv.ops.doctor.connector import check_connector
+from tiered_kv.ops.doctor.connector import check_canary, check_connector
 from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, SKIP, WARN, Check, DoctorReport, skipped
 from tiered_kv.ops.doctor.disk import MOUNTINFO, check_disk_path, check_free_space, filesystem_of, free_space
 from tiered_kv.ops.doctor.gpu import SUPPORTED_VLLM, check_cuda, check_io_path, check_vllm, gds_facts
@@ -58,6 +58,7 @@ __all__ = [
     "WARN",
     "Check",
     "DoctorReport",
+    "check_canary",
     "check_connector",
     "check_cuda",
     "check_disk_path",
@@ -170,6 +171,7 @@ def run_doctor(
             )
             if found.spec_name != TIERING_SPEC:  # vLLM's tiering runs under vLLM's own connector
                 checks.append(check_connector(found.transfer, cfg))
+                checks.append(check_canary(cfg))
         except ConfigError as e:
             checks.append(Check("config", FAIL, str(e), fix))
     checks.append(check_memory(cfg, size, memory_limit()))

@@ -80,3 +80,21 @@ def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None
         f"select {_SETTINGS}",
         facts,
     )
+
+
+def check_canary(cfg: TieredConfig) -> Check:
+    """Whether each worker runs the start-up canary (``integrations.vllm.canary``): a
+    page stored and loaded through the handlers must land where vLLM's attention reads it,
+    or the engine does not start."""
+    if cfg.canary:
+        return Check(
+            "canary",
+            OK,
+            "start-up canary on: each worker proves a stored and loaded page lands where vLLM's attention reads it",
+        )
+    return Check(
+        "canary",
+        WARN,
+        "start-up canary off (canary: false): a page order the workers get wrong would be served without a check",
+        "remove canary: false (the canary takes milliseconds at start-up)",
+    )

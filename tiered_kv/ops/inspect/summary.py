@@ -301,21 +301,21 @@ def _vllm_fingerprint(
     ``disk``: ``TieredOffloadingSpec``'s, from ``extra``), as a record, or why not."""
     try:
         from tiered_kv.ops.warmup.errors import WarmupError
+        from tiered_kv.ops.warmup.layouts import VllmServe
         from tiered_kv.ops.warmup.vllm_pages import server_fingerprint
     except ImportError as e:
         return f"vLLM's geometry not checked: vLLM does not import here ({e})"
     try:
-        settings: dict[str, Any] = {
-            "dtype": str(dtype),
-            "gpu_block_size": int(gpu_block_size),
-            "tp_size": int(tp),
-            "kv_cache_layout": layout if layout not in (None, "None") else None,
-            "attention_backend": backend,
-        }
-        if disk is not None:
-            fp = disk.vllm_fingerprint(model_dir, **settings)
-        else:
-            fp = server_fingerprint(model_dir, extra, **settings)
+        serve = VllmServe(
+            model_dir,
+            extra,
+            dtype=str(dtype),
+            gpu_block_size=int(gpu_block_size),
+            tp_size=int(tp),
+            kv_cache_layout=layout if layout not in (None, "None") else None,
+            attention_backend=backend,
+        )
+        fp = disk.vllm_fingerprint(serve) if disk is not None else server_fingerprint(serve)
     except (WarmupError, ConfigError, TypeError, ValueError) as e:
         return f"vLLM's geometry not checked: {e}"
     return fp.to_dict()

@@ -68,7 +68,7 @@ from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.ops.warmup.engines import HFEngine
 from tiered_kv.ops.warmup.errors import WarmupError
 from tiered_kv.ops.warmup.inputs import check_identity
-from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, register_block_layout
+from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, VllmServe, register_block_layout
 from tiered_kv.tiers import TierContext, build_tiers
 
 #: The run; ``register_block_layout`` is here too, where docs/cli.md points plug-ins.
@@ -81,6 +81,7 @@ __all__ = [
     "register_block_layout",
     "ServerSettings",
     "server_settings",
+    "VllmServe",
     "warmup",
 ]
 
@@ -115,44 +116,26 @@ def _vllm_layout(request: LayoutRequest) -> BlockLayout:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What the ``vllm`` layout writes for: the dtype a vLLM server runs the model in, so
-    the hf engine computes K/V in it, and the page order it reads, its attention backend
-    over the KV-cache layout vLLM resolves for it."""
+    """What the ``vllm`` layout writes for, as resolved from a ``VllmServe`` (whose
+    dtype, backend and layout may be left to vLLM): the dtype a vLLM server runs the
+    model in, so the hf engine computes K/V in it, and the page order it reads, its
+    attention backend over the KV-cache layout vLLM resolves for it."""
 
     dtype: str
     attention_backend: str
     kv_cache_layout: str
 
 
-def server_settings(
-    model_dir: str,
-    extra_config: Mapping[str, Any],
-    *,
-    dtype: str = "auto",
-    kv_cache_layout: str | None = None,
-    attention_backend: str | None = None,
-    gpu_block_size: int = 16,
-    tp_size: int = 1,
-) -> ServerSettings:
-    """The settings of a vLLM server of ``model_dir`` with ``extra_config`` started with
-    ``--dtype dtype`` (``auto``: vLLM's choice, e.g. bfloat16 for a float32 checkpoint)
-    and ``--attention-backend attention_backend`` (default: as ``tiered-kv config``
-    computes it, vLLM's choice on this host, else FLASH_ATTN), with the KV-cache layout
-    vLLM resolves for that backend (``vllm_pages.server_page_order``). Checked before
-    the model is loaded: raises ``WarmupError`` for a page order the warm-up cannot
-    prove (``vllm_pages.check_page_order``) or settings vLLM refuses."""
+def server_settings(serve: VllmServe) -> ServerSettings:
+    """The settings of ``serve`` as vLLM resolves them: its dtype, its attention backend
+    as ``tiered-kv config`` computes it, and the KV-cache layout vLLM resolves for that
+    backend (``vllm_pages.server_page_order``). Checked before the model is loaded:
+    raises ``WarmupError`` for a page order the warm-up cannot prove
+    (``vllm_pages.check_page_order``) or settings vLLM refuses."""
     pages = _vllm_pages()
-    vc = pages.server_vllm_config(
-        model_dir,
-        extra_config,
-        dtype=dtype,
-        gpu_block_size=gpu_block_size,
-        tp_size=tp_size,
-        kv_cache_layout=kv_cache_layout,
-        attention_backend=attention_backend,
-    )
-    backend, layout = pages.recorded_page_order(vc)
-    return ServerSettings(str(pages.vllm_model_dtype(model_dir, dtype)).removeprefix("torch."), backend, layout)
+    backend, layout = pages.recorded_page_order(pages.server_vllm_config(serve))
+    dtype = pages.vllm_model_dtype(serve.model_dir, serve.dtype)
+    return ServerSettings(str(dtype).removeprefix("torch."), backend, layout)
 
 
 register_block_layout(DEFAULT_LAYOUT, _vllm_layout)

@@ -24,6 +24,27 @@ from tiered_kv.ops.sizing import ModelGeometry
 
 
 @dataclass(frozen=True)
+class VllmServe:
+    """A vLLM server started as ``vllm serve model_dir --dtype dtype --block-size
+    gpu_block_size --tensor-parallel-size tp_size --attention-backend attention_backend``
+    with ``extra_config`` as its ``kv_connector_extra_config`` and KV-cache layout
+    ``kv_cache_layout``: what the ``vllm`` layout computes that server's config and
+    namespace from (``vllm_pages.server_vllm_config``). Defaults are the server's own:
+    ``dtype`` ``auto`` (vLLM's choice, e.g. bfloat16 for a float32 checkpoint), 16-token
+    GPU blocks, TP 1, ``attention_backend`` None (vLLM's choice on this host, else
+    FLASH_ATTN) and ``kv_cache_layout`` None (``VLLM_KV_CACHE_LAYOUT``, else the one
+    vLLM resolves for the backend, LBNHC for FLASH_ATTN)."""
+
+    model_dir: str
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str = "auto"
+    gpu_block_size: int = 16
+    tp_size: int = 1
+    kv_cache_layout: str | None = None
+    attention_backend: str | None = None
+
+
+@dataclass(frozen=True)
 class LayoutRequest:
     """What a ``BlockLayout`` factory is given: the model's KV geometry and dtype, the
     serving engine's GPU block size, GPU blocks per offloaded block, and TP size; and
@@ -45,6 +66,22 @@ class LayoutRequest:
     @property
     def chunk_tokens(self) -> int:
         return self.gpu_block_size * self.block_size_factor
+
+    def vllm_serve(self) -> VllmServe:
+        """The vLLM server this request writes for, running the model in the request's
+        dtype. Raises ``ValueError`` without a ``model_dir`` (each layout refuses that
+        first, saying why it needs one)."""
+        if self.model_dir is None:
+            raise ValueError("model_dir: a vLLM server's settings name its model directory")
+        return VllmServe(
+            self.model_dir,
+            self.extra_config,
+            dtype=str(self.dtype).removeprefix("torch."),
+            gpu_block_size=self.gpu_block_size,
+            tp_size=self.tp_size,
+            kv_cache_layout=self.kv_cache_layout,
+            attention_backend=self.attention_backend,
+        )
 
     def rank_heads(self, rank: int) -> list[int]:
         """KV heads TP rank ``rank`` holds (heads are replicated when TP exceeds them)."""

@@ -48,7 +48,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 import torch
@@ -71,7 +70,7 @@ from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.memory.host_memory import pack_blocks
 from tiered_kv.ops.hashing import chunk_keys
 from tiered_kv.ops.warmup.errors import WarmupError
-from tiered_kv.ops.warmup.layouts import BlockLayout, LayoutRequest
+from tiered_kv.ops.warmup.layouts import BlockLayout, LayoutRequest, VllmServe
 
 #: vLLM's attention layer names per architecture: ``{i}`` is the layer index.
 ATTENTION_LAYER_NAMES = {
@@ -141,40 +140,28 @@ def server_page_order(
     return backend, layout
 
 
-def server_vllm_config(
-    model_dir: str,
-    extra_config: Mapping[str, Any],
-    *,
-    dtype: str = "auto",
-    gpu_block_size: int = 16,
-    tp_size: int = 1,
-    kv_cache_layout: str | None = None,
-    hash_algorithm: str | None = None,
-    attention_backend: str | None = None,
-) -> VllmConfig:
-    """The ``VllmConfig`` of ``vllm serve model_dir --dtype dtype --block-size
-    gpu_block_size --tensor-parallel-size tp_size --enable-prefix-caching
-    --prefix-caching-hash-algo hash_algorithm --attention-backend attention_backend
-    --kv-transfer-config {... extra_config}`` as far as the offloading spec reads it
+def server_vllm_config(serve: VllmServe, *, hash_algorithm: str | None = None) -> VllmConfig:
+    """The ``VllmConfig`` of ``serve`` with ``--enable-prefix-caching
+    --prefix-caching-hash-algo hash_algorithm`` as far as the offloading spec reads it
     (rank 0), with the KV-cache layout its engine core resolves recorded; the hash
     algorithm defaults to the extra config's ``hash_algorithm``, else vLLM's ``sha256``;
-    the attention backend and the layout (``kv_cache_layout``, else
-    ``VLLM_KV_CACHE_LAYOUT``, else the backend's choice) are ``server_page_order``'s,
-    the backend recorded as ``--attention-backend`` is (``recorded_page_order`` reads
-    both back). Raises ``WarmupError`` where vLLM rejects a value, or for settings whose
-    KV the hf engine cannot compute as vLLM would."""
+    the attention backend and the layout are ``server_page_order``'s, the backend
+    recorded as ``--attention-backend`` is (``recorded_page_order`` reads both back).
+    Raises ``WarmupError`` where vLLM rejects a value, or for settings whose KV the hf
+    engine cannot compute as vLLM would."""
+    extra_config = serve.extra_config
     algo = hash_algorithm or str(extra_config.get("hash_algorithm", "sha256"))
     try:
         vc = VllmConfig(
             # vLLM checks the dtype and hash names itself (its ValueError is caught below).
-            model_config=ModelConfig(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, seed=0),  # type: ignore[arg-type]
+            model_config=ModelConfig(model=str(serve.model_dir), dtype=serve.dtype, skip_tokenizer_init=True, seed=0),  # type: ignore[arg-type]
             cache_config=CacheConfig(
-                block_size=gpu_block_size,
+                block_size=serve.gpu_block_size,
                 cache_dtype="auto",
                 enable_prefix_caching=True,
                 prefix_caching_hash_algo=algo,  # type: ignore[arg-type]
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=serve.tp_size),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="OffloadingConnector",
                 kv_role="kv_both",
@@ -184,7 +171,7 @@ def server_vllm_config(
         )
     except Exception as e:  # vLLM raises pydantic and plain errors alike
         raise WarmupError(f"vLLM rejects these server settings: {one_line(e)}") from None
-    backend, layout = server_page_order(vc, attention_backend, kv_cache_layout)
+    backend, layout = server_page_order(vc, serve.attention_backend, serve.kv_cache_layout)
     # Named as --attention-backend would name it, so every later step (the spec's
     # geometry, the tier's fingerprint) reads the same backend without selecting again.
     vc.attention_config.backend = AttentionBackendEnum[backend]
@@ -266,30 +253,13 @@ def decoder_kv_cache_config(vllm_config: VllmConfig, num_gpu_blocks: int = 1) ->
     )
 
 
-def server_fingerprint(
-    model_dir: str,
-    extra_config: Mapping[str, Any],
-    *,
-    dtype: str = "auto",
-    gpu_block_size: int = 16,
-    tp_size: int = 1,
-    kv_cache_layout: str | None = None,
-    attention_backend: str | None = None,
-) -> Fingerprint:
-    """The disk namespace ``TieredOffloadingSpec`` computes in a vLLM server with these
-    settings (``server_vllm_config``: the attention backend and the KV-cache layout
-    resolved for it included) serving a standard decoder. Computed for any backend vLLM
-    knows; only the pages are limited to ``PAGE_READERS``. Raises ``WarmupError``
-    naming a setting it cannot reproduce, or what the spec refuses."""
-    vc = server_vllm_config(
-        model_dir,
-        extra_config,
-        dtype=dtype,
-        gpu_block_size=gpu_block_size,
-        tp_size=tp_size,
-        kv_cache_layout=kv_cache_layout,
-        attention_backend=attention_backend,
-    )
+def server_fingerprint(serve: VllmServe) -> Fingerprint:
+    """The disk namespace ``TieredOffloadingSpec`` computes in ``serve``
+    (``server_vllm_config``: the attention backend and the KV-cache layout resolved for
+    it included) serving a standard decoder. Computed for any backend vLLM knows; only
+    the pages are limited to ``PAGE_READERS``. Raises ``WarmupError`` naming a setting
+    it cannot reproduce, or what the spec refuses."""
+    vc = server_vllm_config(serve)
     try:
         backend = configured_attention_backend(vc)
         return offline_geometry(vc, decoder_kv_cache_config(vc), attention_backend=backend).fingerprint
@@ -321,15 +291,7 @@ class VllmPagesLayout(BlockLayout):
                 "--model: the vllm layout needs the model as a local directory (vLLM's namespace "
                 "covers its weights digest and reads its config.json)"
             )
-        self.vllm_config = server_vllm_config(
-            r.model_dir,
-            r.extra_config,
-            dtype=str(r.dtype).removeprefix("torch."),
-            gpu_block_size=r.gpu_block_size,
-            tp_size=r.tp_size,
-            kv_cache_layout=r.kv_cache_layout,
-            attention_backend=r.attention_backend,
-        )
+        self.vllm_config = server_vllm_config(r.vllm_serve())
         self.attention_backend, self.page_order = recorded_page_order(self.vllm_config)
         mc = self.vllm_config.model_config
         if mc.get_head_size() != r.geometry.head_dim or mc.get_total_num_kv_heads() != r.geometry.num_kv_heads:

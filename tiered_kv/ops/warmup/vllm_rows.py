@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -63,7 +63,7 @@ from tiered_kv.integrations.vllm.secondary_config import (
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.ops.hashing import chunk_keys
 from tiered_kv.ops.warmup.errors import WarmupError
-from tiered_kv.ops.warmup.layouts import BlockLayout, LayoutRequest
+from tiered_kv.ops.warmup.layouts import BlockLayout, LayoutRequest, VllmServe
 from tiered_kv.ops.warmup.vllm_pages import (
     decoder_kv_cache_config,
     one_line,
@@ -107,42 +107,21 @@ class TieringRows:
         return int(self.spec.kv_bytes_per_chunk)
 
 
-def tiering_rows(
-    model_dir: str,
-    extra_config: Mapping[str, Any],
-    *,
-    dtype: str = "auto",
-    gpu_block_size: int = 16,
-    tp_size: int = 1,
-    kv_cache_layout: str | None = None,
-    attention_backend: str | None = None,
-) -> TieringRows:
-    """The rows and namespace of ``TieredDiskTier`` in a vLLM server started as
-    ``vllm serve model_dir --dtype dtype --block-size gpu_block_size
-    --tensor-parallel-size tp_size --attention-backend attention_backend`` with
-    ``extra_config`` (the server's extra config as given, ``secondary_tiers`` included;
-    ``vllm_pages.server_vllm_config``) and KV-cache layout ``kv_cache_layout`` (default:
-    the one vLLM resolves for the backend). Raises
-    ``WarmupError`` naming what the server would refuse, or rows the warm-up does not
-    write (module docstring)."""
+def tiering_rows(serve: VllmServe) -> TieringRows:
+    """The rows and namespace of ``TieredDiskTier`` in ``serve``, whose extra config is
+    the server's as given, ``secondary_tiers`` included (``vllm_pages.server_vllm_config``);
+    its ``fingerprint`` is the disk namespace the tier opens, for any backend vLLM knows.
+    Raises ``WarmupError`` naming what the server would refuse, or rows the warm-up does
+    not write (module docstring)."""
     # vLLM's spec fills in the entries' back-pressure settings: work on a copy.
-    extra = copy.deepcopy(dict(extra_config))
+    extra = copy.deepcopy(dict(serve.extra_config))
     entry = disk_tier_entry(extra)
     try:
         # The entry as the tier parses it at start-up: what it refuses is refused here.
         tier_config = parse_tier_config(entry)
     except ConfigError as e:
         raise WarmupError(f"{DISK_TIER_TYPE} entry: {e}") from None
-    vc = server_vllm_config(
-        model_dir,
-        extra,
-        dtype=dtype,
-        gpu_block_size=gpu_block_size,
-        tp_size=tp_size,
-        kv_cache_layout=kv_cache_layout,
-        hash_algorithm=tier_config.hash_algorithm,
-        attention_backend=attention_backend,
-    )
+    vc = server_vllm_config(replace(serve, extra_config=extra), hash_algorithm=tier_config.hash_algorithm)
     with set_current_vllm_config(vc):
         try:
             offloading = build_offloading_config(vc, decoder_kv_cache_config(vc))
@@ -180,30 +159,6 @@ def tiering_rows(
     return TieringRows(vc, offloading, spec, tier_config, fingerprint)
 
 
-def server_fingerprint(
-    model_dir: str,
-    extra_config: Mapping[str, Any],
-    *,
-    dtype: str = "auto",
-    gpu_block_size: int = 16,
-    tp_size: int = 1,
-    kv_cache_layout: str | None = None,
-    attention_backend: str | None = None,
-) -> Fingerprint:
-    """The disk namespace ``TieredDiskTier`` opens in a vLLM server with these settings
-    (``tiering_rows``): for vLLM's tiering what ``vllm_pages.server_fingerprint`` is
-    for ``TieredOffloadingSpec``, for any backend vLLM knows. Raises ``WarmupError``."""
-    return tiering_rows(
-        model_dir,
-        extra_config,
-        dtype=dtype,
-        gpu_block_size=gpu_block_size,
-        tp_size=tp_size,
-        kv_cache_layout=kv_cache_layout,
-        attention_backend=attention_backend,
-    ).fingerprint
-
-
 class VllmRowsLayout(BlockLayout):
     """Blocks as ``TieredDiskTier`` stores them under vLLM's ``TieringOffloadingSpec`` in
     a server with the request's settings (module docstring). ``request.extra_config`` is
@@ -218,15 +173,7 @@ class VllmRowsLayout(BlockLayout):
                 f"--model: the vllm layout needs the model as a local directory ({SPEC}'s namespace "
                 "covers its weights digest, and its rows are sized from its config.json)"
             )
-        self.rows = tiering_rows(
-            r.model_dir,
-            r.extra_config,
-            dtype=str(r.dtype).removeprefix("torch."),
-            gpu_block_size=r.gpu_block_size,
-            tp_size=r.tp_size,
-            kv_cache_layout=r.kv_cache_layout,
-            attention_backend=r.attention_backend,
-        )
+        self.rows = tiering_rows(r.vllm_serve())
         self.spec = self.rows.spec
         self.attention_backend, self.page_order = recorded_page_order(self.rows.vllm_config)
         mc = self.rows.vllm_config.model_config

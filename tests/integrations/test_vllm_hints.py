@@ -1,0 +1,328 @@
+"""KV hints and prefetch while waiting, inside vLLM 0.33's real scheduler and worker
+connector moving real bytes on CPU tensors (tests/support/vllm_harness.py,
+``worker="real"``), with ``TieredPrefetchingConnector`` (the connector that carries
+prefetch jobs, ``prefetch_jobs``) and the recompute policy.
+
+What they show: a request that carries ``kv.retain`` keeps its prefix in the CPU tier
+through an eviction storm that pushes out an unhinted one, and ``kv.release`` (or the
+lease's end) lets it go; ``kv.prefetch`` turns the next request's disk chunks into CPU
+hits, with the bytes the prefix calls for; a request that waits behind another has its
+disk chunks moved into CPU before it runs, and an aborted one's queue is dropped; an
+envelope that is malformed in every way leaves every tier and every answer as without
+hints, and is counted.
+
+I/O: a disk tier in pytest's tmp_path; the test process plays the scheduler and the worker.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM is not installed (make venv installs it)",
+    exc_type=ImportError,
+)
+
+from support import vllm_harness as vh  # noqa: E402
+from test_vllm_tiers import BLOCK, GPU_BLOCK_BYTES, SPEC, _durable, _keys, _prompt, _zero_gpu  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from tiered_kv.config import ConfigError, TieredConfig  # noqa: E402
+from tiered_kv.integrations.vllm.hints import HintSettings  # noqa: E402
+from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
+from tiered_kv.integrations.vllm.prefetch_jobs import TieredPrefetchingConnector  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+CONDUIT = {
+    "kv_connector": "TieredPrefetchingConnector",
+    "kv_connector_module_path": "tiered_kv.integrations.vllm.prefetch_jobs",
+    "kv_load_failure_policy": "recompute",
+}
+CHUNKS = 4  # chunks of the prefixes the tests follow
+STORM = 6  # prompts of CHUNKS chunks each that push a 16-chunk CPU tier's contents out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return vh.write_model_config(tmp_path_factory.mktemp("model"))
+
+
+def _build(model_dir, *, disk=None, cpu_chunks: int = 16, **vllm) -> vh.VllmHarness:
+    config = {**SPEC, "cpu_bytes": f"{cpu_chunks * GPU_BLOCK_BYTES}B", "block_size": BLOCK}
+    if disk is not None:
+        config.update(disk_path=str(disk), disk_bytes=f"{256 * 4096}B", promote_on_hit=False)
+    return vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **CONDUIT, **vllm)
+
+
+def _action(kind: str, payload, version: str = "1") -> KvHintAction:
+    return KvHintAction(action_id=f"a-{kind}", action_type=kind, action_version=version, payload=payload)
+
+
+def _envelope(*actions: KvHintAction, protocol: str = "0.1") -> KvHintsEnvelope:
+    return KvHintsEnvelope(protocol_version=protocol, message_id="m-1", actions=list(actions))
+
+
+def _add(h: vh.VllmHarness, prompt: list[int], hints=None, max_tokens: int = 1, params=None) -> str:
+    """``h.add_request`` with a KV-hints envelope (and ``kv_transfer_params``), as vLLM's
+    engine hands them over."""
+    req_id = f"hinted-{len(h.scheduler.requests)}-{time.monotonic_ns()}"
+    hash_fn = get_hash_fn_by_name(h.vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    request = Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params} if params else None
+        ),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(h.block_size, hash_fn),
+        kv_hints=hints,
+    )
+    h.scheduler.add_request(request)
+    return req_id
+
+
+def _serve(h: vh.VllmHarness, prompt: list[int], hints=None) -> vh.PrefixHit:
+    req_id = _add(h, prompt, hints)
+    h.settle()
+    return h.prefix_hits[req_id]
+
+
+def _storm(h: vh.VllmHarness, seed: int = 100) -> None:
+    for i in range(STORM):
+        _serve(h, _prompt(seed + i, CHUNKS * BLOCK + 5))
+
+
+def _manager(h: vh.VllmHarness) -> TieredVllmManager:
+    manager = h.manager
+    assert isinstance(manager, TieredVllmManager)
+    assert isinstance(h.connector, TieredPrefetchingConnector)
+    return manager
+
+
+# ------------------------------------------------------------------ retain, release
+
+
+def test_a_retained_prefix_stays_in_cpu_through_an_eviction_storm_and_goes_once_released(model_dir):
+    with _build(model_dir) as h:
+        m = _manager(h)
+        kept, lost = _prompt(1, CHUNKS * BLOCK + 5), _prompt(2, CHUNKS * BLOCK + 5)
+        _serve(h, kept, _envelope(_action("kv.retain", {"ttl_s": 60, "lease_id": "session-1"})))
+        _serve(h, lost)
+        assert all(m.composite.cpu.is_loadable(k) for k in _keys(kept) + _keys(lost))
+        _storm(h)
+        assert all(m.composite.cpu.is_loadable(k) for k in _keys(kept))
+        assert not any(m.composite.cpu.is_loadable(k) for k in _keys(lost))
+        assert m.hints.snapshot()["pinned_blocks"] == {"cpu": CHUNKS}
+        # Served from the CPU tier, with the prefix's bytes, and the load renews the lease.
+        lease = m.hints.leases.leases["session-1"]
+        before = lease.expires
+        h.reset_gpu_prefix_cache()
+        _zero_gpu(h)
+        req_id = h.admit(kept)
+        assert h.prefix_hits[req_id].external == CHUNKS * BLOCK
+        assert all(h.kv_matches(req_id))
+        assert lease.expires > before
+        h.settle()
+        # Another request releases the lease: the next storm takes the prefix too.
+        _serve(h, _prompt(3, 20), _envelope(_action("kv.release", {"lease_id": "session-1"})))
+        assert m.hints.snapshot()["leases"] == 0 and m.hints.snapshot()["pinned_blocks"] == {"cpu": 0}
+        _storm(h, seed=200)
+        assert not any(m.composite.cpu.is_loadable(k) for k in _keys(kept))
+        assert m.hints.snapshot()["actions"] == {"retain.accepted": 1, "release.accepted": 1}
+
+
+def test_a_lease_ends_after_its_ttl_and_never_pins_past_its_budget(model_dir):
+    with _build(model_dir) as h:
+        m = _manager(h)
+        # 6 chunks against a budget of a quarter of 16 slots: 4 pinned, 2 left to LRU.
+        long = _prompt(4, 6 * BLOCK + 5)
+        _serve(h, long, _envelope(_action("kv.retain", {"ttl_s": 0.2})))
+        snap = m.hints.snapshot()
+        assert snap["pinned_blocks"] == {"cpu": 4} and snap["lease_clipped"] == 2
+        _storm(h)
+        assert [m.composite.cpu.is_loadable(k) for k in _keys(long)] == [True] * 4 + [False] * 2
+        time.sleep(0.25)
+        h.step()  # the step's end drops what expired
+        assert m.hints.snapshot()["leases"] == 0 and m.hints.snapshot()["pinned_blocks"] == {"cpu": 0}
+
+
+# ------------------------------------------------------------------ prefetch
+
+
+def _disk_only(h: vh.VllmHarness, *prompts: list[int]) -> list[bytes]:
+    """Serve ``prompts``, let their disk writes land, push them out of CPU (and forget
+    the GPU prefix cache): their keys."""
+    for prompt in prompts:
+        _serve(h, prompt)
+    _durable(h)
+    _storm(h)
+    _durable(h)
+    h.reset_gpu_prefix_cache()
+    keys = [k for prompt in prompts for k in _keys(prompt)]
+    m = _manager(h)
+    assert not any(m.composite.cpu.is_loadable(k) for k in keys)
+    assert all(m.composite.tier("disk").is_loadable(k) for k in keys)
+    return keys
+
+
+def _next_request_hits(h: vh.VllmHarness, prefix: list[int], hints) -> tuple[dict[str, int], list[bool]]:
+    """A request on ``prefix`` carrying ``hints``, then another on the same prefix: where
+    the second one's prefix came from (chunks per tier) and whether its bytes match."""
+    m = _manager(h)
+    _serve(h, prefix + _prompt(7, 9), hints)
+    h.settle()
+    h.reset_gpu_prefix_cache()
+    _zero_gpu(h)
+    before = {t: m.composite.stats.tiers[t]["hits"] for t in ("cpu", "disk")}
+    req_id = h.admit(prefix + _prompt(8, 11))
+    matches = h.kv_matches(req_id)
+    h.settle()
+    return {t: m.composite.stats.tiers[t]["hits"] - before[t] for t in before}, matches
+
+
+def test_a_prefetch_hint_turns_the_next_requests_disk_chunks_into_cpu_hits(model_dir, tmp_path):
+    prefix = _prompt(5, CHUNKS * BLOCK)
+    with _build(model_dir, disk=tmp_path / "plain") as h:
+        _disk_only(h, prefix)
+        plain, matches = _next_request_hits(h, prefix, None)
+        assert plain == {"cpu": 0, "disk": CHUNKS} and all(matches)
+    with _build(model_dir, disk=tmp_path / "hinted") as h:
+        _disk_only(h, prefix)
+        hinted, matches = _next_request_hits(h, prefix, _envelope(_action("kv.prefetch", {})))
+        assert hinted == {"cpu": CHUNKS, "disk": 0} and all(matches)
+        snap = _manager(h).hints.snapshot()
+        assert snap["prefetch"]["disk.prefetches"] == CHUNKS and snap["prefetch"]["disk.prefetch_used"] == CHUNKS
+        stats = h.stats()
+        assert stats["tiered_kv_tier_blocks:('disk', 'prefetches')"] == CHUNKS
+        assert stats["tiered_kv_tier_blocks:('disk', 'prefetch_used')"] == CHUNKS
+        h.publish_metrics()  # vLLM's Prometheus side takes them (it refuses an undeclared metric)
+
+
+def test_a_waiting_request_has_its_disk_chunks_in_cpu_before_it_runs_and_an_aborted_ones_are_dropped(
+    model_dir, tmp_path
+):
+    prefix, other = _prompt(6, CHUNKS * BLOCK), _prompt(9, CHUNKS * BLOCK)
+    with _build(model_dir, disk=tmp_path / "disk", max_num_seqs=1) as h:
+        m = _manager(h)
+        _disk_only(h, prefix, other)
+        keys, other_keys = _keys(prefix), _keys(other)
+        # One request runs (decoding for a while); two wait behind it, one aborted at once.
+        runner = _add(h, _prompt(10, 40), max_tokens=30)
+        h.step()
+        waiter = _add(h, prefix + _prompt(11, 9), max_tokens=3)
+        aborted = _add(h, other + _prompt(12, 9))
+        h.scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+        h.step_until(lambda: all(m.composite.cpu.is_loadable(k) for k in keys))
+        assert h.scheduler.requests[waiter].status == RequestStatus.WAITING
+        before = m.composite.stats.tiers["disk"]["hits"]
+        _zero_gpu(h)  # only a load brings the prefix's bytes
+        h.step_until(lambda: h.scheduler.requests[waiter].num_output_tokens >= 1)
+        assert h.scheduler.requests.get(runner) is None
+        assert h.prefix_hits[waiter].external == CHUNKS * BLOCK and all(h.kv_matches(waiter))
+        h.settle()
+        assert m.composite.stats.tiers["disk"]["hits"] == before  # every chunk came from CPU
+        # The aborted request's queue went before any of it was read.
+        assert not any(m.composite.cpu.is_loadable(k) for k in other_keys)
+        snap = m.hints.snapshot()["prefetch"]
+        assert snap["disk.prefetches"] == snap["disk.prefetch_used"] == CHUNKS
+        assert snap["disk.prefetch_cancelled"] == CHUNKS
+
+
+def test_a_cache_reset_drops_every_lease_and_what_a_prefetch_in_flight_reads(model_dir, tmp_path):
+    prefix, kept = _prompt(13, CHUNKS * BLOCK), _prompt(14, CHUNKS * BLOCK + 5)
+    with _build(model_dir, disk=tmp_path / "disk", max_num_seqs=1) as h:
+        m = _manager(h)
+        _disk_only(h, prefix)
+        _serve(h, kept, _envelope(_action("kv.retain", {})))
+        assert m.hints.snapshot()["pinned_blocks"]["cpu"] == CHUNKS
+        # A request waits behind a running one; the reset comes while its prefetch is
+        # in flight (the workers' report of its end not yet read by the scheduler).
+        runner = _add(h, _prompt(10, 40), max_tokens=30)
+        h.step()
+        waiter = _add(h, prefix + _prompt(15, 9))
+        h.step()
+        assert m.hints.prefetcher.bytes_in_flight > 0
+        h.scheduler.finish_requests([runner, waiter], RequestStatus.FINISHED_ABORTED)
+        assert h.scheduler.reset_prefix_cache(reset_connector=True)
+        assert m.hints.snapshot()["leases"] == 0
+        h.settle()
+        assert m.hints.prefetcher.bytes_in_flight == 0
+        assert m.composite.used_blocks() == {"cpu": 0, "disk": 0}
+
+
+# ------------------------------------------------------------------ malformed
+
+
+MALFORMED = [
+    _envelope(
+        _action("kv.retain", {"ttl_s": "soon"}),
+        _action("kv.retain", {"ttl_s": -1}),
+        _action("kv.retain", {"ttl_s": True}),
+        _action("kv.retain", {"lease_id": 5}),
+        _action("kv.release", {"lease_id": ""}),
+        _action("kv.prefetch", "all of it"),
+        _action("kv.prefetch", {}, version="2.0"),
+        _action("kv.evict", {}),
+        KvHintAction(action_id="x", action_type=None, action_version=None, payload=None),  # type: ignore[arg-type]
+    ),
+    _envelope(_action("kv.prefetch", {}), protocol="7"),
+    KvHintsEnvelope(protocol_version="0.1", message_id="m", actions="kv.prefetch"),  # type: ignore[arg-type]
+    _envelope(*[_action("kv.release", {}) for _ in range(20)]),
+]
+
+
+def test_a_malformed_envelope_changes_nothing_and_is_counted(model_dir, tmp_path):
+    """The same requests, without hints and with an envelope malformed in every way:
+    the same hits, stores and evictions in every tier, no lease, no prefetch."""
+    prefix = _prompt(5, CHUNKS * BLOCK)
+    runs = []
+    for i, envelopes in enumerate([[None] * len(MALFORMED), MALFORMED]):
+        with _build(model_dir, disk=tmp_path / f"run{i}") as h:
+            m = _manager(h)
+            _disk_only(h, prefix)
+            for j, envelope in enumerate(envelopes):
+                _serve(h, prefix + _prompt(20 + j, 9), envelope)
+            _durable(h)
+            events = ("hits", "stores", "evictions", "promotions")
+            tiers = {t: {e: c[e] for e in events} for t, c in m.composite.stats.tiers.items()}
+            cpu = [m.composite.cpu.is_loadable(k) for k in _keys(prefix)]
+            runs.append((tiers, cpu, m.hints.snapshot()))
+    (plain_tiers, plain_cpu, plain), (tiers, cpu, hinted) = runs
+    assert tiers == plain_tiers and cpu == plain_cpu
+    assert hinted["leases"] == plain["leases"] == 0 and hinted["prefetch"] == plain["prefetch"]
+    assert hinted["actions"] == {
+        "retain.malformed": 4,
+        "release.malformed": 1,
+        "prefetch.malformed": 1,
+        "prefetch.unsupported_version": 2,
+        "other.unknown_action": 2,
+        "other.malformed": 1,
+        "release.accepted": 16,
+        "release.too_many": 4,
+    }
+
+
+def test_settings_read_their_keys_and_name_a_bad_value():
+    raw = {"prefetch_waiting": False, "prefetch_max_bytes": "64MiB", "lease_budget": 0.1, "lease_max_ttl_s": 60}
+    got = HintSettings.from_config(TieredConfig.from_dict(raw))
+    assert got == HintSettings(prefetch_waiting=False, prefetch_max_bytes=64 << 20, lease_budget=0.1, max_ttl_s=60.0)
+    assert HintSettings.from_config(TieredConfig()) == HintSettings()
+    for raw, message in [
+        ({"lease_budget": 0.75}, "lease_budget: expected a share of each tier from 0 to 0.5, got 0.75"),
+        ({"lease_budget": "a lot"}, "lease_budget: expected a number, got 'a lot'"),
+        ({"lease_max_ttl_s": 0}, "lease_max_ttl_s: expected seconds > 0, got 0.0"),
+        ({"prefetch_waiting": "maybe"}, "prefetch_waiting: expected true or false"),
+        ({"prefetch_max_bytes": "lots"}, "prefetch_max_bytes"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            TieredConfig.from_dict(raw)

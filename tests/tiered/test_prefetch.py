@@ -1,0 +1,212 @@
+"""``tiered_kv.tiered.prefetch.Prefetcher`` over the real composite (the LRU CPU tier over
+a real disk tier's manager, its index in pytest's tmp_path): what a prefetch pins and
+reserves, how it ends (loadable, failed, abandoned by a reset), the order and bounds of
+``issue``, a request loading the same block meanwhile, and its counters. Bookkeeping only:
+no worker runs, a test plays the worker by ending jobs."""
+
+from __future__ import annotations
+
+import pytest
+from support.disk_fixtures import disk_bytes_for, fingerprint, small_layout
+
+from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiered.prefetch import Prefetcher
+from tiered_kv.tiered.transfer_specs import TieredLoadSpec
+
+BPB = 1000  # bytes per block, for the byte bounds
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+@pytest.fixture
+def composite(tmp_path):
+    layout = small_layout()
+    disk = DiskOffloadingManager(
+        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, 32), engine_id="p", poll_interval=None
+    )
+    m = TieredOffloadingManager(CPUOffloadingManager(4, 16), disk, max_pending_writes=64)
+    yield m
+    m.shutdown()
+
+
+def on_disk_only(m: TieredOffloadingManager, *ids: int) -> None:
+    """Store blocks ``ids`` (written through to disk), then push them out of CPU."""
+    for i in ids:
+        out = m.prepare_store([h(i)])
+        assert out is not None
+        m.complete_store(out.block_hashes_to_store)
+        disk = m.tier("disk")
+        disk.complete_store(list(disk.pending_blocks()))
+        m.cpu.remove(h(i))
+    assert all(m.hit_tier(h(i)) == 0 for i in ids)
+
+
+def test_a_prefetch_pins_the_disk_block_reserves_a_cpu_slot_and_makes_it_loadable_when_it_ends(composite):
+    m = composite
+    on_disk_only(m, 1, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1), h(2)])
+    (job,) = p.issue()
+    assert isinstance(job.spec, TieredLoadSpec) and job.spec.block_hashes == [h(1), h(2)]
+    assert job.spec.cpu_slots.tolist() == [-1, -1] and (job.spec.promote_slots >= 0).all()
+    assert job.nbytes == 2 * BPB and p.bytes_in_flight == 2 * BPB
+    disk = m.tier("disk")
+    assert disk.is_pinned(h(1)) and h(1) in m.cpu and not m.cpu.is_loadable(h(1))
+    assert m.stats.tiers["cpu"]["promotions"] == 2 and m.stats.tiers["disk"]["hits"] == 0
+    assert p.complete(job.job_id) == []
+    assert m.cpu.is_loadable(h(1)) and m.cpu.is_loadable(h(2)) and not disk.is_pinned(h(1))
+    assert m.hit_tier(h(1)) == -1 and p.bytes_in_flight == 0
+    # A load from CPU afterwards uses the prefetch; the unused block is wasted once evicted.
+    m.prepare_load([h(1)])
+    p.loaded([h(1)])
+    m.complete_load([h(1)])
+    m.cpu.remove(h(2))
+    counts = {event: n for tier, event, n in p.counters()}
+    assert counts == {
+        "prefetches": 2,
+        "prefetch_used": 1,
+        "prefetch_wasted": 1,
+        "prefetch_cancelled": 0,
+        "prefetch_failed": 0,
+    }
+
+
+def test_a_failed_block_is_not_kept_and_the_others_are(composite):
+    m = composite
+    on_disk_only(m, 1, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1), h(2)])
+    (job,) = p.issue()
+    p.complete(job.job_id, failed=[h(2)])
+    assert m.cpu.is_loadable(h(1)) and h(2) not in m.cpu
+    assert m.hit_tier(h(2)) == 0  # still on disk, unpinned
+    assert m.stats.tiers["disk"]["failed_loads"] == 1
+    assert ("disk", "prefetch_failed", 1) in p.counters()
+
+
+def test_blocks_in_cpu_are_skipped_and_a_block_held_nowhere_ends_the_queue(composite):
+    m = composite
+    on_disk_only(m, 2, 4)
+    out = m.prepare_store([h(1)])
+    m.complete_store(out.block_hashes_to_store)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1), h(2), h(3), h(4)])  # 1 in CPU, 3 nowhere: 4 is never loaded by a prefix lookup
+    (job,) = p.issue()
+    assert job.spec.block_hashes == [h(2)]
+    assert not p.queued("r1") and p.issue() == []
+
+
+def test_issue_is_bounded_in_bytes_oldest_first_and_a_hint_goes_first(composite):
+    m = composite
+    on_disk_only(m, 1, 2, 3, 4)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=2 * BPB + BPB // 2, max_unused=4)
+    p.want("old", [h(1), h(2)])
+    p.want("new", [h(3)])
+    p.want("hinted", [h(4)], first=True)
+    jobs = p.issue()
+    assert [j.spec.block_hashes for j in jobs] == [[h(4)], [h(1)]]  # two blocks fit in 2.5 blocks of bytes
+    assert p.issue() == []
+    p.complete(jobs[0].job_id)
+    (job,) = p.issue()
+    assert job.spec.block_hashes == [h(2)]
+
+
+def test_prefetched_blocks_nobody_used_yet_are_bounded(composite):
+    m = composite
+    on_disk_only(m, 1, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB, max_unused=1)
+    p.want("r1", [h(1), h(2)])
+    (job,) = p.issue()
+    assert job.spec.block_hashes == [h(1)]
+    p.complete(job.job_id)
+    assert p.issue() == []  # h(1) waits unused in CPU
+    p.loaded([h(1)])
+    assert [j.spec.block_hashes for j in p.issue()] == [[h(2)]]
+
+
+def test_no_prefetch_while_a_request_loads_from_the_tier(composite):
+    m = composite
+    on_disk_only(m, 1, 2)
+    m.prepare_load([h(1)])  # a request's load from disk
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r2", [h(2)])
+    assert p.issue() == []
+    m.complete_load([h(1)])
+    assert [j.spec.block_hashes for j in p.issue()] == [[h(2)]]
+
+
+def test_cpu_slots_come_only_from_free_slots_and_blocks_held_below_never_a_spill(composite):
+    m = composite
+    on_disk_only(m, 1, 2, 3)
+    # Fill CPU: two blocks only in CPU (write-back would spill them), two pinned by a load.
+    m.write_policies = ("write_back",)
+    for i in (11, 12):
+        out = m.prepare_store([h(i)])
+        m.complete_store(out.block_hashes_to_store)
+    m.write_policies = ("write_through",)
+    for i in (13, 14):
+        out = m.prepare_store([h(i)])
+        m.complete_store(out.block_hashes_to_store)
+    m.prepare_load([h(13), h(14)])
+    assert m.cpu.num_free_slots() == 0
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1), h(2)])
+    assert p.issue() == []  # no slot without a spill: the queue stays
+    assert p.queued("r1") and not m.tier("disk").is_pinned(h(1))
+    m.complete_load([h(13), h(14)])  # now evictable, and on disk
+    m.cpu.touch([h(11), h(12)])  # the CPU-only blocks rank most recent: 13 and 14 go first
+    (job,) = p.issue()
+    assert job.spec.block_hashes == [h(1), h(2)]
+    assert m.cpu.is_loadable(h(11)) and m.cpu.is_loadable(h(12))
+
+
+def test_a_request_loading_a_block_being_prefetched_reads_it_below_and_the_slot_waits_for_both(composite):
+    m = composite
+    on_disk_only(m, 1)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1)])
+    (job,) = p.issue()
+    assert m.hit_tier(h(1)) == 0
+    spec = m.prepare_load([h(1)])
+    assert isinstance(spec, TieredLoadSpec) and spec.promote_slots.tolist() == [-1]
+    p.complete(job.job_id)
+    assert not m.cpu.is_loadable(h(1))  # the request still reads the disk slot
+    m.complete_load([h(1)])
+    assert m.cpu.is_loadable(h(1))
+
+
+def test_cancel_drops_the_queue_and_counts_what_a_lower_tier_held(composite):
+    m = composite
+    on_disk_only(m, 1, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1), h(2), h(3)])
+    assert p.cancel("r1") == 2 and p.cancel("r1") == 0
+    assert p.issue() == []
+    assert ("disk", "prefetch_cancelled", 2) in p.counters()
+
+
+def test_an_abandoned_job_ends_failed_and_hands_its_blocks_back(composite):
+    m = composite
+    on_disk_only(m, 1, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1)])
+    p.want("r2", [h(2)])
+    (job,) = p.issue()[:1]
+    p.abandon()
+    assert not p.queued("r1") and not p.queued("r2")
+    assert p.complete(job.job_id) == [h(1)]
+    assert h(1) not in m.cpu and not m.tier("disk").is_pinned(h(1))
+    assert p.complete(job.job_id) == []  # once
+
+
+def test_bad_bounds_are_named(composite):
+    with pytest.raises(ValueError, match="max_bytes_in_flight must hold at least one block"):
+        Prefetcher(composite, bytes_per_block=BPB, max_bytes_in_flight=BPB - 1)
+    with pytest.raises(ValueError, match="bytes_per_block must be >= 1, got 0"):
+        Prefetcher(composite, bytes_per_block=0, max_bytes_in_flight=BPB)
+    with pytest.raises(ValueError, match="max_unused must be >= 1 block, got 0"):
+        Prefetcher(composite, bytes_per_block=BPB, max_bytes_in_flight=BPB, max_unused=0)
