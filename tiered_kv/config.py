@@ -99,6 +99,37 @@ def parse_cpu_admission(value: Any, key: str) -> str:
     )
 
 
+#: ``cpu_retention: session``'s budget share of the CPU tier's slots, and the most a
+#: config may give it: the replays of docs/benchmarks.md ("CPU admission against
+#: Belady") found 0.75 and 0.9 both above 0.5, and 0.9 no better where RAM is scarce.
+DEFAULT_RETENTION_SHARE = 0.75
+MAX_RETENTION_SHARE = 0.9
+_SESSION_RE = re.compile(r"^session(?:\((\d*\.?\d+)\))?$")
+
+
+def parse_cpu_retention(value: Any, key: str = "cpu_retention") -> str:
+    """``"none"``, ``"session"`` or ``"session(S)"`` (S: the share of the CPU tier's slots
+    that holds may take, 0 < S <= ``MAX_RETENTION_SHARE``), in canonical spelling; raises
+    ``ConfigError`` naming the bad value (``tiered_kv.cpu.retention``)."""
+    if value is None or value == "none":
+        return "none"
+    m = _SESSION_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
+    if m and (m.group(1) is None or 0 < float(m.group(1)) <= MAX_RETENTION_SHARE):
+        return "session" if m.group(1) is None else f"session({float(m.group(1)):g})"
+    raise ConfigError(
+        f"{key}: expected 'none', 'session' or 'session(S)' with 0 < S <= {MAX_RETENTION_SHARE} (hold each "
+        f"returning session's latest blocks for its learned gap, within S x the CPU tier's slots), got {show(value)}"
+    )
+
+
+def retention_share(value: str) -> float | None:
+    """The budget share of a parsed ``cpu_retention`` value; None for ``none``."""
+    m = _SESSION_RE.match(value)
+    if value == "none" or m is None:
+        return None
+    return DEFAULT_RETENTION_SHARE if m.group(1) is None else float(m.group(1))
+
+
 def admit_after(write_admission: Any, tier_name: str) -> int:
     """Stores-or-hits a block needs before it is written to ``tier_name`` (1 for ``all``)."""
     value = write_admission.get(tier_name, "all") if isinstance(write_admission, Mapping) else write_admission
@@ -208,6 +239,10 @@ class TieredConfig:
     #: The CPU tier: ``all`` (every stored block ranks most recent), or ``reuse(N)`` (a
     #: block ranks first to evict until it has been stored or hit N times).
     cpu_admission: str = "all"
+    #: The CPU tier: ``none``, or ``session`` / ``session(S)``: hold each returning
+    #: session's latest blocks for the gap it learned between its turns, within S (0.75)
+    #: of the tier's slots (``tiered_kv.cpu.retention``).
+    cpu_retention: str = "none"
     #: vLLM only, with ``TieredPrefetchingConnector``: a waiting request's lower-tier
     #: blocks start moving into the CPU tier when it arrives, at most
     #: ``prefetch_max_bytes`` in flight (``tiered_kv.tiered.prefetch``).
@@ -255,6 +290,7 @@ class TieredConfig:
         "prefill_tokens_per_s": _parse_positive_float,
         "write_admission": parse_write_admission,
         "cpu_admission": parse_cpu_admission,
+        "cpu_retention": parse_cpu_retention,
         "prefetch_waiting": parse_bool,
         "prefetch_max_bytes": parse_size,
         "lease_budget": lambda v, k: _parse_number(v, k, 0.0, 0.5, "a share of each tier from 0 to 0.5"),

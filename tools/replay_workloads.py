@@ -19,11 +19,16 @@ Mooncake's FAST'25 format (``read_mooncake``): ``{"timestamp", "input_length",
 "output_length", "hash_ids": [ints]}``, ``hash_ids`` the prefix-chained ids of
 512-token blocks, of which the last is partial unless ``input_length`` is a multiple
 of 512 (a partial block is not offloadable: its tokens are always computed).
+
+Agentic coding conversations (``read_claude_code``, ``read_claude_code_folder``): the
+kv-cache-tester files (64-token blocks, ids local to a conversation), for
+``tools/replay_claude_code.py``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,6 +179,82 @@ def read_mooncake(path: Path) -> MooncakeTrace:
     if not requests:
         raise ValueError(f"{path}: no request")
     return MooncakeTrace(f"trace {Path(path).name}", requests, tails, stamps)
+
+
+CLAUDE_CODE_BLOCK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class AgentRequest:
+    """One LLM request of an agentic conversation: its arrival (seconds since the
+    conversation began), its prompt tokens, the ids of its full blocks (made unique
+    across conversations) and its session: the conversation, with the sub-agent's id
+    for a sub-agent's requests."""
+
+    time: float
+    tokens: int
+    blocks: tuple[int, ...]
+    session: tuple[str, str]
+
+
+def read_claude_code(path: Path) -> list[AgentRequest]:
+    """One kv-cache-tester conversation file (``traces/claude_code_kvtester/`` README):
+    its requests with the sub-agents' nested ones flattened, in time order. A nested
+    request's ``t`` counts from its sub-agent's start (its ``t`` in the parent). Block
+    ids are local to a conversation (``hash_id_scope: local``): each is prefixed with
+    the conversation's number, so two conversations never share a block. Raises
+    ``ValueError`` naming the file and what is wrong."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        conversation = str(doc["id"])
+        if doc.get("block_size", CLAUDE_CODE_BLOCK_TOKENS) != CLAUDE_CODE_BLOCK_TOKENS:
+            raise ValueError(f"block_size {doc['block_size']}; expected {CLAUDE_CODE_BLOCK_TOKENS}")
+        if doc.get("hash_id_scope", "local") != "local":
+            raise ValueError(f"hash_id_scope {doc['hash_id_scope']!r}; expected 'local'")
+        number = int(re.sub(r"\D", "", conversation) or 0)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(
+            f"{path}: not a kv-cache-tester conversation ({exc}); expected "
+            '{"id": "trace_NNNN", "block_size": 64, "hash_id_scope": "local", "requests": [...]}'
+        ) from None
+    out: list[AgentRequest] = []
+
+    def walk(requests: list, start: float, agent: str, where: str) -> None:
+        for k, r in enumerate(requests):
+            at = f"{where}[{k}]"
+            try:
+                t = start + float(r["t"])
+                if r.get("type") == "subagent":
+                    walk(r["requests"], t, str(r.get("agent_id", at)), f"{at}.requests")
+                    continue
+                ids = [int(h) for h in r["hash_ids"]]
+                tokens = int(r["in"])
+                if len(ids) > tokens // CLAUDE_CODE_BLOCK_TOKENS + 1 or not 0 <= min(ids, default=0) < 2**32:
+                    raise ValueError(f"{len(ids)} hash_ids (0 <= id < 2**32) for {tokens} tokens")
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(
+                    f"{path}: {at}: bad request ({exc}); expected "
+                    '{"t": s, "type": "s"|"n", "in": tokens, "hash_ids": [ints]} or '
+                    '{"t": s, "type": "subagent", "agent_id": ..., "requests": [...]}'
+                ) from None
+            full = ids[: tokens // CLAUDE_CODE_BLOCK_TOKENS]
+            out.append(AgentRequest(t, tokens, tuple((number << 32) | h for h in full), (conversation, agent)))
+
+    walk(doc.get("requests", []), 0.0, "", "requests")
+    out.sort(key=lambda r: r.time)  # stable: a parent's request before a nested one at the same time
+    return out
+
+
+def read_claude_code_folder(folder: Path) -> list[AgentRequest]:
+    """Every ``*.json`` conversation in ``folder`` on one server: all begin at time 0,
+    their requests interleaved by time."""
+    files = sorted(Path(folder).glob("*.json"))
+    if not files:
+        raise ValueError(f"{folder}: no *.json conversation file")
+    requests = [r for f in files for r in read_claude_code(f)]
+    requests.sort(key=lambda r: r.time)
+    return requests
 
 
 def read_trace(path: Path, tokens_per_block: int) -> Workload:

@@ -185,3 +185,37 @@ def test_tables_show_one_hash_prefix_length(cache):
     fx.flip_byte(ns.slab_path(0), int(table.slot[0]) * ns.manifest.slot_size)
     assert table.hash(0).hex()[:HASH_PREFIX] in run("verify", cache, code=1).stdout
     assert table.hash(0).hex()[: HASH_PREFIX + 1] not in run("verify", cache, code=1).stdout
+
+
+def untimed(data):
+    """``data`` without what a second run measures anew (times, rates)."""
+    if isinstance(data, dict):
+        timed = ("generated", "seconds", "gbps", "per_s", "elapsed")
+        return {k: untimed(v) for k, v in data.items() if not any(t in k for t in timed)}
+    if isinstance(data, list):
+        return [untimed(v) for v in data]
+    return data
+
+
+def test_a_tier_named_in_a_config_is_inspected_as_its_directory(cache, tmp_path):
+    """``--tier NAME --config FILE`` finds the tier by its name in the server's config, in
+    either grammar, and a disk tier answers as its directory does; an unknown name and a
+    missing config are one error line each."""
+    for extra in (
+        {"disk_path": str(cache), "disk_bytes": "8MiB"},
+        {"tiers": [{"type": "disk", "name": "nvme", "path": str(cache), "bytes": "8MiB"}]},
+    ):
+        name = "nvme" if "tiers" in extra else "disk"
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps(extra))
+        for verb in ("summary", "ls", "verify"):
+            # summary keeps the config as one whose reads it judges, as summary PATH --config does
+            by_path = run_json(verb, cache, *(("--config", config) if verb == "summary" else ()))
+            by_tier = run_json(verb, "--tier", name, "--config", config)
+            assert untimed(by_tier) == untimed(by_path), verb
+    missing = run("ls", "--tier", "ssd", "--config", config, code=2)
+    assert "has no tier of that name (its tiers: nvme)" in missing.output
+    alone = run("ls", "--tier", "nvme", code=2)
+    assert "give the server's config (--config FILE, once)" in alone.output
+    stray = run("ls", str(cache), "--config", config, code=2)
+    assert "--config applies with --tier NAME" in stray.output

@@ -28,9 +28,10 @@ pytest.importorskip(
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from support.cli import run_cli, write_transfer_config  # noqa: E402
 from support import vllm_harness as vh  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, TransferResult, make_offload_key  # noqa: E402
+from support import vllm_tiering  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
@@ -40,7 +41,6 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.disk.format.namespace import list_namespaces  # noqa: E402
 from tiered_kv.ops.server_namespace import server_disk  # noqa: E402
 from tiered_kv.ops.warmup import VllmServe  # noqa: E402
@@ -52,16 +52,6 @@ CHUNK = 4096  # one chunk of write_model_config's model: one 4 KiB-aligned CPU-t
 TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [100 + (i * 31) % 800 for i in range(3 * BLOCK + 1)]
-
-
-def _cli(*args: str, code: int | None = 0):
-    """Run the CLI; ``code``: the exit code it must end with (None: any)."""
-    _load_commands()
-    # The warm-up reads VLLM_KV_CACHE_LAYOUT as vLLM does; the servers here record LBNHC.
-    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "250", "VLLM_KV_CACHE_LAYOUT": None})
-    assert code is None or result.exit_code == code, result.output
-    assert "Traceback" not in result.output
-    return result
 
 
 def _tiering(cache: Path, **tier) -> dict:
@@ -88,14 +78,6 @@ def _tiered(cache: Path) -> dict:
         "disk_path": str(cache),
         "disk_bytes": "64KiB",
     }
-
-
-def _write(path: Path, extra: dict) -> Path:
-    """vLLM's whole --kv-transfer-config, as the server is given it."""
-    path.write_text(
-        json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
-    )
-    return path
 
 
 def _server(model_dir: Path, extra: dict, *, backend: str | None = None, layout: str = "LBNHC") -> vh.VllmHarness:
@@ -171,8 +153,10 @@ def _names(root: Path) -> set[str]:
 
 def test_summary_says_the_tier_reads_its_own_namespace_and_no_other(model_dir, cache, tmp_path):
     root, ids = cache
-    config = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny", model_path=str(model_dir)))
-    data = json.loads(_cli("inspect", "summary", str(root), "--config", str(config), "--json").stdout)
+    config = write_transfer_config(
+        tmp_path / "tiering.json", _tiering(root, model_id="tiny", model_path=str(model_dir))
+    )
+    data = json.loads(run_cli("inspect", "summary", str(root), "--config", str(config), "--json").stdout)
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
     assert read[ids["tier"]]["reads"] is True and read[ids["tier"]]["differences"] == []
     assert "unchecked" not in read[ids["tier"]]  # the whole namespace, rows and backend, computed
@@ -180,12 +164,12 @@ def test_summary_says_the_tier_reads_its_own_namespace_and_no_other(model_dir, c
     assert any(d.startswith("model_id: ") for d in read[ids["other"]]["differences"])
     spec = read[ids["spec"]]
     assert spec["reads"] is False and any(d.startswith("layout: ") for d in spec["differences"])
-    table = _cli("inspect", "summary", str(root), "--config", str(config)).stdout
+    table = run_cli("inspect", "summary", str(root), "--config", str(config)).stdout
     assert "yes" in table and "whole CPU-tier rows" in table
 
     # The other way round: TieredOffloadingSpec's config does not read the tier's rows.
-    tiered = _write(tmp_path / "tiered.json", _tiered(root))
-    data = json.loads(_cli("inspect", "summary", str(root), "--config", str(tiered), "--json").stdout)
+    tiered = write_transfer_config(tmp_path / "tiered.json", _tiered(root))
+    data = json.loads(run_cli("inspect", "summary", str(root), "--config", str(tiered), "--json").stdout)
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
     assert read[ids["spec"]]["reads"] is True
     assert read[ids["tier"]]["reads"] is False and read[ids["other"]]["reads"] is False
@@ -195,10 +179,10 @@ def test_summary_says_the_tier_reads_its_own_namespace_and_no_other(model_dir, c
 def test_clear_unread_by_keeps_the_tiers_namespace_and_its_blocks(model_dir, cache, tmp_path):
     root, ids = cache
     extra = _tiering(root, model_id="tiny", model_path=str(model_dir))
-    config = _write(tmp_path / "tiering.json", extra)
-    dry = json.loads(_cli("inspect", "clear", str(root), "--unread-by", str(config), "--dry-run", "--json").stdout)
+    config = write_transfer_config(tmp_path / "tiering.json", extra)
+    dry = json.loads(run_cli("inspect", "clear", str(root), "--unread-by", str(config), "--dry-run", "--json").stdout)
     assert sorted(dry["removed"]) == sorted([ids["other"], ids["spec"]])
-    cleared = json.loads(_cli("inspect", "clear", str(root), "--unread-by", str(config), "--yes", "--json").stdout)
+    cleared = json.loads(run_cli("inspect", "clear", str(root), "--unread-by", str(config), "--yes", "--json").stdout)
     assert sorted(cleared["removed"]) == sorted([ids["other"], ids["spec"]])
     assert _names(root) == {ids["tier"]}
     # The blocks are still there, and a server with that config still finds them.
@@ -207,24 +191,26 @@ def test_clear_unread_by_keeps_the_tiers_namespace_and_its_blocks(model_dir, cac
 
 def test_a_shape_the_tools_cannot_compute_is_refused_and_nothing_is_deleted(model_dir, cache, tmp_path):
     root, ids = cache
-    cpu_only = _write(tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30})
+    cpu_only = write_transfer_config(
+        tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30}
+    )
     elsewhere = _tiering(root)
     elsewhere["spec_module_path"] = "my_tiering.spec"
-    subclass = _write(tmp_path / "subclass.json", elsewhere)
+    subclass = write_transfer_config(tmp_path / "subclass.json", elsewhere)
     named = {**_tiering(root), "spec_name": "MyTieringSpec", "spec_module_path": "my_tiering.spec"}
-    renamed = _write(tmp_path / "renamed.json", named)
-    good = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny", model_path=str(model_dir)))
+    renamed = write_transfer_config(tmp_path / "renamed.json", named)
+    good = write_transfer_config(tmp_path / "tiering.json", _tiering(root, model_id="tiny", model_path=str(model_dir)))
     for bad, what in (
         (cpu_only, "spec_name 'CPUOffloadingSpec'"),
         (subclass, "spec_module_path 'my_tiering.spec'"),
         (renamed, "spec_name 'MyTieringSpec'"),
     ):
         before = _names(root)
-        out = _cli("inspect", "clear", str(root), "--unread-by", str(good), "--unread-by", str(bad), "--yes", code=2)
+        out = run_cli("inspect", "clear", str(root), "--unread-by", str(good), "--unread-by", str(bad), "--yes", code=2)
         assert out.stderr.startswith(f"error: --config {bad}: config {bad}: {what}"), out.stderr
         assert "TieredDiskTier" in out.stderr and len(out.stderr.splitlines()) == 1
         assert _names(root) == before == set(ids.values())
-        _cli("inspect", "summary", str(root), "--config", str(bad), code=2)
+        run_cli("inspect", "summary", str(root), "--config", str(bad), code=2)
     assert _disk_hits(model_dir, _tiering(root, model_id="tiny", model_path=str(model_dir))) == [LookupResult.HIT] * 3
 
 
@@ -249,7 +235,7 @@ def test_servers_on_two_attention_backends_open_two_namespaces_and_the_tools_tel
     assert fps[cpu].differences(fps[flash]) == ["attention_backend: 'CPU_ATTN' here, 'FLASH_ATTN' in the cache"]
 
     # Computed offline, per backend, by the function the warm-up and inspect use.
-    plain = _write(tmp_path / "tiering.json", extra)
+    plain = write_transfer_config(tmp_path / "tiering.json", extra)
     disk = server_disk(plain)
     for backend, ns in (("FLASH_ATTN", flash), ("CPU_ATTN", cpu)):
         fp = disk.vllm_fingerprint(VllmServe(str(model_dir), kv_cache_layout="LBHNC", attention_backend=backend))
@@ -257,62 +243,23 @@ def test_servers_on_two_attention_backends_open_two_namespaces_and_the_tools_tel
 
     # A config that leaves the backend to the server's flags reads either (as for TP or
     # the layout); one that starts its server on CPU_ATTN reads CPU_ATTN's alone.
-    data = json.loads(_cli("inspect", "summary", str(root), "--config", str(plain), "--json").stdout)
+    data = json.loads(run_cli("inspect", "summary", str(root), "--config", str(plain), "--json").stdout)
     assert [(ns["read_by"][0]["reads"], ns["read_by"][0]["differences"]) for ns in data["namespaces"]] == [
         (True, [])
     ] * 2
     on_cpu = _serve_config(tmp_path / "serve-cpu.json", extra, "CPU_ATTN")
-    data = json.loads(_cli("inspect", "summary", str(root), "--config", str(on_cpu), "--json").stdout)
+    data = json.loads(run_cli("inspect", "summary", str(root), "--config", str(on_cpu), "--json").stdout)
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
     assert read[cpu]["reads"] is True and read[cpu]["differences"] == [] and "unchecked" not in read[cpu]
     assert read[flash]["reads"] is False
     assert read[flash]["differences"] == ["attention_backend: 'CPU_ATTN' for the config, 'FLASH_ATTN' in the cache"]
-    table = " ".join(_cli("inspect", "summary", str(root), "--config", str(on_cpu)).stdout.split())
+    table = " ".join(run_cli("inspect", "summary", str(root), "--config", str(on_cpu)).stdout.split())
     assert "no: attention_backend: 'CPU_ATTN' for the config, 'FLASH_ATTN' in the cache" in table
-    dry = json.loads(_cli("inspect", "clear", str(root), "--unread-by", str(on_cpu), "--dry-run", "--json").stdout)
+    dry = json.loads(run_cli("inspect", "clear", str(root), "--unread-by", str(on_cpu), "--dry-run", "--json").stdout)
     assert dry["removed"] == [flash]
 
 
 # ---------------------------------------------------------------- warm-up
-
-
-class ShmHostWorker(vh.ChunkCopyWorker):
-    """vLLM's CPU worker where it cannot run (it needs CUDA): synchronous copies between
-    the CPU tensors standing in for the GPU and vLLM's shared CPU-tier region, through
-    the per-worker row views vLLM's own worker takes (``create_next_worker_view``, one
-    per canonical tensor), so a row's bytes land in the pages where vLLM's would."""
-
-    def __init__(self, kv_caches, spec: TieringOffloadingSpec):
-        self.region = SharedOffloadRegion(
-            engine_id=spec.config.engine_id,
-            num_chunks=spec.num_chunks,
-            rank=0,
-            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
-            cpu_page_size=spec.cpu_page_size_per_worker,
-        )
-        self.bpc = spec.blocks_per_chunk
-        self.gpu = [t.tensor for t in kv_caches.tensors]
-        self.page = [t.page_size_bytes for t in kv_caches.tensors]
-        self.rows = [self.region.create_next_worker_view(p * self.bpc) for p in self.page]
-        self.done: list[TransferResult] = []
-
-    @staticmethod
-    def chunk_ids(spec):
-        return spec.chunk_ids
-
-    def shutdown(self):
-        self.rows.clear()
-        self.region.cleanup()
-
-
-class CpuWorkerTieringSpec(TieringOffloadingSpec):
-    """vLLM's TieringOffloadingSpec (its manager, CPU tier and our disk tier as the config
-    builds them) with ``ShmHostWorker`` as its worker."""
-
-    def get_worker(self, kv_caches):
-        if getattr(self, "_cpu_worker", None) is None:
-            self._cpu_worker = ShmHostWorker(kv_caches, self)
-        return self._cpu_worker
 
 
 def _save_llama(path: Path, layers: int = 2) -> Path:
@@ -339,7 +286,7 @@ def weights_dir(tmp_path_factory) -> Path:
 
 
 def _warm(weights_dir: Path, config: Path, prompts: Path, *extra: str, code: int = 0):
-    return _cli(
+    return run_cli(
         "warmup",
         str(prompts),
         "--model",
@@ -381,7 +328,7 @@ def _page_is_the_models(page: bytes, k: torch.Tensor, v: torch.Tensor, block: in
 
 def test_a_warmup_with_the_tiers_config_is_hit_and_loads_the_models_kv(weights_dir, tmp_path):
     root = tmp_path / "cache"
-    config = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
+    config = write_transfer_config(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
     report = json.loads(_warm(weights_dir, config, _prompts(tmp_path, PROMPT), "--json").stdout)
     assert report["spec"] == "TieringOffloadingSpec" and report["layout"] == "vllm"
     assert report["blocks_written"] == 3 and report["bytes_written"] == 3 * CHUNK  # one row per chunk, one writer
@@ -397,7 +344,7 @@ def test_a_warmup_with_the_tiers_config_is_hit_and_loads_the_models_kv(weights_d
 
     # The same server with vLLM's CPU worker (its row views) in place: the pages that land
     # in the "GPU" are the model's own keys and values, as the warm-up computed them.
-    real = {**extra, "spec_name": "CpuWorkerTieringSpec", "spec_module_path": __name__}
+    real = {**extra, "spec_name": "ShmTieringSpec", "spec_module_path": vllm_tiering.MODULE}
     with vh.VllmHarness.build(weights_dir, real, num_gpu_blocks=32, worker="real", kv_cache_layout="LBNHC") as h:
         req = h.add_request(PROMPT, max_tokens=2)
         deadline = time.monotonic() + 60
@@ -424,7 +371,7 @@ def test_a_tp2_row_holds_each_ranks_heads_where_that_ranks_worker_reads_them(tmp
     # Three layers: a rank's cell is 3 KiB, a row of two cells is padded to 8 KiB.
     model = _save_llama(tmp_path / "model", layers=3)
     root = tmp_path / "cache"
-    config = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
+    config = write_transfer_config(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
     report = json.loads(_warm(model, config, _prompts(tmp_path, PROMPT), "--tp", "2", "--json").stdout)
     assert report["blocks_written"] == 3 and report["bytes_written"] == 3 * 8192
     # vLLM's scheduler of a TP 2 server: its spec, CPU tier and our tier, from the same config.
@@ -493,7 +440,7 @@ def test_a_warmup_for_a_backend_writes_the_namespace_that_backends_server_reads(
     root = tmp_path / "cache"
     extra = _tiering(root, model_id="tiny-llama") if spec == "TieringOffloadingSpec" else _tiered(root)
     extra.setdefault("model_id", "tiny-llama")
-    config = _write(tmp_path / "server.json", extra)
+    config = write_transfer_config(tmp_path / "server.json", extra)
     prompts = _prompts(tmp_path, PROMPT)
     report = json.loads(_warm(weights_dir, config, prompts, "--attention-backend", "triton_attn", "--json").stdout)
     assert report["spec"] == spec and report["blocks_written"] == 3
@@ -559,14 +506,16 @@ def test_warmup_refuses_what_it_cannot_prove_and_writes_nothing(weights_dir, tmp
         ),
     ]
     for n, (extra, what, fix) in enumerate(cases):
-        config = _write(tmp_path / f"bad{n}.json", extra)
+        config = write_transfer_config(tmp_path / f"bad{n}.json", extra)
         out = _warm(weights_dir, config, prompts, code=2)
         assert out.stderr.startswith(f"error: {what}"), out.stderr
         assert fix in out.stderr and len(out.stderr.splitlines()) == 1
-    good = _write(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
+    good = write_transfer_config(tmp_path / "tiering.json", _tiering(root, model_id="tiny-llama"))
     out = _warm(weights_dir, good, prompts, "--layout", "kv-first", code=2)
     assert out.stderr.startswith("error: --layout kv-first: vLLM's TieringOffloadingSpec with TieredDiskTier reads")
-    cpu_only = _write(tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30})
+    cpu_only = write_transfer_config(
+        tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30}
+    )
     out = _warm(weights_dir, cpu_only, prompts, code=2)
     assert "spec_name 'CPUOffloadingSpec'" in out.stderr and len(out.stderr.splitlines()) == 1
     assert not root.exists()
@@ -574,11 +523,11 @@ def test_warmup_refuses_what_it_cannot_prove_and_writes_nothing(weights_dir, tmp
 
 def test_doctor_counts_the_tiers_disk_bytes_once_per_node(tmp_path):
     root = tmp_path / "cache"
-    tiering = _write(tmp_path / "tiering.json", _tiering(root))
-    tiered = _write(tmp_path / "tiered.json", _tiered(root))
+    tiering = write_transfer_config(tmp_path / "tiering.json", _tiering(root))
+    tiered = write_transfer_config(tmp_path / "tiered.json", _tiered(root))
 
     def disk_space(config: Path) -> dict:
-        out = _cli("doctor", "--config", str(config), "--tp", "4", "--read-probe", "0", "--json", code=None)
+        out = run_cli("doctor", "--config", str(config), "--tp", "4", "--read-probe", "0", "--json", code=None)
         return {c["name"]: c for c in json.loads(out.stdout)["checks"]}
 
     per_node = disk_space(tiering)
@@ -590,8 +539,10 @@ def test_doctor_counts_the_tiers_disk_bytes_once_per_node(tmp_path):
     assert "TP 4 x disk_bytes" in per_rank["disk_space"]["message"]
     assert "(64.00 KiB per rank)" in per_rank["config"]["message"]
     # A spec whose disk tier the tools do not know is a failed config line, not a guess.
-    cpu_only = _write(tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30})
-    out = _cli("doctor", "--config", str(cpu_only), "--read-probe", "0", "--json", code=2)
+    cpu_only = write_transfer_config(
+        tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30}
+    )
+    out = run_cli("doctor", "--config", str(cpu_only), "--read-probe", "0", "--json", code=2)
     line = {c["name"]: c for c in json.loads(out.stdout)["checks"]}["config"]
     assert line["status"] == "fail" and "spec_name 'CPUOffloadingSpec'" in line["message"], line
     assert "disk tier the tools know" in line["fix"]

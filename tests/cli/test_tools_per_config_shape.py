@@ -31,10 +31,9 @@ pytest.importorskip(
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from support.cli import run_cli, write_transfer_config  # noqa: E402
 from support import vllm_harness as vh  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
 
-from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.disk.format.namespace import list_namespaces  # noqa: E402
 from tiered_kv.ops.inspect import read_entries  # noqa: E402
 from tiered_kv.ops.server_namespace import server_disk  # noqa: E402
@@ -99,22 +98,6 @@ SHAPES: dict[str, tuple[Callable[[Path, dict | None, str], dict], bool]] = {
 }
 
 
-def _cli(*args: str, code: int = 0):
-    _load_commands()
-    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "250", "VLLM_KV_CACHE_LAYOUT": None})
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output
-    return result
-
-
-def _write(path: Path, extra: dict) -> Path:
-    """vLLM's whole --kv-transfer-config, as the server is given it."""
-    path.write_text(
-        json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
-    )
-    return path
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Llama with weights (the warm-up computes its KV): bfloat16, 2 layers of 2 KV
@@ -174,7 +157,7 @@ def test_every_tool_answers_for_the_namespace_its_server_reads(shape, model_dir,
     remote = request.getfixturevalue("remote_settings") if shared else None
     root = tmp_path / "cache"
     extra = build(root, remote, "tiny-llama")
-    config = _write(tmp_path / "server.json", extra)
+    config = write_transfer_config(tmp_path / "server.json", extra)
 
     # A real cache: the server's namespace, and another model's beside it.
     served = _fill(model_dir, extra)
@@ -186,7 +169,7 @@ def test_every_tool_answers_for_the_namespace_its_server_reads(shape, model_dir,
 
     # inspect summary --config: that server reads its namespace, not the other.
     data = json.loads(
-        _cli("inspect", "summary", str(root), "--config", str(config), "--model", str(model_dir), "--json").stdout
+        run_cli("inspect", "summary", str(root), "--config", str(config), "--model", str(model_dir), "--json").stdout
     )
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
     assert read[served]["reads"] is True and read[served]["differences"] == [], read[served]
@@ -194,7 +177,7 @@ def test_every_tool_answers_for_the_namespace_its_server_reads(shape, model_dir,
     assert any(d.startswith("model_id: ") for d in read[stray]["differences"]), read[stray]
 
     # inspect clear --unread-by: keeps it, blocks and all; removes the other.
-    cleared = json.loads(_cli("inspect", "clear", str(root), "--unread-by", str(config), "--yes", "--json").stdout)
+    cleared = json.loads(run_cli("inspect", "clear", str(root), "--unread-by", str(config), "--yes", "--json").stdout)
     assert cleared["removed"] == [stray]
     assert _blocks(root) == {served: 3}
 
@@ -202,7 +185,7 @@ def test_every_tool_answers_for_the_namespace_its_server_reads(shape, model_dir,
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": WARMED}) + "\n")
     report = json.loads(
-        _cli(
+        run_cli(
             "warmup",
             str(prompts),
             "--model",
@@ -228,14 +211,14 @@ def test_every_tool_answers_for_the_namespace_its_server_reads(shape, model_dir,
 def test_disk_path_moves_the_servers_first_disk_tier_whichever_form_names_it(shape, model_dir, tmp_path):
     build, _ = SHAPES[shape]
     configured, elsewhere = tmp_path / "configured", tmp_path / "elsewhere"
-    config = _write(tmp_path / "server.json", build(configured, None, "tiny-llama"))
+    config = write_transfer_config(tmp_path / "server.json", build(configured, None, "tiny-llama"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": WARMED}) + "\n")
     args = ("warmup", str(prompts), "--model", str(model_dir), "--config", str(config), "--device", "cpu")
-    report = json.loads(_cli(*args, "--disk-path", str(elsewhere), "--json").stdout)
+    report = json.loads(run_cli(*args, "--disk-path", str(elsewhere), "--json").stdout)
     assert Path(report["namespace"]).parent == elsewhere and not configured.exists()
     # The same tier moved: its capacity is the config's, not a default one's.
-    (summary,) = json.loads(_cli("inspect", "summary", str(elsewhere), "--json").stdout)["namespaces"]
+    (summary,) = json.loads(run_cli("inspect", "summary", str(elsewhere), "--json").stdout)["namespaces"]
     assert summary["blocks"] == 4 and summary["num_slots"] * summary["slot_bytes"] == 256 << 10
     with _server(model_dir, build(elsewhere, None, "tiny-llama")) as h:
         assert _disk_namespace(h) == report["namespace_id"]

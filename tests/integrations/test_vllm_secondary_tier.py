@@ -28,13 +28,12 @@ pytest.importorskip(
 )
 
 from support import vllm_harness as vh  # noqa: E402
+from support import vllm_tiering  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     ReqContext,
-    TransferResult,
     make_offload_key,
 )
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
@@ -74,43 +73,6 @@ def _vllm_can_unmap_its_cpu_region(caplog):
     assert not leaks, leaks
 
 
-class ShmHostWorker(vh.ChunkCopyWorker):
-    """Synchronous byte copies between the CPU "GPU" tensors and vLLM's shared CPU region
-    (the rows the scheduler-side tiers see through ``primary_kv_view``). Uses vLLM's own
-    per-worker row views, so the row layout is the one vLLM's CPU worker uses."""
-
-    def __init__(self, kv_caches, spec: TieringOffloadingSpec):
-        self.region = SharedOffloadRegion(
-            engine_id=spec.config.engine_id,
-            num_chunks=spec.num_chunks,
-            rank=0,
-            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
-            cpu_page_size=spec.cpu_page_size_per_worker,
-        )
-        self.bpc = spec.blocks_per_chunk
-        self.gpu = [t.tensor for t in kv_caches.tensors]
-        self.page = [t.page_size_bytes for t in kv_caches.tensors]
-        self.rows = [self.region.create_next_worker_view(p * self.bpc) for p in self.page]
-        self.done: list[TransferResult] = []
-
-    @staticmethod
-    def chunk_ids(spec):
-        return spec.chunk_ids
-
-    def shutdown(self):
-        self.rows.clear()
-        self.region.cleanup()
-
-
-class ShmTieringSpec(TieringOffloadingSpec):
-    """vLLM's TieringOffloadingSpec (its real manager and tiers) with ShmHostWorker."""
-
-    def get_worker(self, kv_caches):
-        if getattr(self, "_shm_worker", None) is None:
-            self._shm_worker = ShmHostWorker(kv_caches, self)
-        return self._shm_worker
-
-
 def _extra(disk_path, *, primary_chunks: int, disk_chunks: int, real: bool = False, **tier) -> dict:
     extra = {
         "spec_name": "ShmTieringSpec" if real else "TieringOffloadingSpec",
@@ -126,7 +88,7 @@ def _extra(disk_path, *, primary_chunks: int, disk_chunks: int, real: bool = Fal
         ],
     }
     if real:
-        extra["spec_module_path"] = __name__
+        extra["spec_module_path"] = vllm_tiering.MODULE
     return extra
 
 

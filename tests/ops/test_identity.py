@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.cli import run_cli, write_transfer_config
 from tiered_kv import model_identity as mi
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.disk.format.namespace import list_namespaces
@@ -318,30 +319,13 @@ def test_warmup_cli_names_the_namespace_and_the_identity(model_dir, tmp_path):
 # ---------------------------------------------------------------- the operator's view
 
 
-def _cli(*args: str, code: int = 0):
-    from typer.testing import CliRunner
-
-    from tiered_kv.cli import _load_commands, app
-
-    _load_commands()
-    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "250"})
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output
-    return result
-
-
-def _write_config(path: Path, extra: dict) -> Path:
-    path.write_text(
-        json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
-    )
-    return path
-
-
 def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, tmp_path):
     cache = tmp_path / "cache"
     base = {"disk_path": str(cache), "disk_bytes": "8MiB", "block_size": GPU_BLOCK}
-    current = _write_config(tmp_path / "current.json", {**base, "model_id": "tiny-llama", "model_path": str(model_dir)})
-    other = _write_config(tmp_path / "other.json", {**base, "model_id": "other", "model_path": str(model_dir)})
+    current = write_transfer_config(
+        tmp_path / "current.json", {**base, "model_id": "tiny-llama", "model_path": str(model_dir)}
+    )
+    other = write_transfer_config(tmp_path / "other.json", {**base, "model_id": "other", "model_path": str(model_dir)})
     old_digest = mi.weights_digest(model_dir).digest
     warm(model_dir, server_config(tmp_path, model_dir), "vllm")  # the weights before the update
     save_tiny_llama(model_dir, seed=2)
@@ -351,29 +335,29 @@ def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, t
     ids = {(ns.fingerprint.model_id, ns.fingerprint.weights_digest): ns.path.name for ns in list_namespaces(cache)}
     stale, live, others = ids["tiny-llama", old_digest], ids["tiny-llama", new_digest], ids["other", new_digest]
 
-    data = json.loads(_cli("inspect", "summary", str(cache), "--config", str(current), "--json").stdout)
+    data = json.loads(run_cli("inspect", "summary", str(cache), "--config", str(current), "--json").stdout)
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
     assert read[live] == {"config": str(current), "reads": True, "differences": []}
     assert read[stale]["differences"] == [f"weights_digest: '{new_digest}' for the config, '{old_digest}' in the cache"]
     assert read[others]["differences"] == ["model_id: 'tiny-llama' for the config, 'other' in the cache"]
-    table = _cli("inspect", "summary", str(cache), "--config", str(current)).stdout
+    table = run_cli("inspect", "summary", str(cache), "--config", str(current)).stdout
     assert old_digest in table and new_digest in table and "weights_digest: " in table
 
     # A vLLM config that names neither: --model stands for vLLM's --model.
-    bare = _write_config(tmp_path / "bare.json", {**base, **{"spec_name": "TieredOffloadingSpec"}})
+    bare = write_transfer_config(tmp_path / "bare.json", {**base, **{"spec_name": "TieredOffloadingSpec"}})
     data = json.loads(
-        _cli("inspect", "summary", str(cache), "--config", str(bare), "--model", str(model_dir), "--json").stdout
+        run_cli("inspect", "summary", str(cache), "--config", str(bare), "--model", str(model_dir), "--json").stdout
     )
     assert all(any(d.startswith("model_id: ") for d in ns["read_by"][0]["differences"]) for ns in data["namespaces"])
 
     cleared = json.loads(
-        _cli(
+        run_cli(
             "inspect", "clear", str(cache), "--unread-by", str(current), "--unread-by", str(other), "--yes", "--json"
         ).stdout
     )
     assert cleared["removed"] == [stale]
     assert sorted(ns.path.name for ns in list_namespaces(cache)) == sorted([live, others])
-    bad = _cli("inspect", "summary", str(cache), "--config", str(tmp_path / "nope.json"), code=2)
+    bad = run_cli("inspect", "summary", str(cache), "--config", str(tmp_path / "nope.json"), code=2)
     assert "nope.json does not exist" in bad.stderr
 
 
@@ -393,10 +377,10 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
         "--gpu-block-size",
         str(GPU_BLOCK),
     )
-    extra = json.loads(_cli(*args, "--json").stdout)["kv_connector_extra_config"]
+    extra = json.loads(run_cli(*args, "--json").stdout)["kv_connector_extra_config"]
     assert extra["model_path"] == str(model_dir.absolute())
     assert extra["model_id"] not in ("", "unknown")
-    out = _cli(*args, "--model-id", "tiny-llama", "-o", str(tmp_path / "config.json")).stdout
+    out = run_cli(*args, "--model-id", "tiny-llama", "-o", str(tmp_path / "config.json")).stdout
     digest = mi.weights_digest(model_dir).digest
     assert f"model_id 'tiny-llama' @ main; weights {digest}" in out
     printed = out.split("kv-first namespace ", 1)[1].split(":")[0]
@@ -405,7 +389,7 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": PROMPTS[0]}) + "\n")
     report = json.loads(
-        _cli(
+        run_cli(
             "warmup",
             str(prompts),
             "--model",
@@ -422,7 +406,7 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
     assert report["namespace_id"] == printed and report["weights_digest"] == digest
     # The default warm-up writes what a vLLM server with that config reads, as printed.
     default = json.loads(
-        _cli(
+        run_cli(
             "warmup",
             str(prompts),
             "--model",
@@ -436,5 +420,5 @@ def test_config_command_takes_the_model_from_its_directory_and_prints_the_namesp
     )
     assert default["namespace_id"] == served != printed
     # No model at all: the id is required, never "unknown".
-    err = _cli("config", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--cpu-bytes", "1MiB", code=2)
+    err = run_cli("config", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--cpu-bytes", "1MiB", code=2)
     assert "--model-id: required" in err.stderr

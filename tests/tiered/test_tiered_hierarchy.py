@@ -252,3 +252,25 @@ def test_an_engine_built_in_with_blocks_releases_the_cache_even_when_the_block_r
         with spec.build_worker(device.kv_caches, device.kv_before_num_blocks) as worker:
             with spec.get_manager() as manager:
                 assert EngineDriver(manager, worker, device).run(docs).computed == 0
+
+
+def test_two_disk_tiers_each_with_its_own_io_backend_and_checksum(tmp_path):
+    """Each disk tier has its own settings: the shorthands are the first tier's and the
+    default of a second that sets none of its own, and a second tier's own keys win."""
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
+    second = {"type": "disk", "name": "slow", "path": str(tmp_path / "slow"), "bytes": "4MiB", "checksum": "crc32c"}
+    spec, driver = build(tmp_path / "fast", device, disk_bytes="4MiB", io_backend="posix", io_threads=2, tiers=[second])
+    try:
+        fast, slow = spec.lower_tiers
+        assert (fast.settings.checksum, slow.settings.checksum) == ("xxh3_64", "crc32c")
+        assert (fast.settings.io_threads, slow.settings.io_threads) == (2, 2)  # the shorthand's default
+        assert fast.store.checksum_name == "xxh3_64" and slow.store.checksum_name == "crc32c"
+        docs = documents(num_docs=6, blocks_per_doc=8, seed=3)
+        report = driver.run(docs + docs)  # 48 blocks, 16 CPU slots: the repeat loads from disk
+        settle(driver, spec)
+        assert report.mismatches == 0 and report.hits_by_medium.get("DISK", 0) > 0, report
+    finally:
+        driver.worker.shutdown()
+        driver.manager.shutdown()
+        for tier in spec.lower_tiers:
+            tier.close()

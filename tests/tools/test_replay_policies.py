@@ -1,5 +1,6 @@
-"""``tools/replay.py --policies``: the CPU-tier policy table on a trace small enough to
-check by hand."""
+"""``tools/replay.py --policies`` and ``tools/replay_claude_code.py``: the CPU-tier policy
+tables on traces small enough to check by hand, and the Claude Code reader on a real
+conversation file."""
 
 from __future__ import annotations
 
@@ -12,7 +13,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import replay  # noqa: E402
-from replay_policies import parse_policy, parse_tokens, replay_hit_rate  # noqa: E402
+import replay_claude_code  # noqa: E402
+from replay_policies import (  # noqa: E402
+    Requests,
+    chain_sessions,
+    parse_policy,
+    parse_tokens,
+    replay as replay_requests,
+    replay_hit_rate,
+    with_oracle_rows,
+)
+from replay_workloads import read_claude_code, read_claude_code_folder, read_mooncake  # noqa: E402
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "claude_code_kvtester"
 
 #: One block per request, a CPU tier of 2 blocks. LRU: block 1 hits in request 2, then
 #: 2 and 3 push it out before request 5 (1 hit of 5). Second-use admission: 1 is admitted
@@ -20,26 +33,59 @@ from replay_policies import parse_policy, parse_tokens, replay_hit_rate  # noqa:
 #: (2 of 5). Belady: at request 4 it evicts 3 (never used again, deeper than 2): 2 of 5.
 REQUESTS = [[1], [1], [2], [3], [1]]
 
+#: At seconds: a session's two turns 2 s apart, four one-time blocks at 3 s, its third
+#: turn at 3.5 s, in a CPU tier of 4 blocks. LRU: the turn-2 hits (2), then the four
+#: blocks push 1, 2, 3 out (2 of 13). The session rule holds the chain for the gap seen
+#: (2 s, 3 of the 4 slots' budget of 0.75): the third turn hits 3 more (5 of 13).
+RETURNING = [(0, [1, 2]), (2000, [1, 2, 3]), *((3000, [10 + i]) for i in range(4)), (3500, [1, 2, 3, 4])]
 
-def write_trace(path: Path) -> Path:
-    path.write_text("".join(json.dumps({"input_length": 512, "hash_ids": r}) + "\n" for r in REQUESTS))
+
+def write_trace(path: Path, rows=None) -> Path:
+    rows = [(0, r) for r in REQUESTS] if rows is None else rows
+    path.write_text(
+        "".join(json.dumps({"timestamp": t, "input_length": 512 * len(r), "hash_ids": r}) + "\n" for t, r in rows)
+    )
     return path
 
 
 def table_rows(text: str) -> dict[str, list[str]]:
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
-    assert rows[0] == ["policy", "block hit rate", "Belady", "of Belady"]
-    return {row[0]: row[1:] for row in rows[2:]}
+    assert rows[0] == ["policy", "block hit rate", "Belady", "infinite", "of Belady"]
+    end = next(i for i, row in enumerate(rows) if i > 0 and row[0] == "mechanism")
+    return {row[0]: row[1:] for row in rows[2:end]}
+
+
+def bound_rows(text: str) -> dict[str, list[str]]:
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+    start = next(i for i, row in enumerate(rows) if row[0] == "mechanism")
+    return {row[0]: row[1:] for row in rows[start + 2 :]}
 
 
 def test_the_table_of_a_tiny_trace(tmp_path, capsys):
     trace = write_trace(tmp_path / "t.jsonl")
     assert replay.main(["--trace", str(trace), "--cpu-tokens", "1024", "--policies", "lru,lru+reuse(2)"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert list(rows) == ["lru", "lru+reuse(2)", "lru+admission-oracle", "belady"]
+    assert rows["lru"] == ["0.200", "0.400", "0.400", "0.50"]
+    assert rows["lru+reuse(2)"] == ["0.400", "0.400", "0.400", "1.00"]
+    assert rows["lru+admission-oracle"] == ["0.400", "0.400", "0.400", "1.00"]
+    assert rows["belady"] == ["0.400", "0.400", "0.400", "1.00"]
+    # The bounds table: each mechanism's best online rule beside its oracle.
+    assert bound_rows(out) == {
+        "eviction order": ["lru", "0.50", "belady", "1.00", "+0.50", "no"],
+        "admission": ["lru+reuse(2)", "1.00", "lru+admission-oracle", "1.00", "+0.00", "yes"],
+    }
+
+
+def test_the_session_rule_keeps_a_returning_session_where_lru_loses_it(tmp_path, capsys):
+    trace = write_trace(tmp_path / "t.jsonl", RETURNING)
+    assert replay.main(["--trace", str(trace), "--cpu-tokens", "2048", "--policies", "lru,lru+session"]) == 0
     rows = table_rows(capsys.readouterr().out)
-    assert list(rows) == ["lru", "lru+reuse(2)", "lru+oracle"]
-    assert rows["lru"] == ["0.200", "0.400", "0.50"]
-    assert rows["lru+reuse(2)"] == ["0.400", "0.400", "1.00"]
-    assert rows["lru+oracle"] == ["0.400", "0.400", "1.00"]
+    assert list(rows) == ["lru", "lru+session", "lru+admission-oracle", "lru+retention-oracle(0.75)", "belady"]
+    assert rows["lru"][0] == f"{2 / 13:.3f}"
+    assert rows["lru+session"][0] == f"{5 / 13:.3f}"
+    assert rows["lru+retention-oracle(0.75)"][0] == f"{5 / 13:.3f}"
 
 
 def test_hit_rates_drive_the_product_managers():
@@ -47,16 +93,40 @@ def test_hit_rates_drive_the_product_managers():
     assert replay_hit_rate(REQUESTS, 2, "lru+reuse(2)") == pytest.approx(2 / 5)
     assert replay_hit_rate(REQUESTS, 2, "arc+reuse(2)") == pytest.approx(2 / 5)
     assert replay_hit_rate(REQUESTS, 3, "lru") == pytest.approx(2 / 5)  # room for all three
+    # Without time (all requests at 0) no gap is seen: the session rule is LRU.
+    assert replay_hit_rate(REQUESTS, 2, "lru+session") == pytest.approx(1 / 5)
 
 
 def test_names_and_sizes():
-    assert parse_policy("arc+reuse( 3 )") == ("arc", "reuse(3)")
-    assert parse_policy("lru") == ("lru", "all")
+    assert parse_policy("arc+reuse( 3 )").name == "arc+reuse(3)"
+    assert parse_policy("lru") == parse_policy("lru+all")
+    p = parse_policy("lru+reuse(2)+session(0.5)")
+    assert (p.eviction, p.admission, p.retention, p.share, p.mechanism) == (
+        "lru",
+        "reuse(2)",
+        "session(0.5)",
+        0.5,
+        "retention",
+    )
+    assert parse_policy("lru+oracle").name == "lru+admission-oracle"
+    assert parse_policy("lru+retention-oracle(0.5)").is_oracle
+    assert with_oracle_rows(["arc", "lru+session(0.5)"]) == [
+        "arc",
+        "lru+session(0.5)",
+        "arc+admission-oracle",
+        "lru+admission-oracle",
+        "lru+retention-oracle(0.5)",
+        "belady",
+    ]
     assert parse_tokens("3M") // 512 == 5859 and parse_tokens("500k") == 500_000
     with pytest.raises(ValueError, match="'fifo'"):
         parse_policy("fifo")
     with pytest.raises(ValueError, match="reuse\\(0\\)"):
         parse_policy("lru+reuse(0)")
+    with pytest.raises(ValueError, match="a second: 'session'"):
+        parse_policy("lru+session+session")
+    with pytest.raises(ValueError, match="retention-oracle\\(S\\) with 0 < S <= 0.9, got 'retention-oracle\\(2\\)'"):
+        parse_policy("lru+retention-oracle(2)")
     with pytest.raises(ValueError, match="'3X'"):
         parse_tokens("3X")
 
@@ -64,3 +134,91 @@ def test_names_and_sizes():
 def test_a_missing_trace_is_named(capsys):
     assert replay.main(["--policies", "lru"]) == 2
     assert "--policies needs --trace" in capsys.readouterr().out
+
+
+def test_sessions_by_prefix_chain_claim_a_tail_once():
+    r = [[b"a"], [b"a", b"b"], [b"a", b"c"], [b"a", b"b", b"d"], [b"x"]]
+    assert chain_sessions(r) == [0, 0, 2, 0, 4]
+
+
+# ---------------------------------------------------------------- Claude Code
+
+
+def conversation(path: Path) -> Path:
+    """A conversation with a sub-agent whose nested requests fall between the parent's."""
+    doc = {
+        "id": "trace_0042",
+        "block_size": 64,
+        "hash_id_scope": "local",
+        "requests": [
+            {"t": 0.0, "type": "s", "in": 130, "hash_ids": [1, 2]},
+            {
+                "t": 5.0,
+                "type": "subagent",
+                "agent_id": "agent_001",
+                "requests": [
+                    {"t": 0.0, "type": "n", "in": 64, "hash_ids": [7]},
+                    {"t": 12.0, "type": "n", "in": 128, "hash_ids": [7, 8]},
+                ],
+            },
+            {"t": 10.0, "type": "n", "in": 192, "hash_ids": [1, 2, 3]},
+        ],
+    }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_the_reader_flattens_sub_agents_in_time_order(tmp_path):
+    got = read_claude_code(conversation(tmp_path / "c.json"))
+    assert [(r.time, r.session, r.tokens) for r in got] == [
+        (0.0, ("trace_0042", ""), 130),
+        (5.0, ("trace_0042", "agent_001"), 64),
+        (10.0, ("trace_0042", ""), 192),
+        (17.0, ("trace_0042", "agent_001"), 128),
+    ]
+    assert got[2].blocks == ((42 << 32) | 1, (42 << 32) | 2, (42 << 32) | 3)  # local ids, prefixed
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"id": "trace_1", "requests": [{"t": 0, "type": "n", "in": 64}]}))
+    with pytest.raises(ValueError, match="bad.json: requests\\[0\\]: bad request \\('hash_ids'\\)"):
+        read_claude_code(bad)
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason=f"{TRACES} is absent")
+def test_the_reader_reads_a_real_conversation_with_sub_agents():
+    got = read_claude_code(TRACES / "trace_0010.json")
+    doc = json.loads((TRACES / "trace_0010.json").read_text())
+    subs = [r for r in doc["requests"] if r["type"] == "subagent"]
+    nested = sum(len(s["requests"]) for s in subs)
+    assert len(got) == len(doc["requests"]) - len(subs) + nested
+    times = [r.time for r in got]
+    assert times == sorted(times)
+    agents = [r.session[1] for r in got]
+    first = agents.index("agent_001")
+    assert got[first].time == pytest.approx(subs[0]["t"])  # a nested t counts from its sub-agent's start
+    assert "" in agents[first : agents.index("agent_002")], "the parent's requests interleave with the sub-agent's"
+    assert all(b >> 32 == 10 for r in got for b in r.blocks)
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason=f"{TRACES} is absent")
+def test_the_claude_code_replay_on_two_real_conversations(tmp_path, capsys):
+    for name in ("trace_0012.json", "trace_0026.json"):
+        (tmp_path / name).write_bytes((TRACES / name).read_bytes())
+    argv = ["--traces", str(tmp_path), "--policies", "lru,lru+session,lru+retention-oracle", "--session-ids"]
+    assert replay_claude_code.main([*argv, "--export-mooncake", str(tmp_path / "cc.jsonl")]) == 0
+    out = capsys.readouterr().out
+    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()) if r}
+    assert {"lru", "lru+session", "lru+retention-oracle", "lru+session, session ids given"} <= set(rows)
+    assert rows["lru"][3] == "1.000"  # CPU hits against LRU's
+    exported = read_mooncake(tmp_path / "cc.jsonl")
+    reqs = read_claude_code_folder(tmp_path)
+    assert len(exported.requests) == len(reqs)
+    assert [len(r) for r in exported.requests] == [r.tokens // 512 for r in reqs]
+
+
+def test_a_disk_tier_serves_what_the_cpu_tier_lost(tmp_path):
+    reqs = Requests.of("t", [[1, 2], [3, 4], [1, 2, 5]], [0, 1, 2])
+    cpu_only = replay_requests(reqs, 2, "lru")
+    with_disk = replay_requests(reqs, 2, "lru", lower_blocks=8, scratch=tmp_path)
+    assert (cpu_only.cpu_hits, cpu_only.lower_hits) == (0, 0)
+    assert (with_disk.cpu_hits, with_disk.lower_hits) == (0, 2)
+    assert (with_disk.turns, with_disk.survived_cpu, with_disk.survived_any) == (1, 0, 1)

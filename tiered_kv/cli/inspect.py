@@ -25,7 +25,7 @@ from tiered_kv.cli import app
 from tiered_kv.cli.inspect_options import _CACHE_PATH, _DRY_RUN, _JSON, _NAMESPACE, _READ_BY_CONFIG, _REMOTE
 from tiered_kv.cli.inspect_options import _SERVER_MODEL, _VERIFY_DRY_RUN, SORT_HELP, STATE_HELP
 from tiered_kv.cli.inspect_remote import need_path, on_remote, on_remote_option
-from tiered_kv.cli.inspect_tier import _TIER, on_tier
+from tiered_kv.cli.inspect_tier import _TIER, _TIER_CONFIG, on_tier
 from tiered_kv.cli.inspect_verify import _clean_after_repair, _print_verify
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.cli.output import table_console
@@ -237,12 +237,20 @@ def ls(
     ),
     limit: int = typer.Option(50, "--limit", min=0, metavar="N", help="Rows per namespace; 0 = all."),
     remote: Optional[str] = _REMOTE,
+    tier: Optional[str] = _TIER,
+    config: Optional[str] = _TIER_CONFIG,
     json_out: bool = _JSON,
 ) -> None:
     """Entries: hash prefix, slot, size, ranks present, stored and last-access times, hits.
-    With --remote: a shared tier's objects (hash, rank, size, last modified)."""
+    With --remote: a shared tier's objects (hash, rank, size, last modified). With --tier
+    NAME --config FILE: that tier of the config, whatever its type."""
+    options = {k: v for k, v in locals().items() if k not in ("tier", "config")}
+    if tier is not None:
+        return on_tier("ls", {**options, "tier": tier, "config": config}, ls, ls)
+    if config is not None:
+        fail("--config applies with --tier NAME (the server's config that names the tier)", json_out)
     if remote is not None:
-        return on_remote("ls", locals())
+        return on_remote("ls", options)
     path = need_path(path, json_out)
     with _errors(json_out):
         from tiered_kv.ops.inspect import ListFilter, list_entries, open_cache
@@ -318,15 +326,23 @@ def verify(
         help="With --remote: check a random sample of this many objects per namespace; 0 = all.",
     ),
     remote: Optional[str] = _REMOTE,
+    tier: Optional[str] = _TIER,
+    config: Optional[str] = _TIER_CONFIG,
     json_out: bool = _JSON,
     dry_run: bool = _VERIFY_DRY_RUN,
 ) -> None:
     """Re-read every block and check its checksum; exit 1 if any block is corrupt (with
     --repair: unless the repair dropped them all and the cache now verifies clean). With
     --remote: download a shared tier's objects and check header and tag or checksum;
-    exit 1 if any is bad, or kept as not this config's to judge (docs/cli.md)."""
+    exit 1 if any is bad, or kept as not this config's to judge (docs/cli.md). With --tier
+    NAME --config FILE: that tier of the config, whatever its type."""
+    options = {k: v for k, v in locals().items() if k not in ("tier", "config")}
+    if tier is not None:
+        return on_tier("verify", {**options, "tier": tier, "config": config}, verify, verify)
+    if config is not None:
+        fail("--config applies with --tier NAME (the server's config that names the tier)", json_out)
     if remote is not None:
-        return on_remote("verify", locals())
+        return on_remote("verify", options)
     if limit:
         fail("--limit applies to --remote only (a disk cache is verified whole)", json_out)
     if dry_run:

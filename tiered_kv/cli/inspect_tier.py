@@ -1,4 +1,4 @@
-"""``tiered-kv inspect summary --tier NAME --config FILE``: any tier of a server's config.
+"""``tiered-kv inspect summary|ls|verify --tier NAME --config FILE``: any tier of a server's config.
 
 Operator's process. The tier is found by its name in the config (any shape
 ``tiered_kv.config_file`` reads); a disk tier is inspected at its directory as a cache
@@ -25,6 +25,9 @@ _TIER = typer.Option(
     help="A tier of the server's config (--config FILE) by its name: a disk tier, the shared tier "
     "(as --remote FILE), or any tier type that offers an inspector.",
 )
+_TIER_CONFIG = typer.Option(
+    None, "--config", metavar="PATH", help="With --tier: the server's config that names the tier."
+)
 
 
 def on_tier(command: str, options: dict[str, Any], disk: Callable[..., None], remote: Callable[..., None]) -> None:
@@ -35,7 +38,9 @@ def on_tier(command: str, options: dict[str, Any], disk: Callable[..., None], re
     from tiered_kv.ops.doctor import read_config
     from tiered_kv.tier_ops import InspectRefused, ToolContext
 
-    json_out, name, configs = options["json_out"], options.pop("tier"), options.get("config") or []
+    json_out, name = options["json_out"], options.pop("tier")
+    given = options.get("config")
+    configs = [given] if isinstance(given, str) else list(given or [])
     if len(configs) != 1 or options.get("path") is not None or options.get("remote") is not None:
         fail(f"--tier {name}: give the server's config (--config FILE, once) and no PATH or --remote", json_out)
     with errors(json_out, (ConfigError, InspectRefused)):
@@ -44,14 +49,21 @@ def on_tier(command: str, options: dict[str, Any], disk: Callable[..., None], re
         if entry is None:
             names = ", ".join(e.name for e in cfg.tier_entries()) or "none"
             raise ConfigError(f"--tier {name}: the config {configs[0]} has no tier of that name (its tiers: {names})")
+        # summary's --config (which configs read each namespace) keeps the config; the
+        # other verbs take none.
+        keep = configs if command == "summary" else None
         if entry.module_path is None and entry.type_name == "disk":
-            return disk(**{**options, "path": entry.settings.path})
+            return disk(**{**options, "path": entry.settings.path, "config": keep, "tier": None})
         if entry.module_path is None and entry.type_name == "remote":
-            return remote(**{**options, "remote": configs[0], "config": None})
+            return remote(**{**options, "remote": configs[0], "config": None, "tier": None})
         inspector = entry.cls.inspector(entry, ToolContext(cfg))
         if inspector is None:
             raise InspectRefused(f"--tier {name}: a tier of type {entry.type_name} offers no inspector")
-        data = {"tier": name, "type": entry.type_name, **getattr(inspector, command)()}
+        if command == "ls":
+            rows = inspector.ls(options["limit"])
+            data: dict[str, Any] = {"tier": name, "type": entry.type_name, "entries": rows}
+        else:
+            data = {"tier": name, "type": entry.type_name, **getattr(inspector, command)()}
     if json_out:
         emit_json(data)
         return
@@ -59,5 +71,6 @@ def on_tier(command: str, options: dict[str, Any], disk: Callable[..., None], re
     table.add_column("field", style="bold")
     table.add_column("value")
     for key, value in data.items():
-        table.add_row(escape(str(key)), escape(str(value)))
+        shown = "\n".join(str(v) for v in value) if isinstance(value, list) else str(value)
+        table.add_row(escape(str(key)), escape(shown))
     Console().print(table)

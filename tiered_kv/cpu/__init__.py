@@ -11,25 +11,39 @@ Eviction policies of the CPU tier (``eviction_policy``):
 
 Both never evict the blocks offered to the ``prepare_store`` call that needs room, and
 rank a stored request's head most recent. With ``cpu_admission: reuse(N)`` either one
-ranks a block first to evict until its Nth use (``CPUOffloadingManager``).
+ranks a block first to evict until its Nth use (``CPUOffloadingManager``); with
+``cpu_retention: session`` either one passes over the blocks a ``SessionRetention``
+holds for returning sessions (``tiered_kv.cpu.retention``).
 """
 
 from tiered_kv.cpu.arc import ARCOffloadingManager
 from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.cpu.retention import SessionRetention
 
 _POLICIES = {"lru": CPUOffloadingManager, "arc": ARCOffloadingManager}
 
 
 def cpu_tier_manager(
-    eviction_policy: str, num_slots: int, block_size: int, enable_events: bool = True, admit_after: int = 1
+    eviction_policy: str,
+    num_slots: int,
+    block_size: int,
+    enable_events: bool = True,
+    admit_after: int = 1,
+    retention: SessionRetention | None = None,
 ) -> CPUOffloadingManager:
     """The CPU tier's manager for ``eviction_policy`` (``lru`` or ``arc``); ``admit_after``
-    N > 1 (``cpu_admission: reuse(N)``) ranks a block first to evict until its Nth use."""
+    N > 1 (``cpu_admission: reuse(N)``) ranks a block first to evict until its Nth use;
+    ``retention`` (``cpu_retention: session``) holds returning sessions' blocks."""
     try:
         cls = _POLICIES[eviction_policy]
     except KeyError:
         raise ValueError(f"eviction_policy: expected one of {', '.join(_POLICIES)}, got {eviction_policy!r}") from None
-    return cls(num_slots, block_size, enable_events=enable_events, admit_after=admit_after)
+    return cls(num_slots, block_size, enable_events=enable_events, admit_after=admit_after, retention=retention)
 
 
-__all__ = ["ARCOffloadingManager", "CPUOffloadingManager", "cpu_tier_manager"]
+__all__ = [
+    "ARCOffloadingManager",
+    "CPUOffloadingManager",
+    "SessionRetention",
+    "cpu_tier_manager",
+]

@@ -28,6 +28,10 @@ Blocks that ``cpu_admission`` does not admit yet are in neither list: they go be
 both (``CPUOffloadingManager``'s ``_cold``), and leave no ghost when evicted, since
 ARC did not choose them. Once admitted a block joins T1 as a new one, and the use
 that admitted it moves it to T2 when its request ends.
+
+With ``cpu_retention: session`` a held block that eviction reaches leaves its list
+(``_kept``) while its hold lasts; a use puts it back at its list's most recent end, the
+end of its hold at its list's least recent end (``CPUOffloadingManager``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections.abc import Collection, Iterable, Iterator
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.cpu.manager import CPUOffloadingManager
+from tiered_kv.cpu.retention import SessionRetention
 
 
 class ARCOffloadingManager(CPUOffloadingManager):
@@ -49,8 +54,9 @@ class ARCOffloadingManager(CPUOffloadingManager):
         enable_events: bool = True,
         admit_after: int = 1,
         admission_history: int | None = None,
+        retention: SessionRetention | None = None,
     ):
-        super().__init__(num_slots, block_size, enable_events, admit_after, admission_history)
+        super().__init__(num_slots, block_size, enable_events, admit_after, admission_history, retention)
         self._t1: OrderedDict[int, None] = OrderedDict()
         self._t2: OrderedDict[int, None] = OrderedDict()
         self._b1: OrderedDict[BlockHash, None] = OrderedDict()
@@ -69,8 +75,9 @@ class ARCOffloadingManager(CPUOffloadingManager):
         excluded = self._pending.union(self._readers, protected)
         return map(self._occupant, self._arc_order(excluded))
 
-    def _arc_order(self, excluded: Collection[BlockHash]) -> Iterator[int]:
-        """Slots in eviction order, skipping blocks in ``excluded``."""
+    def _arc_order(self, excluded: Collection[BlockHash], kept: bool = True) -> Iterator[int]:
+        """Slots in eviction order, skipping blocks in ``excluded``; those set aside
+        last, unless not ``kept``."""
         hash_by_slot = self._hash_by_slot
         yield from (s for s in self._cold if hash_by_slot[s] not in excluded)
         t1 = (s for s in self._t1 if hash_by_slot[s] not in excluded)
@@ -87,9 +94,11 @@ class ARCOffloadingManager(CPUOffloadingManager):
             if slot is None:
                 slot = next(t1, None)
                 if slot is None:
-                    return
+                    break
                 t1_size -= 1
             yield slot
+        if kept:
+            yield from (s for s in self._kept if hash_by_slot[s] not in excluded)
 
     # ---- the hooks ----
 
@@ -138,6 +147,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
             t1[slot] = None
 
     def _order_touch(self, slots: list[int]) -> None:
+        self._restore_kept(slots)
         t1, t2, hash_by_slot, pending, cold = self._t1, self._t2, self._hash_by_slot, self._pending, self._cold
         for slot in reversed(slots):
             if cold and slot in cold:
@@ -168,6 +178,8 @@ class ARCOffloadingManager(CPUOffloadingManager):
             if read is None:
                 continue
             slot = slot_by_hash[block_hash]
+            if self._kept and slot in self._kept:
+                self._restore_kept([slot])
             if slot in self._cold:
                 continue
             if slot in t1:
@@ -180,6 +192,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
                 t2.move_to_end(slot)
 
     def _order_refresh(self, slots: list[int]) -> None:
+        self._restore_kept(slots)
         t1, t2, cold = self._t1, self._t2, self._cold
         for slot in reversed(slots):
             if not cold or slot not in cold:
@@ -190,11 +203,15 @@ class ARCOffloadingManager(CPUOffloadingManager):
         return super()._release(block_hash)
 
     def _order_release(self, slot: int) -> None:
+        if self._kept and self._kept.pop(slot, None) is not None:
+            return
         if self._cold.pop(slot, 0) is None or self._t1.pop(slot, 0) is None:
             return
         self._t2.pop(slot, None)
 
     def _take_victims(self, n: int, protected: Collection[BlockHash]) -> tuple[list[BlockHash], list[int]] | None:
+        if self.retention is not None:
+            self._set_aside(n, protected)
         excluded = self._pending.union(self._readers, protected)
         slots = []
         for slot in self._arc_order(excluded):
@@ -204,6 +221,7 @@ class ARCOffloadingManager(CPUOffloadingManager):
         else:
             return None
         victims = list(map(self._occupant, slots))
+        self._restore_kept(slots)  # none, unless nothing else could be evicted
         for block_hash, slot in zip(victims, slots):
             # A block not admitted yet was not ARC's choice to evict: it leaves no ghost.
             if self._cold.pop(slot, 0) is not None:
@@ -218,6 +236,38 @@ class ARCOffloadingManager(CPUOffloadingManager):
             for _ in range(len(ghosts) - self._num_slots):
                 ghosts.popitem(last=False)
         return victims, slots
+
+    # ---- retention: set-aside slots leave their list and come back to it ----
+
+    def _eviction_slots(self) -> Iterator[int]:
+        return self._arc_order((), kept=False)
+
+    def _order_keep(self, slot: int) -> None:
+        if self._cold.pop(slot, 0) is None:
+            self._kept[slot] = 0
+        elif self._t1.pop(slot, 0) is None:
+            self._kept[slot] = 1
+        else:
+            del self._t2[slot]
+            self._kept[slot] = 2
+
+    def _order_lapse(self, slot: int, came_from: int) -> None:
+        """Back to its list's least recent end (``_cold`` for a block not admitted)."""
+        if came_from == 0:
+            self._cold[slot] = None
+            return
+        lst = self._t1 if came_from == 1 else self._t2
+        lst[slot] = None
+        lst.move_to_end(slot, last=False)
+
+    def _restore_kept(self, slots: Iterable[int]) -> None:
+        """Set-aside slots among ``slots`` go back to their list, most recent."""
+        kept = self._kept
+        if kept:
+            for slot in slots:
+                came_from = kept.pop(slot, None)
+                if came_from is not None:
+                    (self._cold, self._t1, self._t2)[came_from][slot] = None
 
     def _ghost_hit(self, block_hash: BlockHash) -> None:
         """Adapt T1's target to a block that ARC evicted and is wanted again."""

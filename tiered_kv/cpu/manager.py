@@ -32,6 +32,13 @@ is kept apart, first to evict: those blocks go before any other, oldest first, t
 deepest of a request first. A touch leaves them there; once admitted (a later use:
 a load, or an offer while it is still here) a block ranks as any other.
 
+Retention (``cpu_retention: session``, ``retention``): a ``SessionRetention``
+(``tiered_kv.cpu.retention``) holds returning sessions' latest blocks for their learned
+gap. Eviction passes a held block over: it is set aside (``_kept``, where free slots go,
+like the blocks not admitted), out of the ranking, until its hold ends (then it goes
+first to evict, as the least recent block it was) or a use ranks it again; when nothing
+else can be evicted, set-aside blocks are, so holds never keep a store out.
+
 The state is kept in containers of hashes and ints only (``hash -> slot``, ``slot ->
 hash``, the set of pending hashes, ``hash -> readers`` for pinned blocks), never one
 object per block: a tier of a million blocks adds nothing for Python's cyclic garbage
@@ -47,6 +54,7 @@ from itertools import chain, filterfalse, islice
 from typing import cast
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiered_kv.cpu.retention import SessionRetention
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.admission import WriteAdmission
@@ -69,7 +77,8 @@ class CPUOffloadingManager(OffloadingManager):
     removed) is reported with medium ``"CPU"`` by ``take_events``. ``admit_after``:
     the uses a block needs before it ranks as any other (1: every block; module
     docstring), remembered for ``admission_history`` blocks (default
-    ``ADMISSION_HISTORY_PER_SLOT`` per slot).
+    ``ADMISSION_HISTORY_PER_SLOT`` per slot). ``retention``: ``cpu_retention``'s
+    ``SessionRetention``, or None (module docstring).
 
     Beyond the seed API, the composite manager uses ``num_slots``, ``num_free_slots``,
     ``iter_evictable``, ``evict``, ``missing_among``, ``remove``, ``slot_of``,
@@ -83,6 +92,7 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = True,
         admit_after: int = 1,
         admission_history: int | None = None,
+        retention: SessionRetention | None = None,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -92,14 +102,18 @@ class CPUOffloadingManager(OffloadingManager):
         self._admitting = admit_after > 1
         # Slots of blocks not admitted yet, in eviction order: evicted before any other.
         self._cold: OrderedDict[int, None] = OrderedDict()
+        self.retention = retention
+        # Slots set aside while held, in the order set aside -> where they came from
+        # (0: not admitted; 1: ranked; ARC: 1 T1, 2 T2).
+        self._kept: OrderedDict[int, int] = OrderedDict()
         self._num_slots = num_slots
         self.block_size = block_size
         self._slot_by_hash: dict[BlockHash, int] = {}  # pending and loadable blocks
         self._hash_by_slot: list[BlockHash | None] = [None] * num_slots
         #: ``_hash_by_slot[slot]`` for a slot known to be taken (so never None).
         self._occupant = cast("Callable[[int], BlockHash]", self._hash_by_slot.__getitem__)
-        # Every slot: the free ones and those in ``_cold`` first (in any order), then the
-        # others, least recent first.
+        # Every slot: the free ones and those in ``_cold`` and ``_kept`` first (in any
+        # order), then the others, least recent first.
         self._order: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
         self._pending: set[BlockHash] = set()  # reserved, bytes in flight: not loadable
         self._readers: dict[BlockHash, int] = {}  # loadable blocks pinned by loads
@@ -147,10 +161,11 @@ class CPUOffloadingManager(OffloadingManager):
 
     def iter_lru(self) -> Iterator[BlockHash]:
         """Pending and loadable blocks in eviction order: those not admitted yet, then
-        the others least recent first. Lazy: do not change the manager while iterating."""
-        cold = self._cold
-        rest = map(self._occupant, islice(self._order, len(self._free) + len(cold), None))
-        return chain(map(self._occupant, cold), rest) if cold else rest
+        the others least recent first, then those set aside while held. Lazy: do not
+        change the manager while iterating."""
+        cold, kept = self._cold, self._kept
+        rest = map(self._occupant, islice(self._order, len(self._free) + len(cold) + len(kept), None))
+        return chain(map(self._occupant, cold), rest, map(self._occupant, kept)) if cold or kept else rest
 
     def iter_evictable(self, protected: Collection[BlockHash] = ()) -> Iterator[BlockHash]:
         """Unpinned loadable blocks not in ``protected``, in eviction order. Lazy: do
@@ -263,10 +278,15 @@ class CPUOffloadingManager(OffloadingManager):
 
     def note_uses(self, block_hashes: Iterable[BlockHash]) -> None:
         """A use of each block (offered to a store, or loaded), as ``cpu_admission``
-        counts them. The seed API calls it itself; the composite calls it for its own
-        ``prepare_store`` and ``prepare_load``."""
-        if self._admitting:
-            self.admission.note(list(block_hashes))
+        counts them and ``cpu_retention`` learns sessions from them. The seed API calls
+        it itself; the composite calls it for its own ``prepare_store`` and
+        ``prepare_load``."""
+        if self._admitting or self.retention is not None:
+            block_hashes = list(block_hashes)
+            if self._admitting:
+                self.admission.note(block_hashes)
+            if self.retention is not None:
+                self.retention.observe(block_hashes)
 
     def note_store_misses(self, block_hashes: Iterable[BlockHash]) -> None:
         """``block_hashes`` (absent here) are about to be stored or promoted, before room
@@ -406,11 +426,19 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _order_touch(self, slots: list[int]) -> None:
         """A use of the blocks in ``slots`` (request order): the first ends most recent.
-        Blocks not admitted yet stay first to evict."""
-        to_end, cold = self._order.move_to_end, self._cold
+        Blocks not admitted yet stay first to evict; a block set aside, or first to
+        evict since its hold ended, ranks again."""
+        to_end, cold, kept = self._order.move_to_end, self._cold, self._kept
         for slot in reversed(slots):
-            if not cold or slot not in cold:
-                to_end(slot)
+            if kept and slot in kept:
+                if kept.pop(slot) == 0:
+                    cold[slot] = None
+                    continue
+            elif cold and slot in cold:
+                if self._admitting:
+                    continue
+                del cold[slot]
+            to_end(slot)
 
     _order_refresh = _order_touch  # for LRU, ranking a request is a use
 
@@ -431,6 +459,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._order.move_to_end(slot, last=False)
         if self._cold:
             self._cold.pop(slot, None)
+        if self._kept:
+            self._kept.pop(slot, None)
 
     def _take_victims(self, n: int, protected: Collection[BlockHash]) -> tuple[list[BlockHash], list[int]] | None:
         """Free the first ``n`` evictable blocks not in ``protected`` in eviction order
@@ -442,15 +472,18 @@ class CPUOffloadingManager(OffloadingManager):
         # recent blocks, pinned ones were just looked up, and a request's own blocks
         # were ranked most recent when it was stored.
         # Blocks not admitted go first; their slots are already where free slots go.
+        if self.retention is not None:
+            self._set_aside(n, protected)
         cold = self._cold
         taken_cold = min(n, len(cold))
-        front = len(free) + len(cold)
+        front = len(free) + len(cold) + len(self._kept)
         slots = list(islice(self._order, front, front + n - taken_cold))  # already where free slots go
         if taken_cold:
             slots[:0] = islice(cold, taken_cold)
         victims = list(map(self._occupant, slots))
         if (
-            (not pending or pending.isdisjoint(victims))
+            len(slots) == n
+            and (not pending or pending.isdisjoint(victims))
             and (not readers or readers.keys().isdisjoint(victims))
             and (not protected or set(protected).isdisjoint(victims))
         ):
@@ -466,6 +499,55 @@ class CPUOffloadingManager(OffloadingManager):
         if len(victims) < n:
             return None
         return victims, list(map(self._release, victims))
+
+    # ---- retention (``cpu_retention``) ----
+
+    def _set_aside(self, n: int, protected: Collection[BlockHash]) -> None:
+        """Blocks set aside whose hold ended go first to evict again; held blocks among
+        the next ``n`` victims (none of ``protected``) are set aside."""
+        retention, kept, occupant = cast(SessionRetention, self.retention), self._kept, self._occupant
+        retention.refresh()
+        ended = retention.take_ended()
+        if kept:
+            get = self._slot_by_hash.get
+            slots = list(kept) if ended is None else [s for h in ended if (s := get(h)) is not None and s in kept]
+            for slot in dict.fromkeys(slots):  # a hold may end twice (held again between)
+                if not retention.holds(occupant(slot)):
+                    self._order_lapse(slot, kept.pop(slot))
+        if not retention.num_held():
+            return
+        holds, pending, readers = retention.holds, self._pending, self._readers
+        if protected and not isinstance(protected, (set, frozenset)):
+            protected = set(protected)
+        held, found = [], 0
+        for slot in self._eviction_slots():
+            block_hash = occupant(slot)
+            if holds(block_hash):
+                held.append(slot)
+            elif block_hash not in pending and block_hash not in readers and block_hash not in protected:
+                found += 1
+                if found == n:
+                    break
+        for slot in held:
+            self._order_keep(slot)
+
+    def _eviction_slots(self) -> Iterator[int]:
+        """Taken slots not set aside, in eviction order (pinned and pending included)."""
+        front = len(self._free) + len(self._cold) + len(self._kept)
+        return chain(self._cold, islice(self._order, front, None))
+
+    def _order_keep(self, slot: int) -> None:
+        """Set a held block's slot aside: out of the ranking, where free slots go."""
+        if self._cold.pop(slot, 0) is None:
+            self._kept[slot] = 0
+        else:
+            self._order.move_to_end(slot, last=False)
+            self._kept[slot] = 1
+
+    def _order_lapse(self, slot: int, came_from: int) -> None:
+        """A set-aside block's hold ended: it goes first to evict (it was the least
+        recent when set aside, and no use has ranked it since)."""
+        self._cold[slot] = None
 
     def _emit(self, block_hashes: list[BlockHash], removed: bool) -> None:
         if self._events is not None and block_hashes:

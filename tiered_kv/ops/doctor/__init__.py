@@ -8,7 +8,9 @@ block object at most) or its Mooncake master (``remote.py``). Writes only
 probe files, each removed at once: where the disk tier's directory exists, 4 KiB to
 learn whether O_DIRECT works there; one of ``read_probe`` bytes to time an O_DIRECT
 read there or, before the directory exists, in its nearest existing parent
-(``speed.py``); and KvikIO's own probe file where KvikIO is installed. Imports torch only in ``check_cuda`` and the disk package only to run
+(``speed.py``); and KvikIO's own probe file where KvikIO is installed. With ``--e2e``
+(``e2e.py``), a tiny model's blocks too: in a scratch directory inside each disk tier's
+directory (removed), and in a shared tier under that model's own namespace. Imports torch only in ``check_cuda`` and the disk package only to run
 KvikIO's probe; changes no setting.
 
 Each check gives one ``Check``: ``ok``; ``skip`` (the check could not run: no config,

@@ -1,0 +1,277 @@
+"""``cpu_retention: session``: the CPU tier holds a returning session's latest blocks for
+its learned gap, within a budget, through the managers' seed API."""
+
+from __future__ import annotations
+
+import random
+from itertools import count, islice
+
+import pytest
+
+from tiered_kv.cpu import ARCOffloadingManager, CPUOffloadingManager, cpu_tier_manager
+from tiered_kv.config import parse_cpu_retention, retention_share
+from tiered_kv.cpu.retention import SessionRetention
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def hs(*ids: int) -> list[bytes]:
+    return [h(i) for i in ids]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(mgr: CPUOffloadingManager, clock: Clock, t: float, *ids: int) -> int:
+    """One request at ``t`` through the seed API, as vLLM's order has it; its CPU hits."""
+    clock.now = t
+    keys = hs(*ids)
+    k = mgr.lookup(keys)
+    if k:
+        mgr.prepare_load(keys[:k])
+        mgr.complete_load(keys[:k])
+    out = mgr.prepare_store(keys)
+    assert out is not None, "a store never fails for want of room while blocks are evictable"
+    mgr.complete_store(out.block_hashes_to_store)
+    mgr.touch(keys)
+    check_regions(mgr)
+    return k
+
+
+def check_regions(mgr: CPUOffloadingManager) -> None:
+    """Free, not admitted and set-aside slots come first in the recency order (any
+    order), every other taken slot after them; set-aside blocks are held or pinned."""
+    front = len(mgr._free) + len(mgr._cold) + len(mgr._kept)
+    if not isinstance(mgr, ARCOffloadingManager):
+        assert set(islice(mgr._order, front)) == set(mgr._free) | set(mgr._cold) | set(mgr._kept)
+    assert not set(mgr._kept) & set(mgr._cold) and not set(mgr._kept) & set(mgr._free)
+    if mgr.retention is not None:
+        assert len(mgr._kept) <= mgr.retention.budget
+
+
+def session_then_scan(mgr: CPUOffloadingManager, clock: Clock) -> int:
+    """A session's two turns 10 s apart, eight one-time blocks, the session's third turn
+    6 s later: the third turn's hits."""
+    assert request(mgr, clock, 0, 1, 2) == 0
+    assert request(mgr, clock, 10, 1, 2, 3) == 2
+    for i in range(8):
+        request(mgr, clock, 11 + i / 2, 100 + i)
+    return request(mgr, clock, 16, 1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_returning_session_keeps_its_tail_through_a_scan(policy):
+    clock = Clock()
+    retention = SessionRetention(8, 0.5, clock=clock)
+    mgr = cpu_tier_manager(policy, 8, 16, retention=retention)
+    assert session_then_scan(mgr, clock) == 3
+    assert retention.ttl_s == 10  # the one gap seen
+    # LRU alone: the eight one-time blocks push the session's three out.
+    assert session_then_scan(CPUOffloadingManager(8, 16), Clock()) == 0
+
+
+def test_a_hold_ends_with_its_ttl_and_the_block_goes_first():
+    clock = Clock()
+    retention = SessionRetention(8, 0.5, clock=clock)
+    mgr = CPUOffloadingManager(8, 16, retention=retention)
+    request(mgr, clock, 0, 1, 2)
+    request(mgr, clock, 10, 1, 2, 3)
+    for i in range(8):
+        request(mgr, clock, 11 + i / 2, 100 + i)
+    assert sorted(mgr._kept) == sorted(mgr.slots_of(hs(1, 2, 3)))  # set aside by the scan
+    clock.now = 21  # past 10 + TTL 10
+    out = mgr.prepare_store(hs(200))
+    assert out is not None and out.block_hashes_evicted == hs(3), "the deepest held block first, once its hold ended"
+    assert not mgr._kept and retention.num_held() == 0
+    mgr.complete_store(hs(200))
+    check_regions(mgr)
+
+
+def test_a_use_ranks_a_set_aside_block_again():
+    clock = Clock()
+    mgr = CPUOffloadingManager(8, 16, retention=SessionRetention(8, 0.5, clock=clock))
+    request(mgr, clock, 0, 1, 2)
+    request(mgr, clock, 10, 1, 2, 3)
+    for i in range(8):
+        request(mgr, clock, 11 + i / 2, 100 + i)
+    assert len(mgr._kept) == 3
+    assert request(mgr, clock, 16, 1, 2, 3, 4) == 3
+    assert not mgr._kept
+    assert list(mgr.iter_lru())[-4:] == hs(4, 3, 2, 1), "the request's head most recent, as without retention"
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_budget_bounds_what_it_holds(policy):
+    """Twenty sessions coming back at random with growing chains: holds never pass the
+    budget, set-aside slots neither, and every store finds room."""
+    rng = random.Random(7)
+    clock = Clock()
+    retention = SessionRetention(16, 0.5, clock=clock)
+    mgr = cpu_tier_manager(policy, 16, 16, retention=retention)
+    fresh = count(1)
+    chains = {s: [next(fresh)] for s in range(20)}
+    t, kept = 0.0, 0
+    for _ in range(400):
+        t += rng.uniform(0.2, 3)
+        s = rng.randrange(20)
+        grown = chains[s] + [next(fresh) for _ in range(rng.randint(1, 2))]
+        chains[s] = grown if len(grown) <= 6 else [next(fresh)]  # a new conversation
+        request(mgr, clock, t, *chains[s])
+        assert retention.num_held() <= retention.budget == 8
+        kept = max(kept, len(mgr._kept))
+    assert retention.counts["returns"] > 100 and kept > 0
+    assert retention.counts["dropped"] > 0, "the budget had to drop holds"
+
+
+def test_held_blocks_are_evicted_when_nothing_else_can_be():
+    clock = Clock()
+    retention = SessionRetention(4, 0.5, clock=clock)
+    mgr = CPUOffloadingManager(4, 16, retention=retention)
+    request(mgr, clock, 0, 1, 2)
+    request(mgr, clock, 10, 1, 2)
+    assert retention.holds(h(1)) and retention.holds(h(2))
+    request(mgr, clock, 11, 10)
+    request(mgr, clock, 11, 11)
+    mgr.prepare_load(hs(10, 11))  # pinned: the only unheld blocks cannot go
+    out = mgr.prepare_store(hs(12))
+    assert out is not None and out.block_hashes_evicted == hs(2), "holds never keep a store out"
+    mgr.complete_store(hs(12))
+    mgr.complete_load(hs(10, 11))
+    check_regions(mgr)
+
+
+def test_named_sessions_add_up_a_turns_steps():
+    clock = Clock()
+    retention = SessionRetention(64, 0.5, clock=clock)
+    retention.session = "chat-1"
+    retention.observe(hs(1, 2))
+    retention.observe(hs(3, 4))  # the same turn's next step: vLLM stores a step at a time
+    clock.now = 10
+    retention.observe(hs(1, 2, 3, 4, 5))
+    assert all(retention.holds(b) for b in hs(1, 2, 3, 4, 5))
+    assert retention.counts["returns"] == 1 and retention.ttl_s == 10
+    retention.session = "chat-2"
+    clock.now = 11
+    retention.observe(hs(1, 2, 3, 4, 5, 6))  # another session: named, not inferred
+    assert retention.counts["returns"] == 1
+
+
+def test_the_prefix_chain_names_sessions_and_a_tail_is_claimed_once():
+    clock = Clock()
+    retention = SessionRetention(64, 0.5, clock=clock)
+    retention.observe(hs(1))
+    clock.now = 5
+    retention.observe(hs(1, 2))  # extends the session whose last block is 1
+    assert retention.counts["returns"] == 1
+    clock.now = 6
+    retention.observe(hs(1, 3))  # 1 is no session's last block now: a new session
+    assert retention.counts["returns"] == 1
+    retention.observe(hs(1, 3, 7))  # within a second: the same turn
+    assert retention.counts["returns"] == 1
+    clock.now = 20
+    retention.observe(hs(1, 2, 8))
+    retention.observe(hs(1, 3, 7, 9))
+    assert retention.counts["returns"] == 3
+    assert retention.ttl_s == 15  # gaps 5, 14, 15: their 0.9 quantile
+    assert all(retention.holds(b) for b in hs(1, 2, 8, 3, 7, 9))
+
+
+def test_ttl_is_a_bounded_quantile_of_the_gaps():
+    clock = Clock()
+    retention = SessionRetention(64, 0.5, quantile=0.5, min_ttl_s=3, max_ttl_s=50, clock=clock)
+    for gap in (1, 100, 100):
+        retention.observe(hs(1))
+        clock.now += gap
+    retention.observe(hs(1))
+    assert retention.ttl_s == 50
+    short = SessionRetention(64, 0.5, min_ttl_s=3, clock=clock)
+    short.observe(hs(5))
+    clock.now += 1.5
+    short.observe(hs(5))
+    assert short.ttl_s == 3
+
+
+def test_config_values_and_refusals():
+    assert parse_cpu_retention("none") == "none" and parse_cpu_retention(None) == "none"
+    assert parse_cpu_retention("session") == "session"
+    assert parse_cpu_retention(" session( 0.50 ) ") == "session(0.5)"
+    assert retention_share("session") == 0.75 and retention_share("session(0.5)") == 0.5
+    assert retention_share("none") is None
+    for bad in ("sessions", "session(0)", "session(0.95)", 3, "lru"):
+        with pytest.raises(ValueError, match="cpu_retention: expected 'none', 'session'"):
+            parse_cpu_retention(bad)
+    with pytest.raises(ValueError, match="share: expected 0 < share <= 0.9 .* got 1.0"):
+        SessionRetention(8, 1.0)
+    with pytest.raises(ValueError, match="num_slots: expected >= 1, got 0"):
+        SessionRetention(0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_keep_the_slots_consistent(policy, seed):
+    """Stores that land or fail, loads, touches, removals and time passing, with
+    admission and retention both on: every slot is free or holds one block, the
+    recency order lists each block once, counts agree, and a store finds room whenever
+    free plus evictable blocks (not its own) suffice."""
+    rnd = random.Random(seed)
+    clock = Clock()
+    retention = SessionRetention(12, 0.5, clock=clock)
+    mgr = cpu_tier_manager(policy, 12, 16, admit_after=2, retention=retention)
+    pending: list[list[bytes]] = []
+    loads: list[list[bytes]] = []
+    for _ in range(500):
+        clock.now += rnd.choice((0.0, 0.5, 2.0, 7.0))
+        op = rnd.random()
+        start = rnd.randrange(0, 30, 5)
+        keys = hs(*range(start, start + rnd.randint(1, 5)))  # prefix chains 0-4, 5-9, ...
+        if op < 0.4:
+            new = [k for k in dict.fromkeys(keys) if k not in mgr]
+            room = mgr.num_free_slots() + sum(1 for k in mgr.iter_evictable() if k not in keys)
+            got = mgr.prepare_store(keys)
+            assert (got is None) == (len(new) > room)
+            if got is not None:
+                pending.append(got.block_hashes_to_store)
+        elif op < 0.55 and pending:
+            mgr.complete_store(pending.pop(rnd.randrange(len(pending))), success=rnd.random() < 0.85)
+        elif op < 0.7:
+            n = mgr.lookup(keys)
+            if n:
+                mgr.prepare_load(keys[:n])
+                loads.append(keys[:n])
+        elif op < 0.8 and loads:
+            mgr.complete_load(loads.pop(rnd.randrange(len(loads))))
+        elif op < 0.85:
+            evictable = list(mgr.iter_evictable())
+            if evictable:
+                mgr.remove(rnd.choice(evictable))
+        else:
+            mgr.touch(keys)
+        check_regions(mgr)
+        order = list(mgr.iter_lru())
+        assert len(order) == len(set(order)) == len(mgr) == 12 - mgr.num_free_slots()
+        slots = [mgr.slot_of(k) for k in order]
+        assert len(set(slots)) == len(slots) and set(slots).isdisjoint(mgr._free)
+        loadable = [k for k in order if mgr.is_loadable(k) and k not in mgr._readers]
+        assert mgr.num_evictable() == len(loadable) == len(list(mgr.iter_evictable()))
+        assert retention.num_held() <= retention.budget
+
+
+def test_the_config_key_builds_the_rule_into_the_cpu_tier():
+    """``cpu_retention`` reaches the CPU tier through the one builder, with its budget."""
+    from tiered_kv.sim.driver import DeviceKVCache
+    from tiered_kv.tiered.spec import HierarchySpec
+
+    device = DeviceKVCache(num_layers=1, num_gpu_blocks=4, gpu_block_size=16, num_kv_heads=1, head_dim=8, device="cpu")
+    bpb = device.layout.bytes_per_block
+    for value, budget in (("none", None), ("session", int(0.75 * 40)), ("session(0.5)", 20)):
+        spec = HierarchySpec({"cpu_bytes": f"{40 * bpb}B", "cpu_retention": value}, 16, device.layout)
+        with spec.get_manager() as manager:
+            retention = manager.cpu.retention
+            assert (None if retention is None else retention.budget) == budget, value
