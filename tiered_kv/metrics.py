@@ -100,6 +100,7 @@ REMOTE_KEPT_UNPROVEN = "tiered_kv_remote_kept_unproven"
 REMOTE_CONDITIONAL_REFUSED = "tiered_kv_remote_conditional_put_refused"
 REMOTE_UNCONDITIONAL_PUTS = "tiered_kv_remote_unconditional_puts"
 HINT_ACTIONS = "tiered_kv_hint_actions"
+CANARY_CHECKS = "tiered_kv_canary_checks"
 LEASES = "tiered_kv_leases"
 LEASE_PINNED_BYTES = "tiered_kv_lease_pinned_bytes"
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
@@ -212,6 +213,13 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         ("action", "outcome"),
     ),
     MetricDef(LEASES, "gauge", "Leases held by kv.retain hints"),
+    MetricDef(
+        CANARY_CHECKS,
+        "counter",
+        "Workers' start-up canaries; outcome: passed, skipped (the engine's attention tensors not visible, or no "
+        "spare blocks), off (canary: false). A failed one stops the engine",
+        ("outcome",),
+    ),
     MetricDef(LEASE_PINNED_BYTES, "gauge", "Bytes pinned by leases per tier", ("tier",)),
 )
 

@@ -79,6 +79,15 @@ def test_the_canary_passes_on_every_layout_and_returns_the_blocks_it_borrowed(mo
     with _build(model_dir, layout) as h:
         passed = [r.getMessage() for r in caplog.records if PASSED in r.getMessage()]
         assert len(passed) == 1 and "2 layers" in passed[0] and "GPU -> cpu -> GPU" in passed[0]
+        # Counted once on the worker's metrics, as passed.
+        worker = h.worker_spec.get_worker(None)
+        assert worker.canary_outcome == "passed"
+        counted = worker.take_stats()
+        assert counted is not None
+        _, values = counted.metric_sections()
+        assert values["tiered_kv_canary_checks"] == {("passed",): 1}, values
+        again = worker.take_stats()  # counted once
+        assert again is None or "tiered_kv_canary_checks" not in again.metric_sections()[1]
         # The spare blocks (the last 4) hold what they held before: zeros.
         for t in h.kv_caches.values():
             assert not t.view(torch.int8 if t.element_size() == 1 else torch.int16).any()

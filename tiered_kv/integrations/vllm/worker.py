@@ -63,7 +63,7 @@ from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, chunk_positions
-from tiered_kv.metrics import transfer_job_values
+from tiered_kv.metrics import CANARY_CHECKS, transfer_job_values
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.forward_timer import ForwardTimer
@@ -170,13 +170,16 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         self.store_handler, self.load_handler = self.hierarchy.build_handlers(
             gpu_to_cpu, cpu_to_gpu, gpu, gpu_block_granular=True, store_bytes_per_block=self.kernel_bytes
         )
+        #: The start-up canary's outcome, counted once (``CANARY_CHECKS``).
+        self.canary_outcome = "off"
         if canary is not None:
             # Before any observer or shared map sees a transfer, and uncounted: the
             # canary's two jobs are no load timing, no served transfer, and touch no
             # slot the scheduler tracks.
             counted = copy.deepcopy(self.stats.transfers)
             try:
-                run_canary(self, kv_caches, canary, engine_kv_tensors(), gpu_rows)
+                seconds = run_canary(self, kv_caches, canary, engine_kv_tensors(), gpu_rows)
+                self.canary_outcome = "skipped" if seconds is None else "passed"
                 self.stats.transfers.clear()
                 self.stats.transfers.update(counted)
                 self.stats.latencies.drain()
@@ -349,6 +352,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         store: this rank's uploads and downloads). None when nothing changed."""
         stats = OffloadingConnectorStats()
         counters = transfer_job_values(self.stats.as_dict()["transfers"])
+        counters.append((CANARY_CHECKS, (self.canary_outcome,), 1))
         timings = self.stats.latencies.drain()
         for tier in self.hierarchy.lower_tiers:
             counters += tier.worker_counters()
