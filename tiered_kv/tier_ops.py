@@ -8,7 +8,7 @@ outside the package shows up in them with no edit outside its own module:
 | hook (``TierSpec``) | asked by | default |
 |---|---|---|
 | ``doctor_checks(entry, ctx)`` | ``tiered-kv doctor`` | one ``skip`` line: no checks declared |
-| ``inspector(entry, ctx)`` | ``tiered-kv inspect VERB --tier NAME`` | None: the tier is refused, named |
+| ``inspector(entry, ctx)`` | ``tiered-kv inspect VERB --tier NAME`` (summary, ls, verify, clear) | None: the tier is refused, named |
 | ``config_info()`` / ``config_info_keys`` | vLLM's ``vllm:kv_offload_config_info`` | the tier's type |
 | ``prior_gbps`` | the load decision before its first sample | a network's |
 | ``worker_counters`` / ``worker_timings`` | the exporter, ``tiered-kv stats`` | none beyond the hierarchy's |
@@ -92,30 +92,27 @@ class TierInspector:
         self.entry = entry
         self.ctx = ctx
 
-    def _refuse(self, verb: str) -> InspectRefused:
+    def refuse(self, verb: str) -> InspectRefused:
+        """The error of a verb this tier does not offer."""
         return InspectRefused(
             f"inspect {verb} --tier {self.entry.name}: a tier of type {self.entry.type_name} does not offer it"
         )
 
     def summary(self) -> dict[str, Any]:
         """What the tier holds: blocks, bytes, capacity, and whatever else it knows."""
-        raise self._refuse("summary")
+        raise self.refuse("summary")
 
     def ls(self, limit: int) -> list[dict[str, Any]]:
-        """Up to ``limit`` of its blocks, one mapping each."""
-        raise self._refuse("ls")
+        """Up to ``limit`` of its blocks (0: all), one mapping each."""
+        raise self.refuse("ls")
 
     def verify(self) -> dict[str, Any]:
         """Read every block back and check it; counts by outcome."""
-        raise self._refuse("verify")
-
-    def evict(self, count: int, dry_run: bool) -> dict[str, Any]:
-        """Drop ``count`` blocks, least recently used first (``dry_run``: only say which)."""
-        raise self._refuse("evict")
+        raise self.refuse("verify")
 
     def clear(self, dry_run: bool) -> dict[str, Any]:
         """Drop every block (``dry_run``: only say how many)."""
-        raise self._refuse("clear")
+        raise self.refuse("clear")
 
 
 __all__ = [

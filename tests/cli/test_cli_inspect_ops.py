@@ -213,6 +213,11 @@ def test_a_tier_named_in_a_config_is_inspected_as_its_directory(cache, tmp_path)
             by_path = run_json(verb, cache, *(("--config", config) if verb == "summary" else ()))
             by_tier = run_json(verb, "--tier", name, "--config", config)
             assert untimed(by_tier) == untimed(by_path), verb
+        for verb, *args in (("evict", "--to-size", "1MiB", "--dry-run"), ("clear", "--dry-run")):
+            by_path = run_json(verb, cache, *args)
+            by_tier = run_json(verb, "--tier", name, "--config", config, *args)
+            assert untimed(by_tier) == untimed(by_path), verb
+            assert by_tier["dry_run"] and entries(cache) == 64  # nothing changed
     missing = run("ls", "--tier", "ssd", "--config", config, code=2)
     assert "has no tier of that name (its tiers: nvme)" in missing.output
     alone = run("ls", "--tier", "nvme", code=2)

@@ -450,3 +450,8 @@ def test_a_tier_written_outside_the_package_serves_vllm_byte_exact(model_dir, tm
     assert table.exit_code == 0 and "tier files (FileTier)" in table.stdout, table.output
     missing = CliRunner().invoke(app, ["inspect", "summary", "--tier", "nope", "--config", str(config_file)])
     assert missing.exit_code == 2 and "its tiers: files" in missing.output, missing.output
+    # A verb the tier's inspector does not offer is refused, naming the tier; its files stay.
+    kept = len(list(files.iterdir()))
+    refused = CliRunner().invoke(app, ["inspect", "clear", "--tier", "files", "--config", str(config_file), "--yes"])
+    assert refused.exit_code == 2 and "a tier of type FileTier does not offer it" in refused.output, refused.output
+    assert len(list(files.iterdir())) == kept

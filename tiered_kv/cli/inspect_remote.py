@@ -54,21 +54,32 @@ def on_remote(command: str, options: dict[str, Any]) -> None:
 
 def on_remote_option(command: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorator of a disk command whose PATH is optional: adds ``--remote CONFIG``, with
-    which this module's ``command`` runs instead; without it, PATH is required."""
+    which this module's ``command`` runs instead, and ``--tier NAME --config FILE``
+    (``inspect_tier``: the config's tier of that name); without them, PATH is required."""
     from tiered_kv.cli.inspect_options import _REMOTE
+    from tiered_kv.cli.inspect_tier import _TIER, _TIER_CONFIG, on_tier
 
     def wrap(fn: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(fn)
         def run(**options: Any) -> None:
+            tier, config = options.pop("tier", None), options.pop("config", None)
+            if tier is not None:
+                return on_tier(command, {**options, "tier": tier, "config": config}, run, run)
+            if config is not None:
+                fail("--config applies with --tier NAME (the server's config that names the tier)", options["json_out"])
             if options.get("remote") is not None:
                 return on_remote(command, options)
             options.pop("remote", None)
             return fn(**{**options, "path": need_path(options["path"], options["json_out"])})
 
         signature = inspect.signature(fn)
-        remote = inspect.Parameter("remote", inspect.Parameter.KEYWORD_ONLY, default=_REMOTE, annotation=Optional[str])
-        run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), remote])  # type: ignore[attr-defined]  # read by typer
-        run.__annotations__ = {**typing.get_type_hints(fn), "remote": Optional[str]}
+        added = {"remote": _REMOTE, "tier": _TIER, "config": _TIER_CONFIG}
+        params = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=Optional[str])
+            for n, d in added.items()
+        ]
+        run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *params])  # type: ignore[attr-defined]  # read by typer
+        run.__annotations__ = {**typing.get_type_hints(fn), **dict.fromkeys(added, Optional[str])}
         return run
 
     return wrap

@@ -1,4 +1,4 @@
-"""``tiered-kv inspect summary|ls|verify --tier NAME --config FILE``: any tier of a server's config.
+"""``tiered-kv inspect VERB --tier NAME --config FILE``: any tier of a server's config.
 
 Operator's process. The tier is found by its name in the config (any shape
 ``tiered_kv.config_file`` reads); a disk tier is inspected at its directory as a cache
@@ -33,7 +33,8 @@ _TIER_CONFIG = typer.Option(
 def on_tier(command: str, options: dict[str, Any], disk: Callable[..., None], remote: Callable[..., None]) -> None:
     """Run ``command`` on the tier named ``options["tier"]`` of the one ``--config``:
     ``disk`` (the command on a cache PATH) for a disk tier, ``remote`` (the command with
-    ``--remote``) for a shared tier, else the tier's own inspector."""
+    ``--remote``) for a shared tier, else the tier's own inspector (summary, ls, verify,
+    clear)."""
     from tiered_kv.config_values import ConfigError
     from tiered_kv.ops.doctor import read_config
     from tiered_kv.tier_ops import InspectRefused, ToolContext
@@ -59,11 +60,15 @@ def on_tier(command: str, options: dict[str, Any], disk: Callable[..., None], re
         inspector = entry.cls.inspector(entry, ToolContext(cfg))
         if inspector is None:
             raise InspectRefused(f"--tier {name}: a tier of type {entry.type_name} offers no inspector")
+        data: dict[str, Any] = {"tier": name, "type": entry.type_name}
         if command == "ls":
-            rows = inspector.ls(options["limit"])
-            data: dict[str, Any] = {"tier": name, "type": entry.type_name, "entries": rows}
-        else:
-            data = {"tier": name, "type": entry.type_name, **getattr(inspector, command)()}
+            data["entries"] = inspector.ls(options["limit"])
+        elif command == "clear":
+            data.update(inspector.clear(bool(options.get("dry_run"))))
+        elif command in ("summary", "verify"):
+            data.update(getattr(inspector, command)())
+        else:  # evict's size and age limits are a disk tier's and a bucket's
+            raise inspector.refuse(command)
     if json_out:
         emit_json(data)
         return
