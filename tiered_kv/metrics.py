@@ -494,10 +494,18 @@ class PrometheusMetrics:
     the tier) and its older ``vllm:kv_offload_total_{bytes,time}`` per
     ``transfer_type`` (all six of ours); then the project's own ``PROJECT_METRICS``.
     ``tokens_per_block``: tokens of one of the manager's blocks (the spec's
-    ``offloaded_block_size``); without it ``TIER_TOKENS`` stays empty.
+    ``offloaded_block_size``); without it ``TIER_TOKENS`` stays empty. ``extra``: the
+    metrics the config's tier types add (``tiers.tier_metric_definitions``), fed by
+    ``update(counters=...)`` (their ``worker_counters``).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, tokens_per_block: int | None = None):
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        tokens_per_block: int | None = None,
+        extra: Sequence[MetricDef] = (),
+    ):
         if tokens_per_block is not None and tokens_per_block < 1:
             raise ValueError(f"tokens_per_block: expected at least 1, got {tokens_per_block}")
         self.tokens_per_block = tokens_per_block
@@ -520,9 +528,9 @@ class PrometheusMetrics:
         kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
         #: The project's own metrics by name (``PROJECT_METRICS``).
         self.metrics: dict[str, Any] = {}
-        for d in PROJECT_METRICS:
-            extra = {"buckets": d.buckets} if d.buckets is not None else {}
-            self.metrics[d.name] = kinds[d.kind](d.name, d.documentation, d.labelnames, registry=r, **extra)
+        for d in (*PROJECT_METRICS, *(e for e in extra if e.name not in {p.name for p in PROJECT_METRICS})):
+            buckets = {"buckets": d.buckets} if d.buckets is not None else {}
+            self.metrics[d.name] = kinds[d.kind](d.name, d.documentation, d.labelnames, registry=r, **buckets)
         # Every kind from the start: an alert on their increase sees a series before the first failure.
         for kind in JOB_FAILURE_KINDS:
             self.metrics[WORKER_JOB_FAILURES].labels(kind)
@@ -545,13 +553,15 @@ class PrometheusMetrics:
         costs: Mapping | None = None,
         occupancy: Occupancy | None = None,
         job_failures: Mapping[str, float] | None = None,
+        counters: Iterable[CounterValue] = (),
     ) -> None:
         """Export ``stats``, the tiers' ``used_blocks``, the summed counters of the
         shared-tier stores' ``remote`` stats (``RemoteStore.stats()``, e.g. the
         scheduler's and a worker's), the load estimates of ``costs`` (a
         ``LoadCosts.snapshot()``), the tiers' ``occupancy`` (e.g.
         ``hierarchy_occupancy(manager)``, which includes ``used_blocks``), the failed
-        worker jobs per kind of ``job_failures`` (totals since the start), and drain
+        worker jobs per kind of ``job_failures`` (totals since the start), the tiers' own
+        ``counters`` (totals, e.g. their ``worker_counters()``), and drain
         ``stats.latencies`` and ``latencies`` (e.g. a store's ``RemoteStore.latencies``)."""
         snap = stats.as_dict()
         for name, labels, value in occupancy_gauges(occupancy):
@@ -574,8 +584,8 @@ class PrometheusMetrics:
         for rs in remote:
             for metric, labels, value in remote_counter_values(rs):
                 totals[metric, labels] = totals.get((metric, labels), 0) + value
-        counters = tier_counter_values(snap["tiers"], self.tokens_per_block) + transfer_job_values(transfers)
-        for metric, labels, value in counters + [(m, lbl, v) for (m, lbl), v in totals.items()]:
+        own = tier_counter_values(snap["tiers"], self.tokens_per_block) + transfer_job_values(transfers)
+        for metric, labels, value in [*own, *counters, *((m, lbl, v) for (m, lbl), v in totals.items())]:
             self._advance(self.metrics[metric], labels, value)
         for tier, n in (used_blocks or {}).items():
             self.metrics[TIER_USED_BLOCKS].labels(tier).set(n)

@@ -11,7 +11,7 @@ outside the package shows up in them with no edit outside its own module:
 | ``inspector(entry, ctx)`` | ``tiered-kv inspect VERB --tier NAME`` (summary, ls, verify, clear) | None: the tier is refused, named |
 | ``config_info()`` / ``config_info_keys`` | vLLM's ``vllm:kv_offload_config_info`` | the tier's type |
 | ``prior_gbps`` | the load decision before its first sample | a network's |
-| ``worker_counters`` / ``worker_timings`` | the exporter, ``tiered-kv stats`` | none beyond the hierarchy's |
+| ``metric_definitions``, ``worker_counters`` / ``worker_timings`` | vLLM's metrics, the exporter, ``tiered-kv stats`` | none beyond the hierarchy's (every tier is a ``tier`` label of those) |
 
 A ``Check`` is one line of the doctor's report; a ``TierInspector`` is what ``inspect``
 does with one tier (its verbs refuse by default, naming the tier and the verb).

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from tiered_kv.fingerprint import Fingerprint
     from tiered_kv.kv_layout import KVCacheLayout
     from tiered_kv.memory.host_memory import HostKVCache
-    from tiered_kv.metrics import CounterValue, Observation, TieredStats
+    from tiered_kv.metrics import CounterValue, MetricDef, Observation, TieredStats
     from tiered_kv.worker.worker import LowerTierWorker
 
 
@@ -255,6 +255,11 @@ class TierSpec(Closing, ABC):
 
     #: The labels ``config_info`` fills (vLLM declares them before any tier is built).
     config_info_keys: ClassVar[tuple[str, ...]] = ("tier_type",)
+    #: Metrics this tier type reports beyond the hierarchy's (``metrics.PROJECT_METRICS``,
+    #: which name every tier by a ``tier`` label), through ``worker_counters`` /
+    #: ``worker_timings``: declared to vLLM and to the exporter for the config's tiers
+    #: (``tier_metric_definitions``). Default: none.
+    metric_definitions: ClassVar[tuple["MetricDef", ...]] = ()
 
     def config_info(self) -> dict[str, Any]:
         """Static facts on vLLM's ``vllm:kv_offload_config_info`` (one mapping per tier,
@@ -275,6 +280,16 @@ class TierSpec(Closing, ABC):
         return None
 
 
+def tier_metric_definitions(entries: Sequence[TierEntry]) -> tuple["MetricDef", ...]:
+    """The metrics the tier types of ``entries`` add (``TierSpec.metric_definitions``),
+    each name once."""
+    found: dict[str, MetricDef] = {}
+    for entry in entries:
+        for d in getattr(entry.cls, "metric_definitions", ()):
+            found.setdefault(d.name, d)
+    return tuple(found.values())
+
+
 def build_tiers(entries: Sequence[TierEntry], ctx: TierContext) -> list[TierSpec]:
     """The ``TierSpec`` of each entry, in order; names must differ."""
     names = [e.name for e in entries]
@@ -289,4 +304,12 @@ def build_tiers(entries: Sequence[TierEntry], ctx: TierContext) -> list[TierSpec
     return tiers
 
 
-__all__ = ["HitCheck", "HitState", "TierContext", "TierSpec", "TrustedHitCheck", "build_tiers"]
+__all__ = [
+    "HitCheck",
+    "HitState",
+    "TierContext",
+    "TierSpec",
+    "TrustedHitCheck",
+    "build_tiers",
+    "tier_metric_definitions",
+]

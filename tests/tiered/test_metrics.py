@@ -264,3 +264,16 @@ def test_every_dashboard_query_names_exported_metrics_only():
         "tiered_kv_remote_unavailable_periods_total",
     ):
         assert name in used, f"the dashboard shows no {name}"
+
+
+def test_a_tier_types_own_metric_is_declared_and_fed_outside_vllm():
+    """The exporter outside vLLM declares what a config's tier types add
+    (``TierSpec.metric_definitions``) and advances their totals as they grow."""
+    from tiered_kv.metrics import MetricDef
+
+    extra = MetricDef("files_tier_files_written", "counter", "Block files written", ("rank",))
+    metrics = PrometheusMetrics(extra=[extra])
+    for total in (3, 3, 5):
+        metrics.update(TieredStats(), counters=[(extra.name, ("0",), total)])
+    value = metrics.registry.get_sample_value("files_tier_files_written_total", {"rank": "0"})
+    assert value == 5

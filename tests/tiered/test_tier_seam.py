@@ -29,7 +29,7 @@ from tiered_kv.abstract import BlockHash, Closing, OffloadingEvent, PrepareStore
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.memory.host_memory import HostKVCache, pack_blocks, unpack_blocks
 from tiered_kv.mediums import TierSlotsSpec
-from tiered_kv.metrics import TieredStats
+from tiered_kv.metrics import MetricDef, TieredStats
 from tiered_kv.tier_ops import FAIL, OK, Check, TierInspector, ToolContext
 from tiered_kv.tier_registry import TierEntry
 from tiered_kv.tiered.transfer_specs import TierWrites
@@ -38,6 +38,7 @@ from tiered_kv.worker.jobs import ThreadedHandler, cpu_kernel_rows, gpu_kernel_r
 from tiered_kv.worker.worker import LowerTierWorker, TransferSpec
 
 FILE = "FILE"
+FILES_WRITTEN = "files_tier_files_written"
 
 
 class FileSlots(TierSlotsSpec):
@@ -172,6 +173,7 @@ class FileStager(Closing):
 
     def __init__(self, host: HostKVCache, directory: str, rank: int):
         self.host, self.directory, self.rank = host, directory, rank
+        self.files_written = 0
 
     def stage(self, writes: TierWrites) -> Future[None]:
         rows = torch.empty((len(writes), self.host.layout.bytes_per_block), dtype=torch.uint8)
@@ -183,6 +185,7 @@ class FileStager(Closing):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(final + ".tmp", final)
+            self.files_written += 1
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -257,6 +260,10 @@ class FileTier(TierSpec):
     # config info says of it.
 
     config_info_keys = ("tier_type", "files_path")
+    metric_definitions = (MetricDef(FILES_WRITTEN, "counter", "Block files written by this rank"),)
+
+    def worker_counters(self) -> list:
+        return [(FILES_WRITTEN, (), self.stager.files_written)] if self.stager is not None else []
 
     def config_info(self) -> dict[str, Any]:
         return {"tier_type": "files", "files_path": self.settings["path"]}
@@ -423,6 +430,13 @@ def test_a_tier_written_outside_the_package_serves_vllm_byte_exact(model_dir, tm
         }
         loaded = samples[("vllm:kv_offload_load_bytes_total", (("engine", "0"),))]
         assert loaded >= len(on_files) * GPU_BLOCK_BYTES, samples
+        # Its own metric: declared to vLLM from the config alone, reported by the worker.
+        from tiered_kv.integrations.vllm.spec import TieredOffloadingSpec
+
+        assert FILES_WRITTEN in TieredOffloadingSpec.build_metric_definitions(config)
+        worker_stats = h.worker_spec.get_worker(None).take_stats()
+        assert worker_stats is not None
+        assert worker_stats.metric_sections()[1][FILES_WRITTEN][()] >= len(on_files)
         infos = [dict(labels) for (n, labels), _ in samples.items() if n == "vllm:kv_offload_config_info"]
         assert {"tier": "files", "tier_type": "files", "files_path": str(files)}.items() <= next(
             i for i in infos if i.get("tier") == "files"

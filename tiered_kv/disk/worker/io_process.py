@@ -12,7 +12,7 @@ thread).
 
 Which process does what:
 
-- Worker (``DiskIOProcess``, ``_RemoteBatch``): sends each batch's calls over a Unix
+- Worker (``DiskIOProcess``, ``_HelperBatch``): sends each batch's calls over a Unix
   socket, in order, and resolves futures from the replies. Block bytes never cross the
   socket: every buffer a batch names (the CPU tier, the staging buffers) must be
   shared memory (``tiered_kv.memory.shared_memory``; ``host_buffer`` allocates it), and
@@ -71,7 +71,7 @@ RESTART_BACKOFF = 5.0
 _DIED = object()  # what a call returns when the I/O process is gone before it replied
 
 
-class _RemoteBackend:
+class _HelperBackend:
     """What the handlers read of ``store.backend``: buffers are host memory only."""
 
     gds = False
@@ -122,7 +122,7 @@ class DiskIOProcess(BlockIO):
         self.tp_size: int = info["tp_size"]
         self.checksum_name: str = info["checksum_name"]
         self.namespace_path: str = info["namespace_path"]
-        self.backend = _RemoteBackend(info["backend"])
+        self.backend = _HelperBackend(info["backend"])
 
     @property
     def pid(self) -> int | None:
@@ -362,11 +362,11 @@ class DiskIOProcess(BlockIO):
         """Shared host memory (page-locked when ``pin``) that the I/O process can reach."""
         return empty_shared(nbytes, pin=pin)
 
-    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "_RemoteBatch":
-        return _RemoteBatch(self, "write", rank, list(hashes), [int(s) for s in slots])
+    def begin_write(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "_HelperBatch":
+        return _HelperBatch(self, "write", rank, list(hashes), [int(s) for s in slots])
 
-    def begin_read(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "_RemoteBatch":
-        return _RemoteBatch(self, "read", rank, list(hashes), [int(s) for s in slots])
+    def begin_read(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> "_HelperBatch":
+        return _HelperBatch(self, "read", rank, list(hashes), [int(s) for s in slots])
 
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         """As ``DiskStore.log_failed``; raises ``RuntimeError`` if the I/O process is gone."""
@@ -403,7 +403,7 @@ def _located(a: np.ndarray) -> tuple[SharedRegion, int] | None:
     return locate(a.ctypes.data, span)
 
 
-class _RemoteBatch:
+class _HelperBatch:
     """A ``WriteBatch`` or ``ReadBatch`` whose calls run in the I/O process, in order."""
 
     def __init__(self, proc: DiskIOProcess, kind: str, rank: int, hashes: list[bytes], slots: list[int]):

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import FrameType
 from dataclasses import dataclass
 from typing import Any
@@ -80,9 +80,10 @@ def _vllm_metadata(d: MetricDef) -> OffloadingMetricMetadata:
     return kind(documentation=d.documentation, labelnames=d.labelnames)
 
 
-def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+def metric_definitions(extra: Sequence[MetricDef] = ()) -> dict[str, OffloadingMetricMetadata]:
     """Every metric the manager reports (vLLM's frontend asserts each reported name was
-    declared, with the same label names).
+    declared, with the same label names); ``extra``: those the config's tier types add
+    (``tiers.tier_metric_definitions``).
 
     The scheduler's (the manager's ``get_stats``): per-tier counters in chunks and
     tokens (its bookkeeping), verification timings (its verifiers), and the shared
@@ -93,7 +94,9 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     ``TRANSFER_SECONDS``) and its own shared-tier store's (its rank's uploads and
     loads); with vLLM's plain connector a worker reports nothing. With several engines
     (data parallel) each engine reports its own."""
-    shared = {d.name: _vllm_metadata(d) for d in PROJECT_METRICS if d.name not in (TIER_BLOCKS, TIER_USED_BLOCKS)}
+    shared = {
+        d.name: _vllm_metadata(d) for d in (*PROJECT_METRICS, *extra) if d.name not in (TIER_BLOCKS, TIER_USED_BLOCKS)
+    }
     return shared | {
         TIER_BLOCKS: OffloadingCounterMetadata(
             documentation=(

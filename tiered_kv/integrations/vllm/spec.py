@@ -68,6 +68,7 @@ from tiered_kv.integrations.vllm.manager import build_manager
 from tiered_kv.integrations.vllm.worker import TieredVllmWorker
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.tiered.spec import HierarchySpec
+from tiered_kv.tiers import tier_metric_definitions
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return metric_definitions()
+        return metric_definitions(tier_metric_definitions(parse_extra_config(extra_config).tier_entries()))
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
