@@ -10,6 +10,7 @@ outside the package shows up in them with no edit outside its own module:
 | ``doctor_checks(entry, ctx)`` | ``tiered-kv doctor`` | one ``skip`` line: no checks declared |
 | ``inspector(entry, ctx)`` | ``tiered-kv inspect VERB --tier NAME`` (summary, ls, verify, clear) | None: the tier is refused, named |
 | ``config_info()`` / ``config_info_keys`` | vLLM's ``vllm:kv_offload_config_info`` | the tier's type |
+| ``warm_writer()`` | ``tiered-kv warmup`` (the config's first tier that offers one) | None: not warmed |
 | ``prior_gbps`` | the load decision before its first sample | a network's |
 | ``metric_definitions``, ``worker_counters`` / ``worker_timings`` | vLLM's metrics, the exporter, ``tiered-kv stats`` | none beyond the hierarchy's (every tier is a ``tier`` label of those) |
 
@@ -19,11 +20,13 @@ does with one tier (its verbs refuse by default, naming the tier and the verb).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from tiered_kv.config import TieredConfig
     from tiered_kv.tier_registry import TierEntry
 
@@ -78,6 +81,21 @@ class ToolContext:
     mountinfo: str = "/proc/self/mountinfo"
 
 
+class BlockWriter(Protocol):
+    """What the warm-up writes a tier's blocks through (``TierSpec.warm_writer``), in the
+    operator's process, beside the tier's own bookkeeping (its ``get_manager``, whose
+    ``prepare_store`` gives the slots and whose ``complete_store`` makes them loadable)."""
+
+    def write_blocks(
+        self, rank: int, block_hashes: Sequence[bytes], slots: Sequence[int], rows: "torch.Tensor"
+    ) -> Sequence[bool]:
+        """Write rank ``rank``'s bytes of each block (one row of ``rows`` each, at least
+        the layout's block bytes, zero padded) durably; per block, whether it was."""
+
+    def close(self) -> None:
+        """Release what the writer opened. Idempotent."""
+
+
 class InspectRefused(Exception):
     """A verb a tier's inspector does not offer (the message names the tier and the verb)."""
 
@@ -122,6 +140,7 @@ __all__ = [
     "SKIP",
     "STATUSES",
     "WARN",
+    "BlockWriter",
     "Check",
     "InspectRefused",
     "TierInspector",

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from tiered_kv.abstract import BlockHash, Closing, LowerTier
 from tiered_kv.config_values import ConfigError
 from tiered_kv.cost import PRIOR_GBPS
-from tiered_kv.tier_ops import Check, TierInspector, ToolContext, skipped
+from tiered_kv.tier_ops import BlockWriter, Check, TierInspector, ToolContext, skipped
 from tiered_kv.tier_registry import TierEntry
 
 if TYPE_CHECKING:
@@ -272,6 +272,12 @@ class TierSpec(Closing, ABC):
         (``tiered-kv doctor``), each a ``Check`` whose non-ok lines carry the fix. Reads
         what it must, writes at most probe files it removes. Default: none declared."""
         return [skipped(f"tier_{entry.name}", f"tier {entry.name} ({entry.type_name}) declares no checks of its own")]
+
+    def warm_writer(self) -> BlockWriter | None:
+        """Operator's process: what ``tiered-kv warmup`` writes this tier's blocks through,
+        beside the bookkeeping of ``get_manager`` (``BlockWriter``). Default: None, and the
+        warm-up writes the config's first tier that offers one."""
+        return None
 
     @classmethod
     def inspector(cls, entry: TierEntry, ctx: ToolContext) -> TierInspector | None:

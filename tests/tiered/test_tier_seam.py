@@ -197,6 +197,26 @@ class FileStager(Closing):
         return
 
 
+class FileWriter:
+    """The warm-up's writer (``TierSpec.warm_writer``): one file per block and rank, as
+    the stager writes them."""
+
+    def __init__(self, directory: str, block_bytes: int):
+        self.directory, self.block_bytes = directory, block_bytes
+
+    def write_blocks(self, rank: int, block_hashes, slots, rows) -> list[bool]:
+        for block_hash, row in zip(block_hashes, rows):
+            final = _path(self.directory, block_hash, rank)
+            with open(final + ".tmp", "wb") as f:
+                f.write(row[: self.block_bytes].numpy().tobytes())
+                os.fsync(f.fileno())
+            os.replace(final + ".tmp", final)
+        return [True] * len(block_hashes)
+
+    def close(self) -> None:
+        return
+
+
 class FileLoadHandler(ThreadedHandler):
     """Block files -> CPU slots or the KV cache (``tensors``)."""
 
@@ -247,7 +267,7 @@ class FileTier(TierSpec):
     def get_manager(self) -> FileTierManager:
         os.makedirs(self.settings["path"], exist_ok=True)
         ctx = self.ctx
-        return FileTierManager(
+        manager = FileTierManager(
             self.settings["path"],
             self.settings["blocks"],
             ctx.world_size,
@@ -255,6 +275,14 @@ class FileTier(TierSpec):
             self.name,
             self.medium,
         )
+        # What a previous process left: every block whose files are all there, again.
+        names = [n for n in os.listdir(manager.directory) if n.endswith(".r0")]
+        manager._pending.update(bytes.fromhex(n[: -len(".r0")]) for n in names)
+        manager.refresh()
+        return manager
+
+    def warm_writer(self) -> "FileWriter":
+        return FileWriter(self.settings["path"], self.ctx.layout.bytes_per_block)
 
     # The operator's hooks: what doctor checks, what `inspect --tier` shows, what vLLM's
     # config info says of it.
@@ -313,6 +341,45 @@ def test_a_tier_entry_is_validated_by_its_own_class(tmp_path):
         TieredConfig.from_dict({"tiers": [{**entry, "type": "NoSuchTier"}]})
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.type: unknown tier type 'files'; expected one of disk, remote"):
         TieredConfig.from_dict({"tiers": [{"type": "files"}]})
+
+
+def test_the_warm_up_writes_a_tier_written_outside_the_package(tmp_path):
+    """``tiered-kv warmup``'s library writes the config's first tier that offers a warm
+    writer: one file per block, and a fresh hierarchy of the same config finds every block."""
+    transformers = pytest.importorskip("transformers")
+    from tiered_kv.ops.hashing import PrefixHasher, chunk_keys, resolve_seed
+    from tiered_kv.ops.warmup import warmup
+    from tiered_kv.ops.warmup.engines import HFEngine
+    from tiered_kv.sim.driver import DeviceKVCache
+    from tiered_kv.tiered.spec import HierarchySpec
+
+    torch.manual_seed(1)
+    llama = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=500
+    )
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "model")
+    files = tmp_path / "files"
+    config = TieredConfig.from_dict(
+        {
+            "cpu_bytes": "1MiB",
+            "block_size": 16,
+            "model_id": "tiny",
+            "cover_weights": False,
+            "tiers": [{"type": "FileTier", "module_path": __name__, "path": str(files), "blocks": 64}],
+        }
+    )
+    prompts = [[7 + (i * 13 + j) % 480 for j in range(50)] for i in range(2)]
+    engine = HFEngine.from_pretrained(str(tmp_path / "model"), device="cpu")
+    report = warmup(prompts, engine, config, gpu_block_size=16, layout="kv-first")
+    assert report.blocks_written == 6 and report.namespace.startswith("files/")
+    assert len(list(files.glob("*.r0"))) == 6
+    # A fresh process's hierarchy over a device cache of the model's geometry: every block found.
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16)
+    with HierarchySpec(config, gpu_block_size=16) as spec:
+        spec.build_worker(device.kv_caches, True).shutdown()
+        with spec.get_manager() as manager:
+            hasher = PrefixHasher("sha256", resolve_seed("sha256", ""), 16)
+            assert [manager.lookup(chunk_keys(hasher.block_hashes(p), 1)) for p in prompts] == [3, 3]
 
 
 # ------------------------------------------------------------------ under vLLM

@@ -192,6 +192,11 @@ class DiskTier(TierSpec):
         store = DiskStore(manager.namespace, PosixBackend(threads), engine_id=self.ctx.engine_id)
         return DiskHitCheck(manager, DiskVerifier(store, self.ctx.world_size, threads=threads))
 
+    def warm_writer(self) -> "DiskStore":
+        """The warm-up writes a store of the namespace in its own process, every rank's
+        shard of a block (``BlockWriter``)."""
+        return self.open_store(in_process=True)
+
     # ------------------------------------------------------------ worker process
 
     @overload

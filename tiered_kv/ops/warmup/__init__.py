@@ -6,11 +6,12 @@ writer lock, as the server's scheduler would). For each prompt it computes vLLM'
 prefix block hashes (``tiered_kv.ops.hashing``), skips the prompt when every full block is
 already on disk (so a rerun resumes where a previous one stopped), runs the model once
 over the prompt up to its last missing block, and stores the missing blocks through
-the disk tier's own path (its ``DiskTier``, built by type as every deployment builds
-it): ``DiskOffloadingManager.prepare_store`` picks slots (evicting
-LRU blocks if the cache is full), ``DiskStore.write_blocks`` writes each TP rank's
-shard, makes it durable and commits its index entry, and ``complete_store`` makes the
-blocks loadable. Block I/O and fsync happen on the calling thread here: there is no
+the tier's own path: the config's first tier whose type offers a warm writer
+(``TierSpec.warm_writer``; a disk tier, or a tier of your own), built by type as every
+deployment builds it. Its manager's ``prepare_store`` picks slots (a disk tier evicts
+LRU blocks if the cache is full), the writer's ``write_blocks`` writes each TP rank's
+shard durably (a disk tier also commits its index entry), and ``complete_store`` makes
+the blocks loadable. Block I/O and fsync happen on the calling thread here: there is no
 engine to keep responsive.
 
 Where the blocks go is a ``BlockLayout``, chosen by name from ``BLOCK_LAYOUTS``: the
@@ -59,17 +60,17 @@ import numpy as np
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.config_file import DISK_TIER_TYPE, TIERED_SPEC, TIERING_SPEC, is_tiering
 from tiered_kv.disk.store.io_backends import aligned_empty
-from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.format.namespace import slot_size_for
-from tiered_kv.disk.tier import DiskTier
-from tiered_kv.disk.store.block_store import BlockStore
 from tiered_kv.mediums import ids_spec
 from tiered_kv.ops.hashing import PrefixHasher, resolve_seed
 from tiered_kv.ops.warmup.engines import HFEngine
 from tiered_kv.ops.warmup.errors import WarmupError
 from tiered_kv.ops.warmup.inputs import check_identity
 from tiered_kv.ops.warmup.layouts import BLOCK_LAYOUTS, BlockLayout, LayoutRequest, VllmServe, register_block_layout
-from tiered_kv.tiers import TierContext, build_tiers
+from tiered_kv.abstract import LowerTier
+from tiered_kv.tier_ops import BlockWriter
+from tiered_kv.tier_registry import TierEntry
+from tiered_kv.tiers import TierContext, TierSpec, build_tiers
 
 #: The run; ``register_block_layout`` is here too, where docs/cli.md points plug-ins.
 __all__ = [
@@ -248,11 +249,14 @@ def warmup(
     ``kv-first`` one covers them where the config names ``model_path``, as tiered-kv's
     own engine does.
     """
-    # The first disk tier, whichever form names it (disk_path, or an entry of ``tiers``):
-    # where the server looks first below CPU.
-    disk_entry = next((e for e in config.tier_entries() if e.type_name == "disk"), None)
-    if disk_entry is None:
-        raise WarmupError("the config has no disk_path and no tiers entry of type disk: there is no disk tier to warm")
+    # The first tier the warm-up can write, whichever form names it (disk_path, or an
+    # entry of ``tiers``): where the server looks first below CPU.
+    target = next((e for e in config.tier_entries() if _warmable(e)), None)
+    if target is None:
+        raise WarmupError(
+            "the config has no disk_path and no tiers entry of type disk (nor of a type whose warm_writer "
+            "writes it): there is no tier to warm"
+        )
     server_extra = dict(_extra_config(config) if extra_config is None else extra_config)
     tiering = is_tiering(server_extra)
     model_dir = getattr(engine, "model_path", None)
@@ -292,7 +296,11 @@ def warmup(
     engine_id = f"tiered-kv-warmup-{os.getpid()}"
     t0 = time.perf_counter()
     report = WarmupReport(
-        namespace=str(Path(disk_entry.settings.path) / fp.namespace_id),
+        namespace=(
+            str(Path(target.settings.path) / fp.namespace_id)
+            if target.type_name == "disk"
+            else f"{target.name}/{fp.namespace_id}"
+        ),
         namespace_id=fp.namespace_id,
         model_id=fp.model_id,
         model_revision=fp.model_revision,
@@ -305,12 +313,12 @@ def warmup(
     # The disk tier as every deployment builds it (by type, tiered_kv.tiers), both its
     # scheduler side and one writer's store, in this one process.
     ctx = TierContext(config, fp, kv_layout, engine_id, enable_events=False)
-    (disk,) = build_tiers([disk_entry], ctx)
-    assert isinstance(disk, DiskTier)
-    manager = disk.get_manager()
+    (tier,) = build_tiers([target], ctx)
+    manager = tier.get_manager()
     store = None
     try:
-        store = disk.open_store(in_process=True)
+        store = tier.warm_writer()
+        assert store is not None, target  # _warmable
         seen: set[bytes] = set()
         for i, tokens in enumerate(prompts):
             _warm_prompt(list(tokens), engine, hasher, blocks, manager, store, seen, report)
@@ -323,6 +331,11 @@ def warmup(
             store.close()
         report.seconds = time.perf_counter() - t0
     return report
+
+
+def _warmable(entry: TierEntry) -> bool:
+    """Whether the tier type of ``entry`` offers a warm writer (``TierSpec.warm_writer``)."""
+    return getattr(entry.cls, "warm_writer", TierSpec.warm_writer) is not TierSpec.warm_writer
 
 
 def _extra_config(config: TieredConfig) -> dict[str, Any]:
@@ -338,8 +351,8 @@ def _warm_prompt(
     engine: HFEngine,
     hasher: PrefixHasher,
     blocks: BlockLayout,
-    manager: DiskOffloadingManager,
-    store: BlockStore,
+    manager: LowerTier,
+    store: BlockWriter,
     seen: set[bytes],
     report: WarmupReport,
 ) -> None:
@@ -370,8 +383,8 @@ def _store_chunks(
     keys: list[bytes],
     kv,
     blocks: BlockLayout,
-    manager: DiskOffloadingManager,
-    store: BlockStore,
+    manager: LowerTier,
+    store: BlockWriter,
     slot_size: int,
     report: WarmupReport,
 ) -> None:
