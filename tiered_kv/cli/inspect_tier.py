@@ -64,6 +64,11 @@ def on_tier(command: str, options: dict[str, Any], disk: Callable[..., None], re
         if command == "ls":
             data["entries"] = inspector.ls(options["limit"])
         elif command == "clear":
+            if not options.get("dry_run") and not options.get("yes"):
+                raise InspectRefused(
+                    f"inspect clear --tier {name}: deletes every block of the tier; pass --yes, or --dry-run to "
+                    "see what it would delete"
+                )
             data.update(inspector.clear(bool(options.get("dry_run"))))
         elif command in ("summary", "verify"):
             data.update(getattr(inspector, command)())
