@@ -68,6 +68,7 @@ from replay_serving_workloads import (  # noqa: E402
     time_scale,
 )
 
+from tiered_kv.config import parse_cpu_retention  # noqa: E402
 from tiered_kv.config_values import parse_size  # noqa: E402
 from tiered_kv.integrations.vllm.hints import HintSettings  # noqa: E402
 from tiered_kv.prefill import ASSUMED_MFU  # noqa: E402
@@ -90,6 +91,7 @@ def run_config(
     lower_blocks: int,
     scratch: Path | None = None,
     prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
+    cpu_retention: str = "none",
 ) -> RunResult:
     """One configuration (``CONFIGS``) over ``reqs``."""
     events = Events()
@@ -114,6 +116,7 @@ def run_config(
         verify_read=verify_read,
         scratch=scratch,
         prefetch_max_bytes=prefetch_max_bytes,
+        cpu_retention=cpu_retention,
     )
     try:
         return Engine(reqs, stack, events, channel, gpu, engine).run()
@@ -230,6 +233,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="256MiB",
         help="prefetch reads in flight (the product's prefetch_max_bytes; default 256MiB)",
     )
+    p.add_argument(
+        "--cpu-retention", default="none", help="the CPU tier's cpu_retention: none (default), session, session(S)"
+    )
     p.add_argument("--token-budget", type=int, default=8192, help="tokens per step (default 8192)")
     p.add_argument("--max-seqs", type=int, default=256)
     p.add_argument("--device-tokens", type=int, default=DEVICE_TOKENS, help="GPU KV and prefix cache (default 512Ki)")
@@ -254,6 +260,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.configs = configs
     try:
         args.prefetch_max_bytes = parse_size(args.prefetch_max_bytes, "--prefetch-max-bytes")
+        args.cpu_retention = parse_cpu_retention(args.cpu_retention, "--cpu-retention")
     except ValueError as e:
         p.error(str(e))
     return args
@@ -287,7 +294,18 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
     factor = time_scale(stream, work, args.utilisation)
     reqs = arrivals(stream, factor)
     results = [
-        run_config(c, reqs, gpu, engine, tier, cpu_blocks, lower_blocks, args.scratch, args.prefetch_max_bytes)
+        run_config(
+            c,
+            reqs,
+            gpu,
+            engine,
+            tier,
+            cpu_blocks,
+            lower_blocks,
+            args.scratch,
+            args.prefetch_max_bytes,
+            args.cpu_retention,
+        )
         for c in args.configs
     ]
     bpb = gpu.kv_bytes_per_token * TOKENS_PER_BLOCK

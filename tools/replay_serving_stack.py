@@ -43,9 +43,9 @@ from typing import cast
 
 from replay_cost import LAYOUT
 
-from tiered_kv.config import TieredConfig
+from tiered_kv.config import TieredConfig, parse_cpu_retention, retention_share
 from tiered_kv.cost import LoadCosts, Queues
-from tiered_kv.cpu import cpu_tier_manager
+from tiered_kv.cpu import SessionRetention, cpu_tier_manager
 from tiered_kv.disk.format.manifest import slot_size_for
 from tiered_kv.disk.scheduler.hit_check import DiskHitCheck
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
@@ -161,12 +161,14 @@ def build_stack(
     verify_read: Callable[[bytes, int, Callable[[], None]], None],
     scratch: Path | None = None,
     prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
+    cpu_retention: str = "none",
 ) -> Stack:
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
     and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on,
     ``e460906`` the decision blind to queues and attention, and ``cost-aware+prefetch``
-    the decision with prefetch while waiting (at most ``prefetch_max_bytes`` in flight).
+    the decision with prefetch while waiting (at most ``prefetch_max_bytes`` in flight);
+    ``cpu_retention``: the CPU tier's (``TieredConfig.cpu_retention``), on the replay's clock.
     ``verify_read`` reads one chunk for the hit check where ``tier.verify`` (``SimVerifier``)."""
     if config not in CONFIGS:
         raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
@@ -174,7 +176,11 @@ def build_stack(
         raise ValueError(f"cpu_blocks and lower_blocks must be >= 1, got {cpu_blocks}, {lower_blocks}")
     work = Path(tempfile.mkdtemp(prefix="replay-serving-", dir=scratch))
     engine_id = f"replay-serving-{uuid.uuid4().hex[:12]}"
-    cpu = cpu_tier_manager(TieredConfig.eviction_policy, cpu_blocks, tokens_per_block, enable_events=False)
+    share = retention_share(parse_cpu_retention(cpu_retention, "--cpu-retention"))
+    retention = None if share is None else SessionRetention(cpu_blocks, share, clock=clock)
+    cpu = cpu_tier_manager(
+        TieredConfig.eviction_policy, cpu_blocks, tokens_per_block, enable_events=False, retention=retention
+    )
     lower: list[DiskOffloadingManager] = []
     used = tier if config != "recompute" else None
     try:

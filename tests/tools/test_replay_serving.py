@@ -229,3 +229,9 @@ def test_the_command_prints_one_row_per_configuration(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replay_serving.main([*argv, "--prefetch-max-bytes", "lots"])
     assert "--prefetch-max-bytes" in capsys.readouterr().err
+    # The CPU tier's retention rule, as the config names it, on the replay's clock.
+    assert replay_serving.main([*argv, "--configs", "cost-aware", "--cpu-retention", "session(0.5)"]) == 0
+    assert "cost-aware" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        replay_serving.main([*argv, "--cpu-retention", "forever"])
+    assert "--cpu-retention: expected 'none', 'session'" in capsys.readouterr().err
