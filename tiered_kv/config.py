@@ -141,7 +141,7 @@ def _parse_number(value: Any, key: str, low: float, high: float, what: str, *, o
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}: expected a number, got {show(value)}")
     number = float(value)
-    if not (low < number if open_low else low <= number) or not number <= high:
+    if not math.isfinite(number) or not (low < number if open_low else low <= number) or not number <= high:
         raise ConfigError(f"{key}: expected {what}, got {number}")
     return number
 

@@ -321,6 +321,8 @@ def test_settings_read_their_keys_and_name_a_bad_value():
         ({"lease_budget": 0.75}, "lease_budget: expected a share of each tier from 0 to 0.5, got 0.75"),
         ({"lease_budget": "a lot"}, "lease_budget: expected a number, got 'a lot'"),
         ({"lease_max_ttl_s": 0}, "lease_max_ttl_s: expected seconds > 0, got 0.0"),
+        ({"lease_max_ttl_s": float("inf")}, "lease_max_ttl_s: expected seconds > 0, got inf"),
+        ({"lease_budget": float("nan")}, "lease_budget: expected a share of each tier from 0 to 0.5, got nan"),
         ({"prefetch_waiting": "maybe"}, "prefetch_waiting: expected true or false"),
         ({"prefetch_max_bytes": "lots"}, "prefetch_max_bytes"),
     ]:
