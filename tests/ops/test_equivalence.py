@@ -9,15 +9,21 @@ from the CPU tier, from disk after the storing engine stopped, from the shared t
 blocks; and recomputed after a load that failed on a damaged block. Each continues 32
 greedy tokens equal to the cold ones (one prefill of the whole prompt), every logit
 within the dtype's tolerance, from K/V equal to the model's byte for byte. A block
-served in the wrong place is caught by the same comparison."""
+served in the wrong place is caught by the same comparison. On a CUDA device (``gpu``),
+the same at bf16 and fp16 with the KV cache in CUDA tensors, through the CPU tier's CUDA
+copies and the disk tier both ways into the KV cache (through a CPU slot, and straight in
+by ``GpuDiskHandler``)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 
 from support.s3_server import BUCKET, missing_reason
 from tiered_kv.config import TieredConfig
+from tiered_kv.disk.worker.handlers import CpuDiskHandler, GpuDiskHandler
 from tiered_kv.ops.equivalence import (
     PREFIX_TOKENS,
     SHAPES,
@@ -176,3 +182,70 @@ def test_half_precision_kv_comes_back_as_computed(shape, dtype, tmp_path):
         ), (r.case, r.comparison, computed.comparison)
     if dtype == "bfloat16":
         assert all(r.ok for r in results), results
+
+
+def held_to_the_split_run(results: list[CaseResult], dtype: str) -> None:
+    """Every tier's case returns the model's KV bytes and the output of the split prefill
+    with nothing loaded (see ``test_half_precision_kv_comes_back_as_computed``)."""
+    computed, *tiers = results
+    for r in tiers:
+        assert r.error is None and r.kv_equal, r
+        assert r.load_failed == (r.case == "recompute"), r
+        assert r.comparison is not None and computed.comparison is not None
+        assert (r.comparison.matching, r.comparison.max_logit_diff) == (
+            computed.comparison.matching,
+            computed.comparison.max_logit_diff,
+        ), (r.case, r.comparison, computed.comparison)
+    if dtype == "bfloat16":
+        assert all(r.ok for r in results), results
+
+
+def through_both_disk_paths(shape, dtype: str, tmp_path, monkeypatch, device: str) -> None:
+    """The cases on ``device``, through the CPU tier and the disk tier, the disk tier both
+    ways a block reaches the KV cache: promoted into a CPU slot (``CpuDiskHandler``, then
+    the CPU tier's copy) and read straight in (``GpuDiskHandler``); each disk read counted
+    per handler, so the path each case took is asserted, not assumed."""
+    torch.set_num_threads(1)
+    model = build_model(shape, tmp_path / "model", dtype=dtype, device=device)
+    assert next(model.engine.model.parameters()).device.type == device
+    reads: Counter[str] = Counter()
+    for cls in (GpuDiskHandler, CpuDiskHandler):
+
+        def counted(self, ids, hashes, slots, real=cls._load_job, name=cls.__name__):
+            reads[name] += len(hashes)
+            return real(self, ids, hashes, slots)
+
+        monkeypatch.setattr(cls, "_load_job", counted)
+    blocks = PREFIX_TOKENS // 16
+    for promote, handler in ((True, "CpuDiskHandler"), (False, "GpuDiskHandler")):
+        disk = {"type": "disk", "path": str(tmp_path / f"disk-{handler}"), "bytes": "8MiB"}
+        cfg = TieredConfig.from_dict({"block_size": 16, "promote_on_hit": promote, "tiers": [disk]})
+        results, read_by = [], []
+        for r in run_equivalence(model, cfg, device=device):
+            results.append(r)
+            read_by.append(dict(reads))
+            reads.clear()
+        show(results)
+        assert [(r.case, r.tier) for r in results] == [
+            ("computed", "none"),
+            ("cpu", "cpu"),
+            ("tier", "disk"),
+            ("recompute", "disk"),
+        ]
+        held_to_the_split_run(results, dtype)
+        assert results[2].sources == {"disk": blocks}
+        # The cpu case reads no disk; the tier case reads every block through the one handler.
+        assert read_by[:3] == [{}, {}, {handler: blocks}], read_by
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_kv_comes_back_as_computed_through_the_gpu_handlers(shape, dtype, tmp_path, monkeypatch):
+    """On CUDA, at bf16 and fp16: the prefix's K/V stored from CUDA tensors and loaded back
+    into zeroed ones through the CPU tier (copies on CUDA streams) and through the disk tier
+    both ways, promoted through a CPU slot and straight into the KV cache by
+    ``GpuDiskHandler`` (GPUDirect Storage where KvikIO has it, else its pinned bounce
+    buffer); and a damaged block's failed load recomputed. Each continues as the split
+    prefill with nothing loaded, from the model's KV bytes exactly."""
+    through_both_disk_paths(shape, dtype, tmp_path, monkeypatch, "cuda")

@@ -131,9 +131,11 @@ def test_summary_describes_the_namespace_the_hierarchy_wrote(cache):
     assert run_json("summary", ns.path)["namespaces"][0]["blocks"] == s["blocks"]
     # Leftovers of interrupted operations are pointed out.
     (cache / ".tiered-kv-bench-123-abc").mkdir()
-    assert run_json("summary", cache)["problems"] == [
-        ".tiered-kv-bench-123-abc: left by an interrupted namespace creation, clear or bench (safe to delete "
+    (cache / ".tiered-kv-canary-x1y2").mkdir()
+    assert sorted(run_json("summary", cache)["problems"]) == [
+        f"{name}: left by an interrupted namespace creation, clear, bench or start-up canary (safe to delete "
         "while no engine starts)"
+        for name in (".tiered-kv-bench-123-abc", ".tiered-kv-canary-x1y2")
     ]
 
 

@@ -24,22 +24,42 @@ would be served our blocks byte-exact and wrong. The canary:
 4. reads those blocks through the engine's own per-layer KV tensors, the ones vLLM's
    attention layers hold (handed to vLLM's ``register_kv_caches``; found up the call
    stack), splitting K and V as vLLM's FlashAttention backend does
-   (``kv_cache.split(head_size, dim=-1)``), and compares every element.
+   (``kv_cache.split(head_size, dim=-1)``), and compares every element;
+5. for each disk tier, takes the chunk in that CPU slot through the tier's own stager,
+   handlers, store and I/O backend, built by the tier's own class over a private
+   one-slot store in a scratch directory of the tier's directory, never the scheduler's
+   namespace: written from the CPU slot, read straight into the other blocks
+   (``GpuDiskHandler``) and, again, into the CPU slot (``CpuDiskHandler``) and on to
+   the blocks through the worker's load handler, each followed by step 4
+   (``canary_disk``). A disk tier that cannot be exercised there (a read-only or full
+   filesystem, an I/O error) is skipped with a warning: I/O problems never stop the
+   engine, only values in the wrong place do.
 
-A mismatch raises ``CanaryError`` naming the tier, the layer and the axis that is wrong
-("KV heads and tokens are swapped", "K and V are swapped", ...): the engine does not
-start. Success logs the time it took (a few milliseconds for small models on a CPU).
+A mismatch raises ``CanaryError`` naming the tier and the path (``cpu tier``, ``disk
+tier (written from a CPU slot, read straight into GPU blocks by GpuDiskHandler)``, ...),
+the layer and the axis that is wrong ("KV heads and tokens are swapped", "K and V are
+swapped", ...): the engine does not start. Success logs what was checked and the time it
+took (milliseconds for small models on a CPU; a disk tier adds its namespace's creation,
+one write with its ``fdatasync`` and index commits, and two reads).
 
-What it does not cover: the lower tiers. A disk or shared-tier write needs a slot or an
-object the scheduler's manager owns (its index, its eviction, its namespace), which a
-worker cannot take on its own at start-up without corrupting what the scheduler knows;
-their bytes are checked against checksums on every read, and they move whole CPU slots,
-so a page that is right in the CPU tier is right below it. Nor does it run where the
-engine's attention tensors are not visible (a worker built by hand, outside vLLM's
-connector): it then logs that it was skipped. vLLM 0.33's attention backends expose no
-shape or stride query of their own any more (its ``KVCacheLayout`` and
-``compute_layout_strides`` replaced them), so the layout comes from there and the K/V
-split of a cell from vLLM's ``AttentionSpec`` (K then V).
+What it does not cover. The shared tier (``tiered_kv.remote``) is not written: its
+bucket is the fleet's, and a start-up write would put there an object no scheduler
+asked for, and wait on the network (nor is an out-of-tree tier type taken through; only
+``DiskTier`` and its subclasses are). The shared tier's bytes are the CPU slot's bytes:
+its stager packs the slot with ``pack_blocks`` into an upload buffer, and its load
+handler unpacks a download with ``unpack_blocks`` into a CPU slot or straight into the
+GPU tensors, after the object's header and checksum are verified; it orders no page
+itself. For the block-major CPU tier, packing or unpacking a slot copies its row as it
+lies, so a download into a CPU slot restores the bytes the CPU round trip checked. A
+download straight into the GPU goes through the same ``unpack_blocks`` (the same byte
+order from a host buffer as from a device one), layout and tensors as
+``GpuDiskHandler``'s reads, which step 5 checks only when a disk tier is configured;
+beside a shared tier alone, that path is not checked.
+Nor does the canary run where the engine's attention tensors are not visible (a worker
+built by hand, outside vLLM's connector): it then logs that it was skipped. vLLM 0.33's
+attention backends expose no shape or stride query of their own any more (its
+``KVCacheLayout`` and ``compute_layout_strides`` replaced them), so the layout comes from
+there and the K/V split of a cell from vLLM's ``AttentionSpec`` (K then V).
 """
 
 from __future__ import annotations
@@ -61,8 +81,11 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec as VllmGPUSpec
 
 from tiered_kv.config import ConfigError
 from tiered_kv.integrations.vllm import geometry
+from tiered_kv.integrations.vllm.canary_disk import check_disk_tiers
+from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, chunk_positions
 from tiered_kv.tiered.transfer_specs import TieredStoreSpec
+from tiered_kv.tiers import TierSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferSpec
 
 logger = logging.getLogger(__name__)
@@ -74,6 +97,11 @@ _FIELDS = ("layer", "kv", "head", "token", "block")
 _INT_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+class _Hierarchy(Protocol):
+    @property
+    def lower_tiers(self) -> Sequence[TierSpec]: ...
+
+
 class CanaryWorker(Protocol):
     """What the canary uses of ``worker.TieredVllmWorker``."""
 
@@ -81,6 +109,10 @@ class CanaryWorker(Protocol):
     def rank(self) -> int: ...
     @property
     def factor(self) -> int: ...
+    @property
+    def host(self) -> HostKVCache: ...
+    @property
+    def hierarchy(self) -> _Hierarchy: ...
     @property
     def store_handler(self) -> OffloadingHandler: ...
     @property
@@ -172,9 +204,15 @@ def run_canary(
             _write_pattern(layer, tensors[layer.tensor], src, plan, _layout(plan, layer))
         if tensors[0].is_cuda:
             torch.cuda.synchronize(tensors[0].device)
-        _round_trip(worker, src, dst, rows_of)
+        rows = _round_trip(worker, src, dst, rows_of)
         for layer in layers:
             _check(layer, dst, plan, _layout(plan, layer), worker.rank)
+
+        def check(tier: str) -> None:
+            for layer in layers:
+                _check(layer, dst, plan, _layout(plan, layer), worker.rank, tier)
+
+        lower = check_disk_tiers(worker, worker.hierarchy.lower_tiers, tensors, rows, check)
     finally:
         for t, s in zip(tensors, saved):
             t[spare] = s
@@ -182,10 +220,11 @@ def run_canary(
             torch.cuda.synchronize(tensors[0].device)
     seconds = time.perf_counter() - started
     logger.info(
-        "rank %d: start-up canary passed: %d layers, GPU -> cpu -> GPU through the worker's handlers, "
+        "rank %d: start-up canary passed: %d layers, GPU -> cpu -> GPU through the worker's handlers%s, "
         "every value where vLLM's attention reads it (%.1f ms)",
         worker.rank,
         len(layers),
+        "".join(f"; {line}" for line in lower),
         seconds * 1e3,
     )
     return seconds
@@ -258,15 +297,17 @@ def _write_pattern(layer: _Layer, pages: torch.Tensor, src: np.ndarray, plan: Ca
 
 def _round_trip(
     worker: CanaryWorker, src: np.ndarray, dst: np.ndarray, rows_of: Callable[[VllmGPUSpec, int, int], np.ndarray]
-) -> None:
+) -> np.ndarray:
     """One chunk GPU -> CPU slot 0 -> GPU through the worker's own handlers and its
-    translation of vLLM's GPU specs (``rows_of``), as every stored and loaded chunk."""
+    translation of vLLM's GPU specs (``rows_of``), as every stored and loaded chunk;
+    returns the loads' GPU rows (``dst`` as ``rows_of`` gives it)."""
     f = worker.factor
     rows = rows_of(VllmGPUSpec(src.tolist(), [f], [0]), f, 1)
     store = (GPULoadStoreSpec(rows[rows >= 0]), TieredStoreSpec(chunk_positions(np.array([0]), f)[rows >= 0]))
     _run(worker.store_handler, _STORE_JOB, store, "store (GPU -> cpu)", worker.rank)
     rows = rows_of(VllmGPUSpec(dst.tolist(), [f], [0]), f, 1)
     _run(worker.load_handler, _LOAD_JOB, (CPULoadStoreSpec([0]), GPURowsSpec(rows)), "load (cpu -> GPU)", worker.rank)
+    return rows
 
 
 def _run(handler: OffloadingHandler, job_id: int, spec: TransferSpec, what: str, rank: int) -> None:
@@ -285,9 +326,9 @@ def _run(handler: OffloadingHandler, job_id: int, spec: TransferSpec, what: str,
         raise CanaryError(f"start-up canary: rank {rank}: the cpu tier's {what} of the canary's chunk failed")
 
 
-def _check(layer: _Layer, dst: np.ndarray, plan: CanaryPlan, layout: str, rank: int) -> None:
+def _check(layer: _Layer, dst: np.ndarray, plan: CanaryPlan, layout: str, rank: int, tier: str = "cpu tier") -> None:
     """Read the loaded blocks through the engine's own tensor and compare every element;
-    raise ``CanaryError`` naming the axis that moved."""
+    raise ``CanaryError`` naming ``tier`` (the path the blocks came) and the axis that moved."""
     t = layer.engine
     ints = t.view(_INT_DTYPES[t.element_size()])
     got = ints[torch.as_tensor(dst, device=t.device)].cpu()
@@ -308,13 +349,18 @@ def _check(layer: _Layer, dst: np.ndarray, plan: CanaryPlan, layout: str, rank: 
         differs = (part[wrong][:, :k] != expected[wrong][:, :k]).any(0).tolist()
         moved = [f for f, d in zip(_FIELDS, differs) if d]
         nothing = not part[wrong].any()
+        why = (
+            "this vLLM's KV pages are not laid out as TieredOffloadingSpec addresses them"
+            if tier == "cpu tier"  # a lower tier is checked only after the CPU tier passed
+            else "the CPU tier's round trip put every value in place, so this tier's own handlers move pages"
+        )
         raise CanaryError(
-            f"start-up canary: the cpu tier returns KV that vLLM's attention does not read where it "
+            f"start-up canary: the {tier} returns KV that vLLM's attention does not read where it "
             f"was written: layer {layer.name} (rank {rank}): {_axis(moved, nothing)}. At "
             f"{'KV'[kv]}[block {dst[b]}, KV head {h}, token {n}] expected "
             f"{_describe(wanted)}, found {_describe(found)} (page layout the worker assumes: {layout}; "
             f"the engine's tensor: shape {tuple(t.shape)}, strides {t.stride()}). The engine is not "
-            f"started: this vLLM's KV pages are not laid out as TieredOffloadingSpec addresses them"
+            f"started: {why}"
         )
 
 

@@ -29,7 +29,9 @@ from tiered_kv.disk.format.safe_open import describe
 
 #: Hidden directories that interrupted operations leave in a cache directory: a namespace
 #: creation (``.tmp-``), a ``clear`` (``.trash-``) and a ``bench`` (``.tiered-kv-bench-``).
-LEFTOVER_PREFIXES = (".tmp-", ".trash-", ".tiered-kv-bench-")
+#: ``.tiered-kv-canary-``: a worker's start-up canary stopped before removing its scratch store
+#: (``integrations/vllm/canary_disk.SCRATCH_PREFIX``).
+LEFTOVER_PREFIXES = (".tmp-", ".trash-", ".tiered-kv-bench-", ".tiered-kv-canary-")
 _NAMESPACE_NAME = re.compile(f"[0-9a-f]{{{NAMESPACE_ID_LEN}}}")
 
 

@@ -178,7 +178,8 @@ def summarize_cache(cache: CacheDir) -> dict[str, Any]:
     """``summarize_namespace`` for each namespace, plus cache-level problems."""
     problems = [f"{path.name}: {why}" for path, why in cache.unreadable]
     problems += [
-        f"{p.name}: left by an interrupted namespace creation, clear or bench (safe to delete while no engine starts)"
+        f"{p.name}: left by an interrupted namespace creation, clear, bench or start-up canary "
+        "(safe to delete while no engine starts)"
         for p in cache.leftovers
     ]
     return {
