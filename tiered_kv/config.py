@@ -17,11 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from tiered_kv.config_values import (  # noqa: F401 (ConfigError, sizes, the disk tier's choices: re-exported)
+from tiered_kv.config_values import (  # noqa: F401 (ConfigError, sizes, the disk tier's choices, retention: re-exported)
     CHECKSUMS,
     DEFAULT_CHECKSUM,
+    DEFAULT_RETENTION_SHARE,
     DISK_IO,
     IO_BACKENDS,
+    MAX_RETENTION_SHARE,
     ConfigError,
     MIN_BARE_SIZE,
     format_size,
@@ -29,8 +31,10 @@ from tiered_kv.config_values import (  # noqa: F401 (ConfigError, sizes, the dis
     parse_choice,
     parse_disk_path,
     parse_positive_int,
+    parse_retention,
     parse_size,
     parse_text,
+    retention_share,
     show,
 )
 from tiered_kv.tier_registry import TierEntry, tier_class
@@ -99,35 +103,9 @@ def parse_cpu_admission(value: Any, key: str) -> str:
     )
 
 
-#: ``cpu_retention: session``'s budget share of the CPU tier's slots, and the most a
-#: config may give it: the replays of docs/benchmarks.md ("CPU admission against
-#: Belady") found 0.75 and 0.9 both above 0.5, and 0.9 no better where RAM is scarce.
-DEFAULT_RETENTION_SHARE = 0.75
-MAX_RETENTION_SHARE = 0.9
-_SESSION_RE = re.compile(r"^session(?:\((\d*\.?\d+)\))?$")
-
-
 def parse_cpu_retention(value: Any, key: str = "cpu_retention") -> str:
-    """``"none"``, ``"session"`` or ``"session(S)"`` (S: the share of the CPU tier's slots
-    that holds may take, 0 < S <= ``MAX_RETENTION_SHARE``), in canonical spelling; raises
-    ``ConfigError`` naming the bad value (``tiered_kv.cpu.retention``)."""
-    if value is None or value == "none":
-        return "none"
-    m = _SESSION_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
-    if m and (m.group(1) is None or 0 < float(m.group(1)) <= MAX_RETENTION_SHARE):
-        return "session" if m.group(1) is None else f"session({float(m.group(1)):g})"
-    raise ConfigError(
-        f"{key}: expected 'none', 'session' or 'session(S)' with 0 < S <= {MAX_RETENTION_SHARE} (hold each "
-        f"returning session's latest blocks for its learned gap, within S x the CPU tier's slots), got {show(value)}"
-    )
-
-
-def retention_share(value: str) -> float | None:
-    """The budget share of a parsed ``cpu_retention`` value; None for ``none``."""
-    m = _SESSION_RE.match(value)
-    if value == "none" or m is None:
-        return None
-    return DEFAULT_RETENTION_SHARE if m.group(1) is None else float(m.group(1))
+    """``cpu_retention`` (``parse_retention``: the CPU tier's slots)."""
+    return parse_retention(value, key)
 
 
 def admit_after(write_admission: Any, tier_name: str) -> int:
@@ -162,6 +140,7 @@ DISK_SHORTHANDS = {
     "disk_path": "path",
     "disk_bytes": "bytes",
     "disk_eviction_policy": "eviction_policy",
+    "disk_retention": "retention",
     "io_backend": "io_backend",
     "checksum": "checksum",
     "io_threads": "io_threads",
@@ -241,7 +220,7 @@ class TieredConfig:
     cpu_admission: str = "all"
     #: The CPU tier: ``none``, or ``session`` / ``session(S)``: hold each returning
     #: session's latest blocks for the gap it learned between its turns, within S (0.75)
-    #: of the tier's slots (``tiered_kv.cpu.retention``).
+    #: of the tier's slots (``tiered_kv.tiered.retention``).
     cpu_retention: str = "none"
     #: vLLM only, with ``TieredPrefetchingConnector``: a waiting request's lower-tier
     #: blocks start moving into the CPU tier when it arrives, at most

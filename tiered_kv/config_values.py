@@ -226,6 +226,38 @@ DEFAULT_IO_THREADS = 4
 DISK_IO = ("thread", "process")
 
 
+#: Session retention's budget share of a tier's slots (``cpu_retention``, a disk tier's
+#: ``retention``), and the most a config may give it: the replays of docs/benchmarks.md
+#: ("CPU admission against Belady") found 0.75 and 0.9 both above 0.5, and 0.9 no
+#: better where RAM is scarce.
+DEFAULT_RETENTION_SHARE = 0.75
+MAX_RETENTION_SHARE = 0.9
+_SESSION_RE = re.compile(r"^session(?:\((\d*\.?\d+)\))?$")
+
+
+def parse_retention(value: Any, key: str, tier: str = "the CPU tier") -> str:
+    """``"none"``, ``"session"`` or ``"session(S)"`` (S: the share of ``tier``'s slots that
+    holds may take, 0 < S <= ``MAX_RETENTION_SHARE``), in canonical spelling; raises
+    ``ConfigError`` naming the bad value (``tiered_kv.tiered.retention``)."""
+    if value is None or value == "none":
+        return "none"
+    m = _SESSION_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
+    if m and (m.group(1) is None or 0 < float(m.group(1)) <= MAX_RETENTION_SHARE):
+        return "session" if m.group(1) is None else f"session({float(m.group(1)):g})"
+    raise ConfigError(
+        f"{key}: expected 'none', 'session' or 'session(S)' with 0 < S <= {MAX_RETENTION_SHARE} (hold each "
+        f"returning session's latest blocks for its learned gap, within S x {tier}'s slots), got {show(value)}"
+    )
+
+
+def retention_share(value: str) -> float | None:
+    """The budget share of a parsed retention value; None for ``none``."""
+    m = _SESSION_RE.match(value)
+    if value == "none" or m is None:
+        return None
+    return DEFAULT_RETENTION_SHARE if m.group(1) is None else float(m.group(1))
+
+
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _AGE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 

@@ -57,24 +57,8 @@ TOKEN_EVENTS = ("lookups", "hits")
 
 #: Latency histogram buckets, in seconds: 100 us to 30 s (a shared-tier request that
 #: times out lands in the last buckets).
-LATENCY_BUCKETS: tuple[float, ...] = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
-LATENCY_BUCKETS += (10.0, 30.0)
+LATENCY_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05)
+LATENCY_BUCKETS += (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 TIER_BLOCKS = "tiered_kv_tier_blocks"
 TIER_TOKENS = "tiered_kv_tier_tokens"
@@ -107,6 +91,9 @@ TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
 PENDING_WRITES = "tiered_kv_tier_pending_writes"
 PENDING_WRITES_LIMIT = "tiered_kv_tier_pending_writes_limit"
 WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
+RETENTION_EVENTS = "tiered_kv_retention_events"
+RETENTION_HELD_BLOCKS = "tiered_kv_retention_held_blocks"
+RETENTION_TTL = "tiered_kv_retention_ttl_seconds"
 #: The kinds of ``WORKER_JOB_FAILURES``.
 JOB_FAILURE_KINDS = ("store", "promotion")
 
@@ -221,6 +208,15 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         ("outcome",),
     ),
     MetricDef(LEASE_PINNED_BYTES, "gauge", "Bytes pinned by leases per tier", ("tier",)),
+    MetricDef(
+        RETENTION_EVENTS,
+        "counter",
+        "Session retention per tier: returns (a session's turns after its first), held (blocks a hold "
+        "took), dropped (held blocks let go early for the budget)",
+        ("tier", "event"),
+    ),
+    MetricDef(RETENTION_HELD_BLOCKS, "gauge", "Blocks session retention holds per tier", ("tier",)),
+    MetricDef(RETENTION_TTL, "gauge", "Session retention's hold time per tier, learned from sessions' gaps", ("tier",)),
 )
 
 #: ``RemoteStats`` attribute -> (metric, label values).

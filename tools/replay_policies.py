@@ -62,7 +62,7 @@ from tiered_kv.config import (
     retention_share,
 )
 from tiered_kv.cpu import cpu_tier_manager
-from tiered_kv.cpu.retention import SessionRetention, _Session
+from tiered_kv.tiered.retention import SessionRetention, _Session
 from tiered_kv.disk.format.manifest import slot_size_for
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.fingerprint import Fingerprint

@@ -10,7 +10,7 @@ import pytest
 
 from tiered_kv.cpu import ARCOffloadingManager, CPUOffloadingManager, cpu_tier_manager
 from tiered_kv.config import parse_cpu_retention, retention_share
-from tiered_kv.cpu.retention import SessionRetention
+from tiered_kv.tiered.retention import SessionRetention
 
 
 def h(i: int) -> bytes:

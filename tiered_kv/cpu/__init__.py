@@ -13,12 +13,12 @@ Both never evict the blocks offered to the ``prepare_store`` call that needs roo
 rank a stored request's head most recent. With ``cpu_admission: reuse(N)`` either one
 ranks a block first to evict until its Nth use (``CPUOffloadingManager``); with
 ``cpu_retention: session`` either one passes over the blocks a ``SessionRetention``
-holds for returning sessions (``tiered_kv.cpu.retention``).
+holds for returning sessions (``tiered_kv.tiered.retention``).
 """
 
 from tiered_kv.cpu.arc import ARCOffloadingManager
 from tiered_kv.cpu.manager import CPUOffloadingManager
-from tiered_kv.cpu.retention import SessionRetention
+from tiered_kv.tiered.retention import SessionRetention
 
 _POLICIES = {"lru": CPUOffloadingManager, "arc": ARCOffloadingManager}
 

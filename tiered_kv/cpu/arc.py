@@ -41,7 +41,7 @@ from collections.abc import Collection, Iterable, Iterator
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.cpu.manager import CPUOffloadingManager
-from tiered_kv.cpu.retention import SessionRetention
+from tiered_kv.tiered.retention import SessionRetention
 
 
 class ARCOffloadingManager(CPUOffloadingManager):

@@ -33,7 +33,7 @@ deepest of a request first. A touch leaves them there; once admitted (a later us
 a load, or an offer while it is still here) a block ranks as any other.
 
 Retention (``cpu_retention: session``, ``retention``): a ``SessionRetention``
-(``tiered_kv.cpu.retention``) holds returning sessions' latest blocks for their learned
+(``tiered_kv.tiered.retention``) holds returning sessions' latest blocks for their learned
 gap. Eviction passes a held block over: it is set aside (``_kept``, where free slots go,
 like the blocks not admitted), out of the ranking, until its hold ends (then it goes
 first to evict, as the least recent block it was) or a use ranks it again; when nothing
@@ -49,12 +49,12 @@ the tier.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from itertools import chain, filterfalse, islice
 from typing import cast
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from tiered_kv.cpu.retention import SessionRetention
+from tiered_kv.tiered.retention import SessionRetention
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.admission import WriteAdmission
@@ -276,17 +276,17 @@ class CPUOffloadingManager(OffloadingManager):
                 del readers[block_hash]
                 self._num_evictable += 1
 
-    def note_uses(self, block_hashes: Iterable[BlockHash]) -> None:
+    def note_uses(self, block_hashes: Iterable[BlockHash], session: Hashable | None = None) -> None:
         """A use of each block (offered to a store, or loaded), as ``cpu_admission``
-        counts them and ``cpu_retention`` learns sessions from them. The seed API calls
-        it itself; the composite calls it for its own ``prepare_store`` and
-        ``prepare_load``."""
+        counts them and ``cpu_retention`` learns sessions from them (of ``session``
+        where the engine names it). The seed API calls it itself; the composite calls it
+        for its own ``prepare_store`` and ``prepare_load``."""
         if self._admitting or self.retention is not None:
             block_hashes = list(block_hashes)
             if self._admitting:
                 self.admission.note(block_hashes)
             if self.retention is not None:
-                self.retention.observe(block_hashes)
+                self.retention.observe(block_hashes, session)
 
     def note_store_misses(self, block_hashes: Iterable[BlockHash]) -> None:
         """``block_hashes`` (absent here) are about to be stored or promoted, before room

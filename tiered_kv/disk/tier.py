@@ -31,7 +31,9 @@ from tiered_kv.config_values import (
     parse_choice,
     parse_disk_path,
     parse_positive_int,
+    parse_retention,
     parse_size,
+    retention_share,
 )
 from tiered_kv.cost import PRIOR_GBPS
 from tiered_kv.mediums import DISK
@@ -80,6 +82,7 @@ class DiskTierSettings:
     | ``io_threads`` | I/O threads of each store | 4 |
     | ``disk_io`` | ``thread`` (in the worker) or ``process`` (a helper per worker) | ``thread`` |
     | ``eviction_policy`` | ``lru`` (the index keeps each block's last access) | ``lru`` |
+    | ``retention`` | ``none`` or ``session(S)``: holds on sessions' tails (``tiered.retention``) | ``none`` |
     """
 
     path: str
@@ -90,6 +93,7 @@ class DiskTierSettings:
     io_threads: int = DEFAULT_IO_THREADS
     disk_io: str = "thread"
     eviction_policy: str = "lru"
+    retention: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
         """As config keys (``bytes`` with its unit: a bare number is refused below 1 MiB)."""
@@ -125,6 +129,7 @@ class DiskTier(TierSpec):
             "io_threads": parse_positive_int,
             "disk_io": lambda v, k: parse_choice(v, k, DISK_IO),
             "eviction_policy": _parse_eviction_policy,
+            "retention": lambda v, k: parse_retention(v, k, "the disk tier"),
         }
         return DiskTierSettings(
             path=path, **{key: parse(raw[key], f"{key_prefix}{key}") for key, parse in parsers.items() if key in raw}
@@ -173,6 +178,7 @@ class DiskTier(TierSpec):
             enable_events=ctx.enable_events,
             name=self.name,
             medium=self.medium,
+            retention_share=retention_share(self.settings.retention),
         )
 
     def get_hit_check(self, manager: "LowerTier") -> HitCheck:

@@ -13,50 +13,47 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
   them loadable from CPU. A block offered was just computed: lacking in CPU it enters,
   though a lower tier holds it (as in a CPU tier alone; that tier is not written again). A ``write_through`` lower tier also gets every stored block,
   copied from its CPU slot once it is there.
-- **Cascade**: when CPU is full, its victims make room. A victim that some lower tier
-  holds (durable, or on its way) is just dropped from CPU. A victim is *spilled* into
-  every lower tier that lacks it (the policy of a ``write_back`` tier, and for a
-  ``write_through`` one the write it missed): the store spec that reuses its slot lists
-  it, and the worker copies the slot into a staging buffer before the GPU copy
-  overwrites it (a slot is never overwritten while something still reads it). A lower
-  tier's own victims leave the hierarchy unless CPU or another lower tier holds them.
-- **Durability** of a lower tier's blocks is learned from that tier (the disk tier:
-  its shared index, which workers commit to only after a block's bytes are durable on
-  their rank), not from jobs. Until then a block is *pending* there: not loadable from
-  it, but as good as present for the cascade.
+- **Cascade**: when CPU is full, its victims make room. A victim that some lower tier holds (durable, or on its way)
+  is just dropped from CPU. A victim is *spilled* into every lower tier that lacks it (the policy of a
+  ``write_back`` tier, and for a ``write_through`` one the write it missed): the store spec that reuses its slot
+  lists it, and the worker copies the slot into a staging buffer before the GPU copy overwrites it (a slot is never
+  overwritten while something still reads it). A lower tier's own victims leave the hierarchy unless CPU or another
+  lower tier holds them.
+- **Durability** of a lower tier's blocks is learned from that tier (the disk tier: its shared index, which workers
+  commit to only after a block's bytes are durable on their rank), not from jobs. Until then a block is *pending*
+  there: not loadable from it, but as good as present for the cascade.
 - **Back-pressure**: at most ``max_pending_writes`` blocks (``max_pending_disk_writes``)
   may wait for a write into each lower tier; past that, write-through copies are skipped
   and spill victims leave (counted as drops). The engine never waits for a tier.
-- **Load**: each block comes from the fastest tier that holds it (a ``TieredLoadSpec``
-  when any is below CPU). With ``promote_on_hit`` a lower-tier block is also brought
-  into a CPU slot that can be had without a spill and without touching blocks pinned
-  by loads; the slot becomes loadable when the last load of that block completes
+- **Load**: each block comes from the fastest tier that holds it (a ``TieredLoadSpec`` when any is below CPU). With
+  ``promote_on_hit`` a lower-tier block is also brought into a CPU slot that can be had without a spill and without
+  touching blocks pinned by loads; the slot becomes loadable when the last load of that block completes
   successfully.
-- **Cost**: ``lookup`` answers the number of leading blocks whose load makes the time
-  to first token shortest (``tiered_kv.cost``: measured load cost per tier against
-  the prefill of the same tokens; zero is always a candidate). Blocks passed over are
-  counted per tier (``skipped_slower_than_recompute``): not loaded, not promoted, not
-  a hit; once recomputed, the engine's store puts them into CPU again. ``costs=None``
-  (no block size known) loads every block found.
+- **Cost**: ``lookup`` answers the number of leading blocks whose load makes the time to first token shortest
+  (``tiered_kv.cost``: measured load cost per tier against the prefill of the same tokens; zero is always a
+  candidate). Blocks passed over are counted per tier (``skipped_slower_than_recompute``): not loaded, not promoted,
+  not a hit; once recomputed, the engine's store puts them into CPU again. ``costs=None`` (no block size known)
+  loads every block found.
 - **Write admission**: a lower tier with ``admit_after`` N > 1 (``write_admission:
   reuse(N)``) is written a block only once the block has been stored or hit N times
   (counted over a bounded history of recent blocks); a CPU victim not yet admitted
   anywhere leaves the hierarchy (``not_admitted``). ``cpu_admission: reuse(N)`` ranks a block first
   to evict in CPU until its Nth use (it still lands there: lower tiers are written from CPU slots).
 - ``block_hashes_evicted`` lists only blocks that left the whole hierarchy.
-- **A store never evicts its own request** (vLLM's contract): the blocks offered to one
-  ``prepare_store`` are no victim in any tier, neither of the CPU cascade nor of the
-  lower-tier slots its spills and write-through copies take; where room cannot be made
-  otherwise the call returns None and changes nothing. Promotions likewise never evict
-  the blocks their load pins. Afterwards the request's CPU blocks rank most recent,
-  its head most recent of all.
+- **A store never evicts its own request** (vLLM's contract): the blocks offered to one ``prepare_store`` are no
+  victim in any tier, neither of the CPU cascade nor of the lower-tier slots its spills and write-through copies
+  take; where room cannot be made otherwise the call returns None and changes nothing. Promotions likewise never
+  evict the blocks their load pins. Afterwards the request's CPU blocks rank most recent, its head most recent of
+  all.
+- **Retention**: each use (``prepare_load``, ``prepare_store``, with the request's ``session`` where the engine
+  names one) is told to the CPU tier's and each lower tier's ``retention``, whose holds their evictions pass over.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from itertools import islice
 
@@ -75,6 +72,7 @@ from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.mediums import CPU, CPULoadStoreSpec, ids_spec
 from tiered_kv.metrics import TieredStats
 from tiered_kv.tiered.admission import WriteAdmission
+from tiered_kv.tiered.retention import SessionRetention
 from tiered_kv.tiered.transfer_specs import TierWrites, TieredLoadSpec, TieredStoreSpec
 
 logger = logging.getLogger(__name__)
@@ -83,9 +81,8 @@ logger = logging.getLogger(__name__)
 class TieredOffloadingManager(OffloadingManager):
     """Composite of a ``CPUOffloadingManager`` and the lower tiers below it, in order.
 
-    ``lower``: one ``LowerTier``, a sequence of them (fastest first), or None for the
-    CPU tier alone with the same cascade bookkeeping (victims simply leave).
-    ``write_policy``: one policy for every lower tier, or one per tier.
+    ``lower``: one ``LowerTier``, a sequence of them (fastest first), or None for the CPU tier alone with the
+    same cascade bookkeeping (victims simply leave). ``write_policy``: one policy for every lower tier, or one per tier.
 
     ``stats`` counts blocks per tier (by tier name: ``cpu``, ``disk``, ...): ``lookups``
     the blocks ``lookup`` asked each tier about (a lower tier is asked about those the
@@ -167,6 +164,7 @@ class TieredOffloadingManager(OffloadingManager):
         admit = [admit_after] * len(tiers) if isinstance(admit_after, int) else list(admit_after)
         self.admission = WriteAdmission(admit, names, 2 * (cpu.num_slots + sum(t.capacity for t in tiers)), self.stats)
         cpu.admission.stats = self.stats  # the CPU tier's not_admitted beside the other counters
+        self._retentions = [r for t in tiers if isinstance(r := getattr(t, "retention", None), SessionRetention)]
 
     def tier(self, name: str) -> LowerTier | None:
         """The lower tier named ``name`` (``disk``, ``remote``, ...), or None."""
@@ -270,7 +268,7 @@ class TieredOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ loads
 
-    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
+    def prepare_load(self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None) -> LoadStoreSpec:
         block_hashes = list(block_hashes)
         sources: list[int] = []
         for block_hash in block_hashes:
@@ -279,8 +277,7 @@ class TieredOffloadingManager(OffloadingManager):
                     f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
                 )
             sources.append(source)
-        self.admission.note(block_hashes)
-        self.cpu.note_uses(block_hashes)
+        self._note_uses(block_hashes, session)
         cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
         self._cpu_loads.update(cpu_hashes)
@@ -367,6 +364,13 @@ class TieredOffloadingManager(OffloadingManager):
                     tier.refresh()
 
     # ------------------------------------------------------------------ stores
+
+    def _note_uses(self, block_hashes: list[BlockHash], session: Hashable | None) -> None:
+        """A use of the blocks (of ``session`` where named): write admission's, and every tier's retention."""
+        self.admission.note(block_hashes)
+        self.cpu.note_uses(block_hashes, session)
+        for retention in self._retentions:
+            retention.observe(block_hashes, session)
 
     def _droppable_count(self, limit: int, protected: set[BlockHash]) -> int:
         """How many of the next CPU victims (none in ``protected``) could go without a
@@ -465,10 +469,11 @@ class TieredOffloadingManager(OffloadingManager):
         evicted.extend(gone)
         return spills, evicted
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None
+    ) -> PrepareStoreOutput | None:
         offered = list(dict.fromkeys(block_hashes))
-        self.admission.note(offered)  # every use of a block offers it again
-        self.cpu.note_uses(offered)  # cpu_admission: not admitted yet, a block ranks first to evict
+        self._note_uses(offered, session)  # every use of a block offers it again
         to_store = missing = self.cpu.missing_among(offered)
         for tier in self.lower:
             if not to_store:

@@ -1,4 +1,5 @@
-"""The disk tier's table of loadable blocks in LRU order (``BlockTable``).
+"""The disk tier's table of loadable blocks in LRU order (``BlockTable``), and its
+eviction, which may pass over the blocks a retention rule holds (``evict_lru_past``).
 
 Scheduler process, inside ``DiskOffloadingManager`` (which holds its lock around every
 call); no I/O. Split from the manager so each module holds one concept: the table's
@@ -246,6 +247,29 @@ class BlockTable:
             self._cursor = dead_upto
         slots.extend(map(hot.pop, victims[len(cold) :]))
         return victims, slots
+
+    def evict_lru_past(
+        self, n: int, held: Container[bytes] | None, *keep: Container[bytes]
+    ) -> tuple[list[bytes], list[int]] | None:
+        """``evict_lru``, passing over the blocks in ``held`` (a retention rule's holds)
+        while others can go: those are taken last, least recent first, so a hold never
+        keeps a store out; None, changing nothing, if even they are too few."""
+        if held is None:
+            return self.evict_lru(n, *keep)
+        out = self.evict_lru(n, held, *keep)
+        if out is not None:
+            return out
+        # Rare: held, pinned and protected blocks fill nearly all the tier. One pass.
+        keep = tuple(k for k in keep if k)
+        free: list[bytes] = []
+        kept: list[bytes] = []
+        for h, _ in self.iter_lru():
+            if not any(h in k for k in keep):
+                (kept if h in held else free).append(h)
+        victims = (free + kept)[:n]
+        if len(victims) < n:
+            return None
+        return victims, [slot for h in victims if (slot := self.remove(h)) is not None]
 
     def _cold_victims(self, n: int, keep: tuple[Container[bytes], ...]) -> tuple[list[int], list[bytes], int]:
         """Up to ``n`` live cold blocks in LRU order whose hash is in none of ``keep``: their

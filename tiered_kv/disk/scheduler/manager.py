@@ -16,8 +16,9 @@ a write transaction on the caller's thread:
   damaged index is moved aside and replaced by an empty one (``index.py``), never
   served.
 - ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
-  load nor being stored) and hands workers a ``DiskLoadStoreSpec``. Workers write the
-  bytes, make them durable, and only then commit the index entry (``store.py``).
+  load nor being stored, those ``retention: session`` holds last) and hands workers a
+  ``DiskLoadStoreSpec``. Workers write the bytes, make them durable, and only then
+  commit the index entry (``store.py``).
 - A block becomes loadable on ``complete_store(success=True)`` (every rank's job
   finished) or earlier, when ``refresh()`` finds every rank's ``ok`` record in the
   index's log. ``refresh()`` drops blocks that a worker found corrupt, and frees the
@@ -74,6 +75,7 @@ from tiered_kv.disk.format.namespace import (
 )
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import DISK, DiskLoadStoreSpec
+from tiered_kv.tiered.retention import SessionRetention
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ class DiskOffloadingManager(OffloadingManager):
     """LRU manager of the disk tier's slots (scheduler process; see module docstring).
 
     ``disk_bytes`` bounds the tier: ``disk_bytes // slot_size`` slots per rank.
+    ``retention_share``: ``retention: session``'s budget share of them (None: none).
     ``engine_id`` names the engine in the writer lock; its workers pass the same id.
     ``on_corrupt``, if set, is called with the blocks each ``refresh()`` dropped because a
     worker found them corrupt (each block once, counted in ``stats.checksum_failures``
@@ -126,6 +129,7 @@ class DiskOffloadingManager(OffloadingManager):
         poll_interval: float | None = 0.002,
         name: str = "disk",
         medium: str = DISK,
+        retention_share: float | None = None,
     ):
         #: How the composite names this tier: in stats and transfer types (``name``), and
         #: in events and ``hit_medium`` (``medium``); a second disk tier needs its own.
@@ -135,6 +139,8 @@ class DiskOffloadingManager(OffloadingManager):
         capacity = disk_bytes // self.slot_size
         if capacity < 1:
             raise DiskSizeError(f"disk_bytes={disk_bytes} holds no block; one disk slot is {self.slot_size} bytes")
+        #: ``retention: session``'s rule over this tier's slots, told of uses by the composite.
+        self.retention = SessionRetention(capacity, retention_share) if retention_share else None
         self.engine_id = engine_id or uuid.uuid4().hex
         self.block_size = layout.offloaded_block_size
         self.tp_size = fingerprint.tp_size
@@ -308,7 +314,8 @@ class DiskOffloadingManager(OffloadingManager):
             evicted: list[bytes] = []
             if need > 0:
                 # A fresh block is not in the table, so it cannot be a victim.
-                victims = self._table.evict_lru(need, self._pins, protected, *(() if fresh else (seen,)))
+                held = self.retention.holding() if self.retention is not None else None
+                victims = self._table.evict_lru_past(need, held, self._pins, protected, *(() if fresh else (seen,)))
                 if victims is None:
                     self.stats.store_rejections += 1
                     return None

@@ -1,6 +1,6 @@
 """What the scheduler-side and worker-side halves of the vLLM adapter share: the spec that
-carries our plans inside vLLM's job metadata, the metric names, the config-info labels,
-the prefix-hash check, and the model identity and attention backend that go into the
+carries our plans inside vLLM's job metadata, a request's session, the metric names, the
+config-info labels, the prefix-hash check, and the model identity and attention backend that go into the
 disk namespace.
 
 Imported in the scheduler, the workers and vLLM's API server (which only reads the
@@ -65,6 +65,26 @@ class TieredJobSpec(VllmLoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"TieredJobSpec({self.inner!r})"
+
+
+@dataclass(frozen=True)
+class RequestSession:
+    """The session a client names a request in: vLLM's ``Request.session_id`` (from the
+    ``X-Session-ID`` header, the request body or ``vllm_xargs``), within the request's
+    tenant (``cache_salt``), so two tenants' equal ids are two sessions. vLLM 0.33 hands
+    an offloading manager only a ``ReqContext``, so the connector, which sees the
+    ``Request``, keeps it in the request's ``ReqContext`` state (``set_state``), and the
+    manager passes it with the request's loads and stores to session retention
+    (``cpu_retention``, a disk tier's ``retention``)."""
+
+    tenant: str | None
+    session_id: str
+
+    @classmethod
+    def of(cls, request: Any) -> "RequestSession | None":
+        """The session of vLLM's ``request``; None where the client named none."""
+        session_id = getattr(request, "session_id", None)
+        return cls(getattr(request, "cache_salt", None), str(session_id)) if session_id else None
 
 
 # Names follow tiered_kv.metrics.PROJECT_METRICS (TIER_BLOCKS, TIER_USED_BLOCKS, the

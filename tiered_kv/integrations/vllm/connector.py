@@ -40,6 +40,12 @@ adds it to the engine's ``LoadTimings`` as type ``PREFILL``, which the scheduler
 into ``LoadCosts`` every step. With vLLM's plain ``OffloadingConnector`` nothing is
 measured and the configured or estimated rate is used.
 
+It names each request's session for the manager: vLLM 0.33 hands the manager only a
+``ReqContext``, without the ``Request.session_id`` a client sent (``X-Session-ID``), so
+``on_new_request`` keeps it in that context's state (``common.RequestSession``), where the
+manager reads it for the request's loads and stores (session retention). Under
+vLLM's plain ``OffloadingConnector`` sessions come from the prefix chain alone.
+
 And it exports each worker's metrics (vLLM's connector reports none from a worker):
 its transfer jobs and their timings per transfer type, and its shared-tier store's
 uploads and downloads, handed to vLLM with each step's output, which sums them over
@@ -61,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiered_kv.cost import LoadCosts
+from tiered_kv.integrations.vllm.common import RequestSession
 from tiered_kv.prefill import prefill_work
 from tiered_kv.worker.forward_timer import ForwardTimer
 
@@ -142,6 +149,17 @@ class TieredOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             _RECOMPUTING.reset(token)
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        session, scheduler = RequestSession.of(request), self.connector_scheduler
+        if session is None or scheduler is None:
+            return
+        # The context vLLM just built for this request and passes to every manager call
+        # of it; only the scheduler's state holds it.
+        status = scheduler._req_status.get(request.request_id)
+        if status is not None:
+            status.req_context.set_state(session)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         take = getattr(self._worker(), "take_failed_gpu_blocks", None)

@@ -46,6 +46,9 @@ this adapter adds is what vLLM's contract demands and ours did not:
   their chunks are released in ``on_reset_flushed``, once workers no longer write
   them; lower-tier writes queued before the reset are dropped as they land and never
   served.
+- **Sessions**: a request's loads and stores name its session where the client sent one
+  (``common.RequestSession``, which the connector keeps in its ``ReqContext``), for
+  ``cpu_retention`` and a disk tier's ``retention``; otherwise the prefix chain names it.
 - **Hints and prefetch** (``hints.KvHints``): each request's ``kv_hints`` (a lease on
   its prefix, a prefetch, a release), and its lower-tier chunks read into CPU while it
   waits; the jobs reach the workers through ``prefetch_jobs``'s connector.
@@ -90,6 +93,7 @@ from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     CounterIncreases,
     WORKER_JOB_FAILURES,
+    RequestSession,
     TieredJobSpec,
 )
 from tiered_kv.integrations.vllm.cost_scan import CostScan, positions_of
@@ -97,6 +101,7 @@ from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.integrations.vllm.hints import HintSettings, KvHints
 from tiered_kv.mediums import CPU
 from tiered_kv.metrics import (
+    CounterValue,
     cost_gauges,
     hierarchy_occupancy,
     occupancy_gauges,
@@ -387,7 +392,7 @@ class TieredVllmManager(OffloadingManager, Closing):
                 self.checks[tier].loading(key)  # one check passed, one load
         self.composite.touch(keys)
         self.hints.on_load(req_id, keys)
-        spec = self.composite.prepare_load(keys)
+        spec = self.composite.prepare_load(keys, session=req_context.get_state(RequestSession))
         if isinstance(spec, TieredLoadSpec):
             for block_hash, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
                 if slot >= 0:
@@ -416,7 +421,7 @@ class TieredVllmManager(OffloadingManager, Closing):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        out = self.composite.prepare_store(keys)
+        out = self.composite.prepare_store(keys, session=req_context.get_state(RequestSession))
         if out is None:
             return None
         self._open_stores.update(out.block_hashes_to_store)
@@ -494,8 +499,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         """This scheduler's metrics (``common.metric_definitions`` says which): tier
         counters in chunks and tokens, what each lower tier's check exports (its
         verifications, a shared tier's scheduler-side store), failures, occupancy, the
-        load estimates, chunks written per chunk read per tier, and the timings drained
-        since the last call."""
+        load estimates, chunks written per chunk read per tier, session retention's
+        counts and holds, and the timings drained since the last call."""
         stats = OffloadingConnectorStats()
         self._count_lookups()
         counters = tier_counter_values(self.stats.as_dict()["tiers"], self.composite.cpu.block_size)
@@ -505,12 +510,18 @@ class TieredVllmManager(OffloadingManager, Closing):
             timings += check.timings()
         counters += [(WORKER_JOB_FAILURES, (kind,), n) for kind, n in self._failure_counts.items()]
         counters += self.hints.counters()
+        kept_gauges: list[CounterValue] = []
+        for name, tier in zip(self._names, [self.composite.cpu, *self.composite.lower]):
+            if (retention := getattr(tier, "retention", None)) is not None:
+                kept = retention.metric_values(name)
+                counters += kept[0]
+                kept_gauges += kept[1]
         self._increases.report(stats, counters)
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
         gauges = cost_gauges(self.costs.snapshot() if self.costs is not None else None)
         gauges += written_per_read_gauges(self.stats) + occupancy_gauges(hierarchy_occupancy(self.composite))
-        gauges += self.hints.gauges()
+        gauges += self.hints.gauges() + kept_gauges
         for name, labels, value in gauges:
             stats.set_gauge(name, value, labels)
         return stats

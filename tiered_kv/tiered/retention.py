@@ -1,4 +1,5 @@
-"""Session retention for the CPU tier: ``cpu_retention: session``.
+"""Session retention: the CPU tier's ``cpu_retention: session`` and a disk tier's
+``retention: session``, one rule with a budget per tier.
 
 Scheduler process; bookkeeping only, no I/O. Chats and coding agents come back: a
 session's next turn extends its previous prompt after a gap (the user reading, a tool
@@ -8,10 +9,13 @@ away and holds each session's latest chain for that long, within a budget.
 
 Sessions. Where the engine names a request's session, that name is the session, and
 its uses within one turn add up to the turn's chain (vLLM stores a request's blocks a
-step's worth at a time). vLLM 0.33 carries a ``session_id`` on its ``Request`` (from the
-``X-Session-ID`` header, the request body or ``vllm_xargs``) but not on the
-``ReqContext`` an offloading manager sees: an integration that has it sets ``session``
-around that request's calls. Otherwise the prefix chain names it: a use whose blocks
+step's worth at a time). Under vLLM that name is the client's ``session_id`` (the
+``X-Session-ID`` header, the request body or ``vllm_xargs``) within its tenant: the
+connector keeps it in the request's ``ReqContext`` and the manager passes it with the
+request's loads and stores (``observe``'s ``session``), so an LLM agent's turn that
+rewrote its context is still its session's next turn. A caller of the seed API, which
+has no parameter for it, sets ``session`` around a request's calls instead (the
+replay does). Otherwise the prefix chain names it: a use whose blocks
 contain the last block of a session's latest use (block hashes are prefix-chained, so
 equal hash means equal prefix) extends the session it continues, the deepest such block deciding;
 each session's last block is claimed by one continuation only, so a shared system
@@ -34,9 +38,13 @@ its head (a prefix hit needs the head). A held block is only passed over by evic
 when nothing else can be evicted, the manager takes held blocks too, so holds can never
 keep a store from the tier.
 
-The manager (``tiered_kv.cpu.manager``) asks ``holds`` about the blocks it is about to
-evict and sets those aside; ``take_ended`` tells it which holds ended since (those
-blocks go first to evict, as the least recent ones they were).
+The CPU manager (``tiered_kv.cpu.manager``) asks ``holds`` about the blocks it is about
+to evict and sets those aside; ``take_ended`` tells it which holds ended since (those
+blocks go first to evict, as the least recent ones they were). A disk tier's manager
+(``tiered_kv.disk.scheduler.manager``) has its own rule over its own slots, told of the
+same uses by the composite (``TieredOffloadingManager``): its eviction passes over held
+blocks in place, in LRU order, and takes them last; a hold that ended leaves its blocks
+where their last use put them, the least recent after a storm.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from tiered_kv.abstract import BlockHash
-from tiered_kv.config import DEFAULT_RETENTION_SHARE, MAX_RETENTION_SHARE
+from tiered_kv.config_values import DEFAULT_RETENTION_SHARE, MAX_RETENTION_SHARE
+from tiered_kv.metrics import RETENTION_EVENTS, RETENTION_HELD_BLOCKS, RETENTION_TTL, CounterValue
 
 #: Uses of one session closer than this are one turn (seconds).
 TURN_GAP_S = 1.0
@@ -72,7 +81,7 @@ class _Session:
 class SessionRetention:
     """Learns sessions' gaps and holds their latest chains (module docstring).
 
-    ``num_slots``: the CPU tier's slots; ``share``: the most of them held at once.
+    ``num_slots``: the tier's slots; ``share``: the most of them held at once.
     ``clock``: seconds (``time.monotonic``; a replay passes its trace's clock)."""
 
     def __init__(
@@ -91,7 +100,7 @@ class SessionRetention:
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if not 0 < share <= MAX_RETENTION_SHARE:
-            raise ValueError(f"share: expected 0 < share <= {MAX_RETENTION_SHARE} of the CPU tier's slots, got {share}")
+            raise ValueError(f"share: expected 0 < share <= {MAX_RETENTION_SHARE} of the tier's slots, got {share}")
         if not 0 <= quantile <= 1:
             raise ValueError(f"quantile: expected 0 <= quantile <= 1, got {quantile}")
         if not 0 < min_ttl_s <= max_ttl_s:
@@ -121,14 +130,18 @@ class SessionRetention:
         #: Counters: returns (turns after a session's first), blocks held, blocks dropped
         #: for the budget.
         self.counts = {"returns": 0, "held": 0, "dropped": 0}
-        #: The session the engine names for the uses told next; None: the prefix chain
-        #: decides.
+        #: The session the engine names for the uses told next without one (the seed
+        #: API's calls); None: the prefix chain decides.
         self.session: Hashable | None = None
 
     # ---- what the manager asks ----
 
     def holds(self, block_hash: BlockHash) -> bool:
         """Whether ``block_hash`` is held (as of the last ``refresh``)."""
+        return block_hash in self._held
+
+    def __contains__(self, block_hash: object) -> bool:
+        """``holds``: the rule is the container of the blocks it holds."""
         return block_hash in self._held
 
     def num_held(self) -> int:
@@ -153,10 +166,28 @@ class SessionRetention:
         ended, self._ended = self._ended, []
         return ended
 
+    def holding(self) -> SessionRetention | None:
+        """For a tier whose eviction passes held blocks over in place (the disk tier's:
+        nothing set aside, so no ended hold to hear of): this rule, its holds past their
+        deadline ended, while it holds any; else None."""
+        self.refresh()
+        self.take_ended()
+        return self if self._held else None
+
     @property
     def ttl_s(self) -> float | None:
         """The current hold time, or None before the first gap."""
         return self._ttl
+
+    def metric_values(self, tier: str) -> tuple[list[CounterValue], list[CounterValue]]:
+        """The counters (totals) and gauges of this rule as ``tier``'s metrics: its
+        ``counts``, the blocks held and the hold time (once learned)."""
+        self.refresh()
+        counters: list[CounterValue] = [(RETENTION_EVENTS, (tier, event), n) for event, n in self.counts.items()]
+        gauges: list[CounterValue] = [(RETENTION_HELD_BLOCKS, (tier,), len(self._held))]
+        if self._ttl is not None:
+            gauges.append((RETENTION_TTL, (tier,), self._ttl))
+        return counters, gauges
 
     # ---- what the manager tells ----
 
