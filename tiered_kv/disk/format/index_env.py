@@ -94,13 +94,15 @@ class SharedEnv(Closing):
         self.env = self._open(path, readonly, map_size, index_fd)
         self.dbs: dict[str, Any] = {}
         try:
+            if not readonly:
+                # Before any named database is opened: opening one reads the main
+                # database's pages, which LMDB trusts (a damaged one can abort the process).
+                self.walk(index_fd)
             for name in DB_NAMES:
                 try:
                     self.dbs[name] = self.env.open_db(name.encode(), create=not readonly)
                 except lmdb.NotFoundError:
                     self.dbs[name] = None  # a read-only open of an index never written to
-            if not readonly:
-                self.walk(index_fd)
         except CORRUPTION as e:
             self.close()
             raise IndexCorruptError(path, f"{type(e).__name__}: {e}") from e
