@@ -20,6 +20,14 @@ as a server without session ids does; ``--session-ids`` adds the rows with the i
 given, as vLLM's ``session_id`` would. References: Belady's optimum for the CPU tier's
 capacity alone, and the infinite cache.
 
+``--serving`` replays them with time instead (``replay_serving_sessions``): each
+conversation a closed loop (a turn sent when the previous one got its first token plus
+the trace's gap), ``--users`` clients running them back to back, the gaps scaled so that
+recomputing keeps the GPU ``--utilisation`` busy, through the serving replay's GPU and
+I/O channels and the product's managers in vLLM's call order (``--config``, default
+``cost-aware``). Per policy: hit rate from the GPU's prefix cache, CPU and disk, the
+turns whose prefix survived their tool gap, TTFT per request against LRU's, GPU busy.
+
 ``--export-mooncake FILE`` writes the workload in Mooncake's FAST'25 format (512-token
 chunks, a chunk named by its last 64-token block, which names its prefix) for
 ``tools/replay_serving.py --trace FILE``, the serving replay with time (its CPU tier runs
@@ -27,6 +35,7 @@ the product's default policy; it takes no policy of ours).
 
     python tools/replay_claude_code.py
     python tools/replay_claude_code.py --policies lru,lru+session --session-ids
+    python tools/replay_claude_code.py --serving --utilisation 0.8
 
 Runs in one process; reads the conversation files; the disk tier keeps an index under a
 temporary directory (``--scratch``), removed afterwards.
@@ -51,6 +60,7 @@ from replay_workloads import CLAUDE_CODE_BLOCK_TOKENS, AgentRequest, read_claude
 
 DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "claude_code_kvtester"
 DEFAULT_POLICIES = "lru,arc,lru+reuse(2),lru+session,lru+reuse(2)+session,lru+retention-oracle,lru+admission-oracle"
+SERVING_POLICIES = "lru,lru+session,lru+reuse(2),lru+reuse(2)+session"
 COLUMNS = [
     "policy",
     "CPU",
@@ -99,22 +109,44 @@ def write_mooncake(agent_requests: Sequence[AgentRequest], path: Path) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="folder of kv-cache-tester *.json files")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    p.add_argument(
+        "--policies",
+        help=f"comma-separated (default {DEFAULT_POLICIES}; with --serving {SERVING_POLICIES})",
+    )
     p.add_argument("--cpu-fraction", type=float, default=0.25, help="CPU tier = this x the working set (0.25)")
     p.add_argument("--disk-fraction", type=float, default=0.5, help="disk tier = this x the working set (0.5)")
     p.add_argument("--session-ids", action="store_true", help="add the session rows with the session ids given")
     p.add_argument("--export-mooncake", type=Path, help="also write the workload for tools/replay_serving.py --trace")
     p.add_argument("--scratch", type=Path, help="where the disk tier's index lives while it runs")
+    s = p.add_argument_group("with time (--serving)")
+    s.add_argument("--serving", action="store_true", help="replay with time: closed loops, TTFT (module docstring)")
+    s.add_argument("--utilisation", type=float, default=0.7, help="GPU busy share of recompute (default 0.7)")
+    s.add_argument("--users", type=int, help="conversations at once (default: their total duration over the longest)")
+    s.add_argument("--max-gap-s", type=float, default=3600.0, help="longer gaps are cut to this (default 3600)")
+    s.add_argument("--config", default="cost-aware", help="tools/replay_serving.py's row (default cost-aware)")
+    s.add_argument("--tier-gbps", type=float, default=3.0, help="disk GB/s, reads and writes (default 3)")
+    s.add_argument("--device-tokens", type=int, default=512 * 1024, help="GPU cache (default 512Ki)")
     args = p.parse_args(argv)
     for name in ("cpu_fraction", "disk_fraction"):
         if not 0 < getattr(args, name) <= 4:
             p.error(f"--{name.replace('_', '-')}: expected 0 < x <= 4 (of the working set), got {getattr(args, name)}")
+    policies = args.policies or (SERVING_POLICIES if args.serving else DEFAULT_POLICIES)
     try:
-        args.policies = [parse_policy(x).name for x in args.policies.split(",") if x.strip()]
+        parsed = [parse_policy(x) for x in policies.split(",") if x.strip()]
     except ValueError as exc:
         p.error(str(exc))
+    args.policies = [x.name for x in parsed]
     if not args.policies or "belady" in args.policies:
         p.error("--policies: expected at least one replayed policy (belady is a reference column here)")
+    if args.serving:
+        if any(x.is_oracle for x in parsed) or args.session_ids or args.export_mooncake:
+            p.error("--serving: replays the policies' config values only (no oracle, --session-ids, --export-mooncake)")
+        if not 0 < args.utilisation <= 1 or not args.max_gap_s > 0 or (args.users is not None and args.users < 1):
+            p.error("--serving: expected 0 < --utilisation <= 1, --max-gap-s > 0, --users >= 1")
+        from replay_serving_stack import CONFIGS  # vLLM's types: only with --serving
+
+        if args.config not in CONFIGS:
+            p.error(f"--config: expected one of {', '.join(CONFIGS)}, got {args.config!r}")
     return args
 
 
@@ -146,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}")
         return 2
+    if args.serving:
+        return main_serving(args, agent_requests, command, started)
     reqs = requests_of(agent_requests)
     ws = reqs.working_set
     cpu, disk = max(1, round(args.cpu_fraction * ws)), max(1, round(args.disk_fraction * ws))
@@ -184,6 +218,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.export_mooncake:
         chunks = write_mooncake(agent_requests, args.export_mooncake)
         print(f"\nwrote {args.export_mooncake}: {len(agent_requests)} requests, {chunks:,} full 512-token chunks")
+    print(f"\nwall time: {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def main_serving(args: argparse.Namespace, agent_requests: Sequence[AgentRequest], command: str, started: float) -> int:
+    """``--serving``: the policy table with time (``replay_serving_sessions``)."""
+    import replay_serving_sessions as serving  # vLLM's types: only with --serving
+
+    header, results, setup = serving.replay(
+        agent_requests,
+        args.policies,
+        utilisation=args.utilisation,
+        users=args.users,
+        max_gap_s=args.max_gap_s,
+        cpu_fraction=args.cpu_fraction,
+        disk_fraction=args.disk_fraction,
+        config=args.config,
+        tier_gbps=args.tier_gbps,
+        device_tokens=args.device_tokens,
+        scratch=args.scratch,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    chunks = sum(r.tokens // serving.TOKENS_PER_BLOCK for r in agent_requests)
+    print(
+        f"command: `{command}`\n\n{header}\n\n{serving.policy_table(results, chunks)}\n\n"
+        + "\n".join(serving.notes(results, setup.tier))
+        + "\n\nhit rate: full chunks served by the GPU's prefix cache, CPU and disk, over all full chunks. Turns: "
+        "requests sharing a prefix with their session's previous request; prefix in CPU / in any tier (GPU, CPU, "
+        "disk): the share of them that found all of it there on arrival. TTFT per request, arrival to first token."
+    )
     print(f"\nwall time: {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -92,8 +92,11 @@ def run_config(
     scratch: Path | None = None,
     prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
     cpu_retention: str = "none",
+    cpu_admission: str = "all",
+    eviction_policy: str = "lru",
 ) -> RunResult:
-    """One configuration (``CONFIGS``) over ``reqs``."""
+    """One configuration (``CONFIGS``) over ``reqs``, the CPU tier under the config values
+    given (``build_stack``)."""
     events = Events()
     channel = Channel(events, tier.gbps, tier.latency_s)
     bpb = gpu.kv_bytes_per_token * engine.tokens_per_block
@@ -117,6 +120,8 @@ def run_config(
         scratch=scratch,
         prefetch_max_bytes=prefetch_max_bytes,
         cpu_retention=cpu_retention,
+        cpu_admission=cpu_admission,
+        eviction_policy=eviction_policy,
     )
     try:
         return Engine(reqs, stack, events, channel, gpu, engine).run()

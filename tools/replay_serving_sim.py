@@ -41,23 +41,29 @@ token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
   chunk's time recorded as ``<tier>_to_cpu``, and a job is reported (``KvHints.complete``)
   at the step after its last chunk landed.
 
+Arrivals: each request at its time, or (``Arrival.after``) a delay after an earlier
+request's first token, as a client that waits for its answer sends its next turn
+(``replay_serving_sessions``). A request naming a ``prefix`` shared with its session's
+previous request is counted on arrival as a turn, and whether all of that prefix is in
+the CPU tier, and in some tier (the GPU's prefix cache included).
+
 Not called: ``get_load_source``, ``take_events`` and ``get_stats`` (vLLM's metrics and
 KV events: they change no answer). Not modelled: decode, preemption, tensor parallelism,
 failed jobs, a GPU KV cache shared between running requests and the prefix cache (both
 are ``device_blocks``), reads and writes at different speeds or in parallel queues.
 
-I/O channels, each first-in first-out, one job at a time, a job taking ``latency +
-bytes / bandwidth`` from when the jobs ahead of it are done: CPU -> GPU (loads from CPU,
-and the second leg of a promoted load), GPU -> CPU (stores), and the lower tier, whose
-loads, hit-check reads (one chunk each, where hits are read back first) and writes
-(spills at the store's start, write-through copies once the GPU -> CPU copy landed) all
-queue on it. A lower-tier
-write makes its chunk loadable when it ends (the worker's index commit, learned by the
-manager at once). Each finished load records its own transfer time (from its start on
-the channel, not its wait in the queue: the handler's clock starts when its thread
-takes the job) into ``LoadTimings`` per transfer type, which the manager reads at
-``on_schedule_end``. An idle engine steps again at the next event (an arrival, a job's
-end), or after ``step_overhead_s`` while a request waits for the manager's decision.
+I/O channels (``replay_serving_io``), each first-in first-out, one job at a time, a job
+taking ``latency + bytes / bandwidth`` from when the jobs ahead of it are done: CPU ->
+GPU (loads from CPU, and the second leg of a promoted load), GPU -> CPU (stores), and
+the lower tier, whose loads, hit-check reads (one chunk each, where hits are read back
+first) and writes (spills at the store's start, write-through copies once the GPU -> CPU
+copy landed) all queue on it. A lower-tier write makes its chunk loadable when it ends
+(the worker's index commit, learned by the manager at once). Each finished load records
+its own transfer time (from its start on the channel, not its wait in the queue: the
+handler's clock starts when its thread takes the job) into ``LoadTimings`` per transfer
+type, which the manager reads at ``on_schedule_end``. An idle engine steps again at the
+next event (an arrival, a job's end), or after ``step_overhead_s`` while a request waits
+for the manager's decision.
 
 Deterministic: no wall clock and no randomness.
 """
@@ -65,12 +71,12 @@ Deterministic: no wall clock and no randomness.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from replay_serving_io import Channel, Events
 from replay_serving_stack import Stack
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
@@ -134,49 +140,17 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class Arrival:
-    """One request: when it arrives (s), its prompt tokens, its full chunks' keys."""
+    """One request: when it arrives (s), its prompt tokens, its full chunks' keys. With
+    ``after`` (an earlier request's index in the list), ``time`` counts from that
+    request's first token instead of from 0: a client that waits for its answer.
+    ``prefix``: the leading chunks it shares with its session's previous request, whose
+    presence on arrival is counted (``RunResult.survived``)."""
 
     time: float
     tokens: int
     keys: Sequence[OffloadKey]
-
-
-class Events:
-    """Simulated time and the callbacks due at later times (ties in scheduling order)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), fn))
-
-    def run_until(self, t: float) -> None:
-        heap = self._heap
-        while heap and heap[0][0] <= t:
-            self.now, _, fn = heapq.heappop(heap)
-            fn()
-        self.now = max(self.now, t)
-
-    def next_time(self) -> float:
-        return self._heap[0][0] if self._heap else math.inf
-
-
-class Channel:
-    """A first-in first-out I/O channel (module docstring); bytes counted per kind."""
-
-    def __init__(self, events: Events, gbps: float, latency_s: float = 0.0):
-        self.events, self.gbps, self.latency_s = events, gbps, latency_s
-        self.free_at = 0.0
-        self.bytes: Counter[str] = Counter()
-
-    def submit(self, nbytes: int, kind: str, done: Callable[[float, float], None]) -> None:
-        """Queue a job now; ``done(start, end)`` runs at its end."""
-        start = max(self.events.now, self.free_at)
-        end = self.free_at = start + self.latency_s + nbytes / (self.gbps * 1e9)
-        self.bytes[kind] += nbytes
-        self.events.at(end, lambda: done(start, end))
+    after: int | None = None
+    prefix: int = 0
 
 
 class DeviceCache:
@@ -243,6 +217,11 @@ class RunResult:
     costs: dict
     tier_stats: dict
     prefetch: dict = field(default_factory=dict)  # ``KvHints.snapshot()["prefetch"]`` where prefetch ran
+    arrived: list[float] = field(default_factory=list)  # per request (s), in the list's order
+    # Requests with a ``prefix`` ("turns"), and of them those that found all of it in
+    # the CPU tier ("CPU") and in some tier, the GPU's prefix cache included ("any").
+    survived: Counter[str] = field(default_factory=Counter)
+    retention: dict = field(default_factory=dict)  # the CPU tier's ``SessionRetention.counts``, where it has one
 
 
 class Engine:
@@ -269,11 +248,22 @@ class Engine:
         self.device = DeviceCache(engine.device_blocks)
         tpb = engine.tokens_per_block
         self.requests = []
-        for i, a in enumerate(arrivals):
+        self.arrivals = list(arrivals)
+        self.due: list[tuple[float, int]] = []  # (arrival, index) of requests not arrived yet, as a heap
+        self.dependents: dict[int, list[int]] = {}
+        for i, a in enumerate(self.arrivals):
+            if a.after is None:
+                self.due.append((a.time, i))
+            elif 0 <= a.after < i and a.time >= 0:
+                self.dependents.setdefault(a.after, []).append(i)
+            else:
+                raise ValueError(f"request {i}: after={a.after}, time={a.time}; expected an earlier request, time >= 0")
             ctx = ReqContext(req_id=f"r{i}")
             for j, key in enumerate(a.keys):
                 ctx.set_offload_key_position(key, (j + 1) * tpb)
             self.requests.append(Request(i, a.time, a.tokens, a.keys, ctx, min(len(a.keys), (a.tokens - 1) // tpb)))
+        heapq.heapify(self.due)
+        self.survived: Counter[str] = Counter()
         self.waiting: deque[Request] = deque()
         self.ready: deque[Request] = deque()  # loads reported done
         self.running: list[Request] = []
@@ -413,6 +403,17 @@ class Engine:
             return None, False
         return hits, False
 
+    def _arrive(self, r: Request) -> None:
+        """``r`` arrives now: counted as a turn whose prefix did or did not survive, queued."""
+        prefix = self.arrivals[r.rid].prefix
+        if prefix:
+            keys, composite = r.keys[:prefix], self.manager.composite
+            self.survived["turns"] += 1
+            self.survived["CPU"] += all(composite.cpu.is_loadable(k) for k in keys)
+            self.survived["any"] += all(k in self.device.keys or composite.hit_tier(k) is not None for k in keys)
+        self.manager.on_new_request(r.ctx)
+        self.waiting.append(r)
+
     # ------------------------------------------------------------------ steps
 
     def _schedule(self) -> tuple[list[tuple[Request, int]], list[str], bool, bool]:
@@ -483,17 +484,18 @@ class Engine:
 
     def run(self) -> RunResult:
         ev, gpu, tpb = self.events, self.gpu, self.cfg.tokens_per_block
-        reqs = self.requests
-        ev.run_until(reqs[0].arrival)
-        first = reqs[0].arrival
-        nxt_arrival, done = 0, 0
+        reqs, due = self.requests, self.due
+        if not due:
+            raise ValueError("no request arrives at a time of its own (every one names an earlier one)")
+        first = due[0][0]
+        ev.run_until(first)
+        done = 0
         while done < len(reqs):
             self._report()
-            while nxt_arrival < len(reqs) and reqs[nxt_arrival].arrival <= ev.now:
-                r = reqs[nxt_arrival]
-                self.manager.on_new_request(r.ctx)
-                self.waiting.append(r)
-                nxt_arrival += 1
+            while due and due[0][0] <= ev.now:
+                t, i = heapq.heappop(due)
+                reqs[i].arrival = t
+                self._arrive(reqs[i])
             scheduled, new_ids, retry, loaded = self._schedule()
             stores = self._offer_stores(scheduled)
             for r in self.finished:
@@ -521,13 +523,15 @@ class Engine:
                         self.finished.append(r)
                         self.device.insert(r.keys)
                         done += 1
+                        for j in self.dependents.get(r.rid, ()):
+                            heapq.heappush(due, (end + self.arrivals[j].time, j))
                 for r, keys, spec in stores:
                     self._store(r, keys, spec)
                 step_tokens = sum(n for _, n in scheduled)
                 if not loaded and sum(n for _, n in scheduled if n > 1) >= 0.9 * step_tokens:
                     self.stack.timings.record(PREFILL, round(work), seconds)
                 continue
-            wake = min(ev.next_time(), reqs[nxt_arrival].arrival if nxt_arrival < len(reqs) else math.inf)
+            wake = min(ev.next_time(), due[0][0] if due else math.inf)
             if retry or self.ready or self.reported or self.prefetched:
                 wake = min(wake, ev.now + gpu.step_overhead_s)
             if wake == math.inf:
@@ -542,6 +546,7 @@ class Engine:
             tokens.update(r.sources)
             tokens["computed"] += r.tokens - sum(r.sources.values())
         costs = self.manager.costs.snapshot() if self.manager.costs is not None else {}
+        retention = self.manager.composite.cpu.retention
         return RunResult(
             self.stack.config,
             [r.first_token - r.arrival for r in reqs if r.first_token is not None],
@@ -554,4 +559,7 @@ class Engine:
             costs,
             self.manager.stats.as_dict()["tiers"],
             self.manager.hints.snapshot()["prefetch"],
+            [r.arrival for r in reqs],
+            self.survived,
+            dict(retention.counts) if retention is not None else {},
         )

@@ -6,16 +6,18 @@ slab files and LMDB index, sized by the tier's block count but for a tiny block 
 since no KV bytes move), and the engine's private files of ``SlotHealth`` and
 ``LoadTimings`` (as ``build_manager`` makes them), all removed by ``close``.
 
-What is the product's code: the CPU tier's manager (``cpu_tier_manager``, LRU), the lower
-tier's ``DiskOffloadingManager`` (for ``--tier shared`` the same manager named ``remote``
-with medium ``REMOTE``, so its prior is ``PRIOR_GBPS["REMOTE"]``), the composite
-``TieredOffloadingManager`` (write-through, promote on hit, ``max_pending_disk_writes``
-as configured by default), ``LoadCosts`` seeded with ``PRIOR_GBPS`` and the prefill
-estimate ``tiered_kv.cost`` makes for the model on the GPU (not configured, so measured
-forward passes replace it), the disk tier's ``DiskHitCheck``, ``TieredVllmManager``
-(with its ``KvHints``: prefetch while waiting where the configuration turns it on, at the
-product's default bound unless given) and the ``LoadTimings`` channel through which it
-reads the workers' transfer times.
+What is the product's code: the CPU tier's manager (``cpu_tier_manager``: LRU unless
+given, with the ``cpu_admission`` and ``cpu_retention`` given, default ``all`` and
+``none``), the lower tier's ``DiskOffloadingManager`` (for ``--tier shared`` the same
+manager named ``remote`` with medium ``REMOTE``, so its prior is
+``PRIOR_GBPS["REMOTE"]``), the composite ``TieredOffloadingManager`` (write-through,
+promote on hit, ``max_pending_disk_writes`` as configured by default), ``LoadCosts``
+seeded with ``PRIOR_GBPS`` and the prefill estimate ``tiered_kv.cost`` makes for the
+model on the GPU (not configured, so measured forward passes replace it), the disk
+tier's ``DiskHitCheck``, ``TieredVllmManager`` (with its ``KvHints``: prefetch while
+waiting where the configuration turns it on, at the product's default bound unless
+given) and the ``LoadTimings`` channel through which it reads the workers' transfer
+times.
 
 What is modelled: the hit check's reads. By default none, as deployed with this
 project's connector and vLLM's recompute policy (what ``tiered-kv config`` prints): a
@@ -43,7 +45,7 @@ from typing import cast
 
 from replay_cost import LAYOUT
 
-from tiered_kv.config import TieredConfig, parse_cpu_retention, retention_share
+from tiered_kv.config import TieredConfig, admit_after, parse_cpu_admission, parse_cpu_retention, retention_share
 from tiered_kv.cost import LoadCosts, Queues
 from tiered_kv.cpu import SessionRetention, cpu_tier_manager
 from tiered_kv.disk.format.manifest import slot_size_for
@@ -162,13 +164,17 @@ def build_stack(
     scratch: Path | None = None,
     prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
     cpu_retention: str = "none",
+    cpu_admission: str = "all",
+    eviction_policy: str = TieredConfig.eviction_policy,
 ) -> Stack:
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
     and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on,
     ``e460906`` the decision blind to queues and attention, and ``cost-aware+prefetch``
     the decision with prefetch while waiting (at most ``prefetch_max_bytes`` in flight);
-    ``cpu_retention``: the CPU tier's (``TieredConfig.cpu_retention``), on the replay's clock.
+    ``eviction_policy``, ``cpu_admission`` and ``cpu_retention``: the CPU tier's config
+    values (``TieredConfig``), built as ``HierarchySpec.get_manager`` builds them, the
+    retention rule on the replay's clock.
     ``verify_read`` reads one chunk for the hit check where ``tier.verify`` (``SimVerifier``)."""
     if config not in CONFIGS:
         raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
@@ -179,7 +185,12 @@ def build_stack(
     share = retention_share(parse_cpu_retention(cpu_retention, "--cpu-retention"))
     retention = None if share is None else SessionRetention(cpu_blocks, share, clock=clock)
     cpu = cpu_tier_manager(
-        TieredConfig.eviction_policy, cpu_blocks, tokens_per_block, enable_events=False, retention=retention
+        eviction_policy,
+        cpu_blocks,
+        tokens_per_block,
+        enable_events=False,
+        admit_after=admit_after(parse_cpu_admission(cpu_admission, "cpu_admission"), "cpu"),
+        retention=retention,
     )
     lower: list[DiskOffloadingManager] = []
     used = tier if config != "recompute" else None

@@ -1,0 +1,198 @@
+"""``tools/replay_serving_sessions.py`` and ``tools/replay_claude_code.py --serving``: the
+closed loop (a request arrives at its predecessor's first token plus its gap, never
+before; a session's turns in order; a client's next conversation after its last one),
+the clients' shares and the gaps cut, the time factor's calibration, the CPU tier's
+policy per row built as the product builds it, and the table the command prints, on
+small conversations in kv-cache-tester's format."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.kv_offload.base", reason="vLLM is not installed (make venv installs it)", exc_type=ImportError
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import replay_claude_code  # noqa: E402
+import replay_serving_sessions as sessions_mod  # noqa: E402
+from replay_serving_sessions import Setup, auto_users, run_policy, sessions, time_factor  # noqa: E402
+from replay_serving_sim import Arrival, EngineConfig, GpuModel  # noqa: E402
+from replay_serving_stack import TierModel, build_stack  # noqa: E402
+from replay_workloads import read_claude_code_folder  # noqa: E402
+from vllm.v1.kv_offload.base import make_offload_key  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+REAL = Path(__file__).resolve().parents[3] / "shared" / "traces" / "claude_code_kvtester"
+
+
+def request(t: float, chunks: int, first_id: int = 0, extra: int = 100) -> dict:
+    """A request of ``chunks`` 512-token chunks plus ``extra`` tokens whose 64-token block
+    ids run from ``first_id``: requests with the same ``first_id`` share their prefix."""
+    tokens = 512 * chunks + extra
+    return {"t": t, "type": "n", "in": tokens, "out": 10, "hash_ids": list(range(first_id, first_id - (-tokens // 64)))}
+
+
+def conversation(folder: Path, number: int, requests: list[dict]) -> None:
+    doc = {"id": f"trace_{number:04d}", "block_size": 64, "hash_id_scope": "local", "requests": requests}
+    (folder / f"trace_{number:04d}.json").write_text(json.dumps(doc))
+
+
+def write_set(folder: Path) -> Path:
+    """Three conversations: one long with a sub-agent launched after its second request,
+    one with a 2-hour gap, one short; each turn extends its session's previous prompt."""
+    folder.mkdir(exist_ok=True)
+    sub = {"t": 12.0, "type": "subagent", "agent_id": "agent_1", "requests": [request(0, 2, 5000), request(4, 3, 5000)]}
+    conversation(folder, 1, [request(0, 2), request(10, 4), sub, request(30, 6), request(60, 8)])
+    conversation(folder, 2, [request(0, 3), request(20, 4), request(7220, 5)])
+    conversation(folder, 3, [request(0, 2), request(5, 3)])
+    return folder
+
+
+def small_setup(cpu_blocks: int = 64, config: str = "always") -> Setup:
+    return Setup(
+        GpuModel(), EngineConfig(device_blocks=16), TierModel("disk", 3.0, 0.0, False), cpu_blocks, 256, config
+    )
+
+
+def test_a_request_waits_for_its_predecessors_first_token_plus_its_delay():
+    keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(1, 9)]
+    reqs = [Arrival(0.0, 4096 + 100, keys), Arrival(2.5, 4096 + 300, keys, after=0, prefix=8)]
+    out = run_policy("lru", reqs, small_setup())
+    first_token = out.arrived[0] + out.ttft[0]
+    assert out.arrived == [0.0, pytest.approx(first_token + 2.5, rel=1e-12)]
+    assert out.survived == {"turns": 1, "CPU": 1, "any": 1}  # its prefix was stored by the first
+    with pytest.raises(ValueError, match="expected an earlier request"):
+        run_policy("lru", [Arrival(0.0, 600, keys[:1], after=0)], small_setup())
+
+
+def test_the_workload_chains_sessions_sub_agents_and_each_clients_conversations(tmp_path):
+    folder = write_set(tmp_path / "set")
+    s = sessions(read_claude_code_folder(folder), users=2, max_gap_s=3600)
+    assert s.users == 2 and s.conversations == 3 and s.capped == 1
+    turns = s.turns
+    assert all(t.after is None or t.after < i for i, t in enumerate(turns))
+    assert s.times == sorted(s.times)
+    by_conv = {}
+    for i, t in enumerate(turns):
+        by_conv.setdefault(t.conversation, []).append(i)
+    one = [turns[i] for i in by_conv["trace_0001"]]
+    # Main chain 0, 10, 30, 60 s; the sub-agent at 12 s follows the request at 10 s.
+    assert [t.tokens // 512 for t in one] == [2, 4, 2, 3, 6, 8]
+    assert [t.delay for t in one] == [0.0, 10.0, 2.0, 4.0, 20.0, 30.0]
+    assert [turns[t.after].tokens // 512 if t.after is not None else None for t in one] == [None, 2, 4, 2, 4, 6]
+    assert [t.prefix for t in one] == [0, 2, 0, 2, 4, 6]
+    # The 2-hour gap is cut to the hour.
+    two = [turns[i] for i in by_conv["trace_0002"]]
+    assert [t.delay for t in two] == [0.0, 20.0, 3600.0]
+    # Longest first, each to the client with the least work: 1 (60 s) and 2 (3,620 s)
+    # start at 0; 3 follows 1's last request (at 60 s).
+    starts = {c: s.times[ids[0]] for c, ids in by_conv.items()}
+    assert starts == {"trace_0001": 0.0, "trace_0002": 0.0, "trace_0003": 60.0}
+    three = turns[by_conv["trace_0003"][0]]
+    assert turns[three.after].conversation == "trace_0001" and turns[three.after].tokens // 512 == 8
+    assert auto_users([60.0, 3620.0, 5.0]) == 1 and auto_users([100.0, 60.0, 50.0, 10.0]) == 2
+
+
+def test_the_closed_loop_in_the_simulation(tmp_path):
+    s = sessions(read_claude_code_folder(write_set(tmp_path / "set")), users=2)
+    arrivals = s.arrivals(0.5)
+    out = run_policy("lru", arrivals, small_setup())
+    first_token = [a + t for a, t in zip(out.arrived, out.ttft)]
+    for i, (a, turn) in enumerate(zip(arrivals, s.turns)):
+        if turn.after is None:
+            assert out.arrived[i] == pytest.approx(0.5 * turn.delay)
+        else:
+            assert out.arrived[i] == pytest.approx(first_token[turn.after] + 0.5 * turn.delay, rel=1e-12)
+            assert out.arrived[i] >= first_token[turn.after]
+    assert len(out.ttft) == len(s.turns) == 11
+    chain = [i for i, t in enumerate(s.turns) if t.conversation == "trace_0002"]
+    assert [out.arrived[i] for i in chain] == sorted(out.arrived[i] for i in chain)
+    assert all(first_token[a] <= out.arrived[b] for a, b in zip(chain, chain[1:]))
+    assert out.survived["turns"] == sum(1 for t in s.turns if t.prefix)
+
+
+def test_the_time_factor_settles_where_the_replay_is_as_busy_as_asked():
+    # Busy share of work 100 s over the scaled gaps (1,000 s) plus answers that take 300 s.
+    calls = []
+
+    def busy_at(factor: float) -> float:
+        calls.append(factor)
+        return 100.0 / (1000.0 * factor + 300.0)
+
+    factor, busy, rounds = time_factor(100.0, 1000.0, 0.2, busy_at)
+    assert busy == pytest.approx(0.2, rel=0.02) and factor == pytest.approx(0.2, rel=0.05)
+    assert calls[0] == pytest.approx(0.5) and rounds == len(calls) <= 8
+    # Never within 2%: the closest of the replays.
+    shares = iter([0.3, 0.1, 0.25, 0.12, 0.26, 0.3, 0.1, 0.3])
+    factor, busy, rounds = time_factor(100.0, 1000.0, 0.2, lambda f: next(shares))
+    assert (busy, rounds) == (0.25, 8)
+    with pytest.raises(ValueError, match="utilisation"):
+        time_factor(1.0, 1.0, 1.5, busy_at)
+
+
+def test_each_row_runs_the_products_cpu_tier_under_its_config_values(tmp_path):
+    stack = build_stack(
+        "always",
+        TierModel("disk", 3.0, 0.0, False),
+        cpu_blocks=32,
+        lower_blocks=64,
+        tokens_per_block=512,
+        bytes_per_block=512 * 131_072,
+        prefill_tokens_per_s=30_000.0,
+        attention_per_token=0.0,
+        clock=lambda: 0.0,
+        verify_read=lambda key, slot, done: done(),
+        scratch=tmp_path,
+        cpu_retention="session",
+        cpu_admission="reuse(2)",
+        eviction_policy="arc",
+    )
+    try:
+        cpu = stack.manager.composite.cpu
+        assert type(cpu).__name__ == "ARCOffloadingManager"
+        assert cpu.retention is not None and cpu.admission.admit_after == (2,)
+    finally:
+        stack.close()
+    # On the conversations: reuse(2) admits only chunks used twice; lru every one stored.
+    s = sessions(read_claude_code_folder(write_set(tmp_path / "set")), users=2)
+    rows = {p: run_policy(p, s.arrivals(0.2), small_setup(cpu_blocks=8)) for p in ("lru", "lru+reuse(2)")}
+    cpu = {p: r.tier_stats["cpu"] for p, r in rows.items()}
+    assert cpu["lru"]["not_admitted"] == 0 and cpu["lru"]["stores"] > 0
+    admitted = {p: c["stores"] - c["not_admitted"] for p, c in cpu.items()}
+    assert admitted["lru+reuse(2)"] < admitted["lru"]
+    with pytest.raises(ValueError, match="oracle"):
+        run_policy("lru+admission-oracle", s.arrivals(0.2), small_setup())
+
+
+def test_the_command_prints_one_row_per_policy(tmp_path, capsys):
+    folder = write_set(tmp_path / "set")
+    argv = ["--serving", "--traces", str(folder), "--utilisation", "0.5", "--scratch", str(tmp_path)]
+    assert replay_claude_code.main([*argv, "--policies", "lru,lru+reuse(2),lru+session", "--users", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == sessions_mod.COLUMNS
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["lru", "lru+reuse(2)", "lru+session"]
+    assert lines[2].split("|")[11].strip() == "1.00"  # p90 over LRU's own
+    assert "3 conversations" in out and "2 clients" in out and "1 gaps over 3600 s" in out
+    for bad in (["--policies", "lru+retention-oracle"], ["--config", "sometimes"], ["--utilisation", "1.5"]):
+        with pytest.raises(SystemExit):
+            replay_claude_code.main([*argv, *bad])
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="the Claude Code traces are not here")
+def test_two_real_conversations_with_time(tmp_path, capsys):
+    folder = tmp_path / "real"
+    folder.mkdir()
+    for name in ("trace_0026.json", "trace_0032.json"):  # 3 requests each
+        (folder / name).write_bytes((REAL / name).read_bytes())
+    argv = ["--serving", "--traces", str(folder), "--utilisation", "0.5", "--policies", "lru,lru+session"]
+    assert replay_claude_code.main([*argv, "--scratch", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 conversations, 6 requests" in out and "| lru+session" in out

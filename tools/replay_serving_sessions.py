@@ -1,0 +1,433 @@
+"""Agentic conversations as closed loops in the serving replay, and the CPU-tier policy
+table with time that ``tools/replay_claude_code.py --serving`` prints.
+
+Runs in the replay's one process; reads nothing itself (the conversations come from
+``replay_workloads.read_claude_code_folder``); each replayed row's disk tier keeps an
+index under a temporary directory (``replay_serving_stack``), removed afterwards.
+
+The workload (``sessions``), from kv-cache-tester's Claude Code conversations:
+
+- **Chunks**: a request's full 512-token chunks, each named by its last 64-token block
+  (which names its whole prefix), as ``replay_claude_code.write_mooncake`` writes them;
+  a trailing partial chunk is always computed.
+- **Closed loop**: a session (a conversation's main chain, or one sub-agent's) sends its
+  next request when the previous one got its first token in the simulation plus the
+  trace's gap between the two (``t[k+1] - t[k]``): the client's time between answer and
+  next turn. That gap also holds the answer's decode and the trace's own first token (the
+  trace's ``api_time``, a few seconds against a median gap of 20 s): decode is not
+  simulated, so it stays in the gap, and the trace's first token is counted twice. A
+  sub-agent's first request follows the latest request of its conversation's main chain
+  at or before it (the one whose answer launched it), by their gap; the main chain goes
+  on in parallel, as the trace's times show. A conversation's requests before any
+  predecessor count from its start.
+- **Long gaps**: a gap over ``max_gap_s`` (default 1 h) is cut to it: the user went away.
+  Kept whole, the trace's 7 gaps over an hour (one of 21 h) would outlast every other
+  conversation and leave the server idle for most of the replay.
+- **Staggered starts, fixed concurrency**: ``users`` clients each run conversations back
+  to back, the next one sent as its previous one's last request (in the trace's order) got
+  its first token. Conversations are dealt longest first (by their duration at the
+  trace's gaps), each to the client with the least work so far (LPT), so all clients end
+  near together. By default ``users`` is the most the conversations keep busy to the end:
+  their total duration over the longest one's (4 for the 30 files here), so the server
+  sees a steady number of conversations until the last one ends.
+- **Time scale**: every delay above (gaps, starts) is multiplied by one factor, chosen
+  as the serving replay chooses its own: the GPU work of the ``recompute`` configuration
+  (``replay_serving_workloads.estimate_work``, in the order the requests arrive with
+  instant answers) over the span they then take is the target utilisation; the order
+  does not depend on the factor, so neither does the work. Answers take time, which
+  stretches a closed loop, so ``time_factor`` then replays ``recompute`` and scales the
+  factor by its measured busy share over the target until they agree within 2% (at most
+  8 replays, then the closest). At the trace's own gaps these 30 conversations keep one
+  H100 a few per cent busy; the factor compresses their gaps 10-50x.
+
+The retention rule (``cpu_retention: session``) runs on the replay's clock, simulated
+seconds, while its constants are real ones (uses of a session under
+``tiered_kv.tiered.retention.TURN_GAP_S``, 1 s, apart are one turn): compressed, a
+session's turns closer than 1 s over the factor in the trace merge for it, so it sees
+fewer returns than the turns counted here (the notes print both).
+
+The table (``policy_table``), one row per CPU-tier policy named by its config values
+(``replay_policies.parse_policy``: ``lru``, ``lru+reuse(2)``, ``lru+session``,
+...), each built by ``replay_serving_stack.build_stack`` as the product builds it, the
+retention rule on the replay's clock and sessions inferred from the prefix chain: hit
+rate (full chunks served by the GPU's prefix cache, CPU, disk, and all), the share of
+turns (requests sharing a prefix with their session's previous request) that found all
+of it in CPU, and in some tier, on arrival, TTFT per request (mean, p50, p90, and p90
+over LRU's), and the GPU's busy share.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from benchlib import md_table
+from replay_policies import parse_policy
+from replay_serving import DEVICE_TOKENS, LATENCY_MS, run_config
+from replay_serving_sim import Arrival, EngineConfig, GpuModel, RunResult
+from replay_serving_stack import TierModel
+from replay_serving_workloads import TOKENS_PER_BLOCK, Stream, estimate_work
+from replay_workloads import CLAUDE_CODE_BLOCK_TOKENS, AgentRequest
+from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+
+#: Blocks of the trace in one chunk of the replay.
+PER_CHUNK = TOKENS_PER_BLOCK // CLAUDE_CODE_BLOCK_TOKENS
+MAX_GAP_S = 3600.0
+COLUMNS = [
+    "policy",
+    "hit rate: GPU",
+    "CPU",
+    "disk",
+    "all",
+    "turns: prefix in CPU",
+    "in any tier",
+    "TTFT mean s",
+    "p50 s",
+    "p90 s",
+    "p90 / lru's",
+    "GPU busy",
+]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of the workload: its conversation, prompt tokens, full chunks' ids,
+    the earlier request whose first token it waits for (an index; None: it counts from
+    0), its delay after that in unscaled seconds, and the chunks it shares with its
+    session's previous request."""
+
+    conversation: str
+    tokens: int
+    chunks: list[bytes]
+    after: int | None
+    delay: float
+    prefix: int
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """The closed-loop workload (module docstring): its requests in the order they
+    arrive with instant answers at ``times`` (unscaled), each one's predecessor before
+    it; ``users`` clients; ``capped`` gaps cut to ``max_gap_s``."""
+
+    name: str
+    turns: list[Turn]
+    times: list[float]
+    users: int
+    conversations: int
+    capped: int
+    max_gap_s: float
+
+    @property
+    def stream(self) -> Stream:
+        """The requests as the serving replay's stream, at their instant-answer times."""
+        return Stream(self.name, self.times, [t.tokens for t in self.turns], [t.chunks for t in self.turns])
+
+    @property
+    def makespan(self) -> float:
+        return self.times[-1] - self.times[0]
+
+    def arrivals(self, factor: float) -> list[Arrival]:
+        """The requests with every delay scaled by ``factor``, their chunks as vLLM's
+        offload keys (one KV-cache group), one key object per distinct chunk."""
+        keys: dict[bytes, OffloadKey] = {}
+        return [
+            Arrival(
+                t.delay * factor,
+                t.tokens,
+                [keys.get(h) or keys.setdefault(h, make_offload_key(h, 0)) for h in t.chunks],
+                after=t.after,
+                prefix=t.prefix,
+            )
+            for t in self.turns
+        ]
+
+
+def _chunks(r: AgentRequest) -> list[bytes]:
+    full = r.tokens // TOKENS_PER_BLOCK
+    return [r.blocks[PER_CHUNK * c + PER_CHUNK - 1].to_bytes(8, "big") for c in range(full)]
+
+
+def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _conversation(reqs: Sequence[AgentRequest], max_gap_s: float) -> tuple[list[tuple], int]:
+    """One conversation's requests (time order) as ``(predecessor, delay, prefix,
+    offset)`` with predecessors as indices into ``reqs`` (None: from the start) and
+    ``offset`` the time from its start with instant answers; and the gaps cut."""
+    last: dict[tuple[str, str], int] = {}
+    main: int | None = None
+    out: list[tuple] = []
+    capped = 0
+    for k, r in enumerate(reqs):
+        pred = last.get(r.session)
+        if pred is None and r.session[1]:
+            pred = main  # a sub-agent's first request: launched by the main chain's latest
+        gap = r.time - (reqs[pred].time if pred is not None else 0.0)
+        capped += gap > max_gap_s
+        delay = min(gap, max_gap_s)
+        prev = last.get(r.session)
+        prefix = _common(_chunks(reqs[prev]), _chunks(r)) if prev is not None else 0
+        out.append((pred, delay, prefix, (out[pred][3] if pred is not None else 0.0) + delay))
+        last[r.session] = k
+        if not r.session[1]:
+            main = k
+    return out, capped
+
+
+def auto_users(durations: Sequence[float]) -> int:
+    """The most clients that the conversations keep busy to the end: their total
+    duration over the longest one's (at least 1)."""
+    longest = max(durations)
+    return max(1, math.floor(sum(durations) / longest)) if longest > 0 else len(durations)
+
+
+def sessions(
+    agent_requests: Sequence[AgentRequest], users: int | None = None, max_gap_s: float = MAX_GAP_S
+) -> Sessions:
+    """The closed-loop workload of ``agent_requests`` (``read_claude_code_folder``)
+    for ``users`` clients (None: ``auto_users``); module docstring."""
+    if not max_gap_s > 0:
+        raise ValueError(f"--max-gap-s: expected > 0, got {max_gap_s}")
+    if users is not None and users < 1:
+        raise ValueError(f"--users: expected >= 1, got {users}")
+    by_conv: dict[str, list[AgentRequest]] = {}
+    for r in agent_requests:
+        by_conv.setdefault(r.session[0], []).append(r)
+    if not by_conv:
+        raise ValueError("no request")
+    chains, capped = {}, 0
+    for name, reqs in by_conv.items():
+        chains[name], n = _conversation(reqs, max_gap_s)
+        capped += n
+    duration = {name: max(c[3] for c in chain) for name, chain in chains.items()}
+    n_users = users or auto_users(list(duration.values()))
+    order = sorted(by_conv, key=lambda name: (-duration[name], name))
+    loads = [(0.0, u) for u in range(n_users)]
+    start: dict[str, float] = {}
+    previous: dict[str, str | None] = {}  # the conversation its client ran before it
+    last_of_user: dict[int, str] = {}
+    for name in order:
+        load, u = heapq.heappop(loads)
+        start[name], previous[name] = load, last_of_user.get(u)
+        last_of_user[u] = name
+        heapq.heappush(loads, (load + duration[name], u))
+    rank = {name: i for i, name in enumerate(order)}
+    # The request a conversation's client waits for before the next one: its last at instant answers.
+    final = {name: max(range(len(c)), key=lambda k: (c[k][3], k)) for name, c in chains.items()}
+    rows = sorted(
+        ((start[name] + c[3], rank[name], k, name) for name, chain in chains.items() for k, c in enumerate(chain)),
+    )
+    index = {(name, k): i for i, (_, _, k, name) in enumerate(rows)}
+    turns = []
+    for _, _, k, name in rows:
+        pred, delay, prefix, _ = chains[name][k]
+        if pred is not None:
+            after: int | None = index[(name, pred)]
+        elif previous[name] is not None:
+            after = index[(previous[name], final[previous[name]])]
+        else:
+            after = None
+        r = by_conv[name][k]
+        turns.append(Turn(name, r.tokens, _chunks(r), after, delay, prefix))
+    return Sessions(
+        f"{len(by_conv)} conversations as closed loops",
+        turns,
+        [t for t, *_ in rows],
+        n_users,
+        len(by_conv),
+        capped,
+        max_gap_s,
+    )
+
+
+def time_factor(
+    work_s: float,
+    makespan_s: float,
+    utilisation: float,
+    busy_at: Callable[[float], float],
+    rounds: int = 8,
+    tolerance: float = 0.02,
+) -> tuple[float, float, int]:
+    """The factor on the delays (module docstring): from ``work_s`` over the span
+    ``makespan_s`` at the target ``utilisation``, then scaled by ``busy_at(factor)``'s
+    measured busy share over the target until within ``tolerance`` of it (at most
+    ``rounds`` replays, then the closest: a closed loop's busy share is not monotonic in
+    the factor, its span being its last conversation's); the factor, its busy share and
+    the replays run."""
+    if not 0 < utilisation <= 1:
+        raise ValueError(f"--utilisation: expected 0 < u <= 1, got {utilisation}")
+    factor = work_s / utilisation / makespan_s if makespan_s > 0 and work_s > 0 else 1.0
+    best = (math.inf, factor, 0.0)
+    for n in range(1, rounds + 1):
+        busy = busy_at(factor)
+        best = min(best, (abs(busy - utilisation), factor, busy))
+        if abs(busy - utilisation) <= tolerance * utilisation or busy <= 0:
+            return factor, busy, n
+        factor *= busy / utilisation
+    return best[1], best[2], rounds
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every row shares: the model, the engine, the disk tier, the capacities."""
+
+    gpu: GpuModel
+    engine: EngineConfig
+    tier: TierModel
+    cpu_blocks: int
+    disk_blocks: int
+    config: str
+    scratch: Path | None = None
+
+
+def run_policy(policy: str, arrivals: Sequence[Arrival], setup: Setup, config: str | None = None) -> RunResult:
+    """One row: ``arrivals`` through the product's managers with the CPU tier under
+    ``policy`` (config values, ``parse_policy``), in ``config`` (default ``setup``'s)."""
+    p = parse_policy(policy)
+    if p.is_oracle:
+        raise ValueError(f"--policies: {policy!r}: an oracle is replayed without time only (drop --serving)")
+    return run_config(
+        config or setup.config,
+        arrivals,
+        setup.gpu,
+        setup.engine,
+        setup.tier,
+        setup.cpu_blocks,
+        setup.disk_blocks,
+        setup.scratch,
+        cpu_retention=p.retention,
+        cpu_admission=p.admission,
+        eviction_policy=p.eviction,
+    )
+
+
+def hit_rates(r: RunResult, chunks: int) -> dict[str, float]:
+    """Full chunks served by each source (GPU, CPU, disk) and in all, over ``chunks``."""
+    out = {
+        k: r.tokens[src] / TOKENS_PER_BLOCK / max(1, chunks)
+        for k, src in (("GPU", "GPU"), ("CPU", "CPU"), ("disk", "tier"))
+    }
+    out["all"] = sum(out.values())
+    return out
+
+
+def policy_table(results: Sequence[tuple[str, RunResult]], chunks: int) -> str:
+    """The markdown table of the rows (module docstring); ``chunks``: full chunks
+    requested, the hit rates' denominator."""
+    p90s = {name: float(np.percentile(r.ttft, 90)) for name, r in results}
+    lru = p90s.get("lru")
+    rows = []
+    for name, r in results:
+        t = np.asarray(r.ttft)
+        p50, p90 = np.percentile(t, [50, 90])
+        h = hit_rates(r, chunks)
+        turns = r.survived["turns"]
+        rows.append(
+            [
+                name,
+                *(f"{h[k]:.3f}" for k in ("GPU", "CPU", "disk", "all")),
+                f"{r.survived['CPU'] / max(1, turns):.3f}",
+                f"{r.survived['any'] / max(1, turns):.3f}",
+                f"{t.mean():.2f}",
+                f"{p50:.2f}",
+                f"{p90:.2f}",
+                f"{p90 / lru:.2f}" if lru else "-",
+                f"{r.busy_s / r.span_s:.2f}",
+            ]
+        )
+    return md_table(COLUMNS, rows, left=1)
+
+
+def notes(results: Sequence[tuple[str, RunResult]], tier: TierModel) -> list[str]:
+    """Per row: turns counted, chunks stored into CPU and of them admitted (``cpu_admission``
+    ranks the others first to evict), disk hits and dropped writes, the span, and what
+    ``cpu_retention`` saw (returns: turns after a session's first, as it tells them)."""
+    out = []
+    for name, r in results:
+        cpu, lower = r.tier_stats.get("cpu", {}), r.tier_stats.get(tier.name, {})
+        stored = cpu.get("stores", 0)
+        out.append(
+            f"- {name}: {r.survived['turns']:,} turns; CPU stored {stored:,} chunks, admitted "
+            f"{stored - cpu.get('not_admitted', 0):,}, evicted {cpu.get('evictions', 0):,}; {tier.name} hits "
+            f"{lower.get('hits', 0):,} chunks, writes dropped (back-pressure) {lower.get('drops', 0):,}; span "
+            f"{r.span_s:,.0f} s, {r.steps:,} steps"
+            + (
+                f"; retention: {r.retention['returns']:,} returns seen, {r.retention['held']:,} chunk holds, "
+                f"{r.retention['dropped']:,} dropped for its budget"
+                if r.retention
+                else ""
+            )
+        )
+    return out
+
+
+def replay(
+    agent_requests: Sequence[AgentRequest],
+    policies: Sequence[str],
+    *,
+    utilisation: float,
+    users: int | None = None,
+    max_gap_s: float = MAX_GAP_S,
+    cpu_fraction: float = 0.25,
+    disk_fraction: float = 0.5,
+    config: str = "cost-aware",
+    tier_gbps: float = 3.0,
+    device_tokens: int = DEVICE_TOKENS,
+    scratch: Path | None = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> tuple[str, list[tuple[str, RunResult]], Setup]:
+    """Each policy's row over the closed-loop workload of ``agent_requests``: the
+    header that says what ran, the rows, and what they shared. The CPU and disk tiers
+    are ``cpu_fraction`` and ``disk_fraction`` of the working set; the device cache is
+    ``device_tokens``, or the longest prompt where that is longer."""
+    s = sessions(agent_requests, users, max_gap_s)
+    stream = s.stream
+    ws, longest = stream.working_set, max(stream.tokens)
+    device_blocks = max(device_tokens // TOKENS_PER_BLOCK, -(-longest // TOKENS_PER_BLOCK))
+    gpu, engine = GpuModel(), EngineConfig(device_blocks)
+    tier = TierModel("disk", tier_gbps, LATENCY_MS["disk"] / 1e3, False)
+    cpu_blocks, disk_blocks = max(1, round(cpu_fraction * ws)), max(1, round(disk_fraction * ws))
+    setup = Setup(gpu, engine, tier, cpu_blocks, disk_blocks, config, scratch)
+    work = estimate_work(stream, gpu, device_blocks, cpu_blocks, engine.token_budget)
+
+    def busy_at(factor: float) -> float:
+        r = run_policy("lru", s.arrivals(factor), setup, "recompute")
+        log(f"  recompute at x{factor:.4g}: GPU busy {r.busy_s / r.span_s:.3f}")
+        return r.busy_s / r.span_s
+
+    factor, busy, rounds = time_factor(work, s.makespan, utilisation, busy_at)
+    arrivals = s.arrivals(factor)
+    results = []
+    for name in policies:
+        results.append((name, run_policy(name, arrivals, setup)))
+        log(f"  {name}: done")
+    sub = sum(1 for r in agent_requests if r.session[1])
+    chunks = sum(len(t.chunks) for t in s.turns)
+    grown = " (grown to hold the longest prompt)" if device_blocks * TOKENS_PER_BLOCK > device_tokens else ""
+    header = (
+        f"workload: {s.conversations} conversations, {len(s.turns):,} requests ({sub} in sub-agents), "
+        f"{sum(stream.tokens) / len(s.turns):,.0f} prompt tokens on average (longest {longest:,}), {chunks:,} full "
+        f"chunks of {TOKENS_PER_BLOCK} tokens, working set {ws:,} chunks\n"
+        f"closed loops: {s.users} clients running conversations back to back, longest first; each request "
+        f"sent at its predecessor's first token + the trace's gap ({s.capped} gaps over {s.max_gap_s:g} s cut to it), "
+        f"gaps x{factor:.4g} so recompute (CPU alone, LRU) keeps the GPU {busy:.2f} busy (target "
+        f"{utilisation:g}, {rounds} calibrating replays; instant-answer estimate {work:,.0f} GPU s over "
+        f"{s.makespan:,.0f} s unscaled)\n"
+        f"model: Llama-3.1-8B on one H100 (prefill {gpu.linear_tokens_per_s:,.0f} tokens/s before attention at "
+        f"{gpu.mfu:g} MFU), {engine.token_budget} tokens a step; configuration {config}\n"
+        f"capacities: device {device_blocks:,} chunks{grown}, CPU {cpu_blocks:,} ({cpu_fraction:g} x working set, "
+        f"{engine.cpu_gbps:g} GB/s), disk {disk_blocks:,} ({disk_fraction:g} x, {tier.gbps:g} GB/s, "
+        f"{tier.latency_s * 1e3:g} ms a job)"
+    )
+    return header, results, setup
