@@ -73,11 +73,11 @@ case "$step" in
     all)
         install
         failed=0  # each step under its own limit, so that one that hangs leaves time for the rest
-        timeout -s INT 100 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$out/pytest-gpu.txt" || failed=1
+        timeout -s INT 130 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$out/pytest-gpu.txt" || failed=1
         timeout -s INT 150 "$py" tools/bench_gpu_cpu.py 2>&1 | tee "$out/bench_gpu_cpu.txt" || failed=1
         timeout -s INT 60 "$py" tools/bench_gpu_cpu.py --scattered-slots 2>&1 \
             | tee "$out/bench_gpu_cpu_scattered.txt" || failed=1
-        timeout -s INT 180 "$py" tools/bench_disk.py --backend kvikio --rounds 1 --dir /tmp/bench-disk \
+        timeout -s INT 150 "$py" tools/bench_disk.py --backend kvikio --rounds 1 --dir /tmp/bench-disk \
             --plot "$out/bench_disk.png" 2>&1 | tee "$out/bench_disk_kvikio.txt" || failed=1
         timeout -s INT 90 "$py" tools/replay.py --workload chat --gpu --markdown "$out/replay_gpu.md" 2>&1 \
             | tee "$out/replay_gpu.txt" || failed=1
