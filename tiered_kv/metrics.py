@@ -203,8 +203,9 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         CANARY_CHECKS,
         "counter",
-        "Workers' start-up canaries; outcome: passed, skipped (the engine's attention tensors not visible, or no "
-        "spare blocks), off (canary: false). A failed one stops the engine",
+        "Workers' start-up canaries; outcome: passed, partial (a disk tier could not be exercised: logged), skipped "
+        "(the engine's attention tensors not visible, or no spare blocks), off (canary: false). A failed one stops "
+        "the engine",
         ("outcome",),
     ),
     MetricDef(LEASE_PINNED_BYTES, "gauge", "Bytes pinned by leases per tier", ("tier",)),

@@ -167,10 +167,12 @@ def run_canary(
     plan: CanaryPlan,
     engine: Mapping[str, torch.Tensor] | None,
     rows_of: Callable[[VllmGPUSpec, int, int], np.ndarray],
-) -> float | None:
+) -> str:
     """Run the canary (module docstring) on ``worker``'s handlers, with its translation of
-    vLLM's GPU specs (``rows_of``: ``worker.gpu_rows``); return its seconds, or None when it
-    could not run (logged). Raises ``CanaryError`` on a mismatch."""
+    vLLM's GPU specs (``rows_of``: ``worker.gpu_rows``); return its outcome (the
+    ``tiered_kv_canary_checks`` label): ``passed``, ``partial`` (a disk tier could not be
+    exercised) or ``skipped`` (it could not run at all); each logged. Raises
+    ``CanaryError`` on a mismatch."""
     started = time.perf_counter()
     if engine is None:
         logger.info(
@@ -178,7 +180,7 @@ def run_canary(
             "(this worker was not built by vLLM's register_kv_caches)",
             worker.rank,
         )
-        return None
+        return "skipped"
     layers = _layers(kv_caches, plan, engine)
     tensors = [t.tensor for t in kv_caches.tensors]
     num_blocks = tensors[0].shape[0]
@@ -192,11 +194,12 @@ def run_canary(
             num_blocks,
             2 * f,
         )
-        return None
+        return "skipped"
     src = np.arange(num_blocks - 2 * f, num_blocks - f, dtype=np.int64)
     dst = np.arange(num_blocks - f, num_blocks, dtype=np.int64)
     spare = torch.as_tensor(np.concatenate([src, dst]), device=tensors[0].device)
     saved = [t[spare].clone() for t in tensors]
+    skipped: list[str] = []  # disk tiers the canary could not exercise (logged)
     try:
         for t in tensors:
             t[spare] = 0
@@ -212,7 +215,7 @@ def run_canary(
             for layer in layers:
                 _check(layer, dst, plan, _layout(plan, layer), worker.rank, tier)
 
-        lower = check_disk_tiers(worker, worker.hierarchy.lower_tiers, tensors, rows, check)
+        lower = check_disk_tiers(worker, worker.hierarchy.lower_tiers, tensors, rows, check, skipped)
     finally:
         for t, s in zip(tensors, saved):
             t[spare] = s
@@ -227,7 +230,7 @@ def run_canary(
         "".join(f"; {line}" for line in lower),
         seconds * 1e3,
     )
-    return seconds
+    return "partial" if skipped else "passed"
 
 
 def _layers(kv_caches: CanonicalKVCaches, plan: CanaryPlan, engine: Mapping[str, torch.Tensor]) -> list[_Layer]:

@@ -99,12 +99,14 @@ def check_disk_tiers(
     gpu: Sequence[torch.Tensor],
     rows: np.ndarray,
     check: Callable[[str], None],
+    skipped: list[str],
 ) -> list[str]:
     """Take the chunk in CPU slot 0 through each disk tier among ``lower_tiers`` (module
     docstring) into GPU blocks ``rows`` (a ``(1, blocks_per_chunk)`` row of GPU block
     ids) of the engine's ``gpu`` tensors; ``check(what)`` compares those blocks with the
     pattern and raises, ``what`` naming the tier and the path. Returns what was checked
-    (one line per tier); a tier that could not be exercised is logged and left out."""
+    (one line per tier); a tier that could not be exercised is logged, left out, and named
+    in ``skipped`` (which the caller passes in to be filled)."""
     checked = []
     for tier in lower_tiers:
         if not isinstance(tier, DiskTier):
@@ -120,6 +122,7 @@ def check_disk_tiers(
                 tier.name,
                 e,
             )
+            skipped.append(tier.name)
             continue
         checked.append(
             f"{tier.name}: cpu -> {tier.name} -> GPU, and -> cpu -> GPU, through the tier's own stager, "

@@ -178,8 +178,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             # slot the scheduler tracks.
             counted = copy.deepcopy(self.stats.transfers)
             try:
-                seconds = run_canary(self, kv_caches, canary, engine_kv_tensors(), gpu_rows)
-                self.canary_outcome = "skipped" if seconds is None else "passed"
+                self.canary_outcome = run_canary(self, kv_caches, canary, engine_kv_tensors(), gpu_rows)
                 self.stats.transfers.clear()
                 self.stats.transfers.update(counted)
                 self.stats.latencies.drain()
