@@ -27,6 +27,11 @@ recomputing keeps the GPU ``--utilisation`` busy, through the serving replay's G
 I/O channels and the product's managers in vLLM's call order (``--config``, default
 ``cost-aware``). Per policy: hit rate from the GPU's prefix cache, CPU and disk, the
 turns whose prefix survived their tool gap, TTFT per request against LRU's, GPU busy.
+A row there may add what its clients send with each request, after the policy
+(``replay_serving_sessions.parse_row``): ``+ids``, the session's name (vLLM's
+``session_id``) for the session rule (``lru+session+ids``); ``+hints``, KV hints
+synthesised from the sessions (``kv.retain`` leased to the session on each turn,
+``kv.release`` at its last; ``lru+hints``); ``+hints+prefetch``, ``kv.prefetch`` too.
 
 ``--export-mooncake FILE`` writes the workload in Mooncake's FAST'25 format (512-token
 chunks, a chunk named by its last 64-token block, which names its prefix) for
@@ -36,6 +41,8 @@ the product's default policy; it takes no policy of ours).
     python tools/replay_claude_code.py
     python tools/replay_claude_code.py --policies lru,lru+session --session-ids
     python tools/replay_claude_code.py --serving --utilisation 0.8
+    python tools/replay_claude_code.py --serving --utilisation 0.8 --users 16 \\
+        --policies 'lru,lru+session,lru+session+ids,lru+hints,lru+reuse(2)'
 
 Runs in one process; reads the conversation files; the disk tier keeps an index under a
 temporary directory (``--scratch``), removed afterwards.
@@ -111,7 +118,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="folder of kv-cache-tester *.json files")
     p.add_argument(
         "--policies",
-        help=f"comma-separated (default {DEFAULT_POLICIES}; with --serving {SERVING_POLICIES})",
+        help=f"comma-separated (default {DEFAULT_POLICIES}; with --serving {SERVING_POLICIES}); with --serving "
+        "a row may add what its clients send: <policy>[+ids][+hints[+prefetch]], e.g. lru+session+ids (each "
+        "request names its session), lru+hints (kv.retain leased to the session per turn, kv.release at its "
+        "end), lru+hints+prefetch (kv.prefetch too)",
     )
     p.add_argument("--cpu-fraction", type=float, default=0.25, help="CPU tier = this x the working set (0.25)")
     p.add_argument("--disk-fraction", type=float, default=0.5, help="disk tier = this x the working set (0.5)")
@@ -132,10 +142,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: expected 0 < x <= 4 (of the working set), got {getattr(args, name)}")
     policies = args.policies or (SERVING_POLICIES if args.serving else DEFAULT_POLICIES)
     try:
-        parsed = [parse_policy(x) for x in policies.split(",") if x.strip()]
+        if args.serving:
+            from replay_serving_sessions import parse_row  # vLLM's types: only with --serving
+
+            rows = [parse_row(x) for x in policies.split(",") if x.strip()]
+            args.policies, parsed = [x.name for x in rows], [x.policy for x in rows]
+        else:
+            parsed = [parse_policy(x) for x in policies.split(",") if x.strip()]
+            args.policies = [x.name for x in parsed]
     except ValueError as exc:
         p.error(str(exc))
-    args.policies = [x.name for x in parsed]
     if not args.policies or "belady" in args.policies:
         p.error("--policies: expected at least one replayed policy (belady is a reference column here)")
     if args.serving:

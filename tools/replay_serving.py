@@ -94,9 +94,11 @@ def run_config(
     cpu_retention: str = "none",
     cpu_admission: str = "all",
     eviction_policy: str = "lru",
+    hint_prefetch: bool = False,
 ) -> RunResult:
     """One configuration (``CONFIGS``) over ``reqs``, the CPU tier under the config values
-    given (``build_stack``)."""
+    given, the workers running ``kv.prefetch`` hints' jobs where ``hint_prefetch``
+    (``build_stack``)."""
     events = Events()
     channel = Channel(events, tier.gbps, tier.latency_s)
     bpb = gpu.kv_bytes_per_token * engine.tokens_per_block
@@ -122,6 +124,7 @@ def run_config(
         cpu_retention=cpu_retention,
         cpu_admission=cpu_admission,
         eviction_policy=eviction_policy,
+        hint_prefetch=hint_prefetch,
     )
     try:
         return Engine(reqs, stack, events, channel, gpu, engine).run()

@@ -46,11 +46,37 @@ seconds, while its constants are real ones (uses of a session under
 session's turns closer than 1 s over the factor in the trace merge for it, so it sees
 fewer returns than the turns counted here (the notes print both).
 
+What the clients send (``parse_row``: a row is ``<policy>[+ids][+hints[+prefetch]]``,
+the policy's config values first, then what its clients send with each request):
+
+- ``+ids``: each request names its session, as a client sends ``X-Session-ID`` (vLLM's
+  ``session_id``): the conversation's id for its main chain, ``<conversation>/<agent>``
+  for a sub-agent's. The replay keeps it in the request's ``ReqContext`` as the product's
+  connector does (``RequestSession``), and the manager passes it with the request's loads
+  and stores to ``cpu_retention``; so it needs a session rule (``lru+session+ids``).
+  Without it, the rule infers sessions from the prefix chain.
+- ``+hints``: KV hints synthesised from the sessions, as an agent framework (Dynamo's
+  router, say) that knows them would send (``client_hints``; the product's reading is
+  ``tiered_kv.integrations.vllm.hints``): every turn but its session's last carries
+  ``kv.retain`` with ``lease_id`` its session (the ``+ids`` name) and ``ttl_s`` the
+  product's ``DEFAULT_TTL_S`` (300 s) times the factor, the same compression as the
+  gaps; its session's last turn carries ``kv.release`` instead (a client knows when its
+  conversation, or its sub-agent, is done; the lease then ends at that turn's arrival,
+  before its load). A fixed TTL, not a multiple of the session's gaps so far: the gaps
+  are heavy-tailed (median 20 s, 95.7% under 300 s, some hours), so a session's past
+  predicts its next gap poorly, while past 300 s the user has gone away and holding on
+  is what the lease budget bounds. The lease runs from the turn's arrival and each load
+  of its chunks renews it, so the turn's wait and prefill (not scaled) count against it.
+- ``+prefetch`` (after ``+hints``): each turn also carries ``kv.prefetch`` (its disk
+  chunks promoted into CPU while it waits); the simulated workers run the jobs
+  (``build_stack``'s ``hint_prefetch``), prefetch while waiting staying off, so only
+  the hint moves chunks.
+
 The table (``policy_table``), one row per CPU-tier policy named by its config values
 (``replay_policies.parse_policy``: ``lru``, ``lru+reuse(2)``, ``lru+session``,
-...), each built by ``replay_serving_stack.build_stack`` as the product builds it, the
-retention rule on the replay's clock and sessions inferred from the prefix chain: hit
-rate (full chunks served by the GPU's prefix cache, CPU, disk, and all), the share of
+...) and what its clients send, each built by ``replay_serving_stack.build_stack`` as
+the product builds it, the retention rule on the replay's clock and sessions inferred
+from the prefix chain unless named: hit rate (full chunks served by the GPU's prefix cache, CPU, disk, and all), the share of
 turns (requests sharing a prefix with their session's previous request) that found all
 of it in CPU, and in some tier, on arrival, TTFT per request (mean, p50, p90, and p90
 over LRU's), and the GPU's busy share.
@@ -66,13 +92,16 @@ from pathlib import Path
 
 import numpy as np
 from benchlib import md_table
-from replay_policies import parse_policy
+from replay_policies import Policy, parse_policy
 from replay_serving import DEVICE_TOKENS, LATENCY_MS, run_config
 from replay_serving_sim import Arrival, EngineConfig, GpuModel, RunResult
 from replay_serving_stack import TierModel
 from replay_serving_workloads import TOKENS_PER_BLOCK, Stream, estimate_work
 from replay_workloads import CLAUDE_CODE_BLOCK_TOKENS, AgentRequest
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+
+from tiered_kv.integrations.vllm.hints import DEFAULT_TTL_S, PREFETCH, RELEASE, RETAIN
 
 #: Blocks of the trace in one chunk of the replay.
 PER_CHUNK = TOKENS_PER_BLOCK // CLAUDE_CODE_BLOCK_TOKENS
@@ -91,14 +120,58 @@ COLUMNS = [
     "p90 / lru's",
     "GPU busy",
 ]
+#: What a row's clients may send, in this order after the policy (module docstring).
+CLIENT_PARTS = ("ids", "hints", "prefetch")
+ROW_FORM = (
+    "<policy>[+ids][+hints[+prefetch]]: the policy's config values, then +ids (each request names its "
+    "session, for a cpu_retention session rule), +hints (kv.retain per turn, kv.release at a session's "
+    "end), +prefetch (kv.prefetch per turn as well)"
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A table row: the CPU tier's config values and what its clients send (module
+    docstring): the session's name (``ids``), KV hints (``hints``), ``kv.prefetch`` too."""
+
+    name: str
+    policy: Policy
+    ids: bool = False
+    hints: bool = False
+    prefetch: bool = False
+
+
+def parse_row(name: str) -> Row:
+    """``lru+session+ids`` -> the ``lru+session`` policy, its clients naming sessions;
+    raises ``ValueError`` naming the value and the forms accepted."""
+    parts = [p.strip() for p in name.strip().split("+")]
+    client: list[str] = []
+    while len(parts) > 1 and parts[-1] in CLIENT_PARTS:
+        client.insert(0, parts.pop())
+    try:
+        policy = parse_policy("+".join(parts))
+    except ValueError as exc:
+        raise ValueError(f"{exc}; a row with time is {ROW_FORM}") from None
+    why = ""
+    if client != sorted(set(client), key=CLIENT_PARTS.index):
+        why = "each part once, in that order"
+    elif "ids" in client and (policy.share is None or policy.retention.startswith("oracle")):
+        why = f"+ids names the sessions for a cpu_retention session rule, and {policy.name} has none"
+    elif "prefetch" in client and "hints" not in client:
+        why = "+prefetch is a hint: +hints+prefetch"
+    if why:
+        raise ValueError(f"--policies: {name!r}: {why}; expected {ROW_FORM}")
+    row = Row("+".join([policy.name, *client]), policy, *(part in client for part in CLIENT_PARTS))
+    return row
 
 
 @dataclass(frozen=True)
 class Turn:
     """One request of the workload: its conversation, prompt tokens, full chunks' ids,
     the earlier request whose first token it waits for (an index; None: it counts from
-    0), its delay after that in unscaled seconds, and the chunks it shares with its
-    session's previous request."""
+    0), its delay after that in unscaled seconds, the chunks it shares with its
+    session's previous request, its session's name (``<conversation>`` or
+    ``<conversation>/<agent>``) and whether it is that session's last request."""
 
     conversation: str
     tokens: int
@@ -106,6 +179,8 @@ class Turn:
     after: int | None
     delay: float
     prefix: int
+    session: str = ""
+    last: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,10 +206,13 @@ class Sessions:
     def makespan(self) -> float:
         return self.times[-1] - self.times[0]
 
-    def arrivals(self, factor: float) -> list[Arrival]:
+    def arrivals(self, factor: float, row: Row | None = None) -> list[Arrival]:
         """The requests with every delay scaled by ``factor``, their chunks as vLLM's
-        offload keys (one KV-cache group), one key object per distinct chunk."""
+        offload keys (one KV-cache group), one key object per distinct chunk, with what
+        ``row``'s clients send (module docstring; None: nothing)."""
         keys: dict[bytes, OffloadKey] = {}
+        ids, hints = row is not None and row.ids, row is not None and row.hints
+        prefetch = row is not None and row.prefetch
         return [
             Arrival(
                 t.delay * factor,
@@ -142,9 +220,25 @@ class Sessions:
                 [keys.get(h) or keys.setdefault(h, make_offload_key(h, 0)) for h in t.chunks],
                 after=t.after,
                 prefix=t.prefix,
+                session=t.session if ids else None,
+                hints=client_hints(t, DEFAULT_TTL_S * factor, prefetch, i) if hints else None,
             )
-            for t in self.turns
+            for i, t in enumerate(self.turns)
         ]
+
+
+def client_hints(turn: Turn, ttl_s: float, prefetch: bool, number: int) -> KvHintsEnvelope:
+    """What a client that knows ``turn``'s session sends with it (request ``number``):
+    ``kv.retain`` of its session's lease for ``ttl_s``, or at its session's last turn
+    ``kv.release``; ``kv.prefetch`` before either where ``prefetch``."""
+    lease = {"lease_id": turn.session}
+    if turn.last:
+        actions = [KvHintAction(f"{number}-release", RELEASE, "1", lease)]
+    else:
+        actions = [KvHintAction(f"{number}-retain", RETAIN, "1", {**lease, "ttl_s": ttl_s})]
+    if prefetch:
+        actions.insert(0, KvHintAction(f"{number}-prefetch", PREFETCH, "1", {}))
+    return KvHintsEnvelope(protocol_version="1.0", message_id=f"m{number}", actions=actions)
 
 
 def _chunks(r: AgentRequest) -> list[bytes]:
@@ -229,6 +323,7 @@ def sessions(
         ((start[name] + c[3], rank[name], k, name) for name, chain in chains.items() for k, c in enumerate(chain)),
     )
     index = {(name, k): i for i, (_, _, k, name) in enumerate(rows)}
+    last_of = {(name, r.session): k for name, reqs in by_conv.items() for k, r in enumerate(reqs)}
     turns = []
     for _, _, k, name in rows:
         pred, delay, prefix, _ = chains[name][k]
@@ -239,7 +334,9 @@ def sessions(
         else:
             after = None
         r = by_conv[name][k]
-        turns.append(Turn(name, r.tokens, _chunks(r), after, delay, prefix))
+        session = name if not r.session[1] else f"{name}/{r.session[1]}"
+        last = k == last_of[(name, r.session)]
+        turns.append(Turn(name, r.tokens, _chunks(r), after, delay, prefix, session, last))
     return Sessions(
         f"{len(by_conv)} conversations as closed loops",
         turns,
@@ -292,9 +389,11 @@ class Setup:
 
 
 def run_policy(policy: str, arrivals: Sequence[Arrival], setup: Setup, config: str | None = None) -> RunResult:
-    """One row: ``arrivals`` through the product's managers with the CPU tier under
-    ``policy`` (config values, ``parse_policy``), in ``config`` (default ``setup``'s)."""
-    p = parse_policy(policy)
+    """One row: ``arrivals`` (``Sessions.arrivals`` for the row's clients) through the
+    product's managers with the CPU tier under ``policy`` (a row, ``parse_row``), in
+    ``config`` (default ``setup``'s)."""
+    row = parse_row(policy)
+    p = row.policy
     if p.is_oracle:
         raise ValueError(f"--policies: {policy!r}: an oracle is replayed without time only (drop --serving)")
     return run_config(
@@ -309,6 +408,7 @@ def run_policy(policy: str, arrivals: Sequence[Arrival], setup: Setup, config: s
         cpu_retention=p.retention,
         cpu_admission=p.admission,
         eviction_policy=p.eviction,
+        hint_prefetch=row.prefetch,
     )
 
 
@@ -351,8 +451,9 @@ def policy_table(results: Sequence[tuple[str, RunResult]], chunks: int) -> str:
 
 def notes(results: Sequence[tuple[str, RunResult]], tier: TierModel) -> list[str]:
     """Per row: turns counted, chunks stored into CPU and of them admitted (``cpu_admission``
-    ranks the others first to evict), disk hits and dropped writes, the span, and what
-    ``cpu_retention`` saw (returns: turns after a session's first, as it tells them)."""
+    ranks the others first to evict), disk hits and dropped writes, the span, what
+    ``cpu_retention`` saw (returns: turns after a session's first, as it tells them), and
+    what the hints did (``hint_note``)."""
     out = []
     for name, r in results:
         cpu, lower = r.tier_stats.get("cpu", {}), r.tier_stats.get(tier.name, {})
@@ -368,8 +469,30 @@ def notes(results: Sequence[tuple[str, RunResult]], tier: TierModel) -> list[str
                 if r.retention
                 else ""
             )
+            + hint_note(r, tier)
         )
     return out
+
+
+def hint_note(r: RunResult, tier: TierModel) -> str:
+    """What the manager did with the row's hints (``KvHints.snapshot``, and the peaks and
+    leases on arrival the engine sampled); empty where none was sent."""
+    actions, h = r.hints.get("actions", {}), r.hints
+    if not actions:
+        return ""
+    arrived = h["on_arrival"]
+    again = sum(arrived.get(f"{a}.again", 0) for a in (RETAIN, RELEASE))
+    held = sum(arrived.get(f"{a}.held", 0) for a in (RETAIN, RELEASE))
+    peak = h["peak"]
+    counted = ", ".join(f"{k} {v:,}" for k, v in sorted(actions.items()))
+    prefetched = r.prefetch.get(f"{tier.name}.prefetches", 0)
+    return (
+        f"; hints: actions {counted}; of {again:,} naming a lease an earlier turn named, {held:,} found it held "
+        f"within its TTL on arrival; at most {peak.get('leases', 0):,} leases at once, pinning at most {peak.get('cpu', 0):,} CPU "
+        f"and {peak.get(tier.name, 0):,} {tier.name} chunks; {h['lease_clipped']:,} leased chunks left unpinned "
+        f"for the budget; at the end {h['leases']:,} leases"
+        + (f"; {prefetched:,} chunks prefetched from {tier.name}" if r.prefetch else "")
+    )
 
 
 def replay(
@@ -407,11 +530,11 @@ def replay(
         return r.busy_s / r.span_s
 
     factor, busy, rounds = time_factor(work, s.makespan, utilisation, busy_at)
-    arrivals = s.arrivals(factor)
+    rows = [parse_row(name) for name in policies]
     results = []
-    for name in policies:
-        results.append((name, run_policy(name, arrivals, setup)))
-        log(f"  {name}: done")
+    for row in rows:
+        results.append((row.name, run_policy(row.name, s.arrivals(factor, row), setup)))
+        log(f"  {row.name}: done")
     sub = sum(1 for r in agent_requests if r.session[1])
     chunks = sum(len(t.chunks) for t in s.turns)
     grown = " (grown to hold the longest prompt)" if device_blocks * TOKENS_PER_BLOCK > device_tokens else ""
@@ -430,4 +553,11 @@ def replay(
         f"{engine.cpu_gbps:g} GB/s), disk {disk_blocks:,} ({disk_fraction:g} x, {tier.gbps:g} GB/s, "
         f"{tier.latency_s * 1e3:g} ms a job)"
     )
+    if any(row.ids or row.hints for row in rows):
+        header += (
+            f"\nclients: {len({t.session for t in s.turns})} sessions (conversations and sub-agents); +ids: each "
+            f"request names its session; +hints: kv.retain (lease_id its session, ttl_s {DEFAULT_TTL_S:g} s x "
+            f"{factor:.4g} = {DEFAULT_TTL_S * factor:.3g} s) on every turn but its session's last, which sends "
+            "kv.release; +prefetch: kv.prefetch on every turn"
+        )
     return header, results, setup

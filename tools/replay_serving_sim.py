@@ -45,7 +45,10 @@ Arrivals: each request at its time, or (``Arrival.after``) a delay after an earl
 request's first token, as a client that waits for its answer sends its next turn
 (``replay_serving_sessions``). A request naming a ``prefix`` shared with its session's
 previous request is counted on arrival as a turn, and whether all of that prefix is in
-the CPU tier, and in some tier (the GPU's prefix cache included).
+the CPU tier, and in some tier (the GPU's prefix cache included). A request may name its
+session (vLLM's ``session_id``, kept in its ``ReqContext`` as the connector keeps it) and
+carry KV hints (its ``ReqContext.kv_hints``): leases are counted as held or not on
+arrival, and the leases and pins at every step (``RunResult.hints``).
 
 Not called: ``get_load_source``, ``take_events`` and ``get_stats`` (vLLM's metrics and
 KV events: they change no answer). Not modelled: decode, preemption, tensor parallelism,
@@ -78,9 +81,11 @@ from dataclasses import dataclass, field
 
 from replay_serving_io import Channel, Events
 from replay_serving_stack import Stack
+from vllm.v1.kv_hints import KvHintsEnvelope
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
 from tiered_kv.cost import PREFILL
+from tiered_kv.integrations.vllm.common import RequestSession
 from tiered_kv.prefill import prefill_work
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 
@@ -144,13 +149,16 @@ class Arrival:
     ``after`` (an earlier request's index in the list), ``time`` counts from that
     request's first token instead of from 0: a client that waits for its answer.
     ``prefix``: the leading chunks it shares with its session's previous request, whose
-    presence on arrival is counted (``RunResult.survived``)."""
+    presence on arrival is counted (``RunResult.survived``). ``session``, ``hints``: what
+    the client sends with it (module docstring)."""
 
     time: float
     tokens: int
     keys: Sequence[OffloadKey]
     after: int | None = None
     prefix: int = 0
+    session: str | None = None  # the session the client names (vLLM's ``session_id``)
+    hints: KvHintsEnvelope | None = None
 
 
 class DeviceCache:
@@ -222,6 +230,10 @@ class RunResult:
     # the CPU tier ("CPU") and in some tier, the GPU's prefix cache included ("any").
     survived: Counter[str] = field(default_factory=Counter)
     retention: dict = field(default_factory=dict)  # the CPU tier's ``SessionRetention.counts``, where it has one
+    # ``KvHints.snapshot()`` less ``prefetch``; ``peak``: the most leases and pins per tier
+    # at a step; ``on_arrival``: per action type, those naming a lease, ``.again`` one named
+    # before, ``.held`` one held within its TTL.
+    hints: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -258,7 +270,9 @@ class Engine:
                 self.dependents.setdefault(a.after, []).append(i)
             else:
                 raise ValueError(f"request {i}: after={a.after}, time={a.time}; expected an earlier request, time >= 0")
-            ctx = ReqContext(req_id=f"r{i}")
+            ctx = ReqContext(req_id=f"r{i}", kv_hints=a.hints)
+            if a.session is not None:
+                ctx.set_state(RequestSession(None, a.session))
             for j, key in enumerate(a.keys):
                 ctx.set_offload_key_position(key, (j + 1) * tpb)
             self.requests.append(Request(i, a.time, a.tokens, a.keys, ctx, min(len(a.keys), (a.tokens - 1) // tpb)))
@@ -274,6 +288,9 @@ class Engine:
         self.reserved = 0  # prompt tokens of admitted, unfinished requests
         self.busy = 0.0
         self.steps = self.deferred = 0
+        self.peak: Counter[str] = Counter()  # leases and pinned chunks per tier, at most
+        self.on_arrival: Counter[str] = Counter()  # ``RunResult.hints``
+        self.leases_named: set[str] = set()
 
     # ------------------------------------------------------------------ jobs
 
@@ -411,6 +428,13 @@ class Engine:
             self.survived["turns"] += 1
             self.survived["CPU"] += all(composite.cpu.is_loadable(k) for k in keys)
             self.survived["any"] += all(k in self.device.keys or composite.hit_tier(k) is not None for k in keys)
+        held, seen, count = self.manager.hints.leases.leases, self.leases_named, self.on_arrival
+        for action in r.ctx.kv_hints.actions if r.ctx.kv_hints is not None else ():
+            if (lease_id := action.payload.get("lease_id")) is not None:
+                kind = action.action_type
+                live = lease_id in held and held[lease_id].expires > self.events.now  # expired at the next step
+                count.update({kind: 1, f"{kind}.again": lease_id in seen, f"{kind}.held": live})
+                seen.add(lease_id)
         self.manager.on_new_request(r.ctx)
         self.waiting.append(r)
 
@@ -490,8 +514,13 @@ class Engine:
         first = due[0][0]
         ev.run_until(first)
         done = 0
+        book = self.manager.hints.leases
         while done < len(reqs):
             self._report()
+            if book.leases:
+                peak = self.peak
+                for name, n in (("leases", len(book.leases)), *zip(book.names, book.pinned)):
+                    peak[name] = max(peak[name], n)
             while due and due[0][0] <= ev.now:
                 t, i = heapq.heappop(due)
                 reqs[i].arrival = t
@@ -547,6 +576,9 @@ class Engine:
             tokens["computed"] += r.tokens - sum(r.sources.values())
         costs = self.manager.costs.snapshot() if self.manager.costs is not None else {}
         retention = self.manager.composite.cpu.retention
+        hints = self.manager.hints.snapshot()
+        del hints["prefetch"]
+        hints |= {"peak": dict(self.peak), "on_arrival": dict(self.on_arrival)}
         return RunResult(
             self.stack.config,
             [r.first_token - r.arrival for r in reqs if r.first_token is not None],
@@ -562,4 +594,5 @@ class Engine:
             [r.arrival for r in reqs],
             self.survived,
             dict(retention.counts) if retention is not None else {},
+            hints,
         )

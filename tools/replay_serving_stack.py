@@ -14,10 +14,11 @@ manager named ``remote`` with medium ``REMOTE``, so its prior is
 promote on hit, ``max_pending_disk_writes`` as configured by default), ``LoadCosts``
 seeded with ``PRIOR_GBPS`` and the prefill estimate ``tiered_kv.cost`` makes for the
 model on the GPU (not configured, so measured forward passes replace it), the disk
-tier's ``DiskHitCheck``, ``TieredVllmManager`` (with its ``KvHints``: prefetch while
-waiting where the configuration turns it on, at the product's default bound unless
-given) and the ``LoadTimings`` channel through which it reads the workers' transfer
-times.
+tier's ``DiskHitCheck``, ``TieredVllmManager`` (with its ``KvHints``: the requests'
+leases and releases, prefetch while waiting where the configuration turns it on, and
+``kv.prefetch`` hints' jobs where the caller runs them, at the product's default bound
+unless given) and the ``LoadTimings`` channel through which it reads the workers'
+transfer times.
 
 What is modelled: the hit check's reads. By default none, as deployed with this
 project's connector and vLLM's recompute policy (what ``tiered-kv config`` prints): a
@@ -166,6 +167,7 @@ def build_stack(
     cpu_retention: str = "none",
     cpu_admission: str = "all",
     eviction_policy: str = TieredConfig.eviction_policy,
+    hint_prefetch: bool = False,
 ) -> Stack:
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
@@ -174,7 +176,9 @@ def build_stack(
     the decision with prefetch while waiting (at most ``prefetch_max_bytes`` in flight);
     ``eviction_policy``, ``cpu_admission`` and ``cpu_retention``: the CPU tier's config
     values (``TieredConfig``), built as ``HierarchySpec.get_manager`` builds them, the
-    retention rule on the replay's clock.
+    retention rule on the replay's clock. ``hint_prefetch``: the workers run prefetch jobs
+    (so ``kv.prefetch`` hints act) in any configuration, with prefetch while waiting
+    still only where the configuration turns it on.
     ``verify_read`` reads one chunk for the hit check where ``tier.verify`` (``SimVerifier``)."""
     if config not in CONFIGS:
         raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
@@ -241,9 +245,9 @@ def build_stack(
             shared=[used.kind == "shared"] if used else [],
             health=health,
             timings=reader,
-            hints=HintSettings(prefetch_max_bytes=prefetch_max_bytes),
+            hints=HintSettings(prefetch_waiting=config in PREFETCHING, prefetch_max_bytes=prefetch_max_bytes),
         )
-        if config in PREFETCHING:
+        if config in PREFETCHING or hint_prefetch:
             manager.hints.enable_prefetch()
         if config == "e460906":  # sees no queue, and decides a request a step after its scan
             manager._queues = Queues  # type: ignore[method-assign]

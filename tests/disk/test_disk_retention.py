@@ -5,6 +5,9 @@ builder, and the composite tells the tier's rule of every use with its session."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 
 from support.disk_fixtures import block_hash, disk_bytes_for, fingerprint, small_layout
@@ -28,22 +31,30 @@ def hs(start: int, n: int) -> list[bytes]:
     return [block_hash(i) for i in range(start, start + n)]
 
 
-@pytest.fixture
-def tier(tmp_path):
-    """A disk manager of ``CAP`` slots whose retention may hold half of them, on a test clock."""
+@contextmanager
+def disk_tier(path, share: float | None) -> Iterator[tuple[DiskOffloadingManager, Clock]]:
+    """A disk manager of ``CAP`` slots whose retention (if ``share``) may hold that share
+    of them, on a test clock."""
     layout = small_layout()
     with DiskOffloadingManager(
-        tmp_path,
+        path,
         fingerprint(layout),
         layout,
         disk_bytes=disk_bytes_for(layout, CAP),
         engine_id="e",
         poll_interval=None,
-        retention_share=0.5,
+        retention_share=share,
     ) as m:
-        assert isinstance(m.retention, SessionRetention) and m.retention.budget == CAP // 2
         clock = Clock()
-        m.retention.clock = clock
+        if m.retention is not None:
+            m.retention.clock = clock
+        yield m, clock
+
+
+@pytest.fixture
+def tier(tmp_path):
+    with disk_tier(tmp_path, 0.5) as (m, clock):
+        assert isinstance(m.retention, SessionRetention) and m.retention.budget == CAP // 2
         yield m, clock
 
 
@@ -91,18 +102,7 @@ def test_the_budget_bounds_what_the_tier_holds(tier):
 
 
 def test_held_blocks_go_last_and_never_keep_a_store_out(tmp_path):
-    layout = small_layout()
-    with DiskOffloadingManager(
-        tmp_path,
-        fingerprint(layout),
-        layout,
-        disk_bytes=disk_bytes_for(layout, CAP),
-        engine_id="e",
-        poll_interval=None,
-        retention_share=0.9,
-    ) as m:
-        clock = Clock()
-        m.retention.clock = clock
+    with disk_tier(tmp_path, 0.9) as (m, clock):
         held = hs(0, 16)
         turns(m, clock, held, 0.0, 10.0)
         others = hs(50, 4)
@@ -126,10 +126,7 @@ def test_evict_lru_past_takes_held_blocks_last_in_lru_order():
 
 
 def test_without_retention_the_tier_is_plain_lru(tmp_path):
-    layout = small_layout()
-    with DiskOffloadingManager(
-        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, CAP), engine_id="e", poll_interval=None
-    ) as m:
+    with disk_tier(tmp_path, None) as (m, _):
         assert m.retention is None
         store(m, hs(0, CAP))
         assert store(m, hs(100, 4)) == hs(0, 4)

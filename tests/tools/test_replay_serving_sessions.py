@@ -2,8 +2,10 @@
 closed loop (a request arrives at its predecessor's first token plus its gap, never
 before; a session's turns in order; a client's next conversation after its last one),
 the clients' shares and the gaps cut, the time factor's calibration, the CPU tier's
-policy per row built as the product builds it, and the table the command prints, on
-small conversations in kv-cache-tester's format."""
+policy per row built as the product builds it, the rows whose clients name their
+sessions or send KV hints (the names reaching the retention rule, the leases the
+manager holds), and the table the command prints, on small conversations in
+kv-cache-tester's format."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import replay_claude_code  # noqa: E402
 import replay_serving_sessions as sessions_mod  # noqa: E402
-from replay_serving_sessions import Setup, auto_users, run_policy, sessions, time_factor  # noqa: E402
+from replay_serving_sessions import Setup, auto_users, parse_row, run_policy, sessions, time_factor  # noqa: E402
 from replay_serving_sim import Arrival, EngineConfig, GpuModel  # noqa: E402
 from replay_serving_stack import TierModel, build_stack  # noqa: E402
 from replay_workloads import read_claude_code_folder  # noqa: E402
@@ -184,6 +186,99 @@ def test_the_command_prints_one_row_per_policy(tmp_path, capsys):
     for bad in (["--policies", "lru+retention-oracle"], ["--config", "sometimes"], ["--utilisation", "1.5"]):
         with pytest.raises(SystemExit):
             replay_claude_code.main([*argv, *bad])
+
+
+def write_rewritten(folder: Path) -> Path:
+    """``write_set`` and a fourth conversation whose second turn rewrote its context (a
+    prefix of its own, as after a compaction), which the third turn then extends."""
+    write_set(folder)
+    conversation(folder, 4, [request(0, 2, 0), request(10, 3, 9000), request(20, 4, 9000)])
+    return folder
+
+
+def test_named_sessions_reach_the_retention_rule(tmp_path):
+    s = sessions(read_claude_code_folder(write_rewritten(tmp_path / "set")), users=2)
+    named = {t.session for t in s.turns}
+    assert named == {"trace_0001", "trace_0001/agent_1", "trace_0002", "trace_0003", "trace_0004"}
+    assert [t.last for t in s.turns].count(True) == len(named)  # one last turn per session
+    row = parse_row("lru+session+ids")
+    assert (row.name, row.policy.retention, row.ids, row.hints) == ("lru+session+ids", "session", True, False)
+    arrivals = s.arrivals(1.0, row)
+    assert [a.session for a in arrivals] == [t.session for t in s.turns] and all(a.hints is None for a in arrivals)
+    assert all(a.session is None for a in s.arrivals(1.0, parse_row("lru+session")))
+    # At factor 1 every gap is over the rule's 1 s turn gap: told the names, it sees each
+    # session's every later turn come back; inferring from the prefix chain, it takes the
+    # rewritten turn for a new session.
+    out = {
+        name: run_policy(name, s.arrivals(1.0, parse_row(name)), small_setup())
+        for name in ("lru+session", "lru+session+ids")
+    }
+    assert out["lru+session+ids"].retention["returns"] == len(s.turns) - len(named) == 9
+    assert out["lru+session"].retention["returns"] == 8
+
+
+def test_hinted_rows_make_the_manager_hold_leases_and_release_them(tmp_path):
+    s = sessions(read_claude_code_folder(write_rewritten(tmp_path / "set")), users=2)
+    n_sessions = len({t.session for t in s.turns})
+    row = parse_row("lru+hints")
+    arrivals = s.arrivals(0.5, row)
+    for a, t in zip(arrivals, s.turns):
+        assert a.session is None and a.hints is not None
+        (action,) = a.hints.actions
+        if t.last:
+            assert (action.action_type, action.payload) == ("kv.release", {"lease_id": t.session})
+        else:  # the product's default TTL, compressed as the gaps are
+            assert (action.action_type, action.payload) == ("kv.retain", {"lease_id": t.session, "ttl_s": 150.0})
+    out = run_policy("lru+hints", arrivals, small_setup())
+    h = out.hints
+    assert h["actions"] == {"retain.accepted": len(s.turns) - n_sessions, "release.accepted": n_sessions}
+    assert h["peak"]["leases"] > 0 and h["peak"]["cpu"] > 0  # leases held, their chunks pinned
+    assert h["leases"] == 0 and h["pinned_blocks"] == {"cpu": 0, "disk": 0}  # every session released its lease
+    # Each session's last turn released a lease still held, but trace_0002's, whose
+    # hour-long last gap (1,800 s here) outlasted its 150 s TTL.
+    assert h["on_arrival"]["kv.release"] == n_sessions and h["on_arrival"]["kv.release.held"] == n_sessions - 1
+    # kv.prefetch acts only where the workers run prefetch jobs: the row turns them on.
+    prefetching = run_policy("lru+hints+prefetch", s.arrivals(0.5, parse_row("lru+hints+prefetch")), small_setup())
+    assert prefetching.hints["actions"]["prefetch.accepted"] == len(s.turns)
+    assert "prefetch.unsupported" not in prefetching.hints["actions"] and prefetching.prefetch
+    # A row without hints sends none, and its notes say nothing of them.
+    plain = run_policy("lru", s.arrivals(0.5, parse_row("lru")), small_setup())
+    assert plain.hints["actions"] == {} and plain.hints["peak"] == {}
+    notes = sessions_mod.notes([("lru", plain), ("lru+hints", out)], small_setup().tier)
+    assert "hints:" not in notes[0]
+    assert f"{n_sessions - 1} naming a lease an earlier turn named" not in notes[1]
+    assert "release.accepted 5, retain.accepted 9" in notes[1] and "at the end 0 leases" in notes[1]
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("lru+sessoin", "'lru+sessoin'"),
+        ("lru+ids", "'lru+ids': +ids names the sessions for a cpu_retention session rule"),
+        ("lru+prefetch", "'lru+prefetch': +prefetch is a hint"),
+        ("lru+hints+ids", "'lru+hints+ids': each part once, in that order; expected <policy>[+ids][+hints["),
+        ("lru+ids+session", "'lru+ids+session'"),
+    ],
+)
+def test_an_unknown_row_is_refused_naming_it_and_the_forms(name, says):
+    with pytest.raises(ValueError) as info:
+        parse_row(name)
+    assert says in str(info.value) and "[+ids][+hints[+prefetch]]" in str(info.value)
+
+
+def test_the_command_prints_the_clients_rows(tmp_path, capsys):
+    folder = write_set(tmp_path / "set")
+    argv = ["--serving", "--traces", str(folder), "--utilisation", "0.5", "--scratch", str(tmp_path), "--users", "2"]
+    assert replay_claude_code.main([*argv, "--policies", "lru,lru+session+ids,lru+hints"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["lru", "lru+session+ids", "lru+hints"]
+    assert "clients: 4 sessions" in out and "kv.retain (lease_id its session, ttl_s 300 s x" in out
+    assert "- lru+hints:" in out and "; hints: actions release.accepted 4, retain.accepted 7;" in out
+    with pytest.raises(SystemExit):
+        replay_claude_code.main([*argv, "--policies", "lru+bogus"])
+    err = capsys.readouterr().err
+    assert "'lru+bogus'" in err and "<policy>[+ids][+hints[+prefetch]]" in err
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="the Claude Code traces are not here")
