@@ -44,7 +44,9 @@ The retention rule (``cpu_retention: session``) runs on the replay's clock, simu
 seconds, while its constants are real ones (uses of a session under
 ``tiered_kv.tiered.retention.TURN_GAP_S``, 1 s, apart are one turn): compressed, a
 session's turns closer than 1 s over the factor in the trace merge for it, so it sees
-fewer returns than the turns counted here (the notes print both).
+fewer returns than the turns counted here (the notes print both); told the sessions'
+names (``+ids``), it also counts a request's own uses more than 1 s apart (a long prompt
+prefilled over many steps under load) as returns, so it may see more.
 
 What the clients send (``parse_row``: a row is ``<policy>[+ids][+hints[+prefetch]]``,
 the policy's config values first, then what its clients send with each request):
@@ -76,10 +78,10 @@ The table (``policy_table``), one row per CPU-tier policy named by its config va
 (``replay_policies.parse_policy``: ``lru``, ``lru+reuse(2)``, ``lru+session``,
 ...) and what its clients send, each built by ``replay_serving_stack.build_stack`` as
 the product builds it, the retention rule on the replay's clock and sessions inferred
-from the prefix chain unless named: hit rate (full chunks served by the GPU's prefix cache, CPU, disk, and all), the share of
-turns (requests sharing a prefix with their session's previous request) that found all
-of it in CPU, and in some tier, on arrival, TTFT per request (mean, p50, p90, and p90
-over LRU's), and the GPU's busy share.
+from the prefix chain unless named: hit rate (full chunks served by the GPU's prefix
+cache, CPU, disk, and all), the share of turns (requests sharing a prefix with their
+session's previous request) that found all of it in CPU, and in some tier, on arrival,
+TTFT per request (mean, p50, p90, and p90 over LRU's), and the GPU's busy share.
 """
 
 from __future__ import annotations
@@ -161,8 +163,7 @@ def parse_row(name: str) -> Row:
         why = "+prefetch is a hint: +hints+prefetch"
     if why:
         raise ValueError(f"--policies: {name!r}: {why}; expected {ROW_FORM}")
-    row = Row("+".join([policy.name, *client]), policy, *(part in client for part in CLIENT_PARTS))
-    return row
+    return Row("+".join([policy.name, *client]), policy, *(part in client for part in CLIENT_PARTS))
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ class Turn:
     the earlier request whose first token it waits for (an index; None: it counts from
     0), its delay after that in unscaled seconds, the chunks it shares with its
     session's previous request, its session's name (``<conversation>`` or
-    ``<conversation>/<agent>``) and whether it is that session's last request."""
+    ``<conversation>/<agent>``) and whether it is the last request of its session."""
 
     conversation: str
     tokens: int
@@ -488,9 +489,9 @@ def hint_note(r: RunResult, tier: TierModel) -> str:
     prefetched = r.prefetch.get(f"{tier.name}.prefetches", 0)
     return (
         f"; hints: actions {counted}; of {again:,} naming a lease an earlier turn named, {held:,} found it held "
-        f"within its TTL on arrival; at most {peak.get('leases', 0):,} leases at once, pinning at most {peak.get('cpu', 0):,} CPU "
-        f"and {peak.get(tier.name, 0):,} {tier.name} chunks; {h['lease_clipped']:,} leased chunks left unpinned "
-        f"for the budget; at the end {h['leases']:,} leases"
+        f"within its TTL on arrival; at most {peak.get('leases', 0):,} leases at once, pinning at most "
+        f"{peak.get('cpu', 0):,} CPU and {peak.get(tier.name, 0):,} {tier.name} chunks; {h['lease_clipped']:,} "
+        f"leased chunks left unpinned for the budget; at the end {h['leases']:,} leases"
         + (f"; {prefetched:,} chunks prefetched from {tier.name}" if r.prefetch else "")
     )
 
@@ -553,11 +554,17 @@ def replay(
         f"{engine.cpu_gbps:g} GB/s), disk {disk_blocks:,} ({disk_fraction:g} x, {tier.gbps:g} GB/s, "
         f"{tier.latency_s * 1e3:g} ms a job)"
     )
-    if any(row.ids or row.hints for row in rows):
-        header += (
-            f"\nclients: {len({t.session for t in s.turns})} sessions (conversations and sub-agents); +ids: each "
-            f"request names its session; +hints: kv.retain (lease_id its session, ttl_s {DEFAULT_TTL_S:g} s x "
-            f"{factor:.4g} = {DEFAULT_TTL_S * factor:.3g} s) on every turn but its session's last, which sends "
-            "kv.release; +prefetch: kv.prefetch on every turn"
+    sent = []
+    if any(row.ids for row in rows):
+        sent.append("+ids: each request names its session")
+    if any(row.hints for row in rows):
+        sent.append(
+            f"+hints: kv.retain (lease_id its session, ttl_s {DEFAULT_TTL_S:g} s x {factor:.4g} = "
+            f"{DEFAULT_TTL_S * factor:.3g} s) on every turn but its session's last, which sends kv.release"
         )
+    if any(row.prefetch for row in rows):
+        sent.append("+prefetch: kv.prefetch on every turn")
+    if sent:
+        clients = len({t.session for t in s.turns})
+        header += f"\nclients: {clients} sessions (conversations and sub-agents); " + "; ".join(sent)
     return header, results, setup

@@ -68,7 +68,9 @@ type, which the manager reads at ``on_schedule_end``. An idle engine steps again
 next event (an arrival, a job's end), or after ``step_overhead_s`` while a request waits
 for the manager's decision.
 
-Deterministic: no wall clock and no randomness.
+Deterministic: no wall clock and no randomness; but where leases outgrow their budget,
+the product's ``LeaseBook.retry_unpinned`` pins chunks in a set's order, which follows
+``PYTHONHASHSEED``.
 """
 
 from __future__ import annotations
@@ -149,8 +151,7 @@ class Arrival:
     ``after`` (an earlier request's index in the list), ``time`` counts from that
     request's first token instead of from 0: a client that waits for its answer.
     ``prefix``: the leading chunks it shares with its session's previous request, whose
-    presence on arrival is counted (``RunResult.survived``). ``session``, ``hints``: what
-    the client sends with it (module docstring)."""
+    presence on arrival is counted (``RunResult.survived``); ``session``, ``hints``: sent with it."""
 
     time: float
     tokens: int
@@ -290,7 +291,7 @@ class Engine:
         self.steps = self.deferred = 0
         self.peak: Counter[str] = Counter()  # leases and pinned chunks per tier, at most
         self.on_arrival: Counter[str] = Counter()  # ``RunResult.hints``
-        self.leases_named: set[str] = set()
+        self.leases_named: set[str] = set()  # lease ids named so far
 
     # ------------------------------------------------------------------ jobs
 
@@ -432,7 +433,8 @@ class Engine:
         for action in r.ctx.kv_hints.actions if r.ctx.kv_hints is not None else ():
             if (lease_id := action.payload.get("lease_id")) is not None:
                 kind = action.action_type
-                live = lease_id in held and held[lease_id].expires > self.events.now  # expired at the next step
+                # A lease past its TTL stays in the book until the next step's end drops it.
+                live = lease_id in held and held[lease_id].expires > self.events.now
                 count.update({kind: 1, f"{kind}.again": lease_id in seen, f"{kind}.held": live})
                 seen.add(lease_id)
         self.manager.on_new_request(r.ctx)
@@ -517,10 +519,8 @@ class Engine:
         book = self.manager.hints.leases
         while done < len(reqs):
             self._report()
-            if book.leases:
-                peak = self.peak
-                for name, n in (("leases", len(book.leases)), *zip(book.names, book.pinned)):
-                    peak[name] = max(peak[name], n)
+            for name, n in (("leases", len(book.leases)), *zip(book.names, book.pinned)) if book.leases else ():
+                self.peak[name] = max(self.peak[name], n)
             while due and due[0][0] <= ev.now:
                 t, i = heapq.heappop(due)
                 reqs[i].arrival = t
