@@ -328,3 +328,23 @@ def test_settings_read_their_keys_and_name_a_bad_value():
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             TieredConfig.from_dict(raw)
+
+
+def test_leased_chunks_left_unpinned_are_retried_head_first_whatever_the_hash_seed():
+    """Past the budget a lease's chunks wait unpinned; once a pin is dropped, a retry of at
+    most ``limit`` of them takes those nearest their lease's head, not the first ones a
+    set of keys happens to yield (which moves with PYTHONHASHSEED)."""
+    from tiered_kv.cpu import cpu_tier_manager
+    from tiered_kv.integrations.vllm.hints import LeaseBook
+
+    cpu = cpu_tier_manager("lru", 64, BLOCK, enable_events=False)
+    keys = [bytes([i]) * 32 for i in range(40)]
+    assert cpu.prepare_store(keys) is not None
+    cpu.complete_store(keys)
+    book = LeaseBook([cpu], ["cpu"], [4])
+    book.retain("chat", keys, ttl_s=60.0, now=0.0)
+    assert book.pinned == [4] and book.clipped == 36 and set(book._pinned) == set(keys[:4])
+    book._drop_keys("chat", keys[:2])  # two pins go, as a shorter lease on them would end
+    assert book.pinned == [2]
+    book.retry_unpinned(limit=3)
+    assert book.pinned == [4] and set(book._pinned) == set(keys[2:6])

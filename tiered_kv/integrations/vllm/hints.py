@@ -47,6 +47,7 @@ counted as ``unsupported`` and nothing waits for it.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import re
@@ -295,10 +296,13 @@ class LeaseBook:
 
     def retry_unpinned(self, limit: int = 1024) -> None:
         """Once a pin was dropped: pin up to ``limit`` leased chunks that found no budget
-        before (a store that lands is pinned as it lands, ``pin_where_held``)."""
+        before (a store that lands is pinned as it lands, ``pin_where_held``), nearest
+        their lease's head first (a prefix hit needs the head), in an order that does not
+        depend on the process's hash seed."""
         if self._freed and self._unpinned:
             self._freed = False
-            self.pin_where_held([k for k, _ in zip(self._unpinned, range(limit))])
+            rank = self._rank
+            self.pin_where_held(heapq.nsmallest(limit, self._unpinned, key=lambda k: (rank[k], k)))
 
     def _unpin(self, i: int, key: BlockHash) -> None:
         self.pinned[i] -= 1
