@@ -266,7 +266,9 @@ class OracleRetention(SessionRetention):
         self.current = -1
         self._planned = -1
 
-    def observe(self, block_hashes: Sequence[bytes], session: Hashable | None = None) -> None:
+    def observe(
+        self, block_hashes: Sequence[bytes], session: Hashable | None = None, request: Hashable | None = None
+    ) -> None:
         i = self.current
         if i == self._planned or i < 0:
             return
@@ -274,7 +276,7 @@ class OracleRetention(SessionRetention):
         s_id = self._reqs.sessions[i]
         s = self._sessions.get(s_id)
         if s is None:
-            s = self._sessions[s_id] = _Session(self.clock())
+            s = self._sessions[s_id] = _Session(self.clock(), None)
         before, s.held = s.held, []
         j = self._next[i]
         if j is not None:

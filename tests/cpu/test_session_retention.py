@@ -183,6 +183,31 @@ def test_the_prefix_chain_names_sessions_and_a_tail_is_claimed_once():
     assert all(retention.holds(b) for b in hs(1, 2, 8, 3, 7, 9))
 
 
+def test_a_named_requests_uses_are_one_turn_however_long_its_prefill():
+    """Under load a long prompt's steps are seconds apart: named by its request, they
+    are one turn (no return, no gap learned), and its later steps, which hold only new
+    blocks, are found by the request, not taken for new sessions."""
+    clock = Clock()
+    retention = SessionRetention(64, 0.5, clock=clock)
+    retention.observe(hs(1, 2), "chat", request="r1")
+    clock.now = 3
+    retention.observe(hs(3, 4), "chat", request="r1")  # the same prefill, 3 s on
+    assert retention.counts["returns"] == 0 and retention.ttl_s is None
+    clock.now = 30
+    retention.observe(hs(1, 2, 3, 4, 5), "chat", request="r2")
+    assert retention.counts["returns"] == 1 and retention.ttl_s == 27
+    # The prefix chain names the session; the request finds its later steps, whose
+    # blocks join the turn's hold. Without the request they start a session of their own.
+    for named in (True, False):
+        chained = SessionRetention(64, 0.5, clock=clock)
+        for t, blocks, req in ((0, (1, 2), "a0"), (10, (1, 2, 3), "a1"), (12, (4, 5), "a1")):
+            clock.now = t
+            chained.observe(hs(*blocks), request=req if named else None)
+        assert chained.counts["returns"] == 1 and chained.ttl_s == 10
+        assert all(chained.holds(b) for b in hs(1, 2, 3))
+        assert [chained.holds(b) for b in hs(4, 5)] == [named, named]
+
+
 def test_ttl_is_a_bounded_quantile_of_the_gaps():
     clock = Clock()
     retention = SessionRetention(64, 0.5, quantile=0.5, min_ttl_s=3, max_ttl_s=50, clock=clock)

@@ -276,17 +276,20 @@ class CPUOffloadingManager(OffloadingManager):
                 del readers[block_hash]
                 self._num_evictable += 1
 
-    def note_uses(self, block_hashes: Iterable[BlockHash], session: Hashable | None = None) -> None:
+    def note_uses(
+        self, block_hashes: Iterable[BlockHash], session: Hashable | None = None, request: Hashable | None = None
+    ) -> None:
         """A use of each block (offered to a store, or loaded), as ``cpu_admission``
         counts them and ``cpu_retention`` learns sessions from them (of ``session``
-        where the engine names it). The seed API calls it itself; the composite calls it
-        for its own ``prepare_store`` and ``prepare_load``."""
+        where the engine names it, by ``request`` where named: ``SessionRetention.observe``).
+        The seed API calls it itself; the composite calls it for its own ``prepare_store``
+        and ``prepare_load``."""
         if self._admitting or self.retention is not None:
             block_hashes = list(block_hashes)
             if self._admitting:
                 self.admission.note(block_hashes)
             if self.retention is not None:
-                self.retention.observe(block_hashes, session)
+                self.retention.observe(block_hashes, session, request)
 
     def note_store_misses(self, block_hashes: Iterable[BlockHash]) -> None:
         """``block_hashes`` (absent here) are about to be stored or promoted, before room

@@ -1,12 +1,12 @@
 """TieredOffloadingManager: an ordered list of tiers, fastest first, as one OffloadingManager.
 
-Runs in the scheduler process. Never does block I/O, fsync or a synced index write on
-the caller's thread: it only decides, and hands the worker specs that say what to copy.
+Runs in the scheduler process. Never does block I/O, fsync or a synced index write on the caller's thread: it only
+decides, and hands the worker specs that say what to copy.
 
-The first tier is the CPU tier (``CPUOffloadingManager``): every block enters the
-hierarchy there, from the GPU, and every lower tier (``LowerTier``: the disk tier, a
-second disk tier, the shared tier, a tier of the operator's own) is written from CPU slots. CPU only, CPU + disk
-and CPU + disk + more are the same code. How data moves, and who learns what when:
+The first tier is the CPU tier (``CPUOffloadingManager``): every block enters the hierarchy there, from the GPU, and
+every lower tier (``LowerTier``: the disk tier, a second disk tier, the shared tier, a tier of the operator's own) is
+written from CPU slots. CPU only, CPU + disk and CPU + disk + more are the same code. How data moves, and who learns
+what when:
 
 - **Store**: blocks land in CPU slots (GPU -> CPU job). The job completes when its GPU
   copy does (GPU blocks are never held on lower-tier I/O); ``complete_store`` makes
@@ -27,26 +27,24 @@ and CPU + disk + more are the same code. How data moves, and who learns what whe
   and spill victims leave (counted as drops). The engine never waits for a tier.
 - **Load**: each block comes from the fastest tier that holds it (a ``TieredLoadSpec`` when any is below CPU). With
   ``promote_on_hit`` a lower-tier block is also brought into a CPU slot that can be had without a spill and without
-  touching blocks pinned by loads; the slot becomes loadable when the last load of that block completes
-  successfully.
+  touching blocks pinned by loads; the slot becomes loadable when the last load of that block completes well.
 - **Cost**: ``lookup`` answers the number of leading blocks whose load makes the time to first token shortest
   (``tiered_kv.cost``: measured load cost per tier against the prefill of the same tokens; zero is always a
   candidate). Blocks passed over are counted per tier (``skipped_slower_than_recompute``): not loaded, not promoted,
   not a hit; once recomputed, the engine's store puts them into CPU again. ``costs=None`` (no block size known)
   loads every block found.
-- **Write admission**: a lower tier with ``admit_after`` N > 1 (``write_admission:
-  reuse(N)``) is written a block only once the block has been stored or hit N times
-  (counted over a bounded history of recent blocks); a CPU victim not yet admitted
-  anywhere leaves the hierarchy (``not_admitted``). ``cpu_admission: reuse(N)`` ranks a block first
-  to evict in CPU until its Nth use (it still lands there: lower tiers are written from CPU slots).
+- **Write admission**: a lower tier with ``admit_after`` N > 1 (``write_admission: reuse(N)``) is written a block only
+  once the block has been stored or hit N times (counted over a bounded history of recent blocks); a CPU victim not
+  yet admitted anywhere leaves the hierarchy (``not_admitted``). ``cpu_admission: reuse(N)`` ranks a block first to
+  evict in CPU until its Nth use (it still lands there: lower tiers are written from CPU slots).
 - ``block_hashes_evicted`` lists only blocks that left the whole hierarchy.
 - **A store never evicts its own request** (vLLM's contract): the blocks offered to one ``prepare_store`` are no
   victim in any tier, neither of the CPU cascade nor of the lower-tier slots its spills and write-through copies
   take; where room cannot be made otherwise the call returns None and changes nothing. Promotions likewise never
   evict the blocks their load pins. Afterwards the request's CPU blocks rank most recent, its head most recent of
   all.
-- **Retention**: each use (``prepare_load``, ``prepare_store``, with the request's ``session`` where the engine
-  names one) is told to the CPU tier's and each lower tier's ``retention``, whose holds their evictions pass over.
+- **Retention**: each use (``prepare_load``, ``prepare_store``, with its ``session`` and ``request`` where the engine
+  names them) is told to the CPU tier's and each lower tier's ``retention``, whose holds their evictions pass over.
 """
 
 from __future__ import annotations
@@ -268,7 +266,9 @@ class TieredOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ loads
 
-    def prepare_load(self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None) -> LoadStoreSpec:
+    def prepare_load(
+        self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None, request: Hashable | None = None
+    ) -> LoadStoreSpec:
         block_hashes = list(block_hashes)
         sources: list[int] = []
         for block_hash in block_hashes:
@@ -277,7 +277,7 @@ class TieredOffloadingManager(OffloadingManager):
                     f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
                 )
             sources.append(source)
-        self._note_uses(block_hashes, session)
+        self._note_uses(block_hashes, session, request)
         cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
         self._cpu_loads.update(cpu_hashes)
@@ -365,12 +365,12 @@ class TieredOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ stores
 
-    def _note_uses(self, block_hashes: list[BlockHash], session: Hashable | None) -> None:
-        """A use of the blocks (of ``session`` where named): write admission's, and every tier's retention."""
+    def _note_uses(self, block_hashes: list[BlockHash], session: Hashable | None, request: Hashable | None) -> None:
+        """A use of the blocks (of ``session``, by ``request``, where named): write admission's, every tier's retention."""
         self.admission.note(block_hashes)
-        self.cpu.note_uses(block_hashes, session)
+        self.cpu.note_uses(block_hashes, session, request)
         for retention in self._retentions:
-            retention.observe(block_hashes, session)
+            retention.observe(block_hashes, session, request)
 
     def _droppable_count(self, limit: int, protected: set[BlockHash]) -> int:
         """How many of the next CPU victims (none in ``protected``) could go without a
@@ -470,10 +470,10 @@ class TieredOffloadingManager(OffloadingManager):
         return spills, evicted
 
     def prepare_store(
-        self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None
+        self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None, request: Hashable | None = None
     ) -> PrepareStoreOutput | None:
         offered = list(dict.fromkeys(block_hashes))
-        self._note_uses(offered, session)  # every use of a block offers it again
+        self._note_uses(offered, session, request)  # every use of a block offers it again
         to_store = missing = self.cpu.missing_among(offered)
         for tier in self.lower:
             if not to_store:

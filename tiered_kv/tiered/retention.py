@@ -21,8 +21,11 @@ equal hash means equal prefix) extends the session it continues, the deepest suc
 each session's last block is claimed by one continuation only, so a shared system
 prompt that was once a whole request does not merge everyone after it into one
 session. A returning request's load names its previous turn's blocks, so a request
-stored a step at a time is still found by its next turn. Uses of a session less than
-``TURN_GAP_S`` apart are one turn (a request's load and its store arrive together).
+stored a step at a time is still found by its next turn. Where the caller names the
+request a use is of (``observe``'s ``request``: under vLLM its id), a request's uses
+are one turn of one session however long its prefill takes, its later steps found by
+the request; other uses of a session less than ``TURN_GAP_S`` apart are one turn too
+(a request's load and its store arrive together).
 
 Gaps and holds. The gap between a session's turns is recorded over a window of recent
 gaps (all sessions together, since one session has few). The hold time (TTL) is the
@@ -66,10 +69,11 @@ class _Session:
     """One session: when it was last used, its turns so far, its latest chain's last
     block (for prefix matching), the blocks it holds (head first) and until when."""
 
-    __slots__ = ("last", "turns", "tail", "chain", "held", "deadline", "seq")
+    __slots__ = ("last", "turns", "tail", "chain", "held", "deadline", "seq", "request")
 
-    def __init__(self, now: float):
+    def __init__(self, now: float, request: Hashable | None):
         self.last = now
+        self.request = request  # the request of its latest use, where the caller named it
         self.turns = 1
         self.tail: BlockHash | None = None
         self.chain: list[BlockHash] = []  # this turn's blocks so far, head first
@@ -117,6 +121,7 @@ class SessionRetention:
         self._ttl: float | None = None
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recently used first
         self._tails: dict[BlockHash, Hashable] = {}  # a session's latest last block -> the session
+        self._requests: OrderedDict[Hashable, Hashable] = OrderedDict()  # a named request -> its session
         self._next_id = 0
         self._held: dict[BlockHash, int] = {}  # held block -> sessions holding it
         # One entry per hold, (deadline or rank, seq, session), lazily invalidated by seq.
@@ -191,24 +196,33 @@ class SessionRetention:
 
     # ---- what the manager tells ----
 
-    def observe(self, block_hashes: Sequence[BlockHash], session: Hashable | None = None) -> None:
+    def observe(
+        self, block_hashes: Sequence[BlockHash], session: Hashable | None = None, request: Hashable | None = None
+    ) -> None:
         """A use of ``block_hashes`` (one request's chain or its leading part, head first),
-        of ``session`` where the engine names it, else of the session its prefix chain says."""
+        of ``session`` where the engine names it, else of the session its prefix chain
+        says; ``request``, where named, makes all of that request's uses one turn."""
         if not block_hashes:
             return
         now = self.clock()
         named = session if session is not None else self.session
-        s_id, s = self._session_of(block_hashes, named, now)
-        if now - s.last >= TURN_GAP_S:
+        s_id, s = self._session_of(block_hashes, named, now, request)
+        same_request = request is not None and request == s.request
+        if not same_request and now - s.last >= TURN_GAP_S:
             self._record_gap(now - s.last)
             s.turns += 1
             self.counts["returns"] += 1
             s.chain = list(block_hashes)
-        elif named is not None and s.tail not in block_hashes:
+        elif (named is not None or same_request) and s.tail not in block_hashes:
             s.chain = s.chain + list(block_hashes)  # the turn's next step
         elif len(block_hashes) >= len(s.chain):
             s.chain = list(block_hashes)
-        s.last = now
+        s.last, s.request = now, request
+        if request is not None:
+            self._requests[request] = s_id
+            self._requests.move_to_end(request)
+            while len(self._requests) > self._max_sessions:
+                self._requests.popitem(last=False)
         last = s.chain[-1]
         if s.tail is not None and self._tails.get(s.tail) == s_id:
             del self._tails[s.tail]
@@ -239,9 +253,13 @@ class SessionRetention:
     # ---- internals ----
 
     def _session_of(
-        self, block_hashes: Sequence[BlockHash], session: Hashable | None, now: float
+        self, block_hashes: Sequence[BlockHash], session: Hashable | None, now: float, request: Hashable | None
     ) -> tuple[Hashable, _Session]:
         sessions = self._sessions
+        if session is None and request is not None:
+            session = self._requests.get(request)  # a later step of a request already placed
+            if session is not None and session not in sessions:
+                session = None
         if session is None:
             tails = self._tails
             for block_hash in reversed(block_hashes):
@@ -253,7 +271,7 @@ class SessionRetention:
             session = ("chain", self._next_id)
         s = sessions.get(session)
         if s is None:
-            s = sessions[session] = _Session(now)
+            s = sessions[session] = _Session(now, request)
         sessions.move_to_end(session)
         return session, s
 

@@ -392,7 +392,9 @@ class TieredVllmManager(OffloadingManager, Closing):
                 self.checks[tier].loading(key)  # one check passed, one load
         self.composite.touch(keys)
         self.hints.on_load(req_id, keys)
-        spec = self.composite.prepare_load(keys, session=req_context.get_state(RequestSession))
+        spec = self.composite.prepare_load(
+            keys, session=req_context.get_state(RequestSession), request=req_context.req_id
+        )
         if isinstance(spec, TieredLoadSpec):
             for block_hash, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
                 if slot >= 0:
@@ -421,7 +423,9 @@ class TieredVllmManager(OffloadingManager, Closing):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        out = self.composite.prepare_store(keys, session=req_context.get_state(RequestSession))
+        out = self.composite.prepare_store(
+            keys, session=req_context.get_state(RequestSession), request=req_context.req_id
+        )
         if out is None:
             return None
         self._open_stores.update(out.block_hashes_to_store)
