@@ -330,8 +330,8 @@ def sessions(
         pred, delay, prefix, _ = chains[name][k]
         if pred is not None:
             after: int | None = index[(name, pred)]
-        elif previous[name] is not None:
-            after = index[(previous[name], final[previous[name]])]
+        elif (prev := previous[name]) is not None:
+            after = index[(prev, final[prev])]
         else:
             after = None
         r = by_conv[name][k]
