@@ -119,9 +119,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--policies",
         help=f"comma-separated (default {DEFAULT_POLICIES}; with --serving {SERVING_POLICIES}); with --serving "
-        "a row may add what its clients send: <policy>[+ids][+hints[+prefetch]], e.g. lru+session+ids (each "
-        "request names its session), lru+hints (kv.retain leased to the session per turn, kv.release at its "
-        "end), lru+hints+prefetch (kv.prefetch too)",
+        "a row may add the disk tier's retention and what its clients send: <policy>[+disk][+ids][+hints[+prefetch]], "
+        "e.g. lru+session+disk (retention: session on the disk tier too), lru+session+ids (each request names its "
+        "session), lru+hints (kv.retain leased to the session per turn, kv.release at its end), lru+hints+prefetch "
+        "(kv.prefetch too)",
     )
     p.add_argument("--cpu-fraction", type=float, default=0.25, help="CPU tier = this x the working set (0.25)")
     p.add_argument("--disk-fraction", type=float, default=0.5, help="disk tier = this x the working set (0.5)")

@@ -95,6 +95,7 @@ def run_config(
     cpu_admission: str = "all",
     eviction_policy: str = "lru",
     hint_prefetch: bool = False,
+    disk_retention: str = "none",
 ) -> RunResult:
     """One configuration (``CONFIGS``) over ``reqs``, the CPU tier under the config values
     given, the workers running ``kv.prefetch`` hints' jobs where ``hint_prefetch``
@@ -125,6 +126,7 @@ def run_config(
         cpu_admission=cpu_admission,
         eviction_policy=eviction_policy,
         hint_prefetch=hint_prefetch,
+        disk_retention=disk_retention,
     )
     try:
         return Engine(reqs, stack, events, channel, gpu, engine).run()

@@ -44,12 +44,12 @@ The retention rule (``cpu_retention: session``) runs on the replay's clock, simu
 seconds, while its constants are real ones (uses of a session under
 ``tiered_kv.tiered.retention.TURN_GAP_S``, 1 s, apart are one turn): compressed, a
 session's turns closer than 1 s over the factor in the trace merge for it, so it sees
-fewer returns than the turns counted here (the notes print both); told the sessions'
-names (``+ids``), it also counts a request's own uses more than 1 s apart (a long prompt
-prefilled over many steps under load) as returns, so it may see more.
+fewer returns than the turns counted here (the notes print both). A request's own uses
+are one turn however far apart (the manager names the request).
 
-What the clients send (``parse_row``: a row is ``<policy>[+ids][+hints[+prefetch]]``,
-the policy's config values first, then what its clients send with each request):
+What the clients send (``parse_row``: a row is ``<policy>[+disk][+ids][+hints[+prefetch]]``,
+the policy's config values first, ``+disk`` for the disk tier's ``retention: session``
+too, then what its clients send with each request):
 
 - ``+ids``: each request names its session, as a client sends ``X-Session-ID`` (vLLM's
   ``session_id``): the conversation's id for its main chain, ``<conversation>/<agent>``
@@ -125,7 +125,8 @@ COLUMNS = [
 #: What a row's clients may send, in this order after the policy (module docstring).
 CLIENT_PARTS = ("ids", "hints", "prefetch")
 ROW_FORM = (
-    "<policy>[+ids][+hints[+prefetch]]: the policy's config values, then +ids (each request names its "
+    "<policy>[+disk][+ids][+hints[+prefetch]]: the policy's config values, +disk (the disk tier's retention: "
+    "session as well), then +ids (each request names its "
     "session, for a cpu_retention session rule), +hints (kv.retain per turn, kv.release at a session's "
     "end), +prefetch (kv.prefetch per turn as well)"
 )
@@ -141,6 +142,7 @@ class Row:
     ids: bool = False
     hints: bool = False
     prefetch: bool = False
+    disk: bool = False  # the disk tier's ``retention: session`` (at its default share)
 
 
 def parse_row(name: str) -> Row:
@@ -150,6 +152,9 @@ def parse_row(name: str) -> Row:
     client: list[str] = []
     while len(parts) > 1 and parts[-1] in CLIENT_PARTS:
         client.insert(0, parts.pop())
+    disk = len(parts) > 1 and parts[-1] == "disk"
+    if disk:
+        parts.pop()
     try:
         policy = parse_policy("+".join(parts))
     except ValueError as exc:
@@ -157,13 +162,15 @@ def parse_row(name: str) -> Row:
     why = ""
     if client != sorted(set(client), key=CLIENT_PARTS.index):
         why = "each part once, in that order"
-    elif "ids" in client and (policy.share is None or policy.retention.startswith("oracle")):
+    elif "ids" in client and not disk and (policy.share is None or policy.retention.startswith("oracle")):
         why = f"+ids names the sessions for a cpu_retention session rule, and {policy.name} has none"
     elif "prefetch" in client and "hints" not in client:
         why = "+prefetch is a hint: +hints+prefetch"
     if why:
         raise ValueError(f"--policies: {name!r}: {why}; expected {ROW_FORM}")
-    return Row("+".join([policy.name, *client]), policy, *(part in client for part in CLIENT_PARTS))
+    name = "+".join([policy.name, *(["disk"] if disk else []), *client])
+    ids, hints, prefetch = (part in client for part in CLIENT_PARTS)
+    return Row(name, policy, ids=ids, hints=hints, prefetch=prefetch, disk=disk)
 
 
 @dataclass(frozen=True)
@@ -410,6 +417,7 @@ def run_policy(policy: str, arrivals: Sequence[Arrival], setup: Setup, config: s
         cpu_admission=p.admission,
         eviction_policy=p.eviction,
         hint_prefetch=row.prefetch,
+        disk_retention="session" if row.disk else "none",
     )
 
 

@@ -46,7 +46,14 @@ from typing import cast
 
 from replay_cost import LAYOUT
 
-from tiered_kv.config import TieredConfig, admit_after, parse_cpu_admission, parse_cpu_retention, retention_share
+from tiered_kv.config import (
+    TieredConfig,
+    admit_after,
+    parse_cpu_admission,
+    parse_cpu_retention,
+    parse_retention,
+    retention_share,
+)
 from tiered_kv.cost import LoadCosts, Queues
 from tiered_kv.cpu import SessionRetention, cpu_tier_manager
 from tiered_kv.disk.format.manifest import slot_size_for
@@ -168,6 +175,7 @@ def build_stack(
     cpu_admission: str = "all",
     eviction_policy: str = TieredConfig.eviction_policy,
     hint_prefetch: bool = False,
+    disk_retention: str = "none",
 ) -> Stack:
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
@@ -178,7 +186,8 @@ def build_stack(
     values (``TieredConfig``), built as ``HierarchySpec.get_manager`` builds them, the
     retention rule on the replay's clock. ``hint_prefetch``: the workers run prefetch jobs
     (so ``kv.prefetch`` hints act) in any configuration, with prefetch while waiting
-    still only where the configuration turns it on.
+    still only where the configuration turns it on. ``disk_retention``: the lower tier's
+    ``retention`` (a disk tier's config value), on the replay's clock.
     ``verify_read`` reads one chunk for the hit check where ``tier.verify`` (``SimVerifier``)."""
     if config not in CONFIGS:
         raise ValueError(f"configuration {config!r}: expected one of {', '.join(CONFIGS)}")
@@ -210,8 +219,11 @@ def build_stack(
                     poll_interval=None,  # writes are learned when the simulated worker ends them
                     name=used.name,
                     medium=used.medium,
+                    retention_share=retention_share(parse_retention(disk_retention, "disk_retention", "the disk tier")),
                 )
             )
+            if lower[-1].retention is not None:
+                lower[-1].retention.clock = clock
         costs = LoadCosts.for_tiers(
             {"cpu": CPU, **{t.name: t.medium for t in lower}},
             bytes_per_block=bytes_per_block,

@@ -155,13 +155,18 @@ def test_each_row_runs_the_products_cpu_tier_under_its_config_values(tmp_path):
         cpu_retention="session",
         cpu_admission="reuse(2)",
         eviction_policy="arc",
+        disk_retention="session",
     )
     try:
         cpu = stack.manager.composite.cpu
         assert type(cpu).__name__ == "ARCOffloadingManager"
         assert cpu.retention is not None and cpu.admission.admit_after == (2,)
+        disk = stack.lower
+        assert disk is not None and disk.retention is not None and disk.retention.clock() == 0.0
     finally:
         stack.close()
+    row = parse_row("lru+session+disk+ids")
+    assert row.name == "lru+session+disk+ids" and row.disk and row.ids and not parse_row("lru+session").disk
     # On the conversations: reuse(2) admits only chunks used twice; lru every one stored.
     s = sessions(read_claude_code_folder(write_set(tmp_path / "set")), users=2)
     rows = {p: run_policy(p, s.arrivals(0.2), small_setup(cpu_blocks=8)) for p in ("lru", "lru+reuse(2)")}
@@ -256,7 +261,7 @@ def test_hinted_rows_make_the_manager_hold_leases_and_release_them(tmp_path):
         ("lru+sessoin", "'lru+sessoin'"),
         ("lru+ids", "'lru+ids': +ids names the sessions for a cpu_retention session rule"),
         ("lru+prefetch", "'lru+prefetch': +prefetch is a hint"),
-        ("lru+hints+ids", "'lru+hints+ids': each part once, in that order; expected <policy>[+ids][+hints["),
+        ("lru+hints+ids", "'lru+hints+ids': each part once, in that order; expected <policy>[+disk][+ids][+hints["),
         ("lru+ids+session", "'lru+ids+session'"),
     ],
 )
@@ -278,7 +283,7 @@ def test_the_command_prints_the_clients_rows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replay_claude_code.main([*argv, "--policies", "lru+bogus"])
     err = capsys.readouterr().err
-    assert "'lru+bogus'" in err and "<policy>[+ids][+hints[+prefetch]]" in err
+    assert "'lru+bogus'" in err and "<policy>[+disk][+ids][+hints[+prefetch]]" in err
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="the Claude Code traces are not here")
