@@ -94,7 +94,7 @@ from pathlib import Path
 
 import numpy as np
 from benchlib import md_table
-from replay_policies import Policy, parse_policy
+from replay_policies import Policy, _common_prefix, parse_policy
 from replay_serving import DEVICE_TOKENS, LATENCY_MS, run_config
 from replay_serving_sim import Arrival, EngineConfig, GpuModel, RunResult
 from replay_serving_stack import TierModel
@@ -254,15 +254,6 @@ def _chunks(r: AgentRequest) -> list[bytes]:
     return [r.blocks[PER_CHUNK * c + PER_CHUNK - 1].to_bytes(8, "big") for c in range(full)]
 
 
-def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _conversation(reqs: Sequence[AgentRequest], max_gap_s: float) -> tuple[list[tuple], int]:
     """One conversation's requests (time order) as ``(predecessor, delay, prefix,
     offset)`` with predecessors as indices into ``reqs`` (None: from the start) and
@@ -279,7 +270,7 @@ def _conversation(reqs: Sequence[AgentRequest], max_gap_s: float) -> tuple[list[
         capped += gap > max_gap_s
         delay = min(gap, max_gap_s)
         prev = last.get(r.session)
-        prefix = _common(_chunks(reqs[prev]), _chunks(r)) if prev is not None else 0
+        prefix = _common_prefix(_chunks(reqs[prev]), _chunks(r)) if prev is not None else 0
         out.append((pred, delay, prefix, (out[pred][3] if pred is not None else 0.0) + delay))
         last[r.session] = k
         if not r.session[1]:
