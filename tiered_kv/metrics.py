@@ -551,6 +551,7 @@ class PrometheusMetrics:
         occupancy: Occupancy | None = None,
         job_failures: Mapping[str, float] | None = None,
         counters: Iterable[CounterValue] = (),
+        gauges: Iterable[CounterValue] = (),
     ) -> None:
         """Export ``stats``, the tiers' ``used_blocks``, the summed counters of the
         shared-tier stores' ``remote`` stats (``RemoteStore.stats()``, e.g. the
@@ -558,7 +559,8 @@ class PrometheusMetrics:
         ``LoadCosts.snapshot()``), the tiers' ``occupancy`` (e.g.
         ``hierarchy_occupancy(manager)``, which includes ``used_blocks``), the failed
         worker jobs per kind of ``job_failures`` (totals since the start), the tiers' own
-        ``counters`` (totals, e.g. their ``worker_counters()``), and drain
+        ``counters`` (totals, e.g. their ``worker_counters()``) and ``gauges`` (values now, e.g.
+        session retention's ``retention_metric_values``), and drain
         ``stats.latencies`` and ``latencies`` (e.g. a store's ``RemoteStore.latencies``)."""
         snap = stats.as_dict()
         for name, labels, value in occupancy_gauges(occupancy):
@@ -586,6 +588,8 @@ class PrometheusMetrics:
             self._advance(self.metrics[metric], labels, value)
         for tier, n in (used_blocks or {}).items():
             self.metrics[TIER_USED_BLOCKS].labels(tier).set(n)
+        for name, labels, value in gauges:
+            self.metrics[name].labels(*labels).set(value)
         for source in (stats.latencies, *latencies):
             for metric, labels, seconds in source.drain():
                 self.metrics[metric].labels(*labels).observe(seconds)

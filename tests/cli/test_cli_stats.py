@@ -262,3 +262,58 @@ def test_since_subtracts_counters_and_keeps_gauges():
     assert sorted((labels["t"], v) for labels, v in diff["a_total"]) == [("x", 3.0), ("y", 1.0)]
     assert diff["b_bucket"] == [({"le": "1.0"}, 1.0)]  # lower than before: a restart, counted from 0
     assert diff["g"] == [({}, 3.0)]
+
+
+def test_session_retention_on_each_tier_shows_through_the_demos_endpoint(tmp_path):
+    """A hierarchy with ``cpu_retention`` and ``disk_retention``, exported as ``tiered-kv
+    demo --metrics-port`` exports it: the stats view gives each tier's returns, blocks
+    held and learned hold time, as the rules count them."""
+    from tiered_kv.cli.demo_metrics import DemoEndpoint
+
+    device = DeviceKVCache(
+        num_layers=2, num_gpu_blocks=24, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu"
+    )
+    layout = device.layout
+    spec = HierarchySpec(
+        {
+            "cpu_bytes": f"{32 * layout.bytes_per_block}B",
+            "disk_path": str(tmp_path / "disk"),
+            "disk_bytes": "4MiB",
+            "model_id": "stats",
+            "cover_weights": False,
+            "cpu_retention": "session(0.5)",
+            "disk_retention": "session(0.5)",
+        },
+        layout.gpu_block_size,
+        layout,
+    )
+    driver = EngineDriver.from_spec(spec, device)
+    endpoint = DemoEndpoint("127.0.0.1", 0, spec.offloaded_block_size)
+    try:
+        endpoint.attach(spec, driver)
+        manager = driver.manager
+        rules = {"cpu": manager.cpu.retention, "disk": manager.lower[0].retention}
+        now = [0.0]
+        for rule in rules.values():
+            rule.clock = lambda: now[0]
+        for t in (0.0, 10.0):  # the same conversations come back 10 s later
+            now[0] = t
+            driver.run(default_workload(20, seed=5))
+        endpoint.export()
+        result = _stats("--url", endpoint.url, "--json")
+        assert result.exit_code == 0, result.output
+        retention = json.loads(result.stdout)["sessions"]["retention"]
+        assert set(retention) == {"cpu", "disk"}
+        for tier, rule in rules.items():
+            row = retention[tier]
+            assert row["returns"] == rule.counts["returns"] > 0, (tier, row)
+            assert row["held_blocks"] == rule.num_held() > 0 and row["hold_seconds"] == 10.0
+        table = _stats("--url", endpoint.url)
+        assert table.exit_code == 0 and "sessions, hints and the start-up canary" in table.stdout
+        (line,) = [line for line in table.stdout.splitlines() if "cpu: retention" in line]
+        assert f"{retention['cpu']['returns']} returns" in line and "held for 10.00 s" in line, line
+    finally:
+        endpoint.close()
+        driver.worker.shutdown()
+        driver.manager.shutdown()
+        spec.close()

@@ -239,6 +239,15 @@ _COUNTER = 'tiered_kv_tier_blocks_total{event="lookups",tier="cpu"}'
             'tiered_kv_tier_used_blocks{tier="cpu"} is NaN; expected a finite number',
         ),
         (
+            'tiered_kv_retention_ttl_seconds{tier="disk"} +Inf',
+            'tiered_kv_retention_ttl_seconds{tier="disk"} is +Inf; expected a finite number',
+        ),
+        ("tiered_kv_leases NaN", "tiered_kv_leases is NaN; expected a finite number"),
+        (
+            'tiered_kv_canary_checks_total{outcome="passed"} -1',
+            'tiered_kv_canary_checks_total{outcome="passed"} is -1; expected a finite count >= 0',
+        ),
+        (
             'tiered_kv_transfer_seconds_count{transfer_type="disk_to_gpu"} -Inf',
             'tiered_kv_transfer_seconds_count{transfer_type="disk_to_gpu"} is -Inf; expected a finite count >= 0',
         ),

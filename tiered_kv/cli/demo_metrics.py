@@ -17,6 +17,8 @@ from prometheus_client import start_http_server
 from tiered_kv.mediums import GPU
 from tiered_kv.metrics import PrometheusMetrics, hierarchy_occupancy
 from tiered_kv.sim.driver import EngineDriver
+from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiered.retention import retention_metric_values
 from tiered_kv.tiered.spec import HierarchySpec
 
 #: Seconds between exports while the workload runs and while holding: a scrape every
@@ -49,8 +51,8 @@ class DemoEndpoint:
         return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
 
     def export(self) -> None:
-        """Mirror the hierarchy's counters, occupancy, load estimates and failed store
-        jobs into the metrics."""
+        """Mirror the hierarchy's counters, occupancy, load estimates, failed store jobs
+        and session retention into the metrics."""
         if self.spec is None or self.driver is None:
             return
         manager = self.driver.manager
@@ -59,11 +61,17 @@ class DemoEndpoint:
         # The demo's worker jobs that tiered-kv reports failed: stores out of GPU memory
         # (its promotions ride on load jobs, counted per transfer type).
         failed_stores = sum(t.failed_jobs for d, t in report.transfers.items() if d.startswith(f"{GPU}->"))
+        tiers: list[tuple[str, object]] = []
+        if isinstance(manager, TieredOffloadingManager):
+            tiers = [("cpu", manager.cpu), *((t.name, t) for t in manager.lower)]
+        kept, holds = retention_metric_values(tiers)
         self.metrics.update(
             self.spec.stats,
             occupancy=hierarchy_occupancy(manager),
             costs=costs.snapshot() if costs is not None else None,
             job_failures={"store": failed_stores},
+            counters=kept,
+            gauges=holds,
         )
         self._last_export = time.monotonic()
 

@@ -59,7 +59,7 @@ def _text(s: str) -> Text:
 
 
 def render(view: dict[str, Any], url: str) -> Group:
-    """The view as tables: tiers, transfers, shared tier."""
+    """The view as tables: tiers, transfers, shared tier, sessions and hints."""
     tiers = Table(title=_text(f"tiers at {url}"), title_justify="left")
     tiers.add_column("")
     for t in view["tiers"]:
@@ -78,6 +78,9 @@ def render(view: dict[str, Any], url: str) -> Group:
         "passed over (blocks)": lambda t: str(t["skipped_slower_blocks"]),
         "drops (blocks)": lambda t: str(t["drops_blocks"]),
         "failures (blocks)": lambda t: str(t["failures_blocks"]),
+        "prefetched / used / wasted (blocks)": lambda t: "{prefetches} / {prefetch_used} / {prefetch_wasted}".format(
+            **t["prefetch_blocks"]
+        ),
     }
     interval = view.get("interval")
     if interval is not None:  # --watch: the same over the last refresh
@@ -127,6 +130,27 @@ def render(view: dict[str, Any], url: str) -> Group:
         for op, lat in remote["request_latency"].items():
             shared.add_row(_text(f"{op} latency p50 / p99"), f"{_latency(lat)} ({lat['count']} requests)")
         parts.append(shared)
+    sessions = view["sessions"]
+    if sessions["retention"] or sessions["leases"] or sessions["hint_actions"] or sessions["canary"]:
+        kept = Table(title="sessions, hints and the start-up canary", title_justify="left", show_header=False)
+        kept.add_column("what")
+        kept.add_column("value")
+        for tier, r in sessions["retention"].items():
+            hold = "-" if r["hold_seconds"] is None else _seconds(r["hold_seconds"])
+            kept.add_row(
+                _text(f"{tier}: retention"),
+                f"{r['returns']} returns, {r['held_blocks']} blocks held for {hold}, "
+                f"{r['dropped_for_budget']} let go for the budget",
+            )
+        pinned = ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(sessions["lease_pinned_bytes"].items()))
+        kept.add_row(
+            "leases (kv.retain)", _text(f"{sessions['leases']} held" + (f", pinning {pinned}" if pinned else ""))
+        )
+        kept.add_row("hint actions", _text(", ".join(f"{k} {n}" for k, n in sessions["hint_actions"].items()) or "-"))
+        kept.add_row(
+            "start-up canary", _text(", ".join(f"{k} {n}" for k, n in sorted(sessions["canary"].items())) or "-")
+        )
+        parts.append(kept)
     return Group(*parts)
 
 

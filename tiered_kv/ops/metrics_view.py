@@ -20,6 +20,10 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_kv.metrics import (
+    CANARY_CHECKS,
+    HINT_ACTIONS,
+    LEASE_PINNED_BYTES,
+    LEASES,
     PREFILL_TOKENS_PER_S,
     REMOTE_BYTES,
     REMOTE_DAMAGED_DELETED,
@@ -30,6 +34,9 @@ from tiered_kv.metrics import (
     REMOTE_REQUEST_SECONDS,
     REMOTE_UNAVAILABLE,
     REMOTE_UPLOADS,
+    RETENTION_EVENTS,
+    RETENTION_HELD_BLOCKS,
+    RETENTION_TTL,
     TIER_BLOCKS,
     TIER_LOAD_GBPS,
     TIER_TOKENS,
@@ -76,7 +83,15 @@ _CUMULATIVE = ("_total", "_bucket", "_count", "_sum")
 #: Where the counters the view reads start.
 _VIEWED = ("tiered_kv_", "vllm:kv_offload_")
 #: The gauges and histograms the view reads.
-_VIEWED_GAUGES = (TIER_LOAD_GBPS, PREFILL_TOKENS_PER_S, TIER_USED_BLOCKS)
+_VIEWED_GAUGES = (
+    TIER_LOAD_GBPS,
+    PREFILL_TOKENS_PER_S,
+    TIER_USED_BLOCKS,
+    LEASES,
+    LEASE_PINNED_BYTES,
+    RETENTION_HELD_BLOCKS,
+    RETENTION_TTL,
+)
 _VIEWED_HISTOGRAMS = (TRANSFER_SECONDS, VERIFICATION_SECONDS, REMOTE_REQUEST_SECONDS)
 
 
@@ -240,6 +255,32 @@ def _tier(samples: Samples, tier: str) -> dict[str, Any]:
         "bytes_stored": int(sum(v for t, v in transfers.items() if t.endswith(f"_to_{tier}"))),
         "load_latency": _latency(samples, TRANSFER_SECONDS, _loads_from(tier)),
         "verification_latency": _latency(samples, VERIFICATION_SECONDS, _match(tier=tier)),
+        "prefetch_blocks": {e: int(blocks.get(e, 0)) for e in ("prefetches", "prefetch_used", "prefetch_wasted")},
+    }
+
+
+def _sessions(samples: Samples) -> dict[str, Any]:
+    """Session retention per tier that has a rule, leases and KV-hint actions, and the
+    workers' start-up canaries (their outcomes summed over ranks)."""
+    retention = {}
+    for tier in sorted(by_label(samples, RETENTION_HELD_BLOCKS, "tier")):
+        events = by_label(samples, f"{RETENTION_EVENTS}_total", "event", _match(tier=tier))
+        retention[tier] = {
+            "returns": int(events.get("returns", 0)),
+            "held_blocks": int(total(samples, RETENTION_HELD_BLOCKS, _match(tier=tier))),
+            "hold_seconds": gauge(samples, RETENTION_TTL, _match(tier=tier)),
+            "dropped_for_budget": int(events.get("dropped", 0)),
+        }
+    actions: dict[str, int] = {}
+    for labels, v in samples.get(f"{HINT_ACTIONS}_total", []):
+        key = f"{labels.get('action', '?')}.{labels.get('outcome', '?')}"
+        actions[key] = actions.get(key, 0) + int(v)
+    return {
+        "retention": retention,
+        "leases": int(total(samples, LEASES)),
+        "lease_pinned_bytes": {k: int(v) for k, v in by_label(samples, LEASE_PINNED_BYTES, "tier").items()},
+        "hint_actions": {k: n for k, n in sorted(actions.items()) if n},
+        "canary": {k: int(v) for k, v in by_label(samples, f"{CANARY_CHECKS}_total", "outcome").items() if v},
     }
 
 
@@ -289,8 +330,9 @@ def _remote(samples: Samples) -> dict[str, Any] | None:
 def summarize(samples: Samples) -> dict[str, Any]:
     """The view: ``tiers`` (per tier: hit rate in tokens, blocks, bytes loaded from it
     and stored into it, load and verification latency, the load estimate and blocks passed over as slower
-    than recomputing, drops, failures), ``transfers`` (per transfer type), ``remote`` (the shared tier's
-    store, or None when the endpoint has none), ``prefill_tokens_per_s`` (used, measured; None if absent) and
+    than recomputing, drops, failures, prefetched blocks), ``transfers`` (per transfer type), ``remote`` (the
+    shared tier's store, or None when the endpoint has none), ``sessions`` (session retention per tier, leases,
+    KV-hint actions, start-up canaries), ``prefill_tokens_per_s`` (used, measured; None if absent) and
     ``gpu`` (vLLM's load and store bytes)."""
     tiers = by_label(samples, f"{TIER_BLOCKS}_total", "tier")
     order = {"cpu": 0, "disk": 1, "remote": 3}
@@ -298,6 +340,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
         "tiers": [_tier(samples, t) for t in sorted(tiers, key=lambda t: (order.get(t, 2), t))],
         "transfers": _transfers(samples),
         "remote": _remote(samples),
+        "sessions": _sessions(samples),
         "prefill_tokens_per_s": {
             kind: gauge(samples, PREFILL_TOKENS_PER_S, _match(kind=kind)) for kind in ("used", "measured")
         },

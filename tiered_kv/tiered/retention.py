@@ -343,3 +343,16 @@ class SessionRetention:
         heap = [e for e in getattr(self, name) if (s := sessions.get(e[2])) is not None and s.seq == e[1] and s.held]
         heapq.heapify(heap)
         setattr(self, name, heap)
+
+
+def retention_metric_values(tiers: Iterable[tuple[str, object]]) -> tuple[list[CounterValue], list[CounterValue]]:
+    """``metric_values`` of each of ``tiers`` (name, manager) whose manager has a rule
+    (its ``retention``), under the tier's name: the counters and the gauges."""
+    counters: list[CounterValue] = []
+    gauges: list[CounterValue] = []
+    for name, tier in tiers:
+        if isinstance(rule := getattr(tier, "retention", None), SessionRetention):
+            kept = rule.metric_values(name)
+            counters += kept[0]
+            gauges += kept[1]
+    return counters, gauges

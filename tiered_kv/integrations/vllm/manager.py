@@ -101,7 +101,6 @@ from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.integrations.vllm.hints import HintSettings, KvHints
 from tiered_kv.mediums import CPU
 from tiered_kv.metrics import (
-    CounterValue,
     cost_gauges,
     hierarchy_occupancy,
     occupancy_gauges,
@@ -109,6 +108,7 @@ from tiered_kv.metrics import (
     written_per_read_gauges,
 )
 from tiered_kv.tiered.manager import TieredOffloadingManager
+from tiered_kv.tiered.retention import retention_metric_values
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 from tiered_kv.tiers import HitCheck, HitState
@@ -514,12 +514,10 @@ class TieredVllmManager(OffloadingManager, Closing):
             timings += check.timings()
         counters += [(WORKER_JOB_FAILURES, (kind,), n) for kind, n in self._failure_counts.items()]
         counters += self.hints.counters()
-        kept_gauges: list[CounterValue] = []
-        for name, tier in zip(self._names, [self.composite.cpu, *self.composite.lower]):
-            if (retention := getattr(tier, "retention", None)) is not None:
-                kept = retention.metric_values(name)
-                counters += kept[0]
-                kept_gauges += kept[1]
+        kept_counters, kept_gauges = retention_metric_values(
+            zip(self._names, [self.composite.cpu, *self.composite.lower])
+        )
+        counters += kept_counters
         self._increases.report(stats, counters)
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
