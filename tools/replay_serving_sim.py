@@ -569,6 +569,8 @@ class Engine:
                     "in flight: a prompt larger than the device cache?"
                 )
             ev.run_until(wake)
+        for r in self.finished:  # the last step's, which no later step signals
+            self.manager.on_request_finished(r.ctx)
         last = max(r.first_token for r in reqs if r.first_token is not None)
         tokens: Counter[str] = Counter()
         for r in reqs:

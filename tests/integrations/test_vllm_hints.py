@@ -330,6 +330,23 @@ def test_settings_read_their_keys_and_name_a_bad_value():
             TieredConfig.from_dict(raw)
 
 
+def test_a_release_ends_its_lease_when_the_releasing_request_ends(model_dir):
+    """A session's last turn says so with ``kv.release``: the lease still serves that turn
+    (an eviction storm while it waits cannot take its prefix) and ends with it."""
+    with _build(model_dir) as h:
+        m = _manager(h)
+        kept = _prompt(1, CHUNKS * BLOCK + 5)
+        _serve(h, kept, _envelope(_action("kv.retain", {"ttl_s": 60, "lease_id": "chat"})))
+        _storm(h)
+        h.reset_gpu_prefix_cache()
+        last = _add(h, kept[: CHUNKS * BLOCK] + [7] * BLOCK, _envelope(_action("kv.release", {"lease_id": "chat"})))
+        assert m.hints.snapshot()["leases"] == 1 and m.hints.snapshot()["pinned_blocks"] == {"cpu": CHUNKS}
+        _storm(h, seed=300)  # arrives behind the last turn, which is served first
+        assert h.prefix_hits[last].external == CHUNKS * BLOCK
+        assert m.hints.snapshot()["leases"] == 0 and m.hints.snapshot()["pinned_blocks"] == {"cpu": 0}
+        assert m.hints.snapshot()["actions"] == {"retain.accepted": 1, "release.accepted": 1}
+
+
 def test_leased_chunks_left_unpinned_are_retried_head_first_whatever_the_hash_seed():
     """Past the budget a lease's chunks wait unpinned; once a pin is dropped, a retry of at
     most ``limit`` of them takes those nearest their lease's head, not the first ones a

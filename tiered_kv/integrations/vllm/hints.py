@@ -23,7 +23,9 @@ component that implements the action. This one implements three, all version ``1
 - ``kv.prefetch``: promote the prefix's lower-tier chunks (disk, shared tier) into CPU
   now, ahead of the waiting requests' own prefetches, and not cancelled when this
   request runs or ends. No payload fields.
-- ``kv.release``: drop a lease. Payload: ``lease_id`` (default the request's id).
+- ``kv.release``: drop a lease once this request ends (finished or aborted), so that a
+  session's last turn, which says it is the last, is still served by the lease it ends.
+  Payload: ``lease_id`` (default the request's id).
 
 Unknown payload fields are ignored (a newer minor version may add some). An action of
 another type or major version, a payload field of the wrong type or out of range, an
@@ -331,6 +333,7 @@ class _Request:
     context: ReqContext
     actions: list[Action] = field(default_factory=list)
     started: bool = False  # loading or scheduled: its own prefetch is over
+    releases: list[str] = field(default_factory=list)  # leases it ends when it ends
 
 
 class KvHints:
@@ -406,14 +409,14 @@ class KvHints:
         for action in actions:
             lease_id = action.lease_id or req_id
             if action.kind == RELEASE:
-                self.leases.release(lease_id)
+                request.releases.append(lease_id)
                 continue
             if action.kind == RETAIN:
                 # Held now; it covers this request's prefix once its keys are placed (a
                 # lease already held keeps its chunks until then).
                 self.leases.hold(lease_id, action.ttl_s, now)
             request.actions.append(action)
-        if request.actions or (self.prefetcher is not None and self.settings.prefetch_waiting):
+        if request.actions or request.releases or (self.prefetcher is not None and self.settings.prefetch_waiting):
             self._requests[req_id] = request
             self._awaiting_keys.add(req_id)
             self.on_request_keys(req_context)
@@ -437,7 +440,7 @@ class KvHints:
                 self.prefetcher.want(f"hint:{req_id}", keys, first=True)
         if self.prefetcher is not None and self.settings.prefetch_waiting and not request.started:
             self.prefetcher.want(req_id, keys)
-        if not request.actions:
+        if not request.actions and not request.releases:
             del self._requests[req_id]
 
     def _started(self, req_id: str) -> None:
@@ -462,8 +465,10 @@ class KvHints:
         req_id = req_context.req_id
         if self.prefetcher is not None:
             self.prefetcher.cancel(req_id)
-        self._requests.pop(req_id, None)
+        request = self._requests.pop(req_id, None)
         self._awaiting_keys.discard(req_id)
+        for lease_id in request.releases if request is not None else ():
+            self.leases.release(lease_id)
 
     def step(self, new_req_ids: Iterable[str]) -> None:
         """The step's end: keys placed since, requests scheduled, leases expired, jobs issued."""
