@@ -52,7 +52,7 @@ class DemoEndpoint:
 
     def export(self) -> None:
         """Mirror the hierarchy's counters, occupancy, load estimates, failed store jobs
-        and session retention into the metrics."""
+        and the retention rules' counts and holds into the metrics."""
         if self.spec is None or self.driver is None:
             return
         manager = self.driver.manager
