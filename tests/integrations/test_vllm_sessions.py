@@ -219,3 +219,19 @@ def test_a_disk_tiers_retention_keeps_a_named_sessions_tail_through_a_storm_that
         assert stats["tiered_kv_retention_events:('disk', 'returns')"] == 2
         assert stats["tiered_kv_retention_held_blocks:('disk',)"] == retention.num_held() > 0
         h.publish_metrics()
+
+
+def test_a_clients_long_session_id_is_kept_as_a_digest():
+    """A client chooses how long its session id is; the rule keeps thousands of sessions,
+    so a long id (or salt) is kept as a fixed-size digest: equal ids still one session,
+    different ones two, short ones as sent."""
+    from types import SimpleNamespace
+
+    huge = "s" * (1 << 20)
+    a = RequestSession.of(SimpleNamespace(session_id=huge, cache_salt="t" * 10_000))
+    b = RequestSession.of(SimpleNamespace(session_id=huge, cache_salt="t" * 10_000))
+    c = RequestSession.of(SimpleNamespace(session_id=huge + "x", cache_salt="t" * 10_000))
+    assert a is not None and a == b and a != c
+    assert len(a.session_id) <= RequestSession.MAX_KEPT and a.tenant is not None and len(a.tenant) <= 100
+    assert RequestSession.of(SimpleNamespace(session_id="chat-7", cache_salt=None)) == RequestSession(None, "chat-7")
+    assert RequestSession.of(SimpleNamespace(session_id=None, cache_salt="t")) is None

@@ -80,11 +80,25 @@ class RequestSession:
     tenant: str | None
     session_id: str
 
+    #: Longer ids and salts are kept as a digest: the rule keeps up to thousands of
+    #: sessions, and a client chooses how long its strings are.
+    MAX_KEPT = 256
+
     @classmethod
     def of(cls, request: Any) -> "RequestSession | None":
         """The session of vLLM's ``request``; None where the client named none."""
         session_id = getattr(request, "session_id", None)
-        return cls(getattr(request, "cache_salt", None), str(session_id)) if session_id else None
+        if not session_id:
+            return None
+        tenant = getattr(request, "cache_salt", None)
+        return cls(None if tenant is None else _kept(str(tenant)), _kept(str(session_id)))
+
+
+def _kept(text: str) -> str:
+    """``text``, or its digest past ``RequestSession.MAX_KEPT`` characters."""
+    if len(text) <= RequestSession.MAX_KEPT:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 # Names follow tiered_kv.metrics.PROJECT_METRICS (TIER_BLOCKS, TIER_USED_BLOCKS, the
