@@ -22,6 +22,10 @@ the bound of one mechanism at the same capacity:
   each session's next turn reuses, until it comes; past the budget the hold that ends
   last gives up blocks first (the bound for any rule that guesses who comes back, and
   when);
+- ``<policy>+admission-features`` and ``<policy>+retention-features(S)``: the best
+  admission, and the best retention within ``session(S)``'s budget, that decide on what the
+  tier sees, calibrated on the trace in hindsight (``replay_feature_bound``: the bound for
+  any rule deciding on those features; the row names the parameters it chose);
 - ``belady``: Belady's optimum (``replay_cost.belady_hit_rate``: the block used again
   furthest ahead goes first; among blocks never used again, the deepest first), the
   bound for any eviction order.
@@ -50,6 +54,7 @@ from pathlib import Path
 import torch
 from benchlib import md_table
 from replay_cost import belady_hit_rate, infinite_hit_rate
+from replay_feature_bound import QUANTILES, THRESHOLDS, FeatureAdmission, FeatureRetention
 from replay_workloads import read_mooncake
 
 from tiered_kv.config import (
@@ -75,7 +80,7 @@ from tiered_kv.tiered.transfer_specs import TieredStoreSpec
 
 DEFAULT_POLICIES = "lru,arc,lru+reuse(2),arc+reuse(2),lru+session,lru+reuse(2)+session"
 COLUMNS = ["policy", "block hit rate", "Belady", "infinite", "of Belady"]
-ORACLES = ("admission-oracle", "retention-oracle")
+ORACLES = ("admission-oracle", "admission-features", "retention-oracle", "retention-features")
 TOKENS_PER_BLOCK = 512
 _TOKENS_RE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG]?)$")
 #: The disk tier's index layout: small, since no bytes move.
@@ -103,7 +108,8 @@ def parse_tokens(value: str) -> int:
 @dataclass(frozen=True)
 class Policy:
     """A table row: its name and config values. ``admission`` and ``retention`` may be
-    ``oracle`` (``oracle(S)``: retention's at the budget share S); ``eviction``
+    ``oracle`` or ``features`` (``oracle(S)``, ``features(S)``: retention's at the budget
+    share S); ``eviction``
     ``belady`` is Belady's optimum (computed, not replayed)."""
 
     name: str
@@ -120,12 +126,17 @@ class Policy:
 
     @property
     def is_oracle(self) -> bool:
-        return self.admission == "oracle" or self.retention.startswith("oracle") or self.eviction == "belady"
+        return (
+            self.admission == "oracle"
+            or self.admission == "features"
+            or self.retention.startswith(("oracle", "features"))
+            or self.eviction == "belady"
+        )
 
     @property
     def share(self) -> float | None:
         """The retention budget's share of the CPU tier (rule or oracle); None: none."""
-        return retention_share(self.retention.replace("oracle", "session"))
+        return retention_share(re.sub(r"^(oracle|features)", "session", self.retention))
 
 
 def parse_policy(name: str) -> Policy:
@@ -143,35 +154,44 @@ def parse_policy(name: str) -> Policy:
     admission, retention = "all", "none"
     for part in parts:
         bare = part.replace(" ", "")
-        if bare.startswith(("session", "retention-oracle")):
+        if bare.startswith(("session", "retention-oracle", "retention-features")):
             if retention != "none":
                 raise ValueError(f"--policies: {name!r}: expected one cpu_retention, got a second: {part!r}")
             if bare.startswith("session"):
                 retention = parse_cpu_retention(bare, f"--policies: {name!r}: cpu_retention")
                 continue
-            try:  # retention-oracle(S): the oracle at session(S)'s budget
-                share = parse_cpu_retention(bare[len("retention-") :].replace("oracle", "session", 1))
+            kind = "oracle" if bare.startswith("retention-oracle") else "features"
+            try:  # retention-oracle(S): the oracle at session(S)'s budget; features alike
+                share = parse_cpu_retention("session" + bare[len(f"retention-{kind}") :])
             except ValueError:
                 raise ValueError(
-                    f"--policies: {name!r}: expected retention-oracle or retention-oracle(S) with 0 < S <= "
+                    f"--policies: {name!r}: expected retention-{kind} or retention-{kind}(S) with 0 < S <= "
                     f"{MAX_RETENTION_SHARE}, got {part!r}"
                 ) from None
-            retention = "oracle" + share[len("session") :]
+            retention = kind + share[len("session") :]
         elif admission != "all":
             raise ValueError(f"--policies: {name!r}: expected one cpu_admission, got a second: {part!r}")
         elif part in ("admission-oracle", "oracle"):
             admission = "oracle"
+        elif part == "admission-features":
+            admission = "features"
         else:
             try:
                 admission = parse_cpu_admission(part, f"--policies: {name!r}: cpu_admission")
             except ConfigError as exc:
                 raise ValueError(f"{exc}; or expected {expected}") from None
     canonical = [eviction]
-    canonical += [] if admission == "all" else ["admission-oracle" if admission == "oracle" else admission]
+    canonical += [] if admission == "all" else [_admission_name(admission)]
     canonical += (
-        [] if retention == "none" else [f"retention-{retention}" if retention.startswith("oracle") else retention]
+        []
+        if retention == "none"
+        else [f"retention-{retention}" if retention.startswith(("oracle", "features")) else retention]
     )
     return Policy("+".join(canonical), eviction, admission, retention)
+
+
+def _admission_name(admission: str) -> str:
+    return f"admission-{admission}" if admission in ("oracle", "features") else admission
 
 
 # ---------------------------------------------------------------- the stream
@@ -346,21 +366,35 @@ def _common_prefix(a: Sequence, b: Sequence) -> int:
 
 
 def replay(
-    reqs: Requests, capacity: int, policy: Policy | str, lower_blocks: int = 0, scratch: Path | None = None
+    reqs: Requests,
+    capacity: int,
+    policy: Policy | str,
+    lower_blocks: int = 0,
+    scratch: Path | None = None,
+    features: tuple[float, float] | None = None,
 ) -> Outcome:
     """Play ``reqs`` through the product's managers under ``policy`` (module docstring):
-    ``capacity`` CPU blocks, over a disk tier of ``lower_blocks`` (none when 0)."""
+    ``capacity`` CPU blocks, over a disk tier of ``lower_blocks`` (none when 0).
+    ``features``: a features bound's (threshold, gap quantile)."""
     policy = parse_policy(policy) if isinstance(policy, str) else policy
     if policy.eviction == "belady":
         raise ValueError("belady is computed (belady_hit_rate), not replayed")
+    uses_features = policy.admission == "features" or policy.retention.startswith("features")
+    if uses_features and features is None:
+        raise ValueError(f"{policy.name}: a features bound is replayed at a (threshold, quantile): features=")
+    threshold, quantile = features or (0.0, 0.0)
     clock = _Clock()
     retention: SessionRetention | None = None
     if policy.share is not None:
         if policy.retention.startswith("oracle"):
             retention = OracleRetention(reqs, capacity, policy.share, clock)
+        elif policy.retention.startswith("features"):
+            retention = FeatureRetention(
+                reqs.blocks, reqs.times, reqs.sessions, capacity, policy.share, threshold, quantile, clock
+            )
         else:
             retention = SessionRetention(capacity, policy.share, clock=clock)
-    oracle = policy.admission == "oracle"
+    oracle = policy.admission in ("oracle", "features")
     n = 2 if oracle else admit_after(policy.admission, "cpu")
     cpu = cpu_tier_manager(
         policy.eviction, capacity, reqs.tokens_per_block, enable_events=False, admit_after=n, retention=retention
@@ -368,7 +402,11 @@ def replay(
     work = Path(tempfile.mkdtemp(prefix="replay-policies-", dir=scratch)) if lower_blocks else None
     lower = _disk(work, lower_blocks) if work is not None else None
     manager = TieredOffloadingManager(cpu, lower, costs=None, cost_aware=False)
-    future = OracleAdmission(reqs.blocks, manager.stats) if oracle else None
+    future: OracleAdmission | FeatureAdmission | None = None
+    if policy.admission == "oracle":
+        future = OracleAdmission(reqs.blocks, manager.stats)
+    elif oracle:
+        future = FeatureAdmission(reqs.blocks, reqs.sessions, threshold, manager.stats)
     if future is not None:
         cpu.admission = future
     out = Outcome(policy.name)
@@ -377,7 +415,7 @@ def replay(
     try:
         for i, (keys, t, session) in enumerate(zip(reqs.blocks, reqs.times, reqs.sessions)):
             clock.now = t
-            if isinstance(retention, OracleRetention):
+            if isinstance(retention, (OracleRetention, FeatureRetention)):
                 retention.current = i
             elif retention is not None:
                 retention.session = session if reqs.named else None
@@ -428,14 +466,21 @@ def with_oracle_rows(policies: list[str]) -> list[str]:
     parsed = [parse_policy(p) for p in policies]
     out = [p.name for p in parsed]
     for eviction in dict.fromkeys(p.eviction for p in parsed if p.eviction != "belady"):
-        oracles = [f"{eviction}+admission-oracle"]
+        oracles = [f"{eviction}+admission-oracle", f"{eviction}+admission-features"]
         for p in parsed:
             if p.eviction == eviction and p.share is not None and not p.is_oracle:
                 oracles.append(parse_policy(f"{eviction}+retention-oracle({p.share:g})").name)
+                oracles.append(_features_bound(p))
         out += [o for o in dict.fromkeys(oracles) if o not in out]
     if "belady" not in out:
         out.append("belady")
     return out
+
+
+def _features_bound(p: Policy) -> str:
+    """The retention features bound beside retention row ``p``, at its admission."""
+    admission = "" if p.admission == "all" else f"+{p.admission}"
+    return parse_policy(f"{p.eviction}{admission}+retention-features({p.share:g})").name
 
 
 def policy_table(reqs: Requests, capacity: int, policies: list[str], log=None) -> tuple[str, dict[str, tuple]]:
@@ -446,23 +491,35 @@ def policy_table(reqs: Requests, capacity: int, policies: list[str], log=None) -
     for name in policies:
         policy = parse_policy(name)
         t0 = time.perf_counter()
-        rate = belady if policy.eviction == "belady" else replay(reqs, capacity, policy).hit_rate
+        label = policy.name
+        if policy.eviction == "belady":
+            rate = belady
+        elif policy.admission == "features" or policy.retention.startswith("features"):
+            grid = [(t, q) for t in THRESHOLDS for q in (QUANTILES if policy.share is not None else QUANTILES[:1])]
+            results = [(replay(reqs, capacity, policy, features=tq).hit_rate, tq) for tq in grid]
+            rate, (t, q) = max(results, key=lambda r: r[0])  # the first of the grid that does best
+            label = f"{policy.name} (threshold {t:g}" + (f", gap quantile {q:g})" if policy.share is not None else ")")
+        else:
+            rate = replay(reqs, capacity, policy).hit_rate
         if log is not None:
-            log(f"  {policy.name}: {rate:.3f} ({time.perf_counter() - t0:.1f} s)")
+            log(f"  {label}: {rate:.3f} ({time.perf_counter() - t0:.1f} s)")
         ratio = rate / belady if belady else 0.0
         values[policy.name] = (rate, belady, ratio)
-        rows.append([policy.name, f"{rate:.3f}", f"{belady:.3f}", f"{infinite:.3f}", f"{ratio:.2f}"])
+        rows.append([label, f"{rate:.3f}", f"{belady:.3f}", f"{infinite:.3f}", f"{ratio:.2f}"])
     return md_table(COLUMNS, rows), values
 
 
 def bound_table(values: dict[str, tuple], target: float = 0.05) -> str:
-    """Per mechanism: the best online rule beside its oracle, in shares of Belady."""
+    """Per mechanism: the best online rule beside its oracle, and beside the bound of
+    rules deciding on the features the tier sees, in shares of Belady."""
     rows = []
     policies = {name: parse_policy(name) for name in values}
-    for mechanism, oracle_of in (
-        ("eviction order", lambda p: "belady"),
-        ("admission", lambda p: f"{p.eviction}+admission-oracle"),
-        ("retention", lambda p: parse_policy(f"{p.eviction}+retention-oracle({p.share:g})").name),
+    for label, mechanism, oracle_of in (
+        ("eviction order", "eviction order", lambda p: "belady"),
+        ("admission", "admission", lambda p: f"{p.eviction}+admission-oracle"),
+        ("admission on features", "admission", lambda p: f"{p.eviction}+admission-features"),
+        ("retention", "retention", lambda p: parse_policy(f"{p.eviction}+retention-oracle({p.share:g})").name),
+        ("retention on features", "retention", _features_bound),
     ):
         online = [p for p in policies.values() if not p.is_oracle and p.mechanism == mechanism]
         pairs = [(p, oracle_of(p)) for p in online if oracle_of(p) in values]
@@ -472,7 +529,7 @@ def bound_table(values: dict[str, tuple], target: float = 0.05) -> str:
         gap = values[bound][2] - values[best.name][2]
         rows.append(
             [
-                mechanism,
+                label,
                 best.name,
                 f"{values[best.name][2]:.2f}",
                 bound,

@@ -66,7 +66,11 @@ def test_the_table_of_a_tiny_trace(tmp_path, capsys):
     assert replay.main(["--trace", str(trace), "--cpu-tokens", "1024", "--policies", "lru,lru+reuse(2)"]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
-    assert list(rows) == ["lru", "lru+reuse(2)", "lru+admission-oracle", "belady"]
+    # The features bound: first uses of a block return 1 in 3 here, second uses always, so
+    # from threshold 0.35 up it admits as reuse(2) does.
+    features = "lru+admission-features (threshold 0.35)"
+    assert list(rows) == ["lru", "lru+reuse(2)", "lru+admission-oracle", features, "belady"]
+    assert rows[features] == ["0.400", "0.400", "0.400", "1.00"]
     assert rows["lru"] == ["0.200", "0.400", "0.400", "0.50"]
     assert rows["lru+reuse(2)"] == ["0.400", "0.400", "0.400", "1.00"]
     assert rows["lru+admission-oracle"] == ["0.400", "0.400", "0.400", "1.00"]
@@ -75,6 +79,7 @@ def test_the_table_of_a_tiny_trace(tmp_path, capsys):
     assert bound_rows(out) == {
         "eviction order": ["lru", "0.50", "belady", "1.00", "+0.50", "no"],
         "admission": ["lru+reuse(2)", "1.00", "lru+admission-oracle", "1.00", "+0.00", "yes"],
+        "admission on features": ["lru+reuse(2)", "1.00", "lru+admission-features", "1.00", "+0.00", "yes"],
     }
 
 
@@ -82,10 +87,22 @@ def test_the_session_rule_keeps_a_returning_session_where_lru_loses_it(tmp_path,
     trace = write_trace(tmp_path / "t.jsonl", RETURNING)
     assert replay.main(["--trace", str(trace), "--cpu-tokens", "2048", "--policies", "lru,lru+session"]) == 0
     rows = table_rows(capsys.readouterr().out)
-    assert list(rows) == ["lru", "lru+session", "lru+admission-oracle", "lru+retention-oracle(0.75)", "belady"]
+    retention = "lru+retention-features(0.75) (threshold 0.1, gap quantile 0.5)"
+    assert list(rows) == [
+        "lru",
+        "lru+session",
+        "lru+admission-oracle",
+        "lru+admission-features (threshold 0.1)",
+        "lru+retention-oracle(0.75)",
+        retention,
+        "belady",
+    ]
     assert rows["lru"][0] == f"{2 / 13:.3f}"
     assert rows["lru+session"][0] == f"{5 / 13:.3f}"
     assert rows["lru+retention-oracle(0.75)"][0] == f"{5 / 13:.3f}"
+    # The session's turns return (share 1), so the features bound holds each turn's chain
+    # until its gap has passed, as the oracle does.
+    assert rows[retention][0] == f"{5 / 13:.3f}"
 
 
 def test_hit_rates_drive_the_product_managers():
@@ -110,14 +127,20 @@ def test_names_and_sizes():
     )
     assert parse_policy("lru+oracle").name == "lru+admission-oracle"
     assert parse_policy("lru+retention-oracle(0.5)").is_oracle
-    assert with_oracle_rows(["arc", "lru+session(0.5)"]) == [
+    assert with_oracle_rows(["arc", "lru+reuse(2)+session(0.5)"]) == [
         "arc",
-        "lru+session(0.5)",
+        "lru+reuse(2)+session(0.5)",
         "arc+admission-oracle",
+        "arc+admission-features",
         "lru+admission-oracle",
+        "lru+admission-features",
         "lru+retention-oracle(0.5)",
+        "lru+reuse(2)+retention-features(0.5)",
         "belady",
     ]
+    p = parse_policy("lru+reuse(2)+retention-features(0.5)")
+    assert (p.admission, p.retention, p.share, p.is_oracle) == ("reuse(2)", "features(0.5)", 0.5, True)
+    assert parse_policy("lru+admission-features").is_oracle
     assert parse_tokens("3M") // 512 == 5859 and parse_tokens("500k") == 500_000
     with pytest.raises(ValueError, match="'fifo'"):
         parse_policy("fifo")
@@ -127,8 +150,34 @@ def test_names_and_sizes():
         parse_policy("lru+session+session")
     with pytest.raises(ValueError, match="retention-oracle\\(S\\) with 0 < S <= 0.9, got 'retention-oracle\\(2\\)'"):
         parse_policy("lru+retention-oracle(2)")
+    with pytest.raises(
+        ValueError, match="retention-features\\(S\\) with 0 < S <= 0.9, got 'retention-features\\(1\\)'"
+    ):
+        parse_policy("lru+retention-features(1)")
+    with pytest.raises(ValueError, match="lru\\+admission-features: a features bound is replayed at a"):
+        replay_requests(Requests.of("r", REQUESTS), 2, "lru+admission-features")
     with pytest.raises(ValueError, match="'3X'"):
         parse_tokens("3X")
+
+
+#: Short requests come back, longer ones never do, in a CPU tier of 3 blocks: under LRU
+#: (and reuse(2), whose first uses go first) two longer requests push the short one out
+#: before it returns (0 of 12). The features bound learns that 1-block requests return
+#: (share 1) and 2-block ones do not (share 0): it admits only the short ones, so the
+#: longer ones evict each other, and both returns hit (2 of 12), as with the oracle.
+SHORT_RETURN = [[1], [20, 21], [30, 31], [1], [2], [40, 41], [50, 51], [2]]
+
+
+def test_the_features_bound_admits_what_its_description_says_returns():
+    reqs = Requests.of("short", SHORT_RETURN)
+    assert replay_requests(reqs, 3, "lru").hit_rate == 0
+    assert replay_requests(reqs, 3, "lru+reuse(2)").hit_rate == 0
+    assert replay_requests(reqs, 3, "lru+admission-oracle").hit_rate == pytest.approx(2 / 12)
+    for threshold in (0.5, 1.0):
+        bound = replay_requests(reqs, 3, "lru+admission-features", features=(threshold, 0.5))
+        assert bound.hit_rate == pytest.approx(2 / 12)
+    # At a threshold every description reaches, it admits all: LRU.
+    assert replay_requests(reqs, 3, "lru+admission-features", features=(0.0, 0.5)).hit_rate == 0
 
 
 def test_a_missing_trace_is_named(capsys):
