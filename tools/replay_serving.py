@@ -24,6 +24,9 @@ Configurations, on the same arrivals:
   waiting (``tiered_kv.integrations.vllm.hints``, on by default in the product; the
   other rows run without it): each arriving request's lower-tier chunks are read into
   CPU while it waits, behind the tier's loads, at most ``--prefetch-max-bytes`` in flight.
+- ``cost-aware+instant-prefetch``: its bound, the same prefetch jobs with no limit in
+  flight, each landing in CPU the moment it is issued without a read: what prefetch
+  while waiting could give at most, with the decision and the queue as they are.
 
 Prints a markdown table per run: TTFT mean, p50, p90, p99 (ms), goodput (share of
 requests with TTFT <= ``--slo-ms``), GPU busy share (step time over the span from the

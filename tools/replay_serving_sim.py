@@ -39,7 +39,7 @@ token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
   (``KvHints.take_jobs``) are read chunk by chunk on the lower tier's channel (in order
   with its other jobs: the manager issues them only behind the tier's loads), each
   chunk's time recorded as ``<tier>_to_cpu``, and a job is reported (``KvHints.complete``)
-  at the step after its last chunk landed.
+  at the step after its last chunk landed (``INSTANT_PREFETCH``: the step after it was issued).
 
 Arrivals: each request at its time, or (``Arrival.after``) a delay after an earlier
 request's first token, as a client that waits for its answer sends its next turn
@@ -68,9 +68,7 @@ type, which the manager reads at ``on_schedule_end``. An idle engine steps again
 next event (an arrival, a job's end), or after ``step_overhead_s`` while a request waits
 for the manager's decision.
 
-Deterministic: no wall clock and no randomness; but where leases outgrow their budget,
-the product's ``LeaseBook.retry_unpinned`` pins chunks in a set's order, which follows
-``PYTHONHASHSEED``.
+Deterministic: no wall clock and no randomness.
 """
 
 from __future__ import annotations
@@ -82,7 +80,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from replay_serving_io import Channel, Events
-from replay_serving_stack import Stack
+from replay_serving_stack import INSTANT_PREFETCH, Stack
 from vllm.v1.kv_hints import KvHintsEnvelope
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
@@ -367,6 +365,9 @@ class Engine:
         read tier -> CPU on the tier's channel, in order with its other jobs, the job
         reported at the step after its last chunk landed."""
         record, bpb = self.stack.timings.record, self.bpb
+        if self.stack.config == INSTANT_PREFETCH:  # the bound: landed now, no read timed
+            self.prefetched += [job.job_id for job in self.manager.hints.take_jobs()]
+            return
         for job in self.manager.hints.take_jobs():
             left = [len(job.spec)]
 
@@ -564,10 +565,8 @@ class Engine:
             if retry or self.ready or self.reported or self.prefetched:
                 wake = min(wake, ev.now + gpu.step_overhead_s)
             if wake == math.inf:
-                raise RuntimeError(
-                    f"the replay stalled at {ev.now:.3f} s with {len(self.waiting)} requests waiting and nothing "
-                    "in flight: a prompt larger than the device cache?"
-                )
+                stalled = f"the replay stalled at {ev.now:.3f} s with {len(self.waiting)} requests waiting"
+                raise RuntimeError(f"{stalled} and nothing in flight: a prompt larger than the device cache?")
             ev.run_until(wake)
         for r in self.finished:  # the last step's, which no later step signals
             self.manager.on_request_finished(r.ctx)
@@ -579,7 +578,7 @@ class Engine:
         costs = self.manager.costs.snapshot() if self.manager.costs is not None else {}
         retention = self.manager.composite.cpu.retention
         hints = self.manager.hints.snapshot()
-        del hints["prefetch"]
+        prefetch = hints.pop("prefetch")
         hints |= {"peak": dict(self.peak), "on_arrival": dict(self.on_arrival)}
         return RunResult(
             self.stack.config,
@@ -592,7 +591,7 @@ class Engine:
             self.deferred,
             costs,
             self.manager.stats.as_dict()["tiers"],
-            self.manager.hints.snapshot()["prefetch"],
+            prefetch,
             [r.arrival for r in reqs],
             self.survived,
             dict(retention.counts) if retention is not None else {},

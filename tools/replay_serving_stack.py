@@ -73,11 +73,17 @@ from tiered_kv.tiers import HitCheck
 #: commit, for comparison: the same estimates, blind to the queues (``Queues`` stays
 #: empty) and to attention (prefill cost linear in tokens), and a request whose run has
 #: a chunk slower than recomputing is decided at the end of the step that scanned it.
-CONFIGS = ("always", "recompute", "cost-aware", "e460906", "cost-aware+prefetch")
-DECIDING = ("cost-aware", "e460906", "cost-aware+prefetch")
+CONFIGS = ("always", "recompute", "cost-aware", "e460906", "cost-aware+prefetch", "cost-aware+instant-prefetch")
+DECIDING = ("cost-aware", "e460906", "cost-aware+prefetch", "cost-aware+instant-prefetch")
 #: Configurations whose waiting requests' lower-tier chunks are prefetched into CPU
 #: (``tiered_kv.integrations.vllm.hints``; the simulated workers run the jobs).
-PREFETCHING = ("cost-aware+prefetch",)
+PREFETCHING = ("cost-aware+prefetch", "cost-aware+instant-prefetch")
+#: The bound of prefetch while waiting: the product's prefetch jobs, unbounded in bytes
+#: in flight, each landing in CPU the moment it is issued, its reads taking no time on
+#: the tier's channel (``replay_serving_sim``).
+INSTANT_PREFETCH = "cost-aware+instant-prefetch"
+#: Bytes in flight the bound allows: more than any replay's working set.
+UNBOUNDED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -180,8 +186,9 @@ def build_stack(
     """The product's scheduler side for ``config`` (``CONFIGS``): ``recompute`` is the CPU
     tier alone (no lower tier configured, so none is ever read or written), ``always``
     and ``cost-aware`` the CPU tier over ``tier`` with the decision off and on,
-    ``e460906`` the decision blind to queues and attention, and ``cost-aware+prefetch``
-    the decision with prefetch while waiting (at most ``prefetch_max_bytes`` in flight);
+    ``e460906`` the decision blind to queues and attention, ``cost-aware+prefetch``
+    the decision with prefetch while waiting (at most ``prefetch_max_bytes`` in flight),
+    and ``INSTANT_PREFETCH`` its bound (no limit in flight; the simulation reads nothing);
     ``eviction_policy``, ``cpu_admission`` and ``cpu_retention``: the CPU tier's config
     values (``TieredConfig``), built as ``HierarchySpec.get_manager`` builds them, the
     retention rule on the replay's clock. ``hint_prefetch``: the workers run prefetch jobs
@@ -257,7 +264,10 @@ def build_stack(
             shared=[used.kind == "shared"] if used else [],
             health=health,
             timings=reader,
-            hints=HintSettings(prefetch_waiting=config in PREFETCHING, prefetch_max_bytes=prefetch_max_bytes),
+            hints=HintSettings(
+                prefetch_waiting=config in PREFETCHING,
+                prefetch_max_bytes=UNBOUNDED if config == INSTANT_PREFETCH else prefetch_max_bytes,
+            ),
         )
         if config in PREFETCHING or hint_prefetch:
             manager.hints.enable_prefetch()

@@ -160,6 +160,11 @@ def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_
     assert early.ttft[:3] == plain.ttft[:3]
     # Its first token as soon as the GPU is free: a CPU load instead of 4 chunks' prefill.
     assert early.ttft[3] < plain.ttft[3] - 0.5 * (prefill_s(4 * BLOCK + 100) - prefill_s(100, 4 * BLOCK))
+    # The bound: the same jobs landing the moment they are issued, nothing read.
+    bound = run_config("cost-aware+instant-prefetch", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
+    assert bound.prefetch["disk.prefetches"] == bound.prefetch["disk.prefetch_used"] == 4
+    assert bound.tokens["CPU"] == 4 * BLOCK and not bound.channel_bytes["tier"].get("prefetch")
+    assert bound.ttft[:3] == plain.ttft[:3] and bound.ttft[3] <= early.ttft[3]
 
 
 @pytest.fixture(scope="module")
