@@ -155,6 +155,9 @@ class LowerTier(Protocol):
     medium: str
     #: Called with the blocks a refresh dropped because a worker found them corrupt.
     on_corrupt: Callable[[list[BlockHash]], None] | None
+    #: Whether the tier's workers run queued reads before queued writes (the disk tier's
+    #: I/O pool), so that a load waits for the loads ahead of it, not for the writes.
+    reads_first: bool
 
     @property
     def capacity(self) -> int:

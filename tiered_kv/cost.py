@@ -147,8 +147,8 @@ def load_transfer_types(tier_names: Iterable[str]) -> dict[str, str]:
 class Queues:
     """What the decision sees of the engine's load as it decides (module docstring):
     requests waiting for their first GPU step, and per tier name the blocks queued there
-    (loads and writes in flight). An engine adapter that sees no GPU queue leaves it 0:
-    the decision of an idle GPU."""
+    ahead of a new load (``TieredOffloadingManager.queued_blocks``). An engine adapter
+    that sees no GPU queue leaves it 0: the decision of an idle GPU."""
 
     gpu_waiting: int = 0
     tier_blocks: Mapping[str, int] = field(default_factory=dict)

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 from benchlib import md_table  # noqa: E402
+from replay_serving_io import ReadsFirstChannel  # noqa: E402
 from replay_serving_sim import Arrival, Channel, Engine, EngineConfig, Events, GpuModel, RunResult  # noqa: E402
 from replay_serving_stack import CONFIGS, DECIDING, PREFETCHING, TierModel, build_stack  # noqa: E402
 from replay_serving_workloads import (  # noqa: E402
@@ -104,8 +105,13 @@ def run_config(
     given, the workers running ``kv.prefetch`` hints' jobs where ``hint_prefetch``
     (``build_stack``)."""
     events = Events()
-    channel = Channel(events, tier.gbps, tier.latency_s)
     bpb = gpu.kv_bytes_per_token * engine.tokens_per_block
+    # The disk tier's I/O pool runs reads first; the shared tier's connections do not.
+    channel = (
+        ReadsFirstChannel(events, tier.gbps, tier.latency_s, write_piece=bpb)
+        if tier.kind == "disk"
+        else Channel(events, tier.gbps, tier.latency_s)
+    )
 
     def verify_read(key: bytes, slot: int, done) -> None:
         channel.submit(bpb, "verify", lambda start, end: done())

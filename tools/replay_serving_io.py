@@ -1,5 +1,7 @@
 """The serving simulator's clock and I/O channels (``replay_serving_sim``): simulated
-seconds with the callbacks due at later times, and first-in first-out channels.
+seconds with the callbacks due at later times, first-in first-out channels, and the
+disk tier's, which runs queued reads before queued writes as its I/O pool does
+(``tiered_kv.disk.store.io_pool``).
 
 Runs in the replay's one process, single-threaded; no I/O of its own: a channel only
 counts the bytes its jobs would move and says when they would end.
@@ -51,3 +53,53 @@ class Channel:
         end = self.free_at = start + self.latency_s + nbytes / (self.gbps * 1e9)
         self.bytes[kind] += nbytes
         self.events.at(end, lambda: done(start, end))
+
+
+class ReadsFirstChannel(Channel):
+    """A channel that, whenever it is free, starts the oldest queued read (any kind but
+    ``"write"``), else the next piece of the oldest write: a write runs in pieces of at
+    most ``write_piece`` bytes (the I/O pool's jobs are a chunk's runs, not a whole
+    store), the job's latency paid once, and a read waits at most for the piece running."""
+
+    def __init__(self, events: Events, gbps: float, latency_s: float = 0.0, *, write_piece: int):
+        super().__init__(events, gbps, latency_s)
+        self.write_piece = write_piece
+        self._queue: list[tuple[bool, int, list[float], Callable[[float, float], None]]] = []
+        self._order = itertools.count()
+        self._busy = False
+
+    def submit(self, nbytes: int, kind: str, done: Callable[[float, float], None]) -> None:
+        self.bytes[kind] += nbytes
+        # [bytes left, latency left, the job's start (set when its first piece starts)]
+        heapq.heappush(self._queue, (kind == "write", next(self._order), [float(nbytes), 1.0, -1.0], done))
+        if not self._busy:
+            self._start()
+
+    def _start(self) -> None:
+        if not self._queue:
+            self._busy = False
+            return
+        self._busy = True
+        is_write, _, left, done = self._queue[0]
+        piece = min(left[0], self.write_piece) if is_write else left[0]
+        start = self.events.now
+        if left[2] < 0:
+            left[2] = start
+        end = self.free_at = start + self.latency_s * left[1] + piece / (self.gbps * 1e9)
+        left[0] -= piece
+        left[1] = 0.0
+
+        def finished() -> None:
+            if left[0] <= 0:
+                if self._queue[0][3] is done:
+                    heapq.heappop(self._queue)
+                else:  # a read came first meanwhile
+                    self._remove(done)
+                done(left[2], end)
+            self._start()
+
+        self.events.at(end, finished)
+
+    def _remove(self, done: Callable[[float, float], None]) -> None:
+        self._queue = [e for e in self._queue if e[3] is not done]
+        heapq.heapify(self._queue)

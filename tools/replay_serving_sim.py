@@ -55,13 +55,14 @@ KV events: they change no answer). Not modelled: decode, preemption, tensor para
 failed jobs, a GPU KV cache shared between running requests and the prefix cache (both
 are ``device_blocks``), reads and writes at different speeds or in parallel queues.
 
-I/O channels (``replay_serving_io``), each first-in first-out, one job at a time, a job
-taking ``latency + bytes / bandwidth`` from when the jobs ahead of it are done: CPU ->
-GPU (loads from CPU, and the second leg of a promoted load), GPU -> CPU (stores), and
-the lower tier, whose loads, hit-check reads (one chunk each, where hits are read back
-first) and writes (spills at the store's start, write-through copies once the GPU -> CPU
-copy landed) all queue on it. A lower-tier write makes its chunk loadable when it ends
-(the worker's index commit, learned by the manager at once). Each finished load records
+I/O channels (``replay_serving_io``), each one job at a time, a job taking ``latency +
+bytes / bandwidth`` from when the jobs ahead of it are done: CPU -> GPU (loads from CPU,
+and the second leg of a promoted load), GPU -> CPU (stores), and the lower tier, whose
+loads, hit-check reads (one chunk each, where hits are read back first) and writes
+(spills at the store's start, write-through copies once the GPU -> CPU copy landed) all
+queue on it, first in first out, but a disk's reads before its writes (its I/O pool's
+order). A write makes its chunk loadable when it ends (the worker's index commit,
+learned by the manager at once). Each finished load records
 its own transfer time (from its start on the channel, not its wait in the queue: the
 handler's clock starts when its thread takes the job) into ``LoadTimings`` per transfer
 type, which the manager reads at ``on_schedule_end``. An idle engine steps again at the

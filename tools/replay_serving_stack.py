@@ -231,6 +231,7 @@ def build_stack(
             )
             if lower[-1].retention is not None:
                 lower[-1].retention.clock = clock
+            lower[-1].reads_first = used.kind == "disk"  # as the product's tier of that kind
         costs = LoadCosts.for_tiers(
             {"cpu": CPU, **{t.name: t.medium for t in lower}},
             bytes_per_block=bytes_per_block,

@@ -620,3 +620,27 @@ def test_each_tier_is_seeded_with_its_own_types_prior_whatever_its_medium_is_nam
         assert PRIOR_GBPS["DISK"] != PRIOR_GBPS["REMOTE"]  # the fallback the second tier got before
     finally:
         manager.shutdown()
+
+
+def test_a_new_disk_load_waits_for_the_loads_in_flight_not_for_the_disk_s_writes(tmp_path):
+    """The disk tier's I/O pool runs reads before writes, so the decision's queue for the
+    disk counts its loads in flight and not its pending writes; a tier whose reads and
+    writes share one queue (``reads_first`` False, as the shared tier's) counts both."""
+    from support.disk_fixtures import block_hash
+
+    h = Hierarchy(tmp_path, None)
+    try:
+        m = h.manager
+        blocks = [block_hash(i) for i in range(8)]
+        h.store(blocks[:4])
+        h.store(blocks[4:])  # the first four are now on disk only
+        assert m.hit_medium(blocks[0]) == "DISK"
+        writing = m.prepare_store([block_hash(i) for i in range(100, 104)])  # spills: pending disk writes
+        assert writing is not None and h.disk.num_pending() > 0
+        assert m.queued_blocks()["disk"] == 0
+        m.prepare_load(blocks[:4])
+        assert m.queued_blocks()["disk"] == 4  # the load's blocks, in flight
+        h.disk.reads_first = False
+        assert m.queued_blocks()["disk"] == 4 + h.disk.num_pending()
+    finally:
+        h.close()

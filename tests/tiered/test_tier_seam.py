@@ -57,6 +57,8 @@ class FileTierManager(Closing):
     """Scheduler side: an LRU of at most ``capacity`` blocks, pending until every rank's
     file exists."""
 
+    reads_first = False  # its worker writes and reads in the order they come
+
     def __init__(self, directory: str, capacity: int, world_size: int, block_size: int, name: str, medium: str):
         self.directory, self.world_size, self.block_size = directory, world_size, block_size
         self.name, self.medium = name, medium

@@ -102,7 +102,7 @@ def test_a_disk_hit_is_read_once_by_its_load_where_failed_loads_are_recomputed()
     assert out.channel_bytes["tier"]["read"] == 4 * BPB and not out.channel_bytes["tier"]["verify"]
 
 
-def test_a_disk_hit_is_read_back_then_loaded_and_a_load_waits_behind_the_bytes_ahead_of_it():
+def test_a_disk_hit_is_read_back_then_loaded_and_a_load_waits_only_for_the_write_running():
     read = 0.001 + BPB / 1e9  # one chunk's hit-check read: latency + 64 MiB at 1 GB/s
     load = 0.001 + 4 * BPB / 1e9 + 4 * BPB / 50e9  # disk -> CPU (promoted), then CPU -> GPU
     expected = 4 * read + load + prefill_s(100, 4 * BLOCK)  # then the partial tail
@@ -112,10 +112,17 @@ def test_a_disk_hit_is_read_back_then_loaded_and_a_load_waits_behind_the_bytes_a
     assert quiet.channel_bytes["tier"]["verify"] == quiet.channel_bytes["tier"]["read"] == 4 * BPB
     busy = _disk_replay(with_writer=True)
     # The writer's 4 chunks: computed in one step, copied to CPU, then written to the
-    # disk, which is still busy with them when the repeat's hit-check reads queue.
-    write_end = 19.8 + prefill_s(4 * BLOCK + 100) + 4 * BPB / 50e9 + 0.001 + 4 * BPB / 1e9
-    assert write_end > 20.0
-    assert busy.ttft[-1] == pytest.approx(write_end - 20.0 + expected, rel=1e-9)
+    # disk a chunk at a time; the repeat's first hit-check read queues while a chunk is
+    # being written and goes before the chunks still to write (the disk's reads come
+    # first). Its later reads, each sent once the one before it is in, may find the next
+    # chunk's write started: at most one chunk's write each, never all of them.
+    write_start = 19.8 + prefill_s(4 * BLOCK + 100) + 4 * BPB / 50e9
+    chunk_ends = [write_start + 0.001 + k * BPB / 1e9 for k in range(1, 5)]
+    running = min(end for end in chunk_ends if end > 20.0)
+    assert write_start < 20.0 < running < chunk_ends[-1]
+    waited = busy.ttft[-1] - expected
+    assert running - 20.0 - 1e-9 <= waited <= running - 20.0 + 3 * BPB / 1e9 + 1e-9
+    assert waited < chunk_ends[-1] - 20.0
 
 
 def test_recompute_never_touches_a_lower_tier_and_always_reads_what_it_finds():
@@ -137,9 +144,9 @@ def _disk_replay_requests() -> list[Arrival]:
 
 def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_cpu():
     """A document (4 chunks) pushed onto a 1 GB/s disk by a longer prompt, then asked for
-    again just after a 48-chunk prompt took the GPU: without prefetch the decision
-    recomputes it once the GPU is free (the disk, behind the long prompt's writes, is
-    slower); with it, the 4 chunks are read into CPU while the request waits and loaded
+    again just after a 48-chunk prompt took the GPU: without prefetch the decision (at its
+    6 GB/s prior) reads it from the disk once the GPU is free, ahead of the long prompt's
+    writes; with it, the 4 chunks are read into CPU while the request waits and loaded
     from there. Nothing else moves: the other requests' first tokens come at the same
     times."""
     doc, push, blocker = keys(1, 2, 3, 4), keys(*range(11, 75)), keys(*range(100, 148))
@@ -153,13 +160,13 @@ def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_
     engine = EngineConfig(device_blocks=50, token_budget=8192)
     plain = run_config("cost-aware", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
     early = run_config("cost-aware+prefetch", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
-    assert plain.tokens["CPU"] == plain.tokens["tier"] == 0 and not plain.prefetch
+    assert plain.tokens["CPU"] == 0 and plain.tokens["tier"] == 4 * BLOCK and not plain.prefetch
     assert early.tokens["CPU"] == 4 * BLOCK and early.tokens["tier"] == 0
     assert early.prefetch["disk.prefetches"] == early.prefetch["disk.prefetch_used"] == 4
     assert early.channel_bytes["tier"]["prefetch"] == 4 * BPB
     assert early.ttft[:3] == plain.ttft[:3]
-    # Its first token as soon as the GPU is free: a CPU load instead of 4 chunks' prefill.
-    assert early.ttft[3] < plain.ttft[3] - 0.5 * (prefill_s(4 * BLOCK + 100) - prefill_s(100, 4 * BLOCK))
+    # Its first token as soon as the GPU is free: the disk read (0.27 s) was hidden in its wait.
+    assert early.ttft[3] < plain.ttft[3] - 0.9 * 4 * BPB / 1e9
     # The bound: the same jobs landing the moment they are issued, nothing read.
     bound = run_config("cost-aware+instant-prefetch", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
     assert bound.prefetch["disk.prefetches"] == bound.prefetch["disk.prefetch_used"] == 4
@@ -176,16 +183,16 @@ def loaded_long_context():
     return arrivals(stream, time_scale(stream, work, 0.9)), engine
 
 
-@pytest.mark.parametrize(("gbps", "always_wins"), [(3.0, True), (0.3, False)])
-def test_under_load_loading_from_a_slow_ish_tier_beats_recomputing_and_from_a_very_slow_one_loses(
-    loaded_long_context, gbps, always_wins
+@pytest.mark.parametrize("gbps", [3.0, 0.3])
+def test_under_load_the_decision_keeps_within_3_percent_of_the_better_of_loading_and_recomputing(
+    loaded_long_context, gbps
 ):
     """At 3 GB/s a disk is below break-even by the linear estimate (4 GB/s), yet with
-    the GPU queue the bottleneck loading still shortens mean TTFT; at 0.3 GB/s the tier,
-    written and read by everything, is the bottleneck instead. The decision, from its
-    priors (disk 6 GB/s) and seeing only the queues, keeps within 3% of the better at
-    3 GB/s; a tier 20x slower than its prior costs it the loads it starts before their
-    first samples return, yet it halves what loading everything costs."""
+    the GPU queue the bottleneck loading still shortens mean TTFT by over 10%. At 0.3
+    GB/s, 20x slower than the decision's prior (disk 6 GB/s), the disk still serves its
+    hits, since its reads go before its writes (which back-pressure then drops). Either
+    way the decision, from its priors and seeing only the queues, keeps within 3% of the
+    better of loading everything and recomputing."""
     reqs, engine = loaded_long_context
     tier = TierModel("disk", gbps, 0.0001, False)
     always = run_config("always", reqs, GPU, engine, tier, 400, 20_000)
@@ -193,14 +200,10 @@ def test_under_load_loading_from_a_slow_ish_tier_beats_recomputing_and_from_a_ve
     decided = run_config("cost-aware", reqs, GPU, engine, tier, 400, 20_000)
     mean = lambda r: sum(r.ttft) / len(r.ttft)  # noqa: E731
     assert recompute.busy_s / recompute.span_s > 0.75
-    if always_wins:
+    if gbps >= 3:
         assert mean(always) < 0.9 * mean(recompute)
-    else:
-        assert mean(always) > 2 * mean(recompute)
-    if always_wins:
-        assert mean(decided) <= 1.03 * min(mean(always), mean(recompute))
-    else:
-        assert mean(decided) < 0.6 * mean(always)
+    assert always.tokens["tier"] > 0
+    assert mean(decided) <= 1.03 * min(mean(always), mean(recompute))
 
 
 def test_the_command_prints_one_row_per_configuration(tmp_path, capsys):

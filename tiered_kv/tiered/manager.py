@@ -585,13 +585,13 @@ class TieredOffloadingManager(OffloadingManager):
         return sum(tier.num_pending() for tier in self.lower)
 
     def queued_blocks(self) -> dict[str, int]:
-        """Per lower tier: its blocks in flight, loads and writes (``tiered_kv.cost.Queues``)."""
-        return {t.name: t.num_pending() + sum(loads.values()) for t, loads in zip(self.lower, self._lower_loads)}
+        """Per lower tier, the blocks a new load waits for (``cost.Queues``): loads, writes unless ``reads_first``."""
+        lower = zip(self.lower, self._lower_loads)
+        return {t.name: sum(loads.values()) + (0 if t.reads_first else t.num_pending()) for t, loads in lower}
 
     def used_blocks(self) -> dict[str, int]:
         used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}
-        for tier in self.lower:
-            used[tier.name] = tier.capacity - tier.num_free_slots()
+        used.update((tier.name, tier.capacity - tier.num_free_slots()) for tier in self.lower)
         return used
 
     def shutdown(self) -> None:

@@ -115,6 +115,9 @@ class DiskOffloadingManager(OffloadingManager):
     too), on whichever thread ran the refresh: the flusher or the caller's.
     """
 
+    #: The workers' I/O pool runs reads before writes (``disk.store.io_pool``).
+    reads_first = True
+
     def __init__(
         self,
         cache_dir: str | os.PathLike,

@@ -2,8 +2,8 @@
 
 Worker processes only (and tools that read the cache). Each backend reads and writes
 whole, 4 KiB-aligned slot ranges of a slab file at explicit offsets, makes them durable
-with ``sync``, and runs I/O on its own thread pool (``submit``), so the handler thread
-that packs the next chunk never waits on the disk.
+with ``sync``, and runs I/O on its own thread pool (``submit``; ``io_pool.IOPool``: reads
+before writes), so the handler thread that packs the next chunk never waits on the disk.
 
 - ``PosixBackend``: ``os.preadv``/``os.pwritev`` (which release the GIL) on a thread pool.
   Files are opened with ``O_DIRECT`` when a probe shows the filesystem accepts it
@@ -33,7 +33,7 @@ import os
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from tiered_kv.abstract import Closing
 from tiered_kv.config_values import DEFAULT_IO_THREADS
 from tiered_kv.memory.device import HOST_ALIGN, aligned_empty
 from tiered_kv.disk.format.safe_open import fd_path, open_file
+from tiered_kv.disk.store.io_pool import READ, IOPool
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +99,8 @@ class IOBackend(Closing, ABC):
     gds: bool = False
 
     def __init__(self, threads: int = DEFAULT_IO_THREADS):
-        if threads < 1:
-            raise ValueError(f"io threads must be >= 1, got {threads}")
         self.threads = threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"tkv-{self.name}-io")
+        self._pool = IOPool(threads, f"tkv-{self.name}-io")
 
     @abstractmethod
     def open(
@@ -136,9 +135,10 @@ class IOBackend(Closing, ABC):
     def close_file(self, f: BackendFile) -> None:
         os.close(f.fd)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on this backend's I/O thread pool."""
-        return self._pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., Any], *args: Any, priority: int = READ) -> Future:
+        """Run ``fn(*args)`` on this backend's I/O thread pool, queued reads (``READ``)
+        before writes (``io_pool.WRITE``)."""
+        return self._pool.submit(fn, *args, priority=priority)
 
     def describe(self) -> str:
         return self.name

@@ -23,6 +23,7 @@ import torch
 from tiered_kv.disk.store.batch import Batch, BatchStore, all_of, view_io, view_runs
 from tiered_kv.disk.store.group_commit import IndexWrite
 from tiered_kv.disk.store.io_backends import BackendFile, aligned_empty
+from tiered_kv.disk.store.io_pool import WRITE
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class WriteBatch(Batch):
         store = self.store
         futs = []
         for first, write, run in runs:
-            futs.append(store.backend.submit(self._write, write))
+            futs.append(store.backend.submit(self._write, write, priority=WRITE))
             futs.append(store.checksum_async(self._checksum_run, first, run))
         self._futures.extend(futs)
         return all_of(futs)

@@ -80,6 +80,9 @@ class RemoteOffloadingManager(Closing):
     events. ``settle_after``: seconds after which a pending block the bucket still lacks
     is released (default: twice the longest an upload may take, plus a second)."""
 
+    #: Uploads and downloads share the store's connections in the order they come.
+    reads_first = False
+
     def __init__(
         self,
         store: RemoteStore,
