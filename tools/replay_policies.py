@@ -109,8 +109,7 @@ def parse_tokens(value: str) -> int:
 class Policy:
     """A table row: its name and config values. ``admission`` and ``retention`` may be
     ``oracle`` or ``features`` (``oracle(S)``, ``features(S)``: retention's at the budget
-    share S); ``eviction``
-    ``belady`` is Belady's optimum (computed, not replayed)."""
+    share S); ``eviction`` ``belady`` is Belady's optimum (computed, not replayed)."""
 
     name: str
     eviction: str
@@ -127,8 +126,7 @@ class Policy:
     @property
     def is_oracle(self) -> bool:
         return (
-            self.admission == "oracle"
-            or self.admission == "features"
+            self.admission in ("oracle", "features")
             or self.retention.startswith(("oracle", "features"))
             or self.eviction == "belady"
         )
