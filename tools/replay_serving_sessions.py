@@ -77,8 +77,8 @@ too, then what its clients send with each request):
 The table (``policy_table``), one row per CPU-tier policy named by its config values
 (``replay_policies.parse_policy``: ``lru``, ``lru+reuse(2)``, ``lru+session``,
 ...) and what its clients send, each built by ``replay_serving_stack.build_stack`` as
-the product builds it, the retention rule on the replay's clock and sessions inferred
-from the prefix chain unless named: hit rate (full chunks served by the GPU's prefix
+``HierarchySpec.get_manager`` builds the engine's, its retention rule on the replay's
+clock, conversations inferred from the prefix chain unless the clients name them: hit rate (full chunks served by the GPU's prefix
 cache, CPU, disk, and all), the share of turns (requests sharing a prefix with their
 session's previous request) that found all of it in CPU, and in some tier, on arrival,
 TTFT per request (mean, p50, p90, and p90 over LRU's), and the GPU's busy share.

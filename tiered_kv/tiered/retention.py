@@ -257,9 +257,8 @@ class SessionRetention:
     ) -> tuple[Hashable, _Session]:
         sessions = self._sessions
         if session is None and request is not None:
-            session = self._requests.get(request)  # a later step of a request already placed
-            if session is not None and session not in sessions:
-                session = None
+            placed = self._requests.get(request)  # a later step of a request already placed
+            session = placed if placed in sessions else None
         if session is None:
             tails = self._tails
             for block_hash in reversed(block_hashes):
