@@ -92,15 +92,29 @@ def parse_write_admission(value: Any, key: str) -> Any:
     )
 
 
+_ADAPTIVE_RE = re.compile(r"^adaptive(?:\((\d+)\))?$")
+
+
 def parse_cpu_admission(value: Any, key: str) -> str:
-    """``"all"`` or ``"reuse(N)"`` (N >= 1): the uses a block needs before the CPU tier
-    ranks it as any other (until then it is first to evict)."""
+    """``"all"``, ``"reuse(N)"`` (N >= 1): the uses a block needs before the CPU tier
+    ranks it as any other (until then it is first to evict), or ``"adaptive(N)"`` (N >= 2;
+    ``"adaptive"`` is ``"adaptive(2)"``): ``reuse(N)`` while the tier's miniature caches
+    find it hits more than ``all`` (``tiered_kv.tiered.admission.AdaptiveAdmission``)."""
     if (rule := _admission_rule(value)) is not None:
         return rule
+    m = _ADAPTIVE_RE.match(value.replace(" ", "")) if isinstance(value, str) else None
+    if m and int(m.group(1) or 2) >= 2:
+        return f"adaptive({int(m.group(1) or 2)})"
     raise ConfigError(
-        f"{key}: expected 'all' or 'reuse(N)' with N >= 1 (the CPU tier keeps a block first to evict "
-        f"until it has been stored or hit N times), got {show(value)}"
+        f"{key}: expected 'all', 'reuse(N)' with N >= 1 (the CPU tier keeps a block first to evict "
+        f"until it has been stored or hit N times) or 'adaptive(N)' with N >= 2 (reuse(N) while it "
+        f"pays), got {show(value)}"
     )
+
+
+def adaptive_admission(cpu_admission: str) -> bool:
+    """Whether ``cpu_admission`` (parsed) is ``adaptive(N)``."""
+    return cpu_admission.startswith("adaptive")
 
 
 def parse_cpu_retention(value: Any, key: str = "cpu_retention") -> str:
@@ -109,9 +123,10 @@ def parse_cpu_retention(value: Any, key: str = "cpu_retention") -> str:
 
 
 def admit_after(write_admission: Any, tier_name: str) -> int:
-    """Stores-or-hits a block needs before it is written to ``tier_name`` (1 for ``all``)."""
+    """Stores-or-hits a block needs before it is written to ``tier_name`` (1 for ``all``;
+    N for ``reuse(N)`` and ``adaptive(N)``)."""
     value = write_admission.get(tier_name, "all") if isinstance(write_admission, Mapping) else write_admission
-    m = _REUSE_RE.match(value)
+    m = _REUSE_RE.match(value) or _ADAPTIVE_RE.match(value)
     return int(m.group(1)) if m else 1
 
 
@@ -215,13 +230,16 @@ class TieredConfig:
     #: Per lower tier: ``all`` (every block), or ``reuse(N)`` (a block once it has been
     #: stored or hit N times); one value for every lower tier, or a mapping by tier name.
     write_admission: Any = "all"
-    #: The CPU tier: ``all`` (every stored block ranks most recent), or ``reuse(N)`` (a
-    #: block ranks first to evict until it has been stored or hit N times).
-    cpu_admission: str = "all"
+    #: The CPU tier: ``all`` (every stored block ranks most recent), ``reuse(N)`` (a
+    #: block ranks first to evict until it has been stored or hit N times), or
+    #: ``adaptive(N)`` (``reuse(N)`` while miniature caches find it hits more than ``all``;
+    #: the default, since which fixed rule hits more depends on the tier's size and traffic).
+    cpu_admission: str = "adaptive(2)"
     #: The CPU tier: ``none``, or ``session`` / ``session(S)``: hold each returning
     #: session's latest blocks for the gap it learned between its turns, within S (0.75)
-    #: of the tier's slots (``tiered_kv.tiered.retention``).
-    cpu_retention: str = "none"
+    #: of the tier's slots (``tiered_kv.tiered.retention``); ``session`` by default: a
+    #: session that keeps to its gaps finds its prefix, the others lose nothing held.
+    cpu_retention: str = "session"
     #: vLLM only, with ``TieredPrefetchingConnector``: a waiting request's lower-tier
     #: blocks start moving into the CPU tier when it arrives, at most
     #: ``prefetch_max_bytes`` in flight (``tiered_kv.tiered.prefetch``).

@@ -43,6 +43,8 @@ TIER_COUNTERS = (
     "skipped_slower_than_recompute",
     "probes",
     "not_admitted",
+    # ``cpu_admission: adaptive(N)`` changed the rule in force (``tiered.admission``).
+    "admission_switches",
     # Prefetch while a request waits (``tiered.prefetch``): reads started, blocks a
     # request then loaded, blocks evicted or dropped unused, reads cancelled, failed.
     "prefetches",

@@ -47,6 +47,15 @@ import time
 from pathlib import Path
 
 from tiered_kv.abstract import PrepareStoreOutput
+from tiered_kv.config import (
+    TieredConfig,
+    adaptive_admission,
+    admit_after,
+    parse_cpu_admission,
+    parse_cpu_retention,
+    retention_share,
+)
+from tiered_kv.cpu import SessionRetention, cpu_tier_manager
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.index import DiskIndex
@@ -61,6 +70,8 @@ BATCH = 256  # blocks per call, like a long prompt's chunk
 #: ``--kv-events-config`` is off unless asked for); when on, the latency loops drain them
 #: after each call, untimed, as the engine does every step.
 EVENTS = False
+#: The CPU tier's ``cpu_admission`` and ``cpu_retention`` (``--cpu-rules``; the config's defaults).
+CPU_RULES = (TieredConfig.cpu_admission, TieredConfig.cpu_retention)
 LAYOUT = KVCacheLayout((LayerLayout("kv", (1, 2048), False),), __import__("torch").uint8, 16)
 LAYOUT_BYTES = LAYOUT.bytes_per_block
 
@@ -188,7 +199,19 @@ def disk_manager(tmp: str, n: int) -> DiskOffloadingManager:
 
 
 def cpu_manager(n: int) -> CPUOffloadingManager:
-    return CPUOffloadingManager(n, 16, enable_events=EVENTS)
+    """The CPU tier as a default config builds it: LRU with ``cpu_admission`` and
+    ``cpu_retention`` (``--cpu-rules``)."""
+    admission, retention = CPU_RULES
+    share = retention_share(retention)
+    return cpu_tier_manager(
+        "lru",
+        n,
+        16,
+        enable_events=EVENTS,
+        admit_after=admit_after(admission, "cpu"),
+        adaptive=adaptive_admission(admission),
+        retention=None if share is None else SessionRetention(n, share),
+    )
 
 
 def busy_loop(iterations: int) -> None:
@@ -414,6 +437,7 @@ def refresh_cost(n: int, tmp: str, rounds: int = 200) -> tuple[float, float]:
 
 
 def main() -> int:
+    global EVENTS, CPU_RULES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--cascade-calls", type=int, default=1000)
@@ -422,9 +446,16 @@ def main() -> int:
         action="store_true",
         help="KV-cache events on in every manager (drained after each latency-loop call)",
     )
+    ap.add_argument(
+        "--cpu-rules",
+        default=",".join(CPU_RULES),
+        help=f"the CPU tier's cpu_admission,cpu_retention (default: the config's, {','.join(CPU_RULES)})",
+    )
     args = ap.parse_args()
-    global EVENTS
     EVENTS = args.events
+    admission, _, retention = args.cpu_rules.partition(",")
+    CPU_RULES = (parse_cpu_admission(admission, "--cpu-rules"), parse_cpu_retention(retention or "none", "--cpu-rules"))
+    print(f"CPU tier: cpu_admission {CPU_RULES[0]}, cpu_retention {CPU_RULES[1]}")
     ops = ("lookup", "prepare_store", "complete_store", "touch")
     print(f"per-block cost in ns ({BATCH}-block calls); ratio = tiered / vllm-cpu")
     header = f"{'blocks':>9} {'manager':>16} " + " ".join(f"{o:>15}" for o in ops)

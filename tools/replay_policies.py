@@ -61,6 +61,7 @@ from tiered_kv.config import (
     EVICTION_POLICIES,
     MAX_RETENTION_SHARE,
     ConfigError,
+    adaptive_admission,
     admit_after,
     parse_cpu_admission,
     parse_cpu_retention,
@@ -395,7 +396,13 @@ def replay(
     oracle = policy.admission in ("oracle", "features")
     n = 2 if oracle else admit_after(policy.admission, "cpu")
     cpu = cpu_tier_manager(
-        policy.eviction, capacity, reqs.tokens_per_block, enable_events=False, admit_after=n, retention=retention
+        policy.eviction,
+        capacity,
+        reqs.tokens_per_block,
+        enable_events=False,
+        admit_after=n,
+        retention=retention,
+        adaptive=not oracle and adaptive_admission(policy.admission),
     )
     work = Path(tempfile.mkdtemp(prefix="replay-policies-", dir=scratch)) if lower_blocks else None
     lower = _disk(work, lower_blocks) if work is not None else None

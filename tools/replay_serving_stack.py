@@ -48,6 +48,7 @@ from replay_cost import LAYOUT
 
 from tiered_kv.config import (
     TieredConfig,
+    adaptive_admission,
     admit_after,
     parse_cpu_admission,
     parse_cpu_retention,
@@ -204,13 +205,15 @@ def build_stack(
     engine_id = f"replay-serving-{uuid.uuid4().hex[:12]}"
     share = retention_share(parse_cpu_retention(cpu_retention, "--cpu-retention"))
     retention = None if share is None else SessionRetention(cpu_blocks, share, clock=clock)
+    admission = parse_cpu_admission(cpu_admission, "cpu_admission")
     cpu = cpu_tier_manager(
         eviction_policy,
         cpu_blocks,
         tokens_per_block,
         enable_events=False,
-        admit_after=admit_after(parse_cpu_admission(cpu_admission, "cpu_admission"), "cpu"),
+        admit_after=admit_after(admission, "cpu"),
         retention=retention,
+        adaptive=adaptive_admission(admission),
     )
     lower: list[DiskOffloadingManager] = []
     used = tier if config != "recompute" else None

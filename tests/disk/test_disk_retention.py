@@ -144,6 +144,7 @@ def test_the_config_builds_the_rule_into_each_disk_tier_and_the_composite_tells_
         "disk_path": str(tmp_path / "fast"),
         "disk_bytes": "4MiB",
         "disk_retention": "session(0.5)",
+        "cpu_retention": "none",  # disk_retention alone: the CPU tier's stays as set
         "tiers": [
             {"type": "disk", "name": "slow", "path": str(tmp_path / "slow"), "bytes": "4MiB", "retention": "none"}
         ],

@@ -199,6 +199,7 @@ def test_a_disk_tiers_retention_keeps_a_named_sessions_tail_through_a_storm_that
         "disk_path": str(tmp_path / "disk"),
         "disk_bytes": f"{16 * GPU_BLOCK_BYTES}B",
         "disk_retention": "session(0.5)",
+        "cpu_retention": "none",  # the storm must empty the CPU tier
         "promote_on_hit": False,
     }
     with _harness(model_dir, config) as h:

@@ -173,7 +173,7 @@ def test_bad_values_name_the_key_and_the_value(bad):
 
 
 def test_good_values_and_the_default():
-    assert TieredConfig.from_dict({}).cpu_admission == "all"
+    assert TieredConfig.from_dict({}).cpu_admission == "adaptive(2)"
     assert TieredConfig.from_dict({"cpu_admission": "reuse( 2 )"}).cpu_admission == "reuse(2)"
     assert TieredConfig.from_dict({"cpu_admission": "all"}).cpu_admission == "all"
 
@@ -183,5 +183,7 @@ def test_the_spec_builds_the_cpu_tier_with_the_rule(policy):
     config = TieredConfig.from_dict({"cpu_bytes": "1MiB", "eviction_policy": policy, "cpu_admission": "reuse(3)"})
     manager = CPUOffloadingSpec(config, 16, layout=LAYOUT).get_manager()
     assert manager.admission.admit_after == (3,)  # type: ignore[attr-defined]
-    plain = CPUOffloadingSpec(TieredConfig.from_dict({"cpu_bytes": "1MiB"}), 16, layout=LAYOUT).get_manager()
+    plain = CPUOffloadingSpec(
+        TieredConfig.from_dict({"cpu_bytes": "1MiB", "cpu_admission": "all"}), 16, layout=LAYOUT
+    ).get_manager()
     assert plain.admission.admit_after == (1,)  # type: ignore[attr-defined]

@@ -109,6 +109,8 @@ def test_hit_rates_drive_the_product_managers():
     assert replay_hit_rate(REQUESTS, 2, "lru") == pytest.approx(1 / 5)
     assert replay_hit_rate(REQUESTS, 2, "lru+reuse(2)") == pytest.approx(2 / 5)
     assert replay_hit_rate(REQUESTS, 2, "arc+reuse(2)") == pytest.approx(2 / 5)
+    # Adaptive starts as all: by request 4 neither miniature has hit more, so 3 evicts 1.
+    assert replay_hit_rate(REQUESTS, 2, "lru+adaptive") == pytest.approx(1 / 5)
     assert replay_hit_rate(REQUESTS, 3, "lru") == pytest.approx(2 / 5)  # room for all three
     # Without time (all requests at 0) no gap is seen: the session rule is LRU.
     assert replay_hit_rate(REQUESTS, 2, "lru+session") == pytest.approx(1 / 5)
@@ -116,6 +118,8 @@ def test_hit_rates_drive_the_product_managers():
 
 def test_names_and_sizes():
     assert parse_policy("arc+reuse( 3 )").name == "arc+reuse(3)"
+    assert parse_policy("lru+adaptive+session").name == "lru+adaptive(2)+session"
+    assert parse_policy("lru+adaptive").mechanism == "admission"
     assert parse_policy("lru") == parse_policy("lru+all")
     p = parse_policy("lru+reuse(2)+session(0.5)")
     assert (p.eviction, p.admission, p.retention, p.share, p.mechanism) == (

@@ -11,7 +11,8 @@ Eviction policies of the CPU tier (``eviction_policy``):
 
 Both never evict the blocks offered to the ``prepare_store`` call that needs room, and
 rank a stored request's head most recent. With ``cpu_admission: reuse(N)`` either one
-ranks a block first to evict until its Nth use (``CPUOffloadingManager``); with
+ranks a block first to evict until its Nth use (``CPUOffloadingManager``), with
+``adaptive(N)`` only while miniature caches find that it pays; with
 ``cpu_retention: session`` either one passes over the blocks a ``SessionRetention``
 holds for returning sessions (``tiered_kv.tiered.retention``).
 """
@@ -30,15 +31,24 @@ def cpu_tier_manager(
     enable_events: bool = True,
     admit_after: int = 1,
     retention: SessionRetention | None = None,
+    adaptive: bool = False,
 ) -> CPUOffloadingManager:
     """The CPU tier's manager for ``eviction_policy`` (``lru`` or ``arc``); ``admit_after``
-    N > 1 (``cpu_admission: reuse(N)``) ranks a block first to evict until its Nth use;
-    ``retention`` (``cpu_retention: session``) holds returning sessions' blocks."""
+    N > 1 (``cpu_admission: reuse(N)``) ranks a block first to evict until its Nth use,
+    with ``adaptive`` (``adaptive(N)``) only while that pays; ``retention``
+    (``cpu_retention: session``) holds returning sessions' blocks."""
     try:
         cls = _POLICIES[eviction_policy]
     except KeyError:
         raise ValueError(f"eviction_policy: expected one of {', '.join(_POLICIES)}, got {eviction_policy!r}") from None
-    return cls(num_slots, block_size, enable_events=enable_events, admit_after=admit_after, retention=retention)
+    return cls(
+        num_slots,
+        block_size,
+        enable_events=enable_events,
+        admit_after=admit_after,
+        retention=retention,
+        adaptive=adaptive,
+    )
 
 
 __all__ = [

@@ -55,8 +55,9 @@ class ARCOffloadingManager(CPUOffloadingManager):
         admit_after: int = 1,
         admission_history: int | None = None,
         retention: SessionRetention | None = None,
+        adaptive: bool = False,
     ):
-        super().__init__(num_slots, block_size, enable_events, admit_after, admission_history, retention)
+        super().__init__(num_slots, block_size, enable_events, admit_after, admission_history, retention, adaptive)
         self._t1: OrderedDict[int, None] = OrderedDict()
         self._t2: OrderedDict[int, None] = OrderedDict()
         self._b1: OrderedDict[BlockHash, None] = OrderedDict()
@@ -139,6 +140,14 @@ class ARCOffloadingManager(CPUOffloadingManager):
             self._b1.pop(block_hash, None)
             self._b2.pop(block_hash, None)
         super()._order_cold(block_hashes, slots)
+
+    def _order_demote(self) -> None:
+        admits, occupant, cold = self.admission.admits, self._occupant, self._cold
+        for lst in (self._t1, self._t2):
+            slots = [s for s in lst if not admits(0, occupant(s))]
+            for slot in slots:
+                del lst[slot]
+            cold.update(dict.fromkeys(slots))
 
     def _order_warm(self, slots: list[int]) -> None:
         awaiting, t1 = self._awaiting_touch, self._t1

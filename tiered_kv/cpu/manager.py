@@ -23,7 +23,8 @@ whose keys churn (256 out, 256 in per store) rebuilds itself every ``2 x capacit
 entries, 212 ms at 1M on the benchmark VM). Only the plain ``hash -> slot`` dict
 churns (its rebuild costs 8 and 90 ms there).
 
-Admission (``cpu_admission: reuse(N)``, ``admit_after`` N > 1): a block enters only
+Admission (``cpu_admission: reuse(N)``, ``admit_after`` N > 1; with ``adaptive(N)``
+only while that rule pays, ``tiered_kv.tiered.admission``): a block enters only
 once it has been used N times (offered to a store, or loaded), counted by the
 composite's ``WriteAdmission`` rule over a bounded history of recent blocks. Every
 lower tier is written from a CPU slot, so a block not admitted yet still takes one
@@ -57,7 +58,7 @@ from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, Pr
 from tiered_kv.tiered.retention import SessionRetention
 from tiered_kv.mediums import CPU, CPULoadStoreSpec
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.admission import WriteAdmission
+from tiered_kv.tiered.admission import AdaptiveAdmission, WriteAdmission
 
 #: Blocks the admission history remembers, per CPU slot: a block's second use counts
 #: as one only while the first is remembered (the measured choice: tools/replay.py
@@ -77,7 +78,9 @@ class CPUOffloadingManager(OffloadingManager):
     removed) is reported with medium ``"CPU"`` by ``take_events``. ``admit_after``:
     the uses a block needs before it ranks as any other (1: every block; module
     docstring), remembered for ``admission_history`` blocks (default
-    ``ADMISSION_HISTORY_PER_SLOT`` per slot). ``retention``: ``cpu_retention``'s
+    ``ADMISSION_HISTORY_PER_SLOT`` per slot); ``adaptive``: N applies only while
+    ``cpu_admission: adaptive(N)``'s miniature caches find it pays
+    (``tiered_kv.tiered.admission.AdaptiveAdmission``). ``retention``: ``cpu_retention``'s
     ``SessionRetention``, or None (module docstring).
 
     Beyond the seed API, the composite manager uses ``num_slots``, ``num_free_slots``,
@@ -93,12 +96,17 @@ class CPUOffloadingManager(OffloadingManager):
         admit_after: int = 1,
         admission_history: int | None = None,
         retention: SessionRetention | None = None,
+        adaptive: bool = False,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         history = ADMISSION_HISTORY_PER_SLOT * num_slots if admission_history is None else admission_history
         #: ``cpu_admission``'s rule; its ``stats`` count the blocks not admitted (``cpu``).
-        self.admission = WriteAdmission([admit_after], ["cpu"], history, TieredStats())
+        self.admission = (
+            AdaptiveAdmission(admit_after, num_slots, history, TieredStats())
+            if adaptive
+            else WriteAdmission([admit_after], ["cpu"], history, TieredStats())
+        )
         self._admitting = admit_after > 1
         # Slots of blocks not admitted yet, in eviction order: evicted before any other.
         self._cold: OrderedDict[int, None] = OrderedDict()
@@ -287,7 +295,11 @@ class CPUOffloadingManager(OffloadingManager):
         if self._admitting or self.retention is not None:
             block_hashes = list(block_hashes)
             if self._admitting:
-                self.admission.note(block_hashes)
+                admission = self.admission
+                was_in_force = admission.in_force(0)
+                admission.note(block_hashes)
+                if not was_in_force and admission.in_force(0):
+                    self._order_demote()
             if self.retention is not None:
                 self.retention.observe(block_hashes, session, request)
 
@@ -452,6 +464,18 @@ class CPUOffloadingManager(OffloadingManager):
         cold = self._cold
         for slot in reversed(slots):
             cold[slot] = None
+
+    def _order_demote(self) -> None:
+        """``cpu_admission: adaptive(N)`` turned ``reuse(N)`` on: the ranked blocks it does
+        not admit go first to evict, least recent first, as if it had been on when they
+        were stored (else they would outlive every block stored after, since those not
+        admitted are evicted first)."""
+        admits, occupant, order = self.admission.admits, self._occupant, self._order
+        start = len(self._free) + len(self._cold) + len(self._kept)
+        slots = [s for s in islice(order, start, None) if not admits(0, occupant(s))]
+        for slot in slots:
+            order.move_to_end(slot, last=False)
+        self._cold.update(dict.fromkeys(slots))
 
     def _order_warm(self, slots: list[int]) -> None:
         """Slots just taken out of ``_cold`` join the ranked ones, most recent."""

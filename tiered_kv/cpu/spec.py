@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tiered_kv.abstract import LoadStoreSpec, OffloadingManager
-from tiered_kv.config import ConfigError, TieredConfig, admit_after
+from tiered_kv.config import ConfigError, TieredConfig, adaptive_admission, admit_after
 from tiered_kv.cpu import cpu_tier_manager
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
@@ -72,6 +72,7 @@ class CPUOffloadingSpec(OffloadingSpec):
             self.offloaded_block_size,
             enable_events=self.enable_events,
             admit_after=admit_after(self.config.cpu_admission, "cpu"),
+            adaptive=adaptive_admission(self.config.cpu_admission),
         )
 
     def get_handlers(

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
-from tiered_kv.config import ConfigError, TieredConfig, admit_after, retention_share
+from tiered_kv.config import ConfigError, TieredConfig, adaptive_admission, admit_after, retention_share
 from tiered_kv.prefill import PrefillEstimate, configured_prefill
 from tiered_kv.cpu import SessionRetention, cpu_tier_manager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
@@ -146,6 +146,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             self.offloaded_block_size,
             enable_events=self.enable_events,
             admit_after=admit_after(self.config.cpu_admission, "cpu"),
+            adaptive=adaptive_admission(self.config.cpu_admission),
             retention=self._retention(),
         )
         lower = []
