@@ -72,7 +72,7 @@ from replay_serving_workloads import (  # noqa: E402
     time_scale,
 )
 
-from tiered_kv.config import parse_cpu_retention  # noqa: E402
+from tiered_kv.config import TieredConfig, parse_cpu_admission, parse_cpu_retention  # noqa: E402
 from tiered_kv.config_values import parse_size  # noqa: E402
 from tiered_kv.integrations.vllm.hints import HintSettings  # noqa: E402
 from tiered_kv.prefill import ASSUMED_MFU  # noqa: E402
@@ -95,8 +95,8 @@ def run_config(
     lower_blocks: int,
     scratch: Path | None = None,
     prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
-    cpu_retention: str = "none",
-    cpu_admission: str = "all",
+    cpu_retention: str = TieredConfig.cpu_retention,
+    cpu_admission: str = TieredConfig.cpu_admission,
     eviction_policy: str = "lru",
     hint_prefetch: bool = False,
     disk_retention: str = "none",
@@ -253,7 +253,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="prefetch reads in flight (the product's prefetch_max_bytes; default 256MiB)",
     )
     p.add_argument(
-        "--cpu-retention", default="none", help="the CPU tier's cpu_retention: none (default), session, session(S)"
+        "--cpu-retention",
+        default=TieredConfig.cpu_retention,
+        help=f"the CPU tier's cpu_retention: none, session, session(S) (default: the product's, {TieredConfig.cpu_retention})",
+    )
+    p.add_argument(
+        "--cpu-admission",
+        default=TieredConfig.cpu_admission,
+        help=f"the CPU tier's cpu_admission: all, reuse(N), adaptive(N) (default: the product's, {TieredConfig.cpu_admission})",
     )
     p.add_argument("--token-budget", type=int, default=8192, help="tokens per step (default 8192)")
     p.add_argument("--max-seqs", type=int, default=256)
@@ -280,6 +287,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     try:
         args.prefetch_max_bytes = parse_size(args.prefetch_max_bytes, "--prefetch-max-bytes")
         args.cpu_retention = parse_cpu_retention(args.cpu_retention, "--cpu-retention")
+        args.cpu_admission = parse_cpu_admission(args.cpu_admission, "--cpu-admission")
     except ValueError as e:
         p.error(str(e))
     return args
@@ -324,6 +332,7 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
             args.scratch,
             args.prefetch_max_bytes,
             args.cpu_retention,
+            args.cpu_admission,
         )
         for c in args.configs
     ]
@@ -338,7 +347,8 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
         f"{engine.token_budget} tokens a step\n"
         f"{tier.name} tier ({tier.medium}): {tier.gbps:g} GB/s, {latency:g} ms a job, "
         f"{'hits read back first' if tier.verify else 'no read-back check'}; capacities: device "
-        f"{engine.device_blocks:,}, CPU {cpu_blocks:,} ({args.cpu_gbps:g} GB/s), {tier.name} {lower_blocks:,} chunks\n"
+        f"{engine.device_blocks:,}, CPU {cpu_blocks:,} ({args.cpu_gbps:g} GB/s; cpu_admission {args.cpu_admission}, "
+        f"cpu_retention {args.cpu_retention}), {tier.name} {lower_blocks:,} chunks\n"
     )
     return header, results, tier
 

@@ -7,8 +7,8 @@ since no KV bytes move), and the engine's private files of ``SlotHealth`` and
 ``LoadTimings`` (as ``build_manager`` makes them), all removed by ``close``.
 
 What is the product's code: the CPU tier's manager (``cpu_tier_manager``: LRU unless
-given, with the ``cpu_admission`` and ``cpu_retention`` given, default ``all`` and
-``none``), the lower tier's ``DiskOffloadingManager`` (for ``--tier shared`` the same
+given, with the ``cpu_admission`` and ``cpu_retention`` given, default the product's),
+the lower tier's ``DiskOffloadingManager`` (for ``--tier shared`` the same
 manager named ``remote`` with medium ``REMOTE``, so its prior is
 ``PRIOR_GBPS["REMOTE"]``), the composite ``TieredOffloadingManager`` (write-through,
 promote on hit, ``max_pending_disk_writes`` as configured by default), ``LoadCosts``
@@ -178,8 +178,8 @@ def build_stack(
     verify_read: Callable[[bytes, int, Callable[[], None]], None],
     scratch: Path | None = None,
     prefetch_max_bytes: int = HintSettings.prefetch_max_bytes,
-    cpu_retention: str = "none",
-    cpu_admission: str = "all",
+    cpu_retention: str = TieredConfig.cpu_retention,
+    cpu_admission: str = TieredConfig.cpu_admission,
     eviction_policy: str = TieredConfig.eviction_policy,
     hint_prefetch: bool = False,
     disk_retention: str = "none",

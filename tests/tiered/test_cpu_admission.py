@@ -1,5 +1,7 @@
 """``cpu_admission: reuse(N)``: a block ranks first to evict in the CPU tier until its Nth
-use, and is still stored, reported and written below as without admission."""
+use, and is still stored, reported and written below as without admission; and
+``adaptive(N)``: the tier follows ``reuse(N)`` while a miniature cache running it hits
+more than one running ``all``, and ``all`` otherwise."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from tiered_kv.disk.format.manifest import slot_size_for
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.admission import MINIATURE_SLOTS, AdaptiveAdmission, MiniatureCache
 from tiered_kv.tiered.manager import TieredOffloadingManager
 
 LAYOUT = KVCacheLayout((LayerLayout("kv", (1, 64), False),), torch.uint8, 16)
@@ -187,3 +191,143 @@ def test_the_spec_builds_the_cpu_tier_with_the_rule(policy):
         TieredConfig.from_dict({"cpu_bytes": "1MiB", "cpu_admission": "all"}), 16, layout=LAYOUT
     ).get_manager()
     assert plain.admission.admit_after == (1,)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- adaptive(N)
+
+
+def use(manager, block_hash):
+    """What the engine does for one block: load it if the tiers hold it, else store it."""
+    if manager.lookup([block_hash]) == 1:
+        manager.prepare_load([block_hash])
+        manager.complete_load([block_hash])
+        manager.touch([block_hash])
+        return True
+    stored(manager, [block_hash])
+    return False
+
+
+def scan_over_hot_set(hot: int, rounds: int, scan: int):
+    """A hot set used every round, between scans of blocks used once: LRU loses the hot
+    set to each scan; a rule that ranks first uses first to evict keeps it."""
+    fresh = 10**6
+    for _ in range(rounds):
+        yield from range(hot)
+        yield from range(fresh, fresh + scan)
+        fresh += scan
+
+
+def used_twice_nearby(blocks: int, distance: int):
+    """Each block used twice, ``distance`` uses apart, never again: ``all`` hits every
+    second use; ``reuse(2)`` fills the tier with blocks that will not come back."""
+    for i in range(blocks + distance):
+        if i < blocks:
+            yield i
+        if i >= distance:
+            yield i - distance
+
+
+def test_a_miniature_cache_without_admission_is_lru():
+    mini = MiniatureCache(2, 1)
+    assert [mini.use(h(i)) for i in (1, 2, 1, 3, 2, 1)] == [False, False, True, False, False, False]
+    assert len(mini) == 2
+
+
+def test_a_miniature_cache_with_admission_evicts_first_uses_first():
+    mini = MiniatureCache(2, 2)
+    assert [mini.use(h(i)) for i in (1, 1, 2, 3, 1)] == [False, True, False, False, True]
+    # h(1) was admitted by its second use; h(2), used once, went before it.
+    assert not mini.use(h(2))
+
+
+def test_adaptive_admission_takes_reuse_where_a_scan_would_flush_the_hot_set():
+    admission = AdaptiveAdmission(2, 64, 256, TieredStats())
+    assert admission.rate == 1  # below MINIATURE_SLOTS slots every block is sampled
+    for i in scan_over_hot_set(hot=32, rounds=20, scan=64):
+        admission.note([h(i)])
+    assert admission.in_force(0) and admission.score > 0
+    assert not admission.admits(0, h(10**9))  # a block never seen is turned away
+    assert admission.admits(0, h(3))  # a hot block is admitted
+    assert admission.stats.tiers["cpu"]["admission_switches"] == 1
+
+
+def test_adaptive_admission_keeps_all_where_blocks_come_back_once_nearby():
+    admission = AdaptiveAdmission(2, 64, 256, TieredStats())
+    for i in used_twice_nearby(blocks=2000, distance=40):
+        admission.note([h(i)])
+    assert not admission.in_force(0) and admission.score < 0
+    assert admission.admits(0, h(10**9))
+    assert admission.admitted(0, [h(1), h(2)]) == [h(1), h(2)]
+
+
+def test_a_large_tier_samples_its_blocks():
+    admission = AdaptiveAdmission(2, 64 * MINIATURE_SLOTS, 1000, TieredStats())
+    assert admission.rate == 64
+    assert len(admission._all) == 0
+    admission.note([h(i) for i in range(64 * 100)])
+    # About one block in 64 reaches the miniatures.
+    assert 40 < len(admission._all) < 180
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_cpu_tier_follows_the_rule_that_hits_more(policy):
+    def hits(admission_rule: int, adaptive: bool, uses) -> int:
+        cpu = cpu_tier_manager(policy, 64, 16, admit_after=admission_rule, adaptive=adaptive)
+        m = TieredOffloadingManager(cpu, None, costs=None)
+        return sum(use(m, h(i)) for i in uses)
+
+    scan = list(scan_over_hot_set(hot=32, rounds=40, scan=64))
+    nearby = list(used_twice_nearby(blocks=3000, distance=40))
+    lru_scan, reuse_scan, adaptive_scan = hits(1, False, scan), hits(2, False, scan), hits(2, True, scan)
+    lru_near, reuse_near, adaptive_near = hits(1, False, nearby), hits(2, False, nearby), hits(2, True, nearby)
+    assert reuse_scan > lru_scan and lru_near > reuse_near  # each fixed rule loses one trace
+    # The adaptive rule learns which before it follows it: near the better one on both.
+    assert adaptive_scan >= reuse_scan - 3 * 32 and adaptive_scan > lru_scan
+    assert adaptive_near == lru_near
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_turning_reuse_on_ranks_the_blocks_used_once_first_to_evict(policy):
+    cpu = cpu_tier_manager(policy, 8, 16, admit_after=2, adaptive=True)
+    m = TieredOffloadingManager(cpu, None, costs=None)
+    stored(m, [h(1)])
+    stored(m, [h(1)])  # used twice
+    for i in range(2, 8):
+        stored(m, [h(i)])  # used once, the newer blocks
+    assert not cpu.admission.in_force(0)
+    cpu.admission.score = 1.0  # the miniatures found reuse(2) hits more
+    m.lookup([h(1)])
+    cpu.note_uses([h(50)])  # the next use turns it on
+    assert cpu.admission.in_force(0)
+    # Those used once go before h(1), least recent first, though h(1) is the least recent.
+    evicted = stored(m, [h(8), h(9), h(10)]).block_hashes_evicted  # one slot was free
+    assert evicted == [h(2), h(3)]
+    assert m.lookup([h(1)]) == 1
+
+
+@pytest.mark.parametrize(
+    "value, expected", [("adaptive", "adaptive(2)"), ("adaptive(3)", "adaptive(3)"), ("adaptive( 4 )", "adaptive(4)")]
+)
+def test_config_values(value, expected):
+    assert TieredConfig.from_dict({"cpu_admission": value}).cpu_admission == expected
+
+
+@pytest.mark.parametrize("bad", ["adaptive(1)", "adaptive(0)", "adaptive()", "adaptive(x)", "adaptively"])
+def test_bad_values_name_the_key_the_value_and_the_forms(bad):
+    with pytest.raises(ConfigError) as exc:
+        TieredConfig.from_dict({"cpu_admission": bad})
+    message = str(exc.value)
+    assert "cpu_admission" in message and "adaptive(N)" in message and bad in message
+
+
+def test_a_rule_of_one_use_cannot_adapt():
+    with pytest.raises(ValueError, match="admit_after >= 2"):
+        AdaptiveAdmission(1, 64, 256, TieredStats())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_spec_builds_the_adaptive_rule(policy):
+    config = TieredConfig.from_dict({"cpu_bytes": "1MiB", "eviction_policy": policy, "cpu_admission": "adaptive(3)"})
+    manager = CPUOffloadingSpec(config, 16, layout=LAYOUT).get_manager()
+    assert isinstance(manager.admission, AdaptiveAdmission)  # type: ignore[attr-defined]
+    assert manager.admission.admit_after == (3,)  # type: ignore[attr-defined]

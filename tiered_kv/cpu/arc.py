@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator
+from itertools import compress
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.cpu.manager import CPUOffloadingManager
@@ -142,12 +143,13 @@ class ARCOffloadingManager(CPUOffloadingManager):
         super()._order_cold(block_hashes, slots)
 
     def _order_demote(self) -> None:
-        admits, occupant, cold = self.admission.admits, self._occupant, self._cold
+        cold = self._cold
         for lst in (self._t1, self._t2):
-            slots = [s for s in lst if not admits(0, occupant(s))]
-            for slot in slots:
+            ranked = list(lst)
+            admitted = self.admission.admits_each(0, list(map(self._occupant, ranked)))
+            for slot in compress(ranked, [not a for a in admitted]):
                 del lst[slot]
-            cold.update(dict.fromkeys(slots))
+                cold[slot] = None
 
     def _order_warm(self, slots: list[int]) -> None:
         awaiting, t1 = self._awaiting_touch, self._t1

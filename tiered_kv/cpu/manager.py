@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
-from itertools import chain, filterfalse, islice
+from itertools import chain, compress, filterfalse, islice
 from typing import cast
 
 from tiered_kv.abstract import BlockHash, OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -470,12 +470,13 @@ class CPUOffloadingManager(OffloadingManager):
         not admit go first to evict, least recent first, as if it had been on when they
         were stored (else they would outlive every block stored after, since those not
         admitted are evicted first)."""
-        admits, occupant, order = self.admission.admits, self._occupant, self._order
-        start = len(self._free) + len(self._cold) + len(self._kept)
-        slots = [s for s in islice(order, start, None) if not admits(0, occupant(s))]
-        for slot in slots:
-            order.move_to_end(slot, last=False)
-        self._cold.update(dict.fromkeys(slots))
+        order, cold = self._order, self._cold
+        ranked = list(islice(order, len(self._free) + len(cold) + len(self._kept), None))
+        admitted = self.admission.admits_each(0, list(map(self._occupant, ranked)))
+        to_front = order.move_to_end
+        for slot in compress(ranked, [not a for a in admitted]):
+            to_front(slot, False)
+            cold[slot] = None
 
     def _order_warm(self, slots: list[int]) -> None:
         """Slots just taken out of ``_cold`` join the ranked ones, most recent."""

@@ -19,6 +19,7 @@ newest blocks come back once, after a tool's gap): a fixed choice is wrong somew
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
@@ -69,6 +70,14 @@ class WriteAdmission:
         """Whether tier ``i`` takes ``block_hash`` now; counts nothing."""
         n = self.admit_after[i]
         return n <= 1 or self.uses(block_hash) >= n
+
+    def admits_each(self, i: int, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """``admits`` for each of ``block_hashes``, in order; counts nothing."""
+        n = self.admit_after[i]
+        if n <= 1 or not self.in_force(i):
+            return [True] * len(block_hashes)
+        recent, older = self._recent.get, self._older.get
+        return [recent(h, 0) + older(h, 0) >= n for h in block_hashes]
 
     def admitted(self, i: int, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """The members of ``block_hashes`` lower tier ``i`` takes now, in order."""
@@ -154,7 +163,12 @@ class AdaptiveAdmission(WriteAdmission):
         super().note(block_hashes)
         rate, keep, score = self.rate, self._keep, self.score
         reuse, everything = self._reuse.use, self._all.use
-        for h in [h for h in block_hashes if hash(h) % rate == 0] if rate > 1 else block_hashes:
+        if rate > 1 and block_hashes:
+            # crc32 for bytes: the same sample in every process (Python's hash of bytes is
+            # salted per process), so a replay repeats itself.
+            key = zlib.crc32 if isinstance(block_hashes[0], (bytes, bytearray)) else hash
+            block_hashes = [h for h in block_hashes if key(h) % rate == 0]
+        for h in block_hashes:
             score = score * keep + reuse(h) - everything(h)
         self.score = score
         if (score > 0) != self.reuse_chosen:
