@@ -454,7 +454,13 @@ def main() -> int:
     args = ap.parse_args()
     EVENTS = args.events
     admission, _, retention = args.cpu_rules.partition(",")
-    CPU_RULES = (parse_cpu_admission(admission, "--cpu-rules"), parse_cpu_retention(retention or "none", "--cpu-rules"))
+    try:
+        CPU_RULES = (
+            parse_cpu_admission(admission, "--cpu-rules"),
+            parse_cpu_retention(retention or "none", "--cpu-rules"),
+        )
+    except ValueError as e:
+        ap.error(str(e))
     print(f"CPU tier: cpu_admission {CPU_RULES[0]}, cpu_retention {CPU_RULES[1]}")
     ops = ("lookup", "prepare_store", "complete_store", "touch")
     print(f"per-block cost in ns ({BATCH}-block calls); ratio = tiered / vllm-cpu")
