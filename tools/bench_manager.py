@@ -49,13 +49,10 @@ from pathlib import Path
 from tiered_kv.abstract import PrepareStoreOutput
 from tiered_kv.config import (
     TieredConfig,
-    adaptive_admission,
-    admit_after,
     parse_cpu_admission,
     parse_cpu_retention,
-    retention_share,
 )
-from tiered_kv.cpu import SessionRetention, cpu_tier_manager
+from tiered_kv.cpu import cpu_tier_for_rules
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.index import DiskIndex
@@ -201,17 +198,7 @@ def disk_manager(tmp: str, n: int) -> DiskOffloadingManager:
 def cpu_manager(n: int) -> CPUOffloadingManager:
     """The CPU tier as a default config builds it: LRU with ``cpu_admission`` and
     ``cpu_retention`` (``--cpu-rules``)."""
-    admission, retention = CPU_RULES
-    share = retention_share(retention)
-    return cpu_tier_manager(
-        "lru",
-        n,
-        16,
-        enable_events=EVENTS,
-        admit_after=admit_after(admission, "cpu"),
-        adaptive=adaptive_admission(admission),
-        retention=None if share is None else SessionRetention(n, share),
-    )
+    return cpu_tier_for_rules("lru", n, 16, *CPU_RULES, enable_events=EVENTS)
 
 
 def busy_loop(iterations: int) -> None:

@@ -48,15 +48,13 @@ from replay_cost import LAYOUT
 
 from tiered_kv.config import (
     TieredConfig,
-    adaptive_admission,
-    admit_after,
     parse_cpu_admission,
     parse_cpu_retention,
     parse_retention,
     retention_share,
 )
 from tiered_kv.cost import LoadCosts, Queues
-from tiered_kv.cpu import SessionRetention, cpu_tier_manager
+from tiered_kv.cpu import cpu_tier_for_rules
 from tiered_kv.disk.format.manifest import slot_size_for
 from tiered_kv.disk.scheduler.hit_check import DiskHitCheck
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
@@ -203,17 +201,14 @@ def build_stack(
         raise ValueError(f"cpu_blocks and lower_blocks must be >= 1, got {cpu_blocks}, {lower_blocks}")
     work = Path(tempfile.mkdtemp(prefix="replay-serving-", dir=scratch))
     engine_id = f"replay-serving-{uuid.uuid4().hex[:12]}"
-    share = retention_share(parse_cpu_retention(cpu_retention, "--cpu-retention"))
-    retention = None if share is None else SessionRetention(cpu_blocks, share, clock=clock)
-    admission = parse_cpu_admission(cpu_admission, "cpu_admission")
-    cpu = cpu_tier_manager(
+    cpu = cpu_tier_for_rules(
         eviction_policy,
         cpu_blocks,
         tokens_per_block,
+        parse_cpu_admission(cpu_admission, "cpu_admission"),
+        parse_cpu_retention(cpu_retention, "--cpu-retention"),
         enable_events=False,
-        admit_after=admit_after(admission, "cpu"),
-        retention=retention,
-        adaptive=adaptive_admission(admission),
+        clock=clock,
     )
     lower: list[DiskOffloadingManager] = []
     used = tier if config != "recompute" else None

@@ -14,9 +14,15 @@ rank a stored request's head most recent. With ``cpu_admission: reuse(N)`` eithe
 ranks a block first to evict until its Nth use (``CPUOffloadingManager``), with
 ``adaptive(N)`` only while miniature caches find that it pays; with
 ``cpu_retention: session`` either one passes over the blocks a ``SessionRetention``
-holds for returning sessions (``tiered_kv.tiered.retention``).
+holds for returning sessions (``tiered_kv.tiered.retention``). ``cpu_tier_for_rules``
+builds the manager from those config values, for the hierarchy's spec and every tool
+that measures it.
 """
 
+import time
+from collections.abc import Callable
+
+from tiered_kv.config import adaptive_admission, admit_after, retention_share
 from tiered_kv.cpu.arc import ARCOffloadingManager
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.tiered.retention import SessionRetention
@@ -51,9 +57,34 @@ def cpu_tier_manager(
     )
 
 
+def cpu_tier_for_rules(
+    eviction_policy: str,
+    num_slots: int,
+    block_size: int,
+    cpu_admission: str,
+    cpu_retention: str,
+    enable_events: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> CPUOffloadingManager:
+    """The CPU tier's manager for the config values ``eviction_policy``, ``cpu_admission``
+    and ``cpu_retention`` (parsed), the retention rule on ``clock``: what the hierarchy's
+    spec builds, and what the replays and benchmarks build to measure it."""
+    share = retention_share(cpu_retention)
+    return cpu_tier_manager(
+        eviction_policy,
+        num_slots,
+        block_size,
+        enable_events=enable_events,
+        admit_after=admit_after(cpu_admission, "cpu"),
+        adaptive=adaptive_admission(cpu_admission),
+        retention=None if share is None else SessionRetention(num_slots, share, clock=clock),
+    )
+
+
 __all__ = [
     "ARCOffloadingManager",
     "CPUOffloadingManager",
     "SessionRetention",
+    "cpu_tier_for_rules",
     "cpu_tier_manager",
 ]

@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 import torch
 
 from tiered_kv.abstract import Closing, LoadStoreSpec
-from tiered_kv.config import ConfigError, TieredConfig, adaptive_admission, admit_after, retention_share
+from tiered_kv.config import ConfigError, TieredConfig, admit_after
 from tiered_kv.prefill import PrefillEstimate, configured_prefill
-from tiered_kv.cpu import SessionRetention, cpu_tier_manager
+from tiered_kv.cpu import cpu_tier_for_rules
 from tiered_kv.cpu.spec import CPUOffloadingSpec
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.kv_layout import KVCacheLayout
@@ -134,20 +134,14 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
 
     # ------------------------------------------------------------ scheduler process
 
-    def _retention(self) -> SessionRetention | None:
-        """The CPU tier's ``cpu_retention`` (None for ``none``)."""
-        share = retention_share(self.config.cpu_retention)
-        return None if share is None else SessionRetention(self.num_cpu_slots, share)
-
     def get_manager(self) -> TieredOffloadingManager:
-        cpu = cpu_tier_manager(
+        cpu = cpu_tier_for_rules(
             self.config.eviction_policy,
             self.num_cpu_slots,
             self.offloaded_block_size,
+            self.config.cpu_admission,
+            self.config.cpu_retention,
             enable_events=self.enable_events,
-            admit_after=admit_after(self.config.cpu_admission, "cpu"),
-            adaptive=adaptive_admission(self.config.cpu_admission),
-            retention=self._retention(),
         )
         lower = []
         try:
