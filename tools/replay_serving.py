@@ -32,7 +32,10 @@ Prints a markdown table per run: TTFT mean, p50, p90, p99 (ms), goodput (share o
 requests with TTFT <= ``--slo-ms``), GPU busy share (step time over the span from the
 first arrival to the last first token), prompt tokens by source, and GB read and
 written per tier (the lower tier's reads: all, and of them the hit-check reads and,
-with a prefetching row, the prefetch reads).
+with a prefetching row, the prefetch reads). A second table says where the time to first
+token goes (``phases_table``): waiting for the lookup, loading, waiting after the load,
+computing; and for the requests that loaded from the lower tier, the most that prefetch
+at arrival could save (a load hidden in the wait before the lookup, at most that wait).
 
     python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
         --utilisation 0.9 --tier-gbps 3
@@ -59,7 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from benchlib import md_table  # noqa: E402
 from replay_serving_io import ReadsFirstChannel  # noqa: E402
-from replay_serving_sim import Arrival, Channel, Engine, EngineConfig, Events, GpuModel, RunResult  # noqa: E402
+from replay_serving_model import EngineConfig, GpuModel  # noqa: E402
+from replay_serving_sim import Arrival, Channel, Engine, Events, RunResult  # noqa: E402
 from replay_serving_stack import CONFIGS, DECIDING, PREFETCHING, TierModel, build_stack  # noqa: E402
 from replay_serving_workloads import (  # noqa: E402
     GENERATED,
@@ -190,6 +194,27 @@ def table(results: Sequence[RunResult], tier: TierModel, slo_s: float) -> str:
                 _gb(r.channel_bytes["GPU->CPU"]["write"]),
             ]
         )
+    return md_table(headers, rows, left=1)
+
+
+def phases_table(results: Sequence[RunResult], tier: TierModel) -> str:
+    """Where the time to first token goes (``RunResult.phases``), mean seconds per request:
+    waiting for the lookup that admits it, loading, waiting for the step that runs it after
+    its load, computing; and, for the requests that loaded from the lower tier, their wait
+    and load, and the most that prefetch at arrival could save: the lower-tier load of a
+    request that waited no longer than that, its wait otherwise, over the mean TTFT."""
+    name = tier.name
+    headers = ["config", "waiting", "loading", "after load", "computing", f"share loading from {name}"]
+    headers += ["their waiting", "their loading", "prefetch at arrival saves at most"]
+    rows = []
+    for r in results:
+        p = np.asarray([ph[:4] for ph in r.phases]).reshape(-1, 4)
+        lower = np.asarray([ph[4] for ph in r.phases], dtype=bool)
+        ttft = p.sum(axis=1).mean()
+        saves = np.minimum(p[lower, 0], p[lower, 1]).sum() / len(p)
+        waits = [f"{p[lower, i].mean():.2f}" if lower.any() else "-" for i in (0, 1)]
+        rows.append([r.config, *(f"{x:.2f}" for x in p.mean(axis=0)), f"{lower.mean():.2f}", *waits])
+        rows[-1].append(f"{saves:.2f} s ({100 * saves / ttft:.1f}%)")
     return md_table(headers, rows, left=1)
 
 
@@ -359,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header, results, tier = replay(args)
     print(header)
     print(table(results, tier, args.slo_ms / 1e3))
+    print("\nWhere the time to first token goes (mean s per request):\n")
+    print(phases_table(results, tier))
     print()
     print("\n".join(notes(results, tier)))
     print(f"\n{time.perf_counter() - t0:.0f} s")

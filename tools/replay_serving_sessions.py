@@ -96,7 +96,8 @@ import numpy as np
 from benchlib import md_table
 from replay_policies import Policy, _common_prefix, parse_policy
 from replay_serving import DEVICE_TOKENS, LATENCY_MS, run_config
-from replay_serving_sim import Arrival, EngineConfig, GpuModel, RunResult
+from replay_serving_model import EngineConfig, GpuModel
+from replay_serving_sim import Arrival, RunResult
 from replay_serving_stack import TierModel
 from replay_serving_workloads import TOKENS_PER_BLOCK, Stream, estimate_work
 from replay_workloads import CLAUDE_CODE_BLOCK_TOKENS, AgentRequest

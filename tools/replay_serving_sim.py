@@ -46,9 +46,9 @@ request's first token, as a client that waits for its answer sends its next turn
 (``replay_serving_sessions``). A request naming a ``prefix`` shared with its session's
 previous request is counted on arrival as a turn, and whether all of that prefix is in
 the CPU tier, and in some tier (the GPU's prefix cache included). A request may name its
-session (vLLM's ``session_id``, kept in its ``ReqContext`` as the connector keeps it) and
-carry KV hints (its ``ReqContext.kv_hints``): leases are counted as held or not on
-arrival, and the leases and pins at every step (``RunResult.hints``).
+session (vLLM's ``session_id``, in its ``ReqContext``) and carry KV hints (its
+``ReqContext.kv_hints``): leases are counted on arrival and at every step (``RunResult.hints``).
+Each request's time to first token is split into phases (``RunResult.phases``).
 
 Not called: ``get_load_source``, ``take_events`` and ``get_stats`` (vLLM's metrics and
 KV events: they change no answer). Not modelled: decode, preemption, tensor parallelism,
@@ -81,6 +81,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from replay_serving_io import Channel, Events
+from replay_serving_model import EngineConfig, GpuModel
 from replay_serving_stack import INSTANT_PREFETCH, Stack
 from vllm.v1.kv_hints import KvHintsEnvelope
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
@@ -91,57 +92,6 @@ from tiered_kv.prefill import prefill_work
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 
 _HIT, _PENDING, _RETRY = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY
-
-
-@dataclass(frozen=True)
-class GpuModel:
-    """Prefill cost of one GPU (default: Llama-3.1-8B bf16 on one H100 SXM, 989 TFLOPS
-    dense BF16, an ASSUMED 50% MFU: 30,800 tokens/s before attention)."""
-
-    params: float = 8.03e9
-    layers: int = 32
-    hidden: int = 4096
-    kv_bytes_per_token: int = 131_072
-    mfu: float = 0.5
-    peak_tflops: float = 989.0
-    step_overhead_s: float = 0.002
-
-    def __post_init__(self) -> None:
-        if min(self.params, self.layers, self.hidden, self.kv_bytes_per_token, self.mfu, self.peak_tflops) <= 0:
-            raise ValueError(f"every model figure must be > 0, got {self}")
-        if self.step_overhead_s < 0:
-            raise ValueError(f"step overhead must be >= 0 s, got {self.step_overhead_s}")
-
-    def flops(self, tokens: int, context: int) -> float:
-        """FLOPs of prefilling ``tokens`` tokens after ``context`` tokens (module docstring)."""
-        return 2 * self.params * tokens + 4 * self.layers * self.hidden * (tokens * context + tokens * (tokens + 1) / 2)
-
-    def seconds(self, flops: float) -> float:
-        return flops / (self.mfu * self.peak_tflops * 1e12)
-
-    @property
-    def linear_tokens_per_s(self) -> float:
-        """Prefill tokens/s with attention ignored (``tiered_kv.cost``'s estimate)."""
-        return self.mfu * self.peak_tflops * 1e12 / (2 * self.params)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's limits and the CPU link: tokens per step, running requests, GPU KV
-    cache (and prefix cache) in chunks, CPU <-> GPU GB/s each way, tokens per chunk."""
-
-    device_blocks: int
-    token_budget: int = 8192
-    max_seqs: int = 256
-    cpu_gbps: float = 50.0
-    tokens_per_block: int = 512
-
-    def __post_init__(self) -> None:
-        if (
-            min(self.device_blocks, self.token_budget, self.max_seqs, self.tokens_per_block) < 1
-            or not self.cpu_gbps > 0
-        ):
-            raise ValueError(f"engine limits must be positive, got {self}")
 
 
 @dataclass(frozen=True)
@@ -197,6 +147,10 @@ class Request:
     next_store: int = 0  # vLLM's next_stored_chunk_idx
     first_token: float | None = None
     sources: Counter[str] = field(default_factory=Counter)  # tokens by where they came from
+    # When its lookup admitted it, its load was reported done, its first tokens were scheduled.
+    admitted: float | None = None
+    loaded: float | None = None
+    started: float | None = None
 
 
 @dataclass(eq=False)
@@ -234,6 +188,9 @@ class RunResult:
     # at a step; ``on_arrival``: per action type, those naming a lease, ``.again`` one named
     # before, ``.held`` one held within its TTL.
     hints: dict = field(default_factory=dict)
+    # Per request (arrival order): seconds waiting for its lookup, loading, waiting after
+    # its load, computing to its first token; and whether it loaded from a lower tier.
+    phases: list[tuple[float, float, float, float, bool]] = field(default_factory=list)
 
 
 class Engine:
@@ -304,17 +261,12 @@ class Engine:
         spec = self.manager.prepare_load(keys, r.ctx).inner
         job = _Job(r, keys, store=False)
         bpb, record = self.bpb, self.stack.timings.record
-        n_cpu = n_direct = n_promoted = 0
+        n_cpu, n_promoted = len(keys), 0
         if isinstance(spec, TieredLoadSpec):
-            for cpu_slot, promote in zip(spec.cpu_slots.tolist(), spec.promote_slots.tolist()):
-                if cpu_slot >= 0:
-                    n_cpu += 1
-                elif promote >= 0:
-                    n_promoted += 1
-                else:
-                    n_direct += 1
-        else:
-            n_cpu = len(keys)
+            cpu_slots, promote = spec.cpu_slots.tolist(), spec.promote_slots.tolist()
+            n_cpu = sum(c >= 0 for c in cpu_slots)
+            n_promoted = sum(c < 0 <= p for c, p in zip(cpu_slots, promote))
+        n_direct = len(keys) - n_cpu - n_promoted
         tpb = self.cfg.tokens_per_block
         r.sources["CPU"] += n_cpu * tpb
         r.sources["tier"] += (n_direct + n_promoted) * tpb
@@ -396,6 +348,7 @@ class Engine:
             self.being_loaded.subtract(job.keys)
             self.being_loaded += Counter()
             self.device.insert(r.keys[: r.computed // self.cfg.tokens_per_block])
+            r.loaded = self.events.now
             self.ready.append(r)
 
     # ------------------------------------------------------------------ lookups
@@ -459,6 +412,7 @@ class Engine:
             budget -= n
         while self.ready and budget > 0 and len(self.running) < cfg.max_seqs:
             r = self.ready.popleft()
+            r.started = self.events.now
             n = min(r.tokens - r.computed, budget)
             scheduled.append((r, n))
             self.running.append(r)
@@ -479,6 +433,7 @@ class Engine:
                 kept.append(r)  # vLLM's allocation fails: no more admissions this step
                 break
             self.reserved += r.tokens
+            r.admitted = r.started = self.events.now
             r.sources["GPU"] += n_dev * tpb
             r.computed = (n_dev + hits) * tpb
             if hits:
@@ -597,4 +552,12 @@ class Engine:
             self.survived,
             dict(retention.counts) if retention is not None else {},
             hints,
+            [_phases(r) for r in reqs if r.first_token is not None],
         )
+
+
+def _phases(r: Request) -> tuple[float, float, float, float, bool]:
+    """``RunResult.phases`` of a finished request."""
+    admitted, started, first = r.admitted or r.arrival, r.started or r.arrival, r.first_token or r.arrival
+    loaded = r.loaded if r.loaded is not None else admitted
+    return admitted - r.arrival, loaded - admitted, started - loaded, first - started, r.sources["tier"] > 0

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from replay_serving_sim import Arrival, GpuModel
+from replay_serving_model import GpuModel
+from replay_serving_sim import Arrival
 from replay_workloads import FULL, generate, read_mooncake
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
 

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import replay_serving  # noqa: E402
 from replay_serving import run_config  # noqa: E402
-from replay_serving_sim import Arrival, Channel, EngineConfig, Events, GpuModel  # noqa: E402
+from replay_serving_model import EngineConfig, GpuModel  # noqa: E402
+from replay_serving_sim import Arrival, Channel, Events  # noqa: E402
 from replay_serving_stack import TierModel  # noqa: E402
 from replay_serving_workloads import arrivals, estimate_work, generated, time_scale  # noqa: E402
 from vllm.v1.kv_offload.base import make_offload_key  # noqa: E402
@@ -167,6 +168,19 @@ def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_
     assert early.ttft[:3] == plain.ttft[:3]
     # Its first token as soon as the GPU is free: the disk read (0.27 s) was hidden in its wait.
     assert early.ttft[3] < plain.ttft[3] - 0.9 * 4 * BPB / 1e9
+    # The phases: each request's add up to its TTFT; without prefetch the repeat waits for
+    # the blocker's step, then reads the disk; with it, it loads from CPU.
+    for run in (plain, early):
+        assert [sum(ph[:4]) for ph in run.phases] == pytest.approx(run.ttft, abs=1e-9)
+    waited, loading, _, _, from_disk = plain.phases[3]
+    assert from_disk and waited > 0.1 and loading >= 4 * BPB / 1e9
+    assert not early.phases[3][4] and early.phases[3][1] < 4 * BPB / 20e9
+    assert [ph[4] for ph in plain.phases] == [False, False, False, True]
+    table = replay_serving.phases_table([plain, early], tier).splitlines()
+    assert table[0].split("|")[-2].strip() == "prefetch at arrival saves at most"
+    saves = min(waited, loading) / 4
+    assert table[2].split("|")[-2].strip().startswith(f"{saves:.2f} s")
+    assert table[3].split("|")[6].strip() == "0.00"  # no request loaded from the disk
     # The bound: the same jobs landing the moment they are issued, nothing read.
     bound = run_config("cost-aware+instant-prefetch", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
     assert bound.prefetch["disk.prefetches"] == bound.prefetch["disk.prefetch_used"] == 4
@@ -221,14 +235,20 @@ def test_the_command_prints_one_row_per_configuration(tmp_path, capsys):
     argv = ["--trace", str(trace), "--utilisation", "0.8", "--tier-gbps", "2", "--slo-ms", "300"]
     assert replay_serving.main([*argv, "--cpu-tokens", "1024", "--device-tokens", "512"]) == 0
     out = capsys.readouterr().out
-    table = [line for line in out.splitlines() if line.startswith("|")]
+    table, phases = _tables(out)
     assert "mean TTFT ms" in table[0] and "p90 TTFT ms" in table[0] and "goodput @ 300 ms" in table[0]
     assert [line.split("|")[1].strip() for line in table[2:]] == ["always", "recompute", "cost-aware", "e460906"]
+    assert "waiting" in phases[0] and [line.split("|")[1].strip() for line in phases[2:]] == [
+        "always",
+        "recompute",
+        "cost-aware",
+        "e460906",
+    ]
     assert "12 requests" in out
     argv += ["--cpu-tokens", "1024", "--device-tokens", "512"]
     assert replay_serving.main([*argv, "--configs", "cost-aware", "--prefetch"]) == 0
     out = capsys.readouterr().out
-    table = [line for line in out.splitlines() if line.startswith("|")]
+    table = _tables(out)[0]
     assert [line.split("|")[1].strip() for line in table[2:]] == ["cost-aware", "cost-aware+prefetch"]
     assert "disk GB read (hit checks, prefetch)" in table[0] and "chunks prefetched: used" in out
     with pytest.raises(SystemExit):
@@ -243,3 +263,13 @@ def test_the_command_prints_one_row_per_configuration(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replay_serving.main([*argv, "--cpu-retention", "forever"])
     assert "--cpu-retention: expected 'none', 'session'" in capsys.readouterr().err
+
+
+def _tables(out: str) -> list[list[str]]:
+    """The markdown tables in ``out``, each as its lines."""
+    tables: list[list[str]] = []
+    for block in out.split("\n\n"):
+        lines = [line for line in block.splitlines() if line.startswith("|")]
+        if lines:
+            tables.append(lines)
+    return tables

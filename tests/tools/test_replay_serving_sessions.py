@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import replay_claude_code  # noqa: E402
 import replay_serving_sessions as sessions_mod  # noqa: E402
 from replay_serving_sessions import Setup, auto_users, parse_row, run_policy, sessions, time_factor  # noqa: E402
-from replay_serving_sim import Arrival, EngineConfig, GpuModel  # noqa: E402
+from replay_serving_model import EngineConfig, GpuModel  # noqa: E402
+from replay_serving_sim import Arrival  # noqa: E402
 from replay_serving_stack import TierModel, build_stack  # noqa: E402
 from replay_workloads import read_claude_code_folder  # noqa: E402
 from vllm.v1.kv_offload.base import make_offload_key  # noqa: E402
