@@ -34,8 +34,8 @@ first arrival to the last first token), prompt tokens by source, and GB read and
 written per tier (the lower tier's reads: all, and of them the hit-check reads and,
 with a prefetching row, the prefetch reads). A second table says where the time to first
 token goes (``phases_table``): waiting for the lookup, loading, waiting after the load,
-computing; and for the requests that loaded from the lower tier, the most that prefetch
-at arrival could save (a load hidden in the wait before the lookup, at most that wait).
+computing; and for the requests that loaded from the lower tier, what hiding each load
+in its wait before the lookup would save (prefetch at arrival, to first order).
 
     python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
         --utilisation 0.9 --tier-gbps 3
@@ -201,11 +201,13 @@ def phases_table(results: Sequence[RunResult], tier: TierModel) -> str:
     """Where the time to first token goes (``RunResult.phases``), mean seconds per request:
     waiting for the lookup that admits it, loading, waiting for the step that runs it after
     its load, computing; and, for the requests that loaded from the lower tier, their wait
-    and load, and the most that prefetch at arrival could save: the lower-tier load of a
-    request that waited no longer than that, its wait otherwise, over the mean TTFT."""
+    and load, and what hiding each load in its wait would save (prefetch at arrival, to
+    first order: it leaves out the tier time the hidden loads free for others): the
+    lower-tier load of a request that waited no longer than that, its wait otherwise,
+    over the mean TTFT."""
     name = tier.name
     headers = ["config", "waiting", "loading", "after load", "computing", f"share loading from {name}"]
-    headers += ["their waiting", "their loading", "prefetch at arrival saves at most"]
+    headers += ["their waiting", "their loading", "loads hidden in waits save"]
     rows = []
     for r in results:
         p = np.asarray([ph[:4] for ph in r.phases]).reshape(-1, 4)

@@ -210,3 +210,45 @@ def test_bad_bounds_are_named(composite):
         Prefetcher(composite, bytes_per_block=0, max_bytes_in_flight=BPB)
     with pytest.raises(ValueError, match="max_unused must be >= 1 block, got 0"):
         Prefetcher(composite, bytes_per_block=BPB, max_bytes_in_flight=BPB, max_unused=0)
+
+
+def test_a_prefetched_block_ranks_most_recent_where_cpu_admission_ranks_new_stores_first_to_evict(tmp_path):
+    """Under ``cpu_admission: reuse(2)`` a block stored once ranks first to evict; one
+    promoted from the disk has returned, so a prefetch of it (which notes no use: the
+    request has not looked it up yet) must not land there, or the next stores would
+    evict it before its request loads it."""
+    layout = small_layout()
+    disk = DiskOffloadingManager(
+        tmp_path, fingerprint(layout), layout, disk_bytes=disk_bytes_for(layout, 32), engine_id="p", poll_interval=None
+    )
+    m = TieredOffloadingManager(CPUOffloadingManager(4, 16, admit_after=2), disk, max_pending_writes=64)
+    try:
+
+        def store(*ids: int) -> None:
+            for i in ids:
+                out = m.prepare_store([h(i)])
+                assert out is not None
+                m.complete_store(out.block_hashes_to_store)
+                disk.complete_store(list(disk.pending_blocks()))
+
+        store(1)
+        m.cpu.remove(h(1))
+        store(10, 11, 12)
+        p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+        p.want("r1", [h(1)])
+        (job,) = p.issue()
+        p.complete(job.job_id)
+        assert m.cpu.is_loadable(h(1))
+        store(13, 14, 15, 16)  # four stores, each evicting one block first to evict
+        assert m.cpu.is_loadable(h(1)), "the prefetched block was evicted before its load"
+        assert not any(h(i) in m.cpu for i in (10, 11, 12, 13))
+        # Used only if it is still in CPU when its request loads it.
+        p.want("r2", [h(13)])
+        (job,) = p.issue()
+        p.complete(job.job_id)
+        m.cpu.remove(h(13))
+        p.loaded([h(1), h(13)])
+        counts = {event: n for _, event, n in p.counters()}
+        assert counts["prefetch_used"] == 1 and counts["prefetch_wasted"] == 1
+    finally:
+        m.shutdown()

@@ -177,7 +177,7 @@ def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_
     assert not early.phases[3][4] and early.phases[3][1] < 4 * BPB / 20e9
     assert [ph[4] for ph in plain.phases] == [False, False, False, True]
     table = replay_serving.phases_table([plain, early], tier).splitlines()
-    assert table[0].split("|")[-2].strip() == "prefetch at arrival saves at most"
+    assert table[0].split("|")[-2].strip() == "loads hidden in waits save"
     saves = min(waited, loading) / 4
     assert table[2].split("|")[-2].strip().startswith(f"{saves:.2f} s")
     assert table[3].split("|")[6].strip() == "0.00"  # no request loaded from the disk

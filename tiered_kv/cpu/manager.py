@@ -325,15 +325,17 @@ class CPUOffloadingManager(OffloadingManager):
         *,
         checked: bool = True,
         protected: Collection[BlockHash] = (),
+        admit: bool = False,
     ) -> list[int] | None:
         """Reserve one slot per hash in ``block_hashes`` (distinct, none already here),
         evicting unpinned blocks not in ``protected`` in eviction order as needed. The
-        new blocks are pending and most recent, the first most recent of all. Returns
-        their slots in order, or None, changing nothing, when free plus evictable
-        slots are too few. Evicted hashes are appended to ``evicted`` and reported in a
-        removed event. ``checked=False`` skips verifying that the hashes are distinct
-        and absent, for a caller that just established it (``missing_among`` on a
-        deduplicated list)."""
+        new blocks are pending and most recent, the first most recent of all (those
+        ``cpu_admission`` does not admit yet first to evict, unless ``admit``: blocks
+        prefetched for a load to come). Returns their slots in order, or None,
+        changing nothing, when free plus evictable slots are too few. Evicted hashes are
+        appended to ``evicted`` and reported in a removed event. ``checked=False`` skips
+        verifying that the hashes are distinct and absent, for a caller that just
+        established it (``missing_among`` on a deduplicated list)."""
         block_hashes = list(block_hashes)
         if checked:
             blocks = self._slot_by_hash
@@ -342,7 +344,7 @@ class CPUOffloadingManager(OffloadingManager):
                 raise ValueError(f"allocate: block {_short(block_hash)} is already in the CPU tier")
             if len(set(block_hashes)) != len(block_hashes):
                 raise ValueError("allocate: block_hashes contains duplicates")
-        return self._allocate(block_hashes, evicted, protected=protected)
+        return self._allocate(block_hashes, evicted, protected=protected, admit=admit)
 
     def evict(self, n: int, protected: Collection[BlockHash] = ()) -> tuple[list[BlockHash], list[int]] | None:
         """Drop ``n`` evictable blocks not in ``protected``, in eviction order (least
@@ -358,7 +360,11 @@ class CPUOffloadingManager(OffloadingManager):
         return taken
 
     def _allocate(
-        self, block_hashes: list[BlockHash], evicted: list[BlockHash] | None, protected: Collection[BlockHash] = ()
+        self,
+        block_hashes: list[BlockHash],
+        evicted: list[BlockHash] | None,
+        protected: Collection[BlockHash] = (),
+        admit: bool = False,
     ) -> list[int] | None:
         """``allocate`` for hashes known to be new and distinct."""
         need = len(block_hashes) - len(self._free)
@@ -377,7 +383,7 @@ class CPUOffloadingManager(OffloadingManager):
         for block_hash, slot in zip(block_hashes, slots):
             hash_by_slot[slot] = block_hash
         self._pending.update(block_hashes)
-        if self._admitting:
+        if self._admitting and not admit:
             admitted = self.admission.admitted(0, block_hashes)
             if len(admitted) < len(block_hashes):
                 self._insert_split(block_hashes, slots, set(admitted))

@@ -137,10 +137,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._lower_loads: list[Counter[BlockHash]] = [Counter() for _ in tiers]
         # Promotions in flight: block -> whether every load of it has succeeded so far.
         self._promoting: dict[BlockHash, bool] = {}
-        # Where no lower tier is write-through, the CPU blocks that may also be in one:
-        # the promoted ones. Only a spill writes a block down then, and a spilled block
-        # leaves CPU; so any other CPU block is absent below, and evicting it needs no
-        # lower-tier lookup.
+        # Where no lower tier is write-through, the CPU blocks that may also be in one: the
+        # promoted ones. Only a spill writes a block down then, and a spilled block leaves
+        # CPU; so any other CPU block is absent below: evicting it needs no lookup there.
         self._write_back_only = bool(tiers) and all(p == "write_back" for p in policies)
         self._from_lower: set[BlockHash] = set()
         for tier in tiers:
@@ -304,9 +303,10 @@ class TieredOffloadingManager(OffloadingManager):
             lower_tiers=[max(s, 0) for s in sources],
         )
 
-    def _start_promotions(self, lower_hashes: list[BlockHash]) -> dict[BlockHash, int]:
+    def _start_promotions(self, lower_hashes: list[BlockHash], prefetch: bool = False) -> dict[BlockHash, int]:
         """Reserve CPU slots for lower-tier blocks being loaded, using only free slots and
-        victims that a lower tier holds (no spill, no pinned block)."""
+        victims that a lower tier holds (no spill, no pinned block); a ``prefetch`` ranks
+        them most recent whatever ``cpu_admission`` says: the use it serves is to come."""
         wanted = list(dict.fromkeys(h for h in lower_hashes if h not in self.cpu and h not in self._promoting))
         if not wanted:
             return {}
@@ -314,7 +314,7 @@ class TieredOffloadingManager(OffloadingManager):
         wanted = wanted[: self.cpu.num_free_slots() + self._droppable_count(len(wanted), protected)]
         self.cpu.note_store_misses(wanted)
         self._make_room(len(wanted), allow_spill=False, protected=protected)
-        slots = self.cpu.allocate(wanted, protected=protected)
+        slots = self.cpu.allocate(wanted, protected=protected, admit=prefetch)
         if slots is None:  # the CPU tier is busy with pinned blocks: load without promotion
             return {}
         for block_hash in wanted:

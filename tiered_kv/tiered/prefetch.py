@@ -4,7 +4,10 @@ Scheduler process; bookkeeping only, no I/O, one thread (the scheduler's). A pre
 is ``promote_on_hit``'s promotion (``TieredOffloadingManager``) without a GPU side: the
 block is pinned in the lower tier that serves it and counted among that tier's loads
 (``_lower_loads``), a CPU slot is reserved for it the way a promotion reserves one
-(free slots, or victims a lower tier holds: never a spill, never a pinned block), and
+(free slots, or victims a lower tier holds: never a spill, never a pinned block), ranked
+most recent even where ``cpu_admission`` ranks a block it does not admit yet first to
+evict (the use the prefetch serves is not counted yet: first to evict, the block would
+go before its request loads it, for the lower tier to serve again), and
 the job a worker runs is a ``TieredLoadSpec`` whose chunks all come from lower tiers
 with a promote slot each, read tier -> CPU and verified there (the GPU side has no
 rows). ``complete`` ends it as a load ends: the composite's ``complete_load`` makes the
@@ -29,7 +32,8 @@ lookup stops there and nothing past it is ever loaded. ``cancel(owner)`` drops w
 still queued (jobs already issued run to their end: a worker cannot be asked to stop one).
 
 Counted per source tier (``counters``): blocks prefetched (``prefetches``), loaded from
-CPU afterwards (``prefetch_used``), gone from CPU before any load (``prefetch_wasted``),
+CPU afterwards (``prefetch_used``), gone from CPU before any load or before the load
+that asked for it (``prefetch_wasted``),
 queued (a lower tier held them, CPU did not) and dropped by ``cancel`` before a job took
 them (``prefetch_cancelled``), and read in a job that failed (``prefetch_failed``).
 """
@@ -216,7 +220,7 @@ class Prefetcher:
             hashes = [h for h, t in zip(picked, tiers) if t == i]
             slot_of.update(zip(hashes, ids_spec(composite.lower[i].prepare_load(hashes)).id_list()))
             composite._lower_loads[i].update(hashes)
-        promote = composite._start_promotions(picked)
+        promote = composite._start_promotions(picked, prefetch=True)
         dropped = [h for h in picked if h not in promote]
         if dropped:
             composite.complete_load(dropped)  # unpin: no slot for them now
@@ -276,12 +280,14 @@ class Prefetcher:
         return []
 
     def loaded(self, block_hashes: Sequence[BlockHash]) -> None:
-        """A request loads ``block_hashes``: the prefetched ones among them were used."""
+        """A request loads ``block_hashes`` (before its ``prepare_load``): the prefetched
+        ones among them still in CPU were used, the others wasted."""
         if self._fresh:
+            loadable = self.composite.cpu.is_loadable
             for block_hash in block_hashes:
                 name = self._fresh.pop(block_hash, None)
                 if name is not None:
-                    self._counts[(name, "prefetch_used")] += 1
+                    self._counts[(name, "prefetch_used" if loadable(block_hash) else "prefetch_wasted")] += 1
 
     def sweep(self) -> None:
         """Count the prefetched blocks that left CPU unused as wasted."""
