@@ -557,7 +557,8 @@ class Engine:
 
 
 def _phases(r: Request) -> tuple[float, float, float, float, bool]:
-    """``RunResult.phases`` of a finished request."""
-    admitted, started, first = r.admitted or r.arrival, r.started or r.arrival, r.first_token or r.arrival
+    """``RunResult.phases`` of a finished request (so admitted and started)."""
+    admitted, started, first = r.admitted, r.started, r.first_token
+    assert admitted is not None and started is not None and first is not None
     loaded = r.loaded if r.loaded is not None else admitted
     return admitted - r.arrival, loaded - admitted, started - loaded, first - started, r.sources["tier"] > 0

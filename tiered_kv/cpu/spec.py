@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from tiered_kv.abstract import LoadStoreSpec, OffloadingManager
-from tiered_kv.config import ConfigError, TieredConfig, adaptive_admission, admit_after
-from tiered_kv.cpu import cpu_tier_manager
+from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.cpu import cpu_tier_for_rules
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec
@@ -66,13 +66,15 @@ class CPUOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"cpu_bytes: {exc}") from None
 
     def get_manager(self) -> OffloadingManager:
-        return cpu_tier_manager(
+        # The rank rules only: ``cpu_retention`` is applied by ``HierarchySpec``, the spec
+        # vLLM runs, which overrides this.
+        return cpu_tier_for_rules(
             self.config.eviction_policy,
             self.num_cpu_slots,
             self.offloaded_block_size,
+            self.config.cpu_admission,
+            "none",
             enable_events=self.enable_events,
-            admit_after=admit_after(self.config.cpu_admission, "cpu"),
-            adaptive=adaptive_admission(self.config.cpu_admission),
         )
 
     def get_handlers(
