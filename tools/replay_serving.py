@@ -50,6 +50,7 @@ under a temporary directory (``--scratch``), removed afterwards.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -61,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 from benchlib import md_table  # noqa: E402
-from replay_serving_io import ReadsFirstChannel  # noqa: E402
+from replay_serving_io import ReadsFirstChannel, Slowdown  # noqa: E402
 from replay_serving_model import EngineConfig, GpuModel  # noqa: E402
 from replay_serving_sim import Arrival, Channel, Engine, Events, RunResult  # noqa: E402
 from replay_serving_stack import CONFIGS, DECIDING, PREFETCHING, TierModel, build_stack  # noqa: E402
@@ -112,9 +113,9 @@ def run_config(
     bpb = gpu.kv_bytes_per_token * engine.tokens_per_block
     # The disk tier's I/O pool runs reads first; the shared tier's connections do not.
     channel = (
-        ReadsFirstChannel(events, tier.gbps, tier.latency_s, write_piece=bpb)
+        ReadsFirstChannel(events, tier.gbps, tier.latency_s, tier.slow, write_piece=bpb)
         if tier.kind == "disk"
-        else Channel(events, tier.gbps, tier.latency_s)
+        else Channel(events, tier.gbps, tier.latency_s, tier.slow)
     )
 
     def verify_read(key: bytes, slot: int, done) -> None:
@@ -236,6 +237,8 @@ def notes(results: Sequence[RunResult], tier: TierModel) -> list[str]:
             )
         if r.config != "recompute":
             line += f"; {tier.name} writes dropped (back-pressure) {stats.get('drops', 0):,}"
+        if tier.fail_rate:
+            line += f"; {r.failed_reads:,} {tier.name} reads failed"
         if r.prefetch:
             n = {event.split(".", 1)[1]: v for event, v in r.prefetch.items()}
             line += (
@@ -256,6 +259,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tier-gbps", type=float, default=3.0, help="lower tier GB/s, reads and writes (default 3)")
     p.add_argument("--tier", choices=("disk", "shared"), default="disk", help="which product tier (default disk)")
     p.add_argument("--tier-latency-ms", type=float, help="per job (default: disk 0.1, shared 5)")
+    p.add_argument(
+        "--tier-slow",
+        metavar="FACTOR,EVERY_S,FOR_S",
+        help="slow episodes: the lower tier's jobs FACTOR x as long for the last FOR_S of every EVERY_S\n"
+        "simulated seconds (e.g. 10,600,60); the decision learns of them only from what it times",
+    )
+    p.add_argument(
+        "--tier-fail",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="the share of lower-tier reads (loads, prefetches) that fail after taking their time;\n"
+        "a failed chunk and those after it are recomputed, as vLLM's recompute policy does (default 0)",
+    )
     p.add_argument(
         "--verify",
         choices=("none", "read"),
@@ -315,14 +332,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.prefetch_max_bytes = parse_size(args.prefetch_max_bytes, "--prefetch-max-bytes")
         args.cpu_retention = parse_cpu_retention(args.cpu_retention, "--cpu-retention")
         args.cpu_admission = parse_cpu_admission(args.cpu_admission, "--cpu-admission")
+        args.tier_slow = Slowdown.parse(args.tier_slow) if args.tier_slow else None
+        if not 0 <= args.tier_fail < 1:
+            raise ValueError(f"--tier-fail {args.tier_fail:g}: expected a share in [0, 1)")
     except ValueError as e:
         p.error(str(e))
     return args
 
 
+def _slow_text(slow: Slowdown | None) -> str:
+    if slow is None:
+        return ""
+    return f" ({slow.factor:g}x as long for {slow.for_s:g} s of every {slow.every_s:g} s)"
+
+
 def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
     """One replay as ``args`` (``parse_args``) say: its header, each configuration's
     result, and the lower tier's model."""
+    # Failed reads (``--tier-fail``) are counted in the notes, not logged one by one.
+    logging.getLogger("tiered_kv").setLevel(logging.CRITICAL)
     stream: Stream = mooncake(args.trace) if args.trace else generated(args.workload, args.seed, args.requests)
     stream = stream.head(args.limit)
     gpu = GpuModel(
@@ -338,7 +366,7 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
         max(1, args.device_tokens // TOKENS_PER_BLOCK), args.token_budget, args.max_seqs, args.cpu_gbps
     )
     latency = args.tier_latency_ms if args.tier_latency_ms is not None else LATENCY_MS[args.tier]
-    tier = TierModel(args.tier, args.tier_gbps, latency / 1e3, args.verify == "read")
+    tier = TierModel(args.tier, args.tier_gbps, latency / 1e3, args.verify == "read", args.tier_slow, args.tier_fail)
     cpu_blocks = max(1, args.cpu_tokens // TOKENS_PER_BLOCK)
     ws = stream.working_set
     lower_blocks = max(
@@ -372,7 +400,8 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
         f"recompute (estimated work {work:,.0f} s); prefill {gpu.linear_tokens_per_s:,.0f} tokens/s before "
         f"attention at {gpu.mfu:g} MFU x {gpu.peak_tflops:g} TFLOPS, {args.step_overhead_ms:g} ms a step, "
         f"{engine.token_budget} tokens a step\n"
-        f"{tier.name} tier ({tier.medium}): {tier.gbps:g} GB/s, {latency:g} ms a job, "
+        f"{tier.name} tier ({tier.medium}): {tier.gbps:g} GB/s, {latency:g} ms a job"
+        f"{_slow_text(tier.slow)}{f', {tier.fail_rate:.1%} of reads failing' if tier.fail_rate else ''}, "
         f"{'hits read back first' if tier.verify else 'no read-back check'}; capacities: device "
         f"{engine.device_blocks:,}, CPU {cpu_blocks:,} ({args.cpu_gbps:g} GB/s; cpu_admission {args.cpu_admission}, "
         f"cpu_retention {args.cpu_retention}), {tier.name} {lower_blocks:,} chunks\n"

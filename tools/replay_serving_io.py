@@ -1,7 +1,9 @@
 """The serving simulator's clock and I/O channels (``replay_serving_sim``): simulated
 seconds with the callbacks due at later times, first-in first-out channels, and the
 disk tier's, which runs queued reads before queued writes as its I/O pool does
-(``tiered_kv.disk.store.io_pool``).
+(``tiered_kv.disk.store.io_pool``). A channel may slow down in episodes (``Slowdown``: a
+shared tier's noisy neighbours, a disk's garbage collection) that the decision learns of
+only from the transfers it times.
 
 Runs in the replay's one process, single-threaded; no I/O of its own: a channel only
 counts the bytes its jobs would move and says when they would end.
@@ -14,6 +16,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 class Events:
@@ -38,19 +41,56 @@ class Events:
         return self._heap[0][0] if self._heap else math.inf
 
 
+@dataclass(frozen=True)
+class Slowdown:
+    """Episodes of a slow channel: every ``every_s`` seconds, its last ``for_s`` seconds
+    (the first episode after a clean ``every_s - for_s``), a job started then takes
+    ``factor`` times as long, its latency and bandwidth alike."""
+
+    factor: float
+    every_s: float
+    for_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.factor >= 1 and self.every_s > 0 and 0 < self.for_s <= self.every_s):
+            raise ValueError(
+                f"slowdown {self.factor:g},{self.every_s:g},{self.for_s:g}: expected FACTOR >= 1, "
+                "EVERY_S > 0 and 0 < FOR_S <= EVERY_S"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> "Slowdown":
+        """``FACTOR,EVERY_S,FOR_S``, e.g. ``10,600,60``: ten times slower for a minute in ten."""
+        try:
+            factor, every_s, for_s = (float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"slowdown {text!r}: expected FACTOR,EVERY_S,FOR_S (e.g. 10,600,60)") from None
+        return cls(factor, every_s, for_s)
+
+    def at(self, t: float) -> float:
+        """The factor on a job started at ``t``."""
+        return self.factor if t % self.every_s >= self.every_s - self.for_s else 1.0
+
+
 class Channel:
     """A first-in first-out I/O channel: one job at a time, each taking ``latency + bytes /
-    bandwidth`` from when the jobs ahead of it are done; bytes counted per kind."""
+    bandwidth`` (times ``slow``'s factor when it starts) from when the jobs ahead of it are
+    done; bytes counted per kind."""
 
-    def __init__(self, events: Events, gbps: float, latency_s: float = 0.0):
-        self.events, self.gbps, self.latency_s = events, gbps, latency_s
+    def __init__(self, events: Events, gbps: float, latency_s: float = 0.0, slow: Slowdown | None = None):
+        self.events, self.gbps, self.latency_s, self.slow = events, gbps, latency_s, slow
         self.free_at = 0.0
         self.bytes: Counter[str] = Counter()
+
+    def seconds(self, start: float, nbytes: float, latency_share: float = 1.0) -> float:
+        """How long ``nbytes`` started at ``start`` take (``latency_share`` of the job's latency)."""
+        factor = self.slow.at(start) if self.slow is not None else 1.0
+        return factor * (self.latency_s * latency_share + nbytes / (self.gbps * 1e9))
 
     def submit(self, nbytes: int, kind: str, done: Callable[[float, float], None]) -> None:
         """Queue a job now; ``done(start, end)`` runs at its end."""
         start = max(self.events.now, self.free_at)
-        end = self.free_at = start + self.latency_s + nbytes / (self.gbps * 1e9)
+        end = self.free_at = start + self.seconds(start, nbytes)
         self.bytes[kind] += nbytes
         self.events.at(end, lambda: done(start, end))
 
@@ -61,8 +101,10 @@ class ReadsFirstChannel(Channel):
     most ``write_piece`` bytes (the I/O pool's jobs are a chunk's runs, not a whole
     store), the job's latency paid once, and a read waits at most for the piece running."""
 
-    def __init__(self, events: Events, gbps: float, latency_s: float = 0.0, *, write_piece: int):
-        super().__init__(events, gbps, latency_s)
+    def __init__(
+        self, events: Events, gbps: float, latency_s: float = 0.0, slow: Slowdown | None = None, *, write_piece: int
+    ):
+        super().__init__(events, gbps, latency_s, slow)
         self.write_piece = write_piece
         self._queue: list[tuple[bool, int, list[float], Callable[[float, float], None]]] = []
         self._order = itertools.count()
@@ -85,7 +127,7 @@ class ReadsFirstChannel(Channel):
         start = self.events.now
         if left[2] < 0:
             left[2] = start
-        end = self.free_at = start + self.latency_s * left[1] + piece / (self.gbps * 1e9)
+        end = self.free_at = start + self.seconds(start, piece, left[1])
         left[0] -= piece
         left[1] = 0.0
 

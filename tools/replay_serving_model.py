@@ -1,10 +1,12 @@
 """The machine the serving replay simulates (``replay_serving_sim``): one GPU's prefill
-cost, from the model's FLOPs with attention at a stated MFU, and the engine's limits.
-Pure computation.
+cost, from the model's FLOPs with attention at a stated MFU, the engine's limits, and
+its GPU prefix cache. Pure computation.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -58,3 +60,27 @@ class EngineConfig:
             or not self.cpu_gbps > 0
         ):
             raise ValueError(f"engine limits must be positive, got {self}")
+
+
+class DeviceCache:
+    """The GPU prefix cache: an LRU set of chunks."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def lookup(self, keys: Sequence[Hashable], limit: int) -> int:
+        n = 0
+        for key in keys[:limit]:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def insert(self, keys: Sequence[Hashable]) -> None:
+        """``keys`` most recent, the first of them most recent of all."""
+        for key in reversed(keys):
+            self.keys[key] = None
+            self.keys.move_to_end(key)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)

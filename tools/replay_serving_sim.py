@@ -52,7 +52,7 @@ Each request's time to first token is split into phases (``RunResult.phases``).
 
 Not called: ``get_load_source``, ``take_events`` and ``get_stats`` (vLLM's metrics and
 KV events: they change no answer). Not modelled: decode, preemption, tensor parallelism,
-failed jobs, a GPU KV cache shared between running requests and the prefix cache (both
+a GPU KV cache shared between running requests and the prefix cache (both
 are ``device_blocks``), reads and writes at different speeds or in parallel queues.
 
 I/O channels (``replay_serving_io``), each one job at a time, a job taking ``latency +
@@ -69,19 +69,28 @@ type, which the manager reads at ``on_schedule_end``. An idle engine steps again
 next event (an arrival, a job's end), or after ``step_overhead_s`` while a request waits
 for the manager's decision.
 
-Deterministic: no wall clock and no randomness.
+Failed reads (``TierModel.fail_rate``, per chunk): a lower-tier read of a load or a
+prefetch fails when it ends, after taking its time, timed as failed (the decision
+charges what it cost). As the product's worker does, a failed load's promote slots are
+marked bad (``SlotHealth``) and every chunk of it reported failed, no promoted chunk
+going on to the GPU; vLLM's ``recompute`` policy then computes the request from the
+first of them. A failed prefetch chunk's slot is marked bad.
+
+Deterministic: no wall clock; which reads fail is fixed by a hash of the reader and the chunk.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter, OrderedDict, deque
+import hashlib
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from replay_serving_io import Channel, Events
-from replay_serving_model import EngineConfig, GpuModel
+from replay_serving_model import DeviceCache, EngineConfig, GpuModel
 from replay_serving_stack import INSTANT_PREFETCH, Stack
 from vllm.v1.kv_hints import KvHintsEnvelope
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
@@ -111,30 +120,6 @@ class Arrival:
     hints: KvHintsEnvelope | None = None
 
 
-class DeviceCache:
-    """The GPU prefix cache: an LRU set of chunks."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.keys: OrderedDict[OffloadKey, None] = OrderedDict()
-
-    def lookup(self, keys: Sequence[OffloadKey], limit: int) -> int:
-        n = 0
-        for key in keys[:limit]:
-            if key not in self.keys:
-                break
-            n += 1
-        return n
-
-    def insert(self, keys: Sequence[OffloadKey]) -> None:
-        """``keys`` most recent, the first of them most recent of all."""
-        for key in reversed(keys):
-            self.keys[key] = None
-            self.keys.move_to_end(key)
-        while len(self.keys) > self.capacity:
-            self.keys.popitem(last=False)
-
-
 @dataclass(eq=False)
 class Request:
     rid: int
@@ -159,6 +144,9 @@ class _Job:
     keys: list[OffloadKey]
     store: bool
     parts: int = 0
+    sources: list[str] = field(default_factory=list)  # per key of a load: "CPU" or "tier"
+    promote_slots: list[int] = field(default_factory=list)  # the CPU slots a load promotes into
+    failed: bool = False  # a lower-tier read of the load failed
 
 
 @dataclass
@@ -191,6 +179,7 @@ class RunResult:
     # Per request (arrival order): seconds waiting for its lookup, loading, waiting after
     # its load, computing to its first token; and whether it loaded from a lower tier.
     phases: list[tuple[float, float, float, float, bool]] = field(default_factory=list)
+    failed_reads: int = 0  # lower-tier reads (of loads and prefetches) that failed
 
 
 class Engine:
@@ -248,8 +237,21 @@ class Engine:
         self.peak: Counter[str] = Counter()  # leases and pinned chunks per tier, at most
         self.on_arrival: Counter[str] = Counter()  # ``RunResult.hints``
         self.leases_named: set[str] = set()  # lease ids named so far
+        self.fail_rate = stack.tier.fail_rate if stack.tier is not None else 0.0
+        self.failed_reads = 0
 
     # ------------------------------------------------------------------ jobs
+
+    def _read_fails(self, reader: object, chunks: Sequence[object]) -> bool:
+        """Whether ``reader``'s read of ``chunks`` failed: any of its chunks, each at
+        ``TierModel.fail_rate``, drawn from a hash of the reader and the chunk, so that
+        every configuration sees the same read of the same chunk fail (common random
+        numbers: a difference between configurations is theirs, not the draws')."""
+        if not self.fail_rate:
+            return False
+        failed = any(_uniform(reader, key) < self.fail_rate for key in chunks)
+        self.failed_reads += failed
+        return failed
 
     def _part_done(self, job: _Job) -> None:
         job.parts -= 1
@@ -261,15 +263,17 @@ class Engine:
         spec = self.manager.prepare_load(keys, r.ctx).inner
         job = _Job(r, keys, store=False)
         bpb, record = self.bpb, self.stack.timings.record
-        n_cpu, n_promoted = len(keys), 0
+        cpu_slots, promote = [0] * len(keys), [-1] * len(keys)
         if isinstance(spec, TieredLoadSpec):
             cpu_slots, promote = spec.cpu_slots.tolist(), spec.promote_slots.tolist()
-            n_cpu = sum(c >= 0 for c in cpu_slots)
-            n_promoted = sum(c < 0 <= p for c, p in zip(cpu_slots, promote))
-        n_direct = len(keys) - n_cpu - n_promoted
+        direct = [k for k, c, p in zip(keys, cpu_slots, promote) if c < 0 and p < 0]
+        promoted = {k: p for k, c, p in zip(keys, cpu_slots, promote) if c < 0 <= p}
+        n_cpu = len(keys) - len(direct) - len(promoted)
+        job.sources = ["CPU" if c >= 0 else "tier" for c in cpu_slots]
+        job.promote_slots = list(promoted.values())
         tpb = self.cfg.tokens_per_block
         r.sources["CPU"] += n_cpu * tpb
-        r.sources["tier"] += (n_direct + n_promoted) * tpb
+        r.sources["tier"] += (len(keys) - n_cpu) * tpb
 
         def timed(kind: str, nbytes: int, then: Callable[[], None]) -> Callable[[float, float], None]:
             def done(start: float, end: float) -> None:
@@ -278,18 +282,33 @@ class Engine:
 
             return done
 
+        def tier_read(kind: str, chunks: list[OffloadKey], then: Callable[[bool], None]) -> None:
+            def done(start: float, end: float) -> None:
+                failed = self._read_fails(r.rid, chunks)
+                record(kind, len(chunks) * bpb, end - start, not failed)
+                job.failed |= failed
+                then(not failed)
+
+            self.tier.submit(len(chunks) * bpb, "read", done)
+
         finish = lambda: self._part_done(job)  # noqa: E731
         if n_cpu:
             job.parts += 1
             self.h2d.submit(n_cpu * bpb, "read", timed("cpu_to_gpu", n_cpu * bpb, finish))
-        if n_direct:
+        if direct:
             job.parts += 1
-            self.tier.submit(n_direct * bpb, "read", timed(f"{self.tier_name}_to_gpu", n_direct * bpb, finish))
-        if n_promoted:
+            tier_read(f"{self.tier_name}_to_gpu", direct, lambda ok: finish())
+        if promoted:
             job.parts += 1
-            nbytes = n_promoted * bpb
-            second_leg = lambda: self.h2d.submit(nbytes, "read", timed("cpu_to_gpu", nbytes, finish))  # noqa: E731
-            self.tier.submit(nbytes, "read", timed(f"{self.tier_name}_to_cpu", nbytes, second_leg))
+            nbytes = len(promoted) * bpb
+
+            def second_leg(ok: bool) -> None:
+                if ok:
+                    self.h2d.submit(nbytes, "read", timed("cpu_to_gpu", nbytes, finish))
+                else:  # nothing goes on to the GPU
+                    finish()
+
+            tier_read(f"{self.tier_name}_to_cpu", list(promoted), second_leg)
         self.being_loaded.update(keys)
 
     def _store(self, r: Request, keys: list[OffloadKey], spec: TieredStoreSpec) -> None:
@@ -324,14 +343,17 @@ class Engine:
         for job in self.manager.hints.take_jobs():
             left = [len(job.spec)]
 
-            def done(start: float, end: float, job_id: int = job.job_id, left: list[int] = left) -> None:
-                record(f"{self.tier_name}_to_cpu", bpb, end - start)
+            def done(start: float, end: float, job_id: int, left: list[int], slot: int, key: bytes) -> None:
+                failed = self._read_fails(("prefetch", job_id), [key])
+                record(f"{self.tier_name}_to_cpu", bpb, end - start, not failed)
+                if failed:
+                    self.manager.health.mark_bad([slot])
                 left[0] -= 1
                 if not left[0]:
                     self.prefetched.append(job_id)
 
-            for _ in range(len(job.spec)):
-                self.tier.submit(bpb, "prefetch", done)
+            for slot, key in zip(job.spec.promote_slots.tolist(), job.spec.block_hashes):
+                self.tier.submit(bpb, "prefetch", partial(done, job_id=job.job_id, left=left, slot=slot, key=key))
 
     def _report(self) -> None:
         """vLLM's ``update_connector_output``: the jobs that ended, in the order they did."""
@@ -344,6 +366,13 @@ class Engine:
             if job.store:
                 self.manager.complete_store(job.keys, r.ctx)
                 continue
+            if job.failed:
+                # The worker marks a failed job's promote slots and reports every GPU block
+                # of it; vLLM's recompute policy computes the request from the first of them.
+                self.manager.health.mark_bad(job.promote_slots)
+                r.computed -= len(job.keys) * self.cfg.tokens_per_block
+                r.next_store = r.computed // self.cfg.tokens_per_block
+                r.sources.subtract(Counter({s: self.cfg.tokens_per_block * n for s, n in Counter(job.sources).items()}))
             self.manager.complete_load(job.keys, r.ctx)
             self.being_loaded.subtract(job.keys)
             self.being_loaded += Counter()
@@ -553,7 +582,14 @@ class Engine:
             dict(retention.counts) if retention is not None else {},
             hints,
             [_phases(r) for r in reqs if r.first_token is not None],
+            self.failed_reads,
         )
+
+
+def _uniform(*parts: object) -> float:
+    """A number in [0, 1) fixed by ``parts`` (their repr), the same in every run."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 def _phases(r: Request) -> tuple[float, float, float, float, bool]:

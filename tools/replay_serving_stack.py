@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import cast
 
 from replay_cost import LAYOUT
+from replay_serving_io import Slowdown
 
 from tiered_kv.config import (
     TieredConfig,
@@ -88,17 +89,22 @@ UNBOUNDED = 1 << 62
 @dataclass(frozen=True)
 class TierModel:
     """The lower tier: which product tier it stands for (``disk`` or ``shared``), its
-    bandwidth (GB/s, reads and writes alike), per-job latency, and whether a hit is read
-    back before it is promised (``verify``: module docstring)."""
+    bandwidth (GB/s, reads and writes alike), per-job latency, whether a hit is read
+    back before it is promised (``verify``: module docstring), its slow episodes, and the
+    share of its reads that fail."""
 
     kind: str
     gbps: float
     latency_s: float
     verify: bool
+    slow: Slowdown | None = None
+    fail_rate: float = 0.0  # the share of its reads that fail (``replay_serving_sim``)
 
     def __post_init__(self) -> None:
         if self.kind not in ("disk", "shared"):
             raise ValueError(f"tier {self.kind!r}: expected disk or shared")
+        if not 0 <= self.fail_rate < 1:
+            raise ValueError(f"tier {self.kind}: fail rate {self.fail_rate!r}, expected a share in [0, 1)")
         if not self.gbps > 0 or not self.latency_s >= 0:
             raise ValueError(f"tier {self.kind}: expected gbps > 0 and latency >= 0, got {self.gbps}, {self.latency_s}")
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import replay_serving  # noqa: E402
 from replay_serving import run_config  # noqa: E402
 from replay_serving_model import EngineConfig, GpuModel  # noqa: E402
+from replay_serving_io import ReadsFirstChannel, Slowdown  # noqa: E402
 from replay_serving_sim import Arrival, Channel, Events  # noqa: E402
 from replay_serving_stack import TierModel  # noqa: E402
 from replay_serving_workloads import arrivals, estimate_work, generated, time_scale  # noqa: E402
@@ -82,6 +83,41 @@ def test_the_channel_serves_jobs_in_order_each_after_the_bytes_ahead_of_it():
     assert ch.bytes == {"write": 3_000_000_000, "read": 1_000_000_000}
 
 
+def test_a_job_started_in_a_slow_episode_takes_factor_times_as_long_and_one_after_it_does_not():
+    slow = Slowdown(factor=10.0, every_s=10.0, for_s=2.0)  # slow from 8 to 10 s, 18 to 20 s, ...
+    assert [slow.at(t) for t in (0.0, 7.99, 8.0, 9.99, 10.0, 18.5)] == [1.0, 1.0, 10.0, 10.0, 1.0, 10.0]
+    events = Events()
+    ch = Channel(events, gbps=1.0, latency_s=0.01, slow=slow)
+    ends: list[tuple[float, float]] = []
+    ch.submit(1_000_000_000, "read", lambda s, e: ends.append((s, e)))  # 0 -> 1.01
+    events.run_until(8.5)
+    ch.submit(100_000_000, "read", lambda s, e: ends.append((s, e)))  # in the episode: 10 x 0.11 s
+    ch.submit(100_000_000, "read", lambda s, e: ends.append((s, e)))  # starts at 9.6, still in it
+    ch.submit(100_000_000, "read", lambda s, e: ends.append((s, e)))  # starts at 10.7, after it
+    events.run_until(20.0)
+    assert ends == [
+        pytest.approx((0.0, 1.01)),
+        pytest.approx((8.5, 9.6)),
+        pytest.approx((9.6, 10.7)),
+        pytest.approx((10.7, 10.81)),
+    ]
+    # A disk's write runs in pieces, each timed when it starts: a read that came meanwhile
+    # goes first, at the factor of its own start.
+    events = Events()
+    disk = ReadsFirstChannel(events, gbps=1.0, slow=slow, write_piece=500_000_000)
+    got: dict[str, tuple[float, float]] = {}
+    events.run_until(7.75)
+    disk.submit(1_000_000_000, "write", lambda s, e: got.__setitem__("write", (s, e)))  # piece 1: 7.75 -> 8.25
+    events.run_until(8.0)
+    disk.submit(100_000_000, "read", lambda s, e: got.__setitem__("read", (s, e)))  # 8.25 -> 9.25, slow
+    events.run_until(30.0)
+    assert got["read"] == pytest.approx((8.25, 9.25))
+    assert got["write"] == pytest.approx((7.75, 9.25 + 10 * 0.5))  # piece 2 starts at 9.25, in the episode
+    for bad in ("10,600", "fast,600,60", "0.5,600,60", "10,600,0", "10,60,600"):
+        with pytest.raises(ValueError, match="FACTOR"):
+            Slowdown.parse(bad)
+
+
 def _disk_replay(with_writer: bool, verify: bool = True):
     """A document (4 chunks) computed, pushed out of a 4-chunk CPU tier onto a 1 GB/s disk
     by another, then asked for again; ``with_writer``: a third request's write-through
@@ -126,6 +162,31 @@ def test_a_disk_hit_is_read_back_then_loaded_and_a_load_waits_only_for_the_write
     assert waited < chunk_ends[-1] - 20.0
 
 
+def test_a_failed_disk_read_costs_its_time_then_the_request_computes_every_chunk_it_was_loading():
+    """A document pushed onto the disk, asked for again twice by ``always``, every disk
+    read failing: the first repeat reads its 4 chunks (into CPU, as promoted), the read
+    fails, nothing goes on to the GPU, the promoted slots are dropped, and the request
+    computes its whole prompt; those computed chunks are stored, so the second repeat
+    loads them from CPU (but the first, still in the GPU's one-chunk prefix cache)."""
+    w1, w2 = keys(1, 2, 3, 4), keys(11, 12, 13, 14)
+    n = 4 * BLOCK + 100
+    reqs = [Arrival(0.0, n, w1), Arrival(10.0, n, w2), Arrival(20.0, n, w1), Arrival(30.0, n, w1)]
+    engine = EngineConfig(device_blocks=1)
+    failing = TierModel("disk", 1.0, 0.001, False, fail_rate=1 - 1e-12)
+    out = run_config("always", reqs, GPU, engine, failing, cpu_blocks=4, lower_blocks=64)
+    read = 0.001 + 4 * BPB / 1e9
+    assert out.ttft[2] == pytest.approx(read + prefill_s(n), rel=1e-9)
+    assert out.ttft[3] == pytest.approx(3 * BPB / 50e9 + prefill_s(100, 4 * BLOCK), rel=1e-9)
+    assert out.failed_reads == 1 and out.channel_bytes["tier"]["read"] == 4 * BPB
+    assert out.tokens["tier"] == 0 and out.tokens["CPU"] == 3 * BLOCK and out.tokens["GPU"] == BLOCK
+    assert out.tokens["computed"] == 4 * n - 4 * BLOCK
+    assert [ph[4] for ph in out.phases] == [False] * 4  # nothing loaded from the disk counts
+    healthy = run_config("always", reqs, GPU, engine, TierModel("disk", 1.0, 0.001, False), 4, 64)
+    assert healthy.failed_reads == 0 and healthy.ttft[2] < out.ttft[2] - prefill_s(4 * BLOCK, 0) / 2
+    with pytest.raises(ValueError, match="fail rate"):
+        TierModel("disk", 1.0, 0.0, False, fail_rate=1.0)
+
+
 def test_recompute_never_touches_a_lower_tier_and_always_reads_what_it_finds():
     reqs = _disk_replay_requests()
     tier = TierModel("disk", 2.0, 0.0, False)
@@ -150,15 +211,8 @@ def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_
     writes; with it, the 4 chunks are read into CPU while the request waits and loaded
     from there. Nothing else moves: the other requests' first tokens come at the same
     times."""
-    doc, push, blocker = keys(1, 2, 3, 4), keys(*range(11, 75)), keys(*range(100, 148))
-    reqs = [
-        Arrival(0.0, 4 * BLOCK + 100, doc),
-        Arrival(10.0, 64 * BLOCK + 100, push),
-        Arrival(20.0, 48 * BLOCK + 100, blocker),
-        Arrival(20.001, 4 * BLOCK + 100, doc),
-    ]
+    reqs, engine = _waiting_repeat()
     tier = TierModel("disk", 1.0, 0.0, False)
-    engine = EngineConfig(device_blocks=50, token_budget=8192)
     plain = run_config("cost-aware", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
     early = run_config("cost-aware+prefetch", reqs, GPU, engine, tier, cpu_blocks=64, lower_blocks=256)
     assert plain.tokens["CPU"] == 0 and plain.tokens["tier"] == 4 * BLOCK and not plain.prefetch
@@ -186,6 +240,30 @@ def test_a_request_waiting_behind_another_finds_its_disk_chunks_prefetched_into_
     assert bound.prefetch["disk.prefetches"] == bound.prefetch["disk.prefetch_used"] == 4
     assert bound.tokens["CPU"] == 4 * BLOCK and not bound.channel_bytes["tier"].get("prefetch")
     assert bound.ttft[:3] == plain.ttft[:3] and bound.ttft[3] <= early.ttft[3]
+
+
+def _waiting_repeat() -> tuple[list[Arrival], EngineConfig]:
+    doc, push, blocker = keys(1, 2, 3, 4), keys(*range(11, 75)), keys(*range(100, 148))
+    reqs = [
+        Arrival(0.0, 4 * BLOCK + 100, doc),
+        Arrival(10.0, 64 * BLOCK + 100, push),
+        Arrival(20.0, 48 * BLOCK + 100, blocker),
+        Arrival(20.001, 4 * BLOCK + 100, doc),
+    ]
+    return reqs, EngineConfig(device_blocks=50, token_budget=8192)
+
+
+def test_a_failed_prefetch_read_leaves_nothing_in_cpu_and_the_request_reads_the_disk_itself():
+    """The waiting repeat above, every disk read failing: its 4 prefetched chunks fail
+    (their CPU slots marked bad, dropped), so it loads them from the disk itself, that
+    load fails too, and it computes its whole prompt."""
+    reqs, engine = _waiting_repeat()
+    failing = TierModel("disk", 1.0, 0.0, False, fail_rate=1 - 1e-12)
+    out = run_config("cost-aware+prefetch", reqs, GPU, engine, failing, cpu_blocks=64, lower_blocks=256)
+    assert out.prefetch["disk.prefetches"] == out.prefetch["disk.prefetch_failed"] == 4
+    assert out.prefetch["disk.prefetch_used"] == 0 and out.tokens["CPU"] == 0 and out.tokens["tier"] == 0
+    assert out.failed_reads == 5 and out.channel_bytes["tier"]["read"] == 4 * BPB
+    assert out.tokens["computed"] == sum(a.tokens for a in reqs)
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +341,12 @@ def test_the_command_prints_one_row_per_configuration(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replay_serving.main([*argv, "--cpu-retention", "forever"])
     assert "--cpu-retention: expected 'none', 'session'" in capsys.readouterr().err
+    # Slow episodes of the lower tier, named in the header.
+    assert replay_serving.main([*argv, "--configs", "cost-aware", "--tier-slow", "10,600,60"]) == 0
+    assert "(10x as long for 60 s of every 600 s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        replay_serving.main([*argv, "--tier-slow", "10x"])
+    assert "slowdown '10x': expected FACTOR,EVERY_S,FOR_S" in capsys.readouterr().err
 
 
 def _tables(out: str) -> list[list[str]]:
