@@ -37,11 +37,17 @@ token goes (``phases_table``): waiting for the lookup, loading, waiting after th
 computing; and for the requests that loaded from the lower tier, what hiding each load
 in its wait before the lookup would save (prefetch at arrival, to first order).
 
+Faults the decision cannot see, the same in every configuration: ``--tier-slow
+FACTOR,EVERY_S,FOR_S`` (the lower tier's jobs started in slow episodes take FACTOR x as
+long) and ``--tier-fail SHARE`` (that share of the chunks its loads and prefetches read
+fail, after taking their time; the notes count the failed reads).
+
     python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
         --utilisation 0.9 --tier-gbps 3
     python tools/replay_serving.py --workload long-context --utilisation 0.7 --tier-gbps 1 --tier shared
-    python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \
+    python tools/replay_serving.py --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
         --utilisation 0.9 --configs cost-aware --prefetch
+    python tools/replay_serving.py --workload long-context --utilisation 0.3 --tier-gbps 2 --tier-fail 0.01
 
 Runs in one process; reads the trace; each configuration's lower tier keeps an index
 under a temporary directory (``--scratch``), removed afterwards.

@@ -63,19 +63,19 @@ class EngineConfig:
 
 
 class DeviceCache:
-    """The GPU prefix cache: an LRU set of chunks."""
+    """The GPU prefix cache: an LRU set of chunks (``estimate_work`` models the CPU tier
+    with one too)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.keys: OrderedDict[Hashable, None] = OrderedDict()
 
-    def lookup(self, keys: Sequence[Hashable], limit: int) -> int:
-        n = 0
-        for key in keys[:limit]:
-            if key not in self.keys:
-                break
+    def lookup(self, keys: Sequence[Hashable], limit: int, start: int = 0) -> int:
+        """How many of ``keys[start:limit]`` it holds, in a row from ``start``."""
+        n, limit = start, min(limit, len(keys))
+        while n < limit and keys[n] in self.keys:
             n += 1
-        return n
+        return n - start
 
     def insert(self, keys: Sequence[Hashable]) -> None:
         """``keys`` most recent, the first of them most recent of all."""

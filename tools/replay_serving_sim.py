@@ -81,9 +81,9 @@ Deterministic: no wall clock; which reads fail is fixed by a hash of the reader 
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
-import hashlib
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -144,7 +144,7 @@ class _Job:
     keys: list[OffloadKey]
     store: bool
     parts: int = 0
-    sources: list[str] = field(default_factory=list)  # per key of a load: "CPU" or "tier"
+    tokens: Counter[str] = field(default_factory=Counter)  # a load's tokens by source: "CPU", "tier"
     promote_slots: list[int] = field(default_factory=list)  # the CPU slots a load promotes into
     failed: bool = False  # a lower-tier read of the load failed
 
@@ -269,11 +269,10 @@ class Engine:
         direct = [k for k, c, p in zip(keys, cpu_slots, promote) if c < 0 and p < 0]
         promoted = {k: p for k, c, p in zip(keys, cpu_slots, promote) if c < 0 <= p}
         n_cpu = len(keys) - len(direct) - len(promoted)
-        job.sources = ["CPU" if c >= 0 else "tier" for c in cpu_slots]
         job.promote_slots = list(promoted.values())
         tpb = self.cfg.tokens_per_block
-        r.sources["CPU"] += n_cpu * tpb
-        r.sources["tier"] += (len(keys) - n_cpu) * tpb
+        job.tokens.update(CPU=n_cpu * tpb, tier=(len(keys) - n_cpu) * tpb)
+        r.sources.update(job.tokens)
 
         def timed(kind: str, nbytes: int, then: Callable[[], None]) -> Callable[[float, float], None]:
             def done(start: float, end: float) -> None:
@@ -372,7 +371,7 @@ class Engine:
                 self.manager.health.mark_bad(job.promote_slots)
                 r.computed -= len(job.keys) * self.cfg.tokens_per_block
                 r.next_store = r.computed // self.cfg.tokens_per_block
-                r.sources.subtract(Counter({s: self.cfg.tokens_per_block * n for s, n in Counter(job.sources).items()}))
+                r.sources.subtract(job.tokens)
             self.manager.complete_load(job.keys, r.ctx)
             self.being_loaded.subtract(job.keys)
             self.being_loaded += Counter()

@@ -6,6 +6,7 @@ Each cell is one ``replay_serving`` run (same arrivals for every configuration);
 is **met** where ``cost-aware`` is within ``--tolerance`` (default 3%) of the better of
 ``always`` and ``recompute`` in both mean and p90 TTFT. Cells run in ``--jobs`` worker
 processes; each keeps its lower tier's index under a temporary directory, removed after.
+Options it does not name go to every replay (faults: ``--tier-slow``, ``--tier-fail``).
 
     python tools/replay_serving_sweep.py \\
         --workloads ../shared/traces/mooncake_fast25_conversation_trace.jsonl,long-context \\

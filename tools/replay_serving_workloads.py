@@ -23,13 +23,11 @@ target rather than on it; the table reports the measured one.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from replay_serving_model import GpuModel
+from replay_serving_model import DeviceCache, GpuModel
 from replay_serving_sim import Arrival
 from replay_workloads import FULL, generate, read_mooncake
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
@@ -119,33 +117,14 @@ def generated(kind: str, seed: int, requests: int | None = None) -> Stream:
     return Stream(kind, poisson_times(len(rows), seed + 7), [t for t, _ in rows], [b for _, b in rows])
 
 
-class _LRU:
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.keys: OrderedDict[bytes, None] = OrderedDict()
-
-    def leading(self, blocks: Sequence[bytes], start: int, limit: int) -> int:
-        n = start
-        while n < limit and blocks[n] in self.keys:
-            n += 1
-        return n - start
-
-    def insert(self, blocks: Sequence[bytes]) -> None:
-        for h in reversed(blocks):
-            self.keys[h] = None
-            self.keys.move_to_end(h)
-        while len(self.keys) > self.capacity:
-            self.keys.popitem(last=False)
-
-
 def estimate_work(stream: Stream, gpu: GpuModel, device_blocks: int, cpu_blocks: int, token_budget: int) -> float:
     """GPU seconds the ``recompute`` configuration spends on ``stream`` (module docstring)."""
-    device, cpu = _LRU(device_blocks), _LRU(cpu_blocks)
+    device, cpu = DeviceCache(device_blocks), DeviceCache(cpu_blocks)
     work = 0.0
     for tokens, blocks in zip(stream.tokens, stream.blocks):
         limit = min(len(blocks), (tokens - 1) // TOKENS_PER_BLOCK)
-        d = device.leading(blocks, 0, limit)
-        cached = (d + cpu.leading(blocks, d, limit)) * TOKENS_PER_BLOCK
+        d = device.lookup(blocks, limit)
+        cached = (d + cpu.lookup(blocks, limit, d)) * TOKENS_PER_BLOCK
         n = tokens - cached
         work += gpu.seconds(gpu.flops(n, cached)) + math.ceil(n / token_budget) * gpu.step_overhead_s
         device.insert(blocks)
