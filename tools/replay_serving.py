@@ -276,8 +276,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=0.0,
         metavar="SHARE",
-        help="the share of lower-tier reads (loads, prefetches) that fail after taking their time;\n"
-        "a failed chunk and those after it are recomputed, as vLLM's recompute policy does (default 0)",
+        help="the share of the chunks lower-tier reads (loads, prefetches) take that fail, after their\n"
+        "time; every chunk of a failed load is recomputed, as vLLM's recompute policy does (default 0)",
     )
     p.add_argument(
         "--verify",
@@ -355,8 +355,6 @@ def _slow_text(slow: Slowdown | None) -> str:
 def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
     """One replay as ``args`` (``parse_args``) say: its header, each configuration's
     result, and the lower tier's model."""
-    # Failed reads (``--tier-fail``) are counted in the notes, not logged one by one.
-    logging.getLogger("tiered_kv").setLevel(logging.CRITICAL)
     stream: Stream = mooncake(args.trace) if args.trace else generated(args.workload, args.seed, args.requests)
     stream = stream.head(args.limit)
     gpu = GpuModel(
@@ -381,22 +379,29 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
     work = estimate_work(stream, gpu, engine.device_blocks, cpu_blocks, engine.token_budget)
     factor = time_scale(stream, work, args.utilisation)
     reqs = arrivals(stream, factor)
-    results = [
-        run_config(
-            c,
-            reqs,
-            gpu,
-            engine,
-            tier,
-            cpu_blocks,
-            lower_blocks,
-            args.scratch,
-            args.prefetch_max_bytes,
-            args.cpu_retention,
-            args.cpu_admission,
-        )
-        for c in args.configs
-    ]
+    # Failed reads (``--tier-fail``) are counted in the notes, not logged one by one.
+    log = logging.getLogger("tiered_kv")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        results = [
+            run_config(
+                c,
+                reqs,
+                gpu,
+                engine,
+                tier,
+                cpu_blocks,
+                lower_blocks,
+                args.scratch,
+                args.prefetch_max_bytes,
+                args.cpu_retention,
+                args.cpu_admission,
+            )
+            for c in args.configs
+        ]
+    finally:
+        log.setLevel(level)
     bpb = gpu.kv_bytes_per_token * TOKENS_PER_BLOCK
     header = (
         f"{stream.name}: {len(reqs):,} requests, {sum(stream.tokens) / len(reqs):,.0f} prompt tokens on average "
@@ -407,7 +412,7 @@ def replay(args: argparse.Namespace) -> tuple[str, list[RunResult], TierModel]:
         f"attention at {gpu.mfu:g} MFU x {gpu.peak_tflops:g} TFLOPS, {args.step_overhead_ms:g} ms a step, "
         f"{engine.token_budget} tokens a step\n"
         f"{tier.name} tier ({tier.medium}): {tier.gbps:g} GB/s, {latency:g} ms a job"
-        f"{_slow_text(tier.slow)}{f', {tier.fail_rate:.1%} of reads failing' if tier.fail_rate else ''}, "
+        f"{_slow_text(tier.slow)}{f', {100 * tier.fail_rate:g}% of chunk reads failing' if tier.fail_rate else ''}, "
         f"{'hits read back first' if tier.verify else 'no read-back check'}; capacities: device "
         f"{engine.device_blocks:,}, CPU {cpu_blocks:,} ({args.cpu_gbps:g} GB/s; cpu_admission {args.cpu_admission}, "
         f"cpu_retention {args.cpu_retention}), {tier.name} {lower_blocks:,} chunks\n"

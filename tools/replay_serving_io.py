@@ -52,9 +52,10 @@ class Slowdown:
     for_s: float
 
     def __post_init__(self) -> None:
-        if not (self.factor >= 1 and self.every_s > 0 and 0 < self.for_s <= self.every_s):
+        finite = all(math.isfinite(x) for x in (self.factor, self.every_s, self.for_s))
+        if not (finite and self.factor >= 1 and self.every_s > 0 and 0 < self.for_s <= self.every_s):
             raise ValueError(
-                f"slowdown {self.factor:g},{self.every_s:g},{self.for_s:g}: expected FACTOR >= 1, "
+                f"slowdown {self.factor:g},{self.every_s:g},{self.for_s:g}: expected finite FACTOR >= 1, "
                 "EVERY_S > 0 and 0 < FOR_S <= EVERY_S"
             )
 
