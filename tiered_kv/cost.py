@@ -10,14 +10,19 @@ would serve it, from token ``start`` on), with the engine's queues in view (``Qu
 
     cost(k) = sum over tiers t holding some of the first k blocks of
                   latency_t + (queued_t + blocks of t loaded) x block_t
-              - prefill of those k blocks x (1 + gpu_waiting + arrivals x R / 2)
+              - prefill of those k blocks x (1 + gpu_waiting x busy + arrivals x R / 2)
 
 ``block_t`` is one block's load time at tier t's estimated bandwidth, ``queued_t`` the
 blocks already queued there (loads and writes in flight: this request waits behind
-them), ``gpu_waiting`` the requests waiting for their first GPU step (each would wait
-for a recompute too), and ``arrivals x R / 2`` those expected to arrive while the whole
-run recomputes (``R`` seconds, at the arrival rate the adapter reports through
-``note_arrival``), each waiting about half of it. The decision is ``argmin_k cost(k)`` over ``k = 0 .. n``: zero
+them), ``gpu_waiting`` the requests waiting for their first GPU step, ``busy`` the share
+of recent time the GPU spent computing (``busy_share``, from the steps the adapter
+reports through ``note_step``; 1 where it reports none), and ``arrivals x R / 2`` those
+expected to arrive while the whole run recomputes (``R`` seconds, at the arrival rate
+the adapter reports through ``note_arrival``), each waiting about half of it. A waiting
+request waits for the GPU only while the GPU computes: where it is idle half the time,
+the queue waits on something else (device memory held by loads, most often), which a
+recompute does not lengthen, so a recompute delays each waiting request by the busy
+share of its seconds. The decision is ``argmin_k cost(k)`` over ``k = 0 .. n``: zero
 (load nothing, recompute everything) is always a candidate. An idle engine reduces this
 to comparing each block's load with its prefill; under load the GPU's queue makes
 recomputing dearer (a tier is a parallel resource) and a tier's queue makes loading
@@ -70,7 +75,8 @@ PRIOR_LATENCY_S = {"CPU": 0.0, "DISK": 0.0, "REMOTE": 0.0}
 #: The timing type of a forward pass that was nearly all prefill (tokens, seconds),
 #: beside the load transfer types (``load_transfer_types``).
 PREFILL = "prefill"
-#: Arrivals counted over this many seconds for the rate of requests a recompute delays.
+#: Arrivals, and the GPU's steps, counted over this many seconds for the rate of
+#: requests a recompute delays and the share of time the GPU computes.
 ARRIVAL_WINDOW_S = 30.0
 
 
@@ -218,6 +224,9 @@ class LoadCosts:
         self.clock = clock
         self.transfer_types = load_transfer_types(self.tiers)
         self._arrivals: deque[float] = deque()  # request arrivals within ARRIVAL_WINDOW_S
+        self._steps: deque[tuple[float, float]] = deque()  # (when, estimated seconds) within it
+        self._step_seconds = 0.0  # their sum
+        self._first_step: float | None = None  # when the adapter noted its first step
         self._passed_over = dict.fromkeys(self.tiers, 0)  # decisions since the last probe
         self._since = dict.fromkeys(self.tiers, clock())  # when a tier was last sampled or probed
 
@@ -313,10 +322,46 @@ class LoadCosts:
             self._arrivals.popleft()
         return len(self._arrivals) / ARRIVAL_WINDOW_S
 
+    def note_step(self, work: float) -> None:
+        """The engine scheduled a forward pass of ``work`` tokens of linear work (each
+        scheduled token weighted by the context it attends to, ``prefill_work``): its
+        seconds at the prefill rate, plus the measured per-step overhead, count towards
+        ``busy_share``."""
+        if not work > 0 or not math.isfinite(work):
+            return
+        now = self.clock()
+        fit = self.prefill_fit
+        seconds = (fit.latency_s if fit is not None else 0.0) + work / self.prefill_tokens_per_s
+        if self._first_step is None:
+            self._first_step = now
+        self._steps.append((now, seconds))
+        self._step_seconds += seconds
+        self._trim_steps(now)
+
+    def _trim_steps(self, now: float) -> None:
+        while self._steps and now - self._steps[0][0] > ARRIVAL_WINDOW_S:
+            self._step_seconds -= self._steps.popleft()[1]
+
     @property
-    def gpu_delay(self) -> int:
-        """The requests a recompute delays: its own, and those waiting for the GPU."""
-        return 1 + self.queues.gpu_waiting
+    def busy_share(self) -> float:
+        """The share of the last ``ARRIVAL_WINDOW_S`` (or of the time since the first
+        step, where shorter) the GPU spent in the steps ``note_step`` reported, at most 1;
+        1 before any was reported (an adapter that reports none: every waiting request is
+        taken to wait for the GPU)."""
+        if self._first_step is None:
+            return 1.0
+        now = self.clock()
+        self._trim_steps(now)
+        span = min(ARRIVAL_WINDOW_S, now - self._first_step)
+        if span <= 0:
+            return 1.0
+        return min(1.0, max(0.0, self._step_seconds / span))
+
+    @property
+    def gpu_delay(self) -> float:
+        """The requests a recompute delays: its own, and those waiting for the GPU, each
+        by the share of time the GPU computes (module docstring)."""
+        return 1 + self.queues.gpu_waiting * self.busy_share
 
     def recompute_seconds(self, blocks: int, first: int, start: int = 0) -> float:
         """The prefill of blocks ``first .. first + blocks - 1`` of a run beginning at
@@ -396,6 +441,7 @@ class LoadCosts:
             "prefill_measured": None
             if fit is None
             else {"tokens_per_s": fit.gbps * 1e9, "step_overhead_s": fit.latency_s, "steps": fit.samples + 1},
+            "gpu_busy_share": None if self._first_step is None else self.busy_share,
             "break_even_gbps": self.break_even_gbps,
             "tiers": {name: t.snapshot() for name, t in self.tiers.items()},
         }

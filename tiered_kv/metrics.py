@@ -30,28 +30,13 @@ def gpu_direction(transfer_type: str) -> str | None:
 
 TIERS = ("cpu", "disk")
 TIER_COUNTERS = (
-    "lookups",
-    "hits",
-    "stores",
-    "evictions",
-    "spills",
-    "drops",
-    "checksum_failures",
-    "failed_loads",
-    "failed_stores",
-    "promotions",
-    "skipped_slower_than_recompute",
-    "probes",
-    "not_admitted",
+    *("lookups", "hits", "stores", "evictions", "spills", "drops", "checksum_failures", "failed_loads"),
+    *("failed_stores", "promotions", "skipped_slower_than_recompute", "probes", "not_admitted"),
     # ``cpu_admission: adaptive(N)`` changed the rule in force (``tiered.admission``).
     "admission_switches",
     # Prefetch while a request waits (``tiered.prefetch``): reads started, blocks a
     # request then loaded, blocks evicted or dropped unused, reads cancelled, failed.
-    "prefetches",
-    "prefetch_used",
-    "prefetch_wasted",
-    "prefetch_cancelled",
-    "prefetch_failed",
+    *("prefetches", "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "prefetch_failed"),
 )
 #: The tier events also counted in tokens (blocks times tokens per block), as vLLM
 #: counts its prefix cache's queries and hits.
@@ -69,6 +54,7 @@ TIER_LOAD_GBPS = "tiered_kv_tier_load_gbps"
 TIER_LOAD_LATENCY = "tiered_kv_tier_load_latency_seconds"
 TIER_WRITTEN_PER_READ = "tiered_kv_tier_bytes_written_per_read"
 PREFILL_TOKENS_PER_S = "tiered_kv_prefill_tokens_per_second"
+GPU_BUSY_SHARE = "tiered_kv_gpu_busy_share"
 TRANSFER_JOBS = "tiered_kv_transfer_jobs"
 TRANSFER_SECONDS = "tiered_kv_transfer_seconds"
 VERIFICATION_SECONDS = "tiered_kv_verification_seconds"
@@ -149,6 +135,9 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         "Prefill tokens per second: 'used' by the load-versus-recompute decision, and 'measured' on the "
         "engine's own forward passes where it times them",
         ("kind",),
+    ),
+    MetricDef(
+        GPU_BUSY_SHARE, "gauge", "Share of the last 30 s the GPU spent computing, as the load decision estimates"
     ),
     MetricDef(TRANSFER_JOBS, "counter", "Transfer jobs finished", ("transfer_type", "outcome")),
     MetricDef(
@@ -289,7 +278,7 @@ def written_per_read_gauges(stats: TieredStats) -> list[CounterValue]:
 def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
     """The load-cost gauges of ``costs`` (a ``LoadCosts.snapshot()``, or None): each
     tier's estimated bandwidth and job latency, the prefill rate the decision uses and,
-    once measured, the measured one."""
+    once measured, the measured one, and the GPU's busy share once steps are reported."""
     if not costs:
         return []
     out: list[CounterValue] = []
@@ -298,7 +287,14 @@ def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
     out.append((PREFILL_TOKENS_PER_S, ("used",), costs["prefill_tokens_per_s"]))
     if costs.get("prefill_measured"):
         out.append((PREFILL_TOKENS_PER_S, ("measured",), costs["prefill_measured"]["tokens_per_s"]))
+    if costs.get("gpu_busy_share") is not None:
+        out.append((GPU_BUSY_SHARE, (), costs["gpu_busy_share"]))
     return out
+
+
+def _child(metric: Any, labels: tuple) -> Any:
+    """``metric``'s series for ``labels`` (the metric itself where it has none)."""
+    return metric.labels(*labels) if labels else metric
 
 
 @dataclass(frozen=True)
@@ -539,7 +535,7 @@ class PrometheusMetrics:
         key = (id(counter), labels)
         delta = value - self._last.get(key, 0)
         if delta > 0:
-            (counter.labels(*labels) if labels else counter).inc(delta)
+            _child(counter, labels).inc(delta)
             self._last[key] = value
 
     def update(
@@ -570,7 +566,7 @@ class PrometheusMetrics:
         for kind, n in (job_failures or {}).items():
             self._advance(self.metrics[WORKER_JOB_FAILURES], (kind,), n)
         for name, labels, value in cost_gauges(costs):
-            self.metrics[name].labels(*labels).set(value)
+            _child(self.metrics[name], labels).set(value)
         for name, labels, value in written_per_read_gauges(stats):
             self.metrics[name].labels(*labels).set(value)
         transfers = snap["transfers"]
@@ -591,7 +587,7 @@ class PrometheusMetrics:
         for tier, n in (used_blocks or {}).items():
             self.metrics[TIER_USED_BLOCKS].labels(tier).set(n)
         for name, labels, value in gauges:
-            self.metrics[name].labels(*labels).set(value)
+            _child(self.metrics[name], labels).set(value)
         for source in (stats.latencies, *latencies):
             for metric, labels, seconds in source.drain():
                 self.metrics[metric].labels(*labels).observe(seconds)

@@ -26,7 +26,8 @@ the trace's gap), ``--users`` clients running them back to back, the gaps scaled
 recomputing keeps the GPU ``--utilisation`` busy, through the serving replay's GPU and
 I/O channels and the product's managers in vLLM's call order (``--config``, default
 ``cost-aware``). Per policy: hit rate from the GPU's prefix cache, CPU and disk, the
-turns whose prefix survived their tool gap, TTFT per request against LRU's, GPU busy.
+turns whose prefix survived their tool gap, TTFT per request against LRU's, GPU busy;
+then where each row's time to first token goes (``replay_serving.phases_table``).
 A row there may add what its clients send with each request, after the policy
 (``replay_serving_sessions.parse_row``): ``+ids``, the session's name (vLLM's
 ``session_id``) for the session rule (``lru+session+ids``); ``+hints``, KV hints
@@ -51,6 +52,7 @@ temporary directory (``--scratch``), removed afterwards.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -242,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def main_serving(args: argparse.Namespace, agent_requests: Sequence[AgentRequest], command: str, started: float) -> int:
     """``--serving``: the policy table with time (``replay_serving_sessions``)."""
     import replay_serving_sessions as serving  # vLLM's types: only with --serving
+    from replay_serving import phases_table
 
     header, results, setup = serving.replay(
         agent_requests,
@@ -258,8 +261,10 @@ def main_serving(args: argparse.Namespace, agent_requests: Sequence[AgentRequest
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     chunks = sum(r.tokens // serving.TOKENS_PER_BLOCK for r in agent_requests)
+    phases = phases_table([dataclasses.replace(r, config=name) for name, r in results], setup.tier)
     print(
         f"command: `{command}`\n\n{header}\n\n{serving.policy_table(results, chunks)}\n\n"
+        f"Where the time to first token goes (mean s per request):\n\n{phases}\n\n"
         + "\n".join(serving.notes(results, setup.tier))
         + "\n\nhit rate: full chunks served by the GPU's prefix cache, CPU and disk, over all full chunks. Turns: "
         "requests sharing a prefix with their session's previous request; prefix in CPU / in any tier (GPU, CPU, "

@@ -27,10 +27,9 @@ token; decode is not modelled) steps as vLLM 0.33's scheduler does with the
 - **Forward pass**: ``step_overhead_s`` plus, per scheduled chunk of ``n`` tokens after
   ``c`` tokens of context, ``(2 x params x n + 4 x layers x hidden x (n x c + n(n+1)/2))
   / (mfu x peak FLOP/s)``: every token attends to itself and all before it. Load jobs
-  start with it; store jobs (GPU -> CPU) start when it ends. A step that loads nothing
-  and whose tokens are prefill is timed (its work, ``tiered_kv.prefill.prefill_work`` with
-  attention, and seconds) into ``LoadTimings`` as the product's connector times forward
-  passes (``PREFILL``).
+  start with it; store jobs (GPU -> CPU) start when it ends. Every step's work
+  (``tiered_kv.prefill.prefill_work``, attention included) is noted (``note_step``), and a
+  step that loads nothing is timed into ``LoadTimings`` (``PREFILL``), as the connector does.
 - **Reports**: jobs that ended by a step's end are reported at the next step
   (``complete_load`` / ``complete_store``); loaded chunks enter the device cache.
 - **Prefetch** (a configuration that turns it on, ``replay_serving_stack.PREFETCHING``):
@@ -196,8 +195,8 @@ class Engine:
     ):
         self.stack, self.events, self.gpu, self.cfg = stack, events, gpu, engine
         self.manager = stack.manager
-        costs = stack.manager.costs
-        self.attention = costs.attention_per_token if costs is not None else 0.0
+        self.costs = stack.manager.costs
+        self.attention = self.costs.attention_per_token if self.costs is not None else 0.0
         self.tier_name = stack.tier.name if stack.tier is not None else None
         self.h2d = Channel(events, engine.cpu_gbps)
         self.d2h = Channel(events, engine.cpu_gbps)
@@ -520,9 +519,11 @@ class Engine:
             self.steps += 1
             if scheduled:
                 flops = sum(gpu.flops(n, r.computed) for r, n in scheduled)
-                # The product's connector times the step's work as the decision counts it.
+                # The product's connector notes every step's work, as the decision counts it.
                 work = sum(prefill_work(n, r.computed, self.attention) for r, n in scheduled)
                 seconds = gpu.step_overhead_s + gpu.seconds(flops)
+                if self.costs is not None:
+                    self.costs.note_step(work)
                 self.busy += seconds
                 end = ev.now + seconds
                 ev.run_until(end)
@@ -559,7 +560,7 @@ class Engine:
         for r in reqs:
             tokens.update(r.sources)
             tokens["computed"] += r.tokens - sum(r.sources.values())
-        costs = self.manager.costs.snapshot() if self.manager.costs is not None else {}
+        costs = self.costs.snapshot() if self.costs is not None else {}
         retention = self.manager.composite.cpu.retention
         hints = self.manager.hints.snapshot()
         prefetch = hints.pop("prefetch")

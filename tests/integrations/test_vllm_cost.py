@@ -21,6 +21,7 @@ from support.disk_fixtures import slow_disk_reads  # noqa: E402
 from support.slow_tier import passed_over_while_slow_and_used_again  # noqa: E402
 
 from tiered_kv.integrations.vllm.common import TieredJobSpec  # noqa: E402
+from tiered_kv.integrations.vllm.connector import step_work  # noqa: E402
 from tiered_kv.tiered.transfer_specs import TieredStoreSpec  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -216,12 +217,35 @@ def test_under_vllm_the_prefill_rate_is_measured_on_the_engines_own_prefill_step
         assert registry.get_sample_value("tiered_kv_tier_load_gbps", {"engine": "0", "tier": "disk"}) > 0
 
 
+def test_under_vllm_every_step_counts_towards_the_gpu_s_busy_share(model_dir, tmp_path):
+    """Our connector notes each step vLLM's scheduler builds, decode steps included,
+    weighted as the decision weighs work: the busy share that discounts a queue waiting
+    on something other than the GPU."""
+    with _measuring(model_dir, tmp_path / "disk") as h:
+        costs = h.manager.costs
+        assert costs is not None and costs.busy_share == 1.0  # no step yet
+        noted: list[float] = []
+        note = costs.note_step
+        costs.note_step = lambda work: (noted.append(work), note(work))[1]  # type: ignore[method-assign]
+        since = len(h.steps)
+        for seed, chunks in enumerate([2, 8, 4]):
+            h.admit(_prompt(200 + seed, chunks * BLOCK + 1), max_tokens=4)
+            h.settle()
+        outputs = [r.scheduler_output for r in h.steps[since:] if r.scheduler_output.total_num_scheduled_tokens]
+        decodes = [o for o in outputs if max(o.num_scheduled_tokens.values()) == 1]
+        assert decodes
+        assert [w for w in noted if w] == [step_work(o, costs.attention_per_token) for o in outputs]  # none: 0
+        assert 0 < costs.busy_share <= 1
+        share = h.publish_metrics().get_sample_value("tiered_kv_gpu_busy_share", {"engine": "0"})
+        assert share == pytest.approx(costs.busy_share, abs=0.1)  # read a moment apart
+
+
 def test_only_a_step_that_is_nearly_all_prefill_is_timed():
     from dataclasses import replace
 
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from tiered_kv.integrations.vllm.connector import prefill_step_tokens
+    from tiered_kv.integrations.vllm.connector import is_prefill_step, step_work
 
     def step(tokens: dict[str, int], spec: dict[str, list[int]] | None = None) -> int:
         out = replace(
@@ -230,7 +254,7 @@ def test_only_a_step_that_is_nearly_all_prefill_is_timed():
             total_num_scheduled_tokens=sum(tokens.values()),
             scheduled_spec_decode_tokens=spec or {},
         )
-        return prefill_step_tokens(out)
+        return step_work(out) if is_prefill_step(out) else 0
 
     assert step({}) == 0
     assert step({"a": 512}) == 512
@@ -251,7 +275,7 @@ def test_a_prefill_step_counts_its_tokens_by_the_context_they_attend_to():
 
     from tiered_kv.prefill import DEFAULT_ATTENTION_PER_TOKEN as A
     from tiered_kv.prefill import prefill_work
-    from tiered_kv.integrations.vllm.connector import prefill_step_tokens
+    from tiered_kv.integrations.vllm.connector import is_prefill_step, step_work
 
     cached = replace(CachedRequestData.make_empty(), req_ids=["deep", "fresh"], num_computed_tokens=[60_000, 0])
     out = replace(
@@ -260,9 +284,10 @@ def test_a_prefill_step_counts_its_tokens_by_the_context_they_attend_to():
         total_num_scheduled_tokens=1024,
         scheduled_cached_reqs=cached,
     )
-    assert prefill_step_tokens(out) == 1024  # no model shape: tokens as they are
-    weighted = prefill_step_tokens(out, A)
+    assert step_work(out) == 1024  # no model shape: tokens as they are
+    weighted = step_work(out, A)
     assert weighted == round(prefill_work(512, 60_000, A) + prefill_work(512, 0, A))
     assert weighted > 1.9 * 1024  # the deep chunk costs about 3x a fresh one
     decodes = replace(out, num_scheduled_tokens={"deep": 1, "fresh": 1}, total_num_scheduled_tokens=2)
-    assert prefill_step_tokens(decodes, A) == 0
+    assert not is_prefill_step(decodes)
+    assert step_work(decodes, A) == pytest.approx(2 + A * 60_001, abs=1)  # busy all the same

@@ -172,6 +172,34 @@ def test_under_load_the_gpu_queue_makes_recomputing_dearer_and_a_tier_s_queue_lo
     assert fast.plan(disk).blocks == 8
 
 
+def test_requests_that_wait_while_the_gpu_idles_are_not_delayed_by_a_recompute():
+    """With 4 requests waiting, 3 GB/s (below the idle break-even) is loaded while the
+    engine reports no steps (each waiting request taken to wait for the GPU) and while
+    the GPU computes 90% of the time. Where it computes 5% of the time the queue waits on
+    something else (device memory held by loads), which a recompute does not lengthen:
+    the run is recomputed. Steps older than the window no longer count."""
+    now = [0.0]
+    c = costs(3.0, clock=lambda: now[0], probe_after_s=1e9)  # no probe: the plan alone
+    c.queues = Queues(gpu_waiting=4)
+    disk = ["disk"] * 8
+    assert c.busy_share == 1.0
+    assert c.plan(disk).blocks == 8
+    for share in (0.9, 0.05):
+        for _ in range(30):  # a step a second, of ``share`` seconds of work
+            c.note_step(DEFAULT_PREFILL_TOKENS_PER_S * share)
+            now[0] += 1.0
+        assert c.busy_share == pytest.approx(share)
+        assert c.gpu_delay == pytest.approx(1 + 4 * share)
+        assert c.plan(disk).blocks == (8 if share > 0.5 else 0)
+    c.note_step(float("nan"))
+    c.note_step(-5.0)
+    assert c.busy_share == pytest.approx(0.05)
+    metrics = PrometheusMetrics()
+    metrics.update(TieredStats(), costs=c.snapshot())
+    assert metrics.registry.get_sample_value("tiered_kv_gpu_busy_share") == pytest.approx(0.05)
+    assert costs(3.0).snapshot()["gpu_busy_share"] is None  # no step reported: no gauge
+
+
 def test_requests_arriving_while_a_long_run_recomputes_make_recomputing_it_dearer():
     """At 3 GB/s (below the idle break-even) a 6,400-block run (102k tokens, 3.3 s to
     recompute) is passed over with nobody arriving; at one arrival every 2 s, each

@@ -258,7 +258,7 @@ def test_a_failed_prefetch_read_leaves_nothing_in_cpu_and_the_request_reads_the_
     (their CPU slots marked bad, dropped), so it loads them from the disk itself, that
     load fails too, and it computes its whole prompt."""
     reqs, engine = _waiting_repeat()
-    failing = TierModel("disk", 1.0, 0.0, False, fail_rate=1 - 1e-12)
+    failing = TierModel("disk", 10.0, 0.0, False, fail_rate=1 - 1e-12)  # loads pay on an idle GPU
     out = run_config("cost-aware+prefetch", reqs, GPU, engine, failing, cpu_blocks=64, lower_blocks=256)
     assert out.prefetch["disk.prefetches"] == out.prefetch["disk.prefetch_failed"] == 4
     assert out.prefetch["disk.prefetch_used"] == 0 and out.tokens["CPU"] == 0 and out.tokens["tier"] == 0

@@ -184,10 +184,12 @@ def test_the_command_prints_one_row_per_policy(tmp_path, capsys):
     argv = ["--serving", "--traces", str(folder), "--utilisation", "0.5", "--scratch", str(tmp_path)]
     assert replay_claude_code.main([*argv, "--policies", "lru,lru+reuse(2),lru+session", "--users", "2"]) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("|")]
-    assert [c.strip() for c in lines[0].strip("|").split("|")] == sessions_mod.COLUMNS
-    assert [line.split("|")[1].strip() for line in lines[2:]] == ["lru", "lru+reuse(2)", "lru+session"]
-    assert lines[2].split("|")[11].strip() == "1.00"  # p90 over LRU's own
+    table, phases = (t.splitlines() for t in out.split("\n\n") if t.startswith("|"))
+    assert [c.strip() for c in table[0].strip("|").split("|")] == sessions_mod.COLUMNS
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["lru", "lru+reuse(2)", "lru+session"]
+    assert table[2].split("|")[11].strip() == "1.00"  # p90 over LRU's own
+    assert phases[0].split("|")[2].strip() == "waiting"  # and where each row's time goes
+    assert [line.split("|")[1].strip() for line in phases[2:]] == ["lru", "lru+reuse(2)", "lru+session"]
     assert "3 conversations" in out and "2 clients" in out and "1 gaps over 3600 s" in out
     for bad in (["--policies", "lru+retention-oracle"], ["--config", "sometimes"], ["--utilisation", "1.5"]):
         with pytest.raises(SystemExit):
@@ -277,8 +279,8 @@ def test_the_command_prints_the_clients_rows(tmp_path, capsys):
     argv = ["--serving", "--traces", str(folder), "--utilisation", "0.5", "--scratch", str(tmp_path), "--users", "2"]
     assert replay_claude_code.main([*argv, "--policies", "lru,lru+session+ids,lru+hints"]) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("|")]
-    assert [line.split("|")[1].strip() for line in lines[2:]] == ["lru", "lru+session+ids", "lru+hints"]
+    table = next(t.splitlines() for t in out.split("\n\n") if t.startswith("|"))
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["lru", "lru+session+ids", "lru+hints"]
     assert "clients: 4 sessions" in out and "kv.retain (lease_id its session, ttl_s 300 s x" in out
     assert "- lru+hints:" in out and "; hints: actions release.accepted 4, retain.accepted 7;" in out
     with pytest.raises(SystemExit):

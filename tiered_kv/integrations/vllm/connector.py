@@ -37,8 +37,10 @@ with its work (``TieredConnectorMetadata``: tokens weighted by attention, as the
 counts them), so neither a batch of decodes nor a wait for loads passes for a slow prefill;
 each worker times that step's forward pass (``tiered_kv.worker.forward_timer``) and
 adds it to the engine's ``LoadTimings`` as type ``PREFILL``, which the scheduler folds
-into ``LoadCosts`` every step. With vLLM's plain ``OffloadingConnector`` nothing is
-measured and the configured or estimated rate is used.
+into ``LoadCosts`` every step. Every step's work, decodes included, is noted too
+(``LoadCosts.note_step``): the GPU's busy share, by which the decision discounts a queue
+that waits on something else. With vLLM's plain ``OffloadingConnector`` nothing is
+measured: the configured or estimated rate is used, and the GPU is taken as always busy.
 
 It names each request's session for the manager: vLLM 0.33 hands the manager only a
 ``ReqContext``, without the ``Request.session_id`` a client sent (``X-Session-ID``), so
@@ -89,26 +91,14 @@ def failed_loads_recomputed() -> bool:
 PREFILL_SHARE = 0.9
 
 
-def prefill_step_tokens(scheduler_output: Any, attention_per_token: float = 0.0) -> int:
-    """The work of a step worth timing as prefill (vLLM's ``SchedulerOutput``), else 0.
-    A request scheduled for more than one token beyond its speculative ones is in
-    prefill (a decode step schedules one). The work is in linear tokens, each request's
-    tokens weighted by the context they attend to (``tiered_kv.prefill.prefill_work``, the
-    decision's own measure), so a step deep into a long prompt does not pass for a
-    slower GPU."""
+def step_work(scheduler_output: Any, attention_per_token: float = 0.0) -> int:
+    """The work of a step (vLLM's ``SchedulerOutput``) in linear tokens: every scheduled
+    token, each request's weighted by the context they attend to
+    (``tiered_kv.prefill.prefill_work``, the decision's own measure), so a step deep into
+    a long prompt does not pass for a slower GPU."""
     total = scheduler_output.total_num_scheduled_tokens
-    if total <= 0:
-        return 0
-    spec = scheduler_output.scheduled_spec_decode_tokens or {}
-    prefill = 0
-    for req_id, n in scheduler_output.num_scheduled_tokens.items():
-        n -= len(spec.get(req_id, ()))
-        if n > 1:
-            prefill += n
-    if prefill < PREFILL_SHARE * total:
-        return 0
-    if not attention_per_token:
-        return total
+    if total <= 0 or not attention_per_token:
+        return max(0, total)
     computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -119,10 +109,26 @@ def prefill_step_tokens(scheduler_output: Any, attention_per_token: float = 0.0)
     return round(work)
 
 
+def is_prefill_step(scheduler_output: Any) -> bool:
+    """Whether at least ``PREFILL_SHARE`` of a step's scheduled tokens are prefill: a
+    request scheduled for more than one token beyond its speculative ones is in prefill
+    (a decode step schedules one)."""
+    total = scheduler_output.total_num_scheduled_tokens
+    if total <= 0:
+        return False
+    spec = scheduler_output.scheduled_spec_decode_tokens or {}
+    prefill = 0
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        n -= len(spec.get(req_id, ()))
+        if n > 1:
+            prefill += n
+    return prefill >= PREFILL_SHARE * total
+
+
 @dataclass
 class TieredConnectorMetadata(OffloadingConnectorMetadata):
     """vLLM's metadata of a step, and the work of its forward pass to time as prefill
-    (0: not timed; ``prefill_step_tokens``)."""
+    (0: not timed; ``step_work`` of a step that ``is_prefill_step`` and loads nothing)."""
 
     prefill_tokens: int = 0
 
@@ -169,12 +175,16 @@ class TieredOffloadingConnector(OffloadingConnector):
         meta = super().build_connector_meta(scheduler_output)
         if type(meta) is not OffloadingConnectorMetadata:
             return meta
+        costs = self._costs()
+        work = step_work(scheduler_output, costs.attention_per_token if costs is not None else 0.0)
+        if costs is not None:
+            costs.note_step(work)
         return TieredConnectorMetadata(
             load_jobs=meta.load_jobs,
             store_jobs=meta.store_jobs,
             jobs_to_flush=meta.jobs_to_flush,
             # A step that loads may wait for its loads inside the forward pass: not timed.
-            prefill_tokens=0 if meta.load_jobs else prefill_step_tokens(scheduler_output, self._attention_per_token()),
+            prefill_tokens=0 if meta.load_jobs or not is_prefill_step(scheduler_output) else work,
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -199,9 +209,9 @@ class TieredOffloadingConnector(OffloadingConnector):
         take = getattr(self._worker(), "take_stats", None)
         return take() if take is not None else None
 
-    def _attention_per_token(self) -> float:
+    def _costs(self) -> LoadCosts | None:
         costs = getattr(getattr(self.connector_scheduler, "manager", None), "costs", None)
-        return costs.attention_per_token if isinstance(costs, LoadCosts) else 0.0
+        return costs if isinstance(costs, LoadCosts) else None
 
     def _worker(self) -> Any:
         return self.connector_worker.worker if self.connector_worker is not None else None
