@@ -277,7 +277,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.0,
         metavar="SHARE",
         help="the share of the chunks lower-tier reads (loads, prefetches) take that fail, after their\n"
-        "time; every chunk of a failed load is recomputed, as vLLM's recompute policy does (default 0)",
+        "time; a failed load's request is computed from its first failed chunk, as vLLM's recompute\n"
+        "policy does with the blocks the worker reports (default 0)",
     )
     p.add_argument(
         "--verify",

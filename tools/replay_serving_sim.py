@@ -71,11 +71,10 @@ for the manager's decision.
 Failed reads (``TierModel.fail_rate``, per chunk): a lower-tier read of a load or a
 prefetch fails when it ends, after taking its time, timed as failed (the decision
 charges what it cost). As the product's worker does, a failed load's promote slots are
-marked bad (``SlotHealth``) and every chunk of it reported failed, no promoted chunk
-going on to the GPU; vLLM's ``recompute`` policy then computes the request from the
-first of them. A failed prefetch chunk's slot is marked bad.
-
-Deterministic: no wall clock; which reads fail is fixed by a hash of the reader and the chunk.
+marked bad (``SlotHealth``) and the chunks of its failed reads reported; vLLM's
+``recompute`` policy computes the request from the first of them (a CPU lead is kept).
+A failed prefetch chunk's slot is marked bad. Deterministic: no wall clock; which reads
+fail is fixed by a hash of the reader and the chunk.
 """
 
 from __future__ import annotations
@@ -143,9 +142,9 @@ class _Job:
     keys: list[OffloadKey]
     store: bool
     parts: int = 0
-    tokens: Counter[str] = field(default_factory=Counter)  # a load's tokens by source: "CPU", "tier"
     promote_slots: list[int] = field(default_factory=list)  # the CPU slots a load promotes into
-    failed: bool = False  # a lower-tier read of the load failed
+    tier_keys: set[OffloadKey] = field(default_factory=set)  # a load's chunks from the lower tier
+    failed: set[OffloadKey] = field(default_factory=set)  # the chunks of its reads that failed
 
 
 @dataclass
@@ -268,10 +267,9 @@ class Engine:
         direct = [k for k, c, p in zip(keys, cpu_slots, promote) if c < 0 and p < 0]
         promoted = {k: p for k, c, p in zip(keys, cpu_slots, promote) if c < 0 <= p}
         n_cpu = len(keys) - len(direct) - len(promoted)
-        job.promote_slots = list(promoted.values())
+        job.promote_slots, job.tier_keys = list(promoted.values()), {*direct, *promoted}
         tpb = self.cfg.tokens_per_block
-        job.tokens.update(CPU=n_cpu * tpb, tier=(len(keys) - n_cpu) * tpb)
-        r.sources.update(job.tokens)
+        r.sources.update(CPU=n_cpu * tpb, tier=(len(keys) - n_cpu) * tpb)
 
         def timed(kind: str, nbytes: int, then: Callable[[], None]) -> Callable[[float, float], None]:
             def done(start: float, end: float) -> None:
@@ -284,7 +282,7 @@ class Engine:
             def done(start: float, end: float) -> None:
                 failed = self._read_fails(r.rid, chunks)
                 record(kind, len(chunks) * bpb, end - start, not failed)
-                job.failed |= failed
+                job.failed.update(chunks if failed else ())
                 then(not failed)
 
             self.tier.submit(len(chunks) * bpb, "read", done)
@@ -365,12 +363,14 @@ class Engine:
                 self.manager.complete_store(job.keys, r.ctx)
                 continue
             if job.failed:
-                # The worker marks a failed job's promote slots and reports every GPU block
-                # of it; vLLM's recompute policy computes the request from the first of them.
+                # The worker marks a failed job's promote slots and reports the GPU blocks of
+                # its failed reads; vLLM's recompute policy computes the request from the first.
                 self.manager.health.mark_bad(job.promote_slots)
-                r.computed -= len(job.keys) * self.cfg.tokens_per_block
-                r.next_store = r.computed // self.cfg.tokens_per_block
-                r.sources.subtract(job.tokens)
+                lost = job.keys[min(map(job.keys.index, job.failed)) :]
+                tier, tpb = sum(k in job.tier_keys for k in lost), self.cfg.tokens_per_block
+                r.computed -= len(lost) * tpb
+                r.next_store = r.computed // tpb
+                r.sources.subtract({"CPU": (len(lost) - tier) * tpb, "tier": tier * tpb})
             self.manager.complete_load(job.keys, r.ctx)
             self.being_loaded.subtract(job.keys)
             self.being_loaded += Counter()

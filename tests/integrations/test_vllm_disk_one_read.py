@@ -100,3 +100,31 @@ def test_a_chunk_that_fails_at_the_worker_is_recomputed_never_served(model_dir, 
         # The engine goes on, and the chunk is offloaded again.
         h.reset_gpu_prefix_cache()
         assert _serve(h, prompt).external == CHUNKS * BLOCK
+
+
+def test_a_cpu_lead_that_landed_is_kept_when_the_disk_read_after_it_fails(model_dir, tmp_path):
+    """A prompt whose first chunk is in CPU and the rest on disk, the last disk chunk
+    corrupted: the load's CPU part lands, its disk part fails its checksum, and the
+    worker reports to vLLM only the GPU blocks of the disk part, which vLLM recomputes
+    from its first; the CPU lead is not computed again. Every GPU block is right."""
+    with _build(model_dir, tmp_path / "disk", **vh.ONE_READ) as h:
+        prompt = _on_disk_only(h, 3)
+        keys = _keys(prompt)
+        assert _serve(h, prompt[: BLOCK + 1]).external == BLOCK  # chunk 0 promoted into CPU
+        composite = h.manager.composite
+        assert composite.cpu.is_loadable(keys[0]) and not any(composite.cpu.is_loadable(k) for k in keys[1:])
+        h.reset_gpu_prefix_cache()
+        _zero_gpu(h)
+        _corrupt(h, keys[-1])
+        worker = h.worker_spec._worker
+        reported: list[set[int]] = []
+        take = worker.take_failed_gpu_blocks
+        worker.take_failed_gpu_blocks = lambda: reported.append(take()) or reported[-1]
+        req_id = h.admit(prompt)
+        assert h.prefix_hits[req_id].external == CHUNKS * BLOCK
+        matches = h.kv_matches(req_id)
+        assert len(matches) == CHUNKS and all(matches), matches
+        h.settle()
+        failed = set().union(*reported)
+        assert len(failed) == (CHUNKS - 1) * worker.factor  # the disk part's blocks, not the CPU lead's
+        assert composite.tier("disk").stats.checksum_failures == 1

@@ -187,6 +187,22 @@ def test_a_failed_disk_read_costs_its_time_then_the_request_computes_every_chunk
         TierModel("disk", 1.0, 0.0, False, fail_rate=1.0)
 
 
+def test_a_failed_disk_read_after_a_cpu_lead_keeps_the_lead():
+    """The document's first two chunks kept in CPU (asked for again), its last two
+    pushed onto the disk; asked for whole with every disk read failing: the CPU part
+    lands, the disk part fails, and the request computes from the first failed chunk,
+    as vLLM's recompute policy does with the GPU blocks the worker reports."""
+    w1 = keys(1, 2, 3, 4)
+    n = 4 * BLOCK + 100
+    reqs = [Arrival(0.0, n, w1), Arrival(5.0, 2 * BLOCK + 100, w1[:2])]
+    reqs += [Arrival(10.0, 2 * BLOCK + 100, keys(11, 12)), Arrival(20.0, n, w1)]
+    failing = TierModel("disk", 1.0, 0.001, False, fail_rate=1 - 1e-12)
+    out = run_config("always", reqs, GPU, EngineConfig(device_blocks=1), failing, cpu_blocks=4, lower_blocks=64)
+    read = 0.001 + 2 * BPB / 1e9  # the two disk chunks, beside the two from CPU
+    assert out.ttft[3] == pytest.approx(read + prefill_s(n - 2 * BLOCK, 2 * BLOCK), rel=1e-9)
+    assert out.failed_reads == 1 and out.tokens["tier"] == 0
+
+
 def test_recompute_never_touches_a_lower_tier_and_always_reads_what_it_finds():
     reqs = _disk_replay_requests()
     tier = TierModel("disk", 2.0, 0.0, False)

@@ -12,7 +12,9 @@ stagers' and handlers' threads (``TierSpec.get_worker``), never here. Two pieces
   go on the CUDA-stream path, a lower tier's blocks straight to the GPU (its
   ``to_gpu`` handler: GDS or a bounce buffer for the disk), or into a CPU slot (its
   ``to_cpu`` handler, verified there) and then to the GPU when promoted. One result per
-  job: success only if every part succeeded.
+  job: success only if every part succeeded; a failed one names the GPU blocks of the
+  parts that failed (``TransferResult.failed_gpu_blocks``), since the others landed
+  whole (a CPU-resident lead before a disk read that failed).
 
 The GPU side of a job is a ``GPULoadStoreSpec`` (whole offloaded blocks, a leading skip
 at most) or, for an engine that transfers any GPU-block positions of a block (vLLM
@@ -74,17 +76,28 @@ class _Step:
 
 class _Job:
     """A parent job. ``seconds[i]``: the summed transfer time of branch ``i``'s
-    finished steps; the job's time is the longest branch's (branches overlap)."""
+    finished steps; the job's time is the longest branch's (branches overlap).
+    ``gpu_blocks[i]``: the GPU blocks branch ``i`` fills, where it fills any."""
 
-    __slots__ = ("job_id", "branches", "current", "ok", "seconds", "nbytes")
+    __slots__ = ("job_id", "branches", "current", "ok", "seconds", "nbytes", "gpu_blocks", "failed")
 
-    def __init__(self, job_id: int, branches: list[deque[Callable[[], _Step | None]]]):
+    def __init__(
+        self, job_id: int, branches: list[deque[Callable[[], _Step | None]]], gpu_blocks: list[np.ndarray] | None
+    ):
         self.job_id = job_id
         self.branches = branches
         self.current: list[_Step | None] = [None] * len(branches)
         self.ok = True
         self.seconds = [0.0] * len(branches)
         self.nbytes = 0  # moved by its finished steps
+        self.gpu_blocks = gpu_blocks
+        self.failed: list[int] = []  # branches that failed
+
+    def failed_gpu_blocks(self) -> tuple[int, ...] | None:
+        """The GPU blocks of the failed branches (None where the branches name none)."""
+        if self.gpu_blocks is None:
+            return None
+        return tuple(int(b) for i in self.failed for b in self.gpu_blocks[i])
 
 
 class _PipelineHandler(OffloadingHandler):
@@ -110,8 +123,8 @@ class _PipelineHandler(OffloadingHandler):
             self._inner_done[sub_id] = TransferResult(sub_id, False)
         return step
 
-    def _start(self, job_id: int, branches: list[deque]) -> bool:
-        job = _Job(job_id, branches)
+    def _start(self, job_id: int, branches: list[deque], gpu_blocks: list[np.ndarray] | None = None) -> bool:
+        job = _Job(job_id, branches, gpu_blocks)
         self._jobs[job_id] = job
         self._order.append(job_id)
         self._advance(job)
@@ -155,6 +168,7 @@ class _PipelineHandler(OffloadingHandler):
                     job.nbytes += step.nbytes if result else 0
                     job.current[i] = None
                     if not result:
+                        job.failed.append(i)
                         branch.clear()  # later steps of a failed branch would act on bad data
                 if not branch:
                     break
@@ -168,9 +182,10 @@ class _PipelineHandler(OffloadingHandler):
             self._advance(job)
             if all(s is None for s in job.current) and not any(job.branches):
                 del self._jobs[job_id]
-                self._finished.append(
-                    TransferResult(job_id, job.ok, max(job.seconds) if job.ok else None, job.nbytes if job.ok else None)
-                )
+                if job.ok:
+                    self._finished.append(TransferResult(job_id, True, max(job.seconds), job.nbytes))
+                else:
+                    self._finished.append(TransferResult(job_id, False, failed_gpu_blocks=job.failed_gpu_blocks()))
             else:
                 still.append(job_id)
         self._order = still
@@ -321,7 +336,13 @@ class TieredLoadHandler(_PipelineHandler):
         hashes = np.array(src.block_hashes, dtype=object)
         from_cpu = src.cpu_slots >= 0
         branches = []
+        filled: list[np.ndarray] = []  # per branch, the GPU blocks it fills
+
+        def fills(chunks: np.ndarray) -> None:
+            filled.append(rows[chunks][rows[chunks] >= 0])
+
         if from_cpu.any():
+            fills(from_cpu)
             branches.append(
                 deque(
                     [
@@ -348,6 +369,7 @@ class TieredLoadHandler(_PipelineHandler):
                 if to_gpu is None:
                     raise ValueError(f"load spec names {name} blocks for the GPU but the {name} tier has no path there")
                 tier_src = TierSlotsSpec(src.tier_slots[direct], list(hashes[direct]))
+                fills(direct)
                 branches.append(
                     deque(
                         [
@@ -370,8 +392,9 @@ class TieredLoadHandler(_PipelineHandler):
                     steps.append(
                         partial(submit, self.cpu_to_gpu, "cpu_to_gpu", n, self._cpu_to_gpu_spec(slots, rows[promoted]))
                     )
+                fills(promoted)
                 branches.append(deque(steps))
-        return self._start(job_id, branches)
+        return self._start(job_id, branches, filled)
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -32,8 +32,10 @@ class TransferResult:
     until some caller polled ``get_finished``; None for a failed job.
     ``transfer_size``: the bytes the job moved (None for a failed job), and
     ``transfer_type``: its ``(src medium, dst medium)``, as vLLM 0.33's results carry
-    them; set by the handler, or by ``OffloadingWorker`` from the job's spec. Results
-    compare by id and success only.
+    them; set by the handler, or by ``OffloadingWorker`` from the job's spec.
+    ``failed_gpu_blocks``: of a failed load, the GPU blocks of the parts that failed,
+    where the handler knows them (the others landed whole); None: any of the job's.
+    Results compare by id and success only.
     """
 
     job_id: int
@@ -41,6 +43,7 @@ class TransferResult:
     seconds: float | None = field(default=None, compare=False)
     transfer_size: int | None = field(default=None, compare=False)
     transfer_type: tuple[str, str] | None = field(default=None, compare=False)
+    failed_gpu_blocks: tuple[int, ...] | None = field(default=None, compare=False)
 
 
 class OffloadingHandler(Closing, ABC):

@@ -9,9 +9,10 @@ again (two downloads per hit). vLLM also has a path for loads that fail: a worke
 connector reports the GPU blocks it could not fill (``get_block_ids_with_load_errors``)
 and, with ``kv_load_failure_policy: "recompute"``, the scheduler recomputes the request
 from the first of them. This connector takes that path: our worker reports every job
-done, and the GPU blocks of a load that failed (a shared-tier object that failed its
-header or checksum check, vanished, or could not be read) are reported here, in the same
-step as the job, so the request recomputes them and never runs on them.
+done, and the GPU blocks of the parts of a load that failed (a shared-tier object that
+failed its header or checksum check, vanished, or could not be read; the parts that
+landed, a CPU-resident lead, are not) are reported here, in the same step as the job,
+so the request recomputes from the first of them and never runs on them.
 
 Select it, with the recompute policy, in vLLM's kv-transfer config::
 

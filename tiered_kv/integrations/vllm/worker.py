@@ -281,8 +281,9 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         )
 
     def take_failed_gpu_blocks(self) -> set[int]:
-        """The GPU blocks of load jobs reported done since the last call whose bytes did
-        not all arrive (for ``TieredOffloadingConnector.get_block_ids_with_load_errors``)."""
+        """The GPU blocks that load jobs reported done since the last call did not fill
+        (the blocks of their failed parts, ``_fail``; for
+        ``TieredOffloadingConnector.get_block_ids_with_load_errors``)."""
         out, self._failed_gpu_blocks = self._failed_gpu_blocks, set()
         return out
 
@@ -299,14 +300,18 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             if job is None:  # refused at submission and reported then: report it once
                 continue
             if not result.success:
-                self._fail(result.job_id, job)
+                self._fail(result.job_id, job, result.failed_gpu_blocks)
             # The handlers' own measure: a copy's time, not the time until vLLM polled.
             seconds = result.seconds if result.seconds is not None else now - job.started
             out.append(VllmTransferResult(result.job_id, True, job.nbytes, seconds))
         return out
 
-    def _fail(self, job_id: int, job: _Job) -> None:
-        """Keep a failed job's CPU slots from being served (see the module docstring)."""
+    def _fail(self, job_id: int, job: _Job, failed_gpu_blocks: tuple[int, ...] | None = None) -> None:
+        """Keep a failed job's CPU slots from being served (see the module docstring).
+        A load reports to vLLM the GPU blocks of its parts that failed
+        (``failed_gpu_blocks``, where the handler names them; else all of the job's): vLLM
+        recomputes a request from its first such block, so a CPU-resident lead that
+        landed before a disk read that failed is kept."""
         self.health.mark_bad(job.slots)
         self.stats.count("cpu", "failed_stores" if job.kind == "store" else "failed_loads")
         if job.kind == "store":
@@ -324,11 +329,14 @@ class TieredVllmWorker(OffloadingWorker, Closing):
                 len(job.slots),
             )
         elif self.recompute_failed_loads:
-            self._failed_gpu_blocks.update(job.gpu_blocks.tolist())
+            failed = job.gpu_blocks.tolist() if failed_gpu_blocks is None else failed_gpu_blocks
+            self._failed_gpu_blocks.update(failed)
             logger.warning(
-                "rank %d: load job %d failed; its %d GPU blocks are reported to vLLM, which recomputes them",
+                "rank %d: load job %d failed; %d of its %d GPU blocks are reported to vLLM, which recomputes "
+                "each request from the first of them",
                 self.rank,
                 job_id,
+                len(failed),
                 len(job.gpu_blocks),
             )
         else:
