@@ -137,7 +137,10 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         ("kind",),
     ),
     MetricDef(
-        GPU_BUSY_SHARE, "gauge", "Share of the last 30 s the GPU spent computing, as the load decision estimates"
+        GPU_BUSY_SHARE,
+        "gauge",
+        "Share of the last 30 s the GPU spent computing, 'estimated' by the load decision from the steps it is told of",
+        ("kind",),
     ),
     MetricDef(TRANSFER_JOBS, "counter", "Transfer jobs finished", ("transfer_type", "outcome")),
     MetricDef(
@@ -288,13 +291,8 @@ def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
     if costs.get("prefill_measured"):
         out.append((PREFILL_TOKENS_PER_S, ("measured",), costs["prefill_measured"]["tokens_per_s"]))
     if costs.get("gpu_busy_share") is not None:
-        out.append((GPU_BUSY_SHARE, (), costs["gpu_busy_share"]))
+        out.append((GPU_BUSY_SHARE, ("estimated",), costs["gpu_busy_share"]))
     return out
-
-
-def _child(metric: Any, labels: tuple) -> Any:
-    """``metric``'s series for ``labels`` (the metric itself where it has none)."""
-    return metric.labels(*labels) if labels else metric
 
 
 @dataclass(frozen=True)
@@ -535,7 +533,7 @@ class PrometheusMetrics:
         key = (id(counter), labels)
         delta = value - self._last.get(key, 0)
         if delta > 0:
-            _child(counter, labels).inc(delta)
+            (counter.labels(*labels) if labels else counter).inc(delta)
             self._last[key] = value
 
     def update(
@@ -566,7 +564,7 @@ class PrometheusMetrics:
         for kind, n in (job_failures or {}).items():
             self._advance(self.metrics[WORKER_JOB_FAILURES], (kind,), n)
         for name, labels, value in cost_gauges(costs):
-            _child(self.metrics[name], labels).set(value)
+            self.metrics[name].labels(*labels).set(value)
         for name, labels, value in written_per_read_gauges(stats):
             self.metrics[name].labels(*labels).set(value)
         transfers = snap["transfers"]
@@ -587,7 +585,7 @@ class PrometheusMetrics:
         for tier, n in (used_blocks or {}).items():
             self.metrics[TIER_USED_BLOCKS].labels(tier).set(n)
         for name, labels, value in gauges:
-            _child(self.metrics[name], labels).set(value)
+            self.metrics[name].labels(*labels).set(value)
         for source in (stats.latencies, *latencies):
             for metric, labels, seconds in source.drain():
                 self.metrics[metric].labels(*labels).observe(seconds)

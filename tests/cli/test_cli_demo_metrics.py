@@ -34,8 +34,9 @@ VLLM_ONLY = {"tiered_kv_tier_verifications_total"}
 
 #: Declared on the demo's endpoint but with no series in this run: labelled metrics
 #: of a shared tier (the demo has none), of verification (vLLM's hit checks), of session
-#: retention's events and learned gaps (the demo's requests are not sessions), and of KV hints and start-up canaries (vLLM's workers and
-#: requests). Every other queried name must have at least one sample.
+#: retention's events and learned gaps (the demo's requests are not sessions), of KV hints and start-up canaries (vLLM's workers and
+#: requests), and the GPU's busy share (vLLM's steps, noted by its connector). Every other queried name must have at
+#: least one sample.
 NO_SERIES_IN_THIS_RUN = {
     "tiered_kv_retention_events_total",
     "tiered_kv_retention_ttl_seconds",
@@ -47,6 +48,7 @@ NO_SERIES_IN_THIS_RUN = {
     "tiered_kv_remote_rejected_objects_total",
     "tiered_kv_remote_request_seconds_bucket",
     "tiered_kv_verification_seconds_bucket",
+    "tiered_kv_gpu_busy_share",
 }
 
 

@@ -137,6 +137,17 @@ def test_table_shows_each_tier(served):
     assert [cell.strip() for cell in line.split("│")[2:-1]] == rates, result.stdout  # one column per tier
     assert "transfers" in result.stdout and "disk_to_cpu" in result.stdout
     assert "load estimate (GB/s)" in result.stdout and "prefill tokens/s used by the load decision" in result.stdout
+    assert "GPU busy" not in result.stdout  # no engine reported its steps
+
+
+def test_the_gpu_busy_share_the_decision_weighs_waiting_requests_by(served):
+    costs = served.driver.manager.costs
+    costs.note_step(costs.prefill_tokens_per_s * 0.5)  # half a second of work, just now
+    served.metrics.update(served.spec.stats, costs=costs.snapshot())
+    doc = json.loads(_stats("--url", served.url, "--json").stdout)
+    assert doc["gpu_busy_share"] == costs.snapshot()["gpu_busy_share"] == 1.0  # no span yet: counted busy
+    result = _stats("--url", served.url)
+    assert "GPU busy 100% of the last 30 s" in result.stdout, result.stdout
 
 
 def test_watch_prints_the_new_counts_each_time(served):

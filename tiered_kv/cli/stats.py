@@ -102,7 +102,9 @@ def render(view: dict[str, Any], url: str) -> Group:
     prefill = view["prefill_tokens_per_s"]
     if prefill["used"] is not None:
         measured = "" if prefill["measured"] is None else f", measured {prefill['measured']:,.0f}"
-        parts.append(f"prefill tokens/s used by the load decision: {prefill['used']:,.0f}{measured}")
+        busy = view["gpu_busy_share"]
+        busy_text = "" if busy is None else f"; GPU busy {busy:.0%} of the last 30 s (waiting requests weighed by it)"
+        parts.append(f"prefill tokens/s used by the load decision: {prefill['used']:,.0f}{measured}{busy_text}")
     if view["transfers"]:
         moved = Table(title="transfers (per job: p50 / p99)", title_justify="left")
         for col in ("type", "bytes", "jobs ok", "jobs failed", "latency"):

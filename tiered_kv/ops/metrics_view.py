@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_kv.metrics import (
     CANARY_CHECKS,
+    GPU_BUSY_SHARE,
     HINT_ACTIONS,
     LEASE_PINNED_BYTES,
     LEASES,
@@ -86,6 +87,7 @@ _VIEWED = ("tiered_kv_", "vllm:kv_offload_")
 _VIEWED_GAUGES = (
     TIER_LOAD_GBPS,
     PREFILL_TOKENS_PER_S,
+    GPU_BUSY_SHARE,
     TIER_USED_BLOCKS,
     LEASES,
     LEASE_PINNED_BYTES,
@@ -332,8 +334,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
     and stored into it, load and verification latency, the load estimate and blocks passed over as slower
     than recomputing, drops, failures, prefetched blocks), ``transfers`` (per transfer type), ``remote`` (the
     shared tier's store, or None when the endpoint has none), ``sessions`` (session retention per tier, leases,
-    KV-hint actions, start-up canaries), ``prefill_tokens_per_s`` (used, measured; None if absent) and
-    ``gpu`` (vLLM's load and store bytes)."""
+    KV-hint actions, start-up canaries), ``prefill_tokens_per_s`` (used, measured; None if absent),
+    ``gpu_busy_share`` (the decision's estimate; None if absent) and ``gpu`` (vLLM's load and store bytes)."""
     tiers = by_label(samples, f"{TIER_BLOCKS}_total", "tier")
     order = {"cpu": 0, "disk": 1, "remote": 3}
     return {
@@ -344,6 +346,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
         "prefill_tokens_per_s": {
             kind: gauge(samples, PREFILL_TOKENS_PER_S, _match(kind=kind)) for kind in ("used", "measured")
         },
+        "gpu_busy_share": gauge(samples, GPU_BUSY_SHARE),
         "gpu": {
             "load_bytes": int(total(samples, "vllm:kv_offload_load_bytes_total")),
             "store_bytes": int(total(samples, "vllm:kv_offload_store_bytes_total")),
