@@ -149,6 +149,31 @@ def load_transfer_types(tier_names: Iterable[str]) -> dict[str, str]:
     return types
 
 
+class _Window:
+    """Values noted with their time, summed over the last ``ARRIVAL_WINDOW_S``."""
+
+    def __init__(self) -> None:
+        self._noted: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+        self.first: float | None = None  # when the first value was noted
+
+    def add(self, now: float, value: float = 1.0) -> None:
+        if self.first is None:
+            self.first = now
+        self._noted.append((now, value))
+        self._sum += value
+        self.total(now)
+
+    def total(self, now: float) -> float:
+        """The sum of the values noted within the window before ``now``."""
+        noted = self._noted
+        while noted and now - noted[0][0] > ARRIVAL_WINDOW_S:
+            self._sum -= noted.popleft()[1]
+        if not noted:
+            self._sum = 0.0  # no rounding left over from the values gone
+        return self._sum
+
+
 @dataclass(frozen=True)
 class Queues:
     """What the decision sees of the engine's load as it decides (module docstring):
@@ -223,10 +248,8 @@ class LoadCosts:
         self.probe_queue_blocks = probe_queue_blocks
         self.clock = clock
         self.transfer_types = load_transfer_types(self.tiers)
-        self._arrivals: deque[float] = deque()  # request arrivals within ARRIVAL_WINDOW_S
-        self._steps: deque[tuple[float, float]] = deque()  # (when, estimated seconds) within it
-        self._step_seconds = 0.0  # their sum
-        self._first_step: float | None = None  # when the adapter noted its first step
+        self._arrivals = _Window()  # request arrivals
+        self._steps = _Window()  # the GPU's steps, in estimated seconds
         self._passed_over = dict.fromkeys(self.tiers, 0)  # decisions since the last probe
         self._since = dict.fromkeys(self.tiers, clock())  # when a tier was last sampled or probed
 
@@ -309,18 +332,12 @@ class LoadCosts:
 
     def note_arrival(self) -> None:
         """A request arrived (the engine adapter's ``on_new_request``): the arrival rate."""
-        now = self.clock()
-        self._arrivals.append(now)
-        while now - self._arrivals[0] > ARRIVAL_WINDOW_S:
-            self._arrivals.popleft()
+        self._arrivals.add(self.clock())
 
     @property
     def arrivals_per_s(self) -> float:
         """Requests arrived per second over the last ``ARRIVAL_WINDOW_S``."""
-        now = self.clock()
-        while self._arrivals and now - self._arrivals[0] > ARRIVAL_WINDOW_S:
-            self._arrivals.popleft()
-        return len(self._arrivals) / ARRIVAL_WINDOW_S
+        return self._arrivals.total(self.clock()) / ARRIVAL_WINDOW_S
 
     def note_step(self, work: float) -> None:
         """The engine scheduled a forward pass of ``work`` tokens of linear work (each
@@ -329,18 +346,8 @@ class LoadCosts:
         ``busy_share``."""
         if not work > 0 or not math.isfinite(work):
             return
-        now = self.clock()
         fit = self.prefill_fit
-        seconds = (fit.latency_s if fit is not None else 0.0) + work / self.prefill_tokens_per_s
-        if self._first_step is None:
-            self._first_step = now
-        self._steps.append((now, seconds))
-        self._step_seconds += seconds
-        self._trim_steps(now)
-
-    def _trim_steps(self, now: float) -> None:
-        while self._steps and now - self._steps[0][0] > ARRIVAL_WINDOW_S:
-            self._step_seconds -= self._steps.popleft()[1]
+        self._steps.add(self.clock(), (fit.latency_s if fit is not None else 0.0) + work / self.prefill_tokens_per_s)
 
     @property
     def busy_share(self) -> float:
@@ -348,14 +355,12 @@ class LoadCosts:
         step, where shorter) the GPU spent in the steps ``note_step`` reported, at most 1;
         1 before any was reported (an adapter that reports none: every waiting request is
         taken to wait for the GPU)."""
-        if self._first_step is None:
+        first = self._steps.first
+        if first is None:
             return 1.0
         now = self.clock()
-        self._trim_steps(now)
-        span = min(ARRIVAL_WINDOW_S, now - self._first_step)
-        if span <= 0:
-            return 1.0
-        return min(1.0, max(0.0, self._step_seconds / span))
+        span = min(ARRIVAL_WINDOW_S, now - first)
+        return min(1.0, max(0.0, self._steps.total(now) / span)) if span > 0 else 1.0
 
     @property
     def gpu_delay(self) -> float:
@@ -441,7 +446,7 @@ class LoadCosts:
             "prefill_measured": None
             if fit is None
             else {"tokens_per_s": fit.gbps * 1e9, "step_overhead_s": fit.latency_s, "steps": fit.samples + 1},
-            "gpu_busy_share": None if self._first_step is None else self.busy_share,
+            "gpu_busy_share": None if self._steps.first is None else self.busy_share,
             "break_even_gbps": self.break_even_gbps,
             "tiers": {name: t.snapshot() for name, t in self.tiers.items()},
         }
@@ -453,13 +458,15 @@ class PrefixScan:
     estimated faster than loading any shorter prefix of them: while it is, no block that
     follows can make ``LoadCosts.plan_runs`` load fewer, so those blocks may be promised
     at once. ``runs`` collects the blocks for the plan once the run is known whole. Each
-    tier is judged by its estimate and the queues when the scan first meets it."""
+    tier is judged by its estimate and the queues when the scan first meets it, the GPU's
+    queue when it meets its first block."""
 
     def __init__(self, costs: LoadCosts):
         self.costs = costs
         self.runs: list[list] = []  # [tier name, blocks], plan_runs' form
         self.start: int | None = None  # the token the first block begins at
         self._per_block: dict[str, float] = {}  # per tier seen: load_terms' per block
+        self._gpu_delay: float | None = None  # the decision's gpu_delay when the scan began
         self._score = self._best = 0.0
         self._paying = True
 
@@ -494,8 +501,10 @@ class PrefixScan:
             wait, per_block = costs.load_terms(name)
             self._per_block[name] = per_block
             self._score += wait
+        if self._gpu_delay is None:  # read once: the queues stand still while a scan runs
+            self._gpu_delay = costs.gpu_delay
         index = (end - self.start) // costs.tokens_per_block - 1  # of this block in the run
-        self._score += per_block - costs.recompute_seconds(1, index, self.start) * costs.gpu_delay
+        self._score += per_block - costs.recompute_seconds(1, index, self.start) * self._gpu_delay
         if self._score < self._best:
             self._best = self._score
         else:

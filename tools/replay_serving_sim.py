@@ -366,7 +366,7 @@ class Engine:
                 # The worker marks a failed job's promote slots and reports the GPU blocks of
                 # its failed reads; vLLM's recompute policy computes the request from the first.
                 self.manager.health.mark_bad(job.promote_slots)
-                lost = job.keys[min(map(job.keys.index, job.failed)) :]
+                lost = job.keys[next(i for i, k in enumerate(job.keys) if k in job.failed) :]
                 tier, tpb = sum(k in job.tier_keys for k in lost), self.cfg.tokens_per_block
                 r.computed -= len(lost) * tpb
                 r.next_store = r.computed // tpb
