@@ -242,7 +242,8 @@ class TieredConfig:
     cpu_retention: str = "session"
     #: vLLM only, with ``TieredPrefetchingConnector``: a waiting request's lower-tier
     #: blocks start moving into the CPU tier when it arrives, at most
-    #: ``prefetch_max_bytes`` in flight (``tiered_kv.tiered.prefetch``).
+    #: ``prefetch_max_bytes`` in flight, and its blocks in CPU are held there until it
+    #: runs (``tiered_kv.tiered.prefetch``).
     prefetch_waiting: bool = True
     prefetch_max_bytes: int = 256 << 20
     #: The share of each local tier's slots that ``kv.retain`` hints' leases may pin (0

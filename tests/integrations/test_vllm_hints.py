@@ -7,7 +7,8 @@ What they show: a request that carries ``kv.retain`` keeps its prefix in the CPU
 through an eviction storm that pushes out an unhinted one, and ``kv.release`` (or the
 lease's end) lets it go; ``kv.prefetch`` turns the next request's disk chunks into CPU
 hits, with the bytes the prefix calls for; a request that waits behind another has its
-disk chunks moved into CPU before it runs, and an aborted one's queue is dropped; an
+disk chunks moved into CPU before it runs, and those it has in CPU held there through the
+stores of the request ahead, and an aborted one's queue is dropped; an
 envelope that is malformed in every way leaves every tier and every answer as without
 hints, and is counted.
 
@@ -236,6 +237,37 @@ def test_a_waiting_request_has_its_disk_chunks_in_cpu_before_it_runs_and_an_abor
         snap = m.hints.snapshot()["prefetch"]
         assert snap["disk.prefetches"] == snap["disk.prefetch_used"] == CHUNKS
         assert snap["disk.prefetch_cancelled"] == CHUNKS
+
+
+def test_a_waiting_requests_chunks_in_cpu_are_held_through_the_stores_of_the_request_ahead(model_dir, tmp_path):
+    """The request ahead stores more chunks than the CPU tier has slots while the next one
+    waits: without the hold, the waiter's prefix would be evicted and read from disk."""
+    prefix = _prompt(15, CHUNKS * BLOCK)
+    with _build(model_dir, disk=tmp_path / "disk", max_num_seqs=1, max_num_batched_tokens=4 * BLOCK) as h:
+        m = _manager(h)
+        _serve(h, prefix)
+        _durable(h)
+        h.reset_gpu_prefix_cache()
+        keys = _keys(prefix)
+        assert all(m.composite.cpu.is_loadable(k) for k in keys)
+        runner = _add(h, _prompt(16, 20 * BLOCK), max_tokens=2)  # 20 chunks, 4 a step
+        h.step()
+        waiter = _add(h, prefix + _prompt(17, 9), max_tokens=3)
+        h.step()
+        prefetcher = m.hints.prefetcher
+        assert prefetcher is not None and prefetcher.held_blocks == CHUNKS
+        evicted = m.composite.stats.tiers["cpu"]["evictions"]
+        h.step_until(lambda: runner not in h.scheduler.requests)
+        assert m.composite.stats.tiers["cpu"]["evictions"] - evicted >= CHUNKS  # the storm came
+        assert h.scheduler.requests[waiter].status == RequestStatus.WAITING
+        assert all(m.composite.cpu.is_loadable(k) for k in keys)
+        before = m.composite.stats.tiers["disk"]["hits"]
+        _zero_gpu(h)  # only a load brings the prefix's bytes
+        h.step_until(lambda: h.scheduler.requests[waiter].num_output_tokens >= 1)
+        assert h.prefix_hits[waiter].external == CHUNKS * BLOCK and all(h.kv_matches(waiter))
+        h.settle()
+        assert m.composite.stats.tiers["disk"]["hits"] == before  # every chunk came from CPU
+        assert prefetcher.held_blocks == 0
 
 
 def test_a_cache_reset_drops_every_lease_and_what_a_prefetch_in_flight_reads(model_dir, tmp_path):

@@ -1,7 +1,8 @@
 """``tiered_kv.tiered.prefetch.Prefetcher`` over the real composite (the LRU CPU tier over
 a real disk tier's manager, its index in pytest's tmp_path): what a prefetch pins and
-reserves, how it ends (loadable, failed, abandoned by a reset), the order and bounds of
-``issue``, a request loading the same block meanwhile, and its counters. Bookkeeping only:
+reserves, how it ends (loadable, failed, abandoned by a reset), what it holds in CPU for
+a waiting owner and when that ends, the order and bounds of ``issue``, a request loading
+the same block meanwhile, and its counters. Bookkeeping only:
 no worker runs, a test plays the worker by ending jobs."""
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ def test_a_prefetch_pins_the_disk_block_reserves_a_cpu_slot_and_makes_it_loadabl
     assert p.complete(job.job_id) == []
     assert m.cpu.is_loadable(h(1)) and m.cpu.is_loadable(h(2)) and not disk.is_pinned(h(1))
     assert m.hit_tier(h(1)) == -1 and p.bytes_in_flight == 0
-    # A load from CPU afterwards uses the prefetch; the unused block is wasted once evicted.
+    # A load from CPU afterwards uses the prefetch; the unused block, no longer held once
+    # its request ended, is wasted once evicted.
     m.prepare_load([h(1)])
     p.loaded([h(1)])
     m.complete_load([h(1)])
+    p.cancel("r1")
     m.cpu.remove(h(2))
     counts = {event: n for tier, event, n in p.counters()}
     assert counts == {
@@ -88,7 +91,7 @@ def test_a_failed_block_is_not_kept_and_the_others_are(composite):
     assert ("disk", "prefetch_failed", 1) in p.counters()
 
 
-def test_blocks_in_cpu_are_skipped_and_a_block_held_nowhere_ends_the_queue(composite):
+def test_blocks_in_cpu_are_held_not_read_and_a_block_held_nowhere_ends_the_queue(composite):
     m = composite
     on_disk_only(m, 2, 4)
     out = m.prepare_store([h(1)])
@@ -96,14 +99,16 @@ def test_blocks_in_cpu_are_skipped_and_a_block_held_nowhere_ends_the_queue(compo
     p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
     p.want("r1", [h(1), h(2), h(3), h(4)])  # 1 in CPU, 3 nowhere: 4 is never loaded by a prefix lookup
     (job,) = p.issue()
-    assert job.spec.block_hashes == [h(2)]
+    assert job.spec.block_hashes == [h(2)] and p.held_blocks == 1
+    with pytest.raises(ValueError, match="pinned"):
+        m.cpu.remove(h(1))
     assert not p.queued("r1") and p.issue() == []
 
 
 def test_issue_is_bounded_in_bytes_oldest_first_and_a_hint_goes_first(composite):
     m = composite
     on_disk_only(m, 1, 2, 3, 4)
-    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=2 * BPB + BPB // 2, max_unused=4)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=2 * BPB + BPB // 2, max_held=4)
     p.want("old", [h(1), h(2)])
     p.want("new", [h(3)])
     p.want("hinted", [h(4)], first=True)
@@ -118,14 +123,101 @@ def test_issue_is_bounded_in_bytes_oldest_first_and_a_hint_goes_first(composite)
 def test_prefetched_blocks_nobody_used_yet_are_bounded(composite):
     m = composite
     on_disk_only(m, 1, 2)
-    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB, max_unused=1)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB, max_held=1)
     p.want("r1", [h(1), h(2)])
     (job,) = p.issue()
     assert job.spec.block_hashes == [h(1)]
     p.complete(job.job_id)
-    assert p.issue() == []  # h(1) waits unused in CPU
+    assert p.held_blocks == 1 and p.issue() == []  # h(1) waits unused in CPU, held for r1
     p.loaded([h(1)])
     assert [j.spec.block_hashes for j in p.issue()] == [[h(2)]]
+
+
+def in_cpu(m: TieredOffloadingManager, *ids: int) -> None:
+    """Store blocks ``ids`` into CPU (written through to disk)."""
+    for i in ids:
+        out = m.prepare_store([h(i)])
+        assert out is not None
+        m.complete_store(out.block_hashes_to_store)
+        disk = m.tier("disk")
+        disk.complete_store(list(disk.pending_blocks()))
+
+
+def test_a_waiting_owners_blocks_in_cpu_outlast_a_store_storm_until_it_loads_them(composite):
+    """A CPU tier smaller than the queue turns over while a request waits: the blocks it
+    had in CPU are held for it through a storm of stores, and its load ends the hold."""
+    m = composite
+    in_cpu(m, 1, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("r1", [h(1), h(2)])
+    assert p.issue() == [] and p.held_blocks == 2  # nothing to read: held where they are
+    in_cpu(m, 10, 11, 12, 13, 14, 15)  # four CPU slots: each store evicts the least recent
+    assert m.cpu.is_loadable(h(1)) and m.cpu.is_loadable(h(2))
+    m.prepare_load([h(1), h(2)])
+    p.loaded([h(1), h(2)])
+    m.complete_load([h(1), h(2)])
+    assert p.held_blocks == 0
+    in_cpu(m, 16, 17, 18, 19)
+    assert h(1) not in m.cpu and h(2) not in m.cpu  # ordinary LRU blocks again
+    counts = {event: n for _, event, n in p.counters()}
+    assert counts["prefetches"] == counts["prefetch_used"] == 0  # held, never read
+
+
+def test_holds_go_oldest_owner_first_within_max_held_and_a_cancel_passes_them_on(composite):
+    m = composite
+    in_cpu(m, 1, 2, 3)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB, max_held=2)
+    p.want("old", [h(1), h(2)])
+    p.want("new", [h(3)])
+    assert p.issue() == []
+    assert p.held_blocks == 2 and p.queued("new")  # the budget went to the oldest
+    p.want("old", [h(1), h(2)])  # its keys placed again: what it holds stays held
+    p.issue()
+    assert p.held_blocks == 2
+    with pytest.raises(ValueError, match="pinned"):
+        m.cpu.remove(h(2))
+    assert p.cancel("old") == 0  # started or ended; nothing was queued below CPU
+    m.cpu.remove(h(2))  # evictable again
+    p.issue()
+    assert p.held_blocks == 1 and not p.queued("new")
+    with pytest.raises(ValueError, match="pinned"):
+        m.cpu.remove(h(3))
+
+
+def test_a_hints_prefetch_holds_nothing(composite):
+    m = composite
+    in_cpu(m, 1)
+    on_disk_only(m, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)
+    p.want("hint:r1", [h(1), h(2)], first=True)
+    (job,) = p.issue()
+    assert job.spec.block_hashes == [h(2)]
+    p.complete(job.job_id)
+    assert p.held_blocks == 0 and m.cpu.is_loadable(h(2))
+    m.cpu.remove(h(1))
+    m.cpu.remove(h(2))
+
+
+def test_a_prefetch_lands_held_unless_its_owner_was_cancelled_and_a_reset_releases_every_hold(composite):
+    m = composite
+    on_disk_only(m, 1, 3)
+    in_cpu(m, 2)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB, max_held=4)
+    p.want("r1", [h(2), h(1)])  # a prefix: 2 in CPU, then 1 on disk
+    p.want("r2", [h(3)])
+    jobs = p.issue()
+    assert [j.spec.block_hashes for j in jobs] == [[h(1)], [h(3)]] and p.held_blocks == 1
+    p.cancel("r2")  # ended while its read ran: what the read brings is not held
+    for job in jobs:
+        p.complete(job.job_id)
+    assert p.held_blocks == 2 and m.cpu.is_loadable(h(1))
+    m.cpu.remove(h(3))
+    p.abandon()
+    assert p.held_blocks == 0
+    m.cpu.remove(h(1))
+    m.cpu.remove(h(2))
+    counts = {event: n for _, event, n in p.counters()}
+    assert counts["prefetches"] == counts["prefetch_wasted"] == 2
 
 
 def test_no_prefetch_while_a_request_loads_from_the_tier(composite):
@@ -208,8 +300,8 @@ def test_bad_bounds_are_named(composite):
         Prefetcher(composite, bytes_per_block=BPB, max_bytes_in_flight=BPB - 1)
     with pytest.raises(ValueError, match="bytes_per_block must be >= 1, got 0"):
         Prefetcher(composite, bytes_per_block=0, max_bytes_in_flight=BPB)
-    with pytest.raises(ValueError, match="max_unused must be >= 1 block, got 0"):
-        Prefetcher(composite, bytes_per_block=BPB, max_bytes_in_flight=BPB, max_unused=0)
+    with pytest.raises(ValueError, match="max_held must be >= 1 block, got 0"):
+        Prefetcher(composite, bytes_per_block=BPB, max_bytes_in_flight=BPB, max_held=0)
 
 
 def test_a_prefetched_block_ranks_most_recent_where_cpu_admission_ranks_new_stores_first_to_evict(tmp_path):
@@ -246,6 +338,7 @@ def test_a_prefetched_block_ranks_most_recent_where_cpu_admission_ranks_new_stor
         p.want("r2", [h(13)])
         (job,) = p.issue()
         p.complete(job.job_id)
+        p.cancel("r2")  # r2 ended without loading it: no longer held
         m.cpu.remove(h(13))
         p.loaded([h(1), h(13)])
         counts = {event: n for _, event, n in p.counters()}

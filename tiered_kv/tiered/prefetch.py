@@ -20,20 +20,29 @@ own ``prepare_load`` does, from this module of the same package, so the two cann
 
 Who asks: ``want(owner, blocks)`` queues an owner's blocks, a prefix in order;
 ``issue`` starts jobs from the queues, oldest owner first (``first=True`` jumps the
-queue), behind the loads: a tier is given prefetch reads only while no load of a
+queue, and is not held: a hint's prefetch has no request that is sure to load it).
+A waiting owner's blocks are **held** for it: those already in CPU as ``issue`` reaches
+them, and those its prefetches bring, are pinned there until a load uses them or the
+owner is cancelled (it started, ended or was aborted). A CPU tier much smaller than the
+queue otherwise turns over while a request waits: what it had in CPU on arrival, or had
+prefetched, is evicted by the stores and promotions of the requests ahead of it, and its
+load reads it from below after all, holding its device memory meanwhile. Oldest first
+and bounded (``max_held``), the holds stage the head of the queue. Reads are issued
+behind the loads: a tier is given prefetch reads only while no load of a
 request reads from it and its queue of writes is at most half its bound
 (``max_pending_writes``: past that the tier is congested, and a read would only add to
 the wait of everything queued there), and at most ``max_bytes_in_flight`` bytes are
 being read (so a load that comes later waits behind at most that much on a tier that
-serves its jobs in order); and at most ``max_unused`` prefetched blocks wait unused in
-CPU (so prefetches do not evict each other before anyone loads them). A block already in CPU (loadable or
+serves its jobs in order); and at most ``max_held`` blocks are held, being read, or
+prefetched and unused in CPU (so holds never take more than that share of the tier, and
+prefetches do not evict each other before anyone loads them). A block already in CPU (loadable or
 on its way) is skipped; a block no tier holds ends its owner's queue, since a prefix
 lookup stops there and nothing past it is ever loaded. ``cancel(owner)`` drops what is
-still queued (jobs already issued run to their end: a worker cannot be asked to stop one).
+still queued and releases its holds (jobs already issued run to their end: a worker cannot
+be asked to stop one; what they bring is no longer held).
 
 Counted per source tier (``counters``): blocks prefetched (``prefetches``), loaded from
-CPU afterwards (``prefetch_used``), gone from CPU before any load or before the load
-that asked for it (``prefetch_wasted``),
+CPU afterwards (``prefetch_used``), gone from CPU before any load (``prefetch_wasted``),
 queued (a lower tier held them, CPU did not) and dropped by ``cancel`` before a job took
 them (``prefetch_cancelled``), and read in a job that failed (``prefetch_failed``).
 """
@@ -52,6 +61,8 @@ from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 
 #: Owners with blocks queued at most (a queue per waiting request, and per hint).
 MAX_OWNERS = 4096
+#: The tier a queued block already in CPU is marked with (held, not read).
+IN_CPU = -1
 #: The events ``counters`` reports per source tier.
 PREFETCH_EVENTS = ("prefetches", "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "prefetch_failed")
 
@@ -70,14 +81,15 @@ class PrefetchJob:
 class _Flight:
     spec: TieredLoadSpec
     tiers: list[str]  # the source tier's name per chunk
+    owner: str
     abandoned: bool = False
 
 
 class Prefetcher:
     """Prefetches over ``composite`` (module docstring). ``bytes_per_block``: bytes of
     one block; ``max_bytes_in_flight``: the most bytes being read for prefetches at once
-    (at least one block); ``max_unused``: the most prefetched blocks kept in CPU that no
-    load has used yet (default: half the CPU tier's slots)."""
+    (at least one block); ``max_held``: the most CPU blocks held for waiting owners,
+    being read, or prefetched and not loaded since (default: half the CPU tier's slots)."""
 
     def __init__(
         self,
@@ -85,7 +97,7 @@ class Prefetcher:
         *,
         bytes_per_block: int,
         max_bytes_in_flight: int,
-        max_unused: int | None = None,
+        max_held: int | None = None,
     ):
         if bytes_per_block < 1:
             raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
@@ -93,19 +105,24 @@ class Prefetcher:
             raise ValueError(
                 f"max_bytes_in_flight must hold at least one block ({bytes_per_block} B), got {max_bytes_in_flight}"
             )
-        if max_unused is not None and max_unused < 1:
-            raise ValueError(f"max_unused must be >= 1 block, got {max_unused}")
+        if max_held is not None and max_held < 1:
+            raise ValueError(f"max_held must be >= 1 block, got {max_held}")
         self.composite = composite
         self.bytes_per_block = bytes_per_block
         self.max_blocks_in_flight = max_bytes_in_flight // bytes_per_block
-        self.max_unused = max_unused if max_unused is not None else max(1, composite.cpu.num_slots // 2)
+        self.max_held = max_held if max_held is not None else max(1, composite.cpu.num_slots // 2)
         self._names = [t.name for t in composite.lower]
         self._wanted: OrderedDict[str, deque[tuple[BlockHash, int]]] = OrderedDict()  # owner -> (block, tier)
         self._flights: dict[int, _Flight] = {}
         self._blocks_in_flight = 0
         self._tier_in_flight = [0] * len(self._names)
-        # Prefetched into CPU, not loaded since: block -> the tier it came from.
+        # Prefetched into CPU, not held, not loaded since: block -> the tier it came from.
         self._fresh: OrderedDict[BlockHash, str] = OrderedDict()
+        # Pinned in CPU for a waiting owner: block -> (owner, the tier it was prefetched
+        # from, or None where it was in CPU already); and each owner's blocks.
+        self._holder: dict[BlockHash, tuple[str, str | None]] = {}
+        self._held: dict[str, set[BlockHash]] = {}
+        self._holding: set[str] = set()  # owners whose blocks are held
         self._ids = itertools.count(1)
         self._counts: Counter[tuple[str, str]] = Counter()
 
@@ -113,21 +130,26 @@ class Prefetcher:
 
     def want(self, owner: str, block_hashes: Iterable[BlockHash], *, first: bool = False) -> None:
         """Queue ``owner``'s blocks of ``block_hashes`` (a prefix, in order) that a lower
-        tier holds and CPU lacks, up to the first block no tier holds, replacing what it
-        had queued; ``first``: ahead of every other owner. The oldest owner's queue goes
-        (counted cancelled) past ``MAX_OWNERS`` owners."""
+        tier holds and CPU lacks, and unless ``first`` those CPU holds (to hold them), up
+        to the first block no tier holds, replacing what it had queued (its holds stay);
+        ``first``: ahead of every other owner, nothing held. The oldest owner's queue goes
+        (counted cancelled, its holds released) past ``MAX_OWNERS`` owners."""
         cpu, hit_tier = self.composite.cpu, self.composite.hit_tier
         queue: deque[tuple[BlockHash, int]] = deque()
         for block_hash in block_hashes:
             if block_hash in cpu:
+                if not first:
+                    queue.append((block_hash, IN_CPU))
                 continue
             tier = hit_tier(block_hash)
             if tier is None:
                 break  # a prefix lookup stops here: nothing past it is ever loaded
             queue.append((block_hash, tier))
-        self.cancel(owner)
+        self._drop_queue(owner)
         if not queue:
             return
+        if not first:
+            self._holding.add(owner)
         self._wanted[owner] = queue
         if first:
             self._wanted.move_to_end(owner, last=False)
@@ -135,13 +157,30 @@ class Prefetcher:
             self.cancel(next(reversed(self._wanted)) if first else next(iter(self._wanted)))
 
     def cancel(self, owner: str) -> int:
-        """Drop ``owner``'s queued blocks; how many there were."""
+        """Drop ``owner``'s queued blocks and release what is held for it (its prefetched
+        blocks stay in CPU, unused until a load uses them); how many lower-tier blocks
+        were queued."""
+        self._holding.discard(owner)
+        for block_hash in self._held.pop(owner, ()):
+            _, came_from = self._holder.pop(block_hash)
+            self.composite.cpu.unpin([block_hash])
+            if came_from is not None:
+                self._fresh[block_hash] = came_from
+        return self._drop_queue(owner)
+
+    def _drop_queue(self, owner: str) -> int:
         queue = self._wanted.pop(owner, None)
         if not queue:
             return 0
-        for _, tier in queue:
-            self._counts[(self._names[tier], "prefetch_cancelled")] += 1
-        return len(queue)
+        below = [self._names[tier] for _, tier in queue if tier != IN_CPU]
+        for name in below:
+            self._counts[(name, "prefetch_cancelled")] += 1
+        return len(below)
+
+    def _hold(self, owner: str, block_hash: BlockHash, came_from: str | None) -> None:
+        self.composite.cpu.pin([block_hash])
+        self._holder[block_hash] = (owner, came_from)
+        self._held.setdefault(owner, set()).add(block_hash)
 
     def queued(self, owner: str) -> bool:
         return owner in self._wanted
@@ -154,17 +193,22 @@ class Prefetcher:
     def queued_blocks(self) -> int:
         return sum(len(q) for q in self._wanted.values())
 
+    @property
+    def held_blocks(self) -> int:
+        """CPU blocks pinned for waiting owners now."""
+        return len(self._holder)
+
     # ------------------------------------------------------------------ jobs
 
     def issue(self) -> list[PrefetchJob]:
-        """Start what the bounds allow (module docstring), oldest owner first."""
+        """Hold and start what the bounds allow (module docstring), oldest owner first."""
         jobs: list[PrefetchJob] = []
-        room = self.max_blocks_in_flight - self._blocks_in_flight
-        if room <= 0 or not self._wanted:
+        if not self._wanted:
             return jobs
-        if len(self._fresh) + self._blocks_in_flight >= self.max_unused:
+        if self._budget() <= 0:
             self.sweep()
-        room = min(room, self.max_unused - len(self._fresh) - self._blocks_in_flight)
+        budget = self._budget()  # blocks that may still be held or read
+        room = min(budget, self.max_blocks_in_flight - self._blocks_in_flight)  # blocks that may be read
         cpu, hit_tier = self.composite.cpu, self.composite.hit_tier
         # Behind the loads: a tier serving a request's load, or past half its bound of
         # queued writes (``max_pending_writes``: congested), gets no prefetch read now.
@@ -173,19 +217,23 @@ class Prefetcher:
             sum(loads.values()) <= mine and tier.num_pending() <= limit
             for tier, loads, mine in zip(self.composite.lower, self.composite._lower_loads, self._tier_in_flight)
         ]
-        if not any(idle):
-            return jobs
         for owner in list(self._wanted):
-            if room <= 0:
+            if budget <= 0:
                 break
             queue = self._wanted[owner]
+            held = owner in self._holding
             picked: list[BlockHash] = []
             tiers: list[int] = []
-            while queue and len(picked) < room:
+            while queue and budget > 0:
                 block_hash, _ = queue[0]
                 if block_hash in cpu:  # loadable there since, or on its way (a store, a promotion)
                     queue.popleft()
+                    if held and block_hash not in self._holder and cpu.is_loadable(block_hash):
+                        self._hold(owner, block_hash, self._fresh.pop(block_hash, None))
+                        budget -= 1
                     continue
+                if len(picked) >= room:
+                    break
                 tier = hit_tier(block_hash)
                 if tier is None:
                     queue.clear()  # gone from every tier: the prefix ends here for every lookup
@@ -195,11 +243,12 @@ class Prefetcher:
                 queue.popleft()
                 picked.append(block_hash)
                 tiers.append(tier)
+                budget -= 1
             if not queue:
                 del self._wanted[owner]
             if not picked:
                 continue
-            job, dropped = self._start(picked, tiers)
+            job, dropped = self._start(picked, tiers, owner)
             if job is not None:
                 jobs.append(job)
                 room -= len(job.spec)
@@ -211,7 +260,12 @@ class Prefetcher:
                 break
         return jobs
 
-    def _start(self, picked: list[BlockHash], tiers: list[int]) -> tuple[PrefetchJob | None, list[BlockHash]]:
+    def _budget(self) -> int:
+        return self.max_held - len(self._holder) - len(self._fresh) - self._blocks_in_flight
+
+    def _start(
+        self, picked: list[BlockHash], tiers: list[int], owner: str
+    ) -> tuple[PrefetchJob | None, list[BlockHash]]:
         """Pin ``picked`` where they are and reserve their CPU slots: the job of those
         that got one (None: not one did), and the others, left as they were."""
         composite = self.composite
@@ -237,7 +291,7 @@ class Prefetcher:
         )
         job_id = next(self._ids)
         names = [self._names[t] for _, t in keep]
-        self._flights[job_id] = _Flight(spec, names)
+        self._flights[job_id] = _Flight(spec, names, owner)
         self._blocks_in_flight += len(keep)
         for _, t in keep:
             self._tier_in_flight[t] += 1
@@ -276,12 +330,27 @@ class Prefetcher:
         for h, name in zip(hashes, flight.tiers):
             if h in failed:
                 self._counts[(name, "prefetch_failed")] += 1
-        self._fresh.update(good)
+        held = flight.owner in self._holding
+        for h, name in good:
+            if held and h not in self._holder and self.composite.cpu.is_loadable(h):
+                self._hold(flight.owner, h, name)
+            else:
+                self._fresh[h] = name
         return []
 
     def loaded(self, block_hashes: Sequence[BlockHash]) -> None:
-        """A request loads ``block_hashes`` (before its ``prepare_load``): the prefetched
-        ones among them still in CPU were used, the others wasted."""
+        """A request loads ``block_hashes`` (before its ``prepare_load``): holds on them
+        end (the load pins what it reads), the prefetched ones among them still in CPU
+        were used, the others wasted."""
+        if self._holder:
+            for block_hash in block_hashes:
+                entry = self._holder.pop(block_hash, None)
+                if entry is not None:
+                    owner, came_from = entry
+                    self._held[owner].discard(block_hash)
+                    self.composite.cpu.unpin([block_hash])
+                    if came_from is not None:
+                        self._counts[(came_from, "prefetch_used")] += 1
         if self._fresh:
             loadable = self.composite.cpu.is_loadable
             for block_hash in block_hashes:
@@ -296,8 +365,11 @@ class Prefetcher:
                 self._counts[(self._fresh.pop(block_hash), "prefetch_wasted")] += 1
 
     def abandon(self) -> None:
-        """A cache reset: forget every queue and unused block (counted wasted); the jobs
-        in flight end as failed, their blocks handed back by ``complete``."""
+        """A cache reset: release every hold, forget every queue and unused block (counted
+        wasted); the jobs in flight end as failed, their blocks handed back by ``complete``."""
+        for owner in list(self._held):
+            self.cancel(owner)
+        self._holding.clear()
         self._wanted.clear()
         for name in self._fresh.values():
             self._counts[(name, "prefetch_wasted")] += 1

@@ -37,8 +37,10 @@ Prefetch while waiting (``HintSettings.prefetch_waiting``, hint or not): a reque
 chunks that a lower tier holds start moving into CPU when the request arrives
 (``tiered_kv.tiered.prefetch.Prefetcher``, which reuses the composite's promotion), in
 arrival order, behind the loads (a tier reading for a request's load, or congested with
-writes, gets none), at most ``prefetch_max_bytes`` in flight; its queue is dropped once
-it runs (loads or computes), finishes or is aborted. vLLM 0.33 places a request's keys when
+writes, gets none), at most ``prefetch_max_bytes`` in flight; what it brings, and the
+chunks it already has in CPU, are held there for it (pinned, oldest request first, within
+half the CPU tier's slots) so the stores of the requests ahead cannot evict them; its
+queue and holds are dropped once it runs (loads or computes), finishes or is aborted. vLLM 0.33 places a request's keys when
 it first looks the request up, at the head of its queue: a connector that wants the
 keys at arrival calls ``on_request_keys`` right after ``on_new_request``
 (``prefetch_jobs``). A prefetch is a worker job too, which vLLM's connector does not
