@@ -75,6 +75,7 @@ HINT_ACTIONS = "tiered_kv_hint_actions"
 CANARY_CHECKS = "tiered_kv_canary_checks"
 LEASES = "tiered_kv_leases"
 LEASE_PINNED_BYTES = "tiered_kv_lease_pinned_bytes"
+PREFETCH_HELD_BYTES = "tiered_kv_prefetch_held_bytes"
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
 PENDING_WRITES = "tiered_kv_tier_pending_writes"
 PENDING_WRITES_LIMIT = "tiered_kv_tier_pending_writes_limit"
@@ -203,6 +204,9 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         ("outcome",),
     ),
     MetricDef(LEASE_PINNED_BYTES, "gauge", "Bytes pinned by leases per tier", ("tier",)),
+    MetricDef(
+        PREFETCH_HELD_BYTES, "gauge", "Bytes of CPU-tier blocks held for waiting requests (prefetch while waiting)"
+    ),
     MetricDef(
         RETENTION_EVENTS,
         "counter",

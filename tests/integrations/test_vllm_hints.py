@@ -21,6 +21,8 @@ import re
 import time
 
 import pytest
+from prometheus_client import generate_latest
+from rich.console import Console
 
 pytest.importorskip(
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
@@ -40,6 +42,8 @@ from tiered_kv.config import ConfigError, TieredConfig  # noqa: E402
 from tiered_kv.integrations.vllm.hints import HintSettings  # noqa: E402
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
 from tiered_kv.integrations.vllm.prefetch_jobs import TieredPrefetchingConnector  # noqa: E402
+from tiered_kv.cli.stats import render  # noqa: E402
+from tiered_kv.ops.metrics_view import parse, summarize  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -256,6 +260,14 @@ def test_a_waiting_requests_chunks_in_cpu_are_held_through_the_stores_of_the_req
         h.step()
         prefetcher = m.hints.prefetcher
         assert prefetcher is not None and prefetcher.held_blocks == CHUNKS
+        assert h.stats()["tiered_kv_prefetch_held_bytes"] == CHUNKS * GPU_BLOCK_BYTES
+        # What an operator sees: vLLM's endpoint, read by ``tiered-kv stats``.
+        view = summarize(parse(generate_latest(h.publish_metrics()).decode()))
+        assert view["sessions"]["prefetch_held_bytes"] == CHUNKS * GPU_BLOCK_BYTES
+        console = Console(record=True, width=200)
+        console.print(render(view, "vllm"))
+        (line,) = [line for line in console.export_text().splitlines() if "held for waiting requests" in line]
+        assert "16.0 KiB" in line, line
         evicted = m.composite.stats.tiers["cpu"]["evictions"]
         h.step_until(lambda: runner not in h.scheduler.requests)
         assert m.composite.stats.tiers["cpu"]["evictions"] - evicted >= CHUNKS  # the storm came
@@ -267,7 +279,8 @@ def test_a_waiting_requests_chunks_in_cpu_are_held_through_the_stores_of_the_req
         assert h.prefix_hits[waiter].external == CHUNKS * BLOCK and all(h.kv_matches(waiter))
         h.settle()
         assert m.composite.stats.tiers["disk"]["hits"] == before  # every chunk came from CPU
-        assert prefetcher.held_blocks == 0
+        assert prefetcher.held_blocks == 0 and h.stats()["tiered_kv_prefetch_held_bytes"] == 0
+        h.publish_metrics()  # vLLM's Prometheus side takes the gauge (it refuses an undeclared metric)
 
 
 def test_a_cache_reset_drops_every_lease_and_what_a_prefetch_in_flight_reads(model_dir, tmp_path):

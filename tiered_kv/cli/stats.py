@@ -133,7 +133,7 @@ def render(view: dict[str, Any], url: str) -> Group:
             shared.add_row(_text(f"{op} latency p50 / p99"), f"{_latency(lat)} ({lat['count']} requests)")
         parts.append(shared)
     sessions = view["sessions"]
-    if sessions["retention"] or sessions["leases"] or sessions["hint_actions"] or sessions["canary"]:
+    if any(sessions[k] for k in ("retention", "leases", "prefetch_held_bytes", "hint_actions", "canary")):
         kept = Table(title="sessions, hints and the start-up canary", title_justify="left", show_header=False)
         kept.add_column("what")
         kept.add_column("value")
@@ -148,6 +148,7 @@ def render(view: dict[str, Any], url: str) -> Group:
         kept.add_row(
             "leases (kv.retain)", _text(f"{sessions['leases']} held" + (f", pinning {pinned}" if pinned else ""))
         )
+        kept.add_row("held for waiting requests (prefetch)", _bytes(sessions["prefetch_held_bytes"]))
         kept.add_row("hint actions", _text(", ".join(f"{k} {n}" for k, n in sessions["hint_actions"].items()) or "-"))
         kept.add_row(
             "start-up canary", _text(", ".join(f"{k} {n}" for k, n in sorted(sessions["canary"].items())) or "-")

@@ -25,6 +25,7 @@ from tiered_kv.metrics import (
     HINT_ACTIONS,
     LEASE_PINNED_BYTES,
     LEASES,
+    PREFETCH_HELD_BYTES,
     PREFILL_TOKENS_PER_S,
     REMOTE_BYTES,
     REMOTE_DAMAGED_DELETED,
@@ -91,6 +92,7 @@ _VIEWED_GAUGES = (
     TIER_USED_BLOCKS,
     LEASES,
     LEASE_PINNED_BYTES,
+    PREFETCH_HELD_BYTES,
     RETENTION_HELD_BLOCKS,
     RETENTION_TTL,
 )
@@ -281,6 +283,7 @@ def _sessions(samples: Samples) -> dict[str, Any]:
         "retention": retention,
         "leases": int(total(samples, LEASES)),
         "lease_pinned_bytes": {k: int(v) for k, v in by_label(samples, LEASE_PINNED_BYTES, "tier").items()},
+        "prefetch_held_bytes": int(total(samples, PREFETCH_HELD_BYTES)),
         "hint_actions": {k: n for k, n in sorted(actions.items()) if n},
         "canary": {k: int(v) for k, v in by_label(samples, f"{CANARY_CHECKS}_total", "outcome").items() if v},
     }

@@ -66,7 +66,7 @@ from vllm.v1.kv_offload.base import ReqContext
 from tiered_kv.abstract import BlockHash, LowerTier
 from tiered_kv.config import TieredConfig
 from tiered_kv.integrations.vllm.health import SlotHealth
-from tiered_kv.metrics import HINT_ACTIONS, LEASE_PINNED_BYTES, LEASES, TIER_BLOCKS, CounterValue
+from tiered_kv.metrics import HINT_ACTIONS, LEASE_PINNED_BYTES, LEASES, PREFETCH_HELD_BYTES, TIER_BLOCKS, CounterValue
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.prefetch import PrefetchJob, Prefetcher
 
@@ -543,6 +543,8 @@ class KvHints:
             (LEASE_PINNED_BYTES, (name,), n * self.bytes_per_block)
             for name, n in zip(self.leases.names, self.leases.pinned)
         ]
+        if self.prefetcher is not None:
+            out.append((PREFETCH_HELD_BYTES, (), self.prefetcher.held_blocks * self.bytes_per_block))
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -554,4 +556,5 @@ class KvHints:
             "pinned_blocks": dict(zip(self.leases.names, self.leases.pinned)),
             "lease_clipped": self.leases.clipped,
             "prefetch": prefetch,
+            "prefetch_held": self.prefetcher.held_blocks if self.prefetcher is not None else 0,
         }
