@@ -149,6 +149,8 @@ def test_a_retained_prefix_stays_in_cpu_through_an_eviction_storm_and_goes_once_
 def test_a_lease_ends_after_its_ttl_and_never_pins_past_its_budget(model_dir):
     with _build(model_dir) as h:
         m = _manager(h)
+        now = [0.0]  # the leases' clock, so a slow machine cannot end the lease early
+        m.hints.clock = lambda: now[0]
         # 6 chunks against a budget of a quarter of 16 slots: 4 pinned, 2 left to LRU.
         long = _prompt(4, 6 * BLOCK + 5)
         _serve(h, long, _envelope(_action("kv.retain", {"ttl_s": 0.2})))
@@ -156,7 +158,7 @@ def test_a_lease_ends_after_its_ttl_and_never_pins_past_its_budget(model_dir):
         assert snap["pinned_blocks"] == {"cpu": 4} and snap["lease_clipped"] == 2
         _storm(h)
         assert [m.composite.cpu.is_loadable(k) for k in _keys(long)] == [True] * 4 + [False] * 2
-        time.sleep(0.25)
+        now[0] = 0.25
         h.step()  # the step's end drops what expired
         assert m.hints.snapshot()["leases"] == 0 and m.hints.snapshot()["pinned_blocks"] == {"cpu": 0}
 
