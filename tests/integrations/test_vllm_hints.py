@@ -61,8 +61,8 @@ def model_dir(tmp_path_factory):
     return vh.write_model_config(tmp_path_factory.mktemp("model"))
 
 
-def _build(model_dir, *, disk=None, cpu_chunks: int = 16, **vllm) -> vh.VllmHarness:
-    config = {**SPEC, "cpu_bytes": f"{cpu_chunks * GPU_BLOCK_BYTES}B", "block_size": BLOCK}
+def _build(model_dir, *, disk=None, cpu_chunks: int = 16, tiers=None, **vllm) -> vh.VllmHarness:
+    config = {**SPEC, "cpu_bytes": f"{cpu_chunks * GPU_BLOCK_BYTES}B", "block_size": BLOCK, **(tiers or {})}
     if disk is not None:
         config.update(disk_path=str(disk), disk_bytes=f"{256 * 4096}B", promote_on_hit=False)
     return vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **CONDUIT, **vllm)
@@ -262,6 +262,7 @@ def test_a_waiting_requests_chunks_in_cpu_are_held_through_the_stores_of_the_req
         h.step()
         prefetcher = m.hints.prefetcher
         assert prefetcher is not None and prefetcher.held_blocks == CHUNKS
+        assert prefetcher.max_held == 8  # half the 16 slots, beside leases' quarter
         assert h.stats()["tiered_kv_prefetch_held_bytes"] == CHUNKS * GPU_BLOCK_BYTES
         # What an operator sees: vLLM's endpoint, read by ``tiered-kv stats``.
         view = summarize(parse(generate_latest(h.publish_metrics()).decode()))
@@ -283,6 +284,13 @@ def test_a_waiting_requests_chunks_in_cpu_are_held_through_the_stores_of_the_req
         assert m.composite.stats.tiers["disk"]["hits"] == before  # every chunk came from CPU
         assert prefetcher.held_blocks == 0 and h.stats()["tiered_kv_prefetch_held_bytes"] == 0
         h.publish_metrics()  # vLLM's Prometheus side takes the gauge (it refuses an undeclared metric)
+
+
+def test_holds_and_leases_together_leave_a_quarter_of_the_cpu_tier_unpinned(model_dir, tmp_path):
+    for budget, held in ((0.1, 8), (0.25, 8), (0.4, 6), (0.5, 4)):
+        with _build(model_dir, disk=tmp_path / f"disk-{budget}", tiers={"lease_budget": budget}) as h:
+            prefetcher = _manager(h).hints.prefetcher
+            assert prefetcher is not None and prefetcher.max_held == held, budget
 
 
 def test_a_cache_reset_drops_every_lease_and_what_a_prefetch_in_flight_reads(model_dir, tmp_path):

@@ -34,14 +34,20 @@ def composite(tmp_path):
     m.shutdown()
 
 
-def on_disk_only(m: TieredOffloadingManager, *ids: int) -> None:
-    """Store blocks ``ids`` (written through to disk), then push them out of CPU."""
+def in_cpu(m: TieredOffloadingManager, *ids: int) -> None:
+    """Store blocks ``ids`` into CPU (written through to disk)."""
     for i in ids:
         out = m.prepare_store([h(i)])
         assert out is not None
         m.complete_store(out.block_hashes_to_store)
         disk = m.tier("disk")
         disk.complete_store(list(disk.pending_blocks()))
+
+
+def on_disk_only(m: TieredOffloadingManager, *ids: int) -> None:
+    """Store blocks ``ids`` (written through to disk), then push them out of CPU."""
+    for i in ids:
+        in_cpu(m, i)
         m.cpu.remove(h(i))
     assert all(m.hit_tier(h(i)) == 0 for i in ids)
 
@@ -131,16 +137,6 @@ def test_prefetched_blocks_nobody_used_yet_are_bounded(composite):
     assert p.held_blocks == 1 and p.issue() == []  # h(1) waits unused in CPU, held for r1
     p.loaded([h(1)])
     assert [j.spec.block_hashes for j in p.issue()] == [[h(2)]]
-
-
-def in_cpu(m: TieredOffloadingManager, *ids: int) -> None:
-    """Store blocks ``ids`` into CPU (written through to disk)."""
-    for i in ids:
-        out = m.prepare_store([h(i)])
-        assert out is not None
-        m.complete_store(out.block_hashes_to_store)
-        disk = m.tier("disk")
-        disk.complete_store(list(disk.pending_blocks()))
 
 
 def test_a_waiting_owners_blocks_in_cpu_outlast_a_store_storm_until_it_loads_them(composite):

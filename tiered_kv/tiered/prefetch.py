@@ -18,28 +18,28 @@ last read of the block ends (a slot is never served before its bytes land). It r
 and updates that bookkeeping (``_lower_loads``, ``_start_promotions``) as the composite's
 own ``prepare_load`` does, from this module of the same package, so the two cannot drift.
 
-Who asks: ``want(owner, blocks)`` queues an owner's blocks, a prefix in order;
-``issue`` starts jobs from the queues, oldest owner first (``first=True`` jumps the
-queue, and is not held: a hint's prefetch has no request that is sure to load it).
-A waiting owner's blocks are **held** for it: those already in CPU as ``issue`` reaches
-them, and those its prefetches bring, are pinned there until a load uses them or the
-owner is cancelled (it started, ended or was aborted). A CPU tier much smaller than the
-queue otherwise turns over while a request waits: what it had in CPU on arrival, or had
-prefetched, is evicted by the stores and promotions of the requests ahead of it, and its
-load reads it from below after all, holding its device memory meanwhile. Oldest first
-and bounded (``max_held``), the holds stage the head of the queue. Reads are issued
-behind the loads: a tier is given prefetch reads only while no load of a
-request reads from it and its queue of writes is at most half its bound
-(``max_pending_writes``: past that the tier is congested, and a read would only add to
-the wait of everything queued there), and at most ``max_bytes_in_flight`` bytes are
-being read (so a load that comes later waits behind at most that much on a tier that
-serves its jobs in order); and at most ``max_held`` blocks are held, being read, or
-prefetched and unused in CPU (so holds never take more than that share of the tier, and
-prefetches do not evict each other before anyone loads them). A block already in CPU (loadable or
-on its way) is skipped; a block no tier holds ends its owner's queue, since a prefix
-lookup stops there and nothing past it is ever loaded. ``cancel(owner)`` drops what is
-still queued and releases its holds (jobs already issued run to their end: a worker cannot
-be asked to stop one; what they bring is no longer held).
+Who asks: ``want(owner, blocks)`` queues an owner's blocks, a prefix in order; ``issue``
+starts jobs from the queues, oldest owner first (``first=True`` jumps the queue, and is
+not held: a hint's prefetch has no request that is sure to load it). A waiting owner's
+blocks are **held** for it: those already in CPU as ``issue`` reaches them, and those
+its prefetches bring, are pinned there until a load uses them or the owner is cancelled
+(it started, ended or was aborted). A CPU tier much smaller than the queue otherwise
+turns over while a request waits: what it had in CPU on arrival, or had prefetched, is
+evicted by the stores and promotions of the requests ahead of it, and its load reads it
+from below after all, holding its device memory meanwhile. Oldest first and bounded
+(``max_held``), the holds stage the head of the queue. Reads are issued behind the
+loads: a tier is given prefetch reads only while no load of a request reads from it and
+its queue of writes is at most half its bound (``max_pending_writes``: past that the
+tier is congested, and a read would only add to the wait of everything queued there),
+and at most ``max_bytes_in_flight`` bytes are being read (so a load that comes later
+waits behind at most that much on a tier that serves its jobs in order); and at most
+``max_held`` blocks are held, being read, or prefetched and unused in CPU (so holds
+never take more than that share of the tier, and prefetches do not evict each other
+before anyone loads them). A block already in CPU is held where loadable and skipped
+while on its way; a block no tier holds ends its owner's queue, since a prefix lookup
+stops there and nothing past it is ever loaded. ``cancel(owner)`` drops what is still
+queued and releases its holds (jobs already issued run to their end: a worker cannot be
+asked to stop one; what they bring is no longer held).
 
 Counted per source tier (``counters``): blocks prefetched (``prefetches``), loaded from
 CPU afterwards (``prefetch_used``), gone from CPU before any load (``prefetch_wasted``),

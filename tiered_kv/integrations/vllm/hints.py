@@ -39,7 +39,7 @@ chunks that a lower tier holds start moving into CPU when the request arrives
 arrival order, behind the loads (a tier reading for a request's load, or congested with
 writes, gets none), at most ``prefetch_max_bytes`` in flight; what it brings, and the
 chunks it already has in CPU, are held there for it (pinned, oldest request first, within
-half the CPU tier's slots) so the stores of the requests ahead cannot evict them; its
+half the CPU tier's slots, less where leases may pin over a quarter) so the stores of the requests ahead cannot evict them; its
 queue and holds are dropped once it runs (loads or computes), finishes or is aborted. vLLM 0.33 places a request's keys when
 it first looks the request up, at the head of its queue: a connector that wants the
 keys at arrival calls ``on_request_keys`` right after ``on_new_request``
@@ -388,12 +388,18 @@ class KvHints:
         )
 
     def enable_prefetch(self) -> None:
-        """Whoever runs prefetch jobs on the workers turns prefetch on (module docstring)."""
+        """Whoever runs prefetch jobs on the workers turns prefetch on (module docstring).
+        What it holds for waiting requests and what leases pin leave at least a quarter
+        of the CPU tier's slots unpinned: holds take half the slots, less where the lease
+        budget is over a quarter."""
         if self.prefetcher is None and self.composite.lower:
+            slots = self.composite.cpu.num_slots
+            leased = int(self.settings.lease_budget * slots)
             self.prefetcher = Prefetcher(
                 self.composite,
                 bytes_per_block=self.bytes_per_block,
                 max_bytes_in_flight=max(self.settings.prefetch_max_bytes, self.bytes_per_block),
+                max_held=max(1, min(slots // 2, slots - slots // 4 - leased)),
             )
 
     # ------------------------------------------------------------------ requests
