@@ -38,15 +38,16 @@ chunks that a lower tier holds start moving into CPU when the request arrives
 (``tiered_kv.tiered.prefetch.Prefetcher``, which reuses the composite's promotion), in
 arrival order, behind the loads (a tier reading for a request's load, or congested with
 writes, gets none), at most ``prefetch_max_bytes`` in flight; what it brings, and the
-chunks it already has in CPU, are held there for it (pinned, oldest request first, within
-half the CPU tier's slots, less where leases may pin over a quarter) so the stores of the requests ahead cannot evict them; its
-queue and holds are dropped once it runs (loads or computes), finishes or is aborted. vLLM 0.33 places a request's keys when
-it first looks the request up, at the head of its queue: a connector that wants the
-keys at arrival calls ``on_request_keys`` right after ``on_new_request``
-(``prefetch_jobs``). A prefetch is a worker job too, which vLLM's connector does not
-carry: prefetches run only once whoever carries them (``prefetch_jobs``, or the serving
-replay's simulated workers) calls ``enable_prefetch``; until then ``kv.prefetch`` is
-counted as ``unsupported`` and nothing waits for it.
+chunks it already has in CPU, are held there for it (pinned, oldest request first,
+within half the CPU tier's slots, less where leases may pin over a quarter) so the
+stores of the requests ahead cannot evict them; its queue and holds are dropped once it
+runs (loads or computes), finishes or is aborted. vLLM 0.33 places a request's keys when
+it first looks the request up, at the head of its queue: a connector that wants the keys
+at arrival calls ``on_request_keys`` right after ``on_new_request`` (``prefetch_jobs``).
+A prefetch is a worker job too, which vLLM's connector does not carry: prefetches run
+only once whoever carries them (``prefetch_jobs``, or the serving replay's simulated
+workers) calls ``enable_prefetch``; until then ``kv.prefetch`` is counted as
+``unsupported`` and nothing waits for it.
 """
 
 from __future__ import annotations
@@ -562,5 +563,4 @@ class KvHints:
             "pinned_blocks": dict(zip(self.leases.names, self.leases.pinned)),
             "lease_clipped": self.leases.clipped,
             "prefetch": prefetch,
-            "prefetch_held": self.prefetcher.held_blocks if self.prefetcher is not None else 0,
         }
