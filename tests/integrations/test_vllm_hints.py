@@ -247,22 +247,28 @@ def test_a_waiting_request_has_its_disk_chunks_in_cpu_before_it_runs_and_an_abor
 
 def test_a_waiting_requests_chunks_in_cpu_are_held_through_the_stores_of_the_request_ahead(model_dir, tmp_path):
     """The request ahead stores more chunks than the CPU tier has slots while the next one
-    waits: without the hold, the waiter's prefix would be evicted and read from disk."""
-    prefix = _prompt(15, CHUNKS * BLOCK)
+    waits: without the hold, the waiter's prefix would be evicted and read from disk. An
+    aborted waiter's holds go at once."""
+    prefix, other = _prompt(15, CHUNKS * BLOCK), _prompt(18, CHUNKS * BLOCK)
     with _build(model_dir, disk=tmp_path / "disk", max_num_seqs=1, max_num_batched_tokens=4 * BLOCK) as h:
         m = _manager(h)
         _serve(h, prefix)
+        _serve(h, other)
         _durable(h)
         h.reset_gpu_prefix_cache()
         keys = _keys(prefix)
-        assert all(m.composite.cpu.is_loadable(k) for k in keys)
+        assert all(m.composite.cpu.is_loadable(k) for k in keys + _keys(other))
         runner = _add(h, _prompt(16, 20 * BLOCK), max_tokens=2)  # 20 chunks, 4 a step
         h.step()
         waiter = _add(h, prefix + _prompt(17, 9), max_tokens=3)
+        aborted = _add(h, other + _prompt(19, 9), max_tokens=3)
         h.step()
         prefetcher = m.hints.prefetcher
-        assert prefetcher is not None and prefetcher.held_blocks == CHUNKS
+        assert prefetcher is not None and prefetcher.held_blocks == 2 * CHUNKS
         assert prefetcher.max_held == 8  # half the 16 slots, beside leases' quarter
+        h.scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+        h.step()
+        assert prefetcher.held_blocks == CHUNKS
         assert h.stats()["tiered_kv_prefetch_held_bytes"] == CHUNKS * GPU_BLOCK_BYTES
         # What an operator sees: vLLM's endpoint, read by ``tiered-kv stats``.
         view = summarize(parse(generate_latest(h.publish_metrics()).decode()))
