@@ -79,7 +79,7 @@ class _Job:
     finished steps; the job's time is the longest branch's (branches overlap).
     ``gpu_blocks[i]``: the GPU blocks branch ``i`` fills, where it fills any."""
 
-    __slots__ = ("job_id", "branches", "current", "ok", "seconds", "nbytes", "gpu_blocks", "failed")
+    __slots__ = ("job_id", "branches", "current", "seconds", "nbytes", "gpu_blocks", "failed")
 
     def __init__(
         self, job_id: int, branches: list[deque[Callable[[], _Step | None]]], gpu_blocks: list[np.ndarray] | None
@@ -87,11 +87,10 @@ class _Job:
         self.job_id = job_id
         self.branches = branches
         self.current: list[_Step | None] = [None] * len(branches)
-        self.ok = True
         self.seconds = [0.0] * len(branches)
         self.nbytes = 0  # moved by its finished steps
         self.gpu_blocks = gpu_blocks
-        self.failed: list[int] = []  # branches that failed
+        self.failed: list[int] = []  # branches that failed: the job succeeded if none did
 
     def failed_gpu_blocks(self) -> tuple[int, ...] | None:
         """The GPU blocks of the failed branches (None where the branches name none)."""
@@ -163,7 +162,6 @@ class _PipelineHandler(OffloadingHandler):
                         logger.error("job %d: %s step raised", job.job_id, step.kind, exc_info=step.future.exception())
                     if step.kind:
                         self.stats.record_transfer(step.kind, step.nbytes, seconds, result)
-                    job.ok &= result
                     job.seconds[i] += seconds
                     job.nbytes += step.nbytes if result else 0
                     job.current[i] = None
@@ -182,7 +180,7 @@ class _PipelineHandler(OffloadingHandler):
             self._advance(job)
             if all(s is None for s in job.current) and not any(job.branches):
                 del self._jobs[job_id]
-                if job.ok:
+                if not job.failed:
                     self._finished.append(TransferResult(job_id, True, max(job.seconds), job.nbytes))
                 else:
                     self._finished.append(TransferResult(job_id, False, failed_gpu_blocks=job.failed_gpu_blocks()))
@@ -339,7 +337,8 @@ class TieredLoadHandler(_PipelineHandler):
         filled: list[np.ndarray] = []  # per branch, the GPU blocks it fills
 
         def fills(chunks: np.ndarray) -> None:
-            filled.append(rows[chunks][rows[chunks] >= 0])
+            chunk_rows = rows[chunks]
+            filled.append(chunk_rows[chunk_rows >= 0])
 
         if from_cpu.any():
             fills(from_cpu)
