@@ -118,7 +118,7 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]], left: int
     """A Markdown table, every column padded to its widest cell: the first ``left``
     columns (names) left-aligned, the rest (numbers) right-aligned."""
     cells = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
 
     def line(row: Sequence[str]) -> str:
         return (

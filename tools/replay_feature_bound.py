@@ -86,33 +86,21 @@ def return_shares(requests: Sequence[Sequence[Hashable]], features: Sequence[Seq
     return {f: again[f] / n for f, n in stores.items()}
 
 
-class FeatureAdmission(WriteAdmission):
-    """Admits a block when the trace's share of used-again blocks with its description
-    reaches ``threshold``; ``used`` is told each request's blocks before they are stored,
-    in the order of ``requests``, and the block's latest use decides until its next."""
+class DecidedAdmission(WriteAdmission):
+    """Admission a bound decides per block: ``used`` is told each request's blocks before
+    they are stored, in trace order, and sets ``_decision``; the block's latest use
+    decides until its next. Keeps no use counts."""
 
-    def __init__(
-        self,
-        requests: Sequence[Sequence[Hashable]],
-        sessions: Sequence[Hashable],
-        threshold: float,
-        stats: TieredStats,
-    ):
-        super().__init__([2], ["cpu"], 1, stats)  # asked on every store; keeps no history
-        self._features = store_features(requests, sessions)
-        self._shares = return_shares(requests, self._features)
-        self.threshold = threshold
+    def __init__(self, stats: TieredStats):
+        super().__init__([2], ["cpu"], 1, stats)  # asked on every store
         self._next = 0
         self._decision: dict = {}
 
     def note(self, block_hashes: Sequence) -> None:
-        """Counts nothing: the calibrated shares decide."""
+        """Counts nothing: the bound's calibration decides."""
 
     def used(self, block_hashes: Sequence) -> None:
-        i = self._next
-        self._next += 1
-        for h, f in zip(block_hashes, self._features[i]):
-            self._decision[h] = self._shares[f] >= self.threshold
+        raise NotImplementedError
 
     def admits(self, i: int, block_hash) -> bool:
         return self._decision.get(block_hash, False)
@@ -121,6 +109,29 @@ class FeatureAdmission(WriteAdmission):
         admitted = [h for h in block_hashes if self._decision.get(h, False)]
         self.stats.count(self.names[i], "not_admitted", len(block_hashes) - len(admitted))
         return admitted
+
+
+class FeatureAdmission(DecidedAdmission):
+    """Admits a block when the trace's share of used-again blocks with its description
+    reaches ``threshold``."""
+
+    def __init__(
+        self,
+        requests: Sequence[Sequence[Hashable]],
+        sessions: Sequence[Hashable],
+        threshold: float,
+        stats: TieredStats,
+    ):
+        super().__init__(stats)
+        self._features = store_features(requests, sessions)
+        self._shares = return_shares(requests, self._features)
+        self.threshold = threshold
+
+    def used(self, block_hashes: Sequence) -> None:
+        i = self._next
+        self._next += 1
+        for h, f in zip(block_hashes, self._features[i]):
+            self._decision[h] = self._shares[f] >= self.threshold
 
 
 def session_features(

@@ -26,6 +26,10 @@ the bound of one mechanism at the same capacity:
   admission, and the best retention within ``session(S)``'s budget, that decide on what the
   tier sees, calibrated on the trace in hindsight (``replay_feature_bound``: the bound for
   any rule deciding on those features; the row names the parameters it chose);
+- ``<policy>+admission-learned``: admission by a classifier over every quantity the tier
+  sees, each half of the trace predicted by a model fitted on the other
+  (``replay_learned_bound``: the bound for rules that learn; the row names its threshold
+  and horizon);
 - ``belady``: Belady's optimum (``replay_cost.belady_hit_rate``: the block used again
   furthest ahead goes first; among blocks never used again, the deepest first), the
   bound for any eviction order.
@@ -54,7 +58,8 @@ from pathlib import Path
 import torch
 from benchlib import md_table
 from replay_cost import belady_hit_rate, infinite_hit_rate
-from replay_feature_bound import QUANTILES, THRESHOLDS, FeatureAdmission, FeatureRetention
+from replay_feature_bound import QUANTILES, THRESHOLDS, DecidedAdmission, FeatureAdmission, FeatureRetention
+from replay_learned_bound import HORIZONS, LEARNED_THRESHOLDS, LearnedAdmission, learned_probabilities
 from replay_workloads import read_mooncake
 
 from tiered_kv.config import (
@@ -75,13 +80,14 @@ from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import spec_as
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.admission import WriteAdmission
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.transfer_specs import TieredStoreSpec
 
 DEFAULT_POLICIES = "lru,arc,lru+reuse(2),arc+reuse(2),lru+session,lru+reuse(2)+session"
 COLUMNS = ["policy", "block hit rate", "Belady", "infinite", "of Belady"]
-ORACLES = ("admission-oracle", "admission-features", "retention-oracle", "retention-features")
+ORACLES = ("admission-oracle", "admission-features", "admission-learned", "retention-oracle", "retention-features")
+#: Admission rows that know more than the tier: the oracle and the bounds.
+_BOUND_ADMISSIONS = ("oracle", "features", "learned")
 TOKENS_PER_BLOCK = 512
 _TOKENS_RE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG]?)$")
 #: The disk tier's index layout: small, since no bytes move.
@@ -109,7 +115,7 @@ def parse_tokens(value: str) -> int:
 @dataclass(frozen=True)
 class Policy:
     """A table row: its name and config values. ``admission`` and ``retention`` may be
-    ``oracle`` or ``features`` (``oracle(S)``, ``features(S)``: retention's at the budget
+    ``oracle``, ``features`` or (admission) ``learned`` (``oracle(S)``, ``features(S)``: retention's at the budget
     share S); ``eviction`` ``belady`` is Belady's optimum (computed, not replayed)."""
 
     name: str
@@ -127,10 +133,15 @@ class Policy:
     @property
     def is_oracle(self) -> bool:
         return (
-            self.admission in ("oracle", "features")
+            self.admission in _BOUND_ADMISSIONS
             or self.retention.startswith(("oracle", "features"))
             or self.eviction == "belady"
         )
+
+    @property
+    def is_calibrated(self) -> bool:
+        """A bound replayed over a grid of parameters (features, learned)."""
+        return self.admission in ("features", "learned") or self.retention.startswith("features")
 
     @property
     def share(self) -> float | None:
@@ -172,8 +183,8 @@ def parse_policy(name: str) -> Policy:
             raise ValueError(f"--policies: {name!r}: expected one cpu_admission, got a second: {part!r}")
         elif part in ("admission-oracle", "oracle"):
             admission = "oracle"
-        elif part == "admission-features":
-            admission = "features"
+        elif part in ("admission-features", "admission-learned"):
+            admission = part[len("admission-") :]
         else:
             try:
                 admission = parse_cpu_admission(part, f"--policies: {name!r}: cpu_admission")
@@ -190,7 +201,7 @@ def parse_policy(name: str) -> Policy:
 
 
 def _admission_name(admission: str) -> str:
-    return f"admission-{admission}" if admission in ("oracle", "features") else admission
+    return f"admission-{admission}" if admission in _BOUND_ADMISSIONS else admission
 
 
 # ---------------------------------------------------------------- the stream
@@ -200,7 +211,8 @@ def _admission_name(admission: str) -> str:
 class Requests:
     """What a replay plays: per request its full blocks' hashes, arrival (seconds) and
     session; ``named``: the engine names the sessions (vLLM's ``session_id``), so the
-    retention rule is told them instead of inferring them."""
+    retention rule is told them instead of inferring them; ``outputs``: the tokens each
+    generated, where the trace says (else none)."""
 
     name: str
     blocks: list[list[bytes]]
@@ -208,13 +220,20 @@ class Requests:
     sessions: Sequence[Hashable]
     named: bool = False
     tokens_per_block: int = TOKENS_PER_BLOCK
+    outputs: Sequence[int] = ()
 
     @classmethod
-    def of(cls, name: str, requests: Sequence[Sequence], times: Sequence[float] | None = None) -> Requests:
+    def of(
+        cls,
+        name: str,
+        requests: Sequence[Sequence],
+        times: Sequence[float] | None = None,
+        outputs: Sequence[int] = (),
+    ) -> Requests:
         """Block ids (ints or bytes) with times (default all 0), sessions by prefix chain."""
         blocks = [[h.to_bytes(8, "big") if isinstance(h, int) else h for h in r] for r in requests]
         t = list(times) if times is not None else [0.0] * len(blocks)
-        return cls(name, blocks, t, chain_sessions(blocks))
+        return cls(name, blocks, t, chain_sessions(blocks), outputs=outputs)
 
     @property
     def working_set(self) -> int:
@@ -240,33 +259,23 @@ def chain_sessions(requests: Sequence[Sequence[bytes]]) -> list[int]:
 def mooncake_requests(path: Path) -> Requests:
     """A Mooncake FAST'25 trace (file order; timestamps in ms -> s)."""
     t = read_mooncake(path)
-    return Requests.of(t.name, t.requests, [ms / 1e3 for ms in t.timestamps])
+    return Requests.of(t.name, t.requests, [ms / 1e3 for ms in t.timestamps], t.output_tokens)
 
 
 # ---------------------------------------------------------------- oracles
 
 
-class OracleAdmission(WriteAdmission):
-    """Admits a block only while the trace still has a use of it to come; ``used`` is
-    told each request's blocks before they are stored."""
+class OracleAdmission(DecidedAdmission):
+    """Admits a block only while the trace still has a use of it to come."""
 
     def __init__(self, requests: Sequence[Sequence], stats: TieredStats):
-        super().__init__([2], ["cpu"], 1, stats)  # asked on every store; keeps no history
+        super().__init__(stats)
         self.remaining = Counter(h for r in requests for h in r)
-
-    def note(self, block_hashes: Sequence) -> None:
-        """Counts nothing: the trace's remaining uses decide."""
 
     def used(self, block_hashes: Sequence) -> None:
         self.remaining.subtract(block_hashes)
-
-    def admits(self, i: int, block_hash) -> bool:
-        return self.remaining[block_hash] > 0
-
-    def admitted(self, i: int, block_hashes: list) -> list:
-        admitted = [h for h in block_hashes if self.remaining[h] > 0]
-        self.stats.count(self.names[i], "not_admitted", len(block_hashes) - len(admitted))
-        return admitted
+        for h in block_hashes:
+            self._decision[h] = self.remaining[h] > 0
 
 
 class OracleRetention(SessionRetention):
@@ -370,17 +379,17 @@ def replay(
     policy: Policy | str,
     lower_blocks: int = 0,
     scratch: Path | None = None,
-    features: tuple[float, float] | None = None,
+    features: tuple[float, float | None] | None = None,
 ) -> Outcome:
     """Play ``reqs`` through the product's managers under ``policy`` (module docstring):
     ``capacity`` CPU blocks, over a disk tier of ``lower_blocks`` (none when 0).
-    ``features``: a features bound's (threshold, gap quantile)."""
+    ``features``: a features bound's (threshold, gap quantile), the learned bound's
+    (threshold, horizon)."""
     policy = parse_policy(policy) if isinstance(policy, str) else policy
     if policy.eviction == "belady":
         raise ValueError("belady is computed (belady_hit_rate), not replayed")
-    uses_features = policy.admission == "features" or policy.retention.startswith("features")
-    if uses_features and features is None:
-        raise ValueError(f"{policy.name}: a features bound is replayed at a (threshold, quantile): features=")
+    if policy.is_calibrated and features is None:
+        raise ValueError(f"{policy.name}: a bound is replayed at its (threshold, quantile or horizon): features=")
     threshold, quantile = features or (0.0, 0.0)
     clock = _Clock()
     retention: SessionRetention | None = None
@@ -388,12 +397,13 @@ def replay(
         if policy.retention.startswith("oracle"):
             retention = OracleRetention(reqs, capacity, policy.share, clock)
         elif policy.retention.startswith("features"):
+            assert quantile is not None
             retention = FeatureRetention(
                 reqs.blocks, reqs.times, reqs.sessions, capacity, policy.share, threshold, quantile, clock
             )
         else:
             retention = SessionRetention(capacity, policy.share, clock=clock)
-    oracle = policy.admission in ("oracle", "features")
+    oracle = policy.admission in _BOUND_ADMISSIONS
     n = 2 if oracle else admit_after(policy.admission, "cpu")
     cpu = cpu_tier_manager(
         policy.eviction,
@@ -407,11 +417,15 @@ def replay(
     work = Path(tempfile.mkdtemp(prefix="replay-policies-", dir=scratch)) if lower_blocks else None
     lower = _disk(work, lower_blocks) if work is not None else None
     manager = TieredOffloadingManager(cpu, lower, costs=None, cost_aware=False)
-    future: OracleAdmission | FeatureAdmission | None = None
+    future: DecidedAdmission | None = None
     if policy.admission == "oracle":
         future = OracleAdmission(reqs.blocks, manager.stats)
-    elif oracle:
+    elif policy.admission == "features":
         future = FeatureAdmission(reqs.blocks, reqs.sessions, threshold, manager.stats)
+    elif policy.admission == "learned":
+        outputs = reqs.outputs or [0] * len(reqs.blocks)
+        p = learned_probabilities(reqs.blocks, reqs.times, reqs.sessions, outputs, quantile, capacity)
+        future = LearnedAdmission(p, threshold, manager.stats)
     if future is not None:
         cpu.admission = future
     out = Outcome(policy.name)
@@ -471,7 +485,7 @@ def with_oracle_rows(policies: list[str]) -> list[str]:
     parsed = [parse_policy(p) for p in policies]
     out = [p.name for p in parsed]
     for eviction in dict.fromkeys(p.eviction for p in parsed if p.eviction != "belady"):
-        oracles = [f"{eviction}+admission-oracle", f"{eviction}+admission-features"]
+        oracles = [f"{eviction}+admission-{a}" for a in _BOUND_ADMISSIONS]
         for p in parsed:
             if p.eviction == eviction and p.share is not None and not p.is_oracle:
                 oracles.append(parse_policy(f"{eviction}+retention-oracle({p.share:g})").name)
@@ -499,11 +513,18 @@ def policy_table(reqs: Requests, capacity: int, policies: list[str], log=None) -
         label = policy.name
         if policy.eviction == "belady":
             rate = belady
-        elif policy.admission == "features" or policy.retention.startswith("features"):
-            grid = [(t, q) for t in THRESHOLDS for q in (QUANTILES if policy.share is not None else QUANTILES[:1])]
+        elif policy.is_calibrated:
+            learned = policy.admission == "learned"
+            grid: list[tuple[float, float | None]] = (
+                [(t, h) for h in HORIZONS for t in LEARNED_THRESHOLDS]
+                if learned
+                else [(t, q) for t in THRESHOLDS for q in (QUANTILES if policy.share is not None else QUANTILES[:1])]
+            )
             results = [(replay(reqs, capacity, policy, features=tq).hit_rate, tq) for tq in grid]
             rate, (t, q) = max(results, key=lambda r: r[0])  # the first of the grid that does best
-            label = f"{policy.name} (threshold {t:g}" + (f", gap quantile {q:g})" if policy.share is not None else ")")
+            second = f", horizon {'ever' if q is None else f'{q:g} CPU tiers'}" if learned else ""
+            second = f", gap quantile {q:g}" if policy.share is not None else second
+            label = f"{policy.name} (threshold {t:g}{second})"
         else:
             rate = replay(reqs, capacity, policy).hit_rate
         if log is not None:
@@ -523,6 +544,7 @@ def bound_table(values: dict[str, tuple], target: float = 0.05) -> str:
         ("eviction order", "eviction order", lambda p: "belady"),
         ("admission", "admission", lambda p: f"{p.eviction}+admission-oracle"),
         ("admission on features", "admission", lambda p: f"{p.eviction}+admission-features"),
+        ("admission, learned", "admission", lambda p: f"{p.eviction}+admission-learned"),
         ("retention", "retention", lambda p: parse_policy(f"{p.eviction}+retention-oracle({p.share:g})").name),
         ("retention on features", "retention", _features_bound),
     ):

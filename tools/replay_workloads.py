@@ -130,12 +130,14 @@ MOONCAKE_BLOCK_TOKENS = 512
 @dataclass(frozen=True)
 class MooncakeTrace:
     """A Mooncake FAST'25 trace: per request its full blocks' ids, the tokens of its
-    trailing partial block, and its arrival (ms since the trace began)."""
+    trailing partial block, its arrival (ms since the trace began) and the tokens it
+    generated."""
 
     name: str
     requests: list[list[int]]
     tail_tokens: list[int]
     timestamps: list[int]
+    output_tokens: list[int]
     tokens_per_block: int = MOONCAKE_BLOCK_TOKENS
 
     def workload(self) -> Workload:
@@ -155,7 +157,7 @@ def is_mooncake(path: Path) -> bool:
 
 def read_mooncake(path: Path) -> MooncakeTrace:
     """A Mooncake FAST'25 trace; raises ``ValueError`` naming the bad line."""
-    requests, tails, stamps = [], [], []
+    requests, tails, stamps, outputs = [], [], [], []
     b = MOONCAKE_BLOCK_TOKENS
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -171,6 +173,7 @@ def read_mooncake(path: Path) -> MooncakeTrace:
                 requests.append(ids[:full])
                 tails.append(length - full * b)
                 stamps.append(int(row.get("timestamp", 0)))
+                outputs.append(int(row.get("output_length", 0)))
             except (ValueError, TypeError, KeyError) as exc:
                 raise ValueError(
                     f"{path}:{lineno}: bad Mooncake trace line ({exc}); expected "
@@ -178,7 +181,7 @@ def read_mooncake(path: Path) -> MooncakeTrace:
                 ) from None
     if not requests:
         raise ValueError(f"{path}: no request")
-    return MooncakeTrace(f"trace {Path(path).name}", requests, tails, stamps)
+    return MooncakeTrace(f"trace {Path(path).name}", requests, tails, stamps, outputs)
 
 
 CLAUDE_CODE_BLOCK_TOKENS = 64

@@ -69,8 +69,13 @@ def test_the_table_of_a_tiny_trace(tmp_path, capsys):
     # The features bound: first uses of a block return 1 in 3 here, second uses always, so
     # from threshold 0.35 up it admits as reuse(2) does.
     features = "lru+admission-features (threshold 0.35)"
-    assert list(rows) == ["lru", "lru+reuse(2)", "lru+admission-oracle", features, "belady"]
+    # The learned bound: each half is predicted by a model fitted on the other. In the
+    # second half no block returns within the horizon, so block 1 (the first half) is
+    # predicted not to return, ranks first to evict, and 2 and 3 push it out: as LRU.
+    learned = "lru+admission-learned (threshold 0.2, horizon 2.5 CPU tiers)"
+    assert list(rows) == ["lru", "lru+reuse(2)", "lru+admission-oracle", features, learned, "belady"]
     assert rows[features] == ["0.400", "0.400", "0.400", "1.00"]
+    assert rows[learned] == ["0.200", "0.400", "0.400", "0.50"]
     assert rows["lru"] == ["0.200", "0.400", "0.400", "0.50"]
     assert rows["lru+reuse(2)"] == ["0.400", "0.400", "0.400", "1.00"]
     assert rows["lru+admission-oracle"] == ["0.400", "0.400", "0.400", "1.00"]
@@ -80,6 +85,7 @@ def test_the_table_of_a_tiny_trace(tmp_path, capsys):
         "eviction order": ["lru", "0.50", "belady", "1.00", "+0.50", "no"],
         "admission": ["lru+reuse(2)", "1.00", "lru+admission-oracle", "1.00", "+0.00", "yes"],
         "admission on features": ["lru+reuse(2)", "1.00", "lru+admission-features", "1.00", "+0.00", "yes"],
+        "admission, learned": ["lru+reuse(2)", "1.00", "lru+admission-learned", "0.50", "-0.50", "yes"],
     }
 
 
@@ -93,6 +99,7 @@ def test_the_session_rule_keeps_a_returning_session_where_lru_loses_it(tmp_path,
         "lru+session",
         "lru+admission-oracle",
         "lru+admission-features (threshold 0.1)",
+        "lru+admission-learned (threshold 0.2, horizon 2.5 CPU tiers)",
         "lru+retention-oracle(0.75)",
         retention,
         "belady",
@@ -136,8 +143,10 @@ def test_names_and_sizes():
         "lru+reuse(2)+session(0.5)",
         "arc+admission-oracle",
         "arc+admission-features",
+        "arc+admission-learned",
         "lru+admission-oracle",
         "lru+admission-features",
+        "lru+admission-learned",
         "lru+retention-oracle(0.5)",
         "lru+reuse(2)+retention-features(0.5)",
         "belady",
@@ -145,6 +154,8 @@ def test_names_and_sizes():
     p = parse_policy("lru+reuse(2)+retention-features(0.5)")
     assert (p.admission, p.retention, p.share, p.is_oracle) == ("reuse(2)", "features(0.5)", 0.5, True)
     assert parse_policy("lru+admission-features").is_oracle
+    learned = parse_policy("lru+admission-learned")
+    assert (learned.admission, learned.is_oracle, learned.is_calibrated) == ("learned", True, True)
     assert parse_tokens("3M") // 512 == 5859 and parse_tokens("500k") == 500_000
     with pytest.raises(ValueError, match="'fifo'"):
         parse_policy("fifo")
@@ -158,7 +169,7 @@ def test_names_and_sizes():
         ValueError, match="retention-features\\(S\\) with 0 < S <= 0.9, got 'retention-features\\(1\\)'"
     ):
         parse_policy("lru+retention-features(1)")
-    with pytest.raises(ValueError, match="lru\\+admission-features: a features bound is replayed at a"):
+    with pytest.raises(ValueError, match="lru\\+admission-features: a bound is replayed at its"):
         replay_requests(Requests.of("r", REQUESTS), 2, "lru+admission-features")
     with pytest.raises(ValueError, match="'3X'"):
         parse_tokens("3X")
@@ -182,6 +193,34 @@ def test_the_features_bound_admits_what_its_description_says_returns():
         assert bound.hit_rate == pytest.approx(2 / 12)
     # At a threshold every description reaches, it admits all: LRU.
     assert replay_requests(reqs, 3, "lru+admission-features", features=(0.0, 0.5)).hit_rate == 0
+
+
+def test_the_learned_bound_admits_what_the_other_half_taught_it():
+    # SHORT_RETURN 40 times over fresh ids: each half holds 20 repeats, enough for the
+    # classifier's leaves (20 rows at least). A first use of a 1-block request returns,
+    # its second use and the 2-block requests do not; a model fitted on either half
+    # learns that and admits only the short first uses, as the oracle does (2 of 12).
+    repeated = [[100 * k + h for h in r] for k in range(40) for r in SHORT_RETURN]
+    reqs = Requests.of("short", repeated)
+    assert replay_requests(reqs, 3, "lru").hit_rate == 0
+    assert replay_requests(reqs, 3, "lru+admission-oracle").hit_rate == pytest.approx(2 / 12)
+    bound = replay_requests(reqs, 3, "lru+admission-learned", features=(0.5, None))
+    assert bound.hit_rate == pytest.approx(2 / 12)
+    # At a threshold no prediction reaches, nothing is admitted and the short ones go first.
+    assert replay_requests(reqs, 3, "lru+admission-learned", features=(1.01, None)).hit_rate == 0
+
+
+def test_a_table_of_bounds_alone(tmp_path, capsys):
+    trace = write_trace(tmp_path / "t.jsonl")
+    assert replay.main(["--trace", str(trace), "--cpu-tokens", "1024", "--policies", "lru+admission-features"]) == 0
+    out = capsys.readouterr().out
+    assert list(table_rows(out)) == [
+        "lru+admission-features (threshold 0.35)",
+        "lru+admission-oracle",
+        "lru+admission-learned (threshold 0.2, horizon 2.5 CPU tiers)",
+        "belady",
+    ]
+    assert bound_rows(out) == {}  # no online rule to set beside a bound
 
 
 def test_a_missing_trace_is_named(capsys):
