@@ -45,7 +45,7 @@ LEARNED_FEATURES = (
 )
 #: Used again within this many CPU tiers' worth of blocks requested; None: ever.
 HORIZONS: tuple[float | None, ...] = (2.5, 5.0, None)
-LEARNED_THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+LEARNED_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # 0: admit all, as the eviction policy alone
 _WINDOW_S = 60.0
 
 

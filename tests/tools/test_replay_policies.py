@@ -71,8 +71,9 @@ def test_the_table_of_a_tiny_trace(tmp_path, capsys):
     features = "lru+admission-features (threshold 0.35)"
     # The learned bound: each half is predicted by a model fitted on the other. In the
     # second half no block returns within the horizon, so block 1 (the first half) is
-    # predicted not to return, ranks first to evict, and 2 and 3 push it out: as LRU.
-    learned = "lru+admission-learned (threshold 0.2, horizon 2.5 CPU tiers)"
+    # predicted not to return, ranks first to evict, and 2 and 3 push it out: no better
+    # than LRU, which the grid's first threshold (0, admit all) is.
+    learned = "lru+admission-learned (threshold 0, horizon 2.5 CPU tiers)"
     assert list(rows) == ["lru", "lru+reuse(2)", "lru+admission-oracle", features, learned, "belady"]
     assert rows[features] == ["0.400", "0.400", "0.400", "1.00"]
     assert rows[learned] == ["0.200", "0.400", "0.400", "0.50"]
@@ -99,7 +100,7 @@ def test_the_session_rule_keeps_a_returning_session_where_lru_loses_it(tmp_path,
         "lru+session",
         "lru+admission-oracle",
         "lru+admission-features (threshold 0.1)",
-        "lru+admission-learned (threshold 0.2, horizon 2.5 CPU tiers)",
+        "lru+admission-learned (threshold 0, horizon 2.5 CPU tiers)",
         "lru+retention-oracle(0.75)",
         retention,
         "belady",
@@ -217,7 +218,7 @@ def test_a_table_of_bounds_alone(tmp_path, capsys):
     assert list(table_rows(out)) == [
         "lru+admission-features (threshold 0.35)",
         "lru+admission-oracle",
-        "lru+admission-learned (threshold 0.2, horizon 2.5 CPU tiers)",
+        "lru+admission-learned (threshold 0, horizon 2.5 CPU tiers)",
         "belady",
     ]
     assert bound_rows(out) == {}  # no online rule to set beside a bound
