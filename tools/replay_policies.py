@@ -115,8 +115,9 @@ def parse_tokens(value: str) -> int:
 @dataclass(frozen=True)
 class Policy:
     """A table row: its name and config values. ``admission`` and ``retention`` may be
-    ``oracle``, ``features`` or (admission) ``learned`` (``oracle(S)``, ``features(S)``: retention's at the budget
-    share S); ``eviction`` ``belady`` is Belady's optimum (computed, not replayed)."""
+    ``oracle`` or ``features``, ``admission`` also ``learned`` (``oracle(S)``,
+    ``features(S)``: retention's at the budget share S); ``eviction`` ``belady`` is
+    Belady's optimum (computed, not replayed)."""
 
     name: str
     eviction: str
