@@ -103,7 +103,12 @@ def reuse_labels(requests: Sequence[Sequence[Hashable]], horizon: int | None) ->
 def cross_fitted(features: np.ndarray, labels: np.ndarray, request_of: np.ndarray, seed: int = 0) -> np.ndarray:
     """Each block's probability of ``labels`` from a model fitted on the other half of the
     requests (``request_of``: each row's request index)."""
-    from sklearn.ensemble import HistGradientBoostingClassifier
+    try:
+        from sklearn.ensemble import HistGradientBoostingClassifier
+    except ImportError:
+        raise RuntimeError(
+            "the learned admission bound needs scikit-learn: pip install -e '.[bench]' (or scikit-learn>=1.4)"
+        ) from None
 
     first = request_of < (request_of.max(initial=0) + 1) // 2
     out = np.zeros(len(labels))
