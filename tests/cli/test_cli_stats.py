@@ -32,7 +32,7 @@ _load_commands()
 class Served:
     """A hierarchy, its metrics and the endpoint serving them."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, config: dict | None = None):
         device = DeviceKVCache(
             num_layers=2, num_gpu_blocks=24, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu"
         )
@@ -44,6 +44,7 @@ class Served:
                 "disk_bytes": "4MiB",
                 "model_id": "stats",
                 "cover_weights": False,
+                **(config or {}),
             },
             layout.gpu_block_size,
             layout,
@@ -124,8 +125,30 @@ def test_json_view_matches_the_hierarchys_counters(served):
     for name, row in tiers.items():
         assert row["load_gbps_estimate"] == pytest.approx(served.costs["tiers"][name]["gbps"])
         assert row["skipped_slower_blocks"] == stats["tiers"][name].get("skipped_slower_than_recompute", 0)
+        assert row["not_admitted_blocks"] == stats["tiers"][name].get("not_admitted", 0)
+        assert row["admission_switches"] == stats["tiers"][name].get("admission_switches", 0)
     assert doc["prefill_tokens_per_s"] == {"used": served.costs["prefill_tokens_per_s"], "measured": None}
     assert doc["gpu"]["store_bytes"] == transfers["gpu_to_cpu"]["bytes"] + transfers["gpu_to_disk"]["bytes"]
+
+
+def test_blocks_turned_away_by_admission_are_shown_per_tier(tmp_path):
+    # reuse(2) everywhere: a first use is ranked first to evict in CPU and not written to disk.
+    s = Served(tmp_path, {"cpu_admission": "reuse(2)", "write_admission": "reuse(2)"})
+    try:
+        s.run(40, seed=3)
+        result = _stats("--url", s.url, "--json")
+        assert result.exit_code == 0, result.output
+        tiers = {t["tier"]: t for t in json.loads(result.stdout)["tiers"]}
+        for name in ("cpu", "disk"):
+            assert tiers[name]["not_admitted_blocks"] == s.snapshot["tiers"][name]["not_admitted"] > 0
+            assert tiers[name]["admission_switches"] == 0  # fixed rules never switch
+        table = _stats("--url", s.url).stdout
+        (line,) = [line for line in table.splitlines() if "not admitted (blocks)" in line]
+        assert [c.strip() for c in line.split("│")[2:-1]] == [
+            str(tiers[n]["not_admitted_blocks"]) for n in ("cpu", "disk")
+        ]
+    finally:
+        s.close()
 
 
 def test_table_shows_each_tier(served):

@@ -76,6 +76,11 @@ def render(view: dict[str, Any], url: str) -> Group:
         "verify latency p50 / p99": lambda t: _latency(t["verification_latency"]),
         "load estimate (GB/s)": lambda t: "-" if t["load_gbps_estimate"] is None else f"{t['load_gbps_estimate']:.2f}",
         "passed over (blocks)": lambda t: str(t["skipped_slower_blocks"]),
+        # CPU: stored but first to evict (cpu_admission); a lower tier: not written (write_admission).
+        "not admitted (blocks)": lambda t: (
+            str(t["not_admitted_blocks"])
+            + (f" ({t['admission_switches']} rule switches)" if t["admission_switches"] else "")
+        ),
         "drops (blocks)": lambda t: str(t["drops_blocks"]),
         "failures (blocks)": lambda t: str(t["failures_blocks"]),
         "prefetched / used / wasted (blocks)": lambda t: "{prefetches} / {prefetch_used} / {prefetch_wasted}".format(

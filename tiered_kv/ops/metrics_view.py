@@ -252,6 +252,8 @@ def _tier(samples: Samples, tier: str) -> dict[str, Any]:
         "evictions_blocks": int(blocks.get("evictions", 0)),
         "drops_blocks": int(blocks.get("drops", 0)),
         "skipped_slower_blocks": int(blocks.get("skipped_slower_than_recompute", 0)),
+        "not_admitted_blocks": int(blocks.get("not_admitted", 0)),
+        "admission_switches": int(blocks.get("admission_switches", 0)),
         "load_gbps_estimate": gauge(samples, TIER_LOAD_GBPS, _match(tier=tier)),
         "failures_blocks": int(sum(blocks.get(e, 0) for e in FAILURE_EVENTS)),
         "used_blocks": int(total(samples, TIER_USED_BLOCKS, _match(tier=tier))),
