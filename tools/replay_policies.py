@@ -584,10 +584,10 @@ def main_policies(args, argv: Sequence[str]) -> int:
         if capacity < 1:
             raise ValueError(f"--cpu-tokens: {args.cpu_tokens!r} holds no {TOKENS_PER_BLOCK}-token block")
         reqs = mooncake_requests(Path(args.trace))
-    except (ValueError, OSError) as exc:
+        table, values = policy_table(reqs, capacity, policies)
+    except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: a bound's missing dependency
         print(f"error: {exc}")
         return 2
-    table, values = policy_table(reqs, capacity, policies)
     blocks = sum(map(len, reqs.blocks))
     print(
         f"command: `{command}`\n\ntrace: {args.trace}: {len(reqs.blocks)} requests, {blocks} full blocks, "

@@ -224,6 +224,13 @@ def test_a_table_of_bounds_alone(tmp_path, capsys):
     assert bound_rows(out) == {}  # no online rule to set beside a bound
 
 
+def test_the_learned_bound_without_scikit_learn_says_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn.ensemble", None)  # import fails as if not installed
+    trace = write_trace(tmp_path / "t.jsonl")
+    assert replay.main(["--trace", str(trace), "--cpu-tokens", "1024", "--policies", "lru"]) == 2
+    assert "needs scikit-learn: pip install -e '.[bench]'" in capsys.readouterr().out
+
+
 def test_a_missing_trace_is_named(capsys):
     assert replay.main(["--policies", "lru"]) == 2
     assert "--policies needs --trace" in capsys.readouterr().out
