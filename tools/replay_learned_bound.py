@@ -46,6 +46,8 @@ LEARNED_FEATURES = (
 #: Used again within this many CPU tiers' worth of blocks requested; None: ever.
 HORIZONS: tuple[float | None, ...] = (2.5, 5.0, None)
 LEARNED_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # 0: admit all, as the eviction policy alone
+#: The (threshold, horizon) pairs the row replays, in the order the first best is kept.
+LEARNED_GRID: list[tuple[float, float | None]] = [(t, h) for h in HORIZONS for t in LEARNED_THRESHOLDS]
 _WINDOW_S = 60.0
 
 

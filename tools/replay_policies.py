@@ -59,7 +59,7 @@ import torch
 from benchlib import md_table
 from replay_cost import belady_hit_rate, infinite_hit_rate
 from replay_feature_bound import QUANTILES, THRESHOLDS, DecidedAdmission, FeatureAdmission, FeatureRetention
-from replay_learned_bound import HORIZONS, LEARNED_THRESHOLDS, LearnedAdmission, learned_probabilities
+from replay_learned_bound import LEARNED_GRID, LearnedAdmission, learned_probabilities
 from replay_workloads import read_mooncake
 
 from tiered_kv.config import (
@@ -191,6 +191,8 @@ def parse_policy(name: str) -> Policy:
                 admission = parse_cpu_admission(part, f"--policies: {name!r}: cpu_admission")
             except ConfigError as exc:
                 raise ValueError(f"{exc}; or expected {expected}") from None
+    if admission == "learned" and retention.startswith("features"):  # each has its own grid
+        raise ValueError(f"--policies: {name!r}: expected admission-learned without retention-features")
     canonical = [eviction]
     canonical += [] if admission == "all" else [_admission_name(admission)]
     canonical += (
@@ -516,15 +518,13 @@ def policy_table(reqs: Requests, capacity: int, policies: list[str], log=None) -
             rate = belady
         elif policy.is_calibrated:
             learned = policy.admission == "learned"
-            grid: list[tuple[float, float | None]] = (
-                [(t, h) for h in HORIZONS for t in LEARNED_THRESHOLDS]
-                if learned
-                else [(t, q) for t in THRESHOLDS for q in (QUANTILES if policy.share is not None else QUANTILES[:1])]
-            )
+            quantiles = QUANTILES if policy.share is not None else QUANTILES[:1]
+            grid = LEARNED_GRID if learned else [(t, q) for t in THRESHOLDS for q in quantiles]
             results = [(replay(reqs, capacity, policy, features=tq).hit_rate, tq) for tq in grid]
             rate, (t, q) = max(results, key=lambda r: r[0])  # the first of the grid that does best
             second = f", horizon {'ever' if q is None else f'{q:g} CPU tiers'}" if learned else ""
-            second = f", gap quantile {q:g}" if policy.share is not None else second
+            if not learned and policy.share is not None:
+                second = f", gap quantile {q:g}"
             label = f"{policy.name} (threshold {t:g}{second})"
         else:
             rate = replay(reqs, capacity, policy).hit_rate

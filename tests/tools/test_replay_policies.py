@@ -157,6 +157,8 @@ def test_names_and_sizes():
     assert parse_policy("lru+admission-features").is_oracle
     learned = parse_policy("lru+admission-learned")
     assert (learned.admission, learned.is_oracle, learned.is_calibrated) == ("learned", True, True)
+    with pytest.raises(ValueError, match="admission-learned without retention-features"):
+        parse_policy("lru+admission-learned+retention-features")
     assert parse_tokens("3M") // 512 == 5859 and parse_tokens("500k") == 500_000
     with pytest.raises(ValueError, match="'fifo'"):
         parse_policy("fifo")
