@@ -83,6 +83,7 @@ WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
 RETENTION_EVENTS = "tiered_kv_retention_events"
 RETENTION_HELD_BLOCKS = "tiered_kv_retention_held_blocks"
 RETENTION_TTL = "tiered_kv_retention_ttl_seconds"
+RETENTION_HONOURED = "tiered_kv_retention_honoured"
 #: The kinds of ``WORKER_JOB_FAILURES``.
 JOB_FAILURE_KINDS = ("store", "promotion")
 
@@ -211,11 +212,18 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
         RETENTION_EVENTS,
         "counter",
         "Session retention per tier: returns (a session's turns after its first), held (blocks a hold "
-        "took), dropped (held blocks let go early for the budget)",
+        "took), dropped (held blocks let go early for the budget), switches (the tier began or stopped "
+        "honouring holds, cpu_admission adaptive(N))",
         ("tier", "event"),
     ),
     MetricDef(RETENTION_HELD_BLOCKS, "gauge", "Blocks session retention holds per tier", ("tier",)),
     MetricDef(RETENTION_TTL, "gauge", "Session retention's hold time per tier, learned from sessions' gaps", ("tier",)),
+    MetricDef(
+        RETENTION_HONOURED,
+        "gauge",
+        "1 while the tier passes held blocks over, 0 while cpu_admission adaptive(N) finds holds cost hits",
+        ("tier",),
+    ),
 )
 
 #: ``RemoteStats`` attribute -> (metric, label values).

@@ -342,10 +342,20 @@ def test_session_retention_on_each_tier_shows_through_the_demos_endpoint(tmp_pat
             row = retention[tier]
             assert row["returns"] == rule.counts["returns"] > 0, (tier, row)
             assert row["held_blocks"] == rule.num_held() > 0 and row["hold_seconds"] == 10.0
+            assert (row["honoured"], row["switches"]) == (rule.honoured, rule.counts["switches"]), (tier, row)
         table = _stats("--url", endpoint.url)
         assert table.exit_code == 0 and "sessions, hints and the start-up canary" in table.stdout
         (line,) = [line for line in table.stdout.splitlines() if "cpu: retention" in line]
         assert f"{retention['cpu']['returns']} returns" in line and "held for 10.00 s" in line, line
+        # What ``cpu_admission: adaptive(N)`` sets when its miniatures find the holds cost hits.
+        cpu_rule = rules["cpu"]
+        cpu_rule.honoured, cpu_rule.counts["switches"] = False, cpu_rule.counts["switches"] + 1
+        endpoint.export()
+        retention = json.loads(_stats("--url", endpoint.url, "--json").stdout)["sessions"]["retention"]
+        assert not retention["cpu"]["honoured"] and retention["disk"]["honoured"]
+        assert retention["cpu"]["switches"] == cpu_rule.counts["switches"] >= 1
+        (line,) = [line for line in _stats("--url", endpoint.url).stdout.splitlines() if "cpu: retention" in line]
+        assert "not honoured now" in line and f"({cpu_rule.counts['switches']} switches)" in line, line
     finally:
         endpoint.close()
         driver.worker.shutdown()

@@ -10,6 +10,8 @@ import pytest
 
 from tiered_kv.cpu import ARCOffloadingManager, CPUOffloadingManager, cpu_tier_manager
 from tiered_kv.config import parse_cpu_retention, retention_share
+from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.admission import AdaptiveAdmission, MiniatureCache
 from tiered_kv.tiered.retention import SessionRetention
 
 
@@ -240,15 +242,17 @@ def test_config_values_and_refusals():
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_operations_keep_the_slots_consistent(policy, seed):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_random_operations_keep_the_slots_consistent(policy, seed, adaptive):
     """Stores that land or fail, loads, touches, removals and time passing, with
-    admission and retention both on: every slot is free or holds one block, the
-    recency order lists each block once, counts agree, and a store finds room whenever
-    free plus evictable blocks (not its own) suffice."""
+    admission and retention both on (and, adaptive, holds honoured or not at random):
+    every slot is free or holds one block, the recency order lists each block once,
+    counts agree, and a store finds room whenever free plus evictable blocks (not its
+    own) suffice."""
     rnd = random.Random(seed)
     clock = Clock()
     retention = SessionRetention(12, 0.5, clock=clock)
-    mgr = cpu_tier_manager(policy, 12, 16, admit_after=2, retention=retention)
+    mgr = cpu_tier_manager(policy, 12, 16, admit_after=2, retention=retention, adaptive=adaptive)
     pending: list[list[bytes]] = []
     loads: list[list[bytes]] = []
     for _ in range(500):
@@ -276,6 +280,8 @@ def test_random_operations_keep_the_slots_consistent(policy, seed):
             evictable = list(mgr.iter_evictable())
             if evictable:
                 mgr.remove(rnd.choice(evictable))
+        elif op < 0.9 and adaptive:
+            retention.honoured = not retention.honoured
         else:
             mgr.touch(keys)
         check_regions(mgr)
@@ -300,3 +306,108 @@ def test_the_config_key_builds_the_rule_into_the_cpu_tier():
         with spec.get_manager() as manager:
             retention = manager.cpu.retention
             assert (None if retention is None else retention.budget) == budget, value
+
+
+# ---- ``adaptive(N)`` deciding whether holds are honoured ----
+
+
+def test_a_miniature_cache_passes_held_blocks_over_until_their_hold_ends():
+    held: set[bytes] = set()
+    mini = MiniatureCache(2, 1, held)
+    mini.use(h(1))
+    held.add(h(1))
+    assert [mini.use(h(i)) for i in (2, 3)] == [False, False]  # 1 set aside, 2 evicted
+    assert mini.use(h(1)), "a held block survives a scan"
+    assert not mini.use(h(2)) and not mini.use(h(4))  # 1 set aside again, 3 and 2 go
+    held.clear()
+    mini.use(h(5))  # the block whose hold ended goes first, though 4 is older than 5
+    assert not mini.use(h(1)) and len(mini) == 2
+    held.update(map(h, range(10)))
+    assert [mini.use(h(i)) for i in range(6, 10)] == [False] * 4 and len(mini) == 2, "holds never overfill it"
+
+
+class FixedHolds(SessionRetention):
+    """A retention rule that holds exactly ``blocks``: what a miniature asks of it."""
+
+    def __init__(self) -> None:
+        super().__init__(64)
+        self.blocks: set[bytes] = set()
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self.blocks
+
+
+def churned_by_holds(admission: AdaptiveAdmission, held: set[bytes]) -> None:
+    """32 blocks held that never come back, beside a hot set of 48 in a 64-slot tier:
+    honouring the holds leaves 32 slots to the 48 and LRU then misses every use."""
+    held.update(map(h, range(1000, 1032)))
+    admission.note([h(i) for i in range(1000, 1032)])
+    for _ in range(30):
+        admission.note([h(i) for i in range(48)])
+
+
+def sessions_after_bursts(admission: AdaptiveAdmission, held: set[bytes]) -> None:
+    """A session of 16 blocks, held, returns after a burst of 100 other blocks, each
+    used twice (so ``reuse(2)`` admits them too): only the holds keep the session."""
+    session = [h(i) for i in range(16)]
+    held.update(session)
+    fresh = count(10_000)
+    for _ in range(30):
+        admission.note(session)
+        for _ in range(100):
+            block = h(next(fresh))
+            admission.note([block, block])
+
+
+def test_adaptive_admission_stops_honouring_holds_that_cost_hits():
+    holds = FixedHolds()
+    admission = AdaptiveAdmission(2, 64, 256, TieredStats(), holds=holds)
+    assert holds.honoured, "holds are honoured from the start, as configured"
+    churned_by_holds(admission, holds.blocks)
+    assert not holds.honoured and holds.counts["switches"] == 1
+    assert ("tiered_kv_retention_honoured", ("cpu",), 0) in holds.metric_values("cpu")[1]
+    # Without a retention rule the choice is admission's alone, as before.
+    plain = AdaptiveAdmission(2, 64, 256, TieredStats())
+    churned_by_holds(plain, set())
+    assert plain.holds is None and plain.hits == [0.0] * 4
+
+
+def test_with_nothing_held_a_switch_of_admission_leaves_the_holds_honoured():
+    holds = FixedHolds()  # holds nothing: the held miniatures tie with the others
+    admission = AdaptiveAdmission(2, 64, 256, TieredStats(), holds=holds)
+    fresh = count(10**6)
+    for _ in range(20):
+        admission.note([h(i) for i in range(32)])  # a hot set
+        admission.note([h(next(fresh)) for _ in range(64)])  # a scan that would flush it under LRU
+    assert admission.reuse_chosen and admission.stats.tiers["cpu"]["admission_switches"] == 1
+    assert holds.honoured and holds.counts["switches"] == 0
+
+
+def test_adaptive_admission_honours_holds_that_keep_returning_sessions():
+    holds = FixedHolds()
+    admission = AdaptiveAdmission(2, 64, 256, TieredStats(), holds=holds)
+    sessions_after_bursts(admission, holds.blocks)
+    assert holds.honoured and holds.counts["switches"] == 0
+    hits = admission.hits
+    assert max(hits[2], hits[3]) > max(hits[0], hits[1]), "a held miniature hit most"
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_holds_not_honoured_are_evicted_in_order_and_set_aside_blocks_lapse(policy):
+    clock = Clock()
+    retention = SessionRetention(8, 0.5, clock=clock)
+    mgr = cpu_tier_manager(policy, 8, 16, admit_after=2, retention=retention, adaptive=True)
+    assert isinstance(mgr.admission, AdaptiveAdmission) and mgr.admission.holds is retention
+    request(mgr, clock, 0, 1, 2)
+    request(mgr, clock, 10, 1, 2, 3)
+    for i in range(6):
+        request(mgr, clock, 11 + i / 2, 100 + i)
+    assert len(mgr._kept) == 3, "held, so set aside by the scan"
+    retention.honoured = False  # as the miniatures would set it after holds cost hits
+    mgr.admission._choose_of_four = lambda sampled: None  # type: ignore[method-assign]
+    request(mgr, clock, 14, 200)
+    assert not mgr._kept and retention.num_held() == 3, "the rule still holds them; the tier no longer"
+    for i in range(2):
+        request(mgr, clock, 14.5 + i / 2, 201 + i)
+    assert all(k not in mgr for k in hs(1, 2, 3)), "evicted first, as the least recent blocks they were"
+    check_regions(mgr)

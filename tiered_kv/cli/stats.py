@@ -147,7 +147,9 @@ def render(view: dict[str, Any], url: str) -> Group:
             kept.add_row(
                 _text(f"{tier}: retention"),
                 f"{r['returns']} returns, {r['held_blocks']} blocks held for {hold}, "
-                f"{r['dropped_for_budget']} let go for the budget",
+                f"{r['dropped_for_budget']} let go for the budget"
+                + ("" if r["honoured"] else ", not honoured now (they cost hits)")
+                + (f" ({r['switches']} switches)" if r["switches"] else ""),
             )
         pinned = ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(sessions["lease_pinned_bytes"].items()))
         kept.add_row(

@@ -103,7 +103,7 @@ class CPUOffloadingManager(OffloadingManager):
         history = ADMISSION_HISTORY_PER_SLOT * num_slots if admission_history is None else admission_history
         #: ``cpu_admission``'s rule; its ``stats`` count the blocks not admitted (``cpu``).
         self.admission = (
-            AdaptiveAdmission(admit_after, num_slots, history, TieredStats())
+            AdaptiveAdmission(admit_after, num_slots, history, TieredStats(), holds=retention)
             if adaptive
             else WriteAdmission([admit_after], ["cpu"], history, TieredStats())
         )
@@ -542,13 +542,17 @@ class CPUOffloadingManager(OffloadingManager):
         retention, kept, occupant = cast(SessionRetention, self.retention), self._kept, self._occupant
         retention.refresh()
         ended = retention.take_ended()
+        honoured = retention.honoured  # ``adaptive(N)`` may find that holds cost hits
         if kept:
             get = self._slot_by_hash.get
-            slots = list(kept) if ended is None else [s for h in ended if (s := get(h)) is not None and s in kept]
+            if not honoured or ended is None:
+                slots = list(kept)
+            else:
+                slots = [s for h in ended if (s := get(h)) is not None and s in kept]
             for slot in dict.fromkeys(slots):  # a hold may end twice (held again between)
-                if not retention.holds(occupant(slot)):
+                if not honoured or not retention.holds(occupant(slot)):
                     self._order_lapse(slot, kept.pop(slot))
-        if not retention.num_held():
+        if not honoured or not retention.num_held():
             return
         holds, pending, readers = retention.holds, self._pending, self._readers
         if protected and not isinstance(protected, (set, frozenset)):

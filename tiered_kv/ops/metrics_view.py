@@ -38,6 +38,7 @@ from tiered_kv.metrics import (
     REMOTE_UPLOADS,
     RETENTION_EVENTS,
     RETENTION_HELD_BLOCKS,
+    RETENTION_HONOURED,
     RETENTION_TTL,
     TIER_BLOCKS,
     TIER_LOAD_GBPS,
@@ -95,6 +96,7 @@ _VIEWED_GAUGES = (
     PREFETCH_HELD_BYTES,
     RETENTION_HELD_BLOCKS,
     RETENTION_TTL,
+    RETENTION_HONOURED,
 )
 _VIEWED_HISTOGRAMS = (TRANSFER_SECONDS, VERIFICATION_SECONDS, REMOTE_REQUEST_SECONDS)
 
@@ -276,6 +278,9 @@ def _sessions(samples: Samples) -> dict[str, Any]:
             "held_blocks": int(total(samples, RETENTION_HELD_BLOCKS, _match(tier=tier))),
             "hold_seconds": gauge(samples, RETENTION_TTL, _match(tier=tier)),
             "dropped_for_budget": int(events.get("dropped", 0)),
+            # Each engine honours its holds but while ``cpu_admission: adaptive(N)`` finds they cost hits.
+            "honoured": (g := gauge(samples, RETENTION_HONOURED, _match(tier=tier))) is None or g >= 1,
+            "switches": int(events.get("switches", 0)),
         }
     actions: dict[str, int] = {}
     for labels, v in samples.get(f"{HINT_ACTIONS}_total", []):

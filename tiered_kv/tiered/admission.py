@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
+from typing import cast
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.metrics import TieredStats
+from tiered_kv.tiered.retention import SessionRetention
 
 
 class WriteAdmission:
@@ -102,15 +104,20 @@ SCORE_WINDOW = 4
 class MiniatureCache:
     """Hashes only: an LRU cache of ``capacity`` blocks that ranks a block first to evict
     until its ``admit_after``-th use (as the CPU tier does), uses remembered for
-    ``HISTORY`` x ``capacity`` blocks."""
+    ``HISTORY`` x ``capacity`` blocks. With ``held`` (the retention rule: the blocks it
+    holds), eviction passes held blocks over as the CPU tier does: they are set aside,
+    a block set aside longest goes first once its hold ended, and held blocks go only
+    when nothing else can."""
 
     HISTORY = 4
 
-    def __init__(self, capacity: int, admit_after: int):
+    def __init__(self, capacity: int, admit_after: int, held: Container[BlockHash] | None = None):
         self.capacity = max(1, capacity)
         self.admit_after = admit_after
+        self._held = held
         self._warm: OrderedDict[BlockHash, None] = OrderedDict()
         self._cold: OrderedDict[BlockHash, None] = OrderedDict()
+        self._aside: OrderedDict[BlockHash, None] = OrderedDict()
         self._uses: OrderedDict[BlockHash, int] = OrderedDict()
 
     def use(self, block_hash: BlockHash) -> bool:
@@ -126,6 +133,8 @@ class MiniatureCache:
         if block_hash in warm:
             warm.move_to_end(block_hash)
             return True
+        if self._held is not None:
+            return self._use_holding(block_hash, admitted)
         hit = block_hash in cold
         if hit:
             if not admitted:
@@ -136,17 +145,54 @@ class MiniatureCache:
             (cold if cold else warm).popitem(last=False)
         return hit
 
+    def _use_holding(self, block_hash: BlockHash, admitted: bool) -> bool:
+        """``use`` of a block not in the warm list, eviction passing held blocks over."""
+        warm, cold, aside, held = self._warm, self._cold, self._aside, cast(Container[BlockHash], self._held)
+        hit = block_hash in cold or block_hash in aside
+        if hit:
+            if block_hash in cold and not admitted:
+                return True
+            cold.pop(block_hash, None)
+            aside.pop(block_hash, None)  # a use ranks it again
+        (warm if admitted else cold)[block_hash] = None
+        if len(warm) + len(cold) + len(aside) > self.capacity:
+            if aside and (first := next(iter(aside))) not in held:
+                del aside[first]  # its hold ended: the least recent block
+                return hit
+            for ranked in (cold, warm):
+                while ranked:
+                    victim = ranked.popitem(last=False)[0]
+                    if victim not in held:
+                        return hit
+                    aside[victim] = None
+            aside.popitem(last=False)  # nothing but held blocks
+        return hit
+
     def __len__(self) -> int:
-        return len(self._warm) + len(self._cold)
+        return len(self._warm) + len(self._cold) + len(self._aside)
 
 
 class AdaptiveAdmission(WriteAdmission):
     """``cpu_admission: adaptive(N)``: ``reuse(N)`` while its miniature cache hits more than
     ``all``'s over the recent sampled uses, else ``all`` (module docstring). ``capacity``:
     the tier's slots. ``reuse_chosen`` says which rule is in force; ``stats`` counts each
-    switch (``cpu``'s ``admission_switches``)."""
+    switch (``cpu``'s ``admission_switches``).
 
-    def __init__(self, admit_after: int, capacity: int, bound: int, stats: TieredStats):
+    With ``holds`` (``cpu_retention: session``'s rule) it also decides whether the tier
+    honours the holds: two more miniatures run each admission rule with eviction passing
+    held blocks over, and the tier follows whichever of the four hit most, setting the
+    rule's ``honoured`` (each change counted as its ``switches``). Holds pay where
+    sessions come back within their gap and the blocks they push out would not; where
+    other traffic comes back sooner (a RAG corpus beside chats) they cost hits."""
+
+    def __init__(
+        self,
+        admit_after: int,
+        capacity: int,
+        bound: int,
+        stats: TieredStats,
+        holds: SessionRetention | None = None,
+    ):
         if not isinstance(admit_after, int) or admit_after < 2:
             raise ValueError(f"adaptive admission: expected admit_after >= 2, got {admit_after!r}")
         super().__init__([admit_after], ["cpu"], bound, stats)
@@ -158,22 +204,55 @@ class AdaptiveAdmission(WriteAdmission):
         #: Decayed hits of ``reuse(N)``'s miniature minus ``all``'s.
         self.score = 0.0
         self.reuse_chosen = False
+        # With holds: the miniatures (all, reuse(N), all held, reuse(N) held) and their
+        # decayed hits; the holds are honoured from the start, as configured.
+        self.holds = holds
+        self._holding = (
+            None
+            if holds is None
+            else (self._all, self._reuse, MiniatureCache(size, 1, holds), MiniatureCache(size, admit_after, holds))
+        )
+        self.hits = [0.0] * 4
 
     def note(self, block_hashes: Sequence[BlockHash]) -> None:
         super().note(block_hashes)
-        rate, keep, score = self.rate, self._keep, self.score
-        reuse, everything = self._reuse.use, self._all.use
+        rate = self.rate
         if rate > 1 and block_hashes:
             # crc32 for bytes: the same sample in every process (Python's hash of bytes is
             # salted per process), so a replay repeats itself.
             key = zlib.crc32 if isinstance(block_hashes[0], (bytes, bytearray)) else hash
             block_hashes = [h for h in block_hashes if key(h) % rate == 0]
+        if self._holding is not None:
+            self._choose_of_four(block_hashes)
+            return
+        keep, score = self._keep, self.score
+        reuse, everything = self._reuse.use, self._all.use
         for h in block_hashes:
             score = score * keep + reuse(h) - everything(h)
         self.score = score
         if (score > 0) != self.reuse_chosen:
             self.reuse_chosen = score > 0
             self.stats.count("cpu", "admission_switches")
+
+    def _choose_of_four(self, sampled: Sequence[BlockHash]) -> None:
+        keep, hits = self._keep, self.hits
+        uses = [m.use for m in cast(tuple, self._holding)]
+        for h in sampled:
+            for i, use in enumerate(uses):
+                hits[i] = hits[i] * keep + use(h)
+        holds = cast(SessionRetention, self.holds)
+        chosen = 2 * holds.honoured + self.reuse_chosen
+        # Ties (while nothing is held the held miniatures are the others' twins) keep
+        # what is in force: first the pair, then the holds' state.
+        best = max(range(4), key=lambda i: (hits[i], i == chosen, (i ^ chosen) & 2 == 0))
+        if best != chosen:
+            reuse, honoured = bool(best & 1), bool(best & 2)
+            if reuse != self.reuse_chosen:
+                self.reuse_chosen = reuse
+                self.stats.count("cpu", "admission_switches")
+            if honoured != holds.honoured:
+                holds.honoured = honoured
+                holds.counts["switches"] += 1
 
     def in_force(self, i: int) -> bool:
         return self.reuse_chosen

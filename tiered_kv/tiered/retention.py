@@ -59,7 +59,13 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.config_values import DEFAULT_RETENTION_SHARE, MAX_RETENTION_SHARE
-from tiered_kv.metrics import RETENTION_EVENTS, RETENTION_HELD_BLOCKS, RETENTION_TTL, CounterValue
+from tiered_kv.metrics import (
+    RETENTION_EVENTS,
+    RETENTION_HELD_BLOCKS,
+    RETENTION_HONOURED,
+    RETENTION_TTL,
+    CounterValue,
+)
 
 #: Uses of one session closer than this are one turn (seconds).
 TURN_GAP_S = 1.0
@@ -133,8 +139,12 @@ class SessionRetention:
         #: Set when ended holds were too many to list: ``take_ended`` returned None.
         self.ended_overflow = False
         #: Counters: returns (turns after a session's first), blocks held, blocks dropped
-        #: for the budget.
-        self.counts = {"returns": 0, "held": 0, "dropped": 0}
+        #: for the budget, switches of ``honoured``.
+        self.counts = {"returns": 0, "held": 0, "dropped": 0, "switches": 0}
+        #: Whether the tier passes held blocks over now. The rule learns and holds either
+        #: way; the CPU tier's ``cpu_admission: adaptive(N)`` turns this off while its
+        #: miniature caches find the holds cost hits (``tiered_kv.tiered.admission``).
+        self.honoured = True
         #: The session the engine names for the uses told next without one (the seed
         #: API's calls); None: the prefix chain decides.
         self.session: Hashable | None = None
@@ -186,10 +196,14 @@ class SessionRetention:
 
     def metric_values(self, tier: str) -> tuple[list[CounterValue], list[CounterValue]]:
         """The counters (totals) and gauges of this rule as ``tier``'s metrics: its
-        ``counts``, the blocks held and the hold time (once learned)."""
+        ``counts``, the blocks held, whether they are honoured and the hold time (once
+        learned)."""
         self.refresh()
         counters: list[CounterValue] = [(RETENTION_EVENTS, (tier, event), n) for event, n in self.counts.items()]
-        gauges: list[CounterValue] = [(RETENTION_HELD_BLOCKS, (tier,), len(self._held))]
+        gauges: list[CounterValue] = [
+            (RETENTION_HELD_BLOCKS, (tier,), len(self._held)),
+            (RETENTION_HONOURED, (tier,), int(self.honoured)),
+        ]
         if self._ttl is not None:
             gauges.append((RETENTION_TTL, (tier,), self._ttl))
         return counters, gauges
