@@ -366,10 +366,28 @@ def test_adaptive_admission_stops_honouring_holds_that_cost_hits():
     churned_by_holds(admission, holds.blocks)
     assert not holds.honoured and holds.counts["switches"] == 1
     assert ("tiered_kv_retention_honoured", ("cpu",), 0) in holds.metric_values("cpu")[1]
+    holds.blocks.clear()
+    sessions_after_bursts(admission, holds.blocks)  # then holds pay: honoured again
+    assert holds.honoured and holds.counts["switches"] == 2
     # Without a retention rule the choice is admission's alone, as before.
     plain = AdaptiveAdmission(2, 64, 256, TieredStats())
     churned_by_holds(plain, set())
     assert plain.holds is None and plain.hits == [0.0] * 4
+
+
+def test_holds_go_only_on_clear_evidence_and_come_back_on_a_tie():
+    holds = FixedHolds()
+    admission = AdaptiveAdmission(2, 64, 256, TieredStats(), holds=holds)
+    decided = []
+    # Decayed hits of the miniatures: all, reuse(2), all held, reuse(2) held.
+    for hits in ([100, 101.5, 100, 99], [104, 103, 100, 100], [101, 100, 100, 101], [100, 99, 100, 99]):
+        admission.hits = [float(x) for x in hits]
+        admission.note([])  # decides on the hits as they stand
+        decided.append((holds.honoured, admission.reuse_chosen))
+    # Within HOLDS_MARGIN: kept; 4% more without: dropped (all wins its pair); back once a
+    # held one hits as much (reuse(2) wins the held pair); then all wins the held pair.
+    assert decided == [(True, False), (False, False), (True, True), (True, False)]
+    assert holds.counts["switches"] == 2 and admission.stats.tiers["cpu"]["admission_switches"] == 2
 
 
 def test_with_nothing_held_a_switch_of_admission_leaves_the_holds_honoured():

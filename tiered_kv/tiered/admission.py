@@ -99,6 +99,11 @@ MAX_SAMPLING_RATE = 64
 #: Sampled uses over which a miniature's hits count, in miniature sizes: long enough to
 #: hold a block's reuse at the tier's size, short enough to follow a change of traffic.
 SCORE_WINDOW = 4
+#: Holds stop being honoured only while the best miniature without them hits this share
+#: more than the best one with them, and are honoured again once a held one hits as much:
+#: the configured rule stays unless the evidence against it is clear, and the tier does
+#: not flap between two near-equal choices.
+HOLDS_MARGIN = 0.02
 
 
 class MiniatureCache:
@@ -156,9 +161,12 @@ class MiniatureCache:
             aside.pop(block_hash, None)  # a use ranks it again
         (warm if admitted else cold)[block_hash] = None
         if len(warm) + len(cold) + len(aside) > self.capacity:
-            if aside and (first := next(iter(aside))) not in held:
-                del aside[first]  # its hold ended: the least recent block
-                return hit
+            if aside:
+                first = next(iter(aside))
+                if first not in held:
+                    del aside[first]  # its hold ended: the least recent block
+                    return hit
+                aside.move_to_end(first)  # looked at again after the others set aside
             for ranked in (cold, warm):
                 while ranked:
                     victim = ranked.popitem(last=False)[0]
@@ -180,8 +188,10 @@ class AdaptiveAdmission(WriteAdmission):
 
     With ``holds`` (``cpu_retention: session``'s rule) it also decides whether the tier
     honours the holds: two more miniatures run each admission rule with eviction passing
-    held blocks over, and the tier follows whichever of the four hit most, setting the
-    rule's ``honoured`` (each change counted as its ``switches``). Holds pay where
+    held blocks over. The tier stops honouring the holds while the best miniature without
+    them hits ``HOLDS_MARGIN`` more than the best with them, and honours them again once
+    a held one hits as much (the rule's ``honoured``, each change counted as its
+    ``switches``); ``reuse(N)`` or ``all`` is then chosen within the pair in force. Holds pay where
     sessions come back within their gap and the blocks they push out would not; where
     other traffic comes back sooner (a RAG corpus beside chats) they cost hits."""
 
@@ -241,18 +251,16 @@ class AdaptiveAdmission(WriteAdmission):
             for i, use in enumerate(uses):
                 hits[i] = hits[i] * keep + use(h)
         holds = cast(SessionRetention, self.holds)
-        chosen = 2 * holds.honoured + self.reuse_chosen
-        # Ties (while nothing is held the held miniatures are the others' twins) keep
-        # what is in force: first the pair, then the holds' state.
-        best = max(range(4), key=lambda i: (hits[i], i == chosen, (i ^ chosen) & 2 == 0))
-        if best != chosen:
-            reuse, honoured = bool(best & 1), bool(best & 2)
-            if reuse != self.reuse_chosen:
-                self.reuse_chosen = reuse
-                self.stats.count("cpu", "admission_switches")
-            if honoured != holds.honoured:
-                holds.honoured = honoured
-                holds.counts["switches"] += 1
+        free, held = max(hits[0], hits[1]), max(hits[2], hits[3])
+        honoured = free <= (1 + HOLDS_MARGIN) * held if holds.honoured else held >= free
+        if honoured != holds.honoured:
+            holds.honoured = honoured
+            holds.counts["switches"] += 1
+        pair = 2 if honoured else 0
+        reuse = hits[pair + 1] > hits[pair]  # as without holds, within the pair in force
+        if reuse != self.reuse_chosen:
+            self.reuse_chosen = reuse
+            self.stats.count("cpu", "admission_switches")
 
     def in_force(self, i: int) -> bool:
         return self.reuse_chosen
