@@ -333,8 +333,9 @@ class FixedHolds(SessionRetention):
         super().__init__(64)
         self.blocks: set[bytes] = set()
 
-    def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self.blocks
+    @property
+    def held_blocks(self) -> set[bytes]:
+        return self.blocks
 
 
 def churned_by_holds(admission: AdaptiveAdmission, held: set[bytes]) -> None:

@@ -138,8 +138,8 @@ class MiniatureCache:
         if block_hash in warm:
             warm.move_to_end(block_hash)
             return True
-        if self._held is not None:
-            return self._use_holding(block_hash, admitted)
+        if (held := self._held) is not None:
+            return self._use_holding(block_hash, admitted, held)
         hit = block_hash in cold
         if hit:
             if not admitted:
@@ -150,9 +150,9 @@ class MiniatureCache:
             (cold if cold else warm).popitem(last=False)
         return hit
 
-    def _use_holding(self, block_hash: BlockHash, admitted: bool) -> bool:
-        """``use`` of a block not in the warm list, eviction passing held blocks over."""
-        warm, cold, aside, held = self._warm, self._cold, self._aside, cast(Container[BlockHash], self._held)
+    def _use_holding(self, block_hash: BlockHash, admitted: bool, held: Container[BlockHash]) -> bool:
+        """``use`` of a block not in the warm list, eviction passing ``held`` blocks over."""
+        warm, cold, aside = self._warm, self._cold, self._aside
         hit = block_hash in cold or block_hash in aside
         if hit:
             if block_hash in cold and not admitted:
@@ -220,7 +220,12 @@ class AdaptiveAdmission(WriteAdmission):
         self._holding = (
             None
             if holds is None
-            else (self._all, self._reuse, MiniatureCache(size, 1, holds), MiniatureCache(size, admit_after, holds))
+            else (
+                self._all,
+                self._reuse,
+                MiniatureCache(size, 1, holds.held_blocks),
+                MiniatureCache(size, admit_after, holds.held_blocks),
+            )
         )
         self.hits = [0.0] * 4
 
@@ -245,13 +250,15 @@ class AdaptiveAdmission(WriteAdmission):
             self.stats.count("cpu", "admission_switches")
 
     def _choose_of_four(self, sampled: Sequence[BlockHash]) -> None:
-        keep, hits = self._keep, self.hits
-        uses = [m.use for m in cast(tuple, self._holding)]
+        keep = self._keep
+        a, r, a_held, r_held = (m.use for m in cast(tuple, self._holding))
+        h0, h1, h2, h3 = self.hits
         for h in sampled:
-            for i, use in enumerate(uses):
-                hits[i] = hits[i] * keep + use(h)
+            h0, h1 = h0 * keep + a(h), h1 * keep + r(h)
+            h2, h3 = h2 * keep + a_held(h), h3 * keep + r_held(h)
+        hits = self.hits = [h0, h1, h2, h3]
         holds = cast(SessionRetention, self.holds)
-        free, held = max(hits[0], hits[1]), max(hits[2], hits[3])
+        free, held = max(h0, h1), max(h2, h3)
         honoured = free <= (1 + HOLDS_MARGIN) * held if holds.honoured else held >= free
         if honoured != holds.honoured:
             holds.honoured = honoured

@@ -55,7 +55,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.config_values import DEFAULT_RETENTION_SHARE, MAX_RETENTION_SHARE
@@ -158,6 +158,12 @@ class SessionRetention:
     def __contains__(self, block_hash: object) -> bool:
         """``holds``: the rule is the container of the blocks it holds."""
         return block_hash in self._held
+
+    @property
+    def held_blocks(self) -> Container[BlockHash]:
+        """The blocks held (as of the last ``refresh``): a live view, for a miniature cache
+        that asks of each block it would evict (``tiered_kv.tiered.admission``)."""
+        return self._held
 
     def num_held(self) -> int:
         return len(self._held)
