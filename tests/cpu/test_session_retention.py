@@ -423,7 +423,7 @@ def test_holds_not_honoured_are_evicted_in_order_and_set_aside_blocks_lapse(poli
         request(mgr, clock, 11 + i / 2, 100 + i)
     assert len(mgr._kept) == 3, "held, so set aside by the scan"
     retention.honoured = False  # as the miniatures would set it after holds cost hits
-    mgr.admission._choose_of_four = lambda sampled: None  # type: ignore[method-assign]
+    mgr.admission._choose_of_four = lambda *decided_on: None  # type: ignore[method-assign]
     request(mgr, clock, 14, 200)
     assert not mgr._kept and retention.num_held() == 3, "the rule still holds them; the tier no longer"
     for i in range(2):

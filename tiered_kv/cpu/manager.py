@@ -38,7 +38,9 @@ Retention (``cpu_retention: session``, ``retention``): a ``SessionRetention``
 gap. Eviction passes a held block over: it is set aside (``_kept``, where free slots go,
 like the blocks not admitted), out of the ranking, until its hold ends (then it goes
 first to evict, as the least recent block it was) or a use ranks it again; when nothing
-else can be evicted, set-aside blocks are, so holds never keep a store out.
+else can be evicted, set-aside blocks are, so holds never keep a store out. With
+``adaptive(N)`` the holds are passed over only while the rule is ``honoured`` (its
+miniature caches find they pay); when it stops, set-aside blocks go first to evict.
 
 The state is kept in containers of hashes and ints only (``hash -> slot``, ``slot ->
 hash``, the set of pending hashes, ``hash -> readers`` for pinned blocks), never one

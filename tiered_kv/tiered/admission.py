@@ -22,7 +22,6 @@ from __future__ import annotations
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Container, Sequence
-from typing import cast
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.metrics import TieredStats
@@ -109,10 +108,10 @@ HOLDS_MARGIN = 0.02
 class MiniatureCache:
     """Hashes only: an LRU cache of ``capacity`` blocks that ranks a block first to evict
     until its ``admit_after``-th use (as the CPU tier does), uses remembered for
-    ``HISTORY`` x ``capacity`` blocks. With ``held`` (the retention rule: the blocks it
-    holds), eviction passes held blocks over as the CPU tier does: they are set aside,
-    a block set aside longest goes first once its hold ended, and held blocks go only
-    when nothing else can."""
+    ``HISTORY`` x ``capacity`` blocks. With ``held`` (the blocks a retention rule holds),
+    eviction passes held blocks over as the CPU tier does: they are set aside, a block
+    set aside goes first once its hold ended (each eviction looks at one of them, in
+    turn), and held blocks go only when nothing else can."""
 
     HISTORY = 4
 
@@ -217,7 +216,7 @@ class AdaptiveAdmission(WriteAdmission):
         # With holds: the miniatures (all, reuse(N), all held, reuse(N) held) and their
         # decayed hits; the holds are honoured from the start, as configured.
         self.holds = holds
-        self._holding = (
+        self._holding: tuple[MiniatureCache, MiniatureCache, MiniatureCache, MiniatureCache] | None = (
             None
             if holds is None
             else (
@@ -237,8 +236,8 @@ class AdaptiveAdmission(WriteAdmission):
             # salted per process), so a replay repeats itself.
             key = zlib.crc32 if isinstance(block_hashes[0], (bytes, bytearray)) else hash
             block_hashes = [h for h in block_hashes if key(h) % rate == 0]
-        if self._holding is not None:
-            self._choose_of_four(block_hashes)
+        if self._holding is not None and self.holds is not None:
+            self._choose_of_four(self._holding, self.holds, block_hashes)
             return
         keep, score = self._keep, self.score
         reuse, everything = self._reuse.use, self._all.use
@@ -249,15 +248,16 @@ class AdaptiveAdmission(WriteAdmission):
             self.reuse_chosen = score > 0
             self.stats.count("cpu", "admission_switches")
 
-    def _choose_of_four(self, sampled: Sequence[BlockHash]) -> None:
+    def _choose_of_four(
+        self, miniatures: tuple[MiniatureCache, ...], holds: SessionRetention, sampled: Sequence[BlockHash]
+    ) -> None:
         keep = self._keep
-        a, r, a_held, r_held = (m.use for m in cast(tuple, self._holding))
+        a, r, a_held, r_held = (m.use for m in miniatures)
         h0, h1, h2, h3 = self.hits
         for h in sampled:
             h0, h1 = h0 * keep + a(h), h1 * keep + r(h)
             h2, h3 = h2 * keep + a_held(h), h3 * keep + r_held(h)
         hits = self.hits = [h0, h1, h2, h3]
-        holds = cast(SessionRetention, self.holds)
         free, held = max(h0, h1), max(h2, h3)
         honoured = free <= (1 + HOLDS_MARGIN) * held if holds.honoured else held >= free
         if honoured != holds.honoured:

@@ -43,8 +43,10 @@ keep a store from the tier.
 
 The CPU manager (``tiered_kv.cpu.manager``) asks ``holds`` about the blocks it is about
 to evict and sets those aside; ``take_ended`` tells it which holds ended since (those
-blocks go first to evict, as the least recent ones they were). A disk tier's manager
-(``tiered_kv.disk.scheduler.manager``) has its own rule over its own slots, told of the
+blocks go first to evict, as the least recent ones they were), while the rule is
+``honoured``: with ``cpu_admission: adaptive(N)`` the CPU tier passes held blocks over
+only while its miniature caches find that pays (``tiered_kv.tiered.admission``). A disk
+tier's manager (``tiered_kv.disk.scheduler.manager``) has its own rule over its own slots, told of the
 same uses by the composite (``TieredOffloadingManager``): its eviction passes over held
 blocks in place, in LRU order, and takes them last; a hold that ended leaves its blocks
 where their last use put them, the least recent after a storm.
