@@ -306,6 +306,8 @@ def test_the_config_key_builds_the_rule_into_the_cpu_tier():
         with spec.get_manager() as manager:
             retention = manager.cpu.retention
             assert (None if retention is None else retention.budget) == budget, value
+            # The default adaptive(2) decides whether the tier honours this rule's holds.
+            assert manager.cpu.admission.holds is retention, value
 
 
 # ---- ``adaptive(N)`` deciding whether holds are honoured ----
