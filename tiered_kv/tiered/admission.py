@@ -15,6 +15,9 @@ rate tracks a full-size cache's), and the tier follows whichever hit more over t
 recent uses. Which rule wins depends on the tier's size and the traffic (``reuse(2)``
 wins on Mooncake's traces at 3M tokens, loses at 10M and on agentic sessions whose
 newest blocks come back once, after a tool's gap): a fixed choice is wrong somewhere.
+The same holds for ``cpu_retention: session``'s holds, so with a retention rule two more
+miniatures run the two rules passing held blocks over, and the tier honours the holds
+only while they pay (``AdaptiveAdmission``).
 """
 
 from __future__ import annotations
