@@ -219,10 +219,7 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     MetricDef(RETENTION_HELD_BLOCKS, "gauge", "Blocks session retention holds per tier", ("tier",)),
     MetricDef(RETENTION_TTL, "gauge", "Session retention's hold time per tier, learned from sessions' gaps", ("tier",)),
     MetricDef(
-        RETENTION_HONOURED,
-        "gauge",
-        "1 while the tier passes held blocks over, 0 while cpu_admission adaptive(N) finds holds cost hits",
-        ("tier",),
+        RETENTION_HONOURED, "gauge", "1 while the tier passes held blocks over, 0 while they cost hits", ("tier",)
     ),
 )
 
