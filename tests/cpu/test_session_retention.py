@@ -11,7 +11,7 @@ import pytest
 from tiered_kv.cpu import ARCOffloadingManager, CPUOffloadingManager, cpu_tier_manager
 from tiered_kv.config import parse_cpu_retention, retention_share
 from tiered_kv.metrics import TieredStats
-from tiered_kv.tiered.admission import AdaptiveAdmission, MiniatureCache
+from tiered_kv.tiered.admission import AdaptiveAdmission, MiniatureCache, WriteAdmission
 from tiered_kv.tiered.retention import SessionRetention
 
 
@@ -315,7 +315,7 @@ def test_the_config_key_builds_the_rule_into_the_cpu_tier():
 
 def test_a_miniature_cache_passes_held_blocks_over_until_their_hold_ends():
     held: set[bytes] = set()
-    mini = MiniatureCache(2, 1, held)
+    mini = MiniatureCache(2, held)
     mini.use(h(1))
     held.add(h(1))
     assert [mini.use(h(i)) for i in (2, 3)] == [False, False]  # 1 set aside, 2 evicted
@@ -375,7 +375,7 @@ def test_adaptive_admission_stops_honouring_holds_that_cost_hits():
     # Without a retention rule the choice is admission's alone, as before.
     plain = AdaptiveAdmission(2, 64, 256, TieredStats())
     churned_by_holds(plain, set())
-    assert plain.holds is None and plain.hits == [0.0] * 4
+    assert plain.holds is None and len(plain.hits) == 2 and not plain.reuse_chosen
 
 
 def test_holds_go_only_on_clear_evidence_and_come_back_on_a_tie():
@@ -425,7 +425,8 @@ def test_holds_not_honoured_are_evicted_in_order_and_set_aside_blocks_lapse(poli
         request(mgr, clock, 11 + i / 2, 100 + i)
     assert len(mgr._kept) == 3, "held, so set aside by the scan"
     retention.honoured = False  # as the miniatures would set it after holds cost hits
-    mgr.admission._choose_of_four = lambda *decided_on: None  # type: ignore[method-assign]
+    admission = mgr.admission
+    admission.note = lambda hashes: WriteAdmission.note(admission, hashes)  # type: ignore[method-assign]
     request(mgr, clock, 14, 200)
     assert not mgr._kept and retention.num_held() == 3, "the rule still holds them; the tier no longer"
     for i in range(2):

@@ -228,16 +228,17 @@ def used_twice_nearby(blocks: int, distance: int):
 
 
 def test_a_miniature_cache_without_admission_is_lru():
-    mini = MiniatureCache(2, 1)
+    mini = MiniatureCache(2)
     assert [mini.use(h(i)) for i in (1, 2, 1, 3, 2, 1)] == [False, False, True, False, False, False]
     assert len(mini) == 2
 
 
 def test_a_miniature_cache_with_admission_evicts_first_uses_first():
-    mini = MiniatureCache(2, 2)
-    assert [mini.use(h(i)) for i in (1, 1, 2, 3, 1)] == [False, True, False, False, True]
+    mini = MiniatureCache(2)
+    uses = [(1, False), (1, True), (2, False), (3, False), (1, True)]  # admitted by a second use
+    assert [mini.use(h(i), admitted) for i, admitted in uses] == [False, True, False, False, True]
     # h(1) was admitted by its second use; h(2), used once, went before it.
-    assert not mini.use(h(2))
+    assert not mini.use(h(2), False)
 
 
 def test_adaptive_admission_takes_reuse_where_a_scan_would_flush_the_hot_set():
@@ -245,7 +246,7 @@ def test_adaptive_admission_takes_reuse_where_a_scan_would_flush_the_hot_set():
     assert admission.rate == 1  # below MINIATURE_SLOTS slots every block is sampled
     for i in scan_over_hot_set(hot=32, rounds=20, scan=64):
         admission.note([h(i)])
-    assert admission.in_force(0) and admission.score > 0
+    assert admission.in_force(0) and admission.hits[1] > admission.hits[0]
     assert not admission.admits(0, h(10**9))  # a block never seen is turned away
     assert admission.admits(0, h(3))  # a hot block is admitted
     assert admission.stats.tiers["cpu"]["admission_switches"] == 1
@@ -255,7 +256,7 @@ def test_adaptive_admission_keeps_all_where_blocks_come_back_once_nearby():
     admission = AdaptiveAdmission(2, 64, 256, TieredStats())
     for i in used_twice_nearby(blocks=2000, distance=40):
         admission.note([h(i)])
-    assert not admission.in_force(0) and admission.score < 0
+    assert not admission.in_force(0) and admission.hits[1] < admission.hits[0]
     assert admission.admits(0, h(10**9))
     assert admission.admitted(0, [h(1), h(2)]) == [h(1), h(2)]
 
@@ -263,10 +264,10 @@ def test_adaptive_admission_keeps_all_where_blocks_come_back_once_nearby():
 def test_a_large_tier_samples_its_blocks():
     admission = AdaptiveAdmission(2, 64 * MINIATURE_SLOTS, 1000, TieredStats())
     assert admission.rate == 64
-    assert len(admission._all) == 0
+    assert len(admission._miniatures[0]) == 0
     admission.note([h(i) for i in range(64 * 100)])
     # About one block in 64 reaches the miniatures.
-    assert 40 < len(admission._all) < 180
+    assert 40 < len(admission._miniatures[0]) < 180
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -295,7 +296,7 @@ def test_turning_reuse_on_ranks_the_blocks_used_once_first_to_evict(policy):
     for i in range(2, 8):
         stored(m, [h(i)])  # used once, the newer blocks
     assert not cpu.admission.in_force(0)
-    cpu.admission.score = 1.0  # the miniatures found reuse(2) hits more
+    cpu.admission.hits = [0.0, 1.0]  # the miniatures found reuse(2) hits more
     m.lookup([h(1)])
     cpu.note_uses([h(50)])  # the next use turns it on
     assert cpu.admission.in_force(0)

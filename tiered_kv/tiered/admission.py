@@ -98,6 +98,8 @@ class WriteAdmission:
 #: sampling rate is the tier's slots over this, within 1-64.
 MINIATURE_SLOTS = 512
 MAX_SAMPLING_RATE = 64
+#: Sampled uses a miniature remembers a block's uses for, in miniature sizes.
+USE_HISTORY = 4
 #: Sampled uses over which a miniature's hits count, in miniature sizes: long enough to
 #: hold a block's reuse at the tier's size, short enough to follow a change of traffic.
 SCORE_WINDOW = 4
@@ -110,33 +112,23 @@ HOLDS_MARGIN = 0.02
 
 class MiniatureCache:
     """Hashes only: an LRU cache of ``capacity`` blocks that ranks a block first to evict
-    until its ``admit_after``-th use (as the CPU tier does), uses remembered for
-    ``HISTORY`` x ``capacity`` blocks. With ``held`` (the blocks a retention rule holds),
+    until a use of it is ``admitted`` (as the CPU tier does; the caller counts the uses,
+    once for every miniature). With ``held`` (the blocks a retention rule holds),
     eviction passes held blocks over as the CPU tier does: they are set aside, a block
     set aside goes first once its hold ended (each eviction looks at one of them, in
     turn), and held blocks go only when nothing else can."""
 
-    HISTORY = 4
-
-    def __init__(self, capacity: int, admit_after: int, held: Container[BlockHash] | None = None):
+    def __init__(self, capacity: int, held: Container[BlockHash] | None = None):
         self.capacity = max(1, capacity)
-        self.admit_after = admit_after
         self._held = held
         self._warm: OrderedDict[BlockHash, None] = OrderedDict()
         self._cold: OrderedDict[BlockHash, None] = OrderedDict()
         self._aside: OrderedDict[BlockHash, None] = OrderedDict()
-        self._uses: OrderedDict[BlockHash, int] = OrderedDict()
 
-    def use(self, block_hash: BlockHash) -> bool:
-        """A use of ``block_hash``: whether it was cached; it is cached after."""
+    def use(self, block_hash: BlockHash, admitted: bool = True) -> bool:
+        """A use of ``block_hash``: whether it was cached; it is cached after, ranked
+        first to evict unless ``admitted``."""
         warm, cold = self._warm, self._cold
-        admitted = True
-        if self.admit_after > 1:
-            uses = self._uses
-            n = uses[block_hash] = uses.pop(block_hash, 0) + 1
-            if len(uses) > self.HISTORY * self.capacity:
-                uses.popitem(last=False)
-            admitted = n >= self.admit_after
         if block_hash in warm:
             warm.move_to_end(block_hash)
             return True
@@ -210,26 +202,19 @@ class AdaptiveAdmission(WriteAdmission):
         super().__init__([admit_after], ["cpu"], bound, stats)
         self.rate = min(MAX_SAMPLING_RATE, max(1, capacity // MINIATURE_SLOTS))
         size = max(1, capacity // self.rate)
-        self._all = MiniatureCache(size, 1)
-        self._reuse = MiniatureCache(size, admit_after)
         self._keep = 1.0 - 1.0 / (SCORE_WINDOW * size)
-        #: Decayed hits of ``reuse(N)``'s miniature minus ``all``'s.
-        self.score = 0.0
-        self.reuse_chosen = False
-        # With holds: the miniatures (all, reuse(N), all held, reuse(N) held) and their
-        # decayed hits; the holds are honoured from the start, as configured.
+        # Sampled uses per block, remembered for USE_HISTORY miniature sizes: one count
+        # that every reuse(N) miniature reads.
+        self._uses: OrderedDict[BlockHash, int] = OrderedDict()
+        self._history = USE_HISTORY * size
+        # The miniatures: all, reuse(N), and with holds all and reuse(N) passing held
+        # blocks over; ``hits``: each one's decayed hits. The holds are honoured from the
+        # start, as configured.
         self.holds = holds
-        self._holding: tuple[MiniatureCache, MiniatureCache, MiniatureCache, MiniatureCache] | None = (
-            None
-            if holds is None
-            else (
-                self._all,
-                self._reuse,
-                MiniatureCache(size, 1, holds.held_blocks),
-                MiniatureCache(size, admit_after, holds.held_blocks),
-            )
-        )
-        self.hits = [0.0] * 4
+        held = [] if holds is None else [holds.held_blocks] * 2
+        self._miniatures = tuple(MiniatureCache(size, blocks) for blocks in [None, None, *held])
+        self.hits = [0.0] * len(self._miniatures)
+        self.reuse_chosen = False
 
     def note(self, block_hashes: Sequence[BlockHash]) -> None:
         super().note(block_hashes)
@@ -239,38 +224,44 @@ class AdaptiveAdmission(WriteAdmission):
             # salted per process), so a replay repeats itself.
             key = zlib.crc32 if isinstance(block_hashes[0], (bytes, bytearray)) else hash
             block_hashes = [h for h in block_hashes if key(h) % rate == 0]
-        if self._holding is not None and self.holds is not None:
-            self._choose_of_four(self._holding, self.holds, block_hashes)
-            return
-        keep, score = self._keep, self.score
-        reuse, everything = self._reuse.use, self._all.use
-        for h in block_hashes:
-            score = score * keep + reuse(h) - everything(h)
-        self.score = score
-        if (score > 0) != self.reuse_chosen:
-            self.reuse_chosen = score > 0
-            self.stats.count("cpu", "admission_switches")
-
-    def _choose_of_four(
-        self, miniatures: tuple[MiniatureCache, ...], holds: SessionRetention, sampled: Sequence[BlockHash]
-    ) -> None:
-        keep = self._keep
-        a, r, a_held, r_held = (m.use for m in miniatures)
-        h0, h1, h2, h3 = self.hits
-        for h in sampled:
-            h0, h1 = h0 * keep + a(h), h1 * keep + r(h)
-            h2, h3 = h2 * keep + a_held(h), h3 * keep + r_held(h)
-        hits = self.hits = [h0, h1, h2, h3]
-        free, held = max(h0, h1), max(h2, h3)
-        honoured = free <= (1 + HOLDS_MARGIN) * held if holds.honoured else held >= free
-        if honoured != holds.honoured:
-            holds.honoured = honoured
-            holds.counts["switches"] += 1
-        pair = 2 if honoured else 0
-        reuse = hits[pair + 1] > hits[pair]  # as without holds, within the pair in force
+        keep, hits, holds = self._keep, self.hits, self.holds
+        sampled = zip(block_hashes, self._count_uses(block_hashes))
+        if holds is None:
+            a, r = (m.use for m in self._miniatures)
+            h0, h1 = hits
+            for h, admitted in sampled:
+                h0, h1 = h0 * keep + a(h), h1 * keep + r(h, admitted)
+            hits[:] = h0, h1
+            pair = 0
+        else:
+            a, r, a_held, r_held = (m.use for m in self._miniatures)
+            h0, h1, h2, h3 = hits
+            for h, admitted in sampled:
+                h0, h1 = h0 * keep + a(h), h1 * keep + r(h, admitted)
+                h2, h3 = h2 * keep + a_held(h), h3 * keep + r_held(h, admitted)
+            hits[:] = h0, h1, h2, h3
+            free, kept = max(h0, h1), max(h2, h3)
+            honoured = free <= (1 + HOLDS_MARGIN) * kept if holds.honoured else kept >= free
+            if honoured != holds.honoured:
+                holds.honoured = honoured
+                holds.counts["switches"] += 1
+            pair = 2 if honoured else 0
+        reuse = hits[pair + 1] > hits[pair]  # within the pair in force
         if reuse != self.reuse_chosen:
             self.reuse_chosen = reuse
             self.stats.count("cpu", "admission_switches")
+
+    def _count_uses(self, sampled: Sequence[BlockHash]) -> list[bool]:
+        """Counts a use of each of ``sampled``: whether it is at least the N-th remembered
+        (``reuse(N)`` admits it)."""
+        uses, n, history = self._uses, self.admit_after[0], self._history
+        admitted = []
+        for h in sampled:
+            k = uses[h] = uses.pop(h, 0) + 1
+            if len(uses) > history:
+                uses.popitem(last=False)
+            admitted.append(k >= n)
+        return admitted
 
     def in_force(self, i: int) -> bool:
         return self.reuse_chosen
