@@ -32,8 +32,9 @@ the load decision from its own module.
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -70,6 +71,9 @@ class TierContext:
     #: The engine recomputes the blocks of a load that failed (vLLM with our connector
     #: and ``kv_load_failure_policy: recompute``): a hit need not be verified first.
     failed_loads_recomputed: bool = False
+    #: Seconds the scheduler-side rules time sessions on (``retention: session``); a
+    #: replay passes its modelled clock.
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -149,13 +149,13 @@ def test_the_config_builds_the_rule_into_each_disk_tier_and_the_composite_tells_
             {"type": "disk", "name": "slow", "path": str(tmp_path / "slow"), "bytes": "4MiB", "retention": "none"}
         ],
     }
-    with HierarchySpec(config, 16, device.layout) as spec, spec.get_manager() as manager:
+    clock = Clock()
+    with HierarchySpec(config, 16, device.layout, clock=clock) as spec, spec.get_manager() as manager:
         fast, slow = manager.lower
         assert isinstance(fast, DiskOffloadingManager) and isinstance(slow, DiskOffloadingManager)
         assert fast.retention is not None and fast.retention.budget == fast.capacity // 2
         assert slow.retention is None and manager.cpu.retention is None
-        clock = Clock()
-        fast.retention.clock = clock
+        assert fast.retention.clock is clock, "the spec's clock reaches the tier's rule"
         chain = hs(0, 3)
         manager.prepare_store(chain, session="agent-1")
         manager.complete_store(chain)

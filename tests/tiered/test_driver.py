@@ -8,7 +8,7 @@ import torch
 
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.cpu.spec import CPUOffloadingSpec
-from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, block_content
+from tiered_kv.sim.driver import DeviceKVCache, EngineDriver, ServiceClock, block_content
 from tiered_kv.memory.host_memory import HostKVCache
 from tiered_kv.mediums import CPU, CPULoadStoreSpec, GPULoadStoreSpec
 from tiered_kv.cpu.handlers import CpuGpuOffloadingHandlers
@@ -187,3 +187,40 @@ def test_workload_generators_share_prefixes_and_are_reproducible():
     assert all(3 <= len(r) <= 5 for r in rag.requests)
     with pytest.raises(ValueError, match="turn_blocks"):
         ChatWorkloadSpec(turn_blocks=(3, 1))
+
+
+def test_a_service_clock_moves_by_each_requests_prefill_time():
+    dev = small_device()
+    clock = ServiceClock(tokens_per_s=100.0)
+    driver = EngineDriver(driver_for(dev, cpu_blocks=60)[0].manager, driver_for(dev, 60)[0].worker, dev, clock)
+    workload = chat_workload(ChatWorkloadSpec(num_requests=20, system_prompt_blocks=4, seed=1))
+    seen = []
+    for request in workload.requests:
+        seen.append(clock())
+        driver.run_request(request)
+    tokens = [len(r) * dev.layout.offloaded_block_size for r in workload.requests]
+    # Each request's uses happen at the clock's time, then it moves on by that request.
+    assert seen == pytest.approx([sum(tokens[:i]) / 100.0 for i in range(20)])
+    assert clock() == pytest.approx(sum(tokens) / 100.0)
+    with pytest.raises(ValueError, match="tokens_per_s: expected > 0, got 0"):
+        ServiceClock(0)
+
+
+def test_session_retention_times_gaps_on_the_replays_clock():
+    from tiered_kv.tiered.spec import HierarchySpec
+
+    dev = small_device(groups=40)
+    workload = chat_workload(ChatWorkloadSpec(num_requests=150, system_prompt_blocks=4, seed=7))
+    # 4-token blocks at 20 tokens/s: a turn's gap is seconds of modelled time, though the
+    # whole run takes well under a second of this machine's (where no session would return).
+    clock = ServiceClock(tokens_per_s=20.0)
+    config = {"cpu_bytes": f"{48 * dev.layout.bytes_per_block}B", "cpu_retention": "session"}
+    spec = HierarchySpec(config, 4, dev.layout, clock=clock)
+    driver = EngineDriver.from_spec(spec, dev, clock)
+    retention = driver.manager.cpu.retention
+    assert retention is not None and retention.clock is clock
+    report = driver.run(workload)
+    driver.manager.shutdown()
+    assert report.mismatches == 0
+    assert retention.counts["returns"] > 0 and retention.counts["held"] > 0, "sessions came back"
+    assert retention.ttl_s is not None and retention.ttl_s > 1.0, "gaps of modelled seconds"

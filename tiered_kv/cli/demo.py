@@ -38,7 +38,7 @@ from tiered_kv.cli.output import emit_json, errors
 from tiered_kv.config import format_size, parse_size
 from tiered_kv.metrics import TRANSFER_TYPES
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver
+from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver, ServiceClock
 from tiered_kv.sim.workloads import default_workload
 
 GPU_BLOCK_SIZE = 16  # tokens per GPU block
@@ -206,8 +206,9 @@ def _build(
         block_size_factor=block_size_factor,
         device=device,
     )
-    spec = HierarchySpec(config, gpu_block_size=GPU_BLOCK_SIZE)
-    return dev, spec, (ProbingDriver if probing else EngineDriver).from_spec(spec, dev)
+    clock = ServiceClock()  # session retention on the modelled engine's time: runs repeat
+    spec = HierarchySpec(config, gpu_block_size=GPU_BLOCK_SIZE, clock=clock)
+    return dev, spec, (ProbingDriver if probing else EngineDriver).from_spec(spec, dev, clock)
 
 
 def _shutdown(spec: HierarchySpec, driver: EngineDriver) -> None:

@@ -179,6 +179,7 @@ class DiskTier(TierSpec):
             name=self.name,
             medium=self.medium,
             retention_share=retention_share(self.settings.retention),
+            clock=ctx.clock,
         )
 
     def get_hit_check(self, manager: "LowerTier") -> HitCheck:

@@ -10,6 +10,10 @@ complete_store, touch) and the worker as a model runner would (transfer_async, w
 get_finished). Every block's bytes are a pure function of its hash, so each loaded
 block is checked byte for byte against what must have been stored. A failed load is
 recomputed and counted, never raised. It does no I/O itself; the tiers it drives may.
+
+Time: with a ``ServiceClock`` the driver models an engine that serves one request after
+another, each taking its tokens' prefill time; the hierarchy's time-aware rules (session
+retention) read that clock, so a run's hit rates do not depend on this machine's speed.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from tiered_kv.memory.host_memory import expand_block_ids, pack_blocks, unpack_b
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.mediums import GPULoadStoreSpec
 from tiered_kv.metrics import TransferCounter
+from tiered_kv.prefill import DEFAULT_PREFILL_TOKENS_PER_S
 from tiered_kv.spec import OffloadingSpec
 from tiered_kv.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 from tiered_kv.sim.workloads import Workload
@@ -236,17 +241,41 @@ class JobWorker(Protocol):
     def shutdown(self) -> None: ...
 
 
+class ServiceClock:
+    """Seconds on a modelled engine that prefills ``tokens_per_s`` (the product's prior,
+    ``tiered_kv.prefill``) and serves one request after another: a request's uses
+    happen at the clock's time, then ``advance`` moves it on by that request's tokens.
+    Every configuration of a replay sees the same time, whatever it hit."""
+
+    def __init__(self, tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S):
+        if not tokens_per_s > 0:
+            raise ValueError(f"tokens_per_s: expected > 0, got {tokens_per_s!r}")
+        self.tokens_per_s = tokens_per_s
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, tokens: int) -> None:
+        """One request of ``tokens`` tokens served."""
+        self.now += tokens / self.tokens_per_s
+
+
 class EngineDriver:
     """Drives ``manager`` (scheduler side) and ``worker`` (model-runner side, built over
-    ``device``'s KV tensors) through request streams and records a ``DriverReport``.
+    ``device``'s KV tensors) through request streams and records a ``DriverReport``;
+    advances ``clock`` (module docstring) by each request, where given.
 
     Use ``EngineDriver.from_spec`` to build both from an ``OffloadingSpec``.
     """
 
-    def __init__(self, manager: OffloadingManager, worker: JobWorker, device: DeviceKVCache):
+    def __init__(
+        self, manager: OffloadingManager, worker: JobWorker, device: DeviceKVCache, clock: ServiceClock | None = None
+    ):
         self.manager = manager
         self.worker = worker
         self.device = device
+        self.clock = clock
         self.layout = device.layout
         self.report = DriverReport()
         self._pool = _DevicePrefixCache(device.num_groups)
@@ -257,15 +286,17 @@ class EngineDriver:
         self._load_results: dict[int, bool] = {}
 
     @classmethod
-    def from_spec(cls, spec: OffloadingSpec, device: DeviceKVCache) -> "EngineDriver":
+    def from_spec(
+        cls, spec: OffloadingSpec, device: DeviceKVCache, clock: ServiceClock | None = None
+    ) -> "EngineDriver":
         """Build the worker over ``device``'s tensors (first: a spec may learn the
-        layout from them), then the manager."""
+        layout from them), then the manager; ``clock``: the one the spec's rules read."""
         if spec.block_size_factor != device.layout.block_size_factor:
             raise ValueError(
                 f"spec block_size_factor {spec.block_size_factor} != device cache's {device.layout.block_size_factor}"
             )
         worker = spec.build_worker(device.kv_caches, device.kv_before_num_blocks)
-        return cls(spec.get_manager(), worker, device)
+        return cls(spec.get_manager(), worker, device, clock)
 
     # ---- running ----
 
@@ -312,6 +343,8 @@ class EngineDriver:
             pool.release(device_groups)
             pool.release(groups)
         self.poll()
+        if self.clock is not None:
+            self.clock.advance(len(block_hashes) * self.layout.offloaded_block_size)
 
     def poll(self) -> None:
         """Settle finished jobs (never blocks) and collect manager events."""

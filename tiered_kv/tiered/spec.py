@@ -23,8 +23,9 @@ Without lower tiers it is the CPU tier alone with the composite's bookkeeping.
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -63,8 +64,11 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
     ``fingerprint``: the namespace key of every tier; by default derived from the
     config and the layout (``Fingerprint.from_config``), an engine adapter passes its
     own. ``failed_loads_recomputed``: the engine recomputes the blocks of a load that
-    failed, so the tiers' hit checks need not verify first (``TierContext``). ``stats``
-    is shared by the manager and the handlers built by this spec.
+    failed, so the tiers' hit checks need not verify first (``TierContext``). ``clock``:
+    the seconds the tiers' session retention times gaps on; an engine serves on
+    ``time.monotonic``, a replay passes its modelled clock so its hit rates do not
+    depend on how fast the machine runs it. ``stats`` is shared by the manager and the
+    handlers built by this spec.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         enable_events: bool = True,
         fingerprint: Fingerprint | None = None,
         failed_loads_recomputed: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__(config, gpu_block_size, layout, enable_events)
         if tp_size < 1 or not 0 <= rank < tp_size:
@@ -88,6 +93,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
         self.stats = TieredStats()
         self._given_fingerprint = fingerprint
         self.failed_loads_recomputed = failed_loads_recomputed
+        self.clock = clock
         self._lower: list[TierSpec] | None = None
 
     def _fingerprint(self) -> Fingerprint:
@@ -123,6 +129,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
                 world_size=self.tp_size,
                 enable_events=self.enable_events,
                 failed_loads_recomputed=self.failed_loads_recomputed,
+                clock=self.clock,
             )
             self._lower = build_tiers(self.config.tier_entries(), ctx)
         return self._lower
@@ -142,6 +149,7 @@ class HierarchySpec(CPUOffloadingSpec, Closing):
             self.config.cpu_admission,
             self.config.cpu_retention,
             enable_events=self.enable_events,
+            clock=self.clock,
         )
         lower = []
         try:

@@ -108,7 +108,8 @@ class DiskOffloadingManager(OffloadingManager):
     """LRU manager of the disk tier's slots (scheduler process; see module docstring).
 
     ``disk_bytes`` bounds the tier: ``disk_bytes // slot_size`` slots per rank.
-    ``retention_share``: ``retention: session``'s budget share of them (None: none).
+    ``retention_share``: ``retention: session``'s budget share of them (None: none),
+    timing sessions on ``clock``.
     ``engine_id`` names the engine in the writer lock; its workers pass the same id.
     ``on_corrupt``, if set, is called with the blocks each ``refresh()`` dropped because a
     worker found them corrupt (each block once, counted in ``stats.checksum_failures``
@@ -133,6 +134,7 @@ class DiskOffloadingManager(OffloadingManager):
         name: str = "disk",
         medium: str = DISK,
         retention_share: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         #: How the composite names this tier: in stats and transfer types (``name``), and
         #: in events and ``hit_medium`` (``medium``); a second disk tier needs its own.
@@ -143,7 +145,7 @@ class DiskOffloadingManager(OffloadingManager):
         if capacity < 1:
             raise DiskSizeError(f"disk_bytes={disk_bytes} holds no block; one disk slot is {self.slot_size} bytes")
         #: ``retention: session``'s rule over this tier's slots, told of uses by the composite.
-        self.retention = SessionRetention(capacity, retention_share) if retention_share else None
+        self.retention = SessionRetention(capacity, retention_share, clock=clock) if retention_share else None
         self.engine_id = engine_id or uuid.uuid4().hex
         self.block_size = layout.offloaded_block_size
         self.tp_size = fingerprint.tp_size
