@@ -39,7 +39,6 @@ from tiered_kv.abstract import BlockHash, OffloadingManager, PrepareStoreOutput
 from tiered_kv.sim.driver import DeviceKVCache, DriverReport, EngineDriver, ServiceClock
 from tiered_kv.mediums import CPULoadStoreSpec
 from tiered_kv.metrics import TRANSFER_TYPES, TieredStats
-from tiered_kv.prefill import DEFAULT_PREFILL_TOKENS_PER_S
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.worker.worker import OffloadingWorker
 from tiered_kv.sim.workloads import Workload
@@ -241,7 +240,7 @@ def _build(
         raw["disk_bytes"] = f"{tiers.disk_slots * (-(-bpb // 4096) * 4096)}B"
     # Session retention times gaps on the modelled engine's clock, the same in every
     # configuration: hit rates that do not depend on this machine's speed.
-    clock = ServiceClock(tiers.model.prefill_tps if tiers.model is not None else DEFAULT_PREFILL_TOKENS_PER_S)
+    clock = ServiceClock() if tiers.model is None else ServiceClock(tiers.model.prefill_tps)
     spec = HierarchySpec(raw, gpu_block_size=geometry.gpu_block_size, clock=clock)
     worker = spec.build_worker(dev.kv_caches, dev.kv_before_num_blocks)
     manager: OffloadingManager
