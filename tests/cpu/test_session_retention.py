@@ -313,8 +313,18 @@ def test_the_config_key_builds_the_rule_into_the_cpu_tier():
 # ---- ``adaptive(N)`` deciding whether holds are honoured ----
 
 
+class HeldSet(set):
+    """Blocks held, as a miniature asks of a retention rule; a test counts the ends."""
+
+    ends = 0
+
+    @property
+    def held_blocks(self) -> set:
+        return self
+
+
 def test_a_miniature_cache_passes_held_blocks_over_until_their_hold_ends():
-    held: set[bytes] = set()
+    held = HeldSet()
     mini = MiniatureCache(2, held)
     mini.use(h(1))
     held.add(h(1))
@@ -322,10 +332,26 @@ def test_a_miniature_cache_passes_held_blocks_over_until_their_hold_ends():
     assert mini.use(h(1)), "a held block survives a scan"
     assert not mini.use(h(2)) and not mini.use(h(4))  # 1 set aside again, 3 and 2 go
     held.clear()
+    held.ends += 1
     mini.use(h(5))  # the block whose hold ended goes first, though 4 is older than 5
     assert not mini.use(h(1)) and len(mini) == 2
     held.update(map(h, range(10)))
     assert [mini.use(h(i)) for i in range(6, 10)] == [False] * 4 and len(mini) == 2, "holds never overfill it"
+
+
+def test_a_miniature_cache_lets_every_ended_hold_go_at_once_as_the_tier_does():
+    held = HeldSet(hs(1, 2))
+    mini = MiniatureCache(3, held)
+    for i in (1, 2, 3, 4):
+        mini.use(h(i))  # 4 sets 1 and 2 aside and evicts 3
+    held.discard(h(2))
+    held.ends += 1
+    mini.use(h(5))
+    # 2's hold ended behind 1's, still held: 2 goes, not the unheld 4 (the CPU tier
+    # lapses every ended hold at once; looking at one set-aside block per eviction
+    # kept 2 and evicted 4).
+    assert mini.use(h(4)) and mini.use(h(1))
+    assert not mini.use(h(2))
 
 
 class FixedHolds(SessionRetention):
@@ -370,6 +396,7 @@ def test_adaptive_admission_stops_honouring_holds_that_cost_hits():
     assert not holds.honoured and holds.counts["switches"] == 1
     assert ("tiered_kv_retention_honoured", ("cpu",), 0) in holds.metric_values("cpu")[1]
     holds.blocks.clear()
+    holds.ends += 1
     sessions_after_bursts(admission, holds.blocks)  # then holds pay: honoured again
     assert holds.honoured and holds.counts["switches"] == 2
     # Without a retention rule the choice is admission's alone, as before.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Container, Sequence
+from typing import Protocol, cast
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.metrics import TieredStats
@@ -110,17 +111,31 @@ SCORE_WINDOW = 4
 HOLDS_MARGIN = 0.02
 
 
+class Holds(Protocol):
+    """What a miniature cache asks of a retention rule (``SessionRetention`` is one): the
+    blocks held now (a live view) and how many holds have ended so far."""
+
+    ends: int
+
+    @property
+    def held_blocks(self) -> Container[BlockHash]: ...
+
+
 class MiniatureCache:
     """Hashes only: an LRU cache of ``capacity`` blocks that ranks a block first to evict
     until a use of it is ``admitted`` (as the CPU tier does; the caller counts the uses,
-    once for every miniature). With ``held`` (the blocks a retention rule holds),
-    eviction passes held blocks over as the CPU tier does: they are set aside, a block
-    set aside goes first once its hold ended (each eviction looks at one of them, in
-    turn), and held blocks go only when nothing else can."""
+    once for every miniature). With ``holds`` (a retention rule), eviction passes held
+    blocks over as the CPU tier does: they are set aside, held blocks go only when
+    nothing else can, and once holds have ended (``holds.ends`` moved) every block set
+    aside that is no longer held goes first to evict, as the tier lapses them. A block
+    set aside stays only while held: letting ended holds out one eviction at a time
+    would keep them longer than the tier does, and rate the holds worse than they are."""
 
-    def __init__(self, capacity: int, held: Container[BlockHash] | None = None):
+    def __init__(self, capacity: int, holds: Holds | None = None):
         self.capacity = max(1, capacity)
-        self._held = held
+        self._holds = holds
+        self._held = None if holds is None else holds.held_blocks
+        self._ends = 0 if holds is None else holds.ends
         self._warm: OrderedDict[BlockHash, None] = OrderedDict()
         self._cold: OrderedDict[BlockHash, None] = OrderedDict()
         self._aside: OrderedDict[BlockHash, None] = OrderedDict()
@@ -155,12 +170,11 @@ class MiniatureCache:
             aside.pop(block_hash, None)  # a use ranks it again
         (warm if admitted else cold)[block_hash] = None
         if len(warm) + len(cold) + len(aside) > self.capacity:
-            if aside:
-                first = next(iter(aside))
-                if first not in held:
-                    del aside[first]  # its hold ended: the least recent block
-                    return hit
-                aside.move_to_end(first)  # looked at again after the others set aside
+            if aside and (ends := cast(Holds, self._holds).ends) != self._ends:
+                self._ends = ends
+                for lapsed in [b for b in aside if b not in held]:
+                    del aside[lapsed]
+                    cold[lapsed] = None  # after the blocks not admitted, as the tier ranks them
             for ranked in (cold, warm):
                 while ranked:
                     victim = ranked.popitem(last=False)[0]
@@ -211,7 +225,7 @@ class AdaptiveAdmission(WriteAdmission):
         # blocks over; ``hits``: each one's decayed hits. The holds are honoured from the
         # start, as configured.
         self.holds = holds
-        held = [] if holds is None else [holds.held_blocks] * 2
+        held = [] if holds is None else [holds] * 2
         self._miniatures = tuple(MiniatureCache(size, blocks) for blocks in [None, None, *held])
         self.hits = [0.0] * len(self._miniatures)
         self.reuse_chosen = False

@@ -140,6 +140,9 @@ class SessionRetention:
         self._ended_cap = 2 * self.budget + 1024
         #: Set when ended holds were too many to list: ``take_ended`` returned None.
         self.ended_overflow = False
+        #: Holds ended so far: a miniature cache that passes held blocks over looks again
+        #: at what it set aside only once this moved (``tiered_kv.tiered.admission``).
+        self.ends = 0
         #: Counters: returns (turns after a session's first), blocks held, blocks dropped
         #: for the budget, switches of ``honoured``.
         self.counts = {"returns": 0, "held": 0, "dropped": 0, "switches": 0}
@@ -345,6 +348,7 @@ class SessionRetention:
             else:
                 del held[block_hash]
                 ended.append(block_hash)
+                self.ends += 1
         if len(ended) > self._ended_cap:
             # Nobody drained them (a tier that does not evict): the manager rechecks
             # what it set aside instead.
