@@ -25,7 +25,7 @@ from __future__ import annotations
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Container, Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.metrics import TieredStats
@@ -134,7 +134,7 @@ class MiniatureCache:
     def __init__(self, capacity: int, holds: Holds | None = None):
         self.capacity = max(1, capacity)
         self._holds = holds
-        self._held = None if holds is None else holds.held_blocks
+        self._held: Container[BlockHash] = () if holds is None else holds.held_blocks
         self._ends = 0 if holds is None else holds.ends
         self._warm: OrderedDict[BlockHash, None] = OrderedDict()
         self._cold: OrderedDict[BlockHash, None] = OrderedDict()
@@ -147,8 +147,8 @@ class MiniatureCache:
         if block_hash in warm:
             warm.move_to_end(block_hash)
             return True
-        if (held := self._held) is not None:
-            return self._use_holding(block_hash, admitted, held)
+        if (holds := self._holds) is not None:
+            return self._use_holding(block_hash, admitted, holds)
         hit = block_hash in cold
         if hit:
             if not admitted:
@@ -159,9 +159,9 @@ class MiniatureCache:
             (cold if cold else warm).popitem(last=False)
         return hit
 
-    def _use_holding(self, block_hash: BlockHash, admitted: bool, held: Container[BlockHash]) -> bool:
-        """``use`` of a block not in the warm list, eviction passing ``held`` blocks over."""
-        warm, cold, aside = self._warm, self._cold, self._aside
+    def _use_holding(self, block_hash: BlockHash, admitted: bool, holds: Holds) -> bool:
+        """``use`` of a block not in the warm list, eviction passing held blocks over."""
+        warm, cold, aside, held = self._warm, self._cold, self._aside, self._held
         hit = block_hash in cold or block_hash in aside
         if hit:
             if block_hash in cold and not admitted:
@@ -170,8 +170,8 @@ class MiniatureCache:
             aside.pop(block_hash, None)  # a use ranks it again
         (warm if admitted else cold)[block_hash] = None
         if len(warm) + len(cold) + len(aside) > self.capacity:
-            if aside and (ends := cast(Holds, self._holds).ends) != self._ends:
-                self._ends = ends
+            if aside and holds.ends != self._ends:
+                self._ends = holds.ends
                 for lapsed in [b for b in aside if b not in held]:
                     del aside[lapsed]
                     cold[lapsed] = None  # after the blocks not admitted, as the tier ranks them
