@@ -225,8 +225,8 @@ class AdaptiveAdmission(WriteAdmission):
         # blocks over; ``hits``: each one's decayed hits. The holds are honoured from the
         # start, as configured.
         self.holds = holds
-        held = [] if holds is None else [holds] * 2
-        self._miniatures = tuple(MiniatureCache(size, blocks) for blocks in [None, None, *held])
+        passing = () if holds is None else (holds, holds)
+        self._miniatures = tuple(MiniatureCache(size, rule) for rule in (None, None, *passing))
         self.hits = [0.0] * len(self._miniatures)
         self.reuse_chosen = False
 
