@@ -157,7 +157,7 @@ def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
     """``refresh``'s shortcut for one rank and only ``ok`` records against the general
     loop, on the same records: good, stale slot, not pending, repeated."""
     from tiered_kv.disk.format.index_records import LOG_OK
-    from tiered_kv.disk.scheduler.log_fold import RefreshResult
+    from tiered_kv.disk.scheduler.log_fold import RefreshResult, fold_good_writes, fold_log
 
     m, _ = tier
     rnd = random.Random(seed)
@@ -171,9 +171,17 @@ def test_single_rank_good_writes_fold_like_the_general_log_loop(tier, seed):
     hashes, slots = [h for h, _ in records], [slot for _, slot in records]
     with m._lock:
         before = dict(m._pending)
-        fast = m._apply_good_writes(hashes, slots)
+        fast = fold_good_writes(m._pending, hashes, slots)
         after_fast, m._pending = dict(m._pending), dict(before)
-        general = m._apply_log(hashes, [LOG_OK] * len(records), [0] * len(records), slots, RefreshResult([], [], []))
+        general = fold_log(
+            m._pending,
+            m._progress,
+            1,
+            (hashes, [LOG_OK] * len(records), [0] * len(records), slots),
+            RefreshResult([], [], []),
+            drop_corrupt=m._drop_corrupt,
+            free_failed=m._free_failed,
+        )
         assert not m._progress
     assert fast == general and after_fast == m._pending
     expected = []

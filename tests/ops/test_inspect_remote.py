@@ -166,7 +166,12 @@ def test_without_its_fingerprint_json_a_namespace_still_tells_foreign_objects(bu
     (a,) = [ns for ns in data["namespaces"] if ns["namespace"] == ours]
     assert data["clean"] and a["checked"] == 11 and "fingerprint.json" in a["warnings"][0]
     summary = run_json("summary", "--remote", config, "-n", ours)["namespaces"][0]
-    assert summary["fingerprint"] is None and summary["read_by"][0]["reads"] is False and summary["warnings"]
+    assert summary["fingerprint"] is None and summary["read_by"][0]["reads"] is None and summary["warnings"]
+    assert "cannot tell" in run("summary", "--remote", config, "-n", ours).output
+    # The live fleet's own namespace, its fingerprint.json expired: `--unread-by` the
+    # live config must not judge it unread; the other model's namespace it can judge.
+    cleared = run_json("clear", "--remote", config, "--unread-by", config, "--yes", "--dry-run")
+    assert [ns["namespace"] for ns in cleared["namespaces"]] == [theirs]
     foreign_key = block_key(f"{prefix}/{ours}", foreign_hashes[1], 0)
     s3.copy_object(
         Bucket=BUCKET,
@@ -199,3 +204,11 @@ def test_a_bucket_that_does_not_exist_is_one_error_naming_it(remote_settings, tm
     config.write_text(json.dumps({"remote": {**remote_settings, "bucket": "no-such-bucket-here"}}))
     data = json.loads(run("summary", "--remote", config, "--json", code=2).stdout)
     assert "no-such-bucket-here" in data["error"] and "BucketMissing" in data["error"]
+
+
+def test_a_fingerprint_json_planted_in_the_bucket_is_shown_not_read_as_markup(bucket, rgw_server, remote_settings):
+    config, _, _, _ = bucket
+    record = {"format": 2, "fingerprint": {**FP.to_dict(), "model_id": "[/oops][green]org/model[/green]"}}
+    key = f"{remote_settings['prefix']}/0123456789abcdef/fingerprint.json"
+    rgw_server.admin_client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(record).encode())
+    assert "[/oops][green]org/model[/green]" in run("summary", "--remote", config).output

@@ -263,3 +263,27 @@ def test_sealed_objects_bind_every_header_field():
     with pytest.raises(Rejected) as err:
         read(obj, keyring=None)
     assert err.value.reason == "key" and not err.value.provable
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 40, 64, 1 << 20])
+def test_an_object_verified_as_it_streams_in_chunks_of_any_size(chunk):
+    """``verify_stream`` (``inspect verify --remote`` and the doctor) reads the header
+    length from its own field, whatever the first chunk holds: an honest object is never
+    judged bad, the one that ``--repair`` would delete, and a forged one still is."""
+    from tiered_kv.remote.format.keys import Keyring
+    from tiered_kv.remote.format.object_format import seal, verify_stream
+
+    ring = Keyring([bytes(range(32))])
+    digest, block_hash = b"\x01" * 32, b"\x02" * 32
+    obj = b"".join(seal(ring, digest, block_hash, 3, [memoryview(bytes(range(256)) * 8)]))
+
+    def verify(data: bytes):
+        pieces = (data[i : i + chunk] for i in range(0, len(data), chunk))
+        return verify_stream(len(data), pieces, fingerprint=digest, block_hash=block_hash, rank=3, keyring=ring)
+
+    assert verify(obj).rank == 3
+    forged = bytearray(obj)
+    forged[-20] ^= 0x01
+    with pytest.raises(Rejected) as err:
+        verify(bytes(forged))
+    assert err.value.reason == "auth" and err.value.provable

@@ -274,3 +274,34 @@ def test_two_disk_tiers_each_with_its_own_io_backend_and_checksum(tmp_path):
         driver.manager.shutdown()
         for tier in spec.lower_tiers:
             tier.close()
+
+
+def test_a_disk_block_found_corrupt_between_lookup_and_load_fails_one_load_not_the_engine(tmp_path):
+    """The flusher may drop a block a worker found corrupt at any moment, also between the
+    lookup that counted it and the load: that load fails and its request is recomputed;
+    the engine goes on (it used to raise in ``prepare_load``)."""
+    device = DeviceKVCache(num_layers=2, num_gpu_blocks=8, gpu_block_size=16, num_kv_heads=2, head_dim=16, device="cpu")
+    docs = documents(num_docs=6, blocks_per_doc=8, seed=2)  # 3x the CPU tier: the first ones end on disk only
+    spec, driver = build(tmp_path, device, disk_bytes="4MiB")
+    driver.run(docs)
+    settle(driver, spec)
+    disk, store = driver.manager.tier("disk"), spec.store
+    victim = docs[0][3]
+    assert driver.manager.hit_medium(victim) == "DISK"
+    lookup = driver.manager.lookup
+
+    def lookup_then_corrupt(block_hashes):  # the fault: a worker's corrupt record, read right after lookup
+        n = lookup(block_hashes)
+        if victim in block_hashes[:n]:
+            store.index.drop_corrupt(0, [(victim, disk.slot_of(victim))])
+            disk.refresh()
+        return n
+
+    driver.manager.lookup = lookup_then_corrupt
+    before = driver.report.recomputed_after_failed_load
+    report = driver.run([docs[0]])
+    assert report.recomputed_after_failed_load > before and report.mismatches == 0
+    driver.manager.lookup = lookup
+    again = driver.run(docs[:2])  # the engine goes on, and recomputes what it lost
+    assert again.mismatches == 0 and driver.manager.hit_medium(victim) is not None
+    close(driver, spec)

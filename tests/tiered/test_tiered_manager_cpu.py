@@ -63,10 +63,17 @@ def test_failed_store_frees_slots_and_blocks_are_not_loadable():
     assert m.cpu.num_free_slots() == 2
 
 
-def test_prepare_load_of_unknown_block_names_it():
+def test_a_block_no_tier_holds_at_prepare_load_gets_no_slot_and_a_warning(caplog):
+    """It left its tier since lookup (tests/tiered/test_tiered_hierarchy.py): the spec
+    gives it no slot, which the worker's load handler refuses, failing that one load."""
     m = TieredOffloadingManager(CPUOffloadingManager(2, block_size=16))
-    with pytest.raises(KeyError, match=h(7).hex()[:16]):
-        m.prepare_load([h(7)])
+    stored(m, [h(1)])
+    with caplog.at_level("WARNING", logger="tiered_kv.tiered.manager"):
+        spec = m.prepare_load([h(1), h(7)])
+    assert (spec.cpu_slots.tolist()[1], spec.tier_slots.tolist()[1]) == (-1, -1) and spec.cpu_slots.tolist()[0] >= 0
+    assert "1 block(s) of a load left their tier" in caplog.text
+    m.complete_load([h(1), h(7)], success=False)
+    assert m.lookup([h(1)]) == 1 and not m.cpu._readers, "the load let go of its CPU block"
 
 
 def test_already_offloaded_blocks_are_not_stored_again():

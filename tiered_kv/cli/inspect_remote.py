@@ -149,9 +149,10 @@ def summary(
         t.add_column("value")
         t.add_row("objects are", _TRUST_TEXT[ns["trust"]])
         if fp is not None:
-            t.add_row("model", f"{fp['model_id']} @ {fp['model_revision']}")
-            t.add_row("KV", f"{fp['dtype']}, TP {fp['tp_size']}, {fp['block_size']} tokens per block")
-            t.add_row("prefix hash", f"{fp['hash_algorithm']}, seed {fp['hash_seed']!r}")
+            # fingerprint.json is anyone's bytes: its fields are shown, never read as markup.
+            t.add_row("model", Text(f"{fp['model_id']} @ {fp['model_revision']}"))
+            t.add_row("KV", Text(f"{fp['dtype']}, TP {fp['tp_size']}, {fp['block_size']} tokens per block"))
+            t.add_row("prefix hash", Text(f"{fp['hash_algorithm']}, seed {fp['hash_seed']!r}"))
         complete = ns["complete_blocks"]
         t.add_row(
             "blocks",
@@ -160,12 +161,13 @@ def summary(
         t.add_row("objects", f"{ns['objects']:,}, {format_size(ns['bytes'])}")
         t.add_row("stored", f"oldest {timestamp(ns['oldest'])}, newest {timestamp(ns['newest'])}")
         for r in ns["read_by"]:
-            verdict = "[green]yes[/]" if r["reads"] else "[yellow]no[/]: " + "; ".join(r["differences"])
+            verdict = {True: "[green]yes[/]", False: "[yellow]no[/]: ", None: "[yellow]cannot tell[/]: "}[r["reads"]]
+            verdict += escape("; ".join(r["differences"]))
             t.add_row("read by", f"{r['config']}: {verdict}")
         if ns["problems"]:
-            t.add_row("problems", "\n".join(f"- {p}" for p in ns["problems"]))
+            t.add_row("problems", Text("\n".join(f"- {p}" for p in ns["problems"])))
         if ns["warnings"]:
-            t.add_row("warnings", "\n".join(f"- {p}" for p in ns["warnings"]))
+            t.add_row("warnings", Text("\n".join(f"- {p}" for p in ns["warnings"])))
         console.print(t)
     if data["foreign_keys"]:
         console.print(
@@ -410,7 +412,9 @@ def clear(
         tier = _open(remote, path, namespace, model)
         if unread_by:
             readers = [ServerConfig.load(c, model) for c in unread_by]
-            tier.namespaces = [ns for ns in tier.namespaces if not any(not read_differences(r, ns) for r in readers)]
+            # Every reader must be known not to read it: a namespace without its own
+            # fingerprint.json may be the live fleet's (None), and stays.
+            tier.namespaces = [ns for ns in tier.namespaces if all(read_differences(r, ns) for r in readers)]
         # Narrowed to some namespaces, clear deletes only the hostile keys inside them.
         whole_prefix = not namespace and not unread_by
         names = {ns.namespace for ns in tier.namespaces}

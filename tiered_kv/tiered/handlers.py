@@ -333,6 +333,8 @@ class TieredLoadHandler(_PipelineHandler):
         bpb = self.bytes_per_block
         hashes = np.array(src.block_hashes, dtype=object)
         from_cpu = src.cpu_slots >= 0
+        if (lost := ~from_cpu & (src.tier_slots < 0)).any():  # left their tier since lookup: the job fails
+            raise ValueError(f"load spec gives {int(lost.sum())} block(s) no slot in any tier")
         branches = []
         filled: list[np.ndarray] = []  # per branch, the GPU blocks it fills
 

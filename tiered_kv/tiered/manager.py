@@ -8,11 +8,10 @@ every lower tier (``LowerTier``: the disk tier, a second disk tier, the shared t
 written from CPU slots. CPU only, CPU + disk and CPU + disk + more are the same code. How data moves, and who learns
 what when:
 
-- **Store**: blocks land in CPU slots (GPU -> CPU job). The job completes when its GPU
-  copy does (GPU blocks are never held on lower-tier I/O); ``complete_store`` makes
-  them loadable from CPU. A block offered was just computed: lacking in CPU it enters,
-  though a lower tier holds it (as in a CPU tier alone; that tier is not written again). A ``write_through`` lower tier also gets every stored block,
-  copied from its CPU slot once it is there.
+- **Store**: blocks land in CPU slots (GPU -> CPU job). The job completes when its GPU copy does (GPU blocks are never
+  held on lower-tier I/O); ``complete_store`` makes them loadable from CPU. A block offered was just computed: lacking
+  in CPU it enters, though a lower tier holds it (as in a CPU tier alone; that tier is not written again). A
+  ``write_through`` lower tier also gets every stored block, copied from its CPU slot once it is there.
 - **Cascade**: when CPU is full, its victims make room. A victim that some lower tier holds (durable, or on its way)
   is just dropped from CPU. A victim is *spilled* into every lower tier that lacks it (the policy of a
   ``write_back`` tier, and for a ``write_through`` one the write it missed): the store spec that reuses its slot
@@ -22,12 +21,14 @@ what when:
 - **Durability** of a lower tier's blocks is learned from that tier (the disk tier: its shared index, which workers
   commit to only after a block's bytes are durable on their rank), not from jobs. Until then a block is *pending*
   there: not loadable from it, but as good as present for the cascade.
-- **Back-pressure**: at most ``max_pending_writes`` blocks (``max_pending_disk_writes``)
-  may wait for a write into each lower tier; past that, write-through copies are skipped
-  and spill victims leave (counted as drops). The engine never waits for a tier.
+- **Back-pressure**: at most ``max_pending_writes`` blocks (``max_pending_disk_writes``) may wait for a write into each
+  lower tier; past that, write-through copies are skipped and spill victims leave (counted as drops). The engine never
+  waits for a tier.
 - **Load**: each block comes from the fastest tier that holds it (a ``TieredLoadSpec`` when any is below CPU). With
   ``promote_on_hit`` a lower-tier block is also brought into a CPU slot that can be had without a spill and without
-  touching blocks pinned by loads; the slot becomes loadable when the last load of that block completes well.
+  touching blocks pinned by loads; the slot becomes loadable when the last load of that block completes well. A block
+  that left its lower tier between ``lookup`` and ``prepare_load`` (found corrupt, gone from the bucket) gets no slot:
+  the worker fails its load, and vLLM recomputes the request, as for any failed load.
 - **Cost**: ``lookup`` answers the number of leading blocks whose load makes the time to first token shortest
   (``tiered_kv.cost``: measured load cost per tier against the prefill of the same tokens; zero is always a
   candidate). Blocks passed over are counted per tier (``skipped_slower_than_recompute``): not loaded, not promoted,
@@ -82,13 +83,11 @@ class TieredOffloadingManager(OffloadingManager):
     ``lower``: one ``LowerTier``, a sequence of them (fastest first), or None for the CPU tier alone with the
     same cascade bookkeeping (victims simply leave). ``write_policy``: one policy for every lower tier, or one per tier.
 
-    ``stats`` counts blocks per tier (by tier name: ``cpu``, ``disk``, ...): ``lookups``
-    the blocks ``lookup`` asked each tier about (a lower tier is asked about those the
-    tiers above do not hold), ``hits`` the blocks ``prepare_load`` took from it,
-    ``stores`` the blocks placed in it (for a lower tier: write-through copies and
-    spills), ``failed_loads`` its blocks in load jobs that failed (a job fails as a
-    whole), ``checksum_failures`` the blocks workers found corrupt (learned from the
-    tier), and the rest as named.
+    ``stats`` counts blocks per tier (by tier name: ``cpu``, ``disk``, ...): ``lookups`` the blocks ``lookup`` asked
+    each tier about (a lower tier is asked about those the tiers above do not hold), ``hits`` the blocks
+    ``prepare_load`` took from it, ``stores`` the blocks placed in it (for a lower tier: write-through copies and
+    spills), ``failed_loads`` its blocks in load jobs that failed (a job fails as a whole), ``checksum_failures`` the
+    blocks workers found corrupt (learned from the tier), and the rest as named.
     """
 
     def __init__(
@@ -269,13 +268,10 @@ class TieredOffloadingManager(OffloadingManager):
         self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None, request: Hashable | None = None
     ) -> LoadStoreSpec:
         block_hashes = list(block_hashes)
-        sources: list[int] = []
-        for block_hash in block_hashes:
-            if (source := self.hit_tier(block_hash)) is None:
-                raise KeyError(
-                    f"block {block_hash.hex()[:16]} is not offloaded; prepare_load needs blocks that lookup() reported"
-                )
-            sources.append(source)
+        gone = len(self.lower)  # no tier: left its tier since lookup (module docstring)
+        sources = [gone if (s := self.hit_tier(h)) is None else s for h in block_hashes]
+        if gone in sources:
+            logger.warning("%d block(s) of a load left their tier since lookup: their load fails", sources.count(gone))
         self._note_uses(block_hashes, session, request)
         cpu_hashes = [h for h, s in zip(block_hashes, sources) if s < 0]
         self.cpu.pin(cpu_hashes)
@@ -300,7 +296,7 @@ class TieredOffloadingManager(OffloadingManager):
             tier_slots=[lower_slot.get(h, -1) for h in block_hashes],
             promote_slots=[promote_slot.get(h, -1) for h in block_hashes],
             block_hashes=block_hashes,
-            lower_tiers=[max(s, 0) for s in sources],
+            lower_tiers=[s if 0 < s < gone else 0 for s in sources],
         )
 
     def _start_promotions(self, lower_hashes: list[BlockHash], prefetch: bool = False) -> dict[BlockHash, int]:

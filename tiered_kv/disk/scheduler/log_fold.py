@@ -10,14 +10,14 @@ loadable block.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.disk.format.index_records import LOG_CORRUPT, LOG_FAILED, LOG_OK
 
-__all__ = ["NO_PROGRESS", "Progress", "RefreshResult", "fold_good_writes", "fold_log"]
+__all__ = ["NO_PROGRESS", "Progress", "RefreshResult", "UnreadSettles", "fold_good_writes", "fold_log"]
 
 
 @dataclass
@@ -43,6 +43,41 @@ class Progress(NamedTuple):
 
 
 NO_PROGRESS = Progress(0, 0, False)
+
+
+class UnreadSettles:
+    """Blocks whose job settled before ``refresh()`` read their workers' log records.
+
+    Records name a block by (hash, slot) alone, and the free list hands a freed slot out
+    again first, so a record of a settled store (or a failed load's ``corrupt``) left
+    unread would settle the block's next store to that slot before a byte of it is
+    written, or drop it. Workers log before their job completes, so a log read that
+    begins after ``settle`` sees the job's records: the manager reads the log before
+    storing a block named here again, and ``read_up_to`` forgets the blocks such a read
+    covered. Not thread-safe alone: mutated under the manager's lock, read on the
+    scheduler's thread (``read_up_to`` rebinds, never empties in place)."""
+
+    def __init__(self) -> None:
+        self.settled = 0  # jobs settled so far
+        self._at: dict[bytes, int] = {}  # hash -> ``settled`` when its job settled
+
+    def settle(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """A job over ``hashes`` settled (its records are in the log); returns them."""
+        hashes = list(hashes)
+        self.settled += 1
+        self._at.update(dict.fromkeys(hashes, self.settled))
+        return hashes
+
+    def any_of(self, hashes: Iterable[bytes]) -> bool:
+        at = self._at
+        return any(h in at for h in hashes)
+
+    def read_up_to(self, settled: int) -> None:
+        """A log read that began when ``settled`` jobs had settled has been applied."""
+        self._at = {h: n for h, n in self._at.items() if n > settled}
+
+    def __bool__(self) -> bool:
+        return bool(self._at)
 
 
 def fold_good_writes(pending: dict[bytes, int], hashes: list[bytes], slots: list[int]) -> list[tuple[bytes, int]]:

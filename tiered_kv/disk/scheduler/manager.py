@@ -9,12 +9,11 @@ a write transaction on the caller's thread:
   the LMDB index in one read pass (numpy, no per-entry objects: 1M blocks open in
   under a second; the LRU order of what it found is sorted on a short-lived thread
   meanwhile, and the first eviction from it waits for that; then another thread moves
-  those blocks into the table's ordinary dict, a chunk per lock hold). A block is loadable when
-  every TP rank has committed it; partial entries left by a crash, and entries past
-  the end of a slab found truncated or missing, are dropped and their slots reused
-  (``adoption.py``). A
-  damaged index is moved aside and replaced by an empty one (``index.py``), never
-  served.
+  those blocks into the table's ordinary dict, a chunk per lock hold). A block is
+  loadable when every TP rank has committed it; partial entries left by a crash, and
+  entries past the end of a slab found truncated or missing, are dropped and their
+  slots reused (``adoption.py``). A damaged index is moved aside and replaced by an
+  empty one (``index.py``), never served.
 - ``prepare_store`` reserves slots (evicting LRU blocks that are neither pinned by a
   load nor being stored, those ``retention: session`` holds last) and hands workers a
   ``DiskLoadStoreSpec``. Workers write the bytes, make them durable, and only then
@@ -30,9 +29,10 @@ a write transaction on the caller's thread:
   intact, checksummed bytes, and after a restart such a block is simply loadable again.
   Deleting entries at eviction would cost the scheduler process several LMDB calls
   per evicted block for nothing the workers do not already do.
-- A background flusher thread (``index_flusher.py``) runs ``refresh()`` every ``poll_interval`` while blocks
-  are pending (a read transaction, applied 64 records per lock hold), so the
-  scheduler's own calls rarely find log records left to read. The same thread writes
+- A background flusher thread (``index_flusher.py``) runs ``refresh()`` every
+  ``poll_interval`` while blocks are pending or settled jobs' records are unread (a
+  read transaction, applied 64 records per lock hold), so the scheduler's own calls
+  rarely find log records left to read. The same thread writes
   access times, log trimming and the deletion of entries that must not come back
   (removed or corrupt blocks, failed stores, partial entries found at startup) to the
   index, batched into one transaction every few milliseconds. A delete only applies if
@@ -65,7 +65,14 @@ from tiered_kv.disk.scheduler.block_table import BlockTable
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.scheduler.index_flusher import IndexFlusher
 from tiered_kv.disk.format.index_records import LOG_OK, IndexSnapshot, LogColumns
-from tiered_kv.disk.scheduler.log_fold import NO_PROGRESS, Progress, RefreshResult, fold_good_writes, fold_log
+from tiered_kv.disk.scheduler.log_fold import (
+    NO_PROGRESS,
+    Progress,
+    RefreshResult,
+    UnreadSettles,
+    fold_good_writes,
+    fold_log,
+)
 from tiered_kv.disk.format.namespace import (
     DiskSizeError,
     Namespace,
@@ -193,6 +200,7 @@ class DiskOffloadingManager(OffloadingManager):
         self._progress: dict[bytes, Progress] = {}  # pending blocks some rank has logged
         self._pins: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}  # corrupt but still pinned by a load: hash -> slot
+        self._unread = UnreadSettles()  # jobs settled before refresh() read their records
         self._free: list[int] = []
         # Index updates wait for the flusher (queued with the lock held).
         self._index_flusher = IndexFlusher(
@@ -284,9 +292,10 @@ class DiskOffloadingManager(OffloadingManager):
                     self._index_flusher.touch(h, now, 0)
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        """Unpin the blocks (``success`` changes nothing here: a failed read leaves them as they were)."""
+        """Unpin the blocks (a failed read leaves them as they were until ``refresh()`` reads
+        its ``corrupt`` records, which happens before they are stored again)."""
         with self._lock:
-            for h in block_hashes:
+            for h in block_hashes if success else self._unread.settle(block_hashes):
                 n = self._pins.get(h, 0)
                 if n <= 1:
                     self._pins.pop(h, None)
@@ -306,6 +315,8 @@ class DiskOffloadingManager(OffloadingManager):
         thread makes blocks pending), which skips re-checking them; ``protected`` then
         names the rest of its request (the composite's offered blocks)."""
         seen: Collection[BlockHash]
+        if self._unread and self._unread.any_of(block_hashes := list(block_hashes)):
+            self.refresh()  # read an earlier store's records before they could settle this one
         with self._lock:
             if fresh:
                 to_store = seen = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
@@ -341,11 +352,12 @@ class DiskOffloadingManager(OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         stored = []
         with self._lock:
-            for h in block_hashes:
+            for h in self._unread.settle(block_hashes):
                 slot = self._pending.pop(h, None)
                 if slot is None:
                     continue
-                if success and not self._progress.pop(h, NO_PROGRESS).failed:
+                progress = self._progress.pop(h, NO_PROGRESS)
+                if success and not progress.failed:
                     stored.append((h, slot))
                 else:
                     self.stats.store_failures += 1
@@ -391,6 +403,7 @@ class DiskOffloadingManager(OffloadingManager):
         applying at most ``records_per_hold`` records per hold of the manager's lock
         (None: all in one)."""
         result = RefreshResult([], [], [])
+        settled = self._unread.settled  # their records are in the log: this read sees them
         try:
             log = self.index.read_log_columns(self._log_seen, max_records)
         except lmdb.Error as e:  # a damaged index must not reach the engine; stores stay pending
@@ -407,6 +420,9 @@ class DiskOffloadingManager(OffloadingManager):
         if applied:
             result.more = len(log.seq) == max_records
             self._index_flusher.wake()
+        if self._unread and not result.more:
+            with self._lock:
+                self._unread.read_up_to(settled)
         if result.corrupt and self.on_corrupt is not None:
             self.on_corrupt(result.corrupt)
         return result
@@ -495,9 +511,17 @@ class DiskOffloadingManager(OffloadingManager):
         hashes, statuses, slots = log.block_hash[first:end], log.status[first:end], log.slot[first:end]
         corrupt_before = len(result.corrupt)
         if self._full_mask == 1 and not self._progress and statuses.count(LOG_OK) == len(statuses):
-            durable = self._apply_good_writes(hashes, slots)
+            durable = fold_good_writes(self._pending, hashes, slots)
         else:
-            durable = self._apply_log(hashes, statuses, log.rank[first:end], slots, result)
+            durable = fold_log(
+                self._pending,
+                self._progress,
+                self._full_mask,
+                (hashes, statuses, log.rank[first:end], slots),
+                result,
+                drop_corrupt=self._drop_corrupt,
+                free_failed=self._free_failed,
+            )
         self._log_seen = log.seq[end - 1]
         self._index_flusher.trim_to(self._log_seen)
         self._make_loadable(durable)
@@ -508,25 +532,6 @@ class DiskOffloadingManager(OffloadingManager):
         if len(result.corrupt) > corrupt_before:
             self._event(result.corrupt[corrupt_before:], removed=True)
         return True
-
-    def _apply_good_writes(self, hashes: list[bytes], slots: list[int]) -> list[tuple[bytes, int]]:
-        """``log_fold.fold_good_writes`` over the pending blocks."""
-        return fold_good_writes(self._pending, hashes, slots)
-
-    def _apply_log(
-        self, hashes: list[bytes], statuses: list[int], record_ranks: list[int], slots: list[int], result: RefreshResult
-    ) -> list[tuple[bytes, int]]:
-        """``log_fold.fold_log`` over the pending blocks; returns the ``(hash, slot)``
-        pairs that became durable on every rank, in log order."""
-        return fold_log(
-            self._pending,
-            self._progress,
-            self._full_mask,
-            (hashes, statuses, record_ranks, slots),
-            result,
-            drop_corrupt=self._drop_corrupt,
-            free_failed=self._free_failed,
-        )
 
     def _drop_corrupt(self, h: bytes, slot: int) -> bool:
         """A worker found loadable block ``h`` corrupt in ``slot``: drop it (freeing the
@@ -571,7 +576,7 @@ class DiskOffloadingManager(OffloadingManager):
         """How long the flusher waits between polls of the log: ``poll_interval`` while
         blocks are pending, else None (it does not poll)."""
         with self._lock:
-            polling = self.poll_interval is not None and bool(self._pending)
+            polling = self.poll_interval is not None and bool(self._pending or self._unread)
         return self.poll_interval if polling else None
 
     def _still_held(self, items: Iterable[tuple[bytes, int]]) -> set[tuple[bytes, int]]:

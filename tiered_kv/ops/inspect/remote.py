@@ -303,13 +303,17 @@ def _reader_sealed(reader: ServerConfig) -> bool | None:
     return bool(remote.get("key_file") or remote.get("key_env"))
 
 
-def read_differences(reader: ServerConfig, ns: RemoteNamespace) -> list[str]:
+def read_differences(reader: ServerConfig, ns: RemoteNamespace) -> list[str] | None:
     """Why a server with ``reader``'s config would not read namespace ``ns`` (empty: it
     would): its fingerprint, and the trust mode (a node with a key reads only sealed
-    namespaces, one without only plain ones)."""
-    if ns.fingerprint is None:
-        return ["no fingerprint recorded"]
-    out = reader.differences(ns.fingerprint.to_dict())
+    namespaces, one without only plain ones). None where that cannot be told: the
+    namespace has no fingerprint.json of its own id (expired by a lifecycle rule while
+    its fleet runs, deleted, or one copied from another namespace), so a tool that
+    deletes what no config reads must keep it."""
+    fp = ns.checked_fingerprint
+    if fp is None:
+        return None
+    out = reader.differences(fp.to_dict())
     sealed = _reader_sealed(reader)
     if sealed is not None and sealed != ns.sealed:
         out.append(
@@ -323,6 +327,8 @@ def read_differences(reader: ServerConfig, ns: RemoteNamespace) -> list[str]:
 
 def _reads(reader: ServerConfig, ns: RemoteNamespace) -> dict[str, Any]:
     d = read_differences(reader, ns)
+    if d is None:
+        return {"config": reader.path, "reads": None, "differences": [f"unknown: no {MANIFEST_NAME} of this namespace"]}
     return {"config": reader.path, "reads": not d, "differences": d}
 
 

@@ -501,11 +501,11 @@ def stream_header(chunks: Iterator[bytes | memoryview]) -> bytearray:
     """The first chunks of an arriving object, taken from ``chunks`` until they hold its
     whole header (as its ``header_len`` says), or until there are no more."""
     head = bytearray()
-    need = 14  # magic, version, header_len
+    need = 12  # magic (8 bytes), version (u16), header_len (u16): the layouts above
     for chunk in chunks:
         head += chunk
         if len(head) >= need:
-            need = max(need, int.from_bytes(head[12:14], "little"))
+            need = max(need, int.from_bytes(head[10:12], "little"))
             if len(head) >= need:
                 break
     return head

@@ -1,0 +1,112 @@
+"""The workers' log records belong to one store attempt: a record of an earlier store (or
+load) of the same block in the same slot, settled by its job before the manager read it,
+never settles, frees or drops a later store of that block. Real manager, real store, real
+LMDB; the only fault is a worker logging its write failed (``DiskStore.log_failed``, what
+a worker calls when its write will not happen) or a corrupt read (``drop_corrupt``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from support.disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
+from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
+from tiered_kv.disk.store.store import DiskStore
+
+A, B, C = (block_hash(name) for name in "ABC")
+
+
+@contextlib.contextmanager
+def engine(tmp_path, tp_size: int, capacity: int, poll_interval: float | None = None):
+    """A manager (scheduler) and a store (every rank's worker) on one cache directory."""
+    layout = small_layout()
+    fp = fingerprint(layout, tp_size=tp_size)
+    nbytes = disk_bytes_for(layout, capacity)
+    with (
+        DiskOffloadingManager(tmp_path, fp, layout, disk_bytes=nbytes, engine_id="e", poll_interval=poll_interval) as m,
+        DiskStore.open(tmp_path, fp, layout, disk_bytes=nbytes, io_backend="posix", engine_id="e") as s,
+    ):
+        yield m, s, layout
+
+
+def write(s, layout, rank: int, hashes: list[bytes], slots: list[int]) -> None:
+    assert all(s.write_blocks(rank, hashes, slots, content_rows(hashes, rank, layout, s.slot_size)))
+
+
+def slots_of(out) -> list[int]:
+    return out.store_spec.block_ids.tolist()
+
+
+@pytest.mark.parametrize("poll_interval", [None, 0.002])
+def test_a_failed_attempts_records_do_not_free_the_next_store_of_its_block(tmp_path, poll_interval):
+    with engine(tmp_path, tp_size=2, capacity=2, poll_interval=poll_interval) as (m, s, layout):
+        out = m.prepare_store([B])
+        for rank in (0, 1):
+            write(s, layout, rank, [B], slots_of(out))
+        m.complete_store([B])
+        first = m.prepare_store([A])
+        write(s, layout, 0, [A], slots_of(first))
+        s.log_failed(1, [A], slots_of(first))
+        m.complete_store([A], success=False)  # the job reports the failure before the log is read
+
+        again = m.prepare_store([A])
+        assert slots_of(again) == slots_of(first), "the freed slot is handed out again first"
+        m.refresh()
+        assert m.is_pending(A) and m.num_free_slots() == 0, "the old failure must not free the new store's slot"
+        other = m.prepare_store([C])
+        assert other is None or slots_of(other) != slots_of(again), "a slot still being written was handed out"
+
+        for rank in (0, 1):
+            write(s, layout, rank, [A], slots_of(again))
+        m.complete_store([A])
+        m.refresh()
+        assert m.lookup([A]) == 1 and m.stats.store_failures == 1
+        assert s.entry(A) is not None and s.entry(A).slot == slots_of(again)[0]
+
+
+def test_an_old_ok_record_does_not_make_a_new_store_loadable_before_it_is_written(tmp_path):
+    with engine(tmp_path, tp_size=1, capacity=2) as (m, s, layout):
+        first = m.prepare_store([A])
+        write(s, layout, 0, [A], slots_of(first))
+        m.complete_store([A])  # settled by its job: the ok record is not read yet
+        assert m.remove(A)
+        m.flush()
+        again = m.prepare_store([A])
+        assert slots_of(again) == slots_of(first)
+        m.refresh()
+        assert m.lookup([A]) == 0 and m.is_pending(A), "loadable before a byte of this store was written"
+        write(s, layout, 0, [A], slots_of(again))
+        m.complete_store([A])
+        assert m.lookup([A]) == 1 and m.stats.stores == 2
+
+
+def test_a_rank_failure_read_before_the_job_failed_does_not_fail_the_next_store(tmp_path):
+    with engine(tmp_path, tp_size=2, capacity=2) as (m, s, layout):
+        first = m.prepare_store([A])
+        s.log_failed(1, [A], slots_of(first))
+        assert m.refresh().failed == [A]  # read while rank 0 still writes: A waits for it
+        m.complete_store([A], success=False)
+        again = m.prepare_store([A])
+        for rank in (0, 1):
+            write(s, layout, rank, [A], slots_of(again))
+        assert m.refresh().durable == [A], "the first attempt's failure carried over to the second"
+        assert m.lookup([A]) == 1 and m.stats.store_failures == 1
+
+
+def test_a_failed_loads_corrupt_record_does_not_drop_the_block_stored_again(tmp_path):
+    with engine(tmp_path, tp_size=1, capacity=2) as (m, s, layout):
+        first = m.prepare_store([A])
+        write(s, layout, 0, [A], slots_of(first))
+        m.complete_store([A])
+        load = m.prepare_load([A])
+        s.index.drop_corrupt(0, [(A, int(load.block_ids[0]))])  # the worker found it corrupt
+        m.complete_load([A], success=False)
+        assert m.remove(A)  # e.g. evicted before the log was read
+        m.flush()
+        again = m.prepare_store([A])
+        assert slots_of(again) == slots_of(first)
+        write(s, layout, 0, [A], slots_of(again))
+        m.complete_store([A])
+        r = m.refresh()
+        assert r.corrupt == [] and m.lookup([A]) == 1, "the old read's corrupt record dropped the new copy"
