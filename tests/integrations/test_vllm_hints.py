@@ -373,6 +373,28 @@ def test_a_malformed_envelope_changes_nothing_and_is_counted(model_dir, tmp_path
     }
 
 
+def test_numbers_past_any_bound_in_an_envelope_are_malformed_never_raised():
+    """msgspec decodes a JSON integer of any size as a Python int, and vLLM types the
+    versions as strings only: neither may raise out of ``on_new_request`` (the engine's)."""
+    from tiered_kv.integrations.vllm.hints import parse_hints
+
+    def envelope(protocol="1", action="1", payload=None):
+        retain = {"action_type": "kv.retain", "action_version": action, "payload": payload or {"ttl_s": 5}}
+        return {"protocol_version": protocol, "actions": [retain]}
+
+    huge = "9" * 5000
+    cases = {
+        "ttl past float's range": (envelope(payload={"ttl_s": 10**400}), ("retain", "accepted")),
+        "protocol version of 5,000 digits": (envelope(protocol=huge), ("retain", "unsupported_version")),
+        "action version of 5,000 digits": (envelope(action=huge + ".0"), ("retain", "unsupported_version")),
+    }
+    for what, (raw, outcome) in cases.items():
+        actions, outcomes = parse_hints(raw, "req", max_ttl_s=60.0)
+        assert outcomes == {outcome: 1}, what
+    actions, _ = parse_hints(cases["ttl past float's range"][0], "req", max_ttl_s=60.0)
+    assert actions[0].ttl_s == 60.0 and isinstance(actions[0].ttl_s, float)
+
+
 def test_settings_read_their_keys_and_name_a_bad_value():
     raw = {"prefetch_waiting": False, "prefetch_max_bytes": "64MiB", "lease_budget": 0.1, "lease_max_ttl_s": 60}
     got = HintSettings.from_config(TieredConfig.from_dict(raw))

@@ -361,6 +361,46 @@ def test_a_connector_cache_reset_empties_every_tier(model_dir, tmp_path, monkeyp
         assert _serve(h, late).external == 0
 
 
+def test_a_store_that_fails_while_a_reset_waits_for_its_jobs_is_not_served(model_dir):
+    """After a reset vLLM waits for the jobs in flight (its fence) while new ones run. A
+    new store job that fails, reported in the same worker output as the fence's last job,
+    keeps its failure mark: only the fenced jobs' slots are forgotten when the fence ends.
+    The worker is played by hand ("ack"): it marks a failed job's slots before reporting
+    it, as ``TieredVllmWorker._fail`` does."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    config = {**SPEC, "cpu_bytes": f"{16 * GPU_BLOCK_BYTES}B", "block_size": BLOCK}
+    with vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="ack") as h:
+        m, jobs = h.manager, {}
+
+        def step(report=(), failed_keys=()):
+            out = h.scheduler.schedule()
+            jobs.update(dict.fromkeys(out.kv_connector_metadata.store_jobs, "store"))
+            m.health.mark_bad([m.composite.cpu.slot_of(k) for k in failed_keys])
+            done = OffloadingWorkerMetadata()
+            for job in report:
+                done.mark_completed(job)
+                jobs.pop(job)
+            output = KVConnectorOutput(kv_connector_worker_meta=done if report else None)
+            h.scheduler.update_from_output(out, h._model_output(out, output))
+
+        h.add_request(_prompt(21, 3 * BLOCK + 1), max_tokens=2)
+        for _ in range(4):
+            step()
+        fenced = list(jobs)
+        assert fenced and h.scheduler.reset_prefix_cache(reset_connector=True)
+        late = _prompt(22, 3 * BLOCK + 1)
+        h.add_request(late, max_tokens=2)
+        for _ in range(4):
+            step()
+        failing = [job for job in jobs if job not in fenced]
+        reserved = [k for k in _keys(late) if k in m.composite.cpu]
+        assert failing and reserved
+        step(report=fenced + failing, failed_keys=reserved)
+        assert not any(m.composite.cpu.is_loadable(k) for k in _keys(late)), "a failed store's chunks are served"
+
+
 def test_tier_metrics_reach_vllms_prometheus_side(model_dir, tmp_path):
     with _build(model_dir, cpu_chunks=2, disk=tmp_path / "disk") as h:
         a, b = _prompt(12, 2 * BLOCK + 1), _prompt(13, 2 * BLOCK + 1)

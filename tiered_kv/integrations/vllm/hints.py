@@ -82,7 +82,7 @@ MAX_LEASE_ID = 256
 MAX_LEASES = 4096
 #: Actions read per envelope; the rest are counted as ``too_many``.
 MAX_ACTIONS = 16
-_VERSION = re.compile(r"(\d+)(?:\.\d+)*")
+_VERSION = re.compile(r"(\d{1,9})(?:\.\d{1,9}){0,7}")  # bounded: int() of 4,300 digits raises
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def _action(kind: str, payload: Any, req_id: str, max_ttl_s: float) -> Action | 
     ttl = payload.get("ttl_s", DEFAULT_TTL_S)
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < math.inf:
         return None
-    return Action(RETAIN, lease_id, min(float(ttl), max_ttl_s))
+    return Action(RETAIN, lease_id, min(ttl, max_ttl_s) * 1.0)  # an int past float's range: no float()
 
 
 def request_keys(req_context: ReqContext) -> list[BlockHash]:

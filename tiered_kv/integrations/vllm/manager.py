@@ -193,6 +193,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._open_stores: Counter[bytes] = Counter()
         self._abandoned_loads: Counter[bytes] = Counter()
         self._abandoned_stores: Counter[bytes] = Counter()
+        self._abandoned_slots: set[int] = set()  # CPU slots those jobs write: their failure marks
         self._failure_counts: Counter[str] = Counter()
         self._increases = CounterIncreases()
         self._waiting: set[str] = set()  # requests neither scheduled nor loading yet
@@ -540,6 +541,11 @@ class TieredVllmManager(OffloadingManager, Closing):
         flight are released in ``on_reset_flushed``."""
         self._abandoned_loads += self._open_loads
         self._abandoned_stores += self._open_stores
+        # Only these slots' marks are forgotten once the jobs end: a job submitted after the
+        # reset may fail meanwhile, and its mark must keep its chunks from being served.
+        cpu = self.composite.cpu
+        self._abandoned_slots.update(s for key in self._open_stores if (s := cpu.slot_of(key)) is not None)
+        self._abandoned_slots.update(self._promote_slots.values())
         self._open_loads.clear()
         self._open_stores.clear()
         self._promote_slots.clear()
@@ -556,7 +562,8 @@ class TieredVllmManager(OffloadingManager, Closing):
             self.composite.complete_load(list(loads.elements()), success=False)
         if stores:
             self.composite.complete_store(list(stores), success=False)
-        self.health.clear()
+        slots, self._abandoned_slots = self._abandoned_slots, set()
+        self.health.take_bad(slots)
         self._evict_all()
 
     def _evict_all(self) -> None:
