@@ -273,16 +273,17 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def pinned_fields(extra: Mapping[str, Any], *, model: str | None = None) -> dict[str, Any]:
     """The fingerprint fields a server with extra config ``extra`` is bound to, whatever
-    its engine's geometry: ``model_id``, ``model_revision``, ``hash_seed`` and
-    ``block_size`` where the config sets them, ``hash_algorithm``, and the weights
-    digest of ``model_path``. ``model`` is the server's model (vLLM's ``--model``: a
+    its engine's geometry: ``model_id``, ``hash_seed`` and ``block_size`` where the
+    config sets them, ``hash_algorithm``, and the weights digest of ``model_path``. Not
+    ``model_revision``: vLLM's ``--revision`` overrides the config's, so a tool that
+    judges which namespaces a server reads cannot know it. ``model`` is the server's model (vLLM's ``--model``: a
     directory or a hub id in the local HF cache) for a config that sets no
     ``model_id`` or ``model_path``: vLLM fills those in from it. Raises ``ConfigError``."""
     from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, TieredConfig
 
     cfg = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
     out: dict[str, Any] = {"hash_algorithm": cfg.hash_algorithm}
-    for key in ("model_id", "model_revision", "hash_seed", "block_size"):
+    for key in ("model_id", "hash_seed", "block_size"):
         if key in extra:
             out[key] = getattr(cfg, key)
     if "model_id" not in out and model is not None:

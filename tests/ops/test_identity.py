@@ -361,6 +361,25 @@ def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, t
     assert "nope.json does not exist" in bad.stderr
 
 
+def test_clear_keeps_namespaces_that_only_the_servers_own_flags_tell_apart(model_dir, tmp_path, monkeypatch):
+    """A hash seed the config leaves to the server's ``PYTHONHASHSEED`` and the revision
+    vLLM's ``--revision`` sets are the server's, not the config's: the tool cannot know
+    them, so ``clear --unread-by`` keeps a namespace that differs only there."""
+    cache = tmp_path / "cache"
+    live = write_transfer_config(
+        tmp_path / "live.json",
+        {"disk_path": str(cache), "disk_bytes": "8MiB", "block_size": GPU_BLOCK, "model_id": "tiny-llama"},
+    )
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    warm(model_dir, server_config(tmp_path, model_dir), "vllm")  # a server run with PYTHONHASHSEED=42
+    monkeypatch.delenv("PYTHONHASHSEED")
+    warm(model_dir, server_config(tmp_path, model_dir, model_revision="v2"), "vllm")  # `vllm serve --revision v2`
+    seeds = sorted((ns.fingerprint.hash_seed, ns.fingerprint.model_revision) for ns in list_namespaces(cache))
+    assert seeds == [("", "v2"), ("42", "main")]
+    args = ("inspect", "clear", str(cache), "--unread-by", str(live), "--model", str(model_dir), "--yes", "--json")
+    assert json.loads(run_cli(*args).stdout)["removed"] == [] and len(list_namespaces(cache)) == 2
+
+
 def test_config_command_takes_the_model_from_its_directory_and_prints_the_namespace(model_dir, tmp_path):
     args = (
         "config",

@@ -194,13 +194,14 @@ def summarize_cache(cache: CacheDir) -> dict[str, Any]:
 
 
 #: Fingerprint fields a vLLM server derives beyond those its config pins
-#: (``pinned_fields``): compared where vLLM's namespace can be computed here.
+#: (``pinned_fields``): compared where vLLM's namespace can be computed here. Not the
+#: revision (vLLM's ``--revision``) nor a hash seed the config leaves to the server's
+#: ``$PYTHONHASHSEED``: like TP, settings of the server this tool cannot know, so a
+#: namespace that differs only there is never judged unread.
 VLLM_FIELDS = (
     "block_size",
     "layer_geometry",
     "kv_layout",
-    "model_revision",
-    "hash_seed",
     "model_settings",
     "attention_backend",
 )
