@@ -210,6 +210,27 @@ def test_a_named_requests_uses_are_one_turn_however_long_its_prefill():
         assert [chained.holds(b) for b in hs(4, 5)] == [named, named]
 
 
+def test_a_busy_sessions_requests_never_grow_its_chain_past_the_budget():
+    """An agent's requests under ``TURN_GAP_S`` apart, one session, none containing the
+    last one's tail: each is its own request, so the chain is the longest of them, never
+    their sum (which made every use cost more, without end, on the scheduler's thread)."""
+    clock = Clock()
+    retention = SessionRetention(64, 0.5, clock=clock)
+    ids = count(100)
+    for i in range(200):
+        clock.now = i * 0.5
+        retention.observe(hs(*islice(ids, 8)), "agent", request=f"r{i}")
+    (s,) = retention._sessions.values()
+    assert len(s.chain) == 8 and retention.counts["returns"] == 0
+    # Without request names a session's uses add up as one turn's steps: up to the budget.
+    unnamed = SessionRetention(64, 0.5, clock=clock)
+    unnamed.session = "agent"
+    for i in range(20):
+        unnamed.observe(hs(*islice(ids, 8)))
+    (s,) = unnamed._sessions.values()
+    assert len(s.chain) == unnamed.budget == 32
+
+
 def test_ttl_is_a_bounded_quantile_of_the_gaps():
     clock = Clock()
     retention = SessionRetention(64, 0.5, quantile=0.5, min_ttl_s=3, max_ttl_s=50, clock=clock)

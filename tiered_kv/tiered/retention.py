@@ -25,7 +25,9 @@ stored a step at a time is still found by its next turn. Where the caller names 
 request a use is of (``observe``'s ``request``: under vLLM its id), a request's uses
 are one turn of one session however long its prefill takes, its later steps found by
 the request; other uses of a session less than ``TURN_GAP_S`` apart are one turn too
-(a request's load and its store arrive together).
+(a request's load and its store arrive together), though another named request of it
+(an agent's parallel calls) takes the turn's chain over only where it is longer. A
+chain is at most the budget, head first.
 
 Gaps and holds. The gap between a session's turns is recorded over a window of recent
 gaps (all sessions together, since one session has few). The hold time (TTL) is the
@@ -238,8 +240,10 @@ class SessionRetention:
             s.turns += 1
             self.counts["returns"] += 1
             s.chain = list(block_hashes)
-        elif (named is not None or same_request) and s.tail not in block_hashes:
-            s.chain = s.chain + list(block_hashes)  # the turn's next step
+        elif (same_request or named is not None and request is None) and s.tail not in block_hashes:
+            # The turn's next step. Never more than the budget, head first: a busy
+            # session's requests, under TURN_GAP_S apart, must not grow it without end.
+            s.chain = (s.chain + list(block_hashes))[: self.budget]
         elif len(block_hashes) >= len(s.chain):
             s.chain = list(block_hashes)
         s.last, s.request = now, request
