@@ -415,8 +415,8 @@ class Engine:
         for action in r.ctx.kv_hints.actions if r.ctx.kv_hints is not None else ():
             if (lease_id := action.payload.get("lease_id")) is not None:
                 kind = action.action_type
-                # A lease past its TTL stays in the book until the next step's end drops it.
-                live = lease_id in held and held[lease_id].expires > self.events.now
+                # A lease past its TTL stays in the book until the next step's end drops it (no tenants here).
+                live = (None, lease_id) in held and held[None, lease_id].expires > self.events.now
                 count.update({kind: 1, f"{kind}.again": lease_id in seen, f"{kind}.held": live})
                 seen.add(lease_id)
         self.manager.on_new_request(r.ctx)

@@ -76,9 +76,9 @@ def _envelope(*actions: KvHintAction, protocol: str = "0.1") -> KvHintsEnvelope:
     return KvHintsEnvelope(protocol_version=protocol, message_id="m-1", actions=list(actions))
 
 
-def _add(h: vh.VllmHarness, prompt: list[int], hints=None, max_tokens: int = 1, params=None) -> str:
-    """``h.add_request`` with a KV-hints envelope (and ``kv_transfer_params``), as vLLM's
-    engine hands them over."""
+def _add(h: vh.VllmHarness, prompt: list[int], hints=None, max_tokens: int = 1, params=None, tenant=None) -> str:
+    """``h.add_request`` with a KV-hints envelope (and ``kv_transfer_params``, and a
+    tenant's ``cache_salt``), as vLLM's engine hands them over."""
     req_id = f"hinted-{len(h.scheduler.requests)}-{time.monotonic_ns()}"
     hash_fn = get_hash_fn_by_name(h.vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
@@ -91,13 +91,14 @@ def _add(h: vh.VllmHarness, prompt: list[int], hints=None, max_tokens: int = 1, 
         pooling_params=None,
         block_hasher=get_request_block_hasher(h.block_size, hash_fn),
         kv_hints=hints,
+        cache_salt=tenant,
     )
     h.scheduler.add_request(request)
     return req_id
 
 
-def _serve(h: vh.VllmHarness, prompt: list[int], hints=None) -> vh.PrefixHit:
-    req_id = _add(h, prompt, hints)
+def _serve(h: vh.VllmHarness, prompt: list[int], hints=None, tenant=None) -> vh.PrefixHit:
+    req_id = _add(h, prompt, hints, tenant=tenant)
     h.settle()
     return h.prefix_hits[req_id]
 
@@ -129,7 +130,7 @@ def test_a_retained_prefix_stays_in_cpu_through_an_eviction_storm_and_goes_once_
         assert not any(m.composite.cpu.is_loadable(k) for k in _keys(lost))
         assert m.hints.snapshot()["pinned_blocks"] == {"cpu": CHUNKS}
         # Served from the CPU tier, with the prefix's bytes, and the load renews the lease.
-        lease = m.hints.leases.leases["session-1"]
+        lease = m.hints.leases.leases[None, "session-1"]
         before = lease.expires
         h.reset_gpu_prefix_cache()
         _zero_gpu(h)
@@ -411,6 +412,23 @@ def test_settings_read_their_keys_and_name_a_bad_value():
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             TieredConfig.from_dict(raw)
+
+
+def test_a_lease_id_names_a_lease_within_its_tenant_only(model_dir):
+    """Tenants (``cache_salt``) name leases independently: another tenant's release or
+    retain of the same ``lease_id`` neither ends nor takes over this one's lease."""
+    with _build(model_dir) as h:
+        m = _manager(h)
+        alice, bob = _prompt(1, CHUNKS * BLOCK + 5), _prompt(3, 2 * BLOCK + 5)
+        retain = _envelope(_action("kv.retain", {"ttl_s": 600, "lease_id": "chat-1"}))
+        _serve(h, alice, retain, tenant="alice")
+        _serve(h, _prompt(2, 20), _envelope(_action("kv.release", {"lease_id": "chat-1"})), tenant="bob")
+        _serve(h, bob, retain, tenant="bob")
+        leases = m.hints.leases.leases
+        assert set(leases) == {("alice", "chat-1"), ("bob", "chat-1")}
+        kept = leases["alice", "chat-1"].keys  # salted by the tenant: not _keys(alice)
+        assert len(kept) == CHUNKS and not set(kept) & set(leases["bob", "chat-1"].keys)
+        assert all(k in m.hints.leases._pinned for k in kept), "another tenant unpinned this tenant's lease"
 
 
 def test_a_release_ends_its_lease_when_the_releasing_request_ends(model_dir):

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from types import FrameType
 from dataclasses import dataclass
 from typing import Any
@@ -90,8 +91,20 @@ class RequestSession:
         session_id = getattr(request, "session_id", None)
         if not session_id:
             return None
-        tenant = getattr(request, "cache_salt", None)
-        return cls(None if tenant is None else _kept(str(tenant)), _kept(str(session_id)))
+        return cls(request_tenant(request), _kept(str(session_id)))
+
+
+#: The tenant (``cache_salt``, kept as ``RequestSession`` keeps it) of the request whose
+#: ``on_new_request`` runs now: vLLM builds the ``ReqContext`` it hands the manager inside
+#: that call, without the tenant, so ``TieredOffloadingConnector`` sets this around it.
+#: None under a connector that does not (vLLM's own): then one tenant's names are all's.
+REQUEST_TENANT: ContextVar[str | None] = ContextVar("tiered_kv_request_tenant", default=None)
+
+
+def request_tenant(request: Any) -> str | None:
+    """The tenant of vLLM's ``request`` (its ``cache_salt``), or None."""
+    tenant = getattr(request, "cache_salt", None)
+    return None if tenant is None else _kept(str(tenant))
 
 
 def _kept(text: str) -> str:

@@ -70,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiered_kv.cost import LoadCosts
-from tiered_kv.integrations.vllm.common import RequestSession
+from tiered_kv.integrations.vllm.common import REQUEST_TENANT, RequestSession, request_tenant
 from tiered_kv.prefill import prefill_work
 from tiered_kv.worker.forward_timer import ForwardTimer
 
@@ -158,7 +158,11 @@ class TieredOffloadingConnector(OffloadingConnector):
             _RECOMPUTING.reset(token)
 
     def on_new_request(self, request: Any) -> None:
-        super().on_new_request(request)
+        token = REQUEST_TENANT.set(request_tenant(request))  # hints scope lease ids by it
+        try:
+            super().on_new_request(request)
+        finally:
+            REQUEST_TENANT.reset(token)
         session, scheduler = RequestSession.of(request), self.connector_scheduler
         if session is None or scheduler is None:
             return

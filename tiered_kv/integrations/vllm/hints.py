@@ -12,7 +12,8 @@ component that implements the action. This one implements three, all version ``1
 - ``kv.retain``: a lease on this request's prefix. Payload: ``ttl_s`` (seconds, a
   number > 0; default ``DEFAULT_TTL_S``, at most ``HintSettings.max_ttl_s``) and
   ``lease_id`` (a non-empty string of at most ``MAX_LEASE_ID`` characters; default the
-  request's id). While the lease holds, each chunk of the prefix is pinned in the
+  request's id), a name within the request's tenant (its ``cache_salt``, under
+  ``TieredOffloadingConnector``): another tenant's equal id is another lease. While the lease holds, each chunk of the prefix is pinned in the
   fastest tier of this node that holds it (CPU first, then a local lower tier; a
   fleet's shared tier is never pinned), as its stores land; a load of a leased chunk
   renews the lease for another ``ttl_s``. A ``kv.retain`` with a ``lease_id`` already
@@ -66,6 +67,7 @@ from vllm.v1.kv_offload.base import ReqContext
 
 from tiered_kv.abstract import BlockHash, LowerTier
 from tiered_kv.config import TieredConfig
+from tiered_kv.integrations.vllm.common import REQUEST_TENANT
 from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.metrics import HINT_ACTIONS, LEASE_PINNED_BYTES, LEASES, PREFETCH_HELD_BYTES, TIER_BLOCKS, CounterValue
 from tiered_kv.tiered.manager import TieredOffloadingManager
@@ -80,6 +82,8 @@ DEFAULT_TTL_S = 300.0
 MAX_LEASE_ID = 256
 #: Leases held at most; a new one past it ends the one nearest its end.
 MAX_LEASES = 4096
+#: A lease's key: the request's tenant (None: none named) and the lease id it gave.
+LeaseId = tuple[str | None, str]
 #: Actions read per envelope; the rest are counted as ``too_many``.
 MAX_ACTIONS = 16
 _VERSION = re.compile(r"(\d{1,9})(?:\.\d{1,9}){0,7}")  # bounded: int() of 4,300 digits raises
@@ -202,8 +206,8 @@ class LeaseBook:
 
     def __init__(self, tiers: Sequence[Any], names: Sequence[str], budget: Sequence[int]):
         self.tiers, self.names, self.budget = list(tiers), list(names), list(budget)
-        self.leases: dict[str, Lease] = {}
-        self._leases_of: dict[BlockHash, set[str]] = {}
+        self.leases: dict[LeaseId, Lease] = {}
+        self._leases_of: dict[BlockHash, set[LeaseId]] = {}
         self._rank: dict[BlockHash, int] = {}  # a leased block's place in its lease's prefix
         self._pinned: dict[BlockHash, int] = {}  # block -> the tier holding its pin
         self.pinned = [0] * len(self.tiers)
@@ -212,7 +216,7 @@ class LeaseBook:
         self.clipped = 0  # leased chunks left unpinned for want of budget
         self._freed = False  # a pin was dropped since the last retry
 
-    def hold(self, lease_id: str, ttl_s: float, now: float) -> None:
+    def hold(self, lease_id: LeaseId, ttl_s: float, now: float) -> None:
         """Hold lease ``lease_id`` (created empty, or renewed) for ``ttl_s`` from now."""
         lease = self.leases.get(lease_id)
         if lease is None:
@@ -222,7 +226,7 @@ class LeaseBook:
         else:
             lease.ttl_s, lease.expires = ttl_s, max(lease.expires, now + ttl_s)
 
-    def retain(self, lease_id: str, keys: Sequence[BlockHash], ttl_s: float, now: float) -> None:
+    def retain(self, lease_id: LeaseId, keys: Sequence[BlockHash], ttl_s: float, now: float) -> None:
         """Lease ``lease_id`` covers ``keys`` (replacing what it covered) for ``ttl_s`` from now."""
         lease = self.leases.get(lease_id)
         if lease is not None:
@@ -233,13 +237,13 @@ class LeaseBook:
             self._rank[key] = min(i, self._rank.get(key, i))
         self.pin_where_held(keys)
 
-    def release(self, lease_id: str) -> bool:
+    def release(self, lease_id: LeaseId) -> bool:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
             self._drop_keys(lease_id, lease.keys)
         return lease is not None
 
-    def _drop_keys(self, lease_id: str, keys: Iterable[BlockHash]) -> None:
+    def _drop_keys(self, lease_id: LeaseId, keys: Iterable[BlockHash]) -> None:
         for key in keys:
             holders = self._leases_of.get(key)
             if holders is None:
@@ -336,7 +340,8 @@ class _Request:
     context: ReqContext
     actions: list[Action] = field(default_factory=list)
     started: bool = False  # loading or scheduled: its own prefetch is over
-    releases: list[str] = field(default_factory=list)  # leases it ends when it ends
+    tenant: str | None = None  # the scope of its lease ids
+    releases: list[LeaseId] = field(default_factory=list)  # leases it ends when it ends
 
 
 class KvHints:
@@ -413,10 +418,10 @@ class KvHints:
             outcomes[("prefetch", "unsupported")] += outcomes.pop(("prefetch", "accepted"))
             actions = [a for a in actions if a.kind != PREFETCH]
         self._note(outcomes, req_id)
-        request = _Request(req_context)
+        request = _Request(req_context, tenant=REQUEST_TENANT.get())
         now = self.clock()
         for action in actions:
-            lease_id = action.lease_id or req_id
+            lease_id = (request.tenant, action.lease_id or req_id)
             if action.kind == RELEASE:
                 request.releases.append(lease_id)
                 continue
@@ -442,7 +447,7 @@ class KvHints:
             return
         self._awaiting_keys.discard(req_id)
         for action in request.actions:
-            lease_id = action.lease_id or req_id
+            lease_id = (request.tenant, action.lease_id or req_id)
             if action.kind == RETAIN and lease_id in self.leases.leases:  # not released since
                 self.leases.retain(lease_id, keys, action.ttl_s, self.clock())
             elif action.kind == PREFETCH and self.prefetcher is not None:
