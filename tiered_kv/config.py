@@ -130,6 +130,17 @@ def admit_after(write_admission: Any, tier_name: str) -> int:
     return int(m.group(1)) if m else 1
 
 
+def _check_tier_names(write_admission: Any, names: list[str]) -> None:
+    """A ``write_admission`` mapping names lower tiers the config has (where it has any:
+    a tool may add the disk tier later, ``--disk-path``); a typo would leave a tier at
+    ``all`` without a word."""
+    for name in write_admission if isinstance(write_admission, Mapping) and names else ():
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"write_admission: no lower tier is named {show(name)}{hint} (tiers: {', '.join(names)})")
+
+
 def _parse_number(value: Any, key: str, low: float, high: float, what: str, *, open_low: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}: expected a number, got {show(value)}")
@@ -334,6 +345,7 @@ class TieredConfig:
                     hint = f": {OTHER_SPECS_KEYS[key]}."
                 raise ConfigError(f"unknown config key {show(key)}{hint} Known keys: {', '.join(known)}")
         values["tiers"] = fold_shorthands(shorthands, raw.get("tiers", []))
+        _check_tier_names(values.get("write_admission"), [e.name for e in values["tiers"]])
         return cls(**values, passthrough=passthrough)
 
     def tier_entries(self) -> tuple[TierEntry, ...]:

@@ -121,6 +121,10 @@ def test_output_file_matches_stdout(tmp_path):
     )
     assert json.loads(target.read_text()) == cfg
     assert cfg["kv_connector_extra_config"]["model_id"] == "tiny"
+    missing = tmp_path / "no-such-dir" / "kv.json"
+    result = _run("--preset", "llama-3.1-8b", "-o", str(missing))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"error: --output {missing}: No such file or directory" in result.output
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,10 @@ def from_json(text: str) -> TieredConfig:
         ('{"disk_path": false}', "disk_path: expected a directory path (a string), got false"),
         ('{"disk_path": 5}', "disk_path: expected a directory path (a string), got 5"),
         ('{"disk_path": {"dir": "/x"}}', "disk_path: expected a directory path (a string)"),
+        (
+            '{"disk_path": "/x", "write_admission": {"dsik": "reuse(3)"}}',
+            "write_admission: no lower tier is named 'dsik'; did you mean 'disk'? (tiers: disk)",
+        ),
     ],
 )
 def test_bad_values_are_errors_naming_the_key(text, words):

@@ -282,7 +282,10 @@ def config(
         typer.echo(f"warning: {' '.join(warning.split())}", err=True)
     text = json.dumps(kv_config, indent=2)
     if output is not None:
-        output.write_text(text + "\n")
+        try:
+            output.write_text(text + "\n")
+        except OSError as e:
+            fail(f"--output {output}: {e.strerror or e}", as_json)
     if as_json:
         sys.stdout.write(text + "\n")
         return
