@@ -116,6 +116,31 @@ def test_a_healthy_copy_of_the_template_starts_and_serves(template, tmp_path):
     assert cd.inspect("verify", str(tmp_path / "cache"))[0] == 0
 
 
+def test_an_operator_running_the_tools_as_root_leaves_no_entry_of_root_in_a_users_cache(template, tmp_path):
+    """The cache is another user's (the engine's); root runs the read-only summary on an
+    index whose lock.mdb a backup left out, then repairs a damaged index. Whatever the
+    tools make there is that user's: an entry of root's would stop the engine's next
+    start (``CacheEntryError``, as above)."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(template, cache)
+    for p in [cache, *cache.rglob("*")]:
+        os.chown(p, cd.OTHER_UID, cd.OTHER_UID, follow_symlinks=False)
+    ns_dir = cd.namespace_dirs(cache)[0]
+
+    def roots() -> list[str]:
+        return [str(p) for p in [cache, *cache.rglob("*")] if os.lstat(p).st_uid == 0]
+
+    (ns_dir / "index.lmdb" / "lock.mdb").unlink()
+    assert cd.inspect("summary", str(cache))[0] == 0
+    assert roots() == [], "the read-only summary made an entry of root's"
+    cd.damage_index(ns_dir / "index.lmdb" / "data.mdb")
+    code, text = cd.inspect("verify", "--repair", str(cache))
+    assert code == 0 and "now verifies clean" in text, text
+    assert roots() == [], "the repair made entries of root's"
+
+
 _HEALTH_CASES = """
 import json, os, sys
 sys.path[:0] = {paths!r}

@@ -47,6 +47,21 @@ T = TypeVar("T")
 
 DATA = "data.mdb"
 LOCK = "lock.mdb"
+
+
+def _give_to_dir_owner(index_fd: int) -> None:
+    """The files LMDB just made as root (an operator's ``inspect verify --repair``) in
+    another user's index go to that user, the directory's owner: as root's, the engine
+    would refuse them at its next start."""
+    owner = os.fstat(index_fd).st_uid
+    if os.geteuid() != 0 or owner == 0:
+        return
+    for name in (DATA, LOCK):
+        try:
+            if os.stat(name, dir_fd=index_fd, follow_symlinks=False).st_uid == 0:
+                os.chown(name, owner, -1, dir_fd=index_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
 #: Left in the index directory by a writer that met damage at run time.
 DAMAGE_MARK = "damaged"
 QUARANTINE_SUFFIX = ".corrupt"
@@ -188,7 +203,11 @@ class SharedEnv(Closing):
         try:
             if readonly:
                 try:
-                    env = lmdb.open(where, lock=True, **kwargs)
+                    # Without lock.mdb no engine has the index open (a writer keeps it), and
+                    # an inspector must not make it: as another user (root) it would be
+                    # theirs, and the engine would refuse it at its next start.
+                    locked = os.path.exists(os.path.join(where, LOCK))
+                    env = lmdb.open(where, lock=locked, **kwargs)
                 except CORRUPTION:
                     raise
                 except lmdb.Error as e:
@@ -203,6 +222,7 @@ class SharedEnv(Closing):
                     env = lmdb.open(where, lock=False, **kwargs)
             else:
                 env = lmdb.open(where, map_size=map_size, **kwargs)
+                _give_to_dir_owner(index_fd)
         except CORRUPTION as e:
             raise IndexCorruptError(path, f"{type(e).__name__}: {e}") from e
         try:

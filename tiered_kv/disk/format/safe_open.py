@@ -109,6 +109,16 @@ def _owner(owner: int | None) -> int:
     return os.geteuid() if owner is None else owner
 
 
+def _give_to_owner(fd: int, st: os.stat_result, owner: int) -> os.stat_result:
+    """An entry root just made in another user's cache (an operator's tool run as root:
+    ``inspect verify --repair``, ``evict``) is given to that user, whose engine would
+    otherwise refuse it at its next start."""
+    if st.st_uid == 0 != owner != ANY_OWNER and os.geteuid() == 0:
+        os.fchown(fd, owner, -1)
+        return os.fstat(fd)
+    return st
+
+
 def open_file(
     name: str | os.PathLike,
     flags: int,
@@ -151,6 +161,8 @@ def open_file(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CacheEntryError(path, _kind(st.st_mode))
+        if create:
+            st = _give_to_owner(fd, st, _owner(owner))
         check_owner(st, path, _owner(owner))
         if fix_mode and st.st_mode & 0o077:
             os.fchmod(fd, FILE_MODE)
@@ -189,6 +201,8 @@ def open_dir(
         raise
     try:
         st = os.fstat(fd)
+        if create:
+            st = _give_to_owner(fd, st, _owner(owner))
         check_owner(st, path, _owner(owner), "a directory")
         if fix_mode and st.st_mode & 0o077:
             os.fchmod(fd, DIR_MODE)
