@@ -345,7 +345,10 @@ class TieredConfig:
                     hint = f": {OTHER_SPECS_KEYS[key]}."
                 raise ConfigError(f"unknown config key {show(key)}{hint} Known keys: {', '.join(known)}")
         values["tiers"] = fold_shorthands(shorthands, raw.get("tiers", []))
-        _check_tier_names(values.get("write_admission"), [e.name for e in values["tiers"]])
+        names = [e.name for e in values["tiers"]]
+        if len(set(names)) != len(names):  # as build_tiers refuses them, for the tools before a server
+            raise ConfigError(f"tiers: every lower tier needs its own name; got {', '.join(names)}")
+        _check_tier_names(values.get("write_admission"), names)
         return cls(**values, passthrough=passthrough)
 
     def tier_entries(self) -> tuple[TierEntry, ...]:

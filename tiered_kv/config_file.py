@@ -25,7 +25,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, TieredConfig
 from tiered_kv.config_values import ConfigError
+from tiered_kv.vllm_extra import VLLM_TIER_KEYS, parse_extra_config, parse_tier_config
 
 TIERED_SPEC = "TieredOffloadingSpec"
 #: The kv-transfer settings that run ``TieredOffloadingSpec`` under our subclass of vLLM's
@@ -42,8 +44,6 @@ TIERING_SPEC = "TieringOffloadingSpec"
 #: ``type`` of our disk tier in a ``secondary_tiers`` entry, and its module.
 DISK_TIER_TYPE = "TieredDiskTier"
 DISK_TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
-#: Keys of a ``secondary_tiers`` entry that are vLLM's (its factory reads them).
-VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
 #: Keys of ``TieringOffloadingSpec``'s extra config that also mean something to our tier:
 #: the chunk's size, which the tier's keys and namespace follow.
 _TIERING_SHARED_KEYS = ("block_size", "blocks_per_chunk")
@@ -104,6 +104,17 @@ class ServerConfigFile:
             {**t, "disk_path": path} if _is_disk_tier(t) else t for t in given["secondary_tiers"]
         ]
         return replace(self, extra={**self.extra, "disk_path": path}, server_extra=given)
+
+    def config(self, tp: int | None = None) -> TieredConfig:
+        """The config the server runs at tensor-parallel size ``tp`` (``extra_for``),
+        validated as its spec validates it (``tiered_kv.vllm_extra``: what the server
+        refuses, a tool refuses too). Raises ``ConfigError`` naming the file."""
+        try:
+            if self.spec_name == TIERING_SPEC:  # its entry was checked when the file was read
+                return TieredConfig.from_dict(self.extra_for(tp), passthrough_keys=VLLM_PASSTHROUGH_KEYS)
+            return parse_extra_config(self.extra_for(tp))
+        except ConfigError as e:
+            raise ConfigError(f"config {self.path}: {e}") from None
 
     def extra_for(self, tp: int | None = None) -> dict[str, Any]:
         """``extra`` with ``cpu_bytes`` per rank at tensor-parallel size ``tp`` (default:
@@ -206,6 +217,10 @@ def _tiering(extra: Mapping[str, Any], p: Path) -> tuple[dict[str, Any], int | N
             f'expected one ({{"type": "{DISK_TIER_TYPE}", "module_path": "{DISK_TIER_MODULE}", '
             f'"disk_path": ..., "disk_bytes": ...}})'
         )
+    try:
+        parse_tier_config(ours[0])  # as the tier itself checks its entry when vLLM builds it
+    except ConfigError as e:
+        raise ConfigError(f"config {p}: secondary_tiers[{DISK_TIER_TYPE}]: {e}") from None
     out = {k: v for k, v in ours[0].items() if k not in VLLM_TIER_KEYS}
     for key in _TIERING_SHARED_KEYS:
         if key in extra and key not in out:

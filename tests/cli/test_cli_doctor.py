@@ -129,6 +129,42 @@ def test_a_config_the_server_refuses_fails(tmp_path):
     assert code == 2 and "does not exist" in by_name(data)["config"]["message"]
 
 
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"canonical_layout": True}, "canonical_layout: not supported by TieredOffloadingSpec"),
+        ({"offload_prompt_only": "false"}, "offload_prompt_only: expected true or false (a JSON boolean)"),
+        ({"blocks_per_chunk": "2"}, "blocks_per_chunk: expected a positive integer"),
+        (
+            {"disk_path": "/srv/a", "tiers": [{"type": "disk", "path": "/srv/b"}]},
+            "tiers: every lower tier needs its own name; got disk, disk",
+        ),
+        (
+            {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": 1 << 30,
+                "secondary_tiers": [
+                    {
+                        "type": "TieredDiskTier",
+                        "module_path": "tiered_kv.integrations.vllm.secondary_tier",
+                        "disk_path": "/srv/a",
+                        "write_policy": "write_back",
+                    }
+                ],
+            },
+            "write_policy: not a setting of the TieredDiskTier secondary tier",
+        ),
+    ],
+)
+def test_the_doctor_refuses_what_the_runtime_refuses(tmp_path, extra, words):
+    """The tools validate a config with the spec's own parser (``tiered_kv.vllm_extra``):
+    each of these stops the server at start-up, so the doctor must fail it too."""
+    cfg = write_config(tmp_path / "kv.json", {"cpu_bytes": "1GiB", **extra})
+    code, data = run_doctor("--config", str(cfg), "--read-probe", "0")
+    line = by_name(data)["config"]
+    assert code == 2 and line["status"] == "fail" and words in line["message"], line
+
+
 def test_disk_path_checks_on_real_directories(tmp_path):
     ok = dr.check_disk_path(TieredConfig.from_dict({"disk_path": str(tmp_path), "disk_bytes": "1GiB"}))
     assert ok.facts["filesystem"]["type"] and ok.facts["o_direct"] in (True, False)

@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa:
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from tiered_kv.config import ConfigError  # noqa: E402
-from tiered_kv.integrations.vllm.secondary_config import parse_tier_config  # noqa: E402
+from tiered_kv.vllm_extra import parse_tier_config  # noqa: E402
 from tiered_kv.integrations.vllm.secondary_tier import TieredDiskTier  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]

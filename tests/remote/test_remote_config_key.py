@@ -63,7 +63,7 @@ def test_the_remote_write_policy_is_the_composites_per_tier_policy():
 @pytest.mark.vllm
 def test_vllm_takes_the_remote_key_and_names_a_bad_one():
     pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed", exc_type=ImportError)
-    from tiered_kv.integrations.vllm.geometry import parse_extra_config
+    from tiered_kv.vllm_extra import parse_extra_config
 
     assert parse_extra_config({"cpu_bytes": "1GiB", "remote": SETTINGS}).shared_tier.settings.bucket == "kv-fleet"
     with pytest.raises(ConfigError, match=r"remote\.write_policy"):

@@ -62,6 +62,8 @@ def _give_to_dir_owner(index_fd: int) -> None:
                 os.chown(name, owner, -1, dir_fd=index_fd, follow_symlinks=False)
         except FileNotFoundError:
             pass
+
+
 #: Left in the index directory by a writer that met damage at run time.
 DAMAGE_MARK = "damaged"
 QUARANTINE_SUFFIX = ".corrupt"

@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, compute
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmKVCacheLayout
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
+from tiered_kv.config import ConfigError, TieredConfig, format_size
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.namespace import slot_size_for
 from tiered_kv.integrations.vllm.common import (
@@ -45,63 +45,10 @@ from tiered_kv.integrations.vllm.common import (
     vllm_model_identity,
 )
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
+from tiered_kv.vllm_extra import parse_extra_config
 from tiered_kv.memory.device import host_memory_limit
 
 logger = logging.getLogger(__name__)
-
-#: Keys other vLLM specs read, and what to use with ours instead.
-_OTHER_SPECS_KEYS = {
-    "cpu_bytes_to_use": "that is the key of vLLM's CPUOffloadingSpec (bytes for all TP ranks "
-    "together); TieredOffloadingSpec takes cpu_bytes, per TP rank, "
-    'e.g. "cpu_bytes": "64GiB"',
-    "secondary_tiers": "that is the key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec "
-    "has its own disk tier: set disk_path and disk_bytes",
-    "cache_policy_module_path": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec's "
-    "eviction order is eviction_policy (lru or arc)",
-    "store_threshold": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec stores every chunk vLLM offers",
-    "max_tracker_size": "that is a key of vLLM's CPUOffloadingSpec",
-    "tier_poll_interval_s": "that is a key of vLLM's TieringOffloadingSpec",
-    "backpressure": "that is a key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec bounds "
-    "disk writes with max_pending_disk_writes",
-}
-
-_BOOL_PASSTHROUGH = ("offload_prompt_only", "self_describing_kv_events", "canonical_layout", "canary")
-
-
-def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
-    """Validate vLLM's ``kv_connector_extra_config`` for ``TieredOffloadingSpec``.
-
-    Our keys are parsed by ``TieredConfig`` (human sizes); vLLM's own keys
-    (``VLLM_PASSTHROUGH_KEYS``) pass through after a type check, because vLLM applies
-    ``bool()``/``int()`` to them and would silently read ``"false"`` as true. Raises
-    ``ConfigError`` naming the key, the value and what is expected."""
-    for key, why in _OTHER_SPECS_KEYS.items():
-        if key in extra:
-            raise ConfigError(f"{key}: not a TieredOffloadingSpec key: {why}")
-    for key in _BOOL_PASSTHROUGH:
-        if key in extra and not isinstance(extra[key], bool):
-            raise ConfigError(f"{key}: expected true or false (a JSON boolean), got {extra[key]!r}")
-    if extra.get("canonical_layout"):
-        raise ConfigError(
-            "canonical_layout: not supported by TieredOffloadingSpec, which stores "
-            "each rank's KV pages as they are; remove the key or set it to false"
-        )
-    if "blocks_per_chunk" in extra:
-        value = extra["blocks_per_chunk"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(
-                f"blocks_per_chunk: expected a positive integer (GPU blocks per offloaded chunk), got {value!r}"
-            )
-    if "sync_load_budget_bytes" in extra:
-        value = extra["sync_load_budget_bytes"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(
-                f"sync_load_budget_bytes: expected a byte count >= 0 (an integer; vLLM reads it as is), got {value!r}"
-            )
-    for key in ("spec_name", "spec_module_path"):
-        if key in extra and not isinstance(extra[key], str):
-            raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
-    return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
 
 
 def check_extra_hash_algorithm(cfg: TieredConfig) -> None:

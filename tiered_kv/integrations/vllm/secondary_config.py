@@ -33,41 +33,6 @@ from tiered_kv.integrations.vllm.common import (
 )
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 
-#: Keys of a ``secondary_tiers`` entry that belong to vLLM (its factory reads them).
-VLLM_TIER_KEYS = ("type", "module_path", "locality", "backpressure")
-
-#: Our own keys that mean nothing under vLLM's tiering spec, and what to do instead.
-_NOT_FOR_A_SECONDARY_TIER = {
-    "remote": "the shared tier is not a part of this disk tier; it runs under TieredOffloadingSpec",
-    "tiers": "this entry is one disk tier; list more tiers under TieredOffloadingSpec, or add "
-    "another secondary_tiers entry",
-    "cpu_bytes": "the CPU tier is vLLM's here; size it with cpu_bytes_to_use in kv_connector_extra_config",
-    "write_policy": "vLLM copies every chunk that reaches its CPU tier to every secondary "
-    "tier (write-through); there is no other policy",
-    "promote_on_hit": "vLLM always promotes a secondary-tier hit into its CPU tier",
-    "block_size": "the chunk size is vLLM's; set block_size in kv_connector_extra_config, not inside the tier entry",
-    "gpu_copy": "vLLM's own handlers move bytes between the GPU and its CPU tier here",
-}
-
-
-def parse_tier_config(raw: Mapping[str, Any]) -> TieredConfig:
-    """Validate one ``secondary_tiers`` entry (with or without vLLM's ``type`` and
-    ``module_path``). Our keys use human units as in ``TieredConfig``; vLLM's keys
-    (``VLLM_TIER_KEYS``) pass through. Raises ``ConfigError`` naming an unknown key, a
-    bad value, a key that has no meaning here, or a missing ``disk_path``."""
-    cfg = TieredConfig.from_dict(raw, passthrough_keys=VLLM_TIER_KEYS)
-    for key, why in _NOT_FOR_A_SECONDARY_TIER.items():
-        if key in raw:
-            raise ConfigError(f"{key}: not a setting of the TieredDiskTier secondary tier: {why}")
-    if cfg.tiers_of_type("disk") != cfg.tiers:
-        raise ConfigError("tiers: not a setting of the TieredDiskTier secondary tier: it is one disk tier, disk_path")
-    if cfg.disk_tier is None:
-        raise ConfigError(
-            "disk_path: required; the directory (on local NVMe) that holds the "
-            'disk tier, e.g. "disk_path": "/mnt/nvme/tiered-kv"'
-        )
-    return cfg
-
 
 def parse_locality(value: Any) -> Locality | None:
     if value is None:

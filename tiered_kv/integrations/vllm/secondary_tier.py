@@ -86,9 +86,9 @@ from tiered_kv.integrations.vllm.secondary_config import (
     check_tier_hash_algorithm,
     chunk_layout,
     parse_locality,
-    parse_tier_config,
     tier_fingerprint,
 )
+from tiered_kv.vllm_extra import parse_tier_config
 from tiered_kv.integrations.vllm.secondary_stats import DiskTierInfo, DiskTierStats, metric_definitions, stats_since
 
 if TYPE_CHECKING:

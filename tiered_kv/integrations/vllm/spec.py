@@ -63,7 +63,8 @@ from vllm.v1.kv_offload.tiering.base import TIER_LABEL
 from tiered_kv.integrations.vllm.canary import CanaryPlan
 from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, find_vllm_config, metric_definitions
 from tiered_kv.integrations.vllm.connector import failed_loads_recomputed
-from tiered_kv.integrations.vllm.geometry import VllmGeometry, check_extra_hash_algorithm, parse_extra_config
+from tiered_kv.integrations.vllm.geometry import VllmGeometry, check_extra_hash_algorithm
+from tiered_kv.vllm_extra import parse_extra_config
 from tiered_kv.integrations.vllm.manager import build_manager
 from tiered_kv.integrations.vllm.worker import TieredVllmWorker
 from tiered_kv.kv_layout import KVCacheLayout

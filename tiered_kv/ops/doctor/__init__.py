@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
-from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size
+from tiered_kv.config import ConfigError, TieredConfig, format_size
 from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, read_server_config
 from tiered_kv.ops.doctor.connector import check_canary, check_connector
 from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, SKIP, WARN, Check, DoctorReport, skipped
@@ -96,10 +96,7 @@ def read_config(path: str | os.PathLike, tp: int | None = None) -> TieredConfig:
 
 
 def _validated(found: ServerConfigFile, tp: int | None) -> TieredConfig:
-    try:
-        return TieredConfig.from_dict(found.extra_for(tp), passthrough_keys=VLLM_PASSTHROUGH_KEYS)
-    except ConfigError as e:
-        raise ConfigError(f"config {found.path}: {e}") from None
+    return found.config(tp)
 
 
 def run_doctor(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
+from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.config_file import ServerConfigFile, read_server_config
 from tiered_kv.model_identity import weights_digest
 from tiered_kv.ops.server_namespace import ServerDisk, server_disk
@@ -54,9 +54,9 @@ def load_config(path: str | os.PathLike | ServerConfigFile) -> TieredConfig:
     entry's keys and the chunk size (``config_file``)."""
     found = path if isinstance(path, ServerConfigFile) else _read(path)
     try:
-        return TieredConfig.from_dict(found.extra_for(), passthrough_keys=VLLM_PASSTHROUGH_KEYS)
+        return found.config()
     except ConfigError as e:
-        raise WarmupError(f"config {found.path}: {e}") from None
+        raise WarmupError(str(e)) from None
 
 
 @dataclass(frozen=True)

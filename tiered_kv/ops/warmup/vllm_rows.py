@@ -57,9 +57,9 @@ from tiered_kv.integrations.vllm.common import configured_attention_backend
 from tiered_kv.integrations.vllm.secondary_config import (
     check_tier_hash_algorithm,
     chunk_layout,
-    parse_tier_config,
     tier_fingerprint,
 )
+from tiered_kv.vllm_extra import parse_tier_config
 from tiered_kv.kv_layout import KVCacheLayout
 from tiered_kv.ops.hashing import chunk_keys
 from tiered_kv.ops.warmup.errors import WarmupError
