@@ -164,15 +164,32 @@ def _tp(raw: Mapping[str, Any], p: Path) -> int | None:
 
 
 def _attention_backend(raw: Mapping[str, Any], p: Path) -> str | None:
-    for key in _BACKEND_KEYS:
-        if key in raw:
-            value = raw[key]
-            if not isinstance(value, str) or not value.strip():
-                raise ConfigError(
-                    f"config {p}: {key}: expected vLLM's name of an attention backend (e.g. FLASH_ATTN), got {value!r}"
-                )
-            return value.strip().upper()
-    return None
+    """The backend a ``vllm serve --config`` file names: ``attention-backend``, or
+    ``attention-config``'s ``backend`` (a mapping, its JSON text, or the dotted key), as
+    vLLM 0.33 takes either; two that disagree are refused, as vLLM refuses them."""
+    found: dict[str, Any] = {key: raw[key] for key in _BACKEND_KEYS if key in raw}
+    for key in ("attention-config", "attention_config"):
+        value = raw.get(key)
+        if isinstance(value, str) and value.strip().startswith("{"):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ConfigError(f"config {p}: {key}: not JSON: {value!r}") from None
+        if isinstance(value, Mapping) and "backend" in value:
+            found[f"{key}.backend"] = value["backend"]
+        if f"{key}.backend" in raw:
+            found[f"{key}.backend"] = raw[f"{key}.backend"]
+    names: dict[str, str] = {}
+    for key, value in found.items():
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(
+                f"config {p}: {key}: expected vLLM's name of an attention backend (e.g. FLASH_ATTN), got {value!r}"
+            )
+        names[key] = value.strip().upper()
+    if len(set(names.values())) > 1:
+        given = ", ".join(f"{k}: {v}" for k, v in names.items())
+        raise ConfigError(f"config {p}: the attention backend is named twice, differently ({given}); keep one")
+    return next(iter(names.values()), None)
 
 
 def _with_first_disk_path(extra: Mapping[str, Any], path: str) -> dict[str, Any]:

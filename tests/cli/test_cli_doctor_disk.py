@@ -145,6 +145,33 @@ def test_tp_from_a_vllm_serve_config_file_and_from_the_option(tmp_path):
         read_server_config(fs_only)
 
 
+def test_a_serve_config_names_its_attention_backend_either_way_vllm_takes(tmp_path):
+    """``attention-backend: X`` or ``attention-config: {backend: X}`` (a mapping, JSON
+    text, or the dotted key): the same server, the same namespace; two names refused."""
+    inner = json.dumps(json.loads((REPO / "configs" / "llama-3.1-8b-1xh100.json").read_text()))
+    serve = tmp_path / "serve.json"
+    for spelling in (
+        {"attention-backend": "triton_attn"},
+        {"attention-config": {"backend": "TRITON_ATTN"}},
+        {"attention-config": '{"backend": "TRITON_ATTN"}'},
+        {"attention-config.backend": "TRITON_ATTN"},
+        {"attention_backend": "TRITON_ATTN", "attention-config": {"backend": "triton_attn"}},
+    ):
+        serve.write_text(json.dumps({**spelling, "kv-transfer-config": inner}))
+        assert read_server_config(serve).attention_backend == "TRITON_ATTN", spelling
+    serve.write_text(
+        json.dumps(
+            {
+                "attention-backend": "FLASH_ATTN",
+                "attention-config": {"backend": "TRITON_ATTN"},
+                "kv-transfer-config": inner,
+            }
+        )
+    )
+    with pytest.raises(ConfigError, match="the attention backend is named twice, differently"):
+        read_server_config(serve)
+
+
 def test_the_disk_read_is_timed_against_the_break_even(tmp_path):
     cfg = disk_cfg(tmp_path)
     geometry = find_preset("llama-3.1-8b").geometry
