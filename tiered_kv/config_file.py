@@ -194,7 +194,7 @@ def _attention_backend(raw: Mapping[str, Any], p: Path) -> str | None:
 
 def _with_first_disk_path(extra: Mapping[str, Any], path: str) -> dict[str, Any]:
     tiers = extra.get("tiers")
-    if "disk_path" not in extra and isinstance(tiers, list):
+    if extra.get("disk_path") in (None, "") and isinstance(tiers, list):  # null and "": no shorthand tier
         for i, t in enumerate(tiers):
             if isinstance(t, Mapping) and t.get("type") == "disk" and t.get("module_path") is None:
                 return {**extra, "tiers": [*tiers[:i], {**t, "path": path}, *tiers[i + 1 :]]}

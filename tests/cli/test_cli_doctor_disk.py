@@ -310,3 +310,20 @@ def test_a_disk_tier_from_the_tiers_list_is_checked_like_disk_path(tmp_path):
     disk_checks = [c for c in report.checks if c.name == "disk_path"]
     assert len(disk_checks) == 2
     assert disk_checks[1].status == "fail" and f"{second.parent.parent} does not exist" in disk_checks[1].message
+
+
+@pytest.mark.parametrize("shorthand", [{}, {"disk_path": None}, {"disk_path": ""}])
+def test_moving_the_disk_tier_moves_the_one_the_config_has(tmp_path, shorthand):
+    """``warmup --disk-path`` moves the server's first disk tier, its size and checksum
+    kept, as ``TieredConfig.with_disk_path`` does; a ``disk_path`` of null or "" is no
+    tier of its own (it used to add a default-sized second one)."""
+    tiers = [{"type": "disk", "path": "/srv/a", "bytes": "2GiB", "checksum": "crc32c"}]
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({**shorthand, "model_id": "m", "tiers": tiers}))
+    moved = read_server_config(path).with_disk_path("/srv/b").config().tiers
+    expected = TieredConfig.from_dict({"model_id": "m", "tiers": tiers}).with_disk_path("/srv/b").tiers
+    assert (
+        [(e.name, e.settings.path, e.settings.bytes, e.settings.checksum) for e in moved]
+        == [(e.name, e.settings.path, e.settings.bytes, e.settings.checksum) for e in expected]
+        == [("disk", "/srv/b", 2 << 30, "crc32c")]
+    )
