@@ -327,3 +327,20 @@ def test_moving_the_disk_tier_moves_the_one_the_config_has(tmp_path, shorthand):
         == [(e.name, e.settings.path, e.settings.bytes, e.settings.checksum) for e in expected]
         == [("disk", "/srv/b", 2 << 30, "crc32c")]
     )
+
+
+def test_disk_tiers_sharing_a_file_system_are_checked_together(tmp_path):
+    """Each tier fits alone; together they need more than the file system has free,
+    and the second to start would refuse: the doctor says so."""
+    half = max(1, dr.free_space(tmp_path) * 6 // 10 // (1 << 20))
+    tiers = [
+        {"type": "disk", "name": f"d{i}", "path": str(tmp_path / f"d{i}"), "bytes": f"{half}MiB", "medium": f"DISK{i}"}
+        for i in (1, 2)
+    ]
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"cpu_bytes": "1GiB", "model_id": "m", "cover_weights": False, "tiers": tiers}))
+    _, data = _doctor("--config", str(path), "--tp", "1", "--read-probe", "0")
+    checks = [c for c in data["checks"] if c["name"].startswith("disk_space")]
+    assert [c["status"] for c in checks] == ["ok", "ok", "fail"], checks
+    assert "share one file system" in checks[-1]["message"] and "file systems of their own" in checks[-1]["fix"]
+    assert not (tmp_path / "d1").exists()

@@ -35,7 +35,14 @@ from tiered_kv.config import ConfigError, TieredConfig, format_size
 from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, read_server_config
 from tiered_kv.ops.doctor.connector import check_canary, check_connector
 from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, SKIP, WARN, Check, DoctorReport, skipped
-from tiered_kv.ops.doctor.disk import MOUNTINFO, check_disk_path, check_free_space, filesystem_of, free_space
+from tiered_kv.ops.doctor.disk import (
+    MOUNTINFO,
+    check_disk_path,
+    check_free_space,
+    check_shared_free_space,
+    filesystem_of,
+    free_space,
+)
 from tiered_kv.ops.doctor.gpu import SUPPORTED_VLLM, check_cuda, check_io_path, check_vllm, gds_facts
 from tiered_kv.ops.doctor.hashes import check_hash
 from tiered_kv.ops.doctor.memory import check_memlock, check_memory, check_thp, memlock_limit, memory_limit, thp_setting
@@ -185,6 +192,8 @@ def run_doctor(
         checks += entry.cls.doctor_checks(entry, ctx)
     if cfg is None or not cfg.tiers_of_type("disk"):
         checks += [check_disk_path(cfg, mountinfo), check_free_space(cfg, size)]
+    elif (together := check_shared_free_space(cfg, size, per_node=per_node)) is not None:
+        checks.append(together)
     try:
         geometry = model_geometry(cfg, model)
     except ConfigError as e:

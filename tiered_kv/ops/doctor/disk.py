@@ -226,3 +226,28 @@ def check_free_space(cfg: TieredConfig | None, tp: int, *, per_node: bool = Fals
         fix,
         facts,
     )
+
+
+def check_shared_free_space(cfg: TieredConfig | None, tp: int, *, per_node: bool = False) -> Check | None:
+    """Where two or more disk tiers share a file system, whether all of them fit its
+    free space together (each tier's own check sees only itself); None where no file
+    system holds more than one."""
+    by_device: dict[int, list] = {}
+    for entry in cfg.tiers_of_type("disk") if cfg is not None else ():
+        path = Path(entry.settings.path).expanduser()
+        by_device.setdefault(os.stat(existing_ancestor(path)).st_dev, []).append((path, entry.settings.bytes))
+    shared = [tiers for tiers in by_device.values() if len(tiers) > 1]
+    if not shared:
+        return None
+    writers = 1 if per_node else tp
+    lines, worst = [], OK
+    for tiers in shared:
+        need = writers * sum(size for _, size in tiers)
+        free = free_space(tiers[0][0])
+        held = sum(_bytes_under(path) for path, _ in tiers if path.is_dir())
+        status = OK if need <= free else WARN if need <= free + held else FAIL
+        worst = FAIL if FAIL in (worst, status) else WARN if WARN in (worst, status) else OK
+        names = ", ".join(str(path) for path, _ in tiers)
+        lines.append(f"{names} share one file system: {format_size(need)} together, {format_size(free)} free")
+    fix = "" if worst == OK else "give the disk tiers file systems of their own, lower their disk_bytes, or free space"
+    return Check("disk_space_total", worst, "; ".join(lines), fix)
