@@ -20,10 +20,11 @@ NotImplemented, or a 400 naming the header) is detected on its first refusal, un
 ``conditional_put`` ``auto``: one warning naming the endpoint and bucket, counted in
 ``conditional_put_refused``, and from then on each write is an existence check (HEAD)
 then a plain PUT (``puts_unconditional``). Two nodes racing on the same key may then
-both write it, the later replacing the earlier: harmless, since both objects verify
-(fingerprint and checksum) and either one is a valid block. A server that ignores the
-header and overwrites cannot be told apart on the write path, and is harmless for the
-same reason. ``always`` makes a refusing server a start-up error; ``never`` skips the
+both write it, the later replacing the earlier: between nodes of one key harmless, since
+both objects verify (fingerprint and checksum) and either one is a valid block; a node
+with another key may leave one the fleet cannot open, a miss for that block (never wrong
+KV) until the object goes. A server that ignores the header and overwrites cannot be
+told apart on the write path, with the same consequences. ``always`` makes a refusing server a start-up error; ``never`` skips the
 conditional attempt. An ordinary failure of a conditional PUT (503, timeout) is only a
 failed upload and changes nothing.
 

@@ -6,10 +6,13 @@ implement ``If-None-Match: *``. Holds no bytes of its own.
 
 Why the fallback keeps the tier's guarantees (``store``'s docstring says it whole): a
 single PUT is atomic on S3, so a reader gets a whole object or none; what the condition
-adds is only that a second writer of the same key does not replace the first. Without
-it, two nodes racing between HEAD and PUT may both write the key; both objects verify
-(fingerprint and checksum in the header), so whichever one a reader gets is a valid copy
-of the block.
+adds is that a second writer of the same key does not replace the first. Without it,
+two nodes racing between HEAD and PUT may both write the key. Between nodes of one key
+both objects verify (fingerprint and checksum in the header), so whichever one a reader
+gets is a valid copy of the block; a node sealing with another key (misconfigured, or
+ahead in a rotation) may replace the fleet's copy with one the fleet cannot open, a miss
+for that block until the object goes (``inspect verify --remote`` names such objects).
+Never wrong KV: a reader serves only what its own keys open.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ class WriteOnce:
                 "shared tier: %s refused a conditional PUT (If-None-Match: *) as unsupported (%s). "
                 "Writing each block with an existence check (HEAD) and a plain PUT from now on: a "
                 "single PUT is still atomic, so no reader sees a partial object; two nodes storing "
-                "the same block at once may both write it, which is harmless (both copies verify). "
+                "the same block at once may both write it: harmless between nodes of one key, but a node "
+                "with another key can then replace the fleet's copy with one the fleet cannot open (a miss). "
                 "Set remote.conditional_put to 'never' to skip the attempt, or 'always' to refuse "
                 "such a server.",
                 self._config.where(),
