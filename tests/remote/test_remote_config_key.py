@@ -114,6 +114,17 @@ def test_the_key_examples_pass_the_rules_that_used_to_echo_them():
     assert len(parse_keys(HEX_KEY, "x")[0]) == 32 and len(parse_keys(B64_KEY, "x")[0]) == 32
 
 
+def test_a_key_a_digit_short_or_behind_a_byte_order_mark_gets_the_right_words():
+    from tiered_kv.remote.format.keys import FleetKeyError, parse_keys
+
+    with pytest.raises(FleetKeyError, match="key 1 is 63 hex digits; expected 64") as refused:
+        parse_keys(HEX_KEY[:-1], "remote.key_file /k")
+    assert_not_echoed(str(refused.value), HEX_KEY[:-1])
+    assert parse_keys("\ufeff" + HEX_KEY + "\n", "remote.key_file /k") == parse_keys(HEX_KEY, "x")
+    with pytest.raises(FleetKeyError, match=r"key 1 \(5 characters\) is neither 64 hex digits nor base64 of 32 bytes"):
+        parse_keys("zz!zz", "remote.key_file /k")
+
+
 @pytest.mark.parametrize("setting,key", PASTED)
 def test_a_key_pasted_as_its_file_or_variable_is_refused_without_being_echoed(setting, key):
     with pytest.raises(ConfigError) as refused:

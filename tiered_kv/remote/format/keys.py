@@ -79,10 +79,18 @@ def _hkdf(key: bytes, info: bytes, length: int) -> bytes:
 
 
 def _decode(text: str, where: str, n: int) -> bytes:
+    hex_digits = re.fullmatch(r"[0-9a-fA-F]+", text) is not None
+    if hex_digits and len(text) % 2:  # a digit lost (or added) in a copy: hex, not base64
+        raise FleetKeyError(
+            f"{where}: key {n} is {len(text)} hex digits; expected {2 * KEY_BYTES} (e.g. openssl rand -hex 32)"
+        )
     try:
-        raw = bytes.fromhex(text) if re.fullmatch(r"[0-9a-fA-F]+", text) else base64.b64decode(text, validate=True)
+        raw = bytes.fromhex(text) if hex_digits else base64.b64decode(text, validate=True)
     except (ValueError, binascii.Error):
-        raise FleetKeyError(f"{where}: key {n} is neither hex nor base64") from None
+        raise FleetKeyError(
+            f"{where}: key {n} ({len(text)} characters) is neither {2 * KEY_BYTES} hex digits nor base64 of "
+            f"{KEY_BYTES} bytes"
+        ) from None
     if len(raw) != KEY_BYTES:
         raise FleetKeyError(
             f"{where}: key {n} is {len(raw)} bytes; expected {KEY_BYTES} random bytes as 64 hex digits "
@@ -205,6 +213,7 @@ def new_nonce() -> bytes:
 
 def parse_keys(text: str, where: str) -> list[bytes]:
     """The keys in ``text`` (first: current), each checked; ``FleetKeyError`` naming ``where``."""
+    text = text.removeprefix("\ufeff")  # a byte-order mark some editors write first
     tokens = [t for t in _SEPARATORS.split(text.strip()) if t and not t.startswith("#")]
     if not tokens:
         raise FleetKeyError(f"{where}: holds no key; expected 64 hex digits (e.g. openssl rand -hex 32)")

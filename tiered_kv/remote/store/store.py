@@ -528,7 +528,7 @@ class RemoteStore:
             self._log(
                 what, f"{self.config.where()}: conditional PUT not implemented ({exc}); conditional_put is always"
             )
-        elif isinstance(exc, (AccessDenied, BucketMissing)):
+        elif isinstance(exc, RemoteError):  # refused for what it is (too large for the buffer, ...)
             self._log(what, f"{self.config.where()}: {type(exc).__name__} ({exc})")
         else:  # not a request failure: a bug, logged with its traceback
             logger.exception("shared tier: %s", what)
