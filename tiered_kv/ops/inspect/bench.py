@@ -166,7 +166,7 @@ def run_bench(
             f"{root} is not a directory (bench needs the cache directory, or any directory on the device to measure)"
         )
     if block_bytes < ALIGN or block_bytes % ALIGN:
-        raise InspectError(f"--block-size must be a positive multiple of {ALIGN} bytes, got {block_bytes}")
+        raise InspectError(f"--block-bytes must be a positive multiple of {ALIGN} bytes, got {block_bytes}")
     if total_bytes < block_bytes:
         raise InspectError(f"--size ({total_bytes} bytes) must hold at least one block ({block_bytes})")
     if rounds < 1 or threads < 1:
