@@ -110,3 +110,18 @@ def test_a_failed_loads_corrupt_record_does_not_drop_the_block_stored_again(tmp_
         m.complete_store([A])
         r = m.refresh()
         assert r.corrupt == [] and m.lookup([A]) == 1, "the old read's corrupt record dropped the new copy"
+
+
+def test_what_is_kept_of_settled_jobs_stays_bounded_where_nothing_polls_the_log(tmp_path):
+    """With no flusher polling (``poll_interval=None``, as the replays run) and nothing
+    pending, only ``prepare_store`` reads the log: it does once the settled jobs
+    outnumber the tier's slots, so their record stays bounded."""
+    from support.disk_fixtures import block_hash
+
+    with engine(tmp_path, tp_size=1, capacity=4) as (m, s, layout):
+        for i in range(40):
+            out = m.prepare_store([block_hash(f"b{i}")])
+            write(s, layout, 0, out.block_hashes_to_store, slots_of(out))
+            m.complete_store(out.block_hashes_to_store)
+            assert len(m._unread) <= 4 + 1
+        assert m.lookup([block_hash("b39")]) == 1

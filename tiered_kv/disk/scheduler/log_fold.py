@@ -57,9 +57,10 @@ class UnreadSettles:
     covered. Not thread-safe alone: mutated under the manager's lock, read on the
     scheduler's thread (``read_up_to`` rebinds, never empties in place)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bound: int) -> None:
         self.settled = 0  # jobs settled so far
         self._at: dict[bytes, int] = {}  # hash -> ``settled`` when its job settled
+        self._bound = bound  # past it the log is read whatever is stored (no refresh otherwise: replays)
 
     def settle(self, hashes: Iterable[bytes]) -> list[bytes]:
         """A job over ``hashes`` settled (its records are in the log); returns them."""
@@ -68,16 +69,18 @@ class UnreadSettles:
         self._at.update(dict.fromkeys(hashes, self.settled))
         return hashes
 
-    def any_of(self, hashes: Iterable[bytes]) -> bool:
+    def must_read(self, hashes: Iterable[bytes]) -> bool:
+        """Whether the log must be read before ``hashes`` are stored: one of them is
+        named here, or more blocks than ``bound`` are."""
         at = self._at
-        return any(h in at for h in hashes)
+        return len(at) > self._bound or any(h in at for h in hashes)
 
     def read_up_to(self, settled: int) -> None:
         """A log read that began when ``settled`` jobs had settled has been applied."""
         self._at = {h: n for h, n in self._at.items() if n > settled}
 
-    def __bool__(self) -> bool:
-        return bool(self._at)
+    def __len__(self) -> int:
+        return len(self._at)
 
 
 def fold_good_writes(pending: dict[bytes, int], hashes: list[bytes], slots: list[int]) -> list[tuple[bytes, int]]:

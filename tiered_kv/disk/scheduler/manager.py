@@ -200,7 +200,7 @@ class DiskOffloadingManager(OffloadingManager):
         self._progress: dict[bytes, Progress] = {}  # pending blocks some rank has logged
         self._pins: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}  # corrupt but still pinned by a load: hash -> slot
-        self._unread = UnreadSettles()  # jobs settled before refresh() read their records
+        self._unread = UnreadSettles(capacity)  # jobs settled before refresh() read their records
         self._free: list[int] = []
         # Index updates wait for the flusher (queued with the lock held).
         self._index_flusher = IndexFlusher(
@@ -315,8 +315,8 @@ class DiskOffloadingManager(OffloadingManager):
         thread makes blocks pending), which skips re-checking them; ``protected`` then
         names the rest of its request (the composite's offered blocks)."""
         seen: Collection[BlockHash]
-        if self._unread and self._unread.any_of(block_hashes := list(block_hashes)):
-            self.refresh()  # read an earlier store's records before they could settle this one
+        if self._unread and self._unread.must_read(block_hashes := list(block_hashes)):
+            self.refresh()  # an earlier store's records, read before they could settle this one
         with self._lock:
             if fresh:
                 to_store = seen = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
