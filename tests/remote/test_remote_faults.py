@@ -67,7 +67,7 @@ def test_server_killed_mid_run_costs_misses_not_exceptions(rgw_server, remote_se
         assert "did not answer" in caplog.text or "failed" in caplog.text
         assert SECRET_KEY not in caplog.text
         # radosgw is back (the cluster kept the objects): hits again, the lost uploads retried.
-        store._health._open_until = 0.0  # end the cooldown now rather than sleep through it
+        store._health._open_until = store._put_health._open_until = 0.0  # end the cooldowns now
         assert get(store, stored) == [True] * 8
         assert store.put_blocks(later).result(WAIT) == [PutOutcome.STORED] * 8
 
@@ -195,3 +195,67 @@ def test_a_namespace_recording_another_fingerprint_is_logged_and_serving_goes_on
             assert store.reachable
             assert store.put_blocks(blocks(1)).result(WAIT) == [PutOutcome.STORED]
     assert "records another fingerprint than this node's" in caplog.text
+
+
+def test_failed_uploads_never_stop_the_reads_of_blocks_in_the_bucket(rgw_server, remote_settings):
+    """Uploads that fail (here 503s on PUT only; a full Mooncake pool alike) stop uploads
+    for the cooldown, not reads: a hit the scheduler has just verified is still read."""
+    target = rgw_server.endpoint.removeprefix("http://")
+    stored, late = blocks(3), blocks(4, seed=5)
+    with FaultProxy(target) as proxy:
+        config = RemoteConfig.from_dict(
+            {
+                **remote_settings,
+                "endpoint": proxy.endpoint,
+                "retries": 1,
+                "failure_threshold": 2,
+                "unavailable_cooldown": "1h",
+            }
+        )
+        with RemoteStore(config, FP) as store:
+            assert store.put_blocks(stored).result(WAIT) == [PutOutcome.STORED] * 3
+            proxy.set_mode("503-put")
+            outcomes = [store.put_blocks([one]).result(WAIT)[0] for one in late]
+            assert outcomes == [PutOutcome.FAILED] * 2 + [PutOutcome.DROPPED] * 2
+            assert store.stats().unavailable_periods == 1
+            proxy.set_mode("pass")
+            assert get(store, stored) == [True] * 3 and store.stats().gets_skipped == 0
+            assert store.put_blocks(blocks(1, seed=9)).result(WAIT) == [PutOutcome.DROPPED]
+
+
+def test_a_verification_stands_for_a_few_seconds_only(rgw_server, remote_settings):
+    """A block verified but not loaded (its request aborted, or waiting for GPU blocks)
+    whose object then goes: past ``VERIFIED_FOR_S`` it is verified again, and missed,
+    rather than promised to a load that would fail (where vLLM cannot recompute it)."""
+    from support.s3_server import BUCKET as bucket
+    from tiered_kv.remote.format.object_format import block_key
+    from tiered_kv.remote.scheduler.hit_check import VERIFIED_FOR_S, RemoteHitCheck, RemoteVerifier
+    from tiered_kv.remote.scheduler.manager import RemoteOffloadingManager
+    from tiered_kv.tiers import HitState
+
+    config = RemoteConfig.from_dict(remote_settings)
+    (item,) = blocks(1)
+    now = [0.0]
+    with RemoteStore(config, FP) as writer:
+        assert writer.put_blocks([item]).result(WAIT) == [PutOutcome.STORED]
+        manager = RemoteOffloadingManager(RemoteStore(config, FP), block_size=16)
+        check = RemoteHitCheck(manager, RemoteVerifier(manager.store, 1, len(item[2])), clock=lambda: now[0])
+        try:
+            manager.expect([item[0]])
+            manager.wait_probes(WAIT)
+            assert manager.is_loadable(item[0])  # the probe's answer, folded in as the engine's lookup does
+            assert check.lookup(item[0]) is HitState.PENDING
+            check.verifier.wait(WAIT)
+            check.collect()
+            assert check.lookup(item[0]) is HitState.HIT
+            rgw_server.admin_client().delete_object(Bucket=bucket, Key=block_key(writer.namespace, item[0], 0))
+            now[0] += VERIFIED_FOR_S / 2
+            assert check.lookup(item[0]) is HitState.HIT  # moments later: the load is let go
+            now[0] += VERIFIED_FOR_S
+            assert check.lookup(item[0]) is HitState.PENDING  # verified again, and found gone
+            check.verifier.wait(WAIT)
+            check.collect()
+            assert check.outcomes() == {"ok": 1, "failed": 1} and not manager.is_loadable(item[0])
+        finally:
+            check.shutdown()
+            manager.shutdown()

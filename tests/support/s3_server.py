@@ -150,7 +150,8 @@ class FaultProxy:
     503 SlowDown; ``"stall"`` reads requests and never answers; ``"no-conditional-put"``
     answers a PUT carrying ``If-None-Match`` as a server without conditional writes does
     (501 NotImplemented; ``"no-conditional-put-400"``: 400 InvalidArgument naming the
-    header) and forwards every other request to ``target``, one at a time. Changing the
+    header) and forwards every other request to ``target``, one at a time; ``"503-put"``
+    answers every PUT with 503 SlowDown and forwards the rest, likewise. Changing the
     mode closes the connections open in the old one, so a client's pooled connections
     see it too. ``requests_refused`` counts the requests answered with a fault. In the
     modes that forward one request at a time, ``get_delay`` seconds pass before each GET
@@ -209,6 +210,12 @@ class FaultProxy:
                 serve = functools.partial(self._refuse_conditional, refusal=self.CONDITIONAL_REFUSALS[mode])
             elif mode == "count":
                 serve = functools.partial(self._refuse_conditional, refusal=None)
+            elif mode == "503-put":
+                slow_down = (
+                    b"503 Slow Down",
+                    b"<Code>SlowDown</Code><Message>Please reduce your request rate.</Message>",
+                )
+                serve = functools.partial(self._refuse_conditional, refusal=slow_down, any_put=True)
             else:
                 serve = {"pass": self._forward, "503": self._slow_down, "stall": self._stall}[mode]
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
@@ -272,9 +279,11 @@ class FaultProxy:
             pass
         _close(conn)
 
-    def _refuse_conditional(self, conn: socket.socket, refusal: tuple[bytes, bytes] | None) -> None:
-        """Request by request: a conditional PUT is refused (with ``refusal``; None
-        refuses nothing), anything else goes to the server over one upstream connection
+    def _refuse_conditional(
+        self, conn: socket.socket, refusal: tuple[bytes, bytes] | None, any_put: bool = False
+    ) -> None:
+        """Request by request: a conditional PUT (``any_put``: every PUT) is refused (with
+        ``refusal``; None refuses nothing), anything else goes to the server over one upstream connection
         and its response comes back as sent; each relayed request is counted."""
         status, error = refusal or (b"", b"")
         body = b'<?xml version="1.0" encoding="UTF-8"?><Error>' + error + b"</Error>"
@@ -288,7 +297,7 @@ class FaultProxy:
                 if (
                     refusal is not None
                     and method == b"PUT"
-                    and any(n.strip().lower() == b"if-none-match" for n, _ in _fields(lines))
+                    and (any_put or any(n.strip().lower() == b"if-none-match" for n, _ in _fields(lines)))
                 ):
                     with self._lock:
                         self.requests_refused += 1

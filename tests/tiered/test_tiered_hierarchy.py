@@ -305,3 +305,29 @@ def test_a_disk_block_found_corrupt_between_lookup_and_load_fails_one_load_not_t
     again = driver.run(docs[:2])  # the engine goes on, and recomputes what it lost
     assert again.mismatches == 0 and driver.manager.hit_medium(victim) is not None
     close(driver, spec)
+
+
+def test_staging_memory_that_cannot_be_had_drops_the_spills_and_frees_their_disk_slots(tmp_path, monkeypatch):
+    """A spill's staging buffer could not be mapped (memfd, mmap or pinning refused): the
+    writes are dropped and logged failed, so the disk tier frees their slots; nothing
+    waits for them forever (they would count against max_pending_disk_writes) and the
+    staging budget is whole again."""
+    from tiered_kv.testing.harness import Hierarchy
+
+    with Hierarchy(str(tmp_path / "c"), cpu_blocks=4, disk_blocks=40, write_policy="write_back") as h:
+        stager, real = h.stager, h.stager.store.host_buffer
+        refused = []
+
+        def host_buffer(nbytes, pin=False):  # the fault: the first mapping is refused
+            if not refused:
+                refused.append(nbytes)
+                raise RuntimeError("cannot map shared host memory: Too many open files")
+            return real(nbytes, pin)
+
+        monkeypatch.setattr(stager.store, "host_buffer", host_buffer)
+        h.run([[f"r{r}b{i}".encode() for i in range(4)] for r in range(4)])  # each request spills the last
+        h.settle()
+        h.disk.refresh()
+        assert refused and h.manager.pending_writes() == 0
+        assert stager._allocated_rows == sum(b.shape[0] for b in stager._cached)
+        assert h.manager.stats.tiers["disk"]["drops"] == 4

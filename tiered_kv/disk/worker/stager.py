@@ -95,7 +95,12 @@ class DiskStager(Closing):
             if self._allocated_rows + rows > self._budget:
                 return None
             self._allocated_rows += rows
-        return self.store.host_buffer(rows * self.slot_size).view(rows, self.slot_size)
+        try:
+            return self.store.host_buffer(rows * self.slot_size).view(rows, self.slot_size)
+        except BaseException:  # not allocated after all: the budget gets its rows back
+            with self._lock:
+                self._allocated_rows -= rows
+            raise
 
     def stage(self, writes: TierWrites) -> Future[None]:
         """Start copying ``writes``' CPU slots out; the returned future is done once the
@@ -111,7 +116,11 @@ class DiskStager(Closing):
     def _stage(self, writes: TierWrites) -> None:
         hashes = writes.block_hashes
         tier_slots = writes.tier_slots.tolist()
-        buf = self._take_buffer(len(writes))
+        try:
+            buf = self._take_buffer(len(writes))
+        except Exception:  # memfd, mmap or pinning refused: as for a full staging area
+            logger.exception("%s staging memory could not be had on rank %d", self.tier_name, self.rank)
+            buf = None
         if buf is None:
             logger.warning("%s staging full: dropping %d writes on rank %d", self.tier_name, len(writes), self.rank)
             self.stats.count(self.tier_name, "drops", len(writes))
@@ -173,7 +182,7 @@ class DiskStager(Closing):
             logger.exception("disk write of %d blocks failed on rank %d", len(hashes), self.rank)
             self._record_failed(hashes, tier_slots)
             self._release(staged)
-            self._committed(len(hashes), start, None)
+            self._committed(hashes, tier_slots, start, None)
             return
         try:
             first = 0
@@ -189,7 +198,7 @@ class DiskStager(Closing):
         with self._lock:
             self._committing += 1
         done = batch.finish_async()
-        done.add_done_callback(lambda f: self._committed(len(hashes), start, f))
+        done.add_done_callback(lambda f: self._committed(hashes, tier_slots, start, f))
         if self.synchronous:
             done.result()
 
@@ -197,7 +206,11 @@ class DiskStager(Closing):
         with self._lock:
             self._cached.extend(s.buf for s in staged)
 
-    def _committed(self, n: int, start: float, done: Future | None) -> None:
+    def _committed(self, hashes: list, tier_slots: list, start: float, done: Future | None) -> None:
+        n = len(hashes)
+        if done is not None and done.exception() is not None:  # the store could not say: log them failed
+            logger.error("committing %d disk writes failed on rank %d: %s", n, self.rank, done.exception())
+            self._record_failed(hashes, tier_slots)
         ok = done is not None and done.exception() is None and all(done.result())
         self.stats.record_transfer(
             f"cpu_to_{self.tier_name}", n * self.host.layout.bytes_per_block, time.perf_counter() - start, success=ok

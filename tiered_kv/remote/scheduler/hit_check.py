@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 
 import numpy as np
@@ -44,23 +44,39 @@ logger = logging.getLogger(__name__)
 VERIFY_BYTES = 256 << 20
 #: Verified-but-not-yet-loaded blocks remembered at most (oldest forgotten first).
 MAX_VERIFIED = 65536
+#: How long a verification stands for a hit (seconds): the object may go after it (an
+#: eviction, a lifecycle rule, a restarted Mooncake master), and where the engine cannot
+#: recompute a failed load, a hit promised on an old verification would leave a request
+#: with incomplete KV. A request that waits longer is verified again.
+VERIFIED_FOR_S = 5.0
 
 
 class RemoteHitCheck(Closing):
     """The shared tier's ``HitCheck`` (``tiered_kv.tiers``) over ``remote``, downloading
     with ``verifier`` (shut down by ``shutdown``). Without a verifier (an engine that
     recomputes a failed load) a block known present on every rank is a hit at once:
-    the workers' reads verify it, and one that fails there is recomputed."""
+    the workers' reads verify it, and one that fails there is recomputed. A verification
+    stands for ``VERIFIED_FOR_S`` seconds of ``clock``."""
 
-    def __init__(self, remote: RemoteOffloadingManager, verifier: "RemoteVerifier | None"):
+    def __init__(
+        self,
+        remote: RemoteOffloadingManager,
+        verifier: "RemoteVerifier | None",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.remote = remote
         self.verifier = verifier
-        self._verified: OrderedDict[BlockHash, None] = OrderedDict()
+        self.clock = clock
+        self._verified: OrderedDict[BlockHash, float] = OrderedDict()  # block -> when verified
         self._outcomes: Counter[str] = Counter()
 
     def lookup(self, block_hash: BlockHash) -> HitState:
-        if self.verifier is None or block_hash in self._verified:
+        if self.verifier is None:
             return HitState.HIT
+        at = self._verified.get(block_hash)
+        if at is not None and self.clock() - at <= VERIFIED_FOR_S:
+            return HitState.HIT
+        self._verified.pop(block_hash, None)
         self.verifier.submit(block_hash)
         return HitState.PENDING
 
@@ -78,7 +94,7 @@ class RemoteHitCheck(Closing):
             folded = True
             self._outcomes["ok" if ok else "failed"] += 1
             if ok:
-                self._verified[key] = None
+                self._verified[key] = self.clock()
                 self._verified.move_to_end(key)
                 while len(self._verified) > MAX_VERIFIED:
                     self._verified.popitem(last=False)

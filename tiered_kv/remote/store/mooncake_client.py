@@ -75,14 +75,18 @@ BUFFER_OVERFLOW = -600
 RPC_FAIL = -900
 #: Attempts of a request whose RPCs fail at once (stale connections after a master restart).
 STALE_RETRIES = 8
-ERROR_NAMES = {
-    -600: "BUFFER_OVERFLOW",
-    -700: "SEGMENT_NOT_FOUND",
-    -703: "OBJECT_ALREADY_EXISTS",
-    -704: "OBJECT_NOT_FOUND",
+#: Answers of a master that is up and refuses this one write (Mooncake 0.3's ``types.h``):
+#: no room in the pool, a key another writer holds, a tenant's quota. A dropped upload,
+#: never an outage.
+PUT_REFUSALS = {
+    -200: "NO_AVAILABLE_HANDLE",
+    -703: "REPLICA_IS_NOT_READY",
+    -705: "OBJECT_ALREADY_EXISTS",
     -706: "OBJECT_HAS_LEASE",
-    -900: "RPC_FAIL",
+    -707: "LEASE_EXPIRED",
+    -1700: "TENANT_QUOTA_EXCEEDED",
 }
+ERROR_NAMES = {**PUT_REFUSALS, -600: "BUFFER_OVERFLOW", -704: "OBJECT_NOT_FOUND", -900: "RPC_FAIL", -901: "RPC_TIMEOUT"}
 
 
 class ObjectTooLarge(RemoteError):
@@ -220,6 +224,8 @@ class MooncakeClient:
         else:
             self._fits(sum(memoryview(p).nbytes for p in parts))
             rc = self._call(raw.put_parts, key, *parts)
+        if rc in PUT_REFUSALS:
+            raise RemoteError(f"put {key} refused: {describe(rc)}")
         if rc != 0:
             raise Unavailable(f"put {key}: {describe(rc)}")
 

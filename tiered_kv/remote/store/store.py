@@ -216,7 +216,11 @@ class RemoteStore:
         self._pending_bytes = 0
         self._closed = False
         self._log = FaultLog()
+        # Reads stop only on failed reads: failed uploads (a full Mooncake pool, slow PUTs)
+        # must not skip the load of a hit the scheduler has just verified. Uploads stop on
+        # either: a server that does not answer reads will not take writes.
         self._health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
+        self._put_health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="tkv-remote")
         self.reachable = True
         if check:
@@ -301,7 +305,7 @@ class RemoteStore:
             with self._lock:
                 # One block larger than the bound still goes when nothing else is pending.
                 admit = self._pending_bytes + size <= self.config.max_pending_upload_bytes or not self._pending_bytes
-                if admit and self._health.available():
+                if admit and self._writable():
                     self._pending_bytes += size
                 else:
                     self._stats.puts_dropped += 1
@@ -332,7 +336,7 @@ class RemoteStore:
 
     def _put_one(self, block_hash: bytes, rank: int, views: list[memoryview], size: int) -> PutOutcome:
         try:
-            if not self._health.available():
+            if not self._writable():
                 with self._lock:
                     self._stats.puts_dropped += 1
                 return PutOutcome.DROPPED
@@ -346,7 +350,7 @@ class RemoteStore:
                 outcome = PutOutcome.STORED
             else:
                 outcome = self._replace_if_bad(key, block_hash, rank, size, parts)
-            self._health.success()
+            self._put_health.success()
             with self._lock:
                 if outcome is PutOutcome.STORED:
                     self._stats.puts_stored += 1
@@ -357,7 +361,7 @@ class RemoteStore:
                     self._stats.puts_failed += 1
             return outcome
         except Exception as exc:
-            self._request_failed(exc, "upload failed")
+            self._request_failed(exc, "upload failed", self._put_health)
             with self._lock:
                 self._stats.puts_failed += 1
             return PutOutcome.FAILED
@@ -463,7 +467,7 @@ class RemoteStore:
                     self._stats.kept_unproven += 1
             return False
         except Exception as exc:
-            self._request_failed(exc, "download failed")
+            self._request_failed(exc, "download failed", self._health)
             with self._lock:
                 self._stats.gets_failed += 1
             return False
@@ -510,7 +514,7 @@ class RemoteStore:
             found = self._client.exists(block_key(self.namespace, block_hash, rank))
             self._health.success()
         except Exception as exc:
-            self._request_failed(exc, "existence probe failed")
+            self._request_failed(exc, "existence probe failed", self._health)
             with self._lock:
                 self._stats.probes_failed += 1
             return None
@@ -520,9 +524,12 @@ class RemoteStore:
 
     # -- faults, stats, life cycle -----------------------------------------------------
 
-    def _request_failed(self, exc: Exception, what: str) -> None:
+    def _writable(self) -> bool:
+        return self._health.available() and self._put_health.available()
+
+    def _request_failed(self, exc: Exception, what: str, health: Health) -> None:
         if isinstance(exc, Unavailable):
-            self._health.failure()
+            health.failure()
             self._log(what, f"{self.config.where()}: {exc}")
         elif isinstance(exc, ConditionalPutRefused):  # conditional_put "always": not transient
             self._log(
