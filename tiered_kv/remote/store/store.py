@@ -33,7 +33,9 @@ is down, slow (each request is bounded by ``request_timeout``, plus ``retries``)
 throttling (503 SlowDown) or refusing turns into ``FAILED`` uploads, misses and
 unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
-``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses). A block
+``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses): failed reads
+stop reads and uploads, failed uploads only uploads (a refusing or full server must not
+cost the loads of hits just verified). A block
 whose object fails any check of ``object_format`` (foreign fingerprint, other block,
 other size, a tag that does not verify, damaged bytes, a key this node lacks) is a
 counted miss and nothing of it stays in the caller's buffer (a sealed object is
