@@ -295,3 +295,40 @@ def test_buffers_freed_in_the_worker_are_unmapped_in_the_io_process(tmp_path):
             gc.collect()
         proc.stats  # a round trip: the forgets sent before it have been handled
         assert mapped() <= 2, "regions the worker freed are still mapped in the I/O process"
+
+
+def test_writes_lost_while_no_io_process_can_start_are_logged_failed_by_the_next(tmp_path, monkeypatch):
+    """The I/O process dies and its restart fails once (the fault: a start that raises,
+    as a failed spawn would): the writes staged meanwhile fail, and their ``failed``
+    records wait for the next process, so the disk tier frees their slots rather than
+    keep them pending for good."""
+    from tiered_kv.disk.worker import io_process
+    from tiered_kv.testing.harness import Hierarchy
+
+    monkeypatch.setattr(io_process, "RESTART_BACKOFF", 0.5)
+    with Hierarchy(str(tmp_path / "c"), cpu_blocks=8, disk_blocks=40, disk_io="process") as h:
+        proc = h.spec.store
+        h.run([[f"warm{i}".encode() for i in range(2)]])
+        h.settle()
+        start, starts = proc._start, []
+
+        def start_failing_once():
+            starts.append(time.monotonic())
+            if len(starts) == 1:
+                raise RuntimeError("the disk I/O process did not open the store")
+            return start()
+
+        monkeypatch.setattr(proc, "_start", start_failing_once)
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while proc.pid is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        h.run([[f"lost{i}".encode() for i in range(3)]])  # written through while no process runs
+        h.settle()
+        time.sleep(0.6)  # past the back-off
+        h.run([[f"after{i}".encode() for i in range(2)]])
+        while h.manager.pending_writes() and time.monotonic() < deadline:
+            h.settle()
+            h.disk.refresh()
+            time.sleep(0.05)
+        assert len(starts) == 2 and h.manager.pending_writes() == 0

@@ -109,6 +109,9 @@ class DiskIOProcess(BlockIO):
         self._generations = itertools.count(1)
         self._views_keep: dict[int, SlotViews] = {}  # keeps registered views (and their ids) alive
         self._freed: deque[int] = deque()  # regions freed here, to be unmapped there
+        # Writes to log failed that no process could take (one died, or a start is
+        # backing off): sent to the next one first, or their slots would stay pending.
+        self._unlogged: deque[tuple] = deque()
         on_free(self._region_freed)
         self._child: _Child | None = None
         self._failed_start_at = 0.0
@@ -282,6 +285,10 @@ class DiskIOProcess(BlockIO):
                 return future
             token = next(self._tokens)
             self._send_freed(child)
+            while self._unlogged and self._send(
+                child, (self._unlogged[0][0], next(self._tokens)) + self._unlogged[0][1:]
+            ):
+                self._unlogged.popleft()
             try:  # may send regions and views first; ValueError (not shared memory) propagates
                 message = (message[0], token) + message[1:] + refs(child)
             except OSError:
@@ -369,9 +376,13 @@ class DiskIOProcess(BlockIO):
         return _HelperBatch(self, "read", rank, list(hashes), [int(s) for s in slots])
 
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
-        """As ``DiskStore.log_failed``; raises ``RuntimeError`` if the I/O process is gone."""
-        if not self._call(("log_failed", rank, list(hashes), [int(s) for s in slots]), False).result():
-            raise RuntimeError(f"the disk I/O process could not log {len(hashes)} failed writes")
+        """As ``DiskStore.log_failed``. Where no I/O process takes it now, it is queued
+        for the next one to start (logged; never lost: the manager would keep the slots)."""
+        message = ("log_failed", rank, list(hashes), [int(s) for s in slots])
+        if not self._call(message, False).result():
+            logger.warning("no disk I/O process to log %d failed writes; the next one logs them", len(hashes))
+            with self._lock:
+                self._unlogged.append(message)
 
     @property
     def stats(self) -> DiskStoreStats:
@@ -468,7 +479,13 @@ class _HelperBatch:
         out: Future = Future()
 
         def settle(finished: Future) -> None:
-            value = finished.result()
+            try:
+                value = finished.result()
+            except Exception as e:  # the I/O process answered with an error: the batch failed
+                logger.error(
+                    "disk %s batch of %d blocks failed in the I/O process: %s", self._kind, len(self._hashes), e
+                )
+                value = _DIED
             if value is _DIED:
                 if self._kind == "write":
                     self._log_lost_writes()
@@ -482,10 +499,7 @@ class _HelperBatch:
         """The I/O process died before settling this batch's writes: log them failed
         through the next one, so the manager frees their slots (a block whose ``ok``
         was logged before the death stays: the manager ignores a later ``failed``)."""
-        try:
-            self._proc.log_failed(self._rank, self._hashes, self._slots)
-        except Exception:
-            logger.exception("could not log %d lost disk writes as failed", len(self._hashes))
+        self._proc.log_failed(self._rank, self._hashes, self._slots)
 
     def finish(self) -> list[bool]:
         return self.finish_async().result()
