@@ -157,3 +157,25 @@ def test_a_worker_used_in_a_with_block_shuts_every_handler_down_even_when_the_bl
     with store:  # a handler alone is a context manager too
         pass
     assert store.shutdowns == 2
+
+
+def test_a_step_that_raises_as_it_starts_fails_its_job_once_and_nothing_after_it_runs(tmp_path):
+    """A spill's staging step raises at once (the fault: a stager shut down, as at exit):
+    the store job is reported failed, exactly once, and its GPU -> CPU copy never runs
+    into a CPU slot the scheduler may already have handed on."""
+    import numpy as np
+    import torch
+
+    from tiered_kv.mediums import TierWrites
+    from tiered_kv.testing.harness import Hierarchy
+    from tiered_kv.tiered.transfer_specs import TieredStoreSpec
+
+    with Hierarchy(str(tmp_path / "c"), cpu_blocks=4, disk_blocks=40, write_policy="write_back") as h:
+        h.stager.shutdown()
+        host, factor = h.spec.host, h.device.layout.block_size_factor
+        before = host.slot_rows[1].clone()
+        dst = TieredStoreSpec([1], spills=[TierWrites([0], [7], [b"victim"])], write_through=[TierWrites()])
+        worker = h.driver.worker
+        assert worker.transfer_async(99, (GPULoadStoreSpec(np.arange(factor) + 2 * factor), dst))
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(99, False)]
+        assert worker.get_finished() == [] and torch.equal(before, host.slot_rows[1])

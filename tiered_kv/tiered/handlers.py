@@ -170,7 +170,12 @@ class _PipelineHandler(OffloadingHandler):
                         branch.clear()  # later steps of a failed branch would act on bad data
                 if not branch:
                     break
-                job.current[i] = branch.popleft()()
+                try:
+                    job.current[i] = branch.popleft()()
+                except Exception:  # a step that raises as it starts fails its branch, reported once
+                    logger.exception("job %d: a step raised as it started", job.job_id)
+                    job.failed.append(i)
+                    branch.clear()
 
     def _poll(self) -> None:
         self._collect_inner()
@@ -181,7 +186,7 @@ class _PipelineHandler(OffloadingHandler):
             if all(s is None for s in job.current) and not any(job.branches):
                 del self._jobs[job_id]
                 if not job.failed:
-                    self._finished.append(TransferResult(job_id, True, max(job.seconds), job.nbytes))
+                    self._finished.append(TransferResult(job_id, True, max(job.seconds, default=0.0), job.nbytes))
                 else:
                     self._finished.append(TransferResult(job_id, False, failed_gpu_blocks=job.failed_gpu_blocks()))
             else:
