@@ -29,7 +29,8 @@ conditional attempt. An ordinary failure of a conditional PUT (503, timeout) is 
 failed upload and changes nothing.
 
 Faults never raise out of ``put_blocks`` / ``get_blocks`` / ``exists``: a server that
-is down, slow (each request is bounded by ``request_timeout``, plus ``retries``),
+is down, slow (each S3 request is bounded by ``request_timeout``, plus ``retries``; a Mooncake
+read by Mooncake's own transfer timeout),
 throttling (503 SlowDown) or refusing turns into ``FAILED`` uploads, misses and
 unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
