@@ -321,3 +321,25 @@ def test_a_wrong_key_member_leaves_the_fleets_objects(sealed, mooncake_server, m
         assert s.kept_unproven == 6 and s.forgeries_replaced == 0 and s.damaged_deleted == 0
         hits, bufs = read_back(fleet, items)
         assert hits == [True] * 3 and [bytes(x) for x in bufs] == [d for _, _, d in items]
+
+
+def test_set_ups_the_master_answers_but_that_fail_back_off(mooncake_server):
+    """The master's RPC port answers but the metadata server does not: each failed
+    set-up keeps Mooncake's sockets, so the tries space out, doubling from the cooldown,
+    rather than one per ``unavailable_cooldown`` for as long as the outage lasts."""
+    from tiered_kv.remote.store.client import Unavailable
+
+    settings = mooncake_server.settings(mooncake_metadata_server="http://127.0.0.1:1/metadata")
+    cfg = RemoteConfig.from_dict({**settings, "unavailable_cooldown": "1s"})
+    client = MooncakeClient(cfg)
+    try:
+        waits = []
+        for _ in range(3):
+            waits.append(client._retry_at - time.monotonic())
+            assert client.setup_error is not None and "setup returned" in client.setup_error
+            client._retry_at = 0.0  # the wait is over
+            with pytest.raises(Unavailable):
+                client.exists("k")
+        assert 0.5 < waits[0] <= 1.0 and 1.5 < waits[1] <= 2.0 and 3.5 < waits[2] <= 4.0, waits
+    finally:
+        client.close()

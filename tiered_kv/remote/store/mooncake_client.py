@@ -75,6 +75,8 @@ BUFFER_OVERFLOW = -600
 RPC_FAIL = -900
 #: Attempts of a request whose RPCs fail at once (stale connections after a master restart).
 STALE_RETRIES = 8
+#: The longest wait between two set-ups that the master answered but that failed (seconds).
+SETUP_RETRY_MAX_S = 600.0
 #: Answers of a master that is up and refuses this one write (Mooncake 0.3's ``types.h``):
 #: no room in the pool, a key another writer holds, a tenant's quota. A dropped upload,
 #: never an outage.
@@ -131,6 +133,7 @@ class MooncakeClient:
         self._local = threading.local()
         self._raw: Any = None
         self._retry_at = 0.0
+        self._failed_setups = 0  # in a row, past the master answering
         self._closed = False
         self._rdma = config.mooncake_protocol == "rdma"
         self.setup_error: str | None = None
@@ -172,13 +175,18 @@ class MooncakeClient:
                 }
             )
             if rc != 0:
-                self._failed_setup(f"setup returned {describe(rc)}; metadata server {c.mooncake_metadata_server}")
-            self._raw, self.setup_error = raw, None
+                # Mooncake keeps the sockets of a failed set-up (about 20): each try costs
+                # them, so the tries back off, doubling up to SETUP_RETRY_MAX_S.
+                self._failed_setups += 1
+                why = f"setup returned {describe(rc)}; metadata server {c.mooncake_metadata_server}"
+                self._failed_setup(why, backoff=2 ** min(self._failed_setups - 1, 16))
+            self._raw, self.setup_error, self._failed_setups = raw, None, 0
             return raw
 
-    def _failed_setup(self, why: str) -> None:
+    def _failed_setup(self, why: str, backoff: float = 1.0) -> None:
         self.setup_error = why
-        self._retry_at = time.monotonic() + self.config.unavailable_cooldown
+        wait = min(self.config.unavailable_cooldown * backoff, max(SETUP_RETRY_MAX_S, self.config.unavailable_cooldown))
+        self._retry_at = time.monotonic() + wait
         raise Unavailable(f"no Mooncake master at {self.config.mooncake_master} ({why})")
 
     def _call(self, method: Any, *args: Any) -> Any:
