@@ -292,10 +292,10 @@ class DiskOffloadingManager(OffloadingManager):
                     self._index_flusher.touch(h, now, 0)
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        """Unpin the blocks (a failed read leaves them as they were until ``refresh()`` reads
-        its ``corrupt`` records, which happens before they are stored again)."""
+        """Unpin the blocks (``success`` changes nothing: a read that found one corrupt logged
+        it, and that record is read soon, before the block is stored again: ``_unread``)."""
         with self._lock:
-            for h in block_hashes if success else self._unread.settle(block_hashes):
+            for h in self._unread.settle(block_hashes):
                 n = self._pins.get(h, 0)
                 if n <= 1:
                     self._pins.pop(h, None)
