@@ -237,7 +237,7 @@ def _tiering(extra: Mapping[str, Any], p: Path) -> tuple[dict[str, Any], int | N
     try:
         parse_tier_config(ours[0])  # as the tier itself checks its entry when vLLM builds it
     except ConfigError as e:
-        raise ConfigError(f"config {p}: secondary_tiers[{DISK_TIER_TYPE}]: {e}") from None
+        raise ConfigError(f"config {p}: {DISK_TIER_TYPE} entry: {e}") from None
     out = {k: v for k, v in ours[0].items() if k not in VLLM_TIER_KEYS}
     for key in _TIERING_SHARED_KEYS:
         if key in extra and key not in out:

@@ -13,17 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
+from tiered_kv.config import OTHER_SPECS_KEYS, VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
 
 __all__ = ["VLLM_TIER_KEYS", "parse_extra_config", "parse_tier_config"]
 
-#: Keys other vLLM specs read, and what to use with ours instead.
+#: Keys other vLLM specs read, and what to use with ours instead (the tools' hints too).
 _OTHER_SPECS_KEYS = {
-    "cpu_bytes_to_use": "that is the key of vLLM's CPUOffloadingSpec (bytes for all TP ranks "
-    "together); TieredOffloadingSpec takes cpu_bytes, per TP rank, "
-    'e.g. "cpu_bytes": "64GiB"',
-    "secondary_tiers": "that is the key of vLLM's TieringOffloadingSpec; TieredOffloadingSpec "
-    "has its own disk tier: set disk_path and disk_bytes",
+    **OTHER_SPECS_KEYS,
     "cache_policy_module_path": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec's "
     "eviction order is eviction_policy (lru or arc)",
     "store_threshold": "that is a key of vLLM's CPUOffloadingSpec; TieredOffloadingSpec stores every chunk vLLM offers",

@@ -152,7 +152,7 @@ def test_a_config_the_server_refuses_fails(tmp_path):
                     }
                 ],
             },
-            "write_policy: not a setting of the TieredDiskTier secondary tier",
+            "TieredDiskTier entry: write_policy: not a setting of the TieredDiskTier secondary tier",
         ),
     ],
 )

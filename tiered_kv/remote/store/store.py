@@ -28,10 +28,9 @@ told apart on the write path, with the same consequences. ``always`` makes a ref
 conditional attempt. An ordinary failure of a conditional PUT (503, timeout) is only a
 failed upload and changes nothing.
 
-Faults never raise out of ``put_blocks`` / ``get_blocks`` / ``exists``: a server that
-is down, slow (each S3 request is bounded by ``request_timeout``, plus ``retries``; a Mooncake
-read by Mooncake's own transfer timeout),
-throttling (503 SlowDown) or refusing turns into ``FAILED`` uploads, misses and
+Faults never raise out of ``put_blocks`` / ``get_blocks`` / ``exists``: a server that is
+down, slow (an S3 request bounded by ``request_timeout``, plus ``retries``; a Mooncake read
+by Mooncake's own transfer timeout), throttling (503 SlowDown) or refusing turns into ``FAILED`` uploads, misses and
 unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
 ``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses): failed reads
