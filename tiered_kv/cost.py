@@ -117,7 +117,9 @@ class TierCost:
             m = [old + a * (v - old) for old, v in zip(self._m, self._moments(nbytes, seconds))]
             mx, my, mxx, mxy = m
             var = mxx - mx * mx
-            slope = (mxy - mx * my) / var if var > 1e-6 * mx * mx else 0.0
+            # Sizes within ~10% of each other (chunked prefill's steps, one block size) say
+            # nothing of a fixed cost: timing noise would fit one that swallows each job.
+            slope = (mxy - mx * my) / var if var > 0.01 * mx * mx else 0.0
             latency = my - slope * mx
             if slope <= 0 or latency < 0:  # one job size, or noise: keep the latency
                 latency = min(self.latency_s, 0.9 * my)

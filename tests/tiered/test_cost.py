@@ -672,3 +672,29 @@ def test_a_new_disk_load_waits_for_the_loads_in_flight_not_for_the_disk_s_writes
         assert m.queued_blocks()["disk"] == 4 + h.disk.num_pending()
     finally:
         h.close()
+
+
+def test_steps_of_one_size_fit_a_rate_not_an_overhead_that_swallows_them():
+    """Chunked prefill times steps of nearly one size (their work differing only by
+    attention): a fit of a fixed cost per step to those, with 2% timing noise, used to
+    swallow each step in the fixed cost and leave a rate 100x too fast, so recomputing
+    looked free and a disk twice as fast as recomputing was passed over."""
+    import random
+
+    rng = random.Random(1)
+    rate, overhead, block_bytes = 30_800.0, 0.005, 2 << 20
+    costs = LoadCosts(
+        [TierCost("cpu", 50.0, ref_bytes=block_bytes), TierCost("disk", 8.0, ref_bytes=block_bytes)],
+        bytes_per_block=block_bytes,
+        tokens_per_block=16,
+        prefill_tokens_per_s=rate,
+        attention_per_token=0.0,
+    )
+    fitted, recomputed = [], 0
+    for step in range(1000):
+        work = rng.uniform(7900, 8400)
+        costs.observe(PREFILL, round(work), (overhead + work / rate) * rng.gauss(1, 0.02))
+        if step >= 100:
+            fitted.append(costs.prefill_tokens_per_s)
+            recomputed += costs.plan_runs([("disk", 64)]).blocks == 0  # the disk loads 2x faster
+    assert recomputed == 0 and max(fitted) < 1.2 * rate and min(fitted) > 0.8 * rate
