@@ -405,7 +405,7 @@ class LoadCosts:
         skipped: dict[str, int] = {}
         for name, m in runs[best_run:]:
             skipped[name] = skipped.get(name, 0) + m
-        probe = self._probe(skipped)
+        probe = self._probe(skipped, first=runs[best_run][0])
         if probe is None:
             return LoadPlan(best_k, skipped)
         # Load up to the probed tier's first block: one block of it, and what precedes it.
@@ -419,16 +419,18 @@ class LoadCosts:
             skipped[name] -= m
         return LoadPlan(k, {name: m for name, m in skipped.items() if m}, probe)
 
-    def _probe(self, passed_over: Mapping[str, int]) -> str | None:
-        """The passed-over tier due for a sample, if any (the first in block order), among
-        those with at most ``probe_queue_blocks`` queued."""
+    def _probe(self, passed_over: Mapping[str, int], first: str) -> str | None:
+        """The passed-over tier due for a sample, if any, among those with at most
+        ``probe_queue_blocks`` queued: only ``first``, the tier of the first block passed
+        over, so a probe loads one block more than the best plan, never a slower run
+        before the probed tier's first block."""
         now = self.clock()
         due = None
         queued = self.queues.tier_blocks
         for name in passed_over:
             self._passed_over[name] += 1
             if (
-                due is None
+                name == first
                 and queued.get(name, 0) <= self.probe_queue_blocks
                 and (self._passed_over[name] >= self.probe_every or now - self._since[name] >= self.probe_after_s)
             ):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tiered_kv.config import ConfigError, TieredConfig, admit_after
-from tiered_kv.cost import PREFILL, LoadCosts, PrefixScan, Queues, TierCost
+from tiered_kv.cost import PREFILL, LoadCosts, LoadPlan, PrefixScan, Queues, TierCost
 from tiered_kv.prefill import (
     DEFAULT_ATTENTION_PER_TOKEN,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -698,3 +698,23 @@ def test_steps_of_one_size_fit_a_rate_not_an_overhead_that_swallows_them():
             fitted.append(costs.prefill_tokens_per_s)
             recomputed += costs.plan_runs([("disk", 64)]).blocks == 0  # the disk loads 2x faster
     assert recomputed == 0 and max(fitted) < 1.2 * rate and min(fitted) > 0.8 * rate
+
+
+def test_a_probe_never_loads_a_slower_run_before_the_probed_tier():
+    """Both tiers passed over and unsampled for long; the first (a slow shared tier) is
+    too busy to be probed. The second is not probed through it: that meant loading the
+    slow run first, 40x slower than recomputing, at every probe."""
+    block_bytes, now = 2 << 20, [0.0]
+    costs = LoadCosts(
+        [TierCost(n, g, ref_bytes=block_bytes) for n, g in (("cpu", 50.0), ("remote", 0.1), ("disk", 2.0))],
+        bytes_per_block=block_bytes,
+        tokens_per_block=16,
+        prefill_tokens_per_s=30_800,
+        attention_per_token=0.0,
+        clock=lambda: now[0],
+    )
+    costs.queues = Queues(0, {"remote": 10 * costs.probe_queue_blocks, "disk": 0})
+    now[0] = 10 * costs.probe_after_s
+    assert costs.plan_runs([("remote", 100), ("disk", 50)]) == LoadPlan(0, {"remote": 100, "disk": 50})
+    costs.queues = Queues(0, {})  # no longer busy: the first tier passed over is probed, one block of it
+    assert costs.plan_runs([("remote", 100), ("disk", 50)]) == LoadPlan(1, {"remote": 99, "disk": 50}, "remote")
