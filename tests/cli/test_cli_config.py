@@ -237,3 +237,12 @@ def test_the_key_options_write_a_config_the_server_accepts(tmp_path, monkeypatch
     assert trusted.exit_code == 0, trusted.output
     remote = json.loads(trusted.stdout)["kv_connector_extra_config"]["remote"]
     assert remote == {"bucket": "kv-fleet", "trusted_bucket": True} and "unencrypted" in trusted.stderr
+
+
+def test_a_presets_prefill_estimate_counts_its_own_parameters():
+    """A preset knows its parameters (intermediate and vocabulary sizes): a 70B model's
+    estimate on 4 H100s is its own, not the 8B default (2.2x too fast a prefill)."""
+    result = _run("--preset", "llama-3.1-70b", "--tp", "4", "--gpu", "H100 SXM")
+    assert result.exit_code == 0, result.output
+    assert "70.55e9 FLOP/token" in result.output and "14,018" in result.output
+    assert "default for Llama-3.1-8B" not in result.output

@@ -31,13 +31,19 @@ class Preset:
         return ModelGeometry.from_hf_config({**self.hf_config, "_name_or_path": self.model})
 
 
-def _gqa(layers: int, heads: int, kv_heads: int, hidden: int, model_type: str) -> dict[str, Any]:
+def _gqa(
+    layers: int, heads: int, kv_heads: int, hidden: int, model_type: str, intermediate: int, vocab: int
+) -> dict[str, Any]:
+    """A dense model's fields; ``intermediate_size`` and ``vocab_size`` count its parameters
+    for the prefill estimate (``tiered_kv.prefill.model_parameters``)."""
     return {
         "model_type": model_type,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "vocab_size": vocab,
         "torch_dtype": "bfloat16",
     }
 
@@ -45,13 +51,17 @@ def _gqa(layers: int, heads: int, kv_heads: int, hidden: int, model_type: str) -
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", _gqa(32, 32, 8, 4096, "llama")),
-        Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", _gqa(80, 64, 8, 8192, "llama")),
-        Preset("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", _gqa(126, 128, 8, 16384, "llama")),
-        Preset("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", _gqa(28, 28, 4, 3584, "qwen2")),
-        Preset("qwen2.5-72b", "Qwen/Qwen2.5-72B-Instruct", _gqa(80, 64, 8, 8192, "qwen2")),
+        Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", _gqa(32, 32, 8, 4096, "llama", 14336, 128256)),
+        Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", _gqa(80, 64, 8, 8192, "llama", 28672, 128256)),
         Preset(
-            "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", {**_gqa(32, 32, 8, 4096, "mistral"), "head_dim": 128}
+            "llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", _gqa(126, 128, 8, 16384, "llama", 53248, 128256)
+        ),
+        Preset("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", _gqa(28, 28, 4, 3584, "qwen2", 18944, 152064)),
+        Preset("qwen2.5-72b", "Qwen/Qwen2.5-72B-Instruct", _gqa(80, 64, 8, 8192, "qwen2", 29568, 152064)),
+        Preset(
+            "mistral-7b",
+            "mistralai/Mistral-7B-Instruct-v0.3",
+            {**_gqa(32, 32, 8, 4096, "mistral", 14336, 32768), "head_dim": 128},
         ),
         # Multi-head latent attention: the cache holds kv_lora_rank + qk_rope_head_dim = 576
         # elements per token and layer, whatever the 128 attention heads.
