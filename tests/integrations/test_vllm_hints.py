@@ -319,6 +319,11 @@ def test_a_cache_reset_drops_every_lease_and_what_a_prefetch_in_flight_reads(mod
         assert m.hints.snapshot()["leases"] == 0
         h.settle()
         assert m.hints.prefetcher.bytes_in_flight == 0
+        deadline = time.monotonic() + 20
+        while m.check("disk")._stale_writes or m.composite.tier("disk").num_pending():  # in flight at the reset
+            assert time.monotonic() < deadline, "stale disk writes were never dropped"
+            h.step()
+            time.sleep(0.005)
         assert m.composite.used_blocks() == {"cpu": 0, "disk": 0}
 
 
