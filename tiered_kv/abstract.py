@@ -191,8 +191,9 @@ class LowerTier(Protocol):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         """Pin loadable blocks against eviction; where to read them (slots)."""
 
-    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Unpin blocks pinned by ``prepare_load``."""
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Unpin blocks pinned by ``prepare_load``; ``success=False``: their load failed
+        (the tier may doubt what it holds of them)."""
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """A use, in request order: the first ends most recent."""

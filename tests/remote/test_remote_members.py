@@ -111,3 +111,32 @@ def test_a_wrong_key_store_never_replaces_and_a_keyed_store_never_judges_a_plain
     with RemoteStore(RemoteConfig.from_dict(remote_settings), FP) as fleet:
         hits, bufs = read_back(fleet, items)
         assert hits == [True] * 4 and [bytes(b) for b in bufs] == [d for _, _, d in items]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "padded"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "verified"])
+def test_an_object_of_another_size_is_repaired_by_the_next_node_that_meets_it(
+    tmp_path, rgw_server, remote_settings, damage, recompute
+):
+    """A block's object cut short (a copier that stopped) or padded, in this fleet's own
+    format: the first node that meets it proves it bad and deletes it, recomputes the
+    block and stores it again, so a later node hits it. Under either load policy: with
+    ``recompute`` the worker's read judges it, else the scheduler's verification."""
+    reqs = requests(0, 1)
+    with build(tmp_path / "a", remote_settings) as a:
+        a.run(reqs)
+        key = block_key(a.remote.store.namespace, reqs[0][1], 0)
+    s3 = rgw_server.admin_client()
+    body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    bad = body[: len(body) // 2] if damage == "truncated" else body + bytes(100)
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bad)
+    kw = {"expecting": True, "failed_loads_recomputed": recompute}
+    with build(tmp_path / "b", remote_settings, **kw) as b:
+        first = b.run(reqs)
+        assert first.mismatches == 0 and first.computed >= BLOCKS_PER_REQUEST - 1
+        assert b.tier.store.stats().damaged_deleted + b.remote.store.stats().damaged_deleted == 1
+    with build(tmp_path / "c", remote_settings, **kw) as c:
+        again = c.run(reqs)
+        assert again.hits_by_medium == {REMOTE: BLOCKS_PER_REQUEST}, again.hits_by_medium
+        assert again.mismatches == 0 and again.recomputed_after_failed_load == 0
+    assert s3.head_object(Bucket=BUCKET, Key=key)["ContentLength"] == len(body)

@@ -96,10 +96,12 @@ def build(
     disk_bytes: str = "128KiB",
     expecting: bool = False,
     cost_aware: bool = False,
+    failed_loads_recomputed: bool = False,
     **extra: Any,
 ) -> Node:
     """A node: 32 device blocks of 8 KiB, CPU and disk tiers of 16 blocks each (write-through), and the
-    shared tier of ``remote`` settings under this node's fingerprint; ``extra``: more config keys."""
+    shared tier of ``remote`` settings under this node's fingerprint; ``extra``: more config keys;
+    ``failed_loads_recomputed``: the engine's policy for a failed load (vLLM's ``recompute``)."""
     device = DeviceKVCache(
         num_layers=2,
         num_gpu_blocks=32,
@@ -127,7 +129,9 @@ def build(
         }
     )
     engine_id = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
-    spec = HierarchySpec(config, GPU_BLOCK_SIZE, device.layout, engine_id=engine_id)
+    spec = HierarchySpec(
+        config, GPU_BLOCK_SIZE, device.layout, engine_id=engine_id, failed_loads_recomputed=failed_loads_recomputed
+    )
     tier = spec.lower_tiers[-1]
     assert [t.name for t in spec.lower_tiers] == ["disk", "remote"]
     driver = (ExpectingDriver if expecting else EngineDriver).from_spec(spec, device)

@@ -121,7 +121,7 @@ class FileTierManager(Closing):
             self._pins[h] = self._pins.get(h, 0) + 1
         return FileSlots([0] * len(hashes), hashes)
 
-    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         for h in block_hashes:
             self._pins[h] -= 1
             if not self._pins[h]:

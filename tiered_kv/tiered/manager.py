@@ -350,7 +350,7 @@ class TieredOffloadingManager(OffloadingManager):
             self.cpu.complete_load(cpu_done)
         for tier, done in zip(self.lower, lower_done):
             if done:
-                tier.complete_load(done)
+                tier.complete_load(done, success)
         if not success:
             self.stats.count("cpu", "failed_loads", len(cpu_done))
             for tier, done in zip(self.lower, lower_done):

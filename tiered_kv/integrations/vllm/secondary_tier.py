@@ -410,8 +410,10 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         dm = self.disk_manager
         done = [k for k, ok in zip(job.keys, job.ok) if ok]
         failed = [k for k, ok in zip(job.keys, job.ok) if not ok]
-        if job.keys:
-            dm.complete_load(job.keys)
+        if done:
+            dm.complete_load(done)
+        if failed:
+            dm.complete_load(failed, success=False)
         # A chunk that cannot be promoted (corrupt or unreadable) must turn into a miss,
         # or vLLM would retry its promotion forever.
         for k in failed:

@@ -21,10 +21,11 @@ later call.
   ``settle_after`` seconds after its reservation (dropped, failed, server down) is
   released. A released block whose upload lands later is found by a later probe. No
   new channel between processes is needed, at the price of a HEAD per block and rank.
-- **Loads that failed**: the tier's ``complete_load`` is not told whether the load
-  worked, so ``refresh`` re-probes the blocks loaded since the last refresh; a block
-  found gone (the bucket's lifecycle rule expired it, a checksum failure deleted it)
-  stops being loadable (a ``removed`` event).
+- **Loads**: a block whose load failed is forgotten at once (a ``removed`` event;
+  asked about again when next looked up), so the engine's recomputed copy is offered
+  for upload and replaces an object the reader deleted as damaged (a write finding an
+  honest object leaves it). ``refresh`` re-probes the blocks loaded since the last
+  refresh; one found gone (the bucket's lifecycle rule expired it) stops being loadable.
 - **Capacity** is the bucket's, bounded by the operator's lifecycle rule; the tier
   reports ``membership_entries`` blocks, never evicts, and ``remove`` only forgets.
 
@@ -214,14 +215,21 @@ class RemoteOffloadingManager(Closing):
         self._pins.update(block_hashes)
         return RemoteLoadStoreSpec([0] * len(block_hashes), block_hashes)
 
-    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        failed = []
         for h in block_hashes:
             if self._pins[h] > 0:
                 self._pins[h] -= 1
                 if not self._pins[h]:
                     del self._pins[h]
-                if len(self._loaded) < _MAX_ASKING:  # rechecked at the next refresh
+                if not success:
+                    failed.append(h)
+                elif len(self._loaded) < _MAX_ASKING:  # rechecked at the next refresh
                     self._loaded.add(h)
+        failed = [h for h in failed if self.cache.state(h) is Membership.PRESENT]
+        if failed:
+            self.cache.forget(failed)
+            self._event(failed, removed=True)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         self.cache.states(list(block_hashes)[::-1])  # refreshes the cache's LRU order

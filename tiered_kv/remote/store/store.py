@@ -71,9 +71,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.fingerprint import Fingerprint
@@ -96,17 +96,21 @@ from tiered_kv.remote.format.keys import Keyring, load_keyring
 from tiered_kv.remote.format.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.store.timed_client import TimedClient
 from tiered_kv.remote.store.write_once import WriteOnce
+from tiered_kv.remote.store.futures import all_present, done_future, gather
 from tiered_kv.remote.store.outcomes import PutOutcome, RemoteStats
 from tiered_kv.remote.format.object_format import (
     FORMAT_VERSION,
     Rejected,
     block_key,
+    check_version,
     encode_header,
     fingerprint_digest,
+    format_version,
     manifest_key,
     namespace_prefix,
     object_size,
     pieces_checksum,
+    read_header,
     seal,
     verified_payload,
     verify_into,
@@ -114,7 +118,6 @@ from tiered_kv.remote.format.object_format import (
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 #: A block's bytes: one contiguous buffer, or its pieces in order (e.g. a CPU slot's
 #: ``SlotViews.pieces``), which are sent and filled where they lie.
 BlockBytes = Buffer | Sequence[Buffer]
@@ -122,36 +125,6 @@ BlockBytes = Buffer | Sequence[Buffer]
 PutItem = tuple[BlockHash, int, BlockBytes]
 #: ``(block hash, TP rank, writable bytes of exactly the block's size)`` for ``get_blocks``.
 GetItem = tuple[BlockHash, int, BlockBytes]
-
-
-def _gather(futures: list[Future], combine: Callable[[list[Any]], object] = list) -> Future:
-    """One future for a batch: ``combine`` of the results, in order, once all are done."""
-    out: Future = Future()
-    if not futures:
-        out.set_result(combine([]))
-        return out
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            try:
-                out.set_result(combine([f.result() for f in futures]))
-            except BaseException as exc:  # a bug in a task: surfaces on the batch future
-                out.set_exception(exc)
-
-    for f in futures:
-        f.add_done_callback(done)
-    return out
-
-
-def _done(value: T) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
 
 
 def _byte_views(data: Any, what: str, writable: bool) -> list[memoryview]:
@@ -311,12 +284,12 @@ class RemoteStore:
                     self._pending_bytes += size
                 else:
                     self._stats.puts_dropped += 1
-                    futures.append(_done(PutOutcome.DROPPED))
+                    futures.append(done_future(PutOutcome.DROPPED))
                     continue
             if copy:
                 views = [memoryview(b"".join(views))]
             futures.append(self._pool.submit(self._put_one, block_hash, rank, views, size))
-        return _gather(futures)
+        return gather(futures)
 
     def _put_item(self, i: int, block: Any) -> tuple[bytes, int, list[memoryview]]:
         try:
@@ -398,14 +371,11 @@ class RemoteStore:
         """Why the object at ``key`` would not be served for this block, or None when it
         would or is absent (a node deleted it, and whoever stores it next is honest or is
         checked). Of another size than a writer's own block's bytes, the object is
-        provably not this block's; a reader's buffer size proves nothing (the caller's)."""
+        provably not this block's (``_fetch``)."""
         try:
-            data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
-        except WrongSize as wrong:
-            return Rejected("size", str(wrong), provable=writing)
-        if data is None:
-            return None
-        try:
+            data = self._fetch(key, block_hash, size, writing)
+            if data is None:
+                return None
             verified_payload(
                 memoryview(data),
                 fingerprint=self._digest,
@@ -417,6 +387,30 @@ class RemoteStore:
         except Rejected as rejected:
             return rejected
         return None
+
+    def _fetch(self, key: str, block_hash: bytes, size: int, writing: bool) -> Buffer | None:
+        """The object at ``key`` for a block of ``size`` bytes, None when there is none.
+        One of another size is ``Rejected("size")``, provable to a writer only (it knows
+        its block's bytes; a reader knows only its caller's buffer). Up to twice the
+        block's object it is read first, for what it proves whatever the caller's size:
+        malformed (truncated, padded) or unsealed where the fleet seals is provably bad,
+        so a damaged object does not stay every node's miss; a newer format is not."""
+        expected = object_size(self.keyring is not None, len(block_hash), size)
+        try:
+            return self._client.get(key, expected)
+        except WrongSize as wrong:
+            if wrong.size > 2 * expected:
+                raise Rejected("size", str(wrong), provable=writing) from None
+        try:
+            data = self._client.get(key, limit=2 * expected)
+        except WrongSize as wrong:  # replaced by a larger one meanwhile
+            raise Rejected("size", str(wrong), provable=writing) from None
+        if data is None:
+            return None
+        view = memoryview(data)
+        check_version(format_version(view), self.keyring is not None)
+        read_header(view)
+        raise Rejected("size", f"object of {len(view)} bytes, expected {expected}", provable=writing)
 
     # -- reads ------------------------------------------------------------------------
 
@@ -435,7 +429,7 @@ class RemoteStore:
             )
         with self._lock:
             self._check_open()
-        return _gather([self._pool.submit(self._get_one, *item) for item in items])
+        return gather([self._pool.submit(self._get_one, *item) for item in items])
 
     def _get_one(self, block_hash: bytes, rank: int, dest: list[memoryview]) -> bool:
         if not self._health.available():
@@ -446,10 +440,10 @@ class RemoteStore:
         size = sum(len(d) for d in dest)
         try:
             try:
-                data = self._client.get(key, object_size(self.keyring is not None, len(block_hash), size))
-            except WrongSize as wrong:  # never downloaded: not what this caller's buffer holds
+                data = self._fetch(key, block_hash, size, writing=False)
+            except Rejected:  # the server answered
                 self._health.success()
-                raise Rejected("size", str(wrong), provable=False) from None
+                raise
             self._health.success()
             if data is None:
                 with self._lock:
@@ -504,8 +498,8 @@ class RemoteStore:
         with self._lock:
             self._check_open()
         probes = [self._pool.submit(self._exists_one, h, r) for h, r in keyed]
-        per_block = [_gather(probes[i : i + len(ranks)], _all_present) for i in range(0, len(probes), len(ranks))]
-        return _gather(per_block)
+        per_block = [gather(probes[i : i + len(ranks)], all_present) for i in range(0, len(probes), len(ranks))]
+        return gather(per_block)
 
     def _exists_one(self, block_hash: bytes, rank: int) -> bool | None:
         if not self._health.available():
@@ -592,9 +586,3 @@ class RemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _all_present(answers: list[bool | None]) -> bool | None:
-    if any(a is False for a in answers):
-        return False
-    return None if any(a is None for a in answers) else True
