@@ -48,6 +48,24 @@ def test_usage_errors_are_one_line_without_a_box(args, words):
     assert words in line
 
 
+@pytest.mark.parametrize(
+    "args, schema, words",
+    [
+        (["doctor", "--json", "--bogus"], "tiered-kv/doctor", "No such option: --bogus"),
+        (["inspect", "ls", "/tmp", "--json", "--limit", "x"], "tiered-kv/inspect-ls", "Invalid value for '--limit'"),
+        (["config", "--preset", "nope", "--json"], "tiered-kv/config", "--preset: no preset 'nope'"),
+        (["config", "--json", "--preset", "llama-3.1-8b", "--cpu-bytes", "1Q"], "tiered-kv/config", "'1Q'"),
+    ],
+)
+def test_with_json_every_error_is_a_json_document_on_stdout(args, schema, words):
+    """A script that asked for ``--json`` reads an error from stdout too, usage errors
+    and bad values included, as ``docs/cli.md`` promises."""
+    result = _run(*args)
+    line = _one_error_line(result)
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == schema and words in doc["error"] and words in line
+
+
 def test_command_errors_are_one_line_with_the_message_whole(tmp_path):
     line = _one_error_line(_run("demo", "--requests", "2", "--cpu-bytes", "lots"))
     assert "--cpu-bytes: cannot parse size 'lots'" in line and line.endswith("e.g. '64GiB'")

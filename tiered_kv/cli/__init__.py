@@ -10,6 +10,7 @@ seconds. The top-level listing and name completion use ``COMMANDS`` below instea
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import sys
@@ -87,8 +88,13 @@ class LazyGroup(TyperGroup):
                     raise
                 sys.exit(e.exit_code)
             line = " ".join(e.format_message().split()).replace("Value error, ", "")
-            if isinstance(e, _click_exceptions.UsageError) and e.ctx is not None:
-                line += f" (see '{e.ctx.command_path} --help')"
+            ctx = getattr(e, "ctx", None)
+            if isinstance(e, _click_exceptions.UsageError) and ctx is not None:
+                line += f" (see '{ctx.command_path} --help')"
+            if "--json" in (sys.argv[1:] if args is None else list(args)):  # scripts read stdout
+                from tiered_kv.cli.output import envelope
+
+                typer.echo(json.dumps(envelope({"error": line}, ctx=ctx), sort_keys=True))
             typer.echo(f"error: {line}", err=True)
             if not standalone_mode:
                 raise

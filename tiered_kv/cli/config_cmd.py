@@ -267,7 +267,7 @@ def config(
         if len(backends) == 1:
             serve_flags += f" --attention-backend {backends[0]}"
     except ConfigError as exc:
-        fail(str(exc), False)
+        fail(str(exc), as_json)
     warnings = list(tier_size_warnings(plan.cpu_bytes, plan.disk_bytes, disk_path, tp))
     warnings += _key_warnings(remote)
     if not disk_path:

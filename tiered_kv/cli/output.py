@@ -69,17 +69,17 @@ def _current_context() -> Any:
     return None
 
 
-def _schema() -> str:
-    """``tiered-kv/<sub-command path>`` of the command running now."""
-    ctx = _current_context()
+def _schema(ctx: Any = None) -> str:
+    """``tiered-kv/<sub-command path>`` of ``ctx``, by default the command running now."""
+    ctx = _current_context() if ctx is None else ctx
     parts = ctx.command_path.split()[1:] if ctx is not None else []
     return "tiered-kv/" + ("-".join(parts) or "tiered-kv")
 
 
-def envelope(data: Mapping[str, Any], path: Any = None) -> dict[str, Any]:
+def envelope(data: Mapping[str, Any], path: Any = None, ctx: Any = None) -> dict[str, Any]:
     """``data`` with the envelope's fields (see the module docstring). ``path`` defaults to
-    ``data["path"]``."""
-    head = {"schema": _schema(), "schema_version": SCHEMA_VERSION, "generated": iso_time(time.time()), "path": None}
+    ``data["path"]``; ``ctx``: the command's click context (the one running by default)."""
+    head = {"schema": _schema(ctx), "schema_version": SCHEMA_VERSION, "generated": iso_time(time.time()), "path": None}
     out = {**head, **data}
     if path is not None:
         out["path"] = str(path)
