@@ -72,6 +72,12 @@ PRIOR_GBPS = {"CPU": 50.0, "DISK": 6.0, "REMOTE": 1.0}
 #: Per-job latency before any sample, seconds: 0 by default, so the prior alone
 #: judges by bandwidth (break-even = KV bytes per token x prefill tokens/s).
 PRIOR_LATENCY_S = {"CPU": 0.0, "DISK": 0.0, "REMOTE": 0.0}
+#: A job whose seconds are more than this many times the estimate's (or less than its
+#: inverse) is folded in at that bound, unless the job before it was such a job too:
+#: one stalled job then costs a tier a few probes, not many minutes of them (a 60 s
+#: stall of a 64-block job among 8-block jobs at 6 GB/s leaves about 2 GB/s, not
+#: 0.003 GB/s), while a real change is followed one job later than without the bound.
+OUTLIER_FACTOR = 4.0
 #: The timing type of a forward pass that was nearly all prefill (tokens, seconds),
 #: beside the load transfer types (``load_transfer_types``).
 PREFILL = "prefill"
@@ -84,7 +90,7 @@ class TierCost:
     """Load cost of one tier into the GPU: ``seconds = latency_s + bytes / (gbps x 1e9)``.
 
     An exponentially weighted least-squares fit over recent jobs (weight ``alpha`` for
-    the newest), seeded with the prior as one job. Where recent jobs are all of one size
+    the newest; a lone outlier bounded, ``OUTLIER_FACTOR``), seeded with the prior as one job. Where recent jobs are all of one size
     the fit cannot split latency from bandwidth: the latency is kept and the bandwidth
     fitted. The prior is one job of ``ref_bytes`` (best: the tier's block size, so that
     a few jobs of that size outweigh it). Thread-safe."""
@@ -99,6 +105,7 @@ class TierCost:
         self.alpha = alpha
         self.gbps, self.latency_s = gbps, latency_s
         self.samples = 0
+        self._outliers = 0  # jobs in a row outside ``OUTLIER_FACTOR``
         self.last_sample: float | None = None  # time.monotonic() of the newest sample
         self._lock = threading.Lock()
         ref = max(1, ref_bytes)
@@ -113,6 +120,14 @@ class TierCost:
         if nbytes <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return
         with self._lock:
+            expected = self.latency_s + nbytes / (self.gbps * 1e9)
+            bounded = min(max(seconds, expected / OUTLIER_FACTOR), expected * OUTLIER_FACTOR)
+            if bounded != seconds:
+                self._outliers += 1
+                if self._outliers == 1:
+                    seconds = bounded
+            else:
+                self._outliers = 0
             a = self.alpha
             m = [old + a * (v - old) for old, v in zip(self._m, self._moments(nbytes, seconds))]
             mx, my, mxx, mxy = m

@@ -119,12 +119,9 @@ def test_under_vllm_a_cpu_lead_is_loaded_and_the_slow_disk_chunks_after_it_are_m
         assert not h.manager.has_pending_work()
 
 
-def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_path):
-    """A chunk that an unfinished load reads from disk is read from disk again, even once
-    it is in CPU too (``hit_tier``): after a request's CPU chunks it is judged at the
-    disk's cost, not counted into the CPU lead; once that load ends it is a CPU chunk."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
-
+def _scheduler_side(tmp_path, cpu_slots: int = 8, disk_gbps: float = 1e-6):
+    """vLLM's scheduler-side manager over a CPU and a disk tier, the disk ``disk_gbps``
+    (by default seconds a chunk against milliseconds of prefill), probes off."""
     from tiered_kv.cpu.manager import CPUOffloadingManager
     from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
     from tiered_kv.fingerprint import Fingerprint
@@ -139,15 +136,89 @@ def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_
         tmp_path / "disk", fp, layout, disk_bytes=64 * layout.bytes_per_block, poll_interval=None
     )
     composite = TieredOffloadingManager(
-        CPUOffloadingManager(8, layout.gpu_block_size), disk, prefill_tokens_per_s=100.0
+        CPUOffloadingManager(cpu_slots, layout.gpu_block_size), disk, prefill_tokens_per_s=100.0
     )
     manager = TieredVllmManager(
         composite, [TrustedHitCheck(disk)], health=SlotHealth(tmp_path / "health", composite.cpu.num_slots)
     )
     costs = composite.costs
     assert costs is not None
-    costs.tiers["disk"].gbps = 1e-6  # seconds a chunk against milliseconds of prefill
+    costs.tiers["disk"].gbps = disk_gbps
     costs.probe_every, costs.probe_after_s = 10**9, 1e9
+    return manager, composite, disk, layout.gpu_block_size
+
+
+def _on_disk_only(manager, composite, disk, keys) -> None:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    writer = ReqContext(req_id="writer")
+    out = manager.prepare_store(keys, writer)
+    disk.complete_store(out.store_spec.inner.tier_write_through[0].block_hashes)  # durable, as a flush makes it
+    manager.complete_store(keys, writer)
+    for key in keys:
+        composite.cpu.remove(key)
+
+
+def test_a_hybrid_model_s_chunks_placed_in_two_batches_are_all_planned(tmp_path):
+    """Two KV-cache groups whose chunks vLLM placed group by group, then again as the
+    request grew (other groups' keys between a group's): every chunk on a fast disk is
+    a hit in both groups, the full-attention group's read ahead past the other's keys."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+
+    manager, composite, disk, tpb = _scheduler_side(tmp_path, cpu_slots=16, disk_gbps=100.0)
+    groups = [[make_offload_key(bytes([i]) * 32, g) for i in range(4)] for g in (0, 1)]
+    try:
+        _on_disk_only(manager, composite, disk, groups[0] + groups[1])
+        ctx = ReqContext(req_id="r")
+        for batch in (range(2), range(2, 4)):
+            for keys in groups:
+                for i in batch:
+                    ctx.set_offload_key_position(keys[i], (i + 1) * tpb)
+        full = [manager.lookup(key, ctx) for key in groups[0]]
+        window = [manager.lookup(key, ctx) for key in reversed(groups[1])]  # vLLM: last chunk first
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+        assert full == [LookupResult.HIT] * 4 and window == [LookupResult.HIT] * 4
+    finally:
+        composite.shutdown()
+
+
+def test_a_plan_made_at_a_step_s_end_is_made_anew_once_the_request_is_preempted(tmp_path):
+    """A hybrid model's request decided at a step's end to recompute every chunk (on a
+    disk far slower than recomputing); it ran, its chunks were stored in CPU, and it was
+    preempted: looked up again, its chunks are CPU hits, as for a new request."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+
+    manager, composite, disk, tpb = _scheduler_side(tmp_path, cpu_slots=16)
+    keys = [make_offload_key(bytes([i]) * 32, g) for g in (0, 1) for i in range(3)]
+    try:
+        _on_disk_only(manager, composite, disk, keys)
+        ctx = ReqContext(req_id="r")
+        for n, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (n % 3 + 1) * tpb)
+        manager.on_new_request(ctx)
+
+        def step(preempted: tuple[str, ...] = ()) -> list[LookupResult]:
+            manager.on_schedule_end(ScheduleEndContext((), preempted))
+            return [manager.lookup(key, ctx) for key in keys]
+
+        step()
+        assert step() == [LookupResult.MISS] * 6  # the plan made at the first step's end
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None and sorted(out.keys_to_store) == sorted(keys)
+        manager.complete_store(keys, ctx)
+        assert step() == [LookupResult.MISS] * 6  # still waiting: the plan stands
+        assert step(preempted=("r",)) == [LookupResult.HIT] * 6
+    finally:
+        composite.shutdown()
+
+
+def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_path):
+    """A chunk that an unfinished load reads from disk is read from disk again, even once
+    it is in CPU too (``hit_tier``): after a request's CPU chunks it is judged at the
+    disk's cost, not counted into the CPU lead; once that load ends it is a CPU chunk."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+
+    manager, composite, disk, tpb = _scheduler_side(tmp_path)
     keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(3)]
     writer, reader = ReqContext(req_id="writer"), ReqContext(req_id="reader")
     try:
@@ -162,7 +233,7 @@ def test_a_cpu_chunk_that_a_disk_load_still_reads_is_judged_as_a_disk_chunk(tmp_
         def scan(req_id: str) -> list[LookupResult]:
             ctx = ReqContext(req_id=req_id)
             for i, key in enumerate(keys):
-                ctx.set_offload_key_position(key, (i + 1) * layout.gpu_block_size)
+                ctx.set_offload_key_position(key, (i + 1) * tpb)
             answers = [manager.lookup(key, ctx) for key in keys]
             manager.on_schedule_end(ScheduleEndContext((), ()))
             return answers

@@ -58,6 +58,27 @@ def test_a_tier_estimate_follows_a_slowdown_and_a_recovery_with_one_job_size():
         assert cost.seconds(4 * MiB) == pytest.approx(4 * MiB / (gbps * 1e9), rel=0.05)
 
 
+def test_one_stalled_job_does_not_keep_a_tier_passed_over_and_a_real_slowdown_is_followed():
+    """A 64-block job that stalled 60 s among 8-block jobs at 6 GB/s: the estimate stays
+    near 2 GB/s, and ten normal jobs bring it back past a 4 GB/s break-even (without the
+    bound it fell to 0.003 GB/s and took 40-odd probes, 30 s apart, to come back). A
+    tier that really got 20x slower is followed from its second slow job on."""
+    cost = TierCost("disk", gbps=6.0, ref_bytes=2 * MiB)
+    for _ in range(20):
+        cost.observe(16 * MiB, 16 * MiB / 6e9)
+    cost.observe(128 * MiB, 60.0)
+    assert cost.gbps > 1.9
+    for _ in range(10):
+        cost.observe(16 * MiB, 16 * MiB / 6e9)
+    assert cost.gbps > 4.0
+    slowed = TierCost("disk", gbps=6.0, ref_bytes=2 * MiB)
+    for _ in range(20):
+        slowed.observe(16 * MiB, 16 * MiB / 6e9)
+    for _ in range(3):
+        slowed.observe(16 * MiB, 16 * MiB / 0.3e9)
+    assert slowed.gbps < 1.0
+
+
 def test_bad_samples_are_ignored_and_bad_priors_refused():
     cost = TierCost("disk", gbps=6.0)
     for nbytes, seconds in ((0, 1.0), (MiB, 0.0), (MiB, float("nan")), (MiB, -1.0)):

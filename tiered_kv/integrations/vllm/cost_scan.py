@@ -18,7 +18,7 @@ from tiered_kv.cost import LoadCosts, PrefixScan
 class CostScan:
     """One request's leading offloaded chunks in the order its lookups found them, and
     once decided, the last token position it loads (-1: none). A new scan from the start (a failed
-    load, no room to schedule) decides anew; a plan made at a step's end (``late``) stands.
+    load, no room to schedule) decides anew; a plan made at a step's end (``late``) stands until the request is preempted.
 
     While every chunk so far is a CPU chunk and a run of CPU chunks pays at every length
     (``PrefixScan.pays_alone``), the chunks are only counted (``lead``, ending at token
@@ -45,9 +45,10 @@ class CostScan:
         self.prefix = PrefixScan(costs)
         self.keys.clear()
         self.positions.clear()
-        self.leading = self.prefix.pays_alone("cpu")
         self.lead, self.lead_end, self.last = 0, -1, -1
         self.boundary = self.boundary if self.late else None
+        # A plan that stands answers every chunk, a CPU one too (no lead counted past it).
+        self.leading = self.boundary is None and self.prefix.pays_alone("cpu")
 
     def lead_with(self, position: int) -> None:
         """One more CPU chunk of the lead, ending at token ``position``."""

@@ -176,6 +176,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         # Requests whose load is being decided: every lookup of theirs this step recorded
         # in their ``CostScan``; decided at the end of the step (``on_schedule_end``).
         self._undecided: dict[str, CostScan] = {}
+        self._late: dict[str, CostScan] = {}  # plans made at a step's end, until preempted or finished
         self._deferred = [False, False]  # a lookup deferred for a decision: this step, the last
         # The last request asked this step, its scan and its key -> position lookup.
         self._scan_of: tuple[ReqContext, CostScan, Callable[[OffloadKey], int | None]] | None = None
@@ -227,6 +228,7 @@ class TieredVllmManager(OffloadingManager, Closing):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._waiting.discard(req_context.req_id)
+        self._late.pop(req_context.req_id, None)
         self.hints.on_request_finished(req_context)
 
     def _queues(self) -> Queues:
@@ -345,9 +347,11 @@ class TieredVllmManager(OffloadingManager, Closing):
         return _RETRY
 
     def _ahead(self, key: OffloadKey, position: int, req_context: ReqContext) -> tuple[list, list[list]] | None:
-        """The request's chunks from ``key`` (ending at ``position``) on while a tier holds
-        each, without a gap: keys and ``[tier name, chunks]`` runs; None where vLLM's order
-        of the request's chunks is not at hand (several KV-cache groups, another vLLM)."""
+        """The request's chunks of ``key``'s KV-cache group from ``key`` (ending at
+        ``position``) on while a tier holds each, without a gap: keys and ``[tier name,
+        chunks]`` runs; None where vLLM's order of the request's chunks is not at hand
+        (another vLLM, a group placed before the first). vLLM places a request's chunks
+        group by group, again as it grows: other groups' keys lie between a group's."""
         positions = getattr(req_context, "_offload_key_positions", None)
         tpb = self.costs.tokens_per_block if self.costs is not None else 0
         if not isinstance(positions, dict) or not tpb or position % tpb:
@@ -359,7 +363,10 @@ class TieredVllmManager(OffloadingManager, Closing):
         keys: list = []
         runs: list[list] = []
         expected, hit_tier, names = position, self.composite.hit_tier, self._names
+        group = key[-4:]  # ``get_offload_group_idx``'s bytes
         for later in islice(order, i, None):
+            if later[-4:] != group:
+                continue
             tier = hit_tier(later) if positions[later] == expected else None
             if tier is None:
                 break
@@ -466,12 +473,16 @@ class TieredVllmManager(OffloadingManager, Closing):
                 self.costs.observe(transfer_type, round(nbytes), seconds, success)
         self._waiting.difference_update(context.new_req_ids)
         self._waiting.update(context.preempted_req_ids)
+        for req_id in context.preempted_req_ids:  # its KV freed, its chunks stored since: decided anew
+            if (preempted := self._late.pop(req_id, None)) is not None:
+                preempted.late = False
         if self.costs is not None:
             self.costs.queues = self._queues()  # the decisions below and next step's scans
-        for scan in self._undecided.values():
+        for req_id, scan in self._undecided.items():
             # The lead's keys are never read: every plan loads the whole lead.
             k = self.composite.decide([b""] * scan.lead + scan.keys, scan.prefix.runs, scan.prefix.start or 0)
             scan.boundary, scan.late = scan.boundary_for(k), True  # the next scans answer from it
+            self._late[req_id] = scan
         self._undecided.clear()
         self._scan_of = None
         self.hints.step(context.new_req_ids)
