@@ -90,9 +90,9 @@ class TierCost:
     """Load cost of one tier into the GPU: ``seconds = latency_s + bytes / (gbps x 1e9)``.
 
     An exponentially weighted least-squares fit over recent jobs (weight ``alpha`` for
-    the newest; a lone outlier bounded, ``OUTLIER_FACTOR``), seeded with the prior as one job. Where recent jobs are all of one size
-    the fit cannot split latency from bandwidth: the latency is kept and the bandwidth
-    fitted. The prior is one job of ``ref_bytes`` (best: the tier's block size, so that
+    the newest; a lone outlier bounded, ``OUTLIER_FACTOR``), seeded with the prior as
+    one job. Where recent jobs are all of one size the fit cannot split latency from
+    bandwidth: the latency is kept and the bandwidth fitted. The prior is one job of ``ref_bytes`` (best: the tier's block size, so that
     a few jobs of that size outweigh it). Thread-safe."""
 
     def __init__(self, name: str, gbps: float, latency_s: float = 0.0, alpha: float = 0.2, ref_bytes: int = 1 << 20):

@@ -67,7 +67,7 @@ def test_server_killed_mid_run_costs_misses_not_exceptions(rgw_server, remote_se
         assert "did not answer" in caplog.text or "failed" in caplog.text
         assert SECRET_KEY not in caplog.text
         # radosgw is back (the cluster kept the objects): hits again, the lost uploads retried.
-        store._health._open_until = store._put_health._open_until = 0.0  # end the cooldowns now
+        store._read_health._open_until = store._put_health._open_until = 0.0  # end the cooldowns now
         assert get(store, stored) == [True] * 8
         assert store.put_blocks(later).result(WAIT) == [PutOutcome.STORED] * 8
 

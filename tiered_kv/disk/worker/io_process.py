@@ -111,6 +111,8 @@ class DiskIOProcess(BlockIO):
         self._freed: deque[int] = deque()  # regions freed here, to be unmapped there
         # Writes to log failed that no process could take (one died, or a start is
         # backing off): sent to the next one first, or their slots would stay pending.
+        # Bounded by the tier's slots: a slot stays pending, never written again, until
+        # its failure is logged.
         self._unlogged: deque[tuple] = deque()
         on_free(self._region_freed)
         self._child: _Child | None = None

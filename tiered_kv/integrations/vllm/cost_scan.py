@@ -17,8 +17,9 @@ from tiered_kv.cost import LoadCosts, PrefixScan
 @dataclass
 class CostScan:
     """One request's leading offloaded chunks in the order its lookups found them, and
-    once decided, the last token position it loads (-1: none). A new scan from the start (a failed
-    load, no room to schedule) decides anew; a plan made at a step's end (``late``) stands until the request is preempted.
+    once decided, the last token position it loads (-1: none). A new scan from the start
+    (a failed load, no room to schedule) decides anew; a plan made at a step's end
+    (``late``) stands until the request is preempted.
 
     While every chunk so far is a CPU chunk and a run of CPU chunks pays at every length
     (``PrefixScan.pays_alone``), the chunks are only counted (``lead``, ending at token

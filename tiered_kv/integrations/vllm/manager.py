@@ -32,9 +32,10 @@ this adapter adds is what vLLM's contract demands and ours did not:
   chunk past the leading CPU ones (which are only counted, ``CostScan``: a CPU hit costs
   about what it costs vLLM's own manager) the whole run is read ahead (``_ahead``) and
   decided at once; the scan then answers from the plan, MISS past it. Where the order is
-  not at hand (several KV-cache groups), a chunk is answered as found while loading every
-  chunk so far beats every shorter prefix (``PrefixScan``), RETRY past that, and the run
-  is decided at the step's end (``on_schedule_end``): the request waits one step. Each
+  not at hand (a sliding-window group, asked last chunk first), a chunk is answered as
+  found while loading every chunk so far beats every shorter prefix (``PrefixScan``),
+  RETRY past that, and the run is decided at the step's end (``on_schedule_end``): the
+  request waits one step; that plan stands until the request is preempted. Each
   tier's estimate is fed with the workers' transfer times (``health.LoadTimings``).
 - ``touch`` is never called by vLLM 0.33, so a use is recorded in ``prepare_load``;
   ``prepare_store`` leaves recency to the composite, which never evicts the chunks a

@@ -21,11 +21,13 @@ later call.
   ``settle_after`` seconds after its reservation (dropped, failed, server down) is
   released. A released block whose upload lands later is found by a later probe. No
   new channel between processes is needed, at the price of a HEAD per block and rank.
-- **Loads**: a block whose load failed is forgotten at once (a ``removed`` event;
-  asked about again when next looked up), so the engine's recomputed copy is offered
-  for upload and replaces an object the reader deleted as damaged (a write finding an
-  honest object leaves it). ``refresh`` re-probes the blocks loaded since the last
-  refresh; one found gone (the bucket's lifecycle rule expired it) stops being loadable.
+- **Loads**: a block whose load is known to have failed (``complete_load`` with
+  ``success=False``) is forgotten at once (a ``removed`` event; asked about again when
+  next looked up), so the engine's recomputed copy is offered for upload and replaces
+  an object the reader deleted as damaged (a write finding an honest object leaves it).
+  ``refresh`` re-probes the other blocks loaded since the last refresh (vLLM reports
+  loads as done either way): one found gone (the bucket's lifecycle rule expired it,
+  its reader deleted it as damaged) stops being loadable.
 - **Capacity** is the bucket's, bounded by the operator's lifecycle rule; the tier
   reports ``membership_entries`` blocks, never evicts, and ``remove`` only forgets.
 

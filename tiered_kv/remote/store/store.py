@@ -194,7 +194,7 @@ class RemoteStore:
         # Reads stop only on failed reads: failed uploads (a full Mooncake pool, slow PUTs)
         # must not skip the load of a hit the scheduler has just verified. Uploads stop on
         # either: a server that does not answer reads will not take writes.
-        self._health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
+        self._read_health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._put_health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="tkv-remote")
         self.reachable = True
@@ -432,7 +432,7 @@ class RemoteStore:
         return gather([self._pool.submit(self._get_one, *item) for item in items])
 
     def _get_one(self, block_hash: bytes, rank: int, dest: list[memoryview]) -> bool:
-        if not self._health.available():
+        if not self._read_health.available():
             with self._lock:
                 self._stats.gets_skipped += 1
             return False
@@ -442,9 +442,9 @@ class RemoteStore:
             try:
                 data = self._fetch(key, block_hash, size, writing=False)
             except Rejected:  # the server answered
-                self._health.success()
+                self._read_health.success()
                 raise
-            self._health.success()
+            self._read_health.success()
             if data is None:
                 with self._lock:
                     self._stats.gets_absent += 1
@@ -463,7 +463,7 @@ class RemoteStore:
                     self._stats.kept_unproven += 1
             return False
         except Exception as exc:
-            self._request_failed(exc, "download failed", self._health)
+            self._request_failed(exc, "download failed", self._read_health)
             with self._lock:
                 self._stats.gets_failed += 1
             return False
@@ -502,15 +502,15 @@ class RemoteStore:
         return gather(per_block)
 
     def _exists_one(self, block_hash: bytes, rank: int) -> bool | None:
-        if not self._health.available():
+        if not self._read_health.available():
             with self._lock:
                 self._stats.probes_failed += 1
             return None
         try:
             found = self._client.exists(block_key(self.namespace, block_hash, rank))
-            self._health.success()
+            self._read_health.success()
         except Exception as exc:
-            self._request_failed(exc, "existence probe failed", self._health)
+            self._request_failed(exc, "existence probe failed", self._read_health)
             with self._lock:
                 self._stats.probes_failed += 1
             return None
@@ -521,7 +521,7 @@ class RemoteStore:
     # -- faults, stats, life cycle -----------------------------------------------------
 
     def _writable(self) -> bool:
-        return self._health.available() and self._put_health.available()
+        return self._read_health.available() and self._put_health.available()
 
     def _request_failed(self, exc: Exception, what: str, health: Health) -> None:
         if isinstance(exc, Unavailable):
