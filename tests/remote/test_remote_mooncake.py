@@ -343,3 +343,27 @@ def test_set_ups_the_master_answers_but_that_fail_back_off(mooncake_server):
         assert 0.5 < waits[0] <= 1.0 and 1.5 < waits[1] <= 2.0 and 3.5 < waits[2] <= 4.0, waits
     finally:
         client.close()
+
+
+def test_a_truncated_object_is_proven_bad_and_a_caller_s_wrong_size_deletes_nothing(config, mooncake_server):
+    """Of another size than the block's object, an object is read (the zero-copy read
+    stops short of it) and judged: cut short, it is malformed and deleted, and the next
+    write stores the block; a caller whose buffer is a byte larger deletes nothing."""
+    ((h, r, data),) = blocks(1, size=100_000, seed=4)
+    with RemoteStore(config, FP) as store:
+        store.put_blocks([(h, r, data)]).result(WAIT)
+        hits, _ = read_back(store, [(h, r, data + b"x")])
+        assert hits == [False] and store.stats().rejected["size"] == 1 and store.stats().damaged_deleted == 0
+        key = block_key(store.namespace, h, r)
+        raw = mooncake_server.raw_client()
+        try:
+            truncated = bytes(raw.get(key))[:-3000]
+            assert raw.remove(key, True) == 0 and raw.put(key, truncated) == 0
+        finally:
+            raw.close()
+        hits, (buf,) = read_back(store, [(h, r, data)])
+        s = store.stats()
+        assert hits == [False] and not any(buf) and s.rejected["format"] == 1 and s.damaged_deleted == 1
+        assert store.exists([h]).result(WAIT) == [False]
+        assert store.put_blocks([(h, r, data)]).result(WAIT) == [PutOutcome.STORED]
+        assert read_back(store, [(h, r, data)]) == ([True], [bytearray(data)])
