@@ -105,7 +105,7 @@ class TierCost:
         self.alpha = alpha
         self.gbps, self.latency_s = gbps, latency_s
         self.samples = 0
-        self._outliers = 0  # jobs in a row outside ``OUTLIER_FACTOR``
+        self._last_outlier = False  # the last job was outside ``OUTLIER_FACTOR``
         self.last_sample: float | None = None  # time.monotonic() of the newest sample
         self._lock = threading.Lock()
         ref = max(1, ref_bytes)
@@ -122,12 +122,10 @@ class TierCost:
         with self._lock:
             expected = self.latency_s + nbytes / (self.gbps * 1e9)
             bounded = min(max(seconds, expected / OUTLIER_FACTOR), expected * OUTLIER_FACTOR)
-            if bounded != seconds:
-                self._outliers += 1
-                if self._outliers == 1:
-                    seconds = bounded
-            else:
-                self._outliers = 0
+            outlier, after_outlier = bounded != seconds, self._last_outlier
+            self._last_outlier = outlier
+            if outlier and not after_outlier:
+                seconds = bounded
             a = self.alpha
             m = [old + a * (v - old) for old, v in zip(self._m, self._moments(nbytes, seconds))]
             mx, my, mxx, mxy = m
