@@ -140,3 +140,59 @@ def test_an_object_of_another_size_is_repaired_by_the_next_node_that_meets_it(
         assert again.hits_by_medium == {REMOTE: BLOCKS_PER_REQUEST}, again.hits_by_medium
         assert again.mismatches == 0 and again.recomputed_after_failed_load == 0
     assert s3.head_object(Bucket=BUCKET, Key=key)["ContentLength"] == len(body)
+
+
+@pytest.mark.parametrize("moment", ["between-reads", "before-replacing"])
+def test_a_member_with_the_wrong_key_replaces_only_the_version_it_proved_bad(
+    rgw_server, remote_settings, monkeypatch, moment
+):
+    """A damaged object that two writers meet at once: a fleet node repairs it while a
+    node with the wrong key is judging it (between its two reads of an object of another
+    size, or after its judgement and before its replacing write). The wrong-key node
+    keeps the fleet's repaired object, which it cannot judge, and the fleet reads it."""
+    import numpy as np
+
+    from tiered_kv.remote.store.client import S3Client, WrongSize
+
+    class Racing(S3Client):
+        """An S3 client that runs ``race`` once, at ``moment``."""
+
+        race = None
+
+        def _once(self):
+            race, self.race = self.race, None
+            if race is not None:
+                race()
+
+        def get_tagged(self, key, size=None, limit=None):
+            try:
+                return super().get_tagged(key, size, limit)
+            except WrongSize:
+                if moment == "between-reads":
+                    self._once()
+                raise
+
+        def replace(self, key, parts, tag):
+            if moment == "before-replacing":
+                self._once()
+            return super().replace(key, parts, tag)
+
+    monkeypatch.setenv("WRONG_FLEET_KEY", WRONG_KEY)
+    wrong_config = RemoteConfig.from_dict({**remote_settings, "key_env": "WRONG_FLEET_KEY"})
+    rng = np.random.default_rng(7)
+    item = (rng.bytes(32), 0, rng.bytes(8192))
+    s3 = rgw_server.admin_client()
+    with RemoteStore(RemoteConfig.from_dict(remote_settings), FP) as fleet:
+        key = block_key(fleet.namespace, item[0], 0)
+        assert fleet.put_blocks([item]).result(WAIT) == [PutOutcome.STORED]
+        good = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        s3.put_object(Bucket=BUCKET, Key=key, Body=good[: len(good) // 2])
+        client = Racing(wrong_config)
+        client.race = lambda: fleet.put_blocks([item]).result(WAIT)
+        with RemoteStore(wrong_config, FP, client=client) as wrong:
+            assert wrong.put_blocks([item]).result(WAIT) == [PutOutcome.PRESENT]
+            assert client.race is None  # the fleet's repair ran
+            assert wrong.stats().forgeries_replaced == 0 and wrong.stats().kept_unproven == 1
+        assert s3.get_object(Bucket=BUCKET, Key=key)["Body"].read() != good[: len(good) // 2]
+        buf = bytearray(len(item[2]))
+        assert fleet.get_blocks([(item[0], 0, buf)]).result(WAIT) == [True] and bytes(buf) == item[2]

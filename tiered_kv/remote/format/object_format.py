@@ -100,11 +100,13 @@ class Rejected(Exception):
     cannot compute. Those are kept, whatever else their header says, so that a member
     with the wrong key, an old key or none never destroys what the fleet wrote."""
 
-    def __init__(self, reason: str, detail: str, *, provable: bool):
+    def __init__(self, reason: str, detail: str, *, provable: bool, tag: str | None = None):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
         self.provable = provable
+        #: The store's tag of the version judged, where it gave one (``ObjectClient.replace``).
+        self.tag = tag
 
 
 #: ``format``: not an object of this format (magic, version, lengths);

@@ -32,6 +32,7 @@ such a key to delete it.
 from __future__ import annotations
 
 import datetime
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -47,6 +48,8 @@ else:
         Buffer = bytes | bytearray | memoryview
 
 from tiered_kv.remote.config import RemoteConfig
+
+logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "the shared tier needs obstore and botocore: pip install 'tiered-kv[s3]'"
 _CODE_RE = re.compile(r"<Code>([A-Za-z0-9]+)</Code>")
@@ -80,11 +83,21 @@ class BucketMissing(RemoteError):
 
 
 class WrongSize(RemoteError):
-    """The object is not the size asked for, or larger than the limit (its body was not read)."""
+    """The object is not the size asked for, or larger than the limit (its body was not
+    read); ``tag`` is its version tag where the store has one (``Tagged``)."""
 
-    def __init__(self, size: int, expected: int, limit: bool = False):
+    def __init__(self, size: int, expected: int, limit: bool = False, tag: str | None = None):
         super().__init__(f"object of {size} bytes, expected {'at most ' if limit else ''}{expected}")
         self.size = size
+        self.tag = tag
+
+
+class Tagged(NamedTuple):
+    """An object's bytes and its version tag (S3's ETag), which ``replace`` names to
+    write over that version only; None where the store has no tags."""
+
+    data: Buffer
+    tag: str | None
 
 
 class ConditionalPutRefused(RemoteError):
@@ -136,6 +149,15 @@ class ObjectClient(Protocol):
         """The whole object, or None when there is none; ``WrongSize`` without reading
         it when ``size`` is given and the object has another, or ``limit`` is given and
         the object is larger. A read of a key anyone may have written gives one of them."""
+
+    def get_tagged(self, key: str, size: int | None = None, limit: int | None = None) -> Tagged | None:
+        """``get``, with the version's tag."""
+
+    def replace(self, key: str, parts: Sequence[Buffer], tag: str | None) -> bool:
+        """Write the concatenation of ``parts`` over the object at ``key`` only while it
+        is the version tagged ``tag`` (``If-Match``): True if written, False if another
+        write replaced or removed that version meanwhile. ``tag`` None: over whatever is
+        there (a store without tags)."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -266,6 +288,8 @@ class S3Client:
             raise ClientMissing(_INSTALL_HINT) from None
         self._obstore = obstore
         self._exc = obstore.exceptions
+        #: Whether the server refused ``If-Match`` on a PUT as unsupported (logged once).
+        self.if_match_refused = False
         self.config = config
         self.credentials = credentials or AwsCredentials(config)
         timeout = datetime.timedelta(seconds=config.request_timeout)
@@ -329,15 +353,51 @@ class S3Client:
         except Exception as exc:
             raise self._error(exc) from None
 
+    def replace(self, key: str, parts: Sequence[Buffer], tag: str | None) -> bool:
+        if tag is None:
+            self.put(key, parts)
+            return True
+        bare = tag.strip('"')
+        # RFC 7232 quotes an entity tag; Ceph RGW matches only the bare one. A version
+        # that changed matches neither form, so trying both adds no window.
+        for form in (bare, f'"{bare}"'):
+            try:
+                self._obstore.put(self.raw, key, list(parts), mode={"e_tag": form}, use_multipart=False)
+                return True
+            except self._exc.PreconditionError:
+                continue
+            except FileNotFoundError:
+                return False  # removed since it was read
+            except Exception as exc:
+                if conditional_put_refusal(str(exc)) is None:
+                    raise self._error(exc) from None
+                if not self.if_match_refused:
+                    logger.warning(
+                        "shared tier: %s refused a conditional PUT (If-Match) as unsupported (%s); an object "
+                        "proven bad is replaced with a plain PUT, which may overwrite a copy another node "
+                        "wrote meanwhile",
+                        self.config.where(),
+                        _first_line(exc),
+                    )
+                self.if_match_refused = True
+                self.put(key, parts)
+                return True
+        return False
+
     def get(self, key: str, size: int | None = None, limit: int | None = None) -> Buffer | None:
+        found = self.get_tagged(key, size, limit)
+        return None if found is None else found.data
+
+    def get_tagged(self, key: str, size: int | None = None, limit: int | None = None) -> Tagged | None:
         try:
             result = self._obstore.get(self.raw, key)
             actual = int(result.meta["size"])
+            tag = result.meta.get("e_tag")
             if size is not None and actual != size:
-                raise WrongSize(actual, size)
+                raise WrongSize(actual, size, tag=tag)
             if limit is not None and actual > limit:
-                raise WrongSize(actual, limit, limit=True)
-            return result.bytes()
+                raise WrongSize(actual, limit, limit=True, tag=tag)
+            return Tagged(result.bytes(), tag)
         except WrongSize:
             raise
         except FileNotFoundError as exc:

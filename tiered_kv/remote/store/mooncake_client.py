@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.remote.store.client import Buffer, RemoteError, RemoteSetupError, Unavailable, WrongSize
+from tiered_kv.remote.store.client import Buffer, RemoteError, RemoteSetupError, Tagged, Unavailable, WrongSize
 from tiered_kv.remote.config import RemoteConfig
 
 _INSTALL_HINT = (
@@ -221,6 +221,15 @@ class MooncakeClient:
         """Replace the object at ``key``: Mooncake keeps a key's first value, so remove it first."""
         self.delete(key)
         self._put(key, parts)
+
+    def replace(self, key: str, parts: Sequence[Buffer], tag: str | None) -> bool:
+        """``put``: Mooncake has no versions to name (``tag`` is always None here)."""
+        self.put(key, parts)
+        return True
+
+    def get_tagged(self, key: str, size: int | None = None, limit: int | None = None) -> Tagged | None:
+        data = self.get(key, size, limit)
+        return None if data is None else Tagged(data, None)
 
     def _put(self, key: str, parts: Sequence[Buffer]) -> None:
         raw = self._store()

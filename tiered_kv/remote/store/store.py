@@ -85,11 +85,13 @@ from tiered_kv.remote.store.client import (
     ObjectClient,
     RemoteError,
     RemoteSetupError,
+    Tagged,
     Unavailable,
     WrongSize,
 )
 from tiered_kv.metrics import Latencies
 from tiered_kv.remote.store.backends import open_client
+from tiered_kv.remote.store.fetch import fetch_object
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
 from tiered_kv.remote.store.health import FaultLog, Health
 from tiered_kv.remote.format.keys import Keyring, load_keyring
@@ -102,15 +104,12 @@ from tiered_kv.remote.format.object_format import (
     FORMAT_VERSION,
     Rejected,
     block_key,
-    check_version,
     encode_header,
     fingerprint_digest,
-    format_version,
     manifest_key,
     namespace_prefix,
     object_size,
     pieces_checksum,
-    read_header,
     seal,
     verified_payload,
     verify_into,
@@ -346,19 +345,28 @@ class RemoteStore:
 
     def _replace_if_bad(self, key: str, block_hash: bytes, rank: int, size: int, parts: list) -> PutOutcome:
         """The write found ``key`` taken. The object there stays unless this node proves
-        it bad (``Rejected.provable``): ``PRESENT``. Else it is replaced, and the
-        replacement counts once it reads back verified (``STORED``); an object still bad
-        after the write (a store that keeps a key's first value, or a forger racing) is a
-        ``FAILED`` upload."""
-        found = self._judge(key, block_hash, rank, size, writing=True)
+        it bad (``Rejected.provable``): ``PRESENT``. Else that version, and only that one
+        (``ObjectClient.replace``: another node may have replaced it meanwhile), is
+        replaced, and the replacement counts once it reads back verified (``STORED``); an
+        object still bad after the write (a store that keeps a key's first value, or a
+        forger racing) is a ``FAILED`` upload, one written by another node meanwhile is
+        judged anew, once."""
+        found, tag = self._judge(key, block_hash, rank, size, writing=True)
         if found is None:
             return PutOutcome.PRESENT
         if not found.provable:  # an honest member may have written it: not ours to judge
             with self._lock:
                 self._stats.kept_unproven += 1
             return PutOutcome.PRESENT
-        self._client.put(key, parts)
-        after = self._judge(key, block_hash, rank, size, writing=True)
+        if not self._client.replace(key, parts, tag):
+            now, _ = self._judge(key, block_hash, rank, size, writing=True)
+            if now is None or not now.provable:
+                with self._lock:
+                    self._stats.kept_unproven += now is not None
+                return PutOutcome.PRESENT
+            self._log("replacing an object failed", f"{key}: replaced meanwhile by another bad one ({now.reason})")
+            return PutOutcome.FAILED
+        after, _ = self._judge(key, block_hash, rank, size, writing=True)
         if after is not None:
             self._log("replacing an object failed", f"{key}: still {after.reason} after the replacing write")
             return PutOutcome.FAILED
@@ -367,17 +375,21 @@ class RemoteStore:
         self._log("object replaced", f"{key}: the object there did not verify ({found.reason})")
         return PutOutcome.STORED
 
-    def _judge(self, key: str, block_hash: bytes, rank: int, size: int, writing: bool = False) -> Rejected | None:
+    def _judge(
+        self, key: str, block_hash: bytes, rank: int, size: int, writing: bool = False
+    ) -> tuple[Rejected | None, str | None]:
         """Why the object at ``key`` would not be served for this block, or None when it
         would or is absent (a node deleted it, and whoever stores it next is honest or is
-        checked). Of another size than a writer's own block's bytes, the object is
-        provably not this block's (``_fetch``)."""
+        checked), with the tag of the version judged. Of another size than a writer's own
+        block's bytes, the object is provably not this block's (``_fetch``)."""
+        tag = None
         try:
-            data = self._fetch(key, block_hash, size, writing)
-            if data is None:
-                return None
+            found = self._fetch(key, block_hash, size, writing)
+            if found is None:
+                return None, None
+            tag = found.tag
             verified_payload(
-                memoryview(data),
+                memoryview(found.data),
                 fingerprint=self._digest,
                 block_hash=block_hash,
                 rank=rank,
@@ -385,32 +397,13 @@ class RemoteStore:
                 keyring=self.keyring,
             )
         except Rejected as rejected:
-            return rejected
-        return None
+            return rejected, tag if rejected.tag is None else rejected.tag
+        return None, tag
 
-    def _fetch(self, key: str, block_hash: bytes, size: int, writing: bool) -> Buffer | None:
-        """The object at ``key`` for a block of ``size`` bytes, None when there is none.
-        One of another size is ``Rejected("size")``, provable to a writer only (it knows
-        its block's bytes; a reader knows only its caller's buffer). Up to twice the
-        block's object it is read first, for what it proves whatever the caller's size:
-        malformed (truncated, padded) or unsealed where the fleet seals is provably bad,
-        so a damaged object does not stay every node's miss; a newer format is not."""
+    def _fetch(self, key: str, block_hash: bytes, size: int, writing: bool) -> Tagged | None:
+        """``fetch.fetch_object`` for a block of ``size`` bytes."""
         expected = object_size(self.keyring is not None, len(block_hash), size)
-        try:
-            return self._client.get(key, expected)
-        except WrongSize as wrong:
-            if wrong.size > 2 * expected:
-                raise Rejected("size", str(wrong), provable=writing) from None
-        try:
-            data = self._client.get(key, limit=2 * expected)
-        except WrongSize as wrong:  # replaced by a larger one meanwhile
-            raise Rejected("size", str(wrong), provable=writing) from None
-        if data is None:
-            return None
-        view = memoryview(data)
-        check_version(format_version(view), self.keyring is not None)
-        read_header(view)
-        raise Rejected("size", f"object of {len(view)} bytes, expected {expected}", provable=writing)
+        return fetch_object(self._client, key, expected, self.keyring is not None, writing)
 
     # -- reads ------------------------------------------------------------------------
 
@@ -440,17 +433,22 @@ class RemoteStore:
         size = sum(len(d) for d in dest)
         try:
             try:
-                data = self._fetch(key, block_hash, size, writing=False)
+                found = self._fetch(key, block_hash, size, writing=False)
             except Rejected:  # the server answered
                 self._read_health.success()
                 raise
             self._read_health.success()
-            if data is None:
+            if found is None:
                 with self._lock:
                     self._stats.gets_absent += 1
                 return False
             verify_into(
-                memoryview(data), dest, fingerprint=self._digest, block_hash=block_hash, rank=rank, keyring=self.keyring
+                memoryview(found.data),
+                dest,
+                fingerprint=self._digest,
+                block_hash=block_hash,
+                rank=rank,
+                keyring=self.keyring,
             )
         except Rejected as rejected:
             self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")

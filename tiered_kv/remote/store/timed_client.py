@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tiered_kv.metrics import REMOTE_REQUEST_SECONDS, Latencies
-from tiered_kv.remote.store.client import Buffer, ObjectClient
+from tiered_kv.remote.store.client import Buffer, ObjectClient, Tagged
 
 
 class TimedClient:
@@ -40,6 +40,12 @@ class TimedClient:
 
     def get(self, key: str, size: int | None = None, limit: int | None = None) -> Buffer | None:
         return self._timed("get", self.inner.get, key, size, limit)
+
+    def get_tagged(self, key: str, size: int | None = None, limit: int | None = None) -> Tagged | None:
+        return self._timed("get", self.inner.get_tagged, key, size, limit)
+
+    def replace(self, key: str, parts: Sequence[Buffer], tag: str | None) -> bool:
+        return self._timed("put", self.inner.replace, key, parts, tag)
 
     def exists(self, key: str) -> bool:
         return self._timed("head", self.inner.exists, key)
