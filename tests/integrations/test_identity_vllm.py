@@ -109,3 +109,109 @@ def test_the_scheduler_without_a_current_config_agrees_with_the_workers(model_di
         assert json.loads((disk.namespace.path / "manifest.json").read_text())["fingerprint"]["model_revision"] == "v3"
     finally:
         scheduler.shutdown()
+
+
+def _prompt_served(model_dir, disk_extra, prompt, writes: bool, **config_kwargs) -> int:
+    """Tokens of ``prompt`` a server reads from the lower tiers (after storing it, if
+    ``writes``, and waiting until its disk copy is durable)."""
+    import time
+
+    from support import vllm_harness as vh
+
+    with vh.VllmHarness.build(model_dir, disk_extra, worker="real", **config_kwargs) as h:
+        if writes:
+            h.add_request(prompt)
+            h.settle()
+            deadline = time.monotonic() + 30
+            while h.manager.composite.pending_writes() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not h.manager.composite.pending_writes()
+            return 0
+        rid = h.admit(prompt)
+        served = h.prefix_hits[rid].external
+        h.settle()
+        return served
+
+
+@pytest.mark.timeout(600)
+def test_another_config_file_or_random_weights_never_read_the_models_kv(model_dir, tmp_path):
+    """``--hf-config-path`` (here another RoPE base) and ``--load-format dummy`` (random
+    weights) change every K and V of the same model directory: a server without them
+    reads none of their chunks, and one with them reads its own."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(8)}, str(model_dir / "model.safetensors"))
+    alt = tmp_path / "alt-config"
+    alt.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    (alt / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0}))
+    prompt = [100 + (i * 31) % 800 for i in range(3 * 16 + 2)]
+    for name, setting in (
+        ("hf_config", {"model_kwargs": {"hf_config_path": str(alt)}}),
+        ("load_format", {"load_format": "dummy"}),
+    ):
+        (tmp_path / name).mkdir()
+        extra = _extra(tmp_path / name, cpu_bytes="16KiB", block_size=16, disk_bytes="256KiB")
+        _prompt_served(model_dir, extra, prompt, writes=True, **setting)
+        assert _prompt_served(model_dir, extra, prompt, writes=False) == 0, name
+        assert _prompt_served(model_dir, extra, prompt, writes=False, **setting) == 48, name
+    # A format that reads the same files keeps the namespace of the default one.
+    from support import vllm_harness as vh
+
+    plain = _namespace(model_dir, _extra(tmp_path))
+    with vh.VllmHarness.build(model_dir, _extra(tmp_path), worker="real", load_format="safetensors") as h:
+        assert h.worker_spec.geometry.fingerprint == plain
+
+
+@pytest.mark.timeout(300)
+def test_a_mamba_state_dtype_and_a_draft_model_are_in_the_namespace(model_dir, tmp_path):
+    """A hybrid model's Mamba pages are padded to the attention page, so the state's
+    dtype changes no size the geometry records; a draft model's layers travel in the
+    target's chunks. Both are named in ``model_settings`` where set."""
+    import torch
+    from safetensors.torch import save_file
+    from support import vllm_harness as vh
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from tiered_kv.integrations.vllm.geometry import offline_geometry
+
+    extra = _extra(tmp_path)
+
+    def hybrid(vc, ssm_dtype, n=8):
+        attn = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=16, dtype=vc.model_config.dtype)
+        page = attn.page_size_bytes
+        shapes, dtypes = ((3, 64), (2, 16, 16)), (vc.model_config.dtype, ssm_dtype)
+        mamba = MambaSpec(block_size=256, shapes=shapes, dtypes=dtypes, page_size_padded=page, mamba_cache_mode="align")
+        layers = ["model.layers.0.self_attn.attn", "model.layers.1.mixer"]
+        t = KVCacheTensor(size=page * n, layers=layers, layer_stride=page * n, block_stride=page)
+        groups = [KVCacheGroupSpec(layers[:1], attn), KVCacheGroupSpec(layers[1:], mamba)]
+        return KVCacheConfig(num_blocks=n, kv_cache_tensors=[t], kv_cache_groups=groups)
+
+    ssm = {}
+    for dtype in ("float32", "bfloat16"):
+        vc = vh.make_vllm_config(model_dir, extra, block_size=256, kv_cache_layout="LBNHC")
+        vc.cache_config.mamba_ssm_cache_dtype = dtype
+        ssm[dtype] = offline_geometry(vc, hybrid(vc, getattr(torch, dtype)), attention_backend="FLASH_ATTN").fingerprint
+    assert ssm["float32"].namespace_id != ssm["bfloat16"].namespace_id
+    assert "mamba_ssm_cache_dtype=float32" in (ssm["float32"].model_settings or ())
+
+    drafts = {}
+    for name, value in (("draft-a", 1.0), ("draft-b", 2.0)):  # one architecture, other weights
+        d = vh.write_model_config(tmp_path / name, num_layers=1)
+        save_file({"w": torch.full((8,), value)}, str(d / "model.safetensors"))
+        vc = vh.make_vllm_config(model_dir, extra, kv_cache_layout="LBNHC")
+        vc.speculative_config = SpeculativeConfig(
+            model=str(d),
+            method="draft_model",
+            num_speculative_tokens=2,
+            target_model_config=vc.model_config,
+            target_parallel_config=vc.parallel_config,
+        )
+        kcc = vh.make_kv_cache_config(vc, 64)
+        drafts[name] = offline_geometry(vc, kcc, attention_backend="FLASH_ATTN").fingerprint
+    a, b = drafts.values()
+    assert a.namespace_id != b.namespace_id
+    assert [line.split(":")[0] for line in a.differences(b)] == ["model_settings"]

@@ -50,6 +50,7 @@ from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
+    LoadConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
@@ -161,6 +162,7 @@ def make_vllm_config(
     kv_connector: str = "OffloadingConnector",
     kv_connector_module_path: str | None = None,
     kv_load_failure_policy: str = "fail",
+    load_format: str = "auto",
 ) -> VllmConfig:
     """A CPU ``VllmConfig`` whose kv-transfer config selects the OffloadingConnector
     with ``extra_config`` as ``kv_connector_extra_config``. Prefix caching and chunked
@@ -168,7 +170,8 @@ def make_vllm_config(
     (vLLM's ``--revision``, ``--quantization``...). ``kv_cache_layout``: the layout
     vLLM's engine core resolves (``LBNHC`` with FlashAttention), None: unresolved.
     ``kv_connector`` (with its ``kv_connector_module_path``) and ``kv_load_failure_policy``
-    are vLLM's kv-transfer settings of those names. Our spec judges loads against
+    are vLLM's kv-transfer settings of those names, ``load_format`` its
+    ``--load-format``. Our spec judges loads against
     ``HARNESS_PREFILL_TOKENS_PER_S`` unless ``extra_config`` names a prefill rate."""
     extra_config = dict(extra_config)
     if extra_config.get("spec_name") == "TieredOffloadingSpec":
@@ -204,6 +207,7 @@ def make_vllm_config(
         ),
         # Without an accelerator vLLM cannot infer a device type; name one.
         device_config=DeviceConfig(device="cpu"),
+        load_config=LoadConfig(load_format=load_format),
     )
     config.cache_config.kv_cache_layout = kv_cache_layout  # as the engine core records it
     return config

@@ -285,11 +285,22 @@ class VllmModelIdentity:
     model_dir: str | None
 
 
+#: ``--load-format`` values that load the model directory's own weight files, whose
+#: digest the namespace already has; any other (``dummy``'s random weights, a tensorizer
+#: or sharded-state artifact, a GGUF file, bitsandbytes' quantization at load) is named.
+PLAIN_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors"})
+
+
 def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     """vLLM's settings that change the KV of given token ids beyond the weights and the
     KV dtype (the fingerprint's ``dtype`` is vLLM's KV-cache dtype): the model's code
     revision, dtype and quantization method, config overrides, layers kept out of a
-    quantized KV cache, and the tokenizer where it is not the model's own."""
+    quantized KV cache, and the tokenizer where it is not the model's own; where set,
+    a config file other than the model's (``--hf-config-path``: a digest of the config
+    vLLM built), a load format that does not read the model's weight files, a Mamba
+    state dtype, and a speculative draft model (its layers' KV travels in the chunks).
+    Each of the later ones is named only where it is set, so a namespace without them
+    stays as it was."""
     mc = vllm_config.model_config
     out = [
         f"code_revision={mc.code_revision or 'none'}",
@@ -310,7 +321,44 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
         out.append(f"tokenizer={mc.tokenizer}")
     if mc.tokenizer_revision and mc.tokenizer_revision != mc.revision:
         out.append(f"tokenizer_revision={mc.tokenizer_revision}")
+    hf_config_path = getattr(mc, "hf_config_path", None)
+    if hf_config_path and hf_config_path != mc.model:
+        out.append(f"hf_config={_config_digest(mc.hf_config)}")
+    load = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load, "load_format", "auto") or "auto")
+    if load_format.lower() not in PLAIN_LOAD_FORMATS:
+        extra = json.dumps(getattr(load, "model_loader_extra_config", None) or {}, sort_keys=True, default=str)
+        out.append(f"load_format={load_format}:{hashlib.sha256(extra.encode()).hexdigest()[:16]}")
+    for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+        value = str(getattr(cache, name, "auto") or "auto")
+        if value != "auto":
+            out.append(f"{name}={value}")
+    draft = _draft_model(vllm_config)
+    if draft is not None:
+        out.append(f"speculative={draft}")
     return tuple(out)
+
+
+def _config_digest(hf_config: Any) -> str:
+    """A digest of the model config vLLM built, without the fields that name where it
+    was read from (``_name_or_path``, the transformers version)."""
+    d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    kept = {k: v for k, v in d.items() if not k.startswith("_") and k != "transformers_version"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _draft_model(vllm_config: Any) -> str | None:
+    """The speculative draft model whose layers vLLM adds to the KV cache: its method,
+    model, revision and weights digest (``unknown`` where its directory is not on this
+    machine); None without one, or where the method drafts without a model (n-grams)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    dm = getattr(spec, "draft_model_config", None)
+    if spec is None or dm is None:
+        return None
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    found = resolve_model_dir(str(dm.model), dm.revision, download_dir)
+    digest = weights_digest(found, key="speculative_config.model").digest[:16] if found is not None else "unknown"
+    return f"{spec.method}:{dm.model}@{dm.revision or 'none'}:{digest}"
 
 
 def vllm_model_identity(
