@@ -6,13 +6,16 @@ The fleet key as the server loads it: a missing key file fails as the server's s
 does. One block object, written by the tier's own ``RemoteStore`` under key A, is opened
 with the config's keys: a config holding only key B fails naming both key ids (never a
 key), key A passes, and so does a rotation's key file (a new key first, A second); a
-bucket with no object yet passes saying nothing was checked."""
+bucket with no object yet passes saying nothing was checked. The newest objects are
+sampled: one object under another key, the newest of the namespace, warns counting it
+(its key is not offered as the fix); the check fails only where none of them opens."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import socket
+import time
 
 import numpy as np
 from support.s3_server import BUCKET, skip_module_without_rgw
@@ -24,6 +27,7 @@ from tiered_kv.cli import _load_commands, app  # noqa: E402
 from tiered_kv.config import TieredConfig  # noqa: E402
 from tiered_kv.fingerprint import Fingerprint  # noqa: E402
 from tiered_kv.ops import doctor as dr  # noqa: E402
+from tiered_kv.ops.doctor.remote_object import SAMPLE_OBJECTS  # noqa: E402
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
 from tiered_kv.remote.format.keys import Keyring  # noqa: E402
 
@@ -149,6 +153,42 @@ def test_objects_sealed_under_another_key_fail_naming_both_key_ids(remote_settin
         {"model_id": "other/model", "remote": {**settings, "key_file": b}},
     )
     assert other.status == dr.OK and other.facts["object_namespace"] != ours, other
+
+
+def test_one_object_under_another_key_among_the_newest_warns_and_fails_only_where_none_opens(remote_settings, tmp_path):
+    settings = {**remote_settings, "key_env": None}
+    a, b, c = (_key_file(tmp_path, k, key) for k, key in (("a", KEY_A), ("b", KEY_B), ("c", KEY_C)))
+    _write({**settings, "key_file": a}, FP, 10, seed=3)  # the fleet: 20 objects (both ranks) under key A
+    time.sleep(1.1)  # S3's last-modified has 1 s resolution: the next object is the newest
+    rng = np.random.default_rng(4)
+    with RemoteStore(RemoteConfig.from_dict({**settings, "key_file": b}), FP) as rogue:  # one object, key B
+        assert rogue.put_blocks([(rng.bytes(32), 0, rng.bytes(20_000))]).result(WAIT) == [PutOutcome.STORED]
+    n = SAMPLE_OBJECTS
+    assert 1 < n < 21
+
+    fleet, code = _doctor(tmp_path, {**settings, "key_file": a})
+    assert fleet.status == dr.WARN and code == 1, fleet
+    assert f"sealed under key id {key_id(KEY_A)}, its current key" in fleet.message and "opens with it" in fleet.message
+    assert f"1 of the {n} newest block objects" in fleet.message
+    assert f"is sealed under key id {key_id(KEY_B)}, which remote.key_file {a} does not hold" in fleet.message
+    assert "inspect verify --remote" in fleet.fix and key_id(KEY_B) not in fleet.fix  # never "install the rogue key"
+    assert fleet.facts["objects_sampled"] == n
+    assert fleet.facts["sampled_key_ids"] == {key_id(KEY_A): n - 1, key_id(KEY_B): 1}
+
+    # The rogue's own config: most of the sample is under key A, so A is offered, as the fleet's key.
+    member, code = _doctor(tmp_path, {**settings, "key_file": b})
+    assert member.status == dr.WARN and code == 1, member
+    assert f"{n - 1} of the {n} newest block objects" in member.message and key_id(KEY_A) in member.message
+    assert f"if key id {key_id(KEY_A)} is the fleet's key" in member.fix
+
+    # None of the sample opens with key C: a failure, naming both key ids with their counts; the
+    # fix names the key that seals most of the sample, never the one object's.
+    other, code = _doctor(tmp_path, {**settings, "key_file": c})
+    assert other.status == dr.FAIL and code == 2, other
+    assert f"none of the {n} newest block objects" in other.message
+    assert f"key ids {key_id(KEY_A)} ({n - 1} of {n}), {key_id(KEY_B)} (1 of {n})" in other.message
+    assert f"which remote.key_file {c} does not hold: it holds key ids {key_id(KEY_C)} (current)" in other.message
+    assert f"give this server the fleet's key (id {key_id(KEY_A)})" in other.fix and key_id(KEY_B) not in other.fix
 
 
 def test_a_damaged_object_under_the_right_key_is_a_warning(remote_settings, rgw_server, tmp_path):

@@ -1,5 +1,5 @@
 """The doctor's check of the shared tier: the fleet key, the bucket (or Mooncake master),
-and one block object opened with the key.
+and the newest block objects opened with the key.
 
 Runs in the operator's process (``tiered-kv doctor``). It reads the fleet key file or
 variable the config names, as a server does at start-up (``keys.load_keyring``: no key
@@ -11,15 +11,14 @@ answer must be S3's: an S3 XML error body or S3's own headers. Any HTTP server a
 server. An object someone put at that key is not downloaded past
 ``safe_json.MAX_RECORD_BYTES`` (4 KiB by the unsigned GET).
 
-Then, where a key is set, the object check (``check_block_object``): one LIST request
-(the first page, ``LIST_PAGE_KEYS`` keys, under ``<prefix>/``), a GET of the
-``fingerprint.json`` of at most ``MAX_NAMESPACES`` of the namespaces listed (each at most
-``MAX_RECORD_BYTES``) to find one this config's server reads, and a streamed GET of that
-namespace's newest block object listed, one ``CHUNK_BYTES`` chunk in memory at a time:
-its header says which key id sealed it, and, for an object of at most
-``MAX_OBJECT_BYTES``, its tag is verified to the end. An object sealed under a key id
-the config does not hold fails, naming both sides' key ids (never a key): the server
-would start, and every block of the fleet would be a miss.
+Then, where a key is set, the object check (``remote_object.check_block_object``): one
+LIST request, the ``fingerprint.json`` of the namespaces listed to find one this config's
+server reads, and that namespace's newest block objects (at most
+``remote_object.SAMPLE_OBJECTS``) streamed, counted by the key id that sealed each. It
+fails where none of them opens with the config's keys, naming the key ids found with their
+counts (never a key): the server would start, and every block of the fleet would be a
+miss. Where some open and others are sealed under a key id the config does not hold, it
+warns, counting them.
 
 For a Mooncake Store: the key as above, a TCP connection to the master's RPC port, then
 a client set up with the config's settings asking whether a key that is not there
@@ -28,41 +27,27 @@ exists. A Mooncake Store cannot list its keys, so no object is opened there.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.config_values import redact
 from tiered_kv.remote.config import RemoteConfig
+from tiered_kv.ops.doctor.remote_object import check_block_object, held_key_ids, key_source
 from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check, skipped
 
-if TYPE_CHECKING:  # the S3 client, the keys and the object format are imported where a check needs them
-    from tiered_kv.fingerprint import Fingerprint
-    from tiered_kv.ops.inspect.remote import BlockObject
-    from tiered_kv.remote.store.client import S3Client
+if TYPE_CHECKING:  # the keys are imported where a check needs them
     from tiered_kv.remote.format.keys import Keyring
 
 
 #: Headers S3 and its compatible servers (Ceph RGW, MinIO) put on every answer.
 S3_HEADERS = ("x-amz-request-id", "x-amz-id-2", "x-minio-deployment-id")
 _S3_ERROR_BODY = re.compile(rb"<Error>\s*<Code>[A-Za-z0-9]+</Code>")
-#: Keys the object check lists: S3's first page under the prefix, one LIST request.
-LIST_PAGE_KEYS = 1000
-#: Namespaces of that page whose ``fingerprint.json`` is read to find one this config's
-#: server reads (one bounded GET each).
-MAX_NAMESPACES = 16
-#: Largest block object downloaded to the end to verify its tag (a block object is a few
-#: MiB); of a larger one only the header, which names the key id, is read.
-MAX_OBJECT_BYTES = 64 * 1024**2
-#: Bytes per streamed chunk of the object: one chunk in memory at a time.
-CHUNK_BYTES = 1 << 20
 
 
 def s3_answer(headers: Iterable[str], body: bytes) -> bool:
@@ -207,21 +192,6 @@ def check_remote(cfg: TieredConfig | None, extra: Mapping[str, Any] | None = Non
     return Check("remote", OK, message, facts=facts)
 
 
-def key_source(remote: RemoteConfig) -> str:
-    """Where the config's fleet key comes from, for messages (never the key)."""
-    if remote.key_file is not None:
-        return f"remote.key_file {redact(remote.key_file)}"
-    if remote.key_env is not None:
-        return f"remote.key_env {redact(remote.key_env)}"
-    return "no key (remote.trusted_bucket)"
-
-
-def held_key_ids(keyring: Keyring) -> str:
-    """The key ids ``keyring`` holds, the current one (which seals every write) first."""
-    others = [f"{k:08x}" for k in keyring.key_ids if k != keyring.current_id]
-    return ", ".join([f"{keyring.current_id:08x} (current)", *others])
-
-
 def _load_keys(remote: RemoteConfig, facts: dict[str, Any]) -> Check | tuple[Keyring | None, list[tuple[str, str]]]:
     """The config's keyring as the server loads it, and the cautions it brings (a trusted
     bucket without a key, a key file other users can read); a failing ``Check`` where the
@@ -290,181 +260,6 @@ def _pinned(extra: Mapping[str, Any]) -> dict[str, Any] | None:
         return pinned_fields({k: v for k, v in extra.items() if k != "model_path"})
     except ConfigError:
         return None
-
-
-@dataclass(frozen=True)
-class ObjectCheck:
-    """What ``check_block_object`` found: a status, a message (without the ``shared
-    tier:`` lead), the fix unless ok, and its facts."""
-
-    status: str
-    message: str
-    fix: str = ""
-    facts: dict[str, Any] = field(default_factory=dict)
-
-
-def check_block_object(
-    client: S3Client, remote: RemoteConfig, keyring: Keyring, pinned: Mapping[str, Any] | None
-) -> ObjectCheck:
-    """Open one block object with ``keyring``, as the config's server would: the newest
-    block object listed (first page under ``<prefix>/``) of the first namespace whose
-    ``fingerprint.json`` matches ``pinned`` (None: any namespace). Fails where the object
-    is sealed under a key id ``keyring`` does not hold; ok without an object to open,
-    saying so; warns where the object cannot be read or is not one the server serves."""
-    from tiered_kv.remote.store.client import RemoteError
-
-    source = key_source(remote)
-    try:
-        chosen, seen = _choose_object(client, remote.prefix, pinned)
-    except RemoteError as e:
-        return ObjectCheck(
-            WARN,
-            f"could not list {remote.prefix}/ to open a block object with the key ({e}); the key is not checked",
-            "run the doctor again once the bucket answers LIST requests (s3:ListBucket)",
-        )
-    if chosen is None:
-        others = f" ({seen} namespace(s) listed, none of them this config's by its fingerprint.json)" if seen else ""
-        return ObjectCheck(
-            OK,
-            f"{source} holds key ids {held_key_ids(keyring)}; no object to check yet: no block object under "
-            f"{remote.prefix}/ that this config's server reads among the first {LIST_PAGE_KEYS} keys{others}, "
-            "so the key was not checked against the bucket",
-            facts={"object": None},
-        )
-    namespace, obj, fingerprint = chosen
-    try:
-        return _open_object(client, remote, keyring, namespace, obj, fingerprint)
-    except RemoteError as e:
-        return ObjectCheck(
-            WARN,
-            f"could not read {obj.key} to check the key ({e}); the key is not checked",
-            "run the doctor again once the bucket answers",
-            {"object": obj.key},
-        )
-
-
-def _choose_object(
-    client: S3Client, prefix: str, pinned: Mapping[str, Any] | None
-) -> tuple[tuple[str, BlockObject, Fingerprint | None] | None, int]:
-    """``((namespace id, its newest block object listed, its fingerprint), namespaces
-    listed)`` for the first namespace of the first page under ``<prefix>/`` that a server
-    pinned to ``pinned`` reads; None where there is none."""
-    from tiered_kv.model_identity import unread_fields
-    from tiered_kv.ops.inspect.remote import BlockObject, parse_key
-
-    root = prefix + "/"
-    newest: dict[str, BlockObject] = {}
-    for info in itertools.islice(client.list_info(root), LIST_PAGE_KEYS):
-        parsed = parse_key(info.key[len(root) :], info)
-        if parsed is None:
-            continue  # another prefix's keys, strays
-        namespace, obj = parsed
-        if not isinstance(obj, BlockObject):
-            continue  # fingerprint.json
-        if namespace not in newest or obj.last_modified > newest[namespace].last_modified:
-            newest[namespace] = obj  # the newest is the likeliest sealed under the current key
-    for namespace in list(newest)[:MAX_NAMESPACES]:
-        fingerprint = _read_fingerprint(client, f"{root}{namespace}")
-        if fingerprint is not None and fingerprint.namespace_id != namespace:
-            continue  # a record copied from elsewhere says nothing about this namespace
-        if pinned is None or (fingerprint is not None and not unread_fields(fingerprint.to_dict(), pinned)):
-            return (namespace, newest[namespace], fingerprint), len(newest)
-    return None, len(newest)
-
-
-def _read_fingerprint(client: S3Client, namespace_key: str) -> Fingerprint | None:
-    """The fingerprint a namespace's ``fingerprint.json`` records, or None."""
-    from tiered_kv.ops.inspect.remote import load_fingerprint
-    from tiered_kv.remote.format.object_format import MANIFEST_NAME
-
-    try:
-        return load_fingerprint(client, f"{namespace_key}/{MANIFEST_NAME}")
-    except ValueError:
-        return None
-
-
-def _open_object(
-    client: S3Client,
-    remote: RemoteConfig,
-    keyring: Keyring,
-    namespace: str,
-    obj: BlockObject,
-    fingerprint: Fingerprint | None,
-) -> ObjectCheck:
-    """Stream ``obj``: its header's key id against ``keyring``, then (up to
-    ``MAX_OBJECT_BYTES``) its tag, as the server checks it before serving it."""
-    from tiered_kv.remote.format.object_format import (
-        FORMAT_SEALED,
-        Rejected,
-        SealedHeader,
-        fingerprint_digest,
-        format_version,
-        stream_header,
-        verify_stream,
-    )
-
-    source = key_source(remote)
-    facts: dict[str, Any] = {"object": obj.key, "object_namespace": namespace, "object_bytes": obj.size}
-    found = client.stream(obj.key, CHUNK_BYTES)
-    if found is None:
-        return ObjectCheck(
-            OK,
-            f"{source} holds key ids {held_key_ids(keyring)}; no object to check: {obj.key} was deleted "
-            "since it was listed, so the key was not checked against the bucket",
-            facts=facts,
-        )
-    total, chunks = found
-    rest = iter(chunks)
-    head = stream_header(rest)
-    inspect_fix = f"`tiered-kv inspect verify --remote CONFIG` lists every such object under {remote.prefix}/"
-    try:
-        version = format_version(memoryview(head))
-        if version != FORMAT_SEALED:
-            return ObjectCheck(
-                WARN,
-                f"{obj.key} is a format {version} object, not sealed under a fleet key: the server "
-                "serves only sealed objects here, so it is a miss",
-                inspect_fix,
-                facts,
-            )
-        header = SealedHeader.unpack(memoryview(head), total)
-    except Rejected as e:
-        return ObjectCheck(WARN, f"{obj.key} is not a block object the server serves ({e})", inspect_fix, facts)
-    facts["object_key_id"] = f"{header.key_id:08x}"
-    if not keyring.holds(header.key_id):
-        return ObjectCheck(
-            FAIL,
-            f"{obj.key} (namespace {namespace}) is sealed under key id {header.key_id:08x}, which "
-            f"{source} does not hold: it holds key ids {held_key_ids(keyring)}. This server "
-            "would read none of the blocks sealed under it (each a miss)",
-            f"give this server the fleet's key (id {header.key_id:08x}) in {source}, first; during a "
-            "rotation, the new key first and the old one after it",
-            facts,
-        )
-    which = "its current key" if header.key_id == keyring.current_id else "an older key it still reads (never writes)"
-    opened = (
-        f"{source} holds key ids {held_key_ids(keyring)}; {obj.key} (namespace {namespace}) is sealed under "
-        f"key id {header.key_id:08x}, {which}"
-    )
-    if total > MAX_OBJECT_BYTES:
-        return ObjectCheck(
-            OK,
-            f"{opened}; its tag was not verified: {total} bytes is more than the {MAX_OBJECT_BYTES >> 20} MiB "
-            "the doctor downloads",
-            facts=facts,
-        )
-    try:
-        verify_stream(
-            total,
-            itertools.chain([bytes(head)], rest),
-            fingerprint=None if fingerprint is None else fingerprint_digest(fingerprint),
-            block_hash=obj.block_hash,
-            rank=obj.rank,
-            keyring=keyring,
-        )
-    except Rejected as e:
-        return ObjectCheck(WARN, f"{opened}, but the server would not serve it ({e})", inspect_fix, facts)
-    return ObjectCheck(OK, f"{opened}, and opens with it", facts=facts)
 
 
 def check_mooncake(remote: RemoteConfig) -> Check:
