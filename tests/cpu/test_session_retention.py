@@ -246,6 +246,38 @@ def test_ttl_is_a_bounded_quantile_of_the_gaps():
     assert short.ttl_s == 3
 
 
+def test_one_tenants_short_gaps_never_shorten_another_tenants_holds():
+    """Gaps are learned per tenant (``RequestSession.tenant``, vLLM's ``cache_salt``): a
+    tenant's hundred sessions coming back every 2 s learn a 2 s hold for that tenant
+    only, and another tenant's chat, 30 s between turns, keeps its prefix through a
+    storm that comes while its user reads."""
+    pytest.importorskip("vllm", exc_type=ImportError)
+    from tiered_kv.integrations.vllm.common import RequestSession
+
+    clock = Clock()
+    retention = SessionRetention(64, clock=clock)
+    mgr = cpu_tier_manager("lru", 64, 16, retention=retention)
+    alice = RequestSession("alice", "chat")
+
+    def turn(t: float, session: RequestSession | None, *ids: int) -> int:
+        retention.session = session  # as the manager names the request's session
+        try:
+            return request(mgr, clock, t, *ids)
+        finally:
+            retention.session = None
+
+    chat = range(1, 9)
+    for i in range(4):
+        turn(30.0 * i, alice, *chat)
+    for i in range(600):  # 100 sessions of another tenant, 6 turns each, 2 s apart
+        turn(90.0 + 0.01 * i + (i // 100), RequestSession("mallory", f"s{i % 100}"), 1000 + i % 100)
+    turn(97.0, alice, *chat)
+    for i in range(200):  # ten seconds on, one-time blocks of a third tenant
+        turn(107.0 + i / 1000, None, 5000 + i)
+    assert turn(127.0, alice, *chat) == 8
+    assert retention.ttl_of("alice") == 30 and retention.ttl_of("mallory") == 2
+
+
 def test_config_values_and_refusals():
     assert parse_cpu_retention("none") == "none" and parse_cpu_retention(None) == "none"
     assert parse_cpu_retention("session") == "session"

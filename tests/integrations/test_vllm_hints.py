@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 
 import pytest
 from prometheus_client import generate_latest
@@ -36,10 +37,13 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from tiered_kv.config import ConfigError, TieredConfig  # noqa: E402
+from tiered_kv.integrations.vllm.common import REQUEST_TENANT  # noqa: E402
 from tiered_kv.integrations.vllm.hints import HintSettings  # noqa: E402
+from tiered_kv.integrations.vllm.leases import MAX_LEASES  # noqa: E402
 from tiered_kv.integrations.vllm.manager import TieredVllmManager  # noqa: E402
 from tiered_kv.integrations.vllm.prefetch_jobs import TieredPrefetchingConnector  # noqa: E402
 from tiered_kv.cli.stats import render  # noqa: E402
@@ -162,6 +166,72 @@ def test_a_lease_ends_after_its_ttl_and_never_pins_past_its_budget(model_dir):
         now[0] = 0.25
         h.step()  # the step's end drops what expired
         assert m.hints.snapshot()["leases"] == 0 and m.hints.snapshot()["pinned_blocks"] == {"cpu": 0}
+
+
+def test_a_leases_chunks_past_the_cpu_budget_are_pinned_on_disk_once_their_copy_is_loadable(model_dir, tmp_path):
+    """Each leased chunk is pinned in the fastest local tier holding it within that tier's
+    budget: those past the CPU tier's budget, left unpinned there as their stores land
+    (their disk writes still queued), are pinned on disk at a step's end once their disk
+    copy is loadable, and stay there through a CPU storm."""
+    with _build(model_dir, disk=tmp_path / "disk") as h:  # lease budgets: 4 CPU slots, 64 disk slots
+        m = _manager(h)
+        long = _prompt(4, 6 * BLOCK + 5)
+        _serve(h, long, _envelope(_action("kv.retain", {"ttl_s": 600, "lease_id": "chat"})))
+        _durable(h)
+        h.step()
+        keys, disk = _keys(long), m.composite.tier("disk")
+        snap = m.hints.snapshot()
+        assert snap["pinned_blocks"] == {"cpu": 4, "disk": 2} and snap["lease_clipped"] == 2
+        assert [disk.is_pinned(k) for k in keys] == [False] * 4 + [True] * 2
+        _storm(h)
+        _durable(h)
+        assert [m.composite.cpu.is_loadable(k) for k in keys] == [True] * 4 + [False] * 2
+        assert [disk.is_pinned(k) for k in keys] == [False] * 4 + [True] * 2
+        assert m.hints.snapshot()["pinned_blocks"] == {"cpu": 4, "disk": 2}
+        h.reset_gpu_prefix_cache()
+        _zero_gpu(h)
+        req_id = h.admit(long)
+        assert h.prefix_hits[req_id].external == 6 * BLOCK and all(h.kv_matches(req_id))
+        h.settle()
+        _serve(h, _prompt(3, 20), _envelope(_action("kv.release", {"lease_id": "chat"})))
+        assert m.hints.snapshot()["pinned_blocks"] == {"cpu": 0, "disk": 0}
+        assert not any(disk.is_pinned(k) for k in keys)
+
+
+def test_past_the_lease_cap_a_new_lease_ends_one_of_the_tenant_holding_the_most(model_dir):
+    """Leases are capped (``MAX_LEASES``): a tenant (``cache_salt``) retaining without end
+    ends its own leases, nearest their end first, once it holds the most, never another
+    tenant's; a tenant holding fewer ends one of the largest holder's."""
+    with _build(model_dir) as h:
+        m = _manager(h)
+        now = [0.0]
+        m.hints.clock = lambda: now[0]
+        alice = _prompt(1, CHUNKS * BLOCK + 5)
+        _serve(h, alice, _envelope(_action("kv.retain", {"ttl_s": 600, "lease_id": "chat"})), tenant="alice")
+
+        def retain(tenant: str, lease_id: str) -> None:
+            now[0] += 0.001
+            ctx = ReqContext(
+                req_id=f"{tenant}-{lease_id}",
+                kv_hints=_envelope(_action("kv.retain", {"lease_id": lease_id, "ttl_s": 1e9})),
+            )
+            token = REQUEST_TENANT.set(tenant)  # as the connector sets it around the call
+            try:
+                m.on_new_request(ctx)
+            finally:
+                REQUEST_TENANT.reset(token)
+            m.on_request_finished(ctx)
+
+        for i in range(MAX_LEASES):
+            retain("mallory", f"m{i}")
+        leases = m.hints.leases.leases
+        assert Counter(t for t, _ in leases) == {"alice": 1, "mallory": MAX_LEASES - 1}
+        assert ("mallory", "m0") not in leases and ("mallory", "m1") in leases  # its own, nearest its end
+        assert all(k in m.hints.leases._pinned for k in leases["alice", "chat"].keys)
+        assert m.hints.snapshot()["pinned_blocks"] == {"cpu": CHUNKS}
+        retain("bob", "b0")
+        assert ("bob", "b0") in leases and ("mallory", "m1") not in leases and ("alice", "chat") in leases
+        assert len(leases) == MAX_LEASES
 
 
 # ------------------------------------------------------------------ prefetch

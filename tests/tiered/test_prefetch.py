@@ -139,6 +139,35 @@ def test_prefetched_blocks_nobody_used_yet_are_bounded(composite):
     assert [j.spec.block_hashes for j in p.issue()] == [[h(2)]]
 
 
+def test_unused_prefetched_blocks_count_against_the_bound_only_past_the_free_slots(composite):
+    """A hint's prefetch that no request loads (or an aborted request's) leaves its blocks
+    unused in CPU: while the tier has free slots for them, a waiting request's prefetch
+    still goes (it evicts none of them); once it has none, they count again."""
+    m = composite
+    on_disk_only(m, 1, 2, 3, 4, 5)
+    p = Prefetcher(m, bytes_per_block=BPB, max_bytes_in_flight=8 * BPB)  # max_held: 2 of the 4 slots
+    p.want("hint:r1", [h(1), h(2)], first=True)
+    (job,) = p.issue()
+    p.complete(job.job_id)
+    assert p.held_blocks == 0 and m.cpu.num_free_slots() == 2
+    p.want("r2", [h(3), h(4)])
+    (job,) = p.issue()
+    assert job.spec.block_hashes == [h(3), h(4)]
+    p.complete(job.job_id)
+    assert p.held_blocks == 2 and m.cpu.num_free_slots() == 0
+    p.cancel("r2")  # it ended: four prefetched blocks unused, no free slot
+    p.want("r3", [h(5)])
+    assert p.issue() == [] and p.queued("r3")
+    assert all(m.cpu.is_loadable(h(i)) for i in (1, 2, 3, 4))
+    m.cpu.remove(h(1))  # gone unused (wasted): two unused blocks past one free slot
+    assert p.issue() == []
+    m.cpu.remove(h(2))  # two unused blocks, two free slots
+    (job,) = p.issue()
+    assert job.spec.block_hashes == [h(5)]
+    counts = {event: n for _, event, n in p.counters()}
+    assert counts["prefetches"] == 5 and counts["prefetch_wasted"] == 2 and counts["prefetch_used"] == 0
+
+
 def test_a_waiting_owners_blocks_in_cpu_outlast_a_store_storm_until_it_loads_them(composite):
     """A CPU tier smaller than the queue turns over while a request waits: the blocks it
     had in CPU are held for it through a storm of stores, and its load ends the hold."""

@@ -33,9 +33,10 @@ its queue of writes is at most half its bound (``max_pending_writes``: past that
 tier is congested, and a read would only add to the wait of everything queued there),
 and at most ``max_bytes_in_flight`` bytes are being read (so a load that comes later
 waits behind at most that much on a tier that serves its jobs in order); and at most
-``max_held`` blocks are held, being read, or prefetched and unused in CPU (so holds
-never take more than that share of the tier, and prefetches do not evict each other
-before anyone loads them). A block already in CPU is held where loadable and skipped
+``max_held`` blocks are held, being read, or prefetched and unused in CPU past the
+tier's free slots (so holds never take more than that share of the tier, and
+prefetches do not evict each other before anyone loads them, while a tier with room
+goes on prefetching whatever an aborted request or a hint left unused). A block already in CPU is held where loadable and skipped
 while on its way; a block no tier holds ends its owner's queue, since a prefix lookup
 stops there and nothing past it is ever loaded. ``cancel(owner)`` drops what is still
 queued and releases its holds (jobs already issued run to their end: a worker cannot be
@@ -89,7 +90,8 @@ class Prefetcher:
     """Prefetches over ``composite`` (module docstring). ``bytes_per_block``: bytes of
     one block; ``max_bytes_in_flight``: the most bytes being read for prefetches at once
     (at least one block); ``max_held``: the most CPU blocks held for waiting owners,
-    being read, or prefetched and not loaded since (default: half the CPU tier's slots)."""
+    being read, or prefetched and not loaded since past the CPU tier's free slots
+    (default: half the CPU tier's slots)."""
 
     def __init__(
         self,
@@ -261,7 +263,10 @@ class Prefetcher:
         return jobs
 
     def _budget(self) -> int:
-        return self.max_held - len(self._holder) - len(self._fresh) - self._blocks_in_flight
+        """Blocks that may still be held or read: prefetched, unused ones count only past
+        the CPU tier's free slots (while it has room, a prefetch evicts none of them)."""
+        unused = max(0, len(self._fresh) - self.composite.cpu.num_free_slots())
+        return self.max_held - len(self._holder) - unused - self._blocks_in_flight
 
     def _start(
         self, picked: list[BlockHash], tiers: list[int], owner: str

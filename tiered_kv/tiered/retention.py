@@ -30,8 +30,13 @@ the request; other uses of a session less than ``TURN_GAP_S`` apart are one turn
 chain is at most the budget, head first.
 
 Gaps and holds. The gap between a session's turns is recorded over a window of recent
-gaps (all sessions together, since one session has few). The hold time (TTL) is the
-``quantile`` of those gaps, within ``[min_ttl_s, max_ttl_s]``. At each use of a session
+gaps of its tenant (all the tenant's sessions together, since one session has few): the
+``tenant`` of the session's name where it has one (vLLM's ``cache_salt``, kept in
+``RequestSession``); the sessions of no tenant, those the prefix chain names among them,
+share one window. So one tenant's many short gaps never shorten another tenant's holds.
+At most ``MAX_TENANTS`` windows are kept, the least recently added to going first. The
+hold time (TTL) of a tenant's sessions is the ``quantile`` of its gaps, within
+``[min_ttl_s, max_ttl_s]`` (``ttl_s``: the latest tenant's). At each use of a session
 that has come back at least ``min_turns - 1`` times (a first request returns less often
 than a later one: 22% against 62-86% on Mooncake's synthetic trace), its chain is held
 until ``now + TTL``, replacing its previous hold; a hold ends at its deadline, or
@@ -73,15 +78,19 @@ from tiered_kv.metrics import (
 
 #: Uses of one session closer than this are one turn (seconds).
 TURN_GAP_S = 1.0
+#: Tenants whose gaps are kept at most (a window each); past it the least recent goes.
+MAX_TENANTS = 1024
 
 
 class _Session:
-    """One session: when it was last used, its turns so far, its latest chain's last
-    block (for prefix matching), the blocks it holds (head first) and until when."""
+    """One session: its tenant, when it was last used, its turns so far, its latest
+    chain's last block (for prefix matching), the blocks it holds (head first) and until
+    when."""
 
-    __slots__ = ("last", "turns", "tail", "chain", "held", "deadline", "seq", "request")
+    __slots__ = ("tenant", "last", "turns", "tail", "chain", "held", "deadline", "seq", "request")
 
-    def __init__(self, now: float, request: Hashable | None):
+    def __init__(self, now: float, request: Hashable | None, tenant: Hashable | None = None):
+        self.tenant = tenant  # the name's ``tenant`` where it has one (vLLM's cache_salt)
         self.last = now
         self.request = request  # the request of its latest use, where the caller named it
         self.turns = 1
@@ -127,8 +136,11 @@ class SessionRetention:
         self.min_turns = min_turns
         self.clock = clock
         self._max_sessions = max_sessions if max_sessions is not None else max(1024, num_slots)
-        self._gaps: deque[float] = deque(maxlen=window)
-        self._ttl: float | None = None
+        self._window = window
+        # Per tenant (None: none named), least recently recorded first: its window of
+        # recent gaps and the hold time they give.
+        self._gaps: OrderedDict[Hashable, tuple[deque[float], list[float]]] = OrderedDict()
+        self._ttl: float | None = None  # the hold time of the tenant that came back last
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recently used first
         self._tails: dict[BlockHash, Hashable] = {}  # a session's latest last block -> the session
         self._requests: OrderedDict[Hashable, Hashable] = OrderedDict()  # a named request -> its session
@@ -204,8 +216,14 @@ class SessionRetention:
 
     @property
     def ttl_s(self) -> float | None:
-        """The current hold time, or None before the first gap."""
+        """The hold time of the tenant whose session came back last (all of them where
+        none is named), or None before the first gap."""
         return self._ttl
+
+    def ttl_of(self, tenant: Hashable | None) -> float | None:
+        """The hold time of ``tenant``'s sessions, or None before its first gap."""
+        kept = self._gaps.get(tenant)
+        return kept[1][0] if kept is not None else None
 
     def metric_values(self, tier: str) -> tuple[list[CounterValue], list[CounterValue]]:
         """The counters (totals) and gauges of this rule as ``tier``'s metrics: its
@@ -236,7 +254,7 @@ class SessionRetention:
         s_id, s = self._session_of(block_hashes, named, now, request)
         same_request = request is not None and request == s.request
         if not same_request and now - s.last >= TURN_GAP_S:
-            self._record_gap(now - s.last)
+            self._record_gap(now - s.last, s.tenant)
             s.turns += 1
             self.counts["returns"] += 1
             s.chain = list(block_hashes)
@@ -270,9 +288,10 @@ class SessionRetention:
     def _plan(self, s: _Session, block_hashes: Sequence[BlockHash], now: float) -> tuple[list, float] | None:
         """What to hold for session ``s`` after this use (head first), and until when;
         None: nothing."""
-        if s.turns < self.min_turns or self._ttl is None:
+        ttl = self.ttl_of(s.tenant)
+        if s.turns < self.min_turns or ttl is None:
             return None
-        return list(block_hashes), now + self._ttl
+        return list(block_hashes), now + ttl
 
     def _rank(self, deadline: float) -> float:
         """Budget order: the hold of smallest rank gives up blocks first (here the one
@@ -299,15 +318,22 @@ class SessionRetention:
             session = ("chain", self._next_id)
         s = sessions.get(session)
         if s is None:
-            s = sessions[session] = _Session(now, request)
+            s = sessions[session] = _Session(now, request, getattr(session, "tenant", None))
         sessions.move_to_end(session)
         return session, s
 
-    def _record_gap(self, gap: float) -> None:
-        self._gaps.append(gap)
-        ordered = sorted(self._gaps)
+    def _record_gap(self, gap: float, tenant: Hashable | None) -> None:
+        kept = self._gaps.get(tenant)
+        if kept is None:
+            kept = self._gaps[tenant] = (deque(maxlen=self._window), [0.0])
+            while len(self._gaps) > MAX_TENANTS:
+                self._gaps.popitem(last=False)
+        self._gaps.move_to_end(tenant)
+        gaps, ttl = kept
+        gaps.append(gap)
+        ordered = sorted(gaps)
         q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-        self._ttl = min(self.max_ttl_s, max(self.min_ttl_s, q))
+        ttl[0] = self._ttl = min(self.max_ttl_s, max(self.min_ttl_s, q))
 
     def _hold(self, s_id: Hashable, s: _Session, blocks: list[BlockHash], deadline: float) -> None:
         held = self._held

@@ -18,9 +18,11 @@ component that implements the action. This one implements three, all version ``1
   fleet's shared tier is never pinned), as its stores land; a load of a leased chunk
   renews the lease for another ``ttl_s``. A ``kv.retain`` with a ``lease_id`` already
   held moves that lease to this request's prefix (a session's next turn). At most
-  ``MAX_LEASES`` leases are held (a new one past that ends the one nearest its end). Pins are
-  bounded per tier (``HintSettings.lease_budget``, a share of the tier's slots, at
-  most half): past it a chunk is left unpinned (counted), so leases never starve a tier.
+  ``MAX_LEASES`` leases are held (a new one past that ends a lease of the tenant holding
+  the most, that tenant's nearest its end). Pins are bounded per tier
+  (``HintSettings.lease_budget``, a share of the tier's slots, at most half): past it a
+  chunk is left unpinned (counted), so leases never starve a tier, and pinned in a lower
+  tier once a copy there is loadable (``tiered_kv.integrations.vllm.leases``).
 - ``kv.prefetch``: promote the prefix's lower-tier chunks (disk, shared tier) into CPU
   now, ahead of the waiting requests' own prefetches, and not cancelled when this
   request runs or ends. No payload fields.
@@ -53,7 +55,6 @@ workers) calls ``enable_prefetch``; until then ``kv.prefetch`` is counted as
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import re
@@ -69,6 +70,7 @@ from tiered_kv.abstract import BlockHash, LowerTier
 from tiered_kv.config import TieredConfig
 from tiered_kv.integrations.vllm.common import REQUEST_TENANT
 from tiered_kv.integrations.vllm.health import SlotHealth
+from tiered_kv.integrations.vllm.leases import MAX_LEASES as MAX_LEASES, LeaseBook, LeaseId  # MAX_LEASES: re-exported
 from tiered_kv.metrics import HINT_ACTIONS, LEASE_PINNED_BYTES, LEASES, PREFETCH_HELD_BYTES, TIER_BLOCKS, CounterValue
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.prefetch import PrefetchJob, Prefetcher
@@ -80,10 +82,6 @@ RETAIN, PREFETCH, RELEASE = "kv.retain", "kv.prefetch", "kv.release"
 ACTIONS = {RETAIN: "retain", PREFETCH: "prefetch", RELEASE: "release"}
 DEFAULT_TTL_S = 300.0
 MAX_LEASE_ID = 256
-#: Leases held at most; a new one past it ends the one nearest its end.
-MAX_LEASES = 4096
-#: A lease's key: the request's tenant (None: none named) and the lease id it gave.
-LeaseId = tuple[str | None, str]
 #: Actions read per envelope; the rest are counted as ``too_many``.
 MAX_ACTIONS = 16
 _VERSION = re.compile(r"(\d{1,9})(?:\.\d{1,9}){0,7}")  # bounded: int() of 4,300 digits raises
@@ -187,149 +185,6 @@ def request_keys(req_context: ReqContext) -> list[BlockHash]:
     if not isinstance(positions, dict) or not positions:
         return []
     return sorted(positions, key=positions.__getitem__)
-
-
-# ---------------------------------------------------------------- leases
-
-
-@dataclass
-class Lease:
-    keys: list[BlockHash]
-    ttl_s: float
-    expires: float
-
-
-class LeaseBook:
-    """The leases of ``kv.retain`` (module docstring) over ``tiers``: the CPU tier's
-    manager first, then this node's lower tiers; ``names`` theirs, ``budget`` the
-    blocks each may pin."""
-
-    def __init__(self, tiers: Sequence[Any], names: Sequence[str], budget: Sequence[int]):
-        self.tiers, self.names, self.budget = list(tiers), list(names), list(budget)
-        self.leases: dict[LeaseId, Lease] = {}
-        self._leases_of: dict[BlockHash, set[LeaseId]] = {}
-        self._rank: dict[BlockHash, int] = {}  # a leased block's place in its lease's prefix
-        self._pinned: dict[BlockHash, int] = {}  # block -> the tier holding its pin
-        self.pinned = [0] * len(self.tiers)
-        self._unpinned: set[BlockHash] = set()  # leased, not pinned: held nowhere yet, or no budget
-        self._clipped: set[BlockHash] = set()  # leased and held, but no budget was left
-        self.clipped = 0  # leased chunks left unpinned for want of budget
-        self._freed = False  # a pin was dropped since the last retry
-
-    def hold(self, lease_id: LeaseId, ttl_s: float, now: float) -> None:
-        """Hold lease ``lease_id`` (created empty, or renewed) for ``ttl_s`` from now."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            if len(self.leases) >= MAX_LEASES:  # the one nearest its end goes first
-                self.release(min(self.leases, key=lambda i: self.leases[i].expires))
-            self.leases[lease_id] = Lease([], ttl_s, now + ttl_s)
-        else:
-            lease.ttl_s, lease.expires = ttl_s, max(lease.expires, now + ttl_s)
-
-    def retain(self, lease_id: LeaseId, keys: Sequence[BlockHash], ttl_s: float, now: float) -> None:
-        """Lease ``lease_id`` covers ``keys`` (replacing what it covered) for ``ttl_s`` from now."""
-        lease = self.leases.get(lease_id)
-        if lease is not None:
-            self._drop_keys(lease_id, lease.keys)
-        self.leases[lease_id] = Lease(list(keys), ttl_s, now + ttl_s)
-        for i, key in enumerate(keys):
-            self._leases_of.setdefault(key, set()).add(lease_id)
-            self._rank[key] = min(i, self._rank.get(key, i))
-        self.pin_where_held(keys)
-
-    def release(self, lease_id: LeaseId) -> bool:
-        lease = self.leases.pop(lease_id, None)
-        if lease is not None:
-            self._drop_keys(lease_id, lease.keys)
-        return lease is not None
-
-    def _drop_keys(self, lease_id: LeaseId, keys: Iterable[BlockHash]) -> None:
-        for key in keys:
-            holders = self._leases_of.get(key)
-            if holders is None:
-                continue
-            holders.discard(lease_id)
-            if not holders:
-                del self._leases_of[key]
-                del self._rank[key]
-                self._unpinned.discard(key)
-                self._clipped.discard(key)
-                tier = self._pinned.pop(key, None)
-                if tier is not None:
-                    self._unpin(tier, key)
-
-    def renew(self, keys: Iterable[BlockHash], now: float) -> None:
-        """A load of ``keys``: every lease holding one of them runs ``ttl_s`` from now."""
-        if self._leases_of:
-            for key in keys:
-                for lease_id in self._leases_of.get(key, ()):
-                    lease = self.leases[lease_id]
-                    lease.expires = now + lease.ttl_s
-
-    def pin_where_held(self, keys: Iterable[BlockHash]) -> None:
-        """Pin each leased, unpinned key of ``keys`` in the first tier holding it that has
-        budget left (a CPU pin also ranks the chunk most recent, so evictions do not
-        walk past it for long)."""
-        if not self._leases_of:
-            return
-        leased = self._leases_of
-        # Head first (stores complete in any order): a prefix lookup needs the head.
-        for key in sorted((k for k in keys if k in leased and k not in self._pinned), key=self._rank.__getitem__):
-            held = False
-            for i, tier in enumerate(self.tiers):
-                if not tier.is_loadable(key):
-                    continue
-                held = True
-                if self.pinned[i] < self.budget[i]:
-                    if i == 0:
-                        tier.pin([key])
-                        tier.touch([key])
-                    else:
-                        tier.prepare_load([key])
-                    self._pinned[key] = i
-                    self.pinned[i] += 1
-                    self._unpinned.discard(key)
-                    break
-            else:
-                self._unpinned.add(key)
-                if held and key not in self._clipped:
-                    self._clipped.add(key)
-                    self.clipped += 1
-
-    def expire(self, now: float) -> int:
-        """Drop the leases past their time; how many."""
-        gone = [lease_id for lease_id, lease in self.leases.items() if lease.expires <= now]
-        for lease_id in gone:
-            self.release(lease_id)
-        return len(gone)
-
-    def retry_unpinned(self, limit: int = 1024) -> None:
-        """Once a pin was dropped: pin up to ``limit`` leased chunks that found no budget
-        before (a store that lands is pinned as it lands, ``pin_where_held``), nearest
-        their lease's head first (a prefix hit needs the head), in an order that does not
-        depend on the process's hash seed."""
-        if self._freed and self._unpinned:
-            self._freed = False
-            rank = self._rank
-            self.pin_where_held(heapq.nsmallest(limit, self._unpinned, key=lambda k: (rank[k], k)))
-
-    def _unpin(self, i: int, key: BlockHash) -> None:
-        self.pinned[i] -= 1
-        self._freed = True
-        if i == 0:
-            self.tiers[0].unpin([key])
-        else:
-            self.tiers[i].complete_load([key])
-
-    def clear(self) -> None:
-        for key, i in self._pinned.items():
-            self._unpin(i, key)
-        self.leases.clear()
-        self._leases_of.clear()
-        self._rank.clear()
-        self._pinned.clear()
-        self._unpinned.clear()
-        self._clipped.clear()
 
 
 # ---------------------------------------------------------------- the manager's side
