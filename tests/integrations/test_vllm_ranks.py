@@ -43,25 +43,30 @@ NUM_GPU_BLOCKS = 16
 WORLD = 2
 
 
-def _config(rank: int, engine_id: str, extra: dict, events: bool = False) -> OffloadingConfig:
+def _config(rank: int, engine_id: str, extra: dict, events: bool = False, pp: bool = False) -> OffloadingConfig:
+    """Rank ``rank``'s config: two tensor-parallel ranks of every layer, or (``pp``) two
+    pipeline stages, each offering only its own layers as vLLM's workers do."""
+    layers = (f"layers.{2 * rank}", f"layers.{2 * rank + 1}") if pp else ("layers.0", "layers.1")
+    tp, stages = (1, WORLD) if pp else (WORLD, 1)
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layers.0", "layers.1"), 0),),
+        groups=(OffloadingGroupConfig(16, layers, 0),),
         worker_kv_bytes_per_block=sum(PAGES),
         enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=engine_id,
         model=OffloadingModelConfig("tp-test-model", "float16", 4096),
         cache=OffloadingCacheConfig(16, 1),
-        parallel=OffloadingParallelConfig(rank, WORLD, WORLD, 1, 1, 1, 0, 1, None, True),
+        parallel=OffloadingParallelConfig(rank, WORLD, tp, stages, 1, 1, 0, 1, None, not pp),
     )
 
 
 class Engine(Closing):
-    """A scheduler-side manager and two workers of one engine, with CPU "GPU" tensors."""
+    """A scheduler-side manager and two workers of one engine, with CPU "GPU" tensors;
+    ``pp``: two pipeline stages (the scheduler's config is stage 0's, as vLLM's is)."""
 
-    def __init__(self, extra: dict, events: bool = False):
+    def __init__(self, extra: dict, events: bool = False, pp: bool = False):
         engine_id = f"tp-test-{uuid.uuid4().hex[:8]}"
-        self.manager = TieredOffloadingSpec(_config(0, engine_id, extra, events)).get_manager()
+        self.manager = TieredOffloadingSpec(_config(0, engine_id, extra, events, pp)).get_manager()
         self.gpu: list[list[torch.Tensor]] = []
         self.workers = []
         for rank in range(WORLD):
@@ -70,7 +75,7 @@ class Engine(Closing):
                 [CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, PAGES)],
                 [[CanonicalKVCacheRef(i, p) for i, p in enumerate(PAGES)]],
             )
-            self.workers.append(TieredOffloadingSpec(_config(rank, engine_id, extra)).get_worker(caches))
+            self.workers.append(TieredOffloadingSpec(_config(rank, engine_id, extra, pp=pp)).get_worker(caches))
             self.gpu.append(tensors)
         self.ctx = ReqContext(req_id="r")
         self._job = 0
@@ -134,7 +139,16 @@ def engine(tmp_path):
     e.close()
 
 
-def test_each_rank_keeps_its_own_shard_through_cpu_and_disk(engine, tmp_path):
+@pytest.fixture(params=["tp", "pp"])
+def ranks(request, tmp_path):
+    """Two tensor-parallel ranks, or two pipeline stages."""
+    extra = {"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}
+    with Engine(extra, pp=request.param == "pp") as e:
+        yield e
+
+
+def test_each_rank_keeps_its_own_shard_through_cpu_and_disk(ranks, tmp_path):
+    engine = ranks
     _fill(engine, 1)
     snapshot = [[t.clone() for t in tensors] for tensors in engine.gpu]
     engine.store([_key(1), _key(2)], [3, 4])
@@ -158,6 +172,26 @@ def test_each_rank_keeps_its_own_shard_through_cpu_and_disk(engine, tmp_path):
         for now, then in zip(engine.gpu[rank], snapshot[rank]):
             assert torch.equal(now[10], then[3]) and torch.equal(now[11], then[4])
     assert not torch.equal(engine.gpu[0][0][10], engine.gpu[1][0][10]), "ranks must differ"
+    assert [p.name for p in (tmp_path / "disk").iterdir() if p.is_dir()] == [composite.tier("disk").namespace.path.name]
+
+
+def test_pipeline_stages_of_unequal_layers_are_refused_naming_them(tmp_path):
+    """vLLM splits 5 layers over 2 stages as 3 and 2: the stages' chunks differ in bytes,
+    and every rank's tiers are sized by one chunk's."""
+    from support import vllm_harness as vh
+    from vllm.config import set_current_vllm_config
+
+    from tiered_kv.config import ConfigError
+
+    model = vh.write_model_config(tmp_path / "model", num_layers=5)
+    extra = {"cpu_bytes": "1MiB"}
+    with set_current_vllm_config(vh.make_vllm_config(model, extra)):
+        with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2 splits .* stages of 3, 2 layers"):
+            TieredOffloadingSpec(_config(1, "pp-uneven", extra, pp=True))
+    even = vh.write_model_config(tmp_path / "even", num_layers=4)
+    with set_current_vllm_config(vh.make_vllm_config(even, extra)):
+        fp = TieredOffloadingSpec(_config(1, "pp-even", extra, pp=True)).geometry.fingerprint
+    assert "pp_layers=2,2" in fp.kv_layout
 
 
 def test_a_chunk_corrupt_on_one_rank_only_is_a_miss(engine):

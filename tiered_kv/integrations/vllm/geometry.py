@@ -118,6 +118,13 @@ class VllmGeometry:
                 f"block_size: {cfg.block_size} tokens does not match vLLM's chunk of "
                 f"{bpc} GPU blocks of {tokens_per_block} tokens"
             )
+        if p.pp_size > 1 and len(set(stages := pipeline_stage_layers(p.pp_size) or ())) > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size {p.pp_size} splits the model's layers into stages of "
+                f"{', '.join(map(str, stages))} layers: TieredOffloadingSpec sizes every rank's tiers by one "
+                f"chunk's bytes, so its stages must hold equally many layers (a pipeline size that divides "
+                f"the layers, or VLLM_PP_LAYER_PARTITION)"
+            )
         bytes_per_chunk = config.worker_kv_bytes_per_block * bpc
         num_cpu_slots = cfg.cpu_bytes // bytes_per_chunk
         if num_cpu_slots < 1:
@@ -151,6 +158,19 @@ class VllmGeometry:
             num_cpu_slots,
             _fingerprint(config, cfg, extra, attention_backend),
         )
+
+
+def pipeline_stage_layers(pp_size: int) -> tuple[int, ...] | None:
+    """The layers of each pipeline stage as vLLM splits the engine's model
+    (``get_pp_indices``: ``VLLM_PP_LAYER_PARTITION``, else as even as it goes), or None
+    without an engine config (a spec built by hand)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    vc = find_vllm_config()
+    if vc is None or vc.model_config is None:
+        return None
+    total = vc.model_config.get_total_num_hidden_layers()
+    return tuple(end - start for start, end in (get_pp_indices(total, r, pp_size) for r in range(pp_size)))
 
 
 def attention_page_view(
@@ -302,13 +322,16 @@ def _fingerprint(
         ("vllm_worker_block", (int(config.worker_kv_bytes_per_block),)),
     )
     for g in config.groups:
+        shape = (int(g.tokens_per_block), int(g.sliding_window_size_in_chunks or 0))
+        if p.pp_size > 1:
+            # Each pipeline stage's worker offers its own layers, the scheduler stage 0's
+            # (vLLM's scheduler KV-cache config is one worker's): a stage's layer names
+            # would give each stage a namespace of its own. The stages' layer counts
+            # (``pp_layers``) and the model's identity say which layers each rank holds.
+            geometry += ((f"kv_group{g.group_id}", shape),)
+            continue
         names = hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]
-        geometry += (
-            (
-                f"kv_group{g.group_id}:{len(g.layer_names)}_layers:{names}",
-                (int(g.tokens_per_block), int(g.sliding_window_size_in_chunks or 0)),
-            ),
-        )
+        geometry += ((f"kv_group{g.group_id}:{len(g.layer_names)}_layers:{names}", shape),)
     layout: tuple[str, ...] = (
         f"kv_cache_layout={config.kv_cache_layout}",
         f"tp={p.tp_size}",
@@ -317,6 +340,8 @@ def _fingerprint(
         f"dcp={p.dcp_size}",
         "pages=per_rank",
     )
+    if p.pp_size > 1:
+        layout += (f"pp_layers={','.join(map(str, pipeline_stage_layers(p.pp_size) or ('unknown',)))}",)
     if p.data_parallel_size > 1:
         # Each DP replica is its own engine and writer: give it its own namespace.
         layout += (f"dp_replica={p.data_parallel_index}/{p.data_parallel_size}",)
