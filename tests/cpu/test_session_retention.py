@@ -246,18 +246,20 @@ def test_ttl_is_a_bounded_quantile_of_the_gaps():
     assert short.ttl_s == 3
 
 
-def test_one_tenants_short_gaps_never_shorten_another_tenants_holds():
+@pytest.mark.parametrize("named", [True, False], ids=["named", "by-prefix"])
+def test_one_tenants_short_gaps_never_shorten_another_tenants_holds(named):
     """Gaps are learned per tenant (``RequestSession.tenant``, vLLM's ``cache_salt``): a
     tenant's hundred sessions coming back every 2 s learn a 2 s hold for that tenant
     only, and another tenant's chat, 30 s between turns, keeps its prefix through a
-    storm that comes while its user reads."""
+    storm that comes while its user reads. The same where no client names its sessions
+    and the rule finds them by their prefix chains."""
     pytest.importorskip("vllm", exc_type=ImportError)
     from tiered_kv.integrations.vllm.common import RequestSession
 
     clock = Clock()
     retention = SessionRetention(64, clock=clock)
     mgr = cpu_tier_manager("lru", 64, 16, retention=retention)
-    alice = RequestSession("alice", "chat")
+    alice = RequestSession("alice", "chat" if named else None)
 
     def turn(t: float, session: RequestSession | None, *ids: int) -> int:
         retention.session = session  # as the manager names the request's session
@@ -270,7 +272,7 @@ def test_one_tenants_short_gaps_never_shorten_another_tenants_holds():
     for i in range(4):
         turn(30.0 * i, alice, *chat)
     for i in range(600):  # 100 sessions of another tenant, 6 turns each, 2 s apart
-        turn(90.0 + 0.01 * i + (i // 100), RequestSession("mallory", f"s{i % 100}"), 1000 + i % 100)
+        turn(90.0 + 0.01 * i + (i // 100), RequestSession("mallory", f"s{i % 100}" if named else None), 1000 + i % 100)
     turn(97.0, alice, *chat)
     for i in range(200):  # ten seconds on, one-time blocks of a third tenant
         turn(107.0 + i / 1000, None, 5000 + i)

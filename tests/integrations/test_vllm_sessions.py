@@ -235,4 +235,5 @@ def test_a_clients_long_session_id_is_kept_as_a_digest():
     assert a is not None and a == b and a != c
     assert len(a.session_id) <= RequestSession.MAX_KEPT and a.tenant is not None and len(a.tenant) <= 100
     assert RequestSession.of(SimpleNamespace(session_id="chat-7", cache_salt=None)) == RequestSession(None, "chat-7")
-    assert RequestSession.of(SimpleNamespace(session_id=None, cache_salt="t")) is None
+    assert RequestSession.of(SimpleNamespace(session_id=None, cache_salt="t")) == RequestSession("t", None)
+    assert RequestSession.of(SimpleNamespace(session_id=None, cache_salt=None)) is None

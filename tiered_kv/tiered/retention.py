@@ -32,8 +32,9 @@ chain is at most the budget, head first.
 Gaps and holds. The gap between a session's turns is recorded over a window of recent
 gaps of its tenant (all the tenant's sessions together, since one session has few): the
 ``tenant`` of the session's name where it has one (vLLM's ``cache_salt``, kept in
-``RequestSession``); the sessions of no tenant, those the prefix chain names among them,
-share one window. So one tenant's many short gaps never shorten another tenant's holds.
+``RequestSession``, whose ``session_id`` is None where the client named no session: the
+prefix chain finds it, within that tenant); the sessions of no tenant share one window.
+So one tenant's many short gaps never shorten another tenant's holds.
 At most ``MAX_TENANTS`` windows are kept, the least recently added to going first. The
 hold time (TTL) of a tenant's sessions is the ``quantile`` of its gaps, within
 ``[min_ttl_s, max_ttl_s]`` (``ttl_s``: the latest tenant's). At each use of a session
@@ -304,6 +305,9 @@ class SessionRetention:
         self, block_hashes: Sequence[BlockHash], session: Hashable | None, now: float, request: Hashable | None
     ) -> tuple[Hashable, _Session]:
         sessions = self._sessions
+        tenant = getattr(session, "tenant", None)
+        if getattr(session, "session_id", "") is None:
+            session = None  # a tenant that named no session: found by its prefix chain
         if session is None and request is not None:
             placed = self._requests.get(request)  # a later step of a request already placed
             session = placed if placed in sessions else None
@@ -318,7 +322,7 @@ class SessionRetention:
             session = ("chain", self._next_id)
         s = sessions.get(session)
         if s is None:
-            s = sessions[session] = _Session(now, request, getattr(session, "tenant", None))
+            s = sessions[session] = _Session(now, request, tenant)
         sessions.move_to_end(session)
         return session, s
 

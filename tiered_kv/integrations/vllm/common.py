@@ -76,10 +76,11 @@ class RequestSession:
     an offloading manager only a ``ReqContext``, so the connector, which sees the
     ``Request``, keeps it in the request's ``ReqContext`` state (``set_state``), and the
     manager passes it with the request's loads and stores to session retention
-    (``cpu_retention``, a disk tier's ``retention``)."""
+    (``cpu_retention``, a disk tier's ``retention``). ``session_id`` None: the client
+    named no session, and the rule finds it by its prefix chain, within the tenant."""
 
     tenant: str | None
-    session_id: str
+    session_id: str | None
 
     #: Longer ids and salts are kept as a digest: the rule keeps up to thousands of
     #: sessions, and a client chooses how long its strings are.
@@ -87,11 +88,12 @@ class RequestSession:
 
     @classmethod
     def of(cls, request: Any) -> "RequestSession | None":
-        """The session of vLLM's ``request``; None where the client named none."""
-        session_id = getattr(request, "session_id", None)
+        """The session of vLLM's ``request``; None where it names neither a session
+        nor a tenant."""
+        session_id, tenant = getattr(request, "session_id", None), request_tenant(request)
         if not session_id:
-            return None
-        return cls(request_tenant(request), _kept(str(session_id)))
+            return None if tenant is None else cls(tenant, None)
+        return cls(tenant, _kept(str(session_id)))
 
 
 #: The tenant (``cache_salt``, kept as ``RequestSession`` keeps it) of the request whose

@@ -45,8 +45,9 @@ measured: the configured or estimated rate is used, and the GPU is taken as alwa
 
 It names each request's session for the manager: vLLM 0.33 hands the manager only a
 ``ReqContext``, without the ``Request.session_id`` a client sent (``X-Session-ID``), so
-``on_new_request`` keeps it in that context's state (``common.RequestSession``), where the
-manager reads it for the request's loads and stores (session retention). Under
+``on_new_request`` keeps it in that context's state (``common.RequestSession``, with the
+request's tenant, also where no session is named), where the manager reads it for the
+request's loads and stores (session retention, which learns each tenant's gaps). Under
 vLLM's plain ``OffloadingConnector`` sessions come from the prefix chain alone.
 
 And it exports each worker's metrics (vLLM's connector reports none from a worker):
