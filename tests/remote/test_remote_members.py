@@ -196,3 +196,32 @@ def test_a_member_with_the_wrong_key_replaces_only_the_version_it_proved_bad(
         assert s3.get_object(Bucket=BUCKET, Key=key)["Body"].read() != good[: len(good) // 2]
         buf = bytearray(len(item[2]))
         assert fleet.get_blocks([(item[0], 0, buf)]).result(WAIT) == [True] and bytes(buf) == item[2]
+
+
+def test_a_writer_whose_proven_bad_object_a_reader_deleted_meanwhile_stores_its_own(rgw_server, remote_settings):
+    """A fleet node proves an object bad; before its replacing write a reader deletes
+    that object: the conditional replacement finds no version to replace, and the
+    node stores its block anew instead of taking the empty key for its copy."""
+    import numpy as np
+
+    from tiered_kv.remote.store.client import S3Client
+
+    config = RemoteConfig.from_dict(remote_settings)
+    s3 = rgw_server.admin_client()
+
+    class ReaderFirst(S3Client):
+        def replace(self, key, parts, tag):
+            s3.delete_object(Bucket=BUCKET, Key=key)  # a reader's delete of the damaged object
+            return super().replace(key, parts, tag)
+
+    rng = np.random.default_rng(11)
+    item = (rng.bytes(32), 0, rng.bytes(8192))
+    with RemoteStore(config, FP) as fleet:
+        key = block_key(fleet.namespace, item[0], 0)
+        assert fleet.put_blocks([item]).result(WAIT) == [PutOutcome.STORED]
+        good = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        s3.put_object(Bucket=BUCKET, Key=key, Body=good[: len(good) // 2])
+    with RemoteStore(config, FP, client=ReaderFirst(config)) as node:
+        assert node.put_blocks([item]).result(WAIT) == [PutOutcome.STORED]
+        buf = bytearray(len(item[2]))
+        assert node.get_blocks([(item[0], 0, buf)]).result(WAIT) == [True] and bytes(buf) == item[2]

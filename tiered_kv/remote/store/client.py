@@ -209,7 +209,7 @@ def describe_failure(exc: BaseException, config: RemoteConfig | None = None) -> 
 def conditional_put_refusal(message: str) -> str | None:
     """Why a conditional PUT failed, when its error ``message`` says the server does not
     implement the condition (HTTP 501, code NotImplemented, or a 4xx error whose code or
-    message names If-None-Match or conditional requests); None for any other failure
+    message names If-None-Match, If-Match or conditional requests); None for any other failure
     (503 SlowDown, timeouts, 403, 409 ConditionalRequestConflict...)."""
     status_match = _STATUS_NUMBER_RE.search(message)
     status = int(status_match.group(1)) if status_match else None
@@ -222,7 +222,7 @@ def conditional_put_refusal(message: str) -> str | None:
         return reason
     if status is not None and 400 <= status < 500 and status not in (403, 404, 409, 412):
         named = " ".join(parts.values()).lower()
-        if "if-none-match" in named or "conditional" in named:
+        if "if-none-match" in named or "if-match" in named or "conditional" in named:
             return f"{reason}: {parts['Message']}" if parts.get("Message") else reason
     return None
 
@@ -288,8 +288,10 @@ class S3Client:
             raise ClientMissing(_INSTALL_HINT) from None
         self._obstore = obstore
         self._exc = obstore.exceptions
-        #: Whether the server refused ``If-Match`` on a PUT as unsupported (logged once).
+        #: Whether the server refused ``If-Match`` on a PUT as unsupported: replacements
+        #: are plain PUTs from then on (logged once, as one of an object without an ETag).
         self.if_match_refused = False
+        self._warned_unconditional = False
         self.config = config
         self.credentials = credentials or AwsCredentials(config)
         timeout = datetime.timedelta(seconds=config.request_timeout)
@@ -354,35 +356,41 @@ class S3Client:
             raise self._error(exc) from None
 
     def replace(self, key: str, parts: Sequence[Buffer], tag: str | None) -> bool:
-        if tag is None:
-            self.put(key, parts)
+        if tag is None or self.if_match_refused:
+            self._unconditional(key, parts, "gave no ETag for the object judged" if tag is None else None)
             return True
         bare = tag.strip('"')
         # RFC 7232 quotes an entity tag; Ceph RGW matches only the bare one. A version
         # that changed matches neither form, so trying both adds no window.
+        refusal = None
         for form in (bare, f'"{bare}"'):
             try:
                 self._obstore.put(self.raw, key, list(parts), mode={"e_tag": form}, use_multipart=False)
                 return True
-            except self._exc.PreconditionError:
-                continue
+            except (self._exc.PreconditionError, self._exc.AlreadyExistsError):
+                continue  # 412, or 409 ConditionalRequestConflict: another write won
             except FileNotFoundError:
                 return False  # removed since it was read
             except Exception as exc:
-                if conditional_put_refusal(str(exc)) is None:
+                if (refusal := conditional_put_refusal(str(exc))) is None:
                     raise self._error(exc) from None
-                if not self.if_match_refused:
-                    logger.warning(
-                        "shared tier: %s refused a conditional PUT (If-Match) as unsupported (%s); an object "
-                        "proven bad is replaced with a plain PUT, which may overwrite a copy another node "
-                        "wrote meanwhile",
-                        self.config.where(),
-                        _first_line(exc),
-                    )
-                self.if_match_refused = True
-                self.put(key, parts)
-                return True
-        return False
+        if refusal is None:
+            return False
+        self.if_match_refused = True
+        self._unconditional(key, parts, f"refused a conditional PUT (If-Match) as unsupported ({refusal})")
+        return True
+
+    def _unconditional(self, key: str, parts: Sequence[Buffer], why: str | None) -> None:
+        """The plain PUT of a replacement that cannot name the version judged, logged once."""
+        if why is not None and not self._warned_unconditional:
+            self._warned_unconditional = True
+            logger.warning(
+                "shared tier: %s %s; an object proven bad is replaced with a plain PUT, which may overwrite "
+                "a copy another node wrote meanwhile",
+                self.config.where(),
+                why,
+            )
+        self.put(key, parts)
 
     def get(self, key: str, size: int | None = None, limit: int | None = None) -> Buffer | None:
         found = self.get_tagged(key, size, limit)

@@ -360,9 +360,11 @@ class RemoteStore:
             return PutOutcome.PRESENT
         if not self._client.replace(key, parts, tag):
             now, _ = self._judge(key, block_hash, rank, size, writing=True)
-            if now is None or not now.provable:
+            if now is None:  # a good copy, or none (a reader deleted the bad one): write-once
+                return PutOutcome.STORED if self._writer.put(key, parts) else PutOutcome.PRESENT
+            if not now.provable:
                 with self._lock:
-                    self._stats.kept_unproven += now is not None
+                    self._stats.kept_unproven += 1
                 return PutOutcome.PRESENT
             self._log("replacing an object failed", f"{key}: replaced meanwhile by another bad one ({now.reason})")
             return PutOutcome.FAILED
