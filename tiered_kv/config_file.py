@@ -51,6 +51,20 @@ _TRANSFER_KEYS = ("kv_transfer_config", "kv-transfer-config")
 _TP_KEYS = ("tensor_parallel_size", "tensor-parallel-size")
 #: A ``vllm serve --config`` file's keys for ``--attention-backend``.
 _BACKEND_KEYS = ("attention-backend", "attention_backend")
+#: ``vllm serve`` settings that change a server's namespace (``model_settings``, the
+#: pipeline's stages) and that the tools do not model, with the value each has unset: a
+#: warm-up refuses a file that sets one (its blocks would land where that server never
+#: reads). Either spelling of a key; ``load-format``'s plain values are any that read the
+#: model's own weight files.
+UNMODELLED_SERVE_KEYS = {
+    "hf-config-path": (None,),
+    "load-format": ("auto", "pt", "safetensors", "npcache", "fastsafetensors", "runai_streamer"),
+    "model-loader-extra-config": (None,),
+    "speculative-config": (None,),
+    "mamba-cache-dtype": (None, "auto"),
+    "mamba-ssm-cache-dtype": (None, "auto"),
+    "pipeline-parallel-size": (None, 1),
+}
 #: The most a config file may hold: a server's config is a few KiB; a larger file is not
 #: one, and is refused before it is read whole.
 MAX_CONFIG_BYTES = 1 << 20
@@ -85,6 +99,8 @@ class ServerConfigFile:
     #: ``attention-backend``, upper case as vLLM names it); None where the file sets
     #: none (vLLM then selects one on the serving host).
     attention_backend: str | None = None
+    #: The ``UNMODELLED_SERVE_KEYS`` a ``vllm serve --config`` file sets.
+    unmodelled: tuple[str, ...] = ()
 
     @property
     def given(self) -> dict[str, Any]:
@@ -256,6 +272,11 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config {p}: expected a JSON object, got {type(raw).__name__}")
     tp, backend = _tp(raw, p), None
+    unmodelled = tuple(
+        key
+        for key, unset in UNMODELLED_SERVE_KEYS.items()
+        if any(k in raw and raw[k] not in unset and raw[k] != {} for k in (key, key.replace("-", "_")))
+    )
     for key in _TRANSFER_KEYS:
         if key in raw:
             inner = raw[key]
@@ -282,6 +303,24 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     if is_tiering(extra):
         ours, total = _tiering(extra, p)
         return ServerConfigFile(
-            p, ours, TIERING_SPEC, tp, total, transfer, module, server_extra=extra, attention_backend=backend
+            p,
+            ours,
+            TIERING_SPEC,
+            tp,
+            total,
+            transfer,
+            module,
+            server_extra=extra,
+            attention_backend=backend,
+            unmodelled=unmodelled,
         )
-    return ServerConfigFile(p, extra, spec, tp, transfer=transfer, spec_module_path=module, attention_backend=backend)
+    return ServerConfigFile(
+        p,
+        extra,
+        spec,
+        tp,
+        transfer=transfer,
+        spec_module_path=module,
+        attention_backend=backend,
+        unmodelled=unmodelled,
+    )

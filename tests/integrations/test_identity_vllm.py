@@ -215,3 +215,75 @@ def test_a_mamba_state_dtype_and_a_draft_model_are_in_the_namespace(model_dir, t
     a, b = drafts.values()
     assert a.namespace_id != b.namespace_id
     assert [line.split(":")[0] for line in a.differences(b)] == ["model_settings"]
+    # N-gram drafting adds no layers (vLLM's draft config is the target's): not named.
+    vc = vh.make_vllm_config(model_dir, extra, kv_cache_layout="LBNHC")
+    vc.speculative_config = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=2,
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
+        target_model_config=vc.model_config,
+        target_parallel_config=vc.parallel_config,
+    )
+    ngram = offline_geometry(vc, vh.make_kv_cache_config(vc, 64), attention_backend="FLASH_ATTN").fingerprint
+    assert not any(s.startswith("speculative=") for s in ngram.model_settings or ())
+
+
+@pytest.mark.timeout(300)
+def test_the_tools_never_judge_unread_nor_warm_a_namespace_of_settings_they_do_not_read(model_dir, tmp_path):
+    """Servers started with ``--hf-config-path``, ``--load-format dummy`` or two
+    pipeline stages write namespaces a config file cannot tell the tools about:
+    ``inspect clear --unread-by`` keeps them (with a plain config, or the servers' own
+    ``vllm serve`` files), and ``warmup`` refuses such a file, naming the setting."""
+    import torch
+    from safetensors.torch import save_file
+    from support import vllm_harness as vh
+    from support.cli import run_cli
+    from vllm.config import ParallelConfig
+
+    from tiered_kv.disk.format.namespace import Namespace, list_namespaces
+    from tiered_kv.integrations.vllm.geometry import offline_geometry
+
+    save_file({"w": torch.ones(8)}, str(model_dir / "model.safetensors"))
+    alt = tmp_path / "alt-config"
+    alt.mkdir()
+    (alt / "config.json").write_text(json.dumps({**json.loads((model_dir / "config.json").read_text()), "x": 1}))
+    cache = tmp_path / "cache"
+    extra = {**SPEC, "cpu_bytes": "1MiB", "disk_path": str(cache), "disk_bytes": "4MiB", "model_id": "tiny"}
+    servers = {
+        "hf_config": ({"hf-config-path": str(alt)}, {"model_kwargs": {"hf_config_path": str(alt)}}),
+        "dummy": ({"load-format": "dummy"}, {"load_format": "dummy"}),
+        "pp": ({"pipeline-parallel-size": 2}, {}),
+    }
+    files = []
+    for name, (serve_keys, config_kwargs) in servers.items():
+        vc = vh.make_vllm_config(model_dir, extra, kv_cache_layout="LBNHC", **config_kwargs)
+        if name == "pp":
+            vc.parallel_config = ParallelConfig(pipeline_parallel_size=2)
+        geometry = offline_geometry(vc, vh.make_kv_cache_config(vc, 64), attention_backend="FLASH_ATTN")
+        Namespace.open(cache, geometry.fingerprint, geometry.scheduler_layout(), disk_bytes=4 << 20).close()
+        transfer = {
+            "kv_connector": "TieredOffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        serve = {
+            "model": str(model_dir),
+            "attention-backend": "FLASH_ATTN",
+            **serve_keys,
+            "kv-transfer-config": transfer,
+        }
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(serve))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"model": str(model_dir), "kv-transfer-config": transfer}))
+    assert len(list_namespaces(cache)) == 3
+    for configs in ([plain], files):
+        unread = [a for f in configs for a in ("--unread-by", str(f))]
+        out = run_cli("inspect", "clear", str(cache), *unread, "--model", str(model_dir), "--yes", "--json").stdout
+        assert json.loads(out)["removed"] == [] and len(list_namespaces(cache)) == 3
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"token_ids": list(range(40))}) + "\n")
+    for f, key in zip(files, ("hf-config-path", "load-format", "pipeline-parallel-size")):
+        result = run_cli("warmup", str(prompts), "--config", str(f), "--model", str(model_dir), code=None)
+        assert result.exit_code != 0 and key in result.output and "would read none of its blocks" in result.output

@@ -18,12 +18,14 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from types import FrameType
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -290,7 +292,7 @@ class VllmModelIdentity:
 #: ``--load-format`` values that load the model directory's own weight files, whose
 #: digest the namespace already has; any other (``dummy``'s random weights, a tensorizer
 #: or sharded-state artifact, a GGUF file, bitsandbytes' quantization at load) is named.
-PLAIN_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors"})
+PLAIN_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "runai_streamer"})
 
 
 def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
@@ -323,10 +325,11 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
         out.append(f"tokenizer={mc.tokenizer}")
     if mc.tokenizer_revision and mc.tokenizer_revision != mc.revision:
         out.append(f"tokenizer_revision={mc.tokenizer_revision}")
+    load = getattr(vllm_config, "load_config", None)
+    download_dir = getattr(load, "download_dir", None)
     hf_config_path = getattr(mc, "hf_config_path", None)
     if hf_config_path and hf_config_path != mc.model:
-        out.append(f"hf_config={_config_digest(mc.hf_config)}")
-    load = getattr(vllm_config, "load_config", None)
+        out.append(f"hf_config={_config_digest(str(hf_config_path), download_dir)}")
     load_format = str(getattr(load, "load_format", "auto") or "auto")
     if load_format.lower() not in PLAIN_LOAD_FORMATS:
         extra = json.dumps(getattr(load, "model_loader_extra_config", None) or {}, sort_keys=True, default=str)
@@ -341,26 +344,34 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _config_digest(hf_config: Any) -> str:
-    """A digest of the model config vLLM built, without the fields that name where it
-    was read from (``_name_or_path``, the transformers version)."""
-    d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
-    kept = {k: v for k, v in d.items() if not k.startswith("_") and k != "transformers_version"}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def _config_digest(path: str, download_dir: str | None) -> str:
+    """A digest of the config files at ``path`` (a directory, or its Hugging Face cache
+    snapshot; a file), as every process of an engine and every node reads them: not of
+    the config object, which model code may change in a worker; ``path`` itself where
+    they are not on this machine."""
+    file = Path(path).expanduser()
+    if file.is_file():
+        return xxhash.xxh3_64_hexdigest(file.read_bytes())
+    found = resolve_model_dir(path, None, download_dir)
+    if found is None:
+        return f"{path}:unknown"
+    return weights_digest(found, key="hf_config_path").digest[:16]
 
 
 def _draft_model(vllm_config: Any) -> str | None:
-    """The speculative draft model whose layers vLLM adds to the KV cache: its method,
-    model, revision and weights digest (``unknown`` where its directory is not on this
-    machine); None without one, or where the method drafts without a model (n-grams)."""
+    """The speculative draft model whose layers vLLM adds to the KV cache: its method
+    and weights digest, or where its directory is not on this machine its name and
+    revision; None without one, or where the method drafts with the target itself
+    (n-grams: vLLM's draft config is then the target's)."""
     spec = getattr(vllm_config, "speculative_config", None)
     dm = getattr(spec, "draft_model_config", None)
-    if spec is None or dm is None:
+    if spec is None or dm is None or dm is getattr(spec, "target_model_config", None) or dm is vllm_config.model_config:
         return None
     download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
     found = resolve_model_dir(str(dm.model), dm.revision, download_dir)
-    digest = weights_digest(found, key="speculative_config.model").digest[:16] if found is not None else "unknown"
-    return f"{spec.method}:{dm.model}@{dm.revision or 'none'}:{digest}"
+    if found is None:
+        return f"{spec.method}:{dm.model}@{dm.revision or 'none'}"
+    return f"{spec.method}:{weights_digest(found, key='speculative_config.model').digest[:16]}"
 
 
 def vllm_model_identity(

@@ -205,6 +205,10 @@ VLLM_FIELDS = (
     "model_settings",
     "attention_backend",
 )
+#: ``model_settings`` entries of ``vllm serve`` settings the tools do not model
+#: (``config_file.UNMODELLED_SERVE_KEYS``): a namespace that names one, or pipeline
+#: stages, is compared on the pinned fields only, never judged unread by the rest.
+UNMODELLED = ("hf_config=", "load_format=", "mamba_cache_dtype=", "mamba_ssm_cache_dtype=", "speculative=")
 
 
 @dataclass
@@ -249,6 +253,13 @@ class ServerConfig:
         if self.model_dir is None:
             return "vLLM's geometry not checked: give --model (the server's model directory)"
         row = dict(x.split("=", 1) for x in fingerprint.get("kv_layout", ()) if "=" in str(x))
+        unmodelled = [str(x) for x in fingerprint.get("model_settings") or () if str(x).startswith(UNMODELLED)]
+        unmodelled += [f"pp={row['pp']}"] if row.get("pp", "1") != "1" else []
+        if unmodelled:
+            return (
+                f"vLLM's geometry not checked: written by a server with {', '.join(unmodelled)}, settings "
+                "a config file does not give this tool"
+            )
         geometry = fingerprint.get("layer_geometry") or ()
         tp = fingerprint.get("tp_size")
         if geometry and geometry[0] and geometry[0][0] == TIERING_MARK and "tp" in row:

@@ -75,6 +75,12 @@ def read_server(path: str | os.PathLike, disk_path: str | None = None) -> Warmup
     ``load_config``); ``disk_path``: the disk tier's directory instead of the file's.
     Raises ``WarmupError`` naming the file."""
     found = _read(path)
+    if found.unmodelled:
+        raise WarmupError(
+            f"config {path}: {', '.join(found.unmodelled)}: the warm-up computes the namespace of a server "
+            f"without {'this setting' if len(found.unmodelled) == 1 else 'these settings'}, so the server "
+            f"would read none of its blocks; warm up a server started without it"
+        )
     if disk_path:
         found = found.with_disk_path(disk_path)
     disk = check_server_shape(found)
