@@ -541,3 +541,34 @@ def test_leased_chunks_left_unpinned_are_retried_head_first_whatever_the_hash_se
     assert book.pinned == [2]
     book.retry_unpinned(limit=3)
     assert book.pinned == [4] and set(book._pinned) == set(keys[2:6])
+
+
+def test_a_clipped_chunk_whose_lower_copy_never_lands_is_retried_now_and_then_not_every_step():
+    """Chunks past the CPU budget wait for a lower-tier copy; where none lands (a disk
+    that admits nothing), the retry backs off, doubling up to ``MAX_RETRY_WAIT`` steps,
+    and a copy that lands later is still pinned within that many steps."""
+    from tiered_kv.cpu import cpu_tier_manager
+    from tiered_kv.integrations.vllm.leases import MAX_RETRY_WAIT, LeaseBook
+
+    cpu = cpu_tier_manager("lru", 64, BLOCK, enable_events=False)
+    lower = cpu_tier_manager("lru", 64, BLOCK, enable_events=False)
+    keys = [bytes([i]) * 32 for i in range(40)]
+    assert cpu.prepare_store(keys) is not None
+    cpu.complete_store(keys)
+    book = LeaseBook([cpu, lower], ["cpu", "lower"], [4, 64])
+    book.retain("chat", keys, ttl_s=60.0, now=0.0)
+    assert book.pinned == [4, 0] and book.clipped == 36
+    looked = []
+    is_loadable = lower.is_loadable
+    lower.is_loadable = lambda key: looked.append(key) or is_loadable(key)  # counts the retry's work
+    passes = 0
+    for _ in range(300):
+        before = len(looked)
+        book.retry_unpinned()
+        passes += len(looked) > before
+    assert 5 <= passes <= 12, passes
+    assert lower.prepare_store(keys[4:6]) is not None
+    lower.complete_store(keys[4:6])
+    for _ in range(MAX_RETRY_WAIT + 1):
+        book.retry_unpinned()
+    assert book.pinned == [4, 2]

@@ -31,6 +31,9 @@ from tiered_kv.abstract import BlockHash
 
 #: Leases held at most; a new one past it ends a lease of the tenant holding the most.
 MAX_LEASES = 4096
+#: Steps a retry of clipped chunks waits at most after passes that pinned none (doubling):
+#: a chunk whose lower-tier copy never lands costs a pass now and then, not every step.
+MAX_RETRY_WAIT = 64
 #: A lease's key: the request's tenant (None: none named) and the lease id it gave.
 LeaseId = tuple[str | None, str]
 
@@ -59,6 +62,7 @@ class LeaseBook:
         self._clipped: dict[BlockHash, None] = {}
         self.clipped = 0  # leased chunks left unpinned for want of budget
         self._freed = False  # a pin was dropped since the last retry
+        self._idle = self._wait = 0  # the clipped chunks' retry: its back-off, and steps left of it
 
     def hold(self, lease_id: LeaseId, ttl_s: float, now: float) -> None:
         """Hold lease ``lease_id`` (created empty, or renewed) for ``ttl_s`` from now."""
@@ -161,18 +165,25 @@ class LeaseBook:
         was dropped: those nearest their lease's head first, in an order that does not
         depend on the process's hash seed. Else, while a tier is below its budget (a
         clipped chunk's copy in a lower tier may have become loadable since): the clipped
-        ones in turn, those still unpinned going to the back."""
+        ones in turn, those still unpinned going to the back, a pass that pins none
+        waiting twice as many steps as the last before the next (``MAX_RETRY_WAIT``)."""
         if self._freed and self._unpinned:
             self._freed = False
             rank = self._rank
             self.pin_where_held(heapq.nsmallest(limit, self._unpinned, key=lambda k: (rank[k], k)))
         elif self._clipped and any(n < b for n, b in zip(self.pinned, self.budget)):
+            if self._wait > 0:  # passes that pinned nothing back off, up to MAX_RETRY_WAIT steps
+                self._wait -= 1
+                return
             clipped = self._clipped
+            before = len(self._pinned)
             turn = list(itertools.islice(clipped, limit))
             self.pin_where_held(turn)
             for key in turn:
                 if clipped.pop(key, 0) is None:  # still unpinned: to the back
                     clipped[key] = None
+            self._idle = 0 if len(self._pinned) > before else min(self._idle * 2 + 1, MAX_RETRY_WAIT)
+            self._wait = self._idle
 
     def _unpin(self, i: int, key: BlockHash) -> None:
         self.pinned[i] -= 1
