@@ -278,6 +278,8 @@ def test_one_tenants_short_gaps_never_shorten_another_tenants_holds(named):
         turn(107.0 + i / 1000, None, 5000 + i)
     assert turn(127.0, alice, *chat) == 8
     assert retention.ttl_of("alice") == 30 and retention.ttl_of("mallory") == 2
+    # A tenant with no gaps of its own yet takes the hold of every tenant's together.
+    assert retention.ttl_s is not None and retention.ttl_of("carol") == retention.ttl_s
 
 
 def test_config_values_and_refusals():

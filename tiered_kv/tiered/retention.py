@@ -34,10 +34,11 @@ gaps of its tenant (all the tenant's sessions together, since one session has fe
 ``tenant`` of the session's name where it has one (vLLM's ``cache_salt``, kept in
 ``RequestSession``, whose ``session_id`` is None where the client named no session: the
 prefix chain finds it, within that tenant); the sessions of no tenant share one window.
-So one tenant's many short gaps never shorten another tenant's holds.
-At most ``MAX_TENANTS`` windows are kept, the least recently added to going first. The
-hold time (TTL) of a tenant's sessions is the ``quantile`` of its gaps, within
-``[min_ttl_s, max_ttl_s]`` (``ttl_s``: the latest tenant's). At each use of a session
+So one tenant's many short gaps never shorten another tenant's holds once it has
+gaps of its own. At most ``MAX_TENANTS`` windows are kept, the least recently added to
+going first; a tenant without one takes the hold of every tenant's gaps together
+(``ttl_s``, another window). The hold time (TTL) is the ``quantile`` of the window's
+gaps, within ``[min_ttl_s, max_ttl_s]``. At each use of a session
 that has come back at least ``min_turns - 1`` times (a first request returns less often
 than a later one: 22% against 62-86% on Mooncake's synthetic trace), its chain is held
 until ``now + TTL``, replacing its previous hold; a hold ends at its deadline, or
@@ -81,6 +82,16 @@ from tiered_kv.metrics import (
 TURN_GAP_S = 1.0
 #: Tenants whose gaps are kept at most (a window each); past it the least recent goes.
 MAX_TENANTS = 1024
+
+
+class _Gaps:
+    """A window of recent gaps between turns, and the hold time they give."""
+
+    __slots__ = ("gaps", "ttl")
+
+    def __init__(self, window: int):
+        self.gaps: deque[float] = deque(maxlen=window)
+        self.ttl: float | None = None
 
 
 class _Session:
@@ -140,8 +151,8 @@ class SessionRetention:
         self._window = window
         # Per tenant (None: none named), least recently recorded first: its window of
         # recent gaps and the hold time they give.
-        self._gaps: OrderedDict[Hashable, tuple[deque[float], list[float]]] = OrderedDict()
-        self._ttl: float | None = None  # the hold time of the tenant that came back last
+        self._gaps: OrderedDict[Hashable, _Gaps] = OrderedDict()
+        self._all = _Gaps(window)  # every tenant's: the hold of a tenant without a window of its own
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recently used first
         self._tails: dict[BlockHash, Hashable] = {}  # a session's latest last block -> the session
         self._requests: OrderedDict[Hashable, Hashable] = OrderedDict()  # a named request -> its session
@@ -217,14 +228,15 @@ class SessionRetention:
 
     @property
     def ttl_s(self) -> float | None:
-        """The hold time of the tenant whose session came back last (all of them where
-        none is named), or None before the first gap."""
-        return self._ttl
+        """The hold time learned from every tenant's gaps together, or None before the
+        first gap."""
+        return self._all.ttl
 
     def ttl_of(self, tenant: Hashable | None) -> float | None:
-        """The hold time of ``tenant``'s sessions, or None before its first gap."""
+        """The hold time of ``tenant``'s sessions: from its own gaps, else (none yet, or
+        its window gone past ``MAX_TENANTS``) from every tenant's; None before the first."""
         kept = self._gaps.get(tenant)
-        return kept[1][0] if kept is not None else None
+        return kept.ttl if kept is not None else self._all.ttl
 
     def metric_values(self, tier: str) -> tuple[list[CounterValue], list[CounterValue]]:
         """The counters (totals) and gauges of this rule as ``tier``'s metrics: its
@@ -236,8 +248,8 @@ class SessionRetention:
             (RETENTION_HELD_BLOCKS, (tier,), len(self._held)),
             (RETENTION_HONOURED, (tier,), int(self.honoured)),
         ]
-        if self._ttl is not None:
-            gauges.append((RETENTION_TTL, (tier,), self._ttl))
+        if self._all.ttl is not None:
+            gauges.append((RETENTION_TTL, (tier,), self._all.ttl))
         return counters, gauges
 
     # ---- what the manager tells ----
@@ -329,15 +341,15 @@ class SessionRetention:
     def _record_gap(self, gap: float, tenant: Hashable | None) -> None:
         kept = self._gaps.get(tenant)
         if kept is None:
-            kept = self._gaps[tenant] = (deque(maxlen=self._window), [0.0])
+            kept = self._gaps[tenant] = _Gaps(self._window)
             while len(self._gaps) > MAX_TENANTS:
                 self._gaps.popitem(last=False)
         self._gaps.move_to_end(tenant)
-        gaps, ttl = kept
-        gaps.append(gap)
-        ordered = sorted(gaps)
-        q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-        ttl[0] = self._ttl = min(self.max_ttl_s, max(self.min_ttl_s, q))
+        for window in (kept, self._all):
+            window.gaps.append(gap)
+            ordered = sorted(window.gaps)
+            q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+            window.ttl = min(self.max_ttl_s, max(self.min_ttl_s, q))
 
     def _hold(self, s_id: Hashable, s: _Session, blocks: list[BlockHash], deadline: float) -> None:
         held = self._held
