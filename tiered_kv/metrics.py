@@ -71,6 +71,7 @@ REMOTE_DAMAGED_DELETED = "tiered_kv_remote_damaged_deleted"
 REMOTE_KEPT_UNPROVEN = "tiered_kv_remote_kept_unproven"
 REMOTE_CONDITIONAL_REFUSED = "tiered_kv_remote_conditional_put_refused"
 REMOTE_UNCONDITIONAL_PUTS = "tiered_kv_remote_unconditional_puts"
+REMOTE_FORGERIES_REPLACED = "tiered_kv_remote_forgeries_replaced"
 HINT_ACTIONS = "tiered_kv_hint_actions"
 CANARY_CHECKS = "tiered_kv_canary_checks"
 LEASES = "tiered_kv_leases"
@@ -180,6 +181,7 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     MetricDef(REMOTE_REJECTED, "counter", "Shared-tier objects refused by a check, per reason", ("reason",)),
     MetricDef(REMOTE_UNAVAILABLE, "counter", "Times the shared-tier store stopped sending after consecutive failures"),
     MetricDef(REMOTE_DAMAGED_DELETED, "counter", "Shared-tier objects deleted on reading them, proven bad"),
+    MetricDef(REMOTE_FORGERIES_REPLACED, "counter", "Shared-tier objects proven bad at a write and replaced"),
     MetricDef(
         REMOTE_KEPT_UNPROVEN,
         "counter",
@@ -240,6 +242,7 @@ _REMOTE_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "get_bytes": (REMOTE_BYTES, ("download",)),
     "unavailable_periods": (REMOTE_UNAVAILABLE, ()),
     "damaged_deleted": (REMOTE_DAMAGED_DELETED, ()),
+    "forgeries_replaced": (REMOTE_FORGERIES_REPLACED, ()),
     "kept_unproven": (REMOTE_KEPT_UNPROVEN, ()),
     "conditional_put_refused": (REMOTE_CONDITIONAL_REFUSED, ()),
     "puts_unconditional": (REMOTE_UNCONDITIONAL_PUTS, ()),
@@ -473,14 +476,7 @@ class TieredStats:
             return {
                 "tiers": {k: dict(v) for k, v in self.tiers.items()},
                 "transfers": {
-                    k: {
-                        "bytes": v.bytes,
-                        "blocks": v.blocks,
-                        "seconds": v.seconds,
-                        "jobs": v.jobs,
-                        "failed_jobs": v.failed_jobs,
-                        "gbps": v.gbps,
-                    }
+                    k: {f: getattr(v, f) for f in ("bytes", "blocks", "seconds", "jobs", "failed_jobs", "gbps")}
                     for k, v in self.transfers.items()
                 },
             }
@@ -538,12 +534,13 @@ class PrometheusMetrics:
             self.metrics[WORKER_JOB_FAILURES].labels(kind)
         self._last: dict[tuple, float] = {}
 
-    def _advance(self, counter: Counter, labels: tuple, value: float) -> None:
-        key = (id(counter), labels)
-        delta = value - self._last.get(key, 0)
-        if delta > 0:
+    def _advance(self, counter: Counter, labels: tuple, value: float, source: int = 0) -> None:
+        """Add what ``value``, a total since ``source`` started, grew by; a total that fell
+        is a source that started again, all of whose total is new."""
+        key = (id(counter), labels, source)
+        last, self._last[key] = self._last.get(key, 0), value
+        if (delta := value - last if value >= last else value) > 0:
             (counter.labels(*labels) if labels else counter).inc(delta)
-            self._last[key] = value
 
     def update(
         self,
@@ -584,12 +581,11 @@ class PrometheusMetrics:
         for name, t in transfers.items():
             self._advance(self.bytes, (name,), t["bytes"])
             self._advance(self.time, (name,), t["seconds"])
-        totals: dict[tuple[str, tuple[str, ...]], float] = {}
-        for rs in remote:
+        for i, rs in enumerate(remote, 1):  # each store's totals its own: one may restart
             for metric, labels, value in remote_counter_values(rs):
-                totals[metric, labels] = totals.get((metric, labels), 0) + value
+                self._advance(self.metrics[metric], labels, value, i)
         own = tier_counter_values(snap["tiers"], self.tokens_per_block) + transfer_job_values(transfers)
-        for metric, labels, value in [*own, *counters, *((m, lbl, v) for (m, lbl), v in totals.items())]:
+        for metric, labels, value in [*own, *counters]:
             self._advance(self.metrics[metric], labels, value)
         for tier, n in (used_blocks or {}).items():
             self.metrics[TIER_USED_BLOCKS].labels(tier).set(n)

@@ -206,6 +206,31 @@ def test_shared_tier_counters_and_request_latencies_are_exported(rgw_server, rem
     assert value(f"{REMOTE_REQUEST_SECONDS}_sum", {"op": "put"}) > 0
 
 
+def test_a_store_that_restarts_among_those_summed_keeps_its_counters_moving():
+    """Two processes' stores feed one metric; one restarts and counts from 0: what it
+    counts after the restart is added at once (a sum would stay below its old total, and
+    the metric would stand still until it passed it). Replaced forgeries are exported."""
+    from tiered_kv.remote.store.outcomes import RemoteStats
+
+    metrics, stats = PrometheusMetrics(), TieredStats()
+    a, b = RemoteStats(gets_hit=1000), RemoteStats(gets_hit=1000, forgeries_replaced=2)
+    metrics.update(stats, remote=[a, b])
+
+    def hits():
+        return metrics.registry.get_sample_value("tiered_kv_remote_downloads_total", {"outcome": "hit"})
+
+    assert hits() == 2000
+    assert metrics.registry.get_sample_value("tiered_kv_remote_forgeries_replaced_total") == 2
+    b = RemoteStats()  # restarted
+    for served, total in ((300, 2300), (600, 2600)):
+        b.gets_hit = served
+        metrics.update(stats, remote=[a, b])
+        assert hits() == total
+    a.gets_hit += 5
+    metrics.update(stats, remote=[a, b])
+    assert hits() == 2605
+
+
 # ---------------------------------------------------------------- the dashboard
 
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
