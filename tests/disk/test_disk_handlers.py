@@ -207,6 +207,40 @@ def test_corrupt_block_fails_the_load_job(tmp_path):
         assert finish(h2, [3]) == {3: True}, "the intact blocks still load"
 
 
+@pytest.mark.faults
+def test_blocks_the_device_fails_to_read_are_dropped_as_corrupt_ones_are(tmp_path, monkeypatch):
+    """A read that fails with an I/O error (a bad sector: injected, no device fails on
+    demand) fails its job and drops the blocks it was reading, so they are not offered
+    again to fail every load that meets them; they can be stored again."""
+    import errno
+
+    layout = small_layout()
+    src, dst = host_cache(layout, 4, seed=6), host_cache(layout, 4, seed=7)
+    with (
+        open_store(tmp_path, layout) as store,
+        CpuDiskHandler(store, 0, src, layout) as h,
+        CpuDiskHandler(store, 0, dst, layout) as h2,
+    ):
+        d = disk_spec([0, 1, 2])
+        h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2]), d))
+        assert finish(h, [1]) == {1: True}
+
+        def bad_sector(*args, **kwargs):
+            raise OSError(errno.EIO, "Input/output error")
+
+        for name in ("pread", "preadv"):
+            monkeypatch.setattr(store.backend, name, bad_sector)
+        h2.transfer_async(2, (d, CPULoadStoreSpec([0, 1, 2])))
+        assert finish(h2, [2]) == {2: False}
+        assert [store.entry(k) for k in d.block_hashes] == [None] * 3
+        assert store.stats.checksum_failures == 0
+        monkeypatch.undo()
+        h.transfer_async(3, (CPULoadStoreSpec([0, 1, 2]), d))
+        assert finish(h, [3]) == {3: True}
+        h2.transfer_async(4, (d, CPULoadStoreSpec([0, 1, 2])))
+        assert finish(h2, [4]) == {4: True}
+
+
 @pytest.mark.parametrize("iov_max", [None, 5], ids=["one-call-per-run", "iov-max-5"])
 @pytest.mark.parametrize("kv_first", [True, False], ids=["kv-first", "kv-after"])
 def test_aligned_slots_move_without_a_copy_and_agree_with_the_staged_path(tmp_path, kv_first, iov_max, monkeypatch):
@@ -272,13 +306,10 @@ def test_vectored_jobs_fail_alone_on_a_full_disk_and_on_read_errors(tmp_path):
         assert h.transfer_async(3, (fits, CPULoadStoreSpec([5, 6, 7])))
         assert finish(h, [3]) == {3: False}
         backend.fail_read = None
+        assert all(store.entry(b) is None for b in fits.block_hashes), "blocks a read failed on are dropped"
+        reads = store.stats.missing_entries
         assert h.transfer_async(4, (fits, CPULoadStoreSpec([5, 6, 7])))
-        assert finish(h, [4]) == {4: True}, "the blocks written before are intact"
-        f = layout.block_size_factor
-        assert_same(
-            kernel_blocks(host.tensors, layout, expand_block_ids([0, 1, 2], f)),
-            kernel_blocks(host.tensors, layout, expand_block_ids([5, 6, 7], f)),
-        )
+        assert finish(h, [4]) == {4: False} and store.stats.missing_entries == reads + 3, "not read again"
 
 
 @pytest.mark.faults

@@ -190,7 +190,8 @@ def test_failed_fsync_or_read_fails_the_job(tmp_path, layout):
         assert store.write_blocks(0, h, [0], content_rows(h, 0, layout, store.slot_size)) == [True]
         backend.fail_read = errno.EIO
         assert read_back(store, 0, h, [0])[0] == [False]
-        assert store.entry(h[0]) is not None, "an I/O error is not corruption: keep the block"
+        # Kept, the block would be offered again and fail every load that meets it.
+        assert store.entry(h[0]) is None and store.stats.checksum_failures == 0
 
 
 @pytest.mark.faults

@@ -63,7 +63,7 @@ def test_store_faults_are_counted_and_stores_resume_when_cleared(tmp_path, fault
     assert verify_cache(tmp_path).ok
 
 
-def test_read_errors_fall_back_to_recompute_and_keep_the_blocks(tmp_path):
+def test_read_errors_fall_back_to_recompute_and_the_recomputed_blocks_load_once_the_device_recovers(tmp_path):
     docs = documents(8, 4, seed=3)
     h = Hierarchy(tmp_path, cpu_blocks=8, disk_blocks=64)
     h.run(docs)
@@ -82,7 +82,8 @@ def test_read_errors_fall_back_to_recompute_and_keep_the_blocks(tmp_path):
     assert h.spec.stats.tiers["disk"]["failed_loads"] > 0
     assert h.spec.stats.transfers["disk_to_cpu"].failed_jobs + h.spec.stats.transfers["disk_to_gpu"].failed_jobs > 0
 
-    # An I/O error is not corruption: the blocks stay, and load once the device recovers.
+    # The blocks a read failed on are dropped (offered again, they would fail every load
+    # that meets them); their recomputed copies were stored anew and load once it recovers.
     io.fail_read = None
     h.driver.report.hits_by_medium.clear()
     h.close()

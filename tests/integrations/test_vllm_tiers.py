@@ -488,6 +488,43 @@ def test_with_our_connector_each_workers_transfers_reach_vllms_prometheus_side(m
         assert tiers["cpu"]["load_latency"]["count"] == transfers["cpu_to_gpu"]["jobs"]
 
 
+@pytest.mark.faults
+def test_a_disk_read_that_fails_is_one_failed_load_that_moves_no_bytes_and_is_not_offered_again(
+    model_dir, tmp_path, monkeypatch
+):
+    """The disk fails to read a chunk (an I/O error, injected: no device fails on
+    demand): the request recomputes it, vLLM's load counters show no bytes for the failed
+    job, and the chunk, dropped from the disk tier, is not offered to fail again (the
+    request's recomputed chunks are stored anew)."""
+    import errno
+
+    config = {**SPEC, "cpu_bytes": f"{2 * GPU_BLOCK_BYTES}B", "block_size": BLOCK}
+    config.update(disk_path=str(tmp_path / "disk"), disk_bytes=f"{64 * 4096}B")
+    with vh.VllmHarness.build(model_dir, config, num_gpu_blocks=64, worker="real", **vh.ONE_READ) as h:
+        a, b = _prompt(16, 2 * BLOCK + 1), _prompt(17, 2 * BLOCK + 1)
+        for prompt in (a, b):
+            _serve(h, prompt)
+            _durable(h)
+
+        def bad_sector(*args, **kwargs):
+            raise OSError(errno.EIO, "Input/output error")
+
+        backend = h.worker_spec._worker.load_handler.to_cpu[0].store.backend
+        monkeypatch.setattr(backend, "pread", bad_sector)
+        monkeypatch.setattr(backend, "preadv", bad_sector)
+        h.reset_gpu_prefix_cache()
+        assert _serve(h, a).external == 2 * BLOCK  # offered from the disk: CPU holds b's chunks
+        h.settle()
+        assert sum(len(step.load_jobs) for step in h.steps) == 1
+        registry = h.publish_metrics()
+
+        def value(name, **labels):
+            return registry.get_sample_value(name, {"engine": "0", **labels})
+
+        assert value("tiered_kv_transfer_jobs_total", transfer_type="disk_to_cpu", outcome="failed") == 1
+        assert not value("vllm:kv_offload_load_bytes_total")
+
+
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
 def test_failed_loads_are_left_to_vllm_to_recompute_only_for_a_model_of_one_kv_cache_group(
     model_dir, monkeypatch, caplog, role

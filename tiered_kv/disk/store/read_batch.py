@@ -4,7 +4,8 @@ Runs wherever a ``DiskStore`` runs: a worker process, or its disk I/O process
 (``disk_io: process``). Its I/O: one index read for the blocks' entries, the reads on
 the backend's I/O threads (``preadv`` into host views, ``pread`` into device rows),
 the checksums on the store's checksum threads, and at ``finish`` one synced index
-transaction that drops the blocks found corrupt or missing and logs them ``corrupt``.
+transaction that drops the blocks found corrupt, missing or unreadable (an I/O error)
+and logs them ``corrupt``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class ReadBatch(Batch):
         self.store, self.rank, self.hashes, self.slots = store, rank, hashes, slots
         self.ok = [False] * len(hashes)
         self._corrupt: list[int] = []
+        self._unreadable: list[int] = []  # blocks of runs the device failed to read
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
@@ -80,7 +82,7 @@ class ReadBatch(Batch):
             )
             done: Future = Future()
             verify = partial(self._verify, first, blocks, mirror, unbounce)
-            store.backend.submit(self._read_then_verify, read, verify, done)
+            store.backend.submit(self._read_then_verify, read, verify, done, range(first, first + n))
             futs.append(done)
         self._futures.extend(futs)
         end = start + len(rows)  # not ``rows``: the callback cycle would keep the caller's memory alive
@@ -101,7 +103,8 @@ class ReadBatch(Batch):
             run = blocks[first - start : first - start + n]
             done: Future = Future()
             read = partial(view_io, store.backend.preadv, self._slab(), run, self.slots[first] * store.slot_size)
-            store.backend.submit(self._read_then_verify, read, partial(self._verify, first, run), done)
+            verify = partial(self._verify, first, run)
+            store.backend.submit(self._read_then_verify, read, verify, done, range(first, first + n))
             futs.append(done)
         self._futures.extend(futs)
         end = start + len(blocks)
@@ -110,13 +113,20 @@ class ReadBatch(Batch):
     def _all_done(self, futs: list[Future], start: int, end: int) -> Future:
         return all_of(futs, lambda: all(self.ok[start:end]))
 
-    def _read_then_verify(self, read: Callable[[], None], verify: Callable[[], None], done: Future) -> None:
-        """``read()`` on an I/O thread, then hand ``verify()`` to the checksum threads,
-        so the I/O thread goes straight back to the device. ``done`` gets None after."""
+    def _read_then_verify(
+        self, read: Callable[[], None], verify: Callable[[], None], done: Future, blocks: range
+    ) -> None:
+        """``read()`` of ``blocks`` on an I/O thread, then hand ``verify()`` to the
+        checksum threads, so the I/O thread goes straight back to the device. ``done``
+        gets None after. Blocks the device fails to read are dropped at ``finish`` as
+        corrupt ones are: served again, they would fail every load that meets them."""
         try:
             read()
         except Exception as e:  # an I/O thread must not lose an error: finish() reports it
             self._record_error(e)
+            if isinstance(e, OSError):
+                with self._lock:
+                    self._unreadable.extend(blocks)
             done.set_result(None)
             return
         try:
@@ -167,7 +177,7 @@ class ReadBatch(Batch):
         store = self.store
         for f in self._futures:
             f.result()
-        bad = sorted(set(self._corrupt) | set(self._missing))
+        bad = sorted(set(self._corrupt) | set(self._missing) | set(self._unreadable))
         if bad:
             for i in self._corrupt:
                 logger.error(
@@ -175,6 +185,13 @@ class ReadBatch(Batch):
                     self.hashes[i].hex()[:16],
                     self.rank,
                     self.slots[i],
+                )
+            if self._unreadable:
+                logger.error(
+                    "%d disk blocks on rank %d could not be read (%s); dropping them",
+                    len(self._unreadable),
+                    self.rank,
+                    self._error,
                 )
             try:
                 store.index.drop_corrupt(self.rank, [(self.hashes[i], self.slots[i]) for i in bad])

@@ -301,9 +301,11 @@ class TieredVllmWorker(OffloadingWorker, Closing):
                 continue
             if not result.success:
                 self._fail(result.job_id, job, result.failed_gpu_blocks)
-            # The handlers' own measure: a copy's time, not the time until vLLM polled.
+            # The handlers' own measure: a copy's time, not the time until vLLM polled. A
+            # failed job moved no bytes vLLM's load and store counters should show.
             seconds = result.seconds if result.seconds is not None else now - job.started
-            out.append(VllmTransferResult(result.job_id, True, job.nbytes, seconds))
+            nbytes = job.nbytes if result.success else None
+            out.append(VllmTransferResult(result.job_id, True, nbytes, seconds if result.success else None))
         return out
 
     def _fail(self, job_id: int, job: _Job, failed_gpu_blocks: tuple[int, ...] | None = None) -> None:
