@@ -328,3 +328,17 @@ def test_host_port_path_without_a_scheme_is_read_as_http(metrics_server):
 def test_a_url_that_cannot_be_http_says_what_to_write(url):
     line = _one_error_line(_stats("--url", url))
     assert "expected HOST:PORT/PATH (read as http://), http://HOST:PORT/PATH or https://HOST:PORT/PATH" in line
+
+
+def test_an_engines_other_metrics_are_passed_over_and_too_many_of_ours_are_one_error_line(metrics_server):
+    """Millions of other series (an engine's own, or a hostile answer) are sifted out
+    line by line, never parsed; more samples of tiered-kv's metrics than any engine
+    exports are refused, naming the bound, before they are parsed."""
+    from tiered_kv.ops.metrics_view import MAX_SAMPLES
+
+    result = _stats("--url", metrics_server(GOOD + "a 1\n" * 2_000_000), "--json")
+    assert result.exit_code == 0, result.output
+    assert [t["tier"] for t in json.loads(result.stdout)["tiers"]] == ["cpu"]
+    many = "".join(f'tiered_kv_tier_blocks_total{{tier="t{i}",event="lookups"}} 1\n' for i in range(MAX_SAMPLES))
+    line = _one_error_line(_stats("--url", metrics_server(GOOD + many)))
+    assert f"more than {MAX_SAMPLES:,} samples of tiered-kv's metrics" in line

@@ -12,7 +12,9 @@ over everything the endpoint counted since it started.
 
 from __future__ import annotations
 
+import io
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -59,15 +61,37 @@ QUANTILES = (0.5, 0.99)
 #: Per-tier events that are failures: the block was not loaded or not stored.
 FAILURE_EVENTS = ("failed_loads", "failed_stores", "checksum_failures")
 _TRANSFER_BYTES = "vllm:kv_offload_total_bytes_total"
+#: The most samples of the viewed metrics one answer may hold: an engine exports a few
+#: thousand; a larger answer is not one, and would take memory out of all proportion.
+MAX_SAMPLES = 200_000
 
 
 def scrape(url: str, timeout: float = 10.0, max_bytes: int = DEFAULT_MAX_BYTES) -> Samples:
-    """GET ``url`` (``endpoint_url``'s form), within ``timeout`` seconds in all and at
-    most ``max_bytes`` long, parse it and ``check`` it. Raises ``EndpointError`` naming
-    the URL."""
-    samples = parse(get(url, timeout, max_bytes).decode("utf-8", "replace"), url)
+    """GET ``url`` (``endpoint_url``'s form) and parse what the view reads of it, within
+    ``timeout`` seconds in all, the answer at most ``max_bytes`` long, and ``check``
+    it. Raises ``EndpointError`` naming the URL."""
+    deadline = time.monotonic() + timeout
+    samples = parse(viewed(get(url, timeout, max_bytes).decode("utf-8", "replace"), url, deadline), url)
     check(samples, url)
     return samples
+
+
+def viewed(text: str, where: str = "the endpoint", deadline: float | None = None) -> str:
+    """The lines of ``_VIEWED`` metrics of an exposition (an engine's others passed over
+    unparsed), at most ``MAX_SAMPLES`` samples, sifted by ``deadline``
+    (``time.monotonic()``). Raises ``EndpointError``."""
+    kept, count = [], 0
+    for n, line in enumerate(io.StringIO(text)):
+        if n % 100_000 == 0 and deadline is not None and time.monotonic() > deadline:
+            raise EndpointError(f"{where}: its answer took longer than the timeout to read")
+        if line.startswith(_VIEWED):
+            count += 1
+            if count > MAX_SAMPLES:
+                raise EndpointError(f"{where} answered more than {MAX_SAMPLES:,} samples of tiered-kv's metrics")
+            kept.append(line)
+        elif line.startswith(("# HELP ", "# TYPE ")) and line[7:].startswith(_VIEWED):
+            kept.append(line)
+    return "".join(kept)
 
 
 def parse(text: str, where: str = "the endpoint") -> Samples:
