@@ -51,6 +51,11 @@ _TRANSFER_KEYS = ("kv_transfer_config", "kv-transfer-config")
 _TP_KEYS = ("tensor_parallel_size", "tensor-parallel-size")
 #: A ``vllm serve --config`` file's keys for ``--attention-backend``.
 _BACKEND_KEYS = ("attention-backend", "attention_backend")
+#: ``--load-format`` values that load the model directory's own weight files, whose
+#: digest the namespace already has; any other (``dummy``'s random weights, a tensorizer
+#: or sharded-state artifact, a GGUF file, bitsandbytes' quantization at load) is named
+#: in the namespace (``integrations.vllm.common.vllm_model_settings``).
+PLAIN_LOAD_FORMATS = ("auto", "pt", "safetensors", "npcache", "fastsafetensors", "runai_streamer")
 #: ``vllm serve`` settings that change a server's namespace (``model_settings``, the
 #: pipeline's stages) and that the tools do not model, with the value each has unset: a
 #: warm-up refuses a file that sets one (its blocks would land where that server never
@@ -58,7 +63,7 @@ _BACKEND_KEYS = ("attention-backend", "attention_backend")
 #: model's own weight files.
 UNMODELLED_SERVE_KEYS = {
     "hf-config-path": (None,),
-    "load-format": ("auto", "pt", "safetensors", "npcache", "fastsafetensors", "runai_streamer"),
+    "load-format": (None, *PLAIN_LOAD_FORMATS),
     "model-loader-extra-config": (None,),
     "speculative-config": (None,),
     "mamba-cache-dtype": (None, "auto"),

@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.base import LoadStoreSpec as VllmLoadStoreSpec
 
 from tiered_kv.abstract import LoadStoreSpec
 from tiered_kv.config import ConfigError, TieredConfig
+from tiered_kv.config_file import PLAIN_LOAD_FORMATS
 from tiered_kv.metrics import (
     PENDING_WRITES,
     PROJECT_METRICS,
@@ -287,12 +288,6 @@ class VllmModelIdentity:
     weights_digest: str | None
     model_settings: tuple[str, ...] | None
     model_dir: str | None
-
-
-#: ``--load-format`` values that load the model directory's own weight files, whose
-#: digest the namespace already has; any other (``dummy``'s random weights, a tensorizer
-#: or sharded-state artifact, a GGUF file, bitsandbytes' quantization at load) is named.
-PLAIN_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "runai_streamer"})
 
 
 def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
