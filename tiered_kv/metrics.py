@@ -534,13 +534,17 @@ class PrometheusMetrics:
             self.metrics[WORKER_JOB_FAILURES].labels(kind)
         self._last: dict[tuple, float] = {}
 
-    def _advance(self, counter: Counter, labels: tuple, value: float, source: int = 0) -> None:
-        """Add what ``value``, a total since ``source`` started, grew by; a total that fell
-        is a source that started again, all of whose total is new."""
-        key = (id(counter), labels, source)
-        last, self._last[key] = self._last.get(key, 0), value
-        if (delta := value - last if value >= last else value) > 0:
-            (counter.labels(*labels) if labels else counter).inc(delta)
+    def _advance(self, counter: Counter, labels: tuple, value: float, store: int | None = None) -> None:
+        """Add what ``value``, a total, grew by since the last update. Of a shared-tier
+        ``store`` (its place in ``update``'s ``remote``), a total that fell is a store
+        that started again, all of whose total is new."""
+        key = (id(counter), labels, store)
+        last = self._last.get(key, 0)
+        if store is not None and value < last:
+            last = self._last[key] = 0  # the store started again
+        if value > last:
+            (counter.labels(*labels) if labels else counter).inc(value - last)
+            self._last[key] = value
 
     def update(
         self,

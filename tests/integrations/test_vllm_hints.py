@@ -528,7 +528,7 @@ def test_leased_chunks_left_unpinned_are_retried_head_first_whatever_the_hash_se
     most ``limit`` of them takes those nearest their lease's head, not the first ones a
     set of keys happens to yield (which moves with PYTHONHASHSEED)."""
     from tiered_kv.cpu import cpu_tier_manager
-    from tiered_kv.integrations.vllm.hints import LeaseBook
+    from tiered_kv.integrations.vllm.leases import LeaseBook
 
     cpu = cpu_tier_manager("lru", 64, BLOCK, enable_events=False)
     keys = [bytes([i]) * 32 for i in range(40)]

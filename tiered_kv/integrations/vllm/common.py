@@ -196,12 +196,12 @@ class CounterIncreases:
         self._reported: dict[tuple[str, tuple[str, ...]], float] = {}
 
     def report(self, stats: OffloadingConnectorStats, totals: Iterable[CounterValue]) -> None:
-        """Add to ``stats`` each of ``totals`` that grew since the last report; a total
-        that fell is a source that started again, all of whose total is new."""
+        """Add to ``stats`` each of ``totals`` that grew since the last report."""
         for name, labels, total in totals:
-            last, self._reported[name, labels] = self._reported.get((name, labels), 0), total
-            if (delta := total - last if total >= last else total) > 0:
+            delta = total - self._reported.get((name, labels), 0)
+            if delta > 0:
                 stats.increase_counter(name, delta, labels)
+                self._reported[name, labels] = total
 
 
 @dataclass(frozen=True)

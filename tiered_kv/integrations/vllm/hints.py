@@ -18,7 +18,7 @@ component that implements the action. This one implements three, all version ``1
   fleet's shared tier is never pinned), as its stores land; a load of a leased chunk
   renews the lease for another ``ttl_s``. A ``kv.retain`` with a ``lease_id`` already
   held moves that lease to this request's prefix (a session's next turn). At most
-  ``MAX_LEASES`` leases are held (a new one past that ends a lease of the tenant holding
+  ``leases.MAX_LEASES`` leases are held (a new one past that ends a lease of the tenant holding
   the most, that tenant's nearest its end). Pins are bounded per tier
   (``HintSettings.lease_budget``, a share of the tier's slots, at most half): past it a
   chunk is left unpinned (counted), so leases never starve a tier, and pinned in a lower
@@ -70,7 +70,7 @@ from tiered_kv.abstract import BlockHash, LowerTier
 from tiered_kv.config import TieredConfig
 from tiered_kv.integrations.vllm.common import REQUEST_TENANT
 from tiered_kv.integrations.vllm.health import SlotHealth
-from tiered_kv.integrations.vllm.leases import MAX_LEASES as MAX_LEASES, LeaseBook, LeaseId  # MAX_LEASES: re-exported
+from tiered_kv.integrations.vllm.leases import LeaseBook, LeaseId
 from tiered_kv.metrics import HINT_ACTIONS, LEASE_PINNED_BYTES, LEASES, PREFETCH_HELD_BYTES, TIER_BLOCKS, CounterValue
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.prefetch import PrefetchJob, Prefetcher
