@@ -282,6 +282,7 @@ def test_the_tools_never_judge_unread_nor_warm_a_namespace_of_settings_they_do_n
         unread = [a for f in configs for a in ("--unread-by", str(f))]
         out = run_cli("inspect", "clear", str(cache), *unread, "--model", str(model_dir), "--yes", "--json").stdout
         assert json.loads(out)["removed"] == [] and len(list_namespaces(cache)) == 3
+    assert "1 x PP 2 (2 ranks)" in run_cli("inspect", "summary", str(cache)).stdout
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": list(range(40))}) + "\n")
     for f, key in zip(files, ("hf-config-path", "load-format", "pipeline-parallel-size")):

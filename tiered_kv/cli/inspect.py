@@ -178,7 +178,10 @@ def summary(
             f"{fp['block_size']} tokens ({fp['block_size'] // fp['gpu_block_size']} GPU "
             f"block(s) of {fp['gpu_block_size']}), {format_size(ns['block_bytes'])} per rank",
         )
-        t.add_row("TP", str(fp["tp_size"]))
+        # ``tp_size`` counts every rank's shard; under pipeline parallelism it is TP x PP.
+        row = dict(str(x).split("=", 1) for x in fp["kv_layout"] if "=" in str(x))
+        pp = row.get("pp", "1")
+        t.add_row("TP", str(fp["tp_size"]) if pp == "1" else f"{row.get('tp', '?')} x PP {pp} ({fp['tp_size']} ranks)")
         t.add_row("prefix hash", f"{fp['hash_algorithm']}, seed {fp['hash_seed']!r}")
         t.add_row(
             "blocks",
