@@ -3,6 +3,8 @@ reported as failed jobs, never raised; staging memory stays bounded."""
 
 from __future__ import annotations
 
+import contextlib
+
 import errno
 import threading
 import time
@@ -186,8 +188,10 @@ def test_unsupported_pairs_and_bad_specs_are_rejected(tmp_path):
             CpuDiskHandler(store, 1, host_cache(layout, 4, 0), layout)
 
 
-@pytest.mark.faults
-def test_corrupt_block_fails_the_load_job(tmp_path):
+@contextlib.contextmanager
+def _three_blocks_on_disk(tmp_path):
+    """A store holding three blocks (stored from CPU slots 0-2 by job 1), the handler
+    that stored them, another one to load them, and their disk spec."""
     layout = small_layout()
     src, dst = host_cache(layout, 4, seed=6), host_cache(layout, 4, seed=7)
     with (
@@ -198,6 +202,12 @@ def test_corrupt_block_fails_the_load_job(tmp_path):
         d = disk_spec([0, 1, 2])
         h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2]), d))
         assert finish(h, [1]) == {1: True}
+        yield store, h, h2, d
+
+
+@pytest.mark.faults
+def test_corrupt_block_fails_the_load_job(tmp_path):
+    with _three_blocks_on_disk(tmp_path) as (store, h, h2, d):
         flip_byte(store.namespace.slab_path(0), 2 * store.slot_size + 17)
         h2.transfer_async(2, (d, CPULoadStoreSpec([0, 1, 2])))
         assert finish(h2, [2]) == {2: False}
@@ -212,18 +222,7 @@ def test_blocks_the_device_fails_to_read_are_dropped_as_corrupt_ones_are(tmp_pat
     """A read that fails with an I/O error (a bad sector: injected, no device fails on
     demand) fails its job and drops the blocks it was reading, so they are not offered
     again to fail every load that meets them; they can be stored again."""
-    import errno
-
-    layout = small_layout()
-    src, dst = host_cache(layout, 4, seed=6), host_cache(layout, 4, seed=7)
-    with (
-        open_store(tmp_path, layout) as store,
-        CpuDiskHandler(store, 0, src, layout) as h,
-        CpuDiskHandler(store, 0, dst, layout) as h2,
-    ):
-        d = disk_spec([0, 1, 2])
-        h.transfer_async(1, (CPULoadStoreSpec([0, 1, 2]), d))
-        assert finish(h, [1]) == {1: True}
+    with _three_blocks_on_disk(tmp_path) as (store, h, h2, d):
 
         def bad_sector(*args, **kwargs):
             raise OSError(errno.EIO, "Input/output error")
