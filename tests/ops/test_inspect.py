@@ -106,6 +106,20 @@ def only_namespace(cache_dir: Path) -> Namespace:
 # ---------------------------------------------------------------- summary / ls
 
 
+def test_layers_are_read_from_each_writers_geometry():
+    from tiered_kv.ops.server_namespace import kv_layers
+
+    own = tuple((f"layer{i}", (2, 16, 2, 8)) for i in range(5))
+    pages = (
+        ("vllm_worker_block", (4096,)),
+        ("kv_group0:20_layers:0123abcd", (16, 0)),
+        ("kv_group1:4_layers:ff", (16, 2)),
+    )
+    rows = (("vllm_cpu_chunk", (8192, 4096, 1)), ("kv_group0", (16, 28, 0)))
+    staged = (("vllm_worker_block", (4096,)), ("kv_group0", (16, 0)))  # pipeline parallel: groups only
+    assert [kv_layers(g) for g in (own, pages, rows, staged, ())] == [5, 24, 28, None, 0]
+
+
 def test_summary_describes_the_namespace_the_hierarchy_wrote(cache):
     ns = only_namespace(cache)
     table = read_entries(ns)

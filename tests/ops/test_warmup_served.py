@@ -51,7 +51,7 @@ from tiered_kv.ops.warmup.inputs import load_config, read_extra_config  # noqa: 
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-GPU_BLOCK, HEADS, HEAD_DIM, LAYERS = 16, 2, 16, 2
+GPU_BLOCK, HEADS, HEAD_DIM, LAYERS = 16, 2, 16, 3
 PROMPTS = [
     list(range(10, 50)) + list(range(300, 345)),  # 85 tokens: 5 full blocks
     list(range(10, 50)) + list(range(500, 530)),  # 70 tokens, shares 2 blocks with the first
@@ -369,6 +369,8 @@ def test_cli_default_writes_what_vllm_reads_and_inspect_answers_for_vllm(model_d
         cli("inspect", "summary", str(tmp_path / "cache"), "--config", str(config), "--model", str(model_dir), "--json")
     )
     read = {ns["namespace"]: ns["read_by"][0] for ns in data["namespaces"]}
+    # The model's layers, not the entries of vLLM's geometry (one page, one KV-cache group).
+    assert {ns["layers"] for ns in data["namespaces"]} == {LAYERS}
     assert read[served["namespace_id"]] == {"config": str(config), "reads": True, "differences": []}
     theirs = read[kv_first["namespace_id"]]
     assert not theirs["reads"] and "unchecked" not in theirs
@@ -383,6 +385,7 @@ def test_cli_default_writes_what_vllm_reads_and_inspect_answers_for_vllm(model_d
     }
     table = cli("inspect", "summary", str(tmp_path / "cache"), "--config", str(config), "--model", str(model_dir))
     assert "a vLLM server with this config" in table and "layer_geometry: (vllm_worker_block" in table
+    assert f"{LAYERS} layers, vLLM's pages (vllm_worker_block)" in table
     refused = CliRunner().invoke(app, [*common, "--kv-cache-layout", "BLHNC"])
     assert refused.exit_code == 2 and refused.stderr.startswith("error: --kv-cache-layout: expected one of LBNHC")
     # Without the model directory only the pinned fields can be compared, and it says so.

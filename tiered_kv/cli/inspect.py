@@ -30,6 +30,7 @@ from tiered_kv.cli.inspect_verify import _clean_after_repair, _print_verify
 from tiered_kv.cli.output import emit_json, errors, fail, progress_bar, short_hash, timestamp, with_iso_times
 from tiered_kv.cli.output import table_console
 from tiered_kv.config_values import format_size, parse_age, parse_size
+from tiered_kv.ops.server_namespace import TIERED_MARK, TIERING_MARK
 
 # The inspector's library (tiered_kv.ops.inspect) is imported inside each command: it pulls
 # in torch, numpy and LMDB, which ``tiered-kv inspect --help`` should not wait for.
@@ -167,12 +168,13 @@ def summary(
                     else "[yellow]no[/]: " + "; ".join(r["differences"])
                 ),
             )
-        shapes = sorted({tuple(s) for _, s in fp["layer_geometry"]})
-        t.add_row(
-            "KV",
-            f"{fp['dtype']}, {ns['layers']} layers, block shape "
-            f"{' / '.join(str(s) for s in shapes)}, {', '.join(sorted(set(fp['kv_layout'])))}",
-        )
+        geometry = fp["layer_geometry"]
+        layers = "layers not recorded" if ns["layers"] is None else f"{ns['layers']} layers"
+        if geometry and geometry[0] and geometry[0][0] in (TIERED_MARK, TIERING_MARK):
+            shape = f"vLLM's pages ({geometry[0][0]})"  # bytes as vLLM lays them out: no per-layer shape
+        else:
+            shape = "block shape " + " / ".join(str(s) for s in sorted({tuple(s) for _, s in geometry}))
+        t.add_row("KV", f"{fp['dtype']}, {layers}, {shape}, {', '.join(sorted(set(fp['kv_layout'])))}")
         t.add_row(
             "block",
             f"{fp['block_size']} tokens ({fp['block_size'] // fp['gpu_block_size']} GPU "

@@ -29,7 +29,8 @@ could delete a cache that server reads, or fill one it never reads.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,23 @@ if TYPE_CHECKING:  # torch: not for `--help`
 #: ``secondary_config.chunk_layout``).
 TIERED_MARK = "vllm_worker_block"
 TIERING_MARK = "vllm_cpu_chunk"
+_GROUP_LAYERS = re.compile(r"kv_group\d+:(\d+)_layers:\w+")
+
+
+def kv_layers(layer_geometry: Sequence[Sequence[Any]]) -> int | None:
+    """How many model layers a block of a namespace with this ``layer_geometry``
+    holds: its entries for our own layout (one per layer), the KV-cache groups' layer
+    counts for a vLLM server's namespace; None where the namespace does not record
+    them (a pipeline-parallel ``TieredOffloadingSpec`` names its groups only)."""
+    first = str(layer_geometry[0][0]) if layer_geometry and layer_geometry[0] else None
+    if first == TIERING_MARK:
+        return sum(int(shape[1]) for _, shape in layer_geometry[1:])
+    if first == TIERED_MARK:
+        found = [_GROUP_LAYERS.fullmatch(str(name)) for name, _ in layer_geometry[1:]]
+        return sum(int(m[1]) for m in found if m) if found and all(found) else None
+    return len(layer_geometry)
+
+
 #: The modules a ``spec_module_path`` may name for each spec the tools compute.
 _SPEC_MODULES = {TIERED_SPEC: "tiered_kv.integrations.vllm", TIERING_SPEC: "vllm."}
 _SUPPORTED = (

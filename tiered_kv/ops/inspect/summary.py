@@ -37,7 +37,7 @@ from tiered_kv.disk.store.io_backends import PosixBackend
 from tiered_kv.disk.format.namespace import Namespace, current_holder
 from tiered_kv.ops.inspect.cache import CacheDir, EntryTable, InspectError, read_entries
 from tiered_kv.model_identity import pinned_fields, resolve_model_dir, unread_fields
-from tiered_kv.ops.server_namespace import TIERING_MARK, ServerDisk, server_disk
+from tiered_kv.ops.server_namespace import TIERING_MARK, ServerDisk, kv_layers, server_disk
 
 
 def io_backend_info(ns: Namespace) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def summarize_namespace(ns: Namespace, table: EntryTable | None = None) -> dict[
         "namespace": ns.path.name,
         "path": str(ns.path),
         "fingerprint": fp.to_dict(),
-        "layers": len(fp.layer_geometry),
+        "layers": kv_layers(fp.layer_geometry),
         "block_tokens": fp.block_size,
         "block_bytes": m.block_bytes,
         "slot_bytes": m.slot_size,
