@@ -134,3 +134,49 @@ def test_a_really_full_filesystem_does_not_stop_the_disk_tier(tmpfs):
 
     filler.unlink()
     assert verify_cache(cache).ok
+
+
+_INDEX_CANNOT_GROW = """
+import json, resource, sys, time
+from tiered_kv.testing.harness import Hierarchy, documents
+
+h = Hierarchy(sys.argv[1], cpu_blocks=8, disk_blocks=64)  # at most 16 disk writes pending
+h.run(documents(2, 4, seed=1)); h.settle()
+# No file may be written past its second page (EFBIG; ENOSPC and EIO take the same path):
+# the stores' writes fail, and so does every index transaction, the one that logs those
+# failures too.
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.RLIM_INFINITY))
+for d in documents(20, 4, seed=2):
+    h.run([d])
+h.settle()
+failed = h.spec.store.stats.store_failures
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+deadline = time.monotonic() + 60
+while h.disk.num_pending() and time.monotonic() < deadline:
+    h.settle(); time.sleep(0.2)
+after = documents(6, 4, seed=3)
+for d in after:
+    h.run([d]); h.settle()
+blocks = {b for d in after for b in d}
+print(json.dumps({"failed": failed, "seen": h.disk.stats.store_failures, "pending": h.disk.num_pending(),
+                  "loadable": len(h.disk.loadable_among(blocks)), "blocks": len(blocks)}))
+h.close()
+"""
+
+
+def test_failed_stores_the_index_could_not_log_are_logged_once_it_can(tmp_path):
+    """A store fails because the index cannot commit; logging that failure needs the same
+    index. Its record is kept and written later: otherwise the manager never frees those
+    slots, and once its pending bound fills the disk tier stores nothing again."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _INDEX_CANNOT_GROW, str(tmp_path)], capture_output=True, text=True, timeout=150
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["failed"] >= 16, "the fault did not fail as many stores as may be pending"
+    assert out["seen"] == out["failed"] and out["pending"] == 0
+    assert out["loadable"] == out["blocks"], "the disk tier stored nothing once the index could grow again"

@@ -40,6 +40,7 @@ import itertools
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -82,6 +83,9 @@ _SEQ = struct.Struct(">Q")
 _SLOT = struct.Struct(">Q")
 _LOG_SEQ_KEY = b"log_seq"
 _MIN_MAP_SIZE = 256 << 20
+#: Seconds between tries to write ``failed`` records a transaction could not take
+#: (doubling up to the second value).
+UNLOGGED_RETRY_S = (0.5, 10.0)
 
 
 class _OddLength(Exception):
@@ -115,6 +119,14 @@ class DiskIndex(Closing):
         map_size = max(_MIN_MAP_SIZE, expected_entries * 1024)
         self._shared = acquire_env(self.path, readonly, map_size, repair, dir_fd, owner)
         self._closed = False
+        # ``failed`` records no transaction could take (the index's file could not grow, an
+        # I/O error): the manager frees a failed store's slot only on reading its record, so
+        # they go with the next write of the log, or a timer's, never dropped. Bounded by
+        # the slots: a slot is stored again only once its failure is read.
+        self._unlogged: list[tuple[int, int, int, bytes]] = []
+        self._unlogged_lock = threading.Lock()
+        self._retry: threading.Timer | None = None
+        self._retry_s = UNLOGGED_RETRY_S[0]
 
     @property
     def readonly(self) -> bool:
@@ -124,6 +136,11 @@ class DiskIndex(Closing):
         """Release this handle (the environment closes with its last handle). Idempotent."""
         if not self._closed:
             self._closed = True
+            with self._unlogged_lock:
+                if self._retry is not None:
+                    self._retry.cancel()
+                if self._unlogged:  # their slots' stores never committed: not loadable at the next start
+                    logger.error("index %s: closed with %d failed stores unlogged", self.path, len(self._unlogged))
             release_env(self._shared)
 
     def _db(self, name: str) -> Any:  # an lmdb database handle, None in an unwritten read-only index
@@ -377,7 +394,7 @@ class DiskIndex(Closing):
                 self._clear(txn, rank, hashes, slots)
             self._append_log(txn, records)
 
-        self._shared.run(write, write=True)
+        self._write_log(write)
 
     def _put_stored(
         self,
@@ -436,13 +453,57 @@ class DiskIndex(Closing):
                 txn.put(h, self.encode(h, e._replace(ranks=ranks, checksums=tuple(sums))), db=blocks)
 
     def log_failed(self, rank: int, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
-        """Record failed stores (best effort: errors are logged, not raised)."""
+        """Record failed stores. Never raises: records the index cannot take now are
+        written with its next log write, or retried on a timer until one succeeds."""
+        records = [(LOG_FAILED, rank, s, h) for h, s in zip(hashes, slots)]
         try:
-            self._shared.run(
-                lambda txn: self._append_log(txn, [(LOG_FAILED, rank, s, h) for h, s in zip(hashes, slots)]), write=True
-            )
+            self._write_log(lambda txn: self._append_log(txn, records))
         except lmdb.Error as e:
-            logger.error("index %s: cannot log %d failed stores: %s", self.path, len(hashes), e)
+            logger.error("index %s: cannot log %d failed stores yet (retried): %s", self.path, len(hashes), e)
+            with self._unlogged_lock:
+                self._unlogged += records
+                self._retry_later()
+
+    def _write_log(self, write: Callable[[lmdb.Transaction], None]) -> None:
+        """Run ``write`` in one write transaction, the unlogged ``failed`` records appended
+        after its own; they stay unlogged if it fails (its error raised)."""
+        with self._unlogged_lock:
+            pending, self._unlogged = self._unlogged, []
+
+        def with_pending(txn: lmdb.Transaction) -> None:
+            write(txn)
+            self._append_log(txn, pending)
+
+        try:
+            self._shared.run(with_pending, write=True)
+        except BaseException:
+            with self._unlogged_lock:
+                self._unlogged[:0] = pending
+                if pending:
+                    self._retry_later()
+            raise
+        if pending:
+            logger.info("index %s: logged %d failed stores held back by an index error", self.path, len(pending))
+
+    def _retry_later(self) -> None:
+        """Under ``_unlogged_lock``: write the unlogged records on a timer unless one is set."""
+        if self._closed or (self._retry is not None and self._retry.is_alive()):
+            return
+        self._retry = threading.Timer(self._retry_s, self._flush_unlogged)
+        self._retry.daemon = True
+        self._retry.start()
+
+    def _flush_unlogged(self) -> None:
+        with self._unlogged_lock:
+            self._retry = None
+            if self._closed or not self._unlogged:
+                return
+        try:
+            self._write_log(lambda txn: None)
+            self._retry_s = UNLOGGED_RETRY_S[0]
+        except lmdb.Error as e:
+            self._retry_s = min(self._retry_s * 2, UNLOGGED_RETRY_S[1])
+            logger.debug("index %s: failed stores still unlogged: %s", self.path, e)
 
     def drop_corrupt(self, rank: int, items: Sequence[tuple[bytes, int]]) -> None:
         """Delete the entries of blocks found corrupt (only if still in that slot) and log
@@ -453,7 +514,7 @@ class DiskIndex(Closing):
                 self._delete_if_slot(txn, h, s)
             self._append_log(txn, [(LOG_CORRUPT, rank, s, h) for h, s in items])
 
-        self._shared.run(write, write=True)
+        self._write_log(write)
 
     # ------------------------------------------------------------ manager writes
 
