@@ -173,15 +173,16 @@ def parse_choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
     raise ConfigError(f"{key}: expected one of {', '.join(choices)}; got {show(value)}")
 
 
-def parse_positive_int(value: Any, key: str) -> int:
+def parse_positive_int(value: Any, key: str, maximum: int | None = None) -> int:
+    expected = "a positive integer" if maximum is None else f"an integer from 1 to {maximum}"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{key}: expected a positive integer, got {show(value)}")
+        raise ConfigError(f"{key}: expected {expected}, got {show(value)}")
     try:
         n = int(value)
     except ValueError:
-        raise ConfigError(f"{key}: expected a positive integer, got {show(value)}") from None
-    if n <= 0:
-        raise ConfigError(f"{key}: expected a positive integer, got {show(value)}")
+        raise ConfigError(f"{key}: expected {expected}, got {show(value)}") from None
+    if n <= 0 or (maximum is not None and n > maximum):
+        raise ConfigError(f"{key}: expected {expected}, got {show(value)}")
     return n
 
 
@@ -223,6 +224,8 @@ DEFAULT_CHECKSUM = CHECKSUMS[0]
 #: (``thread``: in the worker process; ``process``: a helper process per worker).
 IO_BACKENDS = ("auto", "kvikio", "posix")
 DEFAULT_IO_THREADS = 4
+#: Each disk store starts its I/O threads at open, in every worker and I/O process.
+MAX_IO_THREADS = 256
 DISK_IO = ("thread", "process")
 
 
