@@ -80,6 +80,34 @@ def test_the_engine_refuses_to_create_a_missing_mount_point(tmp_path):
     assert made == [root] and root.is_dir()
 
 
+@pytest.mark.parametrize("owner, mode", [(12345, 0o700), (None, 0o777), (None, 0o1777), (None, 0o770)])
+def test_a_disk_path_another_user_can_write_is_refused_and_the_doctor_says_so(tmp_path, owner, mode):
+    """Whoever can write disk_path can move an engine's namespace away (its durable
+    blocks with it) or plant one under the name its next start opens."""
+    import os
+
+    from tiered_kv.testing.harness import Hierarchy
+
+    shared = tmp_path / "tiered-kv"
+    shared.mkdir()
+    shared.chmod(mode)
+    if owner is not None:
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(shared, owner, owner)
+    mounted = mountinfo(tmp_path, {"/": ("ext4", "/dev/vda"), str(tmp_path): ("xfs", "/dev/nvme0n1")})
+    check = dr.check_disk_path(disk_cfg(shared), mounted)
+    assert check.status == "fail" and f"owned by uid {owner or os.geteuid()} with mode {mode:o}" in check.message
+    assert f"chmod go-w {shared}" in check.fix
+    with pytest.raises(NamespaceError, match="another user could remove or replace the cache in it; expected"):
+        Hierarchy(str(shared), cpu_blocks=4, disk_blocks=8)
+    assert list(shared.iterdir()) == []
+    shared.chmod(0o755)
+    os.chown(shared, os.geteuid(), os.getegid())
+    assert dr.check_disk_path(disk_cfg(shared), mounted).status == "ok"
+    Hierarchy(str(shared), cpu_blocks=4, disk_blocks=8).close()
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_is_read(path, tmp_path):
     found = read_server_config(path)

@@ -23,7 +23,7 @@ from tiered_kv.disk.format.errors import DiskSizeError, NamespaceError
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.format.locks import LOCK
 from tiered_kv.disk.format.manifest import Manifest, slot_size_for
-from tiered_kv.disk.format.safe_open import open_dir, open_file
+from tiered_kv.disk.format.safe_open import open_dir, open_file, others_can_write
 from tiered_kv.kv_layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,12 @@ def prepare_cache_dir(cache_dir: str | os.PathLike, create: bool) -> tuple[Path,
     if create and not os.access(root, os.W_OK | os.X_OK):
         os.close(fd)
         raise NamespaceError(f"disk_path {root} is not writable by this process (uid {os.getuid()})")
+    if create and (problem := others_can_write(root, os.fstat(fd))):
+        os.close(fd)
+        raise NamespaceError(
+            f"{problem}; expected a directory of this user (uid {os.geteuid()}) or root that only its owner "
+            f"can write (chmod go-w), or a disk_path that does not exist yet"
+        )
     return root, fd, made
 
 

@@ -258,3 +258,15 @@ def fd_path(fd: int, name: str | None = None) -> str | None:
     if not os.path.exists(base):
         return None
     return base if name is None else f"{base}/{name}"
+
+
+def others_can_write(root: Path, st: os.stat_result) -> str | None:
+    """Why a user other than this one (or root) could change the entries of ``disk_path``
+    ``root`` (its ``st``), None where none can. Whoever can moves an engine's namespaces
+    away, durable blocks with them, or plants one under the name its next start opens."""
+    if st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022:
+        return None
+    return (
+        f"disk_path {root} is a directory owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: "
+        f"another user could remove or replace the cache in it"
+    )

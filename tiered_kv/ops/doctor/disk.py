@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.config import TieredConfig, format_size
+from tiered_kv.disk.format.safe_open import others_can_write
 from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check, skipped
 
 
@@ -120,6 +121,14 @@ def check_disk_path(cfg: TieredConfig | None, mountinfo: str | os.PathLike = MOU
             FAIL,
             f"disk_path {path} {what} by uid {os.getuid()}",
             f"create it and give it to the server's user: mkdir {path} && chown <user> {path}",
+            facts,
+        )
+    if path.is_dir() and (problem := others_can_write(path, os.stat(path))):
+        return Check(
+            "disk_path",
+            FAIL,
+            f"{problem}, so the server refuses to start on it",
+            f"give it to the server's user and let only that user write it: chown <user> {path} && chmod go-w {path}",
             facts,
         )
     reason = probe_o_direct(path) if path.is_dir() else None
