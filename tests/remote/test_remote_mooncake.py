@@ -235,6 +235,38 @@ def test_holding_client_killed_costs_misses_never_a_crash(tmp_path, mooncake_ser
         assert node.remote.num_pending() == 0
 
 
+@pytest.mark.parametrize("who", ["master", "client"])
+def test_a_hung_master_or_holder_costs_misses_by_the_request_deadline(mooncake_server, who):
+    """A hung daemon (stopped, its sockets open) answers nothing: Mooncake's own transfer
+    timeout is about 30 s; reads and probes are misses by the store's deadline, and an
+    answer that comes later writes nothing into the caller's buffers."""
+    import signal
+
+    settings = mooncake_server.settings(request_timeout="1s", connect_timeout="0.5s", retries=0)
+    store = RemoteStore(RemoteConfig.from_dict(settings), FP)
+    items = blocks(4, seed=7)
+    assert all(o.durable for o in store.put_blocks(items).result(WAIT))
+    proc = getattr(mooncake_server, who)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        bufs = [bytearray(len(data)) for _, _, data in items]
+        got = store.get_blocks([(h, r, b) for (h, r, _), b in zip(items, bufs)])
+        known = store.exists([h for h, _, _ in items])
+        # Probes ask the master only: with the holder hung it still answers.
+        assert got.result(WAIT) == [False] * 4 and known.result(WAIT) == [None if who == "master" else True] * 4
+        waited = time.monotonic() - start
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert waited < 1.5 + 5, f"{waited:.1f} s: the deadline is 1.5 s"
+    assert store.stats().gets_failed == 4 and store.stats().probes_failed == (4 if who == "master" else 0)
+    time.sleep(RPC_TIMEOUT)  # the hung requests' late answers land: in no caller's buffer
+    assert not any(any(b) for b in bufs)
+    hits, bufs = read_back(store, items)
+    assert hits == [True] * 4 and [bytes(b) for b in bufs] == [data for _, _, data in items]
+    store.close()
+
+
 def test_doctor_checks_the_master_answers(mooncake_server):
     from tiered_kv.config import TieredConfig
     from tiered_kv.ops import doctor as dr

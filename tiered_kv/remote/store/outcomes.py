@@ -1,4 +1,5 @@
-"""What the shared tier's store reports: each upload's outcome and the store's counters.
+"""What the shared tier's store takes and reports: the blocks handed to it, each
+upload's outcome and the store's counters.
 
 Plain values, no I/O; made by ``store.RemoteStore`` in whichever process opened it (each
 worker, the scheduler, the inspector) and read by the metrics (``tiered_kv.metrics``).
@@ -7,9 +8,43 @@ worker, the scheduler, the inspector) and read by the metrics (``tiered_kv.metri
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from tiered_kv.abstract import BlockHash
 from tiered_kv.remote.format.object_format import REJECT_REASONS
+from tiered_kv.remote.store.client import Buffer
+
+#: A block's bytes: one contiguous buffer, or its pieces in order (e.g. a CPU slot's
+#: ``SlotViews.pieces``), which are sent and filled where they lie.
+BlockBytes = Buffer | Sequence[Buffer]
+#: ``(block hash, TP rank, bytes)`` for ``put_blocks``.
+PutItem = tuple[BlockHash, int, BlockBytes]
+#: ``(block hash, TP rank, writable bytes of exactly the block's size)`` for ``get_blocks``.
+GetItem = tuple[BlockHash, int, BlockBytes]
+
+
+def byte_views(data: Any, what: str, writable: bool) -> list[memoryview]:
+    """Flat byte views of a buffer, or of each buffer of a list or tuple of pieces."""
+    pieces = data if isinstance(data, (list, tuple)) else [data]
+    views = []
+    for buf in pieces:
+        try:
+            view = memoryview(buf)
+        except TypeError:
+            raise TypeError(
+                f"{what}: expected a bytes-like object (bytes, bytearray, memoryview, numpy "
+                f"array) or a list of them, got {type(buf).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError(f"{what}: the buffer must be C-contiguous")
+        if writable and view.readonly:
+            raise ValueError(f"{what}: the buffer is read-only; get_blocks writes into it")
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    if not views:
+        raise ValueError(f"{what}: no bytes (an empty list of pieces)")
+    return views
 
 
 class PutOutcome(str, enum.Enum):

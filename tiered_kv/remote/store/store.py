@@ -12,25 +12,19 @@ What durable means here: a block's object is in the bucket once its PUT returned
 of other nodes' blocks only through the bucket (``exists``, ``get_blocks``); no other
 channel exists.
 
-Writes are write-once (``write_once``). Each object is written by a single PUT, which
-S3 makes visible whole or not at all, so a reader never sees a torn object. Where the
-server honours ``If-None-Match: *`` the PUT carries it and an existing object is never
-replaced. A server that refuses the condition as unsupported (older MinIO and Ceph: 501
-NotImplemented, or a 400 naming the header) is detected on its first refusal, under
-``conditional_put`` ``auto``: one warning naming the endpoint and bucket, counted in
-``conditional_put_refused``, and from then on each write is an existence check (HEAD)
-then a plain PUT (``puts_unconditional``). Two nodes racing on the same key may then
-both write it, the later replacing the earlier: between nodes of one key harmless, since
-both objects verify (fingerprint and checksum) and either one is a valid block; a node
-with another key may leave one the fleet cannot open, a miss for that block (never wrong
-KV) until the object goes. A server that ignores the header and overwrites cannot be
-told apart on the write path, with the same consequences. ``always`` makes a refusing server a start-up error; ``never`` skips the
-conditional attempt. An ordinary failure of a conditional PUT (503, timeout) is only a
-failed upload and changes nothing.
+Writes are write-once (``write_once``, which says why its fallback keeps these
+guarantees): each object is one PUT, visible whole or not at all, carrying
+``If-None-Match: *`` where the server honours it. A server that refuses the condition
+as unsupported (501, or a 400 naming the header) is detected on its first refusal under
+``conditional_put`` ``auto`` (one warning, ``conditional_put_refused``), and each write
+is then a HEAD and a plain PUT (``puts_unconditional``); ``always`` makes such a server a
+start-up error, ``never`` skips the condition. A conditional PUT that fails otherwise
+(503, timeout) is only a failed upload.
 
 Faults never raise out of ``put_blocks`` / ``get_blocks`` / ``exists``: a server that is
-down, slow (an S3 request bounded by ``request_timeout``, plus ``retries``; a Mooncake read
-by Mooncake's own transfer timeout), throttling (503 SlowDown) or refusing turns into ``FAILED`` uploads, misses and
+down, slow or hung (a read or probe is a miss once ``(retries + 1) x request_timeout +
+connect_timeout`` has passed since it was asked, whatever the backend's own bounds: a
+Mooncake transfer's is about 30 s), throttling (503 SlowDown) or refusing turns into ``FAILED`` uploads, misses and
 unknown membership, logged (rate-limited) and counted in ``stats()``. After
 ``failure_threshold`` consecutive transient failures the store stops sending for
 ``unavailable_cooldown`` and answers at once (``DROPPED`` uploads, misses): failed reads
@@ -80,7 +74,6 @@ from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote.store.client import (
     AccessDenied,
     BucketMissing,
-    Buffer,
     ConditionalPutRefused,
     ObjectClient,
     RemoteError,
@@ -98,8 +91,8 @@ from tiered_kv.remote.format.keys import Keyring, load_keyring
 from tiered_kv.remote.format.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.store.timed_client import TimedClient
 from tiered_kv.remote.store.write_once import WriteOnce
-from tiered_kv.remote.store.futures import all_present, done_future, gather
-from tiered_kv.remote.store.outcomes import PutOutcome, RemoteStats
+from tiered_kv.remote.store.futures import Claim, Deadlines, all_present, done_future, gather
+from tiered_kv.remote.store.outcomes import GetItem, PutItem, PutOutcome, RemoteStats, byte_views
 from tiered_kv.remote.format.object_format import (
     FORMAT_VERSION,
     Rejected,
@@ -116,36 +109,6 @@ from tiered_kv.remote.format.object_format import (
 )
 
 logger = logging.getLogger(__name__)
-
-#: A block's bytes: one contiguous buffer, or its pieces in order (e.g. a CPU slot's
-#: ``SlotViews.pieces``), which are sent and filled where they lie.
-BlockBytes = Buffer | Sequence[Buffer]
-#: ``(block hash, TP rank, bytes)`` for ``put_blocks``.
-PutItem = tuple[BlockHash, int, BlockBytes]
-#: ``(block hash, TP rank, writable bytes of exactly the block's size)`` for ``get_blocks``.
-GetItem = tuple[BlockHash, int, BlockBytes]
-
-
-def _byte_views(data: Any, what: str, writable: bool) -> list[memoryview]:
-    """Flat byte views of a buffer, or of each buffer of a list or tuple of pieces."""
-    pieces = data if isinstance(data, (list, tuple)) else [data]
-    views = []
-    for buf in pieces:
-        try:
-            view = memoryview(buf)
-        except TypeError:
-            raise TypeError(
-                f"{what}: expected a bytes-like object (bytes, bytearray, memoryview, numpy "
-                f"array) or a list of them, got {type(buf).__name__}"
-            ) from None
-        if not view.c_contiguous:
-            raise ValueError(f"{what}: the buffer must be C-contiguous")
-        if writable and view.readonly:
-            raise ValueError(f"{what}: the buffer is read-only; get_blocks writes into it")
-        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-    if not views:
-        raise ValueError(f"{what}: no bytes (an empty list of pieces)")
-    return views
 
 
 class RemoteStore:
@@ -196,6 +159,9 @@ class RemoteStore:
         self._read_health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._put_health = Health(config.failure_threshold, config.unavailable_cooldown, self._went_unavailable)
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="tkv-remote")
+        # Reads and probes answer within what S3's own bounds allow (every attempt), even
+        # where the backend's are longer (Mooncake's transfer timeout, about 30 s).
+        self._deadlines = Deadlines((config.retries + 1) * config.request_timeout + config.connect_timeout)
         self.reachable = True
         if check:
             try:
@@ -295,7 +261,7 @@ class RemoteStore:
             block_hash, rank, data = block
         except (TypeError, ValueError):
             raise TypeError(f"put_blocks[{i}]: expected (block_hash, rank, bytes), got {block!r:.80}") from None
-        return self._key_parts(i, "put_blocks", block_hash, rank) + (_byte_views(data, f"put_blocks[{i}]", False),)
+        return self._key_parts(i, "put_blocks", block_hash, rank) + (byte_views(data, f"put_blocks[{i}]", False),)
 
     def _key_parts(self, i: int, call: str, block_hash: Any, rank: Any) -> tuple[bytes, int]:
         if not isinstance(block_hash, (bytes, bytearray)) or not block_hash:
@@ -420,13 +386,15 @@ class RemoteStore:
             except (TypeError, ValueError):
                 raise TypeError(f"get_blocks[{i}]: expected (block_hash, rank, buffer), got {block!r:.80}") from None
             items.append(
-                self._key_parts(i, "get_blocks", block_hash, rank) + (_byte_views(buf, f"get_blocks[{i}]", True),)
+                self._key_parts(i, "get_blocks", block_hash, rank) + (byte_views(buf, f"get_blocks[{i}]", True),)
             )
         with self._lock:
             self._check_open()
-        return gather([self._pool.submit(self._get_one, *item) for item in items])
+        return gather(
+            [self._deadlines.submit(self._pool, self._get_one, *item, on_expiry=self._late_get) for item in items]
+        )
 
-    def _get_one(self, block_hash: bytes, rank: int, dest: list[memoryview]) -> bool:
+    def _get_one(self, claim: Claim, block_hash: bytes, rank: int, dest: list[memoryview]) -> bool:
         if not self._read_health.available():
             with self._lock:
                 self._stats.gets_skipped += 1
@@ -437,8 +405,12 @@ class RemoteStore:
             try:
                 found = self._fetch(key, block_hash, size, writing=False)
             except Rejected:  # the server answered
+                if not claim.take():
+                    return False
                 self._read_health.success()
                 raise
+            if not claim.take():  # answered past the deadline: settled as failed, the buffer is not ours
+                return False
             self._read_health.success()
             if found is None:
                 with self._lock:
@@ -463,9 +435,10 @@ class RemoteStore:
                     self._stats.kept_unproven += 1
             return False
         except Exception as exc:
-            self._request_failed(exc, "download failed", self._read_health)
-            with self._lock:
-                self._stats.gets_failed += 1
+            if claim.take():
+                self._request_failed(exc, "download failed", self._read_health)
+                with self._lock:
+                    self._stats.gets_failed += 1
             return False
         with self._lock:
             self._stats.gets_hit += 1
@@ -497,28 +470,52 @@ class RemoteStore:
         keyed = [self._key_parts(i, "exists", h, r) for i, h in enumerate(block_hashes) for r in ranks]
         with self._lock:
             self._check_open()
-        probes = [self._pool.submit(self._exists_one, h, r) for h, r in keyed]
+        probes = [
+            self._deadlines.submit(self._pool, self._exists_one, h, r, on_expiry=self._late_probe) for h, r in keyed
+        ]
         per_block = [gather(probes[i : i + len(ranks)], all_present) for i in range(0, len(probes), len(ranks))]
         return gather(per_block)
 
-    def _exists_one(self, block_hash: bytes, rank: int) -> bool | None:
+    def _exists_one(self, claim: Claim, block_hash: bytes, rank: int) -> bool | None:
         if not self._read_health.available():
             with self._lock:
                 self._stats.probes_failed += 1
             return None
         try:
             found = self._client.exists(block_key(self.namespace, block_hash, rank))
+            if not claim.take():
+                return None
             self._read_health.success()
         except Exception as exc:
-            self._request_failed(exc, "existence probe failed", self._read_health)
-            with self._lock:
-                self._stats.probes_failed += 1
+            if claim.take():
+                self._request_failed(exc, "existence probe failed", self._read_health)
+                with self._lock:
+                    self._stats.probes_failed += 1
             return None
         with self._lock:
             self._stats.probes += 1
         return found
 
     # -- faults, stats, life cycle -----------------------------------------------------
+
+    def _late_get(self, claim: Claim) -> bool:
+        self._late(claim, "download")
+        return False
+
+    def _late_probe(self, claim: Claim) -> None:
+        self._late(claim, "existence probe")
+
+    def _late(self, claim: Claim, what: str) -> None:
+        """A read or probe with no answer by its deadline: a failed one, and a failure of
+        the server where it was sent (not where it only waited for a connection)."""
+        with self._lock:
+            if what == "download":
+                self._stats.gets_failed += 1
+            else:
+                self._stats.probes_failed += 1
+        if claim.started:
+            why = Unavailable(f"no answer within {self._deadlines.seconds:g} s")
+            self._request_failed(why, f"{what} timed out", self._read_health)
 
     def _writable(self) -> bool:
         return self._read_health.available() and self._put_health.available()
@@ -579,6 +576,7 @@ class RemoteStore:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=wait)
+        self._deadlines.close()
         self._client.close()
 
     def __enter__(self) -> RemoteStore:
