@@ -16,7 +16,9 @@ What a Mooncake Store is, and how each of its traits maps onto the tier's contra
 - A master restart loses every object (its metadata is in memory): misses, never errors.
   While the master is down each request fails after the master client's own RPC timeout
   (about 4 s, not configurable through the Python API) with ``Unavailable``, so the
-  store's failure threshold soon stops sending; once it is back, the standalone client
+  store's failure threshold soon stops sending. A master or holder that hangs instead
+  holds a call for Mooncake's transfer timeout (about 30 s): the store's deadline
+  (``futures.Deadlines``) answers the caller first. Once the master is back, the standalone client
   mounts its memory again and writes succeed. The first request on a connection to the
   old master fails at once (RPC_FAIL, end of file): a failure that fast is sent again
   (``STALE_RETRIES``).
