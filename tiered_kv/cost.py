@@ -42,8 +42,10 @@ the decision passes over gets no new jobs, so its estimate would never recover: 
 ``probe_every`` passed-over decisions, or ``probe_after_s`` seconds after its last
 sample, the decision loads up to the first block of that tier anyway (one block's load
 at most more than the best plan), which samples it again; only while the tier has at
-most ``probe_queue_blocks`` queued, so a probe never waits behind a backlog (which the
-sample would not measure, and the request would pay).
+most ``probe_queue_blocks`` loads queued, so a probe never waits behind a backlog of
+loads (which the sample would not measure, and the request would pay). Its queued
+writes do not hold a probe back: a write-through tier always has some, and a tier
+never sampled again would never be used again.
 
 Prefill tokens per second (of linear work) and the attention term come from
 ``tiered_kv.prefill`` (configured, else estimated from the model and the GPU). Where the
@@ -198,6 +200,8 @@ class Queues:
 
     gpu_waiting: int = 0
     tier_blocks: Mapping[str, int] = field(default_factory=dict)
+    #: Per tier name, the loads among ``tier_blocks`` (what a probe waits behind).
+    tier_loads: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -434,12 +438,12 @@ class LoadCosts:
 
     def _probe(self, passed_over: Mapping[str, int], first: str) -> str | None:
         """The passed-over tier due for a sample, if any, among those with at most
-        ``probe_queue_blocks`` queued: only ``first``, the tier of the first block passed
+        ``probe_queue_blocks`` loads queued: only ``first``, the tier of the first block passed
         over, so a probe loads one block more than the best plan, never a slower run
         before the probed tier's first block."""
         now = self.clock()
         due = None
-        queued = self.queues.tier_blocks
+        queued = self.queues.tier_loads
         for name in passed_over:
             self._passed_over[name] += 1
             if (

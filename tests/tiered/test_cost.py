@@ -272,7 +272,7 @@ def test_a_passed_over_tier_is_probed_every_nth_decision_and_after_a_while():
     assert [p.probe for p in plans] == [None, None, "disk", None, None, "disk"]
     assert plans[2].skipped == {"disk": 1}
     now[0] = 11.0
-    c.queues = Queues(tier_blocks={"disk": 5})  # a probe would wait behind a backlog: not yet
+    c.queues = Queues(tier_blocks={"disk": 5}, tier_loads={"disk": 5})  # a probe would wait behind loads: not yet
     assert c.plan(sources).probe is None
     c.queues = Queues()
     assert c.plan(sources).probe == "disk"  # 10 s since the last probe
@@ -734,8 +734,39 @@ def test_a_probe_never_loads_a_slower_run_before_the_probed_tier():
         attention_per_token=0.0,
         clock=lambda: now[0],
     )
-    costs.queues = Queues(0, {"remote": 10 * costs.probe_queue_blocks, "disk": 0})
+    busy = {"remote": 10 * costs.probe_queue_blocks, "disk": 0}
+    costs.queues = Queues(0, busy, busy)
     now[0] = 10 * costs.probe_after_s
     assert costs.plan_runs([("remote", 100), ("disk", 50)]) == LoadPlan(0, {"remote": 100, "disk": 50})
     costs.queues = Queues(0, {})  # no longer busy: the first tier passed over is probed, one block of it
     assert costs.plan_runs([("remote", 100), ("disk", 50)]) == LoadPlan(1, {"remote": 99, "disk": 50}, "remote")
+
+
+def test_a_tier_with_writes_queued_is_still_probed_and_used_again_once_fast():
+    """A write-through shared tier always has uploads queued. They do not stand ahead of
+    a probe the way queued loads do: a tier whose estimate collapsed (a hung server's
+    failed loads) is probed through them, and is used again once it is fast."""
+    block_bytes, now = 2 << 20, [0.0]
+    remote = TierCost("remote", 8.0, ref_bytes=block_bytes)
+    costs = LoadCosts(
+        [TierCost("cpu", 50.0, ref_bytes=block_bytes), remote],
+        bytes_per_block=block_bytes,
+        tokens_per_block=16,
+        prefill_tokens_per_s=30_800,
+        attention_per_token=0.0,
+        clock=lambda: now[0],
+    )
+    assert costs.plan_runs([("remote", 8)]).blocks == 8
+    for _ in range(3):  # the server hangs: three loads fail after 4 s each
+        costs.observe("remote_to_gpu", 8 * block_bytes, 4.0, False)
+    assert costs.plan_runs([("remote", 8)]).blocks == 0
+    costs.queues = Queues(0, {"remote": 5}, {"remote": 0})  # uploads pending (past probe_queue_blocks), no load
+    loaded = []
+    for step in range(12_000):  # 10 minutes, a decision every 50 ms
+        now[0] = step * 0.05
+        plan = costs.plan_runs([("remote", 8)])
+        if plan.probe == "remote":  # the probe's block loads at the server's full speed again
+            costs.observe("remote_to_gpu", block_bytes, block_bytes / 8e9, True)
+        loaded.append(plan.blocks)
+    assert any(loaded[:200]), "the tier was never probed while its writes were queued"
+    assert loaded[-1] == 8, "the tier came back fast and is still passed over"

@@ -231,7 +231,7 @@ class TieredOffloadingManager(OffloadingManager):
         if self.costs is None:
             return sum(m for _, m in runs)
         # The tiers' queues as they are now; the GPU's as the engine last reported it.
-        self.costs.queues = replace(self.costs.queues, tier_blocks=self.queued_blocks())
+        self.costs.queues = replace(self.costs.queues, tier_blocks=self.queued_blocks(), tier_loads=self.queued_loads())
         plan = self.costs.plan_runs(runs, start)
         for name, n in plan.skipped.items():
             self.stats.count(name, "skipped_slower_than_recompute", n)
@@ -584,6 +584,10 @@ class TieredOffloadingManager(OffloadingManager):
         """Per lower tier, the blocks a new load waits for (``cost.Queues``): loads, writes unless ``reads_first``."""
         lower = zip(self.lower, self._lower_loads)
         return {t.name: sum(loads.values()) + (0 if t.reads_first else t.num_pending()) for t, loads in lower}
+
+    def queued_loads(self) -> dict[str, int]:
+        """Per lower tier, the blocks of its loads in flight."""
+        return {t.name: sum(loads.values()) for t, loads in zip(self.lower, self._lower_loads)}
 
     def used_blocks(self) -> dict[str, int]:
         used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}

@@ -236,7 +236,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         """This step's ``Queues``: requests held by a tier wait for it, not for the GPU."""
         held = len(self._held.intersection(self._waiting)) if self._held else 0
         self._held.clear()
-        return Queues(len(self._waiting) - held, self.composite.queued_blocks())
+        return Queues(len(self._waiting) - held, self.composite.queued_blocks(), self.composite.queued_loads())
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         last = self._scan_of
