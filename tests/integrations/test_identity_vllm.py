@@ -230,6 +230,53 @@ def test_a_mamba_state_dtype_and_a_draft_model_are_in_the_namespace(model_dir, t
 
 
 @pytest.mark.timeout(300)
+def test_longrope_factors_online_quantization_and_model_class_overrides_are_in_the_namespace(model_dir, tmp_path):
+    """vLLM rotates a LongRoPE model's keys with its long factors where --max-model-len
+    passes the original context, its short ones otherwise: the cached keys differ. Online
+    quantization's config (which layers) and a model class override (other model code)
+    change the KV as the weights would."""
+    from types import SimpleNamespace
+
+    from support import vllm_harness as vh
+
+    from tiered_kv.integrations.vllm.common import vllm_model_settings
+
+    phi3 = tmp_path / "phi3"
+    phi3.mkdir()
+    factors = {"short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 2.0 * i for i in range(8)]}
+    (phi3 / "config.json").write_text(
+        json.dumps(
+            {
+                **json.loads((model_dir / "config.json").read_text()),
+                "architectures": ["Phi3ForCausalLM"],
+                "model_type": "phi3",
+                "max_position_embeddings": 131072,
+                "original_max_position_embeddings": 4096,
+                "rope_scaling": {"type": "longrope", **factors},
+            }
+        )
+    )
+    longrope = {
+        n: vllm_model_settings(vh.make_vllm_config(phi3, _extra(tmp_path), max_model_len=n)) for n in (2048, 8192)
+    }
+    assert "longrope=short" in longrope[2048] and "longrope=long" in longrope[8192]
+
+    def settings(max_model_len, **more):  # the model config's other fields as vLLM sets them
+        vc = vh.make_vllm_config(model_dir, _extra(tmp_path), max_model_len=max_model_len)
+        mc = SimpleNamespace(**{**vc.model_config.__dict__, **more})
+        return vllm_model_settings(SimpleNamespace(**{**vc.__dict__, "model_config": mc}))
+
+    fp8 = settings(2048, quantization_config={"ignore": ["lm_head"]})
+    fewer = settings(2048, quantization_config={"ignore": ["lm_head", "model.layers.0.*"]})
+    assert {s.split("=")[0] for s in set(fp8) ^ set(fewer)} == {"quantization_config"}
+    overridden = settings(2048, model_class_overrides={"LlamaForCausalLM": "mine:Llama"})
+    assert {s.split("=")[0] for s in set(overridden) - set(settings(2048))} == {"model_class_overrides"}
+    # Without them a namespace is named as before.
+    plain = vllm_model_settings(vh.make_vllm_config(model_dir, _extra(tmp_path)))
+    assert plain == ("code_revision=none", "model_dtype=float16", "quantization=none")
+
+
+@pytest.mark.timeout(300)
 def test_the_tools_never_judge_unread_nor_warm_a_namespace_of_settings_they_do_not_read(model_dir, tmp_path):
     """Servers started with ``--hf-config-path``, ``--load-format dummy`` or two
     pipeline stages write namespaces a config file cannot tell the tools about:

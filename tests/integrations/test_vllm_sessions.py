@@ -237,3 +237,6 @@ def test_a_clients_long_session_id_is_kept_as_a_digest():
     assert RequestSession.of(SimpleNamespace(session_id="chat-7", cache_salt=None)) == RequestSession(None, "chat-7")
     assert RequestSession.of(SimpleNamespace(session_id=None, cache_salt="t")) == RequestSession("t", None)
     assert RequestSession.of(SimpleNamespace(session_id=None, cache_salt=None)) is None
+    # A short salt that spells a long one's digest is another tenant (leases, sessions).
+    spelled = RequestSession.of(SimpleNamespace(session_id=huge, cache_salt=a.tenant))
+    assert spelled is not None and spelled.tenant != a.tenant and spelled != a

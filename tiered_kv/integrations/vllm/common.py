@@ -13,6 +13,7 @@ attention selector, which on NVIDIA hosts queries the GPU through NVML.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -113,8 +114,9 @@ def request_tenant(request: Any) -> str | None:
 
 
 def _kept(text: str) -> str:
-    """``text``, or its digest past ``RequestSession.MAX_KEPT`` characters."""
-    if len(text) <= RequestSession.MAX_KEPT:
+    """``text``, or its digest past ``RequestSession.MAX_KEPT`` characters (and for a text
+    that spells a digest, so that it never names another text's scope)."""
+    if len(text) <= RequestSession.MAX_KEPT and not text.startswith("sha256:"):
         return text
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -295,6 +297,8 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     KV dtype (the fingerprint's ``dtype`` is vLLM's KV-cache dtype): the model's code
     revision, dtype and quantization method, config overrides, layers kept out of a
     quantized KV cache, and the tokenizer where it is not the model's own; where set,
+    online quantization's config and model class overrides (digests), the LongRoPE
+    factors ``--max-model-len`` picks,
     a config file other than the model's (``--hf-config-path``: a digest of the config
     vLLM built), a load format that does not read the model's weight files, a Mamba
     state dtype, and a speculative draft model (its layers' KV travels in the chunks).
@@ -310,8 +314,12 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     if callable(overrides):
         out.append(f"hf_overrides={getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}")
     elif overrides:
-        text = json.dumps(overrides, sort_keys=True, default=str)
-        out.append(f"hf_overrides={hashlib.sha256(text.encode()).hexdigest()[:16]}")
+        out.append(f"hf_overrides={_digest(overrides)}")
+    for name in ("quantization_config", "model_class_overrides"):  # which layers, which model code
+        if value := getattr(mc, name, None):
+            out.append(f"{name}={_digest(value)}")
+    if rope := _longrope(mc):
+        out.append(f"longrope={rope}")
     cache = vllm_config.cache_config
     skip = getattr(cache, "kv_cache_dtype_skip_layers", None)
     if skip:
@@ -337,6 +345,29 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     if draft is not None:
         out.append(f"speculative={draft}")
     return tuple(out)
+
+
+def _digest(value: Any) -> str:
+    """16 hex digits of a setting's value as JSON (a dataclass by its fields)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _longrope(mc: Any) -> str | None:
+    """``long`` or ``short``: the factors a LongRoPE model rotates every key with, which
+    vLLM picks by ``--max-model-len`` (long past the original context), so the cached
+    keys differ between the two; None for any other position encoding."""
+    text = getattr(mc, "hf_text_config", None)
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    found = [p for p in params.values() if isinstance(p, dict)] or [params]  # per layer type, or one
+    for p in found:
+        if (p.get("rope_type") or p.get("type")) == "longrope":
+            original = p.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", 0)
+            return "long" if int(mc.max_model_len) > int(original or 0) else "short"
+    return None
 
 
 def _config_digest(path: str, download_dir: str | None) -> str:
