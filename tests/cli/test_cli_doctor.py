@@ -184,8 +184,11 @@ def test_disk_path_checks_on_real_directories(tmp_path):
 
 @pytest.mark.skipif(dr.filesystem_of("/dev/shm")["type"] != "tmpfs", reason="/dev/shm is not tmpfs here")
 def test_a_disk_path_in_memory_is_a_warning(tmp_path):
-    c = dr.check_disk_path(TieredConfig.from_dict({"disk_path": "/dev/shm", "disk_bytes": "1GiB"}))
+    # A directory the server would make there (/dev/shm itself is everyone's: refused).
+    c = dr.check_disk_path(TieredConfig.from_dict({"disk_path": f"/dev/shm/{tmp_path.name}", "disk_bytes": "1GiB"}))
     assert c.status == "warn" and "memory, not disk" in c.message
+    shared = dr.check_disk_path(TieredConfig.from_dict({"disk_path": "/dev/shm", "disk_bytes": "1GiB"}))
+    assert shared.status == "fail" and "another user could remove or replace the cache in it" in shared.message
 
 
 def test_memlock_and_memory_against_cpu_bytes():

@@ -205,7 +205,7 @@ class TmpfsMount:
     def mount(self) -> bool:
         self.path.mkdir(parents=True, exist_ok=True)
         r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)], capture_output=True
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size},mode=0700", "tmpfs", str(self.path)], capture_output=True
         )
         self.mounted = r.returncode == 0
         return self.mounted
