@@ -73,6 +73,30 @@ class TieredJobSpec(VllmLoadStoreSpec):
 
 
 @dataclass(frozen=True)
+class NotOffloaded:
+    """In a request's ``ReqContext`` state (set by ``TieredOffloadingConnector``, which sees
+    the ``Request``): no tier serves or keeps its KV. A LoRA adapter's requests: vLLM keys
+    their blocks by the adapter's name and path, not by its weights, and the disk and
+    shared tiers outlive a process whose adapter files are replaced at that path."""
+
+    adapter: str
+
+
+def refuse_lora(what: str, fix: str) -> None:
+    """Raise ``ConfigError`` where vLLM serves LoRA adapters (``--enable-lora``) and
+    ``what`` cannot tell their requests' blocks apart (``NotOffloaded``): it would keep
+    them past a restart that replaced an adapter's files, and serve them to its
+    requests. ``fix``: how to serve LoRA with it."""
+    vc = find_vllm_config()
+    if vc is not None and getattr(vc, "lora_config", None) is not None:
+        raise ConfigError(
+            f"{what} cannot tell LoRA requests' KV from the base model's (--enable-lora): vLLM keys an "
+            f"adapter's blocks by its name and path, and this cache outlives a restart that replaces the "
+            f"adapter's files there; {fix}"
+        )
+
+
+@dataclass(frozen=True)
 class RequestSession:
     """The session a client names a request in: vLLM's ``Request.session_id`` (from the
     ``X-Session-ID`` header, the request body or ``vllm_xargs``), within the request's

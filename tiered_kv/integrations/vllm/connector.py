@@ -71,7 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiered_kv.cost import LoadCosts
-from tiered_kv.integrations.vllm.common import REQUEST_TENANT, RequestSession, request_tenant
+from tiered_kv.integrations.vllm.common import REQUEST_TENANT, NotOffloaded, RequestSession, request_tenant
 from tiered_kv.prefill import prefill_work
 from tiered_kv.worker.forward_timer import ForwardTimer
 
@@ -80,6 +80,13 @@ logger = logging.getLogger(__name__)
 
 #: Set by ``TieredOffloadingConnector`` while vLLM's constructor builds the spec.
 _RECOMPUTING: ContextVar[bool] = ContextVar("tiered_kv_failed_loads_recomputed", default=False)
+_OURS: ContextVar[bool] = ContextVar("tiered_kv_connector", default=False)
+
+
+def built_by_tiered_connector() -> bool:
+    """Whether the spec being built belongs to ``TieredOffloadingConnector``, which sees
+    each request (its LoRA adapter, its session) and not only its blocks."""
+    return _OURS.get()
 
 
 def failed_loads_recomputed() -> bool:
@@ -152,11 +159,12 @@ class TieredOffloadingConnector(OffloadingConnector):
                 "the scheduler before the workers read it",
                 groups,
             )
-        token = _RECOMPUTING.set(recompute and groups == 1)
+        token, ours = _RECOMPUTING.set(recompute and groups == 1), _OURS.set(True)
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             _RECOMPUTING.reset(token)
+            _OURS.reset(ours)
 
     def on_new_request(self, request: Any) -> None:
         token = REQUEST_TENANT.set(request_tenant(request))  # hints scope lease ids by it
@@ -165,13 +173,18 @@ class TieredOffloadingConnector(OffloadingConnector):
         finally:
             REQUEST_TENANT.reset(token)
         session, scheduler = RequestSession.of(request), self.connector_scheduler
-        if session is None or scheduler is None:
+        lora = getattr(request, "lora_request", None)
+        if (session is None and lora is None) or scheduler is None:
             return
         # The context vLLM just built for this request and passes to every manager call
         # of it; only the scheduler's state holds it.
         status = scheduler._req_status.get(request.request_id)
-        if status is not None:
+        if status is None:
+            return
+        if session is not None:
             status.req_context.set_state(session)
+        if lora is not None:
+            status.req_context.set_state(NotOffloaded(str(getattr(lora, "lora_name", lora))))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         take = getattr(self._worker(), "take_failed_gpu_blocks", None)

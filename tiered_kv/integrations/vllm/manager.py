@@ -93,6 +93,7 @@ from tiered_kv.cost import Queues
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     CounterIncreases,
+    NotOffloaded,
     WORKER_JOB_FAILURES,
     RequestSession,
     TieredJobSpec,
@@ -239,6 +240,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         return Queues(len(self._waiting) - held, self.composite.queued_blocks(), self.composite.queued_loads())
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if req_context.get_state(NotOffloaded) is not None:
+            return _MISS
         last = self._scan_of
         if last is not None and last[0] is req_context:
             scan = last[1]
@@ -431,7 +434,7 @@ class TieredVllmManager(OffloadingManager, Closing):
     # ------------------------------------------------------------------ stores
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        keys = list(keys)
+        keys = [] if req_context.get_state(NotOffloaded) is not None else list(keys)
         out = self.composite.prepare_store(
             keys, session=req_context.get_state(RequestSession), request=req_context.req_id
         )

@@ -90,6 +90,7 @@ from tiered_kv.integrations.vllm.secondary_config import (
 )
 from tiered_kv.vllm_extra import parse_tier_config
 from tiered_kv.integrations.vllm.secondary_stats import DiskTierInfo, DiskTierStats, metric_definitions, stats_since
+from tiered_kv.integrations.vllm.common import refuse_lora
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -162,6 +163,7 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         **tier_config: Any,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        refuse_lora("TieredDiskTier", "use TieredOffloadingSpec with kv_connector TieredOffloadingConnector")
         self.config = cfg = parse_tier_config(tier_config)
         check_tier_hash_algorithm(cfg)
         self.locality = parse_locality(tier_config.get("locality"))

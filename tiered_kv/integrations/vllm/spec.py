@@ -61,8 +61,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL
 
 from tiered_kv.integrations.vllm.canary import CanaryPlan
-from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, find_vllm_config, metric_definitions
-from tiered_kv.integrations.vllm.connector import failed_loads_recomputed
+from tiered_kv.integrations.vllm.common import TieredOffloadingInfo, find_vllm_config, metric_definitions, refuse_lora
+from tiered_kv.integrations.vllm.connector import built_by_tiered_connector, failed_loads_recomputed
 from tiered_kv.integrations.vllm.geometry import VllmGeometry, check_extra_hash_algorithm
 from tiered_kv.vllm_extra import parse_extra_config
 from tiered_kv.integrations.vllm.manager import build_manager
@@ -100,6 +100,8 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
+        if not built_by_tiered_connector():  # ours passes over LoRA requests
+            refuse_lora("TieredOffloadingSpec under this connector", "use kv_connector TieredOffloadingConnector")
         self.tiered_config = parse_extra_config(self.extra_config)
         check_extra_hash_algorithm(self.tiered_config)
         self.geometry = VllmGeometry.from_config(config, self.tiered_config, self.extra_config)
