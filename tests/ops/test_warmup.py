@@ -315,6 +315,9 @@ def test_settings_that_cannot_work_fail_with_one_line(model_dir, tmp_path):
     for content, words in (
         ('{"token_ids": [1, 2]}\n[1, -3]\n', "bad.jsonl:2: expected token ids"),
         ('{"tokens": [1]}\n', "expected a 'token_ids' or 'text' key"),
+        # A tenant's prompt warmed as a plain one would answer every tenant that salts nothing.
+        ('{"token_ids": [1, 2], "cache_salt": "tenant-a"}\n', "bad.jsonl:1: cache_salt: the warm-up writes plain"),
+        ('{"text": "hi", "lora_name": "sql"}\n', "bad.jsonl:1: lora_name: the warm-up writes plain"),
         ('{"text": "hello"}\n', "cannot load a tokenizer"),
         ("[5, 99999]\n", "token id 99999 is outside the model's vocabulary"),
     ):

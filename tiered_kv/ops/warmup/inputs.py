@@ -96,6 +96,14 @@ class Prompt:
     text: str | None = None
 
 
+#: Request fields that change a prompt's KV or its block hashes in vLLM (the tenant's
+#: salt, an adapter, multimodal inputs, embeddings): a line carrying one is refused, not
+#: warmed as the plain prompt (which would put a tenant's blocks where every tenant reads).
+KV_CHANGING_KEYS = frozenset(
+    {"cache_salt", "lora_request", "lora_name", "lora_path", "multi_modal_data", "mm_processor_kwargs", "prompt_embeds"}
+)
+
+
 def read_prompts(path: str | os.PathLike) -> list[Prompt]:
     """Prompts from a JSONL file. Each non-empty line is ``{"token_ids": [...]}``
     (or ``prompt_token_ids``), ``{"text": "..."}`` (or ``prompt``), a bare list of token
@@ -116,6 +124,11 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
         except ValueError as e:
             raise WarmupError(f"{p}:{n}: not JSON ({e})") from None
         if isinstance(item, Mapping):
+            if changing := sorted(KV_CHANGING_KEYS.intersection(item)):
+                raise WarmupError(
+                    f"{p}:{n}: {', '.join(changing)}: the warm-up writes plain prompts' blocks only; a request "
+                    f"with {changing[0]} has KV (and block hashes) of its own, which this would not be"
+                )
             ids = item.get("token_ids", item.get("prompt_token_ids"))
             text = item.get("text", item.get("prompt"))
             if ids is None and text is None:
