@@ -73,6 +73,10 @@ class Claim:
                 self._state = 1
             return self._state == 1
 
+    @property
+    def expired(self) -> bool:
+        return self._state == 2
+
     def expire(self) -> bool:
         """True where the deadline settles it: the request's answer, if it comes, is dropped."""
         with self._lock:
@@ -103,7 +107,9 @@ class Deadlines:
         claim = Claim()
         out: Future = Future()
 
-        def run() -> T:
+        def run() -> T | None:
+            if claim.expired:  # settled while queued: not sent at all
+                return None
             claim.started = True
             return fn(claim, *args)
 
