@@ -88,7 +88,9 @@ def test_demo_on_a_cache_it_may_not_write_is_one_error_line(tmp_path):
     path = tmp_path / "theirs"
     path.mkdir()
     if os.geteuid() == 0:
-        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,ro,mode=0700", "tmpfs", str(path)], capture_output=True)
+        mount = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m,ro,mode=0700", "tmpfs", str(path)], capture_output=True
+        )
         if mount.returncode != 0:
             pytest.skip("cannot mount a read-only tmpfs here")
         undo = lambda: subprocess.run(["umount", "-l", str(path)], check=False)  # noqa: E731

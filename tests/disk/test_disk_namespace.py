@@ -140,7 +140,9 @@ def _mount_tmpfs(path, size: str) -> bool:
     path.mkdir()
     if shutil.which("mount") is None:
         return False
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True
+    )
     return r.returncode == 0
 
 

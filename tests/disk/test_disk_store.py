@@ -200,7 +200,9 @@ def test_full_filesystem_turns_into_failed_counted_stores(tmp_path, layout):
     mnt.mkdir()
     if (
         shutil.which("mount") is None
-        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True).returncode
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
         != 0
     ):
         pytest.skip("cannot mount a small tmpfs here (needs root)")

@@ -130,7 +130,9 @@ def _read_only_dir(tmp_path, populate: bool):
         path.chmod(0o555)
         return path, lambda: path.chmod(0o755)
     if (
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(path)], capture_output=True).returncode
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(path)], capture_output=True
+        ).returncode
         != 0
     ):
         pytest.skip("cannot mount a read-only tmpfs here")

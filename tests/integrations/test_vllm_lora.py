@@ -42,24 +42,7 @@ def _config(disk) -> dict:
 
 def _serve_lora(h: vh.VllmHarness, prompt: list[int], lora: LoRARequest) -> int:
     """Serve ``prompt`` under ``lora``; the tokens a tier gave it."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    hash_fn = get_hash_fn_by_name(h.vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    req_id = f"lora-{next(h._req_counter)}"
-    h.scheduler.add_request(
-        Request(
-            request_id=req_id,
-            prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
-            pooling_params=None,
-            block_hasher=get_request_block_hasher(h.block_size, hash_fn),
-            lora_request=lora,
-        )
-    )
+    req_id = h.add_request(prompt, lora_request=lora)
     h.settle()
     return h.prefix_hits[req_id].external
 

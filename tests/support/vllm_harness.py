@@ -413,9 +413,11 @@ class VllmHarness(Closing):
         req_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        **request_fields: Any,
     ) -> str:
         """Queue a request (of the tenant ``cache_salt``, where given); it finishes after
-        ``max_tokens`` sampled tokens."""
+        ``max_tokens`` sampled tokens. ``request_fields``: more of vLLM's ``Request``
+        (``lora_request``, ``session_id``...)."""
         req_id = req_id or f"req-{next(self._req_counter)}"
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -431,6 +433,7 @@ class VllmHarness(Closing):
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.block_size, hash_fn),
             cache_salt=cache_salt,
+            **request_fields,
         )
         self.scheduler.add_request(request)
         return req_id
