@@ -278,7 +278,7 @@ def build_stack(
             manager.hints.enable_prefetch()
         if config == "e460906":  # sees no queue, and decides a request a step after its scan
             manager._queues = Queues  # type: ignore[method-assign]
-            composite.queued_blocks = dict  # type: ignore[method-assign]
+            composite.queued_blocks = composite.queued_loads = dict  # type: ignore[method-assign]
             costs.note_arrival = lambda: None  # type: ignore[method-assign]
             manager._ahead = lambda *args: None  # type: ignore[method-assign]
     except BaseException:

@@ -301,12 +301,21 @@ def test_the_tools_never_judge_unread_nor_warm_a_namespace_of_settings_they_do_n
         "hf_config": ({"hf-config-path": str(alt)}, {"model_kwargs": {"hf_config_path": str(alt)}}),
         "dummy": ({"load-format": "dummy"}, {"load_format": "dummy"}),
         "pp": ({"pipeline-parallel-size": 2}, {}),
+        # Flags the tools do model, with vLLM's defaults: the namespaces they name are kept.
+        "dp": ({"data-parallel-size": 2}, {}),
+        "tokenizer": ({"tokenizer": str(alt)}, {"model_kwargs": {"tokenizer": str(alt)}}),
+        "hf_overrides": (
+            {"hf-overrides": {"rms_norm_eps": 1e-6}},
+            {"model_kwargs": {"hf_overrides": {"rms_norm_eps": 1e-6}}},
+        ),
     }
     files = []
     for name, (serve_keys, config_kwargs) in servers.items():
         vc = vh.make_vllm_config(model_dir, extra, kv_cache_layout="LBNHC", **config_kwargs)
         if name == "pp":
             vc.parallel_config = ParallelConfig(pipeline_parallel_size=2)
+        if name == "dp":
+            vc.parallel_config.data_parallel_size, vc.parallel_config.data_parallel_index = 2, 1
         geometry = offline_geometry(vc, vh.make_kv_cache_config(vc, 64), attention_backend="FLASH_ATTN")
         Namespace.open(cache, geometry.fingerprint, geometry.scheduler_layout(), disk_bytes=4 << 20).close()
         transfer = {
@@ -324,11 +333,18 @@ def test_the_tools_never_judge_unread_nor_warm_a_namespace_of_settings_they_do_n
         files[-1].write_text(json.dumps(serve))
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"model": str(model_dir), "kv-transfer-config": transfer}))
-    assert len(list_namespaces(cache)) == 3
+    assert len(list_namespaces(cache)) == len(servers)
     for configs in ([plain], files):
         unread = [a for f in configs for a in ("--unread-by", str(f))]
         out = run_cli("inspect", "clear", str(cache), *unread, "--model", str(model_dir), "--yes", "--json").stdout
-        assert json.loads(out)["removed"] == [] and len(list_namespaces(cache)) == 3
+        assert json.loads(out)["removed"] == [] and len(list_namespaces(cache)) == len(servers)
+    summary = json.loads(
+        run_cli("inspect", "summary", str(cache), "--config", str(plain), "--model", str(model_dir), "--json").stdout
+    )
+    flagged = [ns["read_by"][0] for ns in summary["namespaces"] if "dp_replica=1/2" in ns["fingerprint"]["kv_layout"]]
+    assert (
+        flagged[0]["differences"] == [] and "differ only where `vllm serve` flags set them" in flagged[0]["unchecked"]
+    )
     assert "1 x PP 2 (2 ranks)" in run_cli("inspect", "summary", str(cache)).stdout
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": list(range(40))}) + "\n")

@@ -274,21 +274,50 @@ class ServerConfig:
         """Why a vLLM server with this config would not read a namespace of
         ``fingerprint`` (empty: it would). The pinned fields always; the geometry,
         layout, model settings and attention backend vLLM derives where
-        ``vllm_fingerprint`` computes."""
+        ``vllm_fingerprint`` computes, but never an entry a ``vllm serve`` flag sets
+        (``_by_flags``): the tool computes the server's defaults there."""
         out = self.disk.shape_differences(fingerprint) if self.disk is not None else []
         out += unread_fields(fingerprint, self.pinned)
         expected = self.vllm_fingerprint(fingerprint)
         if isinstance(expected, dict):
             for key in VLLM_FIELDS:
                 want, have = expected.get(key), fingerprint.get(key)
-                if key not in self.pinned and want != have:
+                if key not in self.pinned and want != have and not _by_flags(key, want, have):
                     out.append(f"{key}: {_brief(want)} for the config, {_brief(have)} in the cache")
         return out
 
     def unchecked(self, fingerprint: dict[str, Any]) -> str | None:
-        """Why only the pinned fields were compared, or None."""
+        """Why only some fields were compared, or None."""
         expected = self.vllm_fingerprint(fingerprint)
-        return expected if isinstance(expected, str) else None
+        if isinstance(expected, str):
+            return expected
+        flagged = [
+            f"{key} {_brief(fingerprint.get(key))}"
+            for key in ("model_settings", "kv_layout")
+            if key not in self.pinned and expected.get(key) != fingerprint.get(key)
+            if _by_flags(key, expected.get(key), fingerprint.get(key))
+        ]
+        if flagged:
+            return f"vLLM's settings not checked: the cache's {'; '.join(flagged)} differ only where `vllm serve` flags set them"
+        return None
+
+
+#: ``kv_layout`` entries of ``vllm serve`` flags (context and data parallelism), not of a config.
+FLAG_LAYOUT = ("pcp=", "dcp=", "dp_replica=")
+
+
+def _by_flags(key: str, want: Any, have: Any) -> bool:
+    """Whether ``want`` (the namespace of a server run with this config and vLLM's
+    defaults) and ``have`` differ only in what ``vllm serve`` flags set: every
+    ``model_settings`` entry (``--dtype``, ``--quantization``, ``--tokenizer``,
+    ``--hf-overrides``, ``--max-model-len``...), and the parallelism of ``kv_layout``.
+    A namespace without model settings is another writer's, not another flag's."""
+    if key == "model_settings":
+        return want is not None and have is not None
+    if key == "kv_layout" and want is not None and have is not None:
+        kept = [[str(x) for x in v if not str(x).startswith(FLAG_LAYOUT)] for v in (want, have)]
+        return kept[0] == kept[1]
+    return False
 
 
 def _brief(value: Any) -> str:
