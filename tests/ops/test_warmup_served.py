@@ -337,6 +337,29 @@ def test_settings_vllm_would_store_otherwise_are_refused(model_dir, tmp_path):
     windowed = HFEngine.from_pretrained(str(mistral), dtype="bfloat16", device="cpu")
     with pytest.raises(WarmupError, match="^sliding_window: 64 in the model's config"):
         warmup(PROMPTS, windowed, cfg, extra_config={**extra, "model_id": "tiny-mistral"})
+    # LongRoPE: vLLM rotates with the factors --max-model-len picks, transformers with
+    # the ones each prompt's length picks (the same prefix would be stored two ways).
+    longrope = tmp_path / "longrope"
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=1000,
+            max_position_embeddings=4096,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [8.0] * 8,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    ).to(torch.bfloat16).save_pretrained(longrope)
+    rotated = HFEngine.from_pretrained(str(longrope), dtype="bfloat16", device="cpu")
+    with pytest.raises(WarmupError, match="^longrope: vLLM rotates every key of this LongRoPE model with its long"):
+        warmup(PROMPTS, rotated, cfg, extra_config={**extra, "model_id": "tiny-longrope"})
     assert not (tmp_path / "cache").exists()
 
 

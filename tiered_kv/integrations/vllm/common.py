@@ -342,7 +342,7 @@ def vllm_model_settings(vllm_config: Any) -> tuple[str, ...]:
     for name in ("quantization_config", "model_class_overrides"):  # which layers, which model code
         if value := getattr(mc, name, None):
             out.append(f"{name}={_digest(value)}")
-    if rope := _longrope(mc):
+    if rope := longrope_factors(mc):
         out.append(f"longrope={rope}")
     cache = vllm_config.cache_config
     skip = getattr(cache, "kv_cache_dtype_skip_layers", None)
@@ -378,7 +378,7 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _longrope(mc: Any) -> str | None:
+def longrope_factors(mc: Any) -> str | None:
     """``long`` or ``short``: the factors a LongRoPE model rotates every key with, which
     vLLM picks by ``--max-model-len`` (long past the original context), so the cached
     keys differ between the two; None for any other position encoding."""

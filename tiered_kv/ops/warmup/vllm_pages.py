@@ -35,7 +35,9 @@ What vLLM does, and what is reproduced here:
   KV-group index 0.
 
 Refused, with the reason: architectures whose vLLM attention layer names are not
-known here, sliding-window attention, quantized weights, block-outermost layouts
+known here, sliding-window attention, quantized weights, LongRoPE position encoding
+(vLLM fixes its factors by ``--max-model-len``, transformers by each prompt's length),
+block-outermost layouts
 (``BL*``), and pages for an attention backend outside ``PAGE_READERS``
 (``check_page_order``). vLLM's CPU attention backend, for one, reads an ``LBHNC`` page as
 each head's ``block_size`` keys then its ``block_size`` values and writes it with its
@@ -59,7 +61,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.integrations.vllm.common import attention_backend_name, configured_attention_backend
+from tiered_kv.integrations.vllm.common import attention_backend_name, configured_attention_backend, longrope_factors
 from tiered_kv.integrations.vllm.geometry import (
     VllmGeometry,
     backend_kv_cache_layout,
@@ -182,6 +184,11 @@ def server_vllm_config(serve: VllmServe, *, hash_algorithm: str | None = None) -
         raise WarmupError(
             f"quantization: the model is quantized ({mc.quantization}); vLLM's quantized kernels compute "
             "other K/V than transformers, so the warm-up refuses it"
+        )
+    if (rope := longrope_factors(mc)) is not None:
+        raise WarmupError(
+            f"longrope: vLLM rotates every key of this LongRoPE model with its {rope} factors (by "
+            "--max-model-len), transformers with the ones each prompt's length picks, so the warm-up refuses it"
         )
     hf = mc.hf_config
     arch = (getattr(hf, "architectures", None) or ["?"])[0]
