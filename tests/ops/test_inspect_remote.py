@@ -155,6 +155,31 @@ def test_verify_reports_a_damaged_and_a_foreign_object_and_repair_deletes_them(b
     assert after["clean"] and {ns["namespace"]: ns["checked"] for ns in after["namespaces"]} == {ours: 10, theirs: 3}
 
 
+def test_repair_leaves_an_object_replaced_since_it_was_judged(bucket, rgw_server, remote_settings):
+    """Verification may take hours on a large bucket: a node that meets the damaged
+    object meanwhile replaces it with its honest write. The repair deletes only the
+    version it proved bad."""
+    from tiered_kv.ops.inspect.remote import open_shared_tier
+    from tiered_kv.ops.inspect.remote_verify import CHANGED, repair_shared_tier, verify_shared_tier
+
+    config, (ours, _), hashes, _ = bucket
+    s3 = rgw_server.admin_client()
+    key = block_key(f"{remote_settings['prefix']}/{ours}", hashes[2], 0)
+    honest = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=honest[:-1] + bytes([honest[-1] ^ 1]))  # a flipped tag bit
+    tier = open_shared_tier(str(config))
+    results = verify_shared_tier(tier)
+    assert [b["key"] for r in results for b in r.bad] == [key]
+    s3.put_object(Bucket=BUCKET, Key=key, Body=honest)  # as a node's replacing write leaves it
+    assert repair_shared_tier(tier, results) == 0
+    assert [b["action"] for r in results for b in r.bad] == [CHANGED]
+    assert s3.get_object(Bucket=BUCKET, Key=key)["Body"].read() == honest
+    # Judged again, unchanged since: deleted.
+    s3.put_object(Bucket=BUCKET, Key=key, Body=honest[:-1] + bytes([honest[-1] ^ 1]))
+    assert repair_shared_tier(tier, verify_shared_tier(tier)) == 1
+    assert run_json("verify", "--remote", config)["clean"]
+
+
 def test_without_its_fingerprint_json_a_namespace_still_tells_foreign_objects(bucket, rgw_server, remote_settings):
     """A lifecycle rule may expire a namespace's fingerprint.json: a warning, not a fault;
     the namespace id is the start of the digest every header holds."""

@@ -211,7 +211,7 @@ def _open_object(
     if found is None:
         sample.gone.append(obj)
         return
-    total, chunks = found
+    total, chunks, _ = found
     rest = iter(chunks)
     head = stream_header(rest)
     try:

@@ -51,6 +51,8 @@ from tiered_kv.remote.format.object_format import (
 #: ``action`` of a finding: deleted by ``repair_shared_tier``; deleted by it if run (a
 #: dry run, or no ``--repair``); kept (not provable, or in a namespace it may not repair).
 DELETED, WOULD_DELETE, KEPT = "deleted", "would delete", "kept"
+#: A bad object's action where it was replaced between its verification and the repair.
+CHANGED = "kept: changed since verified"
 
 
 @dataclass
@@ -78,6 +80,9 @@ class RemoteVerifyResult:
     #: Why ``repair_shared_tier`` deletes nothing here (a sealed namespace and a config
     #: without a key), or None.
     unrepairable: str | None = None
+    #: The ETag of each bad object as judged: one replaced since (a node's honest write
+    #: over a forgery) is not the object proven bad.
+    tags: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     @property
     def clean(self) -> bool:
@@ -150,7 +155,7 @@ def verify_shared_tier(
             started = time.perf_counter()
             try:
                 checks = pool.map(lambda o, ns=ns: _check(tier, ns, o), sample)
-                for o, verdict in zip(sample, checks):
+                for o, (verdict, tag) in zip(sample, checks):
                     if verdict is None:
                         result.vanished += 1
                         continue
@@ -160,6 +165,7 @@ def verify_shared_tier(
                         if verdict["provable"]:
                             verdict["action"] = KEPT if result.unrepairable else WOULD_DELETE
                             result.bad.append(verdict)
+                            result.tags[o.key] = tag
                         else:
                             verdict["action"] = KEPT
                             result.kept.append(verdict)
@@ -227,19 +233,24 @@ def _why_kept(tier: SharedTier, ns: RemoteNamespace, r: Rejected, key_id: int | 
     return r.detail
 
 
-def _check(tier: SharedTier, ns: RemoteNamespace, o: BlockObject) -> Any:
-    """True when a node of ``ns`` would serve ``o``; None when it is gone; else a
-    finding (``_finding``). An object is judged only where it opens: a sealed one under
+def _check(tier: SharedTier, ns: RemoteNamespace, o: BlockObject) -> tuple[Any, str | None]:
+    """``_judge`` of ``o`` and the ETag of the version judged."""
+    got = tier.client.stream(o.key)
+    if got is None:
+        return None, None
+    total, chunks, tag = got
+    return _judge(tier, ns, o, total, chunks), tag or ""  # as ``S3Client.etag`` names a version without one
+
+
+def _judge(tier: SharedTier, ns: RemoteNamespace, o: BlockObject, total: int, chunks: Iterator[memoryview]) -> Any:
+    """True when a node of ``ns`` would serve ``o`` (its ``total`` bytes in ``chunks``),
+    else a finding (``_finding``). An object is judged only where it opens: a sealed one under
     a key id the config holds, a plain one with a checksum this node computes. Then the
     inspector's own checks are as provable as the object's: the namespace that wrote it
     (a namespace id is the start of the fingerprint digest every header holds, so it
     shows even without a manifest) and a rank beyond the namespace's TP (the digest
     covers the TP size, so no honest node of it writes that rank). The object is
     streamed: memory stays one chunk whatever its size."""
-    got = tier.client.stream(o.key)
-    if got is None:
-        return None
-    total, chunks = got
     head = _Head(total, chunks)
     fp = ns.checked_fingerprint
     digest = None if fp is None else fingerprint_digest(fp)
@@ -280,6 +291,11 @@ def repair_shared_tier(tier: SharedTier, results: Sequence[RemoteVerifyResult], 
                 if b["action"] != WOULD_DELETE:
                     continue
                 if not dry_run:
+                    # Only the version judged: a node may have replaced it since (a
+                    # forgery its write found), hours later on a large bucket.
+                    if tier.client.etag(b["key"]) != r.tags.get(b["key"]):
+                        b["action"] = CHANGED
+                        continue
                     tier.client.delete(b["key"])
                     b["action"] = DELETED
                 deleted += 1

@@ -415,10 +415,11 @@ class S3Client:
         except Exception as exc:
             raise self._error(exc) from None
 
-    def stream(self, key: str, chunk_bytes: int = 8 << 20) -> tuple[int, Iterator[memoryview]] | None:
-        """The object's size and its body in chunks of about ``chunk_bytes`` (one in
-        memory at a time), or None when there is none (for the operator's verification
-        of objects of any size; the serving path reads whole objects of a known size)."""
+    def stream(self, key: str, chunk_bytes: int = 8 << 20) -> tuple[int, Iterator[memoryview], str | None] | None:
+        """The object's size, its body in chunks of about ``chunk_bytes`` (one in memory
+        at a time) and its ETag, or None when there is none (for the operator's
+        verification of objects of any size; the serving path reads whole objects of a
+        known size)."""
         try:
             result = self._obstore.get(self.raw, key)
         except FileNotFoundError:
@@ -433,7 +434,16 @@ class S3Client:
             except Exception as exc:
                 raise self._error(exc) from None
 
-        return int(result.meta["size"]), body()
+        return int(result.meta["size"]), body(), result.meta.get("e_tag")
+
+    def etag(self, key: str) -> str | None:
+        """The object's ETag now (HEAD), or None when there is none."""
+        try:
+            return self._obstore.head(self.raw, key).get("e_tag") or ""
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._error(exc) from None
 
     def exists(self, key: str) -> bool:
         try:
