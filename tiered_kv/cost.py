@@ -42,10 +42,12 @@ the decision passes over gets no new jobs, so its estimate would never recover: 
 ``probe_every`` passed-over decisions, or ``probe_after_s`` seconds after its last
 sample, the decision loads up to the first block of that tier anyway (one block's load
 at most more than the best plan), which samples it again; only while the tier has at
-most ``probe_queue_blocks`` loads queued, so a probe never waits behind a backlog of
-loads (which the sample would not measure, and the request would pay). Its queued
-writes do not hold a probe back: a write-through tier always has some, and a tier
-never sampled again would never be used again.
+most ``probe_queue_blocks`` blocks queued, so a probe never waits behind a backlog
+(which the sample would not measure, and the request would pay). Queued writes hold a
+probe back for ``STALE_PROBES`` x ``probe_after_s`` at most: a write-through tier may
+never be without them, and a tier never sampled again would never be used again. A
+sample after such a silence replaces the estimate (``TierCost.restart``): one probe
+then brings back a tier whose failures had collapsed it.
 
 Prefill tokens per second (of linear work) and the attention term come from
 ``tiered_kv.prefill`` (configured, else estimated from the model and the GPU). Where the
@@ -68,6 +70,9 @@ from itertools import groupby
 from typing import Any
 from tiered_kv.prefill import DEFAULT_ATTENTION_PER_TOKEN, DEFAULT_PREFILL_TOKENS_PER_S
 
+#: A passed-over tier with writes queued is probed through them once its last sample is
+#: this many ``probe_after_s`` old (an unsampled tier would never be used again).
+STALE_PROBES = 10
 #: Load bandwidth into the GPU before any sample, GB/s, by tier medium: CPU over PCIe 5.0
 #: x16 (~80% of 63 GB/s), one PCIe 4.0 NVMe drive, an object store over a network.
 PRIOR_GBPS = {"CPU": 50.0, "DISK": 6.0, "REMOTE": 1.0}
@@ -146,6 +151,20 @@ class TierCost:
             self.gbps, self.latency_s = gbps, latency
             self.samples += 1
             self.last_sample = time.monotonic() if now is None else now
+
+    def restart(self, nbytes: int, seconds: float, now: float) -> None:
+        """Forget the fit: one job of ``nbytes`` that took ``seconds`` is the estimate,
+        the latency kept (where it fits in the job). For a sample after a long silence,
+        which says more of the tier now than every older one."""
+        if nbytes <= 0 or not 0 < seconds < math.inf:
+            return
+        with self._lock:
+            latency = min(self.latency_s, 0.9 * seconds)
+            self._m = self._moments(nbytes, seconds)
+            self.gbps, self.latency_s = nbytes / ((seconds - latency) * 1e9), latency
+            self._last_outlier = False
+            self.samples += 1
+            self.last_sample = now
 
     def seconds(self, nbytes: int) -> float:
         """Estimated seconds of one job loading ``nbytes``."""
@@ -334,8 +353,12 @@ class LoadCosts:
                 return
             blocks = nbytes / self.bytes_per_block
             seconds += blocks * self.tokens_per_block / self.prefill_tokens_per_s
-        self.tiers[name].observe(nbytes, seconds, self.clock())
-        self._since[name] = self.clock()
+        tier, now = self.tiers[name], self.clock()
+        if tier.last_sample is not None and now - tier.last_sample >= STALE_PROBES * self.probe_after_s:
+            tier.restart(nbytes, seconds, now)  # the first sample after a stale spell
+        else:
+            tier.observe(nbytes, seconds, now)
+        self._since[name] = now
 
     def plan(self, sources: Sequence[str], start: int = 0) -> LoadPlan:
         """Decide for a request whose leading offloaded blocks come from ``sources``
@@ -438,18 +461,20 @@ class LoadCosts:
 
     def _probe(self, passed_over: Mapping[str, int], first: str) -> str | None:
         """The passed-over tier due for a sample, if any, among those with at most
-        ``probe_queue_blocks`` loads queued: only ``first``, the tier of the first block passed
+        ``probe_queue_blocks`` queued (loads; writes only until the tier is stale): only ``first``, the tier of the first block passed
         over, so a probe loads one block more than the best plan, never a slower run
         before the probed tier's first block."""
         now = self.clock()
         due = None
-        queued = self.queues.tier_loads
+        loads, queued, bound = self.queues.tier_loads, self.queues.tier_blocks, self.probe_queue_blocks
         for name in passed_over:
             self._passed_over[name] += 1
+            since = now - self._since[name]
             if (
                 name == first
-                and queued.get(name, 0) <= self.probe_queue_blocks
-                and (self._passed_over[name] >= self.probe_every or now - self._since[name] >= self.probe_after_s)
+                and loads.get(name, 0) <= bound
+                and (queued.get(name, 0) <= bound or since >= STALE_PROBES * self.probe_after_s)
+                and (self._passed_over[name] >= self.probe_every or since >= self.probe_after_s)
             ):
                 due = name
         if due is not None:
