@@ -590,8 +590,7 @@ class VllmHarness(Closing):
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
         self._fake_forward(output)
-        if output.total_num_scheduled_tokens > 0:
-            worker.wait_for_save()
+        worker.wait_for_save()  # in every step, as vLLM's model runner (a step of no tokens may store)
         _, recving = worker.get_finished(output.finished_req_ids)
         # vLLM's model runner asks for failed loads right after get_finished.
         invalid = worker.get_block_ids_with_load_errors()
