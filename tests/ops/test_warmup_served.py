@@ -320,46 +320,26 @@ def test_settings_vllm_would_store_otherwise_are_refused(model_dir, tmp_path):
         warmup(PROMPTS, engine, cfg, extra_config=extra, kv_cache_layout="BLHNC")
     with pytest.raises(WarmupError, match="^tp: 3 is larger than the model's 2 KV heads"):
         warmup(PROMPTS, engine, cfg, extra_config=extra, tp_size=3)
-    # A sliding-window model: vLLM keeps its layers in a KV group of their own.
-    torch.manual_seed(3)
-    mistral = tmp_path / "mistral"
-    transformers.MistralForCausalLM(
-        transformers.MistralConfig(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=1000,
-            sliding_window=64,
-        )
-    ).to(torch.bfloat16).save_pretrained(mistral)
-    windowed = HFEngine.from_pretrained(str(mistral), dtype="bfloat16", device="cpu")
-    with pytest.raises(WarmupError, match="^sliding_window: 64 in the model's config"):
-        warmup(PROMPTS, windowed, cfg, extra_config={**extra, "model_id": "tiny-mistral"})
-    # LongRoPE: vLLM rotates with the factors --max-model-len picks, transformers with
-    # the ones each prompt's length picks (the same prefix would be stored two ways).
-    longrope = tmp_path / "longrope"
-    transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=1000,
-            max_position_embeddings=4096,
-            rope_scaling={
-                "rope_type": "longrope",
-                "short_factor": [1.0] * 8,
-                "long_factor": [8.0] * 8,
-                "original_max_position_embeddings": 64,
-            },
-        )
-    ).to(torch.bfloat16).save_pretrained(longrope)
-    rotated = HFEngine.from_pretrained(str(longrope), dtype="bfloat16", device="cpu")
-    with pytest.raises(WarmupError, match="^longrope: vLLM rotates every key of this LongRoPE model with its long"):
-        warmup(PROMPTS, rotated, cfg, extra_config={**extra, "model_id": "tiny-longrope"})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [8.0] * 8}
+    refused = {
+        # vLLM keeps a sliding window's layers in a KV group of their own.
+        "mistral": (transformers.MistralConfig, {"sliding_window": 64}, "^sliding_window: 64 in the model's config"),
+        # vLLM rotates with the factors --max-model-len picks, transformers with the ones
+        # each prompt's length picks (the same prefix would be stored two ways).
+        "longrope": (
+            transformers.LlamaConfig,
+            {"max_position_embeddings": 4096, "rope_scaling": {**longrope, "original_max_position_embeddings": 64}},
+            "^longrope: vLLM rotates every key of this LongRoPE model with its long",
+        ),
+    }
+    for name, (config_class, more, words) in refused.items():
+        torch.manual_seed(3)
+        shape = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+        model = config_class(hidden_size=64, vocab_size=1000, **shape, **more)
+        transformers.AutoModelForCausalLM.from_config(model).to(torch.bfloat16).save_pretrained(tmp_path / name)
+        engine = HFEngine.from_pretrained(str(tmp_path / name), dtype="bfloat16", device="cpu")
+        with pytest.raises(WarmupError, match=words):
+            warmup(PROMPTS, engine, cfg, extra_config={**extra, "model_id": f"tiny-{name}"})
     assert not (tmp_path / "cache").exists()
 
 
