@@ -69,6 +69,7 @@ UNMODELLED_SERVE_KEYS = {
     "mamba-cache-dtype": (None, "auto"),
     "mamba-ssm-cache-dtype": (None, "auto"),
     "pipeline-parallel-size": (None, 1),
+    "kv-cache-dtype": (None, "auto"),
 }
 #: The most a config file may hold: a server's config is a few KiB; a larger file is not
 #: one, and is refused before it is read whole.

@@ -372,3 +372,13 @@ def test_disk_tiers_sharing_a_file_system_are_checked_together(tmp_path):
     assert [c["status"] for c in checks] == ["ok", "ok", "fail"], checks
     assert "share one file system" in checks[-1]["message"] and "file systems of their own" in checks[-1]["fix"]
     assert not (tmp_path / "d1").exists()
+
+
+def test_serve_settings_the_tools_do_not_model_are_named(tmp_path):
+    """A vllm serve --config file with an fp8 KV cache: the warm-up computes a server of
+    vLLM's default cache dtype, whose namespace that server never reads."""
+    transfer = {"kv_connector": "TieredOffloadingConnector", "kv_connector_extra_config": {"cpu_bytes": "1GiB"}}
+    for value, named in (("fp8", ("kv-cache-dtype",)), ("auto", ())):
+        path = tmp_path / f"{value}.json"
+        path.write_text(json.dumps({"model": "m", "kv-cache-dtype": value, "kv-transfer-config": transfer}))
+        assert read_server_config(path).unmodelled == named

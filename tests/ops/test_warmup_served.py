@@ -331,6 +331,18 @@ def test_settings_vllm_would_store_otherwise_are_refused(model_dir, tmp_path):
             {"max_position_embeddings": 4096, "rope_scaling": {**longrope, "original_max_position_embeddings": 64}},
             "^longrope: vLLM rotates every key of this LongRoPE model with its long",
         ),
+        # transformers rescales by a forward pass's length past the trained context.
+        "dynamic": (
+            transformers.LlamaConfig,
+            {"max_position_embeddings": 64, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "^rope_type dynamic: transformers rescales",
+        ),
+        # transformers' default rotary embedding turns the whole head, vLLM a part of it.
+        "partial": (
+            transformers.LlamaConfig,
+            {"partial_rotary_factor": 0.5},
+            "^partial_rotary_factor 0.5: vLLM rotates",
+        ),
     }
     for name, (config_class, more, words) in refused.items():
         torch.manual_seed(3)

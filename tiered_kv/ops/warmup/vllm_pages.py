@@ -48,6 +48,7 @@ can be computed here (``server_fingerprint``) but its pages are not written.
 from __future__ import annotations
 
 import os
+from typing import Any
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 
@@ -106,6 +107,34 @@ def server_kv_cache_layout(name: str | None = None, env: Mapping[str, str] | Non
             "block-outermost layouts interleave layers inside a block, which the warm-up does not write"
         )
     return layout
+
+
+def _rotated_otherwise(mc: Any, arch: str) -> str | None:
+    """Why transformers would rotate this model's keys otherwise than vLLM does, or None:
+    LongRoPE (vLLM picks its factors by ``--max-model-len``, transformers by each
+    prompt's length), dynamic NTK (transformers rescales by a forward pass's length past
+    the trained context, vLLM never) and partial rotation (transformers' default rotary
+    embedding turns the whole head)."""
+    if (rope := longrope_factors(mc)) is not None:
+        return (
+            f"longrope: vLLM rotates every key of this LongRoPE model with its {rope} factors (by "
+            "--max-model-len), transformers with the ones each prompt's length picks"
+        )
+    text = mc.hf_text_config
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    found = ([p for p in params.values() if isinstance(p, dict)] or [params]) if isinstance(params, dict) else [{}]
+    for p in found:
+        if (p.get("rope_type") or p.get("type")) == "dynamic":
+            return (
+                "rope_type dynamic: transformers rescales every key's rotation by the length of a forward "
+                "pass past the trained context, vLLM never"
+            )
+        partial = p.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
+        if (partial is not None and float(partial) != 1.0) or p.get("rope_dim"):
+            return (
+                f"partial_rotary_factor {partial}: vLLM rotates part of each key, transformers' {arch} the whole head"
+            )
+    return None
 
 
 def server_page_order(
@@ -185,13 +214,10 @@ def server_vllm_config(serve: VllmServe, *, hash_algorithm: str | None = None) -
             f"quantization: the model is quantized ({mc.quantization}); vLLM's quantized kernels compute "
             "other K/V than transformers, so the warm-up refuses it"
         )
-    if (rope := longrope_factors(mc)) is not None:
-        raise WarmupError(
-            f"longrope: vLLM rotates every key of this LongRoPE model with its {rope} factors (by "
-            "--max-model-len), transformers with the ones each prompt's length picks, so the warm-up refuses it"
-        )
     hf = mc.hf_config
     arch = (getattr(hf, "architectures", None) or ["?"])[0]
+    if (rope := _rotated_otherwise(mc, arch)) is not None:
+        raise WarmupError(f"{rope}, so the warm-up refuses it")
     if arch not in ATTENTION_LAYER_NAMES:
         raise WarmupError(
             f"architecture {arch}: vLLM's attention layer names for it are not known here "
