@@ -461,9 +461,9 @@ class LoadCosts:
 
     def _probe(self, passed_over: Mapping[str, int], first: str) -> str | None:
         """The passed-over tier due for a sample, if any, among those with at most
-        ``probe_queue_blocks`` queued (loads; writes only until the tier is stale): only ``first``, the tier of the first block passed
-        over, so a probe loads one block more than the best plan, never a slower run
-        before the probed tier's first block."""
+        ``probe_queue_blocks`` queued (loads; writes only until its last sample is stale):
+        only ``first``, the tier of the first block passed over, so a probe loads one block
+        more than the best plan, never a slower run before the probed tier's first block."""
         now = self.clock()
         due = None
         loads, queued, bound = self.queues.tier_loads, self.queues.tier_blocks, self.probe_queue_blocks

@@ -378,16 +378,22 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def rope_parameter_sets(text_config: Any) -> list[dict]:
+    """A model's rotary-embedding parameters (``rope_parameters``, or the older
+    ``rope_scaling``): one dict per layer type where the config gives them per type,
+    else the one dict; none where the config has none."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return []
+    return [p for p in params.values() if isinstance(p, dict)] or [params]
+
+
 def longrope_factors(mc: Any) -> str | None:
     """``long`` or ``short``: the factors a LongRoPE model rotates every key with, which
     vLLM picks by ``--max-model-len`` (long past the original context), so the cached
     keys differ between the two; None for any other position encoding."""
     text = getattr(mc, "hf_text_config", None)
-    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return None
-    found = [p for p in params.values() if isinstance(p, dict)] or [params]  # per layer type, or one
-    for p in found:
+    for p in rope_parameter_sets(text):
         if (p.get("rope_type") or p.get("type")) == "longrope":
             original = p.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", 0)
             return "long" if int(mc.max_model_len) > int(original or 0) else "short"

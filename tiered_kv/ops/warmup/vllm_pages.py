@@ -62,7 +62,12 @@ from vllm.v1.kv_offload.base import make_offload_key
 
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.fingerprint import Fingerprint
-from tiered_kv.integrations.vllm.common import attention_backend_name, configured_attention_backend, longrope_factors
+from tiered_kv.integrations.vllm.common import (
+    attention_backend_name,
+    configured_attention_backend,
+    longrope_factors,
+    rope_parameter_sets,
+)
 from tiered_kv.integrations.vllm.geometry import (
     VllmGeometry,
     backend_kv_cache_layout,
@@ -121,9 +126,7 @@ def _rotated_otherwise(mc: Any, arch: str) -> str | None:
             "--max-model-len), transformers with the ones each prompt's length picks"
         )
     text = mc.hf_text_config
-    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
-    found = ([p for p in params.values() if isinstance(p, dict)] or [params]) if isinstance(params, dict) else [{}]
-    for p in found:
+    for p in rope_parameter_sets(text) or [{}]:
         if (p.get("rope_type") or p.get("type")) == "dynamic":
             return (
                 "rope_type dynamic: transformers rescales every key's rotation by the length of a forward "
