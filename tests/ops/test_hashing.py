@@ -124,3 +124,9 @@ def test_hashes_equal_vllms(algo, seed, monkeypatch):
     assert ours == theirs
     # And what vLLM's scheduler attaches to a request (its request block hasher).
     assert ours == vllm_harness.hash_blocks(tokens, 16, algo)
+    # A tenant's request: the salt enters the first block and every hash after it.
+    salted = PrefixHasher(algo, resolve_seed(algo, ""), 16).block_hashes(tokens, "tenant-a")
+    assert salted == vllm_harness.hash_blocks(tokens, 16, algo, cache_salt="tenant-a")
+    assert not set(salted) & set(ours)
+    assert salted != vllm_harness.hash_blocks(tokens, 16, algo, cache_salt="tenant-b")
+    assert PrefixHasher(algo, resolve_seed(algo, ""), 16).block_hashes(tokens, "") == ours  # vLLM: empty is none

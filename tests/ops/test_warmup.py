@@ -315,9 +315,9 @@ def test_settings_that_cannot_work_fail_with_one_line(model_dir, tmp_path):
     for content, words in (
         ('{"token_ids": [1, 2]}\n[1, -3]\n', "bad.jsonl:2: expected token ids"),
         ('{"tokens": [1]}\n', "expected a 'token_ids' or 'text' key"),
-        # A tenant's prompt warmed as a plain one would answer every tenant that salts nothing.
-        ('{"token_ids": [1, 2], "cache_salt": "tenant-a"}\n', "bad.jsonl:1: cache_salt: the warm-up writes plain"),
-        ('{"text": "hi", "lora_name": "sql"}\n', "bad.jsonl:1: lora_name: the warm-up writes plain"),
+        ('{"token_ids": [1, 2], "cache_salt": ""}\n', "bad.jsonl:1: cache_salt: expected a non-empty string"),
+        ('{"token_ids": [1, 2], "cache_salt": 7}\n', "bad.jsonl:1: cache_salt: expected a non-empty string"),
+        ('{"text": "hi", "lora_name": "sql"}\n', "bad.jsonl:1: lora_name: the warm-up computes a prompt's KV"),
         ('{"text": "hello"}\n', "cannot load a tokenizer"),
         ("[5, 99999]\n", "token id 99999 is outside the model's vocabulary"),
     ):
@@ -381,4 +381,20 @@ def test_text_prompts_go_through_the_tokenizer(model_dir, tmp_path):
     # The same tokens given as ids are already there.
     prompts_file.write_text(json.dumps({"token_ids": ids}) + "\n")
     again = json.loads(run_warmup(prompts_file, config, model_dir, "--json").stdout)
+    assert (again["blocks_present"], again["blocks_written"]) == (2, 0)
+    # A tenant's line: the same tokens under its salt are new blocks, keyed as vLLM keys
+    # that tenant's requests; a rerun finds them.
+    prompts_file.write_text(json.dumps({"text": text, "cache_salt": "tenant-a"}) + "\n")
+    salted = json.loads(
+        run_warmup(prompts_file, config, model_dir, "--tokenizer", str(tmp_path / "tok"), "--json").stdout
+    )
+    assert (salted["blocks_present"], salted["blocks_written"]) == (0, 2)
+    (ns,) = open_cache(tmp_path / "cache").namespaces
+    table = read_entries(ns)
+    on_disk = {table.hash(i) for i in range(len(table))}
+    hasher = PrefixHasher("sha256", resolve_seed("sha256", ""), GPU_BLOCK)
+    assert on_disk == set(hasher.block_hashes(ids)) | set(hasher.block_hashes(ids, "tenant-a"))
+    again = json.loads(
+        run_warmup(prompts_file, config, model_dir, "--json", "--tokenizer", str(tmp_path / "tok")).stdout
+    )
     assert (again["blocks_present"], again["blocks_written"]) == (2, 0)

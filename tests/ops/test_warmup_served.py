@@ -95,7 +95,7 @@ def write_config(tmp_path: Path, **extra) -> Path:
     return path
 
 
-def warm(model_dir: Path, config: Path, tp: int):
+def warm(model_dir: Path, config: Path, tp: int, cache_salts=None):
     torch.set_num_threads(1)
     engine = HFEngine.from_pretrained(str(model_dir), dtype="bfloat16", device="cpu")
     report = warmup(
@@ -106,6 +106,7 @@ def warm(model_dir: Path, config: Path, tp: int):
         tp_size=tp,
         extra_config=read_extra_config(config),
         kv_cache_layout="LBNHC",
+        cache_salts=cache_salts,
     )
     return engine, report
 
@@ -142,9 +143,10 @@ def model_dir(tmp_path) -> Path:
 # ---------------------------------------------------------------- TP 1: the real scheduler and worker
 
 
-def serve_and_read_pages(model_dir: Path, config: Path, prompt: list[int]):
-    """Serve ``prompt`` on a fresh harness; its prefix hit, the server's namespace id,
-    and the bytes (per full block, per layer) its GPU blocks held once loaded."""
+def serve_and_read_pages(model_dir: Path, config: Path, prompt: list[int], cache_salt: str | None = None):
+    """Serve ``prompt`` (of the tenant ``cache_salt``) on a fresh harness; its prefix hit,
+    the server's namespace id, and the bytes (per full block, per layer) its GPU blocks
+    held once loaded."""
     # The harness's tensors are head-major whatever layout is declared, and this test reads
     # their bytes as the declared layout's pages; the start-up canary reads them through
     # that layout, so it is off here (tests/integrations/test_vllm_canary.py allocates
@@ -159,7 +161,7 @@ def serve_and_read_pages(model_dir: Path, config: Path, prompt: list[int]):
         kv_cache_layout="LBNHC",
     ) as h:
         namespace = h.worker_spec.geometry.fingerprint.namespace_id
-        rid = h.add_request(prompt, max_tokens=2)
+        rid = h.add_request(prompt, max_tokens=2, cache_salt=cache_salt)
         full = len(prompt) // GPU_BLOCK
         pages = None
         deadline = time.monotonic() + 120  # the disk chunks are read back on threads first
@@ -194,6 +196,21 @@ def test_tp1_vllm_hits_every_warmed_block_and_loads_the_models_kv(model_dir, tmp
     assert not page_is_the_models(pages[4], kv, 4, heads=[0, 1])
     hit, _, _ = serve_and_read_pages(model_dir, config, PROMPTS[1])
     assert hit.external == 4 * GPU_BLOCK
+
+
+def test_a_tenants_warmed_blocks_answer_that_tenant_only(model_dir, tmp_path):
+    config = write_config(tmp_path, block_size=2 * GPU_BLOCK)
+    engine, report = warm(model_dir, config, tp=1, cache_salts=["tenant-a", None])
+    # The salted prompt's 2 chunks and the unsalted one's 2 share no key.
+    assert report.blocks_written == 4 and report.blocks_failed == 0
+    hit, _, pages = serve_and_read_pages(model_dir, config, PROMPTS[0], cache_salt="tenant-a")
+    assert hit.external == 4 * GPU_BLOCK
+    kv = model_kv(engine, PROMPTS[0])
+    assert all(page_is_the_models(pages[block], kv, block, heads=[0, 1]) for block in range(4))
+    # Another tenant reads nothing; an unsalted request only the unsalted prompt's shared chunk.
+    assert serve_and_read_pages(model_dir, config, PROMPTS[0], cache_salt="tenant-b")[0].external == 0
+    assert serve_and_read_pages(model_dir, config, PROMPTS[0])[0].external == 2 * GPU_BLOCK
+    assert serve_and_read_pages(model_dir, config, PROMPTS[1], cache_salt="tenant-a")[0].external == 2 * GPU_BLOCK
 
 
 def _warmup_pages(engine, config, kv, *, rank: int, tp: int, blocks: int) -> list[list[bytes]]:

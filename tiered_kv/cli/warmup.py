@@ -127,10 +127,17 @@ def warmup_cmd(
         if any(p.token_ids is None for p in items):
             tok = _load_tokenizer(tokenizer or model)
         token_ids = tokenize(items, tok)
+        salts = [p.cache_salt for p in items]
         extra = server.extra
         if engine == "vllm":
             n = run_vllm_warmup(
-                token_ids, model, extra, gpu_block_size=gpu_block_size, tp_size=tp_size, attention_backend=backend
+                token_ids,
+                model,
+                extra,
+                gpu_block_size=gpu_block_size,
+                tp_size=tp_size,
+                attention_backend=backend,
+                cache_salts=salts,
             )
             if json_out:
                 emit_json({"engine": "vllm", "prompts": n})
@@ -164,6 +171,7 @@ def warmup_cmd(
                 extra_config=extra,
                 kv_cache_layout=kv_cache_layout,
                 attention_backend=backend,
+                cache_salts=salts,
                 progress=lambda i, r: bar.advance(1),
             )
     if json_out:

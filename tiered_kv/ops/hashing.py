@@ -8,7 +8,10 @@ vLLM 0.33's ``kv_cache_utils``/``utils.hashing``; nothing is imported from it):
   hashed. Block *i* hashes ``(parent, tuple(token ids of block i), extra_keys)`` where
   ``parent`` is block *i-1*'s hash, or for the first block the *none hash*
   ``hash_fn(seed)``. ``extra_keys`` is None for plain text prompts (no LoRA,
-  multimodal inputs or cache salt), the only kind handled here.
+  multimodal inputs or cache salt); a tenant's ``cache_salt`` makes the first block's
+  ``(("cache_salt", salt),)`` (vLLM 0.33 tags each extra key), and every later block's
+  hash inherits it through its parent. Prompts with LoRA, multimodal inputs or
+  embeddings are not handled here.
 - ``hash_fn`` is one of ``sha256`` (pickle, protocol ``HIGHEST_PROTOCOL``, then SHA-256),
   ``sha256_cbor`` (canonical CBOR, then SHA-256), ``xxhash`` / ``xxhash_cbor`` (the same
   serialisations, then XXH3-128).
@@ -165,14 +168,18 @@ class PrefixHasher:
         self._hash = hash_function(algorithm)
         self.none_hash = self._hash(seed)
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """One hash per full block of ``token_ids`` (a trailing partial block has none)."""
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """One hash per full block of ``token_ids`` (a trailing partial block has none),
+        as vLLM hashes them for a request of the tenant ``cache_salt`` (None or empty:
+        none, as vLLM takes an empty salt)."""
         tokens = [int(t) for t in token_ids]  # numpy ints would pickle differently
         parent = self.none_hash
         out = []
         bs = self.block_size
+        extra: tuple[tuple[str, str], ...] | None = (("cache_salt", cache_salt),) if cache_salt else None
         for start in range(0, len(tokens) - bs + 1, bs):
-            parent = self._hash((parent, tuple(tokens[start : start + bs]), None))
+            parent = self._hash((parent, tuple(tokens[start : start + bs]), extra))
+            extra = None  # vLLM salts the first block only; the chain carries it on
             out.append(parent)
         return out
 

@@ -227,6 +227,7 @@ def warmup(
     kv_cache_layout: str | None = None,
     attention_backend: str | None = None,
     env: Mapping[str, str] | None = None,
+    cache_salts: Sequence[str | None] | None = None,
     progress: Callable[[int, WarmupReport], None] | None = None,
 ) -> WarmupReport:
     """Write every full block of ``prompts`` (token ids) to ``config``'s disk tier.
@@ -240,7 +241,9 @@ def warmup(
     FLASH_ATTN; pages are written only for ``vllm_pages.PAGE_READERS``);
     ``kv_cache_layout``: vLLM's (``vllm`` layout; default its ``VLLM_KV_CACHE_LAYOUT``,
     else the backend's choice, ``LBNHC`` for FLASH_ATTN); ``env``: where
-    ``PYTHONHASHSEED`` is read (default ``os.environ``). ``progress(i, report)`` is
+    ``PYTHONHASHSEED`` is read (default ``os.environ``); ``cache_salts``: each prompt's
+    tenant (vLLM's ``cache_salt``; None: unsalted), whose requests alone read its blocks
+    (default: none salted). ``progress(i, report)`` is
     called after prompt ``i``. Raises ``WarmupError`` for unusable settings,
     ``HashSettingsError`` when the hashes would not be stable across processes,
     ``CacheLockedError`` when a server holds the cache. The model's identity is
@@ -261,7 +264,12 @@ def warmup(
     tiering = is_tiering(server_extra)
     model_dir = getattr(engine, "model_path", None)
     check_identity(config, model_dir, where=f"its {DISK_TIER_TYPE} entry" if tiering else "the config")
-    for n, tokens in enumerate(prompts, 1):
+    salts = [None] * len(prompts) if cache_salts is None else list(cache_salts)
+    if len(salts) != len(prompts):
+        raise WarmupError(f"cache_salts: expected one per prompt ({len(prompts)}), got {len(salts)}")
+    for n, (tokens, salt) in enumerate(zip(prompts, salts), 1):
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise WarmupError(f"prompt {n}: cache_salt: expected a non-empty string (the tenant), got {salt!r}")
         if len(tokens) and max(tokens) >= engine.vocab_size:
             raise WarmupError(
                 f"prompt {n}: token id {max(tokens)} is outside the model's vocabulary ({engine.vocab_size} tokens)"
@@ -320,8 +328,9 @@ def warmup(
         store = tier.warm_writer()
         assert store is not None, target  # _warmable
         seen: set[bytes] = set()
-        for i, tokens in enumerate(prompts):
-            _warm_prompt(list(tokens), engine, hasher, blocks, manager, store, seen, report)
+        for i, (tokens, salt) in enumerate(zip(prompts, salts)):
+            keys = blocks.keys(hasher.block_hashes(tokens, salt))
+            _warm_prompt(list(tokens), keys, engine, blocks, manager, store, seen, report)
             report.seconds = time.perf_counter() - t0
             if progress is not None:
                 progress(i, report)
@@ -348,16 +357,16 @@ def _extra_config(config: TieredConfig) -> dict[str, Any]:
 
 def _warm_prompt(
     tokens: list[int],
+    keys: list[bytes],
     engine: HFEngine,
-    hasher: PrefixHasher,
     blocks: BlockLayout,
     manager: LowerTier,
     store: BlockWriter,
     seen: set[bytes],
     report: WarmupReport,
 ) -> None:
+    """Store the blocks of ``tokens`` (whose chunk keys are ``keys``) not yet on disk."""
     report.prompts += 1
-    keys = blocks.keys(hasher.block_hashes(tokens))
     if not keys:
         report.prompts_too_short += 1
         return

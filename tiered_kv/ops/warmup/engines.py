@@ -106,8 +106,9 @@ def run_vllm_warmup(
     gpu_block_size: int = 16,
     tp_size: int = 1,
     attention_backend: str | None = None,
+    cache_salts: Sequence[str | None] | None = None,
 ) -> int:
-    """Prefill ``prompts`` with vLLM's offline ``LLM`` and the server's spec configured by
+    """Prefill ``prompts`` (each of the tenant ``cache_salts[i]``, where given) with vLLM's offline ``LLM`` and the server's spec configured by
     ``extra_config`` (the server's extra config as given, its store path: ours forced to
     write-through so every block reaches the disk; vLLM's ``TieringOffloadingSpec``
     already copies every chunk to each secondary tier) on the server's
@@ -133,9 +134,12 @@ def run_vllm_warmup(
         attention_config=None if attention_backend is None else {"backend": attention_backend.strip().upper()},
     )
     try:
-        llm.generate(
-            [TokensPrompt(prompt_token_ids=list(t)) for t in prompts], SamplingParams(max_tokens=1), use_tqdm=False
-        )
+        salts = cache_salts or [None] * len(prompts)
+        inputs = [
+            TokensPrompt(prompt_token_ids=list(t), cache_salt=s) if s else TokensPrompt(prompt_token_ids=list(t))
+            for t, s in zip(prompts, salts)
+        ]
+        llm.generate(inputs, SamplingParams(max_tokens=1), use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
     return len(prompts)

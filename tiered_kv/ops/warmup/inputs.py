@@ -89,25 +89,29 @@ def read_server(path: str | os.PathLike, disk_path: str | None = None) -> Warmup
 
 @dataclass
 class Prompt:
-    """One line of the prompts file: token ids, or text to tokenize."""
+    """One line of the prompts file: token ids, or text to tokenize, and the tenant
+    (vLLM's ``cache_salt``) whose requests read its blocks (None: unsalted requests)."""
 
     line: int
     token_ids: list[int] | None = None
     text: str | None = None
+    cache_salt: str | None = None
 
 
-#: Request fields that change a prompt's KV or its block hashes in vLLM (the tenant's
-#: salt, an adapter, multimodal inputs, embeddings): a line carrying one is refused, not
-#: warmed as the plain prompt (which would put a tenant's blocks where every tenant reads).
+#: Request fields that change a prompt's KV or its block hashes in vLLM in ways the
+#: warm-up does not compute (an adapter, multimodal inputs, embeddings): a line carrying
+#: one is refused, not warmed as the plain prompt, which no such request would read.
 KV_CHANGING_KEYS = frozenset(
-    {"cache_salt", "lora_request", "lora_name", "lora_path", "multi_modal_data", "mm_processor_kwargs", "prompt_embeds"}
+    {"lora_request", "lora_name", "lora_path", "multi_modal_data", "mm_processor_kwargs", "prompt_embeds"}
 )
 
 
 def read_prompts(path: str | os.PathLike) -> list[Prompt]:
     """Prompts from a JSONL file. Each non-empty line is ``{"token_ids": [...]}``
     (or ``prompt_token_ids``), ``{"text": "..."}`` (or ``prompt``), a bare list of token
-    ids, or a bare string. Raises ``WarmupError`` naming the first bad line."""
+    ids, or a bare string. An object may name its tenant, ``"cache_salt": "..."`` (a
+    non-empty string, as vLLM takes it): only that tenant's requests read its blocks.
+    Raises ``WarmupError`` naming the first bad line."""
     p = Path(path)
     try:
         lines = p.read_text().splitlines()
@@ -126,18 +130,23 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
         if isinstance(item, Mapping):
             if changing := sorted(KV_CHANGING_KEYS.intersection(item)):
                 raise WarmupError(
-                    f"{p}:{n}: {', '.join(changing)}: the warm-up writes plain prompts' blocks only; a request "
+                    f"{p}:{n}: {', '.join(changing)}: the warm-up computes a prompt's KV from its tokens alone; a request "
                     f"with {changing[0]} has KV (and block hashes) of its own, which this would not be"
                 )
             ids = item.get("token_ids", item.get("prompt_token_ids"))
             text = item.get("text", item.get("prompt"))
             if ids is None and text is None:
                 raise WarmupError(f"{p}:{n}: expected a 'token_ids' or 'text' key, got keys {sorted(item)}")
+            salt = item.get("cache_salt")
+            if salt is not None and not (isinstance(salt, str) and salt):
+                raise WarmupError(f"{p}:{n}: cache_salt: expected a non-empty string (the tenant), got {salt!r}")
             item = ids if ids is not None else text
+        else:
+            salt = None
         if isinstance(item, str):
-            out.append(Prompt(n, text=item))
+            out.append(Prompt(n, text=item, cache_salt=salt))
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in item):
-            out.append(Prompt(n, token_ids=item))
+            out.append(Prompt(n, token_ids=item, cache_salt=salt))
         else:
             raise WarmupError(f"{p}:{n}: expected token ids (a list of non-negative integers) or text")
     return out
