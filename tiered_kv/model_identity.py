@@ -278,24 +278,28 @@ def pinned_fields(extra: Mapping[str, Any], *, model: str | None = None) -> dict
     ``model_revision``: vLLM's ``--revision`` overrides the config's, so a tool that
     judges which namespaces a server reads cannot know it. ``model`` is the server's model (vLLM's ``--model``: a
     directory or a hub id in the local HF cache) for a config that sets no
-    ``model_id`` or ``model_path``: vLLM fills those in from it. Raises ``ConfigError``."""
+    ``model_id`` or ``model_path``: vLLM fills those in from it. A key set to null is
+    unset, as vLLM and the runtime take it. For a hub id the weights digest is not
+    pinned: the server digests the snapshot of its ``--revision`` (``main`` without
+    one), which the tool cannot see either. Raises ``ConfigError``."""
     from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, TieredConfig
 
     cfg = TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
     out: dict[str, Any] = {"hash_algorithm": cfg.hash_algorithm}
     for key in ("model_id", "hash_seed", "block_size"):
-        if key in extra:
+        if extra.get(key) is not None:
             out[key] = getattr(cfg, key)
     if "model_id" not in out and model is not None:
         out["model_id"] = model
     where = cfg.model_path
     if where is None and model is not None:
-        found = resolve_model_dir(model, cfg.model_revision if "model_revision" in extra else None)
-        if found is None:
+        local = Path(model).expanduser()
+        if local.is_dir():
+            where = str(local.absolute())
+        elif not (hf_hub_cache() / ("models--" + model.strip("/").replace("/", "--"))).is_dir():
             raise ConfigError(
                 f"--model: {model!r} is neither a directory nor in the local Hugging Face cache ({hf_hub_cache()})"
             )
-        where = str(found)
     if where is not None:
         out["weights_digest"] = weights_digest(where).digest
     return out

@@ -378,6 +378,34 @@ def test_clear_keeps_namespaces_that_only_the_servers_own_flags_tell_apart(model
     assert seeds == [("", "v2"), ("42", "main")]
     args = ("inspect", "clear", str(cache), "--unread-by", str(live), "--model", str(model_dir), "--yes", "--json")
     assert json.loads(run_cli(*args).stdout)["removed"] == [] and len(list_namespaces(cache)) == 2
+    # A key set to null is unset, for vLLM and the server alike: a null block_size is one
+    # GPU block per chunk, the namespaces' 16 tokens.
+    null = write_transfer_config(
+        tmp_path / "null.json",
+        {"disk_path": str(cache), "disk_bytes": "8MiB", "block_size": None, "model_id": "tiny-llama"},
+    )
+    args = ("inspect", "clear", str(cache), "--unread-by", str(null), "--model", str(model_dir), "--yes", "--json")
+    assert json.loads(run_cli(*args).stdout)["removed"] == [] and len(list_namespaces(cache)) == 2
+
+
+def test_a_hub_ids_weights_are_not_judged_by_the_configs_revision(tmp_path, monkeypatch):
+    """The server digests the snapshot of vLLM's ``--revision`` (``main`` without one),
+    never the config's ``model_revision``: a tool given a hub id cannot know which, so it
+    pins no digest for it (a directory's it does)."""
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    repo = hub / "models--org--tiny"
+    for ref, commit, seed in (("main", "a" * 40, 1), ("v2", "b" * 40, 2)):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+        save_tiny_llama(repo / "snapshots" / commit, seed=seed)
+    extra = {"disk_path": str(tmp_path / "cache"), "model_revision": "v2"}
+    assert "weights_digest" not in mi.pinned_fields(extra, model="org/tiny")
+    assert mi.pinned_fields(extra, model="org/tiny")["model_id"] == "org/tiny"
+    snapshot = repo / "snapshots" / ("b" * 40)
+    assert mi.pinned_fields(extra, model=str(snapshot))["weights_digest"] == mi.weights_digest(snapshot).digest
+    with pytest.raises(ConfigError, match="--model: 'org/missing' is neither a directory nor in the local"):
+        mi.pinned_fields(extra, model="org/missing")
 
 
 def test_config_command_takes_the_model_from_its_directory_and_prints_the_namespace(model_dir, tmp_path):
