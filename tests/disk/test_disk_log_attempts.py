@@ -40,7 +40,7 @@ def slots_of(out) -> list[int]:
 
 @pytest.mark.parametrize("poll_interval", [None, 0.002])
 def test_a_failed_attempts_records_do_not_free_the_next_store_of_its_block(tmp_path, poll_interval):
-    with engine(tmp_path, tp_size=2, capacity=2, poll_interval=poll_interval) as (m, s, layout):
+    with engine(tmp_path, tp_size=2, capacity=3, poll_interval=poll_interval) as (m, s, layout):
         out = m.prepare_store([B])
         for rank in (0, 1):
             write(s, layout, rank, [B], slots_of(out))
@@ -50,19 +50,46 @@ def test_a_failed_attempts_records_do_not_free_the_next_store_of_its_block(tmp_p
         s.log_failed(1, [A], slots_of(first))
         m.complete_store([A], success=False)  # the job reports the failure before the log is read
 
+        # The failed attempt's slot holds rank 0's bytes and index bit: it is not handed
+        # out again until its records are read and that entry is gone.
         again = m.prepare_store([A])
-        assert slots_of(again) == slots_of(first), "the freed slot is handed out again first"
+        assert slots_of(again) != slots_of(first)
         m.refresh()
-        assert m.is_pending(A) and m.num_free_slots() == 0, "the old failure must not free the new store's slot"
+        assert m.is_pending(A), "the old failure must not settle the new store"
+        m.flush()
+        assert s.entry(A) is None, "the failed attempt's partial entry was kept"
         other = m.prepare_store([C])
-        assert other is None or slots_of(other) != slots_of(again), "a slot still being written was handed out"
+        assert other is not None and slots_of(other) == slots_of(first), "the slot came back once free"
 
         for rank in (0, 1):
             write(s, layout, rank, [A], slots_of(again))
         m.complete_store([A])
         m.refresh()
         assert m.lookup([A]) == 1 and m.stats.store_failures == 1
-        assert s.entry(A) is not None and s.entry(A).slot == slots_of(again)[0]
+        assert s.entry(A) is not None and s.entry(A).slot == slots_of(again)[0] and s.entry(A).ranks == 3
+
+
+def test_a_store_given_up_while_a_rank_still_writes_keeps_its_slot_until_every_rank_reported(tmp_path):
+    """A store job failed on one rank (or a reset abandoned it) while another rank's write
+    of it is still queued: neither its slot nor its block is stored again until every
+    rank logged its outcome, so a write landing late never counts toward, mixes with or
+    takes the index entry of a later store."""
+    with engine(tmp_path, tp_size=2, capacity=2) as (m, s, layout):
+        first = m.prepare_store([A])
+        m.abandon_store([A])  # nothing logged yet: both ranks may still write
+        assert m.num_free_slots() == 1
+        assert slots_of(m.prepare_store([A])) == [], "stored again while a rank may still write it"
+        write(s, layout, 0, [A], slots_of(first))  # the abandoned writes land late
+        write(s, layout, 1, [A], slots_of(first))
+        m.refresh()
+        assert not m.is_loadable(A), "a late write of the given-up store made it loadable"
+        m.flush()
+        assert m.num_free_slots() == 2 and s.entry(A) is None, "every rank reported: slot and entry are free"
+        again = m.prepare_store([A])
+        for rank in (0, 1):
+            write(s, layout, rank, [A], slots_of(again))
+        m.refresh()
+        assert m.is_loadable(A) and s.entry(A).slot == slots_of(again)[0] and s.entry(A).ranks == 3
 
 
 def test_an_old_ok_record_does_not_make_a_new_store_loadable_before_it_is_written(tmp_path):

@@ -7,6 +7,7 @@ of every rank are checked."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -253,3 +254,58 @@ def test_kv_events_name_the_tier(tmp_path):
         assert engine.manager.take_events() == []
     finally:
         engine.close()
+
+
+def test_a_store_failed_on_one_rank_never_mixes_with_its_next_store(tmp_path):
+    """Rank 1's GPU->CPU copy of a chunk fails while rank 0's disk write of it is still
+    queued; the chunk is computed again (other bytes) and stored again. The disk takes
+    it again only once every rank has an outcome for the failed store (rank 1 logs the
+    write it dropped, rank 0's late write lands), and a load from disk then gives the
+    new bytes on every rank."""
+    with Engine({"cpu_bytes": f"{2 * sum(PAGES)}B", "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}) as e:
+        disk = e.manager.composite.tier("disk")
+        stager = e.workers[0].store_handler.stagers[0]
+        write, gate, batches = stager._write, threading.Event(), []
+
+        def gated(staged):  # rank 0's first disk write batch waits for the gate
+            batches.append(len(batches))
+            if len(batches) == 1:
+                gate.wait()
+            return write(staged)
+
+        stager._write = gated
+        copy = e.workers[1].store_handler.gpu_to_cpu
+        submit, fail_once = copy.transfer_async, [True]
+
+        def failing(job, spec):
+            if fail_once:
+                fail_once.pop()
+                raise RuntimeError("injected: rank 1's GPU->CPU copy fails")
+            return submit(job, spec)
+
+        copy.transfer_async = failing
+        key = _key(1)
+        _fill(e, 1)
+        e.store([key], [3])  # failed on rank 1: dropped
+        _fill(e, 2)
+        new = [[t[3].clone() for t in tensors] for tensors in e.gpu]
+        e.store([key], [3])  # into CPU; not to disk while rank 0 may still write the old store
+        time.sleep(0.2)
+        disk.refresh()
+        assert not disk.is_loadable(key) and not disk.is_pending(key)
+        gate.set()  # rank 0's write of the failed store lands
+        deadline = time.monotonic() + 10
+        while disk.num_free_slots() < disk.capacity and time.monotonic() < deadline:
+            disk.refresh()
+            disk.flush()
+        assert disk.num_free_slots() == disk.capacity, "the failed store's slot never came back"
+        e.store([_key(2), _key(3)], [4, 5])  # the chunk leaves the CPU tier for the disk
+        e.durable()
+        assert disk.is_loadable(key)
+        assert e.lookup(key) is LookupResult.HIT
+        for tensors in e.gpu:
+            for t in tensors:
+                t.zero_()
+        e.load([key], [10])
+        for rank in range(WORLD):
+            assert all(torch.equal(t[10], b) for t, b in zip(e.gpu[rank], new[rank])), f"rank {rank}"

@@ -229,8 +229,10 @@ class Hierarchy(RuleBasedStateMachine):
         for disk in self.manager.lower:
             used = disk.capacity - disk.num_free_slots()
             assert used <= DISK_SLOTS
-            # Every used slot holds a loadable, pending or corrupt-but-read block: none leaks.
-            assert used == len(disk) + disk.num_pending() + len(disk._doomed)
+            # Every used slot holds a loadable, pending or corrupt-but-read block, or a failed
+            # store's until every rank reported and its entry is gone: none leaks.
+            held_back = len(disk._settling) + len(disk._releasing)
+            assert used == len(disk) + disk.num_pending() + len(disk._doomed) + held_back
 
     @invariant()
     def pinned_blocks_stay_where_loads_read_them(self):

@@ -53,7 +53,7 @@ _EXPORTS = {
     "aligned_empty": "tiered_kv.disk.store.io_backends",
     "select_backend": "tiered_kv.disk.store.io_backends",
     "RefreshResult": "tiered_kv.disk.scheduler.log_fold",
-    "DiskManagerStats": "tiered_kv.disk.scheduler.manager",
+    "DiskManagerStats": "tiered_kv.disk.scheduler.stats",
     "DiskOffloadingManager": "tiered_kv.disk.scheduler.manager",
     "CacheLockedError": "tiered_kv.disk.format.namespace",
     "FingerprintMismatchError": "tiered_kv.disk.format.namespace",

@@ -99,6 +99,34 @@ class _Job:
         return tuple(int(b) for i in self.failed for b in self.gpu_blocks[i])
 
 
+def _give_up(branch: deque) -> None:
+    """Drop a failed branch's steps, telling each that has writes planned (a stage
+    step: ``abandon``) that they will not happen, so its tier learns it."""
+    while branch:
+        step = branch.popleft()
+        abandon = getattr(step, "abandon", None)
+        if abandon is not None:
+            abandon()
+
+
+class _StageStep:
+    """A step of a store job: stage ``writes`` into a lower tier's ``stager``; if it
+    never runs, or raises as it starts, the stager is told the writes will not happen."""
+
+    def __init__(self, stager: Stager, writes: TierWrites):
+        self.stager, self.writes = stager, writes
+
+    def __call__(self) -> _Step:
+        try:
+            return _Step("", 0, future=self.stager.stage(self.writes))
+        except Exception:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        self.stager.abandon(self.writes)
+
+
 class _PipelineHandler(OffloadingHandler):
     """Runs each job as branches of sequential steps over inner handlers and futures."""
 
@@ -167,7 +195,7 @@ class _PipelineHandler(OffloadingHandler):
                     job.current[i] = None
                     if not result:
                         job.failed.append(i)
-                        branch.clear()  # later steps of a failed branch would act on bad data
+                        _give_up(branch)  # later steps of a failed branch would act on bad data
                 if not branch:
                     break
                 try:
@@ -175,7 +203,7 @@ class _PipelineHandler(OffloadingHandler):
                 except Exception:  # a step that raises as it starts fails its branch, reported once
                     logger.exception("job %d: a step raised as it started", job.job_id)
                     job.failed.append(i)
-                    branch.clear()
+                    _give_up(branch)
 
     def _poll(self) -> None:
         self._collect_inner()
@@ -242,7 +270,7 @@ class TieredStoreHandler(_PipelineHandler):
         steps: deque = deque()
         for stager, writes in zip(self.stagers, spills):
             if writes and stager is not None:
-                steps.append(partial(self._stage_step, stager, writes))
+                steps.append(_StageStep(stager, writes))
         plain_dst = CPULoadStoreSpec(spec_as(dst, CPULoadStoreSpec).block_ids)
         steps.append(
             partial(
@@ -255,12 +283,8 @@ class TieredStoreHandler(_PipelineHandler):
         )
         for stager, writes in zip(self.stagers, write_through):
             if writes and stager is not None:
-                steps.append(partial(self._stage_step, stager, writes))
+                steps.append(_StageStep(stager, writes))
         return self._start(job_id, [steps])
-
-    @staticmethod
-    def _stage_step(stager: Stager, writes: TierWrites) -> _Step:
-        return _Step("", 0, future=stager.stage(writes))
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -558,8 +558,8 @@ class TieredOffloadingManager(OffloadingManager):
             abandoned = [h for h in block_hashes if h in pending]
             pending.difference_update(abandoned)
             if not success and abandoned:
-                # The worker never had the bytes to write: release the reserved slots.
-                tier.complete_store(abandoned, success=False)
+                # A rank may still write them: a tier that can wait for every rank's outcome does.
+                getattr(tier, "abandon_store", lambda hs: tier.complete_store(hs, success=False))(abandoned)
 
     # ------------------------------------------------------------------ misc
 

@@ -198,6 +198,10 @@ class Stager(Protocol):
         """Start copying ``writes``' CPU slots out; the future is done once those slots
         may be overwritten."""
 
+    def abandon(self, writes: TierWrites) -> None:
+        """``writes`` will never be staged (their job failed first): record their failure
+        where the tier learns each write's outcome, as for a write that failed."""
+
     def drain(self) -> None:
         """Block until every staged write has landed (or failed)."""
 

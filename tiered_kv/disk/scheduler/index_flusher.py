@@ -47,7 +47,9 @@ class IndexFlusher:
     says how long to wait between polls of the log (None: no blocks are pending, do not
     poll); ``refresh(max_records, records_per_hold)`` polls it; ``still_held`` names
     the ``(hash, slot)`` deletions the manager stored again meanwhile (checked inside
-    the write transaction, so a re-store survives). ``stats`` counts the writes.
+    the write transaction, so a re-store survives). ``released(slots)`` is called
+    (lock held) with the slots of deletions queued with ``release=True`` once the write
+    that applied them has committed. ``stats`` counts the writes.
     """
 
     def __init__(
@@ -60,11 +62,14 @@ class IndexFlusher:
         poll_interval: Callable[[], float | None],
         refresh: Callable[[int, int], _Refreshed],
         still_held: Callable[[Iterable[tuple[bytes, int]]], set[tuple[bytes, int]]],
+        released: Callable[[list[int]], None] = lambda slots: None,
     ):
         self._index, self._lock, self._stats = index, lock, stats
         self._flush_interval = flush_interval
         self._poll_interval, self._refresh, self._still_held = poll_interval, refresh, still_held
         self._deletions: list[tuple[bytes, int]] = []
+        self._released = released
+        self._releases: list[tuple[bytes, int]] = []  # deletions whose slots wait for them
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._trim_upto = 0
         self._wake = threading.Event()
@@ -85,9 +90,11 @@ class IndexFlusher:
         """Something changed: poll now if polling, and write the queue soon."""
         self._wake.set()
 
-    def delete(self, h: bytes, slot: int) -> None:
-        """Queue the deletion of ``h``'s entry if it still points at ``slot`` (lock held)."""
-        self._deletions.append((h, slot))
+    def delete(self, h: bytes, slot: int, release: bool = False) -> None:
+        """Queue the deletion of ``h``'s entry if it still points at ``slot`` (lock held);
+        ``release``: hand ``slot`` to ``released`` once the deletion is written (a failed
+        write is retried with the next)."""
+        (self._releases if release else self._deletions).append((h, slot))
 
     def touch(self, h: bytes, now: float, hits: int) -> None:
         """Queue an access of ``h`` at ``now`` adding ``hits`` hits (lock held)."""
@@ -157,17 +164,22 @@ class IndexFlusher:
         """Write the queued access times, deletions and log trimming to the index."""
         with self._lock:
             deletions, self._deletions = self._deletions, []
+            releases, self._releases = self._releases, []
             touches, self._touches = self._touches, {}
             trim = self._trim_upto
-        if not (deletions or touches or trim):
+        if not (deletions or releases or touches or trim):
             return
         try:
-            self._index.apply_batch(deletions, touches, trim, self._still_held)
+            self._index.apply_batch(deletions + releases, touches, trim, self._still_held)
             self._stats.index_flushes += 1
             with self._lock:
                 if self._trim_upto == trim:
                     self._trim_upto = 0
+                if releases:
+                    self._released([slot for _, slot in releases])
         except Exception:
+            with self._lock:  # until its entry is gone the slot must not take the block again
+                self._releases[:0] = releases
             self._stats.index_flush_errors += 1
             logger.exception(
                 "disk index flush of %d deletions, %d touches failed; they are "

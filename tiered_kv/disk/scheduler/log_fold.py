@@ -5,7 +5,10 @@ flusher's); no I/O: the records were read from the index log by one LMDB read
 transaction (``DiskIndex.read_log_columns``). A pending block becomes durable once every
 rank logged ``ok`` for the slot it waits on; a ``failed`` record marks it failed, and
 its slot is freed once every rank has logged an outcome; a ``corrupt`` record drops a
-loadable block.
+loadable block. A store given up while ranks may still write its slot (``settling``:
+the job failed on one rank, or a reset abandoned it) keeps the slot out of use until
+every rank has logged its outcome there, so a write landing late can never count
+toward, or mix with, a later store to that slot.
 """
 
 from __future__ import annotations
@@ -105,13 +108,18 @@ def fold_log(
     *,
     drop_corrupt: Callable[[bytes, int], bool],
     free_failed: Callable[[bytes, int], None],
+    settling: dict[int, tuple[bytes, int]] | None = None,
+    free_settled: Callable[[bytes, int], None] | None = None,
 ) -> list[tuple[bytes, int]]:
     """Fold log ``records`` (hashes, statuses, ranks, slots) into ``pending`` (hash ->
     the slot it waits on) and ``progress``, with ``full`` the bitmask of every rank;
     returns the ``(hash, slot)`` pairs that became durable on every rank, in log order.
     ``drop_corrupt(h, slot)`` drops a loadable block found corrupt (True if it was
     loadable from that slot); ``free_failed(h, slot)`` frees the slot of a failed
-    store that no rank still writes. Failed and corrupt blocks go into ``result``."""
+    store that no rank still writes. ``settling`` (slot -> the hash of the store given
+    up there, and the ranks that logged its outcome so far) takes the records of those
+    stores; ``free_settled(h, slot)`` frees each once every rank has. Failed and corrupt blocks
+    go into ``result``."""
     durable = []
     for h, status, rank, slot in zip(*records):
         if status == LOG_CORRUPT:
@@ -119,6 +127,14 @@ def fold_log(
                 result.corrupt.append(h)
             continue
         if pending.get(h) != slot:
+            if settling and (given_up := settling.get(slot)) is not None and given_up[0] == h:
+                reported = given_up[1] | 1 << rank
+                if reported & full == full:
+                    del settling[slot]
+                    assert free_settled is not None
+                    free_settled(h, slot)
+                else:
+                    settling[slot] = (h, reported)
             continue
         ranks, reported, failed = progress.get(h, NO_PROGRESS)
         bit = 1 << rank

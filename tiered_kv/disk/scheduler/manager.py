@@ -20,26 +20,22 @@ a write transaction on the caller's thread:
   commit the index entry (``store.py``).
 - A block becomes loadable on ``complete_store(success=True)`` (every rank's job
   finished) or earlier, when ``refresh()`` finds every rank's ``ok`` record in the
-  index's log. ``refresh()`` drops blocks that a worker found corrupt, and frees the
-  slot of a pending block whose store failed on some rank once every rank has logged
-  its outcome (no write to the slot is left in flight), so a failed write frees its
-  slot even when no job reports it (composite spills; ``log_fold.py``).
+  index's log. ``refresh()`` drops blocks that a worker found corrupt. A failed store
+  (a ``failed`` record, or ``complete_store(success=False)``) frees its slot, and may
+  store its block again, only once every rank has logged its outcome there and its
+  partial entry is deleted (``log_fold.py``): a late write never mixes with a later one.
 - An evicted block's index entry stays until a worker reuses its slot: workers clear a
   slot's old entry (synced) before overwriting it, so until then the entry describes
   intact, checksummed bytes, and after a restart such a block is simply loadable again.
   Deleting entries at eviction would cost the scheduler process several LMDB calls
   per evicted block for nothing the workers do not already do.
-- A background flusher thread (``index_flusher.py``) runs ``refresh()`` every
-  ``poll_interval`` while blocks are pending or settled jobs' records are unread (a
-  read transaction, applied 64 records per lock hold), so the scheduler's own calls
-  rarely find log records left to read. The same thread writes
-  access times, log trimming and the deletion of entries that must not come back
-  (removed or corrupt blocks, failed stores, partial entries found at startup) to the
-  index, batched into one transaction every few milliseconds. A delete only applies if
-  the entry still points at that slot and the manager has not meanwhile stored the
-  block there again (checked inside the flusher's transaction), so a re-store always
-  survives. Losing queued updates in a crash never makes a torn block loadable: whoever
-  overwrites a slot clears its entry first.
+- A background flusher thread (``index_flusher.py``) runs ``refresh()`` every ``poll_interval`` while
+  blocks are pending or records are unread (64 records per lock hold), so the scheduler's calls rarely
+  read the log. It writes access times, log trimming and the deletion of entries that must not come back
+  (removed or corrupt blocks, failed stores, partial entries found at startup) in one transaction every
+  few milliseconds; a delete applies only if the entry still points at that slot and the block was not
+  stored there again (checked in the transaction). Losing queued updates in a crash never makes a torn
+  block loadable: whoever overwrites a slot clears its entry first.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Container, Iterable, Iterator
-from dataclasses import dataclass, fields
 from itertools import filterfalse
 from typing import TYPE_CHECKING
 
@@ -62,6 +57,7 @@ from tiered_kv.abstract import BlockHash, LowerTier, OffloadingEvent, Offloading
 from tiered_kv.config_values import DEFAULT_CHECKSUM
 from tiered_kv.disk.scheduler.adoption import adopt_snapshot
 from tiered_kv.disk.scheduler.block_table import BlockTable
+from tiered_kv.disk.scheduler.stats import DiskManagerStats
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.scheduler.index_flusher import IndexFlusher
 from tiered_kv.disk.format.index_records import LOG_OK, IndexSnapshot, LogColumns
@@ -88,27 +84,6 @@ logger = logging.getLogger(__name__)
 
 #: Blocks moved from the startup ("cold") generation of the table per lock hold.
 _WARM_UP_CHUNK = 256
-
-
-@dataclass
-class DiskManagerStats:
-    """Counters of the disk manager (monotonic)."""
-
-    stores: int = 0
-    store_failures: int = 0
-    store_rejections: int = 0  # prepare_store returned None: no room
-    loads: int = 0
-    checksum_failures: int = 0  # blocks workers found corrupt or missing
-    evictions: int = 0
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    reclaimed_at_open: int = 0  # partial or invalid entries dropped at startup
-    index_flushes: int = 0
-    index_flush_errors: int = 0
-    index_read_errors: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class DiskOffloadingManager(OffloadingManager):
@@ -201,6 +176,10 @@ class DiskOffloadingManager(OffloadingManager):
         self._pins: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}  # corrupt but still pinned by a load: hash -> slot
         self._unread = UnreadSettles(capacity)  # jobs settled before refresh() read their records
+        # Stores given up while ranks may still write: slot -> (hash, ranks reported there);
+        # then (``_releasing``) until their entries are deleted.
+        self._settling: dict[int, tuple[bytes, int]] = {}
+        self._releasing: set[int] = set()
         self._free: list[int] = []
         # Index updates wait for the flusher (queued with the lock held).
         self._index_flusher = IndexFlusher(
@@ -211,6 +190,7 @@ class DiskOffloadingManager(OffloadingManager):
             poll_interval=self._poll_now,
             refresh=self.refresh,
             still_held=self._still_held,
+            released=self._released,
         )
         self._log_seen = 0
         t0 = time.perf_counter()
@@ -325,6 +305,8 @@ class DiskOffloadingManager(OffloadingManager):
                 to_store = self._table.absent_among(seen, self._pending)
             if self._doomed:  # corrupt and still read: the slot is not free yet
                 to_store = list(filterfalse(self._doomed.__contains__, to_store))
+            if self._settling:  # a late write of the given-up store would take the entry back
+                to_store = list(filterfalse({h for h, _ in self._settling.values()}.__contains__, to_store))
             free = self._free
             need = len(to_store) - len(free)
             evicted: list[bytes] = []
@@ -349,7 +331,7 @@ class DiskOffloadingManager(OffloadingManager):
             self._index_flusher.wake()
         return PrepareStoreOutput(to_store, DiskLoadStoreSpec(slots, to_store), evicted)
 
-    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True, in_flight: bool = False) -> None:
         stored = []
         with self._lock:
             for h in self._unread.settle(block_hashes):
@@ -361,11 +343,21 @@ class DiskOffloadingManager(OffloadingManager):
                     stored.append((h, slot))
                 else:
                     self.stats.store_failures += 1
-                    self._release_slot(h, slot)
+                    if in_flight and progress.reported & self._full_mask != self._full_mask:
+                        self._settling[slot] = (h, progress.reported)
+                    else:  # no rank writes the slot any more (the caller's word, or their records)
+                        self._release_failed(h, slot)
             self._make_loadable(stored)
             if stored:
                 self._event([h for h, _ in stored], removed=False)
         self._index_flusher.wake()
+
+    def abandon_store(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Give up pending stores whose writes ranks may still make (a write-through copy
+        of a job that failed on one rank, or that a reset abandoned): never loadable, and
+        neither the slot nor the block is stored again until every rank has logged its
+        outcome there (``log_fold``)."""
+        self.complete_store(block_hashes, success=False, in_flight=True)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call. Runs ``refresh()`` first unless the flusher thread
@@ -394,14 +386,11 @@ class DiskOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------ extras
 
     def refresh(self, max_records: int = 1 << 30, records_per_hold: int | None = None) -> RefreshResult:
-        """Apply what workers logged since the last call (at most ``max_records`` log
-        records; ``result.more`` says whether some are left): pending blocks committed
-        by every rank become loadable; pending blocks that failed on a rank are marked
-        failed, and freed once every rank has logged (or by their ``complete_store``);
-        loadable blocks found corrupt are dropped. Idempotent; an MVCC read, never
-        waits for writers. The flusher thread also runs it while blocks are pending,
-        applying at most ``records_per_hold`` records per hold of the manager's lock
-        (None: all in one)."""
+        """Apply what workers logged since the last call (at most ``max_records`` records;
+        ``result.more``: some are left): blocks durable on every rank become loadable, failed
+        stores are freed once every rank has logged, corrupt blocks are dropped. Idempotent, an
+        MVCC read that never waits for writers; the flusher runs it while blocks are pending,
+        ``records_per_hold`` records per hold of the manager's lock (None: all in one)."""
         result = RefreshResult([], [], [])
         settled = self._unread.settled  # their records are in the log: this read sees them
         try:
@@ -510,7 +499,7 @@ class DiskOffloadingManager(OffloadingManager):
             return False
         hashes, statuses, slots = log.block_hash[first:end], log.status[first:end], log.slot[first:end]
         corrupt_before = len(result.corrupt)
-        if self._full_mask == 1 and not self._progress and statuses.count(LOG_OK) == len(statuses):
+        if self._full_mask == 1 and not (self._progress or self._settling) and statuses.count(LOG_OK) == len(statuses):
             durable = fold_good_writes(self._pending, hashes, slots)
         else:
             durable = fold_log(
@@ -521,6 +510,8 @@ class DiskOffloadingManager(OffloadingManager):
                 result,
                 drop_corrupt=self._drop_corrupt,
                 free_failed=self._free_failed,
+                settling=self._settling,
+                free_settled=self._release_failed,
             )
         self._log_seen = log.seq[end - 1]
         self._index_flusher.trim_to(self._log_seen)
@@ -549,7 +540,18 @@ class DiskOffloadingManager(OffloadingManager):
     def _free_failed(self, h: bytes, slot: int) -> None:
         """Pending block ``h``'s store failed and no rank still writes ``slot``."""
         self.stats.store_failures += 1
-        self._release_slot(h, slot)
+        self._release_failed(h, slot)
+
+    def _release_failed(self, h: bytes, slot: int) -> None:
+        """Free the slot of ``h``'s failed store once its entry is deleted: a rank whose
+        write succeeded left its bit there, which a later store of ``h`` to the same slot
+        would complete with another computation's shards (and a restart adopt)."""
+        self._releasing.add(slot)
+        self._index_flusher.delete(h, slot, release=True)
+
+    def _released(self, slots: list[int]) -> None:
+        self._releasing.difference_update(slots)
+        self._free.extend(slots)
 
     def _make_loadable(self, blocks: list[tuple[bytes, int]]) -> None:
         """``(hash, slot)`` pairs become loadable, most recent last."""
@@ -566,9 +568,7 @@ class DiskOffloadingManager(OffloadingManager):
             self._events.append(OffloadingEvent(list(hashes), self.block_size, self.medium, removed))
 
     def _held(self, h: bytes, slot: int) -> bool:
-        if self._table.get(h) == slot or self._doomed.get(h) == slot:
-            return True
-        return self._pending.get(h) == slot
+        return self._table.get(h) == slot or self._doomed.get(h) == slot or self._pending.get(h) == slot
 
     # ------------------------------------------------------------ for the flusher and warm-up threads
 
@@ -576,7 +576,7 @@ class DiskOffloadingManager(OffloadingManager):
         """How long the flusher waits between polls of the log: ``poll_interval`` while
         blocks are pending, else None (it does not poll)."""
         with self._lock:
-            polling = self.poll_interval is not None and bool(self._pending or self._unread)
+            polling = self.poll_interval is not None and bool(self._pending or self._unread or self._settling)
         return self.poll_interval if polling else None
 
     def _still_held(self, items: Iterable[tuple[bytes, int]]) -> set[tuple[bytes, int]]:

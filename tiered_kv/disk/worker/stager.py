@@ -113,6 +113,12 @@ class DiskStager(Closing):
             return future
         return self._packer.submit(self._stage, writes)
 
+    def abandon(self, writes: TierWrites) -> None:
+        """``writes`` will never be staged: log them failed, so the manager frees their
+        slots (it waits for every rank's outcome before reusing one)."""
+        self.stats.count(self.tier_name, "drops", len(writes))
+        self._record_failed(writes.block_hashes, writes.tier_slots.tolist())
+
     def _stage(self, writes: TierWrites) -> None:
         hashes = writes.block_hashes
         tier_slots = writes.tier_slots.tolist()

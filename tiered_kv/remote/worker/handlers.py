@@ -89,6 +89,11 @@ class RemoteStager(Closing):
         once those slots may be overwritten (copied, or the writes dropped)."""
         return self._packer.submit(self._stage, writes)
 
+    def abandon(self, writes: TierWrites) -> None:
+        """``writes`` will never be staged: counted as dropped (the shared tier's
+        manager learns outcomes from its jobs, and reserves no slot)."""
+        self.stats.count(self.tier_name, "drops", len(writes))
+
     def _drop(self, n: int, why: str) -> None:
         logger.warning("%s tier: dropping %d uploads on rank %d (%s)", self.tier_name, n, self.rank, why)
         self.stats.count(self.tier_name, "drops", n)
