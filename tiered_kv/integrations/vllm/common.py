@@ -206,8 +206,8 @@ def metric_definitions(extra: Sequence[MetricDef] = ()) -> dict[str, OffloadingM
         WORKER_JOB_FAILURES: OffloadingCounterMetadata(
             documentation=(
                 "Worker jobs that failed inside tiered-kv and were reported to vLLM as "
-                "done (vLLM cannot take a failure); kind store or promotion. Their CPU "
-                "slots are never served."
+                "done (vLLM cannot take a failure); kind store, promotion or load (a copy "
+                "from the CPU tier to the GPU). Their CPU slots are never served."
             ),
             labelnames=("kind",),
         ),

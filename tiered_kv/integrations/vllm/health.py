@@ -13,6 +13,15 @@ reports the job, so by the time all workers have reported and vLLM calls
 exactly the slots that job wrote (a slot is written by one job at a time, so nothing
 else races on it). Any rank failing marks the slot for all ranks.
 
+A load whose CPU -> GPU copy failed marks the slots it read, too (``LoadSlots``): served
+again, the chunk would fail again, and vLLM, which recomputes a request whose load
+failed, would load it again without end. Many loads may read one slot at once, so such
+a mark says only that some read of the slot's chunk failed; whichever of those loads
+ends first takes it, and the chunk is never served again and leaves the CPU tier once
+no load pins it. A slot is marked only while a load pins its chunk, and the mark is
+taken when that load ends (or, for loads a cache reset abandoned, once vLLM reports
+them flushed), before the slot can hold another chunk: no mark reaches a later one.
+
 Where it lives (``private_dir``): in a directory of the engine's own, mode ``0700``,
 named after this user's uid and a digest of vLLM's engine id (unique per engine and
 data-parallel replica): ``tiered-kv-<uid>-<digest>`` in ``/dev/shm``. Nothing passes
@@ -81,12 +90,20 @@ import struct
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiered_kv.abstract import Closing
 from tiered_kv.cost import PREFILL, load_transfer_types
 from tiered_kv.disk.format.safe_open import CacheEntryError, describe, open_dir, open_file
+from tiered_kv.mediums import ids_spec
+from tiered_kv.tiered.transfer_specs import TieredLoadSpec
+
+if TYPE_CHECKING:
+    from tiered_kv.abstract import LoadStoreSpec
+    from tiered_kv.cpu.manager import CPUOffloadingManager
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +337,92 @@ class SlotHealth(Closing):
             self._map.close()
         if unlink:
             _unlink(self.path, self._in_engine_dir)
+
+
+class LoadSlots:
+    """The CPU slot each load in flight reads a chunk from (a CPU hit) or promotes it
+    into, per (request, key), and what their ``SlotHealth`` marks mean when the load ends
+    (module docstring). Scheduler process. ``cpu``: the CPU tier's manager;
+    ``failures``: the manager's count of failed worker jobs, by kind.
+
+    A promotion's mark says the chunk's new bytes are bad: the caller does not keep them.
+    A read's mark says a copy of the chunk to the GPU failed: the chunk is *suspect*,
+    answered MISS by every lookup (``suspect``) and dropped from the CPU tier as soon as
+    no load or lease pins it (``drop``); the request's recomputed KV is stored afresh.
+    """
+
+    def __init__(self, health: SlotHealth, cpu: "CPUOffloadingManager", failures: Counter[str]):
+        self.health, self.cpu, self.failures = health, cpu, failures
+        self._reads: dict[tuple[str, bytes], int] = {}
+        self._writes: dict[tuple[str, bytes], int] = {}
+        self._abandoned: dict[int, bytes] = {}  # read slots of loads a cache reset abandoned
+        #: Chunks a failed read left suspect, and the slot each was in then.
+        self.suspect: dict[bytes, int] = {}
+
+    def started(self, req_id: str, keys: Sequence[bytes], spec: "LoadStoreSpec") -> None:
+        """Request ``req_id``'s load of ``keys`` was prepared as ``spec`` (the composite's:
+        a ``TieredLoadSpec``, or CPU slots when every chunk is CPU-resident)."""
+        if isinstance(spec, TieredLoadSpec):
+            for key, read, write in zip(spec.block_hashes, spec.cpu_slots.tolist(), spec.promote_slots.tolist()):
+                if read >= 0:
+                    self._reads[(req_id, key)] = read
+                elif write >= 0:
+                    self._writes[(req_id, key)] = write
+        else:
+            self._reads.update(zip([(req_id, key) for key in keys], ids_spec(spec).id_list()))
+
+    def ended(self, req_id: str, keys: Sequence[bytes]) -> set[bytes]:
+        """Request ``req_id``'s load of ``keys`` ended: the marks of its slots are taken,
+        and the chunks whose promotion or read failed are returned (the reads' now
+        suspect), logged and counted once for the job. A mark that another load of the
+        same chunk set is taken here too: it says the same of the chunk."""
+        reads = {key: slot for key in keys if (slot := self._reads.pop((req_id, key), None)) is not None}
+        writes = {key: slot for key in keys if (slot := self._writes.pop((req_id, key), None)) is not None}
+        bad = self.health.take_bad([*reads.values(), *writes.values()])
+        if not bad:
+            return set()
+        promoted = {key for key, slot in writes.items() if slot in bad}
+        read = {key for key, slot in reads.items() if slot in bad}
+        if promoted:
+            msg = "request %s: the promotion of %d lower-tier chunks into the CPU tier failed in a worker; %s"
+            logger.error(msg, req_id, len(promoted), "the chunks are not kept in CPU")
+            self.failures["promotion"] += 1
+        if read:
+            msg = "request %s: a worker failed to load %d chunks from the CPU tier; %s"
+            logger.error(msg, req_id, len(read), "they are not served again and are dropped from it")
+            self.failures["load"] += 1
+            self.suspect.update((key, reads[key]) for key in read)
+        return promoted | read
+
+    def drop(self) -> None:
+        """Drop from the CPU tier each suspect chunk that nothing pins any more; forget
+        those that left it (evicted, emptied by a reset)."""
+        cpu = self.cpu
+        for key, slot in list(self.suspect.items()):
+            if cpu.slot_of(key) == slot and cpu.is_loadable(key):
+                try:
+                    cpu.remove(key)
+                except ValueError:  # pinned by another load or a lease: never served, dropped later
+                    continue
+            del self.suspect[key]
+
+    def abandon(self) -> list[int]:
+        """A cache reset: vLLM ends none of the loads in flight. Returns the slots their
+        promotions write (the caller forgets their marks once the loads are flushed);
+        their reads' marks are taken then (``flushed``)."""
+        self._abandoned.update((slot, key) for (_, key), slot in self._reads.items())
+        writes = list(self._writes.values())
+        self._reads.clear()
+        self._writes.clear()
+        return writes
+
+    def flushed(self) -> None:
+        """Every load a reset abandoned is flushed and unpinned: a read of theirs that
+        failed leaves its chunk suspect, as ``ended`` does."""
+        abandoned, self._abandoned = self._abandoned, {}
+        for slot in self.health.take_bad(abandoned):
+            self.suspect[abandoned[slot]] = slot
+        self.drop()
 
 
 #: What a load type's failed totals add to its name in ``LoadTimings``.

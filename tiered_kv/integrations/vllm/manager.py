@@ -22,8 +22,9 @@ this adapter adds is what vLLM's contract demands and ours did not:
 - **A failed worker job must not make garbage loadable.** vLLM always calls
   ``complete_store``/``complete_load`` with success. Our worker reports every job done
   and marks the CPU slots of a job that failed in the shared ``SlotHealth`` map before
-  reporting; here the marks of the slots a job wrote are read, and those chunks are
-  completed as failed (freed, their lower-tier writes abandoned, a promotion not kept).
+  reporting; here the marks of the slots a job wrote or read are taken, and those chunks
+  completed as failed (freed, lower-tier writes abandoned, a promotion not kept, a chunk
+  whose copy to the GPU failed never served again: ``health.LoadSlots``).
 - **Loads chosen by cost, asked per key.** The composite decides per request how many
   leading chunks to load (``tiered_kv.cost``), weighing the queues this scheduler sees
   (``Queues``: requests arrived and not yet scheduled, less those a tier holds; each
@@ -99,7 +100,7 @@ from tiered_kv.integrations.vllm.common import (
     TieredJobSpec,
 )
 from tiered_kv.integrations.vllm.cost_scan import CostScan, positions_of
-from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
+from tiered_kv.integrations.vllm.health import LoadSlots, LoadTimings, SlotHealth
 from tiered_kv.integrations.vllm.hints import HintSettings, KvHints
 from tiered_kv.mediums import CPU
 from tiered_kv.metrics import (
@@ -112,7 +113,6 @@ from tiered_kv.metrics import (
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.retention import retention_metric_values
 from tiered_kv.tiered.spec import HierarchySpec
-from tiered_kv.tiered.transfer_specs import TieredLoadSpec
 from tiered_kv.tiers import HitCheck, HitState
 
 logger = logging.getLogger(__name__)
@@ -187,10 +187,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._lookups = [0] * len(self._names)
         self._info = info
         self._shared_media = {t.medium for t, s in zip(composite.lower, self.shared) if s}
-        # Per (request, key) of a load in flight: where it comes from, and the CPU slot a
-        # promotion writes.
+        # Per (request, key) of a load in flight: where it comes from (its CPU slot: ``loads``).
         self._sources: dict[tuple[str, bytes], CacheHitSource] = {}
-        self._promote_slots: dict[tuple[str, bytes], int] = {}
         # Jobs in flight, so a cache reset can release them (vLLM drops their completions).
         self._open_loads: Counter[bytes] = Counter()
         self._open_stores: Counter[bytes] = Counter()
@@ -198,6 +196,8 @@ class TieredVllmManager(OffloadingManager, Closing):
         self._abandoned_stores: Counter[bytes] = Counter()
         self._abandoned_slots: set[int] = set()  # CPU slots those jobs write: their failure marks
         self._failure_counts: Counter[str] = Counter()
+        self.loads = LoadSlots(health, composite.cpu, self._failure_counts)
+        self._suspect = self.loads.suspect  # bound once: asked per key
         self._increases = CounterIncreases()
         self._waiting: set[str] = set()  # requests neither scheduled nor loading yet
         self._held: set[str] = set()  # those a tier held this step (a check, another's load)
@@ -250,7 +250,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             # flight no lower tier has to serve it (``hit_tier``), so CPU does.
             if scan.leading and self._cpu_loadable(key) and key not in self._open_loads and not self._abandoned_loads:
                 position = last[2](key)
-                if position is not None and position > scan.last:
+                if position is not None and position > scan.last and key not in self._suspect:
                     self._lookups[0] += 1
                     scan.last = scan.lead_end = position  # ``lead_with``, inlined: per key
                     scan.lead += 1
@@ -266,6 +266,8 @@ class TieredVllmManager(OffloadingManager, Closing):
                 tier = self.composite.hit_tier(key)
         asked = self._lookups  # per tier, CPU first: counted into stats each step
         asked[0] += 1
+        if tier == -1 and key in self._suspect:  # a load of it failed: recomputed, stored afresh
+            return _MISS
         if tier is not None and self.costs is not None and self.costs.enabled:
             decided = self._cost_answer(key, tier, req_context)
             if decided is not None:
@@ -407,25 +409,19 @@ class TieredVllmManager(OffloadingManager, Closing):
         spec = self.composite.prepare_load(
             keys, session=req_context.get_state(RequestSession), request=req_context.req_id
         )
-        if isinstance(spec, TieredLoadSpec):
-            for block_hash, slot in zip(spec.block_hashes, spec.promote_slots.tolist()):
-                if slot >= 0:
-                    self._promote_slots[(req_id, block_hash)] = slot
+        self.loads.started(req_id, keys, spec)
         self._open_loads.update(keys)
         return TieredJobSpec(spec)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
         req_id = req_context.req_id
-        promoted = {key: self._promote_slots.pop((req_id, key)) for key in keys if (req_id, key) in self._promote_slots}
-        bad_slots = self.health.take_bad(promoted.values())
-        failed = {key for key, slot in promoted.items() if slot in bad_slots}
+        failed = self.loads.ended(req_id, keys)  # logged and counted there
         if failed:
-            msg = "request %s: the promotion of %d lower-tier chunks into the CPU tier failed in a worker; %s"
-            logger.error(msg, req_id, len(failed), "the chunks are not kept in CPU")
-            self._failure_counts["promotion"] += 1
             self.composite.complete_load(list(failed), success=False)
         self.composite.complete_load([key for key in keys if key not in failed])
+        if self._suspect:
+            self.loads.drop()  # those no other load pins
         for key in keys:
             self._sources.pop((req_id, key), None)
         self._open_loads.subtract(keys)
@@ -489,6 +485,8 @@ class TieredVllmManager(OffloadingManager, Closing):
             self._late[req_id] = scan
         self._undecided.clear()
         self._scan_of = None
+        if self._suspect:  # a lease that pinned one may have ended
+            self.loads.drop()
         self.hints.step(context.new_req_ids)
         self._deferred = [False, self._deferred[0]]
 
@@ -560,10 +558,9 @@ class TieredVllmManager(OffloadingManager, Closing):
         # reset may fail meanwhile, and its mark must keep its chunks from being served.
         cpu = self.composite.cpu
         self._abandoned_slots.update(s for key in self._open_stores if (s := cpu.slot_of(key)) is not None)
-        self._abandoned_slots.update(self._promote_slots.values())
+        self._abandoned_slots.update(self.loads.abandon())
         self._open_loads.clear()
         self._open_stores.clear()
-        self._promote_slots.clear()
         self._sources.clear()
         for check in self.checks:
             check.reset()
@@ -579,6 +576,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             self.composite.complete_store(list(stores), success=False)
         slots, self._abandoned_slots = self._abandoned_slots, set()
         self.health.take_bad(slots)
+        self.loads.flushed()
         self._evict_all()
 
     def _evict_all(self) -> None:

@@ -29,7 +29,10 @@ Failures never reach vLLM, whose worker connector asserts that every job succeed
 every job is reported done. A job that failed inside (logged, counted) marks the CPU
 slots it was writing in the shared ``SlotHealth`` map *before* it is reported, and the
 scheduler then completes those chunks as failed, so garbage never becomes loadable
-(stores) or stays in the CPU tier (promotions). What cannot be undone is a *load* whose
+(stores) or stays in the CPU tier (promotions). A load marks the CPU slots of the
+chunks whose copy to the GPU failed as well: the scheduler never serves those again
+(``health.LoadSlots``), so a copy that keeps failing cannot make vLLM recompute and
+reload the same request without end. What cannot be undone is a *load* whose
 bytes did not all arrive: the request runs with those GPU blocks unfilled. The manager
 makes that as unlikely as we know how: only CPU-resident chunks and disk or shared-tier
 chunks verified on every rank moments before are reported as hits, and the read is
@@ -63,7 +66,7 @@ from tiered_kv.integrations.vllm.geometry import VllmGeometry
 from tiered_kv.integrations.vllm.health import LoadTimings, SlotHealth
 from tiered_kv.kv_layout import KVCacheLayout, LayerLayout
 from tiered_kv.mediums import CPULoadStoreSpec, GPULoadStoreSpec, GPURowsSpec, chunk_positions
-from tiered_kv.metrics import CANARY_CHECKS, transfer_job_values
+from tiered_kv.metrics import CANARY_CHECKS, TIER_BLOCKS, transfer_job_values
 from tiered_kv.tiered.spec import HierarchySpec
 from tiered_kv.tiered.transfer_specs import TieredLoadSpec, TieredStoreSpec
 from tiered_kv.worker.forward_timer import ForwardTimer
@@ -117,13 +120,26 @@ def canonical_layout(kv_caches: CanonicalKVCaches, tokens_per_block: int, blocks
 @dataclass
 class _Job:
     """What a job in flight needs when it ends: the CPU slots it writes, the GPU blocks
-    it moves, and its size."""
+    it moves, and its size; a load's CPU slot per chunk (-1: not read from CPU) and
+    GPU rows per chunk, where they are known."""
 
     slots: np.ndarray
     gpu_blocks: np.ndarray
     nbytes: int
     kind: str
     started: float
+    reads: np.ndarray | None = None
+    rows: np.ndarray | None = None
+
+    def failed_reads(self, failed_gpu_blocks: tuple[int, ...] | None) -> np.ndarray:
+        """The CPU slots of the chunks this load read from CPU whose GPU blocks are among
+        ``failed_gpu_blocks`` (None: every chunk failed)."""
+        if self.reads is None:
+            return np.zeros(0, dtype=np.int64)
+        reads = self.reads
+        if failed_gpu_blocks is not None and self.rows is not None and len(self.rows) == len(reads):
+            reads = reads[np.isin(self.rows, np.asarray(failed_gpu_blocks, dtype=np.int64)).any(axis=1)]
+        return reads[reads >= 0]
 
 
 class TieredVllmWorker(OffloadingWorker, Closing):
@@ -233,12 +249,18 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             else np.zeros(0, dtype=np.int64)
         )
 
+        reads = np.asarray(src.cpu_slots if isinstance(src, TieredLoadSpec) else src.block_ids, dtype=np.int64)
+        rows_of: list[np.ndarray] = []
+
         def transfer() -> tuple[np.ndarray, TransferSpec]:
-            num_chunks = len(src) if isinstance(src, TieredLoadSpec) else len(src.block_ids)
-            rows = gpu_rows(dst_spec, self.factor, num_chunks)
+            rows = gpu_rows(dst_spec, self.factor, len(reads))
+            rows_of.append(rows)
             return rows[rows >= 0], (src, GPURowsSpec(rows))
 
-        return self._submit(job_id, "load", promoted, self.load_handler, transfer)
+        self._submit(job_id, "load", promoted, self.load_handler, transfer)
+        job = self._jobs[job_id]
+        job.reads, job.rows = reads, rows_of[0] if rows_of else None
+        return True
 
     def submit_prefetch(self, job_id: int, src: TieredLoadSpec) -> None:
         """A promotion with no GPU side (prefetch while a request waits,
@@ -309,12 +331,14 @@ class TieredVllmWorker(OffloadingWorker, Closing):
         return out
 
     def _fail(self, job_id: int, job: _Job, failed_gpu_blocks: tuple[int, ...] | None = None) -> None:
-        """Keep a failed job's CPU slots from being served (see the module docstring).
+        """Keep a failed job's CPU slots from being served (see the module docstring):
+        those it writes, and those of a load's CPU-resident chunks whose copy failed.
         A load reports to vLLM the GPU blocks of its parts that failed
         (``failed_gpu_blocks``, where the handler names them; else all of the job's): vLLM
         recomputes a request from its first such block, so a CPU-resident lead that
-        landed before a disk read that failed is kept."""
+        landed before a disk read that failed is kept (and served again)."""
         self.health.mark_bad(job.slots)
+        self.health.mark_bad(job.failed_reads(failed_gpu_blocks))
         self.stats.count("cpu", "failed_stores" if job.kind == "store" else "failed_loads")
         if job.kind == "store":
             logger.error(
@@ -335,7 +359,7 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             self._failed_gpu_blocks.update(failed)
             logger.warning(
                 "rank %d: load job %d failed; %d of its %d GPU blocks are reported to vLLM, which recomputes "
-                "each request from the first of them",
+                "each request from the first of them (the scheduler drops the CPU-tier chunks among them)",
                 self.rank,
                 job_id,
                 len(failed),
@@ -343,9 +367,9 @@ class TieredVllmWorker(OffloadingWorker, Closing):
             )
         else:
             logger.error(
-                "rank %d: load job %d failed (its promoted chunks are dropped by the "
-                "scheduler); vLLM cannot take a failure, so it is reported done and the "
-                "request may run on incomplete KV for these chunks. Every chunk was "
+                "rank %d: load job %d failed (its promoted chunks, and the CPU-tier chunks that did not "
+                "reach the GPU, are dropped by the scheduler); vLLM cannot take a failure, so it is reported "
+                "done and the request may run on incomplete KV for these chunks. Every chunk was "
                 "CPU-resident or read and verified on every rank just before: a disk or "
                 "device is failing",
                 self.rank,
@@ -357,10 +381,15 @@ class TieredVllmWorker(OffloadingWorker, Closing):
     def take_stats(self) -> OffloadingConnectorStats | None:
         """This rank's metrics since the last call, for ``TieredOffloadingConnector``
         to hand vLLM with the step's output: its transfer jobs per type and outcome,
-        their timings, and what each lower tier's worker side counts (a shared tier's
+        their timings, each lower tier's failed writes, and what its worker side counts (a shared tier's
         store: this rank's uploads and downloads). None when nothing changed."""
         stats = OffloadingConnectorStats()
-        counters = transfer_job_values(self.stats.as_dict()["transfers"])
+        totals = self.stats.as_dict()
+        counters = transfer_job_values(totals["transfers"])
+        # A lower tier's writes that failed here: only the workers see them fail.
+        counters += [
+            (TIER_BLOCKS, (t, "failed_stores"), c["failed_stores"]) for t, c in totals["tiers"].items() if t != "cpu"
+        ]
         counters.append((CANARY_CHECKS, (self.canary_outcome,), 1))
         timings = self.stats.latencies.drain()
         for tier in self.hierarchy.lower_tiers:
