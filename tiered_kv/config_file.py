@@ -10,7 +10,8 @@ file. The shapes:
   ``secondary_tiers``: the tier entry's keys are ours, ``cpu_bytes_to_use`` (bytes for
   all TP ranks together) becomes ``cpu_bytes`` per rank;
 - a ``vllm serve --config`` file (JSON, or YAML where PyYAML is installed) whose
-  ``kv-transfer-config`` holds one of the above; its ``tensor-parallel-size`` is read.
+  ``kv-transfer-config`` holds one of the above; its ``tensor-parallel-size``,
+  ``block-size``, ``dtype`` and attention backend are read (``serve_flags``).
 
 The extra config is kept as given too (``ServerConfigFile.given``), for tools that
 rebuild from it what vLLM builds (the warm-up's CPU-tier rows of ``TieringOffloadingSpec``).
@@ -27,7 +28,7 @@ from typing import Any
 
 from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, TieredConfig
 from tiered_kv.config_values import ConfigError
-from tiered_kv.vllm_extra import VLLM_TIER_KEYS, parse_extra_config, parse_tier_config
+from tiered_kv.vllm_extra import VLLM_TIER_KEYS, check_chunk_keys, parse_extra_config, parse_tier_config
 
 TIERED_SPEC = "TieredOffloadingSpec"
 #: The kv-transfer settings that run ``TieredOffloadingSpec`` under our subclass of vLLM's
@@ -49,6 +50,15 @@ DISK_TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
 _TIERING_SHARED_KEYS = ("block_size", "blocks_per_chunk")
 _TRANSFER_KEYS = ("kv_transfer_config", "kv-transfer-config")
 _TP_KEYS = ("tensor_parallel_size", "tensor-parallel-size")
+#: ``vllm serve --dtype`` values, by the name the tools (and torch) give each.
+_DTYPES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 #: A ``vllm serve --config`` file's keys for ``--attention-backend``.
 _BACKEND_KEYS = ("attention-backend", "attention_backend")
 #: ``--load-format`` values that load the model directory's own weight files, whose
@@ -107,6 +117,18 @@ class ServerConfigFile:
     attention_backend: str | None = None
     #: The ``UNMODELLED_SERVE_KEYS`` a ``vllm serve --config`` file sets.
     unmodelled: tuple[str, ...] = ()
+    #: A ``vllm serve --config`` file's ``block-size`` (tokens per GPU block), None where unset.
+    gpu_block_size: int | None = None
+    #: A ``vllm serve --config`` file's ``dtype`` in torch's name (``half`` is ``float16``;
+    #: ``auto``: vLLM's choice), None where unset.
+    dtype: str | None = None
+
+    def serve_flags(self) -> dict[str, Any]:
+        """The ``vllm serve`` settings this file starts its server with, among those a
+        namespace records, as ``ops.warmup.VllmServe`` keywords (``tp_size``,
+        ``gpu_block_size``, ``dtype``): only those the file sets."""
+        flags = {"tp_size": self.tp, "gpu_block_size": self.gpu_block_size, "dtype": self.dtype}
+        return {k: v for k, v in flags.items() if v is not None}
 
     @property
     def given(self) -> dict[str, Any]:
@@ -185,6 +207,35 @@ def _tp(raw: Mapping[str, Any], p: Path) -> int | None:
     return None
 
 
+def _serve_value(raw: Mapping[str, Any], key: str) -> tuple[str, Any] | None:
+    """The key, in either spelling (``block-size``, ``block_size``), and value of a
+    ``vllm serve --config`` file's setting; None where the file does not set it."""
+    for k in (key, key.replace("-", "_")):
+        if raw.get(k) is not None:
+            return k, raw[k]
+    return None
+
+
+def _block_size(raw: Mapping[str, Any], p: Path) -> int | None:
+    found = _serve_value(raw, "block-size")
+    if found is None:
+        return None
+    key, value = found
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config {p}: {key}: expected a positive integer (tokens per GPU block), got {value!r}")
+    return value
+
+
+def _dtype(raw: Mapping[str, Any], p: Path) -> str | None:
+    found = _serve_value(raw, "dtype")
+    if found is None:
+        return None
+    key, value = found
+    if not isinstance(value, str) or value.strip().lower() not in _DTYPES:
+        raise ConfigError(f"config {p}: {key}: expected one of {', '.join(_DTYPES)}, got {value!r}")
+    return _DTYPES[value.strip().lower()]
+
+
 def _attention_backend(raw: Mapping[str, Any], p: Path) -> str | None:
     """The backend a ``vllm serve --config`` file names: ``attention-backend``, or
     ``attention-config``'s ``backend`` (a mapping, its JSON text, or the dotted key), as
@@ -224,11 +275,18 @@ def _with_first_disk_path(extra: Mapping[str, Any], path: str) -> dict[str, Any]
 
 
 def is_tiering(extra: Mapping[str, Any]) -> bool:
-    """Whether a server given the extra config ``extra`` runs vLLM's ``TieringOffloadingSpec``
-    (named, or implied by ``secondary_tiers`` with no ``spec_name``). A config naming
-    another spec keeps its name, so the tools refuse it rather than read its
-    ``secondary_tiers`` as those of vLLM's spec."""
-    return extra.get("spec_name") == TIERING_SPEC or ("secondary_tiers" in extra and not extra.get("spec_name"))
+    """Whether a server given the extra config ``extra`` runs vLLM's ``TieringOffloadingSpec``:
+    only where ``spec_name`` names it. vLLM's factory defaults a missing ``spec_name`` to
+    its ``CPUOffloadingSpec``, ``secondary_tiers`` or not (``read_server_config`` refuses
+    that shape); a config naming another spec keeps its name, so the tools refuse it
+    rather than read its ``secondary_tiers`` as those of vLLM's spec."""
+    return extra.get("spec_name") == TIERING_SPEC
+
+
+class UnsupportedConfig(ConfigError):
+    """A config the server may well run but whose disk tier the tools cannot judge (the
+    message says which shape): distinct from a config the server refuses, so a tool's
+    advice names the tools' limit, not a server error."""
 
 
 def _is_disk_tier(entry: Any) -> bool:
@@ -250,24 +308,80 @@ def _tiering(extra: Mapping[str, Any], p: Path) -> tuple[dict[str, Any], int | N
     if not isinstance(tiers, list):
         raise ConfigError(f"config {p}: secondary_tiers: expected a list of tier entries, got {tiers!r}")
     ours = disk_tier_entries(extra)
-    if len(ours) != 1:
-        raise ConfigError(
-            f"config {p}: {TIERING_SPEC} with {len(ours)} {DISK_TIER_TYPE} entries in secondary_tiers, "
-            f'expected one ({{"type": "{DISK_TIER_TYPE}", "module_path": "{DISK_TIER_MODULE}", '
-            f'"disk_path": ..., "disk_bytes": ...}})'
+    for entry in ours:
+        # vLLM's SecondaryTierFactory imports an unregistered type from module_path, and
+        # refuses to start without one ("Unknown secondary tier type").
+        if entry.get("type") == DISK_TIER_TYPE and entry.get("module_path") is None:
+            raise ConfigError(
+                f"config {p}: secondary_tiers: a {DISK_TIER_TYPE} entry without module_path, which vLLM "
+                f'refuses (unknown secondary tier type); add "module_path": "{DISK_TIER_MODULE}"'
+            )
+    if not ours:
+        raise UnsupportedConfig(
+            f"config {p}: {TIERING_SPEC} with 0 {DISK_TIER_TYPE} entries in secondary_tiers: the tools judge "
+            f'{DISK_TIER_TYPE}, not vLLM\'s own tiers; add {{"type": "{DISK_TIER_TYPE}", "module_path": '
+            f'"{DISK_TIER_MODULE}", "disk_path": ..., "disk_bytes": ...}}'
+        )
+    if len(ours) > 1:
+        paths = ", ".join(repr(t.get("disk_path")) for t in ours)
+        raise UnsupportedConfig(
+            f"config {p}: {TIERING_SPEC} with {len(ours)} {DISK_TIER_TYPE} entries (disk_path {paths}): the "
+            f"server runs them all, but the tools judge one {DISK_TIER_TYPE} per config; give the tools a copy "
+            "of the config with one entry per disk tier"
         )
     try:
         parse_tier_config(ours[0])  # as the tier itself checks its entry when vLLM builds it
     except ConfigError as e:
         raise ConfigError(f"config {p}: {DISK_TIER_TYPE} entry: {e}") from None
+    try:
+        check_chunk_keys(extra)  # as vLLM's connector checks the spec's extra config
+    except ConfigError as e:
+        raise ConfigError(f"config {p}: {e}") from None
     out = {k: v for k, v in ours[0].items() if k not in VLLM_TIER_KEYS}
     for key in _TIERING_SHARED_KEYS:
         if key in extra and key not in out:
             out[key] = extra[key]
-    total = extra.get("cpu_bytes_to_use")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or total <= 0):
-        raise ConfigError(f"config {p}: cpu_bytes_to_use: expected a positive number of bytes, got {total!r}")
-    return out, None if total is None else int(total)
+    return out, _cpu_bytes_to_use(extra.get("cpu_bytes_to_use"), p)
+
+
+def _cpu_bytes_to_use(total: Any, p: Path) -> int | None:
+    """``cpu_bytes_to_use`` as vLLM's ``CPUOffloadingSpec`` reads it: ``int()`` of the value
+    (a number, or a string of digits), which must be positive; None where it is unset."""
+    if total is None:
+        return None
+    try:
+        if isinstance(total, bool) or not isinstance(total, (int, float, str)):
+            raise TypeError
+        value = int(total)
+    except (TypeError, ValueError, OverflowError):
+        value = 0
+    if value <= 0:
+        raise ConfigError(
+            f"config {p}: cpu_bytes_to_use: expected a positive number of bytes (an integer, as vLLM reads it "
+            f"with int()), got {total!r}"
+        )
+    return value
+
+
+def _spec_name(extra: Mapping[str, Any], p: Path) -> str:
+    """The spec a server given ``extra`` loads. vLLM's factory takes a missing
+    ``spec_name`` as its ``CPUOffloadingSpec``: with ``secondary_tiers`` (vLLM's tiering
+    spec's key) that server has no disk tier at all, so the shape is refused; without
+    them, a file of our keys alone is read as ``TieredOffloadingSpec``'s. A ``spec_name``
+    that is not a non-empty string is refused, as vLLM's factory refuses it."""
+    if "spec_name" not in extra:
+        if "secondary_tiers" in extra:
+            raise ConfigError(
+                f"config {p}: secondary_tiers without spec_name: vLLM then runs its CPUOffloadingSpec, which "
+                f'ignores secondary_tiers (no disk tier); set "spec_name": "{TIERING_SPEC}"'
+            )
+        return TIERED_SPEC
+    spec = extra["spec_name"]
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(
+            f'config {p}: spec_name: expected the name of an offloading spec (e.g. "{TIERED_SPEC}"), got {spec!r}'
+        )
+    return spec
 
 
 def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
@@ -277,7 +391,7 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     raw = _load(p)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config {p}: expected a JSON object, got {type(raw).__name__}")
-    tp, backend = _tp(raw, p), None
+    tp, backend, block, dtype = _tp(raw, p), None, None, None
     unmodelled = tuple(
         key
         for key, unset in UNMODELLED_SERVE_KEYS.items()
@@ -293,7 +407,8 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
                     raise ConfigError(f"config {p}: {key}: not readable JSON ({e})") from None
             if not isinstance(inner, Mapping):
                 raise ConfigError(f"config {p}: {key}: expected an object, got {type(inner).__name__}")
-            backend = _attention_backend(raw, p)  # a vllm serve flag: beside its kv-transfer-config
+            # vllm serve flags: beside its kv-transfer-config
+            backend, block, dtype = _attention_backend(raw, p), _block_size(raw, p), _dtype(raw, p)
             raw = inner
             break
     transfer = None
@@ -303,7 +418,7 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     elif tp is not None:
         raise ConfigError(f"config {p}: a vllm serve config without kv-transfer-config holds no tier settings")
     extra = dict(raw)
-    spec = str(extra.get("spec_name") or TIERED_SPEC)
+    spec = _spec_name(extra, p)
     module = extra.get("spec_module_path")
     module = None if module is None else str(module)
     if is_tiering(extra):
@@ -319,6 +434,8 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
             server_extra=extra,
             attention_backend=backend,
             unmodelled=unmodelled,
+            gpu_block_size=block,
+            dtype=dtype,
         )
     return ServerConfigFile(
         p,
@@ -329,4 +446,6 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
         spec_module_path=module,
         attention_backend=backend,
         unmodelled=unmodelled,
+        gpu_block_size=block,
+        dtype=dtype,
     )

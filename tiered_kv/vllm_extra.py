@@ -15,7 +15,7 @@ from typing import Any
 
 from tiered_kv.config import OTHER_SPECS_KEYS, VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig
 
-__all__ = ["VLLM_TIER_KEYS", "parse_extra_config", "parse_tier_config"]
+__all__ = ["VLLM_TIER_KEYS", "check_chunk_keys", "parse_extra_config", "parse_tier_config"]
 
 #: Keys other vLLM specs read, and what to use with ours instead (the tools' hints too).
 _OTHER_SPECS_KEYS = {
@@ -50,6 +50,7 @@ def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
             "canonical_layout: not supported by TieredOffloadingSpec, which stores "
             "each rank's KV pages as they are; remove the key or set it to false"
         )
+    check_chunk_keys(extra)
     if "blocks_per_chunk" in extra:
         value = extra["blocks_per_chunk"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,6 +67,17 @@ def parse_extra_config(extra: Mapping[str, Any]) -> TieredConfig:
         if key in extra and not isinstance(extra[key], str):
             raise ConfigError(f"{key}: expected a string, got {extra[key]!r}")
     return TieredConfig.from_dict(extra, passthrough_keys=VLLM_PASSTHROUGH_KEYS)
+
+
+def check_chunk_keys(extra: Mapping[str, Any]) -> None:
+    """Refuse an extra config that sizes the offloaded chunk twice, in tokens
+    (``block_size``) and in GPU blocks (``blocks_per_chunk``), as vLLM's offloading
+    connector refuses it at start-up (any spec); a key set to null counts as unset there."""
+    if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
+        raise ConfigError(
+            f"block_size ({extra['block_size']!r}) and blocks_per_chunk ({extra['blocks_per_chunk']!r}) both set, "
+            "which vLLM refuses at start-up (specify only one); keep one of them"
+        )
 
 
 #: Keys of a ``secondary_tiers`` entry that belong to vLLM (its factory reads them).

@@ -302,3 +302,113 @@ def test_the_canary_setting_is_read_and_its_line_warns_when_it_is_off(tmp_path):
         (lines[name],) = [c for c in report.checks if c.name == "canary"]
         assert not [c for c in report.checks if c.name == "config" and c.status == "fail"], report.checks
     assert lines["on"].status == "ok" and lines["off"].status == "warn" and "canary: false" in lines["off"].message
+
+
+def _tiering_config(path: Path, cache: Path, **extra) -> Path:
+    """vLLM's whole ``--kv-transfer-config`` for ``TieringOffloadingSpec`` with one
+    ``TieredDiskTier`` at ``cache``, ``extra`` over its extra config."""
+    entry = {
+        "type": "TieredDiskTier",
+        "module_path": "tiered_kv.integrations.vllm.secondary_tier",
+        "disk_path": str(cache),
+        "disk_bytes": "256KiB",
+        "model_id": "m",
+    }
+    inner = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [entry], **extra}
+    path.write_text(
+        json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": inner})
+    )
+    return path
+
+
+def _config_line(path: Path) -> dict:
+    return by_name(run_doctor("--config", str(path), "--tp", "1", "--read-probe", "0")[1])["config"]
+
+
+def test_a_config_is_read_as_vllm_reads_it(tmp_path):
+    """What vLLM 0.33 refuses at start-up, doctor fails; what it runs, doctor reads as it
+    runs it (vLLM's OffloadingSpecFactory, SecondaryTierFactory, build_offloading_config,
+    CPUOffloadingSpec)."""
+    cache = tmp_path / "cache"
+    entry = {
+        "type": "TieredDiskTier",
+        "module_path": "tiered_kv.integrations.vllm.secondary_tier",
+        "disk_path": str(cache),
+        "disk_bytes": "256KiB",
+        "model_id": "m",
+    }
+    # No spec_name: vLLM runs its CPUOffloadingSpec, which has no disk tier at all.
+    nospec = _tiering_config(tmp_path / "nospec.json", cache)
+    given = json.loads(nospec.read_text())
+    del given["kv_connector_extra_config"]["spec_name"]
+    nospec.write_text(json.dumps(given))
+    line = _config_line(nospec)
+    assert line["status"] == "fail" and "secondary_tiers without spec_name" in line["message"], line
+    assert "CPUOffloadingSpec" in line["message"] and '"spec_name": "TieringOffloadingSpec"' in line["message"]
+    # A TieredDiskTier entry without module_path: vLLM's "Unknown secondary tier type".
+    bare = {k: v for k, v in entry.items() if k != "module_path"}
+    line = _config_line(_tiering_config(tmp_path / "nomodule.json", cache, secondary_tiers=[bare]))
+    assert line["status"] == "fail" and "without module_path" in line["message"], line
+    assert '"module_path": "tiered_kv.integrations.vllm.secondary_tier"' in line["message"]
+    # The chunk sized twice: vLLM's connector refuses it, whichever spec.
+    line = _config_line(write_config(tmp_path / "both.json", {"block_size": 32, "blocks_per_chunk": 2}))
+    assert line["status"] == "fail" and "block_size (32) and blocks_per_chunk (2) both set" in line["message"], line
+    line = _config_line(_tiering_config(tmp_path / "both-tiering.json", cache, block_size=32, blocks_per_chunk=2))
+    assert line["status"] == "fail" and "both set" in line["message"], line
+    # What vLLM runs: cpu_bytes_to_use as a string of digits (int() reads it), and a
+    # spec_module_path beside the registered TieringOffloadingSpec (never read).
+    line = _config_line(_tiering_config(tmp_path / "str.json", cache, cpu_bytes_to_use=str(8 * 4096)))
+    assert line["status"] == "ok" and "cpu_bytes_to_use 32.00 KiB" in line["message"], line
+    line = _config_line(_tiering_config(tmp_path / "mod.json", cache, spec_module_path="tiered_kv.integrations.vllm"))
+    assert line["status"] == "ok", line
+    line = _config_line(_tiering_config(tmp_path / "half.json", cache, cpu_bytes_to_use="32KiB"))
+    assert line["status"] == "fail" and "cpu_bytes_to_use" in line["message"] and "'32KiB'" in line["message"]
+
+
+def test_two_disk_tiers_are_the_tools_limit_not_a_server_error(tmp_path):
+    """vLLM runs two TieredDiskTier entries; the tools judge one, and say so."""
+    cache = tmp_path / "cache"
+    config = _tiering_config(tmp_path / "two.json", cache)
+    given = json.loads(config.read_text())
+    (entry,) = given["kv_connector_extra_config"]["secondary_tiers"]
+    given["kv_connector_extra_config"]["secondary_tiers"].append({**entry, "disk_path": str(tmp_path / "cache2")})
+    config.write_text(json.dumps(given))
+    line = _config_line(config)
+    assert line["status"] == "fail" and "2 TieredDiskTier entries" in line["message"], line
+    assert "the server runs them all" in line["message"] and "tools do not support" in line["fix"], line
+    assert "refuses" not in line["fix"]
+
+
+def test_our_prefetching_connector_is_ours(tmp_path):
+    """``TieredPrefetchingConnector`` is ``TieredOffloadingConnector`` with prefetch jobs:
+    ok with the recompute policy, and its own module path is the one asked for."""
+    prefetching = {
+        "kv_connector": "TieredPrefetchingConnector",
+        "kv_connector_module_path": "tiered_kv.integrations.vllm.prefetch_jobs",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+    check = dr.check_connector(prefetching, TieredConfig())
+    assert check.status == "ok" and check.message.startswith("TieredPrefetchingConnector with the recompute"), check
+    check = dr.check_connector({**prefetching, "kv_load_failure_policy": "fail"}, TieredConfig())
+    assert check.status == "warn" and '"kv_load_failure_policy": "recompute"' in check.fix, check
+    wrong = {**prefetching, "kv_connector_module_path": "tiered_kv.integrations.vllm.connector"}
+    check = dr.check_connector(wrong, TieredConfig())
+    assert check.status == "fail" and "tiered_kv.integrations.vllm.prefetch_jobs" in check.fix, check
+    config = tmp_path / "kv.json"
+    config.write_text(
+        json.dumps(
+            {
+                **prefetching,
+                "kv_connector_extra_config": {
+                    "spec_name": "TieredOffloadingSpec",
+                    "spec_module_path": "tiered_kv.integrations.vllm",
+                    "cpu_bytes": "1GiB",
+                    "disk_path": str(tmp_path / "cache"),
+                    "disk_bytes": "1GiB",
+                },
+            }
+        )
+    )
+    line = by_name(run_doctor("--config", str(config), "--tp", "1", "--read-probe", "0")[1])["connector"]
+    assert line["status"] == "ok" and "TieredPrefetchingConnector" in line["message"], line

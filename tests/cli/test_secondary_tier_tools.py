@@ -194,15 +194,11 @@ def test_a_shape_the_tools_cannot_compute_is_refused_and_nothing_is_deleted(mode
     cpu_only = write_transfer_config(
         tmp_path / "cpu.json", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30}
     )
-    elsewhere = _tiering(root)
-    elsewhere["spec_module_path"] = "my_tiering.spec"
-    subclass = write_transfer_config(tmp_path / "subclass.json", elsewhere)
     named = {**_tiering(root), "spec_name": "MyTieringSpec", "spec_module_path": "my_tiering.spec"}
     renamed = write_transfer_config(tmp_path / "renamed.json", named)
     good = write_transfer_config(tmp_path / "tiering.json", _tiering(root, model_id="tiny", model_path=str(model_dir)))
     for bad, what in (
         (cpu_only, "spec_name 'CPUOffloadingSpec'"),
-        (subclass, "spec_module_path 'my_tiering.spec'"),
         (renamed, "spec_name 'MyTieringSpec'"),
     ):
         before = _names(root)
@@ -212,6 +208,19 @@ def test_a_shape_the_tools_cannot_compute_is_refused_and_nothing_is_deleted(mode
         assert _names(root) == before == set(ids.values())
         run_cli("inspect", "summary", str(root), "--config", str(bad), code=2)
     assert _disk_hits(model_dir, _tiering(root, model_id="tiny", model_path=str(model_dir))) == [LookupResult.HIT] * 3
+
+
+def test_a_spec_module_path_beside_vllms_registered_spec_is_not_read(model_dir, cache, tmp_path):
+    """vLLM loads ``TieringOffloadingSpec`` by its registered name and never reads a
+    ``spec_module_path`` beside it: the tools judge that config as the server runs it."""
+    root, ids = cache
+    for module in ("tiered_kv.integrations.vllm", "my_tiering.spec"):
+        extra = {**_tiering(root, model_id="tiny", model_path=str(model_dir)), "spec_module_path": module}
+        config = write_transfer_config(tmp_path / "tiering.json", extra)
+        data = json.loads(run_cli("inspect", "summary", str(root), "--config", str(config), "--json").stdout)
+        read = {ns["namespace"]: ns["read_by"][0]["reads"] for ns in data["namespaces"]}
+        assert read == {ids["tier"]: True, ids["other"]: False, ids["spec"]: False}, (module, read)
+        assert _disk_hits(model_dir, extra) == [LookupResult.HIT] * 3  # and so does its server
 
 
 def _serve_config(path: Path, extra: dict, backend: str) -> Path:

@@ -223,3 +223,51 @@ def test_disk_path_moves_the_servers_first_disk_tier_whichever_form_names_it(sha
     with _server(model_dir, build(elsewhere, None, "tiny-llama")) as h:
         assert _disk_namespace(h) == report["namespace_id"]
         assert h.serve(WARMED).external == 4 * BLOCK
+
+
+def _serve_file(path: Path, model_dir: Path, extra: dict, **flags) -> Path:
+    """A ``vllm serve --config`` file for ``model_dir`` with ``flags`` (its keys as vLLM's
+    flags are spelled) and ``extra`` as its ``kv_connector_extra_config``."""
+    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    path.write_text(json.dumps({"model": str(model_dir), **flags, "kv-transfer-config": transfer}))
+    return path
+
+
+def test_warmup_and_summary_take_the_serve_files_block_size_dtype_and_tp(model_dir, tmp_path):
+    """A ``vllm serve --config`` file's ``block-size``, ``dtype`` and
+    ``tensor-parallel-size`` start its server: ``warmup --config`` writes for them (an
+    option that contradicts one is refused, naming both values) and ``inspect summary
+    --config`` judges by them."""
+    root = tmp_path / "cache"
+    extra = _disk_path(root, None, "tiny-llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"token_ids": WARMED}) + "\n")
+    warm = ("warmup", str(prompts), "--model", str(model_dir), "--device", "cpu")
+
+    serve = _serve_file(tmp_path / "serve.json", model_dir, extra, **{"block-size": 32, "dtype": "float16"})
+    out = run_cli(*warm, "--config", str(serve), "--gpu-block-size", "16", code=2)
+    assert (
+        out.stderr.startswith(f"error: --gpu-block-size 16: the config {serve} starts the server with block-size 32")
+        and len(out.stderr.splitlines()) == 1
+    ), out.stderr
+    out = run_cli(*warm, "--config", str(serve), "--dtype", "bfloat16", code=2)
+    assert "--dtype bfloat16" in out.stderr and "dtype float16" in out.stderr, out.stderr
+    assert not root.exists()
+    report = json.loads(run_cli(*warm, "--config", str(serve), "--json").stdout)
+    assert report["blocks_written"] == len(WARMED) // 32
+    with _server(model_dir, {**extra, "canary": False}, block_size=32, model_kwargs={"dtype": "float16"}) as h:
+        assert _disk_namespace(h) == report["namespace_id"]
+        assert h.serve(WARMED).external == len(WARMED) // 32 * 32
+
+    # TP 2 in the file: the warm-up writes TP 2's namespace, which the tools compute for
+    # that file, and the summary says that file's server does not read TP 1's.
+    tp1 = _fill(model_dir, extra)
+    tp2 = _serve_file(tmp_path / "tp2.json", model_dir, extra, **{"tensor-parallel-size": 2})
+    out = run_cli(*warm, "--config", str(tp2), "--tp", "1", code=2)
+    assert out.stderr.startswith(f"error: --tp 1: the config {tp2} starts the server with tensor-parallel-size 2")
+    report = json.loads(run_cli(*warm, "--config", str(tp2), "--json").stdout)
+    expected = server_disk(tp2).vllm_fingerprint(VllmServe(str(model_dir), kv_cache_layout="LBNHC"))
+    assert report["namespace_id"] == expected.namespace_id != tp1 and expected.tp_size == 2
+    summary = run_cli("inspect", "summary", str(root), "--config", str(tp2), "--model", str(model_dir), "--json")
+    read = {ns["namespace"]: ns["read_by"][0]["reads"] for ns in json.loads(summary.stdout)["namespaces"]}
+    assert read[tp1] is False and read[report["namespace_id"]] is True, read

@@ -17,7 +17,7 @@ written so far are kept; a rerun resumes).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -59,10 +59,21 @@ def warmup_cmd(
         help="The server's config: vLLM --kv-transfer-config JSON or its kv_connector_extra_config.",
     ),
     engine: Literal["hf", "vllm"] = typer.Option("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
-    gpu_block_size: int = typer.Option(
-        16, "--gpu-block-size", min=1, metavar="N", help="The server's --block-size (tokens)."
+    gpu_block_size: Optional[int] = typer.Option(
+        None,
+        "--gpu-block-size",
+        min=1,
+        metavar="N",
+        help="The server's --block-size (tokens). Default: the config's block-size (a vllm serve --config file), "
+        "else 16.",
     ),
-    tp_size: int = typer.Option(1, "--tp", min=1, metavar="N", help="The server's tensor-parallel size."),
+    tp_size: Optional[int] = typer.Option(
+        None,
+        "--tp",
+        min=1,
+        metavar="N",
+        help="The server's tensor-parallel size. Default: the config's tensor-parallel-size, else 1.",
+    ),
     tp_size_old: Optional[int] = typer.Option(None, "--tp-size", min=1, hidden=True),
     layout: str = typer.Option(
         DEFAULT_LAYOUT,
@@ -88,8 +99,8 @@ def warmup_cmd(
     tokenizer: Optional[str] = typer.Option(
         None, "--tokenizer", metavar="PATH", help="Local tokenizer directory for text prompts (default: --model)."
     ),
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = typer.Option(
-        "auto", "--dtype", help="hf: the model's dtype."
+    dtype: Optional[Literal["auto", "float32", "float16", "bfloat16"]] = typer.Option(
+        None, "--dtype", help="The server's --dtype. Default: the config's dtype, else auto (vLLM's choice)."
     ),
     device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", "--device", help="hf: where it runs."),
     disk_path: Optional[str] = typer.Option(
@@ -115,6 +126,11 @@ def warmup_cmd(
         server = read_server(config, disk_path)
         cfg = server.config
         backend = _attention_backend(attention_backend, server.disk.attention_backend, config)
+        found = server.disk.found
+        gpu_block_size = _serve_flag("--gpu-block-size", gpu_block_size, "block-size", found.gpu_block_size, config)
+        tp_size = _serve_flag("--tp", tp_size, "tensor-parallel-size", found.tp, config)
+        dtype = _serve_flag("--dtype", dtype, "dtype", found.dtype, config)
+        gpu_block_size, tp_size, dtype = gpu_block_size or 16, tp_size or 1, dtype or "auto"
         resolve_seed(cfg.hash_algorithm, cfg.hash_seed)  # fail before any heavy work
         chunk_tokens_for(cfg, gpu_block_size)
         local = resolve_model_dir(model)
@@ -200,6 +216,18 @@ def _attention_backend(given: str | None, in_config: str | None, config: Path) -
         raise WarmupError(
             f"--attention-backend {given}: the config {config} starts the server with attention-backend "
             f"{in_config}, which reads another namespace; drop the option or make the two agree"
+        )
+    return given if given is not None else in_config
+
+
+def _serve_flag(option: str, given: Any, key: str, in_config: Any, config: Path) -> Any:
+    """``option``'s value, else the ``vllm serve --config`` file's ``key``, else None;
+    refused where the two differ (the server started from the file reads another
+    namespace than the one written)."""
+    if given is not None and in_config is not None and given != in_config:
+        raise WarmupError(
+            f"{option} {given}: the config {config} starts the server with {key} {in_config}, which reads "
+            "another namespace; drop the option or make the two agree"
         )
     return given if given is not None else in_config
 

@@ -65,6 +65,9 @@ def kv_layers(layer_geometry: Sequence[Sequence[Any]]) -> int | None:
 
 #: The modules a ``spec_module_path`` may name for each spec the tools compute.
 _SPEC_MODULES = {TIERED_SPEC: "tiered_kv.integrations.vllm", TIERING_SPEC: "vllm."}
+#: The specs vLLM 0.33's ``OffloadingSpecFactory`` has registered: it loads them by name
+#: and never reads their ``spec_module_path``.
+_VLLM_REGISTERED_SPECS = (TIERING_SPEC, "CPUOffloadingSpec")
 _SUPPORTED = (
     f"{TIERED_SPEC} (spec_module_path tiered_kv.integrations.vllm), or vLLM's {TIERING_SPEC} "
     f"with one {DISK_TIER_TYPE} entry in secondary_tiers"
@@ -115,13 +118,16 @@ class ServerDisk:
     def vllm_fingerprint(self, serve: VllmServe) -> Fingerprint:
         """The whole namespace a vLLM server with this config opens, started as
         ``serve`` says but with the extra config this file gives its spec (in place of
-        ``serve.extra_config``) and, where ``serve`` names no attention backend, the
-        file's ``attention_backend``: computed with vLLM's own config code, by the
+        ``serve.extra_config``), the TP size, GPU block size and dtype a ``vllm serve
+        --config`` file sets (``ServerConfigFile.serve_flags``: the server started from the
+        file runs them, whatever ``serve`` says) and, where ``serve`` names no attention
+        backend, the file's ``attention_backend``: computed with vLLM's own config code, by the
         module the warm-up writes it with (``ops.warmup.vllm_pages`` for
         ``TieredOffloadingSpec``, ``ops.warmup.vllm_rows`` for ``TieredDiskTier``'s
         rows). Imports vLLM; reads the model's ``config.json`` and weights digest.
         Raises ``WarmupError`` naming what cannot be computed."""
         backend = serve.attention_backend or self.attention_backend
+        serve = replace(serve, **self.found.serve_flags())
         if self.is_secondary_tier:
             from tiered_kv.ops.warmup.vllm_rows import tiering_rows
 
@@ -167,7 +173,7 @@ def server_disk(config: str | os.PathLike | ServerConfigFile) -> ServerDisk:
             f"config {found.path}: spec_name {spec!r}: the tools compute the disk namespace of {_SUPPORTED}; "
             "a namespace of another spec is not theirs to judge"
         )
-    module = found.spec_module_path
+    module = None if spec in _VLLM_REGISTERED_SPECS else found.spec_module_path
     if module is not None and not str(module).startswith(_SPEC_MODULES[spec]):
         raise ConfigError(
             f"config {found.path}: spec_module_path {module!r}: a {spec} loaded from another module may write "

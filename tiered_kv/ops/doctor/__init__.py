@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from tiered_kv.config import ConfigError, TieredConfig, format_size
-from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, read_server_config
+from tiered_kv.config_file import TIERING_SPEC, ServerConfigFile, UnsupportedConfig, read_server_config
 from tiered_kv.ops.doctor.connector import check_canary, check_connector
 from tiered_kv.ops.doctor.report import EXIT_CODES, FAIL, OK, SKIP, WARN, Check, DoctorReport, skipped
 from tiered_kv.ops.doctor.disk import (
@@ -95,6 +95,13 @@ __all__ = [
 ]
 
 
+#: The advice for a config the tools cannot judge, which the server may nonetheless run.
+_UNSUPPORTED_FIX = (
+    "the tools do not support this shape (the message says which); give the config of a server "
+    "whose disk tier the tools know"
+)
+
+
 def read_config(path: str | os.PathLike, tp: int | None = None) -> TieredConfig:
     """The server's config from a file in any shape ``tiered_kv.config_file`` reads,
     with ``cpu_bytes`` per rank at TP ``tp`` (default: the file's, else 1). Raises
@@ -131,12 +138,12 @@ def run_doctor(
     size = tp or 1
     per_node = False  # disk_bytes per rank (TieredOffloadingSpec) or per node (TieredDiskTier)
     if config_path is not None:
-        fix = "fix the config: the server refuses it"
+        fix = "fix the config as the message says"
         try:
             found = read_server_config(config_path)
-            fix = "give the config of a server whose disk tier the tools know (the message says which)"
+            fix = _UNSUPPORTED_FIX
             disk_tier = server_disk(found)
-            fix = "fix the config: the server refuses it"
+            fix = "fix the config as the message says"
             per_node = disk_tier.is_secondary_tier
             size = tp or found.tp or 1
             cfg = _validated(found, size)
@@ -178,6 +185,8 @@ def run_doctor(
             if found.spec_name != TIERING_SPEC:  # vLLM's tiering runs under vLLM's own connector
                 checks.append(check_connector(found.transfer, cfg))
                 checks.append(check_canary(cfg))
+        except UnsupportedConfig as e:  # the server may run it: the limit is the tools'
+            checks.append(Check("config", FAIL, str(e), _UNSUPPORTED_FIX))
         except ConfigError as e:
             checks.append(Check("config", FAIL, str(e), fix))
     checks.append(check_memory(cfg, size, memory_limit()))

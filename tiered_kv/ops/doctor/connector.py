@@ -15,6 +15,10 @@ from tiered_kv.ops.doctor.report import FAIL, OK, WARN, Check
 
 OURS = CONNECTOR["kv_connector"]
 OURS_MODULE = CONNECTOR["kv_connector_module_path"]
+#: Our connectors by the name ``kv_connector`` takes, and the module vLLM loads each from:
+#: ``TieredOffloadingConnector``, and its subclass that also carries prefetch jobs to the
+#: workers (``integrations.vllm.prefetch_jobs``), which keeps everything it does.
+OUR_CONNECTORS = {OURS: OURS_MODULE, "TieredPrefetchingConnector": "tiered_kv.integrations.vllm.prefetch_jobs"}
 #: vLLM's own connector, by the name ``kv_connector`` takes.
 VLLMS = "OffloadingConnector"
 #: The settings to add, as a config writes them.
@@ -24,11 +28,12 @@ _SETTINGS = ", ".join(
 
 
 def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None) -> Check:
-    """Whether vLLM will run ``TieredOffloadingSpec`` under our connector with its
-    recompute policy (each shared-tier hit read once, failed loads recomputed, the
-    prefill rate measured, the workers' metrics exported), under vLLM's own connector
-    (which works, without those), or under one that cannot load it. ``transfer``: the
-    kv-transfer config's own keys (None: the file is the extra config alone)."""
+    """Whether vLLM will run ``TieredOffloadingSpec`` under one of our connectors
+    (``OUR_CONNECTORS``) with its recompute policy (each shared-tier hit read once, failed
+    loads recomputed, the prefill rate measured, the workers' metrics exported), under
+    vLLM's own connector (which works, without those), or under one that cannot load it.
+    ``transfer``: the kv-transfer config's own keys (None: the file is the extra config
+    alone)."""
     if transfer is None:
         return Check("connector", OK, "the file holds the extra config alone: the connector is what vllm serve names")
     name = transfer.get("kv_connector")
@@ -36,13 +41,14 @@ def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None
     policy = transfer.get("kv_load_failure_policy", "fail")
     facts = {"kv_connector": name, "kv_connector_module_path": module, "kv_load_failure_policy": policy}
     shared = cfg is not None and any(e.cls.shared for e in cfg.tier_entries())
-    if name == OURS:
-        if module != OURS_MODULE:
+    if name in OUR_CONNECTORS:
+        expected = OUR_CONNECTORS[name]
+        if module != expected:
             return Check(
                 "connector",
                 FAIL,
-                f"kv_connector {OURS} with kv_connector_module_path {module!r}: vLLM cannot load it",
-                f'set "kv_connector_module_path": "{OURS_MODULE}"',
+                f"kv_connector {name} with kv_connector_module_path {module!r}: vLLM cannot load it",
+                f'set "kv_connector_module_path": "{expected}"',
                 facts,
             )
         if policy != "recompute":
@@ -50,7 +56,7 @@ def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None
             return Check(
                 "connector",
                 WARN,
-                f"{OURS} with kv_load_failure_policy {policy!r}: a load that fails fails its request"
+                f"{name} with kv_load_failure_policy {policy!r}: a load that fails fails its request"
                 + (twice if shared else ""),
                 'set "kv_load_failure_policy": "recompute"',
                 facts,
@@ -58,7 +64,7 @@ def check_connector(transfer: Mapping[str, Any] | None, cfg: TieredConfig | None
         return Check(
             "connector",
             OK,
-            f"{OURS} with the recompute policy: each shared-tier hit read once, failed loads recomputed, "
+            f"{name} with the recompute policy: each shared-tier hit read once, failed loads recomputed, "
             f"prefill rate measured, workers' metrics exported",
             facts=facts,
         )
