@@ -344,11 +344,15 @@ def _tiering(extra: Mapping[str, Any], p: Path) -> tuple[dict[str, Any], int | N
     return out, _cpu_bytes_to_use(extra.get("cpu_bytes_to_use"), p)
 
 
-def _cpu_bytes_to_use(total: Any, p: Path) -> int | None:
+def _cpu_bytes_to_use(total: Any, p: Path) -> int:
     """``cpu_bytes_to_use`` as vLLM's ``CPUOffloadingSpec`` reads it: ``int()`` of the value
-    (a number, or a string of digits), which must be positive; None where it is unset."""
+    (a number, or a string of digits), which must be positive; required, as vLLM refuses
+    to start without it."""
     if total is None:
-        return None
+        raise ConfigError(
+            f"config {p}: cpu_bytes_to_use is not set, and vLLM's {TIERING_SPEC} refuses to start without it "
+            "(the CPU tier's bytes for all TP ranks together)"
+        )
     try:
         if isinstance(total, bool) or not isinstance(total, (int, float, str)):
             raise TypeError

@@ -363,6 +363,9 @@ def test_a_config_is_read_as_vllm_reads_it(tmp_path):
     assert line["status"] == "ok", line
     line = _config_line(_tiering_config(tmp_path / "half.json", cache, cpu_bytes_to_use="32KiB"))
     assert line["status"] == "fail" and "cpu_bytes_to_use" in line["message"] and "'32KiB'" in line["message"]
+    # vLLM's CPU primary tier has no default size: its spec refuses to start without one.
+    line = _config_line(_tiering_config(tmp_path / "nocpu.json", cache, cpu_bytes_to_use=None))
+    assert line["status"] == "fail" and "cpu_bytes_to_use is not set" in line["message"], line
 
 
 def test_two_disk_tiers_are_the_tools_limit_not_a_server_error(tmp_path):
