@@ -218,3 +218,14 @@ class LowerTier(Protocol):
 
     def shutdown(self) -> None:
         """Release the tier's threads and handles. Idempotent."""
+
+
+@runtime_checkable
+class AbandonsStores(Protocol):
+    """A lower tier that can give up pending stores whose writes some rank may still make
+    (the job failed on another rank, or a cache reset abandoned it), and wait for every
+    rank's outcome before it reuses their slots (the disk tier). A tier without it is
+    told ``complete_store(success=False)``."""
+
+    def abandon_store(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Never make these pending blocks loadable; free each slot once no rank writes it."""

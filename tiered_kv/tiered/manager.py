@@ -57,6 +57,7 @@ from dataclasses import replace
 from itertools import islice
 
 from tiered_kv.abstract import (
+    AbandonsStores,
     BlockHash,
     LoadStoreSpec,
     LowerTier,
@@ -550,16 +551,16 @@ class TieredOffloadingManager(OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         block_hashes = list(block_hashes)
         self.cpu.complete_store(block_hashes, success)
-        if not success:
-            self.stats.count("cpu", "failed_stores", len(block_hashes))
+        self.stats.count("cpu", "failed_stores", 0 if success else len(block_hashes))
         for tier, pending in zip(self.lower, self._write_through):
-            if not pending:
-                continue
-            abandoned = [h for h in block_hashes if h in pending]
+            abandoned = [h for h in block_hashes if h in pending] if pending else []
             pending.difference_update(abandoned)
-            if not success and abandoned:
-                # A rank may still write them: a tier that can wait for every rank's outcome does.
-                getattr(tier, "abandon_store", lambda hs: tier.complete_store(hs, success=False))(abandoned)
+            if success or not abandoned:
+                continue
+            if isinstance(tier, AbandonsStores):  # a rank may still write them: it waits for each
+                tier.abandon_store(abandoned)
+            else:
+                tier.complete_store(abandoned, success=False)
 
     # ------------------------------------------------------------------ misc
 
@@ -590,9 +591,8 @@ class TieredOffloadingManager(OffloadingManager):
         return {t.name: sum(loads.values()) for t, loads in zip(self.lower, self._lower_loads)}
 
     def used_blocks(self) -> dict[str, int]:
-        used = {"cpu": self.cpu.num_slots - self.cpu.num_free_slots()}
-        used.update((tier.name, tier.capacity - tier.num_free_slots()) for tier in self.lower)
-        return used
+        lower = {tier.name: tier.capacity - tier.num_free_slots() for tier in self.lower}
+        return {"cpu": self.cpu.num_slots - self.cpu.num_free_slots(), **lower}
 
     def shutdown(self) -> None:
         for tier in self.lower:
