@@ -7,7 +7,9 @@ a worker calls when its write will not happen) or a corrupt read (``drop_corrupt
 from __future__ import annotations
 
 import contextlib
+import time
 
+import lmdb
 import pytest
 
 from support.disk_fixtures import block_hash, content_rows, disk_bytes_for, fingerprint, small_layout
@@ -152,3 +154,28 @@ def test_what_is_kept_of_settled_jobs_stays_bounded_where_nothing_polls_the_log(
             m.complete_store(out.block_hashes_to_store)
             assert len(m._unread) <= 4 + 1
         assert m.lookup([block_hash("b39")]) == 1
+
+
+def test_a_failed_index_write_delays_a_failed_stores_slot_but_never_keeps_it(tmp_path, caplog):
+    """The slot of a failed store waits for the index write that deletes its partial
+    entry; a write that fails (an LMDB error) is tried again on its own, backing off,
+    with nothing else to wake the flusher."""
+    with engine(tmp_path, tp_size=1, capacity=1, poll_interval=0.002) as (m, s, layout):
+        m.prepare_store([A])
+        flusher = m._index_flusher
+        apply_batch, calls = flusher._index.apply_batch, []
+
+        def failing_once(*args, **kwargs):  # fault injection: the index write fails once
+            calls.append(1)
+            if len(calls) == 1:
+                raise lmdb.Error("injected: the index write fails")
+            return apply_batch(*args, **kwargs)
+
+        flusher._index.apply_batch = failing_once
+        m.complete_store([A], success=False)
+        deadline = time.monotonic() + 5
+        while m.num_free_slots() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.num_free_slots() == 1 and len(calls) >= 2 and m.stats.index_flush_errors == 1
+        assert "1 failed stores' slots wait for a retry" in caplog.text
+        assert m.prepare_store([B]) is not None

@@ -26,6 +26,8 @@ __all__ = ["FlushCounters", "IndexFlusher"]
 #: Log records the flusher reads at a time, and applies per lock hold.
 _REFRESH_READ = 4096
 _REFRESH_CHUNK = 64
+#: The longest wait before a failed write of slot releases is tried again.
+_RETRY_MAX = 1.0
 
 
 class FlushCounters(Protocol):
@@ -70,6 +72,7 @@ class IndexFlusher:
         self._deletions: list[tuple[bytes, int]] = []
         self._released = released
         self._releases: list[tuple[bytes, int]] = []  # deletions whose slots wait for them
+        self._retry = flush_interval  # until a failed write of releases is tried again
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._trim_upto = 0
         self._wake = threading.Event()
@@ -153,22 +156,27 @@ class IndexFlusher:
             if not (stop or requested > self._flush_done or (write_at is not None and time.monotonic() >= write_at)):
                 continue
             write_at = None
-            self._write_updates()
+            if not self._write_updates() and self._releases:  # slots wait for it: retry, backing off
+                write_at = time.monotonic() + self._retry
+                self._retry = min(_RETRY_MAX, 2 * self._retry)
+            else:
+                self._retry = self._flush_interval
             with self._flush_cond:
                 self._flush_done = max(self._flush_done, requested)
                 self._flush_cond.notify_all()
                 if stop:
                     return
 
-    def _write_updates(self) -> None:
-        """Write the queued access times, deletions and log trimming to the index."""
+    def _write_updates(self) -> bool:
+        """Write the queued access times, deletions and log trimming to the index; False
+        if the write failed (the releases stay queued)."""
         with self._lock:
             deletions, self._deletions = self._deletions, []
             releases, self._releases = self._releases, []
             touches, self._touches = self._touches, {}
             trim = self._trim_upto
         if not (deletions or releases or touches or trim):
-            return
+            return True
         try:
             self._index.apply_batch(deletions + releases, touches, trim, self._still_held)
             self._stats.index_flushes += 1
@@ -177,6 +185,7 @@ class IndexFlusher:
                     self._trim_upto = 0
                 if releases:
                     self._released([slot for _, slot in releases])
+            return True
         except Exception:
             with self._lock:  # until its entry is gone the slot must not take the block again
                 self._releases[:0] = releases
@@ -184,10 +193,12 @@ class IndexFlusher:
             logger.exception(
                 "disk index flush of %d deletions, %d touches failed; they are "
                 "dropped (the index stays safe: workers clear stale entries "
-                "before overwriting a slot)",
+                "before overwriting a slot); %d failed stores' slots wait for a retry",
                 len(deletions),
                 len(touches),
+                len(releases),
             )
+            return False
 
     def _refresh_in_chunks(self) -> None:
         """Learn the workers' outcomes off the scheduler thread, in short lock holds:
