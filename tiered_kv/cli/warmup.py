@@ -16,6 +16,7 @@ written so far are kept; a rerun resumes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -125,7 +126,14 @@ def warmup_cmd(
         # Before anything is read or written for a server that would not read it.
         server = read_server(config, disk_path)
         cfg = server.config
-        backend = _attention_backend(attention_backend, server.disk.attention_backend, config)
+        backend = _serve_flag(
+            "--attention-backend",
+            attention_backend,
+            "attention-backend",
+            server.disk.attention_backend,
+            config,
+            same=lambda v: v.strip().upper(),
+        )
         found = server.disk.found
         gpu_block_size = _serve_flag("--gpu-block-size", gpu_block_size, "block-size", found.gpu_block_size, config)
         tp_size = _serve_flag("--tp", tp_size, "tensor-parallel-size", found.tp, config)
@@ -209,22 +217,13 @@ def warmup_cmd(
         raise typer.Exit(1)
 
 
-def _attention_backend(given: str | None, in_config: str | None, config: Path) -> str | None:
-    """``--attention-backend``, else the config file's ``attention-backend``; refused
-    where the two differ (the server would read another namespace than the one written)."""
-    if given is not None and in_config is not None and given.strip().upper() != in_config:
-        raise WarmupError(
-            f"--attention-backend {given}: the config {config} starts the server with attention-backend "
-            f"{in_config}, which reads another namespace; drop the option or make the two agree"
-        )
-    return given if given is not None else in_config
-
-
-def _serve_flag(option: str, given: Any, key: str, in_config: Any, config: Path) -> Any:
+def _serve_flag(
+    option: str, given: Any, key: str, in_config: Any, config: Path, same: Callable[[Any], Any] = lambda v: v
+) -> Any:
     """``option``'s value, else the ``vllm serve --config`` file's ``key``, else None;
-    refused where the two differ (the server started from the file reads another
-    namespace than the one written)."""
-    if given is not None and in_config is not None and given != in_config:
+    refused where the two differ, compared as ``same`` spells the option (the server
+    started from the file reads another namespace than the one written)."""
+    if given is not None and in_config is not None and same(given) != in_config:
         raise WarmupError(
             f"{option} {given}: the config {config} starts the server with {key} {in_config}, which reads "
             "another namespace; drop the option or make the two agree"
