@@ -78,6 +78,7 @@ LEASES = "tiered_kv_leases"
 LEASE_PINNED_BYTES = "tiered_kv_lease_pinned_bytes"
 PREFETCH_HELD_BYTES = "tiered_kv_prefetch_held_bytes"
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
+TIER_HELD_BACK_BLOCKS = "tiered_kv_tier_held_back_blocks"
 PENDING_WRITES = "tiered_kv_tier_pending_writes"
 PENDING_WRITES_LIMIT = "tiered_kv_tier_pending_writes_limit"
 WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
@@ -114,6 +115,9 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(TIER_USED_BLOCKS, "gauge", "Blocks held per tier", ("tier",)),
     MetricDef(TIER_CAPACITY_BLOCKS, "gauge", "Block slots per tier", ("tier",)),
+    MetricDef(
+        TIER_HELD_BACK_BLOCKS, "gauge", "Block slots neither free nor holding a block, per reason", ("tier", "reason")
+    ),
     MetricDef(
         PENDING_WRITES, "gauge", "Blocks queued for a write into a lower tier whose outcome is not known yet", ("tier",)
     ),
@@ -253,17 +257,15 @@ CounterValue = tuple[str, tuple[str, ...], float]
 
 
 def remote_counter_values(stats: Any) -> list[CounterValue]:
-    """The shared tier's counters of ``stats`` (a ``tiered_kv.remote.RemoteStats``) as
-    metric totals."""
+    """The shared tier's counters of ``stats`` (a ``tiered_kv.remote.RemoteStats``) as metric totals."""
     out = [(metric, labels, getattr(stats, attr)) for attr, (metric, labels) in _REMOTE_FIELDS.items()]
     out += [(REMOTE_REJECTED, (reason,), n) for reason, n in stats.rejected.items()]
     return out
 
 
 def tier_counter_values(tiers: Mapping[str, Mapping[str, int]], tokens_per_block: int | None) -> list[CounterValue]:
-    """Per-tier counters (``TieredStats.as_dict()["tiers"]``) as metric totals: every
-    event in blocks, ``TOKEN_EVENTS`` also in tokens (not when ``tokens_per_block`` is
-    None)."""
+    """Per-tier counters (``TieredStats.as_dict()["tiers"]``) as metric totals: every event in blocks,
+    ``TOKEN_EVENTS`` also in tokens (not when ``tokens_per_block`` is None)."""
     out: list[CounterValue] = []
     for tier, counters in tiers.items():
         for event, value in counters.items():
@@ -309,26 +311,27 @@ def cost_gauges(costs: Mapping | None) -> list[CounterValue]:
 
 @dataclass(frozen=True)
 class Occupancy:
-    """Per tier: blocks held (``used``) and block slots (``capacity``); per lower tier:
-    blocks queued for writing into it (``pending_writes``) and the most it may queue
-    (``pending_writes_limit``: past it, stores are refused)."""
+    """Per tier: blocks held (``used``) and block slots (``capacity``); per lower tier: blocks queued for
+    writing into it (``pending_writes``) and the most it may queue (``pending_writes_limit``: past it,
+    stores are refused) and, where it has them, the slots it holds back per reason (``held_back_slots()``)."""
 
     used: Mapping[str, int]
     capacity: Mapping[str, int]
     pending_writes: Mapping[str, int]
     pending_writes_limit: Mapping[str, int]
+    held_back: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 def hierarchy_occupancy(manager: Any) -> Occupancy:
-    """The occupancy of a ``tiered_kv.tiered.manager.TieredOffloadingManager`` (its CPU
-    tier and its lower tiers). Pending writes are read, not refreshed: at most a
-    flusher poll old."""
+    """The occupancy of a ``tiered_kv.tiered.manager.TieredOffloadingManager`` (its CPU tier and its lower
+    tiers). Pending writes are read, not refreshed: at most a flusher poll old."""
     lower = manager.lower
     return Occupancy(
         used=manager.used_blocks(),
         capacity={"cpu": manager.cpu.num_slots, **{t.name: t.capacity for t in lower}},
         pending_writes={t.name: t.num_pending() for t in lower},
         pending_writes_limit={t.name: manager.max_pending_writes for t in lower},
+        held_back={t.name: t.held_back_slots() for t in lower if hasattr(t, "held_back_slots")},
     )
 
 
@@ -344,6 +347,7 @@ def occupancy_gauges(occupancy: Occupancy | None) -> list[CounterValue]:
         (PENDING_WRITES_LIMIT, occupancy.pending_writes_limit),
     ):
         out += [(name, (tier,), n) for tier, n in values.items()]
+    out += [(TIER_HELD_BACK_BLOCKS, (t, why), n) for t, held in occupancy.held_back.items() for why, n in held.items()]
     return out
 
 
@@ -569,14 +573,10 @@ class PrometheusMetrics:
         session retention's ``retention_metric_values``), and drain
         ``stats.latencies`` and ``latencies`` (e.g. a store's ``RemoteStore.latencies``)."""
         snap = stats.as_dict()
-        for name, labels, value in occupancy_gauges(occupancy):
+        for name, labels, value in [*occupancy_gauges(occupancy), *cost_gauges(costs), *written_per_read_gauges(stats)]:
             self.metrics[name].labels(*labels).set(value)
         for kind, n in (job_failures or {}).items():
             self._advance(self.metrics[WORKER_JOB_FAILURES], (kind,), n)
-        for name, labels, value in cost_gauges(costs):
-            self.metrics[name].labels(*labels).set(value)
-        for name, labels, value in written_per_read_gauges(stats):
-            self.metrics[name].labels(*labels).set(value)
         transfers = snap["transfers"]
         for direction in ("load", "store"):
             types = [t for t in transfers if gpu_direction(t) == direction]

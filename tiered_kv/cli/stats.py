@@ -52,6 +52,13 @@ def _latency(lat: dict[str, Any]) -> str:
     return f"{_seconds(lat['p50_seconds'])} / {_seconds(lat['p99_seconds'])}"
 
 
+def _held_back(t: dict[str, Any]) -> str:
+    """A tier's slots held back without a block (counted in its used blocks), settling / releasing; "-" for a
+    tier that holds none back (the CPU tier, a shared tier)."""
+    held = t["held_back_blocks"]
+    return f"{held.get('settling', 0)} / {held.get('releasing', 0)}" if held else "-"
+
+
 def _text(s: str) -> Text:
     """What the endpoint named, as it is written: never Rich markup, never terminal
     control."""
@@ -71,6 +78,7 @@ def render(view: dict[str, Any], url: str) -> Group:
         "stores (blocks)": lambda t: str(t["stores_blocks"]),
         "evictions (blocks)": lambda t: str(t["evictions_blocks"]),
         "used (blocks)": lambda t: str(t["used_blocks"]),
+        "held back (settling / releasing)": _held_back,
         "bytes loaded / stored": lambda t: f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_stored'])}",
         "load latency p50 / p99": lambda t: _latency(t["load_latency"]),
         "verify latency p50 / p99": lambda t: _latency(t["verification_latency"]),

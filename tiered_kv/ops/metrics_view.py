@@ -43,6 +43,7 @@ from tiered_kv.metrics import (
     RETENTION_HONOURED,
     RETENTION_TTL,
     TIER_BLOCKS,
+    TIER_HELD_BACK_BLOCKS,
     TIER_LOAD_GBPS,
     TIER_TOKENS,
     TIER_USED_BLOCKS,
@@ -115,6 +116,7 @@ _VIEWED_GAUGES = (
     PREFILL_TOKENS_PER_S,
     GPU_BUSY_SHARE,
     TIER_USED_BLOCKS,
+    TIER_HELD_BACK_BLOCKS,
     LEASES,
     LEASE_PINNED_BYTES,
     PREFETCH_HELD_BYTES,
@@ -283,6 +285,10 @@ def _tier(samples: Samples, tier: str) -> dict[str, Any]:
         "load_gbps_estimate": gauge(samples, TIER_LOAD_GBPS, _match(tier=tier)),
         "failures_blocks": int(sum(blocks.get(e, 0) for e in FAILURE_EVENTS)),
         "used_blocks": int(total(samples, TIER_USED_BLOCKS, _match(tier=tier))),
+        # Counted in used_blocks; only a tier that holds slots back exports them.
+        "held_back_blocks": {
+            k: int(v) for k, v in by_label(samples, TIER_HELD_BACK_BLOCKS, "reason", _match(tier=tier)).items()
+        },
         "bytes_loaded": int(sum(v for t, v in transfers.items() if _is_load(t, tier))),
         "bytes_stored": int(sum(v for t, v in transfers.items() if t.endswith(f"_to_{tier}"))),
         "load_latency": _latency(samples, TRANSFER_SECONDS, _loads_from(tier)),
@@ -366,10 +372,11 @@ def _remote(samples: Samples) -> dict[str, Any] | None:
 def summarize(samples: Samples) -> dict[str, Any]:
     """The view: ``tiers`` (per tier: hit rate in tokens, blocks, bytes loaded from it
     and stored into it, load and verification latency, the load estimate and blocks passed over as slower
-    than recomputing, drops, failures, prefetched blocks), ``transfers`` (per transfer type), ``remote`` (the
-    shared tier's store, or None when the endpoint has none), ``sessions`` (session retention per tier, leases,
-    KV-hint actions, start-up canaries), ``prefill_tokens_per_s`` (used, measured; None if absent),
-    ``gpu_busy_share`` (the decision's estimate; None if absent) and ``gpu`` (vLLM's load and store bytes)."""
+    than recomputing, drops, failures, prefetched blocks, slots held back per reason), ``transfers`` (per
+    transfer type), ``remote`` (the shared tier's store, or None when the endpoint has none), ``sessions``
+    (session retention per tier, leases, KV-hint actions, start-up canaries), ``prefill_tokens_per_s`` (used,
+    measured; None if absent), ``gpu_busy_share`` (the decision's estimate; None if absent) and ``gpu``
+    (vLLM's load and store bytes)."""
     tiers = by_label(samples, f"{TIER_BLOCKS}_total", "tier")
     order = {"cpu": 0, "disk": 1, "remote": 3}
     return {

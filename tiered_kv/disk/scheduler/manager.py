@@ -24,6 +24,7 @@ a write transaction on the caller's thread:
   (a ``failed`` record, or ``complete_store(success=False)``) frees its slot, and may
   store its block again, only once every rank has logged its outcome there and its
   partial entry is deleted (``log_fold.py``): a late write never mixes with a later one.
+  Until then its slot is held back (``held_back_slots``; ``num_free_slots`` counts it used).
 - An evicted block's index entry stays until a worker reuses its slot: workers clear a
   slot's old entry (synced) before overwriting it, so until then the entry describes
   intact, checksummed bytes, and after a restart such a block is simply loadable again.
@@ -57,7 +58,7 @@ from tiered_kv.abstract import BlockHash, LowerTier, OffloadingEvent, Offloading
 from tiered_kv.config_values import DEFAULT_CHECKSUM
 from tiered_kv.disk.scheduler.adoption import adopt_snapshot
 from tiered_kv.disk.scheduler.block_table import BlockTable
-from tiered_kv.disk.scheduler.stats import DiskManagerStats
+from tiered_kv.disk.scheduler.stats import DiskManagerStats, held_back
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.disk.scheduler.index_flusher import IndexFlusher
 from tiered_kv.disk.format.index_records import LOG_OK, IndexSnapshot, LogColumns
@@ -195,15 +196,9 @@ class DiskOffloadingManager(OffloadingManager):
         self._log_seen = 0
         t0 = time.perf_counter()
         self._load(snapshot, intact)
-        logger.info(
-            "disk tier %s: %d loadable blocks, %d free of %d slots (%d B each), opened in %.3f s",
-            self.namespace.path,
-            len(self._table),
-            len(self._free),
-            capacity,
-            self.slot_size,
-            time.perf_counter() - t0,
-        )
+        opened = "disk tier %s: %d loadable blocks, %d free of %d slots (%d B each), opened in %.3f s"
+        seconds = time.perf_counter() - t0
+        logger.info(opened, self.namespace.path, len(self._table), len(self._free), capacity, self.slot_size, seconds)
         if not len(self._table):
             for line in explain_other_namespaces(cache_dir, fingerprint):
                 logger.warning("not serving disk cache namespace %s", line)
@@ -457,6 +452,11 @@ class DiskOffloadingManager(OffloadingManager):
     def num_free_slots(self) -> int:
         with self._lock:
             return len(self._free)
+
+    def held_back_slots(self) -> dict[str, int]:
+        """Slots neither free nor holding a block, per reason (``stats.HELD_BACK_REASONS``)."""
+        with self._lock:
+            return held_back(self._settling, self._releasing)
 
     def __len__(self) -> int:
         """Loadable blocks."""

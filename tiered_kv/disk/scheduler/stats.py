@@ -1,13 +1,19 @@
-"""The disk manager's counters (``DiskOffloadingManager.stats``).
+"""The disk manager's counters (``DiskOffloadingManager.stats``) and its slots held back.
 
 Scheduler process; no I/O. Read by the metrics export and the tools.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass, fields
 
-__all__ = ["DiskManagerStats"]
+__all__ = ["HELD_BACK_REASONS", "DiskManagerStats", "held_back"]
+
+#: Why a slot that holds no loadable block is not free either (``held_back``): ``settling``,
+#: a store given up while some rank may still write it, until every rank logged an outcome
+#: there; ``releasing``, a failed store's, until its partial index entry is deleted.
+HELD_BACK_REASONS = ("settling", "releasing")
 
 
 @dataclass
@@ -29,3 +35,9 @@ class DiskManagerStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def held_back(settling: Sized, releasing: Sized) -> dict[str, int]:
+    """Slots held back per ``HELD_BACK_REASONS``, every reason named (0 included): a
+    gauge's series exists before the first slot is held."""
+    return dict(zip(HELD_BACK_REASONS, (len(settling), len(releasing))))

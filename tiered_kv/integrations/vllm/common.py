@@ -47,6 +47,7 @@ from tiered_kv.metrics import (
     TIER_BLOCKS,
     TIER_CAPACITY_BLOCKS,
     TIER_COUNTERS,
+    TIER_HELD_BACK_BLOCKS,
     TIER_USED_BLOCKS,
     TIER_VERIFICATIONS,
     TIERS,
@@ -193,6 +194,14 @@ def metric_definitions(extra: Sequence[MetricDef] = ()) -> dict[str, OffloadingM
         PENDING_WRITES: OffloadingGaugeMetadata(
             documentation="Chunks queued for a write into a lower tier whose outcome is not known yet.",
             labelnames=("tier",),
+        ),
+        TIER_HELD_BACK_BLOCKS: OffloadingGaugeMetadata(
+            documentation=(
+                "Chunk slots of a disk tier neither free nor holding a chunk (counted in used chunks), per reason: "
+                "settling (a store given up while a rank may still write it, until every rank logged an outcome "
+                "there), releasing (a failed store's, until its partial index entry is deleted)."
+            ),
+            labelnames=("tier", "reason"),
         ),
         TIER_VERIFICATIONS: OffloadingCounterMetadata(
             documentation=(

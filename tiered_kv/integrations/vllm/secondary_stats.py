@@ -8,6 +8,7 @@ was declared); ``DiskTierInfo`` goes on ``vllm:kv_offload_config_info``. No I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -60,6 +61,7 @@ _COUNTERS = {
     ),
 }
 _USED_GAUGE = "tiered_kv_disk_tier_used_chunks"
+_HELD_BACK_GAUGE = "tiered_kv_disk_tier_held_back_chunks"
 
 
 @dataclass(frozen=True)
@@ -75,21 +77,30 @@ class DiskTierInfo(ConfigInfo):
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """Every metric a tier reports: its counters and the chunks it holds."""
+    """Every metric a tier reports: its counters, the chunks it holds and the slots it holds back."""
     defs: dict[str, OffloadingMetricMetadata] = {
         name: OffloadingCounterMetadata(documentation=doc) for name, doc in _COUNTERS.values()
     }
     defs[_USED_GAUGE] = OffloadingGaugeMetadata(documentation="Chunks held by the disk tier.")
+    defs[_HELD_BACK_GAUGE] = OffloadingGaugeMetadata(
+        documentation="Disk slots neither free nor holding a chunk, per reason: settling (a store given up while a "
+        "rank may still write it), releasing (a failed store's, until its partial index entry is deleted).",
+        labelnames=("reason",),
+    )
     return defs
 
 
-def stats_since(stats: DiskTierStats, reported: DiskTierStats, used_chunks: int) -> OffloadingConnectorStats:
-    """Counter increments of ``stats`` over ``reported`` (the last report), and the chunks
-    held now."""
+def stats_since(
+    stats: DiskTierStats, reported: DiskTierStats, used_chunks: int, held_back: Mapping[str, int]
+) -> OffloadingConnectorStats:
+    """Counter increments of ``stats`` over ``reported`` (the last report), the chunks
+    held now and the slots held back now per reason (``DiskOffloadingManager.held_back_slots``)."""
     out = OffloadingConnectorStats()
     for attr, (name, _) in _COUNTERS.items():
         delta = getattr(stats, attr) - getattr(reported, attr)
         if delta:
             out.increase_counter(name, delta)
     out.set_gauge(_USED_GAUGE, used_chunks)
+    for reason, n in held_back.items():
+        out.set_gauge(_HELD_BACK_GAUGE, n, (reason,))
     return out

@@ -475,8 +475,8 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         return metric_definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Counter increments since the last call, and the chunks held now."""
-        out = stats_since(self.stats, self._reported, len(self.disk_manager))
+        """Counter increments since the last call, the chunks held and the slots held back now."""
+        out = stats_since(self.stats, self._reported, len(self.disk_manager), self.disk_manager.held_back_slots())
         self._reported = DiskTierStats(**self.stats.as_dict())
         return out
 
