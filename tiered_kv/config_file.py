@@ -5,7 +5,9 @@ Runs in the operator's process (``tiered-kv doctor``, ``inspect --config``, ``wa
 file. The shapes:
 
 - vLLM's whole ``--kv-transfer-config`` JSON (its ``kv_connector_extra_config`` is
-  taken), or that extra config alone, for ``TieredOffloadingSpec``;
+  taken, and must name its ``spec_name``: without one vLLM runs ``CPUOffloadingSpec``),
+  or that extra config alone (read as ``TieredOffloadingSpec``'s), for
+  ``TieredOffloadingSpec``;
 - the same for vLLM's own ``TieringOffloadingSpec`` with our ``TieredDiskTier`` among its
   ``secondary_tiers``: the tier entry's keys are ours, ``cpu_bytes_to_use`` (bytes for
   all TP ranks together) becomes ``cpu_bytes`` per rank;
@@ -42,6 +44,11 @@ CONNECTOR = {
     "kv_load_failure_policy": "recompute",
 }
 TIERING_SPEC = "TieringOffloadingSpec"
+#: The module a kv-transfer config names for ``TieredOffloadingSpec`` (``spec_module_path``).
+SPEC_MODULE = "tiered_kv.integrations.vllm"
+#: The specs vLLM 0.33's factory registers: it imports them itself and ignores a
+#: ``spec_module_path`` given with them; any other spec needs one.
+VLLM_REGISTERED_SPECS = ("CPUOffloadingSpec", TIERING_SPEC)
 #: ``type`` of our disk tier in a ``secondary_tiers`` entry, and its module.
 DISK_TIER_TYPE = "TieredDiskTier"
 DISK_TIER_MODULE = "tiered_kv.integrations.vllm.secondary_tier"
@@ -367,23 +374,37 @@ def _cpu_bytes_to_use(total: Any, p: Path) -> int:
     return value
 
 
-def _spec_name(extra: Mapping[str, Any], p: Path) -> str:
-    """The spec a server given ``extra`` loads. vLLM's factory takes a missing
-    ``spec_name`` as its ``CPUOffloadingSpec``: with ``secondary_tiers`` (vLLM's tiering
-    spec's key) that server has no disk tier at all, so the shape is refused; without
-    them, a file of our keys alone is read as ``TieredOffloadingSpec``'s. A ``spec_name``
-    that is not a non-empty string is refused, as vLLM's factory refuses it."""
+def _spec_name(extra: Mapping[str, Any], p: Path, whole: bool) -> str:
+    """The spec a server given ``extra`` loads; ``whole``: ``extra`` came inside vLLM's
+    kv-transfer config. vLLM's factory takes a missing ``spec_name`` as its
+    ``CPUOffloadingSpec``, which reads none of our keys (no disk tier), so a whole
+    kv-transfer config without one is refused, as is ``secondary_tiers`` without one;
+    an extra config alone, of our keys, is read as ``TieredOffloadingSpec``'s. A
+    ``spec_name`` that is not a non-empty string, or a spec vLLM does not register
+    without a ``spec_module_path``, is refused, as vLLM's factory refuses it at start."""
     if "spec_name" not in extra:
         if "secondary_tiers" in extra:
             raise ConfigError(
                 f"config {p}: secondary_tiers without spec_name: vLLM then runs its CPUOffloadingSpec, which "
                 f'ignores secondary_tiers (no disk tier); set "spec_name": "{TIERING_SPEC}"'
             )
+        if whole:
+            raise ConfigError(
+                f"config {p}: kv_connector_extra_config has no spec_name: vLLM then runs its CPUOffloadingSpec, "
+                f'which reads none of tiered-kv\'s keys (no disk or shared tier); set "spec_name": "{TIERED_SPEC}" '
+                f'and "spec_module_path": "{SPEC_MODULE}"'
+            )
         return TIERED_SPEC
     spec = extra["spec_name"]
     if not isinstance(spec, str) or not spec:
         raise ConfigError(
             f'config {p}: spec_name: expected the name of an offloading spec (e.g. "{TIERED_SPEC}"), got {spec!r}'
+        )
+    if whole and spec not in VLLM_REGISTERED_SPECS and extra.get("spec_module_path") is None:
+        raise ConfigError(
+            f"config {p}: spec_name {spec!r} without spec_module_path: vLLM registers only "
+            f"{', '.join(VLLM_REGISTERED_SPECS)} and refuses to start with another spec it cannot import; "
+            f'set "spec_module_path"' + (f': "{SPEC_MODULE}"' if spec == TIERED_SPEC else "")
         )
     return spec
 
@@ -422,7 +443,7 @@ def read_server_config(path: str | os.PathLike) -> ServerConfigFile:
     elif tp is not None:
         raise ConfigError(f"config {p}: a vllm serve config without kv-transfer-config holds no tier settings")
     extra = dict(raw)
-    spec = _spec_name(extra, p)
+    spec = _spec_name(extra, p, transfer is not None)
     module = extra.get("spec_module_path")
     module = None if module is None else str(module)
     if is_tiering(extra):

@@ -368,6 +368,41 @@ def test_a_config_is_read_as_vllm_reads_it(tmp_path):
     assert line["status"] == "fail" and "cpu_bytes_to_use is not set" in line["message"], line
 
 
+def test_a_whole_config_names_its_spec_as_vllm_needs_it(tmp_path):
+    """vLLM's factory runs ``CPUOffloadingSpec`` for a kv-transfer config without
+    ``spec_name`` (none of our keys read) and cannot import a spec it does not register
+    without ``spec_module_path``: doctor, inspect and the warm-up refuse both, naming the
+    keys to add; an extra config alone is still ours."""
+    from support.cli import run_cli, write_transfer_config
+
+    ours = {"cpu_bytes": "64KiB", "disk_path": str(tmp_path / "cache"), "disk_bytes": "256KiB", "model_id": "m"}
+    nospec = write_transfer_config(tmp_path / "nospec.json", ours, spec=False)
+    line = _config_line(nospec)
+    assert line["status"] == "fail" and "has no spec_name" in line["message"], line
+    assert (
+        "CPUOffloadingSpec" in line["message"]
+        and '"spec_module_path": "tiered_kv.integrations.vllm"' in line["message"]
+    )
+    (tmp_path / "cache").mkdir()
+    (prompts := tmp_path / "prompts.jsonl").write_text('{"token_ids": [1, 2, 3]}\n')
+    for args in (
+        ("inspect", "summary", str(tmp_path / "cache"), "--config"),
+        ("warmup", str(prompts), "--model", "m", "--config"),
+    ):
+        out = run_cli(*args, str(nospec), code=2)
+        assert out.stderr.startswith("error: ") and "has no spec_name" in out.stderr, out.stderr
+    nomodule = write_transfer_config(tmp_path / "nomodule.json", {**ours, "spec_name": "TieredOffloadingSpec"})
+    line = _config_line(nomodule)
+    assert line["status"] == "fail" and "'TieredOffloadingSpec' without spec_module_path" in line["message"], line
+    assert '"spec_module_path": "tiered_kv.integrations.vllm"' in line["message"], line
+    # The same keys as an extra config alone, and the whole config as `tiered-kv config` prints it.
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps(ours))
+    for path in (alone, write_transfer_config(tmp_path / "whole.json", ours)):
+        line = _config_line(path)
+        assert line["status"] == "ok" and "256.00 KiB" in line["message"], line
+
+
 def test_two_disk_tiers_are_the_tools_limit_not_a_server_error(tmp_path):
     """vLLM runs two TieredDiskTier entries; the tools judge one, and say so."""
     cache = tmp_path / "cache"

@@ -377,7 +377,12 @@ def test_disk_tiers_sharing_a_file_system_are_checked_together(tmp_path):
 def test_serve_settings_the_tools_do_not_model_are_named(tmp_path):
     """A vllm serve --config file with an fp8 KV cache: the warm-up computes a server of
     vLLM's default cache dtype, whose namespace that server never reads."""
-    transfer = {"kv_connector": "TieredOffloadingConnector", "kv_connector_extra_config": {"cpu_bytes": "1GiB"}}
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": "tiered_kv.integrations.vllm",
+        "cpu_bytes": "1GiB",
+    }
+    transfer = {"kv_connector": "TieredOffloadingConnector", "kv_connector_extra_config": extra}
     for value, named in (("fp8", ("kv-cache-dtype",)), ("auto", ())):
         path = tmp_path / f"{value}.json"
         path.write_text(json.dumps({"model": "m", "kv-cache-dtype": value, "kv-transfer-config": transfer}))

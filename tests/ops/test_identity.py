@@ -344,7 +344,7 @@ def test_inspect_marks_what_a_config_reads_and_clears_only_the_rest(model_dir, t
     assert old_digest in table and new_digest in table and "weights_digest: " in table
 
     # A vLLM config that names neither: --model stands for vLLM's --model.
-    bare = write_transfer_config(tmp_path / "bare.json", {**base, **{"spec_name": "TieredOffloadingSpec"}})
+    bare = write_transfer_config(tmp_path / "bare.json", base)
     data = json.loads(
         run_cli("inspect", "summary", str(cache), "--config", str(bare), "--model", str(model_dir), "--json").stdout
     )

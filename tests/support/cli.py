@@ -10,6 +10,7 @@ from typing import Any
 from typer.testing import CliRunner, Result
 
 from tiered_kv.cli import _load_commands, app
+from tiered_kv.config_file import SPEC_MODULE, TIERED_SPEC
 
 
 def run_cli(*args: str, code: int | None = 0) -> Result:
@@ -23,8 +24,12 @@ def run_cli(*args: str, code: int | None = 0) -> Result:
     return result
 
 
-def write_transfer_config(path: Path, extra: dict[str, Any]) -> Path:
-    """vLLM's whole ``--kv-transfer-config`` with ``extra`` as its extra config, at ``path``."""
+def write_transfer_config(path: Path, extra: dict[str, Any], *, spec: bool = True) -> Path:
+    """vLLM's whole ``--kv-transfer-config`` with ``extra`` as its extra config, at ``path``.
+    ``spec``: an ``extra`` without ``spec_name`` names ``TieredOffloadingSpec`` and its
+    module, as ``tiered-kv config`` prints it (False: written as given)."""
+    if spec and "spec_name" not in extra:
+        extra = {"spec_name": TIERED_SPEC, "spec_module_path": SPEC_MODULE, **extra}
     path.write_text(
         json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
     )

@@ -39,16 +39,12 @@ from rich.table import Table
 from tiered_kv.cli import app
 from tiered_kv.cli.config_remote import _key_warnings, _remote
 from tiered_kv.cli.output import fail
-from tiered_kv.config import ConfigError, TieredConfig, format_size, parse_size
-from tiered_kv.config_file import CONNECTOR
+from tiered_kv.config import VLLM_PASSTHROUGH_KEYS, ConfigError, TieredConfig, format_size, parse_size
+from tiered_kv.config_file import CONNECTOR, SPEC_MODULE, TIERED_SPEC
 from tiered_kv.ops.doctor import tier_size_warnings
 from tiered_kv.ops.presets import PRESETS, preset_source
 from tiered_kv.ops.sizing import ModelGeometry, TierPlan, dtype_bytes, plan_tiers
 
-SPEC_NAME = "TieredOffloadingSpec"
-SPEC_MODULE_PATH = "tiered_kv.integrations.vllm"
-#: Keys vLLM's factory reads from kv_connector_extra_config; TieredConfig passes them through.
-VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path")
 #: The CPU tier's size when --cpu-bytes is not given: TieredConfig's own default, so a
 #: config that leaves cpu_bytes out and one printed here size the tier alike.
 DEFAULT_CPU_BYTES = format_size(TieredConfig.cpu_bytes).replace(".00 ", "").replace(" ", "")
@@ -73,8 +69,8 @@ def build_kv_transfer_config(
     """vLLM's kv-transfer-config dict for ``plan``; raises ``ConfigError`` if the
     extra config is not one ``TieredConfig`` accepts."""
     extra: dict[str, Any] = {
-        "spec_name": SPEC_NAME,
-        "spec_module_path": SPEC_MODULE_PATH,
+        "spec_name": TIERED_SPEC,
+        "spec_module_path": SPEC_MODULE,
         "cpu_bytes": _size_value(cpu_bytes, "cpu_bytes"),
     }
     if disk_path:
@@ -547,7 +543,6 @@ def _print_identity(
     config."""
     import torch
 
-    from tiered_kv.config import VLLM_PASSTHROUGH_KEYS
     from tiered_kv.ops.warmup.layouts import KvFirstLayout, LayoutRequest
 
     extra = kv_config["kv_connector_extra_config"]

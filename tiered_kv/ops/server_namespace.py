@@ -35,7 +35,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.config_values import ConfigError
-from tiered_kv.config_file import DISK_TIER_TYPE, TIERED_SPEC, TIERING_SPEC, ServerConfigFile, read_server_config
+from tiered_kv.config_file import (
+    DISK_TIER_TYPE,
+    SPEC_MODULE,
+    TIERED_SPEC,
+    TIERING_SPEC,
+    VLLM_REGISTERED_SPECS,
+    ServerConfigFile,
+    read_server_config,
+)
 
 if TYPE_CHECKING:  # torch: not for `--help`
     from tiered_kv.fingerprint import Fingerprint
@@ -64,12 +72,9 @@ def kv_layers(layer_geometry: Sequence[Sequence[Any]]) -> int | None:
 
 
 #: The modules a ``spec_module_path`` may name for each spec the tools compute.
-_SPEC_MODULES = {TIERED_SPEC: "tiered_kv.integrations.vllm", TIERING_SPEC: "vllm."}
-#: The specs vLLM 0.33's ``OffloadingSpecFactory`` has registered: it loads them by name
-#: and never reads their ``spec_module_path``.
-_VLLM_REGISTERED_SPECS = (TIERING_SPEC, "CPUOffloadingSpec")
+_SPEC_MODULES = {TIERED_SPEC: SPEC_MODULE, TIERING_SPEC: "vllm."}
 _SUPPORTED = (
-    f"{TIERED_SPEC} (spec_module_path tiered_kv.integrations.vllm), or vLLM's {TIERING_SPEC} "
+    f"{TIERED_SPEC} (spec_module_path {SPEC_MODULE}), or vLLM's {TIERING_SPEC} "
     f"with one {DISK_TIER_TYPE} entry in secondary_tiers"
 )
 
@@ -173,7 +178,7 @@ def server_disk(config: str | os.PathLike | ServerConfigFile) -> ServerDisk:
             f"config {found.path}: spec_name {spec!r}: the tools compute the disk namespace of {_SUPPORTED}; "
             "a namespace of another spec is not theirs to judge"
         )
-    module = None if spec in _VLLM_REGISTERED_SPECS else found.spec_module_path
+    module = None if spec in VLLM_REGISTERED_SPECS else found.spec_module_path
     if module is not None and not str(module).startswith(_SPEC_MODULES[spec]):
         raise ConfigError(
             f"config {found.path}: spec_module_path {module!r}: a {spec} loaded from another module may write "
