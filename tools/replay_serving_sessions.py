@@ -423,9 +423,10 @@ def hit_rates(r: RunResult, chunks: int) -> dict[str, float]:
     return out
 
 
-def policy_table(results: Sequence[tuple[str, RunResult]], chunks: int) -> str:
+def policy_table(results: Sequence[tuple[str, RunResult]], chunks: int, belady: float | None = None) -> str:
     """The markdown table of the rows (module docstring); ``chunks``: full chunks
-    requested, the hit rates' denominator."""
+    requested, the hit rates' denominator; ``belady``: Belady's hit rate at the device +
+    CPU capacity, adding the column ``of Belady`` (GPU + CPU hits over it)."""
     p90s = {name: float(np.percentile(r.ttft, 90)) for name, r in results}
     lru = p90s.get("lru")
     rows = []
@@ -438,6 +439,7 @@ def policy_table(results: Sequence[tuple[str, RunResult]], chunks: int) -> str:
             [
                 name,
                 *(f"{h[k]:.3f}" for k in ("GPU", "CPU", "disk", "all")),
+                *([f"{(h['GPU'] + h['CPU']) / belady:.2f}"] if belady else []),
                 f"{r.survived['CPU'] / max(1, turns):.3f}",
                 f"{r.survived['any'] / max(1, turns):.3f}",
                 f"{t.mean():.2f}",
@@ -447,12 +449,13 @@ def policy_table(results: Sequence[tuple[str, RunResult]], chunks: int) -> str:
                 f"{r.busy_s / r.span_s:.2f}",
             ]
         )
-    return md_table(COLUMNS, rows, left=1)
+    columns = COLUMNS if not belady else [*COLUMNS[:5], "of Belady", *COLUMNS[5:]]
+    return md_table(columns, rows, left=1)
 
 
 def notes(results: Sequence[tuple[str, RunResult]], tier: TierModel) -> list[str]:
-    """Per row: turns counted, chunks stored into CPU and of them admitted (``cpu_admission``
-    ranks the others first to evict), disk hits and dropped writes, the span, what
+    """Per row: turns counted, chunks stored into CPU and promoted into it, and of both
+    those ``cpu_admission`` turned away (ranked first to evict), disk hits and dropped writes, the span, what
     ``cpu_retention`` saw (returns: turns after a session's first, as it tells them), and
     what the hints did (``hint_note``)."""
     out = []
@@ -460,8 +463,9 @@ def notes(results: Sequence[tuple[str, RunResult]], tier: TierModel) -> list[str
         cpu, lower = r.tier_stats.get("cpu", {}), r.tier_stats.get(tier.name, {})
         stored = cpu.get("stores", 0)
         out.append(
-            f"- {name}: {r.survived['turns']:,} turns; CPU stored {stored:,} chunks, admitted "
-            f"{stored - cpu.get('not_admitted', 0):,}, evicted {cpu.get('evictions', 0):,}; {tier.name} hits "
+            f"- {name}: {r.survived['turns']:,} turns; CPU stored {stored:,} chunks and promoted "
+            f"{cpu.get('promotions', 0):,}, of them {cpu.get('not_admitted', 0):,} not admitted (first to evict), "
+            f"evicted {cpu.get('evictions', 0):,}; {tier.name} hits "
             f"{lower.get('hits', 0):,} chunks, writes dropped (back-pressure) {lower.get('drops', 0):,}; span "
             f"{r.span_s:,.0f} s, {r.steps:,} steps"
             + (
