@@ -3,21 +3,19 @@ type (worker processes) and of the shared tier's store (wherever one runs), as p
 stats objects and as Prometheus metrics.
 
 No I/O. ``TieredStats`` is filled by the composite manager and the tiered handlers;
-``Latencies`` holds timings until an exporter drains them; ``PrometheusMetrics``
-mirrors a stats snapshot into prometheus_client metrics named in vLLM's style
-(``vllm:kv_offload_*``) plus the project's own (``tiered_kv_*``, declared once in
-``PROJECT_METRICS``, which the vLLM adapter declares to vLLM under the same names).
+``Latencies`` holds timings until an exporter drains them; the project's own metrics
+(``tiered_kv_*``) are declared once in ``PROJECT_METRICS``, which the vLLM adapter
+declares to vLLM and ``tiered_kv.metrics_export.PrometheusMetrics`` exports under the
+same names, from the ``*_values`` and ``*_gauges`` helpers here.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TRANSFER_TYPES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "disk_to_gpu", "gpu_to_disk")
 
@@ -79,6 +77,7 @@ LEASE_PINNED_BYTES = "tiered_kv_lease_pinned_bytes"
 PREFETCH_HELD_BYTES = "tiered_kv_prefetch_held_bytes"
 TIER_CAPACITY_BLOCKS = "tiered_kv_tier_capacity_blocks"
 TIER_HELD_BACK_BLOCKS = "tiered_kv_tier_held_back_blocks"
+TIER_INDEX_ERRORS = "tiered_kv_tier_index_errors"
 PENDING_WRITES = "tiered_kv_tier_pending_writes"
 PENDING_WRITES_LIMIT = "tiered_kv_tier_pending_writes_limit"
 WORKER_JOB_FAILURES = "tiered_kv_worker_job_failures"
@@ -117,6 +116,13 @@ PROJECT_METRICS: tuple[MetricDef, ...] = (
     MetricDef(TIER_CAPACITY_BLOCKS, "gauge", "Block slots per tier", ("tier",)),
     MetricDef(
         TIER_HELD_BACK_BLOCKS, "gauge", "Block slots neither free nor holding a block, per reason", ("tier", "reason")
+    ),
+    MetricDef(
+        TIER_INDEX_ERRORS,
+        "counter",
+        "Failed operations on a disk tier's index, per op: read (of its log: what workers wrote stays pending until a "
+        "read succeeds), flush (a commit, tried again)",
+        ("tier", "op"),
     ),
     MetricDef(
         PENDING_WRITES, "gauge", "Blocks queued for a write into a lower tier whose outcome is not known yet", ("tier",)
@@ -335,6 +341,16 @@ def hierarchy_occupancy(manager: Any) -> Occupancy:
     )
 
 
+def index_error_values(tiers: Iterable[Any]) -> list[CounterValue]:
+    """The index errors of those lower ``tiers`` that keep an index (their ``stats``
+    have ``index_errors()``: ``DiskManagerStats``), per op, as metric totals."""
+    out: list[CounterValue] = []
+    for t in tiers:
+        errors = getattr(getattr(t, "stats", None), "index_errors", None)
+        out += [(TIER_INDEX_ERRORS, (t.name, op), n) for op, n in errors().items()] if errors else []
+    return out
+
+
 def occupancy_gauges(occupancy: Occupancy | None) -> list[CounterValue]:
     """The gauges of ``occupancy`` (None: none)."""
     if occupancy is None:
@@ -484,117 +500,3 @@ class TieredStats:
                     for k, v in self.transfers.items()
                 },
             }
-
-
-class PrometheusMetrics:
-    """prometheus_client metrics fed from ``TieredStats`` snapshots.
-
-    ``update(stats)`` sets each metric to the snapshot's value (counters are exported as
-    monotonically increasing totals: only the increase since the last update is added)
-    and drains the timings into the histograms. vLLM 0.33's names:
-    ``vllm:kv_offload_{load,store}_{bytes,time}`` (into and out of GPU memory, whatever
-    the tier) and its older ``vllm:kv_offload_total_{bytes,time}`` per
-    ``transfer_type`` (all six of ours); then the project's own ``PROJECT_METRICS``.
-    ``tokens_per_block``: tokens of one of the manager's blocks (the spec's
-    ``offloaded_block_size``); without it ``TIER_TOKENS`` stays empty. ``extra``: the
-    metrics the config's tier types add (``tiers.tier_metric_definitions``), fed by
-    ``update(counters=...)`` (their ``worker_counters``).
-    """
-
-    def __init__(
-        self,
-        registry: CollectorRegistry | None = None,
-        *,
-        tokens_per_block: int | None = None,
-        extra: Sequence[MetricDef] = (),
-    ):
-        if tokens_per_block is not None and tokens_per_block < 1:
-            raise ValueError(f"tokens_per_block: expected at least 1, got {tokens_per_block}")
-        self.tokens_per_block = tokens_per_block
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.gpu_bytes = {
-            "load": Counter("vllm:kv_offload_load_bytes", "Bytes loaded from offload storage to GPU", registry=r),
-            "store": Counter("vllm:kv_offload_store_bytes", "Bytes stored from GPU to offload storage", registry=r),
-        }
-        self.gpu_time = {
-            "load": Counter("vllm:kv_offload_load_time", "Seconds of loads from offload storage to GPU", registry=r),
-            "store": Counter("vllm:kv_offload_store_time", "Seconds of stores from GPU to offload storage", registry=r),
-        }
-        self.bytes = Counter(
-            "vllm:kv_offload_total_bytes", "Bytes moved by KV offloading", ["transfer_type"], registry=r
-        )
-        self.time = Counter(
-            "vllm:kv_offload_total_time", "Seconds spent in KV offloading transfers", ["transfer_type"], registry=r
-        )
-        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
-        #: The project's own metrics by name (``PROJECT_METRICS``).
-        self.metrics: dict[str, Any] = {}
-        for d in (*PROJECT_METRICS, *(e for e in extra if e.name not in {p.name for p in PROJECT_METRICS})):
-            buckets = {"buckets": d.buckets} if d.buckets is not None else {}
-            self.metrics[d.name] = kinds[d.kind](d.name, d.documentation, d.labelnames, registry=r, **buckets)
-        # Every kind from the start: an alert on their increase sees a series before the first failure.
-        for kind in JOB_FAILURE_KINDS:
-            self.metrics[WORKER_JOB_FAILURES].labels(kind)
-        self._last: dict[tuple, float] = {}
-
-    def _advance(self, counter: Counter, labels: tuple, value: float, store: int | None = None) -> None:
-        """Add what ``value``, a total, grew by since the last update. Of a shared-tier
-        ``store`` (its place in ``update``'s ``remote``), a total that fell is a store
-        that started again, all of whose total is new."""
-        key = (id(counter), labels, store)
-        last = self._last.get(key, 0)
-        if store is not None and value < last:
-            last = self._last[key] = 0  # the store started again
-        if value > last:
-            (counter.labels(*labels) if labels else counter).inc(value - last)
-            self._last[key] = value
-
-    def update(
-        self,
-        stats: TieredStats,
-        used_blocks: Mapping[str, int] | None = None,
-        *,
-        remote: Sequence[Any] = (),
-        latencies: Iterable[Latencies] = (),
-        costs: Mapping | None = None,
-        occupancy: Occupancy | None = None,
-        job_failures: Mapping[str, float] | None = None,
-        counters: Iterable[CounterValue] = (),
-        gauges: Iterable[CounterValue] = (),
-    ) -> None:
-        """Export ``stats``, the tiers' ``used_blocks``, the summed counters of the
-        shared-tier stores' ``remote`` stats (``RemoteStore.stats()``, e.g. the
-        scheduler's and a worker's), the load estimates of ``costs`` (a
-        ``LoadCosts.snapshot()``), the tiers' ``occupancy`` (e.g.
-        ``hierarchy_occupancy(manager)``, which includes ``used_blocks``), the failed
-        worker jobs per kind of ``job_failures`` (totals since the start), the tiers' own
-        ``counters`` (totals, e.g. their ``worker_counters()``) and ``gauges`` (values now, e.g.
-        session retention's ``retention_metric_values``), and drain
-        ``stats.latencies`` and ``latencies`` (e.g. a store's ``RemoteStore.latencies``)."""
-        snap = stats.as_dict()
-        for name, labels, value in [*occupancy_gauges(occupancy), *cost_gauges(costs), *written_per_read_gauges(stats)]:
-            self.metrics[name].labels(*labels).set(value)
-        for kind, n in (job_failures or {}).items():
-            self._advance(self.metrics[WORKER_JOB_FAILURES], (kind,), n)
-        transfers = snap["transfers"]
-        for direction in ("load", "store"):
-            types = [t for t in transfers if gpu_direction(t) == direction]
-            self._advance(self.gpu_bytes[direction], (), sum(transfers[t]["bytes"] for t in types))
-            self._advance(self.gpu_time[direction], (), sum(transfers[t]["seconds"] for t in types))
-        for name, t in transfers.items():
-            self._advance(self.bytes, (name,), t["bytes"])
-            self._advance(self.time, (name,), t["seconds"])
-        for i, rs in enumerate(remote, 1):  # each store's totals its own: one may restart
-            for metric, labels, value in remote_counter_values(rs):
-                self._advance(self.metrics[metric], labels, value, i)
-        own = tier_counter_values(snap["tiers"], self.tokens_per_block) + transfer_job_values(transfers)
-        for metric, labels, value in [*own, *counters]:
-            self._advance(self.metrics[metric], labels, value)
-        for tier, n in (used_blocks or {}).items():
-            self.metrics[TIER_USED_BLOCKS].labels(tier).set(n)
-        for name, labels, value in gauges:
-            self.metrics[name].labels(*labels).set(value)
-        for source in (stats.latencies, *latencies):
-            for metric, labels, seconds in source.drain():
-                self.metrics[metric].labels(*labels).observe(seconds)

@@ -20,7 +20,8 @@ from support.remote_node import requests as node_requests
 from support.s3_server import missing_reason
 
 from tiered_kv.cli import _load_commands, app
-from tiered_kv.metrics import LATENCY_BUCKETS, PrometheusMetrics
+from tiered_kv.metrics import LATENCY_BUCKETS
+from tiered_kv.metrics_export import PrometheusMetrics
 from tiered_kv.ops.metrics_view import parse, quantile, since
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
 from tiered_kv.sim.workloads import default_workload

@@ -17,7 +17,8 @@ from test_disk_log_attempts import slots_of, write
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.disk.scheduler.manager import DiskOffloadingManager
 from tiered_kv.disk.store.store import DiskStore
-from tiered_kv.metrics import TIER_HELD_BACK_BLOCKS, PrometheusMetrics, hierarchy_occupancy
+from tiered_kv.metrics import TIER_HELD_BACK_BLOCKS, hierarchy_occupancy
+from tiered_kv.metrics_export import PrometheusMetrics
 from tiered_kv.tiered.manager import TieredOffloadingManager
 
 A, B = block_hash("A"), block_hash("B")

@@ -20,7 +20,8 @@ from tiered_kv.prefill import (
     model_parameters,
     prefill_work,
 )
-from tiered_kv.metrics import PrometheusMetrics, TieredStats
+from tiered_kv.metrics import TieredStats
+from tiered_kv.metrics_export import PrometheusMetrics
 from tiered_kv.worker.forward_timer import ForwardTimer
 
 LLAMA_31_8B = {

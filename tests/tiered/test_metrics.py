@@ -22,9 +22,9 @@ from tiered_kv.metrics import (
     TRANSFER_SECONDS,
     VERIFICATION_SECONDS,
     Latencies,
-    PrometheusMetrics,
     TieredStats,
 )
+from tiered_kv.metrics_export import PrometheusMetrics
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
 from tiered_kv.sim.driver import DeviceKVCache, EngineDriver
 from tiered_kv.sim.workloads import default_workload

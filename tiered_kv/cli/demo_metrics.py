@@ -15,7 +15,8 @@ import time
 from prometheus_client import start_http_server
 
 from tiered_kv.mediums import GPU
-from tiered_kv.metrics import PrometheusMetrics, hierarchy_occupancy
+from tiered_kv.metrics import hierarchy_occupancy, index_error_values
+from tiered_kv.metrics_export import PrometheusMetrics
 from tiered_kv.sim.driver import EngineDriver
 from tiered_kv.tiered.manager import TieredOffloadingManager
 from tiered_kv.tiered.retention import retention_metric_values
@@ -65,6 +66,7 @@ class DemoEndpoint:
         if isinstance(manager, TieredOffloadingManager):
             tiers = [("cpu", manager.cpu), *((t.name, t) for t in manager.lower)]
         kept, holds = retention_metric_values(tiers)
+        kept += index_error_values(t for _, t in tiers[1:])
         self.metrics.update(
             self.spec.stats,
             occupancy=hierarchy_occupancy(manager),

@@ -1,6 +1,6 @@
 """The per-tier view of a Prometheus endpoint that exports tiered-kv's metrics
 (``tiered-kv stats``): a vLLM server with the tiered connector, or a process that
-serves ``tiered_kv.metrics.PrometheusMetrics``.
+serves ``tiered_kv.metrics_export.PrometheusMetrics``.
 
 Operator's process. I/O: one HTTP GET of the endpoint per ``scrape``, bounded in time
 and size (``tiered_kv.ops.endpoint_get``); the rest is arithmetic on the samples, which

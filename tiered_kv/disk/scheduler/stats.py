@@ -36,6 +36,11 @@ class DiskManagerStats:
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def index_errors(self) -> dict[str, int]:
+        """Failed reads of the index log and failed index flushes, per op (the exported
+        ``tiered_kv_tier_index_errors``)."""
+        return {"read": self.index_read_errors, "flush": self.index_flush_errors}
+
 
 def held_back(settling: Sized, releasing: Sized) -> dict[str, int]:
     """Slots held back per ``HELD_BACK_REASONS``, every reason named (0 included): a

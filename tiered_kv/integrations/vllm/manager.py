@@ -106,6 +106,7 @@ from tiered_kv.mediums import CPU
 from tiered_kv.metrics import (
     cost_gauges,
     hierarchy_occupancy,
+    index_error_values,
     occupancy_gauges,
     tier_counter_values,
     written_per_read_gauges,
@@ -531,7 +532,7 @@ class TieredVllmManager(OffloadingManager, Closing):
         kept_counters, kept_gauges = retention_metric_values(
             zip(self._names, [self.composite.cpu, *self.composite.lower])
         )
-        counters += kept_counters
+        counters += kept_counters + index_error_values(self.composite.lower)
         self._increases.report(stats, counters)
         for name, labels, seconds in timings:
             stats.observe_histogram(name, seconds, labels)
