@@ -1,10 +1,12 @@
 """A disk tier's failed index operations reach the exporter
-(``tiered_kv_tier_index_errors_total{tier, op}``): a failed read of the index log (what the
+(``tiered_kv_tier_index_errors_total{tier, op}``) and ``tiered-kv stats``: a failed read of the index log (what the
 workers wrote stays pending until a read succeeds) and a failed index write (tried again).
 Real manager, store, LMDB, composite and exporter; LMDB's errors are injected, as a real
 index cannot be made to fail on demand."""
 
 from __future__ import annotations
+
+import json
 
 import lmdb
 from test_disk_held_back import engine
@@ -15,6 +17,11 @@ from tiered_kv.metrics import TIER_INDEX_ERRORS, index_error_values
 from tiered_kv.metrics_export import PrometheusMetrics
 
 A = block_hash("A")
+
+
+def unreadable(*args, **kwargs):
+    """Fault injection: LMDB fails a read of the index log."""
+    raise lmdb.Error("injected: the log cannot be read")
 
 
 def exported(metrics: PrometheusMetrics, composite) -> dict[str, float | None]:
@@ -30,10 +37,6 @@ def test_failed_index_reads_and_writes_are_counted_and_exported(tmp_path):
         for rank in (0, 1):
             s.log_failed(rank, [A], slots_of(out))
         read_log = disk.index.read_log_columns
-
-        def unreadable(*args, **kwargs):  # fault injection: LMDB fails the read
-            raise lmdb.Error("injected: the log cannot be read")
-
         disk.index.read_log_columns = unreadable
         assert not disk.refresh() and disk.num_free_slots() == 3, "nothing applied"
         disk.index.read_log_columns = read_log
@@ -54,3 +57,35 @@ def test_failed_index_reads_and_writes_are_counted_and_exported(tmp_path):
         assert errors["flush"] == disk.stats.index_flush_errors
         assert disk.flush() and disk.num_free_slots() == 4, "written once the index takes it"
         assert exported(metrics, composite)["flush"] == disk.stats.index_flush_errors, "a total, not re-added"
+
+
+def test_tiered_kv_stats_shows_them_per_tier(tmp_path):
+    """``tiered-kv stats`` against a real endpoint (prometheus_client's HTTP server) serving
+    the exporter of a hierarchy whose disk index failed one read."""
+    from prometheus_client import start_http_server
+    from typer.testing import CliRunner
+
+    from tiered_kv.cli import _load_commands, app
+
+    _load_commands()
+    with engine(tmp_path) as (composite, s, layout):
+        disk, metrics = composite.tier("disk"), PrometheusMetrics()
+        disk.prepare_store([A])
+        read_log = disk.index.read_log_columns
+        disk.index.read_log_columns = unreadable
+        disk.refresh()
+        disk.index.read_log_columns = read_log
+        assert exported(metrics, composite) == {"read": 1, "flush": 0}
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            result = CliRunner().invoke(app, ["stats", "--url", url, "--json"])
+            assert result.exit_code == 0, result.output
+            tiers = {t["tier"]: t for t in json.loads(result.stdout)["tiers"]}
+            assert tiers["disk"]["index_errors"] == {"read": 1, "flush": 0} and tiers["cpu"]["index_errors"] == {}
+            table = CliRunner().invoke(app, ["stats", "--url", url]).stdout
+            (line,) = [line for line in table.splitlines() if "index errors (read / flush)" in line]
+            assert [c.strip() for c in line.split("│")[2:-1]] == ["-", "1 / 0"], table
+        finally:
+            server.shutdown()
+            server.server_close()

@@ -59,6 +59,12 @@ def _held_back(t: dict[str, Any]) -> str:
     return f"{held.get('settling', 0)} / {held.get('releasing', 0)}" if held else "-"
 
 
+def _index_errors(t: dict[str, Any]) -> str:
+    """A tier's failed index reads / commits; "-" for a tier that keeps no index."""
+    errors = t["index_errors"]
+    return f"{errors.get('read', 0)} / {errors.get('flush', 0)}" if errors else "-"
+
+
 def _text(s: str) -> Text:
     """What the endpoint named, as it is written: never Rich markup, never terminal
     control."""
@@ -91,6 +97,7 @@ def render(view: dict[str, Any], url: str) -> Group:
         ),
         "drops (blocks)": lambda t: str(t["drops_blocks"]),
         "failures (blocks)": lambda t: str(t["failures_blocks"]),
+        "index errors (read / flush)": _index_errors,
         "prefetched / used / wasted (blocks)": lambda t: "{prefetches} / {prefetch_used} / {prefetch_wasted}".format(
             **t["prefetch_blocks"]
         ),

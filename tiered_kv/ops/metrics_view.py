@@ -44,6 +44,7 @@ from tiered_kv.metrics import (
     RETENTION_TTL,
     TIER_BLOCKS,
     TIER_HELD_BACK_BLOCKS,
+    TIER_INDEX_ERRORS,
     TIER_LOAD_GBPS,
     TIER_TOKENS,
     TIER_USED_BLOCKS,
@@ -288,6 +289,10 @@ def _tier(samples: Samples, tier: str) -> dict[str, Any]:
         # Counted in used_blocks; only a tier that holds slots back exports them.
         "held_back_blocks": {
             k: int(v) for k, v in by_label(samples, TIER_HELD_BACK_BLOCKS, "reason", _match(tier=tier)).items()
+        },
+        # Only a tier that keeps an index exports its failed reads and commits.
+        "index_errors": {
+            k: int(v) for k, v in by_label(samples, f"{TIER_INDEX_ERRORS}_total", "op", _match(tier=tier)).items()
         },
         "bytes_loaded": int(sum(v for t, v in transfers.items() if _is_load(t, tier))),
         "bytes_stored": int(sum(v for t, v in transfers.items() if t.endswith(f"_to_{tier}"))),
