@@ -312,9 +312,21 @@ def unread_fields(fingerprint: Mapping[str, Any], pinned: Mapping[str, Any]) -> 
     out = []
     for key, want in pinned.items():
         have = fingerprint.get(key)
-        if have != want:
+        if have != want and not (key == "model_id" and _same_directory(want, have)):
             out.append(f"{key}: {_show(want)} for the config, {_show(have)} in the cache")
     return out
+
+
+def _same_directory(a: Any, b: Any) -> bool:
+    """Whether two model ids are spellings of one local directory, as seen from here: a
+    server records its ``--model`` as it was given (``./llama``, ``/models/llama``), and a
+    tool given another spelling of that directory must not judge its namespace unread.
+    A spelling that names no directory here (a hub id, a path relative to another
+    working directory) is compared as written."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    x, y = Path(a).expanduser(), Path(b).expanduser()
+    return x.is_dir() and y.is_dir() and x.resolve() == y.resolve()
 
 
 def _show(value: Any) -> str:

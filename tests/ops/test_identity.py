@@ -388,6 +388,31 @@ def test_clear_keeps_namespaces_that_only_the_servers_own_flags_tell_apart(model
     assert json.loads(run_cli(*args).stdout)["removed"] == [] and len(list_namespaces(cache)) == 2
 
 
+def test_another_spelling_of_the_model_directory_reads_the_same_namespace(model_dir, tmp_path, monkeypatch):
+    """vLLM records ``--model`` as the server was given it (here its absolute path); an
+    operator's ``--model`` spelled another way (relative to where the tool runs) names the
+    same directory, so ``clear --unread-by`` keeps that namespace and clears only another
+    model's."""
+    cache = tmp_path / "cache"
+    warm(model_dir, server_config(tmp_path, model_dir, model_id=str(model_dir)), "vllm")  # vllm serve /abs/dir
+    warm(model_dir, server_config(tmp_path, model_dir, model_id="another-model"), "vllm")
+    ids = {ns.fingerprint.model_id: ns.path.name for ns in list_namespaces(cache)}
+    bare = write_transfer_config(
+        tmp_path / "bare.json", {"disk_path": str(cache), "disk_bytes": "8MiB", "block_size": GPU_BLOCK}
+    )
+    monkeypatch.chdir(model_dir.parent)
+    model = f"./{model_dir.name}"
+    data = json.loads(
+        run_cli("inspect", "summary", str(cache), "--config", str(bare), "--model", model, "--json").stdout
+    )
+    read = {ns["namespace"]: ns["read_by"][0]["differences"] for ns in data["namespaces"]}
+    assert read[ids[str(model_dir)]] == []
+    assert read[ids["another-model"]] == [f"model_id: {model!r} for the config, 'another-model' in the cache"]
+    args = ("inspect", "clear", str(cache), "--unread-by", str(bare), "--model", model, "--yes", "--json")
+    assert json.loads(run_cli(*args).stdout)["removed"] == [ids["another-model"]]
+    assert [ns.path.name for ns in list_namespaces(cache)] == [ids[str(model_dir)]]
+
+
 def test_a_hub_ids_weights_are_not_judged_by_the_configs_revision(tmp_path, monkeypatch):
     """The server digests the snapshot of vLLM's ``--revision`` (``main`` without one),
     never the config's ``model_revision``: a tool given a hub id cannot know which, so it
