@@ -92,15 +92,32 @@ def test_a_store_no_rank_reports_stays_settling(tmp_path):
         assert disk.held_back_slots() == {"settling": 1, "releasing": 0} and disk.num_free_slots() == SLOTS - 1
 
 
-def test_tiered_kv_stats_shows_them_beside_the_used_blocks(tmp_path):
-    """``tiered-kv stats`` against a real endpoint (prometheus_client's HTTP server) serving
-    the exporter of a hierarchy whose store job failed before any rank wrote (settling) and
-    whose other store every rank failed (releasing)."""
+def stats_read(metrics: PrometheusMetrics, row: str) -> tuple[dict[str, dict], list[str]]:
+    """What ``tiered-kv stats`` prints against a real endpoint (prometheus_client's HTTP
+    server) serving ``metrics``: the tiers of its ``--json`` view by name, and the cells of
+    the table's ``row`` (one per tier, in the view's order)."""
     from typer.testing import CliRunner
 
     from tiered_kv.cli import _load_commands, app
 
     _load_commands()
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        result = CliRunner().invoke(app, ["stats", "--url", url, "--json"])
+        assert result.exit_code == 0, result.output
+        tiers = {t["tier"]: t for t in json.loads(result.stdout)["tiers"]}
+        table = CliRunner().invoke(app, ["stats", "--url", url]).stdout
+    finally:
+        server.shutdown()
+        server.server_close()
+    (line,) = [line for line in table.splitlines() if row in line]
+    return tiers, [c.strip() for c in line.split("│")[2:-1]]
+
+
+def test_tiered_kv_stats_shows_them_beside_the_used_blocks(tmp_path):
+    """``tiered-kv stats`` against the exporter of a hierarchy whose store job failed before
+    any rank wrote (settling) and whose other store every rank failed (releasing)."""
     with engine(tmp_path / "disk") as (composite, s, layout):
         disk = composite.tier("disk")
         assert isinstance(disk, DiskOffloadingManager)
@@ -113,17 +130,7 @@ def test_tiered_kv_stats_shows_them_beside_the_used_blocks(tmp_path):
         disk.refresh()
         metrics = PrometheusMetrics()
         assert exported(metrics, composite) == {"settling": 2, "releasing": 1}
-        server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
-        try:
-            url = f"http://127.0.0.1:{server.server_port}/metrics"
-            result = CliRunner().invoke(app, ["stats", "--url", url, "--json"])
-            assert result.exit_code == 0, result.output
-            tiers = {t["tier"]: t for t in json.loads(result.stdout)["tiers"]}
-            assert tiers["disk"]["held_back_blocks"] == {"settling": 2, "releasing": 1}
-            assert tiers["disk"]["used_blocks"] == 3 and tiers["cpu"]["held_back_blocks"] == {}
-            table = CliRunner().invoke(app, ["stats", "--url", url]).stdout
-            (line,) = [line for line in table.splitlines() if "held back (settling / releasing)" in line]
-            assert [c.strip() for c in line.split("│")[2:-1]] == ["-", "2 / 1"], table
-        finally:
-            server.shutdown()
-            server.server_close()
+        tiers, cells = stats_read(metrics, "held back (settling / releasing)")
+        assert tiers["disk"]["held_back_blocks"] == {"settling": 2, "releasing": 1}
+        assert tiers["disk"]["used_blocks"] == 3 and tiers["cpu"]["held_back_blocks"] == {}
+        assert cells == ["-", "2 / 1"]

@@ -66,13 +66,12 @@ class DemoEndpoint:
         if isinstance(manager, TieredOffloadingManager):
             tiers = [("cpu", manager.cpu), *((t.name, t) for t in manager.lower)]
         kept, holds = retention_metric_values(tiers)
-        kept += index_error_values(t for _, t in tiers[1:])
         self.metrics.update(
             self.spec.stats,
             occupancy=hierarchy_occupancy(manager),
             costs=costs.snapshot() if costs is not None else None,
             job_failures={"store": failed_stores},
-            counters=kept,
+            counters=[*kept, *index_error_values(t for _, t in tiers[1:])],
             gauges=holds,
         )
         self._last_export = time.monotonic()
