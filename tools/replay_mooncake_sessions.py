@@ -160,6 +160,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.policies = [parse_row(x).name for x in args.policies.split(",") if x.strip()]
         if not 0 < args.utilisation <= 2:
             raise ValueError(f"--utilisation: expected 0 < u <= 2, got {args.utilisation:g}")
+        if not 0 < args.tier_gbps < math.inf:
+            raise ValueError(f"--tier-gbps: expected a finite rate > 0, got {args.tier_gbps:g}")
+        if args.device_tokens < TOKENS_PER_BLOCK:
+            raise ValueError(
+                f"--device-tokens: expected at least one chunk ({TOKENS_PER_BLOCK}), got {args.device_tokens}"
+            )
     except ValueError as exc:
         p.error(str(exc))
     if not args.policies:

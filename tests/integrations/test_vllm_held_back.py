@@ -1,7 +1,9 @@
 """Disk slots held back (neither free nor holding a chunk) on vLLM 0.33's Prometheus side,
 through vLLM's real scheduler and its ``OffloadPromMetrics`` (tests/support/vllm_harness.py):
 ``tiered_kv_tier_held_back_blocks{tier, reason}`` from ``TieredOffloadingSpec``'s scheduler,
-``tiered_kv_disk_tier_held_back_chunks{reason}`` from ``TieredDiskTier`` under vLLM's tiering.
+``tiered_kv_disk_tier_held_back_chunks{reason}`` from ``TieredDiskTier`` under vLLM's tiering;
+and the disk index's failed reads, ``tiered_kv_tier_index_errors_total{tier, op}`` and
+``tiered_kv_disk_tier_index_read_errors_total`` (LMDB's error injected).
 
 The held-back slot is a store given up with no rank ever reporting on it: what the
 hierarchy does when a store job fails before any worker wrote (``complete_store(success=
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import lmdb
 import pytest
 
 pytest.importorskip(
@@ -88,3 +91,52 @@ def test_a_tiered_disk_tiers_held_back_slots_reach_vllms_prometheus_side(model_d
             tier.disk_manager.abandon_store([key])  # given up; no rank ever reports on it
         assert (exported("settling"), exported("releasing")) == (1, 0)
         assert tier.disk_manager.num_free_slots() == 15
+
+
+def _unreadable(*args, **kwargs):
+    """Fault injection: LMDB fails a read of the disk index's log."""
+    raise lmdb.Error("injected: the log cannot be read")
+
+
+def test_disk_index_errors_reach_vllms_prometheus_side(model_dir, tmp_path):
+    with _build(model_dir, disk=tmp_path / "disk") as h:
+        disk = h.manager.composite.tier("disk")
+        assert isinstance(disk, DiskOffloadingManager)
+
+        def exported(op: str) -> float | None:
+            h.step()
+            registry = h.publish_metrics()
+            return registry.get_sample_value(
+                "tiered_kv_tier_index_errors_total", {"engine": "0", "tier": "disk", "op": op}
+            )
+
+        assert not exported("read") and not exported("flush")  # reported from the first increase
+        read_log, disk.index.read_log_columns = disk.index.read_log_columns, _unreadable
+        try:
+            disk.refresh()
+        finally:
+            disk.index.read_log_columns = read_log
+        errors = disk.stats.index_read_errors
+        assert errors >= 1 and exported("read") == errors and not exported("flush")
+
+
+def test_a_tiered_disk_tiers_index_errors_reach_vllms_prometheus_side(model_dir, tmp_path):
+    from test_vllm_secondary_tier import _build as build_tiering
+    from test_vllm_secondary_tier import _extra, _tier
+
+    with build_tiering(model_dir, _extra(tmp_path / "cache", primary_chunks=4, disk_chunks=16)) as h:
+        disk = _tier(h).disk_manager
+
+        def exported() -> float | None:
+            h.step()
+            registry = h.publish_metrics()
+            return registry.get_sample_value("tiered_kv_disk_tier_index_read_errors_total", {"engine": "0"})
+
+        read_log, disk.index.read_log_columns = disk.index.read_log_columns, _unreadable
+        try:
+            disk.refresh()
+        finally:
+            disk.index.read_log_columns = read_log
+        errors = disk.stats.index_read_errors
+        assert errors >= 1 and exported() == errors
+        assert exported() == errors, "reported once, not again"

@@ -79,9 +79,20 @@ def test_the_command_prints_one_row_per_policy_beside_belady(tmp_path, capsys):
     assert re.search(r"release\.accepted 7, retain\.accepted 9", hinted), hinted
 
 
-@pytest.mark.parametrize("row", ["lru+bogus", "lru+prefetch", "lru+ids"])
-def test_a_bad_row_is_refused_naming_it(row, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--policies", "lru+bogus"], "lru+bogus"),
+        (["--policies", "lru+prefetch"], "lru+prefetch"),
+        (["--policies", "lru+ids"], "lru+ids"),
+        (["--tier-gbps", "inf"], "--tier-gbps: expected a finite rate > 0, got inf"),
+        (["--tier-gbps", "-1"], "got -1"),
+        (["--device-tokens", "0"], "--device-tokens: expected at least one chunk (512), got 0"),
+        (["--utilisation", "nan"], "--utilisation: expected 0 < u <= 2, got nan"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_it(args, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        tool.main(["--trace", str(write_trace(tmp_path / "t.jsonl")), "--policies", row])
+        tool.main(["--trace", str(write_trace(tmp_path / "t.jsonl")), *args])
     assert exc.value.code == 2
-    assert row in capsys.readouterr().err
+    assert says in capsys.readouterr().err

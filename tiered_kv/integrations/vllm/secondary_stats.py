@@ -33,6 +33,9 @@ class DiskTierStats:
     corrupt: int = 0  # of which failed their checksum (the store's count)
     failed_store_jobs: int = 0
     failed_promotion_jobs: int = 0
+    # The disk manager's own counts (``DiskManagerStats.index_errors``), copied at each report.
+    index_read_errors: int = 0
+    index_flush_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -58,6 +61,14 @@ _COUNTERS = {
     "corrupt": (
         "tiered_kv_disk_tier_corrupt_chunks",
         "Chunks that failed their checksum on read; dropped from the disk tier.",
+    ),
+    "index_read_errors": (
+        "tiered_kv_disk_tier_index_read_errors",
+        "Failed reads of the disk index's log: what the workers wrote stays pending until a read succeeds.",
+    ),
+    "index_flush_errors": (
+        "tiered_kv_disk_tier_index_flush_errors",
+        "Failed disk index commits: failed stores' slots stay held back until one succeeds.",
     ),
 }
 _USED_GAUGE = "tiered_kv_disk_tier_used_chunks"

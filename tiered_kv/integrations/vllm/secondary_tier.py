@@ -475,7 +475,10 @@ class TieredDiskTier(SecondaryTierManager, Closing):
         return metric_definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Counter increments since the last call, the chunks held and the slots held back now."""
+        """Counter increments since the last call (the disk manager's index errors among
+        them), the chunks held and the slots held back now."""
+        errors = self.disk_manager.stats.index_errors()
+        self.stats.index_read_errors, self.stats.index_flush_errors = errors["read"], errors["flush"]
         out = stats_since(self.stats, self._reported, len(self.disk_manager), self.disk_manager.held_back_slots())
         self._reported = DiskTierStats(**self.stats.as_dict())
         return out
