@@ -93,9 +93,19 @@ def test_a_tiered_disk_tiers_held_back_slots_reach_vllms_prometheus_side(model_d
         assert tier.disk_manager.num_free_slots() == 15
 
 
-def _unreadable(*args, **kwargs):
-    """Fault injection: LMDB fails a read of the disk index's log."""
-    raise lmdb.Error("injected: the log cannot be read")
+def _fail_a_log_read(disk: DiskOffloadingManager) -> int:
+    """Fault injection: LMDB fails one ``refresh``'s read of the disk index's log; the
+    failed reads counted so far (the flusher's own refreshes may meet the fault too)."""
+
+    def unreadable(*args, **kwargs):
+        raise lmdb.Error("injected: the log cannot be read")
+
+    read_log, disk.index.read_log_columns = disk.index.read_log_columns, unreadable
+    try:
+        disk.refresh()
+    finally:
+        disk.index.read_log_columns = read_log
+    return disk.stats.index_read_errors
 
 
 def test_disk_index_errors_reach_vllms_prometheus_side(model_dir, tmp_path):
@@ -111,12 +121,7 @@ def test_disk_index_errors_reach_vllms_prometheus_side(model_dir, tmp_path):
             )
 
         assert not exported("read") and not exported("flush")  # reported from the first increase
-        read_log, disk.index.read_log_columns = disk.index.read_log_columns, _unreadable
-        try:
-            disk.refresh()
-        finally:
-            disk.index.read_log_columns = read_log
-        errors = disk.stats.index_read_errors
+        errors = _fail_a_log_read(disk)
         assert errors >= 1 and exported("read") == errors and not exported("flush")
 
 
@@ -132,11 +137,6 @@ def test_a_tiered_disk_tiers_index_errors_reach_vllms_prometheus_side(model_dir,
             registry = h.publish_metrics()
             return registry.get_sample_value("tiered_kv_disk_tier_index_read_errors_total", {"engine": "0"})
 
-        read_log, disk.index.read_log_columns = disk.index.read_log_columns, _unreadable
-        try:
-            disk.refresh()
-        finally:
-            disk.index.read_log_columns = read_log
-        errors = disk.stats.index_read_errors
+        errors = _fail_a_log_read(disk)
         assert errors >= 1 and exported() == errors
         assert exported() == errors, "reported once, not again"
