@@ -2,8 +2,8 @@
 real CPU tensors, real slab files and LMDB index) against a simple reference model.
 
 Hypothesis drives random interleavings of store / complete_store (random success) /
-lookup + load / complete_load / touch / disk flush, with jobs left in flight across
-steps. After every step it checks: neither tier exceeds its capacity; blocks pinned by
+lookup + load / complete_load / touch / disk flush, with jobs left in flight for the
+manager across steps (the worker copies each at once, so a sequence replays the same). After every step it checks: neither tier exceeds its capacity; blocks pinned by
 an in-flight load stay where the load reads them; no store is handed a CPU slot that an
 in-flight load reads; every block ``lookup`` claims is delivered byte-exact by the load
 that follows; and the stored/removed events, replayed, equal each tier's contents.
@@ -122,6 +122,11 @@ class Hierarchy(RuleBasedStateMachine):
         job = self.next_job
         self.next_job += 1
         self.worker.transfer_async(job, spec)
+        # The copy runs on the worker's threads; waiting for it here keeps each sequence
+        # the same when Hypothesis replays it (a lookup refreshes a lower tier, and sees a
+        # write-through only once the job's thread staged it). The job stays in flight for
+        # the manager until ``finish_store``/``finish_load`` completes it.
+        self.worker.wait({job})
         return job
 
     def _result(self, job):
