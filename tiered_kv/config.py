@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -63,6 +63,21 @@ OTHER_SPECS_KEYS = {
 }
 
 WRITE_POLICIES = ("write_through", "write_back")
+
+
+def write_policy_per_tier(write_policy: str | Sequence[str], tiers: int) -> tuple[str, ...]:
+    """One ``write_policy`` per lower tier, from one for all of them or one each; raises
+    ``ValueError`` naming the value and what is expected."""
+    if isinstance(write_policy, str) and write_policy not in WRITE_POLICIES:
+        raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
+    policies = (write_policy,) * tiers if isinstance(write_policy, str) else tuple(write_policy)
+    if len(policies) != tiers or any(p not in WRITE_POLICIES for p in policies):
+        raise ValueError(
+            f"write_policy: expected one of {', '.join(WRITE_POLICIES)} per lower tier ({tiers}), got {write_policy!r}"
+        )
+    return policies
+
+
 GPU_COPIES = ("auto", "kernels", "dma")
 EVICTION_POLICIES = ("lru", "arc")
 #: vLLM's ``--prefix-caching-hash-algo`` values (``tiered_kv.ops.hashing`` computes them all).

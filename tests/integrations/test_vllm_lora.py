@@ -1,12 +1,15 @@
 """LoRA requests under vLLM's real scheduler and worker: vLLM keys an adapter's blocks by
-its name and path, not its weights, and the disk and shared tiers outlive a restart that
-replaces the files at that path. ``TieredOffloadingConnector`` sees each request's
-adapter and no tier keeps or serves its KV (vLLM's GPU prefix cache still does, as it
-lives no longer than the adapter it loaded); a spec that cannot tell LoRA requests
-apart (under vLLM's own connector, or ``TieredDiskTier``) refuses an engine serving LoRA.
+its name and path, not its weights, and the disk and shared tiers outlive a process (and
+are read by others) whose adapter files at that path may differ. ``TieredOffloadingConnector``
+sees each request's adapter: the CPU tier alone keeps and serves its KV (it lives no
+longer than the adapter this process loaded, as vLLM's GPU prefix cache), never a lower
+tier, neither written nor read. A spec that cannot tell LoRA requests apart (under vLLM's
+own connector, or ``TieredDiskTier``) refuses an engine serving LoRA.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -17,10 +20,11 @@ pytest.importorskip(
 )
 
 from support import vllm_harness as vh  # noqa: E402
-from test_vllm_tiers import BLOCK, GPU_BLOCK_BYTES, SPEC, _durable, _prompt, _serve  # noqa: E402
+from test_vllm_tiers import BLOCK, GPU_BLOCK_BYTES, SPEC, _durable, _prompt, _serve, _zero_gpu  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 
 from tiered_kv.config import ConfigError  # noqa: E402
+from tiered_kv.integrations.vllm import connector as connector_module  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -30,14 +34,19 @@ def model_dir(tmp_path_factory):
     return vh.write_model_config(tmp_path_factory.mktemp("model"))
 
 
-def _config(disk) -> dict:
+def _config(disk, **extra) -> dict:
     return {
         **SPEC,
         "cpu_bytes": f"{4 * GPU_BLOCK_BYTES}B",
         "block_size": BLOCK,
         "disk_path": str(disk),
         "disk_bytes": f"{64 * 4096}B",
+        **extra,
     }
+
+
+def _build(model_dir, disk, **extra) -> vh.VllmHarness:
+    return vh.VllmHarness.build(model_dir, _config(disk, **extra), num_gpu_blocks=64, worker="real", **vh.ONE_READ)
 
 
 def _serve_lora(h: vh.VllmHarness, prompt: list[int], lora: LoRARequest) -> int:
@@ -47,23 +56,73 @@ def _serve_lora(h: vh.VllmHarness, prompt: list[int], lora: LoRARequest) -> int:
     return h.prefix_hits[req_id].external
 
 
-def test_no_tier_keeps_or_serves_a_lora_requests_kv_with_our_connector(model_dir, tmp_path):
+def _on_disk(h: vh.VllmHarness, keys) -> list:
+    disk = h.manager.composite.tier("disk")
+    return [k for k in keys if disk.is_loadable(k) or disk.is_pending(k)]
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_the_cpu_tier_alone_keeps_and_serves_a_lora_requests_kv(model_dir, tmp_path, write_policy):
     lora = LoRARequest("sql-expert", 1, str(tmp_path / "adapters" / "sql-expert"))
     prompt = _prompt(5, 3 * BLOCK + 2)
-    with vh.VllmHarness.build(
-        model_dir, _config(tmp_path / "disk"), num_gpu_blocks=64, worker="real", **vh.ONE_READ
-    ) as h:
+    with _build(model_dir, tmp_path / "disk", write_policy=write_policy) as h:
+        composite = h.manager.composite
+        disk = composite.tier("disk")
         assert _serve_lora(h, prompt, lora) == 0
         _durable(h)
-        composite = h.manager.composite
-        assert composite.cpu.num_slots == composite.cpu.num_free_slots(), "a LoRA request's chunks were stored"
-        assert composite.tier("disk").num_free_slots() == composite.tier("disk").capacity
+        lora_keys = list(composite.cpu.iter_evictable())
+        assert len(lora_keys) == 3, "the LoRA request's three full chunks are in the CPU tier"
+        assert disk.num_free_slots() == disk.capacity and not _on_disk(h, lora_keys)
+        # Served from CPU, with the bytes its own forward pass computed.
+        h.reset_gpu_prefix_cache()
+        _zero_gpu(h)
+        req_id = h.admit(prompt, lora_request=lora)
+        assert h.prefix_hits[req_id].external == 3 * BLOCK
+        assert all(h.kv_matches(req_id))
+        h.settle()
+        # Other requests push the LoRA chunks out of CPU (write_back spills its victims):
+        # they leave the hierarchy, and the others' chunks reach the disk as ever.
+        for seed in range(6, 9):
+            assert _serve(h, _prompt(seed, 3 * BLOCK + 2)).external == 0
+        _durable(h)
+        assert not any(composite.cpu.is_loadable(k) for k in lora_keys)
+        assert not _on_disk(h, lora_keys), "a LoRA request's chunk was written to the disk tier"
+        assert disk.capacity - disk.num_free_slots() >= 3
+        assert composite.admission._cpu_only == set(), "the held chunks left CPU and are forgotten"
         h.reset_gpu_prefix_cache()
         assert _serve_lora(h, prompt, lora) == 0
-        # The same prompt without the adapter is offloaded as ever.
+        # The same prompt without the adapter has keys of its own, offloaded as ever.
+        h.reset_gpu_prefix_cache()
         assert _serve(h, prompt).external == 0
         _durable(h)
-        assert composite.cpu.num_free_slots() < composite.cpu.num_slots
+        h.reset_gpu_prefix_cache()
+        assert _serve(h, prompt).external == 3 * BLOCK
+
+
+def test_a_lora_chunk_another_writer_left_on_disk_is_never_read(model_dir, tmp_path, monkeypatch):
+    """A disk tier shared with a process that wrote LoRA chunks down (one that did not mark
+    them, standing in for an adapter of other weights at the same name and path): a LoRA
+    request never reads them, while the plain chunks of that disk are served."""
+    lora = LoRARequest("sql-expert", 1, str(tmp_path / "adapters" / "sql-expert"))
+    prompt, plain = _prompt(5, 3 * BLOCK + 2), _prompt(9, 3 * BLOCK + 2)
+
+    @dataclasses.dataclass(frozen=True)
+    class Unmarked:
+        adapter: str
+
+    with monkeypatch.context() as m:
+        m.setattr(connector_module, "CpuOnly", Unmarked)
+        with _build(model_dir, tmp_path / "disk") as h:
+            assert _serve_lora(h, prompt, lora) == 0
+            lora_keys = list(h.manager.composite.cpu.iter_evictable())
+            assert _serve(h, plain).external == 0
+            _durable(h)
+            assert len(_on_disk(h, lora_keys)) == 3
+    with _build(model_dir, tmp_path / "disk") as h:
+        assert len(_on_disk(h, lora_keys)) == 3
+        assert _serve_lora(h, prompt, lora) == 0
+        assert _serve(h, plain).external == 3 * BLOCK
+        assert h.manager.composite.stats.tiers["disk"]["hits"] == 3
 
 
 @pytest.mark.parametrize("where", ["vLLM's connector", "TieredDiskTier"])

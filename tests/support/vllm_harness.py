@@ -509,10 +509,13 @@ class VllmHarness(Closing):
             lambda: not self.scheduler.has_requests() and not self.connector.has_pending_push_work(), max_steps, timeout
         )
 
-    def admit(self, prompt_token_ids: list[int], max_tokens: int = 3, timeout: float = 30.0) -> str:
-        """Add a request and step until its first token: its loads have landed and it
-        still holds its blocks, so ``kv_matches`` can look at them."""
-        req_id = self.add_request(prompt_token_ids, max_tokens=max_tokens)
+    def admit(
+        self, prompt_token_ids: list[int], max_tokens: int = 3, timeout: float = 30.0, **request_fields: Any
+    ) -> str:
+        """Add a request (``request_fields`` as for ``add_request``) and step until its
+        first token: its loads have landed and it still holds its blocks, so
+        ``kv_matches`` can look at them."""
+        req_id = self.add_request(prompt_token_ids, max_tokens=max_tokens, **request_fields)
         self.step_until(lambda: self.scheduler.requests[req_id].num_output_tokens >= 1, timeout=timeout)
         return req_id
 

@@ -167,6 +167,56 @@ def test_write_back_spills_a_block_not_admitted_when_it_is_evicted(tmp_path):
         m.shutdown()
 
 
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_a_store_held_in_cpu_reaches_no_lower_tier_and_leaves_from_cpu(tmp_path, write_policy):
+    """``cpu_only`` (a LoRA request's store): no write-through copy, and evicted it is
+    dropped, not spilled; a plain block evicted next is spilled (write_back) as ever."""
+    m = composite("lru", 2, admit_after=1, lower=_disk(tmp_path), write_policy=write_policy)
+    try:
+        out = m.prepare_store([h(1)], cpu_only=True)
+        assert out is not None and out.block_hashes_to_store == [h(1)]
+        assert out.store_spec.write_through.block_hashes == []
+        m.complete_store([h(1)])
+        m.touch([h(1)])
+        stored(m, [h(2)])
+        out = m.prepare_store([h(3)])  # evicts h(1), the least recent
+        assert out is not None
+        assert h(1) not in out.store_spec.spills.block_hashes
+        assert out.block_hashes_evicted == [h(1)]  # left the hierarchy
+        assert not m.admission.cpu_only(h(1))
+        m.complete_store([h(3)])
+        out = m.prepare_store([h(4)])  # evicts h(2): a plain block
+        assert out is not None
+        if write_policy == "write_back":
+            assert out.store_spec.spills.block_hashes == [h(2)]
+        else:
+            assert out.store_spec.write_through.block_hashes == [h(4)]
+    finally:
+        m.shutdown()
+
+
+def test_a_block_held_in_cpu_is_a_victim_a_promotion_may_drop(tmp_path):
+    m = composite("lru", 2, admit_after=1, lower=_disk(tmp_path), write_policy="write_back")
+    disk = m.lower[0]
+    try:
+        stored(m, [h(5)])
+        stored(m, [h(6)])
+        out = stored(m, [h(7)])  # h(5) spills to disk
+        disk.complete_store(out.store_spec.spills.block_hashes)
+        out = m.prepare_store([h(1)], cpu_only=True)  # h(6) spills
+        assert out is not None
+        disk.complete_store(out.store_spec.spills.block_hashes)
+        m.complete_store([h(1)])
+        m.touch([h(7)])  # h(1), held in CPU, is the next victim
+        assert m.lookup([h(5)]) == 1
+        spec = m.prepare_load([h(5)])
+        assert spec.promote_slots.tolist()[0] >= 0, "the promotion was refused a slot h(1) could give"
+        m.complete_load([h(5)])
+        assert m.cpu.is_loadable(h(5)) and not m.cpu.is_loadable(h(1)) and not disk.is_loadable(h(1))
+    finally:
+        m.shutdown()
+
+
 @pytest.mark.parametrize("bad", ["reuse(0)", "sometimes", 2, {"cpu": "reuse(2)"}, "reuse(-1)"])
 def test_bad_values_name_the_key_and_the_value(bad):
     with pytest.raises(ConfigError) as exc:

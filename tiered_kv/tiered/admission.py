@@ -53,6 +53,23 @@ class WriteAdmission:
         self._counting = any(n > 1 for n in admit_after)
         self._recent: Counter[BlockHash] = Counter()
         self._older: Counter[BlockHash] = Counter()
+        self._cpu_only: set[BlockHash] = set()
+
+    def hold_in_cpu(self, block_hashes: Sequence[BlockHash]) -> None:
+        """No lower tier takes these blocks (being stored in CPU) by a write-through or a
+        spill, whatever the rule, until ``forget``: KV whose key does not name all that
+        made it (a LoRA adapter's, keyed by the adapter's name and path, not its weights)
+        must not outlive this process in a persistent tier."""
+        self._cpu_only.update(block_hashes)
+
+    def forget(self, block_hashes: Sequence[BlockHash]) -> None:
+        """These blocks left the CPU tier (evicted, or their store failed)."""
+        if self._cpu_only:
+            self._cpu_only.difference_update(block_hashes)
+
+    def cpu_only(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` is held in CPU (``hold_in_cpu``)."""
+        return block_hash in self._cpu_only
 
     def note(self, block_hashes: Sequence[BlockHash]) -> None:
         """A store or a hit of each block."""
@@ -85,8 +102,11 @@ class WriteAdmission:
         return [recent(h, 0) + older(h, 0) >= n for h in block_hashes]
 
     def admitted(self, i: int, block_hashes: list[BlockHash]) -> list[BlockHash]:
-        """The members of ``block_hashes`` lower tier ``i`` takes now, in order."""
+        """The members of ``block_hashes`` lower tier ``i`` takes now, in order (never
+        one held in CPU)."""
         n = self.admit_after[i]
+        if self._cpu_only and block_hashes:
+            block_hashes = [h for h in block_hashes if h not in self._cpu_only]
         if n <= 1 or not block_hashes:
             return block_hashes
         recent, older = self._recent.get, self._older.get

@@ -37,7 +37,8 @@ what when:
 - **Write admission**: a lower tier with ``admit_after`` N > 1 (``write_admission: reuse(N)``) is written a block only
   once the block has been stored or hit N times (counted over a bounded history of recent blocks); a CPU victim not
   yet admitted anywhere leaves the hierarchy (``not_admitted``). ``cpu_admission: reuse(N)`` ranks a block first to
-  evict in CPU until its Nth use (it still lands there: lower tiers are written from CPU slots).
+  evict in CPU until its Nth use (it still lands there: lower tiers are written from CPU slots). A store
+  ``cpu_only`` (a LoRA request's) is admitted to no lower tier: its blocks live in CPU and leave from there.
 - ``block_hashes_evicted`` lists only blocks that left the whole hierarchy.
 - **A store never evicts its own request** (vLLM's contract): the blocks offered to one ``prepare_store`` are no
   victim in any tier, neither of the CPU cascade nor of the lower-tier slots its spills and write-through copies
@@ -65,7 +66,7 @@ from tiered_kv.abstract import (
     OffloadingManager,
     PrepareStoreOutput,
 )
-from tiered_kv.config import WRITE_POLICIES, TieredConfig
+from tiered_kv.config import TieredConfig, write_policy_per_tier
 from tiered_kv.cost import LoadCosts
 from tiered_kv.prefill import DEFAULT_PREFILL_TOKENS_PER_S
 from tiered_kv.cpu.manager import CPUOffloadingManager
@@ -109,14 +110,7 @@ class TieredOffloadingManager(OffloadingManager):
         priors: Mapping[str, float] | None = None,
     ):
         tiers = [] if lower is None else [lower] if not isinstance(lower, Sequence) else list(lower)
-        policies = [write_policy] * len(tiers) if isinstance(write_policy, str) else list(write_policy)
-        if isinstance(write_policy, str) and write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
-        if len(policies) != len(tiers) or any(p not in WRITE_POLICIES for p in policies):
-            raise ValueError(
-                f"write_policy: expected one of {', '.join(WRITE_POLICIES)} per lower tier "
-                f"({len(tiers)}), got {write_policy!r}"
-            )
+        policies = write_policy_per_tier(write_policy, len(tiers))
         if max_pending_writes < 1:
             raise ValueError(f"max_pending_writes must be >= 1, got {max_pending_writes}")
         names = [t.name for t in tiers]
@@ -124,7 +118,7 @@ class TieredOffloadingManager(OffloadingManager):
             raise ValueError(f"every tier needs its own name; got cpu, {', '.join(names)}")
         self.cpu = cpu
         self.lower = tiers
-        self.write_policies = tuple(policies)
+        self.write_policies = policies
         self.promote_on_hit = promote_on_hit
         self.max_pending_writes = max_pending_writes
         self.stats = stats if stats is not None else TieredStats()
@@ -167,18 +161,7 @@ class TieredOffloadingManager(OffloadingManager):
         """The lower tier named ``name`` (``disk``, ``remote``, ...), or None."""
         return next((t for t in self.lower if t.name == name), None)
 
-    @property
-    def write_policy(self) -> str:
-        """The first lower tier's policy (``write_through`` where there is none)."""
-        return self.write_policies[0] if self.lower else "write_through"
-
     # ------------------------------------------------------------------ queries
-
-    def _refresh_lower(self) -> None:
-        """Fold in lower-tier write outcomes the workers have committed."""
-        for tier in self.lower:
-            if tier.num_pending():
-                tier.refresh()
 
     def _budget(self, tier: LowerTier, wanted: int) -> int:
         """How many of ``wanted`` more blocks may wait for a write into ``tier`` now.
@@ -373,7 +356,8 @@ class TieredOffloadingManager(OffloadingManager):
         """How many of the next CPU victims (none in ``protected``) could go without a
         spill (a lower tier holds them or is getting them), up to ``limit``."""
         victims = list(islice(self.cpu.iter_evictable(protected), limit))
-        unsafe = set(self._in_no_lower_tier(victims))
+        cpu_only = self.admission.cpu_only
+        unsafe = {h for h in self._in_no_lower_tier(victims) if not cpu_only(h)}
         return next((i for i, victim in enumerate(victims) if victim in unsafe), len(victims))
 
     def _in_no_lower_tier(self, cpu_blocks: list[BlockHash]) -> list[BlockHash]:
@@ -464,11 +448,19 @@ class TieredOffloadingManager(OffloadingManager):
         evicted = [h for h in victims if h not in held] if len(held) < len(victims) else []
         self.stats.count("cpu", "drops", len(evicted))
         evicted.extend(gone)
+        self.admission.forget(victims)  # a victim held in CPU was admitted nowhere: dropped
         return spills, evicted
 
     def prepare_store(
-        self, block_hashes: Iterable[BlockHash], *, session: Hashable | None = None, request: Hashable | None = None
+        self,
+        block_hashes: Iterable[BlockHash],
+        *,
+        session: Hashable | None = None,
+        request: Hashable | None = None,
+        cpu_only: bool = False,
     ) -> PrepareStoreOutput | None:
+        """``cpu_only``: the blocks stored go into CPU alone, never into a lower tier
+        (``WriteAdmission.hold_in_cpu``)."""
         offered = list(dict.fromkeys(block_hashes))
         self._note_uses(offered, session, request)  # every use of a block offers it again
         to_store = missing = self.cpu.missing_among(offered)
@@ -499,6 +491,8 @@ class TieredOffloadingManager(OffloadingManager):
             raise RuntimeError("CPU tier refused an allocation it had room for")
         if len(to_store) < len(offered):
             self.cpu.rank_request(offered)
+        if cpu_only and self.lower:
+            self.admission.hold_in_cpu(to_store)
         write_through = [
             self._plan_write_through(i, to_store, slots, evicted, protected, held_below) for i in range(len(self.lower))
         ]
@@ -551,6 +545,8 @@ class TieredOffloadingManager(OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         block_hashes = list(block_hashes)
         self.cpu.complete_store(block_hashes, success)
+        if not success:
+            self.admission.forget(block_hashes)
         self.stats.count("cpu", "failed_stores", 0 if success else len(block_hashes))
         for tier, pending in zip(self.lower, self._write_through):
             abandoned = [h for h in block_hashes if h in pending] if pending else []
@@ -577,8 +573,11 @@ class TieredOffloadingManager(OffloadingManager):
         return events
 
     def pending_writes(self) -> int:
-        """Blocks queued for a lower-tier write whose outcome the tier has not shown yet."""
-        self._refresh_lower()
+        """Blocks queued for a lower-tier write whose outcome the tier has not shown yet
+        (after folding in those the workers committed)."""
+        for tier in self.lower:
+            if tier.num_pending():
+                tier.refresh()
         return sum(tier.num_pending() for tier in self.lower)
 
     def queued_blocks(self) -> dict[str, int]:

@@ -74,18 +74,21 @@ class TieredJobSpec(VllmLoadStoreSpec):
 
 
 @dataclass(frozen=True)
-class NotOffloaded:
+class CpuOnly:
     """In a request's ``ReqContext`` state (set by ``TieredOffloadingConnector``, which sees
-    the ``Request``): no tier serves or keeps its KV. A LoRA adapter's requests: vLLM keys
-    their blocks by the adapter's name and path, not by its weights, and the disk and
-    shared tiers outlive a process whose adapter files are replaced at that path."""
+    the ``Request``): its KV is kept and served by the CPU tier alone, never written to,
+    read from or prefetched out of a lower tier. A LoRA adapter's requests: vLLM keys their
+    blocks by the adapter's name and path, not its weights, and the disk and shared tiers
+    outlive a process (and are read by other processes) whose adapter files at that path
+    may differ; the CPU tier lives no longer than the adapter this process loaded, as
+    vLLM's GPU prefix cache."""
 
     adapter: str
 
 
 def refuse_lora(what: str, fix: str) -> None:
     """Raise ``ConfigError`` where vLLM serves LoRA adapters (``--enable-lora``) and
-    ``what`` cannot tell their requests' blocks apart (``NotOffloaded``): it would keep
+    ``what`` cannot tell their requests' blocks apart (``CpuOnly``): it would keep
     them past a restart that replaced an adapter's files, and serve them to its
     requests. ``fix``: how to serve LoRA with it."""
     vc = find_vllm_config()

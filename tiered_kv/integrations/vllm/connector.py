@@ -71,7 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiered_kv.cost import LoadCosts
-from tiered_kv.integrations.vllm.common import REQUEST_TENANT, NotOffloaded, RequestSession, request_tenant
+from tiered_kv.integrations.vllm.common import REQUEST_TENANT, CpuOnly, RequestSession, request_tenant
 from tiered_kv.prefill import prefill_work
 from tiered_kv.worker.forward_timer import ForwardTimer
 
@@ -184,7 +184,7 @@ class TieredOffloadingConnector(OffloadingConnector):
         if session is not None:
             status.req_context.set_state(session)
         if lora is not None:
-            status.req_context.set_state(NotOffloaded(str(getattr(lora, "lora_name", lora))))
+            status.req_context.set_state(CpuOnly(str(getattr(lora, "lora_name", lora))))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         take = getattr(self._worker(), "take_failed_gpu_blocks", None)

@@ -68,7 +68,7 @@ from vllm.v1.kv_offload.base import ReqContext
 
 from tiered_kv.abstract import BlockHash, LowerTier
 from tiered_kv.config import TieredConfig
-from tiered_kv.integrations.vllm.common import REQUEST_TENANT
+from tiered_kv.integrations.vllm.common import REQUEST_TENANT, CpuOnly
 from tiered_kv.integrations.vllm.health import SlotHealth
 from tiered_kv.integrations.vllm.leases import LeaseBook, LeaseId
 from tiered_kv.metrics import HINT_ACTIONS, LEASE_PINNED_BYTES, LEASES, PREFETCH_HELD_BYTES, TIER_BLOCKS, CounterValue
@@ -301,14 +301,16 @@ class KvHints:
         if not keys:
             return
         self._awaiting_keys.discard(req_id)
+        # A request served by CPU alone (``CpuOnly``) has nothing to move up into it.
+        prefetcher = self.prefetcher if req_context.get_state(CpuOnly) is None else None
         for action in request.actions:
             lease_id = (request.tenant, action.lease_id or req_id)
             if action.kind == RETAIN and lease_id in self.leases.leases:  # not released since
                 self.leases.retain(lease_id, keys, action.ttl_s, self.clock())
-            elif action.kind == PREFETCH and self.prefetcher is not None:
-                self.prefetcher.want(f"hint:{req_id}", keys, first=True)
-        if self.prefetcher is not None and self.settings.prefetch_waiting and not request.started:
-            self.prefetcher.want(req_id, keys)
+            elif action.kind == PREFETCH and prefetcher is not None:
+                prefetcher.want(f"hint:{req_id}", keys, first=True)
+        if prefetcher is not None and self.settings.prefetch_waiting and not request.started:
+            prefetcher.want(req_id, keys)
         if not request.actions and not request.releases:
             del self._requests[req_id]
 

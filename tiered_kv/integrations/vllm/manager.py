@@ -94,7 +94,7 @@ from tiered_kv.cost import Queues
 from tiered_kv.cpu.manager import CPUOffloadingManager
 from tiered_kv.integrations.vllm.common import (
     CounterIncreases,
-    NotOffloaded,
+    CpuOnly,
     WORKER_JOB_FAILURES,
     RequestSession,
     TieredJobSpec,
@@ -241,8 +241,6 @@ class TieredVllmManager(OffloadingManager, Closing):
         return Queues(len(self._waiting) - held, self.composite.queued_blocks(), self.composite.queued_loads())
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if req_context.get_state(NotOffloaded) is not None:
-            return _MISS
         last = self._scan_of
         if last is not None and last[0] is req_context:
             scan = last[1]
@@ -256,10 +254,13 @@ class TieredVllmManager(OffloadingManager, Closing):
                     scan.last = scan.lead_end = position  # ``lead_with``, inlined: per key
                     scan.lead += 1
                     return _HIT
-        tier = self.composite.hit_tier(key)
+        # A request served by CPU alone (``CpuOnly``) asks no lower tier, not even whether
+        # it holds the chunk (a shared tier would probe its bucket).
+        cpu_only = req_context.get_state(CpuOnly) is not None
+        tier = (-1 if self._cpu_loadable(key) else None) if cpu_only else self.composite.hit_tier(key)
         # A CPU chunk's answer asks no check; any other folds in the checks that
         # finished first, and looks again where one dropped blocks.
-        if tier != -1:
+        if tier != -1 and not cpu_only:
             folded = False
             for check in self.checks:
                 folded |= check.collect()
@@ -294,7 +295,7 @@ class TieredVllmManager(OffloadingManager, Closing):
             return _RESULTS[state]
         if key in self.composite.cpu:  # being stored or promoted: loadable once that job ends
             return _HIT_PENDING
-        if any(check.locating(key) for check in self.checks):
+        if not cpu_only and any(check.locating(key) for check in self.checks):
             return _RETRY  # a tier is finding out whether it holds the chunk
         return _MISS
 
@@ -431,9 +432,11 @@ class TieredVllmManager(OffloadingManager, Closing):
     # ------------------------------------------------------------------ stores
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        keys = [] if req_context.get_state(NotOffloaded) is not None else list(keys)
         out = self.composite.prepare_store(
-            keys, session=req_context.get_state(RequestSession), request=req_context.req_id
+            keys,
+            session=req_context.get_state(RequestSession),
+            request=req_context.req_id,
+            cpu_only=req_context.get_state(CpuOnly) is not None,
         )
         if out is None:
             return None
@@ -583,6 +586,7 @@ class TieredVllmManager(OffloadingManager, Closing):
     def _evict_all(self) -> None:
         """Every unpinned chunk of every tier this node owns (a shared tier evicts none)."""
         tiers: list[CPUOffloadingManager | LowerTier] = [self.composite.cpu, *self.composite.lower]
+        self.composite.admission.forget(list(self.composite.cpu.iter_evictable()))  # ``CpuOnly``'s
         for tier in tiers:
             for key in list(tier.iter_evictable()):
                 tier.remove(key)

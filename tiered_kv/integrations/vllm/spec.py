@@ -100,7 +100,7 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
-        if not built_by_tiered_connector():  # ours passes over LoRA requests
+        if not built_by_tiered_connector():  # ours keeps LoRA requests in the CPU tier alone
             refuse_lora("TieredOffloadingSpec under this connector", "use kv_connector TieredOffloadingConnector")
         self.tiered_config = parse_extra_config(self.extra_config)
         check_extra_hash_algorithm(self.tiered_config)
