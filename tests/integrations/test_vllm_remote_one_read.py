@@ -138,3 +138,44 @@ def test_an_object_that_fails_at_the_worker_is_recomputed_never_served(
             registry.get_sample_value("tiered_kv_remote_downloads_total", {"engine": "0", "outcome": "rejected"}) == 1
         )
         assert worker.take_failed_gpu_blocks() == set()  # handed to vLLM already
+
+
+def test_a_lora_requests_kv_never_reaches_the_bucket_nor_is_looked_for_there(
+    tmp_path, model_dir, rgw_server, remote_settings
+):
+    """A LoRA request's KV is the CPU tier's alone (``CpuOnly``): its stores upload no
+    object and its lookups ask the bucket about none, while the same prompt without the
+    adapter is uploaded as ever."""
+    from vllm.lora.request import LoRARequest
+
+    lora = LoRARequest("sql-expert", 1, str(tmp_path / "adapters" / "sql-expert"))
+    prompt = _prompt(3)
+    proxy = FaultProxy(rgw_server.endpoint.removeprefix("http://"), mode="count")
+    with _node(model_dir, {**remote_settings, "endpoint": proxy.endpoint}, **vh.ONE_READ) as b:
+        remote = b.manager.tier("remote")
+
+        def serve_lora() -> int:
+            req_id = b.add_request(prompt, lora_request=lora)
+            b.settle()
+            return b.prefix_hits[req_id].external
+
+        def settled() -> None:
+            b.worker_spec._worker.hierarchy.lower_tiers[-1].stager.drain()
+            assert remote.settle(30)
+
+        def requests_for(keys: list[bytes]) -> list[tuple[str, str]]:
+            return [(method, path) for method, path in proxy.requests if any(k.hex() in path for k in keys)]
+
+        assert serve_lora() == 0
+        lora_keys = list(b.manager.composite.cpu.iter_evictable())
+        assert len(lora_keys) == CHUNKS
+        settled()
+        b.reset_gpu_prefix_cache()
+        assert serve_lora() == CHUNKS * BLOCK  # from CPU
+        assert requests_for(lora_keys) == []
+        b.reset_gpu_prefix_cache()
+        assert b.serve(prompt).external == 0  # its own keys: computed, and uploaded
+        settled()
+        plain = _keys(prompt)[:CHUNKS]
+        assert {method for method, _ in requests_for(plain)} >= {"PUT"}
+        assert requests_for(lora_keys) == []
