@@ -150,3 +150,16 @@ def test_a_spec_that_cannot_tell_lora_requests_apart_refuses_an_engine_serving_l
     config.lora_config = LoRAConfig(max_lora_rank=8)
     with pytest.raises(ConfigError, match="cannot tell LoRA requests' KV from the base model's"):
         OffloadingConnector(config, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(config, 64))
+
+
+def test_a_cpu_tier_alone_under_vllms_connector_serves_an_engine_serving_lora(model_dir):
+    """No tier of it outlives the process: LoRA requests' KV is as safe there as in
+    vLLM's GPU prefix cache, and the engine starts."""
+    from vllm.config import LoRAConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    config = vh.make_vllm_config(model_dir, {**SPEC, "cpu_bytes": f"{4 * GPU_BLOCK_BYTES}B", "block_size": BLOCK})
+    config.lora_config = LoRAConfig(max_lora_rank=8)
+    connector = OffloadingConnector(config, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(config, 64))
+    assert connector.connector_scheduler.manager.composite.lower == []

@@ -100,9 +100,11 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
-        if not built_by_tiered_connector():  # ours keeps LoRA requests in the CPU tier alone
-            refuse_lora("TieredOffloadingSpec under this connector", "use kv_connector TieredOffloadingConnector")
         self.tiered_config = parse_extra_config(self.extra_config)
+        # Ours keeps LoRA requests in the CPU tier alone, which (a tier of this process)
+        # lives no longer than the adapter the process loaded.
+        if self.tiered_config.tier_entries() and not built_by_tiered_connector():
+            refuse_lora("TieredOffloadingSpec with lower tiers under this connector", "use TieredOffloadingConnector")
         check_extra_hash_algorithm(self.tiered_config)
         self.geometry = VllmGeometry.from_config(config, self.tiered_config, self.extra_config)
         if self.tiered_config.disk_tier is not None:
