@@ -58,11 +58,18 @@ def test_client_maps_mooncake_semantics(config):
         assert client.put_new(key, [b"head", memoryview(b"-first")])
         assert bytes(client.get(key, 10)) == b"head-first" and client.exists(key)
         # Write-once: a second put_new reports the object there and leaves it; put replaces
-        # (removing first: Mooncake's own put keeps a key's first value).
+        # (Mooncake's own put keeps a key's first value), at any size.
         assert not client.put_new(key, [b"other value"])
         assert bytes(client.get(key)) == b"head-first"
-        client.put(key, [b"head-other"])
+        client.put(key, [b"head-", memoryview(b"other")])
         assert bytes(client.get(key)) == b"head-other"
+        client.put(key, [b"longer", b"-value"])
+        assert bytes(client.get(key)) == b"longer-value"
+        # A replacing write refused before it is sent leaves the object that was there.
+        with pytest.raises(ObjectTooLarge, match="mooncake_buffer_bytes"):
+            client.put(key, [bytes(config.mooncake_buffer_bytes + 1)])
+        assert bytes(client.get(key)) == b"longer-value"
+        client.put(key, [b"head-other"])
         with pytest.raises(WrongSize) as wrong:
             client.get(key, 8)
         assert wrong.value.size == 10

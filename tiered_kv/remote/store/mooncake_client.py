@@ -26,9 +26,9 @@ What a Mooncake Store is, and how each of its traits maps onto the tier's contra
   ``put_new`` therefore asks ``is_exist`` first (False when there) and then puts: two
   nodes racing on a key may both see True, and the pool keeps one of the two objects,
   both valid copies of the block (verified by the store). ``put``, the replacing write
-  (of an object the store proved bad), removes the key first; the store reads the key
-  back and counts the replacement only once it verifies, since a racing writer may
-  still get its value in between.
+  (of an object the store proved bad), is one ``upsert``; the store reads the key back
+  and counts the replacement only once it verifies, since a racing writer may still get
+  its value in between.
 - A missing key reads as empty bytes or as error -704: a miss (None), not an error.
 - One transfer never exceeds the process's local buffer (``mooncake_buffer_bytes``): a
   larger object is refused before it is sent (``ObjectTooLarge``, naming the setting).
@@ -220,9 +220,11 @@ class MooncakeClient:
         return True
 
     def put(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Replace the object at ``key``: Mooncake keeps a key's first value, so remove it first."""
-        self.delete(key)
-        self._put(key, parts)
+        """Replace the object at ``key`` in one request (``upsert_parts``: Mooncake's ``put``
+        keeps a key's first value), so no reader finds the key missing meanwhile and a failed
+        write leaves the object that was there."""
+        self._fits(sum(memoryview(p).nbytes for p in parts))
+        self._check_put(key, self._call(self._store().upsert_parts, key, *parts))
 
     def replace(self, key: str, parts: Sequence[Buffer], tag: str | None) -> bool:
         """``put``: Mooncake has no versions to name (``tag`` is always None here)."""
@@ -243,6 +245,10 @@ class MooncakeClient:
         else:
             self._fits(sum(memoryview(p).nbytes for p in parts))
             rc = self._call(raw.put_parts, key, *parts)
+        self._check_put(key, rc)
+
+    @staticmethod
+    def _check_put(key: str, rc: int) -> None:
         if rc in PUT_REFUSALS:
             raise RemoteError(f"put {key} refused: {describe(rc)}")
         if rc != 0:
