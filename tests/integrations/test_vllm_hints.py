@@ -80,9 +80,11 @@ def _envelope(*actions: KvHintAction, protocol: str = "0.1") -> KvHintsEnvelope:
     return KvHintsEnvelope(protocol_version=protocol, message_id="m-1", actions=list(actions))
 
 
-def _add(h: vh.VllmHarness, prompt: list[int], hints=None, max_tokens: int = 1, params=None, tenant=None) -> str:
-    """``h.add_request`` with a KV-hints envelope (and ``kv_transfer_params``, and a
-    tenant's ``cache_salt``), as vLLM's engine hands them over."""
+def _add(
+    h: vh.VllmHarness, prompt: list[int], hints=None, max_tokens: int = 1, params=None, tenant=None, lora=None
+) -> str:
+    """``h.add_request`` with a KV-hints envelope (and ``kv_transfer_params``, a tenant's
+    ``cache_salt``, a ``LoRARequest``), as vLLM's engine hands them over."""
     req_id = f"hinted-{len(h.scheduler.requests)}-{time.monotonic_ns()}"
     hash_fn = get_hash_fn_by_name(h.vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
@@ -96,6 +98,7 @@ def _add(h: vh.VllmHarness, prompt: list[int], hints=None, max_tokens: int = 1, 
         block_hasher=get_request_block_hasher(h.block_size, hash_fn),
         kv_hints=hints,
         cache_salt=tenant,
+        lora_request=lora,
     )
     h.scheduler.add_request(request)
     return req_id

@@ -22,6 +22,7 @@ pytest.importorskip(
 from support import vllm_harness as vh  # noqa: E402
 from test_vllm_tiers import BLOCK, GPU_BLOCK_BYTES, SPEC, _durable, _prompt, _serve, _zero_gpu  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from tiered_kv.config import ConfigError  # noqa: E402
 from tiered_kv.integrations.vllm import connector as connector_module  # noqa: E402
@@ -123,6 +124,49 @@ def test_a_lora_chunk_another_writer_left_on_disk_is_never_read(model_dir, tmp_p
         assert _serve_lora(h, prompt, lora) == 0
         assert _serve(h, plain).external == 3 * BLOCK
         assert h.manager.composite.stats.tiers["disk"]["hits"] == 3
+
+
+def test_a_waiting_lora_request_moves_nothing_into_cpu_where_a_plain_one_does(model_dir, tmp_path, monkeypatch):
+    """Prefetch under ``TieredPrefetchingConnector``, while requests wait behind a running
+    one: a plain request's disk chunks move into CPU; a LoRA request's chunks that an
+    unmarked writer left on that disk stay where they are, whether it only waits or also
+    carries ``kv.prefetch``, and it is served from none of them."""
+    from test_vllm_hints import CHUNKS, _action, _add, _envelope
+    from test_vllm_hints import _build as build_prefetching
+
+    lora = LoRARequest("sql-expert", 1, str(tmp_path / "adapters" / "sql-expert"))
+    prompt, plain = _prompt(5, CHUNKS * BLOCK), _prompt(9, CHUNKS * BLOCK)
+
+    @dataclasses.dataclass(frozen=True)
+    class Unmarked:
+        adapter: str
+
+    with monkeypatch.context() as m:
+        m.setattr(connector_module, "CpuOnly", Unmarked)
+        with build_prefetching(model_dir, disk=tmp_path / "disk") as h:
+            _add(h, prompt, lora=lora)
+            h.settle()
+            lora_keys = list(h.manager.composite.cpu.iter_evictable())
+            _add(h, plain)
+            h.settle()
+            plain_keys = [k for k in h.manager.composite.cpu.iter_evictable() if k not in lora_keys]
+            _durable(h)
+            assert len(lora_keys) == len(plain_keys) == CHUNKS and len(_on_disk(h, lora_keys + plain_keys)) == 8
+    with build_prefetching(model_dir, disk=tmp_path / "disk", max_num_seqs=1) as h:
+        cpu = h.manager.composite.cpu
+        runner = _add(h, _prompt(10, 40), max_tokens=30)
+        h.step()
+        hinted = _add(h, prompt + _prompt(11, 9), hints=_envelope(_action("kv.prefetch", {})), lora=lora)
+        waiting = _add(h, prompt + _prompt(12, 9), lora=lora)
+        other = _add(h, plain + _prompt(13, 9))
+        h.step_until(lambda: all(cpu.is_loadable(k) for k in plain_keys))
+        assert h.scheduler.requests[runner].status == RequestStatus.RUNNING
+        assert not any(cpu.is_loadable(k) for k in lora_keys)
+        assert h.manager.hints.snapshot()["prefetch"]["disk.prefetches"] == CHUNKS
+        h.settle()
+        assert h.prefix_hits[hinted].external == h.prefix_hits[waiting].external == 0
+        assert h.prefix_hits[other].external == CHUNKS * BLOCK
+        assert h.manager.composite.stats.tiers["disk"]["hits"] == 0  # the plain prefix came from CPU
 
 
 @pytest.mark.parametrize("where", ["vLLM's connector", "TieredDiskTier"])
