@@ -35,7 +35,7 @@ import datetime
 import logging
 import re
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 from urllib.parse import unquote_to_bytes
 
 if TYPE_CHECKING:  # obstore's option types exist for type checkers only
@@ -167,6 +167,16 @@ class ObjectClient(Protocol):
         """``(key, size)`` of every object under ``prefix``."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class BatchProbe(Protocol):
+    """An ``ObjectClient`` whose server answers many existence checks in one request
+    (Mooncake's ``batch_is_exist``; S3 has none: its probes go one HEAD each, in parallel)."""
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` exists, in order, in one request; raises the client's
+        ``RemoteError`` when the server did not answer for every key."""
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:

@@ -40,6 +40,8 @@ What a Mooncake Store is, and how each of its traits maps onto the tier's contra
   (``mooncake_master`` 0.3.13): keep the pool's network private.
 - No listing: a Mooncake Store cannot enumerate keys, so ``list`` raises
   ``ListingUnsupported`` (``tiered-kv inspect --remote`` says so).
+- Existence checks go many keys to a request (``exists_many``: ``batch_is_exist``), so
+  the store probes a request's blocks with one request where S3 needs a HEAD each.
 
 Transfers: with ``mooncake_zero_copy`` (the default) a write hands Mooncake pointers to
 the caller's buffers (``batch_put_from_multi_buffers``: header and block pieces where
@@ -310,6 +312,18 @@ class MooncakeClient:
         if rc < 0:
             raise Unavailable(f"is_exist {key}: {describe(rc)}")
         return rc == 1
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """``BatchProbe``: one ``batch_is_exist`` for every key."""
+        if not keys:
+            return []
+        answers = self._call(self._store().batch_is_exist, list(keys))
+        if len(answers) != len(keys) or any(rc < 0 for rc in answers):
+            bad = next((rc for rc in answers if rc < 0), None)
+            raise Unavailable(
+                f"batch_is_exist of {len(keys)} keys: {describe(bad) if bad is not None else 'no answer'}"
+            )
+        return [rc == 1 for rc in answers]
 
     def delete(self, key: str) -> None:
         rc = self._call(self._store().remove, key, True)

@@ -62,6 +62,7 @@ write into the caller's buffers, with one object body per connection in flight.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -73,6 +74,7 @@ from tiered_kv.abstract import BlockHash
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote.store.client import (
     AccessDenied,
+    BatchProbe,
     BucketMissing,
     ConditionalPutRefused,
     ObjectClient,
@@ -110,6 +112,10 @@ from tiered_kv.remote.format.object_format import (
 
 logger = logging.getLogger(__name__)
 
+#: Keys one existence request asks at most, where the client answers many at once
+#: (``BatchProbe``): a long prompt's chunks times its ranks in one or a few requests.
+PROBE_BATCH = 1024
+
 
 class RemoteStore:
     """Blocks of one namespace (``fingerprint``) in ``config``'s bucket. A context manager.
@@ -146,7 +152,10 @@ class RemoteStore:
         self._checksum = pieces_checksum(config.checksum)
         #: Each request's seconds, for an exporter to drain (``tiered_kv.metrics``).
         self.latencies = Latencies()
-        self._client = TimedClient(client if client is not None else open_client(config), self.latencies)
+        inner = client if client is not None else open_client(config)
+        #: Keys one existence request asks: many where the server answers them at once.
+        self._probe_batch = PROBE_BATCH if isinstance(inner, BatchProbe) else 1
+        self._client = TimedClient(inner, self.latencies)
         self._writer = WriteOnce(self._client, config)
         self._lock = threading.Lock()
         self._stats = RemoteStats()
@@ -463,38 +472,49 @@ class RemoteStore:
     ) -> Future[list[bool | None]]:
         """Whether the bucket holds each block: True when every rank's object is there
         (``ranks``: all of the fingerprint's by default), False when one is missing,
-        None when the server did not say. One request per block and rank (HEAD)."""
+        None when the server did not say. One request per block and rank (HEAD), or per
+        ``PROBE_BATCH`` of them where the client answers many at once (``BatchProbe``)."""
         ranks = list(range(self.tp_size)) if ranks is None else list(ranks)
         if not ranks:
             raise ValueError("exists: ranks must name at least one rank (None means all of them)")
         keyed = [self._key_parts(i, "exists", h, r) for i, h in enumerate(block_hashes) for r in ranks]
         with self._lock:
             self._check_open()
+        step, n = self._probe_batch, len(ranks)
+        batches = [keyed[i : i + step] for i in range(0, len(keyed), step)]
+        late = self._late_probes
         probes = [
-            self._deadlines.submit(self._pool, self._exists_one, h, r, on_expiry=self._late_probe) for h, r in keyed
+            self._deadlines.submit(self._pool, self._exists_some, b, on_expiry=functools.partial(late, len(b)))
+            for b in batches
         ]
-        per_block = [gather(probes[i : i + len(ranks)], all_present) for i in range(0, len(probes), len(ranks))]
-        return gather(per_block)
 
-    def _exists_one(self, claim: Claim, block_hash: bytes, rank: int) -> bool | None:
+        def per_block(batches: list[list[bool | None]]) -> list[bool | None]:
+            answers = [a for batch in batches for a in batch]
+            return [all_present(answers[i : i + n]) for i in range(0, len(keyed), n)]
+
+        return gather(probes, per_block)
+
+    def _exists_some(self, claim: Claim, keyed: list[tuple[bytes, int]]) -> list[bool | None]:
+        unknown: list[bool | None] = [None] * len(keyed)
         if not self._read_health.available():
             with self._lock:
-                self._stats.probes_failed += 1
-            return None
+                self._stats.probes_failed += len(keyed)
+            return unknown
+        keys = [block_key(self.namespace, h, r) for h, r in keyed]
         try:
-            found = self._client.exists(block_key(self.namespace, block_hash, rank))
+            found = self._client.exists_many(keys) if self._probe_batch > 1 else [self._client.exists(keys[0])]
             if not claim.take():
-                return None
+                return unknown
             self._read_health.success()
         except Exception as exc:
             if claim.take():
                 self._request_failed(exc, "existence probe failed", self._read_health)
                 with self._lock:
-                    self._stats.probes_failed += 1
-            return None
+                    self._stats.probes_failed += len(keyed)
+            return unknown
         with self._lock:
-            self._stats.probes += 1
-        return found
+            self._stats.probes += len(keyed)
+        return list(found)
 
     # -- faults, stats, life cycle -----------------------------------------------------
 
@@ -502,17 +522,19 @@ class RemoteStore:
         self._late(claim, "download")
         return False
 
-    def _late_probe(self, claim: Claim) -> None:
-        self._late(claim, "existence probe")
+    def _late_probes(self, count: int, claim: Claim) -> list[bool | None]:
+        self._late(claim, "existence probe", count)
+        return [None] * count
 
-    def _late(self, claim: Claim, what: str) -> None:
-        """A read or probe with no answer by its deadline: a failed one, and a failure of
-        the server where it was sent (not where it only waited for a connection)."""
+    def _late(self, claim: Claim, what: str, count: int = 1) -> None:
+        """A read or ``count`` probes with no answer by their deadline: failed, and a
+        failure of the server where they were sent (not where they only waited for a
+        connection)."""
         with self._lock:
             if what == "download":
                 self._stats.gets_failed += 1
             else:
-                self._stats.probes_failed += 1
+                self._stats.probes_failed += count
         if claim.started:
             why = Unavailable(f"no answer within {self._deadlines.seconds:g} s")
             self._request_failed(why, f"{what} timed out", self._read_health)

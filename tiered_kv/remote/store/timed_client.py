@@ -50,6 +50,10 @@ class TimedClient:
     def exists(self, key: str) -> bool:
         return self._timed("head", self.inner.exists, key)
 
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """``inner``'s ``BatchProbe.exists_many``: one request, timed as one ``head``."""
+        return self._timed("head", self.inner.exists_many, keys)  # type: ignore[attr-defined]
+
     def delete(self, key: str) -> None:
         self._timed("delete", self.inner.delete, key)
 
