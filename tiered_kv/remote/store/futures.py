@@ -54,6 +54,13 @@ def all_present(answers: list[bool | None]) -> bool | None:
     return None if any(a is None for a in answers) else True
 
 
+def present_per_block(batches: list[list[bool | None]], ranks: int) -> list[bool | None]:
+    """``all_present`` of each block's ``ranks`` answers, from batches of answers in
+    block-then-rank order."""
+    answers = [a for batch in batches for a in batch]
+    return [all_present(answers[i : i + ranks]) for i in range(0, len(answers), ranks)]
+
+
 class Claim:
     """Who settles one request: the request itself (``take``, before it writes into the
     caller's buffer or counts its outcome) or its deadline (``expire``), whichever comes

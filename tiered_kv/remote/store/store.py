@@ -62,12 +62,12 @@ write into the caller's buffers, with one object body per connection in flight.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from tiered_kv.abstract import BlockHash
@@ -93,7 +93,7 @@ from tiered_kv.remote.format.keys import Keyring, load_keyring
 from tiered_kv.remote.format.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.store.timed_client import TimedClient
 from tiered_kv.remote.store.write_once import WriteOnce
-from tiered_kv.remote.store.futures import Claim, Deadlines, all_present, done_future, gather
+from tiered_kv.remote.store.futures import Claim, Deadlines, done_future, gather, present_per_block
 from tiered_kv.remote.store.outcomes import GetItem, PutItem, PutOutcome, RemoteStats, byte_views
 from tiered_kv.remote.format.object_format import (
     FORMAT_VERSION,
@@ -112,8 +112,7 @@ from tiered_kv.remote.format.object_format import (
 
 logger = logging.getLogger(__name__)
 
-#: Keys one existence request asks at most, where the client answers many at once
-#: (``BatchProbe``): a long prompt's chunks times its ranks in one or a few requests.
+#: Keys one existence request asks at most where the client answers many (``BatchProbe``).
 PROBE_BATCH = 1024
 
 
@@ -480,19 +479,12 @@ class RemoteStore:
         keyed = [self._key_parts(i, "exists", h, r) for i, h in enumerate(block_hashes) for r in ranks]
         with self._lock:
             self._check_open()
-        step, n = self._probe_batch, len(ranks)
-        batches = [keyed[i : i + step] for i in range(0, len(keyed), step)]
+        batches = [keyed[i : i + self._probe_batch] for i in range(0, len(keyed), self._probe_batch)]
         late = self._late_probes
         probes = [
-            self._deadlines.submit(self._pool, self._exists_some, b, on_expiry=functools.partial(late, len(b)))
-            for b in batches
+            self._deadlines.submit(self._pool, self._exists_some, b, on_expiry=partial(late, len(b))) for b in batches
         ]
-
-        def per_block(batches: list[list[bool | None]]) -> list[bool | None]:
-            answers = [a for batch in batches for a in batch]
-            return [all_present(answers[i : i + n]) for i in range(0, len(keyed), n)]
-
-        return gather(probes, per_block)
+        return gather(probes, partial(present_per_block, ranks=len(ranks)))
 
     def _exists_some(self, claim: Claim, keyed: list[tuple[bytes, int]]) -> list[bool | None]:
         unknown: list[bool | None] = [None] * len(keyed)
@@ -527,9 +519,8 @@ class RemoteStore:
         return [None] * count
 
     def _late(self, claim: Claim, what: str, count: int = 1) -> None:
-        """A read or ``count`` probes with no answer by their deadline: failed, and a
-        failure of the server where they were sent (not where they only waited for a
-        connection)."""
+        """A read or ``count`` probes with no answer by their deadline: failed, and a failure
+        of the server where they were sent (not where they only waited for a connection)."""
         with self._lock:
             if what == "download":
                 self._stats.gets_failed += 1
