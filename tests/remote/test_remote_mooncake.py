@@ -101,22 +101,23 @@ def test_round_trip_is_byte_exact_and_write_once(config):
 
 def test_a_requests_blocks_are_probed_many_to_a_request(mooncake_server):
     """Mooncake answers many existence checks at once (``batch_is_exist``): the store asks
-    up to ``PROBE_BATCH`` keys (blocks times ranks) per request, each answer in its place."""
+    up to ``PROBE_BATCH`` keys (blocks times ranks) per request, each answer in its place,
+    a block whose ranks fall in two requests included."""
     config = RemoteConfig.from_dict(mooncake_server.settings())
-    two_ranks = dataclasses.replace(FP, tp_size=2)
-    with RemoteStore(config, two_ranks) as store:
+    three_ranks = dataclasses.replace(FP, tp_size=3)
+    with RemoteStore(config, three_ranks) as store:
         rng = np.random.default_rng(5)
-        hashes = [rng.bytes(32) for _ in range(700)]
-        whole, half = hashes[:3], hashes[3:5]
-        items = [(h, r, rng.bytes(4096)) for h in whole for r in (0, 1)] + [(h, 0, rng.bytes(4096)) for h in half]
+        hashes = [rng.bytes(32) for _ in range(400)]
+        whole, half = hashes[340:343], hashes[343:345]  # block 341's keys are the 1,024th to 1,026th
+        items = [(h, r, rng.bytes(4096)) for h in whole for r in range(3)] + [(h, 0, rng.bytes(4096)) for h in half]
         assert store.put_blocks(items).result(WAIT) == [PutOutcome.STORED] * len(items)
         store.latencies.drain()
-        found = store.exists(hashes[::-1]).result(WAIT)
-        assert found == [False] * 695 + [False, False, True, True, True]  # every rank's object, or False
+        found = store.exists(hashes).result(WAIT)
+        assert found == [False] * 340 + [True] * 3 + [False] * 57  # every rank's object, or False
         heads = [o for o in store.latencies.drain() if o[1] == ("head",)]
-        assert len(heads) == 2, "1,400 keys in two requests (1,024 + 376)"
+        assert len(heads) == 2, "1,200 keys in two requests (1,024 + 176)"
         assert store.exists(half, ranks=[0]).result(WAIT) == [True, True]
-        assert store.stats().probes == 1402 and store.stats().probes_failed == 0
+        assert store.stats().probes == 1202 and store.stats().probes_failed == 0
 
 
 def test_another_fingerprint_never_reads_the_blocks(config):
