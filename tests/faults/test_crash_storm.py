@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from tiered_kv.testing.crash import CrashRunner, read_journal
+from tiered_kv.testing.crash import CrashRunner, drop_torn_tail, read_journal
 from tiered_kv.testing.harness import Hierarchy, inspect_cli_available, verify_cache
 
 TRIALS = int(os.environ.get("TIERED_KV_CRASH_TRIALS", "50"))
@@ -53,3 +53,16 @@ def test_kill_dash_nine_loses_no_acknowledged_block_and_serves_nothing_wrong(tmp
     h.close()
     final = verify_cache(runner.cache)
     assert final.ok and final.verified == held > 0
+
+
+def test_a_journal_record_the_kill_tore_is_cut_and_the_next_starts_its_own_line(tmp_path):
+    """A kill can stop one ``write`` at a page boundary: the head of a record, no newline."""
+    journal = tmp_path / "journal"
+    journal.write_bytes(b"S\nR\nD " + b"ab" * 16 + b"\nQ 3\nQ ")
+    drop_torn_tail(journal)
+    with open(journal, "a") as f:  # what the runner or the next child appends
+        f.write("S\nM 0\n")
+    state = read_journal(journal)
+    assert state.acked == {bytes.fromhex("ab" * 16)} and state.requests == 3 and state.mismatches == 0
+    drop_torn_tail(journal)  # a whole journal is left as it is
+    assert journal.read_bytes().endswith(b"Q 3\nS\nM 0\n")

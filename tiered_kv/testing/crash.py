@@ -37,6 +37,17 @@ class JournalState:
     ready: bool = False
 
 
+def drop_torn_tail(path: str | os.PathLike) -> None:
+    """Cut a record the kill tore off the journal's end. A record is one ``write``, but a
+    kill lands between the pages of one that crosses a page boundary, leaving its head
+    without its newline; the child had not finished it, so it records nothing, and the
+    next record must start on a line of its own."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def read_journal(path: str | os.PathLike) -> JournalState:
     """Replay the journal (see ``storm_child``). Across children it is one history."""
     st = JournalState()
@@ -195,6 +206,7 @@ class CrashRunner:
         if self.cache.exists():
             shutil.copytree(self.cache, self.as_killed / "cache")
         shutil.copy(self.journal, self.as_killed / "journal")
+        drop_torn_tail(self.journal)
         result = self._check(i, policy, "startup" if startup else "storm", delay)
         result.disk_io, result.tp_size = disk_io, self.tp_size
         self.trials.append(result)

@@ -44,7 +44,8 @@ def _universe(seed: int = 1234) -> list[list[bytes]]:
 
 
 class _Journal:
-    """Append-only records; each is one ``write`` so a kill never leaves half a line."""
+    """Append-only records, each one ``write``: a kill tears one only where it crosses a
+    page boundary, and the runner cuts that head off (``crash.drop_torn_tail``)."""
 
     def __init__(self, path: str):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
