@@ -70,11 +70,16 @@ def _serve(h: vh.VllmHarness, prompt: list[int]) -> vh.PrefixHit:
 
 
 def _durable(h: vh.VllmHarness, timeout: float = 20.0) -> None:
-    """Wait until every queued disk write is durable and seen by the manager."""
+    """Wait until every queued disk write is durable and seen by the manager, and the
+    worker's writers have counted them (the manager can see an outcome first)."""
     deadline = time.monotonic() + timeout
     while h.manager.composite.pending_writes():
         assert time.monotonic() < deadline, "disk writes never became durable"
         time.sleep(0.005)
+    if h.worker == "real":
+        for tier in h.worker_spec._worker.hierarchy.lower_tiers:
+            if tier.stager is not None:
+                tier.stager.drain()
 
 
 def _zero_gpu(h: vh.VllmHarness) -> None:
