@@ -267,12 +267,15 @@ class FaultProxy:
             b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
             b"<Message>Please reduce your request rate.</Message></Error>"
         )
+        # One answer a connection, which then closes (``Connection: close``): no connection
+        # of this mode stays in a client's pool to fail its first request in the next mode
+        # (on a loaded machine the client may not see the close ``set_mode`` makes in time).
         try:
-            while self._read_request(conn):
+            if self._read_request(conn):
                 with self._lock:
                     self.requests_refused += 1
                 conn.sendall(
-                    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
                 )
         except OSError:
