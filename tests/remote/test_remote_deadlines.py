@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tiered_kv.remote.store.futures import Claim, Deadlines
+from tiered_kv.remote.store.futures import Claim, Deadlines, split_batches
 
 
 def test_a_request_out_at_its_deadline_is_settled_by_it_and_its_late_answer_is_dropped():
@@ -52,3 +52,10 @@ def test_a_request_out_at_its_deadline_is_settled_by_it_and_its_late_answer_is_d
     assert len(expired) == 2
     deadlines.close()
     pool.shutdown()
+
+
+def test_batches_keep_order_and_both_bounds_and_an_oversized_item_goes_alone():
+    items = list(range(7))
+    assert split_batches(items, [4, 4, 4, 10, 1, 1, 1], count=2, limit=9) == [[0, 1], [2], [3], [4, 5], [6]]
+    assert split_batches(items, [1] * 7, count=3, limit=100) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert split_batches([], [], count=3, limit=1) == []

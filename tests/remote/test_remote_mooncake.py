@@ -27,7 +27,8 @@ from tiered_kv.fingerprint import Fingerprint  # noqa: E402
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore  # noqa: E402
 from tiered_kv.remote.store.client import WrongSize  # noqa: E402
 from tiered_kv.remote.store.mooncake_client import ListingUnsupported, MooncakeClient, ObjectTooLarge  # noqa: E402
-from tiered_kv.remote.format.object_format import block_key  # noqa: E402
+from tiered_kv.remote.format.object_format import block_key, object_size  # noqa: E402
+from tiered_kv.remote.store.store import GET_BATCH, GET_BATCH_BYTES  # noqa: E402
 from tiered_kv.remote.tier import REMOTE  # noqa: E402
 
 FP = Fingerprint("org/model", "main", "float16", 16, 16, (("layer.0", (2, 16, 2, 8)),), ("kv_first",), 1, "sha256", "")
@@ -118,6 +119,36 @@ def test_a_requests_blocks_are_probed_many_to_a_request(mooncake_server):
         assert len(heads) == 2, "1,200 keys in two requests (1,024 + 176)"
         assert store.exists(half, ranks=[0]).result(WAIT) == [True, True]
         assert store.stats().probes == 1202 and store.stats().probes_failed == 0
+
+
+def test_a_requests_blocks_are_read_many_to_a_request_each_judged_alone(config, mooncake_server):
+    """Mooncake sends many objects at once (``batch_get_into``, or ``get_batch`` without
+    zero copy): the store reads up to ``GET_BATCH`` objects and ``GET_BATCH_BYTES`` per
+    request, each verified into its own buffer; an absent object is a miss among hits, and
+    one cut short is read again alone, judged malformed and deleted."""
+    items = blocks(100, size=300_000, seed=11)
+    with RemoteStore(config, FP) as store:
+        assert store.put_blocks(items[:-1]).result(WAIT) == [PutOutcome.STORED] * 99
+        raw = mooncake_server.raw_client()
+        try:
+            key = block_key(store.namespace, items[40][0], 0)
+            truncated = bytes(raw.get(key))[:-1000]
+            assert raw.remove(key, True) == 0 and raw.put(key, truncated) == 0
+        finally:
+            raw.close()
+        store.latencies.drain()
+        hits, bufs = read_back(store, items)
+        assert hits == [i not in (40, 99) for i in range(100)]
+        assert all(bytes(b) == d for i, (b, (_, _, d)) in enumerate(zip(bufs, items)) if hits[i])
+        assert not any(bufs[40]) and not any(bufs[99])
+        per_batch = GET_BATCH_BYTES // object_size(True, 32, 300_000)
+        assert per_batch < 100 <= 2 * per_batch <= 2 * GET_BATCH
+        gets = [o for o in store.latencies.drain() if o[1] == ("get",)]
+        # Two batches, and the cut object read alone: its size first, then up to twice the block's.
+        assert len(gets) == 2 + 2, gets
+        s = store.stats()
+        assert (s.gets_hit, s.gets_absent, s.rejected["format"], s.damaged_deleted) == (98, 1, 1, 1)
+        assert store.exists([items[40][0]]).result(WAIT) == [False]
 
 
 def test_another_fingerprint_never_reads_the_blocks(config):

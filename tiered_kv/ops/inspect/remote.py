@@ -4,7 +4,7 @@ CONFIG``). Verification and repair are ``remote_verify``; keys that clients pars
 as paths cannot hold, ``remote_hostile``.
 
 Operator's process. I/O: S3 requests to the config's bucket: one paged LIST of
-``<prefix>/`` (through botocore, ``client.RawKeys``: an operator tool may list; the
+``<prefix>/`` (through botocore, ``raw_keys.RawKeys``: an operator tool may list; the
 serving path never does) and a GET of each namespace's ``fingerprint.json`` (at most
 ``safe_json.MAX_RECORD_BYTES``, parsed with a depth bound). ``clear`` and ``evict``
 delete. Credentials come from the AWS chain, and the fleet key from the config's
@@ -37,7 +37,8 @@ from tiered_kv.ops.inspect.cache import InspectError
 from tiered_kv.ops.inspect.remote_hostile import HostileKey, hostile_reason
 from tiered_kv.ops.inspect.summary import ServerConfig
 from tiered_kv.model_identity import read_config_file
-from tiered_kv.remote.store.client import ObjectInfo, RawKeys, RemoteError, RemoteSetupError, S3Client, WrongSize
+from tiered_kv.remote.store.client import ObjectInfo, RemoteError, RemoteSetupError, S3Client, WrongSize
+from tiered_kv.remote.store.raw_keys import RawKeys
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, NAMESPACE_ID_CHARS, RemoteConfig
 from tiered_kv.remote.format.keys import FleetKeyError, Keyring, load_keyring
 from tiered_kv.remote.format.object_format import MANIFEST_NAME, PLAIN_SUFFIX, fan_out

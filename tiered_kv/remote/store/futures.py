@@ -41,6 +41,33 @@ def gather(futures: list[Future], combine: Callable[[list[Any]], object] = list)
     return out
 
 
+def chain(source: Future, target: Future) -> None:
+    """Settle ``target`` as ``source`` settles."""
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            target.set_exception(exc)
+        else:
+            target.set_result(f.result())
+
+    source.add_done_callback(done)
+
+
+def split_batches(items: list[T], sizes: list[int], count: int, limit: int) -> list[list[T]]:
+    """``items`` in order, in runs of at most ``count`` items and ``limit`` bytes (``sizes``:
+    each item's); an item larger than ``limit`` is a run of its own."""
+    batches: list[list[T]] = []
+    total = 0
+    for item, size in zip(items, sizes):
+        if not batches or len(batches[-1]) == count or total + size > limit:
+            batches.append([])
+            total = 0
+        batches[-1].append(item)
+        total += size
+    return batches
+
+
 def done_future(value: T) -> Future:
     f: Future = Future()
     f.set_result(value)

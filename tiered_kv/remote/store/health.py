@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from tiered_kv.remote.store.client import ConditionalPutRefused, RemoteError, Unavailable
+
 logger = logging.getLogger("tiered_kv.remote.store.store")
 
 
@@ -39,10 +41,11 @@ class Health:
 
 
 class FaultLog:
-    """Logs the first fault of each kind in full, then one summary per ``every`` seconds."""
+    """Logs the first fault of each kind in full, then one summary per ``every`` seconds;
+    ``where``: the server, named in the messages of failed requests."""
 
-    def __init__(self, every: float = 60.0):
-        self._every = every
+    def __init__(self, where: str = "", every: float = 60.0):
+        self._where, self._every = where, every
         self._lock = threading.Lock()
         self._state: dict[str, list[float]] = {}  # kind -> [next log time, suppressed count]
 
@@ -60,3 +63,17 @@ class FaultLog:
                 return
         more = "" if suppressed < 0 else f" ({suppressed} more since the last report)"
         logger.warning("shared tier: %s: %s%s", kind, message, more)
+
+    def request_failed(self, exc: Exception, what: str, health: Health) -> None:
+        """A request that raised ``exc``: a transient failure (``Unavailable``) counts
+        against ``health``; a refusal is logged as what it is; anything else is a bug,
+        logged with its traceback."""
+        if isinstance(exc, Unavailable):
+            health.failure()
+            self(what, f"{self._where}: {exc}")
+        elif isinstance(exc, ConditionalPutRefused):  # conditional_put "always": not transient
+            self(what, f"{self._where}: conditional PUT not implemented ({exc}); conditional_put is always")
+        elif isinstance(exc, RemoteError):  # refused for what it is (too large for the buffer, ...)
+            self(what, f"{self._where}: {type(exc).__name__} ({exc})")
+        else:
+            logger.exception("shared tier: %s", what)

@@ -32,7 +32,7 @@ What a Mooncake Store is, and how each of its traits maps onto the tier's contra
 - A missing key reads as empty bytes or as error -704: a miss (None), not an error.
 - One transfer never exceeds the process's local buffer (``mooncake_buffer_bytes``): a
   larger object is refused before it is sent (``ObjectTooLarge``, naming the setting).
-  The store moves one object per call, so no batch can outgrow it.
+  The store bounds a batched read by it too.
 - Objects carry the same header as the S3 backend's and are verified by the store before
   a byte is used; ``tenant_id`` (``mooncake_tenant``) separates tenants.
 - The metadata server the master runs (``--enable_http_metadata_server``) and the
@@ -40,8 +40,9 @@ What a Mooncake Store is, and how each of its traits maps onto the tier's contra
   (``mooncake_master`` 0.3.13): keep the pool's network private.
 - No listing: a Mooncake Store cannot enumerate keys, so ``list`` raises
   ``ListingUnsupported`` (``tiered-kv inspect --remote`` says so).
-- Existence checks go many keys to a request (``exists_many``: ``batch_is_exist``), so
-  the store probes a request's blocks with one request where S3 needs a HEAD each.
+- Existence checks and reads go many keys to a request (``exists_many``:
+  ``batch_is_exist``; ``get_many``: ``batch_get_into``), so the store probes and reads a
+  request's blocks with a request where S3 needs one per object.
 
 Transfers: with ``mooncake_zero_copy`` (the default) a write hands Mooncake pointers to
 the caller's buffers (``batch_put_from_multi_buffers``: header and block pieces where
@@ -289,6 +290,38 @@ class MooncakeClient:
             if actual >= 0:
                 raise WrongSize(actual, size)
         raise Unavailable(f"get {key}: {describe(rc)}")
+
+    def get_many(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Buffer | None | RemoteError]:
+        """``BatchGet``: one ``batch_get_into`` of every key into this thread's buffer (with
+        ``mooncake_zero_copy``), else one ``get_batch`` (copies inside Mooncake)."""
+        if len(keys) != len(sizes):
+            raise ValueError(f"get_many: {len(keys)} keys and {len(sizes)} sizes")
+        if not keys:
+            return []
+        raw = self._store()
+        self._fits(sum(sizes))
+        if not self.config.mooncake_zero_copy:
+            values = self._call(raw.get_batch, list(keys))
+            if len(values) != len(keys):
+                raise Unavailable(f"get_batch of {len(keys)} keys: {len(values)} answers")
+            return [(v if len(v) == n else WrongSize(len(v), n)) if v else None for v, n in zip(values, sizes)]
+        buf = self._arena(raw, sum(sizes))
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        rcs = self._call(raw.batch_get_into, list(keys), [buf.ctypes.data + s for s in starts], list(sizes))
+        if len(rcs) != len(keys):
+            raise Unavailable(f"batch_get_into of {len(keys)} keys: {len(rcs)} answers")
+        view = memoryview(buf.data)
+        out: list[Buffer | None | RemoteError] = []
+        for key, start, size, rc in zip(keys, starts, sizes, rcs):
+            if rc == size:
+                out.append(view[start : start + size])
+            elif rc == OBJECT_NOT_FOUND:
+                out.append(None)
+            elif rc >= 0 or rc == BUFFER_OVERFLOW:  # its size is learnt by whoever judges it
+                out.append(WrongSize(rc if rc >= 0 else size + 1, size))
+            else:
+                out.append(Unavailable(f"get {key}: {describe(rc)}"))
+        return out
 
     def _arena(self, raw: Any, size: int) -> np.ndarray:
         """This thread's read buffer, grown to ``size`` bytes; registered with the transfer

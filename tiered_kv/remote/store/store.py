@@ -12,14 +12,11 @@ What durable means here: a block's object is in the bucket once its PUT returned
 of other nodes' blocks only through the bucket (``exists``, ``get_blocks``); no other
 channel exists.
 
-Writes are write-once (``write_once``, which says why its fallback keeps these
+Writes are write-once (``write_once``: how, and why its fallback keeps these
 guarantees): each object is one PUT, visible whole or not at all, carrying
-``If-None-Match: *`` where the server honours it. A server that refuses the condition
-as unsupported (501, or a 400 naming the header) is detected on its first refusal under
-``conditional_put`` ``auto`` (one warning, ``conditional_put_refused``), and each write
-is then a HEAD and a plain PUT (``puts_unconditional``); ``always`` makes such a server a
-start-up error, ``never`` skips the condition. A conditional PUT that fails otherwise
-(503, timeout) is only a failed upload.
+``If-None-Match: *`` where the server honours it; under ``conditional_put`` ``auto`` a
+server that refuses the condition as unsupported gets a HEAD and a plain PUT instead
+(counted: ``conditional_put_refused``, ``puts_unconditional``).
 
 Faults never raise out of ``put_blocks`` / ``get_blocks`` / ``exists``: a server that is
 down, slow or hung (a read or probe is a miss once ``(retries + 1) x request_timeout +
@@ -57,29 +54,26 @@ and connections do not survive one), e.g. by each worker from the shared config.
 
 Memory: uploads hold at most ``max_pending_upload_bytes`` of accepted blocks (a block
 past the bound is ``DROPPED`` at once), plus one object body per connection; downloads
-write into the caller's buffers, with one object body per connection in flight.
+write into the caller's buffers, with one object body per connection in flight, or one
+batch (``GET_BATCH_BYTES``) where the client reads many objects a request.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from tiered_kv.abstract import BlockHash
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote.store.client import (
-    AccessDenied,
+    BatchGet,
     BatchProbe,
-    BucketMissing,
-    ConditionalPutRefused,
+    Buffer,
     ObjectClient,
-    RemoteError,
-    RemoteSetupError,
     Tagged,
     Unavailable,
     WrongSize,
@@ -90,18 +84,24 @@ from tiered_kv.remote.store.fetch import fetch_object
 from tiered_kv.remote.config import MAX_KEY_HASH_BYTES, RemoteConfig
 from tiered_kv.remote.store.health import FaultLog, Health
 from tiered_kv.remote.format.keys import Keyring, load_keyring
-from tiered_kv.remote.format.safe_json import MAX_RECORD_BYTES, RecordError, load_record
 from tiered_kv.remote.store.timed_client import TimedClient
+from tiered_kv.remote.store.startup import check_namespace
 from tiered_kv.remote.store.write_once import WriteOnce
-from tiered_kv.remote.store.futures import Claim, Deadlines, done_future, gather, present_per_block
+from tiered_kv.remote.store.futures import (
+    Claim,
+    Deadlines,
+    chain,
+    done_future,
+    gather,
+    present_per_block,
+    split_batches,
+)
 from tiered_kv.remote.store.outcomes import GetItem, PutItem, PutOutcome, RemoteStats, byte_views
 from tiered_kv.remote.format.object_format import (
-    FORMAT_VERSION,
     Rejected,
     block_key,
     encode_header,
     fingerprint_digest,
-    manifest_key,
     namespace_prefix,
     object_size,
     pieces_checksum,
@@ -114,6 +114,13 @@ logger = logging.getLogger(__name__)
 
 #: Keys one existence request asks at most where the client answers many (``BatchProbe``).
 PROBE_BATCH = 1024
+#: Objects and bytes one read request moves at most where the client sends many (``BatchGet``).
+GET_BATCH = 64
+GET_BATCH_BYTES = 16 << 20
+
+T = TypeVar("T")
+#: A block to read: its hash, its rank and the caller's buffer pieces.
+_Read = tuple[bytes, int, list[memoryview]]
 
 
 class RemoteStore:
@@ -154,13 +161,15 @@ class RemoteStore:
         inner = client if client is not None else open_client(config)
         #: Keys one existence request asks: many where the server answers them at once.
         self._probe_batch = PROBE_BATCH if isinstance(inner, BatchProbe) else 1
+        #: Bytes one read request moves at most where the server sends many objects (else 0).
+        self._get_batch_bytes = min(GET_BATCH_BYTES, config.mooncake_buffer_bytes) if isinstance(inner, BatchGet) else 0
         self._client = TimedClient(inner, self.latencies)
         self._writer = WriteOnce(self._client, config)
         self._lock = threading.Lock()
         self._stats = RemoteStats()
         self._pending_bytes = 0
         self._closed = False
-        self._log = FaultLog()
+        self._log = FaultLog(config.where())
         # Reads stop only on failed reads: failed uploads (a full Mooncake pool, slow PUTs)
         # must not skip the load of a hit the scheduler has just verified. Uploads stop on
         # either: a server that does not answer reads will not take writes.
@@ -173,68 +182,12 @@ class RemoteStore:
         self.reachable = True
         if check:
             try:
-                self.reachable = self.check()
+                self.reachable = check_namespace(
+                    config, fingerprint, self.keyring is not None, self._writer, self._client
+                )
             except BaseException:
                 self.close()
                 raise
-
-    # -- start-up ---------------------------------------------------------------------
-
-    def manifest(self) -> bytes:
-        """The namespace's ``fingerprint.json``: format version and fingerprint."""
-        return json.dumps(
-            {"format": FORMAT_VERSION, "fingerprint": self.fingerprint.to_dict()}, sort_keys=True, separators=(",", ":")
-        ).encode()
-
-    def check(self) -> bool:
-        """Write (once) and read back the namespace manifest. True when it worked, False
-        when the server did not answer (logged: serving goes on, with misses); raises
-        ``RemoteSetupError`` naming endpoint and bucket when the credentials are refused
-        or the bucket does not exist. A manifest that records another fingerprint, is
-        too large or is not a record is logged: anyone who can write the bucket can put
-        one there, and serving needs nothing from it (every block carries the
-        fingerprint digest, under the tag)."""
-        where = self.config.server()
-        key = manifest_key(self.config.prefix, self.fingerprint, sealed=self.keyring is not None)
-        try:
-            self._writer.put(key, [self.manifest()])
-            stored = self._client.get(key, limit=MAX_RECORD_BYTES)
-        except ConditionalPutRefused as exc:  # only under conditional_put "always"
-            raise RemoteSetupError(
-                f"shared tier: {where} does not implement conditional PUT (If-None-Match: *; {exc}), "
-                "and remote.conditional_put is 'always'; use 'auto' to write with an existence check instead"
-            ) from None
-        except AccessDenied as exc:
-            raise RemoteSetupError(
-                f"shared tier: {where} refused the credentials or the request ({exc}); "
-                "check AWS_ACCESS_KEY_ID / AWS_PROFILE and the bucket's policy"
-            ) from None
-        except BucketMissing:
-            raise RemoteSetupError(
-                f"shared tier: {where} does not exist; create it (e.g. aws s3 mb "
-                f"s3://{self.config.bucket} --endpoint-url URL) or fix 'bucket'"
-            ) from None
-        except WrongSize as exc:
-            logger.warning("shared tier: %s in %s is not a fingerprint record (%s); serving goes on", key, where, exc)
-            return True
-        except RemoteError as exc:
-            logger.warning(
-                "shared tier: %s did not answer the start-up check (%s); serving goes on, with misses until it answers",
-                where,
-                exc,
-            )
-            return False
-        if stored is not None:
-            try:
-                differs = load_record(bytes(stored), "record").get("fingerprint") != self.fingerprint.to_dict()
-                why = "records another fingerprint than this node's under the same namespace id"
-            except RecordError as exc:
-                differs, why = True, f"is not a fingerprint record ({exc})"
-            if differs:  # a namespace-id collision, or a record someone wrote
-                logger.warning(
-                    "shared tier: %s in %s %s; serving goes on (blocks carry the full digest)", key, where, why
-                )
-        return True
 
     # -- writes -----------------------------------------------------------------------
 
@@ -309,7 +262,7 @@ class RemoteStore:
                     self._stats.puts_failed += 1
             return outcome
         except Exception as exc:
-            self._request_failed(exc, "upload failed", self._put_health)
+            self._log.request_failed(exc, "upload failed", self._put_health)
             with self._lock:
                 self._stats.puts_failed += 1
             return PutOutcome.FAILED
@@ -386,8 +339,10 @@ class RemoteStore:
     def get_blocks(self, blocks: Sequence[GetItem]) -> Future[list[bool]]:
         """Download each ``(block hash, rank, buffer or pieces)`` into its bytes, whose
         size is the block's. One bool per block: True when they now hold the verified
-        bytes; on False they hold nothing of the object (untouched, or zeroed)."""
-        items = []
+        bytes; on False they hold nothing of the object (untouched, or zeroed). Where the
+        client sends many objects a request (``BatchGet``), up to ``GET_BATCH`` objects
+        and ``GET_BATCH_BYTES`` go in one, under one deadline."""
+        items: list[_Read] = []
         for i, block in enumerate(blocks):
             try:
                 block_hash, rank, buf = block
@@ -398,9 +353,72 @@ class RemoteStore:
             )
         with self._lock:
             self._check_open()
-        return gather(
-            [self._deadlines.submit(self._pool, self._get_one, *item, on_expiry=self._late_get) for item in items]
-        )
+        if not self._get_batch_bytes:
+            return gather([self._read_alone(item) for item in items])
+        sizes = [self._object_bytes(item) for item in items]
+        batches = split_batches(items, sizes, GET_BATCH, self._get_batch_bytes)
+        return gather([answer for batch in batches for answer in self._read_batch(batch)])
+
+    def _object_bytes(self, item: _Read) -> int:
+        return object_size(self.keyring is not None, len(item[0]), sum(len(d) for d in item[2]))
+
+    def _read_alone(self, item: _Read) -> Future:
+        late = partial(self._late, what="download", answer=False)
+        return self._deadlines.submit(self._pool, self._get_one, *item, on_expiry=late)
+
+    def _read_batch(self, batch: list[_Read]) -> list[Future]:
+        """One future per block of ``batch``, read in one request; an object of another
+        size than its block's is read again alone, to be judged (``_get_one``)."""
+        answers: list[Future] = [Future() for _ in batch]
+
+        def settle(read: Future) -> None:
+            if read.exception() is not None:  # a bug in the read: each block's future says so
+                for answer in answers:
+                    answer.set_exception(read.exception())
+                return
+            for item, answer, ok in zip(batch, answers, read.result()):
+                if ok is not None:
+                    answer.set_result(ok)
+                    continue
+                try:
+                    chain(self._read_alone(item), answer)
+                except RuntimeError:  # closed meanwhile: the pool takes no more requests
+                    answer.set_result(False)
+
+        late = partial(self._late, what="download", count=len(batch), answer=[False] * len(batch))
+        self._deadlines.submit(self._pool, self._get_some, batch, on_expiry=late).add_done_callback(settle)
+        return answers
+
+    def _get_some(self, claim: Claim, batch: list[_Read]) -> list[bool | None]:
+        """``_get_one`` for each block of ``batch``, in one request (``BatchGet``); None
+        for a block whose object is of another size."""
+        missed: list[bool | None] = [False] * len(batch)
+        if not self._read_health.available():
+            with self._lock:
+                self._stats.gets_skipped += len(batch)
+            return missed
+        keys = [block_key(self.namespace, block_hash, rank) for block_hash, rank, _ in batch]
+        try:
+            found: list[Any] = self._client.get_many(keys, [self._object_bytes(item) for item in batch])
+        except Exception as exc:
+            found = [exc] * len(batch)
+        if not claim.take():  # answered past the deadline: settled as failed, the buffers are not ours
+            return missed
+        failed = [f for f in found if isinstance(f, Exception) and not isinstance(f, WrongSize)]
+        if failed:
+            self._log.request_failed(failed[0], "download failed", self._read_health)
+            with self._lock:
+                self._stats.gets_failed += len(failed)
+        else:
+            self._read_health.success()
+        return [
+            None
+            if isinstance(data, WrongSize)
+            else False
+            if isinstance(data, Exception)
+            else self._land(key, *item, data)
+            for key, item, data in zip(keys, batch, found)
+        ]
 
     def _get_one(self, claim: Claim, block_hash: bytes, rank: int, dest: list[memoryview]) -> bool:
         if not self._read_health.available():
@@ -408,50 +426,52 @@ class RemoteStore:
                 self._stats.gets_skipped += 1
             return False
         key = block_key(self.namespace, block_hash, rank)
-        size = sum(len(d) for d in dest)
         try:
-            try:
-                found = self._fetch(key, block_hash, size, writing=False)
-            except Rejected:  # the server answered
-                if not claim.take():
-                    return False
-                self._read_health.success()
-                raise
-            if not claim.take():  # answered past the deadline: settled as failed, the buffer is not ours
+            found = self._fetch(key, block_hash, sum(len(d) for d in dest), writing=False)
+        except Rejected as rejected:  # the server answered
+            if not claim.take():
                 return False
             self._read_health.success()
-            if found is None:
-                with self._lock:
-                    self._stats.gets_absent += 1
-                return False
-            verify_into(
-                memoryview(found.data),
-                dest,
-                fingerprint=self._digest,
-                block_hash=block_hash,
-                rank=rank,
-                keyring=self.keyring,
-            )
-        except Rejected as rejected:
-            self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
-            with self._lock:
-                self._stats.rejected[rejected.reason] += 1
-            if rejected.provable:
-                self._delete_damaged(key)
-            else:
-                with self._lock:
-                    self._stats.kept_unproven += 1
-            return False
+            return self._rejected(key, rejected)
         except Exception as exc:
             if claim.take():
-                self._request_failed(exc, "download failed", self._read_health)
+                self._log.request_failed(exc, "download failed", self._read_health)
                 with self._lock:
                     self._stats.gets_failed += 1
             return False
+        if not claim.take():  # answered past the deadline: settled as failed, the buffer is not ours
+            return False
+        self._read_health.success()
+        return self._land(key, block_hash, rank, dest, None if found is None else found.data)
+
+    def _land(self, key: str, block_hash: bytes, rank: int, dest: list[memoryview], data: Buffer | None) -> bool:
+        """Verify the object read at ``key`` (None: absent) into ``dest``; count the outcome."""
+        if data is None:
+            with self._lock:
+                self._stats.gets_absent += 1
+            return False
+        try:
+            verify_into(
+                memoryview(data), dest, fingerprint=self._digest, block_hash=block_hash, rank=rank, keyring=self.keyring
+            )
+        except Rejected as rejected:
+            return self._rejected(key, rejected)
         with self._lock:
             self._stats.gets_hit += 1
-            self._stats.get_bytes += size
+            self._stats.get_bytes += sum(len(d) for d in dest)
         return True
+
+    def _rejected(self, key: str, rejected: Rejected) -> bool:
+        """A read object that fails a check: counted, and deleted where proven bad. False."""
+        self._log(f"object rejected ({rejected.reason})", f"{key}: {rejected.detail}")
+        with self._lock:
+            self._stats.rejected[rejected.reason] += 1
+        if rejected.provable:
+            self._delete_damaged(key)
+        else:
+            with self._lock:
+                self._stats.kept_unproven += 1
+        return False
 
     def _delete_damaged(self, key: str) -> None:
         """An object proven bad would stay a miss for every node (writes are write-once):
@@ -480,10 +500,9 @@ class RemoteStore:
         with self._lock:
             self._check_open()
         batches = [keyed[i : i + self._probe_batch] for i in range(0, len(keyed), self._probe_batch)]
-        late = self._late_probes
-        probes = [
-            self._deadlines.submit(self._pool, self._exists_some, b, on_expiry=partial(late, len(b))) for b in batches
-        ]
+        late = partial(self._late, what="existence probe")
+        submit = partial(self._deadlines.submit, self._pool, self._exists_some)
+        probes = [submit(b, on_expiry=partial(late, count=len(b), answer=[None] * len(b))) for b in batches]
         return gather(probes, partial(present_per_block, ranks=len(ranks)))
 
     def _exists_some(self, claim: Claim, keyed: list[tuple[bytes, int]]) -> list[bool | None]:
@@ -500,7 +519,7 @@ class RemoteStore:
             self._read_health.success()
         except Exception as exc:
             if claim.take():
-                self._request_failed(exc, "existence probe failed", self._read_health)
+                self._log.request_failed(exc, "existence probe failed", self._read_health)
                 with self._lock:
                     self._stats.probes_failed += len(keyed)
             return unknown
@@ -510,41 +529,19 @@ class RemoteStore:
 
     # -- faults, stats, life cycle -----------------------------------------------------
 
-    def _late_get(self, claim: Claim) -> bool:
-        self._late(claim, "download")
-        return False
-
-    def _late_probes(self, count: int, claim: Claim) -> list[bool | None]:
-        self._late(claim, "existence probe", count)
-        return [None] * count
-
-    def _late(self, claim: Claim, what: str, count: int = 1) -> None:
-        """A read or ``count`` probes with no answer by their deadline: failed, and a failure
-        of the server where they were sent (not where they only waited for a connection)."""
+    def _late(self, claim: Claim, what: str, count: int = 1, answer: T = None) -> T:  # type: ignore[assignment]
+        """A read or probe of ``count`` objects unanswered by its deadline: failed (``answer``),
+        and a failure of the server where it was sent (not where it waited for a connection)."""
+        counter = "gets_failed" if what == "download" else "probes_failed"
         with self._lock:
-            if what == "download":
-                self._stats.gets_failed += 1
-            else:
-                self._stats.probes_failed += count
+            setattr(self._stats, counter, getattr(self._stats, counter) + count)
         if claim.started:
             why = Unavailable(f"no answer within {self._deadlines.seconds:g} s")
-            self._request_failed(why, f"{what} timed out", self._read_health)
+            self._log.request_failed(why, f"{what} timed out", self._read_health)
+        return answer
 
     def _writable(self) -> bool:
         return self._read_health.available() and self._put_health.available()
-
-    def _request_failed(self, exc: Exception, what: str, health: Health) -> None:
-        if isinstance(exc, Unavailable):
-            health.failure()
-            self._log(what, f"{self.config.where()}: {exc}")
-        elif isinstance(exc, ConditionalPutRefused):  # conditional_put "always": not transient
-            self._log(
-                what, f"{self.config.where()}: conditional PUT not implemented ({exc}); conditional_put is always"
-            )
-        elif isinstance(exc, RemoteError):  # refused for what it is (too large for the buffer, ...)
-            self._log(what, f"{self.config.where()}: {type(exc).__name__} ({exc})")
-        else:  # not a request failure: a bug, logged with its traceback
-            logger.exception("shared tier: %s", what)
 
     def _went_unavailable(self, failures: int) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tiered_kv.metrics import REMOTE_REQUEST_SECONDS, Latencies
-from tiered_kv.remote.store.client import Buffer, ObjectClient, Tagged
+from tiered_kv.remote.store.client import Buffer, ObjectClient, RemoteError, Tagged
 
 
 class TimedClient:
@@ -43,6 +43,10 @@ class TimedClient:
 
     def get_tagged(self, key: str, size: int | None = None, limit: int | None = None) -> Tagged | None:
         return self._timed("get", self.inner.get_tagged, key, size, limit)
+
+    def get_many(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Buffer | None | RemoteError]:
+        """``inner``'s ``BatchGet.get_many``: one request, timed as one ``get``."""
+        return self._timed("get", self.inner.get_many, keys, sizes)  # type: ignore[attr-defined]
 
     def replace(self, key: str, parts: Sequence[Buffer], tag: str | None) -> bool:
         return self._timed("put", self.inner.replace, key, parts, tag)
