@@ -18,8 +18,10 @@ cost of encryption in CPU seconds per GB.
 
 With ``--backend mooncake`` (a Mooncake Store, ``remote.backend: mooncake``) the paths
 are ``mooncake`` (raw ``put_from`` / ``get_into`` on the tier's own
-``MooncakeDistributedStore``, from and into the same buffers), ``mooncake-copy`` (raw
-``put`` / ``get``), ``tier`` (zero-copy transfers, the default) and ``tier-copy``
+``MooncakeDistributedStore``, from and into the same buffers), ``mooncake-batch`` (raw
+``put_from``, then ``batch_get_into`` in the batches the tier reads: at most
+``GET_BATCH`` objects and ``GET_BATCH_BYTES``), ``mooncake-copy`` (raw ``put`` /
+``get``), ``tier`` (zero-copy transfers, the default) and ``tier-copy``
 (``mooncake_zero_copy: false``); ratios are over raw ``mooncake``.
 
 The order of the paths rotates every round, since a shared machine drifts; each
@@ -71,6 +73,8 @@ import numpy as np
 from tiered_kv.config import ConfigError, TieredConfig
 from tiered_kv.fingerprint import Fingerprint
 from tiered_kv.remote import PutOutcome, RemoteConfig, RemoteStore
+from tiered_kv.remote.store.futures import split_batches
+from tiered_kv.remote.store.store import GET_BATCH, GET_BATCH_BYTES
 
 SCRIPT = Path(__file__).resolve().parent / "rgw_server.sh"
 KEYS = {"AWS_ACCESS_KEY_ID": "tieredkvtest", "AWS_SECRET_ACCESS_KEY": "tieredkvtestsecret"}
@@ -130,7 +134,7 @@ class Paths:
 
     def names(self, wanted: list[str]) -> list[str]:
         if self.mooncake:
-            return ["mooncake", "tier", "tier-copy", "mooncake-copy"]
+            return ["mooncake", "mooncake-batch", "tier", "tier-copy", "mooncake-copy"]
         return [n for n in wanted if n != "boto3" or self.boto is not None]
 
     def run(self, name: str, payloads: list[np.ndarray], buffers: list[np.ndarray]) -> tuple[float, float]:
@@ -155,12 +159,18 @@ class Paths:
                 "obstore": (self._obstore_put, self._obstore_get),
                 "boto3": (self._boto_put, self._boto_get),
                 "mooncake": (self._mooncake_put, self._mooncake_get),
+                "mooncake-batch": (self._mooncake_put, self._mooncake_get),
                 "mooncake-copy": (self._mooncake_copy_put, self._mooncake_copy_get),
             }[name]
             t0 = time.perf_counter()
             list(self.pool.map(put, keys, payloads))
             t1 = time.perf_counter()
-            list(self.pool.map(get, keys, buffers))
+            if get is self._mooncake_get and name == "mooncake-batch":
+                sizes = [b.nbytes for b in buffers]
+                batches = split_batches(list(zip(keys, buffers)), sizes, GET_BATCH, GET_BATCH_BYTES)
+                list(self.pool.map(self._mooncake_batch_get, batches))
+            else:
+                list(self.pool.map(get, keys, buffers))
             t2 = time.perf_counter()
         if not np.array_equal(buffers[-1], payloads[-1]):
             raise RuntimeError(f"{name}: the bytes read back differ")
@@ -179,6 +189,12 @@ class Paths:
     def _mooncake_get(self, key: str, buf: np.ndarray) -> None:
         if (rc := self.raw.get_into(key, buf.ctypes.data, buf.nbytes)) != buf.nbytes:
             raise RuntimeError(f"mooncake get_into {key}: {rc}")
+
+    def _mooncake_batch_get(self, batch: list[tuple[str, np.ndarray]]) -> None:
+        keys, bufs = [k for k, _ in batch], [b for _, b in batch]
+        rcs = self.raw.batch_get_into(keys, [b.ctypes.data for b in bufs], [b.nbytes for b in bufs])
+        if rcs != [b.nbytes for b in bufs]:
+            raise RuntimeError(f"mooncake batch_get_into of {len(keys)} keys: {rcs[:4]}")
 
     def _mooncake_copy_put(self, key: str, payload: np.ndarray) -> None:
         if (rc := self.raw.put(key, payload)) != 0:
