@@ -151,6 +151,32 @@ def test_a_requests_blocks_are_read_many_to_a_request_each_judged_alone(config, 
         assert store.exists([items[40][0]]).result(WAIT) == [False]
 
 
+def test_a_fault_inside_a_batched_read_fails_its_blocks_and_raises_nothing(config, monkeypatch, caplog):
+    """Faults never raise out of ``get_blocks``: a batch whose request fails, and a block
+    whose verification fails in an unforeseen way (injected), are counted failed reads."""
+    from tiered_kv.remote.store import store as store_module
+
+    items = blocks(3, seed=12)
+    with RemoteStore(config, FP) as store:
+        assert store.put_blocks(items).result(WAIT) == [PutOutcome.STORED] * 3
+        calls = []
+
+        def broken_verify(*args, **kwargs):  # fault injection: a bug below the store
+            calls.append(args)
+            raise RuntimeError("injected")
+
+        with monkeypatch.context() as m:
+            m.setattr(store_module, "verify_into", broken_verify)
+            assert read_back(store, items)[0] == [False] * 3 and len(calls) == 3
+        assert store.stats().gets_failed == 3 and "injected" in caplog.text
+        with monkeypatch.context() as m:
+            m.setattr(store._client.inner, "get_many", lambda keys, sizes: 1 / 0)
+            assert read_back(store, items)[0] == [False] * 3
+        assert store.stats().gets_failed == 6
+        hits, bufs = read_back(store, items)
+        assert hits == [True] * 3 and [bytes(b) for b in bufs] == [d for _, _, d in items]
+
+
 def test_another_fingerprint_never_reads_the_blocks(config):
     items = blocks(4, seed=1)
     with RemoteStore(config, FP) as a:

@@ -76,4 +76,4 @@ class FaultLog:
         elif isinstance(exc, RemoteError):  # refused for what it is (too large for the buffer, ...)
             self(what, f"{self._where}: {type(exc).__name__} ({exc})")
         else:
-            logger.exception("shared tier: %s", what)
+            logger.error("shared tier: %s", what, exc_info=exc)

@@ -411,13 +411,9 @@ class RemoteStore:
                 self._stats.gets_failed += len(failed)
         else:
             self._read_health.success()
-        return [
-            None
-            if isinstance(data, WrongSize)
-            else False
-            if isinstance(data, Exception)
-            else self._land(key, *item, data)
-            for key, item, data in zip(keys, batch, found)
+        return [  # None: another size, judged alone; False: failed, counted above
+            None if isinstance(d, WrongSize) else False if isinstance(d, Exception) else self._land(k, *i, d)
+            for k, i, d in zip(keys, batch, found)
         ]
 
     def _get_one(self, claim: Claim, block_hash: bytes, rank: int, dest: list[memoryview]) -> bool:
@@ -456,6 +452,11 @@ class RemoteStore:
             )
         except Rejected as rejected:
             return self._rejected(key, rejected)
+        except Exception as exc:  # not the object's doing: a bug, logged with its traceback
+            self._log.request_failed(exc, "download failed", self._read_health)
+            with self._lock:
+                self._stats.gets_failed += 1
+            return False
         with self._lock:
             self._stats.gets_hit += 1
             self._stats.get_bytes += sum(len(d) for d in dest)
