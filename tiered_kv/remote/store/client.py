@@ -47,7 +47,8 @@ from tiered_kv.remote.config import RemoteConfig
 
 logger = logging.getLogger(__name__)
 
-_INSTALL_HINT = "the shared tier needs obstore and botocore: pip install 'tiered-kv[s3]'"
+#: What to install for the S3 backend, in the error raised where obstore or botocore is missing.
+S3_INSTALL_HINT = "the shared tier needs obstore and botocore: pip install 'tiered-kv[s3]'"
 _CODE_RE = re.compile(r"<Code>([A-Za-z0-9]+)</Code>")
 _STATUS_RE = re.compile(r"status code: (\d{3} [A-Za-z ]+)")
 _STATUS_NUMBER_RE = re.compile(r"status code: (\d{3})\b")
@@ -253,7 +254,7 @@ class AwsCredentials:
             import botocore.exceptions
             import botocore.session
         except ImportError:
-            raise ClientMissing(_INSTALL_HINT) from None
+            raise ClientMissing(S3_INSTALL_HINT) from None
         try:
             session = botocore.session.Session(profile=config.profile)
             resolved = session.get_credentials()
@@ -303,7 +304,7 @@ class S3Client:
             import obstore.exceptions
             from obstore.store import S3Store
         except ImportError:
-            raise ClientMissing(_INSTALL_HINT) from None
+            raise ClientMissing(S3_INSTALL_HINT) from None
         self._obstore = obstore
         self._exc = obstore.exceptions
         #: Whether the server refused ``If-Match`` on a PUT as unsupported: replacements

@@ -15,7 +15,7 @@ from urllib.parse import unquote_to_bytes
 
 from tiered_kv.remote.config import RemoteConfig
 from tiered_kv.remote.store.client import (
-    _INSTALL_HINT,
+    S3_INSTALL_HINT,
     AccessDenied,
     AwsCredentials,
     BucketMissing,
@@ -42,7 +42,7 @@ class RawKeys:
             import botocore.config
             import botocore.exceptions
         except ImportError:
-            raise ClientMissing(_INSTALL_HINT) from None
+            raise ClientMissing(S3_INSTALL_HINT) from None
         self._botocore_exc = botocore.exceptions
         self.config = config
         credentials = credentials or AwsCredentials(config)
